@@ -1,0 +1,26 @@
+// ringflex cpu: masked attention kernels for one query set against one key/value chunk.
+//
+// These are the ring's per-step primitive (SPEC §6) and the single-rank path. They take the same AttnChunk as
+// the scalar reference and must match it (tests/cpu). Per-chunk results are partial: the caller merges partials
+// of several chunks with rf::merge_partial, and runs the backward with the *merged* lse and delta.
+#pragma once
+
+#include "core/attention_args.h"
+
+namespace rf::cpu {
+
+// o: [B, Hq, Lq, D] float32, normalised over this chunk's allowed keys (0 where none);
+// lse: [B, Hq, Lq] float32 natural log (-inf where none).
+void attention_forward(const AttnChunk& c, float* o, float* lse);
+
+// delta[row] = sum_d dout[row, d] * o[row, d], the softmax-backward row term.
+// dout: [B, Hq, Lq, D] in `dtype`; o: [B, Hq, Lq, D] float32 (the merged output); delta: [B, Hq, Lq].
+void attention_delta(const AttnShape& s, DType dtype, const void* dout, const float* o, float* delta);
+
+// Backward of one chunk, *accumulating* (+=) into float32 gradients:
+// dq: [B, Hq, Lq, D]; dk, dv: [B, Hkv, Lk, D]. lse and delta: [B, Hq, Lq], the final (merged) ones.
+// dout: [B, Hq, Lq, D] in c.dtype. Rows with lse = -inf contribute nothing.
+void attention_backward(const AttnChunk& c, const void* dout, const float* lse, const float* delta, float* dq,
+                        float* dk, float* dv);
+
+}  // namespace rf::cpu
