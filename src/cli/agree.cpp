@@ -1,9 +1,8 @@
-// ringflex cli: rank agreement over MPI_COMM_WORLD (see agree.h). Two small collectives per step: a MIN
-// all-reduce finds the lowest failing rank, which then broadcasts its message.
+// ringflex cli: rank agreement (see agree.h). Two small collectives per step: an all-gather of failure flags
+// finds the lowest failing rank, which then broadcasts its message.
 #include "cli/agree.h"
 
-#include <mpi.h>
-
+#include <algorithm>
 #include <climits>
 #include <vector>
 
@@ -11,46 +10,34 @@ namespace rf::cli {
 
 namespace {
 
-constexpr int kNoFailure = INT_MAX;  // the MIN all-reduce's identity: no rank failed
+constexpr int32_t kNoFailure = INT32_MAX;  // a flag above every rank number: min() over flags finds the first failure
 
 }  // namespace
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-
-int world_size() {
-  int p = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &p);
-  return p;
-}
-
-void agree(const std::function<void()>& step) {
+void agree(comm::Communicator& comm, const std::function<void()>& step) {
   std::string message;
-  int failed = kNoFailure;
+  int32_t failed = kNoFailure;
   try {
     step();
   } catch (const rf::Error& e) {
     message = e.what();
-    failed = world_rank();
+    failed = comm.rank();
   }
-  int first = kNoFailure;
-  MPI_Allreduce(&failed, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  std::vector<int32_t> flags(static_cast<size_t>(comm.size()));
+  comm.allgather(&failed, flags.data(), sizeof failed, comm::kDefaultTimeout);
+  const int32_t first = *std::min_element(flags.begin(), flags.end());
   if (first == kNoFailure) return;
-  int length = static_cast<int>(message.size());
-  MPI_Bcast(&length, 1, MPI_INT, first, MPI_COMM_WORLD);
-  message.resize(static_cast<size_t>(length));
-  MPI_Bcast(message.data(), length, MPI_CHAR, first, MPI_COMM_WORLD);
+  uint64_t length = message.size();
+  comm.broadcast(&length, sizeof length, first, comm::kDefaultTimeout);
+  message.resize(length);
+  comm.broadcast(message.data(), length, first, comm::kDefaultTimeout);
   throw AgreedError(message);
 }
 
-void agree_equal(std::span<const int64_t> values, const std::string& what) {
-  const int n = static_cast<int>(values.size());
-  std::vector<int64_t> lo(values.size()), hi(values.size());
-  MPI_Allreduce(values.data(), lo.data(), n, MPI_INT64_T, MPI_MIN, MPI_COMM_WORLD);
-  MPI_Allreduce(values.data(), hi.data(), n, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+void agree_equal(comm::Communicator& comm, std::span<const int64_t> values, const std::string& what) {
+  std::vector<int64_t> lo(values.begin(), values.end()), hi(values.begin(), values.end());
+  comm.allreduce(lo.data(), lo.size(), comm::ReduceOp::Min);
+  comm.allreduce(hi.data(), hi.size(), comm::ReduceOp::Max);
   if (lo != hi) throw AgreedError(concat("ranks disagree on ", what));
 }
 

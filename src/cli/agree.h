@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 
+#include "comm/communicator.h"
 #include "core/error.h"
 
 namespace rf::cli {
@@ -21,15 +22,12 @@ class AgreedError : public rf::Error {
   using rf::Error::Error;
 };
 
-int world_rank();
-int world_size();
-
-// Runs `step` on this rank, then agrees with all ranks (a collective call: every rank must make it).
+// Runs `step` on this rank, then agrees with all ranks of `comm` (a collective call: every rank must make it).
 // Throws AgreedError on every rank if `step` threw rf::Error on any rank.
-void agree(const std::function<void()>& step);
+void agree(comm::Communicator& comm, const std::function<void()>& step);
 
 // Checks that every rank holds the same `values` (a collective call); throws AgreedError on every rank naming
 // `what` if they differ, e.g. when ranks read different input files.
-void agree_equal(std::span<const int64_t> values, const std::string& what);
+void agree_equal(comm::Communicator& comm, std::span<const int64_t> values, const std::string& what);
 
 }  // namespace rf::cli

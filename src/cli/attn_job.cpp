@@ -109,15 +109,15 @@ AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optio
   return job;
 }
 
-AttnResult run_attention(const AttnJob& job, const CpOptions& cp) {
+AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communicator& comm) {
   // Every rank holds the whole job; agreeing on its shape and options first means a rank that read a different
   // file cannot send the others mismatched chunks.
   const AttnShape& s = job.shape;
   const int64_t fingerprint[] = {s.B, s.Hq, s.Hkv, s.Lq, s.D, static_cast<int64_t>(job.dtype), job.has_dout,
                                  job.mask.causal, job.mask.window, job.mask.bidirectional_groups};
-  agree_equal(fingerprint, "the input's shapes, dtype or mask options");
-  agree([&] {
-    RF_CHECK(world_size() == 1, world_size(), " ranks requested, but the context-parallel ",
+  agree_equal(comm, fingerprint, "the input's shapes, dtype or mask options");
+  agree(comm, [&] {
+    RF_CHECK(comm.size() == 1, comm.size(), " ranks requested, but the context-parallel ",
              cp.algo, " (src/cp) is not built yet; run with one rank");
   });
 

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "core/attention_args.h"
 #include "core/mask.h"
 
@@ -50,8 +51,8 @@ struct AttnResult {
   double forward_seconds = 0, backward_seconds = 0;
 };
 
-// The CP boundary: every rank passes the same job; rank 0 gets the whole result. A collective call.
-AttnResult run_attention(const AttnJob& job, const CpOptions& cp);
+// The CP boundary: every rank of `comm` passes the same job; rank 0 gets the whole result. A collective call.
+AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communicator& comm);
 
 // Writes out, lse (and dq, dk, dv) with the outputs in the job's dtype. Throws rf::Error naming the file.
 void write_attn_result(const std::string& path, const AttnJob& job, const AttnResult& result);

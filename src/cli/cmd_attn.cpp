@@ -9,11 +9,13 @@
 #include <omp.h>
 
 #include <cstdio>
+#include <memory>
 #include <optional>
 
 #include "cli/agree.h"
 #include "cli/attn_job.h"
 #include "cli/command.h"
+#include "comm/mpi_comm.h"
 
 namespace rf::cli {
 
@@ -31,13 +33,14 @@ struct AttnOptions {
 
 int run_attn(const AttnOptions& opt) {
   if (opt.threads > 0) omp_set_num_threads(opt.threads);
+  const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
   AttnJob job;
-  agree([&] { job = read_attn_job(opt.in, opt.mask, opt.scale); });
-  const AttnResult result = run_attention(job, opt.cp);
-  agree([&] {
-    if (world_rank() == 0) write_attn_result(opt.out, job, result);
+  agree(*world, [&] { job = read_attn_job(opt.in, opt.mask, opt.scale); });
+  const AttnResult result = run_attention(job, opt.cp, *world);
+  agree(*world, [&] {
+    if (world->rank() == 0) write_attn_result(opt.out, job, result);
   });
-  if (world_rank() == 0) {
+  if (world->rank() == 0) {
     const AttnShape& s = job.shape;
     std::printf("ringflex attn: wrote %s (B=%d Hq=%d Hkv=%d S=%d D=%d %s, mask %s): forward %.3f s", opt.out.c_str(),
                 s.B, s.Hq, s.Hkv, s.Lq, s.D, std::string(dtype_name(job.dtype)).c_str(), job.mask.name().c_str(),

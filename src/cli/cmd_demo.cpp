@@ -17,10 +17,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 
 #include "cli/agree.h"
 #include "cli/attn_job.h"
 #include "cli/command.h"
+#include "comm/mpi_comm.h"
 #include "core/row_meta.h"
 #include "reference/attention_ref.h"
 
@@ -189,7 +191,7 @@ void check_column_sums(const AttnJob& job, const AttnResult& r, CheckResult& c) 
   }
 }
 
-int run_demo(const DemoOptions& o) {
+int run_demo(const DemoOptions& o, comm::Communicator& world) {
   if (o.threads > 0) omp_set_num_threads(o.threads);
   const std::vector<TokenMeta> meta = gemma4_vlm_row(o.S, o.seed);
   const std::vector<DemoLayer> layers = {{"sliding", {true, o.window, true}, o.D}, {"full", {true, 0, true}, o.D_full}};
@@ -200,20 +202,20 @@ int run_demo(const DemoOptions& o) {
     docs = std::max(docs, meta[i].doc);
     group_max = std::max(group_max, meta[i].group);
   }
-  const bool rank0 = world_rank() == 0;
+  const bool rank0 = world.rank() == 0;
   if (rank0) {
     std::printf("ringflex demo: one Gemma 4-like packed VLM row: S = %d tokens, %d documents, %d image groups of "
                 "<= 256 tokens, %d padding; Hq = %d, Hkv = %d, %s, %d rank(s) x %d thread(s)\n",
-                o.S, docs, group_max + 1, padding, o.Hq, o.Hkv, o.dtype.c_str(), world_size(), omp_get_max_threads());
+                o.S, docs, group_max + 1, padding, o.Hq, o.Hkv, o.dtype.c_str(), world.size(), omp_get_max_threads());
     std::printf("%-8s %-22s %4s %8s %9s %11s %9s %11s\n", "layer", "mask", "D", "density", "forward", "GFLOP/s",
                 "backward", "GFLOP/s");
   }
   std::vector<CheckResult> checks;
   for (const DemoLayer& layer : layers) {
     const AttnJob job = make_job(o, layer, meta, o.seed * 100 + checks.size() * 10);
-    const AttnResult r = run_attention(job, CpOptions{});
+    const AttnResult r = run_attention(job, CpOptions{}, world);
     CheckResult c;
-    agree([&] {
+    agree(world, [&] {
       if (!rank0) return;
       check_rows(job, r, sample_rows(o.S, o.check_rows), c);
       check_column_sums(job, r, c);
@@ -241,7 +243,7 @@ int run_demo(const DemoOptions& o) {
       ok = ok && c.ok();
     }
   }
-  agree([&] { RF_CHECK(ok, "demo: the attention results differ from the scalar reference beyond tolerance"); });
+  agree(world, [&] { RF_CHECK(ok, "demo: the attention results differ from the scalar reference beyond tolerance"); });
   return 0;
 }
 
@@ -262,8 +264,9 @@ void add_demo_command(CLI::App& app, Runner& run) {
   cmd->add_option("--seed", o->seed, "Seed of the row and the tensors");
   cmd->callback([&run, o] {
     run = [o] {
-      agree([&] { RF_CHECK(o->Hq % o->Hkv == 0, "--heads ", o->Hq, " is not a multiple of --kv-heads ", o->Hkv); });
-      return run_demo(*o);
+      const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
+      agree(*world, [&] { RF_CHECK(o->Hq % o->Hkv == 0, "--heads ", o->Hq, " is not a multiple of --kv-heads ", o->Hkv); });
+      return run_demo(*o, *world);
     };
   });
 }

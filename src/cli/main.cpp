@@ -45,7 +45,9 @@ int main(int argc, char** argv) {
     print_error(e.what());
     agreed = false;
   }
-  if (!agreed && rf::cli::world_size() > 1) MPI_Abort(MPI_COMM_WORLD, kFailure);
+  int ranks = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+  if (!agreed && ranks > 1) MPI_Abort(MPI_COMM_WORLD, kFailure);
   MPI_Finalize();
   return code;
 }
