@@ -27,7 +27,8 @@ int int_dim(const io::DimSizes& dims, const char* letter, const std::string& fil
 
 std::vector<std::byte> copy_bytes(const io::TensorView& v) { return {v.bytes.begin(), v.bytes.end()}; }
 
-// The [B, S] int32 tensor `name` checked element by element against `ok`; `rule` says what values are legal.
+// The [B, S] int32 tensor `t` (nullptr when absent: no ids) checked element by element against `ok`; `rule`
+// says which values are legal.
 template <typename Predicate>
 std::vector<int32_t> checked_ids(const io::TensorView* t, int S, const std::string& file, Predicate ok,
                                  const char* rule) {
