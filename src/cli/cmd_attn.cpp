@@ -26,6 +26,7 @@ constexpr int kMaxThreads = 1024;  // a sanity bound for --threads, far above an
 struct AttnOptions {
   std::string in, out;
   LayerMask mask;
+  bool no_causal = false;  // --no-causal; folded into mask.causal when the command runs
   std::optional<float> scale;
   CpOptions cp;
   int threads = 0;  // 0: OpenMP's default (every core)
@@ -59,14 +60,17 @@ void add_attn_command(CLI::App& app, Runner& run) {
   cmd->add_option("--in", opt->in, "Input: q, k, v [, dout, doc, group]")->required();
   cmd->add_option("--out", opt->out, "Output: out, lse [, dq, dk, dv]")->required();
   cmd->add_option("--window", opt->mask.window, "Sliding window W (0 = none)");
-  cmd->add_flag("--no-causal{false}", opt->mask.causal, "Let queries see later keys");
+  cmd->add_flag("--no-causal", opt->no_causal, "Let queries see later keys");
   cmd->add_flag("--bidirectional-groups", opt->mask.bidirectional_groups, "Image groups see each other fully");
   cmd->add_option("--scale", opt->scale, "Multiplier of q.k (default 1/sqrt(D))");
   cmd->add_option("--shard", opt->cp.shard, "Sharding scheme (default: the best one)")
       ->check(CLI::IsMember({"contiguous", "zigzag", "balanced"}));
   cmd->add_option("--algo", opt->cp.algo, "CP algorithm")->check(CLI::IsMember({"ring", "allgather"}));
   cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")->check(CLI::Range(1, kMaxThreads));
-  cmd->callback([&run, opt] { run = [opt] { return run_attn(*opt); }; });
+  cmd->callback([&run, opt] {
+    opt->mask.causal = !opt->no_causal;
+    run = [opt] { return run_attn(*opt); };
+  });
 }
 
 }  // namespace rf::cli
