@@ -68,8 +68,7 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
     std::vector<Dot<kT>> qd(static_cast<size_t>(kTileQ) * ds), god(qd.size());
     std::vector<float> qf(static_cast<size_t>(kTileQ) * ld), gof(qf.size());
     std::vector<float> dk_acc(static_cast<size_t>(kTileK) * Dp), dv_acc(dk_acc.size());
-    std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), dpbuf(sbuf.size()), pt(sbuf.size()),
-        dst(sbuf.size());
+    std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), dpbuf(sbuf.size());
     std::vector<float> bias(kTileQ), dl(kTileQ);
     std::vector<RowBits> bits(kTileQ);
 
@@ -111,10 +110,9 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
           abt<kDp>(qd.data(), ds, kt_buf, Dp, nq, sbuf.data());
           abt<kDp>(god.data(), ds, vt_buf, Dp, nq, dpbuf.data());
           grad_step(sbuf.data(), dpbuf.data(), nq, bits.data(), c2, bias.data(), dl.data(), c.scale);
-          transpose_tile(sbuf.data(), nq, nk, pt.data());
-          transpose_tile(dpbuf.data(), nq, nk, dst.data());
-          acc<kDp>(pt.data(), nq, nq, gorows, ld, Dp, nk, dv_acc.data());
-          acc<kDp>(dst.data(), nq, nq, qrows, ld, Dp, nk, dk_acc.data());
+          // dV += P^T dO and dK += dS^T Q read P and dS transposed in place (row stride 1, sum stride kTileK).
+          acc<kDp>(sbuf.data(), 1, kTileK, nq, gorows, ld, Dp, nk, dv_acc.data());
+          acc<kDp>(dpbuf.data(), 1, kTileK, nq, qrows, ld, Dp, nk, dk_acc.data());
         }
       }
       for (int j = 0; j < nk; ++j)
@@ -172,7 +170,7 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
           abt<kDp>(qd.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
           abt<kDp>(god.data() + r0 * ds, ds, vt_buf, Dp, nq, dpbuf.data());
           grad_step(sbuf.data(), dpbuf.data(), nq, bits.data(), c2, bias.data() + r0, dl.data() + r0, c.scale);
-          acc<kDp>(dpbuf.data(), kTileK, nk, kf, ld, Dp, nq, dq_acc.data() + r0 * Dp);
+          acc<kDp>(dpbuf.data(), kTileK, 1, nk, kf, ld, Dp, nq, dq_acc.data() + r0 * Dp);
         }
       }
       if (!touched) continue;

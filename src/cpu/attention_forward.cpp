@@ -89,7 +89,7 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
           const size_t r0 = static_cast<size_t>(hh) * kTileQ;
           abt<kDp>(qbuf.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
           softmax_step(sbuf.data(), nq, bits.data(), c2, m.data() + r0, l.data() + r0, obuf.data() + r0 * Dp, Dp);
-          acc<kDp>(sbuf.data(), kTileK, nk, vbuf, ld, Dp, nq, obuf.data() + r0 * Dp);
+          acc<kDp>(sbuf.data(), kTileK, 1, nk, vbuf, ld, Dp, nq, obuf.data() + r0 * Dp);
         }
       }
 

@@ -218,14 +218,15 @@ inline void abt(const T* a, int lda, const T* bt, int dp_rt, int rows, float* c)
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// acc: out[r, d] += sum_n a[r, n] * x[n, d] for r < rows, n < N, d < Dp. a: [rows, lda]; x: [N, ldx];
+// acc: out[r, d] += sum_n a[r, n] * x[n, d] for r < rows, n < N, d < Dp. a[r, n] is read at a[r·ars + n·ans], so
+// a transposed operand (dV += P^T dO, dK += dS^T Q) is read in place, without a transpose; x: [N, ldx];
 // out: [rows, Dp]. Packed x rows use ldx = Dp + kLanes: with a power-of-two stride (2 KiB at D = 512) the 64 rows
 // of one 64-float slice would map onto 8 of L1's 64 sets and evict each other. The d range is the outer loop, 64 floats (4 vectors) at a time with a 1-3 vector tail, so the
 // slice of x it reads (N x 64 floats, 16 KiB for a key tile) stays in L1 while every row block passes over it.
 // ---------------------------------------------------------------------------------------------------------------
 #ifdef __AVX512F__
 template <int kDp, int R, int V>
-inline void acc_block(const float* a, int lda, int N, const float* x, int ldx, int dp_rt, float* out) {
+inline void acc_block(const float* a, int ars, int ans, int N, const float* x, int ldx, int dp_rt, float* out) {
   const int Dp = kDp > 0 ? kDp : dp_rt;
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
@@ -234,7 +235,7 @@ inline void acc_block(const float* a, int lda, int N, const float* x, int ldx, i
     __m512 xv[V];
     for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(x + n * ldx + v * kLanes);
     for (int r = 0; r < R; ++r) {
-      const __m512 ar = _mm512_set1_ps(a[r * lda + n]);
+      const __m512 ar = _mm512_set1_ps(a[r * ars + n * ans]);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(ar, xv[v], acc[r][v]);
     }
   }
@@ -243,29 +244,31 @@ inline void acc_block(const float* a, int lda, int N, const float* x, int ldx, i
 }
 
 template <int kDp, int V>
-inline void acc_cols(const float* a, int lda, int N, const float* x, int ldx, int Dp, int rows, float* out) {
-  for_row_blocks(rows, [&]<int R>(int r) { acc_block<kDp, R, V>(a + r * lda, lda, N, x, ldx, Dp, out + r * Dp); });
+inline void acc_cols(const float* a, int ars, int ans, int N, const float* x, int ldx, int Dp, int rows,
+                     float* out) {
+  for_row_blocks(rows,
+                 [&]<int R>(int r) { acc_block<kDp, R, V>(a + r * ars, ars, ans, N, x, ldx, Dp, out + r * Dp); });
 }
 #endif
 
 template <int kDp>
-inline void acc(const float* a, int lda, int N, const float* x, int ldx, int dp_rt, int rows, float* out) {
+inline void acc(const float* a, int ars, int ans, int N, const float* x, int ldx, int dp_rt, int rows, float* out) {
   const int Dp = kDp > 0 ? kDp : dp_rt;
 #ifdef __AVX512F__
   constexpr int kWidth = kColVecs * kLanes;
   for (int d = 0; d < Dp; d += kWidth) {
     switch (std::min(kWidth, Dp - d) / kLanes) {
-      case 4: acc_cols<kDp, 4>(a, lda, N, x + d, ldx, Dp, rows, out + d); break;
-      case 3: acc_cols<kDp, 3>(a, lda, N, x + d, ldx, Dp, rows, out + d); break;
-      case 2: acc_cols<kDp, 2>(a, lda, N, x + d, ldx, Dp, rows, out + d); break;
-      case 1: acc_cols<kDp, 1>(a, lda, N, x + d, ldx, Dp, rows, out + d); break;
+      case 4: acc_cols<kDp, 4>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
+      case 3: acc_cols<kDp, 3>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
+      case 2: acc_cols<kDp, 2>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
+      case 1: acc_cols<kDp, 1>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
       default: break;
     }
   }
 #else
   for (int r = 0; r < rows; ++r)
     for (int n = 0; n < N; ++n) {
-      const float w = a[r * lda + n];
+      const float w = a[r * ars + n * ans];
       for (int d = 0; d < Dp; ++d) out[r * Dp + d] += w * x[n * ldx + d];
     }
 #endif

@@ -296,12 +296,6 @@ inline void grad_step(float* s, float* dp, int rows, const RowBits* bits, float 
   }
 }
 
-// t[j, r] = x[r, j] for r < rows, j < cols. x: [rows, kTileK]; t: [cols, rows].
-inline void transpose_tile(const float* x, int rows, int cols, float* t) {
-  for (int r = 0; r < rows; ++r)
-    for (int j = 0; j < cols; ++j) t[j * rows + r] = x[r * kTileK + j];
-}
-
 // Heads of one kv group processed together as one work item, so each K/V tile is packed once and read from
 // cache by all of them. Bounded so the item's packed Q and float32 accumulators (2 · heads · kTileQ · Dp floats)
 // stay within about half of Zen 4's 1 MiB L2.
