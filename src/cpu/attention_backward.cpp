@@ -11,9 +11,11 @@
 //           dQ of its rows.
 // Every output element is therefore summed by one thread in an order fixed by the data, not by the schedule: the
 // bits are identical run to run and for any thread count, with no atomics and no per-thread partial buffers.
-// The price is recomputing S and dP in pass 2 (7 tile products instead of 5). The alternative — one pass over key
-// tiles with per-thread dQ partials reduced in a fixed order — would need the partition fixed independently of the
-// thread count and an [n_partitions, Lq, D] buffer; the recompute is cheaper than that memory traffic at D >= 64.
+// The price is recomputing S and dP in pass 2 (7 tile products instead of 5, so at best 5/7 of the forward's
+// efficiency). The alternative — one pass over key tiles with dQ partials reduced in a fixed order — needs a
+// partition of the key tiles fixed independently of the thread count (or it is not thread-count independent) and
+// an [partitions, Lq, D] float32 buffer, which breaks the O(L) memory bound the ring relies on when partitions
+// grow with the core count; the two-pass form keeps memory at O(tile) per thread and the argument trivial.
 // GQA: both passes read each K/V tile once for all query heads of its group (dK/dV sum over those heads).
 #include <algorithm>
 #include <vector>

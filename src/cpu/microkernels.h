@@ -4,6 +4,7 @@
 // tile of kTileK keys:
 //   abt: C[M, kTileK]  = A[M, Dp] . Bt[Dp, kTileK]   (S = Q K^T, dP = dO V^T; B packed transposed once per tile)
 //   acc: O[M, Dp]     += A[M, N]  . X[N, Dp]         (O += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K)
+// Both are written for one 64-key tile: the attention loops call them per (query tile, key tile) pair.
 // Dp is the head dimension padded with zeros to a multiple of the vector width, so a generic D (8, 72 ...) runs
 // the same loops as the fast ones; the zero lanes add exact zeros. kDp > 0 fixes Dp at compile time (the fast
 // paths: the d loops unroll and the tile buffers' strides are constants); kDp = 0 reads it at run time.
@@ -49,7 +50,7 @@ constexpr bool kHaveBf16Dot = false;
 // exp2 of a vector, for x <= 0 (softmax exponents after subtracting the running max) and x = -inf.
 // x = n + f with n = round(x), |f| <= 1/2; 2^f by its degree-7 Taylor polynomial in f·ln2, whose truncation error
 // is (ln2/2)^8 / 8! < 5.2e-9 relative, far below float32's 6e-8; Horner rounding adds at most ~2 ulp. Measured
-// against std::exp2 over [-126, 0] the relative error is below 3e-7 (tests/cpu/test_exp2). 2^n is applied with
+// against std::exp2 over [-126, 0] the relative error is below 3e-7 (test_attention.cpp, VectorExp2Accuracy). 2^n is applied with
 // vscalefps, which underflows gracefully to 0; x is first raised to kExp2Floor so that x = -inf gives exactly 0
 // (n = -200, f = 0) instead of -inf - (-inf) = NaN. A NaN input stays NaN (vmaxps returns its second operand).
 // ---------------------------------------------------------------------------------------------------------------
