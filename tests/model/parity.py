@@ -33,6 +33,7 @@ over that and still catches any wrong term, which shows up at 1e-2 or more.
 
 Exit code 77 (CTest's skip) when torch, transformers or safetensors is missing.
 """
+import json
 import os
 import subprocess
 import sys
@@ -249,6 +250,42 @@ def run_case(ringflex, name, vision, workdir):
     return True
 
 
+def check_errors(ringflex, workdir):
+    """Bad input gives one clear line naming the problem."""
+    cfg = CONFIGS["dense"](False)
+    ckpt = os.path.join(workdir, "errors")
+    Gemma4ForCausalLM(cfg).save_pretrained(ckpt, safe_serialization=True)
+    ids = torch.ones((B, S), dtype=torch.int64)
+    cases = [
+        ("missing input_ids", {"labels": ids}, None, "input_ids"),
+        ("labels shape", {"input_ids": ids, "labels": torch.ones((B, S + 1), dtype=torch.int64)}, None, "labels"),
+        ("token out of range", {"input_ids": ids * V}, None, "vocab_size"),
+        ("unsupported config", {"input_ids": ids}, ("attention_bias", True), "attention_bias"),
+    ]
+    ok = True
+    for what, tensors, config_edit, expected in cases:
+        model_dir = ckpt
+        if config_edit:
+            model_dir = ckpt + "_edited"
+            Gemma4ForCausalLM(cfg).save_pretrained(model_dir, safe_serialization=True)
+            with open(os.path.join(model_dir, "config.json")) as f:
+                c = json.load(f)
+            c[config_edit[0]] = config_edit[1]
+            with open(os.path.join(model_dir, "config.json"), "w") as f:
+                json.dump(c, f)
+        path = os.path.join(workdir, "bad.safetensors")
+        save_file(tensors, path)
+        proc = subprocess.run([ringflex, "forward", "--model", model_dir, "--in", path, "--out",
+                               os.path.join(workdir, "bad_out.safetensors")], capture_output=True, text=True)
+        lines = proc.stderr.strip().splitlines()
+        if proc.returncode == 0 or len(lines) != 1 or expected not in lines[0]:
+            print(f"FAIL error case '{what}': rc {proc.returncode}, stderr {proc.stderr.strip()!r}")
+            ok = False
+    if ok:
+        print(f"ok   {len(cases)} bad inputs rejected with one line naming the problem")
+    return ok
+
+
 def main():
     if len(sys.argv) != 2:
         print("usage: parity.py PATH/TO/ringflex")
@@ -258,6 +295,7 @@ def main():
     check_transformers_mask_agrees(CONFIGS["dense"](True))
     ok = True
     with tempfile.TemporaryDirectory() as workdir:
+        ok = check_errors(sys.argv[1], workdir)
         for name in CONFIGS:
             for vision in (False, True):
                 ok = run_case(sys.argv[1], name, vision, workdir) and ok
