@@ -9,18 +9,93 @@ namespace rf::cp {
 
 namespace {
 
-// Runs of `run` consecutive blocks dealt to ranks, `per_rank` runs each.
+// One way of dealing the n = P * m blocks: owner of every block and each rank's load.
 struct Deal {
-  int run = 1;
-  std::vector<int> rank_of;    // [runs]
-  std::vector<int64_t> load;   // [P]
+  std::vector<int> owner;     // [n]
+  std::vector<int64_t> load;  // [P]
+
   int64_t peak() const { return *std::max_element(load.begin(), load.end()); }
 };
 
-// Longest-processing-time-first with a capacity of per_rank runs: heaviest run to the least-loaded rank that still
-// has room. Then pairwise swaps between the busiest rank and any other while they lower the pair's larger load.
-// Each swap moves both loads strictly inside the old (low, high) interval, so the sum of squared loads falls and
-// the loop ends; the cap only bounds a pathological tail of tiny improvements.
+// The largest number of separate runs (maximal stretches of consecutive blocks) any rank holds: each one needs
+// its own sliding-window halo.
+int max_runs(const Deal& d) {
+  std::vector<int> runs(d.load.size(), 0);
+  for (size_t j = 0; j < d.owner.size(); ++j) {
+    if (j == 0 || d.owner[j] != d.owner[j - 1]) ++runs[d.owner[j]];
+  }
+  return *std::max_element(runs.begin(), runs.end());
+}
+
+// Sum of block_work over [begin, end), from prefix sums ([n + 1]).
+int64_t range_work(const std::vector<int64_t>& prefix, int begin, int end) { return prefix[end] - prefix[begin]; }
+
+// Two runs per rank in snake order, F_0 F_1 ... F_{P-1} B_{P-1} ... B_0, rank r holding a_r blocks in F_r and
+// m - a_r in B_r: zigzag with movable cuts. Moving one cut between F_r and F_{r+1} together with the cut between
+// B_{r+1} and B_r by the same s keeps both ranks at m blocks and changes no other rank, so the loads can be
+// balanced pair by pair: each accepted shift lowers the pair's larger load, moving both loads strictly inside
+// their old interval, so the sum of squared loads falls and the sweeps end.
+Deal snake_two_runs(const std::vector<int64_t>& block_work, int P) {
+  const int n = static_cast<int>(block_work.size()), m = n / P;
+  std::vector<int64_t> prefix(static_cast<size_t>(n) + 1, 0);
+  for (int j = 0; j < n; ++j) prefix[j + 1] = prefix[j] + block_work[j];
+  std::vector<int> a(static_cast<size_t>(P), m / 2);
+  const int front_total = P * (m / 2);  // the F region's length never changes
+  auto front_start = [&](int r) { return std::accumulate(a.begin(), a.begin() + r, 0); };
+  auto back_start = [&](int r) {
+    int start = front_total;
+    for (int i = P - 1; i > r; --i) start += m - a[i];
+    return start;
+  };
+  auto load = [&](int r) {
+    const int f = front_start(r), b = back_start(r);
+    return range_work(prefix, f, f + a[r]) + range_work(prefix, b, b + m - a[r]);
+  };
+
+  constexpr int kMaxSweeps = 1000;
+  for (int sweep = 0; sweep < kMaxSweeps; ++sweep) {
+    bool moved = false;
+    for (int r = 0; r + 1 < P; ++r) {
+      const int64_t before = std::max(load(r), load(r + 1));
+      int best_shift = 0;
+      int64_t best = before;
+      const int lo = std::max(-a[r], a[r + 1] - m), hi = std::min(m - a[r], a[r + 1]);
+      for (int shift = lo; shift <= hi; ++shift) {
+        a[r] += shift;
+        a[r + 1] -= shift;
+        const int64_t pair = std::max(load(r), load(r + 1));
+        a[r] -= shift;
+        a[r + 1] += shift;
+        if (pair < best) {
+          best = pair;
+          best_shift = shift;
+        }
+      }
+      if (best_shift != 0) {
+        a[r] += best_shift;
+        a[r + 1] -= best_shift;
+        moved = true;
+      }
+    }
+    if (!moved) break;
+  }
+
+  Deal d;
+  d.owner.assign(static_cast<size_t>(n), 0);
+  d.load.assign(static_cast<size_t>(P), 0);
+  for (int r = 0; r < P; ++r) {
+    const int f = front_start(r), b = back_start(r);
+    for (int j = f; j < f + a[r]; ++j) d.owner[j] = r;
+    for (int j = b; j < b + m - a[r]; ++j) d.owner[j] = r;
+    d.load[r] = load(r);
+  }
+  return d;
+}
+
+// Runs of `run` consecutive blocks, dealt longest-processing-time-first with a capacity of m / run runs per rank:
+// heaviest run to the least-loaded rank that still has room. Then pairwise swaps between the busiest rank and any
+// other while they lower the pair's larger load (ending for the same sum-of-squares reason as above; the cap only
+// bounds a pathological tail of tiny improvements). For rows too lumpy for two runs per rank.
 Deal deal_runs(const std::vector<int64_t>& block_work, int P, int run) {
   const int runs = static_cast<int>(block_work.size()) / run;
   const int per_rank = runs / P;
@@ -30,28 +105,24 @@ Deal deal_runs(const std::vector<int64_t>& block_work, int P, int run) {
   }
   std::vector<int> order(static_cast<size_t>(runs));
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return run_work[a] > run_work[b]; });
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return run_work[x] > run_work[y]; });
 
-  Deal d;
-  d.run = run;
-  d.rank_of.assign(static_cast<size_t>(runs), -1);
-  d.load.assign(static_cast<size_t>(P), 0);
+  std::vector<int64_t> load(static_cast<size_t>(P), 0);
   std::vector<std::vector<int>> members(static_cast<size_t>(P));
   for (const int u : order) {
     int best = -1;
     for (int r = 0; r < P; ++r) {
       if (static_cast<int>(members[r].size()) == per_rank) continue;
-      if (best < 0 || d.load[r] < d.load[best]) best = r;
+      if (best < 0 || load[r] < load[best]) best = r;
     }
     members[best].push_back(u);
-    d.rank_of[u] = best;
-    d.load[best] += run_work[u];
+    load[best] += run_work[u];
   }
 
   const int64_t max_swaps = int64_t{64} * runs;
   for (int64_t swaps = 0; swaps < max_swaps; ++swaps) {
-    const int a = static_cast<int>(std::max_element(d.load.begin(), d.load.end()) - d.load.begin());
-    int64_t best_peak = d.load[a];
+    const int a = static_cast<int>(std::max_element(load.begin(), load.end()) - load.begin());
+    int64_t best_peak = load[a];
     int best_b = -1, best_x = -1, best_y = -1;
     for (int b = 0; b < P; ++b) {
       if (b == a) continue;
@@ -59,7 +130,7 @@ Deal deal_runs(const std::vector<int64_t>& block_work, int P, int run) {
         for (int y = 0; y < per_rank; ++y) {
           const int64_t delta = run_work[members[a][x]] - run_work[members[b][y]];
           if (delta <= 0) continue;
-          const int64_t peak = std::max(d.load[a] - delta, d.load[b] + delta);
+          const int64_t peak = std::max(load[a] - delta, load[b] + delta);
           if (peak < best_peak) {
             best_peak = peak;
             best_b = b;
@@ -70,14 +141,19 @@ Deal deal_runs(const std::vector<int64_t>& block_work, int P, int run) {
       }
     }
     if (best_b < 0) break;
-    const int ux = members[a][best_x], uy = members[best_b][best_y];
-    const int64_t delta = run_work[ux] - run_work[uy];
-    members[a][best_x] = uy;
-    members[best_b][best_y] = ux;
-    d.rank_of[ux] = best_b;
-    d.rank_of[uy] = a;
-    d.load[a] -= delta;
-    d.load[best_b] += delta;
+    const int64_t delta = run_work[members[a][best_x]] - run_work[members[best_b][best_y]];
+    std::swap(members[a][best_x], members[best_b][best_y]);
+    load[a] -= delta;
+    load[best_b] += delta;
+  }
+
+  Deal d;
+  d.owner.assign(block_work.size(), 0);
+  d.load = load;
+  for (int r = 0; r < P; ++r) {
+    for (const int u : members[r]) {
+      for (int k = 0; k < run; ++k) d.owner[u * run + k] = r;
+    }
   }
   return d;
 }
@@ -92,29 +168,30 @@ BlockAssignment assign_blocks(const std::vector<int64_t>& block_work, int P) {
            "assign_blocks: negative block work");
   const int m = n / P;
 
-  // Run lengths that divide m, longest (most contiguous) first.
+  // Candidates: contiguous (runs of m), two movable runs per rank, then dealt runs of every length dividing m.
   std::vector<Deal> deals;
-  for (int run = m; run >= 1; --run) {
+  deals.push_back(deal_runs(block_work, P, m));
+  deals.push_back(snake_two_runs(block_work, P));
+  for (int run = m / 2; run >= 1; --run) {
     if (m % run == 0) deals.push_back(deal_runs(block_work, P, run));
   }
   int64_t best = deals.front().peak();
   for (const Deal& d : deals) best = std::min(best, d.peak());
-  const Deal* chosen = &deals.back();
+  // Fewest runs per rank among those within the tolerance of the best; then the lower peak; then the earlier.
+  const Deal* chosen = nullptr;
   for (const Deal& d : deals) {
-    if (static_cast<double>(d.peak()) <= static_cast<double>(best) * (1.0 + kContiguityTolerance)) {
+    if (static_cast<double>(d.peak()) > static_cast<double>(best) * (1.0 + kContiguityTolerance)) continue;
+    if (!chosen || max_runs(d) < max_runs(*chosen) || (max_runs(d) == max_runs(*chosen) && d.peak() < chosen->peak())) {
       chosen = &d;
-      break;
     }
   }
 
   BlockAssignment out;
-  out.run_blocks = chosen->run;
+  out.max_runs = max_runs(*chosen);
   out.work = chosen->load;
   out.blocks.assign(static_cast<size_t>(P), {});
-  for (int u = 0; u < static_cast<int>(chosen->rank_of.size()); ++u) {
-    for (int k = 0; k < chosen->run; ++k) out.blocks[chosen->rank_of[u]].push_back(u * chosen->run + k);
-  }
-  return out;  // runs were visited in row order, so each rank's blocks are ascending
+  for (int j = 0; j < n; ++j) out.blocks[chosen->owner[j]].push_back(j);
+  return out;
 }
 
 BalancedShard balanced_shard(const TokenMeta* rows, int B, int S, int P, const LayerMix& mix, int block) {
@@ -142,7 +219,7 @@ BalancedShard balanced_shard(const TokenMeta* rows, int B, int S, int P, const L
   }
   out.work = a.work;
   out.imbalance = imbalance(a.work);
-  out.run_blocks = a.run_blocks;
+  out.max_runs = a.max_runs;
   return out;
 }
 

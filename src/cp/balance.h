@@ -7,9 +7,14 @@
 // holds L tokens: the ShardMap contract), so that the busiest rank has as little as possible.
 //
 // Contiguity matters too: every separate run of blocks on a rank needs its own sliding-window halo, and short runs
-// fragment the kernel's work. So blocks move in runs of `run_blocks`, tried from one run per rank (contiguous)
-// down to single blocks; the longest run length whose largest rank work is within kContiguityTolerance of the best
-// found wins. Deterministic: ties are broken by block and rank index.
+// fragment the kernel's work. So several deals are tried, from the fewest runs per rank to the most:
+//   1. contiguous (one run per rank);
+//   2. two runs per rank in zigzag order with movable cuts, balanced pair by pair (enough for causal rows and
+//      most packed ones: zigzag's exact balance on causal rows, adjusted to documents, images and padding);
+//   3. runs of every length dividing L / block, dealt heaviest first to the least-loaded rank with room, then
+//      refined by swaps (for lumpy rows).
+// The one with the fewest runs per rank whose busiest rank is within kContiguityTolerance of the best deal wins.
+// Deterministic: no randomness, ties broken by block and rank index.
 #pragma once
 
 #include <cstdint>
@@ -22,12 +27,12 @@
 
 namespace rf::cp {
 
-// A longer run may cost at most this share of extra work on the busiest rank (0.2%): far below the run-to-run
-// noise of any kernel, so choosing it "costs no balance", while it can halve the halos.
-constexpr double kContiguityTolerance = 0.002;
+// A deal with fewer runs may cost at most this share of extra work on the busiest rank (1%): below the run-to-run
+// noise of the kernels on a shared machine, so it "costs no balance", while each run saved saves a halo.
+constexpr double kContiguityTolerance = 0.01;
 
 struct BlockAssignment {
-  int run_blocks = 1;                        // blocks moved together; m = blocks per rank means contiguous
+  int max_runs = 1;                          // most separate runs of consecutive blocks on one rank; 1 = contiguous
   std::vector<std::vector<int32_t>> blocks;  // [P][m]: row blocks each rank holds, ascending
   std::vector<int64_t> work;                 // [P]: the sum of its blocks' work
 };
@@ -39,7 +44,7 @@ struct BalancedShard {
   ShardMap map;                // scheme Balanced; L is a multiple of `block`; each rank's positions ascending
   std::vector<int64_t> work;   // [P]: predicted work (mask area summed over the mix and the B rows)
   double imbalance = 1.0;      // max / mean of work
-  int run_blocks = 1;
+  int max_runs = 1;            // most separate runs on one rank (each needs its own sliding-window halo)
 };
 
 // rows: [B, S]. L = ceil(S / P) rounded up to a multiple of `block`; the row is padded to P * L.

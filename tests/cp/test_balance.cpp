@@ -50,7 +50,7 @@ TEST(Balance, AssignmentIsAPermutationWithReportedWork) {
         EXPECT_EQ(sum, a.work[r]);
       }
       for (const int n : seen) ASSERT_EQ(n, 1);
-      EXPECT_EQ(m % a.run_blocks, 0);
+      EXPECT_GE(a.max_runs, 1);
     }
   }
 }
