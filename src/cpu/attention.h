@@ -9,6 +9,11 @@
 
 namespace rf::cpu {
 
+// Tiles of the flash-attention loops: kTileQ queries x kTileK keys. Each (query tile, key tile) pair is classified
+// once from block summaries (rf::classify): empty pairs are skipped, full ones run without the predicate.
+constexpr int kTileQ = 64;
+constexpr int kTileK = 64;
+
 // o: [B, Hq, Lq, D] float32, normalised over this chunk's allowed keys (0 where none);
 // lse: [B, Hq, Lq] float32 natural log (-inf where none).
 void attention_forward(const AttnChunk& c, float* o, float* lse);

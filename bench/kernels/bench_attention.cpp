@@ -1,0 +1,238 @@
+// ringflex bench: forward and backward GFLOP/s of mask area for the cpu attention kernels (SPEC §9), as ratios
+// to single-thread OpenBLAS sgemm measured in the same run.
+//
+// FLOPs: forward = 4·B·Hq·D·A with A = allowed (q, k) pairs; backward (delta + dQ, dK, dV) = 2.5 × forward.
+// Masks: full (bidirectional), causal, sliding W = 1024 at S = 16K, and a Gemma 4 VLM row (rf::gemma4_vlm_row:
+// packed documents with 256-token image groups) under Gemma 4's two layer masks (sliding W = 1024 + groups,
+// full causal + groups). Before timing, each dtype and head dim is checked against the scalar reference on a
+// small case. With --export DIR the case list and each row's metadata are written for torch_attention.py
+// (cases.json, and <mask>.meta: int32 [S, 3] = {idx, doc, group} per token, the TokenMeta layout).
+#include <cblas.h>
+#include <omp.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/attention_args.h"
+#include "core/row_meta.h"
+#include "cpu/attention.h"
+#include "reference/attention_ref.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kSgemmN = 1024;         // square sgemm: large enough for OpenBLAS's peak, small enough to repeat
+constexpr int kSgemmRepeats = 7;
+constexpr double kBackwardFlopFactor = 2.5;  // SPEC §9
+constexpr int kGemmaWindow = 1024;           // Gemma 4 26B/31B sliding window
+constexpr uint64_t kSeed = 2026;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Single-thread sgemm GFLOP/s: the practical peak of one core (research/dev-machine-limits.md).
+double sgemm_gflops() {
+  openblas_set_num_threads(1);
+  std::vector<float> a(size_t{kSgemmN} * kSgemmN, 0.5f), b(a.size(), 0.25f), c(a.size(), 0.f);
+  auto run = [&] {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, kSgemmN, kSgemmN, kSgemmN, 1.f, a.data(), kSgemmN, b.data(),
+                kSgemmN, 0.f, c.data(), kSgemmN);
+  };
+  run();  // warm-up: pages and OpenBLAS buffers
+  std::vector<double> t;
+  for (int i = 0; i < kSgemmRepeats; ++i) {
+    const auto t0 = Clock::now();
+    run();
+    t.push_back(seconds_since(t0));
+  }
+  return 2.0 * kSgemmN * kSgemmN * kSgemmN / median(t) / 1e9;
+}
+
+struct MaskCase {
+  std::string name;
+  int S;
+  rf::LayerMask mask;
+  std::vector<rf::TokenMeta> meta;  // [S]
+};
+
+std::vector<MaskCase> mask_cases(int s_short, int s_long) {
+  const std::vector<rf::TokenMeta> plain_short = rf::make_row_meta(s_short, nullptr, nullptr);
+  const std::vector<rf::TokenMeta> plain_long = rf::make_row_meta(s_long, nullptr, nullptr);
+  const std::vector<rf::TokenMeta> vlm = rf::gemma4_vlm_row(s_short, kSeed);
+  return {{"full", s_short, {false, 0, false}, plain_short},
+          {"causal", s_short, {true, 0, false}, plain_short},
+          {"sliding1024", s_long, {true, kGemmaWindow, false}, plain_long},
+          {"vlm_sliding", s_short, {true, kGemmaWindow, true}, vlm},
+          {"vlm_full", s_short, {true, 0, true}, vlm}};
+}
+
+// Allowed pairs of one row: full tiles counted whole, partial ones element by element (as the kernels do).
+int64_t mask_area(const MaskCase& m) {
+  const int T = rf::cpu::kTileQ, n = (m.S + T - 1) / T;
+  std::vector<rf::BlockSummary> sum(static_cast<size_t>(n));
+  for (int t = 0; t < n; ++t) sum[t] = rf::summarize(m.meta.data() + t * T, std::min(T, m.S - t * T));
+  int64_t area = 0;
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j) {
+      const rf::BlockClass cls = rf::classify(m.mask, sum[i], sum[j]);
+      if (cls == rf::BlockClass::Empty) continue;
+      const int q0 = i * T, k0 = j * T, nq = std::min(T, m.S - q0), nk = std::min(T, m.S - k0);
+      if (cls == rf::BlockClass::Full) {
+        area += int64_t{nq} * nk;
+        continue;
+      }
+      for (int a = 0; a < nq; ++a)
+        for (int b = 0; b < nk; ++b) area += rf::allowed(m.mask, m.meta[q0 + a], m.meta[k0 + b]);
+    }
+  return area;
+}
+
+std::vector<uint8_t> random_bytes(int64_t n, rf::DType t, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<float> f(static_cast<size_t>(n));
+  for (float& x : f) x = u(rng);
+  std::vector<uint8_t> out(static_cast<size_t>(n) * rf::dtype_size(t));
+  rf::from_float(out.data(), f.data(), f.size(), t);
+  return out;
+}
+
+// All buffers of one timed shape.
+struct Problem {
+  rf::AttnChunk c;
+  std::vector<uint8_t> q, k, v, dout;
+  std::vector<float> o, lse, delta, dq, dk, dv;
+
+  Problem(const MaskCase& m, int Hq, int Hkv, int D, rf::DType t) {
+    c.shape = {1, Hq, Hkv, m.S, m.S, D};
+    c.dtype = t;
+    q = random_bytes(c.shape.q_elems(), t, kSeed + 1), k = random_bytes(c.shape.kv_elems(), t, kSeed + 2);
+    v = random_bytes(c.shape.kv_elems(), t, kSeed + 3), dout = random_bytes(c.shape.q_elems(), t, kSeed + 4);
+    c.q = q.data(), c.k = k.data(), c.v = v.data(), c.q_meta = m.meta.data(), c.k_meta = m.meta.data();
+    c.mask = m.mask, c.scale = rf::default_scale(D);
+    o.assign(static_cast<size_t>(c.shape.q_elems()), 0.f), dq.assign(o.size(), 0.f);
+    lse.assign(static_cast<size_t>(c.shape.lse_elems()), 0.f), delta.assign(lse.size(), 0.f);
+    dk.assign(static_cast<size_t>(c.shape.kv_elems()), 0.f), dv.assign(dk.size(), 0.f);
+  }
+  void forward() { rf::cpu::attention_forward(c, o.data(), lse.data()); }
+  void backward() {
+    rf::cpu::attention_delta(c.shape, c.dtype, dout.data(), o.data(), delta.data());
+    rf::cpu::attention_backward(c, dout.data(), lse.data(), delta.data(), dq.data(), dk.data(), dv.data());
+  }
+};
+
+// The kernels against the scalar reference on a small packed row with images, before any timing. The bound is
+// loose (1e-3 of the output's scale): this guards the benchmark against timing a broken build; tests/cpu holds
+// the derived per-element bounds.
+bool validate(int D, rf::DType t) {
+  constexpr int kS = 150;
+  constexpr double kTol = 1e-3;
+  MaskCase m{"validate", kS, {true, 40, true}, rf::gemma4_vlm_row(kS, kSeed)};
+  Problem p(m, 2, 1, D, t);
+  p.forward();
+  p.backward();
+  const rf::RefForward r = rf::reference_forward(p.c);
+  const rf::RefBackward g = rf::reference_backward(p.c, p.dout.data());
+  auto worst = [](const std::vector<float>& got, const std::vector<double>& want) {
+    double err = 0, scale = 1e-30;
+    for (size_t i = 0; i < got.size(); ++i) {
+      err = std::max(err, std::fabs(got[i] - want[i]));
+      scale = std::max(scale, std::fabs(want[i]));
+    }
+    return err / scale;
+  };
+  const double e = std::max({worst(p.o, r.o), worst(p.dq, g.dq), worst(p.dk, g.dk), worst(p.dv, g.dv)});
+  if (e > kTol) std::fprintf(stderr, "validation failed: D = %d %s, relative error %.3g\n", D,
+                             std::string(rf::dtype_name(t)).c_str(), e);
+  return e <= kTol;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"cpu attention kernel benchmark (GFLOP/s of mask area, ratios to 1-thread sgemm)"};
+  int repeats = 3, s_short = 4096, s_long = 16384, Hq = 2, Hkv = 1;
+  std::vector<int> dims{64, 128, 256, 512}, threads{1, 2};
+  std::string export_dir, json_out;
+  app.add_option("--repeats", repeats, "timed repeats per point (the median is reported)");
+  app.add_option("--seq", s_short, "S of the full, causal and VLM-row cases");
+  app.add_option("--seq-long", s_long, "S of the sliding-window case");
+  app.add_option("--hq", Hq, "query heads");
+  app.add_option("--hkv", Hkv, "key/value heads");
+  app.add_option("--dims", dims, "head dims")->delimiter(',');
+  app.add_option("--threads", threads, "OpenMP thread counts")->delimiter(',');
+  app.add_option("--export", export_dir, "write cases.json and per-mask metadata for torch_attention.py here");
+  app.add_option("--json", json_out, "write the measurements as JSON here");
+  CLI11_PARSE(app, argc, argv);
+
+  for (int D : dims)
+    for (rf::DType t : {rf::DType::F32, rf::DType::BF16})
+      if (!validate(D, t)) return 1;
+
+  const std::vector<MaskCase> masks = mask_cases(s_short, s_long);
+  nlohmann::json cases = nlohmann::json::array();
+  for (const MaskCase& m : masks) {
+    cases.push_back({{"mask", m.name}, {"S", m.S}, {"causal", m.mask.causal}, {"window", m.mask.window},
+                     {"groups", m.mask.bidirectional_groups}, {"area", mask_area(m)}});
+    if (export_dir.empty()) continue;
+    std::ofstream f(export_dir + "/" + m.name + ".meta", std::ios::binary);
+    f.write(reinterpret_cast<const char*>(m.meta.data()), static_cast<std::streamsize>(m.meta.size() * 12));
+  }
+  if (!export_dir.empty()) {
+    std::ofstream f(export_dir + "/cases.json");
+    f << nlohmann::json{{"Hq", Hq}, {"Hkv", Hkv}, {"dims", dims}, {"threads", threads}, {"cases", cases}}.dump(1);
+  }
+
+  const double peak = sgemm_gflops();
+  std::printf("sgemm 1 thread (N = %d): %.1f GFLOP/s\n\n", kSgemmN, peak);
+  std::printf("| mask | S | D | dtype | threads | fwd ms | fwd GFLOP/s | fwd / sgemm | bwd ms | bwd GFLOP/s | bwd / sgemm |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  nlohmann::json rows = nlohmann::json::array();
+  for (size_t mi = 0; mi < masks.size(); ++mi) {
+    const MaskCase& m = masks[mi];
+    const double area = cases[mi]["area"].get<double>();
+    for (int D : dims)
+      for (rf::DType t : {rf::DType::F32, rf::DType::BF16}) {
+        Problem p(m, Hq, Hkv, D, t);
+        const double fwd_flop = 4.0 * Hq * D * area, bwd_flop = kBackwardFlopFactor * fwd_flop;
+        for (int nt : threads) {
+          omp_set_num_threads(nt);
+          std::vector<double> tf, tb;
+          for (int r = 0; r < repeats; ++r) {
+            auto t0 = Clock::now();
+            p.forward();
+            tf.push_back(seconds_since(t0));
+            t0 = Clock::now();
+            p.backward();
+            tb.push_back(seconds_since(t0));
+          }
+          const double f = median(tf), b = median(tb);
+          const double fg = fwd_flop / f / 1e9, bg = bwd_flop / b / 1e9;
+          std::printf("| %s | %d | %d | %s | %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", m.name.c_str(), m.S, D,
+                      std::string(rf::dtype_name(t)).c_str(), nt, f * 1e3, fg, fg / peak, b * 1e3, bg, bg / peak);
+          std::fflush(stdout);
+          rows.push_back({{"mask", m.name}, {"S", m.S}, {"D", D}, {"dtype", rf::dtype_name(t)}, {"threads", nt},
+                          {"fwd_s", f}, {"bwd_s", b}, {"fwd_gflops", fg}, {"bwd_gflops", bg}, {"area", area}});
+        }
+      }
+  }
+  if (!json_out.empty()) {
+    std::ofstream f(json_out);
+    f << nlohmann::json{{"sgemm_gflops", peak}, {"Hq", Hq}, {"Hkv", Hkv}, {"rows", rows}}.dump(1);
+  }
+  return 0;
+}

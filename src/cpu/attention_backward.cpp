@@ -1,0 +1,199 @@
+// ringflex cpu: the masked flash-attention backward for one query set against one K/V chunk.
+//
+// Scores are recomputed from the saved (merged) LSE: P = exp(scale·q.k - lse), dP = dO V^T,
+// dS = P ⊙ (dP - delta) with delta = rowsum(dO ⊙ O) from attention_delta; then dV = P^T dO, dK = scale·dS^T Q,
+// dQ = scale·dS K. Results are *added* to the caller's float32 gradients.
+//
+// Determinism. We run two passes, each writing disjoint outputs:
+//   pass 1, parallel over (b, kv head, key tile): the item loops over every non-empty query tile and every query
+//           head of the kv group in a fixed order and owns dK/dV of its key tile;
+//   pass 2, parallel over (b, kv head, query tile, head chunk): the item loops over key tiles in order and owns
+//           dQ of its rows.
+// Every output element is therefore summed by one thread in an order fixed by the data, not by the schedule: the
+// bits are identical run to run and for any thread count, with no atomics and no per-thread partial buffers.
+// The price is recomputing S and dP in pass 2 (7 tile products instead of 5). The alternative — one pass over key
+// tiles with per-thread dQ partials reduced in a fixed order — would need the partition fixed independently of the
+// thread count and an [n_partitions, Lq, D] buffer; the recompute is cheaper than that memory traffic at D >= 64.
+// GQA: both passes read each K/V tile once for all query heads of its group (dK/dV sum over those heads).
+#include <algorithm>
+#include <vector>
+
+#include "core/error.h"
+#include "cpu/attention.h"
+#include "cpu/dispatch.h"
+#include "cpu/tiles.h"
+
+namespace rf::cpu {
+
+namespace {
+
+using namespace detail;
+
+// Per-row constants of the recompute: bias = lse·log2(e) (+inf for an empty row so every p is 0), delta.
+// lse, delta: [rows] starting at `row0`.
+inline void row_terms(const float* lse, const float* delta, int64_t row0, int n, float* bias, float* dl) {
+  for (int i = 0; i < n; ++i) {
+    const float x = lse[row0 + i];
+    bias[i] = x == -kInf ? kInf : x * kLog2e;
+    dl[i] = delta[row0 + i];
+  }
+}
+
+template <int kDp, DType kT>
+void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const float* delta, float* dq, float* dk,
+                   float* dv) {
+  const AttnShape& s = c.shape;
+  const int D = s.D, Dp = kDp > 0 ? kDp : padded_dim<kT>(D), dr = dot_row<kT>(Dp);
+  const int nqt = ceil_div(s.Lq, kTileQ), nkt = ceil_div(s.Lk, kTileK), group = s.group_size();
+  const std::vector<BlockSummary> qsum = tile_summaries(c.q_meta, s.B, s.Lq, kTileQ);
+  const std::vector<BlockSummary> ksum = tile_summaries(c.k_meta, s.B, s.Lk, kTileK);
+  const float c2 = c.scale * kLog2e;
+  const size_t esz = dtype_size(kT);
+  const char* q = static_cast<const char*>(c.q);
+  const char* k = static_cast<const char*>(c.k);
+  const char* v = static_cast<const char*>(c.v);
+  const char* go = static_cast<const char*>(dout);
+
+  // ---- pass 1: dK, dV per key tile ----
+  const int64_t items1 = int64_t{s.B} * s.Hkv * nkt;
+#pragma omp parallel
+  {
+    std::vector<Dot<kT>> kt_buf(static_cast<size_t>(dr) * kTileK), vt_buf(kt_buf.size());
+    std::vector<Dot<kT>> qd(static_cast<size_t>(kTileQ) * dr), god(qd.size());
+    std::vector<float> qf(static_cast<size_t>(kTileQ) * Dp), gof(qf.size());
+    std::vector<float> dk_acc(static_cast<size_t>(kTileK) * Dp), dv_acc(dk_acc.size());
+    std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), dpbuf(sbuf.size()), pt(sbuf.size()),
+        dst(sbuf.size());
+    std::vector<float> bias(kTileQ), dl(kTileQ);
+    std::vector<RowBits> bits(kTileQ);
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items1; ++item) {
+      const int kt = static_cast<int>(item % nkt);
+      const int g = static_cast<int>(item / nkt % s.Hkv);
+      const int b = static_cast<int>(item / nkt / s.Hkv);
+      const int k0 = kt * kTileK, nk = std::min(kTileK, s.Lk - k0);
+      const BlockSummary& ks = ksum[static_cast<size_t>(b) * nkt + kt];
+      const int64_t kv_row0 = (int64_t{b} * s.Hkv + g) * s.Lk + k0;  // k, v, dk, dv: [B, Hkv, Lk, D]
+      bool packed = false;
+      std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
+      std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
+
+      for (int qt = 0; qt < nqt; ++qt) {
+        const BlockClass cls = classify(c.mask, qsum[static_cast<size_t>(b) * nqt + qt], ks);
+        if (cls == BlockClass::Empty) continue;
+        if (!packed) {
+          pack_cols_dot<kT>(k + kv_row0 * D * esz, nk, D, Dp, kt_buf.data());
+          pack_cols_dot<kT>(v + kv_row0 * D * esz, nk, D, Dp, vt_buf.data());
+          packed = true;
+        }
+        const int q0 = qt * kTileQ, nq = std::min(kTileQ, s.Lq - q0);
+        tile_bits(cls, c.mask, c.q_meta + int64_t{b} * s.Lq + q0, nq, c.k_meta + int64_t{b} * s.Lk + k0, nk,
+                  bits.data());
+        for (int hh = 0; hh < group; ++hh) {
+          const int64_t row0 = (int64_t{b} * s.Hq + g * group + hh) * s.Lq + q0;  // q, dout: [B, Hq, Lq, D]
+          pack_rows_dot<kT>(q + row0 * D * esz, nq, D, Dp, qd.data());
+          pack_rows_dot<kT>(go + row0 * D * esz, nq, D, Dp, god.data());
+          // The acc products read float32 rows; for float32 inputs the dot operands already are those rows.
+          const float* qrows = qf.data();
+          const float* gorows = gof.data();
+          if constexpr (std::is_same_v<Dot<kT>, float>) {
+            qrows = qd.data();
+            gorows = god.data();
+          } else {
+            pack_rows_f32<kT>(q + row0 * D * esz, nq, D, Dp, qf.data());
+            pack_rows_f32<kT>(go + row0 * D * esz, nq, D, Dp, gof.data());
+          }
+          row_terms(lse, delta, row0, nq, bias.data(), dl.data());
+          abt<kDp>(qd.data(), kt_buf.data(), Dp, nq, sbuf.data());
+          abt<kDp>(god.data(), vt_buf.data(), Dp, nq, dpbuf.data());
+          grad_step(sbuf.data(), dpbuf.data(), nq, bits.data(), c2, bias.data(), dl.data(), c.scale);
+          transpose_tile(sbuf.data(), nq, nk, pt.data());
+          transpose_tile(dpbuf.data(), nq, nk, dst.data());
+          acc<kDp>(pt.data(), nq, nq, gorows, Dp, nk, dv_acc.data());
+          acc<kDp>(dst.data(), nq, nq, qrows, Dp, nk, dk_acc.data());
+        }
+      }
+      if (!packed) continue;  // no query reads this key tile: its gradients are untouched
+      for (int j = 0; j < nk; ++j)
+        for (int d = 0; d < D; ++d) {
+          dk[(kv_row0 + j) * D + d] += dk_acc[static_cast<size_t>(j) * Dp + d];
+          dv[(kv_row0 + j) * D + d] += dv_acc[static_cast<size_t>(j) * Dp + d];
+        }
+    }
+  }
+
+  // ---- pass 2: dQ per query tile and head chunk ----
+  const int hpi = heads_per_item(group, Dp), chunks = ceil_div(group, hpi);
+  const int64_t items2 = int64_t{s.B} * s.Hkv * nqt * chunks;
+#pragma omp parallel
+  {
+    std::vector<Dot<kT>> kt_buf(static_cast<size_t>(dr) * kTileK), vt_buf(kt_buf.size());
+    std::vector<Dot<kT>> qd(static_cast<size_t>(hpi) * kTileQ * dr), god(qd.size());
+    std::vector<float> kf(static_cast<size_t>(kTileK) * Dp), dq_acc(static_cast<size_t>(hpi) * kTileQ * Dp);
+    std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), dpbuf(sbuf.size());
+    std::vector<float> bias(static_cast<size_t>(hpi) * kTileQ), dl(bias.size());
+    std::vector<RowBits> bits(kTileQ);
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items2; ++item) {
+      const int chunk = static_cast<int>(item % chunks);
+      const int qt = static_cast<int>(item / chunks % nqt);
+      const int g = static_cast<int>(item / chunks / nqt % s.Hkv);
+      const int b = static_cast<int>(item / chunks / nqt / s.Hkv);
+      const int h0 = g * group + chunk * hpi, nh = std::min(hpi, group - chunk * hpi);
+      const int q0 = qt * kTileQ, nq = std::min(kTileQ, s.Lq - q0);
+      const BlockSummary& qs = qsum[static_cast<size_t>(b) * nqt + qt];
+      for (int hh = 0; hh < nh; ++hh) {
+        const int64_t row0 = (int64_t{b} * s.Hq + h0 + hh) * s.Lq + q0;
+        const size_t r0 = static_cast<size_t>(hh) * kTileQ;
+        pack_rows_dot<kT>(q + row0 * D * esz, nq, D, Dp, qd.data() + r0 * dr);
+        pack_rows_dot<kT>(go + row0 * D * esz, nq, D, Dp, god.data() + r0 * dr);
+        row_terms(lse, delta, row0, nq, bias.data() + r0, dl.data() + r0);
+      }
+      std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
+      bool touched = false;
+
+      const int64_t kv_head = int64_t{b} * s.Hkv + g;
+      for (int kt = 0; kt < nkt; ++kt) {
+        const BlockClass cls = classify(c.mask, qs, ksum[static_cast<size_t>(b) * nkt + kt]);
+        if (cls == BlockClass::Empty) continue;
+        touched = true;
+        const int k0 = kt * kTileK, nk = std::min(kTileK, s.Lk - k0);
+        tile_bits(cls, c.mask, c.q_meta + int64_t{b} * s.Lq + q0, nq, c.k_meta + int64_t{b} * s.Lk + k0, nk,
+                  bits.data());
+        const int64_t kv_row0 = kv_head * s.Lk + k0;
+        pack_cols_dot<kT>(k + kv_row0 * D * esz, nk, D, Dp, kt_buf.data());
+        pack_cols_dot<kT>(v + kv_row0 * D * esz, nk, D, Dp, vt_buf.data());
+        pack_rows_f32<kT>(k + kv_row0 * D * esz, nk, D, Dp, kf.data());
+        for (int hh = 0; hh < nh; ++hh) {
+          const size_t r0 = static_cast<size_t>(hh) * kTileQ;
+          abt<kDp>(qd.data() + r0 * dr, kt_buf.data(), Dp, nq, sbuf.data());
+          abt<kDp>(god.data() + r0 * dr, vt_buf.data(), Dp, nq, dpbuf.data());
+          grad_step(sbuf.data(), dpbuf.data(), nq, bits.data(), c2, bias.data() + r0, dl.data() + r0, c.scale);
+          acc<kDp>(dpbuf.data(), kTileK, nk, kf.data(), Dp, nq, dq_acc.data() + r0 * Dp);
+        }
+      }
+      if (!touched) continue;
+      for (int hh = 0; hh < nh; ++hh)
+        for (int i = 0; i < nq; ++i) {
+          const int64_t row = (int64_t{b} * s.Hq + h0 + hh) * s.Lq + q0 + i;  // dq: [B, Hq, Lq, D]
+          const float* src = dq_acc.data() + (static_cast<size_t>(hh) * kTileQ + i) * Dp;
+          for (int d = 0; d < D; ++d) dq[row * D + d] += src[d];
+        }
+    }
+  }
+}
+
+}  // namespace
+
+void attention_backward(const AttnChunk& c, const void* dout, const float* lse, const float* delta, float* dq,
+                        float* dk, float* dv) {
+  validate(c);
+  const AttnShape& s = c.shape;
+  RF_CHECK(s.q_elems() == 0 || (dout && lse && delta && dq), "attention_backward without dout/lse/delta/dq");
+  RF_CHECK(s.kv_elems() == 0 || (dk && dv), "attention_backward without dk/dv buffers");
+  dispatch(s.D, c.dtype, [&]<int kDp, DType kT>() { backward_impl<kDp, kT>(c, dout, lse, delta, dq, dk, dv); });
+}
+
+}  // namespace rf::cpu

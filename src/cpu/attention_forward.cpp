@@ -1,0 +1,135 @@
+// ringflex cpu: the masked flash-attention forward for one query set against one K/V chunk, and the backward's
+// delta term.
+//
+// Loop structure. A work item is (row b, kv head g, query tile qt, a chunk of the query heads of group g); the
+// items are independent and run under OpenMP (dynamic schedule: causal and windowed items differ in work).
+// Inside an item, for each key tile the pair (qt, kt) is classified from block summaries: Empty is skipped with
+// no work at all, Full runs without the predicate, Partial evaluates rf::allowed once per pair into 64-bit row
+// masks shared by all heads of the item. The K tile is packed transposed (and V as float32) once, then every
+// query head of the chunk runs S = Q K^T, the online-softmax step and O += P V against it while it is in cache —
+// GQA without copying K/V per query head. Scores, the running max/sum and O accumulate in float32; the
+// softmax runs in log2 units (scale·log2 e folded into one multiply) with the vector exp2 of microkernels.h.
+// Memory per thread is O(kTileQ · Dp · heads) — never an [Lq, Lk] score or mask matrix.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/error.h"
+#include "cpu/attention.h"
+#include "cpu/dispatch.h"
+#include "cpu/tiles.h"
+
+namespace rf::cpu {
+
+namespace {
+
+using namespace detail;
+
+template <int kDp, DType kT>
+void forward_impl(const AttnChunk& c, float* o, float* lse) {
+  const AttnShape& s = c.shape;
+  const int D = s.D, Dp = kDp > 0 ? kDp : padded_dim<kT>(D), dr = dot_row<kT>(Dp);
+  RF_ASSERT(Dp == padded_dim<kT>(D));
+  const int nqt = ceil_div(s.Lq, kTileQ), nkt = ceil_div(s.Lk, kTileK), group = s.group_size();
+  const int hpi = heads_per_item(group, Dp), chunks = ceil_div(group, hpi);
+  const std::vector<BlockSummary> qsum = tile_summaries(c.q_meta, s.B, s.Lq, kTileQ);
+  const std::vector<BlockSummary> ksum = tile_summaries(c.k_meta, s.B, s.Lk, kTileK);
+  const float c2 = c.scale * kLog2e;
+  const size_t esz = dtype_size(kT);
+  const int64_t items = int64_t{s.B} * s.Hkv * nqt * chunks;
+
+#pragma omp parallel
+  {
+    // Per-thread tile buffers, reused by every item the thread runs.
+    std::vector<Dot<kT>> qbuf(static_cast<size_t>(hpi) * kTileQ * dr), kt_buf(static_cast<size_t>(dr) * kTileK);
+    std::vector<float> vbuf(static_cast<size_t>(kTileK) * Dp), obuf(static_cast<size_t>(hpi) * kTileQ * Dp);
+    std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), m(static_cast<size_t>(hpi) * kTileQ);
+    std::vector<float> l(m.size());
+    std::vector<RowBits> bits(kTileQ);
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int chunk = static_cast<int>(item % chunks);
+      const int qt = static_cast<int>(item / chunks % nqt);
+      const int g = static_cast<int>(item / chunks / nqt % s.Hkv);
+      const int b = static_cast<int>(item / chunks / nqt / s.Hkv);
+      const int h0 = g * group + chunk * hpi, nh = std::min(hpi, group - chunk * hpi);
+      const int q0 = qt * kTileQ, nq = std::min(kTileQ, s.Lq - q0);
+      const BlockSummary& qs = qsum[static_cast<size_t>(b) * nqt + qt];
+
+      // Query rows of head h0 + hh live at qbuf[hh · kTileQ · dr]; q: [B, Hq, Lq, D].
+      for (int hh = 0; hh < nh; ++hh) {
+        const int64_t row0 = (int64_t{b} * s.Hq + h0 + hh) * s.Lq + q0;
+        pack_rows_dot<kT>(static_cast<const char*>(c.q) + row0 * D * esz, nq, D, Dp,
+                          qbuf.data() + static_cast<size_t>(hh) * kTileQ * dr);
+      }
+      std::fill(obuf.begin(), obuf.end(), 0.f);
+      std::fill(m.begin(), m.end(), -kInf);
+      std::fill(l.begin(), l.end(), 0.f);
+
+      const int64_t kv_head = int64_t{b} * s.Hkv + g;
+      for (int kt = 0; kt < nkt; ++kt) {
+        const BlockClass cls = classify(c.mask, qs, ksum[static_cast<size_t>(b) * nkt + kt]);
+        if (cls == BlockClass::Empty) continue;
+        const int k0 = kt * kTileK, nk = std::min(kTileK, s.Lk - k0);
+        tile_bits(cls, c.mask, c.q_meta + int64_t{b} * s.Lq + q0, nq, c.k_meta + int64_t{b} * s.Lk + k0, nk,
+                  bits.data());
+        // k, v: [B, Hkv, Lk, D]
+        const int64_t kv_row0 = kv_head * s.Lk + k0;
+        pack_cols_dot<kT>(static_cast<const char*>(c.k) + kv_row0 * D * esz, nk, D, Dp, kt_buf.data());
+        pack_rows_f32<kT>(static_cast<const char*>(c.v) + kv_row0 * D * esz, nk, D, Dp, vbuf.data());
+        for (int hh = 0; hh < nh; ++hh) {
+          const size_t r0 = static_cast<size_t>(hh) * kTileQ;
+          abt<kDp>(qbuf.data() + r0 * dr, kt_buf.data(), Dp, nq, sbuf.data());
+          softmax_step(sbuf.data(), nq, bits.data(), c2, m.data() + r0, l.data() + r0, obuf.data() + r0 * Dp, Dp);
+          acc<kDp>(sbuf.data(), kTileK, nk, vbuf.data(), Dp, nq, obuf.data() + r0 * Dp);
+        }
+      }
+
+      // o: [B, Hq, Lq, D]; lse: [B, Hq, Lq]. A row that saw no allowed key has l = 0: O = 0, LSE = -inf.
+      for (int hh = 0; hh < nh; ++hh)
+        for (int i = 0; i < nq; ++i) {
+          const size_t r = static_cast<size_t>(hh) * kTileQ + i;
+          const int64_t row = (int64_t{b} * s.Hq + h0 + hh) * s.Lq + q0 + i;
+          float* out = o + row * D;
+          if (l[r] > 0.f) {
+            const float inv = 1.f / l[r];
+            for (int d = 0; d < D; ++d) out[d] = obuf[r * Dp + d] * inv;
+            lse[row] = (m[r] + std::log2(l[r])) * kLn2;
+          } else {
+            std::fill(out, out + D, 0.f);
+            lse[row] = -kInf;
+          }
+        }
+    }
+  }
+}
+
+template <DType kT>
+void delta_impl(const AttnShape& s, const void* dout, const float* o, float* delta) {
+  const int64_t rows = s.lse_elems();
+  const int D = s.D;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc = 0.f;
+    for (int d = 0; d < D; ++d) acc += load_elem<kT>(dout, r * D + d) * o[r * D + d];
+    delta[r] = acc;
+  }
+}
+
+}  // namespace
+
+void attention_forward(const AttnChunk& c, float* o, float* lse) {
+  validate(c);
+  RF_CHECK(c.shape.lse_elems() == 0 || (o && lse), "attention_forward without output buffers");
+  dispatch(c.shape.D, c.dtype, [&]<int kDp, DType kT>() { forward_impl<kDp, kT>(c, o, lse); });
+}
+
+void attention_delta(const AttnShape& s, DType dtype, const void* dout, const float* o, float* delta) {
+  if (dtype == DType::F32)
+    delta_impl<DType::F32>(s, dout, o, delta);
+  else
+    delta_impl<DType::BF16>(s, dout, o, delta);
+}
+
+}  // namespace rf::cpu

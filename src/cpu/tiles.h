@@ -1,0 +1,225 @@
+// ringflex cpu: what the forward and backward kernels share — the tile plan, packing of tiles into the padded
+// layouts the micro-kernels read, the per-tile mask bits, and the softmax row steps.
+//
+// Internal to src/cpu. Template parameters come from dispatch.h: kDp (padded head dim, 0 = run time) and kT (the
+// input dtype). `Dot<kT>` is the element type of the abt operands: bf16 pairs (uint32) when the inputs are bf16
+// and the CPU has vdpbf16ps, float32 otherwise (bf16 inputs are then widened while packing).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "core/attention_args.h"
+#include "cpu/attention.h"
+#include "cpu/microkernels.h"
+
+namespace rf::cpu::detail {
+
+static_assert(kTileK == kTileCols, "the micro-kernels are written for 64-key tiles");
+
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.693147180559945309f;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+template <DType kT>
+constexpr bool kBf16Dot = kT == DType::BF16 && kHaveBf16Dot;
+
+template <DType kT>
+using Dot = std::conditional_t<kBf16Dot<kT>, uint32_t, float>;
+
+// Padded head dimension: a multiple of one vector (16 floats), or of 32 for bf16 pairs so Dp/2 pairs fill whole
+// vectors of pairs. The padding is zero in every packed operand, so it adds exact zeros.
+template <DType kT>
+constexpr int padded_dim(int D) {
+  constexpr int kMultiple = kBf16Dot<kT> ? 2 * kLanes : kLanes;
+  return (D + kMultiple - 1) / kMultiple * kMultiple;
+}
+
+// Elements of Dot<kT> in one packed row of Dp values.
+template <DType kT>
+constexpr int dot_row(int Dp) {
+  return kBf16Dot<kT> ? Dp / 2 : Dp;
+}
+
+inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Per-block summaries of a [B, L] metadata array in tiles of `tile` tokens: [B, ceil(L / tile)].
+inline std::vector<BlockSummary> tile_summaries(const TokenMeta* meta, int B, int L, int tile) {
+  const int n = ceil_div(L, tile);
+  std::vector<BlockSummary> s(static_cast<size_t>(B) * n);
+  for (int b = 0; b < B; ++b)
+    for (int t = 0; t < n; ++t)
+      s[static_cast<size_t>(b) * n + t] = summarize(meta + int64_t{b} * L + t * tile, std::min(tile, L - t * tile));
+  return s;
+}
+
+// Bits of allowed keys in a tile row: bit j set = key j may be read. 64 keys = one word (kTileK == 64).
+using RowBits = uint64_t;
+inline RowBits first_bits(int nk) { return nk >= kTileK ? ~RowBits{0} : (RowBits{1} << nk) - 1; }
+
+// bits: [nq]. Full tiles skip the predicate; Partial ones evaluate SPEC §3 per pair (rf::allowed).
+inline void tile_bits(BlockClass cls, const LayerMask& mask, const TokenMeta* qm, int nq, const TokenMeta* km, int nk,
+                      RowBits* bits) {
+  if (cls == BlockClass::Full) {
+    std::fill(bits, bits + nq, first_bits(nk));
+    return;
+  }
+  for (int i = 0; i < nq; ++i) {
+    RowBits w = 0;
+    for (int j = 0; j < nk; ++j) w |= RowBits{allowed(mask, qm[i], km[j])} << j;
+    bits[i] = w;
+  }
+}
+
+template <DType kT>
+inline float load_elem(const void* p, int64_t i) {
+  if constexpr (kT == DType::F32) return static_cast<const float*>(p)[i];
+  else return bf16_to_float(static_cast<const bf16*>(p)[i]);
+}
+
+inline uint32_t bf16_bits(const void* p, int64_t i) { return static_cast<const bf16*>(p)[i].bits; }
+
+// Rows src[r, 0 .. D) (stride D, dtype kT) -> dst[r, 0 .. Dp) float32, zero padded. dst: [rows, Dp].
+template <DType kT>
+inline void pack_rows_f32(const void* src, int rows, int D, int Dp, float* dst) {
+  for (int r = 0; r < rows; ++r) {
+    float* out = dst + int64_t{r} * Dp;
+    for (int d = 0; d < D; ++d) out[d] = load_elem<kT>(src, int64_t{r} * D + d);
+    std::fill(out + D, out + Dp, 0.f);
+  }
+}
+
+// Rows as abt's A operand: dst [rows, dot_row(Dp)] of Dot<kT>, zero padded.
+template <DType kT>
+inline void pack_rows_dot(const void* src, int rows, int D, int Dp, Dot<kT>* dst) {
+  if constexpr (kBf16Dot<kT>) {
+    const int pairs = Dp / 2;
+    for (int r = 0; r < rows; ++r)
+      for (int p = 0; p < pairs; ++p) {
+        const int d = 2 * p;
+        const uint32_t lo = d < D ? bf16_bits(src, int64_t{r} * D + d) : 0u;
+        const uint32_t hi = d + 1 < D ? bf16_bits(src, int64_t{r} * D + d + 1) : 0u;
+        dst[int64_t{r} * pairs + p] = lo | hi << 16;
+      }
+  } else {
+    pack_rows_f32<kT>(src, rows, D, Dp, dst);
+  }
+}
+
+// A key (or value) tile src[j, 0 .. D), j < nk, as abt's transposed B operand: dst [dot_row(Dp), kTileK],
+// zero for j >= nk and d >= D. The transpose is paid once per tile and reused by every query row and head.
+template <DType kT>
+inline void pack_cols_dot(const void* src, int nk, int D, int Dp, Dot<kT>* dst) {
+  std::fill(dst, dst + int64_t{dot_row<kT>(Dp)} * kTileK, Dot<kT>{0});
+  for (int j = 0; j < nk; ++j) {
+    if constexpr (kBf16Dot<kT>) {
+      for (int d = 0; d < D; ++d) dst[(d / 2) * kTileK + j] |= bf16_bits(src, int64_t{j} * D + d) << (16 * (d % 2));
+    } else {
+      for (int d = 0; d < D; ++d) dst[d * kTileK + j] = load_elem<kT>(src, int64_t{j} * D + d);
+    }
+  }
+}
+
+// Forward online-softmax step on one tile for `rows` query rows.
+// s: [rows, kTileK] raw scores q.k, overwritten with p = 2^(c2·s - m_new) (0 where not allowed);
+// bits: [rows]; m, l: [rows] running max (log2 units) and sum; o: [rows, Dp] running numerator, rescaled here.
+// c2 = scale·log2(e), so exp2 of log2-unit scores is exp of the natural ones.
+inline void softmax_step(float* s, int rows, const RowBits* bits, float c2, float* m, float* l, float* o, int Dp) {
+  for (int i = 0; i < rows; ++i) {
+    float* row = s + i * kTileK;
+    const RowBits w = bits[i];
+#ifdef __AVX512F__
+    const __m512 neg_inf = _mm512_set1_ps(-kInf), c = _mm512_set1_ps(c2);
+    __m512 x[kColVecs];
+    __m512 mx = neg_inf;
+    for (int v = 0; v < kColVecs; ++v) {
+      const __mmask16 k = static_cast<__mmask16>(w >> (v * kLanes));
+      x[v] = _mm512_mask_mul_ps(neg_inf, k, _mm512_loadu_ps(row + v * kLanes), c);
+      mx = max_ps(mx, x[v]);
+    }
+    const float tile_max = reduce_max(mx);
+#else
+    float tile_max = -kInf;
+    for (int j = 0; j < kTileK; ++j) {
+      row[j] = (w >> j) & 1 ? row[j] * c2 : -kInf;
+      tile_max = std::max(tile_max, row[j]);
+    }
+#endif
+    const float m_new = std::max(m[i], tile_max);
+    // A row with nothing allowed so far keeps m = -inf; subtracting 0 instead keeps every exponent -inf (p = 0)
+    // rather than -inf - (-inf) = NaN.
+    const float m_use = m_new == -kInf ? 0.f : m_new;
+    const float alpha = exp2_scalar(m[i] - m_use);  // 0 when m[i] = -inf
+    float sum = 0.f;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (int v = 0; v < kColVecs; ++v) {
+      const __m512 p = exp2_ps(_mm512_sub_ps(x[v], _mm512_set1_ps(m_use)));
+      _mm512_storeu_ps(row + v * kLanes, p);
+      acc = _mm512_add_ps(acc, p);
+    }
+    sum = reduce_add(acc);
+#else
+    for (int j = 0; j < kTileK; ++j) {
+      row[j] = exp2_scalar(row[j] - m_use);
+      sum += row[j];
+    }
+#endif
+    l[i] = l[i] * alpha + sum;
+    m[i] = m_new;
+    if (alpha != 1.f) {
+      float* orow = o + int64_t{i} * Dp;
+      for (int d = 0; d < Dp; ++d) orow[d] *= alpha;
+    }
+  }
+}
+
+// Backward per-tile step for `rows` query rows. s: [rows, kTileK] raw scores -> p = exp2(c2·s - bias) where
+// allowed, else 0; dp: [rows, kTileK] dO.v -> dS = p·(dp - delta)·scale. bias = lse·log2(e), or +inf for a row
+// with lse = -inf (then every p is exp2(-inf) = 0 and the row contributes nothing).
+inline void grad_step(float* s, float* dp, int rows, const RowBits* bits, float c2, const float* bias,
+                      const float* delta, float scale) {
+  for (int i = 0; i < rows; ++i) {
+    float* srow = s + i * kTileK;
+    float* drow = dp + i * kTileK;
+    const RowBits w = bits[i];
+#ifdef __AVX512F__
+    const __m512 c = _mm512_set1_ps(c2), b = _mm512_set1_ps(bias[i]);
+    const __m512 dl = _mm512_set1_ps(delta[i]), sc = _mm512_set1_ps(scale);
+    for (int v = 0; v < kColVecs; ++v) {
+      const __mmask16 k = static_cast<__mmask16>(w >> (v * kLanes));
+      const __m512 x = _mm512_mask_fmsub_ps(_mm512_loadu_ps(srow + v * kLanes), k, c, b);
+      const __m512 p = _mm512_maskz_mov_ps(k, exp2_ps(x));
+      const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(drow + v * kLanes), dl)), sc);
+      _mm512_storeu_ps(srow + v * kLanes, p);
+      _mm512_storeu_ps(drow + v * kLanes, ds);
+    }
+#else
+    for (int j = 0; j < kTileK; ++j) {
+      const float p = (w >> j) & 1 ? exp2_scalar(srow[j] * c2 - bias[i]) : 0.f;
+      srow[j] = p;
+      drow[j] = p * (drow[j] - delta[i]) * scale;
+    }
+#endif
+  }
+}
+
+// t[j, r] = x[r, j] for r < rows, j < cols. x: [rows, kTileK]; t: [cols, rows].
+inline void transpose_tile(const float* x, int rows, int cols, float* t) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < cols; ++j) t[j * rows + r] = x[r * kTileK + j];
+}
+
+// Heads of one kv group processed together as one work item, so each K/V tile is packed once and read from
+// cache by all of them. Bounded so the item's packed Q and float32 accumulators (2 · heads · kTileQ · Dp floats)
+// stay within about half of Zen 4's 1 MiB L2.
+constexpr int64_t kItemFloats = 128 * 1024;
+inline int heads_per_item(int group, int Dp) {
+  const int64_t fit = kItemFloats / (2 * int64_t{kTileQ} * Dp);
+  return static_cast<int>(std::clamp<int64_t>(fit, 1, group));
+}
+
+}  // namespace rf::cpu::detail

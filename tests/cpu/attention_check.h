@@ -1,0 +1,202 @@
+// Shared harness of the cpu kernel tests: build a case, run the kernels the way the ring does (forward, delta
+// from the kernel's own O, backward with the kernel's LSE), run the scalar reference, and compare element by
+// element against a derived error bound.
+//
+// The bound. Every float32 quantity the kernel forms is a sum whose computed value is within γ_n·Σ|terms| of the
+// exact one (γ_n ≈ n·eps, Higham's worst-case bound). Scores s = scale·q.k carry γ_D·E with
+// E = max over allowed pairs of scale·Σ_d|q_d k_d|; subtracting the running max doubles that, and it reaches p
+// as a relative error (d exp(s) = exp(s)·ds). The exp2 polynomial adds < 3e-7 relative (test_exp2), the softmax
+// sum and every P·V-like product add γ_n with n = the longest row or column of allowed pairs. So every output
+// x = Σ terms satisfies |x - x_ref| ≤ κ·M(x) with
+//     κ = eps32 · (2·D·E + 3·n + kSlack),   M(x) = the same sum over |terms| (computed in double here),
+// to first order. Backward quantities are products of two such factors (p and dp - delta, through the LSE
+// and delta the forward produced), hence 2κ. bf16 inputs are exact in float32 and vdpbf16ps accumulates in
+// float32, so the same bound holds for them (the reference runs on the same bf16 values).
+// Where the kernel applies the mask wrongly the error is O(p·|v|) = O(M), far above κ·M (κ ≲ 1e-3 here).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common/random_case.h"
+#include "core/error.h"
+#include "cpu/attention.h"
+#include "reference/attention_ref.h"
+
+namespace rf::testing {
+
+constexpr double kEps32 = 5.9604644775390625e-8;  // 2^-24, float32 unit roundoff
+constexpr double kSlack = 16;                      // exp2 polynomial (~5 ulp) and the final divide/log
+
+struct Case {
+  int B = 1, Hq = 1, Hkv = 1, Lq = 0, Lk = 0, D = 8;
+  DType dtype = DType::F32;
+  LayerMask mask;
+  std::vector<TokenMeta> q_meta, k_meta;  // [B, Lq], [B, Lk]
+  uint64_t seed = 1;
+  float scale = 0;  // 0: 1/sqrt(D)
+
+  std::string name() const {
+    return concat("B=", B, " Hq=", Hq, " Hkv=", Hkv, " Lq=", Lq, " Lk=", Lk, " D=", D, " ", dtype_name(dtype), " ",
+                  mask.name());
+  }
+};
+
+struct Tensors {
+  std::vector<uint8_t> q, k, v, dout;
+  AttnChunk chunk;
+};
+
+inline Tensors make_tensors(const Case& cs) {
+  Tensors t;
+  AttnShape s{cs.B, cs.Hq, cs.Hkv, cs.Lq, cs.Lk, cs.D};
+  t.q = random_tensor(s.q_elems(), cs.dtype, cs.seed * 4 + 0);
+  t.k = random_tensor(s.kv_elems(), cs.dtype, cs.seed * 4 + 1);
+  t.v = random_tensor(s.kv_elems(), cs.dtype, cs.seed * 4 + 2);
+  t.dout = random_tensor(s.q_elems(), cs.dtype, cs.seed * 4 + 3);
+  t.chunk.shape = s;
+  t.chunk.dtype = cs.dtype;
+  t.chunk.q = t.q.data(), t.chunk.k = t.k.data(), t.chunk.v = t.v.data();
+  t.chunk.q_meta = cs.q_meta.data(), t.chunk.k_meta = cs.k_meta.data();
+  t.chunk.mask = cs.mask;
+  t.chunk.scale = cs.scale != 0 ? cs.scale : default_scale(cs.D);
+  return t;
+}
+
+struct KernelResult {
+  std::vector<float> o, lse, delta, dq, dk, dv;
+};
+
+// Forward, delta and backward, as the ring runs them on one chunk. Gradients start at zero.
+inline KernelResult run_kernels(const AttnChunk& c, const void* dout) {
+  const AttnShape& s = c.shape;
+  KernelResult r;
+  r.o.assign(static_cast<size_t>(s.q_elems()), 0.f);
+  r.lse.assign(static_cast<size_t>(s.lse_elems()), 0.f);
+  r.delta.assign(r.lse.size(), 0.f);
+  r.dq.assign(r.o.size(), 0.f);
+  r.dk.assign(static_cast<size_t>(s.kv_elems()), 0.f);
+  r.dv.assign(r.dk.size(), 0.f);
+  cpu::attention_forward(c, r.o.data(), r.lse.data());
+  cpu::attention_delta(s, c.dtype, dout, r.o.data(), r.delta.data());
+  cpu::attention_backward(c, dout, r.lse.data(), r.delta.data(), r.dq.data(), r.dk.data(), r.dv.data());
+  return r;
+}
+
+// The magnitudes M(x) of the error bound and the factor κ, from the inputs in double.
+struct Bounds {
+  double kappa = 0;
+  std::vector<double> o, lse, dq, dk, dv;
+};
+
+inline Bounds error_bounds(const AttnChunk& c, const void* dout, const RefForward& ref) {
+  const AttnShape& s = c.shape;
+  const int D = s.D, G = s.group_size();
+  auto widen = [](const void* p, int64_t n, DType t) {
+    std::vector<float> f(static_cast<size_t>(n));
+    if (n > 0) to_float(f.data(), p, f.size(), t);
+    return std::vector<double>(f.begin(), f.end());
+  };
+  const std::vector<double> q = widen(c.q, s.q_elems(), c.dtype), k = widen(c.k, s.kv_elems(), c.dtype);
+  const std::vector<double> v = widen(c.v, s.kv_elems(), c.dtype), go = widen(dout, s.q_elems(), c.dtype);
+  Bounds bd;
+  bd.o.assign(q.size(), 0), bd.dq.assign(q.size(), 0), bd.dk.assign(k.size(), 0), bd.dv.assign(k.size(), 0);
+  bd.lse.assign(static_cast<size_t>(s.lse_elems()), 1);
+  double e_max = 0;
+  int n_max = D;
+  std::vector<int> col_count(static_cast<size_t>(s.Lk));
+  std::vector<double> p(static_cast<size_t>(s.Lk)), dpa(p.size());
+  for (int b = 0; b < s.B; ++b) {
+    std::fill(col_count.begin(), col_count.end(), 0);
+    for (int h = 0; h < s.Hq; ++h) {
+      const int64_t kv0 = (int64_t{b} * s.Hkv + h / G) * s.Lk;
+      for (int i = 0; i < s.Lq; ++i) {
+        const int64_t row = (int64_t{b} * s.Hq + h) * s.Lq + i;
+        const double lse = ref.lse[row];
+        if (std::isinf(lse)) continue;
+        bd.lse[row] = 1 + std::fabs(lse);
+        const TokenMeta& qm = c.q_meta[int64_t{b} * s.Lq + i];
+        int n = 0;
+        double delta_abs = 0;
+        for (int j = 0; j < s.Lk; ++j) {
+          p[j] = 0;
+          if (!allowed(c.mask, qm, c.k_meta[int64_t{b} * s.Lk + j])) continue;
+          ++n, ++col_count[j];
+          double dot = 0, mag = 0, da = 0;
+          for (int d = 0; d < D; ++d) {
+            dot += q[row * D + d] * k[(kv0 + j) * D + d];
+            mag += std::fabs(q[row * D + d] * k[(kv0 + j) * D + d]);
+            da += std::fabs(go[row * D + d] * v[(kv0 + j) * D + d]);
+          }
+          e_max = std::max(e_max, std::fabs(c.scale) * mag);
+          p[j] = std::exp(c.scale * dot - lse);
+          dpa[j] = da;
+          delta_abs += p[j] * da;
+        }
+        n_max = std::max(n_max, n);
+        for (int j = 0; j < s.Lk; ++j) {
+          if (p[j] == 0) continue;
+          const double ds = p[j] * (dpa[j] + delta_abs) * std::fabs(c.scale);
+          for (int d = 0; d < D; ++d) {
+            bd.o[row * D + d] += p[j] * std::fabs(v[(kv0 + j) * D + d]);
+            bd.dq[row * D + d] += ds * std::fabs(k[(kv0 + j) * D + d]);
+            bd.dk[(kv0 + j) * D + d] += ds * std::fabs(q[row * D + d]);
+            bd.dv[(kv0 + j) * D + d] += p[j] * std::fabs(go[row * D + d]);
+          }
+        }
+      }
+    }
+    for (int j = 0; j < s.Lk; ++j) n_max = std::max(n_max, col_count[j]);
+  }
+  bd.kappa = kEps32 * (2 * D * e_max + 3 * n_max + kSlack);
+  return bd;
+}
+
+// |got - want| <= factor · κ · M elementwise; exact equality where M = 0 (nothing allowed: zeros, -inf).
+inline void expect_close(const char* what, const std::vector<float>& got, const std::vector<double>& want,
+                         const std::vector<double>& mag, double factor, double kappa, const std::string& name) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int reported = 0;
+  for (size_t i = 0; i < got.size() && reported < 3; ++i) {
+    ASSERT_FALSE(std::isnan(got[i])) << what << "[" << i << "] is NaN in " << name;
+    if (std::isinf(want[i]) || mag[i] == 0) {
+      if (static_cast<double>(got[i]) != want[i]) {
+        ADD_FAILURE() << what << "[" << i << "] = " << got[i] << ", want exactly " << want[i] << " in " << name;
+        ++reported;
+      }
+      continue;
+    }
+    const double tol = factor * kappa * mag[i];
+    if (std::fabs(got[i] - want[i]) > tol) {
+      ADD_FAILURE() << what << "[" << i << "] = " << got[i] << ", reference " << want[i] << ", bound " << tol << " in "
+                    << name;
+      ++reported;
+    }
+  }
+}
+
+// Runs one case through the kernels and the reference and checks every output.
+inline void check_case(const Case& cs) {
+  Tensors t = make_tensors(cs);
+  const KernelResult r = run_kernels(t.chunk, t.dout.data());
+  const RefForward ref = reference_forward(t.chunk);
+  const RefBackward gref = reference_backward(t.chunk, t.dout.data());
+  const Bounds bd = error_bounds(t.chunk, t.dout.data(), ref);
+  const std::string name = cs.name();
+  // Forward outputs are single sums: κ. Backward ones multiply two perturbed factors (p through the kernel's
+  // LSE, dp - delta through its O): 2κ to first order.
+  expect_close("o", r.o, ref.o, bd.o, 1, bd.kappa, name);
+  expect_close("lse", r.lse, ref.lse, bd.lse, 1, bd.kappa, name);
+  expect_close("dq", r.dq, gref.dq, bd.dq, 2, bd.kappa, name);
+  expect_close("dk", r.dk, gref.dk, bd.dk, 2, bd.kappa, name);
+  expect_close("dv", r.dv, gref.dv, bd.dv, 2, bd.kappa, name);
+}
+
+}  // namespace rf::testing

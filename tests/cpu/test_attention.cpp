@@ -1,0 +1,235 @@
+// The cpu attention kernels against the scalar reference (tests/cpu/attention_check.h has the error bound and
+// its derivation), over a covering design of the sweep axes:
+//   S ∈ {1, 3, tile-1, tile, tile+1, 1000}, D ∈ {8, 64, 72, 128, 256, 512}, Hq:Hkv ∈ {1, 2, 8, 16},
+//   masks {bidirectional, causal, sliding W ∈ {1, 7, 512}, each with and without bidirectional groups},
+//   metadata kinds {one doc, packed (one-token docs), packed + images, padded, all padding}, f32 and bf16,
+// plus ring-step chunks (Lq != Lk, keys from another part of the row). The full product is ~50k cases of a
+// double-precision O(S²·D) oracle; instead every value of every axis appears, and the risky pairs are crossed:
+// mask × metadata, D × dtype × head ratio, S × mask. S = 1000 runs only with small heads and D.
+#include <gtest/gtest.h>
+
+#include <omp.h>
+
+#include <cstring>
+#include <vector>
+
+#include "core/error.h"
+#include "cpu/attention.h"
+#include "cpu/microkernels.h"
+#include "attention_check.h"
+
+namespace rf::testing {
+namespace {
+
+constexpr int kTile = cpu::kTileQ;
+static_assert(cpu::kTileQ == cpu::kTileK, "the S sweep straddles one tile size");
+
+const int kSeqs[] = {1, 3, kTile - 1, kTile, kTile + 1};  // S = 1000 has its own test (LongRows)
+const int kDims[] = {8, 64, 72, 128, 256, 512};
+const int kGroups[] = {1, 2, 8, 16};  // Hq / Hkv
+const MetaKind kKinds[] = {MetaKind::OneDoc, MetaKind::Packed, MetaKind::PackedImages, MetaKind::Padded,
+                           MetaKind::AllPadding};
+
+std::vector<LayerMask> all_masks() {
+  std::vector<LayerMask> m;
+  for (bool groups : {false, true}) {
+    m.push_back({false, 0, groups});
+    m.push_back({true, 0, groups});
+    for (int w : {1, 7, 512}) m.push_back({true, w, groups});
+  }
+  m.push_back({false, 7, true});  // a bidirectional window
+  return m;
+}
+
+Case square_case(int B, int Hkv, int group, int S, int D, DType t, LayerMask mask, MetaKind kind, uint64_t seed) {
+  Case cs;
+  cs.B = B, cs.Hkv = Hkv, cs.Hq = Hkv * group, cs.Lq = cs.Lk = S, cs.D = D, cs.dtype = t, cs.mask = mask;
+  cs.q_meta = random_meta(B, S, kind, seed);
+  cs.k_meta = cs.q_meta;
+  cs.seed = seed;
+  return cs;
+}
+
+// Every mask against every metadata kind; S, D, heads and dtype cycle through their values.
+TEST(CpuAttention, MaskByMetadata) {
+  const std::vector<LayerMask> masks = all_masks();
+  int i = 0;
+  for (const LayerMask& mask : masks)
+    for (MetaKind kind : kKinds) {
+      const int S = kSeqs[i % 5] + (i % 3 == 0 ? kTile : 0);  // also two-tile rows (tile+1 .. 2·tile+1)
+      const int D = i % 2 ? 8 : 72;
+      const DType t = i % 4 < 2 ? DType::F32 : DType::BF16;
+      check_case(square_case(2, 1 + i % 2, kGroups[i % 3], S, D, t, mask, kind, 100 + i));
+      ++i;
+    }
+}
+
+// Every head dim against both dtypes and every head ratio, on a tile-straddling row with images and padding.
+TEST(CpuAttention, DimByDtypeByGroups) {
+  int i = 0;
+  for (int D : kDims)
+    for (DType t : {DType::F32, DType::BF16})
+      for (int group : kGroups) {
+        const LayerMask mask = i % 2 ? LayerMask{true, 7, true} : LayerMask{true, 0, true};
+        const MetaKind kind = i % 3 == 0 ? MetaKind::Padded : MetaKind::PackedImages;
+        const int S = D >= 256 && group >= 8 ? kTile + 1 : kSeqs[i % 5] + kTile;  // bound the oracle's cost
+        check_case(square_case(1, 1, group, S, D, t, mask, kind, 300 + i));
+        ++i;
+      }
+}
+
+// S = 1000 (16 tiles, a partial last one) with every mask, small heads and D.
+TEST(CpuAttention, LongRows) {
+  int i = 0;
+  for (const LayerMask& mask : all_masks()) {
+    const MetaKind kind = kKinds[i % 4];  // all-padding is covered above
+    check_case(square_case(1, 1, 1 + i % 2, 1000, i % 2 ? 8 : 64, i % 3 ? DType::F32 : DType::BF16, mask, kind,
+                           500 + i));
+    ++i;
+  }
+}
+
+// A ring step: queries are one part of a row, keys another (earlier, later, overlapping), with their own idx.
+TEST(CpuAttention, RingStepChunks) {
+  const int S = 400;
+  struct Split {
+    int q0, lq, k0, lk;
+  };
+  const Split splits[] = {{200, 130, 0, 200},     // keys strictly before the queries (a causal ring step)
+                          {260, 70, 100, 129},    // a window's halo: only the last keys can be in reach
+                          {0, 65, 300, 100},      // keys after the queries: causal masks make it empty
+                          {130, 140, 100, 300}};  // overlapping ranges
+  const LayerMask masks[] = {{true, 0, false}, {true, 64, true}, {false, 0, true}, {true, 7, false}};
+  int i = 0;
+  for (const Split& sp : splits)
+    for (const LayerMask& mask : masks) {
+      Case cs;
+      cs.B = 2, cs.Hkv = 2, cs.Hq = 2 * (1 + i % 2), cs.Lq = sp.lq, cs.Lk = sp.lk, cs.D = i % 2 ? 64 : 8;
+      cs.dtype = i % 3 ? DType::F32 : DType::BF16, cs.mask = mask, cs.seed = 700 + i;
+      const std::vector<TokenMeta> rows = random_meta(2, S, MetaKind::PackedImages, cs.seed);
+      for (int b = 0; b < 2; ++b) {
+        const TokenMeta* row = rows.data() + int64_t{b} * S;
+        cs.q_meta.insert(cs.q_meta.end(), row + sp.q0, row + sp.q0 + sp.lq);
+        cs.k_meta.insert(cs.k_meta.end(), row + sp.k0, row + sp.k0 + sp.lk);
+      }
+      check_case(cs);
+      ++i;
+    }
+}
+
+// A scale other than 1/sqrt(D) (Gemma 4 uses 1.0) and a non-trivial one.
+TEST(CpuAttention, ExplicitScale) {
+  for (float scale : {1.0f, 0.3f}) {
+    Case cs = square_case(1, 2, 2, 2 * kTile + 5, 64, DType::F32, {true, 0, true}, MetaKind::PackedImages, 900);
+    cs.scale = scale;
+    check_case(cs);
+  }
+}
+
+// Rows with no allowed key: exactly O = 0, LSE = -inf, zero gradients (never NaN), and keys nobody reads get
+// exactly zero dK/dV.
+TEST(CpuAttention, EmptyRowsAreExactlyZero) {
+  for (DType t : {DType::F32, DType::BF16}) {
+    for (MetaKind kind : {MetaKind::AllPadding, MetaKind::Padded}) {
+      Case cs = square_case(1, 1, 2, 3 * kTile, 72, t, {true, 0, false}, kind, 950);
+      Tensors tn = make_tensors(cs);
+      const KernelResult r = run_kernels(tn.chunk, tn.dout.data());
+      const AttnShape& s = tn.chunk.shape;
+      for (int h = 0; h < s.Hq; ++h)
+        for (int i = 0; i < s.Lq; ++i) {
+          if (cs.q_meta[i].doc != kPaddingDoc) continue;
+          const int64_t row = int64_t{h} * s.Lq + i;
+          EXPECT_EQ(r.lse[row], -std::numeric_limits<float>::infinity());
+          for (int d = 0; d < s.D; ++d) {
+            EXPECT_EQ(r.o[row * s.D + d], 0.f);
+            EXPECT_EQ(r.dq[row * s.D + d], 0.f);
+          }
+        }
+      for (int j = 0; j < s.Lk; ++j) {
+        if (cs.k_meta[j].doc != kPaddingDoc) continue;
+        for (int d = 0; d < s.D; ++d) {
+          EXPECT_EQ(r.dk[int64_t{j} * s.D + d], 0.f);
+          EXPECT_EQ(r.dv[int64_t{j} * s.D + d], 0.f);
+        }
+      }
+    }
+  }
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+void expect_same_bits(const KernelResult& a, const KernelResult& b, const char* what) {
+  EXPECT_TRUE(same_bits(a.o, b.o)) << "o " << what;
+  EXPECT_TRUE(same_bits(a.lse, b.lse)) << "lse " << what;
+  EXPECT_TRUE(same_bits(a.dq, b.dq)) << "dq " << what;
+  EXPECT_TRUE(same_bits(a.dk, b.dk)) << "dk " << what;
+  EXPECT_TRUE(same_bits(a.dv, b.dv)) << "dv " << what;
+}
+
+// The same inputs give the same bits, run to run and for 1 or 2 OpenMP threads.
+TEST(CpuAttention, DeterministicAcrossRunsAndThreads) {
+  for (DType t : {DType::F32, DType::BF16}) {
+    Case cs = square_case(2, 2, 2, 5 * kTile + 3, 64, t, {true, 100, true}, MetaKind::PackedImages, 990);
+    Tensors tn = make_tensors(cs);
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(2);
+    const KernelResult a = run_kernels(tn.chunk, tn.dout.data());
+    const KernelResult b = run_kernels(tn.chunk, tn.dout.data());
+    omp_set_num_threads(1);
+    const KernelResult c = run_kernels(tn.chunk, tn.dout.data());
+    omp_set_num_threads(saved);
+    expect_same_bits(a, b, "differs between two runs");
+    expect_same_bits(a, c, "differs between 1 and 2 threads");
+  }
+}
+
+// Backward adds into the caller's gradients: a second call into the same buffers doubles them exactly (the
+// kernel's own sum has the same bits both times, and x + x is exact in float32).
+TEST(CpuAttention, BackwardAccumulates) {
+  Case cs = square_case(1, 1, 2, 2 * kTile + 1, 64, DType::F32, {true, 0, false}, MetaKind::Packed, 995);
+  Tensors tn = make_tensors(cs);
+  KernelResult r = run_kernels(tn.chunk, tn.dout.data());
+  const std::vector<float> dq = r.dq, dk = r.dk, dv = r.dv;
+  cpu::attention_backward(tn.chunk, tn.dout.data(), r.lse.data(), r.delta.data(), r.dq.data(), r.dk.data(),
+                          r.dv.data());
+  for (size_t i = 0; i < dq.size(); ++i) ASSERT_EQ(r.dq[i], 2 * dq[i]);
+  for (size_t i = 0; i < dk.size(); ++i) ASSERT_EQ(r.dk[i], 2 * dk[i]);
+  for (size_t i = 0; i < dv.size(); ++i) ASSERT_EQ(r.dv[i], 2 * dv[i]);
+}
+
+TEST(CpuAttention, RejectsBadChunks) {
+  Case cs = square_case(1, 2, 1, 4, 8, DType::F32, {}, MetaKind::OneDoc, 1);
+  cs.Hq = 3;  // not a multiple of Hkv = 2
+  Tensors tn = make_tensors(cs);
+  std::vector<float> o(64), lse(8);
+  EXPECT_THROW(cpu::attention_forward(tn.chunk, o.data(), lse.data()), Error);
+}
+
+#ifdef __AVX512F__
+// The vector exp2 against std::exp2 over the softmax's range, and its edge cases: documents the accuracy the
+// error bound in attention_check.h assumes (< 3e-7 relative).
+TEST(CpuAttention, VectorExp2Accuracy) {
+  constexpr double kMaxRelErr = 3e-7;
+  double worst = 0;
+  for (int i = 0; i <= 126 * 4096; i += 16) {
+    alignas(64) float x[cpu::detail::kLanes], y[cpu::detail::kLanes];
+    for (int l = 0; l < cpu::detail::kLanes; ++l) x[l] = -static_cast<float>(i + l) / 4096.f;
+    _mm512_store_ps(y, cpu::detail::exp2_ps(_mm512_load_ps(x)));
+    for (int l = 0; l < cpu::detail::kLanes; ++l)
+      worst = std::max(worst, std::fabs(y[l] - std::exp2(double{x[l]})) / std::exp2(double{x[l]}));
+  }
+  EXPECT_LT(worst, kMaxRelErr);
+  alignas(64) float x[cpu::detail::kLanes], y[cpu::detail::kLanes];
+  for (float& v : x) v = -std::numeric_limits<float>::infinity();
+  x[1] = 0.f, x[2] = -1000.f;
+  _mm512_store_ps(y, cpu::detail::exp2_ps(_mm512_load_ps(x)));
+  EXPECT_EQ(y[0], 0.f);  // -inf -> exactly 0, not NaN
+  EXPECT_EQ(y[1], 1.f);  // 2^0 exactly: the polynomial's constant term is 1
+  EXPECT_EQ(y[2], 0.f);
+}
+#endif
+
+}  // namespace
+}  // namespace rf::testing
