@@ -115,7 +115,7 @@ std::string report_text(const std::vector<SchemeReport>& reports) {
   out << "\n";
 
   section(out, "tokens held (valid, all rows)", reports,
-          [](const SchemeReport& rep, int r) { return human_count(rep.tokens[r]); });
+          [](const SchemeReport& rep, int r) { return std::to_string(rep.tokens[r]); });
   section(out, "work (allowed q.k pairs x layers)", reports,
           [](const SchemeReport& rep, int r) { return human_count(rep.work[r]); });
   footer(out, "max/mean", reports, [](const SchemeReport& rep) {
