@@ -9,8 +9,9 @@
 // Contiguity matters too: every separate run of blocks on a rank needs its own sliding-window halo, and short runs
 // fragment the kernel's work. So several deals are tried, from the fewest runs per rank to the most:
 //   1. contiguous (one run per rank);
-//   2. two runs per rank in zigzag order with movable cuts, balanced pair by pair (enough for causal rows and
-//      most packed ones: zigzag's exact balance on causal rows, adjusted to documents, images and padding);
+//   2. two runs per rank in zigzag order with movable cuts, the cuts chosen by a dynamic programme to minimise
+//      the busiest rank (enough for causal rows and many packed ones: zigzag's balance on causal rows, adjusted
+//      to documents, images and padding);
 //   3. runs of every length dividing L / block, dealt heaviest first to the least-loaded rank with room, then
 //      refined by swaps (for lumpy rows).
 // The one with the fewest runs per rank whose busiest rank is within kContiguityTolerance of the best deal wins.
