@@ -1,0 +1,53 @@
+// ringflex comm: the collectives every backend shares, written on top of allgather so they reduce in rank order.
+#include "comm/communicator.h"
+
+#include <algorithm>
+
+namespace rf::comm {
+
+void wait_all(std::span<RequestPtr> requests, Timeout timeout) {
+  for (RequestPtr& r : requests) {
+    if (!r) continue;
+    r->wait(timeout);
+    r.reset();
+  }
+}
+
+void Communicator::barrier(Timeout timeout) {
+  const uint8_t token = 1;
+  std::vector<uint8_t> all(static_cast<size_t>(size()));
+  allgather(&token, all.data(), 1, timeout);
+}
+
+namespace {
+
+template <typename T>
+void reduce_in_rank_order(Communicator& c, T* data, size_t n, ReduceOp op, Timeout timeout) {
+  const size_t P = static_cast<size_t>(c.size());
+  std::vector<T> all(P * n);
+  c.allgather(data, all.data(), n * sizeof(T), timeout);
+  for (size_t i = 0; i < n; ++i) {
+    T acc = all[i];
+    for (size_t r = 1; r < P; ++r) {
+      const T x = all[r * n + i];
+      switch (op) {
+        case ReduceOp::Sum: acc = acc + x; break;
+        case ReduceOp::Min: acc = std::min(acc, x); break;
+        case ReduceOp::Max: acc = std::max(acc, x); break;
+      }
+    }
+    data[i] = acc;
+  }
+}
+
+}  // namespace
+
+void Communicator::allreduce(double* data, size_t n, ReduceOp op, Timeout timeout) {
+  reduce_in_rank_order(*this, data, n, op, timeout);
+}
+
+void Communicator::allreduce(int64_t* data, size_t n, ReduceOp op, Timeout timeout) {
+  reduce_in_rank_order(*this, data, n, op, timeout);
+}
+
+}  // namespace rf::comm

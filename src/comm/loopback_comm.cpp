@@ -1,0 +1,171 @@
+// ringflex comm: the loopback backend (see loopback_comm.h).
+#include "comm/loopback_comm.h"
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <tuple>
+
+#include "core/error.h"
+
+namespace rf::comm {
+namespace {
+
+using Message = std::vector<std::vector<uint8_t>>;  // one byte vector per buffer
+
+// Collectives use tags outside the user range so they never match a point-to-point message.
+constexpr int kAllgatherTag = Communicator::kMaxTag;
+constexpr int kBroadcastTag = Communicator::kMaxTag + 1;
+
+struct World {
+  explicit World(int p) : P(p) {}
+  const int P;
+  std::mutex mutex;
+  std::condition_variable arrived;
+  std::map<std::tuple<int, int, int>, std::deque<Message>> mail;  // (source, destination, tag) -> FIFO
+  int failed_rank = -1;                                           // first rank whose function threw
+  std::exception_ptr first_error;
+};
+
+class LoopbackRequest final : public Request {
+ public:
+  // A send is complete when posted (eager copy): wait() returns at once.
+  LoopbackRequest() = default;
+  LoopbackRequest(World* w, int self, int peer, int tag, std::vector<RecvBuffer> bufs, std::string label)
+      : world_(w), self_(self), peer_(peer), tag_(tag), buffers_(std::move(bufs)), label_(std::move(label)) {}
+
+  void wait(Timeout timeout) override {
+    if (!world_) return;
+    std::unique_lock lock(world_->mutex);
+    const auto key = std::make_tuple(peer_, self_, tag_);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const bool ok = world_->arrived.wait_until(lock, deadline, [&] {
+      if (world_->failed_rank >= 0) return true;
+      auto it = world_->mail.find(key);
+      return it != world_->mail.end() && !it->second.empty();
+    });
+    auto it = world_->mail.find(key);
+    const bool have = it != world_->mail.end() && !it->second.empty();
+    if (!have) {
+      RF_CHECK(world_->failed_rank < 0, "rank ", self_, ": gave up receiving ", label_, " from rank ", peer_,
+               " (tag ", tag_, ") because rank ", world_->failed_rank, " failed");
+      RF_CHECK(ok, "rank ", self_, ": timed out after ", timeout.count(), " ms waiting to receive ", label_,
+               " from rank ", peer_, " (tag ", tag_, ")");
+    }
+    Message msg = std::move(it->second.front());
+    it->second.pop_front();
+    lock.unlock();
+    RF_CHECK(msg.size() == buffers_.size(), "rank ", self_, ": ", label_, " from rank ", peer_, " has ", msg.size(),
+             " buffers, expected ", buffers_.size());
+    for (size_t i = 0; i < msg.size(); ++i) {
+      RF_CHECK(msg[i].size() == buffers_[i].bytes, "rank ", self_, ": ", label_, " from rank ", peer_, " buffer ", i,
+               " has ", msg[i].size(), " bytes, expected ", buffers_[i].bytes);
+      if (!msg[i].empty()) std::memcpy(buffers_[i].data, msg[i].data(), msg[i].size());
+    }
+    world_ = nullptr;
+  }
+
+ private:
+  World* world_ = nullptr;
+  int self_ = 0, peer_ = 0, tag_ = 0;
+  std::vector<RecvBuffer> buffers_;
+  std::string label_;
+};
+
+class LoopbackComm final : public Communicator {
+ public:
+  LoopbackComm(World* w, int rank) : world_(w), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return world_->P; }
+  std::string backend() const override { return "loopback"; }
+
+  RequestPtr isend(int peer, int tag, std::span<const SendBuffer> buffers, std::string label) override {
+    check_user(peer, tag, label);
+    post(peer, tag, buffers);
+    return std::make_unique<LoopbackRequest>();
+  }
+
+  RequestPtr irecv(int peer, int tag, std::span<const RecvBuffer> buffers, std::string label) override {
+    check_user(peer, tag, label);
+    return std::make_unique<LoopbackRequest>(world_, rank_, peer, tag,
+                                             std::vector<RecvBuffer>(buffers.begin(), buffers.end()),
+                                             std::move(label));
+  }
+
+  void allgather(const void* send, void* recv, size_t bytes, Timeout timeout) override {
+    const SendBuffer s{send, bytes};
+    for (int p = 0; p < world_->P; ++p) post(p, kAllgatherTag, {&s, 1});
+    for (int p = 0; p < world_->P; ++p) {
+      const RecvBuffer r{static_cast<uint8_t*>(recv) + p * bytes, bytes};
+      LoopbackRequest(world_, rank_, p, kAllgatherTag, {r}, "allgather").wait(timeout);
+    }
+  }
+
+  void broadcast(void* data, size_t bytes, int root, Timeout timeout) override {
+    RF_CHECK(root >= 0 && root < world_->P, "broadcast root ", root, " is not a rank of ", world_->P);
+    if (rank_ == root) {
+      const SendBuffer s{data, bytes};
+      for (int p = 0; p < world_->P; ++p)
+        if (p != root) post(p, kBroadcastTag, {&s, 1});
+      return;
+    }
+    LoopbackRequest(world_, rank_, root, kBroadcastTag, {RecvBuffer{data, bytes}}, "broadcast").wait(timeout);
+  }
+
+ private:
+  void check_user(int peer, int tag, const std::string& label) const {
+    RF_CHECK(peer >= 0 && peer < world_->P, "rank ", rank_, ": ", label, ": peer ", peer, " is not a rank of ",
+             world_->P);
+    RF_CHECK(tag >= 0 && tag < kMaxTag, "rank ", rank_, ": ", label, ": tag ", tag, " outside [0, ", kMaxTag, ")");
+  }
+
+  void post(int peer, int tag, std::span<const SendBuffer> buffers) {
+    Message msg;
+    for (const SendBuffer& b : buffers) {
+      const auto* p = static_cast<const uint8_t*>(b.data);
+      msg.emplace_back(p, p + b.bytes);
+    }
+    {
+      std::lock_guard lock(world_->mutex);
+      world_->mail[std::make_tuple(rank_, peer, tag)].push_back(std::move(msg));
+    }
+    world_->arrived.notify_all();
+  }
+
+  World* world_;
+  int rank_;
+};
+
+}  // namespace
+
+void run_ranks(int P, const std::function<void(Communicator&)>& fn) {
+  RF_CHECK(P >= 1, "run_ranks needs at least one rank, got ", P);
+  World world(P);
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r) {
+    threads.emplace_back([&world, &fn, r] {
+      LoopbackComm comm(&world, r);
+      try {
+        fn(comm);
+      } catch (...) {
+        {
+          std::lock_guard lock(world.mutex);
+          if (world.failed_rank < 0) {
+            world.failed_rank = r;
+            world.first_error = std::current_exception();
+          }
+        }
+        world.arrived.notify_all();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  if (world.first_error) std::rethrow_exception(world.first_error);
+}
+
+}  // namespace rf::comm

@@ -1,0 +1,93 @@
+// Cases every communicator backend must pass, written once against the interface and run by the loopback test
+// (threads) and the MPI test (processes under mpirun). The oracle is arithmetic on rank numbers.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "core/error.h"
+
+namespace rf::comm::cases {
+
+constexpr Timeout kTestTimeout{20000};  // far above any honest transfer here; only a hang reaches it
+
+// Several buffers of different sizes (one empty) travel one step around the ring, twice with one tag: the
+// second message must not overtake the first.
+inline void ring_of_buffers(Communicator& c) {
+  const int P = c.size(), r = c.rank(), next = (r + 1) % P, prev = (r + P - 1) % P;
+  for (int round = 0; round < 2; ++round) {
+    std::vector<float> a(1000 + 7 * r, static_cast<float>(r + round));
+    std::vector<int32_t> b(3, r * 10 + round);
+    std::vector<float> ra(1000 + 7 * prev), empty_r;
+    std::vector<int32_t> rb(3);
+    const std::array<SendBuffer, 3> s{{{a.data(), a.size() * 4}, {nullptr, 0}, {b.data(), b.size() * 4}}};
+    const std::array<RecvBuffer, 3> rv{{{ra.data(), ra.size() * 4}, {nullptr, 0}, {rb.data(), rb.size() * 4}}};
+    RequestPtr recv = c.irecv(prev, 5, rv, "ring test");
+    RequestPtr send = c.isend(next, 5, s, "ring test");
+    recv->wait(kTestTimeout);
+    send->wait(kTestTimeout);
+    for (float x : ra) ASSERT_EQ(x, static_cast<float>(prev + round));
+    for (int32_t x : rb) ASSERT_EQ(x, prev * 10 + round);
+  }
+}
+
+inline void collectives(Communicator& c) {
+  const int P = c.size(), r = c.rank();
+  std::vector<int32_t> all(static_cast<size_t>(P));
+  const int32_t mine = 100 + r;
+  c.allgather(&mine, all.data(), sizeof mine, kTestTimeout);
+  for (int p = 0; p < P; ++p) EXPECT_EQ(all[p], 100 + p);
+
+  std::array<int64_t, 3> v{r, r, r};
+  c.allreduce(v.data(), 1, ReduceOp::Sum, kTestTimeout);
+  c.allreduce(v.data() + 1, 1, ReduceOp::Max, kTestTimeout);
+  c.allreduce(v.data() + 2, 1, ReduceOp::Min, kTestTimeout);
+  EXPECT_EQ(v[0], int64_t{P} * (P - 1) / 2);
+  EXPECT_EQ(v[1], P - 1);
+  EXPECT_EQ(v[2], 0);
+
+  double d = 0.5 * r;
+  c.allreduce(&d, 1, ReduceOp::Sum, kTestTimeout);
+  EXPECT_EQ(d, 0.25 * P * (P - 1));  // exact: halves of small integers
+
+  const int root = P - 1;
+  std::array<char, 6> word{};
+  if (r == root) word = {'r', 'i', 'n', 'g', '!', 0};
+  c.broadcast(word.data(), word.size(), root, kTestTimeout);
+  EXPECT_EQ(std::string(word.data()), "ring!");
+  c.barrier(kTestTimeout);
+}
+
+// A receive nobody answers fails by its deadline with a message naming the rank, the peer, the tag and label.
+inline void receive_deadline_names_the_peer(Communicator& c) {
+  const int P = c.size(), r = c.rank(), prev = (r + P - 1) % P;
+  int32_t x = 0;
+  const RecvBuffer rb{&x, sizeof x};
+  RequestPtr recv = c.irecv(prev, 77, {&rb, 1}, "K/V of step 3");
+  try {
+    recv->wait(Timeout{50});
+    ADD_FAILURE() << "a receive nobody sends must time out";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("rank " + std::to_string(r)), std::string::npos) << msg;
+    EXPECT_NE(msg.find("from rank " + std::to_string(prev)), std::string::npos) << msg;
+    EXPECT_NE(msg.find("tag 77"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("K/V of step 3"), std::string::npos) << msg;
+  }
+  c.barrier(kTestTimeout);
+}
+
+inline void bad_peer_and_tag_are_rejected(Communicator& c) {
+  int32_t x = 0;
+  const SendBuffer sb{&x, sizeof x};
+  EXPECT_THROW(c.isend(c.size(), 0, {&sb, 1}, "bad peer"), Error);
+  EXPECT_THROW(c.isend(0, Communicator::kMaxTag, {&sb, 1}, "bad tag"), Error);
+  EXPECT_THROW(c.isend(0, -1, {&sb, 1}, "bad tag"), Error);
+}
+
+}  // namespace rf::comm::cases

@@ -1,0 +1,33 @@
+// The MPI communicator under a real `mpirun -n P` (CTest runs it for several P): the shared backend cases.
+// Every rank runs every test; a failed assertion on any rank makes mpirun exit non-zero.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include "comm/mpi_comm.h"
+#include "comm_cases.h"
+
+namespace rf::comm {
+namespace {
+
+std::unique_ptr<Communicator>& world() {
+  static std::unique_ptr<Communicator> w;
+  return w;
+}
+
+TEST(Mpi, RingOfBuffers) { cases::ring_of_buffers(*world()); }
+TEST(Mpi, Collectives) { cases::collectives(*world()); }
+TEST(Mpi, ReceiveDeadlineNamesThePeer) { cases::receive_deadline_names_the_peer(*world()); }
+TEST(Mpi, BadPeerAndTagAreRejected) { cases::bad_peer_and_tag_are_rejected(*world()); }
+
+}  // namespace
+}  // namespace rf::comm
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  rf::comm::world() = rf::comm::make_mpi_world();
+  const int rc = RUN_ALL_TESTS();
+  rf::comm::world().reset();
+  MPI_Finalize();
+  return rc;
+}
