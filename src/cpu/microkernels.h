@@ -9,9 +9,9 @@
 // the same loops as the fast ones; the zero lanes add exact zeros. kDp > 0 fixes Dp at compile time (the fast
 // paths: the d loops unroll and the tile buffers' strides are constants); kDp = 0 reads it at run time.
 //
-// With AVX-512 (Zen 4) each call keeps a block of up to kRowBlock rows x 64 floats in 24 zmm accumulators:
+// With AVX-512 each call keeps a block of up to kRowBlock rows x 64 floats in 24 zmm accumulators:
 // per step 4 vector loads of B (or X) and kRowBlock broadcasts feed 4·kRowBlock FMAs, so the loads are not the
-// bottleneck (Zen 4 issues 2 loads per cycle). bfloat16 inputs are widened to float32 while packing (exact);
+// bottleneck (Zen 4 and current Xeons issue 2 or more loads per cycle). bfloat16 inputs are widened to float32 while packing (exact);
 // optionally (kHaveBf16Dot) the abt product uses vdpbf16ps instead, two multiply-adds per float32 lane (pairs of
 // adjacent d) with float32 accumulation: A's rows are bf16 pairs broadcast as 32-bit words, Bt is packed as
 // [Dp/2, kTileK] pairs.
@@ -37,9 +37,10 @@ constexpr int kColVecs = kTileCols / kLanes;
 constexpr int kRowBlock = 6;    // rows per register block: 6 x 4 accumulators + 4 operands + 1 broadcast <= 32 zmm
 
 // Whether bf16 inputs use vdpbf16ps for the abt products (operands kept as bf16 pairs) instead of being widened
-// to float32 while packing. Opt-in (CMake RINGFLEX_BF16_DOT): on the Zen 4 development VM one 64 x 64 x 128 tile
-// product, timed alone in a loop, ran at 112 GFLOP/s with vdpbf16ps against 198 GFLOP/s with float32 FMAs — the
-// instruction retires ~3.5x less often than vfmadd231ps — so it does not pay there (see BENCHMARKS.md).
+// to float32 while packing. Opt-in (CMake RINGFLEX_BF16_DOT): on the development VM (2 vCPU; lscpu reports an
+// Intel Xeon with AVX-512 BF16) one 64 x 64 x 128 tile product, timed alone in a loop, ran at 112 GFLOP/s with
+// vdpbf16ps against 198 GFLOP/s with float32 FMAs — the instruction retires ~3.5x less often than vfmadd231ps —
+// so it does not pay there (see BENCHMARKS.md).
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(RF_BF16_DOT)
 constexpr bool kHaveBf16Dot = true;
 #else

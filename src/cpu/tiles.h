@@ -298,7 +298,7 @@ inline void grad_step(float* s, float* dp, int rows, const RowBits* bits, float 
 
 // Heads of one kv group processed together as one work item, so each K/V tile is packed once and read from
 // cache by all of them. Bounded so the item's packed Q and float32 accumulators (2 · heads · kTileQ · Dp floats)
-// stay within about half of Zen 4's 1 MiB L2.
+// stay within about half of a 1 MiB L2 (Zen 4; current Xeons have 2 MiB).
 constexpr int64_t kItemFloats = 128 * 1024;
 inline int heads_per_item(int group, int Dp) {
   const int64_t fit = kItemFloats / (2 * int64_t{kTileQ} * Dp);
