@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -170,6 +171,13 @@ inline void pack_cols_dot(const void* src, int nk, int D, int Dp, Dot<kT>* dst) 
       for (int d = 0; d < D; ++d) dst[d * kTileK + j] = load_elem<kT>(src, int64_t{j} * D + d);
     }
   }
+}
+
+// Packed-tile storage, left uninitialised: only needed tiles are read and packing writes every element of those
+// (zeros included), so value-initialising the O(Lk · Dp) buffers would be a wasted pass over memory.
+template <typename T>
+std::unique_ptr<T[]> uninitialized(size_t n) {
+  return std::unique_ptr<T[]>(new T[n]);
 }
 
 // Which key tiles at least one query tile reads (classify != Empty): [B, nkt]. Tiles nobody reads are neither
