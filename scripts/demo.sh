@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on built-in data: builds ringflex and runs `ringflex demo` (a generated Gemma 4-like case through
-# the attention engine, checked against the scalar reference, with a speed summary).
+# the attention engine, checked against the scalar reference, with a speed summary). Options go to the demo,
+# e.g. `scripts/demo.sh --seq 8192` for a longer row; `ringflex demo --help` lists them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake -B build -DRINGFLEX_BUILD_TESTS=OFF >/dev/null

@@ -1,11 +1,76 @@
-// Placeholder registration so the executable links while `ringflex attn` is written; replaced by the real command.
+// ringflex attn: masked attention of a safetensors file's q/k/v (and backward with dout), SPEC §7.
+//
+//     ringflex attn --in IN.safetensors --out OUT.safetensors [--window W] [--no-causal] [--bidirectional-groups]
+//                   [--scale X] [--shard contiguous|zigzag|balanced] [--algo ring|allgather] [--threads N]
+//
+// Run as `mpirun -n P ringflex attn ...` or plainly (P = 1). Every rank reads and validates the input itself,
+// the ranks agree that all of them succeeded (a bad input is one line on every rank, never a hang), the job
+// runs through the CP boundary (attn_job.h), and rank 0 writes the outputs.
+#include <omp.h>
+
+#include <cstdio>
+#include <memory>
+#include <optional>
+
+#include "cli/agree.h"
+#include "cli/attn_job.h"
 #include "cli/command.h"
-#include "core/error.h"
+#include "comm/mpi_comm.h"
 
 namespace rf::cli {
 
+namespace {
+
+constexpr int kMaxThreads = 1024;  // a sanity bound for --threads, far above any machine this runs on
+
+struct AttnOptions {
+  std::string in, out;
+  LayerMask mask;
+  bool no_causal = false;  // --no-causal; folded into mask.causal when the command runs
+  std::optional<float> scale;
+  CpOptions cp;
+  int threads = 0;  // 0: OpenMP's default (every core)
+};
+
+int run_attn(const AttnOptions& opt) {
+  if (opt.threads > 0) omp_set_num_threads(opt.threads);
+  const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
+  AttnJob job;
+  agree(*world, [&] { job = read_attn_job(opt.in, opt.mask, opt.scale); });
+  const AttnResult result = run_attention(job, opt.cp, *world);
+  agree(*world, [&] {
+    if (world->rank() == 0) write_attn_result(opt.out, job, result);
+  });
+  if (world->rank() == 0) {
+    const AttnShape& s = job.shape;
+    std::printf("ringflex attn: wrote %s (B=%d Hq=%d Hkv=%d S=%d D=%d %s, mask %s): forward %.3f s", opt.out.c_str(),
+                s.B, s.Hq, s.Hkv, s.Lq, s.D, std::string(dtype_name(job.dtype)).c_str(), job.mask.name().c_str(),
+                result.forward_seconds);
+    if (job.has_dout) std::printf(", backward %.3f s", result.backward_seconds);
+    std::printf("\n");
+  }
+  return 0;
+}
+
+}  // namespace
+
 void add_attn_command(CLI::App& app, Runner& run) {
-  app.add_subcommand("attn", "(not built yet)")->callback([&run] { run = [] { return rf::fail("ringflex attn is not built yet"), 1; }; });
+  auto opt = std::make_shared<AttnOptions>();
+  CLI::App* cmd = app.add_subcommand("attn", "Masked attention (and its backward) of a safetensors file's q, k, v");
+  cmd->add_option("--in", opt->in, "Input: q, k, v [, dout, doc, group]")->required();
+  cmd->add_option("--out", opt->out, "Output: out, lse [, dq, dk, dv]")->required();
+  cmd->add_option("--window", opt->mask.window, "Sliding window W (0 = none)");
+  cmd->add_flag("--no-causal", opt->no_causal, "Let queries see later keys");
+  cmd->add_flag("--bidirectional-groups", opt->mask.bidirectional_groups, "Image groups see each other fully");
+  cmd->add_option("--scale", opt->scale, "Multiplier of q.k (default 1/sqrt(D))");
+  cmd->add_option("--shard", opt->cp.shard, "Sharding scheme (default: the best one)")
+      ->check(CLI::IsMember({"contiguous", "zigzag", "balanced"}));
+  cmd->add_option("--algo", opt->cp.algo, "CP algorithm")->check(CLI::IsMember({"ring", "allgather"}));
+  cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")->check(CLI::Range(1, kMaxThreads));
+  cmd->callback([&run, opt] {
+    opt->mask.causal = !opt->no_causal;
+    run = [opt] { return run_attn(*opt); };
+  });
 }
 
 }  // namespace rf::cli

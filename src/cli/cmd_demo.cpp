@@ -1,11 +1,274 @@
-// Placeholder registration so the executable links while `ringflex demo` is written; replaced by the real command.
+// ringflex demo: the main job on built-in data (scripts/demo.sh runs it).
+//
+// Generates one Gemma 4-like packed VLM row (documents of ~2048 tokens with 256-token image groups at their
+// start and trailing padding), runs a sliding-window layer and a full layer through the same path as
+// `ringflex attn` (forward and backward), checks the result against the scalar reference, and prints what the
+// mask saved and how fast the kernels ran. Exits non-zero if any check fails.
+//
+// Checks, all against quantities the kernels did not compute:
+//   - out, lse and dQ of sampled query rows against rf::reference_forward/backward of those rows (a query's
+//     output and gradient depend only on its own row, so a row sample is exact);
+//   - dK and dV of the whole row by column sums, which the softmax fixes exactly: for each kv head,
+//     sum_j dV_j = sum over its query heads and valid rows i of dOut_i (each valid row's probabilities sum to 1),
+//     and sum_j dK_j = 0 (each row's dS sums to 0). A per-key reference would cost a full S x S pass per key.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+
+#include "cli/agree.h"
+#include "cli/attn_job.h"
 #include "cli/command.h"
-#include "core/error.h"
+#include "comm/mpi_comm.h"
+#include "core/row_meta.h"
+#include "reference/attention_ref.h"
 
 namespace rf::cli {
 
+namespace {
+
+// Gemma 4 26B-A4B / 31B shapes (research/seed-and-gemma4-facts.md §5.1): sliding layers have head dim 256 and a
+// 1024-token window, full layers head dim 512; image groups are bidirectional on both (current transformers).
+constexpr int kGemmaSlidingHeadDim = 256;
+constexpr int kGemmaFullHeadDim = 512;
+constexpr int kGemmaSlidingWindow = 1024;
+
+// Allowed error of a checked value, as a fraction of the scale of what it is compared with (see verify()).
+// float32 accumulation over thousands of keys leaves errors around 1e-6 of that scale; one wrongly masked key
+// moves an output row by about |v - o| / (keys the row sees) >= 1e-4 for rows that see <= 2048 keys.
+constexpr double kRowTolerance = 5e-5;
+// Column sums: each per-key gradient carries a float32 relative error well below 1e-5, and the residual of a
+// sum is at most that fraction of the sum of magnitudes.
+constexpr double kColumnSumTolerance = 1e-4;
+
+struct DemoOptions {
+  int S = 4096;
+  int Hq = 8, Hkv = 1;
+  int D = kGemmaSlidingHeadDim, D_full = kGemmaFullHeadDim;
+  int window = kGemmaSlidingWindow;
+  std::string dtype = "bf16";
+  int check_rows = 6;
+  int threads = 0;
+  uint64_t seed = 1;
+};
+
+struct DemoLayer {
+  const char* name;
+  LayerMask mask;
+  int D;
+};
+
+// Uniform in [-1, 1) from a counter: splitmix64 of (seed, i), so generation is deterministic, parallel and
+// independent of the thread count.
+float uniform(uint64_t seed, uint64_t i) {
+  constexpr int kMantissaBits = 24;
+  uint64_t z = seed * 0x9e3779b97f4a7c15ull + i;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> (64 - kMantissaBits)) / static_cast<float>(1 << (kMantissaBits - 1)) - 1.f;
+}
+
+std::vector<std::byte> random_tensor(int64_t n, DType t, uint64_t seed) {
+  std::vector<float> f(static_cast<size_t>(n));
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) f[i] = uniform(seed, static_cast<uint64_t>(i));
+  std::vector<std::byte> bytes(static_cast<size_t>(n) * dtype_size(t));
+  from_float(bytes.data(), f.data(), f.size(), t);
+  return bytes;
+}
+
+AttnJob make_job(const DemoOptions& o, const DemoLayer& layer, const std::vector<TokenMeta>& meta, uint64_t seed) {
+  AttnJob job;
+  job.shape = {1, o.Hq, o.Hkv, o.S, o.S, layer.D};
+  job.dtype = o.dtype == "bf16" ? DType::BF16 : DType::F32;
+  job.mask = layer.mask;
+  job.scale = default_scale(layer.D);
+  job.has_dout = true;
+  job.q = random_tensor(job.shape.q_elems(), job.dtype, seed + 1);
+  job.k = random_tensor(job.shape.kv_elems(), job.dtype, seed + 2);
+  job.v = random_tensor(job.shape.kv_elems(), job.dtype, seed + 3);
+  job.dout = random_tensor(job.shape.q_elems(), job.dtype, seed + 4);
+  job.meta = meta;
+  return job;
+}
+
+// A: the number of allowed (q, k) pairs, by the predicate itself (SPEC §9's mask area).
+int64_t mask_area(const LayerMask& m, const std::vector<TokenMeta>& meta) {
+  const int S = static_cast<int>(meta.size());
+  int64_t area = 0;
+#pragma omp parallel for schedule(static) reduction(+ : area)
+  for (int q = 0; q < S; ++q)
+    for (int k = 0; k < S; ++k) area += allowed(m, meta[q], meta[k]);
+  return area;
+}
+
+struct CheckResult {
+  double out = 0, lse = 0, dq = 0;  // max |got - ref| / max(1, max |ref|) over the sampled rows
+  double dv_sum = 0, dk_sum = 0;    // max column-sum residual / sum of magnitudes
+  bool ok() const {
+    return std::max({out, lse, dq}) <= kRowTolerance && std::max(dv_sum, dk_sum) <= kColumnSumTolerance;
+  }
+};
+
+// Rows spread evenly over the row, first and last included (the last is padding in a Gemma 4-like row).
+std::vector<int> sample_rows(int S, int n) {
+  std::vector<int> rows;
+  for (int r = 0; r < n; ++r) rows.push_back(n == 1 ? 0 : static_cast<int>(int64_t{r} * (S - 1) / (n - 1)));
+  rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+  return rows;
+}
+
+// max |got - ref| / max(1, max |ref|); -inf matching -inf counts as exact.
+double scaled_error(const std::vector<float>& got, const std::vector<double>& ref) {
+  double err = 0, scale = 1;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isinf(ref[i]) && got[i] == static_cast<float>(ref[i])) continue;
+    err = std::max(err, std::fabs(got[i] - ref[i]));
+    scale = std::max(scale, std::fabs(ref[i]));
+  }
+  return err / scale;
+}
+
+// Each sampled row as its own one-query chunk against the whole row, run through the reference.
+void check_rows(const AttnJob& job, const AttnResult& r, const std::vector<int>& rows, CheckResult& c) {
+  const AttnShape& s = job.shape;
+  const size_t esize = dtype_size(job.dtype);
+  std::vector<double> out_err(rows.size()), lse_err(rows.size()), dq_err(rows.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (size_t n = 0; n < rows.size(); ++n) {
+    const int i = rows[n];
+    // q_row, dout_row: [1, Hq, 1, D] gathered from [1, Hq, S, D].
+    std::vector<std::byte> q_row(static_cast<size_t>(s.Hq) * s.D * esize), dout_row(q_row.size());
+    std::vector<float> out, lse, dq;
+    for (int h = 0; h < s.Hq; ++h) {
+      const size_t at = (static_cast<size_t>(h) * s.Lq + i) * s.D;
+      std::copy_n(job.q.data() + at * esize, s.D * esize, q_row.data() + h * s.D * esize);
+      std::copy_n(job.dout.data() + at * esize, s.D * esize, dout_row.data() + h * s.D * esize);
+      out.insert(out.end(), r.out.begin() + at, r.out.begin() + at + s.D);
+      dq.insert(dq.end(), r.dq.begin() + at, r.dq.begin() + at + s.D);
+      lse.push_back(r.lse[static_cast<size_t>(h) * s.Lq + i]);
+    }
+    AttnChunk c1 = job.whole_chunk();
+    c1.shape.Lq = 1;
+    c1.q = q_row.data();
+    c1.q_meta = job.meta.data() + i;
+    const RefForward f = reference_forward(c1);
+    const RefBackward g = reference_backward(c1, dout_row.data());
+    out_err[n] = scaled_error(out, f.o);
+    lse_err[n] = scaled_error(lse, f.lse);
+    dq_err[n] = scaled_error(dq, g.dq);
+  }
+  c.out = *std::max_element(out_err.begin(), out_err.end());
+  c.lse = *std::max_element(lse_err.begin(), lse_err.end());
+  c.dq = *std::max_element(dq_err.begin(), dq_err.end());
+}
+
+// The column-sum identities of dV and dK (see the file comment), per kv head and dimension, in double.
+void check_column_sums(const AttnJob& job, const AttnResult& r, CheckResult& c) {
+  const AttnShape& s = job.shape;
+  std::vector<float> dout(static_cast<size_t>(s.q_elems()));
+  to_float(dout.data(), job.dout.data(), dout.size(), job.dtype);
+  for (int g = 0; g < s.Hkv; ++g) {
+    for (int d = 0; d < s.D; ++d) {
+      double dv_sum = 0, dv_mass = 0, dk_sum = 0, dk_mass = 0, dout_sum = 0;
+      for (int j = 0; j < s.Lk; ++j) {
+        const size_t at = (static_cast<size_t>(g) * s.Lk + j) * s.D + d;
+        dv_sum += r.dv[at];
+        dv_mass += std::fabs(r.dv[at]);
+        dk_sum += r.dk[at];
+        dk_mass += std::fabs(r.dk[at]);
+      }
+      for (int h = g * s.group_size(); h < (g + 1) * s.group_size(); ++h)
+        for (int i = 0; i < s.Lq; ++i)  // a valid row sees at least itself, so its probabilities sum to 1
+          if (job.meta[i].doc != kPaddingDoc) dout_sum += dout[(static_cast<size_t>(h) * s.Lq + i) * s.D + d];
+      c.dv_sum = std::max(c.dv_sum, std::fabs(dv_sum - dout_sum) / std::max(1.0, dv_mass));
+      c.dk_sum = std::max(c.dk_sum, std::fabs(dk_sum) / std::max(1.0, dk_mass));
+    }
+  }
+}
+
+int run_demo(const DemoOptions& o, comm::Communicator& world) {
+  if (o.threads > 0) omp_set_num_threads(o.threads);
+  const std::vector<TokenMeta> meta = gemma4_vlm_row(o.S, o.seed);
+  const std::vector<DemoLayer> layers = {{"sliding", {true, o.window, true}, o.D}, {"full", {true, 0, true}, o.D_full}};
+
+  int docs = 0, padding = 0, group_max = -1;
+  for (size_t i = 0; i < meta.size(); ++i) {
+    padding += meta[i].doc == kPaddingDoc;
+    docs = std::max(docs, meta[i].doc);
+    group_max = std::max(group_max, meta[i].group);
+  }
+  const bool rank0 = world.rank() == 0;
+  if (rank0) {
+    std::printf("ringflex demo: one Gemma 4-like packed VLM row: S = %d tokens, %d documents, %d image groups of "
+                "<= 256 tokens, %d padding; Hq = %d, Hkv = %d, %s, %d rank(s) x %d thread(s)\n",
+                o.S, docs, group_max + 1, padding, o.Hq, o.Hkv, o.dtype.c_str(), world.size(), omp_get_max_threads());
+    std::printf("%-8s %-22s %4s %8s %9s %11s %9s %11s\n", "layer", "mask", "D", "A/S^2", "forward", "GFLOP/s",
+                "backward", "GFLOP/s");
+  }
+  std::vector<CheckResult> checks;
+  for (const DemoLayer& layer : layers) {
+    const AttnJob job = make_job(o, layer, meta, o.seed * 100 + checks.size() * 10);
+    const AttnResult r = run_attention(job, CpOptions{}, world);
+    CheckResult c;
+    agree(world, [&] {
+      if (!rank0) return;
+      check_rows(job, r, sample_rows(o.S, o.check_rows), c);
+      check_column_sums(job, r, c);
+    });
+    checks.push_back(c);
+    if (!rank0) continue;
+    // SPEC §9: forward FLOPs = 4 B Hq D A, backward = 2.5x that; the rate is of the mask area, so skipping
+    // masked-out work shows up as speed.
+    const double area = static_cast<double>(mask_area(layer.mask, meta));
+    const double fwd_flops = 4.0 * job.shape.B * job.shape.Hq * job.shape.D * area, bwd_flops = 2.5 * fwd_flops;
+    std::printf("%-8s %-22s %4d %8.4f %8.3fs %11.1f %8.3fs %11.1f\n", layer.name, layer.mask.name().c_str(), layer.D,
+                area / (static_cast<double>(o.S) * o.S), r.forward_seconds, fwd_flops / r.forward_seconds * 1e-9,
+                r.backward_seconds, bwd_flops / r.backward_seconds * 1e-9);
+  }
+
+  bool ok = true;
+  if (rank0) {
+    std::printf("check against the scalar reference (%d sampled rows for out/lse/dQ, tolerance %.0e; "
+                "column sums for dK/dV, tolerance %.0e):\n",
+                static_cast<int>(sample_rows(o.S, o.check_rows).size()), kRowTolerance, kColumnSumTolerance);
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const CheckResult& c = checks[l];
+      std::printf("%-8s out %.1e  lse %.1e  dQ %.1e  dV sums %.1e  dK sums %.1e  %s\n", layers[l].name, c.out, c.lse,
+                  c.dq, c.dv_sum, c.dk_sum, c.ok() ? "ok" : "FAILED");
+      ok = ok && c.ok();
+    }
+  }
+  agree(world, [&] { RF_CHECK(ok, "demo: the attention results differ from the scalar reference beyond tolerance"); });
+  return 0;
+}
+
+}  // namespace
+
 void add_demo_command(CLI::App& app, Runner& run) {
-  app.add_subcommand("demo", "(not built yet)")->callback([&run] { run = [] { return rf::fail("ringflex demo is not built yet"), 1; }; });
+  auto o = std::make_shared<DemoOptions>();
+  CLI::App* cmd = app.add_subcommand("demo", "Gemma 4-like built-in case: sliding and full layers, checked and timed");
+  cmd->add_option("--seq", o->S, "Tokens in the row")->check(CLI::Range(2, 1 << 20));
+  cmd->add_option("--heads", o->Hq, "Query heads Hq")->check(CLI::Range(1, 128));
+  cmd->add_option("--kv-heads", o->Hkv, "Key/value heads Hkv (divides Hq)")->check(CLI::Range(1, 128));
+  cmd->add_option("--head-dim", o->D, "Head dimension of the sliding layer")->check(CLI::Range(1, kMaxHeadDim));
+  cmd->add_option("--full-head-dim", o->D_full, "Head dimension of the full layer")->check(CLI::Range(1, kMaxHeadDim));
+  cmd->add_option("--window", o->window, "Sliding window W")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--dtype", o->dtype, "Input and output dtype")->check(CLI::IsMember({"bf16", "f32"}));
+  cmd->add_option("--check-rows", o->check_rows, "Query rows checked against the reference")->check(CLI::Range(1, 4096));
+  cmd->add_option("--threads", o->threads, "Threads per rank (default: every core)")->check(CLI::Range(1, 1024));
+  cmd->add_option("--seed", o->seed, "Seed of the row and the tensors");
+  cmd->callback([&run, o] {
+    run = [o] {
+      const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
+      agree(*world, [&] { RF_CHECK(o->Hq % o->Hkv == 0, "--heads ", o->Hq, " is not a multiple of --kv-heads ", o->Hkv); });
+      return run_demo(*o, *world);
+    };
+  });
 }
 
 }  // namespace rf::cli

@@ -1,15 +1,27 @@
 // ringflex: the command-line entry point. Parses the subcommand, starts MPI (a plain run is a singleton
-// world of P = 1), runs the subcommand, and maps failures to exit codes.
+// world of P = 1), runs the subcommand, and maps failures to one line on stderr and a non-zero exit.
 #include <mpi.h>
 
 #include <cstdio>
+#include <exception>
 
+#include "cli/agree.h"
 #include "cli/command.h"
 #include "core/error.h"
+
+namespace {
+
+constexpr int kFailure = 1;
+
+void print_error(const char* what) { std::fprintf(stderr, "ringflex: error: %s\n", what); }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"ringflex: context-parallel masked attention and Gemma 4 fine-tuning"};
   app.require_subcommand(1);
+  // A usage error is one line like every other failure (CLI11's default adds a second, "Run with --help").
+  app.failure_message([](const CLI::App*, const CLI::Error& e) { return "ringflex: error: " + std::string(e.what()) + "\n"; });
   rf::cli::Runner run;
   rf::cli::add_attn_command(app, run);
   rf::cli::add_demo_command(app, run);
@@ -22,12 +34,20 @@ int main(int argc, char** argv) {
   }
 
   MPI_Init(&argc, &argv);
-  int code = 1;
+  int code = kFailure;
+  bool agreed = true;  // whether every rank knows this run failed (or none failed)
   try {
     code = run();
-  } catch (const rf::Error& e) {
-    std::fprintf(stderr, "ringflex: error: %s\n", e.what());
+  } catch (const rf::cli::AgreedError& e) {
+    print_error(e.what());
+  } catch (const std::exception& e) {
+    // rf::Error from a step that only this rank ran, or a std::bad_alloc: the others may be waiting for it.
+    print_error(e.what());
+    agreed = false;
   }
+  int ranks = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+  if (!agreed && ranks > 1) MPI_Abort(MPI_COMM_WORLD, kFailure);
   MPI_Finalize();
   return code;
 }

@@ -1,0 +1,44 @@
+// ringflex cli: rank agreement (see agree.h). Two small collectives per step: an all-gather of failure flags
+// finds the lowest failing rank, which then broadcasts its message.
+#include "cli/agree.h"
+
+#include <algorithm>
+#include <climits>
+#include <vector>
+
+namespace rf::cli {
+
+namespace {
+
+constexpr int32_t kNoFailure = INT32_MAX;  // a flag above every rank number: min() over flags finds the first failure
+
+}  // namespace
+
+void agree(comm::Communicator& comm, const std::function<void()>& step) {
+  std::string message;
+  int32_t failed = kNoFailure;
+  try {
+    step();
+  } catch (const rf::Error& e) {
+    message = e.what();
+    failed = comm.rank();
+  }
+  std::vector<int32_t> flags(static_cast<size_t>(comm.size()));
+  comm.allgather(&failed, flags.data(), sizeof failed, comm::kDefaultTimeout);
+  const int32_t first = *std::min_element(flags.begin(), flags.end());
+  if (first == kNoFailure) return;
+  uint64_t length = message.size();
+  comm.broadcast(&length, sizeof length, first, comm::kDefaultTimeout);
+  message.resize(length);
+  comm.broadcast(message.data(), length, first, comm::kDefaultTimeout);
+  throw AgreedError(message);
+}
+
+void agree_equal(comm::Communicator& comm, std::span<const int64_t> values, const std::string& what) {
+  std::vector<int64_t> lo(values.begin(), values.end()), hi(values.begin(), values.end());
+  comm.allreduce(lo.data(), lo.size(), comm::ReduceOp::Min);
+  comm.allreduce(hi.data(), hi.size(), comm::ReduceOp::Max);
+  if (lo != hi) throw AgreedError(concat("ranks disagree on ", what));
+}
+
+}  // namespace rf::cli

@@ -1,0 +1,171 @@
+// ringflex cli: reading, running and writing an attention job (see attn_job.h).
+#include "cli/attn_job.h"
+
+#include <chrono>
+#include <climits>
+#include <cmath>
+
+#include "cli/agree.h"
+#include "core/error.h"
+#include "core/row_meta.h"
+#include "cpu/attention.h"
+#include "io/safetensors.h"
+#include "io/tensor_access.h"
+
+namespace rf::cli {
+
+namespace {
+
+using io::StDType;
+
+// A dimension read from the file as an int (the kernels' index type), or an error naming it.
+int int_dim(const io::DimSizes& dims, const char* letter, const std::string& file) {
+  const int64_t n = dims[letter];
+  RF_CHECK(n <= INT_MAX, file, ": ", letter, " = ", n, " is too large (at most ", INT_MAX, ")");
+  return static_cast<int>(n);
+}
+
+std::vector<std::byte> copy_bytes(const io::TensorView& v) { return {v.bytes.begin(), v.bytes.end()}; }
+
+// The [B, S] int32 tensor `t` (nullptr when absent: no ids) checked element by element against `ok`; `rule`
+// says which values are legal.
+template <typename Predicate>
+std::vector<int32_t> checked_ids(const io::TensorView* t, int S, const std::string& file, Predicate ok,
+                                 const char* rule) {
+  if (!t) return {};
+  std::vector<int32_t> ids = io::copy_as<int32_t>(*t);
+  for (size_t i = 0; i < ids.size(); ++i)
+    RF_CHECK(ok(ids[i]), file, ": tensor `", t->name, "` has ", ids[i], " at [", i / S, ", ", i % S, "]; ", rule);
+  return ids;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+AttnChunk AttnJob::whole_chunk() const {
+  AttnChunk c;
+  c.shape = shape;
+  c.dtype = dtype;
+  c.q = q.data();
+  c.k = k.data();
+  c.v = v.data();
+  c.q_meta = meta.data();
+  c.k_meta = meta.data();
+  c.mask = mask;
+  c.scale = scale;
+  return c;
+}
+
+AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optional<float> scale) {
+  RF_CHECK(mask.window >= 0, "--window ", mask.window, " is negative (0 means no window)");
+  RF_CHECK(!scale || std::isfinite(*scale), "--scale ", *scale, " is not a finite number");
+
+  const io::SafetensorsFile f = io::SafetensorsFile::open(path);
+  io::DimSizes dims;
+  const std::vector<std::string> q_dims = {"B", "Hq", "S", "D"}, kv_dims = {"B", "Hkv", "S", "D"}, row_dims = {"B", "S"};
+  const io::TensorView& q = io::require(f, {"q", {StDType::F32, StDType::BF16}, q_dims, ""}, dims);
+  const std::string like_q = "like `q`";
+  const io::TensorView& k = io::require(f, {"k", {q.dtype}, kv_dims, like_q}, dims);
+  const io::TensorView& v = io::require(f, {"v", {q.dtype}, kv_dims, like_q}, dims);
+  const io::TensorView* dout = io::optional(f, {"dout", {q.dtype}, q_dims, like_q}, dims);
+  const io::TensorView* doc = io::optional(f, {"doc", {StDType::I32}, row_dims, ""}, dims);
+  const io::TensorView* group = io::optional(f, {"group", {StDType::I32}, row_dims, ""}, dims);
+
+  AttnJob job;
+  AttnShape& s = job.shape;
+  s.B = int_dim(dims, "B", path);
+  s.Hq = int_dim(dims, "Hq", path);
+  s.Hkv = int_dim(dims, "Hkv", path);
+  s.Lq = s.Lk = int_dim(dims, "S", path);
+  s.D = int_dim(dims, "D", path);
+  RF_CHECK(s.Hq >= 1, path, ": tensor `q` has no heads (Hq = 0)");
+  RF_CHECK(s.Hkv >= 1, path, ": tensors `k` and `v` have no heads (Hkv = 0)");
+  RF_CHECK(s.Hq % s.Hkv == 0, path, ": Hq = ", s.Hq, " (tensor `q`) is not a multiple of Hkv = ", s.Hkv,
+           " (tensors `k`, `v`)");
+  RF_CHECK(s.D >= 1 && s.D <= kMaxHeadDim, path, ": head dimension D = ", s.D, " is outside 1..", kMaxHeadDim);
+
+  const std::vector<int32_t> doc_ids = checked_ids(doc, s.Lq, path, [](int32_t d) { return d >= kPaddingDoc; },
+                                                   "documents are numbered from 1 and 0 is padding");
+  const std::vector<int32_t> group_ids = checked_ids(group, s.Lq, path, [](int32_t g) { return g >= kNoGroup; },
+                                                     "groups are numbered from 0 and -1 is none");
+  for (int b = 0; b < s.B; ++b) {
+    const size_t row = static_cast<size_t>(b) * s.Lq;
+    const std::vector<TokenMeta> m = make_row_meta(s.Lq, doc ? doc_ids.data() + row : nullptr,
+                                                   group ? group_ids.data() + row : nullptr);
+    job.meta.insert(job.meta.end(), m.begin(), m.end());
+  }
+
+  job.dtype = *io::to_core(q.dtype);
+  job.mask = mask;
+  job.scale = scale.value_or(default_scale(s.D));
+  job.q = copy_bytes(q);
+  job.k = copy_bytes(k);
+  job.v = copy_bytes(v);
+  job.has_dout = dout != nullptr;
+  if (dout) job.dout = copy_bytes(*dout);
+  validate(job.whole_chunk());
+  return job;
+}
+
+AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communicator& comm) {
+  // Every rank holds the whole job; agreeing on its shape and options first means a rank that read a different
+  // file cannot send the others mismatched chunks.
+  const AttnShape& s = job.shape;
+  const int64_t fingerprint[] = {s.B, s.Hq, s.Hkv, s.Lq, s.D, static_cast<int64_t>(job.dtype), job.has_dout,
+                                 job.mask.causal, job.mask.window, job.mask.bidirectional_groups};
+  agree_equal(comm, fingerprint, "the input's shapes, dtype or mask options");
+  agree(comm, [&] {
+    RF_CHECK(comm.size() == 1, comm.size(), " ranks requested, but the context-parallel ",
+             cp.algo, " (src/cp) is not built yet; run with one rank");
+  });
+
+  AttnResult r;
+  r.out.assign(static_cast<size_t>(s.q_elems()), 0.f);
+  r.lse.assign(static_cast<size_t>(s.lse_elems()), 0.f);
+  const AttnChunk c = job.whole_chunk();
+  auto t0 = std::chrono::steady_clock::now();
+  // One rank: the whole row is one chunk, so the kernel's partial result is already the final one.
+  if (s.q_elems() > 0) cpu::attention_forward(c, r.out.data(), r.lse.data());
+  r.forward_seconds = seconds_since(t0);
+  if (!job.has_dout) return r;
+
+  r.dq.assign(static_cast<size_t>(s.q_elems()), 0.f);
+  r.dk.assign(static_cast<size_t>(s.kv_elems()), 0.f);
+  r.dv.assign(static_cast<size_t>(s.kv_elems()), 0.f);
+  std::vector<float> delta(static_cast<size_t>(s.lse_elems()));  // [B, Hq, S]
+  t0 = std::chrono::steady_clock::now();
+  if (s.q_elems() > 0) {
+    cpu::attention_delta(s, job.dtype, job.dout.data(), r.out.data(), delta.data());
+    cpu::attention_backward(c, job.dout.data(), r.lse.data(), delta.data(), r.dq.data(), r.dk.data(), r.dv.data());
+  }
+  r.backward_seconds = seconds_since(t0);
+  return r;
+}
+
+void write_attn_result(const std::string& path, const AttnJob& job, const AttnResult& result) {
+  const AttnShape& s = job.shape;
+  const std::vector<int64_t> q_shape = {s.B, s.Hq, s.Lq, s.D}, kv_shape = {s.B, s.Hkv, s.Lk, s.D},
+                             lse_shape = {s.B, s.Hq, s.Lq};
+  const StDType out_dtype = io::to_st(job.dtype);
+  // Narrowed copies live here until write() returns: the writer borrows them.
+  std::vector<std::vector<std::byte>> narrowed;
+  auto narrow = [&](const std::vector<float>& x) -> std::span<const std::byte> {
+    std::vector<std::byte>& bytes = narrowed.emplace_back(x.size() * dtype_size(job.dtype));
+    from_float(bytes.data(), x.data(), x.size(), job.dtype);
+    return bytes;
+  };
+  io::SafetensorsWriter w;
+  w.add("out", out_dtype, q_shape, narrow(result.out));
+  w.add("lse", StDType::F32, lse_shape, std::span<const float>(result.lse));
+  if (job.has_dout) {
+    w.add("dq", out_dtype, q_shape, narrow(result.dq));
+    w.add("dk", out_dtype, kv_shape, narrow(result.dk));
+    w.add("dv", out_dtype, kv_shape, narrow(result.dv));
+  }
+  w.write(path);
+}
+
+}  // namespace rf::cli

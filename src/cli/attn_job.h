@@ -1,0 +1,60 @@
+// ringflex cli: one attention job as `ringflex attn` and `ringflex demo` run it (SPEC §7).
+//
+// A job is whole, unsharded rows: Q/K/V (and dOut for the backward) with the token metadata, as every rank
+// holds it after reading the input itself. The pipeline is
+//     read + validate (every rank)  ->  agree across ranks  ->  run_attention  ->  rank 0 writes
+// and run_attention is the one context-parallel boundary: it shards the rows, runs the CP forward and backward,
+// and unshards the results. The demo builds a job in memory and goes through the same run_attention.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "core/attention_args.h"
+#include "core/mask.h"
+
+namespace rf::cli {
+
+struct AttnJob {
+  AttnShape shape;  // Lq = Lk = S: every query of a row against every key of the same row
+  DType dtype = DType::F32;
+  LayerMask mask;
+  float scale = 0.f;
+  bool has_dout = false;         // run the backward too
+  std::vector<std::byte> q;      // [B, Hq, S, D] in dtype
+  std::vector<std::byte> k, v;   // [B, Hkv, S, D] in dtype
+  std::vector<std::byte> dout;   // [B, Hq, S, D] in dtype when has_dout
+  std::vector<TokenMeta> meta;   // [B, S]; idx = position in the row
+
+  int S() const { return shape.Lq; }
+  AttnChunk whole_chunk() const;  // the job as one query set against one key chunk
+};
+
+// Reads and validates an attention input file: tensors q, k, v, optional dout, doc, group (SPEC §7) with
+// `mask` and `scale` (nullopt: 1/sqrt(D)). Throws rf::Error naming the file and the first problem found.
+AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optional<float> scale);
+
+// How the rows are split across ranks. With one rank every choice computes the same thing.
+struct CpOptions {
+  std::string shard = "auto";  // contiguous | zigzag | balanced | auto (the best one for the mask)
+  std::string algo = "ring";   // ring | allgather
+};
+
+struct AttnResult {
+  std::vector<float> out;     // [B, Hq, S, D]
+  std::vector<float> lse;     // [B, Hq, S], natural log; -inf for a query with no allowed key
+  std::vector<float> dq;      // [B, Hq, S, D]; empty without dout
+  std::vector<float> dk, dv;  // [B, Hkv, S, D]; empty without dout
+  double forward_seconds = 0, backward_seconds = 0;
+};
+
+// The CP boundary: every rank of `comm` passes the same job; rank 0 gets the whole result. A collective call.
+AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communicator& comm);
+
+// Writes out, lse (and dq, dk, dv) with the outputs in the job's dtype. Throws rf::Error naming the file.
+void write_attn_result(const std::string& path, const AttnJob& job, const AttnResult& result);
+
+}  // namespace rf::cli

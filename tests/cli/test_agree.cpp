@@ -1,0 +1,66 @@
+// Tests of rank agreement (src/cli/agree.h) on the loopback communicator, P ranks as threads: whichever ranks
+// fail, every rank throws the lowest failing rank's message, and nobody is left waiting. The oracle is the
+// rank numbers each case makes fail.
+#include <gtest/gtest.h>
+
+#include <mutex>
+#include <vector>
+
+#include "cli/agree.h"
+#include "comm/loopback_comm.h"
+
+namespace rf::cli {
+namespace {
+
+// Runs agree() on P ranks, `fails(rank)` deciding which throw; returns what each rank caught ("" for none).
+std::vector<std::string> agree_on(int P, const std::function<bool(int)>& fails) {
+  std::vector<std::string> caught(static_cast<size_t>(P), "unset");
+  std::mutex m;
+  comm::run_ranks(P, [&](comm::Communicator& c) {
+    std::string what;
+    try {
+      agree(c, [&] { RF_CHECK(!fails(c.rank()), "rank ", c.rank(), " cannot read in.safetensors"); });
+    } catch (const AgreedError& e) {
+      what = e.what();
+    }
+    std::lock_guard lock(m);
+    caught[static_cast<size_t>(c.rank())] = what;
+  });
+  return caught;
+}
+
+TEST(Agree, NoFailureThrowsNowhere) {
+  for (int P : {1, 2, 5}) EXPECT_EQ(agree_on(P, [](int) { return false; }), std::vector<std::string>(P, "")) << P;
+}
+
+TEST(Agree, EveryRankReportsTheLowestFailingRank) {
+  for (int P : {1, 3, 8}) {
+    const int last = P - 1;
+    EXPECT_EQ(agree_on(P, [&](int r) { return r == last; }),
+              std::vector<std::string>(P, "rank " + std::to_string(last) + " cannot read in.safetensors")) << P;
+    EXPECT_EQ(agree_on(P, [](int r) { return r % 2 == 1 || r == 0; }),
+              std::vector<std::string>(P, "rank 0 cannot read in.safetensors")) << P;
+  }
+}
+
+TEST(Agree, EqualValuesPassAndDifferentOnesFailEverywhere) {
+  std::vector<std::string> caught(4);
+  std::mutex m;
+  comm::run_ranks(4, [&](comm::Communicator& c) {
+    const int64_t same[] = {2, 8, 1024};
+    agree_equal(c, same, "the input's shapes");
+    std::string what;
+    const int64_t differs[] = {2, c.rank() == 2 ? 9 : 8, 1024};
+    try {
+      agree_equal(c, differs, "the input's shapes");
+    } catch (const AgreedError& e) {
+      what = e.what();
+    }
+    std::lock_guard lock(m);
+    caught[static_cast<size_t>(c.rank())] = what;
+  });
+  EXPECT_EQ(caught, std::vector<std::string>(4, "ranks disagree on the input's shapes"));
+}
+
+}  // namespace
+}  // namespace rf::cli
