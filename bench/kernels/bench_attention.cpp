@@ -24,6 +24,7 @@
 #include "core/attention_args.h"
 #include "core/row_meta.h"
 #include "cpu/attention.h"
+#include "cpu/microkernels.h"
 #include "reference/attention_ref.h"
 
 namespace {
@@ -31,7 +32,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr int kSgemmN = 1024;         // square sgemm: large enough for OpenBLAS's peak, small enough to repeat
-constexpr int kSgemmRepeats = 7;
+constexpr int kSgemmRepeats = 3;  // per measurement point; the VM's speed drifts, so each point gets its own
 constexpr double kBackwardFlopFactor = 2.5;  // SPEC §9
 constexpr int kGemmaWindow = 1024;           // Gemma 4 26B/31B sliding window
 constexpr uint64_t kSeed = 2026;
@@ -44,23 +45,31 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Single-thread sgemm GFLOP/s: the practical peak of one core (research/dev-machine-limits.md).
-double sgemm_gflops() {
-  openblas_set_num_threads(1);
-  std::vector<float> a(size_t{kSgemmN} * kSgemmN, 0.5f), b(a.size(), 0.25f), c(a.size(), 0.f);
-  auto run = [&] {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, kSgemmN, kSgemmN, kSgemmN, 1.f, a.data(), kSgemmN, b.data(),
-                kSgemmN, 0.f, c.data(), kSgemmN);
-  };
-  run();  // warm-up: pages and OpenBLAS buffers
-  std::vector<double> t;
-  for (int i = 0; i < kSgemmRepeats; ++i) {
-    const auto t0 = Clock::now();
-    run();
-    t.push_back(seconds_since(t0));
+// Single-thread sgemm GFLOP/s: the practical peak of one core (research/dev-machine-limits.md). Measured again
+// right before every kernel point (median of kSgemmRepeats) so each ratio compares numbers from the same minute.
+class Sgemm {
+ public:
+  Sgemm() : a_(size_t{kSgemmN} * kSgemmN, 0.5f), b_(a_.size(), 0.25f), c_(a_.size(), 0.f) {
+    openblas_set_num_threads(1);
+    run();  // warm-up: pages and OpenBLAS buffers
   }
-  return 2.0 * kSgemmN * kSgemmN * kSgemmN / median(t) / 1e9;
-}
+  double gflops() {
+    std::vector<double> t;
+    for (int i = 0; i < kSgemmRepeats; ++i) {
+      const auto t0 = Clock::now();
+      run();
+      t.push_back(seconds_since(t0));
+    }
+    return 2.0 * kSgemmN * kSgemmN * kSgemmN / median(t) / 1e9;
+  }
+
+ private:
+  void run() {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, kSgemmN, kSgemmN, kSgemmN, 1.f, a_.data(), kSgemmN,
+                b_.data(), kSgemmN, 0.f, c_.data(), kSgemmN);
+  }
+  std::vector<float> a_, b_, c_;
+};
 
 struct MaskCase {
   std::string name;
@@ -161,6 +170,37 @@ bool validate(int D, rf::DType t) {
   return e <= kTol;
 }
 
+// One 64 x 64 x D score-tile product (S = Q K^T, the abt micro-kernel) with float32 FMAs and, where the CPU has
+// AVX512_BF16, with vdpbf16ps on bf16 pairs: the measurement behind RINGFLEX_BF16_DOT being off by default.
+// Best of kTileTrials timings of kTileCalls products, operands in L1.
+void tile_products(int D) {
+  namespace d = rf::cpu::detail;
+  constexpr int kTileCalls = 200, kTileTrials = 30, kRows = rf::cpu::kTileQ;
+  std::vector<float> a(static_cast<size_t>(kRows) * D, 0.5f), bt(static_cast<size_t>(D) * d::kTileCols, 0.25f);
+  std::vector<float> c(static_cast<size_t>(kRows) * d::kTileCols);
+  std::vector<uint32_t> ab(a.size() / 2, 0x3f003f00u), bb(bt.size() / 2, 0x3e803e80u);  // bf16 pairs 0.5, 0.25
+  volatile float sink = 0.f;  // reads each product's result so no call can be optimised away
+  auto best = [&](auto&& fn) {
+    double t_min = 1e30;
+    for (int trial = 0; trial < kTileTrials; ++trial) {
+      const auto t0 = Clock::now();
+      for (int i = 0; i < kTileCalls; ++i) {
+        fn();
+        sink = sink + c[0];
+      }
+      t_min = std::min(t_min, seconds_since(t0));
+    }
+    return 2.0 * kRows * d::kTileCols * D * kTileCalls / t_min / 1e9;
+  };
+  const double f32 = best([&] { d::abt<0>(a.data(), D, bt.data(), D, kRows, c.data()); });
+  std::printf("score tile 64 x 64 x %d, 1 thread: float32 FMA %.1f GFLOP/s", D, f32);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  const double bf = best([&] { d::abt<0>(ab.data(), D / 2, bb.data(), D, kRows, c.data()); });
+  std::printf(", vdpbf16ps %.1f GFLOP/s", bf);
+#endif
+  std::printf("\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -175,12 +215,16 @@ int main(int argc, char** argv) {
   app.add_option("--hkv", Hkv, "key/value heads");
   app.add_option("--dims", dims, "head dims")->delimiter(',');
   app.add_option("--threads", threads, "OpenMP thread counts")->delimiter(',');
+  std::vector<std::string> dtype_names{"F32", "BF16"};
+  app.add_option("--dtypes", dtype_names, "F32 and/or BF16")->delimiter(',');
   app.add_option("--export", export_dir, "write cases.json and per-mask metadata for torch_attention.py here");
   app.add_option("--json", json_out, "write the measurements as JSON here");
   CLI11_PARSE(app, argc, argv);
 
+  std::vector<rf::DType> dtypes;
+  for (const std::string& n : dtype_names) dtypes.push_back(n == "BF16" ? rf::DType::BF16 : rf::DType::F32);
   for (int D : dims)
-    for (rf::DType t : {rf::DType::F32, rf::DType::BF16})
+    for (rf::DType t : dtypes)
       if (!validate(D, t)) return 1;
 
   const std::vector<MaskCase> masks = mask_cases(s_short, s_long);
@@ -197,19 +241,25 @@ int main(int argc, char** argv) {
     f << nlohmann::json{{"Hq", Hq}, {"Hkv", Hkv}, {"dims", dims}, {"threads", threads}, {"cases", cases}}.dump(1);
   }
 
-  const double peak = sgemm_gflops();
-  std::printf("sgemm 1 thread (N = %d): %.1f GFLOP/s\n\n", kSgemmN, peak);
-  std::printf("| mask | S | D | dtype | threads | fwd ms | fwd GFLOP/s | fwd / sgemm | bwd ms | bwd GFLOP/s | bwd / sgemm |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  tile_products(128);
+  Sgemm sgemm;
+  std::printf("Hq = %d, Hkv = %d, B = 1; sgemm: 1-thread OpenBLAS, N = %d, measured before each row\n\n", Hq, Hkv,
+              kSgemmN);
+  std::printf("| mask | S | D | dtype | threads | sgemm GFLOP/s | fwd ms | fwd GFLOP/s | fwd / sgemm | bwd ms | "
+              "bwd GFLOP/s | bwd / sgemm |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::vector<double> peaks;
   nlohmann::json rows = nlohmann::json::array();
   for (size_t mi = 0; mi < masks.size(); ++mi) {
     const MaskCase& m = masks[mi];
     const double area = cases[mi]["area"].get<double>();
     for (int D : dims)
-      for (rf::DType t : {rf::DType::F32, rf::DType::BF16}) {
+      for (rf::DType t : dtypes) {
         Problem p(m, Hq, Hkv, D, t);
         const double fwd_flop = 4.0 * Hq * D * area, bwd_flop = kBackwardFlopFactor * fwd_flop;
         for (int nt : threads) {
+          const double peak = sgemm.gflops();
+          peaks.push_back(peak);
           omp_set_num_threads(nt);
           std::vector<double> tf, tb;
           for (int r = 0; r < repeats; ++r) {
@@ -222,17 +272,19 @@ int main(int argc, char** argv) {
           }
           const double f = median(tf), b = median(tb);
           const double fg = fwd_flop / f / 1e9, bg = bwd_flop / b / 1e9;
-          std::printf("| %s | %d | %d | %s | %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", m.name.c_str(), m.S, D,
-                      std::string(rf::dtype_name(t)).c_str(), nt, f * 1e3, fg, fg / peak, b * 1e3, bg, bg / peak);
+          std::printf("| %s | %d | %d | %s | %d | %.0f | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", m.name.c_str(), m.S,
+                      D, std::string(rf::dtype_name(t)).c_str(), nt, peak, f * 1e3, fg, fg / peak, b * 1e3, bg,
+                      bg / peak);
           std::fflush(stdout);
           rows.push_back({{"mask", m.name}, {"S", m.S}, {"D", D}, {"dtype", rf::dtype_name(t)}, {"threads", nt},
-                          {"fwd_s", f}, {"bwd_s", b}, {"fwd_gflops", fg}, {"bwd_gflops", bg}, {"area", area}});
+                          {"fwd_s", f}, {"bwd_s", b}, {"fwd_gflops", fg}, {"bwd_gflops", bg}, {"area", area},
+                          {"sgemm_gflops", peak}});
         }
       }
   }
   if (!json_out.empty()) {
     std::ofstream f(json_out);
-    f << nlohmann::json{{"sgemm_gflops", peak}, {"Hq", Hq}, {"Hkv", Hkv}, {"rows", rows}}.dump(1);
+    f << nlohmann::json{{"sgemm_gflops_median", median(peaks)}, {"Hq", Hq}, {"Hkv", Hkv}, {"rows", rows}}.dump(1);
   }
   return 0;
 }

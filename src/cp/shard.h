@@ -32,6 +32,25 @@ struct ShardMap {
 
 // contiguous: rank r holds [r*L, (r+1)*L). zigzag: 2P chunks, rank r holds chunks r and 2P-1-r.
 // `multiple` rounds L up so that it is divisible by it (kernels and the planner like whole blocks).
+// Balanced needs the row's metadata: use cp::balanced_shard_map (cp/balance.h); asking for it here throws.
 ShardMap make_shard_map(Scheme scheme, int S, int P, int multiple = 1);
+
+// Moving arrays between row order and a rank's shard. `full` arrays have S positions, shards L; padding that
+// sharding adds takes SPEC §5's pad values, and unsharding writes only real positions (padding is dropped), so
+// unshard(shard(x)) over all ranks is x exactly.
+
+// full: [B, H, S, D], shard: [B, H, L, D], elements of `elem_bytes`; padding positions get zero bytes
+// (0.0 in float32 and bfloat16). Use H = 1 for [B, S, D] and D = 1 for [B, H, S] (e.g. LSE).
+void shard_tensor(const ShardMap& m, int rank, const void* full, void* shard, int B, int H, int D,
+                  size_t elem_bytes);
+// shard: [B, H, L, D] -> full: [B, H, S, D]; only this rank's real positions are written.
+void unshard_tensor(const ShardMap& m, int rank, const void* shard, void* full, int B, int H, int D,
+                    size_t elem_bytes);
+
+// full: [B, S] int32 -> shard: [B, L]; padding gets `pad_value` (token id: pad id, labels: -100, loss mask: 0).
+void shard_row_array(const ShardMap& m, int rank, const int32_t* full, int32_t* shard, int B, int32_t pad_value);
+
+// Metadata full: [B, S] -> [B, L]; padding gets idx = its padded position, doc = 0, group = -1.
+std::vector<TokenMeta> shard_meta(const ShardMap& m, int rank, const TokenMeta* full, int B);
 
 }  // namespace rf::cp

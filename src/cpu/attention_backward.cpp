@@ -11,9 +11,11 @@
 //           dQ of its rows.
 // Every output element is therefore summed by one thread in an order fixed by the data, not by the schedule: the
 // bits are identical run to run and for any thread count, with no atomics and no per-thread partial buffers.
-// The price is recomputing S and dP in pass 2 (7 tile products instead of 5). The alternative — one pass over key
-// tiles with per-thread dQ partials reduced in a fixed order — would need the partition fixed independently of the
-// thread count and an [n_partitions, Lq, D] buffer; the recompute is cheaper than that memory traffic at D >= 64.
+// The price is recomputing S and dP in pass 2 (7 tile products instead of 5, so at best 5/7 of the forward's
+// efficiency). The alternative — one pass over key tiles with dQ partials reduced in a fixed order — needs a
+// partition of the key tiles fixed independently of the thread count (or it is not thread-count independent) and
+// an [partitions, Lq, D] float32 buffer, which breaks the O(L) memory bound the ring relies on when partitions
+// grow with the core count; the two-pass form keeps memory at O(tile) per thread and the argument trivial.
 // GQA: both passes read each K/V tile once for all query heads of its group (dK/dV sum over those heads).
 #include <algorithm>
 #include <vector>
@@ -44,26 +46,32 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
                    float* dv) {
   const AttnShape& s = c.shape;
   const int D = s.D, Dp = kDp > 0 ? kDp : padded_dim<kT>(D), dr = dot_row<kT>(Dp);
+  const int ld = row_stride(Dp), ds = dot_stride<kT>(Dp);  // strides of packed rows
   const int nqt = ceil_div(s.Lq, kTileQ), nkt = ceil_div(s.Lk, kTileK), group = s.group_size();
   const std::vector<BlockSummary> qsum = tile_summaries(c.q_meta, s.B, s.Lq, kTileQ);
   const std::vector<BlockSummary> ksum = tile_summaries(c.k_meta, s.B, s.Lk, kTileK);
   const float c2 = c.scale * kLog2e;
   const size_t esz = dtype_size(kT);
   const char* q = static_cast<const char*>(c.q);
-  const char* k = static_cast<const char*>(c.k);
-  const char* v = static_cast<const char*>(c.v);
   const char* go = static_cast<const char*>(dout);
+
+  // Needed key tiles packed once for both passes: K^T and V^T as abt operands, K as rows for dQ += dS K.
+  const std::vector<uint8_t> needed = needed_key_tiles(c.mask, qsum, ksum, s.B, nqt, nkt);
+  const size_t kv_tiles = static_cast<size_t>(s.B) * s.Hkv * nkt;
+  const auto k_cols = uninitialized<Dot<kT>>(kv_tiles * dr * kTileK);  // [B, Hkv, nkt, dr, kTileK]
+  const auto v_cols = uninitialized<Dot<kT>>(kv_tiles * dr * kTileK);  // [B, Hkv, nkt, dr, kTileK]
+  const auto k_rows = uninitialized<float>(kv_tiles * kTileK * ld);    // [B, Hkv, nkt, kTileK, ld]
+  pack_key_tiles<kT>(c.k, s, Dp, needed, k_cols.get(), k_rows.get());
+  pack_key_tiles<kT>(c.v, s, Dp, needed, v_cols.get(), nullptr);
 
   // ---- pass 1: dK, dV per key tile ----
   const int64_t items1 = int64_t{s.B} * s.Hkv * nkt;
 #pragma omp parallel
   {
-    std::vector<Dot<kT>> kt_buf(static_cast<size_t>(dr) * kTileK), vt_buf(kt_buf.size());
-    std::vector<Dot<kT>> qd(static_cast<size_t>(kTileQ) * dr), god(qd.size());
-    std::vector<float> qf(static_cast<size_t>(kTileQ) * Dp), gof(qf.size());
+    std::vector<Dot<kT>> qd(static_cast<size_t>(kTileQ) * ds), god(qd.size());
+    std::vector<float> qf(static_cast<size_t>(kTileQ) * ld), gof(qf.size());
     std::vector<float> dk_acc(static_cast<size_t>(kTileK) * Dp), dv_acc(dk_acc.size());
-    std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), dpbuf(sbuf.size()), pt(sbuf.size()),
-        dst(sbuf.size());
+    std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), dpbuf(sbuf.size());
     std::vector<float> bias(kTileQ), dl(kTileQ);
     std::vector<RowBits> bits(kTileQ);
 
@@ -74,26 +82,23 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
       const int b = static_cast<int>(item / nkt / s.Hkv);
       const int k0 = kt * kTileK, nk = std::min(kTileK, s.Lk - k0);
       const BlockSummary& ks = ksum[static_cast<size_t>(b) * nkt + kt];
-      const int64_t kv_row0 = (int64_t{b} * s.Hkv + g) * s.Lk + k0;  // k, v, dk, dv: [B, Hkv, Lk, D]
-      bool packed = false;
+      const int64_t kv_row0 = (int64_t{b} * s.Hkv + g) * s.Lk + k0;  // dk, dv: [B, Hkv, Lk, D]
+      if (!needed[static_cast<size_t>(b) * nkt + kt]) continue;  // no query reads this key tile
+      const Dot<kT>* kt_buf = k_cols.get() + static_cast<size_t>(item) * dr * kTileK;
+      const Dot<kT>* vt_buf = v_cols.get() + static_cast<size_t>(item) * dr * kTileK;
       std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
       std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
 
       for (int qt = 0; qt < nqt; ++qt) {
         const BlockClass cls = classify(c.mask, qsum[static_cast<size_t>(b) * nqt + qt], ks);
         if (cls == BlockClass::Empty) continue;
-        if (!packed) {
-          pack_cols_dot<kT>(k + kv_row0 * D * esz, nk, D, Dp, kt_buf.data());
-          pack_cols_dot<kT>(v + kv_row0 * D * esz, nk, D, Dp, vt_buf.data());
-          packed = true;
-        }
         const int q0 = qt * kTileQ, nq = std::min(kTileQ, s.Lq - q0);
         tile_bits(cls, c.mask, c.q_meta + int64_t{b} * s.Lq + q0, nq, c.k_meta + int64_t{b} * s.Lk + k0, nk,
                   bits.data());
         for (int hh = 0; hh < group; ++hh) {
           const int64_t row0 = (int64_t{b} * s.Hq + g * group + hh) * s.Lq + q0;  // q, dout: [B, Hq, Lq, D]
-          pack_rows_dot<kT>(q + row0 * D * esz, nq, D, Dp, qd.data());
-          pack_rows_dot<kT>(go + row0 * D * esz, nq, D, Dp, god.data());
+          pack_rows_dot<kT>(q + row0 * D * esz, nq, D, Dp, ds, qd.data());
+          pack_rows_dot<kT>(go + row0 * D * esz, nq, D, Dp, ds, god.data());
           // The acc products read float32 rows; for float32 inputs the dot operands already are those rows.
           const float* qrows = qf.data();
           const float* gorows = gof.data();
@@ -101,20 +106,18 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
             qrows = qd.data();
             gorows = god.data();
           } else {
-            pack_rows_f32<kT>(q + row0 * D * esz, nq, D, Dp, qf.data());
-            pack_rows_f32<kT>(go + row0 * D * esz, nq, D, Dp, gof.data());
+            pack_rows_f32<kT>(q + row0 * D * esz, nq, D, Dp, ld, qf.data());
+            pack_rows_f32<kT>(go + row0 * D * esz, nq, D, Dp, ld, gof.data());
           }
           row_terms(lse, delta, row0, nq, bias.data(), dl.data());
-          abt<kDp>(qd.data(), kt_buf.data(), Dp, nq, sbuf.data());
-          abt<kDp>(god.data(), vt_buf.data(), Dp, nq, dpbuf.data());
+          abt<kDp>(qd.data(), ds, kt_buf, Dp, nq, sbuf.data());
+          abt<kDp>(god.data(), ds, vt_buf, Dp, nq, dpbuf.data());
           grad_step(sbuf.data(), dpbuf.data(), nq, bits.data(), c2, bias.data(), dl.data(), c.scale);
-          transpose_tile(sbuf.data(), nq, nk, pt.data());
-          transpose_tile(dpbuf.data(), nq, nk, dst.data());
-          acc<kDp>(pt.data(), nq, nq, gorows, Dp, nk, dv_acc.data());
-          acc<kDp>(dst.data(), nq, nq, qrows, Dp, nk, dk_acc.data());
+          // dV += P^T dO and dK += dS^T Q read P and dS transposed in place (row stride 1, sum stride kTileK).
+          acc<kDp>(sbuf.data(), 1, kTileK, nq, gorows, ld, Dp, nk, dv_acc.data());
+          acc<kDp>(dpbuf.data(), 1, kTileK, nq, qrows, ld, Dp, nk, dk_acc.data());
         }
       }
-      if (!packed) continue;  // no query reads this key tile: its gradients are untouched
       for (int j = 0; j < nk; ++j)
         for (int d = 0; d < D; ++d) {
           dk[(kv_row0 + j) * D + d] += dk_acc[static_cast<size_t>(j) * Dp + d];
@@ -128,9 +131,8 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
   const int64_t items2 = int64_t{s.B} * s.Hkv * nqt * chunks;
 #pragma omp parallel
   {
-    std::vector<Dot<kT>> kt_buf(static_cast<size_t>(dr) * kTileK), vt_buf(kt_buf.size());
-    std::vector<Dot<kT>> qd(static_cast<size_t>(hpi) * kTileQ * dr), god(qd.size());
-    std::vector<float> kf(static_cast<size_t>(kTileK) * Dp), dq_acc(static_cast<size_t>(hpi) * kTileQ * Dp);
+    std::vector<Dot<kT>> qd(static_cast<size_t>(hpi) * kTileQ * ds), god(qd.size());
+    std::vector<float> dq_acc(static_cast<size_t>(hpi) * kTileQ * Dp);
     std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), dpbuf(sbuf.size());
     std::vector<float> bias(static_cast<size_t>(hpi) * kTileQ), dl(bias.size());
     std::vector<RowBits> bits(kTileQ);
@@ -147,8 +149,8 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t row0 = (int64_t{b} * s.Hq + h0 + hh) * s.Lq + q0;
         const size_t r0 = static_cast<size_t>(hh) * kTileQ;
-        pack_rows_dot<kT>(q + row0 * D * esz, nq, D, Dp, qd.data() + r0 * dr);
-        pack_rows_dot<kT>(go + row0 * D * esz, nq, D, Dp, god.data() + r0 * dr);
+        pack_rows_dot<kT>(q + row0 * D * esz, nq, D, Dp, ds, qd.data() + r0 * ds);
+        pack_rows_dot<kT>(go + row0 * D * esz, nq, D, Dp, ds, god.data() + r0 * ds);
         row_terms(lse, delta, row0, nq, bias.data() + r0, dl.data() + r0);
       }
       std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
@@ -162,16 +164,16 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
         const int k0 = kt * kTileK, nk = std::min(kTileK, s.Lk - k0);
         tile_bits(cls, c.mask, c.q_meta + int64_t{b} * s.Lq + q0, nq, c.k_meta + int64_t{b} * s.Lk + k0, nk,
                   bits.data());
-        const int64_t kv_row0 = kv_head * s.Lk + k0;
-        pack_cols_dot<kT>(k + kv_row0 * D * esz, nk, D, Dp, kt_buf.data());
-        pack_cols_dot<kT>(v + kv_row0 * D * esz, nk, D, Dp, vt_buf.data());
-        pack_rows_f32<kT>(k + kv_row0 * D * esz, nk, D, Dp, kf.data());
+        const size_t tile = static_cast<size_t>(kv_head) * nkt + kt;
+        const Dot<kT>* kt_buf = k_cols.get() + tile * dr * kTileK;
+        const Dot<kT>* vt_buf = v_cols.get() + tile * dr * kTileK;
+        const float* kf = k_rows.get() + tile * kTileK * ld;
         for (int hh = 0; hh < nh; ++hh) {
           const size_t r0 = static_cast<size_t>(hh) * kTileQ;
-          abt<kDp>(qd.data() + r0 * dr, kt_buf.data(), Dp, nq, sbuf.data());
-          abt<kDp>(god.data() + r0 * dr, vt_buf.data(), Dp, nq, dpbuf.data());
+          abt<kDp>(qd.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
+          abt<kDp>(god.data() + r0 * ds, ds, vt_buf, Dp, nq, dpbuf.data());
           grad_step(sbuf.data(), dpbuf.data(), nq, bits.data(), c2, bias.data() + r0, dl.data() + r0, c.scale);
-          acc<kDp>(dpbuf.data(), kTileK, nk, kf.data(), Dp, nq, dq_acc.data() + r0 * Dp);
+          acc<kDp>(dpbuf.data(), kTileK, 1, nk, kf, ld, Dp, nq, dq_acc.data() + r0 * Dp);
         }
       }
       if (!touched) continue;

@@ -5,11 +5,12 @@
 // items are independent and run under OpenMP (dynamic schedule: causal and windowed items differ in work).
 // Inside an item, for each key tile the pair (qt, kt) is classified from block summaries: Empty is skipped with
 // no work at all, Full runs without the predicate, Partial evaluates rf::allowed once per pair into 64-bit row
-// masks shared by all heads of the item. The K tile is packed transposed (and V as float32) once, then every
+// masks shared by all heads of the item. K tiles are packed transposed (and V as float32) once per call, then every
 // query head of the chunk runs S = Q K^T, the online-softmax step and O += P V against it while it is in cache —
 // GQA without copying K/V per query head. Scores, the running max/sum and O accumulate in float32; the
 // softmax runs in log2 units (scale·log2 e folded into one multiply) with the vector exp2 of microkernels.h.
-// Memory per thread is O(kTileQ · Dp · heads) — never an [Lq, Lk] score or mask matrix.
+// Memory: the packed K/V tiles (O(Lk · Dp), like the inputs) plus O(kTileQ · Dp · heads) per thread — never an
+// [Lq, Lk] score or mask matrix.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -29,6 +30,7 @@ template <int kDp, DType kT>
 void forward_impl(const AttnChunk& c, float* o, float* lse) {
   const AttnShape& s = c.shape;
   const int D = s.D, Dp = kDp > 0 ? kDp : padded_dim<kT>(D), dr = dot_row<kT>(Dp);
+  const int ld = row_stride(Dp), ds = dot_stride<kT>(Dp);  // strides of packed rows
   RF_ASSERT(Dp == padded_dim<kT>(D));
   const int nqt = ceil_div(s.Lq, kTileQ), nkt = ceil_div(s.Lk, kTileK), group = s.group_size();
   const int hpi = heads_per_item(group, Dp), chunks = ceil_div(group, hpi);
@@ -37,12 +39,18 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
   const float c2 = c.scale * kLog2e;
   const size_t esz = dtype_size(kT);
   const int64_t items = int64_t{s.B} * s.Hkv * nqt * chunks;
+  const std::vector<uint8_t> needed = needed_key_tiles(c.mask, qsum, ksum, s.B, nqt, nkt);
+  const size_t kv_tiles = static_cast<size_t>(s.B) * s.Hkv * nkt;
+  const auto k_cols = uninitialized<Dot<kT>>(kv_tiles * dr * kTileK);  // K^T tiles: [B, Hkv, nkt, dr, kTileK]
+  const auto v_rows = uninitialized<float>(kv_tiles * kTileK * ld);    // V tiles: [B, Hkv, nkt, kTileK, ld]
+  pack_key_tiles<kT>(c.k, s, Dp, needed, k_cols.get(), nullptr);
+  pack_key_tiles<kT>(c.v, s, Dp, needed, nullptr, v_rows.get());
 
 #pragma omp parallel
   {
     // Per-thread tile buffers, reused by every item the thread runs.
-    std::vector<Dot<kT>> qbuf(static_cast<size_t>(hpi) * kTileQ * dr), kt_buf(static_cast<size_t>(dr) * kTileK);
-    std::vector<float> vbuf(static_cast<size_t>(kTileK) * Dp), obuf(static_cast<size_t>(hpi) * kTileQ * Dp);
+    std::vector<Dot<kT>> qbuf(static_cast<size_t>(hpi) * kTileQ * ds);
+    std::vector<float> obuf(static_cast<size_t>(hpi) * kTileQ * Dp);
     std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), m(static_cast<size_t>(hpi) * kTileQ);
     std::vector<float> l(m.size());
     std::vector<RowBits> bits(kTileQ);
@@ -57,11 +65,11 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
       const int q0 = qt * kTileQ, nq = std::min(kTileQ, s.Lq - q0);
       const BlockSummary& qs = qsum[static_cast<size_t>(b) * nqt + qt];
 
-      // Query rows of head h0 + hh live at qbuf[hh · kTileQ · dr]; q: [B, Hq, Lq, D].
+      // Query rows of head h0 + hh live at qbuf[hh · kTileQ · ds]; q: [B, Hq, Lq, D].
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t row0 = (int64_t{b} * s.Hq + h0 + hh) * s.Lq + q0;
-        pack_rows_dot<kT>(static_cast<const char*>(c.q) + row0 * D * esz, nq, D, Dp,
-                          qbuf.data() + static_cast<size_t>(hh) * kTileQ * dr);
+        pack_rows_dot<kT>(static_cast<const char*>(c.q) + row0 * D * esz, nq, D, Dp, ds,
+                          qbuf.data() + static_cast<size_t>(hh) * kTileQ * ds);
       }
       std::fill(obuf.begin(), obuf.end(), 0.f);
       std::fill(m.begin(), m.end(), -kInf);
@@ -74,15 +82,14 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
         const int k0 = kt * kTileK, nk = std::min(kTileK, s.Lk - k0);
         tile_bits(cls, c.mask, c.q_meta + int64_t{b} * s.Lq + q0, nq, c.k_meta + int64_t{b} * s.Lk + k0, nk,
                   bits.data());
-        // k, v: [B, Hkv, Lk, D]
-        const int64_t kv_row0 = kv_head * s.Lk + k0;
-        pack_cols_dot<kT>(static_cast<const char*>(c.k) + kv_row0 * D * esz, nk, D, Dp, kt_buf.data());
-        pack_rows_f32<kT>(static_cast<const char*>(c.v) + kv_row0 * D * esz, nk, D, Dp, vbuf.data());
+        const size_t tile = static_cast<size_t>(kv_head) * nkt + kt;
+        const Dot<kT>* kt_buf = k_cols.get() + tile * dr * kTileK;
+        const float* vbuf = v_rows.get() + tile * kTileK * ld;
         for (int hh = 0; hh < nh; ++hh) {
           const size_t r0 = static_cast<size_t>(hh) * kTileQ;
-          abt<kDp>(qbuf.data() + r0 * dr, kt_buf.data(), Dp, nq, sbuf.data());
+          abt<kDp>(qbuf.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
           softmax_step(sbuf.data(), nq, bits.data(), c2, m.data() + r0, l.data() + r0, obuf.data() + r0 * Dp, Dp);
-          acc<kDp>(sbuf.data(), kTileK, nk, vbuf.data(), Dp, nq, obuf.data() + r0 * Dp);
+          acc<kDp>(sbuf.data(), kTileK, 1, nk, vbuf, ld, Dp, nq, obuf.data() + r0 * Dp);
         }
       }
 

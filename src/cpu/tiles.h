@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -44,6 +45,14 @@ constexpr int dot_row(int Dp) {
   return kBf16Dot<kT> ? Dp / 2 : Dp;
 }
 
+// Row stride, in floats, of packed row buffers: one vector more than Dp so that rows 2^k floats long do not alias
+// in L1 (microkernels.h, acc). dot_stride is the same stride in elements of Dot<kT>.
+constexpr int row_stride(int Dp) { return Dp + kLanes; }
+template <DType kT>
+constexpr int dot_stride(int Dp) {
+  return dot_row<kT>(row_stride(Dp));
+}
+
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // Per-block summaries of a [B, L] metadata array in tiles of `tile` tokens: [B, ceil(L / tile)].
@@ -60,13 +69,54 @@ inline std::vector<BlockSummary> tile_summaries(const TokenMeta* meta, int B, in
 using RowBits = uint64_t;
 inline RowBits first_bits(int nk) { return nk >= kTileK ? ~RowBits{0} : (RowBits{1} << nk) - 1; }
 
-// bits: [nq]. Full tiles skip the predicate; Partial ones evaluate SPEC §3 per pair (rf::allowed).
+#ifdef __AVX512F__
+// SPEC §3 for one query against 64 keys at once, 16 lanes per compare. Identical to rf::allowed lane by lane:
+// valid(q) is tested once; doc[k] == doc[q] != 0 implies valid(k); the int32 differences idx[q] - idx[k] cannot
+// overflow because the caller only takes this path when every valid token has idx >= 0 (a padding key's lanes
+// are cleared by the doc compare whatever its idx). kdoc/kidx/kgrp: [kTileK], doc 0 past the tile's end.
+inline RowBits allowed_bits(const LayerMask& m, const TokenMeta& q, const int32_t* kidx, const int32_t* kdoc,
+                            const int32_t* kgrp) {
+  if (q.doc == kPaddingDoc) return 0;
+  const __m512i qd = _mm512_set1_epi32(q.doc), qi = _mm512_set1_epi32(q.idx), qg = _mm512_set1_epi32(q.group);
+  const __m512i w = _mm512_set1_epi32(m.window);
+  const bool grouped = m.bidirectional_groups && q.group >= 0;
+  RowBits bits = 0;
+  for (int v = 0; v < kColVecs; ++v) {
+    const __m512i ki = _mm512_loadu_si512(kidx + v * kLanes);
+    const __mmask16 same = _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(kdoc + v * kLanes), qd);
+    __mmask16 ordered = m.causal ? _mm512_cmple_epi32_mask(ki, qi) : kAll;
+    if (m.window > 0) {
+      const __m512i dist = m.causal ? _mm512_sub_epi32(qi, ki) : _mm512_maskz_abs_epi32(kAll, _mm512_sub_epi32(qi, ki));
+      ordered &= _mm512_cmplt_epi32_mask(dist, w);
+    }
+    const __mmask16 group =
+        grouped ? _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(kgrp + v * kLanes), qg) : static_cast<__mmask16>(0);
+    bits |= RowBits{static_cast<uint16_t>(same & (ordered | group))} << (v * kLanes);
+  }
+  return bits;
+}
+#endif
+
+// bits: [nq]. Full tiles skip the predicate; Partial ones evaluate SPEC §3 per pair (vectorised when AVX-512 is
+// present and every valid idx is non-negative, else rf::allowed itself).
 inline void tile_bits(BlockClass cls, const LayerMask& mask, const TokenMeta* qm, int nq, const TokenMeta* km, int nk,
                       RowBits* bits) {
   if (cls == BlockClass::Full) {
     std::fill(bits, bits + nq, first_bits(nk));
     return;
   }
+#ifdef __AVX512F__
+  const BlockSummary qs = summarize(qm, nq), ks = summarize(km, nk);
+  if (qs.idx_min >= 0 && ks.idx_min >= 0) {
+    alignas(64) int32_t kidx[kTileK], kdoc[kTileK], kgrp[kTileK];
+    for (int j = 0; j < kTileK; ++j) {
+      const bool in = j < nk;
+      kidx[j] = in ? km[j].idx : 0, kdoc[j] = in ? km[j].doc : kPaddingDoc, kgrp[j] = in ? km[j].group : kNoGroup;
+    }
+    for (int i = 0; i < nq; ++i) bits[i] = allowed_bits(mask, qm[i], kidx, kdoc, kgrp);
+    return;
+  }
+#endif
   for (int i = 0; i < nq; ++i) {
     RowBits w = 0;
     for (int j = 0; j < nk; ++j) w |= RowBits{allowed(mask, qm[i], km[j])} << j;
@@ -82,19 +132,19 @@ inline float load_elem(const void* p, int64_t i) {
 
 inline uint32_t bf16_bits(const void* p, int64_t i) { return static_cast<const bf16*>(p)[i].bits; }
 
-// Rows src[r, 0 .. D) (stride D, dtype kT) -> dst[r, 0 .. Dp) float32, zero padded. dst: [rows, Dp].
+// Rows src[r, 0 .. D) (stride D, dtype kT) -> dst[r, 0 .. Dp) float32, zero padded. dst: [rows, ld].
 template <DType kT>
-inline void pack_rows_f32(const void* src, int rows, int D, int Dp, float* dst) {
+inline void pack_rows_f32(const void* src, int rows, int D, int Dp, int ld, float* dst) {
   for (int r = 0; r < rows; ++r) {
-    float* out = dst + int64_t{r} * Dp;
+    float* out = dst + int64_t{r} * ld;
     for (int d = 0; d < D; ++d) out[d] = load_elem<kT>(src, int64_t{r} * D + d);
     std::fill(out + D, out + Dp, 0.f);
   }
 }
 
-// Rows as abt's A operand: dst [rows, dot_row(Dp)] of Dot<kT>, zero padded.
+// Rows as abt's A operand: dst [rows, ld] of Dot<kT> (ld in elements of Dot<kT>), zero padded to Dp.
 template <DType kT>
-inline void pack_rows_dot(const void* src, int rows, int D, int Dp, Dot<kT>* dst) {
+inline void pack_rows_dot(const void* src, int rows, int D, int Dp, int ld, Dot<kT>* dst) {
   if constexpr (kBf16Dot<kT>) {
     const int pairs = Dp / 2;
     for (int r = 0; r < rows; ++r)
@@ -102,10 +152,10 @@ inline void pack_rows_dot(const void* src, int rows, int D, int Dp, Dot<kT>* dst
         const int d = 2 * p;
         const uint32_t lo = d < D ? bf16_bits(src, int64_t{r} * D + d) : 0u;
         const uint32_t hi = d + 1 < D ? bf16_bits(src, int64_t{r} * D + d + 1) : 0u;
-        dst[int64_t{r} * pairs + p] = lo | hi << 16;
+        dst[int64_t{r} * ld + p] = lo | hi << 16;
       }
   } else {
-    pack_rows_f32<kT>(src, rows, D, Dp, dst);
+    pack_rows_f32<kT>(src, rows, D, Dp, ld, dst);
   }
 }
 
@@ -119,6 +169,53 @@ inline void pack_cols_dot(const void* src, int nk, int D, int Dp, Dot<kT>* dst) 
       for (int d = 0; d < D; ++d) dst[(d / 2) * kTileK + j] |= bf16_bits(src, int64_t{j} * D + d) << (16 * (d % 2));
     } else {
       for (int d = 0; d < D; ++d) dst[d * kTileK + j] = load_elem<kT>(src, int64_t{j} * D + d);
+    }
+  }
+}
+
+// Packed-tile storage, left uninitialised: only needed tiles are read and packing writes every element of those
+// (zeros included), so value-initialising the O(Lk · Dp) buffers would be a wasted pass over memory.
+template <typename T>
+std::unique_ptr<T[]> uninitialized(size_t n) {
+  return std::unique_ptr<T[]>(new T[n]);
+}
+
+// Which key tiles at least one query tile reads (classify != Empty): [B, nkt]. Tiles nobody reads are neither
+// packed nor visited, so a ring step whose chunk is entirely masked costs only the classification.
+inline std::vector<uint8_t> needed_key_tiles(const LayerMask& mask, const std::vector<BlockSummary>& qsum,
+                                             const std::vector<BlockSummary>& ksum, int B, int nqt, int nkt) {
+  std::vector<uint8_t> needed(static_cast<size_t>(B) * nkt, 0);
+  for (int b = 0; b < B; ++b)
+    for (int kt = 0; kt < nkt; ++kt)
+      for (int qt = 0; qt < nqt && !needed[static_cast<size_t>(b) * nkt + kt]; ++qt)
+        needed[static_cast<size_t>(b) * nkt + kt] =
+            classify(mask, qsum[static_cast<size_t>(b) * nqt + qt], ksum[static_cast<size_t>(b) * nkt + kt]) !=
+            BlockClass::Empty;
+  return needed;
+}
+
+// Every needed tile of a K or V chunk, packed once before the tile loops (parallel over tiles) instead of once
+// per work item: the transposes and bf16 widening then cost O(Lk·D) per call, not per query tile.
+// src: [B, Hkv, Lk, D] in kT. Tile t = (b·Hkv + g)·nkt + kt. cols (if not null): [tiles, dot_row(Dp), kTileK];
+// rows (if not null): [tiles, kTileK, row_stride(Dp)] float32, zero padded.
+template <DType kT>
+void pack_key_tiles(const void* src, const AttnShape& s, int Dp, const std::vector<uint8_t>& needed, Dot<kT>* cols,
+                    float* rows) {
+  const int nkt = ceil_div(s.Lk, kTileK);
+  const int64_t tiles = int64_t{s.B} * s.Hkv * nkt;
+  const size_t esz = dtype_size(kT);
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int kt = static_cast<int>(t % nkt), b = static_cast<int>(t / nkt / s.Hkv);
+    if (!needed[static_cast<size_t>(b) * nkt + kt]) continue;
+    const int k0 = kt * kTileK, nk = std::min(kTileK, s.Lk - k0);
+    const char* tile = static_cast<const char*>(src) + ((t / nkt) * s.Lk + k0) * s.D * esz;
+    if (cols) pack_cols_dot<kT>(tile, nk, s.D, Dp, cols + t * dot_row<kT>(Dp) * kTileK);
+    if (rows) {
+      const int ld = row_stride(Dp);
+      float* r = rows + t * kTileK * ld;
+      pack_rows_f32<kT>(tile, nk, s.D, Dp, ld, r);
+      std::fill(r + int64_t{nk} * ld, r + int64_t{kTileK} * ld, 0.f);
     }
   }
 }
@@ -207,15 +304,9 @@ inline void grad_step(float* s, float* dp, int rows, const RowBits* bits, float 
   }
 }
 
-// t[j, r] = x[r, j] for r < rows, j < cols. x: [rows, kTileK]; t: [cols, rows].
-inline void transpose_tile(const float* x, int rows, int cols, float* t) {
-  for (int r = 0; r < rows; ++r)
-    for (int j = 0; j < cols; ++j) t[j * rows + r] = x[r * kTileK + j];
-}
-
 // Heads of one kv group processed together as one work item, so each K/V tile is packed once and read from
 // cache by all of them. Bounded so the item's packed Q and float32 accumulators (2 · heads · kTileQ · Dp floats)
-// stay within about half of Zen 4's 1 MiB L2.
+// stay within about half of a 1 MiB L2 (Zen 4; current Xeons have 2 MiB).
 constexpr int64_t kItemFloats = 128 * 1024;
 inline int heads_per_item(int group, int Dp) {
   const int64_t fit = kItemFloats / (2 * int64_t{kTileQ} * Dp);

@@ -1,0 +1,94 @@
+// ringflex cp: pieces shared by the ring and all-gather algorithms (not a public header).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "cp/cp_attention.h"
+
+namespace rf::cp::detail {
+
+// Message tags: one band per ring step, one slot per kind of message in the step.
+enum class MsgKind : int { KeyValue = 0, Gradient = 1, ReduceScatter = 2 };
+constexpr int kKindsPerStep = 3;
+inline int tag(int step, MsgKind kind) { return step * kKindsPerStep + static_cast<int>(kind); }
+
+enum class Pass : int32_t { Forward = 0, Backward = 1 };
+
+// Every rank validates its inputs, then all ranks allgather a small header and compare it with rank 0's, so an
+// invalid or mismatched input fails on every rank with the same line. `outputs_ok` is false when a caller's buffer
+// is missing (reported the same way). Returns the resolved scale.
+float agree_header(comm::Communicator& comm, const CpShard& x, const CpParams& p, Pass pass, bool outputs_ok);
+
+// Which rank needs which chunk, from per-block metadata summaries of every rank (one allgather).
+struct RingPlan {
+  int P = 1;
+  std::vector<uint8_t> need;  // [P reader, P owner]: some query of the reader may attend a key of the owner
+  std::vector<int> hops;      // [P owner]: how many ring steps the owner's chunk must travel (0: stays home)
+  bool needs(int reader, int owner) const { return need[static_cast<size_t>(reader) * P + owner] != 0; }
+};
+RingPlan plan_ring(comm::Communicator& comm, const CpShard& x, const LayerMask& mask, comm::Timeout timeout);
+
+// Allowed (query, key) pairs between q_meta [B, Lq] and k_meta [B, Lk], summed over rows; exact, using the block
+// classifier to count full and empty blocks without visiting their elements.
+int64_t count_allowed(const LayerMask& mask, const TokenMeta* q_meta, const TokenMeta* k_meta, int B, int Lq,
+                      int Lk);
+
+// Bookkeeping for CpStats: bytes held (peak), bytes moved, time in kernels.
+class Ledger {
+ public:
+  explicit Ledger(CpStats* stats) : stats_(stats), start_(Clock::now()) {}
+  void hold(int64_t bytes) {
+    held_ += bytes;
+    if (stats_ && held_ > stats_->peak_attention_bytes) stats_->peak_attention_bytes = held_;
+  }
+  void sent(int64_t bytes) {
+    if (stats_) stats_->bytes_sent += bytes;
+  }
+  void received(int64_t bytes) {
+    if (stats_) stats_->bytes_received += bytes;
+  }
+  bool counting() const { return stats_ != nullptr; }
+  void add_work(int64_t pairs) {
+    if (stats_) {
+      stats_->work += pairs;
+      ++stats_->chunks_computed;
+    }
+  }
+  // Runs fn and charges its time to compute.
+  template <typename Fn>
+  void compute(Fn&& fn) {
+    const auto t0 = Clock::now();
+    fn();
+    if (stats_) stats_->compute_seconds += seconds(Clock::now() - t0);
+  }
+  void finish() {
+    if (stats_) stats_->wall_seconds = seconds(Clock::now() - start_);
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  static double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+  CpStats* stats_;
+  Clock::time_point start_;
+  int64_t held_ = 0;
+};
+
+// Algorithm bodies, called after the header agreement.
+void ring_forward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, float* o, float* lse,
+                  Ledger& ledger);
+void ring_backward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, const float* o,
+                   const float* lse, const void* dout, float* dq, float* dk, float* dv, Ledger& ledger);
+void planned_ring_forward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, float* o,
+                          float* lse, Ledger& ledger);
+void planned_ring_backward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale,
+                           const float* o, const float* lse, const void* dout, float* dq, float* dk, float* dv,
+                           Ledger& ledger);
+void allgather_forward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, float* o,
+                       float* lse, Ledger& ledger);
+void allgather_backward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, const float* o,
+                        const float* lse, const void* dout, float* dq, float* dk, float* dv, Ledger& ledger);
+
+}  // namespace rf::cp::detail

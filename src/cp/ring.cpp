@@ -1,0 +1,255 @@
+// ringflex cp: the ring algorithm, forward and backward (design in cp_attention.h).
+//
+// Step s on rank r holds the chunk owned by rank j = r - s (mod P). Each step runs three phases:
+//   post     irecv step s+1's chunk from r-1 into the free slot; isend the chunk in hand to r+1 (both only when
+//            the plan says the chunk travels that far);
+//   compute  the step-s chunk, if this rank needs it (its transfers run meanwhile);
+//   complete wait for both transfers; the received slot becomes the chunk in hand.
+// A slot is reused as a receive target two steps after it was computed, by which time its send has completed.
+#include <algorithm>
+#include <array>
+#include <string>
+
+#include "core/error.h"
+#include "core/merge.h"
+#include "cp/cp_internal.h"
+#include "cpu/attention.h"
+
+namespace rf::cp::detail {
+namespace {
+
+// One K/V chunk with its metadata as it travels: k, v: [B, Hkv, L, D] in the input dtype; meta: [B, L].
+struct ChunkSlot {
+  std::vector<uint8_t> k, v;
+  std::vector<TokenMeta> meta;
+};
+
+struct ChunkView {
+  const void* k;
+  const void* v;
+  const TokenMeta* meta;
+};
+
+// The K/V ring: the rank's own chunk plus two receive slots, allocated only if something is ever received.
+class KvRing {
+ public:
+  KvRing(comm::Communicator& comm, const CpShard& x, const RingPlan& plan, comm::Timeout timeout, Ledger& ledger)
+      : comm_(comm), x_(x), plan_(plan), timeout_(timeout), ledger_(ledger), P_(comm.size()), r_(comm.rank()),
+        kv_bytes_(static_cast<size_t>(x.shape.kv_elems()) * dtype_size(x.dtype)),
+        meta_count_(static_cast<size_t>(x.shape.B) * x.shape.Lk) {
+    ledger_.hold(static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)));  // the own chunk
+  }
+
+  int owner(int s) const { return (r_ - s + P_) % P_; }
+  // The step-s chunk is here when it is this rank's own or the plan sends it at least s steps.
+  bool holds(int s) const { return s == 0 || plan_.hops[owner(s)] >= s; }
+
+  ChunkView chunk(int s) const {
+    if (s == 0) return {x_.k, x_.v, x_.meta};
+    const ChunkSlot& c = slots_[s % 2];
+    return {c.k.data(), c.v.data(), c.meta.data()};
+  }
+
+  // step s, post: bring step s+1's chunk from r-1, pass the step-s chunk on to r+1.
+  void post(int s) {
+    if (s + 1 >= P_) return;
+    const int next = (r_ + 1) % P_, prev = (r_ - 1 + P_) % P_;
+    if (holds(s + 1)) {
+      ChunkSlot& c = slot(s + 1);
+      const std::array<comm::RecvBuffer, 3> bufs{{{c.k.data(), kv_bytes_},
+                                                  {c.v.data(), kv_bytes_},
+                                                  {c.meta.data(), meta_count_ * sizeof(TokenMeta)}}};
+      recv_ = comm_.irecv(prev, tag(s + 1, MsgKind::KeyValue), bufs, label(s + 1));
+      ledger_.received(static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)));
+    }
+    if (plan_.hops[owner(s)] >= s + 1) {
+      const ChunkView c = chunk(s);
+      const std::array<comm::SendBuffer, 3> bufs{
+          {{c.k, kv_bytes_}, {c.v, kv_bytes_}, {c.meta, meta_count_ * sizeof(TokenMeta)}}};
+      send_ = comm_.isend(next, tag(s + 1, MsgKind::KeyValue), bufs, label(s + 1));
+      ledger_.sent(static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)));
+    }
+  }
+
+  // step s, complete: both transfers of post(s) are done.
+  void complete() {
+    std::array<comm::RequestPtr, 2> reqs{std::move(recv_), std::move(send_)};
+    comm::wait_all(reqs, timeout_);
+  }
+
+ private:
+  std::string label(int s) const {
+    return concat("K/V of rank ", owner(s), " for ring step ", s);
+  }
+
+  ChunkSlot& slot(int s) {
+    ChunkSlot& c = slots_[s % 2];
+    if (c.k.empty()) {
+      c.k.resize(kv_bytes_);
+      c.v.resize(kv_bytes_);
+      c.meta.resize(meta_count_);
+      ledger_.hold(static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)));
+    }
+    return c;
+  }
+
+  comm::Communicator& comm_;
+  const CpShard& x_;
+  const RingPlan& plan_;
+  comm::Timeout timeout_;
+  Ledger& ledger_;
+  int P_, r_;
+  size_t kv_bytes_, meta_count_;
+  std::array<ChunkSlot, 2> slots_;
+  comm::RequestPtr recv_, send_;
+};
+
+AttnChunk make_chunk(const CpShard& x, const LayerMask& mask, float scale, const ChunkView& c) {
+  return AttnChunk{x.shape, x.dtype, x.q, c.k, c.v, x.meta, c.meta, mask, scale};
+}
+
+}  // namespace
+
+void ring_forward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, float* o, float* lse,
+                  Ledger& ledger) {
+  const RingPlan plan = plan_ring(comm, x, p.mask, p.timeout);
+  const int P = comm.size(), r = comm.rank();
+  const int64_t rows = x.shape.lse_elems();
+  // o and lse accumulate the merged result; the first computed chunk writes them directly.
+  std::fill(o, o + x.shape.q_elems(), 0.f);
+  std::fill(lse, lse + rows, kNegInf);
+  ledger.hold((x.shape.q_elems() + rows) * static_cast<int64_t>(sizeof(float)));
+  // One later step's partial for one (row, kv head): its G = Hq/Hkv query heads, [G, L, D] and [G, L]. Merging
+  // group by group keeps this buffer at 1/(B*Hkv) of the output while the kernel still reads each K/V tile once
+  // for all G heads that share it (splitting further, per query head, measured 2x slower under GQA 8:1).
+  std::vector<float> part_o, part_lse;
+  bool first = true;
+  const int L = x.shape.Lq, D = x.shape.D, G = x.shape.group_size();
+  const size_t es = dtype_size(x.dtype);
+
+  KvRing ring(comm, x, plan, p.timeout, ledger);
+  for (int s = 0; s < P; ++s) {
+    const int j = ring.owner(s);
+    // step s, post: the transfer for step s+1 runs while this step computes.
+    ring.post(s);
+    // step s, compute: attend to chunk j if any of this rank's queries may see it; merge by LSE.
+    if (ring.holds(s) && plan.needs(r, j)) {
+      const ChunkView kv = ring.chunk(s);
+      if (ledger.counting()) ledger.add_work(count_allowed(p.mask, x.meta, kv.meta, x.shape.B, L, L));
+      if (!first && part_o.empty()) {
+        part_o.resize(static_cast<size_t>(G) * L * D);
+        part_lse.resize(static_cast<size_t>(G) * L);
+        ledger.hold((int64_t{G} * L * D + int64_t{G} * L) * static_cast<int64_t>(sizeof(float)));
+      }
+      ledger.compute([&] {
+        for (int b = 0; b < x.shape.B; ++b)
+          for (int g = 0; g < x.shape.Hkv; ++g) {
+            const int64_t kvh = int64_t{b} * x.shape.Hkv + g, qh = kvh * G;  // first query head of the group
+            AttnChunk c{AttnShape{1, G, 1, L, L, D},
+                        x.dtype,
+                        static_cast<const uint8_t*>(x.q) + qh * L * D * es,
+                        static_cast<const uint8_t*>(kv.k) + kvh * L * D * es,
+                        static_cast<const uint8_t*>(kv.v) + kvh * L * D * es,
+                        x.meta + int64_t{b} * L,
+                        kv.meta + int64_t{b} * L,
+                        p.mask,
+                        scale};
+            float* oh = o + qh * L * D;
+            float* lseh = lse + qh * L;
+            if (first) {
+              cpu::attention_forward(c, oh, lseh);
+            } else {
+              cpu::attention_forward(c, part_o.data(), part_lse.data());
+              merge_partial(oh, lseh, part_o.data(), part_lse.data(), int64_t{G} * L, D);
+            }
+          }
+      });
+      first = false;
+    }
+    // step s, complete: the chunk for step s+1 has arrived and ours has left.
+    ring.complete();
+  }
+}
+
+void ring_backward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, const float* o,
+                   const float* lse, const void* dout, float* dq, float* dk, float* dv, Ledger& ledger) {
+  const RingPlan plan = plan_ring(comm, x, p.mask, p.timeout);
+  const int P = comm.size(), r = comm.rank();
+  const int64_t rows = x.shape.lse_elems(), kv = x.shape.kv_elems();
+  const auto f32_bytes = [](int64_t n) { return n * static_cast<int64_t>(sizeof(float)); };
+
+  std::vector<float> delta(static_cast<size_t>(rows));  // [B, Hq, L]: rowsum(dout * o), from the merged o
+  ledger.hold(f32_bytes(rows) + f32_bytes(x.shape.q_elems()) + 2 * f32_bytes(kv));  // delta, dq, dk, dv
+  cpu::attention_delta(x.shape, x.dtype, dout, o, delta.data());
+  std::fill(dq, dq + x.shape.q_elems(), 0.f);
+  std::fill(dk, dk + kv, 0.f);
+  std::fill(dv, dv + kv, 0.f);
+
+  // Gradient traffic, double-buffered by step parity. contrib[i]: this rank's dK/dV for another rank's chunk,
+  // in flight to its owner; incoming[i]: another rank's dK/dV for this rank's chunk. Each is [2, B, Hkv, L, D].
+  struct GradSlot {
+    std::vector<float> g;  // dk then dv
+    comm::RequestPtr req;
+  };
+  std::array<GradSlot, 2> contrib, incoming;
+  const auto ensure = [&](GradSlot& slot) {
+    if (slot.g.empty()) {
+      slot.g.resize(static_cast<size_t>(2 * kv));
+      ledger.hold(2 * f32_bytes(kv));
+    }
+  };
+  const auto grad_bytes = static_cast<size_t>(f32_bytes(kv));
+  // Step t's gradient transfers are finished at the end of step t+1, after that step's compute hid them.
+  const auto finish_gradients = [&](int t) {
+    GradSlot& out = contrib[t % 2];
+    if (out.req) {
+      out.req->wait(p.timeout);
+      out.req.reset();
+    }
+    GradSlot& in = incoming[t % 2];
+    if (!in.req) return;
+    in.req->wait(p.timeout);
+    in.req.reset();
+    for (int64_t i = 0; i < kv; ++i) dk[i] += in.g[i];
+    for (int64_t i = 0; i < kv; ++i) dv[i] += in.g[kv + i];
+  };
+
+  KvRing ring(comm, x, plan, p.timeout, ledger);
+  for (int s = 0; s < P; ++s) {
+    const int j = ring.owner(s);
+    // step s, post: K/V for step s+1, and the receive of the dK/dV that rank r+s computes now for our chunk.
+    ring.post(s);
+    const int helper = (r + s) % P;
+    if (s > 0 && plan.hops[r] >= s && plan.needs(helper, r)) {
+      GradSlot& in = incoming[s % 2];
+      ensure(in);
+      const std::array<comm::RecvBuffer, 2> bufs{{{in.g.data(), grad_bytes}, {in.g.data() + kv, grad_bytes}}};
+      in.req = comm.irecv(helper, tag(s, MsgKind::Gradient), bufs, concat("dK/dV for our chunk from ring step ", s));
+      ledger.received(2 * f32_bytes(kv));
+    }
+    // step s, compute: recompute chunk j's scores from the merged LSE; dQ accumulates here, dK/dV go to j.
+    if (ring.holds(s) && plan.needs(r, j)) {
+      const AttnChunk c = make_chunk(x, p.mask, scale, ring.chunk(s));
+      if (ledger.counting()) ledger.add_work(count_allowed(p.mask, x.meta, c.k_meta, x.shape.B, x.shape.Lq, x.shape.Lk));
+      if (s == 0) {
+        ledger.compute([&] { cpu::attention_backward(c, dout, lse, delta.data(), dq, dk, dv); });
+      } else {
+        GradSlot& out = contrib[s % 2];
+        ensure(out);
+        ledger.compute([&] {
+          std::fill(out.g.begin(), out.g.end(), 0.f);
+          cpu::attention_backward(c, dout, lse, delta.data(), dq, out.g.data(), out.g.data() + kv);
+        });
+        const std::array<comm::SendBuffer, 2> bufs{{{out.g.data(), grad_bytes}, {out.g.data() + kv, grad_bytes}}};
+        out.req = comm.isend(j, tag(s, MsgKind::Gradient), bufs, concat("dK/dV of ring step ", s, " to rank ", j));
+        ledger.sent(2 * f32_bytes(kv));
+      }
+    }
+    // step s, complete: K/V for step s+1 is here; step s-1's gradients have arrived and are added in step order.
+    ring.complete();
+    if (s > 0) finish_gradients(s - 1);
+  }
+  finish_gradients(P - 1);
+}
+
+}  // namespace rf::cp::detail

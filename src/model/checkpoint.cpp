@@ -1,0 +1,121 @@
+// ringflex model: loading and saving Hugging Face Gemma 4 checkpoints through rf_io's safetensors files.
+#include "model/checkpoint.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include "core/error.h"
+#include "io/safetensors.h"
+#include "io/tensor_access.h"
+
+namespace rf::model {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kCausalLmPrefix = "model.";
+constexpr const char* kMultimodalPrefix = "model.language_model.";
+constexpr const char* kVisionProjection = "model.embed_vision.embedding_projection.weight";
+constexpr const char* kSavedFile = "model.safetensors";
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p);
+  RF_CHECK(in.good(), p.string(), ": cannot be read");
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The files of a checkpoint and a name -> tensor index over all of them.
+struct Shards {
+  std::vector<io::SafetensorsFile> files;
+  const io::TensorView* find(const std::string& name, const io::SafetensorsFile** file) const {
+    for (const io::SafetensorsFile& f : files) {
+      if (const io::TensorView* v = f.find(name)) {
+        *file = &f;
+        return v;
+      }
+    }
+    return nullptr;
+  }
+};
+
+void copy_into(Tensor& dst, const io::TensorView& v, const std::string& file) {
+  RF_CHECK(v.shape == dst.shape, file, ": tensor `", v.name, "` has shape ", io::shape_string(v.shape),
+           ", the config implies ", io::shape_string(dst.shape));
+  const std::vector<float> values = io::to_float32(v);
+  std::copy(values.begin(), values.end(), dst.data.begin());
+}
+
+}  // namespace
+
+std::string file_name_of(const std::string& param_name, const std::string& text_prefix) {
+  const std::string p = kCausalLmPrefix;
+  if (param_name.rfind(p, 0) == 0 && param_name != kVisionProjection) return text_prefix + param_name.substr(p.size());
+  return param_name;
+}
+
+Checkpoint load_checkpoint(const std::string& dir) {
+  const fs::path root(dir);
+  RF_CHECK(fs::is_directory(root), dir, ": not a directory");
+  const fs::path config_path = root / "config.json";
+  RF_CHECK(fs::exists(config_path), dir, ": no config.json");
+  Gemma4Config cfg = Gemma4Config::from_json(read_text(config_path));
+
+  std::vector<fs::path> paths;
+  for (const auto& e : fs::directory_iterator(root))
+    if (e.is_regular_file() && e.path().extension() == ".safetensors") paths.push_back(e.path());
+  std::sort(paths.begin(), paths.end());
+  RF_CHECK(!paths.empty(), dir, ": no *.safetensors files");
+  Shards shards;
+  for (const fs::path& p : paths) shards.files.push_back(io::SafetensorsFile::open(p.string()));
+
+  Checkpoint ck;
+  const io::SafetensorsFile* file = nullptr;
+  const std::string embed = "embed_tokens.weight";
+  if (shards.find(kMultimodalPrefix + embed, &file)) ck.text_prefix = kMultimodalPrefix;
+  int vision_dim = 0;
+  if (const io::TensorView* v = shards.find(kVisionProjection, &file)) {
+    RF_CHECK(v->rank() == 2 && v->shape[0] == cfg.hidden_size, file->path(), ": tensor `", kVisionProjection,
+             "` has shape ", io::shape_string(v->shape), ", expected [hidden_size = ", cfg.hidden_size, ", F]");
+    vision_dim = static_cast<int>(v->shape[1]);
+  }
+  ck.model = std::make_unique<Gemma4Model>(std::move(cfg), vision_dim);
+  for (Tensor& t : ck.model->params()) {
+    const std::string name = file_name_of(t.name, ck.text_prefix);
+    const io::TensorView* v = shards.find(name, &file);
+    RF_CHECK(v != nullptr, dir, ": no tensor `", name, "` in any *.safetensors file");
+    copy_into(t, *v, file->path());
+  }
+  for (Tensor& t : ck.model->buffers()) {
+    // layer_scalar is a buffer transformers saves; older exports may omit it (then it stays 1).
+    if (const io::TensorView* v = shards.find(file_name_of(t.name, ck.text_prefix), &file)) copy_into(t, *v, file->path());
+  }
+  return ck;
+}
+
+void save_checkpoint(const Checkpoint& ck, const std::string& dir) {
+  const fs::path root(dir);
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  RF_CHECK(!ec, dir, ": cannot create the directory (", ec.message(), ")");
+  {
+    std::ofstream out(root / "config.json");
+    out << ck.model->config().source_json;
+    RF_CHECK(out.good(), (root / "config.json").string(), ": cannot be written");
+  }
+  io::SafetensorsWriter w;
+  w.set_metadata("format", "pt");  // what transformers writes and expects
+  for (const TensorSet* set : {&ck.model->params(), &ck.model->buffers()}) {
+    for (const Tensor& t : *set) {
+      w.add(file_name_of(t.name, ck.text_prefix), io::StDType::F32, t.shape, std::span<const float>(t.data));
+    }
+  }
+  w.write((root / kSavedFile).string());
+}
+
+}  // namespace rf::model

@@ -1,0 +1,107 @@
+// ringflex model: the Gemma 4 text decoder, forward and backward, in float32 on the CPU.
+//
+// Semantics follow transformers 5.24 (Gemma4ForCausalLM / the text part of Gemma4Model), checked by
+// tests/model/parity against it. Attention runs through rf::cpu::attention_* on one AttnChunk per layer (the
+// ring's per-step call, with the whole row as the only chunk), with SPEC §3 masks built from TokenMeta.
+//
+// Activation memory (training): per layer the layer's input [T, H], its attention output [B, Hq, S, D] and
+// LSE [B, Hq, S] are kept (plus the K/V [B, Hkv, S, D] of layers that KV-shared layers read); everything
+// else of a layer (projections, norms, MLP/MoE, PLE) is recomputed from its input during the backward, one
+// layer at a time. Attention, the costly part at long S, is never recomputed. The loss keeps at most one chunk
+// of logits (see loss.h).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model/config.h"
+#include "model/params.h"
+
+namespace rf::model {
+
+// One batch, row-major over [B, S]. Optional arrays may be null.
+struct Batch {
+  int B = 0, S = 0;
+  const int32_t* input_ids = nullptr;     // [B, S] required
+  const int32_t* labels = nullptr;        // [B, S] target at each position; -100 = ignored (null: no loss)
+  const int32_t* position_ids = nullptr;  // [B, S] RoPE positions (null: 0..S-1 per row)
+  const int32_t* doc = nullptr;           // [B, S] packed document id, 0 = padding (null: one document)
+  const int32_t* mm_token_type = nullptr; // [B, S] 0 text, 1 image, 2 video (null: all text)
+  const float* image_features = nullptr;  // [N, F] one vector per vision slot (type 1 or 2), slots in row-major
+  int64_t n_image_features = 0;           // N
+};
+
+struct RunOptions {
+  bool want_logits = false;            // fill Result::logits [B, S, V]
+  bool want_grad = false;              // fill the gradient set
+  int64_t loss_chunk_tokens = 0;       // tokens per loss chunk; 0 = as many as fit kLossChunkBytes
+  double loss_normalizer = 0.0;        // divide the summed token loss by this; 0 = number of label tokens
+};
+
+// Default size of the loss's one chunk of logits.
+constexpr int64_t kLossChunkBytes = int64_t{64} << 20;
+
+struct Result {
+  double loss = 0.0;                   // mean over label tokens (or sum / loss_normalizer)
+  int64_t label_tokens = 0;
+  std::vector<float> token_loss;       // [B, S], 0 where ignored
+  std::vector<float> logits;           // [B, S, V] when asked for
+  std::vector<float> d_image_features; // [N, F] with gradients and image features
+};
+
+// Slots (in Gemma4Model::params()) of one decoder layer's parameters; kNoSlot where the layer has none.
+constexpr size_t kNoSlot = static_cast<size_t>(-1);
+struct LayerSlots {
+  size_t q_proj = kNoSlot, q_norm = kNoSlot, k_proj = kNoSlot, v_proj = kNoSlot, k_norm = kNoSlot, o_proj = kNoSlot;
+  size_t input_norm = kNoSlot, post_attn_norm = kNoSlot, pre_ff_norm = kNoSlot, post_ff_norm = kNoSlot;
+  size_t gate_proj = kNoSlot, up_proj = kNoSlot, down_proj = kNoSlot;
+  // MoE block
+  size_t router_proj = kNoSlot, router_scale = kNoSlot, per_expert_scale = kNoSlot;
+  size_t experts_gate_up = kNoSlot, experts_down = kNoSlot;
+  size_t post_ff_norm_1 = kNoSlot, post_ff_norm_2 = kNoSlot, pre_ff_norm_2 = kNoSlot;
+  // per-layer embeddings
+  size_t ple_gate = kNoSlot, ple_proj = kNoSlot, ple_post_norm = kNoSlot;
+  size_t layer_scalar = kNoSlot;  // in buffers()
+};
+
+class Gemma4Model {
+ public:
+  // Registers every parameter (zero) in the Hugging Face layout of Gemma4ForCausalLM ("model.layers.0...").
+  // vision_feature_dim > 0 adds the trainable projection of image features, Gemma4MultimodalEmbedder's
+  // "model.embed_vision.embedding_projection.weight" [H, F] after a scale-free RMSNorm; 0: features arrive in
+  // the hidden size and are placed as they are.
+  explicit Gemma4Model(Gemma4Config config, int vision_feature_dim = 0);
+
+  const Gemma4Config& config() const { return cfg_; }
+  int vision_feature_dim() const { return vision_dim_; }
+  TensorSet& params() { return params_; }
+  const TensorSet& params() const { return params_; }
+  TensorSet& buffers() { return buffers_; }  // non-trainable: model.layers.<i>.layer_scalar (ones by default)
+  const TensorSet& buffers() const { return buffers_; }
+
+  // Deterministic random parameters for tests and benchmarks: weights ~ N(0, stddev), norm scales and the
+  // router's scales ~ 1 + N(0, stddev).
+  void init_random(uint64_t seed, float stddev);
+
+  // Forward, and with opt.want_grad the backward, accumulating into `grads` (a params().zeros_like() set).
+  // Throws rf::Error on bad input, naming it.
+  Result run(const Batch& batch, const RunOptions& opt, TensorSet* grads) const;
+
+  const LayerSpec& spec(int layer) const { return specs_[layer]; }
+  const LayerSlots& slots(int layer) const { return slots_[layer]; }
+
+ private:
+  struct Run;  // one run's activations and the steps over them (gemma4.cpp)
+
+  Gemma4Config cfg_;
+  int vision_dim_ = 0;
+  std::vector<LayerSpec> specs_;
+  std::vector<LayerSlots> slots_;
+  TensorSet params_;
+  TensorSet buffers_;
+  size_t embed_ = kNoSlot, final_norm_ = kNoSlot, lm_head_ = kNoSlot;
+  size_t ple_embed_ = kNoSlot, ple_proj_ = kNoSlot, ple_norm_ = kNoSlot;
+  size_t vision_proj_ = kNoSlot;
+};
+
+}  // namespace rf::model

@@ -1,0 +1,193 @@
+// ringflex model: float32 building blocks (linear, RMSNorm, GeGLU, RoPE, layout changes) and their backwards.
+#include "model/ops.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+
+namespace rf::model {
+
+namespace {
+
+// Rows of C per sgemm call. Fixed (not derived from the thread count) so every element of C is produced by the
+// same call shape whatever the number of threads: the bits do not depend on OMP_NUM_THREADS.
+constexpr int64_t kGemmRowBlock = 128;
+// Tokens per partial sum in reductions over tokens (RMSNorm weight gradients), summed in block order.
+constexpr int64_t kReduceBlock = 64;
+
+// sqrt(2/pi) and the cubic coefficient of the tanh GELU approximation (as in PyTorch's gelu(approximate="tanh")).
+constexpr float kGeluC = 0.7978845608028654f;
+constexpr float kGeluA = 0.044715f;
+
+void single_threaded_blas() {
+  // Our own OpenMP splits the work; OpenBLAS threads inside those calls would only oversubscribe the cores.
+  static std::once_flag once;
+  std::call_once(once, [] { openblas_set_num_threads(1); });
+}
+
+}  // namespace
+
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  single_threaded_blas();
+  const int64_t blocks = (M + kGemmRowBlock - 1) / kGemmRowBlock;
+#pragma omp parallel for schedule(static) if (blocks > 1)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t m0 = blk * kGemmRowBlock;
+    const int64_t m = std::min(kGemmRowBlock, M - m0);
+    // Row m0 of op(A): row m0 of A, or column m0 of A when transposed.
+    const float* a = trans_a ? A + m0 : A + m0 * lda;
+    if (K == 0) {
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < N; ++j) C[(m0 + i) * ldc + j] *= beta;
+      continue;
+    }
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+                static_cast<int>(m), static_cast<int>(N), static_cast<int>(K), alpha, a, static_cast<int>(lda), B,
+                static_cast<int>(ldb), beta, C + m0 * ldc, static_cast<int>(ldc));
+  }
+}
+
+void linear_forward(const float* x, const float* W, float* y, int64_t T, int64_t K, int64_t N) {
+  gemm(false, true, T, N, K, 1.f, x, K, W, K, 0.f, y, N);
+}
+
+void linear_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t T, int64_t K,
+                     int64_t N) {
+  if (dx) gemm(false, false, T, K, N, 1.f, dy, N, W, K, 1.f, dx, K);
+  if (dW) gemm(true, false, N, K, T, 1.f, dy, N, x, K, 1.f, dW, K);
+}
+
+void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* inv_rms, int64_t R, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = x + r * n;
+    float* yr = y + r * n;
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    inv_rms[r] = inv;
+    if (w) {
+      for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * inv * w[i];
+    } else {
+      for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * inv;
+    }
+  }
+}
+
+void rmsnorm_backward(const float* x, const float* w, const float* inv_rms, const float* dy, float* dx, float* dw,
+                      int64_t R, int64_t n) {
+  // y = x * r * w with r = (mean(x^2) + eps)^-1/2, so dr/dx = -r^3 x / n and
+  // dx = r * (dy*w) - x * r^3 * mean((dy*w) * x).
+  if (dx) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < R; ++r) {
+      const float* xr = x + r * n;
+      const float* gr = dy + r * n;
+      float* dxr = dx + r * n;
+      const float inv = inv_rms[r];
+      float dot = 0.f;
+      for (int64_t i = 0; i < n; ++i) dot += gr[i] * (w ? w[i] : 1.f) * xr[i];
+      const float c = inv * inv * inv * dot / static_cast<float>(n);
+      for (int64_t i = 0; i < n; ++i) dxr[i] += inv * gr[i] * (w ? w[i] : 1.f) - xr[i] * c;
+    }
+  }
+  if (w && dw) {
+    const int64_t blocks = (R + kReduceBlock - 1) / kReduceBlock;
+    std::vector<float> partial(static_cast<size_t>(blocks * n), 0.f);
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      float* p = partial.data() + b * n;
+      for (int64_t r = b * kReduceBlock; r < std::min(R, (b + 1) * kReduceBlock); ++r) {
+        const float inv = inv_rms[r];
+        for (int64_t i = 0; i < n; ++i) p[i] += dy[r * n + i] * x[r * n + i] * inv;
+      }
+    }
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t i = 0; i < n; ++i) dw[i] += partial[b * n + i];
+  }
+}
+
+float gelu_tanh(float x) { return 0.5f * x * (1.f + std::tanh(kGeluC * (x + kGeluA * x * x * x))); }
+
+float gelu_tanh_grad(float x) {
+  const float t = std::tanh(kGeluC * (x + kGeluA * x * x * x));
+  return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * kGeluC * (1.f + 3.f * kGeluA * x * x);
+}
+
+void geglu_forward(const float* g, const float* u, float* h, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) h[i] = gelu_tanh(g[i]) * u[i];
+}
+
+void geglu_backward(const float* g, const float* u, const float* dh, float* dg, float* du, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    dg[i] += dh[i] * u[i] * gelu_tanh_grad(g[i]);
+    du[i] += dh[i] * gelu_tanh(g[i]);
+  }
+}
+
+RopeTable make_rope_table(const int32_t* positions, int64_t T, int D, bool proportional, double theta,
+                          double partial_rotary_factor, double factor) {
+  const int half = D / 2;
+  const int rotated = proportional ? static_cast<int>(partial_rotary_factor * D / 2) : half;
+  std::vector<float> inv_freq(half, 0.f);
+  for (int i = 0; i < rotated; ++i) {
+    const float exponent = static_cast<float>(2 * i) / static_cast<float>(D);
+    inv_freq[i] = static_cast<float>(1.0 / std::pow(static_cast<float>(theta), exponent) / factor);
+  }
+  RopeTable r;
+  r.D = D;
+  r.cos.resize(static_cast<size_t>(T * half));
+  r.sin.resize(static_cast<size_t>(T * half));
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    for (int i = 0; i < half; ++i) {
+      const float angle = static_cast<float>(positions[t]) * inv_freq[i];
+      r.cos[t * half + i] = std::cos(angle);
+      r.sin[t * half + i] = std::sin(angle);
+    }
+  }
+  return r;
+}
+
+void rope_apply(float* x, const RopeTable& r, int64_t T, int heads, bool inverse) {
+  const int D = r.D, half = D / 2;
+  const float sign = inverse ? -1.f : 1.f;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = r.cos.data() + t * half;
+    const float* s = r.sin.data() + t * half;
+    for (int h = 0; h < heads; ++h) {
+      float* v = x + (t * heads + h) * D;
+      for (int i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - sign * b * s[i];
+        v[i + half] = b * c[i] + sign * a * s[i];
+      }
+    }
+  }
+}
+
+void to_head_major(const float* x, float* y, int B, int S, int H, int D) {
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int s = 0; s < S; ++s)
+        std::copy_n(x + ((int64_t{b} * S + s) * H + h) * D, D, y + ((int64_t{b} * H + h) * S + s) * D);
+}
+
+void to_token_major(const float* x, float* y, int B, int S, int H, int D) {
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int s = 0; s < S; ++s)
+        std::copy_n(x + ((int64_t{b} * H + h) * S + s) * D, D, y + ((int64_t{b} * S + s) * H + h) * D);
+}
+
+}  // namespace rf::model

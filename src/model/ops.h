@@ -1,0 +1,57 @@
+// ringflex model: the float32 building blocks of the decoder, each with its backward.
+//
+// Every op works on token-major activations [T, n] (T = B*S tokens, row-major) so the linear layers are plain
+// sgemm calls. Backward functions *accumulate* (+=) into their input gradients and parameter gradients; the
+// caller zeroes once. Reductions over tokens (weight gradients) are split into fixed-size token blocks summed
+// in block order, so the bits do not depend on the thread count.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace rf::model {
+
+// Row-major C[M, N] = alpha * op(A) op(B) + beta * C with op = transpose when the flag is set; A is [M, K] (or
+// [K, M] transposed), B is [K, N] (or [N, K]). OpenMP splits M into fixed blocks, each a single-threaded sgemm
+// (OpenBLAS's own threading does not scale on the dev VM; see dev-machine-limits.md).
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+// y[T, N] = x[T, K] W[N, K]^T (nn.Linear without bias).
+void linear_forward(const float* x, const float* W, float* y, int64_t T, int64_t K, int64_t N);
+// dx[T, K] += dy W (skipped when dx is null); dW[N, K] += dy^T x (skipped when dW is null).
+void linear_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t T, int64_t K,
+                     int64_t N);
+
+// y[R, n] = x * (mean(x^2) + eps)^-1/2 * w per row (w null: no scale). inv_rms: [R], kept for the backward.
+void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* inv_rms, int64_t R, int64_t n);
+// dx[R, n] += ...; dw[n] += sum_rows dy * x * inv_rms (skipped when w or dw is null).
+void rmsnorm_backward(const float* x, const float* w, const float* inv_rms, const float* dy, float* dx, float* dw,
+                      int64_t R, int64_t n);
+
+// tanh-approximated GELU (gelu_pytorch_tanh) and its derivative.
+float gelu_tanh(float x);
+float gelu_tanh_grad(float x);
+
+// GeGLU: h[T, I] = gelu(g) * u.
+void geglu_forward(const float* g, const float* u, float* h, int64_t n);
+// dg += dh * u * gelu'(g); du += dh * gelu(g).
+void geglu_backward(const float* g, const float* u, const float* dh, float* dg, float* du, int64_t n);
+
+// RoPE angles for one layer type: cos/sin [T, D/2] from float32 position ids, the way transformers builds them
+// (inv_freq in float32, angle = pos * inv_freq in float32). Pairs past the rotated fraction (proportional RoPE)
+// have frequency 0, i.e. cos 1 and sin 0.
+struct RopeTable {
+  int D = 0;
+  std::vector<float> cos, sin;  // [T, D/2]
+};
+RopeTable make_rope_table(const int32_t* positions, int64_t T, int D, bool proportional, double theta,
+                          double partial_rotary_factor, double factor);
+// In place on x[T, heads, D]: rotate_half pairs (i, i + D/2). inverse = true applies the transpose (backward).
+void rope_apply(float* x, const RopeTable& r, int64_t T, int heads, bool inverse);
+
+// Token-major [B, S, H, D] <-> head-major [B, H, S, D] (the attention kernels' layout).
+void to_head_major(const float* x, float* y, int B, int S, int H, int D);
+void to_token_major(const float* x, float* y, int B, int S, int H, int D);
+
+}  // namespace rf::model

@@ -1,0 +1,41 @@
+// ringflex model: the named tensor set.
+#include "model/params.h"
+
+#include "core/error.h"
+
+namespace rf::model {
+
+int64_t Tensor::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+size_t TensorSet::add(const std::string& name, std::vector<int64_t> shape) {
+  RF_CHECK(!contains(name), "tensor '", name, "' registered twice");
+  Tensor t{name, std::move(shape), {}};
+  t.data.assign(static_cast<size_t>(t.numel()), 0.f);
+  tensors_.push_back(std::move(t));
+  index_[name] = tensors_.size() - 1;
+  return tensors_.size() - 1;
+}
+
+size_t TensorSet::slot(const std::string& name) const {
+  const auto it = index_.find(name);
+  RF_CHECK(it != index_.end(), "tensor '", name, "' not found");
+  return it->second;
+}
+
+int64_t TensorSet::total_elements() const {
+  int64_t n = 0;
+  for (const Tensor& t : tensors_) n += t.numel();
+  return n;
+}
+
+TensorSet TensorSet::zeros_like() const {
+  TensorSet z;
+  for (const Tensor& t : tensors_) z.add(t.name, t.shape);
+  return z;
+}
+
+}  // namespace rf::model

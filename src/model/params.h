@@ -1,0 +1,46 @@
+// ringflex model: named float32 tensors in the Hugging Face layout (parameters, their gradients, buffers).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace rf::model {
+
+struct Tensor {
+  std::string name;            // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  std::vector<int64_t> shape;  // row-major
+  std::vector<float> data;
+
+  int64_t numel() const;
+};
+
+// An ordered set of tensors with lookup by name. The order is the model's registration order, which is also the
+// order gradients are written out in.
+class TensorSet {
+ public:
+  // Adds a zero tensor; returns its slot. Throws rf::Error if the name exists already.
+  size_t add(const std::string& name, std::vector<int64_t> shape);
+  size_t slot(const std::string& name) const;  // throws rf::Error naming a missing tensor
+  bool contains(const std::string& name) const { return index_.count(name) > 0; }
+  Tensor& operator[](size_t i) { return tensors_[i]; }
+  const Tensor& operator[](size_t i) const { return tensors_[i]; }
+  float* data(size_t i) { return tensors_[i].data.data(); }
+  const float* data(size_t i) const { return tensors_[i].data.data(); }
+  size_t size() const { return tensors_.size(); }
+  int64_t total_elements() const;
+  std::vector<Tensor>::iterator begin() { return tensors_.begin(); }
+  std::vector<Tensor>::iterator end() { return tensors_.end(); }
+  std::vector<Tensor>::const_iterator begin() const { return tensors_.begin(); }
+  std::vector<Tensor>::const_iterator end() const { return tensors_.end(); }
+
+  // Same names and shapes, all zero (a gradient set for these parameters).
+  TensorSet zeros_like() const;
+
+ private:
+  std::vector<Tensor> tensors_;
+  std::unordered_map<std::string, size_t> index_;
+};
+
+}  // namespace rf::model

@@ -1,0 +1,328 @@
+// The CP attention sweep, written once against the communicator interface and run by the loopback test
+// (ranks as threads) and the MPI test (ranks as processes under mpirun).
+//
+// A case is a full row problem (Q, K, V, dout, metadata) generated identically on every rank from a seed. Every
+// rank shards it, runs CP forward and backward, and all ranks allgather their shards back into row order. Rank 0
+// (the only one that asserts) compares against the scalar reference (double) on the unsharded row.
+//
+// Tolerance. The reference is exact up to double rounding; a CP result differs from it by the kernels' float32
+// rounding (err1: the same kernels run as one rank, P = 1, measured on the same inputs) plus what the ring adds:
+// one LSE merge per step for O and LSE, one float32 addition per contributing rank for dK/dV. Each adds at most a
+// few float32 ulps of the largest magnitude involved, so
+//     |cp - ref| <= 2 * err1 + kUlpsPerRank * P * eps_f32 * max|ref|.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/loopback_comm.h"
+#include "common/random_case.h"
+#include "cp/cp_attention.h"
+#include "cp/shard.h"
+#include "reference/attention_ref.h"
+
+namespace rf::cp::cases {
+
+constexpr comm::Timeout kCaseTimeout{60000};  // a rank may wait while rank 0 runs the reference
+constexpr double kUlpsPerRank = 8;             // merge rescale (2 roundings) + add, with slack for exp/log
+constexpr double kEpsF32 = std::numeric_limits<float>::epsilon();
+
+struct Case {
+  std::string name;
+  int B = 1, Hq = 2, Hkv = 1, S = 64, D = 16;
+  DType dtype = DType::F32;
+  LayerMask mask;
+  testing::MetaKind kind = testing::MetaKind::OneDoc;
+  uint64_t seed = 1;
+  float scale = 0.f;  // 0: 1/sqrt(D)
+};
+
+// The whole row problem. q, dout: [B, Hq, S, D]; k, v: [B, Hkv, S, D] in dtype; meta: [B, S].
+struct Inputs {
+  std::vector<uint8_t> q, k, v, dout;
+  std::vector<TokenMeta> meta;
+};
+
+inline Inputs make_inputs(const Case& c) {
+  const int64_t nq = int64_t{c.B} * c.Hq * c.S * c.D, nkv = int64_t{c.B} * c.Hkv * c.S * c.D;
+  return {testing::random_tensor(nq, c.dtype, c.seed * 11 + 1), testing::random_tensor(nkv, c.dtype, c.seed * 11 + 2),
+          testing::random_tensor(nkv, c.dtype, c.seed * 11 + 3), testing::random_tensor(nq, c.dtype, c.seed * 11 + 4),
+          testing::random_meta(c.B, c.S, c.kind, c.seed)};
+}
+
+// Results in row order. o, dq: [B, Hq, S, D]; lse: [B, Hq, S]; dk, dv: [B, Hkv, S, D].
+struct Result {
+  std::vector<float> o, lse, dq, dk, dv;
+};
+
+// Gathers every rank's shard of a [B, H, L, D] float32 array into row order [B, H, S, D] on every rank.
+inline std::vector<float> gather_rows(comm::Communicator& comm, const ShardMap& m, const std::vector<float>& shard,
+                                      int B, int H, int D) {
+  const int P = comm.size();
+  std::vector<float> all(shard.size() * P), full(static_cast<size_t>(B) * H * m.S * D);
+  comm.allgather(shard.data(), all.data(), shard.size() * sizeof(float), kCaseTimeout);
+  for (int r = 0; r < P; ++r) unshard_tensor(m, r, all.data() + r * shard.size(), full.data(), B, H, D, sizeof(float));
+  return full;
+}
+
+// CP forward and backward of the case on this communicator; every rank returns the full result.
+inline Result run_cp(comm::Communicator& comm, const Case& c, const Inputs& in, Scheme scheme, Algo algo,
+                     CpStats* fwd_stats = nullptr, CpStats* bwd_stats = nullptr) {
+  const int r = comm.rank();
+  const ShardMap m = make_shard_map(scheme, c.S, comm.size());
+  const size_t es = dtype_size(c.dtype);
+  const int L = m.L;
+  std::vector<uint8_t> q(static_cast<size_t>(c.B) * c.Hq * L * c.D * es), dout(q.size());
+  std::vector<uint8_t> k(static_cast<size_t>(c.B) * c.Hkv * L * c.D * es), v(k.size());
+  shard_tensor(m, r, in.q.data(), q.data(), c.B, c.Hq, c.D, es);
+  shard_tensor(m, r, in.dout.data(), dout.data(), c.B, c.Hq, c.D, es);
+  shard_tensor(m, r, in.k.data(), k.data(), c.B, c.Hkv, c.D, es);
+  shard_tensor(m, r, in.v.data(), v.data(), c.B, c.Hkv, c.D, es);
+  const std::vector<TokenMeta> meta = shard_meta(m, r, in.meta.data(), c.B);
+
+  CpShard x{AttnShape{c.B, c.Hq, c.Hkv, L, L, c.D}, c.dtype, q.data(), k.data(), v.data(), meta.data()};
+  CpParams p{c.mask, c.scale, algo, scheme, kCaseTimeout, fwd_stats};
+  std::vector<float> o(static_cast<size_t>(x.shape.q_elems())), lse(static_cast<size_t>(x.shape.lse_elems()));
+  std::vector<float> dq(o.size()), dk(static_cast<size_t>(x.shape.kv_elems())), dv(dk.size());
+  cp_attention_forward(comm, x, p, o.data(), lse.data());
+  p.stats = bwd_stats;
+  cp_attention_backward(comm, x, p, o.data(), lse.data(), dout.data(), dq.data(), dk.data(), dv.data());
+  return {gather_rows(comm, m, o, c.B, c.Hq, c.D), gather_rows(comm, m, lse, c.B, c.Hq, 1),
+          gather_rows(comm, m, dq, c.B, c.Hq, c.D), gather_rows(comm, m, dk, c.B, c.Hkv, c.D),
+          gather_rows(comm, m, dv, c.B, c.Hkv, c.D)};
+}
+
+// The same problem on one rank (P = 1 through the same code: no sharding padding, one chunk).
+inline Result run_single(const Case& c, const Inputs& in) {
+  Result res;
+  comm::run_ranks(1, [&](comm::Communicator& one) { res = run_cp(one, c, in, Scheme::Contiguous, Algo::Ring); });
+  return res;
+}
+
+struct Reference {
+  RefForward fwd;
+  RefBackward bwd;
+};
+
+inline Reference run_reference(const Case& c, const Inputs& in) {
+  const AttnChunk chunk{AttnShape{c.B, c.Hq, c.Hkv, c.S, c.S, c.D},
+                        c.dtype,
+                        in.q.data(),
+                        in.k.data(),
+                        in.v.data(),
+                        in.meta.data(),
+                        in.meta.data(),
+                        c.mask,
+                        c.scale != 0.f ? c.scale : default_scale(c.D)};
+  return {reference_forward(chunk), reference_backward(chunk, in.dout.data())};
+}
+
+inline double max_abs(const std::vector<double>& a) {
+  double m = 0;
+  for (double x : a)
+    if (std::isfinite(x)) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+// Largest |got - ref| over finite reference entries; infinite entries (LSE of a query that sees nothing) must
+// match exactly, as must NaN-freedom.
+inline double max_err(const std::vector<float>& got, const std::vector<double>& ref, const std::string& what) {
+  EXPECT_EQ(got.size(), ref.size()) << what;
+  double e = 0;
+  for (size_t i = 0; i < std::min(got.size(), ref.size()); ++i) {
+    if (!std::isfinite(ref[i])) {
+      EXPECT_EQ(static_cast<double>(got[i]), ref[i]) << what << " at " << i;
+      continue;
+    }
+    EXPECT_TRUE(std::isfinite(got[i])) << what << " at " << i << " is " << got[i];
+    e = std::max(e, std::fabs(got[i] - ref[i]));
+  }
+  return e;
+}
+
+// Asserts got is as close to the reference as the tolerance above allows, given the single-rank result.
+inline void expect_close(const std::vector<float>& got, const std::vector<float>& single,
+                         const std::vector<double>& ref, int P, const std::string& what) {
+  const double err1 = max_err(single, ref, what + " (P = 1)");
+  const double err = max_err(got, ref, what);
+  const double tol = 2 * err1 + kUlpsPerRank * P * kEpsF32 * std::max(1.0, max_abs(ref));
+  EXPECT_LE(err, tol) << what << ": P = 1 error " << err1;
+}
+
+inline void expect_same_bits(const Result& a, const Result& b, const std::string& what) {
+  EXPECT_TRUE(a.o == b.o) << what << ": out";
+  EXPECT_TRUE(a.lse == b.lse) << what << ": lse";
+  EXPECT_TRUE(a.dq == b.dq) << what << ": dq";
+  EXPECT_TRUE(a.dk == b.dk) << what << ": dk";
+  EXPECT_TRUE(a.dv == b.dv) << what << ": dv";
+}
+
+// The full check of one case on this communicator: both schemes, both algorithms, against the reference and
+// P = 1; ring contiguous twice (identical bits); and, when `compare_loopback`, the same ring run on P loopback
+// threads inside rank 0 (identical bits to this backend's).
+inline void check_case(comm::Communicator& comm, const Case& c, bool compare_loopback) {
+  SCOPED_TRACE(c.name + " at P = " + std::to_string(comm.size()));
+  const int P = comm.size();
+  const Inputs in = make_inputs(c);
+  std::vector<Result> runs;
+  for (Scheme s : {Scheme::Contiguous, Scheme::Zigzag})
+    for (Algo a : {Algo::Ring, Algo::AllGather}) runs.push_back(run_cp(comm, c, in, s, a));
+  const Result again = run_cp(comm, c, in, Scheme::Contiguous, Algo::Ring);
+  if (comm.rank() != 0) return;
+
+  expect_same_bits(runs[0], again, "second ring run");
+  if (compare_loopback) {
+    Result loop;
+    comm::run_ranks(P, [&](comm::Communicator& lc) {
+      Result mine = run_cp(lc, c, in, Scheme::Contiguous, Algo::Ring);
+      if (lc.rank() == 0) loop = std::move(mine);
+    });
+    expect_same_bits(runs[0], loop, "loopback vs " + comm.backend());
+  }
+  const Result single = run_single(c, in);
+  const Reference ref = run_reference(c, in);
+  const char* names[] = {"contiguous ring", "contiguous allgather", "zigzag ring", "zigzag allgather"};
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const std::string n = names[i];
+    expect_close(runs[i].o, single.o, ref.fwd.o, P, n + " out");
+    expect_close(runs[i].lse, single.lse, ref.fwd.lse, P, n + " lse");
+    expect_close(runs[i].dq, single.dq, ref.bwd.dq, P, n + " dq");
+    expect_close(runs[i].dk, single.dk, ref.bwd.dk, P, n + " dk");
+    expect_close(runs[i].dv, single.dv, ref.bwd.dv, P, n + " dv");
+  }
+}
+
+// The foundation sweep's masks and metadata, in small shapes with awkward S.
+inline std::vector<Case> sweep_cases() {
+  using testing::MetaKind;
+  const LayerMask non_causal{false, 0, false}, causal{true, 0, false};
+  const LayerMask w1{true, 1, false}, w7{true, 7, false}, w512{true, 512, false};
+  const LayerMask bidir_w7{false, 7, false}, vision_w7{true, 7, true}, vision_full{true, 0, true};
+  std::vector<Case> v;
+  const auto add = [&](std::string name, LayerMask m, MetaKind kind, int S) {
+    Case c;
+    c.name = std::move(name);
+    c.mask = m;
+    c.kind = kind;
+    c.S = S;
+    c.seed = v.size() + 1;
+    v.push_back(c);
+  };
+  add("non_causal one_doc", non_causal, MetaKind::OneDoc, 61);
+  add("causal one_doc", causal, MetaKind::OneDoc, 64);
+  add("causal W=1 packed", w1, MetaKind::Packed, 37);
+  add("causal W=7 packed", w7, MetaKind::Packed, 90);
+  add("causal W=512 (longer than the row) padded", w512, MetaKind::Padded, 77);
+  add("bidirectional W=7 one_doc", bidir_w7, MetaKind::OneDoc, 50);
+  add("vision W=7 images crossing ranks", vision_w7, MetaKind::PackedImages, 101);
+  add("vision full padded", vision_full, MetaKind::Padded, 83);
+  add("causal all_padding", causal, MetaKind::AllPadding, 19);
+  add("causal S=3 (fewer tokens than ranks)", causal, MetaKind::OneDoc, 3);
+  add("non_causal S=1", non_causal, MetaKind::OneDoc, 1);
+  {
+    Case c;
+    c.name = "GQA 16:1 causal packed";
+    c.Hq = 16, c.Hkv = 1, c.S = 40, c.D = 8, c.kind = MetaKind::Packed, c.seed = 101;
+    v.push_back(c);
+  }
+  {
+    Case c;
+    c.name = "D=512 vision W=7";
+    c.Hq = 2, c.Hkv = 1, c.S = 30, c.D = 512, c.mask = vision_w7, c.kind = MetaKind::PackedImages, c.seed = 102;
+    v.push_back(c);
+  }
+  {
+    Case c;
+    c.name = "bf16 B=2 causal W=7 padded, scale 1";
+    c.B = 2, c.Hq = 4, c.Hkv = 2, c.S = 70, c.D = 32, c.dtype = DType::BF16, c.mask = w7, c.scale = 1.f;
+    c.kind = MetaKind::Padded, c.seed = 103;
+    v.push_back(c);
+  }
+  return v;
+}
+
+// Packed parity (the seed's stated target): CP forward and backward of the packed row [A, B] equal those of A
+// alone and of B alone, slice by slice. Both sides are float32 CP runs at the same P that differ only in how keys
+// fall into chunks, so they agree to the merge rounding of both: 2 * kUlpsPerRank * P ulps of the magnitude.
+inline void check_packed_parity(comm::Communicator& comm, const LayerMask& mask, DType dtype) {
+  using testing::MetaKind;
+  const int P = comm.size();
+  Case a, b, ab;
+  a.name = "A", a.S = 45, a.kind = MetaKind::PackedImages, a.seed = 201;
+  b.name = "B", b.S = 38, b.kind = MetaKind::PackedImages, b.seed = 202;
+  for (Case* c : {&a, &b}) c->mask = mask, c->dtype = dtype, c->Hq = 4, c->Hkv = 2, c->D = 16;
+  Inputs ia = make_inputs(a), ib = make_inputs(b);
+  // Each alone is one document; images keep their groups.
+  for (TokenMeta& t : ia.meta) t.doc = 1;
+  for (TokenMeta& t : ib.meta) t.doc = 1;
+  ab = a;
+  ab.name = "[A, B]", ab.S = a.S + b.S;
+  Inputs iab;
+  const size_t es = dtype_size(dtype);
+  // Concatenate [H, S, D] tensors along S, head by head (B = 1).
+  const auto concat_rows = [&](const std::vector<uint8_t>& x, const std::vector<uint8_t>& y, int H) {
+    std::vector<uint8_t> out;
+    const size_t xa = static_cast<size_t>(a.S) * a.D * es, yb = static_cast<size_t>(b.S) * b.D * es;
+    for (int h = 0; h < H; ++h) {
+      out.insert(out.end(), x.begin() + h * xa, x.begin() + (h + 1) * xa);
+      out.insert(out.end(), y.begin() + h * yb, y.begin() + (h + 1) * yb);
+    }
+    return out;
+  };
+  iab.q = concat_rows(ia.q, ib.q, a.Hq);
+  iab.dout = concat_rows(ia.dout, ib.dout, a.Hq);
+  iab.k = concat_rows(ia.k, ib.k, a.Hkv);
+  iab.v = concat_rows(ia.v, ib.v, a.Hkv);
+  int32_t groups_in_a = 0;
+  for (const TokenMeta& t : ia.meta) groups_in_a = std::max(groups_in_a, t.group + 1);
+  iab.meta = ia.meta;
+  for (TokenMeta t : ib.meta) {
+    t.idx += a.S;
+    t.doc = 2;
+    if (t.group >= 0) t.group += groups_in_a;
+    iab.meta.push_back(t);
+  }
+
+  for (Scheme scheme : {Scheme::Contiguous, Scheme::Zigzag}) {
+    const Result ra = run_cp(comm, a, ia, scheme, Algo::Ring);
+    const Result rb = run_cp(comm, b, ib, scheme, Algo::Ring);
+    const Result rab = run_cp(comm, ab, iab, scheme, Algo::Ring);
+    if (comm.rank() != 0) continue;
+    // Compare one [H, S_part, D] slice of the packed result (starting at token `first`) with a part's result.
+    const auto expect_slice = [&](const std::vector<float>& packed, const std::vector<float>& part, int H, int S_part,
+                                  int W, int first, const std::string& what) {
+      double mag = 1;
+      for (float x : part)
+        if (std::isfinite(x)) mag = std::max(mag, static_cast<double>(std::fabs(x)));
+      const double tol = 2 * kUlpsPerRank * P * kEpsF32 * mag;
+      for (int h = 0; h < H; ++h)
+        for (int t = 0; t < S_part; ++t)
+          for (int d = 0; d < W; ++d) {
+            const float got = packed[(static_cast<size_t>(h) * ab.S + first + t) * W + d];
+            const float want = part[(static_cast<size_t>(h) * S_part + t) * W + d];
+            if (std::isinf(want)) {
+              ASSERT_EQ(got, want) << what;
+            } else {
+              ASSERT_LE(std::fabs(got - want), tol) << what << " head " << h << " token " << t << " dim " << d;
+            }
+          }
+    };
+    const std::string tag = scheme_name(scheme) + " P=" + std::to_string(P) + " ";
+    for (const auto& [part, first, S_part] : {std::tuple{&ra, 0, a.S}, std::tuple{&rb, a.S, b.S}}) {
+      expect_slice(rab.o, part->o, a.Hq, S_part, a.D, first, tag + "out");
+      expect_slice(rab.lse, part->lse, a.Hq, S_part, 1, first, tag + "lse");
+      expect_slice(rab.dq, part->dq, a.Hq, S_part, a.D, first, tag + "dq");
+      expect_slice(rab.dk, part->dk, a.Hkv, S_part, a.D, first, tag + "dk");
+      expect_slice(rab.dv, part->dv, a.Hkv, S_part, a.D, first, tag + "dv");
+    }
+  }
+}
+
+}  // namespace rf::cp::cases

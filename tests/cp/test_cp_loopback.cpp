@@ -1,0 +1,82 @@
+// CP attention on the loopback backend (ranks as threads): a slice of the mask sweep at several P, packed
+// parity, and the per-rank figures the ring promises (memory independent of P, traffic that follows the mask,
+// work that adds up to the mask area). Oracles: the scalar reference, and counts computed from the definitions.
+#include <gtest/gtest.h>
+
+#include "cp_cases.h"
+
+namespace rf::cp {
+namespace {
+
+TEST(CpLoopback, MaskSweep) {
+  const std::vector<cases::Case> all = cases::sweep_cases();
+  for (int P : {2, 3, 8})
+    for (const cases::Case& c : all) comm::run_ranks(P, [&](comm::Communicator& w) { cases::check_case(w, c, false); });
+}
+
+TEST(CpLoopback, PackedParity) {
+  for (int P : {1, 3})
+    comm::run_ranks(P, [](comm::Communicator& w) { cases::check_packed_parity(w, LayerMask{true, 7, true}, DType::F32); });
+}
+
+// Runs forward and backward of a causal one-document row at P with the given scheme/algorithm; returns each
+// rank's forward and backward stats.
+std::vector<std::pair<CpStats, CpStats>> stats_of(int P, Scheme s, Algo a, int S, LayerMask mask) {
+  cases::Case c;
+  c.S = S, c.mask = mask, c.Hq = 2, c.Hkv = 1, c.D = 8;
+  const cases::Inputs in = cases::make_inputs(c);
+  std::vector<std::pair<CpStats, CpStats>> out(static_cast<size_t>(P));
+  comm::run_ranks(P, [&](comm::Communicator& w) {
+    CpStats f, b;
+    cases::run_cp(w, c, in, s, a, &f, &b);
+    out[w.rank()] = {f, b};
+  });
+  return out;
+}
+
+TEST(CpLoopback, RingMemoryIsAtMostThreeChunksWhateverP) {
+  const int S = 96, D = 8, Hq = 2, Hkv = 1;
+  for (int P : {2, 4, 8}) {
+    const int L = S / P;
+    const int64_t chunk = 2 * int64_t{Hkv} * L * D * sizeof(float) + int64_t{L} * sizeof(TokenMeta);  // K, V, meta
+    const int64_t q_acc = (int64_t{Hq} * L * D + int64_t{Hq} * L) * sizeof(float);  // o or dq, and lse or delta
+    const int64_t kv_grad = 2 * int64_t{Hkv} * L * D * sizeof(float);                // dK and dV
+    for (const auto& [f, b] : stats_of(P, Scheme::Zigzag, Algo::Ring, S, LayerMask{false, 0, false})) {
+      // forward: three chunks, the merged o/lse and one step's partial.
+      EXPECT_LE(f.peak_attention_bytes, 3 * chunk + 2 * q_acc) << "P = " << P;
+      // backward: three chunks, dq + delta, own dK/dV, two outgoing and two incoming contributions.
+      EXPECT_LE(b.peak_attention_bytes, 3 * chunk + q_acc + 5 * kv_grad) << "P = " << P;
+    }
+    for (const auto& [f, b] : stats_of(P, Scheme::Zigzag, Algo::AllGather, S, LayerMask{false, 0, false}))
+      EXPECT_GE(f.peak_attention_bytes, P * chunk) << "all-gather holds every chunk";
+  }
+}
+
+// Causal contiguous shards never need later ranks' keys: the last rank sends nothing forward, the first rank
+// receives nothing, and in total only P-1 + P-2 + ... hops happen; work adds up to the causal triangle.
+TEST(CpLoopback, TrafficAndWorkFollowTheMask) {
+  const int S = 64, P = 4, L = S / P;
+  const std::vector<std::pair<CpStats, CpStats>> st =
+      stats_of(P, Scheme::Contiguous, Algo::Ring, S, LayerMask{true, 0, false});
+  const int64_t chunk_bytes = 2 * int64_t{1} * L * 8 * sizeof(float) + int64_t{L} * sizeof(TokenMeta);
+  EXPECT_EQ(st[P - 1].first.bytes_sent, 0);
+  EXPECT_EQ(st[0].first.bytes_received, 0);
+  int64_t hops = 0, work = 0;
+  for (const auto& [f, b] : st) {
+    hops += f.bytes_sent / chunk_bytes;
+    work += f.work;
+    EXPECT_EQ(f.work, b.work);
+  }
+  EXPECT_EQ(hops, int64_t{P} * (P - 1) / 2);
+  EXPECT_EQ(work, int64_t{S} * (S + 1) / 2);
+
+  // A window of 7 over shards of 16 only needs the neighbour's halo: one hop per rank, none from the last.
+  const std::vector<std::pair<CpStats, CpStats>> sw =
+      stats_of(P, Scheme::Contiguous, Algo::Ring, S, LayerMask{true, 7, false});
+  int64_t window_hops = 0;
+  for (const auto& [f, b] : sw) window_hops += f.bytes_sent / chunk_bytes;
+  EXPECT_EQ(window_hops, P - 1);
+}
+
+}  // namespace
+}  // namespace rf::cp

@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+"""Parity of `ringflex forward --grad` with transformers (the version pinned in tests/requirements.txt).
+
+For each tiny random Gemma 4 config (a dense sliding/full mix with attention_k_eq_v, an MoE variant, a small
+variant with per-layer embeddings, KV sharing and the double-wide MLP), with and without image groups and packed
+documents, this script
+  1. builds Gemma4ForCausalLM in float32 with random weights (norm scales and layer scalars moved off 1 so every
+     parameter matters) and saves it with save_pretrained (safetensors);
+  2. computes the reference loss, logits and every parameter gradient with transformers (eager attention), in
+     float64 from the same float32 weights and inputs;
+  3. runs `ringflex forward --model DIR --in BATCH --out OUT --grad` and compares.
+
+Masks. transformers 5.24 has no notion of packed documents in Gemma 4's mask builders, and its vision mask
+(create_masks_for_vision_model) is AND(window, OR(causal, group)), which differs from SPEC §3 when an image run
+is longer than the window. So the reference mask is built here from SPEC §3 (doc, group, idx), as a 4D additive
+float mask per layer type, and handed to the model as the {layer_type: mask} dict it accepts in place of its own.
+Where SPEC §3 and transformers' own builder agree (one document, image runs shorter than the window) the script
+also checks that the two masks are equal, which pins the groups-on-full-layers switch to what 5.24 does (off).
+
+Images. The vision tower is outside ringflex: image features arrive as vectors. As Gemma4Model does, vision slots
+embed the pad id, their per-layer token input uses the pad id, and the features (through Gemma4MultimodalEmbedder,
+a scale-free RMSNorm and a projection, when the checkpoint has one) are scattered into the slots in row-major order.
+
+Labels are already shifted (labels[t] is the target predicted at position t), so the reference loss is the plain
+mean cross-entropy over labels != -100 of the model's (softcapped) logits.
+
+Tolerance: 1e-4 relative (norm of the difference over the norm of the reference, per tensor) for the loss, the
+logits of non-padding tokens and every gradient, against transformers run in float64. Why float64: these tiny
+random models are badly conditioned (scale-1 attention on RMS-normed q/k saturates the softmax), and transformers'
+own float32 run is up to ~2e-4 away from its float64 run on early-layer gradients when the q/k norm scales are
+~1. With the q/k norm scales at D^-1/4 (logits of O(1), as in trained checkpoints; see randomize) ringflex's
+float32 run stays within ~2e-5 of float64 (float32 rounding, ~1e-7 per op, amplified by depth and the
+backward), so 1e-4 keeps a margin and still catches any wrong term, which shows up at 1e-2 or more.
+
+Exit code 77 (CTest's skip) when torch, transformers or safetensors is missing.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+try:
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig, Gemma4VisionConfig
+    from transformers.models.gemma4.modeling_gemma4 import (Gemma4MultimodalEmbedder, create_masks_for_vision_model,
+                                                            get_block_sequence_ids_for_mask)
+except ImportError as e:  # pragma: no cover - depends on the environment
+    print(f"skipping: {e}")
+    sys.exit(77)
+
+REL_TOL = 1e-4
+V, H = 48, 16
+B, S = 2, 24
+WINDOW = 5
+FEATURE_DIM = 6  # input width of the vision projection in the projected-features case
+# Additive mask value of a disallowed pair: far below any score, yet finite so that a padding row (all pairs
+# disallowed) stays finite (finfo.min + a negative score overflows to -inf, and softmax of all -inf is NaN).
+MASKED = -1e30
+
+
+def base_config(**extra):
+    cfg = dict(vocab_size=V, hidden_size=H, intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=WINDOW,
+               layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+               final_logit_softcapping=5.0, hidden_size_per_layer_input=0, pad_token_id=0)
+    cfg.update(extra)
+    return Gemma4TextConfig(**cfg)
+
+
+CONFIGS = {
+    "dense": lambda vision: base_config(attention_k_eq_v=True, num_global_key_value_heads=1,
+                                        use_bidirectional_attention="vision" if vision else None),
+    "moe": lambda vision: base_config(attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True,
+                                      num_experts=4, top_k_experts=2, moe_intermediate_size=8,
+                                      use_bidirectional_attention="vision" if vision else None),
+    # E2B-like: per-layer embeddings, the last two layers read the K/V of earlier ones, double-wide MLP there;
+    # no vision-bidirectional attention (as E2B/E4B), image features through a trainable projection.
+    "small": lambda vision: base_config(hidden_size_per_layer_input=4, vocab_size_per_layer_input=V,
+                                        num_kv_shared_layers=2, use_double_wide_mlp=True),
+}
+
+
+def randomize(model, gen):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norm scales, router scales: around 1
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    # Scale-1 attention on RMS-normed q and k: scales of D^-1/4 keep the logits O(1), as trained
+                    # checkpoints do; scales ~1 saturate the softmax and make the model badly conditioned.
+                    p.mul_(p.shape[0] ** -0.25)
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.8 + 0.4 * torch.rand(b.shape, generator=gen))
+
+
+def make_batch(gen, vision):
+    ids = torch.randint(1, V, (B, S), generator=gen)
+    ids[0, 3] = 0  # one pad-id token: its embedding row gets no gradient from the lookup (padding_idx)
+    labels = torch.randint(0, V, (B, S), generator=gen)
+    labels[torch.rand((B, S), generator=gen) < 0.25] = -100
+    doc = torch.ones((B, S), dtype=torch.int64)
+    mm = torch.zeros((B, S), dtype=torch.int64)
+    if vision:
+        doc[0, 9:] = 2       # row 0: documents of 9, 8 and 7 tokens
+        doc[0, 17:] = 3
+        doc[1, 20:] = 0      # row 1: one document, then 4 padding tokens
+        mm[0, 1:8] = 1       # an image run of 7 > WINDOW tokens inside document 1
+        mm[0, 11:13] = 1     # a 2-token image in document 2
+        mm[1, 4:8] = 2       # a 4-token video run
+        mm[1, 9:12] = 1
+    labels[doc == 0] = -100
+    pos = torch.zeros((B, S), dtype=torch.int64)
+    for r in range(B):
+        p = 0
+        for s in range(S):
+            if s > 0 and doc[r, s] != doc[r, s - 1]:
+                p = 0
+            pos[r, s] = p
+            p += 1
+    return ids, labels, pos, doc, mm
+
+
+def spec_allowed(doc, group, window, groups):
+    """SPEC §3 for one row: [S, S] bool, query on dim 0."""
+    idx = torch.arange(doc.shape[0])
+    q, k = idx[:, None], idx[None, :]
+    valid = (doc[:, None] > 0) & (doc[None, :] > 0) & (doc[:, None] == doc[None, :])
+    ordered = k <= q
+    in_window = (q - k < window) if window else torch.ones_like(ordered)
+    grouped = (group[:, None] >= 0) & (group[:, None] == group[None, :]) if groups else torch.zeros_like(ordered)
+    return valid & ((ordered & in_window) | grouped)
+
+
+def reference_masks(cfg, doc, mm):
+    vision = cfg.use_bidirectional_attention == "vision"
+    group = get_block_sequence_ids_for_mask(mm, device="cpu")
+    out = {}
+    for layer_type, window, groups in (("sliding_attention", cfg.sliding_window, vision),
+                                       ("full_attention", 0, False)):  # 5.24: no groups on full layers
+        allowed = torch.stack([spec_allowed(doc[r], group[r], window, groups) for r in range(doc.shape[0])])
+        mask = torch.zeros(allowed.shape, dtype=torch.float64)
+        mask[~allowed] = MASKED
+        out[layer_type] = mask[:, None]
+    return out
+
+
+def check_transformers_mask_agrees(cfg):
+    """On one document with a short image run, transformers' own vision masks equal SPEC §3's."""
+    mm = torch.zeros((1, S), dtype=torch.int64)
+    mm[0, 2:2 + WINDOW - 1] = 1
+    doc = torch.ones((1, S), dtype=torch.int64)
+    ours = reference_masks(cfg, doc, mm)
+    cfg._attn_implementation = "eager"
+    theirs = create_masks_for_vision_model(config=cfg, inputs_embeds=torch.zeros((1, S, H), dtype=torch.float64), attention_mask=None,
+                                           cache=None, position_ids=torch.arange(S)[None],
+                                           block_sequence_ids=get_block_sequence_ids_for_mask(mm, device="cpu"))
+    for t in ours:
+        mine = ours[t][0, 0] == 0
+        hf = theirs[t]
+        hf = (hf[0, 0] == 0) if hf.dtype != torch.bool else hf[0, 0]
+        assert torch.equal(mine, hf), f"transformers' {t} mask differs from SPEC §3 on a plain row"
+
+
+def run_case(ringflex, name, vision, workdir):
+    gen = torch.Generator().manual_seed(1234)
+    cfg = CONFIGS[name](vision)
+    cfg._attn_implementation = "eager"
+    model = Gemma4ForCausalLM(cfg).float()
+    model.config._attn_implementation = "eager"
+    model.config._experts_implementation = "eager"  # the reference loop (grouped_mm has no float64)
+    randomize(model, gen)
+    ids, labels, pos, doc, mm = make_batch(gen, vision)
+    projected = vision and name == "small"
+    ckpt = os.path.join(workdir, f"{name}_{int(vision)}")
+    model.save_pretrained(ckpt, safe_serialization=True)
+
+    embedder = None
+    n_slots = int((mm > 0).sum())
+    feats = None
+    if vision:
+        fdim = FEATURE_DIM if projected else H
+        feats = torch.randn((n_slots, fdim), generator=gen)
+        if projected:
+            embedder = Gemma4MultimodalEmbedder(Gemma4VisionConfig(hidden_size=fdim), cfg).float()
+            with torch.no_grad():
+                embedder.embedding_projection.weight.copy_(0.3 * torch.randn((H, fdim), generator=gen))
+            save_file({"model.embed_vision.embedding_projection.weight":
+                       embedder.embedding_projection.weight.detach().contiguous()},
+                      os.path.join(ckpt, "vision_projection.safetensors"), metadata={"format": "pt"})
+
+    # Reference forward/backward.
+    model = model.double()
+    masks = reference_masks(cfg, doc, mm)
+    kwargs = dict(attention_mask=masks, position_ids=pos, use_cache=False)
+    if vision:
+        slots = mm > 0
+        llm_ids = torch.where(slots, torch.full_like(ids, cfg.pad_token_id), ids)
+        embeds = model.model.embed_tokens(llm_ids)
+        placed = embedder.double()(feats.double()) if embedder is not None else feats.double()
+        embeds = embeds.masked_scatter(slots[..., None].expand_as(embeds), placed)
+        kwargs["inputs_embeds"] = embeds
+        if cfg.hidden_size_per_layer_input:
+            kwargs["per_layer_inputs"] = model.model.get_per_layer_inputs(llm_ids)
+    else:
+        kwargs["input_ids"] = ids
+    logits = model(**kwargs).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100)
+    loss.backward()
+
+    batch = {"input_ids": ids, "labels": labels, "position_ids": pos, "doc": doc.to(torch.int32)}
+    if vision:
+        batch["mm_token_type_ids"] = mm
+        batch["image_features"] = feats
+    batch_path = os.path.join(workdir, f"batch_{name}_{int(vision)}.safetensors")
+    out_path = os.path.join(workdir, f"out_{name}_{int(vision)}.safetensors")
+    save_file({k: v.contiguous() for k, v in batch.items()}, batch_path)
+    proc = subprocess.run([ringflex, "forward", "--model", ckpt, "--in", batch_path, "--out", out_path, "--grad"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise AssertionError(f"ringflex forward failed: {proc.stderr.strip()}")
+    out = load_file(out_path)
+
+    failures = []
+
+    def compare(what, mine, ref):
+        ref = ref.detach().double()
+        err = float((mine.double() - ref).norm() / max(float(ref.norm()), 1e-300))
+        if not err <= REL_TOL:
+            failures.append(f"{what}: relative error {err:.3e}")
+        return err
+
+    worst = compare("loss", out["loss"].reshape(()), loss)
+    valid = doc > 0
+    worst = max(worst, compare("logits", out["logits"][valid], logits[valid]))
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    if embedder is not None:
+        grads["model.embed_vision.embedding_projection.weight"] = embedder.embedding_projection.weight.grad
+    for n, g in grads.items():
+        key = "grad." + n
+        if key not in out:
+            failures.append(f"{key} missing from ringflex's output")
+            continue
+        worst = max(worst, compare(key, out[key], g if g is not None else torch.zeros_like(out[key])))
+    label = f"{name:5s} {'vision+packed' if vision else 'plain':13s}"
+    if failures:
+        print(f"FAIL {label}: " + "; ".join(failures[:8]))
+        return False
+    print(f"ok   {label}: {len(grads)} gradients, worst relative error {worst:.2e}")
+    return True
+
+
+def check_errors(ringflex, workdir):
+    """Bad input gives one clear line naming the problem."""
+    cfg = CONFIGS["dense"](False)
+    ckpt = os.path.join(workdir, "errors")
+    Gemma4ForCausalLM(cfg).save_pretrained(ckpt, safe_serialization=True)
+    ids = torch.ones((B, S), dtype=torch.int64)
+    cases = [
+        ("missing input_ids", {"labels": ids}, None, "input_ids"),
+        ("labels shape", {"input_ids": ids, "labels": torch.ones((B, S + 1), dtype=torch.int64)}, None, "labels"),
+        ("token out of range", {"input_ids": ids * V}, None, "vocab_size"),
+        ("unsupported config", {"input_ids": ids}, ("attention_bias", True), "attention_bias"),
+    ]
+    ok = True
+    for what, tensors, config_edit, expected in cases:
+        model_dir = ckpt
+        if config_edit:
+            model_dir = ckpt + "_edited"
+            Gemma4ForCausalLM(cfg).save_pretrained(model_dir, safe_serialization=True)
+            with open(os.path.join(model_dir, "config.json")) as f:
+                c = json.load(f)
+            c[config_edit[0]] = config_edit[1]
+            with open(os.path.join(model_dir, "config.json"), "w") as f:
+                json.dump(c, f)
+        path = os.path.join(workdir, "bad.safetensors")
+        save_file(tensors, path)
+        proc = subprocess.run([ringflex, "forward", "--model", model_dir, "--in", path, "--out",
+                               os.path.join(workdir, "bad_out.safetensors")], capture_output=True, text=True)
+        lines = proc.stderr.strip().splitlines()
+        if proc.returncode == 0 or len(lines) != 1 or expected not in lines[0]:
+            print(f"FAIL error case '{what}': rc {proc.returncode}, stderr {proc.stderr.strip()!r}")
+            ok = False
+    if ok:
+        print(f"ok   {len(cases)} bad inputs rejected with one line naming the problem")
+    return ok
+
+
+def main():
+    if len(sys.argv) != 2:
+        print("usage: parity.py PATH/TO/ringflex")
+        return 2
+    torch.set_num_threads(1)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    check_transformers_mask_agrees(CONFIGS["dense"](True))
+    ok = True
+    with tempfile.TemporaryDirectory() as workdir:
+        ok = check_errors(sys.argv[1], workdir)
+        for name in CONFIGS:
+            for vision in (False, True):
+                ok = run_case(sys.argv[1], name, vision, workdir) and ok
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

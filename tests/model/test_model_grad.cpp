@@ -1,0 +1,219 @@
+// Tests of the Gemma 4 decoder's backward: for every parameter tensor, the analytic gradient's projection on a
+// random ±1 direction against a central finite difference of the loss along that direction, on tiny configs
+// covering each part (sliding/full mix with k_eq_v, MoE, per-layer embeddings with KV sharing and the double-wide
+// MLP, image features with their projection), with packed documents, image groups and padding.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "model/gemma4.h"
+
+namespace rf::model {
+namespace {
+
+// A tiny config.json; `extra` is spliced in to switch parts on.
+std::string tiny_config(const std::string& extra) {
+  return R"({"vocab_size": 40, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 3,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    "per_layer_config": {"1": {"head_dim": 16, "num_key_value_heads": 1}, "3": {"head_dim": 16, "num_key_value_heads": 1}},
+    "final_logit_softcapping": 4.0, "hidden_size_per_layer_input": 0, "rms_norm_eps": 1e-6)" +
+         extra + "}";
+}
+
+struct TinyBatch {
+  int B = 2, S = 10;
+  std::vector<int32_t> ids, labels, pos, doc, mm;
+  std::vector<float> features;
+  Batch view(bool images) const {
+    Batch b;
+    b.B = B;
+    b.S = S;
+    b.input_ids = ids.data();
+    b.labels = labels.data();
+    b.position_ids = pos.data();
+    b.doc = doc.data();
+    b.mm_token_type = mm.data();
+    if (images) {
+      b.image_features = features.data();
+      b.n_image_features = 0;
+      for (int32_t t : mm) b.n_image_features += t != 0;
+    }
+    return b;
+  }
+};
+
+// Row 0: two documents, an image run of 4 tokens (longer than the window) in the first; row 1: one document with
+// an image run, then two padding tokens.
+TinyBatch make_batch(int V, int feature_dim) {
+  TinyBatch t;
+  const int T = t.B * t.S;
+  std::mt19937 rng(7);
+  for (int i = 0; i < T; ++i) {
+    t.ids.push_back(1 + static_cast<int32_t>(rng() % (V - 1)));
+    t.labels.push_back(i % 3 == 2 ? -100 : static_cast<int32_t>(rng() % V));
+  }
+  t.doc = {1, 1, 1, 1, 1, 1, 2, 2, 2, 2, /**/ 1, 1, 1, 1, 1, 1, 1, 1, 0, 0};
+  t.mm = {0, 1, 1, 1, 1, 0, 0, 0, 2, 2, /**/ 0, 0, 1, 1, 0, 0, 0, 0, 0, 0};
+  for (int r = 0; r < t.B; ++r) {
+    int p = 0;
+    for (int s = 0; s < t.S; ++s) {
+      const int i = r * t.S + s;
+      if (s > 0 && t.doc[i] != t.doc[i - 1]) p = 0;
+      t.pos.push_back(p++);
+    }
+  }
+  for (int i = 18; i < 20; ++i) t.labels[i] = -100;
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (int32_t m : t.mm)
+    if (m != 0)
+      for (int f = 0; f < feature_dim; ++f) t.features.push_back(normal(rng));
+  return t;
+}
+
+// Central difference along a random unit direction (±1/sqrt(n) per element) with step h = 1e-3. The float32
+// loss carries ~1e-6 absolute rounding noise (a loss of ~4 through a few hundred float ops), which over 2h is
+// ~5e-4; the O(h^2) truncation is ~1e-4 at the curvature of these configs. A small perturbation norm also keeps
+// the MoE top-k choices from flipping inside the step (a flip is a jump, not a derivative). Tolerance:
+// 1.5e-3 absolute + 2e-2 relative.
+constexpr float kStep = 1e-3f;
+constexpr double kAbsTol = 1.5e-3, kRelTol = 2e-2;
+
+void check_gradients(Gemma4Model& model, const Batch& batch) {
+  RunOptions opt;
+  opt.want_grad = true;
+  opt.loss_chunk_tokens = 7;  // several loss chunks, one of them partial
+  TensorSet grads = model.params().zeros_like();
+  const Result base = model.run(batch, opt, &grads);
+  ASSERT_TRUE(std::isfinite(base.loss));
+  RunOptions fwd;
+  fwd.loss_chunk_tokens = 7;
+  std::mt19937 rng(11);
+  for (size_t s = 0; s < model.params().size(); ++s) {
+    Tensor& p = model.params()[s];
+    std::vector<float> dir(p.data.size()), keep = p.data;
+    const float unit = 1.f / std::sqrt(static_cast<float>(dir.size()));
+    double analytic = 0;
+    // transformers' nn.Embedding(padding_idx = pad) treats the pad row as a constant (no gradient) although
+    // vision slots read it for their per-layer input, so that row is left out of the per-layer table's check.
+    const size_t frozen = p.name == "model.embed_tokens_per_layer.weight" ? static_cast<size_t>(p.shape[1]) : 0;
+    for (size_t i = 0; i < dir.size(); ++i) {
+      dir[i] = i < frozen ? 0.f : (rng() % 2 ? unit : -unit);
+      analytic += double{grads[s].data[i]} * dir[i];
+    }
+    for (size_t i = 0; i < dir.size(); ++i) p.data[i] = keep[i] + kStep * dir[i];
+    const double up = model.run(batch, fwd, nullptr).loss;
+    for (size_t i = 0; i < dir.size(); ++i) p.data[i] = keep[i] - kStep * dir[i];
+    const double down = model.run(batch, fwd, nullptr).loss;
+    p.data = keep;
+    const double fd = (up - down) / (2.0 * kStep);
+    EXPECT_NEAR(fd, analytic, kAbsTol + kRelTol * std::fabs(analytic)) << p.name;
+  }
+}
+
+Gemma4Model make_model(const std::string& extra, int vision_dim = 0) {
+  Gemma4Model m(Gemma4Config::from_json(tiny_config(extra)), vision_dim);
+  // std 0.3: large enough that every path (norm scales, router, softcap) carries an O(1) signal.
+  constexpr float kInitStd = 0.3f;
+  m.init_random(42, kInitStd);
+  // Gemma 4 attention has scale 1 on RMS-normed q and k, so with norm scales ~1 the logits reach ~D and the
+  // softmax saturates, which makes the loss too curved for finite differences. Scales of D^-1/4 on both give
+  // logits of O(1), as a 1/sqrt(D) scale would.
+  for (Tensor& t : m.params()) {
+    const std::string n = t.name;
+    if (n.ends_with("q_norm.weight") || n.ends_with("k_norm.weight")) {
+      const float s = std::pow(static_cast<float>(t.shape[0]), -0.25f);
+      for (float& v : t.data) v *= s;
+    }
+  }
+  return m;
+}
+
+TEST(ModelGrad, DenseSlidingFullKEqV) {
+  Gemma4Model m = make_model(R"(, "attention_k_eq_v": true)");
+  const TinyBatch b = make_batch(40, 0);
+  check_gradients(m, b.view(false));
+}
+
+TEST(ModelGrad, DenseVisionGroupsWithFeaturesInHiddenSize) {
+  Gemma4Model m = make_model(R"(, "attention_k_eq_v": true, "use_bidirectional_attention": "vision")");
+  const TinyBatch b = make_batch(40, 16);
+  check_gradients(m, b.view(true));
+}
+
+TEST(ModelGrad, MixtureOfExperts) {
+  Gemma4Model m = make_model(
+      R"(, "attention_k_eq_v": true, "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2,
+         "moe_intermediate_size": 8)");
+  const TinyBatch b = make_batch(40, 0);
+  check_gradients(m, b.view(false));
+}
+
+TEST(ModelGrad, PerLayerEmbeddingsKvSharingDoubleWideAndImageProjection) {
+  Gemma4Model m = make_model(
+      R"(, "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 40, "num_kv_shared_layers": 2,
+         "use_double_wide_mlp": true)",
+      6);
+  const TinyBatch b = make_batch(40, 6);
+  check_gradients(m, b.view(true));
+}
+
+TEST(ModelConfig, ResolvesLayersAndKvSharing) {
+  const Gemma4Config c = Gemma4Config::from_json(
+      tiny_config(R"(, "attention_k_eq_v": true, "num_kv_shared_layers": 2, "use_double_wide_mlp": true,
+                     "use_bidirectional_attention": "vision")"));
+  const LayerSpec s0 = c.layer(0), s1 = c.layer(1), s2 = c.layer(2), s3 = c.layer(3);
+  EXPECT_TRUE(s0.sliding && s0.stores_kv && s0.has_v_proj);
+  EXPECT_EQ(s0.mask, (LayerMask{true, 3, true}));
+  EXPECT_TRUE(!s1.sliding && s1.stores_kv && !s1.has_v_proj);
+  EXPECT_EQ(s1.head_dim, 16);
+  EXPECT_EQ(s1.kv_heads, 1);
+  EXPECT_EQ(s1.mask, (LayerMask{true, 0, false}));  // transformers 5.24: no image groups on full layers
+  EXPECT_EQ(s2.kv_source, 0);
+  EXPECT_EQ(s3.kv_source, 1);
+  EXPECT_EQ(s2.intermediate, 48);
+  EXPECT_EQ(s0.intermediate, 24);
+}
+
+TEST(ModelConfig, RejectsUnsupportedFieldsByName) {
+  auto message = [](const std::string& extra) {
+    try {
+      Gemma4Config::from_json(tiny_config(extra));
+    } catch (const rf::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message(R"(, "attention_bias": true)").find("attention_bias"), std::string::npos);
+  EXPECT_NE(message(R"(, "hidden_activation": "relu")").find("hidden_activation"), std::string::npos);
+  EXPECT_NE(message(R"(, "use_bidirectional_attention": "all")").find("use_bidirectional_attention"),
+            std::string::npos);
+  EXPECT_NE(message(R"(, "num_attention_heads": 3)").find("key/value heads"), std::string::npos);
+}
+
+TEST(ModelRun, RejectsMismatchedImageFeatures) {
+  Gemma4Model m = make_model("");
+  TinyBatch b = make_batch(40, 16);
+  Batch v = b.view(true);
+  v.n_image_features -= 1;
+  EXPECT_THROW(m.run(v, RunOptions{}, nullptr), rf::Error);
+}
+
+TEST(ModelRun, SameBitsOnRepeat) {
+  Gemma4Model m = make_model(R"(, "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2,
+                                   "moe_intermediate_size": 8)");
+  const TinyBatch b = make_batch(40, 0);
+  RunOptions opt;
+  opt.want_grad = true;
+  TensorSet g1 = m.params().zeros_like(), g2 = m.params().zeros_like();
+  const Result r1 = m.run(b.view(false), opt, &g1), r2 = m.run(b.view(false), opt, &g2);
+  EXPECT_EQ(r1.loss, r2.loss);
+  for (size_t s = 0; s < g1.size(); ++s) EXPECT_EQ(g1[s].data, g2[s].data) << g1[s].name;
+}
+
+}  // namespace
+}  // namespace rf::model

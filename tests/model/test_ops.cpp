@@ -1,0 +1,213 @@
+// Tests of the model's float32 building blocks: each backward against central finite differences of its
+// forward (computed in double from the float32 forward at several step sizes would be overkill: the ops are
+// smooth and O(1), so one step of 1e-3 in float32 suffices with the tolerance derived below), and the chunked
+// fused LM-head loss against an unchunked plain computation in double.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "core/error.h"
+#include "model/loss.h"
+#include "model/ops.h"
+
+namespace rf::model {
+namespace {
+
+using Vec = std::vector<float>;
+
+Vec random_vec(size_t n, uint64_t seed, float lo = -1.f, float hi = 1.f) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(lo, hi);
+  Vec v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+// A scalar probe of an op: loss = sum(probe * op(inputs)), so d loss / d output = probe.
+double dot(const Vec& a, const Vec& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += double{a[i]} * b[i];
+  return s;
+}
+
+// Central difference of f at x along element i, step h.
+double central(const std::function<double()>& f, float& x, float h) {
+  const float keep = x;
+  x = keep + h;
+  const double up = f();
+  x = keep - h;
+  const double down = f();
+  x = keep;
+  return (up - down) / (2.0 * h);
+}
+
+// Step 1e-3 on O(1) inputs: truncation error O(h^2) ~ 1e-6; float32 rounding of a sum of ~100 O(1) terms is
+// ~1e-5 absolute, divided by 2h gives ~5e-3 worst case. Hence 1e-2 absolute plus 1e-2 relative.
+constexpr float kStep = 1e-3f;
+constexpr double kAbsTol = 1e-2, kRelTol = 1e-2;
+
+void expect_close(double fd, double analytic, const char* what, size_t i) {
+  EXPECT_NEAR(fd, analytic, kAbsTol + kRelTol * std::fabs(analytic)) << what << " element " << i;
+}
+
+TEST(ModelOps, RmsNormBackwardMatchesFiniteDifferences) {
+  const int64_t R = 3, n = 8;
+  for (bool with_scale : {true, false}) {
+    Vec x = random_vec(R * n, 1), w = random_vec(n, 2, 0.5f, 1.5f), probe = random_vec(R * n, 3);
+    Vec y(R * n), inv(R);
+    auto loss = [&] {
+      rmsnorm_forward(x.data(), with_scale ? w.data() : nullptr, 1e-6f, y.data(), inv.data(), R, n);
+      return dot(y, probe);
+    };
+    loss();
+    Vec dx(R * n, 0.f), dw(n, 0.f);
+    rmsnorm_backward(x.data(), with_scale ? w.data() : nullptr, inv.data(), probe.data(), dx.data(), dw.data(), R, n);
+    for (size_t i = 0; i < x.size(); ++i) expect_close(central(loss, x[i], kStep), dx[i], "rmsnorm dx", i);
+    if (with_scale)
+      for (size_t i = 0; i < w.size(); ++i) expect_close(central(loss, w[i], kStep), dw[i], "rmsnorm dw", i);
+  }
+}
+
+TEST(ModelOps, LinearBackwardMatchesFiniteDifferences) {
+  const int64_t T = 5, K = 7, N = 3;
+  Vec x = random_vec(T * K, 4), W = random_vec(N * K, 5), probe = random_vec(T * N, 6), y(T * N);
+  auto loss = [&] {
+    linear_forward(x.data(), W.data(), y.data(), T, K, N);
+    return dot(y, probe);
+  };
+  Vec dx(T * K, 0.f), dW(N * K, 0.f);
+  linear_backward(x.data(), W.data(), probe.data(), dx.data(), dW.data(), T, K, N);
+  for (size_t i = 0; i < x.size(); ++i) expect_close(central(loss, x[i], kStep), dx[i], "linear dx", i);
+  for (size_t i = 0; i < W.size(); ++i) expect_close(central(loss, W[i], kStep), dW[i], "linear dW", i);
+}
+
+TEST(ModelOps, GegluBackwardMatchesFiniteDifferences) {
+  const int64_t n = 40;
+  Vec g = random_vec(n, 7, -3.f, 3.f), u = random_vec(n, 8), probe = random_vec(n, 9), h(n);
+  auto loss = [&] {
+    geglu_forward(g.data(), u.data(), h.data(), n);
+    return dot(h, probe);
+  };
+  Vec dg(n, 0.f), du(n, 0.f);
+  geglu_backward(g.data(), u.data(), probe.data(), dg.data(), du.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    expect_close(central(loss, g[i], kStep), dg[i], "geglu dg", i);
+    expect_close(central(loss, u[i], kStep), du[i], "geglu du", i);
+  }
+}
+
+TEST(ModelOps, GeluTanhMatchesClosedForm) {
+  // Hand values of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) computed in double; float32 rounding only.
+  EXPECT_NEAR(gelu_tanh(0.f), 0.0, 1e-7);
+  EXPECT_NEAR(gelu_tanh(1.f), 0.8411919906082768, 1e-6);
+  EXPECT_NEAR(gelu_tanh(-2.f), -0.04540230591222967, 1e-6);
+}
+
+TEST(ModelOps, RopeInverseIsTheTransposeAndPartialRopeLeavesTheRest) {
+  const int64_t T = 4;
+  const int heads = 2, D = 16;
+  const std::vector<int32_t> pos = {0, 3, 7, 100};
+  for (bool proportional : {false, true}) {
+    const RopeTable r = make_rope_table(pos.data(), T, D, proportional, 10000.0, 0.25, 1.0);
+    Vec x = random_vec(T * heads * D, 10), y = x, probe = random_vec(T * heads * D, 11);
+    rope_apply(y.data(), r, T, heads, false);
+    // <R x, p> == <x, R^T p>: the backward is the transpose of the forward.
+    Vec pt = probe;
+    rope_apply(pt.data(), r, T, heads, true);
+    EXPECT_NEAR(dot(y, probe), dot(x, pt), 1e-4) << "proportional " << proportional;
+    // Position 0 is the identity; with proportional RoPE (factor 0.25 of D/2 = 8 pairs -> 2 rotated) pairs 2..7
+    // are never rotated.
+    for (int i = 0; i < heads * D; ++i) EXPECT_FLOAT_EQ(y[i], x[i]);
+    if (proportional) {
+      for (int64_t t = 0; t < T; ++t)
+        for (int h = 0; h < heads; ++h)
+          for (int i : {2, 7, 10, 15}) EXPECT_FLOAT_EQ(y[(t * heads + h) * D + i], x[(t * heads + h) * D + i]);
+    }
+  }
+}
+
+// The unchunked loss in double: logits, cap, log-softmax, mean over label tokens, and its gradients.
+struct PlainLoss {
+  double loss = 0;
+  std::vector<double> token_loss, dx, dW;
+};
+PlainLoss plain_loss(const Vec& x, const Vec& W, const std::vector<int32_t>& labels, int64_t T, int64_t H, int64_t V,
+                     double cap) {
+  PlainLoss p;
+  p.token_loss.assign(T, 0);
+  p.dx.assign(T * H, 0);
+  p.dW.assign(V * H, 0);
+  int64_t n = 0;
+  for (int32_t l : labels) n += l != kIgnoreLabel;
+  for (int64_t t = 0; t < T; ++t) {
+    if (labels[t] == kIgnoreLabel) continue;
+    std::vector<double> z(V), c(V);
+    double mx = -1e300;
+    for (int64_t v = 0; v < V; ++v) {
+      for (int64_t i = 0; i < H; ++i) z[v] += double{x[t * H + i]} * W[v * H + i];
+      c[v] = cap * std::tanh(z[v] / cap);
+      mx = std::max(mx, c[v]);
+    }
+    double s = 0;
+    for (int64_t v = 0; v < V; ++v) s += std::exp(c[v] - mx);
+    const double lse = mx + std::log(s);
+    p.token_loss[t] = lse - c[labels[t]];
+    p.loss += p.token_loss[t] / n;
+    for (int64_t v = 0; v < V; ++v) {
+      const double th = std::tanh(z[v] / cap);
+      const double g = (std::exp(c[v] - lse) - (v == labels[t])) / n * (1 - th * th);
+      for (int64_t i = 0; i < H; ++i) {
+        p.dx[t * H + i] += g * W[v * H + i];
+        p.dW[v * H + i] += g * x[t * H + i];
+      }
+    }
+  }
+  return p;
+}
+
+TEST(ModelLoss, ChunkedMatchesUnchunkedForEveryChunkSize) {
+  const int64_t T = 13, H = 6, V = 50;
+  const double cap = 3.0;  // small, so the cap is far from the identity on these logits
+  Vec x = random_vec(T * H, 12, -2.f, 2.f), W = random_vec(V * H, 13, -2.f, 2.f);
+  std::vector<int32_t> labels(T);
+  for (int64_t t = 0; t < T; ++t) labels[t] = t % 4 == 1 ? kIgnoreLabel : static_cast<int32_t>((t * 7) % V);
+  const PlainLoss ref = plain_loss(x, W, labels, T, H, V, cap);
+  for (int64_t chunk : {1, 4, 5, 13, 64}) {
+    Vec token(T), dx(T * H, 0.f), dW(V * H, 0.f), logits(T * V);
+    LmHeadLossArgs a{x.data(), W.data(), labels.data(), T, H, V, static_cast<float>(cap), 0.f, chunk};
+    int64_t n = 0;
+    for (int32_t l : labels) n += l != kIgnoreLabel;
+    a.loss_scale = 1.f / static_cast<float>(n);
+    const double loss = lm_head_loss(a, LmHeadLossOut{token.data(), logits.data(), dx.data(), dW.data()});
+    // float32 logits over H = 6 terms and a float32 softmax against double: a few ulps of O(1) values.
+    constexpr double kTol = 1e-5;
+    EXPECT_NEAR(loss, ref.loss, kTol) << "chunk " << chunk;
+    for (int64_t t = 0; t < T; ++t) EXPECT_NEAR(token[t], ref.token_loss[t], kTol) << "token " << t;
+    for (size_t i = 0; i < dx.size(); ++i) EXPECT_NEAR(dx[i], ref.dx[i], kTol) << "dx " << i;
+    for (size_t i = 0; i < dW.size(); ++i) EXPECT_NEAR(dW[i], ref.dW[i], kTol) << "dW " << i;
+    for (int64_t v = 0; v < V; ++v) {
+      double z = 0;
+      for (int64_t i = 0; i < H; ++i) z += double{x[i]} * W[v * H + i];
+      EXPECT_NEAR(logits[v], cap * std::tanh(z / cap), kTol);
+    }
+  }
+}
+
+TEST(ModelLoss, RejectsLabelsOutsideTheVocabulary) {
+  const int64_t T = 2, H = 2, V = 3;
+  Vec x(T * H, 0.1f), W(V * H, 0.1f), token(T);
+  const std::vector<int32_t> labels = {1, 3};
+  LmHeadLossArgs a{x.data(), W.data(), labels.data(), T, H, V, 0.f, 1.f, 1};
+  EXPECT_THROW(lm_head_loss(a, LmHeadLossOut{token.data(), nullptr, nullptr, nullptr}), rf::Error);
+}
+
+TEST(ModelLoss, ChunkSizeKeepsOneChunkWithinBudget) {
+  EXPECT_EQ(loss_chunk_tokens(262144, int64_t{64} << 20), 64);
+  EXPECT_EQ(loss_chunk_tokens(262144, 16), 1);
+}
+
+}  // namespace
+}  // namespace rf::model
