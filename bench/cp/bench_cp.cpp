@@ -20,6 +20,7 @@
 #include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "core/row_meta.h"
+#include "cp/balance.h"
 #include "cp/cp_attention.h"
 #include "cp/shard.h"
 #include "reference/attention_ref.h"
@@ -61,6 +62,8 @@ std::vector<float> uniform(int64_t n, uint64_t seed) {
   return x;
 }
 
+rf::LayerMask mask_of(const Config& c) { return rf::LayerMask{c.causal, c.window, c.groups}; }
+
 // One rank's shard of a generated row problem.
 struct Problem {
   rf::cp::ShardMap map;
@@ -73,8 +76,10 @@ struct Problem {
 Problem make_problem(const Config& c, int S, rf::cp::Scheme scheme, int P, int r,
                      std::vector<uint8_t>* full_inputs) {
   Problem pb;
-  pb.map = rf::cp::make_shard_map(scheme, S, P);
   pb.full_meta = c.row == "vlm" ? rf::gemma4_vlm_row(S, kSeed) : rf::make_row_meta(S, nullptr, nullptr);
+  pb.map = scheme == rf::cp::Scheme::Balanced
+               ? rf::cp::balanced_shard(pb.full_meta.data(), 1, S, P, rf::cp::LayerMix{{mask_of(c), 1}}).map
+               : rf::cp::make_shard_map(scheme, S, P);
   pb.meta = rf::cp::shard_meta(pb.map, r, pb.full_meta.data(), 1);
   const rf::DType dt = c.dtype == "bf16" ? rf::DType::BF16 : rf::DType::F32;
   const size_t es = rf::dtype_size(dt);
@@ -94,8 +99,6 @@ Problem make_problem(const Config& c, int S, rf::cp::Scheme scheme, int P, int r
   pb.shard = {rf::AttnShape{1, c.Hq, c.Hkv, L, L, c.D}, dt, pb.q.data(), pb.k.data(), pb.v.data(), pb.meta.data()};
   return pb;
 }
-
-rf::LayerMask mask_of(const Config& c) { return rf::LayerMask{c.causal, c.window, c.groups}; }
 
 // Runs the configuration at kValidateS on every rank and checks rank-gathered out/lse against the reference.
 void validate(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme scheme, rf::cp::Algo algo) {
@@ -207,7 +210,7 @@ int main(int argc, char** argv) {
   app.add_flag("--groups", c.groups, "bidirectional image groups");
   app.add_option("--row", c.row, "onedoc | vlm (Gemma 4 VLM-like packed row)");
   app.add_option("--dtype", c.dtype, "f32 | bf16");
-  app.add_option("--schemes", c.schemes, "comma-separated shard schemes");
+  app.add_option("--schemes", c.schemes, "comma-separated shard schemes (contiguous, zigzag, balanced)");
   app.add_option("--algos", c.algos, "comma-separated algorithms");
   app.add_option("--repeats", c.repeats, "timed repeats (median reported)");
   app.add_flag("--backward", c.backward, "measure the backward (after an unmeasured forward)");
