@@ -16,7 +16,9 @@ TEST(CpLoopback, MaskSweep) {
 
 TEST(CpLoopback, PackedParity) {
   for (int P : {1, 3})
-    comm::run_ranks(P, [](comm::Communicator& w) { cases::check_packed_parity(w, LayerMask{true, 7, true}, DType::F32); });
+    comm::run_ranks(P, [](comm::Communicator& w) {
+      cases::check_packed_parity(w, LayerMask{true, 7, true}, DType::F32);
+    });
 }
 
 // Runs forward and backward of a causal one-document row at P with the given scheme/algorithm; returns each
@@ -40,7 +42,7 @@ TEST(CpLoopback, RingMemoryIsAtMostThreeChunksWhateverP) {
     const int L = S / P;
     const int64_t chunk = 2 * int64_t{Hkv} * L * D * sizeof(float) + int64_t{L} * sizeof(TokenMeta);  // K, V, meta
     const int64_t q_acc = (int64_t{Hq} * L * D + int64_t{Hq} * L) * sizeof(float);  // o or dq, and lse or delta
-    const int64_t kv_grad = 2 * int64_t{Hkv} * L * D * sizeof(float);                // dK and dV
+    const int64_t kv_grad = 2 * int64_t{Hkv} * L * D * sizeof(float);               // dK and dV
     for (const auto& [f, b] : stats_of(P, Scheme::Zigzag, Algo::Ring, S, LayerMask{false, 0, false})) {
       // forward: three chunks, the merged o/lse and one step's partial.
       EXPECT_LE(f.peak_attention_bytes, 3 * chunk + 2 * q_acc) << "P = " << P;
