@@ -3,6 +3,8 @@
 // work that adds up to the mask area). Oracles: the scalar reference, and counts computed from the definitions.
 #include <gtest/gtest.h>
 
+#include "core/error.h"
+#include "cp/cp_internal.h"
 #include "cp_cases.h"
 
 namespace rf::cp {
@@ -78,6 +80,34 @@ TEST(CpLoopback, TrafficAndWorkFollowTheMask) {
   int64_t window_hops = 0;
   for (const auto& [f, b] : sw) window_hops += f.bytes_sent / chunk_bytes;
   EXPECT_EQ(window_hops, P - 1);
+}
+
+// A peer that agrees on the header and the plan but then never sends its chunk: the waiting rank fails by its
+// deadline with a line naming itself, the peer, the chunk's owner and the ring step.
+TEST(CpLoopback, MissingChunkTimesOutNamingPeerAndStep) {
+  const int L = 4, D = 8;
+  try {
+    comm::run_ranks(2, [&](comm::Communicator& w) {
+      std::vector<float> q(L * D, 0.1f), kv(L * D, 0.1f), o(q.size()), lse(L);
+      std::vector<TokenMeta> meta;
+      for (int i = 0; i < L; ++i) meta.push_back({w.rank() * L + i, 1, -1});
+      const CpShard x{AttnShape{1, 1, 1, L, L, D}, DType::F32, q.data(), kv.data(), kv.data(), meta.data()};
+      CpParams p;
+      p.mask = LayerMask{false, 0, false};  // every rank needs every chunk
+      p.timeout = comm::Timeout{100};
+      if (w.rank() == 0) {
+        cp_attention_forward(w, x, p, o.data(), lse.data());
+      } else {
+        detail::agree_header(w, x, p, detail::Pass::Forward, true);
+        detail::plan_ring(w, x, p.mask, p.timeout);
+        // ... and stops here, never sending its K/V.
+      }
+    });
+    FAIL() << "rank 0 must time out";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "rank 0: timed out after 100 ms waiting to receive K/V of rank 1 for ring step 1 from rank 1 (tag 3)");
+  }
 }
 
 }  // namespace
