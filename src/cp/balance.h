@@ -52,4 +52,10 @@ struct BalancedShard {
 BalancedShard balanced_shard(const TokenMeta* rows, int B, int S, int P, const LayerMix& mix,
                              int block = kPlanBlock);
 
+// The map alone (what make_shard_map gives for the other schemes).
+inline ShardMap balanced_shard_map(const TokenMeta* rows, int B, int S, int P, const LayerMix& mix,
+                                   int block = kPlanBlock) {
+  return balanced_shard(rows, B, S, P, mix, block).map;
+}
+
 }  // namespace rf::cp
