@@ -23,8 +23,8 @@ TEST(CpLoopback, PackedParity) {
     });
 }
 
-// Runs forward and backward of a causal one-document row at P with the given scheme/algorithm; returns each
-// rank's forward and backward stats.
+// Runs forward and backward of a one-document row at P with the given scheme/algorithm (the ring moving whole
+// chunks, whose promises these tests check); returns each rank's forward and backward stats.
 std::vector<std::pair<CpStats, CpStats>> stats_of(int P, Scheme s, Algo a, int S, LayerMask mask) {
   cases::Case c;
   c.S = S, c.mask = mask, c.Hq = 2, c.Hkv = 1, c.D = 8;
@@ -32,7 +32,7 @@ std::vector<std::pair<CpStats, CpStats>> stats_of(int P, Scheme s, Algo a, int S
   std::vector<std::pair<CpStats, CpStats>> out(static_cast<size_t>(P));
   comm::run_ranks(P, [&](comm::Communicator& w) {
     CpStats f, b;
-    cases::run_cp(w, c, in, s, a, &f, &b);
+    cases::run_cp(w, c, in, s, a, RingTraffic::Chunks, &f, &b);
     out[w.rank()] = {f, b};
   });
   return out;
@@ -94,6 +94,7 @@ TEST(CpLoopback, MissingChunkTimesOutNamingPeerAndStep) {
       const CpShard x{AttnShape{1, 1, 1, L, L, D}, DType::F32, q.data(), kv.data(), kv.data(), meta.data()};
       CpParams p;
       p.mask = LayerMask{false, 0, false};  // every rank needs every chunk
+      p.traffic = RingTraffic::Chunks;
       p.timeout = comm::Timeout{100};
       if (w.rank() == 0) {
         cp_attention_forward(w, x, p, o.data(), lse.data());
