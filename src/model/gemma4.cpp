@@ -135,6 +135,18 @@ struct LayerActs {
   Vec ff, r_pff, x2;              // [T, H], [T], [T, H]
   // per-layer input
   Vec ple_l, gp, gm, pp, r_ppn;   // [T, P] x3, [T, H], [T]
+
+  int64_t bytes() const {
+    int64_t n = 0;
+    for (const Vec* v : {&a, &r_in, &q_raw, &q_rms, &Q, &k_raw, &k_rms, &v_raw, &v_rms, &K, &V, &O, &lse, &o_tok, &ao,
+                         &r_pa, &x1, &m_in, &r_pf, &g, &u, &hmid, &mo, &h1, &r_pf1, &rn, &r_rn, &rs, &probs, &top_wn,
+                         &top_sum, &top_w, &e_in, &r_pre2, &out2, &r_pf2, &ff, &r_pff, &x2, &ple_l, &gp, &gm, &pp,
+                         &r_ppn})
+      n += static_cast<int64_t>(v->size());
+    for (const auto* group : {&e_x, &e_gu, &e_hm, &e_eo})
+      for (const Vec& v : *group) n += static_cast<int64_t>(v.size());
+    return n * static_cast<int64_t>(sizeof(float));
+  }
 };
 
 struct Gemma4Model::Run {
@@ -784,6 +796,11 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   }
   res.loss = lm_head_loss(la, lo);
   if (!opt.want_grad) return res;
+  int64_t kept = static_cast<int64_t>(r.h0.size() + r.ple.size() + r.ple_raw.size() + r.ple_rms.size());
+  for (int l = 0; l < L; ++l)
+    kept += static_cast<int64_t>(r.x_in[l].size() + r.saved_O[l].size() + r.saved_lse[l].size() + r.kv_K[l].size() +
+                                 r.kv_V[l].size());
+  res.kept_activation_bytes = kept * static_cast<int64_t>(sizeof(float));
 
   // Backward, one layer at a time: recompute the layer's activations from its kept input (attention output and
   // LSE are kept, so attention itself is not recomputed), then differentiate it.
@@ -802,6 +819,7 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
     a.O = std::move(r.saved_O[l]);
     a.lse = std::move(r.saved_lse[l]);
     r.layer_forward(l, r.x_in[l].data(), next.data(), a, true);
+    res.layer_recompute_bytes = std::max(res.layer_recompute_bytes, a.bytes());
     r.layer_backward(l, a, r.x_in[l].data(), dx.data(), dprev.data());
     std::swap(dx, dprev);
     r.x_in[l] = Vec{};

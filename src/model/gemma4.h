@@ -47,6 +47,11 @@ struct Result {
   std::vector<float> token_loss;       // [B, S], 0 where ignored
   std::vector<float> logits;           // [B, S, V] when asked for
   std::vector<float> d_image_features; // [N, F] with gradients and image features
+  // Training memory, measured: activations kept from the forward for the backward (layer inputs, attention
+  // outputs and LSE, shared K/V, the embedded row and per-layer inputs), and the largest set of one layer's
+  // recomputed activations alive during the backward.
+  int64_t kept_activation_bytes = 0;
+  int64_t layer_recompute_bytes = 0;
 };
 
 // Slots (in Gemma4Model::params()) of one decoder layer's parameters; kNoSlot where the layer has none.

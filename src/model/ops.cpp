@@ -12,9 +12,11 @@ namespace rf::model {
 
 namespace {
 
-// Rows of C per sgemm call. Fixed (not derived from the thread count) so every element of C is produced by the
-// same call shape whatever the number of threads: the bits do not depend on OMP_NUM_THREADS.
-constexpr int64_t kGemmRowBlock = 128;
+// Rows of C per sgemm call are a multiple of this. Each call packs the whole of op(B), so the fewer calls the
+// better: one per thread. The split is over rows of C only; every element's reduction over K runs inside one
+// sgemm call in the same order whichever rows share the call, so the bits do not depend on the thread count
+// (tests/model checks 1 against 2 threads).
+constexpr int64_t kGemmRowQuantum = 16;
 // Tokens per partial sum in reductions over tokens (RMSNorm weight gradients), summed in block order.
 constexpr int64_t kReduceBlock = 64;
 
@@ -34,11 +36,14 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
           const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   single_threaded_blas();
-  const int64_t blocks = (M + kGemmRowBlock - 1) / kGemmRowBlock;
+  const int64_t threads = omp_get_max_threads();
+  const int64_t rows = std::max(kGemmRowQuantum, ((M + threads - 1) / threads + kGemmRowQuantum - 1) /
+                                                     kGemmRowQuantum * kGemmRowQuantum);
+  const int64_t blocks = (M + rows - 1) / rows;
 #pragma omp parallel for schedule(static) if (blocks > 1)
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t m0 = blk * kGemmRowBlock;
-    const int64_t m = std::min(kGemmRowBlock, M - m0);
+    const int64_t m0 = blk * rows;
+    const int64_t m = std::min(rows, M - m0);
     // Row m0 of op(A): row m0 of A, or column m0 of A when transposed.
     const float* a = trans_a ? A + m0 : A + m0 * lda;
     if (K == 0) {

@@ -3,6 +3,7 @@
 // covering each part (sliding/full mix with k_eq_v, MoE, per-layer embeddings with KV sharing and the double-wide
 // MLP, image features with their projection), with packed documents, image groups and padding.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <random>
@@ -203,16 +204,24 @@ TEST(ModelRun, RejectsMismatchedImageFeatures) {
   EXPECT_THROW(m.run(v, RunOptions{}, nullptr), rf::Error);
 }
 
-TEST(ModelRun, SameBitsOnRepeat) {
+TEST(ModelRun, SameBitsOnRepeatAndAcrossThreadCounts) {
   Gemma4Model m = make_model(R"(, "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2,
                                    "moe_intermediate_size": 8)");
   const TinyBatch b = make_batch(40, 0);
   RunOptions opt;
   opt.want_grad = true;
-  TensorSet g1 = m.params().zeros_like(), g2 = m.params().zeros_like();
+  TensorSet g1 = m.params().zeros_like(), g2 = m.params().zeros_like(), g3 = m.params().zeros_like();
+  const int threads = omp_get_max_threads();
   const Result r1 = m.run(b.view(false), opt, &g1), r2 = m.run(b.view(false), opt, &g2);
+  omp_set_num_threads(threads == 1 ? 2 : 1);
+  const Result r3 = m.run(b.view(false), opt, &g3);
+  omp_set_num_threads(threads);
   EXPECT_EQ(r1.loss, r2.loss);
-  for (size_t s = 0; s < g1.size(); ++s) EXPECT_EQ(g1[s].data, g2[s].data) << g1[s].name;
+  EXPECT_EQ(r1.loss, r3.loss);
+  for (size_t s = 0; s < g1.size(); ++s) {
+    EXPECT_EQ(g1[s].data, g2[s].data) << g1[s].name;
+    EXPECT_EQ(g1[s].data, g3[s].data) << g1[s].name << " with another thread count";
+  }
 }
 
 }  // namespace
