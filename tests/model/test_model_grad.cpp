@@ -146,10 +146,11 @@ TEST(ModelGrad, DenseVisionGroupsWithFeaturesInHiddenSize) {
   check_gradients(m, b.view(true));
 }
 
-TEST(ModelGrad, MixtureOfExperts) {
+TEST(ModelGrad, MixtureOfExpertsWithUntiedHead) {
   Gemma4Model m = make_model(
       R"(, "attention_k_eq_v": true, "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2,
-         "moe_intermediate_size": 8)");
+         "moe_intermediate_size": 8, "tie_word_embeddings": false)");
+  ASSERT_TRUE(m.params().contains("lm_head.weight"));
   const TinyBatch b = make_batch(40, 0);
   check_gradients(m, b.view(false));
 }
