@@ -23,7 +23,7 @@ using Vec = std::vector<float>;
 Vec zeros(int64_t n) { return Vec(static_cast<size_t>(n), 0.f); }
 
 void add_into(float* y, const float* x, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];
 }
 
@@ -257,7 +257,7 @@ void Gemma4Model::Run::embed() {
   const float scale = static_cast<float>(std::sqrt(static_cast<double>(H)));
   h0 = zeros(T * H);
   const float* E = W(m.embed_);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
     const float* e = E + int64_t{b.input_ids[t]} * H;
     for (int64_t i = 0; i < H; ++i) h0[t * H + i] = e[i] * scale;
@@ -290,7 +290,7 @@ void Gemma4Model::Run::embed() {
   rmsnorm_forward(ple_raw.data(), W(m.ple_norm_), eps, ple.data(), ple_rms.data(), T * cfg.num_layers, P);
   const float tok_scale = static_cast<float>(std::sqrt(static_cast<double>(P)));
   const float* Ep = W(m.ple_embed_);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * LP >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
     const float* e = Ep + int64_t{ple_ids[t]} * LP;
     for (int64_t i = 0; i < LP; ++i) ple[t * LP + i] = (ple[t * LP + i] + e[i] * tok_scale) * kPleCombineScale;
@@ -335,7 +335,7 @@ void Gemma4Model::Run::embed_backward(const float* dh0_in) {
   const float scale = static_cast<float>(std::sqrt(static_cast<double>(H)));
   float* gE = G(m.embed_);
   // Columns in parallel, tokens in order: each gradient element sums its tokens in one fixed order.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t i = 0; i < H; ++i) {
     for (int64_t t = 0; t < T; ++t) {
       if (feature_of[t] >= 0 || b.input_ids[t] == cfg.pad_token_id) continue;
@@ -447,7 +447,7 @@ void Gemma4Model::Run::layer_forward(int l, const float* x, float* out, LayerAct
   }
   const float* x_last = cfg.ple_dim > 0 ? x3.data() : a.x2.data();
   const float scalar = m.buffers_.data(sl.layer_scalar)[0];
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t i = 0; i < T * H; ++i) out[i] = x_last[i] * scalar;
 }
 

@@ -85,6 +85,10 @@ constexpr float kStep = 1e-3f;
 constexpr double kAbsTol = 1.5e-3, kRelTol = 2e-2;
 
 void check_gradients(Gemma4Model& model, const Batch& batch) {
+  // A few hundred runs of a 20-token model: one thread, since OpenMP's barriers would cost more than the work
+  // (especially on a loaded CI machine). The result does not depend on it (ModelRun.SameBitsOnRepeatAndAcrossThreadCounts).
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
   RunOptions opt;
   opt.want_grad = true;
   opt.loss_chunk_tokens = 7;  // several loss chunks, one of them partial
@@ -114,6 +118,7 @@ void check_gradients(Gemma4Model& model, const Batch& batch) {
     const double fd = (up - down) / (2.0 * kStep);
     EXPECT_NEAR(fd, analytic, kAbsTol + kRelTol * std::fabs(analytic)) << p.name;
   }
+  omp_set_num_threads(threads);
 }
 
 Gemma4Model make_model(const std::string& extra, int vision_dim = 0) {
