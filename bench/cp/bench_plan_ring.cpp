@@ -8,6 +8,7 @@
 // ring's out and dK are checked against the chunk ring's (they must be the same bits).
 #include <mpi.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <iterator>
@@ -26,7 +27,7 @@ namespace {
 using namespace rf;
 using namespace rf::cp;
 
-constexpr int kHq = 8, kHkv = 1, kD = 256, kRepeats = 3;
+constexpr int kHq = 8, kHkv = 1, kD = 256;
 constexpr double kMiB = 1024.0 * 1024.0;
 
 struct Variant {
@@ -102,6 +103,12 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{"Planned ring vs chunk ring vs all-gather on a sliding layer; run under mpirun"};
+  int repeats = 3;
+  std::vector<int> seqs = {8192, 32768};
+  app.add_option("--repeats", repeats, "timed repeats per variant (median reported)")->capture_default_str();
+  app.add_option("--seq", seqs, "row lengths S")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
   MPI_Init(&argc, &argv);
   int code = 0;
   try {
@@ -109,15 +116,15 @@ int main(int argc, char** argv) {
     comm::Communicator& comm = *world;
     if (comm.rank() == 0) {
       std::printf("| S | W | P | algorithm | K/V received, max rank (MiB) | fwd+bwd (s, median of %d) | vs chunk ring |\n",
-                  kRepeats);
+                  repeats);
       std::printf("|---|---|---|---|---|---|---|\n");
     }
-    for (const int S : {8192, 32768}) {
+    for (const int S : seqs) {
       for (const int W : {512, 1024}) {
         // Repeats interleave the variants, so a burst of load on the shared machine hits all three alike.
         std::vector<Run> runs(std::size(kVariants));
         for (size_t i = 0; i < runs.size(); ++i) setup(comm, S, W, kVariants[i], runs[i]);
-        for (int rep = 0; rep < kRepeats; ++rep)
+        for (int rep = 0; rep < repeats; ++rep)
           for (Run& run : runs) time_once(comm, run);
         RF_CHECK(runs[0].o == runs[1].o && runs[0].dk == runs[1].dk, "planned and chunk ring results differ at S = ",
                  S, ", W = ", W);
