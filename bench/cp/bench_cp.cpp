@@ -127,7 +127,7 @@ void validate(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme sche
 }
 
 struct Figures {
-  double peak_mib = 0, sent_mib = 0, work_imbalance = 0, work_max = 0, wall = 0, compute = 0, exposed = 0;
+  double peak_mib = 0, sent_mib = 0, sent_mean_mib = 0, work_imbalance = 0, work_max = 0, wall = 0, compute = 0, exposed = 0;
 };
 
 // Timed runs; per repeat the figures are maxima over ranks, then medians over repeats.
@@ -154,11 +154,12 @@ Figures measure(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme sc
                             static_cast<double>(st.work), st.wall_seconds, st.compute_seconds};
     std::vector<double> all(5 * static_cast<size_t>(P));
     comm.allgather(mine, all.data(), sizeof mine, rf::comm::kDefaultTimeout);
-    double peak = 0, sent = 0, wmax = 0, wsum = 0, wall = 0, comp = 0, exposed = 0;
+    double peak = 0, sent = 0, sent_sum = 0, wmax = 0, wsum = 0, wall = 0, comp = 0, exposed = 0;
     for (int j = 0; j < P; ++j) {
       const double* a = all.data() + 5 * j;
       peak = std::max(peak, a[0]);
       sent = std::max(sent, a[1]);
+      sent_sum += a[1];
       wmax = std::max(wmax, a[2]);
       wsum += a[2];
       wall = std::max(wall, a[3]);
@@ -167,6 +168,7 @@ Figures measure(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme sc
     }
     f.peak_mib = peak / kMiB;
     f.sent_mib = sent / kMiB;
+    f.sent_mean_mib = sent_sum / P / kMiB;
     f.work_max = wmax;
     f.work_imbalance = wsum > 0 ? wmax / (wsum / P) : 1.0;
     walls.push_back(wall);
@@ -179,13 +181,16 @@ Figures measure(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme sc
   return f;
 }
 
-// The seed's collect-all-then-compute: every chunk (K, V, metadata) held at once, plus merged o/lse and a partial.
-double collect_all_mib(const Config& c, int P) {
+// Per-rank sizes from the shapes: one K/V chunk (K, V, metadata) and the forward's float32 o + lse.
+struct Sizes {
+  double chunk = 0, out = 0, group_partial = 0;
+};
+Sizes sizes_of(const Config& c, int P) {
   const rf::cp::ShardMap m = rf::cp::make_shard_map(rf::cp::Scheme::Contiguous, c.S, P);
-  const double es = c.dtype == "bf16" ? 2 : 4;
-  const double chunk = 2.0 * c.Hkv * m.L * c.D * es + m.L * sizeof(rf::TokenMeta);
-  const double acc = 2.0 * (double{1} * c.Hq * m.L * c.D + c.Hq * m.L) * sizeof(float);
-  return (P * chunk + acc) / kMiB;
+  const double es = c.dtype == "bf16" ? 2 : 4, f = sizeof(float);
+  const double G = static_cast<double>(c.Hq) / c.Hkv;
+  return {2.0 * c.Hkv * m.L * c.D * es + m.L * sizeof(rf::TokenMeta), (double{1} * c.Hq * m.L * c.D + c.Hq * m.L) * f,
+          (G * m.L * c.D + G * m.L) * f};
 }
 
 }  // namespace
@@ -216,12 +221,18 @@ int main(int argc, char** argv) {
     const int P = comm->size();
     try {
       if (comm->rank() == 0) {
-        std::printf("%s: P=%d S=%d D=%d Hq=%d Hkv=%d %s causal=%d W=%d groups=%d row=%s; collect-all-then-compute "
-                    "forward peak: %.2f MiB/rank\n\n",
+        // The seed's collect-all-then-compute held all P chunks, the merged o/lse and a full partial; the ring's
+        // bound is three chunks, o/lse and one kv-head group's partial.
+        const Sizes z = sizes_of(c, P);
+        std::printf("%s: P=%d S=%d D=%d Hq=%d Hkv=%d %s causal=%d W=%d groups=%d row=%s\n"
+                    "per rank: K/V chunk %.2f MiB, o+lse %.2f MiB; forward peak bounds: ring (3 chunks + o/lse + "
+                    "group partial) %.2f MiB, collect-all-then-compute (P chunks + o/lse + partial) %.2f MiB\n\n",
                     c.backward ? "backward" : "forward", P, c.S, c.D, c.Hq, c.Hkv, c.dtype.c_str(), c.causal, c.window,
-                    c.groups, c.row.c_str(), collect_all_mib(c, P));
-        std::printf("| P | scheme | algo | peak attn MiB/rank | sent MiB/rank | work max (pairs) | imbalance max/mean "
-                    "| wall s | compute s | exposed s | exposed/compute |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+                    c.groups, c.row.c_str(), z.chunk / kMiB, z.out / kMiB,
+                    (3 * z.chunk + z.out + z.group_partial) / kMiB, (P * z.chunk + 2 * z.out) / kMiB);
+        std::printf("| P | scheme | algo | peak attn MiB/rank | sent MiB/rank max / mean | work max (pairs) | imbalance "
+                    "max/mean | wall s | compute s | exposed s | exposed/compute |\n"
+                    "|---|---|---|---|---|---|---|---|---|---|---|\n");
       }
       for (const std::string& sn : split(c.schemes))
         for (const std::string& an : split(c.algos)) {
@@ -231,12 +242,12 @@ int main(int argc, char** argv) {
           const Figures f = measure(*comm, c, scheme, algo);
           if (comm->rank() != 0) continue;
           if (c.time)
-            std::printf("| %d | %s | %s | %.2f | %.2f | %.0f | %.3f | %.3f | %.3f | %.3f | %.1f%% |\n", P, sn.c_str(),
-                        an.c_str(), f.peak_mib, f.sent_mib, f.work_max, f.work_imbalance, f.wall, f.compute, f.exposed,
+            std::printf("| %d | %s | %s | %.2f | %.2f / %.2f | %.0f | %.3f | %.3f | %.3f | %.3f | %.1f%% |\n", P,
+                        sn.c_str(), an.c_str(), f.peak_mib, f.sent_mib, f.sent_mean_mib, f.work_max, f.work_imbalance, f.wall, f.compute, f.exposed,
                         100 * f.exposed / f.compute);
           else
-            std::printf("| %d | %s | %s | %.2f | %.2f | %.0f | %.3f | - | - | - | - |\n", P, sn.c_str(), an.c_str(),
-                        f.peak_mib, f.sent_mib, f.work_max, f.work_imbalance);
+            std::printf("| %d | %s | %s | %.2f | %.2f / %.2f | %.0f | %.3f | - | - | - | - |\n", P, sn.c_str(),
+                        an.c_str(), f.peak_mib, f.sent_mib, f.sent_mean_mib, f.work_max, f.work_imbalance);
           std::fflush(stdout);
         }
     } catch (const rf::Error& e) {

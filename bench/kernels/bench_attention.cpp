@@ -24,6 +24,7 @@
 #include "core/attention_args.h"
 #include "core/row_meta.h"
 #include "cpu/attention.h"
+#include "cpu/microkernels.h"
 #include "reference/attention_ref.h"
 
 namespace {
@@ -169,6 +170,37 @@ bool validate(int D, rf::DType t) {
   return e <= kTol;
 }
 
+// One 64 x 64 x D score-tile product (S = Q K^T, the abt micro-kernel) with float32 FMAs and, where the CPU has
+// AVX512_BF16, with vdpbf16ps on bf16 pairs: the measurement behind RINGFLEX_BF16_DOT being off by default.
+// Best of kTileTrials timings of kTileCalls products, operands in L1.
+void tile_products(int D) {
+  namespace d = rf::cpu::detail;
+  constexpr int kTileCalls = 200, kTileTrials = 30, kRows = rf::cpu::kTileQ;
+  std::vector<float> a(static_cast<size_t>(kRows) * D, 0.5f), bt(static_cast<size_t>(D) * d::kTileCols, 0.25f);
+  std::vector<float> c(static_cast<size_t>(kRows) * d::kTileCols);
+  std::vector<uint32_t> ab(a.size() / 2, 0x3f003f00u), bb(bt.size() / 2, 0x3e803e80u);  // bf16 pairs 0.5, 0.25
+  volatile float sink = 0.f;  // reads each product's result so no call can be optimised away
+  auto best = [&](auto&& fn) {
+    double t_min = 1e30;
+    for (int trial = 0; trial < kTileTrials; ++trial) {
+      const auto t0 = Clock::now();
+      for (int i = 0; i < kTileCalls; ++i) {
+        fn();
+        sink = sink + c[0];
+      }
+      t_min = std::min(t_min, seconds_since(t0));
+    }
+    return 2.0 * kRows * d::kTileCols * D * kTileCalls / t_min / 1e9;
+  };
+  const double f32 = best([&] { d::abt<0>(a.data(), D, bt.data(), D, kRows, c.data()); });
+  std::printf("score tile 64 x 64 x %d, 1 thread: float32 FMA %.1f GFLOP/s", D, f32);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  const double bf = best([&] { d::abt<0>(ab.data(), D / 2, bb.data(), D, kRows, c.data()); });
+  std::printf(", vdpbf16ps %.1f GFLOP/s", bf);
+#endif
+  std::printf("\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -209,6 +241,7 @@ int main(int argc, char** argv) {
     f << nlohmann::json{{"Hq", Hq}, {"Hkv", Hkv}, {"dims", dims}, {"threads", threads}, {"cases", cases}}.dump(1);
   }
 
+  tile_products(128);
   Sgemm sgemm;
   std::printf("Hq = %d, Hkv = %d, B = 1; sgemm: 1-thread OpenBLAS, N = %d, measured before each row\n\n", Hq, Hkv,
               kSgemmN);

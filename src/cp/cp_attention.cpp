@@ -34,9 +34,9 @@ constexpr std::array<const char*, 14> kFieldNames = {
     "B", "Hq", "Hkv", "L", "D", "dtype", "causal", "window", "bidirectional_groups", "scale (bits)", "scheme",
     "algo", "pass", "ring traffic"};
 
-// Per-block summaries for planning: blocks of at least kPlanBlock tokens, and at most kMaxPlanBlocks blocks a
+// Per-block summaries for planning: blocks of at least kNeedBlock tokens, and at most kMaxPlanBlocks blocks a
 // rank so the P^2 * blocks^2 classification stays negligible next to one chunk's attention.
-constexpr int kPlanBlock = 64;
+constexpr int kNeedBlock = 64;
 constexpr int kMaxPlanBlocks = 64;
 // Block size for counting allowed pairs (the same classifier the kernels use).
 constexpr int kCountBlock = 64;
@@ -88,7 +88,7 @@ float agree_header(comm::Communicator& comm, const CpShard& x, const CpParams& p
 
 RingPlan plan_ring(comm::Communicator& comm, const CpShard& x, const LayerMask& mask, comm::Timeout timeout) {
   const int P = comm.size(), B = x.shape.B, L = x.shape.Lq;
-  const int block = std::max(kPlanBlock, (L + kMaxPlanBlocks - 1) / kMaxPlanBlocks);
+  const int block = std::max(kNeedBlock, (L + kMaxPlanBlocks - 1) / kMaxPlanBlocks);
   const int nblk = (L + block - 1) / block;
   // mine: [B, nblk]; all: [P, B, nblk]
   std::vector<BlockSummary> mine(static_cast<size_t>(B) * nblk), all(static_cast<size_t>(P) * B * nblk);

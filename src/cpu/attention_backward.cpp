@@ -11,9 +11,11 @@
 //           dQ of its rows.
 // Every output element is therefore summed by one thread in an order fixed by the data, not by the schedule: the
 // bits are identical run to run and for any thread count, with no atomics and no per-thread partial buffers.
-// The price is recomputing S and dP in pass 2 (7 tile products instead of 5). The alternative — one pass over key
-// tiles with per-thread dQ partials reduced in a fixed order — would need the partition fixed independently of the
-// thread count and an [n_partitions, Lq, D] buffer; the recompute is cheaper than that memory traffic at D >= 64.
+// The price is recomputing S and dP in pass 2 (7 tile products instead of 5, so at best 5/7 of the forward's
+// efficiency). The alternative — one pass over key tiles with dQ partials reduced in a fixed order — needs a
+// partition of the key tiles fixed independently of the thread count (or it is not thread-count independent) and
+// an [partitions, Lq, D] float32 buffer, which breaks the O(L) memory bound the ring relies on when partitions
+// grow with the core count; the two-pass form keeps memory at O(tile) per thread and the argument trivial.
 // GQA: both passes read each K/V tile once for all query heads of its group (dK/dV sum over those heads).
 #include <algorithm>
 #include <vector>
@@ -56,10 +58,11 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
   // Needed key tiles packed once for both passes: K^T and V^T as abt operands, K as rows for dQ += dS K.
   const std::vector<uint8_t> needed = needed_key_tiles(c.mask, qsum, ksum, s.B, nqt, nkt);
   const size_t kv_tiles = static_cast<size_t>(s.B) * s.Hkv * nkt;
-  std::vector<Dot<kT>> k_cols(kv_tiles * dr * kTileK), v_cols(k_cols.size());  // [B, Hkv, nkt, dr, kTileK]
-  std::vector<float> k_rows(kv_tiles * kTileK * ld);                             // [B, Hkv, nkt, kTileK, ld]
-  pack_key_tiles<kT>(c.k, s, Dp, needed, k_cols.data(), k_rows.data());
-  pack_key_tiles<kT>(c.v, s, Dp, needed, v_cols.data(), nullptr);
+  const auto k_cols = uninitialized<Dot<kT>>(kv_tiles * dr * kTileK);  // [B, Hkv, nkt, dr, kTileK]
+  const auto v_cols = uninitialized<Dot<kT>>(kv_tiles * dr * kTileK);  // [B, Hkv, nkt, dr, kTileK]
+  const auto k_rows = uninitialized<float>(kv_tiles * kTileK * ld);    // [B, Hkv, nkt, kTileK, ld]
+  pack_key_tiles<kT>(c.k, s, Dp, needed, k_cols.get(), k_rows.get());
+  pack_key_tiles<kT>(c.v, s, Dp, needed, v_cols.get(), nullptr);
 
   // ---- pass 1: dK, dV per key tile ----
   const int64_t items1 = int64_t{s.B} * s.Hkv * nkt;
@@ -81,8 +84,8 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
       const BlockSummary& ks = ksum[static_cast<size_t>(b) * nkt + kt];
       const int64_t kv_row0 = (int64_t{b} * s.Hkv + g) * s.Lk + k0;  // dk, dv: [B, Hkv, Lk, D]
       if (!needed[static_cast<size_t>(b) * nkt + kt]) continue;  // no query reads this key tile
-      const Dot<kT>* kt_buf = k_cols.data() + static_cast<size_t>(item) * dr * kTileK;
-      const Dot<kT>* vt_buf = v_cols.data() + static_cast<size_t>(item) * dr * kTileK;
+      const Dot<kT>* kt_buf = k_cols.get() + static_cast<size_t>(item) * dr * kTileK;
+      const Dot<kT>* vt_buf = v_cols.get() + static_cast<size_t>(item) * dr * kTileK;
       std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
       std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
 
@@ -162,9 +165,9 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
         tile_bits(cls, c.mask, c.q_meta + int64_t{b} * s.Lq + q0, nq, c.k_meta + int64_t{b} * s.Lk + k0, nk,
                   bits.data());
         const size_t tile = static_cast<size_t>(kv_head) * nkt + kt;
-        const Dot<kT>* kt_buf = k_cols.data() + tile * dr * kTileK;
-        const Dot<kT>* vt_buf = v_cols.data() + tile * dr * kTileK;
-        const float* kf = k_rows.data() + tile * kTileK * ld;
+        const Dot<kT>* kt_buf = k_cols.get() + tile * dr * kTileK;
+        const Dot<kT>* vt_buf = v_cols.get() + tile * dr * kTileK;
+        const float* kf = k_rows.get() + tile * kTileK * ld;
         for (int hh = 0; hh < nh; ++hh) {
           const size_t r0 = static_cast<size_t>(hh) * kTileQ;
           abt<kDp>(qd.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());

@@ -41,10 +41,10 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
   const int64_t items = int64_t{s.B} * s.Hkv * nqt * chunks;
   const std::vector<uint8_t> needed = needed_key_tiles(c.mask, qsum, ksum, s.B, nqt, nkt);
   const size_t kv_tiles = static_cast<size_t>(s.B) * s.Hkv * nkt;
-  std::vector<Dot<kT>> k_cols(kv_tiles * dr * kTileK);  // K^T tiles: [B, Hkv, nkt, dr, kTileK]
-  std::vector<float> v_rows(kv_tiles * kTileK * ld);    // V tiles: [B, Hkv, nkt, kTileK, ld]
-  pack_key_tiles<kT>(c.k, s, Dp, needed, k_cols.data(), nullptr);
-  pack_key_tiles<kT>(c.v, s, Dp, needed, nullptr, v_rows.data());
+  const auto k_cols = uninitialized<Dot<kT>>(kv_tiles * dr * kTileK);  // K^T tiles: [B, Hkv, nkt, dr, kTileK]
+  const auto v_rows = uninitialized<float>(kv_tiles * kTileK * ld);    // V tiles: [B, Hkv, nkt, kTileK, ld]
+  pack_key_tiles<kT>(c.k, s, Dp, needed, k_cols.get(), nullptr);
+  pack_key_tiles<kT>(c.v, s, Dp, needed, nullptr, v_rows.get());
 
 #pragma omp parallel
   {
@@ -83,8 +83,8 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
         tile_bits(cls, c.mask, c.q_meta + int64_t{b} * s.Lq + q0, nq, c.k_meta + int64_t{b} * s.Lk + k0, nk,
                   bits.data());
         const size_t tile = static_cast<size_t>(kv_head) * nkt + kt;
-        const Dot<kT>* kt_buf = k_cols.data() + tile * dr * kTileK;
-        const float* vbuf = v_rows.data() + tile * kTileK * ld;
+        const Dot<kT>* kt_buf = k_cols.get() + tile * dr * kTileK;
+        const float* vbuf = v_rows.get() + tile * kTileK * ld;
         for (int hh = 0; hh < nh; ++hh) {
           const size_t r0 = static_cast<size_t>(hh) * kTileQ;
           abt<kDp>(qbuf.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());

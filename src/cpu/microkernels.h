@@ -4,13 +4,14 @@
 // tile of kTileK keys:
 //   abt: C[M, kTileK]  = A[M, Dp] . Bt[Dp, kTileK]   (S = Q K^T, dP = dO V^T; B packed transposed once per tile)
 //   acc: O[M, Dp]     += A[M, N]  . X[N, Dp]         (O += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K)
+// Both are written for one 64-key tile: the attention loops call them per (query tile, key tile) pair.
 // Dp is the head dimension padded with zeros to a multiple of the vector width, so a generic D (8, 72 ...) runs
 // the same loops as the fast ones; the zero lanes add exact zeros. kDp > 0 fixes Dp at compile time (the fast
 // paths: the d loops unroll and the tile buffers' strides are constants); kDp = 0 reads it at run time.
 //
-// With AVX-512 (Zen 4) each call keeps a block of up to kRowBlock rows x 64 floats in 24 zmm accumulators:
+// With AVX-512 each call keeps a block of up to kRowBlock rows x 64 floats in 24 zmm accumulators:
 // per step 4 vector loads of B (or X) and kRowBlock broadcasts feed 4·kRowBlock FMAs, so the loads are not the
-// bottleneck (Zen 4 issues 2 loads per cycle). bfloat16 inputs are widened to float32 while packing (exact);
+// bottleneck (Zen 4 and current Xeons issue 2 or more loads per cycle). bfloat16 inputs are widened to float32 while packing (exact);
 // optionally (kHaveBf16Dot) the abt product uses vdpbf16ps instead, two multiply-adds per float32 lane (pairs of
 // adjacent d) with float32 accumulation: A's rows are bf16 pairs broadcast as 32-bit words, Bt is packed as
 // [Dp/2, kTileK] pairs.
@@ -36,9 +37,10 @@ constexpr int kColVecs = kTileCols / kLanes;
 constexpr int kRowBlock = 6;    // rows per register block: 6 x 4 accumulators + 4 operands + 1 broadcast <= 32 zmm
 
 // Whether bf16 inputs use vdpbf16ps for the abt products (operands kept as bf16 pairs) instead of being widened
-// to float32 while packing. Opt-in (CMake RINGFLEX_BF16_DOT): on the Zen 4 development VM one 64 x 64 x 128 tile
-// product, timed alone in a loop, ran at 112 GFLOP/s with vdpbf16ps against 198 GFLOP/s with float32 FMAs — the
-// instruction retires ~3.5x less often than vfmadd231ps — so it does not pay there (see BENCHMARKS.md).
+// to float32 while packing. Opt-in (CMake RINGFLEX_BF16_DOT): on the development VM (2 vCPU; lscpu reports an
+// Intel Xeon with AVX-512 BF16) one 64 x 64 x 128 tile product, timed alone in a loop, ran at 112 GFLOP/s with
+// vdpbf16ps against 198 GFLOP/s with float32 FMAs — the instruction retires ~3.5x less often than vfmadd231ps —
+// so it does not pay there (see BENCHMARKS.md).
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(RF_BF16_DOT)
 constexpr bool kHaveBf16Dot = true;
 #else
@@ -49,7 +51,7 @@ constexpr bool kHaveBf16Dot = false;
 // exp2 of a vector, for x <= 0 (softmax exponents after subtracting the running max) and x = -inf.
 // x = n + f with n = round(x), |f| <= 1/2; 2^f by its degree-7 Taylor polynomial in f·ln2, whose truncation error
 // is (ln2/2)^8 / 8! < 5.2e-9 relative, far below float32's 6e-8; Horner rounding adds at most ~2 ulp. Measured
-// against std::exp2 over [-126, 0] the relative error is below 3e-7 (tests/cpu/test_exp2). 2^n is applied with
+// against std::exp2 over [-126, 0] the relative error is below 3e-7 (test_attention.cpp, VectorExp2Accuracy). 2^n is applied with
 // vscalefps, which underflows gracefully to 0; x is first raised to kExp2Floor so that x = -inf gives exactly 0
 // (n = -200, f = 0) instead of -inf - (-inf) = NaN. A NaN input stays NaN (vmaxps returns its second operand).
 // ---------------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -172,6 +173,13 @@ inline void pack_cols_dot(const void* src, int nk, int D, int Dp, Dot<kT>* dst) 
   }
 }
 
+// Packed-tile storage, left uninitialised: only needed tiles are read and packing writes every element of those
+// (zeros included), so value-initialising the O(Lk · Dp) buffers would be a wasted pass over memory.
+template <typename T>
+std::unique_ptr<T[]> uninitialized(size_t n) {
+  return std::unique_ptr<T[]>(new T[n]);
+}
+
 // Which key tiles at least one query tile reads (classify != Empty): [B, nkt]. Tiles nobody reads are neither
 // packed nor visited, so a ring step whose chunk is entirely masked costs only the classification.
 inline std::vector<uint8_t> needed_key_tiles(const LayerMask& mask, const std::vector<BlockSummary>& qsum,
@@ -298,7 +306,7 @@ inline void grad_step(float* s, float* dp, int rows, const RowBits* bits, float 
 
 // Heads of one kv group processed together as one work item, so each K/V tile is packed once and read from
 // cache by all of them. Bounded so the item's packed Q and float32 accumulators (2 · heads · kTileQ · Dp floats)
-// stay within about half of Zen 4's 1 MiB L2.
+// stay within about half of a 1 MiB L2 (Zen 4; current Xeons have 2 MiB).
 constexpr int64_t kItemFloats = 128 * 1024;
 inline int heads_per_item(int group, int Dp) {
   const int64_t fit = kItemFloats / (2 * int64_t{kTileQ} * Dp);

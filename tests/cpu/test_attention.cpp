@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/merge.h"
 #include "cpu/attention.h"
 #include "cpu/microkernels.h"
 #include "attention_check.h"
@@ -115,6 +116,72 @@ TEST(CpuAttention, RingStepChunks) {
       check_case(cs);
       ++i;
     }
+}
+
+// Keys [0, Lk) of a head as two chunks [0, split) and [split, Lk): kv: [B, Hkv, Lk, D] bytes -> [B, Hkv, n, D].
+std::vector<uint8_t> key_slice(const std::vector<uint8_t>& kv, const AttnShape& s, DType t, int k0, int n) {
+  const size_t row = static_cast<size_t>(s.D) * dtype_size(t);
+  std::vector<uint8_t> out(static_cast<size_t>(s.B) * s.Hkv * n * row);
+  for (int64_t head = 0; head < int64_t{s.B} * s.Hkv; ++head)
+    std::memcpy(out.data() + head * n * row, kv.data() + (head * s.Lk + k0) * row, n * row);
+  return out;
+}
+
+// How the ring uses the API: partial forwards over two key chunks merged with rf::merge_partial, delta from the
+// merged O, then each chunk's backward with the merged LSE and delta, accumulating into one dQ. Must match the
+// reference over all keys. Bounds: the whole-row κ of attention_check.h; the merge's weights add a few roundings
+// per element, one more κ for o and lse (factor 2), and the backward is unchanged (it sees merged lse/delta).
+TEST(CpuAttention, TwoChunksMergeToTheWhole) {
+  for (DType t : {DType::F32, DType::BF16}) {
+    Case cs = square_case(2, 2, 2, 3 * kTile + 7, 72, t, {true, 90, true}, MetaKind::Padded, 970);
+    Tensors whole = make_tensors(cs);
+    const AttnShape& s = whole.chunk.shape;
+    const int split = kTile + 20;  // not on a tile boundary
+    std::vector<float> o(static_cast<size_t>(s.q_elems())), lse(static_cast<size_t>(s.lse_elems()));
+    std::vector<float> o_b(o.size()), lse_b(lse.size()), delta(lse.size()), dq(o.size(), 0.f);
+    std::vector<float> dk(static_cast<size_t>(s.kv_elems())), dv(dk.size());
+    struct Part {
+      int k0, n;
+      std::vector<uint8_t> k, v;
+      std::vector<TokenMeta> meta;
+      AttnChunk c;
+    };
+    Part parts[2] = {{0, split, {}, {}, {}, {}}, {split, s.Lk - split, {}, {}, {}, {}}};
+    for (Part& p : parts) {
+      p.k = key_slice(whole.k, s, t, p.k0, p.n), p.v = key_slice(whole.v, s, t, p.k0, p.n);
+      for (int b = 0; b < s.B; ++b)
+        p.meta.insert(p.meta.end(), cs.k_meta.begin() + int64_t{b} * s.Lk + p.k0,
+                      cs.k_meta.begin() + int64_t{b} * s.Lk + p.k0 + p.n);
+      p.c = whole.chunk;
+      p.c.shape.Lk = p.n, p.c.k = p.k.data(), p.c.v = p.v.data(), p.c.k_meta = p.meta.data();
+    }
+    cpu::attention_forward(parts[0].c, o.data(), lse.data());
+    cpu::attention_forward(parts[1].c, o_b.data(), lse_b.data());
+    merge_partial(o.data(), lse.data(), o_b.data(), lse_b.data(), s.lse_elems(), s.D);
+    cpu::attention_delta(s, t, whole.dout.data(), o.data(), delta.data());
+    std::vector<float> dk_part[2], dv_part[2];
+    for (int i = 0; i < 2; ++i) {
+      const Part& p = parts[i];
+      dk_part[i].assign(static_cast<size_t>(p.c.shape.kv_elems()), 0.f), dv_part[i].assign(dk_part[i].size(), 0.f);
+      cpu::attention_backward(p.c, whole.dout.data(), lse.data(), delta.data(), dq.data(), dk_part[i].data(),
+                              dv_part[i].data());
+      for (int64_t head = 0; head < int64_t{s.B} * s.Hkv; ++head)
+        for (int j = 0; j < p.n; ++j)
+          for (int d = 0; d < s.D; ++d) {
+            dk[((head * s.Lk) + p.k0 + j) * s.D + d] = dk_part[i][(head * p.n + j) * s.D + d];
+            dv[((head * s.Lk) + p.k0 + j) * s.D + d] = dv_part[i][(head * p.n + j) * s.D + d];
+          }
+    }
+    const RefForward ref = reference_forward(whole.chunk);
+    const RefBackward gref = reference_backward(whole.chunk, whole.dout.data());
+    const Bounds bd = error_bounds(whole.chunk, whole.dout.data(), ref);
+    const std::string name = cs.name() + " (two chunks)";
+    expect_close("o", o, ref.o, bd.o, 2, bd.kappa, name);
+    expect_close("lse", lse, ref.lse, bd.lse, 2, bd.kappa, name);
+    expect_close("dq", dq, gref.dq, bd.dq, 2, bd.kappa, name);
+    expect_close("dk", dk, gref.dk, bd.dk, 2, bd.kappa, name);
+    expect_close("dv", dv, gref.dv, bd.dv, 2, bd.kappa, name);
+  }
 }
 
 // A scale other than 1/sqrt(D) (Gemma 4 uses 1.0) and a non-trivial one.
