@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 
@@ -20,7 +21,6 @@ namespace {
 constexpr const char* kCausalLmPrefix = "model.";
 constexpr const char* kMultimodalPrefix = "model.language_model.";
 constexpr const char* kVisionProjection = "model.embed_vision.embedding_projection.weight";
-constexpr const char* kSavedFile = "model.safetensors";
 
 std::string read_text(const fs::path& p) {
   std::ifstream in(p);
@@ -29,20 +29,6 @@ std::string read_text(const fs::path& p) {
   s << in.rdbuf();
   return s.str();
 }
-
-// The files of a checkpoint and a name -> tensor index over all of them.
-struct Shards {
-  std::vector<io::SafetensorsFile> files;
-  const io::TensorView* find(const std::string& name, const io::SafetensorsFile** file) const {
-    for (const io::SafetensorsFile& f : files) {
-      if (const io::TensorView* v = f.find(name)) {
-        *file = &f;
-        return v;
-      }
-    }
-    return nullptr;
-  }
-};
 
 void copy_into(Tensor& dst, const io::TensorView& v, const std::string& file) {
   RF_CHECK(v.shape == dst.shape, file, ": tensor `", v.name, "` has shape ", io::shape_string(v.shape),
@@ -66,34 +52,29 @@ Checkpoint load_checkpoint(const std::string& dir) {
   RF_CHECK(fs::exists(config_path), dir, ": no config.json");
   Gemma4Config cfg = Gemma4Config::from_json(read_text(config_path));
 
-  std::vector<fs::path> paths;
-  for (const auto& e : fs::directory_iterator(root))
-    if (e.is_regular_file() && e.path().extension() == ".safetensors") paths.push_back(e.path());
-  std::sort(paths.begin(), paths.end());
-  RF_CHECK(!paths.empty(), dir, ": no *.safetensors files");
-  Shards shards;
-  for (const fs::path& p : paths) shards.files.push_back(io::SafetensorsFile::open(p.string()));
+  const io::Checkpoint files = io::Checkpoint::open(dir);
 
   Checkpoint ck;
-  const io::SafetensorsFile* file = nullptr;
   const std::string embed = "embed_tokens.weight";
-  if (shards.find(kMultimodalPrefix + embed, &file)) ck.text_prefix = kMultimodalPrefix;
+  if (files.find(kMultimodalPrefix + embed)) ck.text_prefix = kMultimodalPrefix;
   int vision_dim = 0;
-  if (const io::TensorView* v = shards.find(kVisionProjection, &file)) {
-    RF_CHECK(v->rank() == 2 && v->shape[0] == cfg.hidden_size, file->path(), ": tensor `", kVisionProjection,
-             "` has shape ", io::shape_string(v->shape), ", expected [hidden_size = ", cfg.hidden_size, ", F]");
+  if (const io::TensorView* v = files.find(kVisionProjection)) {
+    RF_CHECK(v->rank() == 2 && v->shape[0] == cfg.hidden_size, files.shard_of(kVisionProjection).path(),
+             ": tensor `", kVisionProjection, "` has shape ", io::shape_string(v->shape),
+             ", expected [hidden_size = ", cfg.hidden_size, ", F]");
     vision_dim = static_cast<int>(v->shape[1]);
   }
   ck.model = std::make_unique<Gemma4Model>(std::move(cfg), vision_dim);
   for (Tensor& t : ck.model->params()) {
     const std::string name = file_name_of(t.name, ck.text_prefix);
-    const io::TensorView* v = shards.find(name, &file);
-    RF_CHECK(v != nullptr, dir, ": no tensor `", name, "` in any *.safetensors file");
-    copy_into(t, *v, file->path());
+    const io::TensorView* v = files.find(name);
+    RF_CHECK(v != nullptr, dir, ": no tensor `", name, "` in the checkpoint");
+    copy_into(t, *v, files.shard_of(name).path());
   }
   for (Tensor& t : ck.model->buffers()) {
     // layer_scalar is a buffer transformers saves; older exports may omit it (then it stays 1).
-    if (const io::TensorView* v = shards.find(file_name_of(t.name, ck.text_prefix), &file)) copy_into(t, *v, file->path());
+    const std::string name = file_name_of(t.name, ck.text_prefix);
+    if (const io::TensorView* v = files.find(name)) copy_into(t, *v, files.shard_of(name).path());
   }
   return ck;
 }
@@ -115,7 +96,7 @@ void save_checkpoint(const Checkpoint& ck, const std::string& dir) {
       w.add(file_name_of(t.name, ck.text_prefix), io::StDType::F32, t.shape, std::span<const float>(t.data));
     }
   }
-  w.write((root / kSavedFile).string());
+  w.write((root / std::string(io::Checkpoint::kSingleFile)).string());
 }
 
 }  // namespace rf::model

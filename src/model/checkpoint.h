@@ -1,5 +1,6 @@
 // ringflex model: Hugging Face checkpoints in and out (config.json + *.safetensors with HF tensor names).
 //
+// The files are opened through rf::io::Checkpoint (one model.safetensors, or an index and its shards).
 // Loading accepts a Gemma4ForCausalLM checkpoint ("model.layers.0...") or a multimodal Gemma4 one whose text
 // decoder sits under "model.language_model." (its vision and audio towers are ignored; the vision embedder's
 // projection "model.embed_vision.embedding_projection.weight", when present, becomes the trainable projection of

@@ -192,9 +192,12 @@ def run_case(ringflex, name, vision, workdir):
             embedder = Gemma4MultimodalEmbedder(Gemma4VisionConfig(hidden_size=fdim), cfg).float()
             with torch.no_grad():
                 embedder.embedding_projection.weight.copy_(0.3 * torch.randn((H, fdim), generator=gen))
-            save_file({"model.embed_vision.embedding_projection.weight":
-                       embedder.embedding_projection.weight.detach().contiguous()},
-                      os.path.join(ckpt, "vision_projection.safetensors"), metadata={"format": "pt"})
+            # Into the checkpoint's own file, where a multimodal Gemma 4 checkpoint keeps its embed_vision.
+            weights_path = os.path.join(ckpt, "model.safetensors")
+            weights = load_file(weights_path)
+            weights["model.embed_vision.embedding_projection.weight"] = \
+                embedder.embedding_projection.weight.detach().contiguous()
+            save_file(weights, weights_path, metadata={"format": "pt"})
 
     # Reference forward/backward.
     model = model.double()
