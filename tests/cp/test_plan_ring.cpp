@@ -5,12 +5,14 @@
 // bits; and it must never receive more than the chunk ring.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
 #include <random>
 
 #include "comm/loopback_comm.h"
 #include "cp/balance.h"
 #include "cp/cp_cases.h"
 #include "cp/plan.h"
+#include "cp/plan_report.h"
 
 namespace rf::cp {
 namespace {
@@ -121,6 +123,39 @@ TEST(PlannedRing, SlidingLayerMovesOnlyTheHalo) {
   const std::vector<BlockSummary> sums = summarize_all_shards(in.meta.data(), c.B, map, kPlanBlock);
   const Plan plan = make_plan(PlanGeometry{P, c.B, L, kPlanBlock}, sums.data(), mix);
   cases::expect_same_bits(run(c, in, map, RingTraffic::Planned, &plan).result, planned.result, "prebuilt plan");
+}
+
+// `--stats` JSON: every rank's record, in rank order, with the numbers the calls reported on each rank.
+TEST(PlannedRing, StatsJsonGathersEveryRank) {
+  constexpr int kP = 3;
+  Case c;
+  c.S = 300;
+  c.mask = LayerMask{true, 50, false};
+  const Inputs in = cases::make_inputs(c);
+  const ShardMap map = shard_map_for("auto", in.meta.data(), c.B, c.S, kP, {{c.mask, 1}});
+  EXPECT_EQ(map.scheme, Scheme::Balanced);
+  const RingRun ran = run(c, in, map, RingTraffic::Planned);
+  std::string text;
+  comm::run_ranks(kP, [&](comm::Communicator& comm) {
+    const int r = comm.rank();
+    const std::string mine = cp_stats_json(comm, ran.fwd[r], &ran.bwd[r], 100 + r, "balanced", "ring");
+    if (r == 0) text = mine;
+  });
+  const nlohmann::json j = nlohmann::json::parse(text);
+  EXPECT_EQ(j["scheme"], "balanced");
+  EXPECT_EQ(j["algo"], "ring");
+  ASSERT_EQ(j["ranks"].size(), static_cast<size_t>(kP));
+  for (int r = 0; r < kP; ++r) {
+    const nlohmann::json& x = j["ranks"][r];
+    EXPECT_EQ(x["rank"], r);
+    EXPECT_EQ(x["tokens"], 100 + r);
+    EXPECT_EQ(x["work"], ran.fwd[r].work);
+    EXPECT_EQ(x["peak_attention_bytes"], std::max(ran.fwd[r].peak_attention_bytes, ran.bwd[r].peak_attention_bytes));
+    EXPECT_EQ(x["bytes_sent"], ran.fwd[r].bytes_sent + ran.bwd[r].bytes_sent);
+    EXPECT_EQ(x["bytes_received"], ran.fwd[r].bytes_received + ran.bwd[r].bytes_received);
+    EXPECT_DOUBLE_EQ(x["compute_s"].get<double>(), ran.fwd[r].compute_seconds + ran.bwd[r].compute_seconds);
+    EXPECT_DOUBLE_EQ(x["wall_s"].get<double>(), ran.fwd[r].wall_seconds + ran.bwd[r].wall_seconds);
+  }
 }
 
 }  // namespace
