@@ -5,7 +5,8 @@ Both sides run the same transformers-built checkpoint (random weights, float32) 
 document, every position labelled), on the same CPU, in the same invocation, alternating repeats:
   - ringflex: `ringflex forward --model DIR --in BATCH --out OUT --grad --no-logits`; the step time is the
     forward+backward time the command prints (checkpoint loading and writing the gradients excluded); peak memory
-    is the process's maximum resident set (/usr/bin/time -v), which includes weights and gradients.
+    is the process's maximum resident set (/usr/bin/time -v), which includes weights and gradients; the command
+    also prints the activation memory it kept and the largest one-layer recompute set.
   - PyTorch eager: Gemma4ForCausalLM from the same directory, attn_implementation "eager" and "sdpa", forward,
     cross-entropy over the [S, V] logits, backward; torch.set_num_threads = the same thread count; peak memory is
     ru_maxrss of that process.
@@ -41,6 +42,8 @@ CONFIGS = {
 COMMON = dict(attention_k_eq_v=True, sliding_window=512, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
               layer_types=["sliding_attention"] * 5 + ["full_attention"])
 
+LOSS_CHUNK_MIB = 64  # kLossChunkBytes in src/model/gemma4.h: the loss's one [chunk, V] float32 buffer
+
 TORCH_STEP = r"""
 import resource, sys, time, torch
 from transformers import Gemma4ForCausalLM
@@ -66,7 +69,8 @@ def run_ringflex(ringflex, ckpt, batch, out, threads):
                            "--grad", "--no-logits"], capture_output=True, text=True, env=env, check=True)
     step = float(re.search(r"forward\+backward ([0-9.]+) s", proc.stdout).group(1))
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
-    return step, rss
+    kept = re.search(r"kept for the backward ([0-9.]+) MiB, one layer's recomputed ([0-9.]+) MiB", proc.stdout)
+    return step, rss, (float(kept.group(1)), float(kept.group(2)))
 
 
 def run_torch(ckpt, impl, threads, S):
@@ -107,11 +111,14 @@ def main():
           f"reps = {a.reps}")
     print("| implementation | fwd+bwd step (median s) | tokens/s | peak RSS (GiB) | tokens/s vs torch eager |")
     print("|---|---|---|---|---|")
-    base = S / statistics.median(s for s, _ in results["torch eager"])
+    base = S / statistics.median(r[0] for r in results["torch eager"])
     for name, runs in results.items():
-        step = statistics.median(s for s, _ in runs)
-        rss = statistics.median(r for _, r in runs) / 2**20
+        step = statistics.median(r[0] for r in runs)
+        rss = statistics.median(r[1] for r in runs) / 2**20
         print(f"| {name} | {step:.3f} | {S / step:.0f} | {rss:.2f} | {S / step / base:.2f}x |")
+    kept, layer = results["ringflex"][0][2]
+    print(f"ringflex training memory: activations kept for the backward {kept:.1f} MiB, one layer's recomputed "
+          f"activations {layer:.1f} MiB, loss chunk at most {LOSS_CHUNK_MIB} MiB")
 
 
 if __name__ == "__main__":

@@ -102,6 +102,11 @@ int run_forward(const ForwardOptions& opt) {
       w.add("grad.image_features", io::StDType::F32, {n_features, F}, std::span<const float>(r.d_image_features));
   }
   w.write(opt.out);
+  if (opt.grad) {
+    constexpr double kMiB = 1 << 20;
+    std::printf("ringflex forward: activations kept for the backward %.1f MiB, one layer's recomputed %.1f MiB\n",
+                static_cast<double>(r.kept_activation_bytes) / kMiB, static_cast<double>(r.layer_recompute_bytes) / kMiB);
+  }
   std::printf("ringflex forward: wrote %s (B=%lld S=%lld, %lld label tokens, loss %.6f, %s %.3f s)\n",
               opt.out.c_str(), static_cast<long long>(B), static_cast<long long>(S),
               static_cast<long long>(r.label_tokens), r.loss, opt.grad ? "forward+backward" : "forward", seconds);

@@ -61,8 +61,7 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
   const auto k_cols = uninitialized<Dot<kT>>(kv_tiles * dr * kTileK);  // [B, Hkv, nkt, dr, kTileK]
   const auto v_cols = uninitialized<Dot<kT>>(kv_tiles * dr * kTileK);  // [B, Hkv, nkt, dr, kTileK]
   const auto k_rows = uninitialized<float>(kv_tiles * kTileK * ld);    // [B, Hkv, nkt, kTileK, ld]
-  pack_key_tiles<kT>(c.k, s, Dp, needed, k_cols.get(), k_rows.get());
-  pack_key_tiles<kT>(c.v, s, Dp, needed, v_cols.get(), nullptr);
+  pack_key_tiles<kT>(c.k, c.v, s, Dp, needed, {.k_cols = k_cols.get(), .k_rows = k_rows.get(), .v_cols = v_cols.get()});
 
   // ---- pass 1: dK, dV per key tile ----
   const int64_t items1 = int64_t{s.B} * s.Hkv * nkt;

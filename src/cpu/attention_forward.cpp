@@ -43,8 +43,7 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
   const size_t kv_tiles = static_cast<size_t>(s.B) * s.Hkv * nkt;
   const auto k_cols = uninitialized<Dot<kT>>(kv_tiles * dr * kTileK);  // K^T tiles: [B, Hkv, nkt, dr, kTileK]
   const auto v_rows = uninitialized<float>(kv_tiles * kTileK * ld);    // V tiles: [B, Hkv, nkt, kTileK, ld]
-  pack_key_tiles<kT>(c.k, s, Dp, needed, k_cols.get(), nullptr);
-  pack_key_tiles<kT>(c.v, s, Dp, needed, nullptr, v_rows.get());
+  pack_key_tiles<kT>(c.k, c.v, s, Dp, needed, {.k_cols = k_cols.get(), .v_rows = v_rows.get()});
 
 #pragma omp parallel
   {

@@ -194,14 +194,22 @@ inline std::vector<uint8_t> needed_key_tiles(const LayerMask& mask, const std::v
   return needed;
 }
 
-// Every needed tile of a K or V chunk, packed once before the tile loops (parallel over tiles) instead of once
-// per work item: the transposes and bf16 widening then cost O(Lk·D) per call, not per query tile.
-// src: [B, Hkv, Lk, D] in kT. Tile t = (b·Hkv + g)·nkt + kt. cols (if not null): [tiles, dot_row(Dp), kTileK];
-// rows (if not null): [tiles, kTileK, row_stride(Dp)] float32, zero padded.
+// Every needed tile of the K and V chunks, packed once before the tile loops (one parallel loop over tiles, so one
+// fork/join) instead of once per work item: the transposes and bf16 widening then cost O(Lk·D) per call, not per
+// query tile. k, v: [B, Hkv, Lk, D] in kT. Tile t = (b·Hkv + g)·nkt + kt. Each output may be null:
+// *_cols: [tiles, dot_row(Dp), kTileK] (abt's transposed operand); *_rows: [tiles, kTileK, row_stride(Dp)] float32.
 template <DType kT>
-void pack_key_tiles(const void* src, const AttnShape& s, int Dp, const std::vector<uint8_t>& needed, Dot<kT>* cols,
-                    float* rows) {
-  const int nkt = ceil_div(s.Lk, kTileK);
+struct KeyTiles {
+  Dot<kT>* k_cols = nullptr;
+  float* k_rows = nullptr;
+  Dot<kT>* v_cols = nullptr;
+  float* v_rows = nullptr;
+};
+
+template <DType kT>
+void pack_key_tiles(const void* k, const void* v, const AttnShape& s, int Dp, const std::vector<uint8_t>& needed,
+                    const KeyTiles<kT>& out) {
+  const int nkt = ceil_div(s.Lk, kTileK), ld = row_stride(Dp);
   const int64_t tiles = int64_t{s.B} * s.Hkv * nkt;
   const size_t esz = dtype_size(kT);
 #pragma omp parallel for schedule(static)
@@ -209,14 +217,18 @@ void pack_key_tiles(const void* src, const AttnShape& s, int Dp, const std::vect
     const int kt = static_cast<int>(t % nkt), b = static_cast<int>(t / nkt / s.Hkv);
     if (!needed[static_cast<size_t>(b) * nkt + kt]) continue;
     const int k0 = kt * kTileK, nk = std::min(kTileK, s.Lk - k0);
-    const char* tile = static_cast<const char*>(src) + ((t / nkt) * s.Lk + k0) * s.D * esz;
-    if (cols) pack_cols_dot<kT>(tile, nk, s.D, Dp, cols + t * dot_row<kT>(Dp) * kTileK);
-    if (rows) {
-      const int ld = row_stride(Dp);
-      float* r = rows + t * kTileK * ld;
-      pack_rows_f32<kT>(tile, nk, s.D, Dp, ld, r);
-      std::fill(r + int64_t{nk} * ld, r + int64_t{kTileK} * ld, 0.f);
-    }
+    const int64_t offset = ((t / nkt) * s.Lk + k0) * s.D * esz;
+    auto pack = [&](const void* src, Dot<kT>* cols, float* rows) {
+      const char* tile = static_cast<const char*>(src) + offset;
+      if (cols) pack_cols_dot<kT>(tile, nk, s.D, Dp, cols + t * dot_row<kT>(Dp) * kTileK);
+      if (rows) {
+        float* r = rows + t * kTileK * ld;
+        pack_rows_f32<kT>(tile, nk, s.D, Dp, ld, r);
+        std::fill(r + int64_t{nk} * ld, r + int64_t{kTileK} * ld, 0.f);
+      }
+    };
+    pack(k, out.k_cols, out.k_rows);
+    pack(v, out.v_cols, out.v_rows);
   }
 }
 
