@@ -20,6 +20,7 @@
 #include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "core/row_meta.h"
+#include "cp/balance.h"
 #include "cp/cp_attention.h"
 #include "cp/shard.h"
 #include "reference/attention_ref.h"
@@ -27,14 +28,15 @@
 namespace {
 
 constexpr uint64_t kSeed = 2026;
-constexpr int kValidateS = 192;          // small enough for the scalar reference, spans several 64-token tiles
-constexpr double kValidateTol = 2e-3;    // sanity bound (float32 kernels vs double); tests hold the exact bound
+constexpr int kValidateS = 192;        // small enough for the scalar reference, spans several 64-token tiles
+constexpr double kValidateTol = 2e-3;  // sanity bound (float32 kernels vs double); tests hold the exact bound
 constexpr double kMiB = 1024.0 * 1024.0;
 
 struct Config {
   int S = 16384, D = 256, Hq = 8, Hkv = 1, window = 0, repeats = 3;
   bool causal = true, groups = false, backward = false, time = true;
-  std::string row = "onedoc", dtype = "f32", schemes = "contiguous,zigzag", algos = "ring,allgather";
+  std::string row = "onedoc", dtype = "f32", schemes = "contiguous,zigzag",
+              algos = "ring-chunks,ring,allgather";
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -61,6 +63,18 @@ std::vector<float> uniform(int64_t n, uint64_t seed) {
   return x;
 }
 
+rf::LayerMask mask_of(const Config& c) { return rf::LayerMask{c.causal, c.window, c.groups}; }
+
+// --algos names: "ring" (planned traffic, the default), "ring-chunks" (whole chunks hop rank to rank), "allgather".
+struct AlgoChoice {
+  rf::cp::Algo algo;
+  rf::cp::RingTraffic traffic;
+};
+AlgoChoice parse_choice(const std::string& name) {
+  if (name == "ring-chunks") return {rf::cp::Algo::Ring, rf::cp::RingTraffic::Chunks};
+  return {rf::cp::parse_algo(name), rf::cp::RingTraffic::Planned};
+}
+
 // One rank's shard of a generated row problem.
 struct Problem {
   rf::cp::ShardMap map;
@@ -70,11 +84,12 @@ struct Problem {
 };
 
 // full_inputs, when given, receives the whole-row q, k, v, dout in dtype (for the reference).
-Problem make_problem(const Config& c, int S, rf::cp::Scheme scheme, int P, int r,
-                     std::vector<uint8_t>* full_inputs) {
+Problem make_problem(const Config& c, int S, rf::cp::Scheme scheme, int P, int r, std::vector<uint8_t>* full_inputs) {
   Problem pb;
-  pb.map = rf::cp::make_shard_map(scheme, S, P);
   pb.full_meta = c.row == "vlm" ? rf::gemma4_vlm_row(S, kSeed) : rf::make_row_meta(S, nullptr, nullptr);
+  pb.map = scheme == rf::cp::Scheme::Balanced
+               ? rf::cp::balanced_shard(pb.full_meta.data(), 1, S, P, rf::cp::LayerMix{{mask_of(c), 1}}).map
+               : rf::cp::make_shard_map(scheme, S, P);
   pb.meta = rf::cp::shard_meta(pb.map, r, pb.full_meta.data(), 1);
   const rf::DType dt = c.dtype == "bf16" ? rf::DType::BF16 : rf::DType::F32;
   const size_t es = rf::dtype_size(dt);
@@ -95,15 +110,15 @@ Problem make_problem(const Config& c, int S, rf::cp::Scheme scheme, int P, int r
   return pb;
 }
 
-rf::LayerMask mask_of(const Config& c) { return rf::LayerMask{c.causal, c.window, c.groups}; }
-
 // Runs the configuration at kValidateS on every rank and checks rank-gathered out/lse against the reference.
-void validate(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme scheme, rf::cp::Algo algo) {
+void validate(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme scheme, AlgoChoice choice) {
   const int P = comm.size(), r = comm.rank(), S = kValidateS;
   std::vector<uint8_t> full[4];
   const Problem pb = make_problem(c, S, scheme, P, r, full);
-  rf::cp::CpParams p{mask_of(c), 0.f, algo, scheme};
-  std::vector<float> o(static_cast<size_t>(pb.shard.shape.q_elems())), lse(static_cast<size_t>(pb.shard.shape.lse_elems()));
+  rf::cp::CpParams p{mask_of(c), 0.f, choice.algo, scheme};
+  p.traffic = choice.traffic;
+  std::vector<float> o(static_cast<size_t>(pb.shard.shape.q_elems())),
+      lse(static_cast<size_t>(pb.shard.shape.lse_elems()));
   rf::cp::cp_attention_forward(comm, pb.shard, p, o.data(), lse.data());
   std::vector<float> all_o(o.size() * P), all_lse(lse.size() * P), row_o(static_cast<size_t>(c.Hq) * S * c.D),
       row_lse(static_cast<size_t>(c.Hq) * S);
@@ -114,29 +129,38 @@ void validate(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme sche
     rf::cp::unshard_tensor(pb.map, j, all_lse.data() + j * lse.size(), row_lse.data(), 1, c.Hq, 1, sizeof(float));
   }
   if (r != 0) return;
-  const rf::AttnChunk chunk{rf::AttnShape{1, c.Hq, c.Hkv, S, S, c.D}, pb.shard.dtype, full[0].data(), full[1].data(),
-                            full[2].data(), pb.full_meta.data(), pb.full_meta.data(), mask_of(c),
+  const rf::AttnChunk chunk{rf::AttnShape{1, c.Hq, c.Hkv, S, S, c.D},
+                            pb.shard.dtype,
+                            full[0].data(),
+                            full[1].data(),
+                            full[2].data(),
+                            pb.full_meta.data(),
+                            pb.full_meta.data(),
+                            mask_of(c),
                             rf::default_scale(c.D)};
   const rf::RefForward ref = rf::reference_forward(chunk);
   double err = 0;
   for (size_t i = 0; i < row_o.size(); ++i) err = std::max(err, std::fabs(row_o[i] - ref.o[i]));
   for (size_t i = 0; i < row_lse.size(); ++i)
     if (std::isfinite(ref.lse[i])) err = std::max(err, std::fabs(row_lse[i] - ref.lse[i]));
-  RF_CHECK(err <= kValidateTol, "validation failed for ", rf::cp::scheme_name(scheme), "/", rf::cp::algo_name(algo),
+  RF_CHECK(err <= kValidateTol, "validation failed for ", rf::cp::scheme_name(scheme), "/", rf::cp::algo_name(choice.algo),
            ": max error ", err);
 }
 
 struct Figures {
-  double peak_mib = 0, sent_mib = 0, work_imbalance = 0, work_max = 0, wall = 0, compute = 0, exposed = 0;
+  double peak_mib = 0, sent_mib = 0, sent_mean_mib = 0, work_imbalance = 0, work_max = 0, wall = 0, compute = 0,
+         exposed = 0;
 };
 
 // Timed runs; per repeat the figures are maxima over ranks, then medians over repeats.
-Figures measure(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme scheme, rf::cp::Algo algo) {
+Figures measure(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme scheme, AlgoChoice choice) {
   const int P = comm.size();
   Problem pb = make_problem(c, c.S, scheme, P, comm.rank(), nullptr);
   rf::cp::CpStats st;
-  rf::cp::CpParams p{mask_of(c), 0.f, algo, scheme, rf::comm::kDefaultTimeout, &st};
-  std::vector<float> o(static_cast<size_t>(pb.shard.shape.q_elems())), lse(static_cast<size_t>(pb.shard.shape.lse_elems()));
+  rf::cp::CpParams p{mask_of(c), 0.f, choice.algo, scheme, rf::comm::kDefaultTimeout, &st};
+  p.traffic = choice.traffic;
+  std::vector<float> o(static_cast<size_t>(pb.shard.shape.q_elems())),
+      lse(static_cast<size_t>(pb.shard.shape.lse_elems()));
   std::vector<float> dq(o.size()), dk(static_cast<size_t>(pb.shard.shape.kv_elems())), dv(dk.size());
   std::vector<double> walls, computes, exposeds;
   Figures f;
@@ -154,11 +178,12 @@ Figures measure(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme sc
                             static_cast<double>(st.work), st.wall_seconds, st.compute_seconds};
     std::vector<double> all(5 * static_cast<size_t>(P));
     comm.allgather(mine, all.data(), sizeof mine, rf::comm::kDefaultTimeout);
-    double peak = 0, sent = 0, wmax = 0, wsum = 0, wall = 0, comp = 0, exposed = 0;
+    double peak = 0, sent = 0, sent_sum = 0, wmax = 0, wsum = 0, wall = 0, comp = 0, exposed = 0;
     for (int j = 0; j < P; ++j) {
       const double* a = all.data() + 5 * j;
       peak = std::max(peak, a[0]);
       sent = std::max(sent, a[1]);
+      sent_sum += a[1];
       wmax = std::max(wmax, a[2]);
       wsum += a[2];
       wall = std::max(wall, a[3]);
@@ -167,6 +192,7 @@ Figures measure(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme sc
     }
     f.peak_mib = peak / kMiB;
     f.sent_mib = sent / kMiB;
+    f.sent_mean_mib = sent_sum / P / kMiB;
     f.work_max = wmax;
     f.work_imbalance = wsum > 0 ? wmax / (wsum / P) : 1.0;
     walls.push_back(wall);
@@ -179,13 +205,16 @@ Figures measure(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme sc
   return f;
 }
 
-// The seed's collect-all-then-compute: every chunk (K, V, metadata) held at once, plus merged o/lse and a partial.
-double collect_all_mib(const Config& c, int P) {
+// Per-rank sizes from the shapes: one K/V chunk (K, V, metadata) and the forward's float32 o + lse.
+struct Sizes {
+  double chunk = 0, out = 0, group_partial = 0;
+};
+Sizes sizes_of(const Config& c, int P) {
   const rf::cp::ShardMap m = rf::cp::make_shard_map(rf::cp::Scheme::Contiguous, c.S, P);
-  const double es = c.dtype == "bf16" ? 2 : 4;
-  const double chunk = 2.0 * c.Hkv * m.L * c.D * es + m.L * sizeof(rf::TokenMeta);
-  const double acc = 2.0 * (double{1} * c.Hq * m.L * c.D + c.Hq * m.L) * sizeof(float);
-  return (P * chunk + acc) / kMiB;
+  const double es = c.dtype == "bf16" ? 2 : 4, f = sizeof(float);
+  const double G = static_cast<double>(c.Hq) / c.Hkv;
+  return {2.0 * c.Hkv * m.L * c.D * es + m.L * sizeof(rf::TokenMeta), (double{1} * c.Hq * m.L * c.D + c.Hq * m.L) * f,
+          (G * m.L * c.D + G * m.L) * f};
 }
 
 }  // namespace
@@ -198,15 +227,17 @@ int main(int argc, char** argv) {
   app.add_option("--Hq", c.Hq, "query heads");
   app.add_option("--Hkv", c.Hkv, "key/value heads");
   app.add_option("--window", c.window, "sliding window (0 = none)");
-  app.add_flag("--no-causal", [&](int64_t) { c.causal = false; }, "bidirectional mask");
+  app.add_flag(
+      "--no-causal", [&](int64_t) { c.causal = false; }, "bidirectional mask");
   app.add_flag("--groups", c.groups, "bidirectional image groups");
   app.add_option("--row", c.row, "onedoc | vlm (Gemma 4 VLM-like packed row)");
   app.add_option("--dtype", c.dtype, "f32 | bf16");
-  app.add_option("--schemes", c.schemes, "comma-separated shard schemes");
-  app.add_option("--algos", c.algos, "comma-separated algorithms");
+  app.add_option("--schemes", c.schemes, "comma-separated shard schemes (contiguous, zigzag, balanced)");
+  app.add_option("--algos", c.algos, "comma-separated: ring (planned traffic), ring-chunks, allgather");
   app.add_option("--repeats", c.repeats, "timed repeats (median reported)");
   app.add_flag("--backward", c.backward, "measure the backward (after an unmeasured forward)");
-  app.add_flag("--no-time", [&](int64_t) { c.time = false; }, "one run: bytes and work only");
+  app.add_flag(
+      "--no-time", [&](int64_t) { c.time = false; }, "one run: bytes and work only");
   CLI11_PARSE(app, argc, argv);
 
   MPI_Init(&argc, &argv);
@@ -216,27 +247,35 @@ int main(int argc, char** argv) {
     const int P = comm->size();
     try {
       if (comm->rank() == 0) {
-        std::printf("%s: P=%d S=%d D=%d Hq=%d Hkv=%d %s causal=%d W=%d groups=%d row=%s; collect-all-then-compute "
-                    "forward peak: %.2f MiB/rank\n\n",
-                    c.backward ? "backward" : "forward", P, c.S, c.D, c.Hq, c.Hkv, c.dtype.c_str(), c.causal, c.window,
-                    c.groups, c.row.c_str(), collect_all_mib(c, P));
-        std::printf("| P | scheme | algo | peak attn MiB/rank | sent MiB/rank | work max (pairs) | imbalance max/mean "
-                    "| wall s | compute s | exposed s | exposed/compute |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+        // The seed's collect-all-then-compute held all P chunks, the merged o/lse and a full partial; the ring's
+        // bound is three chunks, o/lse and one kv-head group's partial.
+        const Sizes z = sizes_of(c, P);
+        std::printf(
+            "%s: P=%d S=%d D=%d Hq=%d Hkv=%d %s causal=%d W=%d groups=%d row=%s\n"
+            "per rank: K/V chunk %.2f MiB, o+lse %.2f MiB; forward peak bounds: ring (3 chunks + o/lse + "
+            "group partial) %.2f MiB, collect-all-then-compute (P chunks + o/lse + partial) %.2f MiB\n\n",
+            c.backward ? "backward" : "forward", P, c.S, c.D, c.Hq, c.Hkv, c.dtype.c_str(), c.causal, c.window,
+            c.groups, c.row.c_str(), z.chunk / kMiB, z.out / kMiB, (3 * z.chunk + z.out + z.group_partial) / kMiB,
+            (P * z.chunk + 2 * z.out) / kMiB);
+        std::printf(
+            "| P | scheme | algo | peak attn MiB/rank | sent MiB/rank max / mean | work max (pairs) | imbalance "
+            "max/mean | wall s | compute s | exposed s | exposed/compute |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n");
       }
       for (const std::string& sn : split(c.schemes))
         for (const std::string& an : split(c.algos)) {
           const rf::cp::Scheme scheme = rf::cp::parse_scheme(sn);
-          const rf::cp::Algo algo = rf::cp::parse_algo(an);
+          const AlgoChoice algo = parse_choice(an);
           validate(*comm, c, scheme, algo);
           const Figures f = measure(*comm, c, scheme, algo);
           if (comm->rank() != 0) continue;
           if (c.time)
-            std::printf("| %d | %s | %s | %.2f | %.2f | %.0f | %.3f | %.3f | %.3f | %.3f | %.1f%% |\n", P, sn.c_str(),
-                        an.c_str(), f.peak_mib, f.sent_mib, f.work_max, f.work_imbalance, f.wall, f.compute, f.exposed,
-                        100 * f.exposed / f.compute);
+            std::printf("| %d | %s | %s | %.2f | %.2f / %.2f | %.0f | %.3f | %.3f | %.3f | %.3f | %.1f%% |\n", P,
+                        sn.c_str(), an.c_str(), f.peak_mib, f.sent_mib, f.sent_mean_mib, f.work_max, f.work_imbalance,
+                        f.wall, f.compute, f.exposed, 100 * f.exposed / f.compute);
           else
-            std::printf("| %d | %s | %s | %.2f | %.2f | %.0f | %.3f | - | - | - | - |\n", P, sn.c_str(), an.c_str(),
-                        f.peak_mib, f.sent_mib, f.work_max, f.work_imbalance);
+            std::printf("| %d | %s | %s | %.2f | %.2f / %.2f | %.0f | %.3f | - | - | - | - |\n", P, sn.c_str(),
+                        an.c_str(), f.peak_mib, f.sent_mib, f.sent_mean_mib, f.work_max, f.work_imbalance);
           std::fflush(stdout);
         }
     } catch (const rf::Error& e) {

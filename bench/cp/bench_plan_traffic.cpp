@@ -4,7 +4,7 @@
 //   bench_plan_traffic            prints two markdown tables:
 //   1. K/V bytes received per rank per layer (max over ranks) for a sliding and a full layer, planned vs a full
 //      ring vs all-gather, W in {512, 1024}, S in {8K, 32K}, P in {2, 4, 8}, on a one-document causal row with
-//      contiguous shards (the halo case) and on Gemma 4 VLM rows with balanced shards;
+//      contiguous shards (the halo case) and on a Gemma 4 VLM row with contiguous and with balanced shards;
 //   2. max/mean work of contiguous, zigzag and balanced sharding for plain causal rows and Gemma 4 VLM rows under
 //      5 sliding (W = 1024, groups) : 1 full (groups) layers, at S = 32K, P in {2, 4, 8} (VLM: median of 5 rows).
 #include <algorithm>
@@ -43,22 +43,25 @@ Plan plan_for(const std::vector<TokenMeta>& row, const ShardMap& map, const Laye
 void traffic_table() {
   std::printf("| row, shards | W | S | P | sliding: planned MiB | bound MiB | full: planned MiB | full ring = all-gather MiB (sliding / full) | planned vs full ring (sliding) |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
-  for (const bool vlm : {false, true}) {
+  enum class Rows { CausalContiguous, VlmContiguous, VlmBalanced };
+  const char* names[] = {"causal 1 doc, contiguous", "Gemma 4 VLM, contiguous", "Gemma 4 VLM, balanced"};
+  for (const Rows rows : {Rows::CausalContiguous, Rows::VlmContiguous, Rows::VlmBalanced}) {
     for (const int W : {512, 1024}) {
       for (const int S : {8192, 32768}) {
         for (const int P : {2, 4, 8}) {
+          const bool vlm = rows != Rows::CausalContiguous;
           const std::vector<TokenMeta> row = vlm ? gemma4_vlm_row(S, 1) : make_row_meta(S, nullptr, nullptr);
           const LayerMask sliding{true, W, vlm}, full{true, 0, vlm};
           const LayerMix mix = {{sliding, 5}, {full, 1}};
-          const ShardMap map = vlm ? balanced_shard(row.data(), 1, S, P, mix).map
-                                   : make_shard_map(Scheme::Contiguous, S, P, kPlanBlock);
+          const ShardMap map = rows == Rows::VlmBalanced ? balanced_shard(row.data(), 1, S, P, mix).map
+                                                         : make_shard_map(Scheme::Contiguous, S, P, kPlanBlock);
           const Plan plan = plan_for(row, map, mix);
           const int64_t sliding_bytes = kv_bytes(max_recv(plan.for_mask(sliding)), 1, kSlidingKv);
           const int64_t full_bytes = kv_bytes(max_recv(plan.for_mask(full)), 1, kFullKv);
           const int64_t ring_tokens = int64_t{P - 1} * map.L;
           const int64_t bound = kv_bytes(W - 1 + kPlanBlock, 1, kSlidingKv);
           std::printf("| %s | %d | %dK | %d | %.2f | %.2f | %.2f | %.1f / %.1f | %.1fx less |\n",
-                      vlm ? "Gemma 4 VLM, balanced" : "causal 1 doc, contiguous", W, S / 1024, P, mib(sliding_bytes),
+                      names[static_cast<int>(rows)], W, S / 1024, P, mib(sliding_bytes),
                       mib(bound), mib(full_bytes), mib(kv_bytes(ring_tokens, 1, kSlidingKv)),
                       mib(kv_bytes(ring_tokens, 1, kFullKv)),
                       static_cast<double>(kv_bytes(ring_tokens, 1, kSlidingKv)) / std::max<int64_t>(1, sliding_bytes));

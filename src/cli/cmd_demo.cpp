@@ -53,6 +53,7 @@ struct DemoOptions {
   int check_rows = 6;
   int threads = 0;
   uint64_t seed = 1;
+  CpOptions cp;  // how the row is split under mpirun; nothing changes at P = 1
 };
 
 struct DemoLayer {
@@ -213,7 +214,7 @@ int run_demo(const DemoOptions& o, comm::Communicator& world) {
   std::vector<CheckResult> checks;
   for (const DemoLayer& layer : layers) {
     const AttnJob job = make_job(o, layer, meta, o.seed * 100 + checks.size() * 10);
-    const AttnResult r = run_attention(job, CpOptions{}, world);
+    const AttnResult r = run_attention(job, o.cp, world);
     CheckResult c;
     agree(world, [&] {
       if (!rank0) return;
@@ -262,6 +263,9 @@ void add_demo_command(CLI::App& app, Runner& run) {
   cmd->add_option("--check-rows", o->check_rows, "Query rows checked against the reference")->check(CLI::Range(1, 4096));
   cmd->add_option("--threads", o->threads, "Threads per rank (default: every core)")->check(CLI::Range(1, 1024));
   cmd->add_option("--seed", o->seed, "Seed of the row and the tensors");
+  cmd->add_option("--shard", o->cp.shard, "Sharding scheme under mpirun (default: the best one)")
+      ->check(CLI::IsMember({"contiguous", "zigzag", "balanced"}));
+  cmd->add_option("--algo", o->cp.algo, "CP algorithm under mpirun")->check(CLI::IsMember({"ring", "allgather"}));
   cmd->callback([&run, o] {
     run = [o] {
       const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();

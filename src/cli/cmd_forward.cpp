@@ -8,6 +8,7 @@
 // row-major order; F = hidden size, or the width of the checkpoint's vision projection).
 // Output: loss (scalar, mean over label tokens), token_loss [B, S], logits [B, S, V] unless --no-logits, and
 // with --grad every parameter gradient as grad.<HF name> (plus grad.image_features when features are given).
+#include <chrono>
 #include <cstdio>
 #include <limits>
 #include <memory>
@@ -83,7 +84,9 @@ int run_forward(const ForwardOptions& opt) {
   RF_CHECK(!opt.grad || b.labels != nullptr, opt.in, ": --grad needs a `labels` tensor");
   model::TensorSet grads;
   if (opt.grad) grads = m.params().zeros_like();
+  const auto start = std::chrono::steady_clock::now();
   const model::Result r = m.run(b, ro, opt.grad ? &grads : nullptr);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   io::SafetensorsWriter w;
   const float loss = static_cast<float>(r.loss);
@@ -99,8 +102,14 @@ int run_forward(const ForwardOptions& opt) {
       w.add("grad.image_features", io::StDType::F32, {n_features, F}, std::span<const float>(r.d_image_features));
   }
   w.write(opt.out);
-  std::printf("ringflex forward: wrote %s (B=%lld S=%lld, %lld label tokens, loss %.6f)\n", opt.out.c_str(),
-              static_cast<long long>(B), static_cast<long long>(S), static_cast<long long>(r.label_tokens), r.loss);
+  if (opt.grad) {
+    constexpr double kMiB = 1 << 20;
+    std::printf("ringflex forward: activations kept for the backward %.1f MiB, one layer's recomputed %.1f MiB\n",
+                static_cast<double>(r.kept_activation_bytes) / kMiB, static_cast<double>(r.layer_recompute_bytes) / kMiB);
+  }
+  std::printf("ringflex forward: wrote %s (B=%lld S=%lld, %lld label tokens, loss %.6f, %s %.3f s)\n",
+              opt.out.c_str(), static_cast<long long>(B), static_cast<long long>(S),
+              static_cast<long long>(r.label_tokens), r.loss, opt.grad ? "forward+backward" : "forward", seconds);
   return 0;
 }
 

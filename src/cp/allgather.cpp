@@ -53,8 +53,8 @@ AttnChunk gathered_chunk(const CpShard& x, const Gathered& g, int P, const Layer
 
 }  // namespace
 
-void allgather_forward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, float* o,
-                       float* lse, Ledger& ledger) {
+void allgather_forward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, float* o, float* lse,
+                       Ledger& ledger) {
   const Gathered g = gather(comm, x, p.timeout, ledger);
   ledger.hold((x.shape.q_elems() + x.shape.lse_elems()) * static_cast<int64_t>(sizeof(float)));
   const AttnChunk c = gathered_chunk(x, g, comm.size(), p.mask, scale);
@@ -111,7 +111,8 @@ void allgather_backward(comm::Communicator& comm, const CpShard& x, const CpPara
   std::fill(dv, dv + BH * slice, 0.f);
   for (int j = 0; j < P; ++j)
     for (int64_t bh = 0; bh < BH; ++bh) {
-      const float* src_k = j == r ? slice_at(dk_all, bh, r) : received.data() + (static_cast<size_t>(j) * 2 * BH + bh) * slice;
+      const float* src_k =
+          j == r ? slice_at(dk_all, bh, r) : received.data() + (static_cast<size_t>(j) * 2 * BH + bh) * slice;
       const float* src_v =
           j == r ? slice_at(dv_all, bh, r) : received.data() + (static_cast<size_t>(j) * 2 * BH + BH + bh) * slice;
       for (size_t i = 0; i < slice; ++i) dk[bh * slice + i] += src_k[i];

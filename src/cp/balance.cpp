@@ -225,4 +225,10 @@ BalancedShard balanced_shard(const TokenMeta* rows, int B, int S, int P, const L
   return out;
 }
 
+ShardMap shard_map_for(const std::string& scheme, const TokenMeta* rows, int B, int S, int P, const LayerMix& mix,
+                       int multiple) {
+  if (scheme == "auto" || scheme == "balanced") return balanced_shard_map(rows, B, S, P, mix);
+  return make_shard_map(parse_scheme(scheme), S, P, multiple);
+}
+
 }  // namespace rf::cp

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/mask.h"
@@ -51,5 +52,18 @@ struct BalancedShard {
 // rows: [B, S]. L = ceil(S / P) rounded up to a multiple of `block`; the row is padded to P * L.
 BalancedShard balanced_shard(const TokenMeta* rows, int B, int S, int P, const LayerMix& mix,
                              int block = kPlanBlock);
+
+// The map of a scheme named on a command line: contiguous | zigzag (make_shard_map, L a multiple of `multiple`)
+// | balanced | auto. auto is balanced: on the mix's predicted work it is never worse than contiguous or zigzag
+// laid out on the same blocks (both lie in its search), and it stays contiguous where that is balanced already.
+// rows: [B, S].
+ShardMap shard_map_for(const std::string& scheme, const TokenMeta* rows, int B, int S, int P, const LayerMix& mix,
+                       int multiple = 1);
+
+// The map alone (what make_shard_map gives for the other schemes).
+inline ShardMap balanced_shard_map(const TokenMeta* rows, int B, int S, int P, const LayerMix& mix,
+                                   int block = kPlanBlock) {
+  return balanced_shard(rows, B, S, P, mix, block).map;
+}
 
 }  // namespace rf::cp

@@ -26,17 +26,17 @@ constexpr size_t kErrorChars = 240;  // one error line travels in the header; lo
 
 // Plain data only: it is allgathered as bytes.
 struct Header {
-  int32_t fields[13];
+  int32_t fields[14];
   char error[kErrorChars];
 };
 
-constexpr std::array<const char*, 13> kFieldNames = {
+constexpr std::array<const char*, 14> kFieldNames = {
     "B", "Hq", "Hkv", "L", "D", "dtype", "causal", "window", "bidirectional_groups", "scale (bits)", "scheme",
-    "algo", "pass"};
+    "algo", "pass", "ring traffic"};
 
-// Per-block summaries for planning: blocks of at least kPlanBlock tokens, and at most kMaxPlanBlocks blocks a
+// Per-block summaries for planning: blocks of at least kNeedBlock tokens, and at most kMaxPlanBlocks blocks a
 // rank so the P^2 * blocks^2 classification stays negligible next to one chunk's attention.
-constexpr int kPlanBlock = 64;
+constexpr int kNeedBlock = 64;
 constexpr int kMaxPlanBlocks = 64;
 // Block size for counting allowed pairs (the same classifier the kernels use).
 constexpr int kCountBlock = 64;
@@ -58,7 +58,7 @@ float agree_header(comm::Communicator& comm, const CpShard& x, const CpParams& p
   } catch (const Error& e) {
     std::strncpy(h.error, e.what(), kErrorChars - 1);
   }
-  const std::array<int32_t, 13> f = {x.shape.B,
+  const std::array<int32_t, 14> f = {x.shape.B,
                                      x.shape.Hq,
                                      x.shape.Hkv,
                                      x.shape.Lq,
@@ -70,7 +70,8 @@ float agree_header(comm::Communicator& comm, const CpShard& x, const CpParams& p
                                      std::bit_cast<int32_t>(scale),
                                      static_cast<int32_t>(p.scheme),
                                      static_cast<int32_t>(p.algo),
-                                     static_cast<int32_t>(pass)};
+                                     static_cast<int32_t>(pass),
+                                     static_cast<int32_t>(p.traffic)};
   std::copy(f.begin(), f.end(), h.fields);
 
   const int P = comm.size();
@@ -87,7 +88,7 @@ float agree_header(comm::Communicator& comm, const CpShard& x, const CpParams& p
 
 RingPlan plan_ring(comm::Communicator& comm, const CpShard& x, const LayerMask& mask, comm::Timeout timeout) {
   const int P = comm.size(), B = x.shape.B, L = x.shape.Lq;
-  const int block = std::max(kPlanBlock, (L + kMaxPlanBlocks - 1) / kMaxPlanBlocks);
+  const int block = std::max(kNeedBlock, (L + kMaxPlanBlocks - 1) / kMaxPlanBlocks);
   const int nblk = (L + block - 1) / block;
   // mine: [B, nblk]; all: [P, B, nblk]
   std::vector<BlockSummary> mine(static_cast<size_t>(B) * nblk), all(static_cast<size_t>(P) * B * nblk);
@@ -148,7 +149,9 @@ void cp_attention_forward(comm::Communicator& comm, const CpShard& x, const CpPa
   if (p.stats) *p.stats = CpStats{};
   detail::Ledger ledger(p.stats);
   const float scale = detail::agree_header(comm, x, p, detail::Pass::Forward, o && lse);
-  if (p.algo == Algo::Ring)
+  if (p.algo == Algo::Ring && p.traffic == RingTraffic::Planned)
+    detail::planned_ring_forward(comm, x, p, scale, o, lse, ledger);
+  else if (p.algo == Algo::Ring)
     detail::ring_forward(comm, x, p, scale, o, lse, ledger);
   else
     detail::allgather_forward(comm, x, p, scale, o, lse, ledger);
@@ -160,7 +163,9 @@ void cp_attention_backward(comm::Communicator& comm, const CpShard& x, const CpP
   if (p.stats) *p.stats = CpStats{};
   detail::Ledger ledger(p.stats);
   const float scale = detail::agree_header(comm, x, p, detail::Pass::Backward, o && lse && dout && dq && dk && dv);
-  if (p.algo == Algo::Ring)
+  if (p.algo == Algo::Ring && p.traffic == RingTraffic::Planned)
+    detail::planned_ring_backward(comm, x, p, scale, o, lse, dout, dq, dk, dv, ledger);
+  else if (p.algo == Algo::Ring)
     detail::ring_backward(comm, x, p, scale, o, lse, dout, dq, dk, dv, ledger);
   else
     detail::allgather_backward(comm, x, p, scale, o, lse, dout, dq, dk, dv, ledger);

@@ -51,6 +51,15 @@ struct CpStats {
   double wall_seconds = 0;     // the whole call, header agreement included
 };
 
+// How Algo::Ring moves keys and values.
+//   Planned  each rank receives, directly from the owner, only the token ranges of each shard its queries may
+//            read (cp/plan.h; planned_ring.cpp): halos for sliding windows, nothing for later causal shards.
+//   Chunks   whole chunks travel rank to rank as far as their last reader (ring.cpp).
+// Both give the same bits; Chunks stays to compare against.
+enum class RingTraffic { Planned, Chunks };
+
+struct Plan;  // cp/plan.h
+
 struct CpParams {
   LayerMask mask;
   float scale = 0.f;  // 0: 1/sqrt(D)
@@ -58,6 +67,10 @@ struct CpParams {
   Scheme scheme = Scheme::Contiguous;  // only agreed on, so ranks sharded with different schemes fail together
   comm::Timeout timeout = comm::kDefaultTimeout;
   CpStats* stats = nullptr;  // optional
+  RingTraffic traffic = RingTraffic::Planned;
+  // Optional: the batch's plan, built once for all of the model's layer masks (make_comm_plan) so layers that
+  // share a mask share it; it must contain `mask`. Null: the planned ring builds one for `mask` (one allgather).
+  const Plan* plan = nullptr;
 };
 
 // This rank's shard. shape.Lq == shape.Lk == L (the shard length, equal on every rank).

@@ -32,24 +32,11 @@ std::vector<BlockSummary> summarize_shard(const TokenMeta* meta, const PlanGeome
   return out;
 }
 
-std::vector<TokenMeta> gather_shard_meta(const TokenMeta* rows, int B, const ShardMap& map, int r) {
-  RF_CHECK(r >= 0 && r < map.P, "rank ", r, " is outside the shard map's ", map.P, " ranks");
-  std::vector<TokenMeta> out(static_cast<size_t>(B) * map.L);
-  for (int b = 0; b < B; ++b) {
-    for (int i = 0; i < map.L; ++i) {
-      const int32_t pos = map.positions[r][i];
-      out[static_cast<size_t>(b) * map.L + i] =
-          map.is_pad(pos) ? TokenMeta{pos, kPaddingDoc, kNoGroup} : rows[int64_t{b} * map.S + pos];
-    }
-  }
-  return out;
-}
-
 std::vector<BlockSummary> summarize_all_shards(const TokenMeta* rows, int B, const ShardMap& map, int block) {
   const PlanGeometry g{map.P, B, map.L, block};
   std::vector<BlockSummary> all;
   for (int r = 0; r < map.P; ++r) {
-    const std::vector<TokenMeta> local = gather_shard_meta(rows, B, map, r);
+    const std::vector<TokenMeta> local = shard_meta(map, r, rows, B);
     const std::vector<BlockSummary> sums = summarize_shard(local.data(), g);
     all.insert(all.end(), sums.begin(), sums.end());
   }
@@ -169,6 +156,15 @@ Plan make_plan(const PlanGeometry& g, const BlockSummary* summaries, const Layer
     plan.masks.push_back(plan_mask(g, summaries, kind));
   }
   return plan;
+}
+
+Plan make_comm_plan(comm::Communicator& comm, const TokenMeta* meta, const PlanGeometry& g, const LayerMix& mix,
+                    comm::Timeout timeout) {
+  RF_CHECK(g.P == comm.size(), "plan geometry has P = ", g.P, " for a communicator of ", comm.size(), " ranks");
+  const std::vector<BlockSummary> mine = summarize_shard(meta, g);
+  std::vector<BlockSummary> all(mine.size() * static_cast<size_t>(g.P));
+  comm.allgather(mine.data(), all.data(), mine.size() * sizeof(BlockSummary), timeout);
+  return make_plan(g, all.data(), mix);
 }
 
 }  // namespace rf::cp

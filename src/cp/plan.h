@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "core/mask.h"
 #include "cp/shard.h"
 #include "cp/work.h"
@@ -44,10 +45,6 @@ struct PlanGeometry {
 // [B, nb]. BlockSummary is plain int32 data, so the P contributions concatenated in rank order ([P, B, nb]) are
 // the receive buffer of one allgather.
 std::vector<BlockSummary> summarize_shard(const TokenMeta* meta, const PlanGeometry& g);
-
-// Metadata rank r holds under `map`: [B, L]. rows: [B, map.S]. Positions past the row (sharding padding) get
-// {position, doc 0, no group}, as SPEC §5 pads.
-std::vector<TokenMeta> gather_shard_meta(const TokenMeta* rows, int B, const ShardMap& map, int r);
 
 // Every rank's summaries at once, [P, B, nb]: what the allgather yields, for single-process callers (the CLI,
 // tests, benchmarks). rows: [B, map.S].
@@ -99,6 +96,11 @@ struct Plan {
 // summaries: [P, B, nb] (summarize_shard of every rank, in rank order). Deterministic: the same inputs give the
 // same plan on every rank.
 Plan make_plan(const PlanGeometry& g, const BlockSummary* summaries, const LayerMix& mix);
+
+// The plan as the ranks of a CP call build it: one allgather of every rank's summaries (of meta, this rank's
+// shard [B, g.L]), then make_plan on the identical [P, B, nb] buffer. Collective over `comm` (g.P = its size).
+Plan make_comm_plan(comm::Communicator& comm, const TokenMeta* meta, const PlanGeometry& g, const LayerMix& mix,
+                    comm::Timeout timeout);
 
 // Shapes of what travels: K and V of Hkv heads of D elements of elem_bytes each, per token per row.
 struct KvFormat {

@@ -295,4 +295,41 @@ std::string report_svg(const TokenMeta* rows, int S, const std::vector<ShardMap>
   return out.str();
 }
 
+std::string cp_stats_json(comm::Communicator& comm, const CpStats& fwd, const CpStats* bwd, int64_t tokens,
+                          const std::string& scheme, const std::string& algo) {
+  // Plain numbers only: the record travels as bytes in one allgather.
+  struct Record {
+    int64_t tokens, work, peak, sent, received;
+    double compute_s, wall_s;
+  };
+  const CpStats none;
+  const CpStats& b = bwd ? *bwd : none;
+  const Record mine{tokens,
+                    fwd.work,
+                    std::max(fwd.peak_attention_bytes, b.peak_attention_bytes),
+                    fwd.bytes_sent + b.bytes_sent,
+                    fwd.bytes_received + b.bytes_received,
+                    fwd.compute_seconds + b.compute_seconds,
+                    fwd.wall_seconds + b.wall_seconds};
+  std::vector<Record> all(static_cast<size_t>(comm.size()));
+  comm.allgather(&mine, all.data(), sizeof(Record), comm::kDefaultTimeout);
+
+  nlohmann::ordered_json root;
+  root["scheme"] = scheme;
+  root["algo"] = algo;
+  root["ranks"] = nlohmann::ordered_json::array();
+  for (int r = 0; r < comm.size(); ++r) {
+    const Record& x = all[r];
+    root["ranks"].push_back({{"rank", r},
+                             {"tokens", x.tokens},
+                             {"work", x.work},
+                             {"peak_attention_bytes", x.peak},
+                             {"bytes_sent", x.sent},
+                             {"bytes_received", x.received},
+                             {"compute_s", x.compute_s},
+                             {"wall_s", x.wall_s}});
+  }
+  return root.dump(2) + "\n";
+}
+
 }  // namespace rf::cp

@@ -7,7 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "core/mask.h"
+#include "cp/cp_attention.h"
 #include "cp/plan.h"
 #include "cp/shard.h"
 #include "cp/work.h"
@@ -60,5 +62,14 @@ std::string report_json(const std::vector<SchemeReport>& reports);
 // maps[i] belongs to reports[i].
 std::string report_svg(const TokenMeta* rows, int S, const std::vector<ShardMap>& maps,
                        const std::vector<SchemeReport>& reports, const LayerMix& mix, int block);
+
+// `ringflex attn --stats FILE.json`: every rank's figures of one CP forward (+ backward) call, gathered (a
+// collective; every rank gets the text):
+// {"scheme": s, "algo": a, "ranks": [{"rank", "tokens", "work", "peak_attention_bytes", "bytes_sent",
+//                                     "bytes_received", "compute_s", "wall_s"}, ...]}
+// tokens: valid tokens this rank holds; work: allowed pairs of the forward (the backward recomputes the same
+// ones); peak: the larger pass's; bytes and seconds: both passes summed. bwd may be null (forward only).
+std::string cp_stats_json(comm::Communicator& comm, const CpStats& fwd, const CpStats* bwd, int64_t tokens,
+                          const std::string& scheme, const std::string& algo);
 
 }  // namespace rf::cp

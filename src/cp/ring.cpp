@@ -34,7 +34,13 @@ struct ChunkView {
 class KvRing {
  public:
   KvRing(comm::Communicator& comm, const CpShard& x, const RingPlan& plan, comm::Timeout timeout, Ledger& ledger)
-      : comm_(comm), x_(x), plan_(plan), timeout_(timeout), ledger_(ledger), P_(comm.size()), r_(comm.rank()),
+      : comm_(comm),
+        x_(x),
+        plan_(plan),
+        timeout_(timeout),
+        ledger_(ledger),
+        P_(comm.size()),
+        r_(comm.rank()),
         kv_bytes_(static_cast<size_t>(x.shape.kv_elems()) * dtype_size(x.dtype)),
         meta_count_(static_cast<size_t>(x.shape.B) * x.shape.Lk) {
     ledger_.hold(static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)));  // the own chunk
@@ -56,9 +62,8 @@ class KvRing {
     const int next = (r_ + 1) % P_, prev = (r_ - 1 + P_) % P_;
     if (holds(s + 1)) {
       ChunkSlot& c = slot(s + 1);
-      const std::array<comm::RecvBuffer, 3> bufs{{{c.k.data(), kv_bytes_},
-                                                  {c.v.data(), kv_bytes_},
-                                                  {c.meta.data(), meta_count_ * sizeof(TokenMeta)}}};
+      const std::array<comm::RecvBuffer, 3> bufs{
+          {{c.k.data(), kv_bytes_}, {c.v.data(), kv_bytes_}, {c.meta.data(), meta_count_ * sizeof(TokenMeta)}}};
       recv_ = comm_.irecv(prev, tag(s + 1, MsgKind::KeyValue), bufs, label(s + 1));
       ledger_.received(static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)));
     }
@@ -78,9 +83,7 @@ class KvRing {
   }
 
  private:
-  std::string label(int s) const {
-    return concat("K/V of rank ", owner(s), " for ring step ", s);
-  }
+  std::string label(int s) const { return concat("K/V of rank ", owner(s), " for ring step ", s); }
 
   ChunkSlot& slot(int s) {
     ChunkSlot& c = slots_[s % 2];
@@ -230,7 +233,8 @@ void ring_backward(comm::Communicator& comm, const CpShard& x, const CpParams& p
     // step s, compute: recompute chunk j's scores from the merged LSE; dQ accumulates here, dK/dV go to j.
     if (ring.holds(s) && plan.needs(r, j)) {
       const AttnChunk c = make_chunk(x, p.mask, scale, ring.chunk(s));
-      if (ledger.counting()) ledger.add_work(count_allowed(p.mask, x.meta, c.k_meta, x.shape.B, x.shape.Lq, x.shape.Lk));
+      if (ledger.counting())
+        ledger.add_work(count_allowed(p.mask, x.meta, c.k_meta, x.shape.B, x.shape.Lq, x.shape.Lk));
       if (s == 0) {
         ledger.compute([&] { cpu::attention_backward(c, dout, lse, delta.data(), dq, dk, dv); });
       } else {

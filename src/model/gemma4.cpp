@@ -23,7 +23,7 @@ using Vec = std::vector<float>;
 Vec zeros(int64_t n) { return Vec(static_cast<size_t>(n), 0.f); }
 
 void add_into(float* y, const float* x, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];
 }
 
@@ -135,6 +135,18 @@ struct LayerActs {
   Vec ff, r_pff, x2;              // [T, H], [T], [T, H]
   // per-layer input
   Vec ple_l, gp, gm, pp, r_ppn;   // [T, P] x3, [T, H], [T]
+
+  int64_t bytes() const {
+    int64_t n = 0;
+    for (const Vec* v : {&a, &r_in, &q_raw, &q_rms, &Q, &k_raw, &k_rms, &v_raw, &v_rms, &K, &V, &O, &lse, &o_tok, &ao,
+                         &r_pa, &x1, &m_in, &r_pf, &g, &u, &hmid, &mo, &h1, &r_pf1, &rn, &r_rn, &rs, &probs, &top_wn,
+                         &top_sum, &top_w, &e_in, &r_pre2, &out2, &r_pf2, &ff, &r_pff, &x2, &ple_l, &gp, &gm, &pp,
+                         &r_ppn})
+      n += static_cast<int64_t>(v->size());
+    for (const auto* group : {&e_x, &e_gu, &e_hm, &e_eo})
+      for (const Vec& v : *group) n += static_cast<int64_t>(v.size());
+    return n * static_cast<int64_t>(sizeof(float));
+  }
 };
 
 struct Gemma4Model::Run {
@@ -245,7 +257,7 @@ void Gemma4Model::Run::embed() {
   const float scale = static_cast<float>(std::sqrt(static_cast<double>(H)));
   h0 = zeros(T * H);
   const float* E = W(m.embed_);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
     const float* e = E + int64_t{b.input_ids[t]} * H;
     for (int64_t i = 0; i < H; ++i) h0[t * H + i] = e[i] * scale;
@@ -278,7 +290,7 @@ void Gemma4Model::Run::embed() {
   rmsnorm_forward(ple_raw.data(), W(m.ple_norm_), eps, ple.data(), ple_rms.data(), T * cfg.num_layers, P);
   const float tok_scale = static_cast<float>(std::sqrt(static_cast<double>(P)));
   const float* Ep = W(m.ple_embed_);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * LP >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
     const float* e = Ep + int64_t{ple_ids[t]} * LP;
     for (int64_t i = 0; i < LP; ++i) ple[t * LP + i] = (ple[t * LP + i] + e[i] * tok_scale) * kPleCombineScale;
@@ -323,7 +335,7 @@ void Gemma4Model::Run::embed_backward(const float* dh0_in) {
   const float scale = static_cast<float>(std::sqrt(static_cast<double>(H)));
   float* gE = G(m.embed_);
   // Columns in parallel, tokens in order: each gradient element sums its tokens in one fixed order.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t i = 0; i < H; ++i) {
     for (int64_t t = 0; t < T; ++t) {
       if (feature_of[t] >= 0 || b.input_ids[t] == cfg.pad_token_id) continue;
@@ -435,7 +447,7 @@ void Gemma4Model::Run::layer_forward(int l, const float* x, float* out, LayerAct
   }
   const float* x_last = cfg.ple_dim > 0 ? x3.data() : a.x2.data();
   const float scalar = m.buffers_.data(sl.layer_scalar)[0];
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t i = 0; i < T * H; ++i) out[i] = x_last[i] * scalar;
 }
 
@@ -784,6 +796,11 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   }
   res.loss = lm_head_loss(la, lo);
   if (!opt.want_grad) return res;
+  int64_t kept = static_cast<int64_t>(r.h0.size() + r.ple.size() + r.ple_raw.size() + r.ple_rms.size());
+  for (int l = 0; l < L; ++l)
+    kept += static_cast<int64_t>(r.x_in[l].size() + r.saved_O[l].size() + r.saved_lse[l].size() + r.kv_K[l].size() +
+                                 r.kv_V[l].size());
+  res.kept_activation_bytes = kept * static_cast<int64_t>(sizeof(float));
 
   // Backward, one layer at a time: recompute the layer's activations from its kept input (attention output and
   // LSE are kept, so attention itself is not recomputed), then differentiate it.
@@ -802,6 +819,7 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
     a.O = std::move(r.saved_O[l]);
     a.lse = std::move(r.saved_lse[l]);
     r.layer_forward(l, r.x_in[l].data(), next.data(), a, true);
+    res.layer_recompute_bytes = std::max(res.layer_recompute_bytes, a.bytes());
     r.layer_backward(l, a, r.x_in[l].data(), dx.data(), dprev.data());
     std::swap(dx, dprev);
     r.x_in[l] = Vec{};

@@ -4,11 +4,13 @@
 // tests/model/parity against it. Attention runs through rf::cpu::attention_* on one AttnChunk per layer (the
 // ring's per-step call, with the whole row as the only chunk), with SPEC §3 masks built from TokenMeta.
 //
-// Activation memory (training): per layer the layer's input [T, H], its attention output [B, Hq, S, D] and
-// LSE [B, Hq, S] are kept (plus the K/V [B, Hkv, S, D] of layers that KV-shared layers read); everything
-// else of a layer (projections, norms, MLP/MoE, PLE) is recomputed from its input during the backward, one
-// layer at a time. Attention, the costly part at long S, is never recomputed. The loss keeps at most one chunk
-// of logits (see loss.h).
+// Activation memory (training), T = B*S: per layer the layer's input [T, H], its attention output
+// [B, Hq, S, D] and LSE [B, Hq, S] are kept, i.e. 4 * T * (H + Hq*D + Hq) bytes a layer (plus the K/V
+// [B, Hkv, S, D] of layers that KV-shared layers read, and the per-layer inputs [T, L*P]). Everything else of a
+// layer (projections, norms, MLP/MoE, PLE) is recomputed from its input during the backward, one layer at a
+// time, so only one layer's intermediates (~4 * T * (6H + 3I + 3*Hq*D) bytes for a dense layer) are alive at
+// once. Attention, the costly part at long S, is never recomputed. The loss keeps at most one chunk of logits
+// (loss.h). Result reports both figures as measured.
 #pragma once
 
 #include <cstdint>
@@ -46,7 +48,12 @@ struct Result {
   int64_t label_tokens = 0;
   std::vector<float> token_loss;       // [B, S], 0 where ignored
   std::vector<float> logits;           // [B, S, V] when asked for
-  std::vector<float> d_image_features; // [N, F] with gradients and image features
+  std::vector<float> d_image_features; // [N, F] d loss / d image_features (training with image features)
+  // Training memory, measured: activations kept from the forward for the backward (layer inputs, attention
+  // outputs and LSE, shared K/V, the embedded row and per-layer inputs), and the largest set of one layer's
+  // recomputed activations alive during the backward.
+  int64_t kept_activation_bytes = 0;
+  int64_t layer_recompute_bytes = 0;
 };
 
 // Slots (in Gemma4Model::params()) of one decoder layer's parameters; kNoSlot where the layer has none.
@@ -66,7 +73,8 @@ struct LayerSlots {
 
 class Gemma4Model {
  public:
-  // Registers every parameter (zero) in the Hugging Face layout of Gemma4ForCausalLM ("model.layers.0...").
+  // Registers every parameter in the Hugging Face layout of Gemma4ForCausalLM ("model.layers.0..."): weights 0,
+  // norm and router scales 1 (transformers' initial values), to be overwritten by a checkpoint or init_random.
   // vision_feature_dim > 0 adds the trainable projection of image features, Gemma4MultimodalEmbedder's
   // "model.embed_vision.embedding_projection.weight" [H, F] after a scale-free RMSNorm; 0: features arrive in
   // the hidden size and are placed as they are.

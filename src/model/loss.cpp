@@ -35,7 +35,7 @@ double lm_head_loss(const LmHeadLossArgs& a, const LmHeadLossOut& out) {
     const float* x = a.x + t0 * a.H;
     linear_forward(x, a.W, z.data(), n, a.H, a.V);
     bool any_label = false;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * a.V >= kParallelMinElements)
     for (int64_t i = 0; i < n; ++i) {
       float* cr = z.data() + i * a.V;
       float mx = -std::numeric_limits<float>::infinity();

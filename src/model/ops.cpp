@@ -12,9 +12,10 @@ namespace rf::model {
 
 namespace {
 
-// Rows of C per sgemm call. Fixed (not derived from the thread count) so every element of C is produced by the
-// same call shape whatever the number of threads: the bits do not depend on OMP_NUM_THREADS.
-constexpr int64_t kGemmRowBlock = 128;
+// C is split into one block of rows (or columns) per thread, a multiple of this many. The split never cuts the
+// K dimension: every element's reduction over K runs inside one sgemm call in the same order whichever rows or
+// columns share the call, so the bits do not depend on the thread count (tests/model checks 1 against 2).
+constexpr int64_t kGemmQuantum = 16;
 // Tokens per partial sum in reductions over tokens (RMSNorm weight gradients), summed in block order.
 constexpr int64_t kReduceBlock = 64;
 
@@ -34,21 +35,32 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
           const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   single_threaded_blas();
-  const int64_t blocks = (M + kGemmRowBlock - 1) / kGemmRowBlock;
+  // Split the larger side of C: each call packs its share of that side's operand and the whole of the other, so
+  // the big operand (a weight matrix, or the vocabulary-sized head) is packed once in total, not once a thread.
+  const bool split_rows = M >= N;
+  const int64_t extent = split_rows ? M : N;
+  const int64_t threads = M * N * K >= kParallelMinMultiplyAdds ? omp_get_max_threads() : 1;
+  const int64_t share = std::max(kGemmQuantum, ((extent + threads - 1) / threads + kGemmQuantum - 1) / kGemmQuantum *
+                                                   kGemmQuantum);
+  const int64_t blocks = (extent + share - 1) / share;
 #pragma omp parallel for schedule(static) if (blocks > 1)
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t m0 = blk * kGemmRowBlock;
-    const int64_t m = std::min(kGemmRowBlock, M - m0);
-    // Row m0 of op(A): row m0 of A, or column m0 of A when transposed.
-    const float* a = trans_a ? A + m0 : A + m0 * lda;
+    const int64_t o = blk * share;
+    const int64_t n_part = std::min(share, extent - o);
+    const int64_t m = split_rows ? n_part : M;
+    const int64_t n = split_rows ? N : n_part;
+    // Row o of op(A) is row o of A, or column o when transposed; column o of op(B) is column o of B, or row o.
+    const float* a = split_rows ? (trans_a ? A + o : A + o * lda) : A;
+    const float* b = split_rows ? B : (trans_b ? B + o * ldb : B + o);
+    float* c = split_rows ? C + o * ldc : C + o;
     if (K == 0) {
       for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < N; ++j) C[(m0 + i) * ldc + j] *= beta;
+        for (int64_t j = 0; j < n; ++j) c[i * ldc + j] *= beta;
       continue;
     }
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-                static_cast<int>(m), static_cast<int>(N), static_cast<int>(K), alpha, a, static_cast<int>(lda), B,
-                static_cast<int>(ldb), beta, C + m0 * ldc, static_cast<int>(ldc));
+                static_cast<int>(m), static_cast<int>(n), static_cast<int>(K), alpha, a, static_cast<int>(lda), b,
+                static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
   }
 }
 
@@ -63,7 +75,7 @@ void linear_backward(const float* x, const float* W, const float* dy, float* dx,
 }
 
 void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* inv_rms, int64_t R, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * n >= kParallelMinElements)
   for (int64_t r = 0; r < R; ++r) {
     const float* xr = x + r * n;
     float* yr = y + r * n;
@@ -84,7 +96,7 @@ void rmsnorm_backward(const float* x, const float* w, const float* inv_rms, cons
   // y = x * r * w with r = (mean(x^2) + eps)^-1/2, so dr/dx = -r^3 x / n and
   // dx = r * (dy*w) - x * r^3 * mean((dy*w) * x).
   if (dx) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * n >= kParallelMinElements)
     for (int64_t r = 0; r < R; ++r) {
       const float* xr = x + r * n;
       const float* gr = dy + r * n;
@@ -99,7 +111,7 @@ void rmsnorm_backward(const float* x, const float* w, const float* inv_rms, cons
   if (w && dw) {
     const int64_t blocks = (R + kReduceBlock - 1) / kReduceBlock;
     std::vector<float> partial(static_cast<size_t>(blocks * n), 0.f);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * n >= kParallelMinElements)
     for (int64_t b = 0; b < blocks; ++b) {
       float* p = partial.data() + b * n;
       for (int64_t r = b * kReduceBlock; r < std::min(R, (b + 1) * kReduceBlock); ++r) {
@@ -120,12 +132,12 @@ float gelu_tanh_grad(float x) {
 }
 
 void geglu_forward(const float* g, const float* u, float* h, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
   for (int64_t i = 0; i < n; ++i) h[i] = gelu_tanh(g[i]) * u[i];
 }
 
 void geglu_backward(const float* g, const float* u, const float* dh, float* dg, float* du, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
   for (int64_t i = 0; i < n; ++i) {
     dg[i] += dh[i] * u[i] * gelu_tanh_grad(g[i]);
     du[i] += dh[i] * gelu_tanh(g[i]);
@@ -145,7 +157,7 @@ RopeTable make_rope_table(const int32_t* positions, int64_t T, int D, bool propo
   r.D = D;
   r.cos.resize(static_cast<size_t>(T * half));
   r.sin.resize(static_cast<size_t>(T * half));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * half >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
     for (int i = 0; i < half; ++i) {
       const float angle = static_cast<float>(positions[t]) * inv_freq[i];
@@ -159,7 +171,7 @@ RopeTable make_rope_table(const int32_t* positions, int64_t T, int D, bool propo
 void rope_apply(float* x, const RopeTable& r, int64_t T, int heads, bool inverse) {
   const int D = r.D, half = D / 2;
   const float sign = inverse ? -1.f : 1.f;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * heads * D >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
     const float* c = r.cos.data() + t * half;
     const float* s = r.sin.data() + t * half;
@@ -175,7 +187,7 @@ void rope_apply(float* x, const RopeTable& r, int64_t T, int heads, bool inverse
 }
 
 void to_head_major(const float* x, float* y, int B, int S, int H, int D) {
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static) if (int64_t{B} * S * H * D >= kParallelMinElements)
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < H; ++h)
       for (int s = 0; s < S; ++s)
@@ -183,7 +195,7 @@ void to_head_major(const float* x, float* y, int B, int S, int H, int D) {
 }
 
 void to_token_major(const float* x, float* y, int B, int S, int H, int D) {
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static) if (int64_t{B} * S * H * D >= kParallelMinElements)
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < H; ++h)
       for (int s = 0; s < S; ++s)

@@ -11,9 +11,15 @@
 
 namespace rf::model {
 
+// Loops over fewer elements than this run on one thread: a parallel region's fork and barrier cost microseconds
+// on an idle machine and milliseconds on a loaded one, more than ~32K elements of simple work.
+constexpr int64_t kParallelMinElements = int64_t{1} << 15;
+// The same for sgemm, in multiply-adds.
+constexpr int64_t kParallelMinMultiplyAdds = int64_t{1} << 21;
+
 // Row-major C[M, N] = alpha * op(A) op(B) + beta * C with op = transpose when the flag is set; A is [M, K] (or
-// [K, M] transposed), B is [K, N] (or [N, K]). OpenMP splits M into fixed blocks, each a single-threaded sgemm
-// (OpenBLAS's own threading does not scale on the dev VM; see dev-machine-limits.md).
+// [K, M] transposed), B is [K, N] (or [N, K]). OpenMP splits the larger of M and N into one block per thread,
+// each a single-threaded sgemm (OpenBLAS's own threading does not scale on the dev VM; dev-machine-limits.md).
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
           const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 

@@ -74,7 +74,8 @@ inline std::vector<float> gather_rows(comm::Communicator& comm, const ShardMap& 
 
 // CP forward and backward of the case on this communicator; every rank returns the full result.
 inline Result run_cp(comm::Communicator& comm, const Case& c, const Inputs& in, Scheme scheme, Algo algo,
-                     CpStats* fwd_stats = nullptr, CpStats* bwd_stats = nullptr) {
+                     RingTraffic traffic = RingTraffic::Planned, CpStats* fwd_stats = nullptr,
+                     CpStats* bwd_stats = nullptr) {
   const int r = comm.rank();
   const ShardMap m = make_shard_map(scheme, c.S, comm.size());
   const size_t es = dtype_size(c.dtype);
@@ -88,7 +89,7 @@ inline Result run_cp(comm::Communicator& comm, const Case& c, const Inputs& in, 
   const std::vector<TokenMeta> meta = shard_meta(m, r, in.meta.data(), c.B);
 
   CpShard x{AttnShape{c.B, c.Hq, c.Hkv, L, L, c.D}, c.dtype, q.data(), k.data(), v.data(), meta.data()};
-  CpParams p{c.mask, c.scale, algo, scheme, kCaseTimeout, fwd_stats};
+  CpParams p{c.mask, c.scale, algo, scheme, kCaseTimeout, fwd_stats, traffic};
   std::vector<float> o(static_cast<size_t>(x.shape.q_elems())), lse(static_cast<size_t>(x.shape.lse_elems()));
   std::vector<float> dq(o.size()), dk(static_cast<size_t>(x.shape.kv_elems())), dv(dk.size());
   cp_attention_forward(comm, x, p, o.data(), lse.data());
@@ -102,7 +103,9 @@ inline Result run_cp(comm::Communicator& comm, const Case& c, const Inputs& in, 
 // The same problem on one rank (P = 1 through the same code: no sharding padding, one chunk).
 inline Result run_single(const Case& c, const Inputs& in) {
   Result res;
-  comm::run_ranks(1, [&](comm::Communicator& one) { res = run_cp(one, c, in, Scheme::Contiguous, Algo::Ring); });
+  comm::run_ranks(1, [&](comm::Communicator& one) {
+    res = run_cp(one, c, in, Scheme::Contiguous, Algo::Ring, RingTraffic::Chunks);
+  });
   return res;
 }
 
@@ -164,33 +167,48 @@ inline void expect_same_bits(const Result& a, const Result& b, const std::string
   EXPECT_TRUE(a.dv == b.dv) << what << ": dv";
 }
 
-// The full check of one case on this communicator: both schemes, both algorithms, against the reference and
-// P = 1; ring contiguous twice (identical bits); and, when `compare_loopback`, the same ring run on P loopback
-// threads inside rank 0 (identical bits to this backend's).
+// What check_case runs for each shard scheme: the ring with both traffics and the all-gather baseline.
+struct Variant {
+  Algo algo;
+  RingTraffic traffic;
+  const char* name;
+};
+constexpr Variant kVariants[] = {{Algo::Ring, RingTraffic::Chunks, "chunk ring"},
+                                 {Algo::Ring, RingTraffic::Planned, "planned ring"},
+                                 {Algo::AllGather, RingTraffic::Planned, "allgather"}};
+
+// The full check of one case on this communicator: both schemes, every variant, against the reference and
+// P = 1; both rings twice (identical bits); and, when `compare_loopback`, the chunk ring on P loopback threads
+// inside rank 0 (identical bits to this backend's).
 inline void check_case(comm::Communicator& comm, const Case& c, bool compare_loopback) {
   SCOPED_TRACE(c.name + " at P = " + std::to_string(comm.size()));
   const int P = comm.size();
   const Inputs in = make_inputs(c);
   std::vector<Result> runs;
+  std::vector<std::string> names;
   for (Scheme s : {Scheme::Contiguous, Scheme::Zigzag})
-    for (Algo a : {Algo::Ring, Algo::AllGather}) runs.push_back(run_cp(comm, c, in, s, a));
-  const Result again = run_cp(comm, c, in, Scheme::Contiguous, Algo::Ring);
+    for (const Variant& v : kVariants) {
+      runs.push_back(run_cp(comm, c, in, s, v.algo, v.traffic));
+      names.push_back(scheme_name(s) + " " + v.name);
+    }
+  const Result chunks_again = run_cp(comm, c, in, Scheme::Contiguous, Algo::Ring, RingTraffic::Chunks);
+  const Result planned_again = run_cp(comm, c, in, Scheme::Contiguous, Algo::Ring, RingTraffic::Planned);
   if (comm.rank() != 0) return;
 
-  expect_same_bits(runs[0], again, "second ring run");
+  expect_same_bits(runs[0], chunks_again, "second chunk ring run");
+  expect_same_bits(runs[1], planned_again, "second planned ring run");
   if (compare_loopback) {
     Result loop;
     comm::run_ranks(P, [&](comm::Communicator& lc) {
-      Result mine = run_cp(lc, c, in, Scheme::Contiguous, Algo::Ring);
+      Result mine = run_cp(lc, c, in, Scheme::Contiguous, Algo::Ring, RingTraffic::Chunks);
       if (lc.rank() == 0) loop = std::move(mine);
     });
     expect_same_bits(runs[0], loop, "loopback vs " + comm.backend());
   }
   const Result single = run_single(c, in);
   const Reference ref = run_reference(c, in);
-  const char* names[] = {"contiguous ring", "contiguous allgather", "zigzag ring", "zigzag allgather"};
   for (size_t i = 0; i < runs.size(); ++i) {
-    const std::string n = names[i];
+    const std::string& n = names[i];
     expect_close(runs[i].o, single.o, ref.fwd.o, P, n + " out");
     expect_close(runs[i].lse, single.lse, ref.fwd.lse, P, n + " lse");
     expect_close(runs[i].dq, single.dq, ref.bwd.dq, P, n + " dq");
@@ -249,7 +267,7 @@ inline std::vector<Case> sweep_cases() {
 }
 
 // Packed parity (the seed's stated target): CP forward and backward of the packed row [A, B] equal those of A
-// alone and of B alone, slice by slice. Both sides are float32 CP runs at the same P that differ only in how keys
+// alone and of B alone, slice by slice (contiguous shards with the chunk ring, zigzag with the planned ring). Both sides are float32 CP runs at the same P that differ only in how keys
 // fall into chunks, so they agree to the merge rounding of both: 2 * kUlpsPerRank * P ulps of the magnitude.
 inline void check_packed_parity(comm::Communicator& comm, const LayerMask& mask, DType dtype) {
   using testing::MetaKind;
@@ -291,9 +309,10 @@ inline void check_packed_parity(comm::Communicator& comm, const LayerMask& mask,
   }
 
   for (Scheme scheme : {Scheme::Contiguous, Scheme::Zigzag}) {
-    const Result ra = run_cp(comm, a, ia, scheme, Algo::Ring);
-    const Result rb = run_cp(comm, b, ib, scheme, Algo::Ring);
-    const Result rab = run_cp(comm, ab, iab, scheme, Algo::Ring);
+    const RingTraffic traffic = scheme == Scheme::Contiguous ? RingTraffic::Chunks : RingTraffic::Planned;
+    const Result ra = run_cp(comm, a, ia, scheme, Algo::Ring, traffic);
+    const Result rb = run_cp(comm, b, ib, scheme, Algo::Ring, traffic);
+    const Result rab = run_cp(comm, ab, iab, scheme, Algo::Ring, traffic);
     if (comm.rank() != 0) continue;
     // Compare one [H, S_part, D] slice of the packed result (starting at token `first`) with a part's result.
     const auto expect_slice = [&](const std::vector<float>& packed, const std::vector<float>& part, int H, int S_part,

@@ -10,7 +10,6 @@
 #include "common/random_case.h"
 #include "core/row_meta.h"
 #include "cp/balance.h"
-#include "cp/shard_maps_for_tests.h"
 
 namespace rf::cp {
 namespace {
@@ -109,7 +108,7 @@ TEST(Balance, MeetsImbalanceTargetAtEightRanks) {
   const LayerMix causal = parse_layer_mix("full");
   const BalancedShard bc = balanced_shard(causal_row.data(), 1, kS, kP, causal);
   EXPECT_LE(bc.imbalance, kTarget);
-  const ShardMap contiguous = testing::contiguous_map(kS, kP, kPlanBlock);
+  const ShardMap contiguous = make_shard_map(Scheme::Contiguous, kS, kP, kPlanBlock);
   const double contiguous_imbalance =
       imbalance(rank_work(token_work(causal_row.data(), 1, kS, contiguous.S_padded, causal, kPlanBlock), contiguous));
   EXPECT_GT(contiguous_imbalance, 1.8);  // (2P - 1) / P = 1.875 for a causal row

@@ -3,6 +3,8 @@
 // work that adds up to the mask area). Oracles: the scalar reference, and counts computed from the definitions.
 #include <gtest/gtest.h>
 
+#include "core/error.h"
+#include "cp/cp_internal.h"
 #include "cp_cases.h"
 
 namespace rf::cp {
@@ -16,11 +18,13 @@ TEST(CpLoopback, MaskSweep) {
 
 TEST(CpLoopback, PackedParity) {
   for (int P : {1, 3})
-    comm::run_ranks(P, [](comm::Communicator& w) { cases::check_packed_parity(w, LayerMask{true, 7, true}, DType::F32); });
+    comm::run_ranks(P, [](comm::Communicator& w) {
+      cases::check_packed_parity(w, LayerMask{true, 7, true}, DType::F32);
+    });
 }
 
-// Runs forward and backward of a causal one-document row at P with the given scheme/algorithm; returns each
-// rank's forward and backward stats.
+// Runs forward and backward of a one-document row at P with the given scheme/algorithm (the ring moving whole
+// chunks, whose promises these tests check); returns each rank's forward and backward stats.
 std::vector<std::pair<CpStats, CpStats>> stats_of(int P, Scheme s, Algo a, int S, LayerMask mask) {
   cases::Case c;
   c.S = S, c.mask = mask, c.Hq = 2, c.Hkv = 1, c.D = 8;
@@ -28,7 +32,7 @@ std::vector<std::pair<CpStats, CpStats>> stats_of(int P, Scheme s, Algo a, int S
   std::vector<std::pair<CpStats, CpStats>> out(static_cast<size_t>(P));
   comm::run_ranks(P, [&](comm::Communicator& w) {
     CpStats f, b;
-    cases::run_cp(w, c, in, s, a, &f, &b);
+    cases::run_cp(w, c, in, s, a, RingTraffic::Chunks, &f, &b);
     out[w.rank()] = {f, b};
   });
   return out;
@@ -40,7 +44,7 @@ TEST(CpLoopback, RingMemoryIsAtMostThreeChunksWhateverP) {
     const int L = S / P;
     const int64_t chunk = 2 * int64_t{Hkv} * L * D * sizeof(float) + int64_t{L} * sizeof(TokenMeta);  // K, V, meta
     const int64_t q_acc = (int64_t{Hq} * L * D + int64_t{Hq} * L) * sizeof(float);  // o or dq, and lse or delta
-    const int64_t kv_grad = 2 * int64_t{Hkv} * L * D * sizeof(float);                // dK and dV
+    const int64_t kv_grad = 2 * int64_t{Hkv} * L * D * sizeof(float);               // dK and dV
     for (const auto& [f, b] : stats_of(P, Scheme::Zigzag, Algo::Ring, S, LayerMask{false, 0, false})) {
       // forward: three chunks, the merged o/lse and one step's partial.
       EXPECT_LE(f.peak_attention_bytes, 3 * chunk + 2 * q_acc) << "P = " << P;
@@ -76,6 +80,35 @@ TEST(CpLoopback, TrafficAndWorkFollowTheMask) {
   int64_t window_hops = 0;
   for (const auto& [f, b] : sw) window_hops += f.bytes_sent / chunk_bytes;
   EXPECT_EQ(window_hops, P - 1);
+}
+
+// A peer that agrees on the header and the plan but then never sends its chunk: the waiting rank fails by its
+// deadline with a line naming itself, the peer, the chunk's owner and the ring step.
+TEST(CpLoopback, MissingChunkTimesOutNamingPeerAndStep) {
+  const int L = 4, D = 8;
+  try {
+    comm::run_ranks(2, [&](comm::Communicator& w) {
+      std::vector<float> q(L * D, 0.1f), kv(L * D, 0.1f), o(q.size()), lse(L);
+      std::vector<TokenMeta> meta;
+      for (int i = 0; i < L; ++i) meta.push_back({w.rank() * L + i, 1, -1});
+      const CpShard x{AttnShape{1, 1, 1, L, L, D}, DType::F32, q.data(), kv.data(), kv.data(), meta.data()};
+      CpParams p;
+      p.mask = LayerMask{false, 0, false};  // every rank needs every chunk
+      p.traffic = RingTraffic::Chunks;
+      p.timeout = comm::Timeout{100};
+      if (w.rank() == 0) {
+        cp_attention_forward(w, x, p, o.data(), lse.data());
+      } else {
+        detail::agree_header(w, x, p, detail::Pass::Forward, true);
+        detail::plan_ring(w, x, p.mask, p.timeout);
+        // ... and stops here, never sending its K/V.
+      }
+    });
+    FAIL() << "rank 0 must time out";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "rank 0: timed out after 100 ms waiting to receive K/V of rank 1 for ring step 1 from rank 1 (tag 3)");
+  }
 }
 
 }  // namespace

@@ -9,7 +9,7 @@
 #include "core/error.h"
 #include "cp/balance.h"
 #include "cp/plan.h"
-#include "cp/shard_maps_for_tests.h"
+#include "cp/shard.h"
 
 namespace rf::cp {
 namespace {
@@ -50,7 +50,7 @@ void check_plan_covers_predicate(const std::vector<TokenMeta>& rows, int B, cons
                                  const std::string& what) {
   const int P = map.P, L = map.L, block = plan.geometry.block;
   std::vector<std::vector<TokenMeta>> local;
-  for (int r = 0; r < P; ++r) local.push_back(gather_shard_meta(rows.data(), B, map, r));
+  for (int r = 0; r < P; ++r) local.push_back(shard_meta(map, r, rows.data(), B));
   for (const MaskPlan& mp : plan.masks) {
     for (int r = 0; r < P; ++r) {
       for (int s = 0; s < P; ++s) {
@@ -100,10 +100,10 @@ TEST(Plan, NeverSkipsAnAllowedPair) {
         const std::string what = "P=" + std::to_string(P) + " S=" + std::to_string(S) + " B=" +
                                  std::to_string(B) + " block=" + std::to_string(block) + " " +
                                  rf::testing::kind_name(kind);
-        for (const ShardMap& map : {testing::contiguous_map(S, P, block), testing::zigzag_map(S, P, block),
+        for (const ShardMap& map : {make_shard_map(Scheme::Contiguous, S, P, block), make_shard_map(Scheme::Zigzag, S, P, block),
                                     balanced_shard(rows.data(), B, S, P, mix, block).map}) {
           check_plan_covers_predicate(rows, B, map, plan_of(rows, B, map, mix, block),
-                                      what + " " + testing::scheme_label(map.scheme));
+                                      what + " " + scheme_name(map.scheme));
           ++cases;
         }
       }
@@ -120,7 +120,7 @@ TEST(Plan, SlidingHaloIsTheWindowRoundedToBlocks) {
   for (const int P : {2, 4, 8}) {
     const int S = P * kL;
     const std::vector<TokenMeta> rows = rf::testing::random_meta(kB, S, MetaKind::OneDoc, 1);
-    const ShardMap map = testing::contiguous_map(S, P, kBlock);
+    const ShardMap map = make_shard_map(Scheme::Contiguous, S, P, kBlock);
     for (const int W : {1, 100, 512, 1024, 1500}) {
       const LayerMask sliding{true, W, false};
       const Plan plan = plan_of(rows, kB, map, {{sliding, 5}}, kBlock);
@@ -150,7 +150,7 @@ TEST(Plan, SlidingHaloIsTheWindowRoundedToBlocks) {
 TEST(Plan, CausalContiguousNeverReceivesLaterKeys) {
   constexpr int kP = 4, kL = 96, kBlock = 32;
   const std::vector<TokenMeta> rows = rf::testing::random_meta(1, kP * kL, MetaKind::OneDoc, 2);
-  const ShardMap map = testing::contiguous_map(kP * kL, kP, kBlock);
+  const ShardMap map = make_shard_map(Scheme::Contiguous, kP * kL, kP, kBlock);
   const LayerMask causal;
   const Plan plan = plan_of(rows, 1, map, {{causal, 1}}, kBlock);
   const MaskPlan& mp = plan.for_mask(causal);
@@ -173,7 +173,7 @@ TEST(Plan, GroupAcrossBoundaryPullsItsBlocks) {
   std::vector<int32_t> group(kS, kNoGroup);
   for (int t = 5; t <= 10; ++t) group[t] = 0;
   const std::vector<TokenMeta> rows = make_row_meta(kS, nullptr, group.data());
-  const ShardMap map = testing::contiguous_map(kS, kP, kBlock);
+  const ShardMap map = make_shard_map(Scheme::Contiguous, kS, kP, kBlock);
   const LayerMask with_groups{true, 1, true}, without{true, 1, false};
   const Plan plan = plan_of(rows, 1, map, {{with_groups, 1}, {without, 1}}, kBlock);
   const MaskPlan& g = plan.for_mask(with_groups);
@@ -190,7 +190,7 @@ TEST(Plan, ShortPackedDocumentsNeedNothingRemote) {
   for (int t = 0; t < kS; ++t) doc[t] = 1 + t / 4;
   const std::vector<TokenMeta> rows = make_row_meta(kS, doc.data(), nullptr);
   const LayerMask causal;
-  const Plan plan = plan_of(rows, 1, testing::contiguous_map(kS, kP, kBlock), {{causal, 1}}, kBlock);
+  const Plan plan = plan_of(rows, 1, make_shard_map(Scheme::Contiguous, kS, kP, kBlock), {{causal, 1}}, kBlock);
   const MaskPlan& mp = plan.for_mask(causal);
   for (int r = 0; r < kP; ++r) {
     EXPECT_EQ(mp.recv_tokens(r), 0);
@@ -202,7 +202,7 @@ TEST(Plan, LayersWithOneMaskShareOnePlan) {
   const std::vector<TokenMeta> rows = rf::testing::random_meta(1, 32, MetaKind::Packed, 3);
   const LayerMask full, sliding{true, 8, false};
   const Plan plan =
-      plan_of(rows, 1, testing::contiguous_map(32, 2, 4), {{full, 2}, {sliding, 3}, {full, 1}}, 4);
+      plan_of(rows, 1, make_shard_map(Scheme::Contiguous, 32, 2, 4), {{full, 2}, {sliding, 3}, {full, 1}}, 4);
   ASSERT_EQ(plan.masks.size(), 2u);
   EXPECT_EQ(plan.for_mask(full).layers, 3);
   EXPECT_EQ(plan.for_mask(sliding).layers, 3);
@@ -212,7 +212,7 @@ TEST(Plan, LayersWithOneMaskShareOnePlan) {
 // The plan depends only on its inputs: rebuilding gives the same classes and ranges.
 TEST(Plan, Deterministic) {
   const std::vector<TokenMeta> rows = rf::testing::random_meta(2, 200, MetaKind::Padded, 4);
-  const ShardMap map = testing::zigzag_map(200, 4, 8);
+  const ShardMap map = make_shard_map(Scheme::Zigzag, 200, 4, 8);
   const Plan a = plan_of(rows, 2, map, all_masks(), 8), b = plan_of(rows, 2, map, all_masks(), 8);
   ASSERT_EQ(a.masks.size(), b.masks.size());
   for (size_t k = 0; k < a.masks.size(); ++k) {

@@ -9,7 +9,7 @@
 #include "core/row_meta.h"
 #include "cp/balance.h"
 #include "cp/plan_report.h"
-#include "cp/shard_maps_for_tests.h"
+#include "cp/shard.h"
 
 namespace rf::cp {
 namespace {
@@ -28,9 +28,9 @@ struct Fixture {
       rows.insert(rows.end(), row.begin(), row.end());
     }
     opt.block = kBlock;
-    maps = {testing::contiguous_map(kS, kP, kBlock), testing::zigzag_map(kS, kP, kBlock),
+    maps = {make_shard_map(Scheme::Contiguous, kS, kP, kBlock), make_shard_map(Scheme::Zigzag, kS, kP, kBlock),
             balanced_shard(rows.data(), kB, kS, kP, mix, kBlock).map};
-    for (const ShardMap& m : maps) reports.push_back(report_scheme(testing::scheme_label(m.scheme), rows.data(), kB, m, mix, opt));
+    for (const ShardMap& m : maps) reports.push_back(report_scheme(scheme_name(m.scheme), rows.data(), kB, m, mix, opt));
   }
 };
 
@@ -43,7 +43,7 @@ TEST(PlanReport, JsonMatchesSchemaAndNumbers) {
   EXPECT_EQ(j["layer_types"]["causal,W=64,groups"]["layers"], 5);
   EXPECT_EQ(j["layer_types"]["causal,groups"]["layers"], 1);
   for (size_t m = 0; m < f.maps.size(); ++m) {
-    const std::string name = testing::scheme_label(f.maps[m].scheme);
+    const std::string name = scheme_name(f.maps[m].scheme);
     ASSERT_TRUE(j["schemes"].contains(name)) << name;
     const nlohmann::json& s = j["schemes"][name];
     for (const char* key : {"work", "imbalance", "bytes_received", "skipped_steps", "tokens", "L",

@@ -6,7 +6,7 @@
 
 #include "common/random_case.h"
 #include "core/error.h"
-#include "cp/shard_maps_for_tests.h"
+#include "cp/shard.h"
 #include "cp/work.h"
 
 namespace rf::cp {
@@ -40,7 +40,7 @@ TEST(Work, RankWorkMatchesBruteForce) {
   constexpr int kB = 2, kS = 90, kP = 3;
   const std::vector<TokenMeta> rows = rf::testing::random_meta(kB, kS, MetaKind::PackedImages, 11);
   const LayerMix mix = {{{true, 6, true}, 5}, {{true, 0, true}, 1}};
-  const ShardMap map = testing::zigzag_map(kS, kP, 4);
+  const ShardMap map = make_shard_map(Scheme::Zigzag, kS, kP, 4);
   const std::vector<int64_t> got = rank_work(token_work(rows.data(), kB, kS, map.S_padded, mix, 8), map);
   for (int r = 0; r < kP; ++r) {
     int64_t expect = 0;

@@ -74,7 +74,8 @@ TEST(Shard, RoundTripAndPadValues) {
                 EXPECT_EQ(t.group, kNoGroup);
                 EXPECT_EQ(id, -100);
                 for (int h = 0; h < H; ++h)
-                  for (int d = 0; d < D; ++d) EXPECT_EQ(shard[((static_cast<size_t>(b) * H + h) * m.L + i) * D + d], 0.f);
+                  for (int d = 0; d < D; ++d)
+                    EXPECT_EQ(shard[((static_cast<size_t>(b) * H + h) * m.L + i) * D + d], 0.f);
               } else {
                 EXPECT_EQ(t.idx, pos);
                 EXPECT_EQ(id, 100 + b * S + pos);

@@ -73,8 +73,10 @@ def base_config(**extra):
 CONFIGS = {
     "dense": lambda vision: base_config(attention_k_eq_v=True, num_global_key_value_heads=1,
                                         use_bidirectional_attention="vision" if vision else None),
+    # MoE, and an untied LM head (lm_head.weight in the checkpoint) to cover that layout too.
     "moe": lambda vision: base_config(attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True,
                                       num_experts=4, top_k_experts=2, moe_intermediate_size=8,
+                                      tie_word_embeddings=False,
                                       use_bidirectional_attention="vision" if vision else None),
     # E2B-like: per-layer embeddings, the last two layers read the K/V of earlier ones, double-wide MLP there;
     # no vision-bidirectional attention (as E2B/E4B), image features through a trainable projection.

@@ -3,6 +3,7 @@
 // covering each part (sliding/full mix with k_eq_v, MoE, per-layer embeddings with KV sharing and the double-wide
 // MLP, image features with their projection), with packed documents, image groups and padding.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <random>
@@ -84,6 +85,10 @@ constexpr float kStep = 1e-3f;
 constexpr double kAbsTol = 1.5e-3, kRelTol = 2e-2;
 
 void check_gradients(Gemma4Model& model, const Batch& batch) {
+  // A few hundred runs of a 20-token model: one thread, since OpenMP's barriers would cost more than the work
+  // (especially on a loaded CI machine). The result does not depend on it (ModelRun.SameBitsOnRepeatAndAcrossThreadCounts).
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
   RunOptions opt;
   opt.want_grad = true;
   opt.loss_chunk_tokens = 7;  // several loss chunks, one of them partial
@@ -113,6 +118,7 @@ void check_gradients(Gemma4Model& model, const Batch& batch) {
     const double fd = (up - down) / (2.0 * kStep);
     EXPECT_NEAR(fd, analytic, kAbsTol + kRelTol * std::fabs(analytic)) << p.name;
   }
+  omp_set_num_threads(threads);
 }
 
 Gemma4Model make_model(const std::string& extra, int vision_dim = 0) {
@@ -145,10 +151,11 @@ TEST(ModelGrad, DenseVisionGroupsWithFeaturesInHiddenSize) {
   check_gradients(m, b.view(true));
 }
 
-TEST(ModelGrad, MixtureOfExperts) {
+TEST(ModelGrad, MixtureOfExpertsWithUntiedHead) {
   Gemma4Model m = make_model(
       R"(, "attention_k_eq_v": true, "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2,
-         "moe_intermediate_size": 8)");
+         "moe_intermediate_size": 8, "tie_word_embeddings": false)");
+  ASSERT_TRUE(m.params().contains("lm_head.weight"));
   const TinyBatch b = make_batch(40, 0);
   check_gradients(m, b.view(false));
 }
@@ -203,16 +210,24 @@ TEST(ModelRun, RejectsMismatchedImageFeatures) {
   EXPECT_THROW(m.run(v, RunOptions{}, nullptr), rf::Error);
 }
 
-TEST(ModelRun, SameBitsOnRepeat) {
+TEST(ModelRun, SameBitsOnRepeatAndAcrossThreadCounts) {
   Gemma4Model m = make_model(R"(, "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2,
                                    "moe_intermediate_size": 8)");
   const TinyBatch b = make_batch(40, 0);
   RunOptions opt;
   opt.want_grad = true;
-  TensorSet g1 = m.params().zeros_like(), g2 = m.params().zeros_like();
+  TensorSet g1 = m.params().zeros_like(), g2 = m.params().zeros_like(), g3 = m.params().zeros_like();
+  const int threads = omp_get_max_threads();
   const Result r1 = m.run(b.view(false), opt, &g1), r2 = m.run(b.view(false), opt, &g2);
+  omp_set_num_threads(threads == 1 ? 2 : 1);
+  const Result r3 = m.run(b.view(false), opt, &g3);
+  omp_set_num_threads(threads);
   EXPECT_EQ(r1.loss, r2.loss);
-  for (size_t s = 0; s < g1.size(); ++s) EXPECT_EQ(g1[s].data, g2[s].data) << g1[s].name;
+  EXPECT_EQ(r1.loss, r3.loss);
+  for (size_t s = 0; s < g1.size(); ++s) {
+    EXPECT_EQ(g1[s].data, g2[s].data) << g1[s].name;
+    EXPECT_EQ(g1[s].data, g3[s].data) << g1[s].name << " with another thread count";
+  }
 }
 
 }  // namespace
