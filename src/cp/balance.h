@@ -7,13 +7,14 @@
 // holds L tokens: the ShardMap contract), so that the busiest rank has as little as possible.
 //
 // Contiguity matters too: on a sliding layer every separate run of blocks on a rank pulls its own halo (up to W - 1
-// keys before the run), unless the run starts at a document boundary, where it pulls nothing. So the balancer predicts the halo a run starting at
-// each block would pull (block_halo below) and tries several deals:
+// keys before the run), unless the run starts at a document boundary, where it pulls nothing. So the balancer
+// predicts the halo a run starting at each block would pull (block_halo_cost below) and tries several deals:
 //   1. contiguous (one run per rank);
 //   2. two runs per rank in zigzag order with movable cuts, the cuts chosen by a dynamic programme to minimise
 //      the busiest rank (zigzag's balance on causal rows, adjusted to documents, images and padding);
 //   3. the same shape with the cuts chosen to minimise the largest halo a rank pulls, subject to every rank's work
-//      staying within max_imbalance of perfect: cuts snap to document boundaries where balance allows;
+//      staying within max_imbalance of perfect: cuts move to document boundaries where balance allows (exact for
+//      the largest halo; among equal halos the busiest rank is minimised greedily);
 //   4. runs of every length dividing L / block, dealt heaviest first to the least-loaded rank with room, then
 //      refined by swaps (for rows too lumpy for the others).
 // Among the deals whose busiest rank is within BalanceOptions::max_imbalance of perfect (max / mean), the one whose
