@@ -205,6 +205,67 @@ Deal deal_runs(const std::vector<int64_t>& block_work, int P, int run) {
   return d;
 }
 
+// Most runs per rank for which dealt layouts get the halo-reducing swaps below: each swap trial costs O(runs), a
+// pass O(runs^3); past 8 runs a rank the layout pulls 8 halos whatever the swaps, far from the one the bound allows.
+constexpr int kMaxRunsForHaloSwaps = 8;
+
+// A dealt-runs layout (runs of `run` blocks at multiples of `run`) with fewer halos: swap one run of the rank that
+// pulls the most with one run of another rank while that lowers the larger of the two ranks' halos and keeps both
+// loads within `cap` (a swap lands a run next to its rank's other runs, merging them, or on a document boundary).
+// Only the two ranks' halos change: every other rank's run starts keep their predecessors' owners.
+void reduce_halos(Deal& d, const std::vector<int64_t>& block_work, const std::vector<int64_t>& block_halo, int run,
+                  int64_t cap) {
+  const int P = static_cast<int>(d.load.size());
+  const int runs = static_cast<int>(d.owner.size()) / run;
+  std::vector<int> run_owner(static_cast<size_t>(runs));
+  std::vector<int64_t> run_work(static_cast<size_t>(runs), 0);
+  for (int u = 0; u < runs; ++u) {
+    run_owner[u] = d.owner[u * run];
+    for (int k = 0; k < run; ++k) run_work[u] += block_work[u * run + k];
+  }
+  // Blocks inside a run follow a block of the same rank, so only runs' first blocks can start a rank's run.
+  auto rank_halo = [&](int r) {
+    int64_t h = 0;
+    for (int u = 0; u < runs; ++u) {
+      if (run_owner[u] == r && (u == 0 || run_owner[u - 1] != r)) h += block_halo[u * run];
+    }
+    return h;
+  };
+  std::vector<int64_t> halo(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r) halo[r] = rank_halo(r);
+  // Each accepted swap strictly lowers the busiest pair's larger halo; the cap only bounds a pathological tail.
+  const int max_swaps = 4 * runs;
+  for (int swaps = 0; swaps < max_swaps; ++swaps) {
+    const int a = static_cast<int>(std::max_element(halo.begin(), halo.end()) - halo.begin());
+    if (halo[a] == 0) break;
+    bool improved = false;
+    for (int u = 0; u < runs && !improved; ++u) {
+      if (run_owner[u] != a) continue;
+      for (int v = 0; v < runs && !improved; ++v) {
+        const int b = run_owner[v];
+        if (b == a) continue;
+        const int64_t delta = run_work[v] - run_work[u];
+        if (d.load[a] + delta > cap || d.load[b] - delta > cap) continue;
+        std::swap(run_owner[u], run_owner[v]);
+        const int64_t ha = rank_halo(a), hb = rank_halo(b);
+        if (std::max(ha, hb) < halo[a]) {
+          halo[a] = ha;
+          halo[b] = hb;
+          d.load[a] += delta;
+          d.load[b] -= delta;
+          improved = true;
+        } else {
+          std::swap(run_owner[u], run_owner[v]);
+        }
+      }
+    }
+    if (!improved) break;
+  }
+  for (int u = 0; u < runs; ++u) {
+    for (int k = 0; k < run; ++k) d.owner[u * run + k] = run_owner[u];
+  }
+}
+
 }  // namespace
 
 BlockAssignment assign_blocks(const std::vector<int64_t>& block_work, int P, const std::vector<int64_t>& block_halo,
@@ -241,7 +302,11 @@ BlockAssignment assign_blocks(const std::vector<int64_t>& block_work, int P, con
       cap);
   if (!halo_cuts.empty()) deals.push_back(snake.deal(halo_cuts));
   for (int run = m / 2; run >= 1; --run) {
-    if (m % run == 0) deals.push_back(deal_runs(block_work, P, run));
+    if (m % run != 0) continue;
+    deals.push_back(deal_runs(block_work, P, run));
+    if (m / run <= kMaxRunsForHaloSwaps && deals.back().peak() <= cap) {
+      reduce_halos(deals.back(), block_work, halo, run, cap);
+    }
   }
 
   // Within the cap: least halo, then fewest runs, then lowest peak, then the earlier candidate. None within it: the

@@ -154,7 +154,7 @@ std::pair<int64_t, int64_t> peak_and_halo(const std::vector<int>& owner, const s
 
 // Within the tolerance the balancer picks the least halo: never more than contiguous or zigzag when they are within
 // it (both lie in its zigzag-with-movable-cuts search), and its own layout is then within it too. Reported halo and
-// runs equal a brute-force recount. Exact integer comparisons; the tolerance is the option under test.
+// per-rank work equal a brute-force recount. Exact integer comparisons; the tolerance is the option under test.
 TEST(Balance, LeastHaloWithinTolerance) {
   std::mt19937_64 rng(21);
   for (const double tolerance : {1.0, 1.05, 1.3}) {
@@ -166,9 +166,16 @@ TEST(Balance, LeastHaloWithinTolerance) {
           for (int64_t& x : w) x = 100 + static_cast<int64_t>(rng() % 60);  // lumpy but not wild
           for (int64_t& x : halo) x = rng() % 3 == 0 ? 0 : static_cast<int64_t>(rng() % 500);
           const BlockAssignment a = assign_blocks(w, P, halo, BalanceOptions{tolerance});
-          std::vector<int> owner(static_cast<size_t>(n));
+          std::vector<int> owner(static_cast<size_t>(n), -1);
           for (int r = 0; r < P; ++r) {
-            for (const int32_t j : a.blocks[r]) owner[j] = r;
+            ASSERT_EQ(static_cast<int>(a.blocks[r].size()), m);
+            int64_t sum = 0;
+            for (const int32_t j : a.blocks[r]) {
+              ASSERT_EQ(owner[j], -1) << "block " << j << " dealt twice";
+              owner[j] = r;
+              sum += w[j];
+            }
+            EXPECT_EQ(sum, a.work[r]);
           }
           const auto [peak, max_h] = peak_and_halo(owner, w, halo, P);
           EXPECT_EQ(max_h, a.max_halo);
