@@ -341,17 +341,27 @@ std::vector<int64_t> block_halo_cost(const TokenMeta* rows, int B, int S, int S_
   std::vector<int64_t> cost(static_cast<size_t>(S_padded / block), 0);
   for (int b = 0; b < B; ++b) {
     const TokenMeta* row = rows + static_cast<size_t>(b) * S;
+    // group_end[t]: one past the last position of the stretch of equal group ids holding t (a group's extent).
+    std::vector<int> group_end(static_cast<size_t>(S), S);
+    for (int t = S - 2; t >= 0; --t) {
+      group_end[t] = row[t].group == row[t + 1].group && row[t].doc == row[t + 1].doc ? group_end[t + 1] : t + 1;
+    }
     int doc_begin = 0;  // first position of the stretch of equal document ids that holds t
     for (int t = 0; t < S; ++t) {
       if (t > 0 && row[t].doc != row[t - 1].doc) doc_begin = t;
       if (t % block != 0 || row[t].doc == kPaddingDoc) continue;
       const int64_t before = t - doc_begin;
+      // A cut inside an image group makes the run ending here read the group's rest (bidirectional), on another
+      // rank. It is charged to the run starting here, so that cuts avoid groups; the sum stays a per-cut cost.
+      const bool splits_group = t > 0 && row[t].group != kNoGroup && row[t - 1].group == row[t].group &&
+                                row[t - 1].doc == row[t].doc;
+      const int64_t group_rest_blocks = splits_group ? (group_end[t] - t + block - 1) / block : 0;
       int64_t c = 0;
       for (const LayerKind& lk : mix) {
         if (!lk.mask.causal || lk.mask.window == 0) continue;
         // The plan moves whole blocks: the halo's tokens end at a block boundary, so it spans this many blocks.
         const int64_t halo_blocks = (std::min<int64_t>(before, lk.mask.window - 1) + block - 1) / block;
-        c += lk.count * halo_blocks * block;
+        c += lk.count * (halo_blocks + (lk.mask.bidirectional_groups ? group_rest_blocks : 0)) * block;
       }
       cost[t / block] = std::max(cost[t / block], c);
     }

@@ -59,8 +59,10 @@ BlockAssignment assign_blocks(const std::vector<int64_t>& block_work, int P,
 // The halo cost of a run starting at each block of the padded row, [S_padded / block]: the tokens before the
 // block's first token that lie in its document, capped at W - 1 and rounded up to whole blocks (what the plan
 // moves), summed over the mix's causal sliding masks
-// (weighted by layer count) and maxed over the B rows (the rows share the map, so their halos overlap). Zero where
-// the block starts a document or with padding. Only sliding layers count: their halo is what a cut adds, while a
+// (weighted by layer count) and maxed over the B rows (the rows share the map, so their halos overlap). With
+// groups, a block that starts inside an image group also costs the group's rest in blocks: the run that ends
+// there (on another rank) reads it, and charging it here keeps cuts out of groups. Zero where the block starts a
+// document or with padding. Only sliding layers count: their halo is what a cut adds, while a
 // full causal layer's rank already pulls the whole earlier document for its latest run whatever the other cuts,
 // and a non-causal mask has no "before". rows: [B, S].
 std::vector<int64_t> block_halo_cost(const TokenMeta* rows, int B, int S, int S_padded, const LayerMix& mix,
