@@ -1,8 +1,21 @@
 #!/usr/bin/env bash
-# Builds with warnings as errors and runs the whole test suite (unit, multi-rank under mpirun, parity).
+# Builds with warnings as errors and runs the whole test suite (unit, multi-rank under mpirun, parity), after a
+# sanitizer pass (AddressSanitizer + UndefinedBehaviorSanitizer) over the in-process tests of every layer below
+# the model: the kernels, the ring on loopback ranks, the planner and the file reader.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
+
+sanitized=(core/test_core reference/test_reference cpu/test_cpu_attention io/test_io comm/test_loopback
+           cp/test_shard cp/test_cp_loopback cp/test_plan_cp cli/test_agree)
+cmake -B build-sanitize -DRINGFLEX_WERROR=ON -DRINGFLEX_SANITIZE=address,undefined -DRINGFLEX_BUILD_BENCH=OFF >/dev/null
+cmake --build build-sanitize -j "$jobs" --target "${sanitized[@]##*/}"
+for t in "${sanitized[@]}"; do
+  echo "sanitizer run: $t"
+  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
+    "build-sanitize/tests/$t" --gtest_brief=1
+done
+
 cmake -B build -DRINGFLEX_WERROR=ON
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs"

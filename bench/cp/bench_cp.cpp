@@ -35,7 +35,8 @@ constexpr double kMiB = 1024.0 * 1024.0;
 struct Config {
   int S = 16384, D = 256, Hq = 8, Hkv = 1, window = 0, repeats = 3;
   bool causal = true, groups = false, backward = false, time = true;
-  std::string row = "onedoc", dtype = "f32", schemes = "contiguous,zigzag", algos = "ring,allgather";
+  std::string row = "onedoc", dtype = "f32", schemes = "contiguous,zigzag",
+              algos = "ring-chunks,ring,allgather";
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -63,6 +64,16 @@ std::vector<float> uniform(int64_t n, uint64_t seed) {
 }
 
 rf::LayerMask mask_of(const Config& c) { return rf::LayerMask{c.causal, c.window, c.groups}; }
+
+// --algos names: "ring" (planned traffic, the default), "ring-chunks" (whole chunks hop rank to rank), "allgather".
+struct AlgoChoice {
+  rf::cp::Algo algo;
+  rf::cp::RingTraffic traffic;
+};
+AlgoChoice parse_choice(const std::string& name) {
+  if (name == "ring-chunks") return {rf::cp::Algo::Ring, rf::cp::RingTraffic::Chunks};
+  return {rf::cp::parse_algo(name), rf::cp::RingTraffic::Planned};
+}
 
 // One rank's shard of a generated row problem.
 struct Problem {
@@ -100,11 +111,12 @@ Problem make_problem(const Config& c, int S, rf::cp::Scheme scheme, int P, int r
 }
 
 // Runs the configuration at kValidateS on every rank and checks rank-gathered out/lse against the reference.
-void validate(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme scheme, rf::cp::Algo algo) {
+void validate(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme scheme, AlgoChoice choice) {
   const int P = comm.size(), r = comm.rank(), S = kValidateS;
   std::vector<uint8_t> full[4];
   const Problem pb = make_problem(c, S, scheme, P, r, full);
-  rf::cp::CpParams p{mask_of(c), 0.f, algo, scheme};
+  rf::cp::CpParams p{mask_of(c), 0.f, choice.algo, scheme};
+  p.traffic = choice.traffic;
   std::vector<float> o(static_cast<size_t>(pb.shard.shape.q_elems())),
       lse(static_cast<size_t>(pb.shard.shape.lse_elems()));
   rf::cp::cp_attention_forward(comm, pb.shard, p, o.data(), lse.data());
@@ -131,7 +143,7 @@ void validate(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme sche
   for (size_t i = 0; i < row_o.size(); ++i) err = std::max(err, std::fabs(row_o[i] - ref.o[i]));
   for (size_t i = 0; i < row_lse.size(); ++i)
     if (std::isfinite(ref.lse[i])) err = std::max(err, std::fabs(row_lse[i] - ref.lse[i]));
-  RF_CHECK(err <= kValidateTol, "validation failed for ", rf::cp::scheme_name(scheme), "/", rf::cp::algo_name(algo),
+  RF_CHECK(err <= kValidateTol, "validation failed for ", rf::cp::scheme_name(scheme), "/", rf::cp::algo_name(choice.algo),
            ": max error ", err);
 }
 
@@ -141,11 +153,12 @@ struct Figures {
 };
 
 // Timed runs; per repeat the figures are maxima over ranks, then medians over repeats.
-Figures measure(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme scheme, rf::cp::Algo algo) {
+Figures measure(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme scheme, AlgoChoice choice) {
   const int P = comm.size();
   Problem pb = make_problem(c, c.S, scheme, P, comm.rank(), nullptr);
   rf::cp::CpStats st;
-  rf::cp::CpParams p{mask_of(c), 0.f, algo, scheme, rf::comm::kDefaultTimeout, &st};
+  rf::cp::CpParams p{mask_of(c), 0.f, choice.algo, scheme, rf::comm::kDefaultTimeout, &st};
+  p.traffic = choice.traffic;
   std::vector<float> o(static_cast<size_t>(pb.shard.shape.q_elems())),
       lse(static_cast<size_t>(pb.shard.shape.lse_elems()));
   std::vector<float> dq(o.size()), dk(static_cast<size_t>(pb.shard.shape.kv_elems())), dv(dk.size());
@@ -220,7 +233,7 @@ int main(int argc, char** argv) {
   app.add_option("--row", c.row, "onedoc | vlm (Gemma 4 VLM-like packed row)");
   app.add_option("--dtype", c.dtype, "f32 | bf16");
   app.add_option("--schemes", c.schemes, "comma-separated shard schemes (contiguous, zigzag, balanced)");
-  app.add_option("--algos", c.algos, "comma-separated algorithms");
+  app.add_option("--algos", c.algos, "comma-separated: ring (planned traffic), ring-chunks, allgather");
   app.add_option("--repeats", c.repeats, "timed repeats (median reported)");
   app.add_flag("--backward", c.backward, "measure the backward (after an unmeasured forward)");
   app.add_flag(
@@ -252,7 +265,7 @@ int main(int argc, char** argv) {
       for (const std::string& sn : split(c.schemes))
         for (const std::string& an : split(c.algos)) {
           const rf::cp::Scheme scheme = rf::cp::parse_scheme(sn);
-          const rf::cp::Algo algo = rf::cp::parse_algo(an);
+          const AlgoChoice algo = parse_choice(an);
           validate(*comm, c, scheme, algo);
           const Figures f = measure(*comm, c, scheme, algo);
           if (comm->rank() != 0) continue;

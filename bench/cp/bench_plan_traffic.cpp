@@ -4,7 +4,8 @@
 //   bench_plan_traffic            prints two markdown tables:
 //   1. K/V bytes received per rank per layer (max over ranks) for a sliding and a full layer, planned vs a full
 //      ring vs all-gather, W in {512, 1024}, S in {8K, 32K}, P in {2, 4, 8}, on a one-document causal row with
-//      contiguous shards (the halo case) and on a Gemma 4 VLM row with contiguous and with balanced shards;
+//      contiguous shards (the halo case) and on a Gemma 4 VLM row with contiguous and with balanced shards, with
+//      each layout's max/mean work under that row's mix (5 sliding : 1 full);
 //   2. max/mean work of contiguous, zigzag and balanced sharding for plain causal rows and Gemma 4 VLM rows under
 //      5 sliding (W = 1024, groups) : 1 full (groups) layers, at S = 32K, P in {2, 4, 8} (VLM: median of 5 rows).
 #include <algorithm>
@@ -41,8 +42,8 @@ Plan plan_for(const std::vector<TokenMeta>& row, const ShardMap& map, const Laye
 }
 
 void traffic_table() {
-  std::printf("| row, shards | W | S | P | sliding: planned MiB | bound MiB | full: planned MiB | full ring = all-gather MiB (sliding / full) | planned vs full ring (sliding) |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| row, shards | W | S | P | sliding: planned MiB | bound MiB | full: planned MiB | full ring = all-gather MiB (sliding / full) | planned vs full ring (sliding) | max/mean work |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   enum class Rows { CausalContiguous, VlmContiguous, VlmBalanced };
   const char* names[] = {"causal 1 doc, contiguous", "Gemma 4 VLM, contiguous", "Gemma 4 VLM, balanced"};
   for (const Rows rows : {Rows::CausalContiguous, Rows::VlmContiguous, Rows::VlmBalanced}) {
@@ -60,11 +61,14 @@ void traffic_table() {
           const int64_t full_bytes = kv_bytes(max_recv(plan.for_mask(full)), 1, kFullKv);
           const int64_t ring_tokens = int64_t{P - 1} * map.L;
           const int64_t bound = kv_bytes(W - 1 + kPlanBlock, 1, kSlidingKv);
-          std::printf("| %s | %d | %dK | %d | %.2f | %.2f | %.2f | %.1f / %.1f | %.1fx less |\n",
+          const double work_imbalance =
+              imbalance(rank_work(token_work(row.data(), 1, S, map.S_padded, mix, kPlanBlock), map));
+          std::printf("| %s | %d | %dK | %d | %.2f | %.2f | %.2f | %.1f / %.1f | %.1fx less | %.3f |\n",
                       names[static_cast<int>(rows)], W, S / 1024, P, mib(sliding_bytes),
                       mib(bound), mib(full_bytes), mib(kv_bytes(ring_tokens, 1, kSlidingKv)),
                       mib(kv_bytes(ring_tokens, 1, kFullKv)),
-                      static_cast<double>(kv_bytes(ring_tokens, 1, kSlidingKv)) / std::max<int64_t>(1, sliding_bytes));
+                      static_cast<double>(kv_bytes(ring_tokens, 1, kSlidingKv)) / std::max<int64_t>(1, sliding_bytes),
+                      work_imbalance);
         }
       }
     }

@@ -10,6 +10,7 @@
 #include "core/row_meta.h"
 #include "cp/balance.h"
 #include "cp/cp_attention.h"
+#include "cp/plan_report.h"
 #include "cp/shard.h"
 #include "cpu/attention.h"
 #include "io/safetensors.h"
@@ -156,6 +157,16 @@ AttnResult run_attention_cp(const AttnJob& job, const CpOptions& opt, comm::Comm
   params.scale = job.scale;
   params.algo = cp::parse_algo(opt.algo);
   params.scheme = m.scheme;
+  cp::CpStats fwd_stats, bwd_stats;
+  if (opt.collect_stats) params.stats = &fwd_stats;
+  // --stats: every rank's figures gathered in one JSON text (a collective, so every rank calls it).
+  const auto finish_stats = [&](AttnResult& res) {
+    if (!opt.collect_stats) return;
+    int64_t tokens = 0;
+    for (const TokenMeta& t : meta) tokens += t.doc != kPaddingDoc ? 1 : 0;
+    res.stats_json = cp::cp_stats_json(comm, fwd_stats, job.has_dout ? &bwd_stats : nullptr, tokens,
+                                       cp::scheme_name(m.scheme), opt.algo);
+  };
 
   std::vector<float> o(static_cast<size_t>(x.shape.q_elems())), lse(static_cast<size_t>(x.shape.lse_elems()));
   AttnResult res;
@@ -164,7 +175,11 @@ AttnResult run_attention_cp(const AttnJob& job, const CpOptions& opt, comm::Comm
   res.forward_seconds = seconds_since(t0);
   res.out = gather_rows(comm, m, o, s.B, s.Hq, s.D);
   res.lse = gather_rows(comm, m, lse, s.B, s.Hq, 1);
-  if (!job.has_dout) return res;
+  if (!job.has_dout) {
+    finish_stats(res);
+    return res;
+  }
+  if (opt.collect_stats) params.stats = &bwd_stats;
 
   std::vector<float> dq(o.size()), dk(static_cast<size_t>(x.shape.kv_elems())), dv(dk.size());
   t0 = std::chrono::steady_clock::now();
@@ -173,6 +188,7 @@ AttnResult run_attention_cp(const AttnJob& job, const CpOptions& opt, comm::Comm
   res.dq = gather_rows(comm, m, dq, s.B, s.Hq, s.D);
   res.dk = gather_rows(comm, m, dk, s.B, s.Hkv, s.D);
   res.dv = gather_rows(comm, m, dv, s.B, s.Hkv, s.D);
+  finish_stats(res);
   return res;
 }
 
@@ -185,7 +201,7 @@ AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communic
   const int64_t fingerprint[] = {s.B, s.Hq, s.Hkv, s.Lq, s.D, static_cast<int64_t>(job.dtype), job.has_dout,
                                  job.mask.causal, job.mask.window, job.mask.bidirectional_groups};
   agree_equal(comm, fingerprint, "the input's shapes, dtype or mask options");
-  if (comm.size() > 1 && s.B > 0 && s.Lq > 0) return run_attention_cp(job, cp, comm);
+  if ((comm.size() > 1 || cp.collect_stats) && s.B > 0 && s.Lq > 0) return run_attention_cp(job, cp, comm);
 
   AttnResult r;
   r.out.assign(static_cast<size_t>(s.q_elems()), 0.f);

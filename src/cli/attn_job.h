@@ -41,6 +41,7 @@ AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optio
 struct CpOptions {
   std::string shard = "auto";  // contiguous | zigzag | balanced | auto (the best one for the mask)
   std::string algo = "ring";   // ring | allgather
+  bool collect_stats = false;  // fill AttnResult::stats_json (runs the CP path even on one rank)
 };
 
 struct AttnResult {
@@ -49,6 +50,7 @@ struct AttnResult {
   std::vector<float> dq;      // [B, Hq, S, D]; empty without dout
   std::vector<float> dk, dv;  // [B, Hkv, S, D]; empty without dout
   double forward_seconds = 0, backward_seconds = 0;
+  std::string stats_json;  // with CpOptions::collect_stats: every rank's CP figures (cp::cp_stats_json)
 };
 
 // The CP boundary: every rank of `comm` passes the same job; rank 0 gets the whole result. A collective call.

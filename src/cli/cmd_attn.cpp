@@ -2,6 +2,7 @@
 //
 //     ringflex attn --in IN.safetensors --out OUT.safetensors [--window W] [--no-causal] [--bidirectional-groups]
 //                   [--scale X] [--shard contiguous|zigzag|balanced] [--algo ring|allgather] [--threads N]
+//                   [--stats FILE.json]
 //
 // Run as `mpirun -n P ringflex attn ...` or plainly (P = 1). Every rank reads and validates the input itself,
 // the ranks agree that all of them succeeded (a bad input is one line on every rank, never a hang), the job
@@ -16,6 +17,7 @@
 #include "cli/attn_job.h"
 #include "cli/command.h"
 #include "comm/mpi_comm.h"
+#include "core/error.h"
 
 namespace rf::cli {
 
@@ -30,7 +32,16 @@ struct AttnOptions {
   std::optional<float> scale;
   CpOptions cp;
   int threads = 0;  // 0: OpenMP's default (every core)
+  std::string stats;  // --stats: per-rank CP figures as JSON
 };
+
+void write_text_file(const std::string& path, const std::string& text) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  RF_CHECK(f != nullptr, path, ": cannot open for writing");
+  const size_t written = std::fwrite(text.data(), 1, text.size(), f);
+  const bool closed = std::fclose(f) == 0;
+  RF_CHECK(written == text.size() && closed, path, ": cannot write");
+}
 
 int run_attn(const AttnOptions& opt) {
   if (opt.threads > 0) omp_set_num_threads(opt.threads);
@@ -39,7 +50,9 @@ int run_attn(const AttnOptions& opt) {
   agree(*world, [&] { job = read_attn_job(opt.in, opt.mask, opt.scale); });
   const AttnResult result = run_attention(job, opt.cp, *world);
   agree(*world, [&] {
-    if (world->rank() == 0) write_attn_result(opt.out, job, result);
+    if (world->rank() != 0) return;
+    write_attn_result(opt.out, job, result);
+    if (!opt.stats.empty()) write_text_file(opt.stats, result.stats_json);
   });
   if (world->rank() == 0) {
     const AttnShape& s = job.shape;
@@ -66,9 +79,11 @@ void add_attn_command(CLI::App& app, Runner& run) {
   cmd->add_option("--shard", opt->cp.shard, "Sharding scheme (default: the best one)")
       ->check(CLI::IsMember({"contiguous", "zigzag", "balanced"}));
   cmd->add_option("--algo", opt->cp.algo, "CP algorithm")->check(CLI::IsMember({"ring", "allgather"}));
+  cmd->add_option("--stats", opt->stats, "Write per-rank CP figures (work, bytes, memory, times) as JSON");
   cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")->check(CLI::Range(1, kMaxThreads));
   cmd->callback([&run, opt] {
     opt->mask.causal = !opt->no_causal;
+    opt->cp.collect_stats = !opt->stats.empty();
     run = [opt] { return run_attn(*opt); };
   });
 }

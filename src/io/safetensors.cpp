@@ -343,7 +343,8 @@ void SafetensorsWriter::write(const std::string& path) const {
   bool ok = std::fwrite(&n, kLengthBytes, 1, f) == 1 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
   for (const auto* e : data_order(entries_)) {
     const std::span<const std::byte> b = e->second.bytes;
-    ok = ok && std::fwrite(b.data(), 1, b.size(), f) == b.size();
+    // An empty tensor's span may hold a null pointer, which fwrite must not be given even for 0 bytes.
+    ok = ok && (b.empty() || std::fwrite(b.data(), 1, b.size(), f) == b.size());
   }
   const int write_errno = errno;
   const bool closed = std::fclose(f) == 0;

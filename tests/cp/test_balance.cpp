@@ -5,11 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <numeric>
 #include <random>
+#include <utility>
 
 #include "common/random_case.h"
 #include "core/row_meta.h"
 #include "cp/balance.h"
+#include "cp/plan.h"
 
 namespace rf::cp {
 namespace {
@@ -118,6 +121,129 @@ TEST(Balance, MeetsImbalanceTargetAtEightRanks) {
     const std::vector<TokenMeta> vlm = gemma4_vlm_row(kS, seed);
     EXPECT_LE(balanced_shard(vlm.data(), 1, kS, kP, gemma).imbalance, kTarget) << "seed " << seed;
   }
+}
+
+// Hand-built layouts the balancer must not lose to: contiguous (rank r holds [r m, (r + 1) m)) and zigzag (two
+// equal chunks, r and 2P - 1 - r). Owner of each block: [n].
+std::vector<int> contiguous_owner(int P, int m) {
+  std::vector<int> owner(static_cast<size_t>(P * m));
+  for (int j = 0; j < P * m; ++j) owner[j] = j / m;
+  return owner;
+}
+
+std::vector<int> zigzag_owner(int P, int m) {
+  const int half = m / 2;
+  std::vector<int> owner(static_cast<size_t>(P * m));
+  for (int j = 0; j < P * m; ++j) {
+    const int chunk = j / half;
+    owner[j] = chunk < P ? chunk : 2 * P - 1 - chunk;
+  }
+  return owner;
+}
+
+// Largest load and largest halo (block_halo summed over each rank's runs' first blocks), counted by brute force.
+std::pair<int64_t, int64_t> peak_and_halo(const std::vector<int>& owner, const std::vector<int64_t>& work,
+                                          const std::vector<int64_t>& halo, int P) {
+  std::vector<int64_t> load(static_cast<size_t>(P), 0), h(static_cast<size_t>(P), 0);
+  for (size_t j = 0; j < owner.size(); ++j) {
+    load[owner[j]] += work[j];
+    if (j == 0 || owner[j] != owner[j - 1]) h[owner[j]] += halo[j];
+  }
+  return {*std::max_element(load.begin(), load.end()), *std::max_element(h.begin(), h.end())};
+}
+
+// Within the tolerance the balancer picks the least halo: never more than contiguous or zigzag when they are within
+// it (both lie in its zigzag-with-movable-cuts search), and its own layout is then within it too. Reported halo and
+// per-rank work equal a brute-force recount. Exact integer comparisons; the tolerance is the option under test.
+TEST(Balance, LeastHaloWithinTolerance) {
+  std::mt19937_64 rng(21);
+  for (const double tolerance : {1.0, 1.05, 1.3}) {
+    for (const int P : {2, 4, 8}) {
+      for (const int m : {2, 4, 8}) {
+        for (int trial = 0; trial < 20; ++trial) {
+          const int n = P * m;
+          std::vector<int64_t> w(static_cast<size_t>(n)), halo(static_cast<size_t>(n));
+          for (int64_t& x : w) x = 100 + static_cast<int64_t>(rng() % 60);  // lumpy but not wild
+          for (int64_t& x : halo) x = rng() % 3 == 0 ? 0 : static_cast<int64_t>(rng() % 500);
+          const BlockAssignment a = assign_blocks(w, P, halo, BalanceOptions{tolerance});
+          std::vector<int> owner(static_cast<size_t>(n), -1);
+          for (int r = 0; r < P; ++r) {
+            ASSERT_EQ(static_cast<int>(a.blocks[r].size()), m);
+            int64_t sum = 0;
+            for (const int32_t j : a.blocks[r]) {
+              ASSERT_EQ(owner[j], -1) << "block " << j << " dealt twice";
+              owner[j] = r;
+              sum += w[j];
+            }
+            EXPECT_EQ(sum, a.work[r]);
+          }
+          const auto [peak, max_h] = peak_and_halo(owner, w, halo, P);
+          EXPECT_EQ(max_h, a.max_halo);
+          const int64_t total = std::accumulate(w.begin(), w.end(), int64_t{0});
+          const auto within = [&](int64_t p) { return static_cast<double>(p) * P <= tolerance * total; };
+          for (const std::vector<int>& ref : {contiguous_owner(P, m), zigzag_owner(P, m)}) {
+            const auto [ref_peak, ref_halo] = peak_and_halo(ref, w, halo, P);
+            if (within(ref_peak)) {
+              EXPECT_TRUE(within(peak)) << "P=" << P << " m=" << m << " trial " << trial;
+              EXPECT_LE(max_h, ref_halo) << "P=" << P << " m=" << m << " trial " << trial;
+            } else if (!within(peak)) {
+              EXPECT_LE(peak, ref_peak) << "fallback must be the best-balanced candidate";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+int64_t max_recv_tokens(const std::vector<TokenMeta>& row, const ShardMap& map, const LayerMix& mix,
+                        const LayerMask& m) {
+  const std::vector<BlockSummary> sums = summarize_all_shards(row.data(), 1, map, kPlanBlock);
+  const Plan plan = make_plan(PlanGeometry{map.P, 1, map.L, kPlanBlock}, sums.data(), mix);
+  int64_t most = 0;
+  for (int r = 0; r < map.P; ++r) most = std::max(most, plan.for_mask(m).recv_tokens(r));
+  return most;
+}
+
+// One long causal document under the Gemma 4 mix: the balanced layout is zigzag-like (two runs a rank), within the
+// issue's 1.05, and its sliding layer receives no more than zigzag's (the plan's exact counts).
+TEST(Balance, OneLongDocumentIsZigzagLike) {
+  constexpr int kS = 8192, kP = 8;
+  const std::vector<TokenMeta> row = make_row_meta(kS, nullptr, nullptr);
+  const LayerMask sliding{true, 1024, false};
+  const LayerMix mix = {{sliding, 5}, {{true, 0, false}, 1}};
+  const BalancedShard bs = balanced_shard(row.data(), 1, kS, kP, mix);
+  EXPECT_LE(bs.imbalance, kDefaultMaxImbalance);
+  EXPECT_LE(bs.max_runs, 2);
+  const ShardMap zigzag = make_shard_map(Scheme::Zigzag, kS, kP, kPlanBlock);
+  EXPECT_LE(max_recv_tokens(row, bs.map, mix, sliding), max_recv_tokens(row, zigzag, mix, sliding));
+}
+
+// Block-aligned documents shorter than L that whole-document layouts can balance exactly are never split: here
+// P = 2, L = 4 blocks, documents of 2, 2, 1, 1, 1, 1 blocks under full causal + sliding layers. Contiguous is
+// unbalanced (two 2-block documents against four 1-block ones: 2 x 32^2 vs 4 x 16^2 pairs, roughly); one 2-block
+// and two 1-block documents per rank is perfect and splits nothing. Oracle: every document on one rank.
+TEST(Balance, ShortDocumentsStayWhole) {
+  constexpr int kBlock = 16, kP = 2;
+  const std::vector<int> doc_blocks = {2, 2, 1, 1, 1, 1};
+  std::vector<int32_t> doc;
+  for (size_t d = 0; d < doc_blocks.size(); ++d) {
+    doc.insert(doc.end(), doc_blocks[d] * kBlock, static_cast<int32_t>(d + 1));
+  }
+  const int S = static_cast<int>(doc.size());
+  const std::vector<TokenMeta> row = make_row_meta(S, doc.data(), nullptr);
+  const LayerMix mix = {{{true, kBlock, false}, 5}, {{true, 0, false}, 1}};
+  const BalancedShard bs = balanced_shard(row.data(), 1, S, kP, mix, kBlock);
+  EXPECT_LE(bs.imbalance, kDefaultMaxImbalance);
+  std::vector<int> owner_of_doc(doc_blocks.size() + 1, -1);
+  for (int r = 0; r < kP; ++r) {
+    for (const int32_t p : bs.map.positions[r]) {
+      int& o = owner_of_doc[doc[p]];
+      EXPECT_TRUE(o < 0 || o == r) << "document " << doc[p] << " is split";
+      o = r;
+    }
+  }
+  EXPECT_EQ(bs.max_halo, 0);
 }
 
 }  // namespace
