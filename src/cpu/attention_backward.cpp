@@ -194,7 +194,9 @@ void attention_backward(const AttnChunk& c, const void* dout, const float* lse, 
   const AttnShape& s = c.shape;
   RF_CHECK(s.q_elems() == 0 || (dout && lse && delta && dq), "attention_backward without dout/lse/delta/dq");
   RF_CHECK(s.kv_elems() == 0 || (dk && dv), "attention_backward without dk/dv buffers");
-  dispatch(s.D, c.dtype, [&]<int kDp, DType kT>() { backward_impl<kDp, kT>(c, dout, lse, delta, dq, dk, dv); });
+  // The backward has no AMX path yet: bf16 runs the AVX-512 kernels whatever kAmx says.
+  dispatch(s.D, c.dtype,
+           [&]<int kDp, DType kT, bool>() { backward_impl<kDp, kT>(c, dout, lse, delta, dq, dk, dv); });
 }
 
 }  // namespace rf::cpu
