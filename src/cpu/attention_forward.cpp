@@ -16,7 +16,6 @@
 #include <vector>
 
 #include "core/error.h"
-#include "cpu/amx.h"
 #include "cpu/attention.h"
 #include "cpu/dispatch.h"
 #include "cpu/tiles.h"
@@ -27,19 +26,16 @@ namespace {
 
 using namespace detail;
 
-// Head dimension of the AMX path: whole A tiles along d (kAmxPairs pairs = 32 bf16), zero padded.
-constexpr int amx_padded_dim(int D) { return (D + 2 * kAmxPairs - 1) / (2 * kAmxPairs) * (2 * kAmxPairs); }
-
 // kAmx: bf16 inputs with S = Q K^T on AMX tiles (Q and K^T packed as bf16 pairs, amx.h); the online softmax and
 // O += P V stay in float32 exactly as on the AVX-512 path.
 template <int kDp, DType kT, bool kAmx>
 void forward_impl(const AttnChunk& c, float* o, float* lse) {
   static_assert(!kAmx || kT == DType::BF16, "the AMX path is for bf16 inputs");
-  using QK = std::conditional_t<kAmx, uint32_t, Dot<kT>>;  // element type of the packed Q and K^T operands
+  using QK = ScoreOperand<kT, kAmx>;  // element type of the packed Q and K^T operands
   const AttnShape& s = c.shape;
-  const int D = s.D, Dp = kDp > 0 ? kDp : (kAmx ? amx_padded_dim(D) : padded_dim<kT>(D)), dr = pair_row<QK>(Dp);
+  const int D = s.D, Dp = kDp > 0 ? kDp : path_padded_dim<kT, kAmx>(D), dr = pair_row<QK>(Dp);
   const int ld = row_stride(Dp), ds = pair_row<QK>(ld);  // strides of packed rows
-  RF_ASSERT(Dp == (kAmx ? amx_padded_dim(D) : padded_dim<kT>(D)));
+  RF_ASSERT((Dp == path_padded_dim<kT, kAmx>(D)));
   const int nqt = ceil_div(s.Lq, kTileQ), nkt = ceil_div(s.Lk, kTileK), group = s.group_size();
   const int hpi = heads_per_item(group, Dp), chunks = ceil_div(group, hpi);
   const std::vector<BlockSummary> qsum = tile_summaries(c.q_meta, s.B, s.Lq, kTileQ);
@@ -96,10 +92,7 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
         const float* vbuf = v_rows.get() + tile * kTileK * ld;
         for (int hh = 0; hh < nh; ++hh) {
           const size_t r0 = static_cast<size_t>(hh) * kTileQ;
-          if constexpr (kAmx)
-            amx_abt(qbuf.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
-          else
-            abt<kDp>(qbuf.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
+          score_tile<kDp, kAmx>(qbuf.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
           softmax_step(sbuf.data(), nq, bits.data(), c2, m.data() + r0, l.data() + r0, obuf.data() + r0 * Dp, Dp);
           acc<kDp>(sbuf.data(), kTileK, 1, nk, vbuf, ld, Dp, nq, obuf.data() + r0 * Dp);
         }

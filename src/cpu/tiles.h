@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/attention_args.h"
+#include "cpu/amx.h"
 #include "cpu/attention.h"
 #include "cpu/microkernels.h"
 
@@ -38,6 +39,17 @@ constexpr int padded_dim(int D) {
   constexpr int kMultiple = kBf16Dot<kT> ? 2 * kLanes : kLanes;
   return (D + kMultiple - 1) / kMultiple * kMultiple;
 }
+
+// The AMX path (dispatch.h kAmx) pads to whole A tiles along d: kAmxPairs pairs = 32 bf16.
+constexpr int amx_padded_dim(int D) { return (D + 2 * kAmxPairs - 1) / (2 * kAmxPairs) * (2 * kAmxPairs); }
+template <DType kT, bool kAmx>
+constexpr int path_padded_dim(int D) {
+  return kAmx ? amx_padded_dim(D) : padded_dim<kT>(D);
+}
+
+// Element type of the packed abt operands on a path: bf16 pairs on AMX, else Dot<kT>.
+template <DType kT, bool kAmx>
+using ScoreOperand = std::conditional_t<kAmx, uint32_t, Dot<kT>>;
 
 // Elements of Dot<kT> in one packed row of Dp values.
 template <DType kT>
@@ -183,6 +195,16 @@ inline void pack_cols_dot(const void* src, int nk, int D, int Dp, C* dst) {
       for (int d = 0; d < D; ++d) dst[d * kTileK + j] = load_elem<kT>(src, int64_t{j} * D + d);
     }
   }
+}
+
+// The abt product (S = Q K^T, dP = dO V^T) on the path dispatch.h chose: AMX tiles (amx.h; needs an active
+// AmxTileScope, and a and c with whole 16-row blocks) or the AVX-512 / scalar micro-kernel.
+template <int kDp, bool kAmx, typename C>
+inline void score_tile(const C* a, int lda, const C* bt, int Dp, int rows, float* c) {
+  if constexpr (kAmx)
+    amx_abt(a, lda, bt, Dp, rows, c);
+  else
+    abt<kDp>(a, lda, bt, Dp, rows, c);
 }
 
 // Packed-tile storage, left uninitialised: only needed tiles are read and packing writes every element of those
