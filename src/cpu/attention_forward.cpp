@@ -9,6 +9,8 @@
 // query head of the chunk runs S = Q K^T, the online-softmax step and O += P V against it while it is in cache —
 // GQA without copying K/V per query head. Scores, the running max/sum and O accumulate in float32; the
 // softmax runs in log2 units (scale·log2 e folded into one multiply) with the vector exp2 of microkernels.h.
+// With bf16 inputs on an AMX machine (dispatch.h kAmx) Q and K^T are packed as bf16 pairs and S = Q K^T runs on
+// AMX tiles (amx.h); P V stays float32 (a bf16 P would break the float32-derived error bounds of tests/cpu).
 // Memory: the packed K/V tiles (O(Lk · Dp), like the inputs) plus O(kTileQ · Dp · heads) per thread — never an
 // [Lq, Lk] score or mask matrix.
 #include <algorithm>
