@@ -41,12 +41,15 @@ inline void row_terms(const float* lse, const float* delta, int64_t row0, int n,
   }
 }
 
-template <int kDp, DType kT>
+// kAmx: bf16 inputs with the two score-like products (S = Q K^T, dP = dO V^T) on AMX tiles; the three
+// accumulating products (dV, dK, dQ) stay float32 FMAs, as their bf16 rounding would exceed the tests' bounds.
+template <int kDp, DType kT, bool kAmx>
 void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const float* delta, float* dq, float* dk,
                    float* dv) {
   const AttnShape& s = c.shape;
-  const int D = s.D, Dp = kDp > 0 ? kDp : padded_dim<kT>(D), dr = dot_row<kT>(Dp);
-  const int ld = row_stride(Dp), ds = dot_stride<kT>(Dp);  // strides of packed rows
+  using QK = ScoreOperand<kT, kAmx>;  // element type of the packed abt operands
+  const int D = s.D, Dp = kDp > 0 ? kDp : path_padded_dim<kT, kAmx>(D), dr = pair_row<QK>(Dp);
+  const int ld = row_stride(Dp), ds = pair_row<QK>(ld);  // strides of packed rows
   const int nqt = ceil_div(s.Lq, kTileQ), nkt = ceil_div(s.Lk, kTileK), group = s.group_size();
   const std::vector<BlockSummary> qsum = tile_summaries(c.q_meta, s.B, s.Lq, kTileQ);
   const std::vector<BlockSummary> ksum = tile_summaries(c.k_meta, s.B, s.Lk, kTileK);
@@ -58,16 +61,17 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
   // Needed key tiles packed once for both passes: K^T and V^T as abt operands, K as rows for dQ += dS K.
   const std::vector<uint8_t> needed = needed_key_tiles(c.mask, qsum, ksum, s.B, nqt, nkt);
   const size_t kv_tiles = static_cast<size_t>(s.B) * s.Hkv * nkt;
-  const auto k_cols = uninitialized<Dot<kT>>(kv_tiles * dr * kTileK);  // [B, Hkv, nkt, dr, kTileK]
-  const auto v_cols = uninitialized<Dot<kT>>(kv_tiles * dr * kTileK);  // [B, Hkv, nkt, dr, kTileK]
-  const auto k_rows = uninitialized<float>(kv_tiles * kTileK * ld);    // [B, Hkv, nkt, kTileK, ld]
-  pack_key_tiles<kT>(c.k, c.v, s, Dp, needed, {.k_cols = k_cols.get(), .k_rows = k_rows.get(), .v_cols = v_cols.get()});
+  const auto k_cols = uninitialized<QK>(kv_tiles * dr * kTileK);     // [B, Hkv, nkt, dr, kTileK]
+  const auto v_cols = uninitialized<QK>(kv_tiles * dr * kTileK);     // [B, Hkv, nkt, dr, kTileK]
+  const auto k_rows = uninitialized<float>(kv_tiles * kTileK * ld);  // [B, Hkv, nkt, kTileK, ld]
+  pack_key_tiles<kT, QK>(c.k, c.v, s, Dp, needed, {.k_cols = k_cols.get(), .k_rows = k_rows.get(), .v_cols = v_cols.get()});
 
   // ---- pass 1: dK, dV per key tile ----
   const int64_t items1 = int64_t{s.B} * s.Hkv * nkt;
 #pragma omp parallel
   {
-    std::vector<Dot<kT>> qd(static_cast<size_t>(kTileQ) * ds), god(qd.size());
+    const AmxTileScope amx_tiles(kAmx);
+    std::vector<QK> qd(static_cast<size_t>(kTileQ) * ds), god(qd.size());
     std::vector<float> qf(static_cast<size_t>(kTileQ) * ld), gof(qf.size());
     std::vector<float> dk_acc(static_cast<size_t>(kTileK) * Dp), dv_acc(dk_acc.size());
     std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), dpbuf(sbuf.size());
@@ -83,8 +87,8 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
       const BlockSummary& ks = ksum[static_cast<size_t>(b) * nkt + kt];
       const int64_t kv_row0 = (int64_t{b} * s.Hkv + g) * s.Lk + k0;  // dk, dv: [B, Hkv, Lk, D]
       if (!needed[static_cast<size_t>(b) * nkt + kt]) continue;  // no query reads this key tile
-      const Dot<kT>* kt_buf = k_cols.get() + static_cast<size_t>(item) * dr * kTileK;
-      const Dot<kT>* vt_buf = v_cols.get() + static_cast<size_t>(item) * dr * kTileK;
+      const QK* kt_buf = k_cols.get() + static_cast<size_t>(item) * dr * kTileK;
+      const QK* vt_buf = v_cols.get() + static_cast<size_t>(item) * dr * kTileK;
       std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
       std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
 
@@ -96,12 +100,12 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
                   bits.data());
         for (int hh = 0; hh < group; ++hh) {
           const int64_t row0 = (int64_t{b} * s.Hq + g * group + hh) * s.Lq + q0;  // q, dout: [B, Hq, Lq, D]
-          pack_rows_dot<kT>(q + row0 * D * esz, nq, D, Dp, ds, qd.data());
-          pack_rows_dot<kT>(go + row0 * D * esz, nq, D, Dp, ds, god.data());
+          pack_rows_dot<kT, QK>(q + row0 * D * esz, nq, D, Dp, ds, qd.data());
+          pack_rows_dot<kT, QK>(go + row0 * D * esz, nq, D, Dp, ds, god.data());
           // The acc products read float32 rows; for float32 inputs the dot operands already are those rows.
           const float* qrows = qf.data();
           const float* gorows = gof.data();
-          if constexpr (std::is_same_v<Dot<kT>, float>) {
+          if constexpr (std::is_same_v<QK, float>) {
             qrows = qd.data();
             gorows = god.data();
           } else {
@@ -109,8 +113,8 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
             pack_rows_f32<kT>(go + row0 * D * esz, nq, D, Dp, ld, gof.data());
           }
           row_terms(lse, delta, row0, nq, bias.data(), dl.data());
-          abt<kDp>(qd.data(), ds, kt_buf, Dp, nq, sbuf.data());
-          abt<kDp>(god.data(), ds, vt_buf, Dp, nq, dpbuf.data());
+          score_tile<kDp, kAmx>(qd.data(), ds, kt_buf, Dp, nq, sbuf.data());
+          score_tile<kDp, kAmx>(god.data(), ds, vt_buf, Dp, nq, dpbuf.data());
           grad_step(sbuf.data(), dpbuf.data(), nq, bits.data(), c2, bias.data(), dl.data(), c.scale);
           // dV += P^T dO and dK += dS^T Q read P and dS transposed in place (row stride 1, sum stride kTileK).
           acc<kDp>(sbuf.data(), 1, kTileK, nq, gorows, ld, Dp, nk, dv_acc.data());
@@ -130,7 +134,8 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
   const int64_t items2 = int64_t{s.B} * s.Hkv * nqt * chunks;
 #pragma omp parallel
   {
-    std::vector<Dot<kT>> qd(static_cast<size_t>(hpi) * kTileQ * ds), god(qd.size());
+    const AmxTileScope amx_tiles(kAmx);
+    std::vector<QK> qd(static_cast<size_t>(hpi) * kTileQ * ds), god(qd.size());
     std::vector<float> dq_acc(static_cast<size_t>(hpi) * kTileQ * Dp);
     std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), dpbuf(sbuf.size());
     std::vector<float> bias(static_cast<size_t>(hpi) * kTileQ), dl(bias.size());
@@ -148,8 +153,8 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t row0 = (int64_t{b} * s.Hq + h0 + hh) * s.Lq + q0;
         const size_t r0 = static_cast<size_t>(hh) * kTileQ;
-        pack_rows_dot<kT>(q + row0 * D * esz, nq, D, Dp, ds, qd.data() + r0 * ds);
-        pack_rows_dot<kT>(go + row0 * D * esz, nq, D, Dp, ds, god.data() + r0 * ds);
+        pack_rows_dot<kT, QK>(q + row0 * D * esz, nq, D, Dp, ds, qd.data() + r0 * ds);
+        pack_rows_dot<kT, QK>(go + row0 * D * esz, nq, D, Dp, ds, god.data() + r0 * ds);
         row_terms(lse, delta, row0, nq, bias.data() + r0, dl.data() + r0);
       }
       std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
@@ -164,13 +169,13 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
         tile_bits(cls, c.mask, c.q_meta + int64_t{b} * s.Lq + q0, nq, c.k_meta + int64_t{b} * s.Lk + k0, nk,
                   bits.data());
         const size_t tile = static_cast<size_t>(kv_head) * nkt + kt;
-        const Dot<kT>* kt_buf = k_cols.get() + tile * dr * kTileK;
-        const Dot<kT>* vt_buf = v_cols.get() + tile * dr * kTileK;
+        const QK* kt_buf = k_cols.get() + tile * dr * kTileK;
+        const QK* vt_buf = v_cols.get() + tile * dr * kTileK;
         const float* kf = k_rows.get() + tile * kTileK * ld;
         for (int hh = 0; hh < nh; ++hh) {
           const size_t r0 = static_cast<size_t>(hh) * kTileQ;
-          abt<kDp>(qd.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
-          abt<kDp>(god.data() + r0 * ds, ds, vt_buf, Dp, nq, dpbuf.data());
+          score_tile<kDp, kAmx>(qd.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
+          score_tile<kDp, kAmx>(god.data() + r0 * ds, ds, vt_buf, Dp, nq, dpbuf.data());
           grad_step(sbuf.data(), dpbuf.data(), nq, bits.data(), c2, bias.data() + r0, dl.data() + r0, c.scale);
           acc<kDp>(dpbuf.data(), kTileK, 1, nk, kf, ld, Dp, nq, dq_acc.data() + r0 * Dp);
         }
@@ -194,7 +199,9 @@ void attention_backward(const AttnChunk& c, const void* dout, const float* lse, 
   const AttnShape& s = c.shape;
   RF_CHECK(s.q_elems() == 0 || (dout && lse && delta && dq), "attention_backward without dout/lse/delta/dq");
   RF_CHECK(s.kv_elems() == 0 || (dk && dv), "attention_backward without dk/dv buffers");
-  dispatch(s.D, c.dtype, [&]<int kDp, DType kT>() { backward_impl<kDp, kT>(c, dout, lse, delta, dq, dk, dv); });
+  dispatch(s.D, c.dtype, [&]<int kDp, DType kT, bool kAmx>() {
+    backward_impl<kDp, kT, kAmx>(c, dout, lse, delta, dq, dk, dv);
+  });
 }
 
 }  // namespace rf::cpu

@@ -9,6 +9,8 @@
 // query head of the chunk runs S = Q K^T, the online-softmax step and O += P V against it while it is in cache —
 // GQA without copying K/V per query head. Scores, the running max/sum and O accumulate in float32; the
 // softmax runs in log2 units (scale·log2 e folded into one multiply) with the vector exp2 of microkernels.h.
+// With bf16 inputs on an AMX machine (dispatch.h kAmx) Q and K^T are packed as bf16 pairs and S = Q K^T runs on
+// AMX tiles (amx.h); P V stays float32 (a bf16 P would break the float32-derived error bounds of tests/cpu).
 // Memory: the packed K/V tiles (O(Lk · Dp), like the inputs) plus O(kTileQ · Dp · heads) per thread — never an
 // [Lq, Lk] score or mask matrix.
 #include <algorithm>
@@ -26,12 +28,16 @@ namespace {
 
 using namespace detail;
 
-template <int kDp, DType kT>
+// kAmx: bf16 inputs with S = Q K^T on AMX tiles (Q and K^T packed as bf16 pairs, amx.h); the online softmax and
+// O += P V stay in float32 exactly as on the AVX-512 path.
+template <int kDp, DType kT, bool kAmx>
 void forward_impl(const AttnChunk& c, float* o, float* lse) {
+  static_assert(!kAmx || kT == DType::BF16, "the AMX path is for bf16 inputs");
+  using QK = ScoreOperand<kT, kAmx>;  // element type of the packed Q and K^T operands
   const AttnShape& s = c.shape;
-  const int D = s.D, Dp = kDp > 0 ? kDp : padded_dim<kT>(D), dr = dot_row<kT>(Dp);
-  const int ld = row_stride(Dp), ds = dot_stride<kT>(Dp);  // strides of packed rows
-  RF_ASSERT(Dp == padded_dim<kT>(D));
+  const int D = s.D, Dp = kDp > 0 ? kDp : path_padded_dim<kT, kAmx>(D), dr = pair_row<QK>(Dp);
+  const int ld = row_stride(Dp), ds = pair_row<QK>(ld);  // strides of packed rows
+  RF_ASSERT((Dp == path_padded_dim<kT, kAmx>(D)));
   const int nqt = ceil_div(s.Lq, kTileQ), nkt = ceil_div(s.Lk, kTileK), group = s.group_size();
   const int hpi = heads_per_item(group, Dp), chunks = ceil_div(group, hpi);
   const std::vector<BlockSummary> qsum = tile_summaries(c.q_meta, s.B, s.Lq, kTileQ);
@@ -41,14 +47,16 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
   const int64_t items = int64_t{s.B} * s.Hkv * nqt * chunks;
   const std::vector<uint8_t> needed = needed_key_tiles(c.mask, qsum, ksum, s.B, nqt, nkt);
   const size_t kv_tiles = static_cast<size_t>(s.B) * s.Hkv * nkt;
-  const auto k_cols = uninitialized<Dot<kT>>(kv_tiles * dr * kTileK);  // K^T tiles: [B, Hkv, nkt, dr, kTileK]
-  const auto v_rows = uninitialized<float>(kv_tiles * kTileK * ld);    // V tiles: [B, Hkv, nkt, kTileK, ld]
-  pack_key_tiles<kT>(c.k, c.v, s, Dp, needed, {.k_cols = k_cols.get(), .v_rows = v_rows.get()});
+  const auto k_cols = uninitialized<QK>(kv_tiles * dr * kTileK);    // K^T tiles: [B, Hkv, nkt, dr, kTileK]
+  const auto v_rows = uninitialized<float>(kv_tiles * kTileK * ld);  // V tiles: [B, Hkv, nkt, kTileK, ld]
+  pack_key_tiles<kT, QK>(c.k, c.v, s, Dp, needed, {.k_cols = k_cols.get(), .v_rows = v_rows.get()});
 
 #pragma omp parallel
   {
-    // Per-thread tile buffers, reused by every item the thread runs.
-    std::vector<Dot<kT>> qbuf(static_cast<size_t>(hpi) * kTileQ * ds);
+    const AmxTileScope amx_tiles(kAmx);
+    // Per-thread tile buffers, reused by every item the thread runs. qbuf holds whole kTileQ-row tiles per head,
+    // so amx_abt may read rows past nq (rows of an earlier item; their scores are never used).
+    std::vector<QK> qbuf(static_cast<size_t>(hpi) * kTileQ * ds);
     std::vector<float> obuf(static_cast<size_t>(hpi) * kTileQ * Dp);
     std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), m(static_cast<size_t>(hpi) * kTileQ);
     std::vector<float> l(m.size());
@@ -67,7 +75,7 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
       // Query rows of head h0 + hh live at qbuf[hh · kTileQ · ds]; q: [B, Hq, Lq, D].
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t row0 = (int64_t{b} * s.Hq + h0 + hh) * s.Lq + q0;
-        pack_rows_dot<kT>(static_cast<const char*>(c.q) + row0 * D * esz, nq, D, Dp, ds,
+        pack_rows_dot<kT, QK>(static_cast<const char*>(c.q) + row0 * D * esz, nq, D, Dp, ds,
                           qbuf.data() + static_cast<size_t>(hh) * kTileQ * ds);
       }
       std::fill(obuf.begin(), obuf.end(), 0.f);
@@ -82,11 +90,11 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
         tile_bits(cls, c.mask, c.q_meta + int64_t{b} * s.Lq + q0, nq, c.k_meta + int64_t{b} * s.Lk + k0, nk,
                   bits.data());
         const size_t tile = static_cast<size_t>(kv_head) * nkt + kt;
-        const Dot<kT>* kt_buf = k_cols.get() + tile * dr * kTileK;
+        const QK* kt_buf = k_cols.get() + tile * dr * kTileK;
         const float* vbuf = v_rows.get() + tile * kTileK * ld;
         for (int hh = 0; hh < nh; ++hh) {
           const size_t r0 = static_cast<size_t>(hh) * kTileQ;
-          abt<kDp>(qbuf.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
+          score_tile<kDp, kAmx>(qbuf.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
           softmax_step(sbuf.data(), nq, bits.data(), c2, m.data() + r0, l.data() + r0, obuf.data() + r0 * Dp, Dp);
           acc<kDp>(sbuf.data(), kTileK, 1, nk, vbuf, ld, Dp, nq, obuf.data() + r0 * Dp);
         }
@@ -128,7 +136,7 @@ void delta_impl(const AttnShape& s, const void* dout, const float* o, float* del
 void attention_forward(const AttnChunk& c, float* o, float* lse) {
   validate(c);
   RF_CHECK(c.shape.lse_elems() == 0 || (o && lse), "attention_forward without output buffers");
-  dispatch(c.shape.D, c.dtype, [&]<int kDp, DType kT>() { forward_impl<kDp, kT>(c, o, lse); });
+  dispatch(c.shape.D, c.dtype, [&]<int kDp, DType kT, bool kAmx>() { forward_impl<kDp, kT, kAmx>(c, o, lse); });
 }
 
 void attention_delta(const AttnShape& s, DType dtype, const void* dout, const float* o, float* delta) {

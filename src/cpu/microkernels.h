@@ -15,6 +15,7 @@
 // optionally (kHaveBf16Dot) the abt product uses vdpbf16ps instead, two multiply-adds per float32 lane (pairs of
 // adjacent d) with float32 accumulation: A's rows are bf16 pairs broadcast as 32-bit words, Bt is packed as
 // [Dp/2, kTileK] pairs.
+// On CPUs with AMX-BF16 the bf16 abt products run on AMX tiles instead (amx.h, chosen at run time in dispatch.h).
 // Without AVX-512 the same functions are plain loops, so the code compiles and runs everywhere.
 #pragma once
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/attention_args.h"
+#include "cpu/amx.h"
 #include "cpu/attention.h"
 #include "cpu/microkernels.h"
 
@@ -38,6 +39,17 @@ constexpr int padded_dim(int D) {
   constexpr int kMultiple = kBf16Dot<kT> ? 2 * kLanes : kLanes;
   return (D + kMultiple - 1) / kMultiple * kMultiple;
 }
+
+// The AMX path (dispatch.h kAmx) pads to whole A tiles along d: kAmxPairs pairs = 32 bf16.
+constexpr int amx_padded_dim(int D) { return (D + 2 * kAmxPairs - 1) / (2 * kAmxPairs) * (2 * kAmxPairs); }
+template <DType kT, bool kAmx>
+constexpr int path_padded_dim(int D) {
+  return kAmx ? amx_padded_dim(D) : padded_dim<kT>(D);
+}
+
+// Element type of the packed abt operands on a path: bf16 pairs on AMX, else Dot<kT>.
+template <DType kT, bool kAmx>
+using ScoreOperand = std::conditional_t<kAmx, uint32_t, Dot<kT>>;
 
 // Elements of Dot<kT> in one packed row of Dp values.
 template <DType kT>
@@ -142,10 +154,21 @@ inline void pack_rows_f32(const void* src, int rows, int D, int Dp, int ld, floa
   }
 }
 
-// Rows as abt's A operand: dst [rows, ld] of Dot<kT> (ld in elements of Dot<kT>), zero padded to Dp.
-template <DType kT>
-inline void pack_rows_dot(const void* src, int rows, int D, int Dp, int ld, Dot<kT>* dst) {
-  if constexpr (kBf16Dot<kT>) {
+// Whether operands of element type C hold bf16 pairs (uint32 words) rather than float32; pair_row is the number of
+// C elements in a packed row of Dp values. Dot<kT> is one such type; the AMX path (amx.h) uses pairs whatever
+// kHaveBf16Dot says.
+template <typename C>
+constexpr bool kPairs = std::is_same_v<C, uint32_t>;
+template <typename C>
+constexpr int pair_row(int Dp) {
+  return kPairs<C> ? Dp / 2 : Dp;
+}
+
+// Rows as abt's A operand: dst [rows, ld] of C (ld in elements of C), zero padded to Dp.
+template <DType kT, typename C = Dot<kT>>
+inline void pack_rows_dot(const void* src, int rows, int D, int Dp, int ld, C* dst) {
+  static_assert(!kPairs<C> || kT == DType::BF16, "bf16 pairs need bf16 inputs");
+  if constexpr (kPairs<C>) {
     const int pairs = Dp / 2;
     for (int r = 0; r < rows; ++r)
       for (int p = 0; p < pairs; ++p) {
@@ -159,18 +182,29 @@ inline void pack_rows_dot(const void* src, int rows, int D, int Dp, int ld, Dot<
   }
 }
 
-// A key (or value) tile src[j, 0 .. D), j < nk, as abt's transposed B operand: dst [dot_row(Dp), kTileK],
-// zero for j >= nk and d >= D. The transpose is paid once per tile and reused by every query row and head.
-template <DType kT>
-inline void pack_cols_dot(const void* src, int nk, int D, int Dp, Dot<kT>* dst) {
-  std::fill(dst, dst + int64_t{dot_row<kT>(Dp)} * kTileK, Dot<kT>{0});
+// A key (or value) tile src[j, 0 .. D), j < nk, as abt's transposed B operand: dst [pair_row<C>(Dp), kTileK],
+// zero for j >= nk and d >= D. For pairs this is the VNNI layout of amx.h: word (p, j) = (d = 2p, 2p + 1) of key j. The transpose is paid once per tile and reused by every query row and head.
+template <DType kT, typename C = Dot<kT>>
+inline void pack_cols_dot(const void* src, int nk, int D, int Dp, C* dst) {
+  static_assert(!kPairs<C> || kT == DType::BF16, "bf16 pairs need bf16 inputs");
+  std::fill(dst, dst + int64_t{pair_row<C>(Dp)} * kTileK, C{0});
   for (int j = 0; j < nk; ++j) {
-    if constexpr (kBf16Dot<kT>) {
+    if constexpr (kPairs<C>) {
       for (int d = 0; d < D; ++d) dst[(d / 2) * kTileK + j] |= bf16_bits(src, int64_t{j} * D + d) << (16 * (d % 2));
     } else {
       for (int d = 0; d < D; ++d) dst[d * kTileK + j] = load_elem<kT>(src, int64_t{j} * D + d);
     }
   }
+}
+
+// The abt product (S = Q K^T, dP = dO V^T) on the path dispatch.h chose: AMX tiles (amx.h; needs an active
+// AmxTileScope, and a and c with whole 16-row blocks) or the AVX-512 / scalar micro-kernel.
+template <int kDp, bool kAmx, typename C>
+inline void score_tile(const C* a, int lda, const C* bt, int Dp, int rows, float* c) {
+  if constexpr (kAmx)
+    amx_abt(a, lda, bt, Dp, rows, c);
+  else
+    abt<kDp>(a, lda, bt, Dp, rows, c);
 }
 
 // Packed-tile storage, left uninitialised: only needed tiles are read and packing writes every element of those
@@ -198,17 +232,17 @@ inline std::vector<uint8_t> needed_key_tiles(const LayerMask& mask, const std::v
 // fork/join) instead of once per work item: the transposes and bf16 widening then cost O(Lk·D) per call, not per
 // query tile. k, v: [B, Hkv, Lk, D] in kT. Tile t = (b·Hkv + g)·nkt + kt. Each output may be null:
 // *_cols: [tiles, dot_row(Dp), kTileK] (abt's transposed operand); *_rows: [tiles, kTileK, row_stride(Dp)] float32.
-template <DType kT>
+template <DType kT, typename C = Dot<kT>>
 struct KeyTiles {
-  Dot<kT>* k_cols = nullptr;
+  C* k_cols = nullptr;
   float* k_rows = nullptr;
-  Dot<kT>* v_cols = nullptr;
+  C* v_cols = nullptr;
   float* v_rows = nullptr;
 };
 
-template <DType kT>
+template <DType kT, typename C = Dot<kT>>
 void pack_key_tiles(const void* k, const void* v, const AttnShape& s, int Dp, const std::vector<uint8_t>& needed,
-                    const KeyTiles<kT>& out) {
+                    const KeyTiles<kT, C>& out) {
   const int nkt = ceil_div(s.Lk, kTileK), ld = row_stride(Dp);
   const int64_t tiles = int64_t{s.B} * s.Hkv * nkt;
   const size_t esz = dtype_size(kT);
@@ -218,9 +252,9 @@ void pack_key_tiles(const void* k, const void* v, const AttnShape& s, int Dp, co
     if (!needed[static_cast<size_t>(b) * nkt + kt]) continue;
     const int k0 = kt * kTileK, nk = std::min(kTileK, s.Lk - k0);
     const int64_t offset = ((t / nkt) * s.Lk + k0) * s.D * esz;
-    auto pack = [&](const void* src, Dot<kT>* cols, float* rows) {
+    auto pack = [&](const void* src, C* cols, float* rows) {
       const char* tile = static_cast<const char*>(src) + offset;
-      if (cols) pack_cols_dot<kT>(tile, nk, s.D, Dp, cols + t * dot_row<kT>(Dp) * kTileK);
+      if (cols) pack_cols_dot<kT, C>(tile, nk, s.D, Dp, cols + t * pair_row<C>(Dp) * kTileK);
       if (rows) {
         float* r = rows + t * kTileK * ld;
         pack_rows_f32<kT>(tile, nk, s.D, Dp, ld, r);

@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "core/merge.h"
+#include "cpu/amx.h"
 #include "cpu/attention.h"
 #include "cpu/microkernels.h"
 #include "attention_check.h"
@@ -297,6 +298,37 @@ TEST(CpuAttention, VectorExp2Accuracy) {
   EXPECT_EQ(y[2], 0.f);
 }
 #endif
+
+// The AMX score product on its own, against exact integer dot products: small integers are exact in bf16, their
+// products and sums (|c| < 2^24) exact in float32, so any layout mistake (the VNNI pairs of bt, the 16-row blocks
+// of a, the four 16-key blocks of c) shows as an exact mismatch. The sweep above runs the whole bf16 kernel on
+// this path whenever it is active; where it is not (no AMX-TILE/AMX-BF16, Linux refused the tile state, or
+// RINGFLEX_ISA=avx512) this test is skipped and says so.
+TEST(CpuAttention, AmxScoreTileIsExact) {
+  if (!cpu::detail::amx_enabled())
+    GTEST_SKIP() << "AMX path inactive (CPU lacks AMX-TILE/AMX-BF16, arch_prctl refused, or RINGFLEX_ISA=avx512); "
+                    "bf16 ran the AVX-512 kernels";
+  constexpr int kRows = 20, kDp = 64, kKeys = cpu::kTileK, kPadRows = 32;  // two 16-row blocks, the last partial
+  auto a_val = [](int r, int d) { return static_cast<float>((r * 3 + d) % 11 - 5); };
+  auto b_val = [](int d, int j) { return static_cast<float>((d * 5 + j * 7) % 13 - 6); };
+  auto bits = [](float x) { return uint32_t{float_to_bf16(x).bits}; };
+  std::vector<uint32_t> a(kPadRows * kDp / 2, 0), bt(kDp / 2 * kKeys);  // a: [32, Dp] pairs; bt: [Dp/2, 64] VNNI
+  for (int r = 0; r < kRows; ++r)
+    for (int p = 0; p < kDp / 2; ++p) a[r * kDp / 2 + p] = bits(a_val(r, 2 * p)) | bits(a_val(r, 2 * p + 1)) << 16;
+  for (int p = 0; p < kDp / 2; ++p)
+    for (int j = 0; j < kKeys; ++j) bt[p * kKeys + j] = bits(b_val(2 * p, j)) | bits(b_val(2 * p + 1, j)) << 16;
+  std::vector<float> c(kPadRows * kKeys);
+  {
+    const cpu::detail::AmxTileScope tiles(true);
+    cpu::detail::amx_abt(a.data(), kDp / 2, bt.data(), kDp, kRows, c.data());
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kKeys; ++j) {
+      int64_t want = 0;
+      for (int d = 0; d < kDp; ++d) want += static_cast<int64_t>(a_val(r, d)) * static_cast<int64_t>(b_val(d, j));
+      ASSERT_EQ(c[r * kKeys + j], static_cast<float>(want)) << "row " << r << " key " << j;
+    }
+}
 
 }  // namespace
 }  // namespace rf::testing

@@ -1,0 +1,131 @@
+// ringflex cpu: AMX tile configuration, detection and the bf16 score product (see amx.h for layouts).
+//
+// Tile plan for one 16-row block of C = A · B over a 64-key tile: tiles 0-3 hold C's four 16 x 16 float32 column
+// blocks (keys 0-15, 16-31, 32-47, 48-63); tile 4 holds 16 rows x 32 bf16 of A; tiles 5-7 take turns holding a
+// 16-pair x 16-key B block, so a B load does not wait on the tdpbf16ps still reading the previous one. Each A
+// tile is loaded once and used against the four B blocks. tdpbf16ps multiplies bf16 pairs exactly and
+// accumulates in float32 (denormal inputs are treated as zero, as with vdpbf16ps).
+#include "cpu/amx.h"
+
+#include <cstdlib>
+#include <string_view>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define RF_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16")))
+#endif
+
+namespace rf::cpu::detail {
+
+namespace {
+
+#if defined(__x86_64__)
+constexpr unsigned kCpuidExtLeaf = 7;
+constexpr unsigned kEdxAmxBf16 = 1u << 22;
+constexpr unsigned kEdxAmxTile = 1u << 24;
+constexpr long kArchReqXcompPerm = 0x1023;  // Linux arch_prctl: request permission for an XSAVE feature
+constexpr long kXfeatureXtiledata = 18;     // the AMX tile data state component
+
+constexpr int kTileBytes = 64;                                  // bytes of one tile row (16 floats, 32 bf16)
+constexpr int kKeyCols = 64;                                    // keys per tile (kTileK)
+constexpr int kKeyStride = kKeyCols * sizeof(uint32_t);         // bytes between bt rows and c rows
+constexpr int kColBlock = kTileBytes / sizeof(float);           // keys per C / B tile
+
+// The 64-byte LDTILECFG operand, palette 1.
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+static_assert(sizeof(TileConfig) == 64);
+
+bool detect_amx() {
+  if (const char* isa = std::getenv("RINGFLEX_ISA"); isa && std::string_view(isa) == "avx512") return false;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(kCpuidExtLeaf, 0, &a, &b, &c, &d)) return false;
+  if ((d & kEdxAmxTile) == 0 || (d & kEdxAmxBf16) == 0) return false;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+constexpr TileConfig make_config() {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  constexpr int kUsedTiles = 8;  // C 0-3, A 4, B 5-7
+  for (int t = 0; t < kUsedTiles; ++t) {
+    cfg.rows[t] = kAmxRows;
+    cfg.colsb[t] = kTileBytes;
+  }
+  return cfg;
+}
+
+// A constant in static storage, not a stack object: GCC 12 does not treat _tile_loadconfig as reading all 64
+// bytes of its operand and dropped the stores of a local configuration (the loaded one then faulted).
+constexpr TileConfig kTileConfig = make_config();
+
+RF_AMX_TARGET void load_config() { _tile_loadconfig(&kTileConfig); }
+
+RF_AMX_TARGET void release() { _tile_release(); }
+#endif
+
+}  // namespace
+
+bool amx_enabled() {
+#if defined(__x86_64__)
+  static const bool enabled = detect_amx();
+  return enabled;
+#else
+  return false;
+#endif
+}
+
+AmxTileScope::AmxTileScope(bool active) : active_(active) {
+#if defined(__x86_64__)
+  if (active_) load_config();
+#endif
+}
+
+AmxTileScope::~AmxTileScope() {
+#if defined(__x86_64__)
+  if (active_) release();
+#endif
+}
+
+#if defined(__x86_64__)
+RF_AMX_TARGET void amx_abt(const uint32_t* a, int lda, const uint32_t* bt, int Dp, int rows, float* c) {
+  const int pairs = Dp / 2;
+  const int a_stride = lda * static_cast<int>(sizeof(uint32_t));
+  for (int r0 = 0; r0 < rows; r0 += kAmxRows) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int p0 = 0; p0 < pairs; p0 += kAmxPairs) {
+      const uint32_t* b = bt + p0 * kKeyCols;
+      _tile_loadd(4, a + r0 * lda + p0, a_stride);
+      _tile_loadd(5, b, kKeyStride);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, b + kColBlock, kKeyStride);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, b + 2 * kColBlock, kKeyStride);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, b + 3 * kColBlock, kKeyStride);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    float* out = c + r0 * kKeyCols;
+    _tile_stored(0, out, kKeyStride);
+    _tile_stored(1, out + kColBlock, kKeyStride);
+    _tile_stored(2, out + 2 * kColBlock, kKeyStride);
+    _tile_stored(3, out + 3 * kColBlock, kKeyStride);
+  }
+}
+#else
+void amx_abt(const uint32_t*, int, const uint32_t*, int, int, float*) {}
+#endif
+
+}  // namespace rf::cpu::detail

@@ -1,0 +1,43 @@
+// ringflex cpu: the Intel AMX (AMX-TILE + AMX-BF16) score product for bfloat16 inputs, and its run-time detection.
+//
+// Internal to src/cpu. Everything that executes AMX instructions lives in amx.cpp behind function-level target
+// attributes, so the library builds for any x86-64 and never runs them unless amx_enabled() said yes.
+#pragma once
+
+#include <cstdint>
+
+namespace rf::cpu::detail {
+
+// Whether the bf16 kernels take the AMX path, decided once per process (the one visible run-time ISA choice):
+// CPUID leaf 7 reports AMX-TILE and AMX-BF16, Linux grants the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA), and the environment variable RINGFLEX_ISA is not "avx512" (which forces the AVX-512 path,
+// so tests can run both on an AMX machine).
+bool amx_enabled();
+
+// Loads this thread's tile configuration for amx_abt on construction and releases the tiles on destruction.
+// A no-op when `active` is false. One per OpenMP thread, around the loop that calls amx_abt.
+class AmxTileScope {
+ public:
+  explicit AmxTileScope(bool active);
+  ~AmxTileScope();
+  AmxTileScope(const AmxTileScope&) = delete;
+  AmxTileScope& operator=(const AmxTileScope&) = delete;
+
+ private:
+  bool active_;
+};
+
+// Rows of one AMX A/C tile and bf16 pairs along the reduction in one A row (64 bytes).
+constexpr int kAmxRows = 16;
+constexpr int kAmxPairs = 16;
+
+// c[r, j] = sum_d a[r, d] · bt[d, j] in float32, for r < round_up(rows, kAmxRows) and j < 64 (one key tile).
+// a: [round_up(rows, 16), Dp] bf16, row-major, stored as Dp/2 uint32 words per row (the pair (d, d+1) in one
+//    word, low half = d), row stride lda words; rows past `rows` are read and give garbage rows in c.
+// bt: [Dp/2, 64] words, "VNNI" layout: word (p, j) holds the pair (d = 2p, 2p + 1) of key j — the transposed
+//    key tile with pairs of bf16 along d interleaved, exactly the B operand of tdpbf16ps (16 pair rows x 16 keys
+//    per tile). Dp must be a multiple of 32 (whole A tiles along d; the padding is zero).
+// c: [round_up(rows, 16), 64] float32. Requires an active AmxTileScope on the calling thread.
+void amx_abt(const uint32_t* a, int lda, const uint32_t* bt, int Dp, int rows, float* c);
+
+}  // namespace rf::cpu::detail
