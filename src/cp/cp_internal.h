@@ -102,6 +102,15 @@ class ForwardMerge {
   bool first_ = true;
 };
 
+// Waits for `req` if a transfer is in flight and releases it; returns whether there was one. The backward passes
+// finish step t's gradient send and receive with it at the end of step t+1.
+inline bool finish_transfer(comm::RequestPtr& req, comm::Timeout timeout) {
+  if (!req) return false;
+  req->wait(timeout);
+  req.reset();
+  return true;
+}
+
 // Backward's common start: returns delta [B, Hq, L] = rowsum(dout * o) from the merged o, and zeroes
 // dq: [B, Hq, L, D], dk, dv: [B, Hkv, L, D]; charges delta and the three gradients to the ledger.
 std::vector<float> start_backward(const CpShard& x, const float* o, const void* dout, float* dq, float* dk, float* dv,

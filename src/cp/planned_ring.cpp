@@ -244,15 +244,9 @@ void planned_ring_backward(comm::Communicator& comm, const CpShard& x, const CpP
   };
   // Step t's gradient transfers finish at the end of step t+1, after that step's compute hid them.
   const auto finish_gradients = [&](int t) {
-    GradSlot& out = contrib[t % 2];
-    if (out.req) {
-      out.req->wait(p.timeout);
-      out.req.reset();
-    }
+    finish_transfer(contrib[t % 2].req, p.timeout);
     GradSlot& in = incoming[t % 2];
-    if (!in.req) return;
-    in.req->wait(p.timeout);
-    in.req.reset();
+    if (!finish_transfer(in.req, p.timeout)) return;
     add_gradient(in, mp.recv_ranges(ring_dest(r, t, P), r));
   };
 

@@ -155,15 +155,9 @@ void ring_backward(comm::Communicator& comm, const CpShard& x, const CpParams& p
   const auto grad_bytes = static_cast<size_t>(f32_bytes(kv));
   // Step t's gradient transfers are finished at the end of step t+1, after that step's compute hid them.
   const auto finish_gradients = [&](int t) {
-    GradSlot& out = contrib[t % 2];
-    if (out.req) {
-      out.req->wait(p.timeout);
-      out.req.reset();
-    }
+    finish_transfer(contrib[t % 2].req, p.timeout);
     GradSlot& in = incoming[t % 2];
-    if (!in.req) return;
-    in.req->wait(p.timeout);
-    in.req.reset();
+    if (!finish_transfer(in.req, p.timeout)) return;
     for (int64_t i = 0; i < kv; ++i) dk[i] += in.g[i];
     for (int64_t i = 0; i < kv; ++i) dv[i] += in.g[kv + i];
   };
