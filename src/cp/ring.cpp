@@ -42,7 +42,7 @@ class KvRing {
         r_(comm.rank()),
         kv_bytes_(static_cast<size_t>(x.shape.kv_elems()) * dtype_size(x.dtype)),
         meta_count_(static_cast<size_t>(x.shape.B) * x.shape.Lk) {
-    ledger_.hold(static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)));  // the own chunk
+    ledger_.hold(chunk_bytes());  // the own chunk
   }
 
   int owner(int s) const { return (r_ - s + P_) % P_; }
@@ -64,14 +64,14 @@ class KvRing {
       const std::array<comm::RecvBuffer, 3> bufs{
           {{c.k.data(), kv_bytes_}, {c.v.data(), kv_bytes_}, {c.meta.data(), meta_count_ * sizeof(TokenMeta)}}};
       recv_ = comm_.irecv(prev, tag(s + 1, MsgKind::KeyValue), bufs, label(s + 1));
-      ledger_.received(static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)));
+      ledger_.received(chunk_bytes());
     }
     if (plan_.hops[owner(s)] >= s + 1) {
       const ChunkView c = chunk(s);
       const std::array<comm::SendBuffer, 3> bufs{
           {{c.k, kv_bytes_}, {c.v, kv_bytes_}, {c.meta, meta_count_ * sizeof(TokenMeta)}}};
       send_ = comm_.isend(next, tag(s + 1, MsgKind::KeyValue), bufs, label(s + 1));
-      ledger_.sent(static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)));
+      ledger_.sent(chunk_bytes());
     }
   }
 
@@ -82,6 +82,9 @@ class KvRing {
   }
 
  private:
+  // One chunk's K, V and metadata: what each slot holds and each transfer moves.
+  int64_t chunk_bytes() const { return static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)); }
+
   std::string label(int s) const { return concat("K/V of rank ", owner(s), " for ring step ", s); }
 
   ChunkSlot& slot(int s) {
@@ -90,7 +93,7 @@ class KvRing {
       c.k.resize(kv_bytes_);
       c.v.resize(kv_bytes_);
       c.meta.resize(meta_count_);
-      ledger_.hold(static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)));
+      ledger_.hold(chunk_bytes());
     }
     return c;
   }
@@ -101,7 +104,8 @@ class KvRing {
   comm::Timeout timeout_;
   Ledger& ledger_;
   int P_, r_;
-  size_t kv_bytes_, meta_count_;
+  size_t kv_bytes_;    // one of k, v: [B, Hkv, L, D] in the input dtype
+  size_t meta_count_;  // meta: [B, L]
   std::array<ChunkSlot, 2> slots_;
   comm::RequestPtr recv_, send_;
 };
