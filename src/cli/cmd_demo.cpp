@@ -206,8 +206,9 @@ int run_demo(const DemoOptions& o, comm::Communicator& world) {
   const bool rank0 = world.rank() == 0;
   if (rank0) {
     std::printf("ringflex demo: one Gemma 4-like packed VLM row: S = %d tokens, %d documents, %d image groups of "
-                "<= 256 tokens, %d padding; Hq = %d, Hkv = %d, %s, %d rank(s) x %d thread(s)\n",
-                o.S, docs, group_max + 1, padding, o.Hq, o.Hkv, o.dtype.c_str(), world.size(), omp_get_max_threads());
+                "<= %d tokens, %d padding; Hq = %d, Hkv = %d, %s, %d rank(s) x %d thread(s)\n",
+                o.S, docs, group_max + 1, kGemma4ImageSoftTokens, padding, o.Hq, o.Hkv, o.dtype.c_str(), world.size(),
+                omp_get_max_threads());
     std::printf("%-8s %-22s %4s %8s %9s %11s %9s %11s\n", "layer", "mask", "D", "A/S^2", "forward", "GFLOP/s",
                 "backward", "GFLOP/s");
   }
