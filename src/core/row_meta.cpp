@@ -1,3 +1,4 @@
+// ringflex core: row metadata from token types and documents, and the synthetic Gemma 4-like rows (see row_meta.h).
 #include "core/row_meta.h"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// ringflex cp: the `balanced` scheme: dealing blocks to ranks by work, then reducing halos (see balance.h).
 #include "cp/balance.h"
 
 #include <algorithm>

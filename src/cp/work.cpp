@@ -1,3 +1,4 @@
+// ringflex cp: parsing the layer mix and counting each token's attention work exactly (see work.h).
 #include "cp/work.h"
 
 #include <algorithm>
