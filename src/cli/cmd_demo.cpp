@@ -82,6 +82,11 @@ std::vector<std::byte> random_tensor(int64_t n, DType t, uint64_t seed) {
   return bytes;
 }
 
+// Seeds of the demo's tensors: make_job draws q, k, v, dout from seed + 1 .. seed + 4, so layers step the seed by
+// kSeedsPerLayer and each --seed value owns kSeedsPerRun of them (room for ten layers).
+constexpr uint64_t kSeedsPerLayer = 10;
+constexpr uint64_t kSeedsPerRun = 100;
+
 AttnJob make_job(const DemoOptions& o, const DemoLayer& layer, const std::vector<TokenMeta>& meta, uint64_t seed) {
   AttnJob job;
   job.shape = {1, o.Hq, o.Hkv, o.S, o.S, layer.D};
@@ -214,7 +219,7 @@ int run_demo(const DemoOptions& o, comm::Communicator& world) {
   }
   std::vector<CheckResult> checks;
   for (const DemoLayer& layer : layers) {
-    const AttnJob job = make_job(o, layer, meta, o.seed * 100 + checks.size() * 10);
+    const AttnJob job = make_job(o, layer, meta, o.seed * kSeedsPerRun + checks.size() * kSeedsPerLayer);
     const AttnResult r = run_attention(job, o.cp, world);
     CheckResult c;
     agree(world, [&] {
