@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_inputs.h"
 #include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "core/row_meta.h"
@@ -52,16 +53,7 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-std::vector<float> uniform(int64_t n, uint64_t seed) {
-  // A cheap deterministic generator: the values only need to be varied and bounded.
-  std::vector<float> x(static_cast<size_t>(n));
-  uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
-  for (float& v : x) {
-    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-    v = static_cast<float>(static_cast<double>(s >> 11) / 9007199254740992.0 * 2 - 1);
-  }
-  return x;
-}
+using rf::bench::uniform;
 
 rf::LayerMask mask_of(const Config& c) { return rf::LayerMask{c.causal, c.window, c.groups}; }
 

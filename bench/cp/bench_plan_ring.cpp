@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "bench_inputs.h"
 #include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "core/row_meta.h"
@@ -39,15 +40,7 @@ constexpr Variant kVariants[] = {{"planned ring", Algo::Ring, RingTraffic::Plann
                                  {"chunk ring", Algo::Ring, RingTraffic::Chunks},
                                  {"all-gather", Algo::AllGather, RingTraffic::Planned}};
 
-std::vector<float> uniform(int64_t n, uint64_t seed) {
-  std::vector<float> x(static_cast<size_t>(n));
-  uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
-  for (float& v : x) {
-    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-    v = static_cast<float>(static_cast<double>(s >> 11) / 9007199254740992.0 * 2 - 1);
-  }
-  return x;
-}
+using rf::bench::uniform;
 
 // One variant's shards, buffers and results for one (S, W).
 struct Run {

@@ -82,6 +82,11 @@ std::vector<std::byte> random_tensor(int64_t n, DType t, uint64_t seed) {
   return bytes;
 }
 
+// Seeds of the demo's tensors: make_job draws q, k, v, dout from seed + 1 .. seed + 4, so layers step the seed by
+// kSeedsPerLayer and each --seed value owns kSeedsPerRun of them (room for ten layers).
+constexpr uint64_t kSeedsPerLayer = 10;
+constexpr uint64_t kSeedsPerRun = 100;
+
 AttnJob make_job(const DemoOptions& o, const DemoLayer& layer, const std::vector<TokenMeta>& meta, uint64_t seed) {
   AttnJob job;
   job.shape = {1, o.Hq, o.Hkv, o.S, o.S, layer.D};
@@ -206,14 +211,15 @@ int run_demo(const DemoOptions& o, comm::Communicator& world) {
   const bool rank0 = world.rank() == 0;
   if (rank0) {
     std::printf("ringflex demo: one Gemma 4-like packed VLM row: S = %d tokens, %d documents, %d image groups of "
-                "<= 256 tokens, %d padding; Hq = %d, Hkv = %d, %s, %d rank(s) x %d thread(s)\n",
-                o.S, docs, group_max + 1, padding, o.Hq, o.Hkv, o.dtype.c_str(), world.size(), omp_get_max_threads());
+                "<= %d tokens, %d padding; Hq = %d, Hkv = %d, %s, %d rank(s) x %d thread(s)\n",
+                o.S, docs, group_max + 1, kGemma4ImageSoftTokens, padding, o.Hq, o.Hkv, o.dtype.c_str(), world.size(),
+                omp_get_max_threads());
     std::printf("%-8s %-22s %4s %8s %9s %11s %9s %11s\n", "layer", "mask", "D", "A/S^2", "forward", "GFLOP/s",
                 "backward", "GFLOP/s");
   }
   std::vector<CheckResult> checks;
   for (const DemoLayer& layer : layers) {
-    const AttnJob job = make_job(o, layer, meta, o.seed * 100 + checks.size() * 10);
+    const AttnJob job = make_job(o, layer, meta, o.seed * kSeedsPerRun + checks.size() * kSeedsPerLayer);
     const AttnResult r = run_attention(job, o.cp, world);
     CheckResult c;
     agree(world, [&] {

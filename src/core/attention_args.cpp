@@ -1,3 +1,4 @@
+// ringflex core: validate(), the checks every attention entry point runs on an AttnChunk (see attention_args.h).
 #include "core/attention_args.h"
 
 #include "core/error.h"

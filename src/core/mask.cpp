@@ -1,3 +1,4 @@
+// ringflex core: mask names, block summaries and the block classifier (see mask.h).
 #include "core/mask.h"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// ringflex core: merge_partial, the LSE merge of two partial attention results (see merge.h).
 #include "core/merge.h"
 
 namespace rf {

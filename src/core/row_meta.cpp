@@ -1,3 +1,4 @@
+// ringflex core: row metadata from token types and documents, and the synthetic Gemma 4-like rows (see row_meta.h).
 #include "core/row_meta.h"
 
 #include <algorithm>
@@ -59,12 +60,14 @@ std::vector<TokenMeta> synthetic_row(int S, const SyntheticRowOptions& opt, uint
 }
 
 std::vector<TokenMeta> gemma4_vlm_row(int S, uint64_t seed) {
-  constexpr int kGemma4ImageSoftTokens = 256;
+  constexpr int kMeanDocTokens = 2048;
+  constexpr double kImageFraction = 0.25;
+  constexpr int kPaddingPercent = 3;
   SyntheticRowOptions opt;
-  opt.mean_doc_tokens = 2048;
+  opt.mean_doc_tokens = kMeanDocTokens;
   opt.image_tokens = kGemma4ImageSoftTokens;
-  opt.image_fraction = 0.25;
-  opt.padding_tokens = S * 3 / 100;
+  opt.image_fraction = kImageFraction;
+  opt.padding_tokens = S * kPaddingPercent / 100;
   return synthetic_row(S, opt, seed);
 }
 

@@ -31,8 +31,11 @@ struct SyntheticRowOptions {
 // One row of S tokens, deterministic in `seed`. Returns [S].
 std::vector<TokenMeta> synthetic_row(int S, const SyntheticRowOptions& opt, uint64_t seed);
 
-// A Gemma 4 VLM row: packed documents (mean 2048 tokens, one-token ones included) with 256-token image blocks
-// at their start, and 3% trailing padding.
+// Gemma 4's vision encoder emits this many soft tokens per image: one image group's size in a packed row.
+constexpr int kGemma4ImageSoftTokens = 256;
+
+// A Gemma 4 VLM row: packed documents (mean 2048 tokens, one-token ones included) with kGemma4ImageSoftTokens-token
+// image blocks at their start, and 3% trailing padding.
 std::vector<TokenMeta> gemma4_vlm_row(int S, uint64_t seed);
 
 }  // namespace rf

@@ -1,3 +1,4 @@
+// ringflex cp: the `balanced` scheme: dealing blocks to ranks by work, then reducing halos (see balance.h).
 #include "cp/balance.h"
 
 #include <algorithm>
@@ -270,7 +271,7 @@ void reduce_halos(Deal& d, const std::vector<int64_t>& block_work, const std::ve
 
 BlockAssignment assign_blocks(const std::vector<int64_t>& block_work, int P, const std::vector<int64_t>& block_halo,
                               const BalanceOptions& options) {
-  RF_CHECK(P >= 1, "assign_blocks: P = ", P);
+  RF_CHECK(P >= 1, "assign_blocks needs P >= 1 ranks, got P = ", P);
   const int n = static_cast<int>(block_work.size());
   RF_CHECK(n > 0 && n % P == 0, "assign_blocks: ", n, " blocks do not split evenly over ", P, " ranks");
   RF_CHECK(std::all_of(block_work.begin(), block_work.end(), [](int64_t w) { return w >= 0; }),
@@ -336,8 +337,9 @@ BlockAssignment assign_blocks(const std::vector<int64_t>& block_work, int P, con
 
 std::vector<int64_t> block_halo_cost(const TokenMeta* rows, int B, int S, int S_padded, const LayerMix& mix,
                                      int block) {
-  RF_CHECK(block >= 1 && S_padded >= S && S_padded % block == 0, "block_halo_cost: S = ", S, ", S_padded = ",
-           S_padded, ", block = ", block);
+  RF_CHECK(block >= 1 && S_padded >= S && S_padded % block == 0,
+           "block_halo_cost needs block >= 1 and S <= S_padded with S_padded a multiple of block, got S = ", S,
+           ", S_padded = ", S_padded, ", block = ", block);
   std::vector<int64_t> cost(static_cast<size_t>(S_padded / block), 0);
   for (int b = 0; b < B; ++b) {
     const TokenMeta* row = rows + static_cast<size_t>(b) * S;

@@ -1,3 +1,4 @@
+// ringflex cp: building the communication plan from block summaries, and its queries (see plan.h).
 #include "cp/plan.h"
 
 #include <algorithm>

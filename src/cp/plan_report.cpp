@@ -1,3 +1,4 @@
+// ringflex cp: per-rank reports of a sharding scheme and its plan, as text and JSON (see plan_report.h).
 #include "cp/plan_report.h"
 
 #include <algorithm>

@@ -22,7 +22,6 @@
 #include <vector>
 
 #include "core/error.h"
-#include "core/merge.h"
 #include "cp/cp_internal.h"
 #include "cp/plan.h"
 #include "cpu/attention.h"
@@ -176,71 +175,23 @@ class PlannedRing {
   comm::RequestPtr recv_, send_;
 };
 
-// The kernel's view of step t for row b, kv head g: this rank's G query heads against the step's n keys.
-AttnChunk head_chunk(const CpShard& x, const LayerMask& mask, float scale, const Slot* s, int b, int g) {
-  const int L = x.shape.Lq, D = x.shape.D, G = x.shape.group_size();
-  const int n = s ? s->n : x.shape.Lk;
-  const size_t es = dtype_size(x.dtype);
-  const int64_t kvh = int64_t{b} * x.shape.Hkv + g, qh = kvh * G;
-  const auto* k = s ? s->k.data() : static_cast<const uint8_t*>(x.k);
-  const auto* v = s ? s->v.data() : static_cast<const uint8_t*>(x.v);
-  const TokenMeta* meta = s ? s->meta.data() : x.meta;
-  return AttnChunk{AttnShape{1, G, 1, L, n, D},
-                   x.dtype,
-                   static_cast<const uint8_t*>(x.q) + qh * L * D * es,
-                   k + kvh * n * D * es,
-                   v + kvh * n * D * es,
-                   x.meta + int64_t{b} * L,
-                   meta + int64_t{b} * n,
-                   mask,
-                   scale};
-}
-
 }  // namespace
 
 void planned_ring_forward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, float* o,
                           float* lse, Ledger& ledger) {
   const PlanRef plan = acquire_plan(comm, x, p);
   const int P = comm.size();
-  const int64_t rows = x.shape.lse_elems();
-  std::fill(o, o + x.shape.q_elems(), 0.f);
-  std::fill(lse, lse + rows, kNegInf);
-  ledger.hold((x.shape.q_elems() + rows) * static_cast<int64_t>(sizeof(float)));
-  // One later step's partial for one (row, kv head): [G, L, D] and [G, L] (as in the chunk ring).
-  std::vector<float> part_o, part_lse;
-  bool first = true;
-  const int L = x.shape.Lq, D = x.shape.D, G = x.shape.group_size();
-
+  ForwardMerge merged(x, p.mask, scale, o, lse, ledger);
   PlannedRing ring(comm, x, *plan.mask_plan, p.timeout, ledger);
   for (int t = 0; t < P; ++t) {
     if (t > 0) ring.complete();  // step t's keys are here; step t's send has left
     ring.post(t + 1);            // step t+1's transfers run while step t computes
     if (ring.tokens_in(t) == 0) continue;
-    const Slot* s = ring.slot(t);
-    if (ledger.counting()) {
-      ledger.add_work(count_allowed(p.mask, x.meta, s ? s->meta.data() : x.meta, x.shape.B, L, ring.tokens_in(t)));
+    if (const Slot* s = ring.slot(t)) {
+      merged.add(s->k.data(), s->v.data(), s->meta.data(), s->n);
+    } else {
+      merged.add(x.k, x.v, x.meta, x.shape.Lk);
     }
-    if (!first && part_o.empty()) {
-      part_o.resize(static_cast<size_t>(G) * L * D);
-      part_lse.resize(static_cast<size_t>(G) * L);
-      ledger.hold((int64_t{G} * L * D + int64_t{G} * L) * static_cast<int64_t>(sizeof(float)));
-    }
-    ledger.compute([&] {
-      for (int b = 0; b < x.shape.B; ++b)
-        for (int g = 0; g < x.shape.Hkv; ++g) {
-          const AttnChunk c = head_chunk(x, p.mask, scale, s, b, g);
-          const int64_t qh = (int64_t{b} * x.shape.Hkv + g) * G;
-          float* oh = o + qh * L * D;
-          float* lseh = lse + qh * L;
-          if (first) {
-            cpu::attention_forward(c, oh, lseh);
-          } else {
-            cpu::attention_forward(c, part_o.data(), part_lse.data());
-            merge_partial(oh, lseh, part_o.data(), part_lse.data(), int64_t{G} * L, D);
-          }
-        }
-    });
-    first = false;
   }
 }
 
@@ -251,15 +202,8 @@ void planned_ring_backward(comm::Communicator& comm, const CpShard& x, const CpP
   const MaskPlan& mp = *plan.mask_plan;
   const int P = comm.size(), r = comm.rank();
   const int B = x.shape.B, Hkv = x.shape.Hkv, L = x.shape.Lk, D = x.shape.D;
-  const int64_t rows = x.shape.lse_elems(), kv = x.shape.kv_elems();
   const auto f32_bytes = [](int64_t n) { return n * static_cast<int64_t>(sizeof(float)); };
-
-  std::vector<float> delta(static_cast<size_t>(rows));  // [B, Hq, L]: rowsum(dout * o), from the merged o
-  ledger.hold(f32_bytes(rows) + f32_bytes(x.shape.q_elems()) + 2 * f32_bytes(kv));
-  cpu::attention_delta(x.shape, x.dtype, dout, o, delta.data());
-  std::fill(dq, dq + x.shape.q_elems(), 0.f);
-  std::fill(dk, dk + kv, 0.f);
-  std::fill(dv, dv + kv, 0.f);
+  const std::vector<float> delta = start_backward(x, o, dout, dq, dk, dv, ledger);  // [B, Hq, L]
 
   // Gradient traffic, double-buffered by step parity. contrib: this rank's dK/dV for the keys it received at a
   // step, [2, B, Hkv, n, D], on its way back to their owner; incoming: dK/dV for this rank's keys computed by
@@ -300,15 +244,9 @@ void planned_ring_backward(comm::Communicator& comm, const CpShard& x, const CpP
   };
   // Step t's gradient transfers finish at the end of step t+1, after that step's compute hid them.
   const auto finish_gradients = [&](int t) {
-    GradSlot& out = contrib[t % 2];
-    if (out.req) {
-      out.req->wait(p.timeout);
-      out.req.reset();
-    }
+    finish_transfer(contrib[t % 2].req, p.timeout);
     GradSlot& in = incoming[t % 2];
-    if (!in.req) return;
-    in.req->wait(p.timeout);
-    in.req.reset();
+    if (!finish_transfer(in.req, p.timeout)) return;
     add_gradient(in, mp.recv_ranges(ring_dest(r, t, P), r));
   };
 

@@ -11,7 +11,6 @@
 #include <string>
 
 #include "core/error.h"
-#include "core/merge.h"
 #include "cp/cp_internal.h"
 #include "cpu/attention.h"
 
@@ -43,7 +42,7 @@ class KvRing {
         r_(comm.rank()),
         kv_bytes_(static_cast<size_t>(x.shape.kv_elems()) * dtype_size(x.dtype)),
         meta_count_(static_cast<size_t>(x.shape.B) * x.shape.Lk) {
-    ledger_.hold(static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)));  // the own chunk
+    ledger_.hold(chunk_bytes());  // the own chunk
   }
 
   int owner(int s) const { return (r_ - s + P_) % P_; }
@@ -65,14 +64,14 @@ class KvRing {
       const std::array<comm::RecvBuffer, 3> bufs{
           {{c.k.data(), kv_bytes_}, {c.v.data(), kv_bytes_}, {c.meta.data(), meta_count_ * sizeof(TokenMeta)}}};
       recv_ = comm_.irecv(prev, tag(s + 1, MsgKind::KeyValue), bufs, label(s + 1));
-      ledger_.received(static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)));
+      ledger_.received(chunk_bytes());
     }
     if (plan_.hops[owner(s)] >= s + 1) {
       const ChunkView c = chunk(s);
       const std::array<comm::SendBuffer, 3> bufs{
           {{c.k, kv_bytes_}, {c.v, kv_bytes_}, {c.meta, meta_count_ * sizeof(TokenMeta)}}};
       send_ = comm_.isend(next, tag(s + 1, MsgKind::KeyValue), bufs, label(s + 1));
-      ledger_.sent(static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)));
+      ledger_.sent(chunk_bytes());
     }
   }
 
@@ -83,6 +82,9 @@ class KvRing {
   }
 
  private:
+  // One chunk's K, V and metadata: what each slot holds and each transfer moves.
+  int64_t chunk_bytes() const { return static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)); }
+
   std::string label(int s) const { return concat("K/V of rank ", owner(s), " for ring step ", s); }
 
   ChunkSlot& slot(int s) {
@@ -91,7 +93,7 @@ class KvRing {
       c.k.resize(kv_bytes_);
       c.v.resize(kv_bytes_);
       c.meta.resize(meta_count_);
-      ledger_.hold(static_cast<int64_t>(2 * kv_bytes_ + meta_count_ * sizeof(TokenMeta)));
+      ledger_.hold(chunk_bytes());
     }
     return c;
   }
@@ -102,7 +104,8 @@ class KvRing {
   comm::Timeout timeout_;
   Ledger& ledger_;
   int P_, r_;
-  size_t kv_bytes_, meta_count_;
+  size_t kv_bytes_;    // one of k, v: [B, Hkv, L, D] in the input dtype
+  size_t meta_count_;  // meta: [B, L]
   std::array<ChunkSlot, 2> slots_;
   comm::RequestPtr recv_, send_;
 };
@@ -117,57 +120,15 @@ void ring_forward(comm::Communicator& comm, const CpShard& x, const CpParams& p,
                   Ledger& ledger) {
   const RingPlan plan = plan_ring(comm, x, p.mask, p.timeout);
   const int P = comm.size(), r = comm.rank();
-  const int64_t rows = x.shape.lse_elems();
-  // o and lse accumulate the merged result; the first computed chunk writes them directly.
-  std::fill(o, o + x.shape.q_elems(), 0.f);
-  std::fill(lse, lse + rows, kNegInf);
-  ledger.hold((x.shape.q_elems() + rows) * static_cast<int64_t>(sizeof(float)));
-  // One later step's partial for one (row, kv head): its G = Hq/Hkv query heads, [G, L, D] and [G, L]. Merging
-  // group by group keeps this buffer at 1/(B*Hkv) of the output while the kernel still reads each K/V tile once
-  // for all G heads that share it (splitting further, per query head, measured 2x slower under GQA 8:1).
-  std::vector<float> part_o, part_lse;
-  bool first = true;
-  const int L = x.shape.Lq, D = x.shape.D, G = x.shape.group_size();
-  const size_t es = dtype_size(x.dtype);
-
+  ForwardMerge merged(x, p.mask, scale, o, lse, ledger);
   KvRing ring(comm, x, plan, p.timeout, ledger);
   for (int s = 0; s < P; ++s) {
-    const int j = ring.owner(s);
     // step s, post: the transfer for step s+1 runs while this step computes.
     ring.post(s);
-    // step s, compute: attend to chunk j if any of this rank's queries may see it; merge by LSE.
-    if (ring.holds(s) && plan.needs(r, j)) {
+    // step s, compute: attend to the chunk of rank owner(s) if any of this rank's queries may see it; merge by LSE.
+    if (ring.holds(s) && plan.needs(r, ring.owner(s))) {
       const ChunkView kv = ring.chunk(s);
-      if (ledger.counting()) ledger.add_work(count_allowed(p.mask, x.meta, kv.meta, x.shape.B, L, L));
-      if (!first && part_o.empty()) {
-        part_o.resize(static_cast<size_t>(G) * L * D);
-        part_lse.resize(static_cast<size_t>(G) * L);
-        ledger.hold((int64_t{G} * L * D + int64_t{G} * L) * static_cast<int64_t>(sizeof(float)));
-      }
-      ledger.compute([&] {
-        for (int b = 0; b < x.shape.B; ++b)
-          for (int g = 0; g < x.shape.Hkv; ++g) {
-            const int64_t kvh = int64_t{b} * x.shape.Hkv + g, qh = kvh * G;  // first query head of the group
-            AttnChunk c{AttnShape{1, G, 1, L, L, D},
-                        x.dtype,
-                        static_cast<const uint8_t*>(x.q) + qh * L * D * es,
-                        static_cast<const uint8_t*>(kv.k) + kvh * L * D * es,
-                        static_cast<const uint8_t*>(kv.v) + kvh * L * D * es,
-                        x.meta + int64_t{b} * L,
-                        kv.meta + int64_t{b} * L,
-                        p.mask,
-                        scale};
-            float* oh = o + qh * L * D;
-            float* lseh = lse + qh * L;
-            if (first) {
-              cpu::attention_forward(c, oh, lseh);
-            } else {
-              cpu::attention_forward(c, part_o.data(), part_lse.data());
-              merge_partial(oh, lseh, part_o.data(), part_lse.data(), int64_t{G} * L, D);
-            }
-          }
-      });
-      first = false;
+      merged.add(kv.k, kv.v, kv.meta, x.shape.Lk);
     }
     // step s, complete: the chunk for step s+1 has arrived and ours has left.
     ring.complete();
@@ -178,15 +139,9 @@ void ring_backward(comm::Communicator& comm, const CpShard& x, const CpParams& p
                    const float* lse, const void* dout, float* dq, float* dk, float* dv, Ledger& ledger) {
   const RingPlan plan = plan_ring(comm, x, p.mask, p.timeout);
   const int P = comm.size(), r = comm.rank();
-  const int64_t rows = x.shape.lse_elems(), kv = x.shape.kv_elems();
+  const int64_t kv = x.shape.kv_elems();
   const auto f32_bytes = [](int64_t n) { return n * static_cast<int64_t>(sizeof(float)); };
-
-  std::vector<float> delta(static_cast<size_t>(rows));  // [B, Hq, L]: rowsum(dout * o), from the merged o
-  ledger.hold(f32_bytes(rows) + f32_bytes(x.shape.q_elems()) + 2 * f32_bytes(kv));  // delta, dq, dk, dv
-  cpu::attention_delta(x.shape, x.dtype, dout, o, delta.data());
-  std::fill(dq, dq + x.shape.q_elems(), 0.f);
-  std::fill(dk, dk + kv, 0.f);
-  std::fill(dv, dv + kv, 0.f);
+  const std::vector<float> delta = start_backward(x, o, dout, dq, dk, dv, ledger);  // [B, Hq, L]
 
   // Gradient traffic, double-buffered by step parity. contrib[i]: this rank's dK/dV for another rank's chunk,
   // in flight to its owner; incoming[i]: another rank's dK/dV for this rank's chunk. Each is [2, B, Hkv, L, D].
@@ -204,15 +159,9 @@ void ring_backward(comm::Communicator& comm, const CpShard& x, const CpParams& p
   const auto grad_bytes = static_cast<size_t>(f32_bytes(kv));
   // Step t's gradient transfers are finished at the end of step t+1, after that step's compute hid them.
   const auto finish_gradients = [&](int t) {
-    GradSlot& out = contrib[t % 2];
-    if (out.req) {
-      out.req->wait(p.timeout);
-      out.req.reset();
-    }
+    finish_transfer(contrib[t % 2].req, p.timeout);
     GradSlot& in = incoming[t % 2];
-    if (!in.req) return;
-    in.req->wait(p.timeout);
-    in.req.reset();
+    if (!finish_transfer(in.req, p.timeout)) return;
     for (int64_t i = 0; i < kv; ++i) dk[i] += in.g[i];
     for (int64_t i = 0; i < kv; ++i) dv[i] += in.g[kv + i];
   };

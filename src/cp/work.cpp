@@ -1,3 +1,4 @@
+// ringflex cp: parsing the layer mix and counting each token's attention work exactly (see work.h).
 #include "cp/work.h"
 
 #include <algorithm>
@@ -82,7 +83,8 @@ LayerMix parse_layer_mix(const std::string& spec) {
 }
 
 std::vector<int64_t> allowed_keys_per_query(const TokenMeta* row, int n, const LayerMask& m, int block) {
-  RF_CHECK(n >= 0 && block > 0, "allowed_keys_per_query: n = ", n, ", block = ", block);
+  RF_CHECK(n >= 0 && block > 0, "allowed_keys_per_query needs n >= 0 and block >= 1, got n = ", n, ", block = ",
+           block);
   const int nb = (n + block - 1) / block;
   std::vector<BlockSummary> sums(static_cast<size_t>(nb));
   for (int j = 0; j < nb; ++j) sums[j] = summarize(row + j * block, std::min(block, n - j * block));
@@ -111,7 +113,8 @@ std::vector<int64_t> allowed_keys_per_query(const TokenMeta* row, int n, const L
 }
 
 std::vector<int64_t> token_work(const TokenMeta* rows, int B, int S, int S_padded, const LayerMix& mix, int block) {
-  RF_CHECK(B >= 0 && S >= 0 && S_padded >= S, "token_work: B = ", B, ", S = ", S, ", S_padded = ", S_padded);
+  RF_CHECK(B >= 0 && S >= 0 && S_padded >= S, "token_work needs B >= 0 and 0 <= S <= S_padded, got B = ", B,
+           ", S = ", S, ", S_padded = ", S_padded);
   std::vector<int64_t> work(static_cast<size_t>(S_padded), 0);
   for (const LayerKind& kind : mix) {
     for (int b = 0; b < B; ++b) {

@@ -16,6 +16,12 @@ constexpr const char* kSlidingType = "sliding_attention";
 constexpr const char* kFullType = "full_attention";
 constexpr const char* kGeluTanh = "gelu_pytorch_tanh";
 
+// transformers' Gemma4TextConfig defaults, applied when config.json leaves the field out.
+constexpr int kDefaultHeadDim = 256;
+constexpr int kDefaultSlidingWindow = 512;
+constexpr int kDefaultGlobalHeadDim = 512;
+constexpr double kDefaultRmsNormEps = 1e-6;
+
 template <typename T>
 T required(const json& j, const char* key) {
   RF_CHECK(j.contains(key) && !j[key].is_null(), "config.json: missing required field '", key, "'");
@@ -61,9 +67,9 @@ Gemma4Config Gemma4Config::from_json(const std::string& json_text) {
   c.num_layers = required<int>(j, "num_hidden_layers");
   c.num_heads = required<int>(j, "num_attention_heads");
   c.num_kv_heads = required<int>(j, "num_key_value_heads");
-  c.head_dim = optional<int>(j, "head_dim", 256);
-  c.sliding_window = optional<int>(j, "sliding_window", 512);
-  c.rms_norm_eps = optional<double>(j, "rms_norm_eps", 1e-6);
+  c.head_dim = optional<int>(j, "head_dim", kDefaultHeadDim);
+  c.sliding_window = optional<int>(j, "sliding_window", kDefaultSlidingWindow);
+  c.rms_norm_eps = optional<double>(j, "rms_norm_eps", kDefaultRmsNormEps);
   c.final_logit_softcapping = optional<double>(j, "final_logit_softcapping", 0.0);
   c.attention_k_eq_v = optional<bool>(j, "attention_k_eq_v", false);
   c.num_kv_shared_layers = optional<int>(j, "num_kv_shared_layers", 0);
@@ -128,7 +134,7 @@ Gemma4Config Gemma4Config::from_json(const std::string& json_text) {
       c.full_kv_heads[i] = optional<int>(over, "num_key_value_heads", 0);
     }
   } else {
-    const int global_dim = optional<int>(j, "global_head_dim", 512);
+    const int global_dim = optional<int>(j, "global_head_dim", kDefaultGlobalHeadDim);
     const int global_kv = optional<int>(j, "num_global_key_value_heads", 0);
     for (int i = 0; i < c.num_layers; ++i) {
       if (c.sliding[i]) continue;

@@ -1,3 +1,4 @@
+// ringflex reference: the scalar oracle's forward and backward, in double (see attention_ref.h).
 #include "reference/attention_ref.h"
 
 #include <cmath>

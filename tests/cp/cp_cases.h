@@ -72,12 +72,11 @@ inline std::vector<float> gather_rows(comm::Communicator& comm, const ShardMap& 
   return full;
 }
 
-// CP forward and backward of the case on this communicator; every rank returns the full result.
-inline Result run_cp(comm::Communicator& comm, const Case& c, const Inputs& in, Scheme scheme, Algo algo,
-                     RingTraffic traffic = RingTraffic::Planned, CpStats* fwd_stats = nullptr,
-                     CpStats* bwd_stats = nullptr) {
+// CP forward and backward of the case under shard map `m` on this communicator, with p's algorithm, traffic and
+// plan; p.stats receives the forward's figures, bwd_stats the backward's. Every rank returns the full result.
+inline Result run_sharded(comm::Communicator& comm, const Case& c, const Inputs& in, const ShardMap& m, CpParams p,
+                          CpStats* bwd_stats = nullptr) {
   const int r = comm.rank();
-  const ShardMap m = make_shard_map(scheme, c.S, comm.size());
   const size_t es = dtype_size(c.dtype);
   const int L = m.L;
   std::vector<uint8_t> q(static_cast<size_t>(c.B) * c.Hq * L * c.D * es), dout(q.size());
@@ -88,8 +87,7 @@ inline Result run_cp(comm::Communicator& comm, const Case& c, const Inputs& in, 
   shard_tensor(m, r, in.v.data(), v.data(), c.B, c.Hkv, c.D, es);
   const std::vector<TokenMeta> meta = shard_meta(m, r, in.meta.data(), c.B);
 
-  CpShard x{AttnShape{c.B, c.Hq, c.Hkv, L, L, c.D}, c.dtype, q.data(), k.data(), v.data(), meta.data()};
-  CpParams p{c.mask, c.scale, algo, scheme, kCaseTimeout, fwd_stats, traffic};
+  const CpShard x{AttnShape{c.B, c.Hq, c.Hkv, L, L, c.D}, c.dtype, q.data(), k.data(), v.data(), meta.data()};
   std::vector<float> o(static_cast<size_t>(x.shape.q_elems())), lse(static_cast<size_t>(x.shape.lse_elems()));
   std::vector<float> dq(o.size()), dk(static_cast<size_t>(x.shape.kv_elems())), dv(dk.size());
   cp_attention_forward(comm, x, p, o.data(), lse.data());
@@ -98,6 +96,15 @@ inline Result run_cp(comm::Communicator& comm, const Case& c, const Inputs& in, 
   return {gather_rows(comm, m, o, c.B, c.Hq, c.D), gather_rows(comm, m, lse, c.B, c.Hq, 1),
           gather_rows(comm, m, dq, c.B, c.Hq, c.D), gather_rows(comm, m, dk, c.B, c.Hkv, c.D),
           gather_rows(comm, m, dv, c.B, c.Hkv, c.D)};
+}
+
+// The same, sharded by `scheme` over this communicator's ranks.
+inline Result run_cp(comm::Communicator& comm, const Case& c, const Inputs& in, Scheme scheme, Algo algo,
+                     RingTraffic traffic = RingTraffic::Planned, CpStats* fwd_stats = nullptr,
+                     CpStats* bwd_stats = nullptr) {
+  const ShardMap m = make_shard_map(scheme, c.S, comm.size());
+  const CpParams p{c.mask, c.scale, algo, scheme, kCaseTimeout, fwd_stats, traffic};
+  return run_sharded(comm, c, in, m, p, bwd_stats);
 }
 
 // The same problem on one rank (P = 1 through the same code: no sharding padding, one chunk).

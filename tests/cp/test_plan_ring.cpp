@@ -32,25 +32,9 @@ RingRun run(const Case& c, const Inputs& in, const ShardMap& map, RingTraffic tr
   out.fwd.resize(static_cast<size_t>(map.P));
   out.bwd.resize(static_cast<size_t>(map.P));
   comm::run_ranks(map.P, [&](comm::Communicator& comm) {
-    const int r = comm.rank(), L = map.L;
-    const size_t es = dtype_size(c.dtype);
-    std::vector<uint8_t> q(static_cast<size_t>(c.B) * c.Hq * L * c.D * es), dout(q.size());
-    std::vector<uint8_t> k(static_cast<size_t>(c.B) * c.Hkv * L * c.D * es), v(k.size());
-    shard_tensor(map, r, in.q.data(), q.data(), c.B, c.Hq, c.D, es);
-    shard_tensor(map, r, in.dout.data(), dout.data(), c.B, c.Hq, c.D, es);
-    shard_tensor(map, r, in.k.data(), k.data(), c.B, c.Hkv, c.D, es);
-    shard_tensor(map, r, in.v.data(), v.data(), c.B, c.Hkv, c.D, es);
-    const std::vector<TokenMeta> meta = shard_meta(map, r, in.meta.data(), c.B);
-    const CpShard x{AttnShape{c.B, c.Hq, c.Hkv, L, L, c.D}, c.dtype, q.data(), k.data(), v.data(), meta.data()};
-    CpParams p{c.mask, c.scale, Algo::Ring, map.scheme, cases::kCaseTimeout, &out.fwd[r], traffic, plan};
-    std::vector<float> o(static_cast<size_t>(x.shape.q_elems())), lse(static_cast<size_t>(x.shape.lse_elems()));
-    std::vector<float> dq(o.size()), dk(static_cast<size_t>(x.shape.kv_elems())), dv(dk.size());
-    cp_attention_forward(comm, x, p, o.data(), lse.data());
-    p.stats = &out.bwd[r];
-    cp_attention_backward(comm, x, p, o.data(), lse.data(), dout.data(), dq.data(), dk.data(), dv.data());
-    Result res{cases::gather_rows(comm, map, o, c.B, c.Hq, c.D), cases::gather_rows(comm, map, lse, c.B, c.Hq, 1),
-               cases::gather_rows(comm, map, dq, c.B, c.Hq, c.D), cases::gather_rows(comm, map, dk, c.B, c.Hkv, c.D),
-               cases::gather_rows(comm, map, dv, c.B, c.Hkv, c.D)};
+    const int r = comm.rank();
+    const CpParams p{c.mask, c.scale, Algo::Ring, map.scheme, cases::kCaseTimeout, &out.fwd[r], traffic, plan};
+    Result res = cases::run_sharded(comm, c, in, map, p, &out.bwd[r]);
     if (r == 0) out.result = std::move(res);
   });
   return out;

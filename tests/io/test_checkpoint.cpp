@@ -2,13 +2,13 @@
 // and shards can disagree. The oracle is the tensors the test wrote into each shard.
 #include <gtest/gtest.h>
 
-#include <filesystem>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
-#include <functional>
 
 #include "core/error.h"
 #include "io/checkpoint.h"
+#include "error_of.h"
 
 namespace rf::io {
 namespace {
@@ -40,15 +40,6 @@ void write_shard(const std::string& path, const std::vector<std::string>& names)
 
 void write_index(const std::string& path, const std::string& weight_map) {
   std::ofstream(path) << R"({"metadata": {"total_size": 36}, "weight_map": )" << weight_map << "}";
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const rf::Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(Checkpoint, OpensASingleFile) {

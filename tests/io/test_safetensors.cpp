@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -14,6 +13,7 @@
 #include "core/error.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
+#include "error_of.h"
 
 namespace rf::io {
 namespace {
@@ -27,16 +27,6 @@ std::vector<std::byte> pattern(size_t n, int seed) {
   std::vector<std::byte> b(n);
   for (size_t i = 0; i < n; ++i) b[i] = static_cast<std::byte>((i * 131 + static_cast<size_t>(seed) * 17 + 7) & 0xff);
   return b;
-}
-
-// The message of the rf::Error `f` throws, or "" if it throws nothing.
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const rf::Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 #define EXPECT_ERROR_HAS(expr, text)                                   \
