@@ -130,8 +130,9 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
   }
 
   // ---- pass 2: dQ per query tile and head chunk ----
-  const int hpi = heads_per_item(group, Dp), chunks = ceil_div(group, hpi);
-  const int64_t items2 = int64_t{s.B} * s.Hkv * nqt * chunks;
+  const QueryItems query_items(s, Dp);
+  const int hpi = query_items.heads_per_item;
+  const int64_t items2 = query_items.count(s.B);
 #pragma omp parallel
   {
     const AmxTileScope amx_tiles(kAmx);
@@ -143,12 +144,7 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items2; ++item) {
-      const int chunk = static_cast<int>(item % chunks);
-      const int qt = static_cast<int>(item / chunks % nqt);
-      const int g = static_cast<int>(item / chunks / nqt % s.Hkv);
-      const int b = static_cast<int>(item / chunks / nqt / s.Hkv);
-      const int h0 = g * group + chunk * hpi, nh = std::min(hpi, group - chunk * hpi);
-      const int q0 = qt * kTileQ, nq = std::min(kTileQ, s.Lq - q0);
+      const auto [b, g, qt, h0, nh, q0, nq] = query_items[item];
       const BlockSummary& qs = qsum[static_cast<size_t>(b) * nqt + qt];
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t row0 = (int64_t{b} * s.Hq + h0 + hh) * s.Lq + q0;

@@ -38,13 +38,14 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
   const int D = s.D, Dp = kDp > 0 ? kDp : path_padded_dim<kT, kAmx>(D), dr = pair_row<QK>(Dp);
   const int ld = row_stride(Dp), ds = pair_row<QK>(ld);  // strides of packed rows
   RF_ASSERT((Dp == path_padded_dim<kT, kAmx>(D)));
-  const int nqt = ceil_div(s.Lq, kTileQ), nkt = ceil_div(s.Lk, kTileK), group = s.group_size();
-  const int hpi = heads_per_item(group, Dp), chunks = ceil_div(group, hpi);
+  const int nqt = ceil_div(s.Lq, kTileQ), nkt = ceil_div(s.Lk, kTileK);
+  const QueryItems query_items(s, Dp);
+  const int hpi = query_items.heads_per_item;
   const std::vector<BlockSummary> qsum = tile_summaries(c.q_meta, s.B, s.Lq, kTileQ);
   const std::vector<BlockSummary> ksum = tile_summaries(c.k_meta, s.B, s.Lk, kTileK);
   const float c2 = c.scale * kLog2e;
   const size_t esz = dtype_size(kT);
-  const int64_t items = int64_t{s.B} * s.Hkv * nqt * chunks;
+  const int64_t items = query_items.count(s.B);
   const std::vector<uint8_t> needed = needed_key_tiles(c.mask, qsum, ksum, s.B, nqt, nkt);
   const size_t kv_tiles = static_cast<size_t>(s.B) * s.Hkv * nkt;
   const auto k_cols = uninitialized<QK>(kv_tiles * dr * kTileK);    // K^T tiles: [B, Hkv, nkt, dr, kTileK]
@@ -64,12 +65,7 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int chunk = static_cast<int>(item % chunks);
-      const int qt = static_cast<int>(item / chunks % nqt);
-      const int g = static_cast<int>(item / chunks / nqt % s.Hkv);
-      const int b = static_cast<int>(item / chunks / nqt / s.Hkv);
-      const int h0 = g * group + chunk * hpi, nh = std::min(hpi, group - chunk * hpi);
-      const int q0 = qt * kTileQ, nq = std::min(kTileQ, s.Lq - q0);
+      const auto [b, g, qt, h0, nh, q0, nq] = query_items[item];
       const BlockSummary& qs = qsum[static_cast<size_t>(b) * nqt + qt];
 
       // Query rows of head h0 + hh live at qbuf[hh · kTileQ · ds]; q: [B, Hq, Lq, D].

@@ -359,4 +359,30 @@ inline int heads_per_item(int group, int Dp) {
   return static_cast<int>(std::clamp<int64_t>(fit, 1, group));
 }
 
+// The query-side work items of forward and backward's dQ pass: (row b, kv head g, query tile qt, chunk of the
+// group's query heads), numbered with the head chunk fastest so neighbouring items share K/V tiles in cache.
+struct QueryItems {
+  int Lq, Hkv, group, nqt, heads_per_item, chunks;
+
+  QueryItems(const AttnShape& s, int Dp)
+      : Lq(s.Lq), Hkv(s.Hkv), group(s.group_size()), nqt(ceil_div(s.Lq, kTileQ)),
+        heads_per_item(detail::heads_per_item(s.group_size(), Dp)), chunks(ceil_div(group, heads_per_item)) {}
+
+  int64_t count(int B) const { return int64_t{B} * Hkv * nqt * chunks; }
+
+  struct Item {
+    int b, g, qt;
+    int h0, nh;  // query heads h0 .. h0 + nh - 1, all reading kv head g
+    int q0, nq;  // query rows q0 .. q0 + nq - 1 of tile qt
+  };
+  Item operator[](int64_t item) const {
+    const int chunk = static_cast<int>(item % chunks);
+    const int qt = static_cast<int>(item / chunks % nqt);
+    const int g = static_cast<int>(item / chunks / nqt % Hkv);
+    const int b = static_cast<int>(item / chunks / nqt / Hkv);
+    const int h0 = g * group + chunk * heads_per_item, q0 = qt * kTileQ;
+    return {b, g, qt, h0, std::min(heads_per_item, group - chunk * heads_per_item), q0, std::min(kTileQ, Lq - q0)};
+  }
+};
+
 }  // namespace rf::cpu::detail
