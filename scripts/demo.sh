@@ -4,7 +4,7 @@
 # e.g. `scripts/demo.sh --seq 8192` for a longer row; `ringflex demo --help` lists them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cmake -B build -DRINGFLEX_BUILD_TESTS=OFF >/dev/null
+cmake -B build >/dev/null
 cmake --build build -j "$(nproc)" --target ringflex
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 ./build/src/cli/ringflex demo "$@"
