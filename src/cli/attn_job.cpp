@@ -5,7 +5,7 @@
 #include <climits>
 #include <cmath>
 
-#include "cli/agree.h"
+#include "comm/agree.h"
 #include "core/error.h"
 #include "core/row_meta.h"
 #include "cp/balance.h"

@@ -13,7 +13,7 @@
 #include <memory>
 #include <optional>
 
-#include "cli/agree.h"
+#include "comm/agree.h"
 #include "cli/attn_job.h"
 #include "cli/command.h"
 #include "comm/mpi_comm.h"

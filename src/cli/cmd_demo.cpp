@@ -19,7 +19,7 @@
 #include <cstdio>
 #include <memory>
 
-#include "cli/agree.h"
+#include "comm/agree.h"
 #include "cli/attn_job.h"
 #include "cli/command.h"
 #include "comm/mpi_comm.h"

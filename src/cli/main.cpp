@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <exception>
 
-#include "cli/agree.h"
+#include "comm/agree.h"
 #include "cli/command.h"
 #include "core/error.h"
 
@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
   bool agreed = true;  // whether every rank knows this run failed (or none failed)
   try {
     code = run();
-  } catch (const rf::cli::AgreedError& e) {
+  } catch (const rf::comm::AgreedError& e) {
     print_error(e.what());
   } catch (const std::exception& e) {
     // rf::Error from a step that only this rank ran, or a std::bad_alloc: the others may be waiting for it.

@@ -1,4 +1,4 @@
-// Tests of rank agreement (src/cli/agree.h) on the loopback communicator, P ranks as threads: whichever ranks
+// Tests of rank agreement (src/comm/agree.h) on the loopback communicator, P ranks as threads: whichever ranks
 // fail, every rank throws the lowest failing rank's message, and nobody is left waiting. The oracle is the
 // rank numbers each case makes fail.
 #include <gtest/gtest.h>
@@ -6,10 +6,10 @@
 #include <mutex>
 #include <vector>
 
-#include "cli/agree.h"
+#include "comm/agree.h"
 #include "comm/loopback_comm.h"
 
-namespace rf::cli {
+namespace rf::comm {
 namespace {
 
 // Runs agree() on P ranks, `fails(rank)` deciding which throw; returns what each rank caught ("" for none).
@@ -63,4 +63,4 @@ TEST(Agree, EqualValuesPassAndDifferentOnesFailEverywhere) {
 }
 
 }  // namespace
-}  // namespace rf::cli
+}  // namespace rf::comm

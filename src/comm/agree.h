@@ -1,0 +1,34 @@
+// ringflex comm: making every rank fail together.
+//
+// Under `mpirun -n P`, a step that fails on one rank (a file it cannot read, a bad tensor, a batch the trainer
+// cannot load) must not leave the other ranks waiting in the next collective forever. Steps that can fail on some
+// ranks run inside `agree`: afterwards every rank knows whether any rank failed, and all of them throw the same
+// AgreedError (the message of the lowest failing rank), so each prints one identical line and exits non-zero.
+// The CLI's main.cpp finalises MPI normally after an AgreedError and aborts the job after any other error, which
+// the other ranks may not know of.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+
+#include "comm/communicator.h"
+#include "core/error.h"
+
+namespace rf::comm {
+
+class AgreedError : public rf::Error {
+ public:
+  using rf::Error::Error;
+};
+
+// Runs `step` on this rank, then agrees with all ranks of `comm` (a collective call: every rank must make it).
+// Throws AgreedError on every rank if `step` threw rf::Error on any rank.
+void agree(Communicator& comm, const std::function<void()>& step);
+
+// Checks that every rank holds the same `values` (a collective call); throws AgreedError on every rank naming
+// `what` if they differ, e.g. when ranks read different input files.
+void agree_equal(Communicator& comm, std::span<const int64_t> values, const std::string& what);
+
+}  // namespace rf::comm
