@@ -10,7 +10,7 @@
 #include "core/row_meta.h"
 #include "cp/balance.h"
 #include "cp/cp_attention.h"
-#include "cp/plan_report.h"
+#include "report/plan_report.h"
 #include "cp/shard.h"
 #include "cpu/attention.h"
 #include "io/safetensors.h"
@@ -164,7 +164,7 @@ AttnResult run_attention_cp(const AttnJob& job, const CpOptions& opt, comm::Comm
     if (!opt.collect_stats) return;
     int64_t tokens = 0;
     for (const TokenMeta& t : meta) tokens += t.doc != kPaddingDoc ? 1 : 0;
-    res.stats_json = cp::cp_stats_json(comm, fwd_stats, job.has_dout ? &bwd_stats : nullptr, tokens,
+    res.stats_json = report::cp_stats_json(comm, fwd_stats, job.has_dout ? &bwd_stats : nullptr, tokens,
                                        cp::scheme_name(m.scheme), opt.algo);
   };
 

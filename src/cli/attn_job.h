@@ -50,7 +50,7 @@ struct AttnResult {
   std::vector<float> dq;      // [B, Hq, S, D]; empty without dout
   std::vector<float> dk, dv;  // [B, Hkv, S, D]; empty without dout
   double forward_seconds = 0, backward_seconds = 0;
-  std::string stats_json;  // with CpOptions::collect_stats: every rank's CP figures (cp::cp_stats_json)
+  std::string stats_json;  // with CpOptions::collect_stats: every rank's CP figures (report::cp_stats_json)
 };
 
 // The CP boundary: every rank of `comm` passes the same job; rank 0 gets the whole result. A collective call.

@@ -15,7 +15,7 @@
 #include "core/error.h"
 #include "core/row_meta.h"
 #include "cp/balance.h"
-#include "cp/plan_report.h"
+#include "report/plan_report.h"
 #include "cp/shard.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
@@ -33,7 +33,7 @@ struct PlanOptions {
   int P = 8;
   std::string layers = "5xsliding:1024:groups,1xfull:groups";  // Gemma 4 26B/31B with vision
   int block = cp::kPlanBlock;
-  cp::ReportOptions kv;  // Gemma 4 31B heads by default
+  report::ReportOptions kv;  // Gemma 4 31B heads by default
   std::string dtype = "bf16";
   std::string json;
   std::string svg;
@@ -98,7 +98,7 @@ int run_plan(const PlanOptions& o) {
     rows = generate_meta(o.generate, B, S, o.seed);
   }
 
-  cp::ReportOptions opt = o.kv;
+  report::ReportOptions opt = o.kv;
   opt.block = o.block;
   const int elem_bytes = o.dtype == "bf16" ? 2 : 4;
   opt.windowed.elem_bytes = opt.global.elem_bytes = elem_bytes;
@@ -108,9 +108,9 @@ int run_plan(const PlanOptions& o) {
       cp::make_shard_map(cp::Scheme::Zigzag, S, o.P, o.block),
       cp::balanced_shard(rows.data(), B, S, o.P, mix, o.block).map,
   };
-  std::vector<cp::SchemeReport> reports;
+  std::vector<report::SchemeReport> reports;
   for (const cp::ShardMap& map : maps) {
-    reports.push_back(cp::report_scheme(cp::scheme_name(map.scheme), rows.data(), B, map, mix, opt));
+    reports.push_back(report::report_scheme(cp::scheme_name(map.scheme), rows.data(), B, map, mix, opt));
   }
   if (world_rank != 0) return 0;
 
@@ -118,9 +118,9 @@ int run_plan(const PlanOptions& o) {
             << ", layers = " << o.layers << "\n"
             << "K/V per token: windowed layers " << opt.windowed.Hkv << " x " << opt.windowed.D << ", global layers "
             << opt.global.Hkv << " x " << opt.global.D << ", " << o.dtype << "\n\n"
-            << cp::report_text(reports);
-  if (!o.json.empty()) write_file(o.json, cp::report_json(reports));
-  if (!o.svg.empty()) write_file(o.svg, cp::report_svg(rows.data(), S, maps, reports, mix, o.block));
+            << report::report_text(reports);
+  if (!o.json.empty()) write_file(o.json, report::report_json(reports));
+  if (!o.svg.empty()) write_file(o.svg, report::report_svg(rows.data(), S, maps, reports, mix, o.block));
   return 0;
 }
 

@@ -12,7 +12,7 @@
 #include "cp/balance.h"
 #include "cp/cp_cases.h"
 #include "cp/plan.h"
-#include "cp/plan_report.h"
+#include "report/plan_report.h"
 
 namespace rf::cp {
 namespace {
@@ -122,7 +122,7 @@ TEST(PlannedRing, StatsJsonGathersEveryRank) {
   std::string text;
   comm::run_ranks(kP, [&](comm::Communicator& comm) {
     const int r = comm.rank();
-    const std::string mine = cp_stats_json(comm, ran.fwd[r], &ran.bwd[r], 100 + r, "balanced", "ring");
+    const std::string mine = report::cp_stats_json(comm, ran.fwd[r], &ran.bwd[r], 100 + r, "balanced", "ring");
     if (r == 0) text = mine;
   });
   const nlohmann::json j = nlohmann::json::parse(text);

@@ -1,4 +1,4 @@
-// ringflex cp: what a sharding scheme and its plan mean per rank, as `ringflex plan` shows them: work and its
+// ringflex report: what a sharding scheme and its communication plan mean per rank, as `ringflex plan` shows them: work and its
 // imbalance, tokens, bytes received and ring steps skipped per layer type; as a side-by-side text table, JSON, and
 // an SVG picture of the block mask coloured by query owner with per-rank work bars.
 #pragma once
@@ -14,14 +14,14 @@
 #include "cp/shard.h"
 #include "cp/work.h"
 
-namespace rf::cp {
+namespace rf::report {
 
 // What one K/V token costs on the wire, by layer type. Gemma 4 31B: sliding layers 16 kv heads x 256, full
 // (global) layers 4 kv heads x 512, bfloat16.
 struct ReportOptions {
-  int block = kPlanBlock;
-  KvFormat windowed{16, 256, 2};  // layers with a window
-  KvFormat global{4, 512, 2};     // layers without one
+  int block = cp::kPlanBlock;
+  cp::KvFormat windowed{16, 256, 2};  // layers with a window
+  cp::KvFormat global{4, 512, 2};     // layers without one
 };
 
 struct LayerTypeReport {
@@ -43,8 +43,8 @@ struct SchemeReport {
 };
 
 // rows: [B, map.S]. `name` labels the scheme in every output.
-SchemeReport report_scheme(const std::string& name, const TokenMeta* rows, int B, const ShardMap& map,
-                           const LayerMix& mix, const ReportOptions& opt);
+SchemeReport report_scheme(const std::string& name, const TokenMeta* rows, int B, const cp::ShardMap& map,
+                           const cp::LayerMix& mix, const ReportOptions& opt);
 
 // Ranks down, schemes across, one section per quantity.
 std::string report_text(const std::vector<SchemeReport>& reports);
@@ -60,8 +60,8 @@ std::string report_json(const std::vector<SchemeReport>& reports);
 // key block) pair, coloured by the rank that owns the query block, opaque in proportion to the share of the mix's
 // layers that compute it; a strip above shows which rank holds each block, bars below each rank's work.
 // maps[i] belongs to reports[i].
-std::string report_svg(const TokenMeta* rows, int S, const std::vector<ShardMap>& maps,
-                       const std::vector<SchemeReport>& reports, const LayerMix& mix, int block);
+std::string report_svg(const TokenMeta* rows, int S, const std::vector<cp::ShardMap>& maps,
+                       const std::vector<SchemeReport>& reports, const cp::LayerMix& mix, int block);
 
 // `ringflex attn --stats FILE.json`: every rank's figures of one CP forward (+ backward) call, gathered (a
 // collective; every rank gets the text):
@@ -69,7 +69,7 @@ std::string report_svg(const TokenMeta* rows, int S, const std::vector<ShardMap>
 //                                     "bytes_received", "compute_s", "wall_s"}, ...]}
 // tokens: valid tokens this rank holds; work: allowed pairs of the forward (the backward recomputes the same
 // ones); peak: the larger pass's; bytes and seconds: both passes summed. bwd may be null (forward only).
-std::string cp_stats_json(comm::Communicator& comm, const CpStats& fwd, const CpStats* bwd, int64_t tokens,
+std::string cp_stats_json(comm::Communicator& comm, const cp::CpStats& fwd, const cp::CpStats* bwd, int64_t tokens,
                           const std::string& scheme, const std::string& algo);
 
-}  // namespace rf::cp
+}  // namespace rf::report

@@ -8,10 +8,12 @@
 #include "common/random_case.h"
 #include "core/row_meta.h"
 #include "cp/balance.h"
-#include "cp/plan_report.h"
+#include "report/plan_report.h"
 #include "cp/shard.h"
 
-namespace rf::cp {
+namespace rf::report {
+
+using namespace rf::cp;
 namespace {
 
 struct Fixture {
@@ -113,4 +115,4 @@ TEST(PlanReport, TextHasEverySchemeAndLayerType) {
 }
 
 }  // namespace
-}  // namespace rf::cp
+}  // namespace rf::report

@@ -1,5 +1,5 @@
-// ringflex cp: per-rank reports of a sharding scheme and its plan, as text and JSON (see plan_report.h).
-#include "cp/plan_report.h"
+// ringflex report: per-rank reports of a sharding scheme and its plan, as text and JSON (see plan_report.h).
+#include "report/plan_report.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -8,7 +8,9 @@
 
 #include "core/error.h"
 
-namespace rf::cp {
+namespace rf::report {
+
+using namespace rf::cp;
 
 SchemeReport report_scheme(const std::string& name, const TokenMeta* rows, int B, const ShardMap& map,
                            const LayerMix& mix, const ReportOptions& opt) {
@@ -333,4 +335,4 @@ std::string cp_stats_json(comm::Communicator& comm, const CpStats& fwd, const Cp
   return root.dump(2) + "\n";
 }
 
-}  // namespace rf::cp
+}  // namespace rf::report
