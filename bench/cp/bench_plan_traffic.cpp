@@ -30,15 +30,15 @@ constexpr int kVlmSeeds = 5;
 
 double mib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 
-int64_t max_recv(const MaskPlan& mp) {
+int64_t max_recv(const MaskCommPlan& mp) {
   int64_t most = 0;
   for (int r = 0; r < mp.geometry.P; ++r) most = std::max(most, mp.recv_tokens(r));
   return most;
 }
 
-Plan plan_for(const std::vector<TokenMeta>& row, const ShardMap& map, const LayerMix& mix) {
+CommPlan plan_for(const std::vector<TokenMeta>& row, const ShardMap& map, const LayerMix& mix) {
   const std::vector<BlockSummary> sums = summarize_all_shards(row.data(), 1, map, kPlanBlock);
-  return make_plan(PlanGeometry{map.P, 1, map.L, kPlanBlock}, sums.data(), mix);
+  return plan_from_summaries(PlanGeometry{map.P, 1, map.L, kPlanBlock}, sums.data(), mix);
 }
 
 void traffic_table() {
@@ -56,7 +56,7 @@ void traffic_table() {
           const LayerMix mix = {{sliding, 5}, {full, 1}};
           const ShardMap map = rows == Rows::VlmBalanced ? balanced_shard(row.data(), 1, S, P, mix).map
                                                          : make_shard_map(Scheme::Contiguous, S, P, kPlanBlock);
-          const Plan plan = plan_for(row, map, mix);
+          const CommPlan plan = plan_for(row, map, mix);
           const int64_t sliding_bytes = kv_bytes(max_recv(plan.for_mask(sliding)), 1, kSlidingKv);
           const int64_t full_bytes = kv_bytes(max_recv(plan.for_mask(full)), 1, kFullKv);
           const int64_t ring_tokens = int64_t{P - 1} * map.L;

@@ -30,6 +30,15 @@ BlockSummary summarize(const TokenMeta* t, int n) {
   return s;
 }
 
+std::vector<BlockSummary> summarize_blocks(const TokenMeta* meta, int B, int L, int block) {
+  const int nb = block > 0 ? (L + block - 1) / block : 0;
+  std::vector<BlockSummary> out(static_cast<size_t>(B) * nb);
+  for (int b = 0; b < B; ++b)
+    for (int j = 0; j < nb; ++j)
+      out[static_cast<size_t>(b) * nb + j] = summarize(meta + int64_t{b} * L + j * block, std::min(block, L - j * block));
+  return out;
+}
+
 namespace {
 
 bool ranges_overlap(int32_t a_min, int32_t a_max, int32_t b_min, int32_t b_max) {

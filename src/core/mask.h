@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 namespace rf {
 
@@ -61,6 +62,11 @@ struct BlockSummary {
 
 // Summary of tokens t[0 .. n).
 BlockSummary summarize(const TokenMeta* t, int n);
+
+// Summaries of consecutive blocks of `block` tokens of each of B rows of L tokens: meta [B, L] -> [B, nb],
+// nb = ceil(L / block); the last block of a row is short when block does not divide L. The one place block
+// summaries are built for planning, work counting and reports (the kernels tile on their own).
+std::vector<BlockSummary> summarize_blocks(const TokenMeta* meta, int B, int L, int block);
 
 enum class BlockClass : uint8_t {
   Empty,    // no (q, k) pair in the blocks is allowed: skip the pair entirely

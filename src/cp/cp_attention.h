@@ -3,15 +3,15 @@
 // Each rank holds one shard of the row (cp/shard.h): its queries, keys, values and their token metadata, L tokens
 // per rank. Two algorithms give the same result to float32 rounding:
 //
-//   ring       K, V and metadata travel rank to rank (r sends to r+1, receives from r-1) while the chunk in hand is
-//              computed. Step s holds the chunk owned by rank r-s; the transfer for step s+1 is posted before the
-//              step-s compute and completed after it, into the other of two receive slots, so a rank holds at most
-//              three K/V chunks (its own, the one computed, the one arriving) plus float32 accumulators, whatever
-//              P is. Per-step partials are merged by rf::merge_partial in a fixed order (own chunk first).
-//              Before the first step the ranks exchange per-block metadata summaries and build one shared table of
-//              which rank needs which chunk (rf::classify); a chunk travels only as far along the ring as its last
-//              reader, and a rank computes only chunks it needs (causal contiguous shards never send keys
-//              "backwards"; sliding windows move only their halo).
+//   ring       K, V and metadata travel between ranks while the keys in hand are computed. Before the first step
+//              the ranks build one shared communication plan (cp/plan.h) from an allgather of per-block metadata
+//              summaries: which token ranges of which rank each rank's queries may read (rf::classify). Step t
+//              computes the keys of rank r-t; the transfer for step t+1 is posted before the step-t compute and
+//              completed after it, into the other of two receive slots, so a rank holds at most three K/V chunks
+//              (its own, the one computed, the one arriving) plus float32 accumulators, whatever P is. Per-step
+//              partials are merged by rf::merge_partial in a fixed order (own chunk first). Keys move only as
+//              far as their readers (causal contiguous shards never send keys "backwards"; sliding windows move
+//              only their halo), and a step with nothing to read costs no message and no compute.
 //   allgather  every rank gathers all K/V and metadata (P chunks held at once), computes locally, and the dK/dV
 //              partials are reduce-scattered (summed in rank order). The seed's first design, kept to compare.
 //
@@ -51,14 +51,14 @@ struct CpStats {
   double wall_seconds = 0;     // the whole call, header agreement included
 };
 
-// How Algo::Ring moves keys and values.
+// How Algo::Ring moves keys and values (cp/ring_transport.h); one ring loop (ring.cpp) runs either.
 //   Planned  each rank receives, directly from the owner, only the token ranges of each shard its queries may
-//            read (cp/plan.h; planned_ring.cpp): halos for sliding windows, nothing for later causal shards.
-//   Chunks   whole chunks travel rank to rank as far as their last reader (ring.cpp).
-// Both give the same bits; Chunks stays to compare against.
+//            read (planned_ring.cpp): halos for sliding windows, nothing for later causal shards.
+//   Chunks   the baseline: whole chunks hop rank to rank as far as their last reader (chunk_ring.cpp).
+// Both give the same bits; Chunks stays to measure Planned against.
 enum class RingTraffic { Planned, Chunks };
 
-struct Plan;  // cp/plan.h
+struct CommPlan;  // cp/plan.h
 
 struct CpParams {
   LayerMask mask;
@@ -69,8 +69,8 @@ struct CpParams {
   CpStats* stats = nullptr;  // optional
   RingTraffic traffic = RingTraffic::Planned;
   // Optional: the batch's plan, built once for all of the model's layer masks (make_comm_plan) so layers that
-  // share a mask share it; it must contain `mask`. Null: the planned ring builds one for `mask` (one allgather).
-  const Plan* plan = nullptr;
+  // share a mask share it; it must contain `mask`. Null: the ring builds one for `mask` (one allgather).
+  const CommPlan* plan = nullptr;
 };
 
 // This rank's shard. shape.Lq == shape.Lk == L (the shard length, equal on every rank).

@@ -1,4 +1,6 @@
-// ringflex cp: pieces shared by the ring and all-gather algorithms (not a public header).
+// ringflex cp: pieces shared by the ring and all-gather algorithms (not a public header). The dispatcher
+// (cp_attention.cpp) agrees on the header and calls one algorithm body; the bodies live in ring.cpp and
+// allgather.cpp, the ring's two ways of moving keys in planned_ring.cpp and chunk_ring.cpp (ring_transport.h).
 #pragma once
 
 #include <chrono>
@@ -7,6 +9,7 @@
 
 #include "comm/communicator.h"
 #include "cp/cp_attention.h"
+#include "cp/work.h"
 
 namespace rf::cp::detail {
 
@@ -19,22 +22,8 @@ enum class Pass : int32_t { Forward = 0, Backward = 1 };
 
 // Every rank validates its inputs, then all ranks allgather a small header and compare it with rank 0's, so an
 // invalid or mismatched input fails on every rank with the same line. `outputs_ok` is false when a caller's buffer
-// is missing (reported the same way). Returns the resolved scale.
+// is missing (reported the same way). Returns the resolved scale. agree_header.cpp.
 float agree_header(comm::Communicator& comm, const CpShard& x, const CpParams& p, Pass pass, bool outputs_ok);
-
-// Which rank needs which chunk, from per-block metadata summaries of every rank (one allgather).
-struct RingPlan {
-  int P = 1;
-  std::vector<uint8_t> need;  // [P reader, P owner]: some query of the reader may attend a key of the owner
-  std::vector<int> hops;      // [P owner]: how many ring steps the owner's chunk must travel (0: stays home)
-  bool needs(int reader, int owner) const { return need[static_cast<size_t>(reader) * P + owner] != 0; }
-};
-RingPlan plan_ring(comm::Communicator& comm, const CpShard& x, const LayerMask& mask, comm::Timeout timeout);
-
-// Allowed (query, key) pairs between q_meta [B, Lq] and k_meta [B, Lk], summed over rows; exact, using the block
-// classifier to count full and empty blocks without visiting their elements.
-int64_t count_allowed(const LayerMask& mask, const TokenMeta* q_meta, const TokenMeta* k_meta, int B, int Lq,
-                      int Lk);
 
 // Bookkeeping for CpStats: bytes held (peak), bytes moved, time in kernels.
 class Ledger {
@@ -76,7 +65,7 @@ class Ledger {
   int64_t held_ = 0;
 };
 
-// What both rings (ring.cpp, planned_ring.cpp) do with the keys of one step; ring_common.cpp.
+// What the ring (ring.cpp) does with the keys of one step, whichever transport brought them; ring_common.cpp.
 
 // Forward: merges every computed step into the shard's o: [B, Hq, L, D] and lse: [B, Hq, L] (log-sum-exp),
 // in the order the steps are added. The first step writes o/lse directly; later steps run one (row, kv head) at a
@@ -116,16 +105,11 @@ inline bool finish_transfer(comm::RequestPtr& req, comm::Timeout timeout) {
 std::vector<float> start_backward(const CpShard& x, const float* o, const void* dout, float* dq, float* dk, float* dv,
                                   Ledger& ledger);
 
-// Algorithm bodies, called after the header agreement.
+// Algorithm bodies, called after the header agreement. The ring moves keys as p.traffic says (ring_transport.h).
 void ring_forward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, float* o, float* lse,
                   Ledger& ledger);
 void ring_backward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, const float* o,
                    const float* lse, const void* dout, float* dq, float* dk, float* dv, Ledger& ledger);
-void planned_ring_forward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, float* o,
-                          float* lse, Ledger& ledger);
-void planned_ring_backward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale,
-                           const float* o, const float* lse, const void* dout, float* dq, float* dk, float* dv,
-                           Ledger& ledger);
 void allgather_forward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, float* o,
                        float* lse, Ledger& ledger);
 void allgather_backward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, const float* o,

@@ -22,15 +22,7 @@ void check_geometry(const PlanGeometry& g) {
 
 std::vector<BlockSummary> summarize_shard(const TokenMeta* meta, const PlanGeometry& g) {
   check_geometry(g);
-  const int nb = g.blocks();
-  std::vector<BlockSummary> out(static_cast<size_t>(g.B) * nb);
-  for (int b = 0; b < g.B; ++b) {
-    for (int j = 0; j < nb; ++j) {
-      const int begin = j * g.block;
-      out[static_cast<size_t>(b) * nb + j] = summarize(meta + int64_t{b} * g.L + begin, std::min(g.block, g.L - begin));
-    }
-  }
-  return out;
+  return summarize_blocks(meta, g.B, g.L, g.block);
 }
 
 std::vector<BlockSummary> summarize_all_shards(const TokenMeta* rows, int B, const ShardMap& map, int block) {
@@ -44,51 +36,51 @@ std::vector<BlockSummary> summarize_all_shards(const TokenMeta* rows, int B, con
   return all;
 }
 
-BlockClass MaskPlan::pair_class(int r, int s, int b, int i, int j) const {
+BlockClass MaskCommPlan::pair_class(int r, int s, int b, int i, int j) const {
   const int64_t nb = geometry.blocks();
   return classes[(((int64_t{r} * geometry.P + s) * geometry.B + b) * nb + i) * nb + j];
 }
 
-bool MaskPlan::needs_block(int r, int s, int j) const {
+bool MaskCommPlan::needs_block(int r, int s, int j) const {
   return needed[(int64_t{r} * geometry.P + s) * geometry.blocks() + j] != 0;
 }
 
-const std::vector<TokenRange>& MaskPlan::recv_ranges(int r, int s) const {
+const std::vector<TokenRange>& MaskCommPlan::recv_ranges(int r, int s) const {
   return ranges[static_cast<size_t>(r) * geometry.P + s];
 }
 
-int64_t MaskPlan::recv_tokens(int r, int s) const {
+int64_t MaskCommPlan::recv_tokens(int r, int s) const {
   int64_t n = 0;
   for (const TokenRange& range : recv_ranges(r, s)) n += range.size();
   return n;
 }
 
-int64_t MaskPlan::recv_tokens(int r) const {
+int64_t MaskCommPlan::recv_tokens(int r) const {
   int64_t n = 0;
   for (int s = 0; s < geometry.P; ++s) n += recv_tokens(r, s);
   return n;
 }
 
-int64_t MaskPlan::send_tokens(int s) const {
+int64_t MaskCommPlan::send_tokens(int s) const {
   int64_t n = 0;
   for (int r = 0; r < geometry.P; ++r) n += recv_tokens(r, s);
   return n;
 }
 
-int MaskPlan::skipped_steps(int r) const {
+int MaskCommPlan::skipped_steps(int r) const {
   int skipped = 0;
   for (int t = 1; t < geometry.P; ++t) skipped += receives_at(r, t) ? 0 : 1;
   return skipped;
 }
 
-int64_t MaskPlan::computed_pairs(int r) const {
+int64_t MaskCommPlan::computed_pairs(int r) const {
   const int64_t per_rank = int64_t{geometry.P} * geometry.B * geometry.blocks() * geometry.blocks();
   const auto first = classes.begin() + r * per_rank;
   return std::count_if(first, first + per_rank, [](BlockClass c) { return c != BlockClass::Empty; });
 }
 
-const MaskPlan& Plan::for_mask(const LayerMask& m) const {
-  for (const MaskPlan& mp : masks) {
+const MaskCommPlan& CommPlan::for_mask(const LayerMask& m) const {
+  for (const MaskCommPlan& mp : masks) {
     if (mp.mask == m) return mp;
   }
   fail("the plan has no layer with mask ", m.name());
@@ -96,9 +88,9 @@ const MaskPlan& Plan::for_mask(const LayerMask& m) const {
 
 namespace {
 
-MaskPlan plan_mask(const PlanGeometry& g, const BlockSummary* summaries, const LayerKind& kind) {
+MaskCommPlan plan_mask(const PlanGeometry& g, const BlockSummary* summaries, const LayerKind& kind) {
   const int P = g.P, B = g.B, nb = g.blocks();
-  MaskPlan mp;
+  MaskCommPlan mp;
   mp.mask = kind.mask;
   mp.layers = kind.count;
   mp.geometry = g;
@@ -140,16 +132,16 @@ MaskPlan plan_mask(const PlanGeometry& g, const BlockSummary* summaries, const L
 
 }  // namespace
 
-Plan make_plan(const PlanGeometry& g, const BlockSummary* summaries, const LayerMix& mix) {
+CommPlan plan_from_summaries(const PlanGeometry& g, const BlockSummary* summaries, const LayerMix& mix) {
   check_geometry(g);
   RF_CHECK(summaries != nullptr, "make_plan: no block summaries");
-  Plan plan;
+  CommPlan plan;
   plan.geometry = g;
   for (const LayerKind& kind : mix) {
     RF_CHECK(kind.count > 0, "layer mix: mask ", kind.mask.name(), " has ", kind.count, " layers");
     RF_CHECK(kind.mask.window >= 0, "layer mix: negative window ", kind.mask.window);
     auto same = std::find_if(plan.masks.begin(), plan.masks.end(),
-                             [&](const MaskPlan& mp) { return mp.mask == kind.mask; });
+                             [&](const MaskCommPlan& mp) { return mp.mask == kind.mask; });
     if (same != plan.masks.end()) {
       same->layers += kind.count;  // layers with the same mask reuse one plan
       continue;
@@ -159,13 +151,13 @@ Plan make_plan(const PlanGeometry& g, const BlockSummary* summaries, const Layer
   return plan;
 }
 
-Plan make_comm_plan(comm::Communicator& comm, const TokenMeta* meta, const PlanGeometry& g, const LayerMix& mix,
+CommPlan make_comm_plan(comm::Communicator& comm, const TokenMeta* meta, const PlanGeometry& g, const LayerMix& mix,
                     comm::Timeout timeout) {
   RF_CHECK(g.P == comm.size(), "plan geometry has P = ", g.P, " for a communicator of ", comm.size(), " ranks");
   const std::vector<BlockSummary> mine = summarize_shard(meta, g);
   std::vector<BlockSummary> all(mine.size() * static_cast<size_t>(g.P));
   comm.allgather(mine.data(), all.data(), mine.size() * sizeof(BlockSummary), timeout);
-  return make_plan(g, all.data(), mix);
+  return plan_from_summaries(g, all.data(), mix);
 }
 
 }  // namespace rf::cp

@@ -1,4 +1,5 @@
 // ringflex cp: the mask-aware communication plan of ring attention (SPEC §6: work and traffic follow the mask).
+// In src/cp, "plan" means this and nothing else; `ringflex plan` prints it (src/report).
 //
 // A full ring moves every chunk past every rank even when the mask uses none of it. The plan is computed once per
 // batch, identically and deterministically on every rank, from the one thing ranks exchange up front: a summary of
@@ -9,7 +10,7 @@
 //   - a sliding layer pulls only the halo of W - 1 tokens before each of its runs (from several ranks when W > L),
 //   - a causal contiguous shard never receives a later rank's keys,
 //   - an image group crossing a shard boundary pulls that group's blocks, packed short documents almost nothing.
-// Layers that share a mask share its MaskPlan.
+// Layers that share a mask share its MaskCommPlan.
 //
 // Schedule. With direct sends, at ring step t in [1, P) rank r receives from (r - t) mod P and sends to
 // (r + t) mod P, so every ordered (sender, receiver) pair meets exactly once. A step whose transfer is empty is
@@ -63,7 +64,7 @@ inline int ring_source(int r, int t, int P) { return (r - t + P) % P; }  // who 
 inline int ring_dest(int r, int t, int P) { return (r + t) % P; }            // whom r sends to at step t
 
 // The plan of one layer mask.
-struct MaskPlan {
+struct MaskCommPlan {
   LayerMask mask;
   int layers = 0;  // layers of the mix that use this mask
   PlanGeometry geometry;
@@ -86,21 +87,29 @@ struct MaskPlan {
   int64_t computed_pairs(int r) const;
 };
 
-struct Plan {
+struct CommPlan {
   PlanGeometry geometry;
-  std::vector<MaskPlan> masks;  // one per distinct mask of the mix, in mix order
+  std::vector<MaskCommPlan> masks;  // one per distinct mask of the mix, in mix order
 
-  const MaskPlan& for_mask(const LayerMask& m) const;  // throws rf::Error when m is not in the mix
+  const MaskCommPlan& for_mask(const LayerMask& m) const;  // throws rf::Error when m is not in the mix
 };
 
 // summaries: [P, B, nb] (summarize_shard of every rank, in rank order). Deterministic: the same inputs give the
 // same plan on every rank.
-Plan make_plan(const PlanGeometry& g, const BlockSummary* summaries, const LayerMix& mix);
+CommPlan plan_from_summaries(const PlanGeometry& g, const BlockSummary* summaries, const LayerMix& mix);
 
 // The plan as the ranks of a CP call build it: one allgather of every rank's summaries (of meta, this rank's
 // shard [B, g.L]), then make_plan on the identical [P, B, nb] buffer. Collective over `comm` (g.P = its size).
-Plan make_comm_plan(comm::Communicator& comm, const TokenMeta* meta, const PlanGeometry& g, const LayerMix& mix,
+CommPlan make_comm_plan(comm::Communicator& comm, const TokenMeta* meta, const PlanGeometry& g, const LayerMix& mix,
                     comm::Timeout timeout);
+
+// Earlier names of the above, kept so callers written against them keep compiling while they move over. In src/cp
+// "plan" names only the communication plan: CommPlan for a batch, MaskCommPlan for one of its masks.
+using Plan = CommPlan;
+using MaskPlan = MaskCommPlan;
+inline CommPlan make_plan(const PlanGeometry& g, const BlockSummary* summaries, const LayerMix& mix) {
+  return plan_from_summaries(g, summaries, mix);
+}
 
 // Shapes of what travels: K and V of Hkv heads of D elements of elem_bytes each, per token per row.
 struct KvFormat {

@@ -1,6 +1,6 @@
-// ringflex cp: the per-step compute shared by the chunk ring (ring.cpp) and the planned ring (planned_ring.cpp).
-// Both rings merge the same partials in the same order through this one code path, which is what lets the
-// planned ring promise the chunk ring's bits.
+// ringflex cp: the ring's per-step compute (ring.cpp), whichever transport brought the keys. Both traffics merge
+// the same partials in the same order through this one code path, which is what lets the planned ring promise the
+// chunk ring's bits.
 #include <algorithm>
 
 #include "core/merge.h"
@@ -21,7 +21,7 @@ ForwardMerge::ForwardMerge(const CpShard& x, const LayerMask& mask, float scale,
 void ForwardMerge::add(const void* k, const void* v, const TokenMeta* k_meta, int n) {
   const int B = x_.shape.B, Hkv = x_.shape.Hkv, L = x_.shape.Lq, D = x_.shape.D, G = x_.shape.group_size();
   const size_t es = dtype_size(x_.dtype);
-  if (ledger_.counting()) ledger_.add_work(count_allowed(mask_, x_.meta, k_meta, B, L, n));
+  if (ledger_.counting()) ledger_.add_work(count_allowed_pairs(mask_, x_.meta, k_meta, B, L, n));
   if (!first_ && part_o_.empty()) {
     part_o_.resize(static_cast<size_t>(G) * L * D);
     part_lse_.resize(static_cast<size_t>(G) * L);

@@ -82,34 +82,44 @@ LayerMix parse_layer_mix(const std::string& spec) {
   return mix;
 }
 
-std::vector<int64_t> allowed_keys_per_query(const TokenMeta* row, int n, const LayerMask& m, int block) {
-  RF_CHECK(n >= 0 && block > 0, "allowed_keys_per_query needs n >= 0 and block >= 1, got n = ", n, ", block = ",
-           block);
-  const int nb = (n + block - 1) / block;
-  std::vector<BlockSummary> sums(static_cast<size_t>(nb));
-  for (int j = 0; j < nb; ++j) sums[j] = summarize(row + j * block, std::min(block, n - j * block));
+std::vector<int64_t> allowed_keys_per_query(const TokenMeta* q_meta, int nq, const TokenMeta* k_meta, int nk,
+                                            const LayerMask& m, int block) {
+  RF_CHECK(nq >= 0 && nk >= 0 && block > 0, "allowed_keys_per_query needs nq, nk >= 0 and block >= 1, got nq = ",
+           nq, ", nk = ", nk, ", block = ", block);
+  const std::vector<BlockSummary> q_sums = summarize_blocks(q_meta, 1, nq, block);
+  const std::vector<BlockSummary> k_sums = summarize_blocks(k_meta, 1, nk, block);
 
-  std::vector<int64_t> count(static_cast<size_t>(n), 0);
-  for (int i = 0; i < nb; ++i) {
-    const int q0 = i * block, q1 = std::min(n, q0 + block);
+  std::vector<int64_t> count(static_cast<size_t>(nq), 0);
+  for (size_t i = 0; i < q_sums.size(); ++i) {
+    const int q0 = static_cast<int>(i) * block, q1 = std::min(nq, q0 + block);
     int64_t full_keys = 0;  // keys of Full pairs, the same for every query of block i
-    for (int j = 0; j < nb; ++j) {
-      const BlockClass c = classify(m, sums[i], sums[j]);
+    for (size_t j = 0; j < k_sums.size(); ++j) {
+      const BlockClass c = classify(m, q_sums[i], k_sums[j]);
       if (c == BlockClass::Empty) continue;
-      const int k0 = j * block, k1 = std::min(n, k0 + block);
+      const int k0 = static_cast<int>(j) * block, k1 = std::min(nk, k0 + block);
       if (c == BlockClass::Full) {
         full_keys += k1 - k0;
         continue;
       }
       for (int q = q0; q < q1; ++q) {
         int64_t hits = 0;
-        for (int k = k0; k < k1; ++k) hits += allowed(m, row[q], row[k]) ? 1 : 0;
+        for (int k = k0; k < k1; ++k) hits += allowed(m, q_meta[q], k_meta[k]) ? 1 : 0;
         count[q] += hits;
       }
     }
     for (int q = q0; q < q1; ++q) count[q] += full_keys;
   }
   return count;
+}
+
+int64_t count_allowed_pairs(const LayerMask& m, const TokenMeta* q_meta, const TokenMeta* k_meta, int B, int Lq,
+                            int Lk, int block) {
+  int64_t pairs = 0;
+  for (int b = 0; b < B; ++b)
+    for (const int64_t keys :
+         allowed_keys_per_query(q_meta + int64_t{b} * Lq, Lq, k_meta + int64_t{b} * Lk, Lk, m, block))
+      pairs += keys;
+  return pairs;
 }
 
 std::vector<int64_t> token_work(const TokenMeta* rows, int B, int S, int S_padded, const LayerMix& mix, int block) {

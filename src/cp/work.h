@@ -30,10 +30,25 @@ using LayerMix = std::vector<LayerKind>;
 // Throws rf::Error naming the offending item.
 LayerMix parse_layer_mix(const std::string& spec);
 
-// Allowed keys of every query of one row under mask m, over all keys of the row: [n]. Exact: block pairs are
-// classified from summaries of `block` tokens; Full pairs add the key block's size, Partial pairs evaluate the
-// predicate per element, Empty pairs cost one classification. row: [n].
-std::vector<int64_t> allowed_keys_per_query(const TokenMeta* row, int n, const LayerMask& m, int block);
+// Block size for counting allowed pairs when the caller has no other reason to pick one: the kernels' key tile,
+// so a count costs one classification per tile pair the kernels visit.
+constexpr int kCountBlock = 64;
+
+// The one place allowed pairs are counted. Allowed keys of every query q_meta[0 .. nq) among the keys
+// k_meta[0 .. nk) under mask m: [nq]. Exact: block pairs are classified from summaries of `block` tokens; Full pairs
+// add the key block's size, Partial pairs evaluate the predicate per element, Empty pairs cost one classification.
+std::vector<int64_t> allowed_keys_per_query(const TokenMeta* q_meta, int nq, const TokenMeta* k_meta, int nk,
+                                            const LayerMask& m, int block);
+
+// The same for every query of one row against all keys of that row (the work model). row: [n] -> [n].
+inline std::vector<int64_t> allowed_keys_per_query(const TokenMeta* row, int n, const LayerMask& m, int block) {
+  return allowed_keys_per_query(row, n, row, n, m, block);
+}
+
+// Allowed (query, key) pairs between q_meta [B, Lq] and k_meta [B, Lk], row b's queries against row b's keys,
+// summed over the B rows: the work a CP call reports (CpStats::work).
+int64_t count_allowed_pairs(const LayerMask& m, const TokenMeta* q_meta, const TokenMeta* k_meta, int B, int Lq,
+                            int Lk, int block = kCountBlock);
 
 // Work of every position of the padded row, summed over the B rows and the mix (weighted by layer count):
 // [S_padded]; positions >= S (sharding padding) have none. rows: [B, S].

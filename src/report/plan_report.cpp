@@ -16,7 +16,7 @@ SchemeReport report_scheme(const std::string& name, const TokenMeta* rows, int B
                            const LayerMix& mix, const ReportOptions& opt) {
   const int P = map.P;
   const std::vector<BlockSummary> sums = summarize_all_shards(rows, B, map, opt.block);
-  const Plan plan = make_plan(PlanGeometry{P, B, map.L, opt.block}, sums.data(), mix);
+  const CommPlan plan = plan_from_summaries(PlanGeometry{P, B, map.L, opt.block}, sums.data(), mix);
 
   SchemeReport rep;
   rep.scheme = name;
@@ -31,7 +31,7 @@ SchemeReport report_scheme(const std::string& name, const TokenMeta* rows, int B
       }
     }
   }
-  for (const MaskPlan& mp : plan.masks) {
+  for (const MaskCommPlan& mp : plan.masks) {
     const KvFormat& kv = mp.mask.window > 0 ? opt.windowed : opt.global;
     LayerTypeReport lt;
     lt.mask = mp.mask;
@@ -198,8 +198,7 @@ std::string report_svg(const TokenMeta* rows, int S, const std::vector<ShardMap>
   // Row 0 in row order, padded as sharding pads it; cell summaries.
   std::vector<TokenMeta> row(static_cast<size_t>(S_padded));
   for (int t = 0; t < S_padded; ++t) row[t] = t < S ? rows[t] : TokenMeta{t, kPaddingDoc, kNoGroup};
-  std::vector<BlockSummary> sums(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) sums[i] = summarize(&row[static_cast<size_t>(i) * cell], std::min(cell, S_padded - i * cell));
+  const std::vector<BlockSummary> sums = summarize_blocks(row.data(), 1, S_padded, cell);  // [n]
   int total_layers = 0;
   for (const LayerKind& k : mix) total_layers += k.count;
   // level[i][j]: share of the mix's layers computing the pair, quantised.

@@ -199,7 +199,7 @@ TEST(Balance, LeastHaloWithinTolerance) {
 int64_t max_recv_tokens(const std::vector<TokenMeta>& row, const ShardMap& map, const LayerMix& mix,
                         const LayerMask& m) {
   const std::vector<BlockSummary> sums = summarize_all_shards(row.data(), 1, map, kPlanBlock);
-  const Plan plan = make_plan(PlanGeometry{map.P, 1, map.L, kPlanBlock}, sums.data(), mix);
+  const CommPlan plan = plan_from_summaries(PlanGeometry{map.P, 1, map.L, kPlanBlock}, sums.data(), mix);
   int64_t most = 0;
   for (int r = 0; r < map.P; ++r) most = std::max(most, plan.for_mask(m).recv_tokens(r));
   return most;

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "cp/cp_internal.h"
+#include "cp/plan.h"
 #include "cp_cases.h"
 
 namespace rf::cp {
@@ -100,7 +101,7 @@ TEST(CpLoopback, MissingChunkTimesOutNamingPeerAndStep) {
         cp_attention_forward(w, x, p, o.data(), lse.data());
       } else {
         detail::agree_header(w, x, p, detail::Pass::Forward, true);
-        detail::plan_ring(w, x, p.mask, p.timeout);
+        make_comm_plan(w, x.meta, PlanGeometry{2, 1, L, kPlanBlock}, {{p.mask, 1}}, p.timeout);
         // ... and stops here, never sending its K/V.
       }
     });

@@ -31,9 +31,9 @@ LayerMix all_masks() {
   return mix;
 }
 
-Plan plan_of(const std::vector<TokenMeta>& rows, int B, const ShardMap& map, const LayerMix& mix, int block) {
+CommPlan plan_of(const std::vector<TokenMeta>& rows, int B, const ShardMap& map, const LayerMix& mix, int block) {
   const std::vector<BlockSummary> sums = summarize_all_shards(rows.data(), B, map, block);
-  return make_plan(PlanGeometry{map.P, B, map.L, block}, sums.data(), mix);
+  return plan_from_summaries(PlanGeometry{map.P, B, map.L, block}, sums.data(), mix);
 }
 
 bool in_ranges(const std::vector<TokenRange>& ranges, int j) {
@@ -46,12 +46,12 @@ bool in_ranges(const std::vector<TokenRange>& ranges, int j) {
 // Every allowed (q on r, k on s) pair must be computed (its block pair not Empty) and, when s != r, the key must
 // be among what r receives from s. Full block pairs must be allowed everywhere. And nothing is received that no
 // pair needs.
-void check_plan_covers_predicate(const std::vector<TokenMeta>& rows, int B, const ShardMap& map, const Plan& plan,
+void check_plan_covers_predicate(const std::vector<TokenMeta>& rows, int B, const ShardMap& map, const CommPlan& plan,
                                  const std::string& what) {
   const int P = map.P, L = map.L, block = plan.geometry.block;
   std::vector<std::vector<TokenMeta>> local;
   for (int r = 0; r < P; ++r) local.push_back(shard_meta(map, r, rows.data(), B));
-  for (const MaskPlan& mp : plan.masks) {
+  for (const MaskCommPlan& mp : plan.masks) {
     for (int r = 0; r < P; ++r) {
       for (int s = 0; s < P; ++s) {
         std::vector<bool> used(static_cast<size_t>(L), false);
@@ -87,7 +87,7 @@ void check_plan_covers_predicate(const std::vector<TokenMeta>& rows, int B, cons
   }
 }
 
-TEST(Plan, NeverSkipsAnAllowedPair) {
+TEST(CommPlan, NeverSkipsAnAllowedPair) {
   std::mt19937_64 rng(20261129);
   const LayerMix mix = all_masks();
   int cases = 0;
@@ -114,7 +114,7 @@ TEST(Plan, NeverSkipsAnAllowedPair) {
 
 // One document, causal window W, contiguous shards with L a multiple of the block: rank r needs the keys with
 // idx in [rL - W + 1, rL), rounded out to whole blocks, i.e. from the block holding max(0, rL - W + 1) to rL.
-TEST(Plan, SlidingHaloIsTheWindowRoundedToBlocks) {
+TEST(CommPlan, SlidingHaloIsTheWindowRoundedToBlocks) {
   constexpr int kBlock = 64, kL = 512, kB = 2;
   const KvFormat kv{16, 256, 2};  // Gemma 4 31B sliding layers, bf16
   for (const int P : {2, 4, 8}) {
@@ -123,8 +123,8 @@ TEST(Plan, SlidingHaloIsTheWindowRoundedToBlocks) {
     const ShardMap map = make_shard_map(Scheme::Contiguous, S, P, kBlock);
     for (const int W : {1, 100, 512, 1024, 1500}) {
       const LayerMask sliding{true, W, false};
-      const Plan plan = plan_of(rows, kB, map, {{sliding, 5}}, kBlock);
-      const MaskPlan& mp = plan.for_mask(sliding);
+      const CommPlan plan = plan_of(rows, kB, map, {{sliding, 5}}, kBlock);
+      const MaskCommPlan& mp = plan.for_mask(sliding);
       EXPECT_EQ(mp.layers, 5);
       for (int r = 0; r < P; ++r) {
         const int first = std::max(0, r * kL - W + 1);
@@ -147,13 +147,13 @@ TEST(Plan, SlidingHaloIsTheWindowRoundedToBlocks) {
   }
 }
 
-TEST(Plan, CausalContiguousNeverReceivesLaterKeys) {
+TEST(CommPlan, CausalContiguousNeverReceivesLaterKeys) {
   constexpr int kP = 4, kL = 96, kBlock = 32;
   const std::vector<TokenMeta> rows = rf::testing::random_meta(1, kP * kL, MetaKind::OneDoc, 2);
   const ShardMap map = make_shard_map(Scheme::Contiguous, kP * kL, kP, kBlock);
   const LayerMask causal;
-  const Plan plan = plan_of(rows, 1, map, {{causal, 1}}, kBlock);
-  const MaskPlan& mp = plan.for_mask(causal);
+  const CommPlan plan = plan_of(rows, 1, map, {{causal, 1}}, kBlock);
+  const MaskCommPlan& mp = plan.for_mask(causal);
   for (int r = 0; r < kP; ++r) {
     for (int s = 0; s < kP; ++s) {
       const std::vector<TokenRange> expect =
@@ -168,15 +168,15 @@ TEST(Plan, CausalContiguousNeverReceivesLaterKeys) {
 
 // One document of 16 tokens on 2 ranks (L = 8, blocks of 2); image group 0 covers tokens 5..10 across the
 // boundary. With a window of 1, only the group reaches across: each side pulls exactly the group's blocks.
-TEST(Plan, GroupAcrossBoundaryPullsItsBlocks) {
+TEST(CommPlan, GroupAcrossBoundaryPullsItsBlocks) {
   constexpr int kS = 16, kP = 2, kBlock = 2;
   std::vector<int32_t> group(kS, kNoGroup);
   for (int t = 5; t <= 10; ++t) group[t] = 0;
   const std::vector<TokenMeta> rows = make_row_meta(kS, nullptr, group.data());
   const ShardMap map = make_shard_map(Scheme::Contiguous, kS, kP, kBlock);
   const LayerMask with_groups{true, 1, true}, without{true, 1, false};
-  const Plan plan = plan_of(rows, 1, map, {{with_groups, 1}, {without, 1}}, kBlock);
-  const MaskPlan& g = plan.for_mask(with_groups);
+  const CommPlan plan = plan_of(rows, 1, map, {{with_groups, 1}, {without, 1}}, kBlock);
+  const MaskCommPlan& g = plan.for_mask(with_groups);
   EXPECT_EQ(g.recv_ranges(0, 1), (std::vector<TokenRange>{{0, 4}}));  // tokens 8..11: blocks of 8,9 and 10
   EXPECT_EQ(g.recv_ranges(1, 0), (std::vector<TokenRange>{{4, 8}}));  // tokens 4..7: blocks of 5 and 6,7
   EXPECT_EQ(plan.for_mask(without).recv_tokens(0), 0);
@@ -184,24 +184,24 @@ TEST(Plan, GroupAcrossBoundaryPullsItsBlocks) {
 }
 
 // Documents of 4 tokens never cross a rank (L = 16), so a causal layer needs nothing from anyone.
-TEST(Plan, ShortPackedDocumentsNeedNothingRemote) {
+TEST(CommPlan, ShortPackedDocumentsNeedNothingRemote) {
   constexpr int kS = 64, kP = 4, kBlock = 4;
   std::vector<int32_t> doc(kS);
   for (int t = 0; t < kS; ++t) doc[t] = 1 + t / 4;
   const std::vector<TokenMeta> rows = make_row_meta(kS, doc.data(), nullptr);
   const LayerMask causal;
-  const Plan plan = plan_of(rows, 1, make_shard_map(Scheme::Contiguous, kS, kP, kBlock), {{causal, 1}}, kBlock);
-  const MaskPlan& mp = plan.for_mask(causal);
+  const CommPlan plan = plan_of(rows, 1, make_shard_map(Scheme::Contiguous, kS, kP, kBlock), {{causal, 1}}, kBlock);
+  const MaskCommPlan& mp = plan.for_mask(causal);
   for (int r = 0; r < kP; ++r) {
     EXPECT_EQ(mp.recv_tokens(r), 0);
     EXPECT_EQ(mp.skipped_steps(r), kP - 1);
   }
 }
 
-TEST(Plan, LayersWithOneMaskShareOnePlan) {
+TEST(CommPlan, LayersWithOneMaskShareOnePlan) {
   const std::vector<TokenMeta> rows = rf::testing::random_meta(1, 32, MetaKind::Packed, 3);
   const LayerMask full, sliding{true, 8, false};
-  const Plan plan =
+  const CommPlan plan =
       plan_of(rows, 1, make_shard_map(Scheme::Contiguous, 32, 2, 4), {{full, 2}, {sliding, 3}, {full, 1}}, 4);
   ASSERT_EQ(plan.masks.size(), 2u);
   EXPECT_EQ(plan.for_mask(full).layers, 3);
@@ -210,10 +210,10 @@ TEST(Plan, LayersWithOneMaskShareOnePlan) {
 }
 
 // The plan depends only on its inputs: rebuilding gives the same classes and ranges.
-TEST(Plan, Deterministic) {
+TEST(CommPlan, Deterministic) {
   const std::vector<TokenMeta> rows = rf::testing::random_meta(2, 200, MetaKind::Padded, 4);
   const ShardMap map = make_shard_map(Scheme::Zigzag, 200, 4, 8);
-  const Plan a = plan_of(rows, 2, map, all_masks(), 8), b = plan_of(rows, 2, map, all_masks(), 8);
+  const CommPlan a = plan_of(rows, 2, map, all_masks(), 8), b = plan_of(rows, 2, map, all_masks(), 8);
   ASSERT_EQ(a.masks.size(), b.masks.size());
   for (size_t k = 0; k < a.masks.size(); ++k) {
     EXPECT_EQ(a.masks[k].classes, b.masks[k].classes);

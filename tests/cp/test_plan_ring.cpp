@@ -27,7 +27,7 @@ struct RingRun {
 };
 
 // CP forward and backward of `c` under `map` with the given ring traffic, on P loopback ranks.
-RingRun run(const Case& c, const Inputs& in, const ShardMap& map, RingTraffic traffic, const Plan* plan = nullptr) {
+RingRun run(const Case& c, const Inputs& in, const ShardMap& map, RingTraffic traffic, const CommPlan* plan = nullptr) {
   RingRun out;
   out.fwd.resize(static_cast<size_t>(map.P));
   out.bwd.resize(static_cast<size_t>(map.P));
@@ -105,7 +105,7 @@ TEST(PlannedRing, SlidingLayerMovesOnlyTheHalo) {
   // The same call with a plan built once for a two-layer mix.
   const LayerMix mix = {{c.mask, 5}, {LayerMask{}, 1}};
   const std::vector<BlockSummary> sums = summarize_all_shards(in.meta.data(), c.B, map, kPlanBlock);
-  const Plan plan = make_plan(PlanGeometry{P, c.B, L, kPlanBlock}, sums.data(), mix);
+  const CommPlan plan = plan_from_summaries(PlanGeometry{P, c.B, L, kPlanBlock}, sums.data(), mix);
   cases::expect_same_bits(run(c, in, map, RingTraffic::Planned, &plan).result, planned.result, "prebuilt plan");
 }
 
