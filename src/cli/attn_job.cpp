@@ -8,13 +8,11 @@
 #include "comm/agree.h"
 #include "core/error.h"
 #include "core/row_meta.h"
-#include "cp/balance.h"
-#include "cp/cp_attention.h"
-#include "report/plan_report.h"
-#include "cp/shard.h"
+#include "cp/rows.h"
 #include "cpu/attention.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
+#include "report/plan_report.h"
 
 namespace rf::cli {
 
@@ -116,79 +114,32 @@ AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optio
 
 namespace {
 
-// The shard map for --shard; "auto" is the mask-aware balanced scheme for this job's one mask (it tries the
-// contiguous and zigzag-like deals too and keeps the best).
-cp::ShardMap choose_shard_map(const AttnJob& job, const std::string& shard, int P) {
-  if (shard == "auto" || shard == "balanced")
-    return cp::balanced_shard(job.meta.data(), job.shape.B, job.S(), P, cp::LayerMix{{job.mask, 1}}).map;
-  return cp::make_shard_map(cp::parse_scheme(shard), job.S(), P);
-}
-
-// Every rank's shard of a [B, H, L, D] float32 result, gathered into row order [B, H, S, D] on every rank.
-std::vector<float> gather_rows(comm::Communicator& comm, const cp::ShardMap& m, const std::vector<float>& shard,
-                               int B, int H, int D) {
-  const int P = comm.size();
-  std::vector<float> all(shard.size() * P), full(static_cast<size_t>(B) * H * m.S * D);
-  comm.allgather(shard.data(), all.data(), shard.size() * sizeof(float), comm::kDefaultTimeout);
-  for (int r = 0; r < P; ++r)
-    cp::unshard_tensor(m, r, all.data() + r * shard.size(), full.data(), B, H, D, sizeof(float));
-  return full;
-}
-
-// P > 1: shard the rows, run CP attention (cp/cp_attention.h), gather the results in row order.
+// P > 1 (or --stats): the rows through cp::cp_attention_rows, gathered to rank 0, which writes them.
 AttnResult run_attention_cp(const AttnJob& job, const CpOptions& opt, comm::Communicator& comm) {
-  const AttnShape& s = job.shape;
-  const int r = comm.rank();
-  const cp::ShardMap m = choose_shard_map(job, opt.shard, comm.size());
-  const int L = m.L;
-  const size_t es = dtype_size(job.dtype);
-  // This rank's shards: q, dout [B, Hq, L, D]; k, v [B, Hkv, L, D] in the job's dtype; meta [B, L].
-  std::vector<std::byte> q(static_cast<size_t>(s.B) * s.Hq * L * s.D * es), dout(job.has_dout ? q.size() : 0);
-  std::vector<std::byte> k(static_cast<size_t>(s.B) * s.Hkv * L * s.D * es), v(k.size());
-  cp::shard_tensor(m, r, job.q.data(), q.data(), s.B, s.Hq, s.D, es);
-  cp::shard_tensor(m, r, job.k.data(), k.data(), s.B, s.Hkv, s.D, es);
-  cp::shard_tensor(m, r, job.v.data(), v.data(), s.B, s.Hkv, s.D, es);
-  if (job.has_dout) cp::shard_tensor(m, r, job.dout.data(), dout.data(), s.B, s.Hq, s.D, es);
-  const std::vector<TokenMeta> meta = cp::shard_meta(m, r, job.meta.data(), s.B);
+  const cp::RowsInput in{job.shape, job.dtype, job.q.data(), job.k.data(), job.v.data(),
+                         job.has_dout ? job.dout.data() : nullptr, job.meta.data()};
+  cp::RowsOptions rows;
+  rows.scheme = opt.shard;
+  rows.params.mask = job.mask;
+  rows.params.scale = job.scale;
+  rows.params.algo = cp::parse_algo(opt.algo);
+  rows.gather_root = 0;
+  rows.collect_stats = opt.collect_stats;
+  cp::RowsResult ran = cp::cp_attention_rows(comm, in, rows);
 
-  const cp::CpShard x{AttnShape{s.B, s.Hq, s.Hkv, L, L, s.D}, job.dtype, q.data(), k.data(), v.data(), meta.data()};
-  cp::CpParams params;
-  params.mask = job.mask;
-  params.scale = job.scale;
-  params.algo = cp::parse_algo(opt.algo);
-  params.scheme = m.scheme;
-  cp::CpStats fwd_stats, bwd_stats;
-  if (opt.collect_stats) params.stats = &fwd_stats;
-  // --stats: every rank's figures gathered in one JSON text (a collective, so every rank calls it).
-  const auto finish_stats = [&](AttnResult& res) {
-    if (!opt.collect_stats) return;
-    int64_t tokens = 0;
-    for (const TokenMeta& t : meta) tokens += t.doc != kPaddingDoc ? 1 : 0;
-    res.stats_json = report::cp_stats_json(comm, fwd_stats, job.has_dout ? &bwd_stats : nullptr, tokens,
-                                       cp::scheme_name(m.scheme), opt.algo);
-  };
-
-  std::vector<float> o(static_cast<size_t>(x.shape.q_elems())), lse(static_cast<size_t>(x.shape.lse_elems()));
   AttnResult res;
-  auto t0 = std::chrono::steady_clock::now();
-  cp::cp_attention_forward(comm, x, params, o.data(), lse.data());
-  res.forward_seconds = seconds_since(t0);
-  res.out = gather_rows(comm, m, o, s.B, s.Hq, s.D);
-  res.lse = gather_rows(comm, m, lse, s.B, s.Hq, 1);
-  if (!job.has_dout) {
-    finish_stats(res);
-    return res;
-  }
-  if (opt.collect_stats) params.stats = &bwd_stats;
-
-  std::vector<float> dq(o.size()), dk(static_cast<size_t>(x.shape.kv_elems())), dv(dk.size());
-  t0 = std::chrono::steady_clock::now();
-  cp::cp_attention_backward(comm, x, params, o.data(), lse.data(), dout.data(), dq.data(), dk.data(), dv.data());
-  res.backward_seconds = seconds_since(t0);
-  res.dq = gather_rows(comm, m, dq, s.B, s.Hq, s.D);
-  res.dk = gather_rows(comm, m, dk, s.B, s.Hkv, s.D);
-  res.dv = gather_rows(comm, m, dv, s.B, s.Hkv, s.D);
-  finish_stats(res);
+  res.out = std::move(ran.out);
+  res.lse = std::move(ran.lse);
+  res.dq = std::move(ran.dq);
+  res.dk = std::move(ran.dk);
+  res.dv = std::move(ran.dv);
+  res.forward_seconds = ran.forward_seconds;
+  res.backward_seconds = ran.backward_seconds;
+  // --stats: every rank's figures gathered in one JSON text (a collective, so every rank calls it).
+  if (opt.collect_stats)
+    res.stats_json =
+        report::cp_stats_json(comm, ran.forward_stats, job.has_dout ? &ran.backward_stats : nullptr, ran.valid_tokens,
+                              cp::scheme_name(ran.map.scheme), opt.algo);
   return res;
 }
 

@@ -3,8 +3,9 @@
 // A job is whole, unsharded rows: Q/K/V (and dOut for the backward) with the token metadata, as every rank
 // holds it after reading the input itself. The pipeline is
 //     read + validate (every rank)  ->  agree across ranks  ->  run_attention  ->  rank 0 writes
-// and run_attention is the one context-parallel boundary: it shards the rows, runs the CP forward and backward,
-// and unshards the results. The demo builds a job in memory and goes through the same run_attention.
+// and run_attention is the one context-parallel boundary: it hands the rows to cp::cp_attention_rows (cp/rows.h),
+// which shards them, runs the CP forward and backward, and gathers the results to rank 0. The demo builds a job in
+// memory and goes through the same run_attention.
 #pragma once
 
 #include <cstddef>
@@ -53,7 +54,8 @@ struct AttnResult {
   std::string stats_json;  // with CpOptions::collect_stats: every rank's CP figures (report::cp_stats_json)
 };
 
-// The CP boundary: every rank of `comm` passes the same job; rank 0 gets the whole result. A collective call.
+// The CP boundary: every rank of `comm` passes the same job; rank 0 gets the whole result (the other ranks' results
+// are empty under mpirun with P > 1). A collective call.
 AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communicator& comm);
 
 // Writes out, lse (and dq, dk, dv) with the outputs in the job's dtype. Throws rf::Error naming the file.
