@@ -1,9 +1,9 @@
 // The CP attention sweep, written once against the communicator interface and run by the loopback test
 // (ranks as threads) and the MPI test (ranks as processes under mpirun).
 //
-// A case is a full row problem (Q, K, V, dout, metadata) generated identically on every rank from a seed. Every
-// rank shards it, runs CP forward and backward, and all ranks allgather their shards back into row order. Rank 0
-// (the only one that asserts) compares against the scalar reference (double) on the unsharded row.
+// A case is a full row problem (Q, K, V, dout, metadata) generated identically on every rank from a seed. It runs
+// through the library's one whole-row pipeline (cp_attention_rows: shard, CP forward and backward, gather to rank
+// 0), and rank 0 (the only one that asserts) compares against the scalar reference (double) on the unsharded row.
 //
 // Tolerance. The reference is exact up to double rounding; a CP result differs from it by the kernels' float32
 // rounding (err1: the same kernels run as one rank, P = 1, measured on the same inputs) plus what the ring adds:
@@ -25,6 +25,7 @@
 #include "comm/loopback_comm.h"
 #include "common/random_case.h"
 #include "cp/cp_attention.h"
+#include "cp/rows.h"
 #include "cp/shard.h"
 #include "reference/attention_ref.h"
 
@@ -62,49 +63,37 @@ struct Result {
   std::vector<float> o, lse, dq, dk, dv;
 };
 
-// Gathers every rank's shard of a [B, H, L, D] float32 array into row order [B, H, S, D] on every rank.
-inline std::vector<float> gather_rows(comm::Communicator& comm, const ShardMap& m, const std::vector<float>& shard,
-                                      int B, int H, int D) {
-  const int P = comm.size();
-  std::vector<float> all(shard.size() * P), full(static_cast<size_t>(B) * H * m.S * D);
-  comm.allgather(shard.data(), all.data(), shard.size() * sizeof(float), kCaseTimeout);
-  for (int r = 0; r < P; ++r) unshard_tensor(m, r, all.data() + r * shard.size(), full.data(), B, H, D, sizeof(float));
-  return full;
+// CP forward and backward of the case on this communicator through cp_attention_rows, under shard map `map` when
+// given, else the map shard_map_for(scheme) picks; with p's algorithm, traffic and plan. p.stats receives the
+// forward's figures, bwd_stats the backward's. Rank 0 returns the full result, the other ranks empty vectors.
+inline Result run_rows(comm::Communicator& comm, const Case& c, const Inputs& in, const ShardMap* map, Scheme scheme,
+                       const CpParams& p, CpStats* bwd_stats) {
+  const RowsInput rows{AttnShape{c.B, c.Hq, c.Hkv, c.S, c.S, c.D}, c.dtype, in.q.data(), in.k.data(), in.v.data(),
+                       in.dout.data(), in.meta.data()};
+  RowsOptions opt;
+  opt.scheme = scheme_name(scheme);
+  opt.map = map;
+  opt.params = p;
+  opt.gather_root = 0;
+  opt.collect_stats = p.stats != nullptr || bwd_stats != nullptr;
+  RowsResult ran = cp_attention_rows(comm, rows, opt);
+  if (p.stats) *p.stats = ran.forward_stats;
+  if (bwd_stats) *bwd_stats = ran.backward_stats;
+  return {std::move(ran.out), std::move(ran.lse), std::move(ran.dq), std::move(ran.dk), std::move(ran.dv)};
 }
 
-// CP forward and backward of the case under shard map `m` on this communicator, with p's algorithm, traffic and
-// plan; p.stats receives the forward's figures, bwd_stats the backward's. Every rank returns the full result.
-inline Result run_sharded(comm::Communicator& comm, const Case& c, const Inputs& in, const ShardMap& m, CpParams p,
+// Under an explicit shard map `m`.
+inline Result run_sharded(comm::Communicator& comm, const Case& c, const Inputs& in, const ShardMap& m, const CpParams& p,
                           CpStats* bwd_stats = nullptr) {
-  const int r = comm.rank();
-  const size_t es = dtype_size(c.dtype);
-  const int L = m.L;
-  std::vector<uint8_t> q(static_cast<size_t>(c.B) * c.Hq * L * c.D * es), dout(q.size());
-  std::vector<uint8_t> k(static_cast<size_t>(c.B) * c.Hkv * L * c.D * es), v(k.size());
-  shard_tensor(m, r, in.q.data(), q.data(), c.B, c.Hq, c.D, es);
-  shard_tensor(m, r, in.dout.data(), dout.data(), c.B, c.Hq, c.D, es);
-  shard_tensor(m, r, in.k.data(), k.data(), c.B, c.Hkv, c.D, es);
-  shard_tensor(m, r, in.v.data(), v.data(), c.B, c.Hkv, c.D, es);
-  const std::vector<TokenMeta> meta = shard_meta(m, r, in.meta.data(), c.B);
-
-  const CpShard x{AttnShape{c.B, c.Hq, c.Hkv, L, L, c.D}, c.dtype, q.data(), k.data(), v.data(), meta.data()};
-  std::vector<float> o(static_cast<size_t>(x.shape.q_elems())), lse(static_cast<size_t>(x.shape.lse_elems()));
-  std::vector<float> dq(o.size()), dk(static_cast<size_t>(x.shape.kv_elems())), dv(dk.size());
-  cp_attention_forward(comm, x, p, o.data(), lse.data());
-  p.stats = bwd_stats;
-  cp_attention_backward(comm, x, p, o.data(), lse.data(), dout.data(), dq.data(), dk.data(), dv.data());
-  return {gather_rows(comm, m, o, c.B, c.Hq, c.D), gather_rows(comm, m, lse, c.B, c.Hq, 1),
-          gather_rows(comm, m, dq, c.B, c.Hq, c.D), gather_rows(comm, m, dk, c.B, c.Hkv, c.D),
-          gather_rows(comm, m, dv, c.B, c.Hkv, c.D)};
+  return run_rows(comm, c, in, &m, m.scheme, p, bwd_stats);
 }
 
-// The same, sharded by `scheme` over this communicator's ranks.
+// Sharded by `scheme` over this communicator's ranks.
 inline Result run_cp(comm::Communicator& comm, const Case& c, const Inputs& in, Scheme scheme, Algo algo,
                      RingTraffic traffic = RingTraffic::Planned, CpStats* fwd_stats = nullptr,
                      CpStats* bwd_stats = nullptr) {
-  const ShardMap m = make_shard_map(scheme, c.S, comm.size());
   const CpParams p{c.mask, c.scale, algo, scheme, kCaseTimeout, fwd_stats, traffic};
-  return run_sharded(comm, c, in, m, p, bwd_stats);
+  return run_rows(comm, c, in, nullptr, scheme, p, bwd_stats);
 }
 
 // The same problem on one rank (P = 1 through the same code: no sharding padding, one chunk).
