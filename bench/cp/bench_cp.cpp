@@ -21,8 +21,8 @@
 #include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "core/row_meta.h"
-#include "cp/balance.h"
 #include "cp/cp_attention.h"
+#include "cp/rows.h"
 #include "cp/shard.h"
 #include "reference/attention_ref.h"
 
@@ -67,76 +67,61 @@ AlgoChoice parse_choice(const std::string& name) {
   return {rf::cp::parse_algo(name), rf::cp::RingTraffic::Planned};
 }
 
-// One rank's shard of a generated row problem.
-struct Problem {
-  rf::cp::ShardMap map;
-  std::vector<rf::TokenMeta> full_meta, meta;  // [B=1, S], [1, L]
-  std::vector<uint8_t> q, k, v, dout;          // shards in dtype
-  rf::cp::CpShard shard;
+// The generated rows of one configuration, identical on every rank (B = 1): q, dout [Hq, S, D] and k, v [Hkv, S, D]
+// in dtype, meta [S]; `input` points at them.
+struct Rows {
+  std::vector<rf::TokenMeta> meta;
+  std::vector<uint8_t> q, k, v, dout;
+  rf::cp::RowsInput input;
 };
 
-// full_inputs, when given, receives the whole-row q, k, v, dout in dtype (for the reference).
-Problem make_problem(const Config& c, int S, rf::cp::Scheme scheme, int P, int r, std::vector<uint8_t>* full_inputs) {
-  Problem pb;
-  pb.full_meta = c.row == "vlm" ? rf::gemma4_vlm_row(S, kSeed) : rf::make_row_meta(S, nullptr, nullptr);
-  pb.map = scheme == rf::cp::Scheme::Balanced
-               ? rf::cp::balanced_shard(pb.full_meta.data(), 1, S, P, rf::cp::LayerMix{{mask_of(c), 1}}).map
-               : rf::cp::make_shard_map(scheme, S, P);
-  pb.meta = rf::cp::shard_meta(pb.map, r, pb.full_meta.data(), 1);
+Rows make_rows(const Config& c, int S) {
+  Rows rows;
+  rows.meta = c.row == "vlm" ? rf::gemma4_vlm_row(S, kSeed) : rf::make_row_meta(S, nullptr, nullptr);
   const rf::DType dt = c.dtype == "bf16" ? rf::DType::BF16 : rf::DType::F32;
-  const size_t es = rf::dtype_size(dt);
-  const int L = pb.map.L;
-  const auto make = [&](int H, uint64_t seed, std::vector<uint8_t>& out, int slot) {
-    std::vector<float> full = uniform(int64_t{H} * S * c.D, seed);
-    std::vector<uint8_t> typed(full.size() * es);
+  const auto make = [&](int H, uint64_t seed) {
+    const std::vector<float> full = uniform(int64_t{H} * S * c.D, seed);
+    std::vector<uint8_t> typed(full.size() * rf::dtype_size(dt));
     rf::from_float(typed.data(), full.data(), full.size(), dt);
-    out.resize(static_cast<size_t>(H) * L * c.D * es);
-    rf::cp::shard_tensor(pb.map, r, typed.data(), out.data(), 1, H, c.D, es);
-    if (full_inputs) full_inputs[slot] = std::move(typed);
+    return typed;
   };
-  make(c.Hq, kSeed + 1, pb.q, 0);
-  make(c.Hkv, kSeed + 2, pb.k, 1);
-  make(c.Hkv, kSeed + 3, pb.v, 2);
-  make(c.Hq, kSeed + 4, pb.dout, 3);
-  pb.shard = {rf::AttnShape{1, c.Hq, c.Hkv, L, L, c.D}, dt, pb.q.data(), pb.k.data(), pb.v.data(), pb.meta.data()};
-  return pb;
+  rows.q = make(c.Hq, kSeed + 1);
+  rows.k = make(c.Hkv, kSeed + 2);
+  rows.v = make(c.Hkv, kSeed + 3);
+  rows.dout = make(c.Hq, kSeed + 4);
+  rows.input = {rf::AttnShape{1, c.Hq, c.Hkv, S, S, c.D}, dt, rows.q.data(), rows.k.data(), rows.v.data(),
+                rows.dout.data(), rows.meta.data()};
+  return rows;
 }
 
-// Runs the configuration at kValidateS on every rank and checks rank-gathered out/lse against the reference.
+// The library's whole-row options for one (scheme, algorithm): the shard map is chosen where the CLI chooses it.
+rf::cp::RowsOptions options_of(const Config& c, rf::cp::Scheme scheme, AlgoChoice choice) {
+  rf::cp::RowsOptions o;
+  o.scheme = rf::cp::scheme_name(scheme);
+  o.params.mask = mask_of(c);
+  o.params.algo = choice.algo;
+  o.params.traffic = choice.traffic;
+  return o;
+}
+
+// Runs the configuration's forward at kValidateS through cp_attention_rows and checks the out/lse gathered on
+// rank 0 against the reference.
 void validate(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme scheme, AlgoChoice choice) {
-  const int P = comm.size(), r = comm.rank(), S = kValidateS;
-  std::vector<uint8_t> full[4];
-  const Problem pb = make_problem(c, S, scheme, P, r, full);
-  rf::cp::CpParams p{mask_of(c), 0.f, choice.algo, scheme};
-  p.traffic = choice.traffic;
-  std::vector<float> o(static_cast<size_t>(pb.shard.shape.q_elems())),
-      lse(static_cast<size_t>(pb.shard.shape.lse_elems()));
-  rf::cp::cp_attention_forward(comm, pb.shard, p, o.data(), lse.data());
-  std::vector<float> all_o(o.size() * P), all_lse(lse.size() * P), row_o(static_cast<size_t>(c.Hq) * S * c.D),
-      row_lse(static_cast<size_t>(c.Hq) * S);
-  comm.allgather(o.data(), all_o.data(), o.size() * sizeof(float), rf::comm::kDefaultTimeout);
-  comm.allgather(lse.data(), all_lse.data(), lse.size() * sizeof(float), rf::comm::kDefaultTimeout);
-  for (int j = 0; j < P; ++j) {
-    rf::cp::unshard_tensor(pb.map, j, all_o.data() + j * o.size(), row_o.data(), 1, c.Hq, c.D, sizeof(float));
-    rf::cp::unshard_tensor(pb.map, j, all_lse.data() + j * lse.size(), row_lse.data(), 1, c.Hq, 1, sizeof(float));
-  }
-  if (r != 0) return;
-  const rf::AttnChunk chunk{rf::AttnShape{1, c.Hq, c.Hkv, S, S, c.D},
-                            pb.shard.dtype,
-                            full[0].data(),
-                            full[1].data(),
-                            full[2].data(),
-                            pb.full_meta.data(),
-                            pb.full_meta.data(),
-                            mask_of(c),
+  const int S = kValidateS;
+  Rows rows = make_rows(c, S);
+  rows.input.dout = nullptr;  // forward only
+  const rf::cp::RowsResult ran = rf::cp::cp_attention_rows(comm, rows.input, options_of(c, scheme, choice));
+  if (comm.rank() != 0) return;
+  const rf::AttnChunk chunk{rows.input.shape, rows.input.dtype, rows.q.data(),    rows.k.data(),
+                            rows.v.data(),    rows.meta.data(),  rows.meta.data(), mask_of(c),
                             rf::default_scale(c.D)};
   const rf::RefForward ref = rf::reference_forward(chunk);
   double err = 0;
-  for (size_t i = 0; i < row_o.size(); ++i) err = std::max(err, std::fabs(row_o[i] - ref.o[i]));
-  for (size_t i = 0; i < row_lse.size(); ++i)
-    if (std::isfinite(ref.lse[i])) err = std::max(err, std::fabs(row_lse[i] - ref.lse[i]));
-  RF_CHECK(err <= kValidateTol, "validation failed for ", rf::cp::scheme_name(scheme), "/", rf::cp::algo_name(choice.algo),
-           ": max error ", err);
+  for (size_t i = 0; i < ran.out.size(); ++i) err = std::max(err, std::fabs(ran.out[i] - ref.o[i]));
+  for (size_t i = 0; i < ran.lse.size(); ++i)
+    if (std::isfinite(ref.lse[i])) err = std::max(err, std::fabs(ran.lse[i] - ref.lse[i]));
+  RF_CHECK(err <= kValidateTol, "validation failed for ", rf::cp::scheme_name(scheme), "/",
+           rf::cp::algo_name(choice.algo), ": max error ", err);
 }
 
 struct Figures {
@@ -147,22 +132,30 @@ struct Figures {
 // Timed runs; per repeat the figures are maxima over ranks, then medians over repeats.
 Figures measure(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme scheme, AlgoChoice choice) {
   const int P = comm.size();
-  Problem pb = make_problem(c, c.S, scheme, P, comm.rank(), nullptr);
+  const rf::cp::RowsOptions opt = options_of(c, scheme, choice);
+  // This rank's shard, cut by the library's whole-row pipeline; the timed loop below repeats only its CP calls.
+  rf::cp::Scheme map_scheme = scheme;
+  const rf::cp::RowsShard shard = [&] {
+    const Rows rows = make_rows(c, c.S);  // the full rows live only while this rank cuts its shard
+    const rf::cp::ShardMap map = rf::cp::rows_shard_map(rows.input, opt, P);
+    map_scheme = map.scheme;
+    return rf::cp::shard_rows(rows.input, map, comm.rank());
+  }();
+  const rf::cp::CpShard x = shard.view();
   rf::cp::CpStats st;
-  rf::cp::CpParams p{mask_of(c), 0.f, choice.algo, scheme, rf::comm::kDefaultTimeout, &st};
-  p.traffic = choice.traffic;
-  std::vector<float> o(static_cast<size_t>(pb.shard.shape.q_elems())),
-      lse(static_cast<size_t>(pb.shard.shape.lse_elems()));
-  std::vector<float> dq(o.size()), dk(static_cast<size_t>(pb.shard.shape.kv_elems())), dv(dk.size());
+  rf::cp::CpParams p = opt.params;
+  p.scheme = map_scheme;
+  std::vector<float> o(static_cast<size_t>(x.shape.q_elems())), lse(static_cast<size_t>(x.shape.lse_elems()));
+  std::vector<float> dq(o.size()), dk(static_cast<size_t>(x.shape.kv_elems())), dv(dk.size());
   std::vector<double> walls, computes, exposeds;
   Figures f;
   for (int rep = 0; rep < std::max(1, c.time ? c.repeats : 1); ++rep) {
     // With --backward the figures are the backward's; its forward runs first, unmeasured.
     p.stats = c.backward ? nullptr : &st;
-    rf::cp::cp_attention_forward(comm, pb.shard, p, o.data(), lse.data());
+    rf::cp::cp_attention_forward(comm, x, p, o.data(), lse.data());
     if (c.backward) {
       p.stats = &st;
-      rf::cp::cp_attention_backward(comm, pb.shard, p, o.data(), lse.data(), pb.dout.data(), dq.data(), dk.data(),
+      rf::cp::cp_attention_backward(comm, x, p, o.data(), lse.data(), shard.dout.data(), dq.data(), dk.data(),
                                     dv.data());
     }
     // mine: peak, sent, work, wall, compute; gathered over ranks.
