@@ -16,9 +16,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -174,8 +176,9 @@ constexpr Variant kVariants[] = {{Algo::Ring, RingTraffic::Chunks, "chunk ring"}
                                  {Algo::AllGather, RingTraffic::Planned, "allgather"}};
 
 // The full check of one case on this communicator: both schemes, every variant, against the reference and
-// P = 1; both rings twice (identical bits); and, when `compare_loopback`, the chunk ring on P loopback threads
-// inside rank 0 (identical bits to this backend's).
+// P = 1; both rings twice (identical bits); and, when `compare_loopback`, both rings (the default planned ring on
+// both schemes, the chunk ring on contiguous shards) on P loopback threads inside rank 0, which must give this
+// backend's bits.
 inline void check_case(comm::Communicator& comm, const Case& c, bool compare_loopback) {
   SCOPED_TRACE(c.name + " at P = " + std::to_string(comm.size()));
   const int P = comm.size();
@@ -194,12 +197,22 @@ inline void check_case(comm::Communicator& comm, const Case& c, bool compare_loo
   expect_same_bits(runs[0], chunks_again, "second chunk ring run");
   expect_same_bits(runs[1], planned_again, "second planned ring run");
   if (compare_loopback) {
-    Result loop;
-    comm::run_ranks(P, [&](comm::Communicator& lc) {
-      Result mine = run_cp(lc, c, in, Scheme::Contiguous, Algo::Ring, RingTraffic::Chunks);
-      if (lc.rank() == 0) loop = std::move(mine);
-    });
-    expect_same_bits(runs[0], loop, "loopback vs " + comm.backend());
+    // runs[] index of (scheme, variant): kVariants per scheme, contiguous first.
+    const auto run_index = [](Scheme s, int variant) {
+      return (s == Scheme::Contiguous ? 0 : std::size(kVariants)) + static_cast<size_t>(variant);
+    };
+    constexpr int kChunkRing = 0, kPlannedRing = 1;
+    for (const auto& [scheme, variant] : {std::pair{Scheme::Contiguous, kChunkRing},
+                                          std::pair{Scheme::Contiguous, kPlannedRing},
+                                          std::pair{Scheme::Zigzag, kPlannedRing}}) {
+      Result loop;
+      comm::run_ranks(P, [&](comm::Communicator& lc) {
+        Result mine = run_cp(lc, c, in, scheme, Algo::Ring, kVariants[variant].traffic);
+        if (lc.rank() == 0) loop = std::move(mine);
+      });
+      expect_same_bits(runs[run_index(scheme, variant)], loop,
+                       "loopback vs " + comm.backend() + ", " + names[run_index(scheme, variant)]);
+    }
   }
   const Result single = run_single(c, in);
   const Reference ref = run_reference(c, in);
@@ -257,6 +270,37 @@ inline std::vector<Case> sweep_cases() {
     c.name = "bf16 B=2 causal W=7 padded, scale 1";
     c.B = 2, c.Hq = 4, c.Hkv = 2, c.S = 70, c.D = 32, c.dtype = DType::BF16, c.mask = w7, c.scale = 1.f;
     c.kind = MetaKind::Padded, c.seed = 103;
+    v.push_back(c);
+  }
+  return v;
+}
+
+// Rows longer than one key tile on every rank at any P: S = 257 P + 19 gives each rank L = 259..276 tokens (five
+// 64-key tiles, the last one short) and an S that is not a multiple of 64, so ring steps carry several tiles,
+// halos span tiles, and tiles straddle shard and document boundaries. Small heads keep the scalar reference quick.
+inline std::vector<Case> long_row_cases(int P) {
+  using testing::MetaKind;
+  constexpr int kTokensPerRank = 257, kExtraTokens = 19;
+  const int S = kTokensPerRank * P + kExtraTokens;
+  std::vector<Case> v;
+  const auto add = [&](std::string name, LayerMask m, MetaKind kind) {
+    Case c;
+    c.name = std::move(name) + " S=" + std::to_string(S);
+    c.mask = m;
+    c.kind = kind;
+    c.S = S;
+    c.D = 16;
+    c.seed = 300 + v.size();
+    v.push_back(c);
+  };
+  add("long causal one_doc", LayerMask{true, 0, false}, MetaKind::OneDoc);
+  add("long vision W=100 images crossing ranks", LayerMask{true, 100, true}, MetaKind::PackedImages);
+  add("long bidirectional W=90 packed", LayerMask{false, 90, false}, MetaKind::Packed);
+  {
+    Case c;
+    c.name = "long bf16 B=2 GQA 4:1 causal W=130 padded S=" + std::to_string(S);
+    c.B = 2, c.Hq = 4, c.Hkv = 1, c.S = S, c.D = 24, c.dtype = DType::BF16, c.mask = LayerMask{true, 130, false};
+    c.kind = MetaKind::Padded, c.seed = 310;
     v.push_back(c);
   }
   return v;

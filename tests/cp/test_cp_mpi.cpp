@@ -1,6 +1,7 @@
-// CP attention under a real `mpirun -n P` (CTest runs it at P = 1, 2, 3, 4, 8): the mask sweep against the
-// reference, schemes and algorithms against each other, MPI against loopback bits, packed parity, and ranks
-// that disagree or hold bad input failing together with one line.
+// CP attention under a real `mpirun -n P` (CTest runs it at P = 1, 2, 3, 4, 8): the mask sweep (small rows and
+// rows of several tiles per rank) against the reference, schemes and algorithms against each other, MPI against
+// loopback bits for both rings, packed parity, and ranks that disagree or hold bad input failing together with
+// one line.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -19,6 +20,13 @@ comm::Communicator& world() { return *world_ptr(); }
 
 TEST(CpMpi, MaskSweep) {
   for (const cases::Case& c : cases::sweep_cases()) cases::check_case(world(), c, /*compare_loopback=*/true);
+}
+
+// Rows of several 64-key tiles per rank, S not a multiple of 64: every ring step moves and computes whole and
+// partial tiles; MPI must give the loopback backend's bits for the planned and the chunk ring.
+TEST(CpMpi, LongRowsSweep) {
+  for (const cases::Case& c : cases::long_row_cases(world().size()))
+    cases::check_case(world(), c, /*compare_loopback=*/true);
 }
 
 TEST(CpMpi, PackedParity) {
