@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 jobs=$(nproc)
 
 sanitized=(core/test_core reference/test_reference cpu/test_cpu_attention io/test_io comm/test_loopback
-           cp/test_shard cp/test_cp_loopback cp/test_plan_cp comm/test_agree)
+           cp/test_shard cp/test_cp_loopback cp/test_plan_cp cp/test_plan_ring comm/test_agree report/test_report)
 cmake -B build-sanitize -DRINGFLEX_WERROR=ON -DRINGFLEX_SANITIZE=address,undefined -DRINGFLEX_BUILD_BENCH=OFF >/dev/null
 cmake --build build-sanitize -j "$jobs" --target "${sanitized[@]##*/}"
 for t in "${sanitized[@]}"; do
