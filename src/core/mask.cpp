@@ -35,7 +35,8 @@ std::vector<BlockSummary> summarize_blocks(const TokenMeta* meta, int B, int L, 
   std::vector<BlockSummary> out(static_cast<size_t>(B) * nb);
   for (int b = 0; b < B; ++b)
     for (int j = 0; j < nb; ++j)
-      out[static_cast<size_t>(b) * nb + j] = summarize(meta + int64_t{b} * L + j * block, std::min(block, L - j * block));
+      out[static_cast<size_t>(b) * nb + j] =
+          summarize(meta + int64_t{b} * L + j * block, std::min(block, L - j * block));
   return out;
 }
 

@@ -19,8 +19,8 @@ struct Header {
 };
 
 constexpr std::array<const char*, 14> kFieldNames = {
-    "B", "Hq", "Hkv", "L", "D", "dtype", "causal", "window", "bidirectional_groups", "scale (bits)", "scheme",
-    "algo", "pass", "ring traffic"};
+    "B",      "Hq",   "Hkv",  "L",           "D", "dtype", "causal", "window", "bidirectional_groups", "scale (bits)",
+    "scheme", "algo", "pass", "ring traffic"};
 
 }  // namespace
 
@@ -58,8 +58,7 @@ float agree_header(comm::Communicator& comm, const CpShard& x, const CpParams& p
   const int P = comm.size();
   std::vector<Header> all(static_cast<size_t>(P));
   comm.allgather(&h, all.data(), sizeof(Header), p.timeout);
-  for (int r = 0; r < P; ++r)
-    RF_CHECK(all[r].error[0] == 0, "rank ", r, ": ", std::string(all[r].error));
+  for (int r = 0; r < P; ++r) RF_CHECK(all[r].error[0] == 0, "rank ", r, ": ", std::string(all[r].error));
   for (int r = 1; r < P; ++r)
     for (size_t i = 0; i < kFieldNames.size(); ++i)
       RF_CHECK(all[r].fields[i] == all[0].fields[i], "ranks disagree on ", kFieldNames[i], ": rank 0 has ",

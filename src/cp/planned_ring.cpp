@@ -171,8 +171,8 @@ class PlannedTransport final : public KvTransport {
 
 }  // namespace
 
-std::unique_ptr<KvTransport> make_planned_transport(comm::Communicator& comm, const CpShard& x, const MaskCommPlan& plan,
-                                                    comm::Timeout timeout, Ledger& ledger) {
+std::unique_ptr<KvTransport> make_planned_transport(comm::Communicator& comm, const CpShard& x,
+                                                    const MaskCommPlan& plan, comm::Timeout timeout, Ledger& ledger) {
   return std::make_unique<PlannedTransport>(comm, x, plan, timeout, ledger);
 }
 

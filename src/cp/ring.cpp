@@ -37,9 +37,9 @@ PlanRef acquire_plan(comm::Communicator& comm, const CpShard& x, const CpParams&
   PlanRef ref;
   if (p.plan) {
     const PlanGeometry& pg = p.plan->geometry;
-    RF_CHECK(pg.P == g.P && pg.B == g.B && pg.L == g.L && pg.block == kPlanBlock, "the given CP plan is for P = ",
-             pg.P, ", B = ", pg.B, ", L = ", pg.L, ", block = ", pg.block, ", this call has P = ", g.P, ", B = ",
-             g.B, ", L = ", g.L, ", block = ", kPlanBlock);
+    RF_CHECK(pg.P == g.P && pg.B == g.B && pg.L == g.L && pg.block == kPlanBlock, "the given CP plan is for P = ", pg.P,
+             ", B = ", pg.B, ", L = ", pg.L, ", block = ", pg.block, ", this call has P = ", g.P, ", B = ", g.B,
+             ", L = ", g.L, ", block = ", kPlanBlock);
     ref.mask_plan = &p.plan->for_mask(p.mask);
     return ref;
   }
@@ -159,7 +159,8 @@ void ring_backward(comm::Communicator& comm, const CpShard& x, const CpParams& p
         const size_t bytes = static_cast<size_t>(f32_bytes(half));
         const std::array<comm::SendBuffer, 2> bufs{{{out.g.data(), bytes}, {out.g.data() + half, bytes}}};
         const int owner = ring_source(r, t, P);
-        out.req = comm.isend(owner, tag(t, MsgKind::Gradient), bufs, concat("dK/dV of ring step ", t, " to rank ", owner));
+        out.req =
+            comm.isend(owner, tag(t, MsgKind::Gradient), bufs, concat("dK/dV of ring step ", t, " to rank ", owner));
         ledger.sent(2 * static_cast<int64_t>(bytes));
       }
     }

@@ -49,8 +49,8 @@ class KvTransport {
 };
 
 // The mask's plan (its geometry is this shard's) is borrowed for the transport's lifetime, as are x and ledger.
-std::unique_ptr<KvTransport> make_planned_transport(comm::Communicator& comm, const CpShard& x, const MaskCommPlan& plan,
-                                                    comm::Timeout timeout, Ledger& ledger);
+std::unique_ptr<KvTransport> make_planned_transport(comm::Communicator& comm, const CpShard& x,
+                                                    const MaskCommPlan& plan, comm::Timeout timeout, Ledger& ledger);
 std::unique_ptr<KvTransport> make_chunk_transport(comm::Communicator& comm, const CpShard& x, const MaskCommPlan& plan,
                                                   comm::Timeout timeout, Ledger& ledger);
 

@@ -23,8 +23,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 ShardMap rows_shard_map(const RowsInput& in, const RowsOptions& opt, int P) {
   if (opt.map) {
-    RF_CHECK(opt.map->P == P && opt.map->S == in.S(), "the given shard map is for P = ", opt.map->P, ", S = ",
-             opt.map->S, ", these rows have P = ", P, ", S = ", in.S());
+    RF_CHECK(opt.map->P == P && opt.map->S == in.S(), "the given shard map is for P = ", opt.map->P,
+             ", S = ", opt.map->S, ", these rows have P = ", P, ", S = ", in.S());
     return *opt.map;
   }
   return shard_map_for(opt.scheme, in.meta, in.shape.B, in.S(), P, LayerMix{{opt.params.mask, 1}});

@@ -52,8 +52,8 @@ struct RowsResult {
   // Row order, float32, on the gathering rank(s) only (empty elsewhere). out, dq: [B, Hq, S, D]; lse: [B, Hq, S]
   // (-inf where a query sees nothing); dk, dv: [B, Hkv, S, D]. The gradients stay empty without dout.
   std::vector<float> out, lse, dq, dk, dv;
-  CpStats forward_stats, backward_stats;  // this rank's, with RowsOptions::collect_stats
-  int64_t valid_tokens = 0;               // non-padding tokens this rank held, over the B rows
+  CpStats forward_stats, backward_stats;             // this rank's, with RowsOptions::collect_stats
+  int64_t valid_tokens = 0;                          // non-padding tokens this rank held, over the B rows
   double forward_seconds = 0, backward_seconds = 0;  // the CP calls alone, on this rank
 };
 

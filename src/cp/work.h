@@ -47,8 +47,8 @@ inline std::vector<int64_t> allowed_keys_per_query(const TokenMeta* row, int n, 
 
 // Allowed (query, key) pairs between q_meta [B, Lq] and k_meta [B, Lk], row b's queries against row b's keys,
 // summed over the B rows: the work a CP call reports (CpStats::work).
-int64_t count_allowed_pairs(const LayerMask& m, const TokenMeta* q_meta, const TokenMeta* k_meta, int B, int Lq,
-                            int Lk, int block = kCountBlock);
+int64_t count_allowed_pairs(const LayerMask& m, const TokenMeta* q_meta, const TokenMeta* k_meta, int B, int Lq, int Lk,
+                            int block = kCountBlock);
 
 // Work of every position of the padded row, summed over the B rows and the mix (weighted by layer count):
 // [S_padded]; positions >= S (sharding padding) have none. rows: [B, S].

@@ -85,8 +85,8 @@ inline Result run_rows(comm::Communicator& comm, const Case& c, const Inputs& in
 }
 
 // Under an explicit shard map `m`.
-inline Result run_sharded(comm::Communicator& comm, const Case& c, const Inputs& in, const ShardMap& m, const CpParams& p,
-                          CpStats* bwd_stats = nullptr) {
+inline Result run_sharded(comm::Communicator& comm, const Case& c, const Inputs& in, const ShardMap& m,
+                          const CpParams& p, CpStats* bwd_stats = nullptr) {
   return run_rows(comm, c, in, &m, m.scheme, p, bwd_stats);
 }
 
