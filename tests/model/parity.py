@@ -32,13 +32,17 @@ own float32 run is up to ~2e-4 away from its float64 run on early-layer gradient
 float32 run stays within ~2e-5 of float64 (float32 rounding, ~1e-7 per op, amplified by depth and the
 backward), so 1e-4 keeps a margin and still catches any wrong term, which shows up at 1e-2 or more.
 
-Exit code 77 (CTest's skip) when torch, transformers or safetensors is missing.
+When torch, transformers or safetensors is missing: exit code 77 (CTest's skip), or a failure under CI
+(tests/common/oracle_env.py).
 """
 import json
 import os
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from oracle_env import missing_oracle  # noqa: E402
 
 try:
     import torch
@@ -47,9 +51,8 @@ try:
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig, Gemma4VisionConfig
     from transformers.models.gemma4.modeling_gemma4 import (Gemma4MultimodalEmbedder, create_masks_for_vision_model,
                                                             get_block_sequence_ids_for_mask)
-except ImportError as e:  # pragma: no cover - depends on the environment
-    print(f"skipping: {e}")
-    sys.exit(77)
+except ImportError as e:
+    missing_oracle(e)
 
 REL_TOL = 1e-4
 V, H = 48, 16

@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Fails when CTest skipped a test for a reason other than hardware this machine does not have.
+
+Reads CTest's JUnit report (ctest --output-junit FILE). A skip is allowed only when its output names a hardware
+feature from HARDWARE_SKIPS and this CPU's flags (/proc/cpuinfo) lack that feature: such a test cannot run here,
+whatever the environment. Any other skip (a missing Python oracle, a disabled test, a test CTest could not start)
+is a check that did not happen and fails the run. Allowed skips are listed by name at the end.
+Standard library only: it runs before and without the test venv.
+"""
+import sys
+import xml.etree.ElementTree as ET
+
+# (word the skip message must contain, the /proc/cpuinfo flags whose absence makes the skip unavoidable)
+HARDWARE_SKIPS = [
+    ("AMX", {"amx_tile", "amx_bf16"}),
+]
+
+
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def hardware_reason(output, flags):
+    """The feature that explains this skip on this machine, or None."""
+    for word, needed in HARDWARE_SKIPS:
+        if word in output and not needed <= flags:
+            return f"this CPU lacks {word} ({', '.join(sorted(needed - flags))} not in /proc/cpuinfo)"
+    return None
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit("usage: check_skips.py CTEST_JUNIT.xml")
+    try:
+        root = ET.parse(sys.argv[1]).getroot()
+    except (OSError, ET.ParseError) as e:
+        sys.exit(f"check_skips.py: cannot read CTest's JUnit report {sys.argv[1]}: {e}")
+    flags = cpu_flags()
+    allowed, refused = [], []
+    for case in root.iter("testcase"):
+        skipped = case.find("skipped")
+        if skipped is None and case.get("status") not in ("notrun", "disabled"):
+            continue
+        output = " ".join(filter(None, [case.findtext("system-out"), skipped.get("message") if skipped is not None
+                                        else None]))
+        reason = hardware_reason(output, flags)
+        (allowed if reason else refused).append((case.get("name"), reason))
+    if allowed:
+        print(f"Skipped for hardware this machine lacks ({len(allowed)}):")
+        for name, reason in allowed:
+            print(f"  {name}: {reason}")
+    if refused:
+        print(f"FAILED: {len(refused)} test(s) skipped without a hardware reason (a skip is a check that did not "
+              "happen; scripts/setup.sh --test installs every test oracle):", file=sys.stderr)
+        for name, _ in refused:
+            print(f"  {name}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
