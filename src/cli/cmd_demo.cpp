@@ -14,9 +14,9 @@
 //       P_ij = exp(scale q_i . k_j - LSE_i),
 //     over every query head of k_j's kv head and every query i allowed to read j. A gradient added to the wrong
 //     key, head or rank's chunk shows as an O(1) error there (column sums would not see it). The forward
-//     statistics LSE_i and O_i are the run's own (a full reference forward of every query reading a key costs
-//     a full S x S pass per key); the row sample above checks them, and the CTest suite checks every row of
-//     them against PyTorch in float64 (tests/cp/attn_torch_oracle.py).
+//     statistics LSE_i and O_i are the run's own (a reference forward of every query reading a key would cost
+//     a full S x S pass per key); the row sample above checks them here, and tests/cp/attn_torch_oracle.py
+//     checks every row this path produces against PyTorch in float64.
 #include <omp.h>
 
 #include <algorithm>
