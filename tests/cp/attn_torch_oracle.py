@@ -32,7 +32,7 @@ which becomes a relative error of its probability and so of everything computed 
 |scale * q.k| over allowed pairs, about 60 in the scale = 1.0 case with D = 256, where this term dominates); and
 its vector exp2 is a polynomial with relative error below EXP2 = 3e-7 (src/cpu/microkernels.h).
 Measured over every entry (scripts print err and tol per tensor): the float32 errors reach at most about 2/3 of
-their tolerance, the bf16 ones about 1/6 (bf16 outputs are dominated by their final rounding).
+their tolerance, the bf16 ones about 1/5 (bf16 outputs are dominated by their final rounding).
 All of it stays far below a real defect: one key wrongly masked or added moves an output row by about
 |v - o| / (keys the row sees) >= 1e-3 here, against float32 tolerances of 1e-6 to 1e-4 of max|T|. The bf16 cases
 catch gross errors (wrong key, head, rank's data, lost gradient); the float32 cases catch the fine ones.
