@@ -11,12 +11,10 @@ $SUDO apt-get install -y -qq --no-install-recommends \
   g++ cmake make git python3 python3-pip python3-venv \
   openmpi-bin libopenmpi-dev libopenblas-dev \
   libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev >/dev/null
-
-# --- Test-only Python oracles ------------------------------------------------------------------------------
-# A venv rather than the system interpreter: Debian 12's python3 refuses `pip install` outside one (PEP 668),
-# and the pins below must not fight the system's packages. Any failure stops the script with pip's own error
-# (set -e, no `|| true`): a missing oracle must never turn a test into a silent skip.
 if [ "${1:-}" = "--test" ]; then
+  # Test-only Python oracles, in a venv rather than the system interpreter: Debian 12's python3 refuses
+  # `pip install` outside one (PEP 668), and the pins below must not fight the system's packages. Any failure
+  # stops the script with pip's own error (no `|| true`): a missing oracle must never turn a test into a skip.
   repo="$(cd "$(dirname "$0")/.." && pwd)"
   venv="$repo/.venv"
   requirements="$repo/tests/requirements.txt"
