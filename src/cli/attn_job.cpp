@@ -135,7 +135,7 @@ std::vector<float> gather_rows(comm::Communicator& comm, const cp::ShardMap& m, 
   return full;
 }
 
-// P > 1 (or asked for): shard the rows, run CP attention (cp/cp_attention.h), gather the results in row order.
+// P > 1: shard the rows, run CP attention (cp/cp_attention.h), gather the results in row order.
 AttnResult run_attention_cp(const AttnJob& job, const CpOptions& opt, comm::Communicator& comm) {
   const AttnShape& s = job.shape;
   const int r = comm.rank();
