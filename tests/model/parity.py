@@ -32,8 +32,7 @@ own float32 run is up to ~2e-4 away from its float64 run on early-layer gradient
 float32 run stays within ~2e-5 of float64 (float32 rounding, ~1e-7 per op, amplified by depth and the
 backward), so 1e-4 keeps a margin and still catches any wrong term, which shows up at 1e-2 or more.
 
-When torch, transformers or safetensors is missing: exit code 77 (CTest's skip), or a failure under CI
-(tests/common/oracle_env.py).
+Exit code 77 (CTest's skip) when torch, transformers or safetensors is missing.
 """
 import json
 import os
