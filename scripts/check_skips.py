@@ -7,12 +7,16 @@ whatever the environment. Any other skip (a missing Python oracle, a disabled te
 is a check that did not happen and fails the run. Allowed skips are listed by name at the end.
 Standard library only: it runs before and without the test venv.
 """
+import re
 import sys
 import xml.etree.ElementTree as ET
 
-# (word the skip message must contain, the /proc/cpuinfo flags whose absence makes the skip unavoidable)
+# (feature, pattern the skip's output must contain (any case), the cpuinfo flags whose absence makes the skip
+# unavoidable). A skip that names a feature this CPU has is refused: the test could have run here.
 HARDWARE_SKIPS = [
-    ("AMX", {"amx_tile", "amx_bf16"}),
+    ("AMX", r"\bamx", {"amx_tile", "amx_bf16"}),
+    ("AVX-512", r"avx-?512", {"avx512f", "avx512bw", "avx512vl"}),
+    ("AVX2", r"\bavx2\b", {"avx2", "fma"}),
 ]
 
 
@@ -29,9 +33,9 @@ def cpu_flags(cpuinfo):
 
 def hardware_reason(output, flags):
     """The feature that explains this skip on this machine, or None."""
-    for word, needed in HARDWARE_SKIPS:
-        if word in output and not needed <= flags:
-            return f"this CPU lacks {word} ({', '.join(sorted(needed - flags))} not in its cpuinfo flags)"
+    for feature, pattern, needed in HARDWARE_SKIPS:
+        if re.search(pattern, output, re.IGNORECASE) and not needed <= flags:
+            return f"this CPU lacks {feature} ({', '.join(sorted(needed - flags))} not in its cpuinfo flags)"
     return None
 
 

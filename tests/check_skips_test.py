@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """scripts/check_skips.py on made-up CTest reports: which skips fail a run under scripts/test.sh and CI.
 
-An AMX skip passes on a CPU without AMX and fails on one with it (there the test could have run); a skip for a
-missing Python package, or CTest's own "Not Run", always fails; passed and failed tests are not its business.
+A skip naming AMX (or AVX2, AVX-512) passes on a CPU without that feature and fails on one with it (there the
+test could have run); a skip for a missing Python package, a configuration, or CTest's own "Not Run" always fails;
+passed and failed tests are not its business.
 Standard library only, like the script it checks.
 """
 import os
@@ -15,10 +16,14 @@ AMX_SKIP = ("AmxScoreTileIsExact", 'status="notrun"', '<skipped message="SKIP_RE
             "[  SKIPPED ] AMX path inactive (CPU lacks AMX-TILE/AMX-BF16)")
 PY_SKIP = ("io_python_crosscheck", 'status="notrun"', '<skipped message="SKIP_RETURN_CODE=77"/>',
            "skipped: No module named 'safetensors'")
+AVX2_SKIP = ("CpuAttention.ForcedPath.avx2", 'status="notrun"', '<skipped message="SKIP_REGULAR_EXPRESSION_MATCHED"/>',
+             "[  SKIPPED ] RINGFLEX_ISA=avx2: this CPU has no AVX2")
+UNFORCED_SKIP = ("CpuAttention.ForcedPathIsTaken", 'status="notrun"', '<skipped message="SKIP_REGULAR_EXPRESSION_MATCHED"/>',
+                 "[  SKIPPED ] RINGFLEX_ISA unset: the best path runs (avx512)")
 NOT_RUN = ("cp_mpi_P8", 'status="notrun"', "", "Could not find executable")
 PASSED = ("core_mask", 'status="run"', "", "[  PASSED  ] 1 test")
-NO_AMX = "flags\t\t: fpu avx2 avx512f avx512_bf16\n"
-WITH_AMX = "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
+NO_AMX = "flags\t\t: fpu avx2 fma avx512f avx512bw avx512vl avx512_bf16\n"
+WITH_AMX = "flags\t\t: fpu avx2 fma avx512f avx512bw avx512vl avx512_bf16 amx_bf16 amx_tile amx_int8\n"
 
 
 def report(cases):
@@ -45,6 +50,9 @@ def main():
         ([PASSED, PY_SKIP], NO_AMX, 1, "io_python_crosscheck"),
         ([NOT_RUN], NO_AMX, 1, "cp_mpi_P8"),
         ([PASSED], WITH_AMX, 0, ""),
+        ([AVX2_SKIP], "flags\t\t: fpu sse4_2\n", 0, "this CPU lacks AVX2"),
+        ([AVX2_SKIP], NO_AMX, 1, "ForcedPath.avx2"),
+        ([UNFORCED_SKIP], NO_AMX, 1, "ForcedPathIsTaken"),  # names AVX-512, which this CPU has
     ]
     failures = 0
     for cases, cpuinfo, code, text in expectations:
