@@ -72,11 +72,8 @@ class MpiRequest final : public Request {
 
 class MpiComm final : public Communicator {
  public:
-  MpiComm() {
-    int initialised = 0;
-    MPI_Initialized(&initialised);
-    RF_CHECK(initialised, "the MPI communicator needs MPI_Init first");
-    check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "MPI_Comm_dup");
+  // Takes ownership of `comm` (a duplicate of the world, or the result of a split).
+  explicit MpiComm(MPI_Comm comm) : comm_(comm) {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
@@ -122,6 +119,16 @@ class MpiComm final : public Communicator {
              " ms in broadcast from rank ", root);
   }
 
+  std::unique_ptr<Communicator> split(int color, int key, Timeout timeout) override {
+    RF_CHECK(color >= 0, "rank ", rank_, ": split color ", color, " must be >= 0");
+    // MPI_Comm_split has no non-blocking form; a barrier with a deadline first makes sure every rank arrived, so
+    // the blocking split cannot wait forever on a rank that never calls it.
+    barrier(timeout);
+    MPI_Comm sub = MPI_COMM_NULL;
+    check_mpi(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split");
+    return std::make_unique<MpiComm>(sub);
+  }
+
  private:
   void check_user(int peer, int tag, const std::string& label) const {
     RF_CHECK(peer >= 0 && peer < size_, "rank ", rank_, ": ", label, ": peer ", peer, " is not a rank of ", size_);
@@ -134,6 +141,13 @@ class MpiComm final : public Communicator {
 
 }  // namespace
 
-std::unique_ptr<Communicator> make_mpi_world() { return std::make_unique<MpiComm>(); }
+std::unique_ptr<Communicator> make_mpi_world() {
+  int initialised = 0;
+  MPI_Initialized(&initialised);
+  RF_CHECK(initialised, "the MPI communicator needs MPI_Init first");
+  MPI_Comm world = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &world), "MPI_Comm_dup");
+  return std::make_unique<MpiComm>(world);
+}
 
 }  // namespace rf::comm
