@@ -27,6 +27,7 @@ int main(int argc, char** argv) {
   rf::cli::add_demo_command(app, run);
   rf::cli::add_plan_command(app, run);
   rf::cli::add_forward_command(app, run);
+  rf::cli::add_train_command(app, run);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
