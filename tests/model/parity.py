@@ -32,6 +32,11 @@ own float32 run is up to ~2e-4 away from its float64 run on early-layer gradient
 float32 run stays within ~2e-5 of float64 (float32 rounding, ~1e-7 per op, amplified by depth and the
 backward), so 1e-4 keeps a margin and still catches any wrong term, which shows up at 1e-2 or more.
 
+Context parallelism: `parity.py RINGFLEX [LAUNCHER...]` runs ringflex through LAUNCHER (e.g. `mpirun
+--oversubscribe -n 4`), so the same comparison checks the model split over P ranks (S = 24 tokens a row: at P = 4
+the balanced shards of 64-token blocks leave whole ranks of padding, and image groups and documents cross shard
+boundaries). The tolerance is the same: splitting only reorders float32 sums.
+
 Exit code 77 (CTest's skip) when torch, transformers or safetensors is missing.
 """
 import json
@@ -169,7 +174,7 @@ def check_transformers_mask_agrees(cfg):
         assert torch.equal(mine, hf), f"transformers' {t} mask differs from SPEC §3 on a plain row"
 
 
-def run_case(ringflex, name, vision, workdir):
+def run_case(ringflex, name, vision, workdir, launcher=()):
     gen = torch.Generator().manual_seed(1234)
     cfg = CONFIGS[name](vision)
     cfg._attn_implementation = "eager"
@@ -225,8 +230,8 @@ def run_case(ringflex, name, vision, workdir):
     batch_path = os.path.join(workdir, f"batch_{name}_{int(vision)}.safetensors")
     out_path = os.path.join(workdir, f"out_{name}_{int(vision)}.safetensors")
     save_file({k: v.contiguous() for k, v in batch.items()}, batch_path)
-    proc = subprocess.run([ringflex, "forward", "--model", ckpt, "--in", batch_path, "--out", out_path, "--grad"],
-                          capture_output=True, text=True)
+    proc = subprocess.run([*launcher, ringflex, "forward", "--model", ckpt, "--in", batch_path, "--out", out_path,
+                           "--grad"], capture_output=True, text=True)
     if proc.returncode != 0:
         raise AssertionError(f"ringflex forward failed: {proc.stderr.strip()}")
     out = load_file(out_path)
@@ -297,18 +302,20 @@ def check_errors(ringflex, workdir):
 
 
 def main():
-    if len(sys.argv) != 2:
-        print("usage: parity.py PATH/TO/ringflex")
+    if len(sys.argv) < 2:
+        print("usage: parity.py PATH/TO/ringflex [LAUNCHER...]")
         return 2
+    launcher = sys.argv[2:]
     torch.set_num_threads(1)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}"
+          + (f", through {' '.join(launcher)}" if launcher else ""))
     check_transformers_mask_agrees(CONFIGS["dense"](True))
     ok = True
     with tempfile.TemporaryDirectory() as workdir:
-        ok = check_errors(sys.argv[1], workdir)
+        ok = check_errors(sys.argv[1], workdir) if not launcher else True
         for name in CONFIGS:
             for vision in (False, True):
-                ok = run_case(sys.argv[1], name, vision, workdir) and ok
+                ok = run_case(sys.argv[1], name, vision, workdir, launcher) and ok
     return 0 if ok else 1
 
 
