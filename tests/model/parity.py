@@ -265,6 +265,34 @@ def run_case(ringflex, name, vision, workdir, launcher=()):
     return True
 
 
+def check_errors_under_launcher(ringflex, workdir, launcher, ranks):
+    """Under mpirun: a bad input, or more ranks than tokens in a row, is the same one line on every rank, a
+    non-zero exit and no output file."""
+    cfg = CONFIGS["dense"](False)
+    ckpt = os.path.join(workdir, "errors_cp")
+    Gemma4ForCausalLM(cfg).save_pretrained(ckpt, safe_serialization=True)
+    short = ranks - 1
+    cases = [
+        ("more ranks than tokens", {"input_ids": torch.ones((B, short), dtype=torch.int64)}, f"over {ranks} ranks"),
+        ("token out of range", {"input_ids": torch.full((B, S), V, dtype=torch.int64)}, "vocab_size"),
+    ]
+    ok = True
+    for what, tensors, expected in cases:
+        path = os.path.join(workdir, "bad_cp.safetensors")
+        out = os.path.join(workdir, "bad_cp_out.safetensors")
+        save_file(tensors, path)
+        proc = subprocess.run([*launcher, ringflex, "forward", "--model", ckpt, "--in", path, "--out", out],
+                              capture_output=True, text=True)
+        lines = [l for l in proc.stderr.splitlines() if l.startswith("ringflex:")]
+        if (proc.returncode == 0 or len(lines) != ranks or len(set(lines)) != 1 or expected not in lines[0]
+                or os.path.exists(out)):
+            print(f"FAIL error case '{what}' under {' '.join(launcher)}: rc {proc.returncode}, lines {lines!r}")
+            ok = False
+    if ok:
+        print(f"ok   {len(cases)} bad inputs rejected with the same line on all {ranks} ranks")
+    return ok
+
+
 def check_errors(ringflex, workdir):
     """Bad input gives one clear line naming the problem."""
     cfg = CONFIGS["dense"](False)
@@ -312,7 +340,11 @@ def main():
     check_transformers_mask_agrees(CONFIGS["dense"](True))
     ok = True
     with tempfile.TemporaryDirectory() as workdir:
-        ok = check_errors(sys.argv[1], workdir) if not launcher else True
+        if launcher:
+            ranks = int(launcher[launcher.index("-n") + 1]) if "-n" in launcher else 1
+            ok = check_errors_under_launcher(sys.argv[1], workdir, launcher, ranks) if ranks > 1 else True
+        else:
+            ok = check_errors(sys.argv[1], workdir)
         for name in CONFIGS:
             for vision in (False, True):
                 ok = run_case(sys.argv[1], name, vision, workdir, launcher) and ok
