@@ -20,6 +20,7 @@
 // temporary file renamed into place, so a failed write leaves nothing). --stats writes every rank's figures as
 // {"ranks": [...]}, the shape of `ringflex attn --stats`.
 #include <omp.h>
+#include <sys/resource.h>
 
 #include <chrono>
 #include <cstdio>
@@ -162,7 +163,8 @@ std::vector<float> gather_to_rank0(comm::Communicator& comm, const RowShard& sha
 
 // One rank's figures, plain numbers so they travel as bytes in one allgather.
 struct RankFigures {
-  int64_t tokens, kept_activation_bytes, layer_recompute_bytes, peak_attention_bytes, bytes_sent, bytes_received;
+  int64_t tokens, kept_activation_bytes, layer_recompute_bytes, peak_attention_bytes, bytes_sent, bytes_received,
+      peak_rss_bytes;
   double compute_s, wall_s;
 };
 
@@ -183,6 +185,7 @@ std::string stats_json(comm::Communicator& comm, const RankFigures& mine, const 
                              {"peak_attention_bytes", x.peak_attention_bytes},
                              {"bytes_sent", x.bytes_sent},
                              {"bytes_received", x.bytes_received},
+                             {"peak_rss_bytes", x.peak_rss_bytes},
                              {"compute_s", x.compute_s},
                              {"wall_s", x.wall_s}});
   }
@@ -264,9 +267,14 @@ int run_forward(const ForwardOptions& opt) {
     // compute_s: the model's time less what the attention calls spent outside their kernels (waiting for keys,
     // agreeing on headers, planning).
     const double waiting = t.wall_seconds - t.compute_seconds;
+    // The process's peak resident set so far (weights, gradients, activations, the runtime): Linux reports KiB.
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    constexpr int64_t kBytesPerKiB = 1024;
+    const int64_t peak_rss = static_cast<int64_t>(usage.ru_maxrss) * kBytesPerKiB;
     stats = stats_json(*world,
                        RankFigures{tokens, r.kept_activation_bytes, r.layer_recompute_bytes, t.peak_attention_bytes,
-                                   t.bytes_sent, t.bytes_received, run_seconds - waiting, seconds},
+                                   t.bytes_sent, t.bytes_received, peak_rss, run_seconds - waiting, seconds},
                        P > 1 ? cp::scheme_name(ring.shard_map().scheme) : "local", P > 1 ? opt.algo : "local");
   }
 
