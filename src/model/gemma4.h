@@ -1,8 +1,11 @@
 // ringflex model: the Gemma 4 text decoder, forward and backward, in float32 on the CPU.
 //
 // Semantics follow transformers 5.24 (Gemma4ForCausalLM / the text part of Gemma4Model), checked by
-// tests/model/parity against it. Attention runs through rf::cpu::attention_* on one AttnChunk per layer (the
-// ring's per-step call, with the whole row as the only chunk), with SPEC §3 masks built from TokenMeta.
+// tests/model/parity against it. Attention runs through the AttentionBackend the model is handed
+// (core/attention_backend.h): the local kernels on the whole row at P = 1, the CP ring over a group of ranks
+// otherwise, with SPEC §3 masks from TokenMeta built on the full rows. Under CP every activation below is this
+// rank's shard: T = B * L tokens instead of B * S, so activations fall ~1/P (tests/model/test_model_cp_mpi.cpp
+// checks every P against P = 1).
 //
 // Activation memory (training), T = B*S: per layer the layer's input [T, H], its attention output
 // [B, Hq, S, D] and LSE [B, Hq, S] are kept, i.e. 4 * T * (H + Hq*D + Hq) bytes a layer (plus the K/V
