@@ -10,7 +10,7 @@
 #include "core/attention_args.h"
 #include "core/error.h"
 #include "core/row_meta.h"
-#include "cpu/attention.h"
+#include "cpu/local_attention.h"
 #include "model/loss.h"
 #include "model/ops.h"
 
@@ -155,15 +155,26 @@ struct Gemma4Model::Run {
   const Batch& b;
   const RunOptions& opt;
   TensorSet* grads;
-  int B, S;
-  int64_t T, H;
+  AttentionBackend& attn;
+  int B;             // rows
+  int S_row;         // tokens of a full row
+  int S = 0;         // tokens of a row this rank holds (the shard's L; S_row at P = 1)
+  int64_t T = 0, H;  // T = B * S: this rank's tokens, token-major
   float eps;
-  std::vector<TokenMeta> meta;        // [B, S]
-  std::vector<int32_t> positions;     // [T]
+  RowShard shard;
+  // Sequence-resident arrays, gathered to this rank's tokens ([T], shard order): the full rows' values at the
+  // shard's positions, SPEC §5 pad values at sharding padding.
+  std::vector<TokenMeta> meta;        // [B, S] global idx/doc/group (numbered on the full row)
+  std::vector<int32_t> ids;           // [T] input ids (pad id on sharding padding)
+  std::vector<int32_t> labels;        // [T] (kIgnoreLabel on sharding padding); empty without labels
+  std::vector<uint8_t> is_pad;        // [T] 1 on sharding padding: no embedding gradient
+  std::vector<int32_t> positions;     // [T] RoPE positions
   RopeTable rope_sliding, rope_full;
-  std::vector<int64_t> feature_of;    // [T] index into image_features, -1 for a text token
+  std::vector<int64_t> feature_of;    // [T] index into image_features (global), -1 for a text token
+  std::vector<int64_t> local_feature; // [T] row of this rank's projected features, -1 for a text token
+  std::vector<int64_t> used_features; // [n] global feature rows this rank's tokens hold, in local order
   std::vector<int32_t> ple_ids;       // [T] token ids for the per-layer embedding (pad on vision slots)
-  Vec feat_in, feat_rms;              // projected features: [N, F] normed input, [N]
+  Vec feat_raw, feat_in, feat_rms;    // this rank's features: [n, F] as given, normed input, [n]
   Vec h0;                             // [T, H] embedded row
   Vec ple, ple_raw, ple_rms;          // [T, L*P] per-layer inputs; the projection half before its norm, [T*L]
   Vec dple;                           // [T, L*P]
@@ -172,26 +183,24 @@ struct Gemma4Model::Run {
   std::vector<Vec> saved_O, saved_lse;
   std::vector<Vec> kv_K, kv_V, kv_dK, kv_dV;  // [L] K/V (and their gradients) of layers others read
 
-  Run(const Gemma4Model& model, const Batch& batch, const RunOptions& options, TensorSet* g)
-      : m(model), cfg(model.cfg_), b(batch), opt(options), grads(g), B(batch.B), S(batch.S),
-        T(int64_t{batch.B} * batch.S), H(model.cfg_.hidden_size), eps(static_cast<float>(model.cfg_.rms_norm_eps)) {}
+  Run(const Gemma4Model& model, const Batch& batch, const RunOptions& options, TensorSet* g, AttentionBackend& a)
+      : m(model), cfg(model.cfg_), b(batch), opt(options), grads(g), attn(a), B(batch.B), S_row(batch.S),
+        H(model.cfg_.hidden_size), eps(static_cast<float>(model.cfg_.rms_norm_eps)) {}
 
   const float* W(size_t s) const { return s == kNoSlot ? nullptr : m.params_.data(s); }
   float* G(size_t s) const { return grads == nullptr || s == kNoSlot ? nullptr : grads->data(s); }
   const RopeTable& rope(const LayerSpec& s) const { return s.sliding ? rope_sliding : rope_full; }
 
-  AttnChunk chunk(const LayerSpec& s, const float* Q, const float* K, const float* V) const {
-    AttnChunk c;
-    c.shape = AttnShape{B, cfg.num_heads, s.kv_heads, S, S, s.head_dim};
-    c.dtype = DType::F32;
-    c.q = Q;
-    c.k = K;
-    c.v = V;
-    c.q_meta = meta.data();
-    c.k_meta = meta.data();
-    c.mask = s.mask;
-    c.scale = kAttentionScale;
-    return c;
+  ShardAttention attention(const LayerSpec& s, const float* Q, const float* K, const float* V) const {
+    ShardAttention x;
+    x.shape = AttnShape{B, cfg.num_heads, s.kv_heads, S, S, s.head_dim};
+    x.q = Q;
+    x.k = K;
+    x.v = V;
+    x.meta = meta.data();
+    x.mask = s.mask;
+    x.scale = kAttentionScale;
+    return x;
   }
 
   void prepare();
@@ -203,25 +212,111 @@ struct Gemma4Model::Run {
   void moe_backward(int l, LayerActs& a, const float* dout2, float* dx1);
 };
 
-void Gemma4Model::Run::prepare() {
+void Gemma4Model::check_batch(const Batch& b, int ranks) const {
+  const int B = b.B, S = b.S;
   RF_CHECK(B > 0 && S > 0, "batch: B = ", B, " and S = ", S, " must be positive");
   RF_CHECK(b.input_ids != nullptr, "batch: input_ids is required");
-  meta.resize(static_cast<size_t>(T));
-  for (int r = 0; r < B; ++r) {
-    const int64_t o = int64_t{r} * S;
-    std::vector<int32_t> group;
-    if (b.mm_token_type) {
-      for (int s = 0; s < S; ++s) {
-        const int32_t t = b.mm_token_type[o + s];
-        RF_CHECK(t >= 0 && t <= 2, "mm_token_type_ids: value ", t, " at [", r, ", ", s, "] is not 0, 1 or 2");
-      }
-      group = group_ids_from_token_types(b.mm_token_type + o, S);
+  RF_CHECK(ranks >= 1 && ranks <= S, "context parallelism over ", ranks, " ranks needs at least ", ranks,
+           " tokens per row, the batch's rows have ", S);
+  const int64_t T = int64_t{B} * S;
+  if (b.mm_token_type) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int32_t v = b.mm_token_type[t];
+      RF_CHECK(v >= 0 && v <= 2, "mm_token_type_ids: value ", v, " at [", t / S, ", ", t % S, "] is not 0, 1 or 2");
     }
-    const std::vector<TokenMeta> row = make_row_meta(S, b.doc ? b.doc + o : nullptr, group.empty() ? nullptr : group.data());
-    std::copy(row.begin(), row.end(), meta.begin() + o);
   }
+  if (b.image_features) {
+    RF_CHECK(b.mm_token_type != nullptr, "image_features given without mm_token_type_ids to place them");
+    int64_t n = 0;
+    for (int64_t t = 0; t < T; ++t) n += b.mm_token_type[t] != 0;
+    RF_CHECK(n == b.n_image_features, "image_features has ", b.n_image_features, " rows for ", n,
+             " image/video token slots in mm_token_type_ids");
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    RF_CHECK(b.input_ids[t] >= 0 && b.input_ids[t] < cfg_.vocab_size, "input_ids: token ", b.input_ids[t], " at ", t,
+             " is outside [0, vocab_size = ", cfg_.vocab_size, ")");
+    const bool vision_slot = b.image_features != nullptr && b.mm_token_type[t] != 0;
+    if (cfg_.ple_dim > 0 && !vision_slot)
+      RF_CHECK(b.input_ids[t] < cfg_.ple_vocab_size, "input_ids: token ", b.input_ids[t], " at ", t,
+               " is outside the per-layer embedding's vocabulary (", cfg_.ple_vocab_size, ")");
+    if (b.labels)
+      RF_CHECK(b.labels[t] == kIgnoreLabel || (b.labels[t] >= 0 && b.labels[t] < cfg_.vocab_size), "labels: ",
+               b.labels[t], " at ", t, " is neither ", kIgnoreLabel, " nor in [0, vocab_size = ", cfg_.vocab_size,
+               ")");
+  }
+}
+
+std::vector<MaskLayers> Gemma4Model::mask_mix() const {
+  std::vector<MaskLayers> mix;
+  for (const LayerSpec& s : specs_) {
+    auto it = std::find_if(mix.begin(), mix.end(), [&](const MaskLayers& k) { return k.mask == s.mask; });
+    if (it == mix.end())
+      mix.push_back(MaskLayers{s.mask, 1});
+    else
+      ++it->layers;
+  }
+  return mix;
+}
+
+void Gemma4Model::Run::prepare() {
+  m.check_batch(b, attn.ranks());
+  // Metadata of the full rows: groups are numbered on the whole row, so an image split across ranks keeps its id.
+  const int64_t T_row = int64_t{B} * S_row;
+  std::vector<TokenMeta> row_meta(static_cast<size_t>(T_row));  // [B, S_row]
+  for (int r = 0; r < B; ++r) {
+    const int64_t o = int64_t{r} * S_row;
+    std::vector<int32_t> group;
+    if (b.mm_token_type) group = group_ids_from_token_types(b.mm_token_type + o, S_row);
+    const std::vector<TokenMeta> row =
+        make_row_meta(S_row, b.doc ? b.doc + o : nullptr, group.empty() ? nullptr : group.data());
+    std::copy(row.begin(), row.end(), row_meta.begin() + o);
+  }
+  // Vision slots take the image features in row-major order of the full rows.
+  std::vector<int64_t> row_feature(static_cast<size_t>(T_row), -1);
+  if (b.image_features) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < T_row; ++t)
+      if (b.mm_token_type[t] != 0) row_feature[t] = n++;
+  }
+
+  shard = attn.begin_batch(row_meta.data(), B, S_row, m.mask_mix());
+  S = shard.L;
+  T = int64_t{B} * S;
+  const std::vector<int32_t>& mine = shard.mine();
+  // Sharding padding takes a real token id so every lookup stays in range; it is masked out of every gradient.
+  const int32_t pad_id = cfg.pad_token_id >= 0 ? cfg.pad_token_id : 0;
+  meta.resize(static_cast<size_t>(T));
+  ids.resize(static_cast<size_t>(T));
+  is_pad.resize(static_cast<size_t>(T));
   positions.resize(static_cast<size_t>(T));
-  for (int64_t t = 0; t < T; ++t) positions[t] = b.position_ids ? b.position_ids[t] : static_cast<int32_t>(t % S);
+  feature_of.assign(static_cast<size_t>(T), -1);
+  local_feature.assign(static_cast<size_t>(T), -1);
+  if (b.labels) labels.resize(static_cast<size_t>(T));
+  for (int r = 0; r < B; ++r) {
+    for (int j = 0; j < S; ++j) {
+      const int64_t t = int64_t{r} * S + j;
+      const int32_t p = mine[static_cast<size_t>(j)];
+      if (shard.is_pad(p)) {
+        meta[t] = TokenMeta{p, kPaddingDoc, kNoGroup};
+        ids[t] = pad_id;
+        is_pad[t] = 1;
+        positions[t] = 0;
+        if (b.labels) labels[t] = kIgnoreLabel;
+        continue;
+      }
+      const int64_t g = int64_t{r} * S_row + p;
+      meta[t] = row_meta[g];
+      ids[t] = b.input_ids[g];
+      is_pad[t] = 0;
+      positions[t] = b.position_ids ? b.position_ids[g] : p;
+      if (b.labels) labels[t] = b.labels[g];
+      if (row_feature[g] >= 0) {
+        feature_of[t] = row_feature[g];
+        local_feature[t] = static_cast<int64_t>(used_features.size());
+        used_features.push_back(row_feature[g]);
+      }
+    }
+  }
   for (int i = 0; i < cfg.num_layers; ++i) {
     const LayerSpec& s = m.specs_[i];
     RopeTable& r = s.sliding ? rope_sliding : rope_full;
@@ -229,27 +324,10 @@ void Gemma4Model::Run::prepare() {
       r = make_rope_table(positions.data(), T, s.head_dim, s.rope->proportional, s.rope->theta,
                           s.rope->partial_rotary_factor, s.rope->factor);
   }
-  // Vision slots take the image features in row-major order.
-  feature_of.assign(static_cast<size_t>(T), -1);
-  ple_ids.assign(b.input_ids, b.input_ids + T);
-  if (b.image_features) {
-    RF_CHECK(b.mm_token_type != nullptr, "image_features given without mm_token_type_ids to place them");
-    int64_t n = 0;
-    for (int64_t t = 0; t < T; ++t) {
-      if (b.mm_token_type[t] == 0) continue;
-      feature_of[t] = n++;
-      ple_ids[t] = cfg.pad_token_id;  // as Gemma4Model: multimodal slots read the pad id's per-layer embedding
-    }
-    RF_CHECK(n == b.n_image_features, "image_features has ", b.n_image_features, " rows for ", n,
-             " image/video token slots in mm_token_type_ids");
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    RF_CHECK(b.input_ids[t] >= 0 && b.input_ids[t] < cfg.vocab_size, "input_ids: token ", b.input_ids[t], " at ", t,
-             " is outside [0, vocab_size = ", cfg.vocab_size, ")");
-    if (cfg.ple_dim > 0)
-      RF_CHECK(ple_ids[t] < cfg.ple_vocab_size, "input_ids: token ", ple_ids[t], " at ", t,
-               " is outside the per-layer embedding's vocabulary (", cfg.ple_vocab_size, ")");
-  }
+  ple_ids = ids;
+  // As Gemma4Model: multimodal slots read the pad id's per-layer embedding.
+  for (int64_t t = 0; t < T; ++t)
+    if (feature_of[t] >= 0) ple_ids[t] = pad_id;
 }
 
 void Gemma4Model::Run::embed() {
@@ -259,24 +337,27 @@ void Gemma4Model::Run::embed() {
   const float* E = W(m.embed_);
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
-    const float* e = E + int64_t{b.input_ids[t]} * H;
+    const float* e = E + int64_t{ids[t]} * H;
     for (int64_t i = 0; i < H; ++i) h0[t * H + i] = e[i] * scale;
   }
-  if (b.image_features) {
-    const int64_t N = b.n_image_features;
+  if (!used_features.empty()) {
+    // Only the features of this rank's tokens are projected: the same per-row math as projecting all N, O(L).
+    const int64_t n = static_cast<int64_t>(used_features.size());
+    const int64_t F = m.vision_dim_ > 0 ? m.vision_dim_ : H;
+    feat_raw = zeros(n * F);
+    for (int64_t i = 0; i < n; ++i) std::copy_n(b.image_features + used_features[i] * F, F, feat_raw.data() + i * F);
     Vec projected;
-    const float* feats = b.image_features;
+    const float* feats = feat_raw.data();
     if (m.vision_dim_ > 0) {
-      const int64_t F = m.vision_dim_;
-      feat_in = zeros(N * F);
-      feat_rms = zeros(N);
-      rmsnorm_forward(b.image_features, nullptr, eps, feat_in.data(), feat_rms.data(), N, F);
-      projected = zeros(N * H);
-      linear_forward(feat_in.data(), W(m.vision_proj_), projected.data(), N, F, H);
+      feat_in = zeros(n * F);
+      feat_rms = zeros(n);
+      rmsnorm_forward(feat_raw.data(), nullptr, eps, feat_in.data(), feat_rms.data(), n, F);
+      projected = zeros(n * H);
+      linear_forward(feat_in.data(), W(m.vision_proj_), projected.data(), n, F, H);
       feats = projected.data();
     }
     for (int64_t t = 0; t < T; ++t)
-      if (feature_of[t] >= 0) std::copy_n(feats + feature_of[t] * H, H, h0.data() + t * H);
+      if (local_feature[t] >= 0) std::copy_n(feats + local_feature[t] * H, H, h0.data() + t * H);
   }
   if (cfg.ple_dim == 0) return;
   // Per-layer inputs: (RMSNorm(h0 Wp^T * H^-1/2) + E_ple[id] * sqrt(P)) * 2^-1/2, [T, L, P].
@@ -313,24 +394,27 @@ void Gemma4Model::Run::embed_backward(const float* dh0_in) {
     const float tok_scale = static_cast<float>(std::sqrt(static_cast<double>(P)));
     float* gE = G(m.ple_embed_);
     for (int64_t t = 0; t < T; ++t) {
-      if (ple_ids[t] == cfg.pad_token_id) continue;
+      if (is_pad[t] || ple_ids[t] == cfg.pad_token_id) continue;
       float* g = gE + int64_t{ple_ids[t]} * LP;
       for (int64_t i = 0; i < LP; ++i) g[i] += dnormed[t * LP + i] * tok_scale;  // dnormed = dple * 2^-1/2
     }
   }
   if (b.image_features) {
-    const int64_t N = b.n_image_features;
-    Vec dfeat = zeros(N * H);
+    // This rank's rows of d image_features; the other ranks hold the rest (Result::d_image_features).
+    const int64_t N = b.n_image_features, n = static_cast<int64_t>(used_features.size());
+    const int64_t F = m.vision_dim_ > 0 ? m.vision_dim_ : H;
+    Vec dfeat = zeros(n * H);  // [n, H]
     for (int64_t t = 0; t < T; ++t)
-      if (feature_of[t] >= 0) std::copy_n(dh0.data() + t * H, H, dfeat.data() + feature_of[t] * H);
-    if (m.vision_dim_ > 0) {
-      const int64_t F = m.vision_dim_;
-      Vec dnorm = zeros(N * F);
-      linear_backward(feat_in.data(), W(m.vision_proj_), dfeat.data(), dnorm.data(), G(m.vision_proj_), N, F, H);
-      dfeat = zeros(N * F);
-      rmsnorm_backward(b.image_features, nullptr, feat_rms.data(), dnorm.data(), dfeat.data(), nullptr, N, F);
+      if (local_feature[t] >= 0) std::copy_n(dh0.data() + t * H, H, dfeat.data() + local_feature[t] * H);
+    if (m.vision_dim_ > 0 && n > 0) {
+      Vec dnorm = zeros(n * F);
+      linear_backward(feat_in.data(), W(m.vision_proj_), dfeat.data(), dnorm.data(), G(m.vision_proj_), n, F, H);
+      dfeat = zeros(n * F);
+      rmsnorm_backward(feat_raw.data(), nullptr, feat_rms.data(), dnorm.data(), dfeat.data(), nullptr, n, F);
     }
-    d_image_features = std::move(dfeat);
+    d_image_features = zeros(N * F);
+    for (int64_t i = 0; i < n; ++i)
+      std::copy_n(dfeat.data() + i * F, F, d_image_features.data() + used_features[i] * F);
   }
   const float scale = static_cast<float>(std::sqrt(static_cast<double>(H)));
   float* gE = G(m.embed_);
@@ -338,8 +422,8 @@ void Gemma4Model::Run::embed_backward(const float* dh0_in) {
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t i = 0; i < H; ++i) {
     for (int64_t t = 0; t < T; ++t) {
-      if (feature_of[t] >= 0 || b.input_ids[t] == cfg.pad_token_id) continue;
-      gE[int64_t{b.input_ids[t]} * H + i] += dh0[t * H + i] * scale;
+      if (feature_of[t] >= 0 || is_pad[t] || ids[t] == cfg.pad_token_id) continue;
+      gE[int64_t{ids[t]} * H + i] += dh0[t * H + i] * scale;
     }
   }
 }
@@ -396,7 +480,7 @@ void Gemma4Model::Run::layer_forward(int l, const float* x, float* out, LayerAct
   if (!reuse_attention) {
     a.O = zeros(T * qd);
     a.lse = zeros(T * Hq);
-    cpu::attention_forward(chunk(sp, a.Q.data(), K, V), a.O.data(), a.lse.data());
+    attn.forward(attention(sp, a.Q.data(), K, V), a.O.data(), a.lse.data());
   }
   a.o_tok = zeros(T * qd);
   to_token_major(a.O.data(), a.o_tok.data(), B, S, Hq, D);
@@ -677,30 +761,22 @@ void Gemma4Model::Run::layer_backward(int l, LayerActs& a, const float* x, const
   linear_backward(a.o_tok.data(), W(sl.o_proj), dao.data(), tmp.data(), G(sl.o_proj), T, qd, H);
   Vec dO = zeros(T * qd);
   to_head_major(tmp.data(), dO.data(), B, S, Hq, D);
-  Vec delta = zeros(T * Hq);
-  const AttnShape shape{B, Hq, Hkv, S, S, D};
-  cpu::attention_delta(shape, DType::F32, dO.data(), a.O.data(), delta.data());
   Vec dQ = zeros(T * qd);
-  Vec dK_own, dV_own;
-  float* dK = nullptr;
-  float* dV = nullptr;
-  const float* K = nullptr;
-  const float* V = nullptr;
-  if (sp.kv_source >= 0) {
+  Vec dK = zeros(T * kd), dV = zeros(T * kd);  // this layer's own contribution, written by the backend
+  const bool shared = sp.kv_source >= 0;
+  const float* K = shared ? kv_K[sp.kv_source].data() : a.K.data();
+  const float* V = shared ? kv_V[sp.kv_source].data() : a.V.data();
+  attn.backward(attention(sp, a.Q.data(), K, V), a.O.data(), a.lse.data(), dO.data(), dQ.data(), dK.data(),
+                dV.data());
+  if (shared) {
     // KV-shared layer: its K/V gradients belong to the layer that produced them (reached later in the backward).
-    dK = kv_dK[sp.kv_source].data();
-    dV = kv_dV[sp.kv_source].data();
-    K = kv_K[sp.kv_source].data();
-    V = kv_V[sp.kv_source].data();
-  } else {
-    dK_own = sp.stores_kv ? kv_dK[l] : zeros(T * kd);
-    dV_own = sp.stores_kv ? kv_dV[l] : zeros(T * kd);
-    dK = dK_own.data();
-    dV = dV_own.data();
-    K = a.K.data();
-    V = a.V.data();
+    add_into(kv_dK[sp.kv_source].data(), dK.data(), T * kd);
+    add_into(kv_dV[sp.kv_source].data(), dV.data(), T * kd);
+  } else if (sp.stores_kv) {
+    // Plus what the layers that read this layer's K/V sent back.
+    add_into(dK.data(), kv_dK[l].data(), T * kd);
+    add_into(dV.data(), kv_dV[l].data(), T * kd);
   }
-  cpu::attention_backward(chunk(sp, a.Q.data(), K, V), dO.data(), a.lse.data(), delta.data(), dQ.data(), dK, dV);
 
   to_token_major(dQ.data(), tmp.data(), B, S, Hq, D);
   rope_apply(tmp.data(), rope(sp), T, Hq, true);
@@ -710,8 +786,8 @@ void Gemma4Model::Run::layer_backward(int l, LayerActs& a, const float* x, const
   linear_backward(a.a.data(), W(sl.q_proj), dq_raw.data(), da.data(), G(sl.q_proj), T, H, qd);
   if (sp.kv_source < 0) {
     Vec kt = zeros(T * kd), vt = zeros(T * kd);
-    to_token_major(dK, kt.data(), B, S, Hkv, D);
-    to_token_major(dV, vt.data(), B, S, Hkv, D);
+    to_token_major(dK.data(), kt.data(), B, S, Hkv, D);
+    to_token_major(dV.data(), vt.data(), B, S, Hkv, D);
     rope_apply(kt.data(), rope(sp), T, Hkv, true);
     Vec dk_raw = zeros(T * kd);
     rmsnorm_backward(a.k_raw.data(), W(sl.k_norm), a.k_rms.data(), kt.data(), dk_raw.data(), G(sl.k_norm), T * Hkv, D);
@@ -733,11 +809,16 @@ void Gemma4Model::Run::layer_backward(int l, LayerActs& a, const float* x, const
 // ---------------------------------------------------------------------------------------------------------------
 
 Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* grads) const {
+  cpu::LocalAttention local;
+  return run(batch, opt, grads, local);
+}
+
+Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* grads, AttentionBackend& attn) const {
   RF_CHECK(!opt.want_grad || grads != nullptr, "run: gradients requested without a gradient set");
   if (grads) {
     RF_CHECK(grads->size() == params_.size(), "run: the gradient set does not match the parameters");
   }
-  Run r(*this, batch, opt, opt.want_grad ? grads : nullptr);
+  Run r(*this, batch, opt, opt.want_grad ? grads : nullptr, attn);
   r.prepare();
   r.embed();
   const int L = cfg_.num_layers;
@@ -769,9 +850,12 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   Vec xf = zeros(T * H), r_final = zeros(T);
   rmsnorm_forward(x.data(), r.W(final_norm_), r.eps, xf.data(), r_final.data(), T, H);
   Result res;
+  // Every rank holds the whole batch's labels, so the global count is exact here, counted once, with no message.
   int64_t label_tokens = 0;
-  if (batch.labels)
-    for (int64_t t = 0; t < T; ++t) label_tokens += batch.labels[t] != kIgnoreLabel;
+  if (batch.labels) {
+    const int64_t T_row = int64_t{batch.B} * batch.S;
+    for (int64_t t = 0; t < T_row; ++t) label_tokens += batch.labels[t] != kIgnoreLabel;
+  }
   res.label_tokens = label_tokens;
   const double normalizer = opt.loss_normalizer > 0 ? opt.loss_normalizer : static_cast<double>(label_tokens);
   res.token_loss.assign(static_cast<size_t>(T), 0.f);
@@ -780,7 +864,7 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   LmHeadLossArgs la;
   la.x = xf.data();
   la.W = r.W(lm_head_);
-  la.labels = batch.labels;
+  la.labels = batch.labels ? r.labels.data() : nullptr;
   la.T = T;
   la.H = H;
   la.V = cfg_.vocab_size;
@@ -794,7 +878,10 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
     lo.dx = dxf.data();
     lo.dW = r.G(lm_head_);
   }
+  // This rank's tokens' share of the loss, then the sum over the ranks (in rank order: the same bits everywhere).
   res.loss = lm_head_loss(la, lo);
+  attn.sum_over_ranks(&res.loss, 1);
+  res.shard = r.shard;
   if (!opt.want_grad) return res;
   int64_t kept = static_cast<int64_t>(r.h0.size() + r.ple.size() + r.ple_raw.size() + r.ple_rms.size());
   for (int l = 0; l < L; ++l)
