@@ -9,6 +9,8 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "cp/cp_backend.h"
+#include "cpu/local_attention.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/optimizer.h"
@@ -18,14 +20,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
-
-// Gradients are summed over ranks through allgather in pieces of this many floats (4 MiB a rank), so the receive
-// buffer stays P * 4 MiB however large the model is.
-constexpr size_t kReduceChunkFloats = size_t{1} << 20;
-
-// Whether src/model can run a row split over CP ranks. The trainer's grid, data placement and label counting are
-// CP-ready; the model's attention seam is what CP > 1 still needs.
-constexpr bool kModelSupportsCp = false;
 
 // The built-in models: Gemma 4 shapes shrunk to train a few hundred steps in minutes on 2 cores. Five sliding
 // layers of window 64 and one full layer (Gemma 4's 5:1 mix), GQA 4:2 on sliding and 4:1 with K = V on the full
@@ -67,29 +61,20 @@ model::Batch as_batch(const PackedBatch& p) {
   return b;
 }
 
-// Sums the trainable gradients over every rank of `c`, in rank order (the same bits on every rank and backend).
+// Sums the trainable gradients over every rank of `c`, in rank order (Communicator::allreduce: the same bits on
+// every rank and backend). One flat buffer, so the whole model is one collective rather than one per tensor.
 void allreduce_gradients(comm::Communicator& c, model::TensorSet& grads, const std::vector<bool>& trainable,
                          comm::Timeout timeout) {
-  const size_t P = static_cast<size_t>(c.size());
-  if (P == 1) return;
+  if (c.size() == 1) return;
   std::vector<float> flat;
   for (size_t i = 0; i < grads.size(); ++i)
     if (trainable[i]) flat.insert(flat.end(), grads[i].data.begin(), grads[i].data.end());
-  std::vector<float> all;
-  for (size_t begin = 0; begin < flat.size(); begin += kReduceChunkFloats) {
-    const size_t n = std::min(kReduceChunkFloats, flat.size() - begin);
-    all.resize(P * n);
-    c.allgather(flat.data() + begin, all.data(), n * sizeof(float), timeout);
-    for (size_t e = 0; e < n; ++e) {
-      float acc = all[e];
-      for (size_t r = 1; r < P; ++r) acc += all[r * n + e];
-      flat[begin + e] = acc;
-    }
-  }
+  c.allreduce(flat.data(), flat.size(), comm::ReduceOp::Sum, timeout);
   size_t at = 0;
   for (size_t i = 0; i < grads.size(); ++i) {
     if (!trainable[i]) continue;
-    std::copy(flat.begin() + at, flat.begin() + at + grads[i].data.size(), grads[i].data.begin());
+    std::copy(flat.begin() + static_cast<std::ptrdiff_t>(at),
+              flat.begin() + static_cast<std::ptrdiff_t>(at + grads[i].data.size()), grads[i].data.begin());
     at += grads[i].data.size();
   }
 }
@@ -127,15 +112,22 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
   const int cp = cfg.parallelism.cp, dp = cfg.parallelism.dp;
   RF_CHECK(world.size() == cp * dp, "parallelism.cp * parallelism.dp = ", cp * dp, " but the job has ", world.size(),
            " rank(s)");
-  RF_CHECK(cp == 1 || kModelSupportsCp, "parallelism.cp = ", cp,
-           ": this build's model does not run a row split over ranks yet (its attention has no CP seam); use "
-           "parallelism.cp = 1 and parallelism.dp = ", cp * dp);
   const comm::Timeout timeout{static_cast<int64_t>(cfg.train.timeout_s * 1000)};
   const int cp_index = world.rank() % cp, dp_index = world.rank() / cp;
   std::unique_ptr<comm::Communicator> cp_group = world.split(dp_index, cp_index, timeout);
   std::unique_ptr<comm::Communicator> dp_group = world.split(cp_index, dp_index, timeout);
   const bool lead = world.rank() == 0;
   if (cfg.train.threads > 0) omp_set_num_threads(cfg.train.threads);
+  // The model's attention: the local kernels, or the ring over this rank's CP group.
+  std::unique_ptr<AttentionBackend> attention;
+  if (cp == 1) {
+    attention = std::make_unique<cpu::LocalAttention>();
+  } else {
+    cp::CpAttentionOptions co;
+    co.scheme = cfg.parallelism.sharding;
+    co.timeout = timeout;
+    attention = std::make_unique<cp::CpAttention>(*cp_group, co);
+  }
 
   // The model, the optimizer state and where the run stands; everything here can fail on bad input.
   model::Checkpoint ck;
@@ -196,7 +188,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     model::RunOptions ro;
     ro.want_grad = grad;
     ro.loss_normalizer = std::max(1.0, normalizer);  // a batch without label tokens has loss 0, not 0 / 0
-    return m.run(as_batch(p), ro, grad ? &grads : nullptr).loss;
+    return m.run(as_batch(p), ro, grad ? &grads : nullptr, *attention).loss;
   };
 
   const auto validate_now = [&] {
