@@ -9,7 +9,7 @@ $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
   g++ cmake make git python3 python3-pip \
   openmpi-bin libopenmpi-dev libopenblas-dev \
-  libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev >/dev/null
+  libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libsentencepiece-dev >/dev/null
 if [ "${1:-}" = "--test" ]; then
   # Pinned: the model parity tests compare against this exact transformers (SPEC §8).
   python3 -m pip install -q --disable-pip-version-check -r "$(dirname "$0")/../tests/requirements.txt" 2>&1 \

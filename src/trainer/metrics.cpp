@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -73,8 +74,15 @@ std::string loss_svg(const LossHistory& h, const std::string& title) {
   return s.str();
 }
 
+namespace {
+// Under mpirun a rank's stdout is a pseudo-terminal of the launcher (Open MPI's I/O forwarding) whatever mpirun's
+// own stdout is, so isatty says nothing there; a launched rank prints whole lines, which read well either way.
+bool launched_by_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr; }
+}  // namespace
+
 Progress::Progress(std::FILE* out, int total_steps, int every)
-    : out_(out), terminal_(out != nullptr && isatty(fileno(out))), total_(total_steps), every_(every) {}
+    : out_(out), terminal_(out != nullptr && isatty(fileno(out)) && !launched_by_mpirun()), total_(total_steps),
+      every_(every) {}
 
 namespace {
 std::string format_eta(double s) {

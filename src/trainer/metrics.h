@@ -32,7 +32,8 @@ std::string loss_svg(const LossHistory& h, const std::string& title);
 
 // The progress line on rank 0. On a terminal it rewrites one line in place every step (carriage return) and
 // ends it when something else is printed; in a file or pipe it prints a whole line every `every` steps and at
-// notable steps, so a log holds no carriage returns.
+// notable steps, so a log holds no carriage returns. Ranks started by mpirun always print whole lines (their
+// stdout is the launcher's pseudo-terminal even when the job's output goes to a file).
 class Progress {
  public:
   Progress(std::FILE* out, int total_steps, int every);
