@@ -121,11 +121,11 @@ void Gemma4Model::init_random(uint64_t seed, float stddev) {
 // Activations of one layer, alive while that layer is computed (forward) or recomputed and differentiated.
 struct LayerActs {
   Vec a, r_in;                    // input norm: [T, H], [T]
-  Vec q_raw, q_rms, Q;            // [T, Hq*D], [T*Hq], [B, Hq, S, D] (normed, rotated)
-  Vec k_raw, k_rms, v_raw, v_rms; // [T, Hkv*D], [T*Hkv] (v_raw only with a v_proj)
+  Vec q_raw, q_rms, Q;            // head-major: [B, Hq, S, D], [B*Hq*S], [B, Hq, S, D] (normed, rotated)
+  Vec k_raw, k_rms, v_raw, v_rms; // head-major: [B, Hkv, S, D], [B*Hkv*S] (v_raw only with a v_proj)
   Vec K, V;                       // [B, Hkv, S, D] own K/V (empty on KV-shared layers)
   Vec O, lse;                     // [B, Hq, S, D], [B, Hq, S]
-  Vec o_tok, ao, r_pa, x1;        // [T, Hq*D], [T, H], [T], [T, H]
+  Vec ao, r_pa, x1;               // [T, H], [T], [T, H]
   Vec m_in, r_pf, g, u, hmid, mo; // MLP: [T, H], [T], [T, I] x3, [T, H]
   // MoE block
   Vec h1, r_pf1, rn, r_rn, rs, probs, top_wn, top_sum, top_w, e_in, r_pre2, out2, r_pf2;
@@ -138,7 +138,7 @@ struct LayerActs {
 
   int64_t bytes() const {
     int64_t n = 0;
-    for (const Vec* v : {&a, &r_in, &q_raw, &q_rms, &Q, &k_raw, &k_rms, &v_raw, &v_rms, &K, &V, &O, &lse, &o_tok, &ao,
+    for (const Vec* v : {&a, &r_in, &q_raw, &q_rms, &Q, &k_raw, &k_rms, &v_raw, &v_rms, &K, &V, &O, &lse, &ao,
                          &r_pa, &x1, &m_in, &r_pf, &g, &u, &hmid, &mo, &h1, &r_pf1, &rn, &r_rn, &rs, &probs, &top_wn,
                          &top_sum, &top_w, &e_in, &r_pre2, &out2, &r_pf2, &ff, &r_pff, &x2, &ple_l, &gp, &gm, &pp,
                          &r_ppn})
@@ -438,35 +438,32 @@ void Gemma4Model::Run::layer_forward(int l, const float* x, float* out, LayerAct
   a.a = zeros(T * H);
   a.r_in = zeros(T);
   rmsnorm_forward(x, W(sl.input_norm), eps, a.a.data(), a.r_in.data(), T, H);
+  // Projections land head-major, [B, heads, S, D], the layout attention reads; norms and RoPE act per D-vector,
+  // so they run on that layout as they are.
   a.q_raw = zeros(T * qd);
-  linear_forward(a.a.data(), W(sl.q_proj), a.q_raw.data(), T, H, qd);
-  Vec tmp = zeros(T * qd);
+  heads_forward(a.a.data(), W(sl.q_proj), a.q_raw.data(), B, S, H, Hq, D);
   a.q_rms = zeros(T * Hq);
-  rmsnorm_forward(a.q_raw.data(), W(sl.q_norm), eps, tmp.data(), a.q_rms.data(), T * Hq, D);
-  rope_apply(tmp.data(), rope(sp), T, Hq, false);
   a.Q = zeros(T * qd);
-  to_head_major(tmp.data(), a.Q.data(), B, S, Hq, D);
+  rmsnorm_forward(a.q_raw.data(), W(sl.q_norm), eps, a.Q.data(), a.q_rms.data(), T * Hq, D);
+  rope_apply_head_major(a.Q.data(), rope(sp), B, Hq, S, false);
 
   const float* K = nullptr;
   const float* V = nullptr;
   if (sp.kv_source < 0) {
     a.k_raw = zeros(T * kd);
-    linear_forward(a.a.data(), W(sl.k_proj), a.k_raw.data(), T, H, kd);
+    heads_forward(a.a.data(), W(sl.k_proj), a.k_raw.data(), B, S, H, Hkv, D);
     if (sp.has_v_proj) {
       a.v_raw = zeros(T * kd);
-      linear_forward(a.a.data(), W(sl.v_proj), a.v_raw.data(), T, H, kd);
+      heads_forward(a.a.data(), W(sl.v_proj), a.v_raw.data(), B, S, H, Hkv, D);
     }
     const Vec& v_src = sp.has_v_proj ? a.v_raw : a.k_raw;  // attention_k_eq_v: V is the raw K projection
-    Vec kt = zeros(T * kd), vt = zeros(T * kd);
     a.k_rms = zeros(T * Hkv);
     a.v_rms = zeros(T * Hkv);
-    rmsnorm_forward(a.k_raw.data(), W(sl.k_norm), eps, kt.data(), a.k_rms.data(), T * Hkv, D);
-    rope_apply(kt.data(), rope(sp), T, Hkv, false);
-    rmsnorm_forward(v_src.data(), nullptr, eps, vt.data(), a.v_rms.data(), T * Hkv, D);
     a.K = zeros(T * kd);
     a.V = zeros(T * kd);
-    to_head_major(kt.data(), a.K.data(), B, S, Hkv, D);
-    to_head_major(vt.data(), a.V.data(), B, S, Hkv, D);
+    rmsnorm_forward(a.k_raw.data(), W(sl.k_norm), eps, a.K.data(), a.k_rms.data(), T * Hkv, D);
+    rope_apply_head_major(a.K.data(), rope(sp), B, Hkv, S, false);
+    rmsnorm_forward(v_src.data(), nullptr, eps, a.V.data(), a.v_rms.data(), T * Hkv, D);
     if (sp.stores_kv && !reuse_attention) {
       kv_K[l] = a.K;
       kv_V[l] = a.V;
@@ -482,10 +479,8 @@ void Gemma4Model::Run::layer_forward(int l, const float* x, float* out, LayerAct
     a.lse = zeros(T * Hq);
     attn.forward(attention(sp, a.Q.data(), K, V), a.O.data(), a.lse.data());
   }
-  a.o_tok = zeros(T * qd);
-  to_token_major(a.O.data(), a.o_tok.data(), B, S, Hq, D);
   a.ao = zeros(T * H);
-  linear_forward(a.o_tok.data(), W(sl.o_proj), a.ao.data(), T, qd, H);
+  merge_heads_forward(a.O.data(), W(sl.o_proj), a.ao.data(), B, S, Hq, D, H);
   a.x1 = zeros(T * H);
   a.r_pa = zeros(T);
   rmsnorm_forward(a.ao.data(), W(sl.post_attn_norm), eps, a.x1.data(), a.r_pa.data(), T, H);
@@ -757,10 +752,8 @@ void Gemma4Model::Run::layer_backward(int l, LayerActs& a, const float* x, const
   Vec dao = zeros(T * H);
   rmsnorm_backward(a.ao.data(), W(sl.post_attn_norm), a.r_pa.data(), dx1.data(), dao.data(), G(sl.post_attn_norm), T,
                    H);
-  Vec tmp = zeros(T * qd);
-  linear_backward(a.o_tok.data(), W(sl.o_proj), dao.data(), tmp.data(), G(sl.o_proj), T, qd, H);
-  Vec dO = zeros(T * qd);
-  to_head_major(tmp.data(), dO.data(), B, S, Hq, D);
+  Vec dO = zeros(T * qd);  // [B, Hq, S, D]
+  merge_heads_backward(a.O.data(), W(sl.o_proj), dao.data(), dO.data(), G(sl.o_proj), B, S, Hq, D, H);
   Vec dQ = zeros(T * qd);
   Vec dK = zeros(T * kd), dV = zeros(T * kd);  // this layer's own contribution, written by the backend
   const bool shared = sp.kv_source >= 0;
@@ -778,27 +771,24 @@ void Gemma4Model::Run::layer_backward(int l, LayerActs& a, const float* x, const
     add_into(dV.data(), kv_dV[l].data(), T * kd);
   }
 
-  to_token_major(dQ.data(), tmp.data(), B, S, Hq, D);
-  rope_apply(tmp.data(), rope(sp), T, Hq, true);
+  // Everything stays head-major back to the projections' weights.
+  rope_apply_head_major(dQ.data(), rope(sp), B, Hq, S, true);
   Vec dq_raw = zeros(T * qd);
-  rmsnorm_backward(a.q_raw.data(), W(sl.q_norm), a.q_rms.data(), tmp.data(), dq_raw.data(), G(sl.q_norm), T * Hq, D);
+  rmsnorm_backward(a.q_raw.data(), W(sl.q_norm), a.q_rms.data(), dQ.data(), dq_raw.data(), G(sl.q_norm), T * Hq, D);
   Vec da = zeros(T * H);
-  linear_backward(a.a.data(), W(sl.q_proj), dq_raw.data(), da.data(), G(sl.q_proj), T, H, qd);
+  heads_backward(a.a.data(), W(sl.q_proj), dq_raw.data(), da.data(), G(sl.q_proj), B, S, H, Hq, D);
   if (sp.kv_source < 0) {
-    Vec kt = zeros(T * kd), vt = zeros(T * kd);
-    to_token_major(dK.data(), kt.data(), B, S, Hkv, D);
-    to_token_major(dV.data(), vt.data(), B, S, Hkv, D);
-    rope_apply(kt.data(), rope(sp), T, Hkv, true);
+    rope_apply_head_major(dK.data(), rope(sp), B, Hkv, S, true);
     Vec dk_raw = zeros(T * kd);
-    rmsnorm_backward(a.k_raw.data(), W(sl.k_norm), a.k_rms.data(), kt.data(), dk_raw.data(), G(sl.k_norm), T * Hkv, D);
+    rmsnorm_backward(a.k_raw.data(), W(sl.k_norm), a.k_rms.data(), dK.data(), dk_raw.data(), G(sl.k_norm), T * Hkv, D);
     if (sp.has_v_proj) {
       Vec dv_raw = zeros(T * kd);
-      rmsnorm_backward(a.v_raw.data(), nullptr, a.v_rms.data(), vt.data(), dv_raw.data(), nullptr, T * Hkv, D);
-      linear_backward(a.a.data(), W(sl.v_proj), dv_raw.data(), da.data(), G(sl.v_proj), T, H, kd);
+      rmsnorm_backward(a.v_raw.data(), nullptr, a.v_rms.data(), dV.data(), dv_raw.data(), nullptr, T * Hkv, D);
+      heads_backward(a.a.data(), W(sl.v_proj), dv_raw.data(), da.data(), G(sl.v_proj), B, S, H, Hkv, D);
     } else {
-      rmsnorm_backward(a.k_raw.data(), nullptr, a.v_rms.data(), vt.data(), dk_raw.data(), nullptr, T * Hkv, D);
+      rmsnorm_backward(a.k_raw.data(), nullptr, a.v_rms.data(), dV.data(), dk_raw.data(), nullptr, T * Hkv, D);
     }
-    linear_backward(a.a.data(), W(sl.k_proj), dk_raw.data(), da.data(), G(sl.k_proj), T, H, kd);
+    heads_backward(a.a.data(), W(sl.k_proj), dk_raw.data(), da.data(), G(sl.k_proj), B, S, H, Hkv, D);
   }
   std::copy(dx1.begin(), dx1.end(), dx);
   rmsnorm_backward(x, W(sl.input_norm), a.r_in.data(), da.data(), dx, G(sl.input_norm), T, H);
