@@ -3,7 +3,7 @@
 //
 //     [mpirun -n P] ringflex forward --model DIR --in BATCH.safetensors --out OUT.safetensors [--grad]
 //                   [--no-logits] [--shard balanced|contiguous|zigzag|auto] [--algo ring|allgather]
-//                   [--threads N] [--stats FILE.json]
+//                   [--threads N] [--stats FILE.json] [--timeout SECONDS]
 //
 // Input tensors: input_ids [B, S] (I32 or I64), and optionally labels [B, S] (-100 = ignored; the target of each
 // position, already shifted), position_ids [B, S], doc [B, S] (packed documents, 0 = padding),
@@ -46,6 +46,8 @@ namespace rf::cli {
 namespace {
 
 constexpr int kMaxThreads = 1024;  // a sanity bound for --threads, far above any machine this runs on
+constexpr int kDefaultForwardTimeoutS = 900;
+constexpr int kMaxTimeoutS = 86400;
 // Tags of the per-token outputs each rank sends to rank 0.
 constexpr int kTokenLossTag = 1;
 constexpr int kLogitsTag = 2;
@@ -57,6 +59,9 @@ struct ForwardOptions {
   std::string shard = "balanced";
   std::string algo = "ring";
   int threads = 0;     // 0: OpenMP's default (every core)
+  // How long a rank waits for a peer before failing. Longer than the attention command's default: ranks meet once
+  // per layer, and one oversubscribed rank may finish its MLP or loss chunk minutes after another at long rows.
+  int timeout_s = kDefaultForwardTimeoutS;
   std::string stats;   // --stats: per-rank figures as JSON
 };
 
@@ -133,11 +138,11 @@ int64_t fingerprint(const BatchData& d) {
 // Every rank's [B, L, width] shard of a per-token output, sent to rank 0 and placed at its row positions there:
 // [B, S, width] on rank 0, empty elsewhere. A collective call.
 std::vector<float> gather_to_rank0(comm::Communicator& comm, const RowShard& shard, const std::vector<float>& mine,
-                                   int B, int64_t width, int tag) {
+                                   int B, int64_t width, int tag, comm::Timeout timeout) {
   const size_t bytes = mine.size() * sizeof(float);
   if (comm.rank() != 0) {
     const comm::SendBuffer buf{mine.data(), bytes};
-    comm.isend(0, tag, std::span(&buf, 1), "per-token outputs to rank 0")->wait(comm::kDefaultTimeout);
+    comm.isend(0, tag, std::span(&buf, 1), "per-token outputs to rank 0")->wait(timeout);
     return {};
   }
   std::vector<float> full(static_cast<size_t>(int64_t{B} * shard.S * width), 0.f);
@@ -147,7 +152,7 @@ std::vector<float> gather_to_rank0(comm::Communicator& comm, const RowShard& sha
     if (r != 0) {
       const comm::RecvBuffer buf{part.data(), bytes};
       comm.irecv(r, tag, std::span(&buf, 1), "per-token outputs from rank " + std::to_string(r))
-          ->wait(comm::kDefaultTimeout);
+          ->wait(timeout);
       src = &part;
     }
     const std::vector<int32_t>& pos = shard.positions[static_cast<size_t>(r)];
@@ -241,6 +246,8 @@ int run_forward(const ForwardOptions& opt) {
   cp::CpAttentionOptions cpo;
   cpo.scheme = opt.shard;
   cpo.algo = cp::parse_algo(opt.algo);
+  const comm::Timeout timeout = std::chrono::seconds(opt.timeout_s);
+  cpo.timeout = timeout;
   cp::CpAttention ring(*world, cpo);
   AttentionBackend& attn = P > 1 ? static_cast<AttentionBackend&>(ring) : local;
 
@@ -248,14 +255,14 @@ int run_forward(const ForwardOptions& opt) {
   model::Result r = m.run(b, ro, opt.grad ? &grads : nullptr, attn);
   const double run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (opt.grad) {
-    for (model::Tensor& g : grads) world->allreduce(g.data.data(), g.data.size(), comm::ReduceOp::Sum);
+    for (model::Tensor& g : grads) world->allreduce(g.data.data(), g.data.size(), comm::ReduceOp::Sum, timeout);
     if (!r.d_image_features.empty())
-      world->allreduce(r.d_image_features.data(), r.d_image_features.size(), comm::ReduceOp::Sum);
+      world->allreduce(r.d_image_features.data(), r.d_image_features.size(), comm::ReduceOp::Sum, timeout);
   }
   const int64_t B = b.B, S = b.S, V = m.config().vocab_size;
-  const std::vector<float> token_loss = gather_to_rank0(*world, r.shard, r.token_loss, b.B, 1, kTokenLossTag);
+  const std::vector<float> token_loss = gather_to_rank0(*world, r.shard, r.token_loss, b.B, 1, kTokenLossTag, timeout);
   std::vector<float> logits;
-  if (ro.want_logits) logits = gather_to_rank0(*world, r.shard, r.logits, b.B, V, kLogitsTag);
+  if (ro.want_logits) logits = gather_to_rank0(*world, r.shard, r.logits, b.B, V, kLogitsTag, timeout);
   r.logits = {};
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
@@ -325,6 +332,8 @@ void add_forward_command(CLI::App& app, Runner& run) {
   cmd->add_option("--algo", opt->algo, "CP algorithm")->check(CLI::IsMember({"ring", "allgather"}));
   cmd->add_option("--stats", opt->stats, "Write per-rank figures (tokens, activation bytes, traffic, times) as JSON");
   cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")->check(CLI::Range(1, kMaxThreads));
+  cmd->add_option("--timeout", opt->timeout_s, "Seconds a rank waits for a peer before failing (default 900)")
+      ->check(CLI::Range(1, kMaxTimeoutS));
   cmd->callback([&run, opt] { run = [opt] { return run_forward(*opt); }; });
 }
 

@@ -230,13 +230,24 @@ def run_case(ringflex, name, vision, workdir, launcher=()):
     batch_path = os.path.join(workdir, f"batch_{name}_{int(vision)}.safetensors")
     out_path = os.path.join(workdir, f"out_{name}_{int(vision)}.safetensors")
     save_file({k: v.contiguous() for k, v in batch.items()}, batch_path)
+    stats_path = os.path.join(workdir, f"stats_{name}_{int(vision)}.json")
+    extra = ["--stats", stats_path] if launcher else []
     proc = subprocess.run([*launcher, ringflex, "forward", "--model", ckpt, "--in", batch_path, "--out", out_path,
-                           "--grad"], capture_output=True, text=True)
+                           "--grad", *extra], capture_output=True, text=True)
     if proc.returncode != 0:
         raise AssertionError(f"ringflex forward failed: {proc.stderr.strip()}")
     out = load_file(out_path)
 
     failures = []
+    if launcher:
+        # --stats: one record per rank with the fields; the ranks hold every token of the batch once.
+        with open(stats_path) as f:
+            ranks = json.load(f)["ranks"]
+        keys = {"rank", "tokens", "kept_activation_bytes", "bytes_received", "compute_s", "wall_s", "peak_rss_bytes"}
+        if [r.get("rank") for r in ranks] != list(range(len(ranks))) or any(keys - set(r) for r in ranks):
+            failures.append(f"--stats records malformed: {ranks}")
+        elif sum(r["tokens"] for r in ranks) != B * S:
+            failures.append(f"--stats tokens sum to {sum(r['tokens'] for r in ranks)}, the batch has {B * S}")
 
     def compare(what, mine, ref):
         ref = ref.detach().double()
