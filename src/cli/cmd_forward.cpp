@@ -22,6 +22,7 @@
 #include <omp.h>
 #include <sys/resource.h>
 
+#include <bit>
 #include <chrono>
 #include <cstdio>
 #include <limits>
@@ -124,7 +125,7 @@ BatchData read_batch(const std::string& path, const model::Gemma4Model& m) {
   return d;
 }
 
-// FNV-1a over the batch's integer arrays: ranks that read different batches must not start the ring.
+// FNV-1a over the batch's arrays (image features by their bits): ranks that read different batches must not start the ring.
 int64_t fingerprint(const BatchData& d) {
   constexpr uint64_t kOffset = 1469598103934665603ull, kPrime = 1099511628211ull;
   uint64_t h = kOffset;
@@ -132,6 +133,7 @@ int64_t fingerprint(const BatchData& d) {
     h = (h ^ v->size()) * kPrime;
     for (int32_t x : *v) h = (h ^ static_cast<uint32_t>(x)) * kPrime;
   }
+  for (float x : d.features) h = (h ^ std::bit_cast<uint32_t>(x)) * kPrime;
   return static_cast<int64_t>(h);
 }
 
