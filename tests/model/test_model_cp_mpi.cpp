@@ -4,9 +4,10 @@
 // (rf::cpu::LocalAttention, P = 1) and compares, against it, the CP run's loss, label count, its own tokens' logits
 // and token losses (placed by the shard's positions), every parameter gradient and d image_features after the
 // rank-ordered reduction over the ranks (comm::Communicator::allreduce). Configs: dense (k_eq_v, vision-bidirectional
-// groups), MoE with an untied head, and the small variant (per-layer embeddings, KV sharing, double-wide MLP, image
-// projection), and GQA 16:1 with head dims 72 and 512; rows of awkward length (S not divisible by P or by the 64-token plan block; one-token documents,
-// image groups crossing shard boundaries, trailing padding, whole ranks of sharding padding at large P), B = 2.
+// groups), MoE with an untied head, the small variant (per-layer embeddings, KV sharing, double-wide MLP, image
+// projection), and GQA 16:1 with head dims 72 and 512; rows of awkward length (S not divisible by P or by the
+// 64-token plan block; one-token documents, image groups crossing shard boundaries, trailing padding, whole ranks of
+// sharding padding at large P), B = 2.
 #include <gtest/gtest.h>
 #include <mpi.h>
 #include <omp.h>
