@@ -3,7 +3,7 @@
 //
 //     [mpirun -n P] ringflex forward --model DIR --in BATCH.safetensors --out OUT.safetensors [--grad]
 //                   [--no-logits] [--shard balanced|contiguous|zigzag|auto] [--algo ring|allgather]
-//                   [--threads N] [--stats FILE.json] [--timeout SECONDS]
+//                   [--threads N] [--stats FILE.json] [--no-check-finite] [--timeout SECONDS]
 //
 // Input tensors: input_ids [B, S] (I32 or I64), and optionally labels [B, S] (-100 = ignored; the target of each
 // position, already shifted), position_ids [B, S], doc [B, S] (packed documents, 0 = padding),
@@ -16,9 +16,10 @@
 // (bad input, or more ranks than tokens in a row: one line on every rank, non-zero exit, no output). With P > 1
 // the model's attention runs through the CP engine (cp::CpAttention) and each rank computes only the tokens it
 // holds; P = 1 runs the same model code with the local kernels. Gradients are summed over the ranks in rank order,
-// token losses and logits are sent to rank 0 and put back in row order, and rank 0 alone writes --out (through a
-// temporary file renamed into place, so a failed write leaves nothing). --stats writes every rank's figures as
-// {"ranks": [...]}, the shape of `ringflex attn --stats`.
+// token losses and logits are sent to rank 0 and put back in row order, and rank 0 alone writes --out and --stats
+// (all or nothing, io/atomic_file.h). --stats writes every rank's figures as {"ranks": [...]}, the shape of
+// `ringflex attn --stats`. Every wait for a peer uses --timeout (raise it for long rows at large P on few cores:
+// ranks meet once per layer, and an oversubscribed rank may reach a layer long after another).
 #include <omp.h>
 #include <sys/resource.h>
 
@@ -27,6 +28,7 @@
 #include <cstdio>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,10 +36,12 @@
 
 #include "cli/agree.h"
 #include "cli/command.h"
+#include "cli/finite.h"
 #include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "cp/cp_backend.h"
 #include "cpu/local_attention.h"
+#include "io/atomic_file.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 #include "model/checkpoint.h"
@@ -47,8 +51,6 @@ namespace rf::cli {
 namespace {
 
 constexpr int kMaxThreads = 1024;  // a sanity bound for --threads, far above any machine this runs on
-constexpr int kDefaultForwardTimeoutS = 900;
-constexpr int kMaxTimeoutS = 86400;
 // Tags of the per-token outputs each rank sends to rank 0.
 constexpr int kTokenLossTag = 1;
 constexpr int kLogitsTag = 2;
@@ -60,9 +62,7 @@ struct ForwardOptions {
   std::string shard = "balanced";
   std::string algo = "ring";
   int threads = 0;     // 0: OpenMP's default (every core)
-  // How long a rank waits for a peer before failing. Longer than the attention command's default: ranks meet once
-  // per layer, and one oversubscribed rank may finish its MLP or loss chunk minutes after another at long rows.
-  int timeout_s = kDefaultForwardTimeoutS;
+  bool check_finite = true;  // reject NaN/inf in the checkpoint's parameters and image_features up front
   std::string stats;   // --stats: per-rank figures as JSON
 };
 
@@ -102,7 +102,7 @@ struct BatchData {
   }
 };
 
-BatchData read_batch(const std::string& path, const model::Gemma4Model& m) {
+BatchData read_batch(const std::string& path, const model::Gemma4Model& m, bool finite) {
   BatchData d;
   const io::SafetensorsFile in = io::SafetensorsFile::open(path);
   io::DimSizes dims;
@@ -117,6 +117,7 @@ BatchData read_batch(const std::string& path, const model::Gemma4Model& m) {
   if (const io::TensorView* v = io::optional(in, {"image_features", floats, {"N", "F"}, ""}, dims)) {
     RF_CHECK(dims["F"] == d.F, path, ": image_features has ", dims["F"], " columns, the model expects ", d.F,
              m.vision_feature_dim() > 0 ? " (its vision projection's input width)" : " (its hidden size)");
+    if (finite) check_finite(path, *v, "[N, F]");
     d.features = io::to_float32(*v);
     d.n_features = dims["N"];
   }
@@ -178,7 +179,7 @@ struct RankFigures {
 std::string stats_json(comm::Communicator& comm, const RankFigures& mine, const std::string& scheme,
                        const std::string& algo) {
   std::vector<RankFigures> all(static_cast<size_t>(comm.size()));
-  comm.allgather(&mine, all.data(), sizeof(RankFigures), comm::kDefaultTimeout);
+  comm.allgather(&mine, all.data(), sizeof(RankFigures), comm::default_timeout());
   nlohmann::ordered_json root;
   root["scheme"] = scheme;
   root["algo"] = algo;
@@ -199,24 +200,13 @@ std::string stats_json(comm::Communicator& comm, const RankFigures& mine, const 
   return root.dump(2) + "\n";
 }
 
-void write_text_file(const std::string& path, const std::string& text) {
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  RF_CHECK(f != nullptr, path, ": cannot open for writing");
-  const size_t written = std::fwrite(text.data(), 1, text.size(), f);
-  const bool closed = std::fclose(f) == 0;
-  RF_CHECK(written == text.size() && closed, path, ": cannot write");
-}
-
-// All or nothing: the file appears under its name only once it is complete.
-void write_atomically(const io::SafetensorsWriter& w, const std::string& path) {
-  const std::string partial = path + ".partial";
-  try {
-    w.write(partial);
-  } catch (const Error&) {
-    std::remove(partial.c_str());
-    throw;
-  }
-  RF_CHECK(std::rename(partial.c_str(), path.c_str()) == 0, path, ": cannot move the finished file into place");
+// Every output, checked before any work (on rank 0, the writer; `agree` makes every rank fail with its message):
+// writable, and no two options naming one file.
+void check_outputs(const ForwardOptions& opt) {
+  RF_CHECK(opt.stats.empty() || !io::same_destination(opt.out, opt.stats), "--stats ", opt.stats, " and --out ",
+           opt.out, " name the same file");
+  io::check_writable(opt.out);
+  if (!opt.stats.empty()) io::check_writable(opt.stats);
 }
 
 int run_forward(const ForwardOptions& opt) {
@@ -226,8 +216,11 @@ int run_forward(const ForwardOptions& opt) {
   model::Checkpoint ck;
   BatchData data;
   agree(*world, [&] {
+    if (world->rank() == 0) check_outputs(opt);  // before loading anything: an unwritable output is found at once
     ck = model::load_checkpoint(opt.model);
-    data = read_batch(opt.in, *ck.model);
+    if (opt.check_finite)
+      for (const model::Tensor& p : ck.model->params()) check_finite(opt.model, p.name, p.data, p.shape);
+    data = read_batch(opt.in, *ck.model, opt.check_finite);
     ck.model->check_batch(data.view(), P);
     RF_CHECK(!opt.grad || !data.labels.empty(), opt.in, ": --grad needs a `labels` tensor");
     // A fixed scheme that cannot split this row fails here, where every rank can still say so.
@@ -248,7 +241,7 @@ int run_forward(const ForwardOptions& opt) {
   cp::CpAttentionOptions cpo;
   cpo.scheme = opt.shard;
   cpo.algo = cp::parse_algo(opt.algo);
-  const comm::Timeout timeout = std::chrono::seconds(opt.timeout_s);
+  const comm::Timeout timeout = comm::default_timeout();  // --timeout
   cpo.timeout = timeout;
   cp::CpAttention ring(*world, cpo);
   AttentionBackend& attn = P > 1 ? static_cast<AttentionBackend&>(ring) : local;
@@ -302,8 +295,17 @@ int run_forward(const ForwardOptions& opt) {
         w.add("grad.image_features", io::StDType::F32, {data.n_features, data.F},
               std::span<const float>(r.d_image_features));
     }
-    write_atomically(w, opt.out);
-    if (!opt.stats.empty()) write_text_file(opt.stats, stats);
+    // All or nothing: the output and --stats are written and synced first, then both renamed.
+    io::AtomicFile out(opt.out);
+    w.write(out);
+    std::vector<io::AtomicFile*> files = {&out};
+    std::optional<io::AtomicFile> stats_file;
+    if (!opt.stats.empty()) {
+      stats_file.emplace(opt.stats);
+      stats_file->write(stats);
+      files.push_back(&*stats_file);
+    }
+    io::commit_all(files);
   });
   if (world->rank() != 0) return 0;
   if (opt.grad) {
@@ -334,8 +336,8 @@ void add_forward_command(CLI::App& app, Runner& run) {
   cmd->add_option("--algo", opt->algo, "CP algorithm")->check(CLI::IsMember({"ring", "allgather"}));
   cmd->add_option("--stats", opt->stats, "Write per-rank figures (tokens, activation bytes, traffic, times) as JSON");
   cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")->check(CLI::Range(1, kMaxThreads));
-  cmd->add_option("--timeout", opt->timeout_s, "Seconds a rank waits for a peer before failing (default 900)")
-      ->check(CLI::Range(1, kMaxTimeoutS));
+  cmd->add_flag("--check-finite,!--no-check-finite", opt->check_finite,
+                "Reject a NaN or infinity in the parameters or image_features before computing (default)");
   cmd->callback([&run, opt] { run = [opt] { return run_forward(*opt); }; });
 }
 
