@@ -15,7 +15,8 @@ the gather of token losses).
   longest  peak RSS of the busiest rank at S = 2048, 4096, 8192 for P = 1 and P = 4, fitted per P by least squares
            as a + b S (attention keeps O(S) state and the loss one fixed chunk, so memory is linear in S), and
            solved for the longest S whose P ranks together stay within --budget-gib (24) less --headroom-gib (2,
-           for the OS and MPI). It prints the prediction; --verify also runs one step at the predicted S (long: the
+           for the OS and MPI), and for the longest S when each rank has such a machine of its own (CP across
+           machines; on one machine CP spreads the same bytes over processes rather than removing them). It prints the prediction; --verify also runs one step at the predicted S (long: the
            full layer is quadratic in S).
 
     python3 bench/model/bench_model_cp.py build/src/cli/ringflex memory
@@ -105,8 +106,8 @@ def longest(a, d, ckpt, vocab):
     print(f"{a.config}, B = 1; fit of the busiest rank's peak RSS over S = {sizes}; budget {a.budget_gib} GiB less "
           f"{a.headroom_gib} GiB headroom, shared by the P ranks of one machine")
     print("| P | peak RSS per rank at S = " + " / ".join(map(str, sizes)) + " (GiB) | a (GiB) | b (KiB/token) |"
-          " longest S predicted |")
-    print("|---|---|---|---|---|")
+          " longest S, P ranks on one machine | longest S, one machine per rank |")
+    print("|---|---|---|---|---|---|")
     predicted = {}
     for P in (1, 4):
         rss = []
@@ -117,9 +118,11 @@ def longest(a, d, ckpt, vocab):
         mean_s, mean_r = sum(sizes) / n, sum(rss) / n
         b = sum((s - mean_s) * (r - mean_r) for s, r in zip(sizes, rss)) / sum((s - mean_s) ** 2 for s in sizes)
         c = mean_r - b * mean_s
-        s_max = int((budget / P - c) / b)
-        predicted[P] = s_max
-        print(f"| {P} | {' / '.join(f'{r / GIB:.2f}' for r in rss)} | {c / GIB:.2f} | {b / 1024:.1f} | {s_max} |")
+        s_shared = int((budget / P - c) / b)  # the P ranks share the budget
+        s_own = int((budget - c) / b)         # each rank has a machine of its own (a CP group of P machines)
+        predicted[P] = s_shared
+        print(f"| {P} | {' / '.join(f'{r / GIB:.2f}' for r in rss)} | {c / GIB:.2f} | {b / 1024:.1f} | {s_shared} |"
+              f" {s_own} |")
     if a.verify:
         for P, S in predicted.items():
             ranks = step(a.ringflex, ckpt, make_batch(d, S, vocab), d, P, 1)

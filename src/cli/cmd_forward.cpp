@@ -3,7 +3,7 @@
 //
 //     [mpirun -n P] ringflex forward --model DIR --in BATCH.safetensors --out OUT.safetensors [--grad]
 //                   [--no-logits] [--shard balanced|contiguous|zigzag|auto] [--algo ring|allgather]
-//                   [--threads N] [--stats FILE.json]
+//                   [--threads N] [--stats FILE.json] [--no-check-finite] [--timeout SECONDS]
 //
 // Input tensors: input_ids [B, S] (I32 or I64), and optionally labels [B, S] (-100 = ignored; the target of each
 // position, already shifted), position_ids [B, S], doc [B, S] (packed documents, 0 = padding),
@@ -16,16 +16,19 @@
 // (bad input, or more ranks than tokens in a row: one line on every rank, non-zero exit, no output). With P > 1
 // the model's attention runs through the CP engine (cp::CpAttention) and each rank computes only the tokens it
 // holds; P = 1 runs the same model code with the local kernels. Gradients are summed over the ranks in rank order,
-// token losses and logits are sent to rank 0 and put back in row order, and rank 0 alone writes --out (through a
-// temporary file renamed into place, so a failed write leaves nothing). --stats writes every rank's figures as
-// {"ranks": [...]}, the shape of `ringflex attn --stats`.
+// token losses and logits are sent to rank 0 and put back in row order, and rank 0 alone writes --out and --stats
+// (all or nothing, io/atomic_file.h). --stats writes every rank's figures as {"ranks": [...]}, the shape of
+// `ringflex attn --stats`. Every wait for a peer uses --timeout (raise it for long rows at large P on few cores:
+// ranks meet once per layer, and an oversubscribed rank may reach a layer long after another).
 #include <omp.h>
 #include <sys/resource.h>
 
+#include <bit>
 #include <chrono>
 #include <cstdio>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,10 +36,12 @@
 
 #include "cli/agree.h"
 #include "cli/command.h"
+#include "cli/finite.h"
 #include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "cp/cp_backend.h"
 #include "cpu/local_attention.h"
+#include "io/atomic_file.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 #include "model/checkpoint.h"
@@ -57,6 +62,7 @@ struct ForwardOptions {
   std::string shard = "balanced";
   std::string algo = "ring";
   int threads = 0;     // 0: OpenMP's default (every core)
+  bool check_finite = true;  // reject NaN/inf in the checkpoint's parameters and image_features up front
   std::string stats;   // --stats: per-rank figures as JSON
 };
 
@@ -96,7 +102,7 @@ struct BatchData {
   }
 };
 
-BatchData read_batch(const std::string& path, const model::Gemma4Model& m) {
+BatchData read_batch(const std::string& path, const model::Gemma4Model& m, bool finite) {
   BatchData d;
   const io::SafetensorsFile in = io::SafetensorsFile::open(path);
   io::DimSizes dims;
@@ -111,6 +117,7 @@ BatchData read_batch(const std::string& path, const model::Gemma4Model& m) {
   if (const io::TensorView* v = io::optional(in, {"image_features", floats, {"N", "F"}, ""}, dims)) {
     RF_CHECK(dims["F"] == d.F, path, ": image_features has ", dims["F"], " columns, the model expects ", d.F,
              m.vision_feature_dim() > 0 ? " (its vision projection's input width)" : " (its hidden size)");
+    if (finite) check_finite(path, *v, "[N, F]");
     d.features = io::to_float32(*v);
     d.n_features = dims["N"];
   }
@@ -119,7 +126,7 @@ BatchData read_batch(const std::string& path, const model::Gemma4Model& m) {
   return d;
 }
 
-// FNV-1a over the batch's integer arrays: ranks that read different batches must not start the ring.
+// FNV-1a over the batch's arrays (image features by their bits): ranks that read different batches must not start the ring.
 int64_t fingerprint(const BatchData& d) {
   constexpr uint64_t kOffset = 1469598103934665603ull, kPrime = 1099511628211ull;
   uint64_t h = kOffset;
@@ -127,17 +134,18 @@ int64_t fingerprint(const BatchData& d) {
     h = (h ^ v->size()) * kPrime;
     for (int32_t x : *v) h = (h ^ static_cast<uint32_t>(x)) * kPrime;
   }
+  for (float x : d.features) h = (h ^ std::bit_cast<uint32_t>(x)) * kPrime;
   return static_cast<int64_t>(h);
 }
 
 // Every rank's [B, L, width] shard of a per-token output, sent to rank 0 and placed at its row positions there:
 // [B, S, width] on rank 0, empty elsewhere. A collective call.
 std::vector<float> gather_to_rank0(comm::Communicator& comm, const RowShard& shard, const std::vector<float>& mine,
-                                   int B, int64_t width, int tag) {
+                                   int B, int64_t width, int tag, comm::Timeout timeout) {
   const size_t bytes = mine.size() * sizeof(float);
   if (comm.rank() != 0) {
     const comm::SendBuffer buf{mine.data(), bytes};
-    comm.isend(0, tag, std::span(&buf, 1), "per-token outputs to rank 0")->wait(comm::kDefaultTimeout);
+    comm.isend(0, tag, std::span(&buf, 1), "per-token outputs to rank 0")->wait(timeout);
     return {};
   }
   std::vector<float> full(static_cast<size_t>(int64_t{B} * shard.S * width), 0.f);
@@ -147,7 +155,7 @@ std::vector<float> gather_to_rank0(comm::Communicator& comm, const RowShard& sha
     if (r != 0) {
       const comm::RecvBuffer buf{part.data(), bytes};
       comm.irecv(r, tag, std::span(&buf, 1), "per-token outputs from rank " + std::to_string(r))
-          ->wait(comm::kDefaultTimeout);
+          ->wait(timeout);
       src = &part;
     }
     const std::vector<int32_t>& pos = shard.positions[static_cast<size_t>(r)];
@@ -171,7 +179,7 @@ struct RankFigures {
 std::string stats_json(comm::Communicator& comm, const RankFigures& mine, const std::string& scheme,
                        const std::string& algo) {
   std::vector<RankFigures> all(static_cast<size_t>(comm.size()));
-  comm.allgather(&mine, all.data(), sizeof(RankFigures), comm::kDefaultTimeout);
+  comm.allgather(&mine, all.data(), sizeof(RankFigures), comm::default_timeout());
   nlohmann::ordered_json root;
   root["scheme"] = scheme;
   root["algo"] = algo;
@@ -192,24 +200,13 @@ std::string stats_json(comm::Communicator& comm, const RankFigures& mine, const 
   return root.dump(2) + "\n";
 }
 
-void write_text_file(const std::string& path, const std::string& text) {
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  RF_CHECK(f != nullptr, path, ": cannot open for writing");
-  const size_t written = std::fwrite(text.data(), 1, text.size(), f);
-  const bool closed = std::fclose(f) == 0;
-  RF_CHECK(written == text.size() && closed, path, ": cannot write");
-}
-
-// All or nothing: the file appears under its name only once it is complete.
-void write_atomically(const io::SafetensorsWriter& w, const std::string& path) {
-  const std::string partial = path + ".partial";
-  try {
-    w.write(partial);
-  } catch (const Error&) {
-    std::remove(partial.c_str());
-    throw;
-  }
-  RF_CHECK(std::rename(partial.c_str(), path.c_str()) == 0, path, ": cannot move the finished file into place");
+// Every output, checked before any work (on rank 0, the writer; `agree` makes every rank fail with its message):
+// writable, and no two options naming one file.
+void check_outputs(const ForwardOptions& opt) {
+  RF_CHECK(opt.stats.empty() || !io::same_destination(opt.out, opt.stats), "--stats ", opt.stats, " and --out ",
+           opt.out, " name the same file");
+  io::check_writable(opt.out);
+  if (!opt.stats.empty()) io::check_writable(opt.stats);
 }
 
 int run_forward(const ForwardOptions& opt) {
@@ -219,8 +216,11 @@ int run_forward(const ForwardOptions& opt) {
   model::Checkpoint ck;
   BatchData data;
   agree(*world, [&] {
+    if (world->rank() == 0) check_outputs(opt);  // before loading anything: an unwritable output is found at once
     ck = model::load_checkpoint(opt.model);
-    data = read_batch(opt.in, *ck.model);
+    if (opt.check_finite)
+      for (const model::Tensor& p : ck.model->params()) check_finite(opt.model, p.name, p.data, p.shape);
+    data = read_batch(opt.in, *ck.model, opt.check_finite);
     ck.model->check_batch(data.view(), P);
     RF_CHECK(!opt.grad || !data.labels.empty(), opt.in, ": --grad needs a `labels` tensor");
     // A fixed scheme that cannot split this row fails here, where every rank can still say so.
@@ -241,6 +241,8 @@ int run_forward(const ForwardOptions& opt) {
   cp::CpAttentionOptions cpo;
   cpo.scheme = opt.shard;
   cpo.algo = cp::parse_algo(opt.algo);
+  const comm::Timeout timeout = comm::default_timeout();  // --timeout
+  cpo.timeout = timeout;
   cp::CpAttention ring(*world, cpo);
   AttentionBackend& attn = P > 1 ? static_cast<AttentionBackend&>(ring) : local;
 
@@ -248,14 +250,14 @@ int run_forward(const ForwardOptions& opt) {
   model::Result r = m.run(b, ro, opt.grad ? &grads : nullptr, attn);
   const double run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (opt.grad) {
-    for (model::Tensor& g : grads) world->allreduce(g.data.data(), g.data.size(), comm::ReduceOp::Sum);
+    for (model::Tensor& g : grads) world->allreduce(g.data.data(), g.data.size(), comm::ReduceOp::Sum, timeout);
     if (!r.d_image_features.empty())
-      world->allreduce(r.d_image_features.data(), r.d_image_features.size(), comm::ReduceOp::Sum);
+      world->allreduce(r.d_image_features.data(), r.d_image_features.size(), comm::ReduceOp::Sum, timeout);
   }
   const int64_t B = b.B, S = b.S, V = m.config().vocab_size;
-  const std::vector<float> token_loss = gather_to_rank0(*world, r.shard, r.token_loss, b.B, 1, kTokenLossTag);
+  const std::vector<float> token_loss = gather_to_rank0(*world, r.shard, r.token_loss, b.B, 1, kTokenLossTag, timeout);
   std::vector<float> logits;
-  if (ro.want_logits) logits = gather_to_rank0(*world, r.shard, r.logits, b.B, V, kLogitsTag);
+  if (ro.want_logits) logits = gather_to_rank0(*world, r.shard, r.logits, b.B, V, kLogitsTag, timeout);
   r.logits = {};
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
@@ -293,8 +295,17 @@ int run_forward(const ForwardOptions& opt) {
         w.add("grad.image_features", io::StDType::F32, {data.n_features, data.F},
               std::span<const float>(r.d_image_features));
     }
-    write_atomically(w, opt.out);
-    if (!opt.stats.empty()) write_text_file(opt.stats, stats);
+    // All or nothing: the output and --stats are written and synced first, then both renamed.
+    io::AtomicFile out(opt.out);
+    w.write(out);
+    std::vector<io::AtomicFile*> files = {&out};
+    std::optional<io::AtomicFile> stats_file;
+    if (!opt.stats.empty()) {
+      stats_file.emplace(opt.stats);
+      stats_file->write(stats);
+      files.push_back(&*stats_file);
+    }
+    io::commit_all(files);
   });
   if (world->rank() != 0) return 0;
   if (opt.grad) {
@@ -325,6 +336,8 @@ void add_forward_command(CLI::App& app, Runner& run) {
   cmd->add_option("--algo", opt->algo, "CP algorithm")->check(CLI::IsMember({"ring", "allgather"}));
   cmd->add_option("--stats", opt->stats, "Write per-rank figures (tokens, activation bytes, traffic, times) as JSON");
   cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")->check(CLI::Range(1, kMaxThreads));
+  cmd->add_flag("--check-finite,!--no-check-finite", opt->check_finite,
+                "Reject a NaN or infinity in the parameters or image_features before computing (default)");
   cmd->callback([&run, opt] { run = [opt] { return run_forward(*opt); }; });
 }
 

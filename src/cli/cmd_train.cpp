@@ -25,7 +25,6 @@ struct TrainCliOptions {
   std::string config, metrics, resume, loss_svg;
   std::vector<std::string> sets;
   bool print_config = false;
-  double timeout_s = 0;
 };
 
 int run_train(const TrainCliOptions& opt) {
@@ -33,7 +32,6 @@ int run_train(const TrainCliOptions& opt) {
   trainer::TrainConfig cfg;
   agree(*world, [&] {
     cfg = opt.config.empty() ? trainer::parse_config("", "(defaults)", opt.sets) : trainer::load_config(opt.config, opt.sets);
-    if (opt.timeout_s > 0) cfg.train.timeout_s = opt.timeout_s;
     trainer::validate(cfg, world->size());
   });
   if (opt.print_config) {
@@ -60,8 +58,6 @@ void add_train_command(CLI::App& app, Runner& run) {
   cmd->add_option("--resume", opt->resume, "Continue from a checkpoint directory, or the newest one under a checkpoint root");
   cmd->add_option("--loss-svg", opt->loss_svg, "Where to draw the loss curve (default: <checkpoint.dir>/loss.svg)");
   cmd->add_flag("--print-config", opt->print_config, "Print the resolved config (defaults filled in) and exit");
-  cmd->add_option("--timeout", opt->timeout_s, "Seconds a silent peer may take before every rank fails (overrides train.timeout_s)")
-      ->check(CLI::PositiveNumber);
   cmd->callback([&run, opt] { run = [opt] { return run_train(*opt); }; });
 }
 

@@ -28,6 +28,12 @@ namespace rf::comm {
 using Timeout = std::chrono::milliseconds;
 constexpr Timeout kDefaultTimeout{120000};  // generous: a rank may be computing a long chunk meanwhile
 
+// The deadline of every wait whose caller does not choose one: kDefaultTimeout until the executable sets it
+// (`ringflex ... --timeout SECONDS`, once, before any communication). A peer that stops answering (dead, hung,
+// SIGSTOPped) then ends the job within this time on every rank that waits for it.
+Timeout default_timeout();
+void set_default_timeout(Timeout timeout);
+
 struct SendBuffer {
   const void* data;
   size_t bytes;
@@ -71,18 +77,18 @@ class Communicator {
 
   // A collective call (MPI_Comm_split): ranks passing the same `color` (>= 0) form one new communicator, ranked by
   // (`key`, rank here). The trainer's cp x dp grid is two splits of the world. The result is independent of this
-  // communicator (its messages never match ours) and may outlive none of it on the loopback backend.
-  virtual std::unique_ptr<Communicator> split(int color, int key, Timeout timeout = kDefaultTimeout) = 0;
+  // communicator (its messages never match ours); on the loopback backend it lives as long as the run_ranks world.
+  virtual std::unique_ptr<Communicator> split(int color, int key, Timeout timeout = default_timeout()) = 0;
 
-  void barrier(Timeout timeout = kDefaultTimeout);
+  void barrier(Timeout timeout = default_timeout());
   // In-place elementwise reduction over ranks, summed in rank order 0..P-1 (deterministic on every backend).
-  void allreduce(double* data, size_t n, ReduceOp op, Timeout timeout = kDefaultTimeout);
-  void allreduce(int64_t* data, size_t n, ReduceOp op, Timeout timeout = kDefaultTimeout);
+  void allreduce(double* data, size_t n, ReduceOp op, Timeout timeout = default_timeout());
+  void allreduce(int64_t* data, size_t n, ReduceOp op, Timeout timeout = default_timeout());
   // float32 (parameter gradients, hundreds of MB): each element's P values are combined in rank order in double
   // and rounded once, so the result is the same bits on every rank and backend and no worse than one rounding.
   // Works through slices whose gathered copies take at most kReduceSliceBytes, so the extra memory stays bounded
   // whatever n is.
-  void allreduce(float* data, size_t n, ReduceOp op, Timeout timeout = kDefaultTimeout);
+  void allreduce(float* data, size_t n, ReduceOp op, Timeout timeout = default_timeout());
   static constexpr size_t kReduceSliceBytes = size_t{8} << 20;
 
   static constexpr int kMaxTag = 1 << 15;  // MPI guarantees tags up to 32767

@@ -20,7 +20,7 @@ struct CpAttentionOptions {
   std::string scheme = "balanced";  // contiguous | zigzag | balanced | auto (cp::shard_map_for)
   Algo algo = Algo::Ring;
   RingTraffic traffic = RingTraffic::Planned;
-  comm::Timeout timeout = comm::kDefaultTimeout;
+  comm::Timeout timeout = comm::default_timeout();  // the executable's --timeout, read when the options are made
 };
 
 // Every call's CpStats added up since construction (or reset_totals).

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "io/atomic_file.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 
@@ -72,20 +73,9 @@ std::string read_text(const fs::path& p) {
 }  // namespace
 
 void write_file_atomically(const std::string& path, const std::string& text) {
-  const fs::path target(path);
-  const fs::path tmp = target.parent_path() / hidden_name(target.filename().string(), ".tmp");
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    RF_CHECK(out.good(), tmp.string(), ": cannot create");
-    out << text;
-    out.close();
-    RF_CHECK(out.good(), tmp.string(), ": write failed");
-  }
-  fsync_path(tmp, false);
-  std::error_code ec;
-  fs::rename(tmp, target, ec);
-  RF_CHECK(!ec, path, ": cannot rename into place: ", ec.message());
-  fsync_path(target.parent_path().empty() ? fs::path(".") : target.parent_path(), true);
+  io::AtomicFile f(path);
+  f.write(text);
+  f.commit();
 }
 
 std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const AdamW& optimizer,
@@ -118,11 +108,7 @@ std::string save_train_checkpoint(const std::string& root, const model::Checkpoi
                     {"val_steps", state.history.val_steps},
                     {"val_loss", state.history.val_loss}}},
                   {"config", state.config_yaml}};
-  {
-    std::ofstream out(tmp / kStateFile);
-    out << j.dump(2) << "\n";
-    RF_CHECK(out.good(), (tmp / kStateFile).string(), ": write failed");
-  }
+  write_file_atomically((tmp / kStateFile).string(), j.dump(2) + "\n");
   for (const auto& e : fs::directory_iterator(tmp)) fsync_path(e.path(), false);
   fsync_path(tmp, true);
   if (before_rename) before_rename(tmp.string());

@@ -54,7 +54,7 @@ struct LoadedCheckpoint {
 LoadedCheckpoint load_train_checkpoint(const std::string& dir);
 void load_optimizer_state(const std::string& dir, AdamW& optimizer);
 
-// Writes `text` to `path` through a temporary file in the same directory, fsync and rename.
+// Writes `text` to `path` all or nothing (io::AtomicFile: a temporary beside it, fsync, rename).
 void write_file_atomically(const std::string& path, const std::string& text);
 
 }  // namespace rf::trainer

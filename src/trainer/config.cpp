@@ -108,7 +108,6 @@ const std::vector<Field>& fields() {
       field("train.threads", kInt, &C::train, &TrainSection::threads),
       field("train.val_every", kInt, &C::train, &TrainSection::val_every),
       field("train.log_every", kInt, &C::train, &TrainSection::log_every),
-      field("train.timeout_s", kNum, &C::train, &TrainSection::timeout_s),
       field("checkpoint.dir", kStr, &C::checkpoint, &CheckpointSection::dir),
       field("checkpoint.every", kInt, &C::checkpoint, &CheckpointSection::every),
       field("checkpoint.keep", kInt, &C::checkpoint, &CheckpointSection::keep),
@@ -227,7 +226,6 @@ void validate(const TrainConfig& c, int world_size) {
   non_negative(c.train.threads, "train.threads");
   non_negative(c.train.val_every, "train.val_every");
   positive(c.train.log_every, "train.log_every");
-  RF_CHECK(c.train.timeout_s > 0, "config: train.timeout_s = ", c.train.timeout_s, " must be > 0");
   non_negative(c.checkpoint.every, "checkpoint.every");
   positive(c.checkpoint.keep, "checkpoint.keep");
 }

@@ -55,7 +55,6 @@ struct TrainSection {
   int threads = 0;                       // OpenMP threads per rank; 0 = the runtime's default
   int val_every = 50;                    // validation every N steps (and at the end); 0 = only at the end
   int log_every = 10;                    // progress lines in a log file (a terminal updates every step)
-  double timeout_s = 300;                // a peer silent this long ends the job on every rank
 };
 
 struct CheckpointSection {

@@ -112,7 +112,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
   const int cp = cfg.parallelism.cp, dp = cfg.parallelism.dp;
   RF_CHECK(world.size() == cp * dp, "parallelism.cp * parallelism.dp = ", cp * dp, " but the job has ", world.size(),
            " rank(s)");
-  const comm::Timeout timeout{static_cast<int64_t>(cfg.train.timeout_s * 1000)};
+  const comm::Timeout timeout = comm::default_timeout();  // `ringflex ... --timeout SECONDS`
   const int cp_index = world.rank() % cp, dp_index = world.rank() / cp;
   std::unique_ptr<comm::Communicator> cp_group = world.split(dp_index, cp_index, timeout);
   std::unique_ptr<comm::Communicator> dp_group = world.split(cp_index, dp_index, timeout);

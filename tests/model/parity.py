@@ -45,6 +45,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from oracle_env import missing_oracle  # noqa: E402
+
 try:
     import torch
     import transformers
@@ -52,9 +55,8 @@ try:
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig, Gemma4VisionConfig
     from transformers.models.gemma4.modeling_gemma4 import (Gemma4MultimodalEmbedder, create_masks_for_vision_model,
                                                             get_block_sequence_ids_for_mask)
-except ImportError as e:  # pragma: no cover - depends on the environment
-    print(f"skipping: {e}")
-    sys.exit(77)
+except ImportError as e:
+    missing_oracle(e)
 
 REL_TOL = 1e-4
 V, H = 48, 16
@@ -230,13 +232,24 @@ def run_case(ringflex, name, vision, workdir, launcher=()):
     batch_path = os.path.join(workdir, f"batch_{name}_{int(vision)}.safetensors")
     out_path = os.path.join(workdir, f"out_{name}_{int(vision)}.safetensors")
     save_file({k: v.contiguous() for k, v in batch.items()}, batch_path)
+    stats_path = os.path.join(workdir, f"stats_{name}_{int(vision)}.json")
+    extra = ["--stats", stats_path] if launcher else []
     proc = subprocess.run([*launcher, ringflex, "forward", "--model", ckpt, "--in", batch_path, "--out", out_path,
-                           "--grad"], capture_output=True, text=True)
+                           "--grad", *extra], capture_output=True, text=True)
     if proc.returncode != 0:
         raise AssertionError(f"ringflex forward failed: {proc.stderr.strip()}")
     out = load_file(out_path)
 
     failures = []
+    if launcher:
+        # --stats: one record per rank with the fields; the ranks hold every token of the batch once.
+        with open(stats_path) as f:
+            ranks = json.load(f)["ranks"]
+        keys = {"rank", "tokens", "kept_activation_bytes", "bytes_received", "compute_s", "wall_s", "peak_rss_bytes"}
+        if [r.get("rank") for r in ranks] != list(range(len(ranks))) or any(keys - set(r) for r in ranks):
+            failures.append(f"--stats records malformed: {ranks}")
+        elif sum(r["tokens"] for r in ranks) != B * S:
+            failures.append(f"--stats tokens sum to {sum(r['tokens'] for r in ranks)}, the batch has {B * S}")
 
     def compare(what, mine, ref):
         ref = ref.detach().double()
@@ -324,8 +337,29 @@ def check_errors(ringflex, workdir):
         if proc.returncode == 0 or len(lines) != 1 or expected not in lines[0]:
             print(f"FAIL error case '{what}': rc {proc.returncode}, stderr {proc.stderr.strip()!r}")
             ok = False
+    # A NaN in a parameter is rejected before computing (--check-finite is the default), naming file, tensor and
+    # element; an unwritable --out is reported before the checkpoint is loaded.
+    nan_dir = ckpt + "_nan"
+    Gemma4ForCausalLM(cfg).save_pretrained(nan_dir, safe_serialization=True)
+    weights = load_file(os.path.join(nan_dir, "model.safetensors"))
+    poisoned = sorted(weights)[0]
+    weights[poisoned].view(-1)[3] = float("nan")
+    save_file(weights, os.path.join(nan_dir, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(workdir, "ids.safetensors")
+    save_file({"input_ids": ids}, path)
+    late_cases = [
+        ("nan parameter", nan_dir, os.path.join(workdir, "nan_out.safetensors"), "has nan at"),
+        ("unwritable --out", ckpt, os.path.join(workdir, "absent", "out.safetensors"), "cannot write: directory"),
+    ]
+    for what, model_dir, out, expected in late_cases:
+        proc = subprocess.run([ringflex, "forward", "--model", model_dir, "--in", path, "--out", out],
+                              capture_output=True, text=True)
+        lines = proc.stderr.strip().splitlines()
+        if proc.returncode == 0 or len(lines) != 1 or expected not in lines[0]:
+            print(f"FAIL error case '{what}': rc {proc.returncode}, stderr {proc.stderr.strip()!r}")
+            ok = False
     if ok:
-        print(f"ok   {len(cases)} bad inputs rejected with one line naming the problem")
+        print(f"ok   {len(cases) + len(late_cases)} bad inputs rejected with one line naming the problem")
     return ok
 
 

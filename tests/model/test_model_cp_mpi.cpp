@@ -4,9 +4,10 @@
 // (rf::cpu::LocalAttention, P = 1) and compares, against it, the CP run's loss, label count, its own tokens' logits
 // and token losses (placed by the shard's positions), every parameter gradient and d image_features after the
 // rank-ordered reduction over the ranks (comm::Communicator::allreduce). Configs: dense (k_eq_v, vision-bidirectional
-// groups), MoE with an untied head, and the small variant (per-layer embeddings, KV sharing, double-wide MLP, image
-// projection); rows of awkward length (S not divisible by P or by the 64-token plan block; one-token documents,
-// image groups crossing shard boundaries, trailing padding, whole ranks of sharding padding at large P), B = 2.
+// groups), MoE with an untied head, the small variant (per-layer embeddings, KV sharing, double-wide MLP, image
+// projection), and GQA 16:1 with head dims 72 and 512; rows of awkward length (S not divisible by P or by the
+// 64-token plan block; one-token documents, image groups crossing shard boundaries, trailing padding, whole ranks of
+// sharding padding at large P), B = 2.
 #include <gtest/gtest.h>
 #include <mpi.h>
 #include <omp.h>
@@ -259,6 +260,25 @@ TEST(ModelCp, PerLayerEmbeddingsKvSharingAndImageProjectionMatchOneRank) {
   const Gemma4Model m = make_model(kSmall, kFeatureDim);
   const RowBatch b = make_batch(kShortRow, kFeatureDim, 6);
   check_against_one_rank(m, b.view(true), "balanced", "small");
+}
+
+// GQA 16:1 with awkward head dims: D = 72 on sliding layers (not a power of two) and 512 (the kernels' largest,
+// Gemma 4's global head dim) on full ones.
+TEST(ModelCp, Gqa16AndHeadDims72And512MatchOneRank) {
+  const std::string wide = R"({"vocab_size": 40, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+    "num_attention_heads": 16, "num_key_value_heads": 1, "head_dim": 72, "sliding_window": 3,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "per_layer_config": {"1": {"head_dim": 512, "num_key_value_heads": 1}},
+    "final_logit_softcapping": 4.0, "hidden_size_per_layer_input": 0, "rms_norm_eps": 1e-6,
+    "use_bidirectional_attention": "vision"})";
+  Gemma4Model m(Gemma4Config::from_json(wide), 0);
+  constexpr float kInitStd = 0.3f;
+  m.init_random(43, kInitStd);
+  for (Tensor& t : m.params())
+    if (t.name.ends_with("q_norm.weight") || t.name.ends_with("k_norm.weight"))
+      for (float& v : t.data) v *= std::pow(static_cast<float>(t.shape[0]), -0.25f);
+  const RowBatch b = make_batch(kShortRow, m.config().hidden_size, 10);
+  check_against_one_rank(m, b.view(true), "balanced", "GQA 16:1, D = 72 / 512");
 }
 
 // Issue 8 item 13: the loss is divided by the label tokens of the whole batch counted once. Counting per rank and

@@ -38,7 +38,7 @@ TEST(TrainConfig, YamlThenSetsInOrder) {
 }
 
 TEST(TrainConfig, PrintedConfigParsesBackToTheSameConfig) {
-  const TrainConfig c = parse_config("", "x", {"optimizer.lr=0.003", "model.freeze=embed", "train.timeout_s=12.5",
+  const TrainConfig c = parse_config("", "x", {"optimizer.lr=0.003", "model.freeze=embed", "schedule.min_lr_ratio=0.125",
                                                "data.path=some file.jsonl"});
   const std::string yaml = to_yaml(c);
   EXPECT_NE(yaml.find("lr: 0.003\n"), std::string::npos) << yaml;  // shortest round-trip form
