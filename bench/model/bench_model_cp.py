@@ -39,6 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_model import COMMON, CONFIGS  # noqa: E402  the same 100m config
 
 GIB = 2**30
+# Seconds a rank waits for a peer: at S = 16384 and P = 8 on 2 cores a rank may reach a layer minutes after another.
+STEP_TIMEOUT_S = 3600
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
@@ -64,7 +66,7 @@ def step(ringflex, ckpt, batch, d, P, threads):
     stats = os.path.join(d, "stats.json")
     cmd = ["mpirun", "--oversubscribe", "-n", str(P), ringflex, "forward", "--model", ckpt, "--in", batch,
            "--out", os.path.join(d, "out.safetensors"), "--grad", "--no-logits", "--threads", str(threads),
-           "--stats", stats]
+           "--stats", stats, "--timeout", str(STEP_TIMEOUT_S)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), **MPI_ENV)
     subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
     with open(stats) as f:

@@ -22,7 +22,7 @@ RowShard CpAttention::begin_batch(const TokenMeta* rows, int B, int S, const std
   for (const MaskLayers& m : mix) layer_mix.push_back(LayerKind{m.mask, m.layers});
   if (options_.scheme == "balanced" || options_.scheme == "auto") {
     // Deal whole kPlanBlock blocks (the plan's and the kernels' key tile) when each rank gets at least one; a
-    // shorter row is dealt in blocks of ceil(S / 2P) so that it is still split over every rank rather than
+    // shorter row is dealt in blocks of half a rank's share, so that it is still split over every rank rather than
     // handed whole to rank 0 inside one padded block.
     const int per_rank = (S + P - 1) / P;
     const int block = per_rank >= kPlanBlock ? kPlanBlock : std::max(1, (per_rank + 1) / 2);
