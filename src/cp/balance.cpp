@@ -405,7 +405,14 @@ BalancedShard balanced_shard(const TokenMeta* rows, int B, int S, int P, const L
 
 ShardMap shard_map_for(const std::string& scheme, const TokenMeta* rows, int B, int S, int P, const LayerMix& mix,
                        int multiple) {
-  if (scheme == "auto" || scheme == "balanced") return balanced_shard_map(rows, B, S, P, mix);
+  if (scheme == "auto" || scheme == "balanced") {
+    // Deal whole kPlanBlock blocks (the plan's and the kernels' key tile) when each rank gets at least one; a
+    // shorter row is dealt in blocks of half a rank's share, so that it is still split over every rank rather than
+    // handed whole to rank 0 inside one padded block.
+    const int per_rank = (S + P - 1) / P;
+    const int block = per_rank >= kPlanBlock ? kPlanBlock : std::max(1, (per_rank + 1) / 2);
+    return balanced_shard_map(rows, B, S, P, mix, block);
+  }
   return make_shard_map(parse_scheme(scheme), S, P, multiple);
 }
 

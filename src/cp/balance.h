@@ -83,7 +83,8 @@ BalancedShard balanced_shard(const TokenMeta* rows, int B, int S, int P, const L
 // The map of a scheme named on a command line: contiguous | zigzag (make_shard_map, L a multiple of `multiple`)
 // | balanced | auto. auto is balanced: contiguous and zigzag laid out on the same blocks lie in its search, so its
 // predicted work is within the default max_imbalance whenever theirs is, and never worse than theirs otherwise.
-// rows: [B, S].
+// Balanced deals blocks of kPlanBlock tokens, or half a rank's share when a rank gets fewer than kPlanBlock, so a
+// short row still spreads over every rank. The one place a run's shard map is chosen. rows: [B, S].
 ShardMap shard_map_for(const std::string& scheme, const TokenMeta* rows, int B, int S, int P, const LayerMix& mix,
                        int multiple = 1);
 

@@ -134,7 +134,7 @@ MaskCommPlan plan_mask(const PlanGeometry& g, const BlockSummary* summaries, con
 
 CommPlan plan_from_summaries(const PlanGeometry& g, const BlockSummary* summaries, const LayerMix& mix) {
   check_geometry(g);
-  RF_CHECK(summaries != nullptr, "make_plan: no block summaries");
+  RF_CHECK(summaries != nullptr, "plan_from_summaries: no block summaries");
   CommPlan plan;
   plan.geometry = g;
   for (const LayerKind& kind : mix) {
