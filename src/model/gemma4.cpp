@@ -38,8 +38,8 @@ const float kPleCombineScale = static_cast<float>(std::sqrt(0.5));
 // Parameter registration (Hugging Face names and shapes).
 // ---------------------------------------------------------------------------------------------------------------
 
-Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim)
-    : cfg_(std::move(config)), vision_dim_(vision_feature_dim) {
+Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim, TensorSet::Storage storage)
+    : cfg_(std::move(config)), vision_dim_(vision_feature_dim), params_(storage) {
   cfg_.validate();
   RF_CHECK(vision_dim_ >= 0, "vision feature dim must be non-negative");
   const int64_t H = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_layers, P = cfg_.ple_dim;
@@ -238,7 +238,10 @@ void Gemma4Model::Run::prepare() {
     for (int64_t t = 0; t < T; ++t) {
       if (b.mm_token_type[t] == 0) continue;
       feature_of[t] = n++;
-      ple_ids[t] = cfg.pad_token_id;  // as Gemma4Model: multimodal slots read the pad id's per-layer embedding
+      // As Gemma4Model: multimodal slots read the pad id's per-layer embedding, so they need a pad id.
+      RF_CHECK(cfg.pad_token_id || cfg.ple_dim == 0, "config.json: pad_token_id is null, but image/video slots read "
+               "the pad token's per-layer embedding (as transformers 5.24 does); set pad_token_id");
+      ple_ids[t] = cfg.pad_token_id.value_or(0);
     }
     RF_CHECK(n == b.n_image_features, "image_features has ", b.n_image_features, " rows for ", n,
              " image/video token slots in mm_token_type_ids");
@@ -270,7 +273,8 @@ void Gemma4Model::Run::embed() {
       const int64_t F = m.vision_dim_;
       feat_in = zeros(N * F);
       feat_rms = zeros(N);
-      rmsnorm_forward(b.image_features, nullptr, eps, feat_in.data(), feat_rms.data(), N, F);
+      rmsnorm_forward(b.image_features, nullptr, static_cast<float>(cfg.vision_rms_norm_eps), feat_in.data(),
+                      feat_rms.data(), N, F);
       projected = zeros(N * H);
       linear_forward(feat_in.data(), W(m.vision_proj_), projected.data(), N, F, H);
       feats = projected.data();
