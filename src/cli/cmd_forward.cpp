@@ -10,6 +10,7 @@
 // with --grad every parameter gradient as grad.<HF name> (plus grad.image_features when features are given).
 #include <chrono>
 #include <cstdio>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <string>
@@ -17,6 +18,7 @@
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "core/memory.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 #include "model/checkpoint.h"
@@ -44,20 +46,40 @@ std::vector<int32_t> read_ids(const io::TensorView& v) {
   return out;
 }
 
+int64_t checked_product(std::initializer_list<int64_t> factors) {
+  int64_t n = 1;
+  for (int64_t f : factors) {
+    if (__builtin_mul_overflow(n, f, &n)) return -1;  // check_memory reports a negative size as an overflow
+  }
+  return n;
+}
+
 int run_forward(const ForwardOptions& opt) {
-  const model::Checkpoint ck = model::load_checkpoint(opt.model);
-  const model::Gemma4Model& m = *ck.model;
+  // The batch's sizes are checked before the checkpoint is loaded: an empty or malformed batch fails at once.
   const io::SafetensorsFile in = io::SafetensorsFile::open(opt.in);
   io::DimSizes dims;
   const std::vector<io::StDType> ints = {io::StDType::I32, io::StDType::I64};
   const std::vector<io::StDType> floats = {io::StDType::F32, io::StDType::BF16};
   const io::TensorView& ids_v = io::require(in, {"input_ids", ints, {"B", "S"}, ""}, dims);
+  RF_CHECK(dims["B"] >= 1 && dims["S"] >= 1, opt.in, ": the batch is empty (input_ids has shape ",
+           io::shape_string(ids_v.shape), "); forward needs B >= 1 rows of S >= 1 tokens");
+  RF_CHECK(dims["B"] <= std::numeric_limits<int>::max() && dims["S"] <= std::numeric_limits<int>::max(), opt.in,
+           ": input_ids has shape ", io::shape_string(ids_v.shape), ", B and S must fit in 32 bits");
   const std::vector<int32_t> ids = read_ids(ids_v);
   std::vector<int32_t> labels, pos, doc, mm;
+  bool has_labels = false;
   for (auto [name, dst] : {std::pair{"labels", &labels}, {"position_ids", &pos}, {"doc", &doc},
                            {"mm_token_type_ids", &mm}}) {
-    if (const io::TensorView* v = io::optional(in, {name, ints, {"B", "S"}, ""}, dims)) *dst = read_ids(*v);
+    if (const io::TensorView* v = io::optional(in, {name, ints, {"B", "S"}, ""}, dims)) {
+      *dst = read_ids(*v);
+      has_labels = has_labels || dst == &labels;
+    }
   }
+  RF_CHECK(!opt.grad || has_labels, opt.in, ": --grad needs a `labels` tensor [B, S]");
+
+  const model::Checkpoint ck = model::load_checkpoint(opt.model);
+  const model::Gemma4Model& m = *ck.model;
+  for (const std::string& warning : m.config().warnings) std::fprintf(stderr, "ringflex: warning: %s\n", warning.c_str());
   const int F = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
   std::vector<float> features;
   int64_t n_features = 0;
@@ -81,7 +103,12 @@ int run_forward(const ForwardOptions& opt) {
   model::RunOptions ro;
   ro.want_grad = opt.grad;
   ro.want_logits = !opt.no_logits;
-  RF_CHECK(!opt.grad || b.labels != nullptr, opt.in, ": --grad needs a `labels` tensor");
+  // The outputs this command holds besides the model: the gradient set and the [B, S, V] logits.
+  const int64_t V = m.config().vocab_size;
+  const int64_t grad_bytes = opt.grad ? m.params().total_bytes() : 0;
+  const int64_t logit_bytes = ro.want_logits ? checked_product({b.B, b.S, V, int64_t{sizeof(float)}}) : 0;
+  check_memory(logit_bytes < 0 ? -1 : grad_bytes + logit_bytes,
+               opt.in + ": the gradients and [B, S, V] logits of this batch");
   model::TensorSet grads;
   if (opt.grad) grads = m.params().zeros_like();
   const auto start = std::chrono::steady_clock::now();
@@ -90,7 +117,7 @@ int run_forward(const ForwardOptions& opt) {
 
   io::SafetensorsWriter w;
   const float loss = static_cast<float>(r.loss);
-  const int64_t B = b.B, S = b.S, V = m.config().vocab_size;
+  const int64_t B = b.B, S = b.S;
   w.add("loss", io::StDType::F32, {}, std::span<const float>(&loss, 1));
   w.add("token_loss", io::StDType::F32, {B, S}, std::span<const float>(r.token_loss));
   if (ro.want_logits) w.add("logits", io::StDType::F32, {B, S, V}, std::span<const float>(r.logits));
