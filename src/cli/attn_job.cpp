@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "cli/agree.h"
+#include "cli/finite.h"
 #include "core/error.h"
 #include "core/row_meta.h"
 #include "cp/balance.h"
@@ -63,7 +64,8 @@ AttnChunk AttnJob::whole_chunk() const {
   return c;
 }
 
-AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optional<float> scale) {
+AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optional<float> scale,
+                      bool check_finite) {
   RF_CHECK(mask.window >= 0, "--window ", mask.window, " is negative (0 means no window)");
   RF_CHECK(!scale || std::isfinite(*scale), "--scale ", *scale, " is not a finite number");
 
@@ -77,6 +79,12 @@ AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optio
   const io::TensorView* dout = io::optional(f, {"dout", {q.dtype}, q_dims, like_q}, dims);
   const io::TensorView* doc = io::optional(f, {"doc", {StDType::I32}, row_dims, ""}, dims);
   const io::TensorView* group = io::optional(f, {"group", {StDType::I32}, row_dims, ""}, dims);
+  if (check_finite) {
+    cli::check_finite(path, q, "[B, Hq, S, D]");
+    cli::check_finite(path, k, "[B, Hkv, S, D]");
+    cli::check_finite(path, v, "[B, Hkv, S, D]");
+    if (dout) cli::check_finite(path, *dout, "[B, Hq, S, D]");
+  }
 
   AttnJob job;
   AttnShape& s = job.shape;
@@ -131,7 +139,7 @@ std::vector<float> gather_rows(comm::Communicator& comm, const cp::ShardMap& m, 
                                int B, int H, int D) {
   const int P = comm.size();
   std::vector<float> all(shard.size() * P), full(static_cast<size_t>(B) * H * m.S * D);
-  comm.allgather(shard.data(), all.data(), shard.size() * sizeof(float), comm::kDefaultTimeout);
+  comm.allgather(shard.data(), all.data(), shard.size() * sizeof(float), comm::default_timeout());
   for (int r = 0; r < P; ++r)
     cp::unshard_tensor(m, r, all.data() + r * shard.size(), full.data(), B, H, D, sizeof(float));
   return full;
@@ -203,7 +211,8 @@ AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communic
   const int64_t fingerprint[] = {s.B, s.Hq, s.Hkv, s.Lq, s.D, static_cast<int64_t>(job.dtype), job.has_dout,
                                  job.mask.causal, job.mask.window, job.mask.bidirectional_groups};
   agree_equal(comm, fingerprint, "the input's shapes, dtype or mask options");
-  if ((comm.size() > 1 || cp.collect_stats) && s.B > 0 && s.Lq > 0) return run_attention_cp(job, cp, comm);
+  const bool through_cp = comm.size() > 1 || cp.collect_stats || cp.cp_path_on_one_rank;
+  if (through_cp && s.B > 0 && s.Lq > 0) return run_attention_cp(job, cp, comm);
 
   AttnResult r;
   r.out.assign(static_cast<size_t>(s.q_elems()), 0.f);
@@ -228,7 +237,7 @@ AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communic
   return r;
 }
 
-void write_attn_result(const std::string& path, const AttnJob& job, const AttnResult& result) {
+void write_attn_result(io::AtomicFile& file, const AttnJob& job, const AttnResult& result) {
   const AttnShape& s = job.shape;
   const std::vector<int64_t> q_shape = {s.B, s.Hq, s.Lq, s.D}, kv_shape = {s.B, s.Hkv, s.Lk, s.D},
                              lse_shape = {s.B, s.Hq, s.Lq};
@@ -248,7 +257,7 @@ void write_attn_result(const std::string& path, const AttnJob& job, const AttnRe
     w.add("dk", out_dtype, kv_shape, narrow(result.dk));
     w.add("dv", out_dtype, kv_shape, narrow(result.dv));
   }
-  w.write(path);
+  w.write(file);
 }
 
 }  // namespace rf::cli

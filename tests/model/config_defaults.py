@@ -17,7 +17,7 @@ config.json, runs `config_dump` on it, builds transformers' config class from th
     warnings ringflex reports.
 A second list of cases is rejected by both, or by ringflex with the message checked here.
 
-Exit code 77 (CTest's skip) when torch or transformers is missing.
+Exit code 77 (CTest's skip) when torch or transformers is missing (a failure under CI: tests/common/oracle_env.py).
 """
 import json
 import logging
@@ -26,14 +26,16 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from oracle_env import missing_oracle  # noqa: E402
+
 try:
     import torch
     import transformers
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4TextConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
-except ImportError as e:  # pragma: no cover - depends on the environment
-    print(f"skipping: {e}")
-    sys.exit(77)
+except ImportError as e:
+    missing_oracle(e)
 
 FREQ_REL_TOL = 1e-6
 

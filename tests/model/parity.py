@@ -45,6 +45,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from oracle_env import missing_oracle  # noqa: E402
+
 try:
     import torch
     import transformers
@@ -52,9 +55,8 @@ try:
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig, Gemma4VisionConfig
     from transformers.models.gemma4.modeling_gemma4 import (Gemma4MultimodalEmbedder, create_masks_for_vision_model,
                                                             get_block_sequence_ids_for_mask)
-except ImportError as e:  # pragma: no cover - depends on the environment
-    print(f"skipping: {e}")
-    sys.exit(77)
+except ImportError as e:
+    missing_oracle(e)
 
 REL_TOL = 1e-4
 V, H = 48, 16
@@ -323,8 +325,29 @@ def check_errors(ringflex, workdir):
         if proc.returncode == 0 or len(lines) != 1 or expected not in lines[0]:
             print(f"FAIL error case '{what}': rc {proc.returncode}, stderr {proc.stderr.strip()!r}")
             ok = False
+    # A NaN in a parameter is rejected before computing (--check-finite is the default), naming file, tensor and
+    # element; an unwritable --out is reported before the checkpoint is loaded.
+    nan_dir = ckpt + "_nan"
+    Gemma4ForCausalLM(cfg).save_pretrained(nan_dir, safe_serialization=True)
+    weights = load_file(os.path.join(nan_dir, "model.safetensors"))
+    poisoned = sorted(weights)[0]
+    weights[poisoned].view(-1)[3] = float("nan")
+    save_file(weights, os.path.join(nan_dir, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(workdir, "ids.safetensors")
+    save_file({"input_ids": ids}, path)
+    late_cases = [
+        ("nan parameter", nan_dir, os.path.join(workdir, "nan_out.safetensors"), "has nan at"),
+        ("unwritable --out", ckpt, os.path.join(workdir, "absent", "out.safetensors"), "cannot write: directory"),
+    ]
+    for what, model_dir, out, expected in late_cases:
+        proc = subprocess.run([ringflex, "forward", "--model", model_dir, "--in", path, "--out", out],
+                              capture_output=True, text=True)
+        lines = proc.stderr.strip().splitlines()
+        if proc.returncode == 0 or len(lines) != 1 or expected not in lines[0]:
+            print(f"FAIL error case '{what}': rc {proc.returncode}, stderr {proc.stderr.strip()!r}")
+            ok = False
     if ok:
-        print(f"ok   {len(cases)} bad inputs rejected with one line naming the problem")
+        print(f"ok   {len(cases) + len(late_cases)} bad inputs rejected with one line naming the problem")
     return ok
 
 
