@@ -9,12 +9,14 @@
 // DIR/llama/           its tensors, with model_type "llama"
 // DIR/batch.safetensors        input_ids and labels [1, 4]
 // DIR/empty_batch.safetensors  input_ids and labels [1, 0]
+// DIR/huge_empty_batch.safetensors  input_ids and labels [2^31 - 1, 0]: a 152-byte file claiming 2^31 - 1 rows
 // DIR/fifo.safetensors         a FIFO (nothing ever writes it)
 #include <sys/stat.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -70,6 +72,7 @@ void make_bad_models(const fs::path& dir) {
   edited_checkpoint(good, dir / "llama", tiny_config(R"("llama")", "24", "8", "2"));
   write_ids(dir / "batch.safetensors", {1, 4}, {1, 2, 3, 4});
   write_ids(dir / "empty_batch.safetensors", {1, 0}, {});
+  write_ids(dir / "huge_empty_batch.safetensors", {std::numeric_limits<int32_t>::max(), 0}, {});
   const fs::path fifo = dir / "fifo.safetensors";
   fs::remove(fifo);
   if (mkfifo(fifo.c_str(), 0600) != 0) throw std::runtime_error(fifo.string() + ": mkfifo failed");
