@@ -9,6 +9,7 @@
 // row-major order; F = hidden size, or the width of the checkpoint's vision projection).
 // Output: loss (scalar, mean over label tokens), token_loss [B, S], logits [B, S, V] unless --no-logits, and
 // with --grad every parameter gradient as grad.<HF name> (plus grad.image_features when features are given).
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <initializer_list>
@@ -56,6 +57,23 @@ int64_t checked_product(std::initializer_list<int64_t> factors) {
     if (__builtin_mul_overflow(n, f, &n)) return -1;  // check_memory reports a negative size as an overflow
   }
   return n;
+}
+
+// A lower bound of the activation bytes model.run holds for T tokens, from the memory plan in model/gemma4.h: with
+// the backward, every layer's input [T, H], attention output [T, Hq*D] and LSE [T, Hq] are kept, plus the K/V
+// [T, 2*Hkv*D] of layers others read; either way one layer's intermediates (input norm, q, k, v, MLP hidden:
+// [T, H + Hq*D + 2*Hkv*D + 3*I]) are alive at once. Float32 throughout; -1 when the product overflows.
+int64_t activation_bytes_at_least(const model::Gemma4Model& m, int64_t T, bool training) {
+  const model::Gemma4Config& c = m.config();
+  const int64_t H = c.hidden_size, Hq = c.num_heads;
+  int64_t per_token = 0, largest_layer = 0;
+  for (int l = 0; l < c.num_layers; ++l) {
+    const model::LayerSpec& s = m.spec(l);
+    const int64_t qd = Hq * s.head_dim, kvd = int64_t{s.kv_heads} * s.head_dim;
+    if (training) per_token += H + qd + Hq + (s.stores_kv ? 2 * kvd : 0);
+    largest_layer = std::max(largest_layer, H + qd + 2 * kvd + 3 * int64_t{s.intermediate});
+  }
+  return checked_product({T, per_token + largest_layer, int64_t{sizeof(float)}});
 }
 
 int run_forward(const ForwardOptions& opt) {
@@ -111,12 +129,16 @@ int run_forward(const ForwardOptions& opt) {
   model::RunOptions ro;
   ro.want_grad = opt.grad;
   ro.want_logits = !opt.no_logits;
-  // The outputs this command holds besides the model: the gradient set and the [B, S, V] logits.
+  // What this job holds besides the model, known before it starts: the gradient set, the [B, S, V] logits and
+  // (a lower bound of) the model's activations. A row too long for the machine stops here with the figure.
   const int64_t V = m.config().vocab_size;
   const int64_t grad_bytes = opt.grad ? m.params().total_bytes() : 0;
   const int64_t logit_bytes = ro.want_logits ? checked_product({b.B, b.S, V, int64_t{sizeof(float)}}) : 0;
-  check_memory(logit_bytes < 0 ? -1 : grad_bytes + logit_bytes,
-               opt.in + ": the gradients and [B, S, V] logits of this batch");
+  const int64_t act_bytes = activation_bytes_at_least(m, int64_t{b.B} * b.S, opt.grad);
+  int64_t job_bytes = 0;
+  const bool overflow = logit_bytes < 0 || act_bytes < 0 || __builtin_add_overflow(grad_bytes, logit_bytes, &job_bytes) ||
+                        __builtin_add_overflow(job_bytes, act_bytes, &job_bytes);
+  check_memory(overflow ? -1 : job_bytes, opt.in + ": this batch's gradients, [B, S, V] logits and activations (at least)");
   model::TensorSet grads;
   if (opt.grad) grads = m.params().zeros_like();
   const auto start = std::chrono::steady_clock::now();
