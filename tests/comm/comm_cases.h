@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -61,6 +63,38 @@ inline void collectives(Communicator& c) {
   c.broadcast(word.data(), word.size(), root, kTestTimeout);
   EXPECT_EQ(std::string(word.data()), "ring!");
   c.barrier(kTestTimeout);
+}
+
+// float32 all-reduce (parameter gradients): more elements than one slice (so the slicing and each slice's placement
+// are exercised, the last slice short), values whose float32 sum depends on the order, and the oracle computed on
+// every rank from the formula: each element summed in double in rank order 0..P-1, rounded once.
+inline void float_allreduce(Communicator& c) {
+  const int P = c.size(), r = c.rank();
+  const size_t slice = Communicator::kReduceSliceBytes / (static_cast<size_t>(P) * sizeof(float));
+  const size_t n = 2 * slice + 3;
+  // Rank 0's element i is in [1, 2) (float32 ulp 2^-23) and differs per element, so a misplaced slice shows;
+  // every other rank adds 3/4 of that ulp, so a float32 running sum rounds up at each step and differs from the
+  // double sum rounded once (at P = 4: 1 + 3 ulp against 1 + 2 ulp).
+  constexpr size_t kDistinct = 1024;
+  const auto value = [](int p, size_t i) {
+    return p == 0 ? 1.0f + std::ldexp(static_cast<float>(i % kDistinct), -10) : std::ldexp(3.0f, -25);
+  };
+  std::vector<float> v(n), hi(n), lo(n);
+  for (size_t i = 0; i < n; ++i) v[i] = hi[i] = lo[i] = value(r, i);
+  c.allreduce(v.data(), n, ReduceOp::Sum, kTestTimeout);
+  c.allreduce(hi.data(), n, ReduceOp::Max, kTestTimeout);
+  c.allreduce(lo.data(), n, ReduceOp::Min, kTestTimeout);
+  for (size_t i = 0; i < n; ++i) {
+    double sum = 0, mx = value(0, i), mn = value(0, i);
+    for (int p = 0; p < P; ++p) {
+      sum += value(p, i);
+      mx = std::max<double>(mx, value(p, i));
+      mn = std::min<double>(mn, value(p, i));
+    }
+    ASSERT_EQ(v[i], static_cast<float>(sum)) << "element " << i;
+    ASSERT_EQ(hi[i], static_cast<float>(mx)) << "element " << i;
+    ASSERT_EQ(lo[i], static_cast<float>(mn)) << "element " << i;
+  }
 }
 
 // A receive nobody answers fails by its deadline with a message naming the rank, the peer, the tag and label.

@@ -18,6 +18,10 @@ TEST(Loopback, Collectives) {
   for (int P : kRankCounts) run_ranks(P, cases::collectives);
 }
 
+TEST(Loopback, FloatAllreduceInRankOrderAcrossSlices) {
+  for (int P : kRankCounts) run_ranks(P, cases::float_allreduce);
+}
+
 TEST(Loopback, ReceiveDeadlineNamesThePeer) {
   for (int P : kRankCounts) run_ranks(P, cases::receive_deadline_names_the_peer);
 }

@@ -16,6 +16,7 @@ std::unique_ptr<Communicator>& world() {
 
 TEST(Mpi, RingOfBuffers) { cases::ring_of_buffers(*world()); }
 TEST(Mpi, Collectives) { cases::collectives(*world()); }
+TEST(Mpi, FloatAllreduceInRankOrderAcrossSlices) { cases::float_allreduce(*world()); }
 TEST(Mpi, ReceiveDeadlineNamesThePeer) { cases::receive_deadline_names_the_peer(*world()); }
 TEST(Mpi, BadPeerAndTagAreRejected) { cases::bad_peer_and_tag_are_rejected(*world()); }
 
