@@ -8,7 +8,7 @@
 // each token sums its experts' outputs (and input gradients) in ascending expert index, as transformers'
 // index_add_ loop over experts does, with the tokens in parallel; each expert's weight gradient is one sgemm over
 // all its rows, experts in parallel; per-expert scale and router scale gradients sum tokens in token order. No
-// atomics: the bits are the same at any thread count and the same as the serial loop over experts.
+// atomics: the bits are the same at any thread count, and every sum runs in the serial loop's order.
 #include <omp.h>
 
 #include <algorithm>
