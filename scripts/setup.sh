@@ -10,7 +10,7 @@ $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
   g++ cmake make git python3 python3-pip python3-venv \
   openmpi-bin libopenmpi-dev libopenblas-dev \
-  libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev >/dev/null
+  libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libsentencepiece-dev >/dev/null
 if [ "${1:-}" = "--test" ]; then
   # Test-only Python oracles, in a venv rather than the system interpreter: Debian 12's python3 refuses
   # `pip install` outside one (PEP 668), and the pins below must not fight the system's packages. Any failure

@@ -75,6 +75,11 @@ class Communicator {
   // `data` [bytes] on `root` is copied to every rank.
   virtual void broadcast(void* data, size_t bytes, int root, Timeout timeout) = 0;
 
+  // A collective call (MPI_Comm_split): ranks passing the same `color` (>= 0) form one new communicator, ranked by
+  // (`key`, rank here). The trainer's cp x dp grid is two splits of the world. The result is independent of this
+  // communicator (its messages never match ours); on the loopback backend it lives as long as the run_ranks world.
+  virtual std::unique_ptr<Communicator> split(int color, int key, Timeout timeout = default_timeout()) = 0;
+
   void barrier(Timeout timeout = default_timeout());
   // In-place elementwise reduction over ranks, summed in rank order 0..P-1 (deterministic on every backend).
   void allreduce(double* data, size_t n, ReduceOp op, Timeout timeout = default_timeout());

@@ -26,6 +26,10 @@ TEST(Loopback, ReceiveDeadlineNamesThePeer) {
   for (int P : kRankCounts) run_ranks(P, cases::receive_deadline_names_the_peer);
 }
 
+TEST(Loopback, SplitFormsAGrid) {
+  for (int P : kRankCounts) run_ranks(P, cases::split_forms_a_grid);
+}
+
 TEST(Loopback, BadPeerAndTagAreRejected) {
   run_ranks(2, cases::bad_peer_and_tag_are_rejected);
 }
