@@ -100,7 +100,7 @@ struct CommPlan {
 CommPlan plan_from_summaries(const PlanGeometry& g, const BlockSummary* summaries, const LayerMix& mix);
 
 // The plan as the ranks of a CP call build it: one allgather of every rank's summaries (of meta, this rank's
-// shard [B, g.L]), then make_plan on the identical [P, B, nb] buffer. Collective over `comm` (g.P = its size).
+// shard [B, g.L]), then plan_from_summaries on the identical [P, B, nb] buffer. Collective over `comm` (g.P = its size).
 CommPlan make_comm_plan(comm::Communicator& comm, const TokenMeta* meta, const PlanGeometry& g, const LayerMix& mix,
                     comm::Timeout timeout);
 
@@ -132,7 +132,7 @@ inline int64_t kv_bytes(int64_t tokens, int B, const KvFormat& f) {
   return bytes;
 }
 
-// Bytes make_plan allocates for geometry g and `mask_kinds` distinct masks: per mask the block classes
+// Bytes plan_from_summaries allocates for geometry g and `mask_kinds` distinct masks: per mask the block classes
 // [P, P, B, nb, nb], the needed flags [P, P, nb] and P * P range lists (each at most nb ranges). A caller checks
 // it against the machine's memory before planning for a large P: the plan grows with P^2. -1 when it overflows.
 inline int64_t plan_bytes(const PlanGeometry& g, int mask_kinds) {
