@@ -100,7 +100,8 @@ struct CommPlan {
 CommPlan plan_from_summaries(const PlanGeometry& g, const BlockSummary* summaries, const LayerMix& mix);
 
 // The plan as the ranks of a CP call build it: one allgather of every rank's summaries (of meta, this rank's
-// shard [B, g.L]), then plan_from_summaries on the identical [P, B, nb] buffer. Collective over `comm` (g.P = its size).
+// shard [B, g.L]), then plan_from_summaries on the identical [P, B, nb] buffer. Collective over `comm` (g.P = its
+// size).
 CommPlan make_comm_plan(comm::Communicator& comm, const TokenMeta* meta, const PlanGeometry& g, const LayerMix& mix,
                     comm::Timeout timeout);
 
