@@ -135,6 +135,7 @@ cp::ShardMap choose_shard_map(const AttnJob& job, const std::string& shard, int 
 // Every rank's shard of a [B, H, L, D] float32 result, gathered into row order [B, H, S, D] on every rank.
 std::vector<float> gather_rows(comm::Communicator& comm, const cp::ShardMap& m, const std::vector<float>& shard,
                                int B, int H, int D) {
+  const comm::Step step("gathering the results in row order");
   const int P = comm.size();
   std::vector<float> all(shard.size() * P), full(static_cast<size_t>(B) * H * m.S * D);
   comm.allgather(shard.data(), all.data(), shard.size() * sizeof(float), comm::default_timeout());

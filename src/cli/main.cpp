@@ -59,6 +59,7 @@ int main(int argc, char** argv) {
   bool agreed = true;  // whether every rank knows this run failed (or none failed)
   try {
     {
+      const rf::comm::Step step("agreeing on the command line");
       const std::unique_ptr<rf::comm::Communicator> world = rf::comm::make_mpi_world();
       rf::cli::agree_command_line(*world, std::vector<std::string>(argv + 1, argv + argc));
     }
