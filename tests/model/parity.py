@@ -40,6 +40,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from oracle_env import missing_oracle  # noqa: E402
+
 try:
     import torch
     import transformers
@@ -47,9 +50,8 @@ try:
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig, Gemma4VisionConfig
     from transformers.models.gemma4.modeling_gemma4 import (Gemma4MultimodalEmbedder, create_masks_for_vision_model,
                                                             get_block_sequence_ids_for_mask)
-except ImportError as e:  # pragma: no cover - depends on the environment
-    print(f"skipping: {e}")
-    sys.exit(77)
+except ImportError as e:
+    missing_oracle(e)
 
 REL_TOL = 1e-4
 V, H = 48, 16
