@@ -10,7 +10,7 @@ $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
   g++ cmake make git python3 python3-pip python3-venv \
   openmpi-bin libopenmpi-dev libopenblas-dev \
-  libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev >/dev/null
+  libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libsentencepiece-dev >/dev/null
 if [ "${1:-}" = "--test" ]; then
   # Test-only Python oracles, in a venv rather than the system interpreter: Debian 12's python3 refuses
   # `pip install` outside one (PEP 668), and the pins below must not fight the system's packages. Any failure
@@ -19,7 +19,11 @@ if [ "${1:-}" = "--test" ]; then
   venv="$repo/.venv"
   requirements="$repo/tests/requirements.txt"
   fail() { echo "scripts/setup.sh --test: $*" >&2; exit 1; }
-  [ -x "$venv/bin/python3" ] || python3 -m venv "$venv" || fail "cannot create the virtual environment $venv"
+  # --system-site-packages: a machine that already has the pinned versions system-wide (a CI image) reuses them
+  # instead of installing torch's several GB again; anything missing or at another version goes into the venv,
+  # and the read-back below checks the versions the venv actually sees.
+  [ -x "$venv/bin/python3" ] || python3 -m venv --system-site-packages "$venv" \
+    || fail "cannot create the virtual environment $venv"
   # Pinned: the model parity tests compare against this exact transformers (docs/spec.md §8).
   "$venv/bin/python3" -m pip install -q --disable-pip-version-check -r "$requirements" \
     || fail "pip could not install $requirements into $venv (see pip's message above)"

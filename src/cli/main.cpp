@@ -35,6 +35,7 @@ int main(int argc, char** argv) {
   rf::cli::add_demo_command(app, run);
   rf::cli::add_plan_command(app, run);
   rf::cli::add_forward_command(app, run);
+  rf::cli::add_train_command(app, run);
   // Options every subcommand takes, added here so a new subcommand cannot miss them (one that declares its own
   // --timeout keeps it, and must pass it to comm::set_default_timeout itself).
   double timeout_s = static_cast<double>(rf::comm::kDefaultTimeout.count()) / kMillisecondsPerSecond;
