@@ -65,11 +65,19 @@ int run_attn(const AttnOptions& opt) {
   if (opt.threads > 0) omp_set_num_threads(opt.threads);
   const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
   AttnJob job;
-  agree(*world, [&] {
-    if (world->rank() == 0) check_outputs(opt);
-    job = read_attn_job(opt.in, opt.mask, opt.scale, opt.check_finite);
-  });
-  const AttnResult result = run_attention(job, opt.cp, *world);
+  {
+    const comm::Step step("agreeing that every rank read the input");
+    agree(*world, [&] {
+      if (world->rank() == 0) check_outputs(opt);
+      job = read_attn_job(opt.in, opt.mask, opt.scale, opt.check_finite);
+    });
+  }
+  AttnResult result;
+  {
+    const comm::Step step("running the attention job");
+    result = run_attention(job, opt.cp, *world);
+  }
+  const comm::Step step("agreeing that rank 0 wrote the outputs");
   agree(*world, [&] {
     if (world->rank() == 0) write_outputs(opt, job, result);
   });

@@ -36,9 +36,10 @@ int main(int argc, char** argv) {
   rf::cli::add_plan_command(app, run);
   rf::cli::add_forward_command(app, run);
   rf::cli::add_train_command(app, run);
-  // Options every subcommand takes, added here so a new subcommand cannot miss them.
+  // Options every subcommand takes, added here so a new subcommand cannot miss them (one that declares its own
+  // --timeout keeps it, and must pass it to comm::set_default_timeout itself).
   double timeout_s = static_cast<double>(rf::comm::kDefaultTimeout.count()) / kMillisecondsPerSecond;
-  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
+  for (CLI::App* sub : app.get_subcommands([](CLI::App* s) { return s->get_option_no_throw("--timeout") == nullptr; }))
     sub->add_option("--timeout", timeout_s,
                     "Seconds a rank waits for a peer (a dead, hung or stopped rank) before the job fails on every rank")
         ->check(CLI::PositiveNumber)
@@ -59,6 +60,7 @@ int main(int argc, char** argv) {
   bool agreed = true;  // whether every rank knows this run failed (or none failed)
   try {
     {
+      const rf::comm::Step step("agreeing on the command line");
       const std::unique_ptr<rf::comm::Communicator> world = rf::comm::make_mpi_world();
       rf::comm::agree_command_line(*world, std::vector<std::string>(argv + 1, argv + argc));
     }

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <string>
+#include <utility>
 
 namespace rf::comm {
 
@@ -11,6 +13,14 @@ namespace {
 // thread (the loopback backend's ranks) never sees a torn value.
 std::atomic<int64_t> g_default_timeout_ms{kDefaultTimeout.count()};
 }  // namespace
+
+namespace {
+thread_local std::string t_step;
+}  // namespace
+
+Step::Step(std::string what) : previous_(std::exchange(t_step, std::move(what))) {}
+Step::~Step() { t_step = std::move(previous_); }
+std::string Step::current() { return t_step; }
 
 Timeout default_timeout() { return Timeout(g_default_timeout_ms.load(std::memory_order_relaxed)); }
 

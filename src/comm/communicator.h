@@ -34,6 +34,21 @@ constexpr Timeout kDefaultTimeout{120000};  // generous: a rank may be computing
 Timeout default_timeout();
 void set_default_timeout(Timeout timeout);
 
+// Names what the calling thread is doing, for its scope, in the timeout messages of collectives (which, unlike
+// point-to-point transfers, carry no label): "rank 0: timed out ... in allgather: no answer from rank 1 (while
+// gathering the outputs)". Scopes nest; the innermost names the step.
+class Step {
+ public:
+  explicit Step(std::string what);
+  ~Step();
+  Step(const Step&) = delete;
+  Step& operator=(const Step&) = delete;
+  static std::string current();  // "" outside every Step
+
+ private:
+  std::string previous_;
+};
+
 struct SendBuffer {
   const void* data;
   size_t bytes;

@@ -59,6 +59,7 @@ RowsShard shard_rows(const RowsInput& in, const ShardMap& map, int rank) {
 
 std::vector<float> gather_rows(comm::Communicator& comm, const ShardMap& map, const std::vector<float>& shard, int B,
                                int H, int D, int root, comm::Timeout timeout) {
+  const comm::Step step("gathering the results in row order");  // names this step in a timeout's message
   const int P = comm.size(), r = comm.rank();
   RF_CHECK(root == kEveryRank || (root >= 0 && root < P), "gather_rows: root ", root, " is not a rank of ", P);
   const size_t bytes = shard.size() * sizeof(float);

@@ -17,15 +17,20 @@ fail() {
   exit 1
 }
 
+# A mark in the job's environment, so only this job's rank is stopped (other tests, or other users' jobs on the
+# machine, run ringflex ranks too).
+export RF_STALLED_RANK_TEST="$$.$RANDOM"
 "$@" -n "$ranks" "$ringflex" attn --in "$work/in.st" --out "$work/out.st" --no-causal --timeout "$timeout_s" \
   >/dev/null 2>"$work/stderr" &
 launcher=$!
 start=$(date +%s)
-# Find rank 1 among the processes: its environment holds OMPI_COMM_WORLD_RANK=1.
+# Find this job's rank 1: its environment holds the mark and OMPI_COMM_WORLD_RANK=1.
 stalled=""
 while [ -z "$stalled" ] && kill -0 "$launcher" 2>/dev/null; do
   for pid in $(pgrep -x ringflex); do
-    if { tr '\0' '\n' <"/proc/$pid/environ"; } 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=1"; then
+    environment=$({ tr '\0' '\n' <"/proc/$pid/environ"; } 2>/dev/null)
+    if grep -qx "RF_STALLED_RANK_TEST=$RF_STALLED_RANK_TEST" <<<"$environment" &&
+      grep -qx "OMPI_COMM_WORLD_RANK=1" <<<"$environment"; then
       ticks=$({ awk '{print $14 + $15}' "/proc/$pid/stat"; } 2>/dev/null || echo 0)
       [ "${ticks:-0}" -ge "$stop_after_ticks" ] && stalled=$pid
     fi
@@ -48,9 +53,12 @@ wait "$launcher"
 code=$?
 kill -9 "$stalled" 2>/dev/null  # normally mpirun has already ended it
 [ "$code" -ne 0 ] || fail "the job succeeded with a stopped rank"
-# The waiting ranks name the peer (rank 1) and what they waited for: a ring step, or a collective.
-grep -Eq "^ringflex: error: rank [02]: timed out after ${timeout_s}000 ms .*(to|from) rank 1 |no answer from rank 1" \
-  "$work/stderr" || fail "no rank reported the timeout naming rank 1"
+# The first rank to give up names the peer it waited for and what for (a ring step, or a collective). That is
+# rank 1, or a rank that was itself waiting for rank 1 (in a ring of 3, rank 0 receives from rank 2, which
+# receives from rank 1), whichever deadline passes first.
+grep -Eq "^ringflex: error: rank [02]: timed out after ${timeout_s}000 ms (.* (to|from) rank [0-9]+ |.*no answer from rank [0-9])" \
+  "$work/stderr" || fail "no rank reported the timeout naming a peer"
+grep -E "^ringflex: error: " "$work/stderr" | head -n 1
 [ -e "$work/out.st" ] && fail "an output was written"
 echo "stalled_rank: the job ended $(($(date +%s) - stopped_at)) s after rank 1 stopped (--timeout ${timeout_s})"
 exit 0

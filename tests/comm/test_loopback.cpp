@@ -63,5 +63,20 @@ TEST(Loopback, SizeMismatchIsAnError) {
                Error);
 }
 
+// Step names what a thread is doing for its scope; scopes nest and restore the outer name.
+TEST(CommStep, NestsAndRestores) {
+  EXPECT_EQ(Step::current(), "");
+  {
+    const Step outer("running the job");
+    EXPECT_EQ(Step::current(), "running the job");
+    {
+      const Step inner("gathering the results");
+      EXPECT_EQ(Step::current(), "gathering the results");
+    }
+    EXPECT_EQ(Step::current(), "running the job");
+  }
+  EXPECT_EQ(Step::current(), "");
+}
+
 }  // namespace
 }  // namespace rf::comm
