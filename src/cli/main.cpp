@@ -7,7 +7,9 @@
 
 #include "cli/agree.h"
 #include "cli/command.h"
+#include "comm/mpi_comm.h"
 #include "core/error.h"
+#include "cpu/isa.h"
 
 namespace {
 
@@ -27,6 +29,8 @@ int main(int argc, char** argv) {
   rf::cli::add_demo_command(app, run);
   rf::cli::add_plan_command(app, run);
   rf::cli::add_forward_command(app, run);
+  rf::cli::add_info_command(app, run);
+  app.set_version_flag("--version", std::string("ringflex ") + RF_VERSION);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -37,6 +41,12 @@ int main(int argc, char** argv) {
   int code = kFailure;
   bool agreed = true;  // whether every rank knows this run failed (or none failed)
   try {
+    {
+      // Every rank checks its kernel path (isa.h) before any work: the nodes of one job may differ, and a
+      // RINGFLEX_ISA one rank's CPU cannot run fails all ranks together with that rank's line.
+      const std::unique_ptr<rf::comm::Communicator> world = rf::comm::make_mpi_world();
+      rf::cli::agree(*world, [] { rf::cpu::kernel_path(); });
+    }
     code = run();
   } catch (const rf::cli::AgreedError& e) {
     print_error(e.what());
