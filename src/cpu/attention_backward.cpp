@@ -34,7 +34,8 @@ namespace {
 
 using namespace detail;
 
-// Per-row constants of the recompute: bias = lse·log2(e) (+inf for an empty row so every p is 0), delta.
+// Per-row constants of the recompute: bias = lse·log2(e) (+inf for an empty row so every p is 0), delta. A NaN
+// lse (a row that read a non-finite score) gives NaN p on every pair the row reads, as the math does.
 // lse, delta: [rows] starting at `row0`.
 inline void row_terms(const float* lse, const float* delta, int64_t row0, int n, float* bias, float* dl) {
   for (int i = 0; i < n; ++i) {
@@ -79,7 +80,7 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
     std::vector<float> dk_acc(static_cast<size_t>(kTileK) * Dp), dv_acc(dk_acc.size());
     std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), dpbuf(sbuf.size());
     std::vector<float> bias(kTileQ), dl(kTileQ);
-    std::vector<RowBits> bits(kTileQ);
+    std::vector<RowBits> bits(kTileQ), live(kTileQ);  // live: bits of one head, less its rows with lse = -inf
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items1; ++item) {
@@ -118,10 +119,12 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
           row_terms(lse, delta, row0, nq, bias.data(), dl.data());
           score_tile<kDp, kAmx>(qd.data(), ds, kt_buf, Dp, nq, sbuf.data());
           score_tile<kDp, kAmx>(god.data(), ds, vt_buf, Dp, nq, dpbuf.data());
-          grad_step(sbuf.data(), dpbuf.data(), nq, bits.data(), c2, bias.data(), dl.data(), c.scale);
+          const bool dropped =
+              grad_step(sbuf.data(), dpbuf.data(), nq, bits.data(), c2, bias.data(), dl.data(), c.scale, live.data());
+          const BlockClass acc_cls = dropped ? BlockClass::Partial : cls;
           // dV += P^T dO and dK += dS^T Q read P and dS transposed in place (row stride 1, sum stride kTileK).
-          acc<kDp>(sbuf.data(), 1, kTileK, nq, gorows, ld, Dp, nk, dv_acc.data());
-          acc<kDp>(dpbuf.data(), 1, kTileK, nq, qrows, ld, Dp, nk, dk_acc.data());
+          acc_masked<kDp, false>(acc_cls, sbuf.data(), 1, kTileK, nq, gorows, ld, Dp, nk, live.data(), dv_acc.data());
+          acc_masked<kDp, false>(acc_cls, dpbuf.data(), 1, kTileK, nq, qrows, ld, Dp, nk, live.data(), dk_acc.data());
         }
       }
       for (int j = 0; j < nk; ++j)
@@ -143,7 +146,7 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
     std::vector<float> dq_acc(static_cast<size_t>(hpi) * kTileQ * Dp);
     std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), dpbuf(sbuf.size());
     std::vector<float> bias(static_cast<size_t>(hpi) * kTileQ), dl(bias.size());
-    std::vector<RowBits> bits(kTileQ);
+    std::vector<RowBits> bits(kTileQ), live(kTileQ);  // live: bits of one head, less its rows with lse = -inf
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items2; ++item) {
@@ -175,8 +178,10 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
           const size_t r0 = static_cast<size_t>(hh) * kTileQ;
           score_tile<kDp, kAmx>(qd.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
           score_tile<kDp, kAmx>(god.data() + r0 * ds, ds, vt_buf, Dp, nq, dpbuf.data());
-          grad_step(sbuf.data(), dpbuf.data(), nq, bits.data(), c2, bias.data() + r0, dl.data() + r0, c.scale);
-          acc<kDp>(dpbuf.data(), kTileK, 1, nk, kf, ld, Dp, nq, dq_acc.data() + r0 * Dp);
+          const bool dropped = grad_step(sbuf.data(), dpbuf.data(), nq, bits.data(), c2, bias.data() + r0,
+                                         dl.data() + r0, c.scale, live.data());
+          acc_masked<kDp, true>(dropped ? BlockClass::Partial : cls, dpbuf.data(), kTileK, 1, nk, kf, ld, Dp, nq,
+                                live.data(), dq_acc.data() + r0 * Dp);
         }
       }
       if (!touched) continue;

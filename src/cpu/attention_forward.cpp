@@ -94,17 +94,20 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
           const size_t r0 = static_cast<size_t>(hh) * kTileQ;
           score_tile<kDp, kAmx>(qbuf.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
           softmax_step(sbuf.data(), nq, bits.data(), c2, m.data() + r0, l.data() + r0, obuf.data() + r0 * Dp, Dp);
-          acc<kDp>(sbuf.data(), kTileK, 1, nk, vbuf, ld, Dp, nq, obuf.data() + r0 * Dp);
+          acc_masked<kDp, true>(cls, sbuf.data(), kTileK, 1, nk, vbuf, ld, Dp, nq, bits.data(),
+                                obuf.data() + r0 * Dp);
         }
       }
 
-      // o: [B, Hq, Lq, D]; lse: [B, Hq, Lq]. A row that saw no allowed key has l = 0: O = 0, LSE = -inf.
+      // o: [B, Hq, Lq, D]; lse: [B, Hq, Lq]. A row that saw no allowed key has l = 0: O = 0, LSE = -inf. A row
+      // that read a non-finite score has l = NaN (its p is NaN, and NaN survives every later rescale), so it falls
+      // in the first branch and comes out NaN, as the math puts it (docs/numerics.md) — never as a masked row.
       for (int hh = 0; hh < nh; ++hh)
         for (int i = 0; i < nq; ++i) {
           const size_t r = static_cast<size_t>(hh) * kTileQ + i;
           const int64_t row = (int64_t{b} * s.Hq + h0 + hh) * s.Lq + q0 + i;
           float* out = o + row * D;
-          if (l[r] > 0.f) {
+          if (l[r] != 0.f) {
             const float inv = 1.f / l[r];
             for (int d = 0; d < D; ++d) out[d] = obuf[r * Dp + d] * inv;
             lse[row] = (m[r] + std::log2(l[r])) * kLn2;

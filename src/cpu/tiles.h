@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -355,32 +356,96 @@ inline void softmax_step(float* s, int rows, const RowBits* bits, float c2, floa
 }
 
 // Backward per-tile step for `rows` query rows. s: [rows, kTileK] raw scores -> p = exp2(c2·s - bias) where
-// allowed, else 0; dp: [rows, kTileK] dO.v -> dS = p·(dp - delta)·scale. bias = lse·log2(e), or +inf for a row
-// with lse = -inf (then every p is exp2(-inf) = 0 and the row contributes nothing).
-inline void grad_step(float* s, float* dp, int rows, const RowBits* bits, float c2, const float* bias,
-                      const float* delta, float scale) {
+// allowed, else 0; dp: [rows, kTileK] dO.v -> dS = p·(dp - delta)·scale where allowed, else 0. bias = lse·log2(e),
+// or +inf for a row with lse = -inf (then every p is exp2(-inf) = 0 and the row contributes nothing).
+//
+// live: [rows], out: the pairs that take part in the gradient products — bits, minus every pair of a row with
+// lse = -inf. Such a row contributes nothing (SPEC §4), also when it has allowed keys whose scores are all -inf:
+// its dS is 0, and acc must not form 0 · K where K is infinite. Returns whether a row with allowed pairs was
+// dropped, so the caller treats the tile as Partial (acc_masked).
+inline bool grad_step(float* s, float* dp, int rows, const RowBits* bits, float c2, const float* bias,
+                      const float* delta, float scale, RowBits* live) {
+  bool dropped = false;
   for (int i = 0; i < rows; ++i) {
     float* srow = s + i * kTileK;
     float* drow = dp + i * kTileK;
-    const RowBits w = bits[i];
+    const bool empty_row = bias[i] == kInf;
+    dropped |= empty_row && bits[i] != 0;
+    const RowBits w = live[i] = empty_row ? 0 : bits[i];
 #if RF_ISA_AVX512 || RF_ISA_AVX2
     const VecF c = vset1(c2), b = vset1(bias[i]), dl = vset1(delta[i]), sc = vset1(scale);
     for (int v = 0; v < kTileK / kLanes; ++v) {
-      // exp2 of every lane, then the disallowed ones zeroed: their scores may be anything, exp2 included.
+      // exp2 of every lane, then the forbidden ones zeroed: their scores may be anything, exp2 included.
+      // Forbidden lanes get dS = 0 outright too: p is 0 there, but dP may be NaN (a non-finite dO or V the pair
+      // never reads), and 0 · NaN would leak it.
+      const LaneMask allowed = lane_mask(w, v);
       const VecF x = vfmsub(vload(srow + v * kLanes), c, b);
-      const VecF p = zero_unless(lane_mask(w, v), exp2_ps(x));
-      const VecF ds = vmul(vmul(p, vsub(vload(drow + v * kLanes), dl)), sc);
+      const VecF p = zero_unless(allowed, exp2_ps(x));
+      const VecF ds = zero_unless(allowed, vmul(vmul(p, vsub(vload(drow + v * kLanes), dl)), sc));
       vstore(srow + v * kLanes, p);
       vstore(drow + v * kLanes, ds);
     }
 #else
     for (int j = 0; j < kTileK; ++j) {
-      const float p = (w >> j) & 1 ? exp2_scalar(srow[j] * c2 - bias[i]) : 0.f;
+      const bool allowed = (w >> j) & 1;
+      const float p = allowed ? exp2_scalar(srow[j] * c2 - bias[i]) : 0.f;
       srow[j] = p;
-      drow[j] = p * (drow[j] - delta[i]) * scale;
+      drow[j] = allowed ? p * (drow[j] - delta[i]) * scale : 0.f;  // not 0 · dP: dP may be NaN (see above)
     }
 #endif
   }
+  return dropped;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Non-finite inputs (docs/numerics.md). A pair the mask forbids must not reach any result, but the tile products
+// multiply every pair of a tile and rely on its weight being 0 — and 0 · NaN = NaN, 0 · inf = NaN. So a Partial
+// tile whose accumulated operand (V, K, dO or Q rows) holds a non-finite value runs acc_allowed, which skips the
+// forbidden pairs instead of multiplying them by 0. Finite operands (the normal case) keep the fast acc: the scan
+// below is O(rows · Dp) against the tile products' O(rows · kTileK · Dp), and only Partial tiles pay it (Full
+// tiles have no forbidden pair).
+// ---------------------------------------------------------------------------------------------------------------
+
+// Whether rows [0, rows) of x (row stride ld floats, Dp values a row) hold a NaN or an infinity.
+inline bool any_nonfinite(const float* x, int rows, int ld, int Dp) {
+  bool bad = false;
+  for (int r = 0; r < rows; ++r)
+    for (int d = 0; d < Dp; ++d) bad |= !std::isfinite(x[int64_t{r} * ld + d]);
+  return bad;
+}
+
+// acc (microkernels.h) restricted to allowed pairs: out[r, d] += sum over allowed (r, n) of a[r, n] · x[n, d].
+// The pair (r, n) is allowed when bits[r] has bit n (kRowsAreQueries: O += P V, dQ += dS K) or bits[n] has bit r
+// (the transposed products dV += P^T dO, dK += dS^T Q, whose rows are keys). Each out element sums its terms in
+// the order n = 0, 1, ... with fused multiply-adds, like acc's vector loop, so rows that read no non-finite value
+// get the bits acc would give them (a skipped pair only ever added an exact 0 there).
+template <bool kRowsAreQueries>
+inline void acc_allowed(const float* a, int ars, int ans, int N, const float* x, int ldx, int Dp, int rows,
+                        const RowBits* bits, float* out) {
+  for (int r = 0; r < rows; ++r)
+    for (int n = 0; n < N; ++n) {
+      const bool allowed = kRowsAreQueries ? (bits[r] >> n) & 1 : (bits[n] >> r) & 1;
+      if (!allowed) continue;
+      const float w = a[r * ars + n * ans];
+      float* o = out + int64_t{r} * Dp;
+      const float* xn = x + int64_t{n} * ldx;
+#if RF_ISA_AVX512 || RF_ISA_AVX2
+      for (int d = 0; d < Dp; ++d) o[d] = std::fma(w, xn[d], o[d]);
+#else
+      for (int d = 0; d < Dp; ++d) o[d] += w * xn[d];
+#endif
+    }
+}
+
+// The accumulating product of one (query tile, key tile) pair: acc, or acc_allowed when the tile is Partial and
+// x holds a non-finite value. x: [N, ldx] rows of the operand being summed; out: [rows, Dp].
+template <int kDp, bool kRowsAreQueries>
+inline void acc_masked(BlockClass cls, const float* a, int ars, int ans, int N, const float* x, int ldx, int Dp,
+                       int rows, const RowBits* bits, float* out) {
+  if (cls == BlockClass::Partial && any_nonfinite(x, N, ldx, Dp))
+    acc_allowed<kRowsAreQueries>(a, ars, ans, N, x, ldx, Dp, rows, bits, out);
+  else
+    acc<kDp>(a, ars, ans, N, x, ldx, Dp, rows, out);
 }
 
 // Heads of one kv group processed together as one work item, so each K/V tile is packed once and read from

@@ -17,6 +17,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "io/atomic_file.h"
 
 namespace rf::io {
 
@@ -334,22 +335,19 @@ std::vector<std::byte> SafetensorsWriter::serialize() const {
   return image;
 }
 
-void SafetensorsWriter::write(const std::string& path) const {
+void SafetensorsWriter::write(AtomicFile& out) const {
   // Streamed piece by piece from the borrowed buffers, so saving a checkpoint needs no second copy of it.
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  RF_CHECK(f, path, ": cannot create: ", std::strerror(errno));
   const std::string text = header();
   const uint64_t n = text.size();
-  bool ok = std::fwrite(&n, kLengthBytes, 1, f) == 1 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  for (const auto* e : data_order(entries_)) {
-    const std::span<const std::byte> b = e->second.bytes;
-    // An empty tensor's span may hold a null pointer, which fwrite must not be given even for 0 bytes.
-    ok = ok && (b.empty() || std::fwrite(b.data(), 1, b.size(), f) == b.size());
-  }
-  const int write_errno = errno;
-  const bool closed = std::fclose(f) == 0;
-  RF_CHECK(ok, path, ": write failed: ", std::strerror(write_errno));
-  RF_CHECK(closed, path, ": write failed: ", std::strerror(errno));
+  out.write(std::as_bytes(std::span<const uint64_t>(&n, 1)));
+  out.write(text);
+  for (const auto* e : data_order(entries_)) out.write(e->second.bytes);
+}
+
+void SafetensorsWriter::write(const std::string& path) const {
+  AtomicFile out(path);
+  write(out);
+  out.commit();
 }
 
 }  // namespace rf::io

@@ -31,6 +31,8 @@
 
 namespace rf::io {
 
+class AtomicFile;
+
 // Every fixed-width element type of the safetensors format. All of them read, write and round-trip as bytes;
 // which ones a command accepts is the caller's choice (tensor_access.h). The sub-byte and exotic float
 // formats newer safetensors versions add (F4, F6, F8_E8M0, ...) are rejected at open as unknown dtypes.
@@ -111,8 +113,11 @@ class SafetensorsWriter {
   // The complete file image (header length, header, buffer).
   std::vector<std::byte> serialize() const;
 
-  // Writes the file; throws rf::Error "<path>: <problem>" if it cannot be written completely.
+  // Writes the file all or nothing (atomic_file.h): the previous file at `path`, if any, stays until the new one
+  // is complete on the disk. Throws rf::Error "<path>: <problem>" if it cannot be written completely.
   void write(const std::string& path) const;
+  // Appends the file image to `out` without committing it, for jobs that commit several files together.
+  void write(AtomicFile& out) const;
 
  private:
   std::string header() const;  // the JSON header, space-padded to a multiple of 8 bytes

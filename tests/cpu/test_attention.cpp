@@ -29,24 +29,12 @@
 #include "cpu/isa.h"
 #include "cpu/kernels.h"
 #include "attention_check.h"
+#include "kernel_path_test.h"
 
 namespace rf::testing {
 namespace {
 
-// Every test skips when RINGFLEX_ISA names a path this CPU lacks (saying why); a misspelt name fails instead.
-class CpuAttention : public ::testing::Test {
- protected:
-  void SetUp() override {
-    try {
-      cpu::kernel_path();
-    } catch (const Error& e) {
-      const char* forced = std::getenv("RINGFLEX_ISA");
-      const std::string_view name = forced ? forced : "";
-      if (name == "amx" || name == "avx512" || name == "avx2") GTEST_SKIP() << e.what();
-      FAIL() << e.what();
-    }
-  }
-};
+class CpuAttention : public KernelPathTest {};
 
 constexpr int kTile = cpu::kTileQ;
 static_assert(cpu::kTileQ == cpu::kTileK, "the S sweep straddles one tile size");

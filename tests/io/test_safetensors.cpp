@@ -123,7 +123,8 @@ TEST(Safetensors, WriterRejectsBadTensors) {
   EXPECT_ERROR_HAS(w.add("y", StDType::F32, {3}, std::span<const float>(four)), "needs 12 bytes but was given 16");
   EXPECT_ERROR_HAS(w.add("z", StDType::F32, {-1, -4}, std::span<const float>(four)), "negative shape");
   EXPECT_ERROR_HAS(w.add("__metadata__", StDType::F32, {4}, std::span<const float>(four)), "reserved");
-  EXPECT_ERROR_HAS(w.write("/nonexistent-dir/x.safetensors"), "/nonexistent-dir/x.safetensors: cannot create");
+  EXPECT_ERROR_HAS(w.write("/nonexistent-dir/x.safetensors"),
+                   "/nonexistent-dir/x.safetensors: cannot write: directory /nonexistent-dir: No such file");
 }
 
 // One corrupt image per rule in the reader; the message must name the file and say what is wrong.
