@@ -24,13 +24,13 @@ void agree(comm::Communicator& comm, const std::function<void()>& step) {
     failed = comm.rank();
   }
   std::vector<int32_t> flags(static_cast<size_t>(comm.size()));
-  comm.allgather(&failed, flags.data(), sizeof failed, comm::kDefaultTimeout);
+  comm.allgather(&failed, flags.data(), sizeof failed, comm::default_timeout());
   const int32_t first = *std::min_element(flags.begin(), flags.end());
   if (first == kNoFailure) return;
   uint64_t length = message.size();
-  comm.broadcast(&length, sizeof length, first, comm::kDefaultTimeout);
+  comm.broadcast(&length, sizeof length, first, comm::default_timeout());
   message.resize(length);
-  comm.broadcast(message.data(), length, first, comm::kDefaultTimeout);
+  comm.broadcast(message.data(), length, first, comm::default_timeout());
   throw AgreedError(message);
 }
 
@@ -39,6 +39,34 @@ void agree_equal(comm::Communicator& comm, std::span<const int64_t> values, cons
   comm.allreduce(lo.data(), lo.size(), comm::ReduceOp::Min);
   comm.allreduce(hi.data(), hi.size(), comm::ReduceOp::Max);
   if (lo != hi) throw AgreedError(concat("ranks disagree on ", what));
+}
+
+void agree_command_line(comm::Communicator& comm, const std::vector<std::string>& args) {
+  // Arguments NUL-terminated, so `--a b` and `--a\0b`-style splits cannot collide; padded to the longest
+  // rank's length, which the first allgather finds, so the second moves equal sizes on every rank.
+  std::string mine;
+  for (const std::string& a : args) mine.append(a).push_back('\0');
+  const int P = comm.size();
+  const int64_t length = static_cast<int64_t>(mine.size());
+  std::vector<int64_t> lengths(static_cast<size_t>(P));
+  comm.allgather(&length, lengths.data(), sizeof length, comm::default_timeout());
+  const size_t width = static_cast<size_t>(*std::max_element(lengths.begin(), lengths.end()));
+  mine.resize(width, '\0');
+  std::string all(width * static_cast<size_t>(P), '\0');
+  comm.allgather(mine.data(), all.data(), width, comm::default_timeout());
+
+  // A rank's command line as one readable string: arguments separated by spaces.
+  const auto shown = [&](int r) {
+    std::string s = all.substr(static_cast<size_t>(r) * width, static_cast<size_t>(lengths[r]));
+    if (!s.empty()) s.pop_back();
+    std::replace(s.begin(), s.end(), '\0', ' ');
+    return s;
+  };
+  for (int r = 1; r < P; ++r) {
+    if (all.compare(static_cast<size_t>(r) * width, width, all, 0, width) == 0) continue;
+    throw AgreedError(concat("ranks were started with different options (every rank needs the same command line): "
+                             "rank 0 has `", shown(0), "`, rank ", r, " has `", shown(r), "`"));
+  }
 }
 
 }  // namespace rf::cli

@@ -11,6 +11,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "core/error.h"
@@ -29,5 +30,11 @@ void agree(comm::Communicator& comm, const std::function<void()>& step);
 // Checks that every rank holds the same `values` (a collective call); throws AgreedError on every rank naming
 // `what` if they differ, e.g. when ranks read different input files.
 void agree_equal(comm::Communicator& comm, std::span<const int64_t> values, const std::string& what);
+
+// Checks that every rank was started with the same command line (`args`: the arguments after the program name),
+// a collective call. Every option is part of the agreement: an option given on one rank only would otherwise
+// make the ranks run different jobs (different collectives, buffers of different sizes). Throws AgreedError on
+// every rank quoting the first rank whose command line differs from rank 0's, and rank 0's.
+void agree_command_line(comm::Communicator& comm, const std::vector<std::string>& args);
 
 }  // namespace rf::cli

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "cli/agree.h"
+#include "cli/finite.h"
 #include "core/error.h"
 #include "core/row_meta.h"
 #include "cp/balance.h"
@@ -63,7 +64,8 @@ AttnChunk AttnJob::whole_chunk() const {
   return c;
 }
 
-AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optional<float> scale) {
+AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optional<float> scale,
+                      bool check_finite) {
   RF_CHECK(mask.window >= 0, "--window ", mask.window, " is negative (0 means no window)");
   RF_CHECK(!scale || std::isfinite(*scale), "--scale ", *scale, " is not a finite number");
 
@@ -77,6 +79,12 @@ AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optio
   const io::TensorView* dout = io::optional(f, {"dout", {q.dtype}, q_dims, like_q}, dims);
   const io::TensorView* doc = io::optional(f, {"doc", {StDType::I32}, row_dims, ""}, dims);
   const io::TensorView* group = io::optional(f, {"group", {StDType::I32}, row_dims, ""}, dims);
+  if (check_finite) {
+    cli::check_finite(path, q, "[B, Hq, S, D]");
+    cli::check_finite(path, k, "[B, Hkv, S, D]");
+    cli::check_finite(path, v, "[B, Hkv, S, D]");
+    if (dout) cli::check_finite(path, *dout, "[B, Hq, S, D]");
+  }
 
   AttnJob job;
   AttnShape& s = job.shape;
@@ -127,9 +135,10 @@ cp::ShardMap choose_shard_map(const AttnJob& job, const std::string& shard, int 
 // Every rank's shard of a [B, H, L, D] float32 result, gathered into row order [B, H, S, D] on every rank.
 std::vector<float> gather_rows(comm::Communicator& comm, const cp::ShardMap& m, const std::vector<float>& shard,
                                int B, int H, int D) {
+  const comm::Step step("gathering the results in row order");
   const int P = comm.size();
   std::vector<float> all(shard.size() * P), full(static_cast<size_t>(B) * H * m.S * D);
-  comm.allgather(shard.data(), all.data(), shard.size() * sizeof(float), comm::kDefaultTimeout);
+  comm.allgather(shard.data(), all.data(), shard.size() * sizeof(float), comm::default_timeout());
   for (int r = 0; r < P; ++r)
     cp::unshard_tensor(m, r, all.data() + r * shard.size(), full.data(), B, H, D, sizeof(float));
   return full;
@@ -226,7 +235,7 @@ AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communic
   return r;
 }
 
-void write_attn_result(const std::string& path, const AttnJob& job, const AttnResult& result) {
+void write_attn_result(io::AtomicFile& file, const AttnJob& job, const AttnResult& result) {
   const AttnShape& s = job.shape;
   const std::vector<int64_t> q_shape = {s.B, s.Hq, s.Lq, s.D}, kv_shape = {s.B, s.Hkv, s.Lk, s.D},
                              lse_shape = {s.B, s.Hq, s.Lq};
@@ -246,7 +255,7 @@ void write_attn_result(const std::string& path, const AttnJob& job, const AttnRe
     w.add("dk", out_dtype, kv_shape, narrow(result.dk));
     w.add("dv", out_dtype, kv_shape, narrow(result.dv));
   }
-  w.write(path);
+  w.write(file);
 }
 
 }  // namespace rf::cli

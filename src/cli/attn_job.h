@@ -15,6 +15,7 @@
 #include "comm/communicator.h"
 #include "core/attention_args.h"
 #include "core/mask.h"
+#include "io/atomic_file.h"
 
 namespace rf::cli {
 
@@ -34,8 +35,10 @@ struct AttnJob {
 };
 
 // Reads and validates an attention input file: tensors q, k, v, optional dout, doc, group (SPEC §7) with
-// `mask` and `scale` (nullopt: 1/sqrt(D)). Throws rf::Error naming the file and the first problem found.
-AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optional<float> scale);
+// `mask` and `scale` (nullopt: 1/sqrt(D)). With `check_finite`, a NaN or infinity in q, k, v or dout is an error
+// too (finite.h). Throws rf::Error naming the file and the first problem found.
+AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optional<float> scale,
+                      bool check_finite = true);
 
 // How the rows are split across ranks. With one rank every choice computes the same thing.
 struct CpOptions {
@@ -56,7 +59,8 @@ struct AttnResult {
 // The CP boundary: every rank of `comm` passes the same job; rank 0 gets the whole result. A collective call.
 AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communicator& comm);
 
-// Writes out, lse (and dq, dk, dv) with the outputs in the job's dtype. Throws rf::Error naming the file.
-void write_attn_result(const std::string& path, const AttnJob& job, const AttnResult& result);
+// Writes out, lse (and dq, dk, dv) with the outputs in the job's dtype into `file`, which the caller commits
+// (alone, or with the job's other outputs: io::commit_all). Throws rf::Error naming the file.
+void write_attn_result(io::AtomicFile& file, const AttnJob& job, const AttnResult& result);
 
 }  // namespace rf::cli

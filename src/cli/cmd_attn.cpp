@@ -2,7 +2,7 @@
 //
 //     ringflex attn --in IN.safetensors --out OUT.safetensors [--window W] [--no-causal] [--bidirectional-groups]
 //                   [--scale X] [--shard contiguous|zigzag|balanced] [--algo ring|allgather] [--threads N]
-//                   [--stats FILE.json]
+//                   [--stats FILE.json] [--no-check-finite] [--timeout SECONDS]
 //
 // Run as `mpirun -n P ringflex attn ...` or plainly (P = 1). Every rank reads and validates the input itself,
 // the ranks agree that all of them succeeded (a bad input is one line on every rank, never a hang), the job
@@ -12,12 +12,14 @@
 #include <cstdio>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "cli/agree.h"
 #include "cli/attn_job.h"
 #include "cli/command.h"
 #include "comm/mpi_comm.h"
 #include "core/error.h"
+#include "io/atomic_file.h"
 
 namespace rf::cli {
 
@@ -33,26 +35,51 @@ struct AttnOptions {
   CpOptions cp;
   int threads = 0;  // 0: OpenMP's default (every core)
   std::string stats;  // --stats: per-rank CP figures as JSON
+  bool check_finite = true;  // reject NaN/inf in q, k, v, dout before computing (docs/numerics.md)
 };
 
-void write_text_file(const std::string& path, const std::string& text) {
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  RF_CHECK(f != nullptr, path, ": cannot open for writing");
-  const size_t written = std::fwrite(text.data(), 1, text.size(), f);
-  const bool closed = std::fclose(f) == 0;
-  RF_CHECK(written == text.size() && closed, path, ": cannot write");
+// Every output this job writes, checked before any work (on rank 0, the writer; `agree` makes every rank fail
+// with its message): writable, and no two options naming one file.
+void check_outputs(const AttnOptions& opt) {
+  RF_CHECK(opt.stats.empty() || !io::same_destination(opt.out, opt.stats), "--stats ", opt.stats, " and --out ",
+           opt.out, " name the same file");
+  io::check_writable(opt.out);
+  if (!opt.stats.empty()) io::check_writable(opt.stats);
+}
+
+// The outputs, all or nothing: the main output and --stats are written and synced first, then both renamed.
+void write_outputs(const AttnOptions& opt, const AttnJob& job, const AttnResult& result) {
+  io::AtomicFile out(opt.out);
+  write_attn_result(out, job, result);
+  std::vector<io::AtomicFile*> files = {&out};
+  std::optional<io::AtomicFile> stats;
+  if (!opt.stats.empty()) {
+    stats.emplace(opt.stats);
+    stats->write(result.stats_json);
+    files.push_back(&*stats);
+  }
+  io::commit_all(files);
 }
 
 int run_attn(const AttnOptions& opt) {
   if (opt.threads > 0) omp_set_num_threads(opt.threads);
   const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
   AttnJob job;
-  agree(*world, [&] { job = read_attn_job(opt.in, opt.mask, opt.scale); });
-  const AttnResult result = run_attention(job, opt.cp, *world);
+  {
+    const comm::Step step("agreeing that every rank read the input");
+    agree(*world, [&] {
+      if (world->rank() == 0) check_outputs(opt);
+      job = read_attn_job(opt.in, opt.mask, opt.scale, opt.check_finite);
+    });
+  }
+  AttnResult result;
+  {
+    const comm::Step step("running the attention job");
+    result = run_attention(job, opt.cp, *world);
+  }
+  const comm::Step step("agreeing that rank 0 wrote the outputs");
   agree(*world, [&] {
-    if (world->rank() != 0) return;
-    write_attn_result(opt.out, job, result);
-    if (!opt.stats.empty()) write_text_file(opt.stats, result.stats_json);
+    if (world->rank() == 0) write_outputs(opt, job, result);
   });
   if (world->rank() == 0) {
     const AttnShape& s = job.shape;
@@ -80,6 +107,9 @@ void add_attn_command(CLI::App& app, Runner& run) {
       ->check(CLI::IsMember({"contiguous", "zigzag", "balanced"}));
   cmd->add_option("--algo", opt->cp.algo, "CP algorithm")->check(CLI::IsMember({"ring", "allgather"}));
   cmd->add_option("--stats", opt->stats, "Write per-rank CP figures (work, bytes, memory, times) as JSON");
+  cmd->add_flag("--check-finite,!--no-check-finite", opt->check_finite,
+                "Reject a NaN or infinity in q, k, v or dout before computing (default); --no-check-finite "
+                "computes with them (they propagate where the math puts them)");
   cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")->check(CLI::Range(1, kMaxThreads));
   cmd->callback([&run, opt] {
     opt->mask.causal = !opt->no_causal;

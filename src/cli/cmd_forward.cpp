@@ -1,6 +1,7 @@
 // ringflex forward: one forward (and optionally backward) pass of a Hugging Face Gemma 4 checkpoint on a batch.
 //
 //     ringflex forward --model DIR --in BATCH.safetensors --out OUT.safetensors [--grad] [--no-logits]
+//                      [--no-check-finite] [--timeout SECONDS]
 //
 // Input tensors: input_ids [B, S] (I32 or I64), and optionally labels [B, S] (-100 = ignored; the target of each
 // position, already shifted), position_ids [B, S], doc [B, S] (packed documents, 0 = padding),
@@ -16,7 +17,9 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/finite.h"
 #include "core/error.h"
+#include "io/atomic_file.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 #include "model/checkpoint.h"
@@ -29,6 +32,7 @@ struct ForwardOptions {
   std::string model, in, out;
   bool grad = false;
   bool no_logits = false;
+  bool check_finite = true;  // reject NaN/inf in the checkpoint's parameters and image_features up front
 };
 
 // An integer [B, S] tensor as int32 (I64 values must fit).
@@ -45,8 +49,11 @@ std::vector<int32_t> read_ids(const io::TensorView& v) {
 }
 
 int run_forward(const ForwardOptions& opt) {
+  io::check_writable(opt.out);  // before loading anything: an unwritable output is found in no time
   const model::Checkpoint ck = model::load_checkpoint(opt.model);
   const model::Gemma4Model& m = *ck.model;
+  if (opt.check_finite)
+    for (const model::Tensor& p : m.params()) check_finite(opt.model, p.name, p.data, p.shape);
   const io::SafetensorsFile in = io::SafetensorsFile::open(opt.in);
   io::DimSizes dims;
   const std::vector<io::StDType> ints = {io::StDType::I32, io::StDType::I64};
@@ -64,6 +71,7 @@ int run_forward(const ForwardOptions& opt) {
   if (const io::TensorView* v = io::optional(in, {"image_features", floats, {"N", "F"}, ""}, dims)) {
     RF_CHECK(dims["F"] == F, opt.in, ": image_features has ", dims["F"], " columns, the model expects ", F,
              m.vision_feature_dim() > 0 ? " (its vision projection's input width)" : " (its hidden size)");
+    if (opt.check_finite) check_finite(opt.in, *v, "[N, F]");
     features = io::to_float32(*v);
     n_features = dims["N"];
   }
@@ -124,6 +132,8 @@ void add_forward_command(CLI::App& app, Runner& run) {
   cmd->add_option("--out", opt->out, "Output: loss, token_loss [, logits] [, grad.<name>]")->required();
   cmd->add_flag("--grad", opt->grad, "Also write every parameter's gradient as grad.<name>");
   cmd->add_flag("--no-logits", opt->no_logits, "Do not write the [B, S, V] logits");
+  cmd->add_flag("--check-finite,!--no-check-finite", opt->check_finite,
+                "Reject a NaN or infinity in the parameters or image_features before computing (default)");
   cmd->callback([&run, opt] { run = [opt] { return run_forward(*opt); }; });
 }
 

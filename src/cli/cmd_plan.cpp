@@ -7,9 +7,9 @@
 // a planner, not a distributed run: under mpirun only rank 0 reports.
 #include <mpi.h>
 
-#include <fstream>
 #include <iostream>
 #include <optional>
+#include <vector>
 
 #include "cli/command.h"
 #include "core/error.h"
@@ -17,6 +17,7 @@
 #include "cp/balance.h"
 #include "cp/plan_report.h"
 #include "cp/shard.h"
+#include "io/atomic_file.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 
@@ -70,17 +71,16 @@ std::vector<TokenMeta> generate_meta(const std::string& kind, int B, int S, uint
   return rows;
 }
 
-void write_file(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::binary);
-  f << text;
-  f.close();
-  RF_CHECK(f.good(), path, ": cannot write");
-}
-
 int run_plan(const PlanOptions& o) {
   int world_rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
   RF_CHECK(o.in.empty() != o.generate.empty(), "plan: give exactly one of --in FILE or --generate vlm|causal");
+  // Outputs are checked before any work, by every rank alike (no rank communicates here, so each fails alone
+  // with the same line).
+  RF_CHECK(o.json.empty() || o.svg.empty() || !io::same_destination(o.json, o.svg), "plan: --json ", o.json,
+           " and --svg ", o.svg, " name the same file");
+  if (!o.json.empty()) io::check_writable(o.json);
+  if (!o.svg.empty()) io::check_writable(o.svg);
   RF_CHECK(o.P >= 1, "plan: --ranks ", o.P, " must be at least 1");
   RF_CHECK(o.block >= 1, "plan: --block ", o.block, " must be at least 1");
   for (const cp::KvFormat& kv : {o.kv.windowed, o.kv.global}) {
@@ -119,8 +119,20 @@ int run_plan(const PlanOptions& o) {
             << "K/V per token: windowed layers " << opt.windowed.Hkv << " x " << opt.windowed.D << ", global layers "
             << opt.global.Hkv << " x " << opt.global.D << ", " << o.dtype << "\n\n"
             << cp::report_text(reports);
-  if (!o.json.empty()) write_file(o.json, cp::report_json(reports));
-  if (!o.svg.empty()) write_file(o.svg, cp::report_svg(rows.data(), S, maps, reports, mix, o.block));
+  // Both reports, all or nothing (io/atomic_file.h).
+  std::optional<io::AtomicFile> json, svg;
+  std::vector<io::AtomicFile*> files;
+  if (!o.json.empty()) {
+    json.emplace(o.json);
+    json->write(cp::report_json(reports));
+    files.push_back(&*json);
+  }
+  if (!o.svg.empty()) {
+    svg.emplace(o.svg);
+    svg->write(cp::report_svg(rows.data(), S, maps, reports, mix, o.block));
+    files.push_back(&*svg);
+  }
+  io::commit_all(files);
   return 0;
 }
 

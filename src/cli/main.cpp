@@ -1,12 +1,18 @@
 // ringflex: the command-line entry point. Parses the subcommand, starts MPI (a plain run is a singleton
-// world of P = 1), runs the subcommand, and maps failures to one line on stderr and a non-zero exit.
+// world of P = 1), checks that every rank got the same command line, runs the subcommand, and maps failures to
+// one line on stderr and a non-zero exit.
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdio>
 #include <exception>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "cli/agree.h"
 #include "cli/command.h"
+#include "cli/watchdog.h"
 #include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "cpu/isa.h"
@@ -14,6 +20,7 @@
 namespace {
 
 constexpr int kFailure = 1;
+constexpr double kMillisecondsPerSecond = 1000.0;
 
 void print_error(const char* what) { std::fprintf(stderr, "ringflex: error: %s\n", what); }
 
@@ -31,20 +38,35 @@ int main(int argc, char** argv) {
   rf::cli::add_forward_command(app, run);
   rf::cli::add_info_command(app, run);
   app.set_version_flag("--version", std::string("ringflex ") + RF_VERSION);
+  // Options every subcommand takes, added here so a new subcommand cannot miss them (one that declares its own
+  // --timeout keeps it, and must pass it to comm::set_default_timeout itself).
+  double timeout_s = static_cast<double>(rf::comm::kDefaultTimeout.count()) / kMillisecondsPerSecond;
+  for (CLI::App* sub : app.get_subcommands([](CLI::App* s) { return s->get_option_no_throw("--timeout") == nullptr; }))
+    sub->add_option("--timeout", timeout_s,
+                    "Seconds a rank waits for a peer (a dead, hung or stopped rank) before the job fails on every rank")
+        ->check(CLI::PositiveNumber)
+        ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  const rf::comm::Timeout timeout(static_cast<int64_t>(timeout_s * kMillisecondsPerSecond));
+  rf::comm::set_default_timeout(timeout);
 
-  MPI_Init(&argc, &argv);
+  {
+    const rf::cli::Watchdog watchdog(timeout, "MPI start-up (MPI_Init)");
+    MPI_Init(&argc, &argv);
+  }
   int code = kFailure;
   bool agreed = true;  // whether every rank knows this run failed (or none failed)
   try {
     {
+      const rf::comm::Step step("agreeing on the command line and the kernel path");
+      const std::unique_ptr<rf::comm::Communicator> world = rf::comm::make_mpi_world();
+      rf::cli::agree_command_line(*world, std::vector<std::string>(argv + 1, argv + argc));
       // Every rank checks its kernel path (isa.h) before any work: the nodes of one job may differ, and a
       // RINGFLEX_ISA one rank's CPU cannot run fails all ranks together with that rank's line.
-      const std::unique_ptr<rf::comm::Communicator> world = rf::comm::make_mpi_world();
       rf::cli::agree(*world, [] { rf::cpu::kernel_path(); });
     }
     code = run();
@@ -58,6 +80,9 @@ int main(int argc, char** argv) {
   int ranks = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
   if (!agreed && ranks > 1) MPI_Abort(MPI_COMM_WORLD, kFailure);
-  MPI_Finalize();
+  {
+    const rf::cli::Watchdog watchdog(timeout, "MPI shut-down (MPI_Finalize)");
+    MPI_Finalize();
+  }
   return code;
 }

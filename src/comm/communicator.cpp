@@ -2,8 +2,29 @@
 #include "comm/communicator.h"
 
 #include <algorithm>
+#include <atomic>
+#include <string>
+#include <utility>
 
 namespace rf::comm {
+
+namespace {
+// Set once by the executable before any rank communicates, read by every wait; atomic so a reader on another
+// thread (the loopback backend's ranks) never sees a torn value.
+std::atomic<int64_t> g_default_timeout_ms{kDefaultTimeout.count()};
+}  // namespace
+
+namespace {
+thread_local std::string t_step;
+}  // namespace
+
+Step::Step(std::string what) : previous_(std::exchange(t_step, std::move(what))) {}
+Step::~Step() { t_step = std::move(previous_); }
+std::string Step::current() { return t_step; }
+
+Timeout default_timeout() { return Timeout(g_default_timeout_ms.load(std::memory_order_relaxed)); }
+
+void set_default_timeout(Timeout timeout) { g_default_timeout_ms.store(timeout.count(), std::memory_order_relaxed); }
 
 void wait_all(std::span<RequestPtr> requests, Timeout timeout) {
   for (RequestPtr& r : requests) {

@@ -28,6 +28,27 @@ namespace rf::comm {
 using Timeout = std::chrono::milliseconds;
 constexpr Timeout kDefaultTimeout{120000};  // generous: a rank may be computing a long chunk meanwhile
 
+// The deadline of every wait whose caller does not choose one: kDefaultTimeout until the executable sets it
+// (`ringflex ... --timeout SECONDS`, once, before any communication). A peer that stops answering (dead, hung,
+// SIGSTOPped) then ends the job within this time on every rank that waits for it.
+Timeout default_timeout();
+void set_default_timeout(Timeout timeout);
+
+// Names what the calling thread is doing, for its scope, in the timeout messages of collectives (which, unlike
+// point-to-point transfers, carry no label): "rank 0: timed out ... in allgather: no answer from rank 1 (while
+// gathering the outputs)". Scopes nest; the innermost names the step.
+class Step {
+ public:
+  explicit Step(std::string what);
+  ~Step();
+  Step(const Step&) = delete;
+  Step& operator=(const Step&) = delete;
+  static std::string current();  // "" outside every Step
+
+ private:
+  std::string previous_;
+};
+
 struct SendBuffer {
   const void* data;
   size_t bytes;
@@ -69,10 +90,10 @@ class Communicator {
   // `data` [bytes] on `root` is copied to every rank.
   virtual void broadcast(void* data, size_t bytes, int root, Timeout timeout) = 0;
 
-  void barrier(Timeout timeout = kDefaultTimeout);
+  void barrier(Timeout timeout = default_timeout());
   // In-place elementwise reduction over ranks, summed in rank order 0..P-1 (deterministic on every backend).
-  void allreduce(double* data, size_t n, ReduceOp op, Timeout timeout = kDefaultTimeout);
-  void allreduce(int64_t* data, size_t n, ReduceOp op, Timeout timeout = kDefaultTimeout);
+  void allreduce(double* data, size_t n, ReduceOp op, Timeout timeout = default_timeout());
+  void allreduce(int64_t* data, size_t n, ReduceOp op, Timeout timeout = default_timeout());
 
   static constexpr int kMaxTag = 1 << 15;  // MPI guarantees tags up to 32767
 };

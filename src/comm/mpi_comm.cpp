@@ -4,6 +4,8 @@
 #include <mpi.h>
 
 #include <climits>
+#include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -76,12 +78,24 @@ class MpiComm final : public Communicator {
     int initialised = 0;
     MPI_Initialized(&initialised);
     RF_CHECK(initialised, "the MPI communicator needs MPI_Init first");
-    check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "MPI_Comm_dup");
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+    // The duplicates are collectives over every rank: started non-blocking and polled, so a peer that never
+    // arrives is an error after the deadline like any other wait, not a hang.
+    std::vector<MPI_Request> req(2, MPI_REQUEST_NULL);
+    check_mpi(MPI_Comm_idup(MPI_COMM_WORLD, &comm_, req.data()), "MPI_Comm_idup");
+    check_mpi(MPI_Comm_idup(MPI_COMM_WORLD, &coll_, req.data() + 1), "MPI_Comm_idup");
+    const Timeout timeout = default_timeout();
+    RF_CHECK(poll_until(req, timeout), "rank ", rank_, ": timed out after ", timeout.count(),
+             " ms creating the communicator (some rank never joined)");
+    MPI_Comm_set_errhandler(coll_, MPI_ERRORS_RETURN);
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
   }
-  ~MpiComm() override { MPI_Comm_free(&comm_); }
+  ~MpiComm() override {
+    MPI_Comm_free(&coll_);
+    MPI_Comm_free(&comm_);
+  }
   MpiComm(const MpiComm&) = delete;
   MpiComm& operator=(const MpiComm&) = delete;
 
@@ -107,28 +121,79 @@ class MpiComm final : public Communicator {
     return std::make_unique<MpiRequest>(std::move(reqs), rank_, peer, tag, false, std::move(label));
   }
 
+  // The collectives are point-to-point messages on a private communicator (coll_, so they cannot match the
+  // users' tags) rather than MPI_Iallgather / MPI_Ibcast: when one times out, the requests still pending say
+  // exactly which peers never answered, and the error names them. Each rank sends and receives P - 1 blocks,
+  // the same bytes as a ring allgather; matching is in posting order (MPI's non-overtaking rule per pair).
   void allgather(const void* send, void* recv, size_t bytes, Timeout timeout) override {
-    std::vector<MPI_Request> req(1, MPI_REQUEST_NULL);
     const int n = to_count(bytes, "allgather");
-    check_mpi(MPI_Iallgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, req.data()), "MPI_Iallgather");
-    RF_CHECK(poll_until(req, timeout), "rank ", rank_, ": timed out after ", timeout.count(),
-             " ms in allgather (some rank never joined)");
+    char* out = static_cast<char*>(recv);
+    if (bytes > 0) std::memcpy(out + static_cast<size_t>(rank_) * bytes, send, bytes);
+    std::vector<MPI_Request> reqs;
+    std::vector<int> peers;  // peers[i]: the rank request i talks to
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      reqs.push_back(MPI_REQUEST_NULL);
+      peers.push_back(p);
+      check_mpi(MPI_Irecv(out + static_cast<size_t>(p) * bytes, n, MPI_BYTE, p, kCollectiveTag, coll_, &reqs.back()),
+                "MPI_Irecv");
+    }
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      reqs.push_back(MPI_REQUEST_NULL);
+      peers.push_back(p);
+      check_mpi(MPI_Isend(send, n, MPI_BYTE, p, kCollectiveTag, coll_, &reqs.back()), "MPI_Isend");
+    }
+    finish_collective(reqs, peers, timeout, "allgather");
   }
 
   void broadcast(void* data, size_t bytes, int root, Timeout timeout) override {
-    std::vector<MPI_Request> req(1, MPI_REQUEST_NULL);
-    check_mpi(MPI_Ibcast(data, to_count(bytes, "broadcast"), MPI_BYTE, root, comm_, req.data()), "MPI_Ibcast");
-    RF_CHECK(poll_until(req, timeout), "rank ", rank_, ": timed out after ", timeout.count(),
-             " ms in broadcast from rank ", root);
+    const int n = to_count(bytes, "broadcast");
+    std::vector<MPI_Request> reqs;
+    std::vector<int> peers;
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_ || (rank_ != root && p != root)) continue;
+      reqs.push_back(MPI_REQUEST_NULL);
+      peers.push_back(p);
+      if (rank_ == root)
+        check_mpi(MPI_Isend(data, n, MPI_BYTE, p, kCollectiveTag, coll_, &reqs.back()), "MPI_Isend");
+      else
+        check_mpi(MPI_Irecv(data, n, MPI_BYTE, root, kCollectiveTag, coll_, &reqs.back()), "MPI_Irecv");
+    }
+    finish_collective(reqs, peers, timeout, concat("broadcast from rank ", root));
   }
 
  private:
+  static constexpr int kCollectiveTag = 0;  // the only tag on coll_
+
+  // Waits for a collective's requests; on timeout names every peer whose request is still pending, then
+  // abandons the requests (cancelled, so MPI never writes into the caller's buffers afterwards).
+  void finish_collective(std::vector<MPI_Request>& reqs, const std::vector<int>& peers, Timeout timeout,
+                         const std::string& what) {
+    if (poll_until(reqs, timeout)) return;
+    std::string missing;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      int done = 0;
+      if (reqs[i] != MPI_REQUEST_NULL) MPI_Test(&reqs[i], &done, MPI_STATUS_IGNORE);
+      if (reqs[i] == MPI_REQUEST_NULL || done) continue;
+      const std::string peer = std::to_string(peers[i]);
+      if (missing.find(" " + peer + ",") == std::string::npos) missing += " " + peer + ",";
+      MPI_Cancel(&reqs[i]);
+      MPI_Request_free(&reqs[i]);
+    }
+    if (!missing.empty()) missing.pop_back();
+    const std::string step = Step::current();
+    rf::fail("rank ", rank_, ": timed out after ", timeout.count(), " ms in ", what, ": no answer from rank",
+             missing, step.empty() ? "" : " (while " + step + ")");
+  }
+
   void check_user(int peer, int tag, const std::string& label) const {
     RF_CHECK(peer >= 0 && peer < size_, "rank ", rank_, ": ", label, ": peer ", peer, " is not a rank of ", size_);
     RF_CHECK(tag >= 0 && tag < kMaxTag, "rank ", rank_, ": ", label, ": tag ", tag, " outside [0, ", kMaxTag, ")");
   }
 
-  MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm comm_ = MPI_COMM_NULL;  // the users' point-to-point traffic
+  MPI_Comm coll_ = MPI_COMM_NULL;  // the collectives' (allgather, broadcast)
   int rank_ = 0, size_ = 1;
 };
 

@@ -65,7 +65,7 @@ struct CpParams {
   float scale = 0.f;  // 0: 1/sqrt(D)
   Algo algo = Algo::Ring;
   Scheme scheme = Scheme::Contiguous;  // only agreed on, so ranks sharded with different schemes fail together
-  comm::Timeout timeout = comm::kDefaultTimeout;
+  comm::Timeout timeout = comm::default_timeout();
   CpStats* stats = nullptr;  // optional
   RingTraffic traffic = RingTraffic::Planned;
   // Optional: the batch's plan, built once for all of the model's layer masks (make_comm_plan) so layers that

@@ -313,7 +313,7 @@ std::string cp_stats_json(comm::Communicator& comm, const CpStats& fwd, const Cp
                     fwd.compute_seconds + b.compute_seconds,
                     fwd.wall_seconds + b.wall_seconds};
   std::vector<Record> all(static_cast<size_t>(comm.size()));
-  comm.allgather(&mine, all.data(), sizeof(Record), comm::kDefaultTimeout);
+  comm.allgather(&mine, all.data(), sizeof(Record), comm::default_timeout());
 
   nlohmann::ordered_json root;
   root["scheme"] = scheme;

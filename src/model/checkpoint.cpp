@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "io/atomic_file.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
@@ -84,11 +85,9 @@ void save_checkpoint(const Checkpoint& ck, const std::string& dir) {
   std::error_code ec;
   fs::create_directories(root, ec);
   RF_CHECK(!ec, dir, ": cannot create the directory (", ec.message(), ")");
-  {
-    std::ofstream out(root / "config.json");
-    out << ck.model->config().source_json;
-    RF_CHECK(out.good(), (root / "config.json").string(), ": cannot be written");
-  }
+  // Each file is replaced all or nothing (io/atomic_file.h); a whole checkpoint directory is made atomic by
+  // its caller (written under a temporary name and renamed).
+  io::write_file_atomically((root / "config.json").string(), ck.model->config().source_json);
   io::SafetensorsWriter w;
   w.set_metadata("format", "pt");  // what transformers writes and expects
   for (const TensorSet* set : {&ck.model->params(), &ck.model->buffers()}) {

@@ -14,8 +14,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <map>
 #include <optional>
 
+#include "common/nonfinite.h"
 #include "common/random_case.h"
 #include "core/error.h"
 #include "io/safetensors.h"
@@ -69,6 +72,12 @@ struct MakeOptions {
   bool dout = false;
   std::string meta;  // empty: no doc/group tensors
   uint64_t seed = 1;
+  // Non-finite inputs (docs/numerics.md). poison_unread: NaN/±inf in every element of the tokens no result may
+  // depend on under `mask` (padding, keys no query reads, rows that read nothing). nan_in: one NaN in that tensor
+  // (q, k, v or dout) at row 0, head 0, token S/2, d 0.
+  bool poison_unread = false;
+  rf::LayerMask mask;
+  std::string nan_in;
 };
 
 void add_meta(FileBuilder& f, const CaseShape& s, rf::testing::MetaKind kind, uint64_t seed) {
@@ -85,11 +94,32 @@ void add_meta(FileBuilder& f, const CaseShape& s, rf::testing::MetaKind kind, ui
 void make(const std::string& path, const MakeOptions& o) {
   const CaseShape& s = o.shape;
   const StDType t = o.dtype == "bf16" ? StDType::BF16 : StDType::F32;
+  const rf::DType core = t == StDType::BF16 ? rf::DType::BF16 : rf::DType::F32;
+  const int64_t q_elems = int64_t{s.B} * s.Hq * s.S * s.D, kv_elems = int64_t{s.B} * s.Hkv * s.S * s.D;
+  std::vector<uint8_t> q = rf::testing::random_tensor(q_elems, core, o.seed * 10 + 1, kValueAmplitude);
+  std::vector<uint8_t> k = rf::testing::random_tensor(kv_elems, core, o.seed * 10 + 2, kValueAmplitude);
+  std::vector<uint8_t> v = rf::testing::random_tensor(kv_elems, core, o.seed * 10 + 3, kValueAmplitude);
+  std::vector<uint8_t> dout = o.dout ? rf::testing::random_tensor(q_elems, core, o.seed * 10 + 4, kValueAmplitude)
+                                     : std::vector<uint8_t>{};
+  // Metadata as ringflex builds it: random kinds, or one document per row when the file has none.
+  const std::vector<rf::TokenMeta> meta = o.meta.empty()
+                                              ? rf::testing::random_meta(s.B, s.S, rf::testing::MetaKind::OneDoc, 0)
+                                              : rf::testing::random_meta(s.B, s.S, kMetaKinds.at(o.meta), o.seed);
+  if (o.poison_unread)
+    rf::testing::poison_unread(o.mask, meta.data(), meta.data(), s.B, s.Hq, s.Hkv, s.S, s.S, s.D, core,
+                               {&q, &k, &v, o.dout ? &dout : nullptr}, o.seed);
+  if (!o.nan_in.empty()) {
+    const std::map<std::string, std::pair<std::vector<uint8_t>*, int>> target = {
+        {"q", {&q, s.Hq}}, {"k", {&k, s.Hkv}}, {"v", {&v, s.Hkv}}, {"dout", {&dout, s.Hq}}};
+    RF_CHECK(target.count(o.nan_in) && !target.at(o.nan_in).first->empty(), "--nan-in ", o.nan_in, ": no such tensor");
+    rf::testing::set_element(*target.at(o.nan_in).first, int64_t{s.S / 2} * s.D, core,
+                             std::numeric_limits<float>::quiet_NaN());
+  }
   FileBuilder f;
-  f.add_random("q", t, {s.B, s.Hq, s.S, s.D}, o.seed * 10 + 1);
-  f.add_random("k", t, {s.B, s.Hkv, s.S, s.D}, o.seed * 10 + 2);
-  f.add_random("v", t, {s.B, s.Hkv, s.S, s.D}, o.seed * 10 + 3);
-  if (o.dout) f.add_random("dout", t, {s.B, s.Hq, s.S, s.D}, o.seed * 10 + 4);
+  f.add("q", t, {s.B, s.Hq, s.S, s.D}, std::move(q));
+  f.add("k", t, {s.B, s.Hkv, s.S, s.D}, std::move(k));
+  f.add("v", t, {s.B, s.Hkv, s.S, s.D}, std::move(v));
+  if (o.dout) f.add("dout", t, {s.B, s.Hq, s.S, s.D}, std::move(dout));
   if (!o.meta.empty()) add_meta(f, s, kMetaKinds.at(o.meta), o.seed);
   f.writer.write(path);
 }
@@ -97,7 +127,8 @@ void make(const std::string& path, const MakeOptions& o) {
 const std::vector<std::string> kBadKinds = {
     "missing_q", "missing_k",     "missing_v",    "kv_seq_mismatch", "v_heads_mismatch", "dout_shape",
     "dtype_mismatch", "q_int",    "q_rank",       "heads",           "head_dim_zero",    "head_dim_large",
-    "doc_shape", "doc_dtype",     "doc_negative", "group_below_none", "truncated",       "not_safetensors"};
+    "doc_shape", "doc_dtype",     "doc_negative", "group_below_none", "truncated",       "not_safetensors",
+    "k_nan",     "dout_inf",      "q_bf16_neg_inf"};
 
 // One input per kind of bad input SPEC §7 lists (the CMake file pairs each with the message it must produce).
 void make_bad(const std::string& kind, const std::string& path) {
@@ -155,6 +186,22 @@ void make_bad(const std::string& kind, const std::string& path) {
     std::fill(ids.begin(), ids.end(), -1);
     ids[5] = -2;
     f.add_ids("group", StDType::I32, row, ids);
+  } else if (kind == "k_nan" || kind == "dout_inf" || kind == "q_bf16_neg_inf") {
+    // One non-finite element at a known index: [0, 0, 5, 2] of k, [0, 1, 3, 0] of dout, [0, 1, 7, 3] of q.
+    const bool bf16 = kind == "q_bf16_neg_inf";
+    const StDType t = bf16 ? StDType::BF16 : StDType::F32;
+    const rf::DType core = bf16 ? rf::DType::BF16 : rf::DType::F32;
+    std::vector<uint8_t> qb = rf::testing::random_tensor(s.B * s.Hq * s.S * s.D, core, 1, kValueAmplitude);
+    std::vector<uint8_t> kb = rf::testing::random_tensor(s.B * s.Hkv * s.S * s.D, core, 2, kValueAmplitude);
+    std::vector<uint8_t> db = rf::testing::random_tensor(s.B * s.Hq * s.S * s.D, core, 4, kValueAmplitude);
+    if (kind == "k_nan") rf::testing::set_element(kb, (0 * s.S + 5) * s.D + 2, core, std::nanf(""));
+    if (kind == "dout_inf")
+      rf::testing::set_element(db, (1 * s.S + 3) * s.D + 0, core, std::numeric_limits<float>::infinity());
+    if (bf16) rf::testing::set_element(qb, (1 * s.S + 7) * s.D + 3, core, -std::numeric_limits<float>::infinity());
+    f.add("q", t, q, std::move(qb));
+    f.add("k", t, kv, std::move(kb));
+    f.add_random("v", t, kv, 3);
+    f.add("dout", t, q, std::move(db));
   } else if (kind == "truncated") {
     qkv(true, true, true);
     std::vector<std::byte> image = f.writer.serialize();
@@ -198,8 +245,17 @@ bool compare(const std::string& name, const std::vector<float>& got, const std::
     return false;
   }
   for (size_t i = 0; i < got.size(); ++i) {
-    const bool both_neg_inf = std::isinf(ref[i]) && ref[i] < 0 && std::isinf(got[i]) && got[i] < 0;
-    if (both_neg_inf) continue;
+    // Non-finite values (empty rows' -inf, and NaN that non-finite inputs propagate, docs/numerics.md) must be
+    // exactly where the reference has them, and of the same kind.
+    if (!std::isfinite(ref[i]) || !std::isfinite(got[i])) {
+      const bool same = std::isnan(ref[i]) ? std::isnan(got[i]) : static_cast<double>(got[i]) == ref[i];
+      if (!same) {
+        std::fprintf(stderr, "attn_case: `%s`[%zu] = %.9g, reference %.9g\n", name.c_str(), i,
+                     static_cast<double>(got[i]), ref[i]);
+        return false;
+      }
+      continue;
+    }
     const double err = std::fabs(got[i] - ref[i]);
     if (!(err <= tol.rel * std::fabs(ref[i]) + tol.abs)) {
       std::fprintf(stderr, "attn_case: `%s`[%zu] = %.9g, reference %.9g (|err| %.3g > %.3g)\n", name.c_str(), i,
@@ -298,6 +354,12 @@ int main(int argc, char** argv) {
   make_cmd->add_flag("--dout", mk.dout);
   make_cmd->add_option("--meta", mk.meta)->check(CLI::IsMember({"one_doc", "packed", "packed_images", "padded", "all_padding"}));
   make_cmd->add_option("--seed", mk.seed);
+  bool make_no_causal = false;
+  make_cmd->add_flag("--poison-unread", mk.poison_unread);
+  make_cmd->add_option("--window", mk.mask.window);
+  make_cmd->add_flag("--no-causal", make_no_causal);
+  make_cmd->add_flag("--bidirectional-groups", mk.mask.bidirectional_groups);
+  make_cmd->add_option("--nan-in", mk.nan_in)->check(CLI::IsMember({"q", "k", "v", "dout"}));
   std::string dir;
   CLI::App* bad_cmd = app.add_subcommand("bad-inputs", "write every kind of bad input into a folder");
   bad_cmd->add_option("dir", dir)->required();
@@ -315,8 +377,13 @@ int main(int argc, char** argv) {
   check_cmd->add_option("--shard", ignored);  // sharding and algorithm do not change the expected result
   check_cmd->add_option("--algo", ignored);
   check_cmd->add_option("--threads", ignored_threads);
+  double ignored_timeout = 0;
+  bool ignored_flag = false;
+  check_cmd->add_option("--timeout", ignored_timeout);
+  check_cmd->add_flag("--no-check-finite", ignored_flag);
   CLI11_PARSE(app, argc, argv);
   try {
+    mk.mask.causal = !make_no_causal;
     if (*make_cmd) make(in, mk);
     if (*bad_cmd) make_bad_inputs(dir);
     mo.mask.causal = !no_causal;

@@ -62,5 +62,30 @@ TEST(Agree, EqualValuesPassAndDifferentOnesFailEverywhere) {
   EXPECT_EQ(caught, std::vector<std::string>(4, "ranks disagree on the input's shapes"));
 }
 
+// The command line: identical ones pass; one option more on one rank (and command lines of different lengths,
+// which an allgather of unequal sizes would truncate) is the same AgreedError on every rank, quoting both.
+TEST(Agree, CommandLinesMustBeIdentical) {
+  const std::vector<std::string> base = {"attn", "--in", "in.st", "--out", "out.st"};
+  std::vector<std::string> with_stats = base;
+  with_stats.insert(with_stats.end(), {"--stats", "s.json"});
+  std::vector<std::string> caught(3, "unset");
+  std::mutex m;
+  comm::run_ranks(3, [&](comm::Communicator& c) {
+    agree_command_line(c, base);
+    std::string what;
+    try {
+      agree_command_line(c, c.rank() == 2 ? with_stats : base);
+    } catch (const AgreedError& e) {
+      what = e.what();
+    }
+    std::lock_guard lock(m);
+    caught[static_cast<size_t>(c.rank())] = what;
+  });
+  const std::string want =
+      "ranks were started with different options (every rank needs the same command line): rank 0 has `attn --in "
+      "in.st --out out.st`, rank 2 has `attn --in in.st --out out.st --stats s.json`";
+  EXPECT_EQ(caught, std::vector<std::string>(3, want));
+}
+
 }  // namespace
 }  // namespace rf::cli

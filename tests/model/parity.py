@@ -291,8 +291,29 @@ def check_errors(ringflex, workdir):
         if proc.returncode == 0 or len(lines) != 1 or expected not in lines[0]:
             print(f"FAIL error case '{what}': rc {proc.returncode}, stderr {proc.stderr.strip()!r}")
             ok = False
+    # A NaN in a parameter is rejected before computing (--check-finite is the default), naming file, tensor and
+    # element; an unwritable --out is reported before the checkpoint is loaded.
+    nan_dir = ckpt + "_nan"
+    Gemma4ForCausalLM(cfg).save_pretrained(nan_dir, safe_serialization=True)
+    weights = load_file(os.path.join(nan_dir, "model.safetensors"))
+    poisoned = sorted(weights)[0]
+    weights[poisoned].view(-1)[3] = float("nan")
+    save_file(weights, os.path.join(nan_dir, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(workdir, "ids.safetensors")
+    save_file({"input_ids": ids}, path)
+    late_cases = [
+        ("nan parameter", nan_dir, os.path.join(workdir, "nan_out.safetensors"), "has nan at"),
+        ("unwritable --out", ckpt, os.path.join(workdir, "absent", "out.safetensors"), "cannot write: directory"),
+    ]
+    for what, model_dir, out, expected in late_cases:
+        proc = subprocess.run([ringflex, "forward", "--model", model_dir, "--in", path, "--out", out],
+                              capture_output=True, text=True)
+        lines = proc.stderr.strip().splitlines()
+        if proc.returncode == 0 or len(lines) != 1 or expected not in lines[0]:
+            print(f"FAIL error case '{what}': rc {proc.returncode}, stderr {proc.stderr.strip()!r}")
+            ok = False
     if ok:
-        print(f"ok   {len(cases)} bad inputs rejected with one line naming the problem")
+        print(f"ok   {len(cases) + len(late_cases)} bad inputs rejected with one line naming the problem")
     return ok
 
 
