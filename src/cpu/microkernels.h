@@ -261,7 +261,8 @@ RF_BF16_DOT_TARGET inline void abt_block_bf16(const uint32_t* a, int lda, const 
 template <int kDp>
 RF_BF16_DOT_TARGET inline void abt_bf16(const uint32_t* a, int lda, const uint32_t* bt, int Dp, int rows, float* c) {
   int r = 0;
-  for (; r + kRowBlock <= rows; r += kRowBlock) abt_block_bf16<kDp, kRowBlock>(a + r * lda, lda, bt, Dp, c + r * kTileCols);
+  for (; r + kRowBlock <= rows; r += kRowBlock)
+    abt_block_bf16<kDp, kRowBlock>(a + r * lda, lda, bt, Dp, c + r * kTileCols);
   switch (rows - r) {
     case 5: abt_block_bf16<kDp, 5>(a + r * lda, lda, bt, Dp, c + r * kTileCols); break;
     case 4: abt_block_bf16<kDp, 4>(a + r * lda, lda, bt, Dp, c + r * kTileCols); break;
@@ -373,7 +374,9 @@ inline void acc(const float* a, int ars, int ans, int N, const float* x, int ldx
       case 4: if constexpr (kAccVecs >= 4) acc_cols<kDp, 4>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
       case 3: if constexpr (kAccVecs >= 3) acc_cols<kDp, 3>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
       case 2: acc_cols<kDp, 2>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
-      case 1: if constexpr (kLanes == kPadFloats) acc_cols<kDp, 1>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
+      case 1:  // only where one vector is the whole padding unit (AVX-512); AVX2 strips are always 2 vectors
+        if constexpr (kLanes == kPadFloats) acc_cols<kDp, 1>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d);
+        break;
       default: break;
     }
   }

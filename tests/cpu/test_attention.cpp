@@ -316,7 +316,8 @@ TEST_F(CpuAttention, VectorExp2Accuracy) {
 // The path in use is the one RINGFLEX_ISA forces (CTest runs this binary under each value).
 TEST_F(CpuAttention, ForcedPathIsTaken) {
   const char* forced = std::getenv("RINGFLEX_ISA");
-  if (!forced || !*forced) GTEST_SKIP() << "RINGFLEX_ISA unset: the best path runs (" << cpu::describe(cpu::kernel_path()) << ")";
+  if (!forced || !*forced)
+    GTEST_SKIP() << "RINGFLEX_ISA unset: the best path runs (" << cpu::describe(cpu::kernel_path()) << ")";
   const std::string_view name = forced;
   const cpu::KernelPath& path = cpu::kernel_path();
   EXPECT_EQ(path.bf16 == cpu::Bf16Product::Amx, name == "amx");
@@ -331,8 +332,8 @@ TEST_F(CpuAttention, ForcedPathIsTaken) {
 // RINGFLEX_ISA forces another path) this test is skipped and says so.
 TEST_F(CpuAttention, AmxScoreTileIsExact) {
   if (cpu::kernel_path().bf16 != cpu::Bf16Product::Amx)
-    GTEST_SKIP() << "AMX path inactive (CPU lacks AMX-TILE/AMX-BF16, arch_prctl refused, or RINGFLEX_ISA forces another); "
-                    "bf16 ran the AVX-512 kernels";
+    GTEST_SKIP() << "AMX path inactive (CPU lacks AMX-TILE/AMX-BF16, arch_prctl refused, or RINGFLEX_ISA forces "
+                    "another path); bf16 ran on " << cpu::describe(cpu::kernel_path());
   constexpr int kRows = 20, kDp = 64, kKeys = cpu::kTileK, kPadRows = 32;  // two 16-row blocks, the last partial
   auto a_val = [](int r, int d) { return static_cast<float>((r * 3 + d) % 11 - 5); };
   auto b_val = [](int d, int j) { return static_cast<float>((d * 5 + j * 7) % 13 - 6); };
