@@ -210,7 +210,8 @@ AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communic
   const int64_t fingerprint[] = {s.B, s.Hq, s.Hkv, s.Lq, s.D, static_cast<int64_t>(job.dtype), job.has_dout,
                                  job.mask.causal, job.mask.window, job.mask.bidirectional_groups};
   agree_equal(comm, fingerprint, "the input's shapes, dtype or mask options");
-  if ((comm.size() > 1 || cp.collect_stats) && s.B > 0 && s.Lq > 0) return run_attention_cp(job, cp, comm);
+  const bool through_cp = comm.size() > 1 || cp.collect_stats || cp.cp_path_on_one_rank;
+  if (through_cp && s.B > 0 && s.Lq > 0) return run_attention_cp(job, cp, comm);
 
   AttnResult r;
   r.out.assign(static_cast<size_t>(s.q_elems()), 0.f);

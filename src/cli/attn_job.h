@@ -45,6 +45,7 @@ struct CpOptions {
   std::string shard = "auto";  // contiguous | zigzag | balanced | auto (the best one for the mask)
   std::string algo = "ring";   // ring | allgather
   bool collect_stats = false;  // fill AttnResult::stats_json (runs the CP path even on one rank)
+  bool cp_path_on_one_rank = false;  // run src/cp even at P = 1 (the demo checks the path P > 1 takes)
 };
 
 struct AttnResult {

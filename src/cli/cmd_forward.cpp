@@ -1,7 +1,9 @@
-// ringflex forward: one forward (and optionally backward) pass of a Hugging Face Gemma 4 checkpoint on a batch.
+// ringflex forward: one forward (and optionally backward) pass of a Hugging Face Gemma 4 checkpoint on a batch,
+// context-parallel over the ranks of mpirun.
 //
-//     ringflex forward --model DIR --in BATCH.safetensors --out OUT.safetensors [--grad] [--no-logits]
-//                      [--no-check-finite] [--timeout SECONDS]
+//     [mpirun -n P] ringflex forward --model DIR --in BATCH.safetensors --out OUT.safetensors [--grad]
+//                   [--no-logits] [--shard balanced|contiguous|zigzag|auto] [--algo ring|allgather]
+//                   [--threads N] [--stats FILE.json] [--no-check-finite] [--timeout SECONDS]
 //
 // Input tensors: input_ids [B, S] (I32 or I64), and optionally labels [B, S] (-100 = ignored; the target of each
 // position, already shifted), position_ids [B, S], doc [B, S] (packed documents, 0 = padding),
@@ -9,16 +11,36 @@
 // row-major order; F = hidden size, or the width of the checkpoint's vision projection).
 // Output: loss (scalar, mean over label tokens), token_loss [B, S], logits [B, S, V] unless --no-logits, and
 // with --grad every parameter gradient as grad.<HF name> (plus grad.image_features when features are given).
+//
+// Every rank reads the checkpoint and the whole batch and validates them; the ranks agree that all succeeded
+// (bad input, or more ranks than tokens in a row: one line on every rank, non-zero exit, no output). With P > 1
+// the model's attention runs through the CP engine (cp::CpAttention) and each rank computes only the tokens it
+// holds; P = 1 runs the same model code with the local kernels. Gradients are summed over the ranks in rank order,
+// token losses and logits are sent to rank 0 and put back in row order, and rank 0 alone writes --out and --stats
+// (all or nothing, io/atomic_file.h). --stats writes every rank's figures as {"ranks": [...]}, the shape of
+// `ringflex attn --stats`. Every wait for a peer uses --timeout (raise it for long rows at large P on few cores:
+// ranks meet once per layer, and an oversubscribed rank may reach a layer long after another).
+#include <omp.h>
+#include <sys/resource.h>
+
+#include <bit>
 #include <chrono>
 #include <cstdio>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "cli/agree.h"
 #include "cli/command.h"
 #include "cli/finite.h"
+#include "comm/mpi_comm.h"
 #include "core/error.h"
+#include "cp/cp_backend.h"
+#include "cpu/local_attention.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
@@ -28,11 +50,20 @@ namespace rf::cli {
 
 namespace {
 
+constexpr int kMaxThreads = 1024;  // a sanity bound for --threads, far above any machine this runs on
+// Tags of the per-token outputs each rank sends to rank 0.
+constexpr int kTokenLossTag = 1;
+constexpr int kLogitsTag = 2;
+
 struct ForwardOptions {
   std::string model, in, out;
   bool grad = false;
   bool no_logits = false;
+  std::string shard = "balanced";
+  std::string algo = "ring";
+  int threads = 0;     // 0: OpenMP's default (every core)
   bool check_finite = true;  // reject NaN/inf in the checkpoint's parameters and image_features up front
+  std::string stats;   // --stats: per-rank figures as JSON
 };
 
 // An integer [B, S] tensor as int32 (I64 values must fit).
@@ -48,75 +79,243 @@ std::vector<int32_t> read_ids(const io::TensorView& v) {
   return out;
 }
 
-int run_forward(const ForwardOptions& opt) {
-  io::check_writable(opt.out);  // before loading anything: an unwritable output is found in no time
-  const model::Checkpoint ck = model::load_checkpoint(opt.model);
-  const model::Gemma4Model& m = *ck.model;
-  if (opt.check_finite)
-    for (const model::Tensor& p : m.params()) check_finite(opt.model, p.name, p.data, p.shape);
-  const io::SafetensorsFile in = io::SafetensorsFile::open(opt.in);
+// The input batch as read from --in; every rank holds all of it.
+struct BatchData {
+  std::vector<int32_t> ids, labels, pos, doc, mm;
+  std::vector<float> features;
+  int64_t n_features = 0;
+  int F = 0;
+  int B = 0, S = 0;
+
+  model::Batch view() const {
+    model::Batch b;
+    b.B = B;
+    b.S = S;
+    b.input_ids = ids.data();
+    b.labels = labels.empty() ? nullptr : labels.data();
+    b.position_ids = pos.empty() ? nullptr : pos.data();
+    b.doc = doc.empty() ? nullptr : doc.data();
+    b.mm_token_type = mm.empty() ? nullptr : mm.data();
+    b.image_features = features.empty() ? nullptr : features.data();
+    b.n_image_features = n_features;
+    return b;
+  }
+};
+
+BatchData read_batch(const std::string& path, const model::Gemma4Model& m, bool finite) {
+  BatchData d;
+  const io::SafetensorsFile in = io::SafetensorsFile::open(path);
   io::DimSizes dims;
   const std::vector<io::StDType> ints = {io::StDType::I32, io::StDType::I64};
   const std::vector<io::StDType> floats = {io::StDType::F32, io::StDType::BF16};
-  const io::TensorView& ids_v = io::require(in, {"input_ids", ints, {"B", "S"}, ""}, dims);
-  const std::vector<int32_t> ids = read_ids(ids_v);
-  std::vector<int32_t> labels, pos, doc, mm;
-  for (auto [name, dst] : {std::pair{"labels", &labels}, {"position_ids", &pos}, {"doc", &doc},
-                           {"mm_token_type_ids", &mm}}) {
+  d.ids = read_ids(io::require(in, {"input_ids", ints, {"B", "S"}, ""}, dims));
+  for (auto [name, dst] : {std::pair{"labels", &d.labels}, {"position_ids", &d.pos}, {"doc", &d.doc},
+                           {"mm_token_type_ids", &d.mm}}) {
     if (const io::TensorView* v = io::optional(in, {name, ints, {"B", "S"}, ""}, dims)) *dst = read_ids(*v);
   }
-  const int F = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
-  std::vector<float> features;
-  int64_t n_features = 0;
+  d.F = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
   if (const io::TensorView* v = io::optional(in, {"image_features", floats, {"N", "F"}, ""}, dims)) {
-    RF_CHECK(dims["F"] == F, opt.in, ": image_features has ", dims["F"], " columns, the model expects ", F,
+    RF_CHECK(dims["F"] == d.F, path, ": image_features has ", dims["F"], " columns, the model expects ", d.F,
              m.vision_feature_dim() > 0 ? " (its vision projection's input width)" : " (its hidden size)");
-    if (opt.check_finite) check_finite(opt.in, *v, "[N, F]");
-    features = io::to_float32(*v);
-    n_features = dims["N"];
+    if (finite) check_finite(path, *v, "[N, F]");
+    d.features = io::to_float32(*v);
+    d.n_features = dims["N"];
   }
+  d.B = static_cast<int>(dims["B"]);
+  d.S = static_cast<int>(dims["S"]);
+  return d;
+}
 
-  model::Batch b;
-  b.B = static_cast<int>(dims["B"]);
-  b.S = static_cast<int>(dims["S"]);
-  b.input_ids = ids.data();
-  b.labels = labels.empty() ? nullptr : labels.data();
-  b.position_ids = pos.empty() ? nullptr : pos.data();
-  b.doc = doc.empty() ? nullptr : doc.data();
-  b.mm_token_type = mm.empty() ? nullptr : mm.data();
-  b.image_features = features.empty() ? nullptr : features.data();
-  b.n_image_features = n_features;
+// FNV-1a over the batch's arrays (image features by their bits): ranks that read different batches must not start the ring.
+int64_t fingerprint(const BatchData& d) {
+  constexpr uint64_t kOffset = 1469598103934665603ull, kPrime = 1099511628211ull;
+  uint64_t h = kOffset;
+  for (const std::vector<int32_t>* v : {&d.ids, &d.labels, &d.pos, &d.doc, &d.mm}) {
+    h = (h ^ v->size()) * kPrime;
+    for (int32_t x : *v) h = (h ^ static_cast<uint32_t>(x)) * kPrime;
+  }
+  for (float x : d.features) h = (h ^ std::bit_cast<uint32_t>(x)) * kPrime;
+  return static_cast<int64_t>(h);
+}
+
+// Every rank's [B, L, width] shard of a per-token output, sent to rank 0 and placed at its row positions there:
+// [B, S, width] on rank 0, empty elsewhere. A collective call.
+std::vector<float> gather_to_rank0(comm::Communicator& comm, const RowShard& shard, const std::vector<float>& mine,
+                                   int B, int64_t width, int tag, comm::Timeout timeout) {
+  const size_t bytes = mine.size() * sizeof(float);
+  if (comm.rank() != 0) {
+    const comm::SendBuffer buf{mine.data(), bytes};
+    comm.isend(0, tag, std::span(&buf, 1), "per-token outputs to rank 0")->wait(timeout);
+    return {};
+  }
+  std::vector<float> full(static_cast<size_t>(int64_t{B} * shard.S * width), 0.f);
+  std::vector<float> part(mine.size());
+  for (int r = 0; r < comm.size(); ++r) {
+    const std::vector<float>* src = &mine;
+    if (r != 0) {
+      const comm::RecvBuffer buf{part.data(), bytes};
+      comm.irecv(r, tag, std::span(&buf, 1), "per-token outputs from rank " + std::to_string(r))
+          ->wait(timeout);
+      src = &part;
+    }
+    const std::vector<int32_t>& pos = shard.positions[static_cast<size_t>(r)];
+    for (int b = 0; b < B; ++b)
+      for (int j = 0; j < shard.L; ++j) {
+        if (shard.is_pad(pos[j])) continue;
+        std::copy_n(src->data() + (int64_t{b} * shard.L + j) * width, width,
+                    full.data() + (int64_t{b} * shard.S + pos[j]) * width);
+      }
+  }
+  return full;
+}
+
+// One rank's figures, plain numbers so they travel as bytes in one allgather.
+struct RankFigures {
+  int64_t tokens, kept_activation_bytes, layer_recompute_bytes, peak_attention_bytes, bytes_sent, bytes_received,
+      peak_rss_bytes;
+  double compute_s, wall_s;
+};
+
+std::string stats_json(comm::Communicator& comm, const RankFigures& mine, const std::string& scheme,
+                       const std::string& algo) {
+  std::vector<RankFigures> all(static_cast<size_t>(comm.size()));
+  comm.allgather(&mine, all.data(), sizeof(RankFigures), comm::default_timeout());
+  nlohmann::ordered_json root;
+  root["scheme"] = scheme;
+  root["algo"] = algo;
+  root["ranks"] = nlohmann::ordered_json::array();
+  for (int r = 0; r < comm.size(); ++r) {
+    const RankFigures& x = all[r];
+    root["ranks"].push_back({{"rank", r},
+                             {"tokens", x.tokens},
+                             {"kept_activation_bytes", x.kept_activation_bytes},
+                             {"layer_recompute_bytes", x.layer_recompute_bytes},
+                             {"peak_attention_bytes", x.peak_attention_bytes},
+                             {"bytes_sent", x.bytes_sent},
+                             {"bytes_received", x.bytes_received},
+                             {"peak_rss_bytes", x.peak_rss_bytes},
+                             {"compute_s", x.compute_s},
+                             {"wall_s", x.wall_s}});
+  }
+  return root.dump(2) + "\n";
+}
+
+// Every output, checked before any work (on rank 0, the writer; `agree` makes every rank fail with its message):
+// writable, and no two options naming one file.
+void check_outputs(const ForwardOptions& opt) {
+  RF_CHECK(opt.stats.empty() || !io::same_destination(opt.out, opt.stats), "--stats ", opt.stats, " and --out ",
+           opt.out, " name the same file");
+  io::check_writable(opt.out);
+  if (!opt.stats.empty()) io::check_writable(opt.stats);
+}
+
+int run_forward(const ForwardOptions& opt) {
+  if (opt.threads > 0) omp_set_num_threads(opt.threads);
+  const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
+  const int P = world->size();
+  model::Checkpoint ck;
+  BatchData data;
+  agree(*world, [&] {
+    if (world->rank() == 0) check_outputs(opt);  // before loading anything: an unwritable output is found at once
+    ck = model::load_checkpoint(opt.model);
+    if (opt.check_finite)
+      for (const model::Tensor& p : ck.model->params()) check_finite(opt.model, p.name, p.data, p.shape);
+    data = read_batch(opt.in, *ck.model, opt.check_finite);
+    ck.model->check_batch(data.view(), P);
+    RF_CHECK(!opt.grad || !data.labels.empty(), opt.in, ": --grad needs a `labels` tensor");
+    // A fixed scheme that cannot split this row fails here, where every rank can still say so.
+    if (P > 1 && opt.shard != "balanced" && opt.shard != "auto")
+      (void)cp::make_shard_map(cp::parse_scheme(opt.shard), data.S, P);
+  });
+  const int64_t print[] = {data.B, data.S, data.n_features, data.F, fingerprint(data)};
+  agree_equal(*world, print, "the batch (ranks read different --in files?)");
+  const model::Gemma4Model& m = *ck.model;
+  const model::Batch b = data.view();
+
   model::RunOptions ro;
   ro.want_grad = opt.grad;
   ro.want_logits = !opt.no_logits;
-  RF_CHECK(!opt.grad || b.labels != nullptr, opt.in, ": --grad needs a `labels` tensor");
   model::TensorSet grads;
   if (opt.grad) grads = m.params().zeros_like();
+  cpu::LocalAttention local;
+  cp::CpAttentionOptions cpo;
+  cpo.scheme = opt.shard;
+  cpo.algo = cp::parse_algo(opt.algo);
+  const comm::Timeout timeout = comm::default_timeout();  // --timeout
+  cpo.timeout = timeout;
+  cp::CpAttention ring(*world, cpo);
+  AttentionBackend& attn = P > 1 ? static_cast<AttentionBackend&>(ring) : local;
+
   const auto start = std::chrono::steady_clock::now();
-  const model::Result r = m.run(b, ro, opt.grad ? &grads : nullptr);
+  model::Result r = m.run(b, ro, opt.grad ? &grads : nullptr, attn);
+  const double run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (opt.grad) {
+    for (model::Tensor& g : grads) world->allreduce(g.data.data(), g.data.size(), comm::ReduceOp::Sum, timeout);
+    if (!r.d_image_features.empty())
+      world->allreduce(r.d_image_features.data(), r.d_image_features.size(), comm::ReduceOp::Sum, timeout);
+  }
+  const int64_t B = b.B, S = b.S, V = m.config().vocab_size;
+  const std::vector<float> token_loss = gather_to_rank0(*world, r.shard, r.token_loss, b.B, 1, kTokenLossTag, timeout);
+  std::vector<float> logits;
+  if (ro.want_logits) logits = gather_to_rank0(*world, r.shard, r.logits, b.B, V, kLogitsTag, timeout);
+  r.logits = {};
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  io::SafetensorsWriter w;
-  const float loss = static_cast<float>(r.loss);
-  const int64_t B = b.B, S = b.S, V = m.config().vocab_size;
-  w.add("loss", io::StDType::F32, {}, std::span<const float>(&loss, 1));
-  w.add("token_loss", io::StDType::F32, {B, S}, std::span<const float>(r.token_loss));
-  if (ro.want_logits) w.add("logits", io::StDType::F32, {B, S, V}, std::span<const float>(r.logits));
-  if (opt.grad) {
-    for (const model::Tensor& g : grads)
-      w.add("grad." + model::file_name_of(g.name, ck.text_prefix), io::StDType::F32, g.shape,
-            std::span<const float>(g.data));
-    if (!r.d_image_features.empty())
-      w.add("grad.image_features", io::StDType::F32, {n_features, F}, std::span<const float>(r.d_image_features));
+  std::string stats;
+  if (!opt.stats.empty()) {
+    int64_t tokens = 0;
+    for (int32_t p : r.shard.mine()) tokens += r.shard.is_pad(p) ? 0 : B;
+    const cp::CpTotals& t = ring.totals();
+    // compute_s: the model's time less what the attention calls spent outside their kernels (waiting for keys,
+    // agreeing on headers, planning).
+    const double waiting = t.wall_seconds - t.compute_seconds;
+    // The process's peak resident set so far (weights, gradients, activations, the runtime): Linux reports KiB.
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    constexpr int64_t kBytesPerKiB = 1024;
+    const int64_t peak_rss = static_cast<int64_t>(usage.ru_maxrss) * kBytesPerKiB;
+    stats = stats_json(*world,
+                       RankFigures{tokens, r.kept_activation_bytes, r.layer_recompute_bytes, t.peak_attention_bytes,
+                                   t.bytes_sent, t.bytes_received, peak_rss, run_seconds - waiting, seconds},
+                       P > 1 ? cp::scheme_name(ring.shard_map().scheme) : "local", P > 1 ? opt.algo : "local");
   }
-  w.write(opt.out);
+
+  agree(*world, [&] {
+    if (world->rank() != 0) return;
+    io::SafetensorsWriter w;
+    const float loss = static_cast<float>(r.loss);
+    w.add("loss", io::StDType::F32, {}, std::span<const float>(&loss, 1));
+    w.add("token_loss", io::StDType::F32, {B, S}, std::span<const float>(token_loss));
+    if (ro.want_logits) w.add("logits", io::StDType::F32, {B, S, V}, std::span<const float>(logits));
+    if (opt.grad) {
+      for (const model::Tensor& g : grads)
+        w.add("grad." + model::file_name_of(g.name, ck.text_prefix), io::StDType::F32, g.shape,
+              std::span<const float>(g.data));
+      if (!r.d_image_features.empty())
+        w.add("grad.image_features", io::StDType::F32, {data.n_features, data.F},
+              std::span<const float>(r.d_image_features));
+    }
+    // All or nothing: the output and --stats are written and synced first, then both renamed.
+    io::AtomicFile out(opt.out);
+    w.write(out);
+    std::vector<io::AtomicFile*> files = {&out};
+    std::optional<io::AtomicFile> stats_file;
+    if (!opt.stats.empty()) {
+      stats_file.emplace(opt.stats);
+      stats_file->write(stats);
+      files.push_back(&*stats_file);
+    }
+    io::commit_all(files);
+  });
+  if (world->rank() != 0) return 0;
   if (opt.grad) {
     constexpr double kMiB = 1 << 20;
-    std::printf("ringflex forward: activations kept for the backward %.1f MiB, one layer's recomputed %.1f MiB\n",
+    std::printf("ringflex forward: rank 0 kept %.1f MiB of activations for the backward, one layer's recomputed "
+                "%.1f MiB\n",
                 static_cast<double>(r.kept_activation_bytes) / kMiB, static_cast<double>(r.layer_recompute_bytes) / kMiB);
   }
-  std::printf("ringflex forward: wrote %s (B=%lld S=%lld, %lld label tokens, loss %.6f, %s %.3f s)\n",
-              opt.out.c_str(), static_cast<long long>(B), static_cast<long long>(S),
+  std::printf("ringflex forward: wrote %s (B=%lld S=%lld, P=%d, %lld label tokens, loss %.6f, %s %.3f s)\n",
+              opt.out.c_str(), static_cast<long long>(B), static_cast<long long>(S), P,
               static_cast<long long>(r.label_tokens), r.loss, opt.grad ? "forward+backward" : "forward", seconds);
   return 0;
 }
@@ -132,6 +331,11 @@ void add_forward_command(CLI::App& app, Runner& run) {
   cmd->add_option("--out", opt->out, "Output: loss, token_loss [, logits] [, grad.<name>]")->required();
   cmd->add_flag("--grad", opt->grad, "Also write every parameter's gradient as grad.<name>");
   cmd->add_flag("--no-logits", opt->no_logits, "Do not write the [B, S, V] logits");
+  cmd->add_option("--shard", opt->shard, "Which tokens each rank holds (default: balanced for the model's layers)")
+      ->check(CLI::IsMember({"contiguous", "zigzag", "balanced", "auto"}));
+  cmd->add_option("--algo", opt->algo, "CP algorithm")->check(CLI::IsMember({"ring", "allgather"}));
+  cmd->add_option("--stats", opt->stats, "Write per-rank figures (tokens, activation bytes, traffic, times) as JSON");
+  cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")->check(CLI::Range(1, kMaxThreads));
   cmd->add_flag("--check-finite,!--no-check-finite", opt->check_finite,
                 "Reject a NaN or infinity in the parameters or image_features before computing (default)");
   cmd->callback([&run, opt] { run = [opt] { return run_forward(*opt); }; });

@@ -36,6 +36,7 @@ int main(int argc, char** argv) {
   rf::cli::add_demo_command(app, run);
   rf::cli::add_plan_command(app, run);
   rf::cli::add_forward_command(app, run);
+  rf::cli::add_train_command(app, run);
   rf::cli::add_info_command(app, run);
   app.set_version_flag("--version", std::string("ringflex ") + RF_VERSION);
   // Options every subcommand takes, added here so a new subcommand cannot miss them (one that declares its own

@@ -71,4 +71,27 @@ void Communicator::allreduce(int64_t* data, size_t n, ReduceOp op, Timeout timeo
   reduce_in_rank_order(*this, data, n, op, timeout);
 }
 
+void Communicator::allreduce(float* data, size_t n, ReduceOp op, Timeout timeout) {
+  const size_t P = static_cast<size_t>(size());
+  // Every rank derives the same slice length from P alone, so all post the same allgather sizes.
+  const size_t slice = std::max<size_t>(1, kReduceSliceBytes / (P * sizeof(float)));
+  std::vector<float> all(P * std::min(slice, n));  // [P, slice]
+  for (size_t begin = 0; begin < n; begin += slice) {
+    const size_t len = std::min(slice, n - begin);
+    allgather(data + begin, all.data(), len * sizeof(float), timeout);
+    for (size_t i = 0; i < len; ++i) {
+      double acc = all[i];
+      for (size_t r = 1; r < P; ++r) {
+        const double x = all[r * len + i];
+        switch (op) {
+          case ReduceOp::Sum: acc += x; break;
+          case ReduceOp::Min: acc = std::min(acc, x); break;
+          case ReduceOp::Max: acc = std::max(acc, x); break;
+        }
+      }
+      data[begin + i] = static_cast<float>(acc);
+    }
+  }
+}
+
 }  // namespace rf::comm

@@ -90,10 +90,21 @@ class Communicator {
   // `data` [bytes] on `root` is copied to every rank.
   virtual void broadcast(void* data, size_t bytes, int root, Timeout timeout) = 0;
 
+  // A collective call (MPI_Comm_split): ranks passing the same `color` (>= 0) form one new communicator, ranked by
+  // (`key`, rank here). The trainer's cp x dp grid is two splits of the world. The result is independent of this
+  // communicator (its messages never match ours); on the loopback backend it lives as long as the run_ranks world.
+  virtual std::unique_ptr<Communicator> split(int color, int key, Timeout timeout = default_timeout()) = 0;
+
   void barrier(Timeout timeout = default_timeout());
   // In-place elementwise reduction over ranks, summed in rank order 0..P-1 (deterministic on every backend).
   void allreduce(double* data, size_t n, ReduceOp op, Timeout timeout = default_timeout());
   void allreduce(int64_t* data, size_t n, ReduceOp op, Timeout timeout = default_timeout());
+  // float32 (parameter gradients, hundreds of MB): each element's P values are combined in rank order in double
+  // and rounded once, so the result is the same bits on every rank and backend and no worse than one rounding.
+  // Works through slices whose gathered copies take at most kReduceSliceBytes, so the extra memory stays bounded
+  // whatever n is.
+  void allreduce(float* data, size_t n, ReduceOp op, Timeout timeout = default_timeout());
+  static constexpr size_t kReduceSliceBytes = size_t{8} << 20;
 
   static constexpr int kMaxTag = 1 << 15;  // MPI guarantees tags up to 32767
 };

@@ -1,6 +1,7 @@
 // ringflex comm: the loopback backend (see loopback_comm.h).
 #include "comm/loopback_comm.h"
 
+#include <array>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -21,14 +22,26 @@ using Message = std::vector<std::vector<uint8_t>>;  // one byte vector per buffe
 constexpr int kAllgatherTag = Communicator::kMaxTag;
 constexpr int kBroadcastTag = Communicator::kMaxTag + 1;
 
-struct World {
-  explicit World(int p) : P(p) {}
-  const int P;
+// What every communicator of one run_ranks call shares, split ones included: one lock and one wake-up, so a
+// rank that fails wakes the ranks blocked in any communicator.
+struct Shared {
   std::mutex mutex;
   std::condition_variable arrived;
-  std::map<std::tuple<int, int, int>, std::deque<Message>> mail;  // (source, destination, tag) -> FIFO
-  int failed_rank = -1;                                           // first rank whose function threw
+  int failed_rank = -1;  // first rank (of the run_ranks world) whose function threw
   std::exception_ptr first_error;
+};
+
+struct World {
+  World(int p, Shared* s) : P(p), shared(s), mutex(s->mutex), arrived(s->arrived), failed_rank(s->failed_rank) {}
+  const int P;
+  Shared* shared;
+  std::mutex& mutex;
+  std::condition_variable& arrived;
+  int& failed_rank;
+  std::map<std::tuple<int, int, int>, std::deque<Message>> mail;  // (source, destination, tag) -> FIFO
+  // Communicators split from this one, keyed by (the split's sequence number on every rank, color). Created by
+  // the first member to arrive; owned here so they live as long as the run_ranks world.
+  std::map<std::pair<int, int>, std::unique_ptr<World>> children;
 };
 
 class LoopbackRequest final : public Request {
@@ -116,6 +129,29 @@ class LoopbackComm final : public Communicator {
     LoopbackRequest(world_, rank_, root, kBroadcastTag, {RecvBuffer{data, bytes}}, "broadcast").wait(timeout);
   }
 
+  std::unique_ptr<Communicator> split(int color, int key, Timeout timeout) override {
+    RF_CHECK(color >= 0, "rank ", rank_, ": split color ", color, " must be >= 0");
+    const std::array<int, 2> mine{color, key};
+    std::vector<std::array<int, 2>> all(static_cast<size_t>(world_->P));
+    allgather(mine.data(), all.data(), sizeof mine, timeout);
+    // MPI_Comm_split's ranking: by key, ties by the rank here.
+    int members = 0, new_rank = 0;
+    for (int p = 0; p < world_->P; ++p) {
+      if (all[p][0] != color) continue;
+      ++members;
+      if (all[p][1] < key || (all[p][1] == key && p < rank_)) ++new_rank;
+    }
+    World* child = nullptr;
+    {
+      std::lock_guard lock(world_->mutex);
+      std::unique_ptr<World>& slot = world_->children[{splits_, color}];
+      if (!slot) slot = std::make_unique<World>(members, world_->shared);
+      child = slot.get();
+    }
+    ++splits_;
+    return std::make_unique<LoopbackComm>(child, new_rank);
+  }
+
  private:
   void check_user(int peer, int tag, const std::string& label) const {
     RF_CHECK(peer >= 0 && peer < world_->P, "rank ", rank_, ": ", label, ": peer ", peer, " is not a rank of ",
@@ -138,34 +174,36 @@ class LoopbackComm final : public Communicator {
 
   World* world_;
   int rank_;
+  int splits_ = 0;  // splits made so far; every rank counts the same (split is collective)
 };
 
 }  // namespace
 
 void run_ranks(int P, const std::function<void(Communicator&)>& fn) {
   RF_CHECK(P >= 1, "run_ranks needs at least one rank, got ", P);
-  World world(P);
+  Shared shared;
+  World world(P, &shared);
   std::vector<std::thread> threads;
   threads.reserve(static_cast<size_t>(P));
   for (int r = 0; r < P; ++r) {
-    threads.emplace_back([&world, &fn, r] {
+    threads.emplace_back([&world, &shared, &fn, r] {
       LoopbackComm comm(&world, r);
       try {
         fn(comm);
       } catch (...) {
         {
-          std::lock_guard lock(world.mutex);
-          if (world.failed_rank < 0) {
-            world.failed_rank = r;
-            world.first_error = std::current_exception();
+          std::lock_guard lock(shared.mutex);
+          if (shared.failed_rank < 0) {
+            shared.failed_rank = r;
+            shared.first_error = std::current_exception();
           }
         }
-        world.arrived.notify_all();
+        shared.arrived.notify_all();
       }
     });
   }
   for (std::thread& t : threads) t.join();
-  if (world.first_error) std::rethrow_exception(world.first_error);
+  if (shared.first_error) std::rethrow_exception(shared.first_error);
 }
 
 }  // namespace rf::comm

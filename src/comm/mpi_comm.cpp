@@ -92,6 +92,18 @@ class MpiComm final : public Communicator {
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
   }
+  // A communicator made by split(): `comm` is the new group; its private collective twin is duplicated here (a
+  // collective over the new group, polled with a deadline like the world's).
+  MpiComm(MPI_Comm comm, Timeout timeout) : comm_(comm) {
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    std::vector<MPI_Request> req(1, MPI_REQUEST_NULL);
+    check_mpi(MPI_Comm_idup(comm_, &coll_, req.data()), "MPI_Comm_idup");
+    RF_CHECK(poll_until(req, timeout), "rank ", rank_, ": timed out after ", timeout.count(),
+             " ms creating a split communicator (some rank never joined)");
+    MPI_Comm_set_errhandler(coll_, MPI_ERRORS_RETURN);
+  }
   ~MpiComm() override {
     MPI_Comm_free(&coll_);
     MPI_Comm_free(&comm_);
@@ -161,6 +173,16 @@ class MpiComm final : public Communicator {
         check_mpi(MPI_Irecv(data, n, MPI_BYTE, root, kCollectiveTag, coll_, &reqs.back()), "MPI_Irecv");
     }
     finish_collective(reqs, peers, timeout, concat("broadcast from rank ", root));
+  }
+
+  std::unique_ptr<Communicator> split(int color, int key, Timeout timeout) override {
+    RF_CHECK(color >= 0, "rank ", rank_, ": split color ", color, " must be >= 0");
+    // MPI_Comm_split has no non-blocking form; a barrier with a deadline first makes sure every rank arrived, so
+    // the blocking split cannot wait forever on a rank that never calls it.
+    barrier(timeout);
+    MPI_Comm sub = MPI_COMM_NULL;
+    check_mpi(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split");
+    return std::make_unique<MpiComm>(sub, timeout);
   }
 
  private:

@@ -1,8 +1,11 @@
 // ringflex model: the Gemma 4 text decoder, forward and backward, in float32 on the CPU.
 //
 // Semantics follow transformers 5.24 (Gemma4ForCausalLM / the text part of Gemma4Model), checked by
-// tests/model/parity against it. Attention runs through rf::cpu::attention_* on one AttnChunk per layer (the
-// ring's per-step call, with the whole row as the only chunk), with SPEC §3 masks built from TokenMeta.
+// tests/model/parity against it. Attention runs through the AttentionBackend the model is handed
+// (core/attention_backend.h): the local kernels on the whole row at P = 1, the CP ring over a group of ranks
+// otherwise, with SPEC §3 masks from TokenMeta built on the full rows. Under CP every activation below is this
+// rank's shard: T = B * L tokens instead of B * S, so activations fall ~1/P (tests/model/test_model_cp_mpi.cpp
+// checks every P against P = 1).
 //
 // Activation memory (training), T = B*S: per layer the layer's input [T, H], its attention output
 // [B, Hq, S, D] and LSE [B, Hq, S] are kept, i.e. 4 * T * (H + Hq*D + Hq) bytes a layer (plus the K/V
@@ -16,6 +19,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/attention_backend.h"
 #include "model/config.h"
 #include "model/params.h"
 
@@ -43,12 +47,20 @@ struct RunOptions {
 // Default size of the loss's one chunk of logits.
 constexpr int64_t kLossChunkBytes = int64_t{64} << 20;
 
+// Under context parallelism (P > 1) each rank computes only the tokens it holds; `shard` says which. Per-token
+// outputs are this rank's part, [B, L] in shard order: token j of row b is position shard.mine()[j] of the row
+// (positions >= S are sharding padding, 0 in token_loss). Gathering every rank's part by shard.positions gives the
+// full [B, S] rows (ringflex forward does it on rank 0). With one rank the shard is the row in order (L = S).
 struct Result {
-  double loss = 0.0;                   // mean over label tokens (or sum / loss_normalizer)
-  int64_t label_tokens = 0;
-  std::vector<float> token_loss;       // [B, S], 0 where ignored
-  std::vector<float> logits;           // [B, S, V] when asked for
-  std::vector<float> d_image_features; // [N, F] d loss / d image_features (training with image features)
+  double loss = 0.0;                   // global: summed token losses of the whole batch / label_tokens (or
+                                       // loss_normalizer), the same on every rank
+  int64_t label_tokens = 0;            // label tokens of the whole batch, counted once
+  RowShard shard;                      // which tokens of the rows this rank held
+  std::vector<float> token_loss;       // [B, L], 0 where ignored
+  std::vector<float> logits;           // [B, L, V] when asked for
+  // [N, F] d loss / d image_features (training with image features): this rank's contribution, i.e. the rows of
+  // the features its tokens hold (zero elsewhere); summed over the ranks it is the full gradient.
+  std::vector<float> d_image_features;
   // Training memory, measured: activations kept from the forward for the backward (layer inputs, attention
   // outputs and LSE, shared K/V, the embedded row and per-layer inputs), and the largest set of one layer's
   // recomputed activations alive during the backward.
@@ -91,9 +103,22 @@ class Gemma4Model {
   // router's scales ~ 1 + N(0, stddev).
   void init_random(uint64_t seed, float stddev);
 
-  // Forward, and with opt.want_grad the backward, accumulating into `grads` (a params().zeros_like() set).
-  // Throws rf::Error on bad input, naming it.
+  // Forward, and with opt.want_grad the backward, accumulating (+=) into `grads` (a params().zeros_like() set).
+  // Attention runs through `attn`; under CP every rank of its group passes the SAME full batch and the model
+  // shards it (the full rows' metadata goes to attn.begin_batch, then every sequence-resident array is gathered
+  // to this rank's tokens). `grads` receive this rank's contribution only, NOT reduced over the ranks: sum them
+  // over the CP group (comm::Communicator::allreduce, in rank order) once per optimizer step.
+  // Throws rf::Error on bad input, naming it; check_batch first throws the same errors without any collective.
+  Result run(const Batch& batch, const RunOptions& opt, TensorSet* grads, AttentionBackend& attn) const;
+  // One rank, the local kernels (rf::cpu::LocalAttention).
   Result run(const Batch& batch, const RunOptions& opt, TensorSet* grads) const;
+
+  // Validates a batch for `ranks` CP ranks without computing anything (pure: the same verdict on every rank that
+  // holds the same batch). Throws rf::Error naming the first problem.
+  void check_batch(const Batch& batch, int ranks = 1) const;
+
+  // The model's distinct layer masks with their layer counts, in layer order (what the attention seam plans for).
+  std::vector<MaskLayers> mask_mix() const;
 
   const LayerSpec& spec(int layer) const { return specs_[layer]; }
   const LayerSlots& slots(int layer) const { return slots_[layer]; }

@@ -1,4 +1,4 @@
-// ringflex model: float32 building blocks (linear, RMSNorm, GeGLU, RoPE, layout changes) and their backwards.
+// ringflex model: float32 building blocks (linear, per-head projections, RMSNorm, GeGLU, RoPE) and their backwards.
 #include "model/ops.h"
 
 #include <cblas.h>
@@ -186,20 +186,63 @@ void rope_apply(float* x, const RopeTable& r, int64_t T, int heads, bool inverse
   }
 }
 
-void to_head_major(const float* x, float* y, int B, int S, int H, int D) {
-#pragma omp parallel for collapse(2) schedule(static) if (int64_t{B} * S * H * D >= kParallelMinElements)
-  for (int b = 0; b < B; ++b)
-    for (int h = 0; h < H; ++h)
-      for (int s = 0; s < S; ++s)
-        std::copy_n(x + ((int64_t{b} * S + s) * H + h) * D, D, y + ((int64_t{b} * H + h) * S + s) * D);
+void rope_apply_head_major(float* x, const RopeTable& r, int B, int heads, int64_t L, bool inverse) {
+  const int D = r.D, half = D / 2;
+  const float sign = inverse ? -1.f : 1.f;
+#pragma omp parallel for collapse(2) schedule(static) if (int64_t{B} * heads * L * D >= kParallelMinElements)
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < heads; ++h) {
+      for (int64_t l = 0; l < L; ++l) {
+        const float* c = r.cos.data() + (int64_t{b} * L + l) * half;
+        const float* s = r.sin.data() + (int64_t{b} * L + l) * half;
+        float* v = x + ((int64_t{b} * heads + h) * L + l) * D;
+        for (int i = 0; i < half; ++i) {
+          const float p = v[i], q = v[i + half];
+          v[i] = p * c[i] - sign * q * s[i];
+          v[i + half] = q * c[i] + sign * p * s[i];
+        }
+      }
+    }
+  }
 }
 
-void to_token_major(const float* x, float* y, int B, int S, int H, int D) {
-#pragma omp parallel for collapse(2) schedule(static) if (int64_t{B} * S * H * D >= kParallelMinElements)
+void heads_forward(const float* x, const float* W, float* y, int B, int64_t L, int64_t K, int heads, int64_t D) {
   for (int b = 0; b < B; ++b)
-    for (int h = 0; h < H; ++h)
-      for (int s = 0; s < S; ++s)
-        std::copy_n(x + ((int64_t{b} * H + h) * S + s) * D, D, y + ((int64_t{b} * S + s) * H + h) * D);
+    for (int h = 0; h < heads; ++h)
+      gemm(false, true, L, D, K, 1.f, x + b * L * K, K, W + h * D * K, K, 0.f, y + (int64_t{b} * heads + h) * L * D,
+           D);
+}
+
+void heads_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L,
+                    int64_t K, int heads, int64_t D) {
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < heads; ++h) {
+      const float* g = dy + (int64_t{b} * heads + h) * L * D;  // [L, D]
+      if (dx) gemm(false, false, L, K, D, 1.f, g, D, W + h * D * K, K, 1.f, dx + b * L * K, K);
+      if (dW) gemm(true, false, D, K, L, 1.f, g, D, x + b * L * K, K, 1.f, dW + h * D * K, K);
+    }
+  }
+}
+
+void merge_heads_forward(const float* x, const float* W, float* y, int B, int64_t L, int heads, int64_t D, int64_t N) {
+  const int64_t ld_w = int64_t{heads} * D;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < heads; ++h)
+      gemm(false, true, L, N, D, 1.f, x + (int64_t{b} * heads + h) * L * D, D, W + h * D, ld_w, h == 0 ? 0.f : 1.f,
+           y + b * L * N, N);
+}
+
+void merge_heads_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L,
+                          int heads, int64_t D, int64_t N) {
+  const int64_t ld_w = int64_t{heads} * D;
+  for (int b = 0; b < B; ++b) {
+    const float* g = dy + b * L * N;  // [L, N]
+    for (int h = 0; h < heads; ++h) {
+      const int64_t o = (int64_t{b} * heads + h) * L * D;
+      if (dx) gemm(false, false, L, D, N, 1.f, g, N, W + h * D, ld_w, 0.f, dx + o, D);
+      if (dW) gemm(true, false, N, D, L, 1.f, g, N, x + o, D, 1.f, dW + h * D, ld_w);
+    }
+  }
 }
 
 }  // namespace rf::model

@@ -56,8 +56,25 @@ RopeTable make_rope_table(const int32_t* positions, int64_t T, int D, bool propo
 // In place on x[T, heads, D]: rotate_half pairs (i, i + D/2). inverse = true applies the transpose (backward).
 void rope_apply(float* x, const RopeTable& r, int64_t T, int heads, bool inverse);
 
-// Token-major [B, S, H, D] <-> head-major [B, H, S, D] (the attention kernels' layout).
-void to_head_major(const float* x, float* y, int B, int S, int H, int D);
-void to_token_major(const float* x, float* y, int B, int S, int H, int D);
+// The same on head-major x[B, heads, L, D] (the attention kernels' layout); the table is token-major [B * L, D/2].
+void rope_apply_head_major(float* x, const RopeTable& r, int B, int heads, int64_t L, bool inverse);
+
+// Attention projections straight into and out of the head-major layout [B, heads, L, D] the attention kernels
+// read, so no full-tensor transpose happens per layer: head h's slice of a projection is its own sgemm (the
+// weight rows, or columns, of that head), writing a contiguous [L, D] block. Reductions never cut K inside an
+// sgemm and sum heads and rows in a fixed order, so the bits do not depend on the thread count.
+
+// y[B, heads, L, D] = x[B, L, K] W[heads*D, K]^T (q/k/v_proj).
+void heads_forward(const float* x, const float* W, float* y, int B, int64_t L, int64_t K, int heads, int64_t D);
+// dx[B, L, K] += sum_h dy[b, h] W_h (skipped when dx is null); dW_h[D, K] += sum_b dy[b, h]^T x[b] (skipped when
+// dW is null). dy: [B, heads, L, D].
+void heads_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L,
+                    int64_t K, int heads, int64_t D);
+// y[B, L, N] = sum_h x[B, h, L, D] W[N, heads*D][:, h*D : (h+1)*D]^T (o_proj), written (not accumulated).
+void merge_heads_forward(const float* x, const float* W, float* y, int B, int64_t L, int heads, int64_t D, int64_t N);
+// dx[B, heads, L, D] = dy[b] W_h (written; skipped when dx is null); dW[:, h*D : (h+1)*D] += sum_b dy[b]^T x[b, h]
+// (skipped when dW is null).
+void merge_heads_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L,
+                          int heads, int64_t D, int64_t N);
 
 }  // namespace rf::model

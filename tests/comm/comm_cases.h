@@ -4,7 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
+#include <cmath>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -63,6 +66,38 @@ inline void collectives(Communicator& c) {
   c.barrier(kTestTimeout);
 }
 
+// float32 all-reduce (parameter gradients): more elements than one slice (so the slicing and each slice's placement
+// are exercised, the last slice short), values whose float32 sum depends on the order, and the oracle computed on
+// every rank from the formula: each element summed in double in rank order 0..P-1, rounded once.
+inline void float_allreduce(Communicator& c) {
+  const int P = c.size(), r = c.rank();
+  const size_t slice = Communicator::kReduceSliceBytes / (static_cast<size_t>(P) * sizeof(float));
+  const size_t n = 2 * slice + 3;
+  // Rank 0's element i is in [1, 2) (float32 ulp 2^-23) and differs per element, so a misplaced slice shows;
+  // every other rank adds 3/4 of that ulp, so a float32 running sum rounds up at each step and differs from the
+  // double sum rounded once (at P = 4: 1 + 3 ulp against 1 + 2 ulp).
+  constexpr size_t kDistinct = 1024;
+  const auto value = [](int p, size_t i) {
+    return p == 0 ? 1.0f + std::ldexp(static_cast<float>(i % kDistinct), -10) : std::ldexp(3.0f, -25);
+  };
+  std::vector<float> v(n), hi(n), lo(n);
+  for (size_t i = 0; i < n; ++i) v[i] = hi[i] = lo[i] = value(r, i);
+  c.allreduce(v.data(), n, ReduceOp::Sum, kTestTimeout);
+  c.allreduce(hi.data(), n, ReduceOp::Max, kTestTimeout);
+  c.allreduce(lo.data(), n, ReduceOp::Min, kTestTimeout);
+  for (size_t i = 0; i < n; ++i) {
+    double sum = 0, mx = value(0, i), mn = value(0, i);
+    for (int p = 0; p < P; ++p) {
+      sum += value(p, i);
+      mx = std::max<double>(mx, value(p, i));
+      mn = std::min<double>(mn, value(p, i));
+    }
+    ASSERT_EQ(v[i], static_cast<float>(sum)) << "element " << i;
+    ASSERT_EQ(hi[i], static_cast<float>(mx)) << "element " << i;
+    ASSERT_EQ(lo[i], static_cast<float>(mn)) << "element " << i;
+  }
+}
+
 // A receive nobody answers fails by its deadline with a message naming the rank, the peer, the tag and label.
 inline void receive_deadline_names_the_peer(Communicator& c) {
   const int P = c.size(), r = c.rank(), prev = (r + P - 1) % P;
@@ -79,6 +114,43 @@ inline void receive_deadline_names_the_peer(Communicator& c) {
     EXPECT_NE(msg.find("tag 77"), std::string::npos) << msg;
     EXPECT_NE(msg.find("K/V of step 3"), std::string::npos) << msg;
   }
+  c.barrier(kTestTimeout);
+}
+
+// The trainer's grid: rank r = dp_index * cp + cp_index. Splitting by dp_index gives the CP groups (ranked by
+// cp_index), splitting by cp_index the DP groups. Each sub-communicator's collectives see only its members, and a
+// reversed key reverses the ranking (MPI_Comm_split's order).
+inline void split_forms_a_grid(Communicator& c) {
+  const int P = c.size(), r = c.rank();
+  const int cp = P % 2 == 0 ? 2 : 1, cp_index = r % cp, dp_index = r / cp;
+  std::unique_ptr<Communicator> cp_group = c.split(dp_index, cp_index, kTestTimeout);
+  std::unique_ptr<Communicator> dp_group = c.split(cp_index, -dp_index, kTestTimeout);
+  ASSERT_EQ(cp_group->size(), cp);
+  ASSERT_EQ(cp_group->rank(), cp_index);
+  ASSERT_EQ(dp_group->size(), P / cp);
+  ASSERT_EQ(dp_group->rank(), P / cp - 1 - dp_index);  // reversed keys
+
+  // Sum of world ranks within each group: oracle from the grid arithmetic.
+  int64_t cp_sum = r, dp_sum = r;
+  cp_group->allreduce(&cp_sum, 1, ReduceOp::Sum, kTestTimeout);
+  dp_group->allreduce(&dp_sum, 1, ReduceOp::Sum, kTestTimeout);
+  int64_t cp_expect = 0, dp_expect = 0;
+  for (int i = 0; i < cp; ++i) cp_expect += dp_index * cp + i;
+  for (int d = 0; d < P / cp; ++d) dp_expect += d * cp + cp_index;
+  EXPECT_EQ(cp_sum, cp_expect);
+  EXPECT_EQ(dp_sum, dp_expect);
+
+  // Point-to-point inside a group: messages with the same tag in the parent do not interfere.
+  const int n = cp_group->size(), me = cp_group->rank();
+  int32_t out = 1000 * dp_index + me, in = -1;
+  const SendBuffer sb{&out, sizeof out};
+  const RecvBuffer rb{&in, sizeof in};
+  RequestPtr recv = cp_group->irecv((me + n - 1) % n, 3, {&rb, 1}, "split ring");
+  RequestPtr send = cp_group->isend((me + 1) % n, 3, {&sb, 1}, "split ring");
+  recv->wait(kTestTimeout);
+  send->wait(kTestTimeout);
+  EXPECT_EQ(in, 1000 * dp_index + (me + n - 1) % n);
+  EXPECT_THROW(c.split(-1, 0, kTestTimeout), Error);  // every rank throws before any collective: no hang
   c.barrier(kTestTimeout);
 }
 

@@ -18,8 +18,16 @@ TEST(Loopback, Collectives) {
   for (int P : kRankCounts) run_ranks(P, cases::collectives);
 }
 
+TEST(Loopback, FloatAllreduceInRankOrderAcrossSlices) {
+  for (int P : kRankCounts) run_ranks(P, cases::float_allreduce);
+}
+
 TEST(Loopback, ReceiveDeadlineNamesThePeer) {
   for (int P : kRankCounts) run_ranks(P, cases::receive_deadline_names_the_peer);
+}
+
+TEST(Loopback, SplitFormsAGrid) {
+  for (int P : kRankCounts) run_ranks(P, cases::split_forms_a_grid);
 }
 
 TEST(Loopback, BadPeerAndTagAreRejected) {

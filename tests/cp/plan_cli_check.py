@@ -5,8 +5,8 @@ Python writes random packed-document and image-group metadata with the `safetens
 and checks the JSON against the documented schema and against an independent oracle: per-rank work of the
 contiguous and zigzag schemes counted by brute force over the SPEC §3 predicate in numpy (balanced is checked
 for being a valid report and no more imbalanced than contiguous, as its layout is the command's own choice).
-Also checks that a malformed --layers fails with one line naming the problem. Exits 77 (CTest's
-SKIP_RETURN_CODE) when numpy or safetensors is not installed.
+Also checks that a malformed --layers fails with one line naming the problem. When numpy or
+safetensors is not installed: exits 77 (CTest's skip), or fails under CI (tests/common/oracle_env.py).
 """
 import json
 import os
@@ -14,17 +14,18 @@ import subprocess
 import sys
 import tempfile
 
-SKIP = 77
 B, S, P, BLOCK = 2, 301, 3, 8
 LAYERS = "3xsliding:20:groups,1xfull:groups"
 MIX = [(True, 20, True, 3), (True, 0, True, 1)]  # (causal, window, groups, count)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from oracle_env import missing_oracle  # noqa: E402
 
 try:
     import numpy as np
     from safetensors.numpy import save_file
 except ImportError as e:
-    print(f"skipped: {e}")
-    sys.exit(SKIP)
+    missing_oracle(e)
 
 
 def random_meta(rng):

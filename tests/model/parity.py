@@ -32,6 +32,11 @@ own float32 run is up to ~2e-4 away from its float64 run on early-layer gradient
 float32 run stays within ~2e-5 of float64 (float32 rounding, ~1e-7 per op, amplified by depth and the
 backward), so 1e-4 keeps a margin and still catches any wrong term, which shows up at 1e-2 or more.
 
+Context parallelism: `parity.py RINGFLEX [LAUNCHER...]` runs ringflex through LAUNCHER (e.g. `mpirun
+--oversubscribe -n 4`), so the same comparison checks the model split over P ranks (S = 24 tokens a row: at P = 4
+the balanced shards of 64-token blocks leave whole ranks of padding, and image groups and documents cross shard
+boundaries). The tolerance is the same: splitting only reorders float32 sums.
+
 Exit code 77 (CTest's skip) when torch, transformers or safetensors is missing.
 """
 import json
@@ -40,6 +45,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from oracle_env import missing_oracle  # noqa: E402
+
 try:
     import torch
     import transformers
@@ -47,9 +55,8 @@ try:
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig, Gemma4VisionConfig
     from transformers.models.gemma4.modeling_gemma4 import (Gemma4MultimodalEmbedder, create_masks_for_vision_model,
                                                             get_block_sequence_ids_for_mask)
-except ImportError as e:  # pragma: no cover - depends on the environment
-    print(f"skipping: {e}")
-    sys.exit(77)
+except ImportError as e:
+    missing_oracle(e)
 
 REL_TOL = 1e-4
 V, H = 48, 16
@@ -169,7 +176,7 @@ def check_transformers_mask_agrees(cfg):
         assert torch.equal(mine, hf), f"transformers' {t} mask differs from SPEC §3 on a plain row"
 
 
-def run_case(ringflex, name, vision, workdir):
+def run_case(ringflex, name, vision, workdir, launcher=()):
     gen = torch.Generator().manual_seed(1234)
     cfg = CONFIGS[name](vision)
     cfg._attn_implementation = "eager"
@@ -225,13 +232,24 @@ def run_case(ringflex, name, vision, workdir):
     batch_path = os.path.join(workdir, f"batch_{name}_{int(vision)}.safetensors")
     out_path = os.path.join(workdir, f"out_{name}_{int(vision)}.safetensors")
     save_file({k: v.contiguous() for k, v in batch.items()}, batch_path)
-    proc = subprocess.run([ringflex, "forward", "--model", ckpt, "--in", batch_path, "--out", out_path, "--grad"],
-                          capture_output=True, text=True)
+    stats_path = os.path.join(workdir, f"stats_{name}_{int(vision)}.json")
+    extra = ["--stats", stats_path] if launcher else []
+    proc = subprocess.run([*launcher, ringflex, "forward", "--model", ckpt, "--in", batch_path, "--out", out_path,
+                           "--grad", *extra], capture_output=True, text=True)
     if proc.returncode != 0:
         raise AssertionError(f"ringflex forward failed: {proc.stderr.strip()}")
     out = load_file(out_path)
 
     failures = []
+    if launcher:
+        # --stats: one record per rank with the issue's fields; the ranks hold every token of the batch once.
+        with open(stats_path) as f:
+            ranks = json.load(f)["ranks"]
+        keys = {"rank", "tokens", "kept_activation_bytes", "bytes_received", "compute_s", "wall_s", "peak_rss_bytes"}
+        if [r.get("rank") for r in ranks] != list(range(len(ranks))) or any(keys - set(r) for r in ranks):
+            failures.append(f"--stats records malformed: {ranks}")
+        elif sum(r["tokens"] for r in ranks) != B * S:
+            failures.append(f"--stats tokens sum to {sum(r['tokens'] for r in ranks)}, the batch has {B * S}")
 
     def compare(what, mine, ref):
         ref = ref.detach().double()
@@ -258,6 +276,34 @@ def run_case(ringflex, name, vision, workdir):
         return False
     print(f"ok   {label}: {len(grads)} gradients, worst relative error {worst:.2e}")
     return True
+
+
+def check_errors_under_launcher(ringflex, workdir, launcher, ranks):
+    """Under mpirun: a bad input, or more ranks than tokens in a row, is the same one line on every rank, a
+    non-zero exit and no output file."""
+    cfg = CONFIGS["dense"](False)
+    ckpt = os.path.join(workdir, "errors_cp")
+    Gemma4ForCausalLM(cfg).save_pretrained(ckpt, safe_serialization=True)
+    short = ranks - 1
+    cases = [
+        ("more ranks than tokens", {"input_ids": torch.ones((B, short), dtype=torch.int64)}, f"over {ranks} ranks"),
+        ("token out of range", {"input_ids": torch.full((B, S), V, dtype=torch.int64)}, "vocab_size"),
+    ]
+    ok = True
+    for what, tensors, expected in cases:
+        path = os.path.join(workdir, "bad_cp.safetensors")
+        out = os.path.join(workdir, "bad_cp_out.safetensors")
+        save_file(tensors, path)
+        proc = subprocess.run([*launcher, ringflex, "forward", "--model", ckpt, "--in", path, "--out", out],
+                              capture_output=True, text=True)
+        lines = [l for l in proc.stderr.splitlines() if l.startswith("ringflex:")]
+        if (proc.returncode == 0 or len(lines) != ranks or len(set(lines)) != 1 or expected not in lines[0]
+                or os.path.exists(out)):
+            print(f"FAIL error case '{what}' under {' '.join(launcher)}: rc {proc.returncode}, lines {lines!r}")
+            ok = False
+    if ok:
+        print(f"ok   {len(cases)} bad inputs rejected with the same line on all {ranks} ranks")
+    return ok
 
 
 def check_errors(ringflex, workdir):
@@ -318,18 +364,24 @@ def check_errors(ringflex, workdir):
 
 
 def main():
-    if len(sys.argv) != 2:
-        print("usage: parity.py PATH/TO/ringflex")
+    if len(sys.argv) < 2:
+        print("usage: parity.py PATH/TO/ringflex [LAUNCHER...]")
         return 2
+    launcher = sys.argv[2:]
     torch.set_num_threads(1)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}"
+          + (f", through {' '.join(launcher)}" if launcher else ""))
     check_transformers_mask_agrees(CONFIGS["dense"](True))
     ok = True
     with tempfile.TemporaryDirectory() as workdir:
-        ok = check_errors(sys.argv[1], workdir)
+        if launcher:
+            ranks = int(launcher[launcher.index("-n") + 1]) if "-n" in launcher else 1
+            ok = check_errors_under_launcher(sys.argv[1], workdir, launcher, ranks) if ranks > 1 else True
+        else:
+            ok = check_errors(sys.argv[1], workdir)
         for name in CONFIGS:
             for vision in (False, True):
-                ok = run_case(sys.argv[1], name, vision, workdir) and ok
+                ok = run_case(sys.argv[1], name, vision, workdir, launcher) and ok
     return 0 if ok else 1
 
 

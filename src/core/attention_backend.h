@@ -1,0 +1,74 @@
+// ringflex core: the attention seam a model is handed (issue 8): local kernels at P = 1, the CP engine at P > 1.
+//
+// A model never sees a communicator. Once per batch it hands the backend the full rows' token metadata and its
+// layer masks; the backend chooses which tokens of the rows this rank holds (a RowShard, equal length L on every
+// rank) and prepares whatever the masks need (the CP engine builds its communication plan once here, shared by
+// every layer of a mask). Then, per layer, the model calls forward/backward on this rank's tokens only, with the
+// shard's global TokenMeta, and every rank makes the same sequence of calls (they are collective under CP).
+// Implementations: rf::cpu::LocalAttention (cpu/local_attention.h) and rf::cp::CpAttention (cp/cp_backend.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "core/attention_args.h"
+#include "core/mask.h"
+
+namespace rf {
+
+// `layers` layers of the model use `mask`; a model lists each distinct mask once.
+struct MaskLayers {
+  LayerMask mask;
+  int layers = 1;
+};
+
+// Which tokens of a batch's rows each rank holds. Every rank holds L tokens of each of the B rows (the rows share
+// one map); the row is padded to P * L, and positions >= S are that padding (doc = 0: they see and are seen by
+// nothing, carry no label and no gradient).
+struct RowShard {
+  int S = 0;     // tokens per row before sharding
+  int L = 0;     // tokens per rank per row
+  int P = 1;     // ranks
+  int rank = 0;  // this rank
+  std::vector<std::vector<int32_t>> positions;  // [P][L]: padded-row position of each rank's local tokens
+
+  const std::vector<int32_t>& mine() const { return positions[static_cast<size_t>(rank)]; }
+  bool is_pad(int32_t position) const { return position >= S; }
+};
+
+// One layer's attention on this rank's tokens: shape.Lq == shape.Lk == L.
+struct ShardAttention {
+  AttnShape shape;
+  const float* q = nullptr;         // [B, Hq, L, D] float32
+  const float* k = nullptr;         // [B, Hkv, L, D] float32
+  const float* v = nullptr;         // [B, Hkv, L, D] float32
+  const TokenMeta* meta = nullptr;  // [B, L]: idx is the position in the (padded) full row
+  LayerMask mask;
+  float scale = 0.f;  // 0: 1/sqrt(D)
+};
+
+class AttentionBackend {
+ public:
+  virtual ~AttentionBackend() = default;
+  virtual int rank() const = 0;
+  virtual int ranks() const = 0;
+
+  // Chooses this rank's tokens of the batch and prepares every mask of `mix` (collective). rows: [B, S], the full
+  // rows' metadata, identical on every rank. Throws rf::Error (on every rank alike) when the row cannot be split,
+  // e.g. fewer tokens than ranks.
+  virtual RowShard begin_batch(const TokenMeta* rows, int B, int S, const std::vector<MaskLayers>& mix) = 0;
+
+  // o: [B, Hq, L, D], lse: [B, Hq, L] float32, written (-inf and o = 0 where a query sees nothing). Collective.
+  virtual void forward(const ShardAttention& x, float* o, float* lse) = 0;
+
+  // o, lse: forward's outputs; dout: [B, Hq, L, D]. Writes (not accumulates) float32 dq: [B, Hq, L, D] and
+  // dk, dv: [B, Hkv, L, D] for this rank's keys, summed over every rank's queries. Collective.
+  virtual void backward(const ShardAttention& x, const float* o, const float* lse, const float* dout, float* dq,
+                        float* dk, float* dv) = 0;
+
+  // In place: each value summed over the ranks in rank order 0..P-1, the same bits on every rank. Collective.
+  virtual void sum_over_ranks(double* values, size_t n) = 0;
+};
+
+}  // namespace rf

@@ -1,0 +1,123 @@
+// ringflex model: the attention block of a Gemma 4 layer, forward and backward (gemma4_run.h).
+//
+// Q, K and V are produced head-major ([B, heads, S, D], the layout the attention seam reads) by one sgemm per row
+// and head, and o_proj reads O head-major the same way, so no full-tensor transpose happens per layer. Attention
+// itself runs through the AttentionBackend: the local kernels, or the CP ring over this rank's shard.
+#include <algorithm>
+
+#include "model/gemma4_run.h"
+
+namespace rf::model {
+
+void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, bool reuse_attention) {
+  const LayerSpec& sp = m.specs_[l];
+  const LayerSlots& sl = m.slots_[l];
+  const int Hq = cfg.num_heads, Hkv = sp.kv_heads, D = sp.head_dim;
+  const int64_t qd = int64_t{Hq} * D, kd = int64_t{Hkv} * D;
+
+  // q/k get a scaled RMSNorm per head then RoPE; v a scale-free RMSNorm and no RoPE.
+  a.a = zeros(T * H);
+  a.r_in = zeros(T);
+  rmsnorm_forward(x, W(sl.input_norm), eps, a.a.data(), a.r_in.data(), T, H);
+  // Projections land head-major, [B, heads, S, D], the layout attention reads; norms and RoPE act per D-vector,
+  // so they run on that layout as they are.
+  a.q_raw = zeros(T * qd);
+  heads_forward(a.a.data(), W(sl.q_proj), a.q_raw.data(), B, S, H, Hq, D);
+  a.q_rms = zeros(T * Hq);
+  a.Q = zeros(T * qd);
+  rmsnorm_forward(a.q_raw.data(), W(sl.q_norm), eps, a.Q.data(), a.q_rms.data(), T * Hq, D);
+  rope_apply_head_major(a.Q.data(), rope(sp), B, Hq, S, false);
+
+  const float* K = nullptr;
+  const float* V = nullptr;
+  if (sp.kv_source < 0) {
+    a.k_raw = zeros(T * kd);
+    heads_forward(a.a.data(), W(sl.k_proj), a.k_raw.data(), B, S, H, Hkv, D);
+    if (sp.has_v_proj) {
+      a.v_raw = zeros(T * kd);
+      heads_forward(a.a.data(), W(sl.v_proj), a.v_raw.data(), B, S, H, Hkv, D);
+    }
+    const Vec& v_src = sp.has_v_proj ? a.v_raw : a.k_raw;  // attention_k_eq_v: V is the raw K projection
+    a.k_rms = zeros(T * Hkv);
+    a.v_rms = zeros(T * Hkv);
+    a.K = zeros(T * kd);
+    a.V = zeros(T * kd);
+    rmsnorm_forward(a.k_raw.data(), W(sl.k_norm), eps, a.K.data(), a.k_rms.data(), T * Hkv, D);
+    rope_apply_head_major(a.K.data(), rope(sp), B, Hkv, S, false);
+    rmsnorm_forward(v_src.data(), nullptr, eps, a.V.data(), a.v_rms.data(), T * Hkv, D);
+    if (sp.stores_kv && !reuse_attention) {
+      kv_K[l] = a.K;
+      kv_V[l] = a.V;
+    }
+    K = a.K.data();
+    V = a.V.data();
+  } else {
+    K = kv_K[sp.kv_source].data();
+    V = kv_V[sp.kv_source].data();
+  }
+  if (!reuse_attention) {
+    a.O = zeros(T * qd);
+    a.lse = zeros(T * Hq);
+    attn.forward(attention(sp, a.Q.data(), K, V), a.O.data(), a.lse.data());
+  }
+  a.ao = zeros(T * H);
+  merge_heads_forward(a.O.data(), W(sl.o_proj), a.ao.data(), B, S, Hq, D, H);
+  a.x1 = zeros(T * H);
+  a.r_pa = zeros(T);
+  rmsnorm_forward(a.ao.data(), W(sl.post_attn_norm), eps, a.x1.data(), a.r_pa.data(), T, H);
+  add_into(a.x1.data(), x, T * H);
+
+}
+
+void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, const float* dx1, float* dx) {
+  const LayerSpec& sp = m.specs_[l];
+  const LayerSlots& sl = m.slots_[l];
+  const int Hq = cfg.num_heads, Hkv = sp.kv_heads, D = sp.head_dim;
+  const int64_t qd = int64_t{Hq} * D, kd = int64_t{Hkv} * D;
+
+  Vec dao = zeros(T * H);
+  rmsnorm_backward(a.ao.data(), W(sl.post_attn_norm), a.r_pa.data(), dx1, dao.data(), G(sl.post_attn_norm), T,
+                   H);
+  Vec dO = zeros(T * qd);  // [B, Hq, S, D]
+  merge_heads_backward(a.O.data(), W(sl.o_proj), dao.data(), dO.data(), G(sl.o_proj), B, S, Hq, D, H);
+  Vec dQ = zeros(T * qd);
+  Vec dK = zeros(T * kd), dV = zeros(T * kd);  // this layer's own contribution, written by the backend
+  const bool shared = sp.kv_source >= 0;
+  const float* K = shared ? kv_K[sp.kv_source].data() : a.K.data();
+  const float* V = shared ? kv_V[sp.kv_source].data() : a.V.data();
+  attn.backward(attention(sp, a.Q.data(), K, V), a.O.data(), a.lse.data(), dO.data(), dQ.data(), dK.data(),
+                dV.data());
+  if (shared) {
+    // KV-shared layer: its K/V gradients belong to the layer that produced them (reached later in the backward).
+    add_into(kv_dK[sp.kv_source].data(), dK.data(), T * kd);
+    add_into(kv_dV[sp.kv_source].data(), dV.data(), T * kd);
+  } else if (sp.stores_kv) {
+    // Plus what the layers that read this layer's K/V sent back.
+    add_into(dK.data(), kv_dK[l].data(), T * kd);
+    add_into(dV.data(), kv_dV[l].data(), T * kd);
+  }
+
+  // Everything stays head-major back to the projections' weights.
+  rope_apply_head_major(dQ.data(), rope(sp), B, Hq, S, true);
+  Vec dq_raw = zeros(T * qd);
+  rmsnorm_backward(a.q_raw.data(), W(sl.q_norm), a.q_rms.data(), dQ.data(), dq_raw.data(), G(sl.q_norm), T * Hq, D);
+  Vec da = zeros(T * H);
+  heads_backward(a.a.data(), W(sl.q_proj), dq_raw.data(), da.data(), G(sl.q_proj), B, S, H, Hq, D);
+  if (sp.kv_source < 0) {
+    rope_apply_head_major(dK.data(), rope(sp), B, Hkv, S, true);
+    Vec dk_raw = zeros(T * kd);
+    rmsnorm_backward(a.k_raw.data(), W(sl.k_norm), a.k_rms.data(), dK.data(), dk_raw.data(), G(sl.k_norm), T * Hkv, D);
+    if (sp.has_v_proj) {
+      Vec dv_raw = zeros(T * kd);
+      rmsnorm_backward(a.v_raw.data(), nullptr, a.v_rms.data(), dV.data(), dv_raw.data(), nullptr, T * Hkv, D);
+      heads_backward(a.a.data(), W(sl.v_proj), dv_raw.data(), da.data(), G(sl.v_proj), B, S, H, Hkv, D);
+    } else {
+      rmsnorm_backward(a.k_raw.data(), nullptr, a.v_rms.data(), dV.data(), dk_raw.data(), nullptr, T * Hkv, D);
+    }
+    heads_backward(a.a.data(), W(sl.k_proj), dk_raw.data(), da.data(), G(sl.k_proj), B, S, H, Hkv, D);
+  }
+  std::copy_n(dx1, T * H, dx);
+  rmsnorm_backward(x, W(sl.input_norm), a.r_in.data(), da.data(), dx, G(sl.input_norm), T, H);
+}
+
+}  // namespace rf::model

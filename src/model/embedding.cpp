@@ -1,0 +1,222 @@
+// ringflex model: batch preparation, the embedding and the per-layer embeddings (PLE) of Gemma 4, forward and
+// backward (gemma4_run.h).
+//
+// Preparation follows issue 8: the full rows' token metadata (global idx, doc, image group) is built first, the
+// attention backend chooses this rank's tokens from it, and every sequence-resident array (ids, labels, positions,
+// metadata, image slots) is gathered to those tokens. The embedding, the image features' projection and the PLE
+// inputs are then computed for this rank's tokens only: they are per-token maps, so this is the same math as
+// embedding the full row and sharding the result, in O(L) instead of O(S) work and memory.
+#include <algorithm>
+
+#include "core/row_meta.h"
+#include "model/gemma4_run.h"
+#include "model/loss.h"
+
+namespace rf::model {
+
+void Gemma4Model::Run::prepare() {
+  m.check_batch(b, attn.ranks());
+  // Metadata of the full rows: groups are numbered on the whole row, so an image split across ranks keeps its id.
+  const int64_t T_row = int64_t{B} * S_row;
+  std::vector<TokenMeta> row_meta(static_cast<size_t>(T_row));  // [B, S_row]
+  for (int r = 0; r < B; ++r) {
+    const int64_t o = int64_t{r} * S_row;
+    std::vector<int32_t> group;
+    if (b.mm_token_type) group = group_ids_from_token_types(b.mm_token_type + o, S_row);
+    const std::vector<TokenMeta> row =
+        make_row_meta(S_row, b.doc ? b.doc + o : nullptr, group.empty() ? nullptr : group.data());
+    std::copy(row.begin(), row.end(), row_meta.begin() + o);
+  }
+  // Vision slots take the image features in row-major order of the full rows.
+  std::vector<int64_t> row_feature(static_cast<size_t>(T_row), -1);
+  if (b.image_features) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < T_row; ++t)
+      if (b.mm_token_type[t] != 0) row_feature[t] = n++;
+  }
+
+  shard = attn.begin_batch(row_meta.data(), B, S_row, m.mask_mix());
+  S = shard.L;
+  T = int64_t{B} * S;
+  const std::vector<int32_t>& mine = shard.mine();
+  // Sharding padding takes a real token id so every lookup stays in range; it is masked out of every gradient.
+  const int32_t pad_id = cfg.pad_token_id >= 0 ? cfg.pad_token_id : 0;
+  meta.resize(static_cast<size_t>(T));
+  ids.resize(static_cast<size_t>(T));
+  is_pad.resize(static_cast<size_t>(T));
+  positions.resize(static_cast<size_t>(T));
+  feature_of.assign(static_cast<size_t>(T), -1);
+  local_feature.assign(static_cast<size_t>(T), -1);
+  if (b.labels) labels.resize(static_cast<size_t>(T));
+  for (int r = 0; r < B; ++r) {
+    for (int j = 0; j < S; ++j) {
+      const int64_t t = int64_t{r} * S + j;
+      const int32_t p = mine[static_cast<size_t>(j)];
+      if (shard.is_pad(p)) {
+        meta[t] = TokenMeta{p, kPaddingDoc, kNoGroup};
+        ids[t] = pad_id;
+        is_pad[t] = 1;
+        positions[t] = 0;
+        if (b.labels) labels[t] = kIgnoreLabel;
+        continue;
+      }
+      const int64_t g = int64_t{r} * S_row + p;
+      meta[t] = row_meta[g];
+      ids[t] = b.input_ids[g];
+      is_pad[t] = 0;
+      positions[t] = b.position_ids ? b.position_ids[g] : p;
+      if (b.labels) labels[t] = b.labels[g];
+      if (row_feature[g] >= 0) {
+        feature_of[t] = row_feature[g];
+        local_feature[t] = static_cast<int64_t>(used_features.size());
+        used_features.push_back(row_feature[g]);
+      }
+    }
+  }
+  for (int i = 0; i < cfg.num_layers; ++i) {
+    const LayerSpec& s = m.specs_[i];
+    RopeTable& r = s.sliding ? rope_sliding : rope_full;
+    if (r.D == 0)
+      r = make_rope_table(positions.data(), T, s.head_dim, s.rope->proportional, s.rope->theta,
+                          s.rope->partial_rotary_factor, s.rope->factor);
+  }
+  ple_ids = ids;
+  // As Gemma4Model: multimodal slots read the pad id's per-layer embedding.
+  for (int64_t t = 0; t < T; ++t)
+    if (feature_of[t] >= 0) ple_ids[t] = pad_id;
+}
+
+void Gemma4Model::Run::embed() {
+  // transformers casts sqrt(H) to the weight dtype before multiplying.
+  const float scale = static_cast<float>(std::sqrt(static_cast<double>(H)));
+  h0 = zeros(T * H);
+  const float* E = W(m.embed_);
+#pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* e = E + int64_t{ids[t]} * H;
+    for (int64_t i = 0; i < H; ++i) h0[t * H + i] = e[i] * scale;
+  }
+  if (!used_features.empty()) {
+    // Only the features of this rank's tokens are projected: the same per-row math as projecting all N, O(L).
+    const int64_t n = static_cast<int64_t>(used_features.size());
+    const int64_t F = m.vision_dim_ > 0 ? m.vision_dim_ : H;
+    feat_raw = zeros(n * F);
+    for (int64_t i = 0; i < n; ++i) std::copy_n(b.image_features + used_features[i] * F, F, feat_raw.data() + i * F);
+    Vec projected;
+    const float* feats = feat_raw.data();
+    if (m.vision_dim_ > 0) {
+      feat_in = zeros(n * F);
+      feat_rms = zeros(n);
+      rmsnorm_forward(feat_raw.data(), nullptr, eps, feat_in.data(), feat_rms.data(), n, F);
+      projected = zeros(n * H);
+      linear_forward(feat_in.data(), W(m.vision_proj_), projected.data(), n, F, H);
+      feats = projected.data();
+    }
+    for (int64_t t = 0; t < T; ++t)
+      if (local_feature[t] >= 0) std::copy_n(feats + local_feature[t] * H, H, h0.data() + t * H);
+  }
+  if (cfg.ple_dim == 0) return;
+  // Per-layer inputs: (RMSNorm(h0 Wp^T * H^-1/2) + E_ple[id] * sqrt(P)) * 2^-1/2, [T, L, P].
+  const int64_t P = cfg.ple_dim, LP = int64_t{cfg.num_layers} * P;
+  ple_raw = zeros(T * LP);
+  linear_forward(h0.data(), W(m.ple_proj_), ple_raw.data(), T, H, LP);
+  const float proj_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
+  for (float& v : ple_raw) v *= proj_scale;
+  ple = zeros(T * LP);
+  ple_rms = zeros(T * cfg.num_layers);
+  rmsnorm_forward(ple_raw.data(), W(m.ple_norm_), eps, ple.data(), ple_rms.data(), T * cfg.num_layers, P);
+  const float tok_scale = static_cast<float>(std::sqrt(static_cast<double>(P)));
+  const float* Ep = W(m.ple_embed_);
+#pragma omp parallel for schedule(static) if (T * LP >= kParallelMinElements)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* e = Ep + int64_t{ple_ids[t]} * LP;
+    for (int64_t i = 0; i < LP; ++i) ple[t * LP + i] = (ple[t * LP + i] + e[i] * tok_scale) * kPleCombineScale;
+  }
+}
+
+void Gemma4Model::Run::embed_backward(const float* dh0_in) {
+  Vec dh0(dh0_in, dh0_in + T * H);
+  if (cfg.ple_dim > 0) {
+    const int64_t P = cfg.ple_dim, LP = int64_t{cfg.num_layers} * P;
+    Vec dnormed(dple);
+    for (float& v : dnormed) v *= kPleCombineScale;
+    Vec draw = zeros(T * LP);
+    rmsnorm_backward(ple_raw.data(), W(m.ple_norm_), ple_rms.data(), dnormed.data(), draw.data(), G(m.ple_norm_),
+                     T * cfg.num_layers, P);
+    const float proj_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
+    for (float& v : draw) v *= proj_scale;
+    linear_backward(h0.data(), W(m.ple_proj_), draw.data(), dh0.data(), G(m.ple_proj_), T, H, LP);
+    // Token half: nn.Embedding(padding_idx = pad) gives the pad row no gradient.
+    const float tok_scale = static_cast<float>(std::sqrt(static_cast<double>(P)));
+    float* gE = G(m.ple_embed_);
+    for (int64_t t = 0; t < T; ++t) {
+      if (is_pad[t] || ple_ids[t] == cfg.pad_token_id) continue;
+      float* g = gE + int64_t{ple_ids[t]} * LP;
+      for (int64_t i = 0; i < LP; ++i) g[i] += dnormed[t * LP + i] * tok_scale;  // dnormed = dple * 2^-1/2
+    }
+  }
+  if (b.image_features) {
+    // This rank's rows of d image_features; the other ranks hold the rest (Result::d_image_features).
+    const int64_t N = b.n_image_features, n = static_cast<int64_t>(used_features.size());
+    const int64_t F = m.vision_dim_ > 0 ? m.vision_dim_ : H;
+    Vec dfeat = zeros(n * H);  // [n, H]
+    for (int64_t t = 0; t < T; ++t)
+      if (local_feature[t] >= 0) std::copy_n(dh0.data() + t * H, H, dfeat.data() + local_feature[t] * H);
+    if (m.vision_dim_ > 0 && n > 0) {
+      Vec dnorm = zeros(n * F);
+      linear_backward(feat_in.data(), W(m.vision_proj_), dfeat.data(), dnorm.data(), G(m.vision_proj_), n, F, H);
+      dfeat = zeros(n * F);
+      rmsnorm_backward(feat_raw.data(), nullptr, feat_rms.data(), dnorm.data(), dfeat.data(), nullptr, n, F);
+    }
+    d_image_features = zeros(N * F);
+    for (int64_t i = 0; i < n; ++i)
+      std::copy_n(dfeat.data() + i * F, F, d_image_features.data() + used_features[i] * F);
+  }
+  const float scale = static_cast<float>(std::sqrt(static_cast<double>(H)));
+  float* gE = G(m.embed_);
+  // Columns in parallel, tokens in order: each gradient element sums its tokens in one fixed order.
+#pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
+  for (int64_t i = 0; i < H; ++i) {
+    for (int64_t t = 0; t < T; ++t) {
+      if (feature_of[t] >= 0 || is_pad[t] || ids[t] == cfg.pad_token_id) continue;
+      gE[int64_t{ids[t]} * H + i] += dh0[t * H + i] * scale;
+    }
+  }
+}
+
+void Gemma4Model::Run::ple_forward(int l, const float* x2, PleActs& a, float* x3) {
+  const LayerSlots& sl = m.slots_[l];
+  const int64_t P = cfg.ple_dim, LP = int64_t{cfg.num_layers} * P;
+  a.ple_l = zeros(T * P);
+  for (int64_t t = 0; t < T; ++t) std::copy_n(ple.data() + t * LP + l * P, P, a.ple_l.data() + t * P);
+  a.gp = zeros(T * P);
+  linear_forward(x2, W(sl.ple_gate), a.gp.data(), T, H, P);
+  a.gm = zeros(T * P);
+  for (int64_t i = 0; i < T * P; ++i) a.gm[i] = gelu_tanh(a.gp[i]) * a.ple_l[i];
+  a.pp = zeros(T * H);
+  linear_forward(a.gm.data(), W(sl.ple_proj), a.pp.data(), T, P, H);
+  a.r_ppn = zeros(T);
+  rmsnorm_forward(a.pp.data(), W(sl.ple_post_norm), eps, x3, a.r_ppn.data(), T, H);
+  add_into(x3, x2, T * H);
+}
+
+void Gemma4Model::Run::ple_backward(int l, PleActs& a, const float* x2, const float* dx3, float* dx2) {
+  const LayerSlots& sl = m.slots_[l];
+  const int64_t P = cfg.ple_dim, LP = int64_t{cfg.num_layers} * P;
+  Vec dpp = zeros(T * H);
+  rmsnorm_backward(a.pp.data(), W(sl.ple_post_norm), a.r_ppn.data(), dx3, dpp.data(), G(sl.ple_post_norm),
+                   T, H);
+  Vec dgm = zeros(T * P);
+  linear_backward(a.gm.data(), W(sl.ple_proj), dpp.data(), dgm.data(), G(sl.ple_proj), T, P, H);
+  Vec dgp = zeros(T * P);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t i = 0; i < P; ++i) {
+      const int64_t k = t * P + i;
+      dgp[k] = dgm[k] * a.ple_l[k] * gelu_tanh_grad(a.gp[k]);
+      dple[t * LP + l * P + i] += dgm[k] * gelu_tanh(a.gp[k]);
+    }
+  }
+  linear_backward(x2, W(sl.ple_gate), dgp.data(), dx2, G(sl.ple_gate), T, H, P);
+}
+
+}  // namespace rf::model

@@ -1,0 +1,172 @@
+// ringflex model: one run of the Gemma 4 decoder (internal to src/model): the batch's sharded arrays, the kept
+// activations, and the blocks of a layer, each a forward/backward pair with its own activations:
+//   embedding.cpp        batch preparation (metadata on the full rows, sharding), embedding, image features,
+//                        per-layer embeddings (PLE) and each layer's PLE block
+//   attention_block.cpp  input norm, q/k/v projections head-major, RoPE, attention through the backend, o_proj
+//   mlp.cpp              the dense GeGLU MLP
+//   moe.cpp              the router and experts beside it (enable_moe_block)
+//   gemma4.cpp           parameters, the layer (residuals, layer scalar) and the whole run
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/attention_backend.h"
+#include "model/gemma4.h"
+#include "model/ops.h"
+
+namespace rf::model {
+
+using Vec = std::vector<float>;
+
+inline Vec zeros(int64_t n) { return Vec(static_cast<size_t>(n), 0.f); }
+
+inline void add_into(float* y, const float* x, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+inline int64_t bytes_of(std::initializer_list<const Vec*> vs) {
+  int64_t n = 0;
+  for (const Vec* v : vs) n += static_cast<int64_t>(v->size());
+  return n * static_cast<int64_t>(sizeof(float));
+}
+
+// Gemma 4 attention does not scale q.k (q and k are RMS-normalised per head instead).
+constexpr float kAttentionScale = 1.0f;
+// transformers' (projection + token part) * 2^-1/2 when combining the two halves of a per-layer input.
+inline const float kPleCombineScale = static_cast<float>(std::sqrt(0.5));
+
+// Activations of each block of one layer, alive while that layer is computed (forward) or recomputed and
+// differentiated. T = B * S tokens of this rank.
+struct AttnActs {
+  Vec a, r_in;                    // input norm: [T, H], [T]
+  Vec q_raw, q_rms, Q;            // head-major: [B, Hq, S, D], [B*Hq*S], [B, Hq, S, D] (normed, rotated)
+  Vec k_raw, k_rms, v_raw, v_rms; // head-major: [B, Hkv, S, D], [B*Hkv*S] (v_raw only with a v_proj)
+  Vec K, V;                       // [B, Hkv, S, D] own K/V (empty on KV-shared layers)
+  Vec O, lse;                     // [B, Hq, S, D], [B, Hq, S]
+  Vec ao, r_pa, x1;               // [T, H], [T], [T, H]
+  int64_t bytes() const {
+    return bytes_of({&a, &r_in, &q_raw, &q_rms, &Q, &k_raw, &k_rms, &v_raw, &v_rms, &K, &V, &O, &lse, &ao, &r_pa, &x1});
+  }
+};
+
+struct MlpActs {
+  Vec m_in, r_pf, g, u, hmid, mo; // [T, H], [T], [T, I] x3, [T, H]
+  int64_t bytes() const { return bytes_of({&m_in, &r_pf, &g, &u, &hmid, &mo}); }
+};
+
+struct MoeActs {
+  Vec h1, r_pf1;                  // post_ff_norm_1 of the MLP's output: [T, H], [T]
+  Vec rn, r_rn, rs, probs;        // router: [T, H], [T], [T, H], [T, E]
+  Vec top_wn, top_sum, top_w;     // [T, K], [T], [T, K]
+  Vec e_in, r_pre2, out2, r_pf2;  // experts' input [T, H], [T]; their weighted sum [T, H], [T]
+  Vec ff;                         // [T, H] h1 + post_ff_norm_2(out2)
+  std::vector<int32_t> top_idx;               // [T, K]
+  std::vector<std::vector<int64_t>> routed;   // per expert: t * K + j of its (token, choice) pairs, t ascending
+  std::vector<Vec> e_x, e_gu, e_hm, e_eo;     // per expert: [n, H], [n, 2*Im], [n, Im], [n, H]
+  int64_t bytes() const {
+    int64_t n = bytes_of({&h1, &r_pf1, &rn, &r_rn, &rs, &probs, &top_wn, &top_sum, &top_w, &e_in, &r_pre2, &out2,
+                          &r_pf2, &ff});
+    for (const auto* group : {&e_x, &e_gu, &e_hm, &e_eo})
+      for (const Vec& v : *group) n += static_cast<int64_t>(v.size() * sizeof(float));
+    return n;
+  }
+};
+
+struct PleActs {
+  Vec ple_l, gp, gm, pp, r_ppn;   // [T, P] x3, [T, H], [T]
+  int64_t bytes() const { return bytes_of({&ple_l, &gp, &gm, &pp, &r_ppn}); }
+};
+
+struct LayerActs {
+  AttnActs attn;
+  MlpActs mlp;
+  MoeActs moe;
+  Vec r_pff, x2;                  // post_ff_norm of the feed-forward output: [T], residual [T, H]
+  PleActs ple;
+  int64_t bytes() const { return attn.bytes() + mlp.bytes() + moe.bytes() + bytes_of({&r_pff, &x2}) + ple.bytes(); }
+};
+
+struct Gemma4Model::Run {
+  const Gemma4Model& m;
+  const Gemma4Config& cfg;
+  const Batch& b;
+  const RunOptions& opt;
+  TensorSet* grads;
+  AttentionBackend& attn;
+  int B;             // rows
+  int S_row;         // tokens of a full row
+  int S = 0;         // tokens of a row this rank holds (the shard's L; S_row at P = 1)
+  int64_t T = 0, H;  // T = B * S: this rank's tokens, token-major
+  float eps;
+  RowShard shard;
+  // Sequence-resident arrays, gathered to this rank's tokens ([T], shard order): the full rows' values at the
+  // shard's positions, SPEC §5 pad values at sharding padding.
+  std::vector<TokenMeta> meta;        // [B, S] global idx/doc/group (numbered on the full row)
+  std::vector<int32_t> ids;           // [T] input ids (pad id on sharding padding)
+  std::vector<int32_t> labels;        // [T] (kIgnoreLabel on sharding padding); empty without labels
+  std::vector<uint8_t> is_pad;        // [T] 1 on sharding padding: no embedding gradient
+  std::vector<int32_t> positions;     // [T] RoPE positions
+  RopeTable rope_sliding, rope_full;
+  std::vector<int64_t> feature_of;    // [T] index into image_features (global), -1 for a text token
+  std::vector<int64_t> local_feature; // [T] row of this rank's projected features, -1 for a text token
+  std::vector<int64_t> used_features; // [n] global feature rows this rank's tokens hold, in local order
+  std::vector<int32_t> ple_ids;       // [T] token ids for the per-layer embedding (pad on vision slots)
+  Vec feat_raw, feat_in, feat_rms;    // this rank's features: [n, F] as given, normed input, [n]
+  Vec h0;                             // [T, H] embedded row
+  Vec ple, ple_raw, ple_rms;          // [T, L*P] per-layer inputs; the projection half before its norm, [T*L]
+  Vec dple;                           // [T, L*P]
+  Vec d_image_features;               // [N, F]
+  std::vector<Vec> x_in;              // [L][T, H] layer inputs (training)
+  std::vector<Vec> saved_O, saved_lse;
+  std::vector<Vec> kv_K, kv_V, kv_dK, kv_dV;  // [L] K/V (and their gradients) of layers others read
+
+  Run(const Gemma4Model& model, const Batch& batch, const RunOptions& options, TensorSet* g, AttentionBackend& a)
+      : m(model), cfg(model.cfg_), b(batch), opt(options), grads(g), attn(a), B(batch.B), S_row(batch.S),
+        H(model.cfg_.hidden_size), eps(static_cast<float>(model.cfg_.rms_norm_eps)) {}
+
+  const float* W(size_t s) const { return s == kNoSlot ? nullptr : m.params_.data(s); }
+  float* G(size_t s) const { return grads == nullptr || s == kNoSlot ? nullptr : grads->data(s); }
+  const RopeTable& rope(const LayerSpec& s) const { return s.sliding ? rope_sliding : rope_full; }
+
+  ShardAttention attention(const LayerSpec& s, const float* Q, const float* K, const float* V) const {
+    ShardAttention x;
+    x.shape = AttnShape{B, cfg.num_heads, s.kv_heads, S, S, s.head_dim};
+    x.q = Q;
+    x.k = K;
+    x.v = V;
+    x.meta = meta.data();
+    x.mask = s.mask;
+    x.scale = kAttentionScale;
+    return x;
+  }
+
+  // Batch preparation and the embedding (embedding.cpp).
+  void prepare();
+  void embed();
+  void embed_backward(const float* dh0);
+  // Blocks of one decoder layer, each a forward/backward pair over its own activations. Backwards accumulate into
+  // the gradients of their inputs unless said otherwise.
+  // attention_block.cpp: x -> a.x1 = x + post_attn_norm(o_proj(attention(norms and RoPE of q/k/v(input_norm(x))))).
+  void attention_forward(int l, const float* x, AttnActs& a, bool reuse_attention);
+  // dx1: d loss / d x1 (the residual included); writes dx.
+  void attention_backward(int l, AttnActs& a, const float* x, const float* dx1, float* dx);
+  // mlp.cpp: x1 -> a.mo = down(gelu(gate(n)) * up(n)), n = pre_ff_norm(x1).
+  void mlp_forward(int l, const float* x1, MlpActs& a);
+  void mlp_backward(int l, MlpActs& a, const float* x1, const float* dmo, float* dx1);
+  // moe.cpp: (x1, mo) -> a.ff = post_ff_norm_1(mo) + post_ff_norm_2(experts(pre_ff_norm_2(x1)) routed on x1).
+  void moe_forward(int l, const float* x1, const float* mo, MoeActs& a);
+  // dff: d loss / d ff; writes dmo, accumulates dx1.
+  void moe_backward(int l, MoeActs& a, const float* x1, const float* mo, const float* dff, float* dmo, float* dx1);
+  // embedding.cpp: x2 -> x3 = x2 + post_per_layer_input_norm(proj(gelu(gate(x2)) * per-layer input l)).
+  void ple_forward(int l, const float* x2, PleActs& a, float* x3);
+  // dx3: d loss / d x3; accumulates dx2 (which must already hold dx3's residual part) and dple.
+  void ple_backward(int l, PleActs& a, const float* x2, const float* dx3, float* dx2);
+  // gemma4.cpp: the whole layer, composing the blocks with the feed-forward's residual and the layer scalar.
+  void layer_forward(int l, const float* x, float* out, LayerActs& a, bool reuse_attention);
+  void layer_backward(int l, LayerActs& a, const float* x, const float* dout, float* dx);
+};
+
+}  // namespace rf::model

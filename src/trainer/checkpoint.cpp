@@ -1,0 +1,177 @@
+// ringflex trainer: checkpoint directories (see checkpoint.h).
+#include "trainer/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.h"
+#include "io/atomic_file.h"
+#include "io/safetensors.h"
+#include "io/tensor_access.h"
+
+namespace rf::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr const char* kStatePrefix = "step-";
+constexpr int kStepDigits = 8;
+constexpr const char* kStateFile = "trainer_state.json";
+constexpr const char* kOptimizerFile = "optimizer.safetensors";
+
+void fsync_path(const fs::path& p, bool directory) {
+  const int fd = ::open(p.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  RF_CHECK(fd >= 0, p.string(), ": cannot open to sync");
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  RF_CHECK(rc == 0, p.string(), ": fsync failed");
+}
+
+// ".<name><suffix>": a hidden sibling that is never taken for a checkpoint. Built by appending (GCC 12 warns
+// falsely, -Wrestrict, on the operator+ chain).
+std::string hidden_name(const std::string& name, const char* suffix) {
+  std::string out = ".";
+  out.append(name);
+  out.append(suffix);
+  return out;
+}
+
+std::string step_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%s%0*lld", kStatePrefix, kStepDigits, static_cast<long long>(step));
+  return buf;
+}
+
+// Checkpoint directories under root, oldest first (the zero-padded step sorts by name).
+std::vector<fs::path> list_checkpoints(const fs::path& root) {
+  std::vector<fs::path> out;
+  if (!fs::is_directory(root)) return out;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    if (e.is_directory() && name.rfind(kStatePrefix, 0) == 0 && fs::exists(e.path() / kStateFile)) out.push_back(e.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p);
+  RF_CHECK(in.good(), p.string(), ": cannot open");
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+}  // namespace
+
+void write_file_atomically(const std::string& path, const std::string& text) {
+  io::AtomicFile f(path);
+  f.write(text);
+  f.commit();
+}
+
+std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const AdamW& optimizer,
+                                  const TrainState& state, int keep,
+                                  const std::function<void(const std::string&)>& before_rename) {
+  const fs::path base(root);
+  std::error_code ec;
+  fs::create_directories(base, ec);
+  RF_CHECK(!ec, root, ": cannot create the checkpoint directory: ", ec.message());
+  const std::string name = step_name(state.step);
+  const fs::path tmp = base / hidden_name(name, ".tmp"), final_dir = base / name;
+  fs::remove_all(tmp);  // left by an earlier crash
+  fs::create_directories(tmp);
+
+  model::save_checkpoint(weights, tmp.string());
+  io::SafetensorsWriter w;
+  const model::TensorSet& m = optimizer.exp_avg();
+  const model::TensorSet& v = optimizer.exp_avg_sq();
+  for (size_t i = 0; i < m.size(); ++i) {
+    w.add("exp_avg." + m[i].name, io::StDType::F32, m[i].shape, std::span<const float>(m[i].data));
+    w.add("exp_avg_sq." + v[i].name, io::StDType::F32, v[i].shape, std::span<const float>(v[i].data));
+  }
+  w.write((tmp / kOptimizerFile).string());
+  const json j = {{"step", state.step},
+                  {"data_position", state.data_position},
+                  {"seed", state.seed},
+                  {"history",
+                   {{"steps", state.history.steps},
+                    {"loss", state.history.loss},
+                    {"val_steps", state.history.val_steps},
+                    {"val_loss", state.history.val_loss}}},
+                  {"config", state.config_yaml}};
+  write_file_atomically((tmp / kStateFile).string(), j.dump(2) + "\n");
+  for (const auto& e : fs::directory_iterator(tmp)) fsync_path(e.path(), false);
+  fsync_path(tmp, true);
+  if (before_rename) before_rename(tmp.string());
+
+  if (fs::exists(final_dir)) {  // the same step saved by an earlier run: replace it as a whole
+    const fs::path old = base / hidden_name(name, ".old");
+    fs::remove_all(old);
+    fs::rename(final_dir, old);
+    fs::rename(tmp, final_dir);
+    fs::remove_all(old);
+  } else {
+    fs::rename(tmp, final_dir);
+  }
+  fsync_path(base, true);
+
+  std::vector<fs::path> all = list_checkpoints(base);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i]);
+  return final_dir.string();
+}
+
+std::string resolve_checkpoint(const std::string& dir_or_root) {
+  const fs::path p(dir_or_root);
+  if (fs::exists(p / kStateFile)) return p.string();
+  RF_CHECK(fs::is_directory(p), "--resume ", dir_or_root, ": no such directory");
+  const std::vector<fs::path> all = list_checkpoints(p);
+  RF_CHECK(!all.empty(), "--resume ", dir_or_root, ": neither a checkpoint (no ", kStateFile,
+           ") nor a directory holding any");
+  return all.back().string();
+}
+
+LoadedCheckpoint load_train_checkpoint(const std::string& dir) {
+  LoadedCheckpoint out;
+  out.weights = model::load_checkpoint(dir);
+  const fs::path state_path = fs::path(dir) / kStateFile;
+  json j;
+  try {
+    j = json::parse(read_text(state_path));
+    out.state.step = j.at("step").get<int64_t>();
+    out.state.data_position = j.at("data_position").get<int64_t>();
+    out.state.seed = j.at("seed").get<uint64_t>();
+    const json& h = j.at("history");
+    out.state.history.steps = h.at("steps").get<std::vector<int>>();
+    out.state.history.loss = h.at("loss").get<std::vector<double>>();
+    out.state.history.val_steps = h.at("val_steps").get<std::vector<int>>();
+    out.state.history.val_loss = h.at("val_loss").get<std::vector<double>>();
+    out.state.config_yaml = j.at("config").get<std::string>();
+  } catch (const json::exception& e) {
+    rf::fail(state_path.string(), ": not a valid trainer state: ", e.what());
+  }
+  return out;
+}
+
+void load_optimizer_state(const std::string& dir, AdamW& optimizer) {
+  const std::string path = (fs::path(dir) / kOptimizerFile).string();
+  const io::SafetensorsFile f = io::SafetensorsFile::open(path);
+  for (auto [prefix, set] : {std::pair{"exp_avg.", &optimizer.exp_avg()}, {"exp_avg_sq.", &optimizer.exp_avg_sq()}}) {
+    for (model::Tensor& t : *set) {
+      const io::TensorView& v = f.at(prefix + t.name);
+      RF_CHECK(v.dtype == io::StDType::F32 && v.shape == t.shape, path, ": `", prefix, t.name,
+               "` is not float32 of the parameter's shape ", io::shape_string(t.shape));
+      t.data = io::copy_as<float>(v);
+    }
+  }
+}
+
+}  // namespace rf::trainer

@@ -1,0 +1,60 @@
+// ringflex trainer: training checkpoints — atomic directories, resume, keep-last-K.
+//
+// A checkpoint is `<checkpoint.dir>/step-NNNNNNNN/` holding
+//   config.json, model.safetensors   the weights in the Hugging Face layout (transformers' from_pretrained and
+//                                    `ringflex forward --model` load them as they are);
+//   optimizer.safetensors            AdamW's moments, `exp_avg.<param>` and `exp_avg_sq.<param>` (float32);
+//   trainer_state.json               the optimizer step, the data position (next training row), the seed, the
+//                                    loss history (for the loss picture) and the resolved config.
+// Rank 0 writes everything into `.step-NNNNNNNN.tmp/`, fsyncs each file, renames the directory into place and
+// fsyncs the parent: a crash at any moment leaves either the previous checkpoints alone or the new one complete.
+// Hidden (dot) directories are never taken as checkpoints.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "model/checkpoint.h"
+#include "trainer/optimizer.h"
+
+namespace rf::trainer {
+
+struct LossHistory {
+  std::vector<int> steps;
+  std::vector<double> loss;
+  std::vector<int> val_steps;
+  std::vector<double> val_loss;
+};
+
+struct TrainState {
+  int64_t step = 0;           // optimizer steps done
+  int64_t data_position = 0;  // index of the next training row
+  uint64_t seed = 0;          // train.seed the run started with (the only RNG state: data and init derive from it)
+  LossHistory history;
+  std::string config_yaml;    // the resolved config of the run that wrote it
+};
+
+// Writes checkpoint `state.step` under `root`, then removes all but the newest `keep`. `before_rename`, when set,
+// runs after the files are written and synced but before the rename (tests use it to simulate a crash). Returns
+// the checkpoint's directory.
+std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const AdamW& optimizer,
+                                  const TrainState& state, int keep,
+                                  const std::function<void(const std::string&)>& before_rename = {});
+
+// A checkpoint directory itself, or a root whose newest checkpoint is meant. Throws rf::Error when there is none.
+std::string resolve_checkpoint(const std::string& dir_or_root);
+
+struct LoadedCheckpoint {
+  model::Checkpoint weights;
+  TrainState state;
+};
+// Loads weights and state; the optimizer's moments go into `optimizer` (same parameter names and shapes).
+LoadedCheckpoint load_train_checkpoint(const std::string& dir);
+void load_optimizer_state(const std::string& dir, AdamW& optimizer);
+
+// Writes `text` to `path` all or nothing (io::AtomicFile: a temporary beside it, fsync, rename).
+void write_file_atomically(const std::string& path, const std::string& text);
+
+}  // namespace rf::trainer

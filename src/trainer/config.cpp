@@ -1,0 +1,252 @@
+// ringflex trainer: the config table, YAML parsing, overrides, validation and printing (see config.h).
+#include "trainer/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <charconv>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace rf::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+// One config field: its `section.key` name, how to read a YAML value into it, and how to print it.
+struct Field {
+  std::string name;
+  std::string type;  // named in errors: "an integer", "a number", ...
+  std::function<void(TrainConfig&, const YAML::Node&)> read;
+  std::function<void(const TrainConfig&, YAML::Emitter&)> write;
+};
+
+template <typename T>
+T scalar_as(const YAML::Node& n, const std::string& name, const std::string& type) {
+  RF_CHECK(n.IsScalar(), "config: field `", name, "` must be ", type);
+  try {
+    return n.as<T>();
+  } catch (const YAML::Exception&) {
+    rf::fail("config: field `", name, "` must be ", type, ", got '", n.Scalar(), "'");
+  }
+}
+
+// Doubles print in their shortest round-trip form (0.003, not yaml-cpp's 0.0030000000000000001).
+template <typename V>
+void emit(YAML::Emitter& out, const V& v) {
+  out << v;
+}
+template <>
+void emit<double>(YAML::Emitter& out, const double& v) {
+  char buf[32];
+  const auto res = std::to_chars(buf, buf + sizeof buf, v);
+  out << std::string(buf, res.ptr);
+}
+
+template <typename T>
+Field field(const std::string& name, const std::string& type, T TrainConfig::*section, auto member) {
+  return Field{name, type,
+               [=](TrainConfig& c, const YAML::Node& n) {
+                 using V = std::remove_reference_t<decltype(c.*section.*member)>;
+                 c.*section.*member = scalar_as<V>(n, name, type);
+               },
+               [=](const TrainConfig& c, YAML::Emitter& out) { emit(out, c.*section.*member); }};
+}
+
+Field string_list(const std::string& name, std::vector<std::string> ModelSection::*member) {
+  return Field{name, "a list of strings",
+               [=](TrainConfig& c, const YAML::Node& n) {
+                 std::vector<std::string> items;
+                 if (n.IsScalar() && !n.Scalar().empty()) items.push_back(n.Scalar());  // `--set model.freeze=embed`
+                 else if (n.IsSequence()) {
+                   for (const YAML::Node& item : n) items.push_back(scalar_as<std::string>(item, name, "a list of strings"));
+                 } else {
+                   RF_CHECK(n.IsNull() || n.IsScalar(), "config: field `", name, "` must be a list of strings");
+                 }
+                 c.model.*member = items;
+               },
+               [=](const TrainConfig& c, YAML::Emitter& out) {
+                 out << YAML::Flow << YAML::BeginSeq;
+                 for (const std::string& s : c.model.*member) out << s;
+                 out << YAML::EndSeq;
+               }};
+}
+
+const std::vector<Field>& fields() {
+  static const std::string kInt = "an integer", kNum = "a number", kStr = "a string";
+  using C = TrainConfig;
+  static const std::vector<Field> table = {
+      field("model.builtin", kStr, &C::model, &ModelSection::builtin),
+      field("model.path", kStr, &C::model, &ModelSection::path),
+      field("model.init_std", kNum, &C::model, &ModelSection::init_std),
+      string_list("model.freeze", &ModelSection::freeze),
+      field("data.source", kStr, &C::data, &DataSection::source),
+      field("data.path", kStr, &C::data, &DataSection::path),
+      field("data.features", kStr, &C::data, &DataSection::features),
+      field("data.tokenizer", kStr, &C::data, &DataSection::tokenizer),
+      field("data.val_rows", kInt, &C::data, &DataSection::val_rows),
+      field("data.mock_image_tokens", kInt, &C::data, &DataSection::mock_image_tokens),
+      field("optimizer.lr", kNum, &C::optimizer, &OptimizerSection::lr),
+      field("optimizer.beta1", kNum, &C::optimizer, &OptimizerSection::beta1),
+      field("optimizer.beta2", kNum, &C::optimizer, &OptimizerSection::beta2),
+      field("optimizer.eps", kNum, &C::optimizer, &OptimizerSection::eps),
+      field("optimizer.weight_decay", kNum, &C::optimizer, &OptimizerSection::weight_decay),
+      field("optimizer.grad_clip", kNum, &C::optimizer, &OptimizerSection::grad_clip),
+      field("schedule.warmup_steps", kInt, &C::schedule, &ScheduleSection::warmup_steps),
+      field("schedule.min_lr_ratio", kNum, &C::schedule, &ScheduleSection::min_lr_ratio),
+      field("parallelism.cp", kInt, &C::parallelism, &ParallelismSection::cp),
+      field("parallelism.dp", kInt, &C::parallelism, &ParallelismSection::dp),
+      field("parallelism.sharding", kStr, &C::parallelism, &ParallelismSection::sharding),
+      field("train.steps", kInt, &C::train, &TrainSection::steps),
+      field("train.seq_len", kInt, &C::train, &TrainSection::seq_len),
+      field("train.global_batch", kInt, &C::train, &TrainSection::global_batch),
+      field("train.micro_batch", kInt, &C::train, &TrainSection::micro_batch),
+      field("train.seed", "a non-negative integer", &C::train, &TrainSection::seed),
+      field("train.threads", kInt, &C::train, &TrainSection::threads),
+      field("train.val_every", kInt, &C::train, &TrainSection::val_every),
+      field("train.log_every", kInt, &C::train, &TrainSection::log_every),
+      field("checkpoint.dir", kStr, &C::checkpoint, &CheckpointSection::dir),
+      field("checkpoint.every", kInt, &C::checkpoint, &CheckpointSection::every),
+      field("checkpoint.keep", kInt, &C::checkpoint, &CheckpointSection::keep),
+  };
+  return table;
+}
+
+const Field& find_field(const std::string& name, const std::string& source) {
+  for (const Field& f : fields())
+    if (f.name == name) return f;
+  rf::fail(source, ": unknown field `", name, "`");
+}
+
+}  // namespace
+
+TrainConfig parse_config(const std::string& yaml_text, const std::string& source, const std::vector<std::string>& sets) {
+  TrainConfig c;
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    rf::fail(source, ": not valid YAML: ", e.what());
+  }
+  if (!root.IsNull()) {
+    RF_CHECK(root.IsMap(), source, ": the config must be a map of sections (model, data, optimizer, ...)");
+    for (const auto& section : root) {
+      const std::string sname = section.first.as<std::string>();
+      if (section.second.IsNull()) continue;
+      RF_CHECK(section.second.IsMap(), source, ": section `", sname, "` must be a map of fields");
+      for (const auto& entry : section.second) {
+        const std::string name = sname + "." + entry.first.as<std::string>();
+        find_field(name, source).read(c, entry.second);
+      }
+    }
+  }
+  for (const std::string& set : sets) {
+    const size_t eq = set.find('=');
+    RF_CHECK(eq != std::string::npos && eq > 0, "--set ", set, ": expected section.key=value");
+    const std::string name = set.substr(0, eq), value = set.substr(eq + 1);
+    YAML::Node node;
+    try {
+      node = YAML::Load(value);
+    } catch (const YAML::Exception& e) {
+      rf::fail("--set ", set, ": value is not valid YAML: ", e.what());
+    }
+    if (node.IsNull()) node = YAML::Node(value);  // `--set checkpoint.dir=` means the empty string
+    find_field(name, "--set").read(c, node);
+  }
+  return c;
+}
+
+TrainConfig load_config(const std::string& path, const std::vector<std::string>& sets) {
+  std::ifstream in(path);
+  RF_CHECK(in.good(), path, ": cannot open the config file");
+  std::stringstream text;
+  text << in.rdbuf();
+  return parse_config(text.str(), path, sets);
+}
+
+void validate(const TrainConfig& c, int world_size) {
+  const auto positive = [](int v, const char* name) { RF_CHECK(v >= 1, "config: ", name, " = ", v, " must be >= 1"); };
+  const auto non_negative = [](double v, const char* name) {
+    RF_CHECK(v >= 0, "config: ", name, " = ", v, " must be >= 0");
+  };
+  if (c.model.path.empty()) {
+    RF_CHECK(c.model.builtin == "tiny_dense" || c.model.builtin == "tiny_moe_vlm", "config: model.builtin = '",
+             c.model.builtin, "' is not one of tiny_dense, tiny_moe_vlm (or set model.path to a checkpoint)");
+    RF_CHECK(c.model.init_std > 0, "config: model.init_std = ", c.model.init_std, " must be > 0");
+  } else {
+    RF_CHECK(fs::is_regular_file(fs::path(c.model.path) / "config.json"), "config: model.path = '", c.model.path,
+             "' has no config.json");
+  }
+  RF_CHECK(c.data.source == "mock" || c.data.source == "jsonl_tokens" || c.data.source == "jsonl_text",
+           "config: data.source = '", c.data.source, "' is not one of mock, jsonl_tokens, jsonl_text");
+  if (c.data.source != "mock") {
+    RF_CHECK(!c.data.path.empty(), "config: data.path is required with data.source = ", c.data.source);
+    RF_CHECK(fs::is_regular_file(c.data.path), "config: data.path = '", c.data.path, "' is not a file");
+  }
+  if (!c.data.features.empty())
+    RF_CHECK(fs::is_regular_file(c.data.features), "config: data.features = '", c.data.features, "' is not a file");
+  if (c.data.source == "jsonl_text") {
+    RF_CHECK(!c.data.tokenizer.empty() || !c.model.path.empty(),
+             "config: data.tokenizer is required with data.source = jsonl_text and a built-in model");
+  }
+  positive(c.data.val_rows, "data.val_rows");
+  positive(c.data.mock_image_tokens, "data.mock_image_tokens");
+  RF_CHECK(c.optimizer.lr > 0, "config: optimizer.lr = ", c.optimizer.lr, " must be > 0");
+  RF_CHECK(c.optimizer.beta1 >= 0 && c.optimizer.beta1 < 1, "config: optimizer.beta1 = ", c.optimizer.beta1,
+           " must be in [0, 1)");
+  RF_CHECK(c.optimizer.beta2 >= 0 && c.optimizer.beta2 < 1, "config: optimizer.beta2 = ", c.optimizer.beta2,
+           " must be in [0, 1)");
+  RF_CHECK(c.optimizer.eps > 0, "config: optimizer.eps = ", c.optimizer.eps, " must be > 0");
+  non_negative(c.optimizer.weight_decay, "optimizer.weight_decay");
+  non_negative(c.optimizer.grad_clip, "optimizer.grad_clip");
+  non_negative(c.schedule.warmup_steps, "schedule.warmup_steps");
+  RF_CHECK(c.schedule.min_lr_ratio >= 0 && c.schedule.min_lr_ratio <= 1, "config: schedule.min_lr_ratio = ",
+           c.schedule.min_lr_ratio, " must be in [0, 1]");
+  positive(c.parallelism.cp, "parallelism.cp");
+  positive(c.parallelism.dp, "parallelism.dp");
+  RF_CHECK(c.parallelism.sharding == "contiguous" || c.parallelism.sharding == "zigzag" ||
+               c.parallelism.sharding == "balanced",
+           "config: parallelism.sharding = '", c.parallelism.sharding, "' is not one of contiguous, zigzag, balanced");
+  RF_CHECK(int64_t{c.parallelism.cp} * c.parallelism.dp == world_size, "config: parallelism.cp * parallelism.dp = ",
+           c.parallelism.cp, " * ", c.parallelism.dp, " = ", int64_t{c.parallelism.cp} * c.parallelism.dp,
+           " does not match the ", world_size, " rank(s) of this job");
+  positive(c.train.steps, "train.steps");
+  positive(c.train.seq_len, "train.seq_len");
+  RF_CHECK(c.train.seq_len >= c.parallelism.cp, "config: train.seq_len = ", c.train.seq_len,
+           " is shorter than parallelism.cp = ", c.parallelism.cp, " (every CP rank needs a token)");
+  positive(c.train.global_batch, "train.global_batch");
+  positive(c.train.micro_batch, "train.micro_batch");
+  RF_CHECK(c.train.global_batch % c.parallelism.dp == 0, "config: train.global_batch = ", c.train.global_batch,
+           " is not a multiple of parallelism.dp = ", c.parallelism.dp);
+  RF_CHECK(c.global_batch_per_replica() % c.train.micro_batch == 0, "config: train.global_batch / parallelism.dp = ",
+           c.global_batch_per_replica(), " is not a multiple of train.micro_batch = ", c.train.micro_batch);
+  non_negative(c.train.threads, "train.threads");
+  non_negative(c.train.val_every, "train.val_every");
+  positive(c.train.log_every, "train.log_every");
+  non_negative(c.checkpoint.every, "checkpoint.every");
+  positive(c.checkpoint.keep, "checkpoint.keep");
+}
+
+std::string to_yaml(const TrainConfig& c) {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  std::string open_section;
+  for (const Field& f : fields()) {
+    const size_t dot = f.name.find('.');
+    const std::string section = f.name.substr(0, dot), key = f.name.substr(dot + 1);
+    if (section != open_section) {
+      if (!open_section.empty()) out << YAML::EndMap;
+      out << YAML::Key << section << YAML::Value << YAML::BeginMap;
+      open_section = section;
+    }
+    out << YAML::Key << key << YAML::Value;
+    f.write(c, out);
+  }
+  out << YAML::EndMap << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+}  // namespace rf::trainer

@@ -1,0 +1,91 @@
+// ringflex trainer: the training configuration (YAML), its defaults, `--set` overrides and up-front validation.
+//
+// Every field has a default, so an empty file is a valid config (the built-in tiny MoE VLM on mock data). A field
+// is addressed as `section.key` both in the file and on the command line (`--set train.steps=5`); the table in
+// config.cpp is the one place that lists them. Anything wrong (an unknown field, a value of the wrong type or out
+// of range, cp * dp != the number of ranks, ...) throws rf::Error naming the field before any work starts.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace rf::trainer {
+
+struct ModelSection {
+  std::string builtin = "tiny_moe_vlm";  // tiny_dense | tiny_moe_vlm; ignored when `path` is set
+  std::string path;                      // a Hugging Face Gemma 4 checkpoint directory
+  double init_std = 0.02;                // built-in models: weights ~ N(0, init_std)
+  std::vector<std::string> freeze;       // parameters whose name contains one of these do not train
+};
+
+struct DataSection {
+  std::string source = "mock";           // mock | jsonl_tokens | jsonl_text
+  std::string path;                      // the JSONL file (jsonl_tokens, jsonl_text)
+  std::string features;                  // jsonl_tokens with image spans: safetensors with `image_features` [N, F]
+  std::string tokenizer;                 // jsonl_text: SentencePiece model (default: <model.path>/tokenizer.model)
+  int val_rows = 8;                      // rows held out for validation
+  int mock_image_tokens = 16;            // mock: placeholder tokens per image block
+};
+
+struct OptimizerSection {
+  double lr = 3e-3;                      // peak learning rate
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double weight_decay = 0.1;             // decoupled (AdamW); only tensors of 2 or more dims decay
+  double grad_clip = 1.0;                // global L2 norm; 0 = off
+};
+
+struct ScheduleSection {
+  int warmup_steps = 20;                 // linear from lr / warmup_steps to lr
+  double min_lr_ratio = 0.1;             // cosine decays to lr * min_lr_ratio at train.steps
+};
+
+struct ParallelismSection {
+  int cp = 1;                            // context-parallel ranks per row
+  int dp = 1;                            // data-parallel replicas
+  std::string sharding = "balanced";     // how CP splits a row: contiguous | zigzag | balanced
+};
+
+struct TrainSection {
+  int steps = 300;                       // optimizer steps
+  int seq_len = 256;                     // tokens per packed row (S)
+  int global_batch = 4;                  // rows per optimizer step, over all DP replicas and accumulation
+  int micro_batch = 1;                   // rows per forward/backward on one DP replica
+  uint64_t seed = 0;                     // model init and mock data
+  int threads = 0;                       // OpenMP threads per rank; 0 = the runtime's default
+  int val_every = 50;                    // validation every N steps (and at the end); 0 = only at the end
+  int log_every = 10;                    // progress lines in a log file (a terminal updates every step)
+};
+
+struct CheckpointSection {
+  std::string dir;                       // empty: no checkpoints
+  int every = 0;                         // steps between checkpoints (and one at the end); 0 = only at the end
+  int keep = 3;                          // keep the last K checkpoints
+};
+
+struct TrainConfig {
+  ModelSection model;
+  DataSection data;
+  OptimizerSection optimizer;
+  ScheduleSection schedule;
+  ParallelismSection parallelism;
+  TrainSection train;
+  CheckpointSection checkpoint;
+
+  int accumulation_steps() const { return global_batch_per_replica() / train.micro_batch; }
+  int global_batch_per_replica() const { return train.global_batch / parallelism.dp; }
+};
+
+// Parses YAML text (`source` names it in errors), then applies `sets` ("section.key=value", in order). Checks
+// names and types, not the cross-field rules (see validate).
+TrainConfig parse_config(const std::string& yaml_text, const std::string& source,
+                         const std::vector<std::string>& sets = {});
+TrainConfig load_config(const std::string& path, const std::vector<std::string>& sets = {});
+
+// Cross-field rules and the files the config names; `world_size` is the number of ranks of the job.
+void validate(const TrainConfig& c, int world_size);
+
+// The resolved config as YAML, every field with its value (what --print-config shows and a checkpoint keeps).
+std::string to_yaml(const TrainConfig& c);
+
+}  // namespace rf::trainer

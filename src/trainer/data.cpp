@@ -1,0 +1,368 @@
+// ringflex trainer: mock VLM rows, JSONL token and text files, packing and per-epoch shuffling (see data.h).
+#include "trainer/data.h"
+
+#include <sentencepiece_processor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <numeric>
+
+#include "core/error.h"
+#include "io/safetensors.h"
+#include "io/tensor_access.h"
+
+namespace rf::trainer {
+namespace {
+
+using nlohmann::json;
+constexpr int32_t kIgnore = -100;
+
+// splitmix64: a fixed, portable generator (std's distributions differ between standard libraries, and the data
+// must be the same bits on every machine for resume and for the cross-P tests).
+struct Rng {
+  uint64_t state;
+  explicit Rng(uint64_t seed) : state(seed) {}
+  uint64_t next() {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  int uniform(int lo, int hi) { return lo + static_cast<int>(next() % static_cast<uint64_t>(hi - lo + 1)); }  // [lo, hi]
+  float unit() { return static_cast<float>(next() >> 40) * 0x1.0p-24f; }  // [0, 1)
+  float normal() {  // Box-Muller; float64 inside so the bits do not depend on libm's float paths
+    const double u1 = (static_cast<double>(next() >> 11) + 1.0) * 0x1.0p-53, u2 = static_cast<double>(next() >> 11) * 0x1.0p-53;
+    return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+  }
+};
+
+uint64_t mix(uint64_t a, uint64_t b) { return Rng(a * 0x100000001B3ull ^ b).next(); }
+
+// One document before packing: tokens, unshifted labels (the token itself, or -100 where it must not be
+// predicted), which tokens are image slots, and one feature vector per slot.
+struct Document {
+  std::vector<int32_t> ids, labels, mm;
+  std::vector<float> features;  // [slots, F]
+};
+
+// Appends `d` to `row` as document `doc_id` at offset `at`; the shifted label of the document's last token is
+// ignored (the next token belongs to another document).
+void place(Row& row, const Document& d, int at, int doc_id) {
+  const int n = static_cast<int>(d.ids.size());
+  for (int t = 0; t < n; ++t) {
+    row.input_ids[at + t] = d.ids[t];
+    row.labels[at + t] = t + 1 < n ? d.labels[t + 1] : kIgnore;
+    row.position_ids[at + t] = t;
+    row.doc[at + t] = doc_id;
+    row.mm_token_type[at + t] = d.mm[t];
+  }
+  row.image_features.insert(row.image_features.end(), d.features.begin(), d.features.end());
+}
+
+Row empty_row(int S, int pad_id) {
+  Row r;
+  r.input_ids.assign(S, pad_id);
+  r.labels.assign(S, kIgnore);
+  r.position_ids.assign(S, 0);
+  r.doc.assign(S, 0);
+  r.mm_token_type.assign(S, 0);
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Mock VLM data: counting sequences (token k = start + k * step, mod the text vocabulary), predictable after two
+// tokens, so the loss falls quickly; half the documents open with an image whose class (seen only through its
+// feature vectors) decides the caption token and the step of the counting that follows, so the loss can only
+// reach its floor by reading images through the vision projection.
+// ---------------------------------------------------------------------------------------------------------------
+class MockSource final : public DataSource {
+ public:
+  MockSource(const TrainConfig& c, const DataContract& k)
+      : S_(c.train.seq_len), F_(k.feature_dim), image_tokens_(c.data.mock_image_tokens), vocab_(k.vocab_size),
+        pad_(k.pad_token_id), seed_(c.train.seed), val_rows_(c.data.val_rows) {
+    RF_CHECK(vocab_ > mock::kFirstTextToken + 2 * mock::kClasses, "data.source = mock needs a vocabulary of more than ",
+             mock::kFirstTextToken + 2 * mock::kClasses, " tokens, the model has ", vocab_);
+    Rng rng(mix(seed_, kPrototypeStream));
+    prototypes_.resize(static_cast<size_t>(mock::kClasses) * F_);
+    for (float& x : prototypes_) x = rng.normal();
+  }
+  Row train_row(int64_t index) const override { return make(mix(mix(seed_, kTrainStream), static_cast<uint64_t>(index))); }
+  Row val_row(int index) const override { return make(mix(mix(seed_, kValStream), static_cast<uint64_t>(index))); }
+  int val_rows() const override { return val_rows_; }
+  int feature_dim() const override { return F_; }
+
+ private:
+  static constexpr uint64_t kTrainStream = 1, kValStream = 2, kPrototypeStream = 3;
+  static constexpr float kFeatureNoise = 0.3f;  // per-slot noise around the class prototype
+  static constexpr int kMaxStep = 7;
+
+  Document document(Rng& rng, int max_len) const {
+    Document d;
+    const int len = std::min(max_len, rng.uniform(mock::kMinDocument, mock::kMaxDocument));
+    const int text_vocab = vocab_ - mock::kFirstTextToken;
+    int start = rng.uniform(0, text_vocab - 1), step = rng.uniform(1, kMaxStep);
+    d.ids.push_back(mock::kBos);
+    d.mm.push_back(0);
+    const bool image = F_ > 0 && rng.uniform(0, 1) == 1 && len >= image_tokens_ + mock::kMinDocument / 2;
+    if (image) {
+      const int cls = rng.uniform(0, mock::kClasses - 1);
+      for (int s = 0; s < image_tokens_; ++s) {
+        d.ids.push_back(mock::kImageSlot);
+        d.mm.push_back(1);
+        for (int f = 0; f < F_; ++f) d.features.push_back(prototypes_[static_cast<size_t>(cls) * F_ + f] + kFeatureNoise * rng.normal());
+      }
+      d.ids.push_back(mock::kFirstCaptionToken + cls);
+      d.mm.push_back(0);
+      step = 1 + cls % kMaxStep;
+      start = cls * (text_vocab / mock::kClasses);
+    }
+    for (int k = 0; static_cast<int>(d.ids.size()) < len; ++k) {
+      d.ids.push_back(mock::kFirstTextToken + (start + k * step) % text_vocab);
+      d.mm.push_back(0);
+    }
+    d.labels = d.ids;
+    for (size_t t = 0; t < d.ids.size(); ++t)
+      if (d.mm[t] != 0 || t == 0) d.labels[t] = kIgnore;  // image slots and the document opener are never targets
+    return d;
+  }
+
+  Row make(uint64_t seed) const {
+    Rng rng(seed);
+    Row row = empty_row(S_, pad_);
+    int at = 0, doc_id = 0;
+    // Documents until fewer than the shortest fit; the rest of the row is padding.
+    while (S_ - at >= std::min(S_, mock::kMinDocument)) {
+      const Document d = document(rng, S_ - at);
+      place(row, d, at, ++doc_id);
+      at += static_cast<int>(d.ids.size());
+    }
+    return row;
+  }
+
+  int S_, F_, image_tokens_, vocab_, pad_;
+  uint64_t seed_;
+  int val_rows_;
+  std::vector<float> prototypes_;  // [kClasses, F]
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Files: every sample is a document; documents are packed first-fit in file order into rows, then served in a
+// seeded permutation per epoch.
+// ---------------------------------------------------------------------------------------------------------------
+class PackedSource final : public DataSource {
+ public:
+  PackedSource(std::vector<Row> rows, int val_rows, uint64_t seed, int F, const std::string& path)
+      : F_(F), seed_(seed) {
+    RF_CHECK(static_cast<int64_t>(rows.size()) > val_rows, path, ": packs into ", rows.size(),
+             " rows, not more than data.val_rows = ", val_rows, " (nothing would be left to train on)");
+    val_.assign(std::make_move_iterator(rows.end() - val_rows), std::make_move_iterator(rows.end()));
+    rows.resize(rows.size() - static_cast<size_t>(val_rows));
+    train_ = std::move(rows);
+  }
+  Row train_row(int64_t index) const override {
+    const int64_t n = static_cast<int64_t>(train_.size());
+    const int64_t epoch = index / n;
+    // Fisher-Yates with the portable generator, recomputed per call: rows are few and this is cheap next to a step.
+    std::vector<int64_t> order(static_cast<size_t>(n));
+    std::iota(order.begin(), order.end(), 0);
+    Rng rng(mix(seed_, static_cast<uint64_t>(epoch)));
+    for (int64_t i = n - 1; i > 0; --i) std::swap(order[i], order[rng.next() % static_cast<uint64_t>(i + 1)]);
+    return train_[order[index % n]];
+  }
+  Row val_row(int index) const override { return val_[index]; }
+  int val_rows() const override { return static_cast<int>(val_.size()); }
+  int feature_dim() const override { return F_; }
+
+ private:
+  int F_;
+  uint64_t seed_;
+  std::vector<Row> train_, val_;
+};
+
+std::vector<Row> pack(const std::vector<Document>& docs, int S, int pad) {
+  std::vector<Row> rows;
+  Row row = empty_row(S, pad);
+  int at = 0, doc_id = 0;
+  for (const Document& d : docs) {
+    const int n = static_cast<int>(d.ids.size());
+    if (at + n > S) {
+      rows.push_back(std::move(row));
+      row = empty_row(S, pad);
+      at = 0;
+      doc_id = 0;
+    }
+    place(row, d, at, ++doc_id);
+    at += n;
+  }
+  if (at > 0) rows.push_back(std::move(row));
+  return rows;
+}
+
+std::vector<int32_t> int_array(const json& j, const char* key, const std::string& where) {
+  RF_CHECK(j[key].is_array(), where, ": `", key, "` must be an array of integers");
+  std::vector<int32_t> out;
+  for (const json& v : j[key]) {
+    RF_CHECK(v.is_number_integer(), where, ": `", key, "` must be an array of integers");
+    out.push_back(v.get<int32_t>());
+  }
+  return out;
+}
+
+// Reads the non-empty lines of a JSONL file; calls fn(object, "path:line") for each.
+template <typename Fn>
+void for_each_line(const std::string& path, Fn fn) {
+  std::ifstream in(path);
+  RF_CHECK(in.good(), path, ": cannot open");
+  std::string line;
+  int number = 0, samples = 0;
+  while (std::getline(in, line)) {
+    ++number;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(number);
+    json j;
+    try {
+      j = json::parse(line);
+    } catch (const json::exception& e) {
+      rf::fail(where, ": not valid JSON: ", e.what());
+    }
+    RF_CHECK(j.is_object(), where, ": each line must be a JSON object");
+    fn(j, where);
+    ++samples;
+  }
+  RF_CHECK(samples > 0, path, ": the file has no samples");
+}
+
+void check_document(const Document& d, const std::string& where, const TrainConfig& c, const DataContract& k) {
+  const int n = static_cast<int>(d.ids.size());
+  RF_CHECK(n > 0, where, ": the sample has no tokens");
+  RF_CHECK(n <= c.train.seq_len, where, ": the sample has ", n, " tokens, longer than a row (train.seq_len = ",
+           c.train.seq_len, ")");
+  for (int t = 0; t < n; ++t) {
+    RF_CHECK(d.ids[t] >= 0 && d.ids[t] < k.vocab_size, where, ": token id ", d.ids[t], " at position ", t,
+             " is outside the model's vocabulary [0, ", k.vocab_size, ")");
+    RF_CHECK(d.labels[t] == kIgnore || (d.labels[t] >= 0 && d.labels[t] < k.vocab_size), where, ": label ",
+             d.labels[t], " at position ", t, " is neither -100 nor in [0, ", k.vocab_size, ")");
+  }
+}
+
+std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& k, int& F) {
+  std::vector<float> features;
+  int64_t n_features = 0;
+  std::unique_ptr<io::SafetensorsFile> file;
+  if (!c.data.features.empty()) {
+    file = std::make_unique<io::SafetensorsFile>(io::SafetensorsFile::open(c.data.features));
+    io::DimSizes dims;
+    const io::TensorView& v =
+        io::require(*file, {"image_features", {io::StDType::F32, io::StDType::BF16}, {"N", "F"}, ""}, dims);
+    RF_CHECK(dims["F"] == k.feature_dim, c.data.features, ": image_features has ", dims["F"],
+             " columns, the model expects ", k.feature_dim);
+    features = io::to_float32(v);
+    n_features = dims["N"];
+    F = k.feature_dim;
+  }
+  std::vector<Document> docs;
+  int64_t used = 0;
+  for_each_line(c.data.path, [&](const json& j, const std::string& where) {
+    RF_CHECK(j.contains("input_ids"), where, ": missing `input_ids`");
+    Document d;
+    d.ids = int_array(j, "input_ids", where);
+    d.labels = j.contains("labels") ? int_array(j, "labels", where) : d.ids;
+    RF_CHECK(d.labels.size() == d.ids.size(), where, ": `labels` has ", d.labels.size(), " entries, `input_ids` ",
+             d.ids.size());
+    d.mm.assign(d.ids.size(), 0);
+    if (j.contains("image_spans")) {
+      RF_CHECK(j["image_spans"].is_array(), where, ": `image_spans` must be a list of [start, length] pairs");
+      RF_CHECK(!features.empty(), where, ": has `image_spans` but data.features names no features file");
+      for (const json& span : j["image_spans"]) {
+        RF_CHECK(span.is_array() && span.size() == 2 && span[0].is_number_integer() && span[1].is_number_integer(),
+                 where, ": `image_spans` must be a list of [start, length] pairs");
+        const int64_t start = span[0], len = span[1];
+        RF_CHECK(start >= 0 && len >= 1 && start + len <= static_cast<int64_t>(d.ids.size()), where, ": image span [",
+                 start, ", ", len, "] is outside the sample's ", d.ids.size(), " tokens");
+        for (int64_t t = start; t < start + len; ++t) {
+          RF_CHECK(d.mm[t] == 0, where, ": image spans overlap at position ", t);
+          d.mm[t] = 1;
+          d.labels[t] = kIgnore;
+        }
+      }
+      // Features are taken in slot order, i.e. by position within the sample.
+      const int64_t slots = std::count(d.mm.begin(), d.mm.end(), 1);
+      RF_CHECK(used + slots <= n_features, where, ": image spans need feature rows up to ", used + slots, ", ",
+               c.data.features, " has ", n_features);
+      d.features.assign(features.begin() + used * F, features.begin() + (used + slots) * F);
+      used += slots;
+    }
+    check_document(d, where, c, k);
+    docs.push_back(std::move(d));
+  });
+  RF_CHECK(used == n_features, c.data.features, ": has ", n_features, " feature rows, the image spans of ",
+           c.data.path, " use ", used);
+  return docs;
+}
+
+std::vector<Document> read_text_file(const TrainConfig& c, const DataContract& k) {
+  const std::string model_file =
+      c.data.tokenizer.empty() ? (std::filesystem::path(k.model_path) / "tokenizer.model").string() : c.data.tokenizer;
+  sentencepiece::SentencePieceProcessor sp;
+  const auto status = sp.Load(model_file);
+  RF_CHECK(status.ok(), model_file, ": cannot load the SentencePiece model: ", status.ToString());
+  RF_CHECK(sp.GetPieceSize() <= k.vocab_size, model_file, ": the tokenizer has ", sp.GetPieceSize(),
+           " pieces, more than the model's vocabulary of ", k.vocab_size);
+  std::vector<Document> docs;
+  for_each_line(c.data.path, [&](const json& j, const std::string& where) {
+    RF_CHECK(j.contains("text") && j["text"].is_string(), where, ": missing `text` (a string)");
+    Document d;
+    std::vector<int> pieces;
+    const auto st = sp.Encode(j["text"].get<std::string>(), &pieces);
+    RF_CHECK(st.ok(), where, ": cannot tokenize: ", st.ToString());
+    if (sp.bos_id() >= 0) d.ids.push_back(sp.bos_id());
+    d.ids.insert(d.ids.end(), pieces.begin(), pieces.end());
+    if (sp.eos_id() >= 0) d.ids.push_back(sp.eos_id());
+    d.labels = d.ids;
+    if (sp.bos_id() >= 0) d.labels[0] = kIgnore;
+    d.mm.assign(d.ids.size(), 0);
+    check_document(d, where, c, k);
+    docs.push_back(std::move(d));
+  });
+  return docs;
+}
+
+}  // namespace
+
+int64_t PackedBatch::label_tokens() const {
+  return std::count_if(labels.begin(), labels.end(), [](int32_t l) { return l != kIgnore; });
+}
+
+int64_t PackedBatch::real_tokens() const {
+  return std::count_if(doc.begin(), doc.end(), [](int32_t d) { return d != 0; });
+}
+
+PackedBatch stack_rows(const std::vector<Row>& rows, int feature_dim) {
+  PackedBatch b;
+  b.B = static_cast<int>(rows.size());
+  b.S = rows.empty() ? 0 : static_cast<int>(rows[0].input_ids.size());
+  for (const Row& r : rows) {
+    b.input_ids.insert(b.input_ids.end(), r.input_ids.begin(), r.input_ids.end());
+    b.labels.insert(b.labels.end(), r.labels.begin(), r.labels.end());
+    b.position_ids.insert(b.position_ids.end(), r.position_ids.begin(), r.position_ids.end());
+    b.doc.insert(b.doc.end(), r.doc.begin(), r.doc.end());
+    b.mm_token_type.insert(b.mm_token_type.end(), r.mm_token_type.begin(), r.mm_token_type.end());
+    b.image_features.insert(b.image_features.end(), r.image_features.begin(), r.image_features.end());
+  }
+  b.n_image_features = feature_dim > 0 ? static_cast<int64_t>(b.image_features.size()) / feature_dim : 0;
+  return b;
+}
+
+std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& k) {
+  if (c.data.source == "mock") return std::make_unique<MockSource>(c, k);
+  int F = 0;
+  const std::vector<Document> docs =
+      c.data.source == "jsonl_tokens" ? read_token_file(c, k, F) : read_text_file(c, k);
+  return std::make_unique<PackedSource>(pack(docs, c.train.seq_len, k.pad_token_id), c.data.val_rows,
+                                        c.train.seed, F, c.data.path);
+}
+
+}  // namespace rf::trainer

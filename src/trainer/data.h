@@ -1,0 +1,73 @@
+// ringflex trainer: training data, packed into rows of S tokens with document ids, image slots and padding.
+//
+// A source turns documents into packed rows once (files) or on demand (mock), and serves them by index: row i of
+// the training stream is a pure function of (seed, i), so the data position saved in a checkpoint is one number
+// (the next row index) and any DP replica can fetch its own rows of a global batch without talking to the others.
+// Files cycle in epochs, each epoch in a seeded permutation of the packed rows; the last `data.val_rows` packed
+// rows of a file are the validation split and never train.
+//
+// A packed row (SPEC §2 metadata): doc ids count from 1 in each row, 0 is padding; position ids restart at 0 in
+// every document; labels are already shifted (labels[t] = the token at t + 1 of the same document, -100 where that
+// is an image slot, the document's end or padding); vision slots carry mm_token_type 1 and one feature vector each.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "trainer/config.h"
+
+namespace rf::trainer {
+
+struct Row {
+  std::vector<int32_t> input_ids;     // [S]
+  std::vector<int32_t> labels;        // [S] shifted targets, -100 = ignored
+  std::vector<int32_t> position_ids;  // [S]
+  std::vector<int32_t> doc;           // [S] 1, 2, ... per document; 0 = padding
+  std::vector<int32_t> mm_token_type; // [S] 0 text, 1 image slot
+  std::vector<float> image_features;  // [slots, F] in slot order
+};
+
+// Rows of one micro-batch laid out as the model's Batch wants them: [B, S] arrays, features [N, F] row-major.
+struct PackedBatch {
+  int B = 0, S = 0;
+  std::vector<int32_t> input_ids, labels, position_ids, doc, mm_token_type;  // [B, S]
+  std::vector<float> image_features;                                          // [N, F]
+  int64_t n_image_features = 0;
+  int64_t label_tokens() const;
+  int64_t real_tokens() const;  // non-padding tokens
+};
+PackedBatch stack_rows(const std::vector<Row>& rows, int feature_dim);
+
+class DataSource {
+ public:
+  virtual ~DataSource() = default;
+  virtual Row train_row(int64_t index) const = 0;
+  virtual Row val_row(int index) const = 0;
+  virtual int val_rows() const = 0;
+  virtual int feature_dim() const = 0;  // F of image features (0: the source has no images)
+};
+
+// What the data must agree with: the model's vocabulary, pad id and image feature width.
+struct DataContract {
+  int vocab_size = 0;
+  int pad_token_id = 0;
+  int feature_dim = 0;      // F the model accepts (its vision projection's width, or its hidden size)
+  std::string model_path;   // where jsonl_text looks for tokenizer.model by default
+};
+
+// Builds the configured source; reads and checks the whole file (ids against the vocabulary, sample lengths
+// against train.seq_len, image spans against the features file) and throws rf::Error naming file and line.
+std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& contract);
+
+// The mock VLM data's fixed shape, exposed for tests and docs.
+namespace mock {
+constexpr int kFirstTextToken = 32;   // ids below are special: 0 pad, 1 beginning of document, 2 image slot
+constexpr int kBos = 1, kImageSlot = 2;
+constexpr int kFirstCaptionToken = 8; // caption token of image class c is kFirstCaptionToken + c
+constexpr int kClasses = 16;
+constexpr int kMinDocument = 24, kMaxDocument = 96;
+}  // namespace mock
+
+}  // namespace rf::trainer

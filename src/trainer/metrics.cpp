@@ -1,0 +1,120 @@
+// ringflex trainer: progress, metrics and the loss picture (see metrics.h).
+#include "trainer/metrics.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace rf::trainer {
+
+std::string metrics_json_line(const StepMetrics& m) {
+  nlohmann::ordered_json j = {{"step", m.step},           {"loss", m.loss},
+                              {"lr", m.lr},               {"grad_norm", m.grad_norm},
+                              {"tokens", m.tokens},       {"tokens_per_s", m.tokens_per_s},
+                              {"peak_rss_bytes", m.peak_rss_bytes}};
+  if (m.val_loss) j["val_loss"] = *m.val_loss;
+  return j.dump() + "\n";
+}
+
+int64_t peak_rss_bytes() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  constexpr int64_t kBytesPerKiB = 1024;  // Linux reports ru_maxrss in KiB
+  return static_cast<int64_t>(u.ru_maxrss) * kBytesPerKiB;
+}
+
+std::string loss_svg(const LossHistory& h, const std::string& title) {
+  constexpr double kWidth = 720, kHeight = 400, kLeft = 60, kRight = 20, kTop = 36, kBottom = 44;
+  const double plot_w = kWidth - kLeft - kRight, plot_h = kHeight - kTop - kBottom;
+  double lo = INFINITY, hi = -INFINITY;
+  int last_step = 1;
+  for (double v : h.loss) lo = std::min(lo, v), hi = std::max(hi, v);
+  for (double v : h.val_loss) lo = std::min(lo, v), hi = std::max(hi, v);
+  for (int s : h.steps) last_step = std::max(last_step, s);
+  if (!(lo <= hi)) lo = 0, hi = 1;
+  if (hi - lo < 1e-9) hi = lo + 1;
+  const auto x = [&](int step) { return kLeft + plot_w * step / last_step; };
+  const auto y = [&](double v) { return kTop + plot_h * (hi - v) / (hi - lo); };
+  std::ostringstream s;
+  s.setf(std::ios::fixed);
+  s.precision(1);
+  s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << kWidth << "\" height=\"" << kHeight
+    << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  s << "<text x=\"" << kLeft << "\" y=\"20\" font-size=\"14\">" << title << "</text>\n";
+  s << "<rect x=\"" << kLeft << "\" y=\"" << kTop << "\" width=\"" << plot_w << "\" height=\"" << plot_h
+    << "\" fill=\"none\" stroke=\"#888\"/>\n";
+  constexpr int kTicks = 5;
+  for (int i = 0; i <= kTicks; ++i) {
+    const double v = lo + (hi - lo) * i / kTicks;
+    std::ostringstream label;
+    label.precision(3);
+    label << v;
+    s << "<text x=\"" << kLeft - 6 << "\" y=\"" << y(v) + 4 << "\" text-anchor=\"end\">" << label.str() << "</text>\n";
+    const int step = last_step * i / kTicks;
+    s << "<text x=\"" << x(step) << "\" y=\"" << kHeight - kBottom + 16 << "\" text-anchor=\"middle\">" << step
+      << "</text>\n";
+  }
+  s << "<text x=\"" << kLeft + plot_w / 2 << "\" y=\"" << kHeight - 8 << "\" text-anchor=\"middle\">step</text>\n";
+  if (!h.steps.empty()) {
+    s << "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"";
+    for (size_t i = 0; i < h.steps.size(); ++i) s << x(h.steps[i]) << "," << y(h.loss[i]) << " ";
+    s << "\"/>\n";
+  }
+  for (size_t i = 0; i < h.val_steps.size(); ++i)
+    s << "<circle cx=\"" << x(h.val_steps[i]) << "\" cy=\"" << y(h.val_loss[i]) << "\" r=\"4\" fill=\"#d62728\"/>\n";
+  s << "<line x1=\"" << kWidth - 190 << "\" y1=\"20\" x2=\"" << kWidth - 170
+    << "\" y2=\"20\" stroke=\"#1f77b4\" stroke-width=\"2\"/><text x=\"" << kWidth - 165 << "\" y=\"24\">train</text>\n";
+  s << "<circle cx=\"" << kWidth - 110 << "\" cy=\"20\" r=\"4\" fill=\"#d62728\"/><text x=\"" << kWidth - 100
+    << "\" y=\"24\">validation</text>\n</svg>\n";
+  return s.str();
+}
+
+namespace {
+// Under mpirun a rank's stdout is a pseudo-terminal of the launcher (Open MPI's I/O forwarding) whatever mpirun's
+// own stdout is, so isatty says nothing there; a launched rank prints whole lines, which read well either way.
+bool launched_by_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr; }
+}  // namespace
+
+Progress::Progress(std::FILE* out, int total_steps, int every)
+    : out_(out), terminal_(out != nullptr && isatty(fileno(out)) && !launched_by_mpirun()), total_(total_steps),
+      every_(every) {}
+
+namespace {
+std::string format_eta(double s) {
+  const int t = static_cast<int>(s + 0.5);
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%d:%02d", t / 60, t % 60);
+  return buf;
+}
+}  // namespace
+
+void Progress::step(const StepMetrics& m, double eta_s, bool force_line) {
+  if (!out_) return;
+  if (!terminal_ && !force_line && m.step % every_ != 0) return;
+  char line[256];
+  std::snprintf(line, sizeof line, "step %lld/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  ETA %s",
+                static_cast<long long>(m.step), total_, m.loss, m.lr, m.grad_norm, m.tokens_per_s,
+                format_eta(eta_s).c_str());
+  if (terminal_) {
+    std::fprintf(out_, "\r%s\x1b[K", line);  // rewrite in place, clearing what a longer line left
+    open_line_ = true;
+  } else {
+    std::fprintf(out_, "%s\n", line);
+  }
+  std::fflush(out_);
+}
+
+void Progress::note(const std::string& line) {
+  if (!out_) return;
+  if (open_line_) std::fputc('\n', out_);
+  open_line_ = false;
+  std::fprintf(out_, "%s\n", line.c_str());
+  std::fflush(out_);
+}
+
+}  // namespace rf::trainer

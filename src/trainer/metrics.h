@@ -1,0 +1,50 @@
+// ringflex trainer: what a run reports — the progress line, the metrics JSONL and the loss picture (SVG).
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <string>
+
+#include "trainer/checkpoint.h"
+
+namespace rf::trainer {
+
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = 0.0;
+  double lr = 0.0;
+  double grad_norm = 0.0;         // before clipping
+  int64_t tokens = 0;             // label tokens of the global batch (the loss's denominator)
+  double tokens_per_s = 0.0;      // non-padding tokens of the global batch per second of the step
+  int64_t peak_rss_bytes = 0;     // the largest peak resident set over the ranks
+  std::optional<double> val_loss;
+};
+
+// One JSON object per line: step, loss, lr, grad_norm, tokens, tokens_per_s, peak_rss_bytes [, val_loss].
+std::string metrics_json_line(const StepMetrics& m);
+
+// Peak resident set of this process (getrusage), in bytes.
+int64_t peak_rss_bytes();
+
+// Train loss (line) and validation loss (points) against the step, as a standalone SVG document.
+std::string loss_svg(const LossHistory& h, const std::string& title);
+
+// The progress line on rank 0. On a terminal it rewrites one line in place every step (carriage return) and
+// ends it when something else is printed; in a file or pipe it prints a whole line every `every` steps and at
+// notable steps, so a log holds no carriage returns. Ranks started by mpirun always print whole lines (their
+// stdout is the launcher's pseudo-terminal even when the job's output goes to a file).
+class Progress {
+ public:
+  Progress(std::FILE* out, int total_steps, int every);
+  void step(const StepMetrics& m, double eta_s, bool force_line);
+  void note(const std::string& line);  // a line of its own (validation, checkpoint, the end)
+
+ private:
+  std::FILE* out_;
+  bool terminal_;
+  int total_, every_;
+  bool open_line_ = false;
+};
+
+}  // namespace rf::trainer

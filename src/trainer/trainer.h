@@ -1,0 +1,57 @@
+// ringflex trainer: the training loop — Gemma 4 fine-tuning over a cp x dp grid of ranks.
+//
+// Ranks: N = cp * dp, world rank r = dp_index * cp + cp_index. The CP group (same dp_index) runs one row split
+// over its ranks; the DP group (same cp_index) splits the global batch. Weights and optimizer state are
+// replicated. One optimizer step:
+//   1. DP replica d takes rows [pos + d * G/dp, pos + (d + 1) * G/dp) of the training stream (G = train.global_batch,
+//      pos = the data position), in micro-batches of train.micro_batch rows (gradient accumulation fills G/dp);
+//   2. the global batch's label tokens are counted once: each replica counts its rows and one int64 all-reduce
+//      over DP sums them (never over CP: CP ranks hold the same rows, so summing there would count them cp times);
+//   3. every micro-batch runs forward + backward with that count as the loss's denominator, accumulating
+//      gradients, so the summed gradient is that of loss = (sum of token losses over the global batch) /
+//      (label tokens of the global batch) — the same loss at any cp x dp;
+//   4. gradients are summed over all N ranks in world-rank order (deterministic), the global norm is clipped,
+//      AdamW updates every replica identically.
+// Every G rows the data position advances by G, so a run at any cp x dp sees the same rows at the same step.
+#pragma once
+
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "model/checkpoint.h"
+#include "trainer/config.h"
+#include "trainer/metrics.h"
+
+namespace rf::trainer {
+
+// config.json text of a built-in model ("tiny_dense", "tiny_moe_vlm") and the width of its image features.
+std::string builtin_config_json(const std::string& name);
+constexpr int kBuiltinFeatureDim = 32;
+
+struct TrainOptions {
+  std::string resume;        // a checkpoint directory or a checkpoint root (its newest); empty: start fresh
+  std::string metrics_path;  // JSONL, one object per optimizer step (rank 0 appends); empty: none
+  std::string svg_path;      // the loss picture (end of run and every checkpoint); empty: <checkpoint.dir>/loss.svg
+  std::FILE* progress = stdout;  // rank 0's progress lines; nullptr: silent
+  // Runs inside a checkpoint save after its files are written, before the rename (tests simulate a crash here).
+  std::function<void(const std::string&)> before_checkpoint_rename;
+  // Runs the setup (config checks against the model, loading weights, reading and checking the data) so that a
+  // failure on any rank fails every rank alike; the CLI passes its rank agreement. Default: run it plainly.
+  std::function<void(const std::function<void()>&)> setup_guard;
+};
+
+struct TrainResult {
+  std::vector<StepMetrics> steps;          // the steps this call ran
+  std::unique_ptr<model::Gemma4Model> model;
+  std::string last_checkpoint;             // empty when none was written
+  std::string svg_path;
+};
+
+// Runs the configured training on `world` (every rank calls it). The config must have passed validate().
+TrainResult train(const TrainConfig& config, comm::Communicator& world, const TrainOptions& options);
+
+}  // namespace rf::trainer

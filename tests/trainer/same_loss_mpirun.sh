@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The same training under real mpirun: one rank (cp 1, dp 1) against a launch of RANKS ranks with the grid given
+# as --set arguments; every step's loss and label-token count must agree. Tolerance 1e-5 relative, as in
+# tests/trainer/test_train.cpp (float32 summation order only; a lost row or a wrong denominator is >= 1e-2).
+#   same_loss_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS GRID_SETS...
+set -euo pipefail
+work=$1 ringflex=$2
+shift 2
+launcher=()
+while [ "$1" != "--" ]; do launcher+=("$1"); shift; done
+shift
+ranks=$1
+shift
+rm -rf "$work"
+mkdir -p "$work"
+common=(--set train.seq_len=96 --set train.steps=5 --set train.global_batch=4 --set data.val_rows=2
+        --set train.threads=1 --set train.val_every=0 --set optimizer.lr=0.003 --set schedule.warmup_steps=2)
+"$ringflex" train "${common[@]}" "$@" --set parallelism.cp=1 --set parallelism.dp=1 --metrics "$work/one.jsonl" >/dev/null
+"${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --metrics "$work/grid.jsonl" >/dev/null
+python3 - "$work/one.jsonl" "$work/grid.jsonl" <<'PY'
+import json, sys
+one = [json.loads(l) for l in open(sys.argv[1])]
+grid = [json.loads(l) for l in open(sys.argv[2])]
+assert len(one) == len(grid) == 5, (len(one), len(grid))
+for a, b in zip(one, grid):
+    assert a["tokens"] == b["tokens"], (a, b)
+    rel = abs(a["loss"] - b["loss"]) / a["loss"]
+    assert rel < 1e-5, f"step {a['step']}: loss {a['loss']} vs {b['loss']} (relative {rel:.2e})"
+print("same losses:", [round(r["loss"], 6) for r in grid])
+PY

@@ -1,0 +1,89 @@
+// The training config: defaults, YAML, --set overrides, --print-config round trip, and one clear error per bad
+// field (the oracle is the message text the user reads).
+#include <gtest/gtest.h>
+
+#include "trainer/config.h"
+#include "trainer/error_of.h"
+
+namespace rf::trainer {
+namespace {
+
+using testing::error_of;
+
+TEST(TrainConfig, EmptyFileIsTheDefaults) {
+  const TrainConfig c = parse_config("", "empty.yaml");
+  EXPECT_EQ(c.model.builtin, "tiny_moe_vlm");
+  EXPECT_EQ(c.data.source, "mock");
+  EXPECT_EQ(c.parallelism.cp, 1);
+  EXPECT_EQ(c.train.steps, 300);
+  EXPECT_NO_THROW(validate(c, 1));
+}
+
+TEST(TrainConfig, YamlThenSetsInOrder) {
+  const TrainConfig c = parse_config(
+      "model: {builtin: tiny_dense, freeze: [embed_tokens, norm]}\n"
+      "optimizer: {lr: 1e-4}\ntrain: {steps: 9, seed: 4}\nparallelism: {cp: 2, dp: 3}\n",
+      "a.yaml",
+      {"parallelism.cp=2", "parallelism.dp=1", "train.steps=5", "train.seed=3", "checkpoint.dir=runs/ck",
+       "checkpoint.every=2", "train.steps=6"});
+  EXPECT_EQ(c.model.builtin, "tiny_dense");
+  EXPECT_EQ(c.model.freeze, (std::vector<std::string>{"embed_tokens", "norm"}));
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-4);
+  EXPECT_EQ(c.parallelism.cp, 2);
+  EXPECT_EQ(c.parallelism.dp, 1);
+  EXPECT_EQ(c.train.steps, 6);  // the last --set wins
+  EXPECT_EQ(c.train.seed, 3u);
+  EXPECT_EQ(c.checkpoint.dir, "runs/ck");
+  EXPECT_EQ(c.checkpoint.every, 2);
+}
+
+TEST(TrainConfig, PrintedConfigParsesBackToTheSameConfig) {
+  const TrainConfig c = parse_config("", "x", {"optimizer.lr=0.003", "model.freeze=embed", "schedule.min_lr_ratio=0.125",
+                                               "data.path=some file.jsonl"});
+  const std::string yaml = to_yaml(c);
+  EXPECT_NE(yaml.find("lr: 0.003\n"), std::string::npos) << yaml;  // shortest round-trip form
+  EXPECT_EQ(to_yaml(parse_config(yaml, "printed")), yaml);
+}
+
+TEST(TrainConfig, UnknownFieldsAndWrongTypesNameTheField) {
+  EXPECT_EQ(error_of([] { parse_config("train: {stepz: 3}", "a.yaml"); }), "a.yaml: unknown field `train.stepz`");
+  EXPECT_EQ(error_of([] { parse_config("", "a.yaml", {"optimizer.learning_rate=1"}); }),
+            "--set: unknown field `optimizer.learning_rate`");
+  EXPECT_EQ(error_of([] { parse_config("train: {steps: many}", "a.yaml"); }),
+            "config: field `train.steps` must be an integer, got 'many'");
+  EXPECT_EQ(error_of([] { parse_config("optimizer: {lr: [1, 2]}", "a.yaml"); }),
+            "config: field `optimizer.lr` must be a number");
+  EXPECT_EQ(error_of([] { parse_config("", "a.yaml", {"train.steps"}); }), "--set train.steps: expected section.key=value");
+  EXPECT_EQ(error_of([] { parse_config("- 1\n- 2\n", "a.yaml"); }),
+            "a.yaml: the config must be a map of sections (model, data, optimizer, ...)");
+  EXPECT_NE(error_of([] { parse_config("train: {steps: [1", "a.yaml"); }).find("a.yaml: not valid YAML"), std::string::npos);
+  EXPECT_EQ(error_of([] { load_config("/absent/x.yaml"); }), "/absent/x.yaml: cannot open the config file");
+}
+
+TEST(TrainConfig, CrossFieldRules) {
+  const auto check = [](const std::vector<std::string>& sets, int ranks) {
+    return error_of([&] { validate(parse_config("", "x", sets), ranks); });
+  };
+  EXPECT_EQ(check({"parallelism.cp=2", "parallelism.dp=2"}, 2),
+            "config: parallelism.cp * parallelism.dp = 2 * 2 = 4 does not match the 2 rank(s) of this job");
+  EXPECT_EQ(check({"parallelism.cp=4", "train.seq_len=3"}, 4),
+            "config: train.seq_len = 3 is shorter than parallelism.cp = 4 (every CP rank needs a token)");
+  EXPECT_EQ(check({"parallelism.dp=3", "train.global_batch=4"}, 3),
+            "config: train.global_batch = 4 is not a multiple of parallelism.dp = 3");
+  EXPECT_EQ(check({"train.global_batch=6", "train.micro_batch=4"}, 1),
+            "config: train.global_batch / parallelism.dp = 6 is not a multiple of train.micro_batch = 4");
+  EXPECT_EQ(check({"model.path=/absent/ckpt"}, 1), "config: model.path = '/absent/ckpt' has no config.json");
+  EXPECT_EQ(check({"model.builtin=huge"}, 1),
+            "config: model.builtin = 'huge' is not one of tiny_dense, tiny_moe_vlm (or set model.path to a checkpoint)");
+  EXPECT_EQ(check({"data.source=jsonl_tokens"}, 1), "config: data.path is required with data.source = jsonl_tokens");
+  EXPECT_EQ(check({"data.source=jsonl_tokens", "data.path=/absent.jsonl"}, 1),
+            "config: data.path = '/absent.jsonl' is not a file");
+  EXPECT_EQ(check({"optimizer.beta2=1"}, 1), "config: optimizer.beta2 = 1 must be in [0, 1)");
+  EXPECT_EQ(check({"train.steps=0"}, 1), "config: train.steps = 0 must be >= 1");
+  EXPECT_EQ(check({"parallelism.sharding=diagonal"}, 1),
+            "config: parallelism.sharding = 'diagonal' is not one of contiguous, zigzag, balanced");
+  EXPECT_EQ(check({"checkpoint.keep=0"}, 1), "config: checkpoint.keep = 0 must be >= 1");
+}
+
+}  // namespace
+}  // namespace rf::trainer

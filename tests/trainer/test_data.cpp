@@ -1,0 +1,188 @@
+// Training data: the packed-row invariants (SPEC §2 metadata, shifted labels, one feature vector per image slot),
+// determinism by row index, JSONL token and text files (a SentencePiece model trained here at test time), and one
+// clear error per kind of bad data.
+#include <gtest/gtest.h>
+#include <sentencepiece_trainer.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+#include "io/safetensors.h"
+#include "trainer/data.h"
+#include "trainer/error_of.h"
+
+namespace rf::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::error_of;
+
+constexpr int kVocab = 512, kF = 8;
+
+fs::path scratch(const std::string& name) {
+  const fs::path p = fs::temp_directory_path() / ("rf_trainer_data_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p;
+}
+
+void write(const fs::path& p, const std::string& text) { std::ofstream(p) << text; }
+
+// Every invariant a packed row must keep, whatever its source.
+void expect_well_formed(const Row& r, int S, int F) {
+  ASSERT_EQ(static_cast<int>(r.input_ids.size()), S);
+  int slots = 0;
+  for (int t = 0; t < S; ++t) {
+    if (r.doc[t] == 0) {  // padding: nothing to learn, nothing after it
+      EXPECT_EQ(r.labels[t], -100);
+      for (int u = t; u < S; ++u) EXPECT_EQ(r.doc[u], 0);
+      break;
+    }
+    const bool starts = t == 0 || r.doc[t] != r.doc[t - 1];
+    EXPECT_EQ(r.position_ids[t], starts ? 0 : r.position_ids[t - 1] + 1) << "t=" << t;
+    if (!starts) {
+      EXPECT_EQ(r.doc[t], r.doc[t - 1]);
+    } else {
+      EXPECT_EQ(r.doc[t], t == 0 ? 1 : r.doc[t - 1] + 1);
+    }
+    const bool last_of_doc = t + 1 == S || r.doc[t + 1] != r.doc[t];
+    if (last_of_doc || r.mm_token_type[t + 1] != 0) {
+      EXPECT_EQ(r.labels[t], -100) << "t=" << t;
+    } else if (r.labels[t] != -100) {
+      EXPECT_EQ(r.labels[t], r.input_ids[t + 1]) << "t=" << t;
+    }
+    slots += r.mm_token_type[t] != 0;
+  }
+  EXPECT_EQ(r.image_features.size(), static_cast<size_t>(slots) * F);
+}
+
+TrainConfig config_with(const std::vector<std::string>& sets) { return parse_config("", "test", sets); }
+
+TEST(MockData, RowsAreWellFormedDeterministicAndVaried) {
+  const TrainConfig c = config_with({"train.seq_len=300", "data.mock_image_tokens=12"});
+  const auto src = make_data_source(c, {kVocab, 0, kF, ""});
+  int images = 0;
+  for (int i = 0; i < 20; ++i) {
+    const Row r = src->train_row(i);
+    expect_well_formed(r, 300, kF);
+    images += std::count(r.mm_token_type.begin(), r.mm_token_type.end(), 1) / 12;
+    const Row again = src->train_row(i);
+    EXPECT_EQ(r.input_ids, again.input_ids);
+    EXPECT_EQ(r.image_features, again.image_features);
+  }
+  EXPECT_GT(images, 10);  // about half the documents open with an image
+  EXPECT_NE(src->train_row(0).input_ids, src->train_row(1).input_ids);
+  EXPECT_NE(src->train_row(0).input_ids, src->val_row(0).input_ids);  // validation is its own stream
+  // A row shorter than the shortest document is one truncated document; a one-token row has nothing to learn.
+  const auto tiny = make_data_source(config_with({"train.seq_len=1"}), {kVocab, 0, kF, ""});
+  expect_well_formed(tiny->train_row(3), 1, kF);
+}
+
+TEST(JsonlTokens, PacksFirstFitWithImagesAndShuffles) {
+  const fs::path dir = scratch("tokens");
+  write(dir / "d.jsonl",
+        "{\"input_ids\": [1, 5, 6, 7]}\n"
+        "\n"
+        "{\"input_ids\": [1, 2, 2, 9, 10], \"image_spans\": [[1, 2]]}\n"
+        "{\"input_ids\": [1, 11, 12], \"labels\": [-100, 11, -100]}\n"
+        "{\"input_ids\": [1, 13, 14, 15, 16, 17, 18, 19]}\n"
+        "{\"input_ids\": [1, 20]}\n");
+  std::vector<float> feats(2 * kF);
+  for (size_t i = 0; i < feats.size(); ++i) feats[i] = static_cast<float>(i);
+  io::SafetensorsWriter w;
+  w.add("image_features", io::StDType::F32, {2, kF}, std::span<const float>(feats));
+  w.write((dir / "f.safetensors").string());
+  const TrainConfig c = config_with({"data.source=jsonl_tokens", "data.path=" + (dir / "d.jsonl").string(),
+                                     "data.features=" + (dir / "f.safetensors").string(), "train.seq_len=10",
+                                     "data.val_rows=1"});
+  const auto src = make_data_source(c, {kVocab, 0, kF, ""});
+  // Rows: [4 + 5 tokens], [3 tokens], [8 + 2 tokens]; the last row is validation.
+  ASSERT_EQ(src->val_rows(), 1);
+  const Row val = src->val_row(0);
+  expect_well_formed(val, 10, kF);
+  EXPECT_EQ(val.input_ids, (std::vector<int32_t>{1, 13, 14, 15, 16, 17, 18, 19, 1, 20}));
+  std::vector<std::vector<int32_t>> seen;
+  for (int i = 0; i < 2; ++i) {
+    const Row r = src->train_row(i);
+    expect_well_formed(r, 10, kF);
+    seen.push_back(r.input_ids);
+    if (r.input_ids[0] == 1 && r.input_ids[1] == 5) {
+      EXPECT_EQ(r.doc, (std::vector<int32_t>{1, 1, 1, 1, 2, 2, 2, 2, 2, 0}));
+      EXPECT_EQ(r.mm_token_type, (std::vector<int32_t>{0, 0, 0, 0, 0, 1, 1, 0, 0, 0}));
+      EXPECT_EQ(r.labels, (std::vector<int32_t>{5, 6, 7, -100, -100, -100, 9, 10, -100, -100}));
+      EXPECT_EQ(r.image_features, feats);
+    } else {
+      EXPECT_EQ(r.labels[0], 11);  // given labels, shifted: position 0 predicts 11, position 1's target is ignored
+      EXPECT_EQ(r.labels[1], -100);
+    }
+  }
+  EXPECT_NE(seen[0], seen[1]);  // one epoch visits every training row once
+}
+
+TEST(JsonlTokens, BadDataNamesFileAndLine) {
+  const fs::path dir = scratch("bad");
+  const auto err = [&](const std::string& text, std::vector<std::string> extra = {}) {
+    write(dir / "d.jsonl", text);
+    extra.push_back("data.source=jsonl_tokens");
+    extra.push_back("data.path=" + (dir / "d.jsonl").string());
+    extra.push_back("train.seq_len=6");
+    extra.push_back("data.val_rows=1");
+    const std::string e = error_of([&] { make_data_source(config_with(extra), {kVocab, 0, kF, ""}); });
+    const std::string prefix = (dir / "d.jsonl").string();
+    EXPECT_EQ(e.rfind(prefix, 0), 0u) << e;
+    return e.substr(std::min(e.size(), prefix.size()));
+  };
+  EXPECT_EQ(err(""), ": the file has no samples");
+  EXPECT_EQ(err("{\"input_ids\": [1, 512]}\n"), ":1: token id 512 at position 1 is outside the model's vocabulary [0, 512)");
+  EXPECT_EQ(err("{\"input_ids\": [1, 2]}\n{\"input_ids\": [1, 2, 3, 4, 5, 6, 7]}\n"),
+            ":2: the sample has 7 tokens, longer than a row (train.seq_len = 6)");
+  EXPECT_EQ(err("{\"input_ids\": [1, -3]}\n"), ":1: token id -3 at position 1 is outside the model's vocabulary [0, 512)");
+  EXPECT_EQ(err("{\"input_ids\": [1, 2], \"labels\": [1]}\n"), ":1: `labels` has 1 entries, `input_ids` 2");
+  EXPECT_EQ(err("{\"text\": \"hi\"}\n"), ":1: missing `input_ids`");
+  EXPECT_EQ(err("{\"input_ids\": [1, 2]\n").rfind(":1: not valid JSON: ", 0), 0u);
+  EXPECT_EQ(err("{\"input_ids\": [1, 2, 3], \"image_spans\": [[1, 1]]}\n"),
+            ":1: has `image_spans` but data.features names no features file");
+  EXPECT_EQ(err("{\"input_ids\": [1, 2]}\n"), ": packs into 1 rows, not more than data.val_rows = 1 (nothing would be left to train on)");
+}
+
+TEST(JsonlText, SentencePieceTokenizerTrainedHere) {
+  const fs::path dir = scratch("text");
+  std::ofstream corpus(dir / "corpus.txt");
+  for (int i = 0; i < 200; ++i) corpus << "the ring passes keys and values around the ranks " << i % 7 << "\n";
+  corpus.close();
+  const auto status = sentencepiece::SentencePieceTrainer::Train(
+      "--input=" + (dir / "corpus.txt").string() + " --model_prefix=" + (dir / "tokenizer").string() +
+      " --vocab_size=40 --hard_vocab_limit=false --model_type=unigram --minloglevel=2");
+  ASSERT_TRUE(status.ok()) << status.ToString();
+  std::string lines;
+  for (const char* t : {"the ring passes keys", "values around the ranks", "the ranks", "keys and values 3",
+                        "around the ring 5", "the ring passes values around the ranks 6"})
+    lines += std::string("{\"text\": \"") + t + "\"}\n";
+  write(dir / "d.jsonl", lines);
+  const TrainConfig c = config_with({"data.source=jsonl_text", "data.path=" + (dir / "d.jsonl").string(),
+                                     "data.tokenizer=" + (dir / "tokenizer.model").string(), "train.seq_len=64",
+                                     "data.val_rows=1"});
+  const auto src = make_data_source(c, {kVocab, 0, 0, ""});
+  for (int i = 0; i < 3; ++i) expect_well_formed(src->train_row(i), 64, 0);
+  expect_well_formed(src->val_row(0), 64, 0);
+  // The tokenizer must fit the model's vocabulary.
+  EXPECT_NE(error_of([&] { make_data_source(c, {10, 0, 0, ""}); }).find("pieces, more than the model's vocabulary of 10"),
+            std::string::npos);
+}
+
+TEST(PackedBatch, StacksRowsAndCountsLabels) {
+  const auto src = make_data_source(config_with({"train.seq_len=64"}), {kVocab, 0, kF, ""});
+  const std::vector<Row> rows = {src->train_row(0), src->train_row(1)};
+  const PackedBatch b = stack_rows(rows, kF);
+  EXPECT_EQ(b.B, 2);
+  EXPECT_EQ(b.S, 64);
+  int64_t labels = 0;
+  for (const Row& r : rows) labels += std::count_if(r.labels.begin(), r.labels.end(), [](int32_t l) { return l >= 0; });
+  EXPECT_EQ(b.label_tokens(), labels);
+  EXPECT_EQ(b.n_image_features * kF, static_cast<int64_t>(rows[0].image_features.size() + rows[1].image_features.size()));
+}
+
+}  // namespace
+}  // namespace rf::trainer

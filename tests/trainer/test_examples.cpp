@@ -1,0 +1,29 @@
+// Every shipped example config parses; the two tiny ones also pass validation at the rank count they name (the
+// templates name model files that only exist on the machines they describe).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "trainer/config.h"
+
+namespace rf::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+TEST(Examples, ParseAndTheTinyOnesValidate) {
+  const fs::path dir = fs::path(RINGFLEX_SOURCE_DIR) / "examples";
+  int seen = 0;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (e.path().extension() != ".yaml") continue;
+    ++seen;
+    const TrainConfig c = load_config(e.path().string());
+    if (e.path().filename().string().find("tiny") != std::string::npos) {
+      EXPECT_NO_THROW(validate(c, c.parallelism.cp * c.parallelism.dp)) << e.path();
+    }
+  }
+  EXPECT_EQ(seen, 5);
+}
+
+}  // namespace
+}  // namespace rf::trainer

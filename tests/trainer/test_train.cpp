@@ -1,0 +1,250 @@
+// The training loop: the same losses at every cp x dp and accumulation split of one global batch, the label-token
+// count taken once, bit-exact resume, crash-safe checkpoints, keep-last-K and the metrics file. Ranks are loopback
+// threads in this process (the MPI path runs through the CLI tests).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+
+#include "comm/loopback_comm.h"
+#include "trainer/checkpoint.h"
+#include "trainer/data.h"
+#include "trainer/error_of.h"
+#include "trainer/trainer.h"
+
+namespace rf::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::error_of;
+
+fs::path scratch(const std::string& name) {
+  const fs::path p = fs::temp_directory_path() / ("rf_trainer_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  return p;
+}
+
+// A small, fast run of a built-in model: 64-token rows (so images of 16 slots, documents and padding all occur),
+// a global batch of 4 rows, one OpenMP thread per rank (ranks are threads here).
+TrainConfig small(const std::string& builtin, std::vector<std::string> sets) {
+  std::vector<std::string> base = {"model.builtin=" + builtin, "train.seq_len=64", "train.global_batch=4",
+                                   "train.steps=5", "train.threads=1", "data.val_rows=2", "train.val_every=0",
+                                   "schedule.warmup_steps=2", "optimizer.lr=0.003", "model.init_std=0.1"};
+  base.insert(base.end(), sets.begin(), sets.end());
+  return parse_config("", "test", base);
+}
+
+struct Trained {
+  std::vector<StepMetrics> steps;
+  std::unique_ptr<model::Gemma4Model> model;
+  std::string last_checkpoint;
+};
+
+Trained run(const TrainConfig& c, TrainOptions opt = {}) {
+  opt.progress = nullptr;
+  Trained out;
+  std::mutex mu;
+  const int P = c.parallelism.cp * c.parallelism.dp;
+  validate(c, P);
+  comm::run_ranks(P, [&](comm::Communicator& world) {
+    TrainResult r = train(c, world, opt);
+    if (world.rank() != 0) return;
+    std::lock_guard lock(mu);
+    out.steps = r.steps;
+    out.model = std::move(r.model);
+    out.last_checkpoint = r.last_checkpoint;
+  });
+  return out;
+}
+
+// The same global batch split differently gives the same training. What differs is only the order of float32
+// sums (gradient accumulation vs the rank-ordered reduction), ~1e-7 relative per gradient; through 5 AdamW steps
+// (which normalise the update, so a gradient's rounding moves a weight by at most lr * 1e-7-ish) the loss moves
+// by well under 1e-5 relative, while any real error (a row missed or counted twice, a wrong denominator) moves it
+// by 1e-2 or more.
+constexpr double kSameTrainingRel = 1e-5;
+
+void expect_same_losses(const Trained& a, const Trained& b, const std::string& what) {
+  ASSERT_EQ(a.steps.size(), b.steps.size()) << what;
+  for (size_t i = 0; i < a.steps.size(); ++i) {
+    EXPECT_NEAR(b.steps[i].loss, a.steps[i].loss, kSameTrainingRel * a.steps[i].loss) << what << " step " << i + 1;
+    EXPECT_EQ(b.steps[i].tokens, a.steps[i].tokens) << what << " step " << i + 1;
+  }
+}
+
+class GridInvariance : public ::testing::TestWithParam<std::string> {};
+
+// MoE top-k routing is discontinuous: a token whose best experts are within float32 rounding of each other picks
+// either, depending on summation order, and CP changes the order (GEMMs over L instead of S tokens, attention
+// merged over ring steps). At init std 0.1 the tiny MoE's router is near-uniform, such ties are common and one
+// flipped token moves the loss by ~1e-3 within 3 steps; at 0.4 its margins are wide, so the test measures the CP
+// and DP paths rather than tie-breaking (dense models have no such switch and use 0.1).
+TrainConfig grid_case(const std::string& builtin, std::vector<std::string> sets) {
+  if (builtin == "tiny_moe_vlm") sets.insert(sets.begin(), "model.init_std=0.4");
+  return small(builtin, sets);
+}
+
+TEST_P(GridInvariance, SameLossAtEveryDpAndAccumulationSplit) {
+  const Trained ref = run(grid_case(GetParam(), {}));  // dp 1, 4 micro-batches of 1 row
+  ASSERT_EQ(ref.steps.size(), 5u);
+  EXPECT_LT(ref.steps.back().loss, ref.steps.front().loss);  // it trains
+  expect_same_losses(ref, run(grid_case(GetParam(), {"parallelism.dp=2"})), "dp 2");
+  expect_same_losses(ref, run(grid_case(GetParam(), {"parallelism.dp=4"})), "dp 4");
+  expect_same_losses(ref, run(grid_case(GetParam(), {"train.micro_batch=2"})), "dp 1, micro-batches of 2");
+  expect_same_losses(ref, run(grid_case(GetParam(), {"parallelism.dp=2", "train.micro_batch=2"})), "dp 2, no accumulation");
+  // Context parallelism: each row split over 2 or 4 ranks (16-token images and documents straddle the shards),
+  // balanced and zigzag maps, and the 2 x 2 grid.
+  expect_same_losses(ref, run(grid_case(GetParam(), {"parallelism.cp=2"})), "cp 2");
+  expect_same_losses(ref, run(grid_case(GetParam(), {"parallelism.cp=4", "parallelism.sharding=zigzag"})), "cp 4 zigzag");
+  expect_same_losses(ref, run(grid_case(GetParam(), {"parallelism.cp=2", "parallelism.dp=2"})), "cp 2 x dp 2");
+}
+
+INSTANTIATE_TEST_SUITE_P(Builtins, GridInvariance, ::testing::Values("tiny_dense", "tiny_moe_vlm"));
+
+// The label tokens of the global batch are counted once. Oracle: the model's own mean over the 4 rows run as one
+// batch (its default denominator is that batch's label count). A trainer that divided by a per-replica count
+// (or summed the count over ranks that hold the same rows) would report a different first loss by a factor ~dp.
+TEST(LabelTokens, CountedOnceOverTheGlobalBatch) {
+  const TrainConfig c = small("tiny_moe_vlm", {"parallelism.cp=2", "parallelism.dp=2", "train.steps=1"});
+  const Trained trained = run(c);
+  model::Gemma4Model m(model::Gemma4Config::from_json(builtin_config_json("tiny_moe_vlm")), kBuiltinFeatureDim);
+  m.init_random(c.train.seed, static_cast<float>(c.model.init_std));
+  const auto data = make_data_source(c, {m.config().vocab_size, 0, kBuiltinFeatureDim, ""});
+  const PackedBatch p = stack_rows({data->train_row(0), data->train_row(1), data->train_row(2), data->train_row(3)},
+                                   kBuiltinFeatureDim);
+  model::Batch b{p.B, p.S, p.input_ids.data(), p.labels.data(), p.position_ids.data(), p.doc.data(),
+                 p.mm_token_type.data(), p.image_features.data(), p.n_image_features};
+  const model::Result r = m.run(b, {}, nullptr);
+  EXPECT_EQ(trained.steps[0].tokens, r.label_tokens);
+  // Same model, same rows; only the summation order differs (sharded rows over 4 ranks vs one batch): float32
+  // rounding of a sum of ~900 token losses of O(6), far below the factor-2 error this test exists to catch.
+  EXPECT_NEAR(trained.steps[0].loss, r.loss, 1e-6 * r.loss);
+}
+
+// Fewer tokens in a row than CP ranks is refused up front (validate), naming both numbers.
+TEST(ContextParallel, RowShorterThanTheGroupIsRefused) {
+  EXPECT_EQ(error_of([] { run(small("tiny_dense", {"parallelism.cp=4", "train.seq_len=3"})); }),
+            "config: train.seq_len = 3 is shorter than parallelism.cp = 4 (every CP rank needs a token)");
+}
+
+std::vector<float> flat_params(const model::Gemma4Model& m) {
+  std::vector<float> out;
+  for (const model::Tensor& t : m.params()) out.insert(out.end(), t.data.begin(), t.data.end());
+  return out;
+}
+
+TEST(Resume, ContinuesBitForBit) {
+  const fs::path dir = scratch("resume");
+  const TrainConfig c = small("tiny_moe_vlm", {"parallelism.cp=2", "train.steps=6", "checkpoint.every=3",
+                                               "checkpoint.dir=" + dir.string(), "train.val_every=3"});
+  const Trained whole = run(c);
+  ASSERT_EQ(whole.steps.size(), 6u);
+  TrainOptions resume;
+  resume.resume = (dir / "step-00000003").string();
+  const Trained second = run(c, resume);
+  ASSERT_EQ(second.steps.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(second.steps[i].step, whole.steps[i + 3].step);
+    EXPECT_EQ(second.steps[i].loss, whole.steps[i + 3].loss) << "step " << i + 4;  // the same bits
+    EXPECT_EQ(second.steps[i].grad_norm, whole.steps[i + 3].grad_norm);
+  }
+  EXPECT_EQ(second.steps[2].val_loss, whole.steps[5].val_loss);
+  EXPECT_EQ(flat_params(*second.model), flat_params(*whole.model));
+  // The root means its newest checkpoint, which now has nothing left to do.
+  EXPECT_EQ(resolve_checkpoint(dir.string()), (dir / "step-00000006").string());
+  TrainOptions again;
+  again.resume = dir.string();
+  EXPECT_NE(error_of([&] { run(c, again); }).find("the checkpoint is at step 6 and train.steps = 6 leaves nothing to do"),
+            std::string::npos);
+  // A different batch layout cannot continue this run.
+  TrainOptions other = resume;
+  EXPECT_NE(error_of([&] { run(small("tiny_moe_vlm", {"parallelism.cp=2", "train.steps=6", "train.seq_len=32"}), other); })
+                .find("train.seq_len differs from the run that wrote the checkpoint"),
+            std::string::npos);
+}
+
+TEST(Checkpoints, ACrashMidSaveLeavesTheLastGoodOne) {
+  const fs::path dir = scratch("crash");
+  const TrainConfig c = small("tiny_dense", {"train.steps=4", "checkpoint.every=2", "checkpoint.dir=" + dir.string()});
+  TrainOptions crash;
+  crash.before_checkpoint_rename = [](const std::string& tmp) {
+    if (tmp.find("step-00000004") != std::string::npos) rf::fail("simulated crash while saving ", tmp);
+  };
+  EXPECT_NE(error_of([&] { run(c, crash); }).find("simulated crash"), std::string::npos);
+  EXPECT_FALSE(fs::exists(dir / "step-00000004"));
+  EXPECT_TRUE(fs::exists(dir / ".step-00000004.tmp"));  // the half-written one stays hidden
+  EXPECT_EQ(resolve_checkpoint(dir.string()), (dir / "step-00000002").string());
+  const LoadedCheckpoint good = load_train_checkpoint(resolve_checkpoint(dir.string()));
+  EXPECT_EQ(good.state.step, 2);
+  EXPECT_EQ(good.state.data_position, 8);  // 2 steps of 4 rows
+  // Resuming finishes the run and cleans up the leftover.
+  TrainOptions resume;
+  resume.resume = dir.string();
+  EXPECT_EQ(run(c, resume).steps.size(), 2u);
+  EXPECT_FALSE(fs::exists(dir / ".step-00000004.tmp"));
+  EXPECT_TRUE(fs::exists(dir / "step-00000004" / "model.safetensors"));
+}
+
+TEST(Checkpoints, KeepLastKAndTheMetricsFile) {
+  const fs::path dir = scratch("keep");
+  const TrainConfig c = small("tiny_dense", {"train.steps=5", "checkpoint.every=1", "checkpoint.keep=2",
+                                             "checkpoint.dir=" + (dir / "ck").string(), "train.val_every=2"});
+  TrainOptions opt;
+  opt.metrics_path = (dir / "metrics.jsonl").string();
+  fs::create_directories(dir);
+  const Trained r = run(c, opt);
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir / "ck")) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"loss.svg", "step-00000004", "step-00000005"}));
+  EXPECT_EQ(r.last_checkpoint, (dir / "ck" / "step-00000005").string());
+  // The checkpoint's weights load back as a plain model checkpoint with the trained values.
+  const model::Checkpoint back = model::load_checkpoint(r.last_checkpoint);
+  EXPECT_EQ(flat_params(*back.model), flat_params(*r.model));
+
+  std::ifstream in(dir / "metrics.jsonl");
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    ++n;
+    EXPECT_EQ(j["step"], n);
+    for (const char* key : {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "peak_rss_bytes"})
+      EXPECT_TRUE(j.contains(key)) << key;
+    EXPECT_GT(j["peak_rss_bytes"].get<int64_t>(), 0);
+    EXPECT_EQ(j.contains("val_loss"), n % 2 == 0 || n == 5) << line;
+  }
+  EXPECT_EQ(n, 5);
+  std::ifstream svg(dir / "ck" / "loss.svg");
+  const std::string text((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text.rfind("<svg", 0), 0u);
+  EXPECT_NE(text.find("<polyline"), std::string::npos);
+}
+
+TEST(Freeze, FrozenParametersKeepTheirBits) {
+  const TrainConfig c = small("tiny_dense", {"model.freeze=[embed_tokens, layers.0.]", "train.steps=2"});
+  const Trained r = run(c);
+  model::Gemma4Model init(model::Gemma4Config::from_json(builtin_config_json("tiny_dense")), kBuiltinFeatureDim);
+  init.init_random(c.train.seed, static_cast<float>(c.model.init_std));
+  int frozen = 0, moved = 0;
+  for (size_t i = 0; i < init.params().size(); ++i) {
+    const std::string& name = init.params()[i].name;
+    const bool is_frozen = name.find("embed_tokens") != std::string::npos || name.find("layers.0.") != std::string::npos;
+    const bool same = init.params()[i].data == r.model->params()[i].data;
+    if (is_frozen) {
+      EXPECT_TRUE(same) << name;
+      ++frozen;
+    } else {
+      moved += !same;
+    }
+  }
+  EXPECT_GT(frozen, 5);
+  EXPECT_GT(moved, 20);
+}
+
+}  // namespace
+}  // namespace rf::trainer
