@@ -14,6 +14,7 @@ Reported: medians over the repeats, and the ratio ringflex / PyTorch of tokens/s
 
     python3 bench/model/bench_model.py build/src/cli/ringflex --config tiny --seq 512 --reps 3
     python3 bench/model/bench_model.py build/src/cli/ringflex --config 100m --seq 4096 --reps 2
+    python3 bench/model/bench_model.py build/src/cli/ringflex --config 100m-moe --seq 4096 --reps 2
 """
 import argparse
 import os
@@ -38,6 +39,12 @@ CONFIGS = {
     "100m": dict(vocab_size=65536, hidden_size=640, intermediate_size=2560, num_hidden_layers=6,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=256, global_head_dim=512,
                  num_global_key_value_heads=1),
+    # The 100m config with the MoE block beside each layer's MLP, shaped as 26B-A4B (moe_intermediate_size = H / 4,
+    # top-k 8 of 128 scaled down to 4 of 32 so the experts stay a modest share of the parameters).
+    "100m-moe": dict(vocab_size=65536, hidden_size=640, intermediate_size=2560, num_hidden_layers=6,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=256, global_head_dim=512,
+                     num_global_key_value_heads=1, enable_moe_block=True, num_experts=32, top_k_experts=4,
+                     moe_intermediate_size=160),
 }
 COMMON = dict(attention_k_eq_v=True, sliding_window=512, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
               layer_types=["sliding_attention"] * 5 + ["full_attention"])

@@ -103,7 +103,9 @@ AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optio
                                                    "documents are numbered from 1 and 0 is padding");
   const std::vector<int32_t> group_ids = checked_ids(group, s.Lq, path, [](int32_t g) { return g >= kNoGroup; },
                                                      "groups are numbered from 0 and -1 is none");
-  for (int b = 0; b < s.B; ++b) {
+  // Rows of S = 0 tokens hold no metadata; a file may still claim 2^31 - 1 of them in a few bytes, which
+  // must not cost a loop over every one.
+  for (int b = 0; b < (s.Lq > 0 ? s.B : 0); ++b) {
     const size_t row = static_cast<size_t>(b) * s.Lq;
     const std::vector<TokenMeta> m = make_row_meta(s.Lq, doc ? doc_ids.data() + row : nullptr,
                                                    group ? group_ids.data() + row : nullptr);

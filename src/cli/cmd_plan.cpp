@@ -7,12 +7,14 @@
 // a planner, not a distributed run: under mpirun only rank 0 reports.
 #include <mpi.h>
 
+#include <algorithm>
 #include <iostream>
 #include <optional>
 #include <vector>
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "core/memory.h"
 #include "core/row_meta.h"
 #include "cp/balance.h"
 #include "cp/plan_report.h"
@@ -95,19 +97,36 @@ int run_plan(const PlanOptions& o) {
     rows = read_meta(o.in, B, S);
   } else {
     RF_CHECK(S >= 1 && B >= 1, "plan: --seq ", S, " and --batch ", B, " must be positive");
+    int64_t row_bytes = 0;
+    check_memory(__builtin_mul_overflow(int64_t{B} * S, int64_t{sizeof(TokenMeta)}, &row_bytes) ? -1 : row_bytes,
+                 "plan: the generated metadata [B, S]");
     rows = generate_meta(o.generate, B, S, o.seed);
   }
+
+  // The planner works in blocks; a rank holding less than one has nothing to plan, and the plan's per-rank-pair
+  // tables grow with P^2, so a P beyond the block count only burns memory and time.
+  const int64_t blocks = (int64_t{S} + o.block - 1) / o.block;
+  RF_CHECK(o.P <= blocks, "plan: -P ", o.P, " exceeds the ", blocks, " planner blocks of S = ", S, " (block ", o.block,
+           "); every rank must hold at least one block (lower -P or --block)");
 
   cp::ReportOptions opt = o.kv;
   opt.block = o.block;
   const int elem_bytes = o.dtype == "bf16" ? 2 : 4;
   opt.windowed.elem_bytes = opt.global.elem_bytes = elem_bytes;
 
-  const std::vector<cp::ShardMap> maps = {
+  std::vector<cp::ShardMap> maps = {
       cp::make_shard_map(cp::Scheme::Contiguous, S, o.P, o.block),
       cp::make_shard_map(cp::Scheme::Zigzag, S, o.P, o.block),
-      cp::balanced_shard(rows.data(), B, S, o.P, mix, o.block).map,
   };
+  // The plan of one scheme holds per-rank-pair tables (P^2 of them): what they need is checked before they are
+  // built, so a large -P stops with the figure rather than with std::bad_alloc minutes later.
+  int64_t plan_bytes = 0;
+  for (const cp::ShardMap& map : maps) {
+    const int64_t b = cp::plan_bytes(cp::PlanGeometry{o.P, B, map.L, o.block}, static_cast<int>(mix.size()));
+    plan_bytes = b < 0 || plan_bytes < 0 ? -1 : std::max(plan_bytes, b);
+  }
+  check_memory(plan_bytes, "plan: the CP plan of one scheme at P = " + std::to_string(o.P));
+  maps.push_back(cp::balanced_shard(rows.data(), B, S, o.P, mix, o.block).map);
   std::vector<cp::SchemeReport> reports;
   for (const cp::ShardMap& map : maps) {
     reports.push_back(cp::report_scheme(cp::scheme_name(map.scheme), rows.data(), B, map, mix, opt));

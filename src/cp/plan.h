@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "core/error.h"
 #include "core/mask.h"
 #include "cp/shard.h"
 #include "cp/work.h"
@@ -109,10 +110,32 @@ struct KvFormat {
   int elem_bytes = 2;
 };
 
-// Bytes of K and V for `tokens` tokens of each of B rows (metadata, 12 bytes a token, not included).
+// Bytes of K and V for `tokens` tokens of each of B rows (metadata, 12 bytes a token, not included). Throws
+// rf::Error when the product does not fit int64 (a report must never show a wrapped, negative byte count).
 inline int64_t kv_bytes(int64_t tokens, int B, const KvFormat& f) {
   constexpr int kTensorsPerToken = 2;  // K and V
-  return tokens * B * f.Hkv * f.D * kTensorsPerToken * f.elem_bytes;
+  int64_t bytes = tokens;
+  for (const int64_t factor : {int64_t{B}, int64_t{f.Hkv}, int64_t{f.D}, int64_t{kTensorsPerToken}, int64_t{f.elem_bytes}}) {
+    RF_CHECK(!__builtin_mul_overflow(bytes, factor, &bytes), "K/V bytes of ", tokens, " tokens x ", B, " rows x ",
+             f.Hkv, " heads x ", f.D, " dims x ", kTensorsPerToken, " x ", f.elem_bytes,
+             " bytes overflow a 64-bit count");
+  }
+  return bytes;
+}
+
+// Bytes make_plan allocates for geometry g and `mask_kinds` distinct masks: per mask the block classes
+// [P, P, B, nb, nb], the needed flags [P, P, nb] and P * P range lists (each at most nb ranges). A caller checks
+// it against the machine's memory before planning for a large P: the plan grows with P^2. -1 when it overflows.
+inline int64_t plan_bytes(const PlanGeometry& g, int mask_kinds) {
+  const int64_t nb = g.blocks();
+  const int64_t per_pair = int64_t{g.B} * nb * nb * static_cast<int64_t>(sizeof(BlockClass)) + nb +
+                           static_cast<int64_t>(sizeof(std::vector<TokenRange>)) +
+                           nb * static_cast<int64_t>(sizeof(TokenRange));
+  int64_t bytes = per_pair;
+  for (const int64_t factor : {int64_t{g.P}, int64_t{g.P}, int64_t{mask_kinds}}) {
+    if (__builtin_mul_overflow(bytes, factor, &bytes)) return -1;
+  }
+  return bytes;
 }
 
 }  // namespace rf::cp

@@ -16,6 +16,9 @@ using nlohmann::json;
 
 // The index's weight_map: tensor name -> shard file name, validated.
 std::map<std::string, std::string> read_weight_map(const std::string& path) {
+  // A FIFO or device would block the read forever; an index is a regular file.
+  std::error_code ec;
+  RF_CHECK(std::filesystem::is_regular_file(path, ec), path, ": not a regular file");
   std::ifstream in(path);
   RF_CHECK(in, path, ": cannot open");
   std::stringstream text;

@@ -132,7 +132,9 @@ SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&&) noexcept = defaul
 SafetensorsFile::~SafetensorsFile() = default;
 
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO (or a device) for reading would otherwise wait for a writer forever; with it the
+  // open returns at once and the S_ISREG check below names the problem. It changes nothing for regular files.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   RF_CHECK(fd >= 0, path, ": cannot open: ", std::strerror(errno));
   auto storage = std::make_unique<Storage>();
   struct stat st {};
@@ -149,7 +151,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   const int map_errno = errno;
   ::close(fd);
   RF_CHECK(stat_ok, path, ": cannot stat: ", std::strerror(stat_errno));
-  RF_CHECK(S_ISREG(st.st_mode), path, ": not a regular file");
+  RF_CHECK(S_ISREG(st.st_mode), path, ": not a regular file (a FIFO, device or directory cannot be read as safetensors)");
   RF_CHECK(st.st_size == 0 || storage->mapping, path, ": cannot map: ", std::strerror(map_errno));
   SafetensorsFile f(path, std::move(storage));
   f.parse();

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/memory.h"
 #include "io/atomic_file.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
@@ -23,7 +24,16 @@ constexpr const char* kCausalLmPrefix = "model.";
 constexpr const char* kMultimodalPrefix = "model.language_model.";
 constexpr const char* kVisionProjection = "model.embed_vision.embedding_projection.weight";
 
+// The largest config.json read: real ones are a few KiB; anything larger is not a config.
+constexpr std::uintmax_t kMaxConfigBytes = 16u << 20;
+
 std::string read_text(const fs::path& p) {
+  std::error_code ec;
+  // A FIFO or device would block the read or never end; only a regular file of a sane size is read.
+  RF_CHECK(fs::is_regular_file(p, ec), p.string(), ": not a regular file");
+  const std::uintmax_t size = fs::file_size(p, ec);
+  RF_CHECK(!ec && size <= kMaxConfigBytes, p.string(), ": ", ec ? ec.message() : std::to_string(size) + " bytes",
+           ", not a config.json (at most ", kMaxConfigBytes, " bytes are read)");
   std::ifstream in(p);
   RF_CHECK(in.good(), p.string(), ": cannot be read");
   std::ostringstream s;
@@ -31,11 +41,15 @@ std::string read_text(const fs::path& p) {
   return s.str();
 }
 
-void copy_into(Tensor& dst, const io::TensorView& v, const std::string& file) {
+void check_shape(const Tensor& dst, const io::TensorView& v, const std::string& file) {
   RF_CHECK(v.shape == dst.shape, file, ": tensor `", v.name, "` has shape ", io::shape_string(v.shape),
            ", the config implies ", io::shape_string(dst.shape));
-  const std::vector<float> values = io::to_float32(v);
-  std::copy(values.begin(), values.end(), dst.data.begin());
+}
+
+// Moves the widened values in: one float32 copy of the tensor is alive, not two.
+void copy_into(Tensor& dst, const io::TensorView& v, const std::string& file) {
+  check_shape(dst, v, file);
+  dst.data = io::to_float32(v);
 }
 
 }  // namespace
@@ -51,7 +65,7 @@ Checkpoint load_checkpoint(const std::string& dir) {
   RF_CHECK(fs::is_directory(root), dir, ": not a directory");
   const fs::path config_path = root / "config.json";
   RF_CHECK(fs::exists(config_path), dir, ": no config.json");
-  Gemma4Config cfg = Gemma4Config::from_json(read_text(config_path));
+  Gemma4Config cfg = Gemma4Config::from_json(read_text(config_path), config_path.string());
 
   const io::Checkpoint files = io::Checkpoint::open(dir);
 
@@ -65,12 +79,21 @@ Checkpoint load_checkpoint(const std::string& dir) {
              ", expected [hidden_size = ", cfg.hidden_size, ", F]");
     vision_dim = static_cast<int>(v->shape[1]);
   }
-  ck.model = std::make_unique<Gemma4Model>(std::move(cfg), vision_dim);
-  for (Tensor& t : ck.model->params()) {
+  // What the config claims is checked against the files before any of it is allocated: the parameters are
+  // registered as shapes only, each must be in the files with that shape, and their float32 total must fit the
+  // machine. (A 4 KiB checkpoint whose config claims a 262144-token vocabulary fails here, not after 1 GiB.)
+  ck.model = std::make_unique<Gemma4Model>(std::move(cfg), vision_dim, TensorSet::Storage::Deferred);
+  TensorSet& params = ck.model->params();
+  for (const Tensor& t : params) {
     const std::string name = file_name_of(t.name, ck.text_prefix);
     const io::TensorView* v = files.find(name);
     RF_CHECK(v != nullptr, dir, ": no tensor `", name, "` in the checkpoint");
-    copy_into(t, *v, files.shard_of(name).path());
+    check_shape(t, *v, files.shard_of(name).path());
+  }
+  check_memory(params.total_bytes(), dir + ": the model's float32 parameters");
+  for (size_t slot = 0; slot < params.size(); ++slot) {
+    const std::string name = file_name_of(params[slot].name, ck.text_prefix);
+    copy_into(params[slot], *files.find(name), files.shard_of(name).path());
   }
   for (Tensor& t : ck.model->buffers()) {
     // layer_scalar is a buffer transformers saves; older exports may omit it (then it stays 1).

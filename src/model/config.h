@@ -3,10 +3,15 @@
 // Read from a Hugging Face config.json (a Gemma4TextConfig, or a Gemma4Config whose `text_config` holds one). Only
 // the fields that change the text decoder's math are kept; a field whose value this implementation does not
 // support (attention bias, another activation, fully bidirectional attention, a RoPE type other than default and
-// proportional) is rejected by name rather than silently ignored.
+// proportional) is rejected by name rather than silently ignored. A field config.json leaves out takes the default
+// of the pinned transformers 5.24 config classes (Gemma4TextConfig, Gemma4Config, Gemma4VisionConfig), so a
+// minimal config.json means here what it means there; tests/model/config_defaults.py checks every resolved field
+// against transformers. A field of the wrong JSON type is an error naming the file, the field, the expected and
+// the found type.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,7 +23,9 @@ struct RopeParams {
   bool proportional = false;          // "proportional": only the first partial_rotary_factor of the pairs rotate
   double theta = 10000.0;             // rope_theta
   double partial_rotary_factor = 1.0; // proportional only
-  double factor = 1.0;                // frequencies are divided by it
+  // Frequencies are divided by it. Only "proportional" reads it: transformers 5.24's "default" RoPE ignores a
+  // `factor` key (with a warning, which Gemma4Config::warnings repeats), so it stays 1 there.
+  double factor = 1.0;
 };
 
 // What one decoder layer looks like, resolved from the layer type, per_layer_config and KV sharing.
@@ -43,11 +50,14 @@ struct Gemma4Config {
   int num_kv_heads = 0;       // Hkv on sliding layers (and full ones unless overridden)
   int head_dim = 0;
   std::vector<bool> sliding;  // [num_layers] layer_types == "sliding_attention"
-  std::vector<int> full_head_dim;    // [num_layers] per_layer_config head_dim override (0 = none)
-  std::vector<int> full_kv_heads;    // [num_layers] per_layer_config num_key_value_heads override (0 = none)
+  std::vector<int> head_dim_override;  // [num_layers] per_layer_config head_dim (0 = none: head_dim)
+  std::vector<int> kv_heads_override;  // [num_layers] per_layer_config num_key_value_heads (0 = none)
   int sliding_window = 0;
   RopeParams rope_sliding, rope_full;
   double rms_norm_eps = 1e-6;
+  // vision_config.rms_norm_eps: the epsilon of the vision projection's scale-free pre-norm
+  // (Gemma4MultimodalEmbedder reads it from the vision config, not the text one).
+  double vision_rms_norm_eps = 1e-6;
   double final_logit_softcapping = 0.0;  // 0 = no cap
   bool vision_bidirectional = false;     // use_bidirectional_attention == "vision"
   // Whether image groups are bidirectional on full layers too. transformers 5.24 (pinned by the parity test)
@@ -62,16 +72,27 @@ struct Gemma4Config {
   int moe_intermediate_size = 0;
   int ple_dim = 0;            // hidden_size_per_layer_input (0 = no per-layer embeddings)
   int ple_vocab_size = 0;     // vocab_size_per_layer_input
-  int pad_token_id = 0;
+  // The embedding row nn.Embedding(padding_idx) keeps out of training, main and per-layer tables alike; image and
+  // video slots read it for their per-layer input. null (std::nullopt): no padding row, every row is trained.
+  std::optional<int> pad_token_id = 0;
   bool tie_word_embeddings = true;
+  // What config.json asks that transformers 5.24 accepts with a warning and ringflex treats the same way (a
+  // `factor` on a "default" RoPE, a last layer forced to full attention), in transformers' own words; the
+  // command line prints them.
+  std::vector<std::string> warnings;
 
-  // Parses config.json text. Throws rf::Error naming a missing or unsupported field.
-  static Gemma4Config from_json(const std::string& json_text);
+  // Parses config.json text; `source` names it in messages (the file's path). Throws rf::Error naming a field of
+  // the wrong type, an unsupported value, or a model_type that is not Gemma 4's.
+  static Gemma4Config from_json(const std::string& json_text, const std::string& source = "config.json");
   std::string source_json;  // the text it was parsed from, written back unchanged when a checkpoint is saved
 
   // Throws rf::Error when the sizes are inconsistent (Hq % Hkv, KV sharing without a producer, ...).
   void validate() const;
   LayerSpec layer(int i) const;
+
+  // Every resolved field as JSON, defaults applied, with the per-layer shapes and RoPE parameters (what
+  // `config_defaults.py` compares against transformers).
+  std::string resolved_json() const;
 };
 
 }  // namespace rf::model

@@ -40,7 +40,8 @@ void Gemma4Model::Run::prepare() {
   T = int64_t{B} * S;
   const std::vector<int32_t>& mine = shard.mine();
   // Sharding padding takes a real token id so every lookup stays in range; it is masked out of every gradient.
-  const int32_t pad_id = cfg.pad_token_id >= 0 ? cfg.pad_token_id : 0;
+  // (Token 0 when the config has no pad id; check_batch has made sure no image slot then needs one.)
+  const int32_t pad_id = cfg.pad_token_id.value_or(0);
   meta.resize(static_cast<size_t>(T));
   ids.resize(static_cast<size_t>(T));
   is_pad.resize(static_cast<size_t>(T));
@@ -107,7 +108,8 @@ void Gemma4Model::Run::embed() {
     if (m.vision_dim_ > 0) {
       feat_in = zeros(n * F);
       feat_rms = zeros(n);
-      rmsnorm_forward(feat_raw.data(), nullptr, eps, feat_in.data(), feat_rms.data(), n, F);
+      rmsnorm_forward(feat_raw.data(), nullptr, static_cast<float>(cfg.vision_rms_norm_eps), feat_in.data(),
+                      feat_rms.data(), n, F);
       projected = zeros(n * H);
       linear_forward(feat_in.data(), W(m.vision_proj_), projected.data(), n, F, H);
       feats = projected.data();

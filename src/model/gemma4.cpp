@@ -19,8 +19,8 @@ namespace rf::model {
 // Parameter registration (Hugging Face names and shapes).
 // ---------------------------------------------------------------------------------------------------------------
 
-Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim)
-    : cfg_(std::move(config)), vision_dim_(vision_feature_dim) {
+Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim, TensorSet::Storage storage)
+    : cfg_(std::move(config)), vision_dim_(vision_feature_dim), params_(storage) {
   cfg_.validate();
   RF_CHECK(vision_dim_ >= 0, "vision feature dim must be non-negative");
   const int64_t H = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_layers, P = cfg_.ple_dim;
@@ -116,6 +116,9 @@ void Gemma4Model::check_batch(const Batch& b, int ranks) const {
     RF_CHECK(b.mm_token_type != nullptr, "image_features given without mm_token_type_ids to place them");
     int64_t n = 0;
     for (int64_t t = 0; t < T; ++t) n += b.mm_token_type[t] != 0;
+    // As Gemma4Model: multimodal slots read the pad id's per-layer embedding, so they need a pad id.
+    RF_CHECK(n == 0 || cfg_.pad_token_id || cfg_.ple_dim == 0, "config.json: pad_token_id is null, but image/video "
+             "slots read the pad token's per-layer embedding (as transformers 5.24 does); set pad_token_id");
     RF_CHECK(n == b.n_image_features, "image_features has ", b.n_image_features, " rows for ", n,
              " image/video token slots in mm_token_type_ids");
   }

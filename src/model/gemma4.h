@@ -89,8 +89,10 @@ class Gemma4Model {
   // norm and router scales 1 (transformers' initial values), to be overwritten by a checkpoint or init_random.
   // vision_feature_dim > 0 adds the trainable projection of image features, Gemma4MultimodalEmbedder's
   // "model.embed_vision.embedding_projection.weight" [H, F] after a scale-free RMSNorm; 0: features arrive in
-  // the hidden size and are placed as they are.
-  explicit Gemma4Model(Gemma4Config config, int vision_feature_dim = 0);
+  // the hidden size and are placed as they are. Storage::Deferred registers the parameters' names and shapes
+  // without memory (what load_checkpoint checks against the files and the machine before allocating each).
+  explicit Gemma4Model(Gemma4Config config, int vision_feature_dim = 0,
+                       TensorSet::Storage storage = TensorSet::Storage::Allocated);
 
   const Gemma4Config& config() const { return cfg_; }
   int vision_feature_dim() const { return vision_dim_; }

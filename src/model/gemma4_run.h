@@ -64,6 +64,8 @@ struct MoeActs {
   Vec e_in, r_pre2, out2, r_pf2;  // experts' input [T, H], [T]; their weighted sum [T, H], [T]
   Vec ff;                         // [T, H] h1 + post_ff_norm_2(out2)
   std::vector<int32_t> top_idx;               // [T, K]
+  std::vector<int32_t> expert_order;          // [T, K] each token's choices j by ascending expert index
+  std::vector<int64_t> row_of;                // [T, K] row of each (token, choice) in its expert's batch
   std::vector<std::vector<int64_t>> routed;   // per expert: t * K + j of its (token, choice) pairs, t ascending
   std::vector<Vec> e_x, e_gu, e_hm, e_eo;     // per expert: [n, H], [n, 2*Im], [n, Im], [n, H]
   int64_t bytes() const {

@@ -7,9 +7,53 @@
 #include <vector>
 
 #include "core/error.h"
+#include "cpu/microkernels.h"
 #include "model/ops.h"
 
 namespace rf::model {
+
+namespace {
+
+using cpu::detail::kLanes;
+
+constexpr float kLog2e = 1.4426950408889634f;
+// Exps summed per float32 lane before the lane totals are folded into the double row total: each lane adds
+// kFoldTerms terms, so a partial carries at most (kFoldTerms - 1) + log2(kLanes) = 19 roundings of 2^-24 relative
+// (1.1e-6) however long the row is (V = 262144 would otherwise pile up V roundings in one float).
+constexpr int64_t kFoldTerms = 16;
+
+// e[v] = exp(z[v] - shift) for v < n, in float32. shift >= max(z), so every argument is <= 0. With AVX-512: the
+// attention kernels' vector exp2 (relative error < 3e-7) of (z - shift) * log2(e); the rounding of that product
+// adds |z - shift| * 2^-24 relative, which matters only for terms already below e^-16 of the largest.
+void exp_shifted(const float* z, float shift, float* e, int64_t n) {
+  int64_t v = 0;
+#ifdef __AVX512F__
+  const __m512 s = _mm512_set1_ps(shift), l2e = _mm512_set1_ps(kLog2e);
+  for (; v + kLanes <= n; v += kLanes)
+    _mm512_storeu_ps(e + v, cpu::detail::exp2_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(z + v), s), l2e)));
+#endif
+  for (; v < n; ++v) e[v] = std::exp(z[v] - shift);
+}
+
+// sum(e[0, n)) with kLanes float32 lane accumulators (independent, so the loop vectorises without reassociating
+// anything), each folded into a double every kFoldTerms terms. The order is fixed by n alone.
+double blocked_sum(const float* e, int64_t n) {
+  constexpr int64_t kBlock = kFoldTerms * kLanes;
+  double total = 0.0;
+  int64_t v = 0;
+  for (; v + kBlock <= n; v += kBlock) {
+    float lane[kLanes] = {};
+    for (int64_t k = 0; k < kFoldTerms; ++k)
+      for (int l = 0; l < kLanes; ++l) lane[l] += e[v + k * kLanes + l];
+    float part = 0.f;
+    for (int l = 0; l < kLanes; ++l) part += lane[l];
+    total += part;
+  }
+  for (; v < n; ++v) total += e[v];
+  return total;
+}
+
+}  // namespace
 
 int64_t loss_chunk_tokens(int64_t V, int64_t budget_bytes) {
   return std::max<int64_t>(1, budget_bytes / (V * static_cast<int64_t>(sizeof(float))));
@@ -26,7 +70,8 @@ double lm_head_loss(const LmHeadLossArgs& a, const LmHeadLossOut& out) {
   }
   const int64_t C = std::min(a.chunk, std::max<int64_t>(a.T, 1));
   // [C, V]: the chunk's raw logits, capped in place, then overwritten in place by their gradient. The only
-  // buffer of vocabulary size: the loss's extra memory is C * V * 4 bytes.
+  // buffer of vocabulary size besides one row of exps per thread: the loss's extra memory is (C + threads) * V * 4
+  // bytes.
   std::vector<float> z(static_cast<size_t>(C * a.V));
   std::vector<double> chunk_loss(static_cast<size_t>(C));
   double total = 0.0;
@@ -35,33 +80,40 @@ double lm_head_loss(const LmHeadLossArgs& a, const LmHeadLossOut& out) {
     const float* x = a.x + t0 * a.H;
     linear_forward(x, a.W, z.data(), n, a.H, a.V);
     bool any_label = false;
-#pragma omp parallel for schedule(static) if (n * a.V >= kParallelMinElements)
-    for (int64_t i = 0; i < n; ++i) {
-      float* cr = z.data() + i * a.V;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t v = 0; v < a.V; ++v) {
-        if (a.softcap > 0.f) cr[v] = a.softcap * std::tanh(cr[v] / a.softcap);
-        mx = std::max(mx, cr[v]);
-      }
-      double sum = 0.0;
-      for (int64_t v = 0; v < a.V; ++v) sum += std::exp(static_cast<double>(cr[v] - mx));
-      const double lse = mx + std::log(sum);
-      const int32_t label = a.labels ? a.labels[t0 + i] : kIgnoreLabel;
-      chunk_loss[i] = label == kIgnoreLabel ? 0.0 : lse - cr[label];
-      if (out.logits) std::copy_n(cr, a.V, out.logits + (t0 + i) * a.V);
-      if (!backward) continue;
-      // d loss / d capped = (softmax - onehot) * loss_scale; through the cap: * (1 - tanh^2).
-      for (int64_t v = 0; v < a.V; ++v) {
-        float g = 0.f;
-        if (label != kIgnoreLabel) {
-          g = static_cast<float>(std::exp(static_cast<double>(cr[v]) - lse)) - (v == label ? 1.f : 0.f);
+#pragma omp parallel if (n * a.V >= kParallelMinElements)
+    {
+      // [V] exp(capped - max) of the row being reduced: the forward's sum and, scaled, the backward's softmax.
+      std::vector<float> ex(static_cast<size_t>(a.V));
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; ++i) {
+        float* cr = z.data() + i * a.V;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t v = 0; v < a.V; ++v) {
+          if (a.softcap > 0.f) cr[v] = a.softcap * std::tanh(cr[v] / a.softcap);
+          mx = std::max(mx, cr[v]);
+        }
+        exp_shifted(cr, mx, ex.data(), a.V);
+        const double sum = blocked_sum(ex.data(), a.V);
+        const double lse = mx + std::log(sum);
+        const int32_t label = a.labels ? a.labels[t0 + i] : kIgnoreLabel;
+        chunk_loss[i] = label == kIgnoreLabel ? 0.0 : lse - cr[label];
+        if (out.logits) std::copy_n(cr, a.V, out.logits + (t0 + i) * a.V);
+        if (!backward) continue;
+        if (label == kIgnoreLabel) {
+          std::fill_n(cr, a.V, 0.f);
+          continue;
+        }
+        // d loss / d capped = (softmax - onehot) * loss_scale; through the cap: * (1 - tanh^2).
+        const float p_scale = static_cast<float>(1.0 / sum);
+        for (int64_t v = 0; v < a.V; ++v) {
+          float g = ex[v] * p_scale - (v == label ? 1.f : 0.f);
           g *= a.loss_scale;
           if (a.softcap > 0.f) {
             const float th = cr[v] / a.softcap;
             g *= 1.f - th * th;
           }
+          cr[v] = g;
         }
-        cr[v] = g;
       }
     }
     for (int64_t i = 0; i < n; ++i) {

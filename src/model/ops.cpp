@@ -39,7 +39,8 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
   // the big operand (a weight matrix, or the vocabulary-sized head) is packed once in total, not once a thread.
   const bool split_rows = M >= N;
   const int64_t extent = split_rows ? M : N;
-  const int64_t threads = M * N * K >= kParallelMinMultiplyAdds ? omp_get_max_threads() : 1;
+  // Inside a parallel region (callers that run independent sgemms on each thread) each call stays on its thread.
+  const int64_t threads = !omp_in_parallel() && M * N * K >= kParallelMinMultiplyAdds ? omp_get_max_threads() : 1;
   const int64_t share = std::max(kGemmQuantum, ((extent + threads - 1) / threads + kGemmQuantum - 1) / kGemmQuantum *
                                                    kGemmQuantum);
   const int64_t blocks = (extent + share - 1) / share;

@@ -19,7 +19,8 @@ constexpr int64_t kParallelMinMultiplyAdds = int64_t{1} << 21;
 
 // Row-major C[M, N] = alpha * op(A) op(B) + beta * C with op = transpose when the flag is set; A is [M, K] (or
 // [K, M] transposed), B is [K, N] (or [N, K]). OpenMP splits the larger of M and N into one block per thread,
-// each a single-threaded sgemm (OpenBLAS's own threading does not scale on the dev VM; dev-machine-limits.md).
+// each a single-threaded sgemm (OpenBLAS's own threading does not scale on the dev VM; dev-machine-limits.md);
+// called inside a parallel region it runs as one sgemm on the calling thread.
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
           const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 

@@ -20,8 +20,21 @@ struct Tensor {
 // order gradients are written out in.
 class TensorSet {
  public:
-  // Adds a zero tensor; returns its slot. Throws rf::Error if the name exists already.
+  // Allocated: every tensor added is zero-filled memory. Deferred: tensors are names and shapes only until
+  // allocate(slot), so a loader can check what a config claims against its files and the machine's memory before
+  // any of it is allocated.
+  enum class Storage { Allocated, Deferred };
+
+  TensorSet() = default;
+  explicit TensorSet(Storage storage) : storage_(storage) {}
+
+  // Adds a tensor (zero, or shape only when Deferred); returns its slot. Throws rf::Error if the name exists
+  // already or its element count overflows int64.
   size_t add(const std::string& name, std::vector<int64_t> shape);
+  // Zero-filled memory for a Deferred tensor (no-op when it has it already).
+  void allocate(size_t slot);
+  // float32 bytes of every tensor, allocated or not.
+  int64_t total_bytes() const;
   size_t slot(const std::string& name) const;  // throws rf::Error naming a missing tensor
   bool contains(const std::string& name) const { return index_.count(name) > 0; }
   Tensor& operator[](size_t i) { return tensors_[i]; }
@@ -35,10 +48,11 @@ class TensorSet {
   std::vector<Tensor>::const_iterator begin() const { return tensors_.begin(); }
   std::vector<Tensor>::const_iterator end() const { return tensors_.end(); }
 
-  // Same names and shapes, all zero (a gradient set for these parameters).
+  // Same names and shapes, all zero and allocated (a gradient set for these parameters).
   TensorSet zeros_like() const;
 
  private:
+  Storage storage_ = Storage::Allocated;
   std::vector<Tensor> tensors_;
   std::unordered_map<std::string, size_t> index_;
 };

@@ -153,7 +153,10 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     }
     const model::Gemma4Model& mm = *ck.model;
     const int width = mm.vision_feature_dim() > 0 ? mm.vision_feature_dim() : mm.config().hidden_size;
-    data = make_data_source(cfg, DataContract{mm.config().vocab_size, mm.config().pad_token_id, width, cfg.model.path});
+    // Unfilled row positions are doc 0 with ignored labels (masked everywhere), so a config without a pad id
+    // (pad_token_id null) fills them with token 0: any in-vocabulary id would do.
+    data = make_data_source(cfg, DataContract{mm.config().vocab_size, mm.config().pad_token_id.value_or(0), width,
+                                              cfg.model.path});
     adam_ptr = std::make_unique<AdamW>(mm.params(), trainable_mask(mm.params(), cfg.model.freeze), cfg.optimizer);
     if (!resume_dir.empty()) load_optimizer_state(resume_dir, *adam_ptr);
   };

@@ -17,6 +17,11 @@ float mask per layer type, and handed to the model as the {layer_type: mask} dic
 Where SPEC §3 and transformers' own builder agree (one document, image runs shorter than the window) the script
 also checks that the two masks are equal, which pins the groups-on-full-layers switch to what 5.24 does (off).
 
+Fidelity cases: the dense config's RoPE entries carry a `factor` (ignored on "default", applied on "proportional",
+as transformers does); the small config with images is saved as a multimodal Gemma4Config whose vision_config
+sets the projection's pre-norm eps (1e-2, not the text eps); small_nopad has pad_token_id null, so token 0's
+main and per-layer embedding rows get gradients.
+
 Images. The vision tower is outside ringflex: image features arrive as vectors. As Gemma4Model does, vision slots
 embed the pad id, their per-layer token input uses the pad id, and the features (through Gemma4MultimodalEmbedder,
 a scale-free RMSNorm and a projection, when the checkpoint has one) are scattered into the slots in row-major order.
@@ -77,9 +82,20 @@ def base_config(**extra):
     return Gemma4TextConfig(**cfg)
 
 
+# RoPE entries with a `factor`: transformers 5.24 ignores it on a "default" entry (with a warning) and divides the
+# frequencies by it on a "proportional" one; ringflex must do the same.
+ROPE_WITH_FACTORS = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "factor": 8.0},
+    "full_attention": {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.5, "factor": 2.0},
+}
+# The vision projection's pre-norm epsilon comes from vision_config, not the text config: a value far from the
+# text eps (1e-6) moves the projected features by ~0.5%, far beyond the tolerance.
+VISION_EPS = 1e-2
+
 CONFIGS = {
     "dense": lambda vision: base_config(attention_k_eq_v=True, num_global_key_value_heads=1,
-                                        use_bidirectional_attention="vision" if vision else None),
+                                        use_bidirectional_attention="vision" if vision else None,
+                                        rope_parameters=json.loads(json.dumps(ROPE_WITH_FACTORS))),
     # MoE, and an untied LM head (lm_head.weight in the checkpoint) to cover that layout too.
     "moe": lambda vision: base_config(attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True,
                                       num_experts=4, top_k_experts=2, moe_intermediate_size=8,
@@ -89,7 +105,13 @@ CONFIGS = {
     # no vision-bidirectional attention (as E2B/E4B), image features through a trainable projection.
     "small": lambda vision: base_config(hidden_size_per_layer_input=4, vocab_size_per_layer_input=V,
                                         num_kv_shared_layers=2, use_double_wide_mlp=True),
+    # pad_token_id null: no padding row, so token 0 (one in row 0) trains its main and per-layer embedding rows.
+    # Text only: with image slots transformers itself needs a pad id (it embeds the slots as the pad token).
+    "small_nopad": lambda vision: base_config(hidden_size_per_layer_input=4, vocab_size_per_layer_input=V,
+                                              num_kv_shared_layers=2, use_double_wide_mlp=True, pad_token_id=None),
 }
+CASES = [("dense", False), ("dense", True), ("moe", False), ("moe", True), ("small", False), ("small", True),
+         ("small_nopad", False)]
 
 
 def randomize(model, gen):
@@ -185,7 +207,7 @@ def run_case(ringflex, name, vision, workdir, launcher=()):
     model.config._experts_implementation = "eager"  # the reference loop (grouped_mm has no float64)
     randomize(model, gen)
     ids, labels, pos, doc, mm = make_batch(gen, vision)
-    projected = vision and name == "small"
+    projected = vision and name.startswith("small")
     ckpt = os.path.join(workdir, f"{name}_{int(vision)}")
     model.save_pretrained(ckpt, safe_serialization=True)
 
@@ -196,7 +218,8 @@ def run_case(ringflex, name, vision, workdir, launcher=()):
         fdim = FEATURE_DIM if projected else H
         feats = torch.randn((n_slots, fdim), generator=gen)
         if projected:
-            embedder = Gemma4MultimodalEmbedder(Gemma4VisionConfig(hidden_size=fdim), cfg).float()
+            embedder = Gemma4MultimodalEmbedder(Gemma4VisionConfig(hidden_size=fdim, rms_norm_eps=VISION_EPS),
+                                                cfg).float()
             with torch.no_grad():
                 embedder.embedding_projection.weight.copy_(0.3 * torch.randn((H, fdim), generator=gen))
             # Into the checkpoint's own file, where a multimodal Gemma 4 checkpoint keeps its embed_vision.
@@ -205,6 +228,15 @@ def run_case(ringflex, name, vision, workdir, launcher=()):
             weights["model.embed_vision.embedding_projection.weight"] = \
                 embedder.embedding_projection.weight.detach().contiguous()
             save_file(weights, weights_path, metadata={"format": "pt"})
+            # And its config as a multimodal Gemma4Config, whose vision_config holds the projection's norm eps.
+            config_path = os.path.join(ckpt, "config.json")
+            with open(config_path) as f:
+                text_config = json.load(f)
+            with open(config_path, "w") as f:
+                json.dump({"model_type": "gemma4", "text_config": text_config,
+                           "vision_config": {"model_type": "gemma4_vision", "hidden_size": fdim,
+                                             "rms_norm_eps": VISION_EPS},
+                           "tie_word_embeddings": text_config.get("tie_word_embeddings", True)}, f)
 
     # Reference forward/backward.
     model = model.double()
@@ -270,7 +302,7 @@ def run_case(ringflex, name, vision, workdir, launcher=()):
             failures.append(f"{key} missing from ringflex's output")
             continue
         worst = max(worst, compare(key, out[key], g if g is not None else torch.zeros_like(out[key])))
-    label = f"{name:5s} {'vision+packed' if vision else 'plain':13s}"
+    label = f"{name:11s} {'vision+packed' if vision else 'plain':13s}"
     if failures:
         print(f"FAIL {label}: " + "; ".join(failures[:8]))
         return False
@@ -281,7 +313,7 @@ def run_case(ringflex, name, vision, workdir, launcher=()):
 def check_errors_under_launcher(ringflex, workdir, launcher, ranks):
     """Under mpirun: a bad input, or more ranks than tokens in a row, is the same one line on every rank, a
     non-zero exit and no output file."""
-    cfg = CONFIGS["dense"](False)
+    cfg = base_config(attention_k_eq_v=True, num_global_key_value_heads=1)  # nothing ringflex warns about
     ckpt = os.path.join(workdir, "errors_cp")
     Gemma4ForCausalLM(cfg).save_pretrained(ckpt, safe_serialization=True)
     short = ranks - 1
@@ -308,7 +340,7 @@ def check_errors_under_launcher(ringflex, workdir, launcher, ranks):
 
 def check_errors(ringflex, workdir):
     """Bad input gives one clear line naming the problem."""
-    cfg = CONFIGS["dense"](False)
+    cfg = base_config(attention_k_eq_v=True, num_global_key_value_heads=1)  # nothing ringflex warns about
     ckpt = os.path.join(workdir, "errors")
     Gemma4ForCausalLM(cfg).save_pretrained(ckpt, safe_serialization=True)
     ids = torch.ones((B, S), dtype=torch.int64)
@@ -379,9 +411,8 @@ def main():
             ok = check_errors_under_launcher(sys.argv[1], workdir, launcher, ranks) if ranks > 1 else True
         else:
             ok = check_errors(sys.argv[1], workdir)
-        for name in CONFIGS:
-            for vision in (False, True):
-                ok = run_case(sys.argv[1], name, vision, workdir, launcher) and ok
+        for name, vision in CASES:
+            ok = run_case(sys.argv[1], name, vision, workdir, launcher) and ok
     return 0 if ok else 1
 
 

@@ -230,5 +230,51 @@ TEST(ModelRun, SameBitsOnRepeatAndAcrossThreadCounts) {
   }
 }
 
+// A batch of text rows, one document each, long enough that every parallel loop of the MoE block (router, expert
+// tasks, per-token sums, weight gradients) runs on several threads: their thresholds are in elements or
+// multiply-adds, and 2 x 2048 tokens with 8 experts pass them all.
+TinyBatch long_text_batch(int V, int B, int S) {
+  TinyBatch t;
+  t.B = B;
+  t.S = S;
+  std::mt19937 rng(11);
+  for (int r = 0; r < B; ++r) {
+    for (int s = 0; s < S; ++s) {
+      t.ids.push_back(1 + static_cast<int32_t>(rng() % (V - 1)));
+      t.labels.push_back(static_cast<int32_t>(rng() % V));
+      t.pos.push_back(s);
+      t.doc.push_back(1);
+      t.mm.push_back(0);
+    }
+  }
+  return t;
+}
+
+// The MoE block's experts run as parallel tasks and its reductions in fixed orders (moe.cpp): 1, 2 and 3 threads
+// (3: more threads than cores, and an uneven share of tasks) give the same bits. Vocabulary 4096: with the tiny
+// configs' 40 the tied head's gradient sgemm (40 x 16 x 4096) is cut by thread count into blocks below OpenBLAS's
+// small-matrix threshold, whose kernel sums K in another order (a separate issue of ops.cpp's gemm split).
+TEST(ModelRun, MoeSameBitsAcrossThreadCountsAtParallelSizes) {
+  constexpr int kVocab = 4096;
+  Gemma4Model m = make_model(R"(, "vocab_size": 4096, "enable_moe_block": true, "num_experts": 8,
+                                   "top_k_experts": 2, "moe_intermediate_size": 32)");
+  const TinyBatch b = long_text_batch(kVocab, 2, 2048);
+  RunOptions opt;
+  opt.want_grad = true;
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  TensorSet g1 = m.params().zeros_like();
+  const Result r1 = m.run(b.view(false), opt, &g1);
+  ASSERT_TRUE(std::isfinite(r1.loss));
+  for (int n : {2, 3}) {
+    omp_set_num_threads(n);
+    TensorSet gn = m.params().zeros_like();
+    const Result rn = m.run(b.view(false), opt, &gn);
+    EXPECT_EQ(r1.loss, rn.loss) << n << " threads";
+    for (size_t s = 0; s < g1.size(); ++s) EXPECT_EQ(g1[s].data, gn[s].data) << g1[s].name << ", " << n << " threads";
+  }
+  omp_set_num_threads(threads);
+}
+
 }  // namespace
 }  // namespace rf::model

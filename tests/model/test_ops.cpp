@@ -4,6 +4,7 @@
 // unchunked computation in double.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <random>
@@ -192,6 +193,42 @@ TEST(ModelLoss, ChunkedMatchesUnchunkedForEveryChunkSize) {
       double z = 0;
       for (int64_t i = 0; i < H; ++i) z += double{x[i]} * W[v * H + i];
       EXPECT_NEAR(logits[v], cap * std::tanh(z / cap), kTol);
+    }
+  }
+}
+
+// The float32 log-sum-exp over a Gemma-sized vocabulary against double. H = 1 and x = 1, so the logits are W's
+// column exactly and dW is the logits' gradient itself. Error bound of the loss (lse - z[label]): the exps sum in
+// float32 lanes of 16 terms folded into double, at most 19 roundings (19 * 2^-24 = 1.1e-6 relative); each exp is
+// the vector exp2 (< 3e-7 relative) of (z - max) * log2(e), whose rounding adds |z - max| * 2^-24 <= 60 * 2^-24 =
+// 3.6e-6 relative (softcap 30: logits within +-30); a relative error r of the sum is an absolute error r of the
+// lse, so |loss error| <= 5e-6. Each gradient element p - onehot: p's own error (that bound plus ~2 roundings) times
+// p, plus one rounding of (p - 1) at the label (<= 2^-23).
+TEST(ModelLoss, Float32LogSumExpOverLargeVocabularyMatchesDouble) {
+  const float cap = 30.f;
+  constexpr double kLossTol = 5e-6, kGradRelTol = 5e-6, kGradAbsTol = 1.2e-7;
+  for (const int64_t V : {int64_t{262144}, int64_t{262144} + 5}) {  // + 5: a tail past the 16-lane blocks
+    for (const float spread : {1.f, 60.f}) {                          // near-flat softmax, and a peaked one
+      Vec w = random_vec(static_cast<size_t>(V), 40 + static_cast<uint64_t>(spread), -spread, spread);
+      const int32_t label = static_cast<int32_t>(V / 3);
+      const float one = 1.f;
+      Vec logits(static_cast<size_t>(V)), dW(static_cast<size_t>(V), 0.f);
+      LmHeadLossArgs a{&one, w.data(), &label, 1, 1, V, cap, 1.f, 1};
+      const double loss = lm_head_loss(a, LmHeadLossOut{nullptr, logits.data(), nullptr, dW.data()});
+      double mx = -1e300, sum = 0.0;
+      for (float z : logits) mx = std::max(mx, double{z});
+      for (float z : logits) sum += std::exp(double{z} - mx);
+      const double lse = mx + std::log(sum);
+      EXPECT_NEAR(loss, lse - logits[label], kLossTol) << "V " << V << " spread " << spread;
+      int bad = 0;
+      for (int64_t v = 0; v < V && bad < 5; ++v) {
+        const double p = std::exp(double{logits[v]} - lse);
+        const double th = double{logits[v]} / cap;
+        const double g = (p - (v == label)) * (1 - th * th);
+        const bool ok = std::abs(dW[v] - g) <= kGradRelTol * p + kGradAbsTol;
+        EXPECT_TRUE(ok) << "V " << V << " spread " << spread << " v " << v << ": " << dW[v] << " vs " << g;
+        bad += !ok;
+      }
     }
   }
 }
