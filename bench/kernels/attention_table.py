@@ -27,6 +27,8 @@ def main():
     key = lambda r: (r["mask"], r["S"], r["D"], r["dtype"], r["threads"])
     ours = {key(r): r for r in kern["rows"]}
 
+    if "kernel_path" in kern:
+        print(f"CPU: {kern['cpu']}; kernel path: {kern['kernel_path']}.")
     print(f"B = 1, Hq = {kern['Hq']}, Hkv = {kern['Hkv']}; median 1-thread sgemm over the run "
           f"{kern['sgemm_gflops_median']:.0f} GFLOP/s.\n")
     print("### ringflex kernels: GFLOP/s of mask area and ratio to 1-thread sgemm\n")

@@ -24,7 +24,9 @@
 #include "core/attention_args.h"
 #include "core/row_meta.h"
 #include "cpu/attention.h"
-#include "cpu/microkernels.h"
+#include "cpu/dispatch.h"
+#include "cpu/isa.h"
+#include "cpu/kernels.h"
 #include "reference/attention_ref.h"
 
 namespace {
@@ -170,14 +172,14 @@ bool validate(int D, rf::DType t) {
   return e <= kTol;
 }
 
-// One 64 x 64 x D score-tile product (S = Q K^T, the abt micro-kernel) with float32 FMAs and, where the CPU has
-// AVX512_BF16, with vdpbf16ps on bf16 pairs: the measurement behind RINGFLEX_BF16_DOT being off by default.
-// Best of kTileTrials timings of kTileCalls products, operands in L1.
+// One 64 x 64 x D score-tile product (S = Q K^T, the abt micro-kernel of the path in use, src/cpu/isa.h) with
+// float32 FMAs and, where the CPU has AVX512_BF16, with vdpbf16ps on bf16 pairs: the measurement behind
+// RINGFLEX_BF16_DOT being off by default. Best of kTileTrials timings of kTileCalls products, operands in L1.
 void tile_products(int D) {
-  namespace d = rf::cpu::detail;
-  constexpr int kTileCalls = 200, kTileTrials = 30, kRows = rf::cpu::kTileQ;
-  std::vector<float> a(static_cast<size_t>(kRows) * D, 0.5f), bt(static_cast<size_t>(D) * d::kTileCols, 0.25f);
-  std::vector<float> c(static_cast<size_t>(kRows) * d::kTileCols);
+  constexpr int kTileCalls = 200, kTileTrials = 30, kRows = rf::cpu::kTileQ, kCols = rf::cpu::kTileK;
+  const rf::cpu::KernelSet& kernels = rf::cpu::kernels_for(rf::cpu::kernel_path().isa);
+  std::vector<float> a(static_cast<size_t>(kRows) * D, 0.5f), bt(static_cast<size_t>(D) * kCols, 0.25f);
+  std::vector<float> c(static_cast<size_t>(kRows) * kCols);
   std::vector<uint32_t> ab(a.size() / 2, 0x3f003f00u), bb(bt.size() / 2, 0x3e803e80u);  // bf16 pairs 0.5, 0.25
   volatile float sink = 0.f;  // reads each product's result so no call can be optimised away
   auto best = [&](auto&& fn) {
@@ -190,14 +192,15 @@ void tile_products(int D) {
       }
       t_min = std::min(t_min, seconds_since(t0));
     }
-    return 2.0 * kRows * d::kTileCols * D * kTileCalls / t_min / 1e9;
+    return 2.0 * kRows * kCols * D * kTileCalls / t_min / 1e9;
   };
-  const double f32 = best([&] { d::abt<0>(a.data(), D, bt.data(), D, kRows, c.data()); });
-  std::printf("score tile 64 x 64 x %d, 1 thread: float32 FMA %.1f GFLOP/s", D, f32);
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  const double bf = best([&] { d::abt<0>(ab.data(), D / 2, bb.data(), D, kRows, c.data()); });
-  std::printf(", vdpbf16ps %.1f GFLOP/s", bf);
-#endif
+  const double f32 = best([&] { kernels.score_tile(a.data(), D, bt.data(), D, kRows, c.data()); });
+  std::printf("score tile 64 x 64 x %d, 1 thread, %s: float32 FMA %.1f GFLOP/s", D, rf::cpu::isa_name(kernels.isa),
+              f32);
+  if (kernels.score_tile_bf16 && rf::cpu::detect_cpu().avx512_bf16) {
+    const double bf = best([&] { kernels.score_tile_bf16(ab.data(), D / 2, bb.data(), D, kRows, c.data()); });
+    std::printf(", vdpbf16ps %.1f GFLOP/s", bf);
+  }
   std::printf("\n");
 }
 
@@ -241,6 +244,9 @@ int main(int argc, char** argv) {
     f << nlohmann::json{{"Hq", Hq}, {"Hkv", Hkv}, {"dims", dims}, {"threads", threads}, {"cases", cases}}.dump(1);
   }
 
+  const std::string path = rf::cpu::describe(rf::cpu::kernel_path());
+  const std::string cpu_name = rf::cpu::detect_cpu().cpu_name;
+  std::printf("cpu: %s; kernel path: %s\n", cpu_name.c_str(), path.c_str());
   tile_products(128);
   Sgemm sgemm;
   std::printf("Hq = %d, Hkv = %d, B = 1; sgemm: 1-thread OpenBLAS, N = %d, measured before each row\n\n", Hq, Hkv,
@@ -284,7 +290,9 @@ int main(int argc, char** argv) {
   }
   if (!json_out.empty()) {
     std::ofstream f(json_out);
-    f << nlohmann::json{{"sgemm_gflops_median", median(peaks)}, {"Hq", Hq}, {"Hkv", Hkv}, {"rows", rows}}.dump(1);
+    f << nlohmann::json{{"sgemm_gflops_median", median(peaks)}, {"Hq", Hq}, {"Hkv", Hkv}, {"cpu", cpu_name},
+                        {"kernel_path", path}, {"rows", rows}}
+             .dump(1);
   }
   return 0;
 }

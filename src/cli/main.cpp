@@ -15,6 +15,7 @@
 #include "cli/watchdog.h"
 #include "comm/mpi_comm.h"
 #include "core/error.h"
+#include "cpu/isa.h"
 
 namespace {
 
@@ -36,6 +37,8 @@ int main(int argc, char** argv) {
   rf::cli::add_plan_command(app, run);
   rf::cli::add_forward_command(app, run);
   rf::cli::add_train_command(app, run);
+  rf::cli::add_info_command(app, run);
+  app.set_version_flag("--version", std::string("ringflex ") + RF_VERSION);
   // Options every subcommand takes, added here so a new subcommand cannot miss them (one that declares its own
   // --timeout keeps it, and must pass it to comm::set_default_timeout itself).
   double timeout_s = static_cast<double>(rf::comm::kDefaultTimeout.count()) / kMillisecondsPerSecond;
@@ -60,9 +63,12 @@ int main(int argc, char** argv) {
   bool agreed = true;  // whether every rank knows this run failed (or none failed)
   try {
     {
-      const rf::comm::Step step("agreeing on the command line");
+      const rf::comm::Step step("agreeing on the command line and the kernel path");
       const std::unique_ptr<rf::comm::Communicator> world = rf::comm::make_mpi_world();
       rf::comm::agree_command_line(*world, std::vector<std::string>(argv + 1, argv + argc));
+      // Every rank checks its kernel path (isa.h) before any work: the nodes of one job may differ, and a
+      // RINGFLEX_ISA one rank's CPU cannot run fails all ranks together with that rank's line.
+      rf::comm::agree(*world, [] { rf::cpu::kernel_path(); });
     }
     code = run();
   } catch (const rf::comm::AgreedError& e) {

@@ -1,4 +1,4 @@
-// ringflex cpu: AMX tile configuration, detection and the bf16 score product (see amx.h for layouts).
+// ringflex cpu: AMX tile configuration and the bf16 score product (see amx.h for layouts; detection: isa.cpp).
 //
 // Tile plan for one 16-row block of C = A · B over a 64-key tile: tiles 0-3 hold C's four 16 x 16 float32 column
 // blocks (keys 0-15, 16-31, 32-47, 48-63); tile 4 holds 16 rows x 32 bf16 of A; tiles 5-7 take turns holding a
@@ -7,14 +7,8 @@
 // accumulates in float32 (denormal inputs are treated as zero, as with vdpbf16ps).
 #include "cpu/amx.h"
 
-#include <cstdlib>
-#include <string_view>
-
 #if defined(__x86_64__)
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #define RF_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16")))
 #endif
@@ -24,12 +18,6 @@ namespace rf::cpu::detail {
 namespace {
 
 #if defined(__x86_64__)
-constexpr unsigned kCpuidExtLeaf = 7;
-constexpr unsigned kEdxAmxBf16 = 1u << 22;
-constexpr unsigned kEdxAmxTile = 1u << 24;
-constexpr long kArchReqXcompPerm = 0x1023;  // Linux arch_prctl: request permission for an XSAVE feature
-constexpr long kXfeatureXtiledata = 18;     // the AMX tile data state component
-
 constexpr int kTileBytes = 64;                                  // bytes of one tile row (16 floats, 32 bf16)
 constexpr int kKeyCols = 64;                                    // keys per tile (kTileK)
 constexpr int kKeyStride = kKeyCols * sizeof(uint32_t);         // bytes between bt rows and c rows
@@ -44,14 +32,6 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 static_assert(sizeof(TileConfig) == 64);
-
-bool detect_amx() {
-  if (const char* isa = std::getenv("RINGFLEX_ISA"); isa && std::string_view(isa) == "avx512") return false;
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(kCpuidExtLeaf, 0, &a, &b, &c, &d)) return false;
-  if ((d & kEdxAmxTile) == 0 || (d & kEdxAmxBf16) == 0) return false;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
 
 constexpr TileConfig make_config() {
   TileConfig cfg{};
@@ -74,15 +54,6 @@ RF_AMX_TARGET void release() { _tile_release(); }
 #endif
 
 }  // namespace
-
-bool amx_enabled() {
-#if defined(__x86_64__)
-  static const bool enabled = detect_amx();
-  return enabled;
-#else
-  return false;
-#endif
-}
 
 AmxTileScope::AmxTileScope(bool active) : active_(active) {
 #if defined(__x86_64__)

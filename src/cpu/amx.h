@@ -1,18 +1,13 @@
 // ringflex cpu: the Intel AMX (AMX-TILE + AMX-BF16) score product for bfloat16 inputs, and its run-time detection.
 //
 // Internal to src/cpu. Everything that executes AMX instructions lives in amx.cpp behind function-level target
-// attributes, so the library builds for any x86-64 and never runs them unless amx_enabled() said yes.
+// attributes, so the library builds for any x86-64 and never runs them unless isa.h chose the AMX path (CPUID
+// reports AMX-TILE + AMX-BF16, Linux granted the tile data state, RINGFLEX_ISA does not force another path).
 #pragma once
 
 #include <cstdint>
 
 namespace rf::cpu::detail {
-
-// Whether the bf16 kernels take the AMX path, decided once per process (the one visible run-time ISA choice):
-// CPUID leaf 7 reports AMX-TILE and AMX-BF16, Linux grants the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM,
-// XFEATURE_XTILEDATA), and the environment variable RINGFLEX_ISA is not "avx512" (which forces the AVX-512 path,
-// so tests can run both on an AMX machine).
-bool amx_enabled();
 
 // Loads this thread's tile configuration for amx_abt on construction and releases the tiles on destruction.
 // A no-op when `active` is false. One per OpenMP thread, around the loop that calls amx_abt.

@@ -1,4 +1,5 @@
-// ringflex cpu: the masked flash-attention backward for one query set against one K/V chunk.
+// ringflex cpu: the masked flash-attention backward for one query set against one K/V chunk, compiled once per
+// ISA (isa_target.h; src/cpu/CMakeLists.txt).
 //
 // Scores are recomputed from the saved (merged) LSE: P = exp(scale·q.k - lse), dP = dO V^T,
 // dS = P ⊙ (dP - delta) with delta = rowsum(dO ⊙ O) from attention_delta; then dV = P^T dO, dK = scale·dS^T Q,
@@ -23,9 +24,11 @@
 #include "core/error.h"
 #include "cpu/attention.h"
 #include "cpu/dispatch.h"
+#include "cpu/isa_target.h"
 #include "cpu/tiles.h"
 
-namespace rf::cpu {
+RF_ISA_BEGIN
+namespace rf::cpu::RF_ISA_NS {
 
 namespace {
 
@@ -194,15 +197,12 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
 
 }  // namespace
 
-void attention_backward(const AttnChunk& c, const void* dout, const float* lse, const float* delta, float* dq,
-                        float* dk, float* dv) {
-  validate(c);
-  const AttnShape& s = c.shape;
-  RF_CHECK(s.q_elems() == 0 || (dout && lse && delta && dq), "attention_backward without dout/lse/delta/dq");
-  RF_CHECK(s.kv_elems() == 0 || (dk && dv), "attention_backward without dk/dv buffers");
-  dispatch(s.D, c.dtype, [&]<int kDp, DType kT, bool kAmx>() {
+void backward(const AttnChunk& c, bool amx, const void* dout, const float* lse, const float* delta, float* dq,
+              float* dk, float* dv) {
+  dispatch(c.shape.D, c.dtype, amx, [&]<int kDp, DType kT, bool kAmx>() {
     backward_impl<kDp, kT, kAmx>(c, dout, lse, delta, dq, dk, dv);
   });
 }
 
-}  // namespace rf::cpu
+}  // namespace rf::cpu::RF_ISA_NS
+RF_ISA_END

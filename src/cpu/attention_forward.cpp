@@ -1,5 +1,5 @@
-// ringflex cpu: the masked flash-attention forward for one query set against one K/V chunk, and the backward's
-// delta term.
+// ringflex cpu: the masked flash-attention forward for one query set against one K/V chunk, compiled once per ISA
+// (isa_target.h; src/cpu/CMakeLists.txt).
 //
 // Loop structure. A work item is (row b, kv head g, query tile qt, a chunk of the query heads of group g); the
 // items are independent and run under OpenMP (dynamic schedule: causal and windowed items differ in work).
@@ -20,9 +20,11 @@
 #include "core/error.h"
 #include "cpu/attention.h"
 #include "cpu/dispatch.h"
+#include "cpu/isa_target.h"
 #include "cpu/tiles.h"
 
-namespace rf::cpu {
+RF_ISA_BEGIN
+namespace rf::cpu::RF_ISA_NS {
 
 namespace {
 
@@ -118,31 +120,11 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
   }
 }
 
-template <DType kT>
-void delta_impl(const AttnShape& s, const void* dout, const float* o, float* delta) {
-  const int64_t rows = s.lse_elems();
-  const int D = s.D;
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    float acc = 0.f;
-    for (int d = 0; d < D; ++d) acc += load_elem<kT>(dout, r * D + d) * o[r * D + d];
-    delta[r] = acc;
-  }
-}
-
 }  // namespace
 
-void attention_forward(const AttnChunk& c, float* o, float* lse) {
-  validate(c);
-  RF_CHECK(c.shape.lse_elems() == 0 || (o && lse), "attention_forward without output buffers");
-  dispatch(c.shape.D, c.dtype, [&]<int kDp, DType kT, bool kAmx>() { forward_impl<kDp, kT, kAmx>(c, o, lse); });
+void forward(const AttnChunk& c, bool amx, float* o, float* lse) {
+  dispatch(c.shape.D, c.dtype, amx, [&]<int kDp, DType kT, bool kAmx>() { forward_impl<kDp, kT, kAmx>(c, o, lse); });
 }
 
-void attention_delta(const AttnShape& s, DType dtype, const void* dout, const float* o, float* delta) {
-  if (dtype == DType::F32)
-    delta_impl<DType::F32>(s, dout, o, delta);
-  else
-    delta_impl<DType::BF16>(s, dout, o, delta);
-}
-
-}  // namespace rf::cpu
+}  // namespace rf::cpu::RF_ISA_NS
+RF_ISA_END

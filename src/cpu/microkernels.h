@@ -1,22 +1,25 @@
-// ringflex cpu: the register-blocked inner loops of the attention kernels, and a vectorised exp2.
+// ringflex cpu: the register-blocked inner loops of the attention kernels, and a vectorised exp2, for one ISA.
 //
-// Internal to src/cpu. Every matrix product in flash attention (forward and backward) is one of two shapes on a
-// tile of kTileK keys:
+// Internal to src/cpu: compiled once per ISA (isa_target.h), everything in rf::cpu::RF_ISA_NS::detail. Every
+// matrix product in flash attention (forward and backward) is one of two shapes on a tile of kTileK keys:
 //   abt: C[M, kTileK]  = A[M, Dp] . Bt[Dp, kTileK]   (S = Q K^T, dP = dO V^T; B packed transposed once per tile)
 //   acc: O[M, Dp]     += A[M, N]  . X[N, Dp]         (O += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K)
 // Both are written for one 64-key tile: the attention loops call them per (query tile, key tile) pair.
-// Dp is the head dimension padded with zeros to a multiple of the vector width, so a generic D (8, 72 ...) runs
-// the same loops as the fast ones; the zero lanes add exact zeros. kDp > 0 fixes Dp at compile time (the fast
-// paths: the d loops unroll and the tile buffers' strides are constants); kDp = 0 reads it at run time.
+// Dp is the head dimension padded with zeros to a multiple of kPadFloats, so a generic D (8, 72 ...) runs the same
+// loops as the fast ones; the zero lanes add exact zeros. kDp > 0 fixes Dp at compile time (the fast paths: the
+// d loops unroll and the tile buffers' strides are constants); kDp = 0 reads it at run time.
 //
-// With AVX-512 each call keeps a block of up to kRowBlock rows x 64 floats in 24 zmm accumulators:
-// per step 4 vector loads of B (or X) and kRowBlock broadcasts feed 4·kRowBlock FMAs, so the loads are not the
-// bottleneck (Zen 4 and current Xeons issue 2 or more loads per cycle). bfloat16 inputs are widened to float32 while packing (exact);
-// optionally (kHaveBf16Dot) the abt product uses vdpbf16ps instead, two multiply-adds per float32 lane (pairs of
-// adjacent d) with float32 accumulation: A's rows are bf16 pairs broadcast as 32-bit words, Bt is packed as
-// [Dp/2, kTileK] pairs.
-// On CPUs with AMX-BF16 the bf16 abt products run on AMX tiles instead (amx.h, chosen at run time in dispatch.h).
-// Without AVX-512 the same functions are plain loops, so the code compiles and runs everywhere.
+// The vector paths share one register-blocked loop, written on the thin VecF layer below; only the block shape
+// differs, sized to the register file (R rows x CV vectors of accumulators, CV operand vectors, 1 broadcast):
+//   AVX-512, 32 zmm x 16 floats: 6 rows x 4 vectors (all 64 columns) = 24 accumulators + 4 + 1 = 29 registers;
+//   AVX2,    16 ymm x  8 floats: 6 rows x 2 vectors (a 16-column strip) = 12 accumulators + 2 + 1 = 15 registers.
+// Per step the block does CV vector loads and R broadcasts for R·CV FMAs (24 FMAs per 10 loads on AVX-512, 12 per
+// 8 on AVX2): with 2 loads and 2 FMAs per cycle (Zen 2-4, Haswell and later) the FMAs, not the loads, bound it.
+// bfloat16 inputs are widened to float32 while packing (exact); optionally (kHaveBf16Dot, AVX-512 only) the abt
+// product uses vdpbf16ps instead, two multiply-adds per float32 lane (pairs of adjacent d) with float32
+// accumulation: A's rows are bf16 pairs broadcast as 32-bit words, Bt is packed as [Dp/2, kTileK] pairs. On CPUs
+// with AMX-BF16 the bf16 abt products run on AMX tiles instead (amx.h, chosen at run time in isa.h).
+// The scalar ISA runs plain loops, so the code compiles and runs everywhere.
 #pragma once
 
 #include <algorithm>
@@ -25,38 +28,27 @@
 #include <type_traits>
 
 #include "core/dtype.h"
+#include "cpu/isa_target.h"
 
-#ifdef __AVX512F__
+#if RF_ISA_AVX512 || RF_ISA_AVX2
 #include <immintrin.h>
 #endif
 
-namespace rf::cpu::detail {
+RF_ISA_BEGIN
+namespace rf::cpu::RF_ISA_NS::detail {
 
-constexpr int kLanes = 16;      // float32 lanes in a 512-bit vector
-constexpr int kTileCols = 64;   // keys per tile (= kTileK); 4 vectors wide
-constexpr int kColVecs = kTileCols / kLanes;
-constexpr int kRowBlock = 6;    // rows per register block: 6 x 4 accumulators + 4 operands + 1 broadcast <= 32 zmm
-
-// Whether bf16 inputs use vdpbf16ps for the abt products (operands kept as bf16 pairs) instead of being widened
-// to float32 while packing. Opt-in (CMake RINGFLEX_BF16_DOT): on the development VM (2 vCPU; lscpu reports an
-// Intel Xeon with AVX-512 BF16) one 64 x 64 x 128 tile product, timed alone in a loop, ran at 112 GFLOP/s with
-// vdpbf16ps against 198 GFLOP/s with float32 FMAs — the instruction retires ~3.5x less often than vfmadd231ps —
-// so it does not pay there (see BENCHMARKS.md).
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(RF_BF16_DOT)
-constexpr bool kHaveBf16Dot = true;
-#else
-constexpr bool kHaveBf16Dot = false;
-#endif
+constexpr int kTileCols = 64;   // keys per tile (= kTileK)
+constexpr int kRowBlock = 6;    // rows per register block (see the register counts above)
+constexpr int kPadFloats = 16;  // Dp is a multiple of this: whole vectors on every ISA (16 = 1 zmm = 2 ymm)
 
 // ---------------------------------------------------------------------------------------------------------------
 // exp2 of a vector, for x <= 0 (softmax exponents after subtracting the running max) and x = -inf.
 // x = n + f with n = round(x), |f| <= 1/2; 2^f by its degree-7 Taylor polynomial in f·ln2, whose truncation error
 // is (ln2/2)^8 / 8! < 5.2e-9 relative, far below float32's 6e-8; Horner rounding adds at most ~2 ulp. Measured
-// against std::exp2 over [-126, 0] the relative error is below 3e-7 (test_attention.cpp, VectorExp2Accuracy). 2^n is applied with
-// vscalefps, which underflows gracefully to 0; x is first raised to kExp2Floor so that x = -inf gives exactly 0
-// (n = -200, f = 0) instead of -inf - (-inf) = NaN. A NaN input stays NaN (vmaxps returns its second operand).
+// against std::exp2 over [-126, 0] the relative error is below 3e-7 on every ISA (tests/cpu, VectorExp2Accuracy).
+// x is first raised to a floor so that x = -inf gives exactly 0 instead of -inf - (-inf) = NaN; a NaN input stays
+// NaN (vmaxps returns its second operand when one is NaN).
 // ---------------------------------------------------------------------------------------------------------------
-constexpr float kExp2Floor = -200.f;
 constexpr float kExp2Coef[8] = {1.0f,
                                 0.693147180559945309f,
                                 0.240226506959100712f,
@@ -66,34 +58,113 @@ constexpr float kExp2Coef[8] = {1.0f,
                                 0.000154035303933816099f,
                                 0.0000152527338040598403f};
 
-#ifdef __AVX512F__
+#if RF_ISA_AVX512
+constexpr bool kVector = true;
+constexpr int kLanes = 16;       // float32 lanes in a zmm register
+constexpr int kAbtColVecs = 4;   // abt block: all 64 columns
+constexpr int kAccVecs = 4;      // acc block: 64 columns of Dp
+using VecF = __m512;
+using LaneMask = __mmask16;      // one bit per lane
 // GCC 12's unmasked vmaxps, vrndscaleps, vscalefps and _mm512_reduce_* intrinsics pass _mm512_undefined_ps() as
 // the unused merge source, which -Werror=uninitialized rejects once inlined (a false positive). The zero-masked
 // forms with an all-ones mask compile to the same unmasked instructions without that operand.
 constexpr __mmask16 kAll = 0xffff;
 
-inline __m512 max_ps(__m512 a, __m512 b) { return _mm512_maskz_max_ps(kAll, a, b); }
+inline VecF vzero() { return _mm512_setzero_ps(); }
+inline VecF vset1(float x) { return _mm512_set1_ps(x); }
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, VecF x) { _mm512_storeu_ps(p, x); }
+inline VecF vfmadd(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF vfmsub(VecF a, VecF b, VecF c) { return _mm512_fmsub_ps(a, b, c); }
+inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
+inline VecF vsub(VecF a, VecF b) { return _mm512_sub_ps(a, b); }
+inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF vmax(VecF a, VecF b) { return _mm512_maskz_max_ps(kAll, a, b); }
 
-inline __m512 exp2_ps(__m512 x) {
-  x = max_ps(_mm512_set1_ps(kExp2Floor), x);
-  const __m512 n = _mm512_maskz_roundscale_ps(kAll, x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(kExp2Coef[7]);
-  for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Coef[i]));
+// Lanes v·kLanes .. of a 64-key row mask, as a lane mask.
+inline LaneMask lane_mask(uint64_t bits, int v) { return static_cast<LaneMask>(bits >> (v * kLanes)); }
+inline VecF select(LaneMask m, VecF yes, VecF no) { return _mm512_mask_blend_ps(m, no, yes); }
+inline VecF zero_unless(LaneMask m, VecF x) { return _mm512_maskz_mov_ps(m, x); }
+
+// 2^n by vscalefps, which underflows gracefully through the denormals to 0.
+constexpr float kExp2Floor = -200.f;
+inline VecF exp2_ps(VecF x) {
+  x = vmax(vset1(kExp2Floor), x);
+  const VecF n = _mm512_maskz_roundscale_ps(kAll, x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const VecF f = vsub(x, n);
+  VecF p = vset1(kExp2Coef[7]);
+  for (int i = 6; i >= 0; --i) p = vfmadd(p, f, vset1(kExp2Coef[i]));
   return _mm512_maskz_scalef_ps(kAll, p, n);
 }
 
 // Horizontal max and sum of 16 lanes, halving the width with AVX ops that take no merge source.
-inline float reduce_max(__m512 x) {
-  __m256 h = _mm256_max_ps(_mm512_maskz_extractf32x8_ps(0xff, x, 0), _mm512_maskz_extractf32x8_ps(0xff, x, 1));
+inline __m256 low_half(VecF x) { return _mm512_maskz_extractf32x8_ps(0xff, x, 0); }
+inline __m256 high_half(VecF x) { return _mm512_maskz_extractf32x8_ps(0xff, x, 1); }
+#elif RF_ISA_AVX2
+constexpr bool kVector = true;
+constexpr int kLanes = 8;        // float32 lanes in a ymm register
+constexpr int kAbtColVecs = 2;   // abt block: a 16-column strip of the 64-key tile
+constexpr int kAccVecs = 2;      // acc block: 16 columns of Dp
+using VecF = __m256;
+using LaneMask = __m256;         // all-ones or all-zeros lanes (AVX2 has no mask registers)
+
+inline VecF vzero() { return _mm256_setzero_ps(); }
+inline VecF vset1(float x) { return _mm256_set1_ps(x); }
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, VecF x) { _mm256_storeu_ps(p, x); }
+inline VecF vfmadd(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF vfmsub(VecF a, VecF b, VecF c) { return _mm256_fmsub_ps(a, b, c); }
+inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
+inline VecF vsub(VecF a, VecF b) { return _mm256_sub_ps(a, b); }
+inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF vmax(VecF a, VecF b) { return _mm256_max_ps(a, b); }
+
+// Lanes v·kLanes .. of a 64-key row mask: lane i is all ones when bit i of the byte is set.
+inline LaneMask lane_mask(uint64_t bits, int v) {
+  const __m256i select_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i byte = _mm256_set1_epi32(static_cast<int>((bits >> (v * kLanes)) & 0xffu));
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(byte, select_bit), select_bit));
+}
+inline VecF select(LaneMask m, VecF yes, VecF no) { return _mm256_blendv_ps(no, yes, m); }
+inline VecF zero_unless(LaneMask m, VecF x) { return _mm256_and_ps(m, x); }
+
+// 2^n built in the exponent field, (n + 127) << 23, valid for n >= -126. The floor -127 makes n = -127 the bit
+// pattern of +0, so x = -inf gives exactly 0; results below 2^-126.5 flush to 0 where AVX-512's vscalefps keeps
+// denormals — both are below float32 resolution next to the row maximum's term 2^0 = 1 in the softmax sum.
+constexpr float kExp2Floor = -127.f;
+constexpr int kExponentBias = 127;
+constexpr int kMantissaBits = 23;
+inline VecF exp2_ps(VecF x) {
+  x = vmax(vset1(kExp2Floor), x);
+  const VecF n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const VecF f = vsub(x, n);
+  VecF p = vset1(kExp2Coef[7]);
+  for (int i = 6; i >= 0; --i) p = vfmadd(p, f, vset1(kExp2Coef[i]));
+  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(kExponentBias));
+  return vmul(p, _mm256_castsi256_ps(_mm256_slli_epi32(biased, kMantissaBits)));
+}
+
+inline __m256 low_half(VecF x) { return x; }  // the 8-lane reductions below start at 256 bits
+inline __m256 high_half(VecF x) { return x; }
+#else
+constexpr bool kVector = false;
+#endif
+
+#if RF_ISA_AVX512 || RF_ISA_AVX2
+inline float reduce_max(VecF x) {
+  __m256 h = _mm256_max_ps(low_half(x), high_half(x));
   __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   q = _mm_max_ps(q, _mm_movehl_ps(q, q));
   q = _mm_max_ss(q, _mm_shuffle_ps(q, q, 1));
   return _mm_cvtss_f32(q);
 }
 
-inline float reduce_add(__m512 x) {
-  __m256 h = _mm256_add_ps(_mm512_maskz_extractf32x8_ps(0xff, x, 0), _mm512_maskz_extractf32x8_ps(0xff, x, 1));
+inline float reduce_add(VecF x) {
+#if RF_ISA_AVX512
+  __m256 h = _mm256_add_ps(low_half(x), high_half(x));
+#else
+  __m256 h = x;
+#endif
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
   q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
@@ -101,58 +172,17 @@ inline float reduce_add(__m512 x) {
 }
 #endif
 
+// Whether bf16 inputs use vdpbf16ps for the abt products (operands kept as bf16 pairs) instead of being widened
+// to float32 while packing. Opt-in (CMake RINGFLEX_BF16_DOT; isa.cpp then requires AVX512_BF16 for AVX-512): on
+// the Intel development VM one 64 x 64 x 128 tile product ran at 112 GFLOP/s with vdpbf16ps against 198 with
+// float32 FMAs, so it does not pay everywhere (BENCHMARKS.md); issue 12 makes this a run-time choice.
+#if RF_ISA_AVX512 && defined(RF_BF16_DOT)
+constexpr bool kHaveBf16Dot = true;
+#else
+constexpr bool kHaveBf16Dot = false;
+#endif
+
 inline float exp2_scalar(float x) { return std::exp2(x); }
-
-// ---------------------------------------------------------------------------------------------------------------
-// abt: c[r, j] = sum_d a[r, d] * bt[d, j] for r < rows, j < kTileCols. a: [rows, Dp] (stride lda);
-// bt: [Dp, kTileCols]; c: [rows, kTileCols]. Operand type T = float, or uint32_t (bf16 pairs, Dp/2 words a row).
-// The d range is split into chunks of kDChunk so the slice of bt being read (kDChunk x 64 floats = 32 KiB) stays
-// in L1 across all row blocks; at D = 512 the whole K^T tile (128 KiB) would otherwise stream from L2 per block.
-// ---------------------------------------------------------------------------------------------------------------
-constexpr int kDChunk = 128;
-
-#ifdef __AVX512F__
-// kLen > 0: the chunk length is a compile-time constant (the fast paths), else len.
-template <int kLen, int R>
-inline void abt_block_f32(const float* a, int lda, const float* bt, int len_rt, bool accumulate, float* c) {
-  const int len = kLen > 0 ? kLen : len_rt;
-  __m512 acc[R][kColVecs];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kColVecs; ++v)
-      acc[r][v] = accumulate ? _mm512_loadu_ps(c + r * kTileCols + v * kLanes) : _mm512_setzero_ps();
-  for (int d = 0; d < len; ++d) {
-    __m512 b[kColVecs];
-    for (int v = 0; v < kColVecs; ++v) b[v] = _mm512_loadu_ps(bt + d * kTileCols + v * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const __m512 ar = _mm512_set1_ps(a[r * lda + d]);
-      for (int v = 0; v < kColVecs; ++v) acc[r][v] = _mm512_fmadd_ps(ar, b[v], acc[r][v]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kColVecs; ++v) _mm512_storeu_ps(c + r * kTileCols + v * kLanes, acc[r][v]);
-}
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-template <int kDp, int R>
-inline void abt_block_bf16(const uint32_t* a, int lda, const uint32_t* bt, int dp_rt, float* c) {
-  const int pairs = (kDp > 0 ? kDp : dp_rt) / 2;
-  __m512 acc[R][kColVecs];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kColVecs; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int d = 0; d < pairs; ++d) {
-    __m512bh b[kColVecs];
-    for (int v = 0; v < kColVecs; ++v)
-      b[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bt + d * kTileCols + v * kLanes));
-    for (int r = 0; r < R; ++r) {
-      const __m512bh ar = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(a[r * lda + d])));
-      for (int v = 0; v < kColVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], ar, b[v]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kColVecs; ++v) _mm512_storeu_ps(c + r * kTileCols + v * kLanes, acc[r][v]);
-}
-#endif
 
 // Calls f.template operator()<R>(r) for row blocks r = 0, kRowBlock, ... of `rows`, the last one shorter.
 template <typename F>
@@ -169,7 +199,82 @@ inline void for_row_blocks(int rows, F&& f) {
   }
 }
 
-// Scalar forms: the portable fallback (and nothing else).
+// ---------------------------------------------------------------------------------------------------------------
+// abt: c[r, j] = sum_d a[r, d] * bt[d, j] for r < rows, j < kTileCols. a: [rows, Dp] (stride lda);
+// bt: [Dp, kTileCols]; c: [rows, kTileCols]. Operand type T = float, or uint32_t (bf16 pairs, Dp/2 words a row).
+// The d range is split into chunks of kDChunk so the slice of bt being read (kDChunk x 64 floats = 32 KiB) stays
+// in L1/L2 across all row blocks; at D = 512 the whole K^T tile (128 KiB) would otherwise stream from L2 per block.
+// On AVX2 the tile's 64 columns are four 16-column strips, each a pass over the row blocks whose bt slice
+// (kDChunk x 16 floats = 8 KiB) stays in L1.
+// ---------------------------------------------------------------------------------------------------------------
+constexpr int kDChunk = 128;
+
+#if RF_ISA_AVX512 || RF_ISA_AVX2
+// One R-row x CV-vector block of c (column offset already applied to bt and c). kLen > 0: the chunk length is a
+// compile-time constant (the fast paths), else len_rt. accumulate: add to c (later d chunks) instead of storing.
+template <int kLen, int R, int CV>
+inline void abt_block_f32(const float* a, int lda, const float* bt, int len_rt, bool accumulate, float* c) {
+  const int len = kLen > 0 ? kLen : len_rt;
+  VecF acc[R][CV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < CV; ++v) acc[r][v] = accumulate ? vload(c + r * kTileCols + v * kLanes) : vzero();
+  for (int d = 0; d < len; ++d) {
+    VecF b[CV];
+    for (int v = 0; v < CV; ++v) b[v] = vload(bt + d * kTileCols + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const VecF ar = vset1(a[r * lda + d]);
+      for (int v = 0; v < CV; ++v) acc[r][v] = vfmadd(ar, b[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < CV; ++v) vstore(c + r * kTileCols + v * kLanes, acc[r][v]);
+}
+#endif
+
+#if RF_ISA_AVX512
+// vdpbf16ps needs AVX512_BF16 on top of the region's ISA; a build without RINGFLEX_BF16_DOT compiles it with this
+// attribute for the tile benchmark only (kernel_set.cpp), reached only on CPUs that report AVX512_BF16.
+#define RF_BF16_DOT_TARGET __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+
+template <int kDp, int R>
+RF_BF16_DOT_TARGET inline void abt_block_bf16(const uint32_t* a, int lda, const uint32_t* bt, int dp_rt, float* c) {
+  constexpr int kColVecs = kTileCols / kLanes;
+  const int pairs = (kDp > 0 ? kDp : dp_rt) / 2;
+  __m512 acc[R][kColVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kColVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int d = 0; d < pairs; ++d) {
+    __m512bh b[kColVecs];
+    for (int v = 0; v < kColVecs; ++v)
+      b[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bt + d * kTileCols + v * kLanes));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh ar = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(a[r * lda + d])));
+      for (int v = 0; v < kColVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], ar, b[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kColVecs; ++v) _mm512_storeu_ps(c + r * kTileCols + v * kLanes, acc[r][v]);
+}
+
+// c: [rows, kTileCols] = a · bt on bf16 pairs, whole row blocks then the tail (no lambda: a lambda would not
+// inherit this function's target attribute).
+template <int kDp>
+RF_BF16_DOT_TARGET inline void abt_bf16(const uint32_t* a, int lda, const uint32_t* bt, int Dp, int rows, float* c) {
+  int r = 0;
+  for (; r + kRowBlock <= rows; r += kRowBlock)
+    abt_block_bf16<kDp, kRowBlock>(a + r * lda, lda, bt, Dp, c + r * kTileCols);
+  switch (rows - r) {
+    case 5: abt_block_bf16<kDp, 5>(a + r * lda, lda, bt, Dp, c + r * kTileCols); break;
+    case 4: abt_block_bf16<kDp, 4>(a + r * lda, lda, bt, Dp, c + r * kTileCols); break;
+    case 3: abt_block_bf16<kDp, 3>(a + r * lda, lda, bt, Dp, c + r * kTileCols); break;
+    case 2: abt_block_bf16<kDp, 2>(a + r * lda, lda, bt, Dp, c + r * kTileCols); break;
+    case 1: abt_block_bf16<kDp, 1>(a + r * lda, lda, bt, Dp, c + r * kTileCols); break;
+    default: break;
+  }
+}
+#endif
+
+// Scalar forms: the scalar ISA's kernels (and the bf16-pair fallback where no vdpbf16ps is compiled in).
 inline void abt_scalar(const float* a, int lda, const float* bt, int Dp, int rows, float* c) {
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < kTileCols; ++j) {
@@ -199,51 +304,55 @@ inline void abt_scalar(const uint32_t* a, int lda, const uint32_t* bt, int Dp, i
 template <int kDp, typename T>
 inline void abt(const T* a, int lda, const T* bt, int dp_rt, int rows, float* c) {
   const int Dp = kDp > 0 ? kDp : dp_rt;
-#ifdef __AVX512F__
+#if RF_ISA_AVX512 || RF_ISA_AVX2
   if constexpr (std::is_same_v<T, float>) {
     constexpr int kLen = kDp > 0 ? std::min(kDp, kDChunk) : 0;  // chunk length when it is a compile-time constant
+    constexpr int kStrip = kAbtColVecs * kLanes;                 // columns per block
     for (int d0 = 0; d0 < Dp; d0 += kDChunk) {
       const int len = std::min(kDChunk, Dp - d0);
-      for_row_blocks(rows, [&]<int R>(int r) {
-        abt_block_f32<kLen, R>(a + r * lda + d0, lda, bt + d0 * kTileCols, len, d0 > 0, c + r * kTileCols);
-      });
+      for (int col = 0; col < kTileCols; col += kStrip)
+        for_row_blocks(rows, [&]<int R>(int r) {
+          abt_block_f32<kLen, R, kAbtColVecs>(a + r * lda + d0, lda, bt + d0 * kTileCols + col, len, d0 > 0,
+                                              c + r * kTileCols + col);
+        });
     }
     return;
   }
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, uint32_t>) {
-    for_row_blocks(rows, [&]<int R>(int r) { abt_block_bf16<kDp, R>(a + r * lda, lda, bt, Dp, c + r * kTileCols); });
+#endif
+  if constexpr (std::is_same_v<T, uint32_t> && kHaveBf16Dot) {
+#if RF_ISA_AVX512
+    abt_bf16<kDp>(a, lda, bt, Dp, rows, c);
     return;
+#endif
   }
-#endif
-#endif
   abt_scalar(a, lda, bt, Dp, rows, c);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // acc: out[r, d] += sum_n a[r, n] * x[n, d] for r < rows, n < N, d < Dp. a[r, n] is read at a[r·ars + n·ans], so
 // a transposed operand (dV += P^T dO, dK += dS^T Q) is read in place, without a transpose; x: [N, ldx];
-// out: [rows, Dp]. Packed x rows use ldx = Dp + kLanes: with a power-of-two stride (2 KiB at D = 512) the 64 rows
-// of one 64-float slice would map onto 8 of L1's 64 sets and evict each other. The d range is the outer loop, 64 floats (4 vectors) at a time with a 1-3 vector tail, so the
-// slice of x it reads (N x 64 floats, 16 KiB for a key tile) stays in L1 while every row block passes over it.
+// out: [rows, Dp]. Packed x rows use ldx = Dp + kPadFloats: with a power-of-two stride (2 KiB at D = 512) the 64
+// rows of one column slice would map onto a few of L1's sets and evict each other. The d range is the outer loop,
+// kAccVecs vectors at a time (64 floats on AVX-512, 16 on AVX2) with a shorter tail, so the slice of x it reads
+// (N x 64 floats = 16 KiB for a key tile, or 4 KiB on AVX2) stays in L1 while every row block passes over it.
 // ---------------------------------------------------------------------------------------------------------------
-#ifdef __AVX512F__
+#if RF_ISA_AVX512 || RF_ISA_AVX2
 template <int kDp, int R, int V>
 inline void acc_block(const float* a, int ars, int ans, int N, const float* x, int ldx, int dp_rt, float* out) {
   const int Dp = kDp > 0 ? kDp : dp_rt;
-  __m512 acc[R][V];
+  VecF acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_loadu_ps(out + r * Dp + v * kLanes);
+    for (int v = 0; v < V; ++v) acc[r][v] = vload(out + r * Dp + v * kLanes);
   for (int n = 0; n < N; ++n) {
-    __m512 xv[V];
-    for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(x + n * ldx + v * kLanes);
+    VecF xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = vload(x + n * ldx + v * kLanes);
     for (int r = 0; r < R; ++r) {
-      const __m512 ar = _mm512_set1_ps(a[r * ars + n * ans]);
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(ar, xv[v], acc[r][v]);
+      const VecF ar = vset1(a[r * ars + n * ans]);
+      for (int v = 0; v < V; ++v) acc[r][v] = vfmadd(ar, xv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + r * Dp + v * kLanes, acc[r][v]);
+    for (int v = 0; v < V; ++v) vstore(out + r * Dp + v * kLanes, acc[r][v]);
 }
 
 template <int kDp, int V>
@@ -257,14 +366,17 @@ inline void acc_cols(const float* a, int ars, int ans, int N, const float* x, in
 template <int kDp>
 inline void acc(const float* a, int ars, int ans, int N, const float* x, int ldx, int dp_rt, int rows, float* out) {
   const int Dp = kDp > 0 ? kDp : dp_rt;
-#ifdef __AVX512F__
-  constexpr int kWidth = kColVecs * kLanes;
+#if RF_ISA_AVX512 || RF_ISA_AVX2
+  static_assert(kPadFloats % kLanes == 0, "Dp is whole vectors");
+  constexpr int kWidth = kAccVecs * kLanes;
   for (int d = 0; d < Dp; d += kWidth) {
     switch (std::min(kWidth, Dp - d) / kLanes) {
-      case 4: acc_cols<kDp, 4>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
-      case 3: acc_cols<kDp, 3>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
+      case 4: if constexpr (kAccVecs >= 4) acc_cols<kDp, 4>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
+      case 3: if constexpr (kAccVecs >= 3) acc_cols<kDp, 3>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
       case 2: acc_cols<kDp, 2>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
-      case 1: acc_cols<kDp, 1>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
+      case 1:  // only where one vector is the whole padding unit (AVX-512); AVX2 strips are always 2 vectors
+        if constexpr (kLanes == kPadFloats) acc_cols<kDp, 1>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d);
+        break;
       default: break;
     }
   }
@@ -277,4 +389,5 @@ inline void acc(const float* a, int ars, int ans, int N, const float* x, int ldx
 #endif
 }
 
-}  // namespace rf::cpu::detail
+}  // namespace rf::cpu::RF_ISA_NS::detail
+RF_ISA_END

@@ -1,9 +1,10 @@
 // ringflex cpu: what the forward and backward kernels share — the tile plan, packing of tiles into the padded
 // layouts the micro-kernels read, the per-tile mask bits, and the softmax row steps.
 //
-// Internal to src/cpu. Template parameters come from dispatch.h: kDp (padded head dim, 0 = run time) and kT (the
-// input dtype). `Dot<kT>` is the element type of the abt operands: bf16 pairs (uint32) when the inputs are bf16
-// and the CPU has vdpbf16ps, float32 otherwise (bf16 inputs are then widened while packing).
+// Internal to src/cpu, compiled once per ISA like microkernels.h. Template parameters come from dispatch.h: kDp
+// (padded head dim, 0 = run time) and kT (the input dtype). `Dot<kT>` is the element type of the abt operands:
+// bf16 pairs (uint32) when the inputs are bf16 and the build uses vdpbf16ps, float32 otherwise (bf16 inputs are
+// then widened while packing).
 #pragma once
 
 #include <algorithm>
@@ -17,9 +18,15 @@
 #include "core/attention_args.h"
 #include "cpu/amx.h"
 #include "cpu/attention.h"
+#include "cpu/isa_target.h"
 #include "cpu/microkernels.h"
 
-namespace rf::cpu::detail {
+RF_ISA_BEGIN
+namespace rf::cpu::RF_ISA_NS::detail {
+
+using cpu::detail::amx_abt;
+using cpu::detail::AmxTileScope;
+using cpu::detail::kAmxPairs;
 
 static_assert(kTileK == kTileCols, "the micro-kernels are written for 64-key tiles");
 
@@ -33,11 +40,11 @@ constexpr bool kBf16Dot = kT == DType::BF16 && kHaveBf16Dot;
 template <DType kT>
 using Dot = std::conditional_t<kBf16Dot<kT>, uint32_t, float>;
 
-// Padded head dimension: a multiple of one vector (16 floats), or of 32 for bf16 pairs so Dp/2 pairs fill whole
-// vectors of pairs. The padding is zero in every packed operand, so it adds exact zeros.
+// Padded head dimension: a multiple of kPadFloats (whole vectors on every ISA), or of 32 for bf16 pairs so Dp/2
+// pairs fill whole zmm vectors of pairs. The padding is zero in every packed operand, so it adds exact zeros.
 template <DType kT>
 constexpr int padded_dim(int D) {
-  constexpr int kMultiple = kBf16Dot<kT> ? 2 * kLanes : kLanes;
+  constexpr int kMultiple = kBf16Dot<kT> ? 2 * kPadFloats : kPadFloats;
   return (D + kMultiple - 1) / kMultiple * kMultiple;
 }
 
@@ -60,7 +67,7 @@ constexpr int dot_row(int Dp) {
 
 // Row stride, in floats, of packed row buffers: one vector more than Dp so that rows 2^k floats long do not alias
 // in L1 (microkernels.h, acc). dot_stride is the same stride in elements of Dot<kT>.
-constexpr int row_stride(int Dp) { return Dp + kLanes; }
+constexpr int row_stride(int Dp) { return Dp + kPadFloats; }
 template <DType kT>
 constexpr int dot_stride(int Dp) {
   return dot_row<kT>(row_stride(Dp));
@@ -82,7 +89,7 @@ inline std::vector<BlockSummary> tile_summaries(const TokenMeta* meta, int B, in
 using RowBits = uint64_t;
 inline RowBits first_bits(int nk) { return nk >= kTileK ? ~RowBits{0} : (RowBits{1} << nk) - 1; }
 
-#ifdef __AVX512F__
+#if RF_ISA_AVX512
 // SPEC §3 for one query against 64 keys at once, 16 lanes per compare. Identical to rf::allowed lane by lane:
 // valid(q) is tested once; doc[k] == doc[q] != 0 implies valid(k); the int32 differences idx[q] - idx[k] cannot
 // overflow because the caller only takes this path when every valid token has idx >= 0 (a padding key's lanes
@@ -94,7 +101,7 @@ inline RowBits allowed_bits(const LayerMask& m, const TokenMeta& q, const int32_
   const __m512i w = _mm512_set1_epi32(m.window);
   const bool grouped = m.bidirectional_groups && q.group >= 0;
   RowBits bits = 0;
-  for (int v = 0; v < kColVecs; ++v) {
+  for (int v = 0; v < kTileK / kLanes; ++v) {
     const __m512i ki = _mm512_loadu_si512(kidx + v * kLanes);
     const __mmask16 same = _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(kdoc + v * kLanes), qd);
     __mmask16 ordered = m.causal ? _mm512_cmple_epi32_mask(ki, qi) : kAll;
@@ -108,17 +115,44 @@ inline RowBits allowed_bits(const LayerMask& m, const TokenMeta& q, const int32_
   }
   return bits;
 }
+#elif RF_ISA_AVX2
+// The same predicate 8 lanes at a time; compares give all-ones lanes, movemask turns them into bits.
+inline RowBits allowed_bits(const LayerMask& m, const TokenMeta& q, const int32_t* kidx, const int32_t* kdoc,
+                            const int32_t* kgrp) {
+  if (q.doc == kPaddingDoc) return 0;
+  const __m256i qd = _mm256_set1_epi32(q.doc), qi = _mm256_set1_epi32(q.idx), qg = _mm256_set1_epi32(q.group);
+  const __m256i w = _mm256_set1_epi32(m.window), ones = _mm256_set1_epi32(-1);
+  const bool grouped = m.bidirectional_groups && q.group >= 0;
+  RowBits bits = 0;
+  for (int v = 0; v < kTileK / kLanes; ++v) {
+    const __m256i ki = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kidx + v * kLanes));
+    const __m256i kd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kdoc + v * kLanes));
+    const __m256i same = _mm256_cmpeq_epi32(kd, qd);
+    __m256i ordered = m.causal ? _mm256_andnot_si256(_mm256_cmpgt_epi32(ki, qi), ones) : ones;  // ki <= qi
+    if (m.window > 0) {
+      const __m256i diff = _mm256_sub_epi32(qi, ki);
+      const __m256i dist = m.causal ? diff : _mm256_abs_epi32(diff);
+      ordered = _mm256_and_si256(ordered, _mm256_cmpgt_epi32(w, dist));  // dist < w
+    }
+    const __m256i group =
+        grouped ? _mm256_cmpeq_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kgrp + v * kLanes)), qg)
+                : _mm256_setzero_si256();
+    const __m256i hit = _mm256_and_si256(same, _mm256_or_si256(ordered, group));
+    bits |= RowBits{static_cast<uint8_t>(_mm256_movemask_ps(_mm256_castsi256_ps(hit)))} << (v * kLanes);
+  }
+  return bits;
+}
 #endif
 
-// bits: [nq]. Full tiles skip the predicate; Partial ones evaluate SPEC §3 per pair (vectorised when AVX-512 is
-// present and every valid idx is non-negative, else rf::allowed itself).
+// bits: [nq]. Full tiles skip the predicate; Partial ones evaluate SPEC §3 per pair (vectorised on the vector ISAs
+// when every valid idx is non-negative, else rf::allowed itself).
 inline void tile_bits(BlockClass cls, const LayerMask& mask, const TokenMeta* qm, int nq, const TokenMeta* km, int nk,
                       RowBits* bits) {
   if (cls == BlockClass::Full) {
     std::fill(bits, bits + nq, first_bits(nk));
     return;
   }
-#ifdef __AVX512F__
+#if RF_ISA_AVX512 || RF_ISA_AVX2
   const BlockSummary qs = summarize(qm, nq), ks = summarize(km, nk);
   if (qs.idx_min >= 0 && ks.idx_min >= 0) {
     alignas(64) int32_t kidx[kTileK], kdoc[kTileK], kgrp[kTileK];
@@ -275,14 +309,14 @@ inline void softmax_step(float* s, int rows, const RowBits* bits, float c2, floa
   for (int i = 0; i < rows; ++i) {
     float* row = s + i * kTileK;
     const RowBits w = bits[i];
-#ifdef __AVX512F__
-    const __m512 neg_inf = _mm512_set1_ps(-kInf), c = _mm512_set1_ps(c2);
-    __m512 x[kColVecs];
-    __m512 mx = neg_inf;
-    for (int v = 0; v < kColVecs; ++v) {
-      const __mmask16 k = static_cast<__mmask16>(w >> (v * kLanes));
-      x[v] = _mm512_mask_mul_ps(neg_inf, k, _mm512_loadu_ps(row + v * kLanes), c);
-      mx = max_ps(mx, x[v]);
+#if RF_ISA_AVX512 || RF_ISA_AVX2
+    constexpr int kVecs = kTileK / kLanes;
+    const VecF neg_inf = vset1(-kInf), c = vset1(c2);
+    VecF x[kVecs];
+    VecF mx = neg_inf;
+    for (int v = 0; v < kVecs; ++v) {
+      x[v] = select(lane_mask(w, v), vmul(vload(row + v * kLanes), c), neg_inf);
+      mx = vmax(mx, x[v]);
     }
     const float tile_max = reduce_max(mx);
 #else
@@ -298,12 +332,12 @@ inline void softmax_step(float* s, int rows, const RowBits* bits, float c2, floa
     const float m_use = m_new == -kInf ? 0.f : m_new;
     const float alpha = exp2_scalar(m[i] - m_use);  // 0 when m[i] = -inf
     float sum = 0.f;
-#ifdef __AVX512F__
-    __m512 acc = _mm512_setzero_ps();
-    for (int v = 0; v < kColVecs; ++v) {
-      const __m512 p = exp2_ps(_mm512_sub_ps(x[v], _mm512_set1_ps(m_use)));
-      _mm512_storeu_ps(row + v * kLanes, p);
-      acc = _mm512_add_ps(acc, p);
+#if RF_ISA_AVX512 || RF_ISA_AVX2
+    VecF acc = vzero();
+    for (int v = 0; v < kVecs; ++v) {
+      const VecF p = exp2_ps(vsub(x[v], vset1(m_use)));
+      vstore(row + v * kLanes, p);
+      acc = vadd(acc, p);
     }
     sum = reduce_add(acc);
 #else
@@ -338,19 +372,18 @@ inline bool grad_step(float* s, float* dp, int rows, const RowBits* bits, float 
     const bool empty_row = bias[i] == kInf;
     dropped |= empty_row && bits[i] != 0;
     const RowBits w = live[i] = empty_row ? 0 : bits[i];
-#ifdef __AVX512F__
-    const __m512 c = _mm512_set1_ps(c2), b = _mm512_set1_ps(bias[i]);
-    const __m512 dl = _mm512_set1_ps(delta[i]), sc = _mm512_set1_ps(scale);
-    for (int v = 0; v < kColVecs; ++v) {
-      const __mmask16 k = static_cast<__mmask16>(w >> (v * kLanes));
-      const __m512 x = _mm512_mask_fmsub_ps(_mm512_loadu_ps(srow + v * kLanes), k, c, b);
-      const __m512 p = _mm512_maskz_mov_ps(k, exp2_ps(x));
-      // Forbidden lanes get dS = 0 outright: p is 0 there, but dP may be NaN (a non-finite dO or V the pair
+#if RF_ISA_AVX512 || RF_ISA_AVX2
+    const VecF c = vset1(c2), b = vset1(bias[i]), dl = vset1(delta[i]), sc = vset1(scale);
+    for (int v = 0; v < kTileK / kLanes; ++v) {
+      // exp2 of every lane, then the forbidden ones zeroed: their scores may be anything, exp2 included.
+      // Forbidden lanes get dS = 0 outright too: p is 0 there, but dP may be NaN (a non-finite dO or V the pair
       // never reads), and 0 · NaN would leak it.
-      const __m512 ds =
-          _mm512_maskz_mul_ps(k, _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(drow + v * kLanes), dl)), sc);
-      _mm512_storeu_ps(srow + v * kLanes, p);
-      _mm512_storeu_ps(drow + v * kLanes, ds);
+      const LaneMask allowed = lane_mask(w, v);
+      const VecF x = vfmsub(vload(srow + v * kLanes), c, b);
+      const VecF p = zero_unless(allowed, exp2_ps(x));
+      const VecF ds = zero_unless(allowed, vmul(vmul(p, vsub(vload(drow + v * kLanes), dl)), sc));
+      vstore(srow + v * kLanes, p);
+      vstore(drow + v * kLanes, ds);
     }
 #else
     for (int j = 0; j < kTileK; ++j) {
@@ -396,7 +429,7 @@ inline void acc_allowed(const float* a, int ars, int ans, int N, const float* x,
       const float w = a[r * ars + n * ans];
       float* o = out + int64_t{r} * Dp;
       const float* xn = x + int64_t{n} * ldx;
-#ifdef __AVX512F__
+#if RF_ISA_AVX512 || RF_ISA_AVX2
       for (int d = 0; d < Dp; ++d) o[d] = std::fma(w, xn[d], o[d]);
 #else
       for (int d = 0; d < Dp; ++d) o[d] += w * xn[d];
@@ -450,4 +483,5 @@ struct QueryItems {
   }
 };
 
-}  // namespace rf::cpu::detail
+}  // namespace rf::cpu::RF_ISA_NS::detail
+RF_ISA_END

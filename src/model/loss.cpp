@@ -7,14 +7,18 @@
 #include <vector>
 
 #include "core/error.h"
-#include "cpu/microkernels.h"
+#include "cpu/dispatch.h"
+#include "cpu/isa.h"
+#include "cpu/kernels.h"
 #include "model/ops.h"
 
 namespace rf::model {
 
 namespace {
 
-using cpu::detail::kLanes;
+// float32 accumulators of the blocked sum: a fixed count (not the vector width of the kernel path in use), so
+// the summation order, and the bits, are the same on every CPU.
+constexpr int kLanes = 16;
 
 constexpr float kLog2e = 1.4426950408889634f;
 // Exps summed per float32 lane before the lane totals are folded into the double row total: each lane adds
@@ -22,17 +26,15 @@ constexpr float kLog2e = 1.4426950408889634f;
 // (1.1e-6) however long the row is (V = 262144 would otherwise pile up V roundings in one float).
 constexpr int64_t kFoldTerms = 16;
 
-// e[v] = exp(z[v] - shift) for v < n, in float32. shift >= max(z), so every argument is <= 0. With AVX-512: the
-// attention kernels' vector exp2 (relative error < 3e-7) of (z - shift) * log2(e); the rounding of that product
-// adds |z - shift| * 2^-24 relative, which matters only for terms already below e^-16 of the largest.
+// e[v] = exp(z[v] - shift) for v < n, in float32. shift >= max(z), so every argument is <= 0. The attention
+// kernels' exp2 on the path the CPU runs (src/cpu/isa.h; vector paths: relative error < 3e-7, scalar: std::exp2)
+// of (z - shift) * log2(e); the rounding of that product adds |z - shift| * 2^-24 relative, which matters only for
+// terms already below e^-16 of the largest.
 void exp_shifted(const float* z, float shift, float* e, int64_t n) {
-  int64_t v = 0;
-#ifdef __AVX512F__
-  const __m512 s = _mm512_set1_ps(shift), l2e = _mm512_set1_ps(kLog2e);
-  for (; v + kLanes <= n; v += kLanes)
-    _mm512_storeu_ps(e + v, cpu::detail::exp2_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(z + v), s), l2e)));
-#endif
-  for (; v < n; ++v) e[v] = std::exp(z[v] - shift);
+  for (int64_t v = 0; v < n; ++v) e[v] = (z[v] - shift) * kLog2e;
+  const cpu::KernelSet& kernels = cpu::kernels_for(cpu::kernel_path().isa);
+  for (int64_t v0 = 0; v0 < n; v0 += std::numeric_limits<int>::max())
+    kernels.exp2(e + v0, e + v0, static_cast<int>(std::min<int64_t>(n - v0, std::numeric_limits<int>::max())));
 }
 
 // sum(e[0, n)) with kLanes float32 lane accumulators (independent, so the loop vectorises without reassociating

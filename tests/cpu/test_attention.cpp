@@ -6,22 +6,35 @@
 // plus ring-step chunks (Lq != Lk, keys from another part of the row). The full product is ~50k cases of a
 // double-precision O(S²·D) oracle; instead every value of every axis appears, and the risky pairs are crossed:
 // mask × metadata, D × dtype × head ratio, S × mask. S = 1000 runs only with small heads and D.
+// CTest runs this file once per kernel path (tests/cpu/CMakeLists.txt: RINGFLEX_ISA=amx, avx512, avx2, scalar, and
+// unset); a path this CPU cannot run skips every test and says why.
 #include <gtest/gtest.h>
 
 #include <omp.h>
 
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <limits>
+#include <string_view>
 #include <vector>
 
 #include "core/error.h"
 #include "core/merge.h"
 #include "cpu/amx.h"
 #include "cpu/attention.h"
-#include "cpu/microkernels.h"
+#include "cpu/dispatch.h"
+#include "cpu/isa.h"
+#include "cpu/kernels.h"
 #include "attention_check.h"
+#include "kernel_path_test.h"
 
 namespace rf::testing {
 namespace {
+
+class CpuAttention : public KernelPathTest {};
 
 constexpr int kTile = cpu::kTileQ;
 static_assert(cpu::kTileQ == cpu::kTileK, "the S sweep straddles one tile size");
@@ -53,7 +66,7 @@ Case square_case(int B, int Hkv, int group, int S, int D, DType t, LayerMask mas
 }
 
 // Every mask against every metadata kind; S, D, heads and dtype cycle through their values.
-TEST(CpuAttention, MaskByMetadata) {
+TEST_F(CpuAttention, MaskByMetadata) {
   const std::vector<LayerMask> masks = all_masks();
   int i = 0;
   for (const LayerMask& mask : masks)
@@ -67,7 +80,7 @@ TEST(CpuAttention, MaskByMetadata) {
 }
 
 // Every head dim against both dtypes and every head ratio, on a tile-straddling row with images and padding.
-TEST(CpuAttention, DimByDtypeByGroups) {
+TEST_F(CpuAttention, DimByDtypeByGroups) {
   int i = 0;
   for (int D : kDims)
     for (DType t : {DType::F32, DType::BF16})
@@ -81,7 +94,7 @@ TEST(CpuAttention, DimByDtypeByGroups) {
 }
 
 // S = 1000 (16 tiles, a partial last one) with every mask, small heads and D.
-TEST(CpuAttention, LongRows) {
+TEST_F(CpuAttention, LongRows) {
   int i = 0;
   for (const LayerMask& mask : all_masks()) {
     const MetaKind kind = kKinds[i % 4];  // all-padding is covered above
@@ -92,7 +105,7 @@ TEST(CpuAttention, LongRows) {
 }
 
 // A ring step: queries are one part of a row, keys another (earlier, later, overlapping), with their own idx.
-TEST(CpuAttention, RingStepChunks) {
+TEST_F(CpuAttention, RingStepChunks) {
   const int S = 400;
   struct Split {
     int q0, lq, k0, lk;
@@ -132,7 +145,7 @@ std::vector<uint8_t> key_slice(const std::vector<uint8_t>& kv, const AttnShape& 
 // merged O, then each chunk's backward with the merged LSE and delta, accumulating into one dQ. Must match the
 // reference over all keys. Bounds: the whole-row κ of attention_check.h; the merge's weights add a few roundings
 // per element, one more κ for o and lse (factor 2), and the backward is unchanged (it sees merged lse/delta).
-TEST(CpuAttention, TwoChunksMergeToTheWhole) {
+TEST_F(CpuAttention, TwoChunksMergeToTheWhole) {
   for (DType t : {DType::F32, DType::BF16}) {
     Case cs = square_case(2, 2, 2, 3 * kTile + 7, 72, t, {true, 90, true}, MetaKind::Padded, 970);
     Tensors whole = make_tensors(cs);
@@ -186,7 +199,7 @@ TEST(CpuAttention, TwoChunksMergeToTheWhole) {
 }
 
 // A scale other than 1/sqrt(D) (Gemma 4 uses 1.0) and a non-trivial one.
-TEST(CpuAttention, ExplicitScale) {
+TEST_F(CpuAttention, ExplicitScale) {
   for (float scale : {1.0f, 0.3f}) {
     Case cs = square_case(1, 2, 2, 2 * kTile + 5, 64, DType::F32, {true, 0, true}, MetaKind::PackedImages, 900);
     cs.scale = scale;
@@ -196,7 +209,7 @@ TEST(CpuAttention, ExplicitScale) {
 
 // Rows with no allowed key: exactly O = 0, LSE = -inf, zero gradients (never NaN), and keys nobody reads get
 // exactly zero dK/dV.
-TEST(CpuAttention, EmptyRowsAreExactlyZero) {
+TEST_F(CpuAttention, EmptyRowsAreExactlyZero) {
   for (DType t : {DType::F32, DType::BF16}) {
     for (MetaKind kind : {MetaKind::AllPadding, MetaKind::Padded}) {
       Case cs = square_case(1, 1, 2, 3 * kTile, 72, t, {true, 0, false}, kind, 950);
@@ -237,7 +250,7 @@ void expect_same_bits(const KernelResult& a, const KernelResult& b, const char* 
 }
 
 // The same inputs give the same bits, run to run and for 1 or 2 OpenMP threads.
-TEST(CpuAttention, DeterministicAcrossRunsAndThreads) {
+TEST_F(CpuAttention, DeterministicAcrossRunsAndThreads) {
   for (DType t : {DType::F32, DType::BF16}) {
     Case cs = square_case(2, 2, 2, 5 * kTile + 3, 64, t, {true, 100, true}, MetaKind::PackedImages, 990);
     Tensors tn = make_tensors(cs);
@@ -255,7 +268,7 @@ TEST(CpuAttention, DeterministicAcrossRunsAndThreads) {
 
 // Backward adds into the caller's gradients: a second call into the same buffers doubles them exactly (the
 // kernel's own sum has the same bits both times, and x + x is exact in float32).
-TEST(CpuAttention, BackwardAccumulates) {
+TEST_F(CpuAttention, BackwardAccumulates) {
   Case cs = square_case(1, 1, 2, 2 * kTile + 1, 64, DType::F32, {true, 0, false}, MetaKind::Packed, 995);
   Tensors tn = make_tensors(cs);
   KernelResult r = run_kernels(tn.chunk, tn.dout.data());
@@ -267,7 +280,7 @@ TEST(CpuAttention, BackwardAccumulates) {
   for (size_t i = 0; i < dv.size(); ++i) ASSERT_EQ(r.dv[i], 2 * dv[i]);
 }
 
-TEST(CpuAttention, RejectsBadChunks) {
+TEST_F(CpuAttention, RejectsBadChunks) {
   Case cs = square_case(1, 2, 1, 4, 8, DType::F32, {}, MetaKind::OneDoc, 1);
   cs.Hq = 3;  // not a multiple of Hkv = 2
   Tensors tn = make_tensors(cs);
@@ -275,39 +288,52 @@ TEST(CpuAttention, RejectsBadChunks) {
   EXPECT_THROW(cpu::attention_forward(tn.chunk, o.data(), lse.data()), Error);
 }
 
-#ifdef __AVX512F__
-// The vector exp2 against std::exp2 over the softmax's range, and its edge cases: documents the accuracy the
-// error bound in attention_check.h assumes (< 3e-7 relative).
-TEST(CpuAttention, VectorExp2Accuracy) {
+// The path's exp2 (kernels.h) against std::exp2 over the softmax's range, and its edge cases: documents the accuracy
+// the error bound in attention_check.h assumes (< 3e-7 relative). The scalar path calls std::exp2 itself.
+TEST_F(CpuAttention, VectorExp2Accuracy) {
   constexpr double kMaxRelErr = 3e-7;
+  constexpr int kSteps = 4096;  // points per unit of x
+  constexpr int kRange = 126;   // [-126, 0]: normal float32 results
+  const cpu::KernelSet& kernels = cpu::kernels_for(cpu::kernel_path().isa);
+  std::vector<float> x(kRange * kSteps + 1), y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) x[i] = -static_cast<float>(i) / kSteps;
+  kernels.exp2(x.data(), y.data(), static_cast<int>(x.size()));
   double worst = 0;
-  for (int i = 0; i <= 126 * 4096; i += 16) {
-    alignas(64) float x[cpu::detail::kLanes], y[cpu::detail::kLanes];
-    for (int l = 0; l < cpu::detail::kLanes; ++l) x[l] = -static_cast<float>(i + l) / 4096.f;
-    _mm512_store_ps(y, cpu::detail::exp2_ps(_mm512_load_ps(x)));
-    for (int l = 0; l < cpu::detail::kLanes; ++l)
-      worst = std::max(worst, std::fabs(y[l] - std::exp2(double{x[l]})) / std::exp2(double{x[l]}));
-  }
+  for (size_t i = 0; i < x.size(); ++i)
+    worst = std::max(worst, std::fabs(y[i] - std::exp2(double{x[i]})) / std::exp2(double{x[i]}));
   EXPECT_LT(worst, kMaxRelErr);
-  alignas(64) float x[cpu::detail::kLanes], y[cpu::detail::kLanes];
-  for (float& v : x) v = -std::numeric_limits<float>::infinity();
-  x[1] = 0.f, x[2] = -1000.f;
-  _mm512_store_ps(y, cpu::detail::exp2_ps(_mm512_load_ps(x)));
-  EXPECT_EQ(y[0], 0.f);  // -inf -> exactly 0, not NaN
-  EXPECT_EQ(y[1], 1.f);  // 2^0 exactly: the polynomial's constant term is 1
-  EXPECT_EQ(y[2], 0.f);
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const float edge[] = {-inf, 0.f, -1000.f, nan, -1.f};  // 5 values: also the odd tail past whole vectors
+  float out[std::size(edge)];
+  kernels.exp2(edge, out, static_cast<int>(std::size(edge)));
+  EXPECT_EQ(out[0], 0.f);  // -inf -> exactly 0, not NaN
+  EXPECT_EQ(out[1], 1.f);  // 2^0 exactly: the polynomial's constant term is 1
+  EXPECT_EQ(out[2], 0.f);
+  EXPECT_TRUE(std::isnan(out[3]));
+  EXPECT_EQ(out[4], 0.5f);  // f = 0: exactly 2^-1
 }
-#endif
+
+// The path in use is the one RINGFLEX_ISA forces (CTest runs this binary under each value).
+TEST_F(CpuAttention, ForcedPathIsTaken) {
+  const char* forced = std::getenv("RINGFLEX_ISA");
+  if (!forced || !*forced)
+    GTEST_SKIP() << "RINGFLEX_ISA unset: the best path runs (" << cpu::describe(cpu::kernel_path()) << ")";
+  const std::string_view name = forced;
+  const cpu::KernelPath& path = cpu::kernel_path();
+  EXPECT_EQ(path.bf16 == cpu::Bf16Product::Amx, name == "amx");
+  EXPECT_EQ(std::string_view(cpu::isa_name(path.isa)), name == "amx" ? "avx512" : name);
+  EXPECT_EQ(cpu::kernels_for(path.isa).isa, path.isa);
+}
 
 // The AMX score product on its own, against exact integer dot products: small integers are exact in bf16, their
 // products and sums (|c| < 2^24) exact in float32, so any layout mistake (the VNNI pairs of bt, the 16-row blocks
 // of a, the four 16-key blocks of c) shows as an exact mismatch. The sweep above runs the whole bf16 kernel on
 // this path whenever it is active; where it is not (no AMX-TILE/AMX-BF16, Linux refused the tile state, or
-// RINGFLEX_ISA=avx512) this test is skipped and says so.
-TEST(CpuAttention, AmxScoreTileIsExact) {
-  if (!cpu::detail::amx_enabled())
-    GTEST_SKIP() << "AMX path inactive (CPU lacks AMX-TILE/AMX-BF16, arch_prctl refused, or RINGFLEX_ISA=avx512); "
-                    "bf16 ran the AVX-512 kernels";
+// RINGFLEX_ISA forces another path) this test is skipped and says so.
+TEST_F(CpuAttention, AmxScoreTileIsExact) {
+  if (cpu::kernel_path().bf16 != cpu::Bf16Product::Amx)
+    GTEST_SKIP() << "AMX path inactive (CPU lacks AMX-TILE/AMX-BF16, arch_prctl refused, or RINGFLEX_ISA forces "
+                    "another path); bf16 ran on " << cpu::describe(cpu::kernel_path());
   constexpr int kRows = 20, kDp = 64, kKeys = cpu::kTileK, kPadRows = 32;  // two 16-row blocks, the last partial
   auto a_val = [](int r, int d) { return static_cast<float>((r * 3 + d) % 11 - 5); };
   auto b_val = [](int d, int j) { return static_cast<float>((d * 5 + j * 7) % 13 - 6); };

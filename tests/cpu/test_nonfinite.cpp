@@ -17,9 +17,12 @@
 #include "attention_check.h"
 #include "common/nonfinite.h"
 #include "common/random_case.h"
+#include "kernel_path_test.h"
 
 namespace rf::testing {
 namespace {
+
+class CpuNonFinite : public KernelPathTest {};
 
 constexpr int kTile = cpu::kTileQ;
 
@@ -67,7 +70,7 @@ void expect_same_result(const KernelResult& got, const KernelResult& want, const
 }
 
 // The property: random masks and metadata, NaN/±inf in every element of every token no result may depend on.
-TEST(CpuNonFinite, UnreadTokensChangeNoOutputBit) {
+TEST_F(CpuNonFinite, UnreadTokensChangeNoOutputBit) {
   uint64_t seed = 7000;
   int poisoned_cases = 0;
   for (const Shape& sh : kShapes)
@@ -88,7 +91,7 @@ TEST(CpuNonFinite, UnreadTokensChangeNoOutputBit) {
 }
 
 // A ring step's chunk: queries from one part of the row, keys from another, so whole key tiles are unread.
-TEST(CpuNonFinite, UnreadTokensOfARingChunk) {
+TEST_F(CpuNonFinite, UnreadTokensOfARingChunk) {
   for (DType t : {DType::F32, DType::BF16}) {
     const int S = 4 * kTile + 9;
     const std::vector<TokenMeta> row = random_meta(1, S, MetaKind::Padded, 77);
@@ -151,7 +154,7 @@ void expect_propagation(const char* what, const std::vector<float>& got, const s
 }
 
 // One NaN or infinity in one element of q, k, v or dout of a token that is read: compare against the reference.
-TEST(CpuNonFinite, ReadValuesPropagateWhereTheMathPutsThem) {
+TEST_F(CpuNonFinite, ReadValuesPropagateWhereTheMathPutsThem) {
   std::mt19937_64 rng(4242);
   int propagated = 0;
   uint64_t seed = 9000;
@@ -199,7 +202,7 @@ TEST(CpuNonFinite, ReadValuesPropagateWhereTheMathPutsThem) {
 
 // The reported failure: a NaN in one k element of a causal row used to give valid rows O = 0, LSE = -inf. The
 // rows that read the key (itself and every later query of its document) are NaN; the earlier ones are untouched.
-TEST(CpuNonFinite, NaNKeyIsNeverReportedAsAMaskedRow) {
+TEST_F(CpuNonFinite, NaNKeyIsNeverReportedAsAMaskedRow) {
   Case cs = make_case({1, 1, 1, 2 * kTile + 3, 64, DType::F32}, {true, 0, false}, MetaKind::OneDoc, 31);
   Tensors t = make_tensors(cs);
   const int bad_key = kTile + 2;
