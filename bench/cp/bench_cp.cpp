@@ -1,4 +1,4 @@
-// ringflex bench: per-rank figures of CP attention (SPEC §9) under `mpirun -n P`: peak attention bytes (ring,
+// ringflex bench: per-rank figures of CP attention (docs/spec.md §9) under `mpirun -n P`: peak attention bytes (ring,
 // all-gather, and the seed's collect-all-then-compute from its formula), bytes sent, work (mask area) and its
 // max/mean imbalance across ranks, and exposed communication = ring wall time minus time inside the kernels.
 //

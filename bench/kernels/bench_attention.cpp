@@ -1,4 +1,4 @@
-// ringflex bench: forward and backward GFLOP/s of mask area for the cpu attention kernels (SPEC §9), as ratios
+// ringflex bench: forward and backward GFLOP/s of mask area for the cpu attention kernels (docs/spec.md §9), as ratios
 // to single-thread OpenBLAS sgemm measured in the same run.
 //
 // FLOPs: forward = 4·B·Hq·D·A with A = allowed (q, k) pairs; backward (delta + dQ, dK, dV) = 2.5 × forward.
@@ -35,7 +35,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int kSgemmN = 1024;         // square sgemm: large enough for OpenBLAS's peak, small enough to repeat
 constexpr int kSgemmRepeats = 3;  // per measurement point; the VM's speed drifts, so each point gets its own
-constexpr double kBackwardFlopFactor = 2.5;  // SPEC §9
+constexpr double kBackwardFlopFactor = 2.5;  // docs/spec.md §9
 constexpr int kGemmaWindow = 1024;           // Gemma 4 26B/31B sliding window
 constexpr uint64_t kSeed = 2026;
 
@@ -47,7 +47,7 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Single-thread sgemm GFLOP/s: the practical peak of one core (research/dev-machine-limits.md). Measured again
+// Single-thread sgemm GFLOP/s: the practical peak of one core (docs/machine.md). Measured again
 // right before every kernel point (median of kSgemmRepeats) so each ratio compares numbers from the same minute.
 class Sgemm {
  public:

@@ -3,13 +3,13 @@
 
 Reads the case list and per-mask token metadata that `bench_attention --export DIR` wrote (cases.json and
 <mask>.meta = int32 [S, 3] {idx, doc, group}, the TokenMeta layout), so both sides use identical masks, and times:
-  - torch.compile(flex_attention) with a BlockMask built from the same SPEC section 3 predicate (forward only:
+  - torch.compile(flex_attention) with a BlockMask built from the same docs/spec.md §3 predicate (forward only:
     PyTorch has no flex_attention backward on CPU);
   - scaled_dot_product_attention, forward and backward: no mask for "full", is_causal for "causal", else a dense
     boolean [S, S] mask (it has no sparse path). Skipped above --sdpa-max-seq, where the dense mask and the
     O(S^2) work would dominate the run.
 Times are medians of --repeats after one warm-up call; torch.set_num_threads(--threads) matches the C++ run.
-FLOP counts follow SPEC section 9 (forward 4*B*Hq*D*A over the mask area A, backward 2.5x), as in the C++ bench.
+FLOP counts follow docs/spec.md §9 (forward 4*B*Hq*D*A over the mask area A, backward 2.5x), as in the C++ bench.
 """
 import argparse
 import json

@@ -1,4 +1,4 @@
-// ringflex cli: one attention job as `ringflex attn` and `ringflex demo` run it (SPEC §7).
+// ringflex cli: one attention job as `ringflex attn` and `ringflex demo` run it (docs/spec.md §7).
 //
 // A job is whole, unsharded rows: Q/K/V (and dOut for the backward) with the token metadata, as every rank
 // holds it after reading the input itself. The pipeline is
@@ -35,7 +35,7 @@ struct AttnJob {
   AttnChunk whole_chunk() const;  // the job as one query set against one key chunk
 };
 
-// Reads and validates an attention input file: tensors q, k, v, optional dout, doc, group (SPEC §7) with
+// Reads and validates an attention input file: tensors q, k, v, optional dout, doc, group (docs/spec.md §7) with
 // `mask` and `scale` (nullopt: 1/sqrt(D)). With `check_finite`, a NaN or infinity in q, k, v or dout is an error
 // too (finite.h). Throws rf::Error naming the file and the first problem found.
 AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optional<float> scale,

@@ -1,4 +1,4 @@
-// ringflex attn: masked attention of a safetensors file's q/k/v (and backward with dout), SPEC §7.
+// ringflex attn: masked attention of a safetensors file's q/k/v (and backward with dout), docs/spec.md §7.
 //
 //     ringflex attn --in IN.safetensors --out OUT.safetensors [--window W] [--no-causal] [--bidirectional-groups]
 //                   [--scale X] [--shard contiguous|zigzag|balanced] [--algo ring|allgather] [--threads N]

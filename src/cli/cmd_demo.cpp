@@ -36,7 +36,7 @@ namespace rf::cli {
 
 namespace {
 
-// Gemma 4 26B-A4B / 31B shapes (research/seed-and-gemma4-facts.md §5.1): sliding layers have head dim 256 and a
+// Gemma 4 26B-A4B / 31B shapes (docs/gemma4.md): sliding layers have head dim 256 and a
 // 1024-token window, full layers head dim 512; image groups are bidirectional on both (current transformers).
 constexpr int kGemmaSlidingHeadDim = 256;
 constexpr int kGemmaFullHeadDim = 512;
@@ -109,7 +109,7 @@ AttnJob make_job(const DemoOptions& o, const DemoLayer& layer, const std::vector
   return job;
 }
 
-// A: the number of allowed (q, k) pairs, by the predicate itself (SPEC §9's mask area).
+// A: the number of allowed (q, k) pairs, by the predicate itself (docs/spec.md §9's mask area).
 int64_t mask_area(const LayerMask& m, const std::vector<TokenMeta>& meta) {
   const int S = static_cast<int>(meta.size());
   int64_t area = 0;
@@ -270,7 +270,7 @@ int run_demo(const DemoOptions& o, comm::Communicator& world) {
     });
     checks.push_back(c);
     if (!rank0) continue;
-    // SPEC §9: forward FLOPs = 4 B Hq D A, backward = 2.5x that; the rate is of the mask area, so skipping
+    // docs/spec.md §9: forward FLOPs = 4 B Hq D A, backward = 2.5x that; the rate is of the mask area, so skipping
     // masked-out work shows up as speed.
     const double area = static_cast<double>(mask_area(layer.mask, meta));
     const double fwd_flops = 4.0 * job.shape.B * job.shape.Hq * job.shape.D * area, bwd_flops = 2.5 * fwd_flops;

@@ -1,4 +1,4 @@
-// ringflex train: Gemma 4 fine-tuning over a cp x dp grid of ranks (SPEC §8.1).
+// ringflex train: Gemma 4 fine-tuning over a cp x dp grid of ranks (docs/spec.md §8.1).
 //
 //     [mpirun -n N] ringflex train --config FILE.yaml [--set section.key=value ...] [--metrics FILE.jsonl]
 //                                  [--resume DIR] [--loss-svg FILE.svg] [--print-config] [--timeout SECONDS]

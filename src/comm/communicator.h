@@ -1,4 +1,4 @@
-// ringflex comm: the one interface through which ranks exchange bytes (SPEC §6), and its small collectives.
+// ringflex comm: the one interface through which ranks exchange bytes (docs/spec.md §6), and its small collectives.
 //
 // The ring needs non-blocking point-to-point transfers of several buffers at once (K, V and their metadata
 // travel together) that it can post *before* computing and complete after, each wait bounded by a deadline so a

@@ -1,6 +1,6 @@
 // ringflex core: the one parameter struct that every attention implementation takes.
 //
-// Dimension letters (SPEC §1): B rows, Hq query heads, Hkv key/value heads (Hq % Hkv == 0; query head h reads
+// Dimension letters (docs/spec.md §1): B rows, Hq query heads, Hkv key/value heads (Hq % Hkv == 0; query head h reads
 // kv head h / (Hq / Hkv)), Lq queries held, Lk keys in the chunk, D head dimension. On one rank without CP,
 // Lq = Lk = S. In the ring, Q is the rank's shard and K/V is whichever chunk is passing by.
 //

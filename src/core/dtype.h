@@ -1,6 +1,6 @@
 // ringflex core: element types at the public boundary and bfloat16 conversion.
 //
-// Inputs and outputs are float32 or bfloat16; everything accumulates in float32 (SPEC §4). bfloat16 is the top
+// Inputs and outputs are float32 or bfloat16; everything accumulates in float32 (docs/spec.md §4). bfloat16 is the top
 // half of an IEEE float32, so widening is a shift and narrowing rounds to nearest-even on the dropped 16 bits.
 #pragma once
 

@@ -1,4 +1,4 @@
-// ringflex core: token metadata, the mask predicate (SPEC §2-3) and the block classifier.
+// ringflex core: token metadata, the mask predicate (docs/spec.md §2-3) and the block classifier.
 //
 // A mask is never stored. Each token carries {idx, doc, group}; a layer's mask is three fields; whether query q
 // may read key k is a pure function of the two tokens. Kernels and the CP planner work on *blocks* of tokens:
@@ -34,7 +34,7 @@ struct LayerMask {
   std::string name() const;  // e.g. "causal,W=512,groups"
 };
 
-// SPEC §3, exactly.
+// docs/spec.md §3, exactly.
 inline bool allowed(const LayerMask& m, const TokenMeta& q, const TokenMeta& k) {
   if (q.doc == kPaddingDoc || k.doc == kPaddingDoc || q.doc != k.doc) return false;
   const bool grouped = m.bidirectional_groups && q.group >= 0 && q.group == k.group;

@@ -1,4 +1,4 @@
-// ringflex core: merging two partial attention results by their log-sum-exp (SPEC §4).
+// ringflex core: merging two partial attention results by their log-sum-exp (docs/spec.md §4).
 //
 // A partial result over a subset of keys is (o, lse) with o already normalised over that subset. Two partials
 // over disjoint key sets combine exactly:

@@ -1,4 +1,4 @@
-// ringflex core: building a row's token metadata (SPEC §2) from what datasets provide.
+// ringflex core: building a row's token metadata (docs/spec.md §2) from what datasets provide.
 //
 // Groups are numbered on the whole, unsharded row, so an image block that later spans ranks keeps one id.
 // The synthetic generator makes Gemma 4 VLM-like rows (packed documents of varied length, image blocks of

@@ -1,4 +1,4 @@
-// ringflex cp: the mask-aware `balanced` sharding scheme (SPEC §5).
+// ringflex cp: the mask-aware `balanced` sharding scheme (docs/spec.md §5).
 //
 // Causal work grows along the row (a query sees everything before it), packed documents and image groups make it
 // lumpy, and sliding layers make it flat: contiguous shards leave the last rank with most of the work (max/mean

@@ -1,4 +1,4 @@
-// ringflex cp: context-parallel masked attention over P ranks, forward and backward (SPEC §6).
+// ringflex cp: context-parallel masked attention over P ranks, forward and backward (docs/spec.md §6).
 //
 // Each rank holds one shard of the row (cp/shard.h): its queries, keys, values and their token metadata, L tokens
 // per rank. Two algorithms give the same result to float32 rounding:

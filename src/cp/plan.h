@@ -1,4 +1,4 @@
-// ringflex cp: the mask-aware communication plan of ring attention (SPEC §6: work and traffic follow the mask).
+// ringflex cp: the mask-aware communication plan of ring attention (docs/spec.md §6: work and traffic follow the mask).
 // In src/cp, "plan" means this and nothing else; `ringflex plan` prints it (src/report).
 //
 // A full ring moves every chunk past every rank even when the mask uses none of it. The plan is computed once per

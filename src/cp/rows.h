@@ -65,7 +65,7 @@ RowsResult cp_attention_rows(comm::Communicator& comm, const RowsInput& in, cons
 ShardMap rows_shard_map(const RowsInput& in, const RowsOptions& opt, int P);
 
 // One rank's shard of the rows under `map`, owning its buffers: q, dout [B, Hq, L, D]; k, v [B, Hkv, L, D] in the
-// input dtype (sharding padding is zero); meta [B, L] (sharding padding is SPEC §5's pad token).
+// input dtype (sharding padding is zero); meta [B, L] (sharding padding is docs/spec.md §5's pad token).
 struct RowsShard {
   AttnShape shape;  // Lq = Lk = L
   DType dtype = DType::F32;

@@ -1,4 +1,4 @@
-// ringflex cp: which tokens of a row each rank holds (SPEC §5), and moving sequence arrays in and out of shards.
+// ringflex cp: which tokens of a row each rank holds (docs/spec.md §5), and moving sequence arrays in and out of shards.
 //
 // Every scheme pads the row to S_padded = P * L tokens and gives every rank exactly L of them, so ring chunks
 // have one size. A ShardMap lists, per rank, the padded-row positions it holds in the order it holds them;
@@ -36,7 +36,7 @@ struct ShardMap {
 ShardMap make_shard_map(Scheme scheme, int S, int P, int multiple = 1);
 
 // Moving arrays between row order and a rank's shard. `full` arrays have S positions, shards L; padding that
-// sharding adds takes SPEC §5's pad values, and unsharding writes only real positions (padding is dropped), so
+// sharding adds takes docs/spec.md §5's pad values, and unsharding writes only real positions (padding is dropped), so
 // unshard(shard(x)) over all ranks is x exactly.
 
 // full: [B, H, S, D], shard: [B, H, L, D], elements of `elem_bytes`; padding positions get zero bytes

@@ -1,4 +1,4 @@
-// ringflex cp: the model's layer mix and the attention work (mask area, SPEC §9) it implies, counted exactly.
+// ringflex cp: the model's layer mix and the attention work (mask area, docs/spec.md §9) it implies, counted exactly.
 //
 // Work belongs to the query's owner: queries never move in the ring, so a rank computes every allowed (q, k) pair
 // of the queries it holds, wherever the keys live. A query token's work is therefore a property of the row alone,

@@ -1,6 +1,6 @@
 // ringflex cpu: masked attention kernels for one query set against one key/value chunk.
 //
-// These are the ring's per-step primitive (SPEC §6) and the single-rank path. They take the same AttnChunk as
+// These are the ring's per-step primitive (docs/spec.md §6) and the single-rank path. They take the same AttnChunk as
 // the scalar reference and must match it (tests/cpu). Per-chunk results are partial: the caller merges partials
 // of several chunks with rf::merge_partial, and runs the backward with the *merged* lse and delta.
 #pragma once

@@ -90,7 +90,7 @@ using RowBits = uint64_t;
 inline RowBits first_bits(int nk) { return nk >= kTileK ? ~RowBits{0} : (RowBits{1} << nk) - 1; }
 
 #if RF_ISA_AVX512
-// SPEC §3 for one query against 64 keys at once, 16 lanes per compare. Identical to rf::allowed lane by lane:
+// docs/spec.md §3 for one query against 64 keys at once, 16 lanes per compare. Identical to rf::allowed lane by lane:
 // valid(q) is tested once; doc[k] == doc[q] != 0 implies valid(k); the int32 differences idx[q] - idx[k] cannot
 // overflow because the caller only takes this path when every valid token has idx >= 0 (a padding key's lanes
 // are cleared by the doc compare whatever its idx). kdoc/kidx/kgrp: [kTileK], doc 0 past the tile's end.
@@ -144,7 +144,7 @@ inline RowBits allowed_bits(const LayerMask& m, const TokenMeta& q, const int32_
 }
 #endif
 
-// bits: [nq]. Full tiles skip the predicate; Partial ones evaluate SPEC §3 per pair (vectorised on the vector ISAs
+// bits: [nq]. Full tiles skip the predicate; Partial ones evaluate docs/spec.md §3 per pair (vectorised on the vector ISAs
 // when every valid idx is non-negative, else rf::allowed itself).
 inline void tile_bits(BlockClass cls, const LayerMask& mask, const TokenMeta* qm, int nq, const TokenMeta* km, int nk,
                       RowBits* bits) {
@@ -360,7 +360,7 @@ inline void softmax_step(float* s, int rows, const RowBits* bits, float c2, floa
 // or +inf for a row with lse = -inf (then every p is exp2(-inf) = 0 and the row contributes nothing).
 //
 // live: [rows], out: the pairs that take part in the gradient products — bits, minus every pair of a row with
-// lse = -inf. Such a row contributes nothing (SPEC §4), also when it has allowed keys whose scores are all -inf:
+// lse = -inf. Such a row contributes nothing (docs/spec.md §4), also when it has allowed keys whose scores are all -inf:
 // its dS is 0, and acc must not form 0 · K where K is infinite. Returns whether a row with allowed pairs was
 // dropped, so the caller treats the tile as Partial (acc_masked).
 inline bool grad_step(float* s, float* dp, int rows, const RowBits* bits, float c2, const float* bias,

@@ -37,7 +37,7 @@ struct LayerSpec {
   int kv_source = -1;    // >= 0: a KV-shared layer reading the K/V stored by layer kv_source; -1: its own K/V
   bool stores_kv = false;  // another layer reads this layer's K/V
   int intermediate = 0;  // dense MLP width (doubled on KV-shared layers when use_double_wide_mlp)
-  LayerMask mask;        // SPEC §3 mask of this layer
+  LayerMask mask;        // docs/spec.md §3 mask of this layer
   const RopeParams* rope = nullptr;
 };
 

@@ -3,7 +3,7 @@
 // Semantics follow transformers 5.24 (Gemma4ForCausalLM / the text part of Gemma4Model), checked by
 // tests/model/parity against it. Attention runs through the AttentionBackend the model is handed
 // (core/attention_backend.h): the local kernels on the whole row at P = 1, the CP ring over a group of ranks
-// otherwise, with SPEC §3 masks from TokenMeta built on the full rows. Under CP every activation below is this
+// otherwise, with docs/spec.md §3 masks from TokenMeta built on the full rows. Under CP every activation below is this
 // rank's shard: T = B * L tokens instead of B * S, so activations fall ~1/P (tests/model/test_model_cp_mpi.cpp
 // checks every P against P = 1).
 //

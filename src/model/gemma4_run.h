@@ -105,7 +105,7 @@ struct Gemma4Model::Run {
   float eps;
   RowShard shard;
   // Sequence-resident arrays, gathered to this rank's tokens ([T], shard order): the full rows' values at the
-  // shard's positions, SPEC §5 pad values at sharding padding.
+  // shard's positions, docs/spec.md §5 pad values at sharding padding.
   std::vector<TokenMeta> meta;        // [B, S] global idx/doc/group (numbered on the full row)
   std::vector<int32_t> ids;           // [T] input ids (pad id on sharding padding)
   std::vector<int32_t> labels;        // [T] (kIgnoreLabel on sharding padding); empty without labels

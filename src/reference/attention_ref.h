@@ -1,7 +1,7 @@
 // ringflex reference: the plain scalar oracle for masked attention, forward and backward.
 //
 // This is the clean, minimal version that every optimised path (cpu kernels, the ring at any P, the model) is
-// tested against. It evaluates the SPEC §3 predicate for every (q, k) pair, accumulates in double, and does
+// tested against. It evaluates the docs/spec.md §3 predicate for every (q, k) pair, accumulates in double, and does
 // nothing clever: no blocking, no SIMD, no skipping beyond the mask itself (a forbidden pair is absent from every
 // sum, never multiplied by 0, so values no query reads cannot reach a result; docs/numerics.md). Only tests and
 // benchmarks' validate steps call it.

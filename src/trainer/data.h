@@ -6,7 +6,7 @@
 // Files cycle in epochs, each epoch in a seeded permutation of the packed rows; the last `data.val_rows` packed
 // rows of a file are the validation split and never train.
 //
-// A packed row (SPEC §2 metadata): doc ids count from 1 in each row, 0 is padding; position ids restart at 0 in
+// A packed row (docs/spec.md §2 metadata): doc ids count from 1 in each row, 0 is padding; position ids restart at 0 in
 // every document; labels are already shifted (labels[t] = the token at t + 1 of the same document, -100 where that
 // is an image slot, the document's end or padding); vision slots carry mm_token_type 1 and one feature vector each.
 #pragma once

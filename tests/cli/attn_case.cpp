@@ -130,7 +130,7 @@ const std::vector<std::string> kBadKinds = {
     "doc_shape", "doc_dtype",     "doc_negative", "group_below_none", "truncated",       "not_safetensors",
     "k_nan",     "dout_inf",      "q_bf16_neg_inf"};
 
-// One input per kind of bad input SPEC §7 lists (the CMake file pairs each with the message it must produce).
+// One input per kind of bad input docs/spec.md §7 lists (the CMake file pairs each with the message it must produce).
 void make_bad(const std::string& kind, const std::string& path) {
   const CaseShape s{1, 2, 1, 8, 4};
   const std::vector<int64_t> q = {s.B, s.Hq, s.S, s.D}, kv = {s.B, s.Hkv, s.S, s.D}, row = {s.B, s.S};

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs a command that must fail the way SPEC §7 asks: a non-zero exit and, on each of RANKS ranks, one line
+# Runs a command that must fail the way docs/spec.md §7 asks: a non-zero exit and, on each of RANKS ranks, one line
 # "ringflex: error: ..." matching REGEX (the same line on every rank). With RANKS = 1 (no mpirun) stderr must be
 # exactly that one line; under mpirun, mpirun's own report of the failed job may follow it.
 #   expect_error.sh RANKS REGEX COMMAND...

@@ -3,7 +3,7 @@
 
 Python writes random packed-document and image-group metadata with the `safetensors` package, runs the command,
 and checks the JSON against the documented schema and against an independent oracle: per-rank work of the
-contiguous and zigzag schemes counted by brute force over the SPEC §3 predicate in numpy (balanced is checked
+contiguous and zigzag schemes counted by brute force over the docs/spec.md §3 predicate in numpy (balanced is checked
 for being a valid report and no more imbalanced than contiguous, as its layout is the command's own choice).
 Also checks that a malformed --layers fails with one line naming the problem. When numpy or
 safetensors is not installed: exits 77 (CTest's skip), or fails under CI (tests/common/oracle_env.py).
@@ -48,7 +48,7 @@ def random_meta(rng):
 
 
 def allowed_matrix(doc, group, causal, window, groups):
-    """[S, S] bool: query q may read key k (SPEC §3), for one row."""
+    """[S, S] bool: query q may read key k (docs/spec.md §3), for one row."""
     idx = np.arange(S)
     q, k = idx[:, None], idx[None, :]
     valid = (doc[:, None] > 0) & (doc[None, :] > 0) & (doc[:, None] == doc[None, :])

@@ -1,4 +1,4 @@
-// Shard maps and moving arrays in and out of shards (SPEC §5). Oracles: the schemes' definitions written out
+// Shard maps and moving arrays in and out of shards (docs/spec.md §5). Oracles: the schemes' definitions written out
 // by hand for small cases, and the round trip unshard(shard(x)) == x for every S and P.
 #include <gtest/gtest.h>
 

@@ -11,10 +11,10 @@ documents, this script
   3. runs `ringflex forward --model DIR --in BATCH --out OUT --grad` and compares.
 
 Masks. transformers 5.24 has no notion of packed documents in Gemma 4's mask builders, and its vision mask
-(create_masks_for_vision_model) is AND(window, OR(causal, group)), which differs from SPEC §3 when an image run
-is longer than the window. So the reference mask is built here from SPEC §3 (doc, group, idx), as a 4D additive
+(create_masks_for_vision_model) is AND(window, OR(causal, group)), which differs from docs/spec.md §3 when an image run
+is longer than the window. So the reference mask is built here from docs/spec.md §3 (doc, group, idx), as a 4D additive
 float mask per layer type, and handed to the model as the {layer_type: mask} dict it accepts in place of its own.
-Where SPEC §3 and transformers' own builder agree (one document, image runs shorter than the window) the script
+Where docs/spec.md §3 and transformers' own builder agree (one document, image runs shorter than the window) the script
 also checks that the two masks are equal, which pins the groups-on-full-layers switch to what 5.24 does (off).
 
 Fidelity cases: the dense config's RoPE entries carry a `factor` (ignored on "default", applied on "proportional",
@@ -158,7 +158,7 @@ def make_batch(gen, vision):
 
 
 def spec_allowed(doc, group, window, groups):
-    """SPEC §3 for one row: [S, S] bool, query on dim 0."""
+    """docs/spec.md §3 for one row: [S, S] bool, query on dim 0."""
     idx = torch.arange(doc.shape[0])
     q, k = idx[:, None], idx[None, :]
     valid = (doc[:, None] > 0) & (doc[None, :] > 0) & (doc[:, None] == doc[None, :])
@@ -182,7 +182,7 @@ def reference_masks(cfg, doc, mm):
 
 
 def check_transformers_mask_agrees(cfg):
-    """On one document with a short image run, transformers' own vision masks equal SPEC §3's."""
+    """On one document with a short image run, transformers' own vision masks equal docs/spec.md §3's."""
     mm = torch.zeros((1, S), dtype=torch.int64)
     mm[0, 2:2 + WINDOW - 1] = 1
     doc = torch.ones((1, S), dtype=torch.int64)
@@ -195,7 +195,7 @@ def check_transformers_mask_agrees(cfg):
         mine = ours[t][0, 0] == 0
         hf = theirs[t]
         hf = (hf[0, 0] == 0) if hf.dtype != torch.bool else hf[0, 0]
-        assert torch.equal(mine, hf), f"transformers' {t} mask differs from SPEC §3 on a plain row"
+        assert torch.equal(mine, hf), f"transformers' {t} mask differs from docs/spec.md §3 on a plain row"
 
 
 def run_case(ringflex, name, vision, workdir, launcher=()):

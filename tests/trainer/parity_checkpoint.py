@@ -4,7 +4,7 @@
 1. `ringflex train` fine-tunes the built-in tiny dense Gemma 4 for a few steps on mock data (text-only rows, so
    the causal-LM class alone is the whole model) and writes a checkpoint;
 2. transformers' Gemma4ForCausalLM.from_pretrained loads that directory as it is (config.json + model.safetensors);
-3. `ringflex forward --model CKPT` and transformers (float64, eager attention, the SPEC §3 mask of each layer type
+3. `ringflex forward --model CKPT` and transformers (float64, eager attention, the docs/spec.md §3 mask of each layer type
    handed in as the {layer_type: mask} dict, as tests/model/parity.py does) compute the loss of one fixed batch
    of packed documents; they must agree.
 

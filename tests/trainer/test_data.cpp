@@ -1,4 +1,4 @@
-// Training data: the packed-row invariants (SPEC §2 metadata, shifted labels, one feature vector per image slot),
+// Training data: the packed-row invariants (docs/spec.md §2 metadata, shifted labels, one feature vector per image slot),
 // determinism by row index, JSONL token and text files (a SentencePiece model trained here at test time), and one
 // clear error per kind of bad data.
 #include <gtest/gtest.h>
