@@ -36,8 +36,7 @@ constexpr double kMiB = 1024.0 * 1024.0;
 struct Config {
   int S = 16384, D = 256, Hq = 8, Hkv = 1, window = 0, repeats = 3;
   bool causal = true, groups = false, backward = false, time = true;
-  std::string row = "onedoc", dtype = "f32", schemes = "contiguous,zigzag",
-              algos = "ring-chunks,ring,allgather";
+  std::string row = "onedoc", dtype = "f32", schemes = "contiguous,zigzag", algos = "ring-chunks,ring,allgather";
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -89,8 +88,13 @@ Rows make_rows(const Config& c, int S) {
   rows.k = make(c.Hkv, kSeed + 2);
   rows.v = make(c.Hkv, kSeed + 3);
   rows.dout = make(c.Hq, kSeed + 4);
-  rows.input = {rf::AttnShape{1, c.Hq, c.Hkv, S, S, c.D}, dt, rows.q.data(), rows.k.data(), rows.v.data(),
-                rows.dout.data(), rows.meta.data()};
+  rows.input = {rf::AttnShape{1, c.Hq, c.Hkv, S, S, c.D},
+                dt,
+                rows.q.data(),
+                rows.k.data(),
+                rows.v.data(),
+                rows.dout.data(),
+                rows.meta.data()};
   return rows;
 }
 
@@ -112,9 +116,8 @@ void validate(rf::comm::Communicator& comm, const Config& c, rf::cp::Scheme sche
   rows.input.dout = nullptr;  // forward only
   const rf::cp::RowsResult ran = rf::cp::cp_attention_rows(comm, rows.input, options_of(c, scheme, choice));
   if (comm.rank() != 0) return;
-  const rf::AttnChunk chunk{rows.input.shape, rows.input.dtype, rows.q.data(),    rows.k.data(),
-                            rows.v.data(),    rows.meta.data(),  rows.meta.data(), mask_of(c),
-                            rf::default_scale(c.D)};
+  const rf::AttnChunk chunk{rows.input.shape, rows.input.dtype, rows.q.data(), rows.k.data(),         rows.v.data(),
+                            rows.meta.data(), rows.meta.data(), mask_of(c),    rf::default_scale(c.D)};
   const rf::RefForward ref = rf::reference_forward(chunk);
   double err = 0;
   for (size_t i = 0; i < ran.out.size(); ++i) err = std::max(err, std::fabs(ran.out[i] - ref.o[i]));

@@ -10,7 +10,7 @@ namespace rf::bench {
 // bounded, and the same seed gives the same values on every rank. Returns [n].
 inline std::vector<float> uniform(int64_t n, uint64_t seed) {
   constexpr uint64_t kSeedMix = 0x9e3779b97f4a7c15ull;  // 2^64 / golden ratio: spreads nearby seeds apart
-  constexpr int kMantissaShift = 11;                     // keep the top 53 bits: exactly representable in a double
+  constexpr int kMantissaShift = 11;                    // keep the top 53 bits: exactly representable in a double
   constexpr double kTwoPow53 = 9007199254740992.0;
   std::vector<float> x(static_cast<size_t>(n));
   uint64_t s = seed * kSeedMix + 1;

@@ -11,9 +11,9 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <iterator>
 #include <memory>
-#include <cstdio>
 #include <vector>
 
 #include "bench_inputs.h"
@@ -49,8 +49,8 @@ struct Run {
   CpStats stats;
   std::vector<TokenMeta> meta;
   std::vector<float> q, k, v, dout, o, lse, dq, dk, dv;
-  std::vector<double> times;   // slowest rank's forward + backward wall time, per repeat
-  int64_t max_received = 0;    // most forward bytes received by one rank
+  std::vector<double> times;  // slowest rank's forward + backward wall time, per repeat
+  int64_t max_received = 0;   // most forward bytes received by one rank
 };
 
 void setup(comm::Communicator& comm, int S, int W, const Variant& var, Run& run) {
@@ -63,10 +63,10 @@ void setup(comm::Communicator& comm, int S, int W, const Variant& var, Run& run)
   run.k = uniform(int64_t{kHkv} * L * kD, 11 + r);
   run.v = uniform(int64_t{kHkv} * L * kD, 21 + r);
   run.dout = uniform(int64_t{kHq} * L * kD, 31 + r);
-  run.x = CpShard{AttnShape{1, kHq, kHkv, L, L, kD}, DType::F32, run.q.data(), run.k.data(), run.v.data(),
-                  run.meta.data()};
-  run.p = CpParams{LayerMask{true, W, false}, 0.f, var.algo, Scheme::Contiguous, comm::kDefaultTimeout, &run.stats,
-                   var.traffic};
+  run.x =
+      CpShard{AttnShape{1, kHq, kHkv, L, L, kD}, DType::F32, run.q.data(), run.k.data(), run.v.data(), run.meta.data()};
+  run.p = CpParams{LayerMask{true, W, false}, 0.f,        var.algo,   Scheme::Contiguous,
+                   comm::kDefaultTimeout,     &run.stats, var.traffic};
   run.o.resize(static_cast<size_t>(run.x.shape.q_elems()));
   run.dq.resize(run.o.size());
   run.lse.resize(static_cast<size_t>(run.x.shape.lse_elems()));
@@ -79,8 +79,8 @@ void time_once(comm::Communicator& comm, Run& run) {
   const auto t0 = std::chrono::steady_clock::now();
   cp_attention_forward(comm, run.x, run.p, run.o.data(), run.lse.data());
   int64_t received = run.stats.bytes_received;
-  cp_attention_backward(comm, run.x, run.p, run.o.data(), run.lse.data(), run.dout.data(), run.dq.data(),
-                        run.dk.data(), run.dv.data());
+  cp_attention_backward(comm, run.x, run.p, run.o.data(), run.lse.data(), run.dout.data(), run.dq.data(), run.dk.data(),
+                        run.dv.data());
   double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   comm.allreduce(&t, 1, comm::ReduceOp::Max);
   comm.allreduce(&received, 1, comm::ReduceOp::Max);
@@ -108,8 +108,9 @@ int main(int argc, char** argv) {
     const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
     comm::Communicator& comm = *world;
     if (comm.rank() == 0) {
-      std::printf("| S | W | P | algorithm | K/V received, max rank (MiB) | fwd+bwd (s, median of %d) | vs chunk ring |\n",
-                  repeats);
+      std::printf(
+          "| S | W | P | algorithm | K/V received, max rank (MiB) | fwd+bwd (s, median of %d) | vs chunk ring |\n",
+          repeats);
       std::printf("|---|---|---|---|---|---|---|\n");
     }
     for (const int S : seqs) {
@@ -119,8 +120,8 @@ int main(int argc, char** argv) {
         for (size_t i = 0; i < runs.size(); ++i) setup(comm, S, W, kVariants[i], runs[i]);
         for (int rep = 0; rep < repeats; ++rep)
           for (Run& run : runs) time_once(comm, run);
-        RF_CHECK(runs[0].o == runs[1].o && runs[0].dk == runs[1].dk, "planned and chunk ring results differ at S = ",
-                 S, ", W = ", W);
+        RF_CHECK(runs[0].o == runs[1].o && runs[0].dk == runs[1].dk, "planned and chunk ring results differ at S = ", S,
+                 ", W = ", W);
         if (comm.rank() != 0) continue;
         const double chunk_ring = median(runs[1].times);
         for (size_t i = 0; i < runs.size(); ++i) {

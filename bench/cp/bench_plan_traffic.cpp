@@ -42,7 +42,9 @@ CommPlan plan_for(const std::vector<TokenMeta>& row, const ShardMap& map, const 
 }
 
 void traffic_table() {
-  std::printf("| row, shards | W | S | P | sliding: planned MiB | bound MiB | full: planned MiB | full ring = all-gather MiB (sliding / full) | planned vs full ring (sliding) | max/mean work |\n");
+  std::printf(
+      "| row, shards | W | S | P | sliding: planned MiB | bound MiB | full: planned MiB | full ring = all-gather MiB "
+      "(sliding / full) | planned vs full ring (sliding) | max/mean work |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   enum class Rows { CausalContiguous, VlmContiguous, VlmBalanced };
   const char* names[] = {"causal 1 doc, contiguous", "Gemma 4 VLM, contiguous", "Gemma 4 VLM, balanced"};
@@ -64,9 +66,8 @@ void traffic_table() {
           const double work_imbalance =
               imbalance(rank_work(token_work(row.data(), 1, S, map.S_padded, mix, kPlanBlock), map));
           std::printf("| %s | %d | %dK | %d | %.2f | %.2f | %.2f | %.1f / %.1f | %.1fx less | %.3f |\n",
-                      names[static_cast<int>(rows)], W, S / 1024, P, mib(sliding_bytes),
-                      mib(bound), mib(full_bytes), mib(kv_bytes(ring_tokens, 1, kSlidingKv)),
-                      mib(kv_bytes(ring_tokens, 1, kFullKv)),
+                      names[static_cast<int>(rows)], W, S / 1024, P, mib(sliding_bytes), mib(bound), mib(full_bytes),
+                      mib(kv_bytes(ring_tokens, 1, kSlidingKv)), mib(kv_bytes(ring_tokens, 1, kFullKv)),
                       static_cast<double>(kv_bytes(ring_tokens, 1, kSlidingKv)) / std::max<int64_t>(1, sliding_bytes),
                       work_imbalance);
         }
@@ -76,8 +77,8 @@ void traffic_table() {
 }
 
 double scheme_imbalance(const std::vector<TokenMeta>& row, int S, int P, const LayerMix& mix, Scheme s) {
-  const ShardMap map = s == Scheme::Balanced ? balanced_shard(row.data(), 1, S, P, mix).map
-                                             : make_shard_map(s, S, P, kPlanBlock);
+  const ShardMap map =
+      s == Scheme::Balanced ? balanced_shard(row.data(), 1, S, P, mix).map : make_shard_map(s, S, P, kPlanBlock);
   return imbalance(rank_work(token_work(row.data(), 1, S, map.S_padded, mix, kPlanBlock), map));
 }
 

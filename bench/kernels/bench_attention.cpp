@@ -33,8 +33,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int kSgemmN = 1024;         // square sgemm: large enough for OpenBLAS's peak, small enough to repeat
-constexpr int kSgemmRepeats = 3;  // per measurement point; the VM's speed drifts, so each point gets its own
+constexpr int kSgemmN = 1024;                // square sgemm: large enough for OpenBLAS's peak, small enough to repeat
+constexpr int kSgemmRepeats = 3;             // per measurement point; the VM's speed drifts, so each point gets its own
 constexpr double kBackwardFlopFactor = 2.5;  // docs/spec.md §9
 constexpr int kGemmaWindow = 1024;           // Gemma 4 26B/31B sliding window
 constexpr uint64_t kSeed = 2026;
@@ -167,8 +167,9 @@ bool validate(int D, rf::DType t) {
     return err / scale;
   };
   const double e = std::max({worst(p.o, r.o), worst(p.dq, g.dq), worst(p.dk, g.dk), worst(p.dv, g.dv)});
-  if (e > kTol) std::fprintf(stderr, "validation failed: D = %d %s, relative error %.3g\n", D,
-                             std::string(rf::dtype_name(t)).c_str(), e);
+  if (e > kTol)
+    std::fprintf(stderr, "validation failed: D = %d %s, relative error %.3g\n", D,
+                 std::string(rf::dtype_name(t)).c_str(), e);
   return e <= kTol;
 }
 
@@ -233,8 +234,12 @@ int main(int argc, char** argv) {
   const std::vector<MaskCase> masks = mask_cases(s_short, s_long);
   nlohmann::json cases = nlohmann::json::array();
   for (const MaskCase& m : masks) {
-    cases.push_back({{"mask", m.name}, {"S", m.S}, {"causal", m.mask.causal}, {"window", m.mask.window},
-                     {"groups", m.mask.bidirectional_groups}, {"area", mask_area(m)}});
+    cases.push_back({{"mask", m.name},
+                     {"S", m.S},
+                     {"causal", m.mask.causal},
+                     {"window", m.mask.window},
+                     {"groups", m.mask.bidirectional_groups},
+                     {"area", mask_area(m)}});
     if (export_dir.empty()) continue;
     std::ofstream f(export_dir + "/" + m.name + ".meta", std::ios::binary);
     f.write(reinterpret_cast<const char*>(m.meta.data()), static_cast<std::streamsize>(m.meta.size() * 12));
@@ -251,8 +256,9 @@ int main(int argc, char** argv) {
   Sgemm sgemm;
   std::printf("Hq = %d, Hkv = %d, B = 1; sgemm: 1-thread OpenBLAS, N = %d, measured before each row\n\n", Hq, Hkv,
               kSgemmN);
-  std::printf("| mask | S | D | dtype | threads | sgemm GFLOP/s | fwd ms | fwd GFLOP/s | fwd / sgemm | bwd ms | "
-              "bwd GFLOP/s | bwd / sgemm |\n");
+  std::printf(
+      "| mask | S | D | dtype | threads | sgemm GFLOP/s | fwd ms | fwd GFLOP/s | fwd / sgemm | bwd ms | "
+      "bwd GFLOP/s | bwd / sgemm |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::vector<double> peaks;
   nlohmann::json rows = nlohmann::json::array();
@@ -278,20 +284,32 @@ int main(int argc, char** argv) {
           }
           const double f = median(tf), b = median(tb);
           const double fg = fwd_flop / f / 1e9, bg = bwd_flop / b / 1e9;
-          std::printf("| %s | %d | %d | %s | %d | %.0f | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", m.name.c_str(), m.S,
-                      D, std::string(rf::dtype_name(t)).c_str(), nt, peak, f * 1e3, fg, fg / peak, b * 1e3, bg,
+          std::printf("| %s | %d | %d | %s | %d | %.0f | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", m.name.c_str(),
+                      m.S, D, std::string(rf::dtype_name(t)).c_str(), nt, peak, f * 1e3, fg, fg / peak, b * 1e3, bg,
                       bg / peak);
           std::fflush(stdout);
-          rows.push_back({{"mask", m.name}, {"S", m.S}, {"D", D}, {"dtype", rf::dtype_name(t)}, {"threads", nt},
-                          {"fwd_s", f}, {"bwd_s", b}, {"fwd_gflops", fg}, {"bwd_gflops", bg}, {"area", area},
+          rows.push_back({{"mask", m.name},
+                          {"S", m.S},
+                          {"D", D},
+                          {"dtype", rf::dtype_name(t)},
+                          {"threads", nt},
+                          {"fwd_s", f},
+                          {"bwd_s", b},
+                          {"fwd_gflops", fg},
+                          {"bwd_gflops", bg},
+                          {"area", area},
                           {"sgemm_gflops", peak}});
         }
       }
   }
   if (!json_out.empty()) {
     std::ofstream f(json_out);
-    f << nlohmann::json{{"sgemm_gflops_median", median(peaks)}, {"Hq", Hq}, {"Hkv", Hkv}, {"cpu", cpu_name},
-                        {"kernel_path", path}, {"rows", rows}}
+    f << nlohmann::json{{"sgemm_gflops_median", median(peaks)},
+                        {"Hq", Hq},
+                        {"Hkv", Hkv},
+                        {"cpu", cpu_name},
+                        {"kernel_path", path},
+                        {"rows", rows}}
              .dump(1);
   }
   return 0;

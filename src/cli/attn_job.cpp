@@ -62,14 +62,14 @@ AttnChunk AttnJob::whole_chunk() const {
   return c;
 }
 
-AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optional<float> scale,
-                      bool check_finite) {
+AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optional<float> scale, bool check_finite) {
   RF_CHECK(mask.window >= 0, "--window ", mask.window, " is negative (0 means no window)");
   RF_CHECK(!scale || std::isfinite(*scale), "--scale ", *scale, " is not a finite number");
 
   const io::SafetensorsFile f = io::SafetensorsFile::open(path);
   io::DimSizes dims;
-  const std::vector<std::string> q_dims = {"B", "Hq", "S", "D"}, kv_dims = {"B", "Hkv", "S", "D"}, row_dims = {"B", "S"};
+  const std::vector<std::string> q_dims = {"B", "Hq", "S", "D"}, kv_dims = {"B", "Hkv", "S", "D"},
+                                 row_dims = {"B", "S"};
   const io::TensorView& q = io::require(f, {"q", {StDType::F32, StDType::BF16}, q_dims, ""}, dims);
   const std::string like_q = "like `q`";
   const io::TensorView& k = io::require(f, {"k", {q.dtype}, kv_dims, like_q}, dims);
@@ -97,16 +97,16 @@ AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optio
            " (tensors `k`, `v`)");
   RF_CHECK(s.D >= 1 && s.D <= kMaxHeadDim, path, ": head dimension D = ", s.D, " is outside 1..", kMaxHeadDim);
 
-  const std::vector<int32_t> doc_ids = checked_ids(doc, s.Lq, path, [](int32_t d) { return d >= kPaddingDoc; },
-                                                   "documents are numbered from 1 and 0 is padding");
-  const std::vector<int32_t> group_ids = checked_ids(group, s.Lq, path, [](int32_t g) { return g >= kNoGroup; },
-                                                     "groups are numbered from 0 and -1 is none");
+  const std::vector<int32_t> doc_ids = checked_ids(
+      doc, s.Lq, path, [](int32_t d) { return d >= kPaddingDoc; }, "documents are numbered from 1 and 0 is padding");
+  const std::vector<int32_t> group_ids = checked_ids(
+      group, s.Lq, path, [](int32_t g) { return g >= kNoGroup; }, "groups are numbered from 0 and -1 is none");
   // Rows of S = 0 tokens hold no metadata; a file may still claim 2^31 - 1 of them in a few bytes, which
   // must not cost a loop over every one.
   for (int b = 0; b < (s.Lq > 0 ? s.B : 0); ++b) {
     const size_t row = static_cast<size_t>(b) * s.Lq;
-    const std::vector<TokenMeta> m = make_row_meta(s.Lq, doc ? doc_ids.data() + row : nullptr,
-                                                   group ? group_ids.data() + row : nullptr);
+    const std::vector<TokenMeta> m =
+        make_row_meta(s.Lq, doc ? doc_ids.data() + row : nullptr, group ? group_ids.data() + row : nullptr);
     job.meta.insert(job.meta.end(), m.begin(), m.end());
   }
 
@@ -126,8 +126,9 @@ namespace {
 
 // P > 1 (or --stats): the rows through cp::cp_attention_rows, gathered to rank 0, which writes them.
 AttnResult run_attention_cp(const AttnJob& job, const CpOptions& opt, comm::Communicator& comm) {
-  const cp::RowsInput in{job.shape, job.dtype, job.q.data(), job.k.data(), job.v.data(),
-                         job.has_dout ? job.dout.data() : nullptr, job.meta.data()};
+  const cp::RowsInput in{job.shape,      job.dtype,    job.q.data(),
+                         job.k.data(),   job.v.data(), job.has_dout ? job.dout.data() : nullptr,
+                         job.meta.data()};
   cp::RowsOptions rows;
   rows.scheme = opt.shard;
   rows.params.mask = job.mask;
@@ -147,9 +148,8 @@ AttnResult run_attention_cp(const AttnJob& job, const CpOptions& opt, comm::Comm
   res.backward_seconds = ran.backward_seconds;
   // --stats: every rank's figures gathered in one JSON text (a collective, so every rank calls it).
   if (opt.collect_stats)
-    res.stats_json =
-        report::cp_stats_json(comm, ran.forward_stats, job.has_dout ? &ran.backward_stats : nullptr, ran.valid_tokens,
-                              cp::scheme_name(ran.map.scheme), opt.algo);
+    res.stats_json = report::cp_stats_json(comm, ran.forward_stats, job.has_dout ? &ran.backward_stats : nullptr,
+                                           ran.valid_tokens, cp::scheme_name(ran.map.scheme), opt.algo);
   return res;
 }
 
@@ -159,8 +159,16 @@ AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communic
   // Every rank holds the whole job; agreeing on its shape and options first means a rank that read a different
   // file cannot send the others mismatched chunks.
   const AttnShape& s = job.shape;
-  const int64_t fingerprint[] = {s.B, s.Hq, s.Hkv, s.Lq, s.D, static_cast<int64_t>(job.dtype), job.has_dout,
-                                 job.mask.causal, job.mask.window, job.mask.bidirectional_groups};
+  const int64_t fingerprint[] = {s.B,
+                                 s.Hq,
+                                 s.Hkv,
+                                 s.Lq,
+                                 s.D,
+                                 static_cast<int64_t>(job.dtype),
+                                 job.has_dout,
+                                 job.mask.causal,
+                                 job.mask.window,
+                                 job.mask.bidirectional_groups};
   agree_equal(comm, fingerprint, "the input's shapes, dtype or mask options");
   const bool through_cp = comm.size() > 1 || cp.collect_stats || cp.cp_path_on_one_rank;
   if (through_cp && s.B > 0 && s.Lq > 0) return run_attention_cp(job, cp, comm);

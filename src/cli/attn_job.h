@@ -25,11 +25,11 @@ struct AttnJob {
   DType dtype = DType::F32;
   LayerMask mask;
   float scale = 0.f;
-  bool has_dout = false;         // run the backward too
-  std::vector<std::byte> q;      // [B, Hq, S, D] in dtype
-  std::vector<std::byte> k, v;   // [B, Hkv, S, D] in dtype
-  std::vector<std::byte> dout;   // [B, Hq, S, D] in dtype when has_dout
-  std::vector<TokenMeta> meta;   // [B, S]; idx = position in the row
+  bool has_dout = false;        // run the backward too
+  std::vector<std::byte> q;     // [B, Hq, S, D] in dtype
+  std::vector<std::byte> k, v;  // [B, Hkv, S, D] in dtype
+  std::vector<std::byte> dout;  // [B, Hq, S, D] in dtype when has_dout
+  std::vector<TokenMeta> meta;  // [B, S]; idx = position in the row
 
   int S() const { return shape.Lq; }
   AttnChunk whole_chunk() const;  // the job as one query set against one key chunk
@@ -43,9 +43,9 @@ AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optio
 
 // How the rows are split across ranks. With one rank every choice computes the same thing.
 struct CpOptions {
-  std::string shard = "auto";  // contiguous | zigzag | balanced | auto (the best one for the mask)
-  std::string algo = "ring";   // ring | allgather
-  bool collect_stats = false;  // fill AttnResult::stats_json (runs the CP path even on one rank)
+  std::string shard = "auto";        // contiguous | zigzag | balanced | auto (the best one for the mask)
+  std::string algo = "ring";         // ring | allgather
+  bool collect_stats = false;        // fill AttnResult::stats_json (runs the CP path even on one rank)
   bool cp_path_on_one_rank = false;  // run src/cp even at P = 1 (the demo checks the path P > 1 takes)
 };
 

@@ -14,9 +14,9 @@
 #include <optional>
 #include <vector>
 
-#include "comm/agree.h"
 #include "cli/attn_job.h"
 #include "cli/command.h"
+#include "comm/agree.h"
 #include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "io/atomic_file.h"
@@ -33,8 +33,8 @@ struct AttnOptions {
   bool no_causal = false;  // --no-causal; folded into mask.causal when the command runs
   std::optional<float> scale;
   CpOptions cp;
-  int threads = 0;  // 0: OpenMP's default (every core)
-  std::string stats;  // --stats: per-rank CP figures as JSON
+  int threads = 0;           // 0: OpenMP's default (every core)
+  std::string stats;         // --stats: per-rank CP figures as JSON
   bool check_finite = true;  // reject NaN/inf in q, k, v, dout before computing (docs/numerics.md)
 };
 
@@ -110,7 +110,8 @@ void add_attn_command(CLI::App& app, Runner& run) {
   cmd->add_flag("--check-finite,!--no-check-finite", opt->check_finite,
                 "Reject a NaN or infinity in q, k, v or dout before computing (default); --no-check-finite "
                 "computes with them (they propagate where the math puts them)");
-  cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")->check(CLI::Range(1, kMaxThreads));
+  cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")
+      ->check(CLI::Range(1, kMaxThreads));
   cmd->callback([&run, opt] {
     opt->mask.causal = !opt->no_causal;
     opt->cp.collect_stats = !opt->stats.empty();

@@ -25,9 +25,9 @@
 #include <cstdio>
 #include <memory>
 
-#include "comm/agree.h"
 #include "cli/attn_job.h"
 #include "cli/command.h"
+#include "comm/agree.h"
 #include "comm/mpi_comm.h"
 #include "core/row_meta.h"
 #include "reference/attention_ref.h"
@@ -248,10 +248,11 @@ int run_demo(const DemoOptions& o, comm::Communicator& world) {
   }
   const bool rank0 = world.rank() == 0;
   if (rank0) {
-    std::printf("ringflex demo: one Gemma 4-like packed VLM row: S = %d tokens, %d documents, %d image groups of "
-                "<= %d tokens, %d padding; Hq = %d, Hkv = %d, %s, %d rank(s) x %d thread(s)\n",
-                o.S, docs, group_max + 1, kGemma4ImageSoftTokens, padding, o.Hq, o.Hkv, o.dtype.c_str(), world.size(),
-                omp_get_max_threads());
+    std::printf(
+        "ringflex demo: one Gemma 4-like packed VLM row: S = %d tokens, %d documents, %d image groups of "
+        "<= %d tokens, %d padding; Hq = %d, Hkv = %d, %s, %d rank(s) x %d thread(s)\n",
+        o.S, docs, group_max + 1, kGemma4ImageSoftTokens, padding, o.Hq, o.Hkv, o.dtype.c_str(), world.size(),
+        omp_get_max_threads());
     std::printf("%-8s %-22s %4s %8s %9s %11s %9s %11s\n", "layer", "mask", "D", "A/S^2", "forward", "GFLOP/s",
                 "backward", "GFLOP/s");
   }
@@ -282,13 +283,14 @@ int run_demo(const DemoOptions& o, comm::Communicator& world) {
   bool ok = true;
   if (rank0) {
     const int sampled = static_cast<int>(sample_rows(o.S, o.check_rows).size());
-    std::printf("checks (out/lse/dQ of %d sampled query rows against the scalar reference, tolerance %.0e; "
-                "dK/dV of %d sampled keys recomputed per key in double, tolerance %.0e):\n",
-                sampled, kRowTolerance, sampled, kKeyTolerance);
+    std::printf(
+        "checks (out/lse/dQ of %d sampled query rows against the scalar reference, tolerance %.0e; "
+        "dK/dV of %d sampled keys recomputed per key in double, tolerance %.0e):\n",
+        sampled, kRowTolerance, sampled, kKeyTolerance);
     for (size_t l = 0; l < layers.size(); ++l) {
       const CheckResult& c = checks[l];
-      std::printf("%-8s out %.1e  lse %.1e  dQ %.1e  dK %.1e  dV %.1e  %s\n", layers[l].name, c.out, c.lse, c.dq,
-                  c.dk, c.dv, c.ok() ? "ok" : "FAILED");
+      std::printf("%-8s out %.1e  lse %.1e  dQ %.1e  dK %.1e  dV %.1e  %s\n", layers[l].name, c.out, c.lse, c.dq, c.dk,
+                  c.dv, c.ok() ? "ok" : "FAILED");
       ok = ok && c.ok();
     }
   }
@@ -317,7 +319,8 @@ void add_demo_command(CLI::App& app, Runner& run) {
   cmd->callback([&run, o] {
     run = [o] {
       const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
-      agree(*world, [&] { RF_CHECK(o->Hq % o->Hkv == 0, "--heads ", o->Hq, " is not a multiple of --kv-heads ", o->Hkv); });
+      agree(*world,
+            [&] { RF_CHECK(o->Hq % o->Hkv == 0, "--heads ", o->Hq, " is not a multiple of --kv-heads ", o->Hkv); });
       return run_demo(*o, *world);
     };
   });

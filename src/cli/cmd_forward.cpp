@@ -36,9 +36,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "comm/agree.h"
 #include "cli/command.h"
 #include "cli/finite.h"
+#include "comm/agree.h"
 #include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "core/memory.h"
@@ -64,9 +64,9 @@ struct ForwardOptions {
   bool no_logits = false;
   std::string shard = "balanced";
   std::string algo = "ring";
-  int threads = 0;     // 0: OpenMP's default (every core)
+  int threads = 0;           // 0: OpenMP's default (every core)
   bool check_finite = true;  // reject NaN/inf in the checkpoint's parameters and image_features up front
-  std::string stats;   // --stats: per-rank figures as JSON
+  std::string stats;         // --stats: per-rank figures as JSON
 };
 
 // An integer [B, S] tensor as int32 (I64 values must fit).
@@ -112,8 +112,8 @@ BatchData read_batch(const std::string& path, const model::Gemma4Model& m, bool 
   const std::vector<io::StDType> ints = {io::StDType::I32, io::StDType::I64};
   const std::vector<io::StDType> floats = {io::StDType::F32, io::StDType::BF16};
   d.ids = read_ids(io::require(in, {"input_ids", ints, {"B", "S"}, ""}, dims));
-  for (auto [name, dst] : {std::pair{"labels", &d.labels}, {"position_ids", &d.pos}, {"doc", &d.doc},
-                           {"mm_token_type_ids", &d.mm}}) {
+  for (auto [name, dst] :
+       {std::pair{"labels", &d.labels}, {"position_ids", &d.pos}, {"doc", &d.doc}, {"mm_token_type_ids", &d.mm}}) {
     if (const io::TensorView* v = io::optional(in, {name, ints, {"B", "S"}, ""}, dims)) *dst = read_ids(*v);
   }
   d.F = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
@@ -129,7 +129,8 @@ BatchData read_batch(const std::string& path, const model::Gemma4Model& m, bool 
   return d;
 }
 
-// FNV-1a over the batch's arrays (image features by their bits): ranks that read different batches must not start the ring.
+// FNV-1a over the batch's arrays (image features by their bits): ranks that read different batches must not start the
+// ring.
 int64_t fingerprint(const BatchData& d) {
   constexpr uint64_t kOffset = 1469598103934665603ull, kPrime = 1099511628211ull;
   uint64_t h = kOffset;
@@ -157,8 +158,7 @@ std::vector<float> gather_to_rank0(comm::Communicator& comm, const RowShard& sha
     const std::vector<float>* src = &mine;
     if (r != 0) {
       const comm::RecvBuffer buf{part.data(), bytes};
-      comm.irecv(r, tag, std::span(&buf, 1), "per-token outputs from rank " + std::to_string(r))
-          ->wait(timeout);
+      comm.irecv(r, tag, std::span(&buf, 1), "per-token outputs from rank " + std::to_string(r))->wait(timeout);
       src = &part;
     }
     const std::vector<int32_t>& pos = shard.positions[static_cast<size_t>(r)];
@@ -225,7 +225,8 @@ int64_t checked_product(std::initializer_list<int64_t> factors) {
 void check_batch_shape(const std::string& path) {
   const io::SafetensorsFile in = io::SafetensorsFile::open(path);
   io::DimSizes dims;
-  const io::TensorView& ids = io::require(in, {"input_ids", {io::StDType::I32, io::StDType::I64}, {"B", "S"}, ""}, dims);
+  const io::TensorView& ids =
+      io::require(in, {"input_ids", {io::StDType::I32, io::StDType::I64}, {"B", "S"}, ""}, dims);
   RF_CHECK(dims["B"] >= 1 && dims["S"] >= 1, path, ": the batch is empty (input_ids has shape ",
            io::shape_string(ids.shape), "); forward needs B >= 1 rows of S >= 1 tokens");
   RF_CHECK(dims["B"] <= std::numeric_limits<int>::max() && dims["S"] <= std::numeric_limits<int>::max(), path,
@@ -290,7 +291,8 @@ int run_forward(const ForwardOptions& opt) {
   const model::Batch b = data.view();
   agree(*world, [&] { check_job_memory(m, b, opt, P, world->rank()); });
   if (world->rank() == 0)
-    for (const std::string& warning : m.config().warnings) std::fprintf(stderr, "ringflex: warning: %s\n", warning.c_str());
+    for (const std::string& warning : m.config().warnings)
+      std::fprintf(stderr, "ringflex: warning: %s\n", warning.c_str());
 
   model::RunOptions ro;
   ro.want_grad = opt.grad;
@@ -370,9 +372,10 @@ int run_forward(const ForwardOptions& opt) {
   if (world->rank() != 0) return 0;
   if (opt.grad) {
     constexpr double kMiB = 1 << 20;
-    std::printf("ringflex forward: rank 0 kept %.1f MiB of activations for the backward, one layer's recomputed "
-                "%.1f MiB\n",
-                static_cast<double>(r.kept_activation_bytes) / kMiB, static_cast<double>(r.layer_recompute_bytes) / kMiB);
+    std::printf(
+        "ringflex forward: rank 0 kept %.1f MiB of activations for the backward, one layer's recomputed "
+        "%.1f MiB\n",
+        static_cast<double>(r.kept_activation_bytes) / kMiB, static_cast<double>(r.layer_recompute_bytes) / kMiB);
   }
   std::printf("ringflex forward: wrote %s (B=%lld S=%lld, P=%d, %lld label tokens, loss %.6f, %s %.3f s)\n",
               opt.out.c_str(), static_cast<long long>(B), static_cast<long long>(S), P,
@@ -384,7 +387,8 @@ int run_forward(const ForwardOptions& opt) {
 
 void add_forward_command(CLI::App& app, Runner& run) {
   auto opt = std::make_shared<ForwardOptions>();
-  CLI::App* cmd = app.add_subcommand("forward", "Forward (and backward) of a Hugging Face Gemma 4 checkpoint on a batch");
+  CLI::App* cmd =
+      app.add_subcommand("forward", "Forward (and backward) of a Hugging Face Gemma 4 checkpoint on a batch");
   cmd->add_option("--model", opt->model, "Checkpoint directory: config.json and *.safetensors")->required();
   cmd->add_option("--in", opt->in, "Batch: input_ids [, labels, position_ids, doc, mm_token_type_ids, image_features]")
       ->required();
@@ -395,7 +399,8 @@ void add_forward_command(CLI::App& app, Runner& run) {
       ->check(CLI::IsMember({"contiguous", "zigzag", "balanced", "auto"}));
   cmd->add_option("--algo", opt->algo, "CP algorithm")->check(CLI::IsMember({"ring", "allgather"}));
   cmd->add_option("--stats", opt->stats, "Write per-rank figures (tokens, activation bytes, traffic, times) as JSON");
-  cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")->check(CLI::Range(1, kMaxThreads));
+  cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")
+      ->check(CLI::Range(1, kMaxThreads));
   cmd->add_flag("--check-finite,!--no-check-finite", opt->check_finite,
                 "Reject a NaN or infinity in the parameters or image_features before computing (default)");
   cmd->callback([&run, opt] { run = [opt] { return run_forward(*opt); }; });

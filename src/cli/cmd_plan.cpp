@@ -161,8 +161,8 @@ void add_plan_command(CLI::App& app, Runner& run) {
   auto opts = std::make_shared<PlanOptions>();
   CLI::App* cmd = app.add_subcommand(
       "plan", "Compare contiguous, zigzag and balanced sharding for a batch's masks: work, imbalance, traffic");
-  CLI::Option* in =
-      cmd->add_option("--in", opts->in, "safetensors file with `doc` and/or `group` [B, S] I32")->check(CLI::ExistingFile);
+  CLI::Option* in = cmd->add_option("--in", opts->in, "safetensors file with `doc` and/or `group` [B, S] I32")
+                        ->check(CLI::ExistingFile);
   CLI::Option* generate =
       cmd->add_option("--generate", opts->generate, "built-in rows instead of --in: vlm (Gemma 4 VLM) or causal")
           ->check(CLI::IsMember({"vlm", "causal"}));

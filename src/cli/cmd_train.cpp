@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "comm/agree.h"
 #include "cli/command.h"
+#include "comm/agree.h"
 #include "comm/mpi_comm.h"
 #include "trainer/config.h"
 #include "trainer/trainer.h"
@@ -31,7 +31,8 @@ int run_train(const TrainCliOptions& opt) {
   const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
   trainer::TrainConfig cfg;
   agree(*world, [&] {
-    cfg = opt.config.empty() ? trainer::parse_config("", "(defaults)", opt.sets) : trainer::load_config(opt.config, opt.sets);
+    cfg = opt.config.empty() ? trainer::parse_config("", "(defaults)", opt.sets)
+                             : trainer::load_config(opt.config, opt.sets);
     trainer::validate(cfg, world->size());
   });
   if (opt.print_config) {
@@ -51,11 +52,16 @@ int run_train(const TrainCliOptions& opt) {
 
 void add_train_command(CLI::App& app, Runner& run) {
   auto opt = std::make_shared<TrainCliOptions>();
-  CLI::App* cmd = app.add_subcommand("train", "Fine-tune a Gemma 4 (built-in tiny or a Hugging Face checkpoint) over cp x dp ranks");
-  cmd->add_option("--config", opt->config, "YAML config (sections model, data, optimizer, schedule, parallelism, train, checkpoint); absent: all defaults");
+  CLI::App* cmd =
+      app.add_subcommand("train",
+                         "Fine-tune a Gemma 4 (built-in tiny or a Hugging Face checkpoint) over cp x dp ranks");
+  cmd->add_option(
+      "--config", opt->config,
+      "YAML config (sections model, data, optimizer, schedule, parallelism, train, checkpoint); absent: all defaults");
   cmd->add_option("--set", opt->sets, "Override one field, section.key=value (repeatable), e.g. --set train.steps=5");
   cmd->add_option("--metrics", opt->metrics, "Write one JSON object per optimizer step to this JSONL file");
-  cmd->add_option("--resume", opt->resume, "Continue from a checkpoint directory, or the newest one under a checkpoint root");
+  cmd->add_option("--resume", opt->resume,
+                  "Continue from a checkpoint directory, or the newest one under a checkpoint root");
   cmd->add_option("--loss-svg", opt->loss_svg, "Where to draw the loss curve (default: <checkpoint.dir>/loss.svg)");
   cmd->add_flag("--print-config", opt->print_config, "Print the resolved config (defaults filled in) and exit");
   cmd->callback([&run, opt] { run = [opt] { return run_train(*opt); }; });

@@ -28,8 +28,11 @@ std::string index_string(int64_t flat, const std::vector<int64_t>& shape) {
   std::ostringstream at;
   at << index_string(flat, shape);
   if (!dims.empty()) at << " " << dims;
-  fail(where, ": tensor `", name, "` has ", std::isnan(value) ? "nan" : value > 0 ? "inf" : "-inf", " at ",
-       at.str(), "; pass --no-check-finite to compute with it");
+  fail(where, ": tensor `", name, "` has ",
+       std::isnan(value) ? "nan"
+       : value > 0       ? "inf"
+                         : "-inf",
+       " at ", at.str(), "; pass --no-check-finite to compute with it");
 }
 
 }  // namespace

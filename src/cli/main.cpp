@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "comm/agree.h"
 #include "cli/command.h"
 #include "cli/watchdog.h"
+#include "comm/agree.h"
 #include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "cpu/isa.h"
@@ -30,7 +30,8 @@ int main(int argc, char** argv) {
   CLI::App app{"ringflex: context-parallel masked attention and Gemma 4 fine-tuning"};
   app.require_subcommand(1);
   // A usage error is one line like every other failure (CLI11's default adds a second, "Run with --help").
-  app.failure_message([](const CLI::App*, const CLI::Error& e) { return "ringflex: error: " + std::string(e.what()) + "\n"; });
+  app.failure_message(
+      [](const CLI::App*, const CLI::Error& e) { return "ringflex: error: " + std::string(e.what()) + "\n"; });
   rf::cli::Runner run;
   rf::cli::add_attn_command(app, run);
   rf::cli::add_demo_command(app, run);

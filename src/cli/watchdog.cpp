@@ -14,8 +14,10 @@ Watchdog::Watchdog(comm::Timeout limit, std::string what)
     : thread_([this, limit, what = std::move(what)] {
         std::unique_lock<std::mutex> lock(mutex_);
         if (done_cv_.wait_for(lock, limit, [this] { return done_; })) return;
-        std::fprintf(stderr, "ringflex: error: %s did not complete within %.3g s (--timeout): a peer rank stopped "
-                     "answering\n", what.c_str(), static_cast<double>(limit.count()) / 1000.0);
+        std::fprintf(stderr,
+                     "ringflex: error: %s did not complete within %.3g s (--timeout): a peer rank stopped "
+                     "answering\n",
+                     what.c_str(), static_cast<double>(limit.count()) / 1000.0);
         std::fflush(stderr);
         // The guarded call still holds MPI's locks on the main thread: nothing can be unwound or finalised, so
         // the process ends here (the only exit outside main, and only in the command-line layer).

@@ -64,8 +64,10 @@ void agree_command_line(Communicator& comm, const std::vector<std::string>& args
   };
   for (int r = 1; r < P; ++r) {
     if (all.compare(static_cast<size_t>(r) * width, width, all, 0, width) == 0) continue;
-    throw AgreedError(concat("ranks were started with different options (every rank needs the same command line): "
-                             "rank 0 has `", shown(0), "`, rank ", r, " has `", shown(r), "`"));
+    throw AgreedError(
+        concat("ranks were started with different options (every rank needs the same command line): "
+               "rank 0 has `",
+               shown(0), "`, rank ", r, " has `", shown(r), "`"));
   }
 }
 

@@ -52,9 +52,15 @@ void reduce_in_rank_order(Communicator& c, T* data, size_t n, ReduceOp op, Timeo
     for (size_t r = 1; r < P; ++r) {
       const T x = all[r * n + i];
       switch (op) {
-        case ReduceOp::Sum: acc = acc + x; break;
-        case ReduceOp::Min: acc = std::min(acc, x); break;
-        case ReduceOp::Max: acc = std::max(acc, x); break;
+        case ReduceOp::Sum:
+          acc = acc + x;
+          break;
+        case ReduceOp::Min:
+          acc = std::min(acc, x);
+          break;
+        case ReduceOp::Max:
+          acc = std::max(acc, x);
+          break;
       }
     }
     data[i] = acc;
@@ -84,9 +90,15 @@ void Communicator::allreduce(float* data, size_t n, ReduceOp op, Timeout timeout
       for (size_t r = 1; r < P; ++r) {
         const double x = all[r * len + i];
         switch (op) {
-          case ReduceOp::Sum: acc += x; break;
-          case ReduceOp::Min: acc = std::min(acc, x); break;
-          case ReduceOp::Max: acc = std::max(acc, x); break;
+          case ReduceOp::Sum:
+            acc += x;
+            break;
+          case ReduceOp::Min:
+            acc = std::min(acc, x);
+            break;
+          case ReduceOp::Max:
+            acc = std::max(acc, x);
+            break;
         }
       }
       data[begin + i] = static_cast<float>(acc);

@@ -64,8 +64,8 @@ class LoopbackRequest final : public Request {
     auto it = world_->mail.find(key);
     const bool have = it != world_->mail.end() && !it->second.empty();
     if (!have) {
-      RF_CHECK(world_->failed_rank < 0, "rank ", self_, ": gave up receiving ", label_, " from rank ", peer_,
-               " (tag ", tag_, ") because rank ", world_->failed_rank, " failed");
+      RF_CHECK(world_->failed_rank < 0, "rank ", self_, ": gave up receiving ", label_, " from rank ", peer_, " (tag ",
+               tag_, ") because rank ", world_->failed_rank, " failed");
       RF_CHECK(ok, "rank ", self_, ": timed out after ", timeout.count(), " ms waiting to receive ", label_,
                " from rank ", peer_, " (tag ", tag_, ")");
     }
@@ -105,8 +105,7 @@ class LoopbackComm final : public Communicator {
   RequestPtr irecv(int peer, int tag, std::span<const RecvBuffer> buffers, std::string label) override {
     check_user(peer, tag, label);
     return std::make_unique<LoopbackRequest>(world_, rank_, peer, tag,
-                                             std::vector<RecvBuffer>(buffers.begin(), buffers.end()),
-                                             std::move(label));
+                                             std::vector<RecvBuffer>(buffers.begin(), buffers.end()), std::move(label));
   }
 
   void allgather(const void* send, void* recv, size_t bytes, Timeout timeout) override {

@@ -205,8 +205,8 @@ class MpiComm final : public Communicator {
     }
     if (!missing.empty()) missing.pop_back();
     const std::string step = Step::current();
-    rf::fail("rank ", rank_, ": timed out after ", timeout.count(), " ms in ", what, ": no answer from rank",
-             missing, step.empty() ? "" : " (while " + step + ")");
+    rf::fail("rank ", rank_, ": timed out after ", timeout.count(), " ms in ", what, ": no answer from rank", missing,
+             step.empty() ? "" : " (while " + step + ")");
   }
 
   void check_user(int peer, int tag, const std::string& label) const {

@@ -31,10 +31,10 @@ inline float default_scale(int D) { return 1.0f / std::sqrt(static_cast<float>(D
 // One query set against one key/value chunk: the ring's per-step primitive.
 struct AttnChunk {
   AttnShape shape;
-  DType dtype = DType::F32;  // of q, k, v (and dout in backward)
-  const void* q = nullptr;   // [B, Hq, Lq, D]
-  const void* k = nullptr;   // [B, Hkv, Lk, D]
-  const void* v = nullptr;   // [B, Hkv, Lk, D]
+  DType dtype = DType::F32;           // of q, k, v (and dout in backward)
+  const void* q = nullptr;            // [B, Hq, Lq, D]
+  const void* k = nullptr;            // [B, Hkv, Lk, D]
+  const void* v = nullptr;            // [B, Hkv, Lk, D]
   const TokenMeta* q_meta = nullptr;  // [B, Lq]
   const TokenMeta* k_meta = nullptr;  // [B, Lk]
   LayerMask mask;

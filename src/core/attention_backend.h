@@ -27,10 +27,10 @@ struct MaskLayers {
 // one map); the row is padded to P * L, and positions >= S are that padding (doc = 0: they see and are seen by
 // nothing, carry no label and no gradient).
 struct RowShard {
-  int S = 0;     // tokens per row before sharding
-  int L = 0;     // tokens per rank per row
-  int P = 1;     // ranks
-  int rank = 0;  // this rank
+  int S = 0;                                    // tokens per row before sharding
+  int L = 0;                                    // tokens per rank per row
+  int P = 1;                                    // ranks
+  int rank = 0;                                 // this rank
   std::vector<std::vector<int32_t>> positions;  // [P][L]: padded-row position of each rank's local tokens
 
   const std::vector<int32_t>& mine() const { return positions[static_cast<size_t>(rank)]; }

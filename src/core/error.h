@@ -31,12 +31,12 @@ template <typename... Parts>
 
 }  // namespace rf
 
-#define RF_CHECK(cond, ...)          \
-  do {                               \
+#define RF_CHECK(cond, ...)             \
+  do {                                  \
     if (!(cond)) rf::fail(__VA_ARGS__); \
   } while (0)
 
-#define RF_ASSERT(cond)                                                                        \
-  do {                                                                                         \
+#define RF_ASSERT(cond)                                                                       \
+  do {                                                                                        \
     if (!(cond)) rf::fail("internal error: ", #cond, " failed at ", __FILE__, ":", __LINE__); \
   } while (0)

@@ -21,11 +21,11 @@ std::vector<int32_t> group_ids_from_token_types(const int32_t* token_types, int 
 std::vector<TokenMeta> make_row_meta(int S, const int32_t* doc, const int32_t* group);
 
 struct SyntheticRowOptions {
-  int mean_doc_tokens = 0;   // 0: one document spans the row; else document lengths vary around this mean
-  int image_tokens = 0;      // tokens per image block (Gemma 4: 256 soft tokens per image); 0 = no images
-  double image_fraction = 0; // share of each document's tokens placed in image blocks
-  int padding_tokens = 0;    // trailing padding (doc = 0)
-  bool images_first = true;  // VLM data puts images at the start of a document, before its text
+  int mean_doc_tokens = 0;    // 0: one document spans the row; else document lengths vary around this mean
+  int image_tokens = 0;       // tokens per image block (Gemma 4: 256 soft tokens per image); 0 = no images
+  double image_fraction = 0;  // share of each document's tokens placed in image blocks
+  int padding_tokens = 0;     // trailing padding (doc = 0)
+  bool images_first = true;   // VLM data puts images at the start of a document, before its text
 };
 
 // One row of S tokens, deterministic in `seed`. Returns [S].

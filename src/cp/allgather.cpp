@@ -58,7 +58,8 @@ void allgather_forward(comm::Communicator& comm, const CpShard& x, const CpParam
   const Gathered g = gather(comm, x, p.timeout, ledger);
   ledger.hold((x.shape.q_elems() + x.shape.lse_elems()) * static_cast<int64_t>(sizeof(float)));
   const AttnChunk c = gathered_chunk(x, g, comm.size(), p.mask, scale);
-  if (ledger.counting()) ledger.add_work(count_allowed_pairs(p.mask, x.meta, c.k_meta, x.shape.B, x.shape.Lq, c.shape.Lk));
+  if (ledger.counting())
+    ledger.add_work(count_allowed_pairs(p.mask, x.meta, c.k_meta, x.shape.B, x.shape.Lq, c.shape.Lk));
   ledger.compute([&] { cpu::attention_forward(c, o, lse); });
 }
 
@@ -75,7 +76,8 @@ void allgather_backward(comm::Communicator& comm, const CpShard& x, const CpPara
   ledger.hold(static_cast<int64_t>((2 * dk_all.size() + delta.size()) * sizeof(float)) +
               (x.shape.q_elems() + 2 * x.shape.kv_elems()) * static_cast<int64_t>(sizeof(float)));
   std::fill(dq, dq + x.shape.q_elems(), 0.f);
-  if (ledger.counting()) ledger.add_work(count_allowed_pairs(p.mask, x.meta, c.k_meta, x.shape.B, x.shape.Lq, c.shape.Lk));
+  if (ledger.counting())
+    ledger.add_work(count_allowed_pairs(p.mask, x.meta, c.k_meta, x.shape.B, x.shape.Lq, c.shape.Lk));
   ledger.compute([&] {
     cpu::attention_delta(x.shape, x.dtype, dout, o, delta.data());
     cpu::attention_backward(c, dout, lse, delta.data(), dq, dk_all.data(), dv_all.data());

@@ -64,7 +64,10 @@ Deal contiguous(const std::vector<int64_t>& block_work, int P) {
 class Snake {
  public:
   Snake(const std::vector<int64_t>& block_work, const std::vector<int64_t>& block_halo, int P)
-      : n_(static_cast<int>(block_work.size())), m_(n_ / P), P_(P), halo_(block_halo),
+      : n_(static_cast<int>(block_work.size())),
+        m_(n_ / P),
+        P_(P),
+        halo_(block_halo),
         prefix_(static_cast<size_t>(n_) + 1, 0) {
     for (int j = 0; j < n_; ++j) prefix_[j + 1] = prefix_[j] + block_work[j];
   }
@@ -294,7 +297,9 @@ BlockAssignment assign_blocks(const std::vector<int64_t>& block_work, int P, con
   deals.push_back(contiguous(block_work, P));
   const Snake snake(block_work, halo, P);
   deals.push_back(snake.deal(snake.cuts(
-      [&](int r, int c, int c_next) { return std::pair<int64_t, int64_t>{snake.load(r, c, c_next), 0}; },
+      [&](int r, int c, int c_next) {
+        return std::pair<int64_t, int64_t>{snake.load(r, c, c_next), 0};
+      },
       std::numeric_limits<int64_t>::max())));
   const std::vector<int> halo_cuts = snake.cuts(
       [&](int r, int c, int c_next) {
@@ -355,8 +360,8 @@ std::vector<int64_t> block_halo_cost(const TokenMeta* rows, int B, int S, int S_
       const int64_t before = t - doc_begin;
       // A cut inside an image group makes the run ending here read the group's rest (bidirectional), on another
       // rank. It is charged to the run starting here, so that cuts avoid groups; the sum stays a per-cut cost.
-      const bool splits_group = t > 0 && row[t].group != kNoGroup && row[t - 1].group == row[t].group &&
-                                row[t - 1].doc == row[t].doc;
+      const bool splits_group =
+          t > 0 && row[t].group != kNoGroup && row[t - 1].group == row[t].group && row[t - 1].doc == row[t].doc;
       const int64_t group_rest_blocks = splits_group ? (group_end[t] - t + block - 1) / block : 0;
       int64_t c = 0;
       for (const LayerKind& lk : mix) {
@@ -382,8 +387,7 @@ BalancedShard balanced_shard(const TokenMeta* rows, int B, int S, int P, const L
   std::vector<int64_t> block_work(static_cast<size_t>(S_padded / block), 0);
   for (int t = 0; t < S_padded; ++t) block_work[t / block] += work[t];
 
-  const BlockAssignment a =
-      assign_blocks(block_work, P, block_halo_cost(rows, B, S, S_padded, mix, block), options);
+  const BlockAssignment a = assign_blocks(block_work, P, block_halo_cost(rows, B, S, S_padded, mix, block), options);
   BalancedShard out;
   out.map.S = S;
   out.map.S_padded = S_padded;

@@ -65,20 +65,19 @@ BlockAssignment assign_blocks(const std::vector<int64_t>& block_work, int P,
 // document or with padding. Only sliding layers count: their halo is what a cut adds, while a
 // full causal layer's rank already pulls the whole earlier document for its latest run whatever the other cuts,
 // and a non-causal mask has no "before". rows: [B, S].
-std::vector<int64_t> block_halo_cost(const TokenMeta* rows, int B, int S, int S_padded, const LayerMix& mix,
-                                     int block);
+std::vector<int64_t> block_halo_cost(const TokenMeta* rows, int B, int S, int S_padded, const LayerMix& mix, int block);
 
 struct BalancedShard {
-  ShardMap map;                // scheme Balanced; L is a multiple of `block`; each rank's positions ascending
-  std::vector<int64_t> work;   // [P]: predicted work (mask area summed over the mix and the B rows)
-  double imbalance = 1.0;      // max / mean of work
-  int max_runs = 1;            // most separate runs on one rank (each needs its own sliding-window halo)
-  int64_t max_halo = 0;        // largest predicted halo cost of one rank (block_halo_cost summed over its runs)
+  ShardMap map;               // scheme Balanced; L is a multiple of `block`; each rank's positions ascending
+  std::vector<int64_t> work;  // [P]: predicted work (mask area summed over the mix and the B rows)
+  double imbalance = 1.0;     // max / mean of work
+  int max_runs = 1;           // most separate runs on one rank (each needs its own sliding-window halo)
+  int64_t max_halo = 0;       // largest predicted halo cost of one rank (block_halo_cost summed over its runs)
 };
 
 // rows: [B, S]. L = ceil(S / P) rounded up to a multiple of `block`; the row is padded to P * L.
-BalancedShard balanced_shard(const TokenMeta* rows, int B, int S, int P, const LayerMix& mix,
-                             int block = kPlanBlock, const BalanceOptions& options = {});
+BalancedShard balanced_shard(const TokenMeta* rows, int B, int S, int P, const LayerMix& mix, int block = kPlanBlock,
+                             const BalanceOptions& options = {});
 
 // The map of a scheme named on a command line: contiguous | zigzag (make_shard_map, L a multiple of `multiple`)
 // | balanced | auto. auto is balanced: contiguous and zigzag laid out on the same blocks lie in its search, so its

@@ -45,8 +45,8 @@ Algo parse_algo(const std::string& name);  // "ring" | "allgather"; throws rf::E
 struct CpStats {
   int64_t peak_attention_bytes = 0;  // K/V chunks held at once (own + received) + float32 accumulators/partials
   int64_t bytes_sent = 0, bytes_received = 0;
-  int64_t work = 0;        // allowed (query, key) pairs this rank computed, summed over rows (times Hq = scores)
-  int chunks_computed = 0;  // ring steps (or 1 for allgather) that ran a kernel
+  int64_t work = 0;            // allowed (query, key) pairs this rank computed, summed over rows (times Hq = scores)
+  int chunks_computed = 0;     // ring steps (or 1 for allgather) that ran a kernel
   double compute_seconds = 0;  // inside attention kernels and merges
   double wall_seconds = 0;     // the whole call, header agreement included
 };
@@ -77,9 +77,9 @@ struct CpParams {
 struct CpShard {
   AttnShape shape;
   DType dtype = DType::F32;
-  const void* q = nullptr;         // [B, Hq, L, D]
-  const void* k = nullptr;         // [B, Hkv, L, D]
-  const void* v = nullptr;         // [B, Hkv, L, D]
+  const void* q = nullptr;          // [B, Hq, L, D]
+  const void* k = nullptr;          // [B, Hkv, L, D]
+  const void* v = nullptr;          // [B, Hkv, L, D]
   const TokenMeta* meta = nullptr;  // [B, L], idx in the padded row
 };
 

@@ -110,8 +110,8 @@ void ring_forward(comm::Communicator& comm, const CpShard& x, const CpParams& p,
                   Ledger& ledger);
 void ring_backward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, const float* o,
                    const float* lse, const void* dout, float* dq, float* dk, float* dv, Ledger& ledger);
-void allgather_forward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, float* o,
-                       float* lse, Ledger& ledger);
+void allgather_forward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, float* o, float* lse,
+                       Ledger& ledger);
 void allgather_backward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float scale, const float* o,
                         const float* lse, const void* dout, float* dq, float* dk, float* dv, Ledger& ledger);
 

@@ -14,8 +14,8 @@ static_assert(std::is_trivially_copyable_v<BlockSummary> && std::is_standard_lay
 namespace {
 
 void check_geometry(const PlanGeometry& g) {
-  RF_CHECK(g.P >= 1 && g.B >= 1 && g.L >= 1 && g.block >= 1, "plan geometry: P = ", g.P, ", B = ", g.B,
-           ", L = ", g.L, ", block = ", g.block, " (all must be positive)");
+  RF_CHECK(g.P >= 1 && g.B >= 1 && g.L >= 1 && g.block >= 1, "plan geometry: P = ", g.P, ", B = ", g.B, ", L = ", g.L,
+           ", block = ", g.block, " (all must be positive)");
 }
 
 }  // namespace
@@ -152,7 +152,7 @@ CommPlan plan_from_summaries(const PlanGeometry& g, const BlockSummary* summarie
 }
 
 CommPlan make_comm_plan(comm::Communicator& comm, const TokenMeta* meta, const PlanGeometry& g, const LayerMix& mix,
-                    comm::Timeout timeout) {
+                        comm::Timeout timeout) {
   RF_CHECK(g.P == comm.size(), "plan geometry has P = ", g.P, " for a communicator of ", comm.size(), " ranks");
   const std::vector<BlockSummary> mine = summarize_shard(meta, g);
   std::vector<BlockSummary> all(mine.size() * static_cast<size_t>(g.P));

@@ -62,16 +62,16 @@ struct TokenRange {
 };
 
 inline int ring_source(int r, int t, int P) { return (r - t + P) % P; }  // who r receives from at step t
-inline int ring_dest(int r, int t, int P) { return (r + t) % P; }            // whom r sends to at step t
+inline int ring_dest(int r, int t, int P) { return (r + t) % P; }        // whom r sends to at step t
 
 // The plan of one layer mask.
 struct MaskCommPlan {
   LayerMask mask;
   int layers = 0;  // layers of the mix that use this mask
   PlanGeometry geometry;
-  std::vector<BlockClass> classes;             // [P recv, P send, B, nb q, nb k]; recv == send is the local chunk
-  std::vector<uint8_t> needed;                 // [P recv, P send, nb k]: 1 if any row has a non-empty pair
-  std::vector<std::vector<TokenRange>> ranges; // [P recv * P send]: needed blocks as merged token ranges
+  std::vector<BlockClass> classes;              // [P recv, P send, B, nb q, nb k]; recv == send is the local chunk
+  std::vector<uint8_t> needed;                  // [P recv, P send, nb k]: 1 if any row has a non-empty pair
+  std::vector<std::vector<TokenRange>> ranges;  // [P recv * P send]: needed blocks as merged token ranges
 
   BlockClass pair_class(int r, int s, int b, int i, int j) const;
   bool needs_block(int r, int s, int j) const;
@@ -103,7 +103,7 @@ CommPlan plan_from_summaries(const PlanGeometry& g, const BlockSummary* summarie
 // shard [B, g.L]), then plan_from_summaries on the identical [P, B, nb] buffer. Collective over `comm` (g.P = its
 // size).
 CommPlan make_comm_plan(comm::Communicator& comm, const TokenMeta* meta, const PlanGeometry& g, const LayerMix& mix,
-                    comm::Timeout timeout);
+                        comm::Timeout timeout);
 
 // Earlier names of the above, kept so callers written against them keep compiling while they move over. In src/cp
 // "plan" names only the communication plan: CommPlan for a batch, MaskCommPlan for one of its masks.
@@ -125,7 +125,8 @@ struct KvFormat {
 inline int64_t kv_bytes(int64_t tokens, int B, const KvFormat& f) {
   constexpr int kTensorsPerToken = 2;  // K and V
   int64_t bytes = tokens;
-  for (const int64_t factor : {int64_t{B}, int64_t{f.Hkv}, int64_t{f.D}, int64_t{kTensorsPerToken}, int64_t{f.elem_bytes}}) {
+  for (const int64_t factor :
+       {int64_t{B}, int64_t{f.Hkv}, int64_t{f.D}, int64_t{kTensorsPerToken}, int64_t{f.elem_bytes}}) {
     RF_CHECK(!__builtin_mul_overflow(bytes, factor, &bytes), "K/V bytes of ", tokens, " tokens x ", B, " rows x ",
              f.Hkv, " heads x ", f.D, " dims x ", kTensorsPerToken, " x ", f.elem_bytes,
              " bytes overflow a 64-bit count");

@@ -9,8 +9,7 @@
 
 namespace rf::cp::detail {
 
-ForwardMerge::ForwardMerge(const CpShard& x, const LayerMask& mask, float scale, float* o, float* lse,
-                           Ledger& ledger)
+ForwardMerge::ForwardMerge(const CpShard& x, const LayerMask& mask, float scale, float* o, float* lse, Ledger& ledger)
     : x_(x), mask_(mask), scale_(scale), o_(o), lse_(lse), ledger_(ledger) {
   const int64_t rows = x.shape.lse_elems();
   std::fill(o, o + x.shape.q_elems(), 0.f);

@@ -20,9 +20,12 @@ void check_rank(const ShardMap& m, int rank) {
 
 std::string scheme_name(Scheme s) {
   switch (s) {
-    case Scheme::Contiguous: return "contiguous";
-    case Scheme::Zigzag: return "zigzag";
-    case Scheme::Balanced: return "balanced";
+    case Scheme::Contiguous:
+      return "contiguous";
+    case Scheme::Zigzag:
+      return "zigzag";
+    case Scheme::Balanced:
+      return "balanced";
   }
   return "?";
 }
@@ -62,8 +65,7 @@ ShardMap make_shard_map(Scheme scheme, int S, int P, int multiple) {
   return m;
 }
 
-void shard_tensor(const ShardMap& m, int rank, const void* full, void* shard, int B, int H, int D,
-                  size_t elem_bytes) {
+void shard_tensor(const ShardMap& m, int rank, const void* full, void* shard, int B, int H, int D, size_t elem_bytes) {
   check_rank(m, rank);
   const size_t row = static_cast<size_t>(D) * elem_bytes;  // one token's bytes
   const auto* src = static_cast<const uint8_t*>(full);

@@ -1,4 +1,5 @@
-// ringflex cp: which tokens of a row each rank holds (docs/spec.md §5), and moving sequence arrays in and out of shards.
+// ringflex cp: which tokens of a row each rank holds (docs/spec.md §5), and moving sequence arrays in and out of
+// shards.
 //
 // Every scheme pads the row to S_padded = P * L tokens and gives every rank exactly L of them, so ring chunks
 // have one size. A ShardMap lists, per rank, the padded-row positions it holds in the order it holds them;
@@ -22,7 +23,7 @@ struct ShardMap {
   int S = 0;         // tokens per row before padding
   int S_padded = 0;  // P * L
   int P = 1;
-  int L = 0;         // tokens per rank
+  int L = 0;  // tokens per rank
   Scheme scheme = Scheme::Contiguous;
   std::vector<std::vector<int32_t>> positions;  // [P][L]: padded-row position of each local token
 
@@ -41,11 +42,9 @@ ShardMap make_shard_map(Scheme scheme, int S, int P, int multiple = 1);
 
 // full: [B, H, S, D], shard: [B, H, L, D], elements of `elem_bytes`; padding positions get zero bytes
 // (0.0 in float32 and bfloat16). Use H = 1 for [B, S, D] and D = 1 for [B, H, S] (e.g. LSE).
-void shard_tensor(const ShardMap& m, int rank, const void* full, void* shard, int B, int H, int D,
-                  size_t elem_bytes);
+void shard_tensor(const ShardMap& m, int rank, const void* full, void* shard, int B, int H, int D, size_t elem_bytes);
 // shard: [B, H, L, D] -> full: [B, H, S, D]; only this rank's real positions are written.
-void unshard_tensor(const ShardMap& m, int rank, const void* shard, void* full, int B, int H, int D,
-                    size_t elem_bytes);
+void unshard_tensor(const ShardMap& m, int rank, const void* shard, void* full, int B, int H, int D, size_t elem_bytes);
 
 // full: [B, S] int32 -> shard: [B, L]; padding gets `pad_value` (token id: pad id, labels: -100, loss mask: 0).
 void shard_row_array(const ShardMap& m, int rank, const int32_t* full, int32_t* shard, int B, int32_t pad_value);

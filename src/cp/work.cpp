@@ -84,8 +84,8 @@ LayerMix parse_layer_mix(const std::string& spec) {
 
 std::vector<int64_t> allowed_keys_per_query(const TokenMeta* q_meta, int nq, const TokenMeta* k_meta, int nk,
                                             const LayerMask& m, int block) {
-  RF_CHECK(nq >= 0 && nk >= 0 && block > 0, "allowed_keys_per_query needs nq, nk >= 0 and block >= 1, got nq = ",
-           nq, ", nk = ", nk, ", block = ", block);
+  RF_CHECK(nq >= 0 && nk >= 0 && block > 0, "allowed_keys_per_query needs nq, nk >= 0 and block >= 1, got nq = ", nq,
+           ", nk = ", nk, ", block = ", block);
   const std::vector<BlockSummary> q_sums = summarize_blocks(q_meta, 1, nq, block);
   const std::vector<BlockSummary> k_sums = summarize_blocks(k_meta, 1, nk, block);
 
@@ -112,8 +112,8 @@ std::vector<int64_t> allowed_keys_per_query(const TokenMeta* q_meta, int nq, con
   return count;
 }
 
-int64_t count_allowed_pairs(const LayerMask& m, const TokenMeta* q_meta, const TokenMeta* k_meta, int B, int Lq,
-                            int Lk, int block) {
+int64_t count_allowed_pairs(const LayerMask& m, const TokenMeta* q_meta, const TokenMeta* k_meta, int B, int Lq, int Lk,
+                            int block) {
   int64_t pairs = 0;
   for (int b = 0; b < B; ++b)
     for (const int64_t keys :

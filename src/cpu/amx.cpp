@@ -18,10 +18,10 @@ namespace rf::cpu::detail {
 namespace {
 
 #if defined(__x86_64__)
-constexpr int kTileBytes = 64;                                  // bytes of one tile row (16 floats, 32 bf16)
-constexpr int kKeyCols = 64;                                    // keys per tile (kTileK)
-constexpr int kKeyStride = kKeyCols * sizeof(uint32_t);         // bytes between bt rows and c rows
-constexpr int kColBlock = kTileBytes / sizeof(float);           // keys per C / B tile
+constexpr int kTileBytes = 64;                           // bytes of one tile row (16 floats, 32 bf16)
+constexpr int kKeyCols = 64;                             // keys per tile (kTileK)
+constexpr int kKeyStride = kKeyCols * sizeof(uint32_t);  // bytes between bt rows and c rows
+constexpr int kColBlock = kTileBytes / sizeof(float);    // keys per C / B tile
 
 // The 64-byte LDTILECFG operand, palette 1.
 struct alignas(64) TileConfig {

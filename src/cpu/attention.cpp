@@ -13,8 +13,10 @@ namespace {
 
 template <DType kT>
 float load(const void* p, int64_t i) {
-  if constexpr (kT == DType::F32) return static_cast<const float*>(p)[i];
-  else return bf16_to_float(static_cast<const bf16*>(p)[i]);
+  if constexpr (kT == DType::F32)
+    return static_cast<const float*>(p)[i];
+  else
+    return bf16_to_float(static_cast<const bf16*>(p)[i]);
 }
 
 template <DType kT>

@@ -68,7 +68,8 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
   const auto k_cols = uninitialized<QK>(kv_tiles * dr * kTileK);     // [B, Hkv, nkt, dr, kTileK]
   const auto v_cols = uninitialized<QK>(kv_tiles * dr * kTileK);     // [B, Hkv, nkt, dr, kTileK]
   const auto k_rows = uninitialized<float>(kv_tiles * kTileK * ld);  // [B, Hkv, nkt, kTileK, ld]
-  pack_key_tiles<kT, QK>(c.k, c.v, s, Dp, needed, {.k_cols = k_cols.get(), .k_rows = k_rows.get(), .v_cols = v_cols.get()});
+  pack_key_tiles<kT, QK>(c.k, c.v, s, Dp, needed,
+                         {.k_cols = k_cols.get(), .k_rows = k_rows.get(), .v_cols = v_cols.get()});
 
   // ---- pass 1: dK, dV per key tile ----
   const int64_t items1 = int64_t{s.B} * s.Hkv * nkt;
@@ -90,7 +91,7 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
       const int k0 = kt * kTileK, nk = std::min(kTileK, s.Lk - k0);
       const BlockSummary& ks = ksum[static_cast<size_t>(b) * nkt + kt];
       const int64_t kv_row0 = (int64_t{b} * s.Hkv + g) * s.Lk + k0;  // dk, dv: [B, Hkv, Lk, D]
-      if (!needed[static_cast<size_t>(b) * nkt + kt]) continue;  // no query reads this key tile
+      if (!needed[static_cast<size_t>(b) * nkt + kt]) continue;      // no query reads this key tile
       const QK* kt_buf = k_cols.get() + static_cast<size_t>(item) * dr * kTileK;
       const QK* vt_buf = v_cols.get() + static_cast<size_t>(item) * dr * kTileK;
       std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
@@ -199,9 +200,8 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
 
 void backward(const AttnChunk& c, bool amx, const void* dout, const float* lse, const float* delta, float* dq,
               float* dk, float* dv) {
-  dispatch(c.shape.D, c.dtype, amx, [&]<int kDp, DType kT, bool kAmx>() {
-    backward_impl<kDp, kT, kAmx>(c, dout, lse, delta, dq, dk, dv);
-  });
+  dispatch(c.shape.D, c.dtype, amx,
+           [&]<int kDp, DType kT, bool kAmx>() { backward_impl<kDp, kT, kAmx>(c, dout, lse, delta, dq, dk, dv); });
 }
 
 }  // namespace rf::cpu::RF_ISA_NS

@@ -50,7 +50,7 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
   const int64_t items = query_items.count(s.B);
   const std::vector<uint8_t> needed = needed_key_tiles(c.mask, qsum, ksum, s.B, nqt, nkt);
   const size_t kv_tiles = static_cast<size_t>(s.B) * s.Hkv * nkt;
-  const auto k_cols = uninitialized<QK>(kv_tiles * dr * kTileK);    // K^T tiles: [B, Hkv, nkt, dr, kTileK]
+  const auto k_cols = uninitialized<QK>(kv_tiles * dr * kTileK);     // K^T tiles: [B, Hkv, nkt, dr, kTileK]
   const auto v_rows = uninitialized<float>(kv_tiles * kTileK * ld);  // V tiles: [B, Hkv, nkt, kTileK, ld]
   pack_key_tiles<kT, QK>(c.k, c.v, s, Dp, needed, {.k_cols = k_cols.get(), .v_rows = v_rows.get()});
 
@@ -74,7 +74,7 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t row0 = (int64_t{b} * s.Hq + h0 + hh) * s.Lq + q0;
         pack_rows_dot<kT, QK>(static_cast<const char*>(c.q) + row0 * D * esz, nq, D, Dp, ds,
-                          qbuf.data() + static_cast<size_t>(hh) * kTileQ * ds);
+                              qbuf.data() + static_cast<size_t>(hh) * kTileQ * ds);
       }
       std::fill(obuf.begin(), obuf.end(), 0.f);
       std::fill(m.begin(), m.end(), -kInf);
@@ -94,8 +94,7 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
           const size_t r0 = static_cast<size_t>(hh) * kTileQ;
           score_tile<kDp, kAmx>(qbuf.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
           softmax_step(sbuf.data(), nq, bits.data(), c2, m.data() + r0, l.data() + r0, obuf.data() + r0 * Dp, Dp);
-          acc_masked<kDp, true>(cls, sbuf.data(), kTileK, 1, nk, vbuf, ld, Dp, nq, bits.data(),
-                                obuf.data() + r0 * Dp);
+          acc_masked<kDp, true>(cls, sbuf.data(), kTileK, 1, nk, vbuf, ld, Dp, nq, bits.data(), obuf.data() + r0 * Dp);
         }
       }
 

@@ -23,13 +23,17 @@ namespace rf::cpu {
 inline const KernelSet& kernels_for(Isa isa) {
   switch (isa) {
 #if defined(__x86_64__)
-    case Isa::Avx512: return avx512_kernels();
-    case Isa::Avx2: return avx2_kernels();
+    case Isa::Avx512:
+      return avx512_kernels();
+    case Isa::Avx2:
+      return avx2_kernels();
 #else
     case Isa::Avx512:
-    case Isa::Avx2: fail("the ", isa_name(isa), " kernels exist only in x86-64 builds");
+    case Isa::Avx2:
+      fail("the ", isa_name(isa), " kernels exist only in x86-64 builds");
 #endif
-    case Isa::Scalar: return scalar_kernels();
+    case Isa::Scalar:
+      return scalar_kernels();
   }
   fail("internal error: unknown kernel ISA");
 }
@@ -57,11 +61,16 @@ void dispatch(int D, DType dtype, bool amx, F&& f) {
   auto with_dim = [&]<DType kT, bool kAmx>() {
 #if RF_ISA_AVX512 || RF_ISA_AVX2
     switch (D) {
-      case 64: return f.template operator()<64, kT, kAmx>();
-      case 128: return f.template operator()<128, kT, kAmx>();
-      case 256: return f.template operator()<256, kT, kAmx>();
-      case 512: return f.template operator()<512, kT, kAmx>();
-      default: return f.template operator()<0, kT, kAmx>();
+      case 64:
+        return f.template operator()<64, kT, kAmx>();
+      case 128:
+        return f.template operator()<128, kT, kAmx>();
+      case 256:
+        return f.template operator()<256, kT, kAmx>();
+      case 512:
+        return f.template operator()<512, kT, kAmx>();
+      default:
+        return f.template operator()<0, kT, kAmx>();
     }
 #else
     (void)D;

@@ -39,8 +39,8 @@ constexpr unsigned kLeafBrand = 0x80000002;   // three leaves of 16 brand-string
 constexpr int kBrandLeaves = 3;
 // XCR0: which register state the OS saves on a context switch. Without it the registers are unusable even on
 // a CPU that has them (e.g. AVX-512 disabled by the hypervisor).
-constexpr uint64_t kXcr0Ymm = 0x6;    // SSE + AVX (upper ymm halves)
-constexpr uint64_t kXcr0Zmm = 0xe0;   // opmask, upper zmm0-15 halves, zmm16-31
+constexpr uint64_t kXcr0Ymm = 0x6;   // SSE + AVX (upper ymm halves)
+constexpr uint64_t kXcr0Zmm = 0xe0;  // opmask, upper zmm0-15 halves, zmm16-31
 // Linux arch_prctl: request permission for the AMX tile data state (an XSAVE feature a process must ask for).
 constexpr long kArchReqXcompPerm = 0x1023;
 constexpr long kXfeatureXtiledata = 18;
@@ -99,15 +99,16 @@ KernelPath select_path(const CpuFeatures& f, const char* forced) {
   const std::string_view want = forced ? forced : "";
   if (want.empty()) {
     p.reason = "best this CPU supports";
-    if (avx512_ok) p.isa = Isa::Avx512;
-    else if (f.avx2) p.isa = Isa::Avx2;
+    if (avx512_ok)
+      p.isa = Isa::Avx512;
+    else if (f.avx2)
+      p.isa = Isa::Avx2;
     if (p.isa == Isa::Avx512 && f.amx) p.bf16 = Bf16Product::Amx;
     return p;
   }
   p.reason = std::string("forced by ") + kIsaEnv + "=" + std::string(want);
   if (want == "amx") {
-    RF_CHECK(avx512_ok && f.amx, kIsaEnv, "=amx but this CPU or OS offers no AMX-TILE + AMX-BF16 with ",
-             avx512_needs);
+    RF_CHECK(avx512_ok && f.amx, kIsaEnv, "=amx but this CPU or OS offers no AMX-TILE + AMX-BF16 with ", avx512_needs);
     p.isa = Isa::Avx512, p.bf16 = Bf16Product::Amx;
   } else if (want == "avx512") {
     RF_CHECK(avx512_ok, kIsaEnv, "=avx512 but this CPU or OS lacks ", avx512_needs);
@@ -132,9 +133,12 @@ const KernelPath& kernel_path() {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::Avx512: return "avx512";
-    case Isa::Avx2: return "avx2";
-    case Isa::Scalar: return "scalar";
+    case Isa::Avx512:
+      return "avx512";
+    case Isa::Avx2:
+      return "avx2";
+    case Isa::Scalar:
+      return "scalar";
   }
   return "?";
 }
@@ -147,14 +151,14 @@ const char* bf16_name(Bf16Product bf16) {
 #else
       return "widen to float32";
 #endif
-    case Bf16Product::Amx: return "amx";
+    case Bf16Product::Amx:
+      return "amx";
   }
   return "?";
 }
 
 std::string describe(const KernelPath& path) {
-  return std::string(isa_name(path.isa)) + ", bf16 score products: " + bf16_name(path.bf16) + " (" + path.reason +
-         ")";
+  return std::string(isa_name(path.isa)) + ", bf16 score products: " + bf16_name(path.bf16) + " (" + path.reason + ")";
 }
 
 }  // namespace rf::cpu

@@ -60,12 +60,8 @@ const KernelSet& RF_KERNEL_SET_FN(RF_ISA_NS)() {
   constexpr Isa kIsa = Isa::Scalar;
   constexpr decltype(KernelSet::score_tile_bf16) kScoreTileBf16 = nullptr;
 #endif
-  static constexpr KernelSet kSet{kIsa,
-                                  RF_ISA_NS::forward,
-                                  RF_ISA_NS::backward,
-                                  RF_ISA_NS::exp2_array,
-                                  RF_ISA_NS::score_tile,
-                                  kScoreTileBf16};
+  static constexpr KernelSet kSet{
+      kIsa, RF_ISA_NS::forward, RF_ISA_NS::backward, RF_ISA_NS::exp2_array, RF_ISA_NS::score_tile, kScoreTileBf16};
   return kSet;
 }
 

@@ -40,12 +40,10 @@ RowShard LocalAttention::begin_batch(const TokenMeta* rows, int B, int S, const 
   return s;
 }
 
-void LocalAttention::forward(const ShardAttention& x, float* o, float* lse) {
-  attention_forward(whole_row(x), o, lse);
-}
+void LocalAttention::forward(const ShardAttention& x, float* o, float* lse) { attention_forward(whole_row(x), o, lse); }
 
-void LocalAttention::backward(const ShardAttention& x, const float* o, const float* lse, const float* dout,
-                              float* dq, float* dk, float* dv) {
+void LocalAttention::backward(const ShardAttention& x, const float* o, const float* lse, const float* dout, float* dq,
+                              float* dk, float* dv) {
   const AttnChunk c = whole_row(x);
   std::vector<float> delta(static_cast<size_t>(x.shape.lse_elems()));  // [B, Hq, L]
   attention_delta(x.shape, DType::F32, dout, o, delta.data());

@@ -60,11 +60,11 @@ constexpr float kExp2Coef[8] = {1.0f,
 
 #if RF_ISA_AVX512
 constexpr bool kVector = true;
-constexpr int kLanes = 16;       // float32 lanes in a zmm register
-constexpr int kAbtColVecs = 4;   // abt block: all 64 columns
-constexpr int kAccVecs = 4;      // acc block: 64 columns of Dp
+constexpr int kLanes = 16;      // float32 lanes in a zmm register
+constexpr int kAbtColVecs = 4;  // abt block: all 64 columns
+constexpr int kAccVecs = 4;     // acc block: 64 columns of Dp
 using VecF = __m512;
-using LaneMask = __mmask16;      // one bit per lane
+using LaneMask = __mmask16;  // one bit per lane
 // GCC 12's unmasked vmaxps, vrndscaleps, vscalefps and _mm512_reduce_* intrinsics pass _mm512_undefined_ps() as
 // the unused merge source, which -Werror=uninitialized rejects once inlined (a false positive). The zero-masked
 // forms with an all-ones mask compile to the same unmasked instructions without that operand.
@@ -102,11 +102,11 @@ inline __m256 low_half(VecF x) { return _mm512_maskz_extractf32x8_ps(0xff, x, 0)
 inline __m256 high_half(VecF x) { return _mm512_maskz_extractf32x8_ps(0xff, x, 1); }
 #elif RF_ISA_AVX2
 constexpr bool kVector = true;
-constexpr int kLanes = 8;        // float32 lanes in a ymm register
-constexpr int kAbtColVecs = 2;   // abt block: a 16-column strip of the 64-key tile
-constexpr int kAccVecs = 2;      // acc block: 16 columns of Dp
+constexpr int kLanes = 8;       // float32 lanes in a ymm register
+constexpr int kAbtColVecs = 2;  // abt block: a 16-column strip of the 64-key tile
+constexpr int kAccVecs = 2;     // acc block: 16 columns of Dp
 using VecF = __m256;
-using LaneMask = __m256;         // all-ones or all-zeros lanes (AVX2 has no mask registers)
+using LaneMask = __m256;  // all-ones or all-zeros lanes (AVX2 has no mask registers)
 
 inline VecF vzero() { return _mm256_setzero_ps(); }
 inline VecF vset1(float x) { return _mm256_set1_ps(x); }
@@ -190,12 +190,23 @@ inline void for_row_blocks(int rows, F&& f) {
   int r = 0;
   for (; r + kRowBlock <= rows; r += kRowBlock) f.template operator()<kRowBlock>(r);
   switch (rows - r) {
-    case 5: f.template operator()<5>(r); break;
-    case 4: f.template operator()<4>(r); break;
-    case 3: f.template operator()<3>(r); break;
-    case 2: f.template operator()<2>(r); break;
-    case 1: f.template operator()<1>(r); break;
-    default: break;
+    case 5:
+      f.template operator()<5>(r);
+      break;
+    case 4:
+      f.template operator()<4>(r);
+      break;
+    case 3:
+      f.template operator()<3>(r);
+      break;
+    case 2:
+      f.template operator()<2>(r);
+      break;
+    case 1:
+      f.template operator()<1>(r);
+      break;
+    default:
+      break;
   }
 }
 
@@ -264,12 +275,23 @@ RF_BF16_DOT_TARGET inline void abt_bf16(const uint32_t* a, int lda, const uint32
   for (; r + kRowBlock <= rows; r += kRowBlock)
     abt_block_bf16<kDp, kRowBlock>(a + r * lda, lda, bt, Dp, c + r * kTileCols);
   switch (rows - r) {
-    case 5: abt_block_bf16<kDp, 5>(a + r * lda, lda, bt, Dp, c + r * kTileCols); break;
-    case 4: abt_block_bf16<kDp, 4>(a + r * lda, lda, bt, Dp, c + r * kTileCols); break;
-    case 3: abt_block_bf16<kDp, 3>(a + r * lda, lda, bt, Dp, c + r * kTileCols); break;
-    case 2: abt_block_bf16<kDp, 2>(a + r * lda, lda, bt, Dp, c + r * kTileCols); break;
-    case 1: abt_block_bf16<kDp, 1>(a + r * lda, lda, bt, Dp, c + r * kTileCols); break;
-    default: break;
+    case 5:
+      abt_block_bf16<kDp, 5>(a + r * lda, lda, bt, Dp, c + r * kTileCols);
+      break;
+    case 4:
+      abt_block_bf16<kDp, 4>(a + r * lda, lda, bt, Dp, c + r * kTileCols);
+      break;
+    case 3:
+      abt_block_bf16<kDp, 3>(a + r * lda, lda, bt, Dp, c + r * kTileCols);
+      break;
+    case 2:
+      abt_block_bf16<kDp, 2>(a + r * lda, lda, bt, Dp, c + r * kTileCols);
+      break;
+    case 1:
+      abt_block_bf16<kDp, 1>(a + r * lda, lda, bt, Dp, c + r * kTileCols);
+      break;
+    default:
+      break;
   }
 }
 #endif
@@ -307,7 +329,7 @@ inline void abt(const T* a, int lda, const T* bt, int dp_rt, int rows, float* c)
 #if RF_ISA_AVX512 || RF_ISA_AVX2
   if constexpr (std::is_same_v<T, float>) {
     constexpr int kLen = kDp > 0 ? std::min(kDp, kDChunk) : 0;  // chunk length when it is a compile-time constant
-    constexpr int kStrip = kAbtColVecs * kLanes;                 // columns per block
+    constexpr int kStrip = kAbtColVecs * kLanes;                // columns per block
     for (int d0 = 0; d0 < Dp; d0 += kDChunk) {
       const int len = std::min(kDChunk, Dp - d0);
       for (int col = 0; col < kTileCols; col += kStrip)
@@ -356,10 +378,8 @@ inline void acc_block(const float* a, int ars, int ans, int N, const float* x, i
 }
 
 template <int kDp, int V>
-inline void acc_cols(const float* a, int ars, int ans, int N, const float* x, int ldx, int Dp, int rows,
-                     float* out) {
-  for_row_blocks(rows,
-                 [&]<int R>(int r) { acc_block<kDp, R, V>(a + r * ars, ars, ans, N, x, ldx, Dp, out + r * Dp); });
+inline void acc_cols(const float* a, int ars, int ans, int N, const float* x, int ldx, int Dp, int rows, float* out) {
+  for_row_blocks(rows, [&]<int R>(int r) { acc_block<kDp, R, V>(a + r * ars, ars, ans, N, x, ldx, Dp, out + r * Dp); });
 }
 #endif
 
@@ -371,13 +391,20 @@ inline void acc(const float* a, int ars, int ans, int N, const float* x, int ldx
   constexpr int kWidth = kAccVecs * kLanes;
   for (int d = 0; d < Dp; d += kWidth) {
     switch (std::min(kWidth, Dp - d) / kLanes) {
-      case 4: if constexpr (kAccVecs >= 4) acc_cols<kDp, 4>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
-      case 3: if constexpr (kAccVecs >= 3) acc_cols<kDp, 3>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
-      case 2: acc_cols<kDp, 2>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d); break;
+      case 4:
+        if constexpr (kAccVecs >= 4) acc_cols<kDp, 4>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d);
+        break;
+      case 3:
+        if constexpr (kAccVecs >= 3) acc_cols<kDp, 3>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d);
+        break;
+      case 2:
+        acc_cols<kDp, 2>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d);
+        break;
       case 1:  // only where one vector is the whole padding unit (AVX-512); AVX2 strips are always 2 vectors
         if constexpr (kLanes == kPadFloats) acc_cols<kDp, 1>(a, ars, ans, N, x + d, ldx, Dp, rows, out + d);
         break;
-      default: break;
+      default:
+        break;
     }
   }
 #else

@@ -35,7 +35,7 @@ constexpr float kLn2 = 0.693147180559945309f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 template <DType kT>
-constexpr bool kBf16Dot = kT == DType::BF16 && kHaveBf16Dot;
+constexpr bool kBf16Dot = kT == DType::BF16&& kHaveBf16Dot;
 
 template <DType kT>
 using Dot = std::conditional_t<kBf16Dot<kT>, uint32_t, float>;
@@ -144,8 +144,8 @@ inline RowBits allowed_bits(const LayerMask& m, const TokenMeta& q, const int32_
 }
 #endif
 
-// bits: [nq]. Full tiles skip the predicate; Partial ones evaluate docs/spec.md §3 per pair (vectorised on the vector ISAs
-// when every valid idx is non-negative, else rf::allowed itself).
+// bits: [nq]. Full tiles skip the predicate; Partial ones evaluate docs/spec.md §3 per pair (vectorised on the vector
+// ISAs when every valid idx is non-negative, else rf::allowed itself).
 inline void tile_bits(BlockClass cls, const LayerMask& mask, const TokenMeta* qm, int nq, const TokenMeta* km, int nk,
                       RowBits* bits) {
   if (cls == BlockClass::Full) {
@@ -173,8 +173,10 @@ inline void tile_bits(BlockClass cls, const LayerMask& mask, const TokenMeta* qm
 
 template <DType kT>
 inline float load_elem(const void* p, int64_t i) {
-  if constexpr (kT == DType::F32) return static_cast<const float*>(p)[i];
-  else return bf16_to_float(static_cast<const bf16*>(p)[i]);
+  if constexpr (kT == DType::F32)
+    return static_cast<const float*>(p)[i];
+  else
+    return bf16_to_float(static_cast<const bf16*>(p)[i]);
 }
 
 inline uint32_t bf16_bits(const void* p, int64_t i) { return static_cast<const bf16*>(p)[i].bits; }
@@ -218,7 +220,8 @@ inline void pack_rows_dot(const void* src, int rows, int D, int Dp, int ld, C* d
 }
 
 // A key (or value) tile src[j, 0 .. D), j < nk, as abt's transposed B operand: dst [pair_row<C>(Dp), kTileK],
-// zero for j >= nk and d >= D. For pairs this is the VNNI layout of amx.h: word (p, j) = (d = 2p, 2p + 1) of key j. The transpose is paid once per tile and reused by every query row and head.
+// zero for j >= nk and d >= D. For pairs this is the VNNI layout of amx.h: word (p, j) = (d = 2p, 2p + 1) of key j. The
+// transpose is paid once per tile and reused by every query row and head.
 template <DType kT, typename C = Dot<kT>>
 inline void pack_cols_dot(const void* src, int nk, int D, int Dp, C* dst) {
   static_assert(!kPairs<C> || kT == DType::BF16, "bf16 pairs need bf16 inputs");
@@ -360,8 +363,8 @@ inline void softmax_step(float* s, int rows, const RowBits* bits, float c2, floa
 // or +inf for a row with lse = -inf (then every p is exp2(-inf) = 0 and the row contributes nothing).
 //
 // live: [rows], out: the pairs that take part in the gradient products — bits, minus every pair of a row with
-// lse = -inf. Such a row contributes nothing (docs/spec.md §4), also when it has allowed keys whose scores are all -inf:
-// its dS is 0, and acc must not form 0 · K where K is infinite. Returns whether a row with allowed pairs was
+// lse = -inf. Such a row contributes nothing (docs/spec.md §4), also when it has allowed keys whose scores are all
+// -inf: its dS is 0, and acc must not form 0 · K where K is infinite. Returns whether a row with allowed pairs was
 // dropped, so the caller treats the tile as Partial (acc_masked).
 inline bool grad_step(float* s, float* dp, int rows, const RowBits* bits, float c2, const float* bias,
                       const float* delta, float scale, RowBits* live) {
@@ -463,8 +466,12 @@ struct QueryItems {
   int Lq, Hkv, group, nqt, heads_per_item, chunks;
 
   QueryItems(const AttnShape& s, int Dp)
-      : Lq(s.Lq), Hkv(s.Hkv), group(s.group_size()), nqt(ceil_div(s.Lq, kTileQ)),
-        heads_per_item(detail::heads_per_item(s.group_size(), Dp)), chunks(ceil_div(group, heads_per_item)) {}
+      : Lq(s.Lq),
+        Hkv(s.Hkv),
+        group(s.group_size()),
+        nqt(ceil_div(s.Lq, kTileQ)),
+        heads_per_item(detail::heads_per_item(s.group_size(), Dp)),
+        chunks(ceil_div(group, heads_per_item)) {}
 
   int64_t count(int B) const { return int64_t{B} * Hkv * nqt * chunks; }
 

@@ -28,9 +28,9 @@ namespace {
 
 using nlohmann::json;
 
-constexpr size_t kLengthBytes = 8;                  // the u64 header length that starts every file
-constexpr uint64_t kMaxHeaderBytes = 100'000'000;   // the Python package's own limit; a larger N is corruption
-constexpr size_t kBufferAlignment = 8;              // the header is space-padded so the buffer starts 8-aligned
+constexpr size_t kLengthBytes = 8;                 // the u64 header length that starts every file
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;  // the Python package's own limit; a larger N is corruption
+constexpr size_t kBufferAlignment = 8;             // the header is space-padded so the buffer starts 8-aligned
 constexpr std::string_view kMetadataKey = "__metadata__";
 
 struct DTypeInfo {
@@ -40,11 +40,21 @@ struct DTypeInfo {
 };
 
 constexpr std::array<DTypeInfo, 15> kDTypes{{
-    {StDType::BOOL, "BOOL", 1},   {StDType::U8, "U8", 1},     {StDType::I8, "I8", 1},
-    {StDType::F8_E5M2, "F8_E5M2", 1}, {StDType::F8_E4M3, "F8_E4M3", 1}, {StDType::I16, "I16", 2},
-    {StDType::U16, "U16", 2},     {StDType::F16, "F16", 2},   {StDType::BF16, "BF16", 2},
-    {StDType::I32, "I32", 4},     {StDType::U32, "U32", 4},   {StDType::F32, "F32", 4},
-    {StDType::I64, "I64", 8},     {StDType::U64, "U64", 8},   {StDType::F64, "F64", 8},
+    {StDType::BOOL, "BOOL", 1},
+    {StDType::U8, "U8", 1},
+    {StDType::I8, "I8", 1},
+    {StDType::F8_E5M2, "F8_E5M2", 1},
+    {StDType::F8_E4M3, "F8_E4M3", 1},
+    {StDType::I16, "I16", 2},
+    {StDType::U16, "U16", 2},
+    {StDType::F16, "F16", 2},
+    {StDType::BF16, "BF16", 2},
+    {StDType::I32, "I32", 4},
+    {StDType::U32, "U32", 4},
+    {StDType::F32, "F32", 4},
+    {StDType::I64, "I64", 8},
+    {StDType::U64, "U64", 8},
+    {StDType::F64, "F64", 8},
 }};
 
 const DTypeInfo& info(StDType t) { return kDTypes[static_cast<size_t>(t)]; }
@@ -151,7 +161,8 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   const int map_errno = errno;
   ::close(fd);
   RF_CHECK(stat_ok, path, ": cannot stat: ", std::strerror(stat_errno));
-  RF_CHECK(S_ISREG(st.st_mode), path, ": not a regular file (a FIFO, device or directory cannot be read as safetensors)");
+  RF_CHECK(S_ISREG(st.st_mode), path,
+           ": not a regular file (a FIFO, device or directory cannot be read as safetensors)");
   RF_CHECK(st.st_size == 0 || storage->mapping, path, ": cannot map: ", std::strerror(map_errno));
   SafetensorsFile f(path, std::move(storage));
   f.parse();
@@ -178,8 +189,8 @@ void SafetensorsFile::parse() {
   const uint64_t header_bytes = read_u64_le(data);
   RF_CHECK(header_bytes <= size - kLengthBytes, where, "the header length ", header_bytes, " exceeds the ",
            size - kLengthBytes, " bytes that follow it");
-  RF_CHECK(header_bytes <= kMaxHeaderBytes, where, "the header length ", header_bytes, " exceeds the format's limit of ",
-           kMaxHeaderBytes);
+  RF_CHECK(header_bytes <= kMaxHeaderBytes, where, "the header length ", header_bytes,
+           " exceeds the format's limit of ", kMaxHeaderBytes);
   const char* header = reinterpret_cast<const char*>(data + kLengthBytes);
   const std::byte* buffer = data + kLengthBytes + header_bytes;
   const uint64_t buffer_bytes = size - kLengthBytes - header_bytes;
@@ -232,9 +243,9 @@ void SafetensorsFile::parse() {
     RF_CHECK(end <= buffer_bytes, where, t, "data_offsets [", begin, ", ", end, "] run past the end of the ",
              buffer_bytes, "-byte data buffer");
     const std::optional<uint64_t> need = byte_count(*shape, element_size(*dtype));
-    RF_CHECK(need.has_value() && *need == end - begin, where, t, "shape ", shape_string(*shape), " of ",
-             dtype_text, " needs ", need ? std::to_string(*need) : std::string("more than 2^64"),
-             " bytes but data_offsets [", begin, ", ", end, "] hold ", end - begin);
+    RF_CHECK(need.has_value() && *need == end - begin, where, t, "shape ", shape_string(*shape), " of ", dtype_text,
+             " needs ", need ? std::to_string(*need) : std::string("more than 2^64"), " bytes but data_offsets [",
+             begin, ", ", end, "] hold ", end - begin);
     tensors_.push_back(TensorView{name, *dtype, *shape, std::span(buffer + begin, end - begin)});
   }
 
@@ -296,9 +307,8 @@ template <typename Entries>
 auto data_order(const Entries& entries) {
   std::vector<typename Entries::const_pointer> order;
   for (const auto& e : entries) order.push_back(&e);
-  std::stable_sort(order.begin(), order.end(), [](auto a, auto b) {
-    return element_size(a->second.dtype) > element_size(b->second.dtype);
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [](auto a, auto b) { return element_size(a->second.dtype) > element_size(b->second.dtype); });
   return order;
 }
 
@@ -310,7 +320,9 @@ std::string SafetensorsWriter::header() const {
   uint64_t offset = 0;
   for (const auto* e : data_order(entries_)) {
     const Entry& t = e->second;
-    j[e->first] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes.size()}}};
+    j[e->first] = {{"dtype", dtype_name(t.dtype)},
+                   {"shape", t.shape},
+                   {"data_offsets", {offset, offset + t.bytes.size()}}};
     offset += t.bytes.size();
   }
   // json objects are std::maps, so dump() writes the keys sorted, as Python's writer does.

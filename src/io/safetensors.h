@@ -39,7 +39,7 @@ class AtomicFile;
 enum class StDType : uint8_t { BOOL, U8, I8, F8_E5M2, F8_E4M3, I16, U16, F16, BF16, I32, U32, F32, I64, U64, F64 };
 
 size_t element_size(StDType t);
-std::string_view dtype_name(StDType t);           // the spelling in the header, e.g. "BF16"
+std::string_view dtype_name(StDType t);                     // the spelling in the header, e.g. "BF16"
 std::optional<StDType> parse_dtype(std::string_view name);  // nullopt for a name the format does not define
 
 // The attention dtypes of core/dtype.h as safetensors dtypes, and back (nullopt for anything else).

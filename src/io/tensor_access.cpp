@@ -30,13 +30,15 @@ float half_to_float(uint16_t h) {
   const uint32_t sign = uint32_t{h & 0x8000u} << 16;
   const int exponent = (h >> kHalfMantissaBits) & 0x1f;
   const uint32_t mantissa = h & 0x3ffu;
-  if (exponent == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << (kFloatMantissaBits - kHalfMantissaBits)));
+  if (exponent == 0x1f)
+    return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << (kFloatMantissaBits - kHalfMantissaBits)));
   if (exponent == 0) {
     const float magnitude = std::ldexp(static_cast<float>(mantissa), 1 - kHalfBias - kHalfMantissaBits);
     return sign ? -magnitude : magnitude;
   }
   const uint32_t e = static_cast<uint32_t>(exponent - kHalfBias + kFloatBias);
-  return std::bit_cast<float>(sign | (e << kFloatMantissaBits) | (mantissa << (kFloatMantissaBits - kHalfMantissaBits)));
+  return std::bit_cast<float>(sign | (e << kFloatMantissaBits) |
+                              (mantissa << (kFloatMantissaBits - kHalfMantissaBits)));
 }
 
 }  // namespace

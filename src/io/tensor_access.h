@@ -52,12 +52,30 @@ const TensorView* optional(const SafetensorsFile& f, const TensorSpec& spec, Dim
 // The safetensors dtype that stores a C++ element type exactly.
 template <typename T>
 constexpr StDType dtype_of();
-template <> constexpr StDType dtype_of<float>() { return StDType::F32; }
-template <> constexpr StDType dtype_of<double>() { return StDType::F64; }
-template <> constexpr StDType dtype_of<bf16>() { return StDType::BF16; }
-template <> constexpr StDType dtype_of<int32_t>() { return StDType::I32; }
-template <> constexpr StDType dtype_of<int64_t>() { return StDType::I64; }
-template <> constexpr StDType dtype_of<uint8_t>() { return StDType::U8; }
+template <>
+constexpr StDType dtype_of<float>() {
+  return StDType::F32;
+}
+template <>
+constexpr StDType dtype_of<double>() {
+  return StDType::F64;
+}
+template <>
+constexpr StDType dtype_of<bf16>() {
+  return StDType::BF16;
+}
+template <>
+constexpr StDType dtype_of<int32_t>() {
+  return StDType::I32;
+}
+template <>
+constexpr StDType dtype_of<int64_t>() {
+  return StDType::I64;
+}
+template <>
+constexpr StDType dtype_of<uint8_t>() {
+  return StDType::U8;
+}
 
 // The elements of `v` as T; v's dtype must be exactly dtype_of<T>(). Copies, because a tensor's bytes in a
 // file need only be aligned to what the writer chose.

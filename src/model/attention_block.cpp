@@ -66,7 +66,6 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
   a.r_pa = zeros(T);
   rmsnorm_forward(a.ao.data(), W(sl.post_attn_norm), eps, a.x1.data(), a.r_pa.data(), T, H);
   add_into(a.x1.data(), x, T * H);
-
 }
 
 void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, const float* dx1, float* dx) {
@@ -76,8 +75,7 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
   const int64_t qd = int64_t{Hq} * D, kd = int64_t{Hkv} * D;
 
   Vec dao = zeros(T * H);
-  rmsnorm_backward(a.ao.data(), W(sl.post_attn_norm), a.r_pa.data(), dx1, dao.data(), G(sl.post_attn_norm), T,
-                   H);
+  rmsnorm_backward(a.ao.data(), W(sl.post_attn_norm), a.r_pa.data(), dx1, dao.data(), G(sl.post_attn_norm), T, H);
   Vec dO = zeros(T * qd);  // [B, Hq, S, D]
   merge_heads_backward(a.O.data(), W(sl.o_proj), dao.data(), dO.data(), G(sl.o_proj), B, S, Hq, D, H);
   Vec dQ = zeros(T * qd);
@@ -85,8 +83,7 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
   const bool shared = sp.kv_source >= 0;
   const float* K = shared ? kv_K[sp.kv_source].data() : a.K.data();
   const float* V = shared ? kv_V[sp.kv_source].data() : a.V.data();
-  attn.backward(attention(sp, a.Q.data(), K, V), a.O.data(), a.lse.data(), dO.data(), dQ.data(), dK.data(),
-                dV.data());
+  attn.backward(attention(sp, a.Q.data(), K, V), a.O.data(), a.lse.data(), dO.data(), dQ.data(), dK.data(), dV.data());
   if (shared) {
     // KV-shared layer: its K/V gradients belong to the layer that produced them (reached later in the backward).
     add_into(kv_dK[sp.kv_source].data(), dK.data(), T * kd);

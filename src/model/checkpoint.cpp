@@ -74,8 +74,8 @@ Checkpoint load_checkpoint(const std::string& dir) {
   if (files.find(kMultimodalPrefix + embed)) ck.text_prefix = kMultimodalPrefix;
   int vision_dim = 0;
   if (const io::TensorView* v = files.find(kVisionProjection)) {
-    RF_CHECK(v->rank() == 2 && v->shape[0] == cfg.hidden_size, files.shard_of(kVisionProjection).path(),
-             ": tensor `", kVisionProjection, "` has shape ", io::shape_string(v->shape),
+    RF_CHECK(v->rank() == 2 && v->shape[0] == cfg.hidden_size, files.shard_of(kVisionProjection).path(), ": tensor `",
+             kVisionProjection, "` has shape ", io::shape_string(v->shape),
              ", expected [hidden_size = ", cfg.hidden_size, ", F]");
     vision_dim = static_cast<int>(v->shape[1]);
   }

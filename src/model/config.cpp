@@ -125,9 +125,10 @@ class Fields {
     const json& v = obj_[key];
     if (!v.is_number_integer()) wrong_type(key, "an integer");
     // Unsigned and signed 64-bit JSON integers both compare against int's range before narrowing.
-    const bool fits = v.is_number_unsigned() ? v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int>::max())
-                                             : v.get<int64_t>() >= std::numeric_limits<int>::min() &&
-                                                   v.get<int64_t>() <= std::numeric_limits<int>::max();
+    const bool fits = v.is_number_unsigned()
+                          ? v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int>::max())
+                          : v.get<int64_t>() >= std::numeric_limits<int>::min() &&
+                                v.get<int64_t>() <= std::numeric_limits<int>::max();
     if (!fits) wrong_type(key, "an integer that fits in 32 bits");
     return v.get<int>();
   }
@@ -193,9 +194,8 @@ RopeParams parse_rope(const Fields& rope, const char* layer_type, std::vector<st
 
 // A per_layer_config key: the layer index written as a decimal string.
 int layer_index(const std::string& key, int num_layers, const Fields& where) {
-  const bool digits = !key.empty() && key.size() <= 9 && std::all_of(key.begin(), key.end(), [](char ch) {
-    return ch >= '0' && ch <= '9';
-  });
+  const bool digits = !key.empty() && key.size() <= 9 &&
+                      std::all_of(key.begin(), key.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
   RF_CHECK(digits && std::stoi(key) < num_layers, where.source(), ": field '", where.name(key),
            "' does not name a layer (per_layer_config keys are layer indices 0..", num_layers - 1, ")");
   return std::stoi(key);
@@ -258,8 +258,8 @@ Gemma4Config Gemma4Config::from_json(const std::string& json_text, const std::st
   const std::optional<int> top_k = j.nullable_integer("top_k_experts", std::nullopt);
   const std::optional<int> moe_width = j.nullable_integer("moe_intermediate_size", std::nullopt);
   if (c.enable_moe) {
-    for (const auto& [field, value] : {std::pair{"num_experts", experts}, {"top_k_experts", top_k},
-                                       {"moe_intermediate_size", moe_width}}) {
+    for (const auto& [field, value] :
+         {std::pair{"num_experts", experts}, {"top_k_experts", top_k}, {"moe_intermediate_size", moe_width}}) {
       RF_CHECK(value.has_value(), source, ": field '", j.name(field), "' is required with enable_moe_block = true");
     }
     c.num_experts = *experts;
@@ -293,8 +293,8 @@ Gemma4Config Gemma4Config::from_json(const std::string& json_text, const std::st
     RF_CHECK(static_cast<int>(types.size()) == c.num_layers, source, ": field '", j.name("layer_types"), "' has ",
              types.size(), " entries for num_hidden_layers = ", c.num_layers);
     for (size_t i = 0; i < types.size(); ++i) {
-      RF_CHECK(types[i].is_string(), source, ": field '", j.name("layer_types"), "[", i,
-               "]' must be a string, found ", describe(types[i]));
+      RF_CHECK(types[i].is_string(), source, ": field '", j.name("layer_types"), "[", i, "]' must be a string, found ",
+               describe(types[i]));
       const std::string s = types[i].get<std::string>();
       RF_CHECK(s == kSlidingType || s == kFullType, source, ": field '", j.name("layer_types"), "[", i, "]' is '", s,
                "', not supported (", kSlidingType, " or ", kFullType, ")");
@@ -304,8 +304,9 @@ Gemma4Config Gemma4Config::from_json(const std::string& json_text, const std::st
     for (int i = 0; i < c.num_layers; ++i) c.sliding.push_back((i + 1) % kDefaultLayerPattern != 0);
   }
   if (c.sliding.back()) {
-    c.warnings.push_back("Last layer must use `full_attention`, but got `sliding_attention`. Forcing last layer to "
-                         "`full_attention`.");
+    c.warnings.push_back(
+        "Last layer must use `full_attention`, but got `sliding_attention`. Forcing last layer to "
+        "`full_attention`.");
     c.sliding.back() = false;
   }
 
@@ -355,9 +356,12 @@ Gemma4Config Gemma4Config::from_json(const std::string& json_text, const std::st
 }
 
 void Gemma4Config::validate() const {
-  for (const auto& [field, value] : {std::pair{"vocab_size", vocab_size}, {"hidden_size", hidden_size},
-                                     {"intermediate_size", intermediate_size}, {"num_hidden_layers", num_layers},
-                                     {"num_attention_heads", num_heads}, {"num_key_value_heads", num_kv_heads},
+  for (const auto& [field, value] : {std::pair{"vocab_size", vocab_size},
+                                     {"hidden_size", hidden_size},
+                                     {"intermediate_size", intermediate_size},
+                                     {"num_hidden_layers", num_layers},
+                                     {"num_attention_heads", num_heads},
+                                     {"num_key_value_heads", num_kv_heads},
                                      {"sliding_window", sliding_window}}) {
     RF_CHECK(value > 0, "config.json: ", field, " = ", value, " must be positive");
   }
@@ -366,8 +370,8 @@ void Gemma4Config::validate() const {
            "config.json: layer_types and per-layer overrides must cover num_hidden_layers = ", num_layers, " layers");
   RF_CHECK(std::isfinite(rms_norm_eps) && rms_norm_eps >= 0.0, "config.json: rms_norm_eps = ", rms_norm_eps,
            " must be a finite non-negative number");
-  RF_CHECK(std::isfinite(vision_rms_norm_eps) && vision_rms_norm_eps >= 0.0, "config.json: vision_config.rms_norm_eps = ",
-           vision_rms_norm_eps, " must be a finite non-negative number");
+  RF_CHECK(std::isfinite(vision_rms_norm_eps) && vision_rms_norm_eps >= 0.0,
+           "config.json: vision_config.rms_norm_eps = ", vision_rms_norm_eps, " must be a finite non-negative number");
   RF_CHECK(num_kv_shared_layers >= 0 && num_kv_shared_layers < num_layers,
            "config.json: num_kv_shared_layers = ", num_kv_shared_layers, " must be in [0, num_hidden_layers)");
   if (enable_moe) {
@@ -387,8 +391,8 @@ void Gemma4Config::validate() const {
   int type_head_dim[2] = {0, 0};  // [sliding?]: RoPE tables are built once per layer type, so one D per type
   for (int i = 0; i < num_layers; ++i) {
     const LayerSpec s = layer(i);
-    RF_CHECK(s.head_dim > 0 && s.head_dim <= kMaxHeadDim && s.head_dim % 2 == 0, "config.json: layer ", i,
-             " head dim ", s.head_dim, " must be even and in 2..", kMaxHeadDim);
+    RF_CHECK(s.head_dim > 0 && s.head_dim <= kMaxHeadDim && s.head_dim % 2 == 0, "config.json: layer ", i, " head dim ",
+             s.head_dim, " must be even and in 2..", kMaxHeadDim);
     RF_CHECK(s.kv_heads > 0 && num_heads % s.kv_heads == 0, "config.json: layer ", i, " has ", num_heads,
              " query heads, not a multiple of its ", s.kv_heads, " key/value heads");
     int& d = type_head_dim[s.sliding ? 1 : 0];

@@ -20,9 +20,9 @@
 namespace rf::model {
 
 struct RopeParams {
-  bool proportional = false;          // "proportional": only the first partial_rotary_factor of the pairs rotate
-  double theta = 10000.0;             // rope_theta
-  double partial_rotary_factor = 1.0; // proportional only
+  bool proportional = false;           // "proportional": only the first partial_rotary_factor of the pairs rotate
+  double theta = 10000.0;              // rope_theta
+  double partial_rotary_factor = 1.0;  // proportional only
   // Frequencies are divided by it. Only "proportional" reads it: transformers 5.24's "default" RoPE ignores a
   // `factor` key (with a warning, which Gemma4Config::warnings repeats), so it stays 1 there.
   double factor = 1.0;
@@ -31,25 +31,25 @@ struct RopeParams {
 // What one decoder layer looks like, resolved from the layer type, per_layer_config and KV sharing.
 struct LayerSpec {
   bool sliding = true;
-  int head_dim = 0;      // D of this layer (head_dim on sliding layers, the global head dim on full ones)
-  int kv_heads = 0;      // Hkv of this layer
+  int head_dim = 0;        // D of this layer (head_dim on sliding layers, the global head dim on full ones)
+  int kv_heads = 0;        // Hkv of this layer
   bool has_v_proj = true;  // false on full layers with attention_k_eq_v: V is the raw K projection
-  int kv_source = -1;    // >= 0: a KV-shared layer reading the K/V stored by layer kv_source; -1: its own K/V
+  int kv_source = -1;      // >= 0: a KV-shared layer reading the K/V stored by layer kv_source; -1: its own K/V
   bool stores_kv = false;  // another layer reads this layer's K/V
-  int intermediate = 0;  // dense MLP width (doubled on KV-shared layers when use_double_wide_mlp)
-  LayerMask mask;        // docs/spec.md §3 mask of this layer
+  int intermediate = 0;    // dense MLP width (doubled on KV-shared layers when use_double_wide_mlp)
+  LayerMask mask;          // docs/spec.md §3 mask of this layer
   const RopeParams* rope = nullptr;
 };
 
 struct Gemma4Config {
   int vocab_size = 0;
-  int hidden_size = 0;        // H
+  int hidden_size = 0;  // H
   int intermediate_size = 0;
   int num_layers = 0;
-  int num_heads = 0;          // Hq
-  int num_kv_heads = 0;       // Hkv on sliding layers (and full ones unless overridden)
+  int num_heads = 0;     // Hq
+  int num_kv_heads = 0;  // Hkv on sliding layers (and full ones unless overridden)
   int head_dim = 0;
-  std::vector<bool> sliding;  // [num_layers] layer_types == "sliding_attention"
+  std::vector<bool> sliding;           // [num_layers] layer_types == "sliding_attention"
   std::vector<int> head_dim_override;  // [num_layers] per_layer_config head_dim (0 = none: head_dim)
   std::vector<int> kv_heads_override;  // [num_layers] per_layer_config num_key_value_heads (0 = none)
   int sliding_window = 0;
@@ -70,8 +70,8 @@ struct Gemma4Config {
   int num_experts = 0;
   int top_k_experts = 0;
   int moe_intermediate_size = 0;
-  int ple_dim = 0;            // hidden_size_per_layer_input (0 = no per-layer embeddings)
-  int ple_vocab_size = 0;     // vocab_size_per_layer_input
+  int ple_dim = 0;         // hidden_size_per_layer_input (0 = no per-layer embeddings)
+  int ple_vocab_size = 0;  // vocab_size_per_layer_input
   // The embedding row nn.Embedding(padding_idx) keeps out of training, main and per-layer tables alike; image and
   // video slots read it for their per-layer input. null (std::nullopt): no padding row, every row is trained.
   std::optional<int> pad_token_id = 0;

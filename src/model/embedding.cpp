@@ -206,8 +206,7 @@ void Gemma4Model::Run::ple_backward(int l, PleActs& a, const float* x2, const fl
   const LayerSlots& sl = m.slots_[l];
   const int64_t P = cfg.ple_dim, LP = int64_t{cfg.num_layers} * P;
   Vec dpp = zeros(T * H);
-  rmsnorm_backward(a.pp.data(), W(sl.ple_post_norm), a.r_ppn.data(), dx3, dpp.data(), G(sl.ple_post_norm),
-                   T, H);
+  rmsnorm_backward(a.pp.data(), W(sl.ple_post_norm), a.r_ppn.data(), dx3, dpp.data(), G(sl.ple_post_norm), T, H);
   Vec dgm = zeros(T * P);
   linear_backward(a.gm.data(), W(sl.ple_proj), dpp.data(), dgm.data(), G(sl.ple_proj), T, P, H);
   Vec dgp = zeros(T * P);

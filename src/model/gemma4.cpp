@@ -66,7 +66,8 @@ Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim, TensorSet:
       l.post_ff_norm_1 = params_.add(p + "post_feedforward_layernorm_1.weight", {H});
       l.post_ff_norm_2 = params_.add(p + "post_feedforward_layernorm_2.weight", {H});
       l.pre_ff_norm_2 = params_.add(p + "pre_feedforward_layernorm_2.weight", {H});
-      ones.insert(ones.end(), {l.router_scale, l.per_expert_scale, l.post_ff_norm_1, l.post_ff_norm_2, l.pre_ff_norm_2});
+      ones.insert(ones.end(),
+                  {l.router_scale, l.per_expert_scale, l.post_ff_norm_1, l.post_ff_norm_2, l.pre_ff_norm_2});
     }
     if (P > 0) {
       l.ple_gate = params_.add(p + "per_layer_input_gate.weight", {P, H});
@@ -117,7 +118,8 @@ void Gemma4Model::check_batch(const Batch& b, int ranks) const {
     int64_t n = 0;
     for (int64_t t = 0; t < T; ++t) n += b.mm_token_type[t] != 0;
     // As Gemma4Model: multimodal slots read the pad id's per-layer embedding, so they need a pad id.
-    RF_CHECK(n == 0 || cfg_.pad_token_id || cfg_.ple_dim == 0, "config.json: pad_token_id is null, but image/video "
+    RF_CHECK(n == 0 || cfg_.pad_token_id || cfg_.ple_dim == 0,
+             "config.json: pad_token_id is null, but image/video "
              "slots read the pad token's per-layer embedding (as transformers 5.24 does); set pad_token_id");
     RF_CHECK(n == b.n_image_features, "image_features has ", b.n_image_features, " rows for ", n,
              " image/video token slots in mm_token_type_ids");
@@ -130,9 +132,9 @@ void Gemma4Model::check_batch(const Batch& b, int ranks) const {
       RF_CHECK(b.input_ids[t] < cfg_.ple_vocab_size, "input_ids: token ", b.input_ids[t], " at ", t,
                " is outside the per-layer embedding's vocabulary (", cfg_.ple_vocab_size, ")");
     if (b.labels)
-      RF_CHECK(b.labels[t] == kIgnoreLabel || (b.labels[t] >= 0 && b.labels[t] < cfg_.vocab_size), "labels: ",
-               b.labels[t], " at ", t, " is neither ", kIgnoreLabel, " nor in [0, vocab_size = ", cfg_.vocab_size,
-               ")");
+      RF_CHECK(b.labels[t] == kIgnoreLabel || (b.labels[t] >= 0 && b.labels[t] < cfg_.vocab_size),
+               "labels: ", b.labels[t], " at ", t, " is neither ", kIgnoreLabel,
+               " nor in [0, vocab_size = ", cfg_.vocab_size, ")");
   }
 }
 

@@ -28,20 +28,20 @@ namespace rf::model {
 // One batch, row-major over [B, S]. Optional arrays may be null.
 struct Batch {
   int B = 0, S = 0;
-  const int32_t* input_ids = nullptr;     // [B, S] required
-  const int32_t* labels = nullptr;        // [B, S] target at each position; -100 = ignored (null: no loss)
-  const int32_t* position_ids = nullptr;  // [B, S] RoPE positions (null: 0..S-1 per row)
-  const int32_t* doc = nullptr;           // [B, S] packed document id, 0 = padding (null: one document)
-  const int32_t* mm_token_type = nullptr; // [B, S] 0 text, 1 image, 2 video (null: all text)
-  const float* image_features = nullptr;  // [N, F] one vector per vision slot (type 1 or 2), slots in row-major
-  int64_t n_image_features = 0;           // N
+  const int32_t* input_ids = nullptr;      // [B, S] required
+  const int32_t* labels = nullptr;         // [B, S] target at each position; -100 = ignored (null: no loss)
+  const int32_t* position_ids = nullptr;   // [B, S] RoPE positions (null: 0..S-1 per row)
+  const int32_t* doc = nullptr;            // [B, S] packed document id, 0 = padding (null: one document)
+  const int32_t* mm_token_type = nullptr;  // [B, S] 0 text, 1 image, 2 video (null: all text)
+  const float* image_features = nullptr;   // [N, F] one vector per vision slot (type 1 or 2), slots in row-major
+  int64_t n_image_features = 0;            // N
 };
 
 struct RunOptions {
-  bool want_logits = false;            // fill Result::logits [B, S, V]
-  bool want_grad = false;              // fill the gradient set
-  int64_t loss_chunk_tokens = 0;       // tokens per loss chunk; 0 = as many as fit kLossChunkBytes
-  double loss_normalizer = 0.0;        // divide the summed token loss by this; 0 = number of label tokens
+  bool want_logits = false;       // fill Result::logits [B, S, V]
+  bool want_grad = false;         // fill the gradient set
+  int64_t loss_chunk_tokens = 0;  // tokens per loss chunk; 0 = as many as fit kLossChunkBytes
+  double loss_normalizer = 0.0;   // divide the summed token loss by this; 0 = number of label tokens
 };
 
 // Default size of the loss's one chunk of logits.
@@ -52,12 +52,12 @@ constexpr int64_t kLossChunkBytes = int64_t{64} << 20;
 // (positions >= S are sharding padding, 0 in token_loss). Gathering every rank's part by shard.positions gives the
 // full [B, S] rows (ringflex forward does it on rank 0). With one rank the shard is the row in order (L = S).
 struct Result {
-  double loss = 0.0;                   // global: summed token losses of the whole batch / label_tokens (or
-                                       // loss_normalizer), the same on every rank
-  int64_t label_tokens = 0;            // label tokens of the whole batch, counted once
-  RowShard shard;                      // which tokens of the rows this rank held
-  std::vector<float> token_loss;       // [B, L], 0 where ignored
-  std::vector<float> logits;           // [B, L, V] when asked for
+  double loss = 0.0;              // global: summed token losses of the whole batch / label_tokens (or
+                                  // loss_normalizer), the same on every rank
+  int64_t label_tokens = 0;       // label tokens of the whole batch, counted once
+  RowShard shard;                 // which tokens of the rows this rank held
+  std::vector<float> token_loss;  // [B, L], 0 where ignored
+  std::vector<float> logits;      // [B, L, V] when asked for
   // [N, F] d loss / d image_features (training with image features): this rank's contribution, i.e. the rows of
   // the features its tokens hold (zero elsewhere); summed over the ranks it is the full gradient.
   std::vector<float> d_image_features;

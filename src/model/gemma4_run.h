@@ -41,36 +41,36 @@ inline const float kPleCombineScale = static_cast<float>(std::sqrt(0.5));
 // Activations of each block of one layer, alive while that layer is computed (forward) or recomputed and
 // differentiated. T = B * S tokens of this rank.
 struct AttnActs {
-  Vec a, r_in;                    // input norm: [T, H], [T]
-  Vec q_raw, q_rms, Q;            // head-major: [B, Hq, S, D], [B*Hq*S], [B, Hq, S, D] (normed, rotated)
-  Vec k_raw, k_rms, v_raw, v_rms; // head-major: [B, Hkv, S, D], [B*Hkv*S] (v_raw only with a v_proj)
-  Vec K, V;                       // [B, Hkv, S, D] own K/V (empty on KV-shared layers)
-  Vec O, lse;                     // [B, Hq, S, D], [B, Hq, S]
-  Vec ao, r_pa, x1;               // [T, H], [T], [T, H]
+  Vec a, r_in;                     // input norm: [T, H], [T]
+  Vec q_raw, q_rms, Q;             // head-major: [B, Hq, S, D], [B*Hq*S], [B, Hq, S, D] (normed, rotated)
+  Vec k_raw, k_rms, v_raw, v_rms;  // head-major: [B, Hkv, S, D], [B*Hkv*S] (v_raw only with a v_proj)
+  Vec K, V;                        // [B, Hkv, S, D] own K/V (empty on KV-shared layers)
+  Vec O, lse;                      // [B, Hq, S, D], [B, Hq, S]
+  Vec ao, r_pa, x1;                // [T, H], [T], [T, H]
   int64_t bytes() const {
     return bytes_of({&a, &r_in, &q_raw, &q_rms, &Q, &k_raw, &k_rms, &v_raw, &v_rms, &K, &V, &O, &lse, &ao, &r_pa, &x1});
   }
 };
 
 struct MlpActs {
-  Vec m_in, r_pf, g, u, hmid, mo; // [T, H], [T], [T, I] x3, [T, H]
+  Vec m_in, r_pf, g, u, hmid, mo;  // [T, H], [T], [T, I] x3, [T, H]
   int64_t bytes() const { return bytes_of({&m_in, &r_pf, &g, &u, &hmid, &mo}); }
 };
 
 struct MoeActs {
-  Vec h1, r_pf1;                  // post_ff_norm_1 of the MLP's output: [T, H], [T]
-  Vec rn, r_rn, rs, probs;        // router: [T, H], [T], [T, H], [T, E]
-  Vec top_wn, top_sum, top_w;     // [T, K], [T], [T, K]
-  Vec e_in, r_pre2, out2, r_pf2;  // experts' input [T, H], [T]; their weighted sum [T, H], [T]
-  Vec ff;                         // [T, H] h1 + post_ff_norm_2(out2)
-  std::vector<int32_t> top_idx;               // [T, K]
-  std::vector<int32_t> expert_order;          // [T, K] each token's choices j by ascending expert index
-  std::vector<int64_t> row_of;                // [T, K] row of each (token, choice) in its expert's batch
-  std::vector<std::vector<int64_t>> routed;   // per expert: t * K + j of its (token, choice) pairs, t ascending
-  std::vector<Vec> e_x, e_gu, e_hm, e_eo;     // per expert: [n, H], [n, 2*Im], [n, Im], [n, H]
+  Vec h1, r_pf1;                             // post_ff_norm_1 of the MLP's output: [T, H], [T]
+  Vec rn, r_rn, rs, probs;                   // router: [T, H], [T], [T, H], [T, E]
+  Vec top_wn, top_sum, top_w;                // [T, K], [T], [T, K]
+  Vec e_in, r_pre2, out2, r_pf2;             // experts' input [T, H], [T]; their weighted sum [T, H], [T]
+  Vec ff;                                    // [T, H] h1 + post_ff_norm_2(out2)
+  std::vector<int32_t> top_idx;              // [T, K]
+  std::vector<int32_t> expert_order;         // [T, K] each token's choices j by ascending expert index
+  std::vector<int64_t> row_of;               // [T, K] row of each (token, choice) in its expert's batch
+  std::vector<std::vector<int64_t>> routed;  // per expert: t * K + j of its (token, choice) pairs, t ascending
+  std::vector<Vec> e_x, e_gu, e_hm, e_eo;    // per expert: [n, H], [n, 2*Im], [n, Im], [n, H]
   int64_t bytes() const {
-    int64_t n = bytes_of({&h1, &r_pf1, &rn, &r_rn, &rs, &probs, &top_wn, &top_sum, &top_w, &e_in, &r_pre2, &out2,
-                          &r_pf2, &ff});
+    int64_t n =
+        bytes_of({&h1, &r_pf1, &rn, &r_rn, &rs, &probs, &top_wn, &top_sum, &top_w, &e_in, &r_pre2, &out2, &r_pf2, &ff});
     for (const auto* group : {&e_x, &e_gu, &e_hm, &e_eo})
       for (const Vec& v : *group) n += static_cast<int64_t>(v.size() * sizeof(float));
     return n;
@@ -78,7 +78,7 @@ struct MoeActs {
 };
 
 struct PleActs {
-  Vec ple_l, gp, gm, pp, r_ppn;   // [T, P] x3, [T, H], [T]
+  Vec ple_l, gp, gm, pp, r_ppn;  // [T, P] x3, [T, H], [T]
   int64_t bytes() const { return bytes_of({&ple_l, &gp, &gm, &pp, &r_ppn}); }
 };
 
@@ -86,7 +86,7 @@ struct LayerActs {
   AttnActs attn;
   MlpActs mlp;
   MoeActs moe;
-  Vec r_pff, x2;                  // post_ff_norm of the feed-forward output: [T], residual [T, H]
+  Vec r_pff, x2;  // post_ff_norm of the feed-forward output: [T], residual [T, H]
   PleActs ple;
   int64_t bytes() const { return attn.bytes() + mlp.bytes() + moe.bytes() + bytes_of({&r_pff, &x2}) + ple.bytes(); }
 };
@@ -106,28 +106,36 @@ struct Gemma4Model::Run {
   RowShard shard;
   // Sequence-resident arrays, gathered to this rank's tokens ([T], shard order): the full rows' values at the
   // shard's positions, docs/spec.md §5 pad values at sharding padding.
-  std::vector<TokenMeta> meta;        // [B, S] global idx/doc/group (numbered on the full row)
-  std::vector<int32_t> ids;           // [T] input ids (pad id on sharding padding)
-  std::vector<int32_t> labels;        // [T] (kIgnoreLabel on sharding padding); empty without labels
-  std::vector<uint8_t> is_pad;        // [T] 1 on sharding padding: no embedding gradient
-  std::vector<int32_t> positions;     // [T] RoPE positions
+  std::vector<TokenMeta> meta;     // [B, S] global idx/doc/group (numbered on the full row)
+  std::vector<int32_t> ids;        // [T] input ids (pad id on sharding padding)
+  std::vector<int32_t> labels;     // [T] (kIgnoreLabel on sharding padding); empty without labels
+  std::vector<uint8_t> is_pad;     // [T] 1 on sharding padding: no embedding gradient
+  std::vector<int32_t> positions;  // [T] RoPE positions
   RopeTable rope_sliding, rope_full;
-  std::vector<int64_t> feature_of;    // [T] index into image_features (global), -1 for a text token
-  std::vector<int64_t> local_feature; // [T] row of this rank's projected features, -1 for a text token
-  std::vector<int64_t> used_features; // [n] global feature rows this rank's tokens hold, in local order
-  std::vector<int32_t> ple_ids;       // [T] token ids for the per-layer embedding (pad on vision slots)
-  Vec feat_raw, feat_in, feat_rms;    // this rank's features: [n, F] as given, normed input, [n]
-  Vec h0;                             // [T, H] embedded row
-  Vec ple, ple_raw, ple_rms;          // [T, L*P] per-layer inputs; the projection half before its norm, [T*L]
-  Vec dple;                           // [T, L*P]
-  Vec d_image_features;               // [N, F]
-  std::vector<Vec> x_in;              // [L][T, H] layer inputs (training)
+  std::vector<int64_t> feature_of;     // [T] index into image_features (global), -1 for a text token
+  std::vector<int64_t> local_feature;  // [T] row of this rank's projected features, -1 for a text token
+  std::vector<int64_t> used_features;  // [n] global feature rows this rank's tokens hold, in local order
+  std::vector<int32_t> ple_ids;        // [T] token ids for the per-layer embedding (pad on vision slots)
+  Vec feat_raw, feat_in, feat_rms;     // this rank's features: [n, F] as given, normed input, [n]
+  Vec h0;                              // [T, H] embedded row
+  Vec ple, ple_raw, ple_rms;           // [T, L*P] per-layer inputs; the projection half before its norm, [T*L]
+  Vec dple;                            // [T, L*P]
+  Vec d_image_features;                // [N, F]
+  std::vector<Vec> x_in;               // [L][T, H] layer inputs (training)
   std::vector<Vec> saved_O, saved_lse;
   std::vector<Vec> kv_K, kv_V, kv_dK, kv_dV;  // [L] K/V (and their gradients) of layers others read
 
   Run(const Gemma4Model& model, const Batch& batch, const RunOptions& options, TensorSet* g, AttentionBackend& a)
-      : m(model), cfg(model.cfg_), b(batch), opt(options), grads(g), attn(a), B(batch.B), S_row(batch.S),
-        H(model.cfg_.hidden_size), eps(static_cast<float>(model.cfg_.rms_norm_eps)) {}
+      : m(model),
+        cfg(model.cfg_),
+        b(batch),
+        opt(options),
+        grads(g),
+        attn(a),
+        B(batch.B),
+        S_row(batch.S),
+        H(model.cfg_.hidden_size),
+        eps(static_cast<float>(model.cfg_.rms_norm_eps)) {}
 
   const float* W(size_t s) const { return s == kNoSlot ? nullptr : m.params_.data(s); }
   float* G(size_t s) const { return grads == nullptr || s == kNoSlot ? nullptr : grads->data(s); }

@@ -123,8 +123,8 @@ double lm_head_loss(const LmHeadLossArgs& a, const LmHeadLossOut& out) {
       if (out.token_loss) out.token_loss[t0 + i] = static_cast<float>(chunk_loss[i]);
       any_label = any_label || (a.labels && a.labels[t0 + i] != kIgnoreLabel);
     }
-    if (backward && any_label) linear_backward(x, a.W, z.data(), out.dx ? out.dx + t0 * a.H : nullptr, out.dW, n,
-                                               a.H, a.V);
+    if (backward && any_label)
+      linear_backward(x, a.W, z.data(), out.dx ? out.dx + t0 * a.H : nullptr, out.dW, n, a.H, a.V);
   }
   return total * a.loss_scale;
 }

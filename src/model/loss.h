@@ -14,13 +14,13 @@ namespace rf::model {
 constexpr int32_t kIgnoreLabel = -100;
 
 struct LmHeadLossArgs {
-  const float* x = nullptr;       // [T, H] final-normed hidden states
-  const float* W = nullptr;       // [V, H] head weight (the tied embedding)
+  const float* x = nullptr;         // [T, H] final-normed hidden states
+  const float* W = nullptr;         // [V, H] head weight (the tied embedding)
   const int32_t* labels = nullptr;  // [T] target of each position; kIgnoreLabel = no loss (null: no loss at all)
   int64_t T = 0, H = 0, V = 0;
-  float softcap = 0.f;            // logits = softcap * tanh(logits / softcap); 0 = no cap
-  float loss_scale = 0.f;         // the loss is sum(token_loss) * loss_scale (1 / number of label tokens)
-  int64_t chunk = 0;              // tokens per chunk (> 0)
+  float softcap = 0.f;     // logits = softcap * tanh(logits / softcap); 0 = no cap
+  float loss_scale = 0.f;  // the loss is sum(token_loss) * loss_scale (1 / number of label tokens)
+  int64_t chunk = 0;       // tokens per chunk (> 0)
 };
 
 struct LmHeadLossOut {

@@ -36,8 +36,8 @@ struct ExpertTask {
 };
 
 std::vector<ExpertTask> expert_tasks(const std::vector<std::vector<int64_t>>& routed, int64_t madds_per_row) {
-  const int64_t step =
-      std::max(kExpertRowsPerTask, (kParallelMinMultiplyAdds + madds_per_row - 1) / std::max<int64_t>(madds_per_row, 1));
+  const int64_t step = std::max(kExpertRowsPerTask,
+                                (kParallelMinMultiplyAdds + madds_per_row - 1) / std::max<int64_t>(madds_per_row, 1));
   std::vector<ExpertTask> tasks;
   for (int64_t e = 0; e < static_cast<int64_t>(routed.size()); ++e) {
     const int64_t n = static_cast<int64_t>(routed[e].size());
@@ -181,8 +181,8 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   std::fill_n(dmo, T * H, 0.f);
   rmsnorm_backward(mo, W(sl.post_ff_norm_1), a.r_pf1.data(), dff, dmo, G(sl.post_ff_norm_1), T, H);
   Vec dout2_buf = zeros(T * H);
-  rmsnorm_backward(a.out2.data(), W(sl.post_ff_norm_2), a.r_pf2.data(), dff, dout2_buf.data(), G(sl.post_ff_norm_2),
-                   T, H);
+  rmsnorm_backward(a.out2.data(), W(sl.post_ff_norm_2), a.r_pf2.data(), dff, dout2_buf.data(), G(sl.post_ff_norm_2), T,
+                   H);
   const float* dout2 = dout2_buf.data();
   const float* GU = W(sl.experts_gate_up);
   const float* DN = W(sl.experts_down);
@@ -205,7 +205,7 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
     for (size_t k = 0; k < tasks.size(); ++k) {
       const ExpertTask& tk = tasks[k];
       const int64_t e = tk.expert, r0 = tk.row0, n = tk.rows;
-      float* dy = a.e_eo[e].data() + r0 * H;  // [n, H] expert output, then its gradient
+      float* dy = a.e_eo[e].data() + r0 * H;       // [n, H] expert output, then its gradient
       float* gu = a.e_gu[e].data() + r0 * 2 * Im;  // [n, 2*Im] gate-up, then its gradient
       for (int64_t r = 0; r < n; ++r) {
         const int64_t tj = a.routed[e][r0 + r];
@@ -239,7 +239,8 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
     for (int64_t e = 0; e < E; ++e) {
       const int64_t n = static_cast<int64_t>(a.routed[e].size());
       if (n == 0) continue;
-      if (gDN) linear_backward(a.e_hm[e].data(), DN + e * H * Im, a.e_eo[e].data(), nullptr, gDN + e * H * Im, n, Im, H);
+      if (gDN)
+        linear_backward(a.e_hm[e].data(), DN + e * H * Im, a.e_eo[e].data(), nullptr, gDN + e * H * Im, n, Im, H);
       if (gGU)
         linear_backward(a.e_x[e].data(), GU + e * 2 * Im * H, a.e_gu[e].data(), nullptr, gGU + e * 2 * Im * H, n, H,
                         2 * Im);

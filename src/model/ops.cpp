@@ -41,8 +41,8 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
   const int64_t extent = split_rows ? M : N;
   // Inside a parallel region (callers that run independent sgemms on each thread) each call stays on its thread.
   const int64_t threads = !omp_in_parallel() && M * N * K >= kParallelMinMultiplyAdds ? omp_get_max_threads() : 1;
-  const int64_t share = std::max(kGemmQuantum, ((extent + threads - 1) / threads + kGemmQuantum - 1) / kGemmQuantum *
-                                                   kGemmQuantum);
+  const int64_t share =
+      std::max(kGemmQuantum, ((extent + threads - 1) / threads + kGemmQuantum - 1) / kGemmQuantum * kGemmQuantum);
   const int64_t blocks = (extent + share - 1) / share;
 #pragma omp parallel for schedule(static) if (blocks > 1)
   for (int64_t blk = 0; blk < blocks; ++blk) {
@@ -210,12 +210,11 @@ void rope_apply_head_major(float* x, const RopeTable& r, int B, int heads, int64
 void heads_forward(const float* x, const float* W, float* y, int B, int64_t L, int64_t K, int heads, int64_t D) {
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < heads; ++h)
-      gemm(false, true, L, D, K, 1.f, x + b * L * K, K, W + h * D * K, K, 0.f, y + (int64_t{b} * heads + h) * L * D,
-           D);
+      gemm(false, true, L, D, K, 1.f, x + b * L * K, K, W + h * D * K, K, 0.f, y + (int64_t{b} * heads + h) * L * D, D);
 }
 
-void heads_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L,
-                    int64_t K, int heads, int64_t D) {
+void heads_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L, int64_t K,
+                    int heads, int64_t D) {
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < heads; ++h) {
       const float* g = dy + (int64_t{b} * heads + h) * L * D;  // [L, D]

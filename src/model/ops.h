@@ -69,8 +69,8 @@ void rope_apply_head_major(float* x, const RopeTable& r, int B, int heads, int64
 void heads_forward(const float* x, const float* W, float* y, int B, int64_t L, int64_t K, int heads, int64_t D);
 // dx[B, L, K] += sum_h dy[b, h] W_h (skipped when dx is null); dW_h[D, K] += sum_b dy[b, h]^T x[b] (skipped when
 // dW is null). dy: [B, heads, L, D].
-void heads_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L,
-                    int64_t K, int heads, int64_t D);
+void heads_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L, int64_t K,
+                    int heads, int64_t D);
 // y[B, L, N] = sum_h x[B, h, L, D] W[N, heads*D][:, h*D : (h+1)*D]^T (o_proj), written (not accumulated).
 void merge_heads_forward(const float* x, const float* W, float* y, int B, int64_t L, int heads, int64_t D, int64_t N);
 // dx[B, heads, L, D] = dy[b] W_h (written; skipped when dx is null); dW[:, h*D : (h+1)*D] += sum_b dy[b]^T x[b, h]

@@ -100,7 +100,8 @@ void section(std::ostringstream& out, const std::string& title, const std::vecto
 // One line under a section: a per-scheme summary.
 template <typename Cell>
 void footer(std::ostringstream& out, const std::string& label, const std::vector<SchemeReport>& reports, Cell cell) {
-  out << "  " << label << std::string(static_cast<size_t>(std::max(1, kLabelWidth - 2 - static_cast<int>(label.size()))), ' ');
+  out << "  " << label
+      << std::string(static_cast<size_t>(std::max(1, kLabelWidth - 2 - static_cast<int>(label.size()))), ' ');
   for (const SchemeReport& rep : reports) column(out, cell(rep), kColumnWidth);
   out << "\n";
 }
@@ -144,7 +145,8 @@ std::string report_json(const std::vector<SchemeReport>& reports) {
   RF_CHECK(!reports.empty(), "report_json: no schemes");
   nlohmann::ordered_json root;
   root["P"] = reports.front().work.size();
-  for (const LayerTypeReport& lt : reports.front().layer_types) root["layer_types"][lt.mask.name()]["layers"] = lt.layers;
+  for (const LayerTypeReport& lt : reports.front().layer_types)
+    root["layer_types"][lt.mask.name()]["layers"] = lt.layers;
   for (const SchemeReport& rep : reports) {
     nlohmann::ordered_json s;
     s["L"] = rep.L;
@@ -167,15 +169,15 @@ namespace {
 constexpr const char* kRankColours[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f",
                                         "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"};
 constexpr int kNumColours = 10;
-constexpr int kMaxCells = 512;      // matrix cells per side: a 32K row at 64-token blocks draws every block
-constexpr double kPanel = 480.0;    // matrix side, px
-constexpr double kGap = 60.0;       // between panels
+constexpr int kMaxCells = 512;    // matrix cells per side: a 32K row at 64-token blocks draws every block
+constexpr double kPanel = 480.0;  // matrix side, px
+constexpr double kGap = 60.0;     // between panels
 constexpr double kMargin = 40.0;
 constexpr double kStripTop = 56.0, kStripHeight = 14.0, kMatrixTop = 80.0;
 constexpr double kBarHeight = 14.0, kBarGap = 4.0;
 constexpr int kOpacityLevels = 12;  // a mix's layer share is quantised to this many shades
 
-constexpr int kNoOwner = -1;                // positions past a scheme's padded row
+constexpr int kNoOwner = -1;  // positions past a scheme's padded row
 constexpr const char* kNoOwnerColour = "#dddddd";
 
 const char* rank_colour(int r) { return r == kNoOwner ? kNoOwnerColour : kRankColours[r % kNumColours]; }
@@ -184,8 +186,8 @@ const char* rank_colour(int r) { return r == kNoOwner ? kNoOwnerColour : kRankCo
 
 std::string report_svg(const TokenMeta* rows, int S, const std::vector<ShardMap>& maps,
                        const std::vector<SchemeReport>& reports, const LayerMix& mix, int block) {
-  RF_CHECK(!maps.empty() && maps.size() == reports.size(), "report_svg: ", maps.size(), " maps for ",
-           reports.size(), " reports");
+  RF_CHECK(!maps.empty() && maps.size() == reports.size(), "report_svg: ", maps.size(), " maps for ", reports.size(),
+           " reports");
   // Schemes may pad the row differently: draw the longest padded row; a scheme's own padding ends where it ends.
   int S_padded = 0;
   for (const ShardMap& map : maps) S_padded = std::max(S_padded, map.S_padded);
@@ -213,7 +215,8 @@ std::string report_svg(const TokenMeta* rows, int S, const std::vector<ShardMap>
   }
 
   int64_t max_work = 1;
-  for (const SchemeReport& rep : reports) max_work = std::max(max_work, *std::max_element(rep.work.begin(), rep.work.end()));
+  for (const SchemeReport& rep : reports)
+    max_work = std::max(max_work, *std::max_element(rep.work.begin(), rep.work.end()));
 
   const double px = kPanel / n;
   const double bars_top = kMatrixTop + kPanel + 40.0;
@@ -243,9 +246,8 @@ std::string report_svg(const TokenMeta* rows, int S, const std::vector<ShardMap>
     for (int i = 0; i < n;) {
       int e = i + 1;
       while (e < n && owner[static_cast<size_t>(e) * cell] == owner[static_cast<size_t>(i) * cell]) ++e;
-      out << "<rect x=\"" << x0 + i * px << "\" y=\"" << kStripTop << "\" width=\"" << (e - i) * px
-          << "\" height=\"" << kStripHeight << "\" fill=\"" << rank_colour(owner[static_cast<size_t>(i) * cell])
-          << "\"/>\n";
+      out << "<rect x=\"" << x0 + i * px << "\" y=\"" << kStripTop << "\" width=\"" << (e - i) * px << "\" height=\""
+          << kStripHeight << "\" fill=\"" << rank_colour(owner[static_cast<size_t>(i) * cell]) << "\"/>\n";
       i = e;
     }
     // Matrix: per query cell, runs of equal level in the query owner's colour.
@@ -266,7 +268,8 @@ std::string report_svg(const TokenMeta* rows, int S, const std::vector<ShardMap>
       }
     }
     // Work bars, one scale for all panels, a tick at the mean.
-    out << "<text x=\"" << x0 << "\" y=\"" << bars_top - 8 << "\">work per rank (same scale in every panel; | = mean)</text>\n";
+    out << "<text x=\"" << x0 << "\" y=\"" << bars_top - 8
+        << "\">work per rank (same scale in every panel; | = mean)</text>\n";
     int64_t total = 0;
     for (const int64_t w : reports[m].work) total += w;
     const double bar_len = kPanel - 80.0;
@@ -289,7 +292,8 @@ std::string report_svg(const TokenMeta* rows, int S, const std::vector<ShardMap>
         << "\"/><text x=\"" << x + 18 << "\" y=\"" << legend_top + 12 << "\">rank " << r << "</text>\n";
   }
   std::string layers;
-  for (const LayerKind& k : mix) layers += (layers.empty() ? "" : " + ") + std::to_string(k.count) + "x " + k.mask.name();
+  for (const LayerKind& k : mix)
+    layers += (layers.empty() ? "" : " + ") + std::to_string(k.count) + "x " + k.mask.name();
   out << "<text x=\"" << kMargin << "\" y=\"" << legend_top + 36 << "\">colour: rank that owns the query block; "
       << "opacity: share of the " << total_layers << " layers (" << layers
       << ") that compute the block pair; blank: never computed</text>\n";

@@ -1,6 +1,6 @@
-// ringflex report: what a sharding scheme and its communication plan mean per rank, as `ringflex plan` shows them: work and its
-// imbalance, tokens, bytes received and ring steps skipped per layer type; as a side-by-side text table, JSON, and
-// an SVG picture of the block mask coloured by query owner with per-rank work bars.
+// ringflex report: what a sharding scheme and its communication plan mean per rank, as `ringflex plan` shows them: work
+// and its imbalance, tokens, bytes received and ring steps skipped per layer type; as a side-by-side text table, JSON,
+// and an SVG picture of the block mask coloured by query owner with per-rank work bars.
 #pragma once
 
 #include <cstdint>
@@ -36,9 +36,9 @@ struct LayerTypeReport {
 struct SchemeReport {
   std::string scheme;
   int L = 0;
-  std::vector<int64_t> tokens;  // [P]: valid (non-padding) tokens held, over the B rows
-  std::vector<int64_t> work;    // [P]: mask area of its queries summed over the mix and the rows
-  double imbalance = 1.0;       // max / mean of work
+  std::vector<int64_t> tokens;               // [P]: valid (non-padding) tokens held, over the B rows
+  std::vector<int64_t> work;                 // [P]: mask area of its queries summed over the mix and the rows
+  double imbalance = 1.0;                    // max / mean of work
   std::vector<LayerTypeReport> layer_types;  // in mix order
 };
 

@@ -56,7 +56,8 @@ std::vector<fs::path> list_checkpoints(const fs::path& root) {
   if (!fs::is_directory(root)) return out;
   for (const auto& e : fs::directory_iterator(root)) {
     const std::string name = e.path().filename().string();
-    if (e.is_directory() && name.rfind(kStatePrefix, 0) == 0 && fs::exists(e.path() / kStateFile)) out.push_back(e.path());
+    if (e.is_directory() && name.rfind(kStatePrefix, 0) == 0 && fs::exists(e.path() / kStateFile))
+      out.push_back(e.path());
   }
   std::sort(out.begin(), out.end());
   return out;

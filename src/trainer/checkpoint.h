@@ -33,7 +33,7 @@ struct TrainState {
   int64_t data_position = 0;  // index of the next training row
   uint64_t seed = 0;          // train.seed the run started with (the only RNG state: data and init derive from it)
   LossHistory history;
-  std::string config_yaml;    // the resolved config of the run that wrote it
+  std::string config_yaml;  // the resolved config of the run that wrote it
 };
 
 // Writes checkpoint `state.step` under `root`, then removes all but the newest `keep`. `before_rename`, when set,

@@ -60,9 +60,11 @@ Field string_list(const std::string& name, std::vector<std::string> ModelSection
   return Field{name, "a list of strings",
                [=](TrainConfig& c, const YAML::Node& n) {
                  std::vector<std::string> items;
-                 if (n.IsScalar() && !n.Scalar().empty()) items.push_back(n.Scalar());  // `--set model.freeze=embed`
+                 if (n.IsScalar() && !n.Scalar().empty())
+                   items.push_back(n.Scalar());  // `--set model.freeze=embed`
                  else if (n.IsSequence()) {
-                   for (const YAML::Node& item : n) items.push_back(scalar_as<std::string>(item, name, "a list of strings"));
+                   for (const YAML::Node& item : n)
+                     items.push_back(scalar_as<std::string>(item, name, "a list of strings"));
                  } else {
                    RF_CHECK(n.IsNull() || n.IsScalar(), "config: field `", name, "` must be a list of strings");
                  }
@@ -123,7 +125,8 @@ const Field& find_field(const std::string& name, const std::string& source) {
 
 }  // namespace
 
-TrainConfig parse_config(const std::string& yaml_text, const std::string& source, const std::vector<std::string>& sets) {
+TrainConfig parse_config(const std::string& yaml_text, const std::string& source,
+                         const std::vector<std::string>& sets) {
   TrainConfig c;
   YAML::Node root;
   try {
@@ -203,16 +206,16 @@ void validate(const TrainConfig& c, int world_size) {
   non_negative(c.optimizer.weight_decay, "optimizer.weight_decay");
   non_negative(c.optimizer.grad_clip, "optimizer.grad_clip");
   non_negative(c.schedule.warmup_steps, "schedule.warmup_steps");
-  RF_CHECK(c.schedule.min_lr_ratio >= 0 && c.schedule.min_lr_ratio <= 1, "config: schedule.min_lr_ratio = ",
-           c.schedule.min_lr_ratio, " must be in [0, 1]");
+  RF_CHECK(c.schedule.min_lr_ratio >= 0 && c.schedule.min_lr_ratio <= 1,
+           "config: schedule.min_lr_ratio = ", c.schedule.min_lr_ratio, " must be in [0, 1]");
   positive(c.parallelism.cp, "parallelism.cp");
   positive(c.parallelism.dp, "parallelism.dp");
   RF_CHECK(c.parallelism.sharding == "contiguous" || c.parallelism.sharding == "zigzag" ||
                c.parallelism.sharding == "balanced",
            "config: parallelism.sharding = '", c.parallelism.sharding, "' is not one of contiguous, zigzag, balanced");
-  RF_CHECK(int64_t{c.parallelism.cp} * c.parallelism.dp == world_size, "config: parallelism.cp * parallelism.dp = ",
-           c.parallelism.cp, " * ", c.parallelism.dp, " = ", int64_t{c.parallelism.cp} * c.parallelism.dp,
-           " does not match the ", world_size, " rank(s) of this job");
+  RF_CHECK(int64_t{c.parallelism.cp} * c.parallelism.dp == world_size,
+           "config: parallelism.cp * parallelism.dp = ", c.parallelism.cp, " * ", c.parallelism.dp, " = ",
+           int64_t{c.parallelism.cp} * c.parallelism.dp, " does not match the ", world_size, " rank(s) of this job");
   positive(c.train.steps, "train.steps");
   positive(c.train.seq_len, "train.seq_len");
   RF_CHECK(c.train.seq_len >= c.parallelism.cp, "config: train.seq_len = ", c.train.seq_len,
@@ -221,8 +224,9 @@ void validate(const TrainConfig& c, int world_size) {
   positive(c.train.micro_batch, "train.micro_batch");
   RF_CHECK(c.train.global_batch % c.parallelism.dp == 0, "config: train.global_batch = ", c.train.global_batch,
            " is not a multiple of parallelism.dp = ", c.parallelism.dp);
-  RF_CHECK(c.global_batch_per_replica() % c.train.micro_batch == 0, "config: train.global_batch / parallelism.dp = ",
-           c.global_batch_per_replica(), " is not a multiple of train.micro_batch = ", c.train.micro_batch);
+  RF_CHECK(c.global_batch_per_replica() % c.train.micro_batch == 0,
+           "config: train.global_batch / parallelism.dp = ", c.global_batch_per_replica(),
+           " is not a multiple of train.micro_batch = ", c.train.micro_batch);
   non_negative(c.train.threads, "train.threads");
   non_negative(c.train.val_every, "train.val_every");
   positive(c.train.log_every, "train.log_every");

@@ -20,47 +20,47 @@ struct ModelSection {
 };
 
 struct DataSection {
-  std::string source = "mock";           // mock | jsonl_tokens | jsonl_text
-  std::string path;                      // the JSONL file (jsonl_tokens, jsonl_text)
-  std::string features;                  // jsonl_tokens with image spans: safetensors with `image_features` [N, F]
-  std::string tokenizer;                 // jsonl_text: SentencePiece model (default: <model.path>/tokenizer.model)
-  int val_rows = 8;                      // rows held out for validation
-  int mock_image_tokens = 16;            // mock: placeholder tokens per image block
+  std::string source = "mock";  // mock | jsonl_tokens | jsonl_text
+  std::string path;             // the JSONL file (jsonl_tokens, jsonl_text)
+  std::string features;         // jsonl_tokens with image spans: safetensors with `image_features` [N, F]
+  std::string tokenizer;        // jsonl_text: SentencePiece model (default: <model.path>/tokenizer.model)
+  int val_rows = 8;             // rows held out for validation
+  int mock_image_tokens = 16;   // mock: placeholder tokens per image block
 };
 
 struct OptimizerSection {
-  double lr = 3e-3;                      // peak learning rate
+  double lr = 3e-3;  // peak learning rate
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
-  double weight_decay = 0.1;             // decoupled (AdamW); only tensors of 2 or more dims decay
-  double grad_clip = 1.0;                // global L2 norm; 0 = off
+  double weight_decay = 0.1;  // decoupled (AdamW); only tensors of 2 or more dims decay
+  double grad_clip = 1.0;     // global L2 norm; 0 = off
 };
 
 struct ScheduleSection {
-  int warmup_steps = 20;                 // linear from lr / warmup_steps to lr
-  double min_lr_ratio = 0.1;             // cosine decays to lr * min_lr_ratio at train.steps
+  int warmup_steps = 20;      // linear from lr / warmup_steps to lr
+  double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio at train.steps
 };
 
 struct ParallelismSection {
-  int cp = 1;                            // context-parallel ranks per row
-  int dp = 1;                            // data-parallel replicas
-  std::string sharding = "balanced";     // how CP splits a row: contiguous | zigzag | balanced
+  int cp = 1;                         // context-parallel ranks per row
+  int dp = 1;                         // data-parallel replicas
+  std::string sharding = "balanced";  // how CP splits a row: contiguous | zigzag | balanced
 };
 
 struct TrainSection {
-  int steps = 300;                       // optimizer steps
-  int seq_len = 256;                     // tokens per packed row (S)
-  int global_batch = 4;                  // rows per optimizer step, over all DP replicas and accumulation
-  int micro_batch = 1;                   // rows per forward/backward on one DP replica
-  uint64_t seed = 0;                     // model init and mock data
-  int threads = 0;                       // OpenMP threads per rank; 0 = the runtime's default
-  int val_every = 50;                    // validation every N steps (and at the end); 0 = only at the end
-  int log_every = 10;                    // progress lines in a log file (a terminal updates every step)
+  int steps = 300;       // optimizer steps
+  int seq_len = 256;     // tokens per packed row (S)
+  int global_batch = 4;  // rows per optimizer step, over all DP replicas and accumulation
+  int micro_batch = 1;   // rows per forward/backward on one DP replica
+  uint64_t seed = 0;     // model init and mock data
+  int threads = 0;       // OpenMP threads per rank; 0 = the runtime's default
+  int val_every = 50;    // validation every N steps (and at the end); 0 = only at the end
+  int log_every = 10;    // progress lines in a log file (a terminal updates every step)
 };
 
 struct CheckpointSection {
-  std::string dir;                       // empty: no checkpoints
-  int every = 0;                         // steps between checkpoints (and one at the end); 0 = only at the end
-  int keep = 3;                          // keep the last K checkpoints
+  std::string dir;  // empty: no checkpoints
+  int every = 0;    // steps between checkpoints (and one at the end); 0 = only at the end
+  int keep = 3;     // keep the last K checkpoints
 };
 
 struct TrainConfig {

@@ -31,10 +31,13 @@ struct Rng {
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
   }
-  int uniform(int lo, int hi) { return lo + static_cast<int>(next() % static_cast<uint64_t>(hi - lo + 1)); }  // [lo, hi]
+  int uniform(int lo, int hi) {
+    return lo + static_cast<int>(next() % static_cast<uint64_t>(hi - lo + 1));
+  }                                                                       // [lo, hi]
   float unit() { return static_cast<float>(next() >> 40) * 0x1.0p-24f; }  // [0, 1)
   float normal() {  // Box-Muller; float64 inside so the bits do not depend on libm's float paths
-    const double u1 = (static_cast<double>(next() >> 11) + 1.0) * 0x1.0p-53, u2 = static_cast<double>(next() >> 11) * 0x1.0p-53;
+    const double u1 = (static_cast<double>(next() >> 11) + 1.0) * 0x1.0p-53,
+                 u2 = static_cast<double>(next() >> 11) * 0x1.0p-53;
     return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
   }
 };
@@ -81,15 +84,22 @@ Row empty_row(int S, int pad_id) {
 class MockSource final : public DataSource {
  public:
   MockSource(const TrainConfig& c, const DataContract& k)
-      : S_(c.train.seq_len), F_(k.feature_dim), image_tokens_(c.data.mock_image_tokens), vocab_(k.vocab_size),
-        pad_(k.pad_token_id), seed_(c.train.seed), val_rows_(c.data.val_rows) {
+      : S_(c.train.seq_len),
+        F_(k.feature_dim),
+        image_tokens_(c.data.mock_image_tokens),
+        vocab_(k.vocab_size),
+        pad_(k.pad_token_id),
+        seed_(c.train.seed),
+        val_rows_(c.data.val_rows) {
     RF_CHECK(vocab_ > mock::kFirstTextToken + 2 * mock::kClasses, "data.source = mock needs a vocabulary of more than ",
              mock::kFirstTextToken + 2 * mock::kClasses, " tokens, the model has ", vocab_);
     Rng rng(mix(seed_, kPrototypeStream));
     prototypes_.resize(static_cast<size_t>(mock::kClasses) * F_);
     for (float& x : prototypes_) x = rng.normal();
   }
-  Row train_row(int64_t index) const override { return make(mix(mix(seed_, kTrainStream), static_cast<uint64_t>(index))); }
+  Row train_row(int64_t index) const override {
+    return make(mix(mix(seed_, kTrainStream), static_cast<uint64_t>(index)));
+  }
   Row val_row(int index) const override { return make(mix(mix(seed_, kValStream), static_cast<uint64_t>(index))); }
   int val_rows() const override { return val_rows_; }
   int feature_dim() const override { return F_; }
@@ -112,7 +122,8 @@ class MockSource final : public DataSource {
       for (int s = 0; s < image_tokens_; ++s) {
         d.ids.push_back(mock::kImageSlot);
         d.mm.push_back(1);
-        for (int f = 0; f < F_; ++f) d.features.push_back(prototypes_[static_cast<size_t>(cls) * F_ + f] + kFeatureNoise * rng.normal());
+        for (int f = 0; f < F_; ++f)
+          d.features.push_back(prototypes_[static_cast<size_t>(cls) * F_ + f] + kFeatureNoise * rng.normal());
       }
       d.ids.push_back(mock::kFirstCaptionToken + cls);
       d.mm.push_back(0);
@@ -238,13 +249,13 @@ void for_each_line(const std::string& path, Fn fn) {
 void check_document(const Document& d, const std::string& where, const TrainConfig& c, const DataContract& k) {
   const int n = static_cast<int>(d.ids.size());
   RF_CHECK(n > 0, where, ": the sample has no tokens");
-  RF_CHECK(n <= c.train.seq_len, where, ": the sample has ", n, " tokens, longer than a row (train.seq_len = ",
-           c.train.seq_len, ")");
+  RF_CHECK(n <= c.train.seq_len, where, ": the sample has ", n,
+           " tokens, longer than a row (train.seq_len = ", c.train.seq_len, ")");
   for (int t = 0; t < n; ++t) {
     RF_CHECK(d.ids[t] >= 0 && d.ids[t] < k.vocab_size, where, ": token id ", d.ids[t], " at position ", t,
              " is outside the model's vocabulary [0, ", k.vocab_size, ")");
-    RF_CHECK(d.labels[t] == kIgnore || (d.labels[t] >= 0 && d.labels[t] < k.vocab_size), where, ": label ",
-             d.labels[t], " at position ", t, " is neither -100 nor in [0, ", k.vocab_size, ")");
+    RF_CHECK(d.labels[t] == kIgnore || (d.labels[t] >= 0 && d.labels[t] < k.vocab_size), where, ": label ", d.labels[t],
+             " at position ", t, " is neither -100 nor in [0, ", k.vocab_size, ")");
   }
 }
 
@@ -298,8 +309,8 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
     check_document(d, where, c, k);
     docs.push_back(std::move(d));
   });
-  RF_CHECK(used == n_features, c.data.features, ": has ", n_features, " feature rows, the image spans of ",
-           c.data.path, " use ", used);
+  RF_CHECK(used == n_features, c.data.features, ": has ", n_features, " feature rows, the image spans of ", c.data.path,
+           " use ", used);
   return docs;
 }
 
@@ -359,10 +370,9 @@ PackedBatch stack_rows(const std::vector<Row>& rows, int feature_dim) {
 std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& k) {
   if (c.data.source == "mock") return std::make_unique<MockSource>(c, k);
   int F = 0;
-  const std::vector<Document> docs =
-      c.data.source == "jsonl_tokens" ? read_token_file(c, k, F) : read_text_file(c, k);
-  return std::make_unique<PackedSource>(pack(docs, c.train.seq_len, k.pad_token_id), c.data.val_rows,
-                                        c.train.seed, F, c.data.path);
+  const std::vector<Document> docs = c.data.source == "jsonl_tokens" ? read_token_file(c, k, F) : read_text_file(c, k);
+  return std::make_unique<PackedSource>(pack(docs, c.train.seq_len, k.pad_token_id), c.data.val_rows, c.train.seed, F,
+                                        c.data.path);
 }
 
 }  // namespace rf::trainer

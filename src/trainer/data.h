@@ -21,19 +21,19 @@
 namespace rf::trainer {
 
 struct Row {
-  std::vector<int32_t> input_ids;     // [S]
-  std::vector<int32_t> labels;        // [S] shifted targets, -100 = ignored
-  std::vector<int32_t> position_ids;  // [S]
-  std::vector<int32_t> doc;           // [S] 1, 2, ... per document; 0 = padding
-  std::vector<int32_t> mm_token_type; // [S] 0 text, 1 image slot
-  std::vector<float> image_features;  // [slots, F] in slot order
+  std::vector<int32_t> input_ids;      // [S]
+  std::vector<int32_t> labels;         // [S] shifted targets, -100 = ignored
+  std::vector<int32_t> position_ids;   // [S]
+  std::vector<int32_t> doc;            // [S] 1, 2, ... per document; 0 = padding
+  std::vector<int32_t> mm_token_type;  // [S] 0 text, 1 image slot
+  std::vector<float> image_features;   // [slots, F] in slot order
 };
 
 // Rows of one micro-batch laid out as the model's Batch wants them: [B, S] arrays, features [N, F] row-major.
 struct PackedBatch {
   int B = 0, S = 0;
   std::vector<int32_t> input_ids, labels, position_ids, doc, mm_token_type;  // [B, S]
-  std::vector<float> image_features;                                          // [N, F]
+  std::vector<float> image_features;                                         // [N, F]
   int64_t n_image_features = 0;
   int64_t label_tokens() const;
   int64_t real_tokens() const;  // non-padding tokens
@@ -53,8 +53,8 @@ class DataSource {
 struct DataContract {
   int vocab_size = 0;
   int pad_token_id = 0;
-  int feature_dim = 0;      // F the model accepts (its vision projection's width, or its hidden size)
-  std::string model_path;   // where jsonl_text looks for tokenizer.model by default
+  int feature_dim = 0;     // F the model accepts (its vision projection's width, or its hidden size)
+  std::string model_path;  // where jsonl_text looks for tokenizer.model by default
 };
 
 // Builds the configured source; reads and checks the whole file (ids against the vocabulary, sample lengths
@@ -63,9 +63,9 @@ std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataCon
 
 // The mock VLM data's fixed shape, exposed for tests and docs.
 namespace mock {
-constexpr int kFirstTextToken = 32;   // ids below are special: 0 pad, 1 beginning of document, 2 image slot
+constexpr int kFirstTextToken = 32;  // ids below are special: 0 pad, 1 beginning of document, 2 image slot
 constexpr int kBos = 1, kImageSlot = 2;
-constexpr int kFirstCaptionToken = 8; // caption token of image class c is kFirstCaptionToken + c
+constexpr int kFirstCaptionToken = 8;  // caption token of image class c is kFirstCaptionToken + c
 constexpr int kClasses = 16;
 constexpr int kMinDocument = 24, kMaxDocument = 96;
 }  // namespace mock

@@ -13,9 +13,12 @@
 namespace rf::trainer {
 
 std::string metrics_json_line(const StepMetrics& m) {
-  nlohmann::ordered_json j = {{"step", m.step},           {"loss", m.loss},
-                              {"lr", m.lr},               {"grad_norm", m.grad_norm},
-                              {"tokens", m.tokens},       {"tokens_per_s", m.tokens_per_s},
+  nlohmann::ordered_json j = {{"step", m.step},
+                              {"loss", m.loss},
+                              {"lr", m.lr},
+                              {"grad_norm", m.grad_norm},
+                              {"tokens", m.tokens},
+                              {"tokens_per_s", m.tokens_per_s},
                               {"peak_rss_bytes", m.peak_rss_bytes}};
   if (m.val_loss) j["val_loss"] = *m.val_loss;
   return j.dump() + "\n";
@@ -77,11 +80,15 @@ std::string loss_svg(const LossHistory& h, const std::string& title) {
 namespace {
 // Under mpirun a rank's stdout is a pseudo-terminal of the launcher (Open MPI's I/O forwarding) whatever mpirun's
 // own stdout is, so isatty says nothing there; a launched rank prints whole lines, which read well either way.
-bool launched_by_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr; }
+bool launched_by_mpirun() {
+  return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr;
+}
 }  // namespace
 
 Progress::Progress(std::FILE* out, int total_steps, int every)
-    : out_(out), terminal_(out != nullptr && isatty(fileno(out)) && !launched_by_mpirun()), total_(total_steps),
+    : out_(out),
+      terminal_(out != nullptr && isatty(fileno(out)) && !launched_by_mpirun()),
+      total_(total_steps),
       every_(every) {}
 
 namespace {

@@ -14,10 +14,10 @@ struct StepMetrics {
   int64_t step = 0;
   double loss = 0.0;
   double lr = 0.0;
-  double grad_norm = 0.0;         // before clipping
-  int64_t tokens = 0;             // label tokens of the global batch (the loss's denominator)
-  double tokens_per_s = 0.0;      // non-padding tokens of the global batch per second of the step
-  int64_t peak_rss_bytes = 0;     // the largest peak resident set over the ranks
+  double grad_norm = 0.0;      // before clipping
+  int64_t tokens = 0;          // label tokens of the global batch (the loss's denominator)
+  double tokens_per_s = 0.0;   // non-padding tokens of the global batch per second of the step
+  int64_t peak_rss_bytes = 0;  // the largest peak resident set over the ranks
   std::optional<double> val_loss;
 };
 

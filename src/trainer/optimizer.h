@@ -36,8 +36,8 @@ class AdamW {
   void step(model::TensorSet& params, const model::TensorSet& grads, double lr, int64_t step);
 
   const std::vector<bool>& trainable() const { return trainable_; }
-  model::TensorSet& exp_avg() { return m_; }        // first moments, same names and shapes as the parameters
-  model::TensorSet& exp_avg_sq() { return v_; }     // second moments
+  model::TensorSet& exp_avg() { return m_; }     // first moments, same names and shapes as the parameters
+  model::TensorSet& exp_avg_sq() { return v_; }  // second moments
   const model::TensorSet& exp_avg() const { return m_; }
   const model::TensorSet& exp_avg_sq() const { return v_; }
 

@@ -147,8 +147,9 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     } else if (!cfg.model.path.empty()) {
       ck = model::load_checkpoint(cfg.model.path);
     } else {
-      ck.model = std::make_unique<model::Gemma4Model>(
-          model::Gemma4Config::from_json(builtin_config_json(cfg.model.builtin)), kBuiltinFeatureDim);
+      ck.model =
+          std::make_unique<model::Gemma4Model>(model::Gemma4Config::from_json(builtin_config_json(cfg.model.builtin)),
+                                               kBuiltinFeatureDim);
       ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
     }
     const model::Gemma4Model& mm = *ck.model;
@@ -160,8 +161,10 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     adam_ptr = std::make_unique<AdamW>(mm.params(), trainable_mask(mm.params(), cfg.model.freeze), cfg.optimizer);
     if (!resume_dir.empty()) load_optimizer_state(resume_dir, *adam_ptr);
   };
-  if (options.setup_guard) options.setup_guard(setup);
-  else setup();
+  if (options.setup_guard)
+    options.setup_guard(setup);
+  else
+    setup();
   state.seed = cfg.train.seed;
   state.config_yaml = to_yaml(cfg);
   model::Gemma4Model& m = *ck.model;
@@ -177,11 +180,12 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
   }
   Progress progress(lead ? options.progress : nullptr, cfg.train.steps, cfg.train.log_every);
   if (lead) {
-    progress.note(rf::concat("ringflex train: ", cfg.model.path.empty() ? "built-in " + cfg.model.builtin : cfg.model.path,
-                             ", ", m.params().total_elements(), " parameters, data ", cfg.data.source, ", S = ",
-                             cfg.train.seq_len, ", global batch ", cfg.train.global_batch, " rows (dp ", dp, " x ",
-                             cfg.accumulation_steps(), " micro-batches of ", cfg.train.micro_batch, "), cp ", cp,
-                             resume_dir.empty() ? "" : ", resumed from " + resume_dir));
+    progress.note(
+        rf::concat("ringflex train: ", cfg.model.path.empty() ? "built-in " + cfg.model.builtin : cfg.model.path, ", ",
+                   m.params().total_elements(), " parameters, data ", cfg.data.source, ", S = ", cfg.train.seq_len,
+                   ", global batch ", cfg.train.global_batch, " rows (dp ", dp, " x ", cfg.accumulation_steps(),
+                   " micro-batches of ", cfg.train.micro_batch, "), cp ", cp,
+                   resume_dir.empty() ? "" : ", resumed from " + resume_dir));
   }
 
   const int rows_per_replica = cfg.global_batch_per_replica(), micro = cfg.train.micro_batch;
@@ -268,12 +272,13 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
       std::fflush(metrics);
     }
     const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
-    progress.step(sm, elapsed / static_cast<double>(step - first_step + 1) * static_cast<double>(cfg.train.steps - step),
+    progress.step(sm,
+                  elapsed / static_cast<double>(step - first_step + 1) * static_cast<double>(cfg.train.steps - step),
                   last || sm.val_loss.has_value());
     if (sm.val_loss) progress.note(rf::concat("step ", step, ": validation loss ", *sm.val_loss));
 
-    const bool save = !cfg.checkpoint.dir.empty() &&
-                      ((cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0) || last);
+    const bool save =
+        !cfg.checkpoint.dir.empty() && ((cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0) || last);
     if (save) {
       // Rank 0 writes; the others learn whether it succeeded, so a failed save ends every rank together.
       int64_t failed = 0;
@@ -282,7 +287,8 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
         try {
           result.last_checkpoint = save_train_checkpoint(cfg.checkpoint.dir, ck, adam, state, cfg.checkpoint.keep,
                                                          options.before_checkpoint_rename);
-          if (!result.svg_path.empty()) write_file_atomically(result.svg_path, loss_svg(state.history, "ringflex train"));
+          if (!result.svg_path.empty())
+            write_file_atomically(result.svg_path, loss_svg(state.history, "ringflex train"));
         } catch (const rf::Error& e) {
           failed = 1;
           error = e.what();

@@ -33,9 +33,9 @@ std::string builtin_config_json(const std::string& name);
 constexpr int kBuiltinFeatureDim = 32;
 
 struct TrainOptions {
-  std::string resume;        // a checkpoint directory or a checkpoint root (its newest); empty: start fresh
-  std::string metrics_path;  // JSONL, one object per optimizer step (rank 0 appends); empty: none
-  std::string svg_path;      // the loss picture (end of run and every checkpoint); empty: <checkpoint.dir>/loss.svg
+  std::string resume;            // a checkpoint directory or a checkpoint root (its newest); empty: start fresh
+  std::string metrics_path;      // JSONL, one object per optimizer step (rank 0 appends); empty: none
+  std::string svg_path;          // the loss picture (end of run and every checkpoint); empty: <checkpoint.dir>/loss.svg
   std::FILE* progress = stdout;  // rank 0's progress lines; nullptr: silent
   // Runs inside a checkpoint save after its files are written, before the rename (tests simulate a crash here).
   std::function<void(const std::string&)> before_checkpoint_rename;
@@ -45,9 +45,9 @@ struct TrainOptions {
 };
 
 struct TrainResult {
-  std::vector<StepMetrics> steps;          // the steps this call ran
+  std::vector<StepMetrics> steps;  // the steps this call ran
   std::unique_ptr<model::Gemma4Model> model;
-  std::string last_checkpoint;             // empty when none was written
+  std::string last_checkpoint;  // empty when none was written
   std::string svg_path;
 };
 

@@ -36,10 +36,11 @@ struct CaseShape {
   int B = 2, Hq = 4, Hkv = 2, S = 40, D = 16;
 };
 
-const std::map<std::string, rf::testing::MetaKind> kMetaKinds = {
-    {"one_doc", rf::testing::MetaKind::OneDoc},         {"packed", rf::testing::MetaKind::Packed},
-    {"packed_images", rf::testing::MetaKind::PackedImages}, {"padded", rf::testing::MetaKind::Padded},
-    {"all_padding", rf::testing::MetaKind::AllPadding}};
+const std::map<std::string, rf::testing::MetaKind> kMetaKinds = {{"one_doc", rf::testing::MetaKind::OneDoc},
+                                                                 {"packed", rf::testing::MetaKind::Packed},
+                                                                 {"packed_images", rf::testing::MetaKind::PackedImages},
+                                                                 {"padded", rf::testing::MetaKind::Padded},
+                                                                 {"all_padding", rf::testing::MetaKind::AllPadding}};
 
 // Tensors being assembled into a file; owns their bytes until written.
 struct FileBuilder {
@@ -99,8 +100,8 @@ void make(const std::string& path, const MakeOptions& o) {
   std::vector<uint8_t> q = rf::testing::random_tensor(q_elems, core, o.seed * 10 + 1, kValueAmplitude);
   std::vector<uint8_t> k = rf::testing::random_tensor(kv_elems, core, o.seed * 10 + 2, kValueAmplitude);
   std::vector<uint8_t> v = rf::testing::random_tensor(kv_elems, core, o.seed * 10 + 3, kValueAmplitude);
-  std::vector<uint8_t> dout = o.dout ? rf::testing::random_tensor(q_elems, core, o.seed * 10 + 4, kValueAmplitude)
-                                     : std::vector<uint8_t>{};
+  std::vector<uint8_t> dout =
+      o.dout ? rf::testing::random_tensor(q_elems, core, o.seed * 10 + 4, kValueAmplitude) : std::vector<uint8_t>{};
   // Metadata as ringflex builds it: random kinds, or one document per row when the file has none.
   const std::vector<rf::TokenMeta> meta = o.meta.empty()
                                               ? rf::testing::random_meta(s.B, s.S, rf::testing::MetaKind::OneDoc, 0)
@@ -109,8 +110,10 @@ void make(const std::string& path, const MakeOptions& o) {
     rf::testing::poison_unread(o.mask, meta.data(), meta.data(), s.B, s.Hq, s.Hkv, s.S, s.S, s.D, core,
                                {&q, &k, &v, o.dout ? &dout : nullptr}, o.seed);
   if (!o.nan_in.empty()) {
-    const std::map<std::string, std::pair<std::vector<uint8_t>*, int>> target = {
-        {"q", {&q, s.Hq}}, {"k", {&k, s.Hkv}}, {"v", {&v, s.Hkv}}, {"dout", {&dout, s.Hq}}};
+    const std::map<std::string, std::pair<std::vector<uint8_t>*, int>> target = {{"q", {&q, s.Hq}},
+                                                                                 {"k", {&k, s.Hkv}},
+                                                                                 {"v", {&v, s.Hkv}},
+                                                                                 {"dout", {&dout, s.Hq}}};
     RF_CHECK(target.count(o.nan_in) && !target.at(o.nan_in).first->empty(), "--nan-in ", o.nan_in, ": no such tensor");
     rf::testing::set_element(*target.at(o.nan_in).first, int64_t{s.S / 2} * s.D, core,
                              std::numeric_limits<float>::quiet_NaN());
@@ -124,11 +127,12 @@ void make(const std::string& path, const MakeOptions& o) {
   f.writer.write(path);
 }
 
-const std::vector<std::string> kBadKinds = {
-    "missing_q", "missing_k",     "missing_v",    "kv_seq_mismatch", "v_heads_mismatch", "dout_shape",
-    "dtype_mismatch", "q_int",    "q_rank",       "heads",           "head_dim_zero",    "head_dim_large",
-    "doc_shape", "doc_dtype",     "doc_negative", "group_below_none", "truncated",       "not_safetensors",
-    "k_nan",     "dout_inf",      "q_bf16_neg_inf"};
+const std::vector<std::string> kBadKinds = {"missing_q",        "missing_k",       "missing_v",      "kv_seq_mismatch",
+                                            "v_heads_mismatch", "dout_shape",      "dtype_mismatch", "q_int",
+                                            "q_rank",           "heads",           "head_dim_zero",  "head_dim_large",
+                                            "doc_shape",        "doc_dtype",       "doc_negative",   "group_below_none",
+                                            "truncated",        "not_safetensors", "k_nan",          "dout_inf",
+                                            "q_bf16_neg_inf"};
 
 // One input per kind of bad input docs/spec.md §7 lists (the CMake file pairs each with the message it must produce).
 void make_bad(const std::string& kind, const std::string& path) {
@@ -141,9 +145,12 @@ void make_bad(const std::string& kind, const std::string& path) {
     if (with_v) f.add_random("v", StDType::F32, kv, 3);
   };
   std::vector<int32_t> ids(static_cast<size_t>(s.B * s.S), 1);
-  if (kind == "missing_q") qkv(false, true, true);
-  else if (kind == "missing_k") qkv(true, false, true);
-  else if (kind == "missing_v") qkv(true, true, false);
+  if (kind == "missing_q")
+    qkv(false, true, true);
+  else if (kind == "missing_k")
+    qkv(true, false, true);
+  else if (kind == "missing_v")
+    qkv(true, true, false);
   else if (kind == "kv_seq_mismatch") {
     qkv(true, false, true);
     f.add_random("k", StDType::F32, {s.B, s.Hkv, s.S - 1, s.D}, 2);
@@ -206,7 +213,8 @@ void make_bad(const std::string& kind, const std::string& path) {
     qkv(true, true, true);
     std::vector<std::byte> image = f.writer.serialize();
     image.resize(image.size() - 5);
-    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(image.data()), static_cast<std::streamsize>(image.size()));
+    std::ofstream(path, std::ios::binary)
+        .write(reinterpret_cast<const char*>(image.data()), static_cast<std::streamsize>(image.size()));
     return;
   } else if (kind == "not_safetensors") {
     std::ofstream(path) << "this is a text file, not a tensor file\n";
@@ -283,7 +291,8 @@ bool check(const std::string& in_path, const std::string& out_path, const MaskOp
   c.dtype = q.dtype == StDType::BF16 ? rf::DType::BF16 : rf::DType::F32;
   c.mask = mo.mask;
   c.scale = mo.scale.value_or(rf::default_scale(s.D));
-  const std::vector<uint8_t> qb(reinterpret_cast<const uint8_t*>(q.bytes.data()), reinterpret_cast<const uint8_t*>(q.bytes.data() + q.bytes.size()));
+  const std::vector<uint8_t> qb(reinterpret_cast<const uint8_t*>(q.bytes.data()),
+                                reinterpret_cast<const uint8_t*>(q.bytes.data() + q.bytes.size()));
   auto bytes = [](const rf::io::TensorView& v) {
     return std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(v.bytes.data()),
                                 reinterpret_cast<const uint8_t*>(v.bytes.data()) + v.bytes.size());
@@ -291,10 +300,12 @@ bool check(const std::string& in_path, const std::string& out_path, const MaskOp
   const std::vector<uint8_t> kb = bytes(in.at("k")), vb = bytes(in.at("v"));
   std::vector<rf::TokenMeta> meta;
   const std::vector<int32_t> doc = in.find("doc") ? rf::io::copy_as<int32_t>(in.at("doc")) : std::vector<int32_t>{};
-  const std::vector<int32_t> group = in.find("group") ? rf::io::copy_as<int32_t>(in.at("group")) : std::vector<int32_t>{};
+  const std::vector<int32_t> group =
+      in.find("group") ? rf::io::copy_as<int32_t>(in.at("group")) : std::vector<int32_t>{};
   for (int b = 0; b < s.B; ++b) {
     const size_t row = static_cast<size_t>(b) * s.Lq;
-    const auto m = rf::make_row_meta(s.Lq, doc.empty() ? nullptr : doc.data() + row, group.empty() ? nullptr : group.data() + row);
+    const auto m =
+        rf::make_row_meta(s.Lq, doc.empty() ? nullptr : doc.data() + row, group.empty() ? nullptr : group.data() + row);
     meta.insert(meta.end(), m.begin(), m.end());
   }
   c.q = qb.data();
@@ -319,7 +330,8 @@ bool check(const std::string& in_path, const std::string& out_path, const MaskOp
   bool ok = compare("out", rf::io::to_float32(out.at("out")), f.o, tol_for(f.o, true)) &&
             compare("lse", rf::io::copy_as<float>(out.at("lse")), f.lse, tol_for(f.lse, false));
   if (out.at("out").dtype != q.dtype) {
-    std::fprintf(stderr, "attn_case: `out` has dtype %s, q has %s\n", std::string(rf::io::dtype_name(out.at("out").dtype)).c_str(),
+    std::fprintf(stderr, "attn_case: `out` has dtype %s, q has %s\n",
+                 std::string(rf::io::dtype_name(out.at("out").dtype)).c_str(),
                  std::string(rf::io::dtype_name(q.dtype)).c_str());
     return false;
   }
@@ -352,7 +364,8 @@ int main(int argc, char** argv) {
   make_cmd->add_option("--D", mk.shape.D);
   make_cmd->add_option("--dtype", mk.dtype)->check(CLI::IsMember({"f32", "bf16"}));
   make_cmd->add_flag("--dout", mk.dout);
-  make_cmd->add_option("--meta", mk.meta)->check(CLI::IsMember({"one_doc", "packed", "packed_images", "padded", "all_padding"}));
+  make_cmd->add_option("--meta", mk.meta)
+      ->check(CLI::IsMember({"one_doc", "packed", "packed_images", "padded", "all_padding"}));
   make_cmd->add_option("--seed", mk.seed);
   bool make_no_causal = false;
   make_cmd->add_flag("--poison-unread", mk.poison_unread);

@@ -37,9 +37,11 @@ TEST(Agree, EveryRankReportsTheLowestFailingRank) {
   for (int P : {1, 3, 8}) {
     const int last = P - 1;
     EXPECT_EQ(agree_on(P, [&](int r) { return r == last; }),
-              std::vector<std::string>(P, "rank " + std::to_string(last) + " cannot read in.safetensors")) << P;
+              std::vector<std::string>(P, "rank " + std::to_string(last) + " cannot read in.safetensors"))
+        << P;
     EXPECT_EQ(agree_on(P, [](int r) { return r % 2 == 1 || r == 0; }),
-              std::vector<std::string>(P, "rank 0 cannot read in.safetensors")) << P;
+              std::vector<std::string>(P, "rank 0 cannot read in.safetensors"))
+        << P;
   }
 }
 

@@ -30,9 +30,7 @@ TEST(Loopback, SplitFormsAGrid) {
   for (int P : kRankCounts) run_ranks(P, cases::split_forms_a_grid);
 }
 
-TEST(Loopback, BadPeerAndTagAreRejected) {
-  run_ranks(2, cases::bad_peer_and_tag_are_rejected);
-}
+TEST(Loopback, BadPeerAndTagAreRejected) { run_ranks(2, cases::bad_peer_and_tag_are_rejected); }
 
 TEST(Loopback, FailingRankWakesBlockedPeers) {
   // Rank 1 throws before sending; rank 0 would otherwise wait its full (long) deadline.

@@ -18,9 +18,12 @@ namespace rf::testing {
 // The three non-finite float32 values (bf16 holds them too: its exponent field is float32's).
 inline float nonfinite_value(int which) {
   switch (which % 3) {
-    case 0: return std::numeric_limits<float>::quiet_NaN();
-    case 1: return std::numeric_limits<float>::infinity();
-    default: return -std::numeric_limits<float>::infinity();
+    case 0:
+      return std::numeric_limits<float>::quiet_NaN();
+    case 1:
+      return std::numeric_limits<float>::infinity();
+    default:
+      return -std::numeric_limits<float>::infinity();
   }
 }
 

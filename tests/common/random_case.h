@@ -23,11 +23,16 @@ enum class MetaKind {
 
 inline std::string kind_name(MetaKind k) {
   switch (k) {
-    case MetaKind::OneDoc: return "one_doc";
-    case MetaKind::Packed: return "packed";
-    case MetaKind::PackedImages: return "packed_images";
-    case MetaKind::Padded: return "padded";
-    case MetaKind::AllPadding: return "all_padding";
+    case MetaKind::OneDoc:
+      return "one_doc";
+    case MetaKind::Packed:
+      return "packed";
+    case MetaKind::PackedImages:
+      return "packed_images";
+    case MetaKind::Padded:
+      return "padded";
+    case MetaKind::AllPadding:
+      return "all_padding";
   }
   return "?";
 }

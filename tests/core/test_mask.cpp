@@ -74,8 +74,8 @@ struct Tally {
 };
 
 void check_pair(const LayerMask& m, const std::vector<TokenMeta>& q, const std::vector<TokenMeta>& k, Tally& t) {
-  const BlockClass got = classify(m, summarize(q.data(), static_cast<int>(q.size())),
-                                  summarize(k.data(), static_cast<int>(k.size())));
+  const BlockClass got =
+      classify(m, summarize(q.data(), static_cast<int>(q.size())), summarize(k.data(), static_cast<int>(k.size())));
   const BlockClass want = truth(m, q, k);
   ++t.cases;
   t.exact += got == want;

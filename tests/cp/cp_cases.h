@@ -34,7 +34,7 @@
 namespace rf::cp::cases {
 
 constexpr comm::Timeout kCaseTimeout{60000};  // a rank may wait while rank 0 runs the reference
-constexpr double kUlpsPerRank = 8;             // merge rescale (2 roundings) + add, with slack for exp/log
+constexpr double kUlpsPerRank = 8;            // merge rescale (2 roundings) + add, with slack for exp/log
 constexpr double kEpsF32 = std::numeric_limits<float>::epsilon();
 
 struct Case {
@@ -70,8 +70,13 @@ struct Result {
 // forward's figures, bwd_stats the backward's. Rank 0 returns the full result, the other ranks empty vectors.
 inline Result run_rows(comm::Communicator& comm, const Case& c, const Inputs& in, const ShardMap* map, Scheme scheme,
                        const CpParams& p, CpStats* bwd_stats) {
-  const RowsInput rows{AttnShape{c.B, c.Hq, c.Hkv, c.S, c.S, c.D}, c.dtype, in.q.data(), in.k.data(), in.v.data(),
-                       in.dout.data(), in.meta.data()};
+  const RowsInput rows{AttnShape{c.B, c.Hq, c.Hkv, c.S, c.S, c.D},
+                       c.dtype,
+                       in.q.data(),
+                       in.k.data(),
+                       in.v.data(),
+                       in.dout.data(),
+                       in.meta.data()};
   RowsOptions opt;
   opt.scheme = scheme_name(scheme);
   opt.map = map;
@@ -202,9 +207,9 @@ inline void check_case(comm::Communicator& comm, const Case& c, bool compare_loo
       return (s == Scheme::Contiguous ? 0 : std::size(kVariants)) + static_cast<size_t>(variant);
     };
     constexpr int kChunkRing = 0, kPlannedRing = 1;
-    for (const auto& [scheme, variant] : {std::pair{Scheme::Contiguous, kChunkRing},
-                                          std::pair{Scheme::Contiguous, kPlannedRing},
-                                          std::pair{Scheme::Zigzag, kPlannedRing}}) {
+    for (const auto& [scheme, variant] :
+         {std::pair{Scheme::Contiguous, kChunkRing}, std::pair{Scheme::Contiguous, kPlannedRing},
+          std::pair{Scheme::Zigzag, kPlannedRing}}) {
       Result loop;
       comm::run_ranks(P, [&](comm::Communicator& lc) {
         Result mine = run_cp(lc, c, in, scheme, Algo::Ring, kVariants[variant].traffic);
@@ -307,8 +312,9 @@ inline std::vector<Case> long_row_cases(int P) {
 }
 
 // Packed parity (the seed's stated target): CP forward and backward of the packed row [A, B] equal those of A
-// alone and of B alone, slice by slice (contiguous shards with the chunk ring, zigzag with the planned ring). Both sides are float32 CP runs at the same P that differ only in how keys
-// fall into chunks, so they agree to the merge rounding of both: 2 * kUlpsPerRank * P ulps of the magnitude.
+// alone and of B alone, slice by slice (contiguous shards with the chunk ring, zigzag with the planned ring). Both
+// sides are float32 CP runs at the same P that differ only in how keys fall into chunks, so they agree to the merge
+// rounding of both: 2 * kUlpsPerRank * P ulps of the magnitude.
 inline void check_packed_parity(comm::Communicator& comm, const LayerMask& mask, DType dtype) {
   using testing::MetaKind;
   const int P = comm.size();

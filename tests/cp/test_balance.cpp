@@ -63,8 +63,8 @@ TEST(Balance, ReportedWorkMatchesBruteForce) {
   std::mt19937_64 rng(9);
   const LayerMix mix = {{{true, 5, true}, 5}, {{true, 0, true}, 1}};
   for (const int P : {2, 3, 4, 8}) {
-    for (const MetaKind kind : {MetaKind::OneDoc, MetaKind::Packed, MetaKind::PackedImages, MetaKind::Padded,
-                                MetaKind::AllPadding}) {
+    for (const MetaKind kind :
+         {MetaKind::OneDoc, MetaKind::Packed, MetaKind::PackedImages, MetaKind::Padded, MetaKind::AllPadding}) {
       const int S = std::uniform_int_distribution<int>(P, 12 * P)(rng);
       constexpr int kB = 2, kBlock = 3;
       const std::vector<TokenMeta> rows = rf::testing::random_meta(kB, S, kind, rng());

@@ -50,8 +50,8 @@ TEST(CpMpi, HeaderMismatchFailsOnEveryRank) {
     cp_attention_forward(c, x, p, o.data(), lse.data());
     ADD_FAILURE() << "mismatched D must fail";
   } catch (const Error& e) {
-    EXPECT_EQ(std::string(e.what()), "ranks disagree on D: rank 0 has 16, rank " + std::to_string(c.size() - 1) +
-                                         " has 8");
+    EXPECT_EQ(std::string(e.what()),
+              "ranks disagree on D: rank 0 has 16, rank " + std::to_string(c.size() - 1) + " has 8");
   }
 }
 

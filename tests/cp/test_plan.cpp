@@ -21,7 +21,7 @@ const MetaKind kKinds[] = {MetaKind::OneDoc, MetaKind::Packed, MetaKind::PackedI
 
 // Masks whose reach ranges from one token to the whole row, with and without groups and causality.
 const LayerMask kMasks[] = {
-    {true, 0, false}, {true, 0, true}, {true, 1, false}, {true, 3, true},
+    {true, 0, false}, {true, 0, true},  {true, 1, false}, {true, 3, true},
     {true, 7, false}, {true, 20, true}, {false, 0, true}, {false, 5, false},
 };
 
@@ -97,11 +97,11 @@ TEST(CommPlan, NeverSkipsAnAllowedPair) {
         const int S = std::uniform_int_distribution<int>(P, 9 * P)(rng);
         const int B = 1 + static_cast<int>(rng() % 2);
         const std::vector<TokenMeta> rows = rf::testing::random_meta(B, S, kind, rng());
-        const std::string what = "P=" + std::to_string(P) + " S=" + std::to_string(S) + " B=" +
-                                 std::to_string(B) + " block=" + std::to_string(block) + " " +
-                                 rf::testing::kind_name(kind);
-        for (const ShardMap& map : {make_shard_map(Scheme::Contiguous, S, P, block), make_shard_map(Scheme::Zigzag, S, P, block),
-                                    balanced_shard(rows.data(), B, S, P, mix, block).map}) {
+        const std::string what = "P=" + std::to_string(P) + " S=" + std::to_string(S) + " B=" + std::to_string(B) +
+                                 " block=" + std::to_string(block) + " " + rf::testing::kind_name(kind);
+        for (const ShardMap& map :
+             {make_shard_map(Scheme::Contiguous, S, P, block), make_shard_map(Scheme::Zigzag, S, P, block),
+              balanced_shard(rows.data(), B, S, P, mix, block).map}) {
           check_plan_covers_predicate(rows, B, map, plan_of(rows, B, map, mix, block),
                                       what + " " + scheme_name(map.scheme));
           ++cases;
@@ -156,8 +156,7 @@ TEST(CommPlan, CausalContiguousNeverReceivesLaterKeys) {
   const MaskCommPlan& mp = plan.for_mask(causal);
   for (int r = 0; r < kP; ++r) {
     for (int s = 0; s < kP; ++s) {
-      const std::vector<TokenRange> expect =
-          s < r ? std::vector<TokenRange>{{0, kL}} : std::vector<TokenRange>{};
+      const std::vector<TokenRange> expect = s < r ? std::vector<TokenRange>{{0, kL}} : std::vector<TokenRange>{};
       EXPECT_EQ(mp.recv_ranges(r, s), expect) << "r=" << r << " s=" << s;
     }
     // Sources at steps 1..P-1 are r-1, r-2, ... wrapping round: P-1-r of them are later ranks.

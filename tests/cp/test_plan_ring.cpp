@@ -41,8 +41,8 @@ RingRun run(const Case& c, const Inputs& in, const ShardMap& map, RingTraffic tr
 }
 
 void expect_planned_matches_chunks(const Case& c, const ShardMap& map) {
-  SCOPED_TRACE(c.name + " " + scheme_name(map.scheme) + " P = " + std::to_string(map.P) + " L = " +
-               std::to_string(map.L));
+  SCOPED_TRACE(c.name + " " + scheme_name(map.scheme) + " P = " + std::to_string(map.P) +
+               " L = " + std::to_string(map.L));
   const Inputs in = cases::make_inputs(c);
   const RingRun planned = run(c, in, map, RingTraffic::Planned);
   const RingRun chunks = run(c, in, map, RingTraffic::Chunks);
@@ -75,8 +75,9 @@ TEST(PlannedRing, SameBitsAsChunkRing) {
       c.name = m.name() + " " + testing::kind_name(c.kind);
       const Inputs in = cases::make_inputs(c);
       const LayerMix mix = {{m, 1}};
-      for (const ShardMap& map : {make_shard_map(Scheme::Contiguous, c.S, P), make_shard_map(Scheme::Zigzag, c.S, P, 32),
-                                  balanced_shard_map(in.meta.data(), c.B, c.S, P, mix, 16)}) {
+      for (const ShardMap& map :
+           {make_shard_map(Scheme::Contiguous, c.S, P), make_shard_map(Scheme::Zigzag, c.S, P, 32),
+            balanced_shard_map(in.meta.data(), c.B, c.S, P, mix, 16)}) {
         expect_planned_matches_chunks(c, map);
       }
     }

@@ -17,8 +17,8 @@ using rf::testing::MetaKind;
 TEST(Work, AllowedKeysMatchBruteForce) {
   std::mt19937_64 rng(7);
   const LayerMask masks[] = {{true, 0, false}, {true, 0, true}, {true, 4, true}, {false, 0, true}, {false, 3, false}};
-  for (const MetaKind kind : {MetaKind::OneDoc, MetaKind::Packed, MetaKind::PackedImages, MetaKind::Padded,
-                              MetaKind::AllPadding}) {
+  for (const MetaKind kind :
+       {MetaKind::OneDoc, MetaKind::Packed, MetaKind::PackedImages, MetaKind::Padded, MetaKind::AllPadding}) {
     for (const int block : {1, 5, 16, 64}) {
       const int S = std::uniform_int_distribution<int>(1, 150)(rng);
       const std::vector<TokenMeta> row = rf::testing::random_row(S, kind, rng());
@@ -48,7 +48,8 @@ TEST(Work, RankWorkMatchesBruteForce) {
       for (int b = 0; b < kB; ++b) {
         for (const int32_t q : map.positions[r]) {
           if (map.is_pad(q)) continue;
-          for (int k = 0; k < kS; ++k) expect += kind.count * (allowed(kind.mask, rows[b * kS + q], rows[b * kS + k]) ? 1 : 0);
+          for (int k = 0; k < kS; ++k)
+            expect += kind.count * (allowed(kind.mask, rows[b * kS + q], rows[b * kS + k]) ? 1 : 0);
         }
       }
     }

@@ -33,7 +33,7 @@
 namespace rf::testing {
 
 constexpr double kEps32 = 5.9604644775390625e-8;  // 2^-24, float32 unit roundoff
-constexpr double kSlack = 16;                      // exp2 polynomial (~5 ulp) and the final divide/log
+constexpr double kSlack = 16;                     // exp2 polynomial (~5 ulp) and the final divide/log
 
 struct Case {
   int B = 1, Hq = 1, Hkv = 1, Lq = 0, Lk = 0, D = 8;

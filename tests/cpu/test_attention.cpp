@@ -21,6 +21,7 @@
 #include <string_view>
 #include <vector>
 
+#include "attention_check.h"
 #include "core/error.h"
 #include "core/merge.h"
 #include "cpu/amx.h"
@@ -28,7 +29,6 @@
 #include "cpu/dispatch.h"
 #include "cpu/isa.h"
 #include "cpu/kernels.h"
-#include "attention_check.h"
 #include "kernel_path_test.h"
 
 namespace rf::testing {
@@ -98,8 +98,8 @@ TEST_F(CpuAttention, LongRows) {
   int i = 0;
   for (const LayerMask& mask : all_masks()) {
     const MetaKind kind = kKinds[i % 4];  // all-padding is covered above
-    check_case(square_case(1, 1, 1 + i % 2, 1000, i % 2 ? 8 : 64, i % 3 ? DType::F32 : DType::BF16, mask, kind,
-                           500 + i));
+    check_case(
+        square_case(1, 1, 1 + i % 2, 1000, i % 2 ? 8 : 64, i % 3 ? DType::F32 : DType::BF16, mask, kind, 500 + i));
     ++i;
   }
 }
@@ -333,7 +333,8 @@ TEST_F(CpuAttention, ForcedPathIsTaken) {
 TEST_F(CpuAttention, AmxScoreTileIsExact) {
   if (cpu::kernel_path().bf16 != cpu::Bf16Product::Amx)
     GTEST_SKIP() << "AMX path inactive (CPU lacks AMX-TILE/AMX-BF16, arch_prctl refused, or RINGFLEX_ISA forces "
-                    "another path); bf16 ran on " << cpu::describe(cpu::kernel_path());
+                    "another path); bf16 ran on "
+                 << cpu::describe(cpu::kernel_path());
   constexpr int kRows = 20, kDp = 64, kKeys = cpu::kTileK, kPadRows = 32;  // two 16-row blocks, the last partial
   auto a_val = [](int r, int d) { return static_cast<float>((r * 3 + d) % 11 - 5); };
   auto b_val = [](int d, int j) { return static_cast<float>((d * 5 + j * 7) % 13 - 6); };

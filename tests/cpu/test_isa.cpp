@@ -22,7 +22,7 @@ CpuFeatures cpu_with(bool avx2, bool avx512, bool avx512_bf16, bool amx) {
   return f;
 }
 CpuFeatures baseline_cpu() { return cpu_with(false, false, false, false); }
-CpuFeatures avx2_cpu() { return cpu_with(true, false, false, false); }   // Zen 2/3, Haswell
+CpuFeatures avx2_cpu() { return cpu_with(true, false, false, false); }  // Zen 2/3, Haswell
 CpuFeatures avx512_cpu() { return cpu_with(true, true, true, false); }  // Zen 4
 CpuFeatures amx_cpu() { return cpu_with(true, true, true, true); }      // Sapphire Rapids
 

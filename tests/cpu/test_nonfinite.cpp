@@ -33,9 +33,12 @@ struct Shape {
 
 // Tile-straddling rows, GQA up to 16:1, generic and fast head dims, both dtypes.
 const Shape kShapes[] = {
-    {2, 1, 1, 1, 8, DType::F32},          {1, 2, 2, 3, 72, DType::BF16},
-    {1, 1, 16, kTile + 1, 64, DType::F32}, {2, 1, 2, 2 * kTile + 5, 72, DType::F32},
-    {1, 2, 1, 3 * kTile - 1, 128, DType::BF16}, {1, 1, 2, kTile + 7, 512, DType::F32},
+    {2, 1, 1, 1, 8, DType::F32},
+    {1, 2, 2, 3, 72, DType::BF16},
+    {1, 1, 16, kTile + 1, 64, DType::F32},
+    {2, 1, 2, 2 * kTile + 5, 72, DType::F32},
+    {1, 2, 1, 3 * kTile - 1, 128, DType::BF16},
+    {1, 1, 2, kTile + 7, 512, DType::F32},
 };
 
 std::vector<LayerMask> masks() {
@@ -81,9 +84,8 @@ TEST_F(CpuNonFinite, UnreadTokensChangeNoOutputBit) {
         Tensors clean = make_tensors(cs);
         const KernelResult want = run_kernels(clean.chunk, clean.dout.data());
         Tensors bad = make_tensors(cs);
-        const int64_t written =
-            poison_unread(cs.mask, cs.q_meta.data(), cs.k_meta.data(), cs.B, cs.Hq, cs.Hkv, cs.Lq, cs.Lk, cs.D,
-                          cs.dtype, {&bad.q, &bad.k, &bad.v, &bad.dout}, seed);
+        const int64_t written = poison_unread(cs.mask, cs.q_meta.data(), cs.k_meta.data(), cs.B, cs.Hq, cs.Hkv, cs.Lq,
+                                              cs.Lk, cs.D, cs.dtype, {&bad.q, &bad.k, &bad.v, &bad.dout}, seed);
         poisoned_cases += written > 0;
         expect_same_result(run_kernels(bad.chunk, bad.dout.data()), want, cs.name() + " " + kind_name(kind));
       }
@@ -97,7 +99,7 @@ TEST_F(CpuNonFinite, UnreadTokensOfARingChunk) {
     const std::vector<TokenMeta> row = random_meta(1, S, MetaKind::Padded, 77);
     Case cs;
     cs.Hq = 4, cs.Hkv = 2, cs.D = 64, cs.dtype = t, cs.mask = {true, 3 * kTile, true}, cs.seed = 78;
-    cs.q_meta.assign(row.begin() + 2 * kTile, row.end());  // the later part's queries
+    cs.q_meta.assign(row.begin() + 2 * kTile, row.end());        // the later part's queries
     cs.k_meta.assign(row.begin(), row.begin() + 2 * kTile + 3);  // against the earlier keys
     cs.Lq = static_cast<int>(cs.q_meta.size()), cs.Lk = static_cast<int>(cs.k_meta.size());
     Tensors clean = make_tensors(cs);
@@ -122,8 +124,8 @@ Affected affected_by(const Case& cs, bool on_key, int head, int token) {
   const int group = cs.Hq / cs.Hkv;
   for (int h = 0; h < cs.Hq; ++h)
     for (int i = 0; i < cs.Lq; ++i) {
-      const bool reads = on_key ? h / group == head && allowed(cs.mask, cs.q_meta[i], cs.k_meta[token])
-                                : h == head && i == token;
+      const bool reads =
+          on_key ? h / group == head && allowed(cs.mask, cs.q_meta[i], cs.k_meta[token]) : h == head && i == token;
       if (!reads) continue;
       bool reads_any = false;
       for (int j = 0; j < cs.Lk; ++j)

@@ -58,20 +58,47 @@ std::vector<std::byte> expected_bytes(StDType t) {
     std::byte* p = out.data() + i * rf::io::element_size(t);
     auto put = [p](auto v) { std::memcpy(p, &v, sizeof v); };
     switch (t) {
-      case StDType::BOOL: put(static_cast<uint8_t>(bool_value(i))); break;
-      case StDType::U8: put(static_cast<uint8_t>(unsigned_value(i))); break;
-      case StDType::I8: put(static_cast<int8_t>(signed_value(i))); break;
-      case StDType::I16: put(static_cast<int16_t>(signed_value(i))); break;
-      case StDType::U16: put(static_cast<uint16_t>(unsigned_value(i))); break;
-      case StDType::F16: put(exact_half(float_value(i))); break;
-      case StDType::BF16: put(rf::float_to_bf16(static_cast<float>(float_value(i)))); break;
-      case StDType::I32: put(static_cast<int32_t>(signed_value(i))); break;
-      case StDType::U32: put(static_cast<uint32_t>(unsigned_value(i))); break;
-      case StDType::F32: put(static_cast<float>(float_value(i))); break;
-      case StDType::I64: put(signed_value(i)); break;
-      case StDType::U64: put(unsigned_value(i)); break;
-      case StDType::F64: put(float_value(i)); break;
-      default: rf::fail("no formula for dtype ", rf::io::dtype_name(t));
+      case StDType::BOOL:
+        put(static_cast<uint8_t>(bool_value(i)));
+        break;
+      case StDType::U8:
+        put(static_cast<uint8_t>(unsigned_value(i)));
+        break;
+      case StDType::I8:
+        put(static_cast<int8_t>(signed_value(i)));
+        break;
+      case StDType::I16:
+        put(static_cast<int16_t>(signed_value(i)));
+        break;
+      case StDType::U16:
+        put(static_cast<uint16_t>(unsigned_value(i)));
+        break;
+      case StDType::F16:
+        put(exact_half(float_value(i)));
+        break;
+      case StDType::BF16:
+        put(rf::float_to_bf16(static_cast<float>(float_value(i))));
+        break;
+      case StDType::I32:
+        put(static_cast<int32_t>(signed_value(i)));
+        break;
+      case StDType::U32:
+        put(static_cast<uint32_t>(unsigned_value(i)));
+        break;
+      case StDType::F32:
+        put(static_cast<float>(float_value(i)));
+        break;
+      case StDType::I64:
+        put(signed_value(i));
+        break;
+      case StDType::U64:
+        put(unsigned_value(i));
+        break;
+      case StDType::F64:
+        put(float_value(i));
+        break;
+      default:
+        rf::fail("no formula for dtype ", rf::io::dtype_name(t));
     }
   }
   return out;
@@ -83,7 +110,8 @@ void write(const std::string& path) {
   std::vector<std::vector<std::byte>> data;
   for (StDType t : dtypes) data.push_back(expected_bytes(t));
   rf::io::SafetensorsWriter w;
-  for (size_t i = 0; i < dtypes.size(); ++i) w.add(tensor_name(dtypes[i]), dtypes[i], kShape, std::span<const std::byte>(data[i]));
+  for (size_t i = 0; i < dtypes.size(); ++i)
+    w.add(tensor_name(dtypes[i]), dtypes[i], kShape, std::span<const std::byte>(data[i]));
   w.set_metadata(kOriginKey, "ringflex");
   w.write(path);
 }

@@ -159,8 +159,7 @@ TEST_F(AtomicFileTest, CheckWritableNamesTheProblemAndCreatesNothing) {
   fs::create_directory(at("sub"));
   EXPECT_NE(error_of([&] { check_writable(at("sub")); }).find("sub: cannot write: it is a directory"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { check_writable(at("missing/out")); }).find("No such file or directory"),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { check_writable(at("missing/out")); }).find("No such file or directory"), std::string::npos);
   write_file_atomically(at("plain"), "x");
   EXPECT_NE(error_of([&] { check_writable(at("plain/out")); }).find("Not a directory"), std::string::npos);
   ASSERT_EQ(::mkfifo(at("fifo").c_str(), 0600), 0);

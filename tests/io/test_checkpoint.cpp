@@ -7,8 +7,8 @@
 #include <fstream>
 
 #include "core/error.h"
-#include "io/checkpoint.h"
 #include "error_of.h"
+#include "io/checkpoint.h"
 
 namespace rf::io {
 namespace {
@@ -51,7 +51,8 @@ TEST(Checkpoint, OpensASingleFile) {
   EXPECT_EQ(c.find("b.weight")->shape, (std::vector<int64_t>{3}));
   EXPECT_EQ(c.find("c.weight"), nullptr);
   EXPECT_EQ(c.shard_of("a.weight").path(), dir.file("model.safetensors"));
-  EXPECT_NE(error_of([&] { c.shard_of("c.weight"); }).find(": no tensor `c.weight` in the checkpoint"), std::string::npos);
+  EXPECT_NE(error_of([&] { c.shard_of("c.weight"); }).find(": no tensor `c.weight` in the checkpoint"),
+            std::string::npos);
 }
 
 TEST(Checkpoint, OpensShardsThroughTheIndex) {
@@ -81,7 +82,8 @@ TEST(Checkpoint, RejectsInconsistentFolders) {
     std::string weight_map, message;
   };
   const std::vector<Case> cases = {
-      {R"({"a": "s1.safetensors", "z": "s1.safetensors"})", "tensor `z` is mapped to " + dir.file("s1.safetensors") + ", which does not hold it"},
+      {R"({"a": "s1.safetensors", "z": "s1.safetensors"})",
+       "tensor `z` is mapped to " + dir.file("s1.safetensors") + ", which does not hold it"},
       {R"({"a": "s1.safetensors", "b": "s2.safetensors"})", "tensor `b` is in two shards"},
       {R"({"a": "missing.safetensors"})", "missing.safetensors: cannot open"},
       {R"({"a": "../s1.safetensors"})", "names `../s1.safetensors`, outside the checkpoint folder"},

@@ -11,16 +11,16 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "error_of.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
-#include "error_of.h"
 
 namespace rf::io {
 namespace {
 
-constexpr StDType kAllDTypes[] = {StDType::BOOL, StDType::U8,  StDType::I8,   StDType::F8_E5M2, StDType::F8_E4M3,
-                                  StDType::I16,  StDType::U16, StDType::F16,  StDType::BF16,    StDType::I32,
-                                  StDType::U32,  StDType::F32, StDType::I64,  StDType::U64,     StDType::F64};
+constexpr StDType kAllDTypes[] = {StDType::BOOL, StDType::U8,  StDType::I8,  StDType::F8_E5M2, StDType::F8_E4M3,
+                                  StDType::I16,  StDType::U16, StDType::F16, StDType::BF16,    StDType::I32,
+                                  StDType::U32,  StDType::F32, StDType::I64, StDType::U64,     StDType::F64};
 
 // Distinct, non-repeating bytes so a tensor read from the wrong offset cannot pass.
 std::vector<std::byte> pattern(size_t n, int seed) {
@@ -29,10 +29,10 @@ std::vector<std::byte> pattern(size_t n, int seed) {
   return b;
 }
 
-#define EXPECT_ERROR_HAS(expr, text)                                   \
-  do {                                                                 \
-    const std::string message_ = error_of([&] { (void)(expr); });      \
-    EXPECT_NE(message_.find(text), std::string::npos)                  \
+#define EXPECT_ERROR_HAS(expr, text)                                                        \
+  do {                                                                                      \
+    const std::string message_ = error_of([&] { (void)(expr); });                           \
+    EXPECT_NE(message_.find(text), std::string::npos)                                       \
         << "expected an error containing \"" << (text) << "\", got \"" << message_ << "\""; \
   } while (0)
 
@@ -46,7 +46,9 @@ std::vector<std::byte> image(const std::string& header, size_t buffer_bytes,
   return out;
 }
 
-SafetensorsFile open_image(const std::vector<std::byte>& img) { return SafetensorsFile::from_bytes(img, "bad.safetensors"); }
+SafetensorsFile open_image(const std::vector<std::byte>& img) {
+  return SafetensorsFile::from_bytes(img, "bad.safetensors");
+}
 
 TEST(Safetensors, RoundTripsEveryDTypeAndShape) {
   std::vector<std::vector<std::byte>> data;
@@ -165,10 +167,14 @@ std::vector<Corruption> corruptions() {
       {"shape overflow", image(R"({"t":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})", 8),
        "needs more than 2^64 bytes"},
       {"overlap",
-       image(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12),
+       image(
+           R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+           12),
        "tensors `a` and `b` overlap"},
       {"gap",
-       image(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})", 12),
+       image(
+           R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+           12),
        "bytes [4, 8) of the data buffer belong to no tensor"},
       {"trailing bytes", image("{" + ok_entry + "}", 12), "the last 4 bytes of the data buffer belong to no tensor"},
       {"duplicate name", image("{" + ok_entry + "," + ok_entry + "}", 8), "the key `t` appears twice"},
@@ -236,8 +242,9 @@ TEST(TensorAccess, NamesTheTensorAndTheProblem) {
                    "in.safetensors: tensor `doc` has dtype I32, expected F32 or BF16 like `q`");
   EXPECT_ERROR_HAS(require(f, {"doc", {StDType::I32}, {"B", "Hq", "S"}, ""}, dims),
                    "in.safetensors: tensor `doc` has shape [2, 3], expected rank 3 [B, Hq, S]");
-  EXPECT_ERROR_HAS(require(f, {"k_long", {StDType::F32}, {"B", "Hkv", "S", "D"}, ""}, dims),
-                   "tensor `k_long` has shape [2, 2, 5, 8] [B, Hkv, S, D], but its S = 5 differs from S = 3 of tensor `q`");
+  EXPECT_ERROR_HAS(
+      require(f, {"k_long", {StDType::F32}, {"B", "Hkv", "S", "D"}, ""}, dims),
+      "tensor `k_long` has shape [2, 2, 5, 8] [B, Hkv, S, D], but its S = 5 differs from S = 3 of tensor `q`");
   EXPECT_ERROR_HAS(copy_as<float>(f.at("doc")), "tensor `doc` has dtype I32, expected F32");
 }
 
@@ -254,8 +261,8 @@ TEST(TensorAccess, WidensFloatDTypesExactly) {
   w.add("d", StDType::F64, {2}, std::span<const double>(f64));
   w.add("i", StDType::I32, {1}, std::span<const int32_t>(i32));
   const SafetensorsFile f = SafetensorsFile::from_bytes(w.serialize(), "mem");
-  EXPECT_EQ(to_float32(f.at("h")), (std::vector<float>{1.f, -2.f, std::ldexp(1.f, -24), 65504.f,
-                                                       std::numeric_limits<float>::infinity()}));
+  EXPECT_EQ(to_float32(f.at("h")),
+            (std::vector<float>{1.f, -2.f, std::ldexp(1.f, -24), 65504.f, std::numeric_limits<float>::infinity()}));
   EXPECT_EQ(to_float32(f.at("b")), (std::vector<float>{1.f, -0.5f}));
   EXPECT_EQ(to_float32(f.at("d")), (std::vector<float>{0.1f, -3.f}));  // rounded to nearest, as static_cast does
   EXPECT_ERROR_HAS(to_float32(f.at("i")), "tensor `i` has dtype I32, expected a floating-point dtype");

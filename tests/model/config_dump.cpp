@@ -33,9 +33,9 @@ int main(int argc, char** argv) {
       const rf::model::LayerSpec s = c.layer(i);
       const char* type = s.sliding ? "sliding_attention" : "full_attention";
       if (out["inv_freq"].contains(type)) continue;
-      const rf::model::RopeTable t = rf::model::make_rope_table(&position_one, 1, s.head_dim, s.rope->proportional,
-                                                                s.rope->theta, s.rope->partial_rotary_factor,
-                                                                s.rope->factor);
+      const rf::model::RopeTable t =
+          rf::model::make_rope_table(&position_one, 1, s.head_dim, s.rope->proportional, s.rope->theta,
+                                     s.rope->partial_rotary_factor, s.rope->factor);
       std::vector<double> inv_freq;
       for (size_t k = 0; k < t.cos.size(); ++k) inv_freq.push_back(std::atan2(t.sin[k], t.cos[k]));
       out["inv_freq"][type] = inv_freq;

@@ -71,11 +71,9 @@ TEST(ModelConfig, RopeFactorIgnoredOnDefaultAppliedOnProportionalWithWarnings) {
   EXPECT_EQ(c.rope_sliding.factor, 1.0);
   EXPECT_EQ(c.rope_full.factor, 2.0);
   ASSERT_EQ(c.warnings.size(), 2u);
-  EXPECT_EQ(c.warnings[0].rfind("Unrecognized keys in `rope_parameters` for 'rope_type'='default': {'factor'}", 0),
+  EXPECT_EQ(c.warnings[0].rfind("Unrecognized keys in `rope_parameters` for 'rope_type'='default': {'factor'}", 0), 0u);
+  EXPECT_EQ(c.warnings[1].rfind("Unrecognized keys in `rope_parameters` for 'rope_type'='proportional': {'factor'}", 0),
             0u);
-  EXPECT_EQ(
-      c.warnings[1].rfind("Unrecognized keys in `rope_parameters` for 'rope_type'='proportional': {'factor'}", 0),
-      0u);
 }
 
 TEST(ModelConfig, MessagesNameFileFieldAndBothTypes) {
@@ -94,8 +92,7 @@ TEST(ModelConfig, MessagesNameFileFieldAndBothTypes) {
             "dir/config.json: field 'per_layer_config.1x' does not name a layer (per_layer_config keys are layer "
             "indices 0..29)");
   EXPECT_NE(error_of("{").find("dir/config.json: not valid JSON: "), std::string::npos);
-  EXPECT_NE(error_of(R"({"pad_token_id": -1})").find("pad_token_id = -1 must be in [0, vocab_size"),
-            std::string::npos);
+  EXPECT_NE(error_of(R"({"pad_token_id": -1})").find("pad_token_id = -1 must be in [0, vocab_size"), std::string::npos);
 }
 
 TEST(ModelConfig, NullPadTokenWithImageSlotsNeedingItIsAnError) {

@@ -214,8 +214,8 @@ void check_against_one_rank(const Gemma4Model& m, const Batch& b, const std::str
   for (const std::vector<int32_t>& pos : sh.positions)
     pad_ranks += std::all_of(pos.begin(), pos.end(), [&](int32_t p) { return sh.is_pad(p); });
   if (world().rank() == 0)
-    std::printf("  %s, scheme %s, P = %d, L = %d, %lld all-padding ranks: worst gradient error %.2e\n",
-                what.c_str(), scheme.c_str(), sh.P, sh.L, static_cast<long long>(pad_ranks), worst);
+    std::printf("  %s, scheme %s, P = %d, L = %d, %lld all-padding ranks: worst gradient error %.2e\n", what.c_str(),
+                scheme.c_str(), sh.P, sh.L, static_cast<long long>(pad_ranks), worst);
   ASSERT_EQ(r.d_image_features.size(), ref.d_image_features.size());
   if (!ref.d_image_features.empty()) {
     EXPECT_LE(relative_error(r.d_image_features.data(), ref.d_image_features.data(), ref.d_image_features.size()),

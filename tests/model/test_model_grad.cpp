@@ -86,7 +86,8 @@ constexpr double kAbsTol = 1.5e-3, kRelTol = 2e-2;
 
 void check_gradients(Gemma4Model& model, const Batch& batch) {
   // A few hundred runs of a 20-token model: one thread, since OpenMP's barriers would cost more than the work
-  // (especially on a loaded CI machine). The result does not depend on it (ModelRun.SameBitsOnRepeatAndAcrossThreadCounts).
+  // (especially on a loaded CI machine). The result does not depend on it
+  // (ModelRun.SameBitsOnRepeatAndAcrossThreadCounts).
   const int threads = omp_get_max_threads();
   omp_set_num_threads(1);
   RunOptions opt;

@@ -208,7 +208,7 @@ TEST(ModelLoss, Float32LogSumExpOverLargeVocabularyMatchesDouble) {
   const float cap = 30.f;
   constexpr double kLossTol = 5e-6, kGradRelTol = 5e-6, kGradAbsTol = 1.2e-7;
   for (const int64_t V : {int64_t{262144}, int64_t{262144} + 5}) {  // + 5: a tail past the 16-lane blocks
-    for (const float spread : {1.f, 60.f}) {                          // near-flat softmax, and a peaked one
+    for (const float spread : {1.f, 60.f}) {                        // near-flat softmax, and a peaked one
       Vec w = random_vec(static_cast<size_t>(V), 40 + static_cast<uint64_t>(spread), -spread, spread);
       const int32_t label = static_cast<int32_t>(V / 3);
       const float one = 1.f;

@@ -8,8 +8,8 @@
 #include "common/random_case.h"
 #include "core/row_meta.h"
 #include "cp/balance.h"
-#include "report/plan_report.h"
 #include "cp/shard.h"
+#include "report/plan_report.h"
 
 namespace rf::report {
 
@@ -32,7 +32,8 @@ struct Fixture {
     opt.block = kBlock;
     maps = {make_shard_map(Scheme::Contiguous, kS, kP, kBlock), make_shard_map(Scheme::Zigzag, kS, kP, kBlock),
             balanced_shard(rows.data(), kB, kS, kP, mix, kBlock).map};
-    for (const ShardMap& m : maps) reports.push_back(report_scheme(scheme_name(m.scheme), rows.data(), kB, m, mix, opt));
+    for (const ShardMap& m : maps)
+      reports.push_back(report_scheme(scheme_name(m.scheme), rows.data(), kB, m, mix, opt));
   }
 };
 
@@ -48,8 +49,8 @@ TEST(PlanReport, JsonMatchesSchemaAndNumbers) {
     const std::string name = scheme_name(f.maps[m].scheme);
     ASSERT_TRUE(j["schemes"].contains(name)) << name;
     const nlohmann::json& s = j["schemes"][name];
-    for (const char* key : {"work", "imbalance", "bytes_received", "skipped_steps", "tokens", "L",
-                            "full_ring_bytes_received"}) {
+    for (const char* key :
+         {"work", "imbalance", "bytes_received", "skipped_steps", "tokens", "L", "full_ring_bytes_received"}) {
       ASSERT_TRUE(s.contains(key)) << name << " lacks " << key;
     }
     ASSERT_TRUE(s["work"].is_array());
@@ -72,7 +73,8 @@ TEST(PlanReport, JsonMatchesSchemaAndNumbers) {
     const int64_t most = *std::max_element(work.begin(), work.end());
     int64_t total = 0;
     for (const int64_t w : work) total += w;
-    EXPECT_DOUBLE_EQ(s["imbalance"].get<double>(), static_cast<double>(most) * Fixture::kP / static_cast<double>(total));
+    EXPECT_DOUBLE_EQ(s["imbalance"].get<double>(),
+                     static_cast<double>(most) * Fixture::kP / static_cast<double>(total));
     // Bytes: tokens received x B x Hkv x D x 2 (K and V) x 2 (bf16), with the layer type's heads and head size.
     for (const LayerTypeReport& lt : f.reports[m].layer_types) {
       const std::vector<int64_t> bytes = s["bytes_received"][lt.mask.name()].get<std::vector<int64_t>>();

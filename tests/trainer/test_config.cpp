@@ -38,8 +38,9 @@ TEST(TrainConfig, YamlThenSetsInOrder) {
 }
 
 TEST(TrainConfig, PrintedConfigParsesBackToTheSameConfig) {
-  const TrainConfig c = parse_config("", "x", {"optimizer.lr=0.003", "model.freeze=embed", "schedule.min_lr_ratio=0.125",
-                                               "data.path=some file.jsonl"});
+  const TrainConfig c = parse_config("", "x",
+                                     {"optimizer.lr=0.003", "model.freeze=embed", "schedule.min_lr_ratio=0.125",
+                                      "data.path=some file.jsonl"});
   const std::string yaml = to_yaml(c);
   EXPECT_NE(yaml.find("lr: 0.003\n"), std::string::npos) << yaml;  // shortest round-trip form
   EXPECT_EQ(to_yaml(parse_config(yaml, "printed")), yaml);
@@ -53,10 +54,12 @@ TEST(TrainConfig, UnknownFieldsAndWrongTypesNameTheField) {
             "config: field `train.steps` must be an integer, got 'many'");
   EXPECT_EQ(error_of([] { parse_config("optimizer: {lr: [1, 2]}", "a.yaml"); }),
             "config: field `optimizer.lr` must be a number");
-  EXPECT_EQ(error_of([] { parse_config("", "a.yaml", {"train.steps"}); }), "--set train.steps: expected section.key=value");
+  EXPECT_EQ(error_of([] { parse_config("", "a.yaml", {"train.steps"}); }),
+            "--set train.steps: expected section.key=value");
   EXPECT_EQ(error_of([] { parse_config("- 1\n- 2\n", "a.yaml"); }),
             "a.yaml: the config must be a map of sections (model, data, optimizer, ...)");
-  EXPECT_NE(error_of([] { parse_config("train: {steps: [1", "a.yaml"); }).find("a.yaml: not valid YAML"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_config("train: {steps: [1", "a.yaml"); }).find("a.yaml: not valid YAML"),
+            std::string::npos);
   EXPECT_EQ(error_of([] { load_config("/absent/x.yaml"); }), "/absent/x.yaml: cannot open the config file");
 }
 
@@ -73,8 +76,9 @@ TEST(TrainConfig, CrossFieldRules) {
   EXPECT_EQ(check({"train.global_batch=6", "train.micro_batch=4"}, 1),
             "config: train.global_batch / parallelism.dp = 6 is not a multiple of train.micro_batch = 4");
   EXPECT_EQ(check({"model.path=/absent/ckpt"}, 1), "config: model.path = '/absent/ckpt' has no config.json");
-  EXPECT_EQ(check({"model.builtin=huge"}, 1),
-            "config: model.builtin = 'huge' is not one of tiny_dense, tiny_moe_vlm (or set model.path to a checkpoint)");
+  EXPECT_EQ(
+      check({"model.builtin=huge"}, 1),
+      "config: model.builtin = 'huge' is not one of tiny_dense, tiny_moe_vlm (or set model.path to a checkpoint)");
   EXPECT_EQ(check({"data.source=jsonl_tokens"}, 1), "config: data.path is required with data.source = jsonl_tokens");
   EXPECT_EQ(check({"data.source=jsonl_tokens", "data.path=/absent.jsonl"}, 1),
             "config: data.path = '/absent.jsonl' is not a file");

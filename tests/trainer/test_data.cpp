@@ -1,6 +1,6 @@
-// Training data: the packed-row invariants (docs/spec.md §2 metadata, shifted labels, one feature vector per image slot),
-// determinism by row index, JSONL token and text files (a SentencePiece model trained here at test time), and one
-// clear error per kind of bad data.
+// Training data: the packed-row invariants (docs/spec.md §2 metadata, shifted labels, one feature vector per image
+// slot), determinism by row index, JSONL token and text files (a SentencePiece model trained here at test time), and
+// one clear error per kind of bad data.
 #include <gtest/gtest.h>
 #include <sentencepiece_trainer.h>
 #include <unistd.h>
@@ -94,9 +94,9 @@ TEST(JsonlTokens, PacksFirstFitWithImagesAndShuffles) {
   io::SafetensorsWriter w;
   w.add("image_features", io::StDType::F32, {2, kF}, std::span<const float>(feats));
   w.write((dir / "f.safetensors").string());
-  const TrainConfig c = config_with({"data.source=jsonl_tokens", "data.path=" + (dir / "d.jsonl").string(),
-                                     "data.features=" + (dir / "f.safetensors").string(), "train.seq_len=10",
-                                     "data.val_rows=1"});
+  const TrainConfig c =
+      config_with({"data.source=jsonl_tokens", "data.path=" + (dir / "d.jsonl").string(),
+                   "data.features=" + (dir / "f.safetensors").string(), "train.seq_len=10", "data.val_rows=1"});
   const auto src = make_data_source(c, {kVocab, 0, kF, ""});
   // Rows: [4 + 5 tokens], [3 tokens], [8 + 2 tokens]; the last row is validation.
   ASSERT_EQ(src->val_rows(), 1);
@@ -135,16 +135,19 @@ TEST(JsonlTokens, BadDataNamesFileAndLine) {
     return e.substr(std::min(e.size(), prefix.size()));
   };
   EXPECT_EQ(err(""), ": the file has no samples");
-  EXPECT_EQ(err("{\"input_ids\": [1, 512]}\n"), ":1: token id 512 at position 1 is outside the model's vocabulary [0, 512)");
+  EXPECT_EQ(err("{\"input_ids\": [1, 512]}\n"),
+            ":1: token id 512 at position 1 is outside the model's vocabulary [0, 512)");
   EXPECT_EQ(err("{\"input_ids\": [1, 2]}\n{\"input_ids\": [1, 2, 3, 4, 5, 6, 7]}\n"),
             ":2: the sample has 7 tokens, longer than a row (train.seq_len = 6)");
-  EXPECT_EQ(err("{\"input_ids\": [1, -3]}\n"), ":1: token id -3 at position 1 is outside the model's vocabulary [0, 512)");
+  EXPECT_EQ(err("{\"input_ids\": [1, -3]}\n"),
+            ":1: token id -3 at position 1 is outside the model's vocabulary [0, 512)");
   EXPECT_EQ(err("{\"input_ids\": [1, 2], \"labels\": [1]}\n"), ":1: `labels` has 1 entries, `input_ids` 2");
   EXPECT_EQ(err("{\"text\": \"hi\"}\n"), ":1: missing `input_ids`");
   EXPECT_EQ(err("{\"input_ids\": [1, 2]\n").rfind(":1: not valid JSON: ", 0), 0u);
   EXPECT_EQ(err("{\"input_ids\": [1, 2, 3], \"image_spans\": [[1, 1]]}\n"),
             ":1: has `image_spans` but data.features names no features file");
-  EXPECT_EQ(err("{\"input_ids\": [1, 2]}\n"), ": packs into 1 rows, not more than data.val_rows = 1 (nothing would be left to train on)");
+  EXPECT_EQ(err("{\"input_ids\": [1, 2]}\n"),
+            ": packs into 1 rows, not more than data.val_rows = 1 (nothing would be left to train on)");
 }
 
 TEST(JsonlText, SentencePieceTokenizerTrainedHere) {
@@ -161,14 +164,16 @@ TEST(JsonlText, SentencePieceTokenizerTrainedHere) {
                         "around the ring 5", "the ring passes values around the ranks 6"})
     lines += std::string("{\"text\": \"") + t + "\"}\n";
   write(dir / "d.jsonl", lines);
-  const TrainConfig c = config_with({"data.source=jsonl_text", "data.path=" + (dir / "d.jsonl").string(),
-                                     "data.tokenizer=" + (dir / "tokenizer.model").string(), "train.seq_len=64",
-                                     "data.val_rows=1"});
+  const TrainConfig c =
+      config_with({"data.source=jsonl_text", "data.path=" + (dir / "d.jsonl").string(),
+                   "data.tokenizer=" + (dir / "tokenizer.model").string(), "train.seq_len=64", "data.val_rows=1"});
   const auto src = make_data_source(c, {kVocab, 0, 0, ""});
   for (int i = 0; i < 3; ++i) expect_well_formed(src->train_row(i), 64, 0);
   expect_well_formed(src->val_row(0), 64, 0);
   // The tokenizer must fit the model's vocabulary.
-  EXPECT_NE(error_of([&] { make_data_source(c, {10, 0, 0, ""}); }).find("pieces, more than the model's vocabulary of 10"),
+  EXPECT_NE(error_of([&] {
+              make_data_source(c, {10, 0, 0, ""});
+            }).find("pieces, more than the model's vocabulary of 10"),
             std::string::npos);
 }
 
@@ -181,7 +186,8 @@ TEST(PackedBatch, StacksRowsAndCountsLabels) {
   int64_t labels = 0;
   for (const Row& r : rows) labels += std::count_if(r.labels.begin(), r.labels.end(), [](int32_t l) { return l >= 0; });
   EXPECT_EQ(b.label_tokens(), labels);
-  EXPECT_EQ(b.n_image_features * kF, static_cast<int64_t>(rows[0].image_features.size() + rows[1].image_features.size()));
+  EXPECT_EQ(b.n_image_features * kF,
+            static_cast<int64_t>(rows[0].image_features.size() + rows[1].image_features.size()));
 }
 
 }  // namespace

@@ -12,11 +12,12 @@ namespace {
 
 model::TensorSet two_tensors() {
   model::TensorSet s;
-  s.add("w", {2, 3});   // a matrix: decays
-  s.add("norm", {3});   // a gain: does not decay
+  s.add("w", {2, 3});  // a matrix: decays
+  s.add("norm", {3});  // a gain: does not decay
   s.add("frozen", {2});
   for (size_t i = 0; i < s.size(); ++i)
-    for (size_t e = 0; e < s[i].data.size(); ++e) s[i].data[e] = 0.5f - 0.25f * static_cast<float>(e) + static_cast<float>(i);
+    for (size_t e = 0; e < s[i].data.size(); ++e)
+      s[i].data[e] = 0.5f - 0.25f * static_cast<float>(e) + static_cast<float>(i);
   return s;
 }
 

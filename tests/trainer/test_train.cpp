@@ -31,9 +31,11 @@ fs::path scratch(const std::string& name) {
 // A small, fast run of a built-in model: 64-token rows (so images of 16 slots, documents and padding all occur),
 // a global batch of 4 rows, one OpenMP thread per rank (ranks are threads here).
 TrainConfig small(const std::string& builtin, std::vector<std::string> sets) {
-  std::vector<std::string> base = {"model.builtin=" + builtin, "train.seq_len=64", "train.global_batch=4",
-                                   "train.steps=5", "train.threads=1", "data.val_rows=2", "train.val_every=0",
-                                   "schedule.warmup_steps=2", "optimizer.lr=0.003", "model.init_std=0.1"};
+  std::vector<std::string> base = {"model.builtin=" + builtin, "train.seq_len=64",
+                                   "train.global_batch=4",     "train.steps=5",
+                                   "train.threads=1",          "data.val_rows=2",
+                                   "train.val_every=0",        "schedule.warmup_steps=2",
+                                   "optimizer.lr=0.003",       "model.init_std=0.1"};
   base.insert(base.end(), sets.begin(), sets.end());
   return parse_config("", "test", base);
 }
@@ -95,11 +97,13 @@ TEST_P(GridInvariance, SameLossAtEveryDpAndAccumulationSplit) {
   expect_same_losses(ref, run(grid_case(GetParam(), {"parallelism.dp=2"})), "dp 2");
   expect_same_losses(ref, run(grid_case(GetParam(), {"parallelism.dp=4"})), "dp 4");
   expect_same_losses(ref, run(grid_case(GetParam(), {"train.micro_batch=2"})), "dp 1, micro-batches of 2");
-  expect_same_losses(ref, run(grid_case(GetParam(), {"parallelism.dp=2", "train.micro_batch=2"})), "dp 2, no accumulation");
+  expect_same_losses(ref, run(grid_case(GetParam(), {"parallelism.dp=2", "train.micro_batch=2"})),
+                     "dp 2, no accumulation");
   // Context parallelism: each row split over 2 or 4 ranks (16-token images and documents straddle the shards),
   // balanced and zigzag maps, and the 2 x 2 grid.
   expect_same_losses(ref, run(grid_case(GetParam(), {"parallelism.cp=2"})), "cp 2");
-  expect_same_losses(ref, run(grid_case(GetParam(), {"parallelism.cp=4", "parallelism.sharding=zigzag"})), "cp 4 zigzag");
+  expect_same_losses(ref, run(grid_case(GetParam(), {"parallelism.cp=4", "parallelism.sharding=zigzag"})),
+                     "cp 4 zigzag");
   expect_same_losses(ref, run(grid_case(GetParam(), {"parallelism.cp=2", "parallelism.dp=2"})), "cp 2 x dp 2");
 }
 
@@ -114,10 +118,17 @@ TEST(LabelTokens, CountedOnceOverTheGlobalBatch) {
   model::Gemma4Model m(model::Gemma4Config::from_json(builtin_config_json("tiny_moe_vlm")), kBuiltinFeatureDim);
   m.init_random(c.train.seed, static_cast<float>(c.model.init_std));
   const auto data = make_data_source(c, {m.config().vocab_size, 0, kBuiltinFeatureDim, ""});
-  const PackedBatch p = stack_rows({data->train_row(0), data->train_row(1), data->train_row(2), data->train_row(3)},
-                                   kBuiltinFeatureDim);
-  model::Batch b{p.B, p.S, p.input_ids.data(), p.labels.data(), p.position_ids.data(), p.doc.data(),
-                 p.mm_token_type.data(), p.image_features.data(), p.n_image_features};
+  const PackedBatch p =
+      stack_rows({data->train_row(0), data->train_row(1), data->train_row(2), data->train_row(3)}, kBuiltinFeatureDim);
+  model::Batch b{p.B,
+                 p.S,
+                 p.input_ids.data(),
+                 p.labels.data(),
+                 p.position_ids.data(),
+                 p.doc.data(),
+                 p.mm_token_type.data(),
+                 p.image_features.data(),
+                 p.n_image_features};
   const model::Result r = m.run(b, {}, nullptr);
   EXPECT_EQ(trained.steps[0].tokens, r.label_tokens);
   // Same model, same rows; only the summation order differs (sharded rows over 4 ranks vs one batch): float32
@@ -127,7 +138,9 @@ TEST(LabelTokens, CountedOnceOverTheGlobalBatch) {
 
 // Fewer tokens in a row than CP ranks is refused up front (validate), naming both numbers.
 TEST(ContextParallel, RowShorterThanTheGroupIsRefused) {
-  EXPECT_EQ(error_of([] { run(small("tiny_dense", {"parallelism.cp=4", "train.seq_len=3"})); }),
+  EXPECT_EQ(error_of([] {
+              run(small("tiny_dense", {"parallelism.cp=4", "train.seq_len=3"}));
+            }),
             "config: train.seq_len = 3 is shorter than parallelism.cp = 4 (every CP rank needs a token)");
 }
 
@@ -158,12 +171,15 @@ TEST(Resume, ContinuesBitForBit) {
   EXPECT_EQ(resolve_checkpoint(dir.string()), (dir / "step-00000006").string());
   TrainOptions again;
   again.resume = dir.string();
-  EXPECT_NE(error_of([&] { run(c, again); }).find("the checkpoint is at step 6 and train.steps = 6 leaves nothing to do"),
+  EXPECT_NE(error_of([&] {
+              run(c, again);
+            }).find("the checkpoint is at step 6 and train.steps = 6 leaves nothing to do"),
             std::string::npos);
   // A different batch layout cannot continue this run.
   TrainOptions other = resume;
-  EXPECT_NE(error_of([&] { run(small("tiny_moe_vlm", {"parallelism.cp=2", "train.steps=6", "train.seq_len=32"}), other); })
-                .find("train.seq_len differs from the run that wrote the checkpoint"),
+  EXPECT_NE(error_of([&] {
+              run(small("tiny_moe_vlm", {"parallelism.cp=2", "train.steps=6", "train.seq_len=32"}), other);
+            }).find("train.seq_len differs from the run that wrote the checkpoint"),
             std::string::npos);
 }
 
@@ -233,7 +249,8 @@ TEST(Freeze, FrozenParametersKeepTheirBits) {
   int frozen = 0, moved = 0;
   for (size_t i = 0; i < init.params().size(); ++i) {
     const std::string& name = init.params()[i].name;
-    const bool is_frozen = name.find("embed_tokens") != std::string::npos || name.find("layers.0.") != std::string::npos;
+    const bool is_frozen =
+        name.find("embed_tokens") != std::string::npos || name.find("layers.0.") != std::string::npos;
     const bool same = init.params()[i].data == r.model->params()[i].data;
     if (is_frozen) {
       EXPECT_TRUE(same) << name;
