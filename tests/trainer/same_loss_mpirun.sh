@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The same training under real mpirun: one rank (cp 1, dp 1) against a launch of RANKS ranks with the grid given
-# as --set arguments; every step's loss and label-token count must agree. Tolerance 1e-5 relative, as in
-# tests/trainer/test_train.cpp (float32 summation order only; a lost row or a wrong denominator is >= 1e-2).
+# as --set arguments; every step's loss and label-token count must agree. Tolerance 1e-4 relative, looser than
+# the 1e-5 of the in-process grid test (tests/trainer/test_train.cpp): across processes the one-rank run and the
+# grid take different float32 summation orders, and AdamW's update m / (sqrt(v) + eps) turns rounding-level
+# differences in near-zero gradient entries into steps of up to lr, so by step 5 the loss moves by ~1e-5 (measured
+# 1.5e-5 with the portable build). A lost row or a wrong denominator moves it by >= 1e-2, 100x above the bound.
 #   same_loss_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS GRID_SETS...
 set -euo pipefail
 work=$1 ringflex=$2
@@ -25,6 +28,6 @@ assert len(one) == len(grid) == 5, (len(one), len(grid))
 for a, b in zip(one, grid):
     assert a["tokens"] == b["tokens"], (a, b)
     rel = abs(a["loss"] - b["loss"]) / a["loss"]
-    assert rel < 1e-5, f"step {a['step']}: loss {a['loss']} vs {b['loss']} (relative {rel:.2e})"
+    assert rel < 1e-4, f"step {a['step']}: loss {a['loss']} vs {b['loss']} (relative {rel:.2e})"
 print("same losses:", [round(r["loss"], 6) for r in grid])
 PY
