@@ -228,14 +228,19 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
     r.saved_O.assign(L, {});
     r.saved_lse.assign(L, {});
   }
+  std::vector<LayerActs> kept_layers;  // [L] every layer's activations, when the backward is not to recompute them
+  const bool keep_layers = opt.want_grad && !opt.recompute_layers;
+  if (keep_layers) kept_layers.resize(static_cast<size_t>(L));
 
   Vec x = r.h0;
   Vec next = zeros(T * H);
   for (int l = 0; l < L; ++l) {
     LayerActs a;
     r.layer_forward(l, x.data(), next.data(), a, false);
-    if (opt.want_grad) {
-      r.x_in[l] = std::move(x);
+    if (opt.want_grad) r.x_in[l] = std::move(x);
+    if (keep_layers) {
+      kept_layers[l] = std::move(a);
+    } else if (opt.want_grad) {
       r.saved_O[l] = std::move(a.attn.O);
       r.saved_lse[l] = std::move(a.attn.lse);
     }
@@ -284,9 +289,11 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
     kept += static_cast<int64_t>(r.x_in[l].size() + r.saved_O[l].size() + r.saved_lse[l].size() + r.kv_K[l].size() +
                                  r.kv_V[l].size());
   res.kept_activation_bytes = kept * static_cast<int64_t>(sizeof(float));
+  for (const LayerActs& a : kept_layers) res.kept_activation_bytes += a.bytes();
 
   // Backward, one layer at a time: recompute the layer's activations from its kept input (attention output and
-  // LSE are kept, so attention itself is not recomputed), then differentiate it.
+  // LSE are kept, so attention itself is not recomputed), or take them as the forward kept them when
+  // opt.recompute_layers is off, then differentiate it.
   Vec dx = zeros(T * H);
   rmsnorm_backward(x.data(), r.W(final_norm_), r_final.data(), dxf.data(), dx.data(), r.G(final_norm_), T, H);
   if (cfg_.ple_dim > 0) r.dple = zeros(T * int64_t{L} * cfg_.ple_dim);
@@ -299,10 +306,14 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   Vec dprev = zeros(T * H);
   for (int l = L - 1; l >= 0; --l) {
     LayerActs a;
-    a.attn.O = std::move(r.saved_O[l]);
-    a.attn.lse = std::move(r.saved_lse[l]);
-    r.layer_forward(l, r.x_in[l].data(), next.data(), a, true);
-    res.layer_recompute_bytes = std::max(res.layer_recompute_bytes, a.bytes());
+    if (keep_layers) {
+      a = std::move(kept_layers[l]);
+    } else {
+      a.attn.O = std::move(r.saved_O[l]);
+      a.attn.lse = std::move(r.saved_lse[l]);
+      r.layer_forward(l, r.x_in[l].data(), next.data(), a, true);
+      res.layer_recompute_bytes = std::max(res.layer_recompute_bytes, a.bytes());
+    }
     r.layer_backward(l, a, r.x_in[l].data(), dx.data(), dprev.data());
     std::swap(dx, dprev);
     r.x_in[l] = Vec{};

@@ -42,6 +42,12 @@ struct RunOptions {
   bool want_grad = false;         // fill the gradient set
   int64_t loss_chunk_tokens = 0;  // tokens per loss chunk; 0 = as many as fit kLossChunkBytes
   double loss_normalizer = 0.0;   // divide the summed token loss by this; 0 = number of label tokens
+  // Training memory against compute. true (the default): each layer keeps only its input, attention output and LSE,
+  // and the backward recomputes the rest of the layer (norms, projections, MLP/MoE, PLE; never attention) one layer
+  // at a time. false: every layer keeps all its activations from the forward, so the backward recomputes nothing
+  // (one layer forward less per layer) at about num_layers times Result::layer_recompute_bytes more memory. Both
+  // give the same bits: the recompute is the forward's own code on the same inputs.
+  bool recompute_layers = true;
 };
 
 // Default size of the loss's one chunk of logits.

@@ -47,14 +47,15 @@ struct ParallelismSection {
 };
 
 struct TrainSection {
-  int steps = 300;       // optimizer steps
-  int seq_len = 256;     // tokens per packed row (S)
-  int global_batch = 4;  // rows per optimizer step, over all DP replicas and accumulation
-  int micro_batch = 1;   // rows per forward/backward on one DP replica
-  uint64_t seed = 0;     // model init and mock data
-  int threads = 0;       // OpenMP threads per rank; 0 = the runtime's default
-  int val_every = 50;    // validation every N steps (and at the end); 0 = only at the end
-  int log_every = 10;    // progress lines in a log file (a terminal updates every step)
+  int steps = 300;        // optimizer steps
+  int seq_len = 256;      // tokens per packed row (S)
+  int global_batch = 4;   // rows per optimizer step, over all DP replicas and accumulation
+  int micro_batch = 1;    // rows per forward/backward on one DP replica
+  uint64_t seed = 0;      // model init and mock data
+  int threads = 0;        // OpenMP threads per rank; 0 = the runtime's default
+  int val_every = 50;     // validation every N steps (and at the end); 0 = only at the end
+  int log_every = 10;     // progress lines in a log file (a terminal updates every step)
+  bool recompute = true;  // per-layer activation recompute in the backward (model::RunOptions::recompute_layers)
 };
 
 struct CheckpointSection {

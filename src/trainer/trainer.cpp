@@ -194,6 +194,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     const PackedBatch p = stack_rows(rows, data->feature_dim() > 0 ? F : 0);
     model::RunOptions ro;
     ro.want_grad = grad;
+    ro.recompute_layers = cfg.train.recompute;
     ro.loss_normalizer = std::max(1.0, normalizer);  // a batch without label tokens has loss 0, not 0 / 0
     return m.run(as_batch(p), ro, grad ? &grads : nullptr, *attention).loss;
   };

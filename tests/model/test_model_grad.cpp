@@ -231,6 +231,26 @@ TEST(ModelRun, SameBitsOnRepeatAndAcrossThreadCounts) {
   }
 }
 
+// Keeping every layer's activations instead of recomputing them in the backward changes memory, not numbers: the
+// recompute runs the forward's own code on the same inputs, so the gradients are the same bits.
+TEST(ModelRun, KeepingLayerActivationsGivesTheRecomputedBits) {
+  Gemma4Model m = make_model(
+      R"(, "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 40, "num_kv_shared_layers": 2,
+         "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8)",
+      6);
+  const TinyBatch b = make_batch(40, 6);
+  RunOptions recompute, keep;
+  recompute.want_grad = keep.want_grad = true;
+  keep.recompute_layers = false;
+  TensorSet g1 = m.params().zeros_like(), g2 = m.params().zeros_like();
+  const Result r1 = m.run(b.view(true), recompute, &g1), r2 = m.run(b.view(true), keep, &g2);
+  EXPECT_EQ(r1.loss, r2.loss);
+  EXPECT_EQ(r1.d_image_features, r2.d_image_features);
+  for (size_t s = 0; s < g1.size(); ++s) EXPECT_EQ(g1[s].data, g2[s].data) << g1[s].name;
+  EXPECT_GT(r2.kept_activation_bytes, r1.kept_activation_bytes);
+  EXPECT_EQ(r2.layer_recompute_bytes, 0);
+}
+
 // A batch of text rows, one document each, long enough that every parallel loop of the MoE block (router, expert
 // tasks, per-token sums, weight gradients) runs on several threads: their thresholds are in elements or
 // multiply-adds, and 2 x 2048 tokens with 8 experts pass them all.
