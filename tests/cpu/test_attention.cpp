@@ -313,13 +313,20 @@ TEST_F(CpuAttention, VectorExp2Accuracy) {
   EXPECT_EQ(out[4], 0.5f);  // f = 0: exactly 2^-1
 }
 
-// The path in use is the one RINGFLEX_ISA forces (CTest runs this binary under each value).
+// The path in use is the one RINGFLEX_ISA forces (CTest runs this binary under each value), or without it the best
+// one this CPU supports.
 TEST_F(CpuAttention, ForcedPathIsTaken) {
   const char* forced = std::getenv("RINGFLEX_ISA");
-  if (!forced || !*forced)
-    GTEST_SKIP() << "RINGFLEX_ISA unset: the best path runs (" << cpu::describe(cpu::kernel_path()) << ")";
-  const std::string_view name = forced;
   const cpu::KernelPath& path = cpu::kernel_path();
+  if (!forced || !*forced) {
+    // Not forced: the process runs the best path this CPU supports, as the selection computes it afresh.
+    const cpu::KernelPath best = cpu::select_path(cpu::detect_cpu(), nullptr);
+    EXPECT_EQ(path.isa, best.isa) << cpu::describe(path);
+    EXPECT_EQ(path.bf16, best.bf16) << cpu::describe(path);
+    EXPECT_EQ(cpu::kernels_for(path.isa).isa, path.isa);
+    return;
+  }
+  const std::string_view name = forced;
   EXPECT_EQ(path.bf16 == cpu::Bf16Product::Amx, name == "amx");
   EXPECT_EQ(std::string_view(cpu::isa_name(path.isa)), name == "amx" ? "avx512" : name);
   EXPECT_EQ(cpu::kernels_for(path.isa).isa, path.isa);
@@ -328,12 +335,12 @@ TEST_F(CpuAttention, ForcedPathIsTaken) {
 // The AMX score product on its own, against exact integer dot products: small integers are exact in bf16, their
 // products and sums (|c| < 2^24) exact in float32, so any layout mistake (the VNNI pairs of bt, the 16-row blocks
 // of a, the four 16-key blocks of c) shows as an exact mismatch. The sweep above runs the whole bf16 kernel on
-// this path whenever it is active; where it is not (no AMX-TILE/AMX-BF16, Linux refused the tile state, or
-// RINGFLEX_ISA forces another path) this test is skipped and says so.
+// this path whenever it is active. This test calls the tile product directly, so it runs wherever the hardware
+// has AMX, whichever path RINGFLEX_ISA forces; it is skipped (and says so) only on a CPU without AMX-TILE/AMX-BF16
+// or when Linux refused the tile state.
 TEST_F(CpuAttention, AmxScoreTileIsExact) {
-  if (cpu::kernel_path().bf16 != cpu::Bf16Product::Amx)
-    GTEST_SKIP() << "AMX path inactive (CPU lacks AMX-TILE/AMX-BF16, arch_prctl refused, or RINGFLEX_ISA forces "
-                    "another path); bf16 ran on "
+  if (!cpu::detect_cpu().amx)
+    GTEST_SKIP() << "this CPU lacks AMX (AMX-TILE/AMX-BF16), or Linux refused the tile state; bf16 ran on "
                  << cpu::describe(cpu::kernel_path());
   constexpr int kRows = 20, kDp = 64, kKeys = cpu::kTileK, kPadRows = 32;  // two 16-row blocks, the last partial
   auto a_val = [](int r, int d) { return static_cast<float>((r * 3 + d) % 11 - 5); };
