@@ -42,53 +42,22 @@ void Communicator::barrier(Timeout timeout) {
 
 namespace {
 
-template <typename T>
+// data[i] = op over ranks 0..P-1 of every rank's data[i], accumulated in Acc in rank order, so every backend and
+// every rank gets the same bits. The exchange goes in slices whose gathered copies take at most kReduceSliceBytes:
+// every rank derives the same slice length from P alone, so all post the same allgather sizes, and memory stays [P,
+// slice] however large n is (a model's gradients).
+template <typename T, typename Acc>
 void reduce_in_rank_order(Communicator& c, T* data, size_t n, ReduceOp op, Timeout timeout) {
   const size_t P = static_cast<size_t>(c.size());
-  std::vector<T> all(P * n);
-  c.allgather(data, all.data(), n * sizeof(T), timeout);
-  for (size_t i = 0; i < n; ++i) {
-    T acc = all[i];
-    for (size_t r = 1; r < P; ++r) {
-      const T x = all[r * n + i];
-      switch (op) {
-        case ReduceOp::Sum:
-          acc = acc + x;
-          break;
-        case ReduceOp::Min:
-          acc = std::min(acc, x);
-          break;
-        case ReduceOp::Max:
-          acc = std::max(acc, x);
-          break;
-      }
-    }
-    data[i] = acc;
-  }
-}
-
-}  // namespace
-
-void Communicator::allreduce(double* data, size_t n, ReduceOp op, Timeout timeout) {
-  reduce_in_rank_order(*this, data, n, op, timeout);
-}
-
-void Communicator::allreduce(int64_t* data, size_t n, ReduceOp op, Timeout timeout) {
-  reduce_in_rank_order(*this, data, n, op, timeout);
-}
-
-void Communicator::allreduce(float* data, size_t n, ReduceOp op, Timeout timeout) {
-  const size_t P = static_cast<size_t>(size());
-  // Every rank derives the same slice length from P alone, so all post the same allgather sizes.
-  const size_t slice = std::max<size_t>(1, kReduceSliceBytes / (P * sizeof(float)));
-  std::vector<float> all(P * std::min(slice, n));  // [P, slice]
+  const size_t slice = std::max<size_t>(1, Communicator::kReduceSliceBytes / (P * sizeof(T)));
+  std::vector<T> all(P * std::min(slice, n));  // [P, slice]
   for (size_t begin = 0; begin < n; begin += slice) {
     const size_t len = std::min(slice, n - begin);
-    allgather(data + begin, all.data(), len * sizeof(float), timeout);
+    c.allgather(data + begin, all.data(), len * sizeof(T), timeout);
     for (size_t i = 0; i < len; ++i) {
-      double acc = all[i];
+      Acc acc = all[i];
       for (size_t r = 1; r < P; ++r) {
-        const double x = all[r * len + i];
+        const Acc x = all[r * len + i];
         switch (op) {
           case ReduceOp::Sum:
             acc += x;
@@ -101,9 +70,24 @@ void Communicator::allreduce(float* data, size_t n, ReduceOp op, Timeout timeout
             break;
         }
       }
-      data[begin + i] = static_cast<float>(acc);
+      data[begin + i] = static_cast<T>(acc);
     }
   }
+}
+
+}  // namespace
+
+void Communicator::allreduce(double* data, size_t n, ReduceOp op, Timeout timeout) {
+  reduce_in_rank_order<double, double>(*this, data, n, op, timeout);
+}
+
+void Communicator::allreduce(int64_t* data, size_t n, ReduceOp op, Timeout timeout) {
+  reduce_in_rank_order<int64_t, int64_t>(*this, data, n, op, timeout);
+}
+
+// Float sums accumulate in double and round once: P partial gradients add without float32's order-dependent loss.
+void Communicator::allreduce(float* data, size_t n, ReduceOp op, Timeout timeout) {
+  reduce_in_rank_order<float, double>(*this, data, n, op, timeout);
 }
 
 }  // namespace rf::comm
