@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "model/elementwise.h"
 #include "model/gemma4_run.h"
 
 namespace rf::model {
@@ -137,6 +138,7 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   }
   const float* GU = W(sl.experts_gate_up);
   const float* DN = W(sl.experts_down);
+  const ElementwiseKernels& ew = elementwise();
   const std::vector<ExpertTask> tasks = expert_tasks(a.routed, Im * H);
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds))
   for (size_t k = 0; k < tasks.size(); ++k) {
@@ -149,8 +151,7 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
     float* eo = a.e_eo[e].data() + r0 * H;
     for (int64_t r = 0; r < n; ++r) std::copy_n(a.e_in.data() + (a.routed[e][r0 + r] / K) * H, H, x + r * H);
     linear_forward(x, GU + e * 2 * Im * H, gu, n, H, 2 * Im);
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t i = 0; i < Im; ++i) hm[r * Im + i] = gelu_tanh(gu[r * 2 * Im + i]) * gu[r * 2 * Im + Im + i];
+    for (int64_t r = 0; r < n; ++r) ew.geglu_forward(gu + r * 2 * Im, gu + r * 2 * Im + Im, hm + r * Im, Im);
     linear_forward(hm, DN + e * H * Im, eo, n, Im, H);
   }
   // Each token sums its experts' weighted outputs in ascending expert index, tokens in parallel.
@@ -197,6 +198,7 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
     if (!a.routed[e].empty()) e_dx[e] = zeros(static_cast<int64_t>(a.routed[e].size()) * H);
 
   // Row-local: dY (into e_eo), dw, d hm, d gate-up (into e_gu), d expert input; tasks in parallel.
+  const ElementwiseKernels& ew = elementwise();
   const std::vector<ExpertTask> tasks = expert_tasks(a.routed, Im * H);
 #pragma omp parallel if (worth_threads(routed_madds))
   {
@@ -220,11 +222,8 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
       dhm.assign(static_cast<size_t>(n * Im), 0.f);
       linear_backward(a.e_hm[e].data() + r0 * Im, DN + e * H * Im, dy, dhm.data(), nullptr, n, Im, H);
       for (int64_t r = 0; r < n; ++r) {
-        for (int64_t i = 0; i < Im; ++i) {
-          const float gate = gu[r * 2 * Im + i], up = gu[r * 2 * Im + Im + i];
-          gu[r * 2 * Im + i] = dhm[r * Im + i] * up * gelu_tanh_grad(gate);
-          gu[r * 2 * Im + Im + i] = dhm[r * Im + i] * gelu_tanh(gate);
-        }
+        float* gate_up = gu + r * 2 * Im;  // [2*Im]: gate then up, overwritten by their gradients
+        ew.geglu_backward(gate_up, gate_up + Im, dhm.data() + r * Im, gate_up, gate_up + Im, Im, false);
       }
       linear_backward(a.e_x[e].data() + r0 * H, GU + e * 2 * Im * H, gu, e_dx[e].data() + r0 * H, nullptr, n, H,
                       2 * Im);
