@@ -201,15 +201,15 @@ void Gemma4Model::Run::embed_backward(const float* dh0_in) {
 void Gemma4Model::Run::ple_forward(int l, const float* x2, PleActs& a, float* x3) {
   const LayerSlots& sl = m.slots_[l];
   const int64_t P = cfg.ple_dim, LP = int64_t{cfg.num_layers} * P;
-  a.ple_l = zeros(T * P);
+  a.ple_l = uninit(T * P);
   for (int64_t t = 0; t < T; ++t) std::copy_n(ple.data() + t * LP + l * P, P, a.ple_l.data() + t * P);
-  a.gp = zeros(T * P);
+  a.gp = uninit(T * P);
   linear_forward(x2, W(sl.ple_gate), a.gp.data(), T, H, P);
-  a.gm = zeros(T * P);
+  a.gm = uninit(T * P);
   geglu_forward(a.gp.data(), a.ple_l.data(), a.gm.data(), T * P);
-  a.pp = zeros(T * H);
+  a.pp = uninit(T * H);
   linear_forward(a.gm.data(), W(sl.ple_proj), a.pp.data(), T, P, H);
-  a.r_ppn = zeros(T);
+  a.r_ppn = uninit(T);
   rmsnorm_forward(a.pp.data(), W(sl.ple_post_norm), eps, x3, a.r_ppn.data(), T, H);
   add_into(x3, x2, T * H);
 }

@@ -162,13 +162,13 @@ void Gemma4Model::Run::layer_forward(int l, const float* x, float* out, LayerAct
   mlp_forward(l, x1, a.mlp);
   if (cfg.enable_moe) moe_forward(l, x1, a.mlp.mo.data(), a.moe);
   const Vec& ff = cfg.enable_moe ? a.moe.ff : a.mlp.mo;
-  a.x2 = zeros(T * H);
-  a.r_pff = zeros(T);
+  a.x2 = uninit(T * H);
+  a.r_pff = uninit(T);
   rmsnorm_forward(ff.data(), W(sl.post_ff_norm), eps, a.x2.data(), a.r_pff.data(), T, H);
   add_into(a.x2.data(), x1, T * H);
   Vec x3;
   if (cfg.ple_dim > 0) {
-    x3 = zeros(T * H);
+    x3 = uninit(T * H);
     ple_forward(l, a.x2.data(), a.ple, x3.data());
   }
   const float* x_last = cfg.ple_dim > 0 ? x3.data() : a.x2.data();
@@ -180,15 +180,16 @@ void Gemma4Model::Run::layer_forward(int l, const float* x, float* out, LayerAct
 void Gemma4Model::Run::layer_backward(int l, LayerActs& a, const float* x, const float* dout, float* dx) {
   const LayerSlots& sl = m.slots_[l];
   const float scalar = m.buffers_.data(sl.layer_scalar)[0];
-  Vec dx3 = zeros(T * H);
+  Vec dx3 = uninit(T * H);
+#pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t i = 0; i < T * H; ++i) dx3[i] = dout[i] * scalar;
-  Vec dx2 = dx3;  // the PLE block's residual
+  Vec dx2 = copy_of(dx3);  // the PLE block's residual
   if (cfg.ple_dim > 0) ple_backward(l, a.ple, a.x2.data(), dx3.data(), dx2.data());
   const Vec& ff = cfg.enable_moe ? a.moe.ff : a.mlp.mo;
   Vec dff = zeros(T * H);
   rmsnorm_backward(ff.data(), W(sl.post_ff_norm), a.r_pff.data(), dx2.data(), dff.data(), G(sl.post_ff_norm), T, H);
   const float* x1 = a.attn.x1.data();
-  Vec dx1 = dx2;  // the feed-forward's residual
+  Vec dx1 = copy_of(dx2);  // the feed-forward's residual
   Vec dmo;
   if (cfg.enable_moe) {
     dmo = zeros(T * H);
@@ -232,8 +233,8 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   const bool keep_layers = opt.want_grad && !opt.recompute_layers;
   if (keep_layers) kept_layers.resize(static_cast<size_t>(L));
 
-  Vec x = r.h0;
-  Vec next = zeros(T * H);
+  Vec x = copy_of(r.h0);
+  Vec next = uninit(T * H);  // layer_forward writes all of it
   for (int l = 0; l < L; ++l) {
     LayerActs a;
     r.layer_forward(l, x.data(), next.data(), a, false);
@@ -244,11 +245,12 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
       r.saved_O[l] = std::move(a.attn.O);
       r.saved_lse[l] = std::move(a.attn.lse);
     }
-    x = next;
+    x = std::move(next);
+    next = uninit(T * H);
   }
 
   // Final norm, then the fused chunked head + softcap + cross-entropy (its backward runs in the same pass).
-  Vec xf = zeros(T * H), r_final = zeros(T);
+  Vec xf = uninit(T * H), r_final = uninit(T);
   rmsnorm_forward(x.data(), r.W(final_norm_), r.eps, xf.data(), r_final.data(), T, H);
   Result res;
   // Every rank holds the whole batch's labels, so the global count is exact here, counted once, with no message.
@@ -319,7 +321,7 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
     r.x_in[l] = Vec{};
   }
   r.embed_backward(dx.data());
-  res.d_image_features = std::move(r.d_image_features);
+  res.d_image_features.assign(r.d_image_features.begin(), r.d_image_features.end());
   return res;
 }
 

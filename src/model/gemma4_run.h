@@ -10,6 +10,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <new>
+#include <utility>
 #include <vector>
 
 #include "core/attention_backend.h"
@@ -18,9 +21,52 @@
 
 namespace rf::model {
 
-using Vec = std::vector<float>;
+// Activation storage whose elements a size constructor leaves uninitialised (default-, not value-initialised).
+// std::vector<float>(n) writes n zeros on the calling thread: per layer the forward, its recompute and the backward
+// allocate ~100 activations of [T, H] to [T, I] floats, most of which the next call overwrites completely, and the
+// serial zero fill (with the first-touch page faults it takes) left the other threads waiting. Buffers a call
+// fully writes come from uninit(); buffers that are accumulated into come from zeros(), filled by all threads.
+template <typename T>
+struct DefaultInitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  DefaultInitAllocator() = default;
+  template <typename U>
+  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+using Vec = std::vector<float, DefaultInitAllocator<float>>;
 
-inline Vec zeros(int64_t n) { return Vec(static_cast<size_t>(n), 0.f); }
+// n floats the caller writes completely before reading any.
+inline Vec uninit(int64_t n) { return Vec(static_cast<size_t>(n)); }
+
+// n zeros, written by all threads (each touching its own pages first).
+inline Vec zeros(int64_t n) {
+  Vec v(static_cast<size_t>(n));
+  float* p = v.data();
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+  for (int64_t i = 0; i < n; ++i) p[i] = 0.f;
+  return v;
+}
+
+// A copy of x[n], written by all threads.
+inline Vec copy_of(const float* x, int64_t n) {
+  Vec v(static_cast<size_t>(n));
+  float* p = v.data();
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+  for (int64_t i = 0; i < n; ++i) p[i] = x[i];
+  return v;
+}
+inline Vec copy_of(const Vec& x) { return copy_of(x.data(), static_cast<int64_t>(x.size())); }
 
 inline void add_into(float* y, const float* x, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= kParallelMinElements)

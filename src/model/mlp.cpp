@@ -6,16 +6,16 @@ namespace rf::model {
 void Gemma4Model::Run::mlp_forward(int l, const float* x1, MlpActs& a) {
   const LayerSlots& sl = m.slots_[l];
   const int64_t I = m.specs_[l].intermediate;
-  a.m_in = zeros(T * H);
-  a.r_pf = zeros(T);
+  a.m_in = uninit(T * H);
+  a.r_pf = uninit(T);
   rmsnorm_forward(x1, W(sl.pre_ff_norm), eps, a.m_in.data(), a.r_pf.data(), T, H);
-  a.g = zeros(T * I);
-  a.u = zeros(T * I);
-  a.hmid = zeros(T * I);
+  a.g = uninit(T * I);
+  a.u = uninit(T * I);
+  a.hmid = uninit(T * I);
   linear_forward(a.m_in.data(), W(sl.gate_proj), a.g.data(), T, H, I);
   linear_forward(a.m_in.data(), W(sl.up_proj), a.u.data(), T, H, I);
   geglu_forward(a.g.data(), a.u.data(), a.hmid.data(), T * I);
-  a.mo = zeros(T * H);
+  a.mo = uninit(T * H);
   linear_forward(a.hmid.data(), W(sl.down_proj), a.mo.data(), T, I, H);
 }
 
