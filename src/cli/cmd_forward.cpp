@@ -66,6 +66,7 @@ struct ForwardOptions {
   std::string algo = "ring";
   int threads = 0;           // 0: OpenMP's default (every core)
   bool check_finite = true;  // reject NaN/inf in the checkpoint's parameters and image_features up front
+  bool recompute = true;     // the backward recomputes each layer's activations (RunOptions::recompute_layers)
   std::string stats;         // --stats: per-rank figures as JSON
 };
 
@@ -297,6 +298,7 @@ int run_forward(const ForwardOptions& opt) {
   model::RunOptions ro;
   ro.want_grad = opt.grad;
   ro.want_logits = !opt.no_logits;
+  ro.recompute_layers = opt.recompute;
   model::TensorSet grads;
   if (opt.grad) grads = m.params().zeros_like();
   cpu::LocalAttention local;
@@ -403,6 +405,10 @@ void add_forward_command(CLI::App& app, Runner& run) {
       ->check(CLI::Range(1, kMaxThreads));
   cmd->add_flag("--check-finite,!--no-check-finite", opt->check_finite,
                 "Reject a NaN or infinity in the parameters or image_features before computing (default)");
+  cmd->add_flag("--recompute,!--no-recompute", opt->recompute,
+                "With --grad: keep only each layer's input, attention output and LSE and recompute the rest in the "
+                "backward (default); --no-recompute keeps every activation (one layer forward less per layer, about "
+                "num_layers times more activation memory; the same bits)");
   cmd->callback([&run, opt] { run = [opt] { return run_forward(*opt); }; });
 }
 
