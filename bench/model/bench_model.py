@@ -20,6 +20,7 @@ Reported: medians over the repeats, and ratios of tokens/s to PyTorch eager and 
 
     python3 bench/model/bench_model.py build/src/cli/ringflex --config tiny --seq 512 --reps 3
     python3 bench/model/bench_model.py build/src/cli/ringflex --config 100m --seq 4096 --reps 3
+    python3 bench/model/bench_model.py build/src/cli/ringflex --config 100m --seq 4096 --reps 3 --keep-mlp
     python3 bench/model/bench_model.py build/src/cli/ringflex --config 100m-moe --seq 4096 --reps 3
 """
 import argparse
@@ -134,10 +135,10 @@ def model_flops(spec, n_params, S):
     return flops
 
 
-def run_ringflex(ringflex, ckpt, batch, out, threads, recompute):
+def run_ringflex(ringflex, ckpt, batch, out, threads, recompute, keep_mlp):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cmd = ["/usr/bin/time", "-v", ringflex, "forward", "--model", ckpt, "--in", batch, "--out", out, "--grad",
-           "--no-logits"] + ([] if recompute else ["--no-recompute"])
+           "--no-logits"] + ([] if recompute else ["--no-recompute"]) + (["--keep-mlp"] if keep_mlp else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     step = float(re.search(r"forward\+backward ([0-9.]+) s", proc.stdout).group(1))
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
@@ -162,6 +163,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-recompute", dest="recompute", action="store_false",
                     help="ringflex keeps every layer's activations instead of recomputing them in the backward")
+    ap.add_argument("--keep-mlp", action="store_true",
+                    help="ringflex keeps each MLP's projections, so its recompute skips the MLP sgemms")
     ap.add_argument("--skip-eager", action="store_true", help="run PyTorch with SDPA only (eager is slow at long S)")
     a = ap.parse_args()
     cfg = Gemma4TextConfig(**CONFIGS[a.config], **COMMON)
@@ -185,12 +188,12 @@ def main():
         for _ in range(a.reps):
             peaks.append(sgemm.gflops())
             results["ringflex"].append(run_ringflex(a.ringflex, ckpt, batch, os.path.join(d, "out.safetensors"),
-                                                    a.threads, a.recompute))
+                                                    a.threads, a.recompute, a.keep_mlp))
             for name in impls:
                 results[name].append(run_torch(ckpt, name.split()[1], a.threads, S))
     peak = statistics.median(peaks)
     print(f"config {a.config}: {n_params / 1e6:.1f}M parameters, S = {S}, B = 1, threads = {a.threads}, "
-          f"reps = {a.reps}, ringflex {'recomputes layers' if a.recompute else 'keeps every activation'}")
+          f"reps = {a.reps}, ringflex {'keeps every activation' if not a.recompute else 'recomputes layers' + (' but the MLP projections' if a.keep_mlp else '')}")
     print(f"CPU: {cpu_name()}; 1-thread sgemm (N = {SGEMM_N}) median {peak:.1f} GFLOP/s "
           f"(runs: {', '.join(f'{p:.1f}' for p in peaks)}); model FLOPs per step {flops / 1e12:.3f} T "
           f"(6 N T + attention)")

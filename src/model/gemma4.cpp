@@ -224,13 +224,17 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   r.kv_V.assign(L, {});
   r.kv_dK.assign(L, {});
   r.kv_dV.assign(L, {});
+  const bool keep_layers = opt.want_grad && !opt.recompute_layers;
+  const bool keep_mlp = opt.want_grad && opt.recompute_layers && opt.keep_mlp_projections;
   if (opt.want_grad) {
     r.x_in.assign(L, {});
     r.saved_O.assign(L, {});
     r.saved_lse.assign(L, {});
+    r.saved_g.assign(L, {});
+    r.saved_u.assign(L, {});
+    r.saved_mo.assign(L, {});
   }
   std::vector<LayerActs> kept_layers;  // [L] every layer's activations, when the backward is not to recompute them
-  const bool keep_layers = opt.want_grad && !opt.recompute_layers;
   if (keep_layers) kept_layers.resize(static_cast<size_t>(L));
 
   Vec x = copy_of(r.h0);
@@ -244,6 +248,11 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
     } else if (opt.want_grad) {
       r.saved_O[l] = std::move(a.attn.O);
       r.saved_lse[l] = std::move(a.attn.lse);
+      if (keep_mlp) {
+        r.saved_g[l] = std::move(a.mlp.g);
+        r.saved_u[l] = std::move(a.mlp.u);
+        r.saved_mo[l] = std::move(a.mlp.mo);
+      }
     }
     x = std::move(next);
     next = uninit(T * H);
@@ -289,7 +298,7 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   int64_t kept = static_cast<int64_t>(r.h0.size() + r.ple.size() + r.ple_raw.size() + r.ple_rms.size());
   for (int l = 0; l < L; ++l)
     kept += static_cast<int64_t>(r.x_in[l].size() + r.saved_O[l].size() + r.saved_lse[l].size() + r.kv_K[l].size() +
-                                 r.kv_V[l].size());
+                                 r.kv_V[l].size() + r.saved_g[l].size() + r.saved_u[l].size() + r.saved_mo[l].size());
   res.kept_activation_bytes = kept * static_cast<int64_t>(sizeof(float));
   for (const LayerActs& a : kept_layers) res.kept_activation_bytes += a.bytes();
 
@@ -313,8 +322,13 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
     } else {
       a.attn.O = std::move(r.saved_O[l]);
       a.attn.lse = std::move(r.saved_lse[l]);
+      a.mlp.g = std::move(r.saved_g[l]);
+      a.mlp.u = std::move(r.saved_u[l]);
+      a.mlp.mo = std::move(r.saved_mo[l]);
       r.layer_forward(l, r.x_in[l].data(), next.data(), a, true);
-      res.layer_recompute_bytes = std::max(res.layer_recompute_bytes, a.bytes());
+      // The MLP projections handed back are counted among the kept activations already.
+      const int64_t handed = keep_mlp ? bytes_of({&a.mlp.g, &a.mlp.u, &a.mlp.mo}) : 0;
+      res.layer_recompute_bytes = std::max(res.layer_recompute_bytes, a.bytes() - handed);
     }
     r.layer_backward(l, a, r.x_in[l].data(), dx.data(), dprev.data());
     std::swap(dx, dprev);

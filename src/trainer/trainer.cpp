@@ -195,6 +195,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     model::RunOptions ro;
     ro.want_grad = grad;
     ro.recompute_layers = cfg.train.recompute;
+    ro.keep_mlp_projections = cfg.train.keep_mlp;
     ro.loss_normalizer = std::max(1.0, normalizer);  // a batch without label tokens has loss 0, not 0 / 0
     return m.run(as_batch(p), ro, grad ? &grads : nullptr, *attention).loss;
   };
