@@ -13,8 +13,8 @@
 // layer (projections, norms, MLP/MoE, PLE) is recomputed from its input during the backward, one layer at a
 // time, so only one layer's intermediates (~4 * T * (6H + 3I + 3*Hq*D) bytes for a dense layer) are alive at
 // once. Attention, the costly part at long S, is never recomputed. RunOptions::keep_mlp_projections keeps the dense
-// MLP's gate/up projections and output as well (4 * T * (2I + H) bytes a layer), so the recompute skips its sgemms. The
-// loss keeps at most one chunk of logits (loss.h). Result reports both figures as measured.
+// MLP's gate/up projections and output as well (4 * T * (2I + H) bytes a layer), so the recompute skips its
+// sgemms. The loss keeps at most one chunk of logits (loss.h). Result reports both figures as measured.
 #pragma once
 
 #include <cstdint>
