@@ -60,8 +60,9 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
     const float* b = split_rows ? B : (trans_b ? B + o * ldb : B + o);
     float* c = split_rows ? C + o * ldc : C + o;
     if (K == 0) {
+      // As BLAS: with beta = 0, C is written without being read (it may be uninitialised; NaN * 0 would be NaN).
       for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < n; ++j) c[i * ldc + j] *= beta;
+        for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.f ? 0.f : c[i * ldc + j] * beta;
       continue;
     }
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
