@@ -16,7 +16,7 @@ Model FLOP utilisation (MFU) = (6 N T + attention FLOPs) / step time / (threads 
 parameter count (the tied head counted once: it is one matmul each way), T = S tokens, and attention as
 docs/spec.md section 9 counts it: forward 4 Hq D A per layer (A = allowed (q, k) pairs of the layer's mask),
 backward 2.5 x forward. The recomputed layer forward (the default) is work the figure does not credit.
-Reported: medians over the repeats, and ratios of tokens/s to PyTorch eager and SDPA.
+Reported: medians over the repeats; tokens/s and peak memory as ratios to PyTorch SDPA.
 
     python3 bench/model/bench_model.py build/src/cli/ringflex --config tiny --seq 512 --reps 3
     python3 bench/model/bench_model.py build/src/cli/ringflex --config 100m --seq 4096 --reps 3
@@ -192,8 +192,10 @@ def main():
             for name in impls:
                 results[name].append(run_torch(ckpt, name.split()[1], a.threads, S))
     peak = statistics.median(peaks)
+    mode = ("keeps every activation" if not a.recompute else
+            "recomputes layers but the MLP projections" if a.keep_mlp else "recomputes layers")
     print(f"config {a.config}: {n_params / 1e6:.1f}M parameters, S = {S}, B = 1, threads = {a.threads}, "
-          f"reps = {a.reps}, ringflex {'keeps every activation' if not a.recompute else 'recomputes layers' + (' but the MLP projections' if a.keep_mlp else '')}")
+          f"reps = {a.reps}, ringflex {mode}")
     print(f"CPU: {cpu_name()}; 1-thread sgemm (N = {SGEMM_N}) median {peak:.1f} GFLOP/s "
           f"(runs: {', '.join(f'{p:.1f}' for p in peaks)}); model FLOPs per step {flops / 1e12:.3f} T "
           f"(6 N T + attention)")
