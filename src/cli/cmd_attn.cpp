@@ -19,6 +19,7 @@
 #include "comm/agree.h"
 #include "comm/mpi_comm.h"
 #include "core/error.h"
+#include "core/memory.h"
 #include "io/atomic_file.h"
 
 namespace rf::cli {
@@ -69,7 +70,14 @@ int run_attn(const AttnOptions& opt) {
     const comm::Step step("agreeing that every rank read the input");
     agree(*world, [&] {
       if (world->rank() == 0) check_outputs(opt);
-      job = read_attn_job(opt.in, opt.mask, opt.scale, opt.check_finite);
+      // What the job needs on this rank, checked before its tensors are copied (a job beyond the machine stops
+      // with the figure, on every rank, instead of std::bad_alloc part-way).
+      const auto check_fits = [&](const AttnJob& header) {
+        const AttnShape& s = header.shape;
+        check_memory(attn_memory_at_least(header, opt.cp, world->size(), world->rank()), opt.in + ": attn",
+                     concat(" at B = ", s.B, ", S = ", s.Lq, " over ", world->size(), " rank(s)"));
+      };
+      job = read_attn_job(opt.in, opt.mask, opt.scale, opt.check_finite, check_fits);
     });
   }
   AttnResult result;

@@ -16,6 +16,7 @@
 
 #include "comm/communicator.h"
 #include "core/attention_args.h"
+#include "core/memory.h"
 #include "cp/cp_attention.h"
 #include "cp/shard.h"
 
@@ -63,6 +64,14 @@ RowsResult cp_attention_rows(comm::Communicator& comm, const RowsInput& in, cons
 
 // The map RowsOptions selects, for P ranks.
 ShardMap rows_shard_map(const RowsInput& in, const RowsOptions& opt, int P);
+
+// What cp_attention_rows holds on `rank` of P at least, known before any of it is allocated: only `in`'s shape,
+// dtype and meta are read (its tensors may be null); `backward` says whether dout will be given. Named terms
+// (core/memory.h), each derived in rows.cpp from the buffers it counts: "shard", "results", "ring buffers"
+// (what the communication plan says this rank receives, or the allgather's K/V), "communication plan", and
+// "gathered results" on the gathering rank(s). Building the shard map and, for the planned ring, the plan from
+// every rank's metadata costs what the run's own planning costs; the plan's bytes are checked first.
+MemoryBreakdown rows_memory_at_least(const RowsInput& in, bool backward, const RowsOptions& opt, int P, int rank);
 
 // One rank's shard of the rows under `map`, owning its buffers: q, dout [B, Hq, L, D]; k, v [B, Hkv, L, D] in the
 // input dtype (sharding padding is zero); meta [B, L] (sharding padding is docs/spec.md §5's pad token).
