@@ -210,37 +210,36 @@ AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communic
   return r;
 }
 
-// Terms: "input", the job's q, k, v (and dout) in its dtype (read_attn_job's copies, on every rank); the attention's
-// own buffers: cp::rows_memory_at_least through CP, else "results", the whole rows' out [B, Hq, S, D] and lse
-// [B, Hq, S] float32 (with the backward dq, dk, dv and delta [B, Hq, S]); on rank 0, "output copies", out (and dq,
-// dk, dv) narrowed to the dtype by write_attn_result while the results are alive.
+// Terms: "input", the job's q, k, v (and dout) in its dtype (read_attn_job's copies, alive on every rank
+// throughout), then the larger of two moments. Running: through CP, cp::rows_memory_at_least's peak, else
+// "results", the whole rows' out [B, Hq, S, D] and lse [B, Hq, S] float32 (with the backward dq, dk, dv and delta
+// [B, Hq, S]). Writing, on rank 0: the results in row order and "output copies", out (and dq, dk, dv) narrowed to
+// the dtype by write_attn_result.
 MemoryBreakdown attn_memory_at_least(const AttnJob& job, const CpOptions& cp, int P, int rank) {
   const AttnShape& s = job.shape;
   const int64_t B = s.B, Hq = s.Hq, Hkv = s.Hkv, S = s.Lq, D = s.D;
   const int64_t es = static_cast<int64_t>(dtype_size(job.dtype)), f32 = sizeof(float);
   const int64_t q_tensors = job.has_dout ? 2 : 1;  // q, dout
   constexpr int64_t kKv = 2;                       // k, v (and dk, dv)
-  MemoryBreakdown need, input;
-  input.add("", checked_bytes({B, Hq, S, D, es, q_tensors}));
-  input.add("", checked_bytes({B, Hkv, S, D, es, kKv}));
-  need.add("input", input.total());
+  // The whole rows' float32 results: out, lse (dq, dk, dv).
+  const int64_t results =
+      checked_sum({checked_bytes({B, Hq, S, D + 1, f32}), job.has_dout ? checked_bytes({B, Hq, S, D, f32}) : 0,
+                   job.has_dout ? checked_bytes({B, Hkv, S, D, f32, kKv}) : 0});
+  MemoryBreakdown running, writing;
   if (runs_through_cp(job, cp, P)) {
-    need.add(cp::rows_memory_at_least(rows_input(job), job.has_dout, rows_options(job, cp), P, rank));
+    running = cp::rows_memory_at_least(rows_input(job), job.has_dout, rows_options(job, cp), P, rank).peak();
   } else {
-    MemoryBreakdown results;
-    results.add("", checked_bytes({B, Hq, S, D + 1, f32}));  // out, lse
-    if (job.has_dout) {
-      results.add("", checked_bytes({B, Hq, S, D + 1, f32}));    // dq, delta
-      results.add("", checked_bytes({B, Hkv, S, D, f32, kKv}));  // dk, dv
-    }
-    need.add("results", results.total());
+    running.add("results", checked_sum({results, job.has_dout ? checked_bytes({B, Hq, S, f32}) : 0}));  // + delta
   }
   if (rank == 0) {
-    MemoryBreakdown copies;
-    copies.add("", checked_bytes({B, Hq, S, D, es, q_tensors}));  // out (dq)
-    if (job.has_dout) copies.add("", checked_bytes({B, Hkv, S, D, es, kKv}));
-    need.add("output copies", copies.total());
+    writing.add("results", results);
+    writing.add("output copies", checked_sum({checked_bytes({B, Hq, S, D, es, q_tensors}),  // out (dq)
+                                              job.has_dout ? checked_bytes({B, Hkv, S, D, es, kKv}) : 0}));
   }
+  MemoryBreakdown need;
+  need.add("input", checked_sum({checked_bytes({B, Hq, S, D, es, q_tensors}), checked_bytes({B, Hkv, S, D, es, kKv})}));
+  const bool writing_larger = writing.total() < 0 || (running.total() >= 0 && writing.total() > running.total());
+  need.add(writing_larger ? writing : running);
   return need;
 }
 

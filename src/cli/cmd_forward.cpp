@@ -225,22 +225,27 @@ void check_batch_shape(const std::string& path) {
            ": input_ids has shape ", io::shape_string(ids.shape), ", B and S must fit in 32 bits");
 }
 
-// What this rank allocates beyond the loaded model, known before the run: the gradient set, the run's own buffers
-// (model::run_memory_at_least, for this rank's B x ceil(S / P) tokens: its activations, loss chunk and [B, L, V]
-// logits) and, on rank 0 under CP, the gathered [B, S, V] logits. A row too long for the machine stops here with
-// the figure instead of std::bad_alloc part-way.
+// What this rank allocates beyond the loaded model, known before the run: the gradient set, then the larger of the
+// run's own buffers (model::run_memory_at_least, for this rank's B x ceil(S / P) tokens: its activations, loss
+// chunk and [B, L, V] logits) and, on rank 0 under CP, the gather after it: the rank's [B, L, V] logits and the
+// gathered [B, S, V]. A row too long for the machine stops here with the figure instead of std::bad_alloc part-way.
 void check_job_memory(const model::Gemma4Model& m, const model::Batch& b, const ForwardOptions& opt, int P, int rank) {
-  const int64_t V = m.config().vocab_size;
+  const int64_t V = m.config().vocab_size, f32 = sizeof(float);
   const int64_t L = (int64_t{b.S} + P - 1) / P;  // tokens per rank, before the plan's padding
-  MemoryBreakdown need;
-  need.add("gradients", opt.grad ? m.params().total_bytes() : 0);
   model::RunMemoryArgs run;
   run.tokens = int64_t{b.B} * L;
   run.training = opt.grad;
   run.logits = !opt.no_logits;
-  need.add(model::run_memory_at_least(m, run));
-  if (rank == 0 && P > 1 && !opt.no_logits)
-    need.add("gathered logits", checked_bytes({b.B, b.S, V, int64_t{sizeof(float)}}));
+  const MemoryBreakdown running = model::run_memory_at_least(m, run);
+  MemoryBreakdown gathering;
+  if (rank == 0 && P > 1 && !opt.no_logits) {
+    gathering.add("logits", checked_bytes({b.B, L, V, f32}));
+    gathering.add("gathered logits", checked_bytes({b.B, b.S, V, f32}));
+  }
+  MemoryBreakdown need;
+  need.add("gradients", opt.grad ? m.params().total_bytes() : 0);
+  const bool gathering_larger = gathering.total() < 0 || (running.total() >= 0 && gathering.total() > running.total());
+  need.add(gathering_larger ? gathering : running);
   check_memory(need, opt.in + ": forward", concat(" at S = ", b.S, " over ", P, " rank(s)"));
 }
 

@@ -74,8 +74,7 @@ void MemoryBreakdown::add(const MemoryBreakdown& other) {
 
 int64_t MemoryBreakdown::total() const {
   int64_t sum = 0;
-  for (const Term& t : terms_)
-    if (t.bytes < 0 || __builtin_add_overflow(sum, t.bytes, &sum)) return -1;
+  for (const Term& t : terms_) sum = checked_sum({sum, t.bytes});
   return sum;
 }
 
@@ -100,6 +99,13 @@ std::string MemoryBreakdown::describe(size_t terms) const {
   }
   if (shown.size() > terms) text += ", ...";
   return text;
+}
+
+int64_t checked_sum(std::initializer_list<int64_t> parts) {
+  int64_t n = 0;
+  for (const int64_t part : parts)
+    if (part < 0 || __builtin_add_overflow(n, part, &n)) return -1;
+  return n;
 }
 
 int64_t checked_bytes(std::initializer_list<int64_t> factors) {

@@ -51,6 +51,8 @@ class MemoryBreakdown {
 
 // a * b * c ... as bytes, or -1 when the product overflows int64 (what MemoryBreakdown::add takes as overflow).
 int64_t checked_bytes(std::initializer_list<int64_t> factors);
+// a + b + c ... of byte counts, or -1 when one of them is -1 or the sum overflows int64.
+int64_t checked_sum(std::initializer_list<int64_t> parts);
 
 // Throws rf::Error "<what> needs X GiB of memory, but only Y GiB is available to this rank" when `bytes` exceeds
 // available_memory_bytes(). Negative `bytes` (an overflowed size) is an error too.

@@ -21,7 +21,7 @@ int64_t layer_floats(const Gemma4Model& m, int l, bool with_attention_output) {
   const LayerSpec& s = m.spec(l);
   const int64_t H = m.config().hidden_size, Hq = m.config().num_heads;
   const int64_t qd = Hq * s.head_dim, kvd = int64_t{s.kv_heads} * s.head_dim;
-  int64_t n = H + 2 * qd + 2 * H;                         // a; q_raw, Q; ao, x1
+  int64_t n = H + 2 * qd + 2 * H;                          // a; q_raw, Q; ao, x1
   if (s.kv_source < 0) n += (s.has_v_proj ? 4 : 3) * kvd;  // k_raw, K, V (v_raw)
   if (with_attention_output) n += qd + Hq;                 // O, lse
   n += 2 * H + 3 * int64_t{s.intermediate};                // m_in, mo; g, u, hmid

@@ -108,9 +108,10 @@ std::string default_svg_path(const TrainConfig& c, const TrainOptions& o) {
 //   weights          the parameters (and buffers), Gemma4Model::params()/buffers();
 //   gradients        `grads`, params().zeros_like(): every parameter, frozen ones included;
 //   AdamW moments    exp_avg and exp_avg_sq, two more zeros_like() sets (AdamW allocates them for every parameter);
-//   gradient reduction  the flat buffer of the trainable gradients allreduce_gradients builds on more than one rank;
-//   activations ...  model::run_memory_at_least for one micro-batch: train.micro_batch rows of
-//                    ceil(seq_len / cp) tokens (a shard is never shorter), with train.recompute.
+//   then the larger of what one micro-batch's run holds (model::run_memory_at_least: train.micro_batch rows of
+//   ceil(seq_len / cp) tokens, a shard is never shorter, with train.recompute: "activations", "one layer" or
+//   "loss chunk") and, on more than one rank, the "gradient reduction": the flat buffer of the trainable gradients
+//   allreduce_gradients builds after the micro-batches ran, when their activations are gone.
 // Left out, so the figure stays a lower bound: the ring's receive buffers (what a rank receives depends on each
 // batch's documents; packed short documents need almost none), the data rows, the plan, the checkpoint writer's
 // copies, and validation (a forward, smaller than the training step).
@@ -121,19 +122,22 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   need.add("weights", params + m.buffers().total_bytes());
   need.add("gradients", params);
   need.add("AdamW moments", checked_bytes({kMoments, params}));
-  if (world_size > 1) {
-    const std::vector<bool> trainable = trainable_mask(m.params(), c.model.freeze);
-    int64_t reduced = 0;
-    for (size_t i = 0; i < trainable.size(); ++i)
-      if (trainable[i]) reduced += m.params()[i].numel() * static_cast<int64_t>(sizeof(float));
-    need.add("gradient reduction", reduced);
-  }
   const int64_t L = (int64_t{c.train.seq_len} + c.parallelism.cp - 1) / c.parallelism.cp;
   model::RunMemoryArgs run;
   run.tokens = int64_t{c.train.micro_batch} * L;
   run.training = true;
   run.recompute_layers = c.train.recompute;
-  need.add(model::run_memory_at_least(m, run));
+  const MemoryBreakdown step = model::run_memory_at_least(m, run);
+  int64_t reduced = 0;
+  if (world_size > 1) {
+    const std::vector<bool> trainable = trainable_mask(m.params(), c.model.freeze);
+    for (size_t i = 0; i < trainable.size(); ++i)
+      if (trainable[i]) reduced += m.params()[i].numel() * static_cast<int64_t>(sizeof(float));
+  }
+  if (step.total() >= 0 && reduced > step.total())
+    need.add("gradient reduction", reduced);
+  else
+    need.add(step);
   return need;
 }
 

@@ -60,28 +60,36 @@ TEST(CpLoopback, MemoryEstimateIsALowerBoundOfTheRun) {
       cases::Case c;
       c.B = 2, c.S = 301, c.Hq = 4, c.Hkv = 2, c.D = 8, c.mask = setup.mask, c.kind = setup.kind;
       const cases::Inputs in = cases::make_inputs(c);
-      const RowsInput rows{AttnShape{c.B, c.Hq, c.Hkv, c.S, c.S, c.D}, c.dtype,         in.q.data(), in.k.data(),
-                           in.v.data(),                                  in.dout.data(), in.meta.data()};
+      const RowsInput rows{AttnShape{c.B, c.Hq, c.Hkv, c.S, c.S, c.D},
+                           c.dtype,
+                           in.q.data(),
+                           in.k.data(),
+                           in.v.data(),
+                           in.dout.data(),
+                           in.meta.data()};
       RowsOptions opt;
       opt.params.mask = c.mask;
       opt.params.algo = setup.algo;
       opt.collect_stats = true;
       std::vector<int64_t> ring_buffers(static_cast<size_t>(P));
       comm::run_ranks(P, [&](comm::Communicator& w) {
-        const MemoryBreakdown need = rows_memory_at_least(rows, true, opt, P, w.rank());
-        ring_buffers[w.rank()] = need.of("ring buffers");
+        const RowsMemory need = rows_memory_at_least(rows, true, opt, P, w.rank());
+        ring_buffers[w.rank()] = need.ring_buffers;
         const RowsResult ran = cp_attention_rows(w, rows, opt);
-        const std::string where = concat("P = ", P, ", rank ", w.rank(), ", mask ", c.mask.name(), ": ", need.describe(9));
+        const std::string where =
+            concat("P = ", P, ", rank ", w.rank(), ", mask ", c.mask.name(), ": ", need.peak().describe(9));
         const int64_t L = ran.map.L, f32 = sizeof(float);
-        EXPECT_EQ(need.of("shard"), int64_t{c.B} * L * ((2 * c.Hq + 2 * c.Hkv) * c.D * f32 + int64_t{sizeof(TokenMeta)}))
+        EXPECT_EQ(need.shard, int64_t{c.B} * L * ((2 * c.Hq + 2 * c.Hkv) * c.D * f32 + int64_t{sizeof(TokenMeta)}))
             << where;
         if (setup.algo == Algo::AllGather) {
-          EXPECT_GT(need.of("ring buffers"), 0) << where;
+          EXPECT_GT(need.ring_buffers, 0) << where;
         }
-        EXPECT_LE(need.of("ring buffers"), ran.forward_stats.peak_attention_bytes) << where;
+        EXPECT_LE(need.ring_buffers, ran.forward_stats.peak_attention_bytes) << where;
         const int64_t gathered =
             static_cast<int64_t>(ran.out.size() + ran.lse.size() + ran.dq.size() + ran.dk.size() + ran.dv.size()) * f32;
-        EXPECT_EQ(need.of("gathered results"), gathered) << where;
+        EXPECT_EQ(need.gathered, gathered) << where;
+        // dq, dk, dv and o, lse: exactly this rank's float32 results.
+        EXPECT_EQ(need.results, int64_t{c.B} * L * ((2 * c.Hq + 2 * c.Hkv) * c.D + c.Hq) * f32) << where;
       });
       // Some rank reads another's keys in every setup, so the plan has it receive something.
       EXPECT_GT(*std::max_element(ring_buffers.begin(), ring_buffers.end()), 0) << "P = " << P << ", " << c.mask.name();

@@ -20,8 +20,9 @@ namespace {
 using testing::error_of;
 
 TrainConfig config(std::vector<std::string> sets) {
-  std::vector<std::string> base = {"model.builtin=tiny_dense", "train.seq_len=512", "train.global_batch=4",
-                                   "train.steps=2",            "train.threads=1",   "data.val_rows=2",
+  std::vector<std::string> base = {"model.builtin=tiny_dense", "train.seq_len=512",
+                                   "train.global_batch=4",     "train.steps=2",
+                                   "train.threads=1",          "data.val_rows=2",
                                    "train.val_every=0"};
   base.insert(base.end(), sets.begin(), sets.end());
   return parse_config("", "test", base);
@@ -46,12 +47,17 @@ TEST(TrainMemory, TermsFollowTheConfig) {
   run.training = true;
   EXPECT_EQ(one.of("activations"), model::run_memory_at_least(m, run).of("activations"));
 
-  // Over 2 ranks the trainable gradients are flattened for the reduction; frozen ones are not.
-  const MemoryBreakdown dp = train_memory_at_least(config({"parallelism.dp=2"}), m, 2);
+  // Over 2 ranks the trainable gradients are flattened for the reduction (frozen ones are not), after the step's
+  // activations are gone: with rows this short the reduction is the larger and is counted instead of them.
+  const MemoryBreakdown dp = train_memory_at_least(config({"train.seq_len=8", "parallelism.dp=2"}), m, 2);
   EXPECT_EQ(dp.of("gradient reduction"), params);
-  const MemoryBreakdown frozen = train_memory_at_least(config({"parallelism.dp=2", "model.freeze=embed"}), m, 2);
+  EXPECT_EQ(dp.of("activations"), 0);
+  const MemoryBreakdown frozen =
+      train_memory_at_least(config({"train.seq_len=8", "parallelism.dp=2", "model.freeze=embed"}), m, 2);
   EXPECT_GT(frozen.of("gradient reduction"), 0);
   EXPECT_LT(frozen.of("gradient reduction"), params);
+  // Long rows: the step's activations are the larger, and the reduction is not added to them.
+  EXPECT_EQ(train_memory_at_least(config({"parallelism.dp=2"}), m, 2).of("gradient reduction"), 0);
   // A row split over cp ranks holds a cp-th of the tokens; keeping every layer costs more than recomputing.
   EXPECT_LT(train_memory_at_least(config({"parallelism.cp=2"}), m, 2).of("activations"), one.of("activations"));
   EXPECT_GT(train_memory_at_least(config({"train.recompute=false"}), m, 1).total(), one.total());
