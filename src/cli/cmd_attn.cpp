@@ -4,9 +4,10 @@
 //                   [--scale X] [--shard contiguous|zigzag|balanced] [--algo ring|allgather] [--threads N]
 //                   [--stats FILE.json] [--no-check-finite] [--timeout SECONDS]
 //
-// Run as `mpirun -n P ringflex attn ...` or plainly (P = 1). Every rank reads and validates the input itself,
-// the ranks agree that all of them succeeded (a bad input is one line on every rank, never a hang), the job
-// runs through the CP boundary (attn_job.h), and rank 0 writes the outputs.
+// Run as `mpirun -n P ringflex attn ...` or plainly (P = 1). Every rank reads and validates the input itself and
+// checks what the job needs against its memory before copying the tensors (attn_memory_at_least), the ranks agree
+// that all of them succeeded (a bad input is one line on every rank, never a hang), the job runs through the CP
+// boundary (attn_job.h), and rank 0 writes the outputs.
 #include <omp.h>
 
 #include <cstdio>
