@@ -57,7 +57,8 @@ constexpr int path_padded_dim(int D) {
 }
 
 // Row stride, in floats, of packed row buffers: one vector more than Dp so that rows 2^k floats long do not alias
-// in L1 (microkernels.h, acc). For pair rows the same stride in words is pair_row(row_stride(Dp)).
+// in L1 (microkernels.h, acc). abt's A rows of bf16 pairs along d use pair_row<uint32_t>(row_stride(Dp)) words;
+// acc_bf16's X rows of pairs (two rows along the sum, one word per d) use row_stride(Dp) words.
 constexpr int row_stride(int Dp) { return Dp + kPadFloats; }
 
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
