@@ -39,8 +39,10 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "common/attention_bounds.h"
 #include "common/random_case.h"
 #include "core/error.h"
 #include "cpu/attention.h"
@@ -108,7 +110,8 @@ inline KernelResult run_kernels(const AttnChunk& c, const void* dout) {
   return r;
 }
 
-// The magnitudes M(x) of the error bound and the factor κ, from the inputs in double. weight_rounding: u_bf16
+// The magnitudes M(x) of the error bound (common/attention_bounds.h) and the factor κ, from the inputs in double.
+// weight_rounding: u_bf16
 // when the kernel path in use rounds P and dS to bf16 (bf16 inputs on vdpbf16ps), else 0; it adds to κ for o,
 // dq, dk and dv, not for the LSE.
 struct Bounds {
@@ -118,67 +121,13 @@ struct Bounds {
 };
 
 inline Bounds error_bounds(const AttnChunk& c, const void* dout, const RefForward& ref) {
-  const AttnShape& s = c.shape;
-  const int D = s.D, G = s.group_size();
-  auto widen = [](const void* p, int64_t n, DType t) {
-    std::vector<float> f(static_cast<size_t>(n));
-    if (n > 0) to_float(f.data(), p, f.size(), t);
-    return std::vector<double>(f.begin(), f.end());
-  };
-  const std::vector<double> q = widen(c.q, s.q_elems(), c.dtype), k = widen(c.k, s.kv_elems(), c.dtype);
-  const std::vector<double> v = widen(c.v, s.kv_elems(), c.dtype), go = widen(dout, s.q_elems(), c.dtype);
+  Magnitudes m = attention_magnitudes(c, dout, ref);
   Bounds bd;
-  bd.o.assign(q.size(), 0), bd.dq.assign(q.size(), 0), bd.dk.assign(k.size(), 0), bd.dv.assign(k.size(), 0);
-  bd.lse.assign(static_cast<size_t>(s.lse_elems()), 1);
-  double e_max = 0;
-  int n_max = D;
-  std::vector<int> col_count(static_cast<size_t>(s.Lk));
-  std::vector<double> p(static_cast<size_t>(s.Lk)), dpa(p.size());
-  for (int b = 0; b < s.B; ++b) {
-    std::fill(col_count.begin(), col_count.end(), 0);
-    for (int h = 0; h < s.Hq; ++h) {
-      const int64_t kv0 = (int64_t{b} * s.Hkv + h / G) * s.Lk;
-      for (int i = 0; i < s.Lq; ++i) {
-        const int64_t row = (int64_t{b} * s.Hq + h) * s.Lq + i;
-        const double lse = ref.lse[row];
-        if (std::isinf(lse)) continue;
-        bd.lse[row] = 1 + std::fabs(lse);
-        const TokenMeta& qm = c.q_meta[int64_t{b} * s.Lq + i];
-        int n = 0;
-        double delta_abs = 0;
-        for (int j = 0; j < s.Lk; ++j) {
-          p[j] = 0;
-          if (!allowed(c.mask, qm, c.k_meta[int64_t{b} * s.Lk + j])) continue;
-          ++n, ++col_count[j];
-          double dot = 0, mag = 0, da = 0;
-          for (int d = 0; d < D; ++d) {
-            dot += q[row * D + d] * k[(kv0 + j) * D + d];
-            mag += std::fabs(q[row * D + d] * k[(kv0 + j) * D + d]);
-            da += std::fabs(go[row * D + d] * v[(kv0 + j) * D + d]);
-          }
-          e_max = std::max(e_max, std::fabs(c.scale) * mag);
-          p[j] = std::exp(c.scale * dot - lse);
-          dpa[j] = da;
-          delta_abs += p[j] * da;
-        }
-        n_max = std::max(n_max, n);
-        for (int j = 0; j < s.Lk; ++j) {
-          if (p[j] == 0) continue;
-          const double ds = p[j] * (dpa[j] + delta_abs) * std::fabs(c.scale);
-          for (int d = 0; d < D; ++d) {
-            bd.o[row * D + d] += p[j] * std::fabs(v[(kv0 + j) * D + d]);
-            bd.dq[row * D + d] += ds * std::fabs(k[(kv0 + j) * D + d]);
-            bd.dk[(kv0 + j) * D + d] += ds * std::fabs(q[row * D + d]);
-            bd.dv[(kv0 + j) * D + d] += p[j] * std::fabs(go[row * D + d]);
-          }
-        }
-      }
-    }
-    for (int j = 0; j < s.Lk; ++j) n_max = std::max(n_max, col_count[j]);
-  }
-  bd.kappa = kEps32 * (2 * D * e_max + 3 * n_max + kSlack);
+  bd.kappa = kEps32 * (2 * c.shape.D * m.e_max + 3 * m.n_max + kSlack);
   const bool rounds = c.dtype == DType::BF16 && cpu::kernel_path().bf16 == cpu::Bf16Product::Dpbf16;
   bd.weight_rounding = rounds ? kBf16Unit : 0;
+  bd.o = std::move(m.o), bd.lse = std::move(m.lse), bd.dq = std::move(m.dq), bd.dk = std::move(m.dk);
+  bd.dv = std::move(m.dv);
   return bd;
 }
 
