@@ -70,13 +70,15 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
   // (float32 rows, or on kPairGrad pairs of keys).
   const std::vector<uint8_t> needed = needed_key_tiles(c.mask, qsum, ksum, s.B, nqt, nkt);
   const size_t kv_tiles = static_cast<size_t>(s.B) * s.Hkv * nkt;
-  const auto k_cols = uninitialized<QK>(kv_tiles * dr * kTileK);  // [B, Hkv, nkt, dr, kTileK]
-  const auto v_cols = uninitialized<QK>(kv_tiles * dr * kTileK);  // [B, Hkv, nkt, dr, kTileK]
-  const auto k_rows = uninitialized<float>(kPairGrad ? 0 : kv_tiles * kTileK * ld);            // [.., kTileK, ld]
+  const auto k_cols = uninitialized<QK>(kv_tiles * dr * kTileK);                     // [B, Hkv, nkt, dr, kTileK]
+  const auto v_cols = uninitialized<QK>(kv_tiles * dr * kTileK);                     // [B, Hkv, nkt, dr, kTileK]
+  const auto k_rows = uninitialized<float>(kPairGrad ? 0 : kv_tiles * kTileK * ld);  // [.., kTileK, ld]
   const auto k_pairs = uninitialized<uint32_t>(kPairGrad ? kv_tiles * (kTileK / 2) * ld : 0);  // [.., kTileK/2, ld]
   pack_key_tiles<kT, QK>(c.k, c.v, s, Dp, needed,
-                         {.k_cols = k_cols.get(), .k_rows = kPairGrad ? nullptr : k_rows.get(),
-                          .k_pairs = kPairGrad ? k_pairs.get() : nullptr, .v_cols = v_cols.get()});
+                         {.k_cols = k_cols.get(),
+                          .k_rows = kPairGrad ? nullptr : k_rows.get(),
+                          .k_pairs = kPairGrad ? k_pairs.get() : nullptr,
+                          .v_cols = v_cols.get()});
 
   // ---- pass 1: dK, dV per key tile ----
   const int64_t items1 = int64_t{s.B} * s.Hkv * nkt;

@@ -58,7 +58,8 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
   const auto v_rows = uninitialized<float>(kPairPV ? 0 : kv_tiles * kTileK * ld);
   const auto v_pairs = uninitialized<uint32_t>(kPairPV ? kv_tiles * (kTileK / 2) * ld : 0);
   pack_key_tiles<kT, QK>(c.k, c.v, s, Dp, needed,
-                         {.k_cols = k_cols.get(), .v_rows = kPairPV ? nullptr : v_rows.get(),
+                         {.k_cols = k_cols.get(),
+                          .v_rows = kPairPV ? nullptr : v_rows.get(),
                           .v_pairs = kPairPV ? v_pairs.get() : nullptr});
 
 #pragma omp parallel

@@ -169,10 +169,11 @@ double bf16_tile_race() {
   };
   double best_f32 = 1e30, best_bf16 = 1e30;
   for (int t = 0; t < kTrials; ++t) {
-    best_f32 = std::min(best_f32, time_calls([&] { kernels.score_tile(a.data(), kDim, bt.data(), kDim, kRows, c.data()); }));
-    best_bf16 = std::min(best_bf16, time_calls([&] {
-                           kernels.score_tile_bf16(ab.data(), kDim / 2, bb.data(), kDim, kRows, c.data());
-                         }));
+    best_f32 =
+        std::min(best_f32, time_calls([&] { kernels.score_tile(a.data(), kDim, bt.data(), kDim, kRows, c.data()); }));
+    best_bf16 =
+        std::min(best_bf16,
+                 time_calls([&] { kernels.score_tile_bf16(ab.data(), kDim / 2, bb.data(), kDim, kRows, c.data()); }));
   }
   return best_f32 / best_bf16;  // equal FLOPs, so the time ratio is the GFLOP/s ratio
 #else

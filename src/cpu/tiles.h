@@ -38,9 +38,9 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // products (S = Q K^T, dP = dO V^T: Dpbf16 and Amx) and for its accumulating ones (O += P V and the gradients:
 // Dpbf16 only; isa.h says why AMX keeps them on float32 FMAs). Everything else runs on float32.
 template <DType kT, Bf16Product kProd>
-constexpr bool kPairScores = kT == DType::BF16 && kProd != Bf16Product::Widen;
+constexpr bool kPairScores = kT == DType::BF16&& kProd != Bf16Product::Widen;
 template <DType kT, Bf16Product kProd>
-constexpr bool kPairAcc = kT == DType::BF16 && kProd == Bf16Product::Dpbf16;
+constexpr bool kPairAcc = kT == DType::BF16&& kProd == Bf16Product::Dpbf16;
 
 // Element type of the packed abt operands on a path: bf16 pairs or float32.
 template <DType kT, Bf16Product kProd>
@@ -51,7 +51,7 @@ using ScoreOperand = std::conditional_t<kPairScores<kT, kProd>, uint32_t, float>
 // operand, so it adds exact zeros.
 template <DType kT, Bf16Product kProd>
 constexpr int path_padded_dim(int D) {
-  static_assert(2 * kPadFloats == 2 * kAmxPairs, "one padding unit serves vdpbf16ps and AMX");
+  static_assert(kPadFloats == kAmxPairs, "one padding unit serves vdpbf16ps and AMX");
   constexpr int kMultiple = kPairScores<kT, kProd> ? 2 * kPadFloats : kPadFloats;
   return (D + kMultiple - 1) / kMultiple * kMultiple;
 }
@@ -490,9 +490,7 @@ inline void acc_masked_pairs(BlockClass cls, const uint32_t* a, int ars, int ams
     acc_bf16<kDp>(a, ars, ams, pairs, x, ldx, Dp, rows, out);
     return;
   }
-  auto allowed = [&](int r, int n) {
-    return n < N && (kRowsAreQueries ? (bits[r] >> n) & 1 : (bits[n] >> r) & 1);
-  };
+  auto allowed = [&](int r, int n) { return n < N && (kRowsAreQueries ? (bits[r] >> n) & 1 : (bits[n] >> r) & 1); };
   for (int r = 0; r < rows; ++r) {
     for (int m = 0; m < pairs; ++m) {
       const uint32_t keep = (allowed(r, 2 * m) ? 0x0000ffffu : 0u) | (allowed(r, 2 * m + 1) ? 0xffff0000u : 0u);

@@ -22,11 +22,11 @@ CpuFeatures cpu_with(bool avx2, bool avx512, bool avx512_bf16, bool amx, bool am
   return f;
 }
 CpuFeatures baseline_cpu() { return cpu_with(false, false, false, false, false); }
-CpuFeatures avx2_cpu() { return cpu_with(true, false, false, false, true); }            // Zen 2/3, Haswell
-CpuFeatures skylake_cpu() { return cpu_with(true, true, false, false, false); }         // AVX-512 without BF16
-CpuFeatures zen4_cpu() { return cpu_with(true, true, true, false, true); }              // AMD with AVX512_BF16
-CpuFeatures intel_bf16_cpu() { return cpu_with(true, true, true, false, false); }       // Cooper Lake, SPR sans AMX
-CpuFeatures amx_cpu() { return cpu_with(true, true, true, true, false); }               // Sapphire Rapids
+CpuFeatures avx2_cpu() { return cpu_with(true, false, false, false, true); }       // Zen 2/3, Haswell
+CpuFeatures skylake_cpu() { return cpu_with(true, true, false, false, false); }    // AVX-512 without BF16
+CpuFeatures zen4_cpu() { return cpu_with(true, true, true, false, true); }         // AMD with AVX512_BF16
+CpuFeatures intel_bf16_cpu() { return cpu_with(true, true, true, false, false); }  // Cooper Lake, SPR sans AMX
+CpuFeatures amx_cpu() { return cpu_with(true, true, true, true, false); }          // Sapphire Rapids
 
 // A tile race that reports `speedup` and counts its calls.
 struct FakeRace {
@@ -69,7 +69,8 @@ TEST(CpuIsa, BestPathWhenNotForced) {
 // CPUID decides where it can (AMX, AMD with AVX512_BF16, no AVX512_BF16) and the race runs nowhere else.
 TEST(CpuIsa, TileRaceRunsOnlyWhereCpuidCannotTell) {
   FakeRace race{3.0};
-  for (const CpuFeatures& f : {baseline_cpu(), avx2_cpu(), skylake_cpu(), zen4_cpu(), amx_cpu()}) select_path(f, nullptr, race.fn());
+  for (const CpuFeatures& f : {baseline_cpu(), avx2_cpu(), skylake_cpu(), zen4_cpu(), amx_cpu()})
+    select_path(f, nullptr, race.fn());
   for (const char* forced : {"avx512-widen", "avx512-dpbf16", "amx", "avx2"}) select_path(amx_cpu(), forced, race.fn());
   EXPECT_EQ(race.calls, 0);
   EXPECT_EQ(select_path(intel_bf16_cpu(), nullptr, race.fn()).bf16, Bf16Product::Dpbf16);
