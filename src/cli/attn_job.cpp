@@ -8,6 +8,7 @@
 #include "cli/finite.h"
 #include "comm/agree.h"
 #include "core/error.h"
+#include "core/memory.h"
 #include "core/row_meta.h"
 #include "cp/rows.h"
 #include "cpu/attention.h"
@@ -62,7 +63,8 @@ AttnChunk AttnJob::whole_chunk() const {
   return c;
 }
 
-AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optional<float> scale, bool check_finite) {
+AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optional<float> scale, bool check_finite,
+                      const BeforeCopying& before_copying) {
   RF_CHECK(mask.window >= 0, "--window ", mask.window, " is negative (0 means no window)");
   RF_CHECK(!scale || std::isfinite(*scale), "--scale ", *scale, " is not a finite number");
 
@@ -77,12 +79,6 @@ AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optio
   const io::TensorView* dout = io::optional(f, {"dout", {q.dtype}, q_dims, like_q}, dims);
   const io::TensorView* doc = io::optional(f, {"doc", {StDType::I32}, row_dims, ""}, dims);
   const io::TensorView* group = io::optional(f, {"group", {StDType::I32}, row_dims, ""}, dims);
-  if (check_finite) {
-    cli::check_finite(path, q, "[B, Hq, S, D]");
-    cli::check_finite(path, k, "[B, Hkv, S, D]");
-    cli::check_finite(path, v, "[B, Hkv, S, D]");
-    if (dout) cli::check_finite(path, *dout, "[B, Hq, S, D]");
-  }
 
   AttnJob job;
   AttnShape& s = job.shape;
@@ -113,10 +109,18 @@ AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optio
   job.dtype = *io::to_core(q.dtype);
   job.mask = mask;
   job.scale = scale.value_or(default_scale(s.D));
+  job.has_dout = dout != nullptr;
+  // Memory first (nothing of the tensors is read yet), then the values, then the copies.
+  if (before_copying) before_copying(job);
+  if (check_finite) {
+    cli::check_finite(path, q, "[B, Hq, S, D]");
+    cli::check_finite(path, k, "[B, Hkv, S, D]");
+    cli::check_finite(path, v, "[B, Hkv, S, D]");
+    if (dout) cli::check_finite(path, *dout, "[B, Hq, S, D]");
+  }
   job.q = copy_bytes(q);
   job.k = copy_bytes(k);
   job.v = copy_bytes(v);
-  job.has_dout = dout != nullptr;
   if (dout) job.dout = copy_bytes(*dout);
   validate(job.whole_chunk());
   return job;
@@ -124,11 +128,13 @@ AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optio
 
 namespace {
 
-// P > 1 (or --stats): the rows through cp::cp_attention_rows, gathered to rank 0, which writes them.
-AttnResult run_attention_cp(const AttnJob& job, const CpOptions& opt, comm::Communicator& comm) {
-  const cp::RowsInput in{job.shape,      job.dtype,    job.q.data(),
-                         job.k.data(),   job.v.data(), job.has_dout ? job.dout.data() : nullptr,
-                         job.meta.data()};
+// The job's rows as cp::cp_attention_rows takes them (tensors null in a header without them).
+cp::RowsInput rows_input(const AttnJob& job) {
+  const auto data = [](const std::vector<std::byte>& t) { return t.empty() ? nullptr : t.data(); };
+  return {job.shape, job.dtype, data(job.q), data(job.k), data(job.v), data(job.dout), job.meta.data()};
+}
+
+cp::RowsOptions rows_options(const AttnJob& job, const CpOptions& opt) {
   cp::RowsOptions rows;
   rows.scheme = opt.shard;
   rows.params.mask = job.mask;
@@ -136,7 +142,16 @@ AttnResult run_attention_cp(const AttnJob& job, const CpOptions& opt, comm::Comm
   rows.params.algo = cp::parse_algo(opt.algo);
   rows.gather_root = 0;
   rows.collect_stats = opt.collect_stats;
-  cp::RowsResult ran = cp::cp_attention_rows(comm, in, rows);
+  return rows;
+}
+
+bool runs_through_cp(const AttnJob& job, const CpOptions& cp, int P) {
+  return (P > 1 || cp.collect_stats || cp.cp_path_on_one_rank) && job.shape.B > 0 && job.shape.Lq > 0;
+}
+
+// P > 1 (or --stats): the rows through cp::cp_attention_rows, gathered to rank 0, which writes them.
+AttnResult run_attention_cp(const AttnJob& job, const CpOptions& opt, comm::Communicator& comm) {
+  cp::RowsResult ran = cp::cp_attention_rows(comm, rows_input(job), rows_options(job, opt));
 
   AttnResult res;
   res.out = std::move(ran.out);
@@ -170,8 +185,7 @@ AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communic
                                  job.mask.window,
                                  job.mask.bidirectional_groups};
   agree_equal(comm, fingerprint, "the input's shapes, dtype or mask options");
-  const bool through_cp = comm.size() > 1 || cp.collect_stats || cp.cp_path_on_one_rank;
-  if (through_cp && s.B > 0 && s.Lq > 0) return run_attention_cp(job, cp, comm);
+  if (runs_through_cp(job, cp, comm.size())) return run_attention_cp(job, cp, comm);
 
   AttnResult r;
   r.out.assign(static_cast<size_t>(s.q_elems()), 0.f);
@@ -194,6 +208,39 @@ AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communic
   }
   r.backward_seconds = seconds_since(t0);
   return r;
+}
+
+// Terms: "input", the job's q, k, v (and dout) in its dtype (read_attn_job's copies, alive on every rank
+// throughout), then the larger of two moments. Running: through CP, cp::rows_memory_at_least's peak, else
+// "results", the whole rows' out [B, Hq, S, D] and lse [B, Hq, S] float32 (with the backward dq, dk, dv and delta
+// [B, Hq, S]). Writing, on rank 0: the results in row order and "output copies", out (and dq, dk, dv) narrowed to
+// the dtype by write_attn_result.
+MemoryBreakdown attn_memory_at_least(const AttnJob& job, const CpOptions& cp, int P, int rank) {
+  const AttnShape& s = job.shape;
+  const int64_t B = s.B, Hq = s.Hq, Hkv = s.Hkv, S = s.Lq, D = s.D;
+  const int64_t es = static_cast<int64_t>(dtype_size(job.dtype)), f32 = sizeof(float);
+  const int64_t q_tensors = job.has_dout ? 2 : 1;  // q, dout
+  constexpr int64_t kKv = 2;                       // k, v (and dk, dv)
+  // The whole rows' float32 results: out, lse (dq, dk, dv).
+  const int64_t results =
+      checked_sum({checked_bytes({B, Hq, S, D + 1, f32}), job.has_dout ? checked_bytes({B, Hq, S, D, f32}) : 0,
+                   job.has_dout ? checked_bytes({B, Hkv, S, D, f32, kKv}) : 0});
+  MemoryBreakdown running, writing;
+  if (runs_through_cp(job, cp, P)) {
+    running = cp::rows_memory_at_least(rows_input(job), job.has_dout, rows_options(job, cp), P, rank).peak();
+  } else {
+    running.add("results", checked_sum({results, job.has_dout ? checked_bytes({B, Hq, S, f32}) : 0}));  // + delta
+  }
+  if (rank == 0) {
+    writing.add("results", results);
+    writing.add("output copies", checked_sum({checked_bytes({B, Hq, S, D, es, q_tensors}),  // out (dq)
+                                              job.has_dout ? checked_bytes({B, Hkv, S, D, es, kKv}) : 0}));
+  }
+  MemoryBreakdown need;
+  need.add("input", checked_sum({checked_bytes({B, Hq, S, D, es, q_tensors}), checked_bytes({B, Hkv, S, D, es, kKv})}));
+  const bool writing_larger = writing.total() < 0 || (running.total() >= 0 && writing.total() > running.total());
+  need.add(writing_larger ? writing : running);
+  return need;
 }
 
 void write_attn_result(io::AtomicFile& file, const AttnJob& job, const AttnResult& result) {

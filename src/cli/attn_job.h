@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "comm/communicator.h"
 #include "core/attention_args.h"
 #include "core/mask.h"
+#include "core/memory.h"
 #include "io/atomic_file.h"
 
 namespace rf::cli {
@@ -35,11 +37,15 @@ struct AttnJob {
   AttnChunk whole_chunk() const;  // the job as one query set against one key chunk
 };
 
+// Runs when the job's shape, dtype, options and metadata are known and validated, before its tensors are read
+// or copied (`header` has empty q, k, v, dout): where the caller checks what the job needs against the machine.
+using BeforeCopying = std::function<void(const AttnJob& header)>;
+
 // Reads and validates an attention input file: tensors q, k, v, optional dout, doc, group (docs/spec.md §7) with
 // `mask` and `scale` (nullopt: 1/sqrt(D)). With `check_finite`, a NaN or infinity in q, k, v or dout is an error
 // too (finite.h). Throws rf::Error naming the file and the first problem found.
 AttnJob read_attn_job(const std::string& path, const LayerMask& mask, std::optional<float> scale,
-                      bool check_finite = true);
+                      bool check_finite = true, const BeforeCopying& before_copying = {});
 
 // How the rows are split across ranks. With one rank every choice computes the same thing.
 struct CpOptions {
@@ -57,6 +63,12 @@ struct AttnResult {
   double forward_seconds = 0, backward_seconds = 0;
   std::string stats_json;  // with CpOptions::collect_stats: every rank's CP figures (report::cp_stats_json)
 };
+
+// What a job needs on `rank` of P at least, beyond its metadata: the job's own copy of q, k, v (and dout), which
+// every rank holds; the attention's buffers (cp::rows_memory_at_least through CP, else the whole-row results);
+// and on rank 0 the outputs' copies in the job's dtype that write_attn_result makes. `header`: the job without its
+// tensors (BeforeCopying's argument) or with them.
+MemoryBreakdown attn_memory_at_least(const AttnJob& header, const CpOptions& cp, int P, int rank);
 
 // The CP boundary: every rank of `comm` passes the same job; rank 0 gets the whole result (the other ranks' results
 // are empty under mpirun with P > 1). A collective call.

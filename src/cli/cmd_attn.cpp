@@ -4,9 +4,10 @@
 //                   [--scale X] [--shard contiguous|zigzag|balanced] [--algo ring|allgather] [--threads N]
 //                   [--stats FILE.json] [--no-check-finite] [--timeout SECONDS]
 //
-// Run as `mpirun -n P ringflex attn ...` or plainly (P = 1). Every rank reads and validates the input itself,
-// the ranks agree that all of them succeeded (a bad input is one line on every rank, never a hang), the job
-// runs through the CP boundary (attn_job.h), and rank 0 writes the outputs.
+// Run as `mpirun -n P ringflex attn ...` or plainly (P = 1). Every rank reads and validates the input itself and
+// checks what the job needs against its memory before copying the tensors (attn_memory_at_least), the ranks agree
+// that all of them succeeded (a bad input is one line on every rank, never a hang), the job runs through the CP
+// boundary (attn_job.h), and rank 0 writes the outputs.
 #include <omp.h>
 
 #include <cstdio>
@@ -19,6 +20,7 @@
 #include "comm/agree.h"
 #include "comm/mpi_comm.h"
 #include "core/error.h"
+#include "core/memory.h"
 #include "io/atomic_file.h"
 
 namespace rf::cli {
@@ -69,7 +71,14 @@ int run_attn(const AttnOptions& opt) {
     const comm::Step step("agreeing that every rank read the input");
     agree(*world, [&] {
       if (world->rank() == 0) check_outputs(opt);
-      job = read_attn_job(opt.in, opt.mask, opt.scale, opt.check_finite);
+      // What the job needs on this rank, checked before its tensors are copied (a job beyond the machine stops
+      // with the figure, on every rank, instead of std::bad_alloc part-way).
+      const auto check_fits = [&](const AttnJob& header) {
+        const AttnShape& s = header.shape;
+        check_memory(attn_memory_at_least(header, opt.cp, world->size(), world->rank()), opt.in + ": attn",
+                     concat(" at B = ", s.B, ", S = ", s.Lq, " over ", world->size(), " rank(s)"));
+      };
+      job = read_attn_job(opt.in, opt.mask, opt.scale, opt.check_finite, check_fits);
     });
   }
   AttnResult result;

@@ -27,7 +27,6 @@
 #include <bit>
 #include <chrono>
 #include <cstdio>
-#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -48,6 +47,7 @@
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 #include "model/checkpoint.h"
+#include "model/memory.h"
 
 namespace rf::cli {
 
@@ -212,14 +212,6 @@ void check_outputs(const ForwardOptions& opt) {
   if (!opt.stats.empty()) io::check_writable(opt.stats);
 }
 
-int64_t checked_product(std::initializer_list<int64_t> factors) {
-  int64_t n = 1;
-  for (int64_t f : factors) {
-    if (__builtin_mul_overflow(n, f, &n)) return -1;  // check_memory reports a negative size as an overflow
-  }
-  return n;
-}
-
 // The batch's claimed shape, checked before the checkpoint is loaded or any row is read: an empty batch (or one
 // claiming 2^31 - 1 empty rows in a 152-byte file) fails at once, saying so.
 void check_batch_shape(const std::string& path) {
@@ -233,37 +225,28 @@ void check_batch_shape(const std::string& path) {
            ": input_ids has shape ", io::shape_string(ids.shape), ", B and S must fit in 32 bits");
 }
 
-// A lower bound of the activation bytes model.run holds for T tokens of a rank, from the memory plan in
-// model/gemma4.h: with the backward, every layer's input [T, H], attention output [T, Hq*D] and LSE [T, Hq] are
-// kept, plus the K/V [T, 2*Hkv*D] of layers others read; either way one layer's intermediates (input norm, q, k,
-// v, MLP hidden: [T, H + Hq*D + 2*Hkv*D + 3*I]) are alive at once. Float32 throughout; -1 when it overflows.
-int64_t activation_bytes_at_least(const model::Gemma4Model& m, int64_t T, bool training) {
-  const model::Gemma4Config& c = m.config();
-  const int64_t H = c.hidden_size, Hq = c.num_heads;
-  int64_t per_token = 0, largest_layer = 0;
-  for (int l = 0; l < c.num_layers; ++l) {
-    const model::LayerSpec& s = m.spec(l);
-    const int64_t qd = Hq * s.head_dim, kvd = int64_t{s.kv_heads} * s.head_dim;
-    if (training) per_token += H + qd + Hq + (s.stores_kv ? 2 * kvd : 0);
-    largest_layer = std::max(largest_layer, H + qd + 2 * kvd + 3 * int64_t{s.intermediate});
-  }
-  return checked_product({T, per_token + largest_layer, int64_t{sizeof(float)}});
-}
-
-// What this rank holds besides the model, known before the run: the gradient set, its [B, L, V] logits (rank 0:
-// also the gathered [B, S, V]) and a lower bound of its activations. A row too long for the machine stops here
-// with the figure instead of std::bad_alloc part-way.
+// What this rank allocates beyond the loaded model, known before the run: the gradient set, then the larger of the
+// run's own buffers (model::run_memory_at_least, for this rank's B x ceil(S / P) tokens: its activations, loss
+// chunk and [B, L, V] logits) and, on rank 0 under CP, the gather after it: the rank's [B, L, V] logits and the
+// gathered [B, S, V]. A row too long for the machine stops here with the figure instead of std::bad_alloc part-way.
 void check_job_memory(const model::Gemma4Model& m, const model::Batch& b, const ForwardOptions& opt, int P, int rank) {
-  const int64_t V = m.config().vocab_size;
+  const int64_t V = m.config().vocab_size, f32 = sizeof(float);
   const int64_t L = (int64_t{b.S} + P - 1) / P;  // tokens per rank, before the plan's padding
-  const int64_t grad_bytes = opt.grad ? m.params().total_bytes() : 0;
-  const int64_t logit_rows = opt.no_logits ? 0 : int64_t{b.B} * (L + (rank == 0 && P > 1 ? b.S : 0));
-  const int64_t logit_bytes = checked_product({logit_rows, V, int64_t{sizeof(float)}});
-  const int64_t act_bytes = activation_bytes_at_least(m, int64_t{b.B} * L, opt.grad);
-  int64_t bytes = 0;
-  const bool overflow = logit_bytes < 0 || act_bytes < 0 || __builtin_add_overflow(grad_bytes, logit_bytes, &bytes) ||
-                        __builtin_add_overflow(bytes, act_bytes, &bytes);
-  check_memory(overflow ? -1 : bytes, opt.in + ": this batch's gradients, [B, S, V] logits and activations (at least)");
+  model::RunMemoryArgs run;
+  run.tokens = int64_t{b.B} * L;
+  run.training = opt.grad;
+  run.logits = !opt.no_logits;
+  const MemoryBreakdown running = model::run_memory_at_least(m, run);
+  MemoryBreakdown gathering;
+  if (rank == 0 && P > 1 && !opt.no_logits) {
+    gathering.add("logits", checked_bytes({b.B, L, V, f32}));
+    gathering.add("gathered logits", checked_bytes({b.B, b.S, V, f32}));
+  }
+  MemoryBreakdown need;
+  need.add("gradients", opt.grad ? m.params().total_bytes() : 0);
+  const bool gathering_larger = gathering.total() < 0 || (running.total() >= 0 && gathering.total() > running.total());
+  need.add(gathering_larger ? gathering : running);
+  check_memory(need, opt.in + ": forward", concat(" at S = ", b.S, " over ", P, " rank(s)"));
 }
 
 int run_forward(const ForwardOptions& opt) {

@@ -3,6 +3,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -35,12 +37,82 @@ int local_ranks() {
   return n >= 1 ? n : 1;
 }
 
+// RINGFLEX_MEMORY_LIMIT in bytes, or -1 when unset. "0" is a valid (if useless) limit; anything but digits and
+// one K/M/G suffix is an error, since a misspelt limit silently ignored would defeat its purpose.
+int64_t memory_limit() {
+  const char* text = std::getenv("RINGFLEX_MEMORY_LIMIT");
+  if (text == nullptr || *text == '\0') return -1;
+  errno = 0;
+  char* end = nullptr;
+  const long long n = std::strtoll(text, &end, 10);
+  const bool has_digits = end != text;
+  int shift = 0;
+  if (*end == 'K' || *end == 'k') shift = 10;
+  if (*end == 'M' || *end == 'm') shift = 20;
+  if (*end == 'G' || *end == 'g') shift = 30;
+  if (shift > 0) ++end;
+  const bool fits = n >= 0 && errno == 0 && has_digits && *end == '\0' && n <= (INT64_MAX >> shift);
+  RF_CHECK(fits, "RINGFLEX_MEMORY_LIMIT=", text, " is not a byte count (digits, optionally followed by K, M or G)");
+  return static_cast<int64_t>(n) << shift;
+}
+
 }  // namespace
 
 int64_t available_memory_bytes() {
   int64_t bytes = meminfo_available();
   if (bytes < 0) bytes = static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-  return bytes / local_ranks();
+  bytes /= local_ranks();
+  const int64_t limit = memory_limit();
+  return limit >= 0 ? std::min(bytes, limit) : bytes;
+}
+
+void MemoryBreakdown::add(std::string name, int64_t bytes) { terms_.push_back({std::move(name), bytes}); }
+
+void MemoryBreakdown::add(const MemoryBreakdown& other) {
+  terms_.insert(terms_.end(), other.terms_.begin(), other.terms_.end());
+}
+
+int64_t MemoryBreakdown::total() const {
+  int64_t sum = 0;
+  for (const Term& t : terms_) sum = checked_sum({sum, t.bytes});
+  return sum;
+}
+
+int64_t MemoryBreakdown::of(const std::string& name) const {
+  int64_t sum = 0;
+  for (const Term& t : terms_)
+    if (t.name == name) sum += t.bytes;
+  return sum;
+}
+
+std::string MemoryBreakdown::describe(size_t terms) const {
+  std::vector<Term> shown;
+  for (const Term& t : terms_)
+    if (t.bytes != 0) shown.push_back(t);
+  // Largest first (an overflowed term, < 0, is the largest of all); equal sizes keep their order.
+  const auto size_key = [](const Term& t) { return t.bytes < 0 ? INT64_MAX : t.bytes; };
+  std::stable_sort(shown.begin(), shown.end(), [&](const Term& a, const Term& b) { return size_key(a) > size_key(b); });
+  std::string text;
+  for (size_t i = 0; i < shown.size() && i < terms; ++i) {
+    if (!text.empty()) text += ", ";
+    text += shown[i].name + " " + (shown[i].bytes < 0 ? std::string("> 2^63 B") : format_bytes(shown[i].bytes));
+  }
+  if (shown.size() > terms) text += ", ...";
+  return text;
+}
+
+int64_t checked_sum(std::initializer_list<int64_t> parts) {
+  int64_t n = 0;
+  for (const int64_t part : parts)
+    if (part < 0 || __builtin_add_overflow(n, part, &n)) return -1;
+  return n;
+}
+
+int64_t checked_bytes(std::initializer_list<int64_t> factors) {
+  int64_t n = 1;
+  for (const int64_t f : factors)
+    if (f < 0 || __builtin_mul_overflow(n, f, &n)) return -1;
+  return n;
 }
 
 std::string format_bytes(int64_t bytes) {
@@ -61,6 +133,15 @@ void check_memory(int64_t bytes, const std::string& what) {
   const int64_t available = available_memory_bytes();
   RF_CHECK(bytes <= available, what, " needs ", format_bytes(bytes), " of memory, but only ", format_bytes(available),
            " is available to this rank");
+}
+
+void check_memory(const MemoryBreakdown& need, const std::string& what, const std::string& context) {
+  const int64_t bytes = need.total();
+  RF_CHECK(bytes >= 0, what, " needs more than 2^63 bytes of memory per rank (", need.describe(), context,
+           "; its sizes overflow)");
+  const int64_t available = available_memory_bytes();
+  RF_CHECK(bytes <= available, what, " needs at least ", format_bytes(bytes), " of memory per rank (", need.describe(),
+           context, "), but only ", format_bytes(available), " is available to this rank");
 }
 
 }  // namespace rf

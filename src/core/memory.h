@@ -4,20 +4,64 @@
 // cannot hold must end the job with a message saying how much it needs, not with std::bad_alloc or the kernel's
 // OOM killer half-way through. The figure compared against is Linux's MemAvailable (what can be allocated without
 // swapping), shared evenly between the ranks mpirun placed on this machine, since they all allocate at once.
+// RINGFLEX_MEMORY_LIMIT=BYTES (a plain count, or with a K, M or G suffix for KiB, MiB, GiB) caps that figure per
+// rank: a job sharing a node with others can keep to its part, and the tests fake a small machine with it.
+//
+// A job's need is a MemoryBreakdown: named terms, each a lower bound of what the job surely allocates, derived
+// beside the code that knows the sizes (model::run_memory_at_least, trainer::train_memory_at_least,
+// cp::rows_memory_at_least). A lower bound never stops a job that would fit; the message names the biggest terms.
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <vector>
 
 namespace rf {
 
 // Bytes this process may allocate: MemAvailable from /proc/meminfo (or the free physical pages where it is
-// missing) divided by the number of ranks on this node (OMPI_COMM_WORLD_LOCAL_SIZE, 1 without mpirun).
+// missing) divided by the number of ranks on this node (OMPI_COMM_WORLD_LOCAL_SIZE, 1 without mpirun), at most
+// RINGFLEX_MEMORY_LIMIT. Throws rf::Error when RINGFLEX_MEMORY_LIMIT is not a byte count.
 int64_t available_memory_bytes();
+
+// Named byte counts that add up to what a job needs per rank, in the order they are shown.
+class MemoryBreakdown {
+ public:
+  // `bytes` < 0 marks a term whose size overflowed int64 (the total is then an overflow too).
+  void add(std::string name, int64_t bytes);
+  void add(const MemoryBreakdown& other);  // every term of `other`, after these
+  // The sum; -1 when a term or the sum overflows.
+  int64_t total() const;
+  // The bytes of the term `name` (0 when there is none).
+  int64_t of(const std::string& name) const;
+  // "weights 1.0 GiB, activations 12.0 MiB, ...": the non-zero terms, largest first, at most `terms` of them.
+  std::string describe(size_t terms = kShownTerms) const;
+
+  static constexpr size_t kShownTerms = 5;  // enough for a job's big parts, short enough for one line
+
+  struct Term {
+    std::string name;
+    int64_t bytes = 0;
+  };
+  const std::vector<Term>& terms() const { return terms_; }
+
+ private:
+  std::vector<Term> terms_;
+};
+
+// a * b * c ... as bytes, or -1 when the product overflows int64 (what MemoryBreakdown::add takes as overflow).
+int64_t checked_bytes(std::initializer_list<int64_t> factors);
+// a + b + c ... of byte counts, or -1 when one of them is -1 or the sum overflows int64.
+int64_t checked_sum(std::initializer_list<int64_t> parts);
 
 // Throws rf::Error "<what> needs X GiB of memory, but only Y GiB is available to this rank" when `bytes` exceeds
 // available_memory_bytes(). Negative `bytes` (an overflowed size) is an error too.
 void check_memory(int64_t bytes, const std::string& what);
+
+// Throws rf::Error "<what> needs at least X of memory per rank (<need.describe()><context>), but only Y is
+// available to this rank" when need.total() exceeds available_memory_bytes() (or overflows). `context` adds the
+// sizes the figure depends on, e.g. " at seq_len 8192 over cp 2".
+void check_memory(const MemoryBreakdown& need, const std::string& what, const std::string& context = "");
 
 // "1.5 GiB", "12.0 MiB", "812 B": a byte count for messages.
 std::string format_bytes(int64_t bytes);

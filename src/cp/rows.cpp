@@ -1,11 +1,13 @@
 // ringflex cp: CP attention of whole rows (see rows.h).
 #include "cp/rows.h"
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 
 #include "core/error.h"
 #include "cp/balance.h"
+#include "cp/plan.h"
 
 namespace rf::cp {
 
@@ -28,6 +30,69 @@ ShardMap rows_shard_map(const RowsInput& in, const RowsOptions& opt, int P) {
     return *opt.map;
   }
   return shard_map_for(opt.scheme, in.meta, in.shape.B, in.S(), P, LayerMix{{opt.params.mask, 1}});
+}
+
+// Fields (bytes of buffers cp_attention_rows and the CP calls allocate):
+//   shard         shard_rows: q, k, v (and dout) [B, H, L, D] in the input dtype and meta [B, L]; alive throughout;
+//   results       o [B, Hq, L, D] and lse [B, Hq, L] float32, with the backward dq [B, Hq, L, D] and dk, dv
+//                 [B, Hkv, L, D] float32, all allocated before the backward's ring runs and alive through the gather;
+//   ring_buffers  P > 1, while a ring call runs. Planned ring: one receive slot (planned_ring.cpp sizes each slot for
+//                 the most tokens any step brings, K and V [B, Hkv, n, D] in the dtype and meta [B, n]); the ring
+//                 double-buffers, but a second slot is used only when two steps receive, so one is counted.
+//                 Allgather: every rank's K and V [B, Hkv, P * L, D] and meta [B, P * L] (allgather.cpp). The chunk
+//                 ring's slots are not counted (whole chunks travel only as far as their last reader, maybe nowhere);
+//   plan          the planned ring's plan (plan_bytes), built by each ring call that is not given one;
+//   gathered      on the gathering rank, the row-order out [B, Hq, S, D], lse [B, Hq, S] (and dq, dk, dv) float32,
+//                 all alive when the last gather ends (gather_rows).
+// Not counted: the kernels' partial accumulators, delta [B, Hq, L], the gradient return slots and the gather's
+// one-shard receive buffer, so the figure stays a lower bound.
+RowsMemory rows_memory_at_least(const RowsInput& in, bool backward, const RowsOptions& opt, int P, int rank) {
+  const AttnShape& s = in.shape;
+  const ShardMap map = rows_shard_map(in, opt, P);
+  const int64_t B = s.B, Hq = s.Hq, Hkv = s.Hkv, L = map.L, S = in.S(), D = s.D;
+  const int64_t es = static_cast<int64_t>(dtype_size(in.dtype)), f32 = sizeof(float), meta = sizeof(TokenMeta);
+  const int64_t q_tensors = backward ? 2 : 1;  // q, dout
+  constexpr int64_t kKv = 2;                   // k and v
+  RowsMemory m;
+  m.shard = checked_sum({checked_bytes({B, Hq, L, D, es, q_tensors}), checked_bytes({B, Hkv, L, D, es, kKv}),
+                         checked_bytes({B, L, meta})});
+  m.results = checked_sum({checked_bytes({B, Hq, L, D + 1, f32}),                     // o, lse
+                           backward ? checked_bytes({B, Hq, L, D, f32}) : 0,          // dq
+                           backward ? checked_bytes({B, Hkv, L, D, f32, kKv}) : 0});  // dk, dv
+  if (P > 1 && opt.params.algo == Algo::AllGather) {
+    m.ring_buffers = checked_sum({checked_bytes({B, Hkv, P, L, D, es, kKv}), checked_bytes({B, P, L, meta})});
+  } else if (P > 1) {
+    const PlanGeometry g{P, s.B, map.L, kPlanBlock};
+    m.plan = plan_bytes(g, 1);
+    // The plan itself is built only when its tables fit: otherwise the check fails on them first.
+    if (opt.params.traffic == RingTraffic::Planned && m.plan >= 0 && m.plan <= available_memory_bytes()) {
+      const std::vector<BlockSummary> summaries = summarize_all_shards(in.meta, s.B, map, kPlanBlock);
+      const CommPlan comm_plan = plan_from_summaries(g, summaries.data(), {{opt.params.mask, 1}});
+      const MaskCommPlan& mp = comm_plan.masks.front();
+      int64_t most_in = 0;
+      for (int t = 1; t < P; ++t) most_in = std::max(most_in, mp.recv_tokens(rank, ring_source(rank, t, P)));
+      m.ring_buffers = checked_sum({checked_bytes({B, Hkv, most_in, D, es, kKv}), checked_bytes({B, most_in, meta})});
+    }
+  }
+  if (opt.gather_root == rank || opt.gather_root == kEveryRank)
+    m.gathered = checked_sum({checked_bytes({B, Hq, S, D + 1, f32}),                     // out, lse
+                              backward ? checked_bytes({B, Hq, S, D, f32}) : 0,          // dq
+                              backward ? checked_bytes({B, Hkv, S, D, f32, kKv}) : 0});  // dk, dv
+  return m;
+}
+
+MemoryBreakdown RowsMemory::peak() const {
+  MemoryBreakdown ring, gather;
+  for (MemoryBreakdown* b : {&ring, &gather}) {
+    b->add("shard", shard);
+    b->add("results", results);
+  }
+  ring.add("ring buffers", ring_buffers);
+  ring.add("communication plan", plan);
+  gather.add("gathered results", gathered);
+  if (ring.total() < 0) return ring;
+  if (gather.total() < 0) return gather;
+  return ring.total() >= gather.total() ? ring : gather;
 }
 
 int64_t RowsShard::valid_tokens() const {

@@ -16,6 +16,7 @@
 
 #include "comm/communicator.h"
 #include "core/attention_args.h"
+#include "core/memory.h"
 #include "cp/cp_attention.h"
 #include "cp/shard.h"
 
@@ -63,6 +64,23 @@ RowsResult cp_attention_rows(comm::Communicator& comm, const RowsInput& in, cons
 
 // The map RowsOptions selects, for P ranks.
 ShardMap rows_shard_map(const RowsInput& in, const RowsOptions& opt, int P);
+
+// What cp_attention_rows holds on `rank` of P at least, known before any of it is allocated: only `in`'s shape,
+// dtype and meta are read (its tensors may be null); `backward` says whether dout will be given. Each field is
+// derived in rows.cpp from the buffers it counts. Building the shard map and, for the planned ring, the plan from
+// every rank's metadata costs what the run's own planning costs; the plan's bytes are checked first.
+struct RowsMemory {
+  int64_t shard = 0;         // this rank's q, k, v (dout) and meta
+  int64_t results = 0;       // this rank's float32 o, lse (dq, dk, dv)
+  int64_t ring_buffers = 0;  // what the communication plan says this rank receives, or the allgather's K/V
+  int64_t plan = 0;          // the communication plan's tables
+  int64_t gathered = 0;      // the results in row order, on the gathering rank(s)
+
+  // The larger of the two moments that hold the most: the ring running (shard, results, ring buffers, plan) and
+  // the gather (shard, results, gathered results), as named terms (-1 where a size overflows).
+  MemoryBreakdown peak() const;
+};
+RowsMemory rows_memory_at_least(const RowsInput& in, bool backward, const RowsOptions& opt, int P, int rank);
 
 // One rank's shard of the rows under `map`, owning its buffers: q, dout [B, Hq, L, D]; k, v [B, Hkv, L, D] in the
 // input dtype (sharding padding is zero); meta [B, L] (sharding padding is docs/spec.md §5's pad token).

@@ -60,7 +60,7 @@ std::string file_name_of(const std::string& param_name, const std::string& text_
   return param_name;
 }
 
-Checkpoint load_checkpoint(const std::string& dir) {
+Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating) {
   const fs::path root(dir);
   RF_CHECK(fs::is_directory(root), dir, ": not a directory");
   const fs::path config_path = root / "config.json";
@@ -90,6 +90,7 @@ Checkpoint load_checkpoint(const std::string& dir) {
     RF_CHECK(v != nullptr, dir, ": no tensor `", name, "` in the checkpoint");
     check_shape(t, *v, files.shard_of(name).path());
   }
+  if (before_allocating) before_allocating(*ck.model);
   check_memory(params.total_bytes(), dir + ": the model's float32 parameters");
   for (size_t slot = 0; slot < params.size(); ++slot) {
     const std::string name = file_name_of(params[slot].name, ck.text_prefix);

@@ -9,6 +9,7 @@
 // the prefix the checkpoint was read with.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -21,9 +22,13 @@ struct Checkpoint {
   std::string text_prefix = "model.";  // where the decoder's tensors live in the files ("model.language_model.")
 };
 
+// Runs with the model's parameters registered as shapes only (TensorSet::Storage::Deferred), after they were
+// checked against the files and before any is allocated: where a caller checks what its whole job needs.
+using BeforeAllocating = std::function<void(const Gemma4Model& shapes)>;
+
 // Throws rf::Error naming the file or tensor: a missing config.json or tensor, a shape against the config, an
-// unsupported config field.
-Checkpoint load_checkpoint(const std::string& dir);
+// unsupported config field, parameters beyond the machine's memory (or whatever `before_allocating` throws).
+Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating = {});
 
 void save_checkpoint(const Checkpoint& ck, const std::string& dir);
 

@@ -140,9 +140,9 @@ std::string resolve_checkpoint(const std::string& dir_or_root) {
   return all.back().string();
 }
 
-LoadedCheckpoint load_train_checkpoint(const std::string& dir) {
+LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating) {
   LoadedCheckpoint out;
-  out.weights = model::load_checkpoint(dir);
+  out.weights = model::load_checkpoint(dir, before_allocating);
   const fs::path state_path = fs::path(dir) / kStateFile;
   json j;
   try {

@@ -51,7 +51,8 @@ struct LoadedCheckpoint {
   TrainState state;
 };
 // Loads weights and state; the optimizer's moments go into `optimizer` (same parameter names and shapes).
-LoadedCheckpoint load_train_checkpoint(const std::string& dir);
+// `before_allocating`: as model::load_checkpoint's, before the weights are allocated.
+LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating = {});
 void load_optimizer_state(const std::string& dir, AdamW& optimizer);
 
 // Writes `text` to `path` all or nothing (io::AtomicFile: a temporary beside it, fsync, rename).

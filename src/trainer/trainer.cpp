@@ -9,8 +9,10 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "core/memory.h"
 #include "cp/cp_backend.h"
 #include "cpu/local_attention.h"
+#include "model/memory.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/optimizer.h"
@@ -102,6 +104,43 @@ std::string default_svg_path(const TrainConfig& c, const TrainOptions& o) {
 
 }  // namespace
 
+// Terms, each counting buffers train() surely holds through a step (float32 throughout):
+//   weights          the parameters (and buffers), Gemma4Model::params()/buffers();
+//   gradients        `grads`, params().zeros_like(): every parameter, frozen ones included;
+//   AdamW moments    exp_avg and exp_avg_sq, two more zeros_like() sets (AdamW allocates them for every parameter);
+//   then the larger of what one micro-batch's run holds (model::run_memory_at_least: train.micro_batch rows of
+//   ceil(seq_len / cp) tokens, a shard is never shorter, with train.recompute: "activations", "one layer" or
+//   "loss chunk") and, on more than one rank, the "gradient reduction": the flat buffer of the trainable gradients
+//   allreduce_gradients builds after the micro-batches ran, when their activations are gone.
+// Left out, so the figure stays a lower bound: the ring's receive buffers (what a rank receives depends on each
+// batch's documents; packed short documents need almost none), the data rows, the plan, the checkpoint writer's
+// copies, and validation (a forward, smaller than the training step).
+MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Model& m, int world_size) {
+  const int64_t params = m.params().total_bytes();
+  constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
+  MemoryBreakdown need;
+  need.add("weights", params + m.buffers().total_bytes());
+  need.add("gradients", params);
+  need.add("AdamW moments", checked_bytes({kMoments, params}));
+  const int64_t L = (int64_t{c.train.seq_len} + c.parallelism.cp - 1) / c.parallelism.cp;
+  model::RunMemoryArgs run;
+  run.tokens = int64_t{c.train.micro_batch} * L;
+  run.training = true;
+  run.recompute_layers = c.train.recompute;
+  const MemoryBreakdown step = model::run_memory_at_least(m, run);
+  int64_t reduced = 0;
+  if (world_size > 1) {
+    const std::vector<bool> trainable = trainable_mask(m.params(), c.model.freeze);
+    for (size_t i = 0; i < trainable.size(); ++i)
+      if (trainable[i]) reduced += m.params()[i].numel() * static_cast<int64_t>(sizeof(float));
+  }
+  if (step.total() >= 0 && reduced > step.total())
+    need.add("gradient reduction", reduced);
+  else
+    need.add(step);
+  return need;
+}
+
 std::string builtin_config_json(const std::string& name) {
   if (name == "tiny_dense") return kTinyDense;
   if (name == "tiny_moe_vlm") return kTinyMoeVlm;
@@ -135,21 +174,26 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
   std::string resume_dir;
   std::unique_ptr<DataSource> data;
   std::unique_ptr<AdamW> adam_ptr;
+  // What the run needs, checked on every rank before the weights, gradients and moments are allocated.
+  const auto check_fits = [&](const model::Gemma4Model& shapes) {
+    check_memory(train_memory_at_least(cfg, shapes, world.size()), "train",
+                 rf::concat(" at seq_len ", cfg.train.seq_len, " over cp ", cp));
+  };
   const auto setup = [&] {
     if (!options.resume.empty()) {
       resume_dir = resolve_checkpoint(options.resume);
-      LoadedCheckpoint loaded = load_train_checkpoint(resume_dir);
+      LoadedCheckpoint loaded = load_train_checkpoint(resume_dir, check_fits);
       check_resume_compatible(cfg, loaded.state.config_yaml, resume_dir);
       ck = std::move(loaded.weights);
       state = std::move(loaded.state);
       RF_CHECK(state.step < cfg.train.steps, "--resume ", resume_dir, ": the checkpoint is at step ", state.step,
                " and train.steps = ", cfg.train.steps, " leaves nothing to do");
     } else if (!cfg.model.path.empty()) {
-      ck = model::load_checkpoint(cfg.model.path);
+      ck = model::load_checkpoint(cfg.model.path, check_fits);
     } else {
-      ck.model =
-          std::make_unique<model::Gemma4Model>(model::Gemma4Config::from_json(builtin_config_json(cfg.model.builtin)),
-                                               kBuiltinFeatureDim);
+      const model::Gemma4Config builtin = model::Gemma4Config::from_json(builtin_config_json(cfg.model.builtin));
+      check_fits(model::Gemma4Model(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Deferred));
+      ck.model = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim);
       ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
     }
     const model::Gemma4Model& mm = *ck.model;

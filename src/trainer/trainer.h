@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "core/memory.h"
 #include "model/checkpoint.h"
 #include "trainer/config.h"
 #include "trainer/metrics.h"
@@ -50,6 +51,11 @@ struct TrainResult {
   std::string last_checkpoint;  // empty when none was written
   std::string svg_path;
 };
+
+// What training needs per rank at least, known before any of it is allocated (`m`'s parameters may be shapes only):
+// named terms (core/memory.h) from trainer.cpp, where each is derived. train() checks it against the machine on
+// every rank before it allocates the weights, and the error names the biggest terms.
+MemoryBreakdown train_memory_at_least(const TrainConfig& config, const model::Gemma4Model& m, int world_size);
 
 // Runs the configured training on `world` (every rank calls it). The config must have passed validate().
 TrainResult train(const TrainConfig& config, comm::Communicator& world, const TrainOptions& options);

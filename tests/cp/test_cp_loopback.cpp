@@ -3,9 +3,13 @@
 // work that adds up to the mask area). Oracles: the scalar reference, and counts computed from the definitions.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "core/error.h"
 #include "cp/cp_internal.h"
 #include "cp/plan.h"
+#include "cp/rows.h"
 #include "cp_cases.h"
 
 namespace rf::cp {
@@ -37,6 +41,59 @@ std::vector<std::pair<CpStats, CpStats>> stats_of(int P, Scheme s, Algo a, int S
     out[w.rank()] = {f, b};
   });
   return out;
+}
+
+// rows_memory_at_least against a run: the shard and the gathered results are exactly the buffers the run holds, and
+// the ring's buffers are at most the forward's measured peak (the ledger counts them with the own chunk and the
+// accumulators). Sliding, causal and image-group masks, the planned ring and the all-gather, S not divisible by P.
+TEST(CpLoopback, MemoryEstimateIsALowerBoundOfTheRun) {
+  struct Setup {
+    LayerMask mask;
+    testing::MetaKind kind;
+    Algo algo;
+  };
+  const Setup setups[] = {{LayerMask{true, 9, false}, testing::MetaKind::Packed, Algo::Ring},
+                          {LayerMask{true, 0, true}, testing::MetaKind::PackedImages, Algo::Ring},
+                          {LayerMask{false, 0, false}, testing::MetaKind::OneDoc, Algo::AllGather}};
+  for (int P : {2, 3})
+    for (const Setup& setup : setups) {
+      cases::Case c;
+      c.B = 2, c.S = 301, c.Hq = 4, c.Hkv = 2, c.D = 8, c.mask = setup.mask, c.kind = setup.kind;
+      const cases::Inputs in = cases::make_inputs(c);
+      const RowsInput rows{AttnShape{c.B, c.Hq, c.Hkv, c.S, c.S, c.D},
+                           c.dtype,
+                           in.q.data(),
+                           in.k.data(),
+                           in.v.data(),
+                           in.dout.data(),
+                           in.meta.data()};
+      RowsOptions opt;
+      opt.params.mask = c.mask;
+      opt.params.algo = setup.algo;
+      opt.collect_stats = true;
+      std::vector<int64_t> ring_buffers(static_cast<size_t>(P));
+      comm::run_ranks(P, [&](comm::Communicator& w) {
+        const RowsMemory need = rows_memory_at_least(rows, true, opt, P, w.rank());
+        ring_buffers[w.rank()] = need.ring_buffers;
+        const RowsResult ran = cp_attention_rows(w, rows, opt);
+        const std::string where =
+            concat("P = ", P, ", rank ", w.rank(), ", mask ", c.mask.name(), ": ", need.peak().describe(9));
+        const int64_t L = ran.map.L, f32 = sizeof(float);
+        EXPECT_EQ(need.shard, int64_t{c.B} * L * ((2 * c.Hq + 2 * c.Hkv) * c.D * f32 + int64_t{sizeof(TokenMeta)}))
+            << where;
+        if (setup.algo == Algo::AllGather) {
+          EXPECT_GT(need.ring_buffers, 0) << where;
+        }
+        EXPECT_LE(need.ring_buffers, ran.forward_stats.peak_attention_bytes) << where;
+        const int64_t gathered =
+            static_cast<int64_t>(ran.out.size() + ran.lse.size() + ran.dq.size() + ran.dk.size() + ran.dv.size()) * f32;
+        EXPECT_EQ(need.gathered, gathered) << where;
+        // dq, dk, dv and o, lse: exactly this rank's float32 results.
+        EXPECT_EQ(need.results, int64_t{c.B} * L * ((2 * c.Hq + 2 * c.Hkv) * c.D + c.Hq) * f32) << where;
+      });
+      // Some rank reads another's keys in every setup, so the plan has it receive something.
+      EXPECT_GT(*std::max_element(ring_buffers.begin(), ring_buffers.end()), 0) << "P = " << P << ", " << c.mask.name();
+    }
 }
 
 TEST(CpLoopback, RingMemoryIsAtMostThreeChunksWhateverP) {

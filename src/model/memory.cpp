@@ -1,0 +1,103 @@
+// ringflex model: the memory of one run (see memory.h). Every term below names the buffers of gemma4.cpp,
+// attention_block.cpp, mlp.cpp and embedding.cpp it counts; buffers whose lifetime is unclear, MoE's routed
+// batches, the PLE block's and the backward's temporaries are left out, which keeps the sum a lower bound.
+#include "model/memory.h"
+
+#include <algorithm>
+
+#include "model/loss.h"
+
+namespace rf::model {
+
+namespace {
+
+constexpr int64_t kFloat = sizeof(float);
+
+// Floats per token of layer l's LayerActs as layer_forward fills them (the whole struct is alive until the layer
+// ends): input norm a [H]; q_raw and Q [Hq*D] each; with its own K/V k_raw, K, V [Hkv*D] each (and v_raw with a
+// v_proj); O [Hq*D] and LSE [Hq]; ao and x1 [H] each; the MLP's m_in and mo [H] and g, u, hmid [I] each. The
+// per-token RMS factors ([1] or [heads]) and everything of MoE and PLE are not counted.
+int64_t layer_floats(const Gemma4Model& m, int l, bool with_attention_output) {
+  const LayerSpec& s = m.spec(l);
+  const int64_t H = m.config().hidden_size, Hq = m.config().num_heads;
+  const int64_t qd = Hq * s.head_dim, kvd = int64_t{s.kv_heads} * s.head_dim;
+  int64_t n = H + 2 * qd + 2 * H;                          // a; q_raw, Q; ao, x1
+  if (s.kv_source < 0) n += (s.has_v_proj ? 4 : 3) * kvd;  // k_raw, K, V (v_raw)
+  if (with_attention_output) n += qd + Hq;                 // O, lse
+  n += 2 * H + 3 * int64_t{s.intermediate};                // m_in, mo; g, u, hmid
+  return n;
+}
+
+// Floats per token that Run keeps for the backward from layer l (gemma4.cpp): its input x_in [H], and either the
+// attention output O [Hq*D] and LSE [Hq] (recompute on) or its whole LayerActs (recompute off).
+int64_t kept_floats(const Gemma4Model& m, int l, bool recompute) {
+  const LayerSpec& s = m.spec(l);
+  const int64_t H = m.config().hidden_size, Hq = m.config().num_heads;
+  return H + (recompute ? Hq * s.head_dim + Hq : layer_floats(m, l, true));
+}
+
+// Floats per token of the K/V [Hkv*D] x 2 that layer l stores for the KV-shared layers (kv_K, kv_V).
+int64_t shared_kv_floats(const Gemma4Model& m, int l) {
+  const LayerSpec& s = m.spec(l);
+  return s.stores_kv ? 2 * int64_t{s.kv_heads} * s.head_dim : 0;
+}
+
+// The phase that needs more (an overflowed one, total -1, counts as the larger).
+const MemoryBreakdown& larger(const MemoryBreakdown& a, const MemoryBreakdown& b) {
+  if (a.total() < 0) return a;
+  if (b.total() < 0) return b;
+  return a.total() >= b.total() ? a : b;
+}
+
+}  // namespace
+
+MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& args) {
+  const Gemma4Config& c = m.config();
+  const int64_t T = args.tokens, H = c.hidden_size, V = c.vocab_size, layers = c.num_layers;
+  const auto bytes = [&](int64_t floats_per_token) { return checked_bytes({T, floats_per_token, kFloat}); };
+
+  // Alive for the whole run: the embedded row h0 [T, H] and the per-layer inputs ple, ple_raw [T, layers * P]
+  // (embedding.cpp), and the layer loop's x and next [T, H] (gemma4.cpp).
+  const int64_t run_floats = 3 * H + 2 * layers * c.ple_dim;
+  // The loss (gemma4.cpp, loss.h): xf [T, H], then one chunk of [C, V] logits, C = min(T, chunk tokens).
+  const int64_t chunk = std::min(std::max<int64_t>(T, 1), loss_chunk_tokens(V, kLossChunkBytes));
+  const int64_t chunk_bytes = checked_bytes({chunk, V, kFloat});
+  const int64_t logit_bytes = args.logits ? checked_bytes({T, V, kFloat}) : 0;
+
+  MemoryBreakdown out;
+  if (!args.training) {
+    // Forward: at layer l, its whole LayerActs with the K/V stored by the layers before it; at the loss, every
+    // stored K/V, xf and the chunk. Whichever is larger is the bound.
+    int64_t stored = 0, layer_phase = 0;
+    for (int l = 0; l < layers; ++l) {
+      layer_phase = std::max(layer_phase, stored + layer_floats(m, l, true));
+      stored += shared_kv_floats(m, l);
+    }
+    const int64_t loss_phase = stored + H;  // + xf
+    MemoryBreakdown at_layer, at_loss;
+    at_layer.add("activations", bytes(run_floats + stored));
+    at_layer.add("one layer", bytes(layer_phase - stored));
+    at_loss.add("activations", bytes(run_floats + loss_phase));
+    at_loss.add("loss chunk", chunk_bytes);
+    out = larger(at_layer, at_loss);
+    out.add("logits", logit_bytes);
+    return out;
+  }
+  // Training. Kept until the backward reaches them: every layer's kept_floats and stored K/V. At the loss and
+  // through the backward, xf and its gradient dxf [T, H] are alive too; the backward adds dx and dprev [T, H] and,
+  // at its first layer (the last one, whose kept activations are all still there), that layer's recomputed
+  // activations past O and LSE (recompute on; off, they are among the kept ones).
+  int64_t kept = 0;
+  for (int l = 0; l < layers; ++l) kept += kept_floats(m, l, args.recompute_layers) + shared_kv_floats(m, l);
+  const int64_t recomputed = args.recompute_layers && layers > 0 ? layer_floats(m, layers - 1, false) : 0;
+  MemoryBreakdown at_loss, at_backward;
+  at_loss.add("activations", bytes(run_floats + kept + 2 * H));  // + xf, dxf
+  at_loss.add("loss chunk", chunk_bytes);
+  at_backward.add("activations", bytes(run_floats + kept + 4 * H));  // + xf, dxf, dx, dprev
+  at_backward.add("one layer", bytes(recomputed));
+  out = larger(at_loss, at_backward);
+  out.add("logits", logit_bytes);
+  return out;
+}
+
+}  // namespace rf::model

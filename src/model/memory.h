@@ -1,0 +1,35 @@
+// ringflex model: how much memory one Gemma4Model::run needs on a rank, known before it allocates anything.
+//
+// The figure is a lower bound of the run's peak: only buffers that gemma4.cpp and its blocks surely hold at the
+// same moment are counted, so a job that would fit is never refused. Each term is derived in memory.cpp from the
+// allocation it stands for; tests/model/test_memory.cpp checks the terms against the sizes a run reports
+// (Result::kept_activation_bytes, layer_recompute_bytes) and the total against a run's peak RSS growth.
+#pragma once
+
+#include <cstdint>
+
+#include "core/memory.h"
+#include "model/gemma4.h"
+
+namespace rf::model {
+
+struct RunMemoryArgs {
+  int64_t tokens = 0;            // T = B * L: the tokens this rank holds (L >= ceil(S / P) under CP)
+  bool training = false;         // RunOptions::want_grad
+  bool recompute_layers = true;  // RunOptions::recompute_layers (only matters when training)
+  bool logits = false;           // RunOptions::want_logits: Result::logits [T, V]
+};
+
+// Named terms (bytes, float32), the largest phase of the run (the layers of the forward, the loss, or the
+// backward's first layer), any of which may be absent:
+//   "activations"   what the backward keeps from the forward (layer inputs, attention outputs and LSE, and with
+//                   recompute off every layer's whole activations), the embedded row and the per-layer inputs,
+//                   K/V that later layers read, and the [T, H] hidden-state buffers alive at that moment;
+//   "one layer"     one layer's activations while it is computed or recomputed (its input norm, q/k/v, attention
+//                   output, o_proj, MLP), past what "activations" holds already;
+//   "loss chunk"    the [min(T, chunk), V] logits of the fused head and cross-entropy (loss.h);
+//   "logits"        the [T, V] logits the caller asked for.
+// Entries are -1 (MemoryBreakdown's overflow) when a product does not fit int64.
+MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& args);
+
+}  // namespace rf::model

@@ -1,0 +1,117 @@
+// What training needs, checked before it allocates (trainer::train_memory_at_least): its terms follow the config
+// (freeze, cp, recompute, micro-batch), and a run beyond the memory available stops with the figure before the
+// weights exist, from a built-in model and from a checkpoint it resumes.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "comm/loopback_comm.h"
+#include "model/memory.h"
+#include "trainer/error_of.h"
+#include "trainer/trainer.h"
+
+namespace rf::trainer {
+namespace {
+
+using testing::error_of;
+
+TrainConfig config(std::vector<std::string> sets) {
+  std::vector<std::string> base = {"model.builtin=tiny_dense", "train.seq_len=512",
+                                   "train.global_batch=4",     "train.steps=2",
+                                   "train.threads=1",          "data.val_rows=2",
+                                   "train.val_every=0"};
+  base.insert(base.end(), sets.begin(), sets.end());
+  return parse_config("", "test", base);
+}
+
+model::Gemma4Model shapes() {
+  return model::Gemma4Model(model::Gemma4Config::from_json(builtin_config_json("tiny_dense")), kBuiltinFeatureDim,
+                            model::TensorSet::Storage::Deferred);
+}
+
+TEST(TrainMemory, TermsFollowTheConfig) {
+  const model::Gemma4Model m = shapes();
+  const int64_t params = m.params().total_bytes();
+  const MemoryBreakdown one = train_memory_at_least(config({}), m, 1);
+  EXPECT_EQ(one.of("gradients"), params);
+  EXPECT_EQ(one.of("AdamW moments"), 2 * params);
+  EXPECT_EQ(one.of("weights"), params + m.buffers().total_bytes());
+  EXPECT_EQ(one.of("gradient reduction"), 0);  // one rank reduces nothing
+  // The activations are model::run_memory_at_least's for one micro-batch of seq_len tokens.
+  model::RunMemoryArgs run;
+  run.tokens = 512;
+  run.training = true;
+  EXPECT_EQ(one.of("activations"), model::run_memory_at_least(m, run).of("activations"));
+
+  // Over 2 ranks the trainable gradients are flattened for the reduction (frozen ones are not), after the step's
+  // activations are gone: with rows this short the reduction is the larger and is counted instead of them.
+  const MemoryBreakdown dp = train_memory_at_least(config({"train.seq_len=8", "parallelism.dp=2"}), m, 2);
+  EXPECT_EQ(dp.of("gradient reduction"), params);
+  EXPECT_EQ(dp.of("activations"), 0);
+  const MemoryBreakdown frozen =
+      train_memory_at_least(config({"train.seq_len=8", "parallelism.dp=2", "model.freeze=embed"}), m, 2);
+  EXPECT_GT(frozen.of("gradient reduction"), 0);
+  EXPECT_LT(frozen.of("gradient reduction"), params);
+  // Long rows: the step's activations are the larger, and the reduction is not added to them.
+  EXPECT_EQ(train_memory_at_least(config({"parallelism.dp=2"}), m, 2).of("gradient reduction"), 0);
+  // A row split over cp ranks holds a cp-th of the tokens; keeping every layer costs more than recomputing.
+  EXPECT_LT(train_memory_at_least(config({"parallelism.cp=2"}), m, 2).of("activations"), one.of("activations"));
+  EXPECT_GT(train_memory_at_least(config({"train.recompute=false"}), m, 1).total(), one.total());
+  EXPECT_GT(train_memory_at_least(config({"train.micro_batch=2"}), m, 1).total(), one.total());
+}
+
+// RINGFLEX_MEMORY_LIMIT for one scope (each TEST runs in its own process).
+class ScopedLimit {
+ public:
+  explicit ScopedLimit(const char* value) { setenv("RINGFLEX_MEMORY_LIMIT", value, 1); }
+  ~ScopedLimit() { unsetenv("RINGFLEX_MEMORY_LIMIT"); }
+  ScopedLimit(const ScopedLimit&) = delete;
+  ScopedLimit& operator=(const ScopedLimit&) = delete;
+};
+
+std::string train_error(const TrainConfig& c, const TrainOptions& options) {
+  std::string error;
+  comm::run_ranks(1, [&](comm::Communicator& world) {
+    TrainOptions o = options;
+    o.progress = nullptr;
+    error = error_of([&] { train(c, world, o); });
+  });
+  return error;
+}
+
+TEST(TrainMemory, BeyondTheLimitStopsBeforeAllocatingWithTheFigure) {
+  const TrainConfig c = config({});
+  const std::string error = [&] {
+    const ScopedLimit limit("1M");
+    return train_error(c, {});
+  }();
+  EXPECT_EQ(error.rfind("train needs at least ", 0), 0u) << error;
+  EXPECT_NE(error.find(" at seq_len 512 over cp 1), but only 1.0 MiB is available to this rank"), std::string::npos)
+      << error;
+  EXPECT_NE(error.find("AdamW moments "), std::string::npos) << error;
+}
+
+TEST(TrainMemory, ResumingBeyondTheLimitStopsBeforeLoadingTheWeights) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("rf_train_memory_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const TrainConfig first = config({"train.steps=1", "checkpoint.dir=" + dir.string()});
+  ASSERT_EQ(train_error(first, {}), "");
+  TrainOptions resume;
+  resume.resume = dir.string();
+  const TrainConfig longer = config({"train.steps=2", "checkpoint.dir=" + dir.string()});
+  const std::string error = [&] {
+    const ScopedLimit limit("1M");
+    return train_error(longer, resume);
+  }();
+  // The whole run's figure, not the loader's own check of the weights alone.
+  EXPECT_EQ(error.rfind("train needs at least ", 0), 0u) << error;
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace rf::trainer
