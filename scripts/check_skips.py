@@ -15,6 +15,7 @@ import xml.etree.ElementTree as ET
 # unavoidable). A skip that names a feature this CPU has is refused: the test could have run here.
 HARDWARE_SKIPS = [
     ("AMX", r"\bamx", {"amx_tile", "amx_bf16"}),
+    ("AVX512_BF16", r"avx512_?bf16", {"avx512_bf16"}),  # before AVX-512: its skips name AVX-512 too
     ("AVX-512", r"avx-?512", {"avx512f", "avx512bw", "avx512vl"}),
     ("AVX2", r"\bavx2\b", {"avx2", "fma"}),
 ]

@@ -20,9 +20,13 @@ AVX2_SKIP = ("CpuAttention.ForcedPath.avx2", 'status="notrun"', '<skipped messag
              "[  SKIPPED ] RINGFLEX_ISA=avx2: this CPU has no AVX2")
 UNFORCED_SKIP = ("CpuAttention.ForcedPathIsTaken", 'status="notrun"', '<skipped message="SKIP_REGULAR_EXPRESSION_MATCHED"/>',
                  "[  SKIPPED ] RINGFLEX_ISA unset: the best path runs (avx512)")
+BF16_SKIP = ("CpuAttention.MaskByMetadata.avx512-dpbf16", 'status="notrun"',
+             '<skipped message="SKIP_REGULAR_EXPRESSION_MATCHED"/>',
+             "[  SKIPPED ] RINGFLEX_ISA=avx512-dpbf16 but this CPU or OS lacks AVX-512 F/DQ/BW/VL with AVX512_BF16")
 NOT_RUN = ("cp_mpi_P8", 'status="notrun"', "", "Could not find executable")
 PASSED = ("core_mask", 'status="run"', "", "[  PASSED  ] 1 test")
 NO_AMX = "flags\t\t: fpu avx2 fma avx512f avx512bw avx512vl avx512_bf16\n"
+SKYLAKE = "flags\t\t: fpu avx2 fma avx512f avx512bw avx512vl\n"
 WITH_AMX = "flags\t\t: fpu avx2 fma avx512f avx512bw avx512vl avx512_bf16 amx_bf16 amx_tile amx_int8\n"
 
 
@@ -46,6 +50,8 @@ def run(cases, cpuinfo):
 def main():
     expectations = [  # (cases, cpuinfo, exit code, text the output must contain)
         ([PASSED, AMX_SKIP], NO_AMX, 0, "AmxScoreTileIsExact: this CPU lacks AMX"),
+        ([PASSED, BF16_SKIP], SKYLAKE, 0, "this CPU lacks AVX512_BF16"),
+        ([PASSED, BF16_SKIP], NO_AMX, 1, "avx512-dpbf16"),
         ([PASSED, AMX_SKIP], WITH_AMX, 1, "AmxScoreTileIsExact"),
         ([PASSED, PY_SKIP], NO_AMX, 1, "io_python_crosscheck"),
         ([NOT_RUN], NO_AMX, 1, "cp_mpi_P8"),

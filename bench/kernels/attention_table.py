@@ -12,6 +12,10 @@ import statistics
 import sys
 
 
+BF16_FWD_TARGET = 0.65  # issue 12: bf16 time over float32 time, same run
+BF16_BWD_TARGET = 0.8
+
+
 def fmt(x, digits=2):
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -57,9 +61,12 @@ def main():
         if r["dtype"] != "BF16":
             continue
         f32 = ours.get((r["mask"], r["S"], r["D"], "F32", r["threads"]))
-        if f32 and r["mask"] in ("full", "vlm_full"):
-            print(f"| bf16 / f32 forward time ({r['mask']}) | {r['D']} | BF16 | {r['threads']} | "
-                  f"{r['fwd_s'] / f32['fwd_s']:.2f} |")
+        if f32:
+            # Issue 12's targets: bf16 forward <= 0.65x and backward <= 0.8x the float32 time of the same run.
+            fwd, bwd = r["fwd_s"] / f32["fwd_s"], r["bwd_s"] / f32["bwd_s"]
+            met = "met" if fwd <= BF16_FWD_TARGET and bwd <= BF16_BWD_TARGET else "not met"
+            print(f"| bf16 / f32 time ({r['mask']}; target <= {BF16_FWD_TARGET} fwd, <= {BF16_BWD_TARGET} bwd) | "
+                  f"{r['D']} | BF16 | {r['threads']} | {fwd:.2f} fwd, {bwd:.2f} bwd ({met}) |")
 
     if not torch_rows:
         return

@@ -37,8 +37,8 @@ int run_info() {
 void add_info_command(CLI::App& app, Runner& run) {
   CLI::App* cmd = app.add_subcommand(
       "info",
-      "print the version, this CPU's vector features and the attention kernel path in use (RINGFLEX_ISA "
-      "= amx, avx512, avx2 or scalar forces one)");
+      "print the version, this CPU's vector features and the attention kernel path in use, bf16 products "
+      "included (RINGFLEX_ISA = amx, avx512-dpbf16, avx512-widen, avx2 or scalar forces one)");
   cmd->callback([&run] { run = run_info; });
 }
 

@@ -5,8 +5,8 @@
 //
 // The config (src/trainer/config.h) is read and validated on every rank before anything runs; a bad field, bad
 // data, an unreadable checkpoint or a run that needs more memory than a rank has (trainer::train_memory_at_least,
-// checked before the weights are allocated) fails every rank with the same one-line error. Rank 0 prints progress, writes
-// the metrics, the loss picture and the checkpoints.
+// checked before the weights are allocated) fails every rank with the same one-line error. Rank 0 prints progress,
+// writes the metrics, the loss picture and the checkpoints.
 #include <cstdio>
 #include <memory>
 #include <string>

@@ -37,7 +37,7 @@ void attention_forward(const AttnChunk& c, float* o, float* lse) {
   validate(c);
   RF_CHECK(c.shape.lse_elems() == 0 || (o && lse), "attention_forward without output buffers");
   const KernelPath& path = kernel_path();
-  kernels_for(path.isa).forward(c, path.bf16 == Bf16Product::Amx, o, lse);
+  kernels_for(path.isa).forward(c, path.bf16, o, lse);
 }
 
 void attention_delta(const AttnShape& s, DType dtype, const void* dout, const float* o, float* delta) {
@@ -54,7 +54,7 @@ void attention_backward(const AttnChunk& c, const void* dout, const float* lse, 
   RF_CHECK(s.q_elems() == 0 || (dout && lse && delta && dq), "attention_backward without dout/lse/delta/dq");
   RF_CHECK(s.kv_elems() == 0 || (dk && dv), "attention_backward without dk/dv buffers");
   const KernelPath& path = kernel_path();
-  kernels_for(path.isa).backward(c, path.bf16 == Bf16Product::Amx, dout, lse, delta, dq, dk, dv);
+  kernels_for(path.isa).backward(c, path.bf16, dout, lse, delta, dq, dk, dv);
 }
 
 }  // namespace rf::cpu

@@ -18,6 +18,9 @@
 // an [partitions, Lq, D] float32 buffer, which breaks the O(L) memory bound the ring relies on when partitions
 // grow with the core count; the two-pass form keeps memory at O(tile) per thread and the argument trivial.
 // GQA: both passes read each K/V tile once for all query heads of its group (dK/dV sum over those heads).
+// bf16 inputs (dispatch.h kProd): on Dpbf16 all five products run on vdpbf16ps; P and dS are formed in float32
+// exactly as on the other paths and rounded to bf16 (relative error <= 2^-8 per weight) only as the weights of
+// dV, dK and dQ, whose sums stay float32. On Amx the two score products run on tiles, the other three on float32.
 #include <algorithm>
 #include <vector>
 
@@ -45,14 +48,15 @@ inline void row_terms(const float* lse, const float* delta, int64_t row0, int n,
   }
 }
 
-// kAmx: bf16 inputs with the two score-like products (S = Q K^T, dP = dO V^T) on AMX tiles; the three
-// accumulating products (dV, dK, dQ) stay float32 FMAs, as their bf16 rounding would exceed the tests' bounds.
-template <int kDp, DType kT, bool kAmx>
+// kProd: the units bf16 inputs multiply on (isa.h); Widen for float32 inputs.
+template <int kDp, DType kT, Bf16Product kProd>
 void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const float* delta, float* dq, float* dk,
                    float* dv) {
+  static_assert(kT == DType::BF16 || kProd == Bf16Product::Widen, "float32 inputs run on float32 FMAs");
+  constexpr bool kAmx = kProd == Bf16Product::Amx, kPairGrad = kPairAcc<kT, kProd>;
   const AttnShape& s = c.shape;
-  using QK = ScoreOperand<kT, kAmx>;  // element type of the packed abt operands
-  const int D = s.D, Dp = kDp > 0 ? kDp : path_padded_dim<kT, kAmx>(D), dr = pair_row<QK>(Dp);
+  using QK = ScoreOperand<kT, kProd>;  // element type of the packed abt operands
+  const int D = s.D, Dp = kDp > 0 ? kDp : path_padded_dim<kT, kProd>(D), dr = pair_row<QK>(Dp);
   const int ld = row_stride(Dp), ds = pair_row<QK>(ld);  // strides of packed rows
   const int nqt = ceil_div(s.Lq, kTileQ), nkt = ceil_div(s.Lk, kTileK), group = s.group_size();
   const std::vector<BlockSummary> qsum = tile_summaries(c.q_meta, s.B, s.Lq, kTileQ);
@@ -62,14 +66,19 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
   const char* q = static_cast<const char*>(c.q);
   const char* go = static_cast<const char*>(dout);
 
-  // Needed key tiles packed once for both passes: K^T and V^T as abt operands, K as rows for dQ += dS K.
+  // Needed key tiles packed once for both passes: K^T and V^T as abt operands, K as acc's X for dQ += dS K
+  // (float32 rows, or on kPairGrad pairs of keys).
   const std::vector<uint8_t> needed = needed_key_tiles(c.mask, qsum, ksum, s.B, nqt, nkt);
   const size_t kv_tiles = static_cast<size_t>(s.B) * s.Hkv * nkt;
-  const auto k_cols = uninitialized<QK>(kv_tiles * dr * kTileK);     // [B, Hkv, nkt, dr, kTileK]
-  const auto v_cols = uninitialized<QK>(kv_tiles * dr * kTileK);     // [B, Hkv, nkt, dr, kTileK]
-  const auto k_rows = uninitialized<float>(kv_tiles * kTileK * ld);  // [B, Hkv, nkt, kTileK, ld]
+  const auto k_cols = uninitialized<QK>(kv_tiles * dr * kTileK);                     // [B, Hkv, nkt, dr, kTileK]
+  const auto v_cols = uninitialized<QK>(kv_tiles * dr * kTileK);                     // [B, Hkv, nkt, dr, kTileK]
+  const auto k_rows = uninitialized<float>(kPairGrad ? 0 : kv_tiles * kTileK * ld);  // [.., kTileK, ld]
+  const auto k_pairs = uninitialized<uint32_t>(kPairGrad ? kv_tiles * (kTileK / 2) * ld : 0);  // [.., kTileK/2, ld]
   pack_key_tiles<kT, QK>(c.k, c.v, s, Dp, needed,
-                         {.k_cols = k_cols.get(), .k_rows = k_rows.get(), .v_cols = v_cols.get()});
+                         {.k_cols = k_cols.get(),
+                          .k_rows = kPairGrad ? nullptr : k_rows.get(),
+                          .k_pairs = kPairGrad ? k_pairs.get() : nullptr,
+                          .v_cols = v_cols.get()});
 
   // ---- pass 1: dK, dV per key tile ----
   const int64_t items1 = int64_t{s.B} * s.Hkv * nkt;
@@ -77,11 +86,16 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
   {
     const AmxTileScope amx_tiles(kAmx);
     std::vector<QK> qd(static_cast<size_t>(kTileQ) * ds), god(qd.size());
-    std::vector<float> qf(static_cast<size_t>(kTileQ) * ld), gof(qf.size());
+    std::vector<float> qf(kPairGrad ? 0 : static_cast<size_t>(kTileQ) * ld), gof(qf.size());
     std::vector<float> dk_acc(static_cast<size_t>(kTileK) * Dp), dv_acc(dk_acc.size());
     std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), dpbuf(sbuf.size());
     std::vector<float> bias(kTileQ), dl(kTileQ);
     std::vector<RowBits> bits(kTileQ), live(kTileQ);  // live: bits of one head, less its rows with lse = -inf
+    // kPairGrad: Q and dO as pairs of query rows [kTileQ / 2, ld] words (acc's X for dK and dV); P and dS rounded
+    // to bf16 and transposed to pairs of queries [kTileQ / 2, kTileK] words (the weights); acc_masked_pairs' scratch.
+    const size_t pair_words = kPairGrad ? static_cast<size_t>(kTileQ / 2) * ld : 0;
+    std::vector<uint32_t> qx(pair_words), gox(pair_words), scratch(pair_words);
+    std::vector<uint32_t> p_pairs(kPairGrad ? kTileQ / 2 * kTileK : 0), ds_pairs(p_pairs.size());
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items1; ++item) {
@@ -107,22 +121,38 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
           const int64_t row0 = (int64_t{b} * s.Hq + g * group + hh) * s.Lq + q0;  // q, dout: [B, Hq, Lq, D]
           pack_rows_dot<kT, QK>(q + row0 * D * esz, nq, D, Dp, ds, qd.data());
           pack_rows_dot<kT, QK>(go + row0 * D * esz, nq, D, Dp, ds, god.data());
-          // The acc products read float32 rows; for float32 inputs the dot operands already are those rows.
+          // The acc products read float32 rows (for float32 inputs the dot operands already are those rows), or on
+          // kPairGrad pairs of rows.
           const float* qrows = qf.data();
           const float* gorows = gof.data();
           if constexpr (std::is_same_v<QK, float>) {
             qrows = qd.data();
             gorows = god.data();
+          } else if constexpr (kPairGrad) {
+            pack_pair_rows(q + row0 * D * esz, nq, D, Dp, ld, kTileQ / 2, qx.data());
+            pack_pair_rows(go + row0 * D * esz, nq, D, Dp, ld, kTileQ / 2, gox.data());
           } else {
             pack_rows_f32<kT>(q + row0 * D * esz, nq, D, Dp, ld, qf.data());
             pack_rows_f32<kT>(go + row0 * D * esz, nq, D, Dp, ld, gof.data());
           }
           row_terms(lse, delta, row0, nq, bias.data(), dl.data());
-          score_tile<kDp, kAmx>(qd.data(), ds, kt_buf, Dp, nq, sbuf.data());
-          score_tile<kDp, kAmx>(god.data(), ds, vt_buf, Dp, nq, dpbuf.data());
+          score_tile<kDp, kProd>(qd.data(), ds, kt_buf, Dp, nq, sbuf.data());
+          score_tile<kDp, kProd>(god.data(), ds, vt_buf, Dp, nq, dpbuf.data());
           const bool dropped =
               grad_step(sbuf.data(), dpbuf.data(), nq, bits.data(), c2, bias.data(), dl.data(), c.scale, live.data());
           const BlockClass acc_cls = dropped ? BlockClass::Partial : cls;
+#if RF_ISA_AVX512
+          if constexpr (kPairGrad) {
+            // dV += P^T dO and dK += dS^T Q with the weights transposed to pairs of queries (ars 1, ams kTileK).
+            weights_to_pair_cols(sbuf.data(), nq, p_pairs.data());
+            weights_to_pair_cols(dpbuf.data(), nq, ds_pairs.data());
+            acc_masked_pairs<kDp, false>(acc_cls, p_pairs.data(), 1, kTileK, nq, gox.data(), ld, Dp, nk, live.data(),
+                                         scratch.data(), dv_acc.data());
+            acc_masked_pairs<kDp, false>(acc_cls, ds_pairs.data(), 1, kTileK, nq, qx.data(), ld, Dp, nk, live.data(),
+                                         scratch.data(), dk_acc.data());
+            continue;
+          }
+#endif
           // dV += P^T dO and dK += dS^T Q read P and dS transposed in place (row stride 1, sum stride kTileK).
           acc_masked<kDp, false>(acc_cls, sbuf.data(), 1, kTileK, nq, gorows, ld, Dp, nk, live.data(), dv_acc.data());
           acc_masked<kDp, false>(acc_cls, dpbuf.data(), 1, kTileK, nq, qrows, ld, Dp, nk, live.data(), dk_acc.data());
@@ -148,6 +178,8 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
     std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), dpbuf(sbuf.size());
     std::vector<float> bias(static_cast<size_t>(hpi) * kTileQ), dl(bias.size());
     std::vector<RowBits> bits(kTileQ), live(kTileQ);  // live: bits of one head, less its rows with lse = -inf
+    // kPairGrad: dS rounded to bf16 as pairs of keys [kTileQ, kTileK / 2] words, and acc_masked_pairs' scratch.
+    std::vector<uint32_t> ds_pairs(kPairGrad ? kTileQ * kTileK / 2 : 0), scratch(kPairGrad ? (kTileK / 2) * ld : 0);
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items2; ++item) {
@@ -174,14 +206,23 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
         const size_t tile = static_cast<size_t>(kv_head) * nkt + kt;
         const QK* kt_buf = k_cols.get() + tile * dr * kTileK;
         const QK* vt_buf = v_cols.get() + tile * dr * kTileK;
-        const float* kf = k_rows.get() + tile * kTileK * ld;
         for (int hh = 0; hh < nh; ++hh) {
           const size_t r0 = static_cast<size_t>(hh) * kTileQ;
-          score_tile<kDp, kAmx>(qd.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
-          score_tile<kDp, kAmx>(god.data() + r0 * ds, ds, vt_buf, Dp, nq, dpbuf.data());
+          score_tile<kDp, kProd>(qd.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
+          score_tile<kDp, kProd>(god.data() + r0 * ds, ds, vt_buf, Dp, nq, dpbuf.data());
           const bool dropped = grad_step(sbuf.data(), dpbuf.data(), nq, bits.data(), c2, bias.data() + r0,
                                          dl.data() + r0, c.scale, live.data());
-          acc_masked<kDp, true>(dropped ? BlockClass::Partial : cls, dpbuf.data(), kTileK, 1, nk, kf, ld, Dp, nq,
+          const BlockClass acc_cls = dropped ? BlockClass::Partial : cls;
+#if RF_ISA_AVX512
+          if constexpr (kPairGrad) {
+            weights_to_pair_rows(dpbuf.data(), nq, ds_pairs.data());
+            acc_masked_pairs<kDp, true>(acc_cls, ds_pairs.data(), kTileK / 2, 1, nk,
+                                        k_pairs.get() + tile * (kTileK / 2) * ld, ld, Dp, nq, live.data(),
+                                        scratch.data(), dq_acc.data() + r0 * Dp);
+            continue;
+          }
+#endif
+          acc_masked<kDp, true>(acc_cls, dpbuf.data(), kTileK, 1, nk, k_rows.get() + tile * kTileK * ld, ld, Dp, nq,
                                 live.data(), dq_acc.data() + r0 * Dp);
         }
       }
@@ -198,10 +239,11 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
 
 }  // namespace
 
-void backward(const AttnChunk& c, bool amx, const void* dout, const float* lse, const float* delta, float* dq,
+void backward(const AttnChunk& c, Bf16Product bf16, const void* dout, const float* lse, const float* delta, float* dq,
               float* dk, float* dv) {
-  dispatch(c.shape.D, c.dtype, amx,
-           [&]<int kDp, DType kT, bool kAmx>() { backward_impl<kDp, kT, kAmx>(c, dout, lse, delta, dq, dk, dv); });
+  dispatch(c.shape.D, c.dtype, bf16, [&]<int kDp, DType kT, Bf16Product kProd>() {
+    backward_impl<kDp, kT, kProd>(c, dout, lse, delta, dq, dk, dv);
+  });
 }
 
 }  // namespace rf::cpu::RF_ISA_NS

@@ -9,8 +9,10 @@
 // query head of the chunk runs S = Q K^T, the online-softmax step and O += P V against it while it is in cache —
 // GQA without copying K/V per query head. Scores, the running max/sum and O accumulate in float32; the
 // softmax runs in log2 units (scale·log2 e folded into one multiply) with the vector exp2 of microkernels.h.
-// With bf16 inputs on an AMX machine (dispatch.h kAmx) Q and K^T are packed as bf16 pairs and S = Q K^T runs on
-// AMX tiles (amx.h); P V stays float32 (a bf16 P would break the float32-derived error bounds of tests/cpu).
+// bf16 inputs (dispatch.h kProd, isa.h Bf16Product): widened to float32 while packing (Widen); or Q and K^T packed
+// as bf16 pairs with S = Q K^T on vdpbf16ps (Dpbf16) or AMX tiles (Amx), exact products summed in float32. On
+// Dpbf16 O += P V runs on vdpbf16ps too: P, computed in float32, is rounded to bf16 (relative error <= 2^-8 per
+// weight; the row sum l and the LSE use the float32 P), V packed as pairs of keys; O accumulates in float32.
 // Memory: the packed K/V tiles (O(Lk · Dp), like the inputs) plus O(kTileQ · Dp · heads) per thread — never an
 // [Lq, Lk] score or mask matrix.
 #include <algorithm>
@@ -30,16 +32,17 @@ namespace {
 
 using namespace detail;
 
-// kAmx: bf16 inputs with S = Q K^T on AMX tiles (Q and K^T packed as bf16 pairs, amx.h); the online softmax and
-// O += P V stay in float32 exactly as on the AVX-512 path.
-template <int kDp, DType kT, bool kAmx>
+// kProd: the units bf16 inputs multiply on (isa.h); Widen for float32 inputs. The online softmax, l, m and the O
+// accumulator are float32 on every path.
+template <int kDp, DType kT, Bf16Product kProd>
 void forward_impl(const AttnChunk& c, float* o, float* lse) {
-  static_assert(!kAmx || kT == DType::BF16, "the AMX path is for bf16 inputs");
-  using QK = ScoreOperand<kT, kAmx>;  // element type of the packed Q and K^T operands
+  static_assert(kT == DType::BF16 || kProd == Bf16Product::Widen, "float32 inputs run on float32 FMAs");
+  constexpr bool kAmx = kProd == Bf16Product::Amx, kPairPV = kPairAcc<kT, kProd>;
+  using QK = ScoreOperand<kT, kProd>;  // element type of the packed Q and K^T operands
   const AttnShape& s = c.shape;
-  const int D = s.D, Dp = kDp > 0 ? kDp : path_padded_dim<kT, kAmx>(D), dr = pair_row<QK>(Dp);
+  const int D = s.D, Dp = kDp > 0 ? kDp : path_padded_dim<kT, kProd>(D), dr = pair_row<QK>(Dp);
   const int ld = row_stride(Dp), ds = pair_row<QK>(ld);  // strides of packed rows
-  RF_ASSERT((Dp == path_padded_dim<kT, kAmx>(D)));
+  RF_ASSERT((Dp == path_padded_dim<kT, kProd>(D)));
   const int nqt = ceil_div(s.Lq, kTileQ), nkt = ceil_div(s.Lk, kTileK);
   const QueryItems query_items(s, Dp);
   const int hpi = query_items.heads_per_item;
@@ -50,9 +53,14 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
   const int64_t items = query_items.count(s.B);
   const std::vector<uint8_t> needed = needed_key_tiles(c.mask, qsum, ksum, s.B, nqt, nkt);
   const size_t kv_tiles = static_cast<size_t>(s.B) * s.Hkv * nkt;
-  const auto k_cols = uninitialized<QK>(kv_tiles * dr * kTileK);     // K^T tiles: [B, Hkv, nkt, dr, kTileK]
-  const auto v_rows = uninitialized<float>(kv_tiles * kTileK * ld);  // V tiles: [B, Hkv, nkt, kTileK, ld]
-  pack_key_tiles<kT, QK>(c.k, c.v, s, Dp, needed, {.k_cols = k_cols.get(), .v_rows = v_rows.get()});
+  const auto k_cols = uninitialized<QK>(kv_tiles * dr * kTileK);  // K^T tiles: [B, Hkv, nkt, dr, kTileK]
+  // V tiles, float32 rows [B, Hkv, nkt, kTileK, ld] or (kPairPV) pairs of keys [B, Hkv, nkt, kTileK / 2, ld].
+  const auto v_rows = uninitialized<float>(kPairPV ? 0 : kv_tiles * kTileK * ld);
+  const auto v_pairs = uninitialized<uint32_t>(kPairPV ? kv_tiles * (kTileK / 2) * ld : 0);
+  pack_key_tiles<kT, QK>(c.k, c.v, s, Dp, needed,
+                         {.k_cols = k_cols.get(),
+                          .v_rows = kPairPV ? nullptr : v_rows.get(),
+                          .v_pairs = kPairPV ? v_pairs.get() : nullptr});
 
 #pragma omp parallel
   {
@@ -64,6 +72,8 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
     std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), m(static_cast<size_t>(hpi) * kTileQ);
     std::vector<float> l(m.size());
     std::vector<RowBits> bits(kTileQ);
+    // kPairPV: P rounded to bf16 as pairs of keys, [kTileQ, kTileK / 2] words, and acc_masked_pairs' scratch.
+    std::vector<uint32_t> pbuf(kPairPV ? kTileQ * kTileK / 2 : 0), scratch(kPairPV ? (kTileK / 2) * ld : 0);
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
@@ -89,12 +99,21 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
                   bits.data());
         const size_t tile = static_cast<size_t>(kv_head) * nkt + kt;
         const QK* kt_buf = k_cols.get() + tile * dr * kTileK;
-        const float* vbuf = v_rows.get() + tile * kTileK * ld;
         for (int hh = 0; hh < nh; ++hh) {
           const size_t r0 = static_cast<size_t>(hh) * kTileQ;
-          score_tile<kDp, kAmx>(qbuf.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
-          softmax_step(sbuf.data(), nq, bits.data(), c2, m.data() + r0, l.data() + r0, obuf.data() + r0 * Dp, Dp);
-          acc_masked<kDp, true>(cls, sbuf.data(), kTileK, 1, nk, vbuf, ld, Dp, nq, bits.data(), obuf.data() + r0 * Dp);
+          float* orow = obuf.data() + r0 * Dp;
+          score_tile<kDp, kProd>(qbuf.data() + r0 * ds, ds, kt_buf, Dp, nq, sbuf.data());
+          softmax_step(sbuf.data(), nq, bits.data(), c2, m.data() + r0, l.data() + r0, orow, Dp);
+#if RF_ISA_AVX512
+          if constexpr (kPairPV) {
+            weights_to_pair_rows(sbuf.data(), nq, pbuf.data());
+            acc_masked_pairs<kDp, true>(cls, pbuf.data(), kTileK / 2, 1, nk, v_pairs.get() + tile * (kTileK / 2) * ld,
+                                        ld, Dp, nq, bits.data(), scratch.data(), orow);
+            continue;
+          }
+#endif
+          acc_masked<kDp, true>(cls, sbuf.data(), kTileK, 1, nk, v_rows.get() + tile * kTileK * ld, ld, Dp, nq,
+                                bits.data(), orow);
         }
       }
 
@@ -121,8 +140,9 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
 
 }  // namespace
 
-void forward(const AttnChunk& c, bool amx, float* o, float* lse) {
-  dispatch(c.shape.D, c.dtype, amx, [&]<int kDp, DType kT, bool kAmx>() { forward_impl<kDp, kT, kAmx>(c, o, lse); });
+void forward(const AttnChunk& c, Bf16Product bf16, float* o, float* lse) {
+  dispatch(c.shape.D, c.dtype, bf16,
+           [&]<int kDp, DType kT, Bf16Product kProd>() { forward_impl<kDp, kT, kProd>(c, o, lse); });
 }
 
 }  // namespace rf::cpu::RF_ISA_NS

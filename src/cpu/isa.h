@@ -1,10 +1,13 @@
-// ringflex cpu: which instruction set the attention kernels run on, decided once per process at run time.
+// ringflex cpu: which instruction set the attention kernels run on, and which units the bf16 kernels multiply
+// on, decided once per process at run time.
 //
 // The library is compiled for the x86-64 baseline; the kernels are compiled once per ISA (kernels.h) and this
-// file chooses among them from CPUID, the operating system's saved-state support (XGETBV) and the environment
-// variable RINGFLEX_ISA. The choice is the only run-time ISA decision in the library (dispatch.h applies it).
+// file chooses among them from CPUID, the operating system's saved-state support (XGETBV), where CPUID cannot tell
+// a one-time micro-benchmark of the score tile, and the environment variable RINGFLEX_ISA. The choice is the only
+// run-time ISA decision in the library (dispatch.h applies it).
 #pragma once
 
+#include <functional>
 #include <string>
 
 namespace rf::cpu {
@@ -13,43 +16,71 @@ namespace rf::cpu {
 // Zen 4 and later); Avx2 needs AVX2 + FMA (Haswell, Zen 1 and later); Scalar runs on any CPU.
 enum class Isa { Scalar, Avx2, Avx512 };
 
-// How the bf16 kernels compute their score products (Q K^T, dO V^T). Issue 12 adds vdpbf16ps as a run-time choice
-// here; today it is a build option (RINGFLEX_BF16_DOT) inside the Widen entry of the AVX-512 kernels.
+// Which units the bf16 kernels multiply on (float32 inputs always use float32 FMAs). Only the AVX-512 kernels
+// have Dpbf16 and Amx; the other ISAs always widen.
 enum class Bf16Product {
-  Widen,  // bf16 widened to float32 while packing, float32 FMAs (exact products)
-  Amx,    // Intel AMX tiles (tdpbf16ps), AVX-512 kernels only
+  // bf16 widened to float32 while packing, every product on float32 FMAs: exact products, float32 sums.
+  Widen,
+  // Every product on vdpbf16ps (AVX512_BF16: two bf16 products per float32 lane, float32 accumulation). The
+  // score products (Q K^T, dO V^T) read the bf16 inputs as they are (exact products); the accumulating ones
+  // (O += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K) round the float32 P and dS to bf16 first, a relative error
+  // of at most 2^-8 per weight (docs/numerics.md; tests/cpu/attention_check.h holds the bound).
+  Dpbf16,
+  // The score products on Intel AMX tiles (tdpbf16ps); the accumulating ones on float32 FMAs, since on the AMX
+  // CPUs measured vdpbf16ps runs at about half the FMAs' rate (BENCHMARKS.md). AVX-512 kernels only.
+  Amx,
 };
 
 // What this CPU and operating system offer the kernels.
 struct CpuFeatures {
   bool avx2 = false;         // AVX2 + FMA, with the OS saving ymm state
   bool avx512 = false;       // AVX-512 F/DQ/BW/VL, with the OS saving zmm and opmask state
-  bool avx512_bf16 = false;  // AVX512_BF16 (vdpbf16ps)
-  bool amx = false;          // AMX-TILE + AMX-BF16, and Linux granted the tile data state to this process
+  bool avx512_bf16 = false;  // AVX512_BF16 (vdpbf16ps), with AVX-512
+  bool amx = false;          // AMX-TILE + AMX-BF16 with AVX512_BF16, and Linux granted the tile data state
+  bool amd = false;          // vendor AuthenticAMD: Zen 4 and later run vdpbf16ps at the FMAs' instruction rate
   std::string cpu_name;      // CPUID brand string, for `ringflex info`
 };
 
 struct KernelPath {
   Isa isa = Isa::Scalar;
   Bf16Product bf16 = Bf16Product::Widen;
-  std::string reason;  // why, in one line: "best this CPU supports" or "forced by RINGFLEX_ISA=..."
+  std::string reason;  // why, in one line: "best this CPU supports", the race's result, or "forced by ..."
 };
 
 // Reads CPUID and XGETBV (and asks Linux for the AMX tile state when CPUID reports AMX). Cheap; not cached.
 CpuFeatures detect_cpu();
 
-// The path for `features`: the best one, or the one `forced` names (RINGFLEX_ISA: amx, avx512, avx2 or scalar;
-// null or empty = not forced). Throws rf::Error when `forced` is not one of those names, or names a path this
-// CPU (or this build: RINGFLEX_BF16_DOT makes the AVX-512 kernels need AVX512_BF16) cannot run.
-KernelPath select_path(const CpuFeatures& features, const char* forced);
+// The tile race, run when CPUID cannot tell whether vdpbf16ps beats float32 FMAs (an AVX512_BF16 CPU that is
+// not an AMD one and offers no AMX: Cooper Lake, or a Sapphire Rapids whose OS refused the tile state, where
+// vdpbf16ps runs at about half the FMAs' rate). Returns vdpbf16ps GFLOP/s over float32 FMA GFLOP/s on one
+// 64 x 64 x 128 score tile; bf16_tile_race() is the real one, tests pass made-up ones.
+using Bf16Race = std::function<double()>;
+// Dpbf16 wins the race only at this speed-up or more: it also rounds P and dS to bf16, worth it for a real gain,
+// and the margin keeps a noisy measurement on a CPU near parity from flipping the choice between runs.
+constexpr double kDpbf16MinSpeedup = 1.25;
 
-// select_path(detect_cpu(), getenv("RINGFLEX_ISA")), decided on first use and fixed for the process.
-// Throws rf::Error (again on every call) when RINGFLEX_ISA is bad.
+// The path for `features`: the best one, or the one `forced` names (RINGFLEX_ISA; null or empty = not forced):
+//   amx            AVX-512 kernels, bf16 score products on AMX tiles
+//   avx512-dpbf16  AVX-512 kernels, every bf16 product on vdpbf16ps
+//   avx512-widen   AVX-512 kernels, bf16 widened to float32 (also spelt avx512, its name before issue 12)
+//   avx2, scalar   those kernels (bf16 widened to float32)
+// Not forced: AVX-512 > AVX2 > scalar, and for bf16 AMX > vdpbf16ps > widen: AMX when the CPU and OS offer it,
+// vdpbf16ps on AMD CPUs with AVX512_BF16 (Zen 4 measured 1.9x the FMAs' GFLOP/s, BENCHMARKS.md), `race` on the
+// other AVX512_BF16 CPUs (called only there; null = widen). Throws rf::Error when `forced` is not one of those
+// names, or names a path this CPU cannot run.
+KernelPath select_path(const CpuFeatures& features, const char* forced, const Bf16Race& race = nullptr);
+
+// vdpbf16ps over float32 FMA GFLOP/s of the AVX-512 score-tile micro-kernels (kernels.h), best of several short
+// timings (a few milliseconds in all). Call only on a CPU with AVX512_BF16.
+double bf16_tile_race();
+
+// select_path(detect_cpu(), getenv("RINGFLEX_ISA"), bf16_tile_race), decided on first use and fixed for the
+// process. Throws rf::Error (again on every call) when RINGFLEX_ISA is bad.
 const KernelPath& kernel_path();
 
 const char* isa_name(Isa isa);            // "scalar", "avx2", "avx512"
-const char* bf16_name(Bf16Product bf16);  // "widen to float32", "amx"
-// One line for `ringflex info`: "avx512, bf16 score products: widen to float32 (best this CPU supports)".
+const char* bf16_name(Bf16Product bf16);  // what each product runs on, e.g. "vdpbf16ps (P and dS rounded to bf16)"
+// One line for `ringflex info`: "avx512, bf16 products: vdpbf16ps ... (best this CPU supports)".
 std::string describe(const KernelPath& path);
 
 }  // namespace rf::cpu

@@ -24,12 +24,13 @@
 #define RF_ISA_AVX512 1
 #define RF_ISA_AVX2 0
 // F/DQ/BW/VL: the AVX-512 subset of every AVX-512 server CPU since Skylake-SP (isa.cpp checks exactly these).
-// AVX512_BF16 only when the build opts into vdpbf16ps score products (isa.cpp then requires it too).
-#ifdef RF_BF16_DOT
-#define RF_ISA_TARGET "avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c,bmi,bmi2"
-#else
-#define RF_ISA_TARGET "avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c,bmi,bmi2"
-#endif
+#define RF_ISA_TARGET_AVX512 "avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c,bmi,bmi2"
+#define RF_ISA_TARGET RF_ISA_TARGET_AVX512
+// The functions that execute AVX512_BF16 instructions (vdpbf16ps, vcvtneps2bf16) carry this attribute on top of
+// the region's ISA; they are reached only on the Dpbf16 path, which isa.cpp chooses only with AVX512_BF16 (a
+// Skylake-SP has AVX-512 without it). The region's whole target is repeated so the region's inline helpers
+// (vload, exp2_ps ...) still inline into them: GCC inlines only into a caller whose target includes the callee's.
+#define RF_BF16_TARGET __attribute__((target(RF_ISA_TARGET_AVX512 ",avx512bf16")))
 #elif defined(RF_KERNEL_AVX2)
 #define RF_ISA_NS avx2
 #define RF_ISA_AVX512 0

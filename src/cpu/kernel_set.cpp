@@ -34,7 +34,7 @@ void score_tile(const float* a, int lda, const float* bt, int Dp, int rows, floa
 }
 
 #if RF_ISA_AVX512
-RF_BF16_DOT_TARGET void score_tile_bf16(const uint32_t* a, int lda, const uint32_t* bt, int Dp, int rows, float* c) {
+RF_BF16_TARGET void score_tile_bf16(const uint32_t* a, int lda, const uint32_t* bt, int Dp, int rows, float* c) {
   abt_bf16<0>(a, lda, bt, Dp, rows, c);
 }
 #endif

@@ -12,14 +12,15 @@ namespace rf::cpu {
 
 struct KernelSet {
   Isa isa;
-  // attention.h's forward and backward on this ISA; `amx`: bf16 score products on AMX tiles (Avx512 only).
-  void (*forward)(const AttnChunk& c, bool amx, float* o, float* lse);
-  void (*backward)(const AttnChunk& c, bool amx, const void* dout, const float* lse, const float* delta, float* dq,
-                   float* dk, float* dv);
+  // attention.h's forward and backward on this ISA; `bf16`: the units bf16 inputs multiply on (isa.h; anything
+  // but Widen on the Avx512 set only).
+  void (*forward)(const AttnChunk& c, Bf16Product bf16, float* o, float* lse);
+  void (*backward)(const AttnChunk& c, Bf16Product bf16, const void* dout, const float* lse, const float* delta,
+                   float* dq, float* dk, float* dv);
   // y[i] = 2^x[i] for x[i] <= 0 with the softmax's exp2 (tests check its accuracy); n any count.
   void (*exp2)(const float* x, float* y, int n);
-  // The score micro-kernel alone, for the tile benchmark: c[rows, 64] = a[rows, Dp] (row stride lda) .
-  // bt[Dp, 64], Dp a multiple of 16.
+  // The score micro-kernel alone, for the tile race (isa.h) and benchmark: c[rows, 64] = a[rows, Dp] (row
+  // stride lda) . bt[Dp, 64], Dp a multiple of 16.
   void (*score_tile)(const float* a, int lda, const float* bt, int Dp, int rows, float* c);
   // The same with vdpbf16ps on bf16 pairs (a: [rows, Dp/2] words, stride lda; bt: [Dp/2, 64] words), Dp a
   // multiple of 32; null where the ISA has no such instruction. Call only on a CPU with AVX512_BF16.

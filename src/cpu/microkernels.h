@@ -15,10 +15,12 @@
 //   AVX2,    16 ymm x  8 floats: 6 rows x 2 vectors (a 16-column strip) = 12 accumulators + 2 + 1 = 15 registers.
 // Per step the block does CV vector loads and R broadcasts for R·CV FMAs (24 FMAs per 10 loads on AVX-512, 12 per
 // 8 on AVX2): with 2 loads and 2 FMAs per cycle (Zen 2-4, Haswell and later) the FMAs, not the loads, bound it.
-// bfloat16 inputs are widened to float32 while packing (exact); optionally (kHaveBf16Dot, AVX-512 only) the abt
-// product uses vdpbf16ps instead, two multiply-adds per float32 lane (pairs of adjacent d) with float32
-// accumulation: A's rows are bf16 pairs broadcast as 32-bit words, Bt is packed as [Dp/2, kTileK] pairs. On CPUs
-// with AMX-BF16 the bf16 abt products run on AMX tiles instead (amx.h, chosen at run time in isa.h).
+// bfloat16 inputs are widened to float32 while packing (exact) on the Widen path (isa.h: Bf16Product). On the
+// Dpbf16 path (AVX-512 with AVX512_BF16) both shapes run on vdpbf16ps instead, on bf16 pairs: each 32-bit lane
+// multiplies two adjacent bf16 pairs exactly and adds both products to its float32 accumulator, so one
+// instruction does the work of two FMAs. abt pairs along d (A rows broadcast as 32-bit words, Bt packed as
+// [Dp/2, kTileK] words); acc pairs along its sum index n (A's pair (n, n+1) broadcast, X packed as [N/2, Dp]
+// words). On CPUs with AMX-BF16 the bf16 abt products run on AMX tiles instead (amx.h).
 // The scalar ISA runs plain loops, so the code compiles and runs everywhere.
 #pragma once
 
@@ -172,16 +174,6 @@ inline float reduce_add(VecF x) {
 }
 #endif
 
-// Whether bf16 inputs use vdpbf16ps for the abt products (operands kept as bf16 pairs) instead of being widened
-// to float32 while packing. Opt-in (CMake RINGFLEX_BF16_DOT; isa.cpp then requires AVX512_BF16 for AVX-512): on
-// the Intel development VM one 64 x 64 x 128 tile product ran at 112 GFLOP/s with vdpbf16ps against 198 with
-// float32 FMAs, so it does not pay everywhere (BENCHMARKS.md); issue 12 makes this a run-time choice.
-#if RF_ISA_AVX512 && defined(RF_BF16_DOT)
-constexpr bool kHaveBf16Dot = true;
-#else
-constexpr bool kHaveBf16Dot = false;
-#endif
-
 inline float exp2_scalar(float x) { return std::exp2(x); }
 
 // Calls f.template operator()<R>(r) for row blocks r = 0, kRowBlock, ... of `rows`, the last one shorter.
@@ -243,18 +235,25 @@ inline void abt_block_f32(const float* a, int lda, const float* bt, int len_rt, 
 #endif
 
 #if RF_ISA_AVX512
-// vdpbf16ps needs AVX512_BF16 on top of the region's ISA; a build without RINGFLEX_BF16_DOT compiles it with this
-// attribute for the tile benchmark only (kernel_set.cpp), reached only on CPUs that report AVX512_BF16.
-#define RF_BF16_DOT_TARGET __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+// vdpbf16ps needs AVX512_BF16 on top of the region's ISA (isa_target.h: RF_BF16_TARGET).
+// Pairs of d per pass of abt_bf16 over the row blocks: a 128-pair slice of bt is 32 KiB, the slice size of the
+// float32 abt's kDChunk, which keeps it in L1/L2 across the row blocks; at D = 512 the whole bt (64 KiB) would
+// otherwise stream from L2 for every block. (A 64-pair slice measured no different at D = 256 and 512 on the
+// loaded Zen 4, within its noise.)
+constexpr int kPairChunk = 128;
 
-template <int kDp, int R>
-RF_BF16_DOT_TARGET inline void abt_block_bf16(const uint32_t* a, int lda, const uint32_t* bt, int dp_rt, float* c) {
+// One R-row block of c over pairs [0, len) of a chunk (a and bt already offset to it). kLen > 0: the chunk length
+// is a compile-time constant, else len_rt. accumulate: add to c (later chunks) instead of storing.
+template <int kLen, int R>
+RF_BF16_TARGET inline void abt_block_bf16(const uint32_t* a, int lda, const uint32_t* bt, int len_rt, bool accumulate,
+                                          float* c) {
   constexpr int kColVecs = kTileCols / kLanes;
-  const int pairs = (kDp > 0 ? kDp : dp_rt) / 2;
+  const int len = kLen > 0 ? kLen : len_rt;
   __m512 acc[R][kColVecs];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kColVecs; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int d = 0; d < pairs; ++d) {
+    for (int v = 0; v < kColVecs; ++v)
+      acc[r][v] = accumulate ? _mm512_loadu_ps(c + r * kTileCols + v * kLanes) : _mm512_setzero_ps();
+  for (int d = 0; d < len; ++d) {
     __m512bh b[kColVecs];
     for (int v = 0; v < kColVecs; ++v)
       b[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bt + d * kTileCols + v * kLanes));
@@ -267,36 +266,46 @@ RF_BF16_DOT_TARGET inline void abt_block_bf16(const uint32_t* a, int lda, const 
     for (int v = 0; v < kColVecs; ++v) _mm512_storeu_ps(c + r * kTileCols + v * kLanes, acc[r][v]);
 }
 
-// c: [rows, kTileCols] = a · bt on bf16 pairs, whole row blocks then the tail (no lambda: a lambda would not
-// inherit this function's target attribute).
+// c: [rows, kTileCols] = a · bt on bf16 pairs, chunk by chunk of kPairChunk pairs, whole row blocks then the tail
+// (no lambda: a lambda would not inherit this function's target attribute).
 template <int kDp>
-RF_BF16_DOT_TARGET inline void abt_bf16(const uint32_t* a, int lda, const uint32_t* bt, int Dp, int rows, float* c) {
-  int r = 0;
-  for (; r + kRowBlock <= rows; r += kRowBlock)
-    abt_block_bf16<kDp, kRowBlock>(a + r * lda, lda, bt, Dp, c + r * kTileCols);
-  switch (rows - r) {
-    case 5:
-      abt_block_bf16<kDp, 5>(a + r * lda, lda, bt, Dp, c + r * kTileCols);
-      break;
-    case 4:
-      abt_block_bf16<kDp, 4>(a + r * lda, lda, bt, Dp, c + r * kTileCols);
-      break;
-    case 3:
-      abt_block_bf16<kDp, 3>(a + r * lda, lda, bt, Dp, c + r * kTileCols);
-      break;
-    case 2:
-      abt_block_bf16<kDp, 2>(a + r * lda, lda, bt, Dp, c + r * kTileCols);
-      break;
-    case 1:
-      abt_block_bf16<kDp, 1>(a + r * lda, lda, bt, Dp, c + r * kTileCols);
-      break;
-    default:
-      break;
+RF_BF16_TARGET inline void abt_bf16(const uint32_t* a, int lda, const uint32_t* bt, int Dp, int rows, float* c) {
+  constexpr int kLen = kDp > 0 ? std::min(kDp / 2, kPairChunk) : 0;  // chunk length when it is a constant
+  const int pairs = Dp / 2;
+  for (int p0 = 0; p0 < pairs; p0 += kPairChunk) {
+    const int len = std::min(kPairChunk, pairs - p0);
+    const bool accumulate = p0 > 0;
+    const uint32_t* b = bt + p0 * kTileCols;
+    int r = 0;
+    for (; r + kRowBlock <= rows; r += kRowBlock)
+      abt_block_bf16<kLen, kRowBlock>(a + r * lda + p0, lda, b, len, accumulate, c + r * kTileCols);
+    const uint32_t* ar = a + r * lda + p0;
+    float* cr = c + r * kTileCols;
+    switch (rows - r) {
+      case 5:
+        abt_block_bf16<kLen, 5>(ar, lda, b, len, accumulate, cr);
+        break;
+      case 4:
+        abt_block_bf16<kLen, 4>(ar, lda, b, len, accumulate, cr);
+        break;
+      case 3:
+        abt_block_bf16<kLen, 3>(ar, lda, b, len, accumulate, cr);
+        break;
+      case 2:
+        abt_block_bf16<kLen, 2>(ar, lda, b, len, accumulate, cr);
+        break;
+      case 1:
+        abt_block_bf16<kLen, 1>(ar, lda, b, len, accumulate, cr);
+        break;
+      default:
+        break;
+    }
   }
 }
 #endif
 
-// Scalar forms: the scalar ISA's kernels (and the bf16-pair fallback where no vdpbf16ps is compiled in).
+// Scalar forms: the scalar ISA's kernels (the pair form only type-checks the generic abt below: pairs are
+// instantiated on the AVX-512 kernels only).
 inline void abt_scalar(const float* a, int lda, const float* bt, int Dp, int rows, float* c) {
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < kTileCols; ++j) {
@@ -341,12 +350,12 @@ inline void abt(const T* a, int lda, const T* bt, int dp_rt, int rows, float* c)
     return;
   }
 #endif
-  if constexpr (std::is_same_v<T, uint32_t> && kHaveBf16Dot) {
 #if RF_ISA_AVX512
+  if constexpr (std::is_same_v<T, uint32_t>) {
     abt_bf16<kDp>(a, lda, bt, Dp, rows, c);
     return;
-#endif
   }
+#endif
   abt_scalar(a, lda, bt, Dp, rows, c);
 }
 
@@ -415,6 +424,122 @@ inline void acc(const float* a, int ars, int ans, int N, const float* x, int ldx
     }
 #endif
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// acc on bf16 pairs (the Dpbf16 path): out[r, d] += sum over pairs m of a(r, m).lo · x[m, d].lo + a(r, m).hi ·
+// x[m, d].hi, for r < rows, m < pairs, d < Dp. A word holds two bf16 (low half first), the pair (n, n + 1) = (2m,
+// 2m + 1) of the sum index. a(r, m) is read at a[r·ars + m·ams], so the transposed weights of dV += P^T dO and
+// dK += dS^T Q are packed in the layout their conversion writes fastest (tiles.h); x: [pairs, ldx] words (VNNI
+// pairs of two rows of the summed operand); out: [rows, Dp] float32. The block shape and d-outer order are acc's:
+// 6 rows x 4 vectors of 16 float32 accumulators, each vdpbf16ps summing two rows of x. Every output element
+// takes its pair steps in the order m = 0, 1, ... whatever the block shape, which acc_masked_pairs relies on.
+// ---------------------------------------------------------------------------------------------------------------
+#if RF_ISA_AVX512
+template <int kDp, int R, int V>
+RF_BF16_TARGET inline void acc_block_bf16(const uint32_t* a, int ars, int ams, int pairs, const uint32_t* x, int ldx,
+                                          int dp_rt, float* out) {
+  const int Dp = kDp > 0 ? kDp : dp_rt;
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_loadu_ps(out + r * Dp + v * kLanes);
+  for (int m = 0; m < pairs; ++m) {
+    __m512bh xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * ldx + v * kLanes));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh ar = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(a[r * ars + m * ams])));
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], ar, xv[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + r * Dp + v * kLanes, acc[r][v]);
+}
+
+// Row blocks of one V-vector column strip (no lambda: a lambda would not inherit the target attribute).
+template <int kDp, int V>
+RF_BF16_TARGET inline void acc_cols_bf16(const uint32_t* a, int ars, int ams, int pairs, const uint32_t* x, int ldx,
+                                         int Dp, int rows, float* out) {
+  int r = 0;
+  for (; r + kRowBlock <= rows; r += kRowBlock)
+    acc_block_bf16<kDp, kRowBlock, V>(a + r * ars, ars, ams, pairs, x, ldx, Dp, out + r * Dp);
+  const uint32_t* ar = a + r * ars;
+  float* o = out + r * Dp;
+  switch (rows - r) {
+    case 5:
+      acc_block_bf16<kDp, 5, V>(ar, ars, ams, pairs, x, ldx, Dp, o);
+      break;
+    case 4:
+      acc_block_bf16<kDp, 4, V>(ar, ars, ams, pairs, x, ldx, Dp, o);
+      break;
+    case 3:
+      acc_block_bf16<kDp, 3, V>(ar, ars, ams, pairs, x, ldx, Dp, o);
+      break;
+    case 2:
+      acc_block_bf16<kDp, 2, V>(ar, ars, ams, pairs, x, ldx, Dp, o);
+      break;
+    case 1:
+      acc_block_bf16<kDp, 1, V>(ar, ars, ams, pairs, x, ldx, Dp, o);
+      break;
+    default:
+      break;
+  }
+}
+
+template <int kDp>
+RF_BF16_TARGET inline void acc_bf16(const uint32_t* a, int ars, int ams, int pairs, const uint32_t* x, int ldx,
+                                    int dp_rt, int rows, float* out) {
+  const int Dp = kDp > 0 ? kDp : dp_rt;
+  constexpr int kWidth = kAccVecs * kLanes;
+  for (int d = 0; d < Dp; d += kWidth) {
+    switch (std::min(kWidth, Dp - d) / kLanes) {
+      case 4:
+        acc_cols_bf16<kDp, 4>(a, ars, ams, pairs, x + d, ldx, Dp, rows, out + d);
+        break;
+      case 3:
+        acc_cols_bf16<kDp, 3>(a, ars, ams, pairs, x + d, ldx, Dp, rows, out + d);
+        break;
+      case 2:
+        acc_cols_bf16<kDp, 2>(a, ars, ams, pairs, x + d, ldx, Dp, rows, out + d);
+        break;
+      case 1:
+        acc_cols_bf16<kDp, 1>(a, ars, ams, pairs, x + d, ldx, Dp, rows, out + d);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+// float32 -> bf16 with round to nearest even, 16 lanes (vcvtneps2bf16: NaN stays NaN, overflow rounds to inf;
+// float32 denormals become zeros of their sign, as vdpbf16ps would read them anyway).
+RF_BF16_TARGET inline __m256i to_bf16(__m512 x) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)); }
+
+// Rows of float32 weights w: [rows, kTileCols] as acc_bf16's A operand in row layout: dst [rows, kTileCols / 2]
+// words, word (r, m) = (w[r, 2m], w[r, 2m + 1]) — which is just w rounded to bf16 in place order.
+RF_BF16_TARGET inline void weights_to_pair_rows(const float* w, int rows, uint32_t* dst) {
+  for (int r = 0; r < rows; ++r)
+    for (int v = 0; v < kTileCols / kLanes; ++v)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * (kTileCols / 2) + v * (kLanes / 2)),
+                          to_bf16(_mm512_loadu_ps(w + r * kTileCols + v * kLanes)));
+}
+
+// The transpose for dV += P^T dO and dK += dS^T Q, whose rows are keys and sum runs over queries: w: [rows,
+// kTileCols] (rows = queries) -> dst [ceil(rows / 2), kTileCols] words, word (m, j) = (w[2m, j], w[2m + 1, j]),
+// read by acc_bf16 with ars = 1, ams = kTileCols. An odd last row pairs with zero.
+RF_BF16_TARGET inline void weights_to_pair_cols(const float* w, int rows, uint32_t* dst) {
+  for (int m = 0; 2 * m < rows; ++m) {
+    const float* even = w + 2 * m * kTileCols;
+    const bool has_odd = 2 * m + 1 < rows;
+    for (int v = 0; v < kTileCols / kLanes; ++v) {
+      // Zero-masked forms with an all-ones mask: see kAll (GCC 12's unmasked ones trip -Werror=uninitialized).
+      const __m512i lo = _mm512_maskz_cvtepu16_epi32(kAll, to_bf16(_mm512_loadu_ps(even + v * kLanes)));
+      const __m512i hi =
+          has_odd ? _mm512_maskz_cvtepu16_epi32(kAll, to_bf16(_mm512_loadu_ps(even + kTileCols + v * kLanes)))
+                  : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + m * kTileCols + v * kLanes, _mm512_or_si512(lo, _mm512_maskz_slli_epi32(kAll, hi, 16)));
+    }
+  }
+}
+#endif
 
 }  // namespace rf::cpu::RF_ISA_NS::detail
 RF_ISA_END

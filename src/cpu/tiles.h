@@ -2,9 +2,8 @@
 // layouts the micro-kernels read, the per-tile mask bits, and the softmax row steps.
 //
 // Internal to src/cpu, compiled once per ISA like microkernels.h. Template parameters come from dispatch.h: kDp
-// (padded head dim, 0 = run time) and kT (the input dtype). `Dot<kT>` is the element type of the abt operands:
-// bf16 pairs (uint32) when the inputs are bf16 and the build uses vdpbf16ps, float32 otherwise (bf16 inputs are
-// then widened while packing).
+// (padded head dim, 0 = run time), kT (the input dtype) and kProd (isa.h: the units bf16 multiplies on), which
+// decide whether an operand is packed as float32 or as bf16 pairs (kPairScores, kPairAcc below).
 #pragma once
 
 #include <algorithm>
@@ -18,6 +17,7 @@
 #include "core/attention_args.h"
 #include "cpu/amx.h"
 #include "cpu/attention.h"
+#include "cpu/isa.h"
 #include "cpu/isa_target.h"
 #include "cpu/microkernels.h"
 
@@ -34,44 +34,32 @@ constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2 = 0.693147180559945309f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-template <DType kT>
-constexpr bool kBf16Dot = kT == DType::BF16&& kHaveBf16Dot;
+// Whether a path packs bf16 inputs as bf16 pairs (uint32 words, two bf16 along the product's sum) for its score
+// products (S = Q K^T, dP = dO V^T: Dpbf16 and Amx) and for its accumulating ones (O += P V and the gradients:
+// Dpbf16 only; isa.h says why AMX keeps them on float32 FMAs). Everything else runs on float32.
+template <DType kT, Bf16Product kProd>
+constexpr bool kPairScores = kT == DType::BF16&& kProd != Bf16Product::Widen;
+template <DType kT, Bf16Product kProd>
+constexpr bool kPairAcc = kT == DType::BF16&& kProd == Bf16Product::Dpbf16;
 
-template <DType kT>
-using Dot = std::conditional_t<kBf16Dot<kT>, uint32_t, float>;
+// Element type of the packed abt operands on a path: bf16 pairs or float32.
+template <DType kT, Bf16Product kProd>
+using ScoreOperand = std::conditional_t<kPairScores<kT, kProd>, uint32_t, float>;
 
-// Padded head dimension: a multiple of kPadFloats (whole vectors on every ISA), or of 32 for bf16 pairs so Dp/2
-// pairs fill whole zmm vectors of pairs. The padding is zero in every packed operand, so it adds exact zeros.
-template <DType kT>
-constexpr int padded_dim(int D) {
-  constexpr int kMultiple = kBf16Dot<kT> ? 2 * kPadFloats : kPadFloats;
+// Padded head dimension: a multiple of kPadFloats (whole vectors on every ISA), or with pairs of 32 = 2·kAmxPairs,
+// so Dp/2 pairs fill whole zmm vectors of pairs and whole AMX A tiles along d. The padding is zero in every packed
+// operand, so it adds exact zeros.
+template <DType kT, Bf16Product kProd>
+constexpr int path_padded_dim(int D) {
+  static_assert(kPadFloats == kAmxPairs, "one padding unit serves vdpbf16ps and AMX");
+  constexpr int kMultiple = kPairScores<kT, kProd> ? 2 * kPadFloats : kPadFloats;
   return (D + kMultiple - 1) / kMultiple * kMultiple;
 }
 
-// The AMX path (dispatch.h kAmx) pads to whole A tiles along d: kAmxPairs pairs = 32 bf16.
-constexpr int amx_padded_dim(int D) { return (D + 2 * kAmxPairs - 1) / (2 * kAmxPairs) * (2 * kAmxPairs); }
-template <DType kT, bool kAmx>
-constexpr int path_padded_dim(int D) {
-  return kAmx ? amx_padded_dim(D) : padded_dim<kT>(D);
-}
-
-// Element type of the packed abt operands on a path: bf16 pairs on AMX, else Dot<kT>.
-template <DType kT, bool kAmx>
-using ScoreOperand = std::conditional_t<kAmx, uint32_t, Dot<kT>>;
-
-// Elements of Dot<kT> in one packed row of Dp values.
-template <DType kT>
-constexpr int dot_row(int Dp) {
-  return kBf16Dot<kT> ? Dp / 2 : Dp;
-}
-
 // Row stride, in floats, of packed row buffers: one vector more than Dp so that rows 2^k floats long do not alias
-// in L1 (microkernels.h, acc). dot_stride is the same stride in elements of Dot<kT>.
+// in L1 (microkernels.h, acc). abt's A rows of bf16 pairs along d use pair_row<uint32_t>(row_stride(Dp)) words;
+// acc_bf16's X rows of pairs (two rows along the sum, one word per d) use row_stride(Dp) words.
 constexpr int row_stride(int Dp) { return Dp + kPadFloats; }
-template <DType kT>
-constexpr int dot_stride(int Dp) {
-  return dot_row<kT>(row_stride(Dp));
-}
 
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
@@ -192,8 +180,7 @@ inline void pack_rows_f32(const void* src, int rows, int D, int Dp, int ld, floa
 }
 
 // Whether operands of element type C hold bf16 pairs (uint32 words) rather than float32; pair_row is the number of
-// C elements in a packed row of Dp values. Dot<kT> is one such type; the AMX path (amx.h) uses pairs whatever
-// kHaveBf16Dot says.
+// C elements in a packed row of Dp values.
 template <typename C>
 constexpr bool kPairs = std::is_same_v<C, uint32_t>;
 template <typename C>
@@ -202,7 +189,7 @@ constexpr int pair_row(int Dp) {
 }
 
 // Rows as abt's A operand: dst [rows, ld] of C (ld in elements of C), zero padded to Dp.
-template <DType kT, typename C = Dot<kT>>
+template <DType kT, typename C>
 inline void pack_rows_dot(const void* src, int rows, int D, int Dp, int ld, C* dst) {
   static_assert(!kPairs<C> || kT == DType::BF16, "bf16 pairs need bf16 inputs");
   if constexpr (kPairs<C>) {
@@ -219,10 +206,29 @@ inline void pack_rows_dot(const void* src, int rows, int D, int Dp, int ld, C* d
   }
 }
 
+// Rows src[n, 0 .. D), n < rows (stride D, bf16), as acc_bf16's X operand: pairs of rows along the sum index,
+// dst [out_pairs, ld] words, word (m, d) = (src[2m, d], src[2m + 1, d]) (low half first), zero for rows >= `rows`,
+// d >= D and up to Dp. out_pairs >= ceil(rows / 2).
+inline void pack_pair_rows(const void* src, int rows, int D, int Dp, int ld, int out_pairs, uint32_t* dst) {
+  for (int m = 0; m < out_pairs; ++m) {
+    uint32_t* out = dst + int64_t{m} * ld;
+    const int n = 2 * m;
+    if (n + 1 < rows) {
+      for (int d = 0; d < D; ++d)
+        out[d] = bf16_bits(src, int64_t{n} * D + d) | bf16_bits(src, int64_t{n + 1} * D + d) << 16;
+    } else if (n < rows) {
+      for (int d = 0; d < D; ++d) out[d] = bf16_bits(src, int64_t{n} * D + d);
+    } else {
+      std::fill(out, out + D, 0u);
+    }
+    std::fill(out + D, out + Dp, 0u);
+  }
+}
+
 // A key (or value) tile src[j, 0 .. D), j < nk, as abt's transposed B operand: dst [pair_row<C>(Dp), kTileK],
 // zero for j >= nk and d >= D. For pairs this is the VNNI layout of amx.h: word (p, j) = (d = 2p, 2p + 1) of key j. The
 // transpose is paid once per tile and reused by every query row and head.
-template <DType kT, typename C = Dot<kT>>
+template <DType kT, typename C>
 inline void pack_cols_dot(const void* src, int nk, int D, int Dp, C* dst) {
   static_assert(!kPairs<C> || kT == DType::BF16, "bf16 pairs need bf16 inputs");
   std::fill(dst, dst + int64_t{pair_row<C>(Dp)} * kTileK, C{0});
@@ -236,10 +242,10 @@ inline void pack_cols_dot(const void* src, int nk, int D, int Dp, C* dst) {
 }
 
 // The abt product (S = Q K^T, dP = dO V^T) on the path dispatch.h chose: AMX tiles (amx.h; needs an active
-// AmxTileScope, and a and c with whole 16-row blocks) or the AVX-512 / scalar micro-kernel.
-template <int kDp, bool kAmx, typename C>
+// AmxTileScope, and a and c with whole 16-row blocks) or the micro-kernel (float32 FMAs or vdpbf16ps, by C).
+template <int kDp, Bf16Product kProd, typename C>
 inline void score_tile(const C* a, int lda, const C* bt, int Dp, int rows, float* c) {
-  if constexpr (kAmx)
+  if constexpr (kProd == Bf16Product::Amx && kPairs<C>)
     amx_abt(a, lda, bt, Dp, rows, c);
   else
     abt<kDp>(a, lda, bt, Dp, rows, c);
@@ -269,16 +275,20 @@ inline std::vector<uint8_t> needed_key_tiles(const LayerMask& mask, const std::v
 // Every needed tile of the K and V chunks, packed once before the tile loops (one parallel loop over tiles, so one
 // fork/join) instead of once per work item: the transposes and bf16 widening then cost O(Lk·D) per call, not per
 // query tile. k, v: [B, Hkv, Lk, D] in kT. Tile t = (b·Hkv + g)·nkt + kt. Each output may be null:
-// *_cols: [tiles, dot_row(Dp), kTileK] (abt's transposed operand); *_rows: [tiles, kTileK, row_stride(Dp)] float32.
-template <DType kT, typename C = Dot<kT>>
+// *_cols: [tiles, pair_row<C>(Dp), kTileK] (abt's transposed operand); *_rows: acc's X operand,
+// [tiles, kTileK, row_stride(Dp)] float32, and *_pairs: the same with pairs of keys, [tiles, kTileK / 2,
+// row_stride(Dp)] words (pack_pair_rows).
+template <DType kT, typename C>
 struct KeyTiles {
   C* k_cols = nullptr;
   float* k_rows = nullptr;
+  uint32_t* k_pairs = nullptr;
   C* v_cols = nullptr;
   float* v_rows = nullptr;
+  uint32_t* v_pairs = nullptr;
 };
 
-template <DType kT, typename C = Dot<kT>>
+template <DType kT, typename C>
 void pack_key_tiles(const void* k, const void* v, const AttnShape& s, int Dp, const std::vector<uint8_t>& needed,
                     const KeyTiles<kT, C>& out) {
   const int nkt = ceil_div(s.Lk, kTileK), ld = row_stride(Dp);
@@ -290,7 +300,7 @@ void pack_key_tiles(const void* k, const void* v, const AttnShape& s, int Dp, co
     if (!needed[static_cast<size_t>(b) * nkt + kt]) continue;
     const int k0 = kt * kTileK, nk = std::min(kTileK, s.Lk - k0);
     const int64_t offset = ((t / nkt) * s.Lk + k0) * s.D * esz;
-    auto pack = [&](const void* src, C* cols, float* rows) {
+    auto pack = [&](const void* src, C* cols, float* rows, uint32_t* pairs) {
       const char* tile = static_cast<const char*>(src) + offset;
       if (cols) pack_cols_dot<kT, C>(tile, nk, s.D, Dp, cols + t * pair_row<C>(Dp) * kTileK);
       if (rows) {
@@ -298,9 +308,11 @@ void pack_key_tiles(const void* k, const void* v, const AttnShape& s, int Dp, co
         pack_rows_f32<kT>(tile, nk, s.D, Dp, ld, r);
         std::fill(r + int64_t{nk} * ld, r + int64_t{kTileK} * ld, 0.f);
       }
+      if constexpr (kT == DType::BF16)
+        if (pairs) pack_pair_rows(tile, nk, s.D, Dp, ld, kTileK / 2, pairs + t * (kTileK / 2) * ld);
     };
-    pack(k, out.k_cols, out.k_rows);
-    pack(v, out.v_cols, out.v_rows);
+    pack(k, out.k_cols, out.k_rows, out.k_pairs);
+    pack(v, out.v_cols, out.v_rows, out.v_pairs);
   }
 }
 
@@ -450,6 +462,44 @@ inline void acc_masked(BlockClass cls, const float* a, int ars, int ans, int N, 
   else
     acc<kDp>(a, ars, ans, N, x, ldx, Dp, rows, out);
 }
+
+#if RF_ISA_AVX512
+// acc_masked for the pair products (microkernels.h: acc_bf16). a(r, m) at a[r·ars + m·ams] holds the weights of
+// the sum indices n = 2m, 2m + 1 < N; x: [ceil(N / 2), ldx] words of pairs. A pair word mixes two rows of x, so
+// a forbidden row's non-finite value would reach the allowed row's product through the same vdpbf16ps (0 · inf =
+// NaN). When the tile is Partial and x holds a non-finite value, each output row instead runs the same kernel
+// over a copy of x whose forbidden halves (for that row) are zero: the lanes then take the same pair steps in the
+// same order with +0 for -0/+0 products, so a row that reads no non-finite value gets acc_bf16's bits (its
+// accumulators start at +0 or a non-zero value, and x + (±0) = x, +0 + (-0) = +0). scratch: [ceil(N / 2), ldx].
+inline bool any_nonfinite_pairs(const uint32_t* x, int pairs, int ld, int Dp) {
+  constexpr uint32_t kExp = 0x7f80u;  // a bf16 with every exponent bit set is an infinity or a NaN
+  bool bad = false;
+  for (int m = 0; m < pairs; ++m)
+    for (int d = 0; d < Dp; ++d) {
+      const uint32_t w = x[int64_t{m} * ld + d];
+      bad |= (w & kExp) == kExp || (w >> 16 & kExp) == kExp;
+    }
+  return bad;
+}
+
+template <int kDp, bool kRowsAreQueries>
+inline void acc_masked_pairs(BlockClass cls, const uint32_t* a, int ars, int ams, int N, const uint32_t* x, int ldx,
+                             int Dp, int rows, const RowBits* bits, uint32_t* scratch, float* out) {
+  const int pairs = ceil_div(N, 2);
+  if (cls != BlockClass::Partial || !any_nonfinite_pairs(x, pairs, ldx, Dp)) {
+    acc_bf16<kDp>(a, ars, ams, pairs, x, ldx, Dp, rows, out);
+    return;
+  }
+  auto allowed = [&](int r, int n) { return n < N && (kRowsAreQueries ? (bits[r] >> n) & 1 : (bits[n] >> r) & 1); };
+  for (int r = 0; r < rows; ++r) {
+    for (int m = 0; m < pairs; ++m) {
+      const uint32_t keep = (allowed(r, 2 * m) ? 0x0000ffffu : 0u) | (allowed(r, 2 * m + 1) ? 0xffff0000u : 0u);
+      for (int d = 0; d < Dp; ++d) scratch[int64_t{m} * ldx + d] = x[int64_t{m} * ldx + d] & keep;
+    }
+    acc_bf16<kDp>(a + int64_t{r} * ars, ars, ams, pairs, scratch, ldx, Dp, 1, out + int64_t{r} * Dp);
+  }
+}
+#endif
 
 // Heads of one kv group processed together as one work item, so each K/V tile is packed once and read from
 // cache by all of them. Bounded so the item's packed Q and float32 accumulators (2 · heads · kTileQ · Dp floats)

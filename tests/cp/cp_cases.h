@@ -29,6 +29,7 @@
 #include "cp/cp_attention.h"
 #include "cp/rows.h"
 #include "cp/shard.h"
+#include "cpu/isa.h"
 #include "reference/attention_ref.h"
 
 namespace rf::cp::cases {
@@ -315,6 +316,12 @@ inline std::vector<Case> long_row_cases(int P) {
 // alone and of B alone, slice by slice (contiguous shards with the chunk ring, zigzag with the planned ring). Both
 // sides are float32 CP runs at the same P that differ only in how keys fall into chunks, so they agree to the merge
 // rounding of both: 2 * kUlpsPerRank * P ulps of the magnitude.
+// Except where bf16 inputs run on vdpbf16ps (src/cpu/isa.h: Bf16Product::Dpbf16): that path rounds the float32
+// weights P and dS to bf16, P relative to the running softmax max of its key tile, and A alone and A inside [A, B]
+// fall into different key tiles (B starts at token a.S), so the same weight rounds differently on the two sides,
+// by up to 2^-8 of it (docs/numerics.md), far above the merge rounding. There each side is held to the file's own
+// rule against the scalar reference instead: |packed - part| <= |packed - ref| + |part - ref| <= 3 * err_part,
+// with err_part the part's measured error (2 * err_part for the packed side, the 2 * err1 rule above).
 inline void check_packed_parity(comm::Communicator& comm, const LayerMask& mask, DType dtype) {
   using testing::MetaKind;
   const int P = comm.size();
@@ -354,6 +361,9 @@ inline void check_packed_parity(comm::Communicator& comm, const LayerMask& mask,
     iab.meta.push_back(t);
   }
 
+  const bool rounds_weights = dtype == DType::BF16 && cpu::kernel_path().bf16 == cpu::Bf16Product::Dpbf16;
+  const Reference ref_a = rounds_weights && comm.rank() == 0 ? run_reference(a, ia) : Reference{};
+  const Reference ref_b = rounds_weights && comm.rank() == 0 ? run_reference(b, ib) : Reference{};
   for (Scheme scheme : {Scheme::Contiguous, Scheme::Zigzag}) {
     const RingTraffic traffic = scheme == Scheme::Contiguous ? RingTraffic::Chunks : RingTraffic::Planned;
     const Result ra = run_cp(comm, a, ia, scheme, Algo::Ring, traffic);
@@ -361,12 +371,15 @@ inline void check_packed_parity(comm::Communicator& comm, const LayerMask& mask,
     const Result rab = run_cp(comm, ab, iab, scheme, Algo::Ring, traffic);
     if (comm.rank() != 0) continue;
     // Compare one [H, S_part, D] slice of the packed result (starting at token `first`) with a part's result.
-    const auto expect_slice = [&](const std::vector<float>& packed, const std::vector<float>& part, int H, int S_part,
-                                  int W, int first, const std::string& what) {
+    // part_ref: the part's reference where weights are rounded, else null.
+    const auto expect_slice = [&](const std::vector<float>& packed, const std::vector<float>& part,
+                                  const std::vector<double>* part_ref, int H, int S_part, int W, int first,
+                                  const std::string& what) {
       double mag = 1;
       for (float x : part)
         if (std::isfinite(x)) mag = std::max(mag, static_cast<double>(std::fabs(x)));
-      const double tol = 2 * kUlpsPerRank * P * kEpsF32 * mag;
+      const double rounding = part_ref ? 3 * max_err(part, *part_ref, what + " (part)") : 0;
+      const double tol = 2 * kUlpsPerRank * P * kEpsF32 * mag + rounding;
       for (int h = 0; h < H; ++h)
         for (int t = 0; t < S_part; ++t)
           for (int d = 0; d < W; ++d) {
@@ -380,12 +393,15 @@ inline void check_packed_parity(comm::Communicator& comm, const LayerMask& mask,
           }
     };
     const std::string tag = scheme_name(scheme) + " P=" + std::to_string(P) + " ";
-    for (const auto& [part, first, S_part] : {std::tuple{&ra, 0, a.S}, std::tuple{&rb, a.S, b.S}}) {
-      expect_slice(rab.o, part->o, a.Hq, S_part, a.D, first, tag + "out");
-      expect_slice(rab.lse, part->lse, a.Hq, S_part, 1, first, tag + "lse");
-      expect_slice(rab.dq, part->dq, a.Hq, S_part, a.D, first, tag + "dq");
-      expect_slice(rab.dk, part->dk, a.Hkv, S_part, a.D, first, tag + "dk");
-      expect_slice(rab.dv, part->dv, a.Hkv, S_part, a.D, first, tag + "dv");
+    for (const auto& [part, ref, first, S_part] :
+         {std::tuple{&ra, &ref_a, 0, a.S}, std::tuple{&rb, &ref_b, a.S, b.S}}) {
+      // The reference exists (was computed) only where weights are rounded.
+      const auto refd = [&](const std::vector<double>& r) { return rounds_weights ? &r : nullptr; };
+      expect_slice(rab.o, part->o, refd(ref->fwd.o), a.Hq, S_part, a.D, first, tag + "out");
+      expect_slice(rab.lse, part->lse, refd(ref->fwd.lse), a.Hq, S_part, 1, first, tag + "lse");
+      expect_slice(rab.dq, part->dq, refd(ref->bwd.dq), a.Hq, S_part, a.D, first, tag + "dq");
+      expect_slice(rab.dk, part->dk, refd(ref->bwd.dk), a.Hkv, S_part, a.D, first, tag + "dk");
+      expect_slice(rab.dv, part->dv, refd(ref->bwd.dv), a.Hkv, S_part, a.D, first, tag + "dv");
     }
   }
 }

@@ -10,8 +10,24 @@
 // x = Σ terms satisfies |x - x_ref| ≤ κ·M(x) with
 //     κ = eps32 · (2·D·E + 3·n + kSlack),   M(x) = the same sum over |terms| (computed in double here),
 // to first order. Backward quantities are products of two such factors (p and dp - delta, through the LSE
-// and delta the forward produced), hence 2κ. bf16 inputs are exact in float32 and vdpbf16ps accumulates in
-// float32, so the same bound holds for them (the reference runs on the same bf16 values).
+// and delta the forward produced), hence 2κ. bf16 inputs are exact in float32, and vdpbf16ps and AMX multiply
+// bf16 pairs exactly and accumulate in float32, so the same bound holds for the score products on every path
+// (the reference runs on the same bf16 values).
+//
+// The vdpbf16ps path (src/cpu/isa.h: Bf16Product::Dpbf16) also rounds the float32 weights of the accumulating
+// products to bf16: P in O += P V and dV += P^T dO, dS in dK += dS^T Q and dQ += dS K. Round to nearest even with
+// 8 significant bits gives |ŵ - w| ≤ u_bf16·|w|, u_bf16 = 2^-8, for every normal w (P ≤ 1 and dS are far from
+// bf16's overflow; a float32 denormal weight becomes 0, an absolute error below 2^-126·|x| per term, which no
+// float32 result of these magnitudes can show). So Σ ŵ·x = Σ w·x + Σ δ·w·x with |δ| ≤ u_bf16, one more error of
+// at most u_bf16·Σ|w·x| ≤ u_bf16·M(x) per output: the forward's o gains u_bf16·M (l and the LSE use the
+// unrounded P, so the LSE keeps κ). In the backward dV gains u_bf16·M(dv) from P's rounding; dK and dQ gain
+// u_bf16·M from dS's rounding and u_bf16·M once more through delta = rowsum(dO ⊙ O), whose O carries the forward's
+// rounding (|Δdelta| ≤ (κ + u_bf16)·Σ_j p_j·Σ_d|dO_d·v_jd|, the delta_abs term of M's dS magnitude). Hence
+//     |x - x_ref| ≤ factor·(κ + u_bf16)·M(x),   factor 1 forward, 2 backward,
+// with u_bf16 = 0 on the paths that do not round (Bounds::weight_rounding). It is ~4e-3·M: a few times κ at the
+// sweep's largest rows, and still far below the O(M) error of a mask or layout mistake (a wrong pair of keys, a
+// swapped half of a bf16 pair). The bound is relative to M, not to |x|: where the terms cancel (dQ = scale·Σ_j
+// dS_ij·k_j with Σ_j dS_ij = 0) the relative error of x itself can exceed u_bf16.
 // Where the kernel applies the mask wrongly the error is O(p·|v|) = O(M), far above κ·M (κ ≲ 1e-3 here).
 #pragma once
 
@@ -23,17 +39,21 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "common/attention_bounds.h"
 #include "common/random_case.h"
 #include "core/error.h"
 #include "cpu/attention.h"
+#include "cpu/isa.h"
 #include "reference/attention_ref.h"
 
 namespace rf::testing {
 
 constexpr double kEps32 = 5.9604644775390625e-8;  // 2^-24, float32 unit roundoff
 constexpr double kSlack = 16;                     // exp2 polynomial (~5 ulp) and the final divide/log
+constexpr double kBf16Unit = 0.00390625;          // 2^-8, bf16 unit roundoff (8 significant bits, nearest even)
 
 struct Case {
   int B = 1, Hq = 1, Hkv = 1, Lq = 0, Lk = 0, D = 8;
@@ -90,72 +110,24 @@ inline KernelResult run_kernels(const AttnChunk& c, const void* dout) {
   return r;
 }
 
-// The magnitudes M(x) of the error bound and the factor κ, from the inputs in double.
+// The magnitudes M(x) of the error bound (common/attention_bounds.h) and the factor κ, from the inputs in double.
+// weight_rounding: u_bf16
+// when the kernel path in use rounds P and dS to bf16 (bf16 inputs on vdpbf16ps), else 0; it adds to κ for o,
+// dq, dk and dv, not for the LSE.
 struct Bounds {
-  double kappa = 0;
+  double kappa = 0, weight_rounding = 0;
   std::vector<double> o, lse, dq, dk, dv;
+  double products() const { return kappa + weight_rounding; }
 };
 
 inline Bounds error_bounds(const AttnChunk& c, const void* dout, const RefForward& ref) {
-  const AttnShape& s = c.shape;
-  const int D = s.D, G = s.group_size();
-  auto widen = [](const void* p, int64_t n, DType t) {
-    std::vector<float> f(static_cast<size_t>(n));
-    if (n > 0) to_float(f.data(), p, f.size(), t);
-    return std::vector<double>(f.begin(), f.end());
-  };
-  const std::vector<double> q = widen(c.q, s.q_elems(), c.dtype), k = widen(c.k, s.kv_elems(), c.dtype);
-  const std::vector<double> v = widen(c.v, s.kv_elems(), c.dtype), go = widen(dout, s.q_elems(), c.dtype);
+  Magnitudes m = attention_magnitudes(c, dout, ref);
   Bounds bd;
-  bd.o.assign(q.size(), 0), bd.dq.assign(q.size(), 0), bd.dk.assign(k.size(), 0), bd.dv.assign(k.size(), 0);
-  bd.lse.assign(static_cast<size_t>(s.lse_elems()), 1);
-  double e_max = 0;
-  int n_max = D;
-  std::vector<int> col_count(static_cast<size_t>(s.Lk));
-  std::vector<double> p(static_cast<size_t>(s.Lk)), dpa(p.size());
-  for (int b = 0; b < s.B; ++b) {
-    std::fill(col_count.begin(), col_count.end(), 0);
-    for (int h = 0; h < s.Hq; ++h) {
-      const int64_t kv0 = (int64_t{b} * s.Hkv + h / G) * s.Lk;
-      for (int i = 0; i < s.Lq; ++i) {
-        const int64_t row = (int64_t{b} * s.Hq + h) * s.Lq + i;
-        const double lse = ref.lse[row];
-        if (std::isinf(lse)) continue;
-        bd.lse[row] = 1 + std::fabs(lse);
-        const TokenMeta& qm = c.q_meta[int64_t{b} * s.Lq + i];
-        int n = 0;
-        double delta_abs = 0;
-        for (int j = 0; j < s.Lk; ++j) {
-          p[j] = 0;
-          if (!allowed(c.mask, qm, c.k_meta[int64_t{b} * s.Lk + j])) continue;
-          ++n, ++col_count[j];
-          double dot = 0, mag = 0, da = 0;
-          for (int d = 0; d < D; ++d) {
-            dot += q[row * D + d] * k[(kv0 + j) * D + d];
-            mag += std::fabs(q[row * D + d] * k[(kv0 + j) * D + d]);
-            da += std::fabs(go[row * D + d] * v[(kv0 + j) * D + d]);
-          }
-          e_max = std::max(e_max, std::fabs(c.scale) * mag);
-          p[j] = std::exp(c.scale * dot - lse);
-          dpa[j] = da;
-          delta_abs += p[j] * da;
-        }
-        n_max = std::max(n_max, n);
-        for (int j = 0; j < s.Lk; ++j) {
-          if (p[j] == 0) continue;
-          const double ds = p[j] * (dpa[j] + delta_abs) * std::fabs(c.scale);
-          for (int d = 0; d < D; ++d) {
-            bd.o[row * D + d] += p[j] * std::fabs(v[(kv0 + j) * D + d]);
-            bd.dq[row * D + d] += ds * std::fabs(k[(kv0 + j) * D + d]);
-            bd.dk[(kv0 + j) * D + d] += ds * std::fabs(q[row * D + d]);
-            bd.dv[(kv0 + j) * D + d] += p[j] * std::fabs(go[row * D + d]);
-          }
-        }
-      }
-    }
-    for (int j = 0; j < s.Lk; ++j) n_max = std::max(n_max, col_count[j]);
-  }
-  bd.kappa = kEps32 * (2 * D * e_max + 3 * n_max + kSlack);
+  bd.kappa = kEps32 * (2 * c.shape.D * m.e_max + 3 * m.n_max + kSlack);
+  const bool rounds = c.dtype == DType::BF16 && cpu::kernel_path().bf16 == cpu::Bf16Product::Dpbf16;
+  bd.weight_rounding = rounds ? kBf16Unit : 0;
+  bd.o = std::move(m.o), bd.lse = std::move(m.lse), bd.dq = std::move(m.dq), bd.dk = std::move(m.dk);
+  bd.dv = std::move(m.dv);
   return bd;
 }
 
@@ -192,11 +164,11 @@ inline void check_case(const Case& cs) {
   const std::string name = cs.name();
   // Forward outputs are single sums: κ. Backward ones multiply two perturbed factors (p through the kernel's
   // LSE, dp - delta through its O): 2κ to first order.
-  expect_close("o", r.o, ref.o, bd.o, 1, bd.kappa, name);
+  expect_close("o", r.o, ref.o, bd.o, 1, bd.products(), name);
   expect_close("lse", r.lse, ref.lse, bd.lse, 1, bd.kappa, name);
-  expect_close("dq", r.dq, gref.dq, bd.dq, 2, bd.kappa, name);
-  expect_close("dk", r.dk, gref.dk, bd.dk, 2, bd.kappa, name);
-  expect_close("dv", r.dv, gref.dv, bd.dv, 2, bd.kappa, name);
+  expect_close("dq", r.dq, gref.dq, bd.dq, 2, bd.products(), name);
+  expect_close("dk", r.dk, gref.dk, bd.dk, 2, bd.products(), name);
+  expect_close("dv", r.dv, gref.dv, bd.dv, 2, bd.products(), name);
 }
 
 }  // namespace rf::testing
