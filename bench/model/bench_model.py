@@ -1,22 +1,30 @@
 #!/usr/bin/env python3
-"""Gemma 4 model benchmark: forward + backward tokens/s and peak memory, ringflex vs PyTorch eager.
+"""Gemma 4 model benchmark: forward + backward tokens/s, model FLOP utilisation and peak memory, ringflex vs PyTorch.
 
 Both sides run the same transformers-built checkpoint (random weights, float32) on the same batch (B = 1, one
 document, every position labelled), on the same CPU, in the same invocation, alternating repeats:
-  - ringflex: `ringflex forward --model DIR --in BATCH --out OUT --grad --no-logits`; the step time is the
-    forward+backward time the command prints (checkpoint loading and writing the gradients excluded); peak memory
-    is the process's maximum resident set (/usr/bin/time -v), which includes weights and gradients; the command
-    also prints the activation memory it kept and the largest one-layer recompute set.
+  - ringflex: `ringflex forward --model DIR --in BATCH --out OUT --grad --no-logits [--no-recompute]`; the step time
+    is the forward+backward time the command prints (checkpoint loading and writing the gradients excluded); peak
+    memory is the process's maximum resident set (/usr/bin/time -v), which includes weights and gradients; the
+    command also prints the activation memory it kept and the largest one-layer recompute set.
   - PyTorch eager: Gemma4ForCausalLM from the same directory, attn_implementation "eager" and "sdpa", forward,
     cross-entropy over the [S, V] logits, backward; torch.set_num_threads = the same thread count; peak memory is
     ru_maxrss of that process.
-Reported: medians over the repeats, and the ratio ringflex / PyTorch of tokens/s.
+  - 1-thread sgemm: OpenBLAS's cblas_sgemm (the library ringflex is linked against, found with ldd), N = 1024,
+    measured right before each ringflex run (median of 5), so the FLOP utilisation compares numbers of one minute.
+Model FLOP utilisation (MFU) = (6 N T + attention FLOPs) / step time / (threads x 1-thread sgemm), with N the
+parameter count (the tied head counted once: it is one matmul each way), T = S tokens, and attention as
+docs/spec.md section 9 counts it: forward 4 Hq D A per layer (A = allowed (q, k) pairs of the layer's mask),
+backward 2.5 x forward. The recomputed layer forward (the default) is work the figure does not credit.
+Reported: medians over the repeats; tokens/s and peak memory as ratios to PyTorch SDPA.
 
     python3 bench/model/bench_model.py build/src/cli/ringflex --config tiny --seq 512 --reps 3
-    python3 bench/model/bench_model.py build/src/cli/ringflex --config 100m --seq 4096 --reps 2
-    python3 bench/model/bench_model.py build/src/cli/ringflex --config 100m-moe --seq 4096 --reps 2
+    python3 bench/model/bench_model.py build/src/cli/ringflex --config 100m --seq 4096 --reps 3
+    python3 bench/model/bench_model.py build/src/cli/ringflex --config 100m --seq 4096 --reps 3 --keep-mlp
+    python3 bench/model/bench_model.py build/src/cli/ringflex --config 100m-moe --seq 4096 --reps 3
 """
 import argparse
+import ctypes
 import os
 import re
 import resource
@@ -26,6 +34,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
@@ -70,13 +79,71 @@ print(f"step {step:.4f} maxrss_kb {resource.getrusage(resource.RUSAGE_SELF).ru_m
 """
 
 
-def run_ringflex(ringflex, ckpt, batch, out, threads):
+SGEMM_N = 1024  # square sgemm: large enough for OpenBLAS's peak, small enough to repeat (bench/kernels does the same)
+BACKWARD_FLOP_FACTOR = 2.5  # docs/spec.md section 9
+
+
+class Sgemm:
+    """1-thread cblas_sgemm of the OpenBLAS the ringflex binary is linked against."""
+
+    def __init__(self, ringflex):
+        ldd = subprocess.run(["ldd", ringflex], capture_output=True, text=True, check=True).stdout
+        path = next(line.split("=>")[1].split("(")[0].strip() for line in ldd.splitlines()
+                    if re.search(r"lib(open)?blas", line))
+        self.lib = ctypes.CDLL(path)
+        if hasattr(self.lib, "openblas_set_num_threads"):
+            self.lib.openblas_set_num_threads(1)
+        n = SGEMM_N
+        self.a = np.full((n, n), 0.5, dtype=np.float32)
+        self.b = np.full((n, n), 0.25, dtype=np.float32)
+        self.c = np.zeros((n, n), dtype=np.float32)
+        self.lib.cblas_sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+                                                              ctypes.c_void_p, ctypes.c_int, ctypes.c_float,
+                                                              ctypes.c_void_p, ctypes.c_int]
+        self.run()  # warm-up: pages and OpenBLAS buffers
+
+    def run(self):
+        row_major, no_trans, n = 101, 111, SGEMM_N
+        self.lib.cblas_sgemm(row_major, no_trans, no_trans, n, n, n, 1.0, self.a.ctypes.data, n, self.b.ctypes.data,
+                             n, 0.0, self.c.ctypes.data, n)
+
+    def gflops(self, repeats=5):
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.run()
+            times.append(time.perf_counter() - start)
+        return 2.0 * SGEMM_N ** 3 / statistics.median(times) / 1e9
+
+
+def allowed_pairs(S, window):
+    """(q, k) pairs of one causal row of S tokens, one document: a query sees itself and min(window, q + 1) - 1
+    earlier tokens (window 0: all of them)."""
+    if window == 0 or window >= S:
+        return S * (S + 1) // 2
+    return window * (window + 1) // 2 + (S - window) * window
+
+
+def model_flops(spec, n_params, S):
+    """6 N T + attention (forward + backward) of one row of S tokens; spec: a CONFIGS entry with COMMON."""
+    flops = 6.0 * n_params * S
+    for layer_type in spec["layer_types"]:
+        sliding = layer_type == "sliding_attention"
+        D = spec["head_dim"] if sliding else spec["global_head_dim"]
+        pairs = allowed_pairs(S, spec["sliding_window"] if sliding else 0)
+        flops += (1.0 + BACKWARD_FLOP_FACTOR) * 4.0 * spec["num_attention_heads"] * D * pairs
+    return flops
+
+
+def run_ringflex(ringflex, ckpt, batch, out, threads, recompute, keep_mlp):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    proc = subprocess.run(["/usr/bin/time", "-v", ringflex, "forward", "--model", ckpt, "--in", batch, "--out", out,
-                           "--grad", "--no-logits"], capture_output=True, text=True, env=env, check=True)
+    cmd = ["/usr/bin/time", "-v", ringflex, "forward", "--model", ckpt, "--in", batch, "--out", out, "--grad",
+           "--no-logits"] + ([] if recompute else ["--no-recompute"]) + (["--keep-mlp"] if keep_mlp else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     step = float(re.search(r"forward\+backward ([0-9.]+) s", proc.stdout).group(1))
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
-    kept = re.search(r"kept for the backward ([0-9.]+) MiB, one layer's recomputed ([0-9.]+) MiB", proc.stdout)
+    kept = re.search(r"kept ([0-9.]+) MiB of activations for the backward, one layer's recomputed ([0-9.]+) MiB",
+                     proc.stdout)
     return step, rss, (float(kept.group(1)), float(kept.group(2)))
 
 
@@ -94,38 +161,66 @@ def main():
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-recompute", dest="recompute", action="store_false",
+                    help="ringflex keeps every layer's activations instead of recomputing them in the backward")
+    ap.add_argument("--keep-mlp", action="store_true",
+                    help="ringflex keeps each MLP's projections, so its recompute skips the MLP sgemms")
+    ap.add_argument("--skip-eager", action="store_true", help="run PyTorch with SDPA only (eager is slow at long S)")
     a = ap.parse_args()
     cfg = Gemma4TextConfig(**CONFIGS[a.config], **COMMON)
     torch.manual_seed(0)
     model = Gemma4ForCausalLM(cfg).float()
     n_params = sum(p.numel() for p in model.parameters())
+    sgemm = Sgemm(a.ringflex)
+    S = a.seq
+    flops = model_flops({**CONFIGS[a.config], **COMMON}, n_params, S)
+    impls = ["torch sdpa"] if a.skip_eager else ["torch eager", "torch sdpa"]
     with tempfile.TemporaryDirectory() as d:
         ckpt = os.path.join(d, "ckpt")
         model.save_pretrained(ckpt, safe_serialization=True)
         del model
         g = torch.Generator().manual_seed(0)
-        S = a.seq
         batch = os.path.join(d, "batch.safetensors")
         save_file({"input_ids": torch.randint(1, cfg.vocab_size, (1, S), generator=g),
                    "labels": torch.randint(0, cfg.vocab_size, (1, S), generator=g)}, batch)
-        results = {"ringflex": [], "torch eager": [], "torch sdpa": []}
+        results = {"ringflex": [], **{name: [] for name in impls}}
+        peaks = []
         for _ in range(a.reps):
+            peaks.append(sgemm.gflops())
             results["ringflex"].append(run_ringflex(a.ringflex, ckpt, batch, os.path.join(d, "out.safetensors"),
-                                                    a.threads))
-            results["torch eager"].append(run_torch(ckpt, "eager", a.threads, S))
-            results["torch sdpa"].append(run_torch(ckpt, "sdpa", a.threads, S))
+                                                    a.threads, a.recompute, a.keep_mlp))
+            for name in impls:
+                results[name].append(run_torch(ckpt, name.split()[1], a.threads, S))
+    peak = statistics.median(peaks)
+    mode = ("keeps every activation" if not a.recompute else
+            "recomputes layers but the MLP projections" if a.keep_mlp else "recomputes layers")
     print(f"config {a.config}: {n_params / 1e6:.1f}M parameters, S = {S}, B = 1, threads = {a.threads}, "
-          f"reps = {a.reps}")
-    print("| implementation | fwd+bwd step (median s) | tokens/s | peak RSS (GiB) | tokens/s vs torch eager |")
-    print("|---|---|---|---|---|")
-    base = S / statistics.median(r[0] for r in results["torch eager"])
+          f"reps = {a.reps}, ringflex {mode}")
+    print(f"CPU: {cpu_name()}; 1-thread sgemm (N = {SGEMM_N}) median {peak:.1f} GFLOP/s "
+          f"(runs: {', '.join(f'{p:.1f}' for p in peaks)}); model FLOPs per step {flops / 1e12:.3f} T "
+          f"(6 N T + attention)")
+    print("| implementation | fwd+bwd step (median s) | tokens/s | MFU | peak RSS (GiB) | tokens/s vs torch sdpa | "
+          "peak RSS vs torch sdpa |")
+    print("|---|---|---|---|---|---|---|")
+    sdpa_step = statistics.median(r[0] for r in results["torch sdpa"])
+    sdpa_rss = statistics.median(r[1] for r in results["torch sdpa"])
     for name, runs in results.items():
         step = statistics.median(r[0] for r in runs)
-        rss = statistics.median(r[1] for r in runs) / 2**20
-        print(f"| {name} | {step:.3f} | {S / step:.0f} | {rss:.2f} | {S / step / base:.2f}x |")
+        rss = statistics.median(r[1] for r in runs)
+        mfu = flops / step / (a.threads * peak * 1e9)
+        print(f"| {name} | {step:.3f} | {S / step:.0f} | {mfu:.2f} | {rss / 2**20:.2f} | {sdpa_step / step:.2f}x | "
+              f"{rss / sdpa_rss:.2f} |")
     kept, layer = results["ringflex"][0][2]
     print(f"ringflex training memory: activations kept for the backward {kept:.1f} MiB, one layer's recomputed "
           f"activations {layer:.1f} MiB, loss chunk at most {LOSS_CHUNK_MIB} MiB")
+
+
+def cpu_name():
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 if __name__ == "__main__":

@@ -66,6 +66,8 @@ struct ForwardOptions {
   std::string algo = "ring";
   int threads = 0;           // 0: OpenMP's default (every core)
   bool check_finite = true;  // reject NaN/inf in the checkpoint's parameters and image_features up front
+  bool recompute = true;     // the backward recomputes each layer's activations (RunOptions::recompute_layers)
+  bool keep_mlp = false;     // ... except the MLP projections (RunOptions::keep_mlp_projections)
   std::string stats;         // --stats: per-rank figures as JSON
 };
 
@@ -235,6 +237,8 @@ void check_job_memory(const model::Gemma4Model& m, const model::Batch& b, const 
   model::RunMemoryArgs run;
   run.tokens = int64_t{b.B} * L;
   run.training = opt.grad;
+  run.recompute_layers = opt.recompute;
+  run.keep_mlp_projections = opt.keep_mlp;
   run.logits = !opt.no_logits;
   const MemoryBreakdown running = model::run_memory_at_least(m, run);
   MemoryBreakdown gathering;
@@ -280,6 +284,8 @@ int run_forward(const ForwardOptions& opt) {
   model::RunOptions ro;
   ro.want_grad = opt.grad;
   ro.want_logits = !opt.no_logits;
+  ro.recompute_layers = opt.recompute;
+  ro.keep_mlp_projections = opt.keep_mlp;
   model::TensorSet grads;
   if (opt.grad) grads = m.params().zeros_like();
   cpu::LocalAttention local;
@@ -386,6 +392,13 @@ void add_forward_command(CLI::App& app, Runner& run) {
       ->check(CLI::Range(1, kMaxThreads));
   cmd->add_flag("--check-finite,!--no-check-finite", opt->check_finite,
                 "Reject a NaN or infinity in the parameters or image_features before computing (default)");
+  cmd->add_flag("--recompute,!--no-recompute", opt->recompute,
+                "With --grad: keep only each layer's input, attention output and LSE and recompute the rest in the "
+                "backward (default); --no-recompute keeps every activation (one layer forward less per layer, about "
+                "num_layers times more activation memory; the same bits)");
+  cmd->add_flag("--keep-mlp", opt->keep_mlp,
+                "With --grad and recompute: keep each MLP's gate/up projections and output so the recompute skips "
+                "its sgemms (3/4 of a dense layer's FLOPs) for [S, 2I + H] floats a layer; the same bits");
   cmd->callback([&run, opt] { run = [opt] { return run_forward(*opt); }; });
 }
 

@@ -16,38 +16,38 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
   const int64_t qd = int64_t{Hq} * D, kd = int64_t{Hkv} * D;
 
   // q/k get a scaled RMSNorm per head then RoPE; v a scale-free RMSNorm and no RoPE.
-  a.a = zeros(T * H);
-  a.r_in = zeros(T);
+  a.a = uninit(T * H);
+  a.r_in = uninit(T);
   rmsnorm_forward(x, W(sl.input_norm), eps, a.a.data(), a.r_in.data(), T, H);
   // Projections land head-major, [B, heads, S, D], the layout attention reads; norms and RoPE act per D-vector,
   // so they run on that layout as they are.
-  a.q_raw = zeros(T * qd);
+  a.q_raw = uninit(T * qd);
   heads_forward(a.a.data(), W(sl.q_proj), a.q_raw.data(), B, S, H, Hq, D);
-  a.q_rms = zeros(T * Hq);
-  a.Q = zeros(T * qd);
+  a.q_rms = uninit(T * Hq);
+  a.Q = uninit(T * qd);
   rmsnorm_forward(a.q_raw.data(), W(sl.q_norm), eps, a.Q.data(), a.q_rms.data(), T * Hq, D);
   rope_apply_head_major(a.Q.data(), rope(sp), B, Hq, S, false);
 
   const float* K = nullptr;
   const float* V = nullptr;
   if (sp.kv_source < 0) {
-    a.k_raw = zeros(T * kd);
+    a.k_raw = uninit(T * kd);
     heads_forward(a.a.data(), W(sl.k_proj), a.k_raw.data(), B, S, H, Hkv, D);
     if (sp.has_v_proj) {
-      a.v_raw = zeros(T * kd);
+      a.v_raw = uninit(T * kd);
       heads_forward(a.a.data(), W(sl.v_proj), a.v_raw.data(), B, S, H, Hkv, D);
     }
     const Vec& v_src = sp.has_v_proj ? a.v_raw : a.k_raw;  // attention_k_eq_v: V is the raw K projection
-    a.k_rms = zeros(T * Hkv);
-    a.v_rms = zeros(T * Hkv);
-    a.K = zeros(T * kd);
-    a.V = zeros(T * kd);
+    a.k_rms = uninit(T * Hkv);
+    a.v_rms = uninit(T * Hkv);
+    a.K = uninit(T * kd);
+    a.V = uninit(T * kd);
     rmsnorm_forward(a.k_raw.data(), W(sl.k_norm), eps, a.K.data(), a.k_rms.data(), T * Hkv, D);
     rope_apply_head_major(a.K.data(), rope(sp), B, Hkv, S, false);
     rmsnorm_forward(v_src.data(), nullptr, eps, a.V.data(), a.v_rms.data(), T * Hkv, D);
     if (sp.stores_kv && !reuse_attention) {
-      kv_K[l] = a.K;
-      kv_V[l] = a.V;
+      kv_K[l] = copy_of(a.K);
+      kv_V[l] = copy_of(a.V);
     }
     K = a.K.data();
     V = a.V.data();
@@ -60,10 +60,10 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
     a.lse = zeros(T * Hq);
     attn.forward(attention(sp, a.Q.data(), K, V), a.O.data(), a.lse.data());
   }
-  a.ao = zeros(T * H);
+  a.ao = uninit(T * H);
   merge_heads_forward(a.O.data(), W(sl.o_proj), a.ao.data(), B, S, Hq, D, H);
-  a.x1 = zeros(T * H);
-  a.r_pa = zeros(T);
+  a.x1 = uninit(T * H);
+  a.r_pa = uninit(T);
   rmsnorm_forward(a.ao.data(), W(sl.post_attn_norm), eps, a.x1.data(), a.r_pa.data(), T, H);
   add_into(a.x1.data(), x, T * H);
 }
@@ -113,7 +113,8 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
     }
     heads_backward(a.a.data(), W(sl.k_proj), dk_raw.data(), da.data(), G(sl.k_proj), B, S, H, Hkv, D);
   }
-  std::copy_n(dx1, T * H, dx);
+#pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
+  for (int64_t i = 0; i < T * H; ++i) dx[i] = dx1[i];
   rmsnorm_backward(x, W(sl.input_norm), a.r_in.data(), da.data(), dx, G(sl.input_norm), T, H);
 }
 

@@ -9,10 +9,18 @@
 #include <algorithm>
 
 #include "core/row_meta.h"
+#include "model/elementwise.h"
 #include "model/gemma4_run.h"
 #include "model/loss.h"
 
 namespace rf::model {
+
+namespace {
+
+// Columns per block of the embedding's gradient: one 64-byte cache line of float32.
+constexpr int64_t kEmbedColumnsPerBlock = 16;
+
+}  // namespace
 
 void Gemma4Model::Run::prepare() {
   m.check_batch(b, attn.ranks());
@@ -176,12 +184,16 @@ void Gemma4Model::Run::embed_backward(const float* dh0_in) {
   }
   const float scale = static_cast<float>(std::sqrt(static_cast<double>(H)));
   float* gE = G(m.embed_);
-  // Columns in parallel, tokens in order: each gradient element sums its tokens in one fixed order.
+  // Blocks of columns in parallel, tokens in order within each: each gradient element sums its tokens in one fixed
+  // order, and a block of a row is one cache line (a single-column sweep would load a line per token for 4 bytes).
+  const int64_t blocks = (H + kEmbedColumnsPerBlock - 1) / kEmbedColumnsPerBlock;
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
-  for (int64_t i = 0; i < H; ++i) {
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t i0 = blk * kEmbedColumnsPerBlock, i1 = std::min(H, i0 + kEmbedColumnsPerBlock);
     for (int64_t t = 0; t < T; ++t) {
       if (feature_of[t] >= 0 || is_pad[t] || ids[t] == cfg.pad_token_id) continue;
-      gE[int64_t{ids[t]} * H + i] += dh0[t * H + i] * scale;
+      float* g = gE + int64_t{ids[t]} * H;
+      for (int64_t i = i0; i < i1; ++i) g[i] += dh0[t * H + i] * scale;
     }
   }
 }
@@ -189,15 +201,15 @@ void Gemma4Model::Run::embed_backward(const float* dh0_in) {
 void Gemma4Model::Run::ple_forward(int l, const float* x2, PleActs& a, float* x3) {
   const LayerSlots& sl = m.slots_[l];
   const int64_t P = cfg.ple_dim, LP = int64_t{cfg.num_layers} * P;
-  a.ple_l = zeros(T * P);
+  a.ple_l = uninit(T * P);
   for (int64_t t = 0; t < T; ++t) std::copy_n(ple.data() + t * LP + l * P, P, a.ple_l.data() + t * P);
-  a.gp = zeros(T * P);
+  a.gp = uninit(T * P);
   linear_forward(x2, W(sl.ple_gate), a.gp.data(), T, H, P);
-  a.gm = zeros(T * P);
-  for (int64_t i = 0; i < T * P; ++i) a.gm[i] = gelu_tanh(a.gp[i]) * a.ple_l[i];
-  a.pp = zeros(T * H);
+  a.gm = uninit(T * P);
+  geglu_forward(a.gp.data(), a.ple_l.data(), a.gm.data(), T * P);
+  a.pp = uninit(T * H);
   linear_forward(a.gm.data(), W(sl.ple_proj), a.pp.data(), T, P, H);
-  a.r_ppn = zeros(T);
+  a.r_ppn = uninit(T);
   rmsnorm_forward(a.pp.data(), W(sl.ple_post_norm), eps, x3, a.r_ppn.data(), T, H);
   add_into(x3, x2, T * H);
 }
@@ -210,13 +222,12 @@ void Gemma4Model::Run::ple_backward(int l, PleActs& a, const float* x2, const fl
   Vec dgm = zeros(T * P);
   linear_backward(a.gm.data(), W(sl.ple_proj), dpp.data(), dgm.data(), G(sl.ple_proj), T, P, H);
   Vec dgp = zeros(T * P);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t i = 0; i < P; ++i) {
-      const int64_t k = t * P + i;
-      dgp[k] = dgm[k] * a.ple_l[k] * gelu_tanh_grad(a.gp[k]);
-      dple[t * LP + l * P + i] += dgm[k] * gelu_tanh(a.gp[k]);
-    }
-  }
+  // d gate and d per-layer input: a GeGLU's backward, the per-layer input's gradient landing in its slice of dple.
+  const ElementwiseKernels& ew = elementwise();
+#pragma omp parallel for schedule(static) if (T * P >= kParallelMinElements)
+  for (int64_t t = 0; t < T; ++t)
+    ew.geglu_backward(a.gp.data() + t * P, a.ple_l.data() + t * P, dgm.data() + t * P, dgp.data() + t * P,
+                      dple.data() + t * LP + l * P, P, true);
   linear_backward(x2, W(sl.ple_gate), dgp.data(), dx2, G(sl.ple_gate), T, H, P);
 }
 

@@ -162,13 +162,13 @@ void Gemma4Model::Run::layer_forward(int l, const float* x, float* out, LayerAct
   mlp_forward(l, x1, a.mlp);
   if (cfg.enable_moe) moe_forward(l, x1, a.mlp.mo.data(), a.moe);
   const Vec& ff = cfg.enable_moe ? a.moe.ff : a.mlp.mo;
-  a.x2 = zeros(T * H);
-  a.r_pff = zeros(T);
+  a.x2 = uninit(T * H);
+  a.r_pff = uninit(T);
   rmsnorm_forward(ff.data(), W(sl.post_ff_norm), eps, a.x2.data(), a.r_pff.data(), T, H);
   add_into(a.x2.data(), x1, T * H);
   Vec x3;
   if (cfg.ple_dim > 0) {
-    x3 = zeros(T * H);
+    x3 = uninit(T * H);
     ple_forward(l, a.x2.data(), a.ple, x3.data());
   }
   const float* x_last = cfg.ple_dim > 0 ? x3.data() : a.x2.data();
@@ -180,15 +180,16 @@ void Gemma4Model::Run::layer_forward(int l, const float* x, float* out, LayerAct
 void Gemma4Model::Run::layer_backward(int l, LayerActs& a, const float* x, const float* dout, float* dx) {
   const LayerSlots& sl = m.slots_[l];
   const float scalar = m.buffers_.data(sl.layer_scalar)[0];
-  Vec dx3 = zeros(T * H);
+  Vec dx3 = uninit(T * H);
+#pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t i = 0; i < T * H; ++i) dx3[i] = dout[i] * scalar;
-  Vec dx2 = dx3;  // the PLE block's residual
+  Vec dx2 = copy_of(dx3);  // the PLE block's residual
   if (cfg.ple_dim > 0) ple_backward(l, a.ple, a.x2.data(), dx3.data(), dx2.data());
   const Vec& ff = cfg.enable_moe ? a.moe.ff : a.mlp.mo;
   Vec dff = zeros(T * H);
   rmsnorm_backward(ff.data(), W(sl.post_ff_norm), a.r_pff.data(), dx2.data(), dff.data(), G(sl.post_ff_norm), T, H);
   const float* x1 = a.attn.x1.data();
-  Vec dx1 = dx2;  // the feed-forward's residual
+  Vec dx1 = copy_of(dx2);  // the feed-forward's residual
   Vec dmo;
   if (cfg.enable_moe) {
     dmo = zeros(T * H);
@@ -223,17 +224,21 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   r.kv_V.assign(L, {});
   r.kv_dK.assign(L, {});
   r.kv_dV.assign(L, {});
+  const bool keep_layers = opt.want_grad && !opt.recompute_layers;
+  const bool keep_mlp = opt.want_grad && opt.recompute_layers && opt.keep_mlp_projections;
   if (opt.want_grad) {
     r.x_in.assign(L, {});
     r.saved_O.assign(L, {});
     r.saved_lse.assign(L, {});
+    r.saved_g.assign(L, {});
+    r.saved_u.assign(L, {});
+    r.saved_mo.assign(L, {});
   }
   std::vector<LayerActs> kept_layers;  // [L] every layer's activations, when the backward is not to recompute them
-  const bool keep_layers = opt.want_grad && !opt.recompute_layers;
   if (keep_layers) kept_layers.resize(static_cast<size_t>(L));
 
-  Vec x = r.h0;
-  Vec next = zeros(T * H);
+  Vec x = copy_of(r.h0);
+  Vec next = uninit(T * H);  // layer_forward writes all of it
   for (int l = 0; l < L; ++l) {
     LayerActs a;
     r.layer_forward(l, x.data(), next.data(), a, false);
@@ -243,12 +248,18 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
     } else if (opt.want_grad) {
       r.saved_O[l] = std::move(a.attn.O);
       r.saved_lse[l] = std::move(a.attn.lse);
+      if (keep_mlp) {
+        r.saved_g[l] = std::move(a.mlp.g);
+        r.saved_u[l] = std::move(a.mlp.u);
+        r.saved_mo[l] = std::move(a.mlp.mo);
+      }
     }
-    x = next;
+    x = std::move(next);
+    next = uninit(T * H);
   }
 
   // Final norm, then the fused chunked head + softcap + cross-entropy (its backward runs in the same pass).
-  Vec xf = zeros(T * H), r_final = zeros(T);
+  Vec xf = uninit(T * H), r_final = uninit(T);
   rmsnorm_forward(x.data(), r.W(final_norm_), r.eps, xf.data(), r_final.data(), T, H);
   Result res;
   // Every rank holds the whole batch's labels, so the global count is exact here, counted once, with no message.
@@ -287,7 +298,7 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   int64_t kept = static_cast<int64_t>(r.h0.size() + r.ple.size() + r.ple_raw.size() + r.ple_rms.size());
   for (int l = 0; l < L; ++l)
     kept += static_cast<int64_t>(r.x_in[l].size() + r.saved_O[l].size() + r.saved_lse[l].size() + r.kv_K[l].size() +
-                                 r.kv_V[l].size());
+                                 r.kv_V[l].size() + r.saved_g[l].size() + r.saved_u[l].size() + r.saved_mo[l].size());
   res.kept_activation_bytes = kept * static_cast<int64_t>(sizeof(float));
   for (const LayerActs& a : kept_layers) res.kept_activation_bytes += a.bytes();
 
@@ -311,15 +322,20 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
     } else {
       a.attn.O = std::move(r.saved_O[l]);
       a.attn.lse = std::move(r.saved_lse[l]);
+      a.mlp.g = std::move(r.saved_g[l]);
+      a.mlp.u = std::move(r.saved_u[l]);
+      a.mlp.mo = std::move(r.saved_mo[l]);
       r.layer_forward(l, r.x_in[l].data(), next.data(), a, true);
-      res.layer_recompute_bytes = std::max(res.layer_recompute_bytes, a.bytes());
+      // The MLP projections handed back are counted among the kept activations already.
+      const int64_t handed = keep_mlp ? bytes_of({&a.mlp.g, &a.mlp.u, &a.mlp.mo}) : 0;
+      res.layer_recompute_bytes = std::max(res.layer_recompute_bytes, a.bytes() - handed);
     }
     r.layer_backward(l, a, r.x_in[l].data(), dx.data(), dprev.data());
     std::swap(dx, dprev);
     r.x_in[l] = Vec{};
   }
   r.embed_backward(dx.data());
-  res.d_image_features = std::move(r.d_image_features);
+  res.d_image_features.assign(r.d_image_features.begin(), r.d_image_features.end());
   return res;
 }
 

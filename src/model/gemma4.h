@@ -12,8 +12,9 @@
 // [B, Hkv, S, D] of layers that KV-shared layers read, and the per-layer inputs [T, L*P]). Everything else of a
 // layer (projections, norms, MLP/MoE, PLE) is recomputed from its input during the backward, one layer at a
 // time, so only one layer's intermediates (~4 * T * (6H + 3I + 3*Hq*D) bytes for a dense layer) are alive at
-// once. Attention, the costly part at long S, is never recomputed. The loss keeps at most one chunk of logits
-// (loss.h). Result reports both figures as measured.
+// once. Attention, the costly part at long S, is never recomputed. RunOptions::keep_mlp_projections keeps the dense
+// MLP's gate/up projections and output as well (4 * T * (2I + H) bytes a layer), so the recompute skips its
+// sgemms. The loss keeps at most one chunk of logits (loss.h). Result reports both figures as measured.
 #pragma once
 
 #include <cstdint>
@@ -48,6 +49,10 @@ struct RunOptions {
   // (one layer forward less per layer) at about num_layers times Result::layer_recompute_bytes more memory. Both
   // give the same bits: the recompute is the forward's own code on the same inputs.
   bool recompute_layers = true;
+  // With recompute_layers: also keep each dense MLP's gate and up projections and its output ([T, 2I + H] floats a
+  // layer), so the recompute runs only the MLP's norm and GeGLU instead of its three sgemms (3/4 of a dense layer's
+  // FLOPs, ~10% of a Gemma 4 training step). Same bits as either mode above.
+  bool keep_mlp_projections = false;
 };
 
 // Default size of the loss's one chunk of logits.

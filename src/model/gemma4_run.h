@@ -10,6 +10,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <new>
+#include <utility>
 #include <vector>
 
 #include "core/attention_backend.h"
@@ -18,9 +21,52 @@
 
 namespace rf::model {
 
-using Vec = std::vector<float>;
+// Activation storage whose elements a size constructor leaves uninitialised (default-, not value-initialised).
+// std::vector<float>(n) writes n zeros on the calling thread: per layer the forward, its recompute and the backward
+// allocate ~100 activations of [T, H] to [T, I] floats, most of which the next call overwrites completely, and the
+// serial zero fill (with the first-touch page faults it takes) left the other threads waiting. Buffers a call
+// fully writes come from uninit(); buffers that are accumulated into come from zeros(), filled by all threads.
+template <typename T>
+struct DefaultInitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  DefaultInitAllocator() = default;
+  template <typename U>
+  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+using Vec = std::vector<float, DefaultInitAllocator<float>>;
 
-inline Vec zeros(int64_t n) { return Vec(static_cast<size_t>(n), 0.f); }
+// n floats the caller writes completely before reading any.
+inline Vec uninit(int64_t n) { return Vec(static_cast<size_t>(n)); }
+
+// n zeros, written by all threads (each touching its own pages first).
+inline Vec zeros(int64_t n) {
+  Vec v(static_cast<size_t>(n));
+  float* p = v.data();
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+  for (int64_t i = 0; i < n; ++i) p[i] = 0.f;
+  return v;
+}
+
+// A copy of x[n], written by all threads.
+inline Vec copy_of(const float* x, int64_t n) {
+  Vec v(static_cast<size_t>(n));
+  float* p = v.data();
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+  for (int64_t i = 0; i < n; ++i) p[i] = x[i];
+  return v;
+}
+inline Vec copy_of(const Vec& x) { return copy_of(x.data(), static_cast<int64_t>(x.size())); }
 
 inline void add_into(float* y, const float* x, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
@@ -123,7 +169,8 @@ struct Gemma4Model::Run {
   Vec d_image_features;                // [N, F]
   std::vector<Vec> x_in;               // [L][T, H] layer inputs (training)
   std::vector<Vec> saved_O, saved_lse;
-  std::vector<Vec> kv_K, kv_V, kv_dK, kv_dV;  // [L] K/V (and their gradients) of layers others read
+  std::vector<Vec> saved_g, saved_u, saved_mo;  // [L] MLP projections (RunOptions::keep_mlp_projections)
+  std::vector<Vec> kv_K, kv_V, kv_dK, kv_dV;    // [L] K/V (and their gradients) of layers others read
 
   Run(const Gemma4Model& model, const Batch& batch, const RunOptions& options, TensorSet* g, AttentionBackend& a)
       : m(model),
@@ -163,7 +210,8 @@ struct Gemma4Model::Run {
   void attention_forward(int l, const float* x, AttnActs& a, bool reuse_attention);
   // dx1: d loss / d x1 (the residual included); writes dx.
   void attention_backward(int l, AttnActs& a, const float* x, const float* dx1, float* dx);
-  // mlp.cpp: x1 -> a.mo = down(gelu(gate(n)) * up(n)), n = pre_ff_norm(x1).
+  // mlp.cpp: x1 -> a.mo = down(gelu(gate(n)) * up(n)), n = pre_ff_norm(x1); a.g, a.u and a.mo already set (a
+  // recompute with RunOptions::keep_mlp_projections) are taken as they are.
   void mlp_forward(int l, const float* x1, MlpActs& a);
   void mlp_backward(int l, MlpActs& a, const float* x1, const float* dmo, float* dx1);
   // moe.cpp: (x1, mo) -> a.ff = post_ff_norm_1(mo) + post_ff_norm_2(experts(pre_ff_norm_2(x1)) routed on x1).

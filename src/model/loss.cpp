@@ -10,6 +10,7 @@
 #include "cpu/dispatch.h"
 #include "cpu/isa.h"
 #include "cpu/kernels.h"
+#include "model/elementwise.h"
 #include "model/ops.h"
 
 namespace rf::model {
@@ -76,6 +77,7 @@ double lm_head_loss(const LmHeadLossArgs& a, const LmHeadLossOut& out) {
   // bytes.
   std::vector<float> z(static_cast<size_t>(C * a.V));
   std::vector<double> chunk_loss(static_cast<size_t>(C));
+  const ElementwiseKernels& ew = elementwise();
   double total = 0.0;
   for (int64_t t0 = 0; t0 < a.T; t0 += C) {
     const int64_t n = std::min(C, a.T - t0);
@@ -90,9 +92,10 @@ double lm_head_loss(const LmHeadLossArgs& a, const LmHeadLossOut& out) {
       for (int64_t i = 0; i < n; ++i) {
         float* cr = z.data() + i * a.V;
         float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t v = 0; v < a.V; ++v) {
-          if (a.softcap > 0.f) cr[v] = a.softcap * std::tanh(cr[v] / a.softcap);
-          mx = std::max(mx, cr[v]);
+        if (a.softcap > 0.f) {
+          mx = ew.softcap_max(cr, a.V, a.softcap);
+        } else {
+          for (int64_t v = 0; v < a.V; ++v) mx = std::max(mx, cr[v]);
         }
         exp_shifted(cr, mx, ex.data(), a.V);
         const double sum = blocked_sum(ex.data(), a.V);
@@ -106,16 +109,7 @@ double lm_head_loss(const LmHeadLossArgs& a, const LmHeadLossOut& out) {
           continue;
         }
         // d loss / d capped = (softmax - onehot) * loss_scale; through the cap: * (1 - tanh^2).
-        const float p_scale = static_cast<float>(1.0 / sum);
-        for (int64_t v = 0; v < a.V; ++v) {
-          float g = ex[v] * p_scale - (v == label ? 1.f : 0.f);
-          g *= a.loss_scale;
-          if (a.softcap > 0.f) {
-            const float th = cr[v] / a.softcap;
-            g *= 1.f - th * th;
-          }
-          cr[v] = g;
-        }
+        ew.cross_entropy_grad(cr, ex.data(), a.V, static_cast<float>(1.0 / sum), label, a.loss_scale, a.softcap);
       }
     }
     for (int64_t i = 0; i < n; ++i) {

@@ -14,16 +14,18 @@
 namespace rf::model {
 
 struct RunMemoryArgs {
-  int64_t tokens = 0;            // T = B * L: the tokens this rank holds (L >= ceil(S / P) under CP)
-  bool training = false;         // RunOptions::want_grad
-  bool recompute_layers = true;  // RunOptions::recompute_layers (only matters when training)
-  bool logits = false;           // RunOptions::want_logits: Result::logits [T, V]
+  int64_t tokens = 0;                 // T = B * L: the tokens this rank holds (L >= ceil(S / P) under CP)
+  bool training = false;              // RunOptions::want_grad
+  bool recompute_layers = true;       // RunOptions::recompute_layers (only matters when training)
+  bool keep_mlp_projections = false;  // RunOptions::keep_mlp_projections (only with recompute_layers)
+  bool logits = false;                // RunOptions::want_logits: Result::logits [T, V]
 };
 
 // Named terms (bytes, float32), the largest phase of the run (the layers of the forward, the loss, or the
 // backward's first layer), any of which may be absent:
-//   "activations"   what the backward keeps from the forward (layer inputs, attention outputs and LSE, and with
-//                   recompute off every layer's whole activations), the embedded row and the per-layer inputs,
+//   "activations"   what the backward keeps from the forward (layer inputs, attention outputs and LSE, the MLP
+//                   projections with keep_mlp_projections, and with recompute off every layer's whole
+//                   activations), the embedded row and the per-layer inputs,
 //                   K/V that later layers read, and the [T, H] hidden-state buffers alive at that moment;
 //   "one layer"     one layer's activations while it is computed or recomputed (its input norm, q/k/v, attention
 //                   output, o_proj, MLP), past what "activations" holds already;

@@ -6,17 +6,23 @@ namespace rf::model {
 void Gemma4Model::Run::mlp_forward(int l, const float* x1, MlpActs& a) {
   const LayerSlots& sl = m.slots_[l];
   const int64_t I = m.specs_[l].intermediate;
-  a.m_in = zeros(T * H);
-  a.r_pf = zeros(T);
+  // A recompute handed the forward's projections (RunOptions::keep_mlp_projections) redoes only the norm and GeGLU.
+  const bool kept = !a.g.empty();
+  a.m_in = uninit(T * H);
+  a.r_pf = uninit(T);
   rmsnorm_forward(x1, W(sl.pre_ff_norm), eps, a.m_in.data(), a.r_pf.data(), T, H);
-  a.g = zeros(T * I);
-  a.u = zeros(T * I);
-  a.hmid = zeros(T * I);
-  linear_forward(a.m_in.data(), W(sl.gate_proj), a.g.data(), T, H, I);
-  linear_forward(a.m_in.data(), W(sl.up_proj), a.u.data(), T, H, I);
+  if (!kept) {
+    a.g = uninit(T * I);
+    a.u = uninit(T * I);
+    linear_forward(a.m_in.data(), W(sl.gate_proj), a.g.data(), T, H, I);
+    linear_forward(a.m_in.data(), W(sl.up_proj), a.u.data(), T, H, I);
+  }
+  a.hmid = uninit(T * I);
   geglu_forward(a.g.data(), a.u.data(), a.hmid.data(), T * I);
-  a.mo = zeros(T * H);
-  linear_forward(a.hmid.data(), W(sl.down_proj), a.mo.data(), T, I, H);
+  if (!kept) {
+    a.mo = uninit(T * H);
+    linear_forward(a.hmid.data(), W(sl.down_proj), a.mo.data(), T, I, H);
+  }
 }
 
 void Gemma4Model::Run::mlp_backward(int l, MlpActs& a, const float* x1, const float* dmo, float* dx1) {

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "model/elementwise.h"
 #include "model/gemma4_run.h"
 
 namespace rf::model {
@@ -54,22 +55,22 @@ bool worth_threads(int64_t multiply_adds) { return multiply_adds >= kParallelMin
 void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeActs& a) {
   const LayerSlots& sl = m.slots_[l];
   const int64_t E = cfg.num_experts, K = cfg.top_k_experts, Im = cfg.moe_intermediate_size;
-  a.h1 = zeros(T * H);
-  a.r_pf1 = zeros(T);
+  a.h1 = uninit(T * H);
+  a.r_pf1 = uninit(T);
   rmsnorm_forward(mo, W(sl.post_ff_norm_1), eps, a.h1.data(), a.r_pf1.data(), T, H);
 
   // Router on the residual x1: scale-free RMSNorm, * scale * H^-1/2, projection, softmax, top-k renormalised,
   // times the chosen experts' per_expert_scale.
-  a.rn = zeros(T * H);
-  a.r_rn = zeros(T);
+  a.rn = uninit(T * H);
+  a.r_rn = uninit(T);
   rmsnorm_forward(x1, nullptr, eps, a.rn.data(), a.r_rn.data(), T, H);
   const float root = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
   const float* scale = W(sl.router_scale);
-  a.rs = zeros(T * H);
+  a.rs = uninit(T * H);
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t)
     for (int64_t i = 0; i < H; ++i) a.rs[t * H + i] = a.rn[t * H + i] * scale[i] * root;
-  a.probs = zeros(T * E);
+  a.probs = uninit(T * E);
   linear_forward(a.rs.data(), W(sl.router_proj), a.probs.data(), T, H, E);
   a.top_idx.assign(static_cast<size_t>(T * K), 0);
   a.expert_order.assign(static_cast<size_t>(T * K), 0);
@@ -108,8 +109,8 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   }
 
   // Experts on their own pre-norm of x1.
-  a.e_in = zeros(T * H);
-  a.r_pre2 = zeros(T);
+  a.e_in = uninit(T * H);
+  a.r_pre2 = uninit(T);
   rmsnorm_forward(x1, W(sl.pre_ff_norm_2), eps, a.e_in.data(), a.r_pre2.data(), T, H);
   a.routed.assign(static_cast<size_t>(E), {});
   a.row_of.assign(static_cast<size_t>(T * K), 0);
@@ -125,18 +126,18 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   a.e_hm.assign(E, {});
   a.e_eo.assign(E, {});
   const int64_t routed_madds = T * K * 3 * Im * H;  // gate/up and down sgemms over every routed row
-  // Each expert's buffers are zero-filled (first touched) by the thread that allocates them, experts in parallel.
-#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds))
+  // Each expert's buffers, written completely by its tasks below (the rows they gather, and sgemm/GeGLU outputs).
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = static_cast<int64_t>(a.routed[e].size());
     if (n == 0) continue;
-    a.e_x[e] = zeros(n * H);
-    a.e_gu[e] = zeros(n * 2 * Im);
-    a.e_hm[e] = zeros(n * Im);
-    a.e_eo[e] = zeros(n * H);
+    a.e_x[e] = uninit(n * H);
+    a.e_gu[e] = uninit(n * 2 * Im);
+    a.e_hm[e] = uninit(n * Im);
+    a.e_eo[e] = uninit(n * H);
   }
   const float* GU = W(sl.experts_gate_up);
   const float* DN = W(sl.experts_down);
+  const ElementwiseKernels& ew = elementwise();
   const std::vector<ExpertTask> tasks = expert_tasks(a.routed, Im * H);
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds))
   for (size_t k = 0; k < tasks.size(); ++k) {
@@ -149,8 +150,7 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
     float* eo = a.e_eo[e].data() + r0 * H;
     for (int64_t r = 0; r < n; ++r) std::copy_n(a.e_in.data() + (a.routed[e][r0 + r] / K) * H, H, x + r * H);
     linear_forward(x, GU + e * 2 * Im * H, gu, n, H, 2 * Im);
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t i = 0; i < Im; ++i) hm[r * Im + i] = gelu_tanh(gu[r * 2 * Im + i]) * gu[r * 2 * Im + Im + i];
+    for (int64_t r = 0; r < n; ++r) ew.geglu_forward(gu + r * 2 * Im, gu + r * 2 * Im + Im, hm + r * Im, Im);
     linear_forward(hm, DN + e * H * Im, eo, n, Im, H);
   }
   // Each token sums its experts' weighted outputs in ascending expert index, tokens in parallel.
@@ -165,10 +165,10 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
       for (int64_t i = 0; i < H; ++i) o[i] += eo[i] * w;
     }
   }
-  Vec h2 = zeros(T * H);
-  a.r_pf2 = zeros(T);
+  Vec h2 = uninit(T * H);
+  a.r_pf2 = uninit(T);
   rmsnorm_forward(a.out2.data(), W(sl.post_ff_norm_2), eps, h2.data(), a.r_pf2.data(), T, H);
-  a.ff = a.h1;
+  a.ff = copy_of(a.h1);
   add_into(a.ff.data(), h2.data(), T * H);
 }
 
@@ -197,6 +197,7 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
     if (!a.routed[e].empty()) e_dx[e] = zeros(static_cast<int64_t>(a.routed[e].size()) * H);
 
   // Row-local: dY (into e_eo), dw, d hm, d gate-up (into e_gu), d expert input; tasks in parallel.
+  const ElementwiseKernels& ew = elementwise();
   const std::vector<ExpertTask> tasks = expert_tasks(a.routed, Im * H);
 #pragma omp parallel if (worth_threads(routed_madds))
   {
@@ -220,11 +221,8 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
       dhm.assign(static_cast<size_t>(n * Im), 0.f);
       linear_backward(a.e_hm[e].data() + r0 * Im, DN + e * H * Im, dy, dhm.data(), nullptr, n, Im, H);
       for (int64_t r = 0; r < n; ++r) {
-        for (int64_t i = 0; i < Im; ++i) {
-          const float gate = gu[r * 2 * Im + i], up = gu[r * 2 * Im + Im + i];
-          gu[r * 2 * Im + i] = dhm[r * Im + i] * up * gelu_tanh_grad(gate);
-          gu[r * 2 * Im + Im + i] = dhm[r * Im + i] * gelu_tanh(gate);
-        }
+        float* gate_up = gu + r * 2 * Im;  // [2*Im]: gate then up, overwritten by their gradients
+        ew.geglu_backward(gate_up, gate_up + Im, dhm.data() + r * Im, gate_up, gate_up + Im, Im, false);
       }
       linear_backward(a.e_x[e].data() + r0 * H, GU + e * 2 * Im * H, gu, e_dx[e].data() + r0 * H, nullptr, n, H,
                       2 * Im);

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <mutex>
 
+#include "model/elementwise.h"
+
 namespace rf::model {
 
 namespace {
@@ -18,6 +20,9 @@ namespace {
 constexpr int64_t kGemmQuantum = 16;
 // Tokens per partial sum in reductions over tokens (RMSNorm weight gradients), summed in block order.
 constexpr int64_t kReduceBlock = 64;
+// Elements per call of an elementwise kernel in a parallel loop: 64 KiB of float32 per operand, so a call's
+// operands stay in L2 and the per-call overhead is amortised.
+constexpr int64_t kElementwiseBlock = int64_t{1} << 14;
 
 // sqrt(2/pi) and the cubic coefficient of the tanh GELU approximation (as in PyTorch's gelu(approximate="tanh")).
 constexpr float kGeluC = 0.7978845608028654f;
@@ -55,8 +60,9 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
     const float* b = split_rows ? B : (trans_b ? B + o * ldb : B + o);
     float* c = split_rows ? C + o * ldc : C + o;
     if (K == 0) {
+      // As BLAS: with beta = 0, C is written without being read (it may be uninitialised; NaN * 0 would be NaN).
       for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < n; ++j) c[i * ldc + j] *= beta;
+        for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.f ? 0.f : c[i * ldc + j] * beta;
       continue;
     }
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
@@ -76,19 +82,12 @@ void linear_backward(const float* x, const float* W, const float* dy, float* dx,
 }
 
 void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* inv_rms, int64_t R, int64_t n) {
+  const ElementwiseKernels& k = elementwise();
 #pragma omp parallel for schedule(static) if (R * n >= kParallelMinElements)
   for (int64_t r = 0; r < R; ++r) {
-    const float* xr = x + r * n;
-    float* yr = y + r * n;
-    float ss = 0.f;
-    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    const float inv = 1.f / std::sqrt(k.sum_squares(x + r * n, n) / static_cast<float>(n) + eps);
     inv_rms[r] = inv;
-    if (w) {
-      for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * inv * w[i];
-    } else {
-      for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * inv;
-    }
+    k.scale_row(x + r * n, w, inv, y + r * n, n);
   }
 }
 
@@ -96,17 +95,13 @@ void rmsnorm_backward(const float* x, const float* w, const float* inv_rms, cons
                       int64_t R, int64_t n) {
   // y = x * r * w with r = (mean(x^2) + eps)^-1/2, so dr/dx = -r^3 x / n and
   // dx = r * (dy*w) - x * r^3 * mean((dy*w) * x).
+  const ElementwiseKernels& k = elementwise();
   if (dx) {
 #pragma omp parallel for schedule(static) if (R * n >= kParallelMinElements)
     for (int64_t r = 0; r < R; ++r) {
-      const float* xr = x + r * n;
-      const float* gr = dy + r * n;
-      float* dxr = dx + r * n;
       const float inv = inv_rms[r];
-      float dot = 0.f;
-      for (int64_t i = 0; i < n; ++i) dot += gr[i] * (w ? w[i] : 1.f) * xr[i];
-      const float c = inv * inv * inv * dot / static_cast<float>(n);
-      for (int64_t i = 0; i < n; ++i) dxr[i] += inv * gr[i] * (w ? w[i] : 1.f) - xr[i] * c;
+      const float c = inv * inv * inv * k.dot_scaled(dy + r * n, x + r * n, w, n) / static_cast<float>(n);
+      k.rmsnorm_grad_row(x + r * n, w, dy + r * n, inv, c, dx + r * n, n);
     }
   }
   if (w && dw) {
@@ -133,15 +128,22 @@ float gelu_tanh_grad(float x) {
 }
 
 void geglu_forward(const float* g, const float* u, float* h, int64_t n) {
+  const ElementwiseKernels& k = elementwise();
+  const int64_t blocks = (n + kElementwiseBlock - 1) / kElementwiseBlock;
 #pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
-  for (int64_t i = 0; i < n; ++i) h[i] = gelu_tanh(g[i]) * u[i];
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t i = b * kElementwiseBlock, m = std::min(kElementwiseBlock, n - i);
+    k.geglu_forward(g + i, u + i, h + i, m);
+  }
 }
 
 void geglu_backward(const float* g, const float* u, const float* dh, float* dg, float* du, int64_t n) {
+  const ElementwiseKernels& k = elementwise();
+  const int64_t blocks = (n + kElementwiseBlock - 1) / kElementwiseBlock;
 #pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
-  for (int64_t i = 0; i < n; ++i) {
-    dg[i] += dh[i] * u[i] * gelu_tanh_grad(g[i]);
-    du[i] += dh[i] * gelu_tanh(g[i]);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t i = b * kElementwiseBlock, m = std::min(kElementwiseBlock, n - i);
+    k.geglu_backward(g + i, u + i, dh + i, dg + i, du + i, m, true);
   }
 }
 

@@ -111,6 +111,7 @@ const std::vector<Field>& fields() {
       field("train.val_every", kInt, &C::train, &TrainSection::val_every),
       field("train.log_every", kInt, &C::train, &TrainSection::log_every),
       field("train.recompute", "true or false", &C::train, &TrainSection::recompute),
+      field("train.keep_mlp", "true or false", &C::train, &TrainSection::keep_mlp),
       field("checkpoint.dir", kStr, &C::checkpoint, &CheckpointSection::dir),
       field("checkpoint.every", kInt, &C::checkpoint, &CheckpointSection::every),
       field("checkpoint.keep", kInt, &C::checkpoint, &CheckpointSection::keep),

@@ -56,6 +56,7 @@ struct TrainSection {
   int val_every = 50;     // validation every N steps (and at the end); 0 = only at the end
   int log_every = 10;     // progress lines in a log file (a terminal updates every step)
   bool recompute = true;  // per-layer activation recompute in the backward (model::RunOptions::recompute_layers)
+  bool keep_mlp = false;  // with recompute: keep the MLP projections (model::RunOptions::keep_mlp_projections)
 };
 
 struct CheckpointSection {

@@ -127,6 +127,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   run.tokens = int64_t{c.train.micro_batch} * L;
   run.training = true;
   run.recompute_layers = c.train.recompute;
+  run.keep_mlp_projections = c.train.keep_mlp;
   const MemoryBreakdown step = model::run_memory_at_least(m, run);
   int64_t reduced = 0;
   if (world_size > 1) {
@@ -239,6 +240,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     model::RunOptions ro;
     ro.want_grad = grad;
     ro.recompute_layers = cfg.train.recompute;
+    ro.keep_mlp_projections = cfg.train.keep_mlp;
     ro.loss_normalizer = std::max(1.0, normalizer);  // a batch without label tokens has loss 0, not 0 / 0
     return m.run(as_batch(p), ro, grad ? &grads : nullptr, *attention).loss;
   };

@@ -249,6 +249,17 @@ TEST(ModelRun, KeepingLayerActivationsGivesTheRecomputedBits) {
   for (size_t s = 0; s < g1.size(); ++s) EXPECT_EQ(g1[s].data, g2[s].data) << g1[s].name;
   EXPECT_GT(r2.kept_activation_bytes, r1.kept_activation_bytes);
   EXPECT_EQ(r2.layer_recompute_bytes, 0);
+  // Keeping only the MLP projections: the same bits again, memory between the two.
+  RunOptions keep_mlp = recompute;
+  keep_mlp.keep_mlp_projections = true;
+  TensorSet g3 = m.params().zeros_like();
+  const Result r3 = m.run(b.view(true), keep_mlp, &g3);
+  EXPECT_EQ(r1.loss, r3.loss);
+  EXPECT_EQ(r1.d_image_features, r3.d_image_features);
+  for (size_t s = 0; s < g1.size(); ++s) EXPECT_EQ(g1[s].data, g3[s].data) << g3[s].name << " keeping the MLP";
+  EXPECT_GT(r3.kept_activation_bytes, r1.kept_activation_bytes);
+  EXPECT_LT(r3.kept_activation_bytes, r2.kept_activation_bytes);
+  EXPECT_LT(r3.layer_recompute_bytes, r1.layer_recompute_bytes);
 }
 
 // A batch of text rows, one document each, long enough that every parallel loop of the MoE block (router, expert

@@ -96,6 +96,7 @@ RunMemoryArgs args_for(const RunOptions& opt) {
   a.tokens = int64_t{kRows} * kSeq;
   a.training = opt.want_grad;
   a.recompute_layers = opt.recompute_layers;
+  a.keep_mlp_projections = opt.keep_mlp_projections;
   a.logits = opt.want_logits;
   return a;
 }
@@ -129,6 +130,25 @@ TEST(ModelMemory, TrainingWithoutRecomputeIsALowerBoundOfTheRun) {
   RunMemoryArgs recompute = args_for(opt);
   recompute.recompute_layers = true;
   EXPECT_GT(estimate.total(), run_memory_at_least(m, recompute).total());
+}
+
+TEST(ModelMemory, TrainingKeepingTheMlpProjectionsIsALowerBoundOfTheRun) {
+  const Gemma4Model m = make_model();
+  RunOptions opt;
+  opt.want_grad = true;
+  opt.keep_mlp_projections = true;
+  const Measured run = run_and_measure(m, opt);
+  const MemoryBreakdown estimate = run_memory_at_least(m, args_for(opt));
+  expect_bound(estimate, run);
+  EXPECT_LE(estimate.of("one layer"), run.result.layer_recompute_bytes);
+  const int64_t rms_bytes = int64_t{kRows} * kSeq * m.config().num_layers * static_cast<int64_t>(sizeof(float));
+  EXPECT_GE(estimate.of("activations"), run.result.kept_activation_bytes - rms_bytes);
+  // Between the two other modes, in the estimate as in the run.
+  RunMemoryArgs recompute = args_for(opt), keep_all = args_for(opt);
+  recompute.keep_mlp_projections = false;
+  keep_all.recompute_layers = false;
+  EXPECT_GT(estimate.of("activations"), run_memory_at_least(m, recompute).of("activations"));
+  EXPECT_LT(estimate.of("activations"), run_memory_at_least(m, keep_all).of("activations"));
 }
 
 TEST(ModelMemory, ForwardWithLogitsIsALowerBoundOfTheRun) {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -69,6 +70,19 @@ TEST(ModelOps, RmsNormBackwardMatchesFiniteDifferences) {
     for (size_t i = 0; i < x.size(); ++i) expect_close(central(loss, x[i], kStep), dx[i], "rmsnorm dx", i);
     if (with_scale)
       for (size_t i = 0; i < w.size(); ++i) expect_close(central(loss, w[i], kStep), dw[i], "rmsnorm dw", i);
+  }
+}
+
+// Model outputs are not zero-filled before an sgemm writes them (src/model/gemma4_run.h: uninit), so beta = 0 must
+// write C without reading it even when K = 0 leaves OpenBLAS out: a NaN there must not survive as NaN * 0.
+TEST(ModelOps, GemmWithBetaZeroNeverReadsC) {
+  const int64_t M = 3, N = 40;
+  for (int64_t K : {0, 5}) {
+    const Vec a(static_cast<size_t>(M * std::max<int64_t>(K, 1)), 1.f),
+        b(static_cast<size_t>(std::max<int64_t>(K, 1) * N), 2.f);
+    Vec c(static_cast<size_t>(M * N), std::numeric_limits<float>::quiet_NaN());
+    gemm(false, false, M, N, K, 1.f, a.data(), std::max<int64_t>(K, 1), b.data(), N, 0.f, c.data(), N);
+    for (float v : c) EXPECT_EQ(v, 2.f * static_cast<float>(K)) << "K = " << K;
   }
 }
 
