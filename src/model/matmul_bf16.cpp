@@ -125,15 +125,33 @@ void bf16_gemm_on_this_thread(bool trans_a, bool trans_b, int64_t m, int64_t n, 
   check(waited, "bf16 matmul");
 }
 
+bool bf16_matmul_available() {
+  // oneDNN 2.6 implements bf16 matmuls from avx512_core up; below it primitive creation says "unimplemented".
+  static const bool available = [] {
+    const OneThreadForOneDnn one_thread;
+    constexpr int64_t kProbe = 2;  // any shape: the answer depends on the ISA, not on the shape
+    try {
+      dnnl_primitive_destroy(make_matmul(PrimitiveKey{false, false, kProbe, kProbe, kProbe, kProbe, kProbe, kProbe,
+                                                      1.f, 0.f}));
+      return true;
+    } catch (const Error&) {
+      return false;
+    }
+  }();
+  return available;
+}
+
 Bf16MatmulPath bf16_matmul_path() {
+  if (!bf16_matmul_available())
+    return {"no oneDNN bf16 matmul on this CPU (no AVX-512): operands rounded to bf16, multiplied by float32 sgemm "
+            "(the same numbers, no faster than float32)",
+            false};
   const dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
   // dnnl_cpu_isa_t values are bit sets: an ISA includes the bits of every ISA it extends.
   const auto has = [isa](dnnl_cpu_isa_t want) { return (static_cast<unsigned>(isa) & want) == want; };
   if (has(dnnl_cpu_isa_avx512_core_amx)) return {"oneDNN avx512_core_amx (AMX bf16 tiles)", true};
   if (has(dnnl_cpu_isa_avx512_core_bf16)) return {"oneDNN avx512_core_bf16 (vdpbf16ps)", true};
-  if (has(dnnl_cpu_isa_avx512_core))
-    return {"oneDNN avx512_core: no AVX512_BF16 or AMX, bf16 products emulated in float32 (slower than float32)", false};
-  return {"oneDNN reference: no AVX-512, bf16 products emulated in float32 (much slower than float32)", false};
+  return {"oneDNN avx512_core: no AVX512_BF16 or AMX, bf16 products emulated in float32 (slower than float32)", false};
 }
 
 }  // namespace rf::model

@@ -22,9 +22,14 @@ namespace rf::model {
 void bf16_gemm_on_this_thread(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bf16* A,
                               int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
+// Whether oneDNN has a bf16 matmul on this CPU (avx512_core or better; ONEDNN_MAX_CPU_ISA may lower it). Without one,
+// model::gemm multiplies the bf16-rounded operands with float32 sgemm: the same products (exact in float32) and the
+// same float32 accumulation, at float32's speed.
+bool bf16_matmul_available();
+
 // What oneDNN runs bf16 products with on this CPU, for `ringflex info` and the run's log line, e.g.
 // "oneDNN avx512_core_bf16 (vdpbf16ps)"; `native` is false where the products are emulated in float32 (no
-// AVX512_BF16 or AMX: the mode works, slower than float32).
+// AVX512_BF16 or AMX: the mode works, no faster or slower than float32).
 struct Bf16MatmulPath {
   std::string description;
   bool native = false;

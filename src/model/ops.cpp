@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -131,6 +132,15 @@ Bf16Operand bf16_operand(const Bf16Copies* weights, const float* src, int64_t ro
   return op;
 }
 
+// A bf16 operand widened to float32 (exact), dense [rows, cols].
+std::vector<float> widened(const Bf16Operand& op, int64_t rows, int64_t cols) {
+  std::vector<float> out(static_cast<size_t>(rows * cols));
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMinElements)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[static_cast<size_t>(r * cols + c)] = bf16_to_float(op.data[r * op.ld + c]);
+  return out;
+}
+
 // src stored [rows, cols] with leading dimension ld, as a dense [rows, cols] (src itself when it already is; else a
 // copy into `buffer`).
 const bf16* dense(const bf16* src, int64_t rows, int64_t cols, int64_t ld, std::unique_ptr<bf16[]>& buffer) {
@@ -157,8 +167,18 @@ void gemm(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t N, in
   // Stored shapes: A is [M, K] or, transposed, [K, M]; B is [K, N] or [N, K].
   const Bf16Operand a = bf16_operand(mm.weights, A, trans_a ? K : M, trans_a ? M : K, lda);
   const Bf16Operand b = bf16_operand(mm.weights, B, trans_b ? N : K, trans_b ? K : N, ldb);
+  if (!bf16_matmul_available()) {
+    // No bf16 matmul in oneDNN on this CPU: the rounded operands widened back (exactly) and multiplied by sgemm.
+    const std::vector<float> a32 = widened(a, trans_a ? K : M, trans_a ? M : K);
+    const std::vector<float> b32 = widened(b, trans_b ? N : K, trans_b ? K : N);
+    gemm(trans_a, trans_b, M, N, K, alpha, a32.data(), trans_a ? M : K, b32.data(), trans_b ? K : N, beta, C, ldc);
+    return;
+  }
+  // An exception must not leave an OpenMP region (it would end the process): the first is kept and rethrown after.
+  std::exception_ptr failure;
 #pragma omp parallel for schedule(static) if (s.blocks > 1)
   for (int64_t blk = 0; blk < s.blocks; ++blk) {
+    try {
     const int64_t o = blk * s.share;
     const int64_t n_part = std::min(s.share, s.extent - o);
     const int64_t m = s.split_rows ? n_part : M;
@@ -173,7 +193,12 @@ void gemm(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t N, in
     ap = dense(ap, trans_a ? K : m, trans_a ? m : K, a.ld, a_dense);
     bp = dense(bp, trans_b ? n : K, trans_b ? K : n, b.ld, b_dense);
     bf16_gemm_on_this_thread(trans_a, trans_b, m, n, K, alpha, ap, trans_a ? m : K, bp, trans_b ? K : n, beta, c, ldc);
+    } catch (...) {
+#pragma omp critical(rf_model_gemm_failure)
+      if (!failure) failure = std::current_exception();
+    }
   }
+  if (failure) std::rethrow_exception(failure);
 }
 
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
