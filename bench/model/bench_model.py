@@ -129,8 +129,16 @@ def allowed_pairs(S, window):
     return window * (window + 1) // 2 + (S - window) * window
 
 
+def active_parameters(model, cfg):
+    """Parameters one token's matmuls use: every dense parameter, and of the MoE experts' weights only the top-k
+    share each token is routed to (counting all experts would credit MoE steps with FLOPs they never do)."""
+    share = cfg.top_k_experts / cfg.num_experts if getattr(cfg, "enable_moe_block", False) else 1.0
+    return sum(p.numel() * (share if ".experts." in name else 1.0) for name, p in model.named_parameters())
+
+
 def model_flops(spec, n_params, S):
-    """6 N T + attention (forward + backward) of one row of S tokens; spec: a CONFIGS entry with COMMON."""
+    """6 N T + attention (forward + backward) of one row of S tokens, N the active parameters; spec: a CONFIGS
+    entry with COMMON."""
     flops = 6.0 * n_params * S
     for layer_type in spec["layer_types"]:
         sliding = layer_type == "sliding_attention"
@@ -179,9 +187,10 @@ def main():
     torch.manual_seed(0)
     model = Gemma4ForCausalLM(cfg).float()
     n_params = sum(p.numel() for p in model.parameters())
+    n_active = active_parameters(model, cfg)
     sgemm = Sgemm(a.ringflex)
     S = a.seq
-    flops = model_flops({**CONFIGS[a.config], **COMMON}, n_params, S)
+    flops = model_flops({**CONFIGS[a.config], **COMMON}, n_active, S)
     impls = ["torch sdpa"] if a.skip_eager else ["torch eager", "torch sdpa"]
     with tempfile.TemporaryDirectory() as d:
         ckpt = os.path.join(d, "ckpt")
@@ -205,7 +214,7 @@ def main():
     peak = statistics.median(peaks)
     mode = ("keeps every activation" if not a.recompute else
             "recomputes layers but the MLP projections" if a.keep_mlp else "recomputes layers")
-    print(f"config {a.config}: {n_params / 1e6:.1f}M parameters, S = {S}, B = 1, threads = {a.threads}, "
+    print(f"config {a.config}: {n_params / 1e6:.1f}M parameters ({n_active / 1e6:.1f}M active per token), S = {S}, B = 1, threads = {a.threads}, "
           f"reps = {a.reps}, ringflex {mode}")
     print(f"CPU: {cpu_name()}; 1-thread sgemm (N = {SGEMM_N}) median {peak:.1f} GFLOP/s "
           f"(runs: {', '.join(f'{p:.1f}' for p in peaks)}); model FLOPs per step {flops / 1e12:.3f} T "
