@@ -69,8 +69,9 @@ struct ForwardOptions {
   bool check_finite = true;  // reject NaN/inf in the checkpoint's parameters and image_features up front
   bool recompute = true;     // the backward recomputes each layer's activations (RunOptions::recompute_layers)
   bool keep_mlp = false;     // ... except the MLP projections (RunOptions::keep_mlp_projections)
-  std::string compute_dtype = "float32";  // what the linear layers multiply in (RunOptions::compute_dtype)
   std::string stats;         // --stats: per-rank figures as JSON
+  // What the linear layers multiply in (RunOptions::compute_dtype): float32, bfloat16 (or f32, bf16).
+  std::string compute_dtype = "float32";
 };
 
 // An integer [B, S] tensor as int32 (I64 values must fit).

@@ -1,9 +1,9 @@
 // ringflex model: bf16 x bf16 -> float32 matmuls through oneDNN, one thread per call.
 #include "model/matmul_bf16.h"
 
+#include <omp.h>
 #include <oneapi/dnnl/dnnl.h>
 #include <oneapi/dnnl/dnnl_debug.h>
-#include <omp.h>
 
 #include <map>
 #include <tuple>
@@ -131,8 +131,8 @@ bool bf16_matmul_available() {
     const OneThreadForOneDnn one_thread;
     constexpr int64_t kProbe = 2;  // any shape: the answer depends on the ISA, not on the shape
     try {
-      dnnl_primitive_destroy(make_matmul(PrimitiveKey{false, false, kProbe, kProbe, kProbe, kProbe, kProbe, kProbe,
-                                                      1.f, 0.f}));
+      dnnl_primitive_destroy(
+          make_matmul(PrimitiveKey{false, false, kProbe, kProbe, kProbe, kProbe, kProbe, kProbe, 1.f, 0.f}));
       return true;
     } catch (const Error&) {
       return false;
@@ -143,9 +143,10 @@ bool bf16_matmul_available() {
 
 Bf16MatmulPath bf16_matmul_path() {
   if (!bf16_matmul_available())
-    return {"no oneDNN bf16 matmul on this CPU (no AVX-512): operands rounded to bf16, multiplied by float32 sgemm "
-            "(the same numbers, no faster than float32)",
-            false};
+    return {
+        "no oneDNN bf16 matmul on this CPU (no AVX-512): operands rounded to bf16, multiplied by float32 sgemm "
+        "(the same numbers, no faster than float32)",
+        false};
   const dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
   // dnnl_cpu_isa_t values are bit sets: an ISA includes the bits of every ISA it extends.
   const auto has = [isa](dnnl_cpu_isa_t want) { return (static_cast<unsigned>(isa) & want) == want; };

@@ -17,8 +17,9 @@ namespace rf::model {
 
 // C[m, n] = alpha * op(A) op(B) + beta * C (row-major, float32 C with leading dimension ldc), op = transpose when
 // flagged; A and B are bfloat16: A is [m, k] (or [k, m] transposed) with leading dimension lda, B is [k, n] (or
-// [n, k] transposed) with leading dimension ldb. Products of bf16 pairs are exact in float32; the sum over k accumulates in float32.
-// With beta = 0, C is written without being read. Runs on this thread only, whatever the OpenMP settings.
+// [n, k] transposed) with leading dimension ldb. Products of bf16 pairs are exact in float32; the sum over k
+// accumulates in float32. With beta = 0, C is written without being read. Runs on this thread only, whatever the OpenMP
+// settings.
 void bf16_gemm_on_this_thread(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bf16* A,
                               int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc);
 

@@ -95,7 +95,8 @@ GemmSplit split_for(int64_t M, int64_t N, int64_t K) {
   s.extent = s.split_rows ? M : N;
   // Inside a parallel region (callers that run independent sgemms on each thread) each call stays on its thread.
   const int64_t threads = !omp_in_parallel() && M * N * K >= kParallelMinMultiplyAdds ? omp_get_max_threads() : 1;
-  s.share = std::max(kGemmQuantum, ((s.extent + threads - 1) / threads + kGemmQuantum - 1) / kGemmQuantum * kGemmQuantum);
+  s.share =
+      std::max(kGemmQuantum, ((s.extent + threads - 1) / threads + kGemmQuantum - 1) / kGemmQuantum * kGemmQuantum);
   s.blocks = (s.extent + s.share - 1) / s.share;
   return s;
 }
@@ -179,20 +180,21 @@ void gemm(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t N, in
 #pragma omp parallel for schedule(static) if (s.blocks > 1)
   for (int64_t blk = 0; blk < s.blocks; ++blk) {
     try {
-    const int64_t o = blk * s.share;
-    const int64_t n_part = std::min(s.share, s.extent - o);
-    const int64_t m = s.split_rows ? n_part : M;
-    const int64_t n = s.split_rows ? N : n_part;
-    const bf16* ap = s.split_rows ? (trans_a ? a.data + o : a.data + o * a.ld) : a.data;
-    const bf16* bp = s.split_rows ? b.data : (trans_b ? b.data + o * b.ld : b.data + o);
-    float* c = s.split_rows ? C + o * ldc : C + o;
-    // oneDNN picks its kernel (and so its summation order) from the strides as well as the shape, and a block of a
-    // split is a strided view where the whole operand is dense: every call gets dense operands, so the bits depend
-    // on the shape alone. The copy is O(m K + K n), against the call's O(m n K).
-    std::unique_ptr<bf16[]> a_dense, b_dense;
-    ap = dense(ap, trans_a ? K : m, trans_a ? m : K, a.ld, a_dense);
-    bp = dense(bp, trans_b ? n : K, trans_b ? K : n, b.ld, b_dense);
-    bf16_gemm_on_this_thread(trans_a, trans_b, m, n, K, alpha, ap, trans_a ? m : K, bp, trans_b ? K : n, beta, c, ldc);
+      const int64_t o = blk * s.share;
+      const int64_t n_part = std::min(s.share, s.extent - o);
+      const int64_t m = s.split_rows ? n_part : M;
+      const int64_t n = s.split_rows ? N : n_part;
+      const bf16* ap = s.split_rows ? (trans_a ? a.data + o : a.data + o * a.ld) : a.data;
+      const bf16* bp = s.split_rows ? b.data : (trans_b ? b.data + o * b.ld : b.data + o);
+      float* c = s.split_rows ? C + o * ldc : C + o;
+      // oneDNN picks its kernel (and so its summation order) from the strides as well as the shape, and a block of a
+      // split is a strided view where the whole operand is dense: every call gets dense operands, so the bits depend
+      // on the shape alone. The copy is O(m K + K n), against the call's O(m n K).
+      std::unique_ptr<bf16[]> a_dense, b_dense;
+      ap = dense(ap, trans_a ? K : m, trans_a ? m : K, a.ld, a_dense);
+      bp = dense(bp, trans_b ? n : K, trans_b ? K : n, b.ld, b_dense);
+      bf16_gemm_on_this_thread(trans_a, trans_b, m, n, K, alpha, ap, trans_a ? m : K, bp, trans_b ? K : n, beta, c,
+                               ldc);
     } catch (...) {
 #pragma omp critical(rf_model_gemm_failure)
       if (!failure) failure = std::current_exception();
@@ -230,8 +232,8 @@ void linear_forward(const Matmul& mm, const float* x, const float* W, float* y, 
   gemm(mm, false, true, T, N, K, 1.f, x, K, W, K, 0.f, y, N);
 }
 
-void linear_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t T, int64_t K,
-                     int64_t N) {
+void linear_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t T,
+                     int64_t K, int64_t N) {
   if (dx) gemm(mm, false, false, T, K, N, 1.f, dy, N, W, K, 1.f, dx, K);
   if (dW) gemm(mm, true, false, N, K, T, 1.f, dy, N, x, K, 1.f, dW, K);
 }
@@ -364,14 +366,16 @@ void rope_apply_head_major(float* x, const RopeTable& r, int B, int heads, int64
   }
 }
 
-void heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int64_t K, int heads, int64_t D) {
+void heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int64_t K, int heads,
+                   int64_t D) {
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < heads; ++h)
-      gemm(mm, false, true, L, D, K, 1.f, x + b * L * K, K, W + h * D * K, K, 0.f, y + (int64_t{b} * heads + h) * L * D, D);
+      gemm(mm, false, true, L, D, K, 1.f, x + b * L * K, K, W + h * D * K, K, 0.f, y + (int64_t{b} * heads + h) * L * D,
+           D);
 }
 
-void heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L, int64_t K,
-                    int heads, int64_t D) {
+void heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int B,
+                    int64_t L, int64_t K, int heads, int64_t D) {
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < heads; ++h) {
       const float* g = dy + (int64_t{b} * heads + h) * L * D;  // [L, D]
@@ -381,7 +385,8 @@ void heads_backward(const Matmul& mm, const float* x, const float* W, const floa
   }
 }
 
-void merge_heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int heads, int64_t D, int64_t N) {
+void merge_heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int heads,
+                         int64_t D, int64_t N) {
   const int64_t ld_w = int64_t{heads} * D;
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < heads; ++h)
@@ -389,8 +394,8 @@ void merge_heads_forward(const Matmul& mm, const float* x, const float* W, float
            y + b * L * N, N);
 }
 
-void merge_heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L,
-                          int heads, int64_t D, int64_t N) {
+void merge_heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW,
+                          int B, int64_t L, int heads, int64_t D, int64_t N) {
   const int64_t ld_w = int64_t{heads} * D;
   for (int b = 0; b < B; ++b) {
     const float* g = dy + b * L * N;  // [L, N]

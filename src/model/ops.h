@@ -76,8 +76,8 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
 // y[T, N] = x[T, K] W[N, K]^T (nn.Linear without bias).
 void linear_forward(const Matmul& mm, const float* x, const float* W, float* y, int64_t T, int64_t K, int64_t N);
 // dx[T, K] += dy W (skipped when dx is null); dW[N, K] += dy^T x (skipped when dW is null).
-void linear_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t T, int64_t K,
-                     int64_t N);
+void linear_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t T,
+                     int64_t K, int64_t N);
 
 // y[R, n] = x * (mean(x^2) + eps)^-1/2 * w per row (w null: no scale). inv_rms: [R], kept for the backward.
 void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* inv_rms, int64_t R, int64_t n);
@@ -115,16 +115,18 @@ void rope_apply_head_major(float* x, const RopeTable& r, int B, int heads, int64
 // sgemm and sum heads and rows in a fixed order, so the bits do not depend on the thread count.
 
 // y[B, heads, L, D] = x[B, L, K] W[heads*D, K]^T (q/k/v_proj).
-void heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int64_t K, int heads, int64_t D);
+void heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int64_t K, int heads,
+                   int64_t D);
 // dx[B, L, K] += sum_h dy[b, h] W_h (skipped when dx is null); dW_h[D, K] += sum_b dy[b, h]^T x[b] (skipped when
 // dW is null). dy: [B, heads, L, D].
-void heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L, int64_t K,
-                    int heads, int64_t D);
+void heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int B,
+                    int64_t L, int64_t K, int heads, int64_t D);
 // y[B, L, N] = sum_h x[B, h, L, D] W[N, heads*D][:, h*D : (h+1)*D]^T (o_proj), written (not accumulated).
-void merge_heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int heads, int64_t D, int64_t N);
+void merge_heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int heads,
+                         int64_t D, int64_t N);
 // dx[B, heads, L, D] = dy[b] W_h (written; skipped when dx is null); dW[:, h*D : (h+1)*D] += sum_b dy[b]^T x[b, h]
 // (skipped when dW is null).
-void merge_heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L,
-                          int heads, int64_t D, int64_t N);
+void merge_heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW,
+                          int B, int64_t L, int heads, int64_t D, int64_t N);
 
 }  // namespace rf::model

@@ -75,8 +75,7 @@ float at_b(const GemmCase& g, const GemmOperands& o, int64_t k, int64_t j) {
 
 std::vector<float> run_gemm(const GemmCase& g, const GemmOperands& o, const Matmul& mm) {
   std::vector<float> C = o.C;
-  gemm(mm, g.trans_a, g.trans_b, g.M, g.N, g.K, g.alpha, o.A.data(), o.lda, o.B.data(), o.ldb, g.beta, C.data(),
-       o.ldc);
+  gemm(mm, g.trans_a, g.trans_b, g.M, g.N, g.K, g.alpha, o.A.data(), o.lda, o.B.data(), o.ldb, g.beta, C.data(), o.ldc);
   return C;
 }
 
@@ -85,7 +84,7 @@ const Matmul kBf16{ComputeDtype::Bfloat16, nullptr};
 // Shapes: one element; K = 1; odd M, N, K (no vector width divides them); a long K; every transpose; and one large
 // enough (M N K >= 2^21) that gemm splits C over threads.
 const GemmCase kCases[] = {
-    {false, true, 1, 1, 1, 1.f, 0.f},     {false, false, 17, 33, 1, 1.f, 1.f}, {true, false, 40, 9, 300, 1.f, 1.f},
+    {false, true, 1, 1, 1, 1.f, 0.f},     {false, false, 17, 33, 1, 1.f, 1.f},   {true, false, 40, 9, 300, 1.f, 1.f},
     {true, true, 5, 130, 65, 2.f, 0.5f},  {false, true, 200, 96, 160, 1.f, 0.f}, {false, false, 33, 1, 1000, 1.f, 0.f},
     {true, false, 64, 520, 96, 1.f, 1.f},
 };
@@ -112,8 +111,8 @@ TEST(Bf16Gemm, ProductsOfRoundedOperandsSummedInFloat32) {
         }
         const double c0 = o.C[static_cast<size_t>(i * o.ldc + j)];
         const double expect = g.alpha * exact + g.beta * c0;
-        const double bound = (static_cast<double>(g.K) + 2) * kF32Unit *
-                             (std::fabs(g.alpha) * magnitude + std::fabs(g.beta * c0));
+        const double bound =
+            (static_cast<double>(g.K) + 2) * kF32Unit * (std::fabs(g.alpha) * magnitude + std::fabs(g.beta * c0));
         const double v = got[static_cast<size_t>(i * o.ldc + j)];
         ASSERT_LE(std::fabs(v - expect), bound) << "M " << g.M << " N " << g.N << " K " << g.K << " at " << i << ", "
                                                 << j << (g.trans_a ? " A^T" : "") << (g.trans_b ? " B^T" : "");
