@@ -9,7 +9,7 @@ SUDO=""
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
   g++ cmake make git python3 python3-pip python3-venv \
-  openmpi-bin libopenmpi-dev libopenblas-dev \
+  openmpi-bin libopenmpi-dev libopenblas-dev libdnnl-dev \
   libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libsentencepiece-dev \
   clang-format >/dev/null
 if [ "${1:-}" = "--test" ]; then

@@ -22,6 +22,11 @@ Reported: medians over the repeats; tokens/s and peak memory as ratios to PyTorc
     python3 bench/model/bench_model.py build/src/cli/ringflex --config 100m --seq 4096 --reps 3
     python3 bench/model/bench_model.py build/src/cli/ringflex --config 100m --seq 4096 --reps 3 --keep-mlp
     python3 bench/model/bench_model.py build/src/cli/ringflex --config 100m-moe --seq 4096 --reps 3
+    python3 bench/model/bench_model.py build/src/cli/ringflex --config 100m --seq 4096 --reps 3 --compute-dtype both
+
+--compute-dtype bf16 runs ringflex's matmuls in bfloat16 (`ringflex forward --compute-dtype bf16`: operands rounded
+to bf16, float32 accumulation); `both` runs ringflex in float32 and bf16 alternately in the same repeats, so the
+bf16 / float32 step ratio comes from one run. MFU stays relative to the float32 sgemm (the FLOP count is the same).
 """
 import argparse
 import ctypes
@@ -143,10 +148,11 @@ def model_flops(spec, n_params, S):
     return flops
 
 
-def run_ringflex(ringflex, ckpt, batch, out, threads, recompute, keep_mlp):
+def run_ringflex(ringflex, ckpt, batch, out, threads, recompute, keep_mlp, compute_dtype):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cmd = ["/usr/bin/time", "-v", ringflex, "forward", "--model", ckpt, "--in", batch, "--out", out, "--grad",
-           "--no-logits"] + ([] if recompute else ["--no-recompute"]) + (["--keep-mlp"] if keep_mlp else [])
+           "--no-logits", "--compute-dtype", compute_dtype] + ([] if recompute else ["--no-recompute"]) + \
+        (["--keep-mlp"] if keep_mlp else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     step = float(re.search(r"forward\+backward ([0-9.]+) s", proc.stdout).group(1))
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
@@ -173,6 +179,8 @@ def main():
                     help="ringflex keeps every layer's activations instead of recomputing them in the backward")
     ap.add_argument("--keep-mlp", action="store_true",
                     help="ringflex keeps each MLP's projections, so its recompute skips the MLP sgemms")
+    ap.add_argument("--compute-dtype", choices=["float32", "bf16", "both"], default="float32",
+                    help="what ringflex's matmuls multiply in; both: float32 and bf16 alternately in the same run")
     ap.add_argument("--skip-eager", action="store_true", help="run PyTorch with SDPA only (eager is slow at long S)")
     a = ap.parse_args()
     cfg = Gemma4TextConfig(**CONFIGS[a.config], **COMMON)
@@ -192,12 +200,15 @@ def main():
         batch = os.path.join(d, "batch.safetensors")
         save_file({"input_ids": torch.randint(1, cfg.vocab_size, (1, S), generator=g),
                    "labels": torch.randint(0, cfg.vocab_size, (1, S), generator=g)}, batch)
-        results = {"ringflex": [], **{name: [] for name in impls}}
+        dtypes = ["float32", "bf16"] if a.compute_dtype == "both" else [a.compute_dtype]
+        ours = {dt: f"ringflex {dt}" for dt in dtypes}
+        results = {**{ours[dt]: [] for dt in dtypes}, **{name: [] for name in impls}}
         peaks = []
         for _ in range(a.reps):
             peaks.append(sgemm.gflops())
-            results["ringflex"].append(run_ringflex(a.ringflex, ckpt, batch, os.path.join(d, "out.safetensors"),
-                                                    a.threads, a.recompute, a.keep_mlp))
+            for dt in dtypes:
+                results[ours[dt]].append(run_ringflex(a.ringflex, ckpt, batch, os.path.join(d, "out.safetensors"),
+                                                      a.threads, a.recompute, a.keep_mlp, dt))
             for name in impls:
                 results[name].append(run_torch(ckpt, name.split()[1], a.threads, S))
     peak = statistics.median(peaks)
@@ -219,7 +230,11 @@ def main():
         mfu = flops / step / (a.threads * peak * 1e9)
         print(f"| {name} | {step:.3f} | {S / step:.0f} | {mfu:.2f} | {rss / 2**20:.2f} | {sdpa_step / step:.2f}x | "
               f"{rss / sdpa_rss:.2f} |")
-    kept, layer = results["ringflex"][0][2]
+    if len(dtypes) == 2:
+        ratio = statistics.median(r[0] for r in results[ours["bf16"]]) / \
+            statistics.median(r[0] for r in results[ours["float32"]])
+        print(f"ringflex bf16 / float32 step time: {ratio:.2f}")
+    kept, layer = results[ours[dtypes[0]]][0][2]
     print(f"ringflex training memory: activations kept for the backward {kept:.1f} MiB, one layer's recomputed "
           f"activations {layer:.1f} MiB, loss chunk at most {LOSS_CHUNK_MIB} MiB")
 

@@ -47,6 +47,7 @@
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 #include "model/checkpoint.h"
+#include "model/matmul_bf16.h"
 #include "model/memory.h"
 
 namespace rf::cli {
@@ -69,6 +70,8 @@ struct ForwardOptions {
   bool recompute = true;     // the backward recomputes each layer's activations (RunOptions::recompute_layers)
   bool keep_mlp = false;     // ... except the MLP projections (RunOptions::keep_mlp_projections)
   std::string stats;         // --stats: per-rank figures as JSON
+  // What the linear layers multiply in (RunOptions::compute_dtype): float32, bfloat16 (or f32, bf16).
+  std::string compute_dtype = "float32";
 };
 
 // An integer [B, S] tensor as int32 (I64 values must fit).
@@ -248,6 +251,8 @@ void check_job_memory(const model::Gemma4Model& m, const model::Batch& b, const 
   }
   MemoryBreakdown need;
   need.add("gradients", opt.grad ? m.params().total_bytes() : 0);
+  const bool bf16 = model::parse_compute_dtype(opt.compute_dtype) == model::ComputeDtype::Bfloat16;
+  need.add("bf16 weight copies", bf16 ? m.bf16_weight_bytes() : 0);
   const bool gathering_larger = gathering.total() < 0 || (running.total() >= 0 && gathering.total() > running.total());
   need.add(gathering_larger ? gathering : running);
   check_memory(need, opt.in + ": forward", concat(" at S = ", b.S, " over ", P, " rank(s)"));
@@ -286,6 +291,11 @@ int run_forward(const ForwardOptions& opt) {
   ro.want_logits = !opt.no_logits;
   ro.recompute_layers = opt.recompute;
   ro.keep_mlp_projections = opt.keep_mlp;
+  ro.compute_dtype = model::parse_compute_dtype(opt.compute_dtype);
+  if (world->rank() == 0 && ro.compute_dtype == model::ComputeDtype::Bfloat16) {
+    const model::Bf16MatmulPath path = model::bf16_matmul_path();
+    std::fprintf(stderr, "ringflex forward: bf16 matmuls: %s\n", path.description.c_str());
+  }
   model::TensorSet grads;
   if (opt.grad) grads = m.params().zeros_like();
   cpu::LocalAttention local;
@@ -399,6 +409,10 @@ void add_forward_command(CLI::App& app, Runner& run) {
   cmd->add_flag("--keep-mlp", opt->keep_mlp,
                 "With --grad and recompute: keep each MLP's gate/up projections and output so the recompute skips "
                 "its sgemms (3/4 of a dense layer's FLOPs) for [S, 2I + H] floats a layer; the same bits");
+  cmd->add_option("--compute-dtype", opt->compute_dtype,
+                  "What the linear layers multiply in: float32 (default) or bfloat16 (bf16): operands rounded to bf16, "
+                  "products accumulated in float32, weights and everything else float32")
+      ->check(CLI::IsMember({"float32", "bfloat16", "f32", "bf16"}));
   cmd->callback([&run, opt] { run = [opt] { return run_forward(*opt); }; });
 }
 

@@ -9,6 +9,7 @@
 
 #include "cli/command.h"
 #include "cpu/isa.h"
+#include "model/matmul_bf16.h"
 
 namespace rf::cli {
 
@@ -28,6 +29,8 @@ int run_info() {
               f.cpu_name.empty() ? "unknown" : f.cpu_name.c_str(), yes_no(f.avx2), yes_no(f.avx512),
               yes_no(f.avx512_bf16), yes_no(f.amx));
   std::printf("%skernels: %s\n", prefix.c_str(), cpu::describe(path).c_str());
+  std::printf("%smodel bf16 matmuls (--compute-dtype bf16): %s\n", prefix.c_str(),
+              model::bf16_matmul_path().description.c_str());
   std::printf("%sopenmp threads: %d\n", prefix.c_str(), omp_get_max_threads());
   return 0;
 }

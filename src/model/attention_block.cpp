@@ -22,7 +22,7 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
   // Projections land head-major, [B, heads, S, D], the layout attention reads; norms and RoPE act per D-vector,
   // so they run on that layout as they are.
   a.q_raw = uninit(T * qd);
-  heads_forward(a.a.data(), W(sl.q_proj), a.q_raw.data(), B, S, H, Hq, D);
+  heads_forward(mm, a.a.data(), W(sl.q_proj), a.q_raw.data(), B, S, H, Hq, D);
   a.q_rms = uninit(T * Hq);
   a.Q = uninit(T * qd);
   rmsnorm_forward(a.q_raw.data(), W(sl.q_norm), eps, a.Q.data(), a.q_rms.data(), T * Hq, D);
@@ -32,10 +32,10 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
   const float* V = nullptr;
   if (sp.kv_source < 0) {
     a.k_raw = uninit(T * kd);
-    heads_forward(a.a.data(), W(sl.k_proj), a.k_raw.data(), B, S, H, Hkv, D);
+    heads_forward(mm, a.a.data(), W(sl.k_proj), a.k_raw.data(), B, S, H, Hkv, D);
     if (sp.has_v_proj) {
       a.v_raw = uninit(T * kd);
-      heads_forward(a.a.data(), W(sl.v_proj), a.v_raw.data(), B, S, H, Hkv, D);
+      heads_forward(mm, a.a.data(), W(sl.v_proj), a.v_raw.data(), B, S, H, Hkv, D);
     }
     const Vec& v_src = sp.has_v_proj ? a.v_raw : a.k_raw;  // attention_k_eq_v: V is the raw K projection
     a.k_rms = uninit(T * Hkv);
@@ -61,7 +61,7 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
     attn.forward(attention(sp, a.Q.data(), K, V), a.O.data(), a.lse.data());
   }
   a.ao = uninit(T * H);
-  merge_heads_forward(a.O.data(), W(sl.o_proj), a.ao.data(), B, S, Hq, D, H);
+  merge_heads_forward(mm, a.O.data(), W(sl.o_proj), a.ao.data(), B, S, Hq, D, H);
   a.x1 = uninit(T * H);
   a.r_pa = uninit(T);
   rmsnorm_forward(a.ao.data(), W(sl.post_attn_norm), eps, a.x1.data(), a.r_pa.data(), T, H);
@@ -77,7 +77,7 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
   Vec dao = zeros(T * H);
   rmsnorm_backward(a.ao.data(), W(sl.post_attn_norm), a.r_pa.data(), dx1, dao.data(), G(sl.post_attn_norm), T, H);
   Vec dO = zeros(T * qd);  // [B, Hq, S, D]
-  merge_heads_backward(a.O.data(), W(sl.o_proj), dao.data(), dO.data(), G(sl.o_proj), B, S, Hq, D, H);
+  merge_heads_backward(mm, a.O.data(), W(sl.o_proj), dao.data(), dO.data(), G(sl.o_proj), B, S, Hq, D, H);
   Vec dQ = zeros(T * qd);
   Vec dK = zeros(T * kd), dV = zeros(T * kd);  // this layer's own contribution, written by the backend
   const bool shared = sp.kv_source >= 0;
@@ -99,7 +99,7 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
   Vec dq_raw = zeros(T * qd);
   rmsnorm_backward(a.q_raw.data(), W(sl.q_norm), a.q_rms.data(), dQ.data(), dq_raw.data(), G(sl.q_norm), T * Hq, D);
   Vec da = zeros(T * H);
-  heads_backward(a.a.data(), W(sl.q_proj), dq_raw.data(), da.data(), G(sl.q_proj), B, S, H, Hq, D);
+  heads_backward(mm, a.a.data(), W(sl.q_proj), dq_raw.data(), da.data(), G(sl.q_proj), B, S, H, Hq, D);
   if (sp.kv_source < 0) {
     rope_apply_head_major(dK.data(), rope(sp), B, Hkv, S, true);
     Vec dk_raw = zeros(T * kd);
@@ -107,11 +107,11 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
     if (sp.has_v_proj) {
       Vec dv_raw = zeros(T * kd);
       rmsnorm_backward(a.v_raw.data(), nullptr, a.v_rms.data(), dV.data(), dv_raw.data(), nullptr, T * Hkv, D);
-      heads_backward(a.a.data(), W(sl.v_proj), dv_raw.data(), da.data(), G(sl.v_proj), B, S, H, Hkv, D);
+      heads_backward(mm, a.a.data(), W(sl.v_proj), dv_raw.data(), da.data(), G(sl.v_proj), B, S, H, Hkv, D);
     } else {
       rmsnorm_backward(a.k_raw.data(), nullptr, a.v_rms.data(), dV.data(), dk_raw.data(), nullptr, T * Hkv, D);
     }
-    heads_backward(a.a.data(), W(sl.k_proj), dk_raw.data(), da.data(), G(sl.k_proj), B, S, H, Hkv, D);
+    heads_backward(mm, a.a.data(), W(sl.k_proj), dk_raw.data(), da.data(), G(sl.k_proj), B, S, H, Hkv, D);
   }
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t i = 0; i < T * H; ++i) dx[i] = dx1[i];

@@ -119,7 +119,7 @@ void Gemma4Model::Run::embed() {
       rmsnorm_forward(feat_raw.data(), nullptr, static_cast<float>(cfg.vision_rms_norm_eps), feat_in.data(),
                       feat_rms.data(), n, F);
       projected = zeros(n * H);
-      linear_forward(feat_in.data(), W(m.vision_proj_), projected.data(), n, F, H);
+      linear_forward(mm, feat_in.data(), W(m.vision_proj_), projected.data(), n, F, H);
       feats = projected.data();
     }
     for (int64_t t = 0; t < T; ++t)
@@ -129,7 +129,7 @@ void Gemma4Model::Run::embed() {
   // Per-layer inputs: (RMSNorm(h0 Wp^T * H^-1/2) + E_ple[id] * sqrt(P)) * 2^-1/2, [T, L, P].
   const int64_t P = cfg.ple_dim, LP = int64_t{cfg.num_layers} * P;
   ple_raw = zeros(T * LP);
-  linear_forward(h0.data(), W(m.ple_proj_), ple_raw.data(), T, H, LP);
+  linear_forward(mm, h0.data(), W(m.ple_proj_), ple_raw.data(), T, H, LP);
   const float proj_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
   for (float& v : ple_raw) v *= proj_scale;
   ple = zeros(T * LP);
@@ -155,7 +155,7 @@ void Gemma4Model::Run::embed_backward(const float* dh0_in) {
                      T * cfg.num_layers, P);
     const float proj_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
     for (float& v : draw) v *= proj_scale;
-    linear_backward(h0.data(), W(m.ple_proj_), draw.data(), dh0.data(), G(m.ple_proj_), T, H, LP);
+    linear_backward(mm, h0.data(), W(m.ple_proj_), draw.data(), dh0.data(), G(m.ple_proj_), T, H, LP);
     // Token half: nn.Embedding(padding_idx = pad) gives the pad row no gradient.
     const float tok_scale = static_cast<float>(std::sqrt(static_cast<double>(P)));
     float* gE = G(m.ple_embed_);
@@ -174,7 +174,7 @@ void Gemma4Model::Run::embed_backward(const float* dh0_in) {
       if (local_feature[t] >= 0) std::copy_n(dh0.data() + t * H, H, dfeat.data() + local_feature[t] * H);
     if (m.vision_dim_ > 0 && n > 0) {
       Vec dnorm = zeros(n * F);
-      linear_backward(feat_in.data(), W(m.vision_proj_), dfeat.data(), dnorm.data(), G(m.vision_proj_), n, F, H);
+      linear_backward(mm, feat_in.data(), W(m.vision_proj_), dfeat.data(), dnorm.data(), G(m.vision_proj_), n, F, H);
       dfeat = zeros(n * F);
       rmsnorm_backward(feat_raw.data(), nullptr, feat_rms.data(), dnorm.data(), dfeat.data(), nullptr, n, F);
     }
@@ -204,11 +204,11 @@ void Gemma4Model::Run::ple_forward(int l, const float* x2, PleActs& a, float* x3
   a.ple_l = uninit(T * P);
   for (int64_t t = 0; t < T; ++t) std::copy_n(ple.data() + t * LP + l * P, P, a.ple_l.data() + t * P);
   a.gp = uninit(T * P);
-  linear_forward(x2, W(sl.ple_gate), a.gp.data(), T, H, P);
+  linear_forward(mm, x2, W(sl.ple_gate), a.gp.data(), T, H, P);
   a.gm = uninit(T * P);
   geglu_forward(a.gp.data(), a.ple_l.data(), a.gm.data(), T * P);
   a.pp = uninit(T * H);
-  linear_forward(a.gm.data(), W(sl.ple_proj), a.pp.data(), T, P, H);
+  linear_forward(mm, a.gm.data(), W(sl.ple_proj), a.pp.data(), T, P, H);
   a.r_ppn = uninit(T);
   rmsnorm_forward(a.pp.data(), W(sl.ple_post_norm), eps, x3, a.r_ppn.data(), T, H);
   add_into(x3, x2, T * H);
@@ -220,7 +220,7 @@ void Gemma4Model::Run::ple_backward(int l, PleActs& a, const float* x2, const fl
   Vec dpp = zeros(T * H);
   rmsnorm_backward(a.pp.data(), W(sl.ple_post_norm), a.r_ppn.data(), dx3, dpp.data(), G(sl.ple_post_norm), T, H);
   Vec dgm = zeros(T * P);
-  linear_backward(a.gm.data(), W(sl.ple_proj), dpp.data(), dgm.data(), G(sl.ple_proj), T, P, H);
+  linear_backward(mm, a.gm.data(), W(sl.ple_proj), dpp.data(), dgm.data(), G(sl.ple_proj), T, P, H);
   Vec dgp = zeros(T * P);
   // d gate and d per-layer input: a GeGLU's backward, the per-layer input's gradient landing in its slice of dple.
   const ElementwiseKernels& ew = elementwise();
@@ -228,7 +228,7 @@ void Gemma4Model::Run::ple_backward(int l, PleActs& a, const float* x2, const fl
   for (int64_t t = 0; t < T; ++t)
     ew.geglu_backward(a.gp.data() + t * P, a.ple_l.data() + t * P, dgm.data() + t * P, dgp.data() + t * P,
                       dple.data() + t * LP + l * P, P, true);
-  linear_backward(x2, W(sl.ple_gate), dgp.data(), dx2, G(sl.ple_gate), T, H, P);
+  linear_backward(mm, x2, W(sl.ple_gate), dgp.data(), dx2, G(sl.ple_gate), T, H, P);
 }
 
 }  // namespace rf::model

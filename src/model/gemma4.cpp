@@ -87,6 +87,7 @@ Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim, TensorSet:
 }
 
 void Gemma4Model::init_random(uint64_t seed, float stddev) {
+  params_changed();
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.f, stddev);
   for (Tensor& t : params_) {
@@ -205,6 +206,33 @@ void Gemma4Model::Run::layer_backward(int l, LayerActs& a, const float* x, const
 // The whole model.
 // ---------------------------------------------------------------------------------------------------------------
 
+bool Gemma4Model::multiplied(size_t slot) const {
+  // Lookup tables are read by row, never multiplied: the per-layer embedding (the largest tensor of a Gemma 4
+  // checkpoint) and the token embedding unless it is also the LM head.
+  const bool lookup_only = slot == ple_embed_ || (slot == embed_ && embed_ != lm_head_);
+  return !lookup_only && params_[slot].shape.size() >= 2;
+}
+
+int64_t Gemma4Model::bf16_weight_bytes() const {
+  int64_t total = 0;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (multiplied(i)) total += params_[i].numel() * static_cast<int64_t>(sizeof(bf16));
+  return total;
+}
+
+const Bf16Copies& Gemma4Model::bf16_weights() const {
+  const std::lock_guard<std::mutex> lock(bf16_weights_.mutex);
+  if (!bf16_weights_.current) {
+    bf16_weights_.copies.clear();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      RF_CHECK(!multiplied(i) || !params_[i].data.empty(), "run: parameter ", params_[i].name, " is not allocated");
+      if (multiplied(i)) bf16_weights_.copies.add(params_.data(i), params_[i].numel());
+    }
+    bf16_weights_.current = true;
+  }
+  return bf16_weights_.copies;
+}
+
 Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* grads) const {
   cpu::LocalAttention local;
   return run(batch, opt, grads, local);
@@ -216,6 +244,8 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
     RF_CHECK(grads->size() == params_.size(), "run: the gradient set does not match the parameters");
   }
   Run r(*this, batch, opt, opt.want_grad ? grads : nullptr, attn);
+  r.mm.dtype = opt.compute_dtype;
+  if (opt.compute_dtype == ComputeDtype::Bfloat16) r.mm.weights = &bf16_weights();
   r.prepare();
   r.embed();
   const int L = cfg_.num_layers;
@@ -276,6 +306,7 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   LmHeadLossArgs la;
   la.x = xf.data();
   la.W = r.W(lm_head_);
+  la.matmul = r.mm;
   la.labels = batch.labels ? r.labels.data() : nullptr;
   la.T = T;
   la.H = H;

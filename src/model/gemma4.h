@@ -17,11 +17,14 @@
 // sgemms. The loss keeps at most one chunk of logits (loss.h). Result reports both figures as measured.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "core/attention_backend.h"
 #include "model/config.h"
+#include "model/ops.h"
 #include "model/params.h"
 
 namespace rf::model {
@@ -53,6 +56,12 @@ struct RunOptions {
   // layer), so the recompute runs only the MLP's norm and GeGLU instead of its three sgemms (3/4 of a dense layer's
   // FLOPs, ~10% of a Gemma 4 training step). Same bits as either mode above.
   bool keep_mlp_projections = false;
+  // What the linear layers multiply in (ops.h ComputeDtype). Bfloat16: every matmul of the decoder and the LM head
+  // rounds its operands to bf16 and accumulates in float32 (oneDNN, model/matmul_bf16.h); the parameters, gradients,
+  // activations between matmuls, norms, softmax, loss and attention stay float32. The weights' bf16 copies are made
+  // once after the parameters change (Gemma4Model::params() marks them stale), not per call. Loss and gradients
+  // differ from Float32 by about the operands' 2^-9 relative rounding (tests/model/test_model_bf16.cpp bounds it).
+  ComputeDtype compute_dtype = ComputeDtype::Float32;
 };
 
 // Default size of the loss's one chunk of logits.
@@ -107,7 +116,15 @@ class Gemma4Model {
 
   const Gemma4Config& config() const { return cfg_; }
   int vision_feature_dim() const { return vision_dim_; }
-  TensorSet& params() { return params_; }
+  // The mutable access marks the bf16 compute mode's weight copies stale: the next bf16 run rounds them again. Code
+  // that keeps the reference and writes through it later calls params() again (or params_changed()) after writing.
+  TensorSet& params() {
+    params_changed();
+    return params_;
+  }
+  void params_changed() { bf16_weights_.current = false; }
+  // Bytes of the bf16 compute mode's weight copies (2 per element of every matrix a matmul reads), from the shapes.
+  int64_t bf16_weight_bytes() const;
   const TensorSet& params() const { return params_; }
   TensorSet& buffers() { return buffers_; }  // non-trainable: model.layers.<i>.layer_scalar (ones by default)
   const TensorSet& buffers() const { return buffers_; }
@@ -148,6 +165,27 @@ class Gemma4Model {
   size_t embed_ = kNoSlot, final_norm_ = kNoSlot, lm_head_ = kNoSlot;
   size_t ple_embed_ = kNoSlot, ple_proj_ = kNoSlot, ple_norm_ = kNoSlot;
   size_t vision_proj_ = kNoSlot;
+
+  // The bf16 compute mode's rounded weights: every matrix a matmul reads (not the embedding tables that are only
+  // looked up), rounded by the first bf16 run after a change. A copied model starts stale (its tensors are new).
+  struct Bf16Weights {
+    std::mutex mutex;
+    Bf16Copies copies;
+    std::atomic<bool> current{false};
+    Bf16Weights() = default;
+    Bf16Weights(const Bf16Weights&) {}
+    Bf16Weights& operator=(const Bf16Weights&) {
+      const std::lock_guard<std::mutex> lock(mutex);
+      copies.clear();
+      current = false;
+      return *this;
+    }
+  };
+  mutable Bf16Weights bf16_weights_;
+  // The bf16 copies, made now if stale (thread-safe: ranks of a loopback group may share the model).
+  const Bf16Copies& bf16_weights() const;
+  // Whether parameter `slot` is a matmul operand (has a bf16 copy in the bf16 compute mode).
+  bool multiplied(size_t slot) const;
 };
 
 }  // namespace rf::model

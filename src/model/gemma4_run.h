@@ -149,6 +149,7 @@ struct Gemma4Model::Run {
   int S = 0;         // tokens of a row this rank holds (the shard's L; S_row at P = 1)
   int64_t T = 0, H;  // T = B * S: this rank's tokens, token-major
   float eps;
+  Matmul mm;  // how the linear layers multiply (RunOptions::compute_dtype; the weights' bf16 copies)
   RowShard shard;
   // Sequence-resident arrays, gathered to this rank's tokens ([T], shard order): the full rows' values at the
   // shard's positions, docs/spec.md §5 pad values at sharding padding.

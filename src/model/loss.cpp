@@ -82,7 +82,7 @@ double lm_head_loss(const LmHeadLossArgs& a, const LmHeadLossOut& out) {
   for (int64_t t0 = 0; t0 < a.T; t0 += C) {
     const int64_t n = std::min(C, a.T - t0);
     const float* x = a.x + t0 * a.H;
-    linear_forward(x, a.W, z.data(), n, a.H, a.V);
+    linear_forward(a.matmul, x, a.W, z.data(), n, a.H, a.V);
     bool any_label = false;
 #pragma omp parallel if (n * a.V >= kParallelMinElements)
     {
@@ -118,7 +118,7 @@ double lm_head_loss(const LmHeadLossArgs& a, const LmHeadLossOut& out) {
       any_label = any_label || (a.labels && a.labels[t0 + i] != kIgnoreLabel);
     }
     if (backward && any_label)
-      linear_backward(x, a.W, z.data(), out.dx ? out.dx + t0 * a.H : nullptr, out.dW, n, a.H, a.V);
+      linear_backward(a.matmul, x, a.W, z.data(), out.dx ? out.dx + t0 * a.H : nullptr, out.dW, n, a.H, a.V);
   }
   return total * a.loss_scale;
 }

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "model/ops.h"
+
 namespace rf::model {
 
 constexpr int32_t kIgnoreLabel = -100;
@@ -21,6 +23,7 @@ struct LmHeadLossArgs {
   float softcap = 0.f;     // logits = softcap * tanh(logits / softcap); 0 = no cap
   float loss_scale = 0.f;  // the loss is sum(token_loss) * loss_scale (1 / number of label tokens)
   int64_t chunk = 0;       // tokens per chunk (> 0)
+  Matmul matmul;           // what the head's two matmuls multiply in (the run's compute dtype)
 };
 
 struct LmHeadLossOut {

@@ -14,14 +14,14 @@ void Gemma4Model::Run::mlp_forward(int l, const float* x1, MlpActs& a) {
   if (!kept) {
     a.g = uninit(T * I);
     a.u = uninit(T * I);
-    linear_forward(a.m_in.data(), W(sl.gate_proj), a.g.data(), T, H, I);
-    linear_forward(a.m_in.data(), W(sl.up_proj), a.u.data(), T, H, I);
+    linear_forward(mm, a.m_in.data(), W(sl.gate_proj), a.g.data(), T, H, I);
+    linear_forward(mm, a.m_in.data(), W(sl.up_proj), a.u.data(), T, H, I);
   }
   a.hmid = uninit(T * I);
   geglu_forward(a.g.data(), a.u.data(), a.hmid.data(), T * I);
   if (!kept) {
     a.mo = uninit(T * H);
-    linear_forward(a.hmid.data(), W(sl.down_proj), a.mo.data(), T, I, H);
+    linear_forward(mm, a.hmid.data(), W(sl.down_proj), a.mo.data(), T, I, H);
   }
 }
 
@@ -29,12 +29,12 @@ void Gemma4Model::Run::mlp_backward(int l, MlpActs& a, const float* x1, const fl
   const LayerSlots& sl = m.slots_[l];
   const int64_t I = m.specs_[l].intermediate;
   Vec dh = zeros(T * I);
-  linear_backward(a.hmid.data(), W(sl.down_proj), dmo, dh.data(), G(sl.down_proj), T, I, H);
+  linear_backward(mm, a.hmid.data(), W(sl.down_proj), dmo, dh.data(), G(sl.down_proj), T, I, H);
   Vec dg = zeros(T * I), du = zeros(T * I);
   geglu_backward(a.g.data(), a.u.data(), dh.data(), dg.data(), du.data(), T * I);
   Vec dm = zeros(T * H);
-  linear_backward(a.m_in.data(), W(sl.gate_proj), dg.data(), dm.data(), G(sl.gate_proj), T, H, I);
-  linear_backward(a.m_in.data(), W(sl.up_proj), du.data(), dm.data(), G(sl.up_proj), T, H, I);
+  linear_backward(mm, a.m_in.data(), W(sl.gate_proj), dg.data(), dm.data(), G(sl.gate_proj), T, H, I);
+  linear_backward(mm, a.m_in.data(), W(sl.up_proj), du.data(), dm.data(), G(sl.up_proj), T, H, I);
   rmsnorm_backward(x1, W(sl.pre_ff_norm), a.r_pf.data(), dm.data(), dx1, G(sl.pre_ff_norm), T, H);
 }
 

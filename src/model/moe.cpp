@@ -71,7 +71,7 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   for (int64_t t = 0; t < T; ++t)
     for (int64_t i = 0; i < H; ++i) a.rs[t * H + i] = a.rn[t * H + i] * scale[i] * root;
   a.probs = uninit(T * E);
-  linear_forward(a.rs.data(), W(sl.router_proj), a.probs.data(), T, H, E);
+  linear_forward(mm, a.rs.data(), W(sl.router_proj), a.probs.data(), T, H, E);
   a.top_idx.assign(static_cast<size_t>(T * K), 0);
   a.expert_order.assign(static_cast<size_t>(T * K), 0);
   a.top_wn = zeros(T * K);
@@ -149,9 +149,9 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
     float* hm = a.e_hm[e].data() + r0 * Im;
     float* eo = a.e_eo[e].data() + r0 * H;
     for (int64_t r = 0; r < n; ++r) std::copy_n(a.e_in.data() + (a.routed[e][r0 + r] / K) * H, H, x + r * H);
-    linear_forward(x, GU + e * 2 * Im * H, gu, n, H, 2 * Im);
+    linear_forward(mm, x, GU + e * 2 * Im * H, gu, n, H, 2 * Im);
     for (int64_t r = 0; r < n; ++r) ew.geglu_forward(gu + r * 2 * Im, gu + r * 2 * Im + Im, hm + r * Im, Im);
-    linear_forward(hm, DN + e * H * Im, eo, n, Im, H);
+    linear_forward(mm, hm, DN + e * H * Im, eo, n, Im, H);
   }
   // Each token sums its experts' weighted outputs in ascending expert index, tokens in parallel.
   a.out2 = zeros(T * H);
@@ -219,12 +219,12 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
         dw[tj] = dot;
       }
       dhm.assign(static_cast<size_t>(n * Im), 0.f);
-      linear_backward(a.e_hm[e].data() + r0 * Im, DN + e * H * Im, dy, dhm.data(), nullptr, n, Im, H);
+      linear_backward(mm, a.e_hm[e].data() + r0 * Im, DN + e * H * Im, dy, dhm.data(), nullptr, n, Im, H);
       for (int64_t r = 0; r < n; ++r) {
         float* gate_up = gu + r * 2 * Im;  // [2*Im]: gate then up, overwritten by their gradients
         ew.geglu_backward(gate_up, gate_up + Im, dhm.data() + r * Im, gate_up, gate_up + Im, Im, false);
       }
-      linear_backward(a.e_x[e].data() + r0 * H, GU + e * 2 * Im * H, gu, e_dx[e].data() + r0 * H, nullptr, n, H,
+      linear_backward(mm, a.e_x[e].data() + r0 * H, GU + e * 2 * Im * H, gu, e_dx[e].data() + r0 * H, nullptr, n, H,
                       2 * Im);
     }
   }
@@ -238,9 +238,9 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
       const int64_t n = static_cast<int64_t>(a.routed[e].size());
       if (n == 0) continue;
       if (gDN)
-        linear_backward(a.e_hm[e].data(), DN + e * H * Im, a.e_eo[e].data(), nullptr, gDN + e * H * Im, n, Im, H);
+        linear_backward(mm, a.e_hm[e].data(), DN + e * H * Im, a.e_eo[e].data(), nullptr, gDN + e * H * Im, n, Im, H);
       if (gGU)
-        linear_backward(a.e_x[e].data(), GU + e * 2 * Im * H, a.e_gu[e].data(), nullptr, gGU + e * 2 * Im * H, n, H,
+        linear_backward(mm, a.e_x[e].data(), GU + e * 2 * Im * H, a.e_gu[e].data(), nullptr, gGU + e * 2 * Im * H, n, H,
                         2 * Im);
     }
   }
@@ -287,7 +287,7 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
     }
   }
   Vec drs = zeros(T * H);
-  linear_backward(a.rs.data(), W(sl.router_proj), dlogits.data(), drs.data(), G(sl.router_proj), T, H, E);
+  linear_backward(mm, a.rs.data(), W(sl.router_proj), dlogits.data(), drs.data(), G(sl.router_proj), T, H, E);
   const float root = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
   const float* scale = W(sl.router_scale);
   float* gscale = G(sl.router_scale);

@@ -6,9 +6,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
 #include <mutex>
+#include <string>
 
+#include "core/error.h"
 #include "model/elementwise.h"
+#include "model/matmul_bf16.h"
 
 namespace rf::model {
 
@@ -36,49 +43,199 @@ void single_threaded_blas() {
 
 }  // namespace
 
+std::string_view compute_dtype_name(ComputeDtype t) { return t == ComputeDtype::Float32 ? "float32" : "bfloat16"; }
+
+ComputeDtype parse_compute_dtype(std::string_view s) {
+  if (s == "float32" || s == "f32") return ComputeDtype::Float32;
+  if (s == "bfloat16" || s == "bf16") return ComputeDtype::Bfloat16;
+  rf::fail("compute dtype '", s, "' is not one of float32, bfloat16");
+}
+
+void Bf16Copies::add(const float* src, int64_t n) {
+  Copy c{src, n, std::vector<bf16>(static_cast<size_t>(n))};
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+  for (int64_t i = 0; i < n; ++i) c.bits[static_cast<size_t>(i)] = float_to_bf16(src[i]);
+  const auto at = std::upper_bound(copies_.begin(), copies_.end(), src,
+                                   [](const float* p, const Copy& x) { return std::less<const float*>()(p, x.src); });
+  copies_.insert(at, std::move(c));
+}
+
+const bf16* Bf16Copies::find(const float* src, int64_t extent) const {
+  // The last copy starting at or before src; std::less gives pointers into different arrays a total order.
+  auto at = std::upper_bound(copies_.begin(), copies_.end(), src,
+                             [](const float* p, const Copy& x) { return std::less<const float*>()(p, x.src); });
+  if (at == copies_.begin()) return nullptr;
+  --at;
+  // In addresses, not pointer arithmetic: src may lie in another array altogether.
+  const uintptr_t offset_bytes = reinterpret_cast<uintptr_t>(src) - reinterpret_cast<uintptr_t>(at->src);
+  const int64_t offset = static_cast<int64_t>(offset_bytes / sizeof(float));
+  const bool inside = offset_bytes % sizeof(float) == 0 && offset + extent <= at->n;
+  return inside ? at->bits.data() + offset : nullptr;
+}
+
+int64_t Bf16Copies::bytes() const {
+  int64_t total = 0;
+  for (const Copy& c : copies_) total += c.n * static_cast<int64_t>(sizeof(bf16));
+  return total;
+}
+
+namespace {
+
+// How C is cut over threads: blocks of `share` rows (split_rows) or columns, a multiple of kGemmQuantum.
+struct GemmSplit {
+  bool split_rows;
+  int64_t extent, share, blocks;
+};
+
+GemmSplit split_for(int64_t M, int64_t N, int64_t K) {
+  GemmSplit s;
+  // Split the larger side of C: each call packs its share of that side's operand and the whole of the other, so
+  // the big operand (a weight matrix, or the vocabulary-sized head) is packed once in total, not once a thread.
+  s.split_rows = M >= N;
+  s.extent = s.split_rows ? M : N;
+  // Inside a parallel region (callers that run independent sgemms on each thread) each call stays on its thread.
+  const int64_t threads = !omp_in_parallel() && M * N * K >= kParallelMinMultiplyAdds ? omp_get_max_threads() : 1;
+  s.share =
+      std::max(kGemmQuantum, ((s.extent + threads - 1) / threads + kGemmQuantum - 1) / kGemmQuantum * kGemmQuantum);
+  s.blocks = (s.extent + s.share - 1) / s.share;
+  return s;
+}
+
+// As BLAS with K = 0: with beta = 0, C is written without being read (it may be uninitialised; NaN * 0 would be NaN).
+void scale_only(float beta, float* C, int64_t M, int64_t N, int64_t ldc) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.f ? 0.f : C[i * ldc + j] * beta;
+}
+
+// A bf16 gemm operand stored [rows, cols] with leading dimension ld: the weights' copy when it lies in one (same ld),
+// else rounded here into a dense [rows, cols] buffer (ld = cols), once for every block of the split.
+struct Bf16Operand {
+  const bf16* data = nullptr;
+  int64_t ld = 0;
+  std::unique_ptr<bf16[]> owned;
+};
+
+Bf16Operand bf16_operand(const Bf16Copies* weights, const float* src, int64_t rows, int64_t cols, int64_t ld) {
+  Bf16Operand op;
+  if (const bf16* copy = weights ? weights->find(src, (rows - 1) * ld + cols) : nullptr) {
+    op.data = copy;
+    op.ld = ld;
+    return op;
+  }
+  // Not value-initialised: every element is written below.
+  op.owned.reset(new bf16[static_cast<size_t>(rows * cols)]);
+  bf16* dst = op.owned.get();
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMinElements)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = float_to_bf16(src[r * ld + c]);
+  op.data = dst;
+  op.ld = cols;
+  return op;
+}
+
+// A bf16 operand widened to float32 (exact), dense [rows, cols].
+std::vector<float> widened(const Bf16Operand& op, int64_t rows, int64_t cols) {
+  std::vector<float> out(static_cast<size_t>(rows * cols));
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMinElements)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[static_cast<size_t>(r * cols + c)] = bf16_to_float(op.data[r * op.ld + c]);
+  return out;
+}
+
+// src stored [rows, cols] with leading dimension ld, as a dense [rows, cols] (src itself when it already is; else a
+// copy into `buffer`).
+const bf16* dense(const bf16* src, int64_t rows, int64_t cols, int64_t ld, std::unique_ptr<bf16[]>& buffer) {
+  if (ld == cols) return src;
+  buffer.reset(new bf16[static_cast<size_t>(rows * cols)]);
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(src + r * ld, cols, buffer.get() + r * cols);
+  return buffer.get();
+}
+
+}  // namespace
+
+void gemm(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+          int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (mm.dtype == ComputeDtype::Float32) {
+    gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
+  if (M == 0 || N == 0) return;
+  const GemmSplit s = split_for(M, N, K);
+  if (K == 0) {
+    scale_only(beta, C, M, N, ldc);
+    return;
+  }
+  // Stored shapes: A is [M, K] or, transposed, [K, M]; B is [K, N] or [N, K].
+  const Bf16Operand a = bf16_operand(mm.weights, A, trans_a ? K : M, trans_a ? M : K, lda);
+  const Bf16Operand b = bf16_operand(mm.weights, B, trans_b ? N : K, trans_b ? K : N, ldb);
+  if (!bf16_matmul_available()) {
+    // No bf16 matmul in oneDNN on this CPU: the rounded operands widened back (exactly) and multiplied by sgemm.
+    const std::vector<float> a32 = widened(a, trans_a ? K : M, trans_a ? M : K);
+    const std::vector<float> b32 = widened(b, trans_b ? N : K, trans_b ? K : N);
+    gemm(trans_a, trans_b, M, N, K, alpha, a32.data(), trans_a ? M : K, b32.data(), trans_b ? K : N, beta, C, ldc);
+    return;
+  }
+  // An exception must not leave an OpenMP region (it would end the process): the first is kept and rethrown after.
+  std::exception_ptr failure;
+#pragma omp parallel for schedule(static) if (s.blocks > 1)
+  for (int64_t blk = 0; blk < s.blocks; ++blk) {
+    try {
+      const int64_t o = blk * s.share;
+      const int64_t n_part = std::min(s.share, s.extent - o);
+      const int64_t m = s.split_rows ? n_part : M;
+      const int64_t n = s.split_rows ? N : n_part;
+      const bf16* ap = s.split_rows ? (trans_a ? a.data + o : a.data + o * a.ld) : a.data;
+      const bf16* bp = s.split_rows ? b.data : (trans_b ? b.data + o * b.ld : b.data + o);
+      float* c = s.split_rows ? C + o * ldc : C + o;
+      // oneDNN picks its kernel (and so its summation order) from the strides as well as the shape, and a block of a
+      // split is a strided view where the whole operand is dense: every call gets dense operands, so the bits depend
+      // on the shape alone. The copy is O(m K + K n), against the call's O(m n K).
+      std::unique_ptr<bf16[]> a_dense, b_dense;
+      ap = dense(ap, trans_a ? K : m, trans_a ? m : K, a.ld, a_dense);
+      bp = dense(bp, trans_b ? n : K, trans_b ? K : n, b.ld, b_dense);
+      bf16_gemm_on_this_thread(trans_a, trans_b, m, n, K, alpha, ap, trans_a ? m : K, bp, trans_b ? K : n, beta, c,
+                               ldc);
+    } catch (...) {
+#pragma omp critical(rf_model_gemm_failure)
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
           const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   single_threaded_blas();
-  // Split the larger side of C: each call packs its share of that side's operand and the whole of the other, so
-  // the big operand (a weight matrix, or the vocabulary-sized head) is packed once in total, not once a thread.
-  const bool split_rows = M >= N;
-  const int64_t extent = split_rows ? M : N;
-  // Inside a parallel region (callers that run independent sgemms on each thread) each call stays on its thread.
-  const int64_t threads = !omp_in_parallel() && M * N * K >= kParallelMinMultiplyAdds ? omp_get_max_threads() : 1;
-  const int64_t share =
-      std::max(kGemmQuantum, ((extent + threads - 1) / threads + kGemmQuantum - 1) / kGemmQuantum * kGemmQuantum);
-  const int64_t blocks = (extent + share - 1) / share;
-#pragma omp parallel for schedule(static) if (blocks > 1)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t o = blk * share;
-    const int64_t n_part = std::min(share, extent - o);
-    const int64_t m = split_rows ? n_part : M;
-    const int64_t n = split_rows ? N : n_part;
+  const GemmSplit s = split_for(M, N, K);
+  if (K == 0) {
+    scale_only(beta, C, M, N, ldc);
+    return;
+  }
+#pragma omp parallel for schedule(static) if (s.blocks > 1)
+  for (int64_t blk = 0; blk < s.blocks; ++blk) {
+    const int64_t o = blk * s.share;
+    const int64_t n_part = std::min(s.share, s.extent - o);
+    const int64_t m = s.split_rows ? n_part : M;
+    const int64_t n = s.split_rows ? N : n_part;
     // Row o of op(A) is row o of A, or column o when transposed; column o of op(B) is column o of B, or row o.
-    const float* a = split_rows ? (trans_a ? A + o : A + o * lda) : A;
-    const float* b = split_rows ? B : (trans_b ? B + o * ldb : B + o);
-    float* c = split_rows ? C + o * ldc : C + o;
-    if (K == 0) {
-      // As BLAS: with beta = 0, C is written without being read (it may be uninitialised; NaN * 0 would be NaN).
-      for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.f ? 0.f : c[i * ldc + j] * beta;
-      continue;
-    }
+    const float* a = s.split_rows ? (trans_a ? A + o : A + o * lda) : A;
+    const float* b = s.split_rows ? B : (trans_b ? B + o * ldb : B + o);
+    float* c = s.split_rows ? C + o * ldc : C + o;
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
                 static_cast<int>(m), static_cast<int>(n), static_cast<int>(K), alpha, a, static_cast<int>(lda), b,
                 static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
   }
 }
 
-void linear_forward(const float* x, const float* W, float* y, int64_t T, int64_t K, int64_t N) {
-  gemm(false, true, T, N, K, 1.f, x, K, W, K, 0.f, y, N);
+void linear_forward(const Matmul& mm, const float* x, const float* W, float* y, int64_t T, int64_t K, int64_t N) {
+  gemm(mm, false, true, T, N, K, 1.f, x, K, W, K, 0.f, y, N);
 }
 
-void linear_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t T, int64_t K,
-                     int64_t N) {
-  if (dx) gemm(false, false, T, K, N, 1.f, dy, N, W, K, 1.f, dx, K);
-  if (dW) gemm(true, false, N, K, T, 1.f, dy, N, x, K, 1.f, dW, K);
+void linear_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t T,
+                     int64_t K, int64_t N) {
+  if (dx) gemm(mm, false, false, T, K, N, 1.f, dy, N, W, K, 1.f, dx, K);
+  if (dW) gemm(mm, true, false, N, K, T, 1.f, dy, N, x, K, 1.f, dW, K);
 }
 
 void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* inv_rms, int64_t R, int64_t n) {
@@ -209,40 +366,43 @@ void rope_apply_head_major(float* x, const RopeTable& r, int B, int heads, int64
   }
 }
 
-void heads_forward(const float* x, const float* W, float* y, int B, int64_t L, int64_t K, int heads, int64_t D) {
+void heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int64_t K, int heads,
+                   int64_t D) {
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < heads; ++h)
-      gemm(false, true, L, D, K, 1.f, x + b * L * K, K, W + h * D * K, K, 0.f, y + (int64_t{b} * heads + h) * L * D, D);
+      gemm(mm, false, true, L, D, K, 1.f, x + b * L * K, K, W + h * D * K, K, 0.f, y + (int64_t{b} * heads + h) * L * D,
+           D);
 }
 
-void heads_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L, int64_t K,
-                    int heads, int64_t D) {
+void heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int B,
+                    int64_t L, int64_t K, int heads, int64_t D) {
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < heads; ++h) {
       const float* g = dy + (int64_t{b} * heads + h) * L * D;  // [L, D]
-      if (dx) gemm(false, false, L, K, D, 1.f, g, D, W + h * D * K, K, 1.f, dx + b * L * K, K);
-      if (dW) gemm(true, false, D, K, L, 1.f, g, D, x + b * L * K, K, 1.f, dW + h * D * K, K);
+      if (dx) gemm(mm, false, false, L, K, D, 1.f, g, D, W + h * D * K, K, 1.f, dx + b * L * K, K);
+      if (dW) gemm(mm, true, false, D, K, L, 1.f, g, D, x + b * L * K, K, 1.f, dW + h * D * K, K);
     }
   }
 }
 
-void merge_heads_forward(const float* x, const float* W, float* y, int B, int64_t L, int heads, int64_t D, int64_t N) {
+void merge_heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int heads,
+                         int64_t D, int64_t N) {
   const int64_t ld_w = int64_t{heads} * D;
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < heads; ++h)
-      gemm(false, true, L, N, D, 1.f, x + (int64_t{b} * heads + h) * L * D, D, W + h * D, ld_w, h == 0 ? 0.f : 1.f,
+      gemm(mm, false, true, L, N, D, 1.f, x + (int64_t{b} * heads + h) * L * D, D, W + h * D, ld_w, h == 0 ? 0.f : 1.f,
            y + b * L * N, N);
 }
 
-void merge_heads_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L,
-                          int heads, int64_t D, int64_t N) {
+void merge_heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW,
+                          int B, int64_t L, int heads, int64_t D, int64_t N) {
   const int64_t ld_w = int64_t{heads} * D;
   for (int b = 0; b < B; ++b) {
     const float* g = dy + b * L * N;  // [L, N]
     for (int h = 0; h < heads; ++h) {
       const int64_t o = (int64_t{b} * heads + h) * L * D;
-      if (dx) gemm(false, false, L, D, N, 1.f, g, N, W + h * D, ld_w, 0.f, dx + o, D);
-      if (dW) gemm(true, false, N, D, L, 1.f, g, N, x + o, D, 1.f, dW + h * D, ld_w);
+      if (dx) gemm(mm, false, false, L, D, N, 1.f, g, N, W + h * D, ld_w, 0.f, dx + o, D);
+      if (dW) gemm(mm, true, false, N, D, L, 1.f, g, N, x + o, D, 1.f, dW + h * D, ld_w);
     }
   }
 }

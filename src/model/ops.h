@@ -7,9 +7,49 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
+#include "core/dtype.h"
+
 namespace rf::model {
+
+// What the model's matmuls multiply in. Float32: sgemm. Bfloat16: both operands rounded to bfloat16 (nearest even,
+// a relative error of at most 2^-9 each), their products accumulated in float32 into float32 results; weights stay
+// float32 masters (the optimizer updates those) and are rounded once after each change (Bf16Copies), activations
+// when a call packs them.
+enum class ComputeDtype { Float32, Bfloat16 };
+std::string_view compute_dtype_name(ComputeDtype t);  // "float32" / "bfloat16"
+// Parses "float32" or "bfloat16" (also "f32", "bf16"); throws rf::Error naming the value and the choices.
+ComputeDtype parse_compute_dtype(std::string_view s);
+
+// bfloat16 copies of float32 tensors, made once by add() (after every change to the originals), found again by the
+// float32 address an operand starts at: a matmul operand inside a copied tensor is read from its copy, so the bf16
+// mode rounds a weight once per optimizer step instead of once per call.
+class Bf16Copies {
+ public:
+  void clear() { copies_.clear(); }
+  // Rounds src[0, n) now (in parallel) and remembers it.
+  void add(const float* src, int64_t n);
+  // The copy of src[0, extent) if it lies inside one copied tensor, else null.
+  const bf16* find(const float* src, int64_t extent) const;
+  int64_t bytes() const;
+
+ private:
+  struct Copy {
+    const float* src;
+    int64_t n;
+    std::vector<bf16> bits;
+  };
+  std::vector<Copy> copies_;  // sorted by src
+};
+
+// How one run multiplies: the dtype, and the weights' bf16 copies when it is Bfloat16 (null: every operand is
+// rounded as it is packed).
+struct Matmul {
+  ComputeDtype dtype = ComputeDtype::Float32;
+  const Bf16Copies* weights = nullptr;
+};
 
 // Loops over fewer elements than this run on one thread: a parallel region's fork and barrier cost microseconds
 // on an idle machine and milliseconds on a loaded one, more than ~32K elements of simple work.
@@ -21,14 +61,23 @@ constexpr int64_t kParallelMinMultiplyAdds = int64_t{1} << 21;
 // [K, M] transposed), B is [K, N] (or [N, K]). OpenMP splits the larger of M and N into one block per thread,
 // each a single-threaded sgemm (OpenBLAS's own threading does not scale on the dev VM; dev-machine-limits.md);
 // called inside a parallel region it runs as one sgemm on the calling thread.
+//
+// With mm.dtype = Bfloat16 the same split runs oneDNN's bf16 matmul per block (model/matmul_bf16.h) on operands
+// rounded to bf16 (A and B from mm.weights where they lie in a copied tensor, else rounded here once per call, before
+// the split), still never cutting K.
+void gemm(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+          int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+// Float32.
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
           const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
+// The functions below take the run's Matmul first; each multiplies through gemm(mm, ...).
+
 // y[T, N] = x[T, K] W[N, K]^T (nn.Linear without bias).
-void linear_forward(const float* x, const float* W, float* y, int64_t T, int64_t K, int64_t N);
+void linear_forward(const Matmul& mm, const float* x, const float* W, float* y, int64_t T, int64_t K, int64_t N);
 // dx[T, K] += dy W (skipped when dx is null); dW[N, K] += dy^T x (skipped when dW is null).
-void linear_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t T, int64_t K,
-                     int64_t N);
+void linear_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t T,
+                     int64_t K, int64_t N);
 
 // y[R, n] = x * (mean(x^2) + eps)^-1/2 * w per row (w null: no scale). inv_rms: [R], kept for the backward.
 void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* inv_rms, int64_t R, int64_t n);
@@ -66,16 +115,18 @@ void rope_apply_head_major(float* x, const RopeTable& r, int B, int heads, int64
 // sgemm and sum heads and rows in a fixed order, so the bits do not depend on the thread count.
 
 // y[B, heads, L, D] = x[B, L, K] W[heads*D, K]^T (q/k/v_proj).
-void heads_forward(const float* x, const float* W, float* y, int B, int64_t L, int64_t K, int heads, int64_t D);
+void heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int64_t K, int heads,
+                   int64_t D);
 // dx[B, L, K] += sum_h dy[b, h] W_h (skipped when dx is null); dW_h[D, K] += sum_b dy[b, h]^T x[b] (skipped when
 // dW is null). dy: [B, heads, L, D].
-void heads_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L, int64_t K,
-                    int heads, int64_t D);
+void heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int B,
+                    int64_t L, int64_t K, int heads, int64_t D);
 // y[B, L, N] = sum_h x[B, h, L, D] W[N, heads*D][:, h*D : (h+1)*D]^T (o_proj), written (not accumulated).
-void merge_heads_forward(const float* x, const float* W, float* y, int B, int64_t L, int heads, int64_t D, int64_t N);
+void merge_heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int heads,
+                         int64_t D, int64_t N);
 // dx[B, heads, L, D] = dy[b] W_h (written; skipped when dx is null); dW[:, h*D : (h+1)*D] += sum_b dy[b]^T x[b, h]
 // (skipped when dW is null).
-void merge_heads_backward(const float* x, const float* W, const float* dy, float* dx, float* dW, int B, int64_t L,
-                          int heads, int64_t D, int64_t N);
+void merge_heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW,
+                          int B, int64_t L, int heads, int64_t D, int64_t N);
 
 }  // namespace rf::model

@@ -85,6 +85,7 @@ const std::vector<Field>& fields() {
       field("model.path", kStr, &C::model, &ModelSection::path),
       field("model.init_std", kNum, &C::model, &ModelSection::init_std),
       string_list("model.freeze", &ModelSection::freeze),
+      field("model.compute_dtype", "float32 or bfloat16", &C::model, &ModelSection::compute_dtype),
       field("data.source", kStr, &C::data, &DataSection::source),
       field("data.path", kStr, &C::data, &DataSection::path),
       field("data.features", kStr, &C::data, &DataSection::features),
@@ -177,6 +178,8 @@ void validate(const TrainConfig& c, int world_size) {
   const auto non_negative = [](double v, const char* name) {
     RF_CHECK(v >= 0, "config: ", name, " = ", v, " must be >= 0");
   };
+  RF_CHECK(c.model.compute_dtype == "float32" || c.model.compute_dtype == "bfloat16", "config: model.compute_dtype = '",
+           c.model.compute_dtype, "' is not one of float32, bfloat16");
   if (c.model.path.empty()) {
     RF_CHECK(c.model.builtin == "tiny_dense" || c.model.builtin == "tiny_moe_vlm", "config: model.builtin = '",
              c.model.builtin, "' is not one of tiny_dense, tiny_moe_vlm (or set model.path to a checkpoint)");

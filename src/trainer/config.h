@@ -17,6 +17,8 @@ struct ModelSection {
   std::string path;                      // a Hugging Face Gemma 4 checkpoint directory
   double init_std = 0.02;                // built-in models: weights ~ N(0, init_std)
   std::vector<std::string> freeze;       // parameters whose name contains one of these do not train
+  // float32 | bfloat16: what the linear layers multiply in (model::RunOptions::compute_dtype)
+  std::string compute_dtype = "float32";
 };
 
 struct DataSection {

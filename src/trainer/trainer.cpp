@@ -12,6 +12,7 @@
 #include "core/memory.h"
 #include "cp/cp_backend.h"
 #include "cpu/local_attention.h"
+#include "model/matmul_bf16.h"
 #include "model/memory.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
@@ -104,8 +105,9 @@ std::string default_svg_path(const TrainConfig& c, const TrainOptions& o) {
 
 }  // namespace
 
-// Terms, each counting buffers train() surely holds through a step (float32 throughout):
+// Terms, each counting buffers train() surely holds through a step (float32 unless said):
 //   weights          the parameters (and buffers), Gemma4Model::params()/buffers();
+//   bf16 copies      with model.compute_dtype = bfloat16, the matrices' bf16 copies (Gemma4Model::bf16_weight_bytes);
 //   gradients        `grads`, params().zeros_like(): every parameter, frozen ones included;
 //   AdamW moments    exp_avg and exp_avg_sq, two more zeros_like() sets (AdamW allocates them for every parameter);
 //   then the larger of what one micro-batch's run holds (model::run_memory_at_least: train.micro_batch rows of
@@ -122,6 +124,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   need.add("weights", params + m.buffers().total_bytes());
   need.add("gradients", params);
   need.add("AdamW moments", checked_bytes({kMoments, params}));
+  if (c.model.compute_dtype == "bfloat16") need.add("bf16 weight copies", m.bf16_weight_bytes());
   const int64_t L = (int64_t{c.train.seq_len} + c.parallelism.cp - 1) / c.parallelism.cp;
   model::RunMemoryArgs run;
   run.tokens = int64_t{c.train.micro_batch} * L;
@@ -231,6 +234,8 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
                    ", global batch ", cfg.train.global_batch, " rows (dp ", dp, " x ", cfg.accumulation_steps(),
                    " micro-batches of ", cfg.train.micro_batch, "), cp ", cp,
                    resume_dir.empty() ? "" : ", resumed from " + resume_dir));
+    if (cfg.model.compute_dtype == "bfloat16")
+      progress.note(rf::concat("ringflex train: bf16 matmuls: ", model::bf16_matmul_path().description));
   }
 
   const int rows_per_replica = cfg.global_batch_per_replica(), micro = cfg.train.micro_batch;
@@ -241,6 +246,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     ro.want_grad = grad;
     ro.recompute_layers = cfg.train.recompute;
     ro.keep_mlp_projections = cfg.train.keep_mlp;
+    ro.compute_dtype = model::parse_compute_dtype(cfg.model.compute_dtype);
     ro.loss_normalizer = std::max(1.0, normalizer);  // a batch without label tokens has loss 0, not 0 / 0
     return m.run(as_batch(p), ro, grad ? &grads : nullptr, *attention).loss;
   };

@@ -90,11 +90,11 @@ TEST(ModelOps, LinearBackwardMatchesFiniteDifferences) {
   const int64_t T = 5, K = 7, N = 3;
   Vec x = random_vec(T * K, 4), W = random_vec(N * K, 5), probe = random_vec(T * N, 6), y(T * N);
   auto loss = [&] {
-    linear_forward(x.data(), W.data(), y.data(), T, K, N);
+    linear_forward(Matmul{}, x.data(), W.data(), y.data(), T, K, N);
     return dot(y, probe);
   };
   Vec dx(T * K, 0.f), dW(N * K, 0.f);
-  linear_backward(x.data(), W.data(), probe.data(), dx.data(), dW.data(), T, K, N);
+  linear_backward(Matmul{}, x.data(), W.data(), probe.data(), dx.data(), dW.data(), T, K, N);
   for (size_t i = 0; i < x.size(); ++i) expect_close(central(loss, x[i], kStep), dx[i], "linear dx", i);
   for (size_t i = 0; i < W.size(); ++i) expect_close(central(loss, W[i], kStep), dW[i], "linear dW", i);
 }
@@ -192,7 +192,7 @@ TEST(ModelLoss, ChunkedMatchesUnchunkedForEveryChunkSize) {
   const PlainLoss ref = plain_loss(x, W, labels, T, H, V, cap);
   for (int64_t chunk : {1, 4, 5, 13, 64}) {
     Vec token(T), dx(T * H, 0.f), dW(V * H, 0.f), logits(T * V);
-    LmHeadLossArgs a{x.data(), W.data(), labels.data(), T, H, V, static_cast<float>(cap), 0.f, chunk};
+    LmHeadLossArgs a{x.data(), W.data(), labels.data(), T, H, V, static_cast<float>(cap), 0.f, chunk, Matmul{}};
     int64_t n = 0;
     for (int32_t l : labels) n += l != kIgnoreLabel;
     a.loss_scale = 1.f / static_cast<float>(n);
@@ -227,7 +227,7 @@ TEST(ModelLoss, Float32LogSumExpOverLargeVocabularyMatchesDouble) {
       const int32_t label = static_cast<int32_t>(V / 3);
       const float one = 1.f;
       Vec logits(static_cast<size_t>(V)), dW(static_cast<size_t>(V), 0.f);
-      LmHeadLossArgs a{&one, w.data(), &label, 1, 1, V, cap, 1.f, 1};
+      LmHeadLossArgs a{&one, w.data(), &label, 1, 1, V, cap, 1.f, 1, Matmul{}};
       const double loss = lm_head_loss(a, LmHeadLossOut{nullptr, logits.data(), nullptr, dW.data()});
       double mx = -1e300, sum = 0.0;
       for (float z : logits) mx = std::max(mx, double{z});
@@ -251,7 +251,7 @@ TEST(ModelLoss, RejectsLabelsOutsideTheVocabulary) {
   const int64_t T = 2, H = 2, V = 3;
   Vec x(T * H, 0.1f), W(V * H, 0.1f), token(T);
   const std::vector<int32_t> labels = {1, 3};
-  LmHeadLossArgs a{x.data(), W.data(), labels.data(), T, H, V, 0.f, 1.f, 1};
+  LmHeadLossArgs a{x.data(), W.data(), labels.data(), T, H, V, 0.f, 1.f, 1, Matmul{}};
   EXPECT_THROW(lm_head_loss(a, LmHeadLossOut{token.data(), nullptr, nullptr, nullptr}), rf::Error);
 }
 

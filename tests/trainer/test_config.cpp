@@ -14,6 +14,7 @@ TEST(TrainConfig, EmptyFileIsTheDefaults) {
   const TrainConfig c = parse_config("", "empty.yaml");
   EXPECT_EQ(c.model.builtin, "tiny_moe_vlm");
   EXPECT_EQ(c.data.source, "mock");
+  EXPECT_EQ(c.model.compute_dtype, "float32");
   EXPECT_EQ(c.parallelism.cp, 1);
   EXPECT_EQ(c.train.steps, 300);
   EXPECT_NO_THROW(validate(c, 1));
@@ -40,9 +41,10 @@ TEST(TrainConfig, YamlThenSetsInOrder) {
 TEST(TrainConfig, PrintedConfigParsesBackToTheSameConfig) {
   const TrainConfig c = parse_config("", "x",
                                      {"optimizer.lr=0.003", "model.freeze=embed", "schedule.min_lr_ratio=0.125",
-                                      "data.path=some file.jsonl"});
+                                      "data.path=some file.jsonl", "model.compute_dtype=bfloat16"});
   const std::string yaml = to_yaml(c);
   EXPECT_NE(yaml.find("lr: 0.003\n"), std::string::npos) << yaml;  // shortest round-trip form
+  EXPECT_NE(yaml.find("compute_dtype: bfloat16\n"), std::string::npos) << yaml;
   EXPECT_EQ(to_yaml(parse_config(yaml, "printed")), yaml);
 }
 
@@ -61,6 +63,8 @@ TEST(TrainConfig, UnknownFieldsAndWrongTypesNameTheField) {
   EXPECT_NE(error_of([] { parse_config("train: {steps: [1", "a.yaml"); }).find("a.yaml: not valid YAML"),
             std::string::npos);
   EXPECT_EQ(error_of([] { load_config("/absent/x.yaml"); }), "/absent/x.yaml: cannot open the config file");
+  EXPECT_EQ(error_of([] { validate(parse_config("model: {compute_dtype: float16}", "a.yaml"), 1); }),
+            "config: model.compute_dtype = 'float16' is not one of float32, bfloat16");
 }
 
 TEST(TrainConfig, CrossFieldRules) {

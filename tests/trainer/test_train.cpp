@@ -263,5 +263,30 @@ TEST(Freeze, FrozenParametersKeepTheirBits) {
   EXPECT_GT(moved, 20);
 }
 
+// model.compute_dtype = bfloat16 trains the same model along nearly the same loss curve. Step 1 runs the same weights,
+// so its loss differs only by the bf16 rounding of the matmuls' operands (tests/model/test_model_bf16.cpp bounds a
+// run: a few 2^-8 of the largest logit, ~1e-3 relative here). Later steps also carry the weights' drift: AdamW
+// normalises each update to ~lr per element, so a gradient that differs by the bf16 rounding (~1% relative) moves the
+// update by ~1% of lr, except where a gradient is near zero and its sign may flip; over 5 steps at lr 0.003 that
+// moves the loss by well under 1% of it. kBf16TrajectoryRel = 2e-2 leaves that margin, while a wrong product (a
+// transposed or stale weight, a missing accumulation) changes the loss by O(1) or stops it from falling.
+constexpr double kBf16TrajectoryRel = 2e-2;
+
+TEST(ComputeDtype, Bf16LossTrajectoryFollowsFloat32) {
+  for (const std::string builtin : {"tiny_dense", "tiny_moe_vlm"}) {
+    const Trained f32 = run(grid_case(builtin, {}));
+    const Trained bf = run(grid_case(builtin, {"model.compute_dtype=bfloat16"}));
+    ASSERT_EQ(bf.steps.size(), f32.steps.size());
+    EXPECT_LT(bf.steps.back().loss, bf.steps.front().loss) << builtin << ": bf16 trains";
+    bool differs = false;
+    for (size_t i = 0; i < f32.steps.size(); ++i) {
+      EXPECT_NEAR(bf.steps[i].loss, f32.steps[i].loss, kBf16TrajectoryRel * f32.steps[i].loss)
+          << builtin << " step " << i + 1;
+      differs = differs || bf.steps[i].loss != f32.steps[i].loss;
+    }
+    EXPECT_TRUE(differs) << builtin << ": the bf16 mode computed in float32";
+  }
+}
+
 }  // namespace
 }  // namespace rf::trainer
