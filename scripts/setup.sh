@@ -7,9 +7,12 @@ export DEBIAN_FRONTEND=noninteractive
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO=sudo
 $SUDO apt-get update -qq
+# ocl-icd-opencl-dev: Debian builds oneDNN with its OpenCL GPU runtime, and its CMake package config
+# (dnnl-config.cmake) requires OpenCL's headers and libOpenCL.so, which libdnnl-dev only recommends; with
+# --no-install-recommends, find_package(dnnl) fails without it. Nothing here runs OpenCL.
 $SUDO apt-get install -y -qq --no-install-recommends \
   g++ cmake make git python3 python3-pip python3-venv \
-  openmpi-bin libopenmpi-dev libopenblas-dev libdnnl-dev \
+  openmpi-bin libopenmpi-dev libopenblas-dev libdnnl-dev ocl-icd-opencl-dev \
   libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libsentencepiece-dev \
   clang-format >/dev/null
 if [ "${1:-}" = "--test" ]; then
