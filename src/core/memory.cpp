@@ -30,6 +30,92 @@ int64_t meminfo_available() {
   return -1;
 }
 
+// Limits at or above this mean "no limit": cgroup v1 reports an unset limit as PAGE_COUNTER_MAX pages, just below
+// 2^63 bytes; no machine has 2^62 bytes.
+constexpr int64_t kNoCgroupLimit = int64_t{1} << 62;
+
+// The file's first token as a byte count; -1 when the file cannot be read or holds no plain number (v2 writes
+// "max" for no limit).
+int64_t read_bytes(const std::string& path) {
+  std::ifstream file(path);
+  std::string token;
+  if (!(file >> token) || token.empty() || token.find_first_not_of("0123456789") != std::string::npos) return -1;
+  errno = 0;
+  const long long n = std::strtoll(token.c_str(), nullptr, 10);
+  return errno == 0 ? static_cast<int64_t>(n) : -1;
+}
+
+// The value of `key` in a memory.stat file ("key value" lines), or -1 when it is not there.
+int64_t stat_bytes(const std::string& path, const std::string& key) {
+  std::ifstream file(path);
+  std::string name;
+  long long value = 0;
+  while (file >> name >> value)
+    if (name == key) return value;
+  return -1;
+}
+
+// Headroom under `limit` of a group using `usage` bytes of which `reclaimable` are inactive page cache; -1 when
+// the limit is unset or unreadable.
+int64_t headroom(int64_t limit, int64_t usage, int64_t reclaimable) {
+  if (limit < 0 || limit >= kNoCgroupLimit || usage < 0) return -1;
+  const int64_t used = usage - std::clamp<int64_t>(reclaimable, 0, usage);
+  return std::max<int64_t>(limit - used, 0);
+}
+
+// The lesser of two headrooms, -1 meaning none.
+int64_t least_headroom(int64_t a, int64_t b) {
+  if (a < 0) return b;
+  if (b < 0) return a;
+  return std::min(a, b);
+}
+
+// The directory of the group at `path` ("/" or "/a/b") under a hierarchy mounted at `mount`.
+std::string group_dir(const std::string& mount, const std::string& path) {
+  std::string dir = mount;
+  if (path != "/") dir.append(path);
+  return dir;
+}
+
+// Whether a /proc/self/cgroup controller list ("cpu,memory") names `controller`.
+bool lists_controller(const std::string& controllers, const std::string& controller) {
+  size_t start = 0;
+  while (start <= controllers.size()) {
+    size_t end = controllers.find(',', start);
+    if (end == std::string::npos) end = controllers.size();
+    if (controllers.compare(start, end - start, controller) == 0) return true;
+    start = end + 1;
+  }
+  return false;
+}
+
+// cgroup v2: the group at `path` (which starts with '/') and each of its ancestors up to the mount, since each
+// memory.max bounds its whole subtree; the least headroom wins.
+int64_t v2_headroom(const std::string& mount, const std::string& path) {
+  int64_t least = -1;
+  size_t end = path == "/" ? 0 : path.size();  // the group is path[0, end); end = 0 is the mount itself
+  while (true) {
+    const std::string dir = mount + path.substr(0, end);
+    least = least_headroom(least, headroom(read_bytes(dir + "/memory.max"), read_bytes(dir + "/memory.current"),
+                                           stat_bytes(dir + "/memory.stat", "inactive_file")));
+    if (end == 0) return least;
+    end = path.rfind('/', end - 1);
+  }
+}
+
+// cgroup v1: the memory controller's group; memory.stat's hierarchical_memory_limit already folds in the
+// ancestors' limits.
+int64_t v1_headroom(const std::string& mount, const std::string& path) {
+  const std::string controller = mount + "/memory";
+  std::string dir = group_dir(controller, path);
+  if (read_bytes(dir + "/memory.usage_in_bytes") < 0) dir = controller;
+  const std::string stat = dir + "/memory.stat";
+  const int64_t usage = read_bytes(dir + "/memory.usage_in_bytes");
+  const int64_t reclaimable = stat_bytes(stat, "total_inactive_file");
+  return least_headroom(headroom(read_bytes(dir + "/memory.limit_in_bytes"), usage, reclaimable),
+                        headroom(stat_bytes(stat, "hierarchical_memory_limit"), usage, reclaimable));
+}
+
 int local_ranks() {
   // Open MPI's count of the ranks of this job on this node; other launchers leave it unset.
   const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
@@ -58,9 +144,32 @@ int64_t memory_limit() {
 
 }  // namespace
 
+int64_t cgroup_memory_headroom(const std::string& proc_cgroup, const std::string& cgroup_mount) {
+  std::ifstream list(proc_cgroup);
+  std::string line;
+  int64_t least = -1;
+  // Each line is "hierarchy-id:controllers:path"; v2's unified hierarchy is "0::path".
+  while (std::getline(list, line)) {
+    const size_t first = line.find(':');
+    const size_t second = first == std::string::npos ? first : line.find(':', first + 1);
+    if (second == std::string::npos) continue;
+    const std::string controllers = line.substr(first + 1, second - first - 1);
+    const std::string path = line.substr(second + 1);
+    if (path.empty() || path[0] != '/') continue;
+    if (line.compare(0, first, "0") == 0 && controllers.empty()) {
+      least = least_headroom(least, v2_headroom(cgroup_mount, path));
+    } else if (lists_controller(controllers, "memory")) {
+      least = least_headroom(least, v1_headroom(cgroup_mount, path));
+    }
+  }
+  return least;
+}
+
 int64_t available_memory_bytes() {
   int64_t bytes = meminfo_available();
   if (bytes < 0) bytes = static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+  const int64_t cgroup = cgroup_memory_headroom("/proc/self/cgroup", "/sys/fs/cgroup");
+  if (cgroup >= 0) bytes = std::min(bytes, cgroup);
   bytes /= local_ranks();
   const int64_t limit = memory_limit();
   return limit >= 0 ? std::min(bytes, limit) : bytes;

@@ -3,7 +3,9 @@
 // Sizes come from what inputs claim (a config's vocabulary, a tensor's shape, a rank count); a claim the machine
 // cannot hold must end the job with a message saying how much it needs, not with std::bad_alloc or the kernel's
 // OOM killer half-way through. The figure compared against is Linux's MemAvailable (what can be allocated without
-// swapping), shared evenly between the ranks mpirun placed on this machine, since they all allocate at once.
+// swapping), or less where a cgroup limit leaves less (a container, a batch scheduler's job: MemAvailable is the
+// host's figure there, and going past the cgroup's limit brings its OOM killer), shared evenly between the ranks
+// mpirun placed on this machine, since they all allocate at once.
 // RINGFLEX_MEMORY_LIMIT=BYTES (a plain count, or with a K, M or G suffix for KiB, MiB, GiB) caps that figure per
 // rank: a job sharing a node with others can keep to its part, and the tests fake a small machine with it.
 //
@@ -20,9 +22,20 @@
 namespace rf {
 
 // Bytes this process may allocate: MemAvailable from /proc/meminfo (or the free physical pages where it is
-// missing) divided by the number of ranks on this node (OMPI_COMM_WORLD_LOCAL_SIZE, 1 without mpirun), at most
-// RINGFLEX_MEMORY_LIMIT. Throws rf::Error when RINGFLEX_MEMORY_LIMIT is not a byte count.
+// missing), at most the headroom of this process's cgroups (cgroup_memory_headroom), divided by the number of
+// ranks on this node (OMPI_COMM_WORLD_LOCAL_SIZE, 1 without mpirun), at most RINGFLEX_MEMORY_LIMIT. Throws
+// rf::Error when RINGFLEX_MEMORY_LIMIT is not a byte count.
 int64_t available_memory_bytes();
+
+// What the memory cgroups of this process still let it allocate, or -1 when none sets a limit (or none can be
+// read). `proc_cgroup` is the process's cgroup list (/proc/self/cgroup), `cgroup_mount` where the hierarchies are
+// mounted (/sys/fs/cgroup); both are parameters so the tests can lay out a fake tree. Headroom = limit - (usage -
+// inactive file pages): the kernel reclaims inactive page cache before it OOM-kills, as `docker stats` counts it.
+// cgroup v2: memory.max of the process's group and of every ancestor (each limits the subtree), the least
+// headroom wins. cgroup v1: the memory controller's group, memory.limit_in_bytes and the hierarchical limit from
+// memory.stat; a group path that is not under the mount (a container that sees its own group as the root) is
+// read at the mount itself.
+int64_t cgroup_memory_headroom(const std::string& proc_cgroup, const std::string& cgroup_mount);
 
 // Named byte counts that add up to what a job needs per rank, in the order they are shown.
 class MemoryBreakdown {

@@ -1,10 +1,13 @@
 // Tests of the memory check: a claim beyond the machine is an error that says how much it needs, an overflowed
 // (negative) size is an error too, and a small claim passes.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "core/error.h"
@@ -120,6 +123,106 @@ TEST(Memory, BreakdownCheckSaysWhatItNeedsAndWhatIsAvailable) {
   EXPECT_NO_THROW(check_memory(small, "train"));
   small.add("overflowed", -1);
   EXPECT_THROW(check_memory(small, "train"), Error);
+}
+
+// A fake cgroup tree in a temporary directory: the /proc/self/cgroup list and the files under the mount.
+class FakeCgroups {
+ public:
+  explicit FakeCgroups(const std::string& name)
+      : root_(std::filesystem::temp_directory_path() / ("rf_cgroup_" + name + "_" + std::to_string(::getpid()))) {
+    std::filesystem::remove_all(root_);
+    std::filesystem::create_directories(mount());
+  }
+  ~FakeCgroups() { std::filesystem::remove_all(root_); }
+  FakeCgroups(const FakeCgroups&) = delete;
+  FakeCgroups& operator=(const FakeCgroups&) = delete;
+
+  std::string list() const { return (root_ / "cgroup").string(); }
+  std::string mount() const { return (root_ / "fs").string(); }
+  void write(const std::string& relative, const std::string& text) const {
+    const std::filesystem::path path = root_ / relative;
+    std::filesystem::create_directories(path.parent_path());
+    std::ofstream(path) << text;
+  }
+  int64_t headroom() const { return cgroup_memory_headroom(list(), mount()); }
+
+ private:
+  std::filesystem::path root_;
+};
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+TEST(MemoryCgroup, V2TakesTheLeastHeadroomOfTheGroupAndItsAncestors) {
+  const FakeCgroups cg("v2");
+  cg.write("cgroup", "0::/job/step\n");
+  // The group itself has no limit ("max"); its parent allows 100 MiB and uses 70 MiB, of which 10 MiB is
+  // inactive page cache the kernel would reclaim first: 100 - (70 - 10) = 40 MiB.
+  cg.write("fs/job/step/memory.max", "max\n");
+  cg.write("fs/job/step/memory.current", std::to_string(50 * kMiB) + "\n");
+  cg.write("fs/job/memory.max", std::to_string(100 * kMiB) + "\n");
+  cg.write("fs/job/memory.current", std::to_string(70 * kMiB) + "\n");
+  cg.write("fs/job/memory.stat", "anon 1\ninactive_file " + std::to_string(10 * kMiB) + "\nactive_file 5\n");
+  EXPECT_EQ(cg.headroom(), 40 * kMiB);
+  // A tighter limit lower down wins: the step may use 60 MiB and uses 50 (no page cache listed).
+  cg.write("fs/job/step/memory.max", std::to_string(60 * kMiB) + "\n");
+  EXPECT_EQ(cg.headroom(), 10 * kMiB);
+  // Usage past the limit (it can be, briefly) is no headroom, not a negative one.
+  cg.write("fs/job/step/memory.current", std::to_string(80 * kMiB) + "\n");
+  EXPECT_EQ(cg.headroom(), 0);
+}
+
+TEST(MemoryCgroup, V2ContainerSeesItsGroupAsTheRoot) {
+  const FakeCgroups cg("v2root");
+  cg.write("cgroup", "0::/\n");
+  cg.write("fs/memory.max", std::to_string(8 * kMiB) + "\n");
+  cg.write("fs/memory.current", std::to_string(3 * kMiB) + "\n");
+  EXPECT_EQ(cg.headroom(), 5 * kMiB);
+}
+
+TEST(MemoryCgroup, V1ReadsTheMemoryControllersGroupAndHierarchicalLimit) {
+  const FakeCgroups cg("v1");
+  cg.write("cgroup", "9:name=systemd:/\n5:cpu,memory:/batch/42\n1:cpu:/\n0::/\n");
+  cg.write("fs/memory/batch/42/memory.limit_in_bytes", "9223372036854771712\n");  // v1's "no limit"
+  cg.write("fs/memory/batch/42/memory.usage_in_bytes", std::to_string(30 * kMiB) + "\n");
+  cg.write("fs/memory/batch/42/memory.stat", "cache 7\nhierarchical_memory_limit " + std::to_string(64 * kMiB) +
+                                                 "\ntotal_inactive_file " + std::to_string(6 * kMiB) + "\n");
+  EXPECT_EQ(cg.headroom(), 40 * kMiB);  // 64 - (30 - 6)
+  cg.write("fs/memory/batch/42/memory.limit_in_bytes", std::to_string(32 * kMiB) + "\n");
+  EXPECT_EQ(cg.headroom(), 8 * kMiB);  // 32 - (30 - 6)
+}
+
+TEST(MemoryCgroup, V1GroupOutsideTheMountIsReadAtTheMount) {
+  // An older container without a cgroup namespace lists the host's path, but its mount shows its own group.
+  const FakeCgroups cg("v1container");
+  cg.write("cgroup", "4:memory:/docker/0123abcd\n");
+  cg.write("fs/memory/memory.limit_in_bytes", std::to_string(16 * kMiB) + "\n");
+  cg.write("fs/memory/memory.usage_in_bytes", std::to_string(4 * kMiB) + "\n");
+  EXPECT_EQ(cg.headroom(), 12 * kMiB);
+}
+
+TEST(MemoryCgroup, NoLimitOrNothingReadableIsMinusOne) {
+  const FakeCgroups cg("none");
+  EXPECT_EQ(cg.headroom(), -1);  // no /proc/self/cgroup at all
+  cg.write("cgroup", "4:memory:/x\n0::/y\nnot a cgroup line\n");
+  EXPECT_EQ(cg.headroom(), -1);  // groups listed, no files
+  cg.write("fs/memory/x/memory.limit_in_bytes", "9223372036854771712\n");
+  cg.write("fs/memory/x/memory.usage_in_bytes", "1000\n");
+  cg.write("fs/y/memory.max", "max\n");
+  cg.write("fs/y/memory.current", "1000\n");
+  EXPECT_EQ(cg.headroom(), -1);  // both say "no limit"
+  cg.write("fs/y/memory.max", "garbage\n");
+  EXPECT_EQ(cg.headroom(), -1);  // an unreadable limit is no limit, never a zero
+}
+
+TEST(MemoryCgroup, TheMachinesFigureIsAtMostItsCgroupsHeadroom) {
+  const int64_t cgroup = cgroup_memory_headroom("/proc/self/cgroup", "/sys/fs/cgroup");
+  // The group's usage moves between the two reads (this process, the page cache); 64 MiB is far more than it moves
+  // in microseconds, far less than any limit a job runs under.
+  constexpr int64_t kUsageDrift = 64 * kMiB;
+  if (cgroup >= 0) {
+    EXPECT_LE(available_memory_bytes(), cgroup + kUsageDrift);
+  }
+  EXPECT_GT(available_memory_bytes(), 0);
 }
 
 }  // namespace
