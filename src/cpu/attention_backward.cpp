@@ -27,6 +27,7 @@
 #include "core/error.h"
 #include "cpu/attention.h"
 #include "cpu/dispatch.h"
+#include "cpu/fp_mode.h"
 #include "cpu/isa_target.h"
 #include "cpu/tiles.h"
 
@@ -85,6 +86,7 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
 #pragma omp parallel
   {
     const AmxTileScope amx_tiles(kAmx);
+    const FlushDenormalsScope flush_denormals;  // fp_mode.h: no microcode assists on Intel cores
     std::vector<QK> qd(static_cast<size_t>(kTileQ) * ds), god(qd.size());
     std::vector<float> qf(kPairGrad ? 0 : static_cast<size_t>(kTileQ) * ld), gof(qf.size());
     std::vector<float> dk_acc(static_cast<size_t>(kTileK) * Dp), dv_acc(dk_acc.size());
@@ -173,6 +175,7 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
 #pragma omp parallel
   {
     const AmxTileScope amx_tiles(kAmx);
+    const FlushDenormalsScope flush_denormals;  // fp_mode.h: no microcode assists on Intel cores
     std::vector<QK> qd(static_cast<size_t>(hpi) * kTileQ * ds), god(qd.size());
     std::vector<float> dq_acc(static_cast<size_t>(hpi) * kTileQ * Dp);
     std::vector<float> sbuf(static_cast<size_t>(kTileQ) * kTileK), dpbuf(sbuf.size());

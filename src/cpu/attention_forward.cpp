@@ -22,6 +22,7 @@
 #include "core/error.h"
 #include "cpu/attention.h"
 #include "cpu/dispatch.h"
+#include "cpu/fp_mode.h"
 #include "cpu/isa_target.h"
 #include "cpu/tiles.h"
 
@@ -65,6 +66,7 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
 #pragma omp parallel
   {
     const AmxTileScope amx_tiles(kAmx);
+    const FlushDenormalsScope flush_denormals;  // fp_mode.h: no microcode assists on Intel cores
     // Per-thread tile buffers, reused by every item the thread runs. qbuf holds whole kTileQ-row tiles per head,
     // so amx_abt may read rows past nq (rows of an earlier item; their scores are never used).
     std::vector<QK> qbuf(static_cast<size_t>(hpi) * kTileQ * ds);

@@ -88,7 +88,7 @@ inline LaneMask lane_mask(uint64_t bits, int v) { return static_cast<LaneMask>(b
 inline VecF select(LaneMask m, VecF yes, VecF no) { return _mm512_mask_blend_ps(m, no, yes); }
 inline VecF zero_unless(LaneMask m, VecF x) { return _mm512_maskz_mov_ps(m, x); }
 
-// 2^n by vscalefps, which underflows gracefully through the denormals to 0.
+// 2^n by vscalefps, which underflows through the denormals to 0 (to 0 directly under the kernels' FTZ, fp_mode.h).
 constexpr float kExp2Floor = -200.f;
 inline VecF exp2_ps(VecF x) {
   x = vmax(vset1(kExp2Floor), x);
@@ -131,8 +131,8 @@ inline VecF select(LaneMask m, VecF yes, VecF no) { return _mm256_blendv_ps(no, 
 inline VecF zero_unless(LaneMask m, VecF x) { return _mm256_and_ps(m, x); }
 
 // 2^n built in the exponent field, (n + 127) << 23, valid for n >= -126. The floor -127 makes n = -127 the bit
-// pattern of +0, so x = -inf gives exactly 0; results below 2^-126.5 flush to 0 where AVX-512's vscalefps keeps
-// denormals — both are below float32 resolution next to the row maximum's term 2^0 = 1 in the softmax sum.
+// pattern of +0, so x = -inf gives exactly 0; results below 2^-126.5 flush to 0, as AVX-512's vscalefps does under
+// the kernels' flush-to-zero mode (fp_mode.h) — below float32 resolution next to the row maximum's term 2^0 = 1.
 constexpr float kExp2Floor = -127.f;
 constexpr int kExponentBias = 127;
 constexpr int kMantissaBits = 23;

@@ -11,6 +11,9 @@
 #include <gtest/gtest.h>
 
 #include <omp.h>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 #include <cmath>
 #include <cstdio>
@@ -264,6 +267,38 @@ TEST_F(CpuAttention, DeterministicAcrossRunsAndThreads) {
     expect_same_bits(a, b, "differs between two runs");
     expect_same_bits(a, c, "differs between 1 and 2 threads");
   }
+}
+
+// Denormals are flushed inside the kernels (cpu/fp_mode.h): a key whose weight is 2^-130 (a denormal) next to a
+// key of weight 1 contributes exactly nothing, forward and backward, on every path; and the caller's MXCSR is
+// what it was. Keys: k0 = 0 (score 0, the row maximum), k1 with score -130 ln 2 (weight 2^-130 at scale 1);
+// values v0 = 0, v1 = 1, dO = 1. Without the flush o, delta, dS1 and so dq, dk1, dv1 would be denormal, not zero.
+TEST_F(CpuAttention, DenormalWeightsAreFlushed) {
+  constexpr int kD = 8;
+  constexpr float kDenormalLog2Weight = -130.f;  // 2^-130 is below float32's smallest normal, 2^-126
+  Case cs = square_case(1, 1, 1, 2, kD, DType::F32, {false, 0, false}, MetaKind::OneDoc, 7);
+  cs.scale = 1.f;
+  Tensors tn = make_tensors(cs);
+  std::vector<float> q(2 * kD, 0.f), k(2 * kD, 0.f), v(2 * kD, 0.f), dout(2 * kD, 1.f);
+  q[0] = q[kD] = 1.f;
+  k[kD] = kDenormalLog2Weight * std::log(2.f);
+  for (int d = 0; d < kD; ++d) v[kD + d] = 1.f;
+  std::memcpy(tn.q.data(), q.data(), q.size() * sizeof(float));
+  std::memcpy(tn.k.data(), k.data(), k.size() * sizeof(float));
+  std::memcpy(tn.v.data(), v.data(), v.size() * sizeof(float));
+  std::memcpy(tn.dout.data(), dout.data(), dout.size() * sizeof(float));
+#if defined(__x86_64__)
+  const unsigned mxcsr = _mm_getcsr();
+#endif
+  const KernelResult r = run_kernels(tn.chunk, tn.dout.data());
+#if defined(__x86_64__)
+  EXPECT_EQ(_mm_getcsr(), mxcsr) << "the kernels left the caller's floating-point mode changed";
+#endif
+  for (float x : r.o) EXPECT_EQ(x, 0.f);
+  for (float x : r.dq) EXPECT_EQ(x, 0.f);
+  for (float x : r.dk) EXPECT_EQ(x, 0.f);
+  for (int d = 0; d < kD; ++d) EXPECT_EQ(r.dv[kD + d], 0.f) << d;  // v1's gradient: 2 · 2^-130, flushed
+  for (float x : r.lse) EXPECT_EQ(x, 0.f);                         // ln(1 + 2^-130) = 0 in float32 either way
 }
 
 // Backward adds into the caller's gradients: a second call into the same buffers doubles them exactly (the
