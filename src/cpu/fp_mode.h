@@ -10,9 +10,10 @@
 // there the mode changes only the flushed bits.
 //
 // What it costs numerically: nothing float32 can show. A flushed weight is below 2^-126, next to the row
-// maximum's weight 1 in the same sum (2^-102 below float32's resolution there); a flushed input (q, k, v, dO below
-// 2^-126 in magnitude) reads as a zero of its sign, changing each product it enters by less than 2^-126 times the other
-// factor. vdpbf16ps and AMX read denormal bf16 inputs as zero anyway (docs/numerics.md). NaN and Inf are untouched.
+// maximum's weight 1 in the same sum (2^102 times smaller than float32's resolution there); a flushed input (q, k, v,
+// dO below 2^-126 in magnitude) reads as a zero of its sign, changing each product it enters by less than 2^-126 times
+// the other factor. vdpbf16ps and AMX read denormal bf16 inputs as zero anyway (docs/numerics.md). NaN and Inf are
+// untouched.
 //
 // How: MXCSR's FTZ (results) and DAZ (operands) bits, set by each OpenMP thread at the top of a kernel's parallel
 // region and restored at its end, so the caller's threads (the model's sgemm, the user's code) keep their mode.
