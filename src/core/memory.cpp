@@ -108,9 +108,12 @@ int64_t v2_headroom(const std::string& mount, const std::string& path) {
 int64_t v1_headroom(const std::string& mount, const std::string& path) {
   const std::string controller = mount + "/memory";
   std::string dir = group_dir(controller, path);
-  if (read_bytes(dir + "/memory.usage_in_bytes") < 0) dir = controller;
+  int64_t usage = read_bytes(dir + "/memory.usage_in_bytes");
+  if (usage < 0) {
+    dir = controller;
+    usage = read_bytes(dir + "/memory.usage_in_bytes");
+  }
   const std::string stat = dir + "/memory.stat";
-  const int64_t usage = read_bytes(dir + "/memory.usage_in_bytes");
   const int64_t reclaimable = stat_bytes(stat, "total_inactive_file");
   return least_headroom(headroom(read_bytes(dir + "/memory.limit_in_bytes"), usage, reclaimable),
                         headroom(stat_bytes(stat, "hierarchical_memory_limit"), usage, reclaimable));

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <string>
 
+#include "common/memory_limit.h"
 #include "core/error.h"
 #include "core/memory.h"
 
@@ -38,14 +39,7 @@ TEST(Memory, FormatsBytes) {
   EXPECT_EQ(format_bytes(int64_t{3} << 29), "1.5 GiB");
 }
 
-// Sets RINGFLEX_MEMORY_LIMIT for one scope (each TEST runs in its own process, so nothing leaks across tests).
-class ScopedLimit {
- public:
-  explicit ScopedLimit(const char* value) { setenv("RINGFLEX_MEMORY_LIMIT", value, 1); }
-  ~ScopedLimit() { unsetenv("RINGFLEX_MEMORY_LIMIT"); }
-  ScopedLimit(const ScopedLimit&) = delete;
-  ScopedLimit& operator=(const ScopedLimit&) = delete;
-};
+using ScopedLimit = rf::testing::ScopedMemoryLimit;
 
 TEST(Memory, LimitCapsWhatIsAvailable) {
   const int64_t machine = available_memory_bytes();

@@ -66,18 +66,23 @@ struct Result {
   std::vector<float> o, lse, dq, dk, dv;
 };
 
+// The case's whole rows as cp_attention_rows reads them (every rank passes the same full tensors).
+inline RowsInput rows_input(const Case& c, const Inputs& in) {
+  return RowsInput{AttnShape{c.B, c.Hq, c.Hkv, c.S, c.S, c.D},
+                   c.dtype,
+                   in.q.data(),
+                   in.k.data(),
+                   in.v.data(),
+                   in.dout.data(),
+                   in.meta.data()};
+}
+
 // CP forward and backward of the case on this communicator through cp_attention_rows, under shard map `map` when
 // given, else the map shard_map_for(scheme) picks; with p's algorithm, traffic and plan. p.stats receives the
 // forward's figures, bwd_stats the backward's. Rank 0 returns the full result, the other ranks empty vectors.
 inline Result run_rows(comm::Communicator& comm, const Case& c, const Inputs& in, const ShardMap* map, Scheme scheme,
                        const CpParams& p, CpStats* bwd_stats) {
-  const RowsInput rows{AttnShape{c.B, c.Hq, c.Hkv, c.S, c.S, c.D},
-                       c.dtype,
-                       in.q.data(),
-                       in.k.data(),
-                       in.v.data(),
-                       in.dout.data(),
-                       in.meta.data()};
+  const RowsInput rows = rows_input(c, in);
   RowsOptions opt;
   opt.scheme = scheme_name(scheme);
   opt.map = map;

@@ -60,13 +60,7 @@ TEST(CpLoopback, MemoryEstimateIsALowerBoundOfTheRun) {
       cases::Case c;
       c.B = 2, c.S = 301, c.Hq = 4, c.Hkv = 2, c.D = 8, c.mask = setup.mask, c.kind = setup.kind;
       const cases::Inputs in = cases::make_inputs(c);
-      const RowsInput rows{AttnShape{c.B, c.Hq, c.Hkv, c.S, c.S, c.D},
-                           c.dtype,
-                           in.q.data(),
-                           in.k.data(),
-                           in.v.data(),
-                           in.dout.data(),
-                           in.meta.data()};
+      const RowsInput rows = cases::rows_input(c, in);
       RowsOptions opt;
       opt.params.mask = c.mask;
       opt.params.algo = setup.algo;

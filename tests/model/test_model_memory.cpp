@@ -101,6 +101,14 @@ RunMemoryArgs args_for(const RunOptions& opt) {
   return a;
 }
 
+// What the run reports keeping is inside the estimate's activations (which add the [T, H] hidden-state buffers
+// alive beside them), up to what the estimate leaves out of it: the per-layer inputs' RMS factors, T * layers
+// floats.
+void expect_kept_activations_inside(const Gemma4Model& m, const MemoryBreakdown& estimate, const Measured& run) {
+  const int64_t rms_bytes = int64_t{kRows} * kSeq * m.config().num_layers * static_cast<int64_t>(sizeof(float));
+  EXPECT_GE(estimate.of("activations"), run.result.kept_activation_bytes - rms_bytes);
+}
+
 TEST(ModelMemory, TrainingWithRecomputeIsALowerBoundOfTheRun) {
   const Gemma4Model m = make_model();
   RunOptions opt;
@@ -111,11 +119,7 @@ TEST(ModelMemory, TrainingWithRecomputeIsALowerBoundOfTheRun) {
   // The recomputed layer is one of the layers the run measured (the largest of them).
   EXPECT_LE(estimate.of("one layer"), run.result.layer_recompute_bytes);
   EXPECT_GT(estimate.of("one layer"), 0);
-  // What the run reports keeping is inside the estimate's activations (which add the [T, H] hidden-state buffers
-  // alive beside them), up to what the estimate leaves out of it: the per-layer inputs' RMS factors, T * layers
-  // floats.
-  const int64_t rms_bytes = int64_t{kRows} * kSeq * m.config().num_layers * static_cast<int64_t>(sizeof(float));
-  EXPECT_GE(estimate.of("activations"), run.result.kept_activation_bytes - rms_bytes);
+  expect_kept_activations_inside(m, estimate, run);
 }
 
 TEST(ModelMemory, TrainingWithoutRecomputeIsALowerBoundOfTheRun) {
@@ -141,8 +145,7 @@ TEST(ModelMemory, TrainingKeepingTheMlpProjectionsIsALowerBoundOfTheRun) {
   const MemoryBreakdown estimate = run_memory_at_least(m, args_for(opt));
   expect_bound(estimate, run);
   EXPECT_LE(estimate.of("one layer"), run.result.layer_recompute_bytes);
-  const int64_t rms_bytes = int64_t{kRows} * kSeq * m.config().num_layers * static_cast<int64_t>(sizeof(float));
-  EXPECT_GE(estimate.of("activations"), run.result.kept_activation_bytes - rms_bytes);
+  expect_kept_activations_inside(m, estimate, run);
   // Between the two other modes, in the estimate as in the run.
   RunMemoryArgs recompute = args_for(opt), keep_all = args_for(opt);
   recompute.keep_mlp_projections = false;

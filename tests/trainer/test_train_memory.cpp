@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "comm/loopback_comm.h"
+#include "common/memory_limit.h"
 #include "model/memory.h"
 #include "trainer/error_of.h"
 #include "trainer/trainer.h"
@@ -64,14 +65,7 @@ TEST(TrainMemory, TermsFollowTheConfig) {
   EXPECT_GT(train_memory_at_least(config({"train.micro_batch=2"}), m, 1).total(), one.total());
 }
 
-// RINGFLEX_MEMORY_LIMIT for one scope (each TEST runs in its own process).
-class ScopedLimit {
- public:
-  explicit ScopedLimit(const char* value) { setenv("RINGFLEX_MEMORY_LIMIT", value, 1); }
-  ~ScopedLimit() { unsetenv("RINGFLEX_MEMORY_LIMIT"); }
-  ScopedLimit(const ScopedLimit&) = delete;
-  ScopedLimit& operator=(const ScopedLimit&) = delete;
-};
+using ScopedLimit = rf::testing::ScopedMemoryLimit;
 
 std::string train_error(const TrainConfig& c, const TrainOptions& options) {
   std::string error;
