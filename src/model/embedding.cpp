@@ -158,11 +158,12 @@ void Gemma4Model::Run::embed_backward(const float* dh0_in) {
     linear_backward(mm, h0.data(), W(m.ple_proj_), draw.data(), dh0.data(), G(m.ple_proj_), T, H, LP);
     // Token half: nn.Embedding(padding_idx = pad) gives the pad row no gradient.
     const float tok_scale = static_cast<float>(std::sqrt(static_cast<double>(P)));
-    float* gE = G(m.ple_embed_);
-    for (int64_t t = 0; t < T; ++t) {
-      if (is_pad[t] || ple_ids[t] == cfg.pad_token_id) continue;
-      float* g = gE + int64_t{ple_ids[t]} * LP;
-      for (int64_t i = 0; i < LP; ++i) g[i] += dnormed[t * LP + i] * tok_scale;  // dnormed = dple * 2^-1/2
+    if (float* gE = G(m.ple_embed_)) {  // nullptr: the table is frozen
+      for (int64_t t = 0; t < T; ++t) {
+        if (is_pad[t] || ple_ids[t] == cfg.pad_token_id) continue;
+        float* g = gE + int64_t{ple_ids[t]} * LP;
+        for (int64_t i = 0; i < LP; ++i) g[i] += dnormed[t * LP + i] * tok_scale;  // dnormed = dple * 2^-1/2
+      }
     }
   }
   if (b.image_features) {
@@ -184,6 +185,7 @@ void Gemma4Model::Run::embed_backward(const float* dh0_in) {
   }
   const float scale = static_cast<float>(std::sqrt(static_cast<double>(H)));
   float* gE = G(m.embed_);
+  if (gE == nullptr) return;  // the table is frozen
   // Blocks of columns in parallel, tokens in order within each: each gradient element sums its tokens in one fixed
   // order, and a block of a row is one cache line (a single-column sweep would load a line per token for 4 bytes).
   const int64_t blocks = (H + kEmbedColumnsPerBlock - 1) / kEmbedColumnsPerBlock;

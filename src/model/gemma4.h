@@ -133,7 +133,8 @@ class Gemma4Model {
   // router's scales ~ 1 + N(0, stddev).
   void init_random(uint64_t seed, float stddev);
 
-  // Forward, and with opt.want_grad the backward, accumulating (+=) into `grads` (a params().zeros_like() set).
+  // Forward, and with opt.want_grad the backward, accumulating (+=) into `grads` (a params().zeros_like() set;
+  // tensors it leaves unallocated, params().zeros_like(trainable), get no gradient and cost no weight-gradient work).
   // Attention runs through `attn`; under CP every rank of its group passes the SAME full batch and the model
   // shards it (the full rows' metadata goes to attn.begin_batch, then every sequence-resident array is gathered
   // to this rank's tokens). `grads` receive this rank's contribution only, NOT reduced over the ranks: sum them

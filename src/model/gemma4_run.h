@@ -186,7 +186,11 @@ struct Gemma4Model::Run {
         eps(static_cast<float>(model.cfg_.rms_norm_eps)) {}
 
   const float* W(size_t s) const { return s == kNoSlot ? nullptr : m.params_.data(s); }
-  float* G(size_t s) const { return grads == nullptr || s == kNoSlot ? nullptr : grads->data(s); }
+  // A parameter's gradient, or nullptr where none is wanted: no gradient set, or its tensor left unallocated (a
+  // frozen parameter), so that backward skips the weight-gradient product and keeps only the input's gradient.
+  float* G(size_t s) const {
+    return grads == nullptr || s == kNoSlot || !grads->allocated(s) ? nullptr : grads->data(s);
+  }
   const RopeTable& rope(const LayerSpec& s) const { return s.sliding ? rope_sliding : rope_full; }
 
   ShardAttention attention(const LayerSpec& s, const float* Q, const float* K, const float* V) const {

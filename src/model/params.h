@@ -50,6 +50,11 @@ class TensorSet {
 
   // Same names and shapes, all zero and allocated (a gradient set for these parameters).
   TensorSet zeros_like() const;
+  // Same names and shapes, zero and allocated only where `which[i]` (the trainable tensors' gradients or optimizer
+  // moments); the others stay names and shapes, as in a Deferred set, and cost no memory.
+  TensorSet zeros_like(const std::vector<bool>& which) const;
+  // Whether tensor i holds its elements (always, in an Allocated set).
+  bool allocated(size_t i) const { return static_cast<int64_t>(tensors_[i].data.size()) == tensors_[i].numel(); }
 
  private:
   Storage storage_ = Storage::Allocated;

@@ -96,6 +96,7 @@ std::string save_train_checkpoint(const std::string& root, const model::Checkpoi
   const model::TensorSet& m = optimizer.exp_avg();
   const model::TensorSet& v = optimizer.exp_avg_sq();
   for (size_t i = 0; i < m.size(); ++i) {
+    if (!optimizer.trainable()[i]) continue;  // a frozen tensor has no moments (a resume must freeze the same)
     w.add("exp_avg." + m[i].name, io::StDType::F32, m[i].shape, std::span<const float>(m[i].data));
     w.add("exp_avg_sq." + v[i].name, io::StDType::F32, v[i].shape, std::span<const float>(v[i].data));
   }
@@ -166,7 +167,9 @@ void load_optimizer_state(const std::string& dir, AdamW& optimizer) {
   const std::string path = (fs::path(dir) / kOptimizerFile).string();
   const io::SafetensorsFile f = io::SafetensorsFile::open(path);
   for (auto [prefix, set] : {std::pair{"exp_avg.", &optimizer.exp_avg()}, {"exp_avg_sq.", &optimizer.exp_avg_sq()}}) {
-    for (model::Tensor& t : *set) {
+    for (size_t i = 0; i < set->size(); ++i) {
+      if (!optimizer.trainable()[i]) continue;  // frozen: no moments (older checkpoints stored zeros; ignored)
+      model::Tensor& t = (*set)[i];
       const io::TensorView& v = f.at(prefix + t.name);
       RF_CHECK(v.dtype == io::StDType::F32 && v.shape == t.shape, path, ": `", prefix, t.name,
                "` is not float32 of the parameter's shape ", io::shape_string(t.shape));

@@ -3,7 +3,8 @@
 // A checkpoint is `<checkpoint.dir>/step-NNNNNNNN/` holding
 //   config.json, model.safetensors   the weights in the Hugging Face layout (transformers' from_pretrained and
 //                                    `ringflex forward --model` load them as they are);
-//   optimizer.safetensors            AdamW's moments, `exp_avg.<param>` and `exp_avg_sq.<param>` (float32);
+//   optimizer.safetensors            AdamW's moments, `exp_avg.<param>` and `exp_avg_sq.<param>` (float32), for
+//                                    the trainable parameters (a resume must freeze the same, and checks it);
 //   trainer_state.json               the optimizer step, the data position (next training row), the seed, the
 //                                    loss history (for the loss picture) and the resolved config.
 // Rank 0 writes everything into `.step-NNNNNNNN.tmp/`, fsyncs each file, renames the directory into place and

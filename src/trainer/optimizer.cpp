@@ -39,9 +39,10 @@ double clip_gradients(model::TensorSet& grads, const std::vector<bool>& trainabl
 }
 
 AdamW::AdamW(const model::TensorSet& params, std::vector<bool> trainable, OptimizerSection opt)
-    : trainable_(std::move(trainable)), opt_(opt), m_(params.zeros_like()), v_(params.zeros_like()) {
-  RF_ASSERT(trainable_.size() == params.size());
-}
+    : trainable_(std::move(trainable)),
+      opt_(opt),
+      m_(params.zeros_like(trainable_)),
+      v_(params.zeros_like(trainable_)) {}
 
 void AdamW::step(model::TensorSet& params, const model::TensorSet& grads, double lr, int64_t step) {
   RF_ASSERT(step >= 1 && grads.size() == params.size());

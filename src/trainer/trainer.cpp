@@ -108,8 +108,8 @@ std::string default_svg_path(const TrainConfig& c, const TrainOptions& o) {
 // Terms, each counting buffers train() surely holds through a step (float32 unless said):
 //   weights          the parameters (and buffers), Gemma4Model::params()/buffers();
 //   bf16 copies      with model.compute_dtype = bfloat16, the matrices' bf16 copies (Gemma4Model::bf16_weight_bytes);
-//   gradients        `grads`, params().zeros_like(): every parameter, frozen ones included;
-//   AdamW moments    exp_avg and exp_avg_sq, two more zeros_like() sets (AdamW allocates them for every parameter);
+//   gradients        `grads`, params().zeros_like(trainable): the trainable parameters only;
+//   AdamW moments    exp_avg and exp_avg_sq, two more such sets;
 //   then the larger of what one micro-batch's run holds (model::run_memory_at_least: train.micro_batch rows of
 //   ceil(seq_len / cp) tokens, a shard is never shorter, with train.recompute: "activations", "one layer" or
 //   "loss chunk") and, on more than one rank, the "gradient reduction": the flat buffer of the trainable gradients
@@ -119,11 +119,15 @@ std::string default_svg_path(const TrainConfig& c, const TrainOptions& o) {
 // copies, and validation (a forward, smaller than the training step).
 MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Model& m, int world_size) {
   const int64_t params = m.params().total_bytes();
+  const std::vector<bool> trainable = trainable_mask(m.params(), c.model.freeze);
+  int64_t trainable_bytes = 0;
+  for (size_t i = 0; i < trainable.size(); ++i)
+    if (trainable[i]) trainable_bytes += m.params()[i].numel() * static_cast<int64_t>(sizeof(float));
   constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
   MemoryBreakdown need;
   need.add("weights", params + m.buffers().total_bytes());
-  need.add("gradients", params);
-  need.add("AdamW moments", checked_bytes({kMoments, params}));
+  need.add("gradients", trainable_bytes);
+  need.add("AdamW moments", checked_bytes({kMoments, trainable_bytes}));
   if (c.model.compute_dtype == "bfloat16") need.add("bf16 weight copies", m.bf16_weight_bytes());
   const int64_t L = (int64_t{c.train.seq_len} + c.parallelism.cp - 1) / c.parallelism.cp;
   model::RunMemoryArgs run;
@@ -132,12 +136,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   run.recompute_layers = c.train.recompute;
   run.keep_mlp_projections = c.train.keep_mlp;
   const MemoryBreakdown step = model::run_memory_at_least(m, run);
-  int64_t reduced = 0;
-  if (world_size > 1) {
-    const std::vector<bool> trainable = trainable_mask(m.params(), c.model.freeze);
-    for (size_t i = 0; i < trainable.size(); ++i)
-      if (trainable[i]) reduced += m.params()[i].numel() * static_cast<int64_t>(sizeof(float));
-  }
+  const int64_t reduced = world_size > 1 ? trainable_bytes : 0;
   if (step.total() >= 0 && reduced > step.total())
     need.add("gradient reduction", reduced);
   else
@@ -239,7 +238,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
   }
 
   const int rows_per_replica = cfg.global_batch_per_replica(), micro = cfg.train.micro_batch;
-  model::TensorSet grads = m.params().zeros_like();
+  model::TensorSet grads = m.params().zeros_like(adam.trainable());
   const auto run_rows = [&](const std::vector<Row>& rows, double normalizer, bool grad) {
     const PackedBatch p = stack_rows(rows, data->feature_dim() > 0 ? F : 0);
     model::RunOptions ro;

@@ -262,6 +262,40 @@ TEST(ModelRun, KeepingLayerActivationsGivesTheRecomputedBits) {
   EXPECT_LT(r3.layer_recompute_bytes, r1.layer_recompute_bytes);
 }
 
+// A gradient set that leaves some tensors unallocated (a trainer's frozen parameters) gets no gradient for them,
+// and the others are the bits of a full set: skipping a weight-gradient product changes no other sum.
+TEST(ModelRun, UnallocatedGradientsAreSkippedAndTheOthersKeepTheirBits) {
+  Gemma4Model m = make_model(
+      R"(, "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 40, "num_kv_shared_layers": 2,
+         "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8)",
+      6);
+  const TinyBatch b = make_batch(40, 6);
+  RunOptions opt;
+  opt.want_grad = true;
+  // Frozen: both embedding tables (their scatter-adds), the experts (MoE weight products), every second other
+  // tensor (linear, norm and router gradients).
+  std::vector<bool> wanted(m.params().size());
+  for (size_t s = 0; s < wanted.size(); ++s) {
+    const std::string& n = m.params()[s].name;
+    const bool always_frozen = n.find("embed_tokens") != std::string::npos || n.find("experts") != std::string::npos;
+    wanted[s] = !always_frozen && s % 2 == 0;
+  }
+  TensorSet all = m.params().zeros_like(), some = m.params().zeros_like(wanted);
+  const Result full = m.run(b.view(true), opt, &all), partial = m.run(b.view(true), opt, &some);
+  EXPECT_EQ(full.loss, partial.loss);
+  EXPECT_EQ(full.d_image_features, partial.d_image_features);
+  int skipped = 0;
+  for (size_t s = 0; s < all.size(); ++s) {
+    if (wanted[s]) {
+      EXPECT_EQ(all[s].data, some[s].data) << all[s].name;
+    } else {
+      EXPECT_TRUE(some[s].data.empty()) << some[s].name;
+      ++skipped;
+    }
+  }
+  EXPECT_GT(skipped, 10);
+}
+
 // A batch of text rows, one document each, long enough that every parallel loop of the MoE block (router, expert
 // tasks, per-token sums, weight gradients) runs on several threads: their thresholds are in elements or
 // multiply-adds, and 2 x 2048 tokens with 8 experts pass them all.

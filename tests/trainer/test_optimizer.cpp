@@ -58,6 +58,13 @@ TEST(AdamW, MatchesTheFormulaInFloat64) {
       // float32 parameters and moments, rounded once per step: a few float32 ulps of values O(1).
       EXPECT_NEAR(p[i].data[e], x[i][e], 1e-6) << p[i].name << "[" << e << "]";
   EXPECT_EQ(p[2].data, ref[2].data);  // frozen: untouched bits
+  // Moments only where the parameter trains: a frozen tensor keeps its name and shape and no memory.
+  for (const model::TensorSet* moments : {&adam.exp_avg(), &adam.exp_avg_sq()}) {
+    EXPECT_TRUE(moments->allocated(0) && moments->allocated(1));
+    EXPECT_FALSE(moments->allocated(2));
+    EXPECT_EQ((*moments)[2].shape, p[2].shape);
+    EXPECT_TRUE((*moments)[2].data.empty());
+  }
 }
 
 TEST(AdamW, FreezePatternMustMatchSomething) {

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/loopback_comm.h"
+#include "io/safetensors.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/error_of.h"
@@ -261,6 +262,30 @@ TEST(Freeze, FrozenParametersKeepTheirBits) {
   }
   EXPECT_GT(frozen, 5);
   EXPECT_GT(moved, 20);
+}
+
+// The checkpoint holds moments for the trainable tensors only, and a run resumed from it continues bit for bit.
+TEST(Freeze, ResumeWithoutTheFrozenMomentsContinuesBitForBit) {
+  const fs::path dir = scratch("freeze_resume");
+  const TrainConfig c = small("tiny_moe_vlm", {"model.freeze=[embed_tokens, experts]", "train.steps=4",
+                                               "checkpoint.every=2", "checkpoint.dir=" + dir.string()});
+  const Trained whole = run(c);
+  const io::SafetensorsFile moments = io::SafetensorsFile::open((dir / "step-00000002" / "optimizer.safetensors").string());
+  int stored = 0;
+  for (const model::Tensor& t : whole.model->params()) {
+    const bool frozen = t.name.find("embed_tokens") != std::string::npos || t.name.find("experts") != std::string::npos;
+    for (const char* prefix : {"exp_avg.", "exp_avg_sq."}) {
+      EXPECT_EQ(moments.find(prefix + t.name) == nullptr, frozen) << prefix << t.name;
+      stored += !frozen;
+    }
+  }
+  EXPECT_GT(stored, 20);
+  TrainOptions resume;
+  resume.resume = (dir / "step-00000002").string();
+  const Trained second = run(c, resume);
+  ASSERT_EQ(second.steps.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) EXPECT_EQ(second.steps[i].loss, whole.steps[i + 2].loss) << "step " << i + 3;
+  EXPECT_EQ(flat_params(*second.model), flat_params(*whole.model));
 }
 
 // model.compute_dtype = bfloat16 trains the same model along nearly the same loss curve. Step 1 runs the same weights,
