@@ -270,7 +270,8 @@ TEST(Freeze, ResumeWithoutTheFrozenMomentsContinuesBitForBit) {
   const TrainConfig c = small("tiny_moe_vlm", {"model.freeze=[embed_tokens, experts]", "train.steps=4",
                                                "checkpoint.every=2", "checkpoint.dir=" + dir.string()});
   const Trained whole = run(c);
-  const io::SafetensorsFile moments = io::SafetensorsFile::open((dir / "step-00000002" / "optimizer.safetensors").string());
+  const io::SafetensorsFile moments =
+      io::SafetensorsFile::open((dir / "step-00000002" / "optimizer.safetensors").string());
   int stored = 0;
   for (const model::Tensor& t : whole.model->params()) {
     const bool frozen = t.name.find("embed_tokens") != std::string::npos || t.name.find("experts") != std::string::npos;
