@@ -27,8 +27,10 @@ sanitized=(
   comm/test_agree
   report/test_report
 )
-cmake -B build-sanitize -DRINGFLEX_WERROR=ON -DRINGFLEX_SANITIZE=address,undefined -DRINGFLEX_BUILD_BENCH=OFF >/dev/null
-cmake --build build-sanitize -j "$jobs" --target "${sanitized[@]##*/}"
+names=("${sanitized[@]##*/}")
+cmake -B build-sanitize -DRINGFLEX_WERROR=ON -DRINGFLEX_SANITIZE=address,undefined -DRINGFLEX_BUILD_BENCH=OFF \
+  -DRINGFLEX_SANITIZED_TESTS="$(IFS=';'; echo "${names[*]}")" >/dev/null
+cmake --build build-sanitize -j "$jobs" --target sanitized_tests
 for t in "${sanitized[@]}"; do
   echo "sanitizer run: $t"
   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
