@@ -137,8 +137,8 @@ struct CheckResult {
   }
 };
 
-// Whether the kernels round P and dS to bf16 for this dtype (src/cpu/isa.h: Bf16Product::Dpbf16).
-bool rounds_weights(DType dtype) { return dtype == DType::BF16 && cpu::kernel_path().bf16 == cpu::Bf16Product::Dpbf16; }
+// Whether the kernels round P and dS to bf16 for this dtype (src/cpu/isa.h: rounds_bf16_weights).
+bool rounds_weights(DType dtype) { return dtype == DType::BF16 && cpu::rounds_bf16_weights(cpu::kernel_path().bf16); }
 
 // Rows (query or key positions) spread evenly over the row, first and last included (the last is padding in a
 // Gemma 4-like row, so its key must get exactly no gradient).

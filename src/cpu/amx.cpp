@@ -1,16 +1,21 @@
-// ringflex cpu: AMX tile configuration and the bf16 score product (see amx.h for layouts; detection: isa.cpp).
+// ringflex cpu: AMX tile configuration, the bf16 score product, and the hardware tile unit that runs amx_tiles.h's
+// accumulating product (see amx.h for layouts; detection: isa.cpp).
 //
-// Tile plan for one 16-row block of C = A · B over a 64-key tile: tiles 0-3 hold C's four 16 x 16 float32 column
-// blocks (keys 0-15, 16-31, 32-47, 48-63); tile 4 holds 16 rows x 32 bf16 of A; tiles 5-7 take turns holding a
-// 16-pair x 16-key B block, so a B load does not wait on the tdpbf16ps still reading the previous one. Each A
-// tile is loaded once and used against the four B blocks. tdpbf16ps multiplies bf16 pairs exactly and
-// accumulates in float32 (denormal inputs are treated as zero, as with vdpbf16ps).
+// The score product's tile plan for one 16-row block of C = A · B over a 64-key tile: tiles 0-3 hold C's four
+// 16 x 16 float32 column blocks (keys 0-15, 16-31, 32-47, 48-63); tile 4 holds 16 rows x 32 bf16 of A; tiles 5-7
+// take turns holding a 16-pair x 16-key B block, so a B load does not wait on the tdpbf16ps still reading the
+// previous one. Each A tile is loaded once and used against the four B blocks. tdpbf16ps multiplies bf16 pairs
+// exactly and accumulates in float32 (denormal inputs are treated as zero, as with vdpbf16ps).
 #include "cpu/amx.h"
+
+#include "core/error.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 
 #define RF_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16")))
+
+#include "cpu/amx_tiles.h"
 #endif
 
 namespace rf::cpu::detail {
@@ -51,6 +56,30 @@ constexpr TileConfig kTileConfig = make_config();
 RF_AMX_TARGET void load_config() { _tile_loadconfig(&kTileConfig); }
 
 RF_AMX_TARGET void release() { _tile_release(); }
+
+// The tile unit of amx_tiles.h on the hardware, as the instructions themselves: GCC's tile intrinsics stringize
+// their tile argument into the register name, so they take only literal numbers, not a template parameter; here
+// the "n" operand printed with %c gives the same register names. The "memory" clobbers keep program order between
+// plain stores and the tile loads that read them (a bounce tile is otherwise dead to the compiler), and between
+// tile stores and the plain loads after them. AT&T operand order: tdpbf16ps B, A, C.
+struct HwTiles {
+  template <int kTile>
+  void load(const void* base, int stride) {
+    asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(base), "r"(static_cast<long>(stride)), "n"(kTile) : "memory");
+  }
+  template <int kTile>
+  void store(void* base, int stride) {
+    asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(static_cast<long>(stride)), "n"(kTile) : "memory");
+  }
+  template <int kTile>
+  void zero() {
+    asm volatile("tilezero %%tmm%c0" ::"n"(kTile));
+  }
+  template <int kC, int kA, int kB>
+  void dot() {
+    asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"n"(kC), "n"(kA), "n"(kB));
+  }
+};
 #endif
 
 }  // namespace
@@ -95,8 +124,16 @@ RF_AMX_TARGET void amx_abt(const uint32_t* a, int lda, const uint32_t* bt, int D
     _tile_stored(3, out + 3 * kColBlock, kKeyStride);
   }
 }
+
+RF_AMX_TARGET void amx_acc(const uint32_t* a, int lda, int pairs, const uint32_t* x, int ldx, int Dp, int rows,
+                           float* out) {
+  RF_ASSERT(pairs % kAmxPairs == 0 && pairs > 0 && pairs <= kAmxAccMaxPairs && Dp % (2 * kAmxPairs) == 0);
+  HwTiles tiles;
+  amx_acc_rows(tiles, a, lda, pairs, x, ldx, Dp, rows, out);
+}
 #else
 void amx_abt(const uint32_t*, int, const uint32_t*, int, int, float*) {}
+void amx_acc(const uint32_t*, int, int, const uint32_t*, int, int, int, float*) {}
 #endif
 
 }  // namespace rf::cpu::detail

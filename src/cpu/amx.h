@@ -1,4 +1,5 @@
-// ringflex cpu: the Intel AMX (AMX-TILE + AMX-BF16) score product for bfloat16 inputs, and its run-time detection.
+// ringflex cpu: the Intel AMX (AMX-TILE + AMX-BF16) products for bfloat16 inputs: the score product (Q Kᵀ, dO Vᵀ)
+// and the accumulating one (O += P V and the gradients), whose tile plan lives in amx_tiles.h.
 //
 // Internal to src/cpu. Everything that executes AMX instructions lives in amx.cpp behind function-level target
 // attributes, so the library builds for any x86-64 and never runs them unless isa.h chose the AMX path (CPUID
@@ -25,6 +26,8 @@ class AmxTileScope {
 // Rows of one AMX A/C tile and bf16 pairs along the reduction in one A row (64 bytes).
 constexpr int kAmxRows = 16;
 constexpr int kAmxPairs = 16;
+// Most pairs along the sum of one amx_acc call: two A tiles, the 64 keys (or queries) of one attention tile.
+constexpr int kAmxAccMaxPairs = 2 * kAmxPairs;
 
 // c[r, j] = sum_d a[r, d] · bt[d, j] in float32, for r < round_up(rows, kAmxRows) and j < 64 (one key tile).
 // a: [round_up(rows, 16), Dp] bf16, row-major, stored as Dp/2 uint32 words per row (the pair (d, d+1) in one
@@ -34,5 +37,12 @@ constexpr int kAmxPairs = 16;
 //    per tile). Dp must be a multiple of 32 (whole A tiles along d; the padding is zero).
 // c: [round_up(rows, 16), 64] float32. Requires an active AmxTileScope on the calling thread.
 void amx_abt(const uint32_t* a, int lda, const uint32_t* bt, int Dp, int rows, float* c);
+
+// out[r, d] += sum over m < pairs of a(r, m).lo · x[m, d].lo + a(r, m).hi · x[m, d].hi, r < rows, d < Dp, in
+// float32 on tiles (amx_tiles.h: amx_acc_rows has the layouts and the tile plan).
+// a: [rows, lda] words of bf16 weight pairs along the sum; x: [pairs, ldx] words, word (m, d) = (x[2m, d],
+// x[2m + 1, d]); out: [rows, Dp] float32. pairs: 16 or 32; Dp: a multiple of 32. Touches only rows < rows of a and
+// out. Requires an active AmxTileScope on the calling thread.
+void amx_acc(const uint32_t* a, int lda, int pairs, const uint32_t* x, int ldx, int Dp, int rows, float* out);
 
 }  // namespace rf::cpu::detail

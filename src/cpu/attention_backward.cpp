@@ -18,9 +18,9 @@
 // an [partitions, Lq, D] float32 buffer, which breaks the O(L) memory bound the ring relies on when partitions
 // grow with the core count; the two-pass form keeps memory at O(tile) per thread and the argument trivial.
 // GQA: both passes read each K/V tile once for all query heads of its group (dK/dV sum over those heads).
-// bf16 inputs (dispatch.h kProd): on Dpbf16 all five products run on vdpbf16ps; P and dS are formed in float32
-// exactly as on the other paths and rounded to bf16 (relative error <= 2^-8 per weight) only as the weights of
-// dV, dK and dQ, whose sums stay float32. On Amx the two score products run on tiles, the other three on float32.
+// bf16 inputs (dispatch.h kProd): all five products run on vdpbf16ps (Dpbf16) or AMX tiles (Amx); P and dS are
+// formed in float32 exactly as on the other paths and rounded to bf16 (relative error <= 2^-8 per weight) only as
+// the weights of dV, dK and dQ, whose sums stay float32.
 #include <algorithm>
 #include <vector>
 
@@ -94,10 +94,13 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
     std::vector<float> bias(kTileQ), dl(kTileQ);
     std::vector<RowBits> bits(kTileQ), live(kTileQ);  // live: bits of one head, less its rows with lse = -inf
     // kPairGrad: Q and dO as pairs of query rows [kTileQ / 2, ld] words (acc's X for dK and dV); P and dS rounded
-    // to bf16 and transposed to pairs of queries [kTileQ / 2, kTileK] words (the weights); acc_masked_pairs' scratch.
+    // to bf16 as pairs of queries, [kTileQ / 2, kTileK] words (vdpbf16ps reads them transposed in place) or on Amx
+    // [kTileK, kTileQ / 2] (a tile's rows must run along the sum; pair_cols is the transpose's source);
+    // acc_masked_pairs' scratch.
     const size_t pair_words = kPairGrad ? static_cast<size_t>(kTileQ / 2) * ld : 0;
     std::vector<uint32_t> qx(pair_words), gox(pair_words), scratch(pair_words);
     std::vector<uint32_t> p_pairs(kPairGrad ? kTileQ / 2 * kTileK : 0), ds_pairs(p_pairs.size());
+    std::vector<uint32_t> pair_cols(kAmx ? p_pairs.size() : 0);
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items1; ++item) {
@@ -145,13 +148,20 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
           const BlockClass acc_cls = dropped ? BlockClass::Partial : cls;
 #if RF_ISA_AVX512
           if constexpr (kPairGrad) {
-            // dV += P^T dO and dK += dS^T Q with the weights transposed to pairs of queries (ars 1, ams kTileK).
-            weights_to_pair_cols(sbuf.data(), nq, p_pairs.data());
-            weights_to_pair_cols(dpbuf.data(), nq, ds_pairs.data());
-            acc_masked_pairs<kDp, false>(acc_cls, p_pairs.data(), 1, kTileK, nq, gox.data(), ld, Dp, nk, live.data(),
-                                         scratch.data(), dv_acc.data());
-            acc_masked_pairs<kDp, false>(acc_cls, ds_pairs.data(), 1, kTileK, nq, qx.data(), ld, Dp, nk, live.data(),
-                                         scratch.data(), dk_acc.data());
+            // dV += P^T dO and dK += dS^T Q with the weights as pairs of queries: a key's weights along a row on
+            // Amx (ars kTileQ / 2, ams 1), transposed in place for vdpbf16ps (ars 1, ams kTileK).
+            if constexpr (kAmx) {
+              weights_to_key_rows(sbuf.data(), nq, pair_cols.data(), p_pairs.data());
+              weights_to_key_rows(dpbuf.data(), nq, pair_cols.data(), ds_pairs.data());
+            } else {
+              weights_to_pair_cols(sbuf.data(), nq, p_pairs.data());
+              weights_to_pair_cols(dpbuf.data(), nq, ds_pairs.data());
+            }
+            const int ars = kAmx ? kTileQ / 2 : 1, ams = kAmx ? 1 : kTileK;
+            acc_masked_pairs<kDp, false, kAmx>(acc_cls, p_pairs.data(), ars, ams, nq, gox.data(), ld, Dp, nk,
+                                               live.data(), scratch.data(), dv_acc.data());
+            acc_masked_pairs<kDp, false, kAmx>(acc_cls, ds_pairs.data(), ars, ams, nq, qx.data(), ld, Dp, nk,
+                                               live.data(), scratch.data(), dk_acc.data());
             continue;
           }
 #endif
@@ -219,9 +229,9 @@ void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const
 #if RF_ISA_AVX512
           if constexpr (kPairGrad) {
             weights_to_pair_rows(dpbuf.data(), nq, ds_pairs.data());
-            acc_masked_pairs<kDp, true>(acc_cls, ds_pairs.data(), kTileK / 2, 1, nk,
-                                        k_pairs.get() + tile * (kTileK / 2) * ld, ld, Dp, nq, live.data(),
-                                        scratch.data(), dq_acc.data() + r0 * Dp);
+            acc_masked_pairs<kDp, true, kAmx>(acc_cls, ds_pairs.data(), kTileK / 2, 1, nk,
+                                              k_pairs.get() + tile * (kTileK / 2) * ld, ld, Dp, nq, live.data(),
+                                              scratch.data(), dq_acc.data() + r0 * Dp);
             continue;
           }
 #endif

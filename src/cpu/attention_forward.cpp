@@ -10,9 +10,9 @@
 // GQA without copying K/V per query head. Scores, the running max/sum and O accumulate in float32; the
 // softmax runs in log2 units (scale·log2 e folded into one multiply) with the vector exp2 of microkernels.h.
 // bf16 inputs (dispatch.h kProd, isa.h Bf16Product): widened to float32 while packing (Widen); or Q and K^T packed
-// as bf16 pairs with S = Q K^T on vdpbf16ps (Dpbf16) or AMX tiles (Amx), exact products summed in float32. On
-// Dpbf16 O += P V runs on vdpbf16ps too: P, computed in float32, is rounded to bf16 (relative error <= 2^-8 per
-// weight; the row sum l and the LSE use the float32 P), V packed as pairs of keys; O accumulates in float32.
+// as bf16 pairs with S = Q K^T on vdpbf16ps (Dpbf16) or AMX tiles (Amx), exact products summed in float32, and
+// O += P V on the same units: P, computed in float32, is rounded to bf16 (relative error <= 2^-8 per weight; the
+// row sum l and the LSE use the float32 P), V packed as pairs of keys; O accumulates in float32.
 // Memory: the packed K/V tiles (O(Lk · Dp), like the inputs) plus O(kTileQ · Dp · heads) per thread — never an
 // [Lq, Lk] score or mask matrix.
 #include <algorithm>
@@ -109,8 +109,9 @@ void forward_impl(const AttnChunk& c, float* o, float* lse) {
 #if RF_ISA_AVX512
           if constexpr (kPairPV) {
             weights_to_pair_rows(sbuf.data(), nq, pbuf.data());
-            acc_masked_pairs<kDp, true>(cls, pbuf.data(), kTileK / 2, 1, nk, v_pairs.get() + tile * (kTileK / 2) * ld,
-                                        ld, Dp, nq, bits.data(), scratch.data(), orow);
+            acc_masked_pairs<kDp, true, kAmx>(cls, pbuf.data(), kTileK / 2, 1, nk,
+                                              v_pairs.get() + tile * (kTileK / 2) * ld, ld, Dp, nq, bits.data(),
+                                              scratch.data(), orow);
             continue;
           }
 #endif

@@ -207,7 +207,7 @@ const char* bf16_name(Bf16Product bf16) {
     case Bf16Product::Dpbf16:
       return "vdpbf16ps (P and dS rounded to bf16)";
     case Bf16Product::Amx:
-      return "amx tiles for Q K^T and dO V^T, float32 FMAs for the rest";
+      return "amx tiles (P and dS rounded to bf16)";
   }
   return "?";
 }

@@ -26,10 +26,15 @@ enum class Bf16Product {
   // (O += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K) round the float32 P and dS to bf16 first, a relative error
   // of at most 2^-8 per weight (docs/numerics.md; tests/cpu/attention_check.h holds the bound).
   Dpbf16,
-  // The score products on Intel AMX tiles (tdpbf16ps); the accumulating ones on float32 FMAs, since on the AMX
-  // CPUs measured vdpbf16ps runs at about half the FMAs' rate (BENCHMARKS.md). AVX-512 kernels only.
+  // Every product on Intel AMX tiles (tdpbf16ps: exact bf16 pair products summed in float32), with P and dS
+  // rounded to bf16 as on Dpbf16 (amx.h, amx_tiles.h). Not vdpbf16ps: on the AMX CPUs measured it runs at about
+  // half the float32 FMAs' rate (BENCHMARKS.md). AVX-512 kernels only.
   Amx,
 };
+
+// Whether bf16 inputs on this product path have their float32 attention weights P and dS rounded to bf16 before
+// the accumulating products (Dpbf16 and Amx): the error terms the tests and the demo's bounds add for it.
+constexpr bool rounds_bf16_weights(Bf16Product bf16) { return bf16 != Bf16Product::Widen; }
 
 // What this CPU and operating system offer the kernels.
 struct CpuFeatures {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/attention_args.h"
+#include "core/error.h"
 #include "cpu/amx.h"
 #include "cpu/attention.h"
 #include "cpu/isa.h"
@@ -25,7 +26,9 @@ RF_ISA_BEGIN
 namespace rf::cpu::RF_ISA_NS::detail {
 
 using cpu::detail::amx_abt;
+using cpu::detail::amx_acc;
 using cpu::detail::AmxTileScope;
+using cpu::detail::kAmxAccMaxPairs;
 using cpu::detail::kAmxPairs;
 
 static_assert(kTileK == kTileCols, "the micro-kernels are written for 64-key tiles");
@@ -35,12 +38,12 @@ constexpr float kLn2 = 0.693147180559945309f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // Whether a path packs bf16 inputs as bf16 pairs (uint32 words, two bf16 along the product's sum) for its score
-// products (S = Q K^T, dP = dO V^T: Dpbf16 and Amx) and for its accumulating ones (O += P V and the gradients:
-// Dpbf16 only; isa.h says why AMX keeps them on float32 FMAs). Everything else runs on float32.
+// products (S = Q K^T, dP = dO V^T) and for its accumulating ones (O += P V and the gradients, whose float32
+// weights P and dS it rounds to bf16): both on Dpbf16 and Amx. Widen runs everything on float32.
 template <DType kT, Bf16Product kProd>
 constexpr bool kPairScores = kT == DType::BF16&& kProd != Bf16Product::Widen;
 template <DType kT, Bf16Product kProd>
-constexpr bool kPairAcc = kT == DType::BF16&& kProd == Bf16Product::Dpbf16;
+constexpr bool kPairAcc = kPairScores<kT, kProd>;
 
 // Element type of the packed abt operands on a path: bf16 pairs or float32.
 template <DType kT, Bf16Product kProd>
@@ -482,12 +485,25 @@ inline bool any_nonfinite_pairs(const uint32_t* x, int pairs, int ld, int Dp) {
   return bad;
 }
 
-template <int kDp, bool kRowsAreQueries>
+// With kAmx the products run on AMX tiles (amx.h: amx_acc), over whole 16-pair tiles along the sum (scratch then
+// holds [that many pairs, ldx] words). That needs the weights in row layout (ams = 1), and a and x zero from pair
+// ceil(N / 2) to the tile's end, which the kernels' operands are: forbidden and out-of-tile weights are 0
+// (softmax_step, grad_step, weights_to_key_rows), and the packed x tiles are zero past their last row
+// (pack_pair_rows). The per-row path runs the same tile sequence on one row at a time, so its rows keep the bits
+// they have on the whole-tile path, as on vdpbf16ps.
+template <int kDp, bool kRowsAreQueries, bool kAmx>
 inline void acc_masked_pairs(BlockClass cls, const uint32_t* a, int ars, int ams, int N, const uint32_t* x, int ldx,
                              int Dp, int rows, const RowBits* bits, uint32_t* scratch, float* out) {
-  const int pairs = ceil_div(N, 2);
+  const int pairs = kAmx ? ceil_div(N, 2 * kAmxPairs) * kAmxPairs : ceil_div(N, 2);
+  RF_ASSERT(!kAmx || ams == 1);
+  auto product = [&](const uint32_t* w, const uint32_t* xs, int n, float* o) {
+    if constexpr (kAmx)
+      amx_acc(w, ars, pairs, xs, ldx, Dp, n, o);
+    else
+      acc_bf16<kDp>(w, ars, ams, pairs, xs, ldx, Dp, n, o);
+  };
   if (cls != BlockClass::Partial || !any_nonfinite_pairs(x, pairs, ldx, Dp)) {
-    acc_bf16<kDp>(a, ars, ams, pairs, x, ldx, Dp, rows, out);
+    product(a, x, rows, out);
     return;
   }
   auto allowed = [&](int r, int n) { return n < N && (kRowsAreQueries ? (bits[r] >> n) & 1 : (bits[n] >> r) & 1); };
@@ -496,7 +512,22 @@ inline void acc_masked_pairs(BlockClass cls, const uint32_t* a, int ars, int ams
       const uint32_t keep = (allowed(r, 2 * m) ? 0x0000ffffu : 0u) | (allowed(r, 2 * m + 1) ? 0xffff0000u : 0u);
       for (int d = 0; d < Dp; ++d) scratch[int64_t{m} * ldx + d] = x[int64_t{m} * ldx + d] & keep;
     }
-    acc_bf16<kDp>(a + int64_t{r} * ars, ars, ams, pairs, scratch, ldx, Dp, 1, out + int64_t{r} * Dp);
+    product(a + int64_t{r} * ars, scratch, 1, out + int64_t{r} * Dp);
+  }
+}
+
+// The weights of dV += P^T dO and dK += dS^T Q for AMX, whose A operand wants the sum (queries) along each row:
+// w: [rows, kTileK] float32 (rows = queries) -> dst [kTileK, kTileQ / 2] words, word (j, m) = (w[2m, j],
+// w[2m + 1, j]) rounded as weights_to_pair_cols rounds them, zero for 2m >= rows. pair_cols: [kTileQ / 2, kTileK]
+// scratch for weights_to_pair_cols' layout, transposed here.
+inline void weights_to_key_rows(const float* w, int rows, uint32_t* pair_cols, uint32_t* dst) {
+  static_assert(kTileQ == 2 * kAmxAccMaxPairs, "one key row of weights is two AMX A tiles");
+  weights_to_pair_cols(w, rows, pair_cols);
+  const int filled = ceil_div(rows, 2);
+  for (int j = 0; j < kTileK; ++j) {
+    uint32_t* out = dst + j * (kTileQ / 2);
+    for (int m = 0; m < filled; ++m) out[m] = pair_cols[m * kTileK + j];
+    std::fill(out + filled, out + kTileQ / 2, 0u);
   }
 }
 #endif

@@ -321,7 +321,7 @@ inline std::vector<Case> long_row_cases(int P) {
 // alone and of B alone, slice by slice (contiguous shards with the chunk ring, zigzag with the planned ring). Both
 // sides are float32 CP runs at the same P that differ only in how keys fall into chunks, so they agree to the merge
 // rounding of both: 2 * kUlpsPerRank * P ulps of the magnitude.
-// Except where bf16 inputs run on vdpbf16ps (src/cpu/isa.h: Bf16Product::Dpbf16): that path rounds the float32
+// Except where bf16 inputs run on vdpbf16ps or AMX (src/cpu/isa.h: rounds_bf16_weights): those paths round the float32
 // weights P and dS to bf16, P relative to the running softmax max of its key tile, and A alone and A inside [A, B]
 // fall into different key tiles (B starts at token a.S), so the same weight rounds differently on the two sides,
 // by up to 2^-8 of it (docs/numerics.md), far above the merge rounding. There each side is held to the file's own
@@ -366,7 +366,7 @@ inline void check_packed_parity(comm::Communicator& comm, const LayerMask& mask,
     iab.meta.push_back(t);
   }
 
-  const bool rounds_weights = dtype == DType::BF16 && cpu::kernel_path().bf16 == cpu::Bf16Product::Dpbf16;
+  const bool rounds_weights = dtype == DType::BF16 && cpu::rounds_bf16_weights(cpu::kernel_path().bf16);
   const Reference ref_a = rounds_weights && comm.rank() == 0 ? run_reference(a, ia) : Reference{};
   const Reference ref_b = rounds_weights && comm.rank() == 0 ? run_reference(b, ib) : Reference{};
   for (Scheme scheme : {Scheme::Contiguous, Scheme::Zigzag}) {

@@ -14,7 +14,7 @@
 // bf16 pairs exactly and accumulate in float32, so the same bound holds for the score products on every path
 // (the reference runs on the same bf16 values).
 //
-// The vdpbf16ps path (src/cpu/isa.h: Bf16Product::Dpbf16) also rounds the float32 weights of the accumulating
+// The vdpbf16ps and AMX paths (src/cpu/isa.h: rounds_bf16_weights) also round the float32 weights of the accumulating
 // products to bf16: P in O += P V and dV += P^T dO, dS in dK += dS^T Q and dQ += dS K. Round to nearest even with
 // 8 significant bits gives |ŵ - w| ≤ u_bf16·|w|, u_bf16 = 2^-8, for every normal w (P ≤ 1 and dS are far from
 // bf16's overflow; a float32 denormal weight becomes 0, an absolute error below 2^-126·|x| per term, which no
@@ -124,7 +124,7 @@ inline Bounds error_bounds(const AttnChunk& c, const void* dout, const RefForwar
   Magnitudes m = attention_magnitudes(c, dout, ref);
   Bounds bd;
   bd.kappa = kEps32 * (2 * c.shape.D * m.e_max + 3 * m.n_max + kSlack);
-  const bool rounds = c.dtype == DType::BF16 && cpu::kernel_path().bf16 == cpu::Bf16Product::Dpbf16;
+  const bool rounds = c.dtype == DType::BF16 && cpu::rounds_bf16_weights(cpu::kernel_path().bf16);
   bd.weight_rounding = rounds ? kBf16Unit : 0;
   bd.o = std::move(m.o), bd.lse = std::move(m.lse), bd.dq = std::move(m.dq), bd.dk = std::move(m.dk);
   bd.dv = std::move(m.dv);
