@@ -1,11 +1,13 @@
 // ringflex: the command-line entry point. Parses the subcommand, starts MPI (a plain run is a singleton
 // world of P = 1), checks that every rank got the same command line, runs the subcommand, and maps failures to
 // one line on stderr and a non-zero exit.
+#include <malloc.h>
 #include <mpi.h>
 
 #include <chrono>
 #include <cstdio>
 #include <exception>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,9 +26,24 @@ constexpr double kMillisecondsPerSecond = 1000.0;
 
 void print_error(const char* what) { std::fprintf(stderr, "ringflex: error: %s\n", what); }
 
+// The model allocates its large buffers (activations, gradients, the loss chunk, packed K/V) per layer and frees
+// them within the step; glibc maps allocations above its mmap threshold afresh each time, and the kernel zeroes and
+// faults in every page on first touch, again every layer and every step. Kept in the heap instead (no mmap, no
+// trimming), freed memory is reused without faults: on a 2-vCPU Skylake-SP the 100m S = 4096 forward+backward went
+// from 1.09 M page faults and 6.3 s of system time to 0.37 M and 3.2 s (the rest is loading and writing the files),
+// the built-in training demo from 148 K faults to 16 K, with the same peak RSS. A process-wide allocator policy,
+// so the program sets it, not the library. No effect off glibc.
+void keep_freed_memory_in_the_heap() {
+#ifdef M_MMAP_MAX
+  mallopt(M_MMAP_MAX, 0);
+  mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  keep_freed_memory_in_the_heap();
   CLI::App app{"ringflex: context-parallel masked attention and Gemma 4 fine-tuning"};
   app.require_subcommand(1);
   // A usage error is one line like every other failure (CLI11's default adds a second, "Run with --help").
