@@ -11,7 +11,8 @@ document, every position labelled), on the same CPU, in the same invocation, alt
     cross-entropy over the [S, V] logits, backward; torch.set_num_threads = the same thread count; peak memory is
     ru_maxrss of that process.
   - 1-thread sgemm: OpenBLAS's cblas_sgemm (the library ringflex is linked against, found with ldd), N = 1024,
-    measured right before each ringflex run (median of 5), so the FLOP utilisation compares numbers of one minute.
+    measured right before and right after each repeat's ringflex runs (median of 5 calls each; the figure used is
+    the median of all those readings), so the FLOP utilisation compares numbers of the same minutes.
 Model FLOP utilisation (MFU) = (6 N T + attention FLOPs) / step time / (threads x 1-thread sgemm), with N the
 parameter count (the tied head counted once: it is one matmul each way), T = S tokens, and attention as
 docs/spec.md section 9 counts it: forward 4 Hq D A per layer (A = allowed (q, k) pairs of the layer's mask),
@@ -209,6 +210,9 @@ def main():
             for dt in dtypes:
                 results[ours[dt]].append(run_ringflex(a.ringflex, ckpt, batch, os.path.join(d, "out.safetensors"),
                                                       a.threads, a.recompute, a.keep_mlp, dt))
+            # Once more right after: on a shared VM the sgemm rate moves by 2x from minute to minute, and the median
+            # over readings on both sides of each run is steadier than one reading before it.
+            peaks.append(sgemm.gflops())
             for name in impls:
                 results[name].append(run_torch(ckpt, name.split()[1], a.threads, S))
     peak = statistics.median(peaks)
