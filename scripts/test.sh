@@ -18,6 +18,7 @@ sanitized=(
   core/test_core
   reference/test_reference
   cpu/test_cpu_attention
+  cpu/test_cpu_amx_tiles
   io/test_io
   comm/test_loopback
   cp/test_shard
