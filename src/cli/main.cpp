@@ -30,7 +30,7 @@ void print_error(const char* what) { std::fprintf(stderr, "ringflex: error: %s\n
 // them within the step; glibc maps allocations above its mmap threshold afresh each time, and the kernel zeroes and
 // faults in every page on first touch, again every layer and every step. Kept in the heap instead (no mmap, no
 // trimming), freed memory is reused without faults: on a 2-vCPU Skylake-SP the 100m S = 4096 forward+backward went
-// from 1.09 M page faults and 6.3 s of system time to 0.37 M and 3.2 s (the rest is loading and writing the files),
+// from 1.09 M page faults and 6.3 s of system time to 0.37 M and 2.6-3.2 s (the rest is loading and writing files),
 // the built-in training demo from 148 K faults to 16 K, with the same peak RSS. A process-wide allocator policy,
 // so the program sets it, not the library. No effect off glibc.
 void keep_freed_memory_in_the_heap() {
