@@ -1,12 +1,9 @@
-// ringflex cpu: AMX tile configuration, the bf16 score product, and the hardware tile unit that runs amx_tiles.h's
-// accumulating product (see amx.h for layouts; detection: isa.cpp).
-//
-// The score product's tile plan for one 16-row block of C = A · B over a 64-key tile: tiles 0-3 hold C's four
-// 16 x 16 float32 column blocks (keys 0-15, 16-31, 32-47, 48-63); tile 4 holds 16 rows x 32 bf16 of A; tiles 5-7
-// take turns holding a 16-pair x 16-key B block, so a B load does not wait on the tdpbf16ps still reading the
-// previous one. Each A tile is loaded once and used against the four B blocks. tdpbf16ps multiplies bf16 pairs
-// exactly and accumulates in float32 (denormal inputs are treated as zero, as with vdpbf16ps).
+// ringflex cpu: AMX tile configuration and the hardware tile unit that runs amx_tiles.h's tile plans (amx.h has the
+// layouts, isa.cpp the detection). tdpbf16ps multiplies bf16 pairs exactly and accumulates in float32 (denormal
+// inputs are treated as zero, as with vdpbf16ps).
 #include "cpu/amx.h"
+
+#include <atomic>
 
 #include "core/error.h"
 
@@ -23,10 +20,7 @@ namespace rf::cpu::detail {
 namespace {
 
 #if defined(__x86_64__)
-constexpr int kTileBytes = 64;                           // bytes of one tile row (16 floats, 32 bf16)
-constexpr int kKeyCols = 64;                             // keys per tile (kTileK)
-constexpr int kKeyStride = kKeyCols * sizeof(uint32_t);  // bytes between bt rows and c rows
-constexpr int kColBlock = kTileBytes / sizeof(float);    // keys per C / B tile
+constexpr int kTileBytes = 64;  // bytes of one tile row (16 floats, 32 bf16)
 
 // The 64-byte LDTILECFG operand, palette 1.
 struct alignas(64) TileConfig {
@@ -82,9 +76,15 @@ struct HwTiles {
 };
 #endif
 
+std::atomic<const AmxTileModel*> installed_model{nullptr};
+
 }  // namespace
 
-AmxTileScope::AmxTileScope(bool active) : active_(active) {
+void install_amx_tile_model(const AmxTileModel* model) { installed_model.store(model); }
+
+const AmxTileModel* amx_tile_model() { return installed_model.load(std::memory_order_relaxed); }
+
+AmxTileScope::AmxTileScope(bool active) : active_(active && amx_tile_model() == nullptr) {
 #if defined(__x86_64__)
   if (active_) load_config();
 #endif
@@ -98,42 +98,25 @@ AmxTileScope::~AmxTileScope() {
 
 #if defined(__x86_64__)
 RF_AMX_TARGET void amx_abt(const uint32_t* a, int lda, const uint32_t* bt, int Dp, int rows, float* c) {
-  const int pairs = Dp / 2;
-  const int a_stride = lda * static_cast<int>(sizeof(uint32_t));
-  for (int r0 = 0; r0 < rows; r0 += kAmxRows) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int p0 = 0; p0 < pairs; p0 += kAmxPairs) {
-      const uint32_t* b = bt + p0 * kKeyCols;
-      _tile_loadd(4, a + r0 * lda + p0, a_stride);
-      _tile_loadd(5, b, kKeyStride);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, b + kColBlock, kKeyStride);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(7, b + 2 * kColBlock, kKeyStride);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, b + 3 * kColBlock, kKeyStride);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    float* out = c + r0 * kKeyCols;
-    _tile_stored(0, out, kKeyStride);
-    _tile_stored(1, out + kColBlock, kKeyStride);
-    _tile_stored(2, out + 2 * kColBlock, kKeyStride);
-    _tile_stored(3, out + 3 * kColBlock, kKeyStride);
-  }
+  if (const AmxTileModel* model = amx_tile_model()) return model->abt(a, lda, bt, Dp, rows, c);
+  HwTiles tiles;
+  amx_abt_rows(tiles, a, lda, bt, Dp, rows, c);
 }
 
 RF_AMX_TARGET void amx_acc(const uint32_t* a, int lda, int pairs, const uint32_t* x, int ldx, int Dp, int rows,
                            float* out) {
   RF_ASSERT(pairs % kAmxPairs == 0 && pairs > 0 && pairs <= kAmxAccMaxPairs && Dp % (2 * kAmxPairs) == 0);
+  if (const AmxTileModel* model = amx_tile_model()) return model->acc(a, lda, pairs, x, ldx, Dp, rows, out);
   HwTiles tiles;
   amx_acc_rows(tiles, a, lda, pairs, x, ldx, Dp, rows, out);
 }
 #else
-void amx_abt(const uint32_t*, int, const uint32_t*, int, int, float*) {}
-void amx_acc(const uint32_t*, int, int, const uint32_t*, int, int, int, float*) {}
+void amx_abt(const uint32_t* a, int lda, const uint32_t* bt, int Dp, int rows, float* c) {
+  if (const AmxTileModel* model = amx_tile_model()) model->abt(a, lda, bt, Dp, rows, c);
+}
+void amx_acc(const uint32_t* a, int lda, int pairs, const uint32_t* x, int ldx, int Dp, int rows, float* out) {
+  if (const AmxTileModel* model = amx_tile_model()) model->acc(a, lda, pairs, x, ldx, Dp, rows, out);
+}
 #endif
 
 }  // namespace rf::cpu::detail

@@ -45,4 +45,17 @@ void amx_abt(const uint32_t* a, int lda, const uint32_t* bt, int Dp, int rows, f
 // out. Requires an active AmxTileScope on the calling thread.
 void amx_acc(const uint32_t* a, int lda, int pairs, const uint32_t* x, int ldx, int Dp, int rows, float* out);
 
+// A software stand-in for the tile unit: amx_abt and amx_acc run by other means, for the tests of CPUs without AMX
+// (tests/cpu/soft_tiles.h runs amx_tiles.h's tile plans on a model of the tiles). While one is installed, amx_abt
+// and amx_acc call it, AmxTileScope loads no tile state, and kernel_path() (isa.h) reports the AMX path, so every
+// bf16 kernel call runs the AMX kernels end to end, everything around the tiles included, on any CPU with
+// AVX512_BF16 (the AMX kernels round P and dS with vcvtneps2bf16). Install it before kernels run and remove it
+// (nullptr) after; changing it while a kernel runs is a race. The library itself never installs one.
+struct AmxTileModel {
+  decltype(&amx_abt) abt;
+  decltype(&amx_acc) acc;
+};
+void install_amx_tile_model(const AmxTileModel* model);
+const AmxTileModel* amx_tile_model();  // the installed one, or nullptr (the hardware)
+
 }  // namespace rf::cpu::detail

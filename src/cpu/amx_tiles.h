@@ -1,7 +1,8 @@
-// ringflex cpu: the AMX accumulating product, written once against a tile unit so that it runs on the hardware
-// (amx.cpp, HwTiles) and on a software model of the tiles (tests/cpu/soft_tiles.h) from the same source. No CPU
-// this project is developed on has AMX on every day; the model lets the addressing, the tail handling and the tile
-// plan be tested everywhere, while the kernel tests check the hardware where CPUID reports it.
+// ringflex cpu: the AMX tile plans (the score product and the accumulating one), written once against a tile unit
+// so that they run on the hardware (amx.cpp, HwTiles) and on a software model of the tiles (tests/cpu/soft_tiles.h)
+// from the same source. No CPU this project is developed on has AMX on every day; the model lets the addressing,
+// the tail handling and the tile plans be tested everywhere, while the kernel tests check the hardware where CPUID
+// reports it.
 //
 // A tile unit T offers, with tile numbers as template arguments (the instructions encode them):
 //   t.template zero<c>()                  tilezero
@@ -24,6 +25,42 @@ namespace rf::cpu::detail {
 
 // 64-byte tile rows: 16 float32 of C, 16 bf16 pairs of A, 16 pair columns of B.
 constexpr int kAmxTileWords = kAmxPairs;
+// Keys of one score tile (kTileK), and bytes between rows of the score product's bt and c.
+constexpr int kAmxKeyCols = 4 * kAmxTileWords;
+constexpr int kAmxKeyStride = kAmxKeyCols * 4;
+
+// The score product amx_abt (amx.h has the layouts). Tile plan for one 16-row block of C = A · B over a 64-key
+// tile: tiles 0-3 hold C's four 16 x 16 float32 column blocks (keys 0-15, 16-31, 32-47, 48-63); tile 4 holds 16
+// rows x 32 bf16 of A; tiles 5-7 take turns holding a 16-pair x 16-key B block, so a B load does not wait on the
+// tdpbf16ps still reading the previous one. Each A tile is loaded once and used against the four B blocks.
+template <class T>
+void amx_abt_rows(T& t, const uint32_t* a, int lda, const uint32_t* bt, int Dp, int rows, float* c) {
+  const int pairs = Dp / 2;
+  const int a_stride = lda * 4;
+  for (int r0 = 0; r0 < rows; r0 += kAmxRows) {
+    t.template zero<0>();
+    t.template zero<1>();
+    t.template zero<2>();
+    t.template zero<3>();
+    for (int p0 = 0; p0 < pairs; p0 += kAmxPairs) {
+      const uint32_t* b = bt + p0 * kAmxKeyCols;
+      t.template load<4>(a + int64_t{r0} * lda + p0, a_stride);
+      t.template load<5>(b, kAmxKeyStride);
+      t.template dot<0, 4, 5>();
+      t.template load<6>(b + kAmxTileWords, kAmxKeyStride);
+      t.template dot<1, 4, 6>();
+      t.template load<7>(b + 2 * kAmxTileWords, kAmxKeyStride);
+      t.template dot<2, 4, 7>();
+      t.template load<5>(b + 3 * kAmxTileWords, kAmxKeyStride);
+      t.template dot<3, 4, 5>();
+    }
+    float* out = c + int64_t{r0} * kAmxKeyCols;
+    t.template store<0>(out, kAmxKeyStride);
+    t.template store<1>(out + kAmxTileWords, kAmxKeyStride);
+    t.template store<2>(out + 2 * kAmxTileWords, kAmxKeyStride);
+    t.template store<3>(out + 3 * kAmxTileWords, kAmxKeyStride);
+  }
+}
 
 // out[r, d] += sum over m < pairs of a(r, m).lo · x[m, d].lo + a(r, m).hi · x[m, d].hi, for r < rows, d < Dp,
 // on tiles: the accumulating products of the attention kernels (O += P V, dQ += dS K, dV += Pᵀ dO, dK += dSᵀ Q).

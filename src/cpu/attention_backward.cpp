@@ -54,7 +54,7 @@ template <int kDp, DType kT, Bf16Product kProd>
 void backward_impl(const AttnChunk& c, const void* dout, const float* lse, const float* delta, float* dq, float* dk,
                    float* dv) {
   static_assert(kT == DType::BF16 || kProd == Bf16Product::Widen, "float32 inputs run on float32 FMAs");
-  constexpr bool kAmx = kProd == Bf16Product::Amx, kPairGrad = kPairAcc<kT, kProd>;
+  constexpr bool kAmx = kProd == Bf16Product::Amx, kPairGrad = kBf16Pairs<kT, kProd>;
   const AttnShape& s = c.shape;
   using QK = ScoreOperand<kT, kProd>;  // element type of the packed abt operands
   const int D = s.D, Dp = kDp > 0 ? kDp : path_padded_dim<kT, kProd>(D), dr = pair_row<QK>(Dp);

@@ -38,7 +38,7 @@ using namespace detail;
 template <int kDp, DType kT, Bf16Product kProd>
 void forward_impl(const AttnChunk& c, float* o, float* lse) {
   static_assert(kT == DType::BF16 || kProd == Bf16Product::Widen, "float32 inputs run on float32 FMAs");
-  constexpr bool kAmx = kProd == Bf16Product::Amx, kPairPV = kPairAcc<kT, kProd>;
+  constexpr bool kAmx = kProd == Bf16Product::Amx, kPairPV = kBf16Pairs<kT, kProd>;
   using QK = ScoreOperand<kT, kProd>;  // element type of the packed Q and K^T operands
   const AttnShape& s = c.shape;
   const int D = s.D, Dp = kDp > 0 ? kDp : path_padded_dim<kT, kProd>(D), dr = pair_row<QK>(Dp);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "cpu/amx.h"
 #include "cpu/attention.h"
 #include "cpu/kernels.h"
 
@@ -182,6 +183,9 @@ double bf16_tile_race() {
 }
 
 const KernelPath& kernel_path() {
+  // A test's software tile unit (amx.h) stands in for AMX hardware: the AMX kernels, whatever this CPU offers.
+  static const KernelPath tile_model{Isa::Avx512, Bf16Product::Amx, "AMX tile model installed by a test"};
+  if (detail::amx_tile_model()) return tile_model;
   // Static-local initialisation is thread-safe, and an exception leaves it uninitialised, so a bad RINGFLEX_ISA
   // throws on every call rather than once. The race runs at most once per process, here.
   static const KernelPath path = select_path(detect_cpu(), std::getenv(kIsaEnv), bf16_tile_race);

@@ -80,7 +80,8 @@ KernelPath select_path(const CpuFeatures& features, const char* forced, const Bf
 double bf16_tile_race();
 
 // select_path(detect_cpu(), getenv("RINGFLEX_ISA"), bf16_tile_race), decided on first use and fixed for the
-// process. Throws rf::Error (again on every call) when RINGFLEX_ISA is bad.
+// process. Throws rf::Error (again on every call) when RINGFLEX_ISA is bad. While a test has a software tile unit
+// installed (amx.h: install_amx_tile_model), the AVX-512 kernels with AMX products instead.
 const KernelPath& kernel_path();
 
 const char* isa_name(Isa isa);            // "scalar", "avx2", "avx512"

@@ -3,7 +3,7 @@
 //
 // Internal to src/cpu, compiled once per ISA like microkernels.h. Template parameters come from dispatch.h: kDp
 // (padded head dim, 0 = run time), kT (the input dtype) and kProd (isa.h: the units bf16 multiplies on), which
-// decide whether an operand is packed as float32 or as bf16 pairs (kPairScores, kPairAcc below).
+// decide whether an operand is packed as float32 or as bf16 pairs (kBf16Pairs below).
 #pragma once
 
 #include <algorithm>
@@ -37,17 +37,15 @@ constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2 = 0.693147180559945309f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Whether a path packs bf16 inputs as bf16 pairs (uint32 words, two bf16 along the product's sum) for its score
-// products (S = Q K^T, dP = dO V^T) and for its accumulating ones (O += P V and the gradients, whose float32
-// weights P and dS it rounds to bf16): both on Dpbf16 and Amx. Widen runs everything on float32.
+// Whether a path packs bf16 inputs as bf16 pairs (uint32 words, two bf16 along the product's sum) for every
+// product: the score products (S = Q K^T, dP = dO V^T) and the accumulating ones (O += P V and the gradients,
+// whose float32 weights P and dS it rounds to bf16). Dpbf16 and Amx do; Widen runs everything on float32.
 template <DType kT, Bf16Product kProd>
-constexpr bool kPairScores = kT == DType::BF16&& kProd != Bf16Product::Widen;
-template <DType kT, Bf16Product kProd>
-constexpr bool kPairAcc = kPairScores<kT, kProd>;
+constexpr bool kBf16Pairs = kT == DType::BF16&& kProd != Bf16Product::Widen;
 
 // Element type of the packed abt operands on a path: bf16 pairs or float32.
 template <DType kT, Bf16Product kProd>
-using ScoreOperand = std::conditional_t<kPairScores<kT, kProd>, uint32_t, float>;
+using ScoreOperand = std::conditional_t<kBf16Pairs<kT, kProd>, uint32_t, float>;
 
 // Padded head dimension: a multiple of kPadFloats (whole vectors on every ISA), or with pairs of 32 = 2·kAmxPairs,
 // so Dp/2 pairs fill whole zmm vectors of pairs and whole AMX A tiles along d. The padding is zero in every packed
@@ -55,7 +53,7 @@ using ScoreOperand = std::conditional_t<kPairScores<kT, kProd>, uint32_t, float>
 template <DType kT, Bf16Product kProd>
 constexpr int path_padded_dim(int D) {
   static_assert(kPadFloats == kAmxPairs, "one padding unit serves vdpbf16ps and AMX");
-  constexpr int kMultiple = kPairScores<kT, kProd> ? 2 * kPadFloats : kPadFloats;
+  constexpr int kMultiple = kBf16Pairs<kT, kProd> ? 2 * kPadFloats : kPadFloats;
   return (D + kMultiple - 1) / kMultiple * kMultiple;
 }
 

@@ -2,6 +2,10 @@
 // avx512-dpbf16, avx512-widen, avx2, scalar, and unset). A path this CPU lacks skips every test and says why (the
 // error names the missing hardware, which scripts/check_skips.py accepts only on a CPU without it); a misspelt
 // name fails.
+//
+// With RF_TEST_AMX_TILE_MODEL=1 (CTest's `.amx-model` runs) the fixture installs the software tile unit
+// (soft_tiles.h: kSoftAmx) instead, so the tests run the AMX kernels end to end on a CPU without AMX; that needs
+// AVX512_BF16 (the AMX kernels' rounding of P and dS), and a CPU without it skips saying so.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -10,13 +14,27 @@
 #include <string_view>
 
 #include "core/error.h"
+#include "cpu/amx.h"
 #include "cpu/isa.h"
+#include "soft_tiles.h"
 
 namespace rf::testing {
+
+inline bool amx_tile_model_requested() {
+  const char* flag = std::getenv("RF_TEST_AMX_TILE_MODEL");
+  return flag && std::string_view(flag) == "1";
+}
 
 class KernelPathTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    if (amx_tile_model_requested()) {
+      if (!cpu::detect_cpu().avx512_bf16)
+        GTEST_SKIP() << "the AMX tile model runs the AVX-512 kernels' AMX path, which needs AVX512_BF16; this CPU "
+                        "lacks it";
+      cpu::detail::install_amx_tile_model(&kSoftAmx);
+      return;
+    }
     try {
       cpu::kernel_path();
     } catch (const Error& e) {
@@ -27,6 +45,7 @@ class KernelPathTest : public ::testing::Test {
       FAIL() << e.what();
     }
   }
+  void TearDown() override { cpu::detail::install_amx_tile_model(nullptr); }
 };
 
 }  // namespace rf::testing

@@ -12,6 +12,9 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu/amx.h"
+#include "cpu/amx_tiles.h"
+
 namespace rf::testing {
 
 class SoftTiles {
@@ -42,15 +45,26 @@ class SoftTiles {
   void dot() {
     static_assert(kC != kA && kC != kB && kA != kB, "tdpbf16ps raises #UD unless C, A and B are distinct tiles");
     EXPECT_TRUE(defined_[kC] && defined_[kA] && defined_[kB]) << "tdpbf16ps read a tile that was never loaded";
-    for (int m = 0; m < kRows; ++m)
-      for (int k = 0; k < kWords; ++k)
+    // The operands widened once (the same values the pseudo-code widens per use), so the whole-kernel runs on the
+    // model (kSoftAmx below) stay affordable; the order of the float32 additions is the pseudo-code's.
+    float b_lo[kWords][kWords], b_hi[kWords][kWords];
+    for (int k = 0; k < kWords; ++k)
+      for (int n = 0; n < kWords; ++n) {
+        b_lo[k][n] = widen(tiles_[kB][k][n] & 0xffffu);
+        b_hi[k][n] = widen(tiles_[kB][k][n] >> 16);
+      }
+    for (int m = 0; m < kRows; ++m) {
+      float c[kWords];
+      std::memcpy(c, tiles_[kC][m].data(), sizeof c);
+      for (int k = 0; k < kWords; ++k) {
+        const float a_lo = widen(tiles_[kA][m][k] & 0xffffu), a_hi = widen(tiles_[kA][m][k] >> 16);
         for (int n = 0; n < kWords; ++n) {
-          float c = as_float(tiles_[kC][m][n]);
-          const uint32_t a = tiles_[kA][m][k], b = tiles_[kB][k][n];
-          c += widen(a & 0xffffu) * widen(b & 0xffffu);
-          c += widen(a >> 16) * widen(b >> 16);
-          std::memcpy(&tiles_[kC][m][n], &c, sizeof c);
+          c[n] += a_lo * b_lo[k][n];
+          c[n] += a_hi * b_hi[k][n];
         }
+      }
+      std::memcpy(tiles_[kC][m].data(), c, sizeof c);
+    }
   }
 
  private:
@@ -68,5 +82,19 @@ class SoftTiles {
   std::array<std::array<std::array<uint32_t, kWords>, kRows>, kTiles> tiles_{};
   std::array<bool, kTiles> defined_{};
 };
+
+// amx.h's AmxTileModel on SoftTiles: with it installed the AMX kernels run end to end on any CPU with AVX512_BF16
+// (kernel_path_test.h installs it for the kernel tests' `.amx-model` runs). Each call gets a fresh unit, so a tile
+// plan that relied on tiles left over from an earlier call would read undefined tiles and fail.
+inline void soft_amx_abt(const uint32_t* a, int lda, const uint32_t* bt, int Dp, int rows, float* c) {
+  SoftTiles tiles;
+  cpu::detail::amx_abt_rows(tiles, a, lda, bt, Dp, rows, c);
+}
+inline void soft_amx_acc(const uint32_t* a, int lda, int pairs, const uint32_t* x, int ldx, int Dp, int rows,
+                         float* out) {
+  SoftTiles tiles;
+  cpu::detail::amx_acc_rows(tiles, a, lda, pairs, x, ldx, Dp, rows, out);
+}
+inline constexpr cpu::detail::AmxTileModel kSoftAmx{soft_amx_abt, soft_amx_acc};
 
 }  // namespace rf::testing

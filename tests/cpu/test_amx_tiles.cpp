@@ -1,7 +1,9 @@
-// The AMX accumulating product (src/cpu/amx_tiles.h: amx_acc_rows) on the software tile model, on every CPU, and
-// on the hardware where CPUID offers AMX. The kernel sweep (test_attention.cpp) runs the whole bf16 kernels on the
-// AMX path wherever it is active; this file pins the tile plan itself: layouts, strides, the 16-row blocks and
-// the bounce tiles of a last partial block, for every shape the kernels use and the awkward ones around them.
+// The AMX tile plans (src/cpu/amx_tiles.h: amx_acc_rows and amx_abt_rows) on the software tile model, on every
+// CPU, and the accumulating product on the hardware where CPUID offers AMX (test_attention.cpp has the score
+// product's hardware test). The kernel sweep (test_attention.cpp) runs the whole bf16 kernels on the AMX path
+// wherever it is active, and on this model in its `.amx-model` runs; this file pins the tile plans themselves:
+// layouts, strides, the 16-row blocks and the bounce tiles of a last partial block, for every shape the kernels
+// use and the awkward ones around them.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -110,6 +112,34 @@ TEST(AmxTiles, OneRowAtATimeKeepsTheWholeBlocksBits) {
                                 c.Dp, 1, by_row.data() + static_cast<size_t>(r) * c.Dp);
     ASSERT_EQ(std::memcmp(whole.data(), by_row.data(), whole.size() * sizeof(float)), 0)
         << "rows " << c.rows << " pairs " << c.pairs << " Dp " << c.Dp << " lda " << c.lda;
+  }
+}
+
+// The score product (amx_abt_rows) on the tile model: small integers, exact sums (as AmxScoreTileIsExact in
+// test_attention.cpp checks the hardware), 20 rows so the second 16-row block is partial (amx_abt computes whole
+// blocks: a and c hold 32 rows), Dp 64 and 512 (2 and 16 pair tiles along d).
+TEST(AmxTiles, ScoreProductIsExactOnTheTileModel) {
+  constexpr int kRows = 20, kPadRows = 32, kKeys = cpu::detail::kAmxKeyCols;
+  auto a_val = [](int r, int d) { return static_cast<float>((r * 3 + d) % 11 - 5); };
+  auto b_val = [](int d, int j) { return static_cast<float>((d * 5 + j * 7) % 13 - 6); };
+  for (int Dp : {64, 512}) {
+    std::vector<uint32_t> a(static_cast<size_t>(kPadRows) * Dp / 2, 0), bt(static_cast<size_t>(Dp) / 2 * kKeys);
+    for (int r = 0; r < kRows; ++r)
+      for (int p = 0; p < Dp / 2; ++p)
+        a[static_cast<size_t>(r) * Dp / 2 + p] = bf16_word(a_val(r, 2 * p)) | bf16_word(a_val(r, 2 * p + 1)) << 16;
+    for (int p = 0; p < Dp / 2; ++p)
+      for (int j = 0; j < kKeys; ++j)
+        bt[static_cast<size_t>(p) * kKeys + j] = bf16_word(b_val(2 * p, j)) | bf16_word(b_val(2 * p + 1, j)) << 16;
+    std::vector<float> c(static_cast<size_t>(kPadRows) * kKeys);
+    SoftTiles tiles;
+    cpu::detail::amx_abt_rows(tiles, a.data(), Dp / 2, bt.data(), Dp, kRows, c.data());
+    for (int r = 0; r < kRows; ++r)
+      for (int j = 0; j < kKeys; ++j) {
+        int64_t want = 0;
+        for (int d = 0; d < Dp; ++d) want += static_cast<int64_t>(a_val(r, d)) * static_cast<int64_t>(b_val(d, j));
+        ASSERT_EQ(c[static_cast<size_t>(r) * kKeys + j], static_cast<float>(want))
+            << "Dp " << Dp << " row " << r << " key " << j;
+      }
   }
 }
 

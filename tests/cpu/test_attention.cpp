@@ -7,7 +7,8 @@
 // double-precision O(S²·D) oracle; instead every value of every axis appears, and the risky pairs are crossed:
 // mask × metadata, D × dtype × head ratio, S × mask. S = 1000 runs only with small heads and D.
 // CTest runs this file once per kernel path (tests/cpu/CMakeLists.txt: RINGFLEX_ISA=amx, avx512-dpbf16,
-// avx512-widen, avx2, scalar, and unset); a path this CPU cannot run skips every test and says why.
+// avx512-widen, avx2, scalar, and unset) and once on the AMX kernels with the software tile unit (`.amx-model`,
+// kernel_path_test.h); a path this CPU cannot run skips every test and says why.
 #include <gtest/gtest.h>
 
 #include <omp.h>
@@ -349,10 +350,15 @@ TEST_F(CpuAttention, VectorExp2Accuracy) {
 }
 
 // The path in use is the one RINGFLEX_ISA forces (CTest runs this binary under each value), or without it the best
-// one this CPU supports.
+// one this CPU supports; with the tile model installed (the `.amx-model` runs), the AMX path.
 TEST_F(CpuAttention, ForcedPathIsTaken) {
   const char* forced = std::getenv("RINGFLEX_ISA");
   const cpu::KernelPath& path = cpu::kernel_path();
+  if (amx_tile_model_requested()) {
+    EXPECT_EQ(path.isa, cpu::Isa::Avx512) << cpu::describe(path);
+    EXPECT_EQ(path.bf16, cpu::Bf16Product::Amx) << cpu::describe(path);
+    return;
+  }
   if (!forced || !*forced) {
     // Not forced: the process runs the best path this CPU supports, as the selection computes it afresh.
     const cpu::KernelPath best = cpu::select_path(cpu::detect_cpu(), nullptr);
