@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "core/attention_args.h"
@@ -45,7 +46,7 @@ struct ShardAttention {
   const float* v = nullptr;         // [B, Hkv, L, D] float32
   const TokenMeta* meta = nullptr;  // [B, L]: idx is the position in the (padded) full row
   LayerMask mask;
-  float scale = 0.f;  // 0: 1/sqrt(D)
+  std::optional<float> scale;  // unset: 1/sqrt(D); any finite value, 0 included, is used as it is
 };
 
 class AttentionBackend {

@@ -26,7 +26,7 @@ constexpr std::array<const char*, 14> kFieldNames = {
 
 float agree_header(comm::Communicator& comm, const CpShard& x, const CpParams& p, Pass pass, bool outputs_ok) {
   Header h{};
-  const float scale = p.scale != 0.f ? p.scale : default_scale(x.shape.D);
+  const float scale = p.scale.value_or(default_scale(x.shape.D));
   try {
     RF_CHECK(outputs_ok, "CP attention ", pass == Pass::Forward ? "forward" : "backward",
              " is missing an input or output buffer");

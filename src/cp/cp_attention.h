@@ -29,6 +29,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "comm/communicator.h"
@@ -62,7 +63,7 @@ struct CommPlan;  // cp/plan.h
 
 struct CpParams {
   LayerMask mask;
-  float scale = 0.f;  // 0: 1/sqrt(D)
+  std::optional<float> scale;  // unset: 1/sqrt(D); any finite value, 0 included, is used as it is
   Algo algo = Algo::Ring;
   Scheme scheme = Scheme::Contiguous;  // only agreed on, so ranks sharded with different schemes fail together
   comm::Timeout timeout = comm::default_timeout();

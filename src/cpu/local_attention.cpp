@@ -22,7 +22,7 @@ AttnChunk whole_row(const ShardAttention& x) {
   c.q_meta = x.meta;
   c.k_meta = x.meta;
   c.mask = x.mask;
-  c.scale = x.scale != 0.f ? x.scale : default_scale(x.shape.D);
+  c.scale = x.scale.value_or(default_scale(x.shape.D));
   validate(c);
   return c;
 }

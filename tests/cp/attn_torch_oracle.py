@@ -71,6 +71,7 @@ CASES = {
         dict(B=2, Hq=4, Hkv=2, S=201, D=64, causal=True, window=0, groups=True, scale=None),
         dict(B=2, Hq=16, Hkv=1, S=143, D=72, causal=True, window=33, groups=True, scale=None),
         dict(B=1, Hq=3, Hkv=3, S=99, D=128, causal=False, window=0, groups=False, scale=0.3),
+        dict(B=1, Hq=2, Hkv=1, S=45, D=8, causal=True, window=0, groups=True, scale=0.0),  # 0 is not "unset"
     ],
     "large_dims": [
         dict(B=2, Hq=8, Hkv=2, S=157, D=256, causal=True, window=40, groups=True, scale=1.0),

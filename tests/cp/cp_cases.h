@@ -10,6 +10,8 @@
 // one LSE merge per step for O and LSE, one float32 addition per contributing rank for dK/dV. Each adds at most a
 // few float32 ulps of the largest magnitude involved, so
 //     |cp - ref| <= 2 * err1 + kUlpsPerRank * P * eps_f32 * max|ref|.
+// The P = 1 run is held the same way (P = 1) to the kernels called directly on the whole row, whose own error
+// tests/cpu bounds: err1 is then the kernels' rounding, not a CP-layer mistake that every P shares.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -18,6 +20,7 @@
 #include <cmath>
 #include <iterator>
 #include <limits>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -29,6 +32,7 @@
 #include "cp/cp_attention.h"
 #include "cp/rows.h"
 #include "cp/shard.h"
+#include "cpu/attention.h"
 #include "cpu/isa.h"
 #include "reference/attention_ref.h"
 
@@ -45,7 +49,7 @@ struct Case {
   LayerMask mask;
   testing::MetaKind kind = testing::MetaKind::OneDoc;
   uint64_t seed = 1;
-  float scale = 0.f;  // 0: 1/sqrt(D)
+  std::optional<float> scale;  // unset: 1/sqrt(D)
 };
 
 // The whole row problem. q, dout: [B, Hq, S, D]; k, v: [B, Hkv, S, D] in dtype; meta: [B, S].
@@ -123,17 +127,41 @@ struct Reference {
   RefBackward bwd;
 };
 
+// The case's whole rows as one chunk, with the scale resolved here, independently of the CP layer.
+inline AttnChunk whole_chunk(const Case& c, const Inputs& in) {
+  return AttnChunk{AttnShape{c.B, c.Hq, c.Hkv, c.S, c.S, c.D},
+                   c.dtype,
+                   in.q.data(),
+                   in.k.data(),
+                   in.v.data(),
+                   in.meta.data(),
+                   in.meta.data(),
+                   c.mask,
+                   c.scale.value_or(default_scale(c.D))};
+}
+
 inline Reference run_reference(const Case& c, const Inputs& in) {
-  const AttnChunk chunk{AttnShape{c.B, c.Hq, c.Hkv, c.S, c.S, c.D},
-                        c.dtype,
-                        in.q.data(),
-                        in.k.data(),
-                        in.v.data(),
-                        in.meta.data(),
-                        in.meta.data(),
-                        c.mask,
-                        c.scale != 0.f ? c.scale : default_scale(c.D)};
+  const AttnChunk chunk = whole_chunk(c, in);
   return {reference_forward(chunk), reference_backward(chunk, in.dout.data())};
+}
+
+// The cpu kernels called directly on the whole rows (tests/cpu bounds their rounding against the reference): the
+// baseline the P = 1 CP run is held to, so a mistake in the CP layer that P = 1 shares (a scale or mask passed on
+// wrongly) cannot hide in the P = 1 error that the P > 1 tolerance is built on.
+inline Result run_kernels_directly(const Case& c, const Inputs& in) {
+  const AttnChunk chunk = whole_chunk(c, in);
+  const AttnShape& s = chunk.shape;
+  Result r;
+  r.o.assign(static_cast<size_t>(s.q_elems()), 0.f);
+  r.lse.assign(static_cast<size_t>(s.lse_elems()), 0.f);
+  r.dq.assign(r.o.size(), 0.f);
+  r.dk.assign(static_cast<size_t>(s.kv_elems()), 0.f);
+  r.dv.assign(r.dk.size(), 0.f);
+  std::vector<float> delta(r.lse.size());
+  cpu::attention_forward(chunk, r.o.data(), r.lse.data());
+  cpu::attention_delta(s, c.dtype, in.dout.data(), r.o.data(), delta.data());
+  cpu::attention_backward(chunk, in.dout.data(), r.lse.data(), delta.data(), r.dq.data(), r.dk.data(), r.dv.data());
+  return r;
 }
 
 inline double max_abs(const std::vector<double>& a) {
@@ -227,6 +255,12 @@ inline void check_case(comm::Communicator& comm, const Case& c, bool compare_loo
   }
   const Result single = run_single(c, in);
   const Reference ref = run_reference(c, in);
+  const Result direct = run_kernels_directly(c, in);
+  expect_close(single.o, direct.o, ref.fwd.o, 1, "P = 1 out");
+  expect_close(single.lse, direct.lse, ref.fwd.lse, 1, "P = 1 lse");
+  expect_close(single.dq, direct.dq, ref.bwd.dq, 1, "P = 1 dq");
+  expect_close(single.dk, direct.dk, ref.bwd.dk, 1, "P = 1 dk");
+  expect_close(single.dv, direct.dv, ref.bwd.dv, 1, "P = 1 dv");
   for (size_t i = 0; i < runs.size(); ++i) {
     const std::string& n = names[i];
     expect_close(runs[i].o, single.o, ref.fwd.o, P, n + " out");
@@ -281,6 +315,14 @@ inline std::vector<Case> sweep_cases() {
     c.name = "bf16 B=2 causal W=7 padded, scale 1";
     c.B = 2, c.Hq = 4, c.Hkv = 2, c.S = 70, c.D = 32, c.dtype = DType::BF16, c.mask = w7, c.scale = 1.f;
     c.kind = MetaKind::Padded, c.seed = 103;
+    v.push_back(c);
+  }
+  {
+    // Scale 0 is a scale like any other (every allowed score 0: O is the mean of the allowed values), not "unset".
+    Case c;
+    c.name = "scale 0 causal packed";
+    c.Hq = 2, c.Hkv = 1, c.S = 45, c.D = 16, c.mask = {true, 0, false}, c.kind = MetaKind::Packed, c.scale = 0.f;
+    c.seed = 104;
     v.push_back(c);
   }
   return v;
