@@ -10,9 +10,13 @@
 // boundary (attn_job.h), and rank 0 writes the outputs.
 #include <omp.h>
 
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <limits>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "cli/attn_job.h"
@@ -111,7 +115,17 @@ void add_attn_command(CLI::App& app, Runner& run) {
   cmd->add_option("--window", opt->mask.window, "Sliding window W (0 = none)");
   cmd->add_flag("--no-causal", opt->no_causal, "Let queries see later keys");
   cmd->add_flag("--bidirectional-groups", opt->mask.bidirectional_groups, "Image groups see each other fully");
-  cmd->add_option("--scale", opt->scale, "Multiplier of q.k (default 1/sqrt(D))");
+  // Checked as text before conversion: a finite value beyond float32's range would otherwise arrive as an infinity
+  // and be reported as one (read_attn_job rejects the typed nan and inf).
+  cmd->add_option("--scale", opt->scale, "Multiplier of q.k (default 1/sqrt(D))")
+      ->check(CLI::Validator(
+          [](const std::string& text) {
+            const double x = std::strtod(text.c_str(), nullptr);
+            return std::isfinite(x) && std::fabs(x) > std::numeric_limits<float>::max()
+                       ? text + " is beyond float32's range (|scale| <= 3.4e38)"
+                       : std::string();
+          },
+          "FLOAT32", "float32 range"));
   cmd->add_option("--shard", opt->cp.shard, "Sharding scheme (default: the best one)")
       ->check(CLI::IsMember({"contiguous", "zigzag", "balanced"}));
   cmd->add_option("--algo", opt->cp.algo, "CP algorithm")->check(CLI::IsMember({"ring", "allgather"}));

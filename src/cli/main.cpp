@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <limits>
 #include <memory>
@@ -46,9 +47,6 @@ int main(int argc, char** argv) {
   keep_freed_memory_in_the_heap();
   CLI::App app{"ringflex: context-parallel masked attention and Gemma 4 fine-tuning"};
   app.require_subcommand(1);
-  // A usage error is one line like every other failure (CLI11's default adds a second, "Run with --help").
-  app.failure_message(
-      [](const CLI::App*, const CLI::Error& e) { return "ringflex: error: " + std::string(e.what()) + "\n"; });
   rf::cli::Runner run;
   rf::cli::add_attn_command(app, run);
   rf::cli::add_demo_command(app, run);
@@ -63,12 +61,23 @@ int main(int argc, char** argv) {
   for (CLI::App* sub : app.get_subcommands([](CLI::App* s) { return s->get_option_no_throw("--timeout") == nullptr; }))
     sub->add_option("--timeout", timeout_s,
                     "Seconds a rank waits for a peer (a dead, hung or stopped rank) before the job fails on every rank")
-        ->check(CLI::PositiveNumber)
+        ->check(CLI::Validator(
+            [](const std::string& text) {
+              return std::strtod(text.c_str(), nullptr) > 0 ? std::string()
+                                                            : text + " is not a positive number of seconds";
+            },
+            "SECONDS", "positive"))
         ->capture_default_str();
+  // A command line CLI11 rejects is reported after MPI starts, through the same agreement as every other error:
+  // under mpirun a rank that exited before MPI_Init would have the others killed before they printed their line.
+  // --help and --version (CLI::Success) print and exit at once, on each rank.
+  std::string usage_error;
   try {
     app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
+  } catch (const CLI::Success& e) {
     return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    usage_error = e.what();
   }
   const rf::comm::Timeout timeout(static_cast<int64_t>(timeout_s * kMillisecondsPerSecond));
   rf::comm::set_default_timeout(timeout);
@@ -84,6 +93,9 @@ int main(int argc, char** argv) {
       const rf::comm::Step step("agreeing on the command line and the kernel path");
       const std::unique_ptr<rf::comm::Communicator> world = rf::comm::make_mpi_world();
       rf::comm::agree_command_line(*world, std::vector<std::string>(argv + 1, argv + argc));
+      rf::comm::agree(*world, [&] {
+        if (!usage_error.empty()) throw rf::Error(usage_error);
+      });
       // Every rank checks its kernel path (isa.h) before any work: the nodes of one job may differ, and a
       // RINGFLEX_ISA one rank's CPU cannot run fails all ranks together with that rank's line.
       rf::comm::agree(*world, [] { rf::cpu::kernel_path(); });
