@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -24,6 +25,9 @@ namespace {
 
 constexpr int kFailure = 1;
 constexpr double kMillisecondsPerSecond = 1000.0;
+// --timeout's ceiling: about 30 years, so the deadline in milliseconds stays far inside int64 (an infinity or 1e300
+// would not convert).
+constexpr double kMaxTimeoutSeconds = 1e9;
 
 void print_error(const char* what) { std::fprintf(stderr, "ringflex: error: %s\n", what); }
 
@@ -63,8 +67,11 @@ int main(int argc, char** argv) {
                     "Seconds a rank waits for a peer (a dead, hung or stopped rank) before the job fails on every rank")
         ->check(CLI::Validator(
             [](const std::string& text) {
-              return std::strtod(text.c_str(), nullptr) > 0 ? std::string()
-                                                            : text + " is not a positive number of seconds";
+              const double s = std::strtod(text.c_str(), nullptr);
+              return s > 0 && s <= kMaxTimeoutSeconds
+                         ? std::string()
+                         : text + " is not a positive number of seconds (at most " +
+                               std::to_string(static_cast<int64_t>(kMaxTimeoutSeconds)) + ")";
             },
             "SECONDS", "positive"))
         ->capture_default_str();
