@@ -4,10 +4,14 @@
 #include <yaml-cpp/yaml.h>
 
 #include <charconv>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
+#include <set>
 #include <sstream>
+#include <type_traits>
 
 #include "core/error.h"
 
@@ -15,6 +19,10 @@ namespace rf::trainer {
 namespace {
 
 namespace fs = std::filesystem;
+
+// Threads per rank at most, as the command line's --threads allows (src/cli): far above any core count, and low
+// enough that OpenMP's per-thread stacks and the per-thread buffers cannot exhaust memory first.
+constexpr int kMaxThreads = 1024;
 
 // One config field: its `section.key` name, how to read a YAML value into it, and how to print it.
 struct Field {
@@ -27,11 +35,22 @@ struct Field {
 template <typename T>
 T scalar_as(const YAML::Node& n, const std::string& name, const std::string& type) {
   RF_CHECK(n.IsScalar(), "config: field `", name, "` must be ", type);
+  T v;
   try {
-    return n.as<T>();
+    v = n.as<T>();
   } catch (const YAML::Exception&) {
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      double d = 0;  // a number, but not one this integer field can hold (e.g. train.steps = 1e12)
+      if (YAML::convert<double>::decode(n, d) && std::isfinite(d))
+        rf::fail("config: field `", name, "` = ", n.Scalar(), " is out of range (", std::numeric_limits<T>::min(),
+                 " to ", std::numeric_limits<T>::max(), ")");
+    }
     rf::fail("config: field `", name, "` must be ", type, ", got '", n.Scalar(), "'");
   }
+  // YAML spells infinities and NaN (.inf, .nan); no field of the config means one (an lr of .inf trains to NaN).
+  if constexpr (std::is_floating_point_v<T>)
+    RF_CHECK(std::isfinite(v), "config: field `", name, "` must be a finite number, got '", n.Scalar(), "'");
+  return v;
 }
 
 // Doubles print in their shortest round-trip form (0.003, not yaml-cpp's 0.0030000000000000001).
@@ -139,12 +158,16 @@ TrainConfig parse_config(const std::string& yaml_text, const std::string& source
   }
   if (!root.IsNull()) {
     RF_CHECK(root.IsMap(), source, ": the config must be a map of sections (model, data, optimizer, ...)");
+    // yaml-cpp keeps a repeated key as a second entry; the last would win silently, so a repeat is an error.
+    std::set<std::string> seen;
     for (const auto& section : root) {
       const std::string sname = section.first.as<std::string>();
+      RF_CHECK(seen.insert(sname).second, source, ": section `", sname, "` appears twice");
       if (section.second.IsNull()) continue;
       RF_CHECK(section.second.IsMap(), source, ": section `", sname, "` must be a map of fields");
       for (const auto& entry : section.second) {
         const std::string name = sname + "." + entry.first.as<std::string>();
+        RF_CHECK(seen.insert(name).second, source, ": field `", name, "` appears twice");
         find_field(name, source).read(c, entry.second);
       }
     }
@@ -166,6 +189,8 @@ TrainConfig parse_config(const std::string& yaml_text, const std::string& source
 }
 
 TrainConfig load_config(const std::string& path, const std::vector<std::string>& sets) {
+  // A directory opens as a stream that reads nothing, which would run on every default.
+  RF_CHECK(!fs::is_directory(path), path, ": is a directory, not a config file");
   std::ifstream in(path);
   RF_CHECK(in.good(), path, ": cannot open the config file");
   std::stringstream text;
@@ -199,6 +224,9 @@ void validate(const TrainConfig& c, int world_size) {
   if (c.data.source == "jsonl_text") {
     RF_CHECK(!c.data.tokenizer.empty() || !c.model.path.empty(),
              "config: data.tokenizer is required with data.source = jsonl_text and a built-in model");
+    if (!c.data.tokenizer.empty())
+      RF_CHECK(fs::is_regular_file(c.data.tokenizer), "config: data.tokenizer = '", c.data.tokenizer,
+               "' is not a file");
   }
   positive(c.data.val_rows, "data.val_rows");
   positive(c.data.mock_image_tokens, "data.mock_image_tokens");
@@ -233,6 +261,7 @@ void validate(const TrainConfig& c, int world_size) {
            "config: train.global_batch / parallelism.dp = ", c.global_batch_per_replica(),
            " is not a multiple of train.micro_batch = ", c.train.micro_batch);
   non_negative(c.train.threads, "train.threads");
+  RF_CHECK(c.train.threads <= kMaxThreads, "config: train.threads = ", c.train.threads, " is more than ", kMaxThreads);
   non_negative(c.train.val_every, "train.val_every");
   positive(c.train.log_every, "train.log_every");
   non_negative(c.checkpoint.every, "checkpoint.every");

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -160,8 +161,9 @@ class MockSource final : public DataSource {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// Files: every sample is a document; documents are packed first-fit in file order into rows, then served in a
-// seeded permutation per epoch.
+// Files: every sample is a document; documents are packed in file order into rows (next-fit: a document that does
+// not fit the current row starts the next one, so the rows keep the file's order), then served in a seeded
+// permutation per epoch.
 // ---------------------------------------------------------------------------------------------------------------
 class PackedSource final : public DataSource {
  public:
@@ -217,7 +219,11 @@ std::vector<int32_t> int_array(const json& j, const char* key, const std::string
   std::vector<int32_t> out;
   for (const json& v : j[key]) {
     RF_CHECK(v.is_number_integer(), where, ": `", key, "` must be an array of integers");
-    out.push_back(v.get<int32_t>());
+    // Read wide and range-checked: get<int32_t> would wrap 2^32 + 5 to token 5.
+    const bool fits = v.is_number_unsigned() ? v.get<uint64_t>() <= uint64_t{INT32_MAX}
+                                             : v.get<int64_t>() >= INT32_MIN && v.get<int64_t>() <= INT32_MAX;
+    RF_CHECK(fits, where, ": `", key, "`[", out.size(), "] = ", v.dump(), " is outside the int32 range");
+    out.push_back(static_cast<int32_t>(v.get<int64_t>()));
   }
   return out;
 }
@@ -272,6 +278,9 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
              " columns, the model expects ", k.feature_dim);
     features = io::to_float32(v);
     n_features = dims["N"];
+    for (size_t i = 0; i < features.size(); ++i)
+      RF_CHECK(std::isfinite(features[i]), c.data.features, ": image_features has ", features[i], " at [",
+               static_cast<int64_t>(i) / dims["F"], ", ", static_cast<int64_t>(i) % dims["F"], "] [N, F]");
     F = k.feature_dim;
   }
   std::vector<Document> docs;
@@ -286,13 +295,15 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
     d.mm.assign(d.ids.size(), 0);
     if (j.contains("image_spans")) {
       RF_CHECK(j["image_spans"].is_array(), where, ": `image_spans` must be a list of [start, length] pairs");
-      RF_CHECK(!features.empty(), where, ": has `image_spans` but data.features names no features file");
+      RF_CHECK(file != nullptr, where, ": has `image_spans` but data.features names no features file");
       for (const json& span : j["image_spans"]) {
         RF_CHECK(span.is_array() && span.size() == 2 && span[0].is_number_integer() && span[1].is_number_integer(),
                  where, ": `image_spans` must be a list of [start, length] pairs");
         const int64_t start = span[0], len = span[1];
-        RF_CHECK(start >= 0 && len >= 1 && start + len <= static_cast<int64_t>(d.ids.size()), where, ": image span [",
-                 start, ", ", len, "] is outside the sample's ", d.ids.size(), " tokens");
+        // Compared without forming start + len, which overflows for a start near INT64_MAX.
+        const int64_t n = static_cast<int64_t>(d.ids.size());
+        RF_CHECK(start >= 0 && len >= 1 && start < n && len <= n - start, where, ": image span [", start, ", ", len,
+                 "] is outside the sample's ", d.ids.size(), " tokens");
         for (int64_t t = start; t < start + len; ++t) {
           RF_CHECK(d.mm[t] == 0, where, ": image spans overlap at position ", t);
           d.mm[t] = 1;

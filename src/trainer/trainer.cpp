@@ -2,16 +2,21 @@
 #include "trainer/trainer.h"
 
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 
+#include "comm/agree.h"
 #include "core/error.h"
 #include "core/memory.h"
 #include "cp/cp_backend.h"
 #include "cpu/local_attention.h"
+#include "io/atomic_file.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
 #include "trainer/checkpoint.h"
@@ -88,6 +93,10 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
   const auto same = [&](bool equal, const char* field) {
     RF_CHECK(equal, "--resume ", dir, ": ", field, " differs from the run that wrote the checkpoint");
   };
+  // The weights come from the checkpoint, so another model in the config would train the checkpoint's model while
+  // the new checkpoints recorded the config's.
+  same(now.model.path == then.model.path && (!now.model.path.empty() || now.model.builtin == then.model.builtin),
+       now.model.path.empty() && then.model.path.empty() ? "model.builtin" : "model.path");
   same(now.train.seq_len == then.train.seq_len, "train.seq_len");
   same(now.train.global_batch == then.train.global_batch, "train.global_batch");
   same(now.train.seed == then.train.seed, "train.seed");
@@ -101,6 +110,26 @@ std::string default_svg_path(const TrainConfig& c, const TrainOptions& o) {
   if (!c.checkpoint.dir.empty()) return (fs::path(c.checkpoint.dir) / "loss.svg").string();
   if (!o.metrics_path.empty()) return fs::path(o.metrics_path).replace_extension(".svg").string();
   return "";
+}
+
+// checkpoint.dir need not exist (the first save creates it and its parents), but its nearest existing ancestor
+// must be a directory this process can write.
+void check_creatable_directory(const std::string& dir, const char* field) {
+  std::error_code ec;
+  fs::path at = fs::absolute(dir, ec);
+  while (!fs::exists(at, ec) && at.has_parent_path() && at != at.parent_path()) at = at.parent_path();
+  RF_CHECK(fs::is_directory(at, ec), field, " = '", dir, "': ", at.string(), " is not a directory");
+  RF_CHECK(::access(at.c_str(), W_OK | X_OK) == 0, field, " = '", dir, "': cannot write in ", at.string(), ": ",
+           std::strerror(errno));
+}
+
+// The run's outputs, checked before any step: a metrics file, loss picture or checkpoint directory that cannot be
+// written would otherwise fail only at its first write, after the steps before it. The default loss picture lives
+// in checkpoint.dir, which the checkpoint check covers.
+void check_outputs(const TrainConfig& c, const TrainOptions& o) {
+  if (!o.metrics_path.empty()) io::check_writable(o.metrics_path);
+  if (!o.svg_path.empty()) io::check_writable(o.svg_path);
+  if (!c.checkpoint.dir.empty()) check_creatable_directory(c.checkpoint.dir, "checkpoint.dir");
 }
 
 }  // namespace
@@ -183,6 +212,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
                  rf::concat(" at seq_len ", cfg.train.seq_len, " over cp ", cp));
   };
   const auto setup = [&] {
+    if (lead) check_outputs(cfg, options);
     if (!options.resume.empty()) {
       resume_dir = resolve_checkpoint(options.resume);
       LoadedCheckpoint loaded = load_train_checkpoint(resume_dir, check_fits);
@@ -293,6 +323,17 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     // 4. one deterministic reduction, clipping, the update
     allreduce_gradients(world, grads, adam.trainable(), timeout);
     const double norm = global_grad_norm(grads, adam.trainable());
+    // A non-finite loss or gradient (a diverging run, or NaN weights resumed from a damaged checkpoint) stops the
+    // run before the update, so neither the weights nor a checkpoint take it. Agreed over all ranks (the loss is
+    // summed per DP group only), so every rank stops at the same step with the same line.
+    double diverged = std::isfinite(loss) && std::isfinite(norm) ? 0.0 : 1.0;
+    world.allreduce(&diverged, 1, comm::ReduceOp::Max, timeout);
+    if (diverged != 0.0)
+      throw comm::AgreedError(
+          rf::concat("step ", step, ": the loss or the gradient is not finite (gradient norm ", norm,
+                     "): the run diverged (try a lower optimizer.lr) or its weights are not finite; stopped "
+                     "before the update",
+                     result.last_checkpoint.empty() ? "" : ", last checkpoint " + result.last_checkpoint));
     clip_gradients(grads, adam.trainable(), norm, cfg.optimizer.grad_clip);
     const double lr = learning_rate(cfg.optimizer, cfg.schedule, static_cast<int>(step), cfg.train.steps);
     adam.step(m.params(), grads, lr, step);

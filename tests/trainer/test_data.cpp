@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "io/safetensors.h"
 #include "trainer/data.h"
@@ -80,7 +81,7 @@ TEST(MockData, RowsAreWellFormedDeterministicAndVaried) {
   expect_well_formed(tiny->train_row(3), 1, kF);
 }
 
-TEST(JsonlTokens, PacksFirstFitWithImagesAndShuffles) {
+TEST(JsonlTokens, PacksInFileOrderWithImagesAndShuffles) {
   const fs::path dir = scratch("tokens");
   write(dir / "d.jsonl",
         "{\"input_ids\": [1, 5, 6, 7]}\n"
@@ -148,6 +149,37 @@ TEST(JsonlTokens, BadDataNamesFileAndLine) {
             ":1: has `image_spans` but data.features names no features file");
   EXPECT_EQ(err("{\"input_ids\": [1, 2]}\n"),
             ": packs into 1 rows, not more than data.val_rows = 1 (nothing would be left to train on)");
+  EXPECT_EQ(err("{\"input_ids\": [1, 4294967301]}\n"), ":1: `input_ids`[1] = 4294967301 is outside the int32 range");
+}
+
+// Image spans and features: a span whose end overflows int64 is out of range (not a write past the sample), a
+// features file with no rows is a file (not "no features file"), and a non-finite feature is named.
+TEST(JsonlTokens, BadImageSpansAndFeatures) {
+  const fs::path dir = scratch("bad_images");
+  const auto features = [&](const char* name, int rows, float value) {
+    const std::vector<float> f(static_cast<size_t>(rows) * kF, value);
+    io::SafetensorsWriter w;
+    w.add("image_features", io::StDType::F32, {rows, kF}, std::span<const float>(f));
+    w.write((dir / name).string());
+    return (dir / name).string();
+  };
+  const auto err = [&](const std::string& text, const std::string& feature_file) {
+    write(dir / "d.jsonl", text);
+    const TrainConfig c = config_with({"data.source=jsonl_tokens", "data.path=" + (dir / "d.jsonl").string(),
+                                       "data.features=" + feature_file, "train.seq_len=6", "data.val_rows=1"});
+    return error_of([&] { make_data_source(c, {kVocab, 0, kF, ""}); });
+  };
+  const std::string two = features("two.safetensors", 2, 0.5f);
+  EXPECT_NE(err("{\"input_ids\": [1, 2, 3], \"image_spans\": [[9223372036854775807, 1]]}\n", two)
+                .find(":1: image span [9223372036854775807, 1] is outside the sample's 3 tokens"),
+            std::string::npos);
+  EXPECT_NE(err("{\"input_ids\": [1, 2, 3], \"image_spans\": [[1, 1]]}\n", features("none.safetensors", 0, 0.f))
+                .find(":1: image spans need feature rows up to 1, "),
+            std::string::npos);
+  EXPECT_NE(err("{\"input_ids\": [1, 2, 3], \"image_spans\": [[1, 2]]}\n",
+                features("nan.safetensors", 2, std::numeric_limits<float>::quiet_NaN()))
+                .find("nan.safetensors: image_features has nan at [0, 0] [N, F]"),
+            std::string::npos);
 }
 
 TEST(JsonlText, SentencePieceTokenizerTrainedHere) {

@@ -182,6 +182,11 @@ TEST(Resume, ContinuesBitForBit) {
               run(small("tiny_moe_vlm", {"parallelism.cp=2", "train.steps=6", "train.seq_len=32"}), other);
             }).find("train.seq_len differs from the run that wrote the checkpoint"),
             std::string::npos);
+  // Nor can another model: the weights would be the checkpoint's and the new checkpoints would name the config's.
+  EXPECT_NE(error_of([&] {
+              run(small("tiny_dense", {"parallelism.cp=2", "train.steps=6"}), other);
+            }).find("model.builtin differs from the run that wrote the checkpoint"),
+            std::string::npos);
 }
 
 TEST(Checkpoints, ACrashMidSaveLeavesTheLastGoodOne) {
