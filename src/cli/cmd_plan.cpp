@@ -66,6 +66,7 @@ std::vector<TokenMeta> read_meta(const std::string& path, int& B, int& S) {
 // rows: [B, S], each row its own seed so a batch is not B copies of one row.
 std::vector<TokenMeta> generate_meta(const std::string& kind, int B, int S, uint64_t seed) {
   std::vector<TokenMeta> rows;
+  rows.reserve(static_cast<size_t>(B) * S);
   for (int b = 0; b < B; ++b) {
     const std::vector<TokenMeta> row = kind == "vlm" ? gemma4_vlm_row(S, seed + b) : make_row_meta(S, nullptr, nullptr);
     rows.insert(rows.end(), row.begin(), row.end());
@@ -93,15 +94,10 @@ int run_plan(const PlanOptions& o) {
 
   int B = o.B, S = o.S;
   std::vector<TokenMeta> rows;
-  if (!o.in.empty()) {
+  if (!o.in.empty())
     rows = read_meta(o.in, B, S);
-  } else {
+  else
     RF_CHECK(S >= 1 && B >= 1, "plan: --seq ", S, " and --batch ", B, " must be positive");
-    int64_t row_bytes = 0;
-    check_memory(__builtin_mul_overflow(int64_t{B} * S, int64_t{sizeof(TokenMeta)}, &row_bytes) ? -1 : row_bytes,
-                 "plan: the generated metadata [B, S]");
-    rows = generate_meta(o.generate, B, S, o.seed);
-  }
 
   // The planner works in blocks; a rank holding less than one has nothing to plan, and the plan's per-rank-pair
   // tables grow with P^2, so a P beyond the block count only burns memory and time.
@@ -114,6 +110,18 @@ int run_plan(const PlanOptions& o) {
   const int elem_bytes = o.dtype == "bf16" ? 2 : 4;
   opt.windowed.elem_bytes = opt.global.elem_bytes = elem_bytes;
 
+  // Before anything of size S is built: the three shard maps (padded-row positions, [S] int32 each) and, when
+  // generated, the metadata (the generator holds one row besides the B rows).
+  {
+    constexpr int kShardMaps = 3;  // contiguous, zigzag, balanced
+    int64_t meta = 0, maps_bytes = 0, both = 0;
+    const bool overflow =
+        __builtin_mul_overflow(o.in.empty() ? int64_t{B} + 1 : 0, int64_t{S} * int64_t{sizeof(TokenMeta)}, &meta) ||
+        __builtin_mul_overflow(int64_t{kShardMaps} * (int64_t{S} + int64_t{o.P} * o.block), int64_t{sizeof(int32_t)},
+                               &maps_bytes) ||
+        __builtin_add_overflow(meta, maps_bytes, &both);
+    check_memory(overflow ? -1 : both, "plan: the shard maps and the row metadata [B, S]");
+  }
   std::vector<cp::ShardMap> maps = {
       cp::make_shard_map(cp::Scheme::Contiguous, S, o.P, o.block),
       cp::make_shard_map(cp::Scheme::Zigzag, S, o.P, o.block),
@@ -126,6 +134,9 @@ int run_plan(const PlanOptions& o) {
     plan_bytes = b < 0 || plan_bytes < 0 ? -1 : std::max(plan_bytes, b);
   }
   check_memory(plan_bytes, "plan: the CP plan of one scheme at P = " + std::to_string(o.P));
+  // Generated only now, after the plan's figure: a --seq too long for the plan stops with it, not after minutes of
+  // generating.
+  if (o.in.empty()) rows = generate_meta(o.generate, B, S, o.seed);
   maps.push_back(cp::balanced_shard(rows.data(), B, S, o.P, mix, o.block).map);
   std::vector<report::SchemeReport> reports;
   for (const cp::ShardMap& map : maps) {

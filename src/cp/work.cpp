@@ -3,12 +3,17 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstdint>
 
 #include "core/error.h"
 
 namespace rf::cp {
 
 namespace {
+
+// Layers in one mix at most: far above any model (Gemma 4 has up to 60), and low enough that layer counts times
+// mask areas stay inside int64 in the planner and its reports.
+constexpr int64_t kMaxLayers = 1 << 16;
 
 std::vector<std::string> split(const std::string& s, char sep) {
   std::vector<std::string> parts;
@@ -48,9 +53,10 @@ LayerKind parse_kind(const std::string& item) {
     fields.pop_back();
   }
   if (type == "sliding") {
-    RF_CHECK(fields.size() == 1 && parse_positive(fields[0]) > 0, "layer mix item '", item,
-             "': sliding needs a window, as in sliding:1024 or sliding:1024:groups");
+    RF_CHECK(fields.size() == 1, "layer mix item '", item,
+             "': sliding takes one window, then optionally groups, as in sliding:1024 or sliding:1024:groups");
     kind.mask.window = parse_positive(fields[0]);
+    RF_CHECK(kind.mask.window > 0, "layer mix item '", item, "': window '", fields[0], "' is not a positive integer");
   } else if (type == "full") {
     RF_CHECK(fields.empty(), "layer mix item '", item, "': full takes no window; options after it: only groups");
   } else if (type == "bidir") {
@@ -70,9 +76,12 @@ LayerKind parse_kind(const std::string& item) {
 
 LayerMix parse_layer_mix(const std::string& spec) {
   LayerMix mix;
+  int64_t total = 0;
   for (const std::string& item : split(spec, ',')) {
     const LayerKind kind = parse_kind(item);
     auto same = std::find_if(mix.begin(), mix.end(), [&](const LayerKind& k) { return k.mask == kind.mask; });
+    total += kind.count;
+    RF_CHECK(total <= kMaxLayers, "layer mix '", spec, "' has more than ", kMaxLayers, " layers");
     if (same != mix.end()) {
       same->count += kind.count;
     } else {
