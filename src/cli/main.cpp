@@ -106,6 +106,16 @@ int main(int argc, char** argv) {
       // Every rank checks its kernel path (isa.h) before any work: the nodes of one job may differ, and a
       // RINGFLEX_ISA one rank's CPU cannot run fails all ranks together with that rank's line.
       rf::comm::agree(*world, [] { rf::cpu::kernel_path(); });
+      // And on one path: a rank on another (its own RINGFLEX_ISA, another CPU, the tile race deciding otherwise)
+      // would compute its shard with other bits, and on bf16 another rounding. `info` is exempt: it is how each
+      // rank's path is seen.
+      if (!app.got_subcommand("info")) {
+        const rf::cpu::KernelPath& path = rf::cpu::kernel_path();
+        const int64_t mine[] = {static_cast<int64_t>(path.isa), static_cast<int64_t>(path.bf16)};
+        rf::comm::agree_equal(*world, mine,
+                              "the kernel path (`ringflex info` prints each rank's; start every rank with the same "
+                              "RINGFLEX_ISA)");
+      }
     }
     code = run();
   } catch (const rf::comm::AgreedError& e) {
