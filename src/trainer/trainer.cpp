@@ -139,13 +139,15 @@ void check_outputs(const TrainConfig& c, const TrainOptions& o) {
 //   bf16 copies      with model.compute_dtype = bfloat16, the matrices' bf16 copies (Gemma4Model::bf16_weight_bytes);
 //   gradients        `grads`, params().zeros_like(trainable): the trainable parameters only;
 //   AdamW moments    exp_avg and exp_avg_sq, two more such sets;
+//   the step's rows  this replica's global_batch / dp rows of seq_len tokens, five int32 arrays each (their image
+//                    features not counted), built before the step's micro-batches run;
 //   then the larger of what one micro-batch's run holds (model::run_memory_at_least: train.micro_batch rows of
 //   ceil(seq_len / cp) tokens, a shard is never shorter, with train.recompute: "activations", "one layer" or
 //   "loss chunk") and, on more than one rank, the "gradient reduction": the flat buffer of the trainable gradients
 //   allreduce_gradients builds after the micro-batches ran, when their activations are gone.
 // Left out, so the figure stays a lower bound: the ring's receive buffers (what a rank receives depends on each
-// batch's documents; packed short documents need almost none), the data rows, the plan, the checkpoint writer's
-// copies, and validation (a forward, smaller than the training step).
+// batch's documents; packed short documents need almost none), the data set's packed rows, the plan, the
+// checkpoint writer's copies, and validation (a forward, smaller than the training step).
 MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Model& m, int world_size) {
   const int64_t params = m.params().total_bytes();
   const std::vector<bool> trainable = trainable_mask(m.params(), c.model.freeze);
@@ -158,6 +160,11 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   need.add("gradients", trainable_bytes);
   need.add("AdamW moments", checked_bytes({kMoments, trainable_bytes}));
   if (c.model.compute_dtype == "bfloat16") need.add("bf16 weight copies", m.bf16_weight_bytes());
+  // A step builds all of this replica's rows before its micro-batches run: five int32 arrays a token (ids, labels,
+  // positions, documents, image slots); image features not counted.
+  constexpr int64_t kRowArrays = 5;
+  need.add("the step's rows", checked_bytes({c.global_batch_per_replica(), c.train.seq_len,
+                                             kRowArrays * static_cast<int64_t>(sizeof(int32_t))}));
   const int64_t L = (int64_t{c.train.seq_len} + c.parallelism.cp - 1) / c.parallelism.cp;
   model::RunMemoryArgs run;
   run.tokens = int64_t{c.train.micro_batch} * L;

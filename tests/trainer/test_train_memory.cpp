@@ -42,6 +42,11 @@ TEST(TrainMemory, TermsFollowTheConfig) {
   EXPECT_EQ(one.of("AdamW moments"), 2 * params);
   EXPECT_EQ(one.of("weights"), params + m.buffers().total_bytes());
   EXPECT_EQ(one.of("gradient reduction"), 0);  // one rank reduces nothing
+  // The step's rows: global_batch / dp rows of seq_len tokens, five int32 arrays each.
+  const TrainConfig defaults = config({});
+  EXPECT_EQ(one.of("the step's rows"), int64_t{defaults.global_batch_per_replica()} * 512 * 5 * 4);
+  EXPECT_EQ(train_memory_at_least(config({"parallelism.dp=2"}), m, 2).of("the step's rows"),
+            one.of("the step's rows") / 2);
   // The activations are model::run_memory_at_least's for one micro-batch of seq_len tokens.
   model::RunMemoryArgs run;
   run.tokens = 512;
