@@ -100,12 +100,13 @@ int main(int argc, char** argv) {
       const rf::comm::Step step("agreeing on the command line and the kernel path");
       const std::unique_ptr<rf::comm::Communicator> world = rf::comm::make_mpi_world();
       rf::comm::agree_command_line(*world, std::vector<std::string>(argv + 1, argv + argc));
+      // Every rank checks its command line (the usage error held above) and its kernel path (isa.h) before any
+      // work: the nodes of one job may differ, and a RINGFLEX_ISA one rank's CPU cannot run fails all ranks
+      // together with that rank's line.
       rf::comm::agree(*world, [&] {
         if (!usage_error.empty()) throw rf::Error(usage_error);
+        rf::cpu::kernel_path();
       });
-      // Every rank checks its kernel path (isa.h) before any work: the nodes of one job may differ, and a
-      // RINGFLEX_ISA one rank's CPU cannot run fails all ranks together with that rank's line.
-      rf::comm::agree(*world, [] { rf::cpu::kernel_path(); });
       // And on one path: a rank on another (its own RINGFLEX_ISA, another CPU, the tile race deciding otherwise)
       // would compute its shard with other bits, and on bf16 another rounding. `info` is exempt: it is how each
       // rank's path is seen.

@@ -32,7 +32,7 @@
 #include "cp/cp_attention.h"
 #include "cp/rows.h"
 #include "cp/shard.h"
-#include "cpu/attention.h"
+#include "cpu/attention_check.h"
 #include "cpu/isa.h"
 #include "reference/attention_ref.h"
 
@@ -145,23 +145,13 @@ inline Reference run_reference(const Case& c, const Inputs& in) {
   return {reference_forward(chunk), reference_backward(chunk, in.dout.data())};
 }
 
-// The cpu kernels called directly on the whole rows (tests/cpu bounds their rounding against the reference): the
-// baseline the P = 1 CP run is held to, so a mistake in the CP layer that P = 1 shares (a scale or mask passed on
-// wrongly) cannot hide in the P = 1 error that the P > 1 tolerance is built on.
+// The cpu kernels called directly on the whole rows, as tests/cpu runs them (attention_check.h, which bounds their
+// rounding against the reference): the baseline the P = 1 CP run is held to, so a mistake in the CP layer that
+// P = 1 shares (a scale or mask passed on wrongly) cannot hide in the P = 1 error that the P > 1 tolerance is
+// built on.
 inline Result run_kernels_directly(const Case& c, const Inputs& in) {
-  const AttnChunk chunk = whole_chunk(c, in);
-  const AttnShape& s = chunk.shape;
-  Result r;
-  r.o.assign(static_cast<size_t>(s.q_elems()), 0.f);
-  r.lse.assign(static_cast<size_t>(s.lse_elems()), 0.f);
-  r.dq.assign(r.o.size(), 0.f);
-  r.dk.assign(static_cast<size_t>(s.kv_elems()), 0.f);
-  r.dv.assign(r.dk.size(), 0.f);
-  std::vector<float> delta(r.lse.size());
-  cpu::attention_forward(chunk, r.o.data(), r.lse.data());
-  cpu::attention_delta(s, c.dtype, in.dout.data(), r.o.data(), delta.data());
-  cpu::attention_backward(chunk, in.dout.data(), r.lse.data(), delta.data(), r.dq.data(), r.dk.data(), r.dv.data());
-  return r;
+  testing::KernelResult k = testing::run_kernels(whole_chunk(c, in), in.dout.data());
+  return {std::move(k.o), std::move(k.lse), std::move(k.dq), std::move(k.dk), std::move(k.dv)};
 }
 
 inline double max_abs(const std::vector<double>& a) {
