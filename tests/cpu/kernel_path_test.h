@@ -30,7 +30,7 @@ class KernelPathTest : public ::testing::Test {
   void SetUp() override {
     if (amx_tile_model_requested()) {
       if (!cpu::detect_cpu().avx512_bf16)
-        GTEST_SKIP() << "the AMX tile model runs the AVX-512 kernels' AMX path, which needs AVX512_BF16; this CPU "
+        GTEST_SKIP() << "the tile model runs the AVX-512 kernels' tile path, which rounds with AVX512_BF16; this CPU "
                         "lacks it";
       cpu::detail::install_amx_tile_model(&kSoftAmx);
       return;
