@@ -331,11 +331,10 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     allreduce_gradients(world, grads, adam.trainable(), timeout);
     const double norm = global_grad_norm(grads, adam.trainable());
     // A non-finite loss or gradient (a diverging run, or NaN weights resumed from a damaged checkpoint) stops the
-    // run before the update, so neither the weights nor a checkpoint take it. Agreed over all ranks (the loss is
-    // summed per DP group only), so every rank stops at the same step with the same line.
-    double diverged = std::isfinite(loss) && std::isfinite(norm) ? 0.0 : 1.0;
-    world.allreduce(&diverged, 1, comm::ReduceOp::Max, timeout);
-    if (diverged != 0.0)
+    // run before the update, so neither the weights nor a checkpoint take it. Both figures are already the same
+    // bits on every rank (the loss summed over the CP group in the model and over DP above, the norm taken from the
+    // reduced gradients), so every rank stops at the same step with the same line without another collective.
+    if (!std::isfinite(loss) || !std::isfinite(norm))
       throw comm::AgreedError(
           rf::concat("step ", step, ": the loss or the gradient is not finite (gradient norm ", norm,
                      "): the run diverged (try a lower optimizer.lr) or its weights are not finite; stopped "
