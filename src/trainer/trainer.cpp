@@ -352,10 +352,11 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     sm.lr = lr;
     sm.grad_norm = norm;
     sm.tokens = counts[0];
-    const bool last = step == cfg.train.steps;
-    if ((cfg.train.val_every > 0 && step % cfg.train.val_every == 0) || last) sm.val_loss = validate_now();
+    // Training throughput: the step's non-padding tokens over its wall time, the validation after it excluded.
     const double seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
     sm.tokens_per_s = static_cast<double>(counts[1]) / seconds;
+    const bool last = step == cfg.train.steps;
+    if ((cfg.train.val_every > 0 && step % cfg.train.val_every == 0) || last) sm.val_loss = validate_now();
     sm.peak_rss_bytes = peak_rss_bytes();
     world.allreduce(&sm.peak_rss_bytes, 1, comm::ReduceOp::Max, timeout);
     state.history.steps.push_back(static_cast<int>(step));
