@@ -74,7 +74,8 @@ void Gemma4Model::Run::prepare() {
       ids[t] = b.input_ids[g];
       is_pad[t] = 0;
       positions[t] = b.position_ids ? b.position_ids[g] : p;
-      if (b.labels) labels[t] = b.labels[g];
+      // Padding (doc 0) is not trained on, whatever label the batch gives it (docs/model-fidelity.md).
+      if (b.labels) labels[t] = meta[t].doc == kPaddingDoc ? kIgnoreLabel : b.labels[g];
       if (row_feature[g] >= 0) {
         feature_of[t] = row_feature[g];
         local_feature[t] = static_cast<int64_t>(used_features.size());

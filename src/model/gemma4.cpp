@@ -293,10 +293,12 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   rmsnorm_forward(x.data(), r.W(final_norm_), r.eps, xf.data(), r_final.data(), T, H);
   Result res;
   // Every rank holds the whole batch's labels, so the global count is exact here, counted once, with no message.
+  // Labels on padding (doc 0) are not counted: the embedding step ignores them.
   int64_t label_tokens = 0;
   if (batch.labels) {
     const int64_t T_row = int64_t{batch.B} * batch.S;
-    for (int64_t t = 0; t < T_row; ++t) label_tokens += batch.labels[t] != kIgnoreLabel;
+    for (int64_t t = 0; t < T_row; ++t)
+      label_tokens += batch.labels[t] != kIgnoreLabel && (!batch.doc || batch.doc[t] != kPaddingDoc);
   }
   res.label_tokens = label_tokens;
   const double normalizer = opt.loss_normalizer > 0 ? opt.loss_normalizer : static_cast<double>(label_tokens);

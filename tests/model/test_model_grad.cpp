@@ -211,6 +211,24 @@ TEST(ModelRun, RejectsMismatchedImageFeatures) {
   EXPECT_THROW(m.run(v, RunOptions{}, nullptr), rf::Error);
 }
 
+// Padding (doc 0) is not trained on (docs/model-fidelity.md): labels a batch puts on its padding tokens change
+// neither the loss, nor the label count, nor a gradient bit.
+TEST(ModelRun, LabelsOnPaddingAreIgnored) {
+  Gemma4Model m = make_model("");
+  const TinyBatch clean = make_batch(40, 0);
+  TinyBatch labelled = clean;
+  for (size_t i = 0; i < labelled.doc.size(); ++i)
+    if (labelled.doc[i] == 0) labelled.labels[i] = 3;
+  RunOptions opt;
+  opt.want_grad = true;
+  TensorSet g_clean = m.params().zeros_like(), g_labelled = m.params().zeros_like();
+  const Result r_clean = m.run(clean.view(false), opt, &g_clean);
+  const Result r_labelled = m.run(labelled.view(false), opt, &g_labelled);
+  EXPECT_EQ(r_clean.label_tokens, r_labelled.label_tokens);
+  EXPECT_EQ(r_clean.loss, r_labelled.loss);
+  for (size_t s = 0; s < g_clean.size(); ++s) EXPECT_EQ(g_clean[s].data, g_labelled[s].data) << g_clean[s].name;
+}
+
 TEST(ModelRun, SameBitsOnRepeatAndAcrossThreadCounts) {
   Gemma4Model m = make_model(R"(, "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2,
                                    "moe_intermediate_size": 8)");
