@@ -93,6 +93,7 @@ struct BatchData {
   std::vector<float> features;
   int64_t n_features = 0;
   int F = 0;
+  bool has_features = false;  // the batch has image_features (N may be 0)
   int B = 0, S = 0;
 
   model::Batch view() const {
@@ -128,6 +129,7 @@ BatchData read_batch(const std::string& path, const model::Gemma4Model& m, bool 
     if (finite) check_finite(path, *v, "[N, F]");
     d.features = io::to_float32(*v);
     d.n_features = dims["N"];
+    d.has_features = true;
   }
   d.B = static_cast<int>(dims["B"]);
   d.S = static_cast<int>(dims["S"]);
@@ -354,7 +356,7 @@ int run_forward(const ForwardOptions& opt) {
       for (const model::Tensor& g : grads)
         w.add("grad." + model::file_name_of(g.name, ck.text_prefix), io::StDType::F32, g.shape,
               std::span<const float>(g.data));
-      if (!r.d_image_features.empty())
+      if (data.has_features)
         w.add("grad.image_features", io::StDType::F32, {data.n_features, data.F},
               std::span<const float>(r.d_image_features));
     }

@@ -4,9 +4,9 @@
 // half of an IEEE float32, so widening is a shift and narrowing rounds to nearest-even on the dropped 16 bits.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
-#include <cstring>
 #include <string_view>
 
 namespace rf {
@@ -34,7 +34,7 @@ inline bf16 float_to_bf16(float f) {
 // Widen n elements of `src` (dtype t) into float32.
 inline void to_float(float* dst, const void* src, size_t n, DType t) {
   if (t == DType::F32) {
-    std::memcpy(dst, src, n * sizeof(float));
+    std::copy_n(static_cast<const float*>(src), n, dst);  // no memcpy: an empty tensor may have null pointers
     return;
   }
   const bf16* s = static_cast<const bf16*>(src);
@@ -44,7 +44,7 @@ inline void to_float(float* dst, const void* src, size_t n, DType t) {
 // Narrow n float32 values into dtype t (round to nearest even for bf16).
 inline void from_float(void* dst, const float* src, size_t n, DType t) {
   if (t == DType::F32) {
-    std::memcpy(dst, src, n * sizeof(float));
+    std::copy_n(src, n, static_cast<float*>(dst));  // no memcpy: an empty tensor may have null pointers
     return;
   }
   bf16* d = static_cast<bf16*>(dst);

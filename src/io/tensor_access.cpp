@@ -86,6 +86,7 @@ const TensorView& require(const SafetensorsFile& f, const TensorSpec& spec, DimS
 std::vector<float> to_float32(const TensorView& v) {
   const size_t n = static_cast<size_t>(v.numel());
   std::vector<float> out(n);
+  if (n == 0) return out;  // an empty tensor's bytes may be a null span, which memcpy must not see
   switch (v.dtype) {
     case StDType::F32:
       std::memcpy(out.data(), v.bytes.data(), v.bytes.size());

@@ -76,7 +76,9 @@ void Gemma4Model::Run::prepare() {
       positions[t] = b.position_ids ? b.position_ids[g] : p;
       // Padding (doc 0) is not trained on, whatever label the batch gives it (docs/model-fidelity.md).
       if (b.labels) labels[t] = meta[t].doc == kPaddingDoc ? kIgnoreLabel : b.labels[g];
-      if (row_feature[g] >= 0) {
+      // An image slot on padding takes no feature: nothing reads a padding token, so its feature could only reach
+      // the results through 0 · x in the weight gradients, which a non-finite feature would turn into NaN.
+      if (row_feature[g] >= 0 && meta[t].doc != kPaddingDoc) {
         feature_of[t] = row_feature[g];
         local_feature[t] = static_cast<int64_t>(used_features.size());
         used_features.push_back(row_feature[g]);

@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -227,6 +228,28 @@ TEST(ModelRun, LabelsOnPaddingAreIgnored) {
   EXPECT_EQ(r_clean.label_tokens, r_labelled.label_tokens);
   EXPECT_EQ(r_clean.loss, r_labelled.loss);
   for (size_t s = 0; s < g_clean.size(); ++s) EXPECT_EQ(g_clean[s].data, g_labelled[s].data) << g_clean[s].name;
+}
+
+// An image slot on padding takes no feature, so a non-finite feature there changes no bit of the loss or of any
+// gradient (0 · NaN in a weight gradient would otherwise spread it to every parameter).
+TEST(ModelRun, FeatureOfAPaddingImageSlotIsNotRead) {
+  constexpr int kFeatureDim = 6;
+  Gemma4Model m = make_model("", kFeatureDim);
+  TinyBatch zero = make_batch(40, kFeatureDim);
+  ASSERT_EQ(zero.doc.back(), 0);
+  zero.mm.back() = 1;  // the last slot in row-major order
+  zero.features.insert(zero.features.end(), kFeatureDim, 0.f);
+  TinyBatch nan = zero;
+  std::fill(nan.features.end() - kFeatureDim, nan.features.end(), std::numeric_limits<float>::quiet_NaN());
+  RunOptions opt;
+  opt.want_grad = true;
+  TensorSet g_zero = m.params().zeros_like(), g_nan = m.params().zeros_like();
+  const Result r_zero = m.run(zero.view(true), opt, &g_zero);
+  const Result r_nan = m.run(nan.view(true), opt, &g_nan);
+  ASSERT_TRUE(std::isfinite(r_zero.loss));
+  EXPECT_EQ(r_zero.loss, r_nan.loss);
+  for (size_t s = 0; s < g_zero.size(); ++s) EXPECT_EQ(g_zero[s].data, g_nan[s].data) << g_zero[s].name;
+  EXPECT_EQ(r_zero.d_image_features, r_nan.d_image_features);
 }
 
 TEST(ModelRun, SameBitsOnRepeatAndAcrossThreadCounts) {
