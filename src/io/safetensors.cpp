@@ -18,6 +18,7 @@
 
 #include "core/error.h"
 #include "io/atomic_file.h"
+#include "io/json_text.h"
 
 namespace rf::io {
 
@@ -207,6 +208,7 @@ void SafetensorsFile::parse() {
       duplicate = parsed.get<std::string>();
     return true;
   };
+  check_json_text(std::string_view(header, header_bytes), where + "the header: ");
   json root;
   try {
     root = json::parse(header, header + header_bytes, track_keys);

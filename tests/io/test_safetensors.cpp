@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "error_of.h"
+#include "io/json_text.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 
@@ -180,6 +181,11 @@ std::vector<Corruption> corruptions() {
       {"duplicate name", image("{" + ok_entry + "," + ok_entry + "}", 8), "the key `t` appears twice"},
       {"metadata not strings", image(R"({"__metadata__":{"n":1}})", 0), "`__metadata__` entry `n` is not a string"},
       {"metadata not object", image(R"({"__metadata__":[]})", 0), "`__metadata__` is not an object"},
+      // nlohmann would stop reading at the NUL and skip the byte-order mark; Python's safetensors rejects both.
+      {"NUL in header", image(std::string("{}\0{{{", 6), 0), "the header: byte 2 is a NUL"},
+      {"byte-order mark", image("\xEF\xBB\xBF{}", 0), "the header: it starts with a UTF-8 byte-order mark"},
+      {"deep nesting", image(std::string(kMaxJsonDepth + 1, '['), 0),
+       "the header: it nests more than 128 brackets deep"},
   };
 }
 
@@ -190,6 +196,15 @@ TEST(Safetensors, RejectsEachCorruptionWithItsMessage) {
     EXPECT_NE(message.find(c.message), std::string::npos) << c.what << ": got \"" << message << "\"";
     EXPECT_EQ(message.find('\n'), std::string::npos) << c.what << ": one line";
   }
+}
+
+// Brackets inside strings are text, not nesting; nesting up to the limit parses as usual.
+TEST(JsonText, CountsOnlyBracketsOutsideStrings) {
+  const std::string deep = std::string(kMaxJsonDepth, '[') + std::string(kMaxJsonDepth, ']');
+  EXPECT_NO_THROW(check_json_text(deep, "x: "));
+  EXPECT_NO_THROW(check_json_text(R"({"k": "[[[[\"{{{{", "a": [1]})", "x: "));
+  EXPECT_EQ(error_of([&] { check_json_text("[" + deep + "]", "x: "); }),
+            "x: it nests more than 128 brackets deep (at byte 128)");
 }
 
 TEST(Safetensors, AcceptsEmptyFileAndMetadataOnly) {

@@ -1,0 +1,36 @@
+// ringflex io: the pre-parse check of JSON text (json_text.h).
+#include "io/json_text.h"
+
+#include "core/error.h"
+
+namespace rf::io {
+
+void check_json_text(std::string_view text, const std::string& where) {
+  constexpr std::string_view kByteOrderMark = "\xEF\xBB\xBF";
+  RF_CHECK(!text.starts_with(kByteOrderMark), where, "it starts with a UTF-8 byte-order mark, which JSON text may not");
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    RF_CHECK(c != '\0', where, "byte ", i, " is a NUL, which JSON text cannot hold");
+    if (in_string) {
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      RF_CHECK(++depth <= kMaxJsonDepth, where, "it nests more than ", kMaxJsonDepth, " brackets deep (at byte ", i,
+               ")");
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+}
+
+}  // namespace rf::io

@@ -1,0 +1,22 @@
+// ringflex io: what every JSON text the project reads (safetensors headers, config.json, index files, trainer
+// state, JSONL data) must be before nlohmann parses it.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace rf::io {
+
+// Open brackets allowed at once: serde_json's default, the parser behind Python's safetensors. No file ringflex
+// reads nests deeper than 5.
+constexpr int kMaxJsonDepth = 128;
+
+// Throws rf::Error (`where` first, then the problem) unless `text`:
+//  - holds no NUL byte: nlohmann stops at the first one, so what follows it would never be read or checked;
+//  - does not start with a UTF-8 byte-order mark: nlohmann skips one, Python's json and safetensors reject it;
+//  - nests at most kMaxJsonDepth brackets deep: nlohmann builds a node per open bracket, so a 100 MB header of
+//    `[` would cost gigabytes before failing.
+// Brackets inside strings do not count. The scan is linear and allocates nothing.
+void check_json_text(std::string_view text, const std::string& where);
+
+}  // namespace rf::io
