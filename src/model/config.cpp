@@ -9,6 +9,7 @@
 
 #include "core/attention_args.h"
 #include "core/error.h"
+#include "io/json_text.h"
 
 namespace rf::model {
 
@@ -39,6 +40,9 @@ constexpr int kDefaultPleDim = 256;
 constexpr int kDefaultPleVocabSize = 262144;
 constexpr double kDefaultVisionRmsNormEps = 1e-6;
 constexpr int kDefaultLayerPattern = 6;  // 5 sliding : 1 full when layer_types is absent
+// More layers than any model has (Gemma 4's largest has 60) and few enough that the per-layer tables built from
+// the config before the checkpoint is read stay small: a corrupt count fails here, not in a 1e9-entry allocation.
+constexpr int kMaxLayers = 1 << 16;
 constexpr double kSlidingTheta = 10000.0, kFullTheta = 1000000.0, kFullPartialRotary = 0.25;
 
 // What a JSON value is, for messages: its type and (shortened) value.
@@ -204,6 +208,7 @@ int layer_index(const std::string& key, int num_layers, const Fields& where) {
 }  // namespace
 
 Gemma4Config Gemma4Config::from_json(const std::string& json_text, const std::string& source) {
+  io::check_json_text(json_text, source + ": ");
   json root_json;
   try {
     root_json = json::parse(json_text);
@@ -282,8 +287,8 @@ Gemma4Config Gemma4Config::from_json(const std::string& json_text, const std::st
   c.vision_bidirectional = bidir.has_value();
 
   // Sizes that every later step indexes with, checked before they are used.
-  RF_CHECK(c.num_layers > 0, source, ": field '", j.name("num_hidden_layers"), "' = ", c.num_layers,
-           " must be positive");
+  RF_CHECK(c.num_layers > 0 && c.num_layers <= kMaxLayers, source, ": field '", j.name("num_hidden_layers"),
+           "' = ", c.num_layers, " must be in [1, ", kMaxLayers, "]");
 
   // Layer types: given, or the 5 sliding : 1 full default; the last layer is always full (as transformers forces,
   // with the warning it prints).
@@ -339,12 +344,20 @@ Gemma4Config Gemma4Config::from_json(const std::string& json_text, const std::st
         RF_CHECK(field == "head_dim" || field == "num_key_value_heads", source, ": field '", over->name(field),
                  "' is not supported (head_dim, num_key_value_heads)");
       }
-      c.head_dim_override[i] = over->integer("head_dim", 0);
-      c.kv_heads_override[i] = over->integer("num_key_value_heads", 0);
+      // 0 in the tables below means "the layer type's default", so an override must itself be positive.
+      for (auto [field, dst] : {std::pair{"head_dim", &c.head_dim_override[i]},
+                                std::pair{"num_key_value_heads", &c.kv_heads_override[i]}}) {
+        if (!over->has(field)) continue;
+        *dst = over->integer(field, 0);
+        RF_CHECK(*dst > 0, source, ": field '", over->name(field), "' = ", *dst, " must be positive");
+      }
     }
   } else {
     const int global_dim = j.integer("global_head_dim", kDefaultGlobalHeadDim);
     const std::optional<int> global_kv = j.nullable_integer("num_global_key_value_heads", std::nullopt);
+    RF_CHECK(global_dim > 0, source, ": field '", j.name("global_head_dim"), "' = ", global_dim, " must be positive");
+    RF_CHECK(!global_kv || *global_kv > 0, source, ": field '", j.name("num_global_key_value_heads"),
+             "' = ", global_kv.value_or(0), " must be positive");
     for (int i = 0; i < c.num_layers; ++i) {
       if (c.sliding[i]) continue;
       c.head_dim_override[i] = global_dim;

@@ -93,6 +93,17 @@ TEST(ModelConfig, MessagesNameFileFieldAndBothTypes) {
             "indices 0..29)");
   EXPECT_NE(error_of("{").find("dir/config.json: not valid JSON: "), std::string::npos);
   EXPECT_NE(error_of(R"({"pad_token_id": -1})").find("pad_token_id = -1 must be in [0, vocab_size"), std::string::npos);
+  // A corrupt layer count fails before the per-layer tables are built from it.
+  EXPECT_EQ(error_of(R"({"num_hidden_layers": 1000000000})"),
+            "dir/config.json: field 'num_hidden_layers' = 1000000000 must be in [1, 65536]");
+  // A per-layer override of 0 or less would read as "no override": it is an error, as in transformers.
+  EXPECT_EQ(error_of(R"({"per_layer_config": {"1": {"num_key_value_heads": -2}}})"),
+            "dir/config.json: field 'per_layer_config.1.num_key_value_heads' = -2 must be positive");
+  EXPECT_EQ(error_of(R"({"per_layer_config": {"1": {"head_dim": 0}}})"),
+            "dir/config.json: field 'per_layer_config.1.head_dim' = 0 must be positive");
+  EXPECT_EQ(error_of(R"({"global_head_dim": -512})"),
+            "dir/config.json: field 'global_head_dim' = -512 must be positive");
+  EXPECT_EQ(error_of(std::string("{}\0garbage", 10)), "dir/config.json: byte 2 is a NUL, which JSON text cannot hold");
 }
 
 TEST(ModelConfig, NullPadTokenWithImageSlotsNeedingItIsAnError) {
