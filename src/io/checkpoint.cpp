@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "io/json_text.h"
 
 namespace rf::io {
 
@@ -23,9 +24,11 @@ std::map<std::string, std::string> read_weight_map(const std::string& path) {
   RF_CHECK(in, path, ": cannot open");
   std::stringstream text;
   text << in.rdbuf();
+  const std::string body = text.str();
+  check_json_text(body, path + ": ");
   json index;
   try {
-    index = json::parse(text.str());
+    index = json::parse(body);
   } catch (const json::parse_error& e) {
     fail(path, ": not valid JSON (at byte ", e.byte, ")");
   }
@@ -39,7 +42,8 @@ std::map<std::string, std::string> read_weight_map(const std::string& path) {
     const std::filesystem::path p(shard);
     RF_CHECK(!shard.empty() && p.is_relative() && p.lexically_normal().string().rfind("..", 0) != 0, path,
              ": `weight_map` entry `", name, "` names `", shard, "`, outside the checkpoint folder");
-    map.emplace(name, shard);
+    // One file, one spelling: `./a.safetensors` and `a.safetensors` must open the same shard once.
+    map.emplace(name, p.lexically_normal().string());
   }
   return map;
 }

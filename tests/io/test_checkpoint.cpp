@@ -64,6 +64,11 @@ TEST(Checkpoint, OpensShardsThroughTheIndex) {
                   "c": "model-00002-of-00002.safetensors"})");
   const Checkpoint c = Checkpoint::open(dir.str());
   EXPECT_EQ(c.names(), (std::vector<std::string>{"a", "b", "c"}));
+  // One shard spelled two ways is one shard (transformers loads such an index).
+  write_index(dir.file("model.safetensors.index.json"),
+              R"({"a": "./model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+                  "c": "model-00002-of-00002.safetensors"})");
+  EXPECT_EQ(Checkpoint::open(dir.str()).names(), (std::vector<std::string>{"a", "b", "c"}));
   EXPECT_EQ(c.shard_of("c").path(), dir.file("model-00002-of-00002.safetensors"));
   const TensorView* a = c.find("a");
   ASSERT_NE(a, nullptr);
