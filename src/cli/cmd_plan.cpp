@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -49,9 +50,12 @@ std::vector<TokenMeta> read_meta(const std::string& path, int& B, int& S) {
   const io::TensorView* doc = io::optional(f, {"doc", {io::StDType::I32}, {"B", "S"}, ""}, dims);
   const io::TensorView* group = io::optional(f, {"group", {io::StDType::I32}, {"B", "S"}, ""}, dims);
   RF_CHECK(doc || group, path, ": neither `doc` nor `group` [B, S] I32 is present; nothing to plan");
-  B = static_cast<int>(dims["B"]);
-  S = static_cast<int>(dims["S"]);
-  RF_CHECK(B >= 1 && S >= 1, path, ": empty metadata, B = ", B, ", S = ", S);
+  const int64_t n_rows = dims["B"], n_tokens = dims["S"];
+  RF_CHECK(n_rows >= 1 && n_tokens >= 1, path, ": empty metadata, B = ", n_rows, ", S = ", n_tokens);
+  RF_CHECK(n_rows <= std::numeric_limits<int>::max() && n_tokens <= std::numeric_limits<int>::max(), path,
+           ": metadata of B = ", n_rows, ", S = ", n_tokens, ": B and S must fit in 32 bits");
+  B = static_cast<int>(n_rows);
+  S = static_cast<int>(n_tokens);
   const std::vector<int32_t> docs = doc ? io::copy_as<int32_t>(*doc) : std::vector<int32_t>{};
   const std::vector<int32_t> groups = group ? io::copy_as<int32_t>(*group) : std::vector<int32_t>{};
   std::vector<TokenMeta> rows;

@@ -10,6 +10,7 @@
 // DIR/batch.safetensors        input_ids and labels [1, 4]
 // DIR/empty_batch.safetensors  input_ids and labels [1, 0]
 // DIR/huge_empty_batch.safetensors  input_ids and labels [2^31 - 1, 0]: a 152-byte file claiming 2^31 - 1 rows
+// DIR/wide_doc.safetensors     doc [0, 2^32 + 5]: no tokens, in a shape whose S does not fit in 32 bits
 // DIR/fifo.safetensors         a FIFO (nothing ever writes it)
 #include <sys/stat.h>
 
@@ -73,6 +74,12 @@ void make_bad_models(const fs::path& dir) {
   write_ids(dir / "batch.safetensors", {1, 4}, {1, 2, 3, 4});
   write_ids(dir / "empty_batch.safetensors", {1, 0}, {});
   write_ids(dir / "huge_empty_batch.safetensors", {std::numeric_limits<int32_t>::max(), 0}, {});
+  {
+    constexpr int64_t kWideS = (int64_t{1} << 32) + 5;
+    rf::io::SafetensorsWriter w;
+    w.add("doc", rf::io::StDType::I32, {0, kWideS}, std::span<const int32_t>());
+    w.write((dir / "wide_doc.safetensors").string());
+  }
   const fs::path fifo = dir / "fifo.safetensors";
   fs::remove(fifo);
   if (mkfifo(fifo.c_str(), 0600) != 0) throw std::runtime_error(fifo.string() + ": mkfifo failed");
