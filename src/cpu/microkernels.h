@@ -82,6 +82,7 @@ inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
 inline VecF vsub(VecF a, VecF b) { return _mm512_sub_ps(a, b); }
 inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
 inline VecF vmax(VecF a, VecF b) { return _mm512_maskz_max_ps(kAll, a, b); }
+inline VecF vmin(VecF a, VecF b) { return _mm512_maskz_min_ps(kAll, a, b); }  // b where either is NaN, as vmax
 
 // Lanes v·kLanes .. of a 64-key row mask, as a lane mask.
 inline LaneMask lane_mask(uint64_t bits, int v) { return static_cast<LaneMask>(bits >> (v * kLanes)); }
@@ -120,6 +121,7 @@ inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
 inline VecF vsub(VecF a, VecF b) { return _mm256_sub_ps(a, b); }
 inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
 inline VecF vmax(VecF a, VecF b) { return _mm256_max_ps(a, b); }
+inline VecF vmin(VecF a, VecF b) { return _mm256_min_ps(a, b); }  // b where either is NaN, as vmax
 
 // Lanes v·kLanes .. of a 64-key row mask: lane i is all ones when bit i of the byte is set.
 inline LaneMask lane_mask(uint64_t bits, int v) {

@@ -373,7 +373,10 @@ inline void softmax_step(float* s, int rows, const RowBits* bits, float c2, floa
 
 // Backward per-tile step for `rows` query rows. s: [rows, kTileK] raw scores -> p = exp2(c2·s - bias) where
 // allowed, else 0; dp: [rows, kTileK] dO.v -> dS = p·(dp - delta)·scale where allowed, else 0. bias = lse·log2(e),
-// or +inf for a row with lse = -inf (then every p is exp2(-inf) = 0 and the row contributes nothing).
+// or +inf for a row with lse = -inf (then every p is exp2(-inf) = 0 and the row contributes nothing). p is capped
+// at 1, as it is in exact arithmetic (lse >= every score of the row): c2·s and bias each carry float32 rounding of
+// about |score|·2^-24, which at scores of 1e7 and more would make a single-key row's p 2.5 instead of 1 and, further
+// out, inf and NaN gradients. A NaN exponent (a non-finite score or lse) stays NaN through the cap.
 //
 // live: [rows], out: the pairs that take part in the gradient products — bits, minus every pair of a row with
 // lse = -inf. Such a row contributes nothing (docs/spec.md §4), also when it has allowed keys whose scores are all
@@ -395,7 +398,7 @@ inline bool grad_step(float* s, float* dp, int rows, const RowBits* bits, float 
       // Forbidden lanes get dS = 0 outright too: p is 0 there, but dP may be NaN (a non-finite dO or V the pair
       // never reads), and 0 · NaN would leak it.
       const LaneMask allowed = lane_mask(w, v);
-      const VecF x = vfmsub(vload(srow + v * kLanes), c, b);
+      const VecF x = vmin(vzero(), vfmsub(vload(srow + v * kLanes), c, b));  // p <= 1 (see the function comment)
       const VecF p = zero_unless(allowed, exp2_ps(x));
       const VecF ds = zero_unless(allowed, vmul(vmul(p, vsub(vload(drow + v * kLanes), dl)), sc));
       vstore(srow + v * kLanes, p);
@@ -404,7 +407,8 @@ inline bool grad_step(float* s, float* dp, int rows, const RowBits* bits, float 
 #else
     for (int j = 0; j < kTileK; ++j) {
       const bool allowed = (w >> j) & 1;
-      const float p = allowed ? exp2_scalar(srow[j] * c2 - bias[i]) : 0.f;
+      const float x = srow[j] * c2 - bias[i];
+      const float p = allowed ? exp2_scalar(x > 0.f ? 0.f : x) : 0.f;  // p <= 1, NaN kept (see the function comment)
       srow[j] = p;
       drow[j] = allowed ? p * (drow[j] - delta[i]) * scale : 0.f;  // not 0 · dP: dP may be NaN (see above)
     }
