@@ -273,7 +273,7 @@ int run_forward(const ForwardOptions& opt) {
     if (opt.check_finite)
       for (const model::Tensor& p : ck.model->params()) check_finite(opt.model, p.name, p.data, p.shape);
     data = read_batch(opt.in, *ck.model, opt.check_finite);
-    ck.model->check_batch(data.view(), P);
+    ck.model->check_batch(data.view(), P, opt.in);
     RF_CHECK(!opt.grad || !data.labels.empty(), opt.in, ": --grad needs a `labels` tensor");
     // A fixed scheme that cannot split this row fails here, where every rank can still say so.
     if (P > 1 && opt.shard != "balanced" && opt.shard != "auto")

@@ -101,40 +101,43 @@ void Gemma4Model::init_random(uint64_t seed, float stddev) {
 // What the run needs to know before it starts: a batch's validity, the layer masks the attention seam plans for.
 // ---------------------------------------------------------------------------------------------------------------
 
-void Gemma4Model::check_batch(const Batch& b, int ranks) const {
+void Gemma4Model::check_batch(const Batch& b, int ranks, const std::string& source) const {
   const int B = b.B, S = b.S;
-  RF_CHECK(B > 0 && S > 0, "batch: B = ", B, " and S = ", S, " must be positive");
-  RF_CHECK(b.input_ids != nullptr, "batch: input_ids is required");
-  RF_CHECK(ranks >= 1 && ranks <= S, "context parallelism over ", ranks, " ranks needs at least ", ranks,
+  RF_CHECK(B > 0 && S > 0, source, ": B = ", B, " and S = ", S, " must be positive");
+  RF_CHECK(b.input_ids != nullptr, source, ": input_ids is required");
+  RF_CHECK(ranks >= 1 && ranks <= S, source, ": context parallelism over ", ranks, " ranks needs at least ", ranks,
            " tokens per row, the batch's rows have ", S);
   const int64_t T = int64_t{B} * S;
   if (b.mm_token_type) {
     for (int64_t t = 0; t < T; ++t) {
       const int32_t v = b.mm_token_type[t];
-      RF_CHECK(v >= 0 && v <= 2, "mm_token_type_ids: value ", v, " at [", t / S, ", ", t % S, "] is not 0, 1 or 2");
+      RF_CHECK(v >= 0 && v <= 2, source, ": mm_token_type_ids: value ", v, " at [", t / S, ", ", t % S,
+               "] is not 0, 1 or 2");
     }
   }
   if (b.image_features) {
-    RF_CHECK(b.mm_token_type != nullptr, "image_features given without mm_token_type_ids to place them");
+    RF_CHECK(b.mm_token_type != nullptr, source, ": image_features given without mm_token_type_ids to place them");
     int64_t n = 0;
     for (int64_t t = 0; t < T; ++t) n += b.mm_token_type[t] != 0;
     // As Gemma4Model: multimodal slots read the pad id's per-layer embedding, so they need a pad id.
     RF_CHECK(n == 0 || cfg_.pad_token_id || cfg_.ple_dim == 0,
              "config.json: pad_token_id is null, but image/video "
              "slots read the pad token's per-layer embedding (as transformers 5.24 does); set pad_token_id");
-    RF_CHECK(n == b.n_image_features, "image_features has ", b.n_image_features, " rows for ", n,
+    RF_CHECK(n == b.n_image_features, source, ": image_features has ", b.n_image_features, " rows for ", n,
              " image/video token slots in mm_token_type_ids");
   }
   for (int64_t t = 0; t < T; ++t) {
-    RF_CHECK(b.input_ids[t] >= 0 && b.input_ids[t] < cfg_.vocab_size, "input_ids: token ", b.input_ids[t], " at ", t,
-             " is outside [0, vocab_size = ", cfg_.vocab_size, ")");
+    RF_CHECK(!b.doc || b.doc[t] >= 0, source, ": doc: value ", b.doc[t], " at [", t / S, ", ", t % S,
+             "] is negative (0 = padding, documents are 1-based)");
+    RF_CHECK(b.input_ids[t] >= 0 && b.input_ids[t] < cfg_.vocab_size, source, ": input_ids: token ", b.input_ids[t],
+             " at [", t / S, ", ", t % S, "] is outside [0, vocab_size = ", cfg_.vocab_size, ")");
     const bool vision_slot = b.image_features != nullptr && b.mm_token_type[t] != 0;
     if (cfg_.ple_dim > 0 && !vision_slot)
-      RF_CHECK(b.input_ids[t] < cfg_.ple_vocab_size, "input_ids: token ", b.input_ids[t], " at ", t,
-               " is outside the per-layer embedding's vocabulary (", cfg_.ple_vocab_size, ")");
+      RF_CHECK(b.input_ids[t] < cfg_.ple_vocab_size, source, ": input_ids: token ", b.input_ids[t], " at [", t / S,
+               ", ", t % S, "] is outside the per-layer embedding's vocabulary (", cfg_.ple_vocab_size, ")");
     if (b.labels)
-      RF_CHECK(b.labels[t] == kIgnoreLabel || (b.labels[t] >= 0 && b.labels[t] < cfg_.vocab_size),
-               "labels: ", b.labels[t], " at ", t, " is neither ", kIgnoreLabel,
+      RF_CHECK(b.labels[t] == kIgnoreLabel || (b.labels[t] >= 0 && b.labels[t] < cfg_.vocab_size), source,
+               ": labels: ", b.labels[t], " at [", t / S, ", ", t % S, "] is neither ", kIgnoreLabel,
                " nor in [0, vocab_size = ", cfg_.vocab_size, ")");
   }
 }

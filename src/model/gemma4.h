@@ -145,8 +145,9 @@ class Gemma4Model {
   Result run(const Batch& batch, const RunOptions& opt, TensorSet* grads) const;
 
   // Validates a batch for `ranks` CP ranks without computing anything (pure: the same verdict on every rank that
-  // holds the same batch). Throws rf::Error naming the first problem.
-  void check_batch(const Batch& batch, int ranks = 1) const;
+  // holds the same batch). Throws rf::Error naming `source` (the batch's file, where there is one), the tensor, the
+  // [row, position] and the problem.
+  void check_batch(const Batch& batch, int ranks = 1, const std::string& source = "batch") const;
 
   // The model's distinct layer masks with their layer counts, in layer order (what the attention seam plans for).
   std::vector<MaskLayers> mask_mix() const;

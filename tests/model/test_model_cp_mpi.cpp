@@ -327,7 +327,7 @@ TEST(ModelCp, MoreRanksThanTokensFailsOnEveryRank) {
     m.run(rb.view(false), RunOptions{}, nullptr, attn);
     ADD_FAILURE() << "P > S must fail";
   } catch (const Error& e) {
-    EXPECT_EQ(std::string(e.what()), "context parallelism over " + std::to_string(P) + " ranks needs at least " +
+    EXPECT_EQ(std::string(e.what()), "batch: context parallelism over " + std::to_string(P) + " ranks needs at least " +
                                          std::to_string(P) + " tokens per row, the batch's rows have " +
                                          std::to_string(P - 1));
   }

@@ -212,6 +212,29 @@ TEST(ModelRun, RejectsMismatchedImageFeatures) {
   EXPECT_THROW(m.run(v, RunOptions{}, nullptr), rf::Error);
 }
 
+// A bad value is named with its source, its tensor and its [row, position] (the batch is [2, 10]).
+TEST(ModelRun, BatchErrorsNameSourceTensorAndPosition) {
+  const Gemma4Model m = make_model("");
+  const auto message = [&](auto edit) {
+    TinyBatch b = make_batch(40, 0);
+    edit(b);
+    try {
+      m.check_batch(b.view(false), 1, "in.safetensors");
+    } catch (const rf::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message([](TinyBatch& b) { b.ids[13] = 40; }),
+            "in.safetensors: input_ids: token 40 at [1, 3] is outside [0, vocab_size = 40)");
+  EXPECT_EQ(message([](TinyBatch& b) { b.labels[4] = -1; }),
+            "in.safetensors: labels: -1 at [0, 4] is neither -100 nor in [0, vocab_size = 40)");
+  EXPECT_EQ(message([](TinyBatch& b) { b.doc[11] = -1; }),
+            "in.safetensors: doc: value -1 at [1, 1] is negative (0 = padding, documents are 1-based)");
+  EXPECT_EQ(message([](TinyBatch& b) { b.mm[12] = 3; }),
+            "in.safetensors: mm_token_type_ids: value 3 at [1, 2] is not 0, 1 or 2");
+}
+
 // Padding (doc 0) is not trained on (docs/model-fidelity.md): labels a batch puts on its padding tokens change
 // neither the loss, nor the label count, nor a gradient bit.
 TEST(ModelRun, LabelsOnPaddingAreIgnored) {
