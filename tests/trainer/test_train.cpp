@@ -211,6 +211,49 @@ TEST(Checkpoints, ACrashMidSaveLeavesTheLastGoodOne) {
   EXPECT_TRUE(fs::exists(dir / "step-00000004" / "model.safetensors"));
 }
 
+// trainer_state.json is the one file of a checkpoint a user may edit by hand: every field is checked on load, with one
+// line naming the file and the field, before a value reaches the data stream's indices, the step count or the loss
+// picture's arrays.
+TEST(Checkpoints, AHandEditedTrainerStateIsCheckedFieldByField) {
+  const fs::path dir = scratch("state");
+  const TrainConfig c = small("tiny_dense", {"train.steps=2", "train.val_every=1", "checkpoint.dir=" + dir.string()});
+  run(c);
+  const fs::path ck = dir / "step-00000002", state = ck / "trainer_state.json";
+  std::ifstream in(state);
+  const nlohmann::json good = nlohmann::json::parse(in);
+  const auto load_with = [&](const std::string& pointer, const nlohmann::json& value) {
+    nlohmann::json edited = good;
+    edited[nlohmann::json::json_pointer(pointer)] = value;
+    write_file_atomically(state.string(), edited.dump());
+    return error_of([&] { load_train_checkpoint(ck.string()); });
+  };
+  const std::string file = state.string() + ": ";
+  EXPECT_EQ(load_with("/step", -5), file + "`step` = -5 must be an integer in [0, 2147483647]");
+  EXPECT_EQ(load_with("/step", 0.5), file + "`step` = 0.5 must be an integer in [0, 2147483647]");
+  EXPECT_EQ(load_with("/data_position", -5),
+            file + "`data_position` = -5 must be an integer in [0, 4611686018427387903]");
+  EXPECT_EQ(load_with("/data_position", INT64_MAX),
+            file + "`data_position` = 9223372036854775807 must be an integer in [0, 4611686018427387903]");
+  EXPECT_EQ(load_with("/seed", -1), file + "`seed` = -1 must be an integer in [0, 18446744073709551615]");
+  EXPECT_EQ(load_with("/history/steps", {1, 2, 2, 1, 2}),
+            file + "`history.loss` has 2 entries but `history.steps` has 5");
+  EXPECT_EQ(load_with("/history/val_steps", {1, 2, 2}),
+            file + "`history.val_loss` has 2 entries but `history.val_steps` has 3");
+  EXPECT_EQ(load_with("/history/steps", {1, 2147483647}),
+            file + "`history.steps[1]` = 2147483647 must be an integer in [1, 2]");
+  EXPECT_EQ(load_with("/history/val_steps", {0, 1}), file + "`history.val_steps[0]` = 0 must be an integer in [1, 2]");
+  // The file as written loads, and a resume through train() stops on the same line as the loader.
+  EXPECT_EQ(load_with("/step", 2), "");
+  load_with("/data_position", -5);
+  TrainOptions resume;
+  resume.resume = ck.string();
+  EXPECT_EQ(
+      error_of([&] {
+        run(small("tiny_dense", {"train.steps=3", "train.val_every=1", "checkpoint.dir=" + dir.string()}), resume);
+      }),
+      file + "`data_position` = -5 must be an integer in [0, 4611686018427387903]");
+}
+
 TEST(Checkpoints, KeepLastKAndTheMetricsFile) {
   const fs::path dir = scratch("keep");
   const TrainConfig c = small("tiny_dense", {"train.steps=5", "checkpoint.every=1", "checkpoint.keep=2",
