@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -99,6 +100,22 @@ std::vector<int> history_steps(const json& a, const std::string& where, const st
 }
 
 }  // namespace
+
+void check_loaded_tensor(const std::string& where, const std::string& name, std::span<const float> values,
+                         const std::vector<int64_t>& shape, bool non_negative) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    const float x = values[i];
+    if (std::isfinite(x) && (!non_negative || x >= 0)) continue;
+    std::vector<int64_t> index(shape.size());  // the flat index as a row-major index of shape
+    for (size_t a = shape.size(), flat = i; a-- > 0;) {
+      const size_t extent = static_cast<size_t>(std::max<int64_t>(shape[a], 1));
+      index[a] = static_cast<int64_t>(flat % extent);
+      flat /= extent;
+    }
+    rf::fail(where, ": tensor `", name, "` has ", x, " at ", io::shape_string(index),
+             std::isfinite(x) ? " (a second moment is never negative)" : "");
+  }
+}
 
 void write_file_atomically(const std::string& path, const std::string& text) {
   io::AtomicFile f(path);
@@ -212,6 +229,8 @@ void load_optimizer_state(const std::string& dir, AdamW& optimizer) {
       RF_CHECK(v.dtype == io::StDType::F32 && v.shape == t.shape, path, ": `", prefix, t.name,
                "` is not float32 of the parameter's shape ", io::shape_string(t.shape));
       t.data = io::copy_as<float>(v);
+      // AdamW divides by sqrt(exp_avg_sq) + eps: a negative one is NaN in the first update.
+      check_loaded_tensor(path, prefix + t.name, t.data, t.shape, set == &optimizer.exp_avg_sq());
     }
   }
 }

@@ -105,6 +105,15 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
   same(now.model.freeze == then.model.freeze, "model.freeze");
 }
 
+// Loaded weights must be finite before step 1: a NaN would only show as a non-finite loss after the first step's
+// work. Names the single-file checkpoint, or the directory of a sharded one.
+void check_loaded_weights(const model::Checkpoint& ck, const std::string& dir) {
+  const fs::path single = fs::path(dir) / "model.safetensors";
+  const std::string where = fs::exists(single) ? single.string() : dir;
+  for (const model::Tensor& p : ck.model->params())  // named as in the files, where the user can look it up
+    check_loaded_tensor(where, model::file_name_of(p.name, ck.text_prefix), p.data, p.shape);
+}
+
 std::string default_svg_path(const TrainConfig& c, const TrainOptions& o) {
   if (!o.svg_path.empty()) return o.svg_path;
   if (!c.checkpoint.dir.empty()) return (fs::path(c.checkpoint.dir) / "loss.svg").string();
@@ -236,6 +245,8 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
       ck.model = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim);
       ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
     }
+    if (!resume_dir.empty() || !cfg.model.path.empty())
+      check_loaded_weights(ck, resume_dir.empty() ? cfg.model.path : resume_dir);
     const model::Gemma4Model& mm = *ck.model;
     const int width = mm.vision_feature_dim() > 0 ? mm.vision_feature_dim() : mm.config().hidden_size;
     // Unfilled row positions are doc 0 with ignored labels (masked everywhere), so a config without a pad id

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
 
@@ -15,6 +16,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/error_of.h"
+#include "trainer/optimizer.h"
 #include "trainer/trainer.h"
 
 namespace rf::trainer {
@@ -252,6 +254,54 @@ TEST(Checkpoints, AHandEditedTrainerStateIsCheckedFieldByField) {
         run(small("tiny_dense", {"train.steps=3", "train.val_every=1", "checkpoint.dir=" + dir.string()}), resume);
       }),
       file + "`data_position` = -5 must be an integer in [0, 4611686018427387903]");
+}
+
+// A damaged optimizer.safetensors (a NaN moment, a negative second moment) or non-finite weights (resumed, or from
+// model.path) stop the run before step 1 with the file and the tensor, rather than turning every weight NaN in the
+// first update or failing after the first step as a non-finite loss.
+TEST(Checkpoints, NonFiniteWeightsAndMomentsStopBeforeStepOne) {
+  const fs::path dir = scratch("nonfinite");
+  const auto config = [&](const std::string& root, std::vector<std::string> more = {}) {
+    more.push_back("checkpoint.dir=" + root);
+    return small("tiny_dense", more);
+  };
+  run(config((dir / "good").string(), {"train.steps=1"}));
+  const std::string good = (dir / "good" / "step-00000001").string();
+  // Writes the good checkpoint again under `name` after `edit` changed its weights or moments.
+  const auto damaged = [&](const std::string& name, const std::function<void(LoadedCheckpoint&, AdamW&)>& edit) {
+    LoadedCheckpoint ck = load_train_checkpoint(good);
+    const TrainConfig c = config(good);
+    AdamW adam(ck.weights.model->params(), trainable_mask(ck.weights.model->params(), {}), c.optimizer);
+    load_optimizer_state(good, adam);
+    edit(ck, adam);
+    return save_train_checkpoint((dir / name).string(), ck.weights, adam, ck.state, 1);
+  };
+  const auto resume_error = [&](const std::string& ck) {
+    TrainOptions resume;
+    resume.resume = ck;
+    return error_of([&] { run(config((dir / "out").string(), {"train.steps=2"}), resume); });
+  };
+  const std::string name = "model.layers.0.self_attn.q_proj.weight";
+  const std::string nan_moment =
+      damaged("nan_moment", [&](LoadedCheckpoint&, AdamW& a) { a.exp_avg()[a.exp_avg().slot(name)].data[1] = NAN; });
+  EXPECT_EQ(resume_error(nan_moment),
+            nan_moment + "/optimizer.safetensors: tensor `exp_avg." + name + "` has nan at [0, 1]");
+  const std::string negative = damaged("negative_moment", [&](LoadedCheckpoint&, AdamW& a) {
+    a.exp_avg_sq()[a.exp_avg_sq().slot(name)].data[0] = -1.0f;
+  });
+  EXPECT_EQ(resume_error(negative), negative + "/optimizer.safetensors: tensor `exp_avg_sq." + name +
+                                        "` has -1 at [0, 0] (a second moment is never negative)");
+  const std::string nan_weight = damaged("nan_weight", [&](LoadedCheckpoint& ck, AdamW&) {
+    model::TensorSet& p = ck.weights.model->params();
+    p[p.slot(name)].data[2] = INFINITY;
+  });
+  EXPECT_EQ(resume_error(nan_weight), nan_weight + "/model.safetensors: tensor `" + name + "` has inf at [0, 2]");
+  // The same weights as a model to fine-tune.
+  const std::string path = (dir / "nan_weight" / "step-00000001").string();
+  EXPECT_EQ(error_of([&] {
+              run(config((dir / "out").string(), {"train.steps=1", "model.path=" + path}));
+            }),
+            path + "/model.safetensors: tensor `" + name + "` has inf at [0, 2]");
 }
 
 TEST(Checkpoints, KeepLastKAndTheMetricsFile) {
