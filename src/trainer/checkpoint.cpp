@@ -5,9 +5,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -71,7 +73,49 @@ std::string read_text(const fs::path& p) {
   return s.str();
 }
 
+// A trainer state is the one file a user may edit by hand, so every number is checked before it reaches the loop's
+// arithmetic. The optimizer step is at most train.steps (an int); the data position advances by train.global_batch
+// (an int) per step, so starting below 2^62 it stays below int64's limit for any run: 2^31 steps of 2^31 rows add
+// less than 2^62.
+constexpr int64_t kMaxStateStep = std::numeric_limits<int32_t>::max();
+constexpr int64_t kMaxDataPosition = std::numeric_limits<int64_t>::max() / 2;
+
+// `name` of `where`, an integer (not 0.5, which json would truncate to 0) in [lo, hi]. json keeps a non-negative
+// integer as unsigned, so that case is compared as unsigned (a value above int64's range must not wrap).
+int64_t integer_in(const json& v, const std::string& where, const std::string& name, int64_t lo, int64_t hi) {
+  const bool fits = v.is_number_unsigned() ? v.get<uint64_t>() >= static_cast<uint64_t>(std::max<int64_t>(lo, 0)) &&
+                                                 v.get<uint64_t>() <= static_cast<uint64_t>(hi)
+                                           : v.is_number_integer() && v.get<int64_t>() >= lo && v.get<int64_t>() <= hi;
+  RF_CHECK(fits, where, ": `", name, "` = ", v.dump(), " must be an integer in [", lo, ", ", hi, "]");
+  return v.get<int64_t>();
+}
+
+// The steps of a loss history: each one an optimizer step already done, in [1, step].
+std::vector<int> history_steps(const json& a, const std::string& where, const std::string& name, int64_t step) {
+  RF_CHECK(a.is_array(), where, ": `", name, "` must be an array of steps");
+  std::vector<int> out;
+  for (const json& v : a)
+    out.push_back(static_cast<int>(integer_in(v, where, rf::concat(name, "[", out.size(), "]"), 1, step)));
+  return out;
+}
+
 }  // namespace
+
+void check_loaded_tensor(const std::string& where, const std::string& name, std::span<const float> values,
+                         const std::vector<int64_t>& shape, bool non_negative) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    const float x = values[i];
+    if (std::isfinite(x) && (!non_negative || x >= 0)) continue;
+    std::vector<int64_t> index(shape.size());  // the flat index as a row-major index of shape
+    for (size_t a = shape.size(), flat = i; a-- > 0;) {
+      const size_t extent = static_cast<size_t>(std::max<int64_t>(shape[a], 1));
+      index[a] = static_cast<int64_t>(flat % extent);
+      flat /= extent;
+    }
+    rf::fail(where, ": tensor `", name, "` has ", x, " at ", io::shape_string(index),
+             std::isfinite(x) ? " (a second moment is never negative)" : "");
+  }
+}
 
 void write_file_atomically(const std::string& path, const std::string& text) {
   io::AtomicFile f(path);
@@ -145,20 +189,31 @@ LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::Befo
   LoadedCheckpoint out;
   out.weights = model::load_checkpoint(dir, before_allocating);
   const fs::path state_path = fs::path(dir) / kStateFile;
+  const std::string where = state_path.string();
   json j;
   try {
     j = json::parse(read_text(state_path));
-    out.state.step = j.at("step").get<int64_t>();
-    out.state.data_position = j.at("data_position").get<int64_t>();
-    out.state.seed = j.at("seed").get<uint64_t>();
+    TrainState& st = out.state;
+    st.step = integer_in(j.at("step"), where, "step", 0, kMaxStateStep);
+    st.data_position = integer_in(j.at("data_position"), where, "data_position", 0, kMaxDataPosition);
+    const json& seed = j.at("seed");
+    // json holds a number above int64's range as unsigned; the whole uint64 range is a seed.
+    RF_CHECK(seed.is_number_unsigned() || (seed.is_number_integer() && seed.get<int64_t>() >= 0), where,
+             ": `seed` = ", seed.dump(), " must be an integer in [0, ", std::numeric_limits<uint64_t>::max(), "]");
+    st.seed = seed.get<uint64_t>();
     const json& h = j.at("history");
-    out.state.history.steps = h.at("steps").get<std::vector<int>>();
-    out.state.history.loss = h.at("loss").get<std::vector<double>>();
-    out.state.history.val_steps = h.at("val_steps").get<std::vector<int>>();
-    out.state.history.val_loss = h.at("val_loss").get<std::vector<double>>();
-    out.state.config_yaml = j.at("config").get<std::string>();
+    st.history.steps = history_steps(h.at("steps"), where, "history.steps", st.step);
+    st.history.loss = h.at("loss").get<std::vector<double>>();
+    st.history.val_steps = history_steps(h.at("val_steps"), where, "history.val_steps", st.step);
+    st.history.val_loss = h.at("val_loss").get<std::vector<double>>();
+    // The loss picture reads the steps and the losses pairwise.
+    RF_CHECK(st.history.loss.size() == st.history.steps.size(), where, ": `history.loss` has ", st.history.loss.size(),
+             " entries but `history.steps` has ", st.history.steps.size());
+    RF_CHECK(st.history.val_loss.size() == st.history.val_steps.size(), where, ": `history.val_loss` has ",
+             st.history.val_loss.size(), " entries but `history.val_steps` has ", st.history.val_steps.size());
+    st.config_yaml = j.at("config").get<std::string>();
   } catch (const json::exception& e) {
-    rf::fail(state_path.string(), ": not a valid trainer state: ", e.what());
+    rf::fail(where, ": not a valid trainer state: ", e.what());
   }
   return out;
 }
@@ -174,6 +229,8 @@ void load_optimizer_state(const std::string& dir, AdamW& optimizer) {
       RF_CHECK(v.dtype == io::StDType::F32 && v.shape == t.shape, path, ": `", prefix, t.name,
                "` is not float32 of the parameter's shape ", io::shape_string(t.shape));
       t.data = io::copy_as<float>(v);
+      // AdamW divides by sqrt(exp_avg_sq) + eps: a negative one is NaN in the first update.
+      check_loaded_tensor(path, prefix + t.name, t.data, t.shape, set == &optimizer.exp_avg_sq());
     }
   }
 }

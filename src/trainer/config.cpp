@@ -40,8 +40,12 @@ T scalar_as(const YAML::Node& n, const std::string& name, const std::string& typ
     v = n.as<T>();
   } catch (const YAML::Exception&) {
     if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
-      double d = 0;  // a number, but not one this integer field can hold (e.g. train.steps = 1e12)
-      if (YAML::convert<double>::decode(n, d) && std::isfinite(d))
+      // A whole number this integer field cannot hold (e.g. train.steps = 1e12) is out of range; any other number
+      // (1.5, or 1.0 spelled as a float) is not an integer at all, and the message below says so.
+      double d = 0;
+      if (YAML::convert<double>::decode(n, d) && std::isfinite(d) && d == std::trunc(d) &&
+          (d < static_cast<double>(std::numeric_limits<T>::min()) ||
+           d > static_cast<double>(std::numeric_limits<T>::max())))
         rf::fail("config: field `", name, "` = ", n.Scalar(), " is out of range (", std::numeric_limits<T>::min(),
                  " to ", std::numeric_limits<T>::max(), ")");
     }
@@ -145,6 +149,48 @@ const Field& find_field(const std::string& name, const std::string& source) {
   rf::fail(source, ": unknown field `", name, "`");
 }
 
+// A map key as a name: a key that is not a plain scalar (`? [a, b]`) names no section or field.
+std::string key_name(const YAML::Node& key, const std::string& source) {
+  RF_CHECK(key.IsScalar(), source, ":", key.Mark().line + 1, ": a key must be a plain name, not a ",
+           key.IsSequence() ? "list"
+           : key.IsMap()    ? "map"
+                            : "null");
+  return key.Scalar();
+}
+
+// Runs `fn`, turning any yaml-cpp exception it lets out into one rf::Error naming `source` and the line, so the
+// message is the same on every rank (the command line agrees only on rf::Error).
+template <typename Fn>
+void yaml_guard(const std::string& source, Fn fn) {
+  try {
+    fn();
+  } catch (const YAML::Exception& e) {
+    if (e.mark.is_null())
+      rf::fail(source, ": ", e.msg);
+    else
+      rf::fail(source, ":", e.mark.line + 1, ": ", e.msg);
+  }
+}
+
+// The sections of a parsed config into `c` (names and types; validate() does the cross-field rules).
+void read_sections(TrainConfig& c, const YAML::Node& root, const std::string& source) {
+  if (root.IsNull()) return;
+  RF_CHECK(root.IsMap(), source, ": the config must be a map of sections (model, data, optimizer, ...)");
+  // yaml-cpp keeps a repeated key as a second entry; the last would win silently, so a repeat is an error.
+  std::set<std::string> seen;
+  for (const auto& section : root) {
+    const std::string sname = key_name(section.first, source);
+    RF_CHECK(seen.insert(sname).second, source, ": section `", sname, "` appears twice");
+    if (section.second.IsNull()) continue;
+    RF_CHECK(section.second.IsMap(), source, ": section `", sname, "` must be a map of fields");
+    for (const auto& entry : section.second) {
+      const std::string name = sname + "." + key_name(entry.first, source);
+      RF_CHECK(seen.insert(name).second, source, ": field `", name, "` appears twice");
+      find_field(name, source).read(c, entry.second);
+    }
+  }
+}
+
 }  // namespace
 
 TrainConfig parse_config(const std::string& yaml_text, const std::string& source,
@@ -156,22 +202,7 @@ TrainConfig parse_config(const std::string& yaml_text, const std::string& source
   } catch (const YAML::Exception& e) {
     rf::fail(source, ": not valid YAML: ", e.what());
   }
-  if (!root.IsNull()) {
-    RF_CHECK(root.IsMap(), source, ": the config must be a map of sections (model, data, optimizer, ...)");
-    // yaml-cpp keeps a repeated key as a second entry; the last would win silently, so a repeat is an error.
-    std::set<std::string> seen;
-    for (const auto& section : root) {
-      const std::string sname = section.first.as<std::string>();
-      RF_CHECK(seen.insert(sname).second, source, ": section `", sname, "` appears twice");
-      if (section.second.IsNull()) continue;
-      RF_CHECK(section.second.IsMap(), source, ": section `", sname, "` must be a map of fields");
-      for (const auto& entry : section.second) {
-        const std::string name = sname + "." + entry.first.as<std::string>();
-        RF_CHECK(seen.insert(name).second, source, ": field `", name, "` appears twice");
-        find_field(name, source).read(c, entry.second);
-      }
-    }
-  }
+  yaml_guard(source, [&] { read_sections(c, root, source); });
   for (const std::string& set : sets) {
     const size_t eq = set.find('=');
     RF_CHECK(eq != std::string::npos && eq > 0, "--set ", set, ": expected section.key=value");
@@ -183,7 +214,7 @@ TrainConfig parse_config(const std::string& yaml_text, const std::string& source
       rf::fail("--set ", set, ": value is not valid YAML: ", e.what());
     }
     if (node.IsNull()) node = YAML::Node(value);  // `--set checkpoint.dir=` means the empty string
-    find_field(name, "--set").read(c, node);
+    yaml_guard("--set " + set, [&] { find_field(name, "--set").read(c, node); });
   }
   return c;
 }

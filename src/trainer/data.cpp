@@ -94,6 +94,10 @@ class MockSource final : public DataSource {
         val_rows_(c.data.val_rows) {
     RF_CHECK(vocab_ > mock::kFirstTextToken + 2 * mock::kClasses, "data.source = mock needs a vocabulary of more than ",
              mock::kFirstTextToken + 2 * mock::kClasses, " tokens, the model has ", vocab_);
+    // More slots than any mock document holds would never make an image (and would overflow the length test).
+    RF_CHECK(image_tokens_ <= mock::kMaxImageTokens, "config: data.mock_image_tokens = ", image_tokens_,
+             " is more than ", mock::kMaxImageTokens, " (a mock document has at most ", mock::kMaxDocument,
+             " tokens, and an image leaves ", mock::kMinDocument / 2, " of them to text)");
     Rng rng(mix(seed_, kPrototypeStream));
     prototypes_.resize(static_cast<size_t>(mock::kClasses) * F_);
     for (float& x : prototypes_) x = rng.normal();

@@ -68,6 +68,8 @@ constexpr int kBos = 1, kImageSlot = 2;
 constexpr int kFirstCaptionToken = 8;  // caption token of image class c is kFirstCaptionToken + c
 constexpr int kClasses = 16;
 constexpr int kMinDocument = 24, kMaxDocument = 96;
+// A document opens with an image only if its slots leave kMinDocument / 2 tokens of text, so no more slots fit one.
+constexpr int kMaxImageTokens = kMaxDocument - kMinDocument / 2;
 }  // namespace mock
 
 }  // namespace rf::trainer

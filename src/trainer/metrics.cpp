@@ -10,6 +10,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/error.h"
+
 namespace rf::trainer {
 
 std::string metrics_json_line(const StepMetrics& m) {
@@ -34,6 +36,7 @@ int64_t peak_rss_bytes() {
 std::string loss_svg(const LossHistory& h, const std::string& title) {
   constexpr double kWidth = 720, kHeight = 400, kLeft = 60, kRight = 20, kTop = 36, kBottom = 44;
   const double plot_w = kWidth - kLeft - kRight, plot_h = kHeight - kTop - kBottom;
+  RF_ASSERT(h.loss.size() == h.steps.size() && h.val_loss.size() == h.val_steps.size());
   double lo = INFINITY, hi = -INFINITY;
   int last_step = 1;
   for (double v : h.loss) lo = std::min(lo, v), hi = std::max(hi, v);
@@ -41,7 +44,7 @@ std::string loss_svg(const LossHistory& h, const std::string& title) {
   for (int s : h.steps) last_step = std::max(last_step, s);
   if (!(lo <= hi)) lo = 0, hi = 1;
   if (hi - lo < 1e-9) hi = lo + 1;
-  const auto x = [&](int step) { return kLeft + plot_w * step / last_step; };
+  const auto x = [&](int64_t step) { return kLeft + plot_w * step / last_step; };
   const auto y = [&](double v) { return kTop + plot_h * (hi - v) / (hi - lo); };
   std::ostringstream s;
   s.setf(std::ios::fixed);
@@ -58,7 +61,7 @@ std::string loss_svg(const LossHistory& h, const std::string& title) {
     label.precision(3);
     label << v;
     s << "<text x=\"" << kLeft - 6 << "\" y=\"" << y(v) + 4 << "\" text-anchor=\"end\">" << label.str() << "</text>\n";
-    const int step = last_step * i / kTicks;
+    const int64_t step = int64_t{last_step} * i / kTicks;  // last_step * kTicks can pass int's range
     s << "<text x=\"" << x(step) << "\" y=\"" << kHeight - kBottom + 16 << "\" text-anchor=\"middle\">" << step
       << "</text>\n";
   }

@@ -105,6 +105,15 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
   same(now.model.freeze == then.model.freeze, "model.freeze");
 }
 
+// Loaded weights must be finite before step 1: a NaN would only show as a non-finite loss after the first step's
+// work. Names the single-file checkpoint, or the directory of a sharded one.
+void check_loaded_weights(const model::Checkpoint& ck, const std::string& dir) {
+  const fs::path single = fs::path(dir) / "model.safetensors";
+  const std::string where = fs::exists(single) ? single.string() : dir;
+  for (const model::Tensor& p : ck.model->params())  // named as in the files, where the user can look it up
+    check_loaded_tensor(where, model::file_name_of(p.name, ck.text_prefix), p.data, p.shape);
+}
+
 std::string default_svg_path(const TrainConfig& c, const TrainOptions& o) {
   if (!o.svg_path.empty()) return o.svg_path;
   if (!c.checkpoint.dir.empty()) return (fs::path(c.checkpoint.dir) / "loss.svg").string();
@@ -141,13 +150,15 @@ void check_outputs(const TrainConfig& c, const TrainOptions& o) {
 //   AdamW moments    exp_avg and exp_avg_sq, two more such sets;
 //   the step's rows  this replica's global_batch / dp rows of seq_len tokens, five int32 arrays each (their image
 //                    features not counted), built before the step's micro-batches run;
+//   validation rows  this replica's share of data.val_rows (every dp-th row), the same arrays, which validate_now
+//                    builds all at once while the step's rows are still held;
 //   then the larger of what one micro-batch's run holds (model::run_memory_at_least: train.micro_batch rows of
 //   ceil(seq_len / cp) tokens, a shard is never shorter, with train.recompute: "activations", "one layer" or
 //   "loss chunk") and, on more than one rank, the "gradient reduction": the flat buffer of the trainable gradients
 //   allreduce_gradients builds after the micro-batches ran, when their activations are gone.
 // Left out, so the figure stays a lower bound: the ring's receive buffers (what a rank receives depends on each
 // batch's documents; packed short documents need almost none), the data set's packed rows, the plan, the
-// checkpoint writer's copies, and validation (a forward, smaller than the training step).
+// checkpoint writer's copies, and validation's forward (smaller than the training step's).
 MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Model& m, int world_size) {
   const int64_t params = m.params().total_bytes();
   const std::vector<bool> trainable = trainable_mask(m.params(), c.model.freeze);
@@ -165,6 +176,9 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   constexpr int64_t kRowArrays = 5;
   need.add("the step's rows", checked_bytes({c.global_batch_per_replica(), c.train.seq_len,
                                              kRowArrays * static_cast<int64_t>(sizeof(int32_t))}));
+  const int64_t val_rows_here = (int64_t{c.data.val_rows} + c.parallelism.dp - 1) / c.parallelism.dp;
+  need.add("validation rows (data.val_rows)",
+           checked_bytes({val_rows_here, c.train.seq_len, kRowArrays * static_cast<int64_t>(sizeof(int32_t))}));
   const int64_t L = (int64_t{c.train.seq_len} + c.parallelism.cp - 1) / c.parallelism.cp;
   model::RunMemoryArgs run;
   run.tokens = int64_t{c.train.micro_batch} * L;
@@ -236,6 +250,8 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
       ck.model = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim);
       ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
     }
+    if (!resume_dir.empty() || !cfg.model.path.empty())
+      check_loaded_weights(ck, resume_dir.empty() ? cfg.model.path : resume_dir);
     const model::Gemma4Model& mm = *ck.model;
     const int width = mm.vision_feature_dim() > 0 ? mm.vision_feature_dim() : mm.config().hidden_size;
     // Unfilled row positions are doc 0 with ignored labels (masked everywhere), so a config without a pad id

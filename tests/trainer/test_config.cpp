@@ -67,6 +67,31 @@ TEST(TrainConfig, UnknownFieldsAndWrongTypesNameTheField) {
             "config: model.compute_dtype = 'float16' is not one of float32, bfloat16");
 }
 
+// A number that is not whole is "not an integer", not "out of range"; a whole one beyond the field still is.
+TEST(TrainConfig, IntegerFieldsSayIntegerForFractions) {
+  EXPECT_EQ(error_of([] { parse_config("train: {steps: 1.5}", "a.yaml"); }),
+            "config: field `train.steps` must be an integer, got '1.5'");
+  EXPECT_EQ(error_of([] { parse_config("train: {seed: 1.0}", "a.yaml"); }),
+            "config: field `train.seed` must be a non-negative integer, got '1.0'");
+  EXPECT_EQ(error_of([] { parse_config("", "a.yaml", {"train.steps=2.5"}); }),
+            "config: field `train.steps` must be an integer, got '2.5'");
+  EXPECT_EQ(error_of([] { parse_config("", "a.yaml", {"train.steps=1e12"}); }),
+            "config: field `train.steps` = 1e12 is out of range (-2147483648 to 2147483647)");
+  EXPECT_EQ(error_of([] { parse_config("train: {seed: -1}", "a.yaml"); }),
+            "config: field `train.seed` = -1 is out of range (0 to 18446744073709551615)");
+}
+
+// Every yaml-cpp failure becomes one rf::Error naming the file and the line (the ranks of a job agree only on those):
+// a key that is a list or a map names no field.
+TEST(TrainConfig, NonScalarKeysNameTheFileAndLine) {
+  EXPECT_EQ(error_of([] { parse_config("train: {steps: 1}\n? [a, b]\n: 1\n", "a.yaml"); }),
+            "a.yaml:2: a key must be a plain name, not a list");
+  EXPECT_EQ(error_of([] { parse_config("train:\n  steps: 1\n  ? {a: 1}\n  : 2\n", "a.yaml"); }),
+            "a.yaml:3: a key must be a plain name, not a map");
+  EXPECT_EQ(error_of([] { parse_config("", "a.yaml", {"model.freeze=[a, {b: 1}]"}); }),
+            "config: field `model.freeze` must be a list of strings");
+}
+
 TEST(TrainConfig, CrossFieldRules) {
   const auto check = [](const std::vector<std::string>& sets, int ranks) {
     return error_of([&] { validate(parse_config("", "x", sets), ranks); });

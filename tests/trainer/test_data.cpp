@@ -81,6 +81,26 @@ TEST(MockData, RowsAreWellFormedDeterministicAndVaried) {
   expect_well_formed(tiny->train_row(3), 1, kF);
 }
 
+// An image of more slots than a mock document holds is refused by name (2^31 - 1 slots overflowed the length test
+// and made a row of 2^31 image slots); the largest that fits still makes images.
+TEST(MockData, ImageTokensBeyondADocumentAreRefused) {
+  EXPECT_EQ(error_of([] {
+              make_data_source(config_with({"data.mock_image_tokens=2147483647"}), {kVocab, 0, kF, ""});
+            }),
+            "config: data.mock_image_tokens = 2147483647 is more than 84 (a mock document has at most 96 tokens, and "
+            "an image leaves 12 of them to text)");
+  const auto largest = make_data_source(config_with({"train.seq_len=300", "data.mock_image_tokens=" +
+                                                                              std::to_string(mock::kMaxImageTokens)}),
+                                        {kVocab, 0, kF, ""});
+  int slots = 0;
+  for (int i = 0; i < 20; ++i) {
+    const Row r = largest->train_row(i);
+    expect_well_formed(r, 300, kF);
+    slots += static_cast<int>(std::count(r.mm_token_type.begin(), r.mm_token_type.end(), 1));
+  }
+  EXPECT_GT(slots, 0);
+}
+
 TEST(JsonlTokens, PacksInFileOrderWithImagesAndShuffles) {
   const fs::path dir = scratch("tokens");
   write(dir / "d.jsonl",

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
 
@@ -15,6 +16,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/error_of.h"
+#include "trainer/optimizer.h"
 #include "trainer/trainer.h"
 
 namespace rf::trainer {
@@ -209,6 +211,97 @@ TEST(Checkpoints, ACrashMidSaveLeavesTheLastGoodOne) {
   EXPECT_EQ(run(c, resume).steps.size(), 2u);
   EXPECT_FALSE(fs::exists(dir / ".step-00000004.tmp"));
   EXPECT_TRUE(fs::exists(dir / "step-00000004" / "model.safetensors"));
+}
+
+// trainer_state.json is the one file of a checkpoint a user may edit by hand: every field is checked on load, with one
+// line naming the file and the field, before a value reaches the data stream's indices, the step count or the loss
+// picture's arrays.
+TEST(Checkpoints, AHandEditedTrainerStateIsCheckedFieldByField) {
+  const fs::path dir = scratch("state");
+  const TrainConfig c = small("tiny_dense", {"train.steps=2", "train.val_every=1", "checkpoint.dir=" + dir.string()});
+  run(c);
+  const fs::path ck = dir / "step-00000002", state = ck / "trainer_state.json";
+  std::ifstream in(state);
+  const nlohmann::json good = nlohmann::json::parse(in);
+  const auto load_with = [&](const std::string& pointer, const nlohmann::json& value) {
+    nlohmann::json edited = good;
+    edited[nlohmann::json::json_pointer(pointer)] = value;
+    write_file_atomically(state.string(), edited.dump());
+    return error_of([&] { load_train_checkpoint(ck.string()); });
+  };
+  const std::string file = state.string() + ": ";
+  EXPECT_EQ(load_with("/step", -5), file + "`step` = -5 must be an integer in [0, 2147483647]");
+  EXPECT_EQ(load_with("/step", 0.5), file + "`step` = 0.5 must be an integer in [0, 2147483647]");
+  EXPECT_EQ(load_with("/data_position", -5),
+            file + "`data_position` = -5 must be an integer in [0, 4611686018427387903]");
+  EXPECT_EQ(load_with("/data_position", INT64_MAX),
+            file + "`data_position` = 9223372036854775807 must be an integer in [0, 4611686018427387903]");
+  EXPECT_EQ(load_with("/seed", -1), file + "`seed` = -1 must be an integer in [0, 18446744073709551615]");
+  EXPECT_EQ(load_with("/history/steps", {1, 2, 2, 1, 2}),
+            file + "`history.loss` has 2 entries but `history.steps` has 5");
+  EXPECT_EQ(load_with("/history/val_steps", {1, 2, 2}),
+            file + "`history.val_loss` has 2 entries but `history.val_steps` has 3");
+  EXPECT_EQ(load_with("/history/steps", {1, 2147483647}),
+            file + "`history.steps[1]` = 2147483647 must be an integer in [1, 2]");
+  EXPECT_EQ(load_with("/history/val_steps", {0, 1}), file + "`history.val_steps[0]` = 0 must be an integer in [1, 2]");
+  // The file as written loads, and a resume through train() stops on the same line as the loader.
+  EXPECT_EQ(load_with("/step", 2), "");
+  load_with("/data_position", -5);
+  TrainOptions resume;
+  resume.resume = ck.string();
+  EXPECT_EQ(
+      error_of([&] {
+        run(small("tiny_dense", {"train.steps=3", "train.val_every=1", "checkpoint.dir=" + dir.string()}), resume);
+      }),
+      file + "`data_position` = -5 must be an integer in [0, 4611686018427387903]");
+}
+
+// A damaged optimizer.safetensors (a NaN moment, a negative second moment) or non-finite weights (resumed, or from
+// model.path) stop the run before step 1 with the file and the tensor, rather than turning every weight NaN in the
+// first update or failing after the first step as a non-finite loss.
+TEST(Checkpoints, NonFiniteWeightsAndMomentsStopBeforeStepOne) {
+  const fs::path dir = scratch("nonfinite");
+  const auto config = [&](const std::string& root, std::vector<std::string> more = {}) {
+    more.push_back("checkpoint.dir=" + root);
+    return small("tiny_dense", more);
+  };
+  run(config((dir / "good").string(), {"train.steps=1"}));
+  const std::string good = (dir / "good" / "step-00000001").string();
+  // Writes the good checkpoint again under `name` after `edit` changed its weights or moments.
+  const auto damaged = [&](const std::string& name, const std::function<void(LoadedCheckpoint&, AdamW&)>& edit) {
+    LoadedCheckpoint ck = load_train_checkpoint(good);
+    const TrainConfig c = config(good);
+    AdamW adam(ck.weights.model->params(), trainable_mask(ck.weights.model->params(), {}), c.optimizer);
+    load_optimizer_state(good, adam);
+    edit(ck, adam);
+    return save_train_checkpoint((dir / name).string(), ck.weights, adam, ck.state, 1);
+  };
+  const auto resume_error = [&](const std::string& ck) {
+    TrainOptions resume;
+    resume.resume = ck;
+    return error_of([&] { run(config((dir / "out").string(), {"train.steps=2"}), resume); });
+  };
+  const std::string name = "model.layers.0.self_attn.q_proj.weight";
+  const std::string nan_moment =
+      damaged("nan_moment", [&](LoadedCheckpoint&, AdamW& a) { a.exp_avg()[a.exp_avg().slot(name)].data[1] = NAN; });
+  EXPECT_EQ(resume_error(nan_moment),
+            nan_moment + "/optimizer.safetensors: tensor `exp_avg." + name + "` has nan at [0, 1]");
+  const std::string negative = damaged("negative_moment", [&](LoadedCheckpoint&, AdamW& a) {
+    a.exp_avg_sq()[a.exp_avg_sq().slot(name)].data[0] = -1.0f;
+  });
+  EXPECT_EQ(resume_error(negative), negative + "/optimizer.safetensors: tensor `exp_avg_sq." + name +
+                                        "` has -1 at [0, 0] (a second moment is never negative)");
+  const std::string nan_weight = damaged("nan_weight", [&](LoadedCheckpoint& ck, AdamW&) {
+    model::TensorSet& p = ck.weights.model->params();
+    p[p.slot(name)].data[2] = INFINITY;
+  });
+  EXPECT_EQ(resume_error(nan_weight), nan_weight + "/model.safetensors: tensor `" + name + "` has inf at [0, 2]");
+  // The same weights as a model to fine-tune.
+  const std::string path = (dir / "nan_weight" / "step-00000001").string();
+  EXPECT_EQ(error_of([&] {
+              run(config((dir / "out").string(), {"train.steps=1", "model.path=" + path}));
+            }),
+            path + "/model.safetensors: tensor `" + name + "` has inf at [0, 2]");
 }
 
 TEST(Checkpoints, KeepLastKAndTheMetricsFile) {

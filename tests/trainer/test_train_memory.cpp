@@ -47,6 +47,11 @@ TEST(TrainMemory, TermsFollowTheConfig) {
   EXPECT_EQ(one.of("the step's rows"), int64_t{defaults.global_batch_per_replica()} * 512 * 5 * 4);
   EXPECT_EQ(train_memory_at_least(config({"parallelism.dp=2"}), m, 2).of("the step's rows"),
             one.of("the step's rows") / 2);
+  // Validation builds this replica's share of data.val_rows at once, the same five int32 arrays a token.
+  EXPECT_EQ(one.of("validation rows (data.val_rows)"), int64_t{2} * 512 * 5 * 4);
+  EXPECT_EQ(train_memory_at_least(config({"parallelism.dp=2", "data.val_rows=3"}), m, 2)
+                .of("validation rows (data.val_rows)"),
+            int64_t{2} * 512 * 5 * 4);  // rows 0 and 2 on replica 0
   // The activations are model::run_memory_at_least's for one micro-batch of seq_len tokens.
   model::RunMemoryArgs run;
   run.tokens = 512;
@@ -98,6 +103,18 @@ TEST(TrainMemory, BeyondTheLimitStopsBeforeAllocatingWithTheFigure) {
   EXPECT_NE(error.find(" at seq_len 512 over cp 1), but only 1.0 MiB is available to this rank"), std::string::npos)
       << error;
   EXPECT_NE(error.find("AdamW moments "), std::string::npos) << error;
+}
+
+// A million validation rows of the mock source (~10 GB here) stop the run before step 1 with the figure, not with
+// std::bad_alloc when the first validation builds them.
+TEST(TrainMemory, ValidationRowsBeyondTheLimitStopBeforeStepOne) {
+  const TrainConfig c = config({"data.val_rows=1000000"});
+  const std::string error = [&] {
+    const ScopedLimit limit("4G");
+    return train_error(c, {});
+  }();
+  EXPECT_EQ(error.rfind("train needs at least ", 0), 0u) << error;
+  EXPECT_NE(error.find("validation rows (data.val_rows) "), std::string::npos) << error;
 }
 
 TEST(TrainMemory, ResumingBeyondTheLimitStopsBeforeLoadingTheWeights) {
