@@ -33,4 +33,10 @@ void check_json_text(std::string_view text, const std::string& where) {
   }
 }
 
+std::string json_error_text(const char* what) {
+  const std::string_view text(what);
+  const size_t cut = text.starts_with("[json.exception.") ? text.find("] ") : std::string_view::npos;
+  return std::string(cut == std::string_view::npos ? text : text.substr(cut + 2));
+}
+
 }  // namespace rf::io

@@ -19,4 +19,8 @@ constexpr int kMaxJsonDepth = 128;
 // Brackets inside strings do not count. The scan is linear and allocates nothing.
 void check_json_text(std::string_view text, const std::string& where);
 
+// nlohmann's exception text without its "[json.exception.parse_error.101] " prefix, for one-line messages:
+// "parse error at line 2, column 5: syntax error ...".
+std::string json_error_text(const char* what);
+
 }  // namespace rf::io

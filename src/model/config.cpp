@@ -213,10 +213,7 @@ Gemma4Config Gemma4Config::from_json(const std::string& json_text, const std::st
   try {
     root_json = json::parse(json_text);
   } catch (const json::parse_error& e) {
-    // nlohmann's "[json.exception.parse_error.101] parse error at line 2, column 5: ..." minus its prefix.
-    const std::string what = e.what();
-    const size_t cut = what.find("] ");
-    fail(source, ": not valid JSON: ", cut == std::string::npos ? what : what.substr(cut + 2));
+    fail(source, ": not valid JSON: ", io::json_error_text(e.what()));
   }
   RF_CHECK(root_json.is_object(), source, ": must hold a JSON object, found ", describe(root_json));
   const Fields root(root_json, source, "");

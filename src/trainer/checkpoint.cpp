@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "io/atomic_file.h"
+#include "io/json_text.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 
@@ -190,9 +191,11 @@ LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::Befo
   out.weights = model::load_checkpoint(dir, before_allocating);
   const fs::path state_path = fs::path(dir) / kStateFile;
   const std::string where = state_path.string();
+  const std::string text = read_text(state_path);
+  io::check_json_text(text, where + ": ");
   json j;
   try {
-    j = json::parse(read_text(state_path));
+    j = json::parse(text);
     TrainState& st = out.state;
     st.step = integer_in(j.at("step"), where, "step", 0, kMaxStateStep);
     st.data_position = integer_in(j.at("data_position"), where, "data_position", 0, kMaxDataPosition);
@@ -213,7 +216,7 @@ LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::Befo
              st.history.val_loss.size(), " entries but `history.val_steps` has ", st.history.val_steps.size());
     st.config_yaml = j.at("config").get<std::string>();
   } catch (const json::exception& e) {
-    rf::fail(where, ": not a valid trainer state: ", e.what());
+    rf::fail(where, ": not a valid trainer state: ", io::json_error_text(e.what()));
   }
   return out;
 }

@@ -57,11 +57,10 @@ struct LoadedCheckpoint {
 LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating = {});
 void load_optimizer_state(const std::string& dir, AdamW& optimizer);
 
-// Throws rf::Error "<where>: tensor `name` has nan at [i, j]" for the first NaN or infinity of `values` (row-major of
-// `shape`), and with
-// `non_negative` for the first negative value too. Training checks what it loads (weights, AdamW's moments) before
-// step 1: a non-finite value there would otherwise surface as a non-finite loss, or turn every weight NaN in the
-// first update and be saved in the next checkpoint.
+// Throws rf::Error "<where>: tensor `name` has nan at [i, j]" for the first NaN or infinity of `values` (row-major
+// of `shape`), and with `non_negative` for the first negative value too. Training checks what it loads (weights,
+// AdamW's moments) before step 1: a non-finite value there would otherwise surface as a non-finite loss, or turn every
+// weight NaN in the first update and be saved in the next checkpoint.
 void check_loaded_tensor(const std::string& where, const std::string& name, std::span<const float> values,
                          const std::vector<int64_t>& shape, bool non_negative = false);
 

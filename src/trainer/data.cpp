@@ -12,6 +12,7 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "io/json_text.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 
@@ -243,11 +244,12 @@ void for_each_line(const std::string& path, Fn fn) {
     ++number;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     const std::string where = path + ":" + std::to_string(number);
+    io::check_json_text(line, where + ": ");
     json j;
     try {
       j = json::parse(line);
     } catch (const json::exception& e) {
-      rf::fail(where, ": not valid JSON: ", e.what());
+      rf::fail(where, ": not valid JSON: ", io::json_error_text(e.what()));
     }
     RF_CHECK(j.is_object(), where, ": each line must be a JSON object");
     fn(j, where);

@@ -205,6 +205,8 @@ TEST(JsonText, CountsOnlyBracketsOutsideStrings) {
   EXPECT_NO_THROW(check_json_text(R"({"k": "[[[[\"{{{{", "a": [1]})", "x: "));
   EXPECT_EQ(error_of([&] { check_json_text("[" + deep + "]", "x: "); }),
             "x: it nests more than 128 brackets deep (at byte 128)");
+  EXPECT_EQ(json_error_text("[json.exception.parse_error.101] parse error at line 1"), "parse error at line 1");
+  EXPECT_EQ(json_error_text("plain"), "plain");
 }
 
 TEST(Safetensors, AcceptsEmptyFileAndMetadataOnly) {

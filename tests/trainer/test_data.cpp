@@ -164,7 +164,9 @@ TEST(JsonlTokens, BadDataNamesFileAndLine) {
             ":1: token id -3 at position 1 is outside the model's vocabulary [0, 512)");
   EXPECT_EQ(err("{\"input_ids\": [1, 2], \"labels\": [1]}\n"), ":1: `labels` has 1 entries, `input_ids` 2");
   EXPECT_EQ(err("{\"text\": \"hi\"}\n"), ":1: missing `input_ids`");
-  EXPECT_EQ(err("{\"input_ids\": [1, 2]\n").rfind(":1: not valid JSON: ", 0), 0u);
+  EXPECT_EQ(err("{\"input_ids\": [1, 2]\n").rfind(":1: not valid JSON: parse error at line 1", 0), 0u);
+  constexpr char kNulLine[] = "{\"input_ids\": [1, 2]}\0{\n";  // nlohmann alone would stop at the NUL
+  EXPECT_EQ(err(std::string(kNulLine, sizeof kNulLine - 1)), ":1: byte 21 is a NUL, which JSON text cannot hold");
   EXPECT_EQ(err("{\"input_ids\": [1, 2, 3], \"image_spans\": [[1, 1]]}\n"),
             ":1: has `image_spans` but data.features names no features file");
   EXPECT_EQ(err("{\"input_ids\": [1, 2]}\n"),
