@@ -259,7 +259,7 @@ void validate(const TrainConfig& c, int world_size) {
       RF_CHECK(fs::is_regular_file(c.data.tokenizer), "config: data.tokenizer = '", c.data.tokenizer,
                "' is not a file");
   }
-  positive(c.data.val_rows, "data.val_rows");
+  RF_CHECK(c.data.val_rows >= 0, "config: data.val_rows = ", c.data.val_rows, " must be >= 0 (0: no validation)");
   positive(c.data.mock_image_tokens, "data.mock_image_tokens");
   RF_CHECK(c.optimizer.lr > 0, "config: optimizer.lr = ", c.optimizer.lr, " must be > 0");
   RF_CHECK(c.optimizer.beta1 >= 0 && c.optimizer.beta1 < 1, "config: optimizer.beta1 = ", c.optimizer.beta1,

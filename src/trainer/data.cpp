@@ -183,12 +183,16 @@ class PackedSource final : public DataSource {
   Row train_row(int64_t index) const override {
     const int64_t n = static_cast<int64_t>(train_.size());
     const int64_t epoch = index / n;
-    // Fisher-Yates with the portable generator, recomputed per call: rows are few and this is cheap next to a step.
-    std::vector<int64_t> order(static_cast<size_t>(n));
-    std::iota(order.begin(), order.end(), 0);
-    Rng rng(mix(seed_, static_cast<uint64_t>(epoch)));
-    for (int64_t i = n - 1; i > 0; --i) std::swap(order[i], order[rng.next() % static_cast<uint64_t>(i + 1)]);
-    return train_[order[index % n]];
+    // Fisher-Yates with the portable generator, once per epoch: O(rows) work, which per row fetched would cost
+    // more than a tiny model's step on a large data set. Rows are fetched in order, so one cached epoch suffices.
+    if (epoch != order_epoch_) {
+      order_.resize(static_cast<size_t>(n));
+      std::iota(order_.begin(), order_.end(), 0);
+      Rng rng(mix(seed_, static_cast<uint64_t>(epoch)));
+      for (int64_t i = n - 1; i > 0; --i) std::swap(order_[i], order_[rng.next() % static_cast<uint64_t>(i + 1)]);
+      order_epoch_ = epoch;
+    }
+    return train_[order_[index % n]];
   }
   Row val_row(int index) const override { return val_[index]; }
   int val_rows() const override { return static_cast<int>(val_.size()); }
@@ -198,6 +202,9 @@ class PackedSource final : public DataSource {
   int F_;
   uint64_t seed_;
   std::vector<Row> train_, val_;
+  // The permutation of the epoch last fetched from (a cache: train_row is logically const, called by one thread).
+  mutable int64_t order_epoch_ = -1;
+  mutable std::vector<int64_t> order_;
 };
 
 std::vector<Row> pack(const std::vector<Document>& docs, int S, int pad) {
@@ -301,7 +308,8 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
     d.mm.assign(d.ids.size(), 0);
     if (j.contains("image_spans")) {
       RF_CHECK(j["image_spans"].is_array(), where, ": `image_spans` must be a list of [start, length] pairs");
-      RF_CHECK(file != nullptr, where, ": has `image_spans` but data.features names no features file");
+      RF_CHECK(file != nullptr || j["image_spans"].empty(), where,
+               ": has `image_spans` but data.features names no features file");
       for (const json& span : j["image_spans"]) {
         RF_CHECK(span.is_array() && span.size() == 2 && span[0].is_number_integer() && span[1].is_number_integer(),
                  where, ": `image_spans` must be a list of [start, length] pairs");

@@ -372,7 +372,8 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     const double seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
     sm.tokens_per_s = static_cast<double>(counts[1]) / seconds;
     const bool last = step == cfg.train.steps;
-    if ((cfg.train.val_every > 0 && step % cfg.train.val_every == 0) || last) sm.val_loss = validate_now();
+    const bool validation_step = (cfg.train.val_every > 0 && step % cfg.train.val_every == 0) || last;
+    if (data->val_rows() > 0 && validation_step) sm.val_loss = validate_now();
     sm.peak_rss_bytes = peak_rss_bytes();
     world.allreduce(&sm.peak_rss_bytes, 1, comm::ReduceOp::Max, timeout);
     state.history.steps.push_back(static_cast<int>(step));

@@ -142,6 +142,17 @@ TEST(JsonlTokens, PacksInFileOrderWithImagesAndShuffles) {
   EXPECT_NE(seen[0], seen[1]);  // one epoch visits every training row once
 }
 
+// A sample may say it has no images (`image_spans: []`) without a features file.
+TEST(JsonlTokens, EmptyImageSpansNeedNoFeatures) {
+  const fs::path dir = scratch("no_images");
+  write(dir / "d.jsonl", "{\"input_ids\": [1, 2, 3], \"image_spans\": []}\n{\"input_ids\": [4, 5]}\n");
+  const auto src = make_data_source(config_with({"data.source=jsonl_tokens", "data.path=" + (dir / "d.jsonl").string(),
+                                                 "train.seq_len=4", "data.val_rows=1"}),
+                                    {kVocab, 0, kF, ""});
+  EXPECT_EQ(src->val_rows(), 1);
+  EXPECT_EQ(src->train_row(0).input_ids, (std::vector<int32_t>{1, 2, 3, 0}));  // next-fit: [1 2 3 pad], [4 5 pad pad]
+}
+
 TEST(JsonlTokens, BadDataNamesFileAndLine) {
   const fs::path dir = scratch("bad");
   const auto err = [&](const std::string& text, std::vector<std::string> extra = {}) {

@@ -340,6 +340,15 @@ TEST(Checkpoints, KeepLastKAndTheMetricsFile) {
   EXPECT_NE(text.find("<polyline"), std::string::npos);
 }
 
+// data.val_rows = 0 turns validation off: no step reports a validation loss, the last included.
+TEST(Validation, ZeroValRowsTrainsWithoutValidation) {
+  const Trained off = run(small("tiny_dense", {"train.steps=3", "data.val_rows=0", "train.val_every=1"}));
+  ASSERT_EQ(off.steps.size(), 3u);
+  for (const StepMetrics& s : off.steps) EXPECT_FALSE(s.val_loss.has_value()) << "step " << s.step;
+  const Trained on = run(small("tiny_dense", {"train.steps=3", "data.val_rows=2", "train.val_every=1"}));
+  for (size_t i = 0; i < on.steps.size(); ++i) EXPECT_TRUE(on.steps[i].val_loss.has_value()) << "step " << i + 1;
+}
+
 TEST(Freeze, FrozenParametersKeepTheirBits) {
   const TrainConfig c = small("tiny_dense", {"model.freeze=[embed_tokens, layers.0.]", "train.steps=2"});
   const Trained r = run(c);
