@@ -96,6 +96,13 @@ class Sgemm:
         ldd = subprocess.run(["ldd", ringflex], capture_output=True, text=True, check=True).stdout
         path = next(line.split("=>")[1].split("(")[0].strip() for line in ldd.splitlines()
                     if re.search(r"lib(open)?blas", line))
+        # The core ringflex runs (src/cpu/blas_core.h restarts it off an OpenBLAS fallback such as Prescott), set
+        # before this process loads the library: OpenBLAS reads OPENBLAS_CORETYPE only while loading.
+        info = subprocess.run([ringflex, "info"], capture_output=True, text=True, check=True).stdout
+        core = re.search(r"model float32 matmuls: OpenBLAS (\w+)", info)
+        if core and "OPENBLAS_CORETYPE" not in os.environ:
+            os.environ["OPENBLAS_CORETYPE"] = core.group(1)
+        self.core = core.group(1) if core else "unknown"
         self.lib = ctypes.CDLL(path)
         if hasattr(self.lib, "openblas_set_num_threads"):
             self.lib.openblas_set_num_threads(1)
@@ -220,7 +227,7 @@ def main():
             "recomputes layers but the MLP projections" if a.keep_mlp else "recomputes layers")
     print(f"config {a.config}: {n_params / 1e6:.1f}M parameters ({n_active / 1e6:.1f}M active per token), S = {S}, B = 1, threads = {a.threads}, "
           f"reps = {a.reps}, ringflex {mode}")
-    print(f"CPU: {cpu_name()}; 1-thread sgemm (N = {SGEMM_N}) median {peak:.1f} GFLOP/s "
+    print(f"CPU: {cpu_name()}; 1-thread sgemm (OpenBLAS {sgemm.core}, N = {SGEMM_N}) median {peak:.1f} GFLOP/s "
           f"(runs: {', '.join(f'{p:.1f}' for p in peaks)}); model FLOPs per step {flops / 1e12:.3f} T "
           f"(6 N T + attention)")
     print("| implementation | fwd+bwd step (median s) | tokens/s | MFU | peak RSS (GiB) | tokens/s vs torch sdpa | "

@@ -19,6 +19,7 @@
 #include "comm/agree.h"
 #include "comm/mpi_comm.h"
 #include "core/error.h"
+#include "cpu/blas_core.h"
 #include "cpu/isa.h"
 
 namespace {
@@ -48,6 +49,7 @@ void keep_freed_memory_in_the_heap() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  rf::cpu::restart_on_best_openblas_core(argv);  // first: it may replace this process
   keep_freed_memory_in_the_heap();
   CLI::App app{"ringflex: context-parallel masked attention and Gemma 4 fine-tuning"};
   app.require_subcommand(1);

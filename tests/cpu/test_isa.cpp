@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "cpu/blas_core.h"
 #include "cpu/isa.h"
 
 namespace rf::testing {
@@ -153,6 +154,19 @@ TEST(CpuIsa, DetectedFeaturesAreConsistent) {
   EXPECT_TRUE(!f.avx512 || f.avx2);
   EXPECT_TRUE(!f.avx512_bf16 || f.avx512);
   EXPECT_TRUE(!f.amx || f.avx512_bf16);
+}
+
+// OpenBLAS's core (src/cpu/blas_core.h): only a fallback older than AVX2 is replaced, by the widest core the CPU
+// runs; a core OpenBLAS chose knowingly stays, whatever its spelling's case, and a CPU without AVX2 keeps any core.
+TEST(CpuBlasCore, OnlyAPreAvx2FallbackIsReplaced) {
+  EXPECT_STREQ(cpu::better_openblas_core("Prescott", intel_bf16_cpu()), "SkylakeX");  // 0.3.21 on model 207
+  EXPECT_STREQ(cpu::better_openblas_core("Sandybridge", skylake_cpu()), "SkylakeX");
+  EXPECT_STREQ(cpu::better_openblas_core("Nehalem", avx2_cpu()), "Haswell");
+  EXPECT_STREQ(cpu::better_openblas_core("Core2", avx2_cpu()), "Haswell");
+  for (const char* chosen : {"Haswell", "Zen", "SkylakeX", "skylakex", "Cooperlake", "SapphireRapids"})
+    EXPECT_EQ(cpu::better_openblas_core(chosen, zen4_cpu()), nullptr) << chosen;
+  EXPECT_EQ(cpu::better_openblas_core("Prescott", baseline_cpu()), nullptr);
+  EXPECT_EQ(cpu::better_openblas_core("", amx_cpu()), nullptr);  // not OpenBLAS
 }
 
 }  // namespace
