@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "core/error.h"
+#include "cpu/isa.h"
 
 namespace rf::model {
 
@@ -125,34 +126,44 @@ void bf16_gemm_on_this_thread(bool trans_a, bool trans_b, int64_t m, int64_t n, 
   check(waited, "bf16 matmul");
 }
 
-bool bf16_matmul_available() {
-  // oneDNN 2.6 implements bf16 matmuls from avx512_core up; below it primitive creation says "unimplemented".
-  static const bool available = [] {
-    const OneThreadForOneDnn one_thread;
-    constexpr int64_t kProbe = 2;  // any shape: the answer depends on the ISA, not on the shape
-    try {
-      dnnl_primitive_destroy(
-          make_matmul(PrimitiveKey{false, false, kProbe, kProbe, kProbe, kProbe, kProbe, kProbe, 1.f, 0.f}));
-      return true;
-    } catch (const Error&) {
-      return false;
-    }
-  }();
-  return available;
+namespace {
+
+// oneDNN 2.6 implements bf16 matmuls from avx512_core up; below it primitive creation says "unimplemented".
+bool onednn_has_bf16_matmul() {
+  const OneThreadForOneDnn one_thread;
+  constexpr int64_t kProbe = 2;  // any shape: the answer depends on the ISA, not on the shape
+  try {
+    dnnl_primitive_destroy(
+        make_matmul(PrimitiveKey{false, false, kProbe, kProbe, kProbe, kProbe, kProbe, kProbe, 1.f, 0.f}));
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
 }
 
-Bf16MatmulPath bf16_matmul_path() {
-  if (!bf16_matmul_available())
-    return {
-        "no oneDNN bf16 matmul on this CPU (no AVX-512): operands rounded to bf16, multiplied by float32 sgemm "
-        "(the same numbers, no faster than float32)",
-        false};
+Bf16MatmulPath choose_bf16_matmul_path() {
+  constexpr const char* kSgemm =
+      "operands rounded to bf16, multiplied by float32 sgemm (the same numbers, float32's speed)";
+  if (!onednn_has_bf16_matmul()) return {rf::concat("no oneDNN bf16 matmul on this CPU (no AVX-512): ", kSgemm), false};
   const dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
   // dnnl_cpu_isa_t values are bit sets: an ISA includes the bits of every ISA it extends.
   const auto has = [isa](dnnl_cpu_isa_t want) { return (static_cast<unsigned>(isa) & want) == want; };
+  const cpu::KernelPath& kernels = cpu::kernel_path();
   if (has(dnnl_cpu_isa_avx512_core_amx)) return {"oneDNN avx512_core_amx (AMX bf16 tiles)", true};
-  if (has(dnnl_cpu_isa_avx512_core_bf16)) return {"oneDNN avx512_core_bf16 (vdpbf16ps)", true};
-  return {"oneDNN avx512_core: no AVX512_BF16 or AMX, bf16 products emulated in float32 (slower than float32)", false};
+  if (!has(dnnl_cpu_isa_avx512_core_bf16))
+    return {rf::concat("oneDNN avx512_core has no bf16 units to use (no AVX512_BF16 or AMX): ", kSgemm), false};
+  if (kernels.bf16 == cpu::Bf16Product::Widen)
+    return {rf::concat("vdpbf16ps not used (", kernels.reason, "): ", kSgemm), false};
+  return {"oneDNN avx512_core_bf16 (vdpbf16ps)", true};
 }
+
+}  // namespace
+
+Bf16MatmulPath bf16_matmul_path() {
+  static const Bf16MatmulPath path = choose_bf16_matmul_path();  // fixed for the process, as kernel_path() is
+  return path;
+}
+
+bool bf16_matmul_on_onednn() { return bf16_matmul_path().on_onednn; }
 
 }  // namespace rf::model

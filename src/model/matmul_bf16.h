@@ -23,17 +23,19 @@ namespace rf::model {
 void bf16_gemm_on_this_thread(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bf16* A,
                               int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
-// Whether oneDNN has a bf16 matmul on this CPU (avx512_core or better; ONEDNN_MAX_CPU_ISA may lower it). Without one,
-// model::gemm multiplies the bf16-rounded operands with float32 sgemm: the same products (exact in float32) and the
-// same float32 accumulation, at float32's speed.
-bool bf16_matmul_available();
+// Whether model::gemm sends bf16 products to oneDNN: where oneDNN multiplies bf16 on bf16 units (AMX tiles or
+// vdpbf16ps) and the attention kernels' choice of units (cpu::kernel_path) did not find them slower than float32
+// FMAs. An Intel CPU with AVX512_BF16 but no AMX runs vdpbf16ps at 0.5-0.64x the FMAs' rate (BENCHMARKS.md), where
+// oneDNN's bf16 matmul made the 100m step 1.58x slower than float32. Elsewhere model::gemm multiplies the
+// bf16-rounded operands with float32 sgemm: the same products (exact in float32) and the same float32 accumulation,
+// at float32's speed. RINGFLEX_ISA=avx512-widen chooses that too; ONEDNN_MAX_CPU_ISA below avx512_core_bf16 as well.
+bool bf16_matmul_on_onednn();
 
-// What oneDNN runs bf16 products with on this CPU, for `ringflex info` and the run's log line, e.g.
-// "oneDNN avx512_core_bf16 (vdpbf16ps)"; `native` is false where the products are emulated in float32 (no
-// AVX512_BF16 or AMX: the mode works, no faster or slower than float32).
+// What the bf16 products run on, for `ringflex info` and the run's log line, e.g. "oneDNN avx512_core_bf16
+// (vdpbf16ps)"; `on_onednn` is bf16_matmul_on_onednn().
 struct Bf16MatmulPath {
   std::string description;
-  bool native = false;
+  bool on_onednn = false;
 };
 Bf16MatmulPath bf16_matmul_path();
 

@@ -133,12 +133,18 @@ Bf16Operand bf16_operand(const Bf16Copies* weights, const float* src, int64_t ro
   return op;
 }
 
-// A bf16 operand widened to float32 (exact), dense [rows, cols].
-std::vector<float> widened(const Bf16Operand& op, int64_t rows, int64_t cols) {
-  std::vector<float> out(static_cast<size_t>(rows * cols));
+// A gemm operand stored [rows, cols] with leading dimension ld, rounded to bf16 and widened back to float32 (exact),
+// dense [rows, cols]: the bf16 mode's operands for sgemm, in one pass (from the weights' bf16 copy when there is one).
+// Not value-initialised: every element is written.
+std::unique_ptr<float[]> rounded_to_bf16(const Bf16Copies* weights, const float* src, int64_t rows, int64_t cols,
+                                         int64_t ld) {
+  std::unique_ptr<float[]> out(new float[static_cast<size_t>(rows * cols)]);
+  float* dst = out.get();
+  const bf16* copy = weights ? weights->find(src, (rows - 1) * ld + cols) : nullptr;
 #pragma omp parallel for schedule(static) if (rows * cols >= kParallelMinElements)
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) out[static_cast<size_t>(r * cols + c)] = bf16_to_float(op.data[r * op.ld + c]);
+    for (int64_t c = 0; c < cols; ++c)
+      dst[r * cols + c] = bf16_to_float(copy ? copy[r * ld + c] : float_to_bf16(src[r * ld + c]));
   return out;
 }
 
@@ -166,15 +172,15 @@ void gemm(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t N, in
     return;
   }
   // Stored shapes: A is [M, K] or, transposed, [K, M]; B is [K, N] or [N, K].
-  const Bf16Operand a = bf16_operand(mm.weights, A, trans_a ? K : M, trans_a ? M : K, lda);
-  const Bf16Operand b = bf16_operand(mm.weights, B, trans_b ? N : K, trans_b ? K : N, ldb);
-  if (!bf16_matmul_available()) {
-    // No bf16 matmul in oneDNN on this CPU: the rounded operands widened back (exactly) and multiplied by sgemm.
-    const std::vector<float> a32 = widened(a, trans_a ? K : M, trans_a ? M : K);
-    const std::vector<float> b32 = widened(b, trans_b ? N : K, trans_b ? K : N);
-    gemm(trans_a, trans_b, M, N, K, alpha, a32.data(), trans_a ? M : K, b32.data(), trans_b ? K : N, beta, C, ldc);
+  if (!bf16_matmul_on_onednn()) {
+    // No bf16 units that pay (bf16_matmul_on_onednn): the rounded operands, widened back exactly, on sgemm.
+    const auto a32 = rounded_to_bf16(mm.weights, A, trans_a ? K : M, trans_a ? M : K, lda);
+    const auto b32 = rounded_to_bf16(mm.weights, B, trans_b ? N : K, trans_b ? K : N, ldb);
+    gemm(trans_a, trans_b, M, N, K, alpha, a32.get(), trans_a ? M : K, b32.get(), trans_b ? K : N, beta, C, ldc);
     return;
   }
+  const Bf16Operand a = bf16_operand(mm.weights, A, trans_a ? K : M, trans_a ? M : K, lda);
+  const Bf16Operand b = bf16_operand(mm.weights, B, trans_b ? N : K, trans_b ? K : N, ldb);
   // An exception must not leave an OpenMP region (it would end the process): the first is kept and rethrown after.
   std::exception_ptr failure;
 #pragma omp parallel for schedule(static) if (s.blocks > 1)
