@@ -148,10 +148,11 @@ Bf16MatmulPath choose_bf16_matmul_path() {
   const dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
   // dnnl_cpu_isa_t values are bit sets: an ISA includes the bits of every ISA it extends.
   const auto has = [isa](dnnl_cpu_isa_t want) { return (static_cast<unsigned>(isa) & want) == want; };
-  const cpu::KernelPath& kernels = cpu::kernel_path();
   if (has(dnnl_cpu_isa_avx512_core_amx)) return {"oneDNN avx512_core_amx (AMX bf16 tiles)", true};
   if (!has(dnnl_cpu_isa_avx512_core_bf16))
     return {rf::concat("oneDNN avx512_core has no bf16 units to use (no AVX512_BF16 or AMX): ", kSgemm), false};
+  // vdpbf16ps pays only where the attention's choice of units (the tile race on Intel) says so.
+  const cpu::KernelPath& kernels = cpu::kernel_path();
   if (kernels.bf16 == cpu::Bf16Product::Widen)
     return {rf::concat("vdpbf16ps not used (", kernels.reason, "): ", kSgemm), false};
   return {"oneDNN avx512_core_bf16 (vdpbf16ps)", true};
