@@ -102,6 +102,14 @@ int main(int argc, char** argv) {
       const rf::comm::Step step("agreeing on the command line and the kernel path");
       const std::unique_ptr<rf::comm::Communicator> world = rf::comm::make_mpi_world();
       rf::comm::agree_command_line(*world, std::vector<std::string>(argv + 1, argv + argc));
+      // The tile race (isa.h) is a timing, and each rank would decide alone: on a CPU near the threshold one job
+      // could split over two bf16 paths. Every rank takes part, racing where its own CPU needs the race, and all
+      // decide with the slowest result. Before the agreement below, which would fail a rank that throws first.
+      double race = rf::cpu::needs_tile_race(rf::cpu::detect_cpu(), std::getenv(rf::cpu::kIsaEnv))
+                        ? rf::cpu::bf16_tile_race()
+                        : std::numeric_limits<double>::infinity();
+      world->allreduce(&race, 1, rf::comm::ReduceOp::Min);
+      rf::cpu::set_tile_race([race] { return race; });
       // Every rank checks its command line (the usage error held above) and its kernel path (isa.h) before any
       // work: the nodes of one job may differ, and a RINGFLEX_ISA one rank's CPU cannot run fails all ranks
       // together with that rank's line.

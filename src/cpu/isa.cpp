@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -24,8 +25,6 @@
 namespace rf::cpu {
 
 namespace {
-
-constexpr const char* kIsaEnv = "RINGFLEX_ISA";
 
 #if defined(__x86_64__)
 // CPUID bits (Intel SDM vol. 2A, CPUID; AMD APM vol. 3 appendix E).
@@ -99,6 +98,10 @@ CpuFeatures detect_cpu() {
   f.cpu_name = std::string(name);
 #endif
   return f;
+}
+
+bool needs_tile_race(const CpuFeatures& f, const char* forced) {
+  return (forced == nullptr || *forced == '\0') && f.avx512 && f.avx512_bf16 && !f.amx && !f.amd;
 }
 
 KernelPath select_path(const CpuFeatures& f, const char* forced, const Bf16Race& race) {
@@ -182,13 +185,25 @@ double bf16_tile_race() {
 #endif
 }
 
+namespace {
+
+Bf16Race& installed_tile_race() {
+  static Bf16Race race;
+  return race;
+}
+
+}  // namespace
+
+void set_tile_race(Bf16Race race) { installed_tile_race() = std::move(race); }
+
 const KernelPath& kernel_path() {
   // A test's software tile unit (amx.h) stands in for AMX hardware: the AMX kernels, whatever this CPU offers.
   static const KernelPath tile_model{Isa::Avx512, Bf16Product::Amx, "AMX tile model installed by a test"};
   if (detail::amx_tile_model()) return tile_model;
   // Static-local initialisation is thread-safe, and an exception leaves it uninitialised, so a bad RINGFLEX_ISA
   // throws on every call rather than once. The race runs at most once per process, here.
-  static const KernelPath path = select_path(detect_cpu(), std::getenv(kIsaEnv), bf16_tile_race);
+  static const KernelPath path = select_path(detect_cpu(), std::getenv(kIsaEnv),
+                                             installed_tile_race() ? installed_tile_race() : Bf16Race(bf16_tile_race));
   return path;
 }
 

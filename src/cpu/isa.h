@@ -79,9 +79,22 @@ KernelPath select_path(const CpuFeatures& features, const char* forced, const Bf
 // timings (a few milliseconds in all). Call only on a CPU with AVX512_BF16.
 double bf16_tile_race();
 
-// select_path(detect_cpu(), getenv("RINGFLEX_ISA"), bf16_tile_race), decided on first use and fixed for the
-// process. Throws rf::Error (again on every call) when RINGFLEX_ISA is bad. While a test has a software tile unit
-// installed (amx.h: install_amx_tile_model), the AVX-512 kernels with AMX products instead.
+// The environment variable that forces a kernel path (select_path's `forced`).
+constexpr const char* kIsaEnv = "RINGFLEX_ISA";
+
+// Whether select_path(features, forced) consults its race: not forced (null or empty), AVX-512 with AVX512_BF16,
+// no AMX, not AMD. Never throws, whatever `forced` holds.
+bool needs_tile_race(const CpuFeatures& features, const char* forced);
+
+// Has kernel_path() take the tile race's result from `race` instead of running bf16_tile_race() itself: for a
+// program whose processes must decide together (the CLI's ranks race each and agree on the slowest result, so a
+// timing near the threshold cannot split a job over two paths). Call before the first kernel_path(); later calls
+// change nothing that was decided.
+void set_tile_race(Bf16Race race);
+
+// select_path(detect_cpu(), getenv("RINGFLEX_ISA"), the race set_tile_race installed or bf16_tile_race), decided
+// on first use and fixed for the process. Throws rf::Error (again on every call) when RINGFLEX_ISA is bad. While a test
+// has a software tile unit installed (amx.h: install_amx_tile_model), the AVX-512 kernels with AMX products instead.
 const KernelPath& kernel_path();
 
 const char* isa_name(Isa isa);            // "scalar", "avx2", "avx512"

@@ -3,6 +3,7 @@
 // CPU lacks. The real CPU's run of each path is test_attention.cpp under CTest's RINGFLEX_ISA environments.
 #include <gtest/gtest.h>
 
+#include <iterator>
 #include <string>
 
 #include "core/error.h"
@@ -154,6 +155,18 @@ TEST(CpuIsa, DetectedFeaturesAreConsistent) {
   EXPECT_TRUE(!f.avx512 || f.avx2);
   EXPECT_TRUE(!f.avx512_bf16 || f.avx512);
   EXPECT_TRUE(!f.amx || f.avx512_bf16);
+}
+
+// needs_tile_race says exactly where select_path would call its race (the CLI's ranks race together on it).
+TEST(CpuIsa, NeedsTileRaceMatchesSelectPath) {
+  const CpuFeatures cpus[] = {baseline_cpu(), avx2_cpu(), skylake_cpu(), zen4_cpu(), intel_bf16_cpu(), amx_cpu()};
+  for (size_t i = 0; i < std::size(cpus); ++i)
+    for (const char* forced : {static_cast<const char*>(nullptr), "", "scalar"}) {
+      FakeRace race{0.5};
+      select_path(cpus[i], forced, race.fn());
+      EXPECT_EQ(cpu::needs_tile_race(cpus[i], forced), race.calls == 1)
+          << "cpu " << i << ", RINGFLEX_ISA " << (forced ? forced : "unset");
+    }
 }
 
 // OpenBLAS's core (src/cpu/blas_core.h): only a fallback older than AVX2 is replaced, by the widest core the CPU
