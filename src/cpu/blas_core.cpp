@@ -46,7 +46,8 @@ const char* better_openblas_core(std::string_view core, const CpuFeatures& cpu) 
 }
 
 void restart_on_best_openblas_core(char** argv) {
-  if (std::getenv(kCoreEnv) != nullptr) return;  // the user's choice, or this is the restarted process
+  const char* chosen = std::getenv(kCoreEnv);
+  if (chosen != nullptr && *chosen != '\0') return;  // the user's choice, or this is the restarted process
   const std::string core = openblas_core();
   const char* better = better_openblas_core(core, detect_cpu());
   if (better == nullptr) return;
@@ -67,7 +68,7 @@ std::string describe_openblas_core() {
   std::string line = "OpenBLAS " + core;
   if (const char* fallback = std::getenv(kFallbackEnv))
     line += std::string(" (") + kCoreEnv + " set by ringflex: this OpenBLAS took the CPU for " + fallback + ")";
-  else if (const char* forced = std::getenv(kCoreEnv))
+  else if (const char* forced = std::getenv(kCoreEnv); forced != nullptr && *forced != '\0')
     line += std::string(" (") + kCoreEnv + "=" + forced + ")";
   else if (const char* better = better_openblas_core(core, detect_cpu()))
     line += std::string(" (a fallback: ") + kCoreEnv + "=" + better + " would use this CPU's vector units)";

@@ -24,11 +24,11 @@ std::string openblas_core();
 // OpenBLAS chose knowingly (Zen on AMD, Haswell, SkylakeX, Cooperlake, SapphireRapids) is kept.
 const char* better_openblas_core(std::string_view core, const CpuFeatures& cpu);
 
-// For a program's main, before it starts MPI or threads: when OPENBLAS_CORETYPE is unset and the loaded core is a
-// fallback (better_openblas_core), sets the variable, records the replaced core in RINGFLEX_OPENBLAS_FALLBACK
-// (for `ringflex info`) and replaces the process image with a fresh copy of itself (same pid, arguments and
-// environment otherwise). Returns when there is nothing to do, or when the restart failed (the process then runs
-// on, correct but slower). Tools that follow a process through exec only when asked (valgrind without
+// For a program's main, before it starts MPI or threads: when OPENBLAS_CORETYPE is unset (or empty) and the loaded core
+// is a fallback (better_openblas_core), sets the variable, records the replaced core in RINGFLEX_OPENBLAS_FALLBACK (for
+// `ringflex info`) and replaces the process image with a fresh copy of itself (same pid, arguments and environment
+// otherwise). Returns when there is nothing to do, or when the restart failed (the process then runs on, correct but
+// slower). Tools that follow a process through exec only when asked (valgrind without
 // --trace-children=yes) lose it at the restart: set OPENBLAS_CORETYPE under them.
 void restart_on_best_openblas_core(char** argv);
 
