@@ -104,7 +104,8 @@ int main(int argc, char** argv) {
       rf::comm::agree_command_line(*world, std::vector<std::string>(argv + 1, argv + argc));
       // The tile race (isa.h) is a timing, and each rank would decide alone: on a CPU near the threshold one job
       // could split over two bf16 paths. Every rank takes part, racing where its own CPU needs the race, and all
-      // decide with the slowest result. Before the agreement below, which would fail a rank that throws first.
+      // decide with the slowest result. It comes before the agreement below: a rank whose check threw there would
+      // leave the others waiting in this allreduce.
       double race = rf::cpu::needs_tile_race(rf::cpu::detect_cpu(), std::getenv(rf::cpu::kIsaEnv))
                         ? rf::cpu::bf16_tile_race()
                         : std::numeric_limits<double>::infinity();
