@@ -328,8 +328,10 @@ int run_forward(const ForwardOptions& opt) {
   if (!opt.stats.empty()) {
     // tokens: the valid tokens (doc > 0) this rank held over the B rows, as `attn --stats` counts them.
     int64_t tokens = 0;
-    for (int32_t p : r.shard.mine())
-      for (int64_t row = 0; row < B && !r.shard.is_pad(p); ++row) tokens += !b.doc || b.doc[row * S + p] > 0;
+    for (int32_t p : r.shard.mine()) {
+      if (r.shard.is_pad(p)) continue;
+      for (int64_t row = 0; row < B; ++row) tokens += !b.doc || b.doc[row * S + p] > 0;
+    }
     const cp::CpTotals& t = ring.totals();
     // compute_s: the model's time less what the attention calls spent outside their kernels (waiting for keys,
     // agreeing on headers, planning).

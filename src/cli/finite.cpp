@@ -14,19 +14,10 @@ namespace {
 
 constexpr uint16_t kBf16ExponentMask = 0x7f80;  // all-ones exponent: an infinity or a NaN
 
-std::string index_string(int64_t flat, const std::vector<int64_t>& shape) {
-  std::vector<int64_t> index(shape.size());
-  for (size_t a = shape.size(); a-- > 0;) {
-    index[a] = shape[a] > 0 ? flat % shape[a] : 0;
-    flat = shape[a] > 0 ? flat / shape[a] : 0;
-  }
-  return io::shape_string(index);
-}
-
 [[noreturn]] void reject(const std::string& where, const std::string& name, float value, int64_t flat,
                          const std::vector<int64_t>& shape, const std::string& dims) {
   std::ostringstream at;
-  at << index_string(flat, shape);
+  at << io::index_string(flat, shape);
   if (!dims.empty()) at << " " << dims;
   fail(where, ": tensor `", name, "` has ",
        std::isnan(value) ? "nan"

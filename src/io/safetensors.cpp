@@ -15,6 +15,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <vector>
 
 #include "core/error.h"
 #include "io/atomic_file.h"
@@ -115,6 +116,15 @@ std::string shape_string(std::span<const int64_t> shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";
+}
+
+std::string index_string(int64_t flat, std::span<const int64_t> shape) {
+  std::vector<int64_t> index(shape.size());
+  for (size_t a = shape.size(); a-- > 0;) {
+    index[a] = shape[a] > 0 ? flat % shape[a] : 0;
+    flat = shape[a] > 0 ? flat / shape[a] : 0;
+  }
+  return shape_string(index);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -59,6 +59,8 @@ struct TensorView {
 
 // Formats a shape as "[2, 8, 128, 64]" for messages.
 std::string shape_string(std::span<const int64_t> shape);
+// The row-major index of element `flat` of an array of `shape`, formatted as shape_string does: "[1, 0, 3]".
+std::string index_string(int64_t flat, std::span<const int64_t> shape);
 
 // A validated, read-only safetensors file. Move-only; the mapping is released on destruction.
 class SafetensorsFile {

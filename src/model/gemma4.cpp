@@ -108,11 +108,11 @@ void Gemma4Model::check_batch(const Batch& b, int ranks, const std::string& sour
   RF_CHECK(ranks >= 1 && ranks <= S, source, ": context parallelism over ", ranks, " ranks needs at least ", ranks,
            " tokens per row, the batch's rows have ", S);
   const int64_t T = int64_t{B} * S;
+  const auto at = [S](int64_t t) { return concat("[", t / S, ", ", t % S, "]"); };  // token t as [row, position]
   if (b.mm_token_type) {
     for (int64_t t = 0; t < T; ++t) {
       const int32_t v = b.mm_token_type[t];
-      RF_CHECK(v >= 0 && v <= 2, source, ": mm_token_type_ids: value ", v, " at [", t / S, ", ", t % S,
-               "] is not 0, 1 or 2");
+      RF_CHECK(v >= 0 && v <= 2, source, ": mm_token_type_ids: value ", v, " at ", at(t), " is not 0, 1 or 2");
     }
   }
   if (b.image_features) {
@@ -127,17 +127,17 @@ void Gemma4Model::check_batch(const Batch& b, int ranks, const std::string& sour
              " image/video token slots in mm_token_type_ids");
   }
   for (int64_t t = 0; t < T; ++t) {
-    RF_CHECK(!b.doc || b.doc[t] >= 0, source, ": doc: value ", b.doc[t], " at [", t / S, ", ", t % S,
-             "] is negative (0 = padding, documents are 1-based)");
+    RF_CHECK(!b.doc || b.doc[t] >= 0, source, ": doc: value ", b.doc[t], " at ", at(t),
+             " is negative (0 = padding, documents are 1-based)");
     RF_CHECK(b.input_ids[t] >= 0 && b.input_ids[t] < cfg_.vocab_size, source, ": input_ids: token ", b.input_ids[t],
-             " at [", t / S, ", ", t % S, "] is outside [0, vocab_size = ", cfg_.vocab_size, ")");
+             " at ", at(t), " is outside [0, vocab_size = ", cfg_.vocab_size, ")");
     const bool vision_slot = b.image_features != nullptr && b.mm_token_type[t] != 0;
     if (cfg_.ple_dim > 0 && !vision_slot)
-      RF_CHECK(b.input_ids[t] < cfg_.ple_vocab_size, source, ": input_ids: token ", b.input_ids[t], " at [", t / S,
-               ", ", t % S, "] is outside the per-layer embedding's vocabulary (", cfg_.ple_vocab_size, ")");
+      RF_CHECK(b.input_ids[t] < cfg_.ple_vocab_size, source, ": input_ids: token ", b.input_ids[t], " at ", at(t),
+               " is outside the per-layer embedding's vocabulary (", cfg_.ple_vocab_size, ")");
     if (b.labels)
       RF_CHECK(b.labels[t] == kIgnoreLabel || (b.labels[t] >= 0 && b.labels[t] < cfg_.vocab_size), source,
-               ": labels: ", b.labels[t], " at [", t / S, ", ", t % S, "] is neither ", kIgnoreLabel,
+               ": labels: ", b.labels[t], " at ", at(t), " is neither ", kIgnoreLabel,
                " nor in [0, vocab_size = ", cfg_.vocab_size, ")");
   }
 }

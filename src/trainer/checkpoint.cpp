@@ -107,13 +107,7 @@ void check_loaded_tensor(const std::string& where, const std::string& name, std:
   for (size_t i = 0; i < values.size(); ++i) {
     const float x = values[i];
     if (std::isfinite(x) && (!non_negative || x >= 0)) continue;
-    std::vector<int64_t> index(shape.size());  // the flat index as a row-major index of shape
-    for (size_t a = shape.size(), flat = i; a-- > 0;) {
-      const size_t extent = static_cast<size_t>(std::max<int64_t>(shape[a], 1));
-      index[a] = static_cast<int64_t>(flat % extent);
-      flat /= extent;
-    }
-    rf::fail(where, ": tensor `", name, "` has ", x, " at ", io::shape_string(index),
+    rf::fail(where, ": tensor `", name, "` has ", x, " at ", io::index_string(static_cast<int64_t>(i), shape),
              std::isfinite(x) ? " (a second moment is never negative)" : "");
   }
 }
