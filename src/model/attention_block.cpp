@@ -60,8 +60,11 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
     a.lse = zeros(T * Hq);
     attn.forward(attention(sp, a.Q.data(), K, V), a.O.data(), a.lse.data());
   }
-  a.ao = uninit(T * H);
-  merge_heads_forward(mm, a.O.data(), W(sl.o_proj), a.ao.data(), B, S, Hq, D, H);
+  // A recompute is handed the forward's o_proj output ([T, H], kept beside O) and redoes only its norm.
+  if (a.ao.empty()) {
+    a.ao = uninit(T * H);
+    merge_heads_forward(mm, a.O.data(), W(sl.o_proj), a.ao.data(), B, S, Hq, D, H);
+  }
   a.x1 = uninit(T * H);
   a.r_pa = uninit(T);
   rmsnorm_forward(a.ao.data(), W(sl.post_attn_norm), eps, a.x1.data(), a.r_pa.data(), T, H);

@@ -263,9 +263,10 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
     r.x_in.assign(L, {});
     r.saved_O.assign(L, {});
     r.saved_lse.assign(L, {});
+    r.saved_ao.assign(L, {});
+    r.saved_mo.assign(L, {});
     r.saved_g.assign(L, {});
     r.saved_u.assign(L, {});
-    r.saved_mo.assign(L, {});
   }
   std::vector<LayerActs> kept_layers;  // [L] every layer's activations, when the backward is not to recompute them
   if (keep_layers) kept_layers.resize(static_cast<size_t>(L));
@@ -281,10 +282,11 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
     } else if (opt.want_grad) {
       r.saved_O[l] = std::move(a.attn.O);
       r.saved_lse[l] = std::move(a.attn.lse);
+      r.saved_ao[l] = std::move(a.attn.ao);
+      r.saved_mo[l] = std::move(a.mlp.mo);
       if (keep_mlp) {
         r.saved_g[l] = std::move(a.mlp.g);
         r.saved_u[l] = std::move(a.mlp.u);
-        r.saved_mo[l] = std::move(a.mlp.mo);
       }
     }
     x = std::move(next);
@@ -333,14 +335,16 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   if (!opt.want_grad) return res;
   int64_t kept = static_cast<int64_t>(r.h0.size() + r.ple.size() + r.ple_raw.size() + r.ple_rms.size());
   for (int l = 0; l < L; ++l)
-    kept += static_cast<int64_t>(r.x_in[l].size() + r.saved_O[l].size() + r.saved_lse[l].size() + r.kv_K[l].size() +
-                                 r.kv_V[l].size() + r.saved_g[l].size() + r.saved_u[l].size() + r.saved_mo[l].size());
+    kept += static_cast<int64_t>(r.x_in[l].size() + r.saved_O[l].size() + r.saved_lse[l].size() + r.saved_ao[l].size() +
+                                 r.saved_mo[l].size() + r.kv_K[l].size() + r.kv_V[l].size() + r.saved_g[l].size() +
+                                 r.saved_u[l].size());
   res.kept_activation_bytes = kept * static_cast<int64_t>(sizeof(float));
   for (const LayerActs& a : kept_layers) res.kept_activation_bytes += a.bytes();
 
   // Backward, one layer at a time: recompute the layer's activations from its kept input (attention output and
-  // LSE are kept, so attention itself is not recomputed), or take them as the forward kept them when
-  // opt.recompute_layers is off, then differentiate it.
+  // LSE are kept, so attention itself is not recomputed, and so are the o_proj and down_proj outputs, so their
+  // sgemms are not either), or take them as the forward kept them when opt.recompute_layers is off, then
+  // differentiate it.
   Vec dx = zeros(T * H);
   rmsnorm_backward(x.data(), r.W(final_norm_), r_final.data(), dxf.data(), dx.data(), r.G(final_norm_), T, H);
   if (cfg_.ple_dim > 0) r.dple = zeros(T * int64_t{L} * cfg_.ple_dim);
@@ -358,12 +362,13 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
     } else {
       a.attn.O = std::move(r.saved_O[l]);
       a.attn.lse = std::move(r.saved_lse[l]);
+      a.attn.ao = std::move(r.saved_ao[l]);
+      a.mlp.mo = std::move(r.saved_mo[l]);
       a.mlp.g = std::move(r.saved_g[l]);
       a.mlp.u = std::move(r.saved_u[l]);
-      a.mlp.mo = std::move(r.saved_mo[l]);
+      // The products handed back are counted among the kept activations already.
+      const int64_t handed = bytes_of({&a.attn.ao, &a.mlp.mo, &a.mlp.g, &a.mlp.u});
       r.layer_forward(l, r.x_in[l].data(), next.data(), a, true);
-      // The MLP projections handed back are counted among the kept activations already.
-      const int64_t handed = keep_mlp ? bytes_of({&a.mlp.g, &a.mlp.u, &a.mlp.mo}) : 0;
       res.layer_recompute_bytes = std::max(res.layer_recompute_bytes, a.bytes() - handed);
     }
     r.layer_backward(l, a, r.x_in[l].data(), dx.data(), dprev.data());

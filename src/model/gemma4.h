@@ -8,13 +8,15 @@
 // checks every P against P = 1).
 //
 // Activation memory (training), T = B*S: per layer the layer's input [T, H], its attention output
-// [B, Hq, S, D] and LSE [B, Hq, S] are kept, i.e. 4 * T * (H + Hq*D + Hq) bytes a layer (plus the K/V
-// [B, Hkv, S, D] of layers that KV-shared layers read, and the per-layer inputs [T, L*P]). Everything else of a
-// layer (projections, norms, MLP/MoE, PLE) is recomputed from its input during the backward, one layer at a
-// time, so only one layer's intermediates (~4 * T * (6H + 3I + 3*Hq*D) bytes for a dense layer) are alive at
-// once. Attention, the costly part at long S, is never recomputed. RunOptions::keep_mlp_projections keeps the dense
-// MLP's gate/up projections and output as well (4 * T * (2I + H) bytes a layer), so the recompute skips its
-// sgemms. The loss keeps at most one chunk of logits (loss.h). Result reports both figures as measured.
+// [B, Hq, S, D] and LSE [B, Hq, S], and the o_proj and down_proj outputs [T, H] are kept, i.e.
+// 4 * T * (3H + Hq*D + Hq) bytes a layer (plus the K/V [B, Hkv, S, D] of layers that KV-shared layers read, and
+// the per-layer inputs [T, L*P]). Everything else of a layer (q/k/v and gate/up projections, norms, GeGLU, MoE,
+// PLE) is recomputed from its input during the backward, one layer at a time, so only one layer's intermediates
+// (~4 * T * (4H + 3I + 3*Hq*D) bytes for a dense layer) are alive at once. Attention, the costly part at long S,
+// is never recomputed, and neither are the two products whose outputs are no larger than the layer's input (a third
+// of a dense layer's sgemm FLOPs). RunOptions::keep_mlp_projections keeps the dense MLP's gate/up
+// projections as well (4 * T * 2I bytes a layer), so the recompute skips its sgemms. The loss keeps at most one
+// chunk of logits (loss.h). Result reports both figures as measured.
 #pragma once
 
 #include <atomic>
@@ -47,14 +49,15 @@ struct RunOptions {
   int64_t loss_chunk_tokens = 0;  // tokens per loss chunk; 0 = as many as fit kLossChunkBytes
   double loss_normalizer = 0.0;   // divide the summed token loss by this; 0 = number of label tokens
   // Training memory against compute. true (the default): each layer keeps only its input, attention output and LSE,
-  // and the backward recomputes the rest of the layer (norms, projections, MLP/MoE, PLE; never attention) one layer
-  // at a time. false: every layer keeps all its activations from the forward, so the backward recomputes nothing
-  // (one layer forward less per layer) at about num_layers times Result::layer_recompute_bytes more memory. Both
-  // give the same bits: the recompute is the forward's own code on the same inputs.
+  // and its o_proj and down_proj outputs, and the backward recomputes the rest of the layer (norms, the other
+  // projections, GeGLU, MoE, PLE; never attention) one layer at a time. false: every layer keeps all its activations
+  // from the forward, so the backward recomputes nothing (one layer forward less per layer) at about num_layers times
+  // Result::layer_recompute_bytes more memory. Both give the same bits: the recompute is the forward's own code on the
+  // same inputs.
   bool recompute_layers = true;
-  // With recompute_layers: also keep each dense MLP's gate and up projections and its output ([T, 2I + H] floats a
-  // layer), so the recompute runs only the MLP's norm and GeGLU instead of its three sgemms (3/4 of a dense layer's
-  // FLOPs, ~10% of a Gemma 4 training step). Same bits as either mode above.
+  // With recompute_layers: also keep each dense MLP's gate and up projections ([T, 2I] floats a layer), so the
+  // recompute runs only the MLP's norm and GeGLU instead of its remaining two sgemms (1/2 of a dense layer's
+  // FLOPs). Same bits as either mode above.
   bool keep_mlp_projections = false;
   // What the linear layers multiply in (ops.h ComputeDtype). Bfloat16: every matmul of the decoder and the LM head
   // rounds its operands to bf16 and accumulates in float32 (oneDNN, model/matmul_bf16.h); the parameters, gradients,

@@ -170,8 +170,9 @@ struct Gemma4Model::Run {
   Vec d_image_features;                // [N, F]
   std::vector<Vec> x_in;               // [L][T, H] layer inputs (training)
   std::vector<Vec> saved_O, saved_lse;
-  std::vector<Vec> saved_g, saved_u, saved_mo;  // [L] MLP projections (RunOptions::keep_mlp_projections)
-  std::vector<Vec> kv_K, kv_V, kv_dK, kv_dV;    // [L] K/V (and their gradients) of layers others read
+  std::vector<Vec> saved_ao, saved_mo;        // [L][T, H] o_proj and down_proj outputs (recompute on)
+  std::vector<Vec> saved_g, saved_u;          // [L][T, I] MLP projections (RunOptions::keep_mlp_projections)
+  std::vector<Vec> kv_K, kv_V, kv_dK, kv_dV;  // [L] K/V (and their gradients) of layers others read
 
   Run(const Gemma4Model& model, const Batch& batch, const RunOptions& options, TensorSet* g, AttentionBackend& a)
       : m(model),
@@ -212,12 +213,14 @@ struct Gemma4Model::Run {
   // Blocks of one decoder layer, each a forward/backward pair over its own activations. Backwards accumulate into
   // the gradients of their inputs unless said otherwise.
   // attention_block.cpp: x -> a.x1 = x + post_attn_norm(o_proj(attention(norms and RoPE of q/k/v(input_norm(x))))).
+  // reuse_attention: a recompute, handed the forward's O and LSE; an a.ao already set is taken as it is.
   void attention_forward(int l, const float* x, AttnActs& a, bool reuse_attention);
   // dx1: d loss / d x1 (the residual included); writes dx.
   void attention_backward(int l, AttnActs& a, const float* x, const float* dx1, float* dx);
-  // mlp.cpp: x1 -> a.mo = down(gelu(gate(n)) * up(n)), n = pre_ff_norm(x1); a.g, a.u and a.mo already set (a
-  // recompute with RunOptions::keep_mlp_projections) are taken as they are.
+  // mlp.cpp: x1 -> a.mo = down(gelu(gate(n)) * up(n)), n = pre_ff_norm(x1); an a.mo already set (a recompute), and
+  // a.g and a.u (a recompute with RunOptions::keep_mlp_projections), are taken as they are.
   void mlp_forward(int l, const float* x1, MlpActs& a);
+  // dmo: d loss / d mo; accumulates dx1; overwrites a.g and a.u with their gradients.
   void mlp_backward(int l, MlpActs& a, const float* x1, const float* dmo, float* dx1);
   // moe.cpp: (x1, mo) -> a.ff = post_ff_norm_1(mo) + post_ff_norm_2(experts(pre_ff_norm_2(x1)) routed on x1).
   void moe_forward(int l, const float* x1, const float* mo, MoeActs& a);

@@ -6,12 +6,14 @@ namespace rf::model {
 void Gemma4Model::Run::mlp_forward(int l, const float* x1, MlpActs& a) {
   const LayerSlots& sl = m.slots_[l];
   const int64_t I = m.specs_[l].intermediate;
-  // A recompute handed the forward's projections (RunOptions::keep_mlp_projections) redoes only the norm and GeGLU.
-  const bool kept = !a.g.empty();
+  // A recompute is handed the forward's output (always) and its gate/up projections
+  // (RunOptions::keep_mlp_projections); it redoes only what it was not handed, and GeGLU, whose product the
+  // down_proj gradient reads.
+  const bool projections_kept = !a.g.empty();
   a.m_in = uninit(T * H);
   a.r_pf = uninit(T);
   rmsnorm_forward(x1, W(sl.pre_ff_norm), eps, a.m_in.data(), a.r_pf.data(), T, H);
-  if (!kept) {
+  if (!projections_kept) {
     a.g = uninit(T * I);
     a.u = uninit(T * I);
     linear_forward(mm, a.m_in.data(), W(sl.gate_proj), a.g.data(), T, H, I);
@@ -19,7 +21,7 @@ void Gemma4Model::Run::mlp_forward(int l, const float* x1, MlpActs& a) {
   }
   a.hmid = uninit(T * I);
   geglu_forward(a.g.data(), a.u.data(), a.hmid.data(), T * I);
-  if (!kept) {
+  if (a.mo.empty()) {
     a.mo = uninit(T * H);
     linear_forward(mm, a.hmid.data(), W(sl.down_proj), a.mo.data(), T, I, H);
   }
@@ -28,13 +30,17 @@ void Gemma4Model::Run::mlp_forward(int l, const float* x1, MlpActs& a) {
 void Gemma4Model::Run::mlp_backward(int l, MlpActs& a, const float* x1, const float* dmo, float* dx1) {
   const LayerSlots& sl = m.slots_[l];
   const int64_t I = m.specs_[l].intermediate;
-  Vec dh = zeros(T * I);
-  linear_backward(mm, a.hmid.data(), W(sl.down_proj), dmo, dh.data(), G(sl.down_proj), T, I, H);
-  Vec dg = zeros(T * I), du = zeros(T * I);
-  geglu_backward(a.g.data(), a.u.data(), dh.data(), dg.data(), du.data(), T * I);
+  // dh[T, I] = dmo W_down, written (beta 0), not accumulated into zeros: no fill of a [T, I] buffer.
+  Vec dh = uninit(T * I);
+  gemm(mm, false, false, T, I, H, 1.f, dmo, H, W(sl.down_proj), I, 0.f, dh.data(), I);
+  linear_backward(mm, a.hmid.data(), W(sl.down_proj), dmo, nullptr, G(sl.down_proj), T, I, H);
+  // dg and du overwrite g and u, which nothing reads after this: two [T, I] buffers fewer in the layer's backward.
+  geglu_backward(a.g.data(), a.u.data(), dh.data(), a.g.data(), a.u.data(), T * I, false);
+  const float* dg = a.g.data();
+  const float* du = a.u.data();
   Vec dm = zeros(T * H);
-  linear_backward(mm, a.m_in.data(), W(sl.gate_proj), dg.data(), dm.data(), G(sl.gate_proj), T, H, I);
-  linear_backward(mm, a.m_in.data(), W(sl.up_proj), du.data(), dm.data(), G(sl.up_proj), T, H, I);
+  linear_backward(mm, a.m_in.data(), W(sl.gate_proj), dg, dm.data(), G(sl.gate_proj), T, H, I);
+  linear_backward(mm, a.m_in.data(), W(sl.up_proj), du, dm.data(), G(sl.up_proj), T, H, I);
   rmsnorm_backward(x1, W(sl.pre_ff_norm), a.r_pf.data(), dm.data(), dx1, G(sl.pre_ff_norm), T, H);
 }
 

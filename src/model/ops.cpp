@@ -300,13 +300,13 @@ void geglu_forward(const float* g, const float* u, float* h, int64_t n) {
   }
 }
 
-void geglu_backward(const float* g, const float* u, const float* dh, float* dg, float* du, int64_t n) {
+void geglu_backward(const float* g, const float* u, const float* dh, float* dg, float* du, int64_t n, bool accumulate) {
   const ElementwiseKernels& k = elementwise();
   const int64_t blocks = (n + kElementwiseBlock - 1) / kElementwiseBlock;
 #pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t i = b * kElementwiseBlock, m = std::min(kElementwiseBlock, n - i);
-    k.geglu_backward(g + i, u + i, dh + i, dg + i, du + i, m, true);
+    k.geglu_backward(g + i, u + i, dh + i, dg + i, du + i, m, accumulate);
   }
 }
 

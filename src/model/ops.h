@@ -91,8 +91,9 @@ float gelu_tanh_grad(float x);
 
 // GeGLU: h[T, I] = gelu(g) * u.
 void geglu_forward(const float* g, const float* u, float* h, int64_t n);
-// dg += dh * u * gelu'(g); du += dh * gelu(g).
-void geglu_backward(const float* g, const float* u, const float* dh, float* dg, float* du, int64_t n);
+// dg += dh * u * gelu'(g); du += dh * gelu(g) when `accumulate`; written otherwise, when dg may be g and du may be
+// u (each element is read before it is written).
+void geglu_backward(const float* g, const float* u, const float* dh, float* dg, float* du, int64_t n, bool accumulate);
 
 // RoPE angles for one layer type: cos/sin [T, D/2] from float32 position ids, the way transformers builds them
 // (inv_freq in float32, angle = pos * inv_freq in float32). Pairs past the rotated fraction (proportional RoPE)

@@ -107,7 +107,7 @@ TEST(ModelOps, GegluBackwardMatchesFiniteDifferences) {
     return dot(h, probe);
   };
   Vec dg(n, 0.f), du(n, 0.f);
-  geglu_backward(g.data(), u.data(), probe.data(), dg.data(), du.data(), n);
+  geglu_backward(g.data(), u.data(), probe.data(), dg.data(), du.data(), n, true);
   for (int64_t i = 0; i < n; ++i) {
     expect_close(central(loss, g[i], kStep), dg[i], "geglu dg", i);
     expect_close(central(loss, u[i], kStep), du[i], "geglu du", i);
