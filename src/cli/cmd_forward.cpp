@@ -410,9 +410,8 @@ void add_forward_command(CLI::App& app, Runner& run) {
                 "Reject a NaN or infinity in the parameters or image_features before computing (default)");
   cmd->add_flag("--recompute,!--no-recompute", opt->recompute,
                 "With --grad: keep only each layer's input, attention output and LSE and its o_proj and down_proj "
-                "outputs, and recompute the rest in the backward (default); --no-recompute keeps every activation (one "
-                "layer forward less per layer, about "
-                "num_layers times more activation memory; the same bits)");
+                "outputs, and recompute the rest in the backward (default); --no-recompute keeps every activation "
+                "(one layer forward less per layer, about num_layers times more activation memory; the same bits)");
   cmd->add_flag("--keep-mlp", opt->keep_mlp,
                 "With --grad and recompute: keep each MLP's gate/up projections too, so the recompute skips their "
                 "sgemms (1/2 of a dense layer's FLOPs) for [S, 2I] floats a layer; the same bits");

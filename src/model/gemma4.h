@@ -14,9 +14,9 @@
 // PLE) is recomputed from its input during the backward, one layer at a time, so only one layer's intermediates
 // (~4 * T * (4H + 3I + 3*Hq*D) bytes for a dense layer) are alive at once. Attention, the costly part at long S,
 // is never recomputed, and neither are the two products whose outputs are no larger than the layer's input (a third
-// of a dense layer's sgemm FLOPs). RunOptions::keep_mlp_projections keeps the dense MLP's gate/up
-// projections as well (4 * T * 2I bytes a layer), so the recompute skips its sgemms. The loss keeps at most one
-// chunk of logits (loss.h). Result reports both figures as measured.
+// of a dense layer's sgemm FLOPs). RunOptions::keep_mlp_projections keeps the dense MLP's gate/up projections as
+// well (4 * T * 2I bytes a layer), so the recompute skips their sgemms. The loss keeps at most one chunk of logits
+// (loss.h). Result reports both figures as measured.
 #pragma once
 
 #include <atomic>
