@@ -64,7 +64,8 @@ CONFIGS = {
 COMMON = dict(attention_k_eq_v=True, sliding_window=512, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
               layer_types=["sliding_attention"] * 5 + ["full_attention"])
 
-LOSS_CHUNK_MIB = 64  # kLossChunkBytes in src/model/gemma4.h: the loss's one [chunk, V] float32 buffer
+LOSS_CHUNK_BUDGET = 64 << 20  # kLossChunkBytes in src/model/gemma4.h: the budget of the loss's one [chunk, V] buffer
+LOSS_CHUNK_MIN_TOKENS = 256  # kMinLossChunkTokens in src/model/loss.h: the chunk's floor
 
 TORCH_STEP = r"""
 import resource, sys, time, torch
@@ -83,6 +84,12 @@ loss.backward()
 step = time.perf_counter() - start
 print(f"step {step:.4f} maxrss_kb {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}")
 """
+
+
+def loss_chunk_bytes(V, T):
+    """The loss's [chunk, V] float32 buffer (src/model/loss.h loss_chunk_tokens), chunk <= T."""
+    chunk = max(LOSS_CHUNK_MIN_TOKENS, LOSS_CHUNK_BUDGET // (4 * V))
+    return min(chunk, T) * V * 4
 
 
 SGEMM_N = 1024  # square sgemm: large enough for OpenBLAS's peak, small enough to repeat (bench/kernels does the same)
@@ -247,7 +254,7 @@ def main():
         print(f"ringflex bf16 / float32 step time: {ratio:.2f}")
     kept, layer = results[ours[dtypes[0]]][0][2]
     print(f"ringflex training memory: activations kept for the backward {kept:.1f} MiB, one layer's recomputed "
-          f"activations {layer:.1f} MiB, loss chunk at most {LOSS_CHUNK_MIB} MiB")
+          f"activations {layer:.1f} MiB, loss chunk at most {loss_chunk_bytes(cfg.vocab_size, S) / 2**20:.0f} MiB")
 
 
 def cpu_name():

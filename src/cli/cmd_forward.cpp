@@ -66,6 +66,7 @@ struct ForwardOptions {
   std::string shard = "balanced";
   std::string algo = "ring";
   int threads = 0;           // 0: OpenMP's default (every core)
+  int64_t loss_chunk = 0;    // tokens per chunk of the fused LM head and loss (RunOptions::loss_chunk_tokens)
   bool check_finite = true;  // reject NaN/inf in the checkpoint's parameters and image_features up front
   bool recompute = true;     // the backward recomputes each layer's activations (RunOptions::recompute_layers)
   bool keep_mlp = false;     // ... except the MLP projections (RunOptions::keep_mlp_projections)
@@ -245,6 +246,7 @@ void check_job_memory(const model::Gemma4Model& m, const model::Batch& b, const 
   run.recompute_layers = opt.recompute;
   run.keep_mlp_projections = opt.keep_mlp;
   run.logits = !opt.no_logits;
+  run.loss_chunk_tokens = opt.loss_chunk;
   const MemoryBreakdown running = model::run_memory_at_least(m, run);
   MemoryBreakdown gathering;
   if (rank == 0 && P > 1 && !opt.no_logits) {
@@ -293,6 +295,7 @@ int run_forward(const ForwardOptions& opt) {
   ro.want_logits = !opt.no_logits;
   ro.recompute_layers = opt.recompute;
   ro.keep_mlp_projections = opt.keep_mlp;
+  ro.loss_chunk_tokens = opt.loss_chunk;
   ro.compute_dtype = model::parse_compute_dtype(opt.compute_dtype);
   if (world->rank() == 0 && ro.compute_dtype == model::ComputeDtype::Bfloat16) {
     const model::Bf16MatmulPath path = model::bf16_matmul_path();
@@ -404,6 +407,11 @@ void add_forward_command(CLI::App& app, Runner& run) {
       ->check(CLI::IsMember({"contiguous", "zigzag", "balanced", "auto"}));
   cmd->add_option("--algo", opt->algo, "CP algorithm")->check(CLI::IsMember({"ring", "allgather"}));
   cmd->add_option("--stats", opt->stats, "Write per-rank figures (tokens, activation bytes, traffic, times) as JSON");
+  cmd->add_option("--loss-chunk", opt->loss_chunk,
+                  "Tokens per chunk of the fused LM head, softcap and cross-entropy, its one [chunk, V] float32 "
+                  "buffer (default: as many as fit 64 MiB, at least 256); any size gives the same loss and "
+                  "gradients to float32 rounding")
+      ->check(CLI::Range(int64_t{1}, int64_t{std::numeric_limits<int32_t>::max()}));
   cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")
       ->check(CLI::Range(1, kMaxThreads));
   cmd->add_flag("--check-finite,!--no-check-finite", opt->check_finite,

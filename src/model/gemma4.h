@@ -46,7 +46,7 @@ struct Batch {
 struct RunOptions {
   bool want_logits = false;       // fill Result::logits [B, S, V]
   bool want_grad = false;         // fill the gradient set
-  int64_t loss_chunk_tokens = 0;  // tokens per loss chunk; 0 = as many as fit kLossChunkBytes
+  int64_t loss_chunk_tokens = 0;  // tokens per loss chunk; 0 = loss_chunk_tokens(V, kLossChunkBytes)
   double loss_normalizer = 0.0;   // divide the summed token loss by this; 0 = number of label tokens
   // Training memory against compute. true (the default): each layer keeps only its input, attention output and LSE,
   // and its o_proj and down_proj outputs, and the backward recomputes the rest of the layer (norms, the other
@@ -67,7 +67,8 @@ struct RunOptions {
   ComputeDtype compute_dtype = ComputeDtype::Float32;
 };
 
-// Default size of the loss's one chunk of logits.
+// Default budget of the loss's one chunk of logits (loss.h loss_chunk_tokens: never fewer than kMinLossChunkTokens
+// tokens, whatever the vocabulary).
 constexpr int64_t kLossChunkBytes = int64_t{64} << 20;
 
 // Under context parallelism (P > 1) each rank computes only the tokens it holds; `shard` says which. Per-token

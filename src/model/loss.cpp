@@ -59,7 +59,7 @@ double blocked_sum(const float* e, int64_t n) {
 }  // namespace
 
 int64_t loss_chunk_tokens(int64_t V, int64_t budget_bytes) {
-  return std::max<int64_t>(1, budget_bytes / (V * static_cast<int64_t>(sizeof(float))));
+  return std::max(kMinLossChunkTokens, budget_bytes / (V * static_cast<int64_t>(sizeof(float))));
 }
 
 double lm_head_loss(const LmHeadLossArgs& a, const LmHeadLossOut& out) {

@@ -68,7 +68,9 @@ MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& a
   // (embedding.cpp), and the layer loop's x and next [T, H] (gemma4.cpp).
   const int64_t run_floats = 3 * H + 2 * layers * c.ple_dim;
   // The loss (gemma4.cpp, loss.h): xf [T, H], then one chunk of [C, V] logits, C = min(T, chunk tokens).
-  const int64_t chunk = std::min(std::max<int64_t>(T, 1), loss_chunk_tokens(V, kLossChunkBytes));
+  const int64_t chunk_tokens =
+      args.loss_chunk_tokens > 0 ? args.loss_chunk_tokens : loss_chunk_tokens(V, kLossChunkBytes);
+  const int64_t chunk = std::min(std::max<int64_t>(T, 1), chunk_tokens);
   const int64_t chunk_bytes = checked_bytes({chunk, V, kFloat});
   const int64_t logit_bytes = args.logits ? checked_bytes({T, V, kFloat}) : 0;
 

@@ -19,6 +19,7 @@ struct RunMemoryArgs {
   bool recompute_layers = true;       // RunOptions::recompute_layers (only matters when training)
   bool keep_mlp_projections = false;  // RunOptions::keep_mlp_projections (only with recompute_layers)
   bool logits = false;                // RunOptions::want_logits: Result::logits [T, V]
+  int64_t loss_chunk_tokens = 0;      // RunOptions::loss_chunk_tokens (0: loss_chunk_tokens(V, kLossChunkBytes))
 };
 
 // Named terms (bytes, float32), the largest phase of the run (the layers of the forward, the loss, or the

@@ -255,9 +255,13 @@ TEST(ModelLoss, RejectsLabelsOutsideTheVocabulary) {
   EXPECT_THROW(lm_head_loss(a, LmHeadLossOut{token.data(), nullptr, nullptr, nullptr}), rf::Error);
 }
 
-TEST(ModelLoss, ChunkSizeKeepsOneChunkWithinBudget) {
-  EXPECT_EQ(loss_chunk_tokens(262144, int64_t{64} << 20), 64);
-  EXPECT_EQ(loss_chunk_tokens(262144, 16), 1);
+// As many tokens as the budget holds, never fewer than kMinLossChunkTokens (the head's packing share, loss.h).
+TEST(ModelLoss, ChunkSizeKeepsOneChunkWithinBudgetAboveTheFloor) {
+  constexpr int64_t k64MiB = int64_t{64} << 20;
+  EXPECT_EQ(loss_chunk_tokens(4096, k64MiB), 4096);
+  EXPECT_EQ(loss_chunk_tokens(16384, k64MiB), 1024);
+  EXPECT_EQ(loss_chunk_tokens(262144, k64MiB), kMinLossChunkTokens);
+  EXPECT_EQ(loss_chunk_tokens(262144, 16), kMinLossChunkTokens);
 }
 
 }  // namespace
