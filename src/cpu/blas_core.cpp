@@ -16,6 +16,12 @@ namespace {
 
 constexpr const char* kCoreEnv = "OPENBLAS_CORETYPE";
 constexpr const char* kFallbackEnv = "RINGFLEX_OPENBLAS_FALLBACK";
+
+// The user's OPENBLAS_CORETYPE, or nullptr when it is unset or empty (OpenBLAS reads an empty one as unset).
+const char* chosen_core() {
+  const char* chosen = std::getenv(kCoreEnv);
+  return chosen != nullptr && *chosen != '\0' ? chosen : nullptr;
+}
 // Linux's link to the running executable's file, whatever path or symlink started it.
 constexpr const char* kSelfExe = "/proc/self/exe";
 
@@ -46,8 +52,7 @@ const char* better_openblas_core(std::string_view core, const CpuFeatures& cpu) 
 }
 
 void restart_on_best_openblas_core(char** argv) {
-  const char* chosen = std::getenv(kCoreEnv);
-  if (chosen != nullptr && *chosen != '\0') return;  // the user's choice, or this is the restarted process
+  if (chosen_core() != nullptr) return;  // the user's choice, or this is the restarted process
   const std::string core = openblas_core();
   const char* better = better_openblas_core(core, detect_cpu());
   if (better == nullptr) return;
@@ -68,7 +73,7 @@ std::string describe_openblas_core() {
   std::string line = "OpenBLAS " + core;
   if (const char* fallback = std::getenv(kFallbackEnv))
     line += std::string(" (") + kCoreEnv + " set by ringflex: this OpenBLAS took the CPU for " + fallback + ")";
-  else if (const char* forced = std::getenv(kCoreEnv); forced != nullptr && *forced != '\0')
+  else if (const char* forced = chosen_core())
     line += std::string(" (") + kCoreEnv + "=" + forced + ")";
   else if (const char* better = better_openblas_core(core, detect_cpu()))
     line += std::string(" (a fallback: ") + kCoreEnv + "=" + better + " would use this CPU's vector units)";
