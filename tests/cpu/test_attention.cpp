@@ -384,10 +384,10 @@ TEST_F(CpuAttention, ForcedPathIsTaken) {
 // products and sums (|c| < 2^24) exact in float32, so any layout mistake (the VNNI pairs of bt, the 16-row blocks
 // of a, the four 16-key blocks of c) shows as an exact mismatch. The sweep above runs the whole bf16 kernel on
 // this path whenever it is active. This test calls the tile product directly, so it runs wherever the hardware
-// has AMX, whichever path RINGFLEX_ISA forces; it is skipped (and says so) only on a CPU without AMX-TILE/AMX-BF16
-// or when Linux refused the tile state.
+// has AMX, whichever path RINGFLEX_ISA forces, and on the software tile unit in the `.amx-model` runs; it is skipped
+// (and says so) only on a CPU without AMX-TILE/AMX-BF16 or when Linux refused the tile state, with no unit installed.
 TEST_F(CpuAttention, AmxScoreTileIsExact) {
-  if (!cpu::detect_cpu().amx)
+  if (!cpu::detect_cpu().amx && cpu::detail::amx_tile_model() == nullptr)
     GTEST_SKIP() << "this CPU lacks AMX (AMX-TILE/AMX-BF16), or Linux refused the tile state; bf16 ran on "
                  << cpu::describe(cpu::kernel_path());
   constexpr int kRows = 20, kDp = 64, kKeys = cpu::kTileK, kPadRows = 32;  // two 16-row blocks, the last partial
