@@ -254,7 +254,7 @@ void check_job_memory(const model::Gemma4Model& m, const model::Batch& b, const 
     gathering.add("gathered logits", checked_bytes({b.B, b.S, V, f32}));
   }
   MemoryBreakdown need;
-  need.add("gradients", opt.grad ? m.params().total_bytes() : 0);
+  need.add("gradients", opt.grad ? m.params().trainable_bytes() : 0);
   const bool bf16 = model::parse_compute_dtype(opt.compute_dtype) == model::ComputeDtype::Bfloat16;
   need.add("bf16 weight copies", bf16 ? m.bf16_weight_bytes() : 0);
   const bool gathering_larger = gathering.total() < 0 || (running.total() >= 0 && gathering.total() > running.total());
@@ -272,8 +272,14 @@ int run_forward(const ForwardOptions& opt) {
     if (world->rank() == 0) check_outputs(opt);  // before loading anything: an unwritable output is found at once
     check_batch_shape(opt.in);
     ck = model::load_checkpoint(opt.model);
-    if (opt.check_finite)
-      for (const model::Tensor& p : ck.model->params()) check_finite(opt.model, p.name, p.data, p.shape);
+    if (opt.check_finite) {
+      const model::ParamStore& params = ck.model->params();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const model::ParamInfo& p = params.info(i);
+        check_finite(opt.model, p.name, std::span<const float>(params.weight(i), static_cast<size_t>(p.numel)),
+                     p.shape);
+      }
+    }
     data = read_batch(opt.in, *ck.model, opt.check_finite);
     ck.model->check_batch(data.view(), P, opt.in);
     RF_CHECK(!opt.grad || !data.labels.empty(), opt.in, ": --grad needs a `labels` tensor");
@@ -301,8 +307,6 @@ int run_forward(const ForwardOptions& opt) {
     const model::Bf16MatmulPath path = model::bf16_matmul_path();
     std::fprintf(stderr, "ringflex forward: bf16 matmuls: %s\n", path.description.c_str());
   }
-  model::TensorSet grads;
-  if (opt.grad) grads = m.params().zeros_like();
   cpu::LocalAttention local;
   cp::CpAttentionOptions cpo;
   cpo.scheme = opt.shard;
@@ -313,10 +317,12 @@ int run_forward(const ForwardOptions& opt) {
   AttentionBackend& attn = P > 1 ? static_cast<AttentionBackend&>(ring) : local;
 
   const auto start = std::chrono::steady_clock::now();
-  model::Result r = m.run(b, ro, opt.grad ? &grads : nullptr, attn);
+  model::Result r = m.run(b, ro, attn);
   const double run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (opt.grad) {
-    for (model::Tensor& g : grads) world->allreduce(g.data.data(), g.data.size(), comm::ReduceOp::Sum, timeout);
+    // The store's gradients are one flat arena: one collective for the whole model.
+    const std::span<float> grads = ck.model->params().mutable_flat(model::Role::Grads);
+    world->allreduce(grads.data(), grads.size(), comm::ReduceOp::Sum, timeout);
     if (!r.d_image_features.empty())
       world->allreduce(r.d_image_features.data(), r.d_image_features.size(), comm::ReduceOp::Sum, timeout);
   }
@@ -358,9 +364,12 @@ int run_forward(const ForwardOptions& opt) {
     w.add("token_loss", io::StDType::F32, {B, S}, std::span<const float>(token_loss));
     if (ro.want_logits) w.add("logits", io::StDType::F32, {B, S, V}, std::span<const float>(logits));
     if (opt.grad) {
-      for (const model::Tensor& g : grads)
-        w.add("grad." + model::file_name_of(g.name, ck.text_prefix), io::StDType::F32, g.shape,
-              std::span<const float>(g.data));
+      const model::ParamStore& params = ck.model->params();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const model::ParamInfo& p = params.info(i);
+        w.add("grad." + model::file_name_of(p.name, ck.text_prefix), io::StDType::F32, p.shape,
+              std::span<const float>(params.grad(i), static_cast<size_t>(p.numel)));
+      }
       if (data.has_features)
         w.add("grad.image_features", io::StDType::F32, {data.n_features, data.F},
               std::span<const float>(r.d_image_features));

@@ -41,9 +41,9 @@ struct TrainState {
 // Writes checkpoint `state.step` under `root`, then removes all but the newest `keep`. `before_rename`, when set,
 // runs after the files are written and synced but before the rename (tests use it to simulate a crash). Returns
 // the checkpoint's directory.
-std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const AdamW& optimizer,
-                                  const TrainState& state, int keep,
-                                  const std::function<void(const std::string&)>& before_rename = {});
+// The moments are the store's (weights.model->params()).
+std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const TrainState& state,
+                                  int keep, const std::function<void(const std::string&)>& before_rename = {});
 
 // A checkpoint directory itself, or a root whose newest checkpoint is meant. Throws rf::Error when there is none.
 std::string resolve_checkpoint(const std::string& dir_or_root);
@@ -52,10 +52,11 @@ struct LoadedCheckpoint {
   model::Checkpoint weights;
   TrainState state;
 };
-// Loads weights and state; the optimizer's moments go into `optimizer` (same parameter names and shapes).
+// Loads weights and state; the optimizer's moments go into `store` (same parameter names and shapes; allocated here
+// for its trainable parameters, so freeze before).
 // `before_allocating`: as model::load_checkpoint's, before the weights are allocated.
 LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating = {});
-void load_optimizer_state(const std::string& dir, AdamW& optimizer);
+void load_optimizer_state(const std::string& dir, model::ParamStore& store);
 
 // Throws rf::Error "<where>: tensor `name` has nan at [i, j]" for the first NaN or infinity of `values` (row-major
 // of `shape`), and with `non_negative` for the first negative value too. Training checks what it loads (weights,

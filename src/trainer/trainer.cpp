@@ -69,22 +69,13 @@ model::Batch as_batch(const PackedBatch& p) {
   return b;
 }
 
-// Sums the trainable gradients over every rank of `c`, in rank order (Communicator::allreduce: the same bits on
-// every rank and backend). One flat buffer, so the whole model is one collective rather than one per tensor.
-void allreduce_gradients(comm::Communicator& c, model::TensorSet& grads, const std::vector<bool>& trainable,
-                         comm::Timeout timeout) {
+// Sums the gradients over every rank of `c`, in rank order (Communicator::allreduce: the same bits on every rank and
+// backend). The store's gradient arena is one flat buffer of the trainable parameters, so the whole model is one
+// collective, in place.
+void allreduce_gradients(comm::Communicator& c, model::ParamStore& store, comm::Timeout timeout) {
   if (c.size() == 1) return;
-  std::vector<float> flat;
-  for (size_t i = 0; i < grads.size(); ++i)
-    if (trainable[i]) flat.insert(flat.end(), grads[i].data.begin(), grads[i].data.end());
+  const std::span<float> flat = store.mutable_flat(model::Role::Grads);
   c.allreduce(flat.data(), flat.size(), comm::ReduceOp::Sum, timeout);
-  size_t at = 0;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    if (!trainable[i]) continue;
-    std::copy(flat.begin() + static_cast<std::ptrdiff_t>(at),
-              flat.begin() + static_cast<std::ptrdiff_t>(at + grads[i].data.size()), grads[i].data.begin());
-    at += grads[i].data.size();
-  }
 }
 
 // A resumed run must continue the same stream of rows with the same batches.
@@ -110,8 +101,12 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
 void check_loaded_weights(const model::Checkpoint& ck, const std::string& dir) {
   const fs::path single = fs::path(dir) / "model.safetensors";
   const std::string where = fs::exists(single) ? single.string() : dir;
-  for (const model::Tensor& p : ck.model->params())  // named as in the files, where the user can look it up
-    check_loaded_tensor(where, model::file_name_of(p.name, ck.text_prefix), p.data, p.shape);
+  const model::ParamStore& store = ck.model->params();
+  for (size_t i = 0; i < store.size(); ++i) {  // named as in the files, where the user can look it up
+    const model::ParamInfo& p = store.info(i);
+    check_loaded_tensor(where, model::file_name_of(p.name, ck.text_prefix),
+                        std::span<const float>(store.weight(i), static_cast<size_t>(p.numel)), p.shape);
+  }
 }
 
 std::string default_svg_path(const TrainConfig& c, const TrainOptions& o) {
@@ -146,25 +141,26 @@ void check_outputs(const TrainConfig& c, const TrainOptions& o) {
 // Terms, each counting buffers train() surely holds through a step (float32 unless said):
 //   weights          the parameters (and buffers), Gemma4Model::params()/buffers();
 //   bf16 copies      with model.compute_dtype = bfloat16, the matrices' bf16 copies (Gemma4Model::bf16_weight_bytes);
-//   gradients        `grads`, params().zeros_like(trainable): the trainable parameters only;
-//   AdamW moments    exp_avg and exp_avg_sq, two more such sets;
+//   gradients        the parameter store's gradient arena: the trainable parameters only;
+//   AdamW moments    exp_avg and exp_avg_sq, two more such arenas;
 //   the step's rows  this replica's global_batch / dp rows of seq_len tokens, five int32 arrays each (their image
 //                    features not counted), built before the step's micro-batches run;
 //   validation rows  this replica's share of data.val_rows (every dp-th row), the same arrays, which validate_now
 //                    builds all at once while the step's rows are still held;
 //   then the larger of what one micro-batch's run holds (model::run_memory_at_least: train.micro_batch rows of
 //   ceil(seq_len / cp) tokens, a shard is never shorter, with train.recompute: "activations", "one layer" or
-//   "loss chunk") and, on more than one rank, the "gradient reduction": the flat buffer of the trainable gradients
-//   allreduce_gradients builds after the micro-batches ran, when their activations are gone.
+//   "loss chunk"). The gradient reduction runs in place over the gradient arena (the communicator's own slices of at
+//   most comm::Communicator::kReduceSliceBytes not counted).
 // Left out, so the figure stays a lower bound: the ring's receive buffers (what a rank receives depends on each
 // batch's documents; packed short documents need almost none), the data set's packed rows, the plan, the
 // checkpoint writer's copies, and validation's forward (smaller than the training step's).
-MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Model& m, int world_size) {
-  const int64_t params = m.params().total_bytes();
-  const std::vector<bool> trainable = trainable_mask(m.params(), c.model.freeze);
+MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Model& m,
+                                      [[maybe_unused]] int world_size) {
+  const int64_t params = m.params().weight_bytes();
+  const std::vector<bool> trainable = m.params().trainable_after(c.model.freeze);
   int64_t trainable_bytes = 0;
   for (size_t i = 0; i < trainable.size(); ++i)
-    if (trainable[i]) trainable_bytes += m.params()[i].numel() * static_cast<int64_t>(sizeof(float));
+    if (trainable[i]) trainable_bytes += m.params().info(i).numel * static_cast<int64_t>(sizeof(float));
   constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
   MemoryBreakdown need;
   need.add("weights", params + m.buffers().total_bytes());
@@ -185,12 +181,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   run.training = true;
   run.recompute_layers = c.train.recompute;
   run.keep_mlp_projections = c.train.keep_mlp;
-  const MemoryBreakdown step = model::run_memory_at_least(m, run);
-  const int64_t reduced = world_size > 1 ? trainable_bytes : 0;
-  if (step.total() >= 0 && reduced > step.total())
-    need.add("gradient reduction", reduced);
-  else
-    need.add(step);
+  need.add(model::run_memory_at_least(m, run));
   return need;
 }
 
@@ -252,14 +243,16 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     }
     if (!resume_dir.empty() || !cfg.model.path.empty())
       check_loaded_weights(ck, resume_dir.empty() ? cfg.model.path : resume_dir);
-    const model::Gemma4Model& mm = *ck.model;
+    model::Gemma4Model& mm = *ck.model;
     const int width = mm.vision_feature_dim() > 0 ? mm.vision_feature_dim() : mm.config().hidden_size;
     // Unfilled row positions are doc 0 with ignored labels (masked everywhere), so a config without a pad id
     // (pad_token_id null) fills them with token 0: any in-vocabulary id would do.
     data = make_data_source(cfg, DataContract{mm.config().vocab_size, mm.config().pad_token_id.value_or(0), width,
                                               cfg.model.path});
-    adam_ptr = std::make_unique<AdamW>(mm.params(), trainable_mask(mm.params(), cfg.model.freeze), cfg.optimizer);
-    if (!resume_dir.empty()) load_optimizer_state(resume_dir, *adam_ptr);
+    mm.params().freeze(cfg.model.freeze);
+    adam_ptr = std::make_unique<AdamW>(mm.params(), cfg.optimizer);
+    if (!resume_dir.empty()) load_optimizer_state(resume_dir, mm.params());
+    mm.params().allocate_grads();
   };
   if (options.setup_guard)
     options.setup_guard(setup);
@@ -291,7 +284,6 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
   }
 
   const int rows_per_replica = cfg.global_batch_per_replica(), micro = cfg.train.micro_batch;
-  model::TensorSet grads = m.params().zeros_like(adam.trainable());
   const auto run_rows = [&](const std::vector<Row>& rows, double normalizer, bool grad) {
     const PackedBatch p = stack_rows(rows, data->feature_dim() > 0 ? F : 0);
     model::RunOptions ro;
@@ -300,7 +292,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     ro.keep_mlp_projections = cfg.train.keep_mlp;
     ro.compute_dtype = model::parse_compute_dtype(cfg.model.compute_dtype);
     ro.loss_normalizer = std::max(1.0, normalizer);  // a batch without label tokens has loss 0, not 0 / 0
-    return m.run(as_batch(p), ro, grad ? &grads : nullptr, *attention).loss;
+    return m.run(as_batch(p), ro, *attention).loss;
   };
 
   const auto validate_now = [&] {
@@ -339,13 +331,13 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     // 2. the global batch's label tokens, counted once (over DP only)
     dp_group->allreduce(counts, 2, comm::ReduceOp::Sum, timeout);
     // 3. forward + backward of each micro-batch, gradients accumulating
-    for (model::Tensor& g : grads) std::fill(g.data.begin(), g.data.end(), 0.0f);
+    m.params().zero_grads();
     double loss = 0.0;
     for (const std::vector<Row>& mb : micro_batches) loss += run_rows(mb, static_cast<double>(counts[0]), true);
     dp_group->allreduce(&loss, 1, comm::ReduceOp::Sum, timeout);
     // 4. one deterministic reduction, clipping, the update
-    allreduce_gradients(world, grads, adam.trainable(), timeout);
-    const double norm = global_grad_norm(grads, adam.trainable());
+    allreduce_gradients(world, m.params(), timeout);
+    const double norm = global_grad_norm(m.params());
     // A non-finite loss or gradient (a diverging run, or NaN weights resumed from a damaged checkpoint) stops the
     // run before the update, so neither the weights nor a checkpoint take it. Both figures are already the same
     // bits on every rank (the loss summed over the CP group in the model and over DP above, the norm taken from the
@@ -356,9 +348,9 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
                      "): the run diverged (try a lower optimizer.lr) or its weights are not finite; stopped "
                      "before the update",
                      result.last_checkpoint.empty() ? "" : ", last checkpoint " + result.last_checkpoint));
-    clip_gradients(grads, adam.trainable(), norm, cfg.optimizer.grad_clip);
+    clip_gradients(m.params(), norm, cfg.optimizer.grad_clip);
     const double lr = learning_rate(cfg.optimizer, cfg.schedule, static_cast<int>(step), cfg.train.steps);
-    adam.step(m.params(), grads, lr, step);
+    adam.step(m.params(), lr, step);
     state.step = step;
     state.data_position += cfg.train.global_batch;
 
@@ -402,7 +394,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
       std::string error;
       if (lead) {
         try {
-          result.last_checkpoint = save_train_checkpoint(cfg.checkpoint.dir, ck, adam, state, cfg.checkpoint.keep,
+          result.last_checkpoint = save_train_checkpoint(cfg.checkpoint.dir, ck, state, cfg.checkpoint.keep,
                                                          options.before_checkpoint_rename);
           if (!result.svg_path.empty())
             write_file_atomically(result.svg_path, loss_svg(state.history, "ringflex train"));
