@@ -170,6 +170,10 @@ std::string save_train_checkpoint(const std::string& root, const model::Checkpoi
   return final_dir.string();
 }
 
+std::string checkpoint_path(const std::string& root, int64_t step) {
+  return (fs::path(root) / step_name(step)).string();
+}
+
 std::string resolve_checkpoint(const std::string& dir_or_root) {
   const fs::path p(dir_or_root);
   if (fs::exists(p / kStateFile)) return p.string();

@@ -45,6 +45,9 @@ std::string save_train_checkpoint(const std::string& root, const model::Checkpoi
                                   const TrainState& state, int keep,
                                   const std::function<void(const std::string&)>& before_rename = {});
 
+// `<root>/step-NNNNNNNN`: where save_train_checkpoint puts step `step`.
+std::string checkpoint_path(const std::string& root, int64_t step);
+
 // A checkpoint directory itself, or a root whose newest checkpoint is meant. Throws rf::Error when there is none.
 std::string resolve_checkpoint(const std::string& dir_or_root);
 
