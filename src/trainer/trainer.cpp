@@ -92,7 +92,8 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
 // work. Names the single-file checkpoint, or the directory of a sharded one.
 void check_loaded_weights(const model::Checkpoint& ck, const std::string& dir) {
   const fs::path single = fs::path(dir) / "model.safetensors";
-  const std::string where = fs::exists(single) ? single.string() : dir;
+  std::error_code ec;
+  const std::string where = fs::exists(single, ec) ? single.string() : dir;
   for (const model::Tensor& p : ck.model->params())  // named as in the files, where the user can look it up
     check_loaded_tensor(where, model::file_name_of(p.name, ck.text_prefix), p.data, p.shape);
 }
@@ -228,7 +229,11 @@ void join_groups(Run& r) {
 // Everything here can fail on bad input and runs no collective, so train() runs it inside comm::agree.
 void set_up(Run& r) {
   const TrainConfig& cfg = r.cfg;
-  if (r.lead) check_outputs(cfg, r.options);
+  if (r.lead) {
+    check_outputs(cfg, r.options);
+    std::error_code ec;
+    if (!cfg.checkpoint.dir.empty() && fs::is_directory(cfg.checkpoint.dir, ec)) remove_leftovers(cfg.checkpoint.dir);
+  }
   // What the run needs, checked on every rank before the weights, gradients and moments are allocated.
   const auto check_fits = [&](const model::Gemma4Model& shapes) {
     check_memory(train_memory_at_least(cfg, shapes, r.world.size()), "train",
