@@ -46,7 +46,6 @@ int run_train(const TrainCliOptions& opt) {
   to.resume = opt.resume;
   to.metrics_path = opt.metrics;
   to.svg_path = opt.loss_svg;
-  to.setup_guard = [&world](const std::function<void()>& step) { agree(*world, step); };
   trainer::train(cfg, *world, to);
   return 0;
 }

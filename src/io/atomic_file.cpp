@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <system_error>
@@ -74,7 +75,31 @@ int create_exclusive(const std::string& temp) {
   return fd;
 }
 
+// The test hook's N (RINGFLEX_FAIL_WRITE), read once; 0: off.
+int64_t failing_write() {
+  static const int64_t n = [] {
+    const char* v = std::getenv("RINGFLEX_FAIL_WRITE");
+    return v == nullptr ? int64_t{0} : std::strtoll(v, nullptr, 10);
+  }();
+  return n;
+}
+
 }  // namespace
+
+int write_all(int fd, std::span<const std::byte> bytes) {
+  static std::atomic<int64_t> calls{0};
+  if (failing_write() > 0 && calls.fetch_add(1) + 1 == failing_write()) return ENOSPC;
+  const std::byte* p = bytes.data();
+  size_t left = bytes.size();
+  while (left > 0) {
+    const ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return n < 0 ? errno : ENOSPC;  // 0 bytes written: the device is full
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+  return 0;
+}
 
 AtomicFile::AtomicFile(const std::string& path) : path_(path), target_(resolve_target(path)) {
   const int mode = existing_mode(path_, target_);
@@ -98,15 +123,8 @@ void AtomicFile::fail(const char* what, int err) { rf::fail(path_, ": ", what, "
 
 void AtomicFile::write(std::span<const std::byte> bytes) {
   RF_CHECK(fd_ >= 0, path_, ": write after the file was finished");
-  const std::byte* p = bytes.data();
-  size_t left = bytes.size();
-  while (left > 0) {
-    const ssize_t n = ::write(fd_, p, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) fail("write failed", n < 0 ? errno : ENOSPC);  // 0 bytes written: the device is full
-    p += n;
-    left -= static_cast<size_t>(n);
-  }
+  const int err = write_all(fd_, bytes);
+  if (err != 0) fail("write failed", err);
 }
 
 void AtomicFile::finish() {

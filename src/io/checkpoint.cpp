@@ -55,7 +55,8 @@ Checkpoint Checkpoint::open(const std::string& dir) {
   Checkpoint c;
   c.dir_ = dir;
   const fs::path index_path = fs::path(dir) / kIndexFile;
-  if (!fs::exists(index_path)) {
+  std::error_code ec;
+  if (!fs::exists(index_path, ec)) {
     c.shards_.push_back(SafetensorsFile::open((fs::path(dir) / kSingleFile).string()));
   } else {
     const std::map<std::string, std::string> weight_map = read_weight_map(index_path.string());

@@ -5,8 +5,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -31,12 +33,40 @@ constexpr const char* kStateFile = "trainer_state.json";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 
 void fsync_path(const fs::path& p, bool directory) {
-  const int fd = ::open(p.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
-  RF_CHECK(fd >= 0, p.string(), ": cannot open to sync");
+  const int fd = ::open(p.c_str(), directory ? O_RDONLY | O_DIRECTORY | O_CLOEXEC : O_RDONLY | O_CLOEXEC);
+  RF_CHECK(fd >= 0, p.string(), ": cannot open to sync: ", std::strerror(errno));
   const int rc = ::fsync(fd);
+  const int err = errno;
   ::close(fd);
-  RF_CHECK(rc == 0, p.string(), ": fsync failed");
+  RF_CHECK(rc == 0, p.string(), ": write failed (fsync): ", std::strerror(err));
 }
+
+// What a save leaves behind when the process is killed part way: its hidden temporary directory
+// (".step-NNNNNNNN.tmp"), the previous copy of a step saved again (".step-NNNNNNNN.old") and io::AtomicFile's
+// temporaries (".<name>.tmp.<pid>.<n>", the loss picture's). Never a checkpoint (those are not hidden).
+bool is_leftover(const std::string& name) {
+  const bool step_dir = name.rfind(".step-", 0) == 0 && (name.ends_with(".tmp") || name.ends_with(".old"));
+  return step_dir || (name.rfind(".", 0) == 0 && name.find(".tmp.") != std::string::npos);
+}
+
+// The save's temporary directory: removed with everything in it unless the save renamed it into place, so a save
+// that fails part way (a full disk, a file-size limit, any error thrown) leaves no temporaries.
+class TempDir {
+ public:
+  explicit TempDir(fs::path p) : path_(std::move(p)) {}
+  ~TempDir() {
+    std::error_code ec;
+    if (!renamed_) fs::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const fs::path& path() const { return path_; }
+  void renamed() { renamed_ = true; }
+
+ private:
+  fs::path path_;
+  bool renamed_ = false;
+};
 
 // ".<name><suffix>": a hidden sibling that is never taken for a checkpoint. Built by appending (GCC 12 warns
 // falsely, -Wrestrict, on the operator+ chain).
@@ -53,15 +83,21 @@ std::string step_name(int64_t step) {
   return buf;
 }
 
-// Checkpoint directories under root, oldest first (the zero-padded step sorts by name).
+// Checkpoint directories under root, oldest first (the zero-padded step sorts by name). Hidden entries (a save's
+// temporaries) are never checkpoints.
 std::vector<fs::path> list_checkpoints(const fs::path& root) {
   std::vector<fs::path> out;
-  if (!fs::is_directory(root)) return out;
-  for (const auto& e : fs::directory_iterator(root)) {
-    const std::string name = e.path().filename().string();
-    if (e.is_directory() && name.rfind(kStatePrefix, 0) == 0 && fs::exists(e.path() / kStateFile))
-      out.push_back(e.path());
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return out;
+  fs::directory_iterator it(root, ec), end;
+  RF_CHECK(!ec, root.string(), ": cannot list the checkpoints: ", ec.message());
+  for (; it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    std::error_code ec_entry;
+    if (name.rfind(kStatePrefix, 0) == 0 && it->is_directory(ec_entry) && fs::exists(it->path() / kStateFile, ec_entry))
+      out.push_back(it->path());
   }
+  RF_CHECK(!ec, root.string(), ": cannot list the checkpoints: ", ec.message());
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -112,10 +148,15 @@ void check_loaded_tensor(const std::string& where, const std::string& name, std:
   }
 }
 
-void write_file_atomically(const std::string& path, const std::string& text) {
-  io::AtomicFile f(path);
-  f.write(text);
-  f.commit();
+void remove_leftovers(const std::string& root) {
+  std::error_code ec;
+  std::vector<fs::path> found;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec))
+    if (is_leftover(it->path().filename().string())) found.push_back(it->path());
+  for (const fs::path& p : found) {
+    fs::remove_all(p, ec);
+    RF_CHECK(!ec, p.string(), ": cannot remove what an interrupted save left: ", ec.message());
+  }
 }
 
 std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const TrainState& state,
@@ -124,12 +165,14 @@ std::string save_train_checkpoint(const std::string& root, const model::Checkpoi
   std::error_code ec;
   fs::create_directories(base, ec);
   RF_CHECK(!ec, root, ": cannot create the checkpoint directory: ", ec.message());
+  remove_leftovers(root);  // of a save a hard kill interrupted
   const std::string name = step_name(state.step);
-  const fs::path tmp = base / hidden_name(name, ".tmp"), final_dir = base / name;
-  fs::remove_all(tmp);  // left by an earlier crash
-  fs::create_directories(tmp);
+  const fs::path final_dir = base / name;
+  TempDir tmp(base / hidden_name(name, ".tmp"));
+  fs::create_directory(tmp.path(), ec);
+  RF_CHECK(!ec, tmp.path().string(), ": cannot create the checkpoint's temporary directory: ", ec.message());
 
-  model::save_checkpoint(weights, tmp.string());
+  model::save_checkpoint(weights, tmp.path().string());
   io::SafetensorsWriter w;
   const model::ParamStore& store = weights.model->params();
   for (size_t i = 0; i < store.size(); ++i) {
@@ -141,7 +184,7 @@ std::string save_train_checkpoint(const std::string& root, const model::Checkpoi
     w.add("exp_avg_sq." + p.name, io::StDType::F32, p.shape,
           std::span<const float>(store.moment(model::Role::ExpAvgSq, i), n));
   }
-  w.write((tmp / kOptimizerFile).string());
+  w.write((tmp.path() / kOptimizerFile).string());
   const json j = {{"step", state.step},
                   {"data_position", state.data_position},
                   {"seed", state.seed},
@@ -151,31 +194,48 @@ std::string save_train_checkpoint(const std::string& root, const model::Checkpoi
                     {"val_steps", state.history.val_steps},
                     {"val_loss", state.history.val_loss}}},
                   {"config", state.config_yaml}};
-  write_file_atomically((tmp / kStateFile).string(), j.dump(2) + "\n");
-  for (const auto& e : fs::directory_iterator(tmp)) fsync_path(e.path(), false);
-  fsync_path(tmp, true);
-  if (before_rename) before_rename(tmp.string());
+  io::write_file_atomically((tmp.path() / kStateFile).string(), j.dump(2) + "\n");
+  std::vector<fs::path> files;
+  for (fs::directory_iterator it(tmp.path(), ec), end; !ec && it != end; it.increment(ec)) files.push_back(it->path());
+  RF_CHECK(!ec, tmp.path().string(), ": cannot list: ", ec.message());
+  for (const fs::path& f : files) fsync_path(f, false);
+  fsync_path(tmp.path(), true);
+  if (before_rename) before_rename(tmp.path().string());
 
-  if (fs::exists(final_dir)) {  // the same step saved by an earlier run: replace it as a whole
+  const auto rename = [&](const fs::path& from, const fs::path& to) {
+    fs::rename(from, to, ec);
+    RF_CHECK(!ec, "cannot rename ", from.string(), " to ", to.string(), ": ", ec.message());
+  };
+  if (fs::exists(final_dir, ec)) {  // the same step saved by an earlier run: replace it as a whole
     const fs::path old = base / hidden_name(name, ".old");
-    fs::remove_all(old);
-    fs::rename(final_dir, old);
-    fs::rename(tmp, final_dir);
-    fs::remove_all(old);
+    rename(final_dir, old);
+    rename(tmp.path(), final_dir);
+    tmp.renamed();
+    fs::remove_all(old, ec);
+    RF_CHECK(!ec, old.string(), ": cannot remove the replaced checkpoint: ", ec.message());
   } else {
-    fs::rename(tmp, final_dir);
+    rename(tmp.path(), final_dir);
+    tmp.renamed();
   }
   fsync_path(base, true);
 
-  std::vector<fs::path> all = list_checkpoints(base);
-  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i]);
+  const std::vector<fs::path> all = list_checkpoints(base);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) {
+    fs::remove_all(all[i], ec);
+    RF_CHECK(!ec, all[i].string(), ": cannot remove (checkpoint.keep = ", keep, "): ", ec.message());
+  }
   return final_dir.string();
+}
+
+std::string checkpoint_path(const std::string& root, int64_t step) {
+  return (fs::path(root) / step_name(step)).string();
 }
 
 std::string resolve_checkpoint(const std::string& dir_or_root) {
   const fs::path p(dir_or_root);
-  if (fs::exists(p / kStateFile)) return p.string();
-  RF_CHECK(fs::is_directory(p), "--resume ", dir_or_root, ": no such directory");
+  std::error_code ec;
+  if (fs::exists(p / kStateFile, ec)) return p.string();
+  RF_CHECK(fs::is_directory(p, ec), "--resume ", dir_or_root, ": no such directory");
   const std::vector<fs::path> all = list_checkpoints(p);
   RF_CHECK(!all.empty(), "--resume ", dir_or_root, ": neither a checkpoint (no ", kStateFile,
            ") nor a directory holding any");

@@ -9,7 +9,9 @@
 //                                    loss history (for the loss picture) and the resolved config.
 // Rank 0 writes everything into `.step-NNNNNNNN.tmp/`, fsyncs each file, renames the directory into place and
 // fsyncs the parent: a crash at any moment leaves either the previous checkpoints alone or the new one complete.
-// Hidden (dot) directories are never taken as checkpoints.
+// Hidden (dot) directories are never taken as checkpoints; what a hard kill leaves of a save (the temporary directory)
+// is removed before the next run's first step and before every save (remove_leftovers). A save that fails removes its
+// own temporaries.
 #pragma once
 
 #include <cstdint>
@@ -40,10 +42,20 @@ struct TrainState {
 
 // Writes checkpoint `state.step` under `root`, then removes all but the newest `keep`. `before_rename`, when set,
 // runs after the files are written and synced but before the rename (tests use it to simulate a crash). Returns
-// the checkpoint's directory.
-// The moments are the store's (weights.model->params()).
+// the checkpoint's directory. Any failure (a full disk, a quota, a file-size limit, a read-only directory) throws
+// rf::Error with one line naming the file, after removing the save's temporary directory; the checkpoints already
+// there stay as they were. What a hard kill left of an earlier save is removed first (remove_leftovers).
+// AdamW's moments are the store's (weights.model->params()).
 std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const TrainState& state,
                                   int keep, const std::function<void(const std::string&)>& before_rename = {});
+
+// `<root>/step-NNNNNNNN`: where save_train_checkpoint puts step `step`.
+std::string checkpoint_path(const std::string& root, int64_t step);
+
+// Removes what a save interrupted by a hard kill left under `root` (its hidden temporary directories and files;
+// resolve_checkpoint never takes them for checkpoints). train() calls it on rank 0 before the first step, and every
+// save before it writes.
+void remove_leftovers(const std::string& root);
 
 // A checkpoint directory itself, or a root whose newest checkpoint is meant. Throws rf::Error when there is none.
 std::string resolve_checkpoint(const std::string& dir_or_root);
@@ -52,8 +64,8 @@ struct LoadedCheckpoint {
   model::Checkpoint weights;
   TrainState state;
 };
-// Loads weights and state; the optimizer's moments go into `store` (same parameter names and shapes; allocated here
-// for its trainable parameters, so freeze before).
+// Loads weights and state; load_optimizer_state puts AdamW's moments into `store` (same parameter names and shapes;
+// allocated there for its trainable parameters, so freeze before).
 // `before_allocating`: as model::load_checkpoint's, before the weights are allocated.
 LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating = {});
 void load_optimizer_state(const std::string& dir, model::ParamStore& store);
@@ -64,8 +76,5 @@ void load_optimizer_state(const std::string& dir, model::ParamStore& store);
 // weight NaN in the first update and be saved in the next checkpoint.
 void check_loaded_tensor(const std::string& where, const std::string& name, std::span<const float> values,
                          const std::vector<int64_t>& shape, bool non_negative = false);
-
-// Writes `text` to `path` all or nothing (io::AtomicFile: a temporary beside it, fsync, rename).
-void write_file_atomically(const std::string& path, const std::string& text);
 
 }  // namespace rf::trainer

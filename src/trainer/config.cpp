@@ -18,6 +18,17 @@
 namespace rf::trainer {
 namespace {
 
+// std::filesystem's queries without exceptions: a path that cannot be examined (permissions, a name too long) is
+// neither a directory nor a file, and the check naming the field reports it.
+bool is_directory(const std::filesystem::path& p) {
+  std::error_code ec;
+  return std::filesystem::is_directory(p, ec);
+}
+bool is_file(const std::filesystem::path& p) {
+  std::error_code ec;
+  return std::filesystem::is_regular_file(p, ec);
+}
+
 namespace fs = std::filesystem;
 
 // Threads per rank at most, as the command line's --threads allows (src/cli): far above any core count, and low
@@ -221,7 +232,7 @@ TrainConfig parse_config(const std::string& yaml_text, const std::string& source
 
 TrainConfig load_config(const std::string& path, const std::vector<std::string>& sets) {
   // A directory opens as a stream that reads nothing, which would run on every default.
-  RF_CHECK(!fs::is_directory(path), path, ": is a directory, not a config file");
+  RF_CHECK(!is_directory(path), path, ": is a directory, not a config file");
   std::ifstream in(path);
   RF_CHECK(in.good(), path, ": cannot open the config file");
   std::stringstream text;
@@ -241,23 +252,22 @@ void validate(const TrainConfig& c, int world_size) {
              c.model.builtin, "' is not one of tiny_dense, tiny_moe_vlm (or set model.path to a checkpoint)");
     RF_CHECK(c.model.init_std > 0, "config: model.init_std = ", c.model.init_std, " must be > 0");
   } else {
-    RF_CHECK(fs::is_regular_file(fs::path(c.model.path) / "config.json"), "config: model.path = '", c.model.path,
+    RF_CHECK(is_file(fs::path(c.model.path) / "config.json"), "config: model.path = '", c.model.path,
              "' has no config.json");
   }
   RF_CHECK(c.data.source == "mock" || c.data.source == "jsonl_tokens" || c.data.source == "jsonl_text",
            "config: data.source = '", c.data.source, "' is not one of mock, jsonl_tokens, jsonl_text");
   if (c.data.source != "mock") {
     RF_CHECK(!c.data.path.empty(), "config: data.path is required with data.source = ", c.data.source);
-    RF_CHECK(fs::is_regular_file(c.data.path), "config: data.path = '", c.data.path, "' is not a file");
+    RF_CHECK(is_file(c.data.path), "config: data.path = '", c.data.path, "' is not a file");
   }
   if (!c.data.features.empty())
-    RF_CHECK(fs::is_regular_file(c.data.features), "config: data.features = '", c.data.features, "' is not a file");
+    RF_CHECK(is_file(c.data.features), "config: data.features = '", c.data.features, "' is not a file");
   if (c.data.source == "jsonl_text") {
     RF_CHECK(!c.data.tokenizer.empty() || !c.model.path.empty(),
              "config: data.tokenizer is required with data.source = jsonl_text and a built-in model");
     if (!c.data.tokenizer.empty())
-      RF_CHECK(fs::is_regular_file(c.data.tokenizer), "config: data.tokenizer = '", c.data.tokenizer,
-               "' is not a file");
+      RF_CHECK(is_file(c.data.tokenizer), "config: data.tokenizer = '", c.data.tokenizer, "' is not a file");
   }
   RF_CHECK(c.data.val_rows >= 0, "config: data.val_rows = ", c.data.val_rows, " must be >= 0 (0: no validation)");
   positive(c.data.mock_image_tokens, "data.mock_image_tokens");

@@ -368,11 +368,11 @@ std::vector<Document> read_text_file(const TrainConfig& c, const DataContract& k
 
 }  // namespace
 
-int64_t PackedBatch::label_tokens() const {
+int64_t count_label_tokens(std::span<const int32_t> labels) {
   return std::count_if(labels.begin(), labels.end(), [](int32_t l) { return l != kIgnore; });
 }
 
-int64_t PackedBatch::real_tokens() const {
+int64_t count_real_tokens(std::span<const int32_t> doc) {
   return std::count_if(doc.begin(), doc.end(), [](int32_t d) { return d != 0; });
 }
 

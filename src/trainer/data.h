@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -29,14 +30,19 @@ struct Row {
   std::vector<float> image_features;   // [slots, F] in slot order
 };
 
+// The tokens that count: label tokens (the loss's denominator: every label not ignored) and non-padding tokens
+// (doc != 0), of a row's or a batch's arrays. The one definition the trainer's counts use.
+int64_t count_label_tokens(std::span<const int32_t> labels);
+int64_t count_real_tokens(std::span<const int32_t> doc);
+
 // Rows of one micro-batch laid out as the model's Batch wants them: [B, S] arrays, features [N, F] row-major.
 struct PackedBatch {
   int B = 0, S = 0;
   std::vector<int32_t> input_ids, labels, position_ids, doc, mm_token_type;  // [B, S]
   std::vector<float> image_features;                                         // [N, F]
   int64_t n_image_features = 0;
-  int64_t label_tokens() const;
-  int64_t real_tokens() const;  // non-padding tokens
+  int64_t label_tokens() const { return count_label_tokens(labels); }
+  int64_t real_tokens() const { return count_real_tokens(doc); }  // non-padding tokens
 };
 PackedBatch stack_rows(const std::vector<Row>& rows, int feature_dim);
 

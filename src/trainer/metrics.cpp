@@ -1,16 +1,21 @@
 // ringflex trainer: progress, metrics and the loss picture (see metrics.h).
 #include "trainer/metrics.h"
 
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "core/error.h"
+#include "io/atomic_file.h"
 
 namespace rf::trainer {
 
@@ -24,6 +29,36 @@ std::string metrics_json_line(const StepMetrics& m) {
                               {"peak_rss_bytes", m.peak_rss_bytes}};
   if (m.val_loss) j["val_loss"] = *m.val_loss;
   return j.dump() + "\n";
+}
+
+MetricsFile::MetricsFile(const std::string& path, bool append) : path_(path) {
+  constexpr mode_t kNewFileMode = 0666;  // before the umask, as fopen creates files
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC), kNewFileMode);
+  RF_CHECK(fd_ >= 0, path, ": cannot open for writing: ", std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd_, &st) == 0) size_ = st.st_size;
+}
+
+MetricsFile::~MetricsFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void MetricsFile::append(const std::string& line) {
+  RF_CHECK(fd_ >= 0, path_, ": write after the file was closed");
+  const int err = io::write_all(fd_, std::as_bytes(std::span<const char>(line.data(), line.size())));
+  if (err != 0) {
+    // Whatever part of the line reached the file is cut off again.
+    const bool cut = ::ftruncate(fd_, size_) == 0;
+    rf::fail(path_, ": write failed: ", std::strerror(err), cut ? "" : " (and the partial line could not be removed)");
+  }
+  size_ += static_cast<int64_t>(line.size());
+}
+
+void MetricsFile::close() {
+  if (fd_ < 0) return;
+  const int fd = fd_;
+  fd_ = -1;
+  RF_CHECK(::close(fd) == 0, path_, ": write failed (close): ", std::strerror(errno));
 }
 
 int64_t peak_rss_bytes() {

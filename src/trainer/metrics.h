@@ -24,6 +24,26 @@ struct StepMetrics {
 // One JSON object per line: step, loss, lr, grad_norm, tokens, tokens_per_s, peak_rss_bytes [, val_loss].
 std::string metrics_json_line(const StepMetrics& m);
 
+// The --metrics JSONL file (rank 0's): each line is written whole or the write fails. Opened at construction
+// (truncated for a fresh run, appended to on a resume), closed by the destructor on every path. A failed write
+// (a full disk, a quota, a file-size limit) throws rf::Error "<path>: write failed: <reason>" after cutting the file
+// back to its last whole line, so what a run recorded stays readable.
+class MetricsFile {
+ public:
+  MetricsFile(const std::string& path, bool append);
+  ~MetricsFile();
+  MetricsFile(const MetricsFile&) = delete;
+  MetricsFile& operator=(const MetricsFile&) = delete;
+
+  void append(const std::string& line);
+  void close();  // closes and reports a failed close (a write the kernel could only refuse then); idempotent
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  int64_t size_ = 0;  // bytes of whole lines
+};
+
 // Peak resident set of this process (getrusage), in bytes.
 int64_t peak_rss_bytes();
 

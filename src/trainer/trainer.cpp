@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include "comm/agree.h"
 #include "core/error.h"
@@ -69,15 +70,6 @@ model::Batch as_batch(const PackedBatch& p) {
   return b;
 }
 
-// Sums the gradients over every rank of `c`, in rank order (Communicator::allreduce: the same bits on every rank and
-// backend). The store's gradient arena is one flat buffer of the trainable parameters, so the whole model is one
-// collective, in place.
-void allreduce_gradients(comm::Communicator& c, model::ParamStore& store, comm::Timeout timeout) {
-  if (c.size() == 1) return;
-  const std::span<float> flat = store.mutable_flat(model::Role::Grads);
-  c.allreduce(flat.data(), flat.size(), comm::ReduceOp::Sum, timeout);
-}
-
 // A resumed run must continue the same stream of rows with the same batches.
 void check_resume_compatible(const TrainConfig& now, const std::string& saved_yaml, const std::string& dir) {
   const TrainConfig then = parse_config(saved_yaml, dir + "/trainer_state.json config");
@@ -100,7 +92,8 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
 // work. Names the single-file checkpoint, or the directory of a sharded one.
 void check_loaded_weights(const model::Checkpoint& ck, const std::string& dir) {
   const fs::path single = fs::path(dir) / "model.safetensors";
-  const std::string where = fs::exists(single) ? single.string() : dir;
+  std::error_code ec;
+  const std::string where = fs::exists(single, ec) ? single.string() : dir;
   const model::ParamStore& store = ck.model->params();
   for (size_t i = 0; i < store.size(); ++i) {  // named as in the files, where the user can look it up
     const model::ParamInfo& p = store.info(i);
@@ -166,7 +159,8 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   need.add("weights", params + m.buffers().total_bytes());
   need.add("gradients", trainable_bytes);
   need.add("AdamW moments", checked_bytes({kMoments, trainable_bytes}));
-  if (c.model.compute_dtype == "bfloat16") need.add("bf16 weight copies", m.bf16_weight_bytes());
+  if (model::parse_compute_dtype(c.model.compute_dtype) == model::ComputeDtype::Bfloat16)
+    need.add("bf16 weight copies", m.bf16_weight_bytes());
   // A step builds all of this replica's rows before its micro-batches run: five int32 arrays a token (ids, labels,
   // positions, documents, image slots); image features not counted.
   constexpr int64_t kRowArrays = 5;
@@ -191,230 +185,312 @@ std::string builtin_config_json(const std::string& name) {
   rf::fail("model.builtin = '", name, "' is not one of tiny_dense, tiny_moe_vlm");
 }
 
-TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const TrainOptions& options) {
-  const int cp = cfg.parallelism.cp, dp = cfg.parallelism.dp;
-  RF_CHECK(world.size() == cp * dp, "parallelism.cp * parallelism.dp = ", cp * dp, " but the job has ", world.size(),
-           " rank(s)");
-  const comm::Timeout timeout = comm::default_timeout();  // `ringflex ... --timeout SECONDS`
-  const int cp_index = world.rank() % cp, dp_index = world.rank() / cp;
-  std::unique_ptr<comm::Communicator> cp_group = world.split(dp_index, cp_index, timeout);
-  std::unique_ptr<comm::Communicator> dp_group = world.split(cp_index, dp_index, timeout);
-  const bool lead = world.rank() == 0;
-  if (cfg.train.threads > 0) omp_set_num_threads(cfg.train.threads);
-  // The model's attention: the local kernels, or the ring over this rank's CP group.
-  std::unique_ptr<AttentionBackend> attention;
-  if (cp == 1) {
-    attention = std::make_unique<cpu::LocalAttention>();
-  } else {
-    cp::CpAttentionOptions co;
-    co.scheme = cfg.parallelism.sharding;
-    co.timeout = timeout;
-    attention = std::make_unique<cp::CpAttention>(*cp_group, co);
-  }
+namespace {
 
-  // The model, the optimizer state and where the run stands; everything here can fail on bad input.
+// Everything one rank's run holds: built by set_up (the plan's setup), used by every step after it.
+struct Run {
+  Run(const TrainConfig& c, comm::Communicator& w, const TrainOptions& o)
+      : cfg(c), world(w), options(o), cp_index(w.rank() % c.parallelism.cp), dp_index(w.rank() / c.parallelism.cp) {}
+
+  const TrainConfig& cfg;
+  comm::Communicator& world;
+  const TrainOptions& options;
+  const comm::Timeout timeout = comm::default_timeout();  // `ringflex ... --timeout SECONDS`
+  const int cp_index, dp_index;
+  const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
+  std::unique_ptr<comm::Communicator> cp_group, dp_group;
+  std::unique_ptr<AttentionBackend> attention;  // the local kernels, or the ring over this rank's CP group
   model::Checkpoint ck;
   TrainState state;
-  std::string resume_dir;
+  std::string resume_dir;  // empty: a fresh run
   std::unique_ptr<DataSource> data;
-  std::unique_ptr<AdamW> adam_ptr;
+  std::unique_ptr<AdamW> adam;  // its state (the moments) and the gradients live in the model's parameter store
+  model::RunOptions training;   // how a micro-batch runs (its string options parsed once)
+  int feature_dim = 0;          // F of the batches' image features (0: the data has none)
+};
+
+// The run's groups and attention backend (collectives: every rank, in the same order).
+void join_groups(Run& r) {
+  const int cp = r.cfg.parallelism.cp;
+  r.cp_group = r.world.split(r.dp_index, r.cp_index, r.timeout);
+  r.dp_group = r.world.split(r.cp_index, r.dp_index, r.timeout);
+  if (cp == 1) {
+    r.attention = std::make_unique<cpu::LocalAttention>();
+  } else {
+    cp::CpAttentionOptions co;
+    co.scheme = r.cfg.parallelism.sharding;
+    co.timeout = r.timeout;
+    r.attention = std::make_unique<cp::CpAttention>(*r.cp_group, co);
+  }
+}
+
+// Setup: the model (fresh, from model.path or resumed), the data, the optimizer state and where the run stands.
+// Everything here can fail on bad input and runs no collective, so train() runs it inside comm::agree.
+void set_up(Run& r) {
+  const TrainConfig& cfg = r.cfg;
+  if (r.lead) {
+    check_outputs(cfg, r.options);
+    std::error_code ec;
+    if (!cfg.checkpoint.dir.empty() && fs::is_directory(cfg.checkpoint.dir, ec)) remove_leftovers(cfg.checkpoint.dir);
+  }
   // What the run needs, checked on every rank before the weights, gradients and moments are allocated.
   const auto check_fits = [&](const model::Gemma4Model& shapes) {
-    check_memory(train_memory_at_least(cfg, shapes, world.size()), "train",
-                 rf::concat(" at seq_len ", cfg.train.seq_len, " over cp ", cp));
+    check_memory(train_memory_at_least(cfg, shapes, r.world.size()), "train",
+                 rf::concat(" at seq_len ", cfg.train.seq_len, " over cp ", cfg.parallelism.cp));
   };
-  const auto setup = [&] {
-    if (lead) check_outputs(cfg, options);
-    if (!options.resume.empty()) {
-      resume_dir = resolve_checkpoint(options.resume);
-      LoadedCheckpoint loaded = load_train_checkpoint(resume_dir, check_fits);
-      check_resume_compatible(cfg, loaded.state.config_yaml, resume_dir);
-      ck = std::move(loaded.weights);
-      state = std::move(loaded.state);
-      RF_CHECK(state.step < cfg.train.steps, "--resume ", resume_dir, ": the checkpoint is at step ", state.step,
-               " and train.steps = ", cfg.train.steps, " leaves nothing to do");
-    } else if (!cfg.model.path.empty()) {
-      ck = model::load_checkpoint(cfg.model.path, check_fits);
-    } else {
-      const model::Gemma4Config builtin = model::Gemma4Config::from_json(builtin_config_json(cfg.model.builtin));
-      check_fits(model::Gemma4Model(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Deferred));
-      ck.model = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim);
-      ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
-    }
-    if (!resume_dir.empty() || !cfg.model.path.empty())
-      check_loaded_weights(ck, resume_dir.empty() ? cfg.model.path : resume_dir);
-    model::Gemma4Model& mm = *ck.model;
-    const int width = mm.vision_feature_dim() > 0 ? mm.vision_feature_dim() : mm.config().hidden_size;
-    // Unfilled row positions are doc 0 with ignored labels (masked everywhere), so a config without a pad id
-    // (pad_token_id null) fills them with token 0: any in-vocabulary id would do.
-    data = make_data_source(cfg, DataContract{mm.config().vocab_size, mm.config().pad_token_id.value_or(0), width,
+  if (!r.options.resume.empty()) {
+    r.resume_dir = resolve_checkpoint(r.options.resume);
+    LoadedCheckpoint loaded = load_train_checkpoint(r.resume_dir, check_fits);
+    check_resume_compatible(cfg, loaded.state.config_yaml, r.resume_dir);
+    r.ck = std::move(loaded.weights);
+    r.state = std::move(loaded.state);
+    RF_CHECK(r.state.step < cfg.train.steps, "--resume ", r.resume_dir, ": the checkpoint is at step ", r.state.step,
+             " and train.steps = ", cfg.train.steps, " leaves nothing to do");
+  } else if (!cfg.model.path.empty()) {
+    r.ck = model::load_checkpoint(cfg.model.path, check_fits);
+  } else {
+    const model::Gemma4Config builtin = model::Gemma4Config::from_json(builtin_config_json(cfg.model.builtin));
+    check_fits(model::Gemma4Model(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Deferred));
+    r.ck.model = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim);
+    r.ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
+  }
+  if (!r.resume_dir.empty() || !cfg.model.path.empty())
+    check_loaded_weights(r.ck, r.resume_dir.empty() ? cfg.model.path : r.resume_dir);
+  const model::Gemma4Model& m = *r.ck.model;
+  const int width = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
+  // Unfilled row positions are doc 0 with ignored labels (masked everywhere), so a config without a pad id
+  // (pad_token_id null) fills them with token 0: any in-vocabulary id would do.
+  r.data = make_data_source(cfg, DataContract{m.config().vocab_size, m.config().pad_token_id.value_or(0), width,
                                               cfg.model.path});
-    mm.params().freeze(cfg.model.freeze);
-    adam_ptr = std::make_unique<AdamW>(mm.params(), cfg.optimizer);
-    if (!resume_dir.empty()) load_optimizer_state(resume_dir, mm.params());
-    mm.params().allocate_grads();
-  };
-  if (options.setup_guard)
-    options.setup_guard(setup);
-  else
-    setup();
-  state.seed = cfg.train.seed;
-  state.config_yaml = to_yaml(cfg);
-  model::Gemma4Model& m = *ck.model;
-  AdamW& adam = *adam_ptr;
-  const int F = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
+  r.feature_dim = r.data->feature_dim() > 0 ? width : 0;
+  model::ParamStore& store = r.ck.model->params();
+  store.freeze(cfg.model.freeze);
+  r.adam = std::make_unique<AdamW>(store, cfg.optimizer);
+  if (!r.resume_dir.empty()) load_optimizer_state(r.resume_dir, store);
+  store.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
+  r.state.seed = cfg.train.seed;
+  r.state.config_yaml = to_yaml(cfg);
+  r.training.want_grad = true;
+  r.training.recompute_layers = cfg.train.recompute;
+  r.training.keep_mlp_projections = cfg.train.keep_mlp;
+  r.training.compute_dtype = model::parse_compute_dtype(cfg.model.compute_dtype);
+}
+
+void announce(const Run& r, Progress& progress) {
+  const TrainConfig& cfg = r.cfg;
+  progress.note(
+      rf::concat("ringflex train: ", cfg.model.path.empty() ? "built-in " + cfg.model.builtin : cfg.model.path, ", ",
+                 r.ck.model->params().total_elements(), " parameters, data ", cfg.data.source,
+                 ", S = ", cfg.train.seq_len, ", global batch ", cfg.train.global_batch, " rows (dp ",
+                 cfg.parallelism.dp, " x ", cfg.accumulation_steps(), " micro-batches of ", cfg.train.micro_batch,
+                 "), cp ", cfg.parallelism.cp, r.resume_dir.empty() ? "" : ", resumed from " + r.resume_dir));
+  if (r.training.compute_dtype == model::ComputeDtype::Bfloat16)
+    progress.note(rf::concat("ringflex train: bf16 matmuls: ", model::bf16_matmul_path().description));
+}
+
+// 1. This replica's rows of the step, rows [pos + d * G/dp, pos + (d + 1) * G/dp), as packed micro-batches of
+// train.micro_batch rows. Reads data only (no collective): train() runs it inside comm::agree, so a row that fails
+// to load on one rank fails every rank.
+std::vector<PackedBatch> replica_micro_batches(const Run& r) {
+  const int micro = r.cfg.train.micro_batch;
+  const int64_t first = r.state.data_position + int64_t{r.dp_index} * r.cfg.global_batch_per_replica();
+  std::vector<PackedBatch> batches;
+  for (int a = 0; a < r.cfg.accumulation_steps(); ++a) {
+    std::vector<Row> rows;
+    for (int j = 0; j < micro; ++j) rows.push_back(r.data->train_row(first + int64_t{a} * micro + j));
+    batches.push_back(stack_rows(rows, r.feature_dim));
+  }
+  return batches;
+}
+
+struct TokenCounts {
+  int64_t labels = 0;  // label tokens of the global batch: the loss's denominator
+  int64_t real = 0;    // non-padding tokens of the global batch: the throughput's numerator
+};
+
+// 2. The global batch's tokens, counted once: each replica counts its rows, one all-reduce over DP sums them (never
+// over CP: CP ranks hold the same rows).
+TokenCounts count_tokens(const Run& r, const std::vector<PackedBatch>& batches) {
+  int64_t counts[2] = {0, 0};
+  for (const PackedBatch& b : batches) {
+    counts[0] += b.label_tokens();
+    counts[1] += b.real_tokens();
+  }
+  r.dp_group->allreduce(counts, 2, comm::ReduceOp::Sum, r.timeout);
+  return {counts[0], counts[1]};
+}
+
+// One micro-batch's share of the global loss (its token losses over `label_tokens`); with `grad`, its gradients
+// accumulate into the parameter store's.
+double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool grad) {
+  model::RunOptions ro = r.training;
+  ro.want_grad = grad;
+  ro.loss_normalizer = std::max(1.0, static_cast<double>(label_tokens));  // no label tokens: loss 0, not 0 / 0
+  return r.ck.model->run(as_batch(p), ro, *r.attention).loss;
+}
+
+// 3. Forward + backward of every micro-batch, the gradients accumulating; returns the global batch's loss.
+double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t label_tokens) {
+  r.ck.model->params().zero_grads();
+  double loss = 0.0;
+  for (const PackedBatch& b : batches) loss += run_micro_batch(r, b, label_tokens, true);
+  r.dp_group->allreduce(&loss, 1, comm::ReduceOp::Sum, r.timeout);
+  return loss;
+}
+
+// 4a. Sums the gradients over every rank of `c`, in rank order (Communicator::allreduce: the same bits on every rank
+// and backend). The store's gradient arena is one flat buffer of the trainable parameters, so the whole model is one
+// collective, in place.
+void reduce_gradients(comm::Communicator& c, model::ParamStore& store, comm::Timeout timeout) {
+  if (c.size() == 1) return;
+  const std::span<float> flat = store.mutable_flat(model::Role::Grads);
+  c.allreduce(flat.data(), flat.size(), comm::ReduceOp::Sum, timeout);
+}
+
+// 4b. The global gradient norm, then clipping to optimizer.grad_clip; returns the norm before clipping.
+double clip_global_norm(model::ParamStore& store, double max_norm) {
+  const double norm = global_grad_norm(store);
+  if (std::isfinite(norm)) clip_gradients(store, norm, max_norm);
+  return norm;
+}
+
+// 4c. The AdamW update at `step`, the same on every replica; returns the learning rate it used.
+double apply_update(Run& r, int64_t step) {
+  const double lr = learning_rate(r.cfg.optimizer, r.cfg.schedule, static_cast<int>(step), r.cfg.train.steps);
+  r.adam->step(r.ck.model->params(), lr, step);
+  return lr;
+}
+
+// A non-finite loss or gradient (a diverging run, or NaN weights resumed from a damaged checkpoint) stops the run
+// before the update, so neither the weights nor a checkpoint take it. Both figures are already the same bits on
+// every rank (the loss summed over the CP group in the model and over DP, the norm taken from the reduced
+// gradients), so every rank stops at the same step with the same line without another collective.
+void check_finite_step(int64_t step, double loss, double norm, const std::string& last_checkpoint) {
+  if (std::isfinite(loss) && std::isfinite(norm)) return;
+  throw comm::AgreedError(rf::concat(
+      "step ", step, ": the loss or the gradient is not finite (gradient norm ", norm,
+      "): the run diverged (try a lower optimizer.lr) or its weights are not finite; stopped before the update",
+      last_checkpoint.empty() ? "" : ", last checkpoint " + last_checkpoint));
+}
+
+// 6. Validation: every row of the split, each DP replica running every dp-th row in micro-batches, the loss
+// normalised by the label tokens of the whole split. The rows are read inside comm::agree (like a step's rows).
+double validation_loss(Run& r) {
+  const int dp = r.cfg.parallelism.dp;
+  std::vector<PackedBatch> mine;
+  int64_t labels = 0;
+  comm::agree(r.world, [&] {
+    std::vector<Row> rows;
+    for (int j = 0; j < r.data->val_rows(); ++j) {
+      Row row = r.data->val_row(j);
+      labels += count_label_tokens(row.labels);
+      if (j % dp == r.dp_index) rows.push_back(std::move(row));
+    }
+    const size_t micro = static_cast<size_t>(r.cfg.train.micro_batch);
+    for (size_t at = 0; at < rows.size(); at += micro)
+      mine.push_back(
+          stack_rows(std::vector<Row>(rows.begin() + static_cast<std::ptrdiff_t>(at),
+                                      rows.begin() + static_cast<std::ptrdiff_t>(std::min(rows.size(), at + micro))),
+                     r.feature_dim));
+  });
+  double loss = 0.0;
+  for (const PackedBatch& b : mine) loss += run_micro_batch(r, b, labels, false);
+  r.dp_group->allreduce(&loss, 1, comm::ReduceOp::Sum, r.timeout);
+  return loss;
+}
+
+// 7. The checkpoint of the current step, and the loss picture beside it (rank 0 writes both).
+void save(Run& r, TrainResult& result) {
+  result.last_checkpoint = save_train_checkpoint(r.cfg.checkpoint.dir, r.ck, r.state, r.cfg.checkpoint.keep,
+                                                 r.options.before_checkpoint_rename);
+  if (!result.svg_path.empty()) io::write_file_atomically(result.svg_path, loss_svg(r.state.history, "ringflex train"));
+}
+
+}  // namespace
+
+TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const TrainOptions& options) {
+  RF_CHECK(world.size() == cfg.parallelism.cp * cfg.parallelism.dp,
+           "parallelism.cp * parallelism.dp = ", cfg.parallelism.cp * cfg.parallelism.dp, " but the job has ",
+           world.size(), " rank(s)");
+  if (cfg.train.threads > 0) omp_set_num_threads(cfg.train.threads);
+  Run r(cfg, world, options);
+  join_groups(r);
+  comm::agree(world, [&] { set_up(r); });
 
   TrainResult result;
   result.svg_path = default_svg_path(cfg, options);
-  std::FILE* metrics = nullptr;
-  if (lead && !options.metrics_path.empty()) {
-    metrics = std::fopen(options.metrics_path.c_str(), resume_dir.empty() ? "w" : "a");
-    RF_CHECK(metrics != nullptr, options.metrics_path, ": cannot open for writing");
-  }
-  Progress progress(lead ? options.progress : nullptr, cfg.train.steps, cfg.train.log_every);
-  if (lead) {
-    progress.note(
-        rf::concat("ringflex train: ", cfg.model.path.empty() ? "built-in " + cfg.model.builtin : cfg.model.path, ", ",
-                   m.params().total_elements(), " parameters, data ", cfg.data.source, ", S = ", cfg.train.seq_len,
-                   ", global batch ", cfg.train.global_batch, " rows (dp ", dp, " x ", cfg.accumulation_steps(),
-                   " micro-batches of ", cfg.train.micro_batch, "), cp ", cp,
-                   resume_dir.empty() ? "" : ", resumed from " + resume_dir));
-    if (cfg.model.compute_dtype == "bfloat16")
-      progress.note(rf::concat("ringflex train: bf16 matmuls: ", model::bf16_matmul_path().description));
-  }
-
-  const int rows_per_replica = cfg.global_batch_per_replica(), micro = cfg.train.micro_batch;
-  const auto run_rows = [&](const std::vector<Row>& rows, double normalizer, bool grad) {
-    const PackedBatch p = stack_rows(rows, data->feature_dim() > 0 ? F : 0);
-    model::RunOptions ro;
-    ro.want_grad = grad;
-    ro.recompute_layers = cfg.train.recompute;
-    ro.keep_mlp_projections = cfg.train.keep_mlp;
-    ro.compute_dtype = model::parse_compute_dtype(cfg.model.compute_dtype);
-    ro.loss_normalizer = std::max(1.0, normalizer);  // a batch without label tokens has loss 0, not 0 / 0
-    return m.run(as_batch(p), ro, *attention).loss;
-  };
-
-  const auto validate_now = [&] {
-    std::vector<Row> mine;
-    int64_t labels = 0;
-    for (int j = 0; j < data->val_rows(); ++j) {
-      Row r = data->val_row(j);
-      labels += std::count_if(r.labels.begin(), r.labels.end(), [](int32_t l) { return l >= 0; });
-      if (j % dp == dp_index) mine.push_back(std::move(r));
-    }
-    double loss = 0.0;
-    for (size_t at = 0; at < mine.size(); at += static_cast<size_t>(micro)) {
-      const std::vector<Row> part(mine.begin() + static_cast<std::ptrdiff_t>(at),
-                                  mine.begin() + static_cast<std::ptrdiff_t>(std::min(mine.size(), at + micro)));
-      loss += run_rows(part, static_cast<double>(labels), false);
-    }
-    dp_group->allreduce(&loss, 1, comm::ReduceOp::Sum, timeout);
-    return loss;
-  };
+  // Rank 0's metrics file, closed on every path; opening it is part of the agreement (a resume appends).
+  std::optional<MetricsFile> metrics;
+  comm::agree(world, [&] {
+    if (r.lead && !options.metrics_path.empty()) metrics.emplace(options.metrics_path, !r.resume_dir.empty());
+  });
+  Progress progress(r.lead ? options.progress : nullptr, cfg.train.steps, cfg.train.log_every);
+  if (r.lead) announce(r, progress);
 
   const auto run_start = Clock::now();
-  const int64_t first_step = state.step + 1;
+  const int64_t first_step = r.state.step + 1;
   for (int64_t step = first_step; step <= cfg.train.steps; ++step) {
     const auto step_start = Clock::now();
-    // 1. this replica's rows, as micro-batches
-    std::vector<std::vector<Row>> micro_batches(static_cast<size_t>(cfg.accumulation_steps()));
-    int64_t counts[2] = {0, 0};  // label tokens, non-padding tokens
-    for (int a = 0; a < cfg.accumulation_steps(); ++a) {
-      for (int j = 0; j < micro; ++j) {
-        Row r = data->train_row(state.data_position + int64_t{dp_index} * rows_per_replica + int64_t{a} * micro + j);
-        counts[0] += std::count_if(r.labels.begin(), r.labels.end(), [](int32_t l) { return l >= 0; });
-        counts[1] += std::count_if(r.doc.begin(), r.doc.end(), [](int32_t d) { return d != 0; });
-        micro_batches[a].push_back(std::move(r));
-      }
-    }
-    // 2. the global batch's label tokens, counted once (over DP only)
-    dp_group->allreduce(counts, 2, comm::ReduceOp::Sum, timeout);
-    // 3. forward + backward of each micro-batch, gradients accumulating
-    m.params().zero_grads();
-    double loss = 0.0;
-    for (const std::vector<Row>& mb : micro_batches) loss += run_rows(mb, static_cast<double>(counts[0]), true);
-    dp_group->allreduce(&loss, 1, comm::ReduceOp::Sum, timeout);
-    // 4. one deterministic reduction, clipping, the update
-    allreduce_gradients(world, m.params(), timeout);
-    const double norm = global_grad_norm(m.params());
-    // A non-finite loss or gradient (a diverging run, or NaN weights resumed from a damaged checkpoint) stops the
-    // run before the update, so neither the weights nor a checkpoint take it. Both figures are already the same
-    // bits on every rank (the loss summed over the CP group in the model and over DP above, the norm taken from the
-    // reduced gradients), so every rank stops at the same step with the same line without another collective.
-    if (!std::isfinite(loss) || !std::isfinite(norm))
-      throw comm::AgreedError(
-          rf::concat("step ", step, ": the loss or the gradient is not finite (gradient norm ", norm,
-                     "): the run diverged (try a lower optimizer.lr) or its weights are not finite; stopped "
-                     "before the update",
-                     result.last_checkpoint.empty() ? "" : ", last checkpoint " + result.last_checkpoint));
-    clip_gradients(m.params(), norm, cfg.optimizer.grad_clip);
-    const double lr = learning_rate(cfg.optimizer, cfg.schedule, static_cast<int>(step), cfg.train.steps);
-    adam.step(m.params(), lr, step);
-    state.step = step;
-    state.data_position += cfg.train.global_batch;
+    std::vector<PackedBatch> batches;
+    comm::agree(world, [&] { batches = replica_micro_batches(r); });
+    const TokenCounts tokens = count_tokens(r, batches);
+    const double loss = forward_backward(r, batches, tokens.labels);
+    reduce_gradients(world, r.ck.model->params(), r.timeout);
+    const double norm = clip_global_norm(r.ck.model->params(), cfg.optimizer.grad_clip);
+    check_finite_step(step, loss, norm, result.last_checkpoint);
+    const double lr = apply_update(r, step);
+    r.state.step = step;
+    r.state.data_position += cfg.train.global_batch;
 
+    // 5. the step's metrics
     StepMetrics sm;
     sm.step = step;
     sm.loss = loss;
     sm.lr = lr;
     sm.grad_norm = norm;
-    sm.tokens = counts[0];
+    sm.tokens = tokens.labels;
     // Training throughput: the step's non-padding tokens over its wall time, the validation after it excluded.
     const double seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
-    sm.tokens_per_s = static_cast<double>(counts[1]) / seconds;
+    sm.tokens_per_s = static_cast<double>(tokens.real) / seconds;
     const bool last = step == cfg.train.steps;
     const bool validation_step = (cfg.train.val_every > 0 && step % cfg.train.val_every == 0) || last;
-    if (data->val_rows() > 0 && validation_step) sm.val_loss = validate_now();
+    if (r.data->val_rows() > 0 && validation_step) sm.val_loss = validation_loss(r);
     sm.peak_rss_bytes = peak_rss_bytes();
-    world.allreduce(&sm.peak_rss_bytes, 1, comm::ReduceOp::Max, timeout);
-    state.history.steps.push_back(static_cast<int>(step));
-    state.history.loss.push_back(loss);
+    world.allreduce(&sm.peak_rss_bytes, 1, comm::ReduceOp::Max, r.timeout);
+    r.state.history.steps.push_back(static_cast<int>(step));
+    r.state.history.loss.push_back(loss);
     if (sm.val_loss) {
-      state.history.val_steps.push_back(static_cast<int>(step));
-      state.history.val_loss.push_back(*sm.val_loss);
+      r.state.history.val_steps.push_back(static_cast<int>(step));
+      r.state.history.val_loss.push_back(*sm.val_loss);
     }
     result.steps.push_back(sm);
-    if (metrics) {
-      const std::string line = metrics_json_line(sm);
-      std::fwrite(line.data(), 1, line.size(), metrics);
-      std::fflush(metrics);
-    }
     const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
-    progress.step(sm,
-                  elapsed / static_cast<double>(step - first_step + 1) * static_cast<double>(cfg.train.steps - step),
-                  last || sm.val_loss.has_value());
-    if (sm.val_loss) progress.note(rf::concat("step ", step, ": validation loss ", *sm.val_loss));
+    const double eta =
+        elapsed / static_cast<double>(step - first_step + 1) * static_cast<double>(cfg.train.steps - step);
 
-    const bool save =
+    // The step's outputs, all written by rank 0 in one agreement: a failed write ends every rank together.
+    const bool save_now =
         !cfg.checkpoint.dir.empty() && ((cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0) || last);
-    if (save) {
-      // Rank 0 writes; the others learn whether it succeeded, so a failed save ends every rank together.
-      int64_t failed = 0;
-      std::string error;
-      if (lead) {
-        try {
-          result.last_checkpoint = save_train_checkpoint(cfg.checkpoint.dir, ck, state, cfg.checkpoint.keep,
-                                                         options.before_checkpoint_rename);
-          if (!result.svg_path.empty())
-            write_file_atomically(result.svg_path, loss_svg(state.history, "ringflex train"));
-        } catch (const rf::Error& e) {
-          failed = 1;
-          error = e.what();
-        }
+    comm::agree(world, [&] {
+      if (metrics) metrics->append(metrics_json_line(sm));
+      progress.step(sm, eta, last || sm.val_loss.has_value());
+      if (sm.val_loss) progress.note(rf::concat("step ", step, ": validation loss ", *sm.val_loss));
+      if (save_now && r.lead) {
+        save(r, result);
+        progress.note(rf::concat("step ", step, ": checkpoint ", result.last_checkpoint));
       }
-      world.allreduce(&failed, 1, comm::ReduceOp::Max, timeout);
-      RF_CHECK(!failed, lead ? error : "saving the checkpoint failed on rank 0");
-      if (lead) progress.note("step " + std::to_string(step) + ": checkpoint " + result.last_checkpoint);
+    });
+    if (save_now) result.last_checkpoint = checkpoint_path(cfg.checkpoint.dir, step);  // known to every rank
+  }
+  comm::agree(world, [&] {
+    if (metrics) metrics->close();
+    if (r.lead && !result.svg_path.empty()) {
+      io::write_file_atomically(result.svg_path, loss_svg(r.state.history, "ringflex train"));
+      progress.note("loss picture: " + result.svg_path);
     }
-  }
-  if (metrics) std::fclose(metrics);
-  if (lead && !result.svg_path.empty()) {
-    write_file_atomically(result.svg_path, loss_svg(state.history, "ringflex train"));
-    progress.note("loss picture: " + result.svg_path);
-  }
-  if (lead && !result.last_checkpoint.empty()) progress.note("checkpoint: " + result.last_checkpoint);
-  result.model = std::move(ck.model);
+    if (r.lead && !result.last_checkpoint.empty()) progress.note("checkpoint: " + result.last_checkpoint);
+  });
+  result.model = std::move(r.ck.model);
   return result;
 }
 

@@ -13,6 +13,11 @@
 //   4. gradients are summed over all N ranks in world-rank order (deterministic), the global norm is clipped,
 //      AdamW updates every replica identically.
 // Every G rows the data position advances by G, so a run at any cp x dp sees the same rows at the same step.
+//
+// trainer.cpp reads as this plan: set_up (model, data, optimizer state; checked on every rank before any step),
+// then per step replica_micro_batches (1), count_tokens (2), forward_backward (3), reduce_gradients,
+// clip_global_norm and apply_update (4), the step's metrics, validation_loss and save. Every step that can fail
+// on some ranks only (reading rows, rank 0's writes) runs inside comm::agree, so it fails every rank together.
 #pragma once
 
 #include <cstdio>
@@ -40,15 +45,12 @@ struct TrainOptions {
   std::FILE* progress = stdout;  // rank 0's progress lines; nullptr: silent
   // Runs inside a checkpoint save after its files are written, before the rename (tests simulate a crash here).
   std::function<void(const std::string&)> before_checkpoint_rename;
-  // Runs the setup (config checks against the model, loading weights, reading and checking the data) so that a
-  // failure on any rank fails every rank alike; the CLI passes its rank agreement. Default: run it plainly.
-  std::function<void(const std::function<void()>&)> setup_guard;
 };
 
 struct TrainResult {
   std::vector<StepMetrics> steps;  // the steps this call ran
   std::unique_ptr<model::Gemma4Model> model;
-  std::string last_checkpoint;  // empty when none was written
+  std::string last_checkpoint;  // empty when none was written (the same on every rank)
   std::string svg_path;
 };
 

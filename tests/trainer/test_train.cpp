@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/loopback_comm.h"
+#include "io/atomic_file.h"
 #include "io/safetensors.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
@@ -190,25 +191,32 @@ TEST(Resume, ContinuesBitForBit) {
             std::string::npos);
 }
 
-TEST(Checkpoints, ACrashMidSaveLeavesTheLastGoodOne) {
+TEST(Checkpoints, AFailedSaveLeavesTheLastGoodOne) {
   const fs::path dir = scratch("crash");
   const TrainConfig c = small("tiny_dense", {"train.steps=4", "checkpoint.every=2", "checkpoint.dir=" + dir.string()});
   TrainOptions crash;
   crash.before_checkpoint_rename = [](const std::string& tmp) {
-    if (tmp.find("step-00000004") != std::string::npos) rf::fail("simulated crash while saving ", tmp);
+    if (tmp.find("step-00000004") != std::string::npos) rf::fail("simulated failure while saving ", tmp);
   };
-  EXPECT_NE(error_of([&] { run(c, crash); }).find("simulated crash"), std::string::npos);
+  EXPECT_NE(error_of([&] { run(c, crash); }).find("simulated failure"), std::string::npos);
   EXPECT_FALSE(fs::exists(dir / "step-00000004"));
-  EXPECT_TRUE(fs::exists(dir / ".step-00000004.tmp"));  // the half-written one stays hidden
+  EXPECT_FALSE(fs::exists(dir / ".step-00000004.tmp"));  // a save that fails removes its temporaries
   EXPECT_EQ(resolve_checkpoint(dir.string()), (dir / "step-00000002").string());
   const LoadedCheckpoint good = load_train_checkpoint(resolve_checkpoint(dir.string()));
   EXPECT_EQ(good.state.step, 2);
   EXPECT_EQ(good.state.data_position, 8);  // 2 steps of 4 rows
-  // Resuming finishes the run and cleans up the leftover.
+
+  // What a hard kill mid-save leaves (a hidden, half-written directory; io::AtomicFile's temporary of the loss
+  // picture) is never taken for a checkpoint, and the resumed run removes it before its first step.
+  fs::create_directories(dir / ".step-00000004.tmp");
+  std::ofstream(dir / ".step-00000004.tmp" / "trainer_state.json") << "{\"step\": 4";
+  std::ofstream(dir / ".loss.svg.tmp.12345.0") << "<svg";
+  EXPECT_EQ(resolve_checkpoint(dir.string()), (dir / "step-00000002").string());
   TrainOptions resume;
   resume.resume = dir.string();
   EXPECT_EQ(run(c, resume).steps.size(), 2u);
   EXPECT_FALSE(fs::exists(dir / ".step-00000004.tmp"));
+  EXPECT_FALSE(fs::exists(dir / ".loss.svg.tmp.12345.0"));
   EXPECT_TRUE(fs::exists(dir / "step-00000004" / "model.safetensors"));
 }
 
@@ -225,7 +233,7 @@ TEST(Checkpoints, AHandEditedTrainerStateIsCheckedFieldByField) {
   const auto load_with = [&](const std::string& pointer, const nlohmann::json& value) {
     nlohmann::json edited = good;
     edited[nlohmann::json::json_pointer(pointer)] = value;
-    write_file_atomically(state.string(), edited.dump());
+    io::write_file_atomically(state.string(), edited.dump());
     return error_of([&] { load_train_checkpoint(ck.string()); });
   };
   const std::string file = state.string() + ": ";
