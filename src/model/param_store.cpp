@@ -113,7 +113,35 @@ void ParamStore::set_trainable(const std::vector<bool>& trainable) {
   relayout();
 }
 
+Shard ParamStore::moment_range() const {
+  Shard s;
+  s.begin = moment_begin_;
+  s.end = moment_end_ < 0 ? trainable_total_ : moment_end_;
+  s.padded = s.end - s.begin;
+  return s;
+}
+
+void ParamStore::record_moment_range(int64_t begin, int64_t end) {
+  RF_CHECK(0 <= begin && begin <= end && end <= trainable_total_, "moment range [", begin, ", ", end, ") outside the ",
+           trainable_total_, " trainable elements");
+  moment_begin_ = begin;
+  moment_end_ = begin == 0 && end == trainable_total_ ? -1 : end;
+}
+
+std::vector<ParamStore::Segment> ParamStore::trainable_segments(int64_t begin, int64_t end) const {
+  std::vector<Segment> out;
+  for (size_t i = 0; i < infos_.size(); ++i) {
+    const ParamInfo& p = infos_[i];
+    if (!p.trainable) continue;
+    const int64_t lo = std::max(begin, p.train_offset), hi = std::min(end, p.train_offset + p.numel);
+    if (lo < hi) out.push_back(Segment{i, lo - p.train_offset, hi - lo, lo});
+  }
+  return out;
+}
+
 void ParamStore::relayout() {
+  moment_begin_ = 0;
+  moment_end_ = -1;
   trainable_total_ = 0;
   for (ParamInfo& p : infos_) {
     p.train_offset = p.trainable ? trainable_total_ : -1;
@@ -206,9 +234,22 @@ void ReplicatedStore::allocate_grads() {
 
 void ReplicatedStore::allocate_moments() {
   if (moments_allocated_) return;
-  exp_avg_.assign(static_cast<size_t>(trainable_elements()), 0.f);
-  exp_avg_sq_.assign(static_cast<size_t>(trainable_elements()), 0.f);
+  const Shard r = moment_range();
+  exp_avg_.assign(static_cast<size_t>(r.size()), 0.f);
+  exp_avg_sq_.assign(static_cast<size_t>(r.size()), 0.f);
   moments_allocated_ = true;
+}
+
+void ReplicatedStore::set_moment_range(int64_t begin, int64_t end) {
+  const Shard old = moment_range();
+  record_moment_range(begin, end);
+  if (!moments_allocated_) return;
+  const int64_t lo = std::max(begin, old.begin), hi = std::min(end, old.end);
+  for (std::vector<float>* a : {&exp_avg_, &exp_avg_sq_}) {
+    std::vector<float> moved(static_cast<size_t>(end - begin), 0.f);
+    if (lo < hi) std::copy_n(a->data() + (lo - old.begin), hi - lo, moved.data() + (lo - begin));
+    *a = std::move(moved);
+  }
 }
 
 void ReplicatedStore::zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.f); }
@@ -231,15 +272,15 @@ const float* ReplicatedStore::grad(size_t slot) const {
 }
 
 float* ReplicatedStore::moment(Role role, size_t slot) {
-  RF_ASSERT(role == Role::ExpAvg || role == Role::ExpAvgSq);
-  const ParamInfo& p = info(slot);
-  return moments_allocated_ && p.trainable ? arena(role).data() + p.train_offset : nullptr;
+  return const_cast<float*>(std::as_const(*this).moment(role, slot));
 }
 
 const float* ReplicatedStore::moment(Role role, size_t slot) const {
   RF_ASSERT(role == Role::ExpAvg || role == Role::ExpAvgSq);
   const ParamInfo& p = info(slot);
-  return moments_allocated_ && p.trainable ? arena(role).data() + p.train_offset : nullptr;
+  const Shard r = moment_range();
+  const bool inside = p.trainable && p.train_offset >= r.begin && p.train_offset + p.numel <= r.end;
+  return moments_allocated_ && inside ? arena(role).data() + (p.train_offset - r.begin) : nullptr;
 }
 
 std::span<const float> ReplicatedStore::flat(Role role) const { return arena(role); }

@@ -11,8 +11,8 @@
 // Roles, each a contiguous float32 arena (llm.c's malloc_and_point_parameters) in registration order:
 //   Weights   every parameter, trainable or frozen          [total_elements()]
 //   Grads     the trainable parameters only                  [trainable_elements()]
-//   ExpAvg    AdamW's first moments, the same layout as Grads
-//   ExpAvgSq  AdamW's second moments
+//   ExpAvg    AdamW's first moments, the same layout as Grads, or one range of it (moment_range(): a rank's shard
+//   ExpAvgSq  AdamW's second moments                  of the trainable layout under parallelism.shard: optimizer)
 // A frozen parameter has no gradient and no moments (grad() is null, which is also what tells the backward to skip
 // its weight-gradient product). The bf16 compute copies of the matmul operands are a fifth, bf16 arena, rounded again
 // when version() moved: only writers of the weights (the loader, init, the optimizer, through mutable_weight /
@@ -144,9 +144,27 @@ class ParamStore : public Bf16Lookup {
   // The gradient of a trainable parameter; null when frozen or when there are no gradients.
   virtual float* grad(size_t slot) = 0;
   virtual const float* grad(size_t slot) const = 0;
-  // A moment of a trainable parameter (role ExpAvg or ExpAvgSq); null when frozen or absent.
+  // A moment of a trainable parameter (role ExpAvg or ExpAvgSq); null when frozen, absent, or not wholly inside
+  // moment_range().
   virtual float* moment(Role role, size_t slot) = 0;
   virtual const float* moment(Role role, size_t slot) const = 0;
+
+  // Which elements of the trainable layout [0, trainable_elements()) the moments hold: flat(ExpAvg)[i] is element
+  // moment_range().begin + i. All of them unless set_moment_range chose a part (a rank's shard, ZeRO-1); freeze
+  // resets it to all. Setting it keeps the values of the elements inside both the old and the new range, and zeroes
+  // the others.
+  Shard moment_range() const;
+  virtual void set_moment_range(int64_t begin, int64_t end) = 0;
+
+  // The trainable parameters' pieces inside [begin, end) of the trainable layout, in order: where a range of the
+  // flat gradient or moment arenas lies in the weights.
+  struct Segment {
+    size_t slot = 0;
+    int64_t first = 0;        // first element within the parameter
+    int64_t n = 0;            // elements
+    int64_t train_index = 0;  // index of `first` in the trainable layout
+  };
+  std::vector<Segment> trainable_segments(int64_t begin, int64_t end) const;
 
   // A role's whole arena (empty when not allocated); writing Weights through mutable_flat moves version().
   virtual std::span<const float> flat(Role role) const = 0;
@@ -166,6 +184,7 @@ class ParamStore : public Bf16Lookup {
 
  protected:
   void weights_changed() { ++version_; }
+  void record_moment_range(int64_t begin, int64_t end);
   bool training_state_exists() const { return has_grads() || has_moments(); }
   // Drops the gradients and moments (the trainable layout changed).
   virtual void release_training_state() = 0;
@@ -176,6 +195,7 @@ class ParamStore : public Bf16Lookup {
   std::vector<ParamInfo> infos_;
   std::unordered_map<std::string, size_t> index_;
   int64_t total_ = 0, trainable_total_ = 0, bf16_total_ = 0;
+  int64_t moment_begin_ = 0, moment_end_ = -1;  // end -1: the whole trainable layout
   uint64_t version_ = 0;
 };
 
@@ -198,6 +218,7 @@ class ReplicatedStore : public ParamStore {
   const float* grad(size_t slot) const override;
   float* moment(Role role, size_t slot) override;
   const float* moment(Role role, size_t slot) const override;
+  void set_moment_range(int64_t begin, int64_t end) override;
 
   std::span<const float> flat(Role role) const override;
   std::span<float> mutable_flat(Role role) override;

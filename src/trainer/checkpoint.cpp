@@ -175,6 +175,8 @@ std::string save_train_checkpoint(const std::string& root, const model::Checkpoi
   model::save_checkpoint(weights, tmp.path().string());
   io::SafetensorsWriter w;
   const model::ParamStore& store = weights.model->params();
+  RF_CHECK(store.moment_range().size() == store.trainable_elements(),
+           "save: the optimizer's moments are sharded; gather them to the writer first");
   for (size_t i = 0; i < store.size(); ++i) {
     const model::ParamInfo& p = store.info(i);
     if (!p.trainable) continue;  // a frozen tensor has no moments (a resume must freeze the same)
@@ -291,7 +293,13 @@ void load_optimizer_state(const std::string& dir, model::ParamStore& store) {
       const std::vector<float> values = io::copy_as<float>(v);
       // AdamW divides by sqrt(exp_avg_sq) + eps: a negative one is NaN in the first update.
       check_loaded_tensor(path, prefix + p.name, values, p.shape, role == model::Role::ExpAvgSq);
-      std::copy(values.begin(), values.end(), store.moment(role, i));
+      // The part of the tensor inside the store's moment range (all of it, or this rank's shard: a checkpoint
+      // written at any rank count and shard mode resumes at any other).
+      const model::Shard range = store.moment_range();
+      const int64_t lo = std::max(range.begin, p.train_offset), hi = std::min(range.end, p.train_offset + p.numel);
+      if (lo < hi)
+        std::copy_n(values.data() + (lo - p.train_offset), hi - lo,
+                    store.mutable_flat(role).data() + (lo - range.begin));
     }
   }
 }

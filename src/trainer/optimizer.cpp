@@ -39,15 +39,19 @@ void AdamW::step(model::ParamStore& store, double lr, int64_t step) {
   const double b1 = opt_.beta1, b2 = opt_.beta2;
   const double correction1 = 1.0 - std::pow(b1, static_cast<double>(step));
   const double correction2 = 1.0 - std::pow(b2, static_cast<double>(step));
-  for (size_t i = 0; i < store.size(); ++i) {
-    const model::ParamInfo& info = store.info(i);
-    if (!info.trainable) continue;
-    const double decay = info.decays() ? lr * opt_.weight_decay : 0.0;
-    float* p = store.mutable_weight(i);
-    float* m = store.moment(model::Role::ExpAvg, i);
-    float* v = store.moment(model::Role::ExpAvgSq, i);
-    const float* g = store.grad(i);
-    const int64_t n = info.numel;
+  // The elements whose moments the store holds: all trainable ones, or this rank's shard of them (ZeRO-1). Each
+  // element's update depends on itself alone, so a shard's elements get the bits the whole update gives them.
+  const model::Shard range = store.moment_range();
+  float* const m_all = store.mutable_flat(model::Role::ExpAvg).data();
+  float* const v_all = store.mutable_flat(model::Role::ExpAvgSq).data();
+  const float* const g_all = store.flat(model::Role::Grads).data();
+  for (const model::ParamStore::Segment& seg : store.trainable_segments(range.begin, range.end)) {
+    const double decay = store.info(seg.slot).decays() ? lr * opt_.weight_decay : 0.0;
+    float* p = store.mutable_weight(seg.slot) + seg.first;
+    float* m = m_all + (seg.train_index - range.begin);
+    float* v = v_all + (seg.train_index - range.begin);
+    const float* g = g_all + seg.train_index;
+    const int64_t n = seg.n;
 #pragma omp parallel for schedule(static)
     for (int64_t e = 0; e < n; ++e) {
       const double gd = g[e];

@@ -37,6 +37,8 @@ class AdamW {
   AdamW(model::ParamStore& store, OptimizerSection opt);
 
   // One update with learning rate `lr` from the store's gradients; `step` counts updates from 1 (bias correction).
+  // Updates the trainable elements whose moments the store holds (ParamStore::moment_range: all, or this rank's
+  // shard under parallelism.shard = optimizer, whose other elements the trainer then gathers from their owners).
   void step(model::ParamStore& store, double lr, int64_t step);
 
  private:

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <optional>
 
 #include "comm/agree.h"
@@ -147,8 +148,7 @@ void check_outputs(const TrainConfig& c, const TrainOptions& o) {
 // Left out, so the figure stays a lower bound: the ring's receive buffers (what a rank receives depends on each
 // batch's documents; packed short documents need almost none), the data set's packed rows, the plan, the
 // checkpoint writer's copies, and validation's forward (smaller than the training step's).
-MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Model& m,
-                                      [[maybe_unused]] int world_size) {
+MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Model& m, int world_size) {
   const int64_t params = m.params().weight_bytes();
   const std::vector<bool> trainable = m.params().trainable_after(c.model.freeze);
   int64_t trainable_bytes = 0;
@@ -158,7 +158,12 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   MemoryBreakdown need;
   need.add("weights", params + m.buffers().total_bytes());
   need.add("gradients", trainable_bytes);
-  need.add("AdamW moments", checked_bytes({kMoments, trainable_bytes}));
+  // parallelism.shard = optimizer: a rank holds the moments of its shard, ceil(trainable / N) elements.
+  const int64_t trainable_elements = trainable_bytes / static_cast<int64_t>(sizeof(float));
+  const int64_t moment_elements = c.parallelism.shard == "optimizer"
+                                      ? model::shard_of(trainable_elements, 0, world_size).padded
+                                      : trainable_elements;
+  need.add("AdamW moments", checked_bytes({kMoments, moment_elements, static_cast<int64_t>(sizeof(float))}));
   if (model::parse_compute_dtype(c.model.compute_dtype) == model::ComputeDtype::Bfloat16)
     need.add("bf16 weight copies", m.bf16_weight_bytes());
   // A step builds all of this replica's rows before its micro-batches run: five int32 arrays a token (ids, labels,
@@ -197,6 +202,7 @@ struct Run {
   const TrainOptions& options;
   const comm::Timeout timeout = comm::default_timeout();  // `ringflex ... --timeout SECONDS`
   const int cp_index, dp_index;
+  const bool shard_optimizer = cfg.parallelism.shard == "optimizer";  // ZeRO-1 over the world's ranks
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
   std::unique_ptr<comm::Communicator> cp_group, dp_group;
   std::unique_ptr<AttentionBackend> attention;  // the local kernels, or the ring over this rank's CP group
@@ -265,6 +271,10 @@ void set_up(Run& r) {
   r.feature_dim = r.data->feature_dim() > 0 ? width : 0;
   model::ParamStore& store = r.ck.model->params();
   store.freeze(cfg.model.freeze);
+  if (r.shard_optimizer) {
+    const model::Shard mine = model::shard_of(store.trainable_elements(), r.world.rank(), r.world.size());
+    store.set_moment_range(mine.begin, mine.end);
+  }
   r.adam = std::make_unique<AdamW>(store, cfg.optimizer);
   if (!r.resume_dir.empty()) load_optimizer_state(r.resume_dir, store);
   store.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
@@ -354,10 +364,70 @@ double clip_global_norm(model::ParamStore& store, double max_norm) {
   return norm;
 }
 
+// Every rank's shard (model::shard_of over the ranks of `c`) of an array in the trainable layout of n elements,
+// gathered chunk by chunk so the extra memory stays [P, chunk]: read(i, k, out) copies this rank's elements [i, i + k)
+// into out; on every rank, write(i, k, in) takes another rank's elements [i, i + k) (only where `receive`).
+constexpr int64_t kGatherChunkBytes = int64_t{8} << 20;
+void gather_shards(comm::Communicator& c, int64_t n, const std::function<void(int64_t, int64_t, float*)>& read,
+                   const std::function<void(int64_t, int64_t, const float*)>& write, bool receive,
+                   comm::Timeout timeout) {
+  const int P = c.size();
+  const int64_t padded = model::shard_of(n, 0, P).padded;
+  const int64_t chunk = std::max<int64_t>(1, kGatherChunkBytes / (P * static_cast<int64_t>(sizeof(float))));
+  const int64_t len_max = std::min(chunk, padded);
+  std::vector<float> send(static_cast<size_t>(len_max)), all(static_cast<size_t>(P * len_max));  // [P, chunk]
+  const auto part = [&](int r, int64_t at, int64_t len) {  // rank r's elements in chunk [at, at + len) of its shard
+    const model::Shard s = model::shard_of(n, r, P);
+    return std::pair{s.begin + at, std::clamp<int64_t>(s.size() - at, 0, len)};
+  };
+  for (int64_t at = 0; at < padded; at += chunk) {
+    const int64_t len = std::min(chunk, padded - at);
+    const auto [first, count] = part(c.rank(), at, len);
+    if (count > 0) read(first, count, send.data());
+    c.allgather(send.data(), all.data(), static_cast<size_t>(len) * sizeof(float), timeout);
+    if (!receive) continue;
+    for (int r = 0; r < P; ++r) {
+      const auto [r_first, r_count] = part(r, at, len);
+      if (r != c.rank() && r_count > 0) write(r_first, r_count, all.data() + static_cast<size_t>(r) * len);
+    }
+  }
+}
+
+// parallelism.shard = optimizer, after the update: each rank updated its shard of the trainable parameters; every
+// rank takes the others' (the same bits the whole update gives, so every replica holds the same weights again).
+void gather_updated_weights(comm::Communicator& c, model::ParamStore& store, comm::Timeout timeout) {
+  const auto read = [&](int64_t i, int64_t k, float* out) {
+    for (const model::ParamStore::Segment& seg : store.trainable_segments(i, i + k))
+      std::copy_n(store.weight(seg.slot) + seg.first, seg.n, out + (seg.train_index - i));
+  };
+  const auto write = [&](int64_t i, int64_t k, const float* in) {
+    for (const model::ParamStore::Segment& seg : store.trainable_segments(i, i + k))
+      std::copy_n(in + (seg.train_index - i), seg.n, store.mutable_weight(seg.slot) + seg.first);
+  };
+  gather_shards(c, store.trainable_elements(), read, write, true, timeout);
+}
+
+// parallelism.shard = optimizer, before a save: rank 0 (the writer) takes every rank's shard of both moments, so it
+// holds them whole while it writes (a collective; after the save it keeps its own shard again).
+void gather_moments_to_writer(comm::Communicator& c, model::ParamStore& store, comm::Timeout timeout) {
+  const bool writer = c.rank() == 0;
+  if (writer) store.set_moment_range(0, store.trainable_elements());
+  for (model::Role role : {model::Role::ExpAvg, model::Role::ExpAvgSq}) {
+    const auto read = [&](int64_t i, int64_t k, float* out) {
+      std::copy_n(store.flat(role).data() + (i - store.moment_range().begin), k, out);
+    };
+    const auto write = [&](int64_t i, int64_t k, const float* in) {
+      std::copy_n(in, k, store.mutable_flat(role).data() + i);
+    };
+    gather_shards(c, store.trainable_elements(), read, write, writer, timeout);
+  }
+}
+
 // 4c. The AdamW update at `step`, the same on every replica; returns the learning rate it used.
 double apply_update(Run& r, int64_t step) {
   const double lr = learning_rate(r.cfg.optimizer, r.cfg.schedule, static_cast<int>(step), r.cfg.train.steps);
   r.adam->step(r.ck.model->params(), lr, step);
+  if (r.shard_optimizer) gather_updated_weights(r.world, r.ck.model->params(), r.timeout);
   return lr;
 }
 
@@ -471,6 +541,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     // The step's outputs, all written by rank 0 in one agreement: a failed write ends every rank together.
     const bool save_now =
         !cfg.checkpoint.dir.empty() && ((cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0) || last);
+    if (save_now && r.shard_optimizer) gather_moments_to_writer(world, r.ck.model->params(), r.timeout);
     comm::agree(world, [&] {
       if (metrics) metrics->append(metrics_json_line(sm));
       progress.step(sm, eta, last || sm.val_loss.has_value());
@@ -481,6 +552,11 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
       }
     });
     if (save_now) result.last_checkpoint = checkpoint_path(cfg.checkpoint.dir, step);  // known to every rank
+    if (save_now && r.shard_optimizer && r.lead) {  // the writer keeps its own shard again
+      model::ParamStore& store = r.ck.model->params();
+      const model::Shard mine = model::shard_of(store.trainable_elements(), world.rank(), world.size());
+      store.set_moment_range(mine.begin, mine.end);
+    }
   }
   comm::agree(world, [&] {
     if (metrics) metrics->close();

@@ -142,6 +142,49 @@ TEST(ParamStore, FrozenParametersHaveNoGradientAndNoMoments) {
   EXPECT_TRUE(s.has_grads());
 }
 
+// ZeRO-1's view: the moments of one range of the trainable layout, and where that range lies in the weights.
+TEST(ParamStore, MomentRangeKeepsOverlappingValuesAndMapsToTheWeights) {
+  ReplicatedStore s;
+  register_four(s);
+  s.allocate_weights();
+  s.freeze({"layers.0.norm"});  // trainable layout: embed [0, 15), layers.0.w [15, 36), layers.1.w [36, 46)
+  EXPECT_EQ(s.moment_range().begin, 0);
+  EXPECT_EQ(s.moment_range().end, 46);
+  s.allocate_moments();
+  for (size_t i = 0; i < 46; ++i) s.mutable_flat(Role::ExpAvg)[i] = static_cast<float>(i);
+  const Shard second = shard_of(46, 1, 3);  // [16, 32)
+  s.set_moment_range(second.begin, second.end);
+  EXPECT_EQ(s.flat(Role::ExpAvg).size(), 16u);
+  EXPECT_EQ(s.flat(Role::ExpAvgSq).size(), 16u);
+  for (size_t i = 0; i < 16; ++i) EXPECT_EQ(s.flat(Role::ExpAvg)[i], static_cast<float>(16 + i));
+  EXPECT_EQ(s.moment(Role::ExpAvg, 1), nullptr);  // layers.0.w is only partly inside
+  // Widening keeps what it held and zeroes the rest.
+  s.set_moment_range(10, 46);
+  EXPECT_EQ(s.flat(Role::ExpAvg)[0], 0.f);
+  EXPECT_EQ(s.flat(Role::ExpAvg)[6], 16.f);
+  EXPECT_EQ(s.moment(Role::ExpAvg, 1), s.flat(Role::ExpAvg).data() + 5);
+  EXPECT_THROW(s.set_moment_range(10, 47), rf::Error);
+
+  const std::vector<ParamStore::Segment> segs = s.trainable_segments(second.begin, second.end);
+  ASSERT_EQ(segs.size(), 1u);
+  EXPECT_EQ(segs[0].slot, 1u);
+  EXPECT_EQ(segs[0].first, 1);
+  EXPECT_EQ(segs[0].n, 16);
+  const std::vector<ParamStore::Segment> across = s.trainable_segments(12, 40);  // embed's end to layers.1.w's start
+  ASSERT_EQ(across.size(), 3u);
+  EXPECT_EQ(across[0].slot, 0u);
+  EXPECT_EQ(across[0].first, 12);
+  EXPECT_EQ(across[0].n, 3);
+  EXPECT_EQ(across[1].slot, 1u);
+  EXPECT_EQ(across[1].n, 21);
+  EXPECT_EQ(across[2].slot, 3u);
+  EXPECT_EQ(across[2].train_index, 36);
+  EXPECT_EQ(across[2].n, 4);
+  // A new trainable layout starts over with all of it.
+  s.freeze({"embed"});
+  EXPECT_EQ(s.moment_range().end, 31);
+}
+
 TEST(ParamStore, VersionMovesOnlyWithWritesAndKeepsTheBf16CopiesCurrent) {
   ReplicatedStore s;
   register_four(s);

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <mutex>
 #include <nlohmann/json.hpp>
 
@@ -189,6 +190,75 @@ TEST(Resume, ContinuesBitForBit) {
               run(small("tiny_dense", {"parallelism.cp=2", "train.steps=6"}), other);
             }).find("model.builtin differs from the run that wrote the checkpoint"),
             std::string::npos);
+}
+
+std::string file_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// parallelism.shard = optimizer (ZeRO-1): each rank keeps AdamW's moments for its shard of the trainable
+// parameters (any count: shards are padded), updates those elements alone, and takes the others' from their owners.
+// An element's update depends on that element alone, so every loss, gradient norm and weight, and the checkpoint
+// files (the moments gathered to the writer), are the bits of shard none at the same grid: N = 1 to 4, dense and
+// MoE, CP and DP, frozen parameters and gradient accumulation.
+TEST(ShardOptimizer, SameBitsAsShardNoneAtEveryGrid) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"tiny_dense", {}},
+      {"tiny_moe_vlm", {"parallelism.cp=2"}},
+      {"tiny_dense", {"parallelism.dp=3", "train.global_batch=6"}},
+      {"tiny_moe_vlm", {"parallelism.cp=3", "model.freeze=[embed_tokens, experts]"}},
+      {"tiny_dense", {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=8"}},  // 2 micro-batches a replica
+  };
+  const fs::path dir = scratch("shard_optimizer");
+  int i = 0;
+  for (const auto& [builtin, sets] : cases) {
+    const std::string what = builtin + " case " + std::to_string(i);
+    const auto config = [&](const std::string& mode) {
+      std::vector<std::string> all = sets;
+      all.insert(all.end(), {"parallelism.shard=" + mode, "train.steps=3", "train.val_every=2",
+                             "checkpoint.dir=" + (dir / (std::to_string(i) + mode)).string()});
+      return grid_case(builtin, all);
+    };
+    const Trained none = run(config("none")), sharded = run(config("optimizer"));
+    ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
+    for (size_t s = 0; s < none.steps.size(); ++s) {
+      EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
+      EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
+      EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
+    }
+    EXPECT_EQ(flat_params(*sharded.model), flat_params(*none.model)) << what;
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / file), file_bytes(fs::path(none.last_checkpoint) / file))
+          << what << ": " << file;
+    ++i;
+  }
+  fs::remove_all(dir);
+}
+
+// A checkpoint holds whole tensors whatever the shard mode and rank count that wrote it, so a run resumes at any
+// other: at the same grid in the other mode, bit for bit; at other rank counts, the same training (the reduction
+// order changes with the grid, as GridInvariance allows for).
+TEST(ShardOptimizer, ResumesAcrossModesAndRankCounts) {
+  const fs::path dir = scratch("shard_resume");
+  const auto config = [&](std::vector<std::string> sets) {
+    sets.insert(sets.end(), {"train.steps=4", "checkpoint.every=2", "checkpoint.dir=" + dir.string()});
+    return small("tiny_dense", sets);
+  };
+  const Trained whole = run(config({"parallelism.cp=2", "parallelism.dp=2", "parallelism.shard=optimizer"}));
+  ASSERT_EQ(whole.steps.size(), 4u);
+  TrainOptions resume;
+  resume.resume = (dir / "step-00000002").string();
+  const Trained same_grid = run(config({"parallelism.cp=2", "parallelism.dp=2", "parallelism.shard=none"}), resume);
+  ASSERT_EQ(same_grid.steps.size(), 2u);
+  for (size_t s = 0; s < 2; ++s) EXPECT_EQ(same_grid.steps[s].loss, whole.steps[s + 2].loss) << "step " << s + 3;
+  EXPECT_EQ(flat_params(*same_grid.model), flat_params(*whole.model));
+  Trained tail;
+  tail.steps.assign(whole.steps.begin() + 2, whole.steps.end());
+  expect_same_losses(tail, run(config({"parallelism.dp=2", "parallelism.shard=optimizer"}), resume), "N = 2");
+  expect_same_losses(tail, run(config({"parallelism.dp=4", "parallelism.shard=optimizer"}), resume), "N = 4, dp");
+  expect_same_losses(tail, run(config({"parallelism.shard=none"}), resume), "N = 1");
+  fs::remove_all(dir);
 }
 
 TEST(Checkpoints, AFailedSaveLeavesTheLastGoodOne) {

@@ -67,6 +67,12 @@ TEST(TrainMemory, TermsFollowTheConfig) {
   for (const model::ParamInfo& t : m.params().infos())
     if (t.name.find("embed") != std::string::npos) embed += t.numel * int64_t{sizeof(float)};
   ASSERT_GT(embed, 0);
+  // parallelism.shard = optimizer: a rank holds the moments of its padded shard, ceil(trainable / N) elements.
+  const int64_t elements = params / int64_t{sizeof(float)};
+  EXPECT_EQ(train_memory_at_least(config({"parallelism.dp=3", "train.global_batch=3", "parallelism.shard=optimizer"}),
+                                  m, 3)
+                .of("AdamW moments"),
+            2 * ((elements + 2) / 3) * int64_t{sizeof(float)});
   // A frozen tensor has neither a gradient nor moments.
   EXPECT_EQ(frozen.of("gradients"), params - embed);
   EXPECT_EQ(frozen.of("AdamW moments"), 2 * (params - embed));
