@@ -427,10 +427,11 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
 
   TrainResult result;
   result.svg_path = default_svg_path(cfg, options);
-  // Rank 0's metrics file, closed on every path; opening it is part of the agreement (a resume appends).
+  // Rank 0's metrics file, closed on every path; opening it is part of the agreement. A resume keeps the lines of
+  // the steps its checkpoint holds.
   std::optional<MetricsFile> metrics;
   comm::agree(world, [&] {
-    if (r.lead && !options.metrics_path.empty()) metrics.emplace(options.metrics_path, !r.resume_dir.empty());
+    if (r.lead && !options.metrics_path.empty()) metrics.emplace(options.metrics_path, r.state.step);
   });
   Progress progress(r.lead ? options.progress : nullptr, cfg.train.steps, cfg.train.log_every);
   if (r.lead) announce(r, progress);
