@@ -298,6 +298,11 @@ std::vector<PackedBatch> replica_micro_batches(const Run& r) {
     std::vector<Row> rows;
     for (int j = 0; j < micro; ++j) rows.push_back(r.data->train_row(first + int64_t{a} * micro + j));
     batches.push_back(stack_rows(rows, r.feature_dim));
+    // A row the model would refuse is found here, where the ranks agree, not inside the model's collectives where
+    // one DP replica's error would leave the others waiting.
+    r.ck.model->check_batch(as_batch(batches.back()), r.cfg.parallelism.cp,
+                            rf::concat("training rows ", first + int64_t{a} * micro, " to ",
+                                       first + int64_t{a + 1} * micro - 1));
   }
   return batches;
 }
@@ -395,11 +400,13 @@ double validation_loss(Run& r) {
       if (j % dp == r.dp_index) rows.push_back(std::move(row));
     }
     const size_t micro = static_cast<size_t>(r.cfg.train.micro_batch);
-    for (size_t at = 0; at < rows.size(); at += micro)
+    for (size_t at = 0; at < rows.size(); at += micro) {
       mine.push_back(
           stack_rows(std::vector<Row>(rows.begin() + static_cast<std::ptrdiff_t>(at),
                                       rows.begin() + static_cast<std::ptrdiff_t>(std::min(rows.size(), at + micro))),
                      r.feature_dim));
+      r.ck.model->check_batch(as_batch(mine.back()), r.cfg.parallelism.cp, "validation rows");
+    }
   });
   double loss = 0.0;
   for (const PackedBatch& b : mine) loss += run_micro_batch(r, b, labels, false);
