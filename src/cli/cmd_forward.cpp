@@ -30,6 +30,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -316,9 +317,11 @@ int run_forward(const ForwardOptions& opt) {
   model::Result r = m.run(b, ro, opt.grad ? &grads : nullptr, attn);
   const double run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (opt.grad) {
-    for (model::Tensor& g : grads) world->allreduce(g.data.data(), g.data.size(), comm::ReduceOp::Sum, timeout);
-    if (!r.d_image_features.empty())
-      world->allreduce(r.d_image_features.data(), r.d_image_features.size(), comm::ReduceOp::Sum, timeout);
+    // Every gradient tensor and the image features' gradient as one collective (no flat copy of the model).
+    std::vector<std::span<float>> sums;
+    for (model::Tensor& g : grads) sums.emplace_back(g.data);
+    sums.emplace_back(r.d_image_features);
+    world->allreduce(sums, comm::ReduceOp::Sum, timeout);
   }
   const int64_t B = b.B, S = b.S, V = m.config().vocab_size;
   const std::vector<float> token_loss = gather_to_rank0(*world, r.shard, r.token_loss, b.B, 1, kTokenLossTag, timeout);
