@@ -14,8 +14,7 @@
 #include "comm/agree.h"
 #include "core/error.h"
 #include "core/memory.h"
-#include "cp/cp_backend.h"
-#include "cpu/local_attention.h"
+#include "cp/parallel_context.h"
 #include "io/atomic_file.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
@@ -210,16 +209,11 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
   std::unique_ptr<comm::Communicator> dp_group = world.split(cp_index, dp_index, timeout);
   const bool lead = world.rank() == 0;
   if (cfg.train.threads > 0) omp_set_num_threads(cfg.train.threads);
-  // The model's attention: the local kernels, or the ring over this rank's CP group.
-  std::unique_ptr<AttentionBackend> attention;
-  if (cp == 1) {
-    attention = std::make_unique<cpu::LocalAttention>();
-  } else {
-    cp::CpAttentionOptions co;
-    co.scheme = cfg.parallelism.sharding;
-    co.timeout = timeout;
-    attention = std::make_unique<cp::CpAttention>(*cp_group, co);
-  }
+  // The model's parallel context: the local kernels, or the ring over this rank's CP group.
+  cp::CpAttentionOptions co;
+  co.scheme = cfg.parallelism.sharding;
+  co.timeout = timeout;
+  const cp::JobContext context = cp::make_parallel_context(*cp_group, co);
 
   // The model, the optimizer state and where the run stands; everything here can fail on bad input.
   model::Checkpoint ck;
@@ -300,7 +294,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     ro.keep_mlp_projections = cfg.train.keep_mlp;
     ro.compute_dtype = model::parse_compute_dtype(cfg.model.compute_dtype);
     ro.loss_normalizer = std::max(1.0, normalizer);  // a batch without label tokens has loss 0, not 0 / 0
-    return m.run(as_batch(p), ro, grad ? &grads : nullptr, *attention).loss;
+    return m.run(as_batch(p), ro, grad ? &grads : nullptr, *context.model).loss;
   };
 
   const auto validate_now = [&] {
