@@ -30,6 +30,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -41,8 +42,7 @@
 #include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "core/memory.h"
-#include "cp/cp_backend.h"
-#include "cpu/local_attention.h"
+#include "cp/parallel_context.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
@@ -324,22 +324,22 @@ int run_forward(const ForwardOptions& opt) {
   }
   model::TensorSet grads;
   if (opt.grad) grads = m.params().zeros_like();
-  cpu::LocalAttention local;
   cp::CpAttentionOptions cpo;
   cpo.scheme = opt.shard;
   cpo.algo = cp::parse_algo(opt.algo);
   const comm::Timeout timeout = comm::default_timeout();  // --timeout
   cpo.timeout = timeout;
-  cp::CpAttention ring(*world, cpo);
-  AttentionBackend& attn = P > 1 ? static_cast<AttentionBackend&>(ring) : local;
+  const cp::JobContext context = cp::make_parallel_context(*world, cpo);
 
   const auto start = std::chrono::steady_clock::now();
-  model::Result r = m.run(b, ro, opt.grad ? &grads : nullptr, attn);
+  model::Result r = m.run(b, ro, opt.grad ? &grads : nullptr, *context.model);
   const double run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (opt.grad) {
-    for (model::Tensor& g : grads) world->allreduce(g.data.data(), g.data.size(), comm::ReduceOp::Sum, timeout);
-    if (!r.d_image_features.empty())
-      world->allreduce(r.d_image_features.data(), r.d_image_features.size(), comm::ReduceOp::Sum, timeout);
+    // Every gradient tensor and the image features' gradient as one collective (no flat copy of the model).
+    std::vector<std::span<float>> sums;
+    for (model::Tensor& g : grads) sums.emplace_back(g.data);
+    sums.emplace_back(r.d_image_features);
+    world->allreduce(sums, comm::ReduceOp::Sum, timeout);
   }
   const int64_t B = b.B, S = b.S, V = m.config().vocab_size;
   const std::vector<float> token_loss = gather_to_rank0(*world, r.shard, r.token_loss, b.B, 1, kTokenLossTag, timeout);
@@ -356,7 +356,7 @@ int run_forward(const ForwardOptions& opt) {
       if (r.shard.is_pad(p)) continue;
       for (int64_t row = 0; row < B; ++row) tokens += !b.doc || b.doc[row * S + p] > 0;
     }
-    const cp::CpTotals& t = ring.totals();
+    const cp::CpTotals t = context.cp ? context.cp->totals() : cp::CpTotals{};
     // compute_s: the model's time less what the attention calls spent outside their kernels (waiting for keys,
     // agreeing on headers, planning).
     const double waiting = t.wall_seconds - t.compute_seconds;
@@ -368,7 +368,8 @@ int run_forward(const ForwardOptions& opt) {
     stats = stats_json(*world,
                        RankFigures{tokens, r.kept_activation_bytes, r.layer_recompute_bytes, t.peak_attention_bytes,
                                    t.bytes_sent, t.bytes_received, peak_rss, run_seconds - waiting, seconds},
-                       P > 1 ? cp::scheme_name(ring.shard_map().scheme) : "local", P > 1 ? opt.algo : "local");
+                       context.cp ? cp::scheme_name(context.cp->shard_map().scheme) : "local",
+                       context.cp ? opt.algo : "local");
   }
 
   agree(*world, [&] {

@@ -15,8 +15,7 @@
 #include "comm/agree.h"
 #include "core/error.h"
 #include "core/memory.h"
-#include "cp/cp_backend.h"
-#include "cpu/local_attention.h"
+#include "cp/parallel_context.h"
 #include "io/atomic_file.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
@@ -199,7 +198,7 @@ struct Run {
   const int cp_index, dp_index;
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
   std::unique_ptr<comm::Communicator> cp_group, dp_group;
-  std::unique_ptr<AttentionBackend> attention;  // the local kernels, or the ring over this rank's CP group
+  cp::JobContext context;  // the model's parallel context: the local kernels, or the ring over this rank's CP group
   model::Checkpoint ck;
   TrainState state;
   std::string resume_dir;  // empty: a fresh run
@@ -210,19 +209,14 @@ struct Run {
   int feature_dim = 0;         // F of the batches' image features (0: the data has none)
 };
 
-// The run's groups and attention backend (collectives: every rank, in the same order).
+// The run's groups and the model's parallel context (collectives: every rank, in the same order).
 void join_groups(Run& r) {
-  const int cp = r.cfg.parallelism.cp;
   r.cp_group = r.world.split(r.dp_index, r.cp_index, r.timeout);
   r.dp_group = r.world.split(r.cp_index, r.dp_index, r.timeout);
-  if (cp == 1) {
-    r.attention = std::make_unique<cpu::LocalAttention>();
-  } else {
-    cp::CpAttentionOptions co;
-    co.scheme = r.cfg.parallelism.sharding;
-    co.timeout = r.timeout;
-    r.attention = std::make_unique<cp::CpAttention>(*r.cp_group, co);
-  }
+  cp::CpAttentionOptions co;
+  co.scheme = r.cfg.parallelism.sharding;
+  co.timeout = r.timeout;
+  r.context = cp::make_parallel_context(*r.cp_group, co);
 }
 
 // Setup: the model (fresh, from model.path or resumed), the data, the optimizer state and where the run stands.
@@ -330,7 +324,7 @@ double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool 
   model::RunOptions ro = r.training;
   ro.want_grad = grad;
   ro.loss_normalizer = std::max(1.0, static_cast<double>(label_tokens));  // no label tokens: loss 0, not 0 / 0
-  return r.ck.model->run(as_batch(p), ro, grad ? &r.grads : nullptr, *r.attention).loss;
+  return r.ck.model->run(as_batch(p), ro, grad ? &r.grads : nullptr, *r.context.model).loss;
 }
 
 // 3. Forward + backward of every micro-batch, the gradients accumulating; returns the global batch's loss.
