@@ -30,6 +30,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -41,8 +42,7 @@
 #include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "core/memory.h"
-#include "cp/cp_backend.h"
-#include "cpu/local_attention.h"
+#include "cp/parallel_context.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
@@ -220,9 +220,15 @@ void check_outputs(const ForwardOptions& opt) {
   if (!opt.stats.empty()) io::check_writable(opt.stats);
 }
 
+// The batch's claimed sizes, from its header alone.
+struct BatchShape {
+  int64_t B = 0, S = 0;
+  int64_t N = 0, F = 0;  // image_features [N, F] (0 when absent)
+};
+
 // The batch's claimed shape, checked before the checkpoint is loaded or any row is read: an empty batch (or one
 // claiming 2^31 - 1 empty rows in a 152-byte file) fails at once, saying so.
-void check_batch_shape(const std::string& path) {
+BatchShape check_batch_shape(const std::string& path) {
   const io::SafetensorsFile in = io::SafetensorsFile::open(path);
   io::DimSizes dims;
   const io::TensorView& ids =
@@ -231,17 +237,27 @@ void check_batch_shape(const std::string& path) {
            io::shape_string(ids.shape), "); forward needs B >= 1 rows of S >= 1 tokens");
   RF_CHECK(dims["B"] <= std::numeric_limits<int>::max() && dims["S"] <= std::numeric_limits<int>::max(), path,
            ": input_ids has shape ", io::shape_string(ids.shape), ", B and S must fit in 32 bits");
+  BatchShape shape{dims["B"], dims["S"]};
+  if (io::optional(in, {"image_features", {io::StDType::F32, io::StDType::BF16}, {"N", "F"}, ""}, dims) != nullptr) {
+    shape.N = dims["N"];
+    shape.F = dims["F"];
+  }
+  return shape;
 }
 
-// What this rank allocates beyond the loaded model, known before the run: the gradient set, then the larger of the
-// run's own buffers (model::run_memory_at_least, for this rank's B x ceil(S / P) tokens: its activations, loss
-// chunk and [B, L, V] logits) and, on rank 0 under CP, the gather after it: the rank's [B, L, V] logits and the
-// gathered [B, S, V]. A row too long for the machine stops here with the figure instead of std::bad_alloc part-way.
-void check_job_memory(const model::Gemma4Model& m, const model::Batch& b, const ForwardOptions& opt, int P, int rank) {
-  const int64_t V = m.config().vocab_size, f32 = sizeof(float);
-  const int64_t L = (int64_t{b.S} + P - 1) / P;  // tokens per rank, before the plan's padding
+// Everything this rank holds through the job, known from the checkpoint's and the batch's headers before either is
+// loaded (`m` may be shapes only), and compared with the machine as one total: the weights (and buffers) as float32,
+// the gradient set with --grad, the weights' bf16 copies in bf16 compute, the batch as read (five int32 [B, S]
+// arrays, image_features as float32 and with --grad their gradient), then the larger of the run's own buffers
+// (model::run_memory_at_least, for this rank's B x ceil(S / P) tokens: its activations, loss chunk and [B, L, V]
+// logits) and, on rank 0 under CP, the gather after it: the rank's [B, L, V] logits and the gathered [B, S, V]. A
+// job too large for the machine stops here with the figure, before the load, instead of std::bad_alloc or the OOM
+// killer part-way.
+void check_job_memory(const model::Gemma4Model& m, const BatchShape& b, const ForwardOptions& opt, int P, int rank) {
+  const int64_t V = m.config().vocab_size, f32 = sizeof(float), i32 = sizeof(int32_t);
+  const int64_t L = (b.S + P - 1) / P;  // tokens per rank, before the plan's padding
   model::RunMemoryArgs run;
-  run.tokens = int64_t{b.B} * L;
+  run.tokens = b.B * L;
   run.training = opt.grad;
   run.recompute_layers = opt.recompute;
   run.keep_mlp_projections = opt.keep_mlp;
@@ -253,10 +269,14 @@ void check_job_memory(const model::Gemma4Model& m, const model::Batch& b, const 
     gathering.add("logits", checked_bytes({b.B, L, V, f32}));
     gathering.add("gathered logits", checked_bytes({b.B, b.S, V, f32}));
   }
+  constexpr int64_t kRowArrays = 5;  // input_ids, labels, position_ids, doc, mm_token_type_ids
   MemoryBreakdown need;
+  need.add("weights", checked_sum({m.params().weight_bytes(), m.buffers().total_bytes()}));
   need.add("gradients", opt.grad ? m.params().trainable_bytes() : 0);
   const bool bf16 = model::parse_compute_dtype(opt.compute_dtype) == model::ComputeDtype::Bfloat16;
   need.add("bf16 weight copies", bf16 ? m.bf16_weight_bytes() : 0);
+  need.add("the batch",
+           checked_sum({checked_bytes({b.B, b.S, i32, kRowArrays}), checked_bytes({b.N, b.F, f32, opt.grad ? 2 : 1})}));
   const bool gathering_larger = gathering.total() < 0 || (running.total() >= 0 && gathering.total() > running.total());
   need.add(gathering_larger ? gathering : running);
   check_memory(need, opt.in + ": forward", concat(" at S = ", b.S, " over ", P, " rank(s)"));
@@ -270,8 +290,10 @@ int run_forward(const ForwardOptions& opt) {
   BatchData data;
   agree(*world, [&] {
     if (world->rank() == 0) check_outputs(opt);  // before loading anything: an unwritable output is found at once
-    check_batch_shape(opt.in);
-    ck = model::load_checkpoint(opt.model);
+    const BatchShape shape = check_batch_shape(opt.in);
+    ck = model::load_checkpoint(opt.model, [&](const model::Gemma4Model& shapes) {
+      check_job_memory(shapes, shape, opt, P, world->rank());
+    });
     if (opt.check_finite) {
       const model::ParamStore& params = ck.model->params();
       for (size_t i = 0; i < params.size(); ++i) {
@@ -291,7 +313,6 @@ int run_forward(const ForwardOptions& opt) {
   agree_equal(*world, print, "the batch (ranks read different --in files?)");
   const model::Gemma4Model& m = *ck.model;
   const model::Batch b = data.view();
-  agree(*world, [&] { check_job_memory(m, b, opt, P, world->rank()); });
   if (world->rank() == 0)
     for (const std::string& warning : m.config().warnings)
       std::fprintf(stderr, "ringflex: warning: %s\n", warning.c_str());
@@ -307,24 +328,21 @@ int run_forward(const ForwardOptions& opt) {
     const model::Bf16MatmulPath path = model::bf16_matmul_path();
     std::fprintf(stderr, "ringflex forward: bf16 matmuls: %s\n", path.description.c_str());
   }
-  cpu::LocalAttention local;
   cp::CpAttentionOptions cpo;
   cpo.scheme = opt.shard;
   cpo.algo = cp::parse_algo(opt.algo);
   const comm::Timeout timeout = comm::default_timeout();  // --timeout
   cpo.timeout = timeout;
-  cp::CpAttention ring(*world, cpo);
-  AttentionBackend& attn = P > 1 ? static_cast<AttentionBackend&>(ring) : local;
+  const cp::JobContext context = cp::make_parallel_context(*world, cpo);
 
   const auto start = std::chrono::steady_clock::now();
-  model::Result r = m.run(b, ro, attn);
+  model::Result r = m.run(b, ro, *context.model);
   const double run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (opt.grad) {
-    // The store's gradients are one flat arena: one collective for the whole model.
-    const std::span<float> grads = ck.model->params().mutable_flat(model::Role::Grads);
-    world->allreduce(grads.data(), grads.size(), comm::ReduceOp::Sum, timeout);
-    if (!r.d_image_features.empty())
-      world->allreduce(r.d_image_features.data(), r.d_image_features.size(), comm::ReduceOp::Sum, timeout);
+    // The store's gradient arena and the image features' gradient as one collective (no flat copy of the model).
+    const std::vector<std::span<float>> sums = {ck.model->params().mutable_flat(model::Role::Grads),
+                                                std::span<float>(r.d_image_features)};
+    world->allreduce(sums, comm::ReduceOp::Sum, timeout);
   }
   const int64_t B = b.B, S = b.S, V = m.config().vocab_size;
   const std::vector<float> token_loss = gather_to_rank0(*world, r.shard, r.token_loss, b.B, 1, kTokenLossTag, timeout);
@@ -341,7 +359,7 @@ int run_forward(const ForwardOptions& opt) {
       if (r.shard.is_pad(p)) continue;
       for (int64_t row = 0; row < B; ++row) tokens += !b.doc || b.doc[row * S + p] > 0;
     }
-    const cp::CpTotals& t = ring.totals();
+    const cp::CpTotals t = context.cp ? context.cp->totals() : cp::CpTotals{};
     // compute_s: the model's time less what the attention calls spent outside their kernels (waiting for keys,
     // agreeing on headers, planning).
     const double waiting = t.wall_seconds - t.compute_seconds;
@@ -353,7 +371,8 @@ int run_forward(const ForwardOptions& opt) {
     stats = stats_json(*world,
                        RankFigures{tokens, r.kept_activation_bytes, r.layer_recompute_bytes, t.peak_attention_bytes,
                                    t.bytes_sent, t.bytes_received, peak_rss, run_seconds - waiting, seconds},
-                       P > 1 ? cp::scheme_name(ring.shard_map().scheme) : "local", P > 1 ? opt.algo : "local");
+                       context.cp ? cp::scheme_name(context.cp->shard_map().scheme) : "local",
+                       context.cp ? opt.algo : "local");
   }
 
   agree(*world, [&] {

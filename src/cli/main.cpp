@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -51,6 +52,9 @@ void keep_freed_memory_in_the_heap() {
 int main(int argc, char** argv) {
   rf::cpu::restart_on_best_openblas_core(argv);  // first: it may replace this process
   keep_freed_memory_in_the_heap();
+  // A write past a file-size limit (ulimit -f) then fails with EFBIG, which the writer reports in one line and
+  // cleans up after, instead of the kernel's SIGXFSZ ending the process with the temporary file left behind.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"ringflex: context-parallel masked attention and Gemma 4 fine-tuning"};
   app.require_subcommand(1);
   rf::cli::Runner run;

@@ -19,7 +19,7 @@ void agree(Communicator& comm, const std::function<void()>& step) {
   int32_t failed = kNoFailure;
   try {
     step();
-  } catch (const rf::Error& e) {
+  } catch (const std::exception& e) {  // rf::Error, and any library's own (yaml-cpp, json, std::filesystem, bad_alloc)
     message = e.what();
     failed = comm.rank();
   }
@@ -31,6 +31,10 @@ void agree(Communicator& comm, const std::function<void()>& step) {
   comm.broadcast(&length, sizeof length, first, default_timeout());
   message.resize(length);
   comm.broadcast(message.data(), length, first, default_timeout());
+  // A failure of some ranks only (rank 0's write, one rank's rows) names the rank, so the one line every rank prints
+  // says where it happened; one that every rank met (a config error) is the job's, not a rank's.
+  const auto failing = std::count_if(flags.begin(), flags.end(), [](int32_t f) { return f != kNoFailure; });
+  if (failing < comm.size()) throw AgreedError(concat("rank ", first, ": ", message));
   throw AgreedError(message);
 }
 

@@ -3,7 +3,9 @@
 // Under `mpirun -n P`, a step that fails on one rank (a file it cannot read, a bad tensor, a batch the trainer
 // cannot load) must not leave the other ranks waiting in the next collective forever. Steps that can fail on some
 // ranks run inside `agree`: afterwards every rank knows whether any rank failed, and all of them throw the same
-// AgreedError (the message of the lowest failing rank), so each prints one identical line and exits non-zero.
+// AgreedError (the message of the lowest failing rank, "rank R: " before it when some ranks did not fail), so each
+// prints one identical line and exits non-zero. A step inside `agree` must not run collectives itself: a rank that
+// failed before one would leave the others waiting in it.
 // The CLI's main.cpp finalises MPI normally after an AgreedError and aborts the job after any other error, which
 // the other ranks may not know of.
 #pragma once
@@ -25,7 +27,8 @@ class AgreedError : public rf::Error {
 };
 
 // Runs `step` on this rank, then agrees with all ranks of `comm` (a collective call: every rank must make it).
-// Throws AgreedError on every rank if `step` threw rf::Error on any rank.
+// Throws AgreedError on every rank if `step` threw on any rank (rf::Error or any std::exception): the lowest failing
+// rank's message, prefixed "rank R: " unless every rank failed.
 void agree(Communicator& comm, const std::function<void()>& step);
 
 // Checks that every rank holds the same `values` (a collective call); throws AgreedError on every rank naming

@@ -1,4 +1,5 @@
-// ringflex comm: the collectives every backend shares, written on top of allgather so they reduce in rank order.
+// ringflex comm: the small collectives every backend shares, written on top of allgather so they reduce in rank
+// order (the large ones: collectives.cpp).
 #include "comm/communicator.h"
 
 #include <algorithm>
@@ -45,7 +46,7 @@ namespace {
 // data[i] = op over ranks 0..P-1 of every rank's data[i], accumulated in Acc in rank order, so every backend and
 // every rank gets the same bits. The exchange goes in slices whose gathered copies take at most kReduceSliceBytes:
 // every rank derives the same slice length from P alone, so all post the same allgather sizes, and memory stays [P,
-// slice] however large n is (a model's gradients).
+// slice] however large n is.
 template <typename T, typename Acc>
 void reduce_in_rank_order(Communicator& c, T* data, size_t n, ReduceOp op, Timeout timeout) {
   const size_t P = static_cast<size_t>(c.size());
@@ -83,11 +84,6 @@ void Communicator::allreduce(double* data, size_t n, ReduceOp op, Timeout timeou
 
 void Communicator::allreduce(int64_t* data, size_t n, ReduceOp op, Timeout timeout) {
   reduce_in_rank_order<int64_t, int64_t>(*this, data, n, op, timeout);
-}
-
-// Float sums accumulate in double and round once: P partial gradients add without float32's order-dependent loss.
-void Communicator::allreduce(float* data, size_t n, ReduceOp op, Timeout timeout) {
-  reduce_in_rank_order<float, double>(*this, data, n, op, timeout);
 }
 
 }  // namespace rf::comm

@@ -21,6 +21,7 @@ using Message = std::vector<std::vector<uint8_t>>;  // one byte vector per buffe
 // Collectives use tags outside the user range so they never match a point-to-point message.
 constexpr int kAllgatherTag = Communicator::kMaxTag;
 constexpr int kBroadcastTag = Communicator::kMaxTag + 1;
+constexpr int kChannelTag0 = Communicator::kMaxTag + 2;  // the channel of collectives.cpp: its tags follow
 
 // What every communicator of one run_ranks call shares, split ones included: one lock and one wake-up, so a
 // rank that fails wakes the ranks blocked in any communicator.
@@ -48,27 +49,54 @@ class LoopbackRequest final : public Request {
  public:
   // A send is complete when posted (eager copy): wait() returns at once.
   LoopbackRequest() = default;
-  LoopbackRequest(World* w, int self, int peer, int tag, std::vector<RecvBuffer> bufs, std::string label)
-      : world_(w), self_(self), peer_(peer), tag_(tag), buffers_(std::move(bufs)), label_(std::move(label)) {}
+  // shown_tag: what errors print (< 0: none, for the collectives' channel); `received` counts the bytes taken.
+  LoopbackRequest(World* w, int self, int peer, int tag, int shown_tag, std::vector<RecvBuffer> bufs, std::string label,
+                  uint64_t* received)
+      : world_(w),
+        self_(self),
+        peer_(peer),
+        tag_(tag),
+        shown_tag_(shown_tag),
+        buffers_(std::move(bufs)),
+        label_(std::move(label)),
+        received_(received) {}
 
   void wait(Timeout timeout) override {
     if (!world_) return;
     std::unique_lock lock(world_->mutex);
-    const auto key = std::make_tuple(peer_, self_, tag_);
     const auto deadline = std::chrono::steady_clock::now() + timeout;
-    const bool ok = world_->arrived.wait_until(lock, deadline, [&] {
-      if (world_->failed_rank >= 0) return true;
-      auto it = world_->mail.find(key);
-      return it != world_->mail.end() && !it->second.empty();
-    });
-    auto it = world_->mail.find(key);
-    const bool have = it != world_->mail.end() && !it->second.empty();
-    if (!have) {
-      RF_CHECK(world_->failed_rank < 0, "rank ", self_, ": gave up receiving ", label_, " from rank ", peer_, " (tag ",
-               tag_, ") because rank ", world_->failed_rank, " failed");
+    const bool ok = world_->arrived.wait_until(lock, deadline, [&] { return world_->failed_rank >= 0 || arrived(); });
+    if (!arrived()) {
+      RF_CHECK(world_->failed_rank < 0, "rank ", self_, ": gave up receiving ", label_, " from rank ", peer_,
+               shown_tag(), " because rank ", world_->failed_rank, " failed");
       RF_CHECK(ok, "rank ", self_, ": timed out after ", timeout.count(), " ms waiting to receive ", label_,
-               " from rank ", peer_, " (tag ", tag_, ")");
+               " from rank ", peer_, shown_tag());
     }
+    take(lock);
+  }
+
+  bool test() override {
+    if (!world_) return true;
+    std::unique_lock lock(world_->mutex);
+    if (!arrived()) {
+      RF_CHECK(world_->failed_rank < 0, "rank ", self_, ": gave up receiving ", label_, " from rank ", peer_,
+               shown_tag(), " because rank ", world_->failed_rank, " failed");
+      return false;
+    }
+    take(lock);
+    return true;
+  }
+
+ private:
+  std::string shown_tag() const { return shown_tag_ >= 0 ? concat(" (tag ", shown_tag_, ")") : ""; }
+  // Under the world's lock.
+  bool arrived() const {
+    auto it = world_->mail.find(std::make_tuple(peer_, self_, tag_));
+    return it != world_->mail.end() && !it->second.empty();
+  }
+  // Takes the message that arrived(), under `lock`, which it releases before copying.
+  void take(std::unique_lock<std::mutex>& lock) {
+    auto it = world_->mail.find(std::make_tuple(peer_, self_, tag_));
     Message msg = std::move(it->second.front());
     it->second.pop_front();
     lock.unlock();
@@ -78,15 +106,16 @@ class LoopbackRequest final : public Request {
       RF_CHECK(msg[i].size() == buffers_[i].bytes, "rank ", self_, ": ", label_, " from rank ", peer_, " buffer ", i,
                " has ", msg[i].size(), " bytes, expected ", buffers_[i].bytes);
       if (!msg[i].empty()) std::memcpy(buffers_[i].data, msg[i].data(), msg[i].size());
+      if (received_ && peer_ != self_) *received_ += msg[i].size();
     }
     world_ = nullptr;
   }
 
- private:
   World* world_ = nullptr;
-  int self_ = 0, peer_ = 0, tag_ = 0;
+  int self_ = 0, peer_ = 0, tag_ = 0, shown_tag_ = 0;
   std::vector<RecvBuffer> buffers_;
   std::string label_;
+  uint64_t* received_ = nullptr;
 };
 
 class LoopbackComm final : public Communicator {
@@ -104,16 +133,17 @@ class LoopbackComm final : public Communicator {
 
   RequestPtr irecv(int peer, int tag, std::span<const RecvBuffer> buffers, std::string label) override {
     check_user(peer, tag, label);
-    return std::make_unique<LoopbackRequest>(world_, rank_, peer, tag,
-                                             std::vector<RecvBuffer>(buffers.begin(), buffers.end()), std::move(label));
+    return receive(peer, tag, tag, buffers, std::move(label));
   }
+
+  Traffic traffic() const override { return traffic_; }
 
   void allgather(const void* send, void* recv, size_t bytes, Timeout timeout) override {
     const SendBuffer s{send, bytes};
     for (int p = 0; p < world_->P; ++p) post(p, kAllgatherTag, {&s, 1});
     for (int p = 0; p < world_->P; ++p) {
       const RecvBuffer r{static_cast<uint8_t*>(recv) + p * bytes, bytes};
-      LoopbackRequest(world_, rank_, p, kAllgatherTag, {r}, "allgather").wait(timeout);
+      receive(p, kAllgatherTag, kAllgatherTag, {&r, 1}, "allgather")->wait(timeout);
     }
   }
 
@@ -125,7 +155,8 @@ class LoopbackComm final : public Communicator {
         if (p != root) post(p, kBroadcastTag, {&s, 1});
       return;
     }
-    LoopbackRequest(world_, rank_, root, kBroadcastTag, {RecvBuffer{data, bytes}}, "broadcast").wait(timeout);
+    const RecvBuffer r{data, bytes};
+    receive(root, kBroadcastTag, kBroadcastTag, {&r, 1}, "broadcast")->wait(timeout);
   }
 
   std::unique_ptr<Communicator> split(int color, int key, Timeout timeout) override {
@@ -151,7 +182,22 @@ class LoopbackComm final : public Communicator {
     return std::make_unique<LoopbackComm>(child, new_rank);
   }
 
+ protected:
+  RequestPtr channel_isend(int peer, int tag, std::span<const SendBuffer> buffers, std::string) override {
+    post(peer, kChannelTag0 + tag, buffers);
+    return std::make_unique<LoopbackRequest>();
+  }
+  RequestPtr channel_irecv(int peer, int tag, std::span<const RecvBuffer> buffers, std::string label) override {
+    return receive(peer, kChannelTag0 + tag, -1, buffers, std::move(label));
+  }
+
  private:
+  RequestPtr receive(int peer, int tag, int shown_tag, std::span<const RecvBuffer> buffers, std::string label) {
+    return std::make_unique<LoopbackRequest>(world_, rank_, peer, tag, shown_tag,
+                                             std::vector<RecvBuffer>(buffers.begin(), buffers.end()), std::move(label),
+                                             &traffic_.bytes_received);
+  }
+
   void check_user(int peer, int tag, const std::string& label) const {
     RF_CHECK(peer >= 0 && peer < world_->P, "rank ", rank_, ": ", label, ": peer ", peer, " is not a rank of ",
              world_->P);
@@ -163,6 +209,7 @@ class LoopbackComm final : public Communicator {
     for (const SendBuffer& b : buffers) {
       const auto* p = static_cast<const uint8_t*>(b.data);
       msg.emplace_back(p, p + b.bytes);
+      if (peer != rank_) traffic_.bytes_sent += b.bytes;
     }
     {
       std::lock_guard lock(world_->mutex);
@@ -173,7 +220,8 @@ class LoopbackComm final : public Communicator {
 
   World* world_;
   int rank_;
-  int splits_ = 0;  // splits made so far; every rank counts the same (split is collective)
+  Traffic traffic_;  // this rank's thread alone touches it
+  int splits_ = 0;   // splits made so far; every rank counts the same (split is collective)
 };
 
 }  // namespace

@@ -61,13 +61,19 @@ class MpiRequest final : public Request {
 
   void wait(Timeout timeout) override {
     RF_CHECK(poll_until(reqs_, timeout), "rank ", self_, ": timed out after ", timeout.count(), " ms waiting to ",
-             is_send_ ? "send " : "receive ", label_, is_send_ ? " to rank " : " from rank ", peer_, " (tag ", tag_,
-             ")");
+             is_send_ ? "send " : "receive ", label_, is_send_ ? " to rank " : " from rank ", peer_,
+             tag_ >= 0 ? concat(" (tag ", tag_, ")") : "");
+  }
+
+  bool test() override {
+    int done = 0;
+    check_mpi(MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
+    return done != 0;
   }
 
  private:
   std::vector<MPI_Request> reqs_;
-  int self_, peer_, tag_;
+  int self_, peer_, tag_;  // tag_ < 0: a collective's message, whose channel tag means nothing to the reader
   bool is_send_;
   std::string label_;
 };
@@ -117,21 +123,15 @@ class MpiComm final : public Communicator {
 
   RequestPtr isend(int peer, int tag, std::span<const SendBuffer> buffers, std::string label) override {
     check_user(peer, tag, label);
-    std::vector<MPI_Request> reqs(buffers.size(), MPI_REQUEST_NULL);
-    for (size_t i = 0; i < buffers.size(); ++i)
-      check_mpi(MPI_Isend(buffers[i].data, to_count(buffers[i].bytes, label), MPI_BYTE, peer, tag, comm_, &reqs[i]),
-                "MPI_Isend");
-    return std::make_unique<MpiRequest>(std::move(reqs), rank_, peer, tag, true, std::move(label));
+    return post_send(comm_, peer, tag, tag, buffers, std::move(label));
   }
 
   RequestPtr irecv(int peer, int tag, std::span<const RecvBuffer> buffers, std::string label) override {
     check_user(peer, tag, label);
-    std::vector<MPI_Request> reqs(buffers.size(), MPI_REQUEST_NULL);
-    for (size_t i = 0; i < buffers.size(); ++i)
-      check_mpi(MPI_Irecv(buffers[i].data, to_count(buffers[i].bytes, label), MPI_BYTE, peer, tag, comm_, &reqs[i]),
-                "MPI_Irecv");
-    return std::make_unique<MpiRequest>(std::move(reqs), rank_, peer, tag, false, std::move(label));
+    return post_recv(comm_, peer, tag, tag, buffers, std::move(label));
   }
+
+  Traffic traffic() const override { return traffic_; }
 
   // The collectives are point-to-point messages on a private communicator (coll_, so they cannot match the
   // users' tags) rather than MPI_Iallgather / MPI_Ibcast: when one times out, the requests still pending say
@@ -156,6 +156,8 @@ class MpiComm final : public Communicator {
       peers.push_back(p);
       check_mpi(MPI_Isend(send, n, MPI_BYTE, p, kCollectiveTag, coll_, &reqs.back()), "MPI_Isend");
     }
+    traffic_.bytes_sent += static_cast<uint64_t>(size_ - 1) * bytes;
+    traffic_.bytes_received += static_cast<uint64_t>(size_ - 1) * bytes;
     finish_collective(reqs, peers, timeout, "allgather");
   }
 
@@ -167,10 +169,13 @@ class MpiComm final : public Communicator {
       if (p == rank_ || (rank_ != root && p != root)) continue;
       reqs.push_back(MPI_REQUEST_NULL);
       peers.push_back(p);
-      if (rank_ == root)
+      if (rank_ == root) {
         check_mpi(MPI_Isend(data, n, MPI_BYTE, p, kCollectiveTag, coll_, &reqs.back()), "MPI_Isend");
-      else
+        traffic_.bytes_sent += bytes;
+      } else {
         check_mpi(MPI_Irecv(data, n, MPI_BYTE, root, kCollectiveTag, coll_, &reqs.back()), "MPI_Irecv");
+        traffic_.bytes_received += bytes;
+      }
     }
     finish_collective(reqs, peers, timeout, concat("broadcast from rank ", root));
   }
@@ -185,8 +190,41 @@ class MpiComm final : public Communicator {
     return std::make_unique<MpiComm>(sub, timeout);
   }
 
+ protected:
+  // On coll_, above allgather's and broadcast's tag.
+  RequestPtr channel_isend(int peer, int tag, std::span<const SendBuffer> buffers, std::string label) override {
+    return post_send(coll_, peer, kChannelTag0 + tag, -1, buffers, std::move(label));
+  }
+  RequestPtr channel_irecv(int peer, int tag, std::span<const RecvBuffer> buffers, std::string label) override {
+    return post_recv(coll_, peer, kChannelTag0 + tag, -1, buffers, std::move(label));
+  }
+
  private:
-  static constexpr int kCollectiveTag = 0;  // the only tag on coll_
+  static constexpr int kCollectiveTag = 0;  // allgather's and broadcast's tag on coll_
+  static constexpr int kChannelTag0 = 1;    // the channel's tags follow it
+  static_assert(kChannelTag0 + kChannelTags <= kMaxTag, "MPI guarantees tags up to 32767 only");
+
+  // One MPI message per buffer, counted as traffic when handed to MPI; `shown_tag` is what errors print (< 0: none).
+  RequestPtr post_send(MPI_Comm comm, int peer, int tag, int shown_tag, std::span<const SendBuffer> buffers,
+                       std::string label) {
+    std::vector<MPI_Request> reqs(buffers.size(), MPI_REQUEST_NULL);
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      check_mpi(MPI_Isend(buffers[i].data, to_count(buffers[i].bytes, label), MPI_BYTE, peer, tag, comm, &reqs[i]),
+                "MPI_Isend");
+      if (peer != rank_) traffic_.bytes_sent += buffers[i].bytes;
+    }
+    return std::make_unique<MpiRequest>(std::move(reqs), rank_, peer, shown_tag, true, std::move(label));
+  }
+  RequestPtr post_recv(MPI_Comm comm, int peer, int tag, int shown_tag, std::span<const RecvBuffer> buffers,
+                       std::string label) {
+    std::vector<MPI_Request> reqs(buffers.size(), MPI_REQUEST_NULL);
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      check_mpi(MPI_Irecv(buffers[i].data, to_count(buffers[i].bytes, label), MPI_BYTE, peer, tag, comm, &reqs[i]),
+                "MPI_Irecv");
+      if (peer != rank_) traffic_.bytes_received += buffers[i].bytes;
+    }
+    return std::make_unique<MpiRequest>(std::move(reqs), rank_, peer, shown_tag, false, std::move(label));
+  }
 
   // Waits for a collective's requests; on timeout names every peer whose request is still pending, then
   // abandons the requests (cancelled, so MPI never writes into the caller's buffers afterwards).
@@ -215,8 +253,9 @@ class MpiComm final : public Communicator {
   }
 
   MPI_Comm comm_ = MPI_COMM_NULL;  // the users' point-to-point traffic
-  MPI_Comm coll_ = MPI_COMM_NULL;  // the collectives' (allgather, broadcast)
+  MPI_Comm coll_ = MPI_COMM_NULL;  // the collectives' (allgather, broadcast, the channel of collectives.cpp)
   int rank_ = 0, size_ = 1;
+  Traffic traffic_;
 };
 
 }  // namespace

@@ -1,8 +1,9 @@
 // ringflex comm: the MPI backend (Open MPI), over a private duplicate of MPI_COMM_WORLD.
 //
 // Point-to-point transfers post one MPI_Isend / MPI_Irecv per buffer with the caller's tag (MPI matches them in
-// posting order). Waits poll MPI_Test until done or the deadline; collectives use the non-blocking MPI-3 forms
-// so they get deadlines too. MPI errors are returned, not fatal, and become rf::Error.
+// posting order). Waits poll MPI_Test until done or the deadline; collectives are point-to-point messages on a
+// private duplicate (so they get deadlines too, and a timeout names the silent peer). MPI errors are returned, not
+// fatal, and become rf::Error.
 #pragma once
 
 #include <memory>

@@ -1,4 +1,7 @@
-// ringflex core: the attention seam a model is handed (issue 8): local kernels at P = 1, the CP engine at P > 1.
+// ringflex core: the model's parallel context, the one seam through which a model meets the other ranks: its
+// attention (local kernels at P = 1, the CP engine at P > 1) and the sums over ranks (the loss's counts). The
+// experts' dispatch of expert parallelism joins it as its next member. A job gets it from one factory,
+// cp::make_parallel_context (cp/parallel_context.h).
 //
 // A model never sees a communicator. Once per batch it hands the backend the full rows' token metadata and its
 // layer masks; the backend chooses which tokens of the rows this rank holds (a RowShard, equal length L on every
@@ -49,9 +52,9 @@ struct ShardAttention {
   std::optional<float> scale;  // unset: 1/sqrt(D); any finite value, 0 included, is used as it is
 };
 
-class AttentionBackend {
+class ParallelContext {
  public:
-  virtual ~AttentionBackend() = default;
+  virtual ~ParallelContext() = default;
   virtual int rank() const = 0;
   virtual int ranks() const = 0;
 
@@ -71,5 +74,8 @@ class AttentionBackend {
   // In place: each value summed over the ranks in rank order 0..P-1, the same bits on every rank. Collective.
   virtual void sum_over_ranks(double* values, size_t n) = 0;
 };
+
+// The seam's first name (it began as attention alone); the model's code still says it.
+using AttentionBackend = ParallelContext;
 
 }  // namespace rf

@@ -75,20 +75,31 @@ int create_exclusive(const std::string& temp) {
   return fd;
 }
 
-// The test hook's N (RINGFLEX_FAIL_WRITE), read once; 0: off.
-int64_t failing_write() {
-  static const int64_t n = [] {
+// The fault-injection hook (atomic_file.h): whether this write to `path` is the one RINGFLEX_FAIL_WRITE=N[:TEXT]
+// fails. The variable is read once; writes to other files do not count.
+bool injected_failure(const std::string& path) {
+  struct Hook {
+    int64_t n = 0;  // 0: off
+    std::string text;
+  };
+  static const Hook hook = [] {
+    Hook h;
     const char* v = std::getenv("RINGFLEX_FAIL_WRITE");
-    return v == nullptr ? int64_t{0} : std::strtoll(v, nullptr, 10);
+    if (v == nullptr) return h;
+    const std::string spec(v);
+    h.n = std::strtoll(spec.c_str(), nullptr, 10);
+    if (const size_t colon = spec.find(':'); colon != std::string::npos) h.text = spec.substr(colon + 1);
+    return h;
   }();
-  return n;
+  static std::atomic<int64_t> calls{0};
+  if (hook.n <= 0 || path.find(hook.text) == std::string::npos) return false;
+  return calls.fetch_add(1) + 1 == hook.n;
 }
 
 }  // namespace
 
-int write_all(int fd, std::span<const std::byte> bytes) {
-  static std::atomic<int64_t> calls{0};
-  if (failing_write() > 0 && calls.fetch_add(1) + 1 == failing_write()) return ENOSPC;
+int write_all(int fd, const std::string& path, std::span<const std::byte> bytes) {
+  if (injected_failure(path)) return ENOSPC;
   const std::byte* p = bytes.data();
   size_t left = bytes.size();
   while (left > 0) {
@@ -123,7 +134,7 @@ void AtomicFile::fail(const char* what, int err) { rf::fail(path_, ": ", what, "
 
 void AtomicFile::write(std::span<const std::byte> bytes) {
   RF_CHECK(fd_ >= 0, path_, ": write after the file was finished");
-  const int err = write_all(fd_, bytes);
+  const int err = write_all(fd_, path_, bytes);
   if (err != 0) fail("write failed", err);
 }
 

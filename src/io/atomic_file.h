@@ -61,11 +61,12 @@ void check_writable(const std::string& path);
 // job writing both would overwrite one with the other.
 bool same_destination(const std::string& a, const std::string& b);
 
-// Writes all of `bytes` to the descriptor `fd`, retrying short writes and EINTR; returns 0, or the errno of the
-// failure (ENOSPC for a write that made no progress). Every file the project writes goes through it (AtomicFile, the
-// trainer's metrics file), and so does its test hook: with RINGFLEX_FAIL_WRITE=N in the environment the process's
-// N-th call (counted from 1) fails with ENOSPC without writing, as on a full disk (docs/DEVELOPERS.md).
-int write_all(int fd, std::span<const std::byte> bytes);
+// Writes all of `bytes` to the descriptor `fd` of the file `path`, retrying short writes and EINTR; returns 0, or the
+// errno of the failure (ENOSPC for a write that made no progress). Every file the project writes goes through it
+// (AtomicFile, the trainer's metrics file), and so does its fault-injection hook for tests: with
+// RINGFLEX_FAIL_WRITE=N[:TEXT] in the environment, the process's N-th call (counted from 1) for a file whose path
+// contains TEXT (any file without it) fails with ENOSPC without writing, as on a full disk (DEVELOPERS.md).
+int write_all(int fd, const std::string& path, std::span<const std::byte> bytes);
 
 // Writes `text` to `path` atomically (one AtomicFile, committed).
 void write_file_atomically(const std::string& path, std::string_view text);

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <string_view>
 
 #include "core/error.h"
 #include "io/atomic_file.h"
@@ -31,12 +32,39 @@ std::string metrics_json_line(const StepMetrics& m) {
   return j.dump() + "\n";
 }
 
-MetricsFile::MetricsFile(const std::string& path, bool append) : path_(path) {
+namespace {
+
+// The length of `text`'s leading whole lines whose step (each line starts `{"step":N,`, metrics_json_line) is at
+// most `step`: where a resumed run's file continues.
+int64_t kept_length(const std::string& text, int64_t step) {
+  constexpr std::string_view kStart = "{\"step\":";
+  size_t at = 0;
+  while (at < text.size()) {
+    const size_t end = text.find('\n', at);
+    if (end == std::string::npos || text.compare(at, kStart.size(), kStart) != 0) break;
+    if (std::strtoll(text.c_str() + at + kStart.size(), nullptr, 10) > step) break;
+    at = end + 1;
+  }
+  return static_cast<int64_t>(at);
+}
+
+}  // namespace
+
+MetricsFile::MetricsFile(const std::string& path, int64_t keep_through_step) : path_(path) {
   constexpr mode_t kNewFileMode = 0666;  // before the umask, as fopen creates files
-  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC), kNewFileMode);
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, kNewFileMode);
   RF_CHECK(fd_ >= 0, path, ": cannot open for writing: ", std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd_, &st) == 0) size_ = st.st_size;
+  std::string text;
+  if (keep_through_step > 0) {
+    char buf[1 << 16];
+    for (ssize_t n; (n = ::read(fd_, buf, sizeof buf)) != 0;) {
+      RF_CHECK(n > 0 || errno == EINTR, path, ": cannot read: ", std::strerror(errno));
+      if (n > 0) text.append(buf, static_cast<size_t>(n));
+    }
+  }
+  size_ = kept_length(text, keep_through_step);
+  RF_CHECK(::ftruncate(fd_, size_) == 0 && ::lseek(fd_, size_, SEEK_SET) == size_, path,
+           ": cannot cut the file back to its lines of steps 1 to ", keep_through_step, ": ", std::strerror(errno));
 }
 
 MetricsFile::~MetricsFile() {
@@ -45,10 +73,10 @@ MetricsFile::~MetricsFile() {
 
 void MetricsFile::append(const std::string& line) {
   RF_CHECK(fd_ >= 0, path_, ": write after the file was closed");
-  const int err = io::write_all(fd_, std::as_bytes(std::span<const char>(line.data(), line.size())));
+  const int err = io::write_all(fd_, path_, std::as_bytes(std::span<const char>(line.data(), line.size())));
   if (err != 0) {
     // Whatever part of the line reached the file is cut off again.
-    const bool cut = ::ftruncate(fd_, size_) == 0;
+    const bool cut = ::ftruncate(fd_, size_) == 0 && ::lseek(fd_, size_, SEEK_SET) == size_;
     rf::fail(path_, ": write failed: ", std::strerror(err), cut ? "" : " (and the partial line could not be removed)");
   }
   size_ += static_cast<int64_t>(line.size());

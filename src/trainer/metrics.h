@@ -24,13 +24,14 @@ struct StepMetrics {
 // One JSON object per line: step, loss, lr, grad_norm, tokens, tokens_per_s, peak_rss_bytes [, val_loss].
 std::string metrics_json_line(const StepMetrics& m);
 
-// The --metrics JSONL file (rank 0's): each line is written whole or the write fails. Opened at construction
-// (truncated for a fresh run, appended to on a resume), closed by the destructor on every path. A failed write
-// (a full disk, a quota, a file-size limit) throws rf::Error "<path>: write failed: <reason>" after cutting the file
-// back to its last whole line, so what a run recorded stays readable.
+// The --metrics JSONL file (rank 0's): each line is written whole or the write fails. Opening keeps the whole lines
+// of steps up to `keep_through_step` (a resume's step; 0 for a fresh run, which starts the file empty) and drops
+// the rest: the lines of steps the resumed run does again, and a line a hard kill cut off. The destructor closes it
+// on every path. A failed write (a full disk, a quota, a file-size limit) throws rf::Error "<path>: write failed:
+// <reason>" after cutting the file back to its last whole line, so what the run recorded stays readable.
 class MetricsFile {
  public:
-  MetricsFile(const std::string& path, bool append);
+  MetricsFile(const std::string& path, int64_t keep_through_step);
   ~MetricsFile();
   MetricsFile(const MetricsFile&) = delete;
   MetricsFile& operator=(const MetricsFile&) = delete;

@@ -16,8 +16,7 @@
 #include "comm/agree.h"
 #include "core/error.h"
 #include "core/memory.h"
-#include "cp/cp_backend.h"
-#include "cpu/local_attention.h"
+#include "cp/parallel_context.h"
 #include "io/atomic_file.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
@@ -205,7 +204,7 @@ struct Run {
   const bool shard_optimizer = cfg.parallelism.shard == "optimizer";  // ZeRO-1 over the world's ranks
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
   std::unique_ptr<comm::Communicator> cp_group, dp_group;
-  std::unique_ptr<AttentionBackend> attention;  // the local kernels, or the ring over this rank's CP group
+  cp::JobContext context;  // the model's parallel context: the local kernels, or the ring over this rank's CP group
   model::Checkpoint ck;
   TrainState state;
   std::string resume_dir;  // empty: a fresh run
@@ -215,19 +214,14 @@ struct Run {
   int feature_dim = 0;          // F of the batches' image features (0: the data has none)
 };
 
-// The run's groups and attention backend (collectives: every rank, in the same order).
+// The run's groups and the model's parallel context (collectives: every rank, in the same order).
 void join_groups(Run& r) {
-  const int cp = r.cfg.parallelism.cp;
   r.cp_group = r.world.split(r.dp_index, r.cp_index, r.timeout);
   r.dp_group = r.world.split(r.cp_index, r.dp_index, r.timeout);
-  if (cp == 1) {
-    r.attention = std::make_unique<cpu::LocalAttention>();
-  } else {
-    cp::CpAttentionOptions co;
-    co.scheme = r.cfg.parallelism.sharding;
-    co.timeout = r.timeout;
-    r.attention = std::make_unique<cp::CpAttention>(*r.cp_group, co);
-  }
+  cp::CpAttentionOptions co;
+  co.scheme = r.cfg.parallelism.sharding;
+  co.timeout = r.timeout;
+  r.context = cp::make_parallel_context(*r.cp_group, co);
 }
 
 // Setup: the model (fresh, from model.path or resumed), the data, the optimizer state and where the run stands.
@@ -309,6 +303,11 @@ std::vector<PackedBatch> replica_micro_batches(const Run& r) {
     std::vector<Row> rows;
     for (int j = 0; j < micro; ++j) rows.push_back(r.data->train_row(first + int64_t{a} * micro + j));
     batches.push_back(stack_rows(rows, r.feature_dim));
+    // A row the model would refuse is found here, where the ranks agree, not inside the model's collectives where
+    // one DP replica's error would leave the others waiting.
+    r.ck.model->check_batch(as_batch(batches.back()), r.cfg.parallelism.cp,
+                            rf::concat("training rows ", first + int64_t{a} * micro, " to ",
+                                       first + int64_t{a + 1} * micro - 1));
   }
   return batches;
 }
@@ -336,7 +335,7 @@ double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool 
   model::RunOptions ro = r.training;
   ro.want_grad = grad;
   ro.loss_normalizer = std::max(1.0, static_cast<double>(label_tokens));  // no label tokens: loss 0, not 0 / 0
-  return r.ck.model->run(as_batch(p), ro, *r.attention).loss;
+  return r.ck.model->run(as_batch(p), ro, *r.context.model).loss;
 }
 
 // 3. Forward + backward of every micro-batch, the gradients accumulating; returns the global batch's loss.
@@ -457,11 +456,13 @@ double validation_loss(Run& r) {
       if (j % dp == r.dp_index) rows.push_back(std::move(row));
     }
     const size_t micro = static_cast<size_t>(r.cfg.train.micro_batch);
-    for (size_t at = 0; at < rows.size(); at += micro)
+    for (size_t at = 0; at < rows.size(); at += micro) {
       mine.push_back(
           stack_rows(std::vector<Row>(rows.begin() + static_cast<std::ptrdiff_t>(at),
                                       rows.begin() + static_cast<std::ptrdiff_t>(std::min(rows.size(), at + micro))),
                      r.feature_dim));
+      r.ck.model->check_batch(as_batch(mine.back()), r.cfg.parallelism.cp, "validation rows");
+    }
   });
   double loss = 0.0;
   for (const PackedBatch& b : mine) loss += run_micro_batch(r, b, labels, false);
@@ -489,10 +490,11 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
 
   TrainResult result;
   result.svg_path = default_svg_path(cfg, options);
-  // Rank 0's metrics file, closed on every path; opening it is part of the agreement (a resume appends).
+  // Rank 0's metrics file, closed on every path; opening it is part of the agreement. A resume keeps the lines of
+  // the steps its checkpoint holds.
   std::optional<MetricsFile> metrics;
   comm::agree(world, [&] {
-    if (r.lead && !options.metrics_path.empty()) metrics.emplace(options.metrics_path, !r.resume_dir.empty());
+    if (r.lead && !options.metrics_path.empty()) metrics.emplace(options.metrics_path, r.state.step);
   });
   Progress progress(r.lead ? options.progress : nullptr, cfg.train.steps, cfg.train.log_every);
   if (r.lead) announce(r, progress);

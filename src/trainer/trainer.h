@@ -40,7 +40,8 @@ constexpr int kBuiltinFeatureDim = 32;
 
 struct TrainOptions {
   std::string resume;            // a checkpoint directory or a checkpoint root (its newest); empty: start fresh
-  std::string metrics_path;      // JSONL, one object per optimizer step (rank 0 appends); empty: none
+  std::string metrics_path;      // JSONL, one object per optimizer step (rank 0 writes; a resume keeps the lines of
+                                 // the checkpoint's steps and continues); empty: none
   std::string svg_path;          // the loss picture (end of run and every checkpoint); empty: <checkpoint.dir>/loss.svg
   std::FILE* progress = stdout;  // rank 0's progress lines; nullptr: silent
   // Runs inside a checkpoint save after its files are written, before the rename (tests simulate a crash here).

@@ -39,6 +39,16 @@ grep -q "^ringflex: error: .*/out/o.st: write failed: File too large$" "$work/st
 cmp -s "$work/out/o.st" "$work/good.st" || fail "the previous output was changed by the failed write"
 expect_entries "o.st "
 
+# 1b. Without the trap: ringflex itself ignores SIGXFSZ, so the kernel's signal does not end it mid-write (with the
+# temporary left behind) and the write fails with EFBIG and one line.
+"${mpiexec[@]}" --mca btl self,tcp -n 1 bash -c 'trap - XFSZ; ulimit -f 8; exec "$@"' _ \
+  "$ringflex" attn --in "$work/big.st" --out "$work/out/o.st" >/dev/null 2>"$work/stderr"
+code=$?
+[ "$code" -eq 1 ] || fail "a write over the size limit without the trap ended with exit $code, not 1"
+grep -q "^ringflex: error: .*/out/o.st: write failed: File too large$" "$work/stderr" || fail "no write error line"
+cmp -s "$work/out/o.st" "$work/good.st" || fail "the previous output was changed by the failed write"
+expect_entries "o.st "
+
 # 2. One job, all or nothing: --stats fails (8 ranks make it larger than the 1 KiB limit, the main output is
 # 144 bytes), so the main output is not left either, on any rank's account.
 rm -f "$work/out/o.st"

@@ -6,9 +6,12 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <memory>
 #include <numeric>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -151,6 +154,262 @@ inline void split_forms_a_grid(Communicator& c) {
   send->wait(kTestTimeout);
   EXPECT_EQ(in, 1000 * dp_index + (me + n - 1) % n);
   EXPECT_THROW(c.split(-1, 0, kTestTimeout), Error);  // every rank throws before any collective: no hang
+  c.barrier(kTestTimeout);
+}
+
+// --- The sliced collectives (collectives.cpp) ----------------------------------------------------------------
+
+// Rank p's value of element i: rank 0's is in [1, 2) and differs per element (a misplaced chunk shows); the others
+// add a few float32 ulps of 1 (2^-23) scaled by 3/4 .. 7/4, so a float32 running sum rounds at each step and differs
+// from the double sum rounded once: only the rank-order double sum matches the oracle everywhere.
+inline float sliced_value(int p, size_t i) {
+  constexpr size_t kDistinct = 1024;
+  constexpr size_t kSteps = 5;
+  constexpr float kStep = 0x1p-10f, kUlpQuarter = 0x1p-25f;  // powers of two: the products are exact
+  if (p == 0) return 1.0f + static_cast<float>(i % kDistinct) * kStep;
+  return static_cast<float>(3 + (i * 7 + static_cast<size_t>(p)) % kSteps) * kUlpQuarter;
+}
+
+// The oracle: what the allgather-then-sum all-reduce gave, each element's P values combined in rank order 0..P-1 in
+// double and rounded once.
+inline float rank_order(int P, size_t i, ReduceOp op) {
+  double acc = sliced_value(0, i);
+  for (int p = 1; p < P; ++p) {
+    const double x = sliced_value(p, i);
+    acc = op == ReduceOp::Sum ? acc + x : op == ReduceOp::Min ? std::min(acc, x) : std::max(acc, x);
+  }
+  return static_cast<float>(acc);
+}
+
+// The sizes every sliced case runs: nothing, one element, fewer elements than ranks, not a multiple of P, and
+// enough for every slice to span three chunks (so chunks in flight, the short last chunk and the gather of summed
+// chunks are exercised).
+inline std::vector<size_t> sliced_sizes(int P) {
+  const size_t Pz = static_cast<size_t>(P);
+  return {0, 1, Pz > 1 ? Pz - 1 : 2, 3 * Pz + 2, Pz * (2 * Communicator::reduce_chunk(P) + 3) + 5};
+}
+
+inline Communicator::Traffic traffic_since(const Communicator& c, Communicator::Traffic before) {
+  const Communicator::Traffic now = c.traffic();
+  return {now.bytes_sent - before.bytes_sent, now.bytes_received - before.bytes_received};
+}
+
+// float all-reduce: the rank-order bits, and the bytes each rank sent and received measured by the backend. Exactly:
+// the reduce-scatter sends the other owners their slices (n - L_r elements) and receives P - 1 contributions to its
+// own (L_r each); the gather sends its slice P - 1 times and receives the rest: n + (P - 2) L_r each way. With
+// L_r <= ceil(n / P) < n / P + 1 that is within the bandwidth-optimal 2 (P - 1)/P n plus P - 2 elements of padding
+// (the slices' rounding up), the bound the issue asks for.
+inline void sliced_allreduce(Communicator& c) {
+  const int P = c.size(), r = c.rank();
+  for (const size_t n : sliced_sizes(P)) {
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = sliced_value(r, i);
+    const Communicator::Traffic before = c.traffic();
+    c.allreduce(v.data(), n, ReduceOp::Sum, kTestTimeout);
+    const Communicator::Traffic moved = traffic_since(c, before);
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(v[i], rank_order(P, i, ReduceOp::Sum)) << "n = " << n << ", element " << i;
+
+    const uint64_t own = slice_of(n, P, r).size(), f32 = sizeof(float);
+    const uint64_t exact = (n + static_cast<uint64_t>(P - 2) * own) * f32;
+    EXPECT_EQ(moved.bytes_sent, P == 1 ? 0 : exact) << "n = " << n;
+    EXPECT_EQ(moved.bytes_received, P == 1 ? 0 : exact) << "n = " << n;
+    const double bound = 2.0 * (P - 1) / P * static_cast<double>(n * f32) + static_cast<double>((P - 2) * f32);
+    EXPECT_LE(static_cast<double>(moved.bytes_sent), std::max(bound, 0.0)) << "n = " << n;
+    EXPECT_LE(static_cast<double>(moved.bytes_received), std::max(bound, 0.0)) << "n = " << n;
+  }
+  // Min and Max take the same path; one size spanning chunks.
+  const size_t n = sliced_sizes(P).back();
+  std::vector<float> hi(n), lo(n);
+  for (size_t i = 0; i < n; ++i) hi[i] = lo[i] = sliced_value(r, i);
+  c.allreduce(hi.data(), n, ReduceOp::Max, kTestTimeout);
+  c.allreduce(lo.data(), n, ReduceOp::Min, kTestTimeout);
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(hi[i], rank_order(P, i, ReduceOp::Max)) << "element " << i;
+    ASSERT_EQ(lo[i], rank_order(P, i, ReduceOp::Min)) << "element " << i;
+  }
+}
+
+// reduce_scatter: this rank's slice holds the rank-order sums, the rest is untouched. Sent: the other slices,
+// n - L_r elements <= (P - 1)/P n + ... ; received: P - 1 contributions to its slice, (P - 1) L_r < (P - 1)(n/P + 1).
+inline void sliced_reduce_scatter(Communicator& c) {
+  const int P = c.size(), r = c.rank();
+  for (const size_t n : sliced_sizes(P)) {
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = sliced_value(r, i);
+    const Communicator::Traffic before = c.traffic();
+    c.reduce_scatter(v.data(), n, ReduceOp::Sum, kTestTimeout);
+    const Communicator::Traffic moved = traffic_since(c, before);
+    const Slice own = slice_of(n, P, r);
+    for (size_t i = 0; i < n; ++i) {
+      const bool mine = i >= own.begin && i < own.end;
+      ASSERT_EQ(v[i], mine ? rank_order(P, i, ReduceOp::Sum) : sliced_value(r, i)) << "n = " << n << ", element " << i;
+    }
+    const uint64_t f32 = sizeof(float);
+    EXPECT_EQ(moved.bytes_sent, P == 1 ? 0 : (n - own.size()) * f32) << "n = " << n;
+    EXPECT_EQ(moved.bytes_received, (P - 1) * own.size() * f32) << "n = " << n;
+    const double bound =
+        static_cast<double>(P - 1) / P * static_cast<double>(n * f32) + static_cast<double>((P - 1) * f32);
+    EXPECT_LE(static_cast<double>(moved.bytes_sent), bound) << "n = " << n;
+    EXPECT_LE(static_cast<double>(moved.bytes_received), bound) << "n = " << n;
+  }
+}
+
+// allgather_slices, as float32 and as 2-byte elements (bf16 working weights): each rank fills only its slice (the
+// rest holds garbage that must be overwritten), and ends with the whole. Sent: its slice to P - 1 ranks; received:
+// the other slices: each at most (P - 1)/P of the buffer plus P - 1 elements of padding.
+inline void sliced_allgather(Communicator& c) {
+  const int P = c.size(), r = c.rank();
+  const auto bf16_bits = [](size_t i) { return static_cast<uint16_t>((i * 40503u) >> 3); };
+  for (const size_t n : sliced_sizes(P)) {
+    const Slice own = slice_of(n, P, r);
+    std::vector<float> f(n, -1.0f);
+    std::vector<uint16_t> h(n, 0xFFFF);
+    for (size_t i = own.begin; i < own.end; ++i) {
+      f[i] = sliced_value(0, i);
+      h[i] = bf16_bits(i);
+    }
+    Communicator::Traffic before = c.traffic();
+    c.allgather_slices(f.data(), n, sizeof(float), kTestTimeout);
+    const Communicator::Traffic moved = traffic_since(c, before);
+    c.allgather_slices(h.data(), n, sizeof(uint16_t), kTestTimeout);
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(f[i], sliced_value(0, i)) << "n = " << n << ", element " << i;
+      ASSERT_EQ(h[i], bf16_bits(i)) << "n = " << n << ", element " << i;
+    }
+    const uint64_t f32 = sizeof(float);
+    EXPECT_EQ(moved.bytes_sent, static_cast<uint64_t>(P - 1) * own.size() * f32) << "n = " << n;
+    EXPECT_EQ(moved.bytes_received, P == 1 ? 0 : (n - own.size()) * f32) << "n = " << n;
+    const double bound =
+        static_cast<double>(P - 1) / P * static_cast<double>(n * f32) + static_cast<double>((P - 1) * f32);
+    EXPECT_LE(static_cast<double>(moved.bytes_sent), bound) << "n = " << n;
+    EXPECT_LE(static_cast<double>(moved.bytes_received), bound) << "n = " << n;
+  }
+  // allgatherv with parts of any size (rank p: 5p + 1 bytes, so ranks differ and none is a multiple of another).
+  std::vector<size_t> parts(static_cast<size_t>(P));
+  size_t total = 0;
+  for (int p = 0; p < P; ++p) total += parts[static_cast<size_t>(p)] = 5 * static_cast<size_t>(p) + 1;
+  std::vector<uint8_t> all(total, 0);
+  size_t at = 0;
+  for (int p = 0; p < P; ++p) {
+    for (size_t b = 0; b < parts[static_cast<size_t>(p)]; ++b)
+      all[at + b] = p == r ? static_cast<uint8_t>(16 * p + b) : uint8_t{0};
+    at += parts[static_cast<size_t>(p)];
+  }
+  c.allgatherv(all.data(), parts, kTestTimeout);
+  at = 0;
+  for (int p = 0; p < P; ++p) {
+    for (size_t b = 0; b < parts[static_cast<size_t>(p)]; ++b)
+      ASSERT_EQ(all[at + b], static_cast<uint8_t>(16 * p + b)) << "rank " << p << "'s byte " << b;
+    at += parts[static_cast<size_t>(p)];
+  }
+}
+
+// Several buffers (a model's gradient tensors, one of them empty) reduce as their concatenation: the bits of the flat
+// all-reduce of the concatenation, slices and chunks crossing the buffers' edges.
+inline void allreduce_of_several_buffers(Communicator& c) {
+  const int P = c.size(), r = c.rank();
+  const size_t n = sliced_sizes(P).back();
+  const std::vector<size_t> sizes{3, 0, 1, n / 3, 7, n - n / 3 - 11};  // sums to n
+  std::vector<std::vector<float>> parts;
+  std::vector<std::span<float>> views;
+  size_t at = 0;
+  for (const size_t len : sizes) {
+    parts.emplace_back(len);
+    for (size_t i = 0; i < len; ++i) parts.back()[i] = sliced_value(r, at + i);
+    at += len;
+  }
+  ASSERT_EQ(at, n);
+  for (std::vector<float>& p : parts) views.emplace_back(p);
+  c.allreduce(views, ReduceOp::Sum, kTestTimeout);
+  at = 0;
+  for (const std::vector<float>& p : parts) {
+    for (size_t i = 0; i < p.size(); ++i) ASSERT_EQ(p[i], rank_order(P, at + i, ReduceOp::Sum)) << "element " << at + i;
+    at += p.size();
+  }
+}
+
+// Posted collectives: two in flight at once (an all-reduce and an all-gather, as a layer's gradient reduction and
+// the next layer's weights would be), advanced by progress() between stretches of "compute", completed in the
+// opposite order to their posting; the results are those of the blocking calls.
+inline void posted_collectives_overlap(Communicator& c) {
+  const int P = c.size(), r = c.rank();
+  const size_t n = sliced_sizes(P).back();
+  std::vector<float> grads(n), weights(n, -1.0f);
+  for (size_t i = 0; i < n; ++i) grads[i] = sliced_value(r, i);
+  const Slice own = slice_of(n, P, r);
+  for (size_t i = own.begin; i < own.end; ++i) weights[i] = sliced_value(0, i);
+  const std::span<float> g(grads);
+  PostedPtr reduce = c.post_allreduce({&g, 1}, ReduceOp::Sum);
+  std::vector<size_t> parts(static_cast<size_t>(P));
+  for (int p = 0; p < P; ++p) parts[static_cast<size_t>(p)] = slice_of(n, P, p).size() * sizeof(float);
+  PostedPtr gather = c.post_allgatherv(weights.data(), parts);
+  volatile double busy = 0;  // the "layer" computing meanwhile
+  const auto deadline = std::chrono::steady_clock::now() + kTestTimeout;
+  while (!reduce->progress()) {
+    for (int i = 0; i < 1000; ++i) busy = busy + 1.0;
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "progress() never completed the all-reduce";
+  }
+  gather->wait(kTestTimeout);
+  reduce->wait(kTestTimeout);  // complete already: returns at once
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(grads[i], rank_order(P, i, ReduceOp::Sum)) << "element " << i;
+    ASSERT_EQ(weights[i], sliced_value(0, i)) << "element " << i;
+  }
+}
+
+// alltoallv with counts exchanged first: rank s sends (3 s + 2 d) % 7 bytes to rank d (some zero, itself included),
+// byte b of it = 31 s + 7 d + b; each rank's receive buffer holds the parts in source-rank order. Sent and received
+// bytes are exactly the counts to and from the other ranks.
+inline void alltoallv_places_by_rank(Communicator& c) {
+  const int P = c.size(), r = c.rank();
+  const auto count = [](int s, int d) { return static_cast<size_t>(3 * s + 2 * d) % 7; };
+  const auto byte = [](int s, int d, size_t b) { return static_cast<uint8_t>(31 * s + 7 * d + static_cast<int>(b)); };
+  std::vector<size_t> send_bytes(static_cast<size_t>(P));
+  std::vector<uint8_t> send;
+  uint64_t to_others = 0, from_others = 0;
+  for (int d = 0; d < P; ++d) {
+    send_bytes[static_cast<size_t>(d)] = count(r, d);
+    for (size_t b = 0; b < count(r, d); ++b) send.push_back(byte(r, d, b));
+    if (d != r) {
+      to_others += count(r, d);
+      from_others += count(d, r);
+    }
+  }
+  const std::vector<size_t> recv_bytes = c.alltoall_counts(send_bytes, kTestTimeout);
+  for (int s = 0; s < P; ++s) ASSERT_EQ(recv_bytes[static_cast<size_t>(s)], count(s, r)) << "from rank " << s;
+  std::vector<uint8_t> recv(from_others + count(r, r), 0);
+  const Communicator::Traffic before = c.traffic();
+  c.alltoallv(send.data(), send_bytes, recv.data(), recv_bytes, kTestTimeout);
+  const Communicator::Traffic moved = traffic_since(c, before);
+  size_t at = 0;
+  for (int s = 0; s < P; ++s)
+    for (size_t b = 0; b < count(s, r); ++b, ++at)
+      ASSERT_EQ(recv[at], byte(s, r, b)) << "from rank " << s << ", byte " << b;
+  EXPECT_EQ(moved.bytes_sent, to_others);
+  EXPECT_EQ(moved.bytes_received, from_others);
+}
+
+// A rank that never joins an all-reduce (stopped, hung) is named by every rank waiting for it, within the deadline.
+// Run on a split copy of the world, last: the stopped rank's mailbox keeps the others' unmatched contributions, which
+// must not meet a later collective.
+inline void stopped_peer_is_named(Communicator& c) {
+  const int P = c.size(), r = c.rank(), stopped = P - 1;
+  if (P == 1) return;  // nobody to wait for
+  std::unique_ptr<Communicator> copy = c.split(0, r, kTestTimeout);
+  if (r != stopped) {
+    std::vector<float> v(4 * static_cast<size_t>(P), 1.0f);
+    const Step step("summing the gradients");
+    try {
+      copy->allreduce(v.data(), v.size(), ReduceOp::Sum, Timeout{300});
+      ADD_FAILURE() << "an all-reduce missing a rank must time out";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("rank " + std::to_string(r) + ": timed out"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("rank " + std::to_string(stopped)), std::string::npos) << msg;
+      EXPECT_NE(msg.find("allreduce"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("while summing the gradients"), std::string::npos) << msg;
+    }
+  }
   c.barrier(kTestTimeout);
 }
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <mutex>
+#include <stdexcept>
 #include <vector>
 
 #include "comm/agree.h"
@@ -36,13 +37,37 @@ TEST(Agree, NoFailureThrowsNowhere) {
 TEST(Agree, EveryRankReportsTheLowestFailingRank) {
   for (int P : {1, 3, 8}) {
     const int last = P - 1;
+    // Some ranks failing: the line names the rank; every rank failing: the job's line, without a rank.
+    const std::string where = P > 1 ? "rank " + std::to_string(last) + ": " : "";
     EXPECT_EQ(agree_on(P, [&](int r) { return r == last; }),
-              std::vector<std::string>(P, "rank " + std::to_string(last) + " cannot read in.safetensors"))
+              std::vector<std::string>(P, where + "rank " + std::to_string(last) + " cannot read in.safetensors"))
         << P;
     EXPECT_EQ(agree_on(P, [](int r) { return r % 2 == 1 || r == 0; }),
-              std::vector<std::string>(P, "rank 0 cannot read in.safetensors"))
+              std::vector<std::string>(P, (P > 1 ? "rank 0: " : "") + std::string("rank 0 cannot read in.safetensors")))
+        << P;
+    EXPECT_EQ(agree_on(P, [](int) { return true; }), std::vector<std::string>(P, "rank 0 cannot read in.safetensors"))
         << P;
   }
+}
+
+// Any library's exception, not only rf::Error, fails every rank alike (yaml-cpp, json and std::filesystem throw
+// their own; a bad_alloc on one rank must not leave the others waiting).
+TEST(Agree, AnyStdExceptionIsAgreed) {
+  std::vector<std::string> caught(3);
+  std::mutex m;
+  comm::run_ranks(3, [&](comm::Communicator& c) {
+    std::string what;
+    try {
+      agree(c, [&] {
+        if (c.rank() == 1) throw std::runtime_error("yaml-cpp: bad conversion");
+      });
+    } catch (const AgreedError& e) {
+      what = e.what();
+    }
+    std::lock_guard lock(m);
+    caught[static_cast<size_t>(c.rank())] = what;
+  });
+  EXPECT_EQ(caught, std::vector<std::string>(3, "rank 1: yaml-cpp: bad conversion"));
 }
 
 TEST(Agree, EqualValuesPassAndDifferentOnesFailEverywhere) {

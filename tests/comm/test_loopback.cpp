@@ -30,6 +30,37 @@ TEST(Loopback, SplitFormsAGrid) {
   for (int P : kRankCounts) run_ranks(P, cases::split_forms_a_grid);
 }
 
+// The sliced collectives at every P from 1 to 8 (MPI runs them at the P of its CTest launches).
+constexpr int kEveryRankCount[] = {1, 2, 3, 4, 5, 6, 7, 8};
+
+TEST(Loopback, SlicedAllreduceKeepsRankOrderBitsAndBytes) {
+  for (int P : kEveryRankCount) run_ranks(P, cases::sliced_allreduce);
+}
+
+TEST(Loopback, SlicedReduceScatter) {
+  for (int P : kEveryRankCount) run_ranks(P, cases::sliced_reduce_scatter);
+}
+
+TEST(Loopback, SlicedAllgather) {
+  for (int P : kEveryRankCount) run_ranks(P, cases::sliced_allgather);
+}
+
+TEST(Loopback, AllreduceOfSeveralBuffers) {
+  for (int P : kEveryRankCount) run_ranks(P, cases::allreduce_of_several_buffers);
+}
+
+TEST(Loopback, PostedCollectivesOverlap) {
+  for (int P : kRankCounts) run_ranks(P, cases::posted_collectives_overlap);
+}
+
+TEST(Loopback, AlltoallvPlacesByRank) {
+  for (int P : kEveryRankCount) run_ranks(P, cases::alltoallv_places_by_rank);
+}
+
+TEST(Loopback, StoppedPeerIsNamed) {
+  for (int P : kRankCounts) run_ranks(P, cases::stopped_peer_is_named);
+}
+
 TEST(Loopback, BadPeerAndTagAreRejected) { run_ranks(2, cases::bad_peer_and_tag_are_rejected); }
 
 TEST(Loopback, FailingRankWakesBlockedPeers) {

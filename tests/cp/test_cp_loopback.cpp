@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "cp/cp_internal.h"
+#include "cp/parallel_context.h"
 #include "cp/plan.h"
 #include "cp/rows.h"
 #include "cp_cases.h"
@@ -160,6 +161,27 @@ TEST(CpLoopback, MissingChunkTimesOutNamingPeerAndStep) {
   } catch (const Error& e) {
     EXPECT_EQ(std::string(e.what()),
               "rank 0: timed out after 100 ms waiting to receive K/V of rank 1 for ring step 1 from rank 1 (tag 3)");
+  }
+}
+
+// One factory chooses the model's parallel context: the local kernels for a group of one rank, the CP engine (with
+// its figures) for more; either way the context knows the group and sums over it (oracle: sum of r + 1/2 over
+// r < P is P^2 / 2, exact in double).
+TEST(ParallelContext, LocalOnOneRankCpEngineOnMore) {
+  for (int P : {1, 2, 3}) {
+    comm::run_ranks(P, [&](comm::Communicator& w) {
+      const JobContext context = make_parallel_context(w);
+      ASSERT_TRUE(context.model);
+      EXPECT_EQ(context.model->ranks(), P);
+      EXPECT_EQ(context.model->rank(), w.rank());
+      ASSERT_EQ(context.cp != nullptr, P > 1);
+      if (context.cp) {
+        EXPECT_EQ(static_cast<const ParallelContext*>(context.cp), context.model.get());
+      }
+      double x = w.rank() + 0.5;
+      context.model->sum_over_ranks(&x, 1);
+      EXPECT_EQ(x, P * P / 2.0);
+    });
   }
 }
 
