@@ -50,6 +50,10 @@ struct ParallelismSection {
   // optimizer (AdamW's moments sharded, ZeRO-1: each rank updates its shard of the trainable parameters, then the
   // updated weights are all-gathered). gradients (ZeRO-2) and full (ZeRO-3) are not there yet.
   std::string shard = "none";
+  // Expert parallelism: the experts of every MoE layer divided over groups of ep consecutive ranks of the cp x dp
+  // ranks (folded: each rank sends its own tokens' rows to the experts' ranks). ep divides cp x dp and the model's
+  // experts; 1: every expert on every rank.
+  int ep = 1;
 };
 
 struct TrainSection {
