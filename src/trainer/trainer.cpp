@@ -528,7 +528,9 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     std::vector<PackedBatch> batches;
     comm::agree(world, [&] { batches = replica_micro_batches(r); });
     const TokenCounts tokens = count_tokens(r, batches);
+    const ExpertTraffic ep_before = r.context.model->experts().traffic();
     const double loss = forward_backward(r, batches, tokens.labels);
+    const ExpertTraffic ep_after = r.context.model->experts().traffic();
     reduce_gradients(world, r.ck.model->params(), r.timeout);
     const double norm = clip_global_norm(r.ck.model->params(), cfg.optimizer.grad_clip);
     check_finite_step(step, loss, norm, result.last_checkpoint);
@@ -551,6 +553,12 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     if (r.data->val_rows() > 0 && validation_step) sm.val_loss = validation_loss(r);
     sm.peak_rss_bytes = peak_rss_bytes();
     world.allreduce(&sm.peak_rss_bytes, 1, comm::ReduceOp::Max, r.timeout);
+    if (cfg.parallelism.ep > 1) {
+      int64_t moved[2] = {ep_after.rows_sent - ep_before.rows_sent, ep_after.rows_received - ep_before.rows_received};
+      world.allreduce(moved, 2, comm::ReduceOp::Max, r.timeout);
+      sm.ep_rows_sent = moved[0];
+      sm.ep_rows_received = moved[1];
+    }
     r.state.history.steps.push_back(static_cast<int>(step));
     r.state.history.loss.push_back(loss);
     if (sm.val_loss) {

@@ -30,6 +30,8 @@ python3 - "$work/ep1.jsonl" "$work/ep$ep.jsonl" "$work/resumed.jsonl" <<'PY'
 import json, sys
 one, ep, resumed = ([json.loads(l) for l in open(p)] for p in sys.argv[1:4])
 assert len(one) == len(ep) == 3, (len(one), len(ep))
+assert all("ep_rows_sent" not in r for r in one), "ep 1 moves no rows"
+assert all(r["ep_rows_sent"] > 0 and r["ep_rows_received"] > 0 for r in ep), [r.get("ep_rows_sent") for r in ep]
 assert one[0]["loss"] == ep[0]["loss"], f"step 1 loss {one[0]['loss']!r} vs {ep[0]['loss']!r}"
 def close(a, b):
     return abs(a - b) <= 1e-5 * abs(a)
@@ -39,5 +41,6 @@ for a, b in zip(one, ep):
             assert close(a[key], b[key]), f"step {a['step']}: {key} {a[key]!r} vs {b[key]!r}"
 last = [r for r in resumed if r["step"] == 3]
 assert last and last[0]["loss"] == ep[2]["loss"], (last, ep[2])
-print("same losses:", [r["loss"] for r in one], [r["loss"] for r in ep], "resumed at ep 1:", last[0]["loss"])
+print("same losses:", [r["loss"] for r in one], [r["loss"] for r in ep], "resumed at ep 1:", last[0]["loss"],
+      "rows sent:", [r["ep_rows_sent"] for r in ep])
 PY
