@@ -11,8 +11,9 @@
 // expert's rank accumulates its sources' sgemms in source order and the all-reduce adds zeros elsewhere. That is a
 // reassociation of at most P = 4 float32 partial sums (each rounding 2^-24 ~ 6e-8 relative to its running sum), so
 // the bound is 1e-5 in relative norm, room for a cancellation of 40x; a lost or doubled row moves it by 1e-1.
-// Routings: the random router (experts with no tokens on some ranks), and a zeroed router (every probability tied:
-// every token of every rank to experts 0 and 1, top-k's ties to the lower index, the other experts idle).
+// bf16 matmuls keep the same promise (the same shapes per row). Routings: the random router (experts with no tokens on
+// some ranks), and a zeroed router (every probability tied: every token of every rank to experts 0 and 1, top-k's ties
+// to the lower index, the other experts idle).
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -89,7 +90,7 @@ struct Outcome {
 };
 
 // cp: ranks per CP group (consecutive world ranks, sharing their rows); ep: ranks per EP group (consecutive).
-Outcome run(Gemma4Model& m, int cp, int ep) {
+Outcome run(Gemma4Model& m, int cp, int ep, ComputeDtype dtype) {
   const int rank = world().rank();
   auto cp_group = world().split(rank / cp, rank % cp);
   auto ep_group = world().split(rank / ep, rank % ep);
@@ -99,6 +100,7 @@ Outcome run(Gemma4Model& m, int cp, int ep) {
   RunOptions opt;
   opt.want_grad = true;
   opt.want_logits = true;
+  opt.compute_dtype = dtype;
   Outcome out;
   out.result = run_with_grads(m, rows.view(), opt, out.grads, *ctx.model);
   out.rows_moved = ctx.model->experts().traffic().rows_sent;
@@ -119,11 +121,12 @@ double relative_error(const std::vector<float>& a, const std::vector<float>& b) 
 
 constexpr double kExpertGradTol = 1e-5;  // see the file's comment: reassociation of <= 4 float32 partial sums
 
-void check_same_as_local(Gemma4Model& m, int cp, int ep, const std::string& what) {
+void check_same_as_local(Gemma4Model& m, int cp, int ep, const std::string& what,
+                         ComputeDtype dtype = ComputeDtype::Float32) {
   SCOPED_TRACE(what + ": cp " + std::to_string(cp) + ", ep " + std::to_string(ep) + ", P " +
                std::to_string(world().size()));
-  const Outcome ref = run(m, cp, 1);
-  const Outcome got = run(m, cp, ep);
+  const Outcome ref = run(m, cp, 1, dtype);
+  const Outcome got = run(m, cp, ep, dtype);
   EXPECT_EQ(got.result.loss, ref.result.loss);
   EXPECT_EQ(got.result.label_tokens, ref.result.label_tokens);
   EXPECT_EQ(got.result.token_loss, ref.result.token_loss);
@@ -154,6 +157,14 @@ TEST(ModelEp, RandomRouterSameAsEveryExpertLocal) {
     if (ep <= P && P % ep == 0) check_same_as_local(m, 1, ep, "data-parallel rows");
   if (P % 2 == 0)
     for (int ep : {2, P}) check_same_as_local(m, 2, ep, "cp 2 groups");
+}
+
+// bf16 matmuls (oneDNN on the bf16 copies of the whole weights): the same shapes per row, so the same promise.
+TEST(ModelEp, Bfloat16SameAsEveryExpertLocal) {
+  Gemma4Model m = make_model();
+  const int P = world().size();
+  check_same_as_local(m, 1, P, "bf16", ComputeDtype::Bfloat16);
+  if (P % 2 == 0) check_same_as_local(m, 2, P, "bf16, cp 2 groups", ComputeDtype::Bfloat16);
 }
 
 TEST(ModelEp, TiedRouterSendsEveryTokenToTheFirstExperts) {
