@@ -347,19 +347,45 @@ double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t
   return loss;
 }
 
-// 4a. Sums the gradients over every rank of `c`, in rank order (Communicator::allreduce: the same bits on every rank
-// and backend). The store's gradient arena is one flat buffer of the trainable parameters, so the whole model is one
-// collective, in place.
-void reduce_gradients(comm::Communicator& c, model::ParamStore& store, comm::Timeout timeout) {
-  if (c.size() == 1) return;
-  const std::span<float> flat = store.mutable_flat(model::Role::Grads);
-  c.allreduce(flat.data(), flat.size(), comm::ReduceOp::Sum, timeout);
+// 4a. Sums the gradients over every rank, in rank order (the same bits on every rank and backend), in place in the
+// store's flat gradient arena: one collective for the whole model. Shard none: every rank gets the whole sum
+// (all-reduce). Shard optimizer: each rank gets the sums of its slice (reduce-scatter, half the traffic), the only
+// gradients its update reads.
+void reduce_gradients(Run& r) {
+  if (r.world.size() == 1) return;
+  const std::span<float> flat = r.ck.model->params().mutable_flat(model::Role::Grads);
+  if (r.shard_optimizer)
+    r.world.reduce_scatter(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
+  else
+    r.world.allreduce(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
 }
 
-// 4b. The global gradient norm, then clipping to optimizer.grad_clip; returns the norm before clipping.
-double clip_global_norm(model::ParamStore& store, double max_norm) {
-  const double norm = global_grad_norm(store);
-  if (std::isfinite(norm)) clip_gradients(store, norm, max_norm);
+// 4b. The global gradient norm, then clipping to optimizer.grad_clip; returns the norm before clipping. The sum of
+// squares is taken as one partial sum per rank's slice (comm::slice_of over the world), added in rank order: the same
+// bits whether a rank holds every reduced gradient (shard none: it computes all the partials) or its slice alone
+// (shard optimizer: each computes its own, and they are gathered). One rank: the sum in order over the whole arena.
+double clip_global_norm(Run& r, double max_norm) {
+  model::ParamStore& store = r.ck.model->params();
+  const std::span<float> flat = store.mutable_flat(model::Role::Grads);
+  const int P = r.world.size(), me = r.world.rank();
+  const auto slice = [&](int rank) {
+    const comm::Slice s = comm::slice_of(flat.size(), P, rank);
+    return flat.subspan(s.begin, s.size());
+  };
+  std::vector<double> partial(static_cast<size_t>(P));
+  if (r.shard_optimizer) {
+    const double mine = sum_of_squares(slice(me));
+    r.world.allgather(&mine, partial.data(), sizeof(double), r.timeout);
+  } else {
+    for (int rank = 0; rank < P; ++rank) partial[static_cast<size_t>(rank)] = sum_of_squares(slice(rank));
+  }
+  double sum = 0.0;
+  for (double x : partial) sum += x;
+  const double norm = std::sqrt(sum);
+  if (std::isfinite(norm)) {
+    const double factor = clip_factor(norm, max_norm);
+    if (factor != 1.0) scale(r.shard_optimizer ? slice(me) : flat, factor);
+  }
   return norm;
 }
 
@@ -392,18 +418,19 @@ void gather_shards(comm::Communicator& c, int64_t n, const std::function<void(in
   }
 }
 
-// parallelism.shard = optimizer, after the update: each rank updated its shard of the trainable parameters; every
-// rank takes the others' (the same bits the whole update gives, so every replica holds the same weights again).
+// parallelism.shard = optimizer, after the update: each rank updated its slice of the trainable parameters; every
+// rank takes the others' (the same bits the whole update gives, so every replica holds the same weights again). The
+// gradient arena, whose values are spent, carries them in the trainable layout: this rank's slice is copied in, one
+// all-gather of slices fills the rest, and every trainable parameter is copied back.
 void gather_updated_weights(comm::Communicator& c, model::ParamStore& store, comm::Timeout timeout) {
-  const auto read = [&](int64_t i, int64_t k, float* out) {
-    for (const model::ParamStore::Segment& seg : store.trainable_segments(i, i + k))
-      std::copy_n(store.weight(seg.slot) + seg.first, seg.n, out + (seg.train_index - i));
-  };
-  const auto write = [&](int64_t i, int64_t k, const float* in) {
-    for (const model::ParamStore::Segment& seg : store.trainable_segments(i, i + k))
-      std::copy_n(in + (seg.train_index - i), seg.n, store.mutable_weight(seg.slot) + seg.first);
-  };
-  gather_shards(c, store.trainable_elements(), read, write, true, timeout);
+  const std::span<float> staging = store.mutable_flat(model::Role::Grads);
+  const comm::Slice mine = comm::slice_of(staging.size(), c.size(), c.rank());
+  const int64_t begin = static_cast<int64_t>(mine.begin), end = static_cast<int64_t>(mine.end);
+  for (const model::ParamStore::Segment& seg : store.trainable_segments(begin, end))
+    std::copy_n(store.weight(seg.slot) + seg.first, seg.n, staging.data() + seg.train_index);
+  c.allgather_slices(staging.data(), staging.size(), sizeof(float), timeout);
+  for (const model::ParamStore::Segment& seg : store.trainable_segments(0, store.trainable_elements()))
+    std::copy_n(staging.data() + seg.train_index, seg.n, store.mutable_weight(seg.slot) + seg.first);
 }
 
 // parallelism.shard = optimizer, before a save: rank 0 (the writer) takes every rank's shard of both moments, so it
@@ -507,8 +534,8 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     comm::agree(world, [&] { batches = replica_micro_batches(r); });
     const TokenCounts tokens = count_tokens(r, batches);
     const double loss = forward_backward(r, batches, tokens.labels);
-    reduce_gradients(world, r.ck.model->params(), r.timeout);
-    const double norm = clip_global_norm(r.ck.model->params(), cfg.optimizer.grad_clip);
+    reduce_gradients(r);
+    const double norm = clip_global_norm(r, cfg.optimizer.grad_clip);
     check_finite_step(step, loss, norm, result.last_checkpoint);
     const double lr = apply_update(r, step);
     r.state.step = step;
