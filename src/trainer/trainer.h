@@ -45,7 +45,7 @@ struct TrainOptions {
                                  // the checkpoint's steps and continues); empty: none
   std::string svg_path;          // the loss picture (end of run and every checkpoint); empty: <checkpoint.dir>/loss.svg
   std::FILE* progress = stdout;  // rank 0's progress lines; nullptr: silent
-  // Runs inside a checkpoint save after its files are written, before the rename (tests simulate a crash here).
+  // Runs inside a checkpoint save after its files are written, before the rename (tests fail a save there).
   std::function<void(const std::string&)> before_checkpoint_rename;
 };
 
