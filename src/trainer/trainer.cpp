@@ -380,7 +380,7 @@ void check_finite_step(int64_t step, double loss, double norm, const std::string
       last_checkpoint.empty() ? "" : ", last checkpoint " + last_checkpoint));
 }
 
-// 6. Validation: every row of the split, each DP replica running every dp-th row in micro-batches, the loss
+// Validation: every row of the split, each DP replica running every dp-th row in micro-batches, the loss
 // normalised by the label tokens of the whole split. The rows are read inside comm::agree (like a step's rows).
 double validation_loss(Run& r) {
   const int dp = r.cfg.parallelism.dp;
@@ -408,11 +408,59 @@ double validation_loss(Run& r) {
   return loss;
 }
 
-// 7. The checkpoint of the current step, and the loss picture beside it (rank 0 writes both).
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+bool is_last(const Run& r, int64_t step) { return step == r.cfg.train.steps; }
+
+// The step's metrics, with validation on its steps, recorded in the loss history and the result. Throughput:
+// the step's non-padding tokens over its wall time, validation excluded.
+StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double norm, const TokenCounts& tokens,
+                        double step_seconds, TrainResult& result) {
+  StepMetrics sm;
+  sm.step = step;
+  sm.loss = loss;
+  sm.lr = lr;
+  sm.grad_norm = norm;
+  sm.tokens = tokens.labels;
+  sm.tokens_per_s = static_cast<double>(tokens.real) / step_seconds;
+  const bool validation_step = (r.cfg.train.val_every > 0 && step % r.cfg.train.val_every == 0) || is_last(r, step);
+  if (r.data->val_rows() > 0 && validation_step) sm.val_loss = validation_loss(r);
+  sm.peak_rss_bytes = peak_rss_bytes();
+  r.world.allreduce(&sm.peak_rss_bytes, 1, comm::ReduceOp::Max, r.timeout);
+  r.state.history.steps.push_back(static_cast<int>(step));
+  r.state.history.loss.push_back(loss);
+  if (sm.val_loss) {
+    r.state.history.val_steps.push_back(static_cast<int>(step));
+    r.state.history.val_loss.push_back(*sm.val_loss);
+  }
+  result.steps.push_back(sm);
+  return sm;
+}
+
+// The checkpoint of the current step, and the loss picture beside it (rank 0 writes both).
 void save(Run& r, TrainResult& result) {
   result.last_checkpoint = save_train_checkpoint(r.cfg.checkpoint.dir, r.ck, *r.adam, r.state, r.cfg.checkpoint.keep,
                                                  r.options.before_checkpoint_rename);
   if (!result.svg_path.empty()) io::write_file_atomically(result.svg_path, loss_svg(r.state.history, "ringflex train"));
+}
+
+// The step's outputs, all written by rank 0 in one agreement (a failed write ends every rank together, with its
+// line): the metrics line, the progress, and on checkpoint steps (every checkpoint.every and the last) the
+// checkpoint and the picture.
+void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<MetricsFile>& metrics, Progress& progress,
+                  TrainResult& result) {
+  const CheckpointSection& ck = r.cfg.checkpoint;
+  const bool save_now = !ck.dir.empty() && ((ck.every > 0 && sm.step % ck.every == 0) || is_last(r, sm.step));
+  comm::agree(r.world, [&] {
+    if (metrics) metrics->append(metrics_json_line(sm));
+    progress.step(sm, eta_s, is_last(r, sm.step) || sm.val_loss.has_value());
+    if (sm.val_loss) progress.note(rf::concat("step ", sm.step, ": validation loss ", *sm.val_loss));
+    if (save_now && r.lead) {
+      save(r, result);
+      progress.note(rf::concat("step ", sm.step, ": checkpoint ", result.last_checkpoint));
+    }
+  });
+  if (save_now) result.last_checkpoint = checkpoint_path(ck.dir, sm.step);  // known to every rank
 }
 
 }  // namespace
@@ -452,45 +500,10 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     r.state.step = step;
     r.state.data_position += cfg.train.global_batch;
 
-    // 5. the step's metrics
-    StepMetrics sm;
-    sm.step = step;
-    sm.loss = loss;
-    sm.lr = lr;
-    sm.grad_norm = norm;
-    sm.tokens = tokens.labels;
-    // Training throughput: the step's non-padding tokens over its wall time, the validation after it excluded.
-    const double seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
-    sm.tokens_per_s = static_cast<double>(tokens.real) / seconds;
-    const bool last = step == cfg.train.steps;
-    const bool validation_step = (cfg.train.val_every > 0 && step % cfg.train.val_every == 0) || last;
-    if (r.data->val_rows() > 0 && validation_step) sm.val_loss = validation_loss(r);
-    sm.peak_rss_bytes = peak_rss_bytes();
-    world.allreduce(&sm.peak_rss_bytes, 1, comm::ReduceOp::Max, r.timeout);
-    r.state.history.steps.push_back(static_cast<int>(step));
-    r.state.history.loss.push_back(loss);
-    if (sm.val_loss) {
-      r.state.history.val_steps.push_back(static_cast<int>(step));
-      r.state.history.val_loss.push_back(*sm.val_loss);
-    }
-    result.steps.push_back(sm);
-    const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
-    const double eta =
-        elapsed / static_cast<double>(step - first_step + 1) * static_cast<double>(cfg.train.steps - step);
-
-    // The step's outputs, all written by rank 0 in one agreement: a failed write ends every rank together.
-    const bool save_now =
-        !cfg.checkpoint.dir.empty() && ((cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0) || last);
-    comm::agree(world, [&] {
-      if (metrics) metrics->append(metrics_json_line(sm));
-      progress.step(sm, eta, last || sm.val_loss.has_value());
-      if (sm.val_loss) progress.note(rf::concat("step ", step, ": validation loss ", *sm.val_loss));
-      if (save_now && r.lead) {
-        save(r, result);
-        progress.note(rf::concat("step ", step, ": checkpoint ", result.last_checkpoint));
-      }
-    });
-    if (save_now) result.last_checkpoint = checkpoint_path(cfg.checkpoint.dir, step);  // known to every rank
+    const StepMetrics sm = record_step(r, step, loss, lr, norm, tokens, seconds_since(step_start), result);
+    const double eta = seconds_since(run_start) / static_cast<double>(step - first_step + 1) *
+                       static_cast<double>(cfg.train.steps - step);
+    publish_step(r, sm, eta, metrics, progress, result);
   }
   comm::agree(world, [&] {
     if (metrics) metrics->close();
