@@ -72,6 +72,21 @@ std::optional<VisionConfig> VisionConfig::from_config_json(const std::string& js
   number("initializer_range", c.initializer_range);
   flag("use_clipped_linears", c.use_clipped_linears);
   flag("standardize", c.standardize);
+  if (v.contains("rope_parameters") && v["rope_parameters"].is_object()) {
+    const json& rope = v["rope_parameters"];
+    RF_CHECK(!rope.contains("rope_type") || rope["rope_type"] == "axial", source,
+             ": field 'vision_config.rope_parameters.rope_type' is ", rope["rope_type"].dump(),
+             ", not the vision tower's \"axial\"");
+    if (rope.contains("rope_theta")) {
+      RF_CHECK(rope["rope_theta"].is_number() && rope["rope_theta"].get<double>() > 0.0, source,
+               ": field 'vision_config.rope_parameters.rope_theta' must be a positive number, found ",
+               rope["rope_theta"].dump());
+      c.rope_theta = rope["rope_theta"].get<double>();
+    }
+  }
+  if (v.contains("hidden_activation"))
+    RF_CHECK(v["hidden_activation"] == "gelu_pytorch_tanh", source, ": field 'vision_config.hidden_activation' is ",
+             v["hidden_activation"].dump(), ", not supported (\"gelu_pytorch_tanh\")");
   return c;
 }
 

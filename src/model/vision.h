@@ -1,9 +1,10 @@
 // ringflex model: Gemma 4's vision tower (transformers 5.24's Gemma4VisionModel): its config and its tensors.
 //
-// ringflex does not run the tower yet (image features arrive as vectors, gemma4.h); what it needs of the tower
-// today is to write one: a built-in multimodal model is a Gemma4ForConditionalGeneration whose checkpoint must hold
-// every tensor its vision_config implies, or transformers re-initialises the missing ones at load. The names and
-// shapes here are transformers' (Gemma4VisionModel under "model.vision_tower."), per encoder layer:
+// The tower's forward is vision_encoder.h; the trainer still takes image features as vectors (gemma4.h). Here: the
+// config, and the tower's tensors, which a built-in multimodal model also needs to write one (it is a
+// Gemma4ForConditionalGeneration whose checkpoint must hold every tensor its vision_config implies, or transformers
+// re-initialises the missing ones at load). The names and shapes are transformers' (Gemma4VisionModel under
+// "model.vision_tower."), per encoder layer:
 //   self_attn.{q,k,v,o}_proj   Gemma4ClippableLinear: `.linear.weight` [out, in], and with use_clipped_linears the
 //                              scalar buffers `.input_min`, `.input_max`, `.output_min`, `.output_max`;
 //   self_attn.{q,k}_norm       RMSNorm scales [head_dim] (v_norm has none);
@@ -37,6 +38,7 @@ struct VisionConfig {
   bool use_clipped_linears = false;
   bool standardize = false;
   double initializer_range = 0.02;
+  double rope_theta = 100.0;  // rope_parameters.rope_theta of the "axial" 2-D rotary embedding
 
   // The `vision_config` object of a multimodal config.json; nullopt when there is none (or it is null). Throws
   // rf::Error naming the field of a wrong type or a non-positive size; `source` names the file.
