@@ -21,13 +21,18 @@
 // (ringflex's vision projection, gemma4.h) takes as image features.
 //
 // Float32 throughout (the model's ops, ops.h); the weights are read from the checkpoint in any float dtype.
-// Backward (model.train_vision) is not implemented: the tower is frozen, as in every Gemma 4 recipe.
+// Backward: given d loss / d soft tokens, the gradient of every trainable tower tensor (nn.Parameter in
+// transformers: linear weights, norm scales, the patch projection and the position table; the clip bounds and the
+// std buffers are buffers, without gradients), from what forward kept on a VisionTape. The trainer does not call it
+// yet (model.train_vision needs images in the data): the tower is frozen, as in every Gemma 4 recipe.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "core/mask.h"
 #include "io/passthrough.h"
 #include "model/vision.h"
 
@@ -46,6 +51,35 @@ struct VisionOutput {
   std::vector<int64_t> counts;     // [n] soft tokens of each image
 };
 
+// What forward keeps for backward: every layer's activations (float32, a few times the hidden states' size per
+// layer).
+struct VisionTape {
+  struct LinearTape {
+    std::vector<float> x;  // the input the weight saw (clamped; empty without clipping: the caller's input)
+    std::vector<float> y;  // the output before its clamp (empty without clipping)
+  };
+  struct Layer {
+    std::vector<float> h_in, a, inv_in;        // layer input, input_layernorm output, its 1/rms
+    LinearTape q, k, v, o, gate, up, down;     // the seven projections
+    std::vector<float> q_raw, k_raw, v_raw;    // projections before the per-head norms [T, heads, D]
+    std::vector<float> inv_q, inv_k, inv_v;    // their 1/rms [T * heads]
+    std::vector<float> qh, kh, vh, out, lse;   // attention inputs and outputs, head-major
+    std::vector<float> o_tok, attn, inv_attn;  // o_proj input and output, post_attention_layernorm 1/rms
+    std::vector<float> h_mid, m, inv_mid;      // MLP input, pre_feedforward_layernorm output and 1/rms
+    std::vector<float> g, u, gu, ff, inv_ff;   // MLP activations, down output, its norm's 1/rms
+  };
+  std::vector<float> scaled;    // [T, 3 * patch^2] the patches as input_proj sees them
+  std::vector<bool> pad;        // [T]
+  std::vector<float> cos, sin;  // [T, 2, D/4] rotary tables
+  std::vector<TokenMeta> meta;  // [T] attention metadata
+  std::vector<int64_t> cells;   // [N] the pooling cell of each soft token
+  std::vector<int64_t> counts;  // [n] soft tokens of each image
+  std::vector<Layer> layers;
+};
+
+// Gradients by full tensor name (model.vision_tower.*), float32, in the tensor's shape, accumulated (+=).
+using VisionGrads = std::map<std::string, std::vector<float>>;
+
 class VisionEncoder {
  public:
   // Reads every tower tensor of `c` (vision_tower_tensors, under kVisionTowerPrefix) from `tensors`, widened to
@@ -57,7 +91,12 @@ class VisionEncoder {
 
   // Throws rf::Error (naming `source`) for a batch the tower cannot pool: P not a multiple of pooling_kernel_size^2,
   // a position outside the position table, a padding patch with only one coordinate -1.
-  VisionOutput forward(const VisionBatch& b, const std::string& source = "images") const;
+  // With `tape`, keeps what backward needs.
+  VisionOutput forward(const VisionBatch& b, const std::string& source = "images", VisionTape* tape = nullptr) const;
+
+  // Accumulates into `grads` the gradient of every trainable tower tensor, given d loss / d soft tokens
+  // ([N, hidden_size], N as forward returned) for the batch `tape` was recorded on.
+  void backward(const VisionBatch& b, const VisionTape& tape, const float* d_soft_tokens, VisionGrads& grads) const;
 
  private:
   struct Linear {
@@ -72,7 +111,15 @@ class VisionEncoder {
   std::vector<float> take(const io::Passthrough& tensors, const std::string& name,
                           const std::vector<int64_t>& shape) const;
   Linear take_linear(const io::Passthrough& tensors, const std::string& name, int64_t in, int64_t out) const;
-  void clipped_linear(const Linear& l, const float* x, float* y, int64_t T, int64_t in, int64_t out) const;
+  void clipped_linear(const Linear& l, const float* x, float* y, int64_t T, int64_t in, int64_t out,
+                      VisionTape::LinearTape& tape) const;
+  // dx += (d/dx of the clamped linear) dy, dW += ...; x the caller's input (the clamp's gradient is 1 inside the
+  // bounds, 0 outside, as torch.clamp's).
+  void clipped_linear_backward(const Linear& l, const float* x, const VisionTape::LinearTape& tape, const float* dy,
+                               float* dx, float* dW, int64_t T, int64_t in, int64_t out) const;
+
+  // The pooling cell of each of image `img`'s P patches (padding: cell 0, as transformers clamps it to (0, 0)).
+  std::vector<int64_t> pool_cells(const VisionBatch& b, int img) const;
 
   VisionConfig cfg_;
   std::vector<Layer> layers_;

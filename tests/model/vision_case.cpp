@@ -7,7 +7,9 @@
 //                 carries through unchanged (model::Checkpoint::passthrough)
 // IMAGES          pixel_values [n, P, 3 * patch^2] F32 and pixel_position_ids [n, P, 2] I32, as the image processor
 //                 lays them out ((-1, -1) for padding patches)
-// OUT             soft_tokens [N, hidden_size] F32 and counts [n] I64
+//                 and, optionally, d_soft_tokens [N, hidden_size] F32: then the backward runs too
+// OUT             soft_tokens [N, hidden_size] F32 and counts [n] I64; with d_soft_tokens, grad.<name> of every
+//                 trainable tower tensor (its checkpoint name) F32
 // Exits 1 with the error's one line on any failure.
 #include <cstdio>
 #include <exception>
@@ -41,8 +43,18 @@ int main(int argc, char** argv) {
     b.P = pixels.shape.at(1);
     b.pixels = px.data();
     b.positions = pos.data();
-    const rf::model::VisionOutput out = encoder.forward(b, argv[2]);
+    rf::model::VisionTape tape;
+    const rf::model::VisionOutput out = encoder.forward(b, argv[2], &tape);
+    rf::model::VisionGrads grads;
+    std::vector<float> d_soft;
+    if (const rf::io::TensorView* d = in.find("d_soft_tokens")) {
+      d_soft = rf::io::copy_as<float>(*d);
+      if (d_soft.size() != out.soft_tokens.size()) throw rf::Error("d_soft_tokens does not match the soft tokens");
+      encoder.backward(b, tape, d_soft.data(), grads);
+    }
     rf::io::SafetensorsWriter w;
+    for (const auto& [name, g] : grads)
+      w.add("grad." + name, rf::io::StDType::F32, {static_cast<int64_t>(g.size())}, std::span<const float>(g));
     const int64_t H = cfg->hidden_size;
     w.add("soft_tokens", rf::io::StDType::F32, {static_cast<int64_t>(out.soft_tokens.size()) / H, H},
           std::span<const float>(out.soft_tokens));

@@ -7,15 +7,20 @@ bounds that really clip, GQA, one and two layers) this script
      (norm scales and the position table off their init values, so every tensor matters) and saves it;
   2. makes a batch of images of different sizes, each a grid of patches laid out row by row as the image processor
      does (x fastest), padded to the longest with (-1, -1) positions;
-  3. computes the reference soft tokens with model.model.vision_tower in float64 (eager attention);
-  4. runs tests/model/vision_case (load_checkpoint, then the encoder on the tower the checkpoint carried) and
-     compares the soft-token counts per image exactly and the soft tokens to a tolerance.
+  3. computes the reference soft tokens with model.model.vision_tower in float64 (eager attention), and the gradient
+     of every tower parameter for the loss sum(soft_tokens * R), R random;
+  4. runs tests/model/vision_case (load_checkpoint, then the encoder on the tower the checkpoint carried, forward
+     and backward) and compares the soft-token counts per image exactly, the soft tokens and every gradient (and
+     that it gives none for a buffer: clip bounds and std_bias/std_scale do not train).
 
 Tolerance: 1e-5 relative (norm of the difference over the norm of the reference). The C++ encoder runs in float32
 (rounding ~6e-8 per op); the reference runs in float64 except where transformers itself computes in float32 (the
 rotary angles, and the pooling and sqrt(hidden) scale, which Gemma4VisionPooler does in float32 on purpose), so
 both sides carry float32 rounding of ~1e-7 amplified by a layer or two of attention and MLP: measured ~1e-6 at
 most. A wrong term (a swapped rotary axis, a missed clip, padding in a pool, a wrong cell) moves it by 1e-2 or more.
+Gradients: 1e-4 relative per tensor, as tests/model/parity.py allows its backward (the backward's longer chains and
+sums over tokens amplify the same rounding; measured ~1e-6 here), still far below the 1e-2 of a wrong term (a clamp
+gradient passed outside its bounds, a rotation not transposed).
 Exit 77 (CTest's skip) when torch, transformers or safetensors is missing.
 """
 import os
@@ -35,6 +40,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     missing_oracle(e)
 
 REL_TOL = 1e-5
+GRAD_TOL = 1e-4
 TEXT = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=8, global_head_dim=8, sliding_window=4,
             layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
@@ -125,12 +131,17 @@ def run(name, vision_case, work):
     ckpt = os.path.join(work, name)
     model.save_pretrained(ckpt)
     pixels, pos = images(vcfg, grids, gen)
-    with torch.no_grad():
-        ref = reference(tower.double(), pixels.double(), pos)
+    tower = tower.double()
+    ref = reference(tower, pixels.double(), pos)
+    # The backward: d loss / d soft tokens of a random linear loss sum(soft_tokens * R).
+    R = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    (ref * R).sum().backward()
+    ref = ref.detach()
     k = vcfg["pooling_kernel_size"]
     ref_counts = [(-(-w // k)) * (-(-h // k)) for w, h in grids]
     inputs, out = os.path.join(work, f"{name}_in.safetensors"), os.path.join(work, f"{name}_out.safetensors")
-    save_file({"pixel_values": pixels.contiguous(), "pixel_position_ids": pos.to(torch.int32).contiguous()}, inputs)
+    save_file({"pixel_values": pixels.contiguous(), "pixel_position_ids": pos.to(torch.int32).contiguous(),
+               "d_soft_tokens": R.float().contiguous()}, inputs)
     proc = subprocess.run([vision_case, ckpt, inputs, out], capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"FAIL {name}: vision_case: {proc.stderr.strip()}")
@@ -141,6 +152,27 @@ def run(name, vision_case, work):
         print(f"FAIL {name}: soft tokens per image {counts}, transformers {ref_counts} ({ref.shape[0]} in all)")
         return False
     err = float((got["soft_tokens"].double() - ref).norm() / ref.norm())
+    if not err <= REL_TOL:
+        print(f"FAIL {name}: soft tokens relative error {err:.2e} > {REL_TOL:.0e}")
+        return False
+    worst_grad, failures = 0.0, []
+    for pname, p in tower.named_parameters():
+        key = "grad.model.vision_tower." + pname
+        if key not in got:
+            failures.append(f"{key} missing")
+            continue
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        gerr = float((got[key].double().reshape(g.shape) - g).norm() / max(float(g.norm()), 1e-300))
+        worst_grad = max(worst_grad, gerr)
+        if not gerr <= GRAD_TOL:
+            failures.append(f"{key}: relative error {gerr:.2e}")
+    extra = sorted(k for k in got if k.startswith("grad.")
+                   and k[len("grad.model.vision_tower."):] not in dict(tower.named_parameters()))
+    if extra:
+        failures.append(f"gradients of non-parameters {extra[:4]}")
+    if failures:
+        print(f"FAIL {name}: " + "; ".join(failures[:6]))
+        return False
     clipped = ""
     if vcfg["use_clipped_linears"]:
         # The bounds must matter: without them the reference moves far beyond the tolerance.
@@ -154,10 +186,8 @@ def run(name, vision_case, work):
             print(f"FAIL {name}: the clip bounds change the reference by only {moved:.1e}")
             return False
         clipped = f", clipping moves the tokens by {moved:.1e}"
-    if not err <= REL_TOL:
-        print(f"FAIL {name}: soft tokens relative error {err:.2e} > {REL_TOL:.0e}")
-        return False
-    print(f"ok   {name:12s}: {len(grids)} images, {counts} soft tokens, relative error {err:.2e}{clipped}")
+    print(f"ok   {name:12s}: {len(grids)} images, {counts} soft tokens, relative error {err:.2e}, "
+          f"{len(dict(tower.named_parameters()))} gradients within {worst_grad:.2e}{clipped}")
     return True
 
 
