@@ -90,6 +90,26 @@ std::optional<VisionConfig> VisionConfig::from_config_json(const std::string& js
   return c;
 }
 
+MultimodalTokens MultimodalTokens::from_config_json(const std::string& json_text, const std::string& source) {
+  io::check_json_text(json_text, source + ": ");
+  json root;
+  try {
+    root = json::parse(json_text);
+  } catch (const json::parse_error& e) {
+    fail(source, ": not valid JSON: ", io::json_error_text(e.what()));
+  }
+  MultimodalTokens t;
+  if (!root.is_object()) return t;
+  for (auto [key, dst] : {std::pair{"image_token_id", &t.image}, {"boi_token_id", &t.boi}, {"eoi_token_id", &t.eoi}}) {
+    if (!root.contains(key) || root[key].is_null()) continue;
+    RF_CHECK(root[key].is_number_integer() && root[key].get<int64_t>() >= 0 &&
+                 root[key].get<int64_t>() <= std::numeric_limits<int>::max(),
+             source, ": field '", key, "' must be a non-negative integer, found ", root[key].dump());
+    *dst = root[key].get<int>();
+  }
+  return t;
+}
+
 std::vector<TowerTensor> vision_tower_tensors(const VisionConfig& c) {
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size;
   std::vector<TowerTensor> out;

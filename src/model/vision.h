@@ -1,7 +1,7 @@
 // ringflex model: Gemma 4's vision tower (transformers 5.24's Gemma4VisionModel): its config and its tensors.
 //
-// The tower's forward and backward are vision_encoder.h; the trainer still takes image features as vectors (gemma4.h). Here: the
-// config, and the tower's tensors, which a built-in multimodal model also needs to write one (it is a
+// The tower's forward and backward are vision_encoder.h; the trainer still takes image features as vectors (gemma4.h).
+// Here: the config, and the tower's tensors, which a built-in multimodal model also needs to write one (it is a
 // Gemma4ForConditionalGeneration whose checkpoint must hold every tensor its vision_config implies, or transformers
 // re-initialises the missing ones at load). The names and shapes are transformers' (Gemma4VisionModel under
 // "model.vision_tower."), per encoder layer:
@@ -43,6 +43,18 @@ struct VisionConfig {
   // The `vision_config` object of a multimodal config.json; nullopt when there is none (or it is null). Throws
   // rf::Error naming the field of a wrong type or a non-positive size; `source` names the file.
   static std::optional<VisionConfig> from_config_json(const std::string& json_text, const std::string& source);
+};
+
+// The token ids a multimodal Gemma4Config gives images (its top-level fields, transformers 5.24's defaults): the
+// placeholder that marks an image in a prompt and fills its soft-token slots, and the begin / end-of-image tokens
+// around the slots (Gemma4Processor lays an image out as boi, image x soft tokens, eoi).
+struct MultimodalTokens {
+  int image = 258880;  // image_token_id
+  int boi = 255999;    // boi_token_id
+  int eoi = 258882;    // eoi_token_id
+
+  // Throws rf::Error naming a field that is not an integer; `source` names the file.
+  static MultimodalTokens from_config_json(const std::string& json_text, const std::string& source);
 };
 
 // Where a multimodal checkpoint keeps the tower's tensors.

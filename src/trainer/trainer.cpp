@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include "comm/agree.h"
 #include "core/error.h"
@@ -20,6 +21,7 @@
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
 #include "model/vision.h"
+#include "model/vision_encoder.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/optimizer.h"
@@ -124,6 +126,7 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
   same(now.train.seed == then.train.seed, "train.seed");
   same(now.data.source == then.data.source, "data.source");
   same(now.data.path == then.data.path, "data.path");
+  same(now.data.image_soft_tokens == then.data.image_soft_tokens, "data.image_soft_tokens");
   same(now.model.freeze == then.model.freeze, "model.freeze");
 }
 
@@ -286,8 +289,22 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     const int width = mm.vision_feature_dim() > 0 ? mm.vision_feature_dim() : mm.config().hidden_size;
     // Unfilled row positions are doc 0 with ignored labels (masked everywhere), so a config without a pad id
     // (pad_token_id null) fills them with token 0: any in-vocabulary id would do.
-    data = make_data_source(cfg, DataContract{mm.config().vocab_size, mm.config().pad_token_id.value_or(0), width,
-                                              cfg.model.path});
+    const DataContract contract{mm.config().vocab_size, mm.config().pad_token_id.value_or(0), width, cfg.model.path};
+    const std::string& config_json = mm.config().source_json;
+    ImageContract images;
+    images.tokens = model::MultimodalTokens::from_config_json(config_json, "the model's config.json");
+    // The tower encodes the data's images once, here; its float32 copy of the weights goes with it.
+    std::unique_ptr<model::VisionEncoder> tower;
+    images.vision = [&]() -> const model::VisionEncoder* {
+      if (!tower) {
+        const std::optional<model::VisionConfig> vc =
+            model::VisionConfig::from_config_json(config_json, "the model's config.json");
+        if (!vc) return nullptr;
+        tower = std::make_unique<model::VisionEncoder>(*vc, ck.passthrough);
+      }
+      return tower.get();
+    };
+    data = make_data_source(cfg, contract, images);
     adam_ptr = std::make_unique<AdamW>(mm.params(), trainable_mask(mm.params(), cfg.model.freeze), cfg.optimizer);
     if (!resume_dir.empty()) load_optimizer_state(resume_dir, *adam_ptr);
   };
