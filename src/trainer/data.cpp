@@ -12,9 +12,11 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "io/image.h"
 #include "io/json_text.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
+#include "model/image_processor.h"
 
 namespace rf::trainer {
 namespace {
@@ -278,7 +280,72 @@ void check_document(const Document& d, const std::string& where, const TrainConf
   }
 }
 
-std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& k, int& F) {
+// A sample's `images` (file names, relative to the JSONL file's folder), one per image placeholder token in its
+// input_ids, in order: each placeholder becomes boi, the image's soft-token slots (the placeholder id, mm type 1,
+// label ignored, one feature row each: the frozen tower's soft tokens of the decoded and preprocessed image) and eoi,
+// as Gemma4Processor lays images out. boi and eoi are trained as tokens where the placeholder's label was the
+// placeholder itself (the default, labels = input_ids), and ignored where it was -100.
+void expand_images(Document& d, const json& images, const std::string& where, const TrainConfig& c,
+                   const DataContract& k, const ImageContract& im) {
+  RF_CHECK(images.is_array(), where, ": `images` must be a list of image file names");
+  const model::VisionEncoder* tower = im.vision ? im.vision() : nullptr;
+  RF_CHECK(tower != nullptr, where, ": has `images`, but the model has no vision tower (a vision_config and its ",
+           "model.vision_tower.* tensors)");
+  RF_CHECK(tower->config().hidden_size == k.feature_dim, where, ": the vision tower's soft tokens are ",
+           tower->config().hidden_size, " wide, the model's vision projection takes ", k.feature_dim);
+  const model::MultimodalTokens& tok = im.tokens;
+  const int64_t placeholders = std::count(d.ids.begin(), d.ids.end(), tok.image);
+  RF_CHECK(placeholders == static_cast<int64_t>(images.size()), where, ": has ", images.size(), " images and ",
+           placeholders, " image placeholder tokens (id ", tok.image, ", the config's image_token_id): one each");
+  model::ImageProcessorConfig proc;
+  proc.patch_size = tower->config().patch_size;
+  proc.pooling_kernel_size = tower->config().pooling_kernel_size;
+  proc.max_soft_tokens = c.data.image_soft_tokens;
+  const std::filesystem::path folder = std::filesystem::path(c.data.path).parent_path();
+  Document out;
+  size_t next = 0;
+  for (size_t t = 0; t < d.ids.size(); ++t) {
+    if (d.ids[t] != tok.image) {
+      out.ids.push_back(d.ids[t]);
+      out.labels.push_back(d.labels[t]);
+      out.mm.push_back(0);
+      continue;
+    }
+    const json& name = images[next++];
+    RF_CHECK(name.is_string() && !name.get<std::string>().empty(), where, ": `images[", next - 1,
+             "]` must be a file name");
+    const std::filesystem::path given(name.get<std::string>());
+    const std::string path = (given.is_absolute() ? given : folder / given).string();
+    model::VisionOutput soft;
+    try {
+      const model::ProcessedImage p = model::preprocess_image(io::read_image(path), proc, path);
+      model::VisionBatch b;
+      b.n = 1;
+      b.P = static_cast<int64_t>(p.positions.size()) / 2;
+      b.pixels = p.pixels.data();
+      b.positions = p.positions.data();
+      soft = tower->forward(b, path);
+    } catch (const rf::Error& e) {
+      rf::fail(where, ": ", e.what());
+    }
+    const bool trained = d.labels[t] == tok.image;
+    out.ids.push_back(tok.boi);
+    out.labels.push_back(trained ? tok.boi : kIgnore);
+    out.mm.push_back(0);
+    for (int64_t s = 0; s < soft.counts[0]; ++s) {
+      out.ids.push_back(tok.image);
+      out.labels.push_back(kIgnore);
+      out.mm.push_back(1);
+    }
+    out.features.insert(out.features.end(), soft.soft_tokens.begin(), soft.soft_tokens.end());
+    out.ids.push_back(tok.eoi);
+    out.labels.push_back(trained ? tok.eoi : kIgnore);
+    out.mm.push_back(0);
+  }
+  d = std::move(out);
+}
+
+std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& k, const ImageContract& im, int& F) {
   std::vector<float> features;
   int64_t n_features = 0;
   std::unique_ptr<io::SafetensorsFile> file;
@@ -306,6 +373,11 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
     RF_CHECK(d.labels.size() == d.ids.size(), where, ": `labels` has ", d.labels.size(), " entries, `input_ids` ",
              d.ids.size());
     d.mm.assign(d.ids.size(), 0);
+    if (j.contains("images")) {
+      RF_CHECK(!j.contains("image_spans"), where, ": give `images` or `image_spans`, not both");
+      expand_images(d, j["images"], where, c, k, im);
+      F = k.feature_dim;
+    }
     if (j.contains("image_spans")) {
       RF_CHECK(j["image_spans"].is_array(), where, ": `image_spans` must be a list of [start, length] pairs");
       RF_CHECK(file != nullptr || j["image_spans"].empty(), where,
@@ -392,10 +464,11 @@ PackedBatch stack_rows(const std::vector<Row>& rows, int feature_dim) {
   return b;
 }
 
-std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& k) {
+std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& k, const ImageContract& im) {
   if (c.data.source == "mock") return std::make_unique<MockSource>(c, k);
   int F = 0;
-  const std::vector<Document> docs = c.data.source == "jsonl_tokens" ? read_token_file(c, k, F) : read_text_file(c, k);
+  const std::vector<Document> docs =
+      c.data.source == "jsonl_tokens" ? read_token_file(c, k, im, F) : read_text_file(c, k);
   return std::make_unique<PackedSource>(pack(docs, c.train.seq_len, k.pad_token_id), c.data.val_rows, c.train.seed, F,
                                         c.data.path);
 }

@@ -12,11 +12,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "model/vision.h"
+#include "model/vision_encoder.h"
 #include "trainer/config.h"
 
 namespace rf::trainer {
@@ -63,9 +66,19 @@ struct DataContract {
   std::string model_path;  // where jsonl_text looks for tokenizer.model by default
 };
 
+// For jsonl_tokens samples with `images`: the model's vision tower (built on first use; null when the model has
+// none; frozen, so each image is encoded once, when the file is read, into the features of its slots) and its
+// image tokens.
+struct ImageContract {
+  std::function<const model::VisionEncoder*()> vision;
+  model::MultimodalTokens tokens;  // the placeholder that marks an image in input_ids, and boi / eoi
+};
+
 // Builds the configured source; reads and checks the whole file (ids against the vocabulary, sample lengths
-// against train.seq_len, image spans against the features file) and throws rf::Error naming file and line.
-std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& contract);
+// against train.seq_len, image spans against the features file, image files and their placeholders) and throws
+// rf::Error naming file and line (and the image file).
+std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& contract,
+                                             const ImageContract& images = {});
 
 // The mock VLM data's fixed shape, exposed for tests and docs.
 namespace mock {

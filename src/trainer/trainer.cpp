@@ -19,6 +19,8 @@
 #include "io/atomic_file.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
+#include "model/vision.h"
+#include "model/vision_encoder.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/optimizer.h"
@@ -33,26 +35,47 @@ using Clock = std::chrono::steady_clock;
 // layers of window 64 and one full layer (Gemma 4's 5:1 mix), GQA 4:2 on sliding and 4:1 with K = V on the full
 // layer (as the 26B/31B), head dims 16 and 32 (sliding and global differ as in Gemma 4), vision-bidirectional
 // image groups. The MoE variant adds Gemma 4's parallel MoE block (4 experts, top 2).
+//
+// Both are multimodal Gemma4ForConditionalGeneration models: their image features (kBuiltinFeatureDim wide) go
+// through the trainable projection model.embed_vision.embedding_projection, which transformers only builds beside a
+// vision tower. So the config holds a vision_config (a one-layer tower of width kBuiltinFeatureDim) and every
+// checkpoint holds that tower, freshly initialised from train.seed and never trained (the built-in data brings
+// features, not pixels): transformers loads the checkpoint with no missing and no unexpected weights.
 constexpr const char* kTinyDense = R"({
-  "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
-  "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
-  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
-  "num_global_key_value_heads": 1, "attention_k_eq_v": true, "sliding_window": 64,
-  "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
-                  "sliding_attention", "full_attention"],
-  "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0, "use_bidirectional_attention": "vision",
-  "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true
+  "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "tie_word_embeddings": true,
+  "text_config": {
+    "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 6,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
+    "num_global_key_value_heads": 1, "attention_k_eq_v": true, "sliding_window": 64,
+    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
+                    "sliding_attention", "full_attention"],
+    "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0, "use_bidirectional_attention": "vision",
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true,
+    "intermediate_size": 128
+  },
+  "vision_config": {
+    "model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
+    "position_embedding_size": 16
+  }
 })";
 constexpr const char* kTinyMoeVlm = R"({
-  "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
-  "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
-  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
-  "num_global_key_value_heads": 1, "attention_k_eq_v": true, "sliding_window": 64,
-  "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
-                  "sliding_attention", "full_attention"],
-  "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 48,
-  "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0, "use_bidirectional_attention": "vision",
-  "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true
+  "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "tie_word_embeddings": true,
+  "text_config": {
+    "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 6,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
+    "num_global_key_value_heads": 1, "attention_k_eq_v": true, "sliding_window": 64,
+    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
+                    "sliding_attention", "full_attention"],
+    "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0, "use_bidirectional_attention": "vision",
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true,
+    "intermediate_size": 96, "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 48
+  },
+  "vision_config": {
+    "model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
+    "position_embedding_size": 16
+  }
 })";
 
 model::Batch as_batch(const PackedBatch& p) {
@@ -84,6 +107,7 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
   same(now.train.seed == then.train.seed, "train.seed");
   same(now.data.source == then.data.source, "data.source");
   same(now.data.path == then.data.path, "data.path");
+  same(now.data.image_soft_tokens == then.data.image_soft_tokens, "data.image_soft_tokens");
   same(now.model.freeze == then.model.freeze, "model.freeze");
 }
 
@@ -244,10 +268,18 @@ void set_up(Run& r) {
   } else if (!cfg.model.path.empty()) {
     r.ck = model::load_checkpoint(cfg.model.path, check_fits);
   } else {
-    const model::Gemma4Config builtin = model::Gemma4Config::from_json(builtin_config_json(cfg.model.builtin));
+    const std::string text = builtin_config_json(cfg.model.builtin);
+    const std::string source = "model.builtin " + cfg.model.builtin;
+    const model::Gemma4Config builtin = model::Gemma4Config::from_json(text, source);
     check_fits(model::Gemma4Model(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Deferred));
     r.ck.model = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim);
     r.ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
+    r.ck.text_prefix = model::kMultimodalTextPrefix;
+    const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
+    // transformers sizes the projection's input by the tower's width: the two must agree.
+    RF_CHECK(tower.hidden_size == kBuiltinFeatureDim, source, ": vision_config.hidden_size = ", tower.hidden_size,
+             ", the projection takes ", kBuiltinFeatureDim);
+    r.ck.passthrough = model::init_vision_tower(tower, cfg.train.seed);
   }
   if (!r.resume_dir.empty() || !cfg.model.path.empty())
     check_loaded_weights(r.ck, r.resume_dir.empty() ? cfg.model.path : r.resume_dir);
@@ -255,8 +287,22 @@ void set_up(Run& r) {
   const int width = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
   // Unfilled row positions are doc 0 with ignored labels (masked everywhere), so a config without a pad id
   // (pad_token_id null) fills them with token 0: any in-vocabulary id would do.
-  r.data = make_data_source(cfg, DataContract{m.config().vocab_size, m.config().pad_token_id.value_or(0), width,
-                                              cfg.model.path});
+  const DataContract contract{m.config().vocab_size, m.config().pad_token_id.value_or(0), width, cfg.model.path};
+  const std::string& config_json = m.config().source_json;
+  ImageContract images;
+  images.tokens = model::MultimodalTokens::from_config_json(config_json, "the model's config.json");
+  // The tower encodes the data's images once, here; its float32 copy of the weights goes with it.
+  std::unique_ptr<model::VisionEncoder> tower;
+  images.vision = [&]() -> const model::VisionEncoder* {
+    if (!tower) {
+      const std::optional<model::VisionConfig> vc =
+          model::VisionConfig::from_config_json(config_json, "the model's config.json");
+      if (!vc) return nullptr;
+      tower = std::make_unique<model::VisionEncoder>(*vc, r.ck.passthrough);
+    }
+    return tower.get();
+  };
+  r.data = make_data_source(cfg, contract, images);
   r.feature_dim = r.data->feature_dim() > 0 ? width : 0;
   r.adam = std::make_unique<AdamW>(m.params(), trainable_mask(m.params(), cfg.model.freeze), cfg.optimizer);
   if (!r.resume_dir.empty()) load_optimizer_state(r.resume_dir, *r.adam);

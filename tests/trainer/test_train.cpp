@@ -304,13 +304,15 @@ TEST(Checkpoints, NonFiniteWeightsAndMomentsStopBeforeStepOne) {
     model::TensorSet& p = ck.weights.model->params();
     p[p.slot(name)].data[2] = INFINITY;
   });
-  EXPECT_EQ(resume_error(nan_weight), nan_weight + "/model.safetensors: tensor `" + name + "` has inf at [0, 2]");
+  // Named as in the files, where a built-in (multimodal) model keeps its decoder under model.language_model.
+  const std::string file_name = "model.language_model.layers.0.self_attn.q_proj.weight";
+  EXPECT_EQ(resume_error(nan_weight), nan_weight + "/model.safetensors: tensor `" + file_name + "` has inf at [0, 2]");
   // The same weights as a model to fine-tune.
   const std::string path = (dir / "nan_weight" / "step-00000001").string();
   EXPECT_EQ(error_of([&] {
               run(config((dir / "out").string(), {"train.steps=1", "model.path=" + path}));
             }),
-            path + "/model.safetensors: tensor `" + name + "` has inf at [0, 2]");
+            path + "/model.safetensors: tensor `" + file_name + "` has inf at [0, 2]");
 }
 
 // The metrics file a resume continues keeps the whole lines of the steps its checkpoint holds: the lines of steps it
