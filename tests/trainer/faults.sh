@@ -59,7 +59,7 @@ fixed_metrics() { cut -d, -f1-5 "$1"; }
 # metrics lines and checkpoints equal to the reference run's.
 check_failed_cleanly() {
   local dir=$work/$1 regex=$2
-  [ "$code" -ne 0 ] || fail "the run succeeded"
+  [ "$code" -eq 1 ] || fail "exit code $code, expected 1 (main's failure code, through mpirun)"
   local errors
   errors=$(grep '^ringflex: error: ' "$dir/stderr")
   [ "$(printf '%s\n' "$errors" | grep -c .)" -eq "$ranks" ] || fail "expected $ranks error lines"
