@@ -293,6 +293,8 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     const std::string& config_json = mm.config().source_json;
     ImageContract images;
     images.tokens = model::MultimodalTokens::from_config_json(config_json, "the model's config.json");
+    images.rank = world.rank();
+    images.ranks = world.size();
     // The tower encodes the data's images once, here; its float32 copy of the weights goes with it.
     std::unique_ptr<model::VisionEncoder> tower;
     images.vision = [&]() -> const model::VisionEncoder* {
@@ -312,6 +314,11 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     options.setup_guard(setup);
   else
     setup();
+  // Each rank encoded its share of the data's images (ImageContract): now that every rank has read the data, all
+  // of them get every image's soft tokens. A collective, so outside the setup, where a rank may have failed alone.
+  if (world.size() > 1)
+    data->sum_image_features(
+        [&](std::vector<float>& v) { world.allreduce(v.data(), v.size(), comm::ReduceOp::Sum, timeout); });
   state.seed = cfg.train.seed;
   state.config_yaml = to_yaml(cfg);
   model::Gemma4Model& m = *ck.model;
