@@ -161,29 +161,39 @@ void add_into(std::vector<float>& y, const std::vector<float>& x) {
 
 }  // namespace
 
+void VisionEncoder::check(const VisionBatch& b, const std::string& source) const {
+  const int64_t k = cfg_.pooling_kernel_size, P = b.P;
+  RF_CHECK(b.n > 0 && P > 0 && b.pixels && b.positions, source, ": a vision batch needs n > 0 images of P > 0 patches");
+  RF_CHECK(P % (k * k) == 0, source, ": ", P, " patches per image cannot pool to soft tokens: not a multiple of ",
+           "pooling_kernel_size^2 = ", k * k);
+  RF_CHECK(P <= std::numeric_limits<int32_t>::max(), source, ": ", P, " patches per image is too many");
+  // Everything forward indexes with: each position in the table, or the padding.
+  for (int64_t t = 0; t < int64_t{b.n} * P; ++t) {
+    const int32_t x = b.positions[2 * t], y = b.positions[2 * t + 1];
+    const bool pad = x == kPaddingPosition && y == kPaddingPosition;
+    RF_CHECK(pad || (x >= 0 && y >= 0 && x < cfg_.position_embedding_size && y < cfg_.position_embedding_size), source,
+             ": image ", t / P, " patch ", t % P, " has position (", x, ", ", y, "), outside [0, ",
+             cfg_.position_embedding_size, ") (position_embedding_size), and not the padding (-1, -1)");
+  }
+  for (int img = 0; img < b.n; ++img)
+    for (int64_t cell : pool_cells(b, img))
+      RF_CHECK(P == P / (k * k) || cell < P / (k * k), source, ": image ", img, " pools into cell ", cell, " of ",
+               P / (k * k), ": its grid holds more patches than its ", P, " slots");
+}
+
 VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& source, VisionTape* keep) const {
   const int64_t H = cfg_.hidden_size, D = cfg_.head_dim, I = cfg_.intermediate_size, P = b.P;
   const int Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, n = b.n;
   const int64_t k = cfg_.pooling_kernel_size, patch_values = kChannels * cfg_.patch_size * cfg_.patch_size;
-  RF_CHECK(n > 0 && P > 0 && b.pixels && b.positions, source, ": a vision batch needs n > 0 images of P > 0 patches");
-  RF_CHECK(P % (k * k) == 0, source, ": ", P, " patches per image cannot pool to soft tokens: not a multiple of ",
-           "pooling_kernel_size^2 = ", k * k);
-  RF_CHECK(P <= std::numeric_limits<int32_t>::max(), source, ": ", P, " patches per image is too many");
+  check(b, source);
   const int64_t T = int64_t{n} * P;
   const int64_t length = P / (k * k);  // soft tokens an image of P patches pools to (Gemma4VisionModel's output_length)
   VisionTape local;
   VisionTape& tape = keep ? *keep : local;
   tape = VisionTape{};
-
-  // Padding and positions, checked once: everything below indexes with them.
   tape.pad.assign(static_cast<size_t>(T), false);
-  for (int64_t t = 0; t < T; ++t) {
-    const int32_t x = b.positions[2 * t], y = b.positions[2 * t + 1];
-    tape.pad[t] = x == kPaddingPosition && y == kPaddingPosition;
-    RF_CHECK(tape.pad[t] || (x >= 0 && y >= 0 && x < cfg_.position_embedding_size && y < cfg_.position_embedding_size),
-             source, ": image ", t / P, " patch ", t % P, " has position (", x, ", ", y, "), outside [0, ",
-             cfg_.position_embedding_size, ") (position_embedding_size), and not the padding (-1, -1)");
-  }
+  for (int64_t t = 0; t < T; ++t)
+    tape.pad[t] = b.positions[2 * t] == kPaddingPosition && b.positions[2 * t + 1] == kPaddingPosition;
   const std::vector<bool>& pad = tape.pad;
 
   // 1. Patch embedding.

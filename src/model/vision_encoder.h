@@ -91,6 +91,10 @@ class VisionEncoder {
 
   // Throws rf::Error (naming `source`) for a batch the tower cannot pool: P not a multiple of pooling_kernel_size^2,
   // a position outside the position table, a padding patch with only one coordinate -1.
+  // The checks forward makes before any work, alone: a job that splits its images over ranks runs them on every
+  // rank, so that a bad image fails everywhere and not only where it is encoded.
+  void check(const VisionBatch& b, const std::string& source = "images") const;
+
   // With `tape`, keeps what backward needs.
   VisionOutput forward(const VisionBatch& b, const std::string& source = "images", VisionTape* tape = nullptr) const;
 

@@ -291,6 +291,8 @@ void set_up(Run& r) {
   const std::string& config_json = m.config().source_json;
   ImageContract images;
   images.tokens = model::MultimodalTokens::from_config_json(config_json, "the model's config.json");
+  images.rank = r.world.rank();
+  images.ranks = r.world.size();
   // The tower encodes the data's images once, here; its float32 copy of the weights goes with it.
   std::unique_ptr<model::VisionEncoder> tower;
   images.vision = [&]() -> const model::VisionEncoder* {
@@ -519,6 +521,11 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
   Run r(cfg, world, options);
   join_groups(r);
   comm::agree(world, [&] { set_up(r); });
+  // Each rank encoded its share of the data's images (ImageContract): now that every rank has read the data, all
+  // of them get every image's soft tokens. A collective, so outside the setup, where a rank may have failed alone.
+  if (world.size() > 1)
+    r.data->sum_image_features(
+        [&](std::vector<float>& v) { world.allreduce(v.data(), v.size(), comm::ReduceOp::Sum, r.timeout); });
 
   TrainResult result;
   result.svg_path = default_svg_path(cfg, options);
