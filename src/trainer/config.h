@@ -28,6 +28,9 @@ struct DataSection {
   std::string tokenizer;        // jsonl_text: SentencePiece model (default: <model.path>/tokenizer.model)
   int val_rows = 8;             // rows held out for validation
   int mock_image_tokens = 16;   // mock: placeholder tokens per image block
+  // jsonl_tokens samples with `images`: the soft tokens an image is resized for (Gemma4ImageProcessor's
+  // max_soft_tokens: 70, 140, 280, 560 or 1120)
+  int image_soft_tokens = 280;
 };
 
 struct OptimizerSection {
