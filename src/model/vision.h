@@ -1,10 +1,10 @@
 // ringflex model: Gemma 4's vision tower (transformers 5.24's Gemma4VisionModel): its config and its tensors.
 //
-// The tower's forward and backward are vision_encoder.h; the trainer still takes image features as vectors (gemma4.h).
-// Here: the config, and the tower's tensors, which a built-in multimodal model also needs to write one (it is a
-// Gemma4ForConditionalGeneration whose checkpoint must hold every tensor its vision_config implies, or transformers
-// re-initialises the missing ones at load). The names and shapes are transformers' (Gemma4VisionModel under
-// "model.vision_tower."), per encoder layer:
+// The tower's forward and backward are vision_encoder.h; the decoder takes its soft tokens as image features
+// (gemma4.h). Here: the config, and the tower's tensors, which a built-in multimodal model also needs to write one (it
+// is a Gemma4ForConditionalGeneration whose checkpoint must hold every tensor its vision_config implies, or
+// transformers re-initialises the missing ones at load). The names and shapes are transformers' (Gemma4VisionModel
+// under "model.vision_tower."), per encoder layer:
 //   self_attn.{q,k,v,o}_proj   Gemma4ClippableLinear: `.linear.weight` [out, in], and with use_clipped_linears the
 //                              scalar buffers `.input_min`, `.input_max`, `.output_min`, `.output_max`;
 //   self_attn.{q,k}_norm       RMSNorm scales [head_dim] (v_norm has none);

@@ -23,8 +23,9 @@
 // Float32 throughout (the model's ops, ops.h); the weights are read from the checkpoint in any float dtype.
 // Backward: given d loss / d soft tokens, the gradient of every trainable tower tensor (nn.Parameter in
 // transformers: linear weights, norm scales, the patch projection and the position table; the clip bounds and the
-// std buffers are buffers, without gradients), from what forward kept on a VisionTape. The trainer does not call it
-// yet (model.train_vision needs images in the data): the tower is frozen, as in every Gemma 4 recipe.
+// std buffers are buffers, without gradients), from what forward kept on a VisionTape. The trainer does not call it:
+// the tower is frozen, as in every Gemma 4 recipe, and encodes each image of the data once, when the data is read
+// (trainer/data.h); model.train_vision, which would run it every step, is not there yet.
 #pragma once
 
 #include <cstdint>

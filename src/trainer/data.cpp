@@ -301,14 +301,8 @@ void check_document(const Document& d, const std::string& where, const TrainConf
 // label ignored, one feature row each: the frozen tower's soft tokens of the decoded and preprocessed image) and eoi,
 // as Gemma4Processor lays images out. boi and eoi are trained as tokens where the placeholder's label was the
 // placeholder itself (the default, labels = input_ids), and ignored where it was -100.
-// Where an image's soft tokens go: feature rows [row, row + count) of document `doc`.
-struct ImageSlots {
-  size_t doc;
-  int64_t row, count;
-};
-
 void expand_images(Document& d, const json& images, const std::string& where, const TrainConfig& c,
-                   const DataContract& k, const ImageContract& im, size_t doc, std::vector<ImageSlots>& jobs) {
+                   const DataContract& k, const ImageContract& im, int64_t& images_seen) {
   RF_CHECK(images.is_array(), where, ": `images` must be a list of image file names");
   const model::VisionEncoder* tower = im.vision ? im.vision() : nullptr;
   RF_CHECK(tower != nullptr, where, ": has `images`, but the model has no vision tower (a vision_config and its ",
@@ -350,7 +344,7 @@ void expand_images(Document& d, const json& images, const std::string& where, co
       tower->check(b, path);
       count = p.soft_tokens;  // whole pooling cells: the processor's sides are multiples of k * patch_size
       out.features.resize(static_cast<size_t>((row + count) * F), 0.f);
-      if (static_cast<int64_t>(jobs.size()) % im.ranks == im.rank) {  // this rank's share of the tower's work
+      if (images_seen % im.ranks == im.rank) {  // this rank's share of the tower's work
         const model::VisionOutput soft = tower->forward(b, path);
         RF_CHECK(soft.counts[0] == count, path, ": the tower made ", soft.counts[0], " soft tokens, the processor ",
                  count);
@@ -359,7 +353,7 @@ void expand_images(Document& d, const json& images, const std::string& where, co
     } catch (const rf::Error& e) {
       rf::fail(where, ": ", e.what());
     }
-    jobs.push_back(ImageSlots{doc, row, count});
+    ++images_seen;
     const bool trained = d.labels[t] == tok.image;
     out.ids.push_back(tok.boi);
     out.labels.push_back(trained ? tok.boi : kIgnore);
@@ -396,7 +390,7 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
     F = k.feature_dim;
   }
   std::vector<Document> docs;
-  std::vector<ImageSlots> jobs;   // every image of the file, in file order
+  int64_t images_seen = 0;        // the file's images so far, in file order (image i is encoded by rank i % ranks)
   std::vector<size_t> span_docs;  // documents whose features came whole from data.features
   int64_t used = 0;
   for_each_line(c.data.path, [&](const json& j, const std::string& where) {
@@ -409,7 +403,7 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
     d.mm.assign(d.ids.size(), 0);
     if (j.contains("images")) {
       RF_CHECK(!j.contains("image_spans"), where, ": give `images` or `image_spans`, not both");
-      expand_images(d, j["images"], where, c, k, im, docs.size(), jobs);
+      expand_images(d, j["images"], where, c, k, im, images_seen);
       F = k.feature_dim;
     }
     if (j.contains("image_spans")) {
@@ -445,7 +439,7 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
            " use ", used);
   // Split tower work is completed by a sum over the ranks (DataSource::sum_image_features): the features every rank
   // read whole from data.features then count once, on rank 0.
-  split = !jobs.empty() && im.ranks > 1;
+  split = images_seen > 0 && im.ranks > 1;
   if (split && im.rank != 0)
     for (size_t doc : span_docs) std::fill(docs[doc].features.begin(), docs[doc].features.end(), 0.f);
   return docs;
