@@ -313,8 +313,8 @@ void check_job_memory(const model::Gemma4Model& m, const BatchShape& b, const Fo
   }
   constexpr int64_t kRowArrays = 5;  // input_ids, labels, position_ids, doc, mm_token_type_ids
   MemoryBreakdown need;
-  need.add("weights", checked_sum({m.params().total_bytes(), m.buffers().total_bytes()}));
-  need.add("gradients", opt.grad ? m.params().total_bytes() : 0);
+  need.add("weights", checked_sum({m.params().weight_bytes(), m.buffers().total_bytes()}));
+  need.add("gradients", opt.grad ? m.params().trainable_bytes() : 0);
   const bool bf16 = model::parse_compute_dtype(opt.compute_dtype) == model::ComputeDtype::Bfloat16;
   need.add("bf16 weight copies", bf16 ? m.bf16_weight_bytes() : 0);
   need.add("the batch",
@@ -336,8 +336,14 @@ int run_forward(const ForwardOptions& opt) {
     ck = model::load_checkpoint(opt.model, [&](const model::Gemma4Model& shapes) {
       check_job_memory(shapes, shape, opt, P, world->rank());
     });
-    if (opt.check_finite)
-      for (const model::Tensor& p : ck.model->params()) check_finite(opt.model, p.name, p.data, p.shape);
+    if (opt.check_finite) {
+      const model::ParamStore& params = ck.model->params();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const model::ParamInfo& p = params.info(i);
+        check_finite(opt.model, p.name, std::span<const float>(params.weight(i), static_cast<size_t>(p.numel)),
+                     p.shape);
+      }
+    }
     data = read_batch(opt.in, ck, opt.check_finite);
     ck.model->check_batch(data.view(), P, opt.in);
     RF_CHECK(!opt.grad || !data.labels.empty(), opt.in, ": --grad needs a `labels` tensor");
@@ -364,8 +370,6 @@ int run_forward(const ForwardOptions& opt) {
     const model::Bf16MatmulPath path = model::bf16_matmul_path();
     std::fprintf(stderr, "ringflex forward: bf16 matmuls: %s\n", path.description.c_str());
   }
-  model::TensorSet grads;
-  if (opt.grad) grads = m.params().zeros_like();
   cp::CpAttentionOptions cpo;
   cpo.scheme = opt.shard;
   cpo.algo = cp::parse_algo(opt.algo);
@@ -374,13 +378,12 @@ int run_forward(const ForwardOptions& opt) {
   const cp::JobContext context = cp::make_parallel_context(*world, cpo);
 
   const auto start = std::chrono::steady_clock::now();
-  model::Result r = m.run(b, ro, opt.grad ? &grads : nullptr, *context.model);
+  model::Result r = m.run(b, ro, *context.model);
   const double run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (opt.grad) {
-    // Every gradient tensor and the image features' gradient as one collective (no flat copy of the model).
-    std::vector<std::span<float>> sums;
-    for (model::Tensor& g : grads) sums.emplace_back(g.data);
-    sums.emplace_back(r.d_image_features);
+    // The store's gradient arena and the image features' gradient as one collective (no flat copy of the model).
+    const std::vector<std::span<float>> sums = {ck.model->params().mutable_flat(model::Role::Grads),
+                                                std::span<float>(r.d_image_features)};
     world->allreduce(sums, comm::ReduceOp::Sum, timeout);
   }
   const int64_t B = b.B, S = b.S, V = m.config().vocab_size;
@@ -422,9 +425,12 @@ int run_forward(const ForwardOptions& opt) {
     w.add("token_loss", io::StDType::F32, {B, S}, std::span<const float>(token_loss));
     if (ro.want_logits) w.add("logits", io::StDType::F32, {B, S, V}, std::span<const float>(logits));
     if (opt.grad) {
-      for (const model::Tensor& g : grads)
-        w.add("grad." + model::file_name_of(g.name, ck.text_prefix), io::StDType::F32, g.shape,
-              std::span<const float>(g.data));
+      const model::ParamStore& params = ck.model->params();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const model::ParamInfo& p = params.info(i);
+        w.add("grad." + model::file_name_of(p.name, ck.text_prefix), io::StDType::F32, p.shape,
+              std::span<const float>(params.grad(i), static_cast<size_t>(p.numel)));
+      }
       if (data.has_features)
         w.add("grad.image_features", io::StDType::F32, {data.n_features, data.F},
               std::span<const float>(r.d_image_features));

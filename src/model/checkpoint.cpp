@@ -42,14 +42,14 @@ std::string read_text(const fs::path& p) {
   return s.str();
 }
 
-void check_shape(const Tensor& dst, const io::TensorView& v, const std::string& file) {
-  RF_CHECK(v.shape == dst.shape, file, ": tensor `", v.name, "` has shape ", io::shape_string(v.shape),
-           ", the config implies ", io::shape_string(dst.shape));
+void check_shape(const std::vector<int64_t>& shape, const io::TensorView& v, const std::string& file) {
+  RF_CHECK(v.shape == shape, file, ": tensor `", v.name, "` has shape ", io::shape_string(v.shape),
+           ", the config implies ", io::shape_string(shape));
 }
 
 // Moves the widened values in: one float32 copy of the tensor is alive, not two.
 void copy_into(Tensor& dst, const io::TensorView& v, const std::string& file) {
-  check_shape(dst, v, file);
+  check_shape(dst.shape, v, file);
   dst.data = io::to_float32(v);
 }
 
@@ -86,21 +86,24 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   // registered as shapes only, each must be in the files with that shape, and their float32 total must fit the
   // machine. (A 4 KiB checkpoint whose config claims a 262144-token vocabulary fails here, not after 1 GiB.)
   ck.model = std::make_unique<Gemma4Model>(std::move(cfg), vision_dim, TensorSet::Storage::Deferred);
-  TensorSet& params = ck.model->params();
-  for (const Tensor& t : params) {
-    const std::string name = file_name_of(t.name, ck.text_prefix);
+  ParamStore& params = ck.model->params();
+  for (const ParamInfo& p : params.infos()) {
+    const std::string name = file_name_of(p.name, ck.text_prefix);
     const io::TensorView* v = files.find(name);
     RF_CHECK(v != nullptr, dir, ": no tensor `", name, "` in the checkpoint");
-    check_shape(t, *v, files.shard_of(name).path());
+    check_shape(p.shape, *v, files.shard_of(name).path());
   }
   if (before_allocating) before_allocating(*ck.model);
-  check_memory(params.total_bytes(), dir + ": the model's float32 parameters");
+  check_memory(params.weight_bytes(), dir + ": the model's float32 parameters");
+  params.allocate_weights();
   for (size_t slot = 0; slot < params.size(); ++slot) {
-    const std::string name = file_name_of(params[slot].name, ck.text_prefix);
-    copy_into(params[slot], *files.find(name), files.shard_of(name).path());
+    // One tensor widened at a time beside the store's arena.
+    const ParamInfo& p = params.info(slot);
+    const std::vector<float> values = io::to_float32(*files.find(file_name_of(p.name, ck.text_prefix)));
+    std::copy(values.begin(), values.end(), params.mutable_weight(slot));
   }
   std::set<std::string, std::less<>> held;
-  for (const Tensor& t : params) held.insert(file_name_of(t.name, ck.text_prefix));
+  for (const ParamInfo& p : params.infos()) held.insert(file_name_of(p.name, ck.text_prefix));
   for (Tensor& t : ck.model->buffers()) {
     // layer_scalar is a buffer transformers saves; older exports may omit it (then it stays 1).
     const std::string name = file_name_of(t.name, ck.text_prefix);
@@ -123,11 +126,14 @@ void save_checkpoint(const Checkpoint& ck, const std::string& dir) {
   io::write_file_atomically((root / "config.json").string(), ck.model->config().source_json);
   io::SafetensorsWriter w;
   w.set_metadata("format", "pt");  // what transformers writes and expects
-  for (const TensorSet* set : {&ck.model->params(), &ck.model->buffers()}) {
-    for (const Tensor& t : *set) {
-      w.add(file_name_of(t.name, ck.text_prefix), io::StDType::F32, t.shape, std::span<const float>(t.data));
-    }
+  const ParamStore& params = ck.model->params();
+  for (size_t slot = 0; slot < params.size(); ++slot) {
+    const ParamInfo& p = params.info(slot);
+    w.add(file_name_of(p.name, ck.text_prefix), io::StDType::F32, p.shape,
+          std::span<const float>(params.weight(slot), static_cast<size_t>(p.numel)));
   }
+  for (const Tensor& t : ck.model->buffers())
+    w.add(file_name_of(t.name, ck.text_prefix), io::StDType::F32, t.shape, std::span<const float>(t.data));
   ck.passthrough.add_to(w);  // a name the model holds too would throw here ("added twice"): never both written
   w.write((root / std::string(io::Checkpoint::kSingleFile)).string());
   ck.passthrough.release_pages();

@@ -19,81 +19,97 @@ namespace rf::model {
 // Parameter registration (Hugging Face names and shapes).
 // ---------------------------------------------------------------------------------------------------------------
 
-Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim, TensorSet::Storage storage)
-    : cfg_(std::move(config)), vision_dim_(vision_feature_dim), params_(storage) {
+Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim, TensorSet::Storage storage,
+                         std::unique_ptr<ParamStore> store)
+    : cfg_(std::move(config)),
+      vision_dim_(vision_feature_dim),
+      store_(store ? std::move(store) : std::make_unique<ReplicatedStore>()) {
   cfg_.validate();
   RF_CHECK(vision_dim_ >= 0, "vision feature dim must be non-negative");
+  RF_CHECK(store_->size() == 0, "the model's parameter store must start empty");
   const int64_t H = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_layers, P = cfg_.ple_dim;
   std::vector<size_t> ones;  // slots initialised to 1 (norm scales, router scales)
-  embed_ = params_.add("model.embed_tokens.weight", {V, H});
+  ParamStore& ps = *store_;
+  // Every matrix is a matmul operand except the lookup tables, which are read by row: the per-layer embedding (the
+  // largest tensor of a Gemma 4 checkpoint) and the token embedding unless it is also the LM head.
+  int group = kGlobalGroup;
+  const auto add = [&](const std::string& name, std::vector<int64_t> shape) {
+    const bool matrix = shape.size() >= 2;
+    return ps.add(name, std::move(shape), group, matrix);
+  };
+  embed_ = ps.add("model.embed_tokens.weight", {V, H}, kGlobalGroup, cfg_.tie_word_embeddings);
   if (P > 0) {
-    ple_embed_ = params_.add("model.embed_tokens_per_layer.weight", {cfg_.ple_vocab_size, L * P});
-    ple_proj_ = params_.add("model.per_layer_model_projection.weight", {L * P, H});
-    ple_norm_ = params_.add("model.per_layer_projection_norm.weight", {P});
+    ple_embed_ = ps.add("model.embed_tokens_per_layer.weight", {cfg_.ple_vocab_size, L * P}, kGlobalGroup, false);
+    ple_proj_ = add("model.per_layer_model_projection.weight", {L * P, H});
+    ple_norm_ = add("model.per_layer_projection_norm.weight", {P});
     ones.push_back(ple_norm_);
   }
   for (int i = 0; i < L; ++i) {
+    group = i;
     const LayerSpec s = cfg_.layer(i);
     specs_.push_back(s);
     const std::string p = "model.layers." + std::to_string(i) + ".";
     const int64_t D = s.head_dim, qd = int64_t{cfg_.num_heads} * D, kd = int64_t{s.kv_heads} * D, I = s.intermediate;
     LayerSlots l;
-    l.q_proj = params_.add(p + "self_attn.q_proj.weight", {qd, H});
-    l.q_norm = params_.add(p + "self_attn.q_norm.weight", {D});
+    l.q_proj = add(p + "self_attn.q_proj.weight", {qd, H});
+    l.q_norm = add(p + "self_attn.q_norm.weight", {D});
     ones.push_back(l.q_norm);
     if (s.kv_source < 0) {
-      l.k_proj = params_.add(p + "self_attn.k_proj.weight", {kd, H});
-      if (s.has_v_proj) l.v_proj = params_.add(p + "self_attn.v_proj.weight", {kd, H});
-      l.k_norm = params_.add(p + "self_attn.k_norm.weight", {D});
+      l.k_proj = add(p + "self_attn.k_proj.weight", {kd, H});
+      if (s.has_v_proj) l.v_proj = add(p + "self_attn.v_proj.weight", {kd, H});
+      l.k_norm = add(p + "self_attn.k_norm.weight", {D});
       ones.push_back(l.k_norm);
     }
-    l.o_proj = params_.add(p + "self_attn.o_proj.weight", {H, qd});
-    l.gate_proj = params_.add(p + "mlp.gate_proj.weight", {I, H});
-    l.up_proj = params_.add(p + "mlp.up_proj.weight", {I, H});
-    l.down_proj = params_.add(p + "mlp.down_proj.weight", {H, I});
-    l.input_norm = params_.add(p + "input_layernorm.weight", {H});
-    l.post_attn_norm = params_.add(p + "post_attention_layernorm.weight", {H});
-    l.pre_ff_norm = params_.add(p + "pre_feedforward_layernorm.weight", {H});
-    l.post_ff_norm = params_.add(p + "post_feedforward_layernorm.weight", {H});
+    l.o_proj = add(p + "self_attn.o_proj.weight", {H, qd});
+    l.gate_proj = add(p + "mlp.gate_proj.weight", {I, H});
+    l.up_proj = add(p + "mlp.up_proj.weight", {I, H});
+    l.down_proj = add(p + "mlp.down_proj.weight", {H, I});
+    l.input_norm = add(p + "input_layernorm.weight", {H});
+    l.post_attn_norm = add(p + "post_attention_layernorm.weight", {H});
+    l.pre_ff_norm = add(p + "pre_feedforward_layernorm.weight", {H});
+    l.post_ff_norm = add(p + "post_feedforward_layernorm.weight", {H});
     ones.insert(ones.end(), {l.input_norm, l.post_attn_norm, l.pre_ff_norm, l.post_ff_norm});
     if (cfg_.enable_moe) {
       const int64_t E = cfg_.num_experts, Im = cfg_.moe_intermediate_size;
-      l.router_proj = params_.add(p + "router.proj.weight", {E, H});
-      l.router_scale = params_.add(p + "router.scale", {H});
-      l.per_expert_scale = params_.add(p + "router.per_expert_scale", {E});
-      l.experts_gate_up = params_.add(p + "experts.gate_up_proj", {E, 2 * Im, H});
-      l.experts_down = params_.add(p + "experts.down_proj", {E, H, Im});
-      l.post_ff_norm_1 = params_.add(p + "post_feedforward_layernorm_1.weight", {H});
-      l.post_ff_norm_2 = params_.add(p + "post_feedforward_layernorm_2.weight", {H});
-      l.pre_ff_norm_2 = params_.add(p + "pre_feedforward_layernorm_2.weight", {H});
+      l.router_proj = add(p + "router.proj.weight", {E, H});
+      l.router_scale = add(p + "router.scale", {H});
+      l.per_expert_scale = add(p + "router.per_expert_scale", {E});
+      l.experts_gate_up = add(p + "experts.gate_up_proj", {E, 2 * Im, H});
+      l.experts_down = add(p + "experts.down_proj", {E, H, Im});
+      l.post_ff_norm_1 = add(p + "post_feedforward_layernorm_1.weight", {H});
+      l.post_ff_norm_2 = add(p + "post_feedforward_layernorm_2.weight", {H});
+      l.pre_ff_norm_2 = add(p + "pre_feedforward_layernorm_2.weight", {H});
       ones.insert(ones.end(),
                   {l.router_scale, l.per_expert_scale, l.post_ff_norm_1, l.post_ff_norm_2, l.pre_ff_norm_2});
     }
     if (P > 0) {
-      l.ple_gate = params_.add(p + "per_layer_input_gate.weight", {P, H});
-      l.ple_proj = params_.add(p + "per_layer_projection.weight", {H, P});
-      l.ple_post_norm = params_.add(p + "post_per_layer_input_norm.weight", {H});
+      l.ple_gate = add(p + "per_layer_input_gate.weight", {P, H});
+      l.ple_proj = add(p + "per_layer_projection.weight", {H, P});
+      l.ple_post_norm = add(p + "post_per_layer_input_norm.weight", {H});
       ones.push_back(l.ple_post_norm);
     }
     l.layer_scalar = buffers_.add(p + "layer_scalar", {1});
     buffers_[l.layer_scalar].data[0] = 1.f;
     slots_.push_back(l);
   }
-  final_norm_ = params_.add("model.norm.weight", {H});
+  group = kGlobalGroup;
+  final_norm_ = add("model.norm.weight", {H});
   ones.push_back(final_norm_);
-  lm_head_ = cfg_.tie_word_embeddings ? embed_ : params_.add("lm_head.weight", {V, H});
-  if (vision_dim_ > 0) vision_proj_ = params_.add("model.embed_vision.embedding_projection.weight", {H, vision_dim_});
-  for (size_t s : ones) std::fill(params_[s].data.begin(), params_[s].data.end(), 1.f);
+  lm_head_ = cfg_.tie_word_embeddings ? embed_ : add("lm_head.weight", {V, H});
+  if (vision_dim_ > 0) vision_proj_ = add("model.embed_vision.embedding_projection.weight", {H, vision_dim_});
+  if (storage == TensorSet::Storage::Deferred) return;
+  ps.allocate_weights();
+  for (size_t s : ones) std::fill_n(ps.mutable_weight(s), ps.info(s).numel, 1.f);
 }
 
 void Gemma4Model::init_random(uint64_t seed, float stddev) {
-  params_changed();
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.f, stddev);
-  for (Tensor& t : params_) {
+  for (size_t slot = 0; slot < store_->size(); ++slot) {
     // 1-D tensors are scales (norms, router): keep them near 1 so activations stay O(1).
-    const bool scale = t.shape.size() == 1;
-    for (float& v : t.data) v = (scale ? 1.f : 0.f) + normal(rng);
+    const bool scale = store_->info(slot).shape.size() == 1;
+    float* w = store_->mutable_weight(slot);
+    for (int64_t e = 0; e < store_->info(slot).numel; ++e) w[e] = (scale ? 1.f : 0.f) + normal(rng);
   }
 }
 
@@ -209,46 +225,23 @@ void Gemma4Model::Run::layer_backward(int l, LayerActs& a, const float* x, const
 // The whole model.
 // ---------------------------------------------------------------------------------------------------------------
 
-bool Gemma4Model::multiplied(size_t slot) const {
-  // Lookup tables are read by row, never multiplied: the per-layer embedding (the largest tensor of a Gemma 4
-  // checkpoint) and the token embedding unless it is also the LM head.
-  const bool lookup_only = slot == ple_embed_ || (slot == embed_ && embed_ != lm_head_);
-  return !lookup_only && params_[slot].shape.size() >= 2;
-}
+int64_t Gemma4Model::bf16_weight_bytes() const { return store_->bf16_bytes(); }
 
-int64_t Gemma4Model::bf16_weight_bytes() const {
-  int64_t total = 0;
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (multiplied(i)) total += params_[i].numel() * static_cast<int64_t>(sizeof(bf16));
-  return total;
-}
-
-const Bf16Copies& Gemma4Model::bf16_weights() const {
-  const std::lock_guard<std::mutex> lock(bf16_weights_.mutex);
-  if (!bf16_weights_.current) {
-    bf16_weights_.copies.clear();
-    for (size_t i = 0; i < params_.size(); ++i) {
-      RF_CHECK(!multiplied(i) || !params_[i].data.empty(), "run: parameter ", params_[i].name, " is not allocated");
-      if (multiplied(i)) bf16_weights_.copies.add(params_.data(i), params_[i].numel());
-    }
-    bf16_weights_.current = true;
-  }
-  return bf16_weights_.copies;
-}
-
-Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* grads) const {
+Result Gemma4Model::run(const Batch& batch, const RunOptions& opt) const {
   cpu::LocalAttention local;
-  return run(batch, opt, grads, local);
+  return run(batch, opt, local);
 }
 
-Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* grads, AttentionBackend& attn) const {
-  RF_CHECK(!opt.want_grad || grads != nullptr, "run: gradients requested without a gradient set");
-  if (grads) {
-    RF_CHECK(grads->size() == params_.size(), "run: the gradient set does not match the parameters");
-  }
-  Run r(*this, batch, opt, opt.want_grad ? grads : nullptr, attn);
+Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBackend& attn) const {
+  ParamStore& store = *store_;
+  RF_CHECK(store.weights_allocated(), "run: the parameters are not allocated");
+  if (opt.want_grad) store.allocate_grads();
+  Run r(*this, batch, opt, store, attn);
   r.mm.dtype = opt.compute_dtype;
-  if (opt.compute_dtype == ComputeDtype::Bfloat16) r.mm.weights = &bf16_weights();
+  if (opt.compute_dtype == ComputeDtype::Bfloat16) r.mm.weights = &store.bf16_weights();
+  // The global group (embeddings, final norm, head) is read at the run's start and at its end: acquired for all of
+  // it, released after the embedding's backward (or the loss, without one).
+  store.before_forward(kGlobalGroup);
   r.prepare();
   r.embed();
   const int L = cfg_.num_layers;
@@ -275,7 +268,9 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   Vec next = uninit(T * H);  // layer_forward writes all of it
   for (int l = 0; l < L; ++l) {
     LayerActs a;
+    store.before_forward(l);
     r.layer_forward(l, x.data(), next.data(), a, false);
+    store.after_forward(l);
     if (opt.want_grad) r.x_in[l] = std::move(x);
     if (keep_layers) {
       kept_layers[l] = std::move(a);
@@ -332,7 +327,10 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   res.loss = lm_head_loss(la, lo);
   attn.sum_over_ranks(&res.loss, 1);
   res.shard = r.shard;
-  if (!opt.want_grad) return res;
+  if (!opt.want_grad) {
+    store.after_forward(kGlobalGroup);
+    return res;
+  }
   int64_t kept = static_cast<int64_t>(r.h0.size() + r.ple.size() + r.ple_raw.size() + r.ple_rms.size());
   for (int l = 0; l < L; ++l)
     kept += static_cast<int64_t>(r.x_in[l].size() + r.saved_O[l].size() + r.saved_lse[l].size() + r.saved_ao[l].size() +
@@ -357,6 +355,7 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
   Vec dprev = zeros(T * H);
   for (int l = L - 1; l >= 0; --l) {
     LayerActs a;
+    store.before_backward(l);
     if (keep_layers) {
       a = std::move(kept_layers[l]);
     } else {
@@ -372,10 +371,12 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, TensorSet* gr
       res.layer_recompute_bytes = std::max(res.layer_recompute_bytes, a.bytes() - handed);
     }
     r.layer_backward(l, a, r.x_in[l].data(), dx.data(), dprev.data());
+    store.after_backward(l);
     std::swap(dx, dprev);
     r.x_in[l] = Vec{};
   }
   r.embed_backward(dx.data());
+  store.after_backward(kGlobalGroup);
   res.d_image_features.assign(r.d_image_features.begin(), r.d_image_features.end());
   return res;
 }

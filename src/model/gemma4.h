@@ -19,14 +19,14 @@
 // (loss.h). Result reports both figures as measured.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
-#include <mutex>
+#include <memory>
 #include <vector>
 
 #include "core/attention_backend.h"
 #include "model/config.h"
 #include "model/ops.h"
+#include "model/param_store.h"
 #include "model/params.h"
 
 namespace rf::model {
@@ -45,7 +45,7 @@ struct Batch {
 
 struct RunOptions {
   bool want_logits = false;       // fill Result::logits [B, S, V]
-  bool want_grad = false;         // fill the gradient set
+  bool want_grad = false;         // accumulate the gradients into the parameter store's (params().grad)
   int64_t loss_chunk_tokens = 0;  // tokens per loss chunk; 0 = loss_chunk_tokens(V, kLossChunkBytes)
   double loss_normalizer = 0.0;   // divide the summed token loss by this; 0 = number of label tokens
   // Training memory against compute. true (the default): each layer keeps only its input, attention output and LSE,
@@ -62,7 +62,7 @@ struct RunOptions {
   // What the linear layers multiply in (ops.h ComputeDtype). Bfloat16: every matmul of the decoder and the LM head
   // rounds its operands to bf16 and accumulates in float32 (oneDNN, model/matmul_bf16.h); the parameters, gradients,
   // activations between matmuls, norms, softmax, loss and attention stay float32. The weights' bf16 copies are made
-  // once after the parameters change (Gemma4Model::params() marks them stale), not per call. Loss and gradients
+  // once after the parameters change (the parameter store's version), not per call. Loss and gradients
   // differ from Float32 by about the operands' 2^-9 relative rounding (tests/model/test_model_bf16.cpp bounds it).
   ComputeDtype compute_dtype = ComputeDtype::Float32;
 };
@@ -114,22 +114,22 @@ class Gemma4Model {
   // vision_feature_dim > 0 adds the trainable projection of image features, Gemma4MultimodalEmbedder's
   // "model.embed_vision.embedding_projection.weight" [H, F] after a scale-free RMSNorm; 0: features arrive in
   // the hidden size and are placed as they are. Storage::Deferred registers the parameters' names and shapes
-  // without memory (what load_checkpoint checks against the files and the machine before allocating each).
+  // without memory (what load_checkpoint checks against the files and the machine before allocating them:
+  // params().allocate_weights()).
+  // `store`: where the parameters are registered and live, an empty one (null: a ReplicatedStore, every parameter in
+  // float32 here); another implementation (sharded, LoRA) changes where the weights are, not the model.
   explicit Gemma4Model(Gemma4Config config, int vision_feature_dim = 0,
-                       TensorSet::Storage storage = TensorSet::Storage::Allocated);
+                       TensorSet::Storage storage = TensorSet::Storage::Allocated,
+                       std::unique_ptr<ParamStore> store = nullptr);
 
   const Gemma4Config& config() const { return cfg_; }
   int vision_feature_dim() const { return vision_dim_; }
-  // The mutable access marks the bf16 compute mode's weight copies stale: the next bf16 run rounds them again. Code
-  // that keeps the reference and writes through it later calls params() again (or params_changed()) after writing.
-  TensorSet& params() {
-    params_changed();
-    return params_;
-  }
-  void params_changed() { bf16_weights_.current = false; }
+  // Where the parameters live (model/param_store.h): their registry (Hugging Face names, registration order), the
+  // weights, and, once training asks for them, the gradients and AdamW's moments.
+  ParamStore& params() { return *store_; }
+  const ParamStore& params() const { return *store_; }
   // Bytes of the bf16 compute mode's weight copies (2 per element of every matrix a matmul reads), from the shapes.
   int64_t bf16_weight_bytes() const;
-  const TensorSet& params() const { return params_; }
   TensorSet& buffers() { return buffers_; }  // non-trainable: model.layers.<i>.layer_scalar (ones by default)
   const TensorSet& buffers() const { return buffers_; }
 
@@ -137,16 +137,19 @@ class Gemma4Model {
   // router's scales ~ 1 + N(0, stddev).
   void init_random(uint64_t seed, float stddev);
 
-  // Forward, and with opt.want_grad the backward, accumulating (+=) into `grads` (a params().zeros_like() set;
-  // tensors it leaves unallocated, params().zeros_like(trainable), get no gradient and cost no weight-gradient work).
+  // Forward, and with opt.want_grad the backward, accumulating (+=) into the parameter store's gradients (allocated
+  // zero by the first such run; params().zero_grads() starts an optimizer step). Frozen parameters have none, and
+  // cost no weight-gradient work. The run is const on the model's definition; what it writes is the store's
+  // gradients (and its bf16 compute copies, rounded when stale), through the store's layer hooks.
   // Attention runs through `attn`; under CP every rank of its group passes the SAME full batch and the model
   // shards it (the full rows' metadata goes to attn.begin_batch, then every sequence-resident array is gathered
-  // to this rank's tokens). `grads` receive this rank's contribution only, NOT reduced over the ranks: sum them
-  // over the CP group (comm::Communicator::allreduce, in rank order) once per optimizer step.
+  // to this rank's tokens). The gradients receive this rank's contribution only, NOT reduced over the ranks: sum
+  // them over the CP group (comm::Communicator::allreduce over params().flat(Role::Grads), in rank order) once per
+  // optimizer step.
   // Throws rf::Error on bad input, naming it; check_batch first throws the same errors without any collective.
-  Result run(const Batch& batch, const RunOptions& opt, TensorSet* grads, AttentionBackend& attn) const;
+  Result run(const Batch& batch, const RunOptions& opt, AttentionBackend& attn) const;
   // One rank, the local kernels (rf::cpu::LocalAttention).
-  Result run(const Batch& batch, const RunOptions& opt, TensorSet* grads) const;
+  Result run(const Batch& batch, const RunOptions& opt) const;
 
   // Validates a batch for `ranks` CP ranks without computing anything (pure: the same verdict on every rank that
   // holds the same batch). Throws rf::Error naming `source` (the batch's file, where there is one), the tensor, the
@@ -166,32 +169,11 @@ class Gemma4Model {
   int vision_dim_ = 0;
   std::vector<LayerSpec> specs_;
   std::vector<LayerSlots> slots_;
-  TensorSet params_;
+  std::unique_ptr<ParamStore> store_;
   TensorSet buffers_;
   size_t embed_ = kNoSlot, final_norm_ = kNoSlot, lm_head_ = kNoSlot;
   size_t ple_embed_ = kNoSlot, ple_proj_ = kNoSlot, ple_norm_ = kNoSlot;
   size_t vision_proj_ = kNoSlot;
-
-  // The bf16 compute mode's rounded weights: every matrix a matmul reads (not the embedding tables that are only
-  // looked up), rounded by the first bf16 run after a change. A copied model starts stale (its tensors are new).
-  struct Bf16Weights {
-    std::mutex mutex;
-    Bf16Copies copies;
-    std::atomic<bool> current{false};
-    Bf16Weights() = default;
-    Bf16Weights(const Bf16Weights&) {}
-    Bf16Weights& operator=(const Bf16Weights&) {
-      const std::lock_guard<std::mutex> lock(mutex);
-      copies.clear();
-      current = false;
-      return *this;
-    }
-  };
-  mutable Bf16Weights bf16_weights_;
-  // The bf16 copies, made now if stale (thread-safe: ranks of a loopback group may share the model).
-  const Bf16Copies& bf16_weights() const;
-  // Whether parameter `slot` is a matmul operand (has a bf16 copy in the bf16 compute mode).
-  bool multiplied(size_t slot) const;
 };
 
 }  // namespace rf::model

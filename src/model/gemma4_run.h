@@ -142,7 +142,7 @@ struct Gemma4Model::Run {
   const Gemma4Config& cfg;
   const Batch& b;
   const RunOptions& opt;
-  TensorSet* grads;
+  ParamStore& store;  // the weights read and the gradients written (the model's, or a sharded one's gathered layer)
   AttentionBackend& attn;
   int B;             // rows
   int S_row;         // tokens of a full row
@@ -174,24 +174,23 @@ struct Gemma4Model::Run {
   std::vector<Vec> saved_g, saved_u;          // [L][T, I] MLP projections (RunOptions::keep_mlp_projections)
   std::vector<Vec> kv_K, kv_V, kv_dK, kv_dV;  // [L] K/V (and their gradients) of layers others read
 
-  Run(const Gemma4Model& model, const Batch& batch, const RunOptions& options, TensorSet* g, AttentionBackend& a)
+  Run(const Gemma4Model& model, const Batch& batch, const RunOptions& options, ParamStore& s, AttentionBackend& a)
       : m(model),
         cfg(model.cfg_),
         b(batch),
         opt(options),
-        grads(g),
+        store(s),
         attn(a),
         B(batch.B),
         S_row(batch.S),
         H(model.cfg_.hidden_size),
         eps(static_cast<float>(model.cfg_.rms_norm_eps)) {}
 
-  const float* W(size_t s) const { return s == kNoSlot ? nullptr : m.params_.data(s); }
-  // A parameter's gradient, or nullptr where none is wanted: no gradient set, or its tensor left unallocated (a
-  // frozen parameter), so that backward skips the weight-gradient product and keeps only the input's gradient.
-  float* G(size_t s) const {
-    return grads == nullptr || s == kNoSlot || !grads->allocated(s) ? nullptr : grads->data(s);
-  }
+  // A parameter's weights, from the store (between the layer's before_* and after_* hooks).
+  const float* W(size_t s) const { return s == kNoSlot ? nullptr : store.weight(s); }
+  // A parameter's gradient, or nullptr where none is wanted: a run without the backward, or a frozen parameter (the
+  // store has no gradient for it), so that backward skips the weight-gradient product and keeps only the input's.
+  float* G(size_t s) const { return !opt.want_grad || s == kNoSlot ? nullptr : store.grad(s); }
   const RopeTable& rope(const LayerSpec& s) const { return s.sliding ? rope_sliding : rope_full; }
 
   ShardAttention attention(const LayerSpec& s, const float* Q, const float* K, const float* V) const {

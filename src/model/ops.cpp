@@ -51,10 +51,14 @@ ComputeDtype parse_compute_dtype(std::string_view s) {
   rf::fail("compute dtype '", s, "' is not one of float32, bfloat16");
 }
 
+void round_to_bf16(const float* src, bf16* dst, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+
 void Bf16Copies::add(const float* src, int64_t n) {
   Copy c{src, n, std::vector<bf16>(static_cast<size_t>(n))};
-#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
-  for (int64_t i = 0; i < n; ++i) c.bits[static_cast<size_t>(i)] = float_to_bf16(src[i]);
+  round_to_bf16(src, c.bits.data(), n);
   const auto at = std::upper_bound(copies_.begin(), copies_.end(), src,
                                    [](const float* p, const Copy& x) { return std::less<const float*>()(p, x.src); });
   copies_.insert(at, std::move(c));
@@ -115,7 +119,7 @@ struct Bf16Operand {
   std::unique_ptr<bf16[]> owned;
 };
 
-Bf16Operand bf16_operand(const Bf16Copies* weights, const float* src, int64_t rows, int64_t cols, int64_t ld) {
+Bf16Operand bf16_operand(const Bf16Lookup* weights, const float* src, int64_t rows, int64_t cols, int64_t ld) {
   Bf16Operand op;
   if (const bf16* copy = weights ? weights->find(src, (rows - 1) * ld + cols) : nullptr) {
     op.data = copy;
@@ -136,7 +140,7 @@ Bf16Operand bf16_operand(const Bf16Copies* weights, const float* src, int64_t ro
 // A gemm operand stored [rows, cols] with leading dimension ld, rounded to bf16 and widened back to float32 (exact),
 // dense [rows, cols]: the bf16 mode's operands for sgemm, in one pass (from the weights' bf16 copy when there is one).
 // Not value-initialised: every element is written.
-std::unique_ptr<float[]> rounded_to_bf16(const Bf16Copies* weights, const float* src, int64_t rows, int64_t cols,
+std::unique_ptr<float[]> rounded_to_bf16(const Bf16Lookup* weights, const float* src, int64_t rows, int64_t cols,
                                          int64_t ld) {
   std::unique_ptr<float[]> out(new float[static_cast<size_t>(rows * cols)]);
   float* dst = out.get();

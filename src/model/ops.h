@@ -16,23 +16,30 @@ namespace rf::model {
 
 // What the model's matmuls multiply in. Float32: sgemm. Bfloat16: both operands rounded to bfloat16 (nearest even,
 // a relative error of at most 2^-9 each), their products accumulated in float32 into float32 results; weights stay
-// float32 masters (the optimizer updates those) and are rounded once after each change (Bf16Copies), activations
+// float32 masters (the optimizer updates those) and are rounded once after each change (Bf16Lookup), activations
 // when a call packs them.
 enum class ComputeDtype { Float32, Bfloat16 };
 std::string_view compute_dtype_name(ComputeDtype t);  // "float32" / "bfloat16"
 // Parses "float32" or "bfloat16" (also "f32", "bf16"); throws rf::Error naming the value and the choices.
 ComputeDtype parse_compute_dtype(std::string_view s);
 
-// bfloat16 copies of float32 tensors, made once by add() (after every change to the originals), found again by the
-// float32 address an operand starts at: a matmul operand inside a copied tensor is read from its copy, so the bf16
-// mode rounds a weight once per optimizer step instead of once per call.
-class Bf16Copies {
+// Where a matmul finds the bf16 copy of a float32 operand that is a weight, so the bf16 mode rounds a weight once per
+// change instead of once per call: the parameter store's compute copies (model/param_store.h), or Bf16Copies.
+class Bf16Lookup {
+ public:
+  virtual ~Bf16Lookup() = default;
+  // The copy of src[0, extent) if it lies inside one copied tensor, else null.
+  virtual const bf16* find(const float* src, int64_t extent) const = 0;
+};
+
+// bfloat16 copies of float32 tensors anywhere in memory, made once by add() (after every change to the originals),
+// found again by the float32 address an operand starts at.
+class Bf16Copies final : public Bf16Lookup {
  public:
   void clear() { copies_.clear(); }
   // Rounds src[0, n) now (in parallel) and remembers it.
   void add(const float* src, int64_t n);
-  // The copy of src[0, extent) if it lies inside one copied tensor, else null.
-  const bf16* find(const float* src, int64_t extent) const;
+  const bf16* find(const float* src, int64_t extent) const override;
   int64_t bytes() const;
 
  private:
@@ -44,11 +51,14 @@ class Bf16Copies {
   std::vector<Copy> copies_;  // sorted by src
 };
 
+// Rounds src[0, n) to bf16 into dst (nearest even), in parallel above kParallelMinElements.
+void round_to_bf16(const float* src, bf16* dst, int64_t n);
+
 // How one run multiplies: the dtype, and the weights' bf16 copies when it is Bfloat16 (null: every operand is
 // rounded as it is packed).
 struct Matmul {
   ComputeDtype dtype = ComputeDtype::Float32;
-  const Bf16Copies* weights = nullptr;
+  const Bf16Lookup* weights = nullptr;
 };
 
 // Loops over fewer elements than this run on one thread: a parallel region's fork and barrier cost microseconds

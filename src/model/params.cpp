@@ -52,20 +52,4 @@ int64_t TensorSet::total_elements() const {
   return n;
 }
 
-TensorSet TensorSet::zeros_like() const {
-  TensorSet z;
-  for (const Tensor& t : tensors_) z.add(t.name, t.shape);
-  return z;
-}
-
-TensorSet TensorSet::zeros_like(const std::vector<bool>& which) const {
-  RF_CHECK(which.size() == tensors_.size(), "zeros_like: ", which.size(), " flags for ", tensors_.size(), " tensors");
-  TensorSet z(Storage::Deferred);
-  for (size_t i = 0; i < tensors_.size(); ++i) {
-    z.add(tensors_[i].name, tensors_[i].shape);
-    if (which[i]) z.allocate(i);
-  }
-  return z;
-}
-
 }  // namespace rf::model

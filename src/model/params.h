@@ -1,4 +1,6 @@
-// ringflex model: named float32 tensors in the Hugging Face layout (parameters, their gradients, buffers).
+// ringflex model: named float32 tensors in the Hugging Face layout: the model's buffers (layer_scalar) and copies of
+// the parameter store's arenas as named tensors (ParamStore::snapshot). Where the parameters, their gradients and
+// AdamW's moments live is the parameter store (model/param_store.h).
 #pragma once
 
 #include <cstdint>
@@ -16,8 +18,7 @@ struct Tensor {
   int64_t numel() const;
 };
 
-// An ordered set of tensors with lookup by name. The order is the model's registration order, which is also the
-// order gradients are written out in.
+// An ordered set of tensors with lookup by name, in registration order.
 class TensorSet {
  public:
   // Allocated: every tensor added is zero-filled memory. Deferred: tensors are names and shapes only until
@@ -48,11 +49,6 @@ class TensorSet {
   std::vector<Tensor>::const_iterator begin() const { return tensors_.begin(); }
   std::vector<Tensor>::const_iterator end() const { return tensors_.end(); }
 
-  // Same names and shapes, all zero and allocated (a gradient set for these parameters).
-  TensorSet zeros_like() const;
-  // Same names and shapes, zero and allocated only where `which[i]` (the trainable tensors' gradients or optimizer
-  // moments); the others stay names and shapes, as in a Deferred set, and cost no memory.
-  TensorSet zeros_like(const std::vector<bool>& which) const;
   // Whether tensor i holds its elements (always, in an Allocated set).
   bool allocated(size_t i) const { return static_cast<int64_t>(tensors_[i].data.size()) == tensors_[i].numel(); }
 

@@ -161,9 +161,8 @@ void remove_leftovers(const std::string& root) {
   }
 }
 
-std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const AdamW& optimizer,
-                                  const TrainState& state, int keep,
-                                  const std::function<void(const std::string&)>& before_rename) {
+std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const TrainState& state,
+                                  int keep, const std::function<void(const std::string&)>& before_rename) {
   const fs::path base(root);
   std::error_code ec;
   fs::create_directories(base, ec);
@@ -177,12 +176,17 @@ std::string save_train_checkpoint(const std::string& root, const model::Checkpoi
 
   model::save_checkpoint(weights, tmp.path().string());
   io::SafetensorsWriter w;
-  const model::TensorSet& m = optimizer.exp_avg();
-  const model::TensorSet& v = optimizer.exp_avg_sq();
-  for (size_t i = 0; i < m.size(); ++i) {
-    if (!optimizer.trainable()[i]) continue;  // a frozen tensor has no moments (a resume must freeze the same)
-    w.add("exp_avg." + m[i].name, io::StDType::F32, m[i].shape, std::span<const float>(m[i].data));
-    w.add("exp_avg_sq." + v[i].name, io::StDType::F32, v[i].shape, std::span<const float>(v[i].data));
+  const model::ParamStore& store = weights.model->params();
+  RF_CHECK(store.moment_range().size() == store.trainable_elements(),
+           "save: the optimizer's moments are sharded; gather them to the writer first");
+  for (size_t i = 0; i < store.size(); ++i) {
+    const model::ParamInfo& p = store.info(i);
+    if (!p.trainable) continue;  // a frozen tensor has no moments (a resume must freeze the same)
+    const auto n = static_cast<size_t>(p.numel);
+    w.add("exp_avg." + p.name, io::StDType::F32, p.shape,
+          std::span<const float>(store.moment(model::Role::ExpAvg, i), n));
+    w.add("exp_avg_sq." + p.name, io::StDType::F32, p.shape,
+          std::span<const float>(store.moment(model::Role::ExpAvgSq, i), n));
   }
   w.write((tmp.path() / kOptimizerFile).string());
   const json j = {{"step", state.step},
@@ -277,19 +281,27 @@ LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::Befo
   return out;
 }
 
-void load_optimizer_state(const std::string& dir, AdamW& optimizer) {
+void load_optimizer_state(const std::string& dir, model::ParamStore& store) {
   const std::string path = (fs::path(dir) / kOptimizerFile).string();
   const io::SafetensorsFile f = io::SafetensorsFile::open(path);
-  for (auto [prefix, set] : {std::pair{"exp_avg.", &optimizer.exp_avg()}, {"exp_avg_sq.", &optimizer.exp_avg_sq()}}) {
-    for (size_t i = 0; i < set->size(); ++i) {
-      if (!optimizer.trainable()[i]) continue;  // frozen: no moments (older checkpoints stored zeros; ignored)
-      model::Tensor& t = (*set)[i];
-      const io::TensorView& v = f.at(prefix + t.name);
-      RF_CHECK(v.dtype == io::StDType::F32 && v.shape == t.shape, path, ": `", prefix, t.name,
-               "` is not float32 of the parameter's shape ", io::shape_string(t.shape));
-      t.data = io::copy_as<float>(v);
+  store.allocate_moments();
+  for (auto [prefix, role] : {std::pair{"exp_avg.", model::Role::ExpAvg}, {"exp_avg_sq.", model::Role::ExpAvgSq}}) {
+    for (size_t i = 0; i < store.size(); ++i) {
+      const model::ParamInfo& p = store.info(i);
+      if (!p.trainable) continue;  // frozen: no moments (older checkpoints stored zeros; ignored)
+      const io::TensorView& v = f.at(prefix + p.name);
+      RF_CHECK(v.dtype == io::StDType::F32 && v.shape == p.shape, path, ": `", prefix, p.name,
+               "` is not float32 of the parameter's shape ", io::shape_string(p.shape));
+      const std::vector<float> values = io::copy_as<float>(v);
       // AdamW divides by sqrt(exp_avg_sq) + eps: a negative one is NaN in the first update.
-      check_loaded_tensor(path, prefix + t.name, t.data, t.shape, set == &optimizer.exp_avg_sq());
+      check_loaded_tensor(path, prefix + p.name, values, p.shape, role == model::Role::ExpAvgSq);
+      // The part of the tensor inside the store's moment range (all of it, or this rank's shard: a checkpoint
+      // written at any rank count and shard mode resumes at any other).
+      const model::Shard range = store.moment_range();
+      const int64_t lo = std::max(range.begin, p.train_offset), hi = std::min(range.end, p.train_offset + p.numel);
+      if (lo < hi)
+        std::copy_n(values.data() + (lo - p.train_offset), hi - lo,
+                    store.mutable_flat(role).data() + (lo - range.begin));
     }
   }
 }

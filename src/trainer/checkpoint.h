@@ -45,9 +45,9 @@ struct TrainState {
 // the checkpoint's directory. Any failure (a full disk, a quota, a file-size limit, a read-only directory) throws
 // rf::Error with one line naming the file, after removing the save's temporary directory; the checkpoints already
 // there stay as they were. What a hard kill left of an earlier save is removed first (remove_leftovers).
-std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const AdamW& optimizer,
-                                  const TrainState& state, int keep,
-                                  const std::function<void(const std::string&)>& before_rename = {});
+// AdamW's moments are the store's (weights.model->params()).
+std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const TrainState& state,
+                                  int keep, const std::function<void(const std::string&)>& before_rename = {});
 
 // `<root>/step-NNNNNNNN`: where save_train_checkpoint puts step `step`.
 std::string checkpoint_path(const std::string& root, int64_t step);
@@ -64,10 +64,11 @@ struct LoadedCheckpoint {
   model::Checkpoint weights;
   TrainState state;
 };
-// Loads weights and state; the optimizer's moments go into `optimizer` (same parameter names and shapes).
+// Loads weights and state; load_optimizer_state puts AdamW's moments into `store` (same parameter names and shapes;
+// allocated there for its trainable parameters, so freeze before).
 // `before_allocating`: as model::load_checkpoint's, before the weights are allocated.
 LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating = {});
-void load_optimizer_state(const std::string& dir, AdamW& optimizer);
+void load_optimizer_state(const std::string& dir, model::ParamStore& store);
 
 // Throws rf::Error "<where>: tensor `name` has nan at [i, j]" for the first NaN or infinity of `values` (row-major
 // of `shape`), and with `non_negative` for the first negative value too. Training checks what it loads (weights,

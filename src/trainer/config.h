@@ -49,6 +49,11 @@ struct ParallelismSection {
   int cp = 1;                         // context-parallel ranks per row
   int dp = 1;                         // data-parallel replicas
   std::string sharding = "balanced";  // how CP splits a row: contiguous | zigzag | balanced
+  // How the training state is spread over all cp x dp ranks (ZeRO stages): none (every rank holds all of it) |
+  // optimizer (AdamW's moments sharded, ZeRO-1: the gradients are reduce-scattered, each rank updates its shard of
+  // the trainable parameters, then the updated weights are all-gathered). gradients (ZeRO-2) and full (ZeRO-3) are
+  // not there yet.
+  std::string shard = "none";
 };
 
 struct TrainSection {

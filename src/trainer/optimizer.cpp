@@ -17,47 +17,53 @@ double learning_rate(const OptimizerSection& opt, const ScheduleSection& sched, 
   return opt.lr * (sched.min_lr_ratio + (1.0 - sched.min_lr_ratio) * cosine);
 }
 
-double global_grad_norm(const model::TensorSet& grads, const std::vector<bool>& trainable) {
+double sum_of_squares(std::span<const float> g) {
   double sum = 0.0;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    if (!trainable[i]) continue;
-    for (float g : grads[i].data) sum += static_cast<double>(g) * g;
-  }
-  return std::sqrt(sum);
+  for (float x : g) sum += static_cast<double>(x) * x;
+  return sum;
 }
 
-double clip_gradients(model::TensorSet& grads, const std::vector<bool>& trainable, double norm, double max_norm) {
+double clip_factor(double norm, double max_norm) {
   if (max_norm <= 0 || norm <= max_norm) return 1.0;
   // torch.nn.utils.clip_grad_norm_'s factor, with its 1e-6 guard against a zero norm.
   constexpr double kNormGuard = 1e-6;
-  const double factor = max_norm / (norm + kNormGuard);
-  for (size_t i = 0; i < grads.size(); ++i) {
-    if (!trainable[i]) continue;
-    for (float& g : grads[i].data) g = static_cast<float>(g * factor);
-  }
+  return max_norm / (norm + kNormGuard);
+}
+
+void scale(std::span<float> g, double factor) {
+  for (float& x : g) x = static_cast<float>(x * factor);
+}
+
+double global_grad_norm(const model::ParamStore& store) {
+  return std::sqrt(sum_of_squares(store.flat(model::Role::Grads)));
+}
+
+double clip_gradients(model::ParamStore& store, double norm, double max_norm) {
+  const double factor = clip_factor(norm, max_norm);
+  if (factor != 1.0) scale(store.mutable_flat(model::Role::Grads), factor);
   return factor;
 }
 
-AdamW::AdamW(const model::TensorSet& params, std::vector<bool> trainable, OptimizerSection opt)
-    : trainable_(std::move(trainable)),
-      opt_(opt),
-      m_(params.zeros_like(trainable_)),
-      v_(params.zeros_like(trainable_)) {}
+AdamW::AdamW(model::ParamStore& store, OptimizerSection opt) : opt_(opt) { store.allocate_moments(); }
 
-void AdamW::step(model::TensorSet& params, const model::TensorSet& grads, double lr, int64_t step) {
-  RF_ASSERT(step >= 1 && grads.size() == params.size());
+void AdamW::step(model::ParamStore& store, double lr, int64_t step) {
+  RF_ASSERT(step >= 1 && store.has_grads() && store.has_moments());
   const double b1 = opt_.beta1, b2 = opt_.beta2;
   const double correction1 = 1.0 - std::pow(b1, static_cast<double>(step));
   const double correction2 = 1.0 - std::pow(b2, static_cast<double>(step));
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (!trainable_[i]) continue;
-    const bool decays = params[i].shape.size() >= 2;
-    const double decay = decays ? lr * opt_.weight_decay : 0.0;
-    float* p = params.data(i);
-    float* m = m_.data(i);
-    float* v = v_.data(i);
-    const float* g = grads.data(i);
-    const int64_t n = params[i].numel();
+  // The elements whose moments the store holds: all trainable ones, or this rank's shard of them (ZeRO-1). Each
+  // element's update depends on itself alone, so a shard's elements get the bits the whole update gives them.
+  const model::Shard range = store.moment_range();
+  float* const m_all = store.mutable_flat(model::Role::ExpAvg).data();
+  float* const v_all = store.mutable_flat(model::Role::ExpAvgSq).data();
+  const float* const g_all = store.flat(model::Role::Grads).data();
+  for (const model::ParamStore::Segment& seg : store.trainable_segments(range.begin, range.end)) {
+    const double decay = store.info(seg.slot).decays() ? lr * opt_.weight_decay : 0.0;
+    float* p = store.mutable_weight(seg.slot) + seg.first;
+    float* m = m_all + (seg.train_index - range.begin);
+    float* v = v_all + (seg.train_index - range.begin);
+    const float* g = g_all + seg.train_index;
+    const int64_t n = seg.n;
 #pragma omp parallel for schedule(static)
     for (int64_t e = 0; e < n; ++e) {
       const double gd = g[e];
@@ -69,20 +75,6 @@ void AdamW::step(model::TensorSet& params, const model::TensorSet& grads, double
       p[e] = static_cast<float>(p[e] - decay * p[e] - lr * update);
     }
   }
-}
-
-std::vector<bool> trainable_mask(const model::TensorSet& params, const std::vector<std::string>& freeze) {
-  std::vector<bool> out(params.size(), true);
-  for (const std::string& pattern : freeze) {
-    bool matched = false;
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (params[i].name.find(pattern) == std::string::npos) continue;
-      out[i] = false;
-      matched = true;
-    }
-    RF_CHECK(matched, "config: model.freeze entry '", pattern, "' matches no parameter");
-  }
-  return out;
 }
 
 }  // namespace rf::trainer

@@ -9,10 +9,11 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
-#include "model/params.h"
+#include "model/param_store.h"
 #include "trainer/config.h"
 
 namespace rf::trainer {
@@ -21,34 +22,36 @@ namespace rf::trainer {
 // at `total_steps`.
 double learning_rate(const OptimizerSection& opt, const ScheduleSection& sched, int step, int total_steps);
 
-// sqrt(sum of squares) over the trainable tensors of `grads`, accumulated in float64 in registration order.
-double global_grad_norm(const model::TensorSet& grads, const std::vector<bool>& trainable);
+// sum of g^2, accumulated in float64 in order.
+double sum_of_squares(std::span<const float> g);
+// torch.nn.utils.clip_grad_norm_'s factor for a global norm `norm` and a limit `max_norm` (0 = off): 1 when the norm
+// is within the limit.
+double clip_factor(double norm, double max_norm);
+// g *= factor, each element rounded once.
+void scale(std::span<float> g, double factor);
 
-// Scales the trainable gradients so their global norm is at most `max_norm` (0 = off); returns the factor.
-double clip_gradients(model::TensorSet& grads, const std::vector<bool>& trainable, double norm, double max_norm);
+// sqrt(sum of squares) of the store's gradients (the trainable parameters'), accumulated in float64 in registration
+// order over the flat gradient arena (one rank: the trainer combines per-shard partial sums over several).
+double global_grad_norm(const model::ParamStore& store);
 
+// Scales the gradients so their global norm is at most `max_norm` (0 = off); returns the factor.
+double clip_gradients(model::ParamStore& store, double norm, double max_norm);
+
+// AdamW over a parameter store: the weights, gradients and moments of its trainable parameters (a frozen one,
+// model.freeze, never changes and has no moments: a frozen 262144 x 10752 per-layer embedding would otherwise hold
+// 22 GB of zeros).
 class AdamW {
  public:
-  // `trainable[i]` false: tensor i of the parameters never changes (model.freeze), and its moments are names and
-  // shapes only (no memory: a frozen 262144 x 10752 per-layer embedding would otherwise hold 22 GB of zeros).
-  AdamW(const model::TensorSet& params, std::vector<bool> trainable, OptimizerSection opt);
+  // Allocates the store's moments (zero) for its trainable parameters: freeze before.
+  AdamW(model::ParamStore& store, OptimizerSection opt);
 
-  // One update with learning rate `lr`; `step` counts updates from 1 (bias correction).
-  void step(model::TensorSet& params, const model::TensorSet& grads, double lr, int64_t step);
-
-  const std::vector<bool>& trainable() const { return trainable_; }
-  model::TensorSet& exp_avg() { return m_; }     // first moments, same names and shapes; allocated where trainable
-  model::TensorSet& exp_avg_sq() { return v_; }  // second moments
-  const model::TensorSet& exp_avg() const { return m_; }
-  const model::TensorSet& exp_avg_sq() const { return v_; }
+  // One update with learning rate `lr` from the store's gradients; `step` counts updates from 1 (bias correction).
+  // Updates the trainable elements whose moments the store holds (ParamStore::moment_range: all, or this rank's
+  // shard under parallelism.shard = optimizer, whose other elements the trainer then gathers from their owners).
+  void step(model::ParamStore& store, double lr, int64_t step);
 
  private:
-  std::vector<bool> trainable_;
   OptimizerSection opt_;
-  model::TensorSet m_, v_;
 };
-
-// Which parameters train: all but those whose name contains one of `freeze`.
-std::vector<bool> trainable_mask(const model::TensorSet& params, const std::vector<std::string>& freeze);
 
 }  // namespace rf::trainer

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <optional>
 
 #include "comm/agree.h"
@@ -117,8 +118,12 @@ void check_loaded_weights(const model::Checkpoint& ck, const std::string& dir) {
   const fs::path single = fs::path(dir) / "model.safetensors";
   std::error_code ec;
   const std::string where = fs::exists(single, ec) ? single.string() : dir;
-  for (const model::Tensor& p : ck.model->params())  // named as in the files, where the user can look it up
-    check_loaded_tensor(where, model::file_name_of(p.name, ck.text_prefix), p.data, p.shape);
+  const model::ParamStore& store = ck.model->params();
+  for (size_t i = 0; i < store.size(); ++i) {  // named as in the files, where the user can look it up
+    const model::ParamInfo& p = store.info(i);
+    check_loaded_tensor(where, model::file_name_of(p.name, ck.text_prefix),
+                        std::span<const float>(store.weight(i), static_cast<size_t>(p.numel)), p.shape);
+  }
 }
 
 std::string default_svg_path(const TrainConfig& c, const TrainOptions& o) {
@@ -153,30 +158,35 @@ void check_outputs(const TrainConfig& c, const TrainOptions& o) {
 // Terms, each counting buffers train() surely holds through a step (float32 unless said):
 //   weights          the parameters (and buffers), Gemma4Model::params()/buffers();
 //   bf16 copies      with model.compute_dtype = bfloat16, the matrices' bf16 copies (Gemma4Model::bf16_weight_bytes);
-//   gradients        `grads`, params().zeros_like(trainable): the trainable parameters only;
-//   AdamW moments    exp_avg and exp_avg_sq, two more such sets;
+//   gradients        the parameter store's gradient arena: the trainable parameters only;
+//   AdamW moments    exp_avg and exp_avg_sq, two more such arenas;
 //   the step's rows  this replica's global_batch / dp rows of seq_len tokens, five int32 arrays each (their image
 //                    features not counted), built before the step's micro-batches run;
 //   validation rows  this replica's share of data.val_rows (every dp-th row), the same arrays, which validate_now
 //                    builds all at once while the step's rows are still held;
 //   then the larger of what one micro-batch's run holds (model::run_memory_at_least: train.micro_batch rows of
 //   ceil(seq_len / cp) tokens, a shard is never shorter, with train.recompute: "activations", "one layer" or
-//   "loss chunk") and, on more than one rank, the "gradient reduction": the flat buffer of the trainable gradients
-//   reduce_gradients builds after the micro-batches ran, when their activations are gone.
+//   "loss chunk"). The gradient reduction runs in place over the gradient arena (the communicator's own slices of at
+//   most comm::Communicator::kReduceSliceBytes not counted).
 // Left out, so the figure stays a lower bound: the ring's receive buffers (what a rank receives depends on each
 // batch's documents; packed short documents need almost none), the data set's packed rows, the plan, the
 // checkpoint writer's copies, and validation's forward (smaller than the training step's).
 MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Model& m, int world_size) {
-  const int64_t params = m.params().total_bytes();
-  const std::vector<bool> trainable = trainable_mask(m.params(), c.model.freeze);
+  const int64_t params = m.params().weight_bytes();
+  const std::vector<bool> trainable = m.params().trainable_after(c.model.freeze);
   int64_t trainable_bytes = 0;
   for (size_t i = 0; i < trainable.size(); ++i)
-    if (trainable[i]) trainable_bytes += m.params()[i].numel() * static_cast<int64_t>(sizeof(float));
+    if (trainable[i]) trainable_bytes += m.params().info(i).numel * static_cast<int64_t>(sizeof(float));
   constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
   MemoryBreakdown need;
   need.add("weights", params + m.buffers().total_bytes());
   need.add("gradients", trainable_bytes);
-  need.add("AdamW moments", checked_bytes({kMoments, trainable_bytes}));
+  // parallelism.shard = optimizer: a rank holds the moments of its shard, ceil(trainable / N) elements.
+  const int64_t trainable_elements = trainable_bytes / static_cast<int64_t>(sizeof(float));
+  const int64_t moment_elements = c.parallelism.shard == "optimizer"
+                                      ? model::shard_of(trainable_elements, 0, world_size).padded
+                                      : trainable_elements;
+  need.add("AdamW moments", checked_bytes({kMoments, moment_elements, static_cast<int64_t>(sizeof(float))}));
   if (model::parse_compute_dtype(c.model.compute_dtype) == model::ComputeDtype::Bfloat16)
     need.add("bf16 weight copies", m.bf16_weight_bytes());
   // A step builds all of this replica's rows before its micro-batches run: five int32 arrays a token (ids, labels,
@@ -193,12 +203,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   run.training = true;
   run.recompute_layers = c.train.recompute;
   run.keep_mlp_projections = c.train.keep_mlp;
-  const MemoryBreakdown step = model::run_memory_at_least(m, run);
-  const int64_t reduced = world_size > 1 ? trainable_bytes : 0;
-  if (step.total() >= 0 && reduced > step.total())
-    need.add("gradient reduction", reduced);
-  else
-    need.add(step);
+  need.add(model::run_memory_at_least(m, run));
   return need;
 }
 
@@ -220,6 +225,7 @@ struct Run {
   const TrainOptions& options;
   const comm::Timeout timeout = comm::default_timeout();  // `ringflex ... --timeout SECONDS`
   const int cp_index, dp_index;
+  const bool shard_optimizer = cfg.parallelism.shard == "optimizer";  // ZeRO-1 over the world's ranks
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
   std::unique_ptr<comm::Communicator> cp_group, dp_group;
   cp::JobContext context;  // the model's parallel context: the local kernels, or the ring over this rank's CP group
@@ -227,10 +233,9 @@ struct Run {
   TrainState state;
   std::string resume_dir;  // empty: a fresh run
   std::unique_ptr<DataSource> data;
-  std::unique_ptr<AdamW> adam;
-  model::TensorSet grads;      // the trainable parameters' gradients, accumulated over a step's micro-batches
-  model::RunOptions training;  // how a micro-batch runs (its string options parsed once)
-  int feature_dim = 0;         // F of the batches' image features (0: the data has none)
+  std::unique_ptr<AdamW> adam;  // its state (the moments) and the gradients live in the model's parameter store
+  model::RunOptions training;   // how a micro-batch runs (its string options parsed once)
+  int feature_dim = 0;          // F of the batches' image features (0: the data has none)
 };
 
 // The run's groups and the model's parallel context (collectives: every rank, in the same order).
@@ -306,11 +311,17 @@ void set_up(Run& r) {
   };
   r.data = make_data_source(cfg, contract, images);
   r.feature_dim = r.data->feature_dim() > 0 ? width : 0;
-  r.adam = std::make_unique<AdamW>(m.params(), trainable_mask(m.params(), cfg.model.freeze), cfg.optimizer);
-  if (!r.resume_dir.empty()) load_optimizer_state(r.resume_dir, *r.adam);
+  model::ParamStore& store = r.ck.model->params();
+  store.freeze(cfg.model.freeze);
+  if (r.shard_optimizer) {
+    const model::Shard mine = model::shard_of(store.trainable_elements(), r.world.rank(), r.world.size());
+    store.set_moment_range(mine.begin, mine.end);
+  }
+  r.adam = std::make_unique<AdamW>(store, cfg.optimizer);
+  if (!r.resume_dir.empty()) load_optimizer_state(r.resume_dir, store);
+  store.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
   r.state.seed = cfg.train.seed;
   r.state.config_yaml = to_yaml(cfg);
-  r.grads = m.params().zeros_like(r.adam->trainable());
   r.training.want_grad = true;
   r.training.recompute_layers = cfg.train.recompute;
   r.training.keep_mlp_projections = cfg.train.keep_mlp;
@@ -367,52 +378,130 @@ TokenCounts count_tokens(const Run& r, const std::vector<PackedBatch>& batches) 
 }
 
 // One micro-batch's share of the global loss (its token losses over `label_tokens`); with `grad`, its gradients
-// accumulate into r.grads.
+// accumulate into the parameter store's.
 double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool grad) {
   model::RunOptions ro = r.training;
   ro.want_grad = grad;
   ro.loss_normalizer = std::max(1.0, static_cast<double>(label_tokens));  // no label tokens: loss 0, not 0 / 0
-  return r.ck.model->run(as_batch(p), ro, grad ? &r.grads : nullptr, *r.context.model).loss;
+  return r.ck.model->run(as_batch(p), ro, *r.context.model).loss;
 }
 
 // 3. Forward + backward of every micro-batch, the gradients accumulating; returns the global batch's loss.
 double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t label_tokens) {
-  for (model::Tensor& g : r.grads) std::fill(g.data.begin(), g.data.end(), 0.0f);
+  r.ck.model->params().zero_grads();
   double loss = 0.0;
   for (const PackedBatch& b : batches) loss += run_micro_batch(r, b, label_tokens, true);
   r.dp_group->allreduce(&loss, 1, comm::ReduceOp::Sum, r.timeout);
   return loss;
 }
 
-// 4a. Sums the trainable gradients over every rank of `c`, in rank order (Communicator::allreduce: the same bits on
-// every rank and backend). One flat buffer, so the whole model is one collective rather than one per tensor.
-void reduce_gradients(comm::Communicator& c, model::TensorSet& grads, const std::vector<bool>& trainable,
-                      comm::Timeout timeout) {
-  if (c.size() == 1) return;
-  std::vector<float> flat;
-  for (size_t i = 0; i < grads.size(); ++i)
-    if (trainable[i]) flat.insert(flat.end(), grads[i].data.begin(), grads[i].data.end());
-  c.allreduce(flat.data(), flat.size(), comm::ReduceOp::Sum, timeout);
-  size_t at = 0;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    if (!trainable[i]) continue;
-    std::copy(flat.begin() + static_cast<std::ptrdiff_t>(at),
-              flat.begin() + static_cast<std::ptrdiff_t>(at + grads[i].data.size()), grads[i].data.begin());
-    at += grads[i].data.size();
+// 4a. Sums the gradients over every rank, in rank order (the same bits on every rank and backend), in place in the
+// store's flat gradient arena: one collective for the whole model. Shard none: every rank gets the whole sum
+// (all-reduce). Shard optimizer: each rank gets the sums of its slice (reduce-scatter, half the traffic), the only
+// gradients its update reads.
+void reduce_gradients(Run& r) {
+  if (r.world.size() == 1) return;
+  const std::span<float> flat = r.ck.model->params().mutable_flat(model::Role::Grads);
+  if (r.shard_optimizer)
+    r.world.reduce_scatter(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
+  else
+    r.world.allreduce(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
+}
+
+// 4b. The global gradient norm, then clipping to optimizer.grad_clip; returns the norm before clipping. The sum of
+// squares is taken as one partial sum per rank's slice (comm::slice_of over the world), added in rank order: the same
+// bits whether a rank holds every reduced gradient (shard none: it computes all the partials) or its slice alone
+// (shard optimizer: each computes its own, and they are gathered). One rank: the sum in order over the whole arena.
+double clip_global_norm(Run& r, double max_norm) {
+  model::ParamStore& store = r.ck.model->params();
+  const std::span<float> flat = store.mutable_flat(model::Role::Grads);
+  const int P = r.world.size(), me = r.world.rank();
+  const auto slice = [&](int rank) {
+    const comm::Slice s = comm::slice_of(flat.size(), P, rank);
+    return flat.subspan(s.begin, s.size());
+  };
+  std::vector<double> partial(static_cast<size_t>(P));
+  if (r.shard_optimizer) {
+    const double mine = sum_of_squares(slice(me));
+    r.world.allgather(&mine, partial.data(), sizeof(double), r.timeout);
+  } else {
+    for (int rank = 0; rank < P; ++rank) partial[static_cast<size_t>(rank)] = sum_of_squares(slice(rank));
+  }
+  double sum = 0.0;
+  for (double x : partial) sum += x;
+  const double norm = std::sqrt(sum);
+  if (std::isfinite(norm)) {
+    const double factor = clip_factor(norm, max_norm);
+    if (factor != 1.0) scale(r.shard_optimizer ? slice(me) : flat, factor);
+  }
+  return norm;
+}
+
+// Every rank's shard (model::shard_of over the ranks of `c`) of an array in the trainable layout of n elements,
+// gathered chunk by chunk so the extra memory stays [P, chunk]: read(i, k, out) copies this rank's elements [i, i + k)
+// into out; on every rank, write(i, k, in) takes another rank's elements [i, i + k) (only where `receive`).
+constexpr int64_t kGatherChunkBytes = int64_t{8} << 20;
+void gather_shards(comm::Communicator& c, int64_t n, const std::function<void(int64_t, int64_t, float*)>& read,
+                   const std::function<void(int64_t, int64_t, const float*)>& write, bool receive,
+                   comm::Timeout timeout) {
+  const int P = c.size();
+  const int64_t padded = model::shard_of(n, 0, P).padded;
+  const int64_t chunk = std::max<int64_t>(1, kGatherChunkBytes / (P * static_cast<int64_t>(sizeof(float))));
+  const int64_t len_max = std::min(chunk, padded);
+  std::vector<float> send(static_cast<size_t>(len_max)), all(static_cast<size_t>(P * len_max));  // [P, chunk]
+  const auto part = [&](int r, int64_t at, int64_t len) {  // rank r's elements in chunk [at, at + len) of its shard
+    const model::Shard s = model::shard_of(n, r, P);
+    return std::pair{s.begin + at, std::clamp<int64_t>(s.size() - at, 0, len)};
+  };
+  for (int64_t at = 0; at < padded; at += chunk) {
+    const int64_t len = std::min(chunk, padded - at);
+    const auto [first, count] = part(c.rank(), at, len);
+    if (count > 0) read(first, count, send.data());
+    c.allgather(send.data(), all.data(), static_cast<size_t>(len) * sizeof(float), timeout);
+    if (!receive) continue;
+    for (int r = 0; r < P; ++r) {
+      const auto [r_first, r_count] = part(r, at, len);
+      if (r != c.rank() && r_count > 0) write(r_first, r_count, all.data() + static_cast<size_t>(r) * len);
+    }
   }
 }
 
-// 4b. The global gradient norm, then clipping to optimizer.grad_clip; returns the norm before clipping.
-double clip_global_norm(model::TensorSet& grads, const std::vector<bool>& trainable, double max_norm) {
-  const double norm = global_grad_norm(grads, trainable);
-  if (std::isfinite(norm)) clip_gradients(grads, trainable, norm, max_norm);
-  return norm;
+// parallelism.shard = optimizer, after the update: each rank updated its slice of the trainable parameters; every
+// rank takes the others' (the same bits the whole update gives, so every replica holds the same weights again). The
+// gradient arena, whose values are spent, carries them in the trainable layout: this rank's slice is copied in, one
+// all-gather of slices fills the rest, and every trainable parameter is copied back.
+void gather_updated_weights(comm::Communicator& c, model::ParamStore& store, comm::Timeout timeout) {
+  const std::span<float> staging = store.mutable_flat(model::Role::Grads);
+  const comm::Slice mine = comm::slice_of(staging.size(), c.size(), c.rank());
+  const int64_t begin = static_cast<int64_t>(mine.begin), end = static_cast<int64_t>(mine.end);
+  for (const model::ParamStore::Segment& seg : store.trainable_segments(begin, end))
+    std::copy_n(store.weight(seg.slot) + seg.first, seg.n, staging.data() + seg.train_index);
+  c.allgather_slices(staging.data(), staging.size(), sizeof(float), timeout);
+  for (const model::ParamStore::Segment& seg : store.trainable_segments(0, store.trainable_elements()))
+    std::copy_n(staging.data() + seg.train_index, seg.n, store.mutable_weight(seg.slot) + seg.first);
+}
+
+// parallelism.shard = optimizer, before a save: rank 0 (the writer) takes every rank's shard of both moments, so it
+// holds them whole while it writes (a collective; after the save it keeps its own shard again).
+void gather_moments_to_writer(comm::Communicator& c, model::ParamStore& store, comm::Timeout timeout) {
+  const bool writer = c.rank() == 0;
+  if (writer) store.set_moment_range(0, store.trainable_elements());
+  for (model::Role role : {model::Role::ExpAvg, model::Role::ExpAvgSq}) {
+    const auto read = [&](int64_t i, int64_t k, float* out) {
+      std::copy_n(store.flat(role).data() + (i - store.moment_range().begin), k, out);
+    };
+    const auto write = [&](int64_t i, int64_t k, const float* in) {
+      std::copy_n(in, k, store.mutable_flat(role).data() + i);
+    };
+    gather_shards(c, store.trainable_elements(), read, write, writer, timeout);
+  }
 }
 
 // 4c. The AdamW update at `step`, the same on every replica; returns the learning rate it used.
 double apply_update(Run& r, int64_t step) {
   const double lr = learning_rate(r.cfg.optimizer, r.cfg.schedule, static_cast<int>(step), r.cfg.train.steps);
-  r.adam->step(r.ck.model->params(), r.grads, lr, step);
+  r.adam->step(r.ck.model->params(), lr, step);
+  if (r.shard_optimizer) gather_updated_weights(r.world, r.ck.model->params(), r.timeout);
   return lr;
 }
 
@@ -487,7 +576,7 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
 
 // The checkpoint of the current step, and the loss picture beside it (rank 0 writes both).
 void save(Run& r, TrainResult& result) {
-  result.last_checkpoint = save_train_checkpoint(r.cfg.checkpoint.dir, r.ck, *r.adam, r.state, r.cfg.checkpoint.keep,
+  result.last_checkpoint = save_train_checkpoint(r.cfg.checkpoint.dir, r.ck, r.state, r.cfg.checkpoint.keep,
                                                  r.options.before_checkpoint_rename);
   if (!result.svg_path.empty()) io::write_file_atomically(result.svg_path, loss_svg(r.state.history, "ringflex train"));
 }
@@ -499,6 +588,8 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
                   TrainResult& result) {
   const CheckpointSection& ck = r.cfg.checkpoint;
   const bool save_now = !ck.dir.empty() && ((ck.every > 0 && sm.step % ck.every == 0) || is_last(r, sm.step));
+  model::ParamStore& store = r.ck.model->params();
+  if (save_now && r.shard_optimizer) gather_moments_to_writer(r.world, store, r.timeout);
   comm::agree(r.world, [&] {
     if (metrics) metrics->append(metrics_json_line(sm));
     progress.step(sm, eta_s, is_last(r, sm.step) || sm.val_loss.has_value());
@@ -509,6 +600,10 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
     }
   });
   if (save_now) result.last_checkpoint = checkpoint_path(ck.dir, sm.step);  // known to every rank
+  if (save_now && r.shard_optimizer && r.lead) {                            // the writer keeps its own shard again
+    const model::Shard mine = model::shard_of(store.trainable_elements(), r.world.rank(), r.world.size());
+    store.set_moment_range(mine.begin, mine.end);
+  }
 }
 
 }  // namespace
@@ -546,8 +641,8 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     comm::agree(world, [&] { batches = replica_micro_batches(r); });
     const TokenCounts tokens = count_tokens(r, batches);
     const double loss = forward_backward(r, batches, tokens.labels);
-    reduce_gradients(world, r.grads, r.adam->trainable(), r.timeout);
-    const double norm = clip_global_norm(r.grads, r.adam->trainable(), cfg.optimizer.grad_clip);
+    reduce_gradients(r);
+    const double norm = clip_global_norm(r, cfg.optimizer.grad_clip);
     check_finite_step(step, loss, norm, result.last_checkpoint);
     const double lr = apply_update(r, step);
     r.state.step = step;

@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
       out["inv_freq"][type] = inv_freq;
     }
     const rf::model::Gemma4Model shapes(c, 0, rf::model::TensorSet::Storage::Deferred);
-    for (const rf::model::Tensor& t : shapes.params()) out["parameters"][t.name] = t.shape;
+    for (const rf::model::ParamInfo& t : shapes.params().infos()) out["parameters"][t.name] = t.shape;
     for (const rf::model::Tensor& t : shapes.buffers()) out["buffers"][t.name] = t.shape;
     std::printf("%s\n", out.dump(2).c_str());
   } catch (const rf::Error& e) {

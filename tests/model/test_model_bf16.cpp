@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "model/gemma4.h"
 #include "model/ops.h"
+#include "model/run_grads.h"
 
 namespace rf::model {
 namespace {
@@ -230,13 +231,13 @@ struct RunOut {
   TensorSet grads;
 };
 
-RunOut run_model(const Gemma4Model& m, const Batch& b, ComputeDtype dtype) {
+RunOut run_model(Gemma4Model& m, const Batch& b, ComputeDtype dtype) {
   RunOptions opt;
   opt.want_grad = true;
   opt.want_logits = true;
   opt.compute_dtype = dtype;
-  RunOut out{Result{}, m.params().zeros_like()};
-  out.result = m.run(b, opt, &out.grads);
+  RunOut out;
+  out.result = run_with_grads(m, b, opt, out.grads);
   return out;
 }
 
@@ -264,7 +265,7 @@ constexpr int kChain = 9;
 constexpr double kFewSumsFactor = 2;
 
 void expect_near_float32(const std::string& extra) {
-  const Gemma4Model m = small_model(extra, 3);
+  Gemma4Model m = small_model(extra, 3);
   const TextBatch t = text_batch(m.config().vocab_size);
   const RunOut f32 = run_model(m, t.view(), ComputeDtype::Float32);
   const RunOut bf = run_model(m, t.view(), ComputeDtype::Bfloat16);
@@ -296,7 +297,7 @@ TEST(ModelBf16, MoeLossAndGradientsNearFloat32) { expect_near_float32(kMoe); }
 // Same bits on repeat and for 1, 2 and 3 threads (the bf16 matmuls split as the float32 ones, one oneDNN thread per
 // block; the MoE experts' tasks call it inside their own parallel loop).
 TEST(ModelBf16, SameBitsAcrossThreadCounts) {
-  const Gemma4Model m = small_model(kMoe, 4);
+  Gemma4Model m = small_model(kMoe, 4);
   const TextBatch t = text_batch(m.config().vocab_size);
   RunOut one = [&] {
     const ThreadCount c(1);
@@ -311,17 +312,23 @@ TEST(ModelBf16, SameBitsAcrossThreadCounts) {
   }
 }
 
-// The weights' bf16 copies follow the parameters: changed through params() (as the optimizer does), the next bf16 run
-// gives the bits of a model built with the new values.
+// The weights' bf16 copies follow the parameters: changed through the store (as the optimizer does: its version
+// moves), the next bf16 run gives the bits of a model built with the new values; unchanged, they are not rounded
+// again (the version stays).
 TEST(ModelBf16, WeightCopiesFollowParameterChanges) {
   Gemma4Model m = small_model("", 6);
   const TextBatch t = text_batch(m.config().vocab_size);
   const double before = run_model(m, t.view(), ComputeDtype::Bfloat16).result.loss;
-  for (Tensor& p : m.params())
-    for (float& v : p.data) v *= 1.5f;
+  const uint64_t version = m.params().version();
+  EXPECT_EQ(run_model(m, t.view(), ComputeDtype::Bfloat16).result.loss, before);
+  EXPECT_EQ(m.params().version(), version);  // a run reads the weights, it does not write them
+  const auto scale_all = [](ParamStore& store) {
+    for (float& v : store.mutable_flat(Role::Weights)) v *= 1.5f;
+  };
+  scale_all(m.params());
+  EXPECT_GT(m.params().version(), version);
   Gemma4Model fresh = small_model("", 6);
-  for (Tensor& p : fresh.params())
-    for (float& v : p.data) v *= 1.5f;
+  scale_all(fresh.params());
   const double after = run_model(m, t.view(), ComputeDtype::Bfloat16).result.loss;
   EXPECT_NE(after, before);
   EXPECT_EQ(after, run_model(fresh, t.view(), ComputeDtype::Bfloat16).result.loss);

@@ -24,6 +24,7 @@
 #include "cp/cp_backend.h"
 #include "cpu/local_attention.h"
 #include "model/gemma4.h"
+#include "model/run_grads.h"
 
 namespace rf::model {
 namespace {
@@ -58,9 +59,12 @@ Gemma4Model make_model(const std::string& extra, int vision_dim) {
   constexpr float kInitStd = 0.3f;  // every path (norm scales, router, softcap) carries an O(1) signal
   m.init_random(42, kInitStd);
   // Scale-1 attention on RMS-normed q/k: norm scales of D^-1/4 keep the logits O(1) (test_model_grad.cpp).
-  for (Tensor& t : m.params())
-    if (t.name.ends_with("q_norm.weight") || t.name.ends_with("k_norm.weight"))
-      for (float& v : t.data) v *= std::pow(static_cast<float>(t.shape[0]), -0.25f);
+  for (size_t slot = 0; slot < m.params().size(); ++slot) {
+    const ParamInfo& t = m.params().info(slot);
+    if (!t.name.ends_with("q_norm.weight") && !t.name.ends_with("k_norm.weight")) continue;
+    float* w = m.params().mutable_weight(slot);
+    for (int64_t e = 0; e < t.numel; ++e) w[e] *= std::pow(static_cast<float>(t.shape[0]), -0.25f);
+  }
   return m;
 }
 
@@ -152,7 +156,7 @@ struct Outcome {
   TensorSet grads;
 };
 
-Outcome run_cp(const Gemma4Model& m, const Batch& b, const std::string& scheme) {
+Outcome run_cp(Gemma4Model& m, const Batch& b, const std::string& scheme) {
   cp::CpAttentionOptions o;
   o.scheme = scheme;
   cp::CpAttention attn(world(), o);
@@ -160,22 +164,25 @@ Outcome run_cp(const Gemma4Model& m, const Batch& b, const std::string& scheme) 
   opt.want_grad = true;
   opt.want_logits = true;
   opt.loss_chunk_tokens = 5;  // several loss chunks, one partial
-  Outcome out{Result{}, m.params().zeros_like()};
-  out.result = m.run(b, opt, &out.grads, attn);
-  for (Tensor& g : out.grads) world().allreduce(g.data.data(), g.data.size(), comm::ReduceOp::Sum);
+  m.params().allocate_grads();
+  m.params().zero_grads();
+  Outcome out{m.run(b, opt, attn), {}};
+  const std::span<float> grads = m.params().mutable_flat(Role::Grads);
+  world().allreduce(grads.data(), grads.size(), comm::ReduceOp::Sum);
+  out.grads = m.params().snapshot(Role::Grads);
   if (!out.result.d_image_features.empty())
     world().allreduce(out.result.d_image_features.data(), out.result.d_image_features.size(), comm::ReduceOp::Sum);
   return out;
 }
 
-void check_against_one_rank(const Gemma4Model& m, const Batch& b, const std::string& scheme, const std::string& what) {
+void check_against_one_rank(Gemma4Model& m, const Batch& b, const std::string& scheme, const std::string& what) {
   SCOPED_TRACE(what + ", scheme " + scheme + ", P = " + std::to_string(world().size()));
   RunOptions opt;
   opt.want_grad = true;
   opt.want_logits = true;
   opt.loss_chunk_tokens = 5;
-  TensorSet ref_grads = m.params().zeros_like();
-  const Result ref = m.run(b, opt, &ref_grads);  // P = 1, the whole batch, local kernels
+  TensorSet ref_grads;
+  const Result ref = run_with_grads(m, b, opt, ref_grads);  // P = 1, the whole batch, local kernels
   const Outcome cp = run_cp(m, b, scheme);
   const Result& r = cp.result;
 
@@ -232,7 +239,7 @@ constexpr int kShortRow = 37;
 constexpr int kLongRow = 301;
 
 TEST(ModelCp, DenseWithImageGroupsMatchesOneRank) {
-  const Gemma4Model m = make_model(kDense, 0);
+  Gemma4Model m = make_model(kDense, 0);
   for (int S : {kTinyRow, kShortRow, kLongRow}) {
     const RowBatch b = make_batch(S, m.config().hidden_size, 3);
     check_against_one_rank(m, b.view(true), "balanced", "dense, S = " + std::to_string(S));
@@ -240,7 +247,7 @@ TEST(ModelCp, DenseWithImageGroupsMatchesOneRank) {
 }
 
 TEST(ModelCp, FixedSchemesMatchOneRank) {
-  const Gemma4Model m = make_model(kDense, 0);
+  Gemma4Model m = make_model(kDense, 0);
   for (int S : {kTinyRow, kLongRow}) {
     // Contiguous shards of the 9-token row leave the last ranks nothing but sharding padding at P = 8.
     const RowBatch b = make_batch(S, m.config().hidden_size, 4);
@@ -250,14 +257,14 @@ TEST(ModelCp, FixedSchemesMatchOneRank) {
 }
 
 TEST(ModelCp, MixtureOfExpertsMatchesOneRank) {
-  const Gemma4Model m = make_model(kMoe, 0);
+  Gemma4Model m = make_model(kMoe, 0);
   const RowBatch b = make_batch(kShortRow, 0, 5);
   check_against_one_rank(m, b.view(false), "balanced", "moe");
 }
 
 TEST(ModelCp, PerLayerEmbeddingsKvSharingAndImageProjectionMatchOneRank) {
   constexpr int kFeatureDim = 6;
-  const Gemma4Model m = make_model(kSmall, kFeatureDim);
+  Gemma4Model m = make_model(kSmall, kFeatureDim);
   const RowBatch b = make_batch(kShortRow, kFeatureDim, 6);
   check_against_one_rank(m, b.view(true), "balanced", "small");
 }
@@ -274,9 +281,12 @@ TEST(ModelCp, Gqa16AndHeadDims72And512MatchOneRank) {
   Gemma4Model m(Gemma4Config::from_json(wide), 0);
   constexpr float kInitStd = 0.3f;
   m.init_random(43, kInitStd);
-  for (Tensor& t : m.params())
-    if (t.name.ends_with("q_norm.weight") || t.name.ends_with("k_norm.weight"))
-      for (float& v : t.data) v *= std::pow(static_cast<float>(t.shape[0]), -0.25f);
+  for (size_t slot = 0; slot < m.params().size(); ++slot) {
+    const ParamInfo& t = m.params().info(slot);
+    if (!t.name.ends_with("q_norm.weight") && !t.name.ends_with("k_norm.weight")) continue;
+    float* w = m.params().mutable_weight(slot);
+    for (int64_t e = 0; e < t.numel; ++e) w[e] *= std::pow(static_cast<float>(t.shape[0]), -0.25f);
+  }
   const RowBatch b = make_batch(kShortRow, m.config().hidden_size, 10);
   check_against_one_rank(m, b.view(true), "balanced", "GQA 16:1, D = 72 / 512");
 }
@@ -284,13 +294,13 @@ TEST(ModelCp, Gqa16AndHeadDims72And512MatchOneRank) {
 // Issue 8 item 13: the loss is divided by the label tokens of the whole batch counted once. Counting per rank and
 // summing would give P times the count (every rank holds the full labels), and the loss 1/P of the right one.
 TEST(ModelCp, LabelTokensCountedOnce) {
-  const Gemma4Model m = make_model(kDense, 0);
+  Gemma4Model m = make_model(kDense, 0);
   const RowBatch rb = make_batch(kShortRow, 0, 7);
   const Batch b = rb.view(false);
   int64_t expected = 0;
   for (int32_t l : rb.labels) expected += l != -100;
   cp::CpAttention attn(world());
-  const Result r = m.run(b, RunOptions{}, nullptr, attn);
+  const Result r = m.run(b, RunOptions{}, attn);
   EXPECT_EQ(r.label_tokens, expected);
   // Independent of the split: the sum of this rank's token losses, summed over ranks, over the hand count.
   double local = 0;
@@ -302,13 +312,13 @@ TEST(ModelCp, LabelTokensCountedOnce) {
   RunOptions with_normalizer;
   with_normalizer.loss_normalizer = 2.0 * static_cast<double>(expected);
   cp::CpAttention attn2(world());
-  const Result half = m.run(b, with_normalizer, nullptr, attn2);
+  const Result half = m.run(b, with_normalizer, attn2);
   EXPECT_NEAR(half.loss, r.loss / 2, 1e-6 * std::fabs(r.loss)) << "same sums, one rounding of the scale apart";
 }
 
 // Issue 8 item 14: two runs at the same P give the same bits (loss, logits, every reduced gradient).
 TEST(ModelCp, GradientsAreDeterministic) {
-  const Gemma4Model m = make_model(kMoe, 0);
+  Gemma4Model m = make_model(kMoe, 0);
   const RowBatch rb = make_batch(kShortRow, 0, 8);
   const Outcome a = run_cp(m, rb.view(false), "balanced"), b = run_cp(m, rb.view(false), "balanced");
   EXPECT_EQ(a.result.loss, b.result.loss);
@@ -320,11 +330,11 @@ TEST(ModelCp, GradientsAreDeterministic) {
 TEST(ModelCp, MoreRanksThanTokensFailsOnEveryRank) {
   const int P = world().size();
   if (P < 2) GTEST_SKIP() << "needs two ranks";
-  const Gemma4Model m = make_model(kDense, 0);
+  Gemma4Model m = make_model(kDense, 0);
   const RowBatch rb = make_batch(P - 1, 0, 9);
   cp::CpAttention attn(world());
   try {
-    m.run(rb.view(false), RunOptions{}, nullptr, attn);
+    m.run(rb.view(false), RunOptions{}, attn);
     ADD_FAILURE() << "P > S must fail";
   } catch (const Error& e) {
     EXPECT_EQ(std::string(e.what()), "batch: context parallelism over " + std::to_string(P) + " ranks needs at least " +

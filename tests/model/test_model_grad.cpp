@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "model/gemma4.h"
+#include "model/run_grads.h"
 
 namespace rf::model {
 namespace {
@@ -94,15 +95,16 @@ void check_gradients(Gemma4Model& model, const Batch& batch) {
   RunOptions opt;
   opt.want_grad = true;
   opt.loss_chunk_tokens = 7;  // several loss chunks, one of them partial
-  TensorSet grads = model.params().zeros_like();
-  const Result base = model.run(batch, opt, &grads);
+  TensorSet grads;
+  const Result base = run_with_grads(model, batch, opt, grads);
   ASSERT_TRUE(std::isfinite(base.loss));
   RunOptions fwd;
   fwd.loss_chunk_tokens = 7;
   std::mt19937 rng(11);
   for (size_t s = 0; s < model.params().size(); ++s) {
-    Tensor& p = model.params()[s];
-    std::vector<float> dir(p.data.size()), keep = p.data;
+    const ParamInfo& p = model.params().info(s);
+    const float* w = model.params().weight(s);
+    std::vector<float> dir(static_cast<size_t>(p.numel)), keep(w, w + p.numel);
     const float unit = 1.f / std::sqrt(static_cast<float>(dir.size()));
     double analytic = 0;
     // transformers' nn.Embedding(padding_idx = pad) treats the pad row as a constant (no gradient) although
@@ -112,11 +114,13 @@ void check_gradients(Gemma4Model& model, const Batch& batch) {
       dir[i] = i < frozen ? 0.f : (rng() % 2 ? unit : -unit);
       analytic += double{grads[s].data[i]} * dir[i];
     }
-    for (size_t i = 0; i < dir.size(); ++i) p.data[i] = keep[i] + kStep * dir[i];
-    const double up = model.run(batch, fwd, nullptr).loss;
-    for (size_t i = 0; i < dir.size(); ++i) p.data[i] = keep[i] - kStep * dir[i];
-    const double down = model.run(batch, fwd, nullptr).loss;
-    p.data = keep;
+    float* moved = model.params().mutable_weight(s);
+    for (size_t i = 0; i < dir.size(); ++i) moved[i] = keep[i] + kStep * dir[i];
+    const double up = model.run(batch, fwd).loss;
+    moved = model.params().mutable_weight(s);
+    for (size_t i = 0; i < dir.size(); ++i) moved[i] = keep[i] - kStep * dir[i];
+    const double down = model.run(batch, fwd).loss;
+    std::copy(keep.begin(), keep.end(), model.params().mutable_weight(s));
     const double fd = (up - down) / (2.0 * kStep);
     EXPECT_NEAR(fd, analytic, kAbsTol + kRelTol * std::fabs(analytic)) << p.name;
   }
@@ -131,11 +135,12 @@ Gemma4Model make_model(const std::string& extra, int vision_dim = 0) {
   // Gemma 4 attention has scale 1 on RMS-normed q and k, so with norm scales ~1 the logits reach ~D and the
   // softmax saturates, which makes the loss too curved for finite differences. Scales of D^-1/4 on both give
   // logits of O(1), as a 1/sqrt(D) scale would.
-  for (Tensor& t : m.params()) {
-    const std::string n = t.name;
-    if (n.ends_with("q_norm.weight") || n.ends_with("k_norm.weight")) {
+  for (size_t slot = 0; slot < m.params().size(); ++slot) {
+    const ParamInfo& t = m.params().info(slot);
+    if (t.name.ends_with("q_norm.weight") || t.name.ends_with("k_norm.weight")) {
       const float s = std::pow(static_cast<float>(t.shape[0]), -0.25f);
-      for (float& v : t.data) v *= s;
+      float* w = m.params().mutable_weight(slot);
+      for (int64_t e = 0; e < t.numel; ++e) w[e] *= s;
     }
   }
   return m;
@@ -209,7 +214,7 @@ TEST(ModelRun, RejectsMismatchedImageFeatures) {
   TinyBatch b = make_batch(40, 16);
   Batch v = b.view(true);
   v.n_image_features -= 1;
-  EXPECT_THROW(m.run(v, RunOptions{}, nullptr), rf::Error);
+  EXPECT_THROW(m.run(v, RunOptions{}), rf::Error);
 }
 
 // A bad value is named with its source, its tensor and its [row, position] (the batch is [2, 10]).
@@ -245,9 +250,9 @@ TEST(ModelRun, LabelsOnPaddingAreIgnored) {
     if (labelled.doc[i] == 0) labelled.labels[i] = 3;
   RunOptions opt;
   opt.want_grad = true;
-  TensorSet g_clean = m.params().zeros_like(), g_labelled = m.params().zeros_like();
-  const Result r_clean = m.run(clean.view(false), opt, &g_clean);
-  const Result r_labelled = m.run(labelled.view(false), opt, &g_labelled);
+  TensorSet g_clean, g_labelled;
+  const Result r_clean = run_with_grads(m, clean.view(false), opt, g_clean);
+  const Result r_labelled = run_with_grads(m, labelled.view(false), opt, g_labelled);
   EXPECT_EQ(r_clean.label_tokens, r_labelled.label_tokens);
   EXPECT_EQ(r_clean.loss, r_labelled.loss);
   for (size_t s = 0; s < g_clean.size(); ++s) EXPECT_EQ(g_clean[s].data, g_labelled[s].data) << g_clean[s].name;
@@ -266,9 +271,9 @@ TEST(ModelRun, FeatureOfAPaddingImageSlotIsNotRead) {
   std::fill(nan.features.end() - kFeatureDim, nan.features.end(), std::numeric_limits<float>::quiet_NaN());
   RunOptions opt;
   opt.want_grad = true;
-  TensorSet g_zero = m.params().zeros_like(), g_nan = m.params().zeros_like();
-  const Result r_zero = m.run(zero.view(true), opt, &g_zero);
-  const Result r_nan = m.run(nan.view(true), opt, &g_nan);
+  TensorSet g_zero, g_nan;
+  const Result r_zero = run_with_grads(m, zero.view(true), opt, g_zero);
+  const Result r_nan = run_with_grads(m, nan.view(true), opt, g_nan);
   ASSERT_TRUE(std::isfinite(r_zero.loss));
   EXPECT_EQ(r_zero.loss, r_nan.loss);
   for (size_t s = 0; s < g_zero.size(); ++s) EXPECT_EQ(g_zero[s].data, g_nan[s].data) << g_zero[s].name;
@@ -281,11 +286,11 @@ TEST(ModelRun, SameBitsOnRepeatAndAcrossThreadCounts) {
   const TinyBatch b = make_batch(40, 0);
   RunOptions opt;
   opt.want_grad = true;
-  TensorSet g1 = m.params().zeros_like(), g2 = m.params().zeros_like(), g3 = m.params().zeros_like();
+  TensorSet g1, g2, g3;
   const int threads = omp_get_max_threads();
-  const Result r1 = m.run(b.view(false), opt, &g1), r2 = m.run(b.view(false), opt, &g2);
+  const Result r1 = run_with_grads(m, b.view(false), opt, g1), r2 = run_with_grads(m, b.view(false), opt, g2);
   omp_set_num_threads(threads == 1 ? 2 : 1);
-  const Result r3 = m.run(b.view(false), opt, &g3);
+  const Result r3 = run_with_grads(m, b.view(false), opt, g3);
   omp_set_num_threads(threads);
   EXPECT_EQ(r1.loss, r2.loss);
   EXPECT_EQ(r1.loss, r3.loss);
@@ -306,8 +311,8 @@ TEST(ModelRun, KeepingLayerActivationsGivesTheRecomputedBits) {
   RunOptions recompute, keep;
   recompute.want_grad = keep.want_grad = true;
   keep.recompute_layers = false;
-  TensorSet g1 = m.params().zeros_like(), g2 = m.params().zeros_like();
-  const Result r1 = m.run(b.view(true), recompute, &g1), r2 = m.run(b.view(true), keep, &g2);
+  TensorSet g1, g2;
+  const Result r1 = run_with_grads(m, b.view(true), recompute, g1), r2 = run_with_grads(m, b.view(true), keep, g2);
   EXPECT_EQ(r1.loss, r2.loss);
   EXPECT_EQ(r1.d_image_features, r2.d_image_features);
   for (size_t s = 0; s < g1.size(); ++s) EXPECT_EQ(g1[s].data, g2[s].data) << g1[s].name;
@@ -316,8 +321,8 @@ TEST(ModelRun, KeepingLayerActivationsGivesTheRecomputedBits) {
   // Keeping only the MLP projections: the same bits again, memory between the two.
   RunOptions keep_mlp = recompute;
   keep_mlp.keep_mlp_projections = true;
-  TensorSet g3 = m.params().zeros_like();
-  const Result r3 = m.run(b.view(true), keep_mlp, &g3);
+  TensorSet g3;
+  const Result r3 = run_with_grads(m, b.view(true), keep_mlp, g3);
   EXPECT_EQ(r1.loss, r3.loss);
   EXPECT_EQ(r1.d_image_features, r3.d_image_features);
   for (size_t s = 0; s < g1.size(); ++s) EXPECT_EQ(g1[s].data, g3[s].data) << g3[s].name << " keeping the MLP";
@@ -326,8 +331,8 @@ TEST(ModelRun, KeepingLayerActivationsGivesTheRecomputedBits) {
   EXPECT_LT(r3.layer_recompute_bytes, r1.layer_recompute_bytes);
 }
 
-// A gradient set that leaves some tensors unallocated (a trainer's frozen parameters) gets no gradient for them,
-// and the others are the bits of a full set: skipping a weight-gradient product changes no other sum.
+// Frozen parameters (a trainer's model.freeze) get no gradient, and the others keep the bits of a fully trainable
+// run: skipping a weight-gradient product changes no other sum.
 TEST(ModelRun, UnallocatedGradientsAreSkippedAndTheOthersKeepTheirBits) {
   Gemma4Model m = make_model(
       R"(, "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 40, "num_kv_shared_layers": 2,
@@ -340,12 +345,14 @@ TEST(ModelRun, UnallocatedGradientsAreSkippedAndTheOthersKeepTheirBits) {
   // tensor (linear, norm and router gradients).
   std::vector<bool> wanted(m.params().size());
   for (size_t s = 0; s < wanted.size(); ++s) {
-    const std::string& n = m.params()[s].name;
+    const std::string& n = m.params().info(s).name;
     const bool always_frozen = n.find("embed_tokens") != std::string::npos || n.find("experts") != std::string::npos;
     wanted[s] = !always_frozen && s % 2 == 0;
   }
-  TensorSet all = m.params().zeros_like(), some = m.params().zeros_like(wanted);
-  const Result full = m.run(b.view(true), opt, &all), partial = m.run(b.view(true), opt, &some);
+  TensorSet all, some;
+  const Result full = run_with_grads(m, b.view(true), opt, all);
+  m.params().set_trainable(wanted);
+  const Result partial = run_with_grads(m, b.view(true), opt, some);
   EXPECT_EQ(full.loss, partial.loss);
   EXPECT_EQ(full.d_image_features, partial.d_image_features);
   int skipped = 0;
@@ -393,13 +400,13 @@ TEST(ModelRun, MoeSameBitsAcrossThreadCountsAtParallelSizes) {
   opt.want_grad = true;
   const int threads = omp_get_max_threads();
   omp_set_num_threads(1);
-  TensorSet g1 = m.params().zeros_like();
-  const Result r1 = m.run(b.view(false), opt, &g1);
+  TensorSet g1;
+  const Result r1 = run_with_grads(m, b.view(false), opt, g1);
   ASSERT_TRUE(std::isfinite(r1.loss));
   for (int n : {2, 3}) {
     omp_set_num_threads(n);
-    TensorSet gn = m.params().zeros_like();
-    const Result rn = m.run(b.view(false), opt, &gn);
+    TensorSet gn;
+    const Result rn = run_with_grads(m, b.view(false), opt, gn);
     EXPECT_EQ(r1.loss, rn.loss) << n << " threads";
     for (size_t s = 0; s < g1.size(); ++s) EXPECT_EQ(g1[s].data, gn[s].data) << g1[s].name << ", " << n << " threads";
   }

@@ -48,7 +48,7 @@ struct Measured {
   int64_t growth = 0;  // peak resident bytes over the run past the resident bytes before it
 };
 
-Measured run_and_measure(const Gemma4Model& m, const RunOptions& opt) {
+Measured run_and_measure(Gemma4Model& m, const RunOptions& opt) {
   std::vector<int32_t> ids(kRows * kSeq), labels(kRows * kSeq);
   for (size_t i = 0; i < ids.size(); ++i) {
     ids[i] = 1 + static_cast<int32_t>(i % 60);
@@ -59,12 +59,12 @@ Measured run_and_measure(const Gemma4Model& m, const RunOptions& opt) {
   b.S = kSeq;
   b.input_ids = ids.data();
   b.labels = labels.data();
-  TensorSet grads = m.params().zeros_like();
+  if (opt.want_grad) m.params().allocate_grads();
   // The resident set before the run; at the run's peak everything resident now is still there (the model, the
   // batch, the gradients) plus what the run holds, so peak - now >= the run's simultaneous buffers.
   const int64_t before = status_bytes("VmRSS:");
   Measured out;
-  out.result = m.run(b, opt, opt.want_grad ? &grads : nullptr);
+  out.result = m.run(b, opt);
   out.growth = status_bytes("VmHWM:") - before;
   return out;
 }
@@ -110,7 +110,7 @@ void expect_kept_activations_inside(const Gemma4Model& m, const MemoryBreakdown&
 }
 
 TEST(ModelMemory, TrainingWithRecomputeIsALowerBoundOfTheRun) {
-  const Gemma4Model m = make_model();
+  Gemma4Model m = make_model();
   RunOptions opt;
   opt.want_grad = true;
   const Measured run = run_and_measure(m, opt);
@@ -123,7 +123,7 @@ TEST(ModelMemory, TrainingWithRecomputeIsALowerBoundOfTheRun) {
 }
 
 TEST(ModelMemory, TrainingWithoutRecomputeIsALowerBoundOfTheRun) {
-  const Gemma4Model m = make_model();
+  Gemma4Model m = make_model();
   RunOptions opt;
   opt.want_grad = true;
   opt.recompute_layers = false;
@@ -137,7 +137,7 @@ TEST(ModelMemory, TrainingWithoutRecomputeIsALowerBoundOfTheRun) {
 }
 
 TEST(ModelMemory, TrainingKeepingTheMlpProjectionsIsALowerBoundOfTheRun) {
-  const Gemma4Model m = make_model();
+  Gemma4Model m = make_model();
   RunOptions opt;
   opt.want_grad = true;
   opt.keep_mlp_projections = true;
@@ -155,7 +155,7 @@ TEST(ModelMemory, TrainingKeepingTheMlpProjectionsIsALowerBoundOfTheRun) {
 }
 
 TEST(ModelMemory, ForwardWithLogitsIsALowerBoundOfTheRun) {
-  const Gemma4Model m = make_model();
+  Gemma4Model m = make_model();
   RunOptions opt;
   opt.want_logits = true;
   const Measured run = run_and_measure(m, opt);

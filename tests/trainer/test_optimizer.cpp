@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
 #include <numbers>
 
 #include "trainer/error_of.h"
@@ -10,14 +11,18 @@
 namespace rf::trainer {
 namespace {
 
-model::TensorSet two_tensors() {
-  model::TensorSet s;
-  s.add("w", {2, 3});  // a matrix: decays
-  s.add("norm", {3});  // a gain: does not decay
-  s.add("frozen", {2});
-  for (size_t i = 0; i < s.size(); ++i)
-    for (size_t e = 0; e < s[i].data.size(); ++e)
-      s[i].data[e] = 0.5f - 0.25f * static_cast<float>(e) + static_cast<float>(i);
+// A store of three parameters with distinct values; `freeze` as model.freeze.
+std::unique_ptr<model::ParamStore> three_params(const std::vector<std::string>& freeze = {}) {
+  auto s = std::make_unique<model::ReplicatedStore>();
+  s->add("w", {2, 3});  // a matrix: decays
+  s->add("norm", {3});  // a gain: does not decay
+  s->add("frozen", {2});
+  s->allocate_weights();
+  for (size_t i = 0; i < s->size(); ++i) {
+    float* w = s->mutable_weight(i);
+    for (int64_t e = 0; e < s->info(i).numel; ++e) w[e] = 0.5f - 0.25f * static_cast<float>(e) + static_cast<float>(i);
+  }
+  s->freeze(freeze);
   return s;
 }
 
@@ -28,9 +33,11 @@ TEST(AdamW, MatchesTheFormulaInFloat64) {
   opt.beta2 = 0.9;
   opt.eps = 1e-6;
   opt.weight_decay = 0.3;
-  model::TensorSet p = two_tensors(), g = p.zeros_like();
-  AdamW adam(p, trainable_mask(p, {"frozen"}), opt);
-  model::TensorSet ref = two_tensors();
+  const std::unique_ptr<model::ParamStore> store = three_params({"frozen"});
+  model::ParamStore& p = *store;
+  AdamW adam(p, opt);
+  p.allocate_grads();
+  const model::TensorSet ref = three_params()->snapshot(model::Role::Weights);
   std::vector<std::vector<double>> m(3), v(3), x(3);
   for (size_t i = 0; i < 3; ++i) {
     m[i].assign(ref[i].data.size(), 0.0);
@@ -38,14 +45,14 @@ TEST(AdamW, MatchesTheFormulaInFloat64) {
     x[i].assign(ref[i].data.begin(), ref[i].data.end());
   }
   for (int t = 1; t <= 3; ++t) {
-    const double lr = opt.lr * t;  // a changing lr, as the schedule gives
-    for (size_t i = 0; i < 3; ++i)
-      for (size_t e = 0; e < g[i].data.size(); ++e) g[i].data[e] = std::sin(1.0f + t * 0.7f + e + 3 * i);
-    adam.step(p, g, lr, t);
-    for (size_t i = 0; i < 2; ++i) {  // tensor 2 is frozen
+    const double lr = opt.lr * t;   // a changing lr, as the schedule gives
+    for (size_t i = 0; i < 2; ++i)  // tensor 2 is frozen: no gradient
+      for (int64_t e = 0; e < p.info(i).numel; ++e) p.grad(i)[e] = std::sin(1.0f + t * 0.7f + e + 3 * i);
+    adam.step(p, lr, t);
+    for (size_t i = 0; i < 2; ++i) {
       const double wd = i == 0 ? opt.weight_decay : 0.0;
       for (size_t e = 0; e < x[i].size(); ++e) {
-        const double gr = g[i].data[e];
+        const double gr = p.grad(i)[e];
         m[i][e] = opt.beta1 * m[i][e] + (1 - opt.beta1) * gr;
         v[i][e] = opt.beta2 * v[i][e] + (1 - opt.beta2) * gr * gr;
         const double mh = m[i][e] / (1 - std::pow(opt.beta1, t)), vh = v[i][e] / (1 - std::pow(opt.beta2, t));
@@ -56,22 +63,21 @@ TEST(AdamW, MatchesTheFormulaInFloat64) {
   for (size_t i = 0; i < 3; ++i)
     for (size_t e = 0; e < x[i].size(); ++e)
       // float32 parameters and moments, rounded once per step: a few float32 ulps of values O(1).
-      EXPECT_NEAR(p[i].data[e], x[i][e], 1e-6) << p[i].name << "[" << e << "]";
-  EXPECT_EQ(p[2].data, ref[2].data);  // frozen: untouched bits
-  // Moments only where the parameter trains: a frozen tensor keeps its name and shape and no memory.
-  for (const model::TensorSet* moments : {&adam.exp_avg(), &adam.exp_avg_sq()}) {
-    EXPECT_TRUE(moments->allocated(0) && moments->allocated(1));
-    EXPECT_FALSE(moments->allocated(2));
-    EXPECT_EQ((*moments)[2].shape, p[2].shape);
-    EXPECT_TRUE((*moments)[2].data.empty());
+      EXPECT_NEAR(p.weight(i)[e], x[i][e], 1e-6) << p.info(i).name << "[" << e << "]";
+  EXPECT_EQ(p.snapshot(model::Role::Weights)[2].data, ref[2].data);  // frozen: untouched bits
+  // Moments only where the parameter trains: a frozen tensor has none, and they cost no memory.
+  for (model::Role role : {model::Role::ExpAvg, model::Role::ExpAvgSq}) {
+    EXPECT_TRUE(p.moment(role, 0) != nullptr && p.moment(role, 1) != nullptr);
+    EXPECT_EQ(p.moment(role, 2), nullptr);
+    EXPECT_EQ(p.flat(role).size(), 6u + 3u);
   }
 }
 
 TEST(AdamW, FreezePatternMustMatchSomething) {
-  const model::TensorSet p = two_tensors();
-  EXPECT_EQ(testing::error_of([&] { trainable_mask(p, {"embed"}); }),
+  EXPECT_EQ(testing::error_of([&] { three_params({"embed"}); }),
             "config: model.freeze entry 'embed' matches no parameter");
-  EXPECT_EQ(trainable_mask(p, {"o"}), (std::vector<bool>{true, false, false}));  // "norm" and "frozen" contain 'o'
+  const std::unique_ptr<model::ParamStore> p = three_params({"o"});  // "norm" and "frozen" contain 'o'
+  EXPECT_EQ(p->trainable_after({}), (std::vector<bool>{true, false, false}));
 }
 
 TEST(Schedule, WarmupThenCosineToTheFloor) {
@@ -92,22 +98,23 @@ TEST(Schedule, WarmupThenCosineToTheFloor) {
 }
 
 TEST(Clipping, GlobalNormOverTrainableTensors) {
-  model::TensorSet g;
+  model::ReplicatedStore g;
   g.add("a", {2});
   g.add("b", {1});
   g.add("c", {1});
-  g[0].data = {3.0f, 0.0f};
-  g[1].data = {4.0f};
-  g[2].data = {100.0f};  // frozen: neither counted nor scaled
-  const std::vector<bool> trainable{true, true, false};
-  const double norm = global_grad_norm(g, trainable);
+  g.freeze({"c"});  // frozen: no gradient, so neither counted nor scaled
+  g.allocate_grads();
+  g.grad(0)[0] = 3.0f;
+  g.grad(1)[0] = 4.0f;
+  EXPECT_EQ(g.grad(2), nullptr);
+  const double norm = global_grad_norm(g);
   EXPECT_DOUBLE_EQ(norm, 5.0);
-  EXPECT_DOUBLE_EQ(clip_gradients(g, trainable, norm, 10.0), 1.0);  // under the limit: unchanged
-  const double f = clip_gradients(g, trainable, norm, 1.0);
+  EXPECT_DOUBLE_EQ(clip_gradients(g, norm, 10.0), 1.0);  // under the limit: unchanged
+  const double f = clip_gradients(g, norm, 1.0);
   EXPECT_NEAR(f, 1.0 / (5.0 + 1e-6), 1e-15);
-  EXPECT_FLOAT_EQ(g[0].data[0], static_cast<float>(3.0 * f));
-  EXPECT_FLOAT_EQ(g[1].data[0], static_cast<float>(4.0 * f));
-  EXPECT_EQ(g[2].data[0], 100.0f);
+  EXPECT_FLOAT_EQ(g.grad(0)[0], static_cast<float>(3.0 * f));
+  EXPECT_EQ(g.grad(0)[1], 0.0f);
+  EXPECT_FLOAT_EQ(g.grad(1)[0], static_cast<float>(4.0 * f));
 }
 
 }  // namespace

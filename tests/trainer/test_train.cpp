@@ -148,7 +148,7 @@ TEST(LabelTokens, CountedOnceOverTheGlobalBatch) {
                  p.mm_token_type.data(),
                  p.image_features.data(),
                  p.n_image_features};
-  const model::Result r = m.run(b, {}, nullptr);
+  const model::Result r = m.run(b, {});
   EXPECT_EQ(trained.steps[0].tokens, r.label_tokens);
   // Same model, same rows; only the summation order differs (sharded rows over 4 ranks vs one batch): float32
   // rounding of a sum of ~900 token losses of O(6), far below the factor-2 error this test exists to catch.
@@ -164,9 +164,8 @@ TEST(ContextParallel, RowShorterThanTheGroupIsRefused) {
 }
 
 std::vector<float> flat_params(const model::Gemma4Model& m) {
-  std::vector<float> out;
-  for (const model::Tensor& t : m.params()) out.insert(out.end(), t.data.begin(), t.data.end());
-  return out;
+  const std::span<const float> all = m.params().flat(model::Role::Weights);
+  return {all.begin(), all.end()};
 }
 
 TEST(Resume, ContinuesBitForBit) {
@@ -205,6 +204,75 @@ TEST(Resume, ContinuesBitForBit) {
               run(small("tiny_dense", {"parallelism.cp=2", "train.steps=6"}), other);
             }).find("model.builtin differs from the run that wrote the checkpoint"),
             std::string::npos);
+}
+
+std::string file_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// parallelism.shard = optimizer (ZeRO-1): each rank keeps AdamW's moments for its shard of the trainable
+// parameters (any count: shards are padded), updates those elements alone, and takes the others' from their owners.
+// An element's update depends on that element alone, so every loss, gradient norm and weight, and the checkpoint
+// files (the moments gathered to the writer), are the bits of shard none at the same grid: N = 1 to 4, dense and
+// MoE, CP and DP, frozen parameters and gradient accumulation.
+TEST(ShardOptimizer, SameBitsAsShardNoneAtEveryGrid) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"tiny_dense", {}},
+      {"tiny_moe_vlm", {"parallelism.cp=2"}},
+      {"tiny_dense", {"parallelism.dp=3", "train.global_batch=6"}},
+      {"tiny_moe_vlm", {"parallelism.cp=3", "model.freeze=[embed_tokens, experts]"}},
+      {"tiny_dense", {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=8"}},  // 2 micro-batches a replica
+  };
+  const fs::path dir = scratch("shard_optimizer");
+  int i = 0;
+  for (const auto& [builtin, sets] : cases) {
+    const std::string what = builtin + " case " + std::to_string(i);
+    const auto config = [&](const std::string& mode) {
+      std::vector<std::string> all = sets;
+      all.insert(all.end(), {"parallelism.shard=" + mode, "train.steps=3", "train.val_every=2",
+                             "checkpoint.dir=" + (dir / (std::to_string(i) + mode)).string()});
+      return grid_case(builtin, all);
+    };
+    const Trained none = run(config("none")), sharded = run(config("optimizer"));
+    ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
+    for (size_t s = 0; s < none.steps.size(); ++s) {
+      EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
+      EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
+      EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
+    }
+    EXPECT_EQ(flat_params(*sharded.model), flat_params(*none.model)) << what;
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / file), file_bytes(fs::path(none.last_checkpoint) / file))
+          << what << ": " << file;
+    ++i;
+  }
+  fs::remove_all(dir);
+}
+
+// A checkpoint holds whole tensors whatever the shard mode and rank count that wrote it, so a run resumes at any
+// other: at the same grid in the other mode, bit for bit; at other rank counts, the same training (the reduction
+// order changes with the grid, as GridInvariance allows for).
+TEST(ShardOptimizer, ResumesAcrossModesAndRankCounts) {
+  const fs::path dir = scratch("shard_resume");
+  const auto config = [&](std::vector<std::string> sets) {
+    sets.insert(sets.end(), {"train.steps=4", "checkpoint.every=2", "checkpoint.dir=" + dir.string()});
+    return small("tiny_dense", sets);
+  };
+  const Trained whole = run(config({"parallelism.cp=2", "parallelism.dp=2", "parallelism.shard=optimizer"}));
+  ASSERT_EQ(whole.steps.size(), 4u);
+  TrainOptions resume;
+  resume.resume = (dir / "step-00000002").string();
+  const Trained same_grid = run(config({"parallelism.cp=2", "parallelism.dp=2", "parallelism.shard=none"}), resume);
+  ASSERT_EQ(same_grid.steps.size(), 2u);
+  for (size_t s = 0; s < 2; ++s) EXPECT_EQ(same_grid.steps[s].loss, whole.steps[s + 2].loss) << "step " << s + 3;
+  EXPECT_EQ(flat_params(*same_grid.model), flat_params(*whole.model));
+  Trained tail;
+  tail.steps.assign(whole.steps.begin() + 2, whole.steps.end());
+  expect_same_losses(tail, run(config({"parallelism.dp=2", "parallelism.shard=optimizer"}), resume), "N = 2");
+  expect_same_losses(tail, run(config({"parallelism.dp=4", "parallelism.shard=optimizer"}), resume), "N = 4, dp");
+  expect_same_losses(tail, run(config({"parallelism.shard=none"}), resume), "N = 1");
+  fs::remove_all(dir);
 }
 
 TEST(Checkpoints, AFailedSaveLeavesTheLastGoodOne) {
@@ -291,13 +359,11 @@ TEST(Checkpoints, NonFiniteWeightsAndMomentsStopBeforeStepOne) {
   run(config((dir / "good").string(), {"train.steps=1"}));
   const std::string good = (dir / "good" / "step-00000001").string();
   // Writes the good checkpoint again under `name` after `edit` changed its weights or moments.
-  const auto damaged = [&](const std::string& name, const std::function<void(LoadedCheckpoint&, AdamW&)>& edit) {
+  const auto damaged = [&](const std::string& name, const std::function<void(model::ParamStore&)>& edit) {
     LoadedCheckpoint ck = load_train_checkpoint(good);
-    const TrainConfig c = config(good);
-    AdamW adam(ck.weights.model->params(), trainable_mask(ck.weights.model->params(), {}), c.optimizer);
-    load_optimizer_state(good, adam);
-    edit(ck, adam);
-    return save_train_checkpoint((dir / name).string(), ck.weights, adam, ck.state, 1);
+    load_optimizer_state(good, ck.weights.model->params());
+    edit(ck.weights.model->params());
+    return save_train_checkpoint((dir / name).string(), ck.weights, ck.state, 1);
   };
   const auto resume_error = [&](const std::string& ck) {
     TrainOptions resume;
@@ -306,18 +372,16 @@ TEST(Checkpoints, NonFiniteWeightsAndMomentsStopBeforeStepOne) {
   };
   const std::string name = "model.layers.0.self_attn.q_proj.weight";
   const std::string nan_moment =
-      damaged("nan_moment", [&](LoadedCheckpoint&, AdamW& a) { a.exp_avg()[a.exp_avg().slot(name)].data[1] = NAN; });
+      damaged("nan_moment", [&](model::ParamStore& p) { p.moment(model::Role::ExpAvg, p.slot(name))[1] = NAN; });
   EXPECT_EQ(resume_error(nan_moment),
             nan_moment + "/optimizer.safetensors: tensor `exp_avg." + name + "` has nan at [0, 1]");
-  const std::string negative = damaged("negative_moment", [&](LoadedCheckpoint&, AdamW& a) {
-    a.exp_avg_sq()[a.exp_avg_sq().slot(name)].data[0] = -1.0f;
+  const std::string negative = damaged("negative_moment", [&](model::ParamStore& p) {
+    p.moment(model::Role::ExpAvgSq, p.slot(name))[0] = -1.0f;
   });
   EXPECT_EQ(resume_error(negative), negative + "/optimizer.safetensors: tensor `exp_avg_sq." + name +
                                         "` has -1 at [0, 0] (a second moment is never negative)");
-  const std::string nan_weight = damaged("nan_weight", [&](LoadedCheckpoint& ck, AdamW&) {
-    model::TensorSet& p = ck.weights.model->params();
-    p[p.slot(name)].data[2] = INFINITY;
-  });
+  const std::string nan_weight =
+      damaged("nan_weight", [&](model::ParamStore& p) { p.mutable_weight(p.slot(name))[2] = INFINITY; });
   // Named as in the files, where a built-in (multimodal) model keeps its decoder under model.language_model.
   const std::string file_name = "model.language_model.layers.0.self_attn.q_proj.weight";
   EXPECT_EQ(resume_error(nan_weight), nan_weight + "/model.safetensors: tensor `" + file_name + "` has inf at [0, 2]");
@@ -414,11 +478,13 @@ TEST(Freeze, FrozenParametersKeepTheirBits) {
   model::Gemma4Model init(model::Gemma4Config::from_json(builtin_config_json("tiny_dense")), kBuiltinFeatureDim);
   init.init_random(c.train.seed, static_cast<float>(c.model.init_std));
   int frozen = 0, moved = 0;
-  for (size_t i = 0; i < init.params().size(); ++i) {
-    const std::string& name = init.params()[i].name;
+  const model::TensorSet before = init.params().snapshot(model::Role::Weights);
+  const model::TensorSet after = r.model->params().snapshot(model::Role::Weights);
+  for (size_t i = 0; i < before.size(); ++i) {
+    const std::string& name = before[i].name;
     const bool is_frozen =
         name.find("embed_tokens") != std::string::npos || name.find("layers.0.") != std::string::npos;
-    const bool same = init.params()[i].data == r.model->params()[i].data;
+    const bool same = before[i].data == after[i].data;
     if (is_frozen) {
       EXPECT_TRUE(same) << name;
       ++frozen;
@@ -439,7 +505,7 @@ TEST(Freeze, ResumeWithoutTheFrozenMomentsContinuesBitForBit) {
   const io::SafetensorsFile moments =
       io::SafetensorsFile::open((dir / "step-00000002" / "optimizer.safetensors").string());
   int stored = 0;
-  for (const model::Tensor& t : whole.model->params()) {
+  for (const model::ParamInfo& t : whole.model->params().infos()) {
     const bool frozen = t.name.find("embed_tokens") != std::string::npos || t.name.find("experts") != std::string::npos;
     for (const char* prefix : {"exp_avg.", "exp_avg_sq."}) {
       EXPECT_EQ(moments.find(prefix + t.name) == nullptr, frozen) << prefix << t.name;

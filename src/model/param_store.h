@@ -1,0 +1,245 @@
+// ringflex model: the parameter store, the one place that knows where the model's weights, their gradients and
+// AdamW's moments live.
+//
+// The model registers its parameters here (Hugging Face names, registration order = the order of every flat view and
+// of the files) and, while it runs, asks the store for the weights it is about to multiply and for the gradient
+// buffers its backward accumulates into; it never holds storage or sees a communicator. Everything else that walks
+// "all parameters" goes through the store too: the optimizer and clipping (flat arenas), the trainer's gradient
+// reduction (one collective over flat(Role::Grads), no copy), the checkpoint writer and reader, the memory check and
+// model.freeze.
+//
+// Roles, each a contiguous float32 arena (llm.c's malloc_and_point_parameters) in registration order:
+//   Weights   every parameter, trainable or frozen          [total_elements()]
+//   Grads     the trainable parameters only                  [trainable_elements()]
+//   ExpAvg    AdamW's first moments, the same layout as Grads, or one range of it (moment_range(): a rank's shard
+//   ExpAvgSq  AdamW's second moments                  of the trainable layout under parallelism.shard: optimizer)
+// A frozen parameter has no gradient and no moments (grad() is null, which is also what tells the backward to skip
+// its weight-gradient product). The bf16 compute copies of the matmul operands are a fifth, bf16 arena, rounded again
+// when version() moved: only writers of the weights (the loader, init, the optimizer, through mutable_weight /
+// mutable_flat) move it.
+//
+// Layer hooks. The run calls, for each decoder layer l (and kGlobalGroup for the embeddings, the final norm and the
+// head, which stay acquired for the whole run: they are read at its start and its end):
+//   before_forward(l)   the layer's weights are about to be read       (FSDP: all-gather the layer)
+//   after_forward(l)    the forward of the layer is done               (FSDP: free the gathered copy)
+//   before_backward(l)  its recompute and backward are about to run    (FSDP: all-gather it again)
+//   after_backward(l)   its gradients for this micro-batch are final   (FSDP: reduce-scatter them into the owners'
+//                                                                       slices, free the full-size buffer)
+// The replicated store below does nothing in them. Further implementations plug in here, not in gemma4.cpp:
+//   - Sharded (parallelism.shard). ZeRO-1 (optimizer) needs no hook: the moments cover this rank's shard of the
+//     trainable layout only (set_moment_range), the trainer reduce-scatters flat(Grads), AdamW updates that range
+//     and the trainer all-gathers the weights (trainer.cpp). ZeRO-2/3 (gradients, full) are an implementation that
+//     owns a communicator over all cp x dp ranks: Weights (ZeRO-3) and Grads hold this rank's shard(role, r, N) of
+//     each arena; weight(slot) of a layer between before_* and after_* points into a gathered buffer, grad(slot)
+//     into a layer-sized buffer that after_backward reduce-scatters into the owners' slices.
+//   - LoRA (frozen base, trainable adapters): the base in the checkpoint's dtype, every base slot frozen (no grad);
+//     the adapters A [r, in], B [out, r] registered as further trainable slots of the same layer, so Grads and the
+//     moments cover only them. WeightView grows {A, B, scale} (and a base with no float32 copy: b16 only), and the
+//     linear ops take a WeightView where they take a bare float* today (the matmuls now find a weight's bf16 copy
+//     by its float32 address through Bf16Lookup, which a base held only in bf16 would not have).
+//   - Expert parallelism: the experts' [E, ...] tensors registered with their rank's expert range only; their
+//     gradients reduced over the expert-data-parallel group in after_backward instead of over all ranks.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/dtype.h"
+#include "model/ops.h"
+#include "model/params.h"
+
+namespace rf::model {
+
+// The group of the parameters that belong to no decoder layer (embeddings, final norm, LM head, projections).
+constexpr int kGlobalGroup = -1;
+
+enum class Role { Weights, Grads, ExpAvg, ExpAvgSq };
+std::string_view role_name(Role r);
+
+struct ParamInfo {
+  std::string name;            // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  std::vector<int64_t> shape;  // row-major
+  int64_t numel = 0;
+  int64_t offset = 0;         // first element in the Weights arena
+  int64_t train_offset = -1;  // first element in the Grads / ExpAvg / ExpAvgSq arenas; -1 when frozen
+  int64_t bf16_offset = -1;   // first element in the bf16 compute copies; -1 when not a matmul operand
+  int layer = kGlobalGroup;   // decoder layer, or kGlobalGroup
+  bool matmul = false;        // read by a matmul (has a bf16 compute copy); lookup tables and scales are not
+  bool trainable = true;      // false: model.freeze matched it (no gradient, no moments)
+  // AdamW's decoupled weight decay applies: matrices only (norm and router scales are gains around 1).
+  bool decays() const { return shape.size() >= 2; }
+};
+
+// Rank r's part of n elements split over N ranks: ceil(n / N) elements each (the padded size every rank allocates and
+// sends), the last ranks' parts cut short (or empty) by the end. Any n, any N >= 1: nothing has to divide.
+struct Shard {
+  int64_t begin = 0, end = 0;  // [begin, end) of the n elements
+  int64_t padded = 0;          // ceil(n / N): the common size of every rank's buffer
+  int64_t size() const { return end - begin; }
+};
+Shard shard_of(int64_t n, int rank, int ranks);
+
+// A weight as the run multiplies it: the float32 values, and their bf16 compute copy where one exists.
+struct WeightView {
+  const float* f32 = nullptr;
+  const bf16* b16 = nullptr;  // null: no copy (not a matmul operand, or the float32 mode)
+};
+
+class ParamStore : public Bf16Lookup {
+ public:
+  ParamStore() = default;
+  ParamStore(const ParamStore&) = delete;
+  ParamStore& operator=(const ParamStore&) = delete;
+  ~ParamStore() override = default;
+
+  // --- The registry (the same for every implementation) ---
+  // Registers a parameter (weights zero once allocated); returns its slot. Throws rf::Error if the name exists
+  // already, its element count overflows int64, or training state exists already (the layout is fixed then).
+  size_t add(const std::string& name, std::vector<int64_t> shape, int layer = kGlobalGroup, bool matmul = false);
+  size_t size() const { return infos_.size(); }
+  const ParamInfo& info(size_t slot) const { return infos_.at(slot); }
+  const std::vector<ParamInfo>& infos() const { return infos_; }
+  size_t slot(const std::string& name) const;  // throws rf::Error naming a missing parameter
+  bool contains(const std::string& name) const { return index_.count(name) > 0; }
+  // Slots of a decoder layer (or kGlobalGroup), in registration order.
+  std::vector<size_t> group(int layer) const;
+  int64_t total_elements() const { return total_; }
+  int64_t trainable_elements() const { return trainable_total_; }
+  int64_t weight_bytes() const;     // float32 bytes of every parameter, allocated or not
+  int64_t trainable_bytes() const;  // float32 bytes of the trainable parameters (one of Grads, ExpAvg, ExpAvgSq)
+  int64_t bf16_bytes() const;       // bytes of the bf16 compute copies (2 per element of every matmul operand)
+
+  // Freezes every parameter whose name contains one of `patterns` (model.freeze). Throws rf::Error naming a pattern
+  // that matches nothing. Drops gradients and moments that exist already (the layout changes; allocate them again).
+  void freeze(const std::vector<std::string>& patterns);
+  // The flags freeze(patterns) would set, without setting them (what the memory check counts); throws as freeze.
+  std::vector<bool> trainable_after(const std::vector<std::string>& patterns) const;
+  void set_trainable(const std::vector<bool>& trainable);  // one flag per slot; as freeze
+
+  // Bumped by every writer of the weights; the compute copies are current when they were made at this version.
+  uint64_t version() const { return version_; }
+
+  // --- Storage (the implementation's) ---
+  // The weights exist only once allocated (zero-filled; no-op when they are): until then a store is names and shapes,
+  // so a loader can check what a config claims against its files and the machine's memory before allocating any.
+  virtual void allocate_weights() = 0;
+  virtual bool weights_allocated() const = 0;
+  virtual const float* weight(size_t slot) const = 0;
+  // For writing the weights: moves version(). Write through it right away (a pointer kept across a bf16 run and
+  // written later leaves that run's compute copies stale).
+  virtual float* mutable_weight(size_t slot) = 0;
+  // The weights' bf16 compute copies, rounded now if version() moved since they were made (thread-safe).
+  virtual const Bf16Lookup& bf16_weights() = 0;
+  WeightView weight_view(size_t slot, ComputeDtype dtype);
+
+  // Gradients and moments for the trainable parameters, zero (no-op when they exist).
+  virtual void allocate_grads() = 0;
+  virtual void allocate_moments() = 0;
+  virtual bool has_grads() const = 0;
+  virtual bool has_moments() const = 0;
+  virtual void zero_grads() = 0;
+  // The gradient of a trainable parameter; null when frozen or when there are no gradients.
+  virtual float* grad(size_t slot) = 0;
+  virtual const float* grad(size_t slot) const = 0;
+  // A moment of a trainable parameter (role ExpAvg or ExpAvgSq); null when frozen, absent, or not wholly inside
+  // moment_range().
+  virtual float* moment(Role role, size_t slot) = 0;
+  virtual const float* moment(Role role, size_t slot) const = 0;
+
+  // Which elements of the trainable layout [0, trainable_elements()) the moments hold: flat(ExpAvg)[i] is element
+  // moment_range().begin + i. All of them unless set_moment_range chose a part (a rank's shard, ZeRO-1); freeze
+  // resets it to all. Setting it keeps the values of the elements inside both the old and the new range, and zeroes
+  // the others.
+  Shard moment_range() const;
+  virtual void set_moment_range(int64_t begin, int64_t end) = 0;
+
+  // The trainable parameters' pieces inside [begin, end) of the trainable layout, in order: where a range of the
+  // flat gradient or moment arenas lies in the weights.
+  struct Segment {
+    size_t slot = 0;
+    int64_t first = 0;        // first element within the parameter
+    int64_t n = 0;            // elements
+    int64_t train_index = 0;  // index of `first` in the trainable layout
+  };
+  std::vector<Segment> trainable_segments(int64_t begin, int64_t end) const;
+
+  // A role's whole arena (empty when not allocated); writing Weights through mutable_flat moves version().
+  virtual std::span<const float> flat(Role role) const = 0;
+  virtual std::span<float> mutable_flat(Role role) = 0;
+  // Rank r's Shard of a role's arena over N ranks (shard_of over its length).
+  std::span<float> shard(Role role, int rank, int ranks);
+
+  // The values of a role as named tensors (tests and tools): every slot, those without storage in that role left
+  // as names and shapes.
+  TensorSet snapshot(Role role) const;
+
+  // --- Layer hooks (see the top of this file): no-ops unless an implementation moves weights around ---
+  virtual void before_forward(int /*layer*/) {}
+  virtual void after_forward(int /*layer*/) {}
+  virtual void before_backward(int /*layer*/) {}
+  virtual void after_backward(int /*layer*/) {}
+
+ protected:
+  void weights_changed() { ++version_; }
+  void record_moment_range(int64_t begin, int64_t end);
+  bool training_state_exists() const { return has_grads() || has_moments(); }
+  // Drops the gradients and moments (the trainable layout changed).
+  virtual void release_training_state() = 0;
+
+ private:
+  void relayout();  // train_offset and trainable_total_ from the flags
+
+  std::vector<ParamInfo> infos_;
+  std::unordered_map<std::string, size_t> index_;
+  int64_t total_ = 0, trainable_total_ = 0, bf16_total_ = 0;
+  int64_t moment_begin_ = 0, moment_end_ = -1;  // end -1: the whole trainable layout
+  uint64_t version_ = 0;
+};
+
+// Every parameter in float32 on every rank (today's layout): one arena per role, the compute copies rounded from the
+// weights arena, the hooks no-ops.
+class ReplicatedStore : public ParamStore {
+ public:
+  void allocate_weights() override;
+  bool weights_allocated() const override { return weights_allocated_; }
+  const float* weight(size_t slot) const override;
+  float* mutable_weight(size_t slot) override;
+  const Bf16Lookup& bf16_weights() override;
+
+  void allocate_grads() override;
+  void allocate_moments() override;
+  bool has_grads() const override { return grads_allocated_; }
+  bool has_moments() const override { return moments_allocated_; }
+  void zero_grads() override;
+  float* grad(size_t slot) override;
+  const float* grad(size_t slot) const override;
+  float* moment(Role role, size_t slot) override;
+  const float* moment(Role role, size_t slot) const override;
+  void set_moment_range(int64_t begin, int64_t end) override;
+
+  std::span<const float> flat(Role role) const override;
+  std::span<float> mutable_flat(Role role) override;
+
+  // Bf16Lookup: the copy of src[0, extent) when it lies inside one matmul operand of the weights arena.
+  const bf16* find(const float* src, int64_t extent) const override;
+
+ protected:
+  void release_training_state() override;
+
+ private:
+  const std::vector<float>& arena(Role role) const;
+  std::vector<float>& arena(Role role);
+
+  bool weights_allocated_ = false, grads_allocated_ = false, moments_allocated_ = false;
+  std::vector<float> weights_, grads_, exp_avg_, exp_avg_sq_;
+  std::mutex bf16_mutex_;  // ranks of a loopback group may share a model
+  std::vector<bf16> bf16_;
+  uint64_t bf16_version_ = ~uint64_t{0};  // the version bf16_ was rounded at (none yet)
+};
+
+}  // namespace rf::model
