@@ -81,13 +81,85 @@ Row empty_row(int S, int pad_id) {
 
 // ---------------------------------------------------------------------------------------------------------------
 // Mock VLM data: counting sequences (token k = start + k * step, mod the text vocabulary), predictable after two
-// tokens, so the loss falls quickly; half the documents open with an image whose class (seen only through its
-// feature vectors) decides the caption token and the step of the counting that follows, so the loss can only
-// reach its floor by reading images through the vision projection.
+// tokens, so the loss falls quickly; half the documents open with an image whose class decides the caption token and
+// the step of the counting that follows, so the loss can only reach its floor by reading images.
+//
+// With a vision tower (the built-in models have one), an image is pixels: one of kClasses = 4 colours x 4 shapes
+// (filled square, disc, horizontal bar, vertical bar) drawn in memory on a noisy dark background, with its position,
+// size and colour jittered, kVariants drawings per class. The drawings are encoded once, when the source is built,
+// by the frozen tower (split over the ranks as file images are, ImageContract), and a document's image slots take
+// the soft tokens of one drawing. Without a tower (a text-only checkpoint), an image is a class prototype vector
+// with per-slot noise, given to the projection as features.
 // ---------------------------------------------------------------------------------------------------------------
+namespace mock_image {
+constexpr int kColours = 4, kShapes = 4;  // kColours * kShapes = mock::kClasses
+constexpr uint8_t kPalette[kColours][3] = {{220, 40, 40}, {40, 200, 60}, {50, 80, 230}, {230, 210, 40}};
+constexpr int kBackground = 30, kBackgroundNoise = 15, kColourJitter = 20;  // 8-bit levels
+constexpr float kCentreJitter = 0.12f;                                      // of the side, around the middle
+constexpr float kMinHalfSide = 0.22f, kMaxHalfSide = 0.38f;                 // the shape's half extent, of the side
+constexpr float kBarThickness = 0.35f;                                      // a bar's half width, of its half length
+static_assert(kColours * kShapes == mock::kClasses);
+
+uint8_t clamp8(int v) { return static_cast<uint8_t>(std::clamp(v, 0, 255)); }
+
+// Class `cls` = colour cls / kShapes, shape cls % kShapes, drawn `height` x `width` with `rng`'s jitter.
+io::RgbImage draw(int cls, int height, int width, Rng& rng) {
+  io::RgbImage im;
+  im.height = height;
+  im.width = width;
+  im.rgb.resize(static_cast<size_t>(height) * width * 3);
+  const uint8_t* base = kPalette[cls / kShapes];
+  const int shape = cls % kShapes;
+  int colour[3];
+  for (int ch = 0; ch < 3; ++ch) colour[ch] = base[ch] + rng.uniform(-kColourJitter, kColourJitter);
+  const float cx = 0.5f + kCentreJitter * (2 * rng.unit() - 1), cy = 0.5f + kCentreJitter * (2 * rng.unit() - 1);
+  const float half = kMinHalfSide + (kMaxHalfSide - kMinHalfSide) * rng.unit();
+  for (int y = 0; y < height; ++y)
+    for (int x = 0; x < width; ++x) {
+      // Pixel centres in [0, 1] of each side, relative to the shape's centre.
+      const float dx = (x + 0.5f) / width - cx, dy = (y + 0.5f) / height - cy;
+      bool inside = false;
+      switch (shape) {
+        case 0:
+          inside = std::abs(dx) < half && std::abs(dy) < half;
+          break;
+        case 1:
+          inside = dx * dx + dy * dy < half * half;
+          break;
+        case 2:
+          inside = std::abs(dx) < half && std::abs(dy) < kBarThickness * half;
+          break;
+        default:
+          inside = std::abs(dy) < half && std::abs(dx) < kBarThickness * half;
+          break;
+      }
+      uint8_t* px = &im.rgb[(static_cast<size_t>(y) * width + x) * 3];
+      const int noise = rng.uniform(-kBackgroundNoise, kBackgroundNoise);
+      for (int ch = 0; ch < 3; ++ch) px[ch] = clamp8((inside ? colour[ch] : kBackground) + noise);
+    }
+  return im;
+}
+
+// The image processor's patchify (model/image_processor.h step 4) of an image whose sides are already multiples of
+// the patch size, no padding: pixels [P, 3 * patch^2] in [0, 1], positions [P, 2].
+void patchify(const io::RgbImage& im, int patch, std::vector<float>& pixels, std::vector<int32_t>& positions) {
+  for (int py = 0; py < im.height / patch; ++py)
+    for (int px = 0; px < im.width / patch; ++px) {
+      for (int r = 0; r < patch; ++r)
+        for (int c = 0; c < patch; ++c)
+          for (int ch = 0; ch < 3; ++ch)
+            pixels.push_back(static_cast<float>(
+                                 im.rgb[((static_cast<size_t>(py) * patch + r) * im.width + px * patch + c) * 3 + ch]) /
+                             255.f);
+      positions.push_back(px);
+      positions.push_back(py);
+    }
+}
+}  // namespace mock_image
+
 class MockSource final : public DataSource {
  public:
-  MockSource(const TrainConfig& c, const DataContract& k)
+  MockSource(const TrainConfig& c, const DataContract& k, const ImageContract& im)
       : S_(c.train.seq_len),
         F_(k.feature_dim),
         image_tokens_(c.data.mock_image_tokens),
@@ -101,6 +173,11 @@ class MockSource final : public DataSource {
     RF_CHECK(image_tokens_ <= mock::kMaxImageTokens, "config: data.mock_image_tokens = ", image_tokens_,
              " is more than ", mock::kMaxImageTokens, " (a mock document has at most ", mock::kMaxDocument,
              " tokens, and an image leaves ", mock::kMinDocument / 2, " of them to text)");
+    const model::VisionEncoder* tower = F_ > 0 && im.vision ? im.vision() : nullptr;
+    if (tower != nullptr) {
+      encode_drawings(*tower, c, im);
+      return;
+    }
     Rng rng(mix(seed_, kPrototypeStream));
     prototypes_.resize(static_cast<size_t>(mock::kClasses) * F_);
     for (float& x : prototypes_) x = rng.normal();
@@ -111,11 +188,61 @@ class MockSource final : public DataSource {
   Row val_row(int index) const override { return make(mix(mix(seed_, kValStream), static_cast<uint64_t>(index))); }
   int val_rows() const override { return val_rows_; }
   int feature_dim() const override { return F_; }
+  void sum_image_features(const std::function<void(std::vector<float>&)>& sum) override {
+    if (!split_) return;
+    split_ = false;  // once
+    sum(drawings_);
+  }
 
  private:
-  static constexpr uint64_t kTrainStream = 1, kValStream = 2, kPrototypeStream = 3;
+  static constexpr uint64_t kTrainStream = 1, kValStream = 2, kPrototypeStream = 3, kDrawingStream = 4;
   static constexpr float kFeatureNoise = 0.3f;  // per-slot noise around the class prototype
   static constexpr int kMaxStep = 7;
+  static constexpr int kVariants = 4;  // drawings per class: few, as a large checkpoint's tower encodes them all
+
+  // Draws kVariants images of every class as a grid of image_tokens_ soft tokens (rows x columns, the most square
+  // factorisation), each pooling cell k x k patches, and encodes this rank's share of them (drawing i is rank
+  // i % ranks's) into drawings_; the others stay zero until sum_image_features.
+  void encode_drawings(const model::VisionEncoder& tower, const TrainConfig& c, const ImageContract& im) {
+    const model::VisionConfig& vc = tower.config();
+    RF_CHECK(vc.hidden_size == F_, "data.source = mock: the vision tower's soft tokens are ", vc.hidden_size,
+             " wide, the model's vision projection takes ", F_);
+    int rows = 1;
+    for (int r = 1; r * r <= image_tokens_; ++r)
+      if (image_tokens_ % r == 0) rows = r;
+    const int cols = image_tokens_ / rows, k = vc.pooling_kernel_size, patch = vc.patch_size;
+    const int height = rows * k * patch, width = cols * k * patch;
+    const int n = mock::kClasses * kVariants;
+    Rng rng(mix(c.train.seed, kDrawingStream));
+    std::vector<float> pixels;
+    std::vector<int32_t> positions;
+    std::vector<int> mine;
+    for (int i = 0; i < n; ++i) {
+      const io::RgbImage drawing = mock_image::draw(i / kVariants, height, width, rng);  // every rank draws all
+      if (i % im.ranks != im.rank) continue;
+      mock_image::patchify(drawing, patch, pixels, positions);
+      mine.push_back(i);
+    }
+    drawings_.assign(static_cast<size_t>(n) * image_tokens_ * F_, 0.f);
+    split_ = im.ranks > 1;
+    model::VisionBatch b;
+    b.n = static_cast<int>(mine.size());
+    b.P = static_cast<int64_t>(rows) * k * cols * k;
+    b.pixels = pixels.data();
+    b.positions = positions.data();
+    const std::string source = "data.source = mock's " + std::to_string(height) + " x " + std::to_string(width) +
+                               " drawings (data.mock_image_tokens = " + std::to_string(image_tokens_) + ")";
+    tower.check(b, source);  // on every rank, even one with no share
+    if (mine.empty()) return;
+    const model::VisionOutput soft = tower.forward(b, source);
+    for (size_t j = 0; j < mine.size(); ++j) {
+      RF_CHECK(soft.counts[j] == image_tokens_, source, ": the tower made ", soft.counts[j], " soft tokens, not ",
+               image_tokens_);
+      const size_t size = static_cast<size_t>(image_tokens_) * F_;
+      std::copy_n(soft.soft_tokens.begin() + static_cast<std::ptrdiff_t>(j * size), size,
+                  drawings_.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(mine[j]) * size));
+    }
+  }
 
   Document document(Rng& rng, int max_len) const {
     Document d;
@@ -127,11 +254,19 @@ class MockSource final : public DataSource {
     const bool image = F_ > 0 && rng.uniform(0, 1) == 1 && len >= image_tokens_ + mock::kMinDocument / 2;
     if (image) {
       const int cls = rng.uniform(0, mock::kClasses - 1);
+      const size_t size = static_cast<size_t>(image_tokens_) * F_;
+      if (!drawings_.empty()) {
+        const size_t drawing =
+            static_cast<size_t>(cls) * kVariants + static_cast<size_t>(rng.uniform(0, kVariants - 1));
+        d.features.assign(drawings_.begin() + static_cast<std::ptrdiff_t>(drawing * size),
+                          drawings_.begin() + static_cast<std::ptrdiff_t>((drawing + 1) * size));
+      }
       for (int s = 0; s < image_tokens_; ++s) {
         d.ids.push_back(mock::kImageSlot);
         d.mm.push_back(1);
-        for (int f = 0; f < F_; ++f)
-          d.features.push_back(prototypes_[static_cast<size_t>(cls) * F_ + f] + kFeatureNoise * rng.normal());
+        if (drawings_.empty())
+          for (int f = 0; f < F_; ++f)
+            d.features.push_back(prototypes_[static_cast<size_t>(cls) * F_ + f] + kFeatureNoise * rng.normal());
       }
       d.ids.push_back(mock::kFirstCaptionToken + cls);
       d.mm.push_back(0);
@@ -164,7 +299,9 @@ class MockSource final : public DataSource {
   int S_, F_, image_tokens_, vocab_, pad_;
   uint64_t seed_;
   int val_rows_;
-  std::vector<float> prototypes_;  // [kClasses, F]
+  std::vector<float> prototypes_;  // [kClasses, F] (without a tower)
+  std::vector<float> drawings_;    // [kClasses * kVariants, image_tokens_, F] soft tokens (with a tower)
+  bool split_ = false;             // drawings_ holds this rank's share until sum_image_features
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -499,7 +636,7 @@ PackedBatch stack_rows(const std::vector<Row>& rows, int feature_dim) {
 }
 
 std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& k, const ImageContract& im) {
-  if (c.data.source == "mock") return std::make_unique<MockSource>(c, k);
+  if (c.data.source == "mock") return std::make_unique<MockSource>(c, k, im);
   int F = 0;
   bool split = false;
   const std::vector<Document> docs =

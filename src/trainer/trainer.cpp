@@ -40,8 +40,8 @@ using Clock = std::chrono::steady_clock;
 // Both are multimodal Gemma4ForConditionalGeneration models: their image features (kBuiltinFeatureDim wide) go
 // through the trainable projection model.embed_vision.embedding_projection, which transformers only builds beside a
 // vision tower. So the config holds a vision_config (a one-layer tower of width kBuiltinFeatureDim) and every
-// checkpoint holds that tower, freshly initialised from train.seed and never trained (the built-in data brings
-// features, not pixels): transformers loads the checkpoint with no missing and no unexpected weights.
+// checkpoint holds that tower, freshly initialised from train.seed and frozen (it encodes the mock data's drawings):
+// transformers loads the checkpoint with no missing and no unexpected weights.
 constexpr const char* kTinyDense = R"({
   "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "tie_word_embeddings": true,
   "text_config": {

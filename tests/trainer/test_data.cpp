@@ -6,11 +6,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 
 #include "io/safetensors.h"
+#include "model/vision.h"
+#include "model/vision_encoder.h"
 #include "trainer/data.h"
 #include "trainer/error_of.h"
 
@@ -99,6 +103,66 @@ TEST(MockData, ImageTokensBeyondADocumentAreRefused) {
     slots += static_cast<int>(std::count(r.mm_token_type.begin(), r.mm_token_type.end(), 1));
   }
   EXPECT_GT(slots, 0);
+}
+
+// With a vision tower, a mock image is a drawing encoded by the tower: its slots carry soft tokens that depend on the
+// class (the caption token after the slots), and a job whose ranks each encode a share of the drawings gets, once
+// the shares are summed (sum_image_features, as the trainer's allreduce does), the bits of a single rank's rows.
+TEST(MockData, DrawingsThroughTheTowerSplitOverRanksSumToTheWhole) {
+  model::VisionConfig vc;
+  vc.hidden_size = kF;
+  vc.intermediate_size = 2 * kF;
+  vc.num_layers = 1;
+  vc.num_heads = vc.num_kv_heads = 2;
+  vc.head_dim = 4;  // a multiple of 4: the 2-D rotary embedding splits it per axis
+  vc.patch_size = 4;
+  vc.pooling_kernel_size = 2;
+  vc.position_embedding_size = 16;
+  const io::Passthrough weights = model::init_vision_tower(vc, 7);
+  const model::VisionEncoder tower(vc, weights);
+  const TrainConfig c = config_with({"train.seq_len=256"});
+  auto source = [&](int rank, int ranks) {
+    ImageContract im;
+    im.vision = [&]() -> const model::VisionEncoder* { return &tower; };
+    im.rank = rank;
+    im.ranks = ranks;
+    return make_data_source(c, {kVocab, 0, kF, ""}, im);
+  };
+  const auto whole = source(0, 1), first = source(0, 2), second = source(1, 2);
+  std::vector<float> share;  // the second rank's share, read out through the hook without changing it
+  second->sum_image_features([&](std::vector<float>& v) { share = v; });
+  first->sum_image_features([&](std::vector<float>& v) {
+    ASSERT_EQ(v.size(), share.size());
+    for (size_t i = 0; i < v.size(); ++i) v[i] += share[i];
+  });
+  std::map<int, std::vector<float>> first_slot;  // caption token (the class) -> one image's first soft token
+  int images = 0;
+  for (int i = 0; i < 16; ++i) {
+    const Row r = whole->train_row(i), split = first->train_row(i);
+    expect_well_formed(r, 256, kF);
+    EXPECT_EQ(r.input_ids, split.input_ids);
+    EXPECT_EQ(r.image_features, split.image_features) << "row " << i;
+    size_t slot = 0;
+    for (int t = 0; t + 1 < 256; ++t) {
+      if (r.mm_token_type[t] == 0) continue;
+      if (r.mm_token_type[t + 1] == 0) {  // the image's last slot: the caption follows
+        const int cls = r.input_ids[t + 1] - mock::kFirstCaptionToken;
+        ASSERT_TRUE(cls >= 0 && cls < mock::kClasses) << "row " << i << " t " << t;
+        const size_t begin = (slot + 1 - static_cast<size_t>(c.data.mock_image_tokens)) * kF;
+        first_slot[cls].assign(r.image_features.begin() + static_cast<std::ptrdiff_t>(begin),
+                               r.image_features.begin() + static_cast<std::ptrdiff_t>(begin + kF));
+        ++images;
+      }
+      ++slot;
+    }
+  }
+  ASSERT_GE(first_slot.size(), 2u) << images << " images";
+  for (const auto& [cls, v] : first_slot) {
+    for (float x : v) EXPECT_TRUE(std::isfinite(x));
+    if (cls != first_slot.begin()->first) {
+      EXPECT_NE(v, first_slot.begin()->second) << "class " << cls;
+    }
+  }
 }
 
 TEST(JsonlTokens, PacksInFileOrderWithImagesAndShuffles) {

@@ -1,0 +1,65 @@
+// Benchmark tool behind bench/model/bench_vision.py: times the C++ vision encoder's forward on a checkpoint's tower.
+//
+//     bench_vision CHECKPOINT_DIR IMAGES.safetensors OUT.safetensors REPS
+//
+// CHECKPOINT_DIR  a multimodal Gemma 4 checkpoint (config.json with a vision_config, the tower under
+//                 model.vision_tower.), loaded as ringflex loads any checkpoint
+// IMAGES          pixel_values [n, P, 3 * patch^2] F32 and pixel_position_ids [n, P, 2] I32, as the image processor
+//                 lays them out
+// OUT             soft_tokens [N, hidden_size] F32 of the last repeat (the driver checks them against transformers
+//                 before it reports any time)
+// REPS            forward passes over all n images, each timed alone
+// Prints one line per repeat, "forward_s <seconds>". Threads: OMP_NUM_THREADS, as for ringflex. Loading the
+// checkpoint and writing OUT are not timed. Exits 1 with the error's one line on any failure.
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "io/safetensors.h"
+#include "io/tensor_access.h"
+#include "model/checkpoint.h"
+#include "model/vision_encoder.h"
+
+int main(int argc, char** argv) {
+  if (argc != 5) {
+    std::fprintf(stderr, "usage: bench_vision CHECKPOINT_DIR IMAGES.safetensors OUT.safetensors REPS\n");
+    return 2;
+  }
+  try {
+    const rf::model::Checkpoint ck = rf::model::load_checkpoint(argv[1]);
+    const std::optional<rf::model::VisionConfig> cfg =
+        rf::model::VisionConfig::from_config_json(ck.model->config().source_json,
+                                                  std::string(argv[1]) + "/config.json");
+    if (!cfg) throw rf::Error(std::string(argv[1]) + "/config.json: no vision_config");
+    const rf::model::VisionEncoder encoder(*cfg, ck.passthrough);
+    const rf::io::SafetensorsFile in = rf::io::SafetensorsFile::open(argv[2]);
+    const rf::io::TensorView& pixels = in.at("pixel_values");
+    const std::vector<float> px = rf::io::copy_as<float>(pixels);
+    const std::vector<int32_t> pos = rf::io::copy_as<int32_t>(in.at("pixel_position_ids"));
+    rf::model::VisionBatch b;
+    b.n = static_cast<int>(pixels.shape.at(0));
+    b.P = pixels.shape.at(1);
+    b.pixels = px.data();
+    b.positions = pos.data();
+    const int reps = std::stoi(argv[4]);
+    rf::model::VisionOutput out;
+    for (int r = 0; r < reps; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      out = encoder.forward(b, argv[2]);
+      const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+      std::printf("forward_s %.6f\n", dt.count());
+      std::fflush(stdout);
+    }
+    rf::io::SafetensorsWriter w;
+    const int64_t H = cfg->hidden_size;
+    w.add("soft_tokens", rf::io::StDType::F32, {static_cast<int64_t>(out.soft_tokens.size()) / H, H},
+          std::span<const float>(out.soft_tokens));
+    w.write(argv[3]);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
