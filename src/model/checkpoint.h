@@ -28,7 +28,10 @@ using BeforeAllocating = std::function<void(const Gemma4Model& shapes)>;
 
 // Throws rf::Error naming the file or tensor: a missing config.json or tensor, a shape against the config, an
 // unsupported config field, parameters beyond the machine's memory (or whatever `before_allocating` throws).
-Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating = {});
+// `store`: where the parameters live (null: a ReplicatedStore); the parameters the store itself adds when it allocates
+// (a LoraStore's adapters) are not read from the files.
+Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating = {},
+                           std::unique_ptr<ParamStore> store = nullptr);
 
 void save_checkpoint(const Checkpoint& ck, const std::string& dir);
 

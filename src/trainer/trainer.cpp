@@ -18,6 +18,7 @@
 #include "core/memory.h"
 #include "cp/parallel_context.h"
 #include "io/atomic_file.h"
+#include "model/lora_store.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
 #include "trainer/checkpoint.h"
@@ -238,6 +239,21 @@ void set_up(Run& r) {
     check_memory(train_memory_at_least(cfg, shapes, r.world.size()), "train",
                  rf::concat(" at seq_len ", cfg.train.seq_len, " over cp ", cfg.parallelism.cp));
   };
+  const bool lora = cfg.model.lora_rank > 0;
+  // LoRA: the parameters live in a LoraStore, which adds the adapters and freezes the base when it allocates.
+  const auto lora_store = [&]() -> std::unique_ptr<model::ParamStore> {
+    if (!lora) return nullptr;
+    model::LoraConfig lc;
+    lc.rank = cfg.model.lora_rank;
+    lc.alpha = cfg.model.lora_alpha;
+    lc.dropout = cfg.model.lora_dropout;
+    lc.target = cfg.model.lora_target;
+    lc.target_regex = cfg.model.lora_target_regex;
+    lc.use_rslora = cfg.model.lora_use_rslora;
+    lc.seed = cfg.train.seed;
+    return std::make_unique<model::LoraStore>(lc);
+  };
+  RF_CHECK(!lora || r.options.resume.empty(), "--resume with model.lora is not implemented yet");
   if (!r.options.resume.empty()) {
     r.resume_dir = resolve_checkpoint(r.options.resume);
     LoadedCheckpoint loaded = load_train_checkpoint(r.resume_dir, check_fits);
@@ -247,12 +263,15 @@ void set_up(Run& r) {
     RF_CHECK(r.state.step < cfg.train.steps, "--resume ", r.resume_dir, ": the checkpoint is at step ", r.state.step,
              " and train.steps = ", cfg.train.steps, " leaves nothing to do");
   } else if (!cfg.model.path.empty()) {
-    r.ck = model::load_checkpoint(cfg.model.path, check_fits);
+    r.ck = model::load_checkpoint(cfg.model.path, check_fits, lora_store());
   } else {
     const model::Gemma4Config builtin = model::Gemma4Config::from_json(builtin_config_json(cfg.model.builtin));
     check_fits(model::Gemma4Model(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Deferred));
-    r.ck.model = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim);
+    r.ck.model = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Allocated,
+                                                      lora_store());
     r.ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
+    // init_random filled every slot, the adapters too: PEFT's initial adapters again (B = 0: the base's function).
+    if (auto* ls = dynamic_cast<model::LoraStore*>(&r.ck.model->params())) ls->init_adapters();
   }
   if (!r.resume_dir.empty() || !cfg.model.path.empty())
     check_loaded_weights(r.ck, r.resume_dir.empty() ? cfg.model.path : r.resume_dir);
