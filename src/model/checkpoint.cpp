@@ -71,6 +71,7 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   const io::Checkpoint files = io::Checkpoint::open(dir);
 
   Checkpoint ck;
+  ck.source = dir;
   const std::string embed = "embed_tokens.weight";
   if (files.find(kMultimodalPrefix + embed)) ck.text_prefix = kMultimodalPrefix;
   int vision_dim = 0;

@@ -20,6 +20,7 @@ namespace rf::model {
 struct Checkpoint {
   std::unique_ptr<Gemma4Model> model;
   std::string text_prefix = "model.";  // where the decoder's tensors live in the files ("model.language_model.")
+  std::string source;                  // the directory it was loaded from (empty: built in memory)
 };
 
 // Runs with the model's parameters registered as shapes only (TensorSet::Storage::Deferred), after they were

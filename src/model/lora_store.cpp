@@ -5,7 +5,17 @@
 #include <cmath>
 #include <regex>
 
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
 #include "core/error.h"
+#include "io/atomic_file.h"
+#include "io/safetensors.h"
+#include "io/tensor_access.h"
+#include "model/checkpoint.h"
 
 namespace rf::model {
 
@@ -29,6 +39,35 @@ uint64_t name_hash(const std::string& s) {
 }
 
 constexpr const char* kWeightSuffix = ".weight";
+constexpr const char* kPeftPrefix = "base_model.model.";
+constexpr const char* kLoraASuffix = ".lora_A.weight";
+// Where the decoder's modules live in a multimodal checkpoint and in a text-only one (model/checkpoint.h).
+constexpr const char* kMultimodalText = "model.language_model.";
+constexpr const char* kText = "model.";
+
+std::string read_text_file(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  RF_CHECK(in.good(), path.string(), ": cannot open");
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// A PEFT tensor name of an adapter slot ("model.layers.0.self_attn.q_proj.lora_A.weight").
+std::string peft_name(const std::string& slot_name, const std::string& text_prefix) {
+  return kPeftPrefix + file_name_of(slot_name, text_prefix);
+}
+
+// The ringflex name of a PEFT tensor name, whichever layout it was written in; empty when it is no adapter of the
+// text model.
+std::string slot_name_of(const std::string& peft) {
+  const std::string prefix = kPeftPrefix;
+  if (!peft.starts_with(prefix)) return {};
+  const std::string rest = peft.substr(prefix.size());
+  for (const std::string text : {kMultimodalText, kText})
+    if (rest.starts_with(text)) return kText + rest.substr(text.size());
+  return {};
+}
 
 }  // namespace
 
@@ -77,8 +116,8 @@ void LoraStore::allocate_weights() {
       }
     }
     if (!hit) continue;
-    RF_CHECK(p.matmul && p.shape.size() == 2, "model.lora.target matches `", module, "` of shape ",
-             p.shape.size(), "-D: only the decoder's linear weights take adapters (expert adapters are not implemented)");
+    RF_CHECK(p.matmul && p.shape.size() == 2, "model.lora.target matches `", module, "` of shape ", p.shape.size(),
+             "-D: only the decoder's linear weights take adapters (expert adapters are not implemented)");
     Adapter a;
     a.base = slot;
     a.out = p.shape[0];
@@ -152,8 +191,8 @@ void LoraStore::merge_layer(int layer) {
     std::vector<float>& m = merged_[i];
     m.assign(W, W + a.out * a.in);
     // W' [out, in] += scale * B [out, r] A [r, in]
-    gemm(false, false, a.out, a.in, cfg_.rank, s, ReplicatedStore::weight(a.b), cfg_.rank,
-         ReplicatedStore::weight(a.a), a.in, 1.f, m.data(), a.in);
+    gemm(false, false, a.out, a.in, cfg_.rank, s, ReplicatedStore::weight(a.b), cfg_.rank, ReplicatedStore::weight(a.a),
+         a.in, 1.f, m.data(), a.in);
   }
 }
 
@@ -187,12 +226,102 @@ void LoraStore::after_backward(int layer) {
     if (info(a.base).layer != layer) continue;
     const float* dW = dmerged_[i].data();
     // dB [out, r] += scale * dW' [out, in] A^T [in, r];  dA [r, in] += scale * B^T [r, out] dW' [out, in]
-    gemm(false, true, a.out, r, a.in, s, dW, a.in, ReplicatedStore::weight(a.a), a.in, 1.f,
-         ReplicatedStore::grad(a.b), r);
+    gemm(false, true, a.out, r, a.in, s, dW, a.in, ReplicatedStore::weight(a.a), a.in, 1.f, ReplicatedStore::grad(a.b),
+         r);
     gemm(true, false, r, a.in, a.out, s, ReplicatedStore::weight(a.b), r, dW, a.in, 1.f, ReplicatedStore::grad(a.a),
          a.in);
   }
   release_layer();
+}
+
+void save_peft_adapter(const LoraStore& store, const std::string& text_prefix, const std::string& base_model,
+                       const std::string& dir) {
+  namespace fs = std::filesystem;
+  const LoraConfig& c = store.config();
+  std::vector<std::string> modules;
+  io::SafetensorsWriter w;
+  w.set_metadata("format", "pt");
+  for (const LoraStore::Adapter& a : store.adapters()) {
+    modules.push_back(file_name_of(module_of(store.info(a.base).name), text_prefix));
+    for (size_t slot : {a.a, a.b}) {
+      const ParamInfo& p = store.info(slot);
+      w.add(peft_name(p.name, text_prefix), io::StDType::F32, p.shape,
+            std::span<const float>(store.weight(slot), static_cast<size_t>(p.numel)));
+    }
+  }
+  // PEFT's LoraConfig fields; those left out take PEFT's defaults, which are what ringflex computes (no bias, no
+  // DoRA, fan_in_fan_out false).
+  const nlohmann::json j = {{"peft_type", "LORA"},
+                            {"task_type", "CAUSAL_LM"},
+                            {"base_model_name_or_path", base_model},
+                            {"r", c.rank},
+                            {"lora_alpha", c.alpha},
+                            {"lora_dropout", c.dropout},
+                            {"use_rslora", c.use_rslora},
+                            {"target_modules", modules},
+                            {"bias", "none"},
+                            {"fan_in_fan_out", false},
+                            {"init_lora_weights", true},
+                            {"use_dora", false},
+                            {"inference_mode", true},
+                            {"modules_to_save", nullptr}};
+  io::write_file_atomically((fs::path(dir) / kPeftConfigFile).string(), j.dump(2) + "\n");
+  w.write((fs::path(dir) / kPeftWeightsFile).string());
+}
+
+LoraConfig read_peft_config(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const fs::path config_path = fs::path(dir) / kPeftConfigFile;
+  RF_CHECK(fs::exists(config_path), dir, ": no ", kPeftConfigFile);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_text_file(config_path));
+  } catch (const nlohmann::json::exception& e) {
+    rf::fail(config_path.string(), ": not valid JSON: ", e.what());
+  }
+  LoraConfig c;
+  try {
+    RF_CHECK(j.value("peft_type", std::string()) == "LORA", config_path.string(), ": peft_type is not LORA");
+    c.rank = j.at("r").get<int>();
+    c.alpha = j.at("lora_alpha").get<double>();
+    c.dropout = j.value("lora_dropout", 0.0);
+    c.use_rslora = j.value("use_rslora", false);
+    RF_CHECK(!j.value("use_dora", false), config_path.string(), ": use_dora is not implemented");
+  } catch (const nlohmann::json::exception& e) {
+    rf::fail(config_path.string(), ": ", e.what());
+  }
+  // Inference on an adapter: dropout is off whatever it trained with.
+  c.dropout = 0.0;
+  const io::SafetensorsFile file = io::SafetensorsFile::open((fs::path(dir) / kPeftWeightsFile).string());
+  c.target.clear();
+  for (const io::TensorView& v : file.tensors()) {
+    const std::string slot = slot_name_of(v.name);
+    if (!slot.ends_with(kLoraASuffix)) continue;
+    c.target.push_back(slot.substr(0, slot.size() - std::string(kLoraASuffix).size()));
+  }
+  RF_CHECK(!c.target.empty(), dir, "/", kPeftWeightsFile, ": no lora_A tensor of the text model");
+  c.validate();
+  return c;
+}
+
+void load_peft_adapter(LoraStore& store, const std::string& dir) {
+  namespace fs = std::filesystem;
+  const std::string path = (fs::path(dir) / kPeftWeightsFile).string();
+  const io::SafetensorsFile file = io::SafetensorsFile::open(path);
+  size_t read = 0;
+  for (const io::TensorView& v : file.tensors()) {
+    const std::string name = slot_name_of(v.name);
+    RF_CHECK(!name.empty() && store.contains(name) && store.info(store.slot(name)).trainable, path, ": tensor `",
+             v.name, "` is no adapter of this model");
+    const size_t slot = store.slot(name);
+    RF_CHECK(v.shape == store.info(slot).shape, path, ": tensor `", v.name, "` has shape ", io::shape_string(v.shape),
+             ", expected ", io::shape_string(store.info(slot).shape));
+    const std::vector<float> values = io::to_float32(v);
+    std::copy(values.begin(), values.end(), store.mutable_weight(slot));
+    ++read;
+  }
+  RF_CHECK(read == 2 * store.adapters().size(), path, ": ", read, " adapter tensors, expected ",
+           2 * store.adapters().size());
 }
 
 }  // namespace rf::model

@@ -87,6 +87,11 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
   same(now.data.source == then.data.source, "data.source");
   same(now.data.path == then.data.path, "data.path");
   same(now.model.freeze == then.model.freeze, "model.freeze");
+  same(now.model.lora_rank == then.model.lora_rank && now.model.lora_alpha == then.model.lora_alpha &&
+           now.model.lora_target == then.model.lora_target &&
+           now.model.lora_target_regex == then.model.lora_target_regex &&
+           now.model.lora_use_rslora == then.model.lora_use_rslora,
+       "model.lora");
 }
 
 // Loaded weights must be finite before step 1: a NaN would only show as a non-finite loss after the first step's
@@ -253,18 +258,12 @@ void set_up(Run& r) {
     lc.seed = cfg.train.seed;
     return std::make_unique<model::LoraStore>(lc);
   };
-  RF_CHECK(!lora || r.options.resume.empty(), "--resume with model.lora is not implemented yet");
-  if (!r.options.resume.empty()) {
-    r.resume_dir = resolve_checkpoint(r.options.resume);
-    LoadedCheckpoint loaded = load_train_checkpoint(r.resume_dir, check_fits);
-    check_resume_compatible(cfg, loaded.state.config_yaml, r.resume_dir);
-    r.ck = std::move(loaded.weights);
-    r.state = std::move(loaded.state);
-    RF_CHECK(r.state.step < cfg.train.steps, "--resume ", r.resume_dir, ": the checkpoint is at step ", r.state.step,
-             " and train.steps = ", cfg.train.steps, " leaves nothing to do");
-  } else if (!cfg.model.path.empty()) {
-    r.ck = model::load_checkpoint(cfg.model.path, check_fits, lora_store());
-  } else {
+  // The base: from model.path, or the built-in model from train.seed (a LoRA resume builds it again: it never trains).
+  const auto load_base = [&] {
+    if (!cfg.model.path.empty()) {
+      r.ck = model::load_checkpoint(cfg.model.path, check_fits, lora_store());
+      return;
+    }
     const model::Gemma4Config builtin = model::Gemma4Config::from_json(builtin_config_json(cfg.model.builtin));
     check_fits(model::Gemma4Model(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Deferred));
     r.ck.model = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Allocated,
@@ -272,9 +271,30 @@ void set_up(Run& r) {
     r.ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
     // init_random filled every slot, the adapters too: PEFT's initial adapters again (B = 0: the base's function).
     if (auto* ls = dynamic_cast<model::LoraStore*>(&r.ck.model->params())) ls->init_adapters();
+  };
+  if (!r.options.resume.empty()) {
+    r.resume_dir = resolve_checkpoint(r.options.resume);
+    if (lora) {
+      // A LoRA checkpoint holds the adapters (PEFT's files) and the state; the base is the config's.
+      r.state = load_train_state(r.resume_dir);
+      check_resume_compatible(cfg, r.state.config_yaml, r.resume_dir);
+      load_base();
+      model::load_peft_adapter(dynamic_cast<model::LoraStore&>(r.ck.model->params()), r.resume_dir);
+    } else {
+      LoadedCheckpoint loaded = load_train_checkpoint(r.resume_dir, check_fits);
+      check_resume_compatible(cfg, loaded.state.config_yaml, r.resume_dir);
+      r.ck = std::move(loaded.weights);
+      r.state = std::move(loaded.state);
+    }
+    RF_CHECK(r.state.step < cfg.train.steps, "--resume ", r.resume_dir, ": the checkpoint is at step ", r.state.step,
+             " and train.steps = ", cfg.train.steps, " leaves nothing to do");
+  } else {
+    load_base();
   }
-  if (!r.resume_dir.empty() || !cfg.model.path.empty())
-    check_loaded_weights(r.ck, r.resume_dir.empty() ? cfg.model.path : r.resume_dir);
+  if (!cfg.model.path.empty() && (lora || r.resume_dir.empty()))
+    check_loaded_weights(r.ck, cfg.model.path);
+  else if (!r.resume_dir.empty() && !lora)
+    check_loaded_weights(r.ck, r.resume_dir);
   const model::Gemma4Model& m = *r.ck.model;
   const int width = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
   // Unfilled row positions are doc 0 with ignored labels (masked everywhere), so a config without a pad id
