@@ -231,7 +231,7 @@ def main():
     print(f"peft {peft.__version__}, torch {torch.__version__}" + (f", through {' '.join(launcher)}" if launcher else ""))
     ok = True
     with tempfile.TemporaryDirectory() as workdir:
-        for name, rslora in (("dense", False), ("dense", True)):
+        for name, rslora in (("dense", False), ("dense", True), ("moe", False), ("small", False)):
             ok = grad_case(ringflex, launcher, name, rslora, workdir) and ok
         ok = train_case(ringflex, launcher, workdir) and ok
     return 0 if ok else 1
