@@ -69,8 +69,8 @@ TEST(TrainConfig, UnknownFieldsAndWrongTypesNameTheField) {
 
 // A number that is not whole is "not an integer", not "out of range"; a whole one beyond the field still is.
 TEST(TrainConfig, LoraIsANestedMapOrDottedFieldsAndPrintsBack) {
-  const TrainConfig c = parse_config("model: {lora: {rank: 8, alpha: 16, target: [q_proj, v_proj], use_rslora: true}}",
-                                     "a.yaml");
+  const TrainConfig c =
+      parse_config("model: {lora: {rank: 8, alpha: 16, target: [q_proj, v_proj], use_rslora: true}}", "a.yaml");
   EXPECT_EQ(c.model.lora_rank, 8);
   EXPECT_EQ(c.model.lora_alpha, 16.0);
   EXPECT_EQ(c.model.lora_target, (std::vector<std::string>{"q_proj", "v_proj"}));
