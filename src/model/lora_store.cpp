@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <regex>
+#include <unordered_map>
 
 #include <nlohmann/json.hpp>
 
@@ -92,23 +93,22 @@ std::string module_of(const std::string& param_name) {
 
 LoraStore::LoraStore(LoraConfig config) : cfg_(std::move(config)) { cfg_.validate(); }
 
-void LoraStore::allocate_weights() {
-  if (weights_allocated()) return;
-  const size_t base_slots = size();
-  adapter_of_.assign(base_slots, -1);
-  std::vector<bool> used(cfg_.target.size(), false);
-  const std::regex re = cfg_.target_regex ? std::regex(cfg_.target.at(0)) : std::regex();
-  for (size_t slot = 0; slot < base_slots; ++slot) {
-    const ParamInfo p = info(slot);
+std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig& config) {
+  config.validate();
+  std::vector<LoraTarget> out;
+  std::vector<bool> used(config.target.size(), false);
+  const std::regex re = config.target_regex ? std::regex(config.target.at(0)) : std::regex();
+  for (size_t slot = 0; slot < shapes.size(); ++slot) {
+    const ParamInfo& p = shapes.info(slot);
     if (p.layer == kGlobalGroup) continue;
     const std::string module = module_of(p.name);
     bool hit = false;
-    if (cfg_.target_regex) {
+    if (config.target_regex) {
       hit = std::regex_match(module, re);
       if (hit) used[0] = true;
     } else {
-      for (size_t t = 0; t < cfg_.target.size(); ++t) {
-        const std::string& name = cfg_.target[t];
+      for (size_t t = 0; t < config.target.size(); ++t) {
+        const std::string& name = config.target[t];
         if (module == name || module.ends_with("." + name)) {
           hit = true;
           used[t] = true;
@@ -118,17 +118,44 @@ void LoraStore::allocate_weights() {
     if (!hit) continue;
     RF_CHECK(p.matmul && p.shape.size() == 2, "model.lora.target matches `", module, "` of shape ", p.shape.size(),
              "-D: only the decoder's linear weights take adapters (expert adapters are not implemented)");
-    Adapter a;
-    a.base = slot;
-    a.out = p.shape[0];
-    a.in = p.shape[1];
-    a.a = add(module + ".lora_A.weight", {cfg_.rank, a.in}, p.layer, false);
-    a.b = add(module + ".lora_B.weight", {a.out, cfg_.rank}, p.layer, false);
-    adapter_of_[slot] = static_cast<int>(adapters_.size());
-    adapters_.push_back(a);
+    out.push_back(LoraTarget{slot, p.shape[0], p.shape[1]});
   }
   for (size_t t = 0; t < used.size(); ++t)
-    RF_CHECK(used[t], "config: model.lora.target `", cfg_.target[t], "` matches no linear layer of the text model");
+    RF_CHECK(used[t], "config: model.lora.target `", config.target[t], "` matches no linear layer of the text model");
+  return out;
+}
+
+int64_t lora_adapter_bytes(const std::vector<LoraTarget>& targets, int rank) {
+  int64_t n = 0;
+  for (const LoraTarget& t : targets) n += int64_t{rank} * (t.in + t.out);
+  return n * static_cast<int64_t>(sizeof(float));
+}
+
+int64_t lora_layer_buffer_bytes(const ParamStore& shapes, const std::vector<LoraTarget>& targets) {
+  std::unordered_map<int, int64_t> per_layer;
+  for (const LoraTarget& t : targets) per_layer[shapes.info(t.base).layer] += t.out * t.in;
+  int64_t most = 0;
+  for (const auto& [layer, n] : per_layer) most = std::max(most, n);
+  constexpr int kBuffers = 2;  // W' and dL/dW'
+  return kBuffers * most * static_cast<int64_t>(sizeof(float));
+}
+
+void LoraStore::allocate_weights() {
+  if (weights_allocated()) return;
+  const std::vector<LoraTarget> targets = lora_targets(*this, cfg_);
+  adapter_of_.assign(size(), -1);
+  for (const LoraTarget& t : targets) {
+    const ParamInfo p = info(t.base);  // a copy: add() grows the registry
+    const std::string module = module_of(p.name);
+    Adapter a;
+    a.base = t.base;
+    a.out = t.out;
+    a.in = t.in;
+    a.a = add(module + ".lora_A.weight", {cfg_.rank, a.in}, p.layer, false);
+    a.b = add(module + ".lora_B.weight", {a.out, cfg_.rank}, p.layer, false);
+    adapter_of_[t.base] = static_cast<int>(adapters_.size());
+    adapters_.push_back(a);
+  }
   std::vector<bool> trainable(size(), false);
   for (const Adapter& a : adapters_) trainable[a.a] = trainable[a.b] = true;
   set_trainable(trainable);

@@ -50,6 +50,19 @@ struct LoraConfig {
 // The module name of a parameter ("model.layers.0.self_attn.q_proj.weight" -> "model.layers.0.self_attn.q_proj").
 std::string module_of(const std::string& param_name);
 
+// The targets of `config` among the parameters registered in `shapes` (a store before LoraStore::allocate_weights,
+// or any store of the same model): one Adapter per targeted slot, its a and b slots left 0. Throws rf::Error as the
+// header says. What the memory check counts before anything is allocated.
+struct LoraTarget {
+  size_t base = 0;
+  int64_t out = 0, in = 0;
+};
+std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig& config);
+// Float32 bytes of the adapters of `targets` (one of weights, gradients, exp_avg, exp_avg_sq), and of the largest
+// layer's W' and dL/dW' buffers that the hooks hold (the merged weights and their gradient, one layer at a time).
+int64_t lora_adapter_bytes(const std::vector<LoraTarget>& targets, int rank);
+int64_t lora_layer_buffer_bytes(const ParamStore& shapes, const std::vector<LoraTarget>& targets);
+
 class LoraStore : public ReplicatedStore {
  public:
   explicit LoraStore(LoraConfig config);

@@ -153,16 +153,44 @@ void check_outputs(const TrainConfig& c, const TrainOptions& o) {
 // Left out, so the figure stays a lower bound: the ring's receive buffers (what a rank receives depends on each
 // batch's documents; packed short documents need almost none), the data set's packed rows, the plan, the
 // checkpoint writer's copies, and validation's forward (smaller than the training step's).
+namespace {
+
+// The model.lora fields as the LoRA store takes them.
+model::LoraConfig lora_config(const TrainConfig& cfg) {
+  model::LoraConfig lc;
+  lc.rank = cfg.model.lora_rank;
+  lc.alpha = cfg.model.lora_alpha;
+  lc.dropout = cfg.model.lora_dropout;
+  lc.target = cfg.model.lora_target;
+  lc.target_regex = cfg.model.lora_target_regex;
+  lc.use_rslora = cfg.model.lora_use_rslora;
+  lc.seed = cfg.train.seed;
+  return lc;
+}
+
+}  // namespace
+
 MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Model& m, int world_size) {
-  const int64_t params = m.params().weight_bytes();
-  const std::vector<bool> trainable = m.params().trainable_after(c.model.freeze);
+  int64_t params = m.params().weight_bytes();
   int64_t trainable_bytes = 0;
-  for (size_t i = 0; i < trainable.size(); ++i)
-    if (trainable[i]) trainable_bytes += m.params().info(i).numel * static_cast<int64_t>(sizeof(float));
+  int64_t lora_buffers = 0;
+  if (c.model.lora_rank > 0) {
+    // LoRA: the adapters train (their weights, gradients and moments), the base is frozen; the hooks hold one
+    // layer's merged weights and their gradient.
+    const std::vector<model::LoraTarget> targets = model::lora_targets(m.params(), lora_config(c));
+    trainable_bytes = model::lora_adapter_bytes(targets, c.model.lora_rank);
+    params += trainable_bytes;
+    lora_buffers = model::lora_layer_buffer_bytes(m.params(), targets);
+  } else {
+    const std::vector<bool> trainable = m.params().trainable_after(c.model.freeze);
+    for (size_t i = 0; i < trainable.size(); ++i)
+      if (trainable[i]) trainable_bytes += m.params().info(i).numel * static_cast<int64_t>(sizeof(float));
+  }
   constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
   MemoryBreakdown need;
   need.add("weights", params + m.buffers().total_bytes());
   need.add("gradients", trainable_bytes);
+  if (lora_buffers > 0) need.add("LoRA: one layer's merged weights and their gradient", lora_buffers);
   // parallelism.shard = optimizer: a rank holds the moments of its shard, ceil(trainable / N) elements.
   const int64_t trainable_elements = trainable_bytes / static_cast<int64_t>(sizeof(float));
   const int64_t moment_elements = c.parallelism.shard == "optimizer"
@@ -247,16 +275,7 @@ void set_up(Run& r) {
   const bool lora = cfg.model.lora_rank > 0;
   // LoRA: the parameters live in a LoraStore, which adds the adapters and freezes the base when it allocates.
   const auto lora_store = [&]() -> std::unique_ptr<model::ParamStore> {
-    if (!lora) return nullptr;
-    model::LoraConfig lc;
-    lc.rank = cfg.model.lora_rank;
-    lc.alpha = cfg.model.lora_alpha;
-    lc.dropout = cfg.model.lora_dropout;
-    lc.target = cfg.model.lora_target;
-    lc.target_regex = cfg.model.lora_target_regex;
-    lc.use_rslora = cfg.model.lora_use_rslora;
-    lc.seed = cfg.train.seed;
-    return std::make_unique<model::LoraStore>(lc);
+    return lora ? std::make_unique<model::LoraStore>(lora_config(cfg)) : nullptr;
   };
   // The base: from model.path, or the built-in model from train.seed (a LoRA resume builds it again: it never trains).
   const auto load_base = [&] {
