@@ -11,7 +11,8 @@ experts left out of the targets) and both scalings (alpha / r, and use_rslora's 
   3. `ringflex train` with model.lora writes a checkpoint whose adapter directory peft loads with no missing or
      unexpected keys and which then gives the loss ringflex computes with it; the base's files are bit-identical
      after the run; --resume from an earlier checkpoint writes the same adapters and moments bit for bit; under a
-     launcher of N ranks (cp N) the losses equal those at cp 1 and at dp N.
+     launcher of N ranks (cp N) the losses equal those at cp 1 and at dp N; `ringflex export --merge` writes the
+     base with the adapted weights merged, which plain transformers loads and which gives peft's loss.
 
 Tolerance: 1e-4 relative per tensor, parity.py's (float32 against float64 on these badly conditioned tiny models;
 a wrong term shows up at 1e-2 or more).
@@ -211,6 +212,29 @@ checkpoint: {{dir: {os.path.join(workdir, "ckpt")}, every: 2, keep: 2}}
     err = rel_err(out["loss"].reshape(()), loss)
     if err > REL_TOL:
         failures.append(f"loss with the trained adapter: relative error {err:.3e}")
+    # export --merge: the full checkpoint with W + scale B A in place of each adapted W gives the same loss through
+    # plain transformers, and every other tensor is the base's, bit for bit.
+    merged_dir = os.path.join(workdir, "merged")
+    proc = subprocess.run([ringflex, "export", "--model", base_dir, "--merge", adapter, "--out", merged_dir],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        failures.append(f"export --merge failed: {proc.stderr.strip()}")
+    else:
+        merged = Gemma4ForCausalLM.from_pretrained(merged_dir, attn_implementation="eager").double()
+        with torch.no_grad():
+            merr = rel_err(peft_loss(merged, cfg, batch), loss)
+        if merr > REL_TOL:
+            failures.append(f"export --merge: loss relative error {merr:.3e}")
+        base_tensors = load_file(os.path.join(base_dir, "model.safetensors"))
+        merged_tensors = load_file(os.path.join(merged_dir, "model.safetensors"))
+        adapted = {m + ".weight" for m in ac["target_modules"]}
+        if set(base_tensors) != set(merged_tensors):
+            failures.append("export --merge: tensor names differ from the base's")
+        for n, t in base_tensors.items():
+            same = torch.equal(t, merged_tensors.get(n, torch.empty(0)))
+            if same == (n in adapted):
+                failures.append(f"export --merge: `{n}` {'unchanged' if same else 'changed'}")
+                break
     trained = load_file(os.path.join(adapter, "adapter_model.safetensors"))
     if all(float(t.abs().max()) == 0 for n, t in trained.items() if "lora_B" in n):
         failures.append("the adapters' B did not train")
@@ -218,7 +242,7 @@ checkpoint: {{dir: {os.path.join(workdir, "ckpt")}, every: 2, keep: 2}}
         print("FAIL train: " + "; ".join(failures))
         return False
     print(f"ok   train: peft loads the adapter ({len(trained)} tensors, no missing or unexpected keys), "
-          f"loss relative error {err:.2e}, base unchanged")
+          f"loss relative error {err:.2e}, base unchanged, resume bit-exact, export --merge loads in transformers")
     return True
 
 
