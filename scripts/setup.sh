@@ -14,6 +14,7 @@ $SUDO apt-get install -y -qq --no-install-recommends \
   g++ cmake make git python3 python3-pip python3-venv \
   openmpi-bin libopenmpi-dev libopenblas-dev libdnnl-dev ocl-icd-opencl-dev \
   libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libsentencepiece-dev \
+  libpng-dev libjpeg-dev \
   clang-format >/dev/null
 if [ "${1:-}" = "--test" ]; then
   # Test-only Python oracles, in a venv rather than the system interpreter: Debian 12's python3 refuses

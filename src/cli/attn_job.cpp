@@ -215,7 +215,7 @@ AttnResult run_attention(const AttnJob& job, const CpOptions& cp, comm::Communic
 // "results", the whole rows' out [B, Hq, S, D] and lse [B, Hq, S] float32 (with the backward dq, dk, dv and delta
 // [B, Hq, S]). Writing, on rank 0: the results in row order and "output copies", out (and dq, dk, dv) narrowed to
 // the dtype by write_attn_result.
-MemoryBreakdown attn_memory_at_least(const AttnJob& job, const CpOptions& cp, int P, int rank) {
+MemoryBreakdown attn_memory_at_least(const AttnJob& job, const CpOptions& cp, int P, int rank, bool writes_outputs) {
   const AttnShape& s = job.shape;
   const int64_t B = s.B, Hq = s.Hq, Hkv = s.Hkv, S = s.Lq, D = s.D;
   const int64_t es = static_cast<int64_t>(dtype_size(job.dtype)), f32 = sizeof(float);
@@ -231,7 +231,7 @@ MemoryBreakdown attn_memory_at_least(const AttnJob& job, const CpOptions& cp, in
   } else {
     running.add("results", checked_sum({results, job.has_dout ? checked_bytes({B, Hq, S, f32}) : 0}));  // + delta
   }
-  if (rank == 0) {
+  if (rank == 0 && writes_outputs) {
     writing.add("results", results);
     writing.add("output copies", checked_sum({checked_bytes({B, Hq, S, D, es, q_tensors}),  // out (dq)
                                               job.has_dout ? checked_bytes({B, Hkv, S, D, es, kKv}) : 0}));

@@ -66,9 +66,10 @@ struct AttnResult {
 
 // What a job needs on `rank` of P at least, beyond its metadata: the job's own copy of q, k, v (and dout), which
 // every rank holds; the attention's buffers (cp::rows_memory_at_least through CP, else the whole-row results);
-// and on rank 0 the outputs' copies in the job's dtype that write_attn_result makes. `header`: the job without its
-// tensors (BeforeCopying's argument) or with them.
-MemoryBreakdown attn_memory_at_least(const AttnJob& header, const CpOptions& cp, int P, int rank);
+// and on rank 0 the outputs' copies in the job's dtype that write_attn_result makes (unless `writes_outputs` is
+// false: `demo` writes none). `header`: the job without its tensors (BeforeCopying's argument) or with them.
+MemoryBreakdown attn_memory_at_least(const AttnJob& header, const CpOptions& cp, int P, int rank,
+                                     bool writes_outputs = true);
 
 // The CP boundary: every rank of `comm` passes the same job; rank 0 gets the whole result (the other ranks' results
 // are empty under mpirun with P > 1). A collective call.

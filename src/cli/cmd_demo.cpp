@@ -29,6 +29,7 @@
 #include "cli/command.h"
 #include "comm/agree.h"
 #include "comm/mpi_comm.h"
+#include "core/memory.h"
 #include "core/row_meta.h"
 #include "cpu/isa.h"
 #include "reference/attention_ref.h"
@@ -250,10 +251,32 @@ void check_keys(const AttnJob& job, const AttnResult& r, const std::vector<int>&
   c.dv = *std::max_element(dv_err.begin(), dv_err.end());
 }
 
+// What the demo holds at once, checked on every rank before any tensor is drawn: the larger of its layers' attention
+// jobs (the inputs, the attention's buffers: attn_memory_at_least, as `attn` counts them; the layers run one after
+// the other). A row too large for the machine stops here with the figure instead of std::bad_alloc part-way.
+void check_demo_memory(const DemoOptions& o, const std::vector<DemoLayer>& layers, const std::vector<TokenMeta>& meta,
+                       const CpOptions& cp, comm::Communicator& world) {
+  MemoryBreakdown largest;
+  for (const DemoLayer& layer : layers) {
+    AttnJob header;  // the job's shape and row, without its tensors
+    header.shape = {1, o.Hq, o.Hkv, o.S, o.S, layer.D};
+    header.dtype = o.dtype == "bf16" ? DType::BF16 : DType::F32;
+    header.mask = layer.mask;
+    header.has_dout = true;
+    header.meta = meta;
+    const MemoryBreakdown need = attn_memory_at_least(header, cp, world.size(), world.rank(), false);
+    if (need.total() < 0 || (largest.total() >= 0 && need.total() > largest.total())) largest = need;
+  }
+  check_memory(largest, "demo", concat(" at S = ", o.S, " over ", world.size(), " rank(s)"));
+}
+
 int run_demo(const DemoOptions& o, comm::Communicator& world) {
   if (o.threads > 0) omp_set_num_threads(o.threads);
   const std::vector<TokenMeta> meta = gemma4_vlm_row(o.S, o.seed);
   const std::vector<DemoLayer> layers = {{"sliding", {true, o.window, true}, o.D}, {"full", {true, 0, true}, o.D_full}};
+  CpOptions cp = o.cp;
+  cp.cp_path_on_one_rank = true;  // the demo shows the path P > 1 takes (sharding, the planned ring) even on one rank
+  agree(world, [&] { check_demo_memory(o, layers, meta, cp, world); });
 
   int docs = 0, padding = 0, group_max = -1;
   for (size_t i = 0; i < meta.size(); ++i) {
@@ -271,9 +294,6 @@ int run_demo(const DemoOptions& o, comm::Communicator& world) {
     std::printf("%-8s %-22s %4s %8s %9s %11s %9s %11s\n", "layer", "mask", "D", "A/S^2", "forward", "GFLOP/s",
                 "backward", "GFLOP/s");
   }
-  // The demo shows the path P > 1 takes (sharding, the planned ring, gathering back) even on one rank.
-  CpOptions cp = o.cp;
-  cp.cp_path_on_one_rank = true;
   std::vector<CheckResult> checks;
   for (const DemoLayer& layer : layers) {
     const AttnJob job = make_job(o, layer, meta, o.seed * kSeedsPerRun + checks.size() * kSeedsPerLayer);

@@ -8,7 +8,10 @@
 // Input tensors: input_ids [B, S] (I32 or I64), and optionally labels [B, S] (-100 = ignored; the target of each
 // position, already shifted), position_ids [B, S], doc [B, S] (packed documents, 0 = padding),
 // mm_token_type_ids [B, S] (0 text, 1 image, 2 video), image_features [N, F] (one row per image/video slot in
-// row-major order; F = hidden size, or the width of the checkpoint's vision projection).
+// row-major order; F = hidden size, or the width of the checkpoint's vision projection). Or, in place of
+// image_features, images as Gemma 4's image processor lays them out: pixel_values [n, P, 3 * patch^2] and
+// image_position_ids [n, P, 2] ((-1, -1) for padding patches); the checkpoint's own vision tower (frozen: no
+// gradient) turns them into the features, on every rank before the row is split (model/vision_encoder.h).
 // Output: loss (scalar, mean over label tokens), token_loss [B, S], logits [B, S, V] unless --no-logits, and
 // with --grad every parameter gradient as grad.<HF name> (plus grad.image_features when features are given).
 //
@@ -50,6 +53,7 @@
 #include "model/lora_store.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
+#include "model/vision_encoder.h"
 
 namespace rf::cli {
 
@@ -114,7 +118,35 @@ struct BatchData {
   }
 };
 
-BatchData read_batch(const std::string& path, const model::Gemma4Model& m, bool finite) {
+// The soft tokens of the batch's images (pixel_values, image_position_ids) through the checkpoint's vision tower.
+std::vector<float> encode_images(const std::string& path, const io::SafetensorsFile& in, const model::Checkpoint& ck,
+                                 io::DimSizes& dims, int64_t& n_tokens) {
+  const std::optional<model::VisionConfig> cfg =
+      model::VisionConfig::from_config_json(ck.model->config().source_json, "config.json");
+  RF_CHECK(cfg.has_value(), path, ": has pixel_values, but the checkpoint's config.json has no vision_config");
+  const model::VisionEncoder encoder(*cfg, ck.passthrough);
+  const int64_t values = 3 * int64_t{cfg->patch_size} * cfg->patch_size;  // RGB patches
+  const io::TensorView& px =
+      io::require(in, {"pixel_values", {io::StDType::F32, io::StDType::BF16}, {"n", "P", "V"}, ""}, dims);
+  RF_CHECK(dims["V"] == values, path, ": pixel_values has ", dims["V"], " values a patch, the tower's patch_size ",
+           cfg->patch_size, " makes ", values);
+  const io::TensorView& pos =
+      io::require(in, {"image_position_ids", {io::StDType::I32, io::StDType::I64}, {"n", "P", "XY"}, ""}, dims);
+  RF_CHECK(dims["XY"] == 2, path, ": image_position_ids must be [n, P, 2], found ", io::shape_string(pos.shape));
+  const std::vector<float> pixels = io::to_float32(px);
+  const std::vector<int32_t> positions = read_ids(pos);
+  model::VisionBatch b;
+  b.n = static_cast<int>(dims["n"]);
+  b.P = dims["P"];
+  b.pixels = pixels.data();
+  b.positions = positions.data();
+  model::VisionOutput out = encoder.forward(b, path);
+  n_tokens = static_cast<int64_t>(out.soft_tokens.size()) / cfg->hidden_size;
+  return std::move(out.soft_tokens);
+}
+
+BatchData read_batch(const std::string& path, const model::Checkpoint& ck, bool finite) {
+  const model::Gemma4Model& m = *ck.model;
   BatchData d;
   const io::SafetensorsFile in = io::SafetensorsFile::open(path);
   io::DimSizes dims;
@@ -132,6 +164,16 @@ BatchData read_batch(const std::string& path, const model::Gemma4Model& m, bool 
     if (finite) check_finite(path, *v, "[N, F]");
     d.features = io::to_float32(*v);
     d.n_features = dims["N"];
+    d.has_features = true;
+  }
+  if (in.find("pixel_values") || in.find("image_position_ids")) {
+    RF_CHECK(!d.has_features, path, ": give image_features or pixel_values, not both");
+    RF_CHECK(m.vision_feature_dim() > 0, path, ": has pixel_values, but the checkpoint has no vision projection ",
+             "(model.embed_vision.embedding_projection.weight) to take the tower's soft tokens");
+    d.features = encode_images(path, in, ck, dims, d.n_features);
+    RF_CHECK(static_cast<int64_t>(d.features.size()) == d.n_features * d.F, path,
+             ": the vision tower's soft tokens are ", d.features.size() / std::max<int64_t>(d.n_features, 1),
+             " wide, the vision projection takes ", d.F);
     d.has_features = true;
   }
   d.B = static_cast<int>(dims["B"]);
@@ -305,7 +347,7 @@ int run_forward(const ForwardOptions& opt) {
                      p.shape);
       }
     }
-    data = read_batch(opt.in, *ck.model, opt.check_finite);
+    data = read_batch(opt.in, ck, opt.check_finite);
     ck.model->check_batch(data.view(), P, opt.in);
     RF_CHECK(!opt.grad || !data.labels.empty(), opt.in, ": --grad needs a `labels` tensor");
     // A fixed scheme that cannot split this row fails here, where every rank can still say so.

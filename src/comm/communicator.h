@@ -89,8 +89,9 @@ struct Slice {
 };
 Slice slice_of(size_t n, int P, int r);
 
-// A collective started with Communicator::post_*: its transfers travel while the caller computes (issue: a layer's
-// weights gathered while the previous layer computes). Until wait() returned or progress() returned true the caller
+// A collective started with Communicator::post_*: its transfers travel while the caller computes (a layer's weights
+// gathered, or its gradients reduced, while another layer computes). Until wait() returned or progress() returned
+// true the caller
 // must not touch the collective's buffers. Every rank posts its collectives on a communicator in the same order
 // (they are matched by that order, as MPI's non-blocking collectives are), and at most kMaxPosted may be in flight.
 // Destroying one that is not finished (an error path) abandons its transfers.

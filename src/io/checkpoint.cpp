@@ -99,4 +99,8 @@ const SafetensorsFile& Checkpoint::shard_of(std::string_view name) const {
   return shards_[it->second];
 }
 
+void Checkpoint::release_pages() const {
+  for (const SafetensorsFile& f : shards_) f.release_pages();
+}
+
 }  // namespace rf::io

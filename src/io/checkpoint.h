@@ -33,6 +33,8 @@ class Checkpoint {
   // The shard holding `name` (for io::require, whose messages then name the shard); throws rf::Error
   // "<dir>: no tensor `name` in the checkpoint" when none does.
   const SafetensorsFile& shard_of(std::string_view name) const;
+  // SafetensorsFile::release_pages of every shard.
+  void release_pages() const;
 
  private:
   std::string dir_;

@@ -288,6 +288,12 @@ const TensorView* SafetensorsFile::find(std::string_view name) const {
   return it != tensors_.end() && it->name == name ? &*it : nullptr;
 }
 
+void SafetensorsFile::release_pages() const {
+  // Advice only: on a read-only private mapping MADV_DONTNEED discards nothing that cannot be read again, and a
+  // failure leaves the pages resident, which is what not calling it does.
+  if (storage_->mapping) madvise(storage_->mapping, storage_->size, MADV_DONTNEED);
+}
+
 const TensorView& SafetensorsFile::at(std::string_view name) const {
   const TensorView* v = find(name);
   RF_CHECK(v, path_, ": no tensor `", name, "`");

@@ -82,6 +82,11 @@ class SafetensorsFile {
 
   // nullptr when the file has no tensor of that name.
   const TensorView* find(std::string_view name) const;
+
+  // Drops this process's resident pages of the mapping (the views stay valid: a later read faults them in again
+  // from the page cache or the file). A job that keeps a file open for a few tensors (io/passthrough.h) calls it
+  // after reading what it needed, so the pages it read are not counted in its resident memory for the whole run.
+  void release_pages() const;
   // Throws rf::Error "<path>: no tensor `name`" when absent.
   const TensorView& at(std::string_view name) const;
 

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <memory>
+#include <set>
 #include <sstream>
 #include <vector>
 
@@ -21,7 +23,6 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr const char* kCausalLmPrefix = "model.";
-constexpr const char* kMultimodalPrefix = "model.language_model.";
 constexpr const char* kVisionProjection = "model.embed_vision.embedding_projection.weight";
 
 // The largest config.json read: real ones are a few KiB; anything larger is not a config.
@@ -68,12 +69,14 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   RF_CHECK(fs::exists(config_path), dir, ": no config.json");
   Gemma4Config cfg = Gemma4Config::from_json(read_text(config_path), config_path.string());
 
-  const io::Checkpoint files = io::Checkpoint::open(dir);
+  // Shared, because the passthrough tensors borrow their bytes from the mapped files for as long as they live.
+  const auto opened = std::make_shared<const io::Checkpoint>(io::Checkpoint::open(dir));
+  const io::Checkpoint& files = *opened;
 
   Checkpoint ck;
   ck.source = dir;
   const std::string embed = "embed_tokens.weight";
-  if (files.find(kMultimodalPrefix + embed)) ck.text_prefix = kMultimodalPrefix;
+  if (files.find(kMultimodalTextPrefix + embed)) ck.text_prefix = kMultimodalTextPrefix;
   int vision_dim = 0;
   if (const io::TensorView* v = files.find(kVisionProjection)) {
     RF_CHECK(v->rank() == 2 && v->shape[0] == cfg.hidden_size, files.shard_of(kVisionProjection).path(), ": tensor `",
@@ -102,11 +105,17 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
     const std::vector<float> values = io::to_float32(*files.find(file_name_of(p.name, ck.text_prefix)));
     std::copy(values.begin(), values.end(), params.mutable_weight(slot));
   }
+  std::set<std::string, std::less<>> held;
+  for (const ParamInfo& p : params.infos()) held.insert(file_name_of(p.name, ck.text_prefix));
   for (Tensor& t : ck.model->buffers()) {
     // layer_scalar is a buffer transformers saves; older exports may omit it (then it stays 1).
     const std::string name = file_name_of(t.name, ck.text_prefix);
     if (const io::TensorView* v = files.find(name)) copy_into(t, *v, files.shard_of(name).path());
+    held.insert(name);
   }
+  for (const std::string& name : files.names())
+    if (!held.contains(name)) ck.passthrough.borrow(opened, name);
+  ck.passthrough.release_pages();  // the model's tensors were read and widened: their pages are not needed again
   return ck;
 }
 
@@ -128,7 +137,9 @@ void save_checkpoint(const Checkpoint& ck, const std::string& dir) {
   }
   for (const Tensor& t : ck.model->buffers())
     w.add(file_name_of(t.name, ck.text_prefix), io::StDType::F32, t.shape, std::span<const float>(t.data));
+  ck.passthrough.add_to(w);  // a name the model holds too would throw here ("added twice"): never both written
   w.write((root / std::string(io::Checkpoint::kSingleFile)).string());
+  ck.passthrough.release_pages();
 }
 
 }  // namespace rf::model

@@ -2,25 +2,35 @@
 //
 // The files are opened through rf::io::Checkpoint (one model.safetensors, or an index and its shards).
 // Loading accepts a Gemma4ForCausalLM checkpoint ("model.layers.0...") or a multimodal Gemma4 one whose text
-// decoder sits under "model.language_model." (its vision and audio towers are ignored; the vision embedder's
-// projection "model.embed_vision.embedding_projection.weight", when present, becomes the trainable projection of
-// image features). Weights of any floating dtype are widened to float32. lm_head.weight is only read when the
-// config unties the embeddings. Saving writes config.json unchanged and one model.safetensors in float32 under
-// the prefix the checkpoint was read with.
+// decoder sits under "model.language_model." (the vision embedder's projection
+// "model.embed_vision.embedding_projection.weight", when present, becomes the trainable projection of image
+// features). The model's weights of any floating dtype are widened to float32. lm_head.weight is only read when the
+// config unties the embeddings.
+//
+// Nothing of a checkpoint is lost: every tensor the model does not hold (the vision and audio towers, the audio
+// embedder, any name ringflex does not know) is kept in `passthrough` as it is in the files (io/passthrough.h) and
+// written again with the same name, dtype and bits. Saving writes config.json unchanged and one model.safetensors:
+// the model's tensors in float32 under the prefix the checkpoint was read with, and the passthrough tensors, so the
+// written files hold exactly what the config describes when the files read did.
 #pragma once
 
 #include <functional>
 #include <memory>
 #include <string>
 
+#include "io/passthrough.h"
 #include "model/gemma4.h"
 
 namespace rf::model {
+
+// Where a multimodal checkpoint (Gemma4ForConditionalGeneration) keeps its text decoder's tensors.
+inline constexpr const char* kMultimodalTextPrefix = "model.language_model.";
 
 struct Checkpoint {
   std::unique_ptr<Gemma4Model> model;
   std::string text_prefix = "model.";  // where the decoder's tensors live in the files ("model.language_model.")
   std::string source;                  // the directory it was loaded from (empty: built in memory)
+  io::Passthrough passthrough;         // the files' tensors that `model` does not hold, carried through unchanged
 };
 
 // Runs with the model's parameters registered as shapes only (TensorSet::Storage::Deferred), after they were

@@ -105,6 +105,8 @@ std::vector<fs::path> list_checkpoints(const fs::path& root) {
 }
 
 std::string read_text(const fs::path& p) {
+  std::error_code ec;  // a FIFO or a directory by that name would hang or fail the read: neither is a state file
+  RF_CHECK(fs::is_regular_file(p, ec), p.string(), ": not a regular file");
   std::ifstream in(p);
   RF_CHECK(in.good(), p.string(), ": cannot open");
   std::stringstream s;

@@ -41,7 +41,7 @@ struct TrainState {
 };
 
 // Writes checkpoint `state.step` under `root`, then removes all but the newest `keep`. `before_rename`, when set,
-// runs after the files are written and synced but before the rename (tests use it to simulate a crash). Returns
+// runs after the files are written and synced but before the rename (tests fail a save there). Returns
 // the checkpoint's directory. Any failure (a full disk, a quota, a file-size limit, a read-only directory) throws
 // rf::Error with one line naming the file, after removing the save's temporary directory; the checkpoints already
 // there stay as they were. What a hard kill left of an earlier save is removed first (remove_leftovers).

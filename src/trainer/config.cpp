@@ -157,6 +157,7 @@ const std::vector<Field>& fields() {
       field("data.tokenizer", kStr, &C::data, &DataSection::tokenizer),
       field("data.val_rows", kInt, &C::data, &DataSection::val_rows),
       field("data.mock_image_tokens", kInt, &C::data, &DataSection::mock_image_tokens),
+      field("data.image_soft_tokens", kInt, &C::data, &DataSection::image_soft_tokens),
       field("optimizer.lr", kNum, &C::optimizer, &OptimizerSection::lr),
       field("optimizer.beta1", kNum, &C::optimizer, &OptimizerSection::beta1),
       field("optimizer.beta2", kNum, &C::optimizer, &OptimizerSection::beta2),
@@ -325,6 +326,9 @@ void validate(const TrainConfig& c, int world_size) {
       RF_CHECK(is_file(c.data.tokenizer), "config: data.tokenizer = '", c.data.tokenizer, "' is not a file");
   }
   RF_CHECK(c.data.val_rows >= 0, "config: data.val_rows = ", c.data.val_rows, " must be >= 0 (0: no validation)");
+  RF_CHECK(c.data.image_soft_tokens == 70 || c.data.image_soft_tokens == 140 || c.data.image_soft_tokens == 280 ||
+               c.data.image_soft_tokens == 560 || c.data.image_soft_tokens == 1120,
+           "config: data.image_soft_tokens = ", c.data.image_soft_tokens, " must be 70, 140, 280, 560 or 1120");
   positive(c.data.mock_image_tokens, "data.mock_image_tokens");
   RF_CHECK(c.optimizer.lr > 0, "config: optimizer.lr = ", c.optimizer.lr, " must be > 0");
   RF_CHECK(c.optimizer.beta1 >= 0 && c.optimizer.beta1 < 1, "config: optimizer.beta1 = ", c.optimizer.beta1,

@@ -37,6 +37,9 @@ struct DataSection {
   std::string tokenizer;        // jsonl_text: SentencePiece model (default: <model.path>/tokenizer.model)
   int val_rows = 8;             // rows held out for validation
   int mock_image_tokens = 16;   // mock: placeholder tokens per image block
+  // jsonl_tokens samples with `images`: the soft tokens an image is resized for (Gemma4ImageProcessor's
+  // max_soft_tokens: 70, 140, 280, 560 or 1120)
+  int image_soft_tokens = 280;
 };
 
 struct OptimizerSection {
@@ -56,8 +59,9 @@ struct ParallelismSection {
   int dp = 1;                         // data-parallel replicas
   std::string sharding = "balanced";  // how CP splits a row: contiguous | zigzag | balanced
   // How the training state is spread over all cp x dp ranks (ZeRO stages): none (every rank holds all of it) |
-  // optimizer (AdamW's moments sharded, ZeRO-1: each rank updates its shard of the trainable parameters, then the
-  // updated weights are all-gathered). gradients (ZeRO-2) and full (ZeRO-3) are not there yet.
+  // optimizer (AdamW's moments sharded, ZeRO-1: the gradients are reduce-scattered, each rank updates its shard of
+  // the trainable parameters, then the updated weights are all-gathered). gradients (ZeRO-2) and full (ZeRO-3) are
+  // not there yet.
   std::string shard = "none";
 };
 

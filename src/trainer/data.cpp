@@ -12,9 +12,11 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "io/image.h"
 #include "io/json_text.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
+#include "model/image_processor.h"
 
 namespace rf::trainer {
 namespace {
@@ -172,8 +174,9 @@ class MockSource final : public DataSource {
 // ---------------------------------------------------------------------------------------------------------------
 class PackedSource final : public DataSource {
  public:
-  PackedSource(std::vector<Row> rows, int val_rows, uint64_t seed, int F, const std::string& path)
-      : F_(F), seed_(seed) {
+  // split: the rows' image features are this rank's share (ImageContract), completed by sum_image_features.
+  PackedSource(std::vector<Row> rows, int val_rows, uint64_t seed, int F, const std::string& path, bool split)
+      : F_(F), seed_(seed), split_(split) {
     RF_CHECK(static_cast<int64_t>(rows.size()) > val_rows, path, ": packs into ", rows.size(),
              " rows, not more than data.val_rows = ", val_rows, " (nothing would be left to train on)");
     val_.assign(std::make_move_iterator(rows.end() - val_rows), std::make_move_iterator(rows.end()));
@@ -197,10 +200,25 @@ class PackedSource final : public DataSource {
   Row val_row(int index) const override { return val_[index]; }
   int val_rows() const override { return static_cast<int>(val_.size()); }
   int feature_dim() const override { return F_; }
+  void sum_image_features(const std::function<void(std::vector<float>&)>& sum) override {
+    if (!split_) return;
+    split_ = false;           // once
+    std::vector<float> flat;  // every row's features, training rows then validation rows
+    for (const auto* rows : {&train_, &val_})
+      for (const Row& r : *rows) flat.insert(flat.end(), r.image_features.begin(), r.image_features.end());
+    sum(flat);
+    size_t at = 0;
+    for (auto* rows : {&train_, &val_})
+      for (Row& r : *rows) {
+        std::copy_n(flat.begin() + static_cast<std::ptrdiff_t>(at), r.image_features.size(), r.image_features.begin());
+        at += r.image_features.size();
+      }
+  }
 
  private:
   int F_;
   uint64_t seed_;
+  bool split_;
   std::vector<Row> train_, val_;
   // The permutation of the epoch last fetched from (a cache: train_row is logically const, called by one thread).
   mutable int64_t order_epoch_ = -1;
@@ -278,7 +296,82 @@ void check_document(const Document& d, const std::string& where, const TrainConf
   }
 }
 
-std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& k, int& F) {
+// A sample's `images` (file names, relative to the JSONL file's folder), one per image placeholder token in its
+// input_ids, in order: each placeholder becomes boi, the image's soft-token slots (the placeholder id, mm type 1,
+// label ignored, one feature row each: the frozen tower's soft tokens of the decoded and preprocessed image) and eoi,
+// as Gemma4Processor lays images out. boi and eoi are trained as tokens where the placeholder's label was the
+// placeholder itself (the default, labels = input_ids), and ignored where it was -100.
+void expand_images(Document& d, const json& images, const std::string& where, const TrainConfig& c,
+                   const DataContract& k, const ImageContract& im, int64_t& images_seen) {
+  RF_CHECK(images.is_array(), where, ": `images` must be a list of image file names");
+  const model::VisionEncoder* tower = im.vision ? im.vision() : nullptr;
+  RF_CHECK(tower != nullptr, where, ": has `images`, but the model has no vision tower (a vision_config and its ",
+           "model.vision_tower.* tensors)");
+  RF_CHECK(tower->config().hidden_size == k.feature_dim, where, ": the vision tower's soft tokens are ",
+           tower->config().hidden_size, " wide, the model's vision projection takes ", k.feature_dim);
+  const model::MultimodalTokens& tok = im.tokens;
+  const int64_t placeholders = std::count(d.ids.begin(), d.ids.end(), tok.image);
+  RF_CHECK(placeholders == static_cast<int64_t>(images.size()), where, ": has ", images.size(), " images and ",
+           placeholders, " image placeholder tokens (id ", tok.image, ", the config's image_token_id): one each");
+  model::ImageProcessorConfig proc;
+  proc.patch_size = tower->config().patch_size;
+  proc.pooling_kernel_size = tower->config().pooling_kernel_size;
+  proc.max_soft_tokens = c.data.image_soft_tokens;
+  const std::filesystem::path folder = std::filesystem::path(c.data.path).parent_path();
+  Document out;
+  size_t next = 0;
+  for (size_t t = 0; t < d.ids.size(); ++t) {
+    if (d.ids[t] != tok.image) {
+      out.ids.push_back(d.ids[t]);
+      out.labels.push_back(d.labels[t]);
+      out.mm.push_back(0);
+      continue;
+    }
+    const json& name = images[next++];
+    RF_CHECK(name.is_string() && !name.get<std::string>().empty(), where, ": `images[", next - 1,
+             "]` must be a file name");
+    const std::filesystem::path given(name.get<std::string>());
+    const std::string path = (given.is_absolute() ? given : folder / given).string();
+    const int64_t F = k.feature_dim, row = static_cast<int64_t>(out.features.size()) / F;
+    int64_t count = 0;
+    try {
+      const model::ProcessedImage p = model::preprocess_image(io::read_image(path), proc, path);
+      model::VisionBatch b;
+      b.n = 1;
+      b.P = static_cast<int64_t>(p.positions.size()) / 2;
+      b.pixels = p.pixels.data();
+      b.positions = p.positions.data();
+      tower->check(b, path);
+      count = p.soft_tokens;  // whole pooling cells: the processor's sides are multiples of k * patch_size
+      out.features.resize(static_cast<size_t>((row + count) * F), 0.f);
+      if (images_seen % im.ranks == im.rank) {  // this rank's share of the tower's work
+        const model::VisionOutput soft = tower->forward(b, path);
+        RF_CHECK(soft.counts[0] == count, path, ": the tower made ", soft.counts[0], " soft tokens, the processor ",
+                 count);
+        std::copy(soft.soft_tokens.begin(), soft.soft_tokens.end(), out.features.begin() + row * F);
+      }
+    } catch (const rf::Error& e) {
+      rf::fail(where, ": ", e.what());
+    }
+    ++images_seen;
+    const bool trained = d.labels[t] == tok.image;
+    out.ids.push_back(tok.boi);
+    out.labels.push_back(trained ? tok.boi : kIgnore);
+    out.mm.push_back(0);
+    for (int64_t s = 0; s < count; ++s) {
+      out.ids.push_back(tok.image);
+      out.labels.push_back(kIgnore);
+      out.mm.push_back(1);
+    }
+    out.ids.push_back(tok.eoi);
+    out.labels.push_back(trained ? tok.eoi : kIgnore);
+    out.mm.push_back(0);
+  }
+  d = std::move(out);
+}
+
+std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& k, const ImageContract& im, int& F,
+                                      bool& split) {
   std::vector<float> features;
   int64_t n_features = 0;
   std::unique_ptr<io::SafetensorsFile> file;
@@ -297,6 +390,8 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
     F = k.feature_dim;
   }
   std::vector<Document> docs;
+  int64_t images_seen = 0;        // the file's images so far, in file order (image i is encoded by rank i % ranks)
+  std::vector<size_t> span_docs;  // documents whose features came whole from data.features
   int64_t used = 0;
   for_each_line(c.data.path, [&](const json& j, const std::string& where) {
     RF_CHECK(j.contains("input_ids"), where, ": missing `input_ids`");
@@ -306,6 +401,11 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
     RF_CHECK(d.labels.size() == d.ids.size(), where, ": `labels` has ", d.labels.size(), " entries, `input_ids` ",
              d.ids.size());
     d.mm.assign(d.ids.size(), 0);
+    if (j.contains("images")) {
+      RF_CHECK(!j.contains("image_spans"), where, ": give `images` or `image_spans`, not both");
+      expand_images(d, j["images"], where, c, k, im, images_seen);
+      F = k.feature_dim;
+    }
     if (j.contains("image_spans")) {
       RF_CHECK(j["image_spans"].is_array(), where, ": `image_spans` must be a list of [start, length] pairs");
       RF_CHECK(file != nullptr || j["image_spans"].empty(), where,
@@ -330,12 +430,18 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
                c.data.features, " has ", n_features);
       d.features.assign(features.begin() + used * F, features.begin() + (used + slots) * F);
       used += slots;
+      span_docs.push_back(docs.size());
     }
     check_document(d, where, c, k);
     docs.push_back(std::move(d));
   });
   RF_CHECK(used == n_features, c.data.features, ": has ", n_features, " feature rows, the image spans of ", c.data.path,
            " use ", used);
+  // Split tower work is completed by a sum over the ranks (DataSource::sum_image_features): the features every rank
+  // read whole from data.features then count once, on rank 0.
+  split = images_seen > 0 && im.ranks > 1;
+  if (split && im.rank != 0)
+    for (size_t doc : span_docs) std::fill(docs[doc].features.begin(), docs[doc].features.end(), 0.f);
   return docs;
 }
 
@@ -392,12 +498,14 @@ PackedBatch stack_rows(const std::vector<Row>& rows, int feature_dim) {
   return b;
 }
 
-std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& k) {
+std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& k, const ImageContract& im) {
   if (c.data.source == "mock") return std::make_unique<MockSource>(c, k);
   int F = 0;
-  const std::vector<Document> docs = c.data.source == "jsonl_tokens" ? read_token_file(c, k, F) : read_text_file(c, k);
+  bool split = false;
+  const std::vector<Document> docs =
+      c.data.source == "jsonl_tokens" ? read_token_file(c, k, im, F, split) : read_text_file(c, k);
   return std::make_unique<PackedSource>(pack(docs, c.train.seq_len, k.pad_token_id), c.data.val_rows, c.train.seed, F,
-                                        c.data.path);
+                                        c.data.path, split);
 }
 
 }  // namespace rf::trainer

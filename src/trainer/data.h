@@ -12,11 +12,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "model/vision.h"
+#include "model/vision_encoder.h"
 #include "trainer/config.h"
 
 namespace rf::trainer {
@@ -53,6 +56,10 @@ class DataSource {
   virtual Row val_row(int index) const = 0;
   virtual int val_rows() const = 0;
   virtual int feature_dim() const = 0;  // F of image features (0: the source has no images)
+  // Replaces every row's image features by their sum over the ranks (`sum`: an elementwise sum, collective), for
+  // image files whose tower work was split over the ranks (ImageContract): called once, by every rank, after the
+  // setup agreed that all ranks read the data. Sources without such images do nothing.
+  virtual void sum_image_features(const std::function<void(std::vector<float>&)>& sum) { (void)sum; }
 };
 
 // What the data must agree with: the model's vocabulary, pad id and image feature width.
@@ -63,9 +70,23 @@ struct DataContract {
   std::string model_path;  // where jsonl_text looks for tokenizer.model by default
 };
 
+// For jsonl_tokens samples with `images`: the model's vision tower (built on first use; null when the model has
+// none; frozen, so each image is encoded once, when the file is read, into the features of its slots) and its
+// image tokens.
+struct ImageContract {
+  std::function<const model::VisionEncoder*()> vision;
+  model::MultimodalTokens tokens;  // the placeholder that marks an image in input_ids, and boi / eoi
+  // The tower's work split over the job's ranks: every rank reads, decodes and checks every image (a bad one fails
+  // everywhere), rank r encodes images r, r + ranks, ... and leaves the others' features zero; the caller then
+  // calls DataSource::sum_image_features once on every rank (the others contribute zeros, and x + 0 is x).
+  int rank = 0, ranks = 1;
+};
+
 // Builds the configured source; reads and checks the whole file (ids against the vocabulary, sample lengths
-// against train.seq_len, image spans against the features file) and throws rf::Error naming file and line.
-std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& contract);
+// against train.seq_len, image spans against the features file, image files and their placeholders) and throws
+// rf::Error naming file and line (and the image file).
+std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& contract,
+                                             const ImageContract& images = {});
 
 // The mock VLM data's fixed shape, exposed for tests and docs.
 namespace mock {

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string_view>
+#include <vector>
 
 #include "core/error.h"
 #include "io/atomic_file.h"
@@ -52,19 +53,28 @@ int64_t kept_length(const std::string& text, int64_t step) {
 
 MetricsFile::MetricsFile(const std::string& path, int64_t keep_through_step) : path_(path) {
   constexpr mode_t kNewFileMode = 0666;  // before the umask, as fopen creates files
+  constexpr size_t kReadChunk = size_t{1} << 16;
   fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, kNewFileMode);
   RF_CHECK(fd_ >= 0, path, ": cannot open for writing: ", std::strerror(errno));
+  // A failure past the open closes the file itself: the destructor of an object whose constructor threw never runs.
+  const auto check = [&](bool ok, const std::string& what) {
+    if (ok) return;
+    const int err = errno;
+    ::close(fd_);
+    fd_ = -1;
+    rf::fail(path, ": ", what, ": ", std::strerror(err));
+  };
   std::string text;
   if (keep_through_step > 0) {
-    char buf[1 << 16];
-    for (ssize_t n; (n = ::read(fd_, buf, sizeof buf)) != 0;) {
-      RF_CHECK(n > 0 || errno == EINTR, path, ": cannot read: ", std::strerror(errno));
-      if (n > 0) text.append(buf, static_cast<size_t>(n));
+    std::vector<char> buf(kReadChunk);
+    for (ssize_t n; (n = ::read(fd_, buf.data(), buf.size())) != 0;) {
+      check(n > 0 || errno == EINTR, "cannot read");
+      if (n > 0) text.append(buf.data(), static_cast<size_t>(n));
     }
   }
   size_ = kept_length(text, keep_through_step);
-  RF_CHECK(::ftruncate(fd_, size_) == 0 && ::lseek(fd_, size_, SEEK_SET) == size_, path,
-           ": cannot cut the file back to its lines of steps 1 to ", keep_through_step, ": ", std::strerror(errno));
+  check(::ftruncate(fd_, size_) == 0 && ::lseek(fd_, size_, SEEK_SET) == size_,
+        rf::concat("cannot cut the file back to its lines of steps 1 to ", keep_through_step));
 }
 
 MetricsFile::~MetricsFile() {

@@ -17,18 +17,30 @@ double learning_rate(const OptimizerSection& opt, const ScheduleSection& sched, 
   return opt.lr * (sched.min_lr_ratio + (1.0 - sched.min_lr_ratio) * cosine);
 }
 
-double global_grad_norm(const model::ParamStore& store) {
+double sum_of_squares(std::span<const float> g) {
   double sum = 0.0;
-  for (float g : store.flat(model::Role::Grads)) sum += static_cast<double>(g) * g;
-  return std::sqrt(sum);
+  for (float x : g) sum += static_cast<double>(x) * x;
+  return sum;
 }
 
-double clip_gradients(model::ParamStore& store, double norm, double max_norm) {
+double clip_factor(double norm, double max_norm) {
   if (max_norm <= 0 || norm <= max_norm) return 1.0;
   // torch.nn.utils.clip_grad_norm_'s factor, with its 1e-6 guard against a zero norm.
   constexpr double kNormGuard = 1e-6;
-  const double factor = max_norm / (norm + kNormGuard);
-  for (float& g : store.mutable_flat(model::Role::Grads)) g = static_cast<float>(g * factor);
+  return max_norm / (norm + kNormGuard);
+}
+
+void scale(std::span<float> g, double factor) {
+  for (float& x : g) x = static_cast<float>(x * factor);
+}
+
+double global_grad_norm(const model::ParamStore& store) {
+  return std::sqrt(sum_of_squares(store.flat(model::Role::Grads)));
+}
+
+double clip_gradients(model::ParamStore& store, double norm, double max_norm) {
+  const double factor = clip_factor(norm, max_norm);
+  if (factor != 1.0) scale(store.mutable_flat(model::Role::Grads), factor);
   return factor;
 }
 

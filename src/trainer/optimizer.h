@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -21,8 +22,16 @@ namespace rf::trainer {
 // at `total_steps`.
 double learning_rate(const OptimizerSection& opt, const ScheduleSection& sched, int step, int total_steps);
 
+// sum of g^2, accumulated in float64 in order.
+double sum_of_squares(std::span<const float> g);
+// torch.nn.utils.clip_grad_norm_'s factor for a global norm `norm` and a limit `max_norm` (0 = off): 1 when the norm
+// is within the limit.
+double clip_factor(double norm, double max_norm);
+// g *= factor, each element rounded once.
+void scale(std::span<float> g, double factor);
+
 // sqrt(sum of squares) of the store's gradients (the trainable parameters'), accumulated in float64 in registration
-// order over the flat gradient arena.
+// order over the flat gradient arena (one rank: the trainer combines per-shard partial sums over several).
 double global_grad_norm(const model::ParamStore& store);
 
 // Scales the gradients so their global norm is at most `max_norm` (0 = off); returns the factor.

@@ -21,6 +21,8 @@
 #include "model/lora_store.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
+#include "model/vision.h"
+#include "model/vision_encoder.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/optimizer.h"
@@ -35,26 +37,47 @@ using Clock = std::chrono::steady_clock;
 // layers of window 64 and one full layer (Gemma 4's 5:1 mix), GQA 4:2 on sliding and 4:1 with K = V on the full
 // layer (as the 26B/31B), head dims 16 and 32 (sliding and global differ as in Gemma 4), vision-bidirectional
 // image groups. The MoE variant adds Gemma 4's parallel MoE block (4 experts, top 2).
+//
+// Both are multimodal Gemma4ForConditionalGeneration models: their image features (kBuiltinFeatureDim wide) go
+// through the trainable projection model.embed_vision.embedding_projection, which transformers only builds beside a
+// vision tower. So the config holds a vision_config (a one-layer tower of width kBuiltinFeatureDim) and every
+// checkpoint holds that tower, freshly initialised from train.seed and never trained (the built-in data brings
+// features, not pixels): transformers loads the checkpoint with no missing and no unexpected weights.
 constexpr const char* kTinyDense = R"({
-  "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
-  "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
-  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
-  "num_global_key_value_heads": 1, "attention_k_eq_v": true, "sliding_window": 64,
-  "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
-                  "sliding_attention", "full_attention"],
-  "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0, "use_bidirectional_attention": "vision",
-  "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true
+  "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "tie_word_embeddings": true,
+  "text_config": {
+    "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 6,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
+    "num_global_key_value_heads": 1, "attention_k_eq_v": true, "sliding_window": 64,
+    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
+                    "sliding_attention", "full_attention"],
+    "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0, "use_bidirectional_attention": "vision",
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true,
+    "intermediate_size": 128
+  },
+  "vision_config": {
+    "model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
+    "position_embedding_size": 16
+  }
 })";
 constexpr const char* kTinyMoeVlm = R"({
-  "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
-  "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
-  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
-  "num_global_key_value_heads": 1, "attention_k_eq_v": true, "sliding_window": 64,
-  "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
-                  "sliding_attention", "full_attention"],
-  "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 48,
-  "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0, "use_bidirectional_attention": "vision",
-  "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true
+  "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "tie_word_embeddings": true,
+  "text_config": {
+    "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 6,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
+    "num_global_key_value_heads": 1, "attention_k_eq_v": true, "sliding_window": 64,
+    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
+                    "sliding_attention", "full_attention"],
+    "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0, "use_bidirectional_attention": "vision",
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true,
+    "intermediate_size": 96, "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 48
+  },
+  "vision_config": {
+    "model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
+    "position_embedding_size": 16
+  }
 })";
 
 model::Batch as_batch(const PackedBatch& p) {
@@ -86,6 +109,7 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
   same(now.train.seed == then.train.seed, "train.seed");
   same(now.data.source == then.data.source, "data.source");
   same(now.data.path == then.data.path, "data.path");
+  same(now.data.image_soft_tokens == then.data.image_soft_tokens, "data.image_soft_tokens");
   same(now.model.freeze == then.model.freeze, "model.freeze");
   same(now.model.lora_rank == then.model.lora_rank && now.model.lora_alpha == then.model.lora_alpha &&
            now.model.lora_target == then.model.lora_target &&
@@ -283,13 +307,21 @@ void set_up(Run& r) {
       r.ck = model::load_checkpoint(cfg.model.path, check_fits, lora_store());
       return;
     }
-    const model::Gemma4Config builtin = model::Gemma4Config::from_json(builtin_config_json(cfg.model.builtin));
+    const std::string text = builtin_config_json(cfg.model.builtin);
+    const std::string source = "model.builtin " + cfg.model.builtin;
+    const model::Gemma4Config builtin = model::Gemma4Config::from_json(text, source);
     check_fits(model::Gemma4Model(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Deferred));
     r.ck.model = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Allocated,
                                                       lora_store());
     r.ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
     // init_random filled every slot, the adapters too: PEFT's initial adapters again (B = 0: the base's function).
     if (auto* ls = dynamic_cast<model::LoraStore*>(&r.ck.model->params())) ls->init_adapters();
+    r.ck.text_prefix = model::kMultimodalTextPrefix;
+    const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
+    // transformers sizes the projection's input by the tower's width: the two must agree.
+    RF_CHECK(tower.hidden_size == kBuiltinFeatureDim, source, ": vision_config.hidden_size = ", tower.hidden_size,
+             ", the projection takes ", kBuiltinFeatureDim);
+    r.ck.passthrough = model::init_vision_tower(tower, cfg.train.seed);
   };
   if (!r.options.resume.empty()) {
     r.resume_dir = resolve_checkpoint(r.options.resume);
@@ -318,8 +350,24 @@ void set_up(Run& r) {
   const int width = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
   // Unfilled row positions are doc 0 with ignored labels (masked everywhere), so a config without a pad id
   // (pad_token_id null) fills them with token 0: any in-vocabulary id would do.
-  r.data = make_data_source(cfg, DataContract{m.config().vocab_size, m.config().pad_token_id.value_or(0), width,
-                                              cfg.model.path});
+  const DataContract contract{m.config().vocab_size, m.config().pad_token_id.value_or(0), width, cfg.model.path};
+  const std::string& config_json = m.config().source_json;
+  ImageContract images;
+  images.tokens = model::MultimodalTokens::from_config_json(config_json, "the model's config.json");
+  images.rank = r.world.rank();
+  images.ranks = r.world.size();
+  // The tower encodes the data's images once, here; its float32 copy of the weights goes with it.
+  std::unique_ptr<model::VisionEncoder> tower;
+  images.vision = [&]() -> const model::VisionEncoder* {
+    if (!tower) {
+      const std::optional<model::VisionConfig> vc =
+          model::VisionConfig::from_config_json(config_json, "the model's config.json");
+      if (!vc) return nullptr;
+      tower = std::make_unique<model::VisionEncoder>(*vc, r.ck.passthrough);
+    }
+    return tower.get();
+  };
+  r.data = make_data_source(cfg, contract, images);
   r.feature_dim = r.data->feature_dim() > 0 ? width : 0;
   model::ParamStore& store = r.ck.model->params();
   store.freeze(cfg.model.freeze);
@@ -405,19 +453,45 @@ double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t
   return loss;
 }
 
-// 4a. Sums the gradients over every rank of `c`, in rank order (Communicator::allreduce: the same bits on every rank
-// and backend). The store's gradient arena is one flat buffer of the trainable parameters, so the whole model is one
-// collective, in place.
-void reduce_gradients(comm::Communicator& c, model::ParamStore& store, comm::Timeout timeout) {
-  if (c.size() == 1) return;
-  const std::span<float> flat = store.mutable_flat(model::Role::Grads);
-  c.allreduce(flat.data(), flat.size(), comm::ReduceOp::Sum, timeout);
+// 4a. Sums the gradients over every rank, in rank order (the same bits on every rank and backend), in place in the
+// store's flat gradient arena: one collective for the whole model. Shard none: every rank gets the whole sum
+// (all-reduce). Shard optimizer: each rank gets the sums of its slice (reduce-scatter, half the traffic), the only
+// gradients its update reads.
+void reduce_gradients(Run& r) {
+  if (r.world.size() == 1) return;
+  const std::span<float> flat = r.ck.model->params().mutable_flat(model::Role::Grads);
+  if (r.shard_optimizer)
+    r.world.reduce_scatter(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
+  else
+    r.world.allreduce(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
 }
 
-// 4b. The global gradient norm, then clipping to optimizer.grad_clip; returns the norm before clipping.
-double clip_global_norm(model::ParamStore& store, double max_norm) {
-  const double norm = global_grad_norm(store);
-  if (std::isfinite(norm)) clip_gradients(store, norm, max_norm);
+// 4b. The global gradient norm, then clipping to optimizer.grad_clip; returns the norm before clipping. The sum of
+// squares is taken as one partial sum per rank's slice (comm::slice_of over the world), added in rank order: the same
+// bits whether a rank holds every reduced gradient (shard none: it computes all the partials) or its slice alone
+// (shard optimizer: each computes its own, and they are gathered). One rank: the sum in order over the whole arena.
+double clip_global_norm(Run& r, double max_norm) {
+  model::ParamStore& store = r.ck.model->params();
+  const std::span<float> flat = store.mutable_flat(model::Role::Grads);
+  const int P = r.world.size(), me = r.world.rank();
+  const auto slice = [&](int rank) {
+    const comm::Slice s = comm::slice_of(flat.size(), P, rank);
+    return flat.subspan(s.begin, s.size());
+  };
+  std::vector<double> partial(static_cast<size_t>(P));
+  if (r.shard_optimizer) {
+    const double mine = sum_of_squares(slice(me));
+    r.world.allgather(&mine, partial.data(), sizeof(double), r.timeout);
+  } else {
+    for (int rank = 0; rank < P; ++rank) partial[static_cast<size_t>(rank)] = sum_of_squares(slice(rank));
+  }
+  double sum = 0.0;
+  for (double x : partial) sum += x;
+  const double norm = std::sqrt(sum);
+  if (std::isfinite(norm)) {
+    const double factor = clip_factor(norm, max_norm);
+    if (factor != 1.0) scale(r.shard_optimizer ? slice(me) : flat, factor);
+  }
   return norm;
 }
 
@@ -450,18 +524,19 @@ void gather_shards(comm::Communicator& c, int64_t n, const std::function<void(in
   }
 }
 
-// parallelism.shard = optimizer, after the update: each rank updated its shard of the trainable parameters; every
-// rank takes the others' (the same bits the whole update gives, so every replica holds the same weights again).
+// parallelism.shard = optimizer, after the update: each rank updated its slice of the trainable parameters; every
+// rank takes the others' (the same bits the whole update gives, so every replica holds the same weights again). The
+// gradient arena, whose values are spent, carries them in the trainable layout: this rank's slice is copied in, one
+// all-gather of slices fills the rest, and every trainable parameter is copied back.
 void gather_updated_weights(comm::Communicator& c, model::ParamStore& store, comm::Timeout timeout) {
-  const auto read = [&](int64_t i, int64_t k, float* out) {
-    for (const model::ParamStore::Segment& seg : store.trainable_segments(i, i + k))
-      std::copy_n(store.weight(seg.slot) + seg.first, seg.n, out + (seg.train_index - i));
-  };
-  const auto write = [&](int64_t i, int64_t k, const float* in) {
-    for (const model::ParamStore::Segment& seg : store.trainable_segments(i, i + k))
-      std::copy_n(in + (seg.train_index - i), seg.n, store.mutable_weight(seg.slot) + seg.first);
-  };
-  gather_shards(c, store.trainable_elements(), read, write, true, timeout);
+  const std::span<float> staging = store.mutable_flat(model::Role::Grads);
+  const comm::Slice mine = comm::slice_of(staging.size(), c.size(), c.rank());
+  const int64_t begin = static_cast<int64_t>(mine.begin), end = static_cast<int64_t>(mine.end);
+  for (const model::ParamStore::Segment& seg : store.trainable_segments(begin, end))
+    std::copy_n(store.weight(seg.slot) + seg.first, seg.n, staging.data() + seg.train_index);
+  c.allgather_slices(staging.data(), staging.size(), sizeof(float), timeout);
+  for (const model::ParamStore::Segment& seg : store.trainable_segments(0, store.trainable_elements()))
+    std::copy_n(staging.data() + seg.train_index, seg.n, store.mutable_weight(seg.slot) + seg.first);
 }
 
 // parallelism.shard = optimizer, before a save: rank 0 (the writer) takes every rank's shard of both moments, so it
@@ -500,7 +575,7 @@ void check_finite_step(int64_t step, double loss, double norm, const std::string
       last_checkpoint.empty() ? "" : ", last checkpoint " + last_checkpoint));
 }
 
-// 6. Validation: every row of the split, each DP replica running every dp-th row in micro-batches, the loss
+// Validation: every row of the split, each DP replica running every dp-th row in micro-batches, the loss
 // normalised by the label tokens of the whole split. The rows are read inside comm::agree (like a step's rows).
 double validation_loss(Run& r) {
   const int dp = r.cfg.parallelism.dp;
@@ -528,11 +603,65 @@ double validation_loss(Run& r) {
   return loss;
 }
 
-// 7. The checkpoint of the current step, and the loss picture beside it (rank 0 writes both).
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+bool is_last(const Run& r, int64_t step) { return step == r.cfg.train.steps; }
+
+// The step's metrics, with validation on its steps, recorded in the loss history and the result. Throughput:
+// the step's non-padding tokens over its wall time, validation excluded.
+StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double norm, const TokenCounts& tokens,
+                        double step_seconds, TrainResult& result) {
+  StepMetrics sm;
+  sm.step = step;
+  sm.loss = loss;
+  sm.lr = lr;
+  sm.grad_norm = norm;
+  sm.tokens = tokens.labels;
+  sm.tokens_per_s = static_cast<double>(tokens.real) / step_seconds;
+  const bool validation_step = (r.cfg.train.val_every > 0 && step % r.cfg.train.val_every == 0) || is_last(r, step);
+  if (r.data->val_rows() > 0 && validation_step) sm.val_loss = validation_loss(r);
+  sm.peak_rss_bytes = peak_rss_bytes();
+  r.world.allreduce(&sm.peak_rss_bytes, 1, comm::ReduceOp::Max, r.timeout);
+  r.state.history.steps.push_back(static_cast<int>(step));
+  r.state.history.loss.push_back(loss);
+  if (sm.val_loss) {
+    r.state.history.val_steps.push_back(static_cast<int>(step));
+    r.state.history.val_loss.push_back(*sm.val_loss);
+  }
+  result.steps.push_back(sm);
+  return sm;
+}
+
+// The checkpoint of the current step, and the loss picture beside it (rank 0 writes both).
 void save(Run& r, TrainResult& result) {
   result.last_checkpoint = save_train_checkpoint(r.cfg.checkpoint.dir, r.ck, r.state, r.cfg.checkpoint.keep,
                                                  r.options.before_checkpoint_rename);
   if (!result.svg_path.empty()) io::write_file_atomically(result.svg_path, loss_svg(r.state.history, "ringflex train"));
+}
+
+// The step's outputs, all written by rank 0 in one agreement (a failed write ends every rank together, with its
+// line): the metrics line, the progress, and on checkpoint steps (every checkpoint.every and the last) the
+// checkpoint and the picture.
+void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<MetricsFile>& metrics, Progress& progress,
+                  TrainResult& result) {
+  const CheckpointSection& ck = r.cfg.checkpoint;
+  const bool save_now = !ck.dir.empty() && ((ck.every > 0 && sm.step % ck.every == 0) || is_last(r, sm.step));
+  model::ParamStore& store = r.ck.model->params();
+  if (save_now && r.shard_optimizer) gather_moments_to_writer(r.world, store, r.timeout);
+  comm::agree(r.world, [&] {
+    if (metrics) metrics->append(metrics_json_line(sm));
+    progress.step(sm, eta_s, is_last(r, sm.step) || sm.val_loss.has_value());
+    if (sm.val_loss) progress.note(rf::concat("step ", sm.step, ": validation loss ", *sm.val_loss));
+    if (save_now && r.lead) {
+      save(r, result);
+      progress.note(rf::concat("step ", sm.step, ": checkpoint ", result.last_checkpoint));
+    }
+  });
+  if (save_now) result.last_checkpoint = checkpoint_path(ck.dir, sm.step);  // known to every rank
+  if (save_now && r.shard_optimizer && r.lead) {                            // the writer keeps its own shard again
+    const model::Shard mine = model::shard_of(store.trainable_elements(), r.world.rank(), r.world.size());
+    store.set_moment_range(mine.begin, mine.end);
+  }
 }
 
 }  // namespace
@@ -545,6 +674,11 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
   Run r(cfg, world, options);
   join_groups(r);
   comm::agree(world, [&] { set_up(r); });
+  // Each rank encoded its share of the data's images (ImageContract): now that every rank has read the data, all
+  // of them get every image's soft tokens. A collective, so outside the setup, where a rank may have failed alone.
+  if (world.size() > 1)
+    r.data->sum_image_features(
+        [&](std::vector<float>& v) { world.allreduce(v.data(), v.size(), comm::ReduceOp::Sum, r.timeout); });
 
   TrainResult result;
   result.svg_path = default_svg_path(cfg, options);
@@ -565,58 +699,17 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     comm::agree(world, [&] { batches = replica_micro_batches(r); });
     const TokenCounts tokens = count_tokens(r, batches);
     const double loss = forward_backward(r, batches, tokens.labels);
-    reduce_gradients(world, r.ck.model->params(), r.timeout);
-    const double norm = clip_global_norm(r.ck.model->params(), cfg.optimizer.grad_clip);
+    reduce_gradients(r);
+    const double norm = clip_global_norm(r, cfg.optimizer.grad_clip);
     check_finite_step(step, loss, norm, result.last_checkpoint);
     const double lr = apply_update(r, step);
     r.state.step = step;
     r.state.data_position += cfg.train.global_batch;
 
-    // 5. the step's metrics
-    StepMetrics sm;
-    sm.step = step;
-    sm.loss = loss;
-    sm.lr = lr;
-    sm.grad_norm = norm;
-    sm.tokens = tokens.labels;
-    // Training throughput: the step's non-padding tokens over its wall time, the validation after it excluded.
-    const double seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
-    sm.tokens_per_s = static_cast<double>(tokens.real) / seconds;
-    const bool last = step == cfg.train.steps;
-    const bool validation_step = (cfg.train.val_every > 0 && step % cfg.train.val_every == 0) || last;
-    if (r.data->val_rows() > 0 && validation_step) sm.val_loss = validation_loss(r);
-    sm.peak_rss_bytes = peak_rss_bytes();
-    world.allreduce(&sm.peak_rss_bytes, 1, comm::ReduceOp::Max, r.timeout);
-    r.state.history.steps.push_back(static_cast<int>(step));
-    r.state.history.loss.push_back(loss);
-    if (sm.val_loss) {
-      r.state.history.val_steps.push_back(static_cast<int>(step));
-      r.state.history.val_loss.push_back(*sm.val_loss);
-    }
-    result.steps.push_back(sm);
-    const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
-    const double eta =
-        elapsed / static_cast<double>(step - first_step + 1) * static_cast<double>(cfg.train.steps - step);
-
-    // The step's outputs, all written by rank 0 in one agreement: a failed write ends every rank together.
-    const bool save_now =
-        !cfg.checkpoint.dir.empty() && ((cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0) || last);
-    if (save_now && r.shard_optimizer) gather_moments_to_writer(world, r.ck.model->params(), r.timeout);
-    comm::agree(world, [&] {
-      if (metrics) metrics->append(metrics_json_line(sm));
-      progress.step(sm, eta, last || sm.val_loss.has_value());
-      if (sm.val_loss) progress.note(rf::concat("step ", step, ": validation loss ", *sm.val_loss));
-      if (save_now && r.lead) {
-        save(r, result);
-        progress.note(rf::concat("step ", step, ": checkpoint ", result.last_checkpoint));
-      }
-    });
-    if (save_now) result.last_checkpoint = checkpoint_path(cfg.checkpoint.dir, step);  // known to every rank
-    if (save_now && r.shard_optimizer && r.lead) {  // the writer keeps its own shard again
-      model::ParamStore& store = r.ck.model->params();
-      const model::Shard mine = model::shard_of(store.trainable_elements(), world.rank(), world.size());
-      store.set_moment_range(mine.begin, mine.end);
-    }
+    const StepMetrics sm = record_step(r, step, loss, lr, norm, tokens, seconds_since(step_start), result);
+    const double eta = seconds_since(run_start) / static_cast<double>(step - first_step + 1) *
+                       static_cast<double>(cfg.train.steps - step);
+    publish_step(r, sm, eta, metrics, progress, result);
   }
   comm::agree(world, [&] {
     if (metrics) metrics->close();

@@ -16,8 +16,9 @@
 //
 // trainer.cpp reads as this plan: set_up (model, data, optimizer state; checked on every rank before any step),
 // then per step replica_micro_batches (1), count_tokens (2), forward_backward (3), reduce_gradients,
-// clip_global_norm and apply_update (4), the step's metrics, validation_loss and save. Every step that can fail
-// on some ranks only (reading rows, rank 0's writes) runs inside comm::agree, so it fails every rank together.
+// clip_global_norm and apply_update (4), record_step (the metrics, validation_loss) and publish_step (the metrics
+// line, progress, save). Every step that can fail on some ranks only (reading and checking rows, rank 0's writes)
+// runs inside comm::agree, so it fails every rank together with one line naming the rank.
 #pragma once
 
 #include <cstdio>
@@ -44,7 +45,7 @@ struct TrainOptions {
                                  // the checkpoint's steps and continues); empty: none
   std::string svg_path;          // the loss picture (end of run and every checkpoint); empty: <checkpoint.dir>/loss.svg
   std::FILE* progress = stdout;  // rank 0's progress lines; nullptr: silent
-  // Runs inside a checkpoint save after its files are written, before the rename (tests simulate a crash here).
+  // Runs inside a checkpoint save after its files are written, before the rename (tests fail a save there).
   std::function<void(const std::string&)> before_checkpoint_rename;
 };
 

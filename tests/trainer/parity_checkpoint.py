@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """A checkpoint written by `ringflex train` loads in transformers and gives the same loss there.
 
-1. `ringflex train` fine-tunes the built-in tiny dense Gemma 4 for a few steps on mock data (text-only rows, so
-   the causal-LM class alone is the whole model) and writes a checkpoint;
-2. transformers' Gemma4ForCausalLM.from_pretrained loads that directory as it is (config.json + model.safetensors);
+1. `ringflex train` fine-tunes the built-in tiny dense Gemma 4 for a few steps on mock data and writes a
+   checkpoint (a Gemma4ForConditionalGeneration: the decoder, the vision projection and the one-layer vision tower
+   ringflex makes for its built-in models);
+2. transformers' Gemma4ForConditionalGeneration.from_pretrained loads that directory as it is (config.json +
+   model.safetensors) with no missing and no unexpected weights; the batch is text only, so the loss is the
+   decoder's;
 3. `ringflex forward --model CKPT` and transformers (float64, eager attention, the docs/spec.md §3 mask of each layer type
    handed in as the {layer_type: mask} dict, as tests/model/parity.py does) compute the loss of one fixed batch
    of packed documents; they must agree.
@@ -26,7 +29,7 @@ from oracle_env import missing_oracle  # noqa: E402
 try:
     import torch
     from safetensors.torch import load_file, save_file
-    from transformers import Gemma4ForCausalLM
+    from transformers import Gemma4ForConditionalGeneration
 except ImportError as e:  # pragma: no cover - depends on the environment
     missing_oracle(e)  # a skip locally, a failure under CI and scripts/test.sh
 
@@ -53,8 +56,10 @@ def main():
                     "--set", "model.init_std=0.1", "--set", f"checkpoint.dir={work}/ck", "--set", "checkpoint.every=3"],
                    check=True, env=env, stdout=subprocess.DEVNULL)
     ckpt = os.path.join(work, "ck", "step-00000003")
-    model = Gemma4ForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32, attn_implementation="eager")
-    model.config._attn_implementation = "eager"
+    model, info = Gemma4ForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager",
+                                                                 output_loading_info=True)
+    for what in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        assert not info.get(what), f"transformers reports {what}: {sorted(info[what])[:6]}"
     weights = load_file(os.path.join(ckpt, "model.safetensors"))
     for name, p in model.named_parameters():
         assert name in weights, f"transformers has {name}, the checkpoint does not"
@@ -62,7 +67,7 @@ def main():
     model = model.double()
 
     gen = torch.Generator().manual_seed(7)
-    cfg = model.config
+    cfg = model.config.get_text_config()
     ids = torch.randint(32, cfg.vocab_size, (1, S), generator=gen)
     doc = torch.ones((1, S), dtype=torch.int64)
     doc[0, 20:] = 2

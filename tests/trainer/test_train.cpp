@@ -368,13 +368,49 @@ TEST(Checkpoints, NonFiniteWeightsAndMomentsStopBeforeStepOne) {
                                         "` has -1 at [0, 0] (a second moment is never negative)");
   const std::string nan_weight =
       damaged("nan_weight", [&](model::ParamStore& p) { p.mutable_weight(p.slot(name))[2] = INFINITY; });
-  EXPECT_EQ(resume_error(nan_weight), nan_weight + "/model.safetensors: tensor `" + name + "` has inf at [0, 2]");
+  // Named as in the files, where a built-in (multimodal) model keeps its decoder under model.language_model.
+  const std::string file_name = "model.language_model.layers.0.self_attn.q_proj.weight";
+  EXPECT_EQ(resume_error(nan_weight), nan_weight + "/model.safetensors: tensor `" + file_name + "` has inf at [0, 2]");
   // The same weights as a model to fine-tune.
   const std::string path = (dir / "nan_weight" / "step-00000001").string();
   EXPECT_EQ(error_of([&] {
               run(config((dir / "out").string(), {"train.steps=1", "model.path=" + path}));
             }),
-            path + "/model.safetensors: tensor `" + name + "` has inf at [0, 2]");
+            path + "/model.safetensors: tensor `" + file_name + "` has inf at [0, 2]");
+}
+
+// The metrics file a resume continues keeps the whole lines of the steps its checkpoint holds: the lines of steps it
+// does again go, and so does a line a hard kill cut off; a fresh run starts it empty.
+TEST(Checkpoints, AResumedMetricsFileKeepsTheCheckpointsSteps) {
+  const fs::path dir = scratch("metrics_resume");
+  fs::create_directories(dir);
+  const std::string path = (dir / "m.jsonl").string();
+  const auto line = [](int64_t step) {
+    StepMetrics m;
+    m.step = step;
+    m.loss = 1.0 / static_cast<double>(step);
+    return metrics_json_line(m);
+  };
+  const auto read = [&] {
+    std::ifstream in(path);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  {
+    MetricsFile f(path, 0);
+    for (int64_t step = 1; step <= 4; ++step) f.append(line(step));
+    f.close();
+  }
+  std::ofstream(path, std::ios::app) << "{\"step\":5,\"loss\":0.2";  // cut off by a kill
+  {
+    MetricsFile f(path, 2);
+    EXPECT_EQ(read(), line(1) + line(2));
+    f.append(line(3));
+  }  // closed by the destructor
+  EXPECT_EQ(read(), line(1) + line(2) + line(3));
+  { MetricsFile f(path, 9); }  // a resume past the file's steps keeps all of it
+  EXPECT_EQ(read(), line(1) + line(2) + line(3));
+  { MetricsFile f(path, 0); }
+  EXPECT_EQ(read(), "");
 }
 
 TEST(Checkpoints, KeepLastKAndTheMetricsFile) {

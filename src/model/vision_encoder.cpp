@@ -1,0 +1,454 @@
+// ringflex model: Gemma 4's vision encoder forward (see vision_encoder.h).
+#include "model/vision_encoder.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "core/attention_args.h"
+#include "core/error.h"
+#include "cpu/attention.h"
+#include "io/tensor_access.h"
+#include "model/ops.h"
+
+namespace rf::model {
+
+namespace {
+
+constexpr int64_t kChannels = 3;  // RGB: a patch is 3 * patch_size^2 values
+constexpr int kAxes = 2;          // (x, y): the position table's and the rotary embedding's two axes
+constexpr int32_t kPaddingPosition = -1;
+
+}  // namespace
+
+std::vector<float> VisionEncoder::take(const io::Passthrough& tensors, const std::string& name,
+                                       const std::vector<int64_t>& shape) const {
+  const std::string full = kVisionTowerPrefix + name;
+  const io::Passthrough::Entry* e = tensors.find(full);
+  RF_CHECK(e != nullptr, "vision tower: no tensor `", full, "` in the checkpoint");
+  RF_CHECK(e->shape == shape, "vision tower: tensor `", full, "` has shape ", io::shape_string(e->shape),
+           ", the vision_config implies ", io::shape_string(shape));
+  return io::to_float32(io::TensorView{full, e->dtype, e->shape, e->bytes});
+}
+
+VisionEncoder::Linear VisionEncoder::take_linear(const io::Passthrough& tensors, const std::string& name, int64_t in,
+                                                 int64_t out) const {
+  Linear l;
+  l.w = take(tensors, name + ".linear.weight", {out, in});
+  const float inf = std::numeric_limits<float>::infinity();
+  l.in_min = -inf, l.in_max = inf, l.out_min = -inf, l.out_max = inf;
+  if (cfg_.use_clipped_linears) {
+    l.in_min = take(tensors, name + ".input_min", {})[0];
+    l.in_max = take(tensors, name + ".input_max", {})[0];
+    l.out_min = take(tensors, name + ".output_min", {})[0];
+    l.out_max = take(tensors, name + ".output_max", {})[0];
+  }
+  return l;
+}
+
+VisionEncoder::VisionEncoder(VisionConfig c, const io::Passthrough& tensors) : cfg_(std::move(c)) {
+  const int64_t H = cfg_.hidden_size, D = cfg_.head_dim, I = cfg_.intermediate_size;
+  // The 2-D rotary embedding rotates each half of a head by one axis, in pairs (i, i + D/4) within the half.
+  RF_CHECK(D % (2 * kAxes) == 0, "vision tower: head_dim = ", D, " must be a multiple of 4 (2-D rotary embedding)");
+  RF_CHECK(cfg_.num_heads % cfg_.num_kv_heads == 0, "vision tower: num_attention_heads = ", cfg_.num_heads,
+           " is not a multiple of num_key_value_heads = ", cfg_.num_kv_heads);
+  for (int l = 0; l < cfg_.num_layers; ++l) {
+    const std::string p = "encoder.layers." + std::to_string(l) + ".";
+    Layer layer;
+    layer.input_norm = take(tensors, p + "input_layernorm.weight", {H});
+    layer.post_attention_norm = take(tensors, p + "post_attention_layernorm.weight", {H});
+    layer.pre_feedforward_norm = take(tensors, p + "pre_feedforward_layernorm.weight", {H});
+    layer.post_feedforward_norm = take(tensors, p + "post_feedforward_layernorm.weight", {H});
+    layer.q = take_linear(tensors, p + "self_attn.q_proj", H, cfg_.num_heads * D);
+    layer.k = take_linear(tensors, p + "self_attn.k_proj", H, cfg_.num_kv_heads * D);
+    layer.v = take_linear(tensors, p + "self_attn.v_proj", H, cfg_.num_kv_heads * D);
+    layer.o = take_linear(tensors, p + "self_attn.o_proj", cfg_.num_heads * D, H);
+    layer.q_norm = take(tensors, p + "self_attn.q_norm.weight", {D});
+    layer.k_norm = take(tensors, p + "self_attn.k_norm.weight", {D});
+    layer.gate = take_linear(tensors, p + "mlp.gate_proj", H, I);
+    layer.up = take_linear(tensors, p + "mlp.up_proj", H, I);
+    layer.down = take_linear(tensors, p + "mlp.down_proj", I, H);
+    layers_.push_back(std::move(layer));
+  }
+  const int64_t patch = cfg_.patch_size;
+  input_proj_ = take(tensors, "patch_embedder.input_proj.weight", {H, kChannels * patch * patch});
+  pos_table_ = take(tensors, "patch_embedder.position_embedding_table", {kAxes, cfg_.position_embedding_size, H});
+  if (cfg_.standardize) {
+    std_bias_ = take(tensors, "std_bias", {H});
+    std_scale_ = take(tensors, "std_scale", {H});
+  }
+  // As Gemma4VisionRotaryEmbedding builds them, in float32: 1 / theta^(2i / (D/2)) for i < D/4.
+  const int64_t spatial = D / kAxes;
+  for (int64_t i = 0; i < spatial; i += 2)
+    inv_freq_.push_back(
+        1.f / std::pow(static_cast<float>(cfg_.rope_theta), static_cast<float>(i) / static_cast<float>(spatial)));
+}
+
+void VisionEncoder::clipped_linear(const Linear& l, const float* x, float* y, int64_t T, int64_t in, int64_t out,
+                                   VisionTape::LinearTape& tape) const {
+  const Matmul mm;
+  if (!cfg_.use_clipped_linears) {
+    linear_forward(mm, x, l.w.data(), y, T, in, out);
+    return;
+  }
+  tape.x.assign(x, x + T * in);
+  for (float& v : tape.x) v = std::clamp(v, l.in_min, l.in_max);
+  linear_forward(mm, tape.x.data(), l.w.data(), y, T, in, out);
+  tape.y.assign(y, y + T * out);
+  for (int64_t i = 0; i < T * out; ++i) y[i] = std::clamp(y[i], l.out_min, l.out_max);
+}
+
+void VisionEncoder::clipped_linear_backward(const Linear& l, const float* x, const VisionTape::LinearTape& tape,
+                                            const float* dy, float* dx, float* dW, int64_t T, int64_t in,
+                                            int64_t out) const {
+  const Matmul mm;
+  if (!cfg_.use_clipped_linears) {
+    linear_backward(mm, x, l.w.data(), dy, dx, dW, T, in, out);
+    return;
+  }
+  // torch.clamp passes the gradient where min <= value <= max, and none outside.
+  std::vector<float> dy_in(dy, dy + T * out);
+  for (int64_t i = 0; i < T * out; ++i)
+    if (!(tape.y[i] >= l.out_min && tape.y[i] <= l.out_max)) dy_in[i] = 0.f;
+  std::vector<float> dx_in(static_cast<size_t>(T * in), 0.f);
+  linear_backward(mm, tape.x.data(), l.w.data(), dy_in.data(), dx_in.data(), dW, T, in, out);
+  for (int64_t i = 0; i < T * in; ++i)
+    if (x[i] >= l.in_min && x[i] <= l.in_max) dx[i] += dx_in[i];
+}
+
+namespace {
+
+// [n, P, heads, D] token-major <-> [n, heads, P, D] head-major (the attention kernels' layout).
+std::vector<float> to_heads(const std::vector<float>& x, int n, int64_t P, int heads, int64_t D) {
+  std::vector<float> y(x.size());
+  for (int img = 0; img < n; ++img)
+    for (int64_t p = 0; p < P; ++p)
+      for (int hd = 0; hd < heads; ++hd)
+        std::copy_n(x.data() + ((img * P + p) * heads + hd) * D, D, y.data() + ((img * heads + hd) * P + p) * D);
+  return y;
+}
+std::vector<float> to_tokens(const std::vector<float>& x, int n, int64_t P, int heads, int64_t D) {
+  std::vector<float> y(x.size());
+  for (int img = 0; img < n; ++img)
+    for (int hd = 0; hd < heads; ++hd)
+      for (int64_t p = 0; p < P; ++p)
+        std::copy_n(x.data() + ((img * heads + hd) * P + p) * D, D, y.data() + ((img * P + p) * heads + hd) * D);
+  return y;
+}
+
+// In place on x[T, heads, D]: each half a of a head rotated by axis a's angle, pairs (i, i + D/4) within the half;
+// `inverse` rotates back (the backward of a rotation is its transpose).
+void rope_2d(std::vector<float>& x, const std::vector<float>& cosv, const std::vector<float>& sinv, int64_t T,
+             int heads, int64_t D, bool inverse) {
+  const int64_t quarter = D / (2 * kAxes);
+  for (int64_t t = 0; t < T; ++t)
+    for (int hd = 0; hd < heads; ++hd)
+      for (int a = 0; a < kAxes; ++a) {
+        float* part = x.data() + (t * heads + hd) * D + a * 2 * quarter;
+        for (int64_t i = 0; i < quarter; ++i) {
+          const float c = cosv[(t * kAxes + a) * quarter + i];
+          const float s = inverse ? -sinv[(t * kAxes + a) * quarter + i] : sinv[(t * kAxes + a) * quarter + i];
+          const float x1 = part[i], x2 = part[i + quarter];
+          part[i] = x1 * c - x2 * s;
+          part[i + quarter] = x2 * c + x1 * s;
+        }
+      }
+}
+
+void add_into(std::vector<float>& y, const std::vector<float>& x) {
+  for (size_t i = 0; i < y.size(); ++i) y[i] += x[i];
+}
+
+}  // namespace
+
+void VisionEncoder::check(const VisionBatch& b, const std::string& source) const {
+  const int64_t k = cfg_.pooling_kernel_size, P = b.P;
+  RF_CHECK(b.n > 0 && P > 0 && b.pixels && b.positions, source, ": a vision batch needs n > 0 images of P > 0 patches");
+  RF_CHECK(P % (k * k) == 0, source, ": ", P, " patches per image cannot pool to soft tokens: not a multiple of ",
+           "pooling_kernel_size^2 = ", k * k);
+  RF_CHECK(P <= std::numeric_limits<int32_t>::max(), source, ": ", P, " patches per image is too many");
+  // Everything forward indexes with: each position in the table, or the padding.
+  for (int64_t t = 0; t < int64_t{b.n} * P; ++t) {
+    const int32_t x = b.positions[2 * t], y = b.positions[2 * t + 1];
+    const bool pad = x == kPaddingPosition && y == kPaddingPosition;
+    RF_CHECK(pad || (x >= 0 && y >= 0 && x < cfg_.position_embedding_size && y < cfg_.position_embedding_size), source,
+             ": image ", t / P, " patch ", t % P, " has position (", x, ", ", y, "), outside [0, ",
+             cfg_.position_embedding_size, ") (position_embedding_size), and not the padding (-1, -1)");
+  }
+  for (int img = 0; img < b.n; ++img)
+    for (int64_t cell : pool_cells(b, img))
+      RF_CHECK(P == P / (k * k) || cell < P / (k * k), source, ": image ", img, " pools into cell ", cell, " of ",
+               P / (k * k), ": its grid holds more patches than its ", P, " slots");
+}
+
+VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& source, VisionTape* keep) const {
+  const int64_t H = cfg_.hidden_size, D = cfg_.head_dim, I = cfg_.intermediate_size, P = b.P;
+  const int Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, n = b.n;
+  const int64_t k = cfg_.pooling_kernel_size, patch_values = kChannels * cfg_.patch_size * cfg_.patch_size;
+  check(b, source);
+  const int64_t T = int64_t{n} * P;
+  const int64_t length = P / (k * k);  // soft tokens an image of P patches pools to (Gemma4VisionModel's output_length)
+  VisionTape local;
+  VisionTape& tape = keep ? *keep : local;
+  tape = VisionTape{};
+  tape.pad.assign(static_cast<size_t>(T), false);
+  for (int64_t t = 0; t < T; ++t)
+    tape.pad[t] = b.positions[2 * t] == kPaddingPosition && b.positions[2 * t + 1] == kPaddingPosition;
+  const std::vector<bool>& pad = tape.pad;
+
+  // 1. Patch embedding.
+  std::vector<float> h(static_cast<size_t>(T * H));
+  tape.scaled.resize(static_cast<size_t>(T * patch_values));
+  for (int64_t i = 0; i < T * patch_values; ++i) tape.scaled[i] = 2.f * (b.pixels[i] - 0.5f);
+  linear_forward(Matmul{}, tape.scaled.data(), input_proj_.data(), h.data(), T, patch_values, H);
+  const int64_t table = int64_t{cfg_.position_embedding_size} * H;  // one axis of the position table
+  for (int64_t t = 0; t < T; ++t) {
+    if (pad[t]) continue;
+    const float* ex = pos_table_.data() + int64_t{b.positions[2 * t]} * H;
+    const float* ey = pos_table_.data() + table + int64_t{b.positions[2 * t + 1]} * H;
+    for (int64_t c = 0; c < H; ++c) h[t * H + c] += ex[c] + ey[c];
+  }
+
+  // The rotary angles of each token and axis: [T, 2, D/4] cos and sin, in float32 as transformers computes them.
+  const int64_t quarter = D / (2 * kAxes);
+  tape.cos.resize(static_cast<size_t>(T * kAxes * quarter));
+  tape.sin.resize(tape.cos.size());
+  for (int64_t t = 0; t < T; ++t)
+    for (int a = 0; a < kAxes; ++a)
+      for (int64_t i = 0; i < quarter; ++i) {
+        const float angle = static_cast<float>(b.positions[2 * t + a]) * inv_freq_[i];
+        tape.cos[(t * kAxes + a) * quarter + i] = std::cos(angle);
+        tape.sin[(t * kAxes + a) * quarter + i] = std::sin(angle);
+      }
+
+  // Attention within each image over its valid patches: one row per image, doc 1 for a valid patch, 0 for padding
+  // (a padding query sees nothing and gets 0; its output never reaches a soft token).
+  tape.meta.resize(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t)
+    tape.meta[t] = TokenMeta{static_cast<int32_t>(t % P), pad[t] ? kPaddingDoc : 1, kNoGroup};
+  AttnChunk chunk;
+  chunk.shape = AttnShape{n, Hq, Hkv, static_cast<int>(P), static_cast<int>(P), static_cast<int>(D)};
+  chunk.dtype = DType::F32;
+  chunk.q_meta = chunk.k_meta = tape.meta.data();
+  chunk.mask = LayerMask{false, 0, false};
+  chunk.scale = 1.f;  // Gemma4VisionAttention.scaling: q and k are RMS-normalised per head instead
+
+  const float eps = static_cast<float>(cfg_.rms_norm_eps);
+  const auto sized = [](int64_t count) { return std::vector<float>(static_cast<size_t>(count)); };
+  for (const Layer& L : layers_) {
+    VisionTape::Layer S;
+    S.h_in = h;
+    // 2a. Attention.
+    S.a = sized(T * H), S.inv_in = sized(T);
+    rmsnorm_forward(h.data(), L.input_norm.data(), eps, S.a.data(), S.inv_in.data(), T, H);
+    S.q_raw = sized(T * Hq * D), S.k_raw = sized(T * Hkv * D), S.v_raw = sized(T * Hkv * D);
+    clipped_linear(L.q, S.a.data(), S.q_raw.data(), T, H, Hq * D, S.q);
+    clipped_linear(L.k, S.a.data(), S.k_raw.data(), T, H, Hkv * D, S.k);
+    clipped_linear(L.v, S.a.data(), S.v_raw.data(), T, H, Hkv * D, S.v);
+    std::vector<float> qn = sized(T * Hq * D), kn = sized(T * Hkv * D), vn = sized(T * Hkv * D);
+    S.inv_q = sized(T * Hq), S.inv_k = sized(T * Hkv), S.inv_v = sized(T * Hkv);
+    rmsnorm_forward(S.q_raw.data(), L.q_norm.data(), eps, qn.data(), S.inv_q.data(), T * Hq, D);
+    rmsnorm_forward(S.k_raw.data(), L.k_norm.data(), eps, kn.data(), S.inv_k.data(), T * Hkv, D);
+    rmsnorm_forward(S.v_raw.data(), nullptr, eps, vn.data(), S.inv_v.data(), T * Hkv, D);
+    rope_2d(qn, tape.cos, tape.sin, T, Hq, D, false);
+    rope_2d(kn, tape.cos, tape.sin, T, Hkv, D, false);
+    S.qh = to_heads(qn, n, P, Hq, D), S.kh = to_heads(kn, n, P, Hkv, D), S.vh = to_heads(vn, n, P, Hkv, D);
+    chunk.q = S.qh.data();
+    chunk.k = S.kh.data();
+    chunk.v = S.vh.data();
+    validate(chunk);
+    S.out = sized(T * Hq * D), S.lse = sized(T * Hq);
+    cpu::attention_forward(chunk, S.out.data(), S.lse.data());
+    S.o_tok = to_tokens(S.out, n, P, Hq, D);
+    S.attn = sized(T * H), S.inv_attn = sized(T);
+    clipped_linear(L.o, S.o_tok.data(), S.attn.data(), T, Hq * D, H, S.o);
+    std::vector<float> normed = sized(T * H);
+    rmsnorm_forward(S.attn.data(), L.post_attention_norm.data(), eps, normed.data(), S.inv_attn.data(), T, H);
+    add_into(h, normed);
+    // 2b. MLP.
+    S.h_mid = h;
+    S.m = sized(T * H), S.inv_mid = sized(T);
+    rmsnorm_forward(h.data(), L.pre_feedforward_norm.data(), eps, S.m.data(), S.inv_mid.data(), T, H);
+    S.g = sized(T * I), S.u = sized(T * I), S.gu = sized(T * I);
+    clipped_linear(L.gate, S.m.data(), S.g.data(), T, H, I, S.gate);
+    clipped_linear(L.up, S.m.data(), S.u.data(), T, H, I, S.up);
+    geglu_forward(S.g.data(), S.u.data(), S.gu.data(), T * I);
+    S.ff = sized(T * H), S.inv_ff = sized(T);
+    clipped_linear(L.down, S.gu.data(), S.ff.data(), T, I, H, S.down);
+    rmsnorm_forward(S.ff.data(), L.post_feedforward_norm.data(), eps, normed.data(), S.inv_ff.data(), T, H);
+    add_into(h, normed);
+    if (keep) tape.layers.push_back(std::move(S));
+  }
+
+  // 3. Pooling per image, the scale and standardize.
+  VisionOutput r;
+  const float root = static_cast<float>(std::sqrt(static_cast<double>(H)));
+  std::vector<float> pooled(static_cast<size_t>(length * H));
+  std::vector<bool> used(static_cast<size_t>(length));
+  for (int img = 0; img < n; ++img) {
+    const int64_t base = int64_t{img} * P;
+    std::fill(pooled.begin(), pooled.end(), 0.f);
+    std::fill(used.begin(), used.end(), false);
+    if (P == length) {  // nothing to pool: the valid patches themselves
+      for (int64_t p = 0; p < P; ++p) {
+        if (pad[base + p]) continue;
+        used[p] = true;
+        std::copy_n(h.data() + (base + p) * H, H, pooled.data() + p * H);
+      }
+    } else {
+      const float weight = 1.f / static_cast<float>(k * k);
+      const std::vector<int64_t> cells = pool_cells(b, img);
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t cell = cells[p];
+        RF_CHECK(cell < length, source, ": image ", img, " patch ", p, " pools into cell ", cell, " of ", length,
+                 ": the image's grid holds more patches than its ", P, " slots");
+        used[cell] = true;
+        if (pad[base + p]) continue;
+        for (int64_t c = 0; c < H; ++c) pooled[cell * H + c] += weight * h[(base + p) * H + c];
+      }
+    }
+    int64_t count = 0;
+    for (int64_t cell = 0; cell < length; ++cell) {
+      if (!used[cell]) continue;
+      ++count;
+      tape.cells.push_back(cell);
+      for (int64_t c = 0; c < H; ++c) {
+        float x = pooled[cell * H + c] * root;
+        if (cfg_.standardize) x = (x - std_bias_[c]) * std_scale_[c];
+        r.soft_tokens.push_back(x);
+      }
+    }
+    r.counts.push_back(count);
+  }
+  tape.counts = r.counts;
+  return r;
+}
+
+std::vector<int64_t> VisionEncoder::pool_cells(const VisionBatch& b, int img) const {
+  // transformers clamps padding to (0, 0) before taking the widest x, and pools padding (zeroed) into cell 0.
+  const int64_t k = cfg_.pooling_kernel_size, base = int64_t{img} * b.P;
+  int64_t max_x = 0;
+  for (int64_t q = 0; q < b.P; ++q) max_x = std::max<int64_t>(max_x, std::max(b.positions[2 * (base + q)], 0) + 1);
+  std::vector<int64_t> cells(static_cast<size_t>(b.P));
+  for (int64_t p = 0; p < b.P; ++p) {
+    const int64_t x = std::max(b.positions[2 * (base + p)], 0), y = std::max(b.positions[2 * (base + p) + 1], 0);
+    cells[p] = x / k + (max_x / k) * (y / k);
+  }
+  return cells;
+}
+
+void VisionEncoder::backward(const VisionBatch& b, const VisionTape& tape, const float* d_soft_tokens,
+                             VisionGrads& grads) const {
+  const int64_t H = cfg_.hidden_size, D = cfg_.head_dim, I = cfg_.intermediate_size, P = b.P;
+  const int Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, n = b.n;
+  const int64_t k = cfg_.pooling_kernel_size, patch_values = kChannels * cfg_.patch_size * cfg_.patch_size;
+  const int64_t T = int64_t{n} * P, length = P / (k * k);
+  RF_CHECK(static_cast<int64_t>(tape.pad.size()) == T && tape.layers.size() == layers_.size(),
+           "vision tower: backward needs the tape of a forward on the same batch");
+  const auto grad = [&](const std::string& name, int64_t count) -> float* {
+    std::vector<float>& g = grads[kVisionTowerPrefix + name];
+    if (g.empty()) g.assign(static_cast<size_t>(count), 0.f);
+    RF_CHECK(static_cast<int64_t>(g.size()) == count, "vision tower: gradient `", name, "` has ", g.size(),
+             " elements, the tensor ", count);
+    return g.data();
+  };
+
+  // 3. Pooling: each soft token's gradient, through standardize and the scale, spread over its cell's patches.
+  std::vector<float> dh(static_cast<size_t>(T * H), 0.f);
+  const float root = static_cast<float>(std::sqrt(static_cast<double>(H)));
+  const float weight = P == length ? 1.f : 1.f / static_cast<float>(k * k);
+  std::vector<float> d_cell(static_cast<size_t>(length * H));
+  size_t row = 0;  // soft tokens are image after image, each image's kept cells in cell order
+  for (int img = 0; img < n; ++img) {
+    const int64_t base = int64_t{img} * P;
+    std::fill(d_cell.begin(), d_cell.end(), 0.f);
+    for (int64_t j = 0; j < tape.counts[img]; ++j, ++row) {
+      const int64_t cell = tape.cells[row];
+      for (int64_t c = 0; c < H; ++c)
+        d_cell[cell * H + c] = d_soft_tokens[row * H + c] * root * (cfg_.standardize ? std_scale_[c] : 1.f);
+    }
+    const std::vector<int64_t> cells = P == length ? std::vector<int64_t>() : pool_cells(b, img);
+    for (int64_t p = 0; p < P; ++p) {
+      if (tape.pad[base + p]) continue;
+      const int64_t cell = P == length ? p : cells[p];
+      for (int64_t c = 0; c < H; ++c) dh[(base + p) * H + c] += weight * d_cell[cell * H + c];
+    }
+  }
+
+  AttnChunk chunk;
+  chunk.shape = AttnShape{n, Hq, Hkv, static_cast<int>(P), static_cast<int>(P), static_cast<int>(D)};
+  chunk.dtype = DType::F32;
+  chunk.q_meta = chunk.k_meta = tape.meta.data();
+  chunk.mask = LayerMask{false, 0, false};
+  chunk.scale = 1.f;
+  const auto zeros = [](int64_t count) { return std::vector<float>(static_cast<size_t>(count), 0.f); };
+  for (int l = static_cast<int>(layers_.size()) - 1; l >= 0; --l) {
+    const Layer& L = layers_[l];
+    const VisionTape::Layer& S = tape.layers[l];
+    const std::string p = "encoder.layers." + std::to_string(l) + ".";
+    // 2b. MLP: h_out = h_mid + post_feedforward_norm(down(gelu(gate(m)) * up(m))), m = pre_feedforward_norm(h_mid).
+    std::vector<float> d_ff = zeros(T * H), d_gu = zeros(T * I), d_g = zeros(T * I), d_u = zeros(T * I);
+    std::vector<float> d_m = zeros(T * H);
+    rmsnorm_backward(S.ff.data(), L.post_feedforward_norm.data(), S.inv_ff.data(), dh.data(), d_ff.data(),
+                     grad(p + "post_feedforward_layernorm.weight", H), T, H);
+    clipped_linear_backward(L.down, S.gu.data(), S.down, d_ff.data(), d_gu.data(),
+                            grad(p + "mlp.down_proj.linear.weight", H * I), T, I, H);
+    geglu_backward(S.g.data(), S.u.data(), d_gu.data(), d_g.data(), d_u.data(), T * I, true);
+    clipped_linear_backward(L.gate, S.m.data(), S.gate, d_g.data(), d_m.data(),
+                            grad(p + "mlp.gate_proj.linear.weight", I * H), T, H, I);
+    clipped_linear_backward(L.up, S.m.data(), S.up, d_u.data(), d_m.data(),
+                            grad(p + "mlp.up_proj.linear.weight", I * H), T, H, I);
+    rmsnorm_backward(S.h_mid.data(), L.pre_feedforward_norm.data(), S.inv_mid.data(), d_m.data(), dh.data(),
+                     grad(p + "pre_feedforward_layernorm.weight", H), T, H);
+    // 2a. Attention: h_mid = h_in + post_attention_norm(o_proj(attention(...))).
+    std::vector<float> d_attn = zeros(T * H), d_otok = zeros(T * Hq * D);
+    rmsnorm_backward(S.attn.data(), L.post_attention_norm.data(), S.inv_attn.data(), dh.data(), d_attn.data(),
+                     grad(p + "post_attention_layernorm.weight", H), T, H);
+    clipped_linear_backward(L.o, S.o_tok.data(), S.o, d_attn.data(), d_otok.data(),
+                            grad(p + "self_attn.o_proj.linear.weight", H * Hq * D), T, Hq * D, H);
+    const std::vector<float> d_out = to_heads(d_otok, n, P, Hq, D);
+    std::vector<float> delta = zeros(T * Hq), dqh = zeros(T * Hq * D), dkh = zeros(T * Hkv * D),
+                       dvh = zeros(T * Hkv * D);
+    chunk.q = S.qh.data();
+    chunk.k = S.kh.data();
+    chunk.v = S.vh.data();
+    cpu::attention_delta(chunk.shape, DType::F32, d_out.data(), S.out.data(), delta.data());
+    cpu::attention_backward(chunk, d_out.data(), S.lse.data(), delta.data(), dqh.data(), dkh.data(), dvh.data());
+    std::vector<float> dq = to_tokens(dqh, n, P, Hq, D), dk = to_tokens(dkh, n, P, Hkv, D),
+                       dv = to_tokens(dvh, n, P, Hkv, D);
+    rope_2d(dq, tape.cos, tape.sin, T, Hq, D, true);
+    rope_2d(dk, tape.cos, tape.sin, T, Hkv, D, true);
+    std::vector<float> dq_raw = zeros(T * Hq * D), dk_raw = zeros(T * Hkv * D), dv_raw = zeros(T * Hkv * D);
+    rmsnorm_backward(S.q_raw.data(), L.q_norm.data(), S.inv_q.data(), dq.data(), dq_raw.data(),
+                     grad(p + "self_attn.q_norm.weight", D), T * Hq, D);
+    rmsnorm_backward(S.k_raw.data(), L.k_norm.data(), S.inv_k.data(), dk.data(), dk_raw.data(),
+                     grad(p + "self_attn.k_norm.weight", D), T * Hkv, D);
+    rmsnorm_backward(S.v_raw.data(), nullptr, S.inv_v.data(), dv.data(), dv_raw.data(), nullptr, T * Hkv, D);
+    std::vector<float> d_a = zeros(T * H);
+    clipped_linear_backward(L.q, S.a.data(), S.q, dq_raw.data(), d_a.data(),
+                            grad(p + "self_attn.q_proj.linear.weight", Hq * D * H), T, H, Hq * D);
+    clipped_linear_backward(L.k, S.a.data(), S.k, dk_raw.data(), d_a.data(),
+                            grad(p + "self_attn.k_proj.linear.weight", Hkv * D * H), T, H, Hkv * D);
+    clipped_linear_backward(L.v, S.a.data(), S.v, dv_raw.data(), d_a.data(),
+                            grad(p + "self_attn.v_proj.linear.weight", Hkv * D * H), T, H, Hkv * D);
+    rmsnorm_backward(S.h_in.data(), L.input_norm.data(), S.inv_in.data(), d_a.data(), dh.data(),
+                     grad(p + "input_layernorm.weight", H), T, H);
+  }
+
+  // 1. Patch embedding.
+  linear_backward(Matmul{}, tape.scaled.data(), input_proj_.data(), dh.data(), nullptr,
+                  grad("patch_embedder.input_proj.weight", H * patch_values), T, patch_values, H);
+  float* d_table = grad("patch_embedder.position_embedding_table", kAxes * cfg_.position_embedding_size * H);
+  const int64_t table = int64_t{cfg_.position_embedding_size} * H;
+  for (int64_t t = 0; t < T; ++t) {
+    if (tape.pad[t]) continue;
+    float* gx = d_table + int64_t{b.positions[2 * t]} * H;
+    float* gy = d_table + table + int64_t{b.positions[2 * t + 1]} * H;
+    for (int64_t c = 0; c < H; ++c) {
+      gx[c] += dh[t * H + c];
+      gy[c] += dh[t * H + c];
+    }
+  }
+}
+
+}  // namespace rf::model

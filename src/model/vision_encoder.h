@@ -1,0 +1,137 @@
+// ringflex model: Gemma 4's vision encoder, forward (transformers 5.24's Gemma4VisionModel.forward).
+//
+// Images arrive as the image processor leaves them: each image a padded sequence of P patches, a patch the
+// 3 * patch_size^2 pixel values in [0, 1] of one patch_size x patch_size square, with its (x, y) position in the
+// patch grid; padding patches have position (-1, -1). Per image, in order:
+//   1. patch embedding: input_proj(2 * (pixels - 0.5)) + table[0][x] + table[1][y] (the 2-D position table; padding
+//      patches get no position term);
+//   2. num_layers encoder layers: h += post_attention_norm(attention(input_norm(h))), then
+//      h += post_feedforward_norm(mlp(pre_feedforward_norm(h))). Attention: q/k/v projections, per-head RMSNorm of
+//      q and k (with scales) and of v (without), 2-D rotary embedding on q and k (the first half of each head
+//      rotated by the x position, the second by y, rotate_half within each half, theta = rope_theta), scale 1,
+//      bidirectional over the image's valid patches (padding keys are masked; the project's attention kernels with
+//      doc = 1 for a valid patch and 0 for padding, so images never see each other); the MLP is
+//      down(gelu_tanh(gate(x)) * up(x)). With use_clipped_linears every projection clamps its input and its output
+//      to the checkpoint's bounds;
+//   3. pooling: padding patches zeroed, then, when P exceeds the soft-token count P / k^2 (k = pooling_kernel_size),
+//      the mean over each k x k cell of the grid (cell = x / k + (max_x / k) * (y / k), max_x the image's widest x
+//      + 1); the cells no patch falls in are dropped. Then the sqrt(hidden_size) scale, and with standardize
+//      (h - std_bias) * std_scale.
+// The result is the images' soft tokens, one row per kept cell, image after image: what Gemma4MultimodalEmbedder
+// (ringflex's vision projection, gemma4.h) takes as image features.
+//
+// Float32 throughout (the model's ops, ops.h); the weights are read from the checkpoint in any float dtype.
+// Backward: given d loss / d soft tokens, the gradient of every trainable tower tensor (nn.Parameter in
+// transformers: linear weights, norm scales, the patch projection and the position table; the clip bounds and the
+// std buffers are buffers, without gradients), from what forward kept on a VisionTape. The trainer does not call it:
+// the tower is frozen, as in every Gemma 4 recipe, and encodes each image of the data once, when the data is read
+// (trainer/data.h); model.train_vision, which would run it every step, is not there yet.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/mask.h"
+#include "io/passthrough.h"
+#include "model/vision.h"
+
+namespace rf::model {
+
+// A batch of images for the tower: n images of P patches each (padded to the longest).
+struct VisionBatch {
+  int n = 0;                           // images
+  int64_t P = 0;                       // patches per image, padding included
+  const float* pixels = nullptr;       // [n, P, 3 * patch_size^2], values in [0, 1]
+  const int32_t* positions = nullptr;  // [n, P, 2] (x, y) in the patch grid; (-1, -1) marks a padding patch
+};
+
+struct VisionOutput {
+  std::vector<float> soft_tokens;  // [N, hidden_size], N = the sum of `counts`
+  std::vector<int64_t> counts;     // [n] soft tokens of each image
+};
+
+// What forward keeps for backward: every layer's activations (float32, a few times the hidden states' size per
+// layer).
+struct VisionTape {
+  struct LinearTape {
+    std::vector<float> x;  // the input the weight saw (clamped; empty without clipping: the caller's input)
+    std::vector<float> y;  // the output before its clamp (empty without clipping)
+  };
+  struct Layer {
+    std::vector<float> h_in, a, inv_in;        // layer input, input_layernorm output, its 1/rms
+    LinearTape q, k, v, o, gate, up, down;     // the seven projections
+    std::vector<float> q_raw, k_raw, v_raw;    // projections before the per-head norms [T, heads, D]
+    std::vector<float> inv_q, inv_k, inv_v;    // their 1/rms [T * heads]
+    std::vector<float> qh, kh, vh, out, lse;   // attention inputs and outputs, head-major
+    std::vector<float> o_tok, attn, inv_attn;  // o_proj input and output, post_attention_layernorm 1/rms
+    std::vector<float> h_mid, m, inv_mid;      // MLP input, pre_feedforward_layernorm output and 1/rms
+    std::vector<float> g, u, gu, ff, inv_ff;   // MLP activations, down output, its norm's 1/rms
+  };
+  std::vector<float> scaled;    // [T, 3 * patch^2] the patches as input_proj sees them
+  std::vector<bool> pad;        // [T]
+  std::vector<float> cos, sin;  // [T, 2, D/4] rotary tables
+  std::vector<TokenMeta> meta;  // [T] attention metadata
+  std::vector<int64_t> cells;   // [N] the pooling cell of each soft token
+  std::vector<int64_t> counts;  // [n] soft tokens of each image
+  std::vector<Layer> layers;
+};
+
+// Gradients by full tensor name (model.vision_tower.*), float32, in the tensor's shape, accumulated (+=).
+using VisionGrads = std::map<std::string, std::vector<float>>;
+
+class VisionEncoder {
+ public:
+  // Reads every tower tensor of `c` (vision_tower_tensors, under kVisionTowerPrefix) from `tensors`, widened to
+  // float32. Throws rf::Error naming a missing tensor, a shape against the config, or a head_dim the 2-D rotary
+  // embedding cannot split (it must be a multiple of 4).
+  VisionEncoder(VisionConfig c, const io::Passthrough& tensors);
+
+  const VisionConfig& config() const { return cfg_; }
+
+  // Throws rf::Error (naming `source`) for a batch the tower cannot pool: P not a multiple of pooling_kernel_size^2,
+  // a position outside the position table, a padding patch with only one coordinate -1.
+  // The checks forward makes before any work, alone: a job that splits its images over ranks runs them on every
+  // rank, so that a bad image fails everywhere and not only where it is encoded.
+  void check(const VisionBatch& b, const std::string& source = "images") const;
+
+  // With `tape`, keeps what backward needs.
+  VisionOutput forward(const VisionBatch& b, const std::string& source = "images", VisionTape* tape = nullptr) const;
+
+  // Accumulates into `grads` the gradient of every trainable tower tensor, given d loss / d soft tokens
+  // ([N, hidden_size], N as forward returned) for the batch `tape` was recorded on.
+  void backward(const VisionBatch& b, const VisionTape& tape, const float* d_soft_tokens, VisionGrads& grads) const;
+
+ private:
+  struct Linear {
+    std::vector<float> w;  // [out, in]
+    float in_min, in_max, out_min, out_max;
+  };
+  struct Layer {
+    std::vector<float> input_norm, post_attention_norm, pre_feedforward_norm, post_feedforward_norm;  // [H]
+    Linear q, k, v, o, gate, up, down;
+    std::vector<float> q_norm, k_norm;  // [head_dim]
+  };
+  std::vector<float> take(const io::Passthrough& tensors, const std::string& name,
+                          const std::vector<int64_t>& shape) const;
+  Linear take_linear(const io::Passthrough& tensors, const std::string& name, int64_t in, int64_t out) const;
+  void clipped_linear(const Linear& l, const float* x, float* y, int64_t T, int64_t in, int64_t out,
+                      VisionTape::LinearTape& tape) const;
+  // dx += (d/dx of the clamped linear) dy, dW += ...; x the caller's input (the clamp's gradient is 1 inside the
+  // bounds, 0 outside, as torch.clamp's).
+  void clipped_linear_backward(const Linear& l, const float* x, const VisionTape::LinearTape& tape, const float* dy,
+                               float* dx, float* dW, int64_t T, int64_t in, int64_t out) const;
+
+  // The pooling cell of each of image `img`'s P patches (padding: cell 0, as transformers clamps it to (0, 0)).
+  std::vector<int64_t> pool_cells(const VisionBatch& b, int img) const;
+
+  VisionConfig cfg_;
+  std::vector<Layer> layers_;
+  std::vector<float> input_proj_;  // [H, 3 * patch^2]
+  std::vector<float> pos_table_;   // [2, position_embedding_size, H]
+  std::vector<float> std_bias_, std_scale_;
+  std::vector<float> inv_freq_;  // [head_dim / 4]: the rotary frequencies of one axis
+};
+
+}  // namespace rf::model

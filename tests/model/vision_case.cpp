@@ -1,0 +1,69 @@
+// Test-only tool behind tests/model/vision_parity.py: runs the C++ vision encoder on a checkpoint's tower.
+//
+//     vision_case CHECKPOINT_DIR IMAGES.safetensors OUT.safetensors
+//
+// CHECKPOINT_DIR  a multimodal Gemma 4 checkpoint (config.json with a vision_config, the tower under
+//                 model.vision_tower.), loaded as ringflex loads any checkpoint: the tower is what load_checkpoint
+//                 carries through unchanged (model::Checkpoint::passthrough)
+// IMAGES          pixel_values [n, P, 3 * patch^2] F32 and pixel_position_ids [n, P, 2] I32, as the image processor
+//                 lays them out ((-1, -1) for padding patches)
+//                 and, optionally, d_soft_tokens [N, hidden_size] F32: then the backward runs too
+// OUT             soft_tokens [N, hidden_size] F32 and counts [n] I64; with d_soft_tokens, grad.<name> of every
+//                 trainable tower tensor (its checkpoint name) F32
+// Exits 1 with the error's one line on any failure.
+#include <cstdio>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "io/safetensors.h"
+#include "io/tensor_access.h"
+#include "model/checkpoint.h"
+#include "model/vision_encoder.h"
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: vision_case CHECKPOINT_DIR IMAGES.safetensors OUT.safetensors\n");
+    return 2;
+  }
+  try {
+    const rf::model::Checkpoint ck = rf::model::load_checkpoint(argv[1]);
+    const std::optional<rf::model::VisionConfig> cfg =
+        rf::model::VisionConfig::from_config_json(ck.model->config().source_json,
+                                                  std::string(argv[1]) + "/config.json");
+    if (!cfg) throw rf::Error(std::string(argv[1]) + "/config.json: no vision_config");
+    const rf::model::VisionEncoder encoder(*cfg, ck.passthrough);
+    const rf::io::SafetensorsFile in = rf::io::SafetensorsFile::open(argv[2]);
+    const rf::io::TensorView& pixels = in.at("pixel_values");
+    const rf::io::TensorView& positions = in.at("pixel_position_ids");
+    const std::vector<float> px = rf::io::copy_as<float>(pixels);
+    const std::vector<int32_t> pos = rf::io::copy_as<int32_t>(positions);
+    rf::model::VisionBatch b;
+    b.n = static_cast<int>(pixels.shape.at(0));
+    b.P = pixels.shape.at(1);
+    b.pixels = px.data();
+    b.positions = pos.data();
+    rf::model::VisionTape tape;
+    const rf::model::VisionOutput out = encoder.forward(b, argv[2], &tape);
+    rf::model::VisionGrads grads;
+    std::vector<float> d_soft;
+    if (const rf::io::TensorView* d = in.find("d_soft_tokens")) {
+      d_soft = rf::io::copy_as<float>(*d);
+      if (d_soft.size() != out.soft_tokens.size()) throw rf::Error("d_soft_tokens does not match the soft tokens");
+      encoder.backward(b, tape, d_soft.data(), grads);
+    }
+    rf::io::SafetensorsWriter w;
+    for (const auto& [name, g] : grads)
+      w.add("grad." + name, rf::io::StDType::F32, {static_cast<int64_t>(g.size())}, std::span<const float>(g));
+    const int64_t H = cfg->hidden_size;
+    w.add("soft_tokens", rf::io::StDType::F32, {static_cast<int64_t>(out.soft_tokens.size()) / H, H},
+          std::span<const float>(out.soft_tokens));
+    w.add("counts", rf::io::StDType::I64, {static_cast<int64_t>(out.counts.size())},
+          std::span<const int64_t>(out.counts));
+    w.write(argv[3]);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
