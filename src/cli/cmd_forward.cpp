@@ -50,6 +50,7 @@
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 #include "model/checkpoint.h"
+#include "model/lora_store.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
 #include "model/vision_encoder.h"
@@ -65,6 +66,7 @@ constexpr int kLogitsTag = 2;
 
 struct ForwardOptions {
   std::string model, in, out;
+  std::string lora;  // a PEFT LoRA adapter directory over --model (model/lora_store.h)
   bool grad = false;
   bool no_logits = false;
   std::string shard = "balanced";
@@ -333,9 +335,10 @@ int run_forward(const ForwardOptions& opt) {
   agree(*world, [&] {
     if (world->rank() == 0) check_outputs(opt);  // before loading anything: an unwritable output is found at once
     const BatchShape shape = check_batch_shape(opt.in);
-    ck = model::load_checkpoint(opt.model, [&](const model::Gemma4Model& shapes) {
-      check_job_memory(shapes, shape, opt, P, world->rank());
-    });
+    ck = model::load_checkpoint(
+        opt.model, [&](const model::Gemma4Model& shapes) { check_job_memory(shapes, shape, opt, P, world->rank()); },
+        opt.lora.empty() ? nullptr : std::make_unique<model::LoraStore>(model::read_peft_config(opt.lora)));
+    if (!opt.lora.empty()) model::load_peft_adapter(dynamic_cast<model::LoraStore&>(ck.model->params()), opt.lora);
     if (opt.check_finite) {
       const model::ParamStore& params = ck.model->params();
       for (size_t i = 0; i < params.size(); ++i) {
@@ -428,6 +431,7 @@ int run_forward(const ForwardOptions& opt) {
       const model::ParamStore& params = ck.model->params();
       for (size_t i = 0; i < params.size(); ++i) {
         const model::ParamInfo& p = params.info(i);
+        if (params.grad(i) == nullptr) continue;  // frozen (a LoRA base): no gradient
         w.add("grad." + model::file_name_of(p.name, ck.text_prefix), io::StDType::F32, p.shape,
               std::span<const float>(params.grad(i), static_cast<size_t>(p.numel)));
       }
@@ -471,7 +475,10 @@ void add_forward_command(CLI::App& app, Runner& run) {
   cmd->add_option("--in", opt->in, "Batch: input_ids [, labels, position_ids, doc, mm_token_type_ids, image_features]")
       ->required();
   cmd->add_option("--out", opt->out, "Output: loss, token_loss [, logits] [, grad.<name>]")->required();
-  cmd->add_flag("--grad", opt->grad, "Also write every parameter's gradient as grad.<name>");
+  cmd->add_flag("--grad", opt->grad, "Also write every trainable parameter's gradient as grad.<name>");
+  cmd->add_option("--lora", opt->lora,
+                  "A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) over --model: the "
+                  "base frozen, --grad writes the adapters' gradients");
   cmd->add_flag("--no-logits", opt->no_logits, "Do not write the [B, S, V] logits");
   cmd->add_option("--shard", opt->shard, "Which tokens each rank holds (default: balanced for the model's layers)")
       ->check(CLI::IsMember({"contiguous", "zigzag", "balanced", "auto"}));

@@ -61,7 +61,8 @@ std::string file_name_of(const std::string& param_name, const std::string& text_
   return param_name;
 }
 
-Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating) {
+Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating,
+                           std::unique_ptr<ParamStore> store) {
   const fs::path root(dir);
   RF_CHECK(fs::is_directory(root), dir, ": not a directory");
   const fs::path config_path = root / "config.json";
@@ -73,6 +74,7 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   const io::Checkpoint& files = *opened;
 
   Checkpoint ck;
+  ck.source = dir;
   const std::string embed = "embed_tokens.weight";
   if (files.find(kMultimodalTextPrefix + embed)) ck.text_prefix = kMultimodalTextPrefix;
   int vision_dim = 0;
@@ -85,8 +87,9 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   // What the config claims is checked against the files before any of it is allocated: the parameters are
   // registered as shapes only, each must be in the files with that shape, and their float32 total must fit the
   // machine. (A 4 KiB checkpoint whose config claims a 262144-token vocabulary fails here, not after 1 GiB.)
-  ck.model = std::make_unique<Gemma4Model>(std::move(cfg), vision_dim, TensorSet::Storage::Deferred);
+  ck.model = std::make_unique<Gemma4Model>(std::move(cfg), vision_dim, TensorSet::Storage::Deferred, std::move(store));
   ParamStore& params = ck.model->params();
+  const size_t from_files = params.size();
   for (const ParamInfo& p : params.infos()) {
     const std::string name = file_name_of(p.name, ck.text_prefix);
     const io::TensorView* v = files.find(name);
@@ -96,7 +99,7 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   if (before_allocating) before_allocating(*ck.model);
   check_memory(params.weight_bytes(), dir + ": the model's float32 parameters");
   params.allocate_weights();
-  for (size_t slot = 0; slot < params.size(); ++slot) {
+  for (size_t slot = 0; slot < from_files; ++slot) {
     // One tensor widened at a time beside the store's arena.
     const ParamInfo& p = params.info(slot);
     const std::vector<float> values = io::to_float32(*files.find(file_name_of(p.name, ck.text_prefix)));

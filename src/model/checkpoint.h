@@ -29,6 +29,7 @@ inline constexpr const char* kMultimodalTextPrefix = "model.language_model.";
 struct Checkpoint {
   std::unique_ptr<Gemma4Model> model;
   std::string text_prefix = "model.";  // where the decoder's tensors live in the files ("model.language_model.")
+  std::string source;                  // the directory it was loaded from (empty: built in memory)
   io::Passthrough passthrough;         // the files' tensors that `model` does not hold, carried through unchanged
 };
 
@@ -38,7 +39,10 @@ using BeforeAllocating = std::function<void(const Gemma4Model& shapes)>;
 
 // Throws rf::Error naming the file or tensor: a missing config.json or tensor, a shape against the config, an
 // unsupported config field, parameters beyond the machine's memory (or whatever `before_allocating` throws).
-Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating = {});
+// `store`: where the parameters live (null: a ReplicatedStore); the parameters the store itself adds when it allocates
+// (a LoraStore's adapters) are not read from the files.
+Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating = {},
+                           std::unique_ptr<ParamStore> store = nullptr);
 
 void save_checkpoint(const Checkpoint& ck, const std::string& dir);
 

@@ -1,6 +1,8 @@
 // ringflex trainer: checkpoint directories (see checkpoint.h).
 #include "trainer/checkpoint.h"
 
+#include "model/lora_store.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -174,7 +176,11 @@ std::string save_train_checkpoint(const std::string& root, const model::Checkpoi
   fs::create_directory(tmp.path(), ec);
   RF_CHECK(!ec, tmp.path().string(), ": cannot create the checkpoint's temporary directory: ", ec.message());
 
-  model::save_checkpoint(weights, tmp.path().string());
+  // A LoRA run's weights are its adapters, in PEFT's files; the frozen base stays where model.path has it.
+  if (const auto* lora = dynamic_cast<const model::LoraStore*>(&weights.model->params()))
+    model::save_peft_adapter(*lora, weights.text_prefix, weights.source, tmp.path().string());
+  else
+    model::save_checkpoint(weights, tmp.path().string());
   io::SafetensorsWriter w;
   const model::ParamStore& store = weights.model->params();
   RF_CHECK(store.moment_range().size() == store.trainable_elements(),
@@ -249,6 +255,12 @@ std::string resolve_checkpoint(const std::string& dir_or_root) {
 LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating) {
   LoadedCheckpoint out;
   out.weights = model::load_checkpoint(dir, before_allocating);
+  out.state = load_train_state(dir);
+  return out;
+}
+
+TrainState load_train_state(const std::string& dir) {
+  TrainState out;
   const fs::path state_path = fs::path(dir) / kStateFile;
   const std::string where = state_path.string();
   const std::string text = read_text(state_path);
@@ -256,7 +268,7 @@ LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::Befo
   json j;
   try {
     j = json::parse(text);
-    TrainState& st = out.state;
+    TrainState& st = out;
     st.step = integer_in(j.at("step"), where, "step", 0, kMaxStateStep);
     st.data_position = integer_in(j.at("data_position"), where, "data_position", 0, kMaxDataPosition);
     const json& seed = j.at("seed");

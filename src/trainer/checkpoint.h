@@ -69,6 +69,8 @@ struct LoadedCheckpoint {
 // `before_allocating`: as model::load_checkpoint's, before the weights are allocated.
 LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating = {});
 void load_optimizer_state(const std::string& dir, model::ParamStore& store);
+// trainer_state.json alone (a LoRA checkpoint's weights are its adapters: model/lora_store.h load_peft_adapter).
+TrainState load_train_state(const std::string& dir);
 
 // Throws rf::Error "<where>: tensor `name` has nan at [i, j]" for the first NaN or infinity of `values` (row-major
 // of `shape`), and with `non_negative` for the first negative value too. Training checks what it loads (weights,

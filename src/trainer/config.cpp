@@ -111,6 +111,32 @@ Field string_list(const std::string& name, std::vector<std::string> ModelSection
                }};
 }
 
+// model.lora.target: a list of module names, or one string, a regular expression (PEFT's target_modules).
+Field lora_target() {
+  const std::string name = "model.lora.target", type = "a list of module names or one regular expression";
+  return Field{name, type,
+               [=](TrainConfig& c, const YAML::Node& n) {
+                 std::vector<std::string> items;
+                 if (n.IsScalar()) {
+                   items.push_back(n.Scalar());
+                 } else {
+                   RF_CHECK(n.IsSequence(), "config: field `", name, "` must be ", type);
+                   for (const YAML::Node& item : n) items.push_back(scalar_as<std::string>(item, name, type));
+                 }
+                 c.model.lora_target = items;
+                 c.model.lora_target_regex = n.IsScalar();
+               },
+               [=](const TrainConfig& c, YAML::Emitter& out) {
+                 if (c.model.lora_target_regex && c.model.lora_target.size() == 1) {
+                   out << c.model.lora_target[0];
+                   return;
+                 }
+                 out << YAML::Flow << YAML::BeginSeq;
+                 for (const std::string& s : c.model.lora_target) out << s;
+                 out << YAML::EndSeq;
+               }};
+}
+
 const std::vector<Field>& fields() {
   static const std::string kInt = "an integer", kNum = "a number", kStr = "a string";
   using C = TrainConfig;
@@ -120,6 +146,11 @@ const std::vector<Field>& fields() {
       field("model.init_std", kNum, &C::model, &ModelSection::init_std),
       string_list("model.freeze", &ModelSection::freeze),
       field("model.compute_dtype", "float32 or bfloat16", &C::model, &ModelSection::compute_dtype),
+      field("model.lora.rank", kInt, &C::model, &ModelSection::lora_rank),
+      field("model.lora.alpha", kNum, &C::model, &ModelSection::lora_alpha),
+      field("model.lora.dropout", kNum, &C::model, &ModelSection::lora_dropout),
+      lora_target(),
+      field("model.lora.use_rslora", "true or false", &C::model, &ModelSection::lora_use_rslora),
       field("data.source", kStr, &C::data, &DataSection::source),
       field("data.path", kStr, &C::data, &DataSection::path),
       field("data.features", kStr, &C::data, &DataSection::features),
@@ -186,6 +217,9 @@ void yaml_guard(const std::string& source, Fn fn) {
   }
 }
 
+// The one nested group of fields: `model: {lora: {rank: 8, ...}}` (also spelled model.lora.rank, as printed).
+constexpr const char* kLoraGroup = "model.lora";
+
 // The sections of a parsed config into `c` (names and types; validate() does the cross-field rules).
 void read_sections(TrainConfig& c, const YAML::Node& root, const std::string& source) {
   if (root.IsNull()) return;
@@ -200,6 +234,17 @@ void read_sections(TrainConfig& c, const YAML::Node& root, const std::string& so
     for (const auto& entry : section.second) {
       const std::string name = sname + "." + key_name(entry.first, source);
       RF_CHECK(seen.insert(name).second, source, ": field `", name, "` appears twice");
+      if (name == kLoraGroup) {
+        // model.lora is a map of its own fields (rank, alpha, ...), read as model.lora.<key>.
+        RF_CHECK(entry.second.IsMap(), source, ": `", name,
+                 "` must be a map (rank, alpha, dropout, target, use_rslora)");
+        for (const auto& sub : entry.second) {
+          const std::string sub_name = name + "." + key_name(sub.first, source);
+          RF_CHECK(seen.insert(sub_name).second, source, ": field `", sub_name, "` appears twice");
+          find_field(sub_name, source).read(c, sub.second);
+        }
+        continue;
+      }
       find_field(name, source).read(c, entry.second);
     }
   }
@@ -257,6 +302,15 @@ void validate(const TrainConfig& c, int world_size) {
   } else {
     RF_CHECK(is_file(fs::path(c.model.path) / "config.json"), "config: model.path = '", c.model.path,
              "' has no config.json");
+  }
+  if (c.model.lora_rank != 0) {
+    RF_CHECK(c.model.lora_rank >= 1, "config: model.lora.rank = ", c.model.lora_rank, " must be >= 1 (0: no LoRA)");
+    RF_CHECK(c.model.lora_alpha > 0, "config: model.lora.alpha = ", c.model.lora_alpha, " must be > 0");
+    RF_CHECK(c.model.lora_dropout == 0, "config: model.lora.dropout = ", c.model.lora_dropout,
+             " is not implemented (only 0)");
+    RF_CHECK(!c.model.lora_target.empty(), "config: model.lora.target is empty");
+    RF_CHECK(c.parallelism.shard == "none", "config: model.lora with parallelism.shard = ", c.parallelism.shard,
+             " is not implemented (the adapters are small: shard none)");
   }
   RF_CHECK(c.data.source == "mock" || c.data.source == "jsonl_tokens" || c.data.source == "jsonl_text",
            "config: data.source = '", c.data.source, "' is not one of mock, jsonl_tokens, jsonl_text");

@@ -19,6 +19,15 @@ struct ModelSection {
   std::vector<std::string> freeze;       // parameters whose name contains one of these do not train
   // float32 | bfloat16: what the linear layers multiply in (model::RunOptions::compute_dtype)
   std::string compute_dtype = "float32";
+  // LoRA over the frozen base (model/lora_store.h), PEFT's LoraConfig names: off while lora_rank is 0.
+  int lora_rank = 0;
+  double lora_alpha = 8.0;
+  double lora_dropout = 0.0;
+  // PEFT's target_modules: a YAML list of module names, or one string, a regular expression that must match the
+  // whole module name ("model.layers.N.self_attn.q_proj").
+  std::vector<std::string> lora_target = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  bool lora_target_regex = false;
+  bool lora_use_rslora = false;
 };
 
 struct DataSection {

@@ -18,6 +18,7 @@
 #include "core/memory.h"
 #include "cp/parallel_context.h"
 #include "io/atomic_file.h"
+#include "model/lora_store.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
 #include "model/vision.h"
@@ -110,6 +111,11 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
   same(now.data.path == then.data.path, "data.path");
   same(now.data.image_soft_tokens == then.data.image_soft_tokens, "data.image_soft_tokens");
   same(now.model.freeze == then.model.freeze, "model.freeze");
+  same(now.model.lora_rank == then.model.lora_rank && now.model.lora_alpha == then.model.lora_alpha &&
+           now.model.lora_target == then.model.lora_target &&
+           now.model.lora_target_regex == then.model.lora_target_regex &&
+           now.model.lora_use_rslora == then.model.lora_use_rslora,
+       "model.lora");
 }
 
 // Loaded weights must be finite before step 1: a NaN would only show as a non-finite loss after the first step's
@@ -171,16 +177,44 @@ void check_outputs(const TrainConfig& c, const TrainOptions& o) {
 // Left out, so the figure stays a lower bound: the ring's receive buffers (what a rank receives depends on each
 // batch's documents; packed short documents need almost none), the data set's packed rows, the plan, the
 // checkpoint writer's copies, and validation's forward (smaller than the training step's).
+namespace {
+
+// The model.lora fields as the LoRA store takes them.
+model::LoraConfig lora_config(const TrainConfig& cfg) {
+  model::LoraConfig lc;
+  lc.rank = cfg.model.lora_rank;
+  lc.alpha = cfg.model.lora_alpha;
+  lc.dropout = cfg.model.lora_dropout;
+  lc.target = cfg.model.lora_target;
+  lc.target_regex = cfg.model.lora_target_regex;
+  lc.use_rslora = cfg.model.lora_use_rslora;
+  lc.seed = cfg.train.seed;
+  return lc;
+}
+
+}  // namespace
+
 MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Model& m, int world_size) {
-  const int64_t params = m.params().weight_bytes();
-  const std::vector<bool> trainable = m.params().trainable_after(c.model.freeze);
+  int64_t params = m.params().weight_bytes();
   int64_t trainable_bytes = 0;
-  for (size_t i = 0; i < trainable.size(); ++i)
-    if (trainable[i]) trainable_bytes += m.params().info(i).numel * static_cast<int64_t>(sizeof(float));
+  int64_t lora_buffers = 0;
+  if (c.model.lora_rank > 0) {
+    // LoRA: the adapters train (their weights, gradients and moments), the base is frozen; the hooks hold one
+    // layer's merged weights and their gradient.
+    const std::vector<model::LoraTarget> targets = model::lora_targets(m.params(), lora_config(c));
+    trainable_bytes = model::lora_adapter_bytes(targets, c.model.lora_rank);
+    params += trainable_bytes;
+    lora_buffers = model::lora_layer_buffer_bytes(m.params(), targets);
+  } else {
+    const std::vector<bool> trainable = m.params().trainable_after(c.model.freeze);
+    for (size_t i = 0; i < trainable.size(); ++i)
+      if (trainable[i]) trainable_bytes += m.params().info(i).numel * static_cast<int64_t>(sizeof(float));
+  }
   constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
   MemoryBreakdown need;
   need.add("weights", params + m.buffers().total_bytes());
   need.add("gradients", trainable_bytes);
+  if (lora_buffers > 0) need.add("LoRA: one layer's merged weights and their gradient", lora_buffers);
   // parallelism.shard = optimizer: a rank holds the moments of its shard, ceil(trainable / N) elements.
   const int64_t trainable_elements = trainable_bytes / static_cast<int64_t>(sizeof(float));
   const int64_t moment_elements = c.parallelism.shard == "optimizer"
@@ -273,32 +307,56 @@ void set_up(Run& r) {
     check_memory(train_memory_at_least(cfg, shapes, r.world.size()), "train",
                  rf::concat(" at seq_len ", cfg.train.seq_len, " over cp ", cfg.parallelism.cp));
   };
-  if (!r.options.resume.empty()) {
-    r.resume_dir = resolve_checkpoint(r.options.resume);
-    LoadedCheckpoint loaded = load_train_checkpoint(r.resume_dir, check_fits);
-    check_resume_compatible(cfg, loaded.state.config_yaml, r.resume_dir);
-    r.ck = std::move(loaded.weights);
-    r.state = std::move(loaded.state);
-    RF_CHECK(r.state.step < cfg.train.steps, "--resume ", r.resume_dir, ": the checkpoint is at step ", r.state.step,
-             " and train.steps = ", cfg.train.steps, " leaves nothing to do");
-  } else if (!cfg.model.path.empty()) {
-    r.ck = model::load_checkpoint(cfg.model.path, check_fits);
-  } else {
+  const bool lora = cfg.model.lora_rank > 0;
+  // LoRA: the parameters live in a LoraStore, which adds the adapters and freezes the base when it allocates.
+  const auto lora_store = [&]() -> std::unique_ptr<model::ParamStore> {
+    return lora ? std::make_unique<model::LoraStore>(lora_config(cfg)) : nullptr;
+  };
+  // The base: from model.path, or the built-in model from train.seed (a LoRA resume builds it again: it never trains).
+  const auto load_base = [&] {
+    if (!cfg.model.path.empty()) {
+      r.ck = model::load_checkpoint(cfg.model.path, check_fits, lora_store());
+      return;
+    }
     const std::string text = builtin_config_json(cfg.model.builtin);
     const std::string source = "model.builtin " + cfg.model.builtin;
     const model::Gemma4Config builtin = model::Gemma4Config::from_json(text, source);
     check_fits(model::Gemma4Model(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Deferred));
-    r.ck.model = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim);
+    r.ck.model = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Allocated,
+                                                      lora_store());
     r.ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
+    // init_random filled every slot, the adapters too: PEFT's initial adapters again (B = 0: the base's function).
+    if (auto* ls = dynamic_cast<model::LoraStore*>(&r.ck.model->params())) ls->init_adapters();
     r.ck.text_prefix = model::kMultimodalTextPrefix;
     const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
     // transformers sizes the projection's input by the tower's width: the two must agree.
     RF_CHECK(tower.hidden_size == kBuiltinFeatureDim, source, ": vision_config.hidden_size = ", tower.hidden_size,
              ", the projection takes ", kBuiltinFeatureDim);
     r.ck.passthrough = model::init_vision_tower(tower, cfg.train.seed);
+  };
+  if (!r.options.resume.empty()) {
+    r.resume_dir = resolve_checkpoint(r.options.resume);
+    if (lora) {
+      // A LoRA checkpoint holds the adapters (PEFT's files) and the state; the base is the config's.
+      r.state = load_train_state(r.resume_dir);
+      check_resume_compatible(cfg, r.state.config_yaml, r.resume_dir);
+      load_base();
+      model::load_peft_adapter(dynamic_cast<model::LoraStore&>(r.ck.model->params()), r.resume_dir);
+    } else {
+      LoadedCheckpoint loaded = load_train_checkpoint(r.resume_dir, check_fits);
+      check_resume_compatible(cfg, loaded.state.config_yaml, r.resume_dir);
+      r.ck = std::move(loaded.weights);
+      r.state = std::move(loaded.state);
+    }
+    RF_CHECK(r.state.step < cfg.train.steps, "--resume ", r.resume_dir, ": the checkpoint is at step ", r.state.step,
+             " and train.steps = ", cfg.train.steps, " leaves nothing to do");
+  } else {
+    load_base();
   }
-  if (!r.resume_dir.empty() || !cfg.model.path.empty())
-    check_loaded_weights(r.ck, r.resume_dir.empty() ? cfg.model.path : r.resume_dir);
+  if (!cfg.model.path.empty() && (lora || r.resume_dir.empty()))
+    check_loaded_weights(r.ck, cfg.model.path);
+  else if (!r.resume_dir.empty() && !lora)
+    check_loaded_weights(r.ck, r.resume_dir);
   const model::Gemma4Model& m = *r.ck.model;
   check_expert_parallelism(cfg, m.config());
   const int width = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;

@@ -68,6 +68,27 @@ TEST(TrainConfig, UnknownFieldsAndWrongTypesNameTheField) {
 }
 
 // A number that is not whole is "not an integer", not "out of range"; a whole one beyond the field still is.
+TEST(TrainConfig, LoraIsANestedMapOrDottedFieldsAndPrintsBack) {
+  const TrainConfig c =
+      parse_config("model: {lora: {rank: 8, alpha: 16, target: [q_proj, v_proj], use_rslora: true}}", "a.yaml");
+  EXPECT_EQ(c.model.lora_rank, 8);
+  EXPECT_EQ(c.model.lora_alpha, 16.0);
+  EXPECT_EQ(c.model.lora_target, (std::vector<std::string>{"q_proj", "v_proj"}));
+  EXPECT_FALSE(c.model.lora_target_regex);
+  EXPECT_TRUE(c.model.lora_use_rslora);
+  EXPECT_EQ(to_yaml(parse_config(to_yaml(c), "printed")), to_yaml(c));
+  // One string is PEFT's regular expression; --set reaches the nested fields by their dotted names.
+  const TrainConfig r = parse_config("", "a.yaml", {"model.lora.rank=4", "model.lora.target=.*\\.(q|v)_proj"});
+  EXPECT_EQ(r.model.lora_rank, 4);
+  EXPECT_EQ(r.model.lora_target, (std::vector<std::string>{".*\\.(q|v)_proj"}));
+  EXPECT_TRUE(r.model.lora_target_regex);
+  EXPECT_EQ(to_yaml(parse_config(to_yaml(r), "printed")), to_yaml(r));
+  EXPECT_EQ(error_of([] { parse_config("model: {lora: {ranks: 8}}", "a.yaml"); }),
+            "a.yaml: unknown field `model.lora.ranks`");
+  EXPECT_EQ(error_of([] { validate(parse_config("model: {lora: {rank: 8, dropout: 0.1}}", "a.yaml"), 1); }),
+            "config: model.lora.dropout = 0.1 is not implemented (only 0)");
+}
+
 TEST(TrainConfig, IntegerFieldsSayIntegerForFractions) {
   EXPECT_EQ(error_of([] { parse_config("train: {steps: 1.5}", "a.yaml"); }),
             "config: field `train.steps` must be an integer, got '1.5'");

@@ -6,11 +6,13 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "comm/loopback_comm.h"
 #include "common/memory_limit.h"
+#include "model/lora_store.h"
 #include "model/memory.h"
 #include "trainer/error_of.h"
 #include "trainer/trainer.h"
@@ -80,6 +82,28 @@ TEST(TrainMemory, TermsFollowTheConfig) {
   EXPECT_LT(train_memory_at_least(config({"parallelism.cp=2"}), m, 2).of("activations"), one.of("activations"));
   EXPECT_GT(train_memory_at_least(config({"train.recompute=false"}), m, 1).total(), one.total());
   EXPECT_GT(train_memory_at_least(config({"train.micro_batch=2"}), m, 1).total(), one.total());
+}
+
+TEST(TrainMemory, LoraCountsTheAdaptersNotTheBase) {
+  const model::Gemma4Model m = shapes();
+  const int64_t params = m.params().weight_bytes();
+  const TrainConfig c = config({"model.lora.rank=4", "model.lora.target=[q_proj, down_proj]"});
+  const MemoryBreakdown lora = train_memory_at_least(c, m, 1);
+  // What the LoRA store allocates for the same model and config: its trainable (adapter) parameters.
+  model::LoraConfig lc;
+  lc.rank = 4;
+  lc.target = {"q_proj", "down_proj"};
+  const model::Gemma4Model allocated(model::Gemma4Config::from_json(builtin_config_json("tiny_dense")),
+                                     kBuiltinFeatureDim, model::TensorSet::Storage::Allocated,
+                                     std::make_unique<model::LoraStore>(lc));
+  const int64_t adapters = allocated.params().trainable_bytes();
+  ASSERT_GT(adapters, 0);
+  EXPECT_EQ(lora.of("gradients"), adapters);
+  EXPECT_EQ(lora.of("AdamW moments"), 2 * adapters);
+  EXPECT_EQ(lora.of("weights"), params + adapters + m.buffers().total_bytes());
+  EXPECT_EQ(allocated.params().weight_bytes(), params + adapters);
+  EXPECT_GT(lora.of("LoRA: one layer's merged weights and their gradient"), 0);
+  EXPECT_LT(lora.total(), train_memory_at_least(config({}), m, 1).total());
 }
 
 using ScopedLimit = rf::testing::ScopedMemoryLimit;

@@ -1,0 +1,354 @@
+// ringflex model: LoRA over a frozen base (see lora_store.h).
+#include "model/lora_store.h"
+
+#include <algorithm>
+#include <cmath>
+#include <regex>
+#include <unordered_map>
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "core/error.h"
+#include "io/atomic_file.h"
+#include "io/safetensors.h"
+#include "io/tensor_access.h"
+#include "model/checkpoint.h"
+
+namespace rf::model {
+
+namespace {
+
+// splitmix64: one well-mixed 64-bit value per input, so an element's initial value depends on nothing but its
+// (seed, name, index), whatever the grid or the order adapters are made in.
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// FNV-1a of a name.
+uint64_t name_hash(const std::string& s) {
+  constexpr uint64_t kOffset = 0xcbf29ce484222325ULL, kPrime = 0x100000001b3ULL;
+  uint64_t h = kOffset;
+  for (unsigned char c : s) h = (h ^ c) * kPrime;
+  return h;
+}
+
+constexpr const char* kWeightSuffix = ".weight";
+constexpr const char* kPeftPrefix = "base_model.model.";
+constexpr const char* kLoraASuffix = ".lora_A.weight";
+// Where the decoder's modules live in a multimodal checkpoint and in a text-only one (model/checkpoint.h).
+constexpr const char* kMultimodalText = "model.language_model.";
+constexpr const char* kText = "model.";
+
+std::string read_text_file(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  RF_CHECK(in.good(), path.string(), ": cannot open");
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// A PEFT tensor name of an adapter slot ("model.layers.0.self_attn.q_proj.lora_A.weight").
+std::string peft_name(const std::string& slot_name, const std::string& text_prefix) {
+  return kPeftPrefix + file_name_of(slot_name, text_prefix);
+}
+
+// The ringflex name of a PEFT tensor name, whichever layout it was written in; empty when it is no adapter of the
+// text model.
+std::string slot_name_of(const std::string& peft) {
+  const std::string prefix = kPeftPrefix;
+  if (!peft.starts_with(prefix)) return {};
+  const std::string rest = peft.substr(prefix.size());
+  for (const std::string text : {kMultimodalText, kText})
+    if (rest.starts_with(text)) return kText + rest.substr(text.size());
+  return {};
+}
+
+}  // namespace
+
+double LoraConfig::scale() const {
+  return use_rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / static_cast<double>(rank);
+}
+
+void LoraConfig::validate() const {
+  RF_CHECK(rank >= 1, "config: model.lora.rank must be >= 1, got ", rank);
+  RF_CHECK(alpha > 0, "config: model.lora.alpha must be > 0, got ", alpha);
+  RF_CHECK(dropout == 0.0, "config: model.lora.dropout = ", dropout,
+           " is not implemented (only 0: the adapters see the same input as the base)");
+  RF_CHECK(!target.empty(), "config: model.lora.target is empty");
+}
+
+std::string module_of(const std::string& param_name) {
+  const std::string suffix = kWeightSuffix;
+  if (param_name.size() > suffix.size() && param_name.ends_with(suffix))
+    return param_name.substr(0, param_name.size() - suffix.size());
+  return param_name;
+}
+
+LoraStore::LoraStore(LoraConfig config) : cfg_(std::move(config)) { cfg_.validate(); }
+
+std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig& config) {
+  config.validate();
+  std::vector<LoraTarget> out;
+  std::vector<bool> used(config.target.size(), false);
+  const std::regex re = config.target_regex ? std::regex(config.target.at(0)) : std::regex();
+  for (size_t slot = 0; slot < shapes.size(); ++slot) {
+    const ParamInfo& p = shapes.info(slot);
+    if (p.layer == kGlobalGroup) continue;
+    const std::string module = module_of(p.name);
+    bool hit = false;
+    if (config.target_regex) {
+      hit = std::regex_match(module, re);
+      if (hit) used[0] = true;
+    } else {
+      for (size_t t = 0; t < config.target.size(); ++t) {
+        const std::string& name = config.target[t];
+        if (module == name || module.ends_with("." + name)) {
+          hit = true;
+          used[t] = true;
+        }
+      }
+    }
+    if (!hit) continue;
+    RF_CHECK(p.matmul && p.shape.size() == 2, "model.lora.target matches `", module, "` of shape ", p.shape.size(),
+             "-D: only the decoder's linear weights take adapters (expert adapters are not implemented)");
+    out.push_back(LoraTarget{slot, p.shape[0], p.shape[1]});
+  }
+  for (size_t t = 0; t < used.size(); ++t)
+    RF_CHECK(used[t], "config: model.lora.target `", config.target[t], "` matches no linear layer of the text model");
+  return out;
+}
+
+int64_t lora_adapter_bytes(const std::vector<LoraTarget>& targets, int rank) {
+  int64_t n = 0;
+  for (const LoraTarget& t : targets) n += int64_t{rank} * (t.in + t.out);
+  return n * static_cast<int64_t>(sizeof(float));
+}
+
+int64_t lora_layer_buffer_bytes(const ParamStore& shapes, const std::vector<LoraTarget>& targets) {
+  std::unordered_map<int, int64_t> per_layer;
+  for (const LoraTarget& t : targets) per_layer[shapes.info(t.base).layer] += t.out * t.in;
+  int64_t most = 0;
+  for (const auto& [layer, n] : per_layer) most = std::max(most, n);
+  constexpr int kBuffers = 2;  // W' and dL/dW'
+  return kBuffers * most * static_cast<int64_t>(sizeof(float));
+}
+
+void LoraStore::allocate_weights() {
+  if (weights_allocated()) return;
+  const std::vector<LoraTarget> targets = lora_targets(*this, cfg_);
+  adapter_of_.assign(size(), -1);
+  for (const LoraTarget& t : targets) {
+    const ParamInfo p = info(t.base);  // a copy: add() grows the registry
+    const std::string module = module_of(p.name);
+    Adapter a;
+    a.base = t.base;
+    a.out = t.out;
+    a.in = t.in;
+    a.a = add(module + ".lora_A.weight", {cfg_.rank, a.in}, p.layer, false);
+    a.b = add(module + ".lora_B.weight", {a.out, cfg_.rank}, p.layer, false);
+    adapter_of_[t.base] = static_cast<int>(adapters_.size());
+    adapters_.push_back(a);
+  }
+  std::vector<bool> trainable(size(), false);
+  for (const Adapter& a : adapters_) trainable[a.a] = trainable[a.b] = true;
+  set_trainable(trainable);
+  ReplicatedStore::allocate_weights();
+  init_adapters();
+}
+
+void LoraStore::init_adapters() {
+  for (const Adapter& a : adapters_) {
+    // PEFT: nn.init.kaiming_uniform_(A, a=sqrt(5)): gain sqrt(2 / (1 + 5)), bound gain * sqrt(3 / fan_in)
+    // = 1 / sqrt(in).
+    const double bound = 1.0 / std::sqrt(static_cast<double>(a.in));
+    const std::string& name = info(a.a).name;
+    const uint64_t key = mix(cfg_.seed ^ mix(name_hash(name)));
+    float* A = mutable_weight(a.a);
+    for (int64_t e = 0; e < info(a.a).numel; ++e) {
+      // The top 53 bits as a double in [0, 1).
+      const double u = static_cast<double>(mix(key + static_cast<uint64_t>(e)) >> 11) * 0x1.0p-53;
+      A[e] = static_cast<float>(bound * (2.0 * u - 1.0));
+    }
+    std::fill_n(mutable_weight(a.b), info(a.b).numel, 0.f);
+  }
+}
+
+std::vector<std::string> LoraStore::target_modules() const {
+  std::vector<std::string> out;
+  for (const Adapter& a : adapters_) out.push_back(module_of(info(a.base).name));
+  return out;
+}
+
+const float* LoraStore::weight(size_t slot) const {
+  const int i = adapter_of(slot);
+  if (i >= 0 && !merged_.empty() && info(slot).layer == acquired_) return merged_[static_cast<size_t>(i)].data();
+  return ReplicatedStore::weight(slot);
+}
+
+float* LoraStore::grad(size_t slot) {
+  const int i = adapter_of(slot);
+  if (i >= 0 && !dmerged_.empty() && info(slot).layer == acquired_) return dmerged_[static_cast<size_t>(i)].data();
+  return ReplicatedStore::grad(slot);
+}
+
+const float* LoraStore::grad(size_t slot) const {
+  const int i = adapter_of(slot);
+  if (i >= 0 && !dmerged_.empty() && info(slot).layer == acquired_) return dmerged_[static_cast<size_t>(i)].data();
+  return ReplicatedStore::grad(slot);
+}
+
+void LoraStore::merge_layer(int layer) {
+  RF_CHECK(acquired_ < kGlobalGroup, "LoRA store: layer ", layer, " acquired while layer ", acquired_,
+           " is (one run at a time per store)");
+  if (layer == kGlobalGroup) return;
+  acquired_ = layer;
+  merged_.assign(adapters_.size(), {});
+  const float s = static_cast<float>(cfg_.scale());
+  for (size_t i = 0; i < adapters_.size(); ++i) {
+    const Adapter& a = adapters_[i];
+    if (info(a.base).layer != layer) continue;
+    const float* W = ReplicatedStore::weight(a.base);
+    std::vector<float>& m = merged_[i];
+    m.assign(W, W + a.out * a.in);
+    // W' [out, in] += scale * B [out, r] A [r, in]
+    gemm(false, false, a.out, a.in, cfg_.rank, s, ReplicatedStore::weight(a.b), cfg_.rank, ReplicatedStore::weight(a.a),
+         a.in, 1.f, m.data(), a.in);
+  }
+}
+
+void LoraStore::release_layer() {
+  acquired_ = kGlobalGroup - 1;
+  merged_.clear();
+  dmerged_.clear();
+}
+
+void LoraStore::before_forward(int layer) { merge_layer(layer); }
+
+void LoraStore::after_forward(int layer) {
+  if (layer != kGlobalGroup) release_layer();
+}
+
+void LoraStore::before_backward(int layer) {
+  merge_layer(layer);
+  if (layer == kGlobalGroup || !has_grads()) return;
+  dmerged_.assign(adapters_.size(), {});
+  for (size_t i = 0; i < adapters_.size(); ++i)
+    if (info(adapters_[i].base).layer == layer)
+      dmerged_[i].assign(static_cast<size_t>(adapters_[i].out * adapters_[i].in), 0.f);
+}
+
+void LoraStore::after_backward(int layer) {
+  if (layer == kGlobalGroup) return;
+  const float s = static_cast<float>(cfg_.scale());
+  const int64_t r = cfg_.rank;
+  for (size_t i = 0; i < adapters_.size() && !dmerged_.empty(); ++i) {
+    const Adapter& a = adapters_[i];
+    if (info(a.base).layer != layer) continue;
+    const float* dW = dmerged_[i].data();
+    // dB [out, r] += scale * dW' [out, in] A^T [in, r];  dA [r, in] += scale * B^T [r, out] dW' [out, in]
+    gemm(false, true, a.out, r, a.in, s, dW, a.in, ReplicatedStore::weight(a.a), a.in, 1.f, ReplicatedStore::grad(a.b),
+         r);
+    gemm(true, false, r, a.in, a.out, s, ReplicatedStore::weight(a.b), r, dW, a.in, 1.f, ReplicatedStore::grad(a.a),
+         a.in);
+  }
+  release_layer();
+}
+
+void save_peft_adapter(const LoraStore& store, const std::string& text_prefix, const std::string& base_model,
+                       const std::string& dir) {
+  namespace fs = std::filesystem;
+  const LoraConfig& c = store.config();
+  std::vector<std::string> modules;
+  io::SafetensorsWriter w;
+  w.set_metadata("format", "pt");
+  for (const LoraStore::Adapter& a : store.adapters()) {
+    modules.push_back(file_name_of(module_of(store.info(a.base).name), text_prefix));
+    for (size_t slot : {a.a, a.b}) {
+      const ParamInfo& p = store.info(slot);
+      w.add(peft_name(p.name, text_prefix), io::StDType::F32, p.shape,
+            std::span<const float>(store.weight(slot), static_cast<size_t>(p.numel)));
+    }
+  }
+  // PEFT's LoraConfig fields; those left out take PEFT's defaults, which are what ringflex computes (no bias, no
+  // DoRA, fan_in_fan_out false).
+  const nlohmann::json j = {{"peft_type", "LORA"},
+                            {"task_type", "CAUSAL_LM"},
+                            {"base_model_name_or_path", base_model},
+                            {"r", c.rank},
+                            {"lora_alpha", c.alpha},
+                            {"lora_dropout", c.dropout},
+                            {"use_rslora", c.use_rslora},
+                            {"target_modules", modules},
+                            {"bias", "none"},
+                            {"fan_in_fan_out", false},
+                            {"init_lora_weights", true},
+                            {"use_dora", false},
+                            {"inference_mode", true},
+                            {"modules_to_save", nullptr}};
+  io::write_file_atomically((fs::path(dir) / kPeftConfigFile).string(), j.dump(2) + "\n");
+  w.write((fs::path(dir) / kPeftWeightsFile).string());
+}
+
+LoraConfig read_peft_config(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const fs::path config_path = fs::path(dir) / kPeftConfigFile;
+  RF_CHECK(fs::exists(config_path), dir, ": no ", kPeftConfigFile);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_text_file(config_path));
+  } catch (const nlohmann::json::exception& e) {
+    rf::fail(config_path.string(), ": not valid JSON: ", e.what());
+  }
+  LoraConfig c;
+  try {
+    RF_CHECK(j.value("peft_type", std::string()) == "LORA", config_path.string(), ": peft_type is not LORA");
+    c.rank = j.at("r").get<int>();
+    c.alpha = j.at("lora_alpha").get<double>();
+    c.dropout = j.value("lora_dropout", 0.0);
+    c.use_rslora = j.value("use_rslora", false);
+    RF_CHECK(!j.value("use_dora", false), config_path.string(), ": use_dora is not implemented");
+  } catch (const nlohmann::json::exception& e) {
+    rf::fail(config_path.string(), ": ", e.what());
+  }
+  // Inference on an adapter: dropout is off whatever it trained with.
+  c.dropout = 0.0;
+  const io::SafetensorsFile file = io::SafetensorsFile::open((fs::path(dir) / kPeftWeightsFile).string());
+  c.target.clear();
+  for (const io::TensorView& v : file.tensors()) {
+    const std::string slot = slot_name_of(v.name);
+    if (!slot.ends_with(kLoraASuffix)) continue;
+    c.target.push_back(slot.substr(0, slot.size() - std::string(kLoraASuffix).size()));
+  }
+  RF_CHECK(!c.target.empty(), dir, "/", kPeftWeightsFile, ": no lora_A tensor of the text model");
+  c.validate();
+  return c;
+}
+
+void load_peft_adapter(LoraStore& store, const std::string& dir) {
+  namespace fs = std::filesystem;
+  const std::string path = (fs::path(dir) / kPeftWeightsFile).string();
+  const io::SafetensorsFile file = io::SafetensorsFile::open(path);
+  size_t read = 0;
+  for (const io::TensorView& v : file.tensors()) {
+    const std::string name = slot_name_of(v.name);
+    RF_CHECK(!name.empty() && store.contains(name) && store.info(store.slot(name)).trainable, path, ": tensor `",
+             v.name, "` is no adapter of this model");
+    const size_t slot = store.slot(name);
+    RF_CHECK(v.shape == store.info(slot).shape, path, ": tensor `", v.name, "` has shape ", io::shape_string(v.shape),
+             ", expected ", io::shape_string(store.info(slot).shape));
+    const std::vector<float> values = io::to_float32(v);
+    std::copy(values.begin(), values.end(), store.mutable_weight(slot));
+    ++read;
+  }
+  RF_CHECK(read == 2 * store.adapters().size(), path, ": ", read, " adapter tensors, expected ",
+           2 * store.adapters().size());
+}
+
+}  // namespace rf::model

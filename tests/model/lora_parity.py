@@ -1,0 +1,265 @@
+#!/usr/bin/env python3
+"""LoRA parity: ringflex's adapters (model/lora_store.h) against transformers + peft (the versions pinned in
+tests/requirements.txt), in float64.
+
+For tiny random Gemma 4 configs (tests/model/parity.py's dense one with attention_k_eq_v, and its MoE one with the
+experts left out of the targets) and both scalings (alpha / r, and use_rslora's alpha / sqrt(r)):
+  1. peft wraps a random Gemma4ForCausalLM with LoRA on q/k/v/o and gate/up/down, A and B set random (B != 0, so
+     every adapter gradient is nonzero), and saves the adapter with save_pretrained (PEFT's own files);
+  2. `ringflex forward --model BASE --lora ADAPTER --grad` (through LAUNCHER when given, e.g. mpirun -n 2) must give
+     peft's float64 loss and every adapter gradient, and no gradient of the base;
+  3. `ringflex train` with model.lora writes a checkpoint whose adapter directory peft loads with no missing or
+     unexpected keys and which then gives the loss ringflex computes with it; the base's files are bit-identical
+     after the run; --resume from an earlier checkpoint writes the same adapters and moments bit for bit; under a
+     launcher of N ranks (cp N) the losses equal those at cp 1 and at dp N; `ringflex export --merge` writes the
+     base with the adapted weights merged, which plain transformers loads and which gives peft's loss.
+
+Tolerance: 1e-4 relative per tensor, parity.py's (float32 against float64 on these badly conditioned tiny models;
+a wrong term shows up at 1e-2 or more).
+
+Exit code 77 (CTest's skip) when torch, transformers, peft or safetensors is missing.
+"""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from oracle_env import missing_oracle  # noqa: E402
+
+try:
+    import torch
+    import peft
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma4ForCausalLM
+    import parity  # noqa: E402  (tests/model/parity.py: configs, random weights, batches, masks)
+except ImportError as e:
+    missing_oracle(e)
+
+REL_TOL = parity.REL_TOL
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK, ALPHA = 4, 6.0
+
+
+def rel_err(mine, ref):
+    ref = ref.detach().double()
+    return float((mine.double() - ref).norm() / max(float(ref.norm()), 1e-300))
+
+
+def peft_loss(model, cfg, batch):
+    ids, labels, pos, doc, mm = batch
+    masks = parity.reference_masks(cfg, doc, mm)
+    logits = model(input_ids=ids, attention_mask=masks, position_ids=pos, use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, parity.V), labels.reshape(-1), ignore_index=-100)
+
+
+def write_batch(path, batch):
+    ids, labels, pos, doc, _ = batch
+    save_file({"input_ids": ids.contiguous(), "labels": labels.contiguous(), "position_ids": pos.contiguous(),
+               "doc": doc.to(torch.int32).contiguous()}, path)
+
+
+def ringflex_forward(ringflex, launcher, base, adapter, batch_path, out_path):
+    proc = subprocess.run([*launcher, ringflex, "forward", "--model", base, "--lora", adapter, "--in", batch_path,
+                           "--out", out_path, "--grad"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise AssertionError(f"ringflex forward --lora failed: {proc.stderr.strip()}")
+    return load_file(out_path)
+
+
+def grad_case(ringflex, launcher, name, rslora, workdir):
+    gen = torch.Generator().manual_seed(99)
+    cfg = parity.CONFIGS[name](False)
+    cfg._attn_implementation = "eager"
+    base = Gemma4ForCausalLM(cfg).float()
+    base.config._attn_implementation = "eager"
+    base.config._experts_implementation = "eager"
+    parity.randomize(base, gen)
+    base_dir = os.path.join(workdir, f"base_{name}")
+    base.save_pretrained(base_dir, safe_serialization=True)
+    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS,
+                                            use_rslora=rslora, task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                # Of the base's magnitude (parity.randomize: 0.15), so B A moves W by a few percent.
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    adapter_dir = os.path.join(workdir, f"adapter_{name}_{int(rslora)}")
+    model.save_pretrained(adapter_dir)
+    batch = parity.make_batch(gen, False)
+    model = model.double()
+    loss = peft_loss(model, cfg, batch)
+    loss.backward()
+    batch_path = os.path.join(workdir, f"batch_{name}.safetensors")
+    write_batch(batch_path, batch)
+    out = ringflex_forward(ringflex, launcher, base_dir, adapter_dir, batch_path,
+                           os.path.join(workdir, f"out_{name}_{int(rslora)}.safetensors"))
+    failures = []
+    worst = rel_err(out["loss"].reshape(()), loss)
+    if worst > REL_TOL:
+        failures.append(f"loss: relative error {worst:.3e}")
+    lora = {n.replace("base_model.model.", "", 1).replace(".default", ""): p.grad
+            for n, p in model.named_parameters() if "lora_" in n}
+    for n, g in lora.items():
+        key = "grad." + n
+        if key not in out:
+            failures.append(f"{key} missing from ringflex's output")
+            continue
+        err = rel_err(out[key], g)
+        worst = max(worst, err)
+        if err > REL_TOL:
+            failures.append(f"{key}: relative error {err:.3e}")
+    extra = sorted(k for k in out if k.startswith("grad.") and k[len("grad."):] not in lora)
+    if extra:
+        failures.append(f"gradients of the frozen base written: {extra[:3]}")
+    label = f"{name:5s} {'rslora' if rslora else 'alpha/r':7s}"
+    if failures:
+        print(f"FAIL {label}: " + "; ".join(failures[:6]))
+        return False
+    print(f"ok   {label}: loss and {len(lora)} adapter gradients, worst relative error {worst:.2e}")
+    return True
+
+
+def digest(directory):
+    h = hashlib.sha256()
+    for f in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, f), "rb") as fh:
+            h.update(f.encode() + fh.read())
+    return h.hexdigest()
+
+
+def train_case(ringflex, launcher, workdir):
+    gen = torch.Generator().manual_seed(7)
+    cfg = parity.CONFIGS["dense"](False)
+    base = Gemma4ForCausalLM(cfg).float()
+    parity.randomize(base, gen)
+    base_dir = os.path.join(workdir, "train_base")
+    base.save_pretrained(base_dir, safe_serialization=True)
+    before = digest(base_dir)
+    ranks = int(launcher[launcher.index("-n") + 1]) if "-n" in launcher else 1
+    # Token rows for the tiny vocabulary (the mock source needs more than 64 tokens).
+    data = os.path.join(workdir, "tokens.jsonl")
+    with open(data, "w") as f:
+        for _ in range(8):
+            n = int(torch.randint(8, 20, (1,), generator=gen))
+            f.write(json.dumps({"input_ids": torch.randint(1, parity.V, (n,), generator=gen).tolist()}) + "\n")
+    config = os.path.join(workdir, "lora.yaml")
+    with open(config, "w") as f:
+        f.write(f"""model:
+  path: {base_dir}
+  lora: {{rank: {RANK}, alpha: {ALPHA}, target: [q_proj, v_proj, o_proj, down_proj]}}
+data: {{source: jsonl_tokens, path: {data}, val_rows: 0}}
+optimizer: {{lr: 0.01}}
+parallelism: {{cp: {ranks}}}
+train: {{steps: 4, seq_len: 24, global_batch: 2, micro_batch: 1, threads: 1, log_every: 1}}
+checkpoint: {{dir: {os.path.join(workdir, "ckpt")}, every: 2, keep: 2}}
+""")
+    def train(*args, runner=launcher):
+        proc = subprocess.run([*runner, ringflex, "train", "--config", config, *args], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise AssertionError(f"ringflex train {' '.join(args)} failed: {proc.stderr.strip()[-2000:]}")
+
+    def losses(path):
+        with open(path) as f:
+            return [json.loads(line)["loss"] for line in f]
+
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    train("--metrics", metrics)
+    adapter = os.path.join(workdir, "ckpt", "step-00000004")
+    failures = []
+    # --resume from step 2 gives step 4's adapters and moments bit for bit.
+    train("--resume", os.path.join(workdir, "ckpt", "step-00000002"), "--set",
+          "checkpoint.dir=" + os.path.join(workdir, "resumed"))
+    for f in ("adapter_model.safetensors", "optimizer.safetensors"):
+        with open(os.path.join(adapter, f), "rb") as a, \
+                open(os.path.join(workdir, "resumed", "step-00000004", f), "rb") as b:
+            if a.read() != b.read():
+                failures.append(f"--resume: {f} differs from the uninterrupted run's")
+    # The same steps at one rank, and at dp 2 (rows split over replicas instead of tokens over CP ranks): float32
+    # sums in other orders only (README "Batches": ~1e-6 relative over a few steps of this size).
+    if ranks > 1:
+        for grid in (["--set", f"parallelism.cp=1"], ["--set", "parallelism.cp=1", "--set", f"parallelism.dp={ranks}"]):
+            other = os.path.join(workdir, "metrics_other.jsonl")
+            train("--metrics", other, "--set", "checkpoint.dir=" + os.path.join(workdir, "other"), *grid,
+                  runner=launcher if "parallelism.dp=" + str(ranks) in grid else [])
+            a, b = losses(metrics), losses(other)
+            if len(a) != len(b) or any(abs(x - y) > 1e-5 * abs(y) for x, y in zip(a, b)):
+                failures.append(f"losses at {' '.join(grid[1::2])}: {b} against {a}")
+    if digest(base_dir) != before:
+        failures.append("the base's files changed")
+    fresh = Gemma4ForCausalLM.from_pretrained(base_dir, attn_implementation="eager").double()
+    model = PeftModel.from_pretrained(fresh, adapter)
+    # PEFT's own load report: every tensor of the file went into an adapter, and every adapter came from the file.
+    result = peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(adapter))
+    lora_missing = [k for k in result.missing_keys if "lora_" in k]
+    if result.unexpected_keys or lora_missing:
+        failures.append(f"peft: unexpected {result.unexpected_keys[:3]}, missing {lora_missing[:3]}")
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        ac = json.load(f)
+    if (ac.get("peft_type"), ac.get("task_type"), ac.get("r"), ac.get("lora_alpha")) != ("LORA", "CAUSAL_LM", RANK,
+                                                                                          ALPHA):
+        failures.append(f"adapter_config.json: {ac}")
+    model = model.double()
+    batch = parity.make_batch(gen, False)
+    loss = peft_loss(model, cfg, batch)
+    batch_path = os.path.join(workdir, "batch_train.safetensors")
+    write_batch(batch_path, batch)
+    out = ringflex_forward(ringflex, launcher, base_dir, adapter, batch_path, os.path.join(workdir, "out_train.st"))
+    err = rel_err(out["loss"].reshape(()), loss)
+    if err > REL_TOL:
+        failures.append(f"loss with the trained adapter: relative error {err:.3e}")
+    # export --merge: the full checkpoint with W + scale B A in place of each adapted W gives the same loss through
+    # plain transformers, and every other tensor is the base's, bit for bit.
+    merged_dir = os.path.join(workdir, "merged")
+    proc = subprocess.run([ringflex, "export", "--model", base_dir, "--merge", adapter, "--out", merged_dir],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        failures.append(f"export --merge failed: {proc.stderr.strip()}")
+    else:
+        merged = Gemma4ForCausalLM.from_pretrained(merged_dir, attn_implementation="eager").double()
+        with torch.no_grad():
+            merr = rel_err(peft_loss(merged, cfg, batch), loss)
+        if merr > REL_TOL:
+            failures.append(f"export --merge: loss relative error {merr:.3e}")
+        base_tensors = load_file(os.path.join(base_dir, "model.safetensors"))
+        merged_tensors = load_file(os.path.join(merged_dir, "model.safetensors"))
+        adapted = {m + ".weight" for m in ac["target_modules"]}
+        if set(base_tensors) != set(merged_tensors):
+            failures.append("export --merge: tensor names differ from the base's")
+        for n, t in base_tensors.items():
+            same = torch.equal(t, merged_tensors.get(n, torch.empty(0)))
+            if same == (n in adapted):
+                failures.append(f"export --merge: `{n}` {'unchanged' if same else 'changed'}")
+                break
+    trained = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    if all(float(t.abs().max()) == 0 for n, t in trained.items() if "lora_B" in n):
+        failures.append("the adapters' B did not train")
+    if failures:
+        print("FAIL train: " + "; ".join(failures))
+        return False
+    print(f"ok   train: peft loads the adapter ({len(trained)} tensors, no missing or unexpected keys), "
+          f"loss relative error {err:.2e}, base unchanged, resume bit-exact, export --merge loads in transformers")
+    return True
+
+
+def main():
+    if len(sys.argv) < 2:
+        print("usage: lora_parity.py PATH/TO/ringflex [LAUNCHER...]")
+        return 2
+    ringflex, launcher = sys.argv[1], sys.argv[2:]
+    torch.set_num_threads(1)
+    print(f"peft {peft.__version__}, torch {torch.__version__}" + (f", through {' '.join(launcher)}" if launcher else ""))
+    ok = True
+    with tempfile.TemporaryDirectory() as workdir:
+        for name, rslora in (("dense", False), ("dense", True), ("moe", False), ("small", False)):
+            ok = grad_case(ringflex, launcher, name, rslora, workdir) and ok
+        ok = train_case(ringflex, launcher, workdir) and ok
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+// The LoRA store (model/lora_store.h): only the adapters train, PEFT's initial values (A Kaiming-uniform from the
+// seed alone, B zero), and the loss and adapter gradients of a run against an independent oracle: the plain model
+// (ReplicatedStore, whose gradients tests/model/parity.py checks against transformers) run on the merged weights
+// W + scale * B A, its full weight gradients dW contracted in double by the chain rule (dA = scale B^T dW,
+// dB = scale dW A^T), and a central finite difference of the loss in one element of A and of B.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "model/gemma4.h"
+#include "model/lora_store.h"
+
+namespace rf::model {
+namespace {
+
+const char* const kTwoLayers = R"({"vocab_size": 40, "hidden_size": 16, "intermediate_size": 24,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 3,
+  "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": 4.0,
+  "hidden_size_per_layer_input": 0, "rms_norm_eps": 1e-6})";
+
+constexpr int kRank = 2;
+constexpr double kAlpha = 3.0;
+constexpr int kSeq = 12;
+
+LoraConfig lora_config(uint64_t seed) {
+  LoraConfig c;
+  c.rank = kRank;
+  c.alpha = kAlpha;
+  c.seed = seed;
+  return c;
+}
+
+struct Rows {
+  std::vector<int32_t> ids, labels;
+  Batch batch() {
+    Batch b;
+    b.B = 1;
+    b.S = kSeq;
+    b.input_ids = ids.data();
+    b.labels = labels.data();
+    return b;
+  }
+};
+
+Rows rows() {
+  Rows r{std::vector<int32_t>(kSeq), std::vector<int32_t>(kSeq)};
+  for (int i = 0; i < kSeq; ++i) {
+    r.ids[static_cast<size_t>(i)] = (i * 7 + 1) % 40;
+    r.labels[static_cast<size_t>(i)] = (i * 5 + 2) % 40;
+  }
+  return r;
+}
+
+std::unique_ptr<Gemma4Model> lora_model(uint64_t seed) {
+  auto m = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kTwoLayers), 0, TensorSet::Storage::Allocated,
+                                         std::make_unique<LoraStore>(lora_config(seed)));
+  m->init_random(3, 0.3f);
+  dynamic_cast<LoraStore&>(m->params()).init_adapters();
+  return m;
+}
+
+TEST(LoraStore, OnlyTheAdaptersTrainAndStartAsPeftDoes) {
+  auto m = lora_model(11);
+  const auto& store = dynamic_cast<const LoraStore&>(m->params());
+  // Seven targets a layer (q, k, v, o, gate, up, down), two layers.
+  ASSERT_EQ(store.adapters().size(), 14u);
+  int64_t adapter_elements = 0;
+  for (const LoraStore::Adapter& a : store.adapters()) {
+    adapter_elements += kRank * (a.in + a.out);
+    EXPECT_EQ(store.info(a.a).name, module_of(store.info(a.base).name) + ".lora_A.weight");
+    EXPECT_EQ(store.info(a.a).shape, (std::vector<int64_t>{kRank, a.in}));
+    EXPECT_EQ(store.info(a.b).shape, (std::vector<int64_t>{a.out, kRank}));
+    EXPECT_FALSE(store.info(a.base).trainable);
+    const float bound = static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.in)));
+    double sum_sq = 0;
+    for (int64_t e = 0; e < kRank * a.in; ++e) {
+      const float v = store.weight(a.a)[e];
+      EXPECT_LE(std::abs(v), bound);
+      sum_sq += static_cast<double>(v) * v;
+    }
+    EXPECT_GT(sum_sq, 0.0);
+    for (int64_t e = 0; e < a.out * kRank; ++e) EXPECT_EQ(store.weight(a.b)[e], 0.f);
+  }
+  EXPECT_EQ(store.trainable_elements(), adapter_elements);
+  for (const ParamInfo& p : store.infos()) EXPECT_EQ(p.trainable, p.name.find(".lora_") != std::string::npos) << p.name;
+
+  // A's values are a function of the seed alone; another seed gives others.
+  auto same = lora_model(11), other = lora_model(12);
+  const size_t a0 = store.adapters()[0].a;
+  for (int64_t e = 0; e < store.info(a0).numel; ++e) EXPECT_EQ(same->params().weight(a0)[e], store.weight(a0)[e]);
+  EXPECT_NE(other->params().weight(a0)[0], store.weight(a0)[0]);
+}
+
+TEST(LoraStore, TargetsFollowPeft) {
+  LoraConfig c = lora_config(1);
+  c.target = {"model\\.layers\\.1\\.self_attn\\.(q|v)_proj"};
+  c.target_regex = true;
+  Gemma4Model m(Gemma4Config::from_json(kTwoLayers), 0, TensorSet::Storage::Allocated, std::make_unique<LoraStore>(c));
+  EXPECT_EQ(dynamic_cast<const LoraStore&>(m.params()).target_modules(),
+            (std::vector<std::string>{"model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"}));
+  c.target = {"o_proj", "nothing_proj"};
+  c.target_regex = false;
+  EXPECT_THROW(Gemma4Model(Gemma4Config::from_json(kTwoLayers), 0, TensorSet::Storage::Allocated,
+                           std::make_unique<LoraStore>(c)),
+               rf::Error);
+  c.dropout = 0.1;
+  EXPECT_THROW(LoraStore{c}, rf::Error);
+}
+
+TEST(LoraStore, LossAndAdapterGradientsMatchTheMergedModel) {
+  auto m = lora_model(5);
+  auto& store = dynamic_cast<LoraStore&>(m->params());
+  const double scale = kAlpha / kRank;
+  // B away from zero, so A's gradients are not zero too.
+  for (const LoraStore::Adapter& a : store.adapters()) {
+    float* B = store.mutable_weight(a.b);
+    for (int64_t e = 0; e < a.out * kRank; ++e) B[e] = 0.2f * std::sin(static_cast<float>(e + a.b));
+  }
+  const std::vector<float> base_before(store.flat(Role::Weights).begin(), store.flat(Role::Weights).end());
+
+  // The oracle: the plain model on W' = W + scale * B A (in double, rounded once).
+  Gemma4Model plain(Gemma4Config::from_json(kTwoLayers), 0);
+  ParamStore& ps = plain.params();
+  for (size_t slot = 0; slot < ps.size(); ++slot)
+    std::copy_n(store.weight(slot), ps.info(slot).numel, ps.mutable_weight(slot));
+  for (const LoraStore::Adapter& a : store.adapters()) {
+    float* W = ps.mutable_weight(a.base);
+    const float *A = store.weight(a.a), *B = store.weight(a.b);
+    for (int64_t o = 0; o < a.out; ++o)
+      for (int64_t i = 0; i < a.in; ++i) {
+        double d = 0;
+        for (int k = 0; k < kRank; ++k) d += static_cast<double>(B[o * kRank + k]) * A[k * a.in + i];
+        W[o * a.in + i] = static_cast<float>(W[o * a.in + i] + scale * d);
+      }
+  }
+  Rows r = rows();
+  RunOptions opt;
+  opt.want_grad = true;
+  ps.allocate_grads();
+  const Result want = plain.run(r.batch(), opt);
+  store.allocate_grads();
+  store.zero_grads();
+  const Result got = m->run(r.batch(), opt);
+  // float32 runs of the same function, summed in another order only inside W' (B A added before, not after).
+  constexpr double kLossTol = 1e-6;
+  EXPECT_NEAR(got.loss, want.loss, kLossTol * std::abs(want.loss));
+
+  double worst = 0;
+  for (const LoraStore::Adapter& a : store.adapters()) {
+    const float* dW = ps.grad(a.base);
+    const float *A = store.weight(a.a), *B = store.weight(a.b);
+    std::vector<double> dA(static_cast<size_t>(kRank * a.in), 0.0), dB(static_cast<size_t>(a.out * kRank), 0.0);
+    for (int64_t o = 0; o < a.out; ++o)
+      for (int64_t i = 0; i < a.in; ++i)
+        for (int k = 0; k < kRank; ++k) {
+          dA[static_cast<size_t>(k * a.in + i)] += scale * B[o * kRank + k] * dW[o * a.in + i];
+          dB[static_cast<size_t>(o * kRank + k)] += scale * dW[o * a.in + i] * A[k * a.in + i];
+        }
+    for (const auto& [slot, ref] : {std::pair{a.a, &dA}, std::pair{a.b, &dB}}) {
+      double diff = 0, norm = 0;
+      for (size_t e = 0; e < ref->size(); ++e) {
+        diff += std::pow(store.grad(slot)[e] - (*ref)[e], 2);
+        norm += (*ref)[e] * (*ref)[e];
+      }
+      ASSERT_GT(norm, 0.0) << store.info(slot).name;
+      worst = std::max(worst, std::sqrt(diff / norm));
+    }
+  }
+  // The same function in float32 with W' rounded differently (B A summed in float32 here, in double there: an ulp of
+  // W') and dW contracted in float32 here, in double there; the tiny random model amplifies float32 rounding to ~2e-5
+  // (tests/model/parity.py measures the same against float64), while a wrong term or transpose gives 1e-1 or more.
+  constexpr double kGradTol = 1e-4;
+  EXPECT_LT(worst, kGradTol);
+  // The base was never written, and has no gradient.
+  const std::vector<float> base_after(store.flat(Role::Weights).begin(), store.flat(Role::Weights).end());
+  for (const LoraStore::Adapter& a : store.adapters()) {
+    EXPECT_EQ(store.grad(a.base), nullptr);
+    const ParamInfo& p = store.info(a.base);
+    for (int64_t e = 0; e < p.numel; ++e)
+      ASSERT_EQ(base_after[static_cast<size_t>(p.offset + e)], base_before[static_cast<size_t>(p.offset + e)]);
+  }
+
+  // A central finite difference of the loss in one element of an A and of a B (double-checks the contraction's
+  // transposes against the loss itself, not the formula).
+  const LoraStore::Adapter& q1 = store.adapters()[7];
+  for (const auto& [slot, e] : {std::pair{q1.a, int64_t{5}}, std::pair{q1.b, int64_t{3}}}) {
+    constexpr float kStep = 1e-2f;
+    const float keep = store.weight(slot)[e];
+    const float analytic = store.grad(slot)[e];
+    store.mutable_weight(slot)[e] = keep + kStep;
+    const double up = m->run(r.batch(), RunOptions{}).loss;
+    store.mutable_weight(slot)[e] = keep - kStep;
+    const double down = m->run(r.batch(), RunOptions{}).loss;
+    store.mutable_weight(slot)[e] = keep;
+    // O(step^2) truncation plus float32 loss noise / step: a few 1e-4 absolute at these magnitudes.
+    constexpr double kFdTol = 2e-3;
+    EXPECT_NEAR((up - down) / (2 * kStep), analytic, kFdTol) << store.info(slot).name;
+  }
+}
+
+}  // namespace
+}  // namespace rf::model
