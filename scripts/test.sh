@@ -23,6 +23,7 @@ sanitized=(
   comm/test_loopback
   cp/test_shard
   cp/test_cp_loopback
+  cp/test_ep_experts
   cp/test_plan_cp
   cp/test_plan_ring
   comm/test_agree

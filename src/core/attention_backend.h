@@ -1,6 +1,6 @@
 // ringflex core: the model's parallel context, the one seam through which a model meets the other ranks: its
-// attention (local kernels at P = 1, the CP engine at P > 1) and the sums over ranks (the loss's counts). The
-// experts' dispatch of expert parallelism joins it as its next member. A job gets it from one factory,
+// attention (local kernels at P = 1, the CP engine at P > 1), the sums over ranks (the loss's counts) and the
+// experts' dispatch of expert parallelism (core/expert_parallel.h). A job gets it from one factory,
 // cp::make_parallel_context (cp/parallel_context.h).
 //
 // A model never sees a communicator. Once per batch it hands the backend the full rows' token metadata and its
@@ -13,10 +13,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
 #include "core/attention_args.h"
+#include "core/expert_parallel.h"
 #include "core/mask.h"
 
 namespace rf {
@@ -73,6 +75,14 @@ class ParallelContext {
 
   // In place: each value summed over the ranks in rank order 0..P-1, the same bits on every rank. Collective.
   virtual void sum_over_ranks(double* values, size_t n) = 0;
+
+  // The experts' dispatch: every expert on this rank unless the job's factory gave the context an EP group's.
+  ExpertParallel& experts() { return experts_ ? *experts_ : local_experts_; }
+  void set_experts(std::unique_ptr<ExpertParallel> experts) { experts_ = std::move(experts); }
+
+ private:
+  LocalExperts local_experts_;
+  std::unique_ptr<ExpertParallel> experts_;
 };
 
 // The seam's first name (it began as attention alone); the model's code still says it.

@@ -1,6 +1,7 @@
 // ringflex cp: the one place a job chooses the model's parallel context (core/attention_backend.h): the local kernels
 // when its CP group is one rank, the CP engine over the group otherwise. The trainer and `ringflex forward` both
-// build theirs here, so the choice and its options live in one function.
+// build theirs here, so the choice and its options live in one function; with an EP group of several ranks the
+// context's experts are dispatched over it (cp/ep_experts.h).
 #pragma once
 
 #include <memory>
@@ -17,7 +18,9 @@ struct JobContext {
                                            // shard map), else null
 };
 
-// cp_group: the ranks that share the rows' tokens; it must outlive the context.
-JobContext make_parallel_context(comm::Communicator& cp_group, const CpAttentionOptions& options = {});
+// cp_group: the ranks that share the rows' tokens; ep_group: the ranks that divide the experts of every MoE layer
+// among them (null or one rank: every expert local). Both must outlive the context.
+JobContext make_parallel_context(comm::Communicator& cp_group, const CpAttentionOptions& options = {},
+                                 comm::Communicator* ep_group = nullptr);
 
 }  // namespace rf::cp

@@ -113,13 +113,17 @@ struct MoeActs {
   std::vector<int32_t> expert_order;         // [T, K] each token's choices j by ascending expert index
   std::vector<int64_t> row_of;               // [T, K] row of each (token, choice) in its expert's batch
   std::vector<std::vector<int64_t>> routed;  // per expert: t * K + j of its (token, choice) pairs, t ascending
-  std::vector<Vec> e_x, e_gu, e_hm, e_eo;    // per expert: [n, H], [n, 2*Im], [n, Im], [n, H]
+  // The experts' dispatch (core/expert_parallel.h): this rank's routed rows lie by expert (sent layout, row r of
+  // expert e at sent_at[e] + r); the rows this rank's experts run lie by (source rank, own expert) block
+  // (received layout, block b from recv_at[b]). With every expert local the two layouts are the same.
+  ExpertRouting routing;
+  std::vector<int64_t> sent_at;  // [E + 1] first sent row of each expert
+  std::vector<int64_t> recv_at;  // [P * E/P + 1] first received row of each block
+  Vec eo_sent;                   // [sent rows, H] this rank's rows' expert outputs, back from the experts
+  Vec e_x, e_gu, e_hm, e_eo;     // received rows: [R, H], [R, 2*Im], [R, Im], [R, H]
   int64_t bytes() const {
-    int64_t n =
-        bytes_of({&h1, &r_pf1, &rn, &r_rn, &rs, &probs, &top_wn, &top_sum, &top_w, &e_in, &r_pre2, &out2, &r_pf2, &ff});
-    for (const auto* group : {&e_x, &e_gu, &e_hm, &e_eo})
-      for (const Vec& v : *group) n += static_cast<int64_t>(v.size() * sizeof(float));
-    return n;
+    return bytes_of({&h1, &r_pf1, &rn, &r_rn, &rs, &probs, &top_wn, &top_sum, &top_w, &e_in, &r_pre2, &out2, &r_pf2,
+                     &ff, &eo_sent, &e_x, &e_gu, &e_hm, &e_eo});
   }
 };
 

@@ -1,5 +1,7 @@
 // ringflex model: the MoE block beside a Gemma 4 layer's MLP (enable_moe_block), forward and backward
-// (gemma4_run.h). The router sees this rank's tokens only (no expert parallelism across ranks).
+// (gemma4_run.h). The router sees this rank's tokens only; the experts run where the parallel context's dispatch
+// puts them (core/expert_parallel.h): here at EP = 1, else on the EP rank holding each, the rows sent there and
+// the outputs (and in the backward the input gradients) sent back before each token's combine.
 //
 // Threads: the router runs per token in parallel. The experts' row-local work (gather, gate/up and down sgemms,
 // GeGLU, and in the backward the input gradients) is cut into tasks of at most kExpertRowsPerTask routed rows of
@@ -32,19 +34,26 @@ constexpr int64_t kExpertRowsPerTask = 128;
 // Columns per block of the router scale's gradient: one 64-byte cache line of float32.
 constexpr int64_t kScaleColumnsPerBlock = 16;
 
+// A task: rows [row0, row0 + rows) of one block of the received layout (one expert's rows from one source rank).
 struct ExpertTask {
-  int64_t expert, row0, rows;
+  int64_t block, row0, rows;
 };
 
-std::vector<ExpertTask> expert_tasks(const std::vector<std::vector<int64_t>>& routed, int64_t madds_per_row) {
+// blocks: rows per block. Every block is cut alone, as the rank that routed its rows would cut that expert's rows
+// with every expert local, so each row meets the same sgemm shapes at any EP.
+std::vector<ExpertTask> expert_tasks(const std::vector<int64_t>& blocks, int64_t madds_per_row) {
   const int64_t step = std::max(kExpertRowsPerTask,
                                 (kParallelMinMultiplyAdds + madds_per_row - 1) / std::max<int64_t>(madds_per_row, 1));
   std::vector<ExpertTask> tasks;
-  for (int64_t e = 0; e < static_cast<int64_t>(routed.size()); ++e) {
-    const int64_t n = static_cast<int64_t>(routed[e].size());
-    for (int64_t r = 0; r < n; r += step) tasks.push_back({e, r, std::min(step, n - r)});
-  }
+  for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b)
+    for (int64_t r = 0; r < blocks[b]; r += step) tasks.push_back({b, r, std::min(step, blocks[b] - r)});
   return tasks;
+}
+
+std::vector<int64_t> starts_of(const std::vector<int64_t>& counts) {
+  std::vector<int64_t> at(counts.size() + 1, 0);
+  std::partial_sum(counts.begin(), counts.end(), at.begin() + 1);
+  return at;
 }
 
 // Work in multiply-adds below which a loop over tasks runs on one thread (as kParallelMinMultiplyAdds for sgemm).
@@ -121,38 +130,49 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
       rows.push_back(t * K + j);
     }
   }
-  a.e_x.assign(E, {});
-  a.e_gu.assign(E, {});
-  a.e_hm.assign(E, {});
-  a.e_eo.assign(E, {});
-  const int64_t routed_madds = T * K * 3 * Im * H;  // gate/up and down sgemms over every routed row
-  // Each expert's buffers, written completely by its tasks below (the rows they gather, and sgemm/GeGLU outputs).
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = static_cast<int64_t>(a.routed[e].size());
-    if (n == 0) continue;
-    a.e_x[e] = uninit(n * H);
-    a.e_gu[e] = uninit(n * 2 * Im);
-    a.e_hm[e] = uninit(n * Im);
-    a.e_eo[e] = uninit(n * H);
+  // Dispatch: this rank's routed rows to the ranks holding their experts (every expert local at EP = 1).
+  ExpertParallel& ep = attn.experts();
+  a.routing = ExpertRouting{};
+  a.routing.experts = E;
+  for (const auto& rows : a.routed) a.routing.sent.push_back(static_cast<int64_t>(rows.size()));
+  ep.route(a.routing);
+  a.sent_at = starts_of(a.routing.sent);
+  a.recv_at = starts_of(a.routing.received);
+  const int64_t sent = a.routing.sent_rows(), R = a.routing.received_rows();
+  {
+    Vec x_sent = uninit(sent * H);  // [sent, H] the rows' expert inputs in the sent layout
+#pragma omp parallel for schedule(static) if (sent * H >= kParallelMinElements)
+    for (int64_t tj = 0; tj < T * K; ++tj)
+      std::copy_n(a.e_in.data() + (tj / K) * H, H, x_sent.data() + (a.sent_at[a.top_idx[tj]] + a.row_of[tj]) * H);
+    a.e_x = uninit(R * H);
+    ep.dispatch(a.routing, x_sent.data(), a.e_x.data(), H);
   }
+  // The received rows through this rank's experts; written completely by the tasks below.
+  a.e_gu = uninit(R * 2 * Im);
+  a.e_hm = uninit(R * Im);
+  a.e_eo = uninit(R * H);
+  const int64_t here = a.routing.experts_here(), first = a.routing.first_expert();
+  const int64_t routed_madds = R * 3 * Im * H;  // gate/up and down sgemms over every received row
   const float* GU = W(sl.experts_gate_up);
   const float* DN = W(sl.experts_down);
   const ElementwiseKernels& ew = elementwise();
-  const std::vector<ExpertTask> tasks = expert_tasks(a.routed, Im * H);
+  const std::vector<ExpertTask> tasks = expert_tasks(a.routing.received, Im * H);
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds))
   for (size_t k = 0; k < tasks.size(); ++k) {
     const ExpertTask& tk = tasks[k];
-    const int64_t e = tk.expert, r0 = tk.row0, n = tk.rows;
-    // x: [n, H] this task's rows of the expert's gathered inputs; gu: [n, 2*Im]; hm: [n, Im]; eo: [n, H].
-    float* x = a.e_x[e].data() + r0 * H;
-    float* gu = a.e_gu[e].data() + r0 * 2 * Im;
-    float* hm = a.e_hm[e].data() + r0 * Im;
-    float* eo = a.e_eo[e].data() + r0 * H;
-    for (int64_t r = 0; r < n; ++r) std::copy_n(a.e_in.data() + (a.routed[e][r0 + r] / K) * H, H, x + r * H);
+    const int64_t e = first + tk.block % here, r0 = a.recv_at[tk.block] + tk.row0, n = tk.rows;
+    // x: [n, H] this task's received rows; gu: [n, 2*Im]; hm: [n, Im]; eo: [n, H].
+    const float* x = a.e_x.data() + r0 * H;
+    float* gu = a.e_gu.data() + r0 * 2 * Im;
+    float* hm = a.e_hm.data() + r0 * Im;
+    float* eo = a.e_eo.data() + r0 * H;
     linear_forward(mm, x, GU + e * 2 * Im * H, gu, n, H, 2 * Im);
     for (int64_t r = 0; r < n; ++r) ew.geglu_forward(gu + r * 2 * Im, gu + r * 2 * Im + Im, hm + r * Im, Im);
     linear_forward(mm, hm, DN + e * H * Im, eo, n, Im, H);
   }
+  // Combine: the outputs back to the ranks whose tokens they are.
+  a.eo_sent = uninit(sent * H);
+  ep.combine(a.routing, a.e_eo.data(), a.eo_sent.data(), H);
   // Each token sums its experts' weighted outputs in ascending expert index, tokens in parallel.
   a.out2 = zeros(T * H);
 #pragma omp parallel for schedule(static) if (T * K * H >= kParallelMinElements)
@@ -160,7 +180,7 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
     float* o = a.out2.data() + t * H;
     for (int64_t c = 0; c < K; ++c) {
       const int64_t tj = t * K + a.expert_order[t * K + c];
-      const float* eo = a.e_eo[a.top_idx[tj]].data() + a.row_of[tj] * H;
+      const float* eo = a.eo_sent.data() + (a.sent_at[a.top_idx[tj]] + a.row_of[tj]) * H;
       const float w = a.top_w[tj];
       for (int64_t i = 0; i < H; ++i) o[i] += eo[i] * w;
     }
@@ -188,69 +208,89 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   const float* DN = W(sl.experts_down);
   float* gGU = G(sl.experts_gate_up);
   float* gDN = G(sl.experts_down);
-  Vec dw = zeros(T * K);  // d loss / d top_w
-  const int64_t routed_madds = T * K * 3 * Im * H;
-  // Per expert: d loss / d its gathered inputs, [n, H], summed into de_in per token afterwards.
-  std::vector<Vec> e_dx(static_cast<size_t>(E));
-#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds))
-  for (int64_t e = 0; e < E; ++e)
-    if (!a.routed[e].empty()) e_dx[e] = zeros(static_cast<int64_t>(a.routed[e].size()) * H);
+  ExpertParallel& ep = attn.experts();
+  const int64_t sent = a.routing.sent_rows(), R = a.routing.received_rows();
+  const int64_t here = a.routing.experts_here(), first = a.routing.first_expert();
 
-  // Row-local: dY (into e_eo), dw, d hm, d gate-up (into e_gu), d expert input; tasks in parallel.
+  // On this rank's tokens: d loss / d top_w, and d loss / d expert output (dout2 times the row's weight), per row.
+  Vec dw = zeros(T * K);  // d loss / d top_w
+  {
+    Vec dy_sent = uninit(sent * H);  // [sent, H] in the sent layout
+#pragma omp parallel for schedule(static) if (sent * H >= kParallelMinElements)
+    for (int64_t tj = 0; tj < T * K; ++tj) {
+      const int64_t row = a.sent_at[a.top_idx[tj]] + a.row_of[tj];
+      const float* g = dout2 + (tj / K) * H;
+      const float* y = a.eo_sent.data() + row * H;
+      float* dy = dy_sent.data() + row * H;
+      float dot = 0.f;
+      for (int64_t i = 0; i < H; ++i) {
+        dot += g[i] * y[i];
+        dy[i] = g[i] * a.top_w[tj];
+      }
+      dw[tj] = dot;
+    }
+    ep.dispatch(a.routing, dy_sent.data(), a.e_eo.data(), H);  // the received rows' dY, over their outputs
+  }
+  const int64_t routed_madds = R * 3 * Im * H;
+  Vec e_dx = zeros(R * H);  // d loss / d the received rows' inputs
+
+  // Row-local: d hm, d gate-up (into e_gu), d expert input; tasks in parallel.
   const ElementwiseKernels& ew = elementwise();
-  const std::vector<ExpertTask> tasks = expert_tasks(a.routed, Im * H);
+  const std::vector<ExpertTask> tasks = expert_tasks(a.routing.received, Im * H);
 #pragma omp parallel if (worth_threads(routed_madds))
   {
     Vec dhm;  // [rows, Im] of this thread's current task
 #pragma omp for schedule(dynamic, 1)
     for (size_t k = 0; k < tasks.size(); ++k) {
       const ExpertTask& tk = tasks[k];
-      const int64_t e = tk.expert, r0 = tk.row0, n = tk.rows;
-      float* dy = a.e_eo[e].data() + r0 * H;       // [n, H] expert output, then its gradient
-      float* gu = a.e_gu[e].data() + r0 * 2 * Im;  // [n, 2*Im] gate-up, then its gradient
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t tj = a.routed[e][r0 + r];
-        const float* g = dout2 + (tj / K) * H;
-        float dot = 0.f;
-        for (int64_t i = 0; i < H; ++i) {
-          dot += g[i] * dy[r * H + i];
-          dy[r * H + i] = g[i] * a.top_w[tj];
-        }
-        dw[tj] = dot;
-      }
+      const int64_t e = first + tk.block % here, r0 = a.recv_at[tk.block] + tk.row0, n = tk.rows;
+      const float* dy = a.e_eo.data() + r0 * H;  // [n, H] d expert output
+      float* gu = a.e_gu.data() + r0 * 2 * Im;   // [n, 2*Im] gate-up, then its gradient
       dhm.assign(static_cast<size_t>(n * Im), 0.f);
-      linear_backward(mm, a.e_hm[e].data() + r0 * Im, DN + e * H * Im, dy, dhm.data(), nullptr, n, Im, H);
+      linear_backward(mm, a.e_hm.data() + r0 * Im, DN + e * H * Im, dy, dhm.data(), nullptr, n, Im, H);
       for (int64_t r = 0; r < n; ++r) {
         float* gate_up = gu + r * 2 * Im;  // [2*Im]: gate then up, overwritten by their gradients
         ew.geglu_backward(gate_up, gate_up + Im, dhm.data() + r * Im, gate_up, gate_up + Im, Im, false);
       }
-      linear_backward(mm, a.e_x[e].data() + r0 * H, GU + e * 2 * Im * H, gu, e_dx[e].data() + r0 * H, nullptr, n, H,
-                      2 * Im);
+      linear_backward(mm, a.e_x.data() + r0 * H, GU + e * 2 * Im * H, gu, e_dx.data() + r0 * H, nullptr, n, H, 2 * Im);
     }
   }
-  // Weight gradients: one sgemm over all of an expert's rows each, experts in parallel when there are enough of
-  // them to share out; otherwise experts in turn, each sgemm split over the threads (the same bits either way).
+  // Weight gradients of this rank's experts: one sgemm over each block's rows (all of an expert's rows at EP = 1),
+  // an expert's blocks in source order; experts in parallel when there are enough of them to share out, otherwise
+  // experts in turn, each sgemm split over the threads (the same bits either way).
+  const int64_t P = a.routing.ranks;
   int64_t active = 0;
-  for (const auto& rows : a.routed) active += !rows.empty();
+  for (int64_t le = 0; le < here; ++le)
+    for (int64_t s = 0; s < P; ++s)
+      if (a.routing.received[s * here + le] > 0) {
+        ++active;
+        break;
+      }
   if (gGU || gDN) {
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && active >= omp_get_max_threads())
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t n = static_cast<int64_t>(a.routed[e].size());
-      if (n == 0) continue;
-      if (gDN)
-        linear_backward(mm, a.e_hm[e].data(), DN + e * H * Im, a.e_eo[e].data(), nullptr, gDN + e * H * Im, n, Im, H);
-      if (gGU)
-        linear_backward(mm, a.e_x[e].data(), GU + e * 2 * Im * H, a.e_gu[e].data(), nullptr, gGU + e * 2 * Im * H, n, H,
-                        2 * Im);
+    for (int64_t le = 0; le < here; ++le) {
+      const int64_t e = first + le;
+      for (int64_t s = 0; s < P; ++s) {
+        const int64_t blk = s * here + le, r0 = a.recv_at[blk], n = a.routing.received[blk];
+        if (n == 0) continue;
+        if (gDN)
+          linear_backward(mm, a.e_hm.data() + r0 * Im, DN + e * H * Im, a.e_eo.data() + r0 * H, nullptr,
+                          gDN + e * H * Im, n, Im, H);
+        if (gGU)
+          linear_backward(mm, a.e_x.data() + r0 * H, GU + e * 2 * Im * H, a.e_gu.data() + r0 * 2 * Im, nullptr,
+                          gGU + e * 2 * Im * H, n, H, 2 * Im);
+      }
     }
   }
-  // Each token sums its experts' input gradients in ascending expert index, tokens in parallel.
+  // The input gradients back to their tokens' ranks; each token sums its experts' in ascending expert index.
+  Vec dx_sent = uninit(sent * H);
+  ep.combine(a.routing, e_dx.data(), dx_sent.data(), H);
   Vec de_in = zeros(T * H);
 #pragma omp parallel for schedule(static) if (T * K * H >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t c = 0; c < K; ++c) {
       const int64_t tj = t * K + a.expert_order[t * K + c];
-      add_into(de_in.data() + t * H, e_dx[a.top_idx[tj]].data() + a.row_of[tj] * H, H);
+      add_into(de_in.data() + t * H, dx_sent.data() + (a.sent_at[a.top_idx[tj]] + a.row_of[tj]) * H, H);
     }
   }
   rmsnorm_backward(x1, W(sl.pre_ff_norm_2), a.r_pre2.data(), de_in.data(), dx1, G(sl.pre_ff_norm_2), T, H);

@@ -139,6 +139,7 @@ const std::vector<Field>& fields() {
       field("parallelism.dp", kInt, &C::parallelism, &ParallelismSection::dp),
       field("parallelism.sharding", kStr, &C::parallelism, &ParallelismSection::sharding),
       field("parallelism.shard", kStr, &C::parallelism, &ParallelismSection::shard),
+      field("parallelism.ep", kInt, &C::parallelism, &ParallelismSection::ep),
       field("train.steps", kInt, &C::train, &TrainSection::steps),
       field("train.seq_len", kInt, &C::train, &TrainSection::seq_len),
       field("train.global_batch", kInt, &C::train, &TrainSection::global_batch),
@@ -298,6 +299,9 @@ void validate(const TrainConfig& c, int world_size) {
   RF_CHECK(int64_t{c.parallelism.cp} * c.parallelism.dp == world_size,
            "config: parallelism.cp * parallelism.dp = ", c.parallelism.cp, " * ", c.parallelism.dp, " = ",
            int64_t{c.parallelism.cp} * c.parallelism.dp, " does not match the ", world_size, " rank(s) of this job");
+  positive(c.parallelism.ep, "parallelism.ep");
+  RF_CHECK(world_size % c.parallelism.ep == 0, "config: parallelism.ep = ", c.parallelism.ep, " does not divide the ",
+           world_size, " rank(s) of this job (cp * dp)");
   positive(c.train.steps, "train.steps");
   positive(c.train.seq_len, "train.seq_len");
   RF_CHECK(c.train.seq_len >= c.parallelism.cp, "config: train.seq_len = ", c.train.seq_len,

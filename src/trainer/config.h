@@ -55,6 +55,10 @@ struct ParallelismSection {
   // micro-batch's gradients are reduce-scattered as it ends, a rank accumulating its slice alone). full (ZeRO-3) is
   // not there yet.
   std::string shard = "none";
+  // Expert parallelism: the experts of every MoE layer divided over groups of ep consecutive ranks of the cp x dp
+  // ranks (folded: each rank sends its own tokens' rows to the experts' ranks). ep divides cp x dp and the model's
+  // experts; 1: every expert on every rank.
+  int ep = 1;
 };
 
 struct TrainSection {

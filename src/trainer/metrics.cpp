@@ -30,6 +30,8 @@ std::string metrics_json_line(const StepMetrics& m) {
                               {"tokens_per_s", m.tokens_per_s},
                               {"peak_rss_bytes", m.peak_rss_bytes}};
   if (m.val_loss) j["val_loss"] = *m.val_loss;
+  if (m.ep_rows_sent) j["ep_rows_sent"] = *m.ep_rows_sent;
+  if (m.ep_rows_received) j["ep_rows_received"] = *m.ep_rows_received;
   return j.dump() + "\n";
 }
 

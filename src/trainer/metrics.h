@@ -19,9 +19,14 @@ struct StepMetrics {
   double tokens_per_s = 0.0;   // non-padding tokens of the global batch per second of the step
   int64_t peak_rss_bytes = 0;  // the largest peak resident set over the ranks
   std::optional<double> val_loss;
+  // Under expert parallelism (parallelism.ep > 1): routed rows (a token's row for one of its experts) the step's
+  // forward passes sent to, and received from, other ranks' experts (a MoE layer's recompute in the backward counts
+  // again), the most of any rank.
+  std::optional<int64_t> ep_rows_sent, ep_rows_received;
 };
 
-// One JSON object per line: step, loss, lr, grad_norm, tokens, tokens_per_s, peak_rss_bytes [, val_loss].
+// One JSON object per line: step, loss, lr, grad_norm, tokens, tokens_per_s, peak_rss_bytes [, val_loss]
+// [, ep_rows_sent, ep_rows_received].
 std::string metrics_json_line(const StepMetrics& m);
 
 // The --metrics JSONL file (rank 0's): each line is written whole or the write fails. Opening keeps the whole lines

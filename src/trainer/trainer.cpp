@@ -236,7 +236,7 @@ struct Run {
   // ZeRO-1 and up over the world's ranks: the moments, clipping and the update cover this rank's slice.
   const bool shard_optimizer = cfg.parallelism.shard == "optimizer" || shard_gradients;
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
-  std::unique_ptr<comm::Communicator> cp_group, dp_group;
+  std::unique_ptr<comm::Communicator> cp_group, dp_group, ep_group;
   cp::JobContext context;  // the model's parallel context: the local kernels, or the ring over this rank's CP group
   model::Checkpoint ck;
   TrainState state;
@@ -254,10 +254,21 @@ struct Run {
 void join_groups(Run& r) {
   r.cp_group = r.world.split(r.dp_index, r.cp_index, r.timeout);
   r.dp_group = r.world.split(r.cp_index, r.dp_index, r.timeout);
+  const int ep = r.cfg.parallelism.ep;  // EP groups: ep consecutive world ranks
+  r.ep_group = r.world.split(r.world.rank() / ep, r.world.rank() % ep, r.timeout);
   cp::CpAttentionOptions co;
   co.scheme = r.cfg.parallelism.sharding;
   co.timeout = r.timeout;
-  r.context = cp::make_parallel_context(*r.cp_group, co);
+  r.context = cp::make_parallel_context(*r.cp_group, co, r.ep_group.get());
+}
+
+// parallelism.ep against the model: its MoE layers' experts must divide over the EP ranks.
+void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config& mc) {
+  const int ep = cfg.parallelism.ep;
+  if (ep == 1) return;
+  RF_CHECK(mc.enable_moe, "config: parallelism.ep = ", ep, " needs a model with MoE layers (enable_moe_block)");
+  RF_CHECK(mc.num_experts % ep == 0, "config: parallelism.ep = ", ep, " does not divide the model's ", mc.num_experts,
+           " experts");
 }
 
 // Setup: the model (fresh, from model.path or resumed), the data, the optimizer state and where the run stands.
@@ -301,6 +312,7 @@ void set_up(Run& r) {
   if (!r.resume_dir.empty() || !cfg.model.path.empty())
     check_loaded_weights(r.ck, r.resume_dir.empty() ? cfg.model.path : r.resume_dir);
   const model::Gemma4Model& m = *r.ck.model;
+  check_expert_parallelism(cfg, m.config());
   const int width = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
   // Unfilled row positions are doc 0 with ignored labels (masked everywhere), so a config without a pad id
   // (pad_token_id null) fills them with token 0: any in-vocabulary id would do.
@@ -569,12 +581,14 @@ void check_finite_step(int64_t step, double loss, double norm, const std::string
 double validation_loss(Run& r) {
   const int dp = r.cfg.parallelism.dp;
   std::vector<PackedBatch> mine;
+  std::vector<PackedBatch> filler;  // under expert parallelism: the split's first row (see below)
   int64_t labels = 0;
   comm::agree(r.world, [&] {
     std::vector<Row> rows;
     for (int j = 0; j < r.data->val_rows(); ++j) {
       Row row = r.data->val_row(j);
       labels += count_label_tokens(row.labels);
+      if (j == 0 && r.cfg.parallelism.ep > 1) filler.push_back(stack_rows({row}, r.feature_dim));
       if (j % dp == r.dp_index) rows.push_back(std::move(row));
     }
     const size_t micro = static_cast<size_t>(r.cfg.train.micro_batch);
@@ -588,6 +602,14 @@ double validation_loss(Run& r) {
   });
   double loss = 0.0;
   for (const PackedBatch& b : mine) loss += run_micro_batch(r, b, labels, false);
+  // Under expert parallelism every micro-batch is collective over the EP group, which spans DP replicas: a replica
+  // with fewer rows (replica 0 has the most) runs its first batch again, or the split's first row, its loss unused.
+  if (r.cfg.parallelism.ep > 1 && r.data->val_rows() > 0) {
+    const int64_t most_rows = (r.data->val_rows() + dp - 1) / dp;
+    const int64_t most = (most_rows + r.cfg.train.micro_batch - 1) / r.cfg.train.micro_batch;
+    const PackedBatch& again = mine.empty() ? filler.front() : mine.front();
+    for (int64_t i = static_cast<int64_t>(mine.size()); i < most; ++i) run_micro_batch(r, again, labels, false);
+  }
   r.dp_group->allreduce(&loss, 1, comm::ReduceOp::Sum, r.timeout);
   return loss;
 }
@@ -599,7 +621,7 @@ bool is_last(const Run& r, int64_t step) { return step == r.cfg.train.steps; }
 // The step's metrics, with validation on its steps, recorded in the loss history and the result. Throughput:
 // the step's non-padding tokens over its wall time, validation excluded.
 StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double norm, const TokenCounts& tokens,
-                        double step_seconds, TrainResult& result) {
+                        double step_seconds, const ExpertTraffic& ep_moved, TrainResult& result) {
   StepMetrics sm;
   sm.step = step;
   sm.loss = loss;
@@ -611,6 +633,12 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
   if (r.data->val_rows() > 0 && validation_step) sm.val_loss = validation_loss(r);
   sm.peak_rss_bytes = peak_rss_bytes();
   r.world.allreduce(&sm.peak_rss_bytes, 1, comm::ReduceOp::Max, r.timeout);
+  if (r.cfg.parallelism.ep > 1) {  // the step's routed rows (ep_moved: this rank's), the most of any rank
+    int64_t moved[2] = {ep_moved.rows_sent, ep_moved.rows_received};
+    r.world.allreduce(moved, 2, comm::ReduceOp::Max, r.timeout);
+    sm.ep_rows_sent = moved[0];
+    sm.ep_rows_received = moved[1];
+  }
   r.state.history.steps.push_back(static_cast<int>(step));
   r.state.history.loss.push_back(loss);
   if (sm.val_loss) {
@@ -687,7 +715,9 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     std::vector<PackedBatch> batches;
     comm::agree(world, [&] { batches = replica_micro_batches(r); });
     const TokenCounts tokens = count_tokens(r, batches);
+    const ExpertTraffic ep_before = r.context.model->experts().traffic();
     const double loss = forward_backward(r, batches, tokens.labels);
+    const ExpertTraffic ep_after = r.context.model->experts().traffic();
     reduce_gradients(r);
     const double norm = clip_global_norm(r, cfg.optimizer.grad_clip);
     check_finite_step(step, loss, norm, result.last_checkpoint);
@@ -695,7 +725,10 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     r.state.step = step;
     r.state.data_position += cfg.train.global_batch;
 
-    const StepMetrics sm = record_step(r, step, loss, lr, norm, tokens, seconds_since(step_start), result);
+    const StepMetrics sm =
+        record_step(r, step, loss, lr, norm, tokens, seconds_since(step_start),
+                    {ep_after.rows_sent - ep_before.rows_sent, ep_after.rows_received - ep_before.rows_received, 0},
+                    result);
     const double eta = seconds_since(run_start) / static_cast<double>(step - first_step + 1) *
                        static_cast<double>(cfg.train.steps - step);
     publish_step(r, sm, eta, metrics, progress, result);
