@@ -60,7 +60,8 @@ struct ParallelismSection {
   std::string sharding = "balanced";  // how CP splits a row: contiguous | zigzag | balanced
   // How the training state is spread over all cp x dp ranks (ZeRO stages): none (every rank holds all of it) |
   // optimizer (AdamW's moments sharded, ZeRO-1: the gradients are reduce-scattered, each rank updates its shard of
-  // the trainable parameters, then the updated weights are all-gathered). gradients (ZeRO-2) and full (ZeRO-3) are
+  // the trainable parameters, then the updated weights are all-gathered) | gradients (ZeRO-2: as optimizer, and each
+  // micro-batch's gradients are reduce-scattered as it ends, a rank accumulating its slice alone). full (ZeRO-3) is
   // not there yet.
   std::string shard = "none";
   // Expert parallelism: the experts of every MoE layer divided over groups of ep consecutive ranks of the cp x dp

@@ -215,11 +215,16 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   need.add("weights", params + m.buffers().total_bytes());
   need.add("gradients", trainable_bytes);
   if (lora_buffers > 0) need.add("LoRA: one layer's merged weights and their gradient", lora_buffers);
-  // parallelism.shard = optimizer: a rank holds the moments of its shard, ceil(trainable / N) elements.
+  // parallelism.shard = optimizer or gradients: a rank holds the moments of its shard, ceil(trainable / N) elements.
   const int64_t trainable_elements = trainable_bytes / static_cast<int64_t>(sizeof(float));
-  const int64_t moment_elements = c.parallelism.shard == "optimizer"
-                                      ? model::shard_of(trainable_elements, 0, world_size).padded
-                                      : trainable_elements;
+  const bool sharded_moments = c.parallelism.shard == "optimizer" || c.parallelism.shard == "gradients";
+  const int64_t moment_elements =
+      sharded_moments ? model::shard_of(trainable_elements, 0, world_size).padded : trainable_elements;
+  // parallelism.shard = gradients with gradient accumulation: the reduced slice of the earlier micro-batches' sum,
+  // beside the arena above (which holds one micro-batch's gradients while it runs).
+  if (c.parallelism.shard == "gradients" && c.accumulation_steps() > 1)
+    need.add("gradient slice", checked_bytes({model::shard_of(trainable_elements, 0, world_size).padded,
+                                              static_cast<int64_t>(sizeof(float))}));
   need.add("AdamW moments", checked_bytes({kMoments, moment_elements, static_cast<int64_t>(sizeof(float))}));
   if (model::parse_compute_dtype(c.model.compute_dtype) == model::ComputeDtype::Bfloat16)
     need.add("bf16 weight copies", m.bf16_weight_bytes());
@@ -259,7 +264,11 @@ struct Run {
   const TrainOptions& options;
   const comm::Timeout timeout = comm::default_timeout();  // `ringflex ... --timeout SECONDS`
   const int cp_index, dp_index;
-  const bool shard_optimizer = cfg.parallelism.shard == "optimizer";  // ZeRO-1 over the world's ranks
+  // ZeRO-2 (parallelism.shard = gradients): each micro-batch's gradients are reduce-scattered as soon as it ends,
+  // and a rank accumulates its slice alone.
+  const bool shard_gradients = cfg.parallelism.shard == "gradients";
+  // ZeRO-1 and up over the world's ranks: the moments, clipping and the update cover this rank's slice.
+  const bool shard_optimizer = cfg.parallelism.shard == "optimizer" || shard_gradients;
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
   std::unique_ptr<comm::Communicator> cp_group, dp_group, ep_group;
   cp::JobContext context;  // the model's parallel context: the local kernels, or the ring over this rank's CP group
@@ -270,6 +279,9 @@ struct Run {
   std::unique_ptr<AdamW> adam;  // its state (the moments) and the gradients live in the model's parameter store
   model::RunOptions training;   // how a micro-batch runs (its string options parsed once)
   int feature_dim = 0;          // F of the batches' image features (0: the data has none)
+  // shard gradients with accumulation: the reduced sum of the step's earlier micro-batches over this rank's slice
+  // of the trainable layout [comm::slice_of(trainable_elements, N, rank).size()]; empty otherwise.
+  std::vector<float> grad_slice;
 };
 
 // The run's groups and the model's parallel context (collectives: every rank, in the same order).
@@ -390,6 +402,9 @@ void set_up(Run& r) {
   r.adam = std::make_unique<AdamW>(store, cfg.optimizer);
   if (!r.resume_dir.empty()) load_optimizer_state(r.resume_dir, store);
   store.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
+  if (r.shard_gradients && cfg.accumulation_steps() > 1)
+    r.grad_slice.assign(
+        comm::slice_of(static_cast<size_t>(store.trainable_elements()), r.world.size(), r.world.rank()).size(), 0.f);
   r.state.seed = cfg.train.seed;
   r.state.config_yaml = to_yaml(cfg);
   r.training.want_grad = true;
@@ -456,11 +471,43 @@ double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool 
   return r.ck.model->run(as_batch(p), ro, *r.context.model).loss;
 }
 
+// parallelism.shard = gradients, after micro-batch `index` of `count`: its gradients are summed over every rank in
+// rank order into their owners' slices (reduce_scatter), and this rank adds its slice to the step's: the earlier
+// micro-batches' sum waits in r.grad_slice, the last one's is added to it in place in the arena's slice, where
+// clipping and the update read it (the rest of the arena is spent). The arena is zeroed for the next micro-batch.
+// Bits: with one micro-batch a replica this is shard none's reduction, the same bits. With more, shard none adds
+// a rank's micro-batches first and reduces once, this reduces each micro-batch and adds the sums: the same terms,
+// associated differently, so the gradients agree within float32 rounding (one rounding per addition), not bit for
+// bit. Reducing every micro-batch under shard none too would buy equal bits at A times its reduction traffic; that
+// price is not worth a bitwise match between modes that already agree to rounding.
+void reduce_micro_batch_gradients(Run& r, size_t index, size_t count) {
+  model::ParamStore& store = r.ck.model->params();
+  const std::span<float> flat = store.mutable_flat(model::Role::Grads);
+  if (r.world.size() > 1) r.world.reduce_scatter(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
+  const comm::Slice s = comm::slice_of(flat.size(), r.world.size(), r.world.rank());
+  const std::span<float> mine = flat.subspan(s.begin, s.size());
+  if (count == 1) return;
+  RF_CHECK(r.grad_slice.size() == mine.size(), "shard gradients: the gradient slice holds ", r.grad_slice.size(),
+           " elements, this rank's slice ", mine.size());
+  if (index + 1 == count) {
+    for (size_t i = 0; i < mine.size(); ++i) mine[i] += r.grad_slice[i];
+    return;
+  }
+  if (index == 0)
+    std::copy(mine.begin(), mine.end(), r.grad_slice.begin());
+  else
+    for (size_t i = 0; i < mine.size(); ++i) r.grad_slice[i] += mine[i];
+  store.zero_grads();
+}
+
 // 3. Forward + backward of every micro-batch, the gradients accumulating; returns the global batch's loss.
 double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t label_tokens) {
   r.ck.model->params().zero_grads();
   double loss = 0.0;
-  for (const PackedBatch& b : batches) loss += run_micro_batch(r, b, label_tokens, true);
+  for (size_t a = 0; a < batches.size(); ++a) {
+    loss += run_micro_batch(r, batches[a], label_tokens, true);
+    if (r.shard_gradients) reduce_micro_batch_gradients(r, a, batches.size());
+  }
   r.dp_group->allreduce(&loss, 1, comm::ReduceOp::Sum, r.timeout);
   return loss;
 }
@@ -468,9 +515,9 @@ double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t
 // 4a. Sums the gradients over every rank, in rank order (the same bits on every rank and backend), in place in the
 // store's flat gradient arena: one collective for the whole model. Shard none: every rank gets the whole sum
 // (all-reduce). Shard optimizer: each rank gets the sums of its slice (reduce-scatter, half the traffic), the only
-// gradients its update reads.
+// gradients its update reads. Shard gradients: reduced already, micro-batch by micro-batch (forward_backward).
 void reduce_gradients(Run& r) {
-  if (r.world.size() == 1) return;
+  if (r.world.size() == 1 || r.shard_gradients) return;
   const std::span<float> flat = r.ck.model->params().mutable_flat(model::Role::Grads);
   if (r.shard_optimizer)
     r.world.reduce_scatter(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);

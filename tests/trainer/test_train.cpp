@@ -275,6 +275,99 @@ TEST(ShardOptimizer, ResumesAcrossModesAndRankCounts) {
   fs::remove_all(dir);
 }
 
+// parallelism.shard = gradients (ZeRO-2): as optimizer, and each micro-batch's gradients are reduce-scattered as it
+// ends, a rank accumulating only its slice. With one micro-batch a replica that is shard none's one rank-order
+// reduction, so losses, norms, weights and checkpoint files are shard none's bits (N = 1 to 4, dense and MoE, CP and
+// DP, frozen parameters). With gradient accumulation shard none adds a rank's micro-batches before the reduction
+// and shard gradients after it: the same terms associated differently, the difference GridInvariance's
+// accumulation splits already make, so the losses agree within kSameTrainingRel. The weights: AdamW normalises each
+// element's update to at most about lr, and an element whose micro-batches' gradients nearly cancel has a sum whose
+// rounding is large relative to it, so such an element may move by a fraction of lr; allow 1% of the 3 steps'
+// lr = 0.003 for the worst element (9e-5; measured up to ~7e-6), and 0.1% of one lr for the mean (3e-6), while a
+// row missed or counted twice moves most weights' updates by a large fraction of lr.
+TEST(ShardGradients, ShardNoneBitsWithoutAccumulationAndItsTrainingWith) {
+  constexpr double kLr = 0.003, kSteps = 3;  // small()'s optimizer.lr, and train.steps below
+  constexpr double kWorstWeightAbs = 1e-2 * kLr * kSteps, kMeanWeightAbs = 1e-3 * kLr;
+  struct Case {
+    std::string builtin;
+    std::vector<std::string> sets;
+    bool same_bits;  // one micro-batch a replica
+  };
+  const std::vector<Case> cases = {
+      {"tiny_dense", {"train.global_batch=1"}, true},
+      {"tiny_moe_vlm", {"parallelism.cp=2", "train.global_batch=1"}, true},
+      {"tiny_dense", {"parallelism.dp=3", "train.global_batch=3"}, true},
+      {"tiny_moe_vlm", {"parallelism.cp=3", "train.global_batch=1", "model.freeze=[embed_tokens, experts]"}, true},
+      {"tiny_dense", {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=2"}, true},
+      {"tiny_dense", {}, false},                                                     // N = 1, 4 micro-batches
+      {"tiny_moe_vlm", {"parallelism.cp=2", "model.freeze=[embed_tokens]"}, false},  // N = 2, 4 micro-batches
+      {"tiny_dense", {"parallelism.dp=3", "train.global_batch=6"}, false},           // N = 3, 2 micro-batches
+      {"tiny_dense", {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=8"}, false},  // N = 4, 2 each
+  };
+  const fs::path dir = scratch("shard_gradients");
+  int i = 0;
+  for (const Case& c : cases) {
+    const std::string what = c.builtin + " case " + std::to_string(i);
+    const auto config = [&](const std::string& mode) {
+      std::vector<std::string> all = c.sets;
+      all.insert(all.end(), {"parallelism.shard=" + mode, "train.steps=" + std::to_string(static_cast<int>(kSteps)),
+                             "train.val_every=2", "checkpoint.dir=" + (dir / (std::to_string(i) + mode)).string()});
+      return grid_case(c.builtin, all);
+    };
+    const Trained none = run(config("none")), sharded = run(config("gradients"));
+    ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
+    const std::vector<float> a = flat_params(*none.model), b = flat_params(*sharded.model);
+    ASSERT_EQ(a.size(), b.size()) << what;
+    if (c.same_bits) {
+      for (size_t s = 0; s < none.steps.size(); ++s) {
+        EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
+        EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
+        EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
+      }
+      EXPECT_EQ(b, a) << what;
+      for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+        EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / file),
+                  file_bytes(fs::path(none.last_checkpoint) / file))
+            << what << ": " << file;
+    } else {
+      expect_same_losses(none, sharded, what);
+      double worst = 0.0, total = 0.0;
+      for (size_t k = 0; k < a.size(); ++k) {
+        const double d = std::abs(static_cast<double>(a[k]) - b[k]);
+        worst = std::max(worst, d);
+        total += d;
+      }
+      EXPECT_LE(worst, kWorstWeightAbs) << what;
+      EXPECT_LE(total / static_cast<double>(a.size()), kMeanWeightAbs) << what;
+      EXPECT_GT(worst, 0.0) << what << ": accumulation changes the rounding, so some weight should differ";
+    }
+    ++i;
+  }
+  fs::remove_all(dir);
+}
+
+// A checkpoint written under shard gradients holds whole tensors: it resumes in the other modes and at other
+// rank counts (at the same grid with one micro-batch a replica, bit for bit).
+TEST(ShardGradients, ResumesAcrossModesAndRankCounts) {
+  const fs::path dir = scratch("shard_gradients_resume");
+  const auto config = [&](std::vector<std::string> sets) {
+    sets.insert(sets.end(), {"train.steps=4", "checkpoint.every=2", "checkpoint.dir=" + dir.string()});
+    return small("tiny_dense", sets);
+  };
+  const Trained whole = run(config({"parallelism.cp=2", "parallelism.dp=4", "parallelism.shard=none"}));
+  ASSERT_EQ(whole.steps.size(), 4u);
+  const Trained saved = run(config({"parallelism.cp=2", "parallelism.dp=4", "parallelism.shard=gradients"}));
+  EXPECT_EQ(flat_params(*saved.model), flat_params(*whole.model));  // N = 8, one micro-batch a replica
+  TrainOptions resume;
+  resume.resume = (dir / "step-00000002").string();
+  Trained tail;
+  tail.steps.assign(whole.steps.begin() + 2, whole.steps.end());
+  expect_same_losses(tail, run(config({"parallelism.dp=2", "parallelism.shard=optimizer"}), resume), "N = 2");
+  expect_same_losses(tail, run(config({"parallelism.dp=4", "parallelism.shard=gradients"}), resume), "N = 4");
+  expect_same_losses(tail, run(config({"parallelism.shard=none"}), resume), "N = 1");
+  fs::remove_all(dir);
+}
+
 TEST(Checkpoints, AFailedSaveLeavesTheLastGoodOne) {
   const fs::path dir = scratch("crash");
   const TrainConfig c = small("tiny_dense", {"train.steps=4", "checkpoint.every=2", "checkpoint.dir=" + dir.string()});

@@ -75,6 +75,18 @@ TEST(TrainMemory, TermsFollowTheConfig) {
                                   m, 3)
                 .of("AdamW moments"),
             2 * ((elements + 2) / 3) * int64_t{sizeof(float)});
+  // parallelism.shard = gradients: the same moments; with accumulation (3 rows a replica, one micro-batch each) the
+  // step's earlier micro-batches' reduced sum over this rank's padded slice beside the one-micro-batch arena; none
+  // without accumulation (the arena's slice is the step's gradient).
+  const MemoryBreakdown zero2 =
+      train_memory_at_least(config({"parallelism.dp=3", "train.global_batch=9", "parallelism.shard=gradients"}), m, 3);
+  EXPECT_EQ(zero2.of("AdamW moments"), 2 * ((elements + 2) / 3) * int64_t{sizeof(float)});
+  EXPECT_EQ(zero2.of("gradients"), params);
+  EXPECT_EQ(zero2.of("gradient slice"), ((elements + 2) / 3) * int64_t{sizeof(float)});
+  EXPECT_EQ(train_memory_at_least(config({"parallelism.dp=3", "train.global_batch=3", "parallelism.shard=gradients"}),
+                                  m, 3)
+                .of("gradient slice"),
+            0);
   // A frozen tensor has neither a gradient nor moments.
   EXPECT_EQ(frozen.of("gradients"), params - embed);
   EXPECT_EQ(frozen.of("AdamW moments"), 2 * (params - embed));
