@@ -3,10 +3,12 @@
 # and gradient norm in the metrics, and the final checkpoint's weights and AdamW moments byte for byte (the moments
 # gathered from every rank's shard to the writer). parallelism.shard = gradients gives them too when a replica runs
 # one micro-batch a step (GRADIENTS = bits); with gradient accumulation (GRADIENTS = rounding) it reduces each
-# micro-batch where shard none reduces their sum, so it is held to rounding: losses, norms and validation losses
-# within 1e-5 relative (test_train.cpp's kSameTrainingRel) and every weight of the final checkpoint within 9e-5
-# (1% of the 3 steps' lr 0.003: AdamW normalises an element's update to about lr, and an element whose
-# micro-batches nearly cancel may move by a fraction of it; ShardGradients.* in test_train.cpp says more).
+# micro-batch where shard none reduces their sum, so it is held to rounding: every weight of the final checkpoint
+# within 9e-5 (1% of the 3 steps' lr 0.003: AdamW normalises an element's update to about lr, and an element whose
+# micro-batches nearly cancel may move by a fraction of it; ShardGradients.* in test_train.cpp says more), and
+# losses, norms and validation losses within 1e-4 relative: from step 2 on they are computed on weights that already
+# differ by up to that 9e-5, and the mock rows' step-3 gradient norm was measured 2.3e-5 apart (a broken reduction or
+# gather moves them by whole percents).
 #   same_bits_shard_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS GRADIENTS GRID_SETS...
 set -euo pipefail
 work=$1 ringflex=$2
@@ -66,7 +68,7 @@ for a, b in zip(none, shard):
         x, y = a.get(key), b.get(key)
         assert (x is None) == (y is None), f"step {a['step']}: {key} {x!r} vs {y!r}"
         if x is not None:
-            assert abs(x - y) <= 1e-5 * abs(x), f"step {a['step']}: {key} {x!r} vs {y!r}"
+            assert abs(x - y) <= 1e-4 * abs(x), f"step {a['step']}: {key} {x!r} vs {y!r}"
 def tensors(path):  # name -> float32 values of a safetensors file
     raw = open(path, "rb").read()
     n = struct.unpack("<Q", raw[:8])[0]
@@ -82,6 +84,6 @@ a, b = tensors(sys.argv[3]), tensors(sys.argv[4])
 assert a.keys() == b.keys() and a, sorted(set(a) ^ set(b))
 worst = max(abs(x - y) for name in a for x, y in zip(a[name], b[name]))
 assert worst <= 9e-5, f"weights differ by up to {worst}"
-print("shard gradients: losses and norms within 1e-5 relative, weights within", worst)
+print("shard gradients: losses and norms within 1e-4 relative, weights within", worst)
 PY
 fi
