@@ -723,7 +723,11 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
   const bool save_now = !ck.dir.empty() && ((ck.every > 0 && sm.step % ck.every == 0) || is_last(r, sm.step));
   model::ParamStore& store = r.ck.model->params();
   if (save_now && r.shard_optimizer) gather_moments_to_writer(r.world, store, r.timeout);
-  comm::agree(r.world, [&] {
+  // A save is waited for as long as its bytes take at the slowest write rate, beyond --timeout: only a rank that is
+  // gone or silent ends the job the hard way.
+  const comm::Timeout wait =
+      save_now ? save_wait(r.timeout, checkpoint_bytes(r.ck), r.options.slowest_checkpoint_write) : r.timeout;
+  const auto outputs = [&] {
     if (metrics) metrics->append(metrics_json_line(sm));
     progress.step(sm, eta_s, is_last(r, sm.step) || sm.val_loss.has_value());
     if (sm.val_loss) progress.note(rf::concat("step ", sm.step, ": validation loss ", *sm.val_loss));
@@ -731,7 +735,8 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
       save(r, result);
       progress.note(rf::concat("step ", sm.step, ": checkpoint ", result.last_checkpoint));
     }
-  });
+  };
+  comm::agree(r.world, outputs, wait);
   if (save_now) result.last_checkpoint = checkpoint_path(ck.dir, sm.step);  // known to every rank
   if (save_now && r.shard_optimizer && r.lead) {                            // the writer keeps its own shard again
     const model::Shard mine = model::shard_of(store.trainable_elements(), r.world.rank(), r.world.size());
@@ -740,6 +745,15 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
 }
 
 }  // namespace
+
+comm::Timeout save_wait(comm::Timeout timeout, int64_t bytes, double bytes_per_s) {
+  RF_CHECK(bytes >= 0 && bytes_per_s > 0, "save_wait: ", bytes, " bytes at ", bytes_per_s, " bytes/s");
+  constexpr double kMsPerS = 1000.0;
+  // Capped far beyond any job (a year), so that the sum cannot overflow the milliseconds' integer.
+  constexpr double kLongestMs = 365.0 * 24 * 3600 * kMsPerS;
+  const double write_ms = std::min(static_cast<double>(bytes) / bytes_per_s * kMsPerS, kLongestMs);
+  return timeout + comm::Timeout(static_cast<int64_t>(std::ceil(write_ms)));
+}
 
 TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const TrainOptions& options) {
   RF_CHECK(world.size() == cfg.parallelism.cp * cfg.parallelism.dp,

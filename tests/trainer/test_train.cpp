@@ -9,8 +9,10 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "comm/loopback_comm.h"
 #include "io/atomic_file.h"
@@ -395,6 +397,39 @@ TEST(Checkpoints, AFailedSaveLeavesTheLastGoodOne) {
   EXPECT_FALSE(fs::exists(dir / ".step-00000004.tmp"));
   EXPECT_FALSE(fs::exists(dir / ".loss.svg.tmp.12345.0"));
   EXPECT_TRUE(fs::exists(dir / "step-00000004" / "model.safetensors"));
+}
+
+// While rank 0 writes a checkpoint the other ranks wait --timeout plus the checkpoint's bytes at the slowest write
+// rate: a save slower than --timeout (here the writer sleeps twice the timeout before its rename) is not taken for a
+// silent rank, and the same save waited for only --timeout (an unbounded rate) still ends the job, as a rank that
+// stopped answering should.
+TEST(Checkpoints, ASaveSlowerThanTheTimeoutIsWaitedFor) {
+  // Long enough that the steps' own waits (ranks are threads on a shared machine) never come near it.
+  constexpr comm::Timeout kTimeout{3000};
+  const comm::Timeout saved_default = comm::default_timeout();
+  comm::set_default_timeout(kTimeout);
+  TrainOptions slow;
+  slow.before_checkpoint_rename = [&](const std::string&) { std::this_thread::sleep_for(2 * kTimeout); };
+  slow.slowest_checkpoint_write = 1.0;  // bytes per second: the tiny checkpoint is waited for for days
+  const fs::path dir = scratch("slow_save");
+  const TrainConfig c = small("tiny_dense", {"parallelism.dp=2", "train.steps=2", "checkpoint.dir=" + dir.string()});
+  EXPECT_EQ(run(c, slow).last_checkpoint, (dir / "step-00000002").string());
+  EXPECT_TRUE(fs::exists(dir / "step-00000002" / "optimizer.safetensors"));
+  slow.slowest_checkpoint_write = std::numeric_limits<double>::infinity();  // no allowance: --timeout alone
+  const fs::path silent_dir = scratch("silent_save");
+  const TrainConfig silent =
+      small("tiny_dense", {"parallelism.dp=2", "train.steps=2", "checkpoint.dir=" + silent_dir.string()});
+  const std::string error = error_of([&] { run(silent, slow); });
+  comm::set_default_timeout(saved_default);
+  EXPECT_NE(error.find("rank 1: timed out after 3000 ms"), std::string::npos) << error;
+  fs::remove_all(dir);
+  fs::remove_all(silent_dir);
+}
+
+TEST(Checkpoints, TheSaveWaitIsTheTimeoutPlusTheBytesAtTheSlowestRate) {
+  EXPECT_EQ(save_wait(comm::Timeout{1000}, 0, kSlowestCheckpointWrite), comm::Timeout{1000});
+  EXPECT_EQ(save_wait(comm::Timeout{1000}, 48 << 20, 16.0 * (1 << 20)), comm::Timeout{4000});  // 48 MiB at 16 MiB/s
+  EXPECT_EQ(save_wait(comm::Timeout{1000}, 1, 3.0), comm::Timeout{1334});  // a third of a second, rounded up
 }
 
 // trainer_state.json is the one file of a checkpoint a user may edit by hand: every field is checked on load, with one
