@@ -35,10 +35,6 @@
 
 namespace rf::trainer {
 
-// config.json text of a built-in model ("tiny_dense", "tiny_moe_vlm") and the width of its image features.
-std::string builtin_config_json(const std::string& name);
-constexpr int kBuiltinFeatureDim = 32;
-
 // The slowest rate a checkpoint is taken to be written at, in bytes per second (a busy network file system or a
 // USB disk writes faster). While rank 0 writes a checkpoint the other ranks wait for it --timeout plus the
 // checkpoint's bytes at this rate (save_wait), so a long save of a large model is not taken for a silent rank; a

@@ -17,6 +17,7 @@
 #include "comm/loopback_comm.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
+#include "model/builtin_configs.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/error_of.h"
@@ -129,18 +130,19 @@ INSTANTIATE_TEST_SUITE_P(Builtins, GridInvariance, ::testing::Values("tiny_dense
 TEST(LabelTokens, CountedOnceOverTheGlobalBatch) {
   const TrainConfig c = small("tiny_moe_vlm", {"parallelism.cp=2", "parallelism.dp=2", "train.steps=1"});
   const Trained trained = run(c);
-  model::Gemma4Model m(model::Gemma4Config::from_json(builtin_config_json("tiny_moe_vlm")), kBuiltinFeatureDim);
+  model::Gemma4Model m(model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm")),
+                       model::kBuiltinFeatureDim);
   m.init_random(c.train.seed, static_cast<float>(c.model.init_std));
   // The trainer's mock images: drawings encoded by the built-in tower, initialised from train.seed as set_up does.
-  const std::string json = builtin_config_json("tiny_moe_vlm");
+  const std::string json = model::builtin_config_json("tiny_moe_vlm");
   const model::VisionConfig vc = model::VisionConfig::from_config_json(json, "tiny_moe_vlm").value();
   const io::Passthrough tower_weights = model::init_vision_tower(vc, c.train.seed);
   const model::VisionEncoder tower(vc, tower_weights);
   ImageContract images;
   images.vision = [&]() -> const model::VisionEncoder* { return &tower; };
-  const auto data = make_data_source(c, {m.config().vocab_size, 0, kBuiltinFeatureDim, ""}, images);
-  const PackedBatch p =
-      stack_rows({data->train_row(0), data->train_row(1), data->train_row(2), data->train_row(3)}, kBuiltinFeatureDim);
+  const auto data = make_data_source(c, {m.config().vocab_size, 0, model::kBuiltinFeatureDim, ""}, images);
+  const PackedBatch p = stack_rows({data->train_row(0), data->train_row(1), data->train_row(2), data->train_row(3)},
+                                   model::kBuiltinFeatureDim);
   model::Batch b{p.B,
                  p.S,
                  p.input_ids.data(),
@@ -603,7 +605,8 @@ TEST(Validation, ZeroValRowsTrainsWithoutValidation) {
 TEST(Freeze, FrozenParametersKeepTheirBits) {
   const TrainConfig c = small("tiny_dense", {"model.freeze=[embed_tokens, layers.0.]", "train.steps=2"});
   const Trained r = run(c);
-  model::Gemma4Model init(model::Gemma4Config::from_json(builtin_config_json("tiny_dense")), kBuiltinFeatureDim);
+  model::Gemma4Model init(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
+                          model::kBuiltinFeatureDim);
   init.init_random(c.train.seed, static_cast<float>(c.model.init_std));
   int frozen = 0, moved = 0;
   const model::TensorSet before = init.params().snapshot(model::Role::Weights);
