@@ -347,9 +347,9 @@ void validate(const TrainConfig& c, int world_size) {
   RF_CHECK(c.parallelism.sharding == "contiguous" || c.parallelism.sharding == "zigzag" ||
                c.parallelism.sharding == "balanced",
            "config: parallelism.sharding = '", c.parallelism.sharding, "' is not one of contiguous, zigzag, balanced");
-  RF_CHECK(c.parallelism.shard == "none" || c.parallelism.shard == "optimizer" || c.parallelism.shard == "gradients",
-           "config: parallelism.shard = '", c.parallelism.shard, "' is not one of none, optimizer, gradients",
-           c.parallelism.shard == "full" ? " (full: not yet)" : "");
+  RF_CHECK(c.parallelism.shard == "none" || c.parallelism.shard == "optimizer" || c.parallelism.shard == "gradients" ||
+               c.parallelism.shard == "full",
+           "config: parallelism.shard = '", c.parallelism.shard, "' is not one of none, optimizer, gradients, full");
   RF_CHECK(int64_t{c.parallelism.cp} * c.parallelism.dp == world_size,
            "config: parallelism.cp * parallelism.dp = ", c.parallelism.cp, " * ", c.parallelism.dp, " = ",
            int64_t{c.parallelism.cp} * c.parallelism.dp, " does not match the ", world_size, " rank(s) of this job");

@@ -11,6 +11,7 @@
 #include <iterator>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "comm/loopback_comm.h"
 #include "io/atomic_file.h"
@@ -275,16 +276,19 @@ TEST(ShardOptimizer, ResumesAcrossModesAndRankCounts) {
   fs::remove_all(dir);
 }
 
-// parallelism.shard = gradients (ZeRO-2): as optimizer, and each micro-batch's gradients are reduce-scattered as it
-// ends, a rank accumulating only its slice. With one micro-batch a replica that is shard none's one rank-order
-// reduction, so losses, norms, weights and checkpoint files are shard none's bits (N = 1 to 4, dense and MoE, CP and
-// DP, frozen parameters). With gradient accumulation shard none adds a rank's micro-batches before the reduction
-// and shard gradients after it: the same terms associated differently, the difference GridInvariance's
-// accumulation splits already make, so the losses agree within kSameTrainingRel. The weights: AdamW normalises each
-// element's update to at most about lr, and an element whose micro-batches' gradients nearly cancel has a sum whose
-// rounding is large relative to it, so such an element may move by a fraction of lr; allow 1% of the 3 steps'
-// lr = 0.003 for the worst element (9e-5; measured up to ~7e-6), and 0.1% of one lr for the mean (3e-6), while a
-// row missed or counted twice moves most weights' updates by a large fraction of lr.
+// parallelism.shard = gradients (ZeRO-2): as optimizer, and each layer's gradients are reduce-scattered as its
+// backward ends, a rank accumulating only its slice. shard = full (ZeRO-3): the same, and each rank holds only its
+// pieces of the weights, every layer gathered around its forward and backward. With one micro-batch a replica that
+// is shard none's one rank-order reduction, so losses, norms, weights and checkpoint files are shard none's bits
+// (N = 1 to 4, dense and MoE, CP and DP, frozen parameters, bf16 compute). With gradient accumulation shard none adds a
+// rank's micro-batches before the reduction and shard gradients after it: the same terms associated differently, the
+// difference GridInvariance's accumulation splits already make, so the losses agree within kSameTrainingRel. The
+// weights: AdamW normalises each element's update to at most about lr, and an element whose micro-batches' gradients
+// nearly cancel has a sum whose rounding is large relative to it, so such an element may move by a fraction of lr;
+// allow 1% of the 3 steps' lr = 0.003 for the worst element (9e-5; measured up to ~7e-6), and 0.1% of one lr for the
+// mean (3e-6), while a row missed or counted twice moves most weights' updates by a large fraction of lr. gradients and
+// full reduce the same micro-batch sums and add them in the same order, so they give each other's bits with
+// accumulation too.
 TEST(ShardGradients, ShardNoneBitsWithoutAccumulationAndItsTrainingWith) {
   constexpr double kLr = 0.003, kSteps = 3;  // small()'s optimizer.lr, and train.steps below
   constexpr double kWorstWeightAbs = 1e-2 * kLr * kSteps, kMeanWeightAbs = 1e-3 * kLr;
@@ -299,6 +303,7 @@ TEST(ShardGradients, ShardNoneBitsWithoutAccumulationAndItsTrainingWith) {
       {"tiny_dense", {"parallelism.dp=3", "train.global_batch=3"}, true},
       {"tiny_moe_vlm", {"parallelism.cp=3", "train.global_batch=1", "model.freeze=[embed_tokens, experts]"}, true},
       {"tiny_dense", {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=2"}, true},
+      {"tiny_dense", {"parallelism.dp=2", "train.global_batch=2", "model.compute_dtype=bfloat16"}, true},
       {"tiny_dense", {}, false},                                                     // N = 1, 4 micro-batches
       {"tiny_moe_vlm", {"parallelism.cp=2", "model.freeze=[embed_tokens]"}, false},  // N = 2, 4 micro-batches
       {"tiny_dense", {"parallelism.dp=3", "train.global_batch=6"}, false},           // N = 3, 2 micro-batches
@@ -307,39 +312,52 @@ TEST(ShardGradients, ShardNoneBitsWithoutAccumulationAndItsTrainingWith) {
   const fs::path dir = scratch("shard_gradients");
   int i = 0;
   for (const Case& c : cases) {
-    const std::string what = c.builtin + " case " + std::to_string(i);
     const auto config = [&](const std::string& mode) {
       std::vector<std::string> all = c.sets;
       all.insert(all.end(), {"parallelism.shard=" + mode, "train.steps=" + std::to_string(static_cast<int>(kSteps)),
                              "train.val_every=2", "checkpoint.dir=" + (dir / (std::to_string(i) + mode)).string()});
       return grid_case(c.builtin, all);
     };
-    const Trained none = run(config("none")), sharded = run(config("gradients"));
-    ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
-    const std::vector<float> a = flat_params(*none.model), b = flat_params(*sharded.model);
-    ASSERT_EQ(a.size(), b.size()) << what;
-    if (c.same_bits) {
-      for (size_t s = 0; s < none.steps.size(); ++s) {
-        EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
-        EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
-        EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
+    const Trained none = run(config("none"));
+    const std::vector<float> a = flat_params(*none.model);
+    std::optional<Trained> gradients;
+    for (const std::string mode : {"gradients", "full"}) {
+      const std::string what = c.builtin + " case " + std::to_string(i) + ", shard " + mode;
+      Trained sharded = run(config(mode));
+      ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
+      const std::vector<float> b = flat_params(*sharded.model);
+      ASSERT_EQ(a.size(), b.size()) << what;
+      if (c.same_bits) {
+        for (size_t s = 0; s < none.steps.size(); ++s) {
+          EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
+          EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
+          EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
+        }
+        EXPECT_EQ(b, a) << what;
+        for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+          EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / file),
+                    file_bytes(fs::path(none.last_checkpoint) / file))
+              << what << ": " << file;
+      } else {
+        expect_same_losses(none, sharded, what);
+        double worst = 0.0, total = 0.0;
+        for (size_t k = 0; k < a.size(); ++k) {
+          const double d = std::abs(static_cast<double>(a[k]) - b[k]);
+          worst = std::max(worst, d);
+          total += d;
+        }
+        EXPECT_LE(worst, kWorstWeightAbs) << what;
+        EXPECT_LE(total / static_cast<double>(a.size()), kMeanWeightAbs) << what;
+        EXPECT_GT(worst, 0.0) << what << ": accumulation changes the rounding, so some weight should differ";
+        if (gradients) {
+          for (size_t s = 0; s < none.steps.size(); ++s) {
+            EXPECT_EQ(sharded.steps[s].loss, gradients->steps[s].loss) << what << ", step " << s + 1;
+            EXPECT_EQ(sharded.steps[s].grad_norm, gradients->steps[s].grad_norm) << what << ", step " << s + 1;
+          }
+          EXPECT_EQ(b, flat_params(*gradients->model)) << what << ": full against gradients";
+        }
       }
-      EXPECT_EQ(b, a) << what;
-      for (const char* file : {"model.safetensors", "optimizer.safetensors"})
-        EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / file),
-                  file_bytes(fs::path(none.last_checkpoint) / file))
-            << what << ": " << file;
-    } else {
-      expect_same_losses(none, sharded, what);
-      double worst = 0.0, total = 0.0;
-      for (size_t k = 0; k < a.size(); ++k) {
-        const double d = std::abs(static_cast<double>(a[k]) - b[k]);
-        worst = std::max(worst, d);
-        total += d;
-      }
-      EXPECT_LE(worst, kWorstWeightAbs) << what;
-      EXPECT_LE(total / static_cast<double>(a.size()), kMeanWeightAbs) << what;
-      EXPECT_GT(worst, 0.0) << what << ": accumulation changes the rounding, so some weight should differ";
+      if (!gradients) gradients = std::move(sharded);
     }
     ++i;
   }
