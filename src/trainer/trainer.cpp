@@ -211,24 +211,35 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
     for (size_t i = 0; i < trainable.size(); ++i)
       if (trainable[i]) trainable_bytes += m.params().info(i).numel * static_cast<int64_t>(sizeof(float));
   }
-  constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
   MemoryBreakdown need;
-  need.add("weights", params + m.buffers().total_bytes());
-  need.add("gradients", trainable_bytes);
-  if (lora_buffers > 0) need.add("LoRA: one layer's merged weights and their gradient", lora_buffers);
-  // parallelism.shard = optimizer or gradients: a rank holds the moments of its shard, ceil(trainable / N) elements.
-  const int64_t trainable_elements = trainable_bytes / static_cast<int64_t>(sizeof(float));
-  const bool sharded_moments = c.parallelism.shard == "optimizer" || c.parallelism.shard == "gradients";
-  const int64_t moment_elements =
-      sharded_moments ? model::shard_of(trainable_elements, 0, world_size).padded : trainable_elements;
-  // parallelism.shard = gradients with gradient accumulation: the reduced slice of the earlier micro-batches' sum,
-  // beside the arena above (which holds one micro-batch's gradients while it runs).
-  if (c.parallelism.shard == "gradients" && c.accumulation_steps() > 1)
-    need.add("gradient slice", checked_bytes({model::shard_of(trainable_elements, 0, world_size).padded,
-                                              static_cast<int64_t>(sizeof(float))}));
-  need.add("AdamW moments", checked_bytes({kMoments, moment_elements, static_cast<int64_t>(sizeof(float))}));
-  if (model::parse_compute_dtype(c.model.compute_dtype) == model::ComputeDtype::Bfloat16)
-    need.add("bf16 weight copies", m.bf16_weight_bytes());
+  const bool full = c.parallelism.shard == ShardMode::Full;
+  if (full || c.parallelism.shard == ShardMode::Gradients) {
+    // The sharded store's state by kind (ShardedStore::bytes_for says what each holds; LoRA is shard none only).
+    const ShardedStore::Bytes b =
+        ShardedStore::bytes_for(m.params(), m.params().trainable_after(c.model.freeze),
+                                full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients, world_size);
+    need.add(full ? "weight shard" : "weights", b.weight_shard + m.buffers().total_bytes());
+    if (full) need.add("gathered weights", b.gathered);
+    need.add("gradients", b.gradients);
+    need.add("AdamW moments", b.moments);
+    need.add("communication buffers", b.comm_buffers);
+    if (c.model.compute_dtype == model::ComputeDtype::Bfloat16)
+      need.add("bf16 weight copies",
+               full ? b.gathered / static_cast<int64_t>(sizeof(float) / sizeof(bf16)) : m.bf16_weight_bytes());
+  }
+  constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
+  if (need.terms().empty()) {  // shard none or optimizer: replicated weights and gradients
+    need.add("weights", params + m.buffers().total_bytes());
+    need.add("gradients", trainable_bytes);
+    if (lora_buffers > 0) need.add("LoRA: one layer's merged weights and their gradient", lora_buffers);
+    // parallelism.shard = optimizer: a rank holds the moments of its shard, ceil(trainable / N) elements.
+    const int64_t trainable_elements = trainable_bytes / static_cast<int64_t>(sizeof(float));
+    const int64_t moment_elements = c.parallelism.shard == ShardMode::Optimizer
+                                        ? model::shard_of(trainable_elements, 0, world_size).padded
+                                        : trainable_elements;
+    need.add("AdamW moments", checked_bytes({kMoments, moment_elements, static_cast<int64_t>(sizeof(float))}));
+    if (c.model.compute_dtype == model::ComputeDtype::Bfloat16) need.add("bf16 weight copies", m.bf16_weight_bytes());
+  }
   // A step builds all of this replica's rows before its micro-batches run: five int32 arrays a token (ids, labels,
   // positions, documents, image slots); image features not counted.
   constexpr int64_t kRowArrays = 5;
@@ -268,11 +279,11 @@ struct Run {
   // ZeRO-2 (parallelism.shard = gradients): each layer's gradients are reduce-scattered as soon as its backward
   // ends, and a rank accumulates its slice alone. ZeRO-3 (full): besides, a rank holds its pieces of the weights and
   // gathers each layer around its forward and backward. Both live in a ShardedStore (sharded_store.h).
-  const bool shard_gradients = cfg.parallelism.shard == "gradients";
-  const bool shard_full = cfg.parallelism.shard == "full";
+  const bool shard_gradients = cfg.parallelism.shard == ShardMode::Gradients;
+  const bool shard_full = cfg.parallelism.shard == ShardMode::Full;
   const bool store_shards = shard_gradients || shard_full;
   // ZeRO-1 and up over the world's ranks: the moments, clipping and the update cover this rank's slice.
-  const bool shard_optimizer = cfg.parallelism.shard == "optimizer" || store_shards;
+  const bool shard_optimizer = cfg.parallelism.shard == ShardMode::Optimizer || store_shards;
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
   std::unique_ptr<comm::Communicator> cp_group, dp_group, ep_group;
   cp::JobContext context;  // the model's parallel context: the local kernels, or the ring over this rank's CP group
@@ -296,7 +307,7 @@ void join_groups(Run& r) {
   const int ep = r.cfg.parallelism.ep;  // EP groups: ep consecutive world ranks
   r.ep_group = r.world.split(r.world.rank() / ep, r.world.rank() % ep, r.timeout);
   cp::CpAttentionOptions co;
-  co.scheme = r.cfg.parallelism.sharding;
+  co.scheme = cp::scheme_name(r.cfg.parallelism.sharding);  // cp's options also take `auto`, a spelling
   co.timeout = r.timeout;
   r.context = cp::make_parallel_context(*r.cp_group, co, r.ep_group.get());
   if (r.store_shards) r.store_comm = r.world.split(0, r.world.rank(), r.timeout);
@@ -431,14 +442,14 @@ void set_up(Run& r) {
   r.training.want_grad = true;
   r.training.recompute_layers = cfg.train.recompute;
   r.training.keep_mlp_projections = cfg.train.keep_mlp;
-  r.training.compute_dtype = model::parse_compute_dtype(cfg.model.compute_dtype);
+  r.training.compute_dtype = cfg.model.compute_dtype;
 }
 
 void announce(const Run& r, Progress& progress) {
   const TrainConfig& cfg = r.cfg;
   progress.note(
       rf::concat("ringflex train: ", cfg.model.path.empty() ? "built-in " + cfg.model.builtin : cfg.model.path, ", ",
-                 r.ck.model->params().total_elements(), " parameters, data ", cfg.data.source,
+                 r.ck.model->params().total_elements(), " parameters, data ", name_of(cfg.data.source),
                  ", S = ", cfg.train.seq_len, ", global batch ", cfg.train.global_batch, " rows (dp ",
                  cfg.parallelism.dp, " x ", cfg.accumulation_steps(), " micro-batches of ", cfg.train.micro_batch,
                  "), cp ", cfg.parallelism.cp, r.resume_dir.empty() ? "" : ", resumed from " + r.resume_dir));
