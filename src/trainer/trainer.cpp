@@ -689,6 +689,8 @@ bool is_last(const Run& r, int64_t step) { return step == r.cfg.train.steps; }
 // the step's non-padding tokens over its wall time, validation excluded.
 StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double norm, const TokenCounts& tokens,
                         double step_seconds, const ExpertTraffic& ep_moved, TrainResult& result) {
+  // The step's waits on the sharded store's collectives, taken before validation runs (whose are dropped).
+  const double comm_wait = r.sharded ? r.sharded->take_exposed_seconds() : 0.0;
   StepMetrics sm;
   sm.step = step;
   sm.loss = loss;
@@ -705,6 +707,12 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
     r.world.allreduce(moved, 2, comm::ReduceOp::Max, r.timeout);
     sm.ep_rows_sent = moved[0];
     sm.ep_rows_received = moved[1];
+  }
+  if (r.sharded) {
+    double most = comm_wait;
+    r.world.allreduce(&most, 1, comm::ReduceOp::Max, r.timeout);
+    sm.shard_comm_wait_s = most;
+    r.sharded->take_exposed_seconds();  // validation's
   }
   r.state.history.steps.push_back(static_cast<int>(step));
   r.state.history.loss.push_back(loss);

@@ -54,6 +54,13 @@ assert len(grad) == len(full) == 3, (len(grad), len(full))
 for a, b in zip(grad, full):
     for key in ("loss", "grad_norm", "val_loss"):
         assert a.get(key) == b.get(key), f"step {a['step']}: {key} {a.get(key)!r} vs {b.get(key)!r}"
+    # The exposed communication: a wait time, reported by the sharded modes only.
+    for line in (a, b):
+        assert line["shard_comm_wait_s"] >= 0, line
+PY
+python3 - "$work/none.jsonl" <<'PY'
+import json, sys
+assert all("shard_comm_wait_s" not in json.loads(l) for l in open(sys.argv[1]))
 PY
 echo "shard full: shard gradients' losses, norms and checkpoint bytes"
 if [ "$gradients" = bits ]; then

@@ -327,6 +327,11 @@ TEST(ShardGradients, ShardNoneBitsWithoutAccumulationAndItsTrainingWith) {
       ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
       const std::vector<float> b = flat_params(*sharded.model);
       ASSERT_EQ(a.size(), b.size()) << what;
+      for (size_t s = 0; s < none.steps.size(); ++s) {  // the exposed communication: the sharded modes' alone
+        EXPECT_FALSE(none.steps[s].shard_comm_wait_s.has_value()) << what;
+        ASSERT_TRUE(sharded.steps[s].shard_comm_wait_s.has_value()) << what;
+        EXPECT_GE(*sharded.steps[s].shard_comm_wait_s, 0.0) << what;
+      }
       if (c.same_bits) {
         for (size_t s = 0; s < none.steps.size(); ++s) {
           EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
