@@ -16,6 +16,7 @@
 #include "comm/loopback_comm.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
+#include "model/checkpoint.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/error_of.h"
@@ -366,6 +367,90 @@ TEST(ShardGradients, ShardNoneBitsWithoutAccumulationAndItsTrainingWith) {
     }
     ++i;
   }
+  fs::remove_all(dir);
+}
+
+// A text-only model with per-layer embeddings (a global lookup table and projection, per-layer gates) and KV sharing
+// (the last two layers read the K/V of earlier ones, so they have no k_proj/v_proj and their backward sends dK/dV
+// to another layer's): under shard gradients and full every layer is still gathered and reduced on its own, and
+// one micro-batch a replica gives shard none's bits at N = 2, 3 and 4, frozen per-layer table or not.
+TEST(ShardFull, PerLayerEmbeddingsAndKvSharingGiveShardNoneBits) {
+  const fs::path dir = scratch("shard_ple_kv");
+  const std::string model_dir = (dir / "model").string();
+  {
+    model::Checkpoint ck;
+    ck.model = std::make_unique<model::Gemma4Model>(
+        model::Gemma4Config::from_json(
+            R"({"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "vocab_size": 512,
+                "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 16,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 4,
+                "vocab_size_per_layer_input": 512, "num_kv_shared_layers": 2, "pad_token_id": 0,
+                "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true})",
+            "test"),
+        0, model::TensorSet::Storage::Allocated);
+    ck.model->init_random(11, 0.1f);
+    model::save_checkpoint(ck, model_dir);
+  }
+  const std::vector<std::vector<std::string>> cases = {
+      {"parallelism.cp=2", "train.global_batch=1"},
+      {"parallelism.dp=3", "train.global_batch=3"},
+      {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=2", "model.freeze=[embed_tokens_per_layer]"},
+  };
+  int i = 0;
+  for (const std::vector<std::string>& sets : cases) {
+    const auto config = [&](const std::string& mode) {
+      std::vector<std::string> all = sets;
+      all.insert(all.end(),
+                 {"model.path=" + model_dir, "parallelism.shard=" + mode, "train.steps=3", "train.val_every=2"});
+      return small("tiny_dense", all);
+    };
+    const Trained none = run(config("none"));
+    for (const std::string mode : {"gradients", "full"}) {
+      const std::string what = "case " + std::to_string(i) + ", shard " + mode;
+      const Trained sharded = run(config(mode));
+      ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
+      for (size_t s = 0; s < none.steps.size(); ++s) {
+        EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
+        EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
+        EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
+      }
+      EXPECT_EQ(flat_params(*sharded.model), flat_params(*none.model)) << what;
+    }
+    ++i;
+  }
+  fs::remove_all(dir);
+}
+
+// A checkpoint written under shard full holds whole tensors (every rank gathers them for the save): at the same grid
+// shard none's bytes, and it resumes at other rank counts and modes (save at N = 4 full, resume at N = 2 optimizer
+// and N = 1 none: the same training, the reduction order changing with the grid as GridInvariance allows for).
+TEST(ShardFull, CheckpointsHoldWholeTensorsAndResumeAcrossModesAndRankCounts) {
+  const fs::path dir = scratch("shard_full_resume");
+  const auto config = [&](std::vector<std::string> sets, const std::string& root) {
+    sets.insert(sets.end(), {"train.steps=4", "checkpoint.every=2", "checkpoint.dir=" + root});
+    return small("tiny_dense", sets);
+  };
+  const Trained none =
+      run(config({"parallelism.cp=2", "parallelism.dp=2", "train.micro_batch=2", "parallelism.shard=none"},
+                 (dir / "none").string()));
+  const Trained full =
+      run(config({"parallelism.cp=2", "parallelism.dp=2", "train.micro_batch=2", "parallelism.shard=full"},
+                 (dir / "full").string()));
+  ASSERT_EQ(full.steps.size(), 4u);
+  EXPECT_EQ(flat_params(*full.model), flat_params(*none.model));  // one micro-batch a replica: the bits
+  for (const char* step : {"step-00000002", "step-00000004"})
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      EXPECT_EQ(file_bytes(dir / "full" / step / file), file_bytes(dir / "none" / step / file)) << step << file;
+  TrainOptions resume;
+  resume.resume = (dir / "full" / "step-00000002").string();
+  Trained tail;
+  tail.steps.assign(full.steps.begin() + 2, full.steps.end());
+  const std::string out = (dir / "out").string();
+  expect_same_losses(tail, run(config({"parallelism.dp=2", "parallelism.shard=optimizer"}, out), resume), "N = 2");
+  expect_same_losses(tail, run(config({"parallelism.shard=none"}, out), resume), "N = 1");
+  expect_same_losses(tail, run(config({"parallelism.dp=4", "parallelism.shard=full"}, out), resume), "N = 4, dp");
   fs::remove_all(dir);
 }
 
