@@ -21,6 +21,7 @@
 #include "trainer/data.h"
 #include "trainer/error_of.h"
 #include "trainer/optimizer.h"
+#include "trainer/sharded_store.h"
 #include "trainer/trainer.h"
 
 namespace rf::trainer {
@@ -452,6 +453,33 @@ TEST(ShardFull, CheckpointsHoldWholeTensorsAndResumeAcrossModesAndRankCounts) {
   expect_same_losses(tail, run(config({"parallelism.shard=none"}, out), resume), "N = 1");
   expect_same_losses(tail, run(config({"parallelism.dp=4", "parallelism.shard=full"}, out), resume), "N = 4, dp");
   fs::remove_all(dir);
+}
+
+// ParamStore::read_weight, the checkpoint writer's seam: under shard full a collective that gives every rank each
+// whole tensor (trainable and frozen, their pieces spread over ranks however the slices fall), while a rank holds
+// no whole copy; at N = 1 to 4.
+TEST(ShardFull, ReadWeightGathersWholeTensorsFromTheirPieces) {
+  const model::Gemma4Config cfg = model::Gemma4Config::from_json(builtin_config_json("tiny_moe_vlm"), "builtin");
+  model::Gemma4Model whole(cfg, kBuiltinFeatureDim, model::TensorSet::Storage::Allocated);
+  whole.init_random(5, 0.1f);
+  whole.params().freeze({"embed_tokens", "layers.2."});
+  for (int P = 1; P <= 4; ++P) {
+    comm::run_ranks(P, [&](comm::Communicator& world) {
+      auto store = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
+                                                  comm::default_timeout());
+      ShardedStore& sharded = *store;
+      const model::Gemma4Model m(cfg, kBuiltinFeatureDim, model::TensorSet::Storage::Deferred, std::move(store));
+      sharded.adopt(whole.params());
+      EXPECT_TRUE(sharded.sharded() && sharded.flat(model::Role::Weights).empty());
+      for (size_t slot = 0; slot < sharded.size(); ++slot) {
+        const model::ParamInfo& p = sharded.info(slot);
+        std::vector<float> out(static_cast<size_t>(p.numel), -1.f);
+        sharded.read_weight(slot, out);
+        const float* want = whole.params().weight(slot);
+        EXPECT_EQ(out, std::vector<float>(want, want + p.numel)) << p.name << " at N = " << P;
+      }
+    });
+  }
 }
 
 // A checkpoint written under shard gradients holds whole tensors: it resumes in the other modes and at other
