@@ -18,6 +18,7 @@
 #include "core/memory.h"
 #include "cp/parallel_context.h"
 #include "io/atomic_file.h"
+#include "model/expert_store.h"
 #include "model/lora_store.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
@@ -25,6 +26,7 @@
 #include "model/vision_encoder.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
+#include "trainer/expert_state.h"
 #include "trainer/optimizer.h"
 
 namespace rf::trainer {
@@ -270,7 +272,11 @@ struct Run {
   // ZeRO-1 and up over the world's ranks: the moments, clipping and the update cover this rank's slice.
   const bool shard_optimizer = cfg.parallelism.shard == "optimizer" || shard_gradients;
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
+  // Expert parallelism with shard none and no LoRA: each rank holds and trains only its EP rank's experts
+  // (trainer/expert_state.h); under sharding or LoRA every rank keeps every expert and only the tokens travel.
+  const bool hold_experts = cfg.parallelism.ep > 1 && cfg.parallelism.shard == "none" && cfg.model.lora_rank == 0;
   std::unique_ptr<comm::Communicator> cp_group, dp_group, ep_group;
+  std::unique_ptr<comm::Communicator> edp_group;  // the ranks holding this rank's experts (world rank % ep alike)
   cp::JobContext context;  // the model's parallel context: the local kernels, or the ring over this rank's CP group
   model::Checkpoint ck;
   TrainState state;
@@ -290,6 +296,7 @@ void join_groups(Run& r) {
   r.dp_group = r.world.split(r.cp_index, r.dp_index, r.timeout);
   const int ep = r.cfg.parallelism.ep;  // EP groups: ep consecutive world ranks
   r.ep_group = r.world.split(r.world.rank() / ep, r.world.rank() % ep, r.timeout);
+  r.edp_group = r.world.split(r.world.rank() % ep, r.world.rank() / ep, r.timeout);
   cp::CpAttentionOptions co;
   co.scheme = r.cfg.parallelism.sharding;
   co.timeout = r.timeout;
@@ -401,10 +408,14 @@ void set_up(Run& r) {
   }
   r.adam = std::make_unique<AdamW>(store, cfg.optimizer);
   if (!r.resume_dir.empty()) load_optimizer_state(r.resume_dir, store);
-  store.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
+  // Held experts: the weights and moments were loaded whole (a checkpoint of any EP), this rank keeps its rows.
+  if (r.hold_experts)
+    r.ck.model->replace_params(model::hold_expert_rows(store, r.world.rank() % cfg.parallelism.ep, cfg.parallelism.ep));
+  model::ParamStore& held = r.ck.model->params();
+  held.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
   if (r.shard_gradients && cfg.accumulation_steps() > 1)
     r.grad_slice.assign(
-        comm::slice_of(static_cast<size_t>(store.trainable_elements()), r.world.size(), r.world.rank()).size(), 0.f);
+        comm::slice_of(static_cast<size_t>(held.trainable_elements()), r.world.size(), r.world.rank()).size(), 0.f);
   r.state.seed = cfg.train.seed;
   r.state.config_yaml = to_yaml(cfg);
   r.training.want_grad = true;
@@ -512,12 +523,18 @@ double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t
   return loss;
 }
 
+ExpertGroups expert_groups(Run& r) { return {r.world, *r.ep_group, *r.edp_group, r.timeout}; }
+
 // 4a. Sums the gradients over every rank, in rank order (the same bits on every rank and backend), in place in the
 // store's flat gradient arena: one collective for the whole model. Shard none: every rank gets the whole sum
 // (all-reduce). Shard optimizer: each rank gets the sums of its slice (reduce-scatter, half the traffic), the only
 // gradients its update reads. Shard gradients: reduced already, micro-batch by micro-batch (forward_backward).
 void reduce_gradients(Run& r) {
   if (r.world.size() == 1 || r.shard_gradients) return;
+  if (r.hold_experts) {  // the experts' over their EDP group, the rest over the world (expert_state.h)
+    reduce_held_expert_gradients(r.ck.model->params(), expert_groups(r));
+    return;
+  }
   const std::span<float> flat = r.ck.model->params().mutable_flat(model::Role::Grads);
   if (r.shard_optimizer)
     r.world.reduce_scatter(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
@@ -538,7 +555,9 @@ double clip_global_norm(Run& r, double max_norm) {
     return flat.subspan(s.begin, s.size());
   };
   std::vector<double> partial(static_cast<size_t>(P));
-  if (r.shard_optimizer) {
+  if (r.hold_experts) {  // the same partials from the experts' holders (expert_state.h)
+    partial = held_expert_norm_partials(store, expert_groups(r));
+  } else if (r.shard_optimizer) {
     const double mine = sum_of_squares(slice(me));
     r.world.allgather(&mine, partial.data(), sizeof(double), r.timeout);
   } else {
@@ -714,6 +733,24 @@ void save(Run& r, TrainResult& result) {
   if (!result.svg_path.empty()) io::write_file_atomically(result.svg_path, loss_svg(r.state.history, "ringflex train"));
 }
 
+// While it lives, the model holds `whole` (a whole-layout store for the writer; null: nothing changes) in place of
+// its held experts' store, which it gets back on every path.
+class HeldExpertsWhole {
+ public:
+  HeldExpertsWhole(model::Gemma4Model& m, std::unique_ptr<model::ParamStore> whole) : m_(m) {
+    if (whole) held_ = m_.replace_params(std::move(whole));
+  }
+  ~HeldExpertsWhole() {
+    if (held_) m_.replace_params(std::move(held_));
+  }
+  HeldExpertsWhole(const HeldExpertsWhole&) = delete;
+  HeldExpertsWhole& operator=(const HeldExpertsWhole&) = delete;
+
+ private:
+  model::Gemma4Model& m_;
+  std::unique_ptr<model::ParamStore> held_;
+};
+
 // The step's outputs, all written by rank 0 in one agreement (a failed write ends every rank together, with its
 // line): the metrics line, the progress, and on checkpoint steps (every checkpoint.every and the last) the
 // checkpoint and the picture.
@@ -723,11 +760,17 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
   const bool save_now = !ck.dir.empty() && ((ck.every > 0 && sm.step % ck.every == 0) || is_last(r, sm.step));
   model::ParamStore& store = r.ck.model->params();
   if (save_now && r.shard_optimizer) gather_moments_to_writer(r.world, store, r.timeout);
+  // Held experts: the writer's EP group gathers every expert's rows into the writer's whole-layout store, which
+  // stands in the model while it saves (expert_state.h).
+  std::unique_ptr<model::ParamStore> whole;
+  if (save_now && r.hold_experts && r.world.rank() < r.cfg.parallelism.ep)
+    whole = gather_held_experts(store, expert_groups(r));
   comm::agree(r.world, [&] {
     if (metrics) metrics->append(metrics_json_line(sm));
     progress.step(sm, eta_s, is_last(r, sm.step) || sm.val_loss.has_value());
     if (sm.val_loss) progress.note(rf::concat("step ", sm.step, ": validation loss ", *sm.val_loss));
     if (save_now && r.lead) {
+      const HeldExpertsWhole while_saving(*r.ck.model, std::move(whole));
       save(r, result);
       progress.note(rf::concat("step ", sm.step, ": checkpoint ", result.last_checkpoint));
     }
