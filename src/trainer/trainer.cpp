@@ -274,7 +274,7 @@ struct Run {
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
   // Expert parallelism with shard none and no LoRA: each rank holds and trains only its EP rank's experts
   // (trainer/expert_state.h); under sharding or LoRA every rank keeps every expert and only the tokens travel.
-  const bool hold_experts = cfg.parallelism.ep > 1 && cfg.parallelism.shard == "none" && cfg.model.lora_rank == 0;
+  const bool hold_experts = cfg.parallelism.ep > 1 && cfg.parallelism.shard == ShardMode::None && cfg.model.lora_rank == 0;
   std::unique_ptr<comm::Communicator> cp_group, dp_group, ep_group;
   std::unique_ptr<comm::Communicator> edp_group;  // the ranks holding this rank's experts (world rank % ep alike)
   cp::JobContext context;  // the model's parallel context: the local kernels, or the ring over this rank's CP group
