@@ -23,10 +23,16 @@ struct StepMetrics {
   // forward passes sent to, and received from, other ranks' experts (a MoE layer's recompute in the backward counts
   // again), the most of any rank.
   std::optional<int64_t> ep_rows_sent, ep_rows_received;
+  // Also: experts of each MoE layer a rank holds (E / ep when it holds only its own, E when sharding or LoRA keep
+  // every expert on every rank); bytes the step's dispatches and combines (forward, recompute and backward) sent to
+  // other ranks, per MoE layer, the most of any rank; seconds the step spent in them, all exposed (blocking), the
+  // most of any rank.
+  std::optional<int64_t> ep_experts_held, ep_bytes_per_layer;
+  std::optional<double> ep_exposed_s;
 };
 
 // One JSON object per line: step, loss, lr, grad_norm, tokens, tokens_per_s, peak_rss_bytes [, val_loss]
-// [, ep_rows_sent, ep_rows_received].
+// [, ep_rows_sent, ep_rows_received, ep_experts_held, ep_bytes_per_layer, ep_exposed_s].
 std::string metrics_json_line(const StepMetrics& m);
 
 // The --metrics JSONL file (rank 0's): each line is written whole or the write fails. Opening keeps the whole lines

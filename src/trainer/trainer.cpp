@@ -212,6 +212,23 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
     for (size_t i = 0; i < trainable.size(); ++i)
       if (trainable[i]) trainable_bytes += m.params().info(i).numel * static_cast<int64_t>(sizeof(float));
   }
+  // Expert parallelism holding each rank's experts only (shard none, no LoRA; trainer/expert_state.h): the experts'
+  // weights, gradients, moments and bf16 copies are E / ep experts' worth. (A resume still loads the files whole
+  // before keeping its rows, and a save gathers them whole on rank 0: one whole copy for that while.)
+  int64_t experts_elsewhere = 0, trainable_elsewhere = 0, bf16_elsewhere = 0;  // the other EP ranks' experts
+  if (c.parallelism.ep > 1 && c.parallelism.shard == ShardMode::None && c.model.lora_rank == 0) {
+    const std::vector<bool> trainable = m.params().trainable_after(c.model.freeze);
+    for (size_t i = 0; i < trainable.size(); ++i) {
+      const model::ParamInfo& p = m.params().info(i);
+      if (!model::is_expert_tensor(p)) continue;
+      const int64_t others = p.numel / c.parallelism.ep * (c.parallelism.ep - 1);
+      experts_elsewhere += others;
+      if (trainable[i]) trainable_elsewhere += others;
+      if (p.matmul) bf16_elsewhere += others;
+    }
+  }
+  params -= experts_elsewhere * static_cast<int64_t>(sizeof(float));
+  trainable_bytes -= trainable_elsewhere * static_cast<int64_t>(sizeof(float));
   constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
   MemoryBreakdown need;
   need.add("weights", params + m.buffers().total_bytes());
@@ -229,7 +246,8 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
     need.add("gradient slice", checked_bytes({model::shard_of(trainable_elements, 0, world_size).padded,
                                               static_cast<int64_t>(sizeof(float))}));
   need.add("AdamW moments", checked_bytes({kMoments, moment_elements, static_cast<int64_t>(sizeof(float))}));
-  if (c.model.compute_dtype == model::ComputeDtype::Bfloat16) need.add("bf16 weight copies", m.bf16_weight_bytes());
+  if (c.model.compute_dtype == model::ComputeDtype::Bfloat16)
+    need.add("bf16 weight copies", m.bf16_weight_bytes() - bf16_elsewhere * static_cast<int64_t>(sizeof(bf16)));
   // A step builds all of this replica's rows before its micro-batches run: five int32 arrays a token (ids, labels,
   // positions, documents, image slots); image features not counted.
   constexpr int64_t kRowArrays = 5;
@@ -274,7 +292,8 @@ struct Run {
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
   // Expert parallelism with shard none and no LoRA: each rank holds and trains only its EP rank's experts
   // (trainer/expert_state.h); under sharding or LoRA every rank keeps every expert and only the tokens travel.
-  const bool hold_experts = cfg.parallelism.ep > 1 && cfg.parallelism.shard == ShardMode::None && cfg.model.lora_rank == 0;
+  const bool hold_experts =
+      cfg.parallelism.ep > 1 && cfg.parallelism.shard == ShardMode::None&& cfg.model.lora_rank == 0;
   std::unique_ptr<comm::Communicator> cp_group, dp_group, ep_group;
   std::unique_ptr<comm::Communicator> edp_group;  // the ranks holding this rank's experts (world rank % ep alike)
   cp::JobContext context;  // the model's parallel context: the local kernels, or the ring over this rank's CP group
@@ -711,10 +730,18 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
   sm.peak_rss_bytes = peak_rss_bytes();
   r.world.allreduce(&sm.peak_rss_bytes, 1, comm::ReduceOp::Max, r.timeout);
   if (r.cfg.parallelism.ep > 1) {  // the step's routed rows (ep_moved: this rank's), the most of any rank
-    int64_t moved[2] = {ep_moved.rows_sent, ep_moved.rows_received};
-    r.world.allreduce(moved, 2, comm::ReduceOp::Max, r.timeout);
+    const model::Gemma4Config& mc = r.ck.model->config();
+    const int64_t moe_layers = mc.enable_moe ? mc.num_layers : 0;  // every decoder layer has the MoE block
+    int64_t moved[3] = {ep_moved.rows_sent, ep_moved.rows_received,
+                        ep_moved.bytes_sent / std::max<int64_t>(1, moe_layers)};
+    r.world.allreduce(moved, 3, comm::ReduceOp::Max, r.timeout);
+    double exposed = ep_moved.seconds;
+    r.world.allreduce(&exposed, 1, comm::ReduceOp::Max, r.timeout);
     sm.ep_rows_sent = moved[0];
     sm.ep_rows_received = moved[1];
+    sm.ep_bytes_per_layer = moved[2];
+    sm.ep_exposed_s = exposed;
+    sm.ep_experts_held = r.hold_experts ? mc.num_experts / r.cfg.parallelism.ep : mc.num_experts;
   }
   r.state.history.steps.push_back(static_cast<int>(step));
   r.state.history.loss.push_back(loss);
@@ -828,7 +855,8 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
 
     const StepMetrics sm =
         record_step(r, step, loss, lr, norm, tokens, seconds_since(step_start),
-                    {ep_after.rows_sent - ep_before.rows_sent, ep_after.rows_received - ep_before.rows_received, 0},
+                    {ep_after.rows_sent - ep_before.rows_sent, ep_after.rows_received - ep_before.rows_received,
+                     ep_after.bytes_sent - ep_before.bytes_sent, ep_after.seconds - ep_before.seconds},
                     result);
     const double eta = seconds_since(run_start) / static_cast<double>(step - first_step + 1) *
                        static_cast<double>(cfg.train.steps - step);
