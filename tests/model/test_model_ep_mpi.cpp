@@ -46,12 +46,13 @@ std::unique_ptr<comm::Communicator>& world_ptr() {
 comm::Communicator& world() { return *world_ptr(); }
 
 constexpr int kVocab = 40;
-Gemma4Model make_model() {
+Gemma4Model make_model(int top_k = 2) {
   const std::string json = R"({"vocab_size": 40, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 3,
     "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": 4.0,
     "hidden_size_per_layer_input": 0, "rms_norm_eps": 1e-6, "attention_k_eq_v": true, "enable_moe_block": true,
-    "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 8, "tie_word_embeddings": false})";
+    "num_experts": 8, "top_k_experts": )" +
+                           std::to_string(top_k) + R"(, "moe_intermediate_size": 8, "tie_word_embeddings": false})";
   Gemma4Model m(Gemma4Config::from_json(json), 0);
   constexpr float kInitStd = 0.3f;  // every path (norms, router, experts) carries an O(1) signal
   m.init_random(42, kInitStd);
@@ -198,16 +199,30 @@ TEST(ModelEp, Bfloat16SameAsEveryExpertLocal) {
   if (P % 2 == 0) check_same_as_local(m, 2, P, "bf16, cp 2 groups", ComputeDtype::Bfloat16);
 }
 
-TEST(ModelEp, TiedRouterSendsEveryTokenToTheFirstExperts) {
-  Gemma4Model m = make_model();
+void tie_router(Gemma4Model& m) {
   for (size_t slot = 0; slot < m.params().size(); ++slot)
     if (m.params().info(slot).name.ends_with("router.proj.weight")) {
       float* w = m.params().mutable_weight(slot);
       std::fill_n(w, m.params().info(slot).numel, 0.f);
     }
+}
+
+TEST(ModelEp, TiedRouterSendsEveryTokenToTheFirstExperts) {
+  Gemma4Model m = make_model();
+  tie_router(m);
   const int P = world().size();
   check_same_as_local(m, 1, P, "tied router");
   if (P % 2 == 0) check_same_as_local(m, 2, P, "tied router, cp 2 groups");
+}
+
+// Top 1 with every probability tied: every token of every rank to expert 0 alone, the other 7 experts (and at
+// EP = P every rank but the first) idle, their gradients zero.
+TEST(ModelEp, TiedRouterTopOneSendsEveryTokenToOneExpert) {
+  Gemma4Model m = make_model(1);
+  tie_router(m);
+  const int P = world().size();
+  check_same_as_local(m, 1, P, "top 1, tied router");
+  if (P % 2 == 0) check_same_as_local(m, 2, 2, "top 1, tied router, cp 2 groups");
 }
 
 // The held store's parameters: the experts' rows of this EP rank only (weights as the whole model's rows), the rest

@@ -8,10 +8,10 @@
 # run's step-3 loss bit for bit (the weights are whole tensors, every expert written once in the Hugging Face layout
 # at any EP, gathered from the ranks holding them, and a forward is the same bits). Resumed at ep itself the step-3
 # checkpoint (weights and AdamW moments, each rank's experts' moments taken back from the files) is the ep run's
-# byte for byte; at another EP its weights are within 3e-6 of it (0.1% of the step's lr 0.003, measured 6e-8: AdamW normalises an
-# element's update to about lr, and the experts' gradients reassociate as above; a lost expert moment moves an
-# element by the whole lr). The metrics say how many experts a rank holds: E / ep with shard none (each rank its
-# own), E under sharding (every rank every expert).
+# byte for byte; at another EP its weights are within 3e-6 of it (0.1% of the step's lr 0.003, measured 6e-8:
+# AdamW normalises an element's update to about lr, and the experts' gradients reassociate as above; a lost expert
+# moment moves an element by about the whole lr). The metrics say how many experts a rank holds: E / ep with shard
+# none (each rank its own), E under sharding (every rank every expert).
 #   same_loss_ep_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS EP GRID_SETS...
 set -euo pipefail
 work=$1 ringflex=$2
