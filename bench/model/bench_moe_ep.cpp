@@ -5,9 +5,10 @@
 // consecutive ranks. For each ep, one forward + backward first checks the loss is the bits of ep 1 (the dispatch's
 // promise), then `--repeats` steps are timed. Rank 0 prints per ep: the experts each rank runs and their float32
 // bytes, the routed rows each rank sent to other ranks' experts per step, the bytes it sent per token against the
-// uniform-routing formula, and the median step time of the slowest rank. Weights are still whole on every rank
-// (each rank computes only its experts; the expert-sharded store is to come), so memory is ~2 x 3.0 GB per layer
-// per rank at the full shape (weights and gradients): shrink --experts on a small machine.
+// uniform-routing formula, and the median step time of the slowest rank. At ep > 1 a rank's store holds its own
+// experts only (model/expert_store.h: weights and gradients, E / ep experts' worth), as training under shard none
+// does; the whole model (for ep 1 and to cut the others from) stays too, so memory is ~2 x 3.0 GB per layer per rank
+// at the full shape plus the held copy: shrink --experts on a small machine.
 #include <mpi.h>
 #include <omp.h>
 
@@ -24,6 +25,7 @@
 #include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "cp/parallel_context.h"
+#include "model/expert_store.h"
 #include "model/gemma4.h"
 
 namespace {
@@ -109,8 +111,15 @@ int main(int argc, char** argv) {
       for (int ep : eps) {
         auto group = world->split(rank / ep, rank % ep);
         cp::JobContext ctx = cp::make_parallel_context(*self, {}, group.get());
-        m.params().zero_grads();
-        const double loss = m.run(batch, opt, *ctx.model).loss;
+        // ep > 1: this rank's experts only, cut from the whole model.
+        model::Gemma4Model held(m.config(), 0, model::TensorSet::Storage::Deferred);
+        if (ep > 1) {
+          held.replace_params(model::hold_expert_rows(m.params(), rank % ep, ep));
+          held.params().allocate_grads();
+        }
+        model::Gemma4Model& run = ep > 1 ? held : m;
+        run.params().zero_grads();
+        const double loss = run.run(batch, opt, *ctx.model).loss;
         if (ep == eps.front()) reference_loss = loss;
         int64_t same = loss == reference_loss;
         world->allreduce(&same, 1, comm::ReduceOp::Min);
@@ -120,8 +129,8 @@ int main(int argc, char** argv) {
         for (int i = 0; i < repeats; ++i) {
           world->barrier();
           const auto t0 = std::chrono::steady_clock::now();
-          m.params().zero_grads();
-          m.run(batch, opt, *ctx.model);
+          run.params().zero_grads();
+          run.run(batch, opt, *ctx.model);
           double t = seconds_since(t0);
           world->allreduce(&t, 1, comm::ReduceOp::Max);
           times.push_back(t);
@@ -131,7 +140,9 @@ int main(int argc, char** argv) {
         int64_t moved[2] = {(after.rows_sent - before.rows_sent) / std::max(repeats, 1),
                             (after.bytes_sent - before.bytes_sent) / std::max(repeats, 1)};
         world->allreduce(moved, 2, comm::ReduceOp::Max);
-        const double expert_bytes = 3.0 * s.moe_intermediate * s.hidden * sizeof(float) * (s.experts / ep) * s.layers;
+        double expert_bytes = 0;  // float32 weights of the experts this rank's store holds
+        for (const model::ParamInfo& p : run.params().infos())
+          if (model::is_expert_tensor(p)) expert_bytes += static_cast<double>(p.numel) * sizeof(float);
         // Uniform routing: (ep - 1)/ep of a token's k rows leave its rank, H float32 each, in every one of the
         // forward's dispatch and combine, their recompute's, and the backward's dispatch and combine.
         constexpr int kMovesPerStep = 6;
