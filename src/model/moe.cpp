@@ -1,7 +1,9 @@
 // ringflex model: the MoE block beside a Gemma 4 layer's MLP (enable_moe_block), forward and backward
 // (gemma4_run.h). The router sees this rank's tokens only; the experts run where the parallel context's dispatch
 // puts them (core/expert_parallel.h): here at EP = 1, else on the EP rank holding each, the rows sent there and
-// the outputs (and in the backward the input gradients) sent back before each token's combine.
+// the outputs (and in the backward the input gradients) sent back before each token's combine. The store's expert
+// tensors hold every expert, or under expert parallelism this EP rank's only (model/expert_store.h): a rank reads
+// and accumulates into the rows of the experts the dispatch brings it either way.
 //
 // Threads: the router runs per token in parallel. The experts' row-local work (gather, gate/up and down sgemms,
 // GeGLU, and in the backward the input gradients) is cut into tasks of at most kExpertRowsPerTask routed rows of
