@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
+#include "model/vision.h"
 
 namespace rf::model {
 
@@ -57,12 +59,13 @@ void copy_into(Tensor& dst, const io::TensorView& v, const std::string& file) {
 
 std::string file_name_of(const std::string& param_name, const std::string& text_prefix) {
   const std::string p = kCausalLmPrefix;
-  if (param_name.rfind(p, 0) == 0 && param_name != kVisionProjection) return text_prefix + param_name.substr(p.size());
+  const bool beside_decoder = param_name == kVisionProjection || param_name.rfind(kVisionTowerPrefix, 0) == 0;
+  if (param_name.rfind(p, 0) == 0 && !beside_decoder) return text_prefix + param_name.substr(p.size());
   return param_name;
 }
 
 Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating,
-                           std::unique_ptr<ParamStore> store) {
+                           std::unique_ptr<ParamStore> store, bool train_vision) {
   const fs::path root(dir);
   RF_CHECK(fs::is_directory(root), dir, ": not a directory");
   const fs::path config_path = root / "config.json";
@@ -89,6 +92,12 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   // machine. (A 4 KiB checkpoint whose config claims a 262144-token vocabulary fails here, not after 1 GiB.)
   ck.model = std::make_unique<Gemma4Model>(std::move(cfg), vision_dim, TensorSet::Storage::Deferred, std::move(store));
   ParamStore& params = ck.model->params();
+  if (train_vision) {
+    const std::optional<VisionConfig> tower =
+        VisionConfig::from_config_json(ck.model->config().source_json, config_path.string());
+    RF_CHECK(tower.has_value(), dir, ": model.train_vision, but the config has no vision_config (no vision tower)");
+    register_vision_tower(params, *tower);
+  }
   const size_t from_files = params.size();
   for (const ParamInfo& p : params.infos()) {
     const std::string name = file_name_of(p.name, ck.text_prefix);

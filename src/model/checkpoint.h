@@ -41,12 +41,17 @@ using BeforeAllocating = std::function<void(const Gemma4Model& shapes)>;
 // unsupported config field, parameters beyond the machine's memory (or whatever `before_allocating` throws).
 // `store`: where the parameters live (null: a ReplicatedStore); the parameters the store itself adds when it allocates
 // (a LoraStore's adapters) are not read from the files.
+// `train_vision` (model.train_vision): the vision tower's parameters are registered in the store too
+// (register_vision_tower, vision.h) and read from the files like the decoder's, so they train and are written back
+// in float32 under their own names; its buffers stay passthrough. Throws rf::Error when the config has no
+// vision_config.
 Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating = {},
-                           std::unique_ptr<ParamStore> store = nullptr);
+                           std::unique_ptr<ParamStore> store = nullptr, bool train_vision = false);
 
 void save_checkpoint(const Checkpoint& ck, const std::string& dir);
 
-// The file name of a parameter: "model.X" becomes text_prefix + "X"; other names are kept.
+// The file name of a parameter: "model.X" becomes text_prefix + "X"; other names are kept, and so are those of the
+// multimodal parts that sit beside the decoder (the vision projection, the vision tower).
 std::string file_name_of(const std::string& param_name, const std::string& text_prefix);
 
 }  // namespace rf::model

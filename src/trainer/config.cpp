@@ -151,6 +151,7 @@ const std::vector<Field>& fields() {
       field("model.lora.dropout", kNum, &C::model, &ModelSection::lora_dropout),
       lora_target(),
       field("model.lora.use_rslora", "true or false", &C::model, &ModelSection::lora_use_rslora),
+      field("model.train_vision", "true or false", &C::model, &ModelSection::train_vision),
       field("data.source", kStr, &C::data, &DataSection::source),
       field("data.path", kStr, &C::data, &DataSection::path),
       field("data.features", kStr, &C::data, &DataSection::features),
@@ -311,6 +312,8 @@ void validate(const TrainConfig& c, int world_size) {
     RF_CHECK(!c.model.lora_target.empty(), "config: model.lora.target is empty");
     RF_CHECK(c.parallelism.shard == "none", "config: model.lora with parallelism.shard = ", c.parallelism.shard,
              " is not implemented (the adapters are small: shard none)");
+    RF_CHECK(!c.model.train_vision, "config: model.lora with model.train_vision is not implemented (LoRA adapts the ",
+             "decoder; the tower would train in full beside it)");
   }
   RF_CHECK(c.data.source == "mock" || c.data.source == "jsonl_tokens" || c.data.source == "jsonl_text",
            "config: data.source = '", c.data.source, "' is not one of mock, jsonl_tokens, jsonl_text");

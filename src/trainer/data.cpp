@@ -53,6 +53,7 @@ uint64_t mix(uint64_t a, uint64_t b) { return Rng(a * 0x100000001B3ull ^ b).next
 struct Document {
   std::vector<int32_t> ids, labels, mm;
   std::vector<float> features;  // [slots, F]
+  ImagePatches images;          // ImageContract::train_vision: the images behind the slots
 };
 
 // Appends `d` to `row` as document `doc_id` at offset `at`; the shifted label of the document's last token is
@@ -67,6 +68,7 @@ void place(Row& row, const Document& d, int at, int doc_id) {
     row.mm_token_type[at + t] = d.mm[t];
   }
   row.image_features.insert(row.image_features.end(), d.features.begin(), d.features.end());
+  row.images.append(d.images);
 }
 
 Row empty_row(int S, int pad_id) {
@@ -88,8 +90,9 @@ Row empty_row(int S, int pad_id) {
 // (filled square, disc, horizontal bar, vertical bar) drawn in memory on a noisy dark background, with its position,
 // size and colour jittered, kVariants drawings per class. The drawings are encoded once, when the source is built,
 // by the frozen tower (split over the ranks as file images are, ImageContract), and a document's image slots take
-// the soft tokens of one drawing. Without a tower (a text-only checkpoint), an image is a class prototype vector
-// with per-slot noise, given to the projection as features.
+// the soft tokens of one drawing (with model.train_vision, its patches, which the trainer encodes every step). Without
+// a tower (a text-only checkpoint), an image is a class prototype vector with per-slot noise, given to the projection
+// as features.
 // ---------------------------------------------------------------------------------------------------------------
 namespace mock_image {
 constexpr int kColours = 4, kShapes = 4;  // kColours * kShapes = mock::kClasses
@@ -219,12 +222,11 @@ class MockSource final : public DataSource {
     std::vector<int> mine;
     for (int i = 0; i < n; ++i) {
       const io::RgbImage drawing = mock_image::draw(i / kVariants, height, width, rng);  // every rank draws all
-      if (i % im.ranks != im.rank) continue;
+      if (!im.train_vision && i % im.ranks != im.rank) continue;
       mock_image::patchify(drawing, patch, pixels, positions);
       mine.push_back(i);
     }
     drawings_.assign(static_cast<size_t>(n) * image_tokens_ * F_, 0.f);
-    split_ = im.ranks > 1;
     model::VisionBatch b;
     b.n = static_cast<int>(mine.size());
     b.P = static_cast<int64_t>(rows) * k * cols * k;
@@ -233,6 +235,14 @@ class MockSource final : public DataSource {
     const std::string source = "data.source = mock's " + std::to_string(height) + " x " + std::to_string(width) +
                                " drawings (data.mock_image_tokens = " + std::to_string(image_tokens_) + ")";
     tower.check(b, source);  // on every rank, even one with no share
+    if (im.train_vision) {   // every drawing kept as patches, encoded by the trainer every step (zero features here)
+      drawing_patches_.n = n;
+      drawing_patches_.P = b.P;
+      drawing_patches_.pixels = std::move(pixels);
+      drawing_patches_.positions = std::move(positions);
+      return;
+    }
+    split_ = im.ranks > 1;
     if (mine.empty()) return;
     const model::VisionOutput soft = tower.forward(b, source);
     for (size_t j = 0; j < mine.size(); ++j) {
@@ -260,6 +270,17 @@ class MockSource final : public DataSource {
             static_cast<size_t>(cls) * kVariants + static_cast<size_t>(rng.uniform(0, kVariants - 1));
         d.features.assign(drawings_.begin() + static_cast<std::ptrdiff_t>(drawing * size),
                           drawings_.begin() + static_cast<std::ptrdiff_t>((drawing + 1) * size));
+        if (drawing_patches_.n > 0) {
+          const ImagePatches& all = drawing_patches_;
+          const size_t pixels = all.pixels.size() / static_cast<size_t>(all.n),
+                       positions = static_cast<size_t>(2 * all.P);
+          d.images.n = 1;
+          d.images.P = all.P;
+          d.images.pixels.assign(all.pixels.begin() + static_cast<std::ptrdiff_t>(drawing * pixels),
+                                 all.pixels.begin() + static_cast<std::ptrdiff_t>((drawing + 1) * pixels));
+          d.images.positions.assign(all.positions.begin() + static_cast<std::ptrdiff_t>(drawing * positions),
+                                    all.positions.begin() + static_cast<std::ptrdiff_t>((drawing + 1) * positions));
+        }
       }
       for (int s = 0; s < image_tokens_; ++s) {
         d.ids.push_back(mock::kImageSlot);
@@ -302,6 +323,7 @@ class MockSource final : public DataSource {
   std::vector<float> prototypes_;  // [kClasses, F] (without a tower)
   std::vector<float> drawings_;    // [kClasses * kVariants, image_tokens_, F] soft tokens (with a tower)
   bool split_ = false;             // drawings_ holds this rank's share until sum_image_features
+  ImagePatches drawing_patches_;   // ImageContract::train_vision: every drawing's patches (drawings_ stays zero)
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -481,7 +503,14 @@ void expand_images(Document& d, const json& images, const std::string& where, co
       tower->check(b, path);
       count = p.soft_tokens;  // whole pooling cells: the processor's sides are multiples of k * patch_size
       out.features.resize(static_cast<size_t>((row + count) * F), 0.f);
-      if (images_seen % im.ranks == im.rank) {  // this rank's share of the tower's work
+      if (im.train_vision) {  // encoded by the trainer, every step
+        ImagePatches one;
+        one.n = 1;
+        one.P = b.P;
+        one.pixels = p.pixels;
+        one.positions = p.positions;
+        out.images.append(one);
+      } else if (images_seen % im.ranks == im.rank) {  // this rank's share of the tower's work
         const model::VisionOutput soft = tower->forward(b, path);
         RF_CHECK(soft.counts[0] == count, path, ": the tower made ", soft.counts[0], " soft tokens, the processor ",
                  count);
@@ -544,6 +573,8 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
       F = k.feature_dim;
     }
     if (j.contains("image_spans")) {
+      RF_CHECK(!im.train_vision, where, ": `image_spans` (precomputed image features) with model.train_vision: a ",
+               "trained tower encodes pixels, give the sample's `images`");
       RF_CHECK(j["image_spans"].is_array(), where, ": `image_spans` must be a list of [start, length] pairs");
       RF_CHECK(file != nullptr || j["image_spans"].empty(), where,
                ": has `image_spans` but data.features names no features file");
@@ -576,7 +607,7 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
            " use ", used);
   // Split tower work is completed by a sum over the ranks (DataSource::sum_image_features): the features every rank
   // read whole from data.features then count once, on rank 0.
-  split = images_seen > 0 && im.ranks > 1;
+  split = images_seen > 0 && im.ranks > 1 && !im.train_vision;
   if (split && im.rank != 0)
     for (size_t doc : span_docs) std::fill(docs[doc].features.begin(), docs[doc].features.end(), 0.f);
   return docs;
@@ -619,6 +650,25 @@ int64_t count_real_tokens(std::span<const int32_t> doc) {
   return std::count_if(doc.begin(), doc.end(), [](int32_t d) { return d != 0; });
 }
 
+void ImagePatches::append(const ImagePatches& o) {
+  if (o.n == 0) return;
+  RF_CHECK(n == 0 || P == o.P, "images of ", P, " and ", o.P, " patches in one batch (one image processor config ",
+           "pads every image to one patch count)");
+  P = o.P;
+  n += o.n;
+  pixels.insert(pixels.end(), o.pixels.begin(), o.pixels.end());
+  positions.insert(positions.end(), o.positions.begin(), o.positions.end());
+}
+
+model::VisionBatch ImagePatches::batch() const {
+  model::VisionBatch b;
+  b.n = n;
+  b.P = P;
+  b.pixels = pixels.data();
+  b.positions = positions.data();
+  return b;
+}
+
 PackedBatch stack_rows(const std::vector<Row>& rows, int feature_dim) {
   PackedBatch b;
   b.B = static_cast<int>(rows.size());
@@ -630,6 +680,7 @@ PackedBatch stack_rows(const std::vector<Row>& rows, int feature_dim) {
     b.doc.insert(b.doc.end(), r.doc.begin(), r.doc.end());
     b.mm_token_type.insert(b.mm_token_type.end(), r.mm_token_type.begin(), r.mm_token_type.end());
     b.image_features.insert(b.image_features.end(), r.image_features.begin(), r.image_features.end());
+    b.images.append(r.images);
   }
   b.n_image_features = feature_dim > 0 ? static_cast<int64_t>(b.image_features.size()) / feature_dim : 0;
   return b;

@@ -18,6 +18,7 @@
 #include "core/memory.h"
 #include "cp/parallel_context.h"
 #include "io/atomic_file.h"
+#include "io/tensor_access.h"
 #include "model/lora_store.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
@@ -111,6 +112,8 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
   same(now.data.path == then.data.path, "data.path");
   same(now.data.image_soft_tokens == then.data.image_soft_tokens, "data.image_soft_tokens");
   same(now.model.freeze == then.model.freeze, "model.freeze");
+  // The tower's parameters are in the optimizer state (and written in float32) only when it trains.
+  same(now.model.train_vision == then.model.train_vision, "model.train_vision");
   same(now.model.lora_rank == then.model.lora_rank && now.model.lora_alpha == then.model.lora_alpha &&
            now.model.lora_target == then.model.lora_target &&
            now.model.lora_target_regex == then.model.lora_target_regex &&
@@ -279,6 +282,10 @@ struct Run {
   std::unique_ptr<AdamW> adam;  // its state (the moments) and the gradients live in the model's parameter store
   model::RunOptions training;   // how a micro-batch runs (its string options parsed once)
   int feature_dim = 0;          // F of the batches' image features (0: the data has none)
+  // model.train_vision: the tower of the current weights (float32 copies of the store's tower parameters and the
+  // passthrough buffers), made again when the store's version moved (an update); null otherwise.
+  std::unique_ptr<model::VisionEncoder> tower;
+  uint64_t tower_version = 0;  // the store's version `tower` was copied at
   // shard gradients with accumulation: the reduced sum of the step's earlier micro-batches over this rank's slice
   // of the trainable layout [comm::slice_of(trainable_elements, N, rank).size()]; empty otherwise.
   std::vector<float> grad_slice;
@@ -305,6 +312,39 @@ void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config&
            " experts");
 }
 
+// The vision tower of `ck`'s current weights: its parameters from the parameter store where they train
+// (model.train_vision), the rest from the passthrough tensors.
+std::unique_ptr<model::VisionEncoder> make_tower(const model::Checkpoint& ck, const model::VisionConfig& vc) {
+  const model::ParamStore& store = ck.model->params();
+  const auto find = [&](const std::string& name) -> std::optional<model::VisionEncoder::Found> {
+    if (store.contains(name)) {
+      const model::ParamInfo& p = store.info(store.slot(name));
+      const float* w = store.weight(store.slot(name));
+      return model::VisionEncoder::Found{p.shape, std::vector<float>(w, w + p.numel)};
+    }
+    const io::Passthrough::Entry* e = ck.passthrough.find(name);
+    if (e == nullptr) return std::nullopt;
+    return model::VisionEncoder::Found{e->shape, io::to_float32(io::TensorView{name, e->dtype, e->shape, e->bytes})};
+  };
+  return std::make_unique<model::VisionEncoder>(vc, find);
+}
+
+// model.train_vision on a built-in model: its fresh tower's parameters (init_vision_tower's values, registered in the
+// store by register_vision_tower) move from the passthrough tensors into the store.
+void adopt_tower_parameters(model::Checkpoint& ck) {
+  model::ParamStore& store = ck.model->params();
+  for (size_t slot = 0; slot < store.size(); ++slot) {
+    const model::ParamInfo& p = store.info(slot);
+    if (p.name.rfind(model::kVisionTowerPrefix, 0) != 0) continue;
+    const io::Passthrough::Entry* e = ck.passthrough.find(p.name);
+    RF_CHECK(e != nullptr && e->shape == p.shape, "model.train_vision: the built-in tower has no tensor `", p.name,
+             "` of shape ", io::shape_string(p.shape));
+    const std::vector<float> values = io::to_float32(io::TensorView{p.name, e->dtype, e->shape, e->bytes});
+    std::copy(values.begin(), values.end(), store.mutable_weight(slot));
+    ck.passthrough.drop(p.name);
+  }
+}
+
 // Setup: the model (fresh, from model.path or resumed), the data, the optimizer state and where the run stands.
 // Everything here can fail on bad input and runs no collective, so train() runs it inside comm::agree.
 void set_up(Run& r) {
@@ -327,24 +367,33 @@ void set_up(Run& r) {
   // The base: from model.path, or the built-in model from train.seed (a LoRA resume builds it again: it never trains).
   const auto load_base = [&] {
     if (!cfg.model.path.empty()) {
-      r.ck = model::load_checkpoint(cfg.model.path, check_fits, lora_store());
+      r.ck = model::load_checkpoint(cfg.model.path, check_fits, lora_store(), cfg.model.train_vision);
       return;
     }
     const std::string text = builtin_config_json(cfg.model.builtin);
     const std::string source = "model.builtin " + cfg.model.builtin;
     const model::Gemma4Config builtin = model::Gemma4Config::from_json(text, source);
-    check_fits(model::Gemma4Model(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Deferred));
-    r.ck.model = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Allocated,
-                                                      lora_store());
+    const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
+    // With model.train_vision the tower's parameters are registered after the decoder's, before the store allocates.
+    const auto shapes = [&](std::unique_ptr<model::ParamStore> store) {
+      auto m = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Deferred,
+                                                    std::move(store));
+      if (cfg.model.train_vision) model::register_vision_tower(m->params(), tower);
+      return m;
+    };
+    check_fits(*shapes(nullptr));
+    r.ck.model = shapes(lora_store());
+    r.ck.model->params().allocate_weights();
+    // Every slot, the tower's last (so the decoder draws the same values with and without model.train_vision).
     r.ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
     // init_random filled every slot, the adapters too: PEFT's initial adapters again (B = 0: the base's function).
     if (auto* ls = dynamic_cast<model::LoraStore*>(&r.ck.model->params())) ls->init_adapters();
     r.ck.text_prefix = model::kMultimodalTextPrefix;
-    const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
     // transformers sizes the projection's input by the tower's width: the two must agree.
     RF_CHECK(tower.hidden_size == kBuiltinFeatureDim, source, ": vision_config.hidden_size = ", tower.hidden_size,
              ", the projection takes ", kBuiltinFeatureDim);
     r.ck.passthrough = model::init_vision_tower(tower, cfg.train.seed);
+    if (cfg.model.train_vision) adopt_tower_parameters(r.ck);
   };
   if (!r.options.resume.empty()) {
     r.resume_dir = resolve_checkpoint(r.options.resume);
@@ -355,7 +404,7 @@ void set_up(Run& r) {
       load_base();
       model::load_peft_adapter(dynamic_cast<model::LoraStore&>(r.ck.model->params()), r.resume_dir);
     } else {
-      LoadedCheckpoint loaded = load_train_checkpoint(r.resume_dir, check_fits);
+      LoadedCheckpoint loaded = load_train_checkpoint(r.resume_dir, check_fits, cfg.model.train_vision);
       check_resume_compatible(cfg, loaded.state.config_yaml, r.resume_dir);
       r.ck = std::move(loaded.weights);
       r.state = std::move(loaded.state);
@@ -380,18 +429,24 @@ void set_up(Run& r) {
   images.tokens = model::MultimodalTokens::from_config_json(config_json, "the model's config.json");
   images.rank = r.world.rank();
   images.ranks = r.world.size();
-  // The tower encodes the data's images once, here; its float32 copy of the weights goes with it.
-  std::unique_ptr<model::VisionEncoder> tower;
+  images.train_vision = cfg.model.train_vision;
+  // A frozen tower encodes the data's images once, here; its float32 copy of the weights goes with it. A trained one
+  // (model.train_vision) is kept and encodes every micro-batch's images.
   images.vision = [&]() -> const model::VisionEncoder* {
-    if (!tower) {
+    if (!r.tower) {
       const std::optional<model::VisionConfig> vc =
           model::VisionConfig::from_config_json(config_json, "the model's config.json");
       if (!vc) return nullptr;
-      tower = std::make_unique<model::VisionEncoder>(*vc, r.ck.passthrough);
+      r.tower = make_tower(r.ck, *vc);
+      r.tower_version = r.ck.model->params().version();
     }
-    return tower.get();
+    return r.tower.get();
   };
   r.data = make_data_source(cfg, contract, images);
+  if (cfg.model.train_vision)
+    RF_CHECK(images.vision() != nullptr, "config: model.train_vision, but the model has no vision tower");
+  else
+    r.tower.reset();
   r.feature_dim = r.data->feature_dim() > 0 ? width : 0;
   model::ParamStore& store = r.ck.model->params();
   store.freeze(cfg.model.freeze);
@@ -462,13 +517,47 @@ TokenCounts count_tokens(const Run& r, const std::vector<PackedBatch>& batches) 
   return {counts[0], counts[1]};
 }
 
+// model.train_vision: the micro-batch's images through the tower of the current weights, its soft tokens the slots'
+// features, and with gradients the tower's backward from the decoder's d image_features, accumulated into the
+// store's gradients of the tower's parameters (frozen ones, model.freeze, have none). Under CP every rank of the
+// group encodes all the rows' images (the same bits on each) and back-propagates the d image_features of its own
+// tokens (Result::d_image_features: zero for the slots other ranks hold); the tower's backward is linear in them, so
+// the gradient reduction over the ranks sums the tower's gradients as it sums the decoder's.
+double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro) {
+  model::ParamStore& store = r.ck.model->params();
+  if (r.tower_version != store.version()) {
+    r.tower = make_tower(r.ck, r.tower->config());
+    r.tower_version = store.version();
+  }
+  const model::VisionBatch images = p.images.batch();
+  model::VisionTape tape;
+  const model::VisionOutput soft = r.tower->forward(images, "the micro-batch's images", ro.want_grad ? &tape : nullptr);
+  RF_CHECK(soft.soft_tokens.size() == p.image_features.size(), "the micro-batch's ", images.n, " images gave ",
+           soft.soft_tokens.size() / static_cast<size_t>(std::max(1, r.feature_dim)), " soft tokens for ",
+           p.n_image_features, " image slots");
+  model::Batch b = as_batch(p);
+  b.image_features = soft.soft_tokens.data();
+  const model::Result res = r.ck.model->run(b, ro, *r.context.model);
+  if (ro.want_grad) {
+    model::VisionGrads grads;
+    r.tower->backward(images, tape, res.d_image_features.data(), grads);
+    for (const auto& [name, g] : grads) {
+      float* dst = store.grad(store.slot(name));
+      if (dst == nullptr) continue;
+      for (size_t i = 0; i < g.size(); ++i) dst[i] += g[i];
+    }
+  }
+  return res.loss;
+}
+
 // One micro-batch's share of the global loss (its token losses over `label_tokens`); with `grad`, its gradients
 // accumulate into the parameter store's.
 double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool grad) {
   model::RunOptions ro = r.training;
   ro.want_grad = grad;
   ro.loss_normalizer = std::max(1.0, static_cast<double>(label_tokens));  // no label tokens: loss 0, not 0 / 0
-  return r.ck.model->run(as_batch(p), ro, *r.context.model).loss;
+  if (!r.tower || p.images.n == 0) return r.ck.model->run(as_batch(p), ro, *r.context.model).loss;
+  return run_with_tower(r, p, ro);
 }
 
 // parallelism.shard = gradients, after micro-batch `index` of `count`: its gradients are summed over every rank in
