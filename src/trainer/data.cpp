@@ -613,7 +613,33 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
   return docs;
 }
 
-std::vector<Document> read_text_file(const TrainConfig& c, const DataContract& k) {
+// A text's pieces with the image placeholder kept whole: the text is split at every occurrence of `placeholder` (the
+// tokenizer's piece of the config's image_token_id) and each part encoded on its own, the placeholder becoming that
+// one id wherever it stands, whatever kind of piece (normal, user-defined, control) the tokenizer makes of it, as
+// Hugging Face tokenizers split a text at their special tokens.
+std::vector<int> encode_with_placeholders(const sentencepiece::SentencePieceProcessor& sp, const std::string& text,
+                                          const std::string& placeholder, int image_id, const std::string& where) {
+  std::vector<int> out;
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t next = std::min(text.find(placeholder, at), text.size());
+    if (next > at) {
+      std::vector<int> pieces;
+      const auto st = sp.Encode(text.substr(at, next - at), &pieces);
+      RF_CHECK(st.ok(), where, ": cannot tokenize: ", st.ToString());
+      out.insert(out.end(), pieces.begin(), pieces.end());
+    }
+    if (next == text.size()) break;
+    out.push_back(image_id);
+    at = next + placeholder.size();
+  }
+  return out;
+}
+
+// A sample's `images`, as jsonl_tokens takes them (expand_images): each marked in `text` by the tokenizer's piece of
+// the config's image_token_id (for Gemma 4's tokenizer the processor's image token).
+std::vector<Document> read_text_file(const TrainConfig& c, const DataContract& k, const ImageContract& im, int& F,
+                                     bool& split) {
   const std::string model_file =
       c.data.tokenizer.empty() ? (std::filesystem::path(k.model_path) / "tokenizer.model").string() : c.data.tokenizer;
   sentencepiece::SentencePieceProcessor sp;
@@ -622,21 +648,35 @@ std::vector<Document> read_text_file(const TrainConfig& c, const DataContract& k
   RF_CHECK(sp.GetPieceSize() <= k.vocab_size, model_file, ": the tokenizer has ", sp.GetPieceSize(),
            " pieces, more than the model's vocabulary of ", k.vocab_size);
   std::vector<Document> docs;
+  int64_t images_seen = 0;  // the file's images so far, in file order (image i is encoded by rank i % ranks)
   for_each_line(c.data.path, [&](const json& j, const std::string& where) {
     RF_CHECK(j.contains("text") && j["text"].is_string(), where, ": missing `text` (a string)");
     Document d;
     std::vector<int> pieces;
-    const auto st = sp.Encode(j["text"].get<std::string>(), &pieces);
-    RF_CHECK(st.ok(), where, ": cannot tokenize: ", st.ToString());
+    if (j.contains("images")) {
+      const int image = im.tokens.image;
+      RF_CHECK(image >= 0 && image < sp.GetPieceSize(), where, ": has `images`, but the tokenizer ", model_file,
+               " has no piece for the image placeholder (image_token_id ", image, "; it has ", sp.GetPieceSize(),
+               " pieces)");
+      pieces = encode_with_placeholders(sp, j["text"].get<std::string>(), sp.IdToPiece(image), image, where);
+    } else {
+      const auto st = sp.Encode(j["text"].get<std::string>(), &pieces);
+      RF_CHECK(st.ok(), where, ": cannot tokenize: ", st.ToString());
+    }
     if (sp.bos_id() >= 0) d.ids.push_back(sp.bos_id());
     d.ids.insert(d.ids.end(), pieces.begin(), pieces.end());
     if (sp.eos_id() >= 0) d.ids.push_back(sp.eos_id());
     d.labels = d.ids;
     if (sp.bos_id() >= 0) d.labels[0] = kIgnore;
     d.mm.assign(d.ids.size(), 0);
+    if (j.contains("images")) {
+      expand_images(d, j["images"], where, c, k, im, images_seen);
+      F = k.feature_dim;
+    }
     check_document(d, where, c, k);
     docs.push_back(std::move(d));
   });
+  split = images_seen > 0 && im.ranks > 1 && !im.train_vision;
   return docs;
 }
 
@@ -690,8 +730,8 @@ std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataCon
   if (c.data.source == SourceKind::Mock) return std::make_unique<MockSource>(c, k, im);
   int F = 0;
   bool split = false;
-  const std::vector<Document> docs =
-      c.data.source == SourceKind::JsonlTokens ? read_token_file(c, k, im, F, split) : read_text_file(c, k);
+  const std::vector<Document> docs = c.data.source == SourceKind::JsonlTokens ? read_token_file(c, k, im, F, split)
+                                                                              : read_text_file(c, k, im, F, split);
   return std::make_unique<PackedSource>(pack(docs, c.train.seq_len, k.pad_token_id), c.data.val_rows, c.train.seed, F,
                                         c.data.path, split);
 }

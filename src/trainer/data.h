@@ -84,8 +84,8 @@ struct DataContract {
   std::string model_path;  // where jsonl_text looks for tokenizer.model by default
 };
 
-// For jsonl_tokens samples with `images` and the mock source's drawings: the model's vision tower (built on first
-// use; null when the model has none; frozen, so each image is encoded once, when the source is built, into the
+// For jsonl_tokens and jsonl_text samples with `images` and the mock source's drawings: the model's vision tower (built
+// on first use; null when the model has none; frozen, so each image is encoded once, when the source is built, into the
 // features of its slots) and its image tokens.
 struct ImageContract {
   std::function<const model::VisionEncoder*()> vision;
