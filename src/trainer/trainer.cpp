@@ -34,6 +34,8 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
 // The built-in models: Gemma 4 shapes shrunk to train a few hundred steps in minutes on 2 cores. Five sliding
 // layers of window 64 and one full layer (Gemma 4's 5:1 mix), GQA 4:2 on sliding and 4:1 with K = V on the full
 // layer (as the 26B/31B), head dims 16 and 32 (sliding and global differ as in Gemma 4), vision-bidirectional
@@ -283,9 +285,10 @@ struct Run {
   model::RunOptions training;   // how a micro-batch runs (its string options parsed once)
   int feature_dim = 0;          // F of the batches' image features (0: the data has none)
   // model.train_vision: the tower of the current weights (float32 copies of the store's tower parameters and the
-  // passthrough buffers), made again when the store's version moved (an update); null otherwise.
+  // passthrough buffers), made again after every update, on every rank at the same point (apply_update); null
+  // otherwise.
   std::unique_ptr<model::VisionEncoder> tower;
-  uint64_t tower_version = 0;  // the store's version `tower` was copied at
+  double tower_seconds = 0.0;  // this rank's time in the tower (forward, backward, the group's sums) this step
   // shard gradients with accumulation: the reduced sum of the step's earlier micro-batches over this rank's slice
   // of the trainable layout [comm::slice_of(trainable_elements, N, rank).size()]; empty otherwise.
   std::vector<float> grad_slice;
@@ -438,7 +441,6 @@ void set_up(Run& r) {
           model::VisionConfig::from_config_json(config_json, "the model's config.json");
       if (!vc) return nullptr;
       r.tower = make_tower(r.ck, *vc);
-      r.tower_version = r.ck.model->params().version();
     }
     return r.tower.get();
   };
@@ -519,33 +521,77 @@ TokenCounts count_tokens(const Run& r, const std::vector<PackedBatch>& batches) 
 
 // model.train_vision: the micro-batch's images through the tower of the current weights, its soft tokens the slots'
 // features, and with gradients the tower's backward from the decoder's d image_features, accumulated into the
-// store's gradients of the tower's parameters (frozen ones, model.freeze, have none). Under CP every rank of the
-// group encodes all the rows' images (the same bits on each) and back-propagates the d image_features of its own
-// tokens (Result::d_image_features: zero for the slots other ranks hold); the tower's backward is linear in them, so
-// the gradient reduction over the ranks sums the tower's gradients as it sums the decoder's.
+// store's gradients of the tower's parameters (frozen ones, model.freeze, have none).
+// Under CP the tower's work is split over the group (split_images_by_patches, balanced by patch count): each rank
+// encodes its images only, places their soft tokens at their slots' rows of [N, F] and leaves the others zero; one sum
+// over the group gives every rank all of them (x + 0 = x: the bits of encoding them everywhere), where the rows its
+// positions hold are read. In the backward each rank's d image_features holds its own tokens' rows
+// (Result::d_image_features); one sum over the group routes each image's whole gradient to its owner, which
+// back-propagates it through the tower once; the gradient reduction over the world then sums the owners' tower
+// gradients as it sums the decoder's.
 double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro) {
+  const auto start = Clock::now();
   model::ParamStore& store = r.ck.model->params();
-  if (r.tower_version != store.version()) {
-    r.tower = make_tower(r.ck, r.tower->config());
-    r.tower_version = store.version();
+  comm::Communicator& group = *r.cp_group;
+  const int64_t F = r.feature_dim, P = p.images.P, k = r.tower->config().pooling_kernel_size;
+  const int n = p.images.n;
+  std::vector<int64_t> valid(static_cast<size_t>(n), 0), first(static_cast<size_t>(n) + 1, 0);  // first: slot rows
+  for (int i = 0; i < n; ++i) {
+    for (int64_t q = 0; q < P; ++q) valid[i] += p.images.positions[static_cast<size_t>((i * P + q) * 2)] >= 0;
+    first[i + 1] = first[i] + valid[i] / (k * k);  // whole pooling cells: the processor's and the drawings' grids
   }
-  const model::VisionBatch images = p.images.batch();
-  model::VisionTape tape;
-  const model::VisionOutput soft = r.tower->forward(images, "the micro-batch's images", ro.want_grad ? &tape : nullptr);
-  RF_CHECK(soft.soft_tokens.size() == p.image_features.size(), "the micro-batch's ", images.n, " images gave ",
-           soft.soft_tokens.size() / static_cast<size_t>(std::max(1, r.feature_dim)), " soft tokens for ",
+  RF_CHECK(first[n] == p.n_image_features, "the micro-batch's ", n, " images make ", first[n], " soft tokens for ",
            p.n_image_features, " image slots");
-  model::Batch b = as_batch(p);
-  b.image_features = soft.soft_tokens.data();
-  const model::Result res = r.ck.model->run(b, ro, *r.context.model);
-  if (ro.want_grad) {
-    model::VisionGrads grads;
-    r.tower->backward(images, tape, res.d_image_features.data(), grads);
-    for (const auto& [name, g] : grads) {
-      float* dst = store.grad(store.slot(name));
-      if (dst == nullptr) continue;
-      for (size_t i = 0; i < g.size(); ++i) dst[i] += g[i];
+  const std::vector<int> owner = split_images_by_patches(valid, group.size());
+  ImagePatches mine;  // this rank's share, in batch order
+  std::vector<int> mine_index;
+  const size_t patch_values = p.images.pixels.size() / static_cast<size_t>(std::max(n, 1));  // one image's values
+  for (int i = 0; i < n; ++i) {
+    if (owner[i] != group.rank()) continue;
+    ImagePatches one;
+    one.n = 1;
+    one.P = P;
+    one.pixels.assign(p.images.pixels.begin() + static_cast<std::ptrdiff_t>(i * patch_values),
+                      p.images.pixels.begin() + static_cast<std::ptrdiff_t>((i + 1) * patch_values));
+    one.positions.assign(p.images.positions.begin() + i * P * 2, p.images.positions.begin() + (i + 1) * P * 2);
+    mine.append(one);
+    mine_index.push_back(i);
+  }
+  model::VisionTape tape;
+  std::vector<float> soft(static_cast<size_t>(p.n_image_features * F), 0.f);  // [N, F]
+  if (mine.n > 0) {
+    const model::VisionOutput out =
+        r.tower->forward(mine.batch(), "the micro-batch's images", ro.want_grad ? &tape : nullptr);
+    int64_t at = 0;
+    for (size_t j = 0; j < mine_index.size(); ++j) {
+      const int i = mine_index[j];
+      RF_CHECK(out.counts[j] == first[i + 1] - first[i], "the micro-batch's image ", i, ": the tower made ",
+               out.counts[j], " soft tokens for ", first[i + 1] - first[i], " slots");
+      std::copy_n(out.soft_tokens.begin() + at * F, out.counts[j] * F, soft.begin() + first[i] * F);
+      at += out.counts[j];
     }
+  }
+  if (group.size() > 1) group.allreduce(soft.data(), soft.size(), comm::ReduceOp::Sum, r.timeout);
+  r.tower_seconds += seconds_since(start);
+  model::Batch b = as_batch(p);
+  b.image_features = soft.data();
+  model::Result res = r.ck.model->run(b, ro, *r.context.model);
+  if (ro.want_grad) {
+    const auto back = Clock::now();
+    std::vector<float>& d = res.d_image_features;  // [N, F]
+    if (group.size() > 1) group.allreduce(d.data(), d.size(), comm::ReduceOp::Sum, r.timeout);
+    if (mine.n > 0) {
+      std::vector<float> d_mine;  // [this rank's soft tokens, F]
+      for (int i : mine_index) d_mine.insert(d_mine.end(), d.begin() + first[i] * F, d.begin() + first[i + 1] * F);
+      model::VisionGrads grads;
+      r.tower->backward(mine.batch(), tape, d_mine.data(), grads);
+      for (const auto& [name, g] : grads) {
+        float* dst = store.grad(store.slot(name));
+        if (dst == nullptr) continue;
+        for (size_t e = 0; e < g.size(); ++e) dst[e] += g[e];
+      }
+    }
+    r.tower_seconds += seconds_since(back);
   }
   return res.loss;
 }
@@ -708,6 +754,7 @@ double apply_update(Run& r, int64_t step) {
   const double lr = learning_rate(r.cfg.optimizer, r.cfg.schedule, static_cast<int>(step), r.cfg.train.steps);
   r.adam->step(r.ck.model->params(), lr, step);
   if (r.shard_optimizer) gather_updated_weights(r.world, r.ck.model->params(), r.timeout);
+  if (r.tower) r.tower = make_tower(r.ck, r.tower->config());  // model.train_vision: the updated tower
   return lr;
 }
 
@@ -761,8 +808,6 @@ double validation_loss(Run& r) {
   return loss;
 }
 
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
 bool is_last(const Run& r, int64_t step) { return step == r.cfg.train.steps; }
 
 // The step's metrics, with validation on its steps, recorded in the loss history and the result. Throughput:
@@ -776,8 +821,14 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
   sm.grad_norm = norm;
   sm.tokens = tokens.labels;
   sm.tokens_per_s = static_cast<double>(tokens.real) / step_seconds;
+  if (r.tower) {  // before validation, whose forward runs the tower too
+    double share = r.tower_seconds / step_seconds;
+    r.world.allreduce(&share, 1, comm::ReduceOp::Max, r.timeout);
+    sm.tower_share = share;
+  }
   const bool validation_step = (r.cfg.train.val_every > 0 && step % r.cfg.train.val_every == 0) || is_last(r, step);
   if (r.data->val_rows() > 0 && validation_step) sm.val_loss = validation_loss(r);
+  r.tower_seconds = 0.0;  // the next step's
   sm.peak_rss_bytes = peak_rss_bytes();
   r.world.allreduce(&sm.peak_rss_bytes, 1, comm::ReduceOp::Max, r.timeout);
   if (r.cfg.parallelism.ep > 1) {  // the step's routed rows (ep_moved: this rank's), the most of any rank
