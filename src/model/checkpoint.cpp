@@ -10,6 +10,8 @@
 #include <sstream>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
 #include "core/memory.h"
 #include "io/atomic_file.h"
@@ -21,6 +23,7 @@
 namespace rf::model {
 
 namespace fs = std::filesystem;
+using json = nlohmann::json;
 
 namespace {
 
@@ -53,6 +56,42 @@ void check_shape(const std::vector<int64_t>& shape, const io::TensorView& v, con
 void copy_into(Tensor& dst, const io::TensorView& v, const std::string& file) {
   check_shape(dst.shape, v, file);
   dst.data = io::to_float32(v);
+}
+
+// The placeholder tower of a stale checkpoint (checkpoint.h): the projection's width, no encoder layers (only the
+// patch embedder's two tensors), the smallest patch and pooling Gemma 4's processor takes.
+constexpr int kStalePatch = 4, kStalePooling = 2, kStalePositions = 16, kStaleHeadDim = 4;
+
+void describe_stale_multimodal(Checkpoint& ck, int vision_dim) {
+  const json vision = {{"model_type", "gemma4_vision"},
+                       {"hidden_size", vision_dim},
+                       {"intermediate_size", vision_dim},
+                       {"num_hidden_layers", 0},
+                       {"num_attention_heads", 1},
+                       {"num_key_value_heads", 1},
+                       {"head_dim", kStaleHeadDim},
+                       {"patch_size", kStalePatch},
+                       {"pooling_kernel_size", kStalePooling},
+                       {"position_embedding_size", kStalePositions}};
+  json root = json::parse(ck.model->config().source_json);  // parsed once already: Gemma4Config::from_json
+  if (!root.contains("text_config")) {  // a text model's config becomes the text_config of a multimodal one
+    json text = root;
+    for (const char* key : {"architectures", "transformers_version", "vision_config", "audio_config"}) text.erase(key);
+    text["model_type"] = "gemma4_text";
+    root = {{"text_config", text}};
+    if (text.contains("tie_word_embeddings")) root["tie_word_embeddings"] = text["tie_word_embeddings"];
+  }
+  root["architectures"] = {"Gemma4ForConditionalGeneration"};
+  root["model_type"] = "gemma4";
+  root["vision_config"] = vision;
+  ck.config_json = root.dump(2);
+  const std::optional<VisionConfig> tower = VisionConfig::from_config_json(ck.config_json, "the re-described config");
+  const io::Passthrough fresh = init_vision_tower(*tower, 0);
+  for (const io::Passthrough::Entry& e : fresh.entries()) {  // no tower tensor in the files (load_checkpoint)
+    const auto* begin = e.bytes.data();
+    ck.passthrough.own(e.name, e.dtype, e.shape, std::vector<std::byte>(begin, begin + e.bytes.size()));
+  }
+  ck.text_prefix = kMultimodalTextPrefix;
 }
 
 }  // namespace
@@ -125,6 +164,13 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   for (const std::string& name : files.names())
     if (!held.contains(name)) ck.passthrough.borrow(opened, name);
   ck.passthrough.release_pages();  // the model's tensors were read and widened: their pages are not needed again
+  // Stale: the projection without a vision_config, and no tower tensors whose config a placeholder would misstate.
+  const bool tower_in_files =
+      std::any_of(ck.passthrough.entries().begin(), ck.passthrough.entries().end(),
+                  [](const io::Passthrough::Entry& e) { return e.name.rfind(kVisionTowerPrefix, 0) == 0; });
+  if (vision_dim > 0 && !tower_in_files &&
+      !VisionConfig::from_config_json(ck.model->config().source_json, config_path.string()))
+    describe_stale_multimodal(ck, vision_dim);
   return ck;
 }
 
@@ -135,7 +181,8 @@ void save_checkpoint(const Checkpoint& ck, const std::string& dir) {
   RF_CHECK(!ec, dir, ": cannot create the directory (", ec.message(), ")");
   // Each file is replaced all or nothing (io/atomic_file.h); a whole checkpoint directory is made atomic by
   // its caller (written under a temporary name and renamed).
-  io::write_file_atomically((root / "config.json").string(), ck.model->config().source_json);
+  io::write_file_atomically((root / "config.json").string(),
+                            ck.config_json.empty() ? ck.model->config().source_json : ck.config_json);
   io::SafetensorsWriter w;
   w.set_metadata("format", "pt");  // what transformers writes and expects
   const ParamStore& params = ck.model->params();

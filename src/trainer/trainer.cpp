@@ -34,8 +34,6 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
 // The built-in models: Gemma 4 shapes shrunk to train a few hundred steps in minutes on 2 cores. Five sliding
 // layers of window 64 and one full layer (Gemma 4's 5:1 mix), GQA 4:2 on sliding and 4:1 with K = V on the full
 // layer (as the 26B/31B), head dims 16 and 32 (sliding and global differ as in Gemma 4), vision-bidirectional
@@ -529,6 +527,8 @@ TokenCounts count_tokens(const Run& r, const std::vector<PackedBatch>& batches) 
 // (Result::d_image_features); one sum over the group routes each image's whole gradient to its owner, which
 // back-propagates it through the tower once; the gradient reduction over the world then sums the owners' tower
 // gradients as it sums the decoder's.
+double seconds_since(Clock::time_point start);  // below, with the step's other timing
+
 double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro) {
   const auto start = Clock::now();
   model::ParamStore& store = r.ck.model->params();
@@ -807,6 +807,8 @@ double validation_loss(Run& r) {
   r.dp_group->allreduce(&loss, 1, comm::ReduceOp::Sum, r.timeout);
   return loss;
 }
+
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 bool is_last(const Run& r, int64_t step) { return step == r.cfg.train.steps; }
 
