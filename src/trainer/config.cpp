@@ -367,6 +367,11 @@ void validate(const TrainConfig& c, int world_size) {
     RF_CHECK(!c.model.train_vision, "config: model.lora with model.train_vision is not implemented (LoRA adapts the ",
              "decoder; the tower would train in full beside it)");
   }
+  // The sharded store is rebuilt from the decoder's registry (trainer.cpp shard_model), which has no tower.
+  RF_CHECK(!c.model.train_vision || c.parallelism.shard == ShardMode::None ||
+               c.parallelism.shard == ShardMode::Optimizer,
+           "config: model.train_vision with parallelism.shard = ", name_of(c.parallelism.shard),
+           " is not implemented (none or optimizer)");
   if (c.data.source != SourceKind::Mock) {
     RF_CHECK(!c.data.path.empty(), "config: data.path is required with data.source = ", name_of(c.data.source));
     RF_CHECK(is_file(c.data.path), "config: data.path = '", c.data.path, "' is not a file");
@@ -397,8 +402,6 @@ void validate(const TrainConfig& c, int world_size) {
            "config: schedule.min_lr_ratio = ", c.schedule.min_lr_ratio, " must be in [0, 1]");
   positive(c.parallelism.cp, "parallelism.cp");
   positive(c.parallelism.dp, "parallelism.dp");
-  RF_CHECK(c.parallelism.shard != ShardMode::Full,
-           "config: parallelism.shard = 'full' is not one of none, optimizer, gradients (full: not yet)");
   RF_CHECK(int64_t{c.parallelism.cp} * c.parallelism.dp == world_size,
            "config: parallelism.cp * parallelism.dp = ", c.parallelism.cp, " * ", c.parallelism.dp, " = ",
            int64_t{c.parallelism.cp} * c.parallelism.dp, " does not match the ", world_size, " rank(s) of this job");
