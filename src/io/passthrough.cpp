@@ -29,6 +29,14 @@ void Passthrough::own(std::string name, StDType dtype, std::vector<int64_t> shap
   owned_.push_back(std::move(held));
 }
 
+void Passthrough::drop(std::string_view name) {
+  const auto it = index_.find(name);
+  if (it == index_.end()) return;
+  entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(it->second));
+  index_.clear();
+  for (size_t i = 0; i < entries_.size(); ++i) index_.emplace(entries_[i].name, i);
+}
+
 const Passthrough::Entry* Passthrough::find(std::string_view name) const {
   const auto it = index_.find(name);
   return it == index_.end() ? nullptr : &entries_[it->second];

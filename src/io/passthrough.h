@@ -41,6 +41,10 @@ class Passthrough {
   // Keeps a tensor that no file holds. Throws rf::Error when the bytes are not shape x element size.
   void own(std::string name, StDType dtype, std::vector<int64_t> shape, std::vector<std::byte> bytes);
 
+  // Stops carrying tensor `name` (a tensor the job now holds and writes itself, such as the vision tower's parameters
+  // under model.train_vision); no-op when it is not kept. The bytes stay alive with the Passthrough.
+  void drop(std::string_view name);
+
   // In the order added; names are unique (a second entry of one name throws rf::Error).
   const std::vector<Entry>& entries() const { return entries_; }
   const Entry* find(std::string_view name) const;  // nullptr when not kept

@@ -5,9 +5,12 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "core/memory.h"
@@ -15,10 +18,12 @@
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
+#include "model/vision.h"
 
 namespace rf::model {
 
 namespace fs = std::filesystem;
+using json = nlohmann::json;
 
 namespace {
 
@@ -53,16 +58,53 @@ void copy_into(Tensor& dst, const io::TensorView& v, const std::string& file) {
   dst.data = io::to_float32(v);
 }
 
+// The placeholder tower of a stale checkpoint (checkpoint.h): the projection's width, no encoder layers (only the
+// patch embedder's two tensors), the smallest patch and pooling Gemma 4's processor takes.
+constexpr int kStalePatch = 4, kStalePooling = 2, kStalePositions = 16, kStaleHeadDim = 4;
+
+void describe_stale_multimodal(Checkpoint& ck, int vision_dim) {
+  const json vision = {{"model_type", "gemma4_vision"},
+                       {"hidden_size", vision_dim},
+                       {"intermediate_size", vision_dim},
+                       {"num_hidden_layers", 0},
+                       {"num_attention_heads", 1},
+                       {"num_key_value_heads", 1},
+                       {"head_dim", kStaleHeadDim},
+                       {"patch_size", kStalePatch},
+                       {"pooling_kernel_size", kStalePooling},
+                       {"position_embedding_size", kStalePositions}};
+  json root = json::parse(ck.model->config().source_json);  // parsed once already: Gemma4Config::from_json
+  if (!root.contains("text_config")) {  // a text model's config becomes the text_config of a multimodal one
+    json text = root;
+    for (const char* key : {"architectures", "transformers_version", "vision_config", "audio_config"}) text.erase(key);
+    text["model_type"] = "gemma4_text";
+    root = {{"text_config", text}};
+    if (text.contains("tie_word_embeddings")) root["tie_word_embeddings"] = text["tie_word_embeddings"];
+  }
+  root["architectures"] = {"Gemma4ForConditionalGeneration"};
+  root["model_type"] = "gemma4";
+  root["vision_config"] = vision;
+  ck.config_json = root.dump(2);
+  const std::optional<VisionConfig> tower = VisionConfig::from_config_json(ck.config_json, "the re-described config");
+  const io::Passthrough fresh = init_vision_tower(*tower, 0);
+  for (const io::Passthrough::Entry& e : fresh.entries()) {  // no tower tensor in the files (load_checkpoint)
+    const auto* begin = e.bytes.data();
+    ck.passthrough.own(e.name, e.dtype, e.shape, std::vector<std::byte>(begin, begin + e.bytes.size()));
+  }
+  ck.text_prefix = kMultimodalTextPrefix;
+}
+
 }  // namespace
 
 std::string file_name_of(const std::string& param_name, const std::string& text_prefix) {
   const std::string p = kCausalLmPrefix;
-  if (param_name.rfind(p, 0) == 0 && param_name != kVisionProjection) return text_prefix + param_name.substr(p.size());
+  const bool beside_decoder = param_name == kVisionProjection || param_name.rfind(kVisionTowerPrefix, 0) == 0;
+  if (param_name.rfind(p, 0) == 0 && !beside_decoder) return text_prefix + param_name.substr(p.size());
   return param_name;
 }
 
 Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating,
-                           std::unique_ptr<ParamStore> store) {
+                           std::unique_ptr<ParamStore> store, bool train_vision) {
   const fs::path root(dir);
   RF_CHECK(fs::is_directory(root), dir, ": not a directory");
   const fs::path config_path = root / "config.json";
@@ -89,6 +131,12 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   // machine. (A 4 KiB checkpoint whose config claims a 262144-token vocabulary fails here, not after 1 GiB.)
   ck.model = std::make_unique<Gemma4Model>(std::move(cfg), vision_dim, TensorSet::Storage::Deferred, std::move(store));
   ParamStore& params = ck.model->params();
+  if (train_vision) {
+    const std::optional<VisionConfig> tower =
+        VisionConfig::from_config_json(ck.model->config().source_json, config_path.string());
+    RF_CHECK(tower.has_value(), dir, ": model.train_vision, but the config has no vision_config (no vision tower)");
+    register_vision_tower(params, *tower);
+  }
   const size_t from_files = params.size();
   for (const ParamInfo& p : params.infos()) {
     const std::string name = file_name_of(p.name, ck.text_prefix);
@@ -116,6 +164,13 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   for (const std::string& name : files.names())
     if (!held.contains(name)) ck.passthrough.borrow(opened, name);
   ck.passthrough.release_pages();  // the model's tensors were read and widened: their pages are not needed again
+  // Stale: the projection without a vision_config, and no tower tensors whose config a placeholder would misstate.
+  const bool tower_in_files =
+      std::any_of(ck.passthrough.entries().begin(), ck.passthrough.entries().end(),
+                  [](const io::Passthrough::Entry& e) { return e.name.rfind(kVisionTowerPrefix, 0) == 0; });
+  if (vision_dim > 0 && !tower_in_files &&
+      !VisionConfig::from_config_json(ck.model->config().source_json, config_path.string()))
+    describe_stale_multimodal(ck, vision_dim);
   return ck;
 }
 
@@ -126,7 +181,8 @@ void save_checkpoint(const Checkpoint& ck, const std::string& dir) {
   RF_CHECK(!ec, dir, ": cannot create the directory (", ec.message(), ")");
   // Each file is replaced all or nothing (io/atomic_file.h); a whole checkpoint directory is made atomic by
   // its caller (written under a temporary name and renamed).
-  io::write_file_atomically((root / "config.json").string(), ck.model->config().source_json);
+  io::write_file_atomically((root / "config.json").string(),
+                            ck.config_json.empty() ? ck.model->config().source_json : ck.config_json);
   io::SafetensorsWriter w;
   w.set_metadata("format", "pt");  // what transformers writes and expects
   const ParamStore& params = ck.model->params();

@@ -31,6 +31,9 @@ struct Checkpoint {
   std::string text_prefix = "model.";  // where the decoder's tensors live in the files ("model.language_model.")
   std::string source;                  // the directory it was loaded from (empty: built in memory)
   io::Passthrough passthrough;         // the files' tensors that `model` does not hold, carried through unchanged
+  // The config.json a save writes; empty: the model's own (Gemma4Config::source_json). Set by the loader for a stale
+  // checkpoint (see load_checkpoint) to the config that describes the files a save writes.
+  std::string config_json;
 };
 
 // Runs with the model's parameters registered as shapes only (TensorSet::Storage::Deferred), after they were
@@ -41,12 +44,26 @@ using BeforeAllocating = std::function<void(const Gemma4Model& shapes)>;
 // unsupported config field, parameters beyond the machine's memory (or whatever `before_allocating` throws).
 // `store`: where the parameters live (null: a ReplicatedStore); the parameters the store itself adds when it allocates
 // (a LoraStore's adapters) are not read from the files.
+// A stale checkpoint, one whose config.json declares a text-only model (Gemma4ForCausalLM, no vision_config) while its
+// files hold the vision projection model.embed_vision.embedding_projection.weight (which transformers only builds
+// beside a vision tower, so it reports the tensor as unexpected and drops it) and no model.vision_tower.* tensor
+// (whose config ringflex could not know), is described whole for its next save:
+// config_json becomes a Gemma4ForConditionalGeneration config (the old config as its text_config, a vision_config of
+// the projection's width F with no encoder layers: the patch embedder alone), the decoder is written under
+// "model.language_model.", and that tower, freshly initialised (vision.h init_vision_tower, seed 0), joins the
+// passthrough tensors, so transformers loads what ringflex writes with no missing and no unexpected keys. What the
+// model computes does not change: it takes image features as before.
+// `train_vision` (model.train_vision): the vision tower's parameters are registered in the store too
+// (register_vision_tower, vision.h) and read from the files like the decoder's, so they train and are written back
+// in float32 under their own names; its buffers stay passthrough. Throws rf::Error when the config has no
+// vision_config.
 Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating = {},
-                           std::unique_ptr<ParamStore> store = nullptr);
+                           std::unique_ptr<ParamStore> store = nullptr, bool train_vision = false);
 
 void save_checkpoint(const Checkpoint& ck, const std::string& dir);
 
-// The file name of a parameter: "model.X" becomes text_prefix + "X"; other names are kept.
+// The file name of a parameter: "model.X" becomes text_prefix + "X"; other names are kept, and so are those of the
+// multimodal parts that sit beside the decoder (the vision projection, the vision tower).
 std::string file_name_of(const std::string& param_name, const std::string& text_prefix);
 
 }  // namespace rf::model

@@ -116,10 +116,10 @@ std::vector<TowerTensor> vision_tower_tensors(const VisionConfig& c) {
   const auto linear = [&](const std::string& name, int64_t in, int64_t outs) {
     out.push_back({name + ".linear.weight", {outs, in}, TowerInit::Normal});
     if (!c.use_clipped_linears) return;
-    out.push_back({name + ".input_max", {}, TowerInit::PlusInf});
-    out.push_back({name + ".input_min", {}, TowerInit::MinusInf});
-    out.push_back({name + ".output_max", {}, TowerInit::PlusInf});
-    out.push_back({name + ".output_min", {}, TowerInit::MinusInf});
+    out.push_back({name + ".input_max", {}, TowerInit::PlusInf, false});
+    out.push_back({name + ".input_min", {}, TowerInit::MinusInf, false});
+    out.push_back({name + ".output_max", {}, TowerInit::PlusInf, false});
+    out.push_back({name + ".output_min", {}, TowerInit::MinusInf, false});
   };
   for (int l = 0; l < c.num_layers; ++l) {
     const std::string p = "encoder.layers." + std::to_string(l) + ".";
@@ -140,8 +140,8 @@ std::vector<TowerTensor> vision_tower_tensors(const VisionConfig& c) {
   out.push_back({"patch_embedder.input_proj.weight", {H, kChannels * patch * patch}, TowerInit::Normal});
   out.push_back({"patch_embedder.position_embedding_table", {kAxes, c.position_embedding_size, H}, TowerInit::Ones});
   if (c.standardize) {
-    out.push_back({"std_bias", {H}, TowerInit::Zeros});
-    out.push_back({"std_scale", {H}, TowerInit::Ones});
+    out.push_back({"std_bias", {H}, TowerInit::Zeros, false});
+    out.push_back({"std_scale", {H}, TowerInit::Ones, false});
   }
   return out;
 }
@@ -178,6 +178,11 @@ io::Passthrough init_vision_tower(const VisionConfig& c, uint64_t seed) {
     tower.own(kVisionTowerPrefix + t.name, io::StDType::F32, t.shape, std::move(bytes));
   }
   return tower;
+}
+
+void register_vision_tower(ParamStore& store, const VisionConfig& c) {
+  for (const TowerTensor& t : vision_tower_tensors(c))
+    if (t.parameter) store.add(kVisionTowerPrefix + t.name, t.shape);
 }
 
 }  // namespace rf::model

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "io/passthrough.h"
+#include "model/param_store.h"
 
 namespace rf::model {
 
@@ -67,6 +68,9 @@ struct TowerTensor {
   std::string name;  // under kVisionTowerPrefix
   std::vector<int64_t> shape;
   TowerInit init;
+  // An nn.Parameter in transformers (linear weights, norm scales, the patch projection, the position table): what
+  // model.train_vision trains. false: a buffer (the clip bounds, std_bias, std_scale), never trained.
+  bool parameter = true;
 };
 
 // Every tensor Gemma4VisionModel saves for `c`, in transformers' names and shapes (see the top of this file).
@@ -76,5 +80,12 @@ std::vector<TowerTensor> vision_tower_tensors(const VisionConfig& c);
 // deviation initializer_range, norm scales and the position table ones, clip bounds at -inf / +inf, std_bias 0,
 // std_scale 1), deterministic in `seed`, as passthrough tensors under kVisionTowerPrefix.
 io::Passthrough init_vision_tower(const VisionConfig& c, uint64_t seed);
+
+// model.train_vision: registers the tower's parameters (TowerTensor::parameter, under kVisionTowerPrefix, in
+// vision_tower_tensors' order) in `store`, after the decoder's and before the store allocates, so that they get
+// gradients and AdamW moments like the decoder's; their group is kGlobalGroup (no decoder layer) and they are no
+// matmul operand of the decoder (the tower multiplies in float32 from its own copy, vision_encoder.h). The buffers
+// stay passthrough tensors.
+void register_vision_tower(ParamStore& store, const VisionConfig& c);
 
 }  // namespace rf::model

@@ -21,17 +21,17 @@ constexpr int32_t kPaddingPosition = -1;
 
 }  // namespace
 
-std::vector<float> VisionEncoder::take(const io::Passthrough& tensors, const std::string& name,
+std::vector<float> VisionEncoder::take(const Lookup& find, const std::string& name,
                                        const std::vector<int64_t>& shape) const {
   const std::string full = kVisionTowerPrefix + name;
-  const io::Passthrough::Entry* e = tensors.find(full);
-  RF_CHECK(e != nullptr, "vision tower: no tensor `", full, "` in the checkpoint");
-  RF_CHECK(e->shape == shape, "vision tower: tensor `", full, "` has shape ", io::shape_string(e->shape),
+  std::optional<Found> f = find(full);
+  RF_CHECK(f.has_value(), "vision tower: no tensor `", full, "` in the checkpoint");
+  RF_CHECK(f->shape == shape, "vision tower: tensor `", full, "` has shape ", io::shape_string(f->shape),
            ", the vision_config implies ", io::shape_string(shape));
-  return io::to_float32(io::TensorView{full, e->dtype, e->shape, e->bytes});
+  return std::move(f->values);
 }
 
-VisionEncoder::Linear VisionEncoder::take_linear(const io::Passthrough& tensors, const std::string& name, int64_t in,
+VisionEncoder::Linear VisionEncoder::take_linear(const Lookup& tensors, const std::string& name, int64_t in,
                                                  int64_t out) const {
   Linear l;
   l.w = take(tensors, name + ".linear.weight", {out, in});
@@ -46,7 +46,14 @@ VisionEncoder::Linear VisionEncoder::take_linear(const io::Passthrough& tensors,
   return l;
 }
 
-VisionEncoder::VisionEncoder(VisionConfig c, const io::Passthrough& tensors) : cfg_(std::move(c)) {
+VisionEncoder::VisionEncoder(VisionConfig c, const io::Passthrough& kept)
+    : VisionEncoder(std::move(c), [&](const std::string& name) -> std::optional<Found> {
+        const io::Passthrough::Entry* e = kept.find(name);
+        if (e == nullptr) return std::nullopt;
+        return Found{e->shape, io::to_float32(io::TensorView{name, e->dtype, e->shape, e->bytes})};
+      }) {}
+
+VisionEncoder::VisionEncoder(VisionConfig c, const Lookup& tensors) : cfg_(std::move(c)) {
   const int64_t H = cfg_.hidden_size, D = cfg_.head_dim, I = cfg_.intermediate_size;
   // The 2-D rotary embedding rotates each half of a head by one axis, in pairs (i, i + D/4) within the half.
   RF_CHECK(D % (2 * kAxes) == 0, "vision tower: head_dim = ", D, " must be a multiple of 4 (2-D rotary embedding)");

@@ -23,13 +23,16 @@
 // Float32 throughout (the model's ops, ops.h); the weights are read from the checkpoint in any float dtype.
 // Backward: given d loss / d soft tokens, the gradient of every trainable tower tensor (nn.Parameter in
 // transformers: linear weights, norm scales, the patch projection and the position table; the clip bounds and the
-// std buffers are buffers, without gradients), from what forward kept on a VisionTape. The trainer does not call it:
-// the tower is frozen, as in every Gemma 4 recipe, and encodes each image of the data once, when the data is read
-// (trainer/data.h); model.train_vision, which would run it every step, is not there yet.
+// std buffers are buffers, without gradients), from what forward kept on a VisionTape. By default the trainer never
+// calls it: the tower is frozen, as in every Gemma 4 recipe, and encodes each image of the data once, when the data is
+// read (trainer/data.h). With model.train_vision the tower's parameters live in the parameter store and the trainer
+// runs forward and backward on every micro-batch's images (trainer.cpp).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -87,6 +90,15 @@ class VisionEncoder {
   // float32. Throws rf::Error naming a missing tensor, a shape against the config, or a head_dim the 2-D rotary
   // embedding cannot split (it must be a multiple of 4).
   VisionEncoder(VisionConfig c, const io::Passthrough& tensors);
+  // The tower's tensors from anywhere (model.train_vision: the parameters from the parameter store, the buffers from
+  // the passthrough tensors): `find(full name)` returns the tensor's shape and float32 values, or nullopt when it has
+  // none. Throws as above.
+  struct Found {
+    std::vector<int64_t> shape;
+    std::vector<float> values;
+  };
+  using Lookup = std::function<std::optional<Found>(const std::string& name)>;
+  VisionEncoder(VisionConfig c, const Lookup& find);
 
   const VisionConfig& config() const { return cfg_; }
 
@@ -113,9 +125,8 @@ class VisionEncoder {
     Linear q, k, v, o, gate, up, down;
     std::vector<float> q_norm, k_norm;  // [head_dim]
   };
-  std::vector<float> take(const io::Passthrough& tensors, const std::string& name,
-                          const std::vector<int64_t>& shape) const;
-  Linear take_linear(const io::Passthrough& tensors, const std::string& name, int64_t in, int64_t out) const;
+  std::vector<float> take(const Lookup& find, const std::string& name, const std::vector<int64_t>& shape) const;
+  Linear take_linear(const Lookup& find, const std::string& name, int64_t in, int64_t out) const;
   void clipped_linear(const Linear& l, const float* x, float* y, int64_t T, int64_t in, int64_t out,
                       VisionTape::LinearTape& tape) const;
   // dx += (d/dx of the clamped linear) dy, dW += ...; x the caller's input (the clamp's gradient is 1 inside the

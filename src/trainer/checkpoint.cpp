@@ -264,9 +264,10 @@ std::string resolve_checkpoint(const std::string& dir_or_root) {
   return all.back().string();
 }
 
-LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating) {
+LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating,
+                                       bool train_vision) {
   LoadedCheckpoint out;
-  out.weights = model::load_checkpoint(dir, before_allocating);
+  out.weights = model::load_checkpoint(dir, before_allocating, nullptr, train_vision);
   out.state = load_train_state(dir);
   return out;
 }

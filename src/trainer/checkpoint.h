@@ -70,8 +70,9 @@ struct LoadedCheckpoint {
 };
 // Loads weights and state; load_optimizer_state puts AdamW's moments into `store` (same parameter names and shapes;
 // allocated there for its trainable parameters, so freeze before).
-// `before_allocating`: as model::load_checkpoint's, before the weights are allocated.
-LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating = {});
+// `before_allocating`, `train_vision`: as model::load_checkpoint's.
+LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating = {},
+                                       bool train_vision = false);
 void load_optimizer_state(const std::string& dir, model::ParamStore& store);
 // trainer_state.json alone (a LoRA checkpoint's weights are its adapters: model/lora_store.h load_peft_adapter).
 TrainState load_train_state(const std::string& dir);

@@ -175,6 +175,7 @@ const std::vector<Field>& fields() {
       field("model.lora.dropout", kNum, &C::model, &ModelSection::lora_dropout),
       lora_target(),
       field("model.lora.use_rslora", "true or false", &C::model, &ModelSection::lora_use_rslora),
+      field("model.train_vision", "true or false", &C::model, &ModelSection::train_vision),
       choice("data.source", &C::data, &DataSection::source,
              {SourceKind::Mock, SourceKind::JsonlTokens, SourceKind::JsonlText}, kSourceName),
       field("data.path", kStr, &C::data, &DataSection::path),
@@ -363,7 +364,14 @@ void validate(const TrainConfig& c, int world_size) {
     RF_CHECK(c.parallelism.shard == ShardMode::None,
              "config: model.lora with parallelism.shard = ", name_of(c.parallelism.shard),
              " is not implemented (the adapters are small: shard none)");
+    RF_CHECK(!c.model.train_vision, "config: model.lora with model.train_vision is not implemented (LoRA adapts the ",
+             "decoder; the tower would train in full beside it)");
   }
+  // The sharded store is rebuilt from the decoder's registry (trainer.cpp shard_model), which has no tower.
+  RF_CHECK(!c.model.train_vision || c.parallelism.shard == ShardMode::None ||
+               c.parallelism.shard == ShardMode::Optimizer,
+           "config: model.train_vision with parallelism.shard = ", name_of(c.parallelism.shard),
+           " is not implemented (none or optimizer)");
   if (c.data.source != SourceKind::Mock) {
     RF_CHECK(!c.data.path.empty(), "config: data.path is required with data.source = ", name_of(c.data.source));
     RF_CHECK(is_file(c.data.path), "config: data.path = '", c.data.path, "' is not a file");

@@ -39,6 +39,9 @@ struct ModelSection {
   std::vector<std::string> lora_target = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   bool lora_target_regex = false;
   bool lora_use_rslora = false;
+  // The vision tower trains (its parameters get gradients and moments and are written back updated); false: it is
+  // frozen, as in every Gemma 4 recipe, and encodes each image of the data once.
+  bool train_vision = false;
 };
 
 struct DataSection {

@@ -53,6 +53,7 @@ uint64_t mix(uint64_t a, uint64_t b) { return Rng(a * 0x100000001B3ull ^ b).next
 struct Document {
   std::vector<int32_t> ids, labels, mm;
   std::vector<float> features;  // [slots, F]
+  ImagePatches images;          // ImageContract::train_vision: the images behind the slots
 };
 
 // Appends `d` to `row` as document `doc_id` at offset `at`; the shifted label of the document's last token is
@@ -67,6 +68,7 @@ void place(Row& row, const Document& d, int at, int doc_id) {
     row.mm_token_type[at + t] = d.mm[t];
   }
   row.image_features.insert(row.image_features.end(), d.features.begin(), d.features.end());
+  row.images.append(d.images);
 }
 
 Row empty_row(int S, int pad_id) {
@@ -88,8 +90,9 @@ Row empty_row(int S, int pad_id) {
 // (filled square, disc, horizontal bar, vertical bar) drawn in memory on a noisy dark background, with its position,
 // size and colour jittered, kVariants drawings per class. The drawings are encoded once, when the source is built,
 // by the frozen tower (split over the ranks as file images are, ImageContract), and a document's image slots take
-// the soft tokens of one drawing. Without a tower (a text-only checkpoint), an image is a class prototype vector
-// with per-slot noise, given to the projection as features.
+// the soft tokens of one drawing (with model.train_vision, its patches, which the trainer encodes every step). Without
+// a tower (a text-only checkpoint), an image is a class prototype vector with per-slot noise, given to the projection
+// as features.
 // ---------------------------------------------------------------------------------------------------------------
 namespace mock_image {
 constexpr int kColours = 4, kShapes = 4;  // kColours * kShapes = mock::kClasses
@@ -219,12 +222,11 @@ class MockSource final : public DataSource {
     std::vector<int> mine;
     for (int i = 0; i < n; ++i) {
       const io::RgbImage drawing = mock_image::draw(i / kVariants, height, width, rng);  // every rank draws all
-      if (i % im.ranks != im.rank) continue;
+      if (!im.train_vision && i % im.ranks != im.rank) continue;
       mock_image::patchify(drawing, patch, pixels, positions);
       mine.push_back(i);
     }
     drawings_.assign(static_cast<size_t>(n) * image_tokens_ * F_, 0.f);
-    split_ = im.ranks > 1;
     model::VisionBatch b;
     b.n = static_cast<int>(mine.size());
     b.P = static_cast<int64_t>(rows) * k * cols * k;
@@ -233,6 +235,14 @@ class MockSource final : public DataSource {
     const std::string source = "data.source = mock's " + std::to_string(height) + " x " + std::to_string(width) +
                                " drawings (data.mock_image_tokens = " + std::to_string(image_tokens_) + ")";
     tower.check(b, source);  // on every rank, even one with no share
+    if (im.train_vision) {   // every drawing kept as patches, encoded by the trainer every step (zero features here)
+      drawing_patches_.n = n;
+      drawing_patches_.P = b.P;
+      drawing_patches_.pixels = std::move(pixels);
+      drawing_patches_.positions = std::move(positions);
+      return;
+    }
+    split_ = im.ranks > 1;
     if (mine.empty()) return;
     const model::VisionOutput soft = tower.forward(b, source);
     for (size_t j = 0; j < mine.size(); ++j) {
@@ -260,6 +270,17 @@ class MockSource final : public DataSource {
             static_cast<size_t>(cls) * kVariants + static_cast<size_t>(rng.uniform(0, kVariants - 1));
         d.features.assign(drawings_.begin() + static_cast<std::ptrdiff_t>(drawing * size),
                           drawings_.begin() + static_cast<std::ptrdiff_t>((drawing + 1) * size));
+        if (drawing_patches_.n > 0) {
+          const ImagePatches& all = drawing_patches_;
+          const size_t pixels = all.pixels.size() / static_cast<size_t>(all.n),
+                       positions = static_cast<size_t>(2 * all.P);
+          d.images.n = 1;
+          d.images.P = all.P;
+          d.images.pixels.assign(all.pixels.begin() + static_cast<std::ptrdiff_t>(drawing * pixels),
+                                 all.pixels.begin() + static_cast<std::ptrdiff_t>((drawing + 1) * pixels));
+          d.images.positions.assign(all.positions.begin() + static_cast<std::ptrdiff_t>(drawing * positions),
+                                    all.positions.begin() + static_cast<std::ptrdiff_t>((drawing + 1) * positions));
+        }
       }
       for (int s = 0; s < image_tokens_; ++s) {
         d.ids.push_back(mock::kImageSlot);
@@ -302,6 +323,7 @@ class MockSource final : public DataSource {
   std::vector<float> prototypes_;  // [kClasses, F] (without a tower)
   std::vector<float> drawings_;    // [kClasses * kVariants, image_tokens_, F] soft tokens (with a tower)
   bool split_ = false;             // drawings_ holds this rank's share until sum_image_features
+  ImagePatches drawing_patches_;   // ImageContract::train_vision: every drawing's patches (drawings_ stays zero)
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -481,7 +503,14 @@ void expand_images(Document& d, const json& images, const std::string& where, co
       tower->check(b, path);
       count = p.soft_tokens;  // whole pooling cells: the processor's sides are multiples of k * patch_size
       out.features.resize(static_cast<size_t>((row + count) * F), 0.f);
-      if (images_seen % im.ranks == im.rank) {  // this rank's share of the tower's work
+      if (im.train_vision) {  // encoded by the trainer, every step
+        ImagePatches one;
+        one.n = 1;
+        one.P = b.P;
+        one.pixels = p.pixels;
+        one.positions = p.positions;
+        out.images.append(one);
+      } else if (images_seen % im.ranks == im.rank) {  // this rank's share of the tower's work
         const model::VisionOutput soft = tower->forward(b, path);
         RF_CHECK(soft.counts[0] == count, path, ": the tower made ", soft.counts[0], " soft tokens, the processor ",
                  count);
@@ -544,6 +573,8 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
       F = k.feature_dim;
     }
     if (j.contains("image_spans")) {
+      RF_CHECK(!im.train_vision, where, ": `image_spans` (precomputed image features) with model.train_vision: a ",
+               "trained tower encodes pixels, give the sample's `images`");
       RF_CHECK(j["image_spans"].is_array(), where, ": `image_spans` must be a list of [start, length] pairs");
       RF_CHECK(file != nullptr || j["image_spans"].empty(), where,
                ": has `image_spans` but data.features names no features file");
@@ -576,13 +607,39 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
            " use ", used);
   // Split tower work is completed by a sum over the ranks (DataSource::sum_image_features): the features every rank
   // read whole from data.features then count once, on rank 0.
-  split = images_seen > 0 && im.ranks > 1;
+  split = images_seen > 0 && im.ranks > 1 && !im.train_vision;
   if (split && im.rank != 0)
     for (size_t doc : span_docs) std::fill(docs[doc].features.begin(), docs[doc].features.end(), 0.f);
   return docs;
 }
 
-std::vector<Document> read_text_file(const TrainConfig& c, const DataContract& k) {
+// A text's pieces with the image placeholder kept whole: the text is split at every occurrence of `placeholder` (the
+// tokenizer's piece of the config's image_token_id) and each part encoded on its own, the placeholder becoming that
+// one id wherever it stands, whatever kind of piece (normal, user-defined, control) the tokenizer makes of it, as
+// Hugging Face tokenizers split a text at their special tokens.
+std::vector<int> encode_with_placeholders(const sentencepiece::SentencePieceProcessor& sp, const std::string& text,
+                                          const std::string& placeholder, int image_id, const std::string& where) {
+  std::vector<int> out;
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t next = std::min(text.find(placeholder, at), text.size());
+    if (next > at) {
+      std::vector<int> pieces;
+      const auto st = sp.Encode(text.substr(at, next - at), &pieces);
+      RF_CHECK(st.ok(), where, ": cannot tokenize: ", st.ToString());
+      out.insert(out.end(), pieces.begin(), pieces.end());
+    }
+    if (next == text.size()) break;
+    out.push_back(image_id);
+    at = next + placeholder.size();
+  }
+  return out;
+}
+
+// A sample's `images`, as jsonl_tokens takes them (expand_images): each marked in `text` by the tokenizer's piece of
+// the config's image_token_id (for Gemma 4's tokenizer the processor's image token).
+std::vector<Document> read_text_file(const TrainConfig& c, const DataContract& k, const ImageContract& im, int& F,
+                                     bool& split) {
   const std::string model_file =
       c.data.tokenizer.empty() ? (std::filesystem::path(k.model_path) / "tokenizer.model").string() : c.data.tokenizer;
   sentencepiece::SentencePieceProcessor sp;
@@ -591,21 +648,35 @@ std::vector<Document> read_text_file(const TrainConfig& c, const DataContract& k
   RF_CHECK(sp.GetPieceSize() <= k.vocab_size, model_file, ": the tokenizer has ", sp.GetPieceSize(),
            " pieces, more than the model's vocabulary of ", k.vocab_size);
   std::vector<Document> docs;
+  int64_t images_seen = 0;  // the file's images so far, in file order (image i is encoded by rank i % ranks)
   for_each_line(c.data.path, [&](const json& j, const std::string& where) {
     RF_CHECK(j.contains("text") && j["text"].is_string(), where, ": missing `text` (a string)");
     Document d;
     std::vector<int> pieces;
-    const auto st = sp.Encode(j["text"].get<std::string>(), &pieces);
-    RF_CHECK(st.ok(), where, ": cannot tokenize: ", st.ToString());
+    if (j.contains("images")) {
+      const int image = im.tokens.image;
+      RF_CHECK(image >= 0 && image < sp.GetPieceSize(), where, ": has `images`, but the tokenizer ", model_file,
+               " has no piece for the image placeholder (image_token_id ", image, "; it has ", sp.GetPieceSize(),
+               " pieces)");
+      pieces = encode_with_placeholders(sp, j["text"].get<std::string>(), sp.IdToPiece(image), image, where);
+    } else {
+      const auto st = sp.Encode(j["text"].get<std::string>(), &pieces);
+      RF_CHECK(st.ok(), where, ": cannot tokenize: ", st.ToString());
+    }
     if (sp.bos_id() >= 0) d.ids.push_back(sp.bos_id());
     d.ids.insert(d.ids.end(), pieces.begin(), pieces.end());
     if (sp.eos_id() >= 0) d.ids.push_back(sp.eos_id());
     d.labels = d.ids;
     if (sp.bos_id() >= 0) d.labels[0] = kIgnore;
     d.mm.assign(d.ids.size(), 0);
+    if (j.contains("images")) {
+      expand_images(d, j["images"], where, c, k, im, images_seen);
+      F = k.feature_dim;
+    }
     check_document(d, where, c, k);
     docs.push_back(std::move(d));
   });
+  split = images_seen > 0 && im.ranks > 1 && !im.train_vision;
   return docs;
 }
 
@@ -619,6 +690,40 @@ int64_t count_real_tokens(std::span<const int32_t> doc) {
   return std::count_if(doc.begin(), doc.end(), [](int32_t d) { return d != 0; });
 }
 
+void ImagePatches::append(const ImagePatches& o) {
+  if (o.n == 0) return;
+  RF_CHECK(n == 0 || P == o.P, "images of ", P, " and ", o.P, " patches in one batch (one image processor config ",
+           "pads every image to one patch count)");
+  P = o.P;
+  n += o.n;
+  pixels.insert(pixels.end(), o.pixels.begin(), o.pixels.end());
+  positions.insert(positions.end(), o.positions.begin(), o.positions.end());
+}
+
+std::vector<int> split_images_by_patches(const std::vector<int64_t>& patches, int ranks) {
+  RF_CHECK(ranks >= 1, "split_images_by_patches: ", ranks, " ranks");
+  std::vector<size_t> order(patches.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) { return patches[x] > patches[y]; });
+  std::vector<int64_t> load(static_cast<size_t>(ranks), 0);
+  std::vector<int> owner(patches.size(), 0);
+  for (size_t i : order) {
+    const auto least = std::min_element(load.begin(), load.end());
+    owner[i] = static_cast<int>(least - load.begin());
+    *least += patches[i];
+  }
+  return owner;
+}
+
+model::VisionBatch ImagePatches::batch() const {
+  model::VisionBatch b;
+  b.n = n;
+  b.P = P;
+  b.pixels = pixels.data();
+  b.positions = positions.data();
+  return b;
+}
+
 PackedBatch stack_rows(const std::vector<Row>& rows, int feature_dim) {
   PackedBatch b;
   b.B = static_cast<int>(rows.size());
@@ -630,6 +735,7 @@ PackedBatch stack_rows(const std::vector<Row>& rows, int feature_dim) {
     b.doc.insert(b.doc.end(), r.doc.begin(), r.doc.end());
     b.mm_token_type.insert(b.mm_token_type.end(), r.mm_token_type.begin(), r.mm_token_type.end());
     b.image_features.insert(b.image_features.end(), r.image_features.begin(), r.image_features.end());
+    b.images.append(r.images);
   }
   b.n_image_features = feature_dim > 0 ? static_cast<int64_t>(b.image_features.size()) / feature_dim : 0;
   return b;
@@ -639,8 +745,8 @@ std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataCon
   if (c.data.source == SourceKind::Mock) return std::make_unique<MockSource>(c, k, im);
   int F = 0;
   bool split = false;
-  const std::vector<Document> docs =
-      c.data.source == SourceKind::JsonlTokens ? read_token_file(c, k, im, F, split) : read_text_file(c, k);
+  const std::vector<Document> docs = c.data.source == SourceKind::JsonlTokens ? read_token_file(c, k, im, F, split)
+                                                                              : read_text_file(c, k, im, F, split);
   return std::make_unique<PackedSource>(pack(docs, c.train.seq_len, k.pad_token_id), c.data.val_rows, c.train.seed, F,
                                         c.data.path, split);
 }

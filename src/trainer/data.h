@@ -24,13 +24,33 @@
 
 namespace rf::trainer {
 
+// With model.train_vision: images as the tower takes them (ImageContract::train_vision), so that the trainer encodes
+// them on every step (the tower changes): n images of P patches each, in the order of their soft-token slots.
+struct ImagePatches {
+  int n = 0;
+  int64_t P = 0;                   // patches per image, padding included (one image processor config: one P)
+  std::vector<float> pixels;       // [n, P, 3 * patch_size^2], values in [0, 1]
+  std::vector<int32_t> positions;  // [n, P, 2] (x, y); (-1, -1) pads
+  // Appends `o`'s images after these; throws rf::Error when both hold images of different P.
+  void append(const ImagePatches& o);
+  model::VisionBatch batch() const;
+};
+
+// Which of `ranks` ranks encodes each image of a micro-batch under CP (model.train_vision), given each image's valid
+// (non-padding) patch count: the largest first, each to the rank with the fewest patches so far (the lowest on a
+// tie), so every image is encoded once and the ranks' patch counts differ by at most the largest image (the tower's
+// work is about linear in patches: its attention stays within an image). A pure function of the counts, the same on
+// every rank of a group.
+std::vector<int> split_images_by_patches(const std::vector<int64_t>& patches, int ranks);
+
 struct Row {
   std::vector<int32_t> input_ids;      // [S]
   std::vector<int32_t> labels;         // [S] shifted targets, -100 = ignored
   std::vector<int32_t> position_ids;   // [S]
   std::vector<int32_t> doc;            // [S] 1, 2, ... per document; 0 = padding
   std::vector<int32_t> mm_token_type;  // [S] 0 text, 1 image slot
-  std::vector<float> image_features;   // [slots, F] in slot order
+  std::vector<float> image_features;   // [slots, F] in slot order (zero with ImageContract::train_vision)
+  ImagePatches images;                 // with ImageContract::train_vision: the images behind the slots
 };
 
 // The tokens that count: label tokens (the loss's denominator: every label not ignored) and non-padding tokens
@@ -44,6 +64,7 @@ struct PackedBatch {
   std::vector<int32_t> input_ids, labels, position_ids, doc, mm_token_type;  // [B, S]
   std::vector<float> image_features;                                         // [N, F]
   int64_t n_image_features = 0;
+  ImagePatches images;  // the rows' images in slot order (ImageContract::train_vision; else none)
   int64_t label_tokens() const { return count_label_tokens(labels); }
   int64_t real_tokens() const { return count_real_tokens(doc); }  // non-padding tokens
 };
@@ -70,8 +91,8 @@ struct DataContract {
   std::string model_path;  // where jsonl_text looks for tokenizer.model by default
 };
 
-// For jsonl_tokens samples with `images` and the mock source's drawings: the model's vision tower (built on first
-// use; null when the model has none; frozen, so each image is encoded once, when the source is built, into the
+// For jsonl_tokens and jsonl_text samples with `images` and the mock source's drawings: the model's vision tower (built
+// on first use; null when the model has none; frozen, so each image is encoded once, when the source is built, into the
 // features of its slots) and its image tokens.
 struct ImageContract {
   std::function<const model::VisionEncoder*()> vision;
@@ -80,6 +101,11 @@ struct ImageContract {
   // everywhere), rank r encodes images r, r + ranks, ... and leaves the others' features zero; the caller then
   // calls DataSource::sum_image_features once on every rank (the others contribute zeros, and x + 0 is x).
   int rank = 0, ranks = 1;
+  // model.train_vision: the tower trains, so nothing is encoded here (and nothing split): every image is read,
+  // preprocessed and checked as above and kept as patches (Row::images), its slots' features zero until the trainer
+  // encodes the micro-batch's images with the tower of that step. Precomputed features (`image_spans`) cannot train a
+  // tower and are refused.
+  bool train_vision = false;
 };
 
 // Builds the configured source; reads and checks the whole file (ids against the vocabulary, sample lengths

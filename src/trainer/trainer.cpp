@@ -18,6 +18,7 @@
 #include "core/memory.h"
 #include "cp/parallel_context.h"
 #include "io/atomic_file.h"
+#include "io/tensor_access.h"
 #include "model/builtin_configs.h"
 #include "model/expert_store.h"
 #include "model/lora_store.h"
@@ -68,6 +69,8 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
   same(now.data.path == then.data.path, "data.path");
   same(now.data.image_soft_tokens == then.data.image_soft_tokens, "data.image_soft_tokens");
   same(now.model.freeze == then.model.freeze, "model.freeze");
+  // The tower's parameters are in the optimizer state (and written in float32) only when it trains.
+  same(now.model.train_vision == then.model.train_vision, "model.train_vision");
   same(now.model.lora_rank == then.model.lora_rank && now.model.lora_alpha == then.model.lora_alpha &&
            now.model.lora_target == then.model.lora_target &&
            now.model.lora_target_regex == then.model.lora_target_regex &&
@@ -267,6 +270,11 @@ struct Run {
   std::unique_ptr<AdamW> adam;  // its state (the moments) and the gradients live in the model's parameter store
   model::RunOptions training;   // how a micro-batch runs (its string options parsed once)
   int feature_dim = 0;          // F of the batches' image features (0: the data has none)
+  // model.train_vision: the tower of the current weights (float32 copies of the store's tower parameters and the
+  // passthrough buffers), made again after every update, on every rank at the same point (apply_update); null
+  // otherwise.
+  std::unique_ptr<model::VisionEncoder> tower;
+  double tower_seconds = 0.0;  // this rank's time in the tower (forward, backward, the group's sums) this step
   // shard gradients / full: the sharded store's own communicator over the world (until set_up hands it over), and
   // the store, owned by the model.
   std::unique_ptr<comm::Communicator> store_comm;
@@ -313,6 +321,39 @@ void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config&
            " experts");
 }
 
+// The vision tower of `ck`'s current weights: its parameters from the parameter store where they train
+// (model.train_vision), the rest from the passthrough tensors.
+std::unique_ptr<model::VisionEncoder> make_tower(const model::Checkpoint& ck, const model::VisionConfig& vc) {
+  const model::ParamStore& store = ck.model->params();
+  const auto find = [&](const std::string& name) -> std::optional<model::VisionEncoder::Found> {
+    if (store.contains(name)) {
+      const model::ParamInfo& p = store.info(store.slot(name));
+      const float* w = store.weight(store.slot(name));
+      return model::VisionEncoder::Found{p.shape, std::vector<float>(w, w + p.numel)};
+    }
+    const io::Passthrough::Entry* e = ck.passthrough.find(name);
+    if (e == nullptr) return std::nullopt;
+    return model::VisionEncoder::Found{e->shape, io::to_float32(io::TensorView{name, e->dtype, e->shape, e->bytes})};
+  };
+  return std::make_unique<model::VisionEncoder>(vc, find);
+}
+
+// model.train_vision on a built-in model: its fresh tower's parameters (init_vision_tower's values, registered in the
+// store by register_vision_tower) move from the passthrough tensors into the store.
+void adopt_tower_parameters(model::Checkpoint& ck) {
+  model::ParamStore& store = ck.model->params();
+  for (size_t slot = 0; slot < store.size(); ++slot) {
+    const model::ParamInfo& p = store.info(slot);
+    if (p.name.rfind(model::kVisionTowerPrefix, 0) != 0) continue;
+    const io::Passthrough::Entry* e = ck.passthrough.find(p.name);
+    RF_CHECK(e != nullptr && e->shape == p.shape, "model.train_vision: the built-in tower has no tensor `", p.name,
+             "` of shape ", io::shape_string(p.shape));
+    const std::vector<float> values = io::to_float32(io::TensorView{p.name, e->dtype, e->shape, e->bytes});
+    std::copy(values.begin(), values.end(), store.mutable_weight(slot));
+    ck.passthrough.drop(p.name);
+  }
+}
+
 // Setup: the model (fresh, from model.path or resumed), the data, the optimizer state and where the run stands.
 // Everything here can fail on bad input and runs no collective, so train() runs it inside comm::agree.
 void set_up(Run& r) {
@@ -335,24 +376,33 @@ void set_up(Run& r) {
   // The base: from model.path, or the built-in model from train.seed (a LoRA resume builds it again: it never trains).
   const auto load_base = [&] {
     if (!cfg.model.path.empty()) {
-      r.ck = model::load_checkpoint(cfg.model.path, check_fits, lora_store());
+      r.ck = model::load_checkpoint(cfg.model.path, check_fits, lora_store(), cfg.model.train_vision);
       return;
     }
     const std::string text = model::builtin_config_json(cfg.model.builtin);
     const std::string source = "model.builtin " + cfg.model.builtin;
     const model::Gemma4Config builtin = model::Gemma4Config::from_json(text, source);
-    check_fits(model::Gemma4Model(builtin, model::kBuiltinFeatureDim, model::TensorSet::Storage::Deferred));
-    r.ck.model = std::make_unique<model::Gemma4Model>(builtin, model::kBuiltinFeatureDim,
-                                                      model::TensorSet::Storage::Allocated, lora_store());
+    const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
+    // With model.train_vision the tower's parameters are registered after the decoder's, before the store allocates.
+    const auto shapes = [&](std::unique_ptr<model::ParamStore> store) {
+      auto m = std::make_unique<model::Gemma4Model>(builtin, model::kBuiltinFeatureDim,
+                                                    model::TensorSet::Storage::Deferred, std::move(store));
+      if (cfg.model.train_vision) model::register_vision_tower(m->params(), tower);
+      return m;
+    };
+    check_fits(*shapes(nullptr));
+    r.ck.model = shapes(lora_store());
+    r.ck.model->params().allocate_weights();
+    // Every slot, the tower's last (so the decoder draws the same values with and without model.train_vision).
     r.ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
     // init_random filled every slot, the adapters too: PEFT's initial adapters again (B = 0: the base's function).
     if (auto* ls = dynamic_cast<model::LoraStore*>(&r.ck.model->params())) ls->init_adapters();
     r.ck.text_prefix = model::kMultimodalTextPrefix;
-    const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
     // transformers sizes the projection's input by the tower's width: the two must agree.
     RF_CHECK(tower.hidden_size == model::kBuiltinFeatureDim, source,
              ": vision_config.hidden_size = ", tower.hidden_size, ", the projection takes ", model::kBuiltinFeatureDim);
     r.ck.passthrough = model::init_vision_tower(tower, cfg.train.seed);
+    if (cfg.model.train_vision) adopt_tower_parameters(r.ck);
   };
   if (!r.options.resume.empty()) {
     r.resume_dir = resolve_checkpoint(r.options.resume);
@@ -363,7 +413,7 @@ void set_up(Run& r) {
       load_base();
       model::load_peft_adapter(dynamic_cast<model::LoraStore&>(r.ck.model->params()), r.resume_dir);
     } else {
-      LoadedCheckpoint loaded = load_train_checkpoint(r.resume_dir, check_fits);
+      LoadedCheckpoint loaded = load_train_checkpoint(r.resume_dir, check_fits, cfg.model.train_vision);
       check_resume_compatible(cfg, loaded.state.config_yaml, r.resume_dir);
       r.ck = std::move(loaded.weights);
       r.state = std::move(loaded.state);
@@ -388,18 +438,23 @@ void set_up(Run& r) {
   images.tokens = model::MultimodalTokens::from_config_json(config_json, "the model's config.json");
   images.rank = r.world.rank();
   images.ranks = r.world.size();
-  // The tower encodes the data's images once, here; its float32 copy of the weights goes with it.
-  std::unique_ptr<model::VisionEncoder> tower;
+  images.train_vision = cfg.model.train_vision;
+  // A frozen tower encodes the data's images once, here; its float32 copy of the weights goes with it. A trained one
+  // (model.train_vision) is kept and encodes every micro-batch's images.
   images.vision = [&]() -> const model::VisionEncoder* {
-    if (!tower) {
+    if (!r.tower) {
       const std::optional<model::VisionConfig> vc =
           model::VisionConfig::from_config_json(config_json, "the model's config.json");
       if (!vc) return nullptr;
-      tower = std::make_unique<model::VisionEncoder>(*vc, r.ck.passthrough);
+      r.tower = make_tower(r.ck, *vc);
     }
-    return tower.get();
+    return r.tower.get();
   };
   r.data = make_data_source(cfg, contract, images);
+  if (cfg.model.train_vision)
+    RF_CHECK(images.vision() != nullptr, "config: model.train_vision, but the model has no vision tower");
+  else
+    r.tower.reset();
   r.feature_dim = r.data->feature_dim() > 0 ? width : 0;
   r.ck.model->params().freeze(cfg.model.freeze);
   if (r.store_shards) shard_model(r);
@@ -472,13 +527,93 @@ TokenCounts count_tokens(const Run& r, const std::vector<PackedBatch>& batches) 
   return {counts[0], counts[1]};
 }
 
+// model.train_vision: the micro-batch's images through the tower of the current weights, its soft tokens the slots'
+// features, and with gradients the tower's backward from the decoder's d image_features, accumulated into the
+// store's gradients of the tower's parameters (frozen ones, model.freeze, have none).
+// Under CP the tower's work is split over the group (split_images_by_patches, balanced by patch count): each rank
+// encodes its images only, places their soft tokens at their slots' rows of [N, F] and leaves the others zero; one sum
+// over the group gives every rank all of them (x + 0 = x: the bits of encoding them everywhere), where the rows its
+// positions hold are read. In the backward each rank's d image_features holds its own tokens' rows
+// (Result::d_image_features); one sum over the group routes each image's whole gradient to its owner, which
+// back-propagates it through the tower once; the gradient reduction over the world then sums the owners' tower
+// gradients as it sums the decoder's.
+double seconds_since(Clock::time_point start);  // below, with the step's other timing
+
+double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro) {
+  const auto start = Clock::now();
+  model::ParamStore& store = r.ck.model->params();
+  comm::Communicator& group = *r.cp_group;
+  const int64_t F = r.feature_dim, P = p.images.P, k = r.tower->config().pooling_kernel_size;
+  const int n = p.images.n;
+  std::vector<int64_t> valid(static_cast<size_t>(n), 0), first(static_cast<size_t>(n) + 1, 0);  // first: slot rows
+  for (int i = 0; i < n; ++i) {
+    for (int64_t q = 0; q < P; ++q) valid[i] += p.images.positions[static_cast<size_t>((i * P + q) * 2)] >= 0;
+    first[i + 1] = first[i] + valid[i] / (k * k);  // whole pooling cells: the processor's and the drawings' grids
+  }
+  RF_CHECK(first[n] == p.n_image_features, "the micro-batch's ", n, " images make ", first[n], " soft tokens for ",
+           p.n_image_features, " image slots");
+  const std::vector<int> owner = split_images_by_patches(valid, group.size());
+  ImagePatches mine;  // this rank's share, in batch order
+  std::vector<int> mine_index;
+  const size_t patch_values = p.images.pixels.size() / static_cast<size_t>(std::max(n, 1));  // one image's values
+  for (int i = 0; i < n; ++i) {
+    if (owner[i] != group.rank()) continue;
+    ImagePatches one;
+    one.n = 1;
+    one.P = P;
+    one.pixels.assign(p.images.pixels.begin() + static_cast<std::ptrdiff_t>(i * patch_values),
+                      p.images.pixels.begin() + static_cast<std::ptrdiff_t>((i + 1) * patch_values));
+    one.positions.assign(p.images.positions.begin() + i * P * 2, p.images.positions.begin() + (i + 1) * P * 2);
+    mine.append(one);
+    mine_index.push_back(i);
+  }
+  model::VisionTape tape;
+  std::vector<float> soft(static_cast<size_t>(p.n_image_features * F), 0.f);  // [N, F]
+  if (mine.n > 0) {
+    const model::VisionOutput out =
+        r.tower->forward(mine.batch(), "the micro-batch's images", ro.want_grad ? &tape : nullptr);
+    int64_t at = 0;
+    for (size_t j = 0; j < mine_index.size(); ++j) {
+      const int i = mine_index[j];
+      RF_CHECK(out.counts[j] == first[i + 1] - first[i], "the micro-batch's image ", i, ": the tower made ",
+               out.counts[j], " soft tokens for ", first[i + 1] - first[i], " slots");
+      std::copy_n(out.soft_tokens.begin() + at * F, out.counts[j] * F, soft.begin() + first[i] * F);
+      at += out.counts[j];
+    }
+  }
+  if (group.size() > 1) group.allreduce(soft.data(), soft.size(), comm::ReduceOp::Sum, r.timeout);
+  r.tower_seconds += seconds_since(start);
+  model::Batch b = as_batch(p);
+  b.image_features = soft.data();
+  model::Result res = r.ck.model->run(b, ro, *r.context.model);
+  if (ro.want_grad) {
+    const auto back = Clock::now();
+    std::vector<float>& d = res.d_image_features;  // [N, F]
+    if (group.size() > 1) group.allreduce(d.data(), d.size(), comm::ReduceOp::Sum, r.timeout);
+    if (mine.n > 0) {
+      std::vector<float> d_mine;  // [this rank's soft tokens, F]
+      for (int i : mine_index) d_mine.insert(d_mine.end(), d.begin() + first[i] * F, d.begin() + first[i + 1] * F);
+      model::VisionGrads grads;
+      r.tower->backward(mine.batch(), tape, d_mine.data(), grads);
+      for (const auto& [name, g] : grads) {
+        float* dst = store.grad(store.slot(name));
+        if (dst == nullptr) continue;
+        for (size_t e = 0; e < g.size(); ++e) dst[e] += g[e];
+      }
+    }
+    r.tower_seconds += seconds_since(back);
+  }
+  return res.loss;
+}
+
 // One micro-batch's share of the global loss (its token losses over `label_tokens`); with `grad`, its gradients
 // accumulate into the parameter store's.
 double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool grad) {
   model::RunOptions ro = r.training;
   ro.want_grad = grad;
   ro.loss_normalizer = std::max(1.0, static_cast<double>(label_tokens));  // no label tokens: loss 0, not 0 / 0
-  return r.ck.model->run(as_batch(p), ro, *r.context.model).loss;
+  if (!r.tower || p.images.n == 0) return r.ck.model->run(as_batch(p), ro, *r.context.model).loss;
+  return run_with_tower(r, p, ro);
 }
 
 // 3. Forward + backward of every micro-batch, the gradients accumulating; returns the global batch's loss.
@@ -612,6 +747,7 @@ double apply_update(Run& r, int64_t step) {
     r.sharded->after_update();
   else if (r.shard_optimizer)
     gather_updated_weights(r.world, r.ck.model->params(), r.timeout);
+  if (r.tower) r.tower = make_tower(r.ck, r.tower->config());  // model.train_vision: the updated tower
   return lr;
 }
 
@@ -684,8 +820,14 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
   sm.grad_norm = norm;
   sm.tokens = tokens.labels;
   sm.tokens_per_s = static_cast<double>(tokens.real) / step_seconds;
+  if (r.tower) {  // before validation, whose forward runs the tower too
+    double share = r.tower_seconds / step_seconds;
+    r.world.allreduce(&share, 1, comm::ReduceOp::Max, r.timeout);
+    sm.tower_share = share;
+  }
   const bool validation_step = (r.cfg.train.val_every > 0 && step % r.cfg.train.val_every == 0) || is_last(r, step);
   if (r.data->val_rows() > 0 && validation_step) sm.val_loss = validation_loss(r);
+  r.tower_seconds = 0.0;  // the next step's
   sm.peak_rss_bytes = peak_rss_bytes();
   r.world.allreduce(&sm.peak_rss_bytes, 1, comm::ReduceOp::Max, r.timeout);
   if (r.cfg.parallelism.ep > 1) {  // the step's routed rows (ep_moved: this rank's), the most of any rank

@@ -2,6 +2,7 @@
 // slot), determinism by row index, JSONL token and text files (a SentencePiece model trained here at test time), and
 // one clear error per kind of bad data.
 #include <gtest/gtest.h>
+#include <sentencepiece_processor.h>
 #include <sentencepiece_trainer.h>
 #include <unistd.h>
 
@@ -12,7 +13,9 @@
 #include <limits>
 #include <map>
 
+#include "io/image.h"
 #include "io/safetensors.h"
+#include "model/image_processor.h"
 #include "model/vision.h"
 #include "model/vision_encoder.h"
 #include "trainer/data.h"
@@ -304,6 +307,183 @@ TEST(JsonlText, SentencePieceTokenizerTrainedHere) {
               make_data_source(c, {10, 0, 0, ""});
             }).find("pieces, more than the model's vocabulary of 10"),
             std::string::npos);
+}
+
+// A PNG file's bytes, 8-bit RGB, its IDAT a zlib stream of stored (uncompressed) deflate blocks, so the test needs no
+// zlib of its own; `height_field` overrides the header's height (0: a zero-sized image).
+std::string png_rgb(int width, int height, uint32_t seed, int height_field) {
+  const auto crc32 = [](const std::string& bytes) {
+    uint32_t c = 0xFFFFFFFFu;
+    for (unsigned char b : bytes) {
+      c ^= b;
+      for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0xEDB88320u & (0u - (c & 1u)));
+    }
+    return ~c;
+  };
+  const auto be32 = [](uint32_t v) {
+    return std::string{static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
+                       static_cast<char>(v)};
+  };
+  const auto chunk = [&](const std::string& kind, const std::string& data) {
+    return be32(static_cast<uint32_t>(data.size())) + kind + data + be32(crc32(kind + data));
+  };
+  std::string raw;  // each scanline: filter byte 0, then the pixels
+  uint32_t x = seed;
+  for (int y = 0; y < height; ++y) {
+    raw += '\0';
+    for (int i = 0; i < 3 * width; ++i) raw += static_cast<char>((x = x * 1103515245u + 12345u) >> 24);
+  }
+  std::string z = "\x78\x01";  // zlib header: deflate, no preset dictionary
+  constexpr size_t kStored = 65535;
+  for (size_t at = 0; at < raw.size() || at == 0; at += kStored) {
+    const size_t n = std::min(kStored, raw.size() - at);
+    z += static_cast<char>(at + n >= raw.size() ? 1 : 0);  // BFINAL on the last block, BTYPE 00 (stored)
+    z += {static_cast<char>(n & 0xFF), static_cast<char>(n >> 8), static_cast<char>(~n & 0xFF),
+          static_cast<char>((~n >> 8) & 0xFF)};
+    z += raw.substr(at, n);
+  }
+  uint32_t a = 1, b = 0;  // Adler-32 of the raw data
+  for (unsigned char c : raw) {
+    a = (a + c) % 65521u;
+    b = (b + a) % 65521u;
+  }
+  z += be32((b << 16) | a);
+  const std::string ihdr = be32(static_cast<uint32_t>(width)) + be32(static_cast<uint32_t>(height_field)) +
+                           std::string{8, 2, 0, 0, 0};  // 8 bits, RGB, deflate, adaptive filters, no interlace
+  return std::string("\x89PNG\r\n\x1a\n", 8) + chunk("IHDR", ihdr) + chunk("IDAT", z) + chunk("IEND", "");
+}
+
+// jsonl_text samples with `images`: the placeholder (the tokenizer's piece of image_token_id, here a user-defined
+// symbol) marks each image in the text; it becomes boi, the image's soft-token slots (the tower's soft tokens of the
+// preprocessed file) and eoi, as for jsonl_tokens, and the text around it is tokenized as it would be alone. Every bad
+// image is one error naming the JSONL line and the file.
+TEST(JsonlText, ImagesMarkedInTheText) {
+  const fs::path dir = scratch("text_images");
+  std::ofstream corpus(dir / "corpus.txt");
+  for (int i = 0; i < 200; ++i) corpus << "the ring passes keys and values around the ranks " << i % 7 << "\n";
+  corpus.close();
+  const auto status = sentencepiece::SentencePieceTrainer::Train(
+      "--input=" + (dir / "corpus.txt").string() + " --model_prefix=" + (dir / "tokenizer").string() +
+      " --vocab_size=40 --hard_vocab_limit=false --model_type=unigram --minloglevel=2 --user_defined_symbols=<img>");
+  ASSERT_TRUE(status.ok()) << status.ToString();
+  sentencepiece::SentencePieceProcessor sp;
+  ASSERT_TRUE(sp.Load((dir / "tokenizer.model").string()).ok());
+  model::VisionConfig vc;
+  vc.hidden_size = kF;
+  vc.intermediate_size = 2 * kF;
+  vc.num_layers = 1;
+  vc.num_heads = vc.num_kv_heads = 2;
+  vc.head_dim = 4;
+  vc.patch_size = 4;
+  vc.pooling_kernel_size = 2;
+  vc.position_embedding_size = 64;  // the resized 13 x 9 image's patch grid fits
+  const io::Passthrough weights = model::init_vision_tower(vc, 7);
+  const model::VisionEncoder tower(vc, weights);
+  ImageContract im;
+  im.vision = [&]() -> const model::VisionEncoder* { return &tower; };
+  im.tokens.image = sp.PieceToId("<img>");
+  im.tokens.boi = 100;  // beyond the tokenizer's pieces, inside the model's vocabulary
+  im.tokens.eoi = 101;
+  ASSERT_GT(im.tokens.image, 0);
+  fs::create_directories(dir / "img");
+  std::ofstream(dir / "img" / "a.png", std::ios::binary) << png_rgb(13, 9, 1, 9);
+  const std::string good =
+      "{\"text\": \"the ring <img> passes keys\", \"images\": [\"img/a.png\"]}\n"
+      "{\"text\": \"values <img> around <img>\", \"images\": [\"img/a.png\", \"img/a.png\"]}\n"
+      "{\"text\": \"around the ranks\"}\n";
+  write(dir / "d.jsonl", good);
+  const TrainConfig c = config_with({"data.source=jsonl_text", "data.path=" + (dir / "d.jsonl").string(),
+                                     "data.tokenizer=" + (dir / "tokenizer.model").string(), "train.seq_len=400",
+                                     "data.val_rows=0", "data.image_soft_tokens=70"});
+  const auto src = make_data_source(c, {kVocab, 0, kF, ""}, im);
+  // What the image must become: the processor's patches through the tower.
+  model::ImageProcessorConfig proc;
+  proc.patch_size = vc.patch_size;
+  proc.pooling_kernel_size = vc.pooling_kernel_size;
+  proc.max_soft_tokens = 70;
+  const std::string a_png = (dir / "img" / "a.png").string();
+  const model::ProcessedImage p = model::preprocess_image(io::read_image(a_png), proc, a_png);
+  model::VisionBatch one;
+  one.n = 1;
+  one.P = static_cast<int64_t>(p.positions.size()) / 2;
+  one.pixels = p.pixels.data();
+  one.positions = p.positions.data();
+  const model::VisionOutput soft = tower.forward(one);
+  const int64_t n = p.soft_tokens;
+  ASSERT_GT(n, 0);
+  const Row r = src->train_row(0);  // every sample fits one row
+  expect_well_formed(r, 400, kF);
+  std::vector<int> before;  // "the ring " alone, then the image
+  ASSERT_TRUE(sp.Encode("the ring ", &before).ok());
+  int boi_seen = 0;
+  size_t slot = 0;
+  for (int t = 0; t < 400; ++t) {
+    if (r.input_ids[t] != im.tokens.boi) {
+      if (r.mm_token_type[t] == 1) ++slot;
+      continue;
+    }
+    ++boi_seen;
+    if (boi_seen == 1) {
+      ASSERT_GE(t, static_cast<int>(before.size()));
+      for (size_t i = 0; i < before.size(); ++i)
+        EXPECT_EQ(r.input_ids[t - before.size() + i], before[i]) << "position " << t - before.size() + i;
+    }
+    for (int64_t s = 1; s <= n; ++s) {
+      EXPECT_EQ(r.input_ids[t + s], im.tokens.image);
+      EXPECT_EQ(r.mm_token_type[t + s], 1);
+    }
+    EXPECT_EQ(r.input_ids[t + n + 1], im.tokens.eoi);
+    EXPECT_EQ(r.mm_token_type[t + n + 1], 0);
+    const std::vector<float> got(r.image_features.begin() + static_cast<std::ptrdiff_t>(slot * kF),
+                                 r.image_features.begin() + static_cast<std::ptrdiff_t>((slot + n) * kF));
+    EXPECT_EQ(got, soft.soft_tokens) << "image " << boi_seen;
+  }
+  EXPECT_EQ(boi_seen, 3);
+  EXPECT_EQ(r.image_features.size(), static_cast<size_t>(3 * n * kF));
+
+  // Bad images, each named by the second JSONL line; and a placeholder count against the images.
+  const std::string png = png_rgb(13, 9, 1, 9);
+  const std::map<std::string, std::string> bad = {{"empty", ""},
+                                                  {"text", "not an image\n"},
+                                                  {"truncated", png.substr(0, png.size() / 2)},
+                                                  {"zero", png_rgb(13, 9, 1, 0)}};
+  const auto err_with = [&](const std::string& image, const std::string& text) {
+    write(dir / "bad.jsonl",
+          "{\"text\": \"the ring\"}\n{\"text\": \"" + text + "\", \"images\": [\"" + image + "\"]}\n");
+    TrainConfig b = c;
+    b.data.path = (dir / "bad.jsonl").string();
+    return error_of([&] { make_data_source(b, {kVocab, 0, kF, ""}, im); });
+  };
+  for (const auto& [what, bytes] : bad) {
+    std::ofstream(dir / "img" / (what + ".png"), std::ios::binary) << bytes;
+    const std::string e = err_with("img/" + what + ".png", "keys <img>");
+    EXPECT_NE(e.find("bad.jsonl:2: "), std::string::npos) << what << ": " << e;
+    EXPECT_NE(e.find((dir / "img" / (what + ".png")).string()), std::string::npos) << what << ": " << e;
+  }
+  const std::string missing = err_with("img/none.png", "keys <img>");
+  EXPECT_NE(missing.find("bad.jsonl:2: "), std::string::npos) << missing;
+  EXPECT_NE(missing.find("none.png"), std::string::npos) << missing;
+  EXPECT_NE(err_with("img/a.png", "keys <img> <img>").find("bad.jsonl:2: has 1 images and 2 image placeholder"),
+            std::string::npos);
+}
+
+// The tower's work under CP: every image to one rank, the largest first to the least loaded (the lowest on a tie).
+TEST(ImageSplit, BalancedByPatchCount) {
+  // Sorted: 40 (image 1), 25 (2), 25 (3), 10 (0), 5 (4); loads 40 | 25, then 40 | 50, 50 | 50, 55 | 50.
+  EXPECT_EQ(split_images_by_patches({10, 40, 25, 25, 5}, 2), (std::vector<int>{0, 0, 1, 1, 0}));
+  EXPECT_EQ(split_images_by_patches({10, 40, 25}, 1), (std::vector<int>{0, 0, 0}));
+  EXPECT_EQ(split_images_by_patches({7}, 3), (std::vector<int>{0}));  // fewer images than ranks: the rest idle
+  const std::vector<int64_t> many = {900, 120, 630, 630, 252, 70, 280, 2520, 35, 630};
+  for (int ranks : {2, 3, 4}) {
+    const std::vector<int> owner = split_images_by_patches(many, ranks);
+    std::vector<int64_t> load(static_cast<size_t>(ranks), 0);
+    for (size_t i = 0; i < many.size(); ++i) {
+      ASSERT_TRUE(owner[i] >= 0 && owner[i] < ranks);
+      load[static_cast<size_t>(owner[i])] += many[i];
+    }
+    EXPECT_LE(*std::max_element(load.begin(), load.end()) - *std::min_element(load.begin(), load.end()), 2520)
+        << ranks << " ranks";
+  }
 }
 
 TEST(PackedBatch, StacksRowsAndCountsLabels) {

@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""model.train_vision: the vision tower trains, from image files, against transformers in float64.
+
+The tiny Gemma4ForConditionalGeneration and PNG images of tests/trainer/images_train.py (a tower of patch 2 and
+pooling 2, images of odd sizes, RGB and grey with alpha). Then
+  1. one step on one row holding two images (jsonl_tokens `images`; optimizer.grad_clip = 0, so AdamW's first moment
+     after step 1 is (1 - beta1) times the unclipped gradient, read from the checkpoint's optimizer.safetensors):
+     the loss and the gradient of every tower parameter and of the vision projection against transformers' loss on
+     the same sample in float64 (the processor's pixel_values and image_position_ids, the placeholder expanded to
+     boi, soft tokens, eoi, labels ignored on the image slots, the docs/spec.md masks of tests/model/parity.py), at
+     cp = 1 and at cp = 2 (each rank back-propagates its own tokens' share of d image_features through the tower;
+     the reduction sums them). Bounds: the loss 1e-4 relative (parity.py's: float32 against float64, rounding ~1e-7
+     per op amplified by depth), each gradient 1e-4 in relative norm (tests/model/vision_parity.py's bound; here the
+     decoder's backward comes first, still ~1e-5 measured; a gradient that missed a rank's share or an image is
+     off by O(1));
+  2. three steps on ten samples at cp = 1 and cp = 2 give the same losses (1e-4 relative, as images_train.py), the
+     tower's weights moved, and the checkpoint loads in transformers with no missing or unexpected weights;
+  3. a run resumed from step 2 ends on the same loss and the same checkpoint bits as the run that went through.
+Exit 77 (CTest's skip) when torch, transformers or safetensors is missing.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
+sys.path.insert(0, os.path.join(HERE, "..", "model"))
+sys.path.insert(0, HERE)
+from oracle_env import missing_oracle  # noqa: E402
+
+try:
+    import torch
+    import transformers
+    from PIL import Image
+    from safetensors.torch import load_file
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    from transformers.image_transforms import convert_to_rgb
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    from images_train import BOI, EOI, IMAGE, TEXT, VISION, png, write
+    from parity import reference_masks
+except ImportError as e:  # pragma: no cover - depends on the environment
+    missing_oracle(e)
+
+LOSS_TOL, GRAD_TOL, REL_TOL = 1e-4, 1e-4, 1e-4
+SOFT = 70
+BETA1 = 0.9
+SEQ = 192
+
+
+def run(ringflex, launcher, work, name, sets, steps, extra=()):
+    ranks = ["parallelism.cp=2"] if launcher else ["parallelism.cp=1"]
+    common = ["data.source=jsonl_tokens", f"data.image_soft_tokens={SOFT}", f"train.seq_len={SEQ}",
+              f"train.steps={steps}", "train.micro_batch=1", "train.threads=1", "train.val_every=0",
+              "optimizer.lr=0.003", "schedule.warmup_steps=1", f"optimizer.beta1={BETA1}", "model.train_vision=true",
+              f"checkpoint.dir={os.path.join(work, name)}", "checkpoint.every=1", "checkpoint.keep=5"]
+    cmd = [*launcher, ringflex, "train", "--metrics", os.path.join(work, name + ".jsonl"), *extra]
+    for s in common + ranks + sets:
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if proc.returncode != 0:
+        raise RuntimeError(f"ringflex train {name} failed: {proc.stderr.strip()}")
+    return [json.loads(x) for x in open(os.path.join(work, name + ".jsonl"))]
+
+
+def reference(model, ids, images, processor):
+    """transformers' float64 loss and gradients of one sample: the placeholders expanded as Gemma4Processor does."""
+    feats = processor([convert_to_rgb(Image.open(p)) for p in images], return_tensors="pt")
+    counts = [int(n) for n in feats["num_soft_tokens_per_image"]]
+    expanded, labels, k = [], [], 0
+    for t in ids:
+        if t != IMAGE:
+            expanded.append(t)
+            labels.append(t)
+            continue
+        expanded += [BOI] + [IMAGE] * counts[k] + [EOI]
+        labels += [BOI] + [-100] * counts[k] + [EOI]
+        k += 1
+    x = torch.tensor([expanded])
+    mm = (x == IMAGE).long()
+    doc = torch.ones_like(x)
+    model.zero_grad()
+    logits = model(input_ids=x, pixel_values=feats["pixel_values"].double(),
+                   image_position_ids=feats["image_position_ids"], mm_token_type_ids=mm,
+                   position_ids=torch.arange(x.shape[1])[None], use_cache=False,
+                   attention_mask=reference_masks(model.config.text_config, doc, mm)).logits
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], torch.tensor(labels[1:]), ignore_index=-100)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_one_step(ringflex, mpiexec, work, ckpt, names, model, failures):
+    ids = [9, 10, IMAGE, 11, 12, 13, 14, IMAGE, 15, 16, 17]
+    sample = [names[0], names[2]]  # RGB 13 x 9 and grey + alpha 21 x 30: two patch counts
+    data = os.path.join(work, "one.jsonl")
+    with open(data, "w") as f:
+        f.write(json.dumps({"input_ids": ids, "images": sample}) + "\n")
+    processor = Gemma4ImageProcessorPil(patch_size=VISION["patch_size"],
+                                        pooling_kernel_size=VISION["pooling_kernel_size"], max_soft_tokens=SOFT)
+    ref_loss, ref_grads = reference(model, ids, [os.path.join(work, n) for n in sample], processor)
+    sets = [f"model.path={ckpt}", f"data.path={data}", "data.val_rows=0", "train.global_batch=1",
+            "optimizer.grad_clip=0"]
+    for launcher, what in (([], "cp = 1"), ([*mpiexec, "-n", "2"], "cp = 2")):
+        name = "grad_" + ("two" if launcher else "one")
+        try:
+            metrics = run(ringflex, launcher, work, name, sets, 1)
+        except RuntimeError as e:
+            failures.append(str(e))
+            continue
+        moments = load_file(os.path.join(work, name, "step-00000001", "optimizer.safetensors"))
+        loss_err = abs(metrics[0]["loss"] - ref_loss) / abs(ref_loss)
+        worst, checked = 0.0, 0
+        for pname, g in ref_grads.items():
+            if not (pname.startswith("model.vision_tower.") or pname.startswith("model.embed_vision.")):
+                continue
+            key = "exp_avg." + pname
+            if key not in moments:
+                failures.append(f"{what}: no moment {key} (the tower's parameter does not train)")
+                continue
+            got = moments[key].double().reshape(g.shape) / (1 - BETA1)
+            err = float((got - g).norm() / max(float(g.norm()), 1e-300))
+            worst = max(worst, err)
+            checked += 1
+            if not err <= GRAD_TOL:
+                failures.append(f"{what}: gradient of {pname}: relative error {err:.2e}")
+        if not loss_err <= LOSS_TOL:
+            failures.append(f"{what}: loss {metrics[0]['loss']} against transformers' {ref_loss}")
+        if checked < 10:
+            failures.append(f"{what}: only {checked} tower gradients compared")
+        print(f"ok   one step at {what}: loss {ref_loss:.6f} (relative error {loss_err:.1e}), {checked} tower and "
+              f"projection gradients, worst relative error {worst:.1e}")
+
+
+def check_cp_and_resume(ringflex, mpiexec, work, ckpt, names, failures):
+    gen = torch.Generator().manual_seed(5)
+    lines = []
+    for s in range(10):
+        ids = torch.randint(8, 64, (int(torch.randint(6, 20, (1,), generator=gen)),), generator=gen).tolist()
+        images = [names[(s + j) % len(names)] for j in range(1 + s % 2)]
+        for j in range(len(images)):
+            ids.insert(min(len(ids), 2 + 5 * j), IMAGE)
+        lines.append(json.dumps({"input_ids": ids, "images": images}))
+    data = os.path.join(work, "data.jsonl")
+    with open(data, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    sets = [f"model.path={ckpt}", f"data.path={data}", "data.val_rows=1", "train.global_batch=2"]
+    try:
+        one = run(ringflex, [], work, "one", sets, 3)
+        two = run(ringflex, [*mpiexec, "-n", "2"], work, "two", sets, 3)
+        resumed = run(ringflex, [], work, "resumed", sets, 3,
+                      ["--resume", os.path.join(work, "one", "step-00000002")])
+    except RuntimeError as e:
+        failures.append(str(e))
+        return
+    for x, y in zip(one, two):
+        rel = abs(x["loss"] - y["loss"]) / abs(x["loss"])
+        if x["tokens"] != y["tokens"] or not rel < REL_TOL:
+            failures.append(f"step {x['step']}: cp 1 loss {x['loss']}, cp 2 {y['loss']}, relative {rel:.1e}")
+    if len(one) != 3 or len(two) != 3:
+        failures.append(f"{len(one)} and {len(two)} metrics lines, expected 3")
+    if [x["loss"] for x in resumed] != [x["loss"] for x in one[2:]]:
+        failures.append(f"resumed step 3 losses {[x['loss'] for x in resumed]} against {one[2]['loss']}")
+    final = load_file(os.path.join(work, "one", "step-00000003", "model.safetensors"))
+    again = load_file(os.path.join(work, "resumed", "step-00000003", "model.safetensors"))
+    if final.keys() != again.keys() or any(not torch.equal(final[k], again[k]) for k in final):
+        failures.append("the resumed run's step-3 weights differ from the straight run's")
+    start = load_file(os.path.join(ckpt, "model.safetensors"))
+    tower = [k for k in start if k.startswith("model.vision_tower.") and k.endswith(".weight")]
+    still = [k for k in tower if torch.equal(start[k].float(), final[k].float())]
+    if not tower or still:
+        failures.append(f"tower weights did not train: {still[:4]}")
+    _, info = Gemma4ForConditionalGeneration.from_pretrained(os.path.join(work, "two", "step-00000003"),
+                                                             output_loading_info=True)
+    for what in ("missing_keys", "unexpected_keys"):
+        if info.get(what):
+            failures.append(f"the checkpoint loads with {what} {sorted(info[what])[:4]}")
+    print(f"ok   cp 1 and cp 2 agree with the tower training: losses {[round(x['loss'], 6) for x in two]}; "
+          f"resumed from step 2 ends on the same bits; {len(tower)} tower weights moved")
+
+
+def main():
+    if len(sys.argv) < 3:
+        print("usage: train_vision.py PATH/TO/ringflex MPIEXEC [ARGS...]")
+        return 2
+    ringflex, mpiexec = sys.argv[1], sys.argv[2:]
+    torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()
+    gen = torch.Generator().manual_seed(11)
+    torch.manual_seed(11)
+    cfg = Gemma4Config(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE, boi_token_id=BOI,
+                       eoi_token_id=EOI)
+    model = Gemma4ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if p.dim() == 1 else 0.0) + 0.2 * torch.randn(p.shape, generator=gen))
+    failures = []
+    with tempfile.TemporaryDirectory() as work:
+        ckpt = os.path.join(work, "model")
+        model.save_pretrained(ckpt)
+        names = []
+        for i, (w, h, c) in enumerate([(13, 9, 3), (40, 7, 3), (21, 30, 2), (8, 8, 3), (25, 16, 2)]):
+            px = torch.randint(0, 256, (w * h * c,), generator=gen).tolist()
+            names.append(f"img/{i}.png")
+            write(os.path.join(work, names[-1]), png(w, h, c, px))
+        model = model.double()
+        model.config._attn_implementation = "eager"
+        for sub in (model.config.text_config, model.config.vision_config):
+            sub._attn_implementation = "eager"
+        check_one_step(ringflex, mpiexec, work, ckpt, names, model, failures)
+        check_cp_and_resume(ringflex, mpiexec, work, ckpt, names, failures)
+    if failures:
+        for f in failures:
+            print("FAIL " + f)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
