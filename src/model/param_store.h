@@ -137,6 +137,10 @@ class ParamStore : public Bf16Lookup {
   // whatever the store. Here a copy of weight(slot); a sharded store (trainer/sharded_store.h) gathers it from its
   // owners, a collective: every rank calls it for the same slots in the same order.
   virtual void read_weight(size_t slot, std::span<float> out);
+  // Sets the whole tensor of `slot` from in [info(slot).numel] (every rank passes the same values): how a loader or
+  // init writes a weight whatever the store. Here a copy into mutable_weight(slot); a sharded store keeps this
+  // rank's piece alone, so no rank ever holds the whole weights (no communication).
+  virtual void write_weight(size_t slot, std::span<const float> in);
   // The float32 masters of a trainable parameter from element `first` on, for the optimizer to update in place
   // (moves version()): the weights themselves here; a sharded store's copy of the elements this rank owns.
   virtual float* mutable_master(size_t slot, int64_t first);

@@ -620,6 +620,15 @@ TEST(Checkpoints, NonFiniteWeightsAndMomentsStopBeforeStepOne) {
               run(config((dir / "out").string(), {"train.steps=1", "model.path=" + path}));
             }),
             path + "/model.safetensors: tensor `" + file_name + "` has inf at [0, 2]");
+  // Under shard full each rank loads and checks only its pieces; rank 0, which holds the element, names it alike (the
+  // ranks agree on its line).
+  for (const char* n : {"2", "3"})
+    EXPECT_EQ(error_of([&] {
+                run(config((dir / "out").string(), {"train.steps=1", "model.path=" + path, "parallelism.shard=full",
+                                                    std::string("parallelism.dp=") + n, "train.global_batch=6"}));
+              }),
+              "rank 0: " + path + "/model.safetensors: tensor `" + file_name + "` has inf at [0, 2]")
+        << "N = " << n;
 }
 
 // The metrics file a resume continues keeps the whole lines of the steps its checkpoint holds: the lines of steps it
