@@ -19,6 +19,7 @@
 #include "cp/parallel_context.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
+#include "model/builtin_configs.h"
 #include "model/lora_store.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
@@ -34,53 +35,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
-
-// The built-in models: Gemma 4 shapes shrunk to train a few hundred steps in minutes on 2 cores. Five sliding
-// layers of window 64 and one full layer (Gemma 4's 5:1 mix), GQA 4:2 on sliding and 4:1 with K = V on the full
-// layer (as the 26B/31B), head dims 16 and 32 (sliding and global differ as in Gemma 4), vision-bidirectional
-// image groups. The MoE variant adds Gemma 4's parallel MoE block (4 experts, top 2).
-//
-// Both are multimodal Gemma4ForConditionalGeneration models: their image features (kBuiltinFeatureDim wide) go
-// through the trainable projection model.embed_vision.embedding_projection, which transformers only builds beside a
-// vision tower. So the config holds a vision_config (a one-layer tower of width kBuiltinFeatureDim) and every
-// checkpoint holds that tower, freshly initialised from train.seed and frozen (it encodes the mock data's drawings):
-// transformers loads the checkpoint with no missing and no unexpected weights.
-constexpr const char* kTinyDense = R"({
-  "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "tie_word_embeddings": true,
-  "text_config": {
-    "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 6,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
-    "num_global_key_value_heads": 1, "attention_k_eq_v": true, "sliding_window": 64,
-    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
-                    "sliding_attention", "full_attention"],
-    "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0, "use_bidirectional_attention": "vision",
-    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true,
-    "intermediate_size": 128
-  },
-  "vision_config": {
-    "model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
-    "position_embedding_size": 16
-  }
-})";
-constexpr const char* kTinyMoeVlm = R"({
-  "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "tie_word_embeddings": true,
-  "text_config": {
-    "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 6,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
-    "num_global_key_value_heads": 1, "attention_k_eq_v": true, "sliding_window": 64,
-    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
-                    "sliding_attention", "full_attention"],
-    "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0, "use_bidirectional_attention": "vision",
-    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true,
-    "intermediate_size": 96, "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 48
-  },
-  "vision_config": {
-    "model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
-    "position_embedding_size": 16
-  }
-})";
 
 model::Batch as_batch(const PackedBatch& p) {
   model::Batch b;
@@ -269,12 +223,6 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   return need;
 }
 
-std::string builtin_config_json(const std::string& name) {
-  if (name == "tiny_dense") return kTinyDense;
-  if (name == "tiny_moe_vlm") return kTinyMoeVlm;
-  rf::fail("model.builtin = '", name, "' is not one of tiny_dense, tiny_moe_vlm");
-}
-
 namespace {
 
 // Everything one rank's run holds: built by set_up (the plan's setup), used by every step after it.
@@ -385,20 +333,20 @@ void set_up(Run& r) {
       r.ck = model::load_checkpoint(cfg.model.path, check_fits, lora_store());
       return;
     }
-    const std::string text = builtin_config_json(cfg.model.builtin);
+    const std::string text = model::builtin_config_json(cfg.model.builtin);
     const std::string source = "model.builtin " + cfg.model.builtin;
     const model::Gemma4Config builtin = model::Gemma4Config::from_json(text, source);
-    check_fits(model::Gemma4Model(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Deferred));
-    r.ck.model = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Allocated,
-                                                      lora_store());
+    check_fits(model::Gemma4Model(builtin, model::kBuiltinFeatureDim, model::TensorSet::Storage::Deferred));
+    r.ck.model = std::make_unique<model::Gemma4Model>(builtin, model::kBuiltinFeatureDim,
+                                                      model::TensorSet::Storage::Allocated, lora_store());
     r.ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
     // init_random filled every slot, the adapters too: PEFT's initial adapters again (B = 0: the base's function).
     if (auto* ls = dynamic_cast<model::LoraStore*>(&r.ck.model->params())) ls->init_adapters();
     r.ck.text_prefix = model::kMultimodalTextPrefix;
     const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
     // transformers sizes the projection's input by the tower's width: the two must agree.
-    RF_CHECK(tower.hidden_size == kBuiltinFeatureDim, source, ": vision_config.hidden_size = ", tower.hidden_size,
-             ", the projection takes ", kBuiltinFeatureDim);
+    RF_CHECK(tower.hidden_size == model::kBuiltinFeatureDim, source,
+             ": vision_config.hidden_size = ", tower.hidden_size, ", the projection takes ", model::kBuiltinFeatureDim);
     r.ck.passthrough = model::init_vision_tower(tower, cfg.train.seed);
   };
   if (!r.options.resume.empty()) {
@@ -767,7 +715,11 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
   // each, until the checkpoint writer streams tensors through ParamStore::read_weight).
   if (save_now && r.sharded) r.sharded->unshard();
   if (save_now && r.shard_optimizer) gather_moments_to_writer(r.world, store, r.timeout);
-  comm::agree(r.world, [&] {
+  // A save is waited for as long as its bytes take at the slowest write rate, beyond --timeout: only a rank that is
+  // gone or silent ends the job the hard way.
+  const comm::Timeout wait =
+      save_now ? save_wait(r.timeout, checkpoint_bytes(r.ck), r.options.slowest_checkpoint_write) : r.timeout;
+  const auto outputs = [&] {
     if (metrics) metrics->append(metrics_json_line(sm));
     progress.step(sm, eta_s, is_last(r, sm.step) || sm.val_loss.has_value());
     if (sm.val_loss) progress.note(rf::concat("step ", sm.step, ": validation loss ", *sm.val_loss));
@@ -775,7 +727,8 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
       save(r, result);
       progress.note(rf::concat("step ", sm.step, ": checkpoint ", result.last_checkpoint));
     }
-  });
+  };
+  comm::agree(r.world, outputs, wait);
   if (save_now) result.last_checkpoint = checkpoint_path(ck.dir, sm.step);  // known to every rank
   if (save_now && r.shard_optimizer && r.lead) {                            // the writer keeps its own shard again
     const model::Shard mine = model::shard_of(store.trainable_elements(), r.world.rank(), r.world.size());
@@ -785,6 +738,15 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
 }
 
 }  // namespace
+
+comm::Timeout save_wait(comm::Timeout timeout, int64_t bytes, double bytes_per_s) {
+  RF_CHECK(bytes >= 0 && bytes_per_s > 0, "save_wait: ", bytes, " bytes at ", bytes_per_s, " bytes/s");
+  constexpr double kMsPerS = 1000.0;
+  // Capped far beyond any job (a year), so that the sum cannot overflow the milliseconds' integer.
+  constexpr double kLongestMs = 365.0 * 24 * 3600 * kMsPerS;
+  const double write_ms = std::min(static_cast<double>(bytes) / bytes_per_s * kMsPerS, kLongestMs);
+  return timeout + comm::Timeout(static_cast<int64_t>(std::ceil(write_ms)));
+}
 
 TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const TrainOptions& options) {
   RF_CHECK(world.size() == cfg.parallelism.cp * cfg.parallelism.dp,

@@ -9,13 +9,16 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <thread>
 
 #include "comm/loopback_comm.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
+#include "model/builtin_configs.h"
 #include "model/checkpoint.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
@@ -130,18 +133,19 @@ INSTANTIATE_TEST_SUITE_P(Builtins, GridInvariance, ::testing::Values("tiny_dense
 TEST(LabelTokens, CountedOnceOverTheGlobalBatch) {
   const TrainConfig c = small("tiny_moe_vlm", {"parallelism.cp=2", "parallelism.dp=2", "train.steps=1"});
   const Trained trained = run(c);
-  model::Gemma4Model m(model::Gemma4Config::from_json(builtin_config_json("tiny_moe_vlm")), kBuiltinFeatureDim);
+  model::Gemma4Model m(model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm")),
+                       model::kBuiltinFeatureDim);
   m.init_random(c.train.seed, static_cast<float>(c.model.init_std));
   // The trainer's mock images: drawings encoded by the built-in tower, initialised from train.seed as set_up does.
-  const std::string json = builtin_config_json("tiny_moe_vlm");
+  const std::string json = model::builtin_config_json("tiny_moe_vlm");
   const model::VisionConfig vc = model::VisionConfig::from_config_json(json, "tiny_moe_vlm").value();
   const io::Passthrough tower_weights = model::init_vision_tower(vc, c.train.seed);
   const model::VisionEncoder tower(vc, tower_weights);
   ImageContract images;
   images.vision = [&]() -> const model::VisionEncoder* { return &tower; };
-  const auto data = make_data_source(c, {m.config().vocab_size, 0, kBuiltinFeatureDim, ""}, images);
-  const PackedBatch p =
-      stack_rows({data->train_row(0), data->train_row(1), data->train_row(2), data->train_row(3)}, kBuiltinFeatureDim);
+  const auto data = make_data_source(c, {m.config().vocab_size, 0, model::kBuiltinFeatureDim, ""}, images);
+  const PackedBatch p = stack_rows({data->train_row(0), data->train_row(1), data->train_row(2), data->train_row(3)},
+                                   model::kBuiltinFeatureDim);
   model::Batch b{p.B,
                  p.S,
                  p.input_ids.data(),
@@ -459,8 +463,8 @@ TEST(ShardFull, CheckpointsHoldWholeTensorsAndResumeAcrossModesAndRankCounts) {
 // whole tensor (trainable and frozen, their pieces spread over ranks however the slices fall), while a rank holds
 // no whole copy; at N = 1 to 4.
 TEST(ShardFull, ReadWeightGathersWholeTensorsFromTheirPieces) {
-  const model::Gemma4Config cfg = model::Gemma4Config::from_json(builtin_config_json("tiny_moe_vlm"), "builtin");
-  model::Gemma4Model whole(cfg, kBuiltinFeatureDim, model::TensorSet::Storage::Allocated);
+  const model::Gemma4Config cfg = model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm"), "builtin");
+  model::Gemma4Model whole(cfg, model::kBuiltinFeatureDim, model::TensorSet::Storage::Allocated);
   whole.init_random(5, 0.1f);
   whole.params().freeze({"embed_tokens", "layers.2."});
   for (int P = 1; P <= 4; ++P) {
@@ -468,7 +472,7 @@ TEST(ShardFull, ReadWeightGathersWholeTensorsFromTheirPieces) {
       auto store = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
                                                   comm::default_timeout());
       ShardedStore& sharded = *store;
-      const model::Gemma4Model m(cfg, kBuiltinFeatureDim, model::TensorSet::Storage::Deferred, std::move(store));
+      const model::Gemma4Model m(cfg, model::kBuiltinFeatureDim, model::TensorSet::Storage::Deferred, std::move(store));
       sharded.adopt(whole.params());
       EXPECT_TRUE(sharded.sharded() && sharded.flat(model::Role::Weights).empty());
       for (size_t slot = 0; slot < sharded.size(); ++slot) {
@@ -531,6 +535,39 @@ TEST(Checkpoints, AFailedSaveLeavesTheLastGoodOne) {
   EXPECT_FALSE(fs::exists(dir / ".step-00000004.tmp"));
   EXPECT_FALSE(fs::exists(dir / ".loss.svg.tmp.12345.0"));
   EXPECT_TRUE(fs::exists(dir / "step-00000004" / "model.safetensors"));
+}
+
+// While rank 0 writes a checkpoint the other ranks wait --timeout plus the checkpoint's bytes at the slowest write
+// rate: a save slower than --timeout (here the writer sleeps twice the timeout before its rename) is not taken for a
+// silent rank, and the same save waited for only --timeout (an unbounded rate) still ends the job, as a rank that
+// stopped answering should.
+TEST(Checkpoints, ASaveSlowerThanTheTimeoutIsWaitedFor) {
+  // Long enough that the steps' own waits (ranks are threads on a shared machine) never come near it.
+  constexpr comm::Timeout kTimeout{3000};
+  const comm::Timeout saved_default = comm::default_timeout();
+  comm::set_default_timeout(kTimeout);
+  TrainOptions slow;
+  slow.before_checkpoint_rename = [&](const std::string&) { std::this_thread::sleep_for(2 * kTimeout); };
+  slow.slowest_checkpoint_write = 1.0;  // bytes per second: the tiny checkpoint is waited for for days
+  const fs::path dir = scratch("slow_save");
+  const TrainConfig c = small("tiny_dense", {"parallelism.dp=2", "train.steps=2", "checkpoint.dir=" + dir.string()});
+  EXPECT_EQ(run(c, slow).last_checkpoint, (dir / "step-00000002").string());
+  EXPECT_TRUE(fs::exists(dir / "step-00000002" / "optimizer.safetensors"));
+  slow.slowest_checkpoint_write = std::numeric_limits<double>::infinity();  // no allowance: --timeout alone
+  const fs::path silent_dir = scratch("silent_save");
+  const TrainConfig silent =
+      small("tiny_dense", {"parallelism.dp=2", "train.steps=2", "checkpoint.dir=" + silent_dir.string()});
+  const std::string error = error_of([&] { run(silent, slow); });
+  comm::set_default_timeout(saved_default);
+  EXPECT_NE(error.find("rank 1: timed out after 3000 ms"), std::string::npos) << error;
+  fs::remove_all(dir);
+  fs::remove_all(silent_dir);
+}
+
+TEST(Checkpoints, TheSaveWaitIsTheTimeoutPlusTheBytesAtTheSlowestRate) {
+  EXPECT_EQ(save_wait(comm::Timeout{1000}, 0, kSlowestCheckpointWrite), comm::Timeout{1000});
+  EXPECT_EQ(save_wait(comm::Timeout{1000}, 48 << 20, 16.0 * (1 << 20)), comm::Timeout{4000});  // 48 MiB at 16 MiB/s
+  EXPECT_EQ(save_wait(comm::Timeout{1000}, 1, 3.0), comm::Timeout{1334});  // a third of a second, rounded up
 }
 
 // trainer_state.json is the one file of a checkpoint a user may edit by hand: every field is checked on load, with one
@@ -713,7 +750,8 @@ TEST(Validation, ZeroValRowsTrainsWithoutValidation) {
 TEST(Freeze, FrozenParametersKeepTheirBits) {
   const TrainConfig c = small("tiny_dense", {"model.freeze=[embed_tokens, layers.0.]", "train.steps=2"});
   const Trained r = run(c);
-  model::Gemma4Model init(model::Gemma4Config::from_json(builtin_config_json("tiny_dense")), kBuiltinFeatureDim);
+  model::Gemma4Model init(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
+                          model::kBuiltinFeatureDim);
   init.init_random(c.train.seed, static_cast<float>(c.model.init_std));
   int frozen = 0, moved = 0;
   const model::TensorSet before = init.params().snapshot(model::Role::Weights);

@@ -12,6 +12,7 @@
 
 #include "comm/loopback_comm.h"
 #include "common/memory_limit.h"
+#include "model/builtin_configs.h"
 #include "model/lora_store.h"
 #include "model/memory.h"
 #include "trainer/error_of.h"
@@ -32,8 +33,8 @@ TrainConfig config(std::vector<std::string> sets) {
 }
 
 model::Gemma4Model shapes() {
-  return model::Gemma4Model(model::Gemma4Config::from_json(builtin_config_json("tiny_dense")), kBuiltinFeatureDim,
-                            model::TensorSet::Storage::Deferred);
+  return model::Gemma4Model(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
+                            model::kBuiltinFeatureDim, model::TensorSet::Storage::Deferred);
 }
 
 TEST(TrainMemory, TermsFollowTheConfig) {
@@ -131,8 +132,8 @@ TEST(TrainMemory, LoraCountsTheAdaptersNotTheBase) {
   model::LoraConfig lc;
   lc.rank = 4;
   lc.target = {"q_proj", "down_proj"};
-  const model::Gemma4Model allocated(model::Gemma4Config::from_json(builtin_config_json("tiny_dense")),
-                                     kBuiltinFeatureDim, model::TensorSet::Storage::Allocated,
+  const model::Gemma4Model allocated(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
+                                     model::kBuiltinFeatureDim, model::TensorSet::Storage::Allocated,
                                      std::make_unique<model::LoraStore>(lc));
   const int64_t adapters = allocated.params().trainable_bytes();
   ASSERT_GT(adapters, 0);
