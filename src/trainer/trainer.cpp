@@ -806,7 +806,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     }
     if (r.lead && !result.last_checkpoint.empty()) progress.note("checkpoint: " + result.last_checkpoint);
   });
-  if (r.sharded) r.sharded->unshard();  // the caller gets whole weights (a collective: every rank)
+  if (r.sharded && options.whole_model) r.sharded->unshard();  // whole weights for the caller (every rank)
   result.model = std::move(r.ck.model);
   return result;
 }

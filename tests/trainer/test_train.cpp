@@ -456,6 +456,12 @@ TEST(ShardFull, CheckpointsHoldWholeTensorsAndResumeAcrossModesAndRankCounts) {
   expect_same_losses(tail, run(config({"parallelism.dp=2", "parallelism.shard=optimizer"}, out), resume), "N = 2");
   expect_same_losses(tail, run(config({"parallelism.shard=none"}, out), resume), "N = 1");
   expect_same_losses(tail, run(config({"parallelism.dp=4", "parallelism.shard=full"}, out), resume), "N = 4, dp");
+  // Without whole_model (the CLI) no rank gathers the weights at the end: the result keeps this rank's pieces.
+  TrainOptions pieces;
+  pieces.whole_model = false;
+  const Trained kept = run(config({"parallelism.dp=2", "parallelism.shard=full"}, (dir / "kept").string()), pieces);
+  EXPECT_TRUE(kept.model->params().weights_allocated());
+  EXPECT_TRUE(kept.model->params().flat(model::Role::Weights).empty());
   fs::remove_all(dir);
 }
 
