@@ -46,6 +46,7 @@ int run_train(const TrainCliOptions& opt) {
   to.resume = opt.resume;
   to.metrics_path = opt.metrics;
   to.svg_path = opt.loss_svg;
+  to.whole_model = false;  // the weights are in the checkpoints; under shard full no rank gathers them at the end
   trainer::train(cfg, *world, to);
   return 0;
 }

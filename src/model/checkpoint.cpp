@@ -151,7 +151,7 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
     // One tensor widened at a time beside the store's arena.
     const ParamInfo& p = params.info(slot);
     const std::vector<float> values = io::to_float32(*files.find(file_name_of(p.name, ck.text_prefix)));
-    std::copy(values.begin(), values.end(), params.mutable_weight(slot));
+    params.write_weight(slot, values);  // a sharded store keeps its piece alone
   }
   std::set<std::string, std::less<>> held;
   for (const ParamInfo& p : params.infos()) held.insert(file_name_of(p.name, ck.text_prefix));

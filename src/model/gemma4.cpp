@@ -99,17 +99,19 @@ Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim, TensorSet:
   if (vision_dim_ > 0) vision_proj_ = add("model.embed_vision.embedding_projection.weight", {H, vision_dim_});
   if (storage == TensorSet::Storage::Deferred) return;
   ps.allocate_weights();
-  for (size_t s : ones) std::fill_n(ps.mutable_weight(s), ps.info(s).numel, 1.f);
+  for (size_t s : ones) ps.write_weight(s, std::vector<float>(static_cast<size_t>(ps.info(s).numel), 1.f));
 }
 
 void Gemma4Model::init_random(uint64_t seed, float stddev) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.f, stddev);
+  std::vector<float> w;  // one tensor at a time: a sharded store keeps its piece of it (write_weight)
   for (size_t slot = 0; slot < store_->size(); ++slot) {
     // 1-D tensors are scales (norms, router): keep them near 1 so activations stay O(1).
     const bool scale = store_->info(slot).shape.size() == 1;
-    float* w = store_->mutable_weight(slot);
-    for (int64_t e = 0; e < store_->info(slot).numel; ++e) w[e] = (scale ? 1.f : 0.f) + normal(rng);
+    w.resize(static_cast<size_t>(store_->info(slot).numel));
+    for (float& x : w) x = (scale ? 1.f : 0.f) + normal(rng);
+    store_->write_weight(slot, w);
   }
 }
 

@@ -162,6 +162,12 @@ void ParamStore::read_weight(size_t slot, std::span<float> out) {
   std::copy_n(weight(slot), out.size(), out.data());
 }
 
+void ParamStore::write_weight(size_t slot, std::span<const float> in) {
+  RF_CHECK(static_cast<int64_t>(in.size()) == info(slot).numel, "write_weight: ", in.size(), " elements for ",
+           info(slot).name, " of ", info(slot).numel);
+  std::copy(in.begin(), in.end(), mutable_weight(slot));
+}
+
 float* ParamStore::mutable_master(size_t slot, int64_t first) { return mutable_weight(slot) + first; }
 
 std::span<float> ParamStore::shard(Role role, int rank, int ranks) {

@@ -28,10 +28,12 @@
 // The replicated store below does nothing in them. Further implementations plug in here, not in gemma4.cpp:
 //   - Sharded (parallelism.shard). ZeRO-1 (optimizer) needs no hook: the moments cover this rank's shard of the
 //     trainable layout only (set_moment_range), the trainer reduce-scatters flat(Grads), AdamW updates that range
-//     and the trainer all-gathers the weights (trainer.cpp). ZeRO-2/3 (gradients, full) are an implementation that
-//     owns a communicator over all cp x dp ranks: Weights (ZeRO-3) and Grads hold this rank's shard(role, r, N) of
-//     each arena; weight(slot) of a layer between before_* and after_* points into a gathered buffer, grad(slot)
-//     into a layer-sized buffer that after_backward reduce-scatters into the owners' slices.
+//     and the trainer all-gathers the weights (trainer.cpp). ZeRO-2/3 (gradients, full) are trainer/sharded_store.h,
+//     which owns a communicator over all cp x dp ranks: flat(Grads) is this rank's slice of the trainable layout
+//     (grads_begin() says where it starts), under full the weights are this rank's pieces (mutable_master for the
+//     optimizer, read_weight / write_weight for whole tensors); weight(slot) of a layer between before_* and
+//     after_* points into a gathered buffer, grad(slot) into a layer-sized buffer that after_backward
+//     reduce-scatters into the owners' slices.
 //   - LoRA (frozen base, trainable adapters): the base in the checkpoint's dtype, every base slot frozen (no grad);
 //     the adapters A [r, in], B [out, r] registered as further trainable slots of the same layer, so Grads and the
 //     moments cover only them. WeightView grows {A, B, scale} (and a base with no float32 copy: b16 only), and the
@@ -151,6 +153,10 @@ class ParamStore : public Bf16Lookup {
   // whatever the store. Here a copy of weight(slot); a sharded store (trainer/sharded_store.h) gathers it from its
   // owners, a collective: every rank calls it for the same slots in the same order.
   virtual void read_weight(size_t slot, std::span<float> out);
+  // Sets the whole tensor of `slot` from in [info(slot).numel] (every rank passes the same values): how a loader or
+  // init writes a weight whatever the store. Here a copy into mutable_weight(slot); a sharded store keeps this
+  // rank's piece alone, so no rank ever holds the whole weights (no communication).
+  virtual void write_weight(size_t slot, std::span<const float> in);
   // The float32 masters of a trainable parameter from element `first` on, for the optimizer to update in place
   // (moves version()): the weights themselves here; a sharded store's copy of the elements this rank owns.
   virtual float* mutable_master(size_t slot, int64_t first);

@@ -43,8 +43,14 @@ struct ShardedStore::Reduction {
   comm::PostedPtr posted;
 };
 
-ShardedStore::ShardedStore(std::unique_ptr<comm::Communicator> comm, Mode mode, comm::Timeout timeout)
-    : comm_(std::move(comm)), mode_(mode), timeout_(timeout), P_(comm_->size()), me_(comm_->rank()) {}
+ShardedStore::ShardedStore(std::unique_ptr<comm::Communicator> comm, Mode mode, comm::Timeout timeout,
+                           std::vector<std::string> freeze)
+    : comm_(std::move(comm)),
+      mode_(mode),
+      timeout_(timeout),
+      freeze_(std::move(freeze)),
+      P_(comm_->size()),
+      me_(comm_->rank()) {}
 
 ShardedStore::~ShardedStore() = default;
 
@@ -78,6 +84,61 @@ void ShardedStore::adopt(const model::ParamStore& whole) {
     trainable[i] = whole.info(i).trainable;
   }
   set_trainable(trainable);
+  lay_out();
+  if (mode_ == Mode::Gradients) {
+    ReplicatedStore::allocate_weights();
+    const std::span<const float> all = whole.flat(Role::Weights);
+    RF_CHECK(static_cast<int64_t>(all.size()) == total_elements(), "sharded store: the source's weights are not flat");
+    std::copy(all.begin(), all.end(), ReplicatedStore::mutable_flat(Role::Weights).begin());
+    return;
+  }
+  release_weights();
+  own_trainable_.assign(mine_trainable_.size(), 0.f);
+  own_frozen_.assign(mine_frozen_.size(), 0.f);
+  for (size_t i = 0; i < size(); ++i) {
+    const Piece pc = piece(i, me_);
+    float* own = (info(i).trainable ? own_trainable_.data() : own_frozen_.data()) + pc.local;
+    std::copy_n(whole.weight(i) + pc.first, pc.n, own);
+  }
+  weights_changed();
+}
+
+void ShardedStore::allocate_weights() {
+  if (weights_allocated()) return;
+  freeze(freeze_);
+  lay_out();
+  if (mode_ == Mode::Gradients) {
+    ReplicatedStore::allocate_weights();
+    return;
+  }
+  own_trainable_.assign(mine_trainable_.size(), 0.f);
+  own_frozen_.assign(mine_frozen_.size(), 0.f);
+  weights_changed();
+}
+
+void ShardedStore::write_weight(size_t slot, std::span<const float> in) {
+  if (!sharded()) {
+    ReplicatedStore::write_weight(slot, in);
+    return;
+  }
+  const ParamInfo& p = info(slot);
+  RF_CHECK(static_cast<int64_t>(in.size()) == p.numel, "write_weight: ", in.size(), " elements for ", p.name, " of ",
+           p.numel);
+  const Piece pc = piece(slot, me_);
+  std::copy_n(in.data() + pc.first, pc.n, (p.trainable ? own_trainable_.data() : own_frozen_.data()) + pc.local);
+  weights_changed();
+  global_stale_ = true;
+}
+
+std::span<const float> ShardedStore::own_piece(size_t slot, int64_t* first) const {
+  RF_CHECK(sharded(), "sharded store: own_piece while the weights are whole");
+  const Piece pc = piece(slot, me_);
+  *first = pc.first;
+  const float* own = (info(slot).trainable ? own_trainable_.data() : own_frozen_.data()) + pc.local;
+  return {own, static_cast<size_t>(pc.n)};
+}
+
+void ShardedStore::lay_out() {
   frozen_offset_.assign(size(), -1);
   frozen_total_ = 0;
   layers_ = 0;
@@ -104,22 +165,6 @@ void ShardedStore::adopt(const model::ParamStore& whole) {
   live_.resize(groups_.size());
   adopted_ = true;
   global_stale_ = true;
-  if (mode_ == Mode::Gradients) {
-    ReplicatedStore::allocate_weights();
-    const std::span<const float> all = whole.flat(Role::Weights);
-    RF_CHECK(static_cast<int64_t>(all.size()) == total_elements(), "sharded store: the source's weights are not flat");
-    std::copy(all.begin(), all.end(), ReplicatedStore::mutable_flat(Role::Weights).begin());
-    return;
-  }
-  release_weights();
-  own_trainable_.assign(mine_trainable_.size(), 0.f);
-  own_frozen_.assign(mine_frozen_.size(), 0.f);
-  for (size_t i = 0; i < size(); ++i) {
-    const Piece pc = piece(i, me_);
-    float* own = (info(i).trainable ? own_trainable_.data() : own_frozen_.data()) + pc.local;
-    std::copy_n(whole.weight(i) + pc.first, pc.n, own);
-  }
-  weights_changed();
 }
 
 void ShardedStore::wait(comm::PostedCollective& c) {

@@ -24,6 +24,7 @@
 
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -35,14 +36,19 @@ class ShardedStore : public model::ReplicatedStore {
  public:
   enum class Mode { Gradients, Full };
   // `comm`: the store's own communicator over all cp x dp ranks, so its posted collectives never interleave with
-  // the trainer's or the ring's. `timeout` bounds each of its waits.
-  ShardedStore(std::unique_ptr<comm::Communicator> comm, Mode mode, comm::Timeout timeout);
+  // the trainer's or the ring's. `timeout` bounds each of its waits. `freeze`: model.freeze, applied when the
+  // weights are allocated (the pieces follow the trainable flags, so they are final before any piece exists).
+  ShardedStore(std::unique_ptr<comm::Communicator> comm, Mode mode, comm::Timeout timeout,
+               std::vector<std::string> freeze = {});
   ~ShardedStore() override;
 
-  // Takes the weights of `whole`, a store with the same registry and trainable flags (the loaded model's): full
-  // keeps this rank's pieces and no whole copy, gradients all of them. No communication. Freeze before: the
-  // layout of the pieces follows the trainable flags.
+  // Two ways in. allocate_weights (a loader's or the model's own) freezes, lays the pieces out and allocates this
+  // rank's (full; all weights under gradients), which write_weight then fills tensor by tensor: no rank holds a
+  // whole copy. Or adopt takes the weights of `whole`, a store with the same registry and trainable flags (a
+  // resumed model's), keeping this rank's pieces (full) or all of them (gradients). No communication either way.
   void adopt(const model::ParamStore& whole);
+  // This rank's piece of a parameter while sharded (empty when it owns none), and its first element in the tensor.
+  std::span<const float> own_piece(size_t slot, int64_t* first) const;
   // full: every rank gathers every weight into one whole arena (collective), so weight(slot) and flat(Weights) read
   // any parameter, as in the replicated store, until reshard() drops it (saves, and the end of the run).
   void unshard();
@@ -65,7 +71,9 @@ class ShardedStore : public model::ReplicatedStore {
   static Bytes bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable, Mode mode, int ranks);
 
   // --- ParamStore ---
+  void allocate_weights() override;
   bool weights_allocated() const override { return sharded() || ReplicatedStore::weights_allocated(); }
+  void write_weight(size_t slot, std::span<const float> in) override;
   const float* weight(size_t slot) const override;
   float* mutable_weight(size_t slot) override;
   void read_weight(size_t slot, std::span<float> out) override;
@@ -99,6 +107,7 @@ class ShardedStore : public model::ReplicatedStore {
     int64_t first = 0, n = 0, local = 0;
   };
   Piece piece(size_t slot, int q) const;
+  void lay_out();  // the groups, the frozen layout and this rank's slices, from the registry and its flags
   Group& group_of(int layer);
   const Group& group_of(int layer) const;
   std::unique_ptr<Gathered> post_gather(const Group& g, bool trainable_only);
@@ -111,6 +120,7 @@ class ShardedStore : public model::ReplicatedStore {
   std::unique_ptr<comm::Communicator> comm_;
   Mode mode_;
   comm::Timeout timeout_;
+  std::vector<std::string> freeze_;
   int P_ = 1, me_ = 0;
   int layers_ = 0;
   std::vector<Group> groups_;           // [layers_ + 1]: the global group, then the decoder layers

@@ -18,6 +18,7 @@
 #include "core/memory.h"
 #include "cp/parallel_context.h"
 #include "io/atomic_file.h"
+#include "io/safetensors.h"
 #include "io/tensor_access.h"
 #include "model/builtin_configs.h"
 #include "model/expert_store.h"
@@ -85,8 +86,18 @@ void check_loaded_weights(const model::Checkpoint& ck, const std::string& dir) {
   std::error_code ec;
   const std::string where = fs::exists(single, ec) ? single.string() : dir;
   const model::ParamStore& store = ck.model->params();
+  const auto* sharded = dynamic_cast<const ShardedStore*>(&store);
   for (size_t i = 0; i < store.size(); ++i) {  // named as in the files, where the user can look it up
     const model::ParamInfo& p = store.info(i);
+    if (sharded != nullptr && sharded->sharded()) {  // shard full: each rank checks the piece it keeps
+      int64_t first = 0;
+      const std::span<const float> piece = sharded->own_piece(i, &first);
+      for (size_t k = 0; k < piece.size(); ++k)
+        if (!std::isfinite(piece[k]))
+          rf::fail(where, ": tensor `", model::file_name_of(p.name, ck.text_prefix), "` has ", piece[k], " at ",
+                   io::index_string(first + static_cast<int64_t>(k), p.shape));
+      continue;
+    }
     check_loaded_tensor(where, model::file_name_of(p.name, ck.text_prefix),
                         std::span<const float>(store.weight(i), static_cast<size_t>(p.numel)), p.shape);
   }
@@ -295,13 +306,21 @@ void join_groups(Run& r) {
   if (r.store_shards) r.store_comm = r.world.split(0, r.world.rank(), r.timeout);
 }
 
-// shard gradients / full: the model again over a ShardedStore that takes the loaded (frozen already) weights, its
-// buffers copied. The loaded whole copy is dropped when this returns (loading still holds one whole copy per rank).
+// shard gradients / full: a fresh sharded store (it takes the run's communicator over the world) that freezes
+// model.freeze when its weights are allocated.
+std::unique_ptr<ShardedStore> sharded_store(Run& r) {
+  RF_CHECK(r.store_comm != nullptr, "shard: the sharded store's communicator was taken already");
+  return std::make_unique<ShardedStore>(std::move(r.store_comm),
+                                        r.shard_full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients,
+                                        r.timeout, r.cfg.model.freeze);
+}
+
+// shard gradients / full, resuming: the model again over a ShardedStore that takes the loaded (frozen already)
+// weights, its buffers copied. The loaded whole copy is dropped when this returns (a resume still loads one whole
+// copy per rank; a fresh run loads straight into the pieces).
 void shard_model(Run& r) {
   const model::Gemma4Model& whole = *r.ck.model;
-  auto store = std::make_unique<ShardedStore>(std::move(r.store_comm),
-                                              r.shard_full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients,
-                                              r.timeout);
+  std::unique_ptr<ShardedStore> store = sharded_store(r);
   ShardedStore& sharded = *store;
   auto model = std::make_unique<model::Gemma4Model>(whole.config(), whole.vision_feature_dim(),
                                                     model::TensorSet::Storage::Deferred, std::move(store));
@@ -370,7 +389,9 @@ void set_up(Run& r) {
   };
   const bool lora = cfg.model.lora_rank > 0;
   // LoRA: the parameters live in a LoraStore, which adds the adapters and freezes the base when it allocates.
+  // shard gradients / full: in a ShardedStore, each rank keeping its pieces of every tensor as it is loaded.
   const auto lora_store = [&]() -> std::unique_ptr<model::ParamStore> {
+    if (r.store_shards) return sharded_store(r);
     return lora ? std::make_unique<model::LoraStore>(lora_config(cfg)) : nullptr;
   };
   // The base: from model.path, or the built-in model from train.seed (a LoRA resume builds it again: it never trains).
@@ -457,7 +478,10 @@ void set_up(Run& r) {
     r.tower.reset();
   r.feature_dim = r.data->feature_dim() > 0 ? width : 0;
   r.ck.model->params().freeze(cfg.model.freeze);
-  if (r.store_shards) shard_model(r);
+  if (r.store_shards) {
+    r.sharded = dynamic_cast<ShardedStore*>(&r.ck.model->params());
+    if (r.sharded == nullptr) shard_model(r);  // resumed into a replicated store
+  }
   model::ParamStore& store = r.ck.model->params();
   if (r.shard_optimizer) {
     const model::Shard mine = model::shard_of(store.trainable_elements(), r.world.rank(), r.world.size());
@@ -995,7 +1019,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     }
     if (r.lead && !result.last_checkpoint.empty()) progress.note("checkpoint: " + result.last_checkpoint);
   });
-  if (r.sharded) r.sharded->unshard();  // the caller gets whole weights (a collective: every rank)
+  if (r.sharded && options.whole_model) r.sharded->unshard();  // whole weights for the caller (every rank)
   result.model = std::move(r.ck.model);
   return result;
 }

@@ -52,6 +52,9 @@ struct TrainOptions {
   std::function<void(const std::string&)> before_checkpoint_rename;
   // Bytes per second a checkpoint write is waited for at (kSlowestCheckpointWrite; tests change it).
   double slowest_checkpoint_write = kSlowestCheckpointWrite;
+  // TrainResult::model holds whole weights. Under parallelism.shard = full every rank gathers them at the end (a
+  // collective, one whole copy per rank); false leaves each rank its pieces (the CLI, which does not read them).
+  bool whole_model = true;
 };
 
 // How long the other ranks wait for a checkpoint save of `bytes` written at `bytes_per_s` at the slowest:

@@ -456,6 +456,12 @@ TEST(ShardFull, CheckpointsHoldWholeTensorsAndResumeAcrossModesAndRankCounts) {
   expect_same_losses(tail, run(config({"parallelism.dp=2", "parallelism.shard=optimizer"}, out), resume), "N = 2");
   expect_same_losses(tail, run(config({"parallelism.shard=none"}, out), resume), "N = 1");
   expect_same_losses(tail, run(config({"parallelism.dp=4", "parallelism.shard=full"}, out), resume), "N = 4, dp");
+  // Without whole_model (the CLI) no rank gathers the weights at the end: the result keeps this rank's pieces.
+  TrainOptions pieces;
+  pieces.whole_model = false;
+  const Trained kept = run(config({"parallelism.dp=2", "parallelism.shard=full"}, (dir / "kept").string()), pieces);
+  EXPECT_TRUE(kept.model->params().weights_allocated());
+  EXPECT_TRUE(kept.model->params().flat(model::Role::Weights).empty());
   fs::remove_all(dir);
 }
 
@@ -657,6 +663,15 @@ TEST(Checkpoints, NonFiniteWeightsAndMomentsStopBeforeStepOne) {
               run(config((dir / "out").string(), {"train.steps=1", "model.path=" + path}));
             }),
             path + "/model.safetensors: tensor `" + file_name + "` has inf at [0, 2]");
+  // Under shard full each rank loads and checks only its pieces; rank 0, which holds the element, names it alike (the
+  // ranks agree on its line).
+  for (const char* n : {"2", "3"})
+    EXPECT_EQ(error_of([&] {
+                run(config((dir / "out").string(), {"train.steps=1", "model.path=" + path, "parallelism.shard=full",
+                                                    std::string("parallelism.dp=") + n, "train.global_batch=6"}));
+              }),
+              "rank 0: " + path + "/model.safetensors: tensor `" + file_name + "` has inf at [0, 2]")
+        << "N = " << n;
 }
 
 // The metrics file a resume continues keeps the whole lines of the steps its checkpoint holds: the lines of steps it
