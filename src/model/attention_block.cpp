@@ -24,7 +24,10 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
   // Projections land head-major, [B, heads, S, D], the layout attention reads; norms and RoPE act per D-vector,
   // so they run on that layout as they are.
   a.q_raw = uninit(T * qd);
-  heads_forward(mm, a.a.data(), W(sl.q_proj), a.q_raw.data(), B, S, H, Hq, D);
+  SharedOperands shared(mm);
+  shared.add(a.a.data(), T * H);  // q, k and v projections all read it: rounded once in the bf16 mode
+  const Matmul ms = shared.matmul();
+  heads_forward(ms, a.a.data(), W(sl.q_proj), a.q_raw.data(), B, S, H, Hq, D);
   a.q_rms = uninit(T * Hq);
   a.Q = attn_tensor(T * qd);
   rmsnorm_rope_forward(a.q_raw.data(), W(sl.q_norm), eps, &rope(sp), B, Hq, S, D, a.q_rms.data(), out(a.Q));
@@ -33,10 +36,10 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
   const AttnTensor* V = nullptr;
   if (sp.kv_source < 0) {
     a.k_raw = uninit(T * kd);
-    heads_forward(mm, a.a.data(), W(sl.k_proj), a.k_raw.data(), B, S, H, Hkv, D);
+    heads_forward(ms, a.a.data(), W(sl.k_proj), a.k_raw.data(), B, S, H, Hkv, D);
     if (sp.has_v_proj) {
       a.v_raw = uninit(T * kd);
-      heads_forward(mm, a.a.data(), W(sl.v_proj), a.v_raw.data(), B, S, H, Hkv, D);
+      heads_forward(ms, a.a.data(), W(sl.v_proj), a.v_raw.data(), B, S, H, Hkv, D);
     }
     const Vec& v_src = sp.has_v_proj ? a.v_raw : a.k_raw;  // attention_k_eq_v: V is the raw K projection
     a.k_rms = uninit(T * Hkv);
@@ -102,7 +105,10 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
   Vec dq_raw = zeros(T * qd);
   rmsnorm_backward(a.q_raw.data(), W(sl.q_norm), a.q_rms.data(), dQ.data(), dq_raw.data(), G(sl.q_norm), T * Hq, D);
   Vec da = zeros(T * H);
-  heads_backward(mm, a.a.data(), W(sl.q_proj), dq_raw.data(), da.data(), G(sl.q_proj), B, S, H, Hq, D);
+  SharedOperands rounded(mm);
+  if (G(sl.q_proj) || G(sl.k_proj) || G(sl.v_proj)) rounded.add(a.a.data(), T * H);  // their weight gradients read it
+  const Matmul ms = rounded.matmul();
+  heads_backward(ms, a.a.data(), W(sl.q_proj), dq_raw.data(), da.data(), G(sl.q_proj), B, S, H, Hq, D);
   if (sp.kv_source < 0) {
     rope_apply_head_major(dK.data(), rope(sp), B, Hkv, S, true);
     Vec dk_raw = zeros(T * kd);
@@ -110,11 +116,11 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
     if (sp.has_v_proj) {
       Vec dv_raw = zeros(T * kd);
       rmsnorm_backward(a.v_raw.data(), nullptr, a.v_rms.data(), dV.data(), dv_raw.data(), nullptr, T * Hkv, D);
-      heads_backward(mm, a.a.data(), W(sl.v_proj), dv_raw.data(), da.data(), G(sl.v_proj), B, S, H, Hkv, D);
+      heads_backward(ms, a.a.data(), W(sl.v_proj), dv_raw.data(), da.data(), G(sl.v_proj), B, S, H, Hkv, D);
     } else {
       rmsnorm_backward(a.k_raw.data(), nullptr, a.v_rms.data(), dV.data(), dk_raw.data(), nullptr, T * Hkv, D);
     }
-    heads_backward(mm, a.a.data(), W(sl.k_proj), dk_raw.data(), da.data(), G(sl.k_proj), B, S, H, Hkv, D);
+    heads_backward(ms, a.a.data(), W(sl.k_proj), dk_raw.data(), da.data(), G(sl.k_proj), B, S, H, Hkv, D);
   }
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t i = 0; i < T * H; ++i) dx[i] = dx1[i];

@@ -84,6 +84,16 @@ int64_t Bf16Copies::bytes() const {
   return total;
 }
 
+void SharedOperands::add(const float* src, int64_t n) {
+  // Already rounded by an enclosing op's SharedOperands (or a weight): found there.
+  if (base_.dtype == ComputeDtype::Bfloat16 && n > 0 && !find(src, n)) copies_.add(src, n);
+}
+
+const bf16* SharedOperands::find(const float* src, int64_t extent) const {
+  if (const bf16* mine = copies_.find(src, extent)) return mine;
+  return base_.weights ? base_.weights->find(src, extent) : nullptr;
+}
+
 namespace {
 
 // How C is cut over threads: blocks of `share` rows (split_rows) or columns, a multiple of kGemmQuantum.
@@ -299,8 +309,11 @@ void linear_forward(const Matmul& mm, const float* x, const float* W, float* y, 
 
 void linear_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t T,
                      int64_t K, int64_t N) {
-  if (dx) gemm(mm, false, false, T, K, N, 1.f, dy, N, W, K, 1.f, dx, K);
-  if (dW) gemm(mm, true, false, N, K, T, 1.f, dy, N, x, K, 1.f, dW, K);
+  SharedOperands shared(mm);
+  if (dx && dW) shared.add(dy, T * N);  // both products read dy
+  const Matmul m = shared.matmul();
+  if (dx) gemm(m, false, false, T, K, N, 1.f, dy, N, W, K, 1.f, dx, K);
+  if (dW) gemm(m, true, false, N, K, T, 1.f, dy, N, x, K, 1.f, dW, K);
 }
 
 void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* inv_rms, int64_t R, int64_t n) {
@@ -460,19 +473,26 @@ void rmsnorm_rope_forward(const float* x, const float* w, float eps, const RopeT
 
 void heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int64_t K, int heads,
                    int64_t D) {
+  SharedOperands shared(mm);
+  shared.add(x, int64_t{B} * L * K);  // every head's product reads its row of x
+  const Matmul m = shared.matmul();
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < heads; ++h)
-      gemm(mm, false, true, L, D, K, 1.f, x + b * L * K, K, W + h * D * K, K, 0.f, y + (int64_t{b} * heads + h) * L * D,
+      gemm(m, false, true, L, D, K, 1.f, x + b * L * K, K, W + h * D * K, K, 0.f, y + (int64_t{b} * heads + h) * L * D,
            D);
 }
 
 void heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int B,
                     int64_t L, int64_t K, int heads, int64_t D) {
+  SharedOperands shared(mm);
+  if (dW) shared.add(x, int64_t{B} * L * K);                 // every head's weight gradient reads its row of x
+  if (dx && dW) shared.add(dy, int64_t{B} * heads * L * D);  // each head's g feeds both products
+  const Matmul m = shared.matmul();
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < heads; ++h) {
       const float* g = dy + (int64_t{b} * heads + h) * L * D;  // [L, D]
-      if (dx) gemm(mm, false, false, L, K, D, 1.f, g, D, W + h * D * K, K, 1.f, dx + b * L * K, K);
-      if (dW) gemm(mm, true, false, D, K, L, 1.f, g, D, x + b * L * K, K, 1.f, dW + h * D * K, K);
+      if (dx) gemm(m, false, false, L, K, D, 1.f, g, D, W + h * D * K, K, 1.f, dx + b * L * K, K);
+      if (dW) gemm(m, true, false, D, K, L, 1.f, g, D, x + b * L * K, K, 1.f, dW + h * D * K, K);
     }
   }
 }
@@ -489,12 +509,15 @@ void merge_heads_forward(const Matmul& mm, const float* x, const float* W, float
 void merge_heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, const AttnOut& dx,
                           float* dW, int B, int64_t L, int heads, int64_t D, int64_t N) {
   const int64_t ld_w = int64_t{heads} * D;
+  SharedOperands shared(mm);
+  shared.add(dy, int64_t{B} * L * N);  // every head's products read its row of dy, up to twice
+  const Matmul m = shared.matmul();
   for (int b = 0; b < B; ++b) {
     const float* g = dy + b * L * N;  // [L, N]
     for (int h = 0; h < heads; ++h) {
       const int64_t o = (int64_t{b} * heads + h) * L * D;
-      if (!dx.empty()) gemm_into(mm, false, false, L, D, N, 1.f, g, N, W + h * D, ld_w, dx.at(o));
-      if (dW) gemm(mm, true, false, N, D, L, 1.f, g, N, x + o, D, 1.f, dW + h * D, ld_w);
+      if (!dx.empty()) gemm_into(m, false, false, L, D, N, 1.f, g, N, W + h * D, ld_w, dx.at(o));
+      if (dW) gemm(m, true, false, N, D, L, 1.f, g, N, x + o, D, 1.f, dW + h * D, ld_w);
     }
   }
 }

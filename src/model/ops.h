@@ -61,6 +61,22 @@ struct Matmul {
   const Bf16Lookup* weights = nullptr;
 };
 
+// Operands that several matmuls of one op read in the bf16 mode (an activation every head's projection multiplies,
+// the gradient both products of a linear layer take): add() rounds each once, and the matmuls find them through
+// matmul()'s lookup (before the weights' copies) instead of rounding them again in every call. The same bits as
+// rounding per call. In the float32 mode add() does nothing and matmul() is the run's own.
+class SharedOperands final : public Bf16Lookup {
+ public:
+  explicit SharedOperands(const Matmul& mm) : base_(mm) {}
+  void add(const float* src, int64_t n);
+  const bf16* find(const float* src, int64_t extent) const override;
+  Matmul matmul() const { return base_.dtype == ComputeDtype::Bfloat16 ? Matmul{base_.dtype, this} : base_; }
+
+ private:
+  Matmul base_;
+  Bf16Copies copies_;
+};
+
 // Loops over fewer elements than this run on one thread: a parallel region's fork and barrier cost microseconds
 // on an idle machine and milliseconds on a loaded one, more than ~32K elements of simple work.
 constexpr int64_t kParallelMinElements = int64_t{1} << 15;
