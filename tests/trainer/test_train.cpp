@@ -463,8 +463,8 @@ TEST(ShardFull, CheckpointsHoldWholeTensorsAndResumeAcrossModesAndRankCounts) {
 // whole tensor (trainable and frozen, their pieces spread over ranks however the slices fall), while a rank holds
 // no whole copy; at N = 1 to 4.
 TEST(ShardFull, ReadWeightGathersWholeTensorsFromTheirPieces) {
-  const model::Gemma4Config cfg = model::Gemma4Config::from_json(builtin_config_json("tiny_moe_vlm"), "builtin");
-  model::Gemma4Model whole(cfg, kBuiltinFeatureDim, model::TensorSet::Storage::Allocated);
+  const model::Gemma4Config cfg = model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm"), "builtin");
+  model::Gemma4Model whole(cfg, model::kBuiltinFeatureDim, model::TensorSet::Storage::Allocated);
   whole.init_random(5, 0.1f);
   whole.params().freeze({"embed_tokens", "layers.2."});
   for (int P = 1; P <= 4; ++P) {
@@ -472,7 +472,7 @@ TEST(ShardFull, ReadWeightGathersWholeTensorsFromTheirPieces) {
       auto store = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
                                                   comm::default_timeout());
       ShardedStore& sharded = *store;
-      const model::Gemma4Model m(cfg, kBuiltinFeatureDim, model::TensorSet::Storage::Deferred, std::move(store));
+      const model::Gemma4Model m(cfg, model::kBuiltinFeatureDim, model::TensorSet::Storage::Deferred, std::move(store));
       sharded.adopt(whole.params());
       EXPECT_TRUE(sharded.sharded() && sharded.flat(model::Role::Weights).empty());
       for (size_t slot = 0; slot < sharded.size(); ++slot) {
