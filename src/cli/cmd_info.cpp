@@ -32,6 +32,8 @@ int run_info() {
   std::printf("%skernels: %s\n", prefix.c_str(), cpu::describe(path).c_str());
   std::printf("%smodel bf16 matmuls (--compute-dtype bf16): %s\n", prefix.c_str(),
               model::bf16_matmul_path().description.c_str());
+  std::printf("%smodel bf16 attention (--compute-dtype bf16): %s\n", prefix.c_str(),
+              cpu::describe_bf16_attention(path).c_str());
   std::printf("%smodel float32 matmuls: %s\n", prefix.c_str(), cpu::describe_openblas_core().c_str());
   std::printf("%sopenmp threads: %d\n", prefix.c_str(), omp_get_max_threads());
   return 0;

@@ -5,6 +5,20 @@
 
 namespace rf {
 
+AttnChunk chunk_of(const AttnShard& s, const LayerMask& mask, float scale) {
+  AttnChunk c;
+  c.shape = s.shape;
+  c.dtype = s.dtype;
+  c.q = s.q;
+  c.k = s.k;
+  c.v = s.v;
+  c.q_meta = s.meta;
+  c.k_meta = s.meta;
+  c.mask = mask;
+  c.scale = scale;
+  return c;
+}
+
 void validate(const AttnChunk& c) {
   const AttnShape& s = c.shape;
   RF_CHECK(s.B >= 0 && s.Lq >= 0 && s.Lk >= 0, "negative size: B = ", s.B, ", Lq = ", s.Lq, ", Lk = ", s.Lk);

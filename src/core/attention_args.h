@@ -41,6 +41,21 @@ struct AttnChunk {
   float scale = 0.f;  // multiplies q.k before the softmax; Gemma 4 uses 1.0
 };
 
+// One rank's shard of one layer's attention inputs: its queries against its own keys, shape.Lq == shape.Lk == L.
+// What the model's parallel context (core/attention_backend.h, ShardAttention) and the CP engine
+// (cp/cp_attention.h, CpShard) both take, so neither converts the other's copy field by field.
+struct AttnShard {
+  AttnShape shape;
+  DType dtype = DType::F32;         // of q, k, v (and dout in backward)
+  const void* q = nullptr;          // [B, Hq, L, D]
+  const void* k = nullptr;          // [B, Hkv, L, D]
+  const void* v = nullptr;          // [B, Hkv, L, D]
+  const TokenMeta* meta = nullptr;  // [B, L], idx in the (padded) full row
+};
+
+// The shard as one chunk: its queries against its own keys (q_meta = k_meta = meta), as the one-rank path runs it.
+AttnChunk chunk_of(const AttnShard& s, const LayerMask& mask, float scale);
+
 // Throws rf::Error naming the first problem (Hq % Hkv, D out of 1..512, negative sizes or window, null buffers).
 void validate(const AttnChunk& c);
 

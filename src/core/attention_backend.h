@@ -43,13 +43,10 @@ struct RowShard {
   bool is_pad(int32_t position) const { return position >= S; }
 };
 
-// One layer's attention on this rank's tokens: shape.Lq == shape.Lk == L.
-struct ShardAttention {
-  AttnShape shape;
-  const float* q = nullptr;         // [B, Hq, L, D] float32
-  const float* k = nullptr;         // [B, Hkv, L, D] float32
-  const float* v = nullptr;         // [B, Hkv, L, D] float32
-  const TokenMeta* meta = nullptr;  // [B, L]: idx is the position in the (padded) full row
+// One layer's attention on this rank's tokens: shape.Lq == shape.Lk == L. dtype says what q, k, v (and the
+// backward's dout) hold: float32, or bf16 where the model computes in bf16 on bf16 units (model/ops.h
+// ComputeDtype; cpu::bf16_attention_on_bf16_units decides). The outputs are float32 either way.
+struct ShardAttention : AttnShard {
   LayerMask mask;
   std::optional<float> scale;  // unset: 1/sqrt(D); any finite value, 0 included, is used as it is
 };
@@ -68,9 +65,9 @@ class ParallelContext {
   // o: [B, Hq, L, D], lse: [B, Hq, L] float32, written (-inf and o = 0 where a query sees nothing). Collective.
   virtual void forward(const ShardAttention& x, float* o, float* lse) = 0;
 
-  // o, lse: forward's outputs; dout: [B, Hq, L, D]. Writes (not accumulates) float32 dq: [B, Hq, L, D] and
+  // o, lse: forward's outputs; dout: [B, Hq, L, D] in x.dtype. Writes (not accumulates) float32 dq: [B, Hq, L, D] and
   // dk, dv: [B, Hkv, L, D] for this rank's keys, summed over every rank's queries. Collective.
-  virtual void backward(const ShardAttention& x, const float* o, const float* lse, const float* dout, float* dq,
+  virtual void backward(const ShardAttention& x, const float* o, const float* lse, const void* dout, float* dq,
                         float* dk, float* dv) = 0;
 
   // In place: each value summed over the ranks in rank order 0..P-1, the same bits on every rank. Collective.

@@ -74,15 +74,8 @@ struct CpParams {
   const CommPlan* plan = nullptr;
 };
 
-// This rank's shard. shape.Lq == shape.Lk == L (the shard length, equal on every rank).
-struct CpShard {
-  AttnShape shape;
-  DType dtype = DType::F32;
-  const void* q = nullptr;          // [B, Hq, L, D]
-  const void* k = nullptr;          // [B, Hkv, L, D]
-  const void* v = nullptr;          // [B, Hkv, L, D]
-  const TokenMeta* meta = nullptr;  // [B, L], idx in the padded row
-};
+// This rank's shard (core/attention_args.h): shape.Lq == shape.Lk == L (the shard length, equal on every rank).
+using CpShard = AttnShard;
 
 // o: [B, Hq, L, D] float32, lse: [B, Hq, L] float32 (-inf and o = 0 where a query sees nothing).
 void cp_attention_forward(comm::Communicator& comm, const CpShard& x, const CpParams& p, float* o, float* lse);

@@ -61,16 +61,14 @@ void CpAttention::add(const CpStats& s) {
 
 void CpAttention::forward(const ShardAttention& x, float* o, float* lse) {
   CpStats stats;
-  const CpShard shard{x.shape, DType::F32, x.q, x.k, x.v, x.meta};
-  cp_attention_forward(comm_, shard, params_for(x, &stats), o, lse);
+  cp_attention_forward(comm_, x, params_for(x, &stats), o, lse);
   add(stats);
 }
 
-void CpAttention::backward(const ShardAttention& x, const float* o, const float* lse, const float* dout, float* dq,
+void CpAttention::backward(const ShardAttention& x, const float* o, const float* lse, const void* dout, float* dq,
                            float* dk, float* dv) {
   CpStats stats;
-  const CpShard shard{x.shape, DType::F32, x.q, x.k, x.v, x.meta};
-  cp_attention_backward(comm_, shard, params_for(x, &stats), o, lse, dout, dq, dk, dv);
+  cp_attention_backward(comm_, x, params_for(x, &stats), o, lse, dout, dq, dk, dv);
   add(stats);
 }
 

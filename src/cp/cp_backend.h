@@ -42,7 +42,7 @@ class CpAttention final : public AttentionBackend {
   int ranks() const override { return comm_.size(); }
   RowShard begin_batch(const TokenMeta* rows, int B, int S, const std::vector<MaskLayers>& mix) override;
   void forward(const ShardAttention& x, float* o, float* lse) override;
-  void backward(const ShardAttention& x, const float* o, const float* lse, const float* dout, float* dq, float* dk,
+  void backward(const ShardAttention& x, const float* o, const float* lse, const void* dout, float* dq, float* dk,
                 float* dv) override;
   void sum_over_ranks(double* values, size_t n) override;
 

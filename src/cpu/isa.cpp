@@ -235,4 +235,10 @@ std::string describe(const KernelPath& path) {
   return std::string(isa_name(path.isa)) + ", bf16 products: " + bf16_name(path.bf16) + " (" + path.reason + ")";
 }
 
+std::string describe_bf16_attention(const KernelPath& path) {
+  if (bf16_units_pay(path))
+    return std::string("bf16 kernels, q, k, v and dout stored bf16; products: ") + bf16_name(path.bf16);
+  return "float32 kernels on q, k, v and dout rounded to bf16 values (no bf16 units that pay: " + path.reason + ")";
+}
+
 }  // namespace rf::cpu

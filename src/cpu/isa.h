@@ -97,6 +97,17 @@ void set_tile_race(Bf16Race race);
 // has a software tile unit installed (amx.h: install_amx_tile_model), the AVX-512 kernels with AMX products instead.
 const KernelPath& kernel_path();
 
+// Whether bf16 operands pay on `path`: its bf16 products run on bf16 units (AMX tiles, or vdpbf16ps where the
+// choice above found them faster than float32 FMAs). On Widen every bf16 element is widened to float32 while packing
+// and multiplied on the same FMAs as float32 operands, so bf16 saves nothing but memory. This is the one place the
+// bf16 compute mode (model.compute_dtype = bfloat16) takes its hardware decision from, for attention and matmuls:
+// true: q, k, v and dout are stored bf16 and run on the bf16 attention kernels, the linear layers on oneDNN's bf16
+// matmul; false: the float32 kernels and sgemm run on operands rounded to bf16 (the same numbers, float32's speed).
+constexpr bool bf16_units_pay(const KernelPath& path) { return path.bf16 != Bf16Product::Widen; }
+
+// One line for `ringflex info`: what the bf16 compute mode's attention runs on, given `path`.
+std::string describe_bf16_attention(const KernelPath& path);
+
 const char* isa_name(Isa isa);            // "scalar", "avx2", "avx512"
 const char* bf16_name(Bf16Product bf16);  // what each product runs on, e.g. "vdpbf16ps (P and dS rounded to bf16)"
 // One line for `ringflex info`: "avx512, bf16 products: vdpbf16ps ... (best this CPU supports)".

@@ -13,16 +13,7 @@ namespace rf::cpu {
 namespace {
 
 AttnChunk whole_row(const ShardAttention& x) {
-  AttnChunk c;
-  c.shape = x.shape;
-  c.dtype = DType::F32;
-  c.q = x.q;
-  c.k = x.k;
-  c.v = x.v;
-  c.q_meta = x.meta;
-  c.k_meta = x.meta;
-  c.mask = x.mask;
-  c.scale = x.scale.value_or(default_scale(x.shape.D));
+  const AttnChunk c = chunk_of(x, x.mask, x.scale.value_or(default_scale(x.shape.D)));
   validate(c);
   return c;
 }
@@ -42,11 +33,11 @@ RowShard LocalAttention::begin_batch(const TokenMeta* rows, int B, int S, const 
 
 void LocalAttention::forward(const ShardAttention& x, float* o, float* lse) { attention_forward(whole_row(x), o, lse); }
 
-void LocalAttention::backward(const ShardAttention& x, const float* o, const float* lse, const float* dout, float* dq,
+void LocalAttention::backward(const ShardAttention& x, const float* o, const float* lse, const void* dout, float* dq,
                               float* dk, float* dv) {
   const AttnChunk c = whole_row(x);
   std::vector<float> delta(static_cast<size_t>(x.shape.lse_elems()));  // [B, Hq, L]
-  attention_delta(x.shape, DType::F32, dout, o, delta.data());
+  attention_delta(x.shape, x.dtype, dout, o, delta.data());
   // The kernel accumulates; the seam writes.
   std::fill_n(dq, x.shape.q_elems(), 0.f);
   std::fill_n(dk, x.shape.kv_elems(), 0.f);

@@ -14,7 +14,7 @@ class LocalAttention final : public AttentionBackend {
   int ranks() const override { return 1; }
   RowShard begin_batch(const TokenMeta* rows, int B, int S, const std::vector<MaskLayers>& mix) override;
   void forward(const ShardAttention& x, float* o, float* lse) override;
-  void backward(const ShardAttention& x, const float* o, const float* lse, const float* dout, float* dq, float* dk,
+  void backward(const ShardAttention& x, const float* o, const float* lse, const void* dout, float* dq, float* dk,
                 float* dv) override;
   void sum_over_ranks(double*, size_t) override {}  // one rank: the sum is the value
 };

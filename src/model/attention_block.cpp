@@ -1,7 +1,9 @@
 // ringflex model: the attention block of a Gemma 4 layer, forward and backward (gemma4_run.h).
 //
 // Q, K and V are produced head-major ([B, heads, S, D], the layout the attention seam reads) by one sgemm per row
-// and head, and o_proj reads O head-major the same way, so no full-tensor transpose happens per layer. Attention
+// and head, and o_proj reads O head-major the same way, so no full-tensor transpose happens per layer. The op that
+// writes Q, K, V (norm and RoPE in one pass) and dO (o_proj's backward) writes them in the attention's storage
+// (Run::attn_dtype: bf16 in the bf16 mode where the kernels have bf16 units), so no pass converts them. Attention
 // itself runs through the AttentionBackend: the local kernels, or the CP ring over this rank's shard.
 #include <algorithm>
 
@@ -22,43 +24,44 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
   // Projections land head-major, [B, heads, S, D], the layout attention reads; norms and RoPE act per D-vector,
   // so they run on that layout as they are.
   a.q_raw = uninit(T * qd);
-  heads_forward(mm, a.a.data(), W(sl.q_proj), a.q_raw.data(), B, S, H, Hq, D);
+  SharedOperands shared(mm);
+  shared.add(a.a.data(), T * H);  // q, k and v projections all read it: rounded once in the bf16 mode
+  const Matmul ms = shared.matmul();
+  heads_forward(ms, a.a.data(), W(sl.q_proj), a.q_raw.data(), B, S, H, Hq, D);
   a.q_rms = uninit(T * Hq);
-  a.Q = uninit(T * qd);
-  rmsnorm_forward(a.q_raw.data(), W(sl.q_norm), eps, a.Q.data(), a.q_rms.data(), T * Hq, D);
-  rope_apply_head_major(a.Q.data(), rope(sp), B, Hq, S, false);
+  a.Q = attn_tensor(T * qd);
+  rmsnorm_rope_forward(a.q_raw.data(), W(sl.q_norm), eps, &rope(sp), B, Hq, S, D, a.q_rms.data(), out(a.Q));
 
-  const float* K = nullptr;
-  const float* V = nullptr;
+  const AttnTensor* K = nullptr;
+  const AttnTensor* V = nullptr;
   if (sp.kv_source < 0) {
     a.k_raw = uninit(T * kd);
-    heads_forward(mm, a.a.data(), W(sl.k_proj), a.k_raw.data(), B, S, H, Hkv, D);
+    heads_forward(ms, a.a.data(), W(sl.k_proj), a.k_raw.data(), B, S, H, Hkv, D);
     if (sp.has_v_proj) {
       a.v_raw = uninit(T * kd);
-      heads_forward(mm, a.a.data(), W(sl.v_proj), a.v_raw.data(), B, S, H, Hkv, D);
+      heads_forward(ms, a.a.data(), W(sl.v_proj), a.v_raw.data(), B, S, H, Hkv, D);
     }
     const Vec& v_src = sp.has_v_proj ? a.v_raw : a.k_raw;  // attention_k_eq_v: V is the raw K projection
     a.k_rms = uninit(T * Hkv);
     a.v_rms = uninit(T * Hkv);
-    a.K = uninit(T * kd);
-    a.V = uninit(T * kd);
-    rmsnorm_forward(a.k_raw.data(), W(sl.k_norm), eps, a.K.data(), a.k_rms.data(), T * Hkv, D);
-    rope_apply_head_major(a.K.data(), rope(sp), B, Hkv, S, false);
-    rmsnorm_forward(v_src.data(), nullptr, eps, a.V.data(), a.v_rms.data(), T * Hkv, D);
+    a.K = attn_tensor(T * kd);
+    a.V = attn_tensor(T * kd);
+    rmsnorm_rope_forward(a.k_raw.data(), W(sl.k_norm), eps, &rope(sp), B, Hkv, S, D, a.k_rms.data(), out(a.K));
+    rmsnorm_rope_forward(v_src.data(), nullptr, eps, nullptr, B, Hkv, S, D, a.v_rms.data(), out(a.V));
     if (sp.stores_kv && !reuse_attention) {
-      kv_K[l] = copy_of(a.K);
-      kv_V[l] = copy_of(a.V);
+      kv_K[l] = a.K.copy();
+      kv_V[l] = a.V.copy();
     }
-    K = a.K.data();
-    V = a.V.data();
+    K = &a.K;
+    V = &a.V;
   } else {
-    K = kv_K[sp.kv_source].data();
-    V = kv_V[sp.kv_source].data();
+    K = &kv_K[sp.kv_source];
+    V = &kv_V[sp.kv_source];
   }
   if (!reuse_attention) {
     a.O = zeros(T * qd);
     a.lse = zeros(T * Hq);
-    attn.forward(attention(sp, a.Q.data(), K, V), a.O.data(), a.lse.data());
+    attn.forward(attention(sp, a.Q, *K, *V), a.O.data(), a.lse.data());
   }
   // A recompute is handed the forward's o_proj output ([T, H], kept beside O) and redoes only its norm.
   if (a.ao.empty()) {
@@ -79,14 +82,14 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
 
   Vec dao = zeros(T * H);
   rmsnorm_backward(a.ao.data(), W(sl.post_attn_norm), a.r_pa.data(), dx1, dao.data(), G(sl.post_attn_norm), T, H);
-  Vec dO = zeros(T * qd);  // [B, Hq, S, D]
-  merge_heads_backward(mm, a.O.data(), W(sl.o_proj), dao.data(), dO.data(), G(sl.o_proj), B, S, Hq, D, H);
+  AttnTensor dO = attn_tensor(T * qd);  // [B, Hq, S, D], written by o_proj's backward in the attention's storage
+  merge_heads_backward(mm, a.O.data(), W(sl.o_proj), dao.data(), out(dO), G(sl.o_proj), B, S, Hq, D, H);
   Vec dQ = zeros(T * qd);
   Vec dK = zeros(T * kd), dV = zeros(T * kd);  // this layer's own contribution, written by the backend
   const bool shared = sp.kv_source >= 0;
-  const float* K = shared ? kv_K[sp.kv_source].data() : a.K.data();
-  const float* V = shared ? kv_V[sp.kv_source].data() : a.V.data();
-  attn.backward(attention(sp, a.Q.data(), K, V), a.O.data(), a.lse.data(), dO.data(), dQ.data(), dK.data(), dV.data());
+  const AttnTensor& K = shared ? kv_K[sp.kv_source] : a.K;
+  const AttnTensor& V = shared ? kv_V[sp.kv_source] : a.V;
+  attn.backward(attention(sp, a.Q, K, V), a.O.data(), a.lse.data(), dO.data(), dQ.data(), dK.data(), dV.data());
   if (shared) {
     // KV-shared layer: its K/V gradients belong to the layer that produced them (reached later in the backward).
     add_into(kv_dK[sp.kv_source].data(), dK.data(), T * kd);
@@ -102,7 +105,10 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
   Vec dq_raw = zeros(T * qd);
   rmsnorm_backward(a.q_raw.data(), W(sl.q_norm), a.q_rms.data(), dQ.data(), dq_raw.data(), G(sl.q_norm), T * Hq, D);
   Vec da = zeros(T * H);
-  heads_backward(mm, a.a.data(), W(sl.q_proj), dq_raw.data(), da.data(), G(sl.q_proj), B, S, H, Hq, D);
+  SharedOperands rounded(mm);
+  if (G(sl.q_proj) || G(sl.k_proj) || G(sl.v_proj)) rounded.add(a.a.data(), T * H);  // their weight gradients read it
+  const Matmul ms = rounded.matmul();
+  heads_backward(ms, a.a.data(), W(sl.q_proj), dq_raw.data(), da.data(), G(sl.q_proj), B, S, H, Hq, D);
   if (sp.kv_source < 0) {
     rope_apply_head_major(dK.data(), rope(sp), B, Hkv, S, true);
     Vec dk_raw = zeros(T * kd);
@@ -110,11 +116,11 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
     if (sp.has_v_proj) {
       Vec dv_raw = zeros(T * kd);
       rmsnorm_backward(a.v_raw.data(), nullptr, a.v_rms.data(), dV.data(), dv_raw.data(), nullptr, T * Hkv, D);
-      heads_backward(mm, a.a.data(), W(sl.v_proj), dv_raw.data(), da.data(), G(sl.v_proj), B, S, H, Hkv, D);
+      heads_backward(ms, a.a.data(), W(sl.v_proj), dv_raw.data(), da.data(), G(sl.v_proj), B, S, H, Hkv, D);
     } else {
       rmsnorm_backward(a.k_raw.data(), nullptr, a.v_rms.data(), dV.data(), dk_raw.data(), nullptr, T * Hkv, D);
     }
-    heads_backward(mm, a.a.data(), W(sl.k_proj), dk_raw.data(), da.data(), G(sl.k_proj), B, S, H, Hkv, D);
+    heads_backward(ms, a.a.data(), W(sl.k_proj), dk_raw.data(), da.data(), G(sl.k_proj), B, S, H, Hkv, D);
   }
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t i = 0; i < T * H; ++i) dx[i] = dx1[i];

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "cpu/isa.h"
 #include "cpu/local_attention.h"
 #include "model/gemma4_run.h"
 #include "model/loss.h"
@@ -227,6 +228,10 @@ void Gemma4Model::Run::layer_backward(int l, LayerActs& a, const float* x, const
 // The whole model.
 // ---------------------------------------------------------------------------------------------------------------
 
+DType attention_dtype(ComputeDtype t) {
+  return t == ComputeDtype::Bfloat16 && cpu::bf16_units_pay(cpu::kernel_path()) ? DType::BF16 : DType::F32;
+}
+
 int64_t Gemma4Model::bf16_weight_bytes() const { return store_->bf16_bytes(); }
 
 Result Gemma4Model::run(const Batch& batch, const RunOptions& opt) const {
@@ -241,6 +246,8 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
   Run r(*this, batch, opt, store, attn);
   r.mm.dtype = opt.compute_dtype;
   if (opt.compute_dtype == ComputeDtype::Bfloat16) r.mm.weights = &store.bf16_weights();
+  r.attn_dtype = attention_dtype(opt.compute_dtype);
+  r.attn_round = opt.compute_dtype == ComputeDtype::Bfloat16 && r.attn_dtype == DType::F32;
   // The global group (embeddings, final norm, head) is read at the run's start and at its end: acquired for all of
   // it, released after the embedding's backward (or the loss, without one).
   store.before_forward(kGlobalGroup);
@@ -334,11 +341,13 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
     return res;
   }
   int64_t kept = static_cast<int64_t>(r.h0.size() + r.ple.size() + r.ple_raw.size() + r.ple_rms.size());
-  for (int l = 0; l < L; ++l)
+  int64_t kv_bytes = 0;
+  for (int l = 0; l < L; ++l) {
     kept += static_cast<int64_t>(r.x_in[l].size() + r.saved_O[l].size() + r.saved_lse[l].size() + r.saved_ao[l].size() +
-                                 r.saved_mo[l].size() + r.kv_K[l].size() + r.kv_V[l].size() + r.saved_g[l].size() +
-                                 r.saved_u[l].size());
-  res.kept_activation_bytes = kept * static_cast<int64_t>(sizeof(float));
+                                 r.saved_mo[l].size() + r.saved_g[l].size() + r.saved_u[l].size());
+    kv_bytes += r.kv_K[l].bytes() + r.kv_V[l].bytes();
+  }
+  res.kept_activation_bytes = kept * static_cast<int64_t>(sizeof(float)) + kv_bytes;
   for (const LayerActs& a : kept_layers) res.kept_activation_bytes += a.bytes();
 
   // Backward, one layer at a time: recompute the layer's activations from its kept input (attention output and
@@ -350,8 +359,8 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
   if (cfg_.ple_dim > 0) r.dple = zeros(T * int64_t{L} * cfg_.ple_dim);
   for (int l = 0; l < L; ++l) {
     if (specs_[l].stores_kv) {
-      r.kv_dK[l] = zeros(static_cast<int64_t>(r.kv_K[l].size()));
-      r.kv_dV[l] = zeros(static_cast<int64_t>(r.kv_V[l].size()));
+      r.kv_dK[l] = zeros(r.kv_K[l].size());
+      r.kv_dV[l] = zeros(r.kv_V[l].size());
     }
   }
   Vec dprev = zeros(T * H);

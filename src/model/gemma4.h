@@ -59,13 +59,21 @@ struct RunOptions {
   // recompute runs only the MLP's norm and GeGLU instead of its remaining two sgemms (1/2 of a dense layer's
   // FLOPs). Same bits as either mode above.
   bool keep_mlp_projections = false;
-  // What the linear layers multiply in (ops.h ComputeDtype). Bfloat16: every matmul of the decoder and the LM head
-  // rounds its operands to bf16 and accumulates in float32 (oneDNN, model/matmul_bf16.h); the parameters, gradients,
-  // activations between matmuls, norms, softmax, loss and attention stay float32. The weights' bf16 copies are made
-  // once after the parameters change (the parameter store's version), not per call. Loss and gradients
-  // differ from Float32 by about the operands' 2^-9 relative rounding (tests/model/test_model_bf16.cpp bounds it).
+  // What the linear layers and attention multiply in (ops.h ComputeDtype). Bfloat16: every matmul of the decoder and
+  // the LM head rounds its operands to bf16 and accumulates in float32 (oneDNN, model/matmul_bf16.h), and attention
+  // reads q, k, v (and dout) rounded to bf16 by the ops that write them (attention_dtype says in what storage);
+  // the parameters, gradients, activations between matmuls, norms, softmax statistics and loss stay float32. The
+  // weights' bf16 copies are made once after the parameters change (the parameter store's version), not per call.
+  // Loss and gradients differ from Float32 by about the operands' 2^-9 relative rounding
+  // (tests/model/test_model_bf16.cpp bounds it).
   ComputeDtype compute_dtype = ComputeDtype::Float32;
 };
+
+// What attention's q, k, v and dout are stored in for a run computing in `t`: float32 for Float32; for Bfloat16, BF16
+// where this CPU's attention kernels multiply bf16 on bf16 units that pay (cpu::bf16_units_pay, AMX tiles or
+// vdpbf16ps), else float32 holding bf16-rounded values for the float32 kernels (the same numbers, without widening
+// each element in the kernels' packing).
+DType attention_dtype(ComputeDtype t);
 
 // Default budget of the loss's one chunk of logits (loss.h loss_chunk_tokens: never fewer than kMinLossChunkTokens
 // tokens, whatever the vocabulary).

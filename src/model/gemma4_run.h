@@ -79,6 +79,35 @@ inline int64_t bytes_of(std::initializer_list<const Vec*> vs) {
   return n * static_cast<int64_t>(sizeof(float));
 }
 
+// bf16 storage, left uninitialised by a size constructor as Vec is.
+using Bf16Vec = std::vector<bf16, DefaultInitAllocator<bf16>>;
+
+// q, k, v or dout [B, heads, S, D] as the attention seam reads them: float32 (`f32`) or bf16 (`b16`), whichever the
+// run's attention storage is (Run::attn_tensor); the other stays empty.
+struct AttnTensor {
+  DType dtype = DType::F32;
+  Vec f32;
+  Bf16Vec b16;
+
+  const void* data() const { return dtype == DType::F32 ? static_cast<const void*>(f32.data()) : b16.data(); }
+  int64_t size() const { return static_cast<int64_t>(dtype == DType::F32 ? f32.size() : b16.size()); }
+  int64_t bytes() const { return size() * static_cast<int64_t>(dtype_size(dtype)); }
+  // A copy, written by all threads.
+  AttnTensor copy() const {
+    AttnTensor c;
+    c.dtype = dtype;
+    if (dtype == DType::F32) {
+      c.f32 = copy_of(f32);
+      return c;
+    }
+    c.b16 = Bf16Vec(b16.size());
+    const int64_t n = size();
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+    for (int64_t i = 0; i < n; ++i) c.b16[static_cast<size_t>(i)] = b16[static_cast<size_t>(i)];
+    return c;
+  }
+};
+
 // Gemma 4 attention does not scale q.k (q and k are RMS-normalised per head instead).
 constexpr float kAttentionScale = 1.0f;
 // transformers' (projection + token part) * 2^-1/2 when combining the two halves of a per-layer input.
@@ -88,13 +117,15 @@ inline const float kPleCombineScale = static_cast<float>(std::sqrt(0.5));
 // differentiated. T = B * S tokens of this rank.
 struct AttnActs {
   Vec a, r_in;                     // input norm: [T, H], [T]
-  Vec q_raw, q_rms, Q;             // head-major: [B, Hq, S, D], [B*Hq*S], [B, Hq, S, D] (normed, rotated)
+  Vec q_raw, q_rms;                // head-major: [B, Hq, S, D], [B*Hq*S]
+  AttnTensor Q;                    // [B, Hq, S, D] normed, rotated, in the attention's storage
   Vec k_raw, k_rms, v_raw, v_rms;  // head-major: [B, Hkv, S, D], [B*Hkv*S] (v_raw only with a v_proj)
-  Vec K, V;                        // [B, Hkv, S, D] own K/V (empty on KV-shared layers)
+  AttnTensor K, V;                 // [B, Hkv, S, D] own K/V (empty on KV-shared layers)
   Vec O, lse;                      // [B, Hq, S, D], [B, Hq, S]
   Vec ao, r_pa, x1;                // [T, H], [T], [T, H]
   int64_t bytes() const {
-    return bytes_of({&a, &r_in, &q_raw, &q_rms, &Q, &k_raw, &k_rms, &v_raw, &v_rms, &K, &V, &O, &lse, &ao, &r_pa, &x1});
+    return bytes_of({&a, &r_in, &q_raw, &q_rms, &k_raw, &k_rms, &v_raw, &v_rms, &O, &lse, &ao, &r_pa, &x1}) +
+           Q.bytes() + K.bytes() + V.bytes();
   }
 };
 
@@ -154,6 +185,10 @@ struct Gemma4Model::Run {
   int64_t T = 0, H;  // T = B * S: this rank's tokens, token-major
   float eps;
   Matmul mm;  // how the linear layers multiply (RunOptions::compute_dtype; the weights' bf16 copies)
+  // How attention's inputs are stored (gemma4.cpp: attention_storage): float32 in the float32 mode; in the bf16 mode
+  // bf16 where the kernels have bf16 units that pay, else float32 holding bf16-rounded values.
+  DType attn_dtype = DType::F32;
+  bool attn_round = false;
   RowShard shard;
   // Sequence-resident arrays, gathered to this rank's tokens ([T], shard order): the full rows' values at the
   // shard's positions, docs/spec.md §5 pad values at sharding padding.
@@ -174,9 +209,10 @@ struct Gemma4Model::Run {
   Vec d_image_features;                // [N, F]
   std::vector<Vec> x_in;               // [L][T, H] layer inputs (training)
   std::vector<Vec> saved_O, saved_lse;
-  std::vector<Vec> saved_ao, saved_mo;        // [L][T, H] o_proj and down_proj outputs (recompute on)
-  std::vector<Vec> saved_g, saved_u;          // [L][T, I] MLP projections (RunOptions::keep_mlp_projections)
-  std::vector<Vec> kv_K, kv_V, kv_dK, kv_dV;  // [L] K/V (and their gradients) of layers others read
+  std::vector<Vec> saved_ao, saved_mo;  // [L][T, H] o_proj and down_proj outputs (recompute on)
+  std::vector<Vec> saved_g, saved_u;    // [L][T, I] MLP projections (RunOptions::keep_mlp_projections)
+  std::vector<AttnTensor> kv_K, kv_V;   // [L] K/V of layers others read, in the attention's storage
+  std::vector<Vec> kv_dK, kv_dV;        // [L] their gradients, float32
 
   Run(const Gemma4Model& model, const Batch& batch, const RunOptions& options, ParamStore& s, AttentionBackend& a)
       : m(model),
@@ -197,12 +233,27 @@ struct Gemma4Model::Run {
   float* G(size_t s) const { return !opt.want_grad || s == kNoSlot ? nullptr : store.grad(s); }
   const RopeTable& rope(const LayerSpec& s) const { return s.sliding ? rope_sliding : rope_full; }
 
-  ShardAttention attention(const LayerSpec& s, const float* Q, const float* K, const float* V) const {
+  // n elements of attention input in the run's storage, uninitialised, and where an op writes them.
+  AttnTensor attn_tensor(int64_t n) const {
+    AttnTensor t;
+    t.dtype = attn_dtype;
+    if (attn_dtype == DType::F32)
+      t.f32 = uninit(n);
+    else
+      t.b16 = Bf16Vec(static_cast<size_t>(n));
+    return t;
+  }
+  AttnOut out(AttnTensor& t) const {
+    return t.dtype == DType::F32 ? AttnOut{t.f32.data(), nullptr, attn_round} : AttnOut{nullptr, t.b16.data(), false};
+  }
+
+  ShardAttention attention(const LayerSpec& s, const AttnTensor& Q, const AttnTensor& K, const AttnTensor& V) const {
     ShardAttention x;
     x.shape = AttnShape{B, cfg.num_heads, s.kv_heads, S, S, s.head_dim};
-    x.q = Q;
-    x.k = K;
-    x.v = V;
+    x.dtype = attn_dtype;
+    x.q = Q.data();
+    x.k = K.data();
+    x.v = V.data();
     x.meta = meta.data();
     x.mask = s.mask;
     x.scale = kAttentionScale;

@@ -45,7 +45,9 @@ class OneThreadForOneDnn {
 };
 
 // A matmul's shape and scalars: what a primitive is specialised on.
-using PrimitiveKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float>;
+using PrimitiveKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float, DType>;
+
+dnnl_data_type_t dnnl_type(DType t) { return t == DType::F32 ? dnnl_f32 : dnnl_bf16; }
 
 // Creating a primitive descriptor walks oneDNN's implementation list (tens of microseconds); the model repeats a few
 // dozen shapes every layer, so each thread keeps the primitives it made. Per thread, so no lock is taken per call.
@@ -71,10 +73,10 @@ dnnl_memory_desc_t matrix_desc(int64_t rows, int64_t cols, bool transposed, dnnl
 }
 
 dnnl_primitive_t make_matmul(const PrimitiveKey& key) {
-  const auto [trans_a, trans_b, m, n, k, lda, ldb, ldc, alpha, beta] = key;
+  const auto [trans_a, trans_b, m, n, k, lda, ldb, ldc, alpha, beta, c_dtype] = key;
   const dnnl_memory_desc_t a = matrix_desc(m, k, trans_a, dnnl_bf16, lda);
   const dnnl_memory_desc_t b = matrix_desc(k, n, trans_b, dnnl_bf16, ldb);
-  const dnnl_memory_desc_t c = matrix_desc(m, n, false, dnnl_f32, ldc);
+  const dnnl_memory_desc_t c = matrix_desc(m, n, false, dnnl_type(c_dtype), ldc);
   dnnl_matmul_desc_t desc;
   check(dnnl_matmul_desc_init(&desc, &a, &b, nullptr, &c), "matmul descriptor");
   dnnl_primitive_attr_t attr = nullptr;
@@ -102,16 +104,23 @@ dnnl_primitive_t make_matmul(const PrimitiveKey& key) {
 
 void bf16_gemm_on_this_thread(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bf16* A,
                               int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  bf16_gemm_on_this_thread(trans_a, trans_b, m, n, k, alpha, A, lda, B, ldb, beta, C, DType::F32, ldc);
+}
+
+void bf16_gemm_on_this_thread(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bf16* A,
+                              int64_t lda, const bf16* B, int64_t ldb, float beta, void* C, DType c_dtype,
+                              int64_t ldc) {
   RF_CHECK(m > 0 && n > 0 && k > 0, "bf16 gemm: empty shape [", m, ", ", n, ", ", k, "]");
+  RF_CHECK(c_dtype == DType::F32 || beta == 0.f, "bf16 gemm: a bf16 C cannot be accumulated into (beta = ", beta, ")");
   OneThreadForOneDnn one_thread;
   thread_local ThreadPrimitives mine;
-  const PrimitiveKey key{trans_a, trans_b, m, n, k, lda, ldb, ldc, alpha, beta};
+  const PrimitiveKey key{trans_a, trans_b, m, n, k, lda, ldb, ldc, alpha, beta, c_dtype};
   auto it = mine.primitives.find(key);
   if (it == mine.primitives.end()) it = mine.primitives.emplace(key, make_matmul(key)).first;
 
   const dnnl_memory_desc_t a_md = matrix_desc(m, k, trans_a, dnnl_bf16, lda);
   const dnnl_memory_desc_t b_md = matrix_desc(k, n, trans_b, dnnl_bf16, ldb);
-  const dnnl_memory_desc_t c_md = matrix_desc(m, n, false, dnnl_f32, ldc);
+  const dnnl_memory_desc_t c_md = matrix_desc(m, n, false, dnnl_type(c_dtype), ldc);
   // oneDNN memory objects over our buffers (no copy); it takes non-const handles but only reads the sources.
   dnnl_memory_t a_mem = nullptr, b_mem = nullptr, c_mem = nullptr;
   check(dnnl_memory_create(&a_mem, &a_md, cpu_engine(), const_cast<bf16*>(A)), "memory A");
@@ -134,7 +143,7 @@ bool onednn_has_bf16_matmul() {
   constexpr int64_t kProbe = 2;  // any shape: the answer depends on the ISA, not on the shape
   try {
     dnnl_primitive_destroy(
-        make_matmul(PrimitiveKey{false, false, kProbe, kProbe, kProbe, kProbe, kProbe, kProbe, 1.f, 0.f}));
+        make_matmul(PrimitiveKey{false, false, kProbe, kProbe, kProbe, kProbe, kProbe, kProbe, 1.f, 0.f, DType::F32}));
     return true;
   } catch (const Error&) {
     return false;
@@ -153,8 +162,7 @@ Bf16MatmulPath choose_bf16_matmul_path() {
     return {rf::concat("oneDNN avx512_core has no bf16 units to use (no AVX512_BF16 or AMX): ", kSgemm), false};
   // vdpbf16ps pays only where the attention's choice of units (the tile race on Intel) says so.
   const cpu::KernelPath& kernels = cpu::kernel_path();
-  if (kernels.bf16 == cpu::Bf16Product::Widen)
-    return {rf::concat("vdpbf16ps not used (", kernels.reason, "): ", kSgemm), false};
+  if (!cpu::bf16_units_pay(kernels)) return {rf::concat("vdpbf16ps not used (", kernels.reason, "): ", kSgemm), false};
   return {"oneDNN avx512_core_bf16 (vdpbf16ps)", true};
 }
 

@@ -22,6 +22,10 @@ namespace rf::model {
 // settings.
 void bf16_gemm_on_this_thread(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bf16* A,
                               int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc);
+// The same with C stored in c_dtype: bf16 C gets the float32 result rounded to nearest even by oneDNN as it is written
+// (no float32 copy of C exists), which only beta = 0 allows.
+void bf16_gemm_on_this_thread(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bf16* A,
+                              int64_t lda, const bf16* B, int64_t ldb, float beta, void* C, DType c_dtype, int64_t ldc);
 
 // Whether model::gemm sends bf16 products to oneDNN: where oneDNN multiplies bf16 on bf16 units (AMX tiles or
 // vdpbf16ps) and the attention kernels' choice of units (cpu::kernel_path) did not find them slower than float32

@@ -16,8 +16,10 @@ void Gemma4Model::Run::mlp_forward(int l, const float* x1, MlpActs& a) {
   if (!projections_kept) {
     a.g = uninit(T * I);
     a.u = uninit(T * I);
-    linear_forward(mm, a.m_in.data(), W(sl.gate_proj), a.g.data(), T, H, I);
-    linear_forward(mm, a.m_in.data(), W(sl.up_proj), a.u.data(), T, H, I);
+    SharedOperands shared(mm);
+    shared.add(a.m_in.data(), T * H);  // gate and up both read it: rounded once in the bf16 mode
+    linear_forward(shared.matmul(), a.m_in.data(), W(sl.gate_proj), a.g.data(), T, H, I);
+    linear_forward(shared.matmul(), a.m_in.data(), W(sl.up_proj), a.u.data(), T, H, I);
   }
   a.hmid = uninit(T * I);
   geglu_forward(a.g.data(), a.u.data(), a.hmid.data(), T * I);
@@ -32,15 +34,19 @@ void Gemma4Model::Run::mlp_backward(int l, MlpActs& a, const float* x1, const fl
   const int64_t I = m.specs_[l].intermediate;
   // dh[T, I] = dmo W_down, written (beta 0), not accumulated into zeros: no fill of a [T, I] buffer.
   Vec dh = uninit(T * I);
-  gemm(mm, false, false, T, I, H, 1.f, dmo, H, W(sl.down_proj), I, 0.f, dh.data(), I);
-  linear_backward(mm, a.hmid.data(), W(sl.down_proj), dmo, nullptr, G(sl.down_proj), T, I, H);
+  SharedOperands shared(mm);
+  shared.add(dmo, T * H);  // read by dh's product and down_proj's weight gradient
+  if (G(sl.gate_proj) || G(sl.up_proj)) shared.add(a.m_in.data(), T * H);  // by both weight gradients below
+  const Matmul ms = shared.matmul();
+  gemm(ms, false, false, T, I, H, 1.f, dmo, H, W(sl.down_proj), I, 0.f, dh.data(), I);
+  linear_backward(ms, a.hmid.data(), W(sl.down_proj), dmo, nullptr, G(sl.down_proj), T, I, H);
   // dg and du overwrite g and u, which nothing reads after this: two [T, I] buffers fewer in the layer's backward.
   geglu_backward(a.g.data(), a.u.data(), dh.data(), a.g.data(), a.u.data(), T * I, false);
   const float* dg = a.g.data();
   const float* du = a.u.data();
   Vec dm = zeros(T * H);
-  linear_backward(mm, a.m_in.data(), W(sl.gate_proj), dg, dm.data(), G(sl.gate_proj), T, H, I);
-  linear_backward(mm, a.m_in.data(), W(sl.up_proj), du, dm.data(), G(sl.up_proj), T, H, I);
+  linear_backward(ms, a.m_in.data(), W(sl.gate_proj), dg, dm.data(), G(sl.gate_proj), T, H, I);
+  linear_backward(ms, a.m_in.data(), W(sl.up_proj), du, dm.data(), G(sl.up_proj), T, H, I);
   rmsnorm_backward(x1, W(sl.pre_ff_norm), a.r_pf.data(), dm.data(), dx1, G(sl.pre_ff_norm), T, H);
 }
 

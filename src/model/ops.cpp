@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 
+#include "core/attention_args.h"
 #include "core/error.h"
 #include "model/elementwise.h"
 #include "model/matmul_bf16.h"
@@ -81,6 +82,16 @@ int64_t Bf16Copies::bytes() const {
   int64_t total = 0;
   for (const Copy& c : copies_) total += c.n * static_cast<int64_t>(sizeof(bf16));
   return total;
+}
+
+void SharedOperands::add(const float* src, int64_t n) {
+  // Already rounded by an enclosing op's SharedOperands (or a weight): found there.
+  if (base_.dtype == ComputeDtype::Bfloat16 && n > 0 && !find(src, n)) copies_.add(src, n);
+}
+
+const bf16* SharedOperands::find(const float* src, int64_t extent) const {
+  if (const bf16* mine = copies_.find(src, extent)) return mine;
+  return base_.weights ? base_.weights->find(src, extent) : nullptr;
 }
 
 namespace {
@@ -163,6 +174,46 @@ const bf16* dense(const bf16* src, int64_t rows, int64_t cols, int64_t ld, std::
 
 }  // namespace
 
+namespace {
+
+// The bf16 mode's gemm on oneDNN (bf16_matmul_on_onednn): C[M, N] in c_dtype (bf16 only with beta = 0), K > 0.
+void gemm_on_onednn(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                    const float* A, int64_t lda, const float* B, int64_t ldb, float beta, void* C, DType c_dtype,
+                    int64_t ldc) {
+  const GemmSplit s = split_for(M, N, K);
+  const Bf16Operand a = bf16_operand(mm.weights, A, trans_a ? K : M, trans_a ? M : K, lda);
+  const Bf16Operand b = bf16_operand(mm.weights, B, trans_b ? N : K, trans_b ? K : N, ldb);
+  const int64_t c_size = static_cast<int64_t>(dtype_size(c_dtype));
+  // An exception must not leave an OpenMP region (it would end the process): the first is kept and rethrown after.
+  std::exception_ptr failure;
+#pragma omp parallel for schedule(static) if (s.blocks > 1)
+  for (int64_t blk = 0; blk < s.blocks; ++blk) {
+    try {
+      const int64_t o = blk * s.share;
+      const int64_t n_part = std::min(s.share, s.extent - o);
+      const int64_t m = s.split_rows ? n_part : M;
+      const int64_t n = s.split_rows ? N : n_part;
+      const bf16* ap = s.split_rows ? (trans_a ? a.data + o : a.data + o * a.ld) : a.data;
+      const bf16* bp = s.split_rows ? b.data : (trans_b ? b.data + o * b.ld : b.data + o);
+      void* c = static_cast<char*>(C) + (s.split_rows ? o * ldc : o) * c_size;
+      // oneDNN picks its kernel (and so its summation order) from the strides as well as the shape, and a block of a
+      // split is a strided view where the whole operand is dense: every call gets dense operands, so the bits depend
+      // on the shape alone. The copy is O(m K + K n), against the call's O(m n K).
+      std::unique_ptr<bf16[]> a_dense, b_dense;
+      ap = dense(ap, trans_a ? K : m, trans_a ? m : K, a.ld, a_dense);
+      bp = dense(bp, trans_b ? n : K, trans_b ? K : n, b.ld, b_dense);
+      bf16_gemm_on_this_thread(trans_a, trans_b, m, n, K, alpha, ap, trans_a ? m : K, bp, trans_b ? K : n, beta, c,
+                               c_dtype, ldc);
+    } catch (...) {
+#pragma omp critical(rf_model_gemm_failure)
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+}  // namespace
+
 void gemm(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (mm.dtype == ComputeDtype::Float32) {
@@ -170,7 +221,6 @@ void gemm(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t N, in
     return;
   }
   if (M == 0 || N == 0) return;
-  const GemmSplit s = split_for(M, N, K);
   if (K == 0) {
     scale_only(beta, C, M, N, ldc);
     return;
@@ -183,34 +233,49 @@ void gemm(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t N, in
     gemm(trans_a, trans_b, M, N, K, alpha, a32.get(), trans_a ? M : K, b32.get(), trans_b ? K : N, beta, C, ldc);
     return;
   }
-  const Bf16Operand a = bf16_operand(mm.weights, A, trans_a ? K : M, trans_a ? M : K, lda);
-  const Bf16Operand b = bf16_operand(mm.weights, B, trans_b ? N : K, trans_b ? K : N, ldb);
-  // An exception must not leave an OpenMP region (it would end the process): the first is kept and rethrown after.
-  std::exception_ptr failure;
-#pragma omp parallel for schedule(static) if (s.blocks > 1)
-  for (int64_t blk = 0; blk < s.blocks; ++blk) {
-    try {
-      const int64_t o = blk * s.share;
-      const int64_t n_part = std::min(s.share, s.extent - o);
-      const int64_t m = s.split_rows ? n_part : M;
-      const int64_t n = s.split_rows ? N : n_part;
-      const bf16* ap = s.split_rows ? (trans_a ? a.data + o : a.data + o * a.ld) : a.data;
-      const bf16* bp = s.split_rows ? b.data : (trans_b ? b.data + o * b.ld : b.data + o);
-      float* c = s.split_rows ? C + o * ldc : C + o;
-      // oneDNN picks its kernel (and so its summation order) from the strides as well as the shape, and a block of a
-      // split is a strided view where the whole operand is dense: every call gets dense operands, so the bits depend
-      // on the shape alone. The copy is O(m K + K n), against the call's O(m n K).
-      std::unique_ptr<bf16[]> a_dense, b_dense;
-      ap = dense(ap, trans_a ? K : m, trans_a ? m : K, a.ld, a_dense);
-      bp = dense(bp, trans_b ? n : K, trans_b ? K : n, b.ld, b_dense);
-      bf16_gemm_on_this_thread(trans_a, trans_b, m, n, K, alpha, ap, trans_a ? m : K, bp, trans_b ? K : n, beta, c,
-                               ldc);
-    } catch (...) {
-#pragma omp critical(rf_model_gemm_failure)
-      if (!failure) failure = std::current_exception();
-    }
+  gemm_on_onednn(mm, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, DType::F32, ldc);
+}
+
+AttnOut AttnOut::at(int64_t offset) const {
+  AttnOut o = *this;
+  if (o.f32) o.f32 += offset;
+  if (o.b16) o.b16 += offset;
+  return o;
+}
+
+void AttnOut::store(const float* src, int64_t n) const {
+  if (b16) {
+    for (int64_t i = 0; i < n; ++i) b16[i] = float_to_bf16(src[i]);
+  } else if (round) {
+    for (int64_t i = 0; i < n; ++i) f32[i] = bf16_to_float(float_to_bf16(src[i]));
+  } else if (f32 != src) {
+    std::copy_n(src, n, f32);
   }
-  if (failure) std::rethrow_exception(failure);
+}
+
+void gemm_into(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+               const float* A, int64_t lda, const float* B, int64_t ldb, const AttnOut& C) {
+  if (C.b16 && mm.dtype == ComputeDtype::Bfloat16 && bf16_matmul_on_onednn() && M > 0 && N > 0 && K > 0) {
+    gemm_on_onednn(mm, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, 0.f, C.b16, DType::BF16, N);
+    return;
+  }
+  // Float32 C (rounded in place when asked), or bf16 C from a float32 block: rounded right after the gemm that wrote
+  // it, while the block is the one just touched.
+  std::unique_ptr<float[]> block;
+  float* c = C.f32;
+  if (!c) {
+    block.reset(new float[static_cast<size_t>(M * N)]);
+    c = block.get();
+  }
+  gemm(mm, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, 0.f, c, N);
+  if (!C.b16 && !C.round) return;
+  const int64_t n = M * N;
+  const int64_t blocks = (n + kElementwiseBlock - 1) / kElementwiseBlock;
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t i = b * kElementwiseBlock;
+    C.at(i).store(c + i, std::min(kElementwiseBlock, n - i));
+  }
 }
 
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
@@ -244,8 +309,11 @@ void linear_forward(const Matmul& mm, const float* x, const float* W, float* y, 
 
 void linear_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t T,
                      int64_t K, int64_t N) {
-  if (dx) gemm(mm, false, false, T, K, N, 1.f, dy, N, W, K, 1.f, dx, K);
-  if (dW) gemm(mm, true, false, N, K, T, 1.f, dy, N, x, K, 1.f, dW, K);
+  SharedOperands shared(mm);
+  if (dx && dW) shared.add(dy, T * N);  // both products read dy
+  const Matmul m = shared.matmul();
+  if (dx) gemm(m, false, false, T, K, N, 1.f, dy, N, W, K, 1.f, dx, K);
+  if (dW) gemm(m, true, false, N, K, T, 1.f, dy, N, x, K, 1.f, dW, K);
 }
 
 void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* inv_rms, int64_t R, int64_t n) {
@@ -376,21 +444,55 @@ void rope_apply_head_major(float* x, const RopeTable& r, int B, int heads, int64
   }
 }
 
+void rmsnorm_rope_forward(const float* x, const float* w, float eps, const RopeTable* rope, int B, int heads, int64_t L,
+                          int64_t D, float* inv_rms, const AttnOut& y) {
+  RF_CHECK(D >= 1 && D <= kMaxHeadDim, "rmsnorm_rope_forward: head dimension ", D, " is outside 1..", kMaxHeadDim);
+  RF_CHECK(!rope || rope->D == D, "rmsnorm_rope_forward: RoPE table for D = ", rope ? rope->D : 0, ", rows of D = ", D);
+  const ElementwiseKernels& k = elementwise();
+  const int64_t R = int64_t{B} * heads * L, half = D / 2;
+#pragma omp parallel for schedule(static) if (R * D >= kParallelMinElements)
+  for (int64_t r = 0; r < R; ++r) {
+    float row[kMaxHeadDim];  // the normed (and rotated) row [D], stored once at the end
+    const float inv = 1.f / std::sqrt(k.sum_squares(x + r * D, D) / static_cast<float>(D) + eps);
+    inv_rms[r] = inv;
+    k.scale_row(x + r * D, w, inv, row, D);
+    if (rope) {
+      // Row r is (b, h, l) of [B, heads, L]; the table is token-major [B * L, D/2]. As rope_apply_head_major.
+      const int64_t token = r / (int64_t{heads} * L) * L + r % L;
+      const float* c = rope->cos.data() + token * half;
+      const float* s = rope->sin.data() + token * half;
+      for (int64_t i = 0; i < half; ++i) {
+        const float p = row[i], q = row[i + half];
+        row[i] = p * c[i] - q * s[i];
+        row[i + half] = q * c[i] + p * s[i];
+      }
+    }
+    y.at(r * D).store(row, D);
+  }
+}
+
 void heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int64_t K, int heads,
                    int64_t D) {
+  SharedOperands shared(mm);
+  shared.add(x, int64_t{B} * L * K);  // every head's product reads its row of x
+  const Matmul m = shared.matmul();
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < heads; ++h)
-      gemm(mm, false, true, L, D, K, 1.f, x + b * L * K, K, W + h * D * K, K, 0.f, y + (int64_t{b} * heads + h) * L * D,
+      gemm(m, false, true, L, D, K, 1.f, x + b * L * K, K, W + h * D * K, K, 0.f, y + (int64_t{b} * heads + h) * L * D,
            D);
 }
 
 void heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW, int B,
                     int64_t L, int64_t K, int heads, int64_t D) {
+  SharedOperands shared(mm);
+  if (dW) shared.add(x, int64_t{B} * L * K);                 // every head's weight gradient reads its row of x
+  if (dx && dW) shared.add(dy, int64_t{B} * heads * L * D);  // each head's g feeds both products
+  const Matmul m = shared.matmul();
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < heads; ++h) {
       const float* g = dy + (int64_t{b} * heads + h) * L * D;  // [L, D]
-      if (dx) gemm(mm, false, false, L, K, D, 1.f, g, D, W + h * D * K, K, 1.f, dx + b * L * K, K);
-      if (dW) gemm(mm, true, false, D, K, L, 1.f, g, D, x + b * L * K, K, 1.f, dW + h * D * K, K);
+      if (dx) gemm(m, false, false, L, K, D, 1.f, g, D, W + h * D * K, K, 1.f, dx + b * L * K, K);
+      if (dW) gemm(m, true, false, D, K, L, 1.f, g, D, x + b * L * K, K, 1.f, dW + h * D * K, K);
     }
   }
 }
@@ -404,15 +506,18 @@ void merge_heads_forward(const Matmul& mm, const float* x, const float* W, float
            y + b * L * N, N);
 }
 
-void merge_heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW,
-                          int B, int64_t L, int heads, int64_t D, int64_t N) {
+void merge_heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, const AttnOut& dx,
+                          float* dW, int B, int64_t L, int heads, int64_t D, int64_t N) {
   const int64_t ld_w = int64_t{heads} * D;
+  SharedOperands shared(mm);
+  shared.add(dy, int64_t{B} * L * N);  // every head's products read its row of dy, up to twice
+  const Matmul m = shared.matmul();
   for (int b = 0; b < B; ++b) {
     const float* g = dy + b * L * N;  // [L, N]
     for (int h = 0; h < heads; ++h) {
       const int64_t o = (int64_t{b} * heads + h) * L * D;
-      if (dx) gemm(mm, false, false, L, D, N, 1.f, g, N, W + h * D, ld_w, 0.f, dx + o, D);
-      if (dW) gemm(mm, true, false, N, D, L, 1.f, g, N, x + o, D, 1.f, dW + h * D, ld_w);
+      if (!dx.empty()) gemm_into(m, false, false, L, D, N, 1.f, g, N, W + h * D, ld_w, dx.at(o));
+      if (dW) gemm(m, true, false, N, D, L, 1.f, g, N, x + o, D, 1.f, dW + h * D, ld_w);
     }
   }
 }

@@ -61,6 +61,22 @@ struct Matmul {
   const Bf16Lookup* weights = nullptr;
 };
 
+// Operands that several matmuls of one op read in the bf16 mode (an activation every head's projection multiplies,
+// the gradient both products of a linear layer take): add() rounds each once, and the matmuls find them through
+// matmul()'s lookup (before the weights' copies) instead of rounding them again in every call. The same bits as
+// rounding per call. In the float32 mode add() does nothing and matmul() is the run's own.
+class SharedOperands final : public Bf16Lookup {
+ public:
+  explicit SharedOperands(const Matmul& mm) : base_(mm) {}
+  void add(const float* src, int64_t n);
+  const bf16* find(const float* src, int64_t extent) const override;
+  Matmul matmul() const { return base_.dtype == ComputeDtype::Bfloat16 ? Matmul{base_.dtype, this} : base_; }
+
+ private:
+  Matmul base_;
+  Bf16Copies copies_;
+};
+
 // Loops over fewer elements than this run on one thread: a parallel region's fork and barrier cost microseconds
 // on an idle machine and milliseconds on a loaded one, more than ~32K elements of simple work.
 constexpr int64_t kParallelMinElements = int64_t{1} << 15;
@@ -77,6 +93,27 @@ constexpr int64_t kParallelMinMultiplyAdds = int64_t{1} << 21;
 // the split), still never cutting K.
 void gemm(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+// Where an op writes one of attention's inputs (q, k, v, or the backward's dout) in the storage the run's attention
+// reads (core/attention_backend.h ShardAttention::dtype): float32 as computed; float32 rounded to bf16 values (the
+// bf16 mode on float32 attention kernels); or bf16 (the bf16 mode on the bf16 kernels). The op that produces the
+// values rounds them as it writes them, so no separate pass over the tensor converts it.
+struct AttnOut {
+  float* f32 = nullptr;  // float32 storage, or null
+  bf16* b16 = nullptr;   // bf16 storage (rounded to nearest even), or null
+  bool round = false;    // with f32: store bf16-rounded values
+
+  bool empty() const { return !f32 && !b16; }
+  AttnOut at(int64_t offset) const;  // the same storage from element `offset` on
+  // Stores src[0, n) at elements [0, n) (src may be f32 itself).
+  void store(const float* src, int64_t n) const;
+};
+
+// gemm with beta = 0 into an attention input [M, N] (leading dimension N): a bf16 C is written by oneDNN's bf16 matmul
+// directly where the model's matmuls run there (bf16_matmul_on_onednn), else rounded block by block as it is written.
+void gemm_into(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+               const float* A, int64_t lda, const float* B, int64_t ldb, const AttnOut& C);
+
 // Float32.
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
           const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
@@ -120,6 +157,12 @@ void rope_apply(float* x, const RopeTable& r, int64_t T, int heads, bool inverse
 // The same on head-major x[B, heads, L, D] (the attention kernels' layout); the table is token-major [B * L, D/2].
 void rope_apply_head_major(float* x, const RopeTable& r, int B, int heads, int64_t L, bool inverse);
 
+// rmsnorm_forward over the R = B * heads * L head vectors x[B, heads, L, D] (w: [D], or null for no scale), then RoPE
+// (rope_apply_head_major; rope null: none), written to y in one pass (q and k: norm and RoPE; v: norm alone).
+// inv_rms: [R]. Each row is normed, rotated and stored while it is in cache, so y is the one tensor written.
+void rmsnorm_rope_forward(const float* x, const float* w, float eps, const RopeTable* rope, int B, int heads, int64_t L,
+                          int64_t D, float* inv_rms, const AttnOut& y);
+
 // Attention projections straight into and out of the head-major layout [B, heads, L, D] the attention kernels
 // read, so no full-tensor transpose happens per layer: head h's slice of a projection is its own sgemm (the
 // weight rows, or columns, of that head), writing a contiguous [L, D] block. Reductions never cut K inside an
@@ -135,9 +178,13 @@ void heads_backward(const Matmul& mm, const float* x, const float* W, const floa
 // y[B, L, N] = sum_h x[B, h, L, D] W[N, heads*D][:, h*D : (h+1)*D]^T (o_proj), written (not accumulated).
 void merge_heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int heads,
                          int64_t D, int64_t N);
-// dx[B, heads, L, D] = dy[b] W_h (written; skipped when dx is null); dW[:, h*D : (h+1)*D] += sum_b dy[b]^T x[b, h]
-// (skipped when dW is null).
-void merge_heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx, float* dW,
-                          int B, int64_t L, int heads, int64_t D, int64_t N);
+// dx[B, heads, L, D] = dy[b] W_h (written; skipped when dx is empty); dW[:, h*D : (h+1)*D] += sum_b dy[b]^T x[b, h]
+// (skipped when dW is null). dx is attention's dout, so it is written in the attention's storage.
+void merge_heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, const AttnOut& dx,
+                          float* dW, int B, int64_t L, int heads, int64_t D, int64_t N);
+inline void merge_heads_backward(const Matmul& mm, const float* x, const float* W, const float* dy, float* dx,
+                                 float* dW, int B, int64_t L, int heads, int64_t D, int64_t N) {
+  merge_heads_backward(mm, x, W, dy, AttnOut{dx}, dW, B, L, heads, D, N);
+}
 
 }  // namespace rf::model

@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -22,6 +24,7 @@
 #include "common/row_arrays.h"
 #include "core/error.h"
 #include "cp/cp_backend.h"
+#include "cpu/isa.h"
 #include "cpu/local_attention.h"
 #include "model/gemma4.h"
 #include "model/run_grads.h"
@@ -130,7 +133,7 @@ struct Outcome {
   TensorSet grads;
 };
 
-Outcome run_cp(Gemma4Model& m, const Batch& b, const std::string& scheme) {
+Outcome run_cp(Gemma4Model& m, const Batch& b, const std::string& scheme, ComputeDtype dtype = ComputeDtype::Float32) {
   cp::CpAttentionOptions o;
   o.scheme = scheme;
   cp::CpAttention attn(world(), o);
@@ -138,6 +141,7 @@ Outcome run_cp(Gemma4Model& m, const Batch& b, const std::string& scheme) {
   opt.want_grad = true;
   opt.want_logits = true;
   opt.loss_chunk_tokens = 5;  // several loss chunks, one partial
+  opt.compute_dtype = dtype;
   m.params().allocate_grads();
   m.params().zero_grads();
   Outcome out{m.run(b, opt, attn), {}};
@@ -300,6 +304,54 @@ TEST(ModelCp, GradientsAreDeterministic) {
   for (size_t s = 0; s < a.grads.size(); ++s) EXPECT_EQ(a.grads[s].data, b.grads[s].data) << a.grads[s].name;
 }
 
+// The bf16 training step under CP (RunOptions::compute_dtype = Bfloat16: bf16 matmuls, and attention on the CP
+// engine with q, k, v and dout in the storage attention_dtype chooses: bf16 on the bf16 kernels where this CPU has
+// bf16 units that pay) against the float32 step on one rank. The bound is test_model_bf16.cpp's, for this config:
+// each bf16 product in the chain from the input to the loss perturbs it by at most 2^-8 relative (two operands
+// rounded to 2^-9 each; attention's P rounded to 2^-8 on bf16 units), and the chain crosses kBf16Chain of them: per
+// layer q/k/v -> q.k -> P V -> o_proj and gate/up -> down (6), 4 layers, and the head (25). So |d loss| <=
+// kBf16Chain 2^-8 max|logit| (the loss is 1-Lipschitz in the logits' max norm), and each gradient, crossing the chain
+// twice, within 2 kBf16Chain 2^-8 relative (~0.2). CP's regrouping adds float32 rounding (kRelTol), far below it. A
+// bf16 tensor read as float32, a shard's dout in the wrong dtype, or a missing term gives O(1) differences.
+constexpr int kBf16Chain = 25;
+
+TEST(ModelCp, Bf16StepNearFloat32OneRank) {
+  try {
+    cpu::kernel_path();
+  } catch (const Error& e) {
+    GTEST_SKIP() << e.what();  // RINGFLEX_ISA names a path this CPU lacks (CTest's forced runs)
+  }
+  Gemma4Model m = make_model(kDense, 0);
+  const RowArrays rb = make_batch(kLongRow, m.config().hidden_size, 11);
+  const Batch b = rb.view(true);
+  RunOptions opt;
+  opt.want_grad = true;
+  opt.want_logits = true;
+  opt.loss_chunk_tokens = 5;
+  TensorSet ref_grads;
+  const Result ref = run_with_grads(m, b, opt, ref_grads);  // float32, P = 1
+  const Outcome bf = run_cp(m, b, "balanced", ComputeDtype::Bfloat16);
+  if (world().rank() == 0)
+    std::printf("  bf16 attention storage: %s (%s)\n",
+                std::string(dtype_name(attention_dtype(ComputeDtype::Bfloat16))).c_str(),
+                cpu::describe(cpu::kernel_path()).c_str());
+  double max_logit = 0;
+  for (float z : ref.logits) max_logit = std::max(max_logit, std::fabs(double{z}));
+  const double bf16_unit = std::ldexp(1.0, -9);
+  EXPECT_NEAR(bf.result.loss, ref.loss, kBf16Chain * 2 * bf16_unit * max_logit);
+  EXPECT_NE(bf.result.loss, ref.loss) << "the bf16 step computed in float32";
+  const double grad_bound = 2 * kBf16Chain * 2 * bf16_unit;
+  double worst = 0;
+  for (size_t s = 0; s < ref_grads.size(); ++s) {
+    const double err = relative_error(bf.grads[s].data.data(), ref_grads[s].data.data(), ref_grads[s].data.size());
+    EXPECT_LE(err, grad_bound) << "gradient of " << ref_grads[s].name;
+    worst = std::max(worst, err);
+  }
+  if (world().rank() == 0)
+    std::printf("  bf16 step, P = %d: loss %.6f against float32 %.6f, worst gradient error %.3e (bound %.3e)\n",
+                world().size(), bf.result.loss, ref.loss, worst, grad_bound);
+}
+
 // More ranks than tokens: the same one-line error on every rank, before any collective (so nobody waits).
 TEST(ModelCp, MoreRanksThanTokensFailsOnEveryRank) {
   const int P = world().size();
@@ -321,4 +373,26 @@ TEST(ModelCp, MoreRanksThanTokensFailsOnEveryRank) {
 }  // namespace
 }  // namespace rf::model
 
-int main(int argc, char** argv) { return rf::testing::run_mpi_tests(argc, argv); }
+namespace rf::model {
+namespace {
+
+// The tile race (cpu/isa.h) is a timing each rank would run alone; before any test the ranks agree on the slowest
+// result, as the CLI does, so a job never splits over two bf16 paths (the CP header would reject the mixed dtypes).
+class AgreedTileRace : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    double race = cpu::needs_tile_race(cpu::detect_cpu(), std::getenv(cpu::kIsaEnv))
+                      ? cpu::bf16_tile_race()
+                      : std::numeric_limits<double>::infinity();
+    world().allreduce(&race, 1, comm::ReduceOp::Min);
+    cpu::set_tile_race([race] { return race; });
+  }
+};
+
+}  // namespace
+}  // namespace rf::model
+
+int main(int argc, char** argv) {
+  ::testing::AddGlobalTestEnvironment(new rf::model::AgreedTileRace);  // gtest owns it
+  return rf::testing::run_mpi_tests(argc, argv);
+}
