@@ -23,6 +23,7 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
   // so they run on that layout as they are.
   a.q_raw = uninit(T * qd);
   heads_forward(mm, a.a.data(), W(sl.q_proj), a.q_raw.data(), B, S, H, Hq, D);
+  adapter_forward(sl.q_proj, a.a.data(), {}, a.q_raw.data(), {Hq, D});
   a.q_rms = uninit(T * Hq);
   a.Q = uninit(T * qd);
   rmsnorm_forward(a.q_raw.data(), W(sl.q_norm), eps, a.Q.data(), a.q_rms.data(), T * Hq, D);
@@ -33,9 +34,11 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
   if (sp.kv_source < 0) {
     a.k_raw = uninit(T * kd);
     heads_forward(mm, a.a.data(), W(sl.k_proj), a.k_raw.data(), B, S, H, Hkv, D);
+    adapter_forward(sl.k_proj, a.a.data(), {}, a.k_raw.data(), {Hkv, D});
     if (sp.has_v_proj) {
       a.v_raw = uninit(T * kd);
       heads_forward(mm, a.a.data(), W(sl.v_proj), a.v_raw.data(), B, S, H, Hkv, D);
+      adapter_forward(sl.v_proj, a.a.data(), {}, a.v_raw.data(), {Hkv, D});
     }
     const Vec& v_src = sp.has_v_proj ? a.v_raw : a.k_raw;  // attention_k_eq_v: V is the raw K projection
     a.k_rms = uninit(T * Hkv);
@@ -64,6 +67,7 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
   if (a.ao.empty()) {
     a.ao = uninit(T * H);
     merge_heads_forward(mm, a.O.data(), W(sl.o_proj), a.ao.data(), B, S, Hq, D, H);
+    adapter_forward(sl.o_proj, a.O.data(), {Hq, D}, a.ao.data(), {});
   }
   a.x1 = uninit(T * H);
   a.r_pa = uninit(T);
@@ -81,6 +85,7 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
   rmsnorm_backward(a.ao.data(), W(sl.post_attn_norm), a.r_pa.data(), dx1, dao.data(), G(sl.post_attn_norm), T, H);
   Vec dO = zeros(T * qd);  // [B, Hq, S, D]
   merge_heads_backward(mm, a.O.data(), W(sl.o_proj), dao.data(), dO.data(), G(sl.o_proj), B, S, Hq, D, H);
+  adapter_backward(sl.o_proj, a.O.data(), {Hq, D}, dao.data(), {}, dO.data());
   Vec dQ = zeros(T * qd);
   Vec dK = zeros(T * kd), dV = zeros(T * kd);  // this layer's own contribution, written by the backend
   const bool shared = sp.kv_source >= 0;
@@ -103,6 +108,7 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
   rmsnorm_backward(a.q_raw.data(), W(sl.q_norm), a.q_rms.data(), dQ.data(), dq_raw.data(), G(sl.q_norm), T * Hq, D);
   Vec da = zeros(T * H);
   heads_backward(mm, a.a.data(), W(sl.q_proj), dq_raw.data(), da.data(), G(sl.q_proj), B, S, H, Hq, D);
+  adapter_backward(sl.q_proj, a.a.data(), {}, dq_raw.data(), {Hq, D}, da.data());
   if (sp.kv_source < 0) {
     rope_apply_head_major(dK.data(), rope(sp), B, Hkv, S, true);
     Vec dk_raw = zeros(T * kd);
@@ -111,10 +117,12 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
       Vec dv_raw = zeros(T * kd);
       rmsnorm_backward(a.v_raw.data(), nullptr, a.v_rms.data(), dV.data(), dv_raw.data(), nullptr, T * Hkv, D);
       heads_backward(mm, a.a.data(), W(sl.v_proj), dv_raw.data(), da.data(), G(sl.v_proj), B, S, H, Hkv, D);
+      adapter_backward(sl.v_proj, a.a.data(), {}, dv_raw.data(), {Hkv, D}, da.data());
     } else {
       rmsnorm_backward(a.k_raw.data(), nullptr, a.v_rms.data(), dV.data(), dk_raw.data(), nullptr, T * Hkv, D);
     }
     heads_backward(mm, a.a.data(), W(sl.k_proj), dk_raw.data(), da.data(), G(sl.k_proj), B, S, H, Hkv, D);
+    adapter_backward(sl.k_proj, a.a.data(), {}, dk_raw.data(), {Hkv, D}, da.data());
   }
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t i = 0; i < T * H; ++i) dx[i] = dx1[i];

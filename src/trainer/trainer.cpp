@@ -18,6 +18,7 @@
 #include "core/memory.h"
 #include "cp/parallel_context.h"
 #include "io/atomic_file.h"
+#include "io/checkpoint.h"
 #include "model/lora_store.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
@@ -127,8 +128,24 @@ void check_loaded_weights(const model::Checkpoint& ck, const std::string& dir) {
   const model::ParamStore& store = ck.model->params();
   for (size_t i = 0; i < store.size(); ++i) {  // named as in the files, where the user can look it up
     const model::ParamInfo& p = store.info(i);
-    check_loaded_tensor(where, model::file_name_of(p.name, ck.text_prefix),
-                        std::span<const float>(store.weight(i), static_cast<size_t>(p.numel)), p.shape);
+    const std::string name = model::file_name_of(p.name, ck.text_prefix);
+    const model::HeldWeight held = store.held_weight(i);
+    if (held.dtype == model::HeldDType::F32) {
+      check_loaded_tensor(where, name, std::span<const float>(store.weight(i), static_cast<size_t>(p.numel)), p.shape);
+      continue;
+    }
+    // A base held in the files' dtype (a LoRA store): widened a block of rows at a time, not the whole tensor.
+    constexpr int64_t kBlockElements = int64_t{1} << 22;
+    const int64_t row = p.shape.size() >= 2 ? p.numel / p.shape[0] : p.numel;
+    const int64_t rows_per_block = std::max<int64_t>(1, kBlockElements / std::max<int64_t>(row, 1));
+    std::vector<float> block;
+    for (int64_t r0 = 0; r0 * row < p.numel; r0 += rows_per_block) {
+      const int64_t n = std::min(p.numel - r0 * row, rows_per_block * row);
+      block.resize(static_cast<size_t>(n));
+      model::widen(held, r0 * row, n, block.data());
+      check_loaded_tensor(where, rf::concat(name, " (rows from ", r0, ")"), block,
+                          {n / std::max<int64_t>(row, 1), row});
+    }
   }
 }
 
@@ -192,19 +209,49 @@ model::LoraConfig lora_config(const TrainConfig& cfg) {
   return lc;
 }
 
+// Bytes of the model's parameters in the dtypes of model.path's files (what a LoRA store maps), or -1 without
+// model.path (a built-in base) or where a file's dtype is none a store can hold (the loader widens those).
+int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& shapes) {
+  if (c.model.path.empty() || !fs::is_directory(c.model.path)) return -1;
+  const io::Checkpoint files = io::Checkpoint::open(c.model.path);
+  const std::string prefix = files.find(std::string(model::kMultimodalTextPrefix) + "embed_tokens.weight")
+                                 ? model::kMultimodalTextPrefix
+                                 : "model.";
+  int64_t bytes = 0;
+  for (const model::ParamInfo& p : shapes.infos()) {
+    const io::TensorView* v = files.find(model::file_name_of(p.name, prefix));
+    if (v == nullptr) return -1;
+    if (v->dtype != io::StDType::F32 && v->dtype != io::StDType::BF16 && v->dtype != io::StDType::F16) return -1;
+    bytes += static_cast<int64_t>(v->bytes.size());
+  }
+  return bytes;
+}
+
 }  // namespace
 
 MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Model& m, int world_size) {
   int64_t params = m.params().weight_bytes();
   int64_t trainable_bytes = 0;
-  int64_t lora_buffers = 0;
+  MemoryBreakdown lora_base;
   if (c.model.lora_rank > 0) {
-    // LoRA: the adapters train (their weights, gradients and moments), the base is frozen; the hooks hold one
-    // layer's merged weights and their gradient.
+    // LoRA: the adapters train (their weights, gradients and moments), the base is frozen.
     const std::vector<model::LoraTarget> targets = model::lora_targets(m.params(), lora_config(c));
     trainable_bytes = model::lora_adapter_bytes(targets, c.model.lora_rank);
-    params += trainable_bytes;
-    lora_buffers = model::lora_layer_buffer_bytes(m.params(), targets);
+    const int64_t mapped = mapped_base_bytes(c, m.params());
+    if (mapped >= 0) {
+      // The base stays in the files' dtype, mapped: the page cache holds one copy for every rank of this machine
+      // (each maps the same files), counted here as this rank's share of the machine, as available_memory_bytes()
+      // counts the machine. What the hooks widen to float32: one layer's base, and the head for the whole run.
+      params = trainable_bytes;
+      const int ranks_here = local_ranks();
+      lora_base.add(rf::concat("LoRA base, mapped (shared by the ", ranks_here, " ranks of this machine)"),
+                    (mapped + ranks_here - 1) / ranks_here);
+      lora_base.add("LoRA: one layer's base widened", model::lora_layer_buffer_bytes(m.params()));
+      lora_base.add("LoRA: the head widened", model::lora_global_buffer_bytes(m.params()));
+    } else {
+      // A base built in memory (model.builtin) is float32 in each rank's memory.
+      params += trainable_bytes;
+    }
   } else {
     const std::vector<bool> trainable = m.params().trainable_after(c.model.freeze);
     for (size_t i = 0; i < trainable.size(); ++i)
@@ -214,7 +261,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   MemoryBreakdown need;
   need.add("weights", params + m.buffers().total_bytes());
   need.add("gradients", trainable_bytes);
-  if (lora_buffers > 0) need.add("LoRA: one layer's merged weights and their gradient", lora_buffers);
+  need.add(lora_base);
   // parallelism.shard = optimizer or gradients: a rank holds the moments of its shard, ceil(trainable / N) elements.
   const int64_t trainable_elements = trainable_bytes / static_cast<int64_t>(sizeof(float));
   const bool sharded_moments = c.parallelism.shard == "optimizer" || c.parallelism.shard == "gradients";
@@ -226,7 +273,8 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
     need.add("gradient slice", checked_bytes({model::shard_of(trainable_elements, 0, world_size).padded,
                                               static_cast<int64_t>(sizeof(float))}));
   need.add("AdamW moments", checked_bytes({kMoments, moment_elements, static_cast<int64_t>(sizeof(float))}));
-  if (model::parse_compute_dtype(c.model.compute_dtype) == model::ComputeDtype::Bfloat16)
+  // (A LoRA base has none: the matmuls read a bf16 base as it is mapped, and round another per call.)
+  if (model::parse_compute_dtype(c.model.compute_dtype) == model::ComputeDtype::Bfloat16 && c.model.lora_rank == 0)
     need.add("bf16 weight copies", m.bf16_weight_bytes());
   // A step builds all of this replica's rows before its micro-batches run: five int32 arrays a token (ids, labels,
   // positions, documents, image slots); image features not counted.

@@ -5,7 +5,9 @@ tests/requirements.txt), in float64.
 For tiny random Gemma 4 configs (tests/model/parity.py's dense one with attention_k_eq_v, and its MoE one with the
 experts left out of the targets) and both scalings (alpha / r, and use_rslora's alpha / sqrt(r)):
   1. peft wraps a random Gemma4ForCausalLM with LoRA on q/k/v/o and gate/up/down, A and B set random (B != 0, so
-     every adapter gradient is nonzero), and saves the adapter with save_pretrained (PEFT's own files);
+     every adapter gradient is nonzero), and saves the adapter with save_pretrained (PEFT's own files); the base
+     is saved in float32, and once more in bfloat16 (values rounded to bf16 on both sides), which ringflex holds as
+     the files have it;
   2. `ringflex forward --model BASE --lora ADAPTER --grad` (through LAUNCHER when given, e.g. mpirun -n 2) must give
      peft's float64 loss and every adapter gradient, and no gradient of the base;
   3. `ringflex train` with model.lora writes a checkpoint whose adapter directory peft loads with no missing or
@@ -19,6 +21,7 @@ a wrong term shows up at 1e-2 or more).
 
 Exit code 77 (CTest's skip) when torch, transformers, peft or safetensors is missing.
 """
+import copy
 import hashlib
 import json
 import os
@@ -71,7 +74,7 @@ def ringflex_forward(ringflex, launcher, base, adapter, batch_path, out_path):
     return load_file(out_path)
 
 
-def grad_case(ringflex, launcher, name, rslora, workdir):
+def grad_case(ringflex, launcher, name, rslora, workdir, bf16_base=False):
     gen = torch.Generator().manual_seed(99)
     cfg = parity.CONFIGS[name](False)
     cfg._attn_implementation = "eager"
@@ -79,8 +82,18 @@ def grad_case(ringflex, launcher, name, rslora, workdir):
     base.config._attn_implementation = "eager"
     base.config._experts_implementation = "eager"
     parity.randomize(base, gen)
-    base_dir = os.path.join(workdir, f"base_{name}")
-    base.save_pretrained(base_dir, safe_serialization=True)
+    base_dir = os.path.join(workdir, f"base_{name}{'_bf16' if bf16_base else ''}")
+    if bf16_base:
+        # A bf16 checkpoint, which ringflex holds as it is in the files (mapped, never a float32 copy): peft's base
+        # has the same values, rounded to bf16 here and widened exactly.
+        with torch.no_grad():
+            for t in base.state_dict().values():  # the parameters and the saved buffers (layer_scalar)
+                if t.is_floating_point():
+                    t.copy_(t.to(torch.bfloat16).float())
+        # A copy is cast: casting `base` there and back would round its RoPE tables (buffers not in the files) too.
+        copy.deepcopy(base).to(torch.bfloat16).save_pretrained(base_dir, safe_serialization=True)
+    else:
+        base.save_pretrained(base_dir, safe_serialization=True)
     model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS,
                                             use_rslora=rslora, task_type="CAUSAL_LM"))
     with torch.no_grad():
@@ -116,7 +129,7 @@ def grad_case(ringflex, launcher, name, rslora, workdir):
     extra = sorted(k for k in out if k.startswith("grad.") and k[len("grad."):] not in lora)
     if extra:
         failures.append(f"gradients of the frozen base written: {extra[:3]}")
-    label = f"{name:5s} {'rslora' if rslora else 'alpha/r':7s}"
+    label = f"{name:5s} {'rslora' if rslora else 'alpha/r':7s}{' bf16 base' if bf16_base else ''}"
     if failures:
         print(f"FAIL {label}: " + "; ".join(failures[:6]))
         return False
@@ -255,8 +268,9 @@ def main():
     print(f"peft {peft.__version__}, torch {torch.__version__}" + (f", through {' '.join(launcher)}" if launcher else ""))
     ok = True
     with tempfile.TemporaryDirectory() as workdir:
-        for name, rslora in (("dense", False), ("dense", True), ("moe", False), ("small", False)):
-            ok = grad_case(ringflex, launcher, name, rslora, workdir) and ok
+        for name, rslora, bf16_base in (("dense", False, False), ("dense", True, False), ("moe", False, False),
+                                        ("small", False, False), ("dense", False, True), ("moe", False, True)):
+            ok = grad_case(ringflex, launcher, name, rslora, workdir, bf16_base) and ok
         ok = train_case(ringflex, launcher, workdir) and ok
     return 0 if ok else 1
 

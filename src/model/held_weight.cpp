@@ -1,0 +1,48 @@
+// ringflex model: widening a held weight (see held_weight.h).
+#include "model/held_weight.h"
+
+#include <algorithm>
+#include <span>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "io/safetensors.h"
+#include "io/tensor_access.h"
+
+namespace rf::model {
+
+int64_t held_dtype_size(HeldDType t) {
+  switch (t) {
+    case HeldDType::F32:
+      return 4;
+    case HeldDType::BF16:
+    case HeldDType::F16:
+      return 2;
+  }
+  return 0;
+}
+
+void widen(const HeldWeight& w, int64_t first, int64_t n, float* out) {
+  RF_ASSERT(w.data != nullptr && first >= 0 && n >= 0);
+  switch (w.dtype) {
+    case HeldDType::F32:
+      std::copy_n(static_cast<const float*>(w.data) + first, n, out);
+      return;
+    case HeldDType::BF16:
+      to_float(out, static_cast<const bf16*>(w.data) + first, static_cast<size_t>(n), DType::BF16);
+      return;
+    case HeldDType::F16: {
+      // io's conversion of half floats, on a view of just these elements.
+      io::TensorView v;
+      v.dtype = io::StDType::F16;
+      v.shape = {n};
+      v.bytes =
+          std::span<const std::byte>(static_cast<const std::byte*>(w.data) + first * 2, static_cast<size_t>(n) * 2);
+      const std::vector<float> f = io::to_float32(v);
+      std::copy(f.begin(), f.end(), out);
+      return;
+    }
+  }
+}
+
+}  // namespace rf::model

@@ -1,0 +1,38 @@
+// ringflex model: a parameter's values in the dtype a store holds them in, and the low-rank adapter a layer adds to a
+// frozen linear weight (model/param_store.h ParamStore::held_weight, ParamStore::adapter; model/lora_store.h).
+//
+// Stores hold their weights in float32, except a LoRA store's frozen base, which stays in the checkpoint's own dtype
+// (bfloat16, float16 or float32) where the safetensors files are mapped: readers that can take it as it is (the
+// embedding's row gathers, the bf16 matmuls) read it there, the others widen it per block.
+#pragma once
+
+#include <cstdint>
+
+namespace rf::model {
+
+enum class HeldDType { F32, BF16, F16 };
+int64_t held_dtype_size(HeldDType t);  // bytes per element
+
+struct HeldWeight {
+  HeldDType dtype = HeldDType::F32;
+  const void* data = nullptr;  // numel elements of `dtype`, row-major as the parameter's shape
+};
+
+// Widens elements [first, first + n) of `w` into out[n] (exact: every bf16 and f16 value is a float32 value).
+void widen(const HeldWeight& w, int64_t first, int64_t n, float* out);
+
+// A low-rank adapter on a frozen weight W [out, in] (PEFT's LoRA): the layer computes
+//   y = x W^T + scale * (x A^T) B^T
+// and its backward, besides the input gradient through W, adds
+//   dx += scale * (dy B) A,   dB += scale * dy^T (x A^T),   dA += scale * (dy B)^T x
+// (W itself gets no gradient: it is frozen).
+struct LinearAdapter {
+  const float* A = nullptr;  // [rank, in]
+  const float* B = nullptr;  // [out, rank]
+  float* dA = nullptr;       // [rank, in]; null: no gradients (a forward-only run)
+  float* dB = nullptr;       // [out, rank]
+  int64_t rank = 0, in = 0, out = 0;
+  float scale = 0.f;
+};
+
+}  // namespace rf::model
