@@ -264,17 +264,18 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   need.add(lora_base);
   // parallelism.shard = optimizer or gradients: a rank holds the moments of its shard, ceil(trainable / N) elements.
   const int64_t trainable_elements = trainable_bytes / static_cast<int64_t>(sizeof(float));
-  const bool sharded_moments = c.parallelism.shard == "optimizer" || c.parallelism.shard == "gradients";
+  const bool sharded_moments =
+      c.parallelism.shard == ShardMode::Optimizer || c.parallelism.shard == ShardMode::Gradients;
   const int64_t moment_elements =
       sharded_moments ? model::shard_of(trainable_elements, 0, world_size).padded : trainable_elements;
   // parallelism.shard = gradients with gradient accumulation: the reduced slice of the earlier micro-batches' sum,
   // beside the arena above (which holds one micro-batch's gradients while it runs).
-  if (c.parallelism.shard == "gradients" && c.accumulation_steps() > 1)
+  if (c.parallelism.shard == ShardMode::Gradients && c.accumulation_steps() > 1)
     need.add("gradient slice", checked_bytes({model::shard_of(trainable_elements, 0, world_size).padded,
                                               static_cast<int64_t>(sizeof(float))}));
   need.add("AdamW moments", checked_bytes({kMoments, moment_elements, static_cast<int64_t>(sizeof(float))}));
   // (A LoRA base has none: the matmuls read a bf16 base as it is mapped, and round another per call.)
-  if (model::parse_compute_dtype(c.model.compute_dtype) == model::ComputeDtype::Bfloat16 && c.model.lora_rank == 0)
+  if (c.model.compute_dtype == model::ComputeDtype::Bfloat16 && c.model.lora_rank == 0)
     need.add("bf16 weight copies", m.bf16_weight_bytes());
   // A step builds all of this replica's rows before its micro-batches run: five int32 arrays a token (ids, labels,
   // positions, documents, image slots); image features not counted.
@@ -314,9 +315,9 @@ struct Run {
   const int cp_index, dp_index;
   // ZeRO-2 (parallelism.shard = gradients): each micro-batch's gradients are reduce-scattered as soon as it ends,
   // and a rank accumulates its slice alone.
-  const bool shard_gradients = cfg.parallelism.shard == "gradients";
+  const bool shard_gradients = cfg.parallelism.shard == ShardMode::Gradients;
   // ZeRO-1 and up over the world's ranks: the moments, clipping and the update cover this rank's slice.
-  const bool shard_optimizer = cfg.parallelism.shard == "optimizer" || shard_gradients;
+  const bool shard_optimizer = cfg.parallelism.shard == ShardMode::Optimizer || shard_gradients;
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
   std::unique_ptr<comm::Communicator> cp_group, dp_group, ep_group;
   cp::JobContext context;  // the model's parallel context: the local kernels, or the ring over this rank's CP group
@@ -339,7 +340,7 @@ void join_groups(Run& r) {
   const int ep = r.cfg.parallelism.ep;  // EP groups: ep consecutive world ranks
   r.ep_group = r.world.split(r.world.rank() / ep, r.world.rank() % ep, r.timeout);
   cp::CpAttentionOptions co;
-  co.scheme = r.cfg.parallelism.sharding;
+  co.scheme = cp::scheme_name(r.cfg.parallelism.sharding);  // cp's options also take `auto`, a spelling
   co.timeout = r.timeout;
   r.context = cp::make_parallel_context(*r.cp_group, co, r.ep_group.get());
 }
@@ -458,14 +459,14 @@ void set_up(Run& r) {
   r.training.want_grad = true;
   r.training.recompute_layers = cfg.train.recompute;
   r.training.keep_mlp_projections = cfg.train.keep_mlp;
-  r.training.compute_dtype = model::parse_compute_dtype(cfg.model.compute_dtype);
+  r.training.compute_dtype = cfg.model.compute_dtype;
 }
 
 void announce(const Run& r, Progress& progress) {
   const TrainConfig& cfg = r.cfg;
   progress.note(
       rf::concat("ringflex train: ", cfg.model.path.empty() ? "built-in " + cfg.model.builtin : cfg.model.path, ", ",
-                 r.ck.model->params().total_elements(), " parameters, data ", cfg.data.source,
+                 r.ck.model->params().total_elements(), " parameters, data ", name_of(cfg.data.source),
                  ", S = ", cfg.train.seq_len, ", global batch ", cfg.train.global_batch, " rows (dp ",
                  cfg.parallelism.dp, " x ", cfg.accumulation_steps(), " micro-batches of ", cfg.train.micro_batch,
                  "), cp ", cfg.parallelism.cp, r.resume_dir.empty() ? "" : ", resumed from " + r.resume_dir));
