@@ -33,6 +33,10 @@ struct LinearAdapter {
   float* dB = nullptr;       // [out, rank]
   int64_t rank = 0, in = 0, out = 0;
   float scale = 0.f;
+  // experts > 1: PEFT's ParamWrapper on a 3-D weight W [experts, out, in], one adapter per expert e in PEFT's layout:
+  // A [experts * rank, in] holds A_e = rows e*rank .. (e+1)*rank - 1, B [out, rank * experts] holds
+  // B_e[o, k] = B[o, k * experts + e]; the layer adds scale * (x A_e^T) B_e^T to the rows expert e computes.
+  int64_t experts = 1;
 };
 
 }  // namespace rf::model

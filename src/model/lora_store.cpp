@@ -78,6 +78,20 @@ bool adaptable(const std::string& module) {
   return false;
 }
 
+// The module PEFT's ParamWrapper gives the adapter of a 3-D experts weight: PEFT wraps the experts module once per
+// targeted parameter, in the module's registration order (gate_up_proj, then down_proj), each wrapper around the
+// previous one, so the last is "<experts>" and each earlier one a further ".base_layer" down.
+std::string expert_adapter_module(const LoraTarget& t, const std::vector<LoraTarget>& targets, const ParamStore& s) {
+  const std::string& name = s.info(t.base).name;
+  const std::string module = name.substr(0, name.rfind('.'));  // "model.layers.N.experts"
+  std::string out = module;
+  for (const LoraTarget& u : targets) {
+    const std::string& other = s.info(u.base).name;
+    if (u.experts > 1 && u.base > t.base && other.substr(0, other.rfind('.')) == module) out += ".base_layer";
+  }
+  return out;
+}
+
 // A lookup table: read by row in the held dtype (the embedding's gathers), never widened as a whole.
 bool lookup_table(const ParamInfo& p) { return !p.matmul && p.shape.size() == 2; }
 
@@ -92,7 +106,8 @@ void LoraConfig::validate() const {
   RF_CHECK(alpha > 0, "config: model.lora.alpha must be > 0, got ", alpha);
   RF_CHECK(dropout == 0.0, "config: model.lora.dropout = ", dropout,
            " is not implemented (only 0: the adapters see the same input as the base)");
-  RF_CHECK(!target.empty(), "config: model.lora.target is empty");
+  RF_CHECK(!target.empty() || !target_parameters.empty(),
+           "config: model.lora.target and model.lora.target_parameters are both empty");
 }
 
 std::string module_of(const std::string& param_name) {
@@ -108,10 +123,11 @@ std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig&
   config.validate();
   std::vector<LoraTarget> out;
   std::vector<bool> used(config.target.size(), false);
-  const std::regex re = config.target_regex ? std::regex(config.target.at(0)) : std::regex();
-  for (size_t slot = 0; slot < shapes.size(); ++slot) {
+  const std::regex re = config.target_regex && !config.target.empty() ? std::regex(config.target.at(0)) : std::regex();
+  for (size_t slot = 0; slot < shapes.size() && !config.target.empty(); ++slot) {
     const ParamInfo& p = shapes.info(slot);
-    if (p.layer == kGlobalGroup) continue;
+    // PEFT's target_modules name modules; a 3-D experts weight is a parameter (target_parameters).
+    if (p.layer == kGlobalGroup || p.shape.size() == 3) continue;
     const std::string module = module_of(p.name);
     bool hit = false;
     if (config.target_regex) {
@@ -134,12 +150,35 @@ std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig&
   }
   for (size_t t = 0; t < used.size(); ++t)
     RF_CHECK(used[t], "config: model.lora.target `", config.target[t], "` matches no linear layer of the text model");
+  std::vector<bool> used_params(config.target_parameters.size(), false);
+  for (size_t slot = 0; slot < shapes.size(); ++slot) {
+    const ParamInfo& p = shapes.info(slot);
+    if (p.layer == kGlobalGroup) continue;
+    bool hit = false;
+    for (size_t t = 0; t < config.target_parameters.size(); ++t) {
+      const std::string& name = config.target_parameters[t];
+      if (p.name == name || p.name.ends_with("." + name)) {
+        hit = true;
+        used_params[t] = true;
+      }
+    }
+    if (!hit) continue;
+    RF_CHECK(
+        p.shape.size() == 3 && (p.name.ends_with(".experts.gate_up_proj") || p.name.ends_with(".experts.down_proj")),
+        "model.lora.target_parameters matches `", p.name,
+        "`: only the MoE experts' 3-D weights (experts.gate_up_proj, experts.down_proj) are targeted as parameters");
+    out.push_back(LoraTarget{slot, p.shape[1], p.shape[2], p.shape[0]});
+  }
+  for (size_t t = 0; t < used_params.size(); ++t)
+    RF_CHECK(used_params[t], "config: model.lora.target_parameters `", config.target_parameters[t],
+             "` matches no experts weight of the text model");
+  std::sort(out.begin(), out.end(), [](const LoraTarget& a, const LoraTarget& b) { return a.base < b.base; });
   return out;
 }
 
 int64_t lora_adapter_bytes(const std::vector<LoraTarget>& targets, int rank) {
   int64_t n = 0;
-  for (const LoraTarget& t : targets) n += int64_t{rank} * (t.in + t.out);
+  for (const LoraTarget& t : targets) n += int64_t{rank} * t.experts * (t.in + t.out);
   return n * static_cast<int64_t>(sizeof(float));
 }
 
@@ -166,13 +205,14 @@ void LoraStore::allocate_weights() {
   adapter_of_.assign(size(), -1);
   for (const LoraTarget& t : targets) {
     const ParamInfo p = info(t.base);  // a copy: add() grows the registry
-    const std::string module = module_of(p.name);
     Adapter a;
     a.base = t.base;
     a.out = t.out;
     a.in = t.in;
-    a.a = add(module + ".lora_A.weight", {cfg_.rank, a.in}, p.layer, false);
-    a.b = add(module + ".lora_B.weight", {a.out, cfg_.rank}, p.layer, false);
+    a.experts = t.experts;
+    const std::string module = t.experts > 1 ? expert_adapter_module(t, targets, *this) : module_of(p.name);
+    a.a = add(module + ".lora_A.weight", {cfg_.rank * a.experts, a.in}, p.layer, false);
+    a.b = add(module + ".lora_B.weight", {a.out, cfg_.rank * a.experts}, p.layer, false);
     adapter_of_[t.base] = static_cast<int>(adapters_.size());
     adapters_.push_back(a);
   }
@@ -210,7 +250,15 @@ void LoraStore::init_adapters() {
 
 std::vector<std::string> LoraStore::target_modules() const {
   std::vector<std::string> out;
-  for (const Adapter& a : adapters_) out.push_back(module_of(info(a.base).name));
+  for (const Adapter& a : adapters_)
+    if (a.experts == 1) out.push_back(module_of(info(a.base).name));
+  return out;
+}
+
+std::vector<std::string> LoraStore::target_parameters() const {
+  std::vector<std::string> out;
+  for (const Adapter& a : adapters_)
+    if (a.experts > 1) out.push_back(info(a.base).name);
   return out;
 }
 
@@ -326,6 +374,7 @@ std::optional<LinearAdapter> LoraStore::adapter(size_t slot) {
   la.in = a.in;
   la.out = a.out;
   la.scale = static_cast<float>(cfg_.scale());
+  la.experts = a.experts;
   return la;
 }
 
@@ -348,11 +397,14 @@ void save_peft_adapter(const LoraStore& store, const std::string& text_prefix, c
                        const std::string& dir) {
   namespace fs = std::filesystem;
   const LoraConfig& c = store.config();
-  std::vector<std::string> modules;
+  std::vector<std::string> modules, parameters;
   io::SafetensorsWriter w;
   w.set_metadata("format", "pt");
   for (const LoraStore::Adapter& a : store.adapters()) {
-    modules.push_back(file_name_of(module_of(store.info(a.base).name), text_prefix));
+    if (a.experts > 1)
+      parameters.push_back(file_name_of(store.info(a.base).name, text_prefix));
+    else
+      modules.push_back(file_name_of(module_of(store.info(a.base).name), text_prefix));
     for (size_t slot : {a.a, a.b}) {
       const ParamInfo& p = store.info(slot);
       w.add(peft_name(p.name, text_prefix), io::StDType::F32, p.shape,
@@ -369,6 +421,7 @@ void save_peft_adapter(const LoraStore& store, const std::string& text_prefix, c
                             {"lora_dropout", c.dropout},
                             {"use_rslora", c.use_rslora},
                             {"target_modules", modules},
+                            {"target_parameters", parameters},
                             {"bias", "none"},
                             {"fan_in_fan_out", false},
                             {"init_lora_weights", true},
@@ -406,10 +459,23 @@ LoraConfig read_peft_config(const std::string& dir) {
   c.target.clear();
   for (const io::TensorView& v : file.tensors()) {
     const std::string slot = slot_name_of(v.name);
-    if (!slot.ends_with(kLoraASuffix)) continue;
+    // The experts' adapters come from target_parameters (their module is the experts module, or a ParamWrapper's
+    // base_layer inside it).
+    if (!slot.ends_with(kLoraASuffix) || slot.find(".experts.") != std::string::npos) continue;
     c.target.push_back(slot.substr(0, slot.size() - std::string(kLoraASuffix).size()));
   }
-  RF_CHECK(!c.target.empty(), dir, "/", kPeftWeightsFile, ": no lora_A tensor of the text model");
+  try {
+    if (j.contains("target_parameters") && j.at("target_parameters").is_array())
+      for (const auto& name : j.at("target_parameters")) {
+        const std::string n = name.get<std::string>();
+        c.target_parameters.push_back(
+            n.starts_with(kMultimodalText) ? kText + n.substr(std::string(kMultimodalText).size()) : n);
+      }
+  } catch (const nlohmann::json::exception& e) {
+    rf::fail(config_path.string(), ": target_parameters: ", e.what());
+  }
+  RF_CHECK(!c.target.empty() || !c.target_parameters.empty(), dir, "/", kPeftWeightsFile,
+           ": no lora_A tensor of the text model");
   c.validate();
   return c;
 }

@@ -24,9 +24,14 @@
 // Targets follow PEFT's target_modules, matched against the module names of the text model as Gemma4ForCausalLM
 // names them ("model.layers.3.self_attn.q_proj"): a list of names matches a module whose name is one of them or ends
 // with "." + one of them; a single regular expression must match the whole module name (std::regex_match, PEFT's
-// re.fullmatch). Only the attention's q/k/v/o and the dense MLP's gate/up/down projections take adapters; a target
-// matching nothing is an error, and so is one matching another weight (the MoE experts' 3-D weights, the router, the
-// per-layer-input projections) or dropout != 0.
+// re.fullmatch). Only the attention's q/k/v/o and the dense MLP's gate/up/down projections take adapters as modules; a
+// target matching nothing is an error, and so is one matching another weight (the router, the per-layer-input
+// projections) or dropout != 0. The MoE experts' 3-D weights take adapters through target_parameters, as PEFT's
+// ParamWrapper: for W [E, out, in], A [E * r, in] and B [out, r * E] (held_weight.h: expert e's A_e are rows
+// e*r.., its B_e the columns k*E + e), named after PEFT's nested wrappers: with both experts weights targeted,
+// gate_up_proj's are "<layer>.experts.base_layer.lora_A.weight" and down_proj's "<layer>.experts.lora_A.weight"
+// (PEFT wraps the experts module once per parameter in registration order, the last outermost); with one, that one's
+// are "<layer>.experts.lora_A.weight".
 #pragma once
 
 #include <cstdint>
@@ -47,11 +52,14 @@ struct LoraConfig {
   // PEFT's target_modules: names (suffix match), or one regular expression (full match) when target_regex is set.
   std::vector<std::string> target = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   bool target_regex = false;
+  // PEFT's target_parameters: the MoE experts' 3-D weights ("experts.gate_up_proj", "experts.down_proj"), names
+  // matched as target's list is, against "model.layers.N.experts.gate_up_proj".
+  std::vector<std::string> target_parameters;
   bool use_rslora = false;
   uint64_t seed = 0;  // A's initial values are a function of (seed, the adapter's name, the element) only
 
   double scale() const;
-  // Throws rf::Error naming the field: rank < 1, alpha <= 0, dropout != 0, an empty target.
+  // Throws rf::Error naming the field: rank < 1, alpha <= 0, dropout != 0, no target and no target_parameters.
   void validate() const;
 };
 
@@ -64,6 +72,7 @@ std::string module_of(const std::string& param_name);
 struct LoraTarget {
   size_t base = 0;
   int64_t out = 0, in = 0;
+  int64_t experts = 1;  // > 1: a 3-D experts weight [experts, out, in] (target_parameters)
 };
 std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig& config);
 // Float32 bytes of the adapters of `targets` (one of weights, gradients, exp_avg, exp_avg_sq), and of the largest
@@ -88,12 +97,15 @@ class LoraStore : public ParamStore {
   void init_adapters();
 
   struct Adapter {
-    size_t base = 0, a = 0, b = 0;  // slots: W [out, in], A [r, in], B [out, r]
+    size_t base = 0, a = 0, b = 0;  // slots: W [out, in], A [r, in], B [out, r] (experts: held_weight.h's layout)
     int64_t out = 0, in = 0;
+    int64_t experts = 1;
   };
   const std::vector<Adapter>& adapters() const { return adapters_; }
-  // The modules that carry adapters, in registration order (PEFT's target_modules as resolved names).
+  // The modules that carry adapters, in registration order (PEFT's target_modules as resolved names), and the 3-D
+  // parameters that do (PEFT's target_parameters, resolved).
   std::vector<std::string> target_modules() const;
+  std::vector<std::string> target_parameters() const;
   // Bytes of the base as it is held (its dtype; mapped or not), and of the part that is mapped from the files.
   int64_t held_base_bytes() const;
   int64_t mapped_base_bytes() const;
@@ -170,7 +182,9 @@ class LoraStore : public ParamStore {
 //                              lora_dropout, use_rslora, target_modules (the adapted modules' names in the
 //                              checkpoint's layout, e.g. "model.language_model.layers.0.self_attn.q_proj"), ...
 //   adapter_model.safetensors  float32 "base_model.model." + <module in the checkpoint's layout> + ".lora_A.weight"
-//                              (and lora_B), e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
+//                              (and lora_B), e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight;
+//                              the experts' adapters as their slots are named (above), target_parameters in the
+//                              config
 // `text_prefix`: where the decoder lives in the base's files (model/checkpoint.h Checkpoint::text_prefix).
 constexpr const char* kPeftConfigFile = "adapter_config.json";
 constexpr const char* kPeftWeightsFile = "adapter_model.safetensors";

@@ -115,6 +115,7 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
   same(now.model.lora_rank == then.model.lora_rank && now.model.lora_alpha == then.model.lora_alpha &&
            now.model.lora_target == then.model.lora_target &&
            now.model.lora_target_regex == then.model.lora_target_regex &&
+           now.model.lora_target_parameters == then.model.lora_target_parameters &&
            now.model.lora_use_rslora == then.model.lora_use_rslora,
        "model.lora");
 }
@@ -204,6 +205,7 @@ model::LoraConfig lora_config(const TrainConfig& cfg) {
   lc.dropout = cfg.model.lora_dropout;
   lc.target = cfg.model.lora_target;
   lc.target_regex = cfg.model.lora_target_regex;
+  lc.target_parameters = cfg.model.lora_target_parameters;
   lc.use_rslora = cfg.model.lora_use_rslora;
   lc.seed = cfg.train.seed;
   return lc;

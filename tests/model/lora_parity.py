@@ -45,6 +45,7 @@ except ImportError as e:
 
 REL_TOL = parity.REL_TOL
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EXPERT_TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
 RANK, ALPHA = 4, 6.0
 
 
@@ -74,7 +75,7 @@ def ringflex_forward(ringflex, launcher, base, adapter, batch_path, out_path):
     return load_file(out_path)
 
 
-def grad_case(ringflex, launcher, name, rslora, workdir, bf16_base=False):
+def grad_case(ringflex, launcher, name, rslora, workdir, bf16_base=False, experts=False):
     gen = torch.Generator().manual_seed(99)
     cfg = parity.CONFIGS[name](False)
     cfg._attn_implementation = "eager"
@@ -94,14 +95,16 @@ def grad_case(ringflex, launcher, name, rslora, workdir, bf16_base=False):
         copy.deepcopy(base).to(torch.bfloat16).save_pretrained(base_dir, safe_serialization=True)
     else:
         base.save_pretrained(base_dir, safe_serialization=True)
+    # experts: PEFT's ParamWrapper LoRA on the experts' 3-D weights too (one A_e, B_e per expert).
     model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS,
+                                            target_parameters=EXPERT_TARGETS if experts else None,
                                             use_rslora=rslora, task_type="CAUSAL_LM"))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_" in n:
                 # Of the base's magnitude (parity.randomize: 0.15), so B A moves W by a few percent.
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    adapter_dir = os.path.join(workdir, f"adapter_{name}_{int(rslora)}")
+    adapter_dir = os.path.join(workdir, f"adapter_{name}_{int(rslora)}_{int(experts)}")
     model.save_pretrained(adapter_dir)
     batch = parity.make_batch(gen, False)
     model = model.double()
@@ -110,7 +113,7 @@ def grad_case(ringflex, launcher, name, rslora, workdir, bf16_base=False):
     batch_path = os.path.join(workdir, f"batch_{name}.safetensors")
     write_batch(batch_path, batch)
     out = ringflex_forward(ringflex, launcher, base_dir, adapter_dir, batch_path,
-                           os.path.join(workdir, f"out_{name}_{int(rslora)}.safetensors"))
+                           os.path.join(workdir, f"out_{name}_{int(rslora)}_{int(experts)}.safetensors"))
     failures = []
     worst = rel_err(out["loss"].reshape(()), loss)
     if worst > REL_TOL:
@@ -129,7 +132,8 @@ def grad_case(ringflex, launcher, name, rslora, workdir, bf16_base=False):
     extra = sorted(k for k in out if k.startswith("grad.") and k[len("grad."):] not in lora)
     if extra:
         failures.append(f"gradients of the frozen base written: {extra[:3]}")
-    label = f"{name:5s} {'rslora' if rslora else 'alpha/r':7s}{' bf16 base' if bf16_base else ''}"
+    label = (f"{name:5s} {'rslora' if rslora else 'alpha/r':7s}{' bf16 base' if bf16_base else ''}"
+             f"{' expert adapters' if experts else ''}")
     if failures:
         print(f"FAIL {label}: " + "; ".join(failures[:6]))
         return False
@@ -268,9 +272,11 @@ def main():
     print(f"peft {peft.__version__}, torch {torch.__version__}" + (f", through {' '.join(launcher)}" if launcher else ""))
     ok = True
     with tempfile.TemporaryDirectory() as workdir:
-        for name, rslora, bf16_base in (("dense", False, False), ("dense", True, False), ("moe", False, False),
-                                        ("small", False, False), ("dense", False, True), ("moe", False, True)):
-            ok = grad_case(ringflex, launcher, name, rslora, workdir, bf16_base) and ok
+        for name, rslora, bf16_base, experts in (("dense", False, False, False), ("dense", True, False, False),
+                                                 ("moe", False, False, False), ("small", False, False, False),
+                                                 ("dense", False, True, False), ("moe", False, True, False),
+                                                 ("moe", False, False, True), ("moe", True, True, True)):
+            ok = grad_case(ringflex, launcher, name, rslora, workdir, bf16_base, experts) and ok
         ok = train_case(ringflex, launcher, workdir) and ok
     return 0 if ok else 1
 
