@@ -65,6 +65,9 @@ struct RunOptions {
   // once after the parameters change (the parameter store's version), not per call. Loss and gradients
   // differ from Float32 by about the operands' 2^-9 relative rounding (tests/model/test_model_bf16.cpp bounds it).
   ComputeDtype compute_dtype = ComputeDtype::Float32;
+  // LoRA dropout (model.lora.dropout, training runs only): the key its masks are drawn from (held_weight.h
+  // lora_dropout_keeps); the trainer sets one per step and micro-batch.
+  uint64_t dropout_key = 0;
 };
 
 // Default budget of the loss's one chunk of logits (loss.h loss_chunk_tokens: never fewer than kMinLossChunkTokens

@@ -219,6 +219,10 @@ struct Gemma4Model::Run {
   // null) and the adapter's gradients, beside the base's backward, which gets no weight gradient (frozen).
   void adapter_forward(size_t slot, const float* x, Layout in, float* y, Layout out);
   void adapter_backward(size_t slot, const float* x, Layout in, const float* dy, Layout out, float* dx);
+  // PEFT's dropout of the adapter's input (training runs with LinearAdapter::dropout > 0): x [T, K] token-major, in
+  // place, kept elements scaled by 1 / (1 - dropout).
+  bool adapter_dropout(const LinearAdapter& ad) const;
+  void apply_adapter_dropout(const LinearAdapter& ad, float* x, int64_t K) const;
 
   // Batch preparation and the embedding (embedding.cpp).
   void prepare();

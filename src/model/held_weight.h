@@ -37,6 +37,16 @@ struct LinearAdapter {
   // A [experts * rank, in] holds A_e = rows e*rank .. (e+1)*rank - 1, B [out, rank * experts] holds
   // B_e[o, k] = B[o, k * experts + e]; the layer adds scale * (x A_e^T) B_e^T to the rows expert e computes.
   int64_t experts = 1;
+  // PEFT's lora_dropout on the adapter's input in training runs (2-D adapters only, as PEFT's ParamWrapper refuses
+  // it): x's elements are kept with probability 1 - dropout and scaled by 1 / (1 - dropout) where kept, by the mask
+  // lora_dropout_keeps(run key, salt, ...) draws. salt: the adapter's own (its base slot).
+  float dropout = 0.f;
+  uint64_t salt = 0;
 };
+
+// Whether PEFT's dropout keeps feature k of the token at global position `pos` of row `row` of a run keyed `key`
+// (RunOptions::dropout_key) in the adapter salted `salt`: a function of these alone, so the masks are the same at any
+// CP grid and thread count, in the forward, its recompute and the backward.
+bool lora_dropout_keeps(uint64_t key, uint64_t salt, int64_t row, int64_t pos, int64_t k, float dropout);
 
 }  // namespace rf::model

@@ -104,8 +104,9 @@ double LoraConfig::scale() const {
 void LoraConfig::validate() const {
   RF_CHECK(rank >= 1, "config: model.lora.rank must be >= 1, got ", rank);
   RF_CHECK(alpha > 0, "config: model.lora.alpha must be > 0, got ", alpha);
-  RF_CHECK(dropout == 0.0, "config: model.lora.dropout = ", dropout,
-           " is not implemented (only 0: the adapters see the same input as the base)");
+  RF_CHECK(dropout >= 0.0 && dropout < 1.0, "config: model.lora.dropout = ", dropout, " must be in [0, 1)");
+  RF_CHECK(dropout == 0.0 || target_parameters.empty(), "config: model.lora.dropout = ", dropout,
+           " with target_parameters: PEFT's adapters on 3-D weights take no dropout (set it to 0)");
   RF_CHECK(!target.empty() || !target_parameters.empty(),
            "config: model.lora.target and model.lora.target_parameters are both empty");
 }
@@ -375,6 +376,8 @@ std::optional<LinearAdapter> LoraStore::adapter(size_t slot) {
   la.out = a.out;
   la.scale = static_cast<float>(cfg_.scale());
   la.experts = a.experts;
+  la.dropout = static_cast<float>(cfg_.dropout);
+  la.salt = slot;
   return la;
 }
 

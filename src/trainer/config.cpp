@@ -358,8 +358,8 @@ void validate(const TrainConfig& c, int world_size) {
   if (c.model.lora_rank != 0) {
     RF_CHECK(c.model.lora_rank >= 1, "config: model.lora.rank = ", c.model.lora_rank, " must be >= 1 (0: no LoRA)");
     RF_CHECK(c.model.lora_alpha > 0, "config: model.lora.alpha = ", c.model.lora_alpha, " must be > 0");
-    RF_CHECK(c.model.lora_dropout == 0, "config: model.lora.dropout = ", c.model.lora_dropout,
-             " is not implemented (only 0)");
+    RF_CHECK(c.model.lora_dropout >= 0 && c.model.lora_dropout < 1,
+             "config: model.lora.dropout = ", c.model.lora_dropout, " must be in [0, 1)");
     RF_CHECK(!c.model.lora_target.empty() || !c.model.lora_target_parameters.empty(),
              "config: model.lora.target and model.lora.target_parameters are both empty");
     RF_CHECK(c.parallelism.shard == ShardMode::None,

@@ -551,11 +551,22 @@ void reduce_micro_batch_gradients(Run& r, size_t index, size_t count) {
   store.zero_grads();
 }
 
+// The key of one micro-batch's LoRA dropout masks.
+uint64_t dropout_key(uint64_t seed, int64_t step, int replica, size_t micro_batch) {
+  // Distinct for distinct (step, replica, micro-batch) at any realistic count: 32 bits of step, 16 of each other.
+  constexpr int kStepShift = 32, kReplicaShift = 16;
+  return seed * 0x9e3779b97f4a7c15ULL ^ (static_cast<uint64_t>(step) << kStepShift) ^
+         (static_cast<uint64_t>(replica) << kReplicaShift) ^ static_cast<uint64_t>(micro_batch);
+}
+
 // 3. Forward + backward of every micro-batch, the gradients accumulating; returns the global batch's loss.
 double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t label_tokens) {
   r.ck.model->params().zero_grads();
   double loss = 0.0;
   for (size_t a = 0; a < batches.size(); ++a) {
+    // LoRA dropout's masks: drawn anew for each step, replica and micro-batch, the same on the CP ranks of a row
+    // (model/held_weight.h lora_dropout_keeps), and again the same when the step is run again after a resume.
+    r.training.dropout_key = dropout_key(r.cfg.train.seed, r.state.step + 1, r.dp_index, a);
     loss += run_micro_batch(r, batches[a], label_tokens, true);
     if (r.shard_gradients) reduce_micro_batch_gradients(r, a, batches.size());
   }

@@ -13,7 +13,8 @@ experts left out of the targets) and both scalings (alpha / r, and use_rslora's 
   3. `ringflex train` with model.lora writes a checkpoint whose adapter directory peft loads with no missing or
      unexpected keys and which then gives the loss ringflex computes with it; the base's files are bit-identical
      after the run; --resume from an earlier checkpoint writes the same adapters and moments bit for bit; under a
-     launcher of N ranks (cp N) the losses equal those at cp 1 and at dp N; `ringflex export --merge` writes the
+     launcher of N ranks (cp N) the losses equal those at cp 1 and at dp N, and so do they with model.lora.dropout
+     (masks keyed by the token's global position); `ringflex export --merge` writes the
      base with the adapted weights merged, which plain transformers loads and which gives peft's loss.
 
 Tolerance: 1e-4 relative per tensor, parity.py's (float32 against float64 on these badly conditioned tiny models;
@@ -206,6 +207,19 @@ checkpoint: {{dir: {os.path.join(workdir, "ckpt")}, every: 2, keep: 2}}
             a, b = losses(metrics), losses(other)
             if len(a) != len(b) or any(abs(x - y) > 1e-5 * abs(y) for x, y in zip(a, b)):
                 failures.append(f"losses at {' '.join(grid[1::2])}: {b} against {a}")
+        # model.lora.dropout: its masks depend on the token's global position, not on the CP grid, so cp N and cp 1
+        # give the same losses (to the float32 sums' order, as above), and other ones than without dropout.
+        dropped = []
+        for cp, runner in ((ranks, launcher), (1, [])):
+            path = os.path.join(workdir, f"metrics_dropout_{cp}.jsonl")
+            train("--metrics", path, "--set", "model.lora.dropout=0.25", "--set", f"parallelism.cp={cp}", "--set",
+                  "checkpoint.dir=" + os.path.join(workdir, f"dropout_{cp}"), runner=runner)
+            dropped.append(losses(path))
+        a, b = dropped
+        if len(a) != len(b) or any(abs(x - y) > 1e-5 * abs(y) for x, y in zip(a, b)):
+            failures.append(f"dropout: losses at cp {ranks} {a} against cp 1 {b}")
+        if a[1:] == losses(metrics)[1:]:
+            failures.append("dropout: the losses are those without dropout")
     if digest(base_dir) != before:
         failures.append("the base's files changed")
     fresh = Gemma4ForCausalLM.from_pretrained(base_dir, attn_implementation="eager").double()

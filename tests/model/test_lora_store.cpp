@@ -108,7 +108,7 @@ TEST(LoraStore, TargetsFollowPeft) {
   EXPECT_THROW(Gemma4Model(Gemma4Config::from_json(kTwoLayers), 0, TensorSet::Storage::Allocated,
                            std::make_unique<LoraStore>(c)),
                rf::Error);
-  c.dropout = 0.1;
+  c.dropout = 1.0;
   EXPECT_THROW(LoraStore{c}, rf::Error);
 }
 
@@ -268,6 +268,68 @@ TEST(LoraStore, TheBf16ModeMultipliesABf16BaseAsItIsHeld) {
   EXPECT_EQ(results[0].loss, results[1].loss);
   ASSERT_EQ(grads[0].size(), grads[1].size());
   for (size_t i = 0; i < grads[0].size(); ++i) ASSERT_EQ(grads[0][i], grads[1][i]) << i;
+}
+
+TEST(LoraStore, DropoutKeepsItsFractionAndItsGradientsFollowTheLoss) {
+  // The masks keep 1 - p of the elements: over n draws the mean is within 5 standard deviations, sqrt(p (1 - p) / n).
+  constexpr float kP = 0.25f;
+  constexpr int64_t kDraws = 1 << 20;
+  int64_t kept = 0;
+  for (int64_t i = 0; i < kDraws; ++i) kept += lora_dropout_keeps(42, 7, i % 3, i / 3 % 1000, i / 3000, kP) ? 1 : 0;
+  const double fraction = static_cast<double>(kept) / kDraws;
+  EXPECT_NEAR(fraction, 1.0 - kP, 5 * std::sqrt(kP * (1 - kP) / kDraws));
+
+  LoraConfig c = lora_config(5);
+  c.dropout = 0.3;
+  auto m = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kTwoLayers), 0, TensorSet::Storage::Allocated,
+                                         std::make_unique<LoraStore>(c));
+  m->init_random(3, 0.3f);
+  auto& store = dynamic_cast<LoraStore&>(m->params());
+  store.init_adapters();
+  for (const LoraStore::Adapter& a : store.adapters()) {
+    float* B = store.mutable_weight(a.b);
+    for (int64_t e = 0; e < a.out * kRank; ++e) B[e] = 0.2f * std::sin(static_cast<float>(e + a.b));
+  }
+  auto plain = lora_model(5);  // the same weights without dropout
+  for (size_t slot = 0; slot < store.size(); ++slot)
+    std::copy_n(store.weight(slot), store.info(slot).numel, plain->params().mutable_weight(slot));
+  Rows r = rows();
+  RunOptions train;
+  train.want_grad = true;
+  train.dropout_key = 11;
+  store.allocate_grads();
+  store.zero_grads();
+  const double loss = m->run(r.batch(), train).loss;
+  // Evaluation (no gradients) has no dropout: the plain model's loss, bit for bit.
+  EXPECT_EQ(m->run(r.batch(), RunOptions{}).loss, plain->run(r.batch(), RunOptions{}).loss);
+  // Training runs draw their masks from the key alone: the same key, the same loss; another, another.
+  EXPECT_EQ(m->run(r.batch(), train).loss, loss);
+  RunOptions other = train;
+  other.dropout_key = 12;
+  EXPECT_NE(m->run(r.batch(), other).loss, loss);
+  EXPECT_NE(loss, plain->run(r.batch(), RunOptions{}).loss);
+  // The gradients of A and B against a central finite difference of the loss under the same masks (the backward's
+  // masks must be the forward's, its dx scaled as its x).
+  store.zero_grads();
+  m->run(r.batch(), train);
+  const std::vector<float> g(store.flat(Role::Grads).begin(), store.flat(Role::Grads).end());
+  const LoraStore::Adapter& q1 = store.adapters()[7];
+  for (const auto& [slot, e] :
+       {std::pair{q1.a, int64_t{5}}, std::pair{q1.b, int64_t{3}}, std::pair{store.adapters()[3].a, int64_t{2}}}) {
+    constexpr float kStep = 1e-2f;
+    const float keep = store.weight(slot)[e];
+    const float analytic = g[static_cast<size_t>(store.info(slot).train_offset + e)];
+    store.mutable_weight(slot)[e] = keep + kStep;
+    const double up = m->run(r.batch(), train).loss;
+    store.mutable_weight(slot)[e] = keep - kStep;
+    const double down = m->run(r.batch(), train).loss;
+    store.mutable_weight(slot)[e] = keep;
+    // As in LossAndAdapterGradientsMatchTheMergedModel.
+    constexpr double kFdTol = 2e-3;
+    EXPECT_NEAR((up - down) / (2 * kStep), analytic, kFdTol) << store.info(slot).name;
+  }
+  c.target_parameters = {"experts.down_proj"};
+  EXPECT_THROW(LoraStore{c}, rf::Error);  // PEFT's 3-D adapters take no dropout
 }
 
 }  // namespace
