@@ -49,6 +49,10 @@ struct TrainState {
 std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const TrainState& state,
                                   int keep, const std::function<void(const std::string&)>& before_rename = {});
 
+// What save_train_checkpoint writes of `weights`, in bytes, at most: every parameter and buffer in float32, both
+// AdamW moments of the trainable ones, the tensors carried through. Known on every rank (the same on each).
+int64_t checkpoint_bytes(const model::Checkpoint& weights);
+
 // `<root>/step-NNNNNNNN`: where save_train_checkpoint puts step `step`.
 std::string checkpoint_path(const std::string& root, int64_t step);
 

@@ -396,8 +396,6 @@ void validate(const TrainConfig& c, int world_size) {
            "config: schedule.min_lr_ratio = ", c.schedule.min_lr_ratio, " must be in [0, 1]");
   positive(c.parallelism.cp, "parallelism.cp");
   positive(c.parallelism.dp, "parallelism.dp");
-  RF_CHECK(c.parallelism.shard != ShardMode::Full,
-           "config: parallelism.shard = 'full' is not one of none, optimizer, gradients (full: not yet)");
   RF_CHECK(int64_t{c.parallelism.cp} * c.parallelism.dp == world_size,
            "config: parallelism.cp * parallelism.dp = ", c.parallelism.cp, " * ", c.parallelism.dp, " = ",
            int64_t{c.parallelism.cp} * c.parallelism.dp, " does not match the ", world_size, " rank(s) of this job");

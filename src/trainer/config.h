@@ -74,8 +74,9 @@ struct ParallelismSection {
   // How the training state is spread over all cp x dp ranks (ZeRO stages): none (every rank holds all of it) |
   // optimizer (AdamW's moments sharded, ZeRO-1: the gradients are reduce-scattered, each rank updates its shard of
   // the trainable parameters, then the updated weights are all-gathered) | gradients (ZeRO-2: as optimizer, and each
-  // micro-batch's gradients are reduce-scattered as it ends, a rank accumulating its slice alone). full (ZeRO-3) is
-  // not there yet.
+  // layer's gradients are reduce-scattered as its backward ends, a rank accumulating its slice alone) | full (ZeRO-3:
+  // as gradients, and each rank holds its pieces of the weights, every layer gathered around its forward and
+  // backward). trainer/sharded_store.h has the details.
   ShardMode shard = ShardMode::None;
   // Expert parallelism: the experts of every MoE layer divided over groups of ep consecutive ranks of the cp x dp
   // ranks (folded: each rank sends its own tokens' rows to the experts' ranks). ep divides cp x dp and the model's

@@ -164,8 +164,6 @@ TEST(TrainConfig, CrossFieldRules) {
             "config: parallelism.sharding = 'diagonal' is not one of contiguous, zigzag, balanced");
   EXPECT_EQ(check({"parallelism.shard=zero1"}, 1),
             "config: parallelism.shard = 'zero1' is not one of none, optimizer, gradients, full");
-  EXPECT_EQ(check({"parallelism.shard=full"}, 1),
-            "config: parallelism.shard = 'full' is not one of none, optimizer, gradients (full: not yet)");
   EXPECT_EQ(check({"checkpoint.keep=0"}, 1), "config: checkpoint.keep = 0 must be >= 1");
 }
 
