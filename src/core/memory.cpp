@@ -119,13 +119,6 @@ int64_t v1_headroom(const std::string& mount, const std::string& path) {
                         headroom(stat_bytes(stat, "hierarchical_memory_limit"), usage, reclaimable));
 }
 
-int local_ranks() {
-  // Open MPI's count of the ranks of this job on this node; other launchers leave it unset.
-  const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-  const int n = s ? std::atoi(s) : 1;
-  return n >= 1 ? n : 1;
-}
-
 // RINGFLEX_MEMORY_LIMIT in bytes, or -1 when unset. "0" is a valid (if useless) limit; anything but digits and
 // one K/M/G suffix is an error, since a misspelt limit silently ignored would defeat its purpose.
 int64_t memory_limit() {
@@ -166,6 +159,13 @@ int64_t cgroup_memory_headroom(const std::string& proc_cgroup, const std::string
     }
   }
   return least;
+}
+
+int local_ranks() {
+  // Open MPI's count of the ranks of this job on this node; other launchers leave it unset.
+  const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  const int n = s ? std::atoi(s) : 1;
+  return n >= 1 ? n : 1;
 }
 
 int64_t available_memory_bytes() {

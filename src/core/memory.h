@@ -62,6 +62,10 @@ class MemoryBreakdown {
   std::vector<Term> terms_;
 };
 
+// The ranks of this job on this machine (Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE; 1 under other launchers):
+// available_memory_bytes() is the machine's share of one of them.
+int local_ranks();
+
 // a * b * c ... as bytes, or -1 when the product overflows int64 (what MemoryBreakdown::add takes as overflow).
 int64_t checked_bytes(std::initializer_list<int64_t> factors);
 // a + b + c ... of byte counts, or -1 when one of them is -1 or the sum overflows int64.

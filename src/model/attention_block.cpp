@@ -28,6 +28,7 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
   shared.add(a.a.data(), T * H);  // q, k and v projections all read it: rounded once in the bf16 mode
   const Matmul ms = shared.matmul();
   heads_forward(ms, a.a.data(), W(sl.q_proj), a.q_raw.data(), B, S, H, Hq, D);
+  adapter_forward(sl.q_proj, a.a.data(), {}, a.q_raw.data(), {Hq, D});
   a.q_rms = uninit(T * Hq);
   a.Q = attn_tensor(T * qd);
   rmsnorm_rope_forward(a.q_raw.data(), W(sl.q_norm), eps, &rope(sp), B, Hq, S, D, a.q_rms.data(), out(a.Q));
@@ -37,9 +38,11 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
   if (sp.kv_source < 0) {
     a.k_raw = uninit(T * kd);
     heads_forward(ms, a.a.data(), W(sl.k_proj), a.k_raw.data(), B, S, H, Hkv, D);
+    adapter_forward(sl.k_proj, a.a.data(), {}, a.k_raw.data(), {Hkv, D});
     if (sp.has_v_proj) {
       a.v_raw = uninit(T * kd);
       heads_forward(ms, a.a.data(), W(sl.v_proj), a.v_raw.data(), B, S, H, Hkv, D);
+      adapter_forward(sl.v_proj, a.a.data(), {}, a.v_raw.data(), {Hkv, D});
     }
     const Vec& v_src = sp.has_v_proj ? a.v_raw : a.k_raw;  // attention_k_eq_v: V is the raw K projection
     a.k_rms = uninit(T * Hkv);
@@ -67,6 +70,7 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
   if (a.ao.empty()) {
     a.ao = uninit(T * H);
     merge_heads_forward(mm, a.O.data(), W(sl.o_proj), a.ao.data(), B, S, Hq, D, H);
+    adapter_forward(sl.o_proj, a.O.data(), {Hq, D}, a.ao.data(), {});
   }
   a.x1 = uninit(T * H);
   a.r_pa = uninit(T);
@@ -83,7 +87,15 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
   Vec dao = zeros(T * H);
   rmsnorm_backward(a.ao.data(), W(sl.post_attn_norm), a.r_pa.data(), dx1, dao.data(), G(sl.post_attn_norm), T, H);
   AttnTensor dO = attn_tensor(T * qd);  // [B, Hq, S, D], written by o_proj's backward in the attention's storage
-  merge_heads_backward(mm, a.O.data(), W(sl.o_proj), dao.data(), out(dO), G(sl.o_proj), B, S, Hq, D, H);
+  if (has_adapter(sl.o_proj)) {
+    // LoRA on o_proj: its adapter's input gradient joins the base's in float32 before dO is stored (and rounded).
+    Vec dO_f32 = zeros(T * qd);  // [B, Hq, S, D]
+    merge_heads_backward(mm, a.O.data(), W(sl.o_proj), dao.data(), dO_f32.data(), G(sl.o_proj), B, S, Hq, D, H);
+    adapter_backward(sl.o_proj, a.O.data(), {Hq, D}, dao.data(), {}, dO_f32.data());
+    out(dO).store(dO_f32.data(), T * qd);
+  } else {
+    merge_heads_backward(mm, a.O.data(), W(sl.o_proj), dao.data(), out(dO), G(sl.o_proj), B, S, Hq, D, H);
+  }
   Vec dQ = zeros(T * qd);
   Vec dK = zeros(T * kd), dV = zeros(T * kd);  // this layer's own contribution, written by the backend
   const bool shared = sp.kv_source >= 0;
@@ -109,6 +121,7 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
   if (G(sl.q_proj) || G(sl.k_proj) || G(sl.v_proj)) rounded.add(a.a.data(), T * H);  // their weight gradients read it
   const Matmul ms = rounded.matmul();
   heads_backward(ms, a.a.data(), W(sl.q_proj), dq_raw.data(), da.data(), G(sl.q_proj), B, S, H, Hq, D);
+  adapter_backward(sl.q_proj, a.a.data(), {}, dq_raw.data(), {Hq, D}, da.data());
   if (sp.kv_source < 0) {
     rope_apply_head_major(dK.data(), rope(sp), B, Hkv, S, true);
     Vec dk_raw = zeros(T * kd);
@@ -117,10 +130,12 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
       Vec dv_raw = zeros(T * kd);
       rmsnorm_backward(a.v_raw.data(), nullptr, a.v_rms.data(), dV.data(), dv_raw.data(), nullptr, T * Hkv, D);
       heads_backward(ms, a.a.data(), W(sl.v_proj), dv_raw.data(), da.data(), G(sl.v_proj), B, S, H, Hkv, D);
+      adapter_backward(sl.v_proj, a.a.data(), {}, dv_raw.data(), {Hkv, D}, da.data());
     } else {
       rmsnorm_backward(a.k_raw.data(), nullptr, a.v_rms.data(), dV.data(), dk_raw.data(), nullptr, T * Hkv, D);
     }
     heads_backward(ms, a.a.data(), W(sl.k_proj), dk_raw.data(), da.data(), G(sl.k_proj), B, S, H, Hkv, D);
+    adapter_backward(sl.k_proj, a.a.data(), {}, dk_raw.data(), {Hkv, D}, da.data());
   }
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t i = 0; i < T * H; ++i) dx[i] = dx1[i];

@@ -94,6 +94,20 @@ void describe_stale_multimodal(Checkpoint& ck, int vision_dim) {
   ck.text_prefix = kMultimodalTextPrefix;
 }
 
+// The dtypes a store may hold a parameter in as the files have it.
+std::optional<HeldDType> held_dtype_of(io::StDType t) {
+  switch (t) {
+    case io::StDType::F32:
+      return HeldDType::F32;
+    case io::StDType::BF16:
+      return HeldDType::BF16;
+    case io::StDType::F16:
+      return HeldDType::F16;
+    default:
+      return std::nullopt;
+  }
+}
+
 }  // namespace
 
 std::string file_name_of(const std::string& param_name, const std::string& text_prefix) {
@@ -145,12 +159,17 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
     check_shape(p.shape, *v, files.shard_of(name).path());
   }
   if (before_allocating) before_allocating(*ck.model);
-  check_memory(params.weight_bytes(), dir + ": the model's float32 parameters");
+  // A store that holds frozen parameters where the files are mapped (a LoRA base) makes no float32 copy of them.
+  if (!params.maps_frozen_weights()) check_memory(params.weight_bytes(), dir + ": the model's float32 parameters");
   params.allocate_weights();
   for (size_t slot = 0; slot < from_files; ++slot) {
-    // One tensor widened at a time beside the store's arena.
     const ParamInfo& p = params.info(slot);
-    const std::vector<float> values = io::to_float32(*files.find(file_name_of(p.name, ck.text_prefix)));
+    const io::TensorView& v = *files.find(file_name_of(p.name, ck.text_prefix));
+    if (const std::optional<HeldDType> dtype = held_dtype_of(v.dtype);
+        dtype && params.hold_mapped(slot, HeldWeight{*dtype, v.bytes.data()}, opened))
+      continue;
+    // One tensor widened at a time beside the store's arena.
+    const std::vector<float> values = io::to_float32(v);
     params.write_weight(slot, values);  // a sharded store keeps its piece alone
   }
   std::set<std::string, std::less<>> held;

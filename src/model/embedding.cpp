@@ -102,11 +102,13 @@ void Gemma4Model::Run::embed() {
   // transformers casts sqrt(H) to the weight dtype before multiplying.
   const float scale = static_cast<float>(std::sqrt(static_cast<double>(H)));
   h0 = zeros(T * H);
-  const float* E = W(m.embed_);
+  // The tables' rows are read in the dtype the store holds them in (a LoRA base: the checkpoint's; held_weight.h).
+  const HeldWeight E = store.held_weight(m.embed_);
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
-    const float* e = E + int64_t{ids[t]} * H;
-    for (int64_t i = 0; i < H; ++i) h0[t * H + i] = e[i] * scale;
+    float* e = h0.data() + t * H;
+    widen(E, int64_t{ids[t]} * H, H, e);
+    for (int64_t i = 0; i < H; ++i) e[i] *= scale;
   }
   if (!used_features.empty()) {
     // Only the features of this rank's tokens are projected: the same per-row math as projecting all N, O(L).
@@ -139,10 +141,11 @@ void Gemma4Model::Run::embed() {
   ple_rms = zeros(T * cfg.num_layers);
   rmsnorm_forward(ple_raw.data(), W(m.ple_norm_), eps, ple.data(), ple_rms.data(), T * cfg.num_layers, P);
   const float tok_scale = static_cast<float>(std::sqrt(static_cast<double>(P)));
-  const float* Ep = W(m.ple_embed_);
+  const HeldWeight Ep = store.held_weight(m.ple_embed_);
 #pragma omp parallel for schedule(static) if (T * LP >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
-    const float* e = Ep + int64_t{ple_ids[t]} * LP;
+    std::vector<float> e(static_cast<size_t>(LP));  // the row widened
+    widen(Ep, int64_t{ple_ids[t]} * LP, LP, e.data());
     for (int64_t i = 0; i < LP; ++i) ple[t * LP + i] = (ple[t * LP + i] + e[i] * tok_scale) * kPleCombineScale;
   }
 }

@@ -67,6 +67,9 @@ struct RunOptions {
   // Loss and gradients differ from Float32 by about the operands' 2^-9 relative rounding
   // (tests/model/test_model_bf16.cpp bounds it).
   ComputeDtype compute_dtype = ComputeDtype::Float32;
+  // LoRA dropout (model.lora.dropout, training runs only): the key its masks are drawn from (held_weight.h
+  // lora_dropout_keeps); the trainer sets one per step and micro-batch.
+  uint64_t dropout_key = 0;
 };
 
 // What attention's q, k, v and dout are stored in for a run computing in `t`: float32 for Float32; for Bfloat16, BF16

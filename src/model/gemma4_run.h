@@ -260,6 +260,22 @@ struct Gemma4Model::Run {
     return x;
   }
 
+  // Where a projection's input or output lies: token-major [T, n] (heads = 0), or head-major [B, heads, S, D].
+  struct Layout {
+    int heads = 0;
+    int64_t D = 0;
+  };
+  // adapter_block.cpp: a LoRA adapter on the linear weight of `slot` (ParamStore::adapter; nothing without one).
+  // Forward: y += scale * (x A^T) B^T, after the base's product into y. Backward: dx += scale * (dy B) A (dx may be
+  // null) and the adapter's gradients, beside the base's backward, which gets no weight gradient (frozen).
+  void adapter_forward(size_t slot, const float* x, Layout in, float* y, Layout out);
+  void adapter_backward(size_t slot, const float* x, Layout in, const float* dy, Layout out, float* dx);
+  bool has_adapter(size_t slot) const { return slot != kNoSlot && store.adapter(slot).has_value(); }
+  // PEFT's dropout of the adapter's input (training runs with LinearAdapter::dropout > 0): x [T, K] token-major, in
+  // place, kept elements scaled by 1 / (1 - dropout).
+  bool adapter_dropout(const LinearAdapter& ad) const;
+  void apply_adapter_dropout(const LinearAdapter& ad, float* x, int64_t K) const;
+
   // Batch preparation and the embedding (embedding.cpp).
   void prepare();
   void embed();

@@ -70,6 +70,31 @@ std::string slot_name_of(const std::string& peft) {
   return {};
 }
 
+// The modules the layer applies adapters to (Gemma4Model::Run::adapter_forward's call sites).
+bool adaptable(const std::string& module) {
+  for (const char* m : {".self_attn.q_proj", ".self_attn.k_proj", ".self_attn.v_proj", ".self_attn.o_proj",
+                        ".mlp.gate_proj", ".mlp.up_proj", ".mlp.down_proj"})
+    if (module.ends_with(m)) return true;
+  return false;
+}
+
+// The module PEFT's ParamWrapper gives the adapter of a 3-D experts weight: PEFT wraps the experts module once per
+// targeted parameter, in the module's registration order (gate_up_proj, then down_proj), each wrapper around the
+// previous one, so the last is "<experts>" and each earlier one a further ".base_layer" down.
+std::string expert_adapter_module(const LoraTarget& t, const std::vector<LoraTarget>& targets, const ParamStore& s) {
+  const std::string& name = s.info(t.base).name;
+  const std::string module = name.substr(0, name.rfind('.'));  // "model.layers.N.experts"
+  std::string out = module;
+  for (const LoraTarget& u : targets) {
+    const std::string& other = s.info(u.base).name;
+    if (u.experts > 1 && u.base > t.base && other.substr(0, other.rfind('.')) == module) out += ".base_layer";
+  }
+  return out;
+}
+
+// A lookup table: read by row in the held dtype (the embedding's gathers), never widened as a whole.
+bool lookup_table(const ParamInfo& p) { return !p.matmul && p.shape.size() == 2; }
+
 }  // namespace
 
 double LoraConfig::scale() const {
@@ -79,9 +104,11 @@ double LoraConfig::scale() const {
 void LoraConfig::validate() const {
   RF_CHECK(rank >= 1, "config: model.lora.rank must be >= 1, got ", rank);
   RF_CHECK(alpha > 0, "config: model.lora.alpha must be > 0, got ", alpha);
-  RF_CHECK(dropout == 0.0, "config: model.lora.dropout = ", dropout,
-           " is not implemented (only 0: the adapters see the same input as the base)");
-  RF_CHECK(!target.empty(), "config: model.lora.target is empty");
+  RF_CHECK(dropout >= 0.0 && dropout < 1.0, "config: model.lora.dropout = ", dropout, " must be in [0, 1)");
+  RF_CHECK(dropout == 0.0 || target_parameters.empty(), "config: model.lora.dropout = ", dropout,
+           " with target_parameters: PEFT's adapters on 3-D weights take no dropout (set it to 0)");
+  RF_CHECK(!target.empty() || !target_parameters.empty(),
+           "config: model.lora.target and model.lora.target_parameters are both empty");
 }
 
 std::string module_of(const std::string& param_name) {
@@ -97,10 +124,11 @@ std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig&
   config.validate();
   std::vector<LoraTarget> out;
   std::vector<bool> used(config.target.size(), false);
-  const std::regex re = config.target_regex ? std::regex(config.target.at(0)) : std::regex();
-  for (size_t slot = 0; slot < shapes.size(); ++slot) {
+  const std::regex re = config.target_regex && !config.target.empty() ? std::regex(config.target.at(0)) : std::regex();
+  for (size_t slot = 0; slot < shapes.size() && !config.target.empty(); ++slot) {
     const ParamInfo& p = shapes.info(slot);
-    if (p.layer == kGlobalGroup) continue;
+    // PEFT's target_modules name modules; a 3-D experts weight is a parameter (target_parameters).
+    if (p.layer == kGlobalGroup || p.shape.size() == 3) continue;
     const std::string module = module_of(p.name);
     bool hit = false;
     if (config.target_regex) {
@@ -116,50 +144,91 @@ std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig&
       }
     }
     if (!hit) continue;
-    RF_CHECK(p.matmul && p.shape.size() == 2, "model.lora.target matches `", module, "` of shape ", p.shape.size(),
-             "-D: only the decoder's linear weights take adapters (expert adapters are not implemented)");
+    RF_CHECK(p.matmul && p.shape.size() == 2 && adaptable(module), "model.lora.target matches `", module,
+             "`: only the attention's q/k/v/o_proj and the MLP's gate/up/down_proj take adapters (expert, router and "
+             "per-layer-input adapters are not implemented)");
     out.push_back(LoraTarget{slot, p.shape[0], p.shape[1]});
   }
   for (size_t t = 0; t < used.size(); ++t)
     RF_CHECK(used[t], "config: model.lora.target `", config.target[t], "` matches no linear layer of the text model");
+  std::vector<bool> used_params(config.target_parameters.size(), false);
+  for (size_t slot = 0; slot < shapes.size(); ++slot) {
+    const ParamInfo& p = shapes.info(slot);
+    if (p.layer == kGlobalGroup) continue;
+    bool hit = false;
+    for (size_t t = 0; t < config.target_parameters.size(); ++t) {
+      const std::string& name = config.target_parameters[t];
+      if (p.name == name || p.name.ends_with("." + name)) {
+        hit = true;
+        used_params[t] = true;
+      }
+    }
+    if (!hit) continue;
+    RF_CHECK(
+        p.shape.size() == 3 && (p.name.ends_with(".experts.gate_up_proj") || p.name.ends_with(".experts.down_proj")),
+        "model.lora.target_parameters matches `", p.name,
+        "`: only the MoE experts' 3-D weights (experts.gate_up_proj, experts.down_proj) are targeted as parameters");
+    out.push_back(LoraTarget{slot, p.shape[1], p.shape[2], p.shape[0]});
+  }
+  for (size_t t = 0; t < used_params.size(); ++t)
+    RF_CHECK(used_params[t], "config: model.lora.target_parameters `", config.target_parameters[t],
+             "` matches no experts weight of the text model");
+  std::sort(out.begin(), out.end(), [](const LoraTarget& a, const LoraTarget& b) { return a.base < b.base; });
   return out;
 }
 
 int64_t lora_adapter_bytes(const std::vector<LoraTarget>& targets, int rank) {
   int64_t n = 0;
-  for (const LoraTarget& t : targets) n += int64_t{rank} * (t.in + t.out);
+  for (const LoraTarget& t : targets) n += int64_t{rank} * t.experts * (t.in + t.out);
   return n * static_cast<int64_t>(sizeof(float));
 }
 
-int64_t lora_layer_buffer_bytes(const ParamStore& shapes, const std::vector<LoraTarget>& targets) {
+int64_t lora_layer_buffer_bytes(const ParamStore& shapes) {
   std::unordered_map<int, int64_t> per_layer;
-  for (const LoraTarget& t : targets) per_layer[shapes.info(t.base).layer] += t.out * t.in;
+  for (const ParamInfo& p : shapes.infos())
+    if (p.layer != kGlobalGroup) per_layer[p.layer] += p.numel;
   int64_t most = 0;
   for (const auto& [layer, n] : per_layer) most = std::max(most, n);
-  constexpr int kBuffers = 2;  // W' and dL/dW'
-  return kBuffers * most * static_cast<int64_t>(sizeof(float));
+  return most * static_cast<int64_t>(sizeof(float));
+}
+
+int64_t lora_global_buffer_bytes(const ParamStore& shapes) {
+  int64_t n = 0;
+  for (const ParamInfo& p : shapes.infos())
+    if (p.layer == kGlobalGroup && !lookup_table(p)) n += p.numel;
+  return n * static_cast<int64_t>(sizeof(float));
 }
 
 void LoraStore::allocate_weights() {
   if (weights_allocated()) return;
   const std::vector<LoraTarget> targets = lora_targets(*this, cfg_);
+  base_slots_ = size();
   adapter_of_.assign(size(), -1);
   for (const LoraTarget& t : targets) {
     const ParamInfo p = info(t.base);  // a copy: add() grows the registry
-    const std::string module = module_of(p.name);
     Adapter a;
     a.base = t.base;
     a.out = t.out;
     a.in = t.in;
-    a.a = add(module + ".lora_A.weight", {cfg_.rank, a.in}, p.layer, false);
-    a.b = add(module + ".lora_B.weight", {a.out, cfg_.rank}, p.layer, false);
+    a.experts = t.experts;
+    const std::string module = t.experts > 1 ? expert_adapter_module(t, targets, *this) : module_of(p.name);
+    a.a = add(module + ".lora_A.weight", {cfg_.rank * a.experts, a.in}, p.layer, false);
+    a.b = add(module + ".lora_B.weight", {a.out, cfg_.rank * a.experts}, p.layer, false);
     adapter_of_[t.base] = static_cast<int>(adapters_.size());
     adapters_.push_back(a);
+  }
+  // The adapters' own store, registered in this store's order: its (all trainable) layout is this store's trainable
+  // layout, element for element.
+  for (size_t slot = base_slots_; slot < size(); ++slot) {
+    const ParamInfo& p = info(slot);
+    adapters_store_.add(p.name, p.shape, p.layer, p.matmul);
   }
   std::vector<bool> trainable(size(), false);
   for (const Adapter& a : adapters_) trainable[a.a] = trainable[a.b] = true;
   set_trainable(trainable);
-  ReplicatedStore::allocate_weights();
+  adapters_store_.allocate_weights();
+  base_.assign(base_slots_, Base{});
+  allocated_ = true;
   init_adapters();
 }
 
@@ -182,94 +251,163 @@ void LoraStore::init_adapters() {
 
 std::vector<std::string> LoraStore::target_modules() const {
   std::vector<std::string> out;
-  for (const Adapter& a : adapters_) out.push_back(module_of(info(a.base).name));
+  for (const Adapter& a : adapters_)
+    if (a.experts == 1) out.push_back(module_of(info(a.base).name));
   return out;
 }
 
+std::vector<std::string> LoraStore::target_parameters() const {
+  std::vector<std::string> out;
+  for (const Adapter& a : adapters_)
+    if (a.experts > 1) out.push_back(info(a.base).name);
+  return out;
+}
+
+int64_t LoraStore::held_base_bytes() const {
+  int64_t n = 0;
+  for (size_t slot = 0; slot < base_.size(); ++slot)
+    if (base_[slot].held.data != nullptr) n += info(slot).numel * held_dtype_size(base_[slot].held.dtype);
+  return n;
+}
+
+int64_t LoraStore::mapped_base_bytes() const {
+  int64_t n = 0;
+  for (size_t slot = 0; slot < base_.size(); ++slot)
+    if (base_[slot].held.data != nullptr && base_[slot].owned.empty())
+      n += info(slot).numel * held_dtype_size(base_[slot].held.dtype);
+  return n;
+}
+
+bool LoraStore::needs_widening(size_t slot) const {
+  const HeldWeight& h = base_.at(slot).held;
+  return h.dtype != HeldDType::F32 || reinterpret_cast<uintptr_t>(h.data) % alignof(float) != 0;
+}
+
+HeldWeight LoraStore::held_weight(size_t slot) const {
+  if (!is_base(slot)) return {HeldDType::F32, adapters_store_.weight(inner(slot))};
+  const HeldWeight& h = base_.at(slot).held;
+  RF_CHECK(h.data != nullptr, "LoRA store: base parameter '", info(slot).name, "' has no values (not loaded)");
+  return h;
+}
+
+bool LoraStore::hold_mapped(size_t slot, HeldWeight values, std::shared_ptr<const void> keep) {
+  if (!allocated_ || !is_base(slot) || values.data == nullptr) return false;
+  Base& b = base_.at(slot);
+  b.owned = {};
+  b.held = values;
+  widened_.erase(slot);
+  if (std::find(keep_.begin(), keep_.end(), keep) == keep_.end()) keep_.push_back(std::move(keep));
+  weights_changed();
+  return true;
+}
+
 const float* LoraStore::weight(size_t slot) const {
-  const int i = adapter_of(slot);
-  if (i >= 0 && !merged_.empty() && info(slot).layer == acquired_) return merged_[static_cast<size_t>(i)].data();
-  return ReplicatedStore::weight(slot);
+  if (!is_base(slot)) return adapters_store_.weight(inner(slot));
+  if (const auto it = widened_.find(slot); it != widened_.end()) return it->second.data();
+  const HeldWeight h = held_weight(slot);
+  if (!needs_widening(slot)) return static_cast<const float*>(h.data);
+  // A tool outside the hooks (export, the finiteness checks): one slot at a time.
+  if (scratch_slot_ != slot || scratch_version_ != version()) {
+    scratch_.resize(static_cast<size_t>(info(slot).numel));
+    widen(h, 0, info(slot).numel, scratch_.data());
+    scratch_slot_ = slot;
+    scratch_version_ = version();
+  }
+  return scratch_.data();
 }
 
-float* LoraStore::grad(size_t slot) {
-  const int i = adapter_of(slot);
-  if (i >= 0 && !dmerged_.empty() && info(slot).layer == acquired_) return dmerged_[static_cast<size_t>(i)].data();
-  return ReplicatedStore::grad(slot);
+float* LoraStore::mutable_weight(size_t slot) {
+  RF_CHECK(allocated_, "LoRA store: parameter '", info(slot).name, "' written before the weights were allocated");
+  weights_changed();
+  if (!is_base(slot)) return adapters_store_.mutable_weight(inner(slot));
+  Base& b = base_.at(slot);
+  if (b.owned.empty()) {
+    // The base becomes float32 in memory: its values so far (mapped ones widened), else zeros.
+    std::vector<float> values(static_cast<size_t>(info(slot).numel), 0.f);
+    if (b.held.data != nullptr) widen(b.held, 0, info(slot).numel, values.data());
+    b.owned = std::move(values);
+    b.held = {HeldDType::F32, b.owned.data()};
+  }
+  widened_.erase(slot);
+  return b.owned.data();
 }
 
-const float* LoraStore::grad(size_t slot) const {
-  const int i = adapter_of(slot);
-  if (i >= 0 && !dmerged_.empty() && info(slot).layer == acquired_) return dmerged_[static_cast<size_t>(i)].data();
-  return ReplicatedStore::grad(slot);
+const bf16* LoraStore::find(const float* src, int64_t extent) const {
+  for (const auto& [slot, values] : widened_) {
+    const float* begin = values.data();
+    const float* end = begin + values.size();
+    if (src < begin || src + extent > end) continue;
+    const HeldWeight& h = base_[slot].held;
+    return h.dtype == HeldDType::BF16 ? static_cast<const bf16*>(h.data) + (src - begin) : nullptr;
+  }
+  return nullptr;
 }
 
-void LoraStore::merge_layer(int layer) {
-  RF_CHECK(acquired_ < kGlobalGroup, "LoRA store: layer ", layer, " acquired while layer ", acquired_,
-           " is (one run at a time per store)");
-  if (layer == kGlobalGroup) return;
-  acquired_ = layer;
-  merged_.assign(adapters_.size(), {});
-  const float s = static_cast<float>(cfg_.scale());
-  for (size_t i = 0; i < adapters_.size(); ++i) {
-    const Adapter& a = adapters_[i];
-    if (info(a.base).layer != layer) continue;
-    const float* W = ReplicatedStore::weight(a.base);
-    std::vector<float>& m = merged_[i];
-    m.assign(W, W + a.out * a.in);
-    // W' [out, in] += scale * B [out, r] A [r, in]
-    gemm(false, false, a.out, a.in, cfg_.rank, s, ReplicatedStore::weight(a.b), cfg_.rank, ReplicatedStore::weight(a.a),
-         a.in, 1.f, m.data(), a.in);
+float* LoraStore::grad(size_t slot) { return is_base(slot) ? nullptr : adapters_store_.grad(inner(slot)); }
+const float* LoraStore::grad(size_t slot) const { return is_base(slot) ? nullptr : adapters_store_.grad(inner(slot)); }
+float* LoraStore::moment(Role role, size_t slot) {
+  return is_base(slot) ? nullptr : adapters_store_.moment(role, inner(slot));
+}
+const float* LoraStore::moment(Role role, size_t slot) const {
+  return is_base(slot) ? nullptr : adapters_store_.moment(role, inner(slot));
+}
+
+void LoraStore::set_moment_range(int64_t begin, int64_t end) {
+  adapters_store_.set_moment_range(begin, end);
+  record_moment_range(begin, end);
+}
+
+std::span<float> LoraStore::mutable_flat(Role role) {
+  if (role == Role::Weights) weights_changed();
+  return adapters_store_.mutable_flat(role);
+}
+
+std::optional<LinearAdapter> LoraStore::adapter(size_t slot) {
+  const int i = adapter_of(slot);
+  if (i < 0) return std::nullopt;
+  const Adapter& a = adapters_[static_cast<size_t>(i)];
+  LinearAdapter la;
+  la.A = adapters_store_.weight(inner(a.a));
+  la.B = adapters_store_.weight(inner(a.b));
+  la.dA = adapters_store_.grad(inner(a.a));
+  la.dB = adapters_store_.grad(inner(a.b));
+  la.rank = cfg_.rank;
+  la.in = a.in;
+  la.out = a.out;
+  la.scale = static_cast<float>(cfg_.scale());
+  la.experts = a.experts;
+  la.dropout = static_cast<float>(cfg_.dropout);
+  la.salt = slot;
+  return la;
+}
+
+void LoraStore::acquire(int layer) {
+  for (size_t slot = 0; slot < base_slots_; ++slot) {
+    const ParamInfo& p = info(slot);
+    if (p.layer != layer || widened_.count(slot) || lookup_table(p) || !needs_widening(slot)) continue;
+    std::vector<float> values(static_cast<size_t>(p.numel));
+    widen(held_weight(slot), 0, p.numel, values.data());
+    widened_.emplace(slot, std::move(values));
   }
 }
 
-void LoraStore::release_layer() {
-  acquired_ = kGlobalGroup - 1;
-  merged_.clear();
-  dmerged_.clear();
-}
-
-void LoraStore::before_forward(int layer) { merge_layer(layer); }
-
-void LoraStore::after_forward(int layer) {
-  if (layer != kGlobalGroup) release_layer();
-}
-
-void LoraStore::before_backward(int layer) {
-  merge_layer(layer);
-  if (layer == kGlobalGroup || !has_grads()) return;
-  dmerged_.assign(adapters_.size(), {});
-  for (size_t i = 0; i < adapters_.size(); ++i)
-    if (info(adapters_[i].base).layer == layer)
-      dmerged_[i].assign(static_cast<size_t>(adapters_[i].out * adapters_[i].in), 0.f);
-}
-
-void LoraStore::after_backward(int layer) {
-  if (layer == kGlobalGroup) return;
-  const float s = static_cast<float>(cfg_.scale());
-  const int64_t r = cfg_.rank;
-  for (size_t i = 0; i < adapters_.size() && !dmerged_.empty(); ++i) {
-    const Adapter& a = adapters_[i];
-    if (info(a.base).layer != layer) continue;
-    const float* dW = dmerged_[i].data();
-    // dB [out, r] += scale * dW' [out, in] A^T [in, r];  dA [r, in] += scale * B^T [r, out] dW' [out, in]
-    gemm(false, true, a.out, r, a.in, s, dW, a.in, ReplicatedStore::weight(a.a), a.in, 1.f, ReplicatedStore::grad(a.b),
-         r);
-    gemm(true, false, r, a.in, a.out, s, ReplicatedStore::weight(a.b), r, dW, a.in, 1.f, ReplicatedStore::grad(a.a),
-         a.in);
-  }
-  release_layer();
+void LoraStore::release(int layer) {
+  for (auto it = widened_.begin(); it != widened_.end();)
+    it = info(it->first).layer == layer ? widened_.erase(it) : std::next(it);
 }
 
 void save_peft_adapter(const LoraStore& store, const std::string& text_prefix, const std::string& base_model,
                        const std::string& dir) {
   namespace fs = std::filesystem;
   const LoraConfig& c = store.config();
-  std::vector<std::string> modules;
+  std::vector<std::string> modules, parameters;
   io::SafetensorsWriter w;
   w.set_metadata("format", "pt");
   for (const LoraStore::Adapter& a : store.adapters()) {
-    modules.push_back(file_name_of(module_of(store.info(a.base).name), text_prefix));
+    if (a.experts > 1)
+      parameters.push_back(file_name_of(store.info(a.base).name, text_prefix));
+    else
+      modules.push_back(file_name_of(module_of(store.info(a.base).name), text_prefix));
     for (size_t slot : {a.a, a.b}) {
       const ParamInfo& p = store.info(slot);
       w.add(peft_name(p.name, text_prefix), io::StDType::F32, p.shape,
@@ -286,6 +424,7 @@ void save_peft_adapter(const LoraStore& store, const std::string& text_prefix, c
                             {"lora_dropout", c.dropout},
                             {"use_rslora", c.use_rslora},
                             {"target_modules", modules},
+                            {"target_parameters", parameters},
                             {"bias", "none"},
                             {"fan_in_fan_out", false},
                             {"init_lora_weights", true},
@@ -323,10 +462,23 @@ LoraConfig read_peft_config(const std::string& dir) {
   c.target.clear();
   for (const io::TensorView& v : file.tensors()) {
     const std::string slot = slot_name_of(v.name);
-    if (!slot.ends_with(kLoraASuffix)) continue;
+    // The experts' adapters come from target_parameters (their module is the experts module, or a ParamWrapper's
+    // base_layer inside it).
+    if (!slot.ends_with(kLoraASuffix) || slot.find(".experts.") != std::string::npos) continue;
     c.target.push_back(slot.substr(0, slot.size() - std::string(kLoraASuffix).size()));
   }
-  RF_CHECK(!c.target.empty(), dir, "/", kPeftWeightsFile, ": no lora_A tensor of the text model");
+  try {
+    if (j.contains("target_parameters") && j.at("target_parameters").is_array())
+      for (const auto& name : j.at("target_parameters")) {
+        const std::string n = name.get<std::string>();
+        c.target_parameters.push_back(
+            n.starts_with(kMultimodalText) ? kText + n.substr(std::string(kMultimodalText).size()) : n);
+      }
+  } catch (const nlohmann::json::exception& e) {
+    rf::fail(config_path.string(), ": target_parameters: ", e.what());
+  }
+  RF_CHECK(!c.target.empty() || !c.target_parameters.empty(), dir, "/", kPeftWeightsFile,
+           ": no lora_A tensor of the text model");
   c.validate();
   return c;
 }

@@ -4,28 +4,41 @@
 // allocated, each targeted linear W [out, in] of a decoder layer gets two further trainable slots, PEFT's
 //   <module>.lora_A.weight  A [r, in]   Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))
 //   <module>.lora_B.weight  B [out, r]  zero
-// so the gradient arena and AdamW's moments cover the adapters only. The layer computes with
-//   W' = W + scale * B A,   scale = alpha / r (alpha / sqrt(r) with use_rslora)
-// which is PEFT's y = W x + scale * B (A x) without dropout, regrouped.
+// so the gradient arena and AdamW's moments cover the adapters only (they live in a float32 ReplicatedStore of their
+// own, whose trainable layout is this store's). The layer computes PEFT's
+//   y = x W^T + scale * (x A^T) B^T,   scale = alpha / r (alpha / sqrt(r) with use_rslora)
+// the adapter's part as two thin matmuls (ParamStore::adapter, model/held_weight.h), never W + scale B A; the base gets
+// no weight-gradient product, only the input gradient through W.
 //
-// How it plugs into the layer hooks: before_forward / before_backward of layer l build W' for each targeted slot
-// of the layer (weight(slot) points there until after_forward / after_backward); before_backward also gives each
-// targeted slot a zeroed [out, in] gradient buffer (grad(slot) points there, so the model's unchanged backward
-// writes dL/dW' into it), and after_backward contracts it into the adapters' gradients:
-//   dB += scale * dW' A^T     dA += scale * B^T dW'
-// and frees it. This costs, per targeted linear and layer, one [out, in] float32 buffer alive at a time and the
-// base's weight-gradient product (which a factored backward would skip: the next step of this file); the base itself
-// is never written.
+// The base is held in the checkpoint's own dtype (bf16, f16 or f32) where the loader maps the safetensors files
+// (hold_mapped): read-only pages of the page cache, shared by every rank on the machine that maps the same files, and
+// bit-identical to the files. A base written through mutable_weight (a model built in memory, init_random) is held in
+// float32. The float32 view weight(slot) of a base held in bf16/f16 exists only for the layer being computed:
+// before_forward / before_backward of layer l widen its base slots into float32 buffers, after_forward /
+// after_backward free them (one layer's float32 weights alive at a time; the global group's matmul operands, the tied
+// LM head among them, for the whole run; its lookup tables never: the embedding gathers their rows in the held
+// dtype). In the bf16 compute mode the matmuls find a bf16 base's own mapped values through the Bf16Lookup (the
+// widened values round back to exactly those bits), so no bf16 copy is made either. Outside the hooks weight(slot)
+// of such a slot widens it into one scratch buffer, valid until the next such call (tools: export, checks).
 //
 // Targets follow PEFT's target_modules, matched against the module names of the text model as Gemma4ForCausalLM
 // names them ("model.layers.3.self_attn.q_proj"): a list of names matches a module whose name is one of them or ends
 // with "." + one of them; a single regular expression must match the whole module name (std::regex_match, PEFT's
-// re.fullmatch). Only 2-D matmul weights of decoder layers can be targets; a target matching nothing is an error,
-// and so is one matching the MoE experts' 3-D weights (expert adapters are not implemented yet) or dropout != 0.
+// re.fullmatch). Only the attention's q/k/v/o and the dense MLP's gate/up/down projections take adapters as modules; a
+// target matching nothing is an error, and so is one matching another weight (the router, the per-layer-input
+// projections) or dropout != 0. The MoE experts' 3-D weights take adapters through target_parameters, as PEFT's
+// ParamWrapper: for W [E, out, in], A [E * r, in] and B [out, r * E] (held_weight.h: expert e's A_e are rows
+// e*r.., its B_e the columns k*E + e), named after PEFT's nested wrappers: with both experts weights targeted,
+// gate_up_proj's are "<layer>.experts.base_layer.lora_A.weight" and down_proj's "<layer>.experts.lora_A.weight"
+// (PEFT wraps the experts module once per parameter in registration order, the last outermost); with one, that one's
+// are "<layer>.experts.lora_A.weight".
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "model/param_store.h"
@@ -39,11 +52,14 @@ struct LoraConfig {
   // PEFT's target_modules: names (suffix match), or one regular expression (full match) when target_regex is set.
   std::vector<std::string> target = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   bool target_regex = false;
+  // PEFT's target_parameters: the MoE experts' 3-D weights ("experts.gate_up_proj", "experts.down_proj"), names
+  // matched as target's list is, against "model.layers.N.experts.gate_up_proj".
+  std::vector<std::string> target_parameters;
   bool use_rslora = false;
   uint64_t seed = 0;  // A's initial values are a function of (seed, the adapter's name, the element) only
 
   double scale() const;
-  // Throws rf::Error naming the field: rank < 1, alpha <= 0, dropout != 0, an empty target.
+  // Throws rf::Error naming the field: rank < 1, alpha <= 0, dropout != 0, no target and no target_parameters.
   void validate() const;
 };
 
@@ -56,54 +72,109 @@ std::string module_of(const std::string& param_name);
 struct LoraTarget {
   size_t base = 0;
   int64_t out = 0, in = 0;
+  int64_t experts = 1;  // > 1: a 3-D experts weight [experts, out, in] (target_parameters)
 };
 std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig& config);
 // Float32 bytes of the adapters of `targets` (one of weights, gradients, exp_avg, exp_avg_sq), and of the largest
-// layer's W' and dL/dW' buffers that the hooks hold (the merged weights and their gradient, one layer at a time).
+// layer's float32 widening of its base that the hooks hold (one layer at a time) when the base is not float32.
 int64_t lora_adapter_bytes(const std::vector<LoraTarget>& targets, int rank);
-int64_t lora_layer_buffer_bytes(const ParamStore& shapes, const std::vector<LoraTarget>& targets);
+int64_t lora_layer_buffer_bytes(const ParamStore& shapes);
+// Float32 bytes of the global group's widened matmul operands (the LM head), alive for the whole run.
+int64_t lora_global_buffer_bytes(const ParamStore& shapes);
 
-class LoraStore : public ReplicatedStore {
+class LoraStore : public ParamStore {
  public:
   explicit LoraStore(LoraConfig config);
 
   const LoraConfig& config() const { return cfg_; }
 
   // Registers the adapters of every targeted slot (throws rf::Error as the header says), freezes the base,
-  // allocates everything and initialises the adapters.
+  // allocates the adapters and their state and initialises them. The base gets no storage here: the loader maps it
+  // (hold_mapped), or mutable_weight makes a float32 one.
   void allocate_weights() override;
+  bool weights_allocated() const override { return allocated_; }
   // A's Kaiming-uniform values and B's zeros again (after Gemma4Model::init_random, which fills every slot).
   void init_adapters();
 
   struct Adapter {
-    size_t base = 0, a = 0, b = 0;  // slots: W [out, in], A [r, in], B [out, r]
+    size_t base = 0, a = 0, b = 0;  // slots: W [out, in], A [r, in], B [out, r] (experts: held_weight.h's layout)
     int64_t out = 0, in = 0;
+    int64_t experts = 1;
   };
   const std::vector<Adapter>& adapters() const { return adapters_; }
-  // The modules that carry adapters, in registration order (PEFT's target_modules as resolved names).
+  // The modules that carry adapters, in registration order (PEFT's target_modules as resolved names), and the 3-D
+  // parameters that do (PEFT's target_parameters, resolved).
   std::vector<std::string> target_modules() const;
+  std::vector<std::string> target_parameters() const;
+  // Bytes of the base as it is held (its dtype; mapped or not), and of the part that is mapped from the files.
+  int64_t held_base_bytes() const;
+  int64_t mapped_base_bytes() const;
 
   const float* weight(size_t slot) const override;
+  float* mutable_weight(size_t slot) override;
+  const Bf16Lookup& bf16_weights() override { return *this; }
+  // A bf16 base's mapped values, for src inside a float32 widening the hooks made of it; null otherwise (the matmul
+  // rounds that operand itself).
+  const bf16* find(const float* src, int64_t extent) const override;
+
+  void allocate_grads() override { adapters_store_.allocate_grads(); }
+  void allocate_moments() override { adapters_store_.allocate_moments(); }
+  bool has_grads() const override { return adapters_store_.has_grads(); }
+  bool has_moments() const override { return adapters_store_.has_moments(); }
+  void zero_grads() override { adapters_store_.zero_grads(); }
   float* grad(size_t slot) override;
   const float* grad(size_t slot) const override;
+  float* moment(Role role, size_t slot) override;
+  const float* moment(Role role, size_t slot) const override;
+  void set_moment_range(int64_t begin, int64_t end) override;
+  // Grads, ExpAvg, ExpAvgSq: the adapters' arenas, the trainable layout. Weights: the adapters' weights only (the base
+  // is no float32 arena).
+  std::span<const float> flat(Role role) const override { return adapters_store_.flat(role); }
+  std::span<float> mutable_flat(Role role) override;
 
-  void before_forward(int layer) override;
-  void after_forward(int layer) override;
-  void before_backward(int layer) override;
-  void after_backward(int layer) override;
+  HeldWeight held_weight(size_t slot) const override;
+  bool hold_mapped(size_t slot, HeldWeight values, std::shared_ptr<const void> keep) override;
+  bool maps_frozen_weights() const override { return true; }
+  std::optional<LinearAdapter> adapter(size_t slot) override;
+
+  void before_forward(int layer) override { acquire(layer); }
+  void after_forward(int layer) override { release(layer); }
+  void before_backward(int layer) override { acquire(layer); }
+  void after_backward(int layer) override { release(layer); }
+
+ protected:
+  void release_training_state() override { adapters_store_.release(); }
 
  private:
-  void merge_layer(int layer);
-  void release_layer();
+  // The adapters' float32 arenas: their slots are this store's adapter slots less base_slots_.
+  struct AdapterArena : ReplicatedStore {
+    void release() { release_training_state(); }
+  };
+  struct Base {
+    HeldWeight held;           // data null: no values yet
+    std::vector<float> owned;  // float32 values written through mutable_weight (held points here then)
+  };
+  bool is_base(size_t slot) const { return slot < base_slots_; }
+  size_t inner(size_t slot) const { return slot - base_slots_; }
+  // Whether the float32 view of a base slot needs a widened copy (not float32, or not aligned for float).
+  bool needs_widening(size_t slot) const;
+  void acquire(int layer);
+  void release(int layer);
   // The adapter index of a base slot, or -1.
   int adapter_of(size_t slot) const { return slot < adapter_of_.size() ? adapter_of_[slot] : -1; }
 
   LoraConfig cfg_;
+  bool allocated_ = false;
+  size_t base_slots_ = 0;  // slots registered by the model; the adapters' follow
   std::vector<Adapter> adapters_;
-  std::vector<int> adapter_of_;      // [slots registered by the model] adapter index or -1
-  int acquired_ = kGlobalGroup - 1;  // the layer whose W' exists (none: below kGlobalGroup)
-  // Per adapter of the acquired layer (empty elsewhere): W' [out, in], and during the backward dL/dW' [out, in].
-  std::vector<std::vector<float>> merged_, dmerged_;
+  std::vector<int> adapter_of_;  // [base slots] adapter index or -1
+  AdapterArena adapters_store_;
+  std::vector<Base> base_;                                  // [base slots]
+  std::vector<std::shared_ptr<const void>> keep_;           // the mapped files the base points into
+  std::unordered_map<size_t, std::vector<float>> widened_;  // base slot -> its float32 widening, acquired layers'
+  mutable std::vector<float> scratch_;                      // weight() of an unacquired widened slot (tools)
+  mutable size_t scratch_slot_ = ~size_t{0};
+  mutable uint64_t scratch_version_ = 0;
 };
 
 // PEFT's adapter files (what peft.PeftModel.from_pretrained loads):
@@ -111,7 +182,9 @@ class LoraStore : public ReplicatedStore {
 //                              lora_dropout, use_rslora, target_modules (the adapted modules' names in the
 //                              checkpoint's layout, e.g. "model.language_model.layers.0.self_attn.q_proj"), ...
 //   adapter_model.safetensors  float32 "base_model.model." + <module in the checkpoint's layout> + ".lora_A.weight"
-//                              (and lora_B), e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
+//                              (and lora_B), e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight;
+//                              the experts' adapters as their slots are named (above), target_parameters in the
+//                              config
 // `text_prefix`: where the decoder lives in the base's files (model/checkpoint.h Checkpoint::text_prefix).
 constexpr const char* kPeftConfigFile = "adapter_config.json";
 constexpr const char* kPeftWeightsFile = "adapter_model.safetensors";

@@ -47,12 +47,14 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "core/dtype.h"
+#include "model/held_weight.h"
 #include "model/ops.h"
 #include "model/params.h"
 
@@ -207,6 +209,21 @@ class ParamStore : public Bf16Lookup {
   // The values of a role as named tensors (tests and tools): every slot, those without storage in that role left
   // as names and shapes.
   TensorSet snapshot(Role role) const;
+
+  // --- Weights held in another dtype than float32, and adapters (model/held_weight.h): a LoRA store's frozen base
+  // and its adapters (model/lora_store.h); float32 and none in the other stores ---
+  // A parameter's values as the store holds them; readers that take the held dtype as it is (the embedding's row
+  // gathers) read these instead of weight(slot), which may widen a copy.
+  virtual HeldWeight held_weight(size_t slot) const { return {HeldDType::F32, weight(slot)}; }
+  // Asks the store to hold a parameter where the checkpoint's files are mapped, in their dtype, instead of copying it
+  // into float32; `keep` keeps the mapping alive. False: the store does not (the loader writes mutable_weight).
+  virtual bool hold_mapped(size_t /*slot*/, HeldWeight /*values*/, std::shared_ptr<const void> /*keep*/) {
+    return false;
+  }
+  // Whether hold_mapped holds frozen parameters (then loading them needs no float32 copy).
+  virtual bool maps_frozen_weights() const { return false; }
+  // The adapter the layer adds to the linear weight of `slot` (between the layer's hooks); nullopt: none.
+  virtual std::optional<LinearAdapter> adapter(size_t /*slot*/) { return std::nullopt; }
 
   // --- Layer hooks (see the top of this file): no-ops unless an implementation moves weights around ---
   virtual void before_forward(int /*layer*/) {}

@@ -174,6 +174,7 @@ const std::vector<Field>& fields() {
       field("model.lora.alpha", kNum, &C::model, &ModelSection::lora_alpha),
       field("model.lora.dropout", kNum, &C::model, &ModelSection::lora_dropout),
       lora_target(),
+      string_list("model.lora.target_parameters", &ModelSection::lora_target_parameters),
       field("model.lora.use_rslora", "true or false", &C::model, &ModelSection::lora_use_rslora),
       field("model.train_vision", "true or false", &C::model, &ModelSection::train_vision),
       choice("data.source", &C::data, &DataSection::source,
@@ -265,7 +266,7 @@ void read_sections(TrainConfig& c, const YAML::Node& root, const std::string& so
       if (name == kLoraGroup) {
         // model.lora is a map of its own fields (rank, alpha, ...), read as model.lora.<key>.
         RF_CHECK(entry.second.IsMap(), source, ": `", name,
-                 "` must be a map (rank, alpha, dropout, target, use_rslora)");
+                 "` must be a map (rank, alpha, dropout, target, target_parameters, use_rslora)");
         for (const auto& sub : entry.second) {
           const std::string sub_name = name + "." + key_name(sub.first, source);
           RF_CHECK(seen.insert(sub_name).second, source, ": field `", sub_name, "` appears twice");
@@ -358,9 +359,10 @@ void validate(const TrainConfig& c, int world_size) {
   if (c.model.lora_rank != 0) {
     RF_CHECK(c.model.lora_rank >= 1, "config: model.lora.rank = ", c.model.lora_rank, " must be >= 1 (0: no LoRA)");
     RF_CHECK(c.model.lora_alpha > 0, "config: model.lora.alpha = ", c.model.lora_alpha, " must be > 0");
-    RF_CHECK(c.model.lora_dropout == 0, "config: model.lora.dropout = ", c.model.lora_dropout,
-             " is not implemented (only 0)");
-    RF_CHECK(!c.model.lora_target.empty(), "config: model.lora.target is empty");
+    RF_CHECK(c.model.lora_dropout >= 0 && c.model.lora_dropout < 1,
+             "config: model.lora.dropout = ", c.model.lora_dropout, " must be in [0, 1)");
+    RF_CHECK(!c.model.lora_target.empty() || !c.model.lora_target_parameters.empty(),
+             "config: model.lora.target and model.lora.target_parameters are both empty");
     RF_CHECK(c.parallelism.shard == ShardMode::None,
              "config: model.lora with parallelism.shard = ", name_of(c.parallelism.shard),
              " is not implemented (the adapters are small: shard none)");

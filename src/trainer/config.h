@@ -38,6 +38,8 @@ struct ModelSection {
   // whole module name ("model.layers.N.self_attn.q_proj").
   std::vector<std::string> lora_target = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   bool lora_target_regex = false;
+  // PEFT's target_parameters: the MoE experts' 3-D weights, e.g. [experts.gate_up_proj, experts.down_proj].
+  std::vector<std::string> lora_target_parameters;
   bool lora_use_rslora = false;
   // The vision tower trains (its parameters get gradients and moments and are written back updated); false: it is
   // frozen, as in every Gemma 4 recipe, and encodes each image of the data once.

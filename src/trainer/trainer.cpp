@@ -18,6 +18,7 @@
 #include "core/memory.h"
 #include "cp/parallel_context.h"
 #include "io/atomic_file.h"
+#include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 #include "model/builtin_configs.h"
@@ -75,6 +76,7 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
   same(now.model.lora_rank == then.model.lora_rank && now.model.lora_alpha == then.model.lora_alpha &&
            now.model.lora_target == then.model.lora_target &&
            now.model.lora_target_regex == then.model.lora_target_regex &&
+           now.model.lora_target_parameters == then.model.lora_target_parameters &&
            now.model.lora_use_rslora == then.model.lora_use_rslora,
        "model.lora");
 }
@@ -98,8 +100,24 @@ void check_loaded_weights(const model::Checkpoint& ck, const std::string& dir) {
                    io::index_string(first + static_cast<int64_t>(k), p.shape));
       continue;
     }
-    check_loaded_tensor(where, model::file_name_of(p.name, ck.text_prefix),
-                        std::span<const float>(store.weight(i), static_cast<size_t>(p.numel)), p.shape);
+    const std::string name = model::file_name_of(p.name, ck.text_prefix);
+    const model::HeldWeight held = store.held_weight(i);
+    if (held.dtype == model::HeldDType::F32) {
+      check_loaded_tensor(where, name, std::span<const float>(store.weight(i), static_cast<size_t>(p.numel)), p.shape);
+      continue;
+    }
+    // A base held in the files' dtype (a LoRA store): widened a block of rows at a time, not the whole tensor.
+    constexpr int64_t kBlockElements = int64_t{1} << 22;
+    const int64_t row = p.shape.size() >= 2 ? p.numel / p.shape[0] : p.numel;
+    const int64_t rows_per_block = std::max<int64_t>(1, kBlockElements / std::max<int64_t>(row, 1));
+    std::vector<float> block;
+    for (int64_t r0 = 0; r0 * row < p.numel; r0 += rows_per_block) {
+      const int64_t n = std::min(p.numel - r0 * row, rows_per_block * row);
+      block.resize(static_cast<size_t>(n));
+      model::widen(held, r0 * row, n, block.data());
+      check_loaded_tensor(where, rf::concat(name, " (rows from ", r0, ")"), block,
+                          {n / std::max<int64_t>(row, 1), row});
+    }
   }
 }
 
@@ -158,9 +176,28 @@ model::LoraConfig lora_config(const TrainConfig& cfg) {
   lc.dropout = cfg.model.lora_dropout;
   lc.target = cfg.model.lora_target;
   lc.target_regex = cfg.model.lora_target_regex;
+  lc.target_parameters = cfg.model.lora_target_parameters;
   lc.use_rslora = cfg.model.lora_use_rslora;
   lc.seed = cfg.train.seed;
   return lc;
+}
+
+// Bytes of the model's parameters in the dtypes of model.path's files (what a LoRA store maps), or -1 without
+// model.path (a built-in base) or where a file's dtype is none a store can hold (the loader widens those).
+int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& shapes) {
+  if (c.model.path.empty() || !fs::is_directory(c.model.path)) return -1;
+  const io::Checkpoint files = io::Checkpoint::open(c.model.path);
+  const std::string prefix = files.find(std::string(model::kMultimodalTextPrefix) + "embed_tokens.weight")
+                                 ? model::kMultimodalTextPrefix
+                                 : "model.";
+  int64_t bytes = 0;
+  for (const model::ParamInfo& p : shapes.infos()) {
+    const io::TensorView* v = files.find(model::file_name_of(p.name, prefix));
+    if (v == nullptr) return -1;
+    if (v->dtype != io::StDType::F32 && v->dtype != io::StDType::BF16 && v->dtype != io::StDType::F16) return -1;
+    bytes += static_cast<int64_t>(v->bytes.size());
+  }
+  return bytes;
 }
 
 }  // namespace
@@ -168,14 +205,26 @@ model::LoraConfig lora_config(const TrainConfig& cfg) {
 MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Model& m, int world_size) {
   int64_t params = m.params().weight_bytes();
   int64_t trainable_bytes = 0;
-  int64_t lora_buffers = 0;
+  MemoryBreakdown lora_base;
   if (c.model.lora_rank > 0) {
-    // LoRA: the adapters train (their weights, gradients and moments), the base is frozen; the hooks hold one
-    // layer's merged weights and their gradient.
+    // LoRA: the adapters train (their weights, gradients and moments), the base is frozen.
     const std::vector<model::LoraTarget> targets = model::lora_targets(m.params(), lora_config(c));
     trainable_bytes = model::lora_adapter_bytes(targets, c.model.lora_rank);
-    params += trainable_bytes;
-    lora_buffers = model::lora_layer_buffer_bytes(m.params(), targets);
+    const int64_t mapped = mapped_base_bytes(c, m.params());
+    if (mapped >= 0) {
+      // The base stays in the files' dtype, mapped: the page cache holds one copy for every rank of this machine
+      // (each maps the same files), counted here as this rank's share of the machine, as available_memory_bytes()
+      // counts the machine. What the hooks widen to float32: one layer's base, and the head for the whole run.
+      params = trainable_bytes;
+      const int ranks_here = local_ranks();
+      lora_base.add(rf::concat("LoRA base, mapped (shared by the ", ranks_here, " ranks of this machine)"),
+                    (mapped + ranks_here - 1) / ranks_here);
+      lora_base.add("LoRA: one layer's base widened", model::lora_layer_buffer_bytes(m.params()));
+      lora_base.add("LoRA: the head widened", model::lora_global_buffer_bytes(m.params()));
+    } else {
+      // A base built in memory (model.builtin) is float32 in each rank's memory.
+      params += trainable_bytes;
+    }
   } else {
     const std::vector<bool> trainable = m.params().trainable_after(c.model.freeze);
     for (size_t i = 0; i < trainable.size(); ++i)
@@ -218,14 +267,15 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
     trainable_bytes -= trainable_elsewhere * static_cast<int64_t>(sizeof(float));
     need.add("weights", params + m.buffers().total_bytes());
     need.add("gradients", trainable_bytes);
-    if (lora_buffers > 0) need.add("LoRA: one layer's merged weights and their gradient", lora_buffers);
+    need.add(lora_base);
     // parallelism.shard = optimizer: a rank holds the moments of its shard, ceil(trainable / N) elements.
     const int64_t trainable_elements = trainable_bytes / static_cast<int64_t>(sizeof(float));
     const int64_t moment_elements = c.parallelism.shard == ShardMode::Optimizer
                                         ? model::shard_of(trainable_elements, 0, world_size).padded
                                         : trainable_elements;
     need.add("AdamW moments", checked_bytes({kMoments, moment_elements, static_cast<int64_t>(sizeof(float))}));
-    if (c.model.compute_dtype == model::ComputeDtype::Bfloat16)
+    // (A LoRA base has none: the matmuls read a bf16 base as it is mapped, and round another per call.)
+    if (c.model.compute_dtype == model::ComputeDtype::Bfloat16 && c.model.lora_rank == 0)
       need.add("bf16 weight copies", m.bf16_weight_bytes() - bf16_elsewhere * static_cast<int64_t>(sizeof(bf16)));
   }
   // A step builds all of this replica's rows before its micro-batches run: five int32 arrays a token (ids, labels,
@@ -640,11 +690,22 @@ double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool 
   return run_with_tower(r, p, ro);
 }
 
+// The key of one micro-batch's LoRA dropout masks.
+uint64_t dropout_key(uint64_t seed, int64_t step, int replica, size_t micro_batch) {
+  // Distinct for distinct (step, replica, micro-batch) at any realistic count: 32 bits of step, 16 of each other.
+  constexpr int kStepShift = 32, kReplicaShift = 16;
+  return seed * 0x9e3779b97f4a7c15ULL ^ (static_cast<uint64_t>(step) << kStepShift) ^
+         (static_cast<uint64_t>(replica) << kReplicaShift) ^ static_cast<uint64_t>(micro_batch);
+}
+
 // 3. Forward + backward of every micro-batch, the gradients accumulating; returns the global batch's loss.
 double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t label_tokens) {
   r.ck.model->params().zero_grads();
   double loss = 0.0;
   for (size_t a = 0; a < batches.size(); ++a) {
+    // LoRA dropout's masks: drawn anew for each step, replica and micro-batch, the same on the CP ranks of a row
+    // (model/held_weight.h lora_dropout_keeps), and again the same when the step is run again after a resume.
+    r.training.dropout_key = dropout_key(r.cfg.train.seed, r.state.step + 1, r.dp_index, a);
     loss += run_micro_batch(r, batches[a], label_tokens, true);
   }
   r.dp_group->allreduce(&loss, 1, comm::ReduceOp::Sum, r.timeout);

@@ -5,13 +5,16 @@ tests/requirements.txt), in float64.
 For tiny random Gemma 4 configs (tests/model/parity.py's dense one with attention_k_eq_v, and its MoE one with the
 experts left out of the targets) and both scalings (alpha / r, and use_rslora's alpha / sqrt(r)):
   1. peft wraps a random Gemma4ForCausalLM with LoRA on q/k/v/o and gate/up/down, A and B set random (B != 0, so
-     every adapter gradient is nonzero), and saves the adapter with save_pretrained (PEFT's own files);
+     every adapter gradient is nonzero), and saves the adapter with save_pretrained (PEFT's own files); the base
+     is saved in float32, and once more in bfloat16 (values rounded to bf16 on both sides), which ringflex holds as
+     the files have it;
   2. `ringflex forward --model BASE --lora ADAPTER --grad` (through LAUNCHER when given, e.g. mpirun -n 2) must give
      peft's float64 loss and every adapter gradient, and no gradient of the base;
   3. `ringflex train` with model.lora writes a checkpoint whose adapter directory peft loads with no missing or
      unexpected keys and which then gives the loss ringflex computes with it; the base's files are bit-identical
      after the run; --resume from an earlier checkpoint writes the same adapters and moments bit for bit; under a
-     launcher of N ranks (cp N) the losses equal those at cp 1 and at dp N; `ringflex export --merge` writes the
+     launcher of N ranks (cp N) the losses equal those at cp 1 and at dp N, and so do they with model.lora.dropout
+     (masks keyed by the token's global position); `ringflex export --merge` writes the
      base with the adapted weights merged, which plain transformers loads and which gives peft's loss.
 
 Tolerance: 1e-4 relative per tensor, parity.py's (float32 against float64 on these badly conditioned tiny models;
@@ -19,6 +22,7 @@ a wrong term shows up at 1e-2 or more).
 
 Exit code 77 (CTest's skip) when torch, transformers, peft or safetensors is missing.
 """
+import copy
 import hashlib
 import json
 import os
@@ -42,6 +46,7 @@ except ImportError as e:
 
 REL_TOL = parity.REL_TOL
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EXPERT_TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
 RANK, ALPHA = 4, 6.0
 
 
@@ -71,7 +76,7 @@ def ringflex_forward(ringflex, launcher, base, adapter, batch_path, out_path):
     return load_file(out_path)
 
 
-def grad_case(ringflex, launcher, name, rslora, workdir):
+def grad_case(ringflex, launcher, name, rslora, workdir, bf16_base=False, experts=False):
     gen = torch.Generator().manual_seed(99)
     cfg = parity.CONFIGS[name](False)
     cfg._attn_implementation = "eager"
@@ -79,16 +84,28 @@ def grad_case(ringflex, launcher, name, rslora, workdir):
     base.config._attn_implementation = "eager"
     base.config._experts_implementation = "eager"
     parity.randomize(base, gen)
-    base_dir = os.path.join(workdir, f"base_{name}")
-    base.save_pretrained(base_dir, safe_serialization=True)
+    base_dir = os.path.join(workdir, f"base_{name}{'_bf16' if bf16_base else ''}")
+    if bf16_base:
+        # A bf16 checkpoint, which ringflex holds as it is in the files (mapped, never a float32 copy): peft's base
+        # has the same values, rounded to bf16 here and widened exactly.
+        with torch.no_grad():
+            for t in base.state_dict().values():  # the parameters and the saved buffers (layer_scalar)
+                if t.is_floating_point():
+                    t.copy_(t.to(torch.bfloat16).float())
+        # A copy is cast: casting `base` there and back would round its RoPE tables (buffers not in the files) too.
+        copy.deepcopy(base).to(torch.bfloat16).save_pretrained(base_dir, safe_serialization=True)
+    else:
+        base.save_pretrained(base_dir, safe_serialization=True)
+    # experts: PEFT's ParamWrapper LoRA on the experts' 3-D weights too (one A_e, B_e per expert).
     model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS,
+                                            target_parameters=EXPERT_TARGETS if experts else None,
                                             use_rslora=rslora, task_type="CAUSAL_LM"))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_" in n:
                 # Of the base's magnitude (parity.randomize: 0.15), so B A moves W by a few percent.
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    adapter_dir = os.path.join(workdir, f"adapter_{name}_{int(rslora)}")
+    adapter_dir = os.path.join(workdir, f"adapter_{name}_{int(rslora)}_{int(experts)}")
     model.save_pretrained(adapter_dir)
     batch = parity.make_batch(gen, False)
     model = model.double()
@@ -97,7 +114,7 @@ def grad_case(ringflex, launcher, name, rslora, workdir):
     batch_path = os.path.join(workdir, f"batch_{name}.safetensors")
     write_batch(batch_path, batch)
     out = ringflex_forward(ringflex, launcher, base_dir, adapter_dir, batch_path,
-                           os.path.join(workdir, f"out_{name}_{int(rslora)}.safetensors"))
+                           os.path.join(workdir, f"out_{name}_{int(rslora)}_{int(experts)}.safetensors"))
     failures = []
     worst = rel_err(out["loss"].reshape(()), loss)
     if worst > REL_TOL:
@@ -116,7 +133,8 @@ def grad_case(ringflex, launcher, name, rslora, workdir):
     extra = sorted(k for k in out if k.startswith("grad.") and k[len("grad."):] not in lora)
     if extra:
         failures.append(f"gradients of the frozen base written: {extra[:3]}")
-    label = f"{name:5s} {'rslora' if rslora else 'alpha/r':7s}"
+    label = (f"{name:5s} {'rslora' if rslora else 'alpha/r':7s}{' bf16 base' if bf16_base else ''}"
+             f"{' expert adapters' if experts else ''}")
     if failures:
         print(f"FAIL {label}: " + "; ".join(failures[:6]))
         return False
@@ -189,6 +207,19 @@ checkpoint: {{dir: {os.path.join(workdir, "ckpt")}, every: 2, keep: 2}}
             a, b = losses(metrics), losses(other)
             if len(a) != len(b) or any(abs(x - y) > 1e-5 * abs(y) for x, y in zip(a, b)):
                 failures.append(f"losses at {' '.join(grid[1::2])}: {b} against {a}")
+        # model.lora.dropout: its masks depend on the token's global position, not on the CP grid, so cp N and cp 1
+        # give the same losses (to the float32 sums' order, as above), and other ones than without dropout.
+        dropped = []
+        for cp, runner in ((ranks, launcher), (1, [])):
+            path = os.path.join(workdir, f"metrics_dropout_{cp}.jsonl")
+            train("--metrics", path, "--set", "model.lora.dropout=0.25", "--set", f"parallelism.cp={cp}", "--set",
+                  "checkpoint.dir=" + os.path.join(workdir, f"dropout_{cp}"), runner=runner)
+            dropped.append(losses(path))
+        a, b = dropped
+        if len(a) != len(b) or any(abs(x - y) > 1e-5 * abs(y) for x, y in zip(a, b)):
+            failures.append(f"dropout: losses at cp {ranks} {a} against cp 1 {b}")
+        if a[1:] == losses(metrics)[1:]:
+            failures.append("dropout: the losses are those without dropout")
     if digest(base_dir) != before:
         failures.append("the base's files changed")
     fresh = Gemma4ForCausalLM.from_pretrained(base_dir, attn_implementation="eager").double()
@@ -255,8 +286,11 @@ def main():
     print(f"peft {peft.__version__}, torch {torch.__version__}" + (f", through {' '.join(launcher)}" if launcher else ""))
     ok = True
     with tempfile.TemporaryDirectory() as workdir:
-        for name, rslora in (("dense", False), ("dense", True), ("moe", False), ("small", False)):
-            ok = grad_case(ringflex, launcher, name, rslora, workdir) and ok
+        for name, rslora, bf16_base, experts in (("dense", False, False, False), ("dense", True, False, False),
+                                                 ("moe", False, False, False), ("small", False, False, False),
+                                                 ("dense", False, True, False), ("moe", False, True, False),
+                                                 ("moe", False, False, True), ("moe", True, True, True)):
+            ok = grad_case(ringflex, launcher, name, rslora, workdir, bf16_base, experts) and ok
         ok = train_case(ringflex, launcher, workdir) and ok
     return 0 if ok else 1
 

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -107,20 +108,51 @@ TEST(LoraStore, TargetsFollowPeft) {
   EXPECT_THROW(Gemma4Model(Gemma4Config::from_json(kTwoLayers), 0, TensorSet::Storage::Allocated,
                            std::make_unique<LoraStore>(c)),
                rf::Error);
-  c.dropout = 0.1;
+  c.dropout = 1.0;
   EXPECT_THROW(LoraStore{c}, rf::Error);
 }
 
-TEST(LoraStore, LossAndAdapterGradientsMatchTheMergedModel) {
+// The base's held bytes (its dtype, as the store holds them).
+std::vector<uint8_t> held_bytes(const ParamStore& store, size_t slot) {
+  const HeldWeight h = store.held_weight(slot);
+  const auto* p = static_cast<const uint8_t*>(h.data);
+  return std::vector<uint8_t>(p, p + store.info(slot).numel * held_dtype_size(h.dtype));
+}
+
+// The base moved to bfloat16 buffers the store holds as a loader's mapped files (hold_mapped): the store keeps no
+// float32 copy of it.
+std::shared_ptr<std::vector<std::vector<bf16>>> hold_base_in_bf16(LoraStore& store) {
+  auto images = std::make_shared<std::vector<std::vector<bf16>>>();
+  std::vector<size_t> base;
+  for (size_t slot = 0; slot < store.size(); ++slot)
+    if (!store.info(slot).trainable) base.push_back(slot);
+  images->reserve(base.size());
+  for (size_t slot : base) {
+    const int64_t n = store.info(slot).numel;
+    images->emplace_back(static_cast<size_t>(n));
+    round_to_bf16(store.weight(slot), images->back().data(), n);
+  }
+  for (size_t i = 0; i < base.size(); ++i)
+    EXPECT_TRUE(store.hold_mapped(base[i], HeldWeight{HeldDType::BF16, (*images)[i].data()}, images));
+  return images;
+}
+
+void loss_and_gradients_match_the_merged_model(bool bf16_base) {
+  SCOPED_TRACE(bf16_base ? "bf16 base" : "float32 base");
   auto m = lora_model(5);
   auto& store = dynamic_cast<LoraStore&>(m->params());
+  const auto images = bf16_base ? hold_base_in_bf16(store) : nullptr;
+  if (bf16_base) {
+    EXPECT_EQ(store.held_base_bytes(), store.mapped_base_bytes());
+  }
   const double scale = kAlpha / kRank;
   // B away from zero, so A's gradients are not zero too.
   for (const LoraStore::Adapter& a : store.adapters()) {
     float* B = store.mutable_weight(a.b);
     for (int64_t e = 0; e < a.out * kRank; ++e) B[e] = 0.2f * std::sin(static_cast<float>(e + a.b));
   }
-  const std::vector<float> base_before(store.flat(Role::Weights).begin(), store.flat(Role::Weights).end());
+  std::vector<std::vector<uint8_t>> base_before;
+  for (const LoraStore::Adapter& a : store.adapters()) base_before.push_back(held_bytes(store, a.base));
 
   // The oracle: the plain model on W' = W + scale * B A (in double, rounded once).
   Gemma4Model plain(Gemma4Config::from_json(kTwoLayers), 0);
@@ -145,7 +177,7 @@ TEST(LoraStore, LossAndAdapterGradientsMatchTheMergedModel) {
   store.allocate_grads();
   store.zero_grads();
   const Result got = m->run(r.batch(), opt);
-  // float32 runs of the same function, summed in another order only inside W' (B A added before, not after).
+  // float32 runs of the same function, summed in another order (B A added to W before, x A^T B^T to x W^T after).
   constexpr double kLossTol = 1e-6;
   EXPECT_NEAR(got.loss, want.loss, kLossTol * std::abs(want.loss));
 
@@ -175,13 +207,10 @@ TEST(LoraStore, LossAndAdapterGradientsMatchTheMergedModel) {
   // (tests/model/parity.py measures the same against float64), while a wrong term or transpose gives 1e-1 or more.
   constexpr double kGradTol = 1e-4;
   EXPECT_LT(worst, kGradTol);
-  // The base was never written, and has no gradient.
-  const std::vector<float> base_after(store.flat(Role::Weights).begin(), store.flat(Role::Weights).end());
-  for (const LoraStore::Adapter& a : store.adapters()) {
-    EXPECT_EQ(store.grad(a.base), nullptr);
-    const ParamInfo& p = store.info(a.base);
-    for (int64_t e = 0; e < p.numel; ++e)
-      ASSERT_EQ(base_after[static_cast<size_t>(p.offset + e)], base_before[static_cast<size_t>(p.offset + e)]);
+  // The base was never written (its held bytes are the same), and has no gradient.
+  for (size_t i = 0; i < store.adapters().size(); ++i) {
+    EXPECT_EQ(store.grad(store.adapters()[i].base), nullptr);
+    ASSERT_EQ(held_bytes(store, store.adapters()[i].base), base_before[i]);
   }
 
   // A central finite difference of the loss in one element of an A and of a B (double-checks the contraction's
@@ -200,6 +229,107 @@ TEST(LoraStore, LossAndAdapterGradientsMatchTheMergedModel) {
     constexpr double kFdTol = 2e-3;
     EXPECT_NEAR((up - down) / (2 * kStep), analytic, kFdTol) << store.info(slot).name;
   }
+}
+
+TEST(LoraStore, LossAndAdapterGradientsMatchTheMergedModel) { loss_and_gradients_match_the_merged_model(false); }
+
+TEST(LoraStore, ABf16BaseIsHeldAsItIsAndComputesTheSame) {
+  // The oracle's base is the same bf16 values widened (exact), so float32 runs agree as tightly as above.
+  loss_and_gradients_match_the_merged_model(true);
+}
+
+TEST(LoraStore, TheBf16ModeMultipliesABf16BaseAsItIsHeld) {
+  // The bf16 compute mode on a base held in bf16 (the matmuls find its held values through the store's Bf16Lookup,
+  // no copy) against the same values held in float32 (rounded by each matmul): the same bf16 operands, so the same
+  // bits, loss and every adapter gradient.
+  Rows r = rows();
+  RunOptions opt;
+  opt.want_grad = true;
+  opt.compute_dtype = ComputeDtype::Bfloat16;
+  std::vector<Result> results;
+  std::vector<std::vector<float>> grads;
+  for (bool held_in_bf16 : {true, false}) {
+    auto m = lora_model(5);
+    auto& store = dynamic_cast<LoraStore&>(m->params());
+    for (const LoraStore::Adapter& a : store.adapters()) {
+      float* B = store.mutable_weight(a.b);
+      for (int64_t e = 0; e < a.out * kRank; ++e) B[e] = 0.2f * std::sin(static_cast<float>(e + a.b));
+    }
+    const auto images = hold_base_in_bf16(store);
+    if (!held_in_bf16)
+      for (size_t slot = 0; slot < store.size(); ++slot)
+        if (!store.info(slot).trainable) store.mutable_weight(slot);  // the same values, now float32
+    EXPECT_EQ(store.held_base_bytes() == store.mapped_base_bytes(), held_in_bf16);
+    store.allocate_grads();
+    store.zero_grads();
+    results.push_back(m->run(r.batch(), opt));
+    grads.emplace_back(store.flat(Role::Grads).begin(), store.flat(Role::Grads).end());
+  }
+  EXPECT_EQ(results[0].loss, results[1].loss);
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (size_t i = 0; i < grads[0].size(); ++i) ASSERT_EQ(grads[0][i], grads[1][i]) << i;
+}
+
+TEST(LoraStore, DropoutKeepsItsFractionAndItsGradientsFollowTheLoss) {
+  // The masks keep 1 - p of the elements: over n draws the mean is within 5 standard deviations, sqrt(p (1 - p) / n).
+  constexpr float kP = 0.25f;
+  constexpr int64_t kDraws = 1 << 20;
+  int64_t kept = 0;
+  for (int64_t i = 0; i < kDraws; ++i) kept += lora_dropout_keeps(42, 7, i % 3, i / 3 % 1000, i / 3000, kP) ? 1 : 0;
+  const double fraction = static_cast<double>(kept) / kDraws;
+  EXPECT_NEAR(fraction, 1.0 - kP, 5 * std::sqrt(kP * (1 - kP) / kDraws));
+
+  LoraConfig c = lora_config(5);
+  c.dropout = 0.3;
+  auto m = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kTwoLayers), 0, TensorSet::Storage::Allocated,
+                                         std::make_unique<LoraStore>(c));
+  m->init_random(3, 0.3f);
+  auto& store = dynamic_cast<LoraStore&>(m->params());
+  store.init_adapters();
+  for (const LoraStore::Adapter& a : store.adapters()) {
+    float* B = store.mutable_weight(a.b);
+    for (int64_t e = 0; e < a.out * kRank; ++e) B[e] = 0.2f * std::sin(static_cast<float>(e + a.b));
+  }
+  auto plain = lora_model(5);  // the same weights without dropout
+  for (size_t slot = 0; slot < store.size(); ++slot)
+    std::copy_n(store.weight(slot), store.info(slot).numel, plain->params().mutable_weight(slot));
+  Rows r = rows();
+  RunOptions train;
+  train.want_grad = true;
+  train.dropout_key = 11;
+  store.allocate_grads();
+  store.zero_grads();
+  const double loss = m->run(r.batch(), train).loss;
+  // Evaluation (no gradients) has no dropout: the plain model's loss, bit for bit.
+  EXPECT_EQ(m->run(r.batch(), RunOptions{}).loss, plain->run(r.batch(), RunOptions{}).loss);
+  // Training runs draw their masks from the key alone: the same key, the same loss; another, another.
+  EXPECT_EQ(m->run(r.batch(), train).loss, loss);
+  RunOptions other = train;
+  other.dropout_key = 12;
+  EXPECT_NE(m->run(r.batch(), other).loss, loss);
+  EXPECT_NE(loss, plain->run(r.batch(), RunOptions{}).loss);
+  // The gradients of A and B against a central finite difference of the loss under the same masks (the backward's
+  // masks must be the forward's, its dx scaled as its x).
+  store.zero_grads();
+  m->run(r.batch(), train);
+  const std::vector<float> g(store.flat(Role::Grads).begin(), store.flat(Role::Grads).end());
+  const LoraStore::Adapter& q1 = store.adapters()[7];
+  for (const auto& [slot, e] :
+       {std::pair{q1.a, int64_t{5}}, std::pair{q1.b, int64_t{3}}, std::pair{store.adapters()[3].a, int64_t{2}}}) {
+    constexpr float kStep = 1e-2f;
+    const float keep = store.weight(slot)[e];
+    const float analytic = g[static_cast<size_t>(store.info(slot).train_offset + e)];
+    store.mutable_weight(slot)[e] = keep + kStep;
+    const double up = m->run(r.batch(), train).loss;
+    store.mutable_weight(slot)[e] = keep - kStep;
+    const double down = m->run(r.batch(), train).loss;
+    store.mutable_weight(slot)[e] = keep;
+    // As in LossAndAdapterGradientsMatchTheMergedModel.
+    constexpr double kFdTol = 2e-3;
+    EXPECT_NEAR((up - down) / (2 * kStep), analytic, kFdTol) << store.info(slot).name;
+  }
+  c.target_parameters = {"experts.down_proj"};
+  EXPECT_THROW(LoraStore{c}, rf::Error);  // PEFT's 3-D adapters take no dropout
 }
 
 }  // namespace

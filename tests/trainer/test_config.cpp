@@ -110,8 +110,9 @@ TEST(TrainConfig, LoraIsANestedMapOrDottedFieldsAndPrintsBack) {
   EXPECT_EQ(to_yaml(parse_config(to_yaml(r), "printed")), to_yaml(r));
   EXPECT_EQ(error_of([] { parse_config("model: {lora: {ranks: 8}}", "a.yaml"); }),
             "a.yaml: unknown field `model.lora.ranks`");
-  EXPECT_EQ(error_of([] { validate(parse_config("model: {lora: {rank: 8, dropout: 0.1}}", "a.yaml"), 1); }),
-            "config: model.lora.dropout = 0.1 is not implemented (only 0)");
+  EXPECT_EQ(error_of([] { validate(parse_config("model: {lora: {rank: 8, dropout: 0.1}}", "a.yaml"), 1); }), "");
+  EXPECT_EQ(error_of([] { validate(parse_config("model: {lora: {rank: 8, dropout: 1}}", "a.yaml"), 1); }),
+            "config: model.lora.dropout = 1 must be in [0, 1)");
 }
 
 TEST(TrainConfig, IntegerFieldsSayIntegerForFractions) {
