@@ -149,6 +149,13 @@ void ParamStore::relayout() {
   }
 }
 
+void ParamStore::read_weight(size_t slot, std::span<float> out) {
+  const ParamInfo& p = info(slot);
+  RF_CHECK(static_cast<int64_t>(out.size()) == p.numel, "read_weight: `", p.name, "` has ", p.numel,
+           " elements, the buffer ", out.size());
+  std::copy_n(weight(slot), p.numel, out.data());
+}
+
 WeightView ParamStore::weight_view(size_t slot, ComputeDtype dtype) {
   WeightView v;
   v.f32 = weight(slot);

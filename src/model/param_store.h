@@ -133,6 +133,10 @@ class ParamStore : public Bf16Lookup {
   // For writing the weights: moves version(). Write through it right away (a pointer kept across a bf16 run and
   // written later leaves that run's compute copies stale).
   virtual float* mutable_weight(size_t slot) = 0;
+  // The whole of parameter `slot`'s weights, float32, into `out` [info(slot).numel] (the checkpoint writer's one
+  // tensor at a time). Under parallelism.shard = full a collective over the store's ranks (each calls it for the same
+  // slots in the same order); a store holding every weight copies them.
+  virtual void read_weight(size_t slot, std::span<float> out);
   // The weights' bf16 compute copies, rounded now if version() moved since they were made (thread-safe).
   virtual const Bf16Lookup& bf16_weights() = 0;
   WeightView weight_view(size_t slot, ComputeDtype dtype);
