@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <functional>
 #include <optional>
@@ -554,35 +555,6 @@ double clip_global_norm(Run& r, double max_norm) {
   return norm;
 }
 
-// Every rank's shard (model::shard_of over the ranks of `c`) of an array in the trainable layout of n elements,
-// gathered chunk by chunk so the extra memory stays [P, chunk]: read(i, k, out) copies this rank's elements [i, i + k)
-// into out; on every rank, write(i, k, in) takes another rank's elements [i, i + k) (only where `receive`).
-constexpr int64_t kGatherChunkBytes = int64_t{8} << 20;
-void gather_shards(comm::Communicator& c, int64_t n, const std::function<void(int64_t, int64_t, float*)>& read,
-                   const std::function<void(int64_t, int64_t, const float*)>& write, bool receive,
-                   comm::Timeout timeout) {
-  const int P = c.size();
-  const int64_t padded = model::shard_of(n, 0, P).padded;
-  const int64_t chunk = std::max<int64_t>(1, kGatherChunkBytes / (P * static_cast<int64_t>(sizeof(float))));
-  const int64_t len_max = std::min(chunk, padded);
-  std::vector<float> send(static_cast<size_t>(len_max)), all(static_cast<size_t>(P * len_max));  // [P, chunk]
-  const auto part = [&](int r, int64_t at, int64_t len) {  // rank r's elements in chunk [at, at + len) of its shard
-    const model::Shard s = model::shard_of(n, r, P);
-    return std::pair{s.begin + at, std::clamp<int64_t>(s.size() - at, 0, len)};
-  };
-  for (int64_t at = 0; at < padded; at += chunk) {
-    const int64_t len = std::min(chunk, padded - at);
-    const auto [first, count] = part(c.rank(), at, len);
-    if (count > 0) read(first, count, send.data());
-    c.allgather(send.data(), all.data(), static_cast<size_t>(len) * sizeof(float), timeout);
-    if (!receive) continue;
-    for (int r = 0; r < P; ++r) {
-      const auto [r_first, r_count] = part(r, at, len);
-      if (r != c.rank() && r_count > 0) write(r_first, r_count, all.data() + static_cast<size_t>(r) * len);
-    }
-  }
-}
-
 // parallelism.shard = optimizer, after the update: each rank updated its slice of the trainable parameters; every
 // rank takes the others' (the same bits the whole update gives, so every replica holds the same weights again). The
 // gradient arena, whose values are spent, carries them in the trainable layout: this rank's slice is copied in, one
@@ -596,22 +568,6 @@ void gather_updated_weights(comm::Communicator& c, model::ParamStore& store, com
   c.allgather_slices(staging.data(), staging.size(), sizeof(float), timeout);
   for (const model::ParamStore::Segment& seg : store.trainable_segments(0, store.trainable_elements()))
     std::copy_n(staging.data() + seg.train_index, seg.n, store.mutable_weight(seg.slot) + seg.first);
-}
-
-// parallelism.shard = optimizer, before a save: rank 0 (the writer) takes every rank's shard of both moments, so it
-// holds them whole while it writes (a collective; after the save it keeps its own shard again).
-void gather_moments_to_writer(comm::Communicator& c, model::ParamStore& store, comm::Timeout timeout) {
-  const bool writer = c.rank() == 0;
-  if (writer) store.set_moment_range(0, store.trainable_elements());
-  for (model::Role role : {model::Role::ExpAvg, model::Role::ExpAvgSq}) {
-    const auto read = [&](int64_t i, int64_t k, float* out) {
-      std::copy_n(store.flat(role).data() + (i - store.moment_range().begin), k, out);
-    };
-    const auto write = [&](int64_t i, int64_t k, const float* in) {
-      std::copy_n(in, k, store.mutable_flat(role).data() + i);
-    };
-    gather_shards(c, store.trainable_elements(), read, write, writer, timeout);
-  }
 }
 
 // 4c. The AdamW update at `step`, the same on every replica; returns the learning rate it used.
@@ -707,36 +663,71 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
   return sm;
 }
 
-// The checkpoint of the current step, and the loss picture beside it (rank 0 writes both).
-void save(Run& r, TrainResult& result) {
-  result.last_checkpoint = save_train_checkpoint(r.cfg.checkpoint.dir, r.ck, r.state, r.cfg.checkpoint.keep,
-                                                 r.options.before_checkpoint_rename);
-  if (!result.svg_path.empty()) io::write_file_atomically(result.svg_path, loss_svg(r.state.history, "ringflex train"));
+// The checkpoint of the current step, every rank writing its part, then the loss picture. Rank 0 made the
+// temporary directory (`pending`, in the agreement before) and writes the weights, each tensor read from the store
+// only while it is written (a collective read when the weights are sharded: the other ranks take part in each);
+// every rank writes its own moments when they are sharded, rank 0 all of them otherwise; rank 0 then renames the
+// directory into place. Each part ends in an agreement, so a failure on any rank (a full disk, a file-size limit)
+// ends every rank with its one line, and rank 0's `pending` removes the temporary directory as the error unwinds.
+void save(Run& r, std::optional<PendingCheckpoint>& pending, Progress& progress, TrainResult& result) {
+  const CheckpointSection& cfg = r.cfg.checkpoint;
+  const std::string tmp = checkpoint_temp_path(cfg.dir, r.state.step);
+  const model::ParamStore& store = r.ck.model->params();
+  std::exception_ptr failed;
+  try {
+    if (const auto* lora = dynamic_cast<const model::LoraStore*>(&store)) {
+      // A LoRA run's weights are its adapters, in PEFT's files; the frozen base stays where model.path has it.
+      if (r.lead) model::save_peft_adapter(*lora, r.ck.text_prefix, r.ck.source, tmp);
+    } else {
+      model::save_checkpoint(r.ck, tmp, {max_shard_bytes(cfg), r.lead});
+    }
+  } catch (...) {
+    failed = std::current_exception();  // save_checkpoint took part in every read before it threw
+  }
+  comm::agree(r.world, [&] {
+    if (failed) std::rethrow_exception(failed);
+  });
+  comm::agree(r.world, [&] {
+    if (r.shard_optimizer)
+      write_moments_shard(tmp, store, r.world.rank(), r.world.size());
+    else if (r.lead)
+      write_moments_whole(tmp, store);
+  });
+  PendingCheckpoint::MomentLayout moments;
+  if (r.shard_optimizer) {  // every rank's range, as its store holds it
+    moments.shard_mode = r.cfg.parallelism.shard;
+    const model::Shard mine = store.moment_range();
+    const int64_t range[2] = {mine.begin, mine.end};
+    std::vector<int64_t> all(2 * static_cast<size_t>(r.world.size()));
+    r.world.allgather(range, all.data(), sizeof range, r.timeout);
+    for (int k = 0; k < r.world.size(); ++k) moments.ranges.emplace_back(all[2 * k], all[2 * k + 1]);
+  }
+  comm::agree(r.world, [&] {
+    if (!r.lead) return;
+    result.last_checkpoint = pending->finish(store, r.state, moments, cfg.keep, r.options.before_checkpoint_rename);
+    pending.reset();
+    if (!result.svg_path.empty())
+      io::write_file_atomically(result.svg_path, loss_svg(r.state.history, "ringflex train"));
+    progress.note(rf::concat("step ", r.state.step, ": checkpoint ", result.last_checkpoint));
+  });
+  result.last_checkpoint = checkpoint_path(cfg.dir, r.state.step);  // known to every rank
 }
 
-// The step's outputs, all written by rank 0 in one agreement (a failed write ends every rank together, with its
-// line): the metrics line, the progress, and on checkpoint steps (every checkpoint.every and the last) the
-// checkpoint and the picture.
+// The step's outputs: the metrics line and the progress, written by rank 0 in one agreement (a failed write ends
+// every rank together, with its line), and on checkpoint steps (every checkpoint.every and the last) the checkpoint
+// and the picture.
 void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<MetricsFile>& metrics, Progress& progress,
                   TrainResult& result) {
   const CheckpointSection& ck = r.cfg.checkpoint;
   const bool save_now = !ck.dir.empty() && ((ck.every > 0 && sm.step % ck.every == 0) || is_last(r, sm.step));
-  model::ParamStore& store = r.ck.model->params();
-  if (save_now && r.shard_optimizer) gather_moments_to_writer(r.world, store, r.timeout);
+  std::optional<PendingCheckpoint> pending;  // rank 0's, while the ranks write the checkpoint
   comm::agree(r.world, [&] {
     if (metrics) metrics->append(metrics_json_line(sm));
     progress.step(sm, eta_s, is_last(r, sm.step) || sm.val_loss.has_value());
     if (sm.val_loss) progress.note(rf::concat("step ", sm.step, ": validation loss ", *sm.val_loss));
-    if (save_now && r.lead) {
-      save(r, result);
-      progress.note(rf::concat("step ", sm.step, ": checkpoint ", result.last_checkpoint));
-    }
+    if (save_now && r.lead) pending.emplace(ck.dir, sm.step);
   });
-  if (save_now) result.last_checkpoint = checkpoint_path(ck.dir, sm.step);  // known to every rank
-  if (save_now && r.shard_optimizer && r.lead) {                            // the writer keeps its own shard again
-    const model::Shard mine = model::shard_of(store.trainable_elements(), r.world.rank(), r.world.size());
-    store.set_moment_range(mine.begin, mine.end);
-  }
+  if (save_now) save(r, pending, progress, result);
 }
 
 }  // namespace
