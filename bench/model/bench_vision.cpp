@@ -1,4 +1,5 @@
-// Benchmark tool behind bench/model/bench_vision.py: times the C++ vision encoder's forward on a checkpoint's tower.
+// Benchmark tool behind bench/model/bench_vision.py: times the C++ vision encoder's forward on a checkpoint's tower
+// (loaded and read as tests/model/vision_case does: tests/common/vision_tower.h).
 //
 //     bench_vision CHECKPOINT_DIR IMAGES.safetensors OUT.safetensors REPS
 //
@@ -17,9 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "common/vision_tower.h"
 #include "io/safetensors.h"
-#include "io/tensor_access.h"
-#include "model/checkpoint.h"
 #include "model/vision_encoder.h"
 
 int main(int argc, char** argv) {
@@ -28,21 +28,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    const rf::model::Checkpoint ck = rf::model::load_checkpoint(argv[1]);
-    const std::optional<rf::model::VisionConfig> cfg =
-        rf::model::VisionConfig::from_config_json(ck.model->config().source_json,
-                                                  std::string(argv[1]) + "/config.json");
-    if (!cfg) throw rf::Error(std::string(argv[1]) + "/config.json: no vision_config");
-    const rf::model::VisionEncoder encoder(*cfg, ck.passthrough);
-    const rf::io::SafetensorsFile in = rf::io::SafetensorsFile::open(argv[2]);
-    const rf::io::TensorView& pixels = in.at("pixel_values");
-    const std::vector<float> px = rf::io::copy_as<float>(pixels);
-    const std::vector<int32_t> pos = rf::io::copy_as<int32_t>(in.at("pixel_position_ids"));
-    rf::model::VisionBatch b;
-    b.n = static_cast<int>(pixels.shape.at(0));
-    b.P = pixels.shape.at(1);
-    b.pixels = px.data();
-    b.positions = pos.data();
+    const rf::model::VisionEncoder encoder = rf::testing::load_checkpoint_tower(argv[1]);
+    const rf::testing::ImageArrays images = rf::testing::read_images(rf::io::SafetensorsFile::open(argv[2]));
+    const rf::model::VisionBatch b = images.view();
     const int reps = std::stoi(argv[4]);
     rf::model::VisionOutput out;
     for (int r = 0; r < reps; ++r) {
@@ -53,7 +41,7 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
     rf::io::SafetensorsWriter w;
-    const int64_t H = cfg->hidden_size;
+    const int64_t H = encoder.config().hidden_size;
     w.add("soft_tokens", rf::io::StDType::F32, {static_cast<int64_t>(out.soft_tokens.size()) / H, H},
           std::span<const float>(out.soft_tokens));
     w.write(argv[3]);

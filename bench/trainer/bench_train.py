@@ -12,6 +12,10 @@ peak_rss_bytes (the largest peak resident set over the ranks).
   memory   peak RSS per rank at S = --seq for CP = 1, 2, 4, 8 (1 thread each; 4 and 8 oversubscribe the cores, which
            costs time, not memory). Target: the activation part falls ~1/P (weights, gradients and AdamW state are
            replicated and do not).
+  shard-memory  peak RSS per rank for each parallelism.shard mode (none, optimizer, gradients, full) at N = CP = 1,
+           2, 4, 8 (1 thread each). Target (issue 22): the state part falls as 1/N under full.
+  shard-speed   parallelism.shard full against none at CP = 2 (1 thread each), --reps alternating repeats, with the
+           exposed communication (the metrics' shard_comm_wait_s, median per step). Target: full >= 0.9 x none.
   torch    PyTorch training steps (transformers Gemma4ForCausalLM, SDPA, AdamW, float32, 2 threads) on the same
            model and row shape, one causal document per row (SDPA has no packed-document mask; the mask changes the
            attention's work, which at these sizes is a small part of the step), against ringflex at CP = 1, 2 threads.
@@ -22,6 +26,8 @@ a Hugging Face checkpoint with random weights; image features then arrive at the
     python3 bench/trainer/bench_train.py build/src/cli/ringflex speed --model 100m --seq 4096
     python3 bench/trainer/bench_train.py build/src/cli/ringflex memory --model 100m --seq 8192
     python3 bench/trainer/bench_train.py build/src/cli/ringflex torch --model 100m --seq 4096
+    python3 bench/trainer/bench_train.py build/src/cli/ringflex shard-memory --model 100m --seq 4096 --steps 3 --skip 1
+    python3 bench/trainer/bench_train.py build/src/cli/ringflex shard-speed --model 100m --seq 4096
 """
 import argparse
 import json
@@ -49,9 +55,10 @@ def make_model(name, workdir):
     return ["--set", f"model.path={path}"], path
 
 
-def train(ringflex, model_args, P_cp, threads, a, workdir, tag):
+def train(ringflex, model_args, P_cp, threads, a, workdir, tag, shard="none", waits=None):
     metrics = os.path.join(workdir, f"{tag}.jsonl")
     cmd = [ringflex, "train", *model_args, "--set", f"parallelism.cp={P_cp}", "--set", "parallelism.dp=1",
+           "--set", f"parallelism.shard={shard}",
            "--set", f"train.threads={threads}", "--set", f"train.seq_len={a.seq}", "--set", f"train.steps={a.steps}",
            "--set", f"train.global_batch={a.batch}", "--set", "train.micro_batch=1", "--set", "train.val_every=0",
            "--set", "data.val_rows=1", "--metrics", metrics]
@@ -61,6 +68,8 @@ def train(ringflex, model_args, P_cp, threads, a, workdir, tag):
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in open(metrics)]
     timed = rows[a.skip:] or rows
+    if waits is not None:  # the exposed communication of the sharded modes, median seconds per step
+        waits.append(statistics.median(r.get("shard_comm_wait_s", 0.0) for r in timed))
     return statistics.median(r["tokens_per_s"] for r in timed), max(r["peak_rss_bytes"] for r in rows)
 
 
@@ -92,7 +101,7 @@ print(B * S / statistics.median(times[skip:] or times), resource.getrusage(resou
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ringflex")
-    ap.add_argument("what", choices=["speed", "memory", "torch"])
+    ap.add_argument("what", choices=["speed", "memory", "torch", "shard-memory", "shard-speed"])
     ap.add_argument("--model", choices=["tiny_moe_vlm", "100m"], default="tiny_moe_vlm")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=2, help="rows per optimizer step")
@@ -115,6 +124,21 @@ def main():
             for P in (1, 2, 4, 8):
                 tps, rss = train(a.ringflex, model_args, P, 1, a, work, f"mem{P}")
                 print(f"| {P} | {rss / MIB:.0f} | {tps:.0f} |")
+        elif a.what == "shard-memory":
+            modes = ("none", "optimizer", "gradients", "full")
+            print("| N | " + " | ".join(f"{m}: peak RSS per rank (MiB)" for m in modes) + " |\n|---|" +
+                  "---|" * len(modes))
+            for P in (1, 2, 4, 8):
+                rss = [train(a.ringflex, model_args, P, 1, a, work, f"shard_{m}_{P}", shard=m)[1] for m in modes]
+                print(f"| {P} | " + " | ".join(f"{r / MIB:.0f}" for r in rss) + " |")
+        elif a.what == "shard-speed":
+            print("| rep | none tok/s | full tok/s | ratio | full: exposed communication (s per step) |\n"
+                  "|---|---|---|---|---|")
+            for rep in range(a.reps):
+                waits = []
+                none, _ = train(a.ringflex, model_args, 2, 1, a, work, f"none_{rep}")
+                full, _ = train(a.ringflex, model_args, 2, 1, a, work, f"full_{rep}", shard="full", waits=waits)
+                print(f"| {rep} | {none:.0f} | {full:.0f} | {full / none:.2f} | {waits[0]:.3f} |")
         else:
             if path is None:
                 # The built-in model as a checkpoint transformers can load: one ringflex step that saves it.

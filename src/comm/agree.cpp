@@ -14,7 +14,7 @@ constexpr int32_t kNoFailure = INT32_MAX;  // a flag above every rank number: mi
 
 }  // namespace
 
-void agree(Communicator& comm, const std::function<void()>& step) {
+void agree(Communicator& comm, const std::function<void()>& step, Timeout timeout) {
   std::string message;
   int32_t failed = kNoFailure;
   try {
@@ -24,7 +24,7 @@ void agree(Communicator& comm, const std::function<void()>& step) {
     failed = comm.rank();
   }
   std::vector<int32_t> flags(static_cast<size_t>(comm.size()));
-  comm.allgather(&failed, flags.data(), sizeof failed, default_timeout());
+  comm.allgather(&failed, flags.data(), sizeof failed, timeout);
   const int32_t first = *std::min_element(flags.begin(), flags.end());
   if (first == kNoFailure) return;
   uint64_t length = message.size();

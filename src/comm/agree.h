@@ -28,8 +28,9 @@ class AgreedError : public rf::Error {
 
 // Runs `step` on this rank, then agrees with all ranks of `comm` (a collective call: every rank must make it).
 // Throws AgreedError on every rank if `step` threw on any rank (rf::Error or any std::exception): the lowest failing
-// rank's message, prefixed "rank R: " unless every rank failed.
-void agree(Communicator& comm, const std::function<void()>& step);
+// rank's message, prefixed "rank R: " unless every rank failed. A rank waits `timeout` for the others to finish
+// their step (longer than the default where one rank's step is known to take long, e.g. a checkpoint write).
+void agree(Communicator& comm, const std::function<void()>& step, Timeout timeout = default_timeout());
 
 // Checks that every rank holds the same `values` (a collective call); throws AgreedError on every rank naming
 // `what` if they differ, e.g. when ranks read different input files.

@@ -149,19 +149,20 @@ void ParamStore::relayout() {
   }
 }
 
-void ParamStore::read_weight(size_t slot, std::span<float> out) {
-  const ParamInfo& p = info(slot);
-  RF_CHECK(static_cast<int64_t>(out.size()) == p.numel, "read_weight: `", p.name, "` has ", p.numel,
-           " elements, the buffer ", out.size());
-  std::copy_n(weight(slot), p.numel, out.data());
-}
-
 WeightView ParamStore::weight_view(size_t slot, ComputeDtype dtype) {
   WeightView v;
   v.f32 = weight(slot);
   if (dtype == ComputeDtype::Bfloat16 && info(slot).matmul) v.b16 = bf16_weights().find(v.f32, info(slot).numel);
   return v;
 }
+
+void ParamStore::read_weight(size_t slot, std::span<float> out) {
+  RF_CHECK(static_cast<int64_t>(out.size()) == info(slot).numel, "read_weight: ", out.size(), " elements for ",
+           info(slot).name, " of ", info(slot).numel);
+  std::copy_n(weight(slot), out.size(), out.data());
+}
+
+float* ParamStore::mutable_master(size_t slot, int64_t first) { return mutable_weight(slot) + first; }
 
 std::span<float> ParamStore::shard(Role role, int rank, int ranks) {
   const std::span<float> all = mutable_flat(role);
@@ -193,6 +194,13 @@ void ReplicatedStore::allocate_weights() {
   weights_.assign(static_cast<size_t>(total_elements()), 0.f);
   weights_allocated_ = true;
   weights_changed();
+}
+
+void ReplicatedStore::release_weights() {
+  weights_ = {};
+  bf16_ = {};
+  weights_allocated_ = false;
+  bf16_version_ = ~uint64_t{0};
 }
 
 const float* ReplicatedStore::weight(size_t slot) const {

@@ -133,10 +133,16 @@ class ParamStore : public Bf16Lookup {
   // For writing the weights: moves version(). Write through it right away (a pointer kept across a bf16 run and
   // written later leaves that run's compute copies stale).
   virtual float* mutable_weight(size_t slot) = 0;
-  // The whole of parameter `slot`'s weights, float32, into `out` [info(slot).numel] (the checkpoint writer's one
-  // tensor at a time). Under parallelism.shard = full a collective over the store's ranks (each calls it for the same
-  // slots in the same order); a store holding every weight copies them.
+  // The whole tensor of `slot` into out [info(slot).numel], on every rank: how the checkpoint writer reads a weight
+  // whatever the store. Here a copy of weight(slot); a sharded store (trainer/sharded_store.h) gathers it from its
+  // owners, a collective: every rank calls it for the same slots in the same order.
   virtual void read_weight(size_t slot, std::span<float> out);
+  // The float32 masters of a trainable parameter from element `first` on, for the optimizer to update in place
+  // (moves version()): the weights themselves here; a sharded store's copy of the elements this rank owns.
+  virtual float* mutable_master(size_t slot, int64_t first);
+  // Which part of the trainable layout flat(Role::Grads) holds: trainable element grads_begin() + i at index i. The
+  // whole layout here (0); a sharded store keeps its rank's slice only.
+  virtual int64_t grads_begin() const { return 0; }
   // The weights' bf16 compute copies, rounded now if version() moved since they were made (thread-safe).
   virtual const Bf16Lookup& bf16_weights() = 0;
   WeightView weight_view(size_t slot, ComputeDtype dtype);
@@ -234,6 +240,8 @@ class ReplicatedStore : public ParamStore {
 
  protected:
   void release_training_state() override;
+  // Drops the weights and their compute copies (a sharded store that keeps only its pieces between saves).
+  void release_weights();
 
  private:
   const std::vector<float>& arena(Role role) const;

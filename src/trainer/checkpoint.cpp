@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/memory.h"
 #include "io/atomic_file.h"
 #include "io/json_text.h"
 #include "io/safetensors.h"
@@ -153,6 +154,17 @@ void remove_leftovers(const std::string& root) {
     fs::remove_all(p, ec);
     RF_CHECK(!ec, p.string(), ": cannot remove what an interrupted save left: ", ec.message());
   }
+}
+
+int64_t checkpoint_bytes(const model::Checkpoint& weights) {
+  constexpr int64_t kMoments = 2;  // exp_avg, exp_avg_sq
+  constexpr auto kF32 = static_cast<int64_t>(sizeof(float));
+  const model::Gemma4Model& m = *weights.model;
+  int64_t bytes = checked_sum({checked_bytes({m.params().total_elements(), kF32}), m.buffers().total_bytes(),
+                               checked_bytes({kMoments, m.params().trainable_elements(), kF32})});
+  for (const io::Passthrough::Entry& e : weights.passthrough.entries())
+    bytes = checked_sum({bytes, static_cast<int64_t>(e.bytes.size())});
+  return bytes;
 }
 
 std::string checkpoint_temp_path(const std::string& root, int64_t step) {

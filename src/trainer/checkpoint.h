@@ -99,6 +99,10 @@ void write_moments_whole(const std::string& dir, const model::ParamStore& store)
 // This rank's moments (its moment_range()) as optimizer-0000{rank+1}-of-0000{ranks}.safetensors in `dir`.
 void write_moments_shard(const std::string& dir, const model::ParamStore& store, int rank, int ranks);
 
+// What save_train_checkpoint writes of `weights`, in bytes, at most: every parameter and buffer in float32, both
+// AdamW moments of the trainable ones, the tensors carried through. Known on every rank (the same on each).
+int64_t checkpoint_bytes(const model::Checkpoint& weights);
+
 // `<root>/step-NNNNNNNN`: where save_train_checkpoint puts step `step`.
 std::string checkpoint_path(const std::string& root, int64_t step);
 

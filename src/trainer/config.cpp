@@ -92,6 +92,26 @@ Field field(const std::string& name, const std::string& type, T TrainConfig::*se
                [=](const TrainConfig& c, YAML::Emitter& out) { emit(out, c.*section.*member); }};
 }
 
+// A field that names one of `values` (an enum): read from its spelling, spelling(v), once; anything else is an error
+// naming the field and the choices. Printed with the same spelling.
+template <typename T, typename E, typename NameFn>
+Field choice(const std::string& field_name, T TrainConfig::*section, E T::*member, std::vector<E> values,
+             NameFn spelling) {
+  std::string choices;
+  for (const E v : values) choices += (choices.empty() ? "" : ", ") + std::string(spelling(v));
+  return Field{field_name, "one of " + choices,
+               [=](TrainConfig& c, const YAML::Node& n) {
+                 const std::string spelled = scalar_as<std::string>(n, field_name, "one of " + choices);
+                 for (const E v : values)
+                   if (spelled == spelling(v)) {
+                     c.*section.*member = v;
+                     return;
+                   }
+                 rf::fail("config: ", field_name, " = '", spelled, "' is not one of ", choices);
+               },
+               [=](const TrainConfig& c, YAML::Emitter& out) { out << std::string(spelling(c.*section.*member)); }};
+}
+
 Field string_list(const std::string& name, std::vector<std::string> ModelSection::*member) {
   return Field{name, "a list of strings",
                [=](TrainConfig& c, const YAML::Node& n) {
@@ -142,18 +162,23 @@ Field lora_target() {
 const std::vector<Field>& fields() {
   static const std::string kInt = "an integer", kNum = "a number", kStr = "a string";
   using C = TrainConfig;
+  // name_of is overloaded; these pick one overload each.
+  constexpr auto kSourceName = [](SourceKind s) { return name_of(s); };
+  constexpr auto kShardName = [](ShardMode s) { return name_of(s); };
   static const std::vector<Field> table = {
       field("model.builtin", kStr, &C::model, &ModelSection::builtin),
       field("model.path", kStr, &C::model, &ModelSection::path),
       field("model.init_std", kNum, &C::model, &ModelSection::init_std),
       string_list("model.freeze", &ModelSection::freeze),
-      field("model.compute_dtype", "float32 or bfloat16", &C::model, &ModelSection::compute_dtype),
+      choice("model.compute_dtype", &C::model, &ModelSection::compute_dtype,
+             {model::ComputeDtype::Float32, model::ComputeDtype::Bfloat16}, model::compute_dtype_name),
       field("model.lora.rank", kInt, &C::model, &ModelSection::lora_rank),
       field("model.lora.alpha", kNum, &C::model, &ModelSection::lora_alpha),
       field("model.lora.dropout", kNum, &C::model, &ModelSection::lora_dropout),
       lora_target(),
       field("model.lora.use_rslora", "true or false", &C::model, &ModelSection::lora_use_rslora),
-      field("data.source", kStr, &C::data, &DataSection::source),
+      choice("data.source", &C::data, &DataSection::source,
+             {SourceKind::Mock, SourceKind::JsonlTokens, SourceKind::JsonlText}, kSourceName),
       field("data.path", kStr, &C::data, &DataSection::path),
       field("data.features", kStr, &C::data, &DataSection::features),
       field("data.tokenizer", kStr, &C::data, &DataSection::tokenizer),
@@ -170,8 +195,10 @@ const std::vector<Field>& fields() {
       field("schedule.min_lr_ratio", kNum, &C::schedule, &ScheduleSection::min_lr_ratio),
       field("parallelism.cp", kInt, &C::parallelism, &ParallelismSection::cp),
       field("parallelism.dp", kInt, &C::parallelism, &ParallelismSection::dp),
-      field("parallelism.sharding", kStr, &C::parallelism, &ParallelismSection::sharding),
-      field("parallelism.shard", kStr, &C::parallelism, &ParallelismSection::shard),
+      choice("parallelism.sharding", &C::parallelism, &ParallelismSection::sharding,
+             {cp::Scheme::Contiguous, cp::Scheme::Zigzag, cp::Scheme::Balanced}, cp::scheme_name),
+      choice("parallelism.shard", &C::parallelism, &ParallelismSection::shard,
+             {ShardMode::None, ShardMode::Optimizer, ShardMode::Gradients, ShardMode::Full}, kShardName),
       field("parallelism.ep", kInt, &C::parallelism, &ParallelismSection::ep),
       field("train.steps", kInt, &C::train, &TrainSection::steps),
       field("train.seq_len", kInt, &C::train, &TrainSection::seq_len),
@@ -256,6 +283,32 @@ void read_sections(TrainConfig& c, const YAML::Node& root, const std::string& so
 
 }  // namespace
 
+std::string_view name_of(SourceKind s) {
+  switch (s) {
+    case SourceKind::Mock:
+      return "mock";
+    case SourceKind::JsonlTokens:
+      return "jsonl_tokens";
+    case SourceKind::JsonlText:
+      return "jsonl_text";
+  }
+  return "?";
+}
+
+std::string_view name_of(ShardMode s) {
+  switch (s) {
+    case ShardMode::None:
+      return "none";
+    case ShardMode::Optimizer:
+      return "optimizer";
+    case ShardMode::Gradients:
+      return "gradients";
+    case ShardMode::Full:
+      return "full";
+  }
+  return "?";
+}
+
 TrainConfig parse_config(const std::string& yaml_text, const std::string& source,
                          const std::vector<std::string>& sets) {
   TrainConfig c;
@@ -297,8 +350,6 @@ void validate(const TrainConfig& c, int world_size) {
   const auto non_negative = [](double v, const char* name) {
     RF_CHECK(v >= 0, "config: ", name, " = ", v, " must be >= 0");
   };
-  RF_CHECK(c.model.compute_dtype == "float32" || c.model.compute_dtype == "bfloat16", "config: model.compute_dtype = '",
-           c.model.compute_dtype, "' is not one of float32, bfloat16");
   if (c.model.path.empty()) {
     RF_CHECK(c.model.builtin == "tiny_dense" || c.model.builtin == "tiny_moe_vlm", "config: model.builtin = '",
              c.model.builtin, "' is not one of tiny_dense, tiny_moe_vlm (or set model.path to a checkpoint)");
@@ -313,18 +364,17 @@ void validate(const TrainConfig& c, int world_size) {
     RF_CHECK(c.model.lora_dropout == 0, "config: model.lora.dropout = ", c.model.lora_dropout,
              " is not implemented (only 0)");
     RF_CHECK(!c.model.lora_target.empty(), "config: model.lora.target is empty");
-    RF_CHECK(c.parallelism.shard == "none", "config: model.lora with parallelism.shard = ", c.parallelism.shard,
+    RF_CHECK(c.parallelism.shard == ShardMode::None,
+             "config: model.lora with parallelism.shard = ", name_of(c.parallelism.shard),
              " is not implemented (the adapters are small: shard none)");
   }
-  RF_CHECK(c.data.source == "mock" || c.data.source == "jsonl_tokens" || c.data.source == "jsonl_text",
-           "config: data.source = '", c.data.source, "' is not one of mock, jsonl_tokens, jsonl_text");
-  if (c.data.source != "mock") {
-    RF_CHECK(!c.data.path.empty(), "config: data.path is required with data.source = ", c.data.source);
+  if (c.data.source != SourceKind::Mock) {
+    RF_CHECK(!c.data.path.empty(), "config: data.path is required with data.source = ", name_of(c.data.source));
     RF_CHECK(is_file(c.data.path), "config: data.path = '", c.data.path, "' is not a file");
   }
   if (!c.data.features.empty())
     RF_CHECK(is_file(c.data.features), "config: data.features = '", c.data.features, "' is not a file");
-  if (c.data.source == "jsonl_text") {
+  if (c.data.source == SourceKind::JsonlText) {
     RF_CHECK(!c.data.tokenizer.empty() || !c.model.path.empty(),
              "config: data.tokenizer is required with data.source = jsonl_text and a built-in model");
     if (!c.data.tokenizer.empty())
@@ -348,12 +398,6 @@ void validate(const TrainConfig& c, int world_size) {
            "config: schedule.min_lr_ratio = ", c.schedule.min_lr_ratio, " must be in [0, 1]");
   positive(c.parallelism.cp, "parallelism.cp");
   positive(c.parallelism.dp, "parallelism.dp");
-  RF_CHECK(c.parallelism.sharding == "contiguous" || c.parallelism.sharding == "zigzag" ||
-               c.parallelism.sharding == "balanced",
-           "config: parallelism.sharding = '", c.parallelism.sharding, "' is not one of contiguous, zigzag, balanced");
-  RF_CHECK(c.parallelism.shard == "none" || c.parallelism.shard == "optimizer" || c.parallelism.shard == "gradients",
-           "config: parallelism.shard = '", c.parallelism.shard, "' is not one of none, optimizer, gradients",
-           c.parallelism.shard == "full" ? " (full: not yet)" : "");
   RF_CHECK(int64_t{c.parallelism.cp} * c.parallelism.dp == world_size,
            "config: parallelism.cp * parallelism.dp = ", c.parallelism.cp, " * ", c.parallelism.dp, " = ",
            int64_t{c.parallelism.cp} * c.parallelism.dp, " does not match the ", world_size, " rank(s) of this job");

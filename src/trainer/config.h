@@ -8,9 +8,20 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "cp/shard.h"
+#include "model/ops.h"
+
 namespace rf::trainer {
+
+// The options that name one of a fixed set of choices, parsed once when the YAML is read (a bad spelling is an error
+// there, naming the field and the choices); name_of gives back the spelling the YAML uses.
+enum class SourceKind { Mock, JsonlTokens, JsonlText };     // data.source: mock | jsonl_tokens | jsonl_text
+enum class ShardMode { None, Optimizer, Gradients, Full };  // parallelism.shard: none | optimizer | gradients | full
+std::string_view name_of(SourceKind s);
+std::string_view name_of(ShardMode s);
 
 struct ModelSection {
   std::string builtin = "tiny_moe_vlm";  // tiny_dense | tiny_moe_vlm; ignored when `path` is set
@@ -18,7 +29,7 @@ struct ModelSection {
   double init_std = 0.02;                // built-in models: weights ~ N(0, init_std)
   std::vector<std::string> freeze;       // parameters whose name contains one of these do not train
   // float32 | bfloat16: what the linear layers multiply in (model::RunOptions::compute_dtype)
-  std::string compute_dtype = "float32";
+  model::ComputeDtype compute_dtype = model::ComputeDtype::Float32;
   // LoRA over the frozen base (model/lora_store.h), PEFT's LoraConfig names: off while lora_rank is 0.
   int lora_rank = 0;
   double lora_alpha = 8.0;
@@ -31,12 +42,12 @@ struct ModelSection {
 };
 
 struct DataSection {
-  std::string source = "mock";  // mock | jsonl_tokens | jsonl_text
-  std::string path;             // the JSONL file (jsonl_tokens, jsonl_text)
-  std::string features;         // jsonl_tokens with image spans: safetensors with `image_features` [N, F]
-  std::string tokenizer;        // jsonl_text: SentencePiece model (default: <model.path>/tokenizer.model)
-  int val_rows = 8;             // rows held out for validation
-  int mock_image_tokens = 16;   // mock: placeholder tokens per image block
+  SourceKind source = SourceKind::Mock;  // mock | jsonl_tokens | jsonl_text
+  std::string path;                      // the JSONL file (jsonl_tokens, jsonl_text)
+  std::string features;                  // jsonl_tokens with image spans: safetensors with `image_features` [N, F]
+  std::string tokenizer;                 // jsonl_text: SentencePiece model (default: <model.path>/tokenizer.model)
+  int val_rows = 8;                      // rows held out for validation
+  int mock_image_tokens = 16;            // mock: placeholder tokens per image block
   // jsonl_tokens samples with `images`: the soft tokens an image is resized for (Gemma4ImageProcessor's
   // max_soft_tokens: 70, 140, 280, 560 or 1120)
   int image_soft_tokens = 280;
@@ -55,15 +66,16 @@ struct ScheduleSection {
 };
 
 struct ParallelismSection {
-  int cp = 1;                         // context-parallel ranks per row
-  int dp = 1;                         // data-parallel replicas
-  std::string sharding = "balanced";  // how CP splits a row: contiguous | zigzag | balanced
+  int cp = 1;                                  // context-parallel ranks per row
+  int dp = 1;                                  // data-parallel replicas
+  cp::Scheme sharding = cp::Scheme::Balanced;  // how CP splits a row: contiguous | zigzag | balanced
   // How the training state is spread over all cp x dp ranks (ZeRO stages): none (every rank holds all of it) |
   // optimizer (AdamW's moments sharded, ZeRO-1: the gradients are reduce-scattered, each rank updates its shard of
   // the trainable parameters, then the updated weights are all-gathered) | gradients (ZeRO-2: as optimizer, and each
-  // micro-batch's gradients are reduce-scattered as it ends, a rank accumulating its slice alone). full (ZeRO-3) is
-  // not there yet.
-  std::string shard = "none";
+  // layer's gradients are reduce-scattered as its backward ends, a rank accumulating its slice alone) | full (ZeRO-3:
+  // as gradients, and each rank holds its pieces of the weights, every layer gathered around its forward and
+  // backward). trainer/sharded_store.h has the details.
+  ShardMode shard = ShardMode::None;
   // Expert parallelism: the experts of every MoE layer divided over groups of ep consecutive ranks of the cp x dp
   // ranks (folded: each rank sends its own tokens' rows to the experts' ranks). ep divides cp x dp and the model's
   // experts; 1: every expert on every rank.

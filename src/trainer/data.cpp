@@ -636,11 +636,11 @@ PackedBatch stack_rows(const std::vector<Row>& rows, int feature_dim) {
 }
 
 std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& k, const ImageContract& im) {
-  if (c.data.source == "mock") return std::make_unique<MockSource>(c, k, im);
+  if (c.data.source == SourceKind::Mock) return std::make_unique<MockSource>(c, k, im);
   int F = 0;
   bool split = false;
   const std::vector<Document> docs =
-      c.data.source == "jsonl_tokens" ? read_token_file(c, k, im, F, split) : read_text_file(c, k);
+      c.data.source == SourceKind::JsonlTokens ? read_token_file(c, k, im, F, split) : read_text_file(c, k);
   return std::make_unique<PackedSource>(pack(docs, c.train.seq_len, k.pad_token_id), c.data.val_rows, c.train.seed, F,
                                         c.data.path, split);
 }

@@ -32,6 +32,7 @@ std::string metrics_json_line(const StepMetrics& m) {
   if (m.val_loss) j["val_loss"] = *m.val_loss;
   if (m.ep_rows_sent) j["ep_rows_sent"] = *m.ep_rows_sent;
   if (m.ep_rows_received) j["ep_rows_received"] = *m.ep_rows_received;
+  if (m.shard_comm_wait_s) j["shard_comm_wait_s"] = *m.shard_comm_wait_s;
   return j.dump() + "\n";
 }
 

@@ -23,10 +23,14 @@ struct StepMetrics {
   // forward passes sent to, and received from, other ranks' experts (a MoE layer's recompute in the backward counts
   // again), the most of any rank.
   std::optional<int64_t> ep_rows_sent, ep_rows_received;
+  // Under parallelism.shard = gradients or full: the seconds the step waited on the sharded store's collectives (a
+  // layer's gather not yet arrived when the layer starts, a reduction not yet done when the next is posted, the
+  // update's gathers): the exposed communication, the most of any rank. Validation's waits are not counted.
+  std::optional<double> shard_comm_wait_s;
 };
 
 // One JSON object per line: step, loss, lr, grad_norm, tokens, tokens_per_s, peak_rss_bytes [, val_loss]
-// [, ep_rows_sent, ep_rows_received].
+// [, ep_rows_sent, ep_rows_received] [, shard_comm_wait_s].
 std::string metrics_json_line(const StepMetrics& m);
 
 // The --metrics JSONL file (rank 0's): each line is written whole or the write fails. Opening keeps the whole lines

@@ -56,13 +56,13 @@ void AdamW::step(model::ParamStore& store, double lr, int64_t step) {
   const model::Shard range = store.moment_range();
   float* const m_all = store.mutable_flat(model::Role::ExpAvg).data();
   float* const v_all = store.mutable_flat(model::Role::ExpAvgSq).data();
-  const float* const g_all = store.flat(model::Role::Grads).data();
+  const float* const g_all = store.flat(model::Role::Grads).data();  // from trainable element grads_begin()
   for (const model::ParamStore::Segment& seg : store.trainable_segments(range.begin, range.end)) {
     const double decay = store.info(seg.slot).decays() ? lr * opt_.weight_decay : 0.0;
-    float* p = store.mutable_weight(seg.slot) + seg.first;
+    float* p = store.mutable_master(seg.slot, seg.first);
     float* m = m_all + (seg.train_index - range.begin);
     float* v = v_all + (seg.train_index - range.begin);
-    const float* g = g_all + seg.train_index;
+    const float* g = g_all + (seg.train_index - store.grads_begin());
     const int64_t n = seg.n;
 #pragma omp parallel for schedule(static)
     for (int64_t e = 0; e < n; ++e) {

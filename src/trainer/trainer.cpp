@@ -19,6 +19,7 @@
 #include "core/memory.h"
 #include "cp/parallel_context.h"
 #include "io/atomic_file.h"
+#include "model/builtin_configs.h"
 #include "model/lora_store.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
@@ -27,59 +28,13 @@
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/optimizer.h"
+#include "trainer/sharded_store.h"
 
 namespace rf::trainer {
 namespace {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
-
-// The built-in models: Gemma 4 shapes shrunk to train a few hundred steps in minutes on 2 cores. Five sliding
-// layers of window 64 and one full layer (Gemma 4's 5:1 mix), GQA 4:2 on sliding and 4:1 with K = V on the full
-// layer (as the 26B/31B), head dims 16 and 32 (sliding and global differ as in Gemma 4), vision-bidirectional
-// image groups. The MoE variant adds Gemma 4's parallel MoE block (4 experts, top 2).
-//
-// Both are multimodal Gemma4ForConditionalGeneration models: their image features (kBuiltinFeatureDim wide) go
-// through the trainable projection model.embed_vision.embedding_projection, which transformers only builds beside a
-// vision tower. So the config holds a vision_config (a one-layer tower of width kBuiltinFeatureDim) and every
-// checkpoint holds that tower, freshly initialised from train.seed and frozen (it encodes the mock data's drawings):
-// transformers loads the checkpoint with no missing and no unexpected weights.
-constexpr const char* kTinyDense = R"({
-  "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "tie_word_embeddings": true,
-  "text_config": {
-    "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 6,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
-    "num_global_key_value_heads": 1, "attention_k_eq_v": true, "sliding_window": 64,
-    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
-                    "sliding_attention", "full_attention"],
-    "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0, "use_bidirectional_attention": "vision",
-    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true,
-    "intermediate_size": 128
-  },
-  "vision_config": {
-    "model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
-    "position_embedding_size": 16
-  }
-})";
-constexpr const char* kTinyMoeVlm = R"({
-  "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "tie_word_embeddings": true,
-  "text_config": {
-    "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 6,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
-    "num_global_key_value_heads": 1, "attention_k_eq_v": true, "sliding_window": 64,
-    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
-                    "sliding_attention", "full_attention"],
-    "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0, "use_bidirectional_attention": "vision",
-    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true,
-    "intermediate_size": 96, "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 48
-  },
-  "vision_config": {
-    "model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
-    "position_embedding_size": 16
-  }
-})";
 
 model::Batch as_batch(const PackedBatch& p) {
   model::Batch b;
@@ -211,24 +166,35 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
     for (size_t i = 0; i < trainable.size(); ++i)
       if (trainable[i]) trainable_bytes += m.params().info(i).numel * static_cast<int64_t>(sizeof(float));
   }
-  constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
   MemoryBreakdown need;
-  need.add("weights", params + m.buffers().total_bytes());
-  need.add("gradients", trainable_bytes);
-  if (lora_buffers > 0) need.add("LoRA: one layer's merged weights and their gradient", lora_buffers);
-  // parallelism.shard = optimizer or gradients: a rank holds the moments of its shard, ceil(trainable / N) elements.
-  const int64_t trainable_elements = trainable_bytes / static_cast<int64_t>(sizeof(float));
-  const bool sharded_moments = c.parallelism.shard == "optimizer" || c.parallelism.shard == "gradients";
-  const int64_t moment_elements =
-      sharded_moments ? model::shard_of(trainable_elements, 0, world_size).padded : trainable_elements;
-  // parallelism.shard = gradients with gradient accumulation: the reduced slice of the earlier micro-batches' sum,
-  // beside the arena above (which holds one micro-batch's gradients while it runs).
-  if (c.parallelism.shard == "gradients" && c.accumulation_steps() > 1)
-    need.add("gradient slice", checked_bytes({model::shard_of(trainable_elements, 0, world_size).padded,
-                                              static_cast<int64_t>(sizeof(float))}));
-  need.add("AdamW moments", checked_bytes({kMoments, moment_elements, static_cast<int64_t>(sizeof(float))}));
-  if (model::parse_compute_dtype(c.model.compute_dtype) == model::ComputeDtype::Bfloat16)
-    need.add("bf16 weight copies", m.bf16_weight_bytes());
+  const bool full = c.parallelism.shard == ShardMode::Full;
+  if (full || c.parallelism.shard == ShardMode::Gradients) {
+    // The sharded store's state by kind (ShardedStore::bytes_for says what each holds; LoRA is shard none only).
+    const ShardedStore::Bytes b =
+        ShardedStore::bytes_for(m.params(), m.params().trainable_after(c.model.freeze),
+                                full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients, world_size);
+    need.add(full ? "weight shard" : "weights", b.weight_shard + m.buffers().total_bytes());
+    if (full) need.add("gathered weights", b.gathered);
+    need.add("gradients", b.gradients);
+    need.add("AdamW moments", b.moments);
+    need.add("communication buffers", b.comm_buffers);
+    if (c.model.compute_dtype == model::ComputeDtype::Bfloat16)
+      need.add("bf16 weight copies",
+               full ? b.gathered / static_cast<int64_t>(sizeof(float) / sizeof(bf16)) : m.bf16_weight_bytes());
+  }
+  constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
+  if (need.terms().empty()) {  // shard none or optimizer: replicated weights and gradients
+    need.add("weights", params + m.buffers().total_bytes());
+    need.add("gradients", trainable_bytes);
+    if (lora_buffers > 0) need.add("LoRA: one layer's merged weights and their gradient", lora_buffers);
+    // parallelism.shard = optimizer: a rank holds the moments of its shard, ceil(trainable / N) elements.
+    const int64_t trainable_elements = trainable_bytes / static_cast<int64_t>(sizeof(float));
+    const int64_t moment_elements = c.parallelism.shard == ShardMode::Optimizer
+                                        ? model::shard_of(trainable_elements, 0, world_size).padded
+                                        : trainable_elements;
+    need.add("AdamW moments", checked_bytes({kMoments, moment_elements, static_cast<int64_t>(sizeof(float))}));
+    if (c.model.compute_dtype == model::ComputeDtype::Bfloat16) need.add("bf16 weight copies", m.bf16_weight_bytes());
+  }
   // A step builds all of this replica's rows before its micro-batches run: five int32 arrays a token (ids, labels,
   // positions, documents, image slots); image features not counted.
   constexpr int64_t kRowArrays = 5;
@@ -247,12 +213,6 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   return need;
 }
 
-std::string builtin_config_json(const std::string& name) {
-  if (name == "tiny_dense") return kTinyDense;
-  if (name == "tiny_moe_vlm") return kTinyMoeVlm;
-  rf::fail("model.builtin = '", name, "' is not one of tiny_dense, tiny_moe_vlm");
-}
-
 namespace {
 
 // Everything one rank's run holds: built by set_up (the plan's setup), used by every step after it.
@@ -265,11 +225,14 @@ struct Run {
   const TrainOptions& options;
   const comm::Timeout timeout = comm::default_timeout();  // `ringflex ... --timeout SECONDS`
   const int cp_index, dp_index;
-  // ZeRO-2 (parallelism.shard = gradients): each micro-batch's gradients are reduce-scattered as soon as it ends,
-  // and a rank accumulates its slice alone.
-  const bool shard_gradients = cfg.parallelism.shard == "gradients";
+  // ZeRO-2 (parallelism.shard = gradients): each layer's gradients are reduce-scattered as soon as its backward
+  // ends, and a rank accumulates its slice alone. ZeRO-3 (full): besides, a rank holds its pieces of the weights and
+  // gathers each layer around its forward and backward. Both live in a ShardedStore (sharded_store.h).
+  const bool shard_gradients = cfg.parallelism.shard == ShardMode::Gradients;
+  const bool shard_full = cfg.parallelism.shard == ShardMode::Full;
+  const bool store_shards = shard_gradients || shard_full;
   // ZeRO-1 and up over the world's ranks: the moments, clipping and the update cover this rank's slice.
-  const bool shard_optimizer = cfg.parallelism.shard == "optimizer" || shard_gradients;
+  const bool shard_optimizer = cfg.parallelism.shard == ShardMode::Optimizer || store_shards;
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
   std::unique_ptr<comm::Communicator> cp_group, dp_group, ep_group;
   cp::JobContext context;  // the model's parallel context: the local kernels, or the ring over this rank's CP group
@@ -280,9 +243,10 @@ struct Run {
   std::unique_ptr<AdamW> adam;  // its state (the moments) and the gradients live in the model's parameter store
   model::RunOptions training;   // how a micro-batch runs (its string options parsed once)
   int feature_dim = 0;          // F of the batches' image features (0: the data has none)
-  // shard gradients with accumulation: the reduced sum of the step's earlier micro-batches over this rank's slice
-  // of the trainable layout [comm::slice_of(trainable_elements, N, rank).size()]; empty otherwise.
-  std::vector<float> grad_slice;
+  // shard gradients / full: the sharded store's own communicator over the world (until set_up hands it over), and
+  // the store, owned by the model.
+  std::unique_ptr<comm::Communicator> store_comm;
+  ShardedStore* sharded = nullptr;
 };
 
 // The run's groups and the model's parallel context (collectives: every rank, in the same order).
@@ -292,9 +256,27 @@ void join_groups(Run& r) {
   const int ep = r.cfg.parallelism.ep;  // EP groups: ep consecutive world ranks
   r.ep_group = r.world.split(r.world.rank() / ep, r.world.rank() % ep, r.timeout);
   cp::CpAttentionOptions co;
-  co.scheme = r.cfg.parallelism.sharding;
+  co.scheme = cp::scheme_name(r.cfg.parallelism.sharding);  // cp's options also take `auto`, a spelling
   co.timeout = r.timeout;
   r.context = cp::make_parallel_context(*r.cp_group, co, r.ep_group.get());
+  if (r.store_shards) r.store_comm = r.world.split(0, r.world.rank(), r.timeout);
+}
+
+// shard gradients / full: the model again over a ShardedStore that takes the loaded (frozen already) weights, its
+// buffers copied. The loaded whole copy is dropped when this returns (loading still holds one whole copy per rank).
+void shard_model(Run& r) {
+  const model::Gemma4Model& whole = *r.ck.model;
+  auto store = std::make_unique<ShardedStore>(std::move(r.store_comm),
+                                              r.shard_full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients,
+                                              r.timeout);
+  ShardedStore& sharded = *store;
+  auto model = std::make_unique<model::Gemma4Model>(whole.config(), whole.vision_feature_dim(),
+                                                    model::TensorSet::Storage::Deferred, std::move(store));
+  RF_CHECK(model->buffers().size() == whole.buffers().size(), "shard: the model's buffers differ from the loaded");
+  for (size_t i = 0; i < whole.buffers().size(); ++i) model->buffers()[i].data = whole.buffers()[i].data;
+  sharded.adopt(whole.params());
+  r.ck.model = std::move(model);
+  r.sharded = &sharded;
 }
 
 // parallelism.ep against the model: its MoE layers' experts must divide over the EP ranks.
@@ -331,20 +313,20 @@ void set_up(Run& r) {
       r.ck = model::load_checkpoint(cfg.model.path, check_fits, lora_store());
       return;
     }
-    const std::string text = builtin_config_json(cfg.model.builtin);
+    const std::string text = model::builtin_config_json(cfg.model.builtin);
     const std::string source = "model.builtin " + cfg.model.builtin;
     const model::Gemma4Config builtin = model::Gemma4Config::from_json(text, source);
-    check_fits(model::Gemma4Model(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Deferred));
-    r.ck.model = std::make_unique<model::Gemma4Model>(builtin, kBuiltinFeatureDim, model::TensorSet::Storage::Allocated,
-                                                      lora_store());
+    check_fits(model::Gemma4Model(builtin, model::kBuiltinFeatureDim, model::TensorSet::Storage::Deferred));
+    r.ck.model = std::make_unique<model::Gemma4Model>(builtin, model::kBuiltinFeatureDim,
+                                                      model::TensorSet::Storage::Allocated, lora_store());
     r.ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
     // init_random filled every slot, the adapters too: PEFT's initial adapters again (B = 0: the base's function).
     if (auto* ls = dynamic_cast<model::LoraStore*>(&r.ck.model->params())) ls->init_adapters();
     r.ck.text_prefix = model::kMultimodalTextPrefix;
     const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
     // transformers sizes the projection's input by the tower's width: the two must agree.
-    RF_CHECK(tower.hidden_size == kBuiltinFeatureDim, source, ": vision_config.hidden_size = ", tower.hidden_size,
-             ", the projection takes ", kBuiltinFeatureDim);
+    RF_CHECK(tower.hidden_size == model::kBuiltinFeatureDim, source,
+             ": vision_config.hidden_size = ", tower.hidden_size, ", the projection takes ", model::kBuiltinFeatureDim);
     r.ck.passthrough = model::init_vision_tower(tower, cfg.train.seed);
   };
   if (!r.options.resume.empty()) {
@@ -394,8 +376,9 @@ void set_up(Run& r) {
   };
   r.data = make_data_source(cfg, contract, images);
   r.feature_dim = r.data->feature_dim() > 0 ? width : 0;
+  r.ck.model->params().freeze(cfg.model.freeze);
+  if (r.store_shards) shard_model(r);
   model::ParamStore& store = r.ck.model->params();
-  store.freeze(cfg.model.freeze);
   if (r.shard_optimizer) {
     const model::Shard mine = model::shard_of(store.trainable_elements(), r.world.rank(), r.world.size());
     store.set_moment_range(mine.begin, mine.end);
@@ -403,22 +386,19 @@ void set_up(Run& r) {
   r.adam = std::make_unique<AdamW>(store, cfg.optimizer);
   if (!r.resume_dir.empty()) load_optimizer_state(r.resume_dir, store);
   store.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
-  if (r.shard_gradients && cfg.accumulation_steps() > 1)
-    r.grad_slice.assign(
-        comm::slice_of(static_cast<size_t>(store.trainable_elements()), r.world.size(), r.world.rank()).size(), 0.f);
   r.state.seed = cfg.train.seed;
   r.state.config_yaml = to_yaml(cfg);
   r.training.want_grad = true;
   r.training.recompute_layers = cfg.train.recompute;
   r.training.keep_mlp_projections = cfg.train.keep_mlp;
-  r.training.compute_dtype = model::parse_compute_dtype(cfg.model.compute_dtype);
+  r.training.compute_dtype = cfg.model.compute_dtype;
 }
 
 void announce(const Run& r, Progress& progress) {
   const TrainConfig& cfg = r.cfg;
   progress.note(
       rf::concat("ringflex train: ", cfg.model.path.empty() ? "built-in " + cfg.model.builtin : cfg.model.path, ", ",
-                 r.ck.model->params().total_elements(), " parameters, data ", cfg.data.source,
+                 r.ck.model->params().total_elements(), " parameters, data ", name_of(cfg.data.source),
                  ", S = ", cfg.train.seq_len, ", global batch ", cfg.train.global_batch, " rows (dp ",
                  cfg.parallelism.dp, " x ", cfg.accumulation_steps(), " micro-batches of ", cfg.train.micro_batch,
                  "), cp ", cfg.parallelism.cp, r.resume_dir.empty() ? "" : ", resumed from " + r.resume_dir));
@@ -472,42 +452,12 @@ double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool 
   return r.ck.model->run(as_batch(p), ro, *r.context.model).loss;
 }
 
-// parallelism.shard = gradients, after micro-batch `index` of `count`: its gradients are summed over every rank in
-// rank order into their owners' slices (reduce_scatter), and this rank adds its slice to the step's: the earlier
-// micro-batches' sum waits in r.grad_slice, the last one's is added to it in place in the arena's slice, where
-// clipping and the update read it (the rest of the arena is spent). The arena is zeroed for the next micro-batch.
-// Bits: with one micro-batch a replica this is shard none's reduction, the same bits. With more, shard none adds
-// a rank's micro-batches first and reduces once, this reduces each micro-batch and adds the sums: the same terms,
-// associated differently, so the gradients agree within float32 rounding (one rounding per addition), not bit for
-// bit. Reducing every micro-batch under shard none too would buy equal bits at A times its reduction traffic; that
-// price is not worth a bitwise match between modes that already agree to rounding.
-void reduce_micro_batch_gradients(Run& r, size_t index, size_t count) {
-  model::ParamStore& store = r.ck.model->params();
-  const std::span<float> flat = store.mutable_flat(model::Role::Grads);
-  if (r.world.size() > 1) r.world.reduce_scatter(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
-  const comm::Slice s = comm::slice_of(flat.size(), r.world.size(), r.world.rank());
-  const std::span<float> mine = flat.subspan(s.begin, s.size());
-  if (count == 1) return;
-  RF_CHECK(r.grad_slice.size() == mine.size(), "shard gradients: the gradient slice holds ", r.grad_slice.size(),
-           " elements, this rank's slice ", mine.size());
-  if (index + 1 == count) {
-    for (size_t i = 0; i < mine.size(); ++i) mine[i] += r.grad_slice[i];
-    return;
-  }
-  if (index == 0)
-    std::copy(mine.begin(), mine.end(), r.grad_slice.begin());
-  else
-    for (size_t i = 0; i < mine.size(); ++i) r.grad_slice[i] += mine[i];
-  store.zero_grads();
-}
-
 // 3. Forward + backward of every micro-batch, the gradients accumulating; returns the global batch's loss.
 double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t label_tokens) {
   r.ck.model->params().zero_grads();
   double loss = 0.0;
   for (size_t a = 0; a < batches.size(); ++a) {
     loss += run_micro_batch(r, batches[a], label_tokens, true);
-    if (r.shard_gradients) reduce_micro_batch_gradients(r, a, batches.size());
   }
   r.dp_group->allreduce(&loss, 1, comm::ReduceOp::Sum, r.timeout);
   return loss;
@@ -516,9 +466,10 @@ double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t
 // 4a. Sums the gradients over every rank, in rank order (the same bits on every rank and backend), in place in the
 // store's flat gradient arena: one collective for the whole model. Shard none: every rank gets the whole sum
 // (all-reduce). Shard optimizer: each rank gets the sums of its slice (reduce-scatter, half the traffic), the only
-// gradients its update reads. Shard gradients: reduced already, micro-batch by micro-batch (forward_backward).
+// gradients its update reads. Shard gradients and full: reduced already, layer by layer, by the sharded store's
+// hooks, into this rank's slice (sharded_store.h says what accumulation changes).
 void reduce_gradients(Run& r) {
-  if (r.world.size() == 1 || r.shard_gradients) return;
+  if (r.world.size() == 1 || r.store_shards) return;
   const std::span<float> flat = r.ck.model->params().mutable_flat(model::Role::Grads);
   if (r.shard_optimizer)
     r.world.reduce_scatter(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
@@ -535,6 +486,7 @@ double clip_global_norm(Run& r, double max_norm) {
   const std::span<float> flat = store.mutable_flat(model::Role::Grads);
   const int P = r.world.size(), me = r.world.rank();
   const auto slice = [&](int rank) {
+    if (r.store_shards) return flat;  // the sharded store's gradients are this rank's slice alone
     const comm::Slice s = comm::slice_of(flat.size(), P, rank);
     return flat.subspan(s.begin, s.size());
   };
@@ -574,7 +526,10 @@ void gather_updated_weights(comm::Communicator& c, model::ParamStore& store, com
 double apply_update(Run& r, int64_t step) {
   const double lr = learning_rate(r.cfg.optimizer, r.cfg.schedule, static_cast<int>(step), r.cfg.train.steps);
   r.adam->step(r.ck.model->params(), lr, step);
-  if (r.shard_optimizer) gather_updated_weights(r.world, r.ck.model->params(), r.timeout);
+  if (r.sharded)
+    r.sharded->after_update();
+  else if (r.shard_optimizer)
+    gather_updated_weights(r.world, r.ck.model->params(), r.timeout);
   return lr;
 }
 
@@ -595,14 +550,15 @@ void check_finite_step(int64_t step, double loss, double norm, const std::string
 double validation_loss(Run& r) {
   const int dp = r.cfg.parallelism.dp;
   std::vector<PackedBatch> mine;
-  std::vector<PackedBatch> filler;  // under expert parallelism: the split's first row (see below)
+  std::vector<PackedBatch> filler;  // under expert parallelism or shard full: the split's first row (see below)
+  const bool balanced = r.cfg.parallelism.ep > 1 || r.shard_full;
   int64_t labels = 0;
   comm::agree(r.world, [&] {
     std::vector<Row> rows;
     for (int j = 0; j < r.data->val_rows(); ++j) {
       Row row = r.data->val_row(j);
       labels += count_label_tokens(row.labels);
-      if (j == 0 && r.cfg.parallelism.ep > 1) filler.push_back(stack_rows({row}, r.feature_dim));
+      if (j == 0 && balanced) filler.push_back(stack_rows({row}, r.feature_dim));
       if (j % dp == r.dp_index) rows.push_back(std::move(row));
     }
     const size_t micro = static_cast<size_t>(r.cfg.train.micro_batch);
@@ -616,9 +572,10 @@ double validation_loss(Run& r) {
   });
   double loss = 0.0;
   for (const PackedBatch& b : mine) loss += run_micro_batch(r, b, labels, false);
-  // Under expert parallelism every micro-batch is collective over the EP group, which spans DP replicas: a replica
-  // with fewer rows (replica 0 has the most) runs its first batch again, or the split's first row, its loss unused.
-  if (r.cfg.parallelism.ep > 1 && r.data->val_rows() > 0) {
+  // Under expert parallelism every micro-batch is collective over the EP group, which spans DP replicas, and under
+  // shard full every layer's gather spans all ranks: a replica with fewer rows (replica 0 has the most) runs its
+  // first batch again, or the split's first row, its loss unused.
+  if (balanced && r.data->val_rows() > 0) {
     const int64_t most_rows = (r.data->val_rows() + dp - 1) / dp;
     const int64_t most = (most_rows + r.cfg.train.micro_batch - 1) / r.cfg.train.micro_batch;
     const PackedBatch& again = mine.empty() ? filler.front() : mine.front();
@@ -636,6 +593,8 @@ bool is_last(const Run& r, int64_t step) { return step == r.cfg.train.steps; }
 // the step's non-padding tokens over its wall time, validation excluded.
 StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double norm, const TokenCounts& tokens,
                         double step_seconds, const ExpertTraffic& ep_moved, TrainResult& result) {
+  // The step's waits on the sharded store's collectives, taken before validation runs (whose are dropped).
+  const double comm_wait = r.sharded ? r.sharded->take_exposed_seconds() : 0.0;
   StepMetrics sm;
   sm.step = step;
   sm.loss = loss;
@@ -653,6 +612,12 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
     sm.ep_rows_sent = moved[0];
     sm.ep_rows_received = moved[1];
   }
+  if (r.sharded) {
+    double most = comm_wait;
+    r.world.allreduce(&most, 1, comm::ReduceOp::Max, r.timeout);
+    sm.shard_comm_wait_s = most;
+    r.sharded->take_exposed_seconds();  // validation's
+  }
   r.state.history.steps.push_back(static_cast<int>(step));
   r.state.history.loss.push_back(loss);
   if (sm.val_loss) {
@@ -669,7 +634,8 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
 // every rank writes its own moments when they are sharded, rank 0 all of them otherwise; rank 0 then renames the
 // directory into place. Each part ends in an agreement, so a failure on any rank (a full disk, a file-size limit)
 // ends every rank with its one line, and rank 0's `pending` removes the temporary directory as the error unwinds.
-void save(Run& r, std::optional<PendingCheckpoint>& pending, Progress& progress, TrainResult& result) {
+void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait, Progress& progress,
+          TrainResult& result) {
   const CheckpointSection& cfg = r.cfg.checkpoint;
   const std::string tmp = checkpoint_temp_path(cfg.dir, r.state.step);
   const model::ParamStore& store = r.ck.model->params();
@@ -684,32 +650,41 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, Progress& progress,
   } catch (...) {
     failed = std::current_exception();  // save_checkpoint took part in every read before it threw
   }
-  comm::agree(r.world, [&] {
-    if (failed) std::rethrow_exception(failed);
-  });
-  comm::agree(r.world, [&] {
-    if (r.shard_optimizer)
-      write_moments_shard(tmp, store, r.world.rank(), r.world.size());
-    else if (r.lead)
-      write_moments_whole(tmp, store);
-  });
+  comm::agree(
+      r.world,
+      [&] {
+        if (failed) std::rethrow_exception(failed);
+      },
+      wait);
+  comm::agree(
+      r.world,
+      [&] {
+        if (r.shard_optimizer)
+          write_moments_shard(tmp, store, r.world.rank(), r.world.size());
+        else if (r.lead)
+          write_moments_whole(tmp, store);
+      },
+      wait);
   PendingCheckpoint::MomentLayout moments;
   if (r.shard_optimizer) {  // every rank's range, as its store holds it
-    moments.shard_mode = r.cfg.parallelism.shard;
+    moments.shard_mode = name_of(r.cfg.parallelism.shard);
     const model::Shard mine = store.moment_range();
     const int64_t range[2] = {mine.begin, mine.end};
     std::vector<int64_t> all(2 * static_cast<size_t>(r.world.size()));
     r.world.allgather(range, all.data(), sizeof range, r.timeout);
     for (int k = 0; k < r.world.size(); ++k) moments.ranges.emplace_back(all[2 * k], all[2 * k + 1]);
   }
-  comm::agree(r.world, [&] {
-    if (!r.lead) return;
-    result.last_checkpoint = pending->finish(store, r.state, moments, cfg.keep, r.options.before_checkpoint_rename);
-    pending.reset();
-    if (!result.svg_path.empty())
-      io::write_file_atomically(result.svg_path, loss_svg(r.state.history, "ringflex train"));
-    progress.note(rf::concat("step ", r.state.step, ": checkpoint ", result.last_checkpoint));
-  });
+  comm::agree(
+      r.world,
+      [&] {
+        if (!r.lead) return;
+        result.last_checkpoint = pending->finish(store, r.state, moments, cfg.keep, r.options.before_checkpoint_rename);
+        pending.reset();
+        if (!result.svg_path.empty())
+          io::write_file_atomically(result.svg_path, loss_svg(r.state.history, "ringflex train"));
+        progress.note(rf::concat("step ", r.state.step, ": checkpoint ", result.last_checkpoint));
+      },
+      wait);
   result.last_checkpoint = checkpoint_path(cfg.dir, r.state.step);  // known to every rank
 }
 
@@ -727,10 +702,22 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
     if (sm.val_loss) progress.note(rf::concat("step ", sm.step, ": validation loss ", *sm.val_loss));
     if (save_now && r.lead) pending.emplace(ck.dir, sm.step);
   });
-  if (save_now) save(r, pending, progress, result);
+  if (!save_now) return;
+  // A save is waited for as long as its bytes take at the slowest write rate, beyond --timeout: only a rank that is
+  // gone or silent ends the job the hard way.
+  save(r, pending, save_wait(r.timeout, checkpoint_bytes(r.ck), r.options.slowest_checkpoint_write), progress, result);
 }
 
 }  // namespace
+
+comm::Timeout save_wait(comm::Timeout timeout, int64_t bytes, double bytes_per_s) {
+  RF_CHECK(bytes >= 0 && bytes_per_s > 0, "save_wait: ", bytes, " bytes at ", bytes_per_s, " bytes/s");
+  constexpr double kMsPerS = 1000.0;
+  // Capped far beyond any job (a year), so that the sum cannot overflow the milliseconds' integer.
+  constexpr double kLongestMs = 365.0 * 24 * 3600 * kMsPerS;
+  const double write_ms = std::min(static_cast<double>(bytes) / bytes_per_s * kMsPerS, kLongestMs);
+  return timeout + comm::Timeout(static_cast<int64_t>(std::ceil(write_ms)));
+}
 
 TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const TrainOptions& options) {
   RF_CHECK(world.size() == cfg.parallelism.cp * cfg.parallelism.dp,
@@ -790,6 +777,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     }
     if (r.lead && !result.last_checkpoint.empty()) progress.note("checkpoint: " + result.last_checkpoint);
   });
+  if (r.sharded) r.sharded->unshard();  // the caller gets whole weights (a collective: every rank)
   result.model = std::move(r.ck.model);
   return result;
 }

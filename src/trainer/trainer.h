@@ -35,9 +35,11 @@
 
 namespace rf::trainer {
 
-// config.json text of a built-in model ("tiny_dense", "tiny_moe_vlm") and the width of its image features.
-std::string builtin_config_json(const std::string& name);
-constexpr int kBuiltinFeatureDim = 32;
+// The slowest rate a checkpoint is taken to be written at, in bytes per second (a busy network file system or a
+// USB disk writes faster). While rank 0 writes a checkpoint the other ranks wait for it --timeout plus the
+// checkpoint's bytes at this rate (save_wait), so a long save of a large model is not taken for a silent rank; a
+// rank that is gone still ends the job at once (mpirun stops the others), one that is stopped within that wait.
+constexpr double kSlowestCheckpointWrite = 16.0 * 1024 * 1024;
 
 struct TrainOptions {
   std::string resume;            // a checkpoint directory or a checkpoint root (its newest); empty: start fresh
@@ -45,9 +47,16 @@ struct TrainOptions {
                                  // the checkpoint's steps and continues); empty: none
   std::string svg_path;          // the loss picture (end of run and every checkpoint); empty: <checkpoint.dir>/loss.svg
   std::FILE* progress = stdout;  // rank 0's progress lines; nullptr: silent
-  // Runs inside a checkpoint save after its files are written, before the rename (tests fail a save there).
+  // Runs inside a checkpoint save after its files are written, before the rename (tests fail a save there, or
+  // make it slow).
   std::function<void(const std::string&)> before_checkpoint_rename;
+  // Bytes per second a checkpoint write is waited for at (kSlowestCheckpointWrite; tests change it).
+  double slowest_checkpoint_write = kSlowestCheckpointWrite;
 };
+
+// How long the other ranks wait for a checkpoint save of `bytes` written at `bytes_per_s` at the slowest:
+// `timeout` (the job's --timeout) plus the bytes at that rate.
+comm::Timeout save_wait(comm::Timeout timeout, int64_t bytes, double bytes_per_s);
 
 struct TrainResult {
   std::vector<StepMetrics> steps;  // the steps this call ran

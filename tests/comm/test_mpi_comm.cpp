@@ -1,43 +1,31 @@
 // The MPI communicator under a real `mpirun -n P` (CTest runs it for several P): the shared backend cases.
 // Every rank runs every test; a failed assertion on any rank makes mpirun exit non-zero.
 #include <gtest/gtest.h>
-#include <mpi.h>
 
-#include "comm/mpi_comm.h"
 #include "comm_cases.h"
+#include "common/mpi_world.h"
 
 namespace rf::comm {
 namespace {
 
-std::unique_ptr<Communicator>& world() {
-  static std::unique_ptr<Communicator> w;
-  return w;
-}
+Communicator& world() { return testing::mpi_world(); }
 
-TEST(Mpi, RingOfBuffers) { cases::ring_of_buffers(*world()); }
-TEST(Mpi, Collectives) { cases::collectives(*world()); }
-TEST(Mpi, FloatAllreduceInRankOrderAcrossSlices) { cases::float_allreduce(*world()); }
-TEST(Mpi, ReceiveDeadlineNamesThePeer) { cases::receive_deadline_names_the_peer(*world()); }
-TEST(Mpi, SplitFormsAGrid) { cases::split_forms_a_grid(*world()); }
-TEST(Mpi, BadPeerAndTagAreRejected) { cases::bad_peer_and_tag_are_rejected(*world()); }
-TEST(Mpi, SlicedAllreduceKeepsRankOrderBitsAndBytes) { cases::sliced_allreduce(*world()); }
-TEST(Mpi, SlicedReduceScatter) { cases::sliced_reduce_scatter(*world()); }
-TEST(Mpi, SlicedAllgather) { cases::sliced_allgather(*world()); }
-TEST(Mpi, AllreduceOfSeveralBuffers) { cases::allreduce_of_several_buffers(*world()); }
-TEST(Mpi, PostedCollectivesOverlap) { cases::posted_collectives_overlap(*world()); }
-TEST(Mpi, AlltoallvPlacesByRank) { cases::alltoallv_places_by_rank(*world()); }
+TEST(Mpi, RingOfBuffers) { cases::ring_of_buffers(world()); }
+TEST(Mpi, Collectives) { cases::collectives(world()); }
+TEST(Mpi, FloatAllreduceInRankOrderAcrossSlices) { cases::float_allreduce(world()); }
+TEST(Mpi, ReceiveDeadlineNamesThePeer) { cases::receive_deadline_names_the_peer(world()); }
+TEST(Mpi, SplitFormsAGrid) { cases::split_forms_a_grid(world()); }
+TEST(Mpi, BadPeerAndTagAreRejected) { cases::bad_peer_and_tag_are_rejected(world()); }
+TEST(Mpi, SlicedAllreduceKeepsRankOrderBitsAndBytes) { cases::sliced_allreduce(world()); }
+TEST(Mpi, SlicedReduceScatter) { cases::sliced_reduce_scatter(world()); }
+TEST(Mpi, SlicedAllgather) { cases::sliced_allgather(world()); }
+TEST(Mpi, AllreduceOfSeveralBuffers) { cases::allreduce_of_several_buffers(world()); }
+TEST(Mpi, PostedCollectivesOverlap) { cases::posted_collectives_overlap(world()); }
+TEST(Mpi, AlltoallvPlacesByRank) { cases::alltoallv_places_by_rank(world()); }
 // Last: it leaves unmatched messages behind on the stopped rank (see the case).
-TEST(Mpi, StoppedPeerIsNamed) { cases::stopped_peer_is_named(*world()); }
+TEST(Mpi, StoppedPeerIsNamed) { cases::stopped_peer_is_named(world()); }
 
 }  // namespace
 }  // namespace rf::comm
 
-int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  rf::comm::world() = rf::comm::make_mpi_world();
-  const int rc = RUN_ALL_TESTS();
-  rf::comm::world().reset();
-  MPI_Finalize();
-  return rc;
-}
+int main(int argc, char** argv) { return rf::testing::run_mpi_tests(argc, argv); }

@@ -3,20 +3,15 @@
 // loopback bits for both rings, packed parity, and ranks that disagree or hold bad input failing together with
 // one line.
 #include <gtest/gtest.h>
-#include <mpi.h>
 
-#include "comm/mpi_comm.h"
+#include "common/mpi_world.h"
 #include "core/error.h"
 #include "cp_cases.h"
 
 namespace rf::cp {
 namespace {
 
-std::unique_ptr<comm::Communicator>& world_ptr() {
-  static std::unique_ptr<comm::Communicator> w;
-  return w;
-}
-comm::Communicator& world() { return *world_ptr(); }
+comm::Communicator& world() { return testing::mpi_world(); }
 
 TEST(CpMpi, MaskSweep) {
   for (const cases::Case& c : cases::sweep_cases()) cases::check_case(world(), c, /*compare_loopback=*/true);
@@ -76,12 +71,4 @@ TEST(CpMpi, InvalidInputFailsOnEveryRank) {
 }  // namespace
 }  // namespace rf::cp
 
-int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  rf::cp::world_ptr() = rf::comm::make_mpi_world();
-  const int rc = RUN_ALL_TESTS();
-  rf::cp::world_ptr().reset();
-  MPI_Finalize();
-  return rc;
-}
+int main(int argc, char** argv) { return rf::testing::run_mpi_tests(argc, argv); }

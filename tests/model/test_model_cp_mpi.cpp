@@ -9,7 +9,6 @@
 // 64-token plan block; one-token documents, image groups crossing shard boundaries, trailing padding, whole ranks of
 // sharding padding at large P), B = 2.
 #include <gtest/gtest.h>
-#include <mpi.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -19,7 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "comm/mpi_comm.h"
+#include "common/mpi_world.h"
+#include "common/row_arrays.h"
 #include "core/error.h"
 #include "cp/cp_backend.h"
 #include "cpu/local_attention.h"
@@ -29,11 +29,7 @@
 namespace rf::model {
 namespace {
 
-std::unique_ptr<comm::Communicator>& world_ptr() {
-  static std::unique_ptr<comm::Communicator> w;
-  return w;
-}
-comm::Communicator& world() { return *world_ptr(); }
+comm::Communicator& world() { return testing::mpi_world(); }
 
 constexpr int kVocab = 40;
 
@@ -68,34 +64,13 @@ Gemma4Model make_model(const std::string& extra, int vision_dim) {
   return m;
 }
 
-struct RowBatch {
-  int B = 2, S = 0;
-  std::vector<int32_t> ids, labels, pos, doc, mm;
-  std::vector<float> features;
-  int64_t n_features = 0;
-
-  Batch view(bool images) const {
-    Batch b;
-    b.B = B;
-    b.S = S;
-    b.input_ids = ids.data();
-    b.labels = labels.data();
-    b.position_ids = pos.data();
-    b.doc = doc.data();
-    b.mm_token_type = mm.data();
-    if (images) {
-      b.image_features = features.data();
-      b.n_image_features = n_features;
-    }
-    return b;
-  }
-};
+using testing::RowArrays;
 
 // Row 0: packed documents of 1, 7, 1, 11, ... tokens (one-token ones included) with a 5-token image at the start of
 // every other document; row 1: one document with 4-token video runs every 9 tokens, the last 20% padding. Labels
 // -100 on every third token and on padding. Image runs are longer than the window (3), so groups matter.
-RowBatch make_batch(int S, int feature_dim, uint64_t seed) {
-  RowBatch t;
+RowArrays make_batch(int S, int feature_dim, uint64_t seed) {
+  RowArrays t;
   t.S = S;
   std::mt19937 rng(static_cast<uint32_t>(seed));
   const int doc_lengths[] = {1, 7, 1, 11, 2, 16, 9};
@@ -126,7 +101,6 @@ RowBatch make_batch(int S, int feature_dim, uint64_t seed) {
   std::normal_distribution<float> normal(0.f, 1.f);
   for (int32_t m : t.mm)
     if (m != 0) {
-      ++t.n_features;
       for (int f = 0; f < feature_dim; ++f) t.features.push_back(normal(rng));
     }
   return t;
@@ -241,7 +215,7 @@ constexpr int kLongRow = 301;
 TEST(ModelCp, DenseWithImageGroupsMatchesOneRank) {
   Gemma4Model m = make_model(kDense, 0);
   for (int S : {kTinyRow, kShortRow, kLongRow}) {
-    const RowBatch b = make_batch(S, m.config().hidden_size, 3);
+    const RowArrays b = make_batch(S, m.config().hidden_size, 3);
     check_against_one_rank(m, b.view(true), "balanced", "dense, S = " + std::to_string(S));
   }
 }
@@ -250,7 +224,7 @@ TEST(ModelCp, FixedSchemesMatchOneRank) {
   Gemma4Model m = make_model(kDense, 0);
   for (int S : {kTinyRow, kLongRow}) {
     // Contiguous shards of the 9-token row leave the last ranks nothing but sharding padding at P = 8.
-    const RowBatch b = make_batch(S, m.config().hidden_size, 4);
+    const RowArrays b = make_batch(S, m.config().hidden_size, 4);
     for (const char* scheme : {"contiguous", "zigzag"})
       check_against_one_rank(m, b.view(true), scheme, "dense, S = " + std::to_string(S));
   }
@@ -258,14 +232,14 @@ TEST(ModelCp, FixedSchemesMatchOneRank) {
 
 TEST(ModelCp, MixtureOfExpertsMatchesOneRank) {
   Gemma4Model m = make_model(kMoe, 0);
-  const RowBatch b = make_batch(kShortRow, 0, 5);
+  const RowArrays b = make_batch(kShortRow, 0, 5);
   check_against_one_rank(m, b.view(false), "balanced", "moe");
 }
 
 TEST(ModelCp, PerLayerEmbeddingsKvSharingAndImageProjectionMatchOneRank) {
   constexpr int kFeatureDim = 6;
   Gemma4Model m = make_model(kSmall, kFeatureDim);
-  const RowBatch b = make_batch(kShortRow, kFeatureDim, 6);
+  const RowArrays b = make_batch(kShortRow, kFeatureDim, 6);
   check_against_one_rank(m, b.view(true), "balanced", "small");
 }
 
@@ -287,7 +261,7 @@ TEST(ModelCp, Gqa16AndHeadDims72And512MatchOneRank) {
     float* w = m.params().mutable_weight(slot);
     for (int64_t e = 0; e < t.numel; ++e) w[e] *= std::pow(static_cast<float>(t.shape[0]), -0.25f);
   }
-  const RowBatch b = make_batch(kShortRow, m.config().hidden_size, 10);
+  const RowArrays b = make_batch(kShortRow, m.config().hidden_size, 10);
   check_against_one_rank(m, b.view(true), "balanced", "GQA 16:1, D = 72 / 512");
 }
 
@@ -295,7 +269,7 @@ TEST(ModelCp, Gqa16AndHeadDims72And512MatchOneRank) {
 // summing would give P times the count (every rank holds the full labels), and the loss 1/P of the right one.
 TEST(ModelCp, LabelTokensCountedOnce) {
   Gemma4Model m = make_model(kDense, 0);
-  const RowBatch rb = make_batch(kShortRow, 0, 7);
+  const RowArrays rb = make_batch(kShortRow, 0, 7);
   const Batch b = rb.view(false);
   int64_t expected = 0;
   for (int32_t l : rb.labels) expected += l != -100;
@@ -319,7 +293,7 @@ TEST(ModelCp, LabelTokensCountedOnce) {
 // Issue 8 item 14: two runs at the same P give the same bits (loss, logits, every reduced gradient).
 TEST(ModelCp, GradientsAreDeterministic) {
   Gemma4Model m = make_model(kMoe, 0);
-  const RowBatch rb = make_batch(kShortRow, 0, 8);
+  const RowArrays rb = make_batch(kShortRow, 0, 8);
   const Outcome a = run_cp(m, rb.view(false), "balanced"), b = run_cp(m, rb.view(false), "balanced");
   EXPECT_EQ(a.result.loss, b.result.loss);
   EXPECT_EQ(a.result.logits, b.result.logits);
@@ -331,7 +305,7 @@ TEST(ModelCp, MoreRanksThanTokensFailsOnEveryRank) {
   const int P = world().size();
   if (P < 2) GTEST_SKIP() << "needs two ranks";
   Gemma4Model m = make_model(kDense, 0);
-  const RowBatch rb = make_batch(P - 1, 0, 9);
+  const RowArrays rb = make_batch(P - 1, 0, 9);
   cp::CpAttention attn(world());
   try {
     m.run(rb.view(false), RunOptions{}, attn);
@@ -347,12 +321,4 @@ TEST(ModelCp, MoreRanksThanTokensFailsOnEveryRank) {
 }  // namespace
 }  // namespace rf::model
 
-int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  rf::model::world_ptr() = rf::comm::make_mpi_world();
-  const int rc = RUN_ALL_TESTS();
-  rf::model::world_ptr().reset();
-  MPI_Finalize();
-  return rc;
-}
+int main(int argc, char** argv) { return rf::testing::run_mpi_tests(argc, argv); }

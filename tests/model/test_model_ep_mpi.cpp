@@ -15,7 +15,6 @@
 // some ranks), and a zeroed router (every probability tied: every token of every rank to experts 0 and 1, top-k's ties
 // to the lower index, the other experts idle).
 #include <gtest/gtest.h>
-#include <mpi.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,7 +23,8 @@
 #include <string>
 #include <vector>
 
-#include "comm/mpi_comm.h"
+#include "common/mpi_world.h"
+#include "common/row_arrays.h"
 #include "cp/parallel_context.h"
 #include "model/gemma4.h"
 #include "model/run_grads.h"
@@ -32,11 +32,7 @@
 namespace rf::model {
 namespace {
 
-std::unique_ptr<comm::Communicator>& world_ptr() {
-  static std::unique_ptr<comm::Communicator> w;
-  return w;
-}
-comm::Communicator& world() { return *world_ptr(); }
+comm::Communicator& world() { return testing::mpi_world(); }
 
 constexpr int kVocab = 40;
 Gemma4Model make_model() {
@@ -51,25 +47,11 @@ Gemma4Model make_model() {
   return m;
 }
 
-struct Rows {
-  int B = 2, S = 0;
-  std::vector<int32_t> ids, labels, pos, doc, mm;
-  Batch view() const {
-    Batch b;
-    b.B = B;
-    b.S = S;
-    b.input_ids = ids.data();
-    b.labels = labels.data();
-    b.position_ids = pos.data();
-    b.doc = doc.data();
-    b.mm_token_type = mm.data();
-    return b;
-  }
-};
+using testing::RowArrays;
 
 // Two rows of S tokens, two documents each, labels -100 on every third token; ids from `seed`.
-Rows make_rows(int S, uint64_t seed) {
-  Rows r;
+RowArrays make_rows(int S, uint64_t seed) {
+  RowArrays r;
   r.S = S;
   std::mt19937 rng(static_cast<uint32_t>(seed));
   for (int i = 0; i < r.B * S; ++i) {
@@ -96,7 +78,7 @@ Outcome run(Gemma4Model& m, int cp, int ep, ComputeDtype dtype) {
   auto ep_group = world().split(rank / ep, rank % ep);
   cp::JobContext ctx = cp::make_parallel_context(*cp_group, {}, ep_group.get());
   EXPECT_EQ(ctx.model->experts().ranks(), ep);
-  const Rows rows = make_rows(23, 100 + static_cast<uint64_t>(rank / cp));  // each CP group its own rows
+  const RowArrays rows = make_rows(23, 100 + static_cast<uint64_t>(rank / cp));  // each CP group its own rows
   RunOptions opt;
   opt.want_grad = true;
   opt.want_logits = true;
@@ -199,12 +181,4 @@ TEST(ModelEp, ExpertsNotDividingOverTheRanksFailOnEveryRank) {
 }  // namespace
 }  // namespace rf::model
 
-int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  rf::model::world_ptr() = rf::comm::make_mpi_world();
-  const int rc = RUN_ALL_TESTS();
-  rf::model::world_ptr().reset();
-  MPI_Finalize();
-  return rc;
-}
+int main(int argc, char** argv) { return rf::testing::run_mpi_tests(argc, argv); }

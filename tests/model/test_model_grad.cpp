@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/row_arrays.h"
 #include "core/error.h"
 #include "model/gemma4.h"
 #include "model/run_grads.h"
@@ -28,32 +29,13 @@ std::string tiny_config(const std::string& extra) {
          extra + "}";
 }
 
-struct TinyBatch {
-  int B = 2, S = 10;
-  std::vector<int32_t> ids, labels, pos, doc, mm;
-  std::vector<float> features;
-  Batch view(bool images) const {
-    Batch b;
-    b.B = B;
-    b.S = S;
-    b.input_ids = ids.data();
-    b.labels = labels.data();
-    b.position_ids = pos.data();
-    b.doc = doc.data();
-    b.mm_token_type = mm.data();
-    if (images) {
-      b.image_features = features.data();
-      b.n_image_features = 0;
-      for (int32_t t : mm) b.n_image_features += t != 0;
-    }
-    return b;
-  }
-};
+using TinyBatch = testing::RowArrays;  // B = 2 rows of S = 10 (make_batch)
 
 // Row 0: two documents, an image run of 4 tokens (longer than the window) in the first; row 1: one document with
 // an image run, then two padding tokens.
 TinyBatch make_batch(int V, int feature_dim) {
   TinyBatch t;
+  t.S = 10;
   const int T = t.B * t.S;
   std::mt19937 rng(7);
   for (int i = 0; i < T; ++i) {

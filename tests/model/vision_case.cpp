@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
+#include "common/vision_tower.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
-#include "model/checkpoint.h"
 #include "model/vision_encoder.h"
 
 int main(int argc, char** argv) {
@@ -27,22 +27,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    const rf::model::Checkpoint ck = rf::model::load_checkpoint(argv[1]);
-    const std::optional<rf::model::VisionConfig> cfg =
-        rf::model::VisionConfig::from_config_json(ck.model->config().source_json,
-                                                  std::string(argv[1]) + "/config.json");
-    if (!cfg) throw rf::Error(std::string(argv[1]) + "/config.json: no vision_config");
-    const rf::model::VisionEncoder encoder(*cfg, ck.passthrough);
+    const rf::model::VisionEncoder encoder = rf::testing::load_checkpoint_tower(argv[1]);
     const rf::io::SafetensorsFile in = rf::io::SafetensorsFile::open(argv[2]);
-    const rf::io::TensorView& pixels = in.at("pixel_values");
-    const rf::io::TensorView& positions = in.at("pixel_position_ids");
-    const std::vector<float> px = rf::io::copy_as<float>(pixels);
-    const std::vector<int32_t> pos = rf::io::copy_as<int32_t>(positions);
-    rf::model::VisionBatch b;
-    b.n = static_cast<int>(pixels.shape.at(0));
-    b.P = pixels.shape.at(1);
-    b.pixels = px.data();
-    b.positions = pos.data();
+    const rf::testing::ImageArrays images = rf::testing::read_images(in);
+    const rf::model::VisionBatch b = images.view();
     rf::model::VisionTape tape;
     const rf::model::VisionOutput out = encoder.forward(b, argv[2], &tape);
     rf::model::VisionGrads grads;
@@ -55,7 +43,7 @@ int main(int argc, char** argv) {
     rf::io::SafetensorsWriter w;
     for (const auto& [name, g] : grads)
       w.add("grad." + name, rf::io::StDType::F32, {static_cast<int64_t>(g.size())}, std::span<const float>(g));
-    const int64_t H = cfg->hidden_size;
+    const int64_t H = encoder.config().hidden_size;
     w.add("soft_tokens", rf::io::StDType::F32, {static_cast<int64_t>(out.soft_tokens.size()) / H, H},
           std::span<const float>(out.soft_tokens));
     w.add("counts", rf::io::StDType::I64, {static_cast<int64_t>(out.counts.size())},

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # parallelism.shard = optimizer under a real mpirun gives the bits of shard none at the same grid: every step's loss
 # and gradient norm in the metrics, the final checkpoint's weights byte for byte and its AdamW moments value for value
-# (each rank writes its shard's; read back here from optimizer.json's files). parallelism.shard = gradients gives them
-# too when a replica runs one micro-batch a step (GRADIENTS = bits); with gradient accumulation (GRADIENTS =
-# rounding) it reduces each micro-batch where shard none reduces their sum, so it is held to rounding: every weight of the final checkpoint
+# (each rank writes its shard's; read back here from optimizer.json's files). parallelism.shard = gradients and full give them too when a
+# replica runs one micro-batch a step (GRADIENTS = bits); with gradient accumulation (GRADIENTS = rounding) they
+# reduce each micro-batch where shard none reduces their sum, so they are held to rounding against none (and full
+# to gradients' bits: the same sums added in the same order): every weight of the final checkpoint
 # within 9e-5 (1% of the 3 steps' lr 0.003: AdamW normalises an element's update to about lr, and an element whose
 # micro-batches nearly cancel may move by a fraction of it; ShardGradients.* in test_train.cpp says more), and
 # losses, norms and validation losses within 1e-4 relative: from step 2 on they are computed on weights that already
@@ -24,7 +25,7 @@ mkdir -p "$work"
 common=(--set train.seq_len=64 --set train.steps=3 --set train.global_batch=12 --set data.val_rows=2
         --set train.threads=1 --set train.val_every=2 --set optimizer.lr=0.003 --set schedule.warmup_steps=1
         --set optimizer.grad_clip=0.5)
-for mode in none optimizer gradients; do
+for mode in none optimizer gradients full; do
   "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.shard=$mode \
     --set checkpoint.dir="$work/$mode" --metrics "$work/$mode.jsonl" >/dev/null
 done
@@ -70,6 +71,26 @@ PY
 cmp "$work/none/step-00000003/model.safetensors" "$work/optimizer/step-00000003/model.safetensors"
 same_moments "$work/none/step-00000003" "$work/optimizer/step-00000003"
 echo "shard optimizer: same weights' bytes, same moments (one file a rank)"
+for file in "$work/gradients/step-00000003"/model.safetensors "$work/gradients/step-00000003"/optimizer-*; do
+  cmp "$file" "$work/full/step-00000003/$(basename "$file")"
+done
+python3 - "$work/gradients.jsonl" "$work/full.jsonl" <<'PY'
+import json, sys
+grad = [json.loads(l) for l in open(sys.argv[1])]
+full = [json.loads(l) for l in open(sys.argv[2])]
+assert len(grad) == len(full) == 3, (len(grad), len(full))
+for a, b in zip(grad, full):
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert a.get(key) == b.get(key), f"step {a['step']}: {key} {a.get(key)!r} vs {b.get(key)!r}"
+    # The exposed communication: a wait time, reported by the sharded modes only.
+    for line in (a, b):
+        assert line["shard_comm_wait_s"] >= 0, line
+PY
+python3 - "$work/none.jsonl" <<'PY'
+import json, sys
+assert all("shard_comm_wait_s" not in json.loads(l) for l in open(sys.argv[1]))
+PY
+echo "shard full: shard gradients' losses, norms and checkpoint bytes"
 if [ "$gradients" = bits ]; then
   cmp "$work/none/step-00000003/model.safetensors" "$work/gradients/step-00000003/model.safetensors"
   same_moments "$work/none/step-00000003" "$work/gradients/step-00000003"

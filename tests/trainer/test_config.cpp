@@ -13,8 +13,10 @@ using testing::error_of;
 TEST(TrainConfig, EmptyFileIsTheDefaults) {
   const TrainConfig c = parse_config("", "empty.yaml");
   EXPECT_EQ(c.model.builtin, "tiny_moe_vlm");
-  EXPECT_EQ(c.data.source, "mock");
-  EXPECT_EQ(c.model.compute_dtype, "float32");
+  EXPECT_EQ(c.data.source, SourceKind::Mock);
+  EXPECT_EQ(c.model.compute_dtype, model::ComputeDtype::Float32);
+  EXPECT_EQ(c.parallelism.sharding, cp::Scheme::Balanced);
+  EXPECT_EQ(c.parallelism.shard, ShardMode::None);
   EXPECT_EQ(c.parallelism.cp, 1);
   EXPECT_EQ(c.train.steps, 300);
   EXPECT_NO_THROW(validate(c, 1));
@@ -39,12 +41,21 @@ TEST(TrainConfig, YamlThenSetsInOrder) {
 }
 
 TEST(TrainConfig, PrintedConfigParsesBackToTheSameConfig) {
-  const TrainConfig c = parse_config("", "x",
-                                     {"optimizer.lr=0.003", "model.freeze=embed", "schedule.min_lr_ratio=0.125",
-                                      "data.path=some file.jsonl", "model.compute_dtype=bfloat16"});
+  const TrainConfig c =
+      parse_config("", "x",
+                   {"optimizer.lr=0.003", "model.freeze=embed", "schedule.min_lr_ratio=0.125",
+                    "data.path=some file.jsonl", "model.compute_dtype=bfloat16", "data.source=jsonl_text",
+                    "parallelism.sharding=zigzag", "parallelism.shard=gradients"});
+  EXPECT_EQ(c.model.compute_dtype, model::ComputeDtype::Bfloat16);
+  EXPECT_EQ(c.data.source, SourceKind::JsonlText);
+  EXPECT_EQ(c.parallelism.sharding, cp::Scheme::Zigzag);
+  EXPECT_EQ(c.parallelism.shard, ShardMode::Gradients);
   const std::string yaml = to_yaml(c);
   EXPECT_NE(yaml.find("lr: 0.003\n"), std::string::npos) << yaml;  // shortest round-trip form
-  EXPECT_NE(yaml.find("compute_dtype: bfloat16\n"), std::string::npos) << yaml;
+  // The choices print with the spelling they are read in.
+  for (const char* line :
+       {"compute_dtype: bfloat16\n", "source: jsonl_text\n", "sharding: zigzag\n", "shard: gradients\n"})
+    EXPECT_NE(yaml.find(line), std::string::npos) << line << " in\n" << yaml;
   EXPECT_EQ(to_yaml(parse_config(yaml, "printed")), yaml);
 }
 
@@ -65,6 +76,20 @@ TEST(TrainConfig, UnknownFieldsAndWrongTypesNameTheField) {
   EXPECT_EQ(error_of([] { load_config("/absent/x.yaml"); }), "/absent/x.yaml: cannot open the config file");
   EXPECT_EQ(error_of([] { validate(parse_config("model: {compute_dtype: float16}", "a.yaml"), 1); }),
             "config: model.compute_dtype = 'float16' is not one of float32, bfloat16");
+}
+
+// The choices are read once, when the YAML is: a bad spelling fails parse_config itself, naming the field and the
+// choices (parallelism.shard = full is read; validate refuses it until it exists).
+TEST(TrainConfig, ChoicesFailWhenReadNamingTheFieldAndTheChoices) {
+  EXPECT_EQ(error_of([] { parse_config("data: {source: csv}", "a.yaml"); }),
+            "config: data.source = 'csv' is not one of mock, jsonl_tokens, jsonl_text");
+  EXPECT_EQ(error_of([] { parse_config("", "a.yaml", {"parallelism.sharding=Zigzag"}); }),
+            "config: parallelism.sharding = 'Zigzag' is not one of contiguous, zigzag, balanced");
+  EXPECT_EQ(error_of([] { parse_config("", "a.yaml", {"model.compute_dtype=bf16"}); }),
+            "config: model.compute_dtype = 'bf16' is not one of float32, bfloat16");
+  EXPECT_EQ(error_of([] { parse_config("parallelism: {shard: [none]}", "a.yaml"); }),
+            "config: field `parallelism.shard` must be one of none, optimizer, gradients, full");
+  EXPECT_EQ(parse_config("", "a.yaml", {"parallelism.shard=full"}).parallelism.shard, ShardMode::Full);
 }
 
 // A number that is not whole is "not an integer", not "out of range"; a whole one beyond the field still is.
@@ -158,9 +183,7 @@ TEST(TrainConfig, CrossFieldRules) {
   EXPECT_EQ(check({"parallelism.sharding=diagonal"}, 1),
             "config: parallelism.sharding = 'diagonal' is not one of contiguous, zigzag, balanced");
   EXPECT_EQ(check({"parallelism.shard=zero1"}, 1),
-            "config: parallelism.shard = 'zero1' is not one of none, optimizer, gradients");
-  EXPECT_EQ(check({"parallelism.shard=full"}, 1),
-            "config: parallelism.shard = 'full' is not one of none, optimizer, gradients (full: not yet)");
+            "config: parallelism.shard = 'zero1' is not one of none, optimizer, gradients, full");
   EXPECT_EQ(check({"checkpoint.keep=0"}, 1), "config: checkpoint.keep = 0 must be >= 1");
 }
 

@@ -10,16 +10,22 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <thread>
 
 #include "comm/loopback_comm.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
+#include "model/builtin_configs.h"
+#include "model/checkpoint.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/error_of.h"
 #include "trainer/optimizer.h"
+#include "trainer/sharded_store.h"
 #include "trainer/trainer.h"
 
 namespace rf::trainer {
@@ -128,18 +134,19 @@ INSTANTIATE_TEST_SUITE_P(Builtins, GridInvariance, ::testing::Values("tiny_dense
 TEST(LabelTokens, CountedOnceOverTheGlobalBatch) {
   const TrainConfig c = small("tiny_moe_vlm", {"parallelism.cp=2", "parallelism.dp=2", "train.steps=1"});
   const Trained trained = run(c);
-  model::Gemma4Model m(model::Gemma4Config::from_json(builtin_config_json("tiny_moe_vlm")), kBuiltinFeatureDim);
+  model::Gemma4Model m(model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm")),
+                       model::kBuiltinFeatureDim);
   m.init_random(c.train.seed, static_cast<float>(c.model.init_std));
   // The trainer's mock images: drawings encoded by the built-in tower, initialised from train.seed as set_up does.
-  const std::string json = builtin_config_json("tiny_moe_vlm");
+  const std::string json = model::builtin_config_json("tiny_moe_vlm");
   const model::VisionConfig vc = model::VisionConfig::from_config_json(json, "tiny_moe_vlm").value();
   const io::Passthrough tower_weights = model::init_vision_tower(vc, c.train.seed);
   const model::VisionEncoder tower(vc, tower_weights);
   ImageContract images;
   images.vision = [&]() -> const model::VisionEncoder* { return &tower; };
-  const auto data = make_data_source(c, {m.config().vocab_size, 0, kBuiltinFeatureDim, ""}, images);
-  const PackedBatch p =
-      stack_rows({data->train_row(0), data->train_row(1), data->train_row(2), data->train_row(3)}, kBuiltinFeatureDim);
+  const auto data = make_data_source(c, {m.config().vocab_size, 0, model::kBuiltinFeatureDim, ""}, images);
+  const PackedBatch p = stack_rows({data->train_row(0), data->train_row(1), data->train_row(2), data->train_row(3)},
+                                   model::kBuiltinFeatureDim);
   model::Batch b{p.B,
                  p.S,
                  p.input_ids.data(),
@@ -403,16 +410,19 @@ TEST(ShardOptimizer, ReshardsTheMomentsExactlyAtAnyRankCount) {
   fs::remove_all(dir);
 }
 
-// parallelism.shard = gradients (ZeRO-2): as optimizer, and each micro-batch's gradients are reduce-scattered as it
-// ends, a rank accumulating only its slice. With one micro-batch a replica that is shard none's one rank-order
-// reduction, so losses, norms, weights and checkpoint files are shard none's bits (N = 1 to 4, dense and MoE, CP and
-// DP, frozen parameters). With gradient accumulation shard none adds a rank's micro-batches before the reduction
-// and shard gradients after it: the same terms associated differently, the difference GridInvariance's
-// accumulation splits already make, so the losses agree within kSameTrainingRel. The weights: AdamW normalises each
-// element's update to at most about lr, and an element whose micro-batches' gradients nearly cancel has a sum whose
-// rounding is large relative to it, so such an element may move by a fraction of lr; allow 1% of the 3 steps'
-// lr = 0.003 for the worst element (9e-5; measured up to ~7e-6), and 0.1% of one lr for the mean (3e-6), while a
-// row missed or counted twice moves most weights' updates by a large fraction of lr.
+// parallelism.shard = gradients (ZeRO-2): as optimizer, and each layer's gradients are reduce-scattered as its
+// backward ends, a rank accumulating only its slice. shard = full (ZeRO-3): the same, and each rank holds only its
+// pieces of the weights, every layer gathered around its forward and backward. With one micro-batch a replica that
+// is shard none's one rank-order reduction, so losses, norms, weights and checkpoint files are shard none's bits
+// (N = 1 to 4, dense and MoE, CP and DP, frozen parameters, bf16 compute). With gradient accumulation shard none adds a
+// rank's micro-batches before the reduction and shard gradients after it: the same terms associated differently, the
+// difference GridInvariance's accumulation splits already make, so the losses agree within kSameTrainingRel. The
+// weights: AdamW normalises each element's update to at most about lr, and an element whose micro-batches' gradients
+// nearly cancel has a sum whose rounding is large relative to it, so such an element may move by a fraction of lr;
+// allow 1% of the 3 steps' lr = 0.003 for the worst element (9e-5; measured up to ~7e-6), and 0.1% of one lr for the
+// mean (3e-6), while a row missed or counted twice moves most weights' updates by a large fraction of lr. gradients and
+// full reduce the same micro-batch sums and add them in the same order, so they give each other's bits with
+// accumulation too.
 TEST(ShardGradients, ShardNoneBitsWithoutAccumulationAndItsTrainingWith) {
   constexpr double kLr = 0.003, kSteps = 3;  // small()'s optimizer.lr, and train.steps below
   constexpr double kWorstWeightAbs = 1e-2 * kLr * kSteps, kMeanWeightAbs = 1e-3 * kLr;
@@ -427,6 +437,7 @@ TEST(ShardGradients, ShardNoneBitsWithoutAccumulationAndItsTrainingWith) {
       {"tiny_dense", {"parallelism.dp=3", "train.global_batch=3"}, true},
       {"tiny_moe_vlm", {"parallelism.cp=3", "train.global_batch=1", "model.freeze=[embed_tokens, experts]"}, true},
       {"tiny_dense", {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=2"}, true},
+      {"tiny_dense", {"parallelism.dp=2", "train.global_batch=2", "model.compute_dtype=bfloat16"}, true},
       {"tiny_dense", {}, false},                                                     // N = 1, 4 micro-batches
       {"tiny_moe_vlm", {"parallelism.cp=2", "model.freeze=[embed_tokens]"}, false},  // N = 2, 4 micro-batches
       {"tiny_dense", {"parallelism.dp=3", "train.global_batch=6"}, false},           // N = 3, 2 micro-batches
@@ -435,45 +446,182 @@ TEST(ShardGradients, ShardNoneBitsWithoutAccumulationAndItsTrainingWith) {
   const fs::path dir = scratch("shard_gradients");
   int i = 0;
   for (const Case& c : cases) {
-    const std::string what = c.builtin + " case " + std::to_string(i);
     const auto config = [&](const std::string& mode) {
       std::vector<std::string> all = c.sets;
       all.insert(all.end(), {"parallelism.shard=" + mode, "train.steps=" + std::to_string(static_cast<int>(kSteps)),
                              "train.val_every=2", "checkpoint.dir=" + (dir / (std::to_string(i) + mode)).string()});
       return grid_case(c.builtin, all);
     };
-    const Trained none = run(config("none")), sharded = run(config("gradients"));
-    ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
-    const std::vector<float> a = flat_params(*none.model), b = flat_params(*sharded.model);
-    ASSERT_EQ(a.size(), b.size()) << what;
-    if (c.same_bits) {
+    const Trained none = run(config("none"));
+    const std::vector<float> a = flat_params(*none.model);
+    std::optional<Trained> gradients;
+    for (const std::string mode : {"gradients", "full"}) {
+      const std::string what = c.builtin + " case " + std::to_string(i) + ", shard " + mode;
+      Trained sharded = run(config(mode));
+      ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
+      const std::vector<float> b = flat_params(*sharded.model);
+      ASSERT_EQ(a.size(), b.size()) << what;
+      for (size_t s = 0; s < none.steps.size(); ++s) {  // the exposed communication: the sharded modes' alone
+        EXPECT_FALSE(none.steps[s].shard_comm_wait_s.has_value()) << what;
+        ASSERT_TRUE(sharded.steps[s].shard_comm_wait_s.has_value()) << what;
+        EXPECT_GE(*sharded.steps[s].shard_comm_wait_s, 0.0) << what;
+      }
+      if (c.same_bits) {
+        for (size_t s = 0; s < none.steps.size(); ++s) {
+          EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
+          EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
+          EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
+        }
+        EXPECT_EQ(b, a) << what;
+        EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / "model.safetensors"),
+                  file_bytes(fs::path(none.last_checkpoint) / "model.safetensors"))
+            << what;
+        EXPECT_EQ(moments_of(sharded.last_checkpoint, sharded.model->params()),
+                  moments_of(none.last_checkpoint, none.model->params()))
+            << what;
+      } else {
+        expect_same_losses(none, sharded, what);
+        double worst = 0.0, total = 0.0;
+        for (size_t k = 0; k < a.size(); ++k) {
+          const double d = std::abs(static_cast<double>(a[k]) - b[k]);
+          worst = std::max(worst, d);
+          total += d;
+        }
+        EXPECT_LE(worst, kWorstWeightAbs) << what;
+        EXPECT_LE(total / static_cast<double>(a.size()), kMeanWeightAbs) << what;
+        EXPECT_GT(worst, 0.0) << what << ": accumulation changes the rounding, so some weight should differ";
+        if (gradients) {
+          for (size_t s = 0; s < none.steps.size(); ++s) {
+            EXPECT_EQ(sharded.steps[s].loss, gradients->steps[s].loss) << what << ", step " << s + 1;
+            EXPECT_EQ(sharded.steps[s].grad_norm, gradients->steps[s].grad_norm) << what << ", step " << s + 1;
+          }
+          EXPECT_EQ(b, flat_params(*gradients->model)) << what << ": full against gradients";
+        }
+      }
+      if (!gradients) gradients = std::move(sharded);
+    }
+    ++i;
+  }
+  fs::remove_all(dir);
+}
+
+// A text-only model with per-layer embeddings (a global lookup table and projection, per-layer gates) and KV sharing
+// (the last two layers read the K/V of earlier ones, so they have no k_proj/v_proj and their backward sends dK/dV
+// to another layer's): under shard gradients and full every layer is still gathered and reduced on its own, and
+// one micro-batch a replica gives shard none's bits at N = 2, 3 and 4, frozen per-layer table or not.
+TEST(ShardFull, PerLayerEmbeddingsAndKvSharingGiveShardNoneBits) {
+  const fs::path dir = scratch("shard_ple_kv");
+  const std::string model_dir = (dir / "model").string();
+  {
+    model::Checkpoint ck;
+    ck.model = std::make_unique<model::Gemma4Model>(
+        model::Gemma4Config::from_json(
+            R"({"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "vocab_size": 512,
+                "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 16,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 4,
+                "vocab_size_per_layer_input": 512, "num_kv_shared_layers": 2, "pad_token_id": 0,
+                "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true})",
+            "test"),
+        0, model::TensorSet::Storage::Allocated);
+    ck.model->init_random(11, 0.1f);
+    model::save_checkpoint(ck, model_dir);
+  }
+  const std::vector<std::vector<std::string>> cases = {
+      {"parallelism.cp=2", "train.global_batch=1"},
+      {"parallelism.dp=3", "train.global_batch=3"},
+      {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=2", "model.freeze=[embed_tokens_per_layer]"},
+  };
+  int i = 0;
+  for (const std::vector<std::string>& sets : cases) {
+    const auto config = [&](const std::string& mode) {
+      std::vector<std::string> all = sets;
+      all.insert(all.end(),
+                 {"model.path=" + model_dir, "parallelism.shard=" + mode, "train.steps=3", "train.val_every=2"});
+      return small("tiny_dense", all);
+    };
+    const Trained none = run(config("none"));
+    for (const std::string mode : {"gradients", "full"}) {
+      const std::string what = "case " + std::to_string(i) + ", shard " + mode;
+      const Trained sharded = run(config(mode));
+      ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
       for (size_t s = 0; s < none.steps.size(); ++s) {
         EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
         EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
         EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
       }
-      EXPECT_EQ(b, a) << what;
-      EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / "model.safetensors"),
-                file_bytes(fs::path(none.last_checkpoint) / "model.safetensors"))
-          << what;
-      EXPECT_EQ(moments_of(sharded.last_checkpoint, sharded.model->params()),
-                moments_of(none.last_checkpoint, none.model->params()))
-          << what;
-    } else {
-      expect_same_losses(none, sharded, what);
-      double worst = 0.0, total = 0.0;
-      for (size_t k = 0; k < a.size(); ++k) {
-        const double d = std::abs(static_cast<double>(a[k]) - b[k]);
-        worst = std::max(worst, d);
-        total += d;
-      }
-      EXPECT_LE(worst, kWorstWeightAbs) << what;
-      EXPECT_LE(total / static_cast<double>(a.size()), kMeanWeightAbs) << what;
-      EXPECT_GT(worst, 0.0) << what << ": accumulation changes the rounding, so some weight should differ";
+      EXPECT_EQ(flat_params(*sharded.model), flat_params(*none.model)) << what;
     }
     ++i;
   }
   fs::remove_all(dir);
+}
+
+// A checkpoint written under shard full holds whole tensors, each gathered to the writer while it is written, and each
+// rank's moments in a file of its own: at the same grid shard none's weights' bytes and moments, and it resumes at
+// other rank counts and modes (save at N = 4 full, resume at N = 2 optimizer and N = 1 none: the same training, the
+// reduction order changing with the grid as GridInvariance allows for).
+TEST(ShardFull, CheckpointsHoldWholeTensorsAndResumeAcrossModesAndRankCounts) {
+  const fs::path dir = scratch("shard_full_resume");
+  const auto config = [&](std::vector<std::string> sets, const std::string& root) {
+    sets.insert(sets.end(), {"train.steps=4", "checkpoint.every=2", "checkpoint.dir=" + root});
+    return small("tiny_dense", sets);
+  };
+  const Trained none =
+      run(config({"parallelism.cp=2", "parallelism.dp=2", "train.micro_batch=2", "parallelism.shard=none"},
+                 (dir / "none").string()));
+  const Trained full =
+      run(config({"parallelism.cp=2", "parallelism.dp=2", "train.micro_batch=2", "parallelism.shard=full"},
+                 (dir / "full").string()));
+  ASSERT_EQ(full.steps.size(), 4u);
+  EXPECT_EQ(flat_params(*full.model), flat_params(*none.model));  // one micro-batch a replica: the bits
+  for (const char* step : {"step-00000002", "step-00000004"}) {
+    EXPECT_EQ(file_bytes(dir / "full" / step / "model.safetensors"),
+              file_bytes(dir / "none" / step / "model.safetensors"))
+        << step;
+    EXPECT_EQ(moments_of(dir / "full" / step, full.model->params()),
+              moments_of(dir / "none" / step, none.model->params()))
+        << step;
+  }
+  EXPECT_TRUE(fs::exists(dir / "full" / "step-00000002" / "optimizer-00004-of-00004.safetensors"))
+      << "each rank writes its moments";
+  TrainOptions resume;
+  resume.resume = (dir / "full" / "step-00000002").string();
+  Trained tail;
+  tail.steps.assign(full.steps.begin() + 2, full.steps.end());
+  const std::string out = (dir / "out").string();
+  expect_same_losses(tail, run(config({"parallelism.dp=2", "parallelism.shard=optimizer"}, out), resume), "N = 2");
+  expect_same_losses(tail, run(config({"parallelism.shard=none"}, out), resume), "N = 1");
+  expect_same_losses(tail, run(config({"parallelism.dp=4", "parallelism.shard=full"}, out), resume), "N = 4, dp");
+  fs::remove_all(dir);
+}
+
+// ParamStore::read_weight, the checkpoint writer's seam: under shard full a collective that gives every rank each
+// whole tensor (trainable and frozen, their pieces spread over ranks however the slices fall), while a rank holds
+// no whole copy; at N = 1 to 4.
+TEST(ShardFull, ReadWeightGathersWholeTensorsFromTheirPieces) {
+  const model::Gemma4Config cfg = model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm"), "builtin");
+  model::Gemma4Model whole(cfg, model::kBuiltinFeatureDim, model::TensorSet::Storage::Allocated);
+  whole.init_random(5, 0.1f);
+  whole.params().freeze({"embed_tokens", "layers.2."});
+  for (int P = 1; P <= 4; ++P) {
+    comm::run_ranks(P, [&](comm::Communicator& world) {
+      auto store = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
+                                                  comm::default_timeout());
+      ShardedStore& sharded = *store;
+      const model::Gemma4Model m(cfg, model::kBuiltinFeatureDim, model::TensorSet::Storage::Deferred, std::move(store));
+      sharded.adopt(whole.params());
+      EXPECT_TRUE(sharded.sharded() && sharded.flat(model::Role::Weights).empty());
+      for (size_t slot = 0; slot < sharded.size(); ++slot) {
+        const model::ParamInfo& p = sharded.info(slot);
+        std::vector<float> out(static_cast<size_t>(p.numel), -1.f);
+        sharded.read_weight(slot, out);
+        const float* want = whole.params().weight(slot);
+        EXPECT_EQ(out, std::vector<float>(want, want + p.numel)) << p.name << " at N = " << P;
+      }
+    });
+  }
 }
 
 // A checkpoint written under shard gradients holds whole tensors: it resumes in the other modes and at other
@@ -525,6 +673,39 @@ TEST(Checkpoints, AFailedSaveLeavesTheLastGoodOne) {
   EXPECT_FALSE(fs::exists(dir / ".step-00000004.tmp"));
   EXPECT_FALSE(fs::exists(dir / ".loss.svg.tmp.12345.0"));
   EXPECT_TRUE(fs::exists(dir / "step-00000004" / "model.safetensors"));
+}
+
+// While rank 0 writes a checkpoint the other ranks wait --timeout plus the checkpoint's bytes at the slowest write
+// rate: a save slower than --timeout (here the writer sleeps twice the timeout before its rename) is not taken for a
+// silent rank, and the same save waited for only --timeout (an unbounded rate) still ends the job, as a rank that
+// stopped answering should.
+TEST(Checkpoints, ASaveSlowerThanTheTimeoutIsWaitedFor) {
+  // Long enough that the steps' own waits (ranks are threads on a shared machine) never come near it.
+  constexpr comm::Timeout kTimeout{3000};
+  const comm::Timeout saved_default = comm::default_timeout();
+  comm::set_default_timeout(kTimeout);
+  TrainOptions slow;
+  slow.before_checkpoint_rename = [&](const std::string&) { std::this_thread::sleep_for(2 * kTimeout); };
+  slow.slowest_checkpoint_write = 1.0;  // bytes per second: the tiny checkpoint is waited for for days
+  const fs::path dir = scratch("slow_save");
+  const TrainConfig c = small("tiny_dense", {"parallelism.dp=2", "train.steps=2", "checkpoint.dir=" + dir.string()});
+  EXPECT_EQ(run(c, slow).last_checkpoint, (dir / "step-00000002").string());
+  EXPECT_TRUE(fs::exists(dir / "step-00000002" / "optimizer.safetensors"));
+  slow.slowest_checkpoint_write = std::numeric_limits<double>::infinity();  // no allowance: --timeout alone
+  const fs::path silent_dir = scratch("silent_save");
+  const TrainConfig silent =
+      small("tiny_dense", {"parallelism.dp=2", "train.steps=2", "checkpoint.dir=" + silent_dir.string()});
+  const std::string error = error_of([&] { run(silent, slow); });
+  comm::set_default_timeout(saved_default);
+  EXPECT_NE(error.find("rank 1: timed out after 3000 ms"), std::string::npos) << error;
+  fs::remove_all(dir);
+  fs::remove_all(silent_dir);
+}
+
+TEST(Checkpoints, TheSaveWaitIsTheTimeoutPlusTheBytesAtTheSlowestRate) {
+  EXPECT_EQ(save_wait(comm::Timeout{1000}, 0, kSlowestCheckpointWrite), comm::Timeout{1000});
+  EXPECT_EQ(save_wait(comm::Timeout{1000}, 48 << 20, 16.0 * (1 << 20)), comm::Timeout{4000});  // 48 MiB at 16 MiB/s
+  EXPECT_EQ(save_wait(comm::Timeout{1000}, 1, 3.0), comm::Timeout{1334});  // a third of a second, rounded up
 }
 
 // trainer_state.json is the one file of a checkpoint a user may edit by hand: every field is checked on load, with one
@@ -698,7 +879,8 @@ TEST(Validation, ZeroValRowsTrainsWithoutValidation) {
 TEST(Freeze, FrozenParametersKeepTheirBits) {
   const TrainConfig c = small("tiny_dense", {"model.freeze=[embed_tokens, layers.0.]", "train.steps=2"});
   const Trained r = run(c);
-  model::Gemma4Model init(model::Gemma4Config::from_json(builtin_config_json("tiny_dense")), kBuiltinFeatureDim);
+  model::Gemma4Model init(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
+                          model::kBuiltinFeatureDim);
   init.init_random(c.train.seed, static_cast<float>(c.model.init_std));
   int frozen = 0, moved = 0;
   const model::TensorSet before = init.params().snapshot(model::Role::Weights);

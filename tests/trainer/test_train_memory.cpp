@@ -12,6 +12,7 @@
 
 #include "comm/loopback_comm.h"
 #include "common/memory_limit.h"
+#include "model/builtin_configs.h"
 #include "model/lora_store.h"
 #include "model/memory.h"
 #include "trainer/error_of.h"
@@ -32,8 +33,8 @@ TrainConfig config(std::vector<std::string> sets) {
 }
 
 model::Gemma4Model shapes() {
-  return model::Gemma4Model(model::Gemma4Config::from_json(builtin_config_json("tiny_dense")), kBuiltinFeatureDim,
-                            model::TensorSet::Storage::Deferred);
+  return model::Gemma4Model(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
+                            model::kBuiltinFeatureDim, model::TensorSet::Storage::Deferred);
 }
 
 TEST(TrainMemory, TermsFollowTheConfig) {
@@ -75,18 +76,44 @@ TEST(TrainMemory, TermsFollowTheConfig) {
                                   m, 3)
                 .of("AdamW moments"),
             2 * ((elements + 2) / 3) * int64_t{sizeof(float)});
-  // parallelism.shard = gradients: the same moments; with accumulation (3 rows a replica, one micro-batch each) the
-  // step's earlier micro-batches' reduced sum over this rank's padded slice beside the one-micro-batch arena; none
-  // without accumulation (the arena's slice is the step's gradient).
+  // parallelism.shard = gradients: the same moments; the gradients are this rank's padded slice, the global group's
+  // buffer (embeddings, final norm, head: written through the whole backward) and one decoder layer's buffer.
+  // shard = full: besides, a weight shard of the same padded slice, the global group and two layers gathered (the
+  // one computing and the next, posted), each gather's staging in flight.
+  int64_t global = 0, layer0 = 0;  // elements
+  for (const model::ParamInfo& t : m.params().infos()) {
+    if (t.layer == model::kGlobalGroup) global += t.numel;
+    if (t.layer == 0) layer0 += t.numel;  // tiny_moe_vlm's layers are alike but for the full one
+  }
+  int64_t largest = 0;
+  for (int l = 0; l < m.config().num_layers; ++l) {
+    int64_t n = 0;
+    for (size_t slot : m.params().group(l)) n += m.params().info(slot).numel;
+    largest = std::max(largest, n);
+  }
+  ASSERT_GE(largest, layer0);
+  const int64_t slice = (elements + 2) / 3, f32 = sizeof(float);
   const MemoryBreakdown zero2 =
       train_memory_at_least(config({"parallelism.dp=3", "train.global_batch=9", "parallelism.shard=gradients"}), m, 3);
-  EXPECT_EQ(zero2.of("AdamW moments"), 2 * ((elements + 2) / 3) * int64_t{sizeof(float)});
-  EXPECT_EQ(zero2.of("gradients"), params);
-  EXPECT_EQ(zero2.of("gradient slice"), ((elements + 2) / 3) * int64_t{sizeof(float)});
-  EXPECT_EQ(train_memory_at_least(config({"parallelism.dp=3", "train.global_batch=3", "parallelism.shard=gradients"}),
-                                  m, 3)
-                .of("gradient slice"),
-            0);
+  EXPECT_EQ(zero2.of("AdamW moments"), 2 * slice * f32);
+  EXPECT_EQ(zero2.of("gradients"), (slice + global + largest) * f32);
+  EXPECT_EQ(zero2.of("weights"), params + m.buffers().total_bytes());
+  const MemoryBreakdown zero3 =
+      train_memory_at_least(config({"parallelism.dp=3", "train.global_batch=9", "parallelism.shard=full"}), m, 3);
+  EXPECT_EQ(zero3.of("weight shard"), slice * f32 + m.buffers().total_bytes());
+  EXPECT_EQ(zero3.of("gathered weights"), (global + 2 * largest) * f32);
+  EXPECT_EQ(zero3.of("gradients"), (slice + global + largest) * f32);
+  EXPECT_EQ(zero3.of("AdamW moments"), 2 * slice * f32);
+  EXPECT_EQ(zero3.of("weights"), 0);
+  // The sharded state (weight shard, moments, gradient slice) falls as 1/N; what stays is the gathered part.
+  const auto state = [&](int n) {
+    const MemoryBreakdown b =
+        train_memory_at_least(config({"parallelism.dp=" + std::to_string(n), "train.global_batch=" + std::to_string(n),
+                                      "parallelism.shard=full"}),
+                              m, n);
+    return b.of("weight shard") + b.of("AdamW moments") + b.of("gradients") - (global + largest) * f32;
+  };
+  EXPECT_NEAR(static_cast<double>(state(4)), static_cast<double>(state(1)) / 4, 4.0 * 4 * f32);  // padding only
   // A frozen tensor has neither a gradient nor moments.
   EXPECT_EQ(frozen.of("gradients"), params - embed);
   EXPECT_EQ(frozen.of("AdamW moments"), 2 * (params - embed));
@@ -105,8 +132,8 @@ TEST(TrainMemory, LoraCountsTheAdaptersNotTheBase) {
   model::LoraConfig lc;
   lc.rank = 4;
   lc.target = {"q_proj", "down_proj"};
-  const model::Gemma4Model allocated(model::Gemma4Config::from_json(builtin_config_json("tiny_dense")),
-                                     kBuiltinFeatureDim, model::TensorSet::Storage::Allocated,
+  const model::Gemma4Model allocated(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
+                                     model::kBuiltinFeatureDim, model::TensorSet::Storage::Allocated,
                                      std::make_unique<model::LoraStore>(lc));
   const int64_t adapters = allocated.params().trainable_bytes();
   ASSERT_GT(adapters, 0);
