@@ -12,6 +12,7 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <optional>
 
 #include "comm/agree.h"
@@ -112,6 +113,7 @@ void check_creatable_directory(const std::string& dir, const char* field) {
 void check_outputs(const TrainConfig& c, const TrainOptions& o) {
   if (!o.metrics_path.empty()) io::check_writable(o.metrics_path);
   if (!o.svg_path.empty()) io::check_writable(o.svg_path);
+  if (!o.stats_path.empty()) io::check_writable(o.stats_path);
   if (!c.checkpoint.dir.empty()) check_creatable_directory(c.checkpoint.dir, "checkpoint.dir");
 }
 
@@ -708,6 +710,25 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
   save(r, pending, save_wait(r.timeout, checkpoint_bytes(r.ck), r.options.slowest_checkpoint_write), progress, result);
 }
 
+// --stats: the memory check's terms for this run (per rank: every rank's figure is the same, shards being padded)
+// beside every rank's measured peak RSS (a collective), written by rank 0 in one agreement.
+void write_stats(Run& r, const std::string& path) {
+  const MemoryBreakdown need = train_memory_at_least(r.cfg, *r.ck.model, r.world.size());
+  const int64_t mine = peak_rss_bytes();
+  std::vector<int64_t> peaks(static_cast<size_t>(r.world.size()));
+  r.world.allgather(&mine, peaks.data(), sizeof mine, r.timeout);
+  comm::agree(r.world, [&] {
+    if (!r.lead) return;
+    nlohmann::json terms = nlohmann::json::array();
+    for (const MemoryBreakdown::Term& t : need.terms()) terms.push_back({{"kind", t.name}, {"bytes", t.bytes}});
+    const nlohmann::json j = {{"shard", name_of(r.cfg.parallelism.shard)},
+                              {"ranks", r.world.size()},
+                              {"memory_per_rank", {{"terms", terms}, {"total_bytes", need.total()}}},
+                              {"peak_rss_bytes", peaks}};
+    io::write_file_atomically(path, j.dump(2) + "\n");
+  });
+}
+
 }  // namespace
 
 comm::Timeout save_wait(comm::Timeout timeout, int64_t bytes, double bytes_per_s) {
@@ -777,6 +798,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     }
     if (r.lead && !result.last_checkpoint.empty()) progress.note("checkpoint: " + result.last_checkpoint);
   });
+  if (!options.stats_path.empty()) write_stats(r, options.stats_path);
   if (r.sharded) r.sharded->unshard();  // the caller gets whole weights (a collective: every rank)
   result.model = std::move(r.ck.model);
   return result;

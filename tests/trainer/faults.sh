@@ -164,8 +164,10 @@ multi_full() {  # NAME HOOK RANK REGEX
   check_failed_cleanly "$1" "^ringflex: error: rank $3: .*$4: write failed: No space left on device$"
   [ -d "$work/$1/ck/step-00000002" ] || fail "the step-2 checkpoint is missing"
 }
-multi_full multi_weights 3:step-00000004.tmp/model-00002-of- 0 '/\.step-00000004\.tmp/model-00002-of-[0-9]{5}\.safetensors'
-multi_full multi_index 1:step-00000004.tmp/model.safetensors.index.json 0 '/\.step-00000004\.tmp/model\.safetensors\.index\.json'
+multi_full multi_weights 3:step-00000004.tmp/model-00002-of- 0 \
+  '/\.step-00000004\.tmp/model-00002-of-[0-9]{5}\.safetensors'
+multi_full multi_index 1:step-00000004.tmp/model.safetensors.index.json 0 \
+  '/\.step-00000004\.tmp/model\.safetensors\.index\.json'
 multi_full multi_moments 1:step-00000004.tmp/optimizer-00002-of- 1 \
   "/\\.step-00000004\\.tmp/optimizer-00002-of-0000$ranks\\.safetensors"
 for name in multi_weights multi_index multi_moments; do check_resumes "$name" 4; done

@@ -6,8 +6,8 @@
    ringflex makes for its built-in models);
 2. transformers' Gemma4ForConditionalGeneration.from_pretrained loads that directory as it is (config.json +
    model.safetensors, or with checkpoint.max_shard_size model-0000k-of-0000n.safetensors + the index, whose
-   tensors must be the single file's bits) with no missing and no unexpected weights; the batch is text only, so the loss is the
-   decoder's;
+   tensors must be the single file's bits) with no missing and no unexpected weights; the batch is text only, so
+   the loss is the decoder's;
 3. `ringflex forward --model CKPT` and transformers (float64, eager attention, the docs/spec.md §3 mask of each layer type
    handed in as the {layer_type: mask} dict, as tests/model/parity.py does) compute the loss of one fixed batch
    of packed documents; they must agree.
@@ -67,7 +67,8 @@ def main():
     ringflex = sys.argv[1]
     # The layouts: one model.safetensors; and (checkpoint.max_shard_size) model-0000k-of-0000n.safetensors with the
     # index, beside the sharded moments' files (shard optimizer at one rank: the same arithmetic, so the same bits).
-    layouts = {"single": [], "multi": ["--set", "checkpoint.max_shard_size=200KB", "--set", "parallelism.shard=optimizer"]}
+    layouts = {"single": [],
+               "multi": ["--set", "checkpoint.max_shard_size=200KB", "--set", "parallelism.shard=optimizer"]}
     weights = {}
     for layout, sets in layouts.items():
         weights[layout] = check_layout(ringflex, layout, sets)

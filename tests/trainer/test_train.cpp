@@ -14,6 +14,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "comm/loopback_comm.h"
@@ -643,6 +644,39 @@ TEST(ShardGradients, ResumesAcrossModesAndRankCounts) {
   expect_same_losses(tail, run(config({"parallelism.dp=2", "parallelism.shard=optimizer"}), resume), "N = 2");
   expect_same_losses(tail, run(config({"parallelism.dp=4", "parallelism.shard=gradients"}), resume), "N = 4");
   expect_same_losses(tail, run(config({"parallelism.shard=none"}), resume), "N = 1");
+  fs::remove_all(dir);
+}
+
+// --stats: the memory check's per-rank terms for the run's shard mode (the same figures the up-front check used),
+// by kind, and every rank's measured peak RSS: under full the weight shard, the gathered weights, the gradients, the
+// moments, the communication buffers and the activations; under none the whole weights instead of a shard.
+TEST(TrainStats, MemoryByKindAndEveryRanksPeak) {
+  const fs::path dir = scratch("stats");
+  fs::create_directories(dir);
+  for (const std::string mode : {"none", "full"}) {
+    TrainOptions o;
+    o.stats_path = (dir / (mode + ".json")).string();
+    const TrainConfig c = small("tiny_dense", {"train.steps=1", "parallelism.cp=2", "parallelism.shard=" + mode});
+    const Trained t = run(c, o);
+    std::ifstream in(o.stats_path);
+    const nlohmann::json j = nlohmann::json::parse(in);
+    EXPECT_EQ(j.at("shard"), mode);
+    EXPECT_EQ(j.at("ranks"), 2);
+    ASSERT_EQ(j.at("peak_rss_bytes").size(), 2u);
+    for (const auto& p : j.at("peak_rss_bytes")) EXPECT_GT(p.get<int64_t>(), 0) << mode;
+    const MemoryBreakdown need = train_memory_at_least(c, *t.model, 2);
+    EXPECT_EQ(j.at("memory_per_rank").at("total_bytes").get<int64_t>(), need.total()) << mode;
+    std::set<std::string> kinds;
+    for (const auto& term : j.at("memory_per_rank").at("terms")) {
+      kinds.insert(term.at("kind").get<std::string>());
+      EXPECT_EQ(term.at("bytes").get<int64_t>(), need.of(term.at("kind").get<std::string>())) << mode;
+    }
+    const std::vector<std::string> expected =
+        mode == "full" ? std::vector<std::string>{"weight shard",  "gathered weights",      "gradients",
+                                                  "AdamW moments", "communication buffers", "activations"}
+                       : std::vector<std::string>{"weights", "gradients", "AdamW moments", "activations"};
+    for (const std::string& kind : expected) EXPECT_TRUE(kinds.contains(kind)) << mode << ": no `" << kind << "`";
+  }
   fs::remove_all(dir);
 }
 
