@@ -368,8 +368,9 @@ void rewrite_moments(const fs::path& from, const fs::path& to, const model::Para
 // file) gives the bits of the same run resumed from those moments rewritten by the test as one whole file, at N = 2
 // (shard optimizer: each rank reads the parts of two files), N = 3 (ranges that straddle files) and N = 1 (shard
 // none); and the other way, a whole checkpoint (N = 1, shard none) and the test's three uneven files give the same
-// bits at N = 4 shard optimizer and N = 2 shard gradients. Either way both runs compute the same arithmetic from the
-// same values, so any element read from the wrong place shows as a difference.
+// bits at N = 4 shard optimizer, N = 2 shard gradients and N = 3 shard full; and a checkpoint saved under shard full
+// at N = 4 against its moments rewritten whole, at N = 2 shard optimizer. Either way both runs compute the same
+// arithmetic from the same values, so any element read from the wrong place shows as a difference.
 TEST(ShardOptimizer, ReshardsTheMomentsExactlyAtAnyRankCount) {
   const fs::path dir = scratch("reshard");
   const auto config = [&](const fs::path& out, std::vector<std::string> sets) {
@@ -408,6 +409,15 @@ TEST(ShardOptimizer, ReshardsTheMomentsExactlyAtAnyRankCount) {
   same_bits(one_whole, uneven, {"parallelism.cp=2", "parallelism.dp=2", "parallelism.shard=optimizer"},
             "a whole file at N = 4");
   same_bits(one_whole, uneven, {"parallelism.dp=2", "parallelism.shard=gradients"}, "a whole file at N = 2");
+  same_bits(one_whole, uneven, {"parallelism.dp=3", "parallelism.shard=full"}, "a whole file at N = 3 full");
+
+  // Saved under shard full (each rank's moments its own file, the weights gathered tensor by tensor), resumed at
+  // N = 2 shard optimizer.
+  const Trained full = run(config(dir / "full", {"parallelism.cp=2", "parallelism.dp=2", "parallelism.shard=full"}));
+  const fs::path full_sharded = dir / "full" / "step-00000002", full_whole = dir / "full_whole" / "step-00000002";
+  ASSERT_TRUE(fs::exists(full_sharded / "optimizer-00004-of-00004.safetensors"));
+  rewrite_moments(full_sharded, full_whole, full.model->params(), {});
+  same_bits(full_sharded, full_whole, {"parallelism.dp=2", "parallelism.shard=optimizer"}, "4 full files at N = 2");
   fs::remove_all(dir);
 }
 
