@@ -49,6 +49,9 @@ struct ExpertTraffic {
   int64_t rows_sent = 0;      // routed rows this rank's tokens sent to other ranks' experts
   int64_t rows_received = 0;  // routed rows other ranks' tokens sent to this rank's experts
   int64_t bytes_sent = 0;     // every dispatch and combine, forward and backward
+  // Seconds this rank spent in dispatch and combine (and route's count exchange): all of it exposed, the calls block
+  // and nothing computes beside them.
+  double seconds = 0.0;
 };
 
 class ExpertParallel {

@@ -1,6 +1,7 @@
 // ringflex cp: expert parallelism's dispatch over a communicator (see ep_experts.h).
 #include "cp/ep_experts.h"
 
+#include <chrono>
 #include <vector>
 
 #include "core/error.h"
@@ -16,11 +17,25 @@ std::vector<size_t> row_bytes(const std::vector<int64_t>& rows, int64_t width) {
   return bytes;
 }
 
+// Adds the seconds from its construction to its end to `into` (the exposed time of a blocking exchange).
+class Timed {
+ public:
+  explicit Timed(double& into) : into_(into), start_(std::chrono::steady_clock::now()) {}
+  ~Timed() { into_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+  Timed(const Timed&) = delete;
+  Timed& operator=(const Timed&) = delete;
+
+ private:
+  double& into_;
+  std::chrono::steady_clock::time_point start_;
+};
+
 }  // namespace
 
 EpExperts::EpExperts(comm::Communicator& group, comm::Timeout timeout) : group_(group), timeout_(timeout) {}
 
 void EpExperts::route(ExpertRouting& routing) {
+  const Timed timed(traffic_.seconds);
   const int P = group_.size();
   RF_CHECK(static_cast<int64_t>(routing.sent.size()) == routing.experts,
            "expert routing: sent holds one count per expert");
@@ -41,6 +56,7 @@ void EpExperts::route(ExpertRouting& routing) {
 }
 
 void EpExperts::dispatch(const ExpertRouting& routing, const float* sent, float* received, int64_t width) {
+  const Timed timed(traffic_.seconds);
   const int P = group_.size();
   std::vector<int64_t> to(static_cast<size_t>(P)), from(static_cast<size_t>(P));
   for (int p = 0; p < P; ++p) {
@@ -54,6 +70,7 @@ void EpExperts::dispatch(const ExpertRouting& routing, const float* sent, float*
 }
 
 void EpExperts::combine(const ExpertRouting& routing, const float* received, float* sent, int64_t width) {
+  const Timed timed(traffic_.seconds);
   const int P = group_.size();
   std::vector<int64_t> to(static_cast<size_t>(P)), from(static_cast<size_t>(P));
   for (int p = 0; p < P; ++p) {

@@ -128,6 +128,10 @@ class Gemma4Model {
   // weights, and, once training asks for them, the gradients and AdamW's moments.
   ParamStore& params() { return *store_; }
   const ParamStore& params() const { return *store_; }
+  // Puts `store` in place of the parameter store and returns the old one. `store` must register the same names in
+  // the same order (the model's slots stay), the shapes may differ only where it holds part of a tensor's leading
+  // rows (ParamInfo::rows_begin: expert parallelism's experts, model/expert_store.h). Throws rf::Error otherwise.
+  std::unique_ptr<ParamStore> replace_params(std::unique_ptr<ParamStore> store);
   // Bytes of the bf16 compute mode's weight copies (2 per element of every matrix a matmul reads), from the shapes.
   int64_t bf16_weight_bytes() const;
   TensorSet& buffers() { return buffers_; }  // non-trainable: model.layers.<i>.layer_scalar (ones by default)

@@ -1,7 +1,9 @@
 // ringflex model: the MoE block beside a Gemma 4 layer's MLP (enable_moe_block), forward and backward
 // (gemma4_run.h). The router sees this rank's tokens only; the experts run where the parallel context's dispatch
 // puts them (core/expert_parallel.h): here at EP = 1, else on the EP rank holding each, the rows sent there and
-// the outputs (and in the backward the input gradients) sent back before each token's combine.
+// the outputs (and in the backward the input gradients) sent back before each token's combine. The store's expert
+// tensors hold every expert, or under expert parallelism this EP rank's only (model/expert_store.h): a rank reads
+// and accumulates into the rows of the experts the dispatch brings it either way.
 //
 // Threads: the router runs per token in parallel. The experts' row-local work (gather, gate/up and down sgemms,
 // GeGLU, and in the backward the input gradients) is cut into tasks of at most kExpertRowsPerTask routed rows of
@@ -54,6 +56,19 @@ std::vector<int64_t> starts_of(const std::vector<int64_t>& counts) {
   std::vector<int64_t> at(counts.size() + 1, 0);
   std::partial_sum(counts.begin(), counts.end(), at.begin() + 1);
   return at;
+}
+
+// Index in the store's expert tensors of the first of the `here` experts the dispatch brings to this rank (from
+// `first` on): the tensors hold every expert (index = expert), or under expert parallelism this EP rank's experts
+// only (model/expert_store.h), which must then be these.
+int64_t held_index_of(const ParamStore& ps, const LayerSlots& sl, int64_t first, int64_t here) {
+  for (size_t slot : {sl.experts_gate_up, sl.experts_down}) {
+    const ParamInfo& p = ps.info(slot);
+    RF_CHECK(p.rows_begin <= first && first + here <= p.rows_begin + p.shape.at(0), "expert parallelism: ", p.name,
+             " holds experts [", p.rows_begin, ", ", p.rows_begin + p.shape.at(0), "), the dispatch brings [", first,
+             ", ", first + here, ") here");
+  }
+  return first - ps.info(sl.experts_gate_up).rows_begin;
 }
 
 // Work in multiply-adds below which a loop over tasks runs on one thread (as kParallelMinMultiplyAdds for sgemm).
@@ -151,7 +166,8 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   a.e_gu = uninit(R * 2 * Im);
   a.e_hm = uninit(R * Im);
   a.e_eo = uninit(R * H);
-  const int64_t here = a.routing.experts_here(), first = a.routing.first_expert();
+  const int64_t here = a.routing.experts_here();
+  const int64_t first = held_index_of(m.params(), sl, a.routing.first_expert(), here);
   const int64_t routed_madds = R * 3 * Im * H;  // gate/up and down sgemms over every received row
   const float* GU = W(sl.experts_gate_up);
   const float* DN = W(sl.experts_down);
@@ -210,7 +226,8 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   float* gDN = G(sl.experts_down);
   ExpertParallel& ep = attn.experts();
   const int64_t sent = a.routing.sent_rows(), R = a.routing.received_rows();
-  const int64_t here = a.routing.experts_here(), first = a.routing.first_expert();
+  const int64_t here = a.routing.experts_here();
+  const int64_t first = held_index_of(m.params(), sl, a.routing.first_expert(), here);
 
   // On this rank's tokens: d loss / d top_w, and d loss / d expert output (dout2 times the row's weight), per row.
   Vec dw = zeros(T * K);  // d loss / d top_w

@@ -37,8 +37,9 @@
 //     moments cover only them. WeightView grows {A, B, scale} (and a base with no float32 copy: b16 only), and the
 //     linear ops take a WeightView where they take a bare float* today (the matmuls now find a weight's bf16 copy
 //     by its float32 address through Bf16Lookup, which a base held only in bf16 would not have).
-//   - Expert parallelism: the experts' [E, ...] tensors registered with their rank's expert range only; their
-//     gradients reduced over the expert-data-parallel group in after_backward instead of over all ranks.
+//   - Expert parallelism (model/expert_store.h): the experts' [E, ...] tensors registered with their EP rank's
+//     expert rows only (ParamInfo::rows_begin, hold_rows), in a replicated store; the trainer reduces their
+//     gradients over the expert-data-parallel group instead of over all ranks.
 #pragma once
 
 #include <cstdint>
@@ -73,6 +74,16 @@ struct ParamInfo {
   bool trainable = true;      // false: model.freeze matched it (no gradient, no moments)
   // AdamW's decoupled weight decay applies: matrices only (norm and router scales are gains around 1).
   bool decays() const { return shape.size() >= 2; }
+  // Expert parallelism: the parameter is rows [rows_begin, rows_begin + shape[0]) of the leading dimension (the
+  // experts) of a tensor of rows_total rows, and its weights, gradient and moments cover those rows only
+  // (model/expert_store.h). rows_total 0: the whole tensor.
+  int64_t rows_begin = 0, rows_total = 0;
+  bool holds_part() const { return rows_total > 0; }
+  std::vector<int64_t> whole_shape() const {
+    std::vector<int64_t> s = shape;
+    if (holds_part()) s[0] = rows_total;
+    return s;
+  }
 };
 
 // Rank r's part of n elements split over N ranks: ceil(n / N) elements each (the padded size every rank allocates and
@@ -120,6 +131,9 @@ class ParamStore : public Bf16Lookup {
   // The flags freeze(patterns) would set, without setting them (what the memory check counts); throws as freeze.
   std::vector<bool> trainable_after(const std::vector<std::string>& patterns) const;
   void set_trainable(const std::vector<bool>& trainable);  // one flag per slot; as freeze
+  // Marks a registered slot as rows [begin, begin + shape[0]) of a tensor of `total` leading rows (ParamInfo's
+  // rows_begin; model/expert_store.cpp). Throws rf::Error when the rows do not lie inside the total.
+  void hold_rows(size_t slot, int64_t begin, int64_t total);
 
   // Bumped by every writer of the weights; the compute copies are current when they were made at this version.
   uint64_t version() const { return version_; }

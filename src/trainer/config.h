@@ -78,7 +78,9 @@ struct ParallelismSection {
   ShardMode shard = ShardMode::None;
   // Expert parallelism: the experts of every MoE layer divided over groups of ep consecutive ranks of the cp x dp
   // ranks (folded: each rank sends its own tokens' rows to the experts' ranks). ep divides cp x dp and the model's
-  // experts; 1: every expert on every rank.
+  // experts; 1: every expert on every rank. With shard none and no LoRA each rank holds and trains only its EP
+  // rank's experts (weights, gradients and moments; trainer/expert_state.h); under sharding or LoRA every rank
+  // keeps every expert and only the tokens travel.
   int ep = 1;
 };
 

@@ -27,10 +27,16 @@ struct StepMetrics {
   // layer's gather not yet arrived when the layer starts, a reduction not yet done when the next is posted, the
   // update's gathers): the exposed communication, the most of any rank. Validation's waits are not counted.
   std::optional<double> shard_comm_wait_s;
+  // Also: experts of each MoE layer a rank holds (E / ep when it holds only its own, E when sharding or LoRA keep
+  // every expert on every rank); bytes the step's dispatches and combines (forward, recompute and backward) sent to
+  // other ranks, per MoE layer, the most of any rank; seconds the step spent in them, all exposed (blocking), the
+  // most of any rank.
+  std::optional<int64_t> ep_experts_held, ep_bytes_per_layer;
+  std::optional<double> ep_exposed_s;
 };
 
 // One JSON object per line: step, loss, lr, grad_norm, tokens, tokens_per_s, peak_rss_bytes [, val_loss]
-// [, ep_rows_sent, ep_rows_received] [, shard_comm_wait_s].
+// [, ep_rows_sent, ep_rows_received, ep_experts_held, ep_bytes_per_layer, ep_exposed_s] [, shard_comm_wait_s].
 std::string metrics_json_line(const StepMetrics& m);
 
 // The --metrics JSONL file (rank 0's): each line is written whole or the write fails. Opening keeps the whole lines

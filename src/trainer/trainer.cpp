@@ -21,6 +21,7 @@
 #include "cp/parallel_context.h"
 #include "io/atomic_file.h"
 #include "model/builtin_configs.h"
+#include "model/expert_store.h"
 #include "model/lora_store.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
@@ -28,6 +29,7 @@
 #include "model/vision_encoder.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
+#include "trainer/expert_state.h"
 #include "trainer/optimizer.h"
 #include "trainer/sharded_store.h"
 
@@ -186,6 +188,23 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   }
   constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
   if (need.terms().empty()) {  // shard none or optimizer: replicated weights and gradients
+    // Expert parallelism holding each rank's experts only (shard none, no LoRA; trainer/expert_state.h): the experts'
+    // weights, gradients, moments and bf16 copies are E / ep experts' worth. (A resume still loads the files whole
+    // before keeping its rows, and a save gathers them whole on rank 0: one whole copy for that while.)
+    int64_t experts_elsewhere = 0, trainable_elsewhere = 0, bf16_elsewhere = 0;  // the other EP ranks' experts
+    if (c.parallelism.ep > 1 && c.parallelism.shard == ShardMode::None && c.model.lora_rank == 0) {
+      const std::vector<bool> trainable = m.params().trainable_after(c.model.freeze);
+      for (size_t i = 0; i < trainable.size(); ++i) {
+        const model::ParamInfo& p = m.params().info(i);
+        if (!model::is_expert_tensor(p)) continue;
+        const int64_t others = p.numel / c.parallelism.ep * (c.parallelism.ep - 1);
+        experts_elsewhere += others;
+        if (trainable[i]) trainable_elsewhere += others;
+        if (p.matmul) bf16_elsewhere += others;
+      }
+    }
+    params -= experts_elsewhere * static_cast<int64_t>(sizeof(float));
+    trainable_bytes -= trainable_elsewhere * static_cast<int64_t>(sizeof(float));
     need.add("weights", params + m.buffers().total_bytes());
     need.add("gradients", trainable_bytes);
     if (lora_buffers > 0) need.add("LoRA: one layer's merged weights and their gradient", lora_buffers);
@@ -195,7 +214,8 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
                                         ? model::shard_of(trainable_elements, 0, world_size).padded
                                         : trainable_elements;
     need.add("AdamW moments", checked_bytes({kMoments, moment_elements, static_cast<int64_t>(sizeof(float))}));
-    if (c.model.compute_dtype == model::ComputeDtype::Bfloat16) need.add("bf16 weight copies", m.bf16_weight_bytes());
+    if (c.model.compute_dtype == model::ComputeDtype::Bfloat16)
+      need.add("bf16 weight copies", m.bf16_weight_bytes() - bf16_elsewhere * static_cast<int64_t>(sizeof(bf16)));
   }
   // A step builds all of this replica's rows before its micro-batches run: five int32 arrays a token (ids, labels,
   // positions, documents, image slots); image features not counted.
@@ -236,7 +256,12 @@ struct Run {
   // ZeRO-1 and up over the world's ranks: the moments, clipping and the update cover this rank's slice.
   const bool shard_optimizer = cfg.parallelism.shard == ShardMode::Optimizer || store_shards;
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
+  // Expert parallelism with shard none and no LoRA: each rank holds and trains only its EP rank's experts
+  // (trainer/expert_state.h); under sharding or LoRA every rank keeps every expert and only the tokens travel.
+  const bool hold_experts =
+      cfg.parallelism.ep > 1 && cfg.parallelism.shard == ShardMode::None&& cfg.model.lora_rank == 0;
   std::unique_ptr<comm::Communicator> cp_group, dp_group, ep_group;
+  std::unique_ptr<comm::Communicator> edp_group;  // the ranks holding this rank's experts (world rank % ep alike)
   cp::JobContext context;  // the model's parallel context: the local kernels, or the ring over this rank's CP group
   model::Checkpoint ck;
   TrainState state;
@@ -257,6 +282,7 @@ void join_groups(Run& r) {
   r.dp_group = r.world.split(r.cp_index, r.dp_index, r.timeout);
   const int ep = r.cfg.parallelism.ep;  // EP groups: ep consecutive world ranks
   r.ep_group = r.world.split(r.world.rank() / ep, r.world.rank() % ep, r.timeout);
+  r.edp_group = r.world.split(r.world.rank() % ep, r.world.rank() / ep, r.timeout);
   cp::CpAttentionOptions co;
   co.scheme = cp::scheme_name(r.cfg.parallelism.sharding);  // cp's options also take `auto`, a spelling
   co.timeout = r.timeout;
@@ -387,7 +413,11 @@ void set_up(Run& r) {
   }
   r.adam = std::make_unique<AdamW>(store, cfg.optimizer);
   if (!r.resume_dir.empty()) load_optimizer_state(r.resume_dir, store);
-  store.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
+  // Held experts: the weights and moments were loaded whole (a checkpoint of any EP), this rank keeps its rows.
+  if (r.hold_experts)
+    r.ck.model->replace_params(model::hold_expert_rows(store, r.world.rank() % cfg.parallelism.ep, cfg.parallelism.ep));
+  model::ParamStore& held = r.ck.model->params();
+  held.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
   r.state.seed = cfg.train.seed;
   r.state.config_yaml = to_yaml(cfg);
   r.training.want_grad = true;
@@ -465,6 +495,8 @@ double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t
   return loss;
 }
 
+ExpertGroups expert_groups(Run& r) { return {r.world, *r.ep_group, *r.edp_group, r.timeout}; }
+
 // 4a. Sums the gradients over every rank, in rank order (the same bits on every rank and backend), in place in the
 // store's flat gradient arena: one collective for the whole model. Shard none: every rank gets the whole sum
 // (all-reduce). Shard optimizer: each rank gets the sums of its slice (reduce-scatter, half the traffic), the only
@@ -472,6 +504,10 @@ double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t
 // hooks, into this rank's slice (sharded_store.h says what accumulation changes).
 void reduce_gradients(Run& r) {
   if (r.world.size() == 1 || r.store_shards) return;
+  if (r.hold_experts) {  // the experts' over their EDP group, the rest over the world (expert_state.h)
+    reduce_held_expert_gradients(r.ck.model->params(), expert_groups(r));
+    return;
+  }
   const std::span<float> flat = r.ck.model->params().mutable_flat(model::Role::Grads);
   if (r.shard_optimizer)
     r.world.reduce_scatter(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
@@ -493,7 +529,9 @@ double clip_global_norm(Run& r, double max_norm) {
     return flat.subspan(s.begin, s.size());
   };
   std::vector<double> partial(static_cast<size_t>(P));
-  if (r.shard_optimizer) {
+  if (r.hold_experts) {  // the same partials from the experts' holders (expert_state.h)
+    partial = held_expert_norm_partials(store, expert_groups(r));
+  } else if (r.shard_optimizer) {
     const double mine = sum_of_squares(slice(me));
     r.world.allgather(&mine, partial.data(), sizeof(double), r.timeout);
   } else {
@@ -609,10 +647,18 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
   sm.peak_rss_bytes = peak_rss_bytes();
   r.world.allreduce(&sm.peak_rss_bytes, 1, comm::ReduceOp::Max, r.timeout);
   if (r.cfg.parallelism.ep > 1) {  // the step's routed rows (ep_moved: this rank's), the most of any rank
-    int64_t moved[2] = {ep_moved.rows_sent, ep_moved.rows_received};
-    r.world.allreduce(moved, 2, comm::ReduceOp::Max, r.timeout);
+    const model::Gemma4Config& mc = r.ck.model->config();
+    const int64_t moe_layers = mc.enable_moe ? mc.num_layers : 0;  // every decoder layer has the MoE block
+    int64_t moved[3] = {ep_moved.rows_sent, ep_moved.rows_received,
+                        ep_moved.bytes_sent / std::max<int64_t>(1, moe_layers)};
+    r.world.allreduce(moved, 3, comm::ReduceOp::Max, r.timeout);
+    double exposed = ep_moved.seconds;
+    r.world.allreduce(&exposed, 1, comm::ReduceOp::Max, r.timeout);
     sm.ep_rows_sent = moved[0];
     sm.ep_rows_received = moved[1];
+    sm.ep_bytes_per_layer = moved[2];
+    sm.ep_exposed_s = exposed;
+    sm.ep_experts_held = r.hold_experts ? mc.num_experts / r.cfg.parallelism.ep : mc.num_experts;
   }
   if (r.sharded) {
     double most = comm_wait;
@@ -630,6 +676,24 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
   return sm;
 }
 
+// While it lives, the model holds `whole` (a whole-layout store for the writer; null: nothing changes) in place of
+// its held experts' store, which it gets back on every path.
+class HeldExpertsWhole {
+ public:
+  HeldExpertsWhole(model::Gemma4Model& m, std::unique_ptr<model::ParamStore> whole) : m_(m) {
+    if (whole) held_ = m_.replace_params(std::move(whole));
+  }
+  ~HeldExpertsWhole() {
+    if (held_) m_.replace_params(std::move(held_));
+  }
+  HeldExpertsWhole(const HeldExpertsWhole&) = delete;
+  HeldExpertsWhole& operator=(const HeldExpertsWhole&) = delete;
+
+ private:
+  model::Gemma4Model& m_;
+  std::unique_ptr<model::ParamStore> held_;
+};
+
 // The checkpoint of the current step, every rank writing its part, then the loss picture. Rank 0 made the
 // temporary directory (`pending`, in the agreement before) and writes the weights, each tensor read from the store
 // only while it is written (a collective read when the weights are sharded: the other ranks take part in each);
@@ -640,13 +704,19 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait,
           TrainResult& result) {
   const CheckpointSection& cfg = r.cfg.checkpoint;
   const std::string tmp = checkpoint_temp_path(cfg.dir, r.state.step);
+  // Held experts (shard none): the writer's EP group gathers every expert's rows into the writer's whole-layout
+  // store, which stands in the model while it saves (expert_state.h).
+  std::unique_ptr<model::ParamStore> whole;
+  if (r.hold_experts && r.world.rank() < r.cfg.parallelism.ep)
+    whole = gather_held_experts(r.ck.model->params(), expert_groups(r));
+  const HeldExpertsWhole while_saving(*r.ck.model, r.lead ? std::move(whole) : nullptr);
   const model::ParamStore& store = r.ck.model->params();
   std::exception_ptr failed;
   try {
     if (const auto* lora = dynamic_cast<const model::LoraStore*>(&store)) {
       // A LoRA run's weights are its adapters, in PEFT's files; the frozen base stays where model.path has it.
       if (r.lead) model::save_peft_adapter(*lora, r.ck.text_prefix, r.ck.source, tmp);
-    } else {
+    } else if (r.lead || r.shard_full) {  // the other ranks take part in the reads only where they are collective
       model::save_checkpoint(r.ck, tmp, {max_shard_bytes(cfg), r.lead});
     }
   } catch (...) {
@@ -784,7 +854,8 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
 
     const StepMetrics sm =
         record_step(r, step, loss, lr, norm, tokens, seconds_since(step_start),
-                    {ep_after.rows_sent - ep_before.rows_sent, ep_after.rows_received - ep_before.rows_received, 0},
+                    {ep_after.rows_sent - ep_before.rows_sent, ep_after.rows_received - ep_before.rows_received,
+                     ep_after.bytes_sent - ep_before.bytes_sent, ep_after.seconds - ep_before.seconds},
                     result);
     const double eta = seconds_since(run_start) / static_cast<double>(step - first_step + 1) *
                        static_cast<double>(cfg.train.steps - step);

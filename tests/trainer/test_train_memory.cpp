@@ -37,6 +37,31 @@ model::Gemma4Model shapes() {
                             model::kBuiltinFeatureDim, model::TensorSet::Storage::Deferred);
 }
 
+// Expert parallelism with shard none: a rank holds its EP rank's experts only, so the experts' weights, gradients
+// and moments count E / ep experts; under sharding every rank keeps every expert (the same terms as ep 1's).
+TEST(TrainMemory, HeldExpertsCountTheRanksOwn) {
+  const model::Gemma4Model m(model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm")),
+                             model::kBuiltinFeatureDim, model::TensorSet::Storage::Deferred);
+  const std::vector<std::string> moe = {"model.builtin=tiny_moe_vlm", "train.seq_len=8", "parallelism.dp=2"};
+  const auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> sets = moe;
+    sets.insert(sets.end(), more.begin(), more.end());
+    return train_memory_at_least(config(sets), m, 2);
+  };
+  int64_t experts = 0;  // float32 bytes of every expert tensor
+  for (const model::ParamInfo& t : m.params().infos())
+    if (t.name.ends_with(".experts.gate_up_proj") || t.name.ends_with(".experts.down_proj"))
+      experts += t.numel * int64_t{sizeof(float)};
+  ASSERT_GT(experts, 0);
+  const MemoryBreakdown one = with({}), two = with({"parallelism.ep=2"});
+  EXPECT_EQ(one.of("weights") - two.of("weights"), experts / 2);
+  EXPECT_EQ(one.of("gradients") - two.of("gradients"), experts / 2);
+  EXPECT_EQ(one.of("AdamW moments") - two.of("AdamW moments"), 2 * (experts / 2));
+  const MemoryBreakdown sharded = with({"parallelism.ep=2", "parallelism.shard=optimizer"});
+  EXPECT_EQ(sharded.of("weights"), one.of("weights"));
+  EXPECT_EQ(sharded.of("gradients"), one.of("gradients"));
+}
+
 TEST(TrainMemory, TermsFollowTheConfig) {
   const model::Gemma4Model m = shapes();
   const int64_t params = m.params().weight_bytes();

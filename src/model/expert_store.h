@@ -1,0 +1,40 @@
+// ringflex model: where expert parallelism keeps the experts' weights. Under parallelism.ep = P each EP rank holds
+// and trains only its experts, rows [r * E / P, (r + 1) * E / P) of every MoE layer's `experts.gate_up_proj`
+// [E, 2I, H] and `experts.down_proj` [E, H, I] (core/expert_parallel.h's split): the store registers those tensors
+// with the rank's rows only (ParamInfo::rows_begin, rows_total), so their weights, gradients and AdamW moments are
+// E / P experts' worth, and moe.cpp indexes them by the expert's row in what the store holds. The router (with its
+// per_expert_scale [E], which every token reads) and every other parameter stay whole on every rank.
+//
+// The files always hold whole tensors (each expert written once in the Hugging Face layout): a run loads them whole
+// and keeps its rows (hold_expert_rows), so a checkpoint resumes at any EP; the writer takes a whole-layout store
+// (whole_layout) whose expert rows the trainer gathers over the EP group.
+#pragma once
+
+#include <memory>
+
+#include "model/param_store.h"
+
+namespace rf::model {
+
+// A MoE layer's expert tensor, [E, ...] with one leading row per expert: what expert parallelism divides.
+bool is_expert_tensor(const ParamInfo& p);
+
+// Rows per leading index of a parameter: numel / shape[0] (1 for a 0-d tensor, 0 for an empty one).
+int64_t row_elements(const ParamInfo& p);
+
+// A ReplicatedStore registering `whole`'s parameters in its order and with its trainable flags, the expert tensors
+// cut to EP rank `rank` of `ranks` (rows [rank * E / ranks, (rank + 1) * E / ranks)). The weights (when `whole`'s
+// are allocated) and both moments (when allocated over the whole trainable layout) are copied, the rows held only;
+// gradients are not (allocate them again). Throws rf::Error when E does not divide over the ranks.
+std::unique_ptr<ParamStore> hold_expert_rows(const ParamStore& whole, int rank, int ranks);
+
+// A ReplicatedStore with `part`'s parameters whole (the layout of the files), its weights and, when `part` has
+// them, moments allocated; every tensor `part` holds whole is copied, the rows of a part-held one only (the caller
+// fills the other rows). What a checkpoint writer reads.
+std::unique_ptr<ParamStore> whole_layout(const ParamStore& part);
+
+// Copies, for every slot, the leading rows `from` and `to` both hold, of the weights and (where both have them) the
+// moments. Both stores must register the same names in the same order.
+void copy_held_rows(const ParamStore& from, ParamStore& to);
+
+}  // namespace rf::model
