@@ -1,7 +1,8 @@
 // ringflex train: Gemma 4 fine-tuning over a cp x dp grid of ranks (docs/spec.md §8.1).
 //
 //     [mpirun -n N] ringflex train --config FILE.yaml [--set section.key=value ...] [--metrics FILE.jsonl]
-//                                  [--resume DIR] [--loss-svg FILE.svg] [--print-config] [--timeout SECONDS]
+//                                  [--resume DIR] [--loss-svg FILE.svg] [--stats FILE.json] [--print-config]
+//                                  [--timeout SECONDS]
 //
 // The config (src/trainer/config.h) is read and validated on every rank before anything runs; a bad field, bad
 // data, an unreadable checkpoint or a run that needs more memory than a rank has (trainer::train_memory_at_least,
@@ -23,7 +24,7 @@ namespace rf::cli {
 namespace {
 
 struct TrainCliOptions {
-  std::string config, metrics, resume, loss_svg;
+  std::string config, metrics, resume, loss_svg, stats;
   std::vector<std::string> sets;
   bool print_config = false;
 };
@@ -47,6 +48,7 @@ int run_train(const TrainCliOptions& opt) {
   to.metrics_path = opt.metrics;
   to.svg_path = opt.loss_svg;
   to.whole_model = false;  // the weights are in the checkpoints; under shard full no rank gathers them at the end
+  to.stats_path = opt.stats;
   trainer::train(cfg, *world, to);
   return 0;
 }
@@ -66,6 +68,9 @@ void add_train_command(CLI::App& app, Runner& run) {
   cmd->add_option("--resume", opt->resume,
                   "Continue from a checkpoint directory, or the newest one under a checkpoint root");
   cmd->add_option("--loss-svg", opt->loss_svg, "Where to draw the loss curve (default: <checkpoint.dir>/loss.svg)");
+  cmd->add_option("--stats", opt->stats,
+                  "Write the memory check's per-rank bytes by kind (weight shard, gathered weights, gradients, "
+                  "moments, activations, communication buffers) and each rank's peak RSS as JSON at the end");
   cmd->add_flag(
       "--print-config", opt->print_config,
       "Print the resolved config (defaults filled in) and exit, without checking it against this job (ranks, files)");

@@ -13,7 +13,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -304,16 +306,29 @@ const TensorView& SafetensorsFile::at(std::string_view name) const {
 // Writing
 // ---------------------------------------------------------------------------------------------------------------
 
-void SafetensorsWriter::add(std::string name, StDType dtype, std::vector<int64_t> shape,
-                            std::span<const std::byte> bytes) {
+void SafetensorsWriter::check_new(const std::string& name, StDType dtype, const std::vector<int64_t>& shape) const {
   RF_CHECK(!name.empty(), "safetensors: a tensor needs a name");
   RF_CHECK(!name.starts_with("__"), "safetensors: tensor name `", name, "` is reserved (starts with \"__\")");
   RF_CHECK(!entries_.contains(name), "safetensors: tensor `", name, "` added twice");
   for (int64_t d : shape) RF_CHECK(d >= 0, "safetensors: tensor `", name, "` has negative shape ", shape_string(shape));
-  const std::optional<uint64_t> need = byte_count(shape, element_size(dtype));
-  RF_CHECK(need && *need == bytes.size(), "safetensors: tensor `", name, "` of shape ", shape_string(shape), " ",
-           dtype_name(dtype), " needs ", need ? *need : 0, " bytes but was given ", bytes.size());
-  entries_.emplace(std::move(name), Entry{dtype, std::move(shape), bytes});
+  RF_CHECK(byte_count(shape, element_size(dtype)), "safetensors: tensor `", name, "` of shape ", shape_string(shape),
+           " ", dtype_name(dtype), " has more bytes than a file can hold");
+}
+
+void SafetensorsWriter::add(std::string name, StDType dtype, std::vector<int64_t> shape,
+                            std::span<const std::byte> bytes) {
+  check_new(name, dtype, shape);
+  const uint64_t need = *byte_count(shape, element_size(dtype));
+  RF_CHECK(need == bytes.size(), "safetensors: tensor `", name, "` of shape ", shape_string(shape), " ",
+           dtype_name(dtype), " needs ", need, " bytes but was given ", bytes.size());
+  entries_.emplace(std::move(name), Entry{dtype, std::move(shape), bytes, {}, need});
+}
+
+void SafetensorsWriter::add_fill(std::string name, StDType dtype, std::vector<int64_t> shape, Fill fill) {
+  check_new(name, dtype, shape);
+  RF_CHECK(fill, "safetensors: tensor `", name, "` has no fill");
+  const uint64_t need = *byte_count(shape, element_size(dtype));
+  entries_.emplace(std::move(name), Entry{dtype, std::move(shape), {}, std::move(fill), need});
 }
 
 namespace {
@@ -322,7 +337,7 @@ namespace {
 // of two <= 8, so each tensor then starts on a multiple of its element size and a mapping reader can use it
 // in place. (Python's writer sorts by dtype, largest first, to the same end.)
 template <typename Entries>
-auto data_order(const Entries& entries) {
+auto entries_in_data_order(const Entries& entries) {
   std::vector<typename Entries::const_pointer> order;
   for (const auto& e : entries) order.push_back(&e);
   std::stable_sort(order.begin(), order.end(),
@@ -332,16 +347,26 @@ auto data_order(const Entries& entries) {
 
 }  // namespace
 
+std::vector<std::string> SafetensorsWriter::data_order() const {
+  std::vector<std::string> out;
+  for (const auto* e : entries_in_data_order(entries_)) out.push_back(e->first);
+  return out;
+}
+
+uint64_t SafetensorsWriter::file_bytes() const {
+  uint64_t total = kLengthBytes + header().size();
+  for (const auto& [name, e] : entries_) total += e.size;
+  return total;
+}
+
 std::string SafetensorsWriter::header() const {
   json j = json::object();
   if (!metadata_.empty()) j[std::string(kMetadataKey)] = metadata_;
   uint64_t offset = 0;
-  for (const auto* e : data_order(entries_)) {
+  for (const auto* e : entries_in_data_order(entries_)) {
     const Entry& t = e->second;
-    j[e->first] = {{"dtype", dtype_name(t.dtype)},
-                   {"shape", t.shape},
-                   {"data_offsets", {offset, offset + t.bytes.size()}}};
-    offset += t.bytes.size();
+    j[e->first] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.size}}};
+    offset += t.size;
   }
   // json objects are std::maps, so dump() writes the keys sorted, as Python's writer does.
   std::string text = j.dump();
@@ -351,35 +376,75 @@ std::string SafetensorsWriter::header() const {
 
 std::vector<std::byte> SafetensorsWriter::serialize() const {
   const std::string text = header();
-  const auto order = data_order(entries_);
+  const auto order = entries_in_data_order(entries_);
   size_t total = kLengthBytes + text.size();
-  for (const auto* e : order) total += e->second.bytes.size();
+  for (const auto* e : order) total += e->second.size;
   std::vector<std::byte> image(total);
   const uint64_t n = text.size();
   std::memcpy(image.data(), &n, kLengthBytes);
   std::memcpy(image.data() + kLengthBytes, text.data(), text.size());
   size_t at = kLengthBytes + text.size();
   for (const auto* e : order) {
-    const std::span<const std::byte> b = e->second.bytes;
-    if (!b.empty()) std::memcpy(image.data() + at, b.data(), b.size());
-    at += b.size();
+    const Entry& t = e->second;
+    if (t.fill)
+      t.fill(std::span<std::byte>(image.data() + at, t.size));
+    else if (!t.bytes.empty())
+      std::memcpy(image.data() + at, t.bytes.data(), t.bytes.size());
+    at += t.size;
   }
   return image;
 }
 
 void SafetensorsWriter::write(AtomicFile& out) const {
-  // Streamed piece by piece from the borrowed buffers, so saving a checkpoint needs no second copy of it.
+  // Streamed piece by piece from the borrowed buffers and one filled tensor at a time, so saving a checkpoint needs
+  // no second copy of it. After a failed write the remaining fills still run (their bytes dropped) before the error
+  // is thrown: a fill may be a collective the other ranks are waiting in.
+  std::exception_ptr failed;
+  const auto put = [&](std::span<const std::byte> bytes) {
+    if (failed) return;
+    try {
+      out.write(bytes);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  };
   const std::string text = header();
   const uint64_t n = text.size();
-  out.write(std::as_bytes(std::span<const uint64_t>(&n, 1)));
-  out.write(text);
-  for (const auto* e : data_order(entries_)) out.write(e->second.bytes);
+  put(std::as_bytes(std::span<const uint64_t>(&n, 1)));
+  put(std::as_bytes(std::span<const char>(text.data(), text.size())));
+  std::vector<std::byte> staging;  // one filled tensor at a time (its capacity: the largest so far)
+  for (const auto* e : entries_in_data_order(entries_)) {
+    const Entry& t = e->second;
+    if (!t.fill) {
+      put(t.bytes);
+      continue;
+    }
+    staging.resize(t.size);
+    t.fill(staging);
+    put(staging);
+  }
+  if (failed) std::rethrow_exception(failed);
+}
+
+void SafetensorsWriter::run_fills() const {
+  std::vector<std::byte> staging;
+  for (const auto* e : entries_in_data_order(entries_)) {
+    if (!e->second.fill) continue;
+    staging.resize(e->second.size);
+    e->second.fill(staging);
+  }
 }
 
 void SafetensorsWriter::write(const std::string& path) const {
-  AtomicFile out(path);
-  write(out);
-  out.commit();
+  std::optional<AtomicFile> out;
+  try {
+    out.emplace(path);
+  } catch (...) {
+    run_fills();  // a file that cannot even be created: the fills still run, as after any failed write
+    throw;
+  }
+  write(*out);
+  out->commit();
 }
 
 }  // namespace rf::io

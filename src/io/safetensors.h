@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -103,9 +104,15 @@ class SafetensorsFile {
 
 // Collects tensors and writes them as one safetensors file. The writer *borrows* each tensor's bytes: they must
 // stay alive and unchanged until write() returns (checkpoints are large; copying them to save them would double
-// the memory).
+// the memory). A tensor whose bytes do not exist yet (a weight gathered from the ranks that hold its shards, or
+// converted to another dtype) is added with a fill instead, which write() calls when the tensor's turn comes: the
+// writer then holds one such tensor at a time, never a copy of the whole file.
 class SafetensorsWriter {
  public:
+  // Writes a tensor's bytes into `out` (exactly its byte count). Fills run in the file's data order (data_order()),
+  // the same on every rank that builds the same writer, so a fill may be a collective call.
+  using Fill = std::function<void(std::span<std::byte> out)>;
+
   // Throws rf::Error for a duplicate or empty name, a name starting with "__" (reserved for metadata), a
   // negative dimension, or a byte count that does not match shape x element size.
   void add(std::string name, StDType dtype, std::vector<int64_t> shape, std::span<const std::byte> bytes);
@@ -115,16 +122,28 @@ class SafetensorsWriter {
     add(std::move(name), dtype, std::move(shape), std::as_bytes(values));
   }
 
+  // A tensor whose bytes `fill` produces while write() runs; the same checks as add().
+  void add_fill(std::string name, StDType dtype, std::vector<int64_t> shape, Fill fill);
+
   void set_metadata(std::string key, std::string value) { metadata_[std::move(key)] = std::move(value); }
+
+  // The tensors' names in the order their bytes lie in the file (and fills run).
+  std::vector<std::string> data_order() const;
+  // The file's size in bytes (header length, header, buffer), known before anything is written.
+  uint64_t file_bytes() const;
 
   // The complete file image (header length, header, buffer).
   std::vector<std::byte> serialize() const;
 
   // Writes the file all or nothing (atomic_file.h): the previous file at `path`, if any, stays until the new one
-  // is complete on the disk. Throws rf::Error "<path>: <problem>" if it cannot be written completely.
+  // is complete on the disk. Throws rf::Error "<path>: <problem>" if it cannot be written completely. A write that
+  // fails still runs every fill not yet run before it throws, so that ranks whose fills are collective stay matched.
   void write(const std::string& path) const;
   // Appends the file image to `out` without committing it, for jobs that commit several files together.
   void write(AtomicFile& out) const;
+  // Runs every fill in write()'s order and writes nothing: what the other ranks of a collective write run while
+  // one rank writes.
+  void run_fills() const;
 
  private:
   std::string header() const;  // the JSON header, space-padded to a multiple of 8 bytes
@@ -132,8 +151,11 @@ class SafetensorsWriter {
   struct Entry {
     StDType dtype;
     std::vector<int64_t> shape;
-    std::span<const std::byte> bytes;
+    std::span<const std::byte> bytes;  // borrowed; unused when `fill` is set
+    Fill fill;
+    uint64_t size = 0;  // bytes: shape x element size
   };
+  void check_new(const std::string& name, StDType dtype, const std::vector<int64_t>& shape) const;
   std::map<std::string, Entry> entries_;
   std::map<std::string, std::string> metadata_;
 };

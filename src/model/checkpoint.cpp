@@ -2,9 +2,12 @@
 #include "model/checkpoint.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -193,27 +196,138 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   return ck;
 }
 
-void save_checkpoint(const Checkpoint& ck, const std::string& dir) {
-  const fs::path root(dir);
-  std::error_code ec;
-  fs::create_directories(root, ec);
-  RF_CHECK(!ec, dir, ": cannot create the directory (", ec.message(), ")");
-  // Each file is replaced all or nothing (io/atomic_file.h); a whole checkpoint directory is made atomic by
-  // its caller (written under a temporary name and renamed).
-  io::write_file_atomically((root / "config.json").string(),
-                            ck.config_json.empty() ? ck.model->config().source_json : ck.config_json);
-  io::SafetensorsWriter w;
-  w.set_metadata("format", "pt");  // what transformers writes and expects
+namespace {
+
+// One tensor to write: a parameter read from the store, a buffer, or a passthrough tensor.
+struct Outgoing {
+  std::string name;  // as in the files
+  io::StDType dtype = io::StDType::F32;
+  std::vector<int64_t> shape;
+  uint64_t bytes = 0;
+  std::optional<size_t> slot;       // a parameter: read_weight(slot)
+  std::span<const std::byte> data;  // otherwise: the bytes as they are
+};
+
+// The checkpoint's tensors in transformers' order (parameters, buffers, the rest), split into files of at most
+// `max_bytes` of tensor data each (huggingface_hub's split_state_dict_into_shards: a tensor that would take the
+// current file past the limit starts the next; one larger than the limit has a file of its own).
+std::vector<std::vector<Outgoing>> split_into_files(const Checkpoint& ck, int64_t max_bytes) {
+  std::vector<Outgoing> all;
   const ParamStore& params = ck.model->params();
+  constexpr uint64_t kF32 = sizeof(float);
   for (size_t slot = 0; slot < params.size(); ++slot) {
     const ParamInfo& p = params.info(slot);
-    w.add(file_name_of(p.name, ck.text_prefix), io::StDType::F32, p.shape,
-          std::span<const float>(params.weight(slot), static_cast<size_t>(p.numel)));
+    all.push_back({file_name_of(p.name, ck.text_prefix),
+                   io::StDType::F32,
+                   p.shape,
+                   static_cast<uint64_t>(p.numel) * kF32,
+                   slot,
+                   {}});
   }
   for (const Tensor& t : ck.model->buffers())
-    w.add(file_name_of(t.name, ck.text_prefix), io::StDType::F32, t.shape, std::span<const float>(t.data));
-  ck.passthrough.add_to(w);  // a name the model holds too would throw here ("added twice"): never both written
-  w.write((root / std::string(io::Checkpoint::kSingleFile)).string());
+    all.push_back({file_name_of(t.name, ck.text_prefix), io::StDType::F32, t.shape, t.data.size() * kF32, std::nullopt,
+                   std::as_bytes(std::span<const float>(t.data))});
+  for (const io::Passthrough::Entry& e : ck.passthrough.entries())
+    all.push_back({e.name, e.dtype, e.shape, e.bytes.size(), std::nullopt, e.bytes});
+  std::set<std::string, std::less<>> names;  // one name in two files would load as whichever the index names
+  for (const Outgoing& t : all)
+    RF_CHECK(names.insert(t.name).second, "safetensors: tensor `", t.name, "` added twice (the model holds it and ",
+             "it is kept from the files as well)");
+  std::vector<std::vector<Outgoing>> files;
+  std::vector<Outgoing> current;
+  uint64_t current_bytes = 0;
+  const auto limit = static_cast<uint64_t>(max_bytes);
+  for (Outgoing& t : all) {
+    if (t.bytes > limit) {  // a file of its own, listed where it was met (huggingface_hub does the same)
+      files.push_back({std::move(t)});
+      continue;
+    }
+    if (current_bytes + t.bytes > limit) {
+      files.push_back(std::move(current));
+      current.clear();
+      current_bytes = 0;
+    }
+    current_bytes += t.bytes;
+    current.push_back(std::move(t));
+  }
+  if (!current.empty()) files.push_back(std::move(current));
+  return files;
+}
+
+std::string shard_file_name(size_t k, size_t n) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "model-%05zu-of-%05zu.safetensors", k + 1, n);
+  return buf;
+}
+
+}  // namespace
+
+void save_checkpoint(const Checkpoint& ck, const std::string& dir, const SaveOptions& options) {
+  RF_CHECK(options.max_shard_bytes > 0, "checkpoint.max_shard_size must be positive, not ", options.max_shard_bytes);
+  const fs::path root(dir);
+  ParamStore& params = ck.model->params();  // read_weight: a collective under shard full, so not const
+  const std::vector<std::vector<Outgoing>> files = split_into_files(ck, options.max_shard_bytes);
+  // One writer a file. A parameter's float32 values are read into the writer's buffer while its turn comes.
+  std::vector<io::SafetensorsWriter> writers(files.size());
+  for (size_t k = 0; k < files.size(); ++k) {
+    io::SafetensorsWriter& w = writers[k];
+    w.set_metadata("format", "pt");  // what transformers writes and expects
+    for (const Outgoing& t : files[k]) {
+      if (!t.slot) {
+        w.add(t.name, t.dtype, t.shape, t.data);
+        continue;
+      }
+      const size_t slot = *t.slot;
+      w.add_fill(t.name, t.dtype, t.shape, [&params, slot](std::span<std::byte> out) {
+        params.read_weight(slot, std::span<float>(reinterpret_cast<float*>(out.data()), out.size() / sizeof(float)));
+      });
+    }
+  }
+  if (!options.write) {
+    for (const io::SafetensorsWriter& w : writers) w.run_fills();
+    return;
+  }
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  // The directory check must not leave the other ranks waiting in the reads: they run before the error is thrown.
+  const auto run_all_fills_then = [&](size_t from, const std::exception_ptr& failed) {
+    for (size_t k = from; k < writers.size(); ++k) writers[k].run_fills();
+    std::rethrow_exception(failed);
+  };
+  try {
+    RF_CHECK(!ec, dir, ": cannot create the directory (", ec.message(), ")");
+    // Each file is replaced all or nothing (io/atomic_file.h); a whole checkpoint directory is made atomic by
+    // its caller (written under a temporary name and renamed).
+    io::write_file_atomically((root / "config.json").string(),
+                              ck.config_json.empty() ? ck.model->config().source_json : ck.config_json);
+  } catch (...) {
+    run_all_fills_then(0, std::current_exception());
+  }
+  const fs::path single = root / std::string(io::Checkpoint::kSingleFile);
+  const fs::path index = root / std::string(io::Checkpoint::kIndexFile);
+  if (writers.size() == 1) {
+    writers[0].write(single.string());
+    fs::remove(index, ec);  // an index left from an earlier save into this folder would shadow the file
+  } else {
+    nlohmann::json weight_map = nlohmann::json::object();
+    uint64_t total = 0;
+    for (size_t k = 0; k < writers.size(); ++k) {
+      const std::string name = shard_file_name(k, writers.size());
+      try {
+        writers[k].write((root / name).string());
+      } catch (...) {
+        run_all_fills_then(k + 1, std::current_exception());
+      }
+      for (const Outgoing& t : files[k]) {
+        weight_map[t.name] = name;
+        total += t.bytes;
+      }
+    }
+    // Last, so a folder with an index always has every shard the index names.
+    const nlohmann::json j = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    io::write_file_atomically(index.string(), j.dump(2) + "\n");
+    fs::remove(single, ec);  // the loader takes the index; a single file left from an earlier save is stale
+  }
   ck.passthrough.release_pages();
 }
 

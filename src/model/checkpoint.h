@@ -60,7 +60,25 @@ using BeforeAllocating = std::function<void(const Gemma4Model& shapes)>;
 Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating = {},
                            std::unique_ptr<ParamStore> store = nullptr, bool train_vision = false);
 
-void save_checkpoint(const Checkpoint& ck, const std::string& dir);
+// How save_checkpoint writes the weights.
+struct SaveOptions {
+  // checkpoint.max_shard_size, transformers' max_shard_size: tensors are taken in order (the model's parameters in
+  // registration order, its buffers, the passthrough tensors) and a file is closed before a tensor that would take it
+  // past this many bytes of tensor data; a tensor larger than the limit has a file of its own. One file:
+  // model.safetensors, as transformers writes it; more: model-0000k-of-0000n.safetensors and
+  // model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map"}).
+  int64_t max_shard_bytes = kDefaultMaxShardBytes;
+  // false: this rank writes nothing and only takes part in the weights' reads (ParamStore::read_weight is a
+  // collective when the weights are sharded), in the order the writing rank reads them.
+  bool write = true;
+  static constexpr int64_t kDefaultMaxShardBytes = 50'000'000'000;  // transformers' default, "50GB"
+};
+
+// Writes config.json unchanged and the weights, each tensor read from the store (ParamStore::read_weight) only while
+// it is written: the writer holds one tensor at a time beside the store, never a copy of the model. Every file is
+// replaced all or nothing; a failed write still takes part in the remaining reads (so ranks sharing them stay
+// matched), then throws rf::Error naming the file.
+void save_checkpoint(const Checkpoint& ck, const std::string& dir, const SaveOptions& options = {});
 
 // The file name of a parameter: "model.X" becomes text_prefix + "X"; other names are kept, and so are those of the
 // multimodal parts that sit beside the decoder (the vision projection, the vision tower).

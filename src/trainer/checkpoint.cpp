@@ -34,6 +34,17 @@ constexpr const char* kStatePrefix = "step-";
 constexpr int kStepDigits = 8;
 constexpr const char* kStateFile = "trainer_state.json";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
+// Sharded moments: the layout and one file a rank (checkpoint.h).
+constexpr const char* kMomentLayoutFile = "optimizer.json";
+constexpr const char* kMomentFormat = "ringflex-moments-1";
+constexpr const char* kExpAvg = "exp_avg";
+constexpr const char* kExpAvgSq = "exp_avg_sq";
+
+std::string moment_file_name(int rank, int ranks) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "optimizer-%05d-of-%05d.safetensors", rank + 1, ranks);
+  return buf;
+}
 
 void fsync_path(const fs::path& p, bool directory) {
   const int fd = ::open(p.c_str(), directory ? O_RDONLY | O_DIRECTORY | O_CLOEXEC : O_RDONLY | O_CLOEXEC);
@@ -51,25 +62,6 @@ bool is_leftover(const std::string& name) {
   const bool step_dir = name.rfind(".step-", 0) == 0 && (name.ends_with(".tmp") || name.ends_with(".old"));
   return step_dir || (name.rfind(".", 0) == 0 && name.find(".tmp.") != std::string::npos);
 }
-
-// The save's temporary directory: removed with everything in it unless the save renamed it into place, so a save
-// that fails part way (a full disk, a file-size limit, any error thrown) leaves no temporaries.
-class TempDir {
- public:
-  explicit TempDir(fs::path p) : path_(std::move(p)) {}
-  ~TempDir() {
-    std::error_code ec;
-    if (!renamed_) fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const fs::path& path() const { return path_; }
-  void renamed() { renamed_ = true; }
-
- private:
-  fs::path path_;
-  bool renamed_ = false;
-};
 
 // ".<name><suffix>": a hidden sibling that is never taken for a checkpoint. Built by appending (GCC 12 warns
 // falsely, -Wrestrict, on the operator+ chain).
@@ -175,28 +167,29 @@ int64_t checkpoint_bytes(const model::Checkpoint& weights) {
   return bytes;
 }
 
-std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const TrainState& state,
-                                  int keep, const std::function<void(const std::string&)>& before_rename) {
-  const fs::path base(root);
-  std::error_code ec;
-  fs::create_directories(base, ec);
-  RF_CHECK(!ec, root, ": cannot create the checkpoint directory: ", ec.message());
-  remove_leftovers(root);  // of a save a hard kill interrupted
-  const std::string name = step_name(state.step);
-  const fs::path final_dir = base / name;
-  TempDir tmp(base / hidden_name(name, ".tmp"));
-  fs::create_directory(tmp.path(), ec);
-  RF_CHECK(!ec, tmp.path().string(), ": cannot create the checkpoint's temporary directory: ", ec.message());
+std::string checkpoint_temp_path(const std::string& root, int64_t step) {
+  return (fs::path(root) / hidden_name(step_name(step), ".tmp")).string();
+}
 
-  // A LoRA run's weights are its adapters, in PEFT's files; the frozen base stays where model.path has it.
-  if (const auto* lora = dynamic_cast<const model::LoraStore*>(&weights.model->params()))
-    model::save_peft_adapter(*lora, weights.text_prefix, weights.source, tmp.path().string());
-  else
-    model::save_checkpoint(weights, tmp.path().string());
+PendingCheckpoint::PendingCheckpoint(const std::string& root, int64_t step)
+    : root_(root), name_(step_name(step)), temp_(checkpoint_temp_path(root, step)) {
+  std::error_code ec;
+  fs::create_directories(root_, ec);
+  RF_CHECK(!ec, root_, ": cannot create the checkpoint directory: ", ec.message());
+  remove_leftovers(root_);  // of a save a hard kill interrupted
+  fs::create_directory(temp_, ec);
+  RF_CHECK(!ec, temp_, ": cannot create the checkpoint's temporary directory: ", ec.message());
+}
+
+PendingCheckpoint::~PendingCheckpoint() {
+  std::error_code ec;
+  if (!renamed_) fs::remove_all(temp_, ec);
+}
+
+void write_moments_whole(const std::string& dir, const model::ParamStore& store) {
   io::SafetensorsWriter w;
-  const model::ParamStore& store = weights.model->params();
   RF_CHECK(store.moment_range().size() == store.trainable_elements(),
-           "save: the optimizer's moments are sharded; gather them to the writer first");
+           "save: the optimizer's moments are sharded; each rank writes its own (write_moments_shard)");
   for (size_t i = 0; i < store.size(); ++i) {
     const model::ParamInfo& p = store.info(i);
     if (!p.trainable) continue;  // a frozen tensor has no moments (a resume must freeze the same)
@@ -206,7 +199,44 @@ std::string save_train_checkpoint(const std::string& root, const model::Checkpoi
     w.add("exp_avg_sq." + p.name, io::StDType::F32, p.shape,
           std::span<const float>(store.moment(model::Role::ExpAvgSq, i), n));
   }
-  w.write((tmp.path() / kOptimizerFile).string());
+  w.write((fs::path(dir) / kOptimizerFile).string());
+}
+
+void write_moments_shard(const std::string& dir, const model::ParamStore& store, int rank, int ranks) {
+  const model::Shard range = store.moment_range();
+  const std::vector<int64_t> shape = {range.size()};
+  io::SafetensorsWriter w;
+  // optimizer.json holds the ranges; the file's own copy tells a reader of the file alone what it holds.
+  w.set_metadata("begin", std::to_string(range.begin));
+  w.set_metadata("end", std::to_string(range.end));
+  w.add(kExpAvg, io::StDType::F32, shape, store.flat(model::Role::ExpAvg));
+  w.add(kExpAvgSq, io::StDType::F32, shape, store.flat(model::Role::ExpAvgSq));
+  w.write((fs::path(dir) / moment_file_name(rank, ranks)).string());
+}
+
+std::string PendingCheckpoint::finish(const model::ParamStore& store, const TrainState& state,
+                                      const MomentLayout& moments, int keep,
+                                      const std::function<void(const std::string&)>& before_rename) {
+  const fs::path base(root_), tmp(temp_);
+  std::error_code ec;
+  if (!moments.ranges.empty()) {
+    json params = json::array();
+    for (const model::ParamInfo& p : store.infos())
+      if (p.trainable) params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.train_offset}});
+    json files = json::array();
+    const int ranks = static_cast<int>(moments.ranges.size());
+    for (int r = 0; r < ranks; ++r)
+      files.push_back({{"file", moment_file_name(r, ranks)},
+                       {"begin", moments.ranges[r].first},
+                       {"end", moments.ranges[r].second}});
+    const json layout = {{"format", kMomentFormat},
+                         {"shard", moments.shard_mode},
+                         {"ranks", ranks},
+                         {"trainable_elements", store.trainable_elements()},
+                         {"parameters", std::move(params)},
+                         {"files", std::move(files)}};
+    io::write_file_atomically((tmp / kMomentLayoutFile).string(), layout.dump(1) + "\n");
+  }
   const json j = {{"step", state.step},
                   {"data_position", state.data_position},
                   {"seed", state.seed},
@@ -216,28 +246,29 @@ std::string save_train_checkpoint(const std::string& root, const model::Checkpoi
                     {"val_steps", state.history.val_steps},
                     {"val_loss", state.history.val_loss}}},
                   {"config", state.config_yaml}};
-  io::write_file_atomically((tmp.path() / kStateFile).string(), j.dump(2) + "\n");
+  io::write_file_atomically((tmp / kStateFile).string(), j.dump(2) + "\n");
   std::vector<fs::path> files;
-  for (fs::directory_iterator it(tmp.path(), ec), end; !ec && it != end; it.increment(ec)) files.push_back(it->path());
-  RF_CHECK(!ec, tmp.path().string(), ": cannot list: ", ec.message());
+  for (fs::directory_iterator it(tmp, ec), end; !ec && it != end; it.increment(ec)) files.push_back(it->path());
+  RF_CHECK(!ec, tmp.string(), ": cannot list: ", ec.message());
   for (const fs::path& f : files) fsync_path(f, false);
-  fsync_path(tmp.path(), true);
-  if (before_rename) before_rename(tmp.path().string());
+  fsync_path(tmp, true);
+  if (before_rename) before_rename(tmp.string());
 
+  const fs::path final_dir = base / name_;
   const auto rename = [&](const fs::path& from, const fs::path& to) {
     fs::rename(from, to, ec);
     RF_CHECK(!ec, "cannot rename ", from.string(), " to ", to.string(), ": ", ec.message());
   };
   if (fs::exists(final_dir, ec)) {  // the same step saved by an earlier run: replace it as a whole
-    const fs::path old = base / hidden_name(name, ".old");
+    const fs::path old = base / hidden_name(name_, ".old");
     rename(final_dir, old);
-    rename(tmp.path(), final_dir);
-    tmp.renamed();
+    rename(tmp, final_dir);
+    renamed_ = true;
     fs::remove_all(old, ec);
     RF_CHECK(!ec, old.string(), ": cannot remove the replaced checkpoint: ", ec.message());
   } else {
-    rename(tmp.path(), final_dir);
-    tmp.renamed();
+    rename(tmp, final_dir);
+    renamed_ = true;
   }
   fsync_path(base, true);
 
@@ -247,6 +278,20 @@ std::string save_train_checkpoint(const std::string& root, const model::Checkpoi
     RF_CHECK(!ec, all[i].string(), ": cannot remove (checkpoint.keep = ", keep, "): ", ec.message());
   }
   return final_dir.string();
+}
+
+std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const TrainState& state,
+                                  int keep, const std::function<void(const std::string&)>& before_rename,
+                                  const model::SaveOptions& options) {
+  PendingCheckpoint pending(root, state.step);
+  // A LoRA run's weights are its adapters, in PEFT's files; the frozen base stays where model.path has it.
+  const model::ParamStore& store = weights.model->params();
+  if (const auto* lora = dynamic_cast<const model::LoraStore*>(&store))
+    model::save_peft_adapter(*lora, weights.text_prefix, weights.source, pending.temp_dir());
+  else
+    model::save_checkpoint(weights, pending.temp_dir(), options);
+  write_moments_whole(pending.temp_dir(), store);  // one process: it holds them all
+  return pending.finish(store, state, {}, keep, before_rename);
 }
 
 std::string checkpoint_path(const std::string& root, int64_t step) {
@@ -306,7 +351,104 @@ TrainState load_train_state(const std::string& dir) {
   return out;
 }
 
+namespace {
+
+// The sharded moments' layout (optimizer.json), checked against the store: the same trainable parameters in the same
+// order and shapes (the same model.freeze), and files whose ranges tile [0, trainable_elements) in order.
+struct MomentFile {
+  std::string path;
+  int64_t begin = 0, end = 0;
+};
+std::vector<MomentFile> read_moment_layout(const fs::path& dir, const model::ParamStore& store) {
+  const fs::path path = dir / kMomentLayoutFile;
+  const std::string where = path.string();
+  const std::string text = read_text(path);
+  io::check_json_text(text, where + ": ");
+  std::vector<MomentFile> out;
+  try {
+    const json j = json::parse(text);
+    RF_CHECK(j.at("format") == kMomentFormat, where, ": `format` is ", j.at("format").dump(), ", not \"", kMomentFormat,
+             "\"");
+    const int64_t total =
+        integer_in(j.at("trainable_elements"), where, "trainable_elements", 0, std::numeric_limits<int64_t>::max());
+    const json& params = j.at("parameters");
+    RF_CHECK(params.is_array(), where, ": `parameters` must be an array");
+    size_t k = 0;
+    for (const model::ParamInfo& p : store.infos()) {
+      if (!p.trainable) continue;
+      RF_CHECK(k < params.size() && params[k].at("name") == p.name &&
+                   params[k].at("shape").get<std::vector<int64_t>>() == p.shape &&
+                   params[k].at("offset").get<int64_t>() == p.train_offset,
+               where, ": the trainable parameters differ from this run's at `", p.name,
+               "` (another model or model.freeze)");
+      ++k;
+    }
+    RF_CHECK(k == params.size() && total == store.trainable_elements(), where, ": ", params.size(),
+             " trainable parameters of ", total, " elements, this run trains ", k, " of ", store.trainable_elements());
+    const json& files = j.at("files");
+    RF_CHECK(files.is_array() && !files.empty(), where, ": `files` must be a non-empty array");
+    int64_t at = 0;
+    for (const json& f : files) {
+      const std::string name = f.at("file").get<std::string>();
+      // Files sit beside the layout; a path that leaves the folder is a corrupt or hostile layout.
+      RF_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..", where,
+               ": `files` names `", name, "`, not a file of the checkpoint folder");
+      const int64_t begin = integer_in(f.at("begin"), where, "files.begin", 0, total);
+      const int64_t end = integer_in(f.at("end"), where, "files.end", begin, total);
+      RF_CHECK(begin == at, where, ": `", name, "` begins at ", begin, ", the files before it end at ", at);
+      out.push_back({(dir / name).string(), begin, end});
+      at = end;
+    }
+    RF_CHECK(at == total, where, ": the files end at ", at, " of ", total, " elements");
+  } catch (const json::exception& e) {
+    rf::fail(where, ": not a valid optimizer layout: ", io::json_error_text(e.what()));
+  }
+  return out;
+}
+
+// The elements [lo, hi) of the trainable layout, read from one sharded moment file into the store, checked finite
+// (and the second moments non-negative) with the parameter and index named.
+void read_moment_range(const MomentFile& file, int64_t lo, int64_t hi, model::ParamStore& store) {
+  const io::SafetensorsFile f = io::SafetensorsFile::open(file.path);
+  const model::Shard range = store.moment_range();
+  for (auto [name, role] : {std::pair{kExpAvg, model::Role::ExpAvg}, {kExpAvgSq, model::Role::ExpAvgSq}}) {
+    const io::TensorView& v = f.at(name);
+    RF_CHECK(v.dtype == io::StDType::F32 && v.shape == std::vector<int64_t>{file.end - file.begin}, file.path, ": `",
+             name, "` is not float32 [", file.end - file.begin, "] (elements ", file.begin, " to ", file.end,
+             " of the trainable layout, optimizer.json)");
+    // Unaligned bytes in general (tensor_access.h): copied out one segment at a time.
+    for (const model::ParamStore::Segment& seg : store.trainable_segments(lo, hi)) {
+      std::vector<float> values(static_cast<size_t>(seg.n));
+      std::memcpy(values.data(), v.bytes.data() + (seg.train_index - file.begin) * int64_t{sizeof(float)},
+                  values.size() * sizeof(float));
+      const model::ParamInfo& p = store.info(seg.slot);
+      for (size_t i = 0; i < values.size(); ++i) {
+        const float x = values[i];
+        // AdamW divides by sqrt(exp_avg_sq) + eps: a negative one is NaN in the first update.
+        if (std::isfinite(x) && (role == model::Role::ExpAvg || x >= 0)) continue;
+        rf::fail(file.path, ": `", name, "` of `", p.name, "` has ", x, " at ",
+                 io::index_string(seg.first + static_cast<int64_t>(i), p.shape),
+                 std::isfinite(x) ? " (a second moment is never negative)" : "");
+      }
+      std::copy(values.begin(), values.end(), store.mutable_flat(role).data() + (seg.train_index - range.begin));
+    }
+  }
+}
+
+}  // namespace
+
 void load_optimizer_state(const std::string& dir, model::ParamStore& store) {
+  std::error_code ec;
+  if (fs::exists(fs::path(dir) / kMomentLayoutFile, ec)) {
+    const std::vector<MomentFile> files = read_moment_layout(dir, store);
+    store.allocate_moments();
+    const model::Shard range = store.moment_range();
+    for (const MomentFile& file : files) {  // only the files that hold a part of this rank's range are opened
+      const int64_t lo = std::max(range.begin, file.begin), hi = std::min(range.end, file.end);
+      if (lo < hi) read_moment_range(file, lo, hi, store);
+    }
+    return;
+  }
   const std::string path = (fs::path(dir) / kOptimizerFile).string();
   const io::SafetensorsFile f = io::SafetensorsFile::open(path);
   store.allocate_moments();
@@ -314,6 +456,9 @@ void load_optimizer_state(const std::string& dir, model::ParamStore& store) {
     for (size_t i = 0; i < store.size(); ++i) {
       const model::ParamInfo& p = store.info(i);
       if (!p.trainable) continue;  // frozen: no moments (older checkpoints stored zeros; ignored)
+      const model::Shard range = store.moment_range();
+      const int64_t lo = std::max(range.begin, p.train_offset), hi = std::min(range.end, p.train_offset + p.numel);
+      if (lo >= hi) continue;  // none of it in this rank's range: not even read
       const io::TensorView& v = f.at(prefix + p.name);
       RF_CHECK(v.dtype == io::StDType::F32 && v.shape == p.shape, path, ": `", prefix, p.name,
                "` is not float32 of the parameter's shape ", io::shape_string(p.shape));
@@ -322,11 +467,7 @@ void load_optimizer_state(const std::string& dir, model::ParamStore& store) {
       check_loaded_tensor(path, prefix + p.name, values, p.shape, role == model::Role::ExpAvgSq);
       // The part of the tensor inside the store's moment range (all of it, or this rank's shard: a checkpoint
       // written at any rank count and shard mode resumes at any other).
-      const model::Shard range = store.moment_range();
-      const int64_t lo = std::max(range.begin, p.train_offset), hi = std::min(range.end, p.train_offset + p.numel);
-      if (lo < hi)
-        std::copy_n(values.data() + (lo - p.train_offset), hi - lo,
-                    store.mutable_flat(role).data() + (lo - range.begin));
+      std::copy_n(values.data() + (lo - p.train_offset), hi - lo, store.mutable_flat(role).data() + (lo - range.begin));
     }
   }
 }

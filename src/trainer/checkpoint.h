@@ -2,13 +2,25 @@
 //
 // A checkpoint is `<checkpoint.dir>/step-NNNNNNNN/` holding
 //   config.json, model.safetensors   the weights in the Hugging Face layout (transformers' from_pretrained and
-//                                    `ringflex forward --model` load them as they are);
+//                                    `ringflex forward --model` load them as they are); above
+//                                    checkpoint.max_shard_size, model-0000k-of-0000n.safetensors and
+//                                    model.safetensors.index.json instead (model/checkpoint.h);
 //   optimizer.safetensors            AdamW's moments, `exp_avg.<param>` and `exp_avg_sq.<param>` (float32), for
-//                                    the trainable parameters (a resume must freeze the same, and checks it);
+//                                    the trainable parameters (a resume must freeze the same, and checks it),
+//                                    when one rank holds them all (parallelism.shard = none); or, when they are
+//                                    sharded over the ranks, one file a rank and the layout beside them:
+//   optimizer.json                   {"format", "shard": the mode, "ranks": N, "trainable_elements",
+//                                    "parameters": [{"name", "shape", "offset"}] (the trainable layout: each
+//                                    trainable parameter's first element in it), "files": [{"file", "begin",
+//                                    "end"}] (the range of the trainable layout each file holds, in rank order)};
+//   optimizer-0000r-of-0000n.safetensors  rank r-1's moments: `exp_avg` and `exp_avg_sq`, float32 [end - begin];
 //   trainer_state.json               the optimizer step, the data position (next training row), the seed, the
 //                                    loss history (for the loss picture) and the resolved config.
-// Rank 0 writes everything into `.step-NNNNNNNN.tmp/`, fsyncs each file, renames the directory into place and
-// fsyncs the parent: a crash at any moment leaves either the previous checkpoints alone or the new one complete.
+// A resume reads from the optimizer files whatever range of the trainable layout its store holds (its own rank's
+// shard, or all of it): a checkpoint written at one rank count and shard mode resumes at any other.
+// Everything is written into `.step-NNNNNNNN.tmp/` (rank 0 creates it; every rank writes its own moments there,
+// rank 0 the rest), each file fsynced; rank 0 renames the directory into place and fsyncs the parent: a crash at any
+// moment leaves either the previous checkpoints alone or the new one complete.
 // Hidden (dot) directories are never taken as checkpoints; what a hard kill leaves of a save (the temporary directory)
 // is removed before the next run's first step and before every save (remove_leftovers). A save that fails removes its
 // own temporaries.
@@ -18,6 +30,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/checkpoint.h"
@@ -47,7 +60,44 @@ struct TrainState {
 // there stay as they were. What a hard kill left of an earlier save is removed first (remove_leftovers).
 // AdamW's moments are the store's (weights.model->params()).
 std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const TrainState& state,
-                                  int keep, const std::function<void(const std::string&)>& before_rename = {});
+                                  int keep, const std::function<void(const std::string&)>& before_rename = {},
+                                  const model::SaveOptions& options = {});
+
+// A save in parts, for a job whose ranks write it together (trainer.cpp): a PendingCheckpoint made on the writing
+// rank (it removes leftovers and creates the temporary directory), then every rank writes its part into
+// checkpoint_temp_path(), then finish() on the writing rank. Until finish renames it, the temporary directory is
+// removed when the PendingCheckpoint is destroyed (a save that failed anywhere, on any rank, leaves no temporary).
+class PendingCheckpoint {
+ public:
+  PendingCheckpoint(const std::string& root, int64_t step);
+  ~PendingCheckpoint();
+  PendingCheckpoint(const PendingCheckpoint&) = delete;
+  PendingCheckpoint& operator=(const PendingCheckpoint&) = delete;
+  const std::string& temp_dir() const { return temp_; }
+
+  // What the optimizer files hold (written by the ranks beside it); `ranges` empty: optimizer.safetensors, whole.
+  struct MomentLayout {
+    std::string shard_mode;                           // parallelism.shard of the run that writes it
+    std::vector<std::pair<int64_t, int64_t>> ranges;  // rank r's [begin, end) of the trainable layout
+  };
+  // Writes trainer_state.json (and optimizer.json for sharded moments), fsyncs every file, renames the directory
+  // into place and keeps the newest `keep`; returns the checkpoint's directory.
+  std::string finish(const model::ParamStore& store, const TrainState& state, const MomentLayout& moments, int keep,
+                     const std::function<void(const std::string&)>& before_rename = {});
+
+ private:
+  std::string root_, name_, temp_;
+  bool renamed_ = false;
+};
+
+// `<root>/.step-NNNNNNNN.tmp`: where a PendingCheckpoint of step `step` is written (every rank knows it without a
+// message).
+std::string checkpoint_temp_path(const std::string& root, int64_t step);
+
+// AdamW's moments of the whole trainable layout as optimizer.safetensors in `dir` (the store holds them all).
+void write_moments_whole(const std::string& dir, const model::ParamStore& store);
+// This rank's moments (its moment_range()) as optimizer-0000{rank+1}-of-0000{ranks}.safetensors in `dir`.
+void write_moments_shard(const std::string& dir, const model::ParamStore& store, int rank, int ranks);
 
 // What save_train_checkpoint writes of `weights`, in bytes, at most: every parameter and buffer in float32, both
 // AdamW moments of the trainable ones, the tensors carried through. Known on every rank (the same on each).
@@ -69,7 +119,8 @@ struct LoadedCheckpoint {
   TrainState state;
 };
 // Loads weights and state; load_optimizer_state puts AdamW's moments into `store` (same parameter names and shapes;
-// allocated there for its trainable parameters, so freeze before).
+// allocated there for its trainable parameters, so freeze before): the part inside the store's moment_range(), read
+// from whichever optimizer files hold it.
 // `before_allocating`, `train_vision`: as model::load_checkpoint's.
 LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating = {},
                                        bool train_vision = false);

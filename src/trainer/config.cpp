@@ -3,6 +3,8 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <filesystem>
@@ -213,6 +215,8 @@ const std::vector<Field>& fields() {
       field("checkpoint.dir", kStr, &C::checkpoint, &CheckpointSection::dir),
       field("checkpoint.every", kInt, &C::checkpoint, &CheckpointSection::every),
       field("checkpoint.keep", kInt, &C::checkpoint, &CheckpointSection::keep),
+      field("checkpoint.max_shard_size", "a size (bytes, or e.g. 5GB, 500MB, 2MiB)", &C::checkpoint,
+            &CheckpointSection::max_shard_size),
   };
   return table;
 }
@@ -427,6 +431,48 @@ void validate(const TrainConfig& c, int world_size) {
   positive(c.train.log_every, "train.log_every");
   non_negative(c.checkpoint.every, "checkpoint.every");
   positive(c.checkpoint.keep, "checkpoint.keep");
+  max_shard_bytes(c.checkpoint);
+}
+
+int64_t max_shard_bytes(const CheckpointSection& c) {
+  const std::string& text = c.max_shard_size;
+  const std::string problem = rf::concat("config: checkpoint.max_shard_size = '", text,
+                                         "' is not a positive size (bytes, or a number with KB, MB, GB, TB, KiB, "
+                                         "MiB, GiB or TiB)");
+  const auto bad = [&] { throw rf::Error(problem); };
+  size_t digits = 0;
+  while (digits < text.size() && (std::isdigit(static_cast<unsigned char>(text[digits])) || text[digits] == '.'))
+    ++digits;
+  if (digits == 0) bad();
+  double value = 0;
+  try {
+    size_t used = 0;
+    value = std::stod(text.substr(0, digits), &used);
+    if (used != digits) bad();
+  } catch (const std::logic_error&) {
+    bad();
+  }
+  std::string unit = text.substr(digits);
+  while (!unit.empty() && unit.front() == ' ') unit.erase(0, 1);
+  std::transform(unit.begin(), unit.end(), unit.begin(), [](unsigned char ch) { return std::toupper(ch); });
+  constexpr double kKilo = 1e3, kKibi = 1024.0;
+  const std::pair<const char*, double> units[] = {{"", 1.0},
+                                                  {"KB", kKilo},
+                                                  {"MB", kKilo * kKilo},
+                                                  {"GB", kKilo * kKilo * kKilo},
+                                                  {"TB", kKilo * kKilo * kKilo * kKilo},
+                                                  {"KIB", kKibi},
+                                                  {"MIB", kKibi * kKibi},
+                                                  {"GIB", kKibi * kKibi * kKibi},
+                                                  {"TIB", kKibi * kKibi * kKibi * kKibi}};
+  for (const auto& [name, factor] : units) {
+    if (unit != name) continue;
+    const double bytes = value * factor;
+    // Below one byte no tensor fits anywhere; above int64 no count is exact.
+    if (!(bytes >= 1.0 && bytes < static_cast<double>(std::numeric_limits<int64_t>::max()))) bad();
+    return static_cast<int64_t>(bytes);
+  }
+  throw rf::Error(problem);
 }
 
 std::string to_yaml(const TrainConfig& c) {

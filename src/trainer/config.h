@@ -106,6 +106,10 @@ struct CheckpointSection {
   std::string dir;  // empty: no checkpoints
   int every = 0;    // steps between checkpoints (and one at the end); 0 = only at the end
   int keep = 3;     // keep the last K checkpoints
+  // transformers' max_shard_size: the weights go into files of at most this much tensor data (model-0000k-of-
+  // 0000n.safetensors and an index) once they are larger; bytes, or a number with KB, MB, GB, TB (powers of 1000,
+  // as huggingface_hub) or KiB, MiB, GiB, TiB (powers of 1024)
+  std::string max_shard_size = "50GB";
 };
 
 struct TrainConfig {
@@ -129,6 +133,9 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
 
 // Cross-field rules and the files the config names; `world_size` is the number of ranks of the job.
 void validate(const TrainConfig& c, int world_size);
+
+// checkpoint.max_shard_size in bytes; throws rf::Error naming the field when it is not a positive size.
+int64_t max_shard_bytes(const CheckpointSection& c);
 
 // The resolved config as YAML, every field with its value (what --print-config shows and a checkpoint keeps).
 std::string to_yaml(const TrainConfig& c);

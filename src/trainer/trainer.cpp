@@ -9,8 +9,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <optional>
 
 #include "comm/agree.h"
@@ -145,6 +147,7 @@ void check_creatable_directory(const std::string& dir, const char* field) {
 void check_outputs(const TrainConfig& c, const TrainOptions& o) {
   if (!o.metrics_path.empty()) io::check_writable(o.metrics_path);
   if (!o.svg_path.empty()) io::check_writable(o.svg_path);
+  if (!o.stats_path.empty()) io::check_writable(o.stats_path);
   if (!c.checkpoint.dir.empty()) check_creatable_directory(c.checkpoint.dir, "checkpoint.dir");
 }
 
@@ -764,35 +767,6 @@ double clip_global_norm(Run& r, double max_norm) {
   return norm;
 }
 
-// Every rank's shard (model::shard_of over the ranks of `c`) of an array in the trainable layout of n elements,
-// gathered chunk by chunk so the extra memory stays [P, chunk]: read(i, k, out) copies this rank's elements [i, i + k)
-// into out; on every rank, write(i, k, in) takes another rank's elements [i, i + k) (only where `receive`).
-constexpr int64_t kGatherChunkBytes = int64_t{8} << 20;
-void gather_shards(comm::Communicator& c, int64_t n, const std::function<void(int64_t, int64_t, float*)>& read,
-                   const std::function<void(int64_t, int64_t, const float*)>& write, bool receive,
-                   comm::Timeout timeout) {
-  const int P = c.size();
-  const int64_t padded = model::shard_of(n, 0, P).padded;
-  const int64_t chunk = std::max<int64_t>(1, kGatherChunkBytes / (P * static_cast<int64_t>(sizeof(float))));
-  const int64_t len_max = std::min(chunk, padded);
-  std::vector<float> send(static_cast<size_t>(len_max)), all(static_cast<size_t>(P * len_max));  // [P, chunk]
-  const auto part = [&](int r, int64_t at, int64_t len) {  // rank r's elements in chunk [at, at + len) of its shard
-    const model::Shard s = model::shard_of(n, r, P);
-    return std::pair{s.begin + at, std::clamp<int64_t>(s.size() - at, 0, len)};
-  };
-  for (int64_t at = 0; at < padded; at += chunk) {
-    const int64_t len = std::min(chunk, padded - at);
-    const auto [first, count] = part(c.rank(), at, len);
-    if (count > 0) read(first, count, send.data());
-    c.allgather(send.data(), all.data(), static_cast<size_t>(len) * sizeof(float), timeout);
-    if (!receive) continue;
-    for (int r = 0; r < P; ++r) {
-      const auto [r_first, r_count] = part(r, at, len);
-      if (r != c.rank() && r_count > 0) write(r_first, r_count, all.data() + static_cast<size_t>(r) * len);
-    }
-  }
-}
-
 // parallelism.shard = optimizer, after the update: each rank updated its slice of the trainable parameters; every
 // rank takes the others' (the same bits the whole update gives, so every replica holds the same weights again). The
 // gradient arena, whose values are spent, carries them in the trainable layout: this rank's slice is copied in, one
@@ -806,22 +780,6 @@ void gather_updated_weights(comm::Communicator& c, model::ParamStore& store, com
   c.allgather_slices(staging.data(), staging.size(), sizeof(float), timeout);
   for (const model::ParamStore::Segment& seg : store.trainable_segments(0, store.trainable_elements()))
     std::copy_n(staging.data() + seg.train_index, seg.n, store.mutable_weight(seg.slot) + seg.first);
-}
-
-// parallelism.shard = optimizer, before a save: rank 0 (the writer) takes every rank's shard of both moments, so it
-// holds them whole while it writes (a collective; after the save it keeps its own shard again).
-void gather_moments_to_writer(comm::Communicator& c, model::ParamStore& store, comm::Timeout timeout) {
-  const bool writer = c.rank() == 0;
-  if (writer) store.set_moment_range(0, store.trainable_elements());
-  for (model::Role role : {model::Role::ExpAvg, model::Role::ExpAvgSq}) {
-    const auto read = [&](int64_t i, int64_t k, float* out) {
-      std::copy_n(store.flat(role).data() + (i - store.moment_range().begin), k, out);
-    };
-    const auto write = [&](int64_t i, int64_t k, const float* in) {
-      std::copy_n(in, k, store.mutable_flat(role).data() + i);
-    };
-    gather_shards(c, store.trainable_elements(), read, write, writer, timeout);
-  }
 }
 
 // 4c. The AdamW update at `step`, the same on every replica; returns the learning rate it used.
@@ -945,13 +903,6 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
   return sm;
 }
 
-// The checkpoint of the current step, and the loss picture beside it (rank 0 writes both).
-void save(Run& r, TrainResult& result) {
-  result.last_checkpoint = save_train_checkpoint(r.cfg.checkpoint.dir, r.ck, r.state, r.cfg.checkpoint.keep,
-                                                 r.options.before_checkpoint_rename);
-  if (!result.svg_path.empty()) io::write_file_atomically(result.svg_path, loss_svg(r.state.history, "ringflex train"));
-}
-
 // While it lives, the model holds `whole` (a whole-layout store for the writer; null: nothing changes) in place of
 // its held experts' store, which it gets back on every path.
 class HeldExpertsWhole {
@@ -970,44 +921,109 @@ class HeldExpertsWhole {
   std::unique_ptr<model::ParamStore> held_;
 };
 
-// The step's outputs, all written by rank 0 in one agreement (a failed write ends every rank together, with its
-// line): the metrics line, the progress, and on checkpoint steps (every checkpoint.every and the last) the
-// checkpoint and the picture.
+// The checkpoint of the current step, every rank writing its part, then the loss picture. Rank 0 made the
+// temporary directory (`pending`, in the agreement before) and writes the weights, each tensor read from the store
+// only while it is written (a collective read when the weights are sharded: the other ranks take part in each);
+// every rank writes its own moments when they are sharded, rank 0 all of them otherwise; rank 0 then renames the
+// directory into place. Each part ends in an agreement, so a failure on any rank (a full disk, a file-size limit)
+// ends every rank with its one line, and rank 0's `pending` removes the temporary directory as the error unwinds.
+void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait, Progress& progress,
+          TrainResult& result) {
+  const CheckpointSection& cfg = r.cfg.checkpoint;
+  const std::string tmp = checkpoint_temp_path(cfg.dir, r.state.step);
+  // Held experts (shard none): the writer's EP group gathers every expert's rows into the writer's whole-layout
+  // store, which stands in the model while it saves (expert_state.h).
+  std::unique_ptr<model::ParamStore> whole;
+  if (r.hold_experts && r.world.rank() < r.cfg.parallelism.ep)
+    whole = gather_held_experts(r.ck.model->params(), expert_groups(r));
+  const HeldExpertsWhole while_saving(*r.ck.model, r.lead ? std::move(whole) : nullptr);
+  const model::ParamStore& store = r.ck.model->params();
+  std::exception_ptr failed;
+  try {
+    if (const auto* lora = dynamic_cast<const model::LoraStore*>(&store)) {
+      // A LoRA run's weights are its adapters, in PEFT's files; the frozen base stays where model.path has it.
+      if (r.lead) model::save_peft_adapter(*lora, r.ck.text_prefix, r.ck.source, tmp);
+    } else if (r.lead || r.shard_full) {  // the other ranks take part in the reads only where they are collective
+      model::save_checkpoint(r.ck, tmp, {max_shard_bytes(cfg), r.lead});
+    }
+  } catch (...) {
+    failed = std::current_exception();  // save_checkpoint took part in every read before it threw
+  }
+  comm::agree(
+      r.world,
+      [&] {
+        if (failed) std::rethrow_exception(failed);
+      },
+      wait);
+  comm::agree(
+      r.world,
+      [&] {
+        if (r.shard_optimizer)
+          write_moments_shard(tmp, store, r.world.rank(), r.world.size());
+        else if (r.lead)
+          write_moments_whole(tmp, store);
+      },
+      wait);
+  PendingCheckpoint::MomentLayout moments;
+  if (r.shard_optimizer) {  // every rank's range, as its store holds it
+    moments.shard_mode = name_of(r.cfg.parallelism.shard);
+    const model::Shard mine = store.moment_range();
+    const int64_t range[2] = {mine.begin, mine.end};
+    std::vector<int64_t> all(2 * static_cast<size_t>(r.world.size()));
+    r.world.allgather(range, all.data(), sizeof range, r.timeout);
+    for (int k = 0; k < r.world.size(); ++k) moments.ranges.emplace_back(all[2 * k], all[2 * k + 1]);
+  }
+  comm::agree(
+      r.world,
+      [&] {
+        if (!r.lead) return;
+        result.last_checkpoint = pending->finish(store, r.state, moments, cfg.keep, r.options.before_checkpoint_rename);
+        pending.reset();
+        if (!result.svg_path.empty())
+          io::write_file_atomically(result.svg_path, loss_svg(r.state.history, "ringflex train"));
+        progress.note(rf::concat("step ", r.state.step, ": checkpoint ", result.last_checkpoint));
+      },
+      wait);
+  result.last_checkpoint = checkpoint_path(cfg.dir, r.state.step);  // known to every rank
+}
+
+// The step's outputs: the metrics line and the progress, written by rank 0 in one agreement (a failed write ends
+// every rank together, with its line), and on checkpoint steps (every checkpoint.every and the last) the checkpoint
+// and the picture.
 void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<MetricsFile>& metrics, Progress& progress,
                   TrainResult& result) {
   const CheckpointSection& ck = r.cfg.checkpoint;
   const bool save_now = !ck.dir.empty() && ((ck.every > 0 && sm.step % ck.every == 0) || is_last(r, sm.step));
-  model::ParamStore& store = r.ck.model->params();
-  // shard full: the writer reads whole tensors, so every rank gathers the weights for the save (one whole copy
-  // each, until the checkpoint writer streams tensors through ParamStore::read_weight).
-  if (save_now && r.sharded) r.sharded->unshard();
-  if (save_now && r.shard_optimizer) gather_moments_to_writer(r.world, store, r.timeout);
-  // Held experts: the writer's EP group gathers every expert's rows into the writer's whole-layout store, which
-  // stands in the model while it saves (expert_state.h).
-  std::unique_ptr<model::ParamStore> whole;
-  if (save_now && r.hold_experts && r.world.rank() < r.cfg.parallelism.ep)
-    whole = gather_held_experts(store, expert_groups(r));
-  // A save is waited for as long as its bytes take at the slowest write rate, beyond --timeout: only a rank that is
-  // gone or silent ends the job the hard way.
-  const comm::Timeout wait =
-      save_now ? save_wait(r.timeout, checkpoint_bytes(r.ck), r.options.slowest_checkpoint_write) : r.timeout;
-  const auto outputs = [&] {
+  std::optional<PendingCheckpoint> pending;  // rank 0's, while the ranks write the checkpoint
+  comm::agree(r.world, [&] {
     if (metrics) metrics->append(metrics_json_line(sm));
     progress.step(sm, eta_s, is_last(r, sm.step) || sm.val_loss.has_value());
     if (sm.val_loss) progress.note(rf::concat("step ", sm.step, ": validation loss ", *sm.val_loss));
-    if (save_now && r.lead) {
-      const HeldExpertsWhole while_saving(*r.ck.model, std::move(whole));
-      save(r, result);
-      progress.note(rf::concat("step ", sm.step, ": checkpoint ", result.last_checkpoint));
-    }
-  };
-  comm::agree(r.world, outputs, wait);
-  if (save_now) result.last_checkpoint = checkpoint_path(ck.dir, sm.step);  // known to every rank
-  if (save_now && r.shard_optimizer && r.lead) {                            // the writer keeps its own shard again
-    const model::Shard mine = model::shard_of(store.trainable_elements(), r.world.rank(), r.world.size());
-    store.set_moment_range(mine.begin, mine.end);
-  }
-  if (save_now && r.sharded) r.sharded->reshard();
+    if (save_now && r.lead) pending.emplace(ck.dir, sm.step);
+  });
+  if (!save_now) return;
+  // A save is waited for as long as its bytes take at the slowest write rate, beyond --timeout: only a rank that is
+  // gone or silent ends the job the hard way.
+  save(r, pending, save_wait(r.timeout, checkpoint_bytes(r.ck), r.options.slowest_checkpoint_write), progress, result);
+}
+
+// --stats: the memory check's terms for this run (per rank: every rank's figure is the same, shards being padded)
+// beside every rank's measured peak RSS (a collective), written by rank 0 in one agreement.
+void write_stats(Run& r, const std::string& path) {
+  const MemoryBreakdown need = train_memory_at_least(r.cfg, *r.ck.model, r.world.size());
+  const int64_t mine = peak_rss_bytes();
+  std::vector<int64_t> peaks(static_cast<size_t>(r.world.size()));
+  r.world.allgather(&mine, peaks.data(), sizeof mine, r.timeout);
+  comm::agree(r.world, [&] {
+    if (!r.lead) return;
+    nlohmann::json terms = nlohmann::json::array();
+    for (const MemoryBreakdown::Term& t : need.terms()) terms.push_back({{"kind", t.name}, {"bytes", t.bytes}});
+    const nlohmann::json j = {{"shard", name_of(r.cfg.parallelism.shard)},
+                              {"ranks", r.world.size()},
+                              {"memory_per_rank", {{"terms", terms}, {"total_bytes", need.total()}}},
+                              {"peak_rss_bytes", peaks}};
+    io::write_file_atomically(path, j.dump(2) + "\n");
+  });
 }
 
 }  // namespace
@@ -1080,6 +1096,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     }
     if (r.lead && !result.last_checkpoint.empty()) progress.note("checkpoint: " + result.last_checkpoint);
   });
+  if (!options.stats_path.empty()) write_stats(r, options.stats_path);
   if (r.sharded && options.whole_model) r.sharded->unshard();  // whole weights for the caller (every rank)
   result.model = std::move(r.ck.model);
   return result;

@@ -47,6 +47,9 @@ struct TrainOptions {
                                  // the checkpoint's steps and continues); empty: none
   std::string svg_path;          // the loss picture (end of run and every checkpoint); empty: <checkpoint.dir>/loss.svg
   std::FILE* progress = stdout;  // rank 0's progress lines; nullptr: silent
+  // --stats: rank 0 writes, at the end of the run, the memory check's per-rank bytes by kind for the run's shard mode
+  // (train_memory_at_least's terms) and every rank's measured peak RSS, as JSON; empty: none
+  std::string stats_path;
   // Runs inside a checkpoint save after its files are written, before the rename (tests fail a save there, or
   // make it slow).
   std::function<void(const std::string&)> before_checkpoint_rename;

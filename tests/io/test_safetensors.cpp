@@ -118,6 +118,42 @@ TEST(Safetensors, WritesTheLayoutPythonWrites) {
   EXPECT_LT(header.find("b_half"), header.find("c_wide"));
 }
 
+// A filled tensor's bytes are made while the file is written (one at a time, in the data order), and the file is
+// the one the same bytes added whole would give. A write that cannot happen still runs every fill (a fill may be a
+// collective other ranks wait in) before it throws.
+TEST(Safetensors, FillsRunInDataOrderAndMatchBorrowedBytes) {
+  const std::vector<std::byte> a = pattern(12, 1), b = pattern(6, 2), c = pattern(8, 3);
+  SafetensorsWriter whole;
+  whole.add("a", StDType::F32, {3}, std::span<const std::byte>(a));
+  whole.add("b", StDType::U16, {3}, std::span<const std::byte>(b));
+  whole.add("c", StDType::F64, {1}, std::span<const std::byte>(c));
+  std::vector<std::string> filled;
+  const auto fill_with = [&](const std::string& name, const std::vector<std::byte>& bytes) {
+    return [&filled, name, &bytes](std::span<std::byte> out) {
+      ASSERT_EQ(out.size(), bytes.size());
+      std::memcpy(out.data(), bytes.data(), bytes.size());
+      filled.push_back(name);
+    };
+  };
+  SafetensorsWriter lazy;
+  lazy.add_fill("a", StDType::F32, {3}, fill_with("a", a));
+  lazy.add("b", StDType::U16, {3}, std::span<const std::byte>(b));
+  lazy.add_fill("c", StDType::F64, {1}, fill_with("c", c));
+  EXPECT_EQ(lazy.data_order(), (std::vector<std::string>{"c", "a", "b"})) << "largest elements first, then by name";
+  EXPECT_EQ(lazy.serialize(), whole.serialize());
+  EXPECT_EQ(filled, (std::vector<std::string>{"c", "a"}));
+  EXPECT_EQ(lazy.file_bytes(), whole.serialize().size());
+
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "rf_io_fills_missing_dir";
+  std::filesystem::remove_all(dir);
+  filled.clear();
+  EXPECT_ERROR_HAS(lazy.write((dir / "x.safetensors").string()), "rf_io_fills_missing_dir");
+  EXPECT_EQ(filled, (std::vector<std::string>{"c", "a"})) << "the fills ran although nothing could be written";
+  filled.clear();
+  lazy.run_fills();
+  EXPECT_EQ(filled, (std::vector<std::string>{"c", "a"}));
+}
+
 TEST(Safetensors, WriterRejectsBadTensors) {
   const std::vector<float> four(4);
   SafetensorsWriter w;

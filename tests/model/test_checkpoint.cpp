@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -129,6 +131,101 @@ TEST(ModelCheckpoint, ForeignTensorsComeBackBitForBit) {
   // And nothing else: the model's own tensors plus the four.
   EXPECT_EQ(f.tensors().size(), ck.model->params().size() + ck.model->buffers().size() + 4);
   fs::remove_all(second);
+}
+
+// Above checkpoint.max_shard_size the weights go into model-0000k-of-0000n.safetensors and an index, split as
+// huggingface_hub splits (tensors in order, a file closed before a tensor that would take it past the limit, a tensor
+// larger than the limit alone): every tensor in the file the index names and nowhere else, total_size the sum of the
+// tensors' bytes, each file within the limit unless it holds one larger tensor, and no file that the next file's first
+// tensor would still have fitted. The folder loads back bit for bit; saving it again in one file drops the index (it
+// would shadow the new file), and the sharded save drops a stale single file.
+TEST(ModelCheckpoint, SplitsIntoIndexedFilesAboveTheLimit) {
+  Checkpoint ck;
+  ck.model = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kConfig), 3);
+  ck.model->init_random(8, 0.2f);
+  ck.passthrough.own("model.vision_tower.big", io::StDType::BF16, {300}, std::vector<std::byte>(600, std::byte{7}));
+  const fs::path dir = scratch("split");
+  save_checkpoint(ck, dir.string());  // one file first: the sharded save must drop it
+  ASSERT_TRUE(fs::exists(dir / "model.safetensors"));
+  constexpr int64_t kLimit = 500;  // bytes: several tensors a file, the 600-byte tower tensor and the embeddings alone
+  SaveOptions options;
+  options.max_shard_bytes = kLimit;
+  save_checkpoint(ck, dir.string(), options);
+  EXPECT_FALSE(fs::exists(dir / "model.safetensors"));
+  std::ifstream in(dir / "model.safetensors.index.json");
+  const nlohmann::json index = nlohmann::json::parse(in);
+  const auto& map = index.at("weight_map");
+  std::map<std::string, std::vector<std::string>> by_file;
+  for (const auto& [name, file] : map.items()) by_file[file.get<std::string>()].push_back(name);
+  const size_t n = by_file.size();
+  ASSERT_GT(n, 3u);
+  uint64_t total = 0;
+  std::vector<uint64_t> file_bytes, first_bytes;
+  size_t k = 1;
+  for (const auto& [file, names] : by_file) {  // sorted by name: file k of n in order
+    char expected[64];
+    std::snprintf(expected, sizeof expected, "model-%05zu-of-%05zu.safetensors", k++, n);
+    EXPECT_EQ(file, expected);
+    const io::SafetensorsFile f = io::SafetensorsFile::open((dir / file).string());
+    EXPECT_EQ(f.tensors().size(), names.size()) << file << " holds tensors the index does not name";
+    EXPECT_EQ(f.metadata().at("format"), "pt");
+    uint64_t bytes = 0;
+    for (const std::string& name : names) {
+      ASSERT_NE(f.find(name), nullptr) << name << " is not in " << file;
+      bytes += f.find(name)->bytes.size();
+    }
+    EXPECT_TRUE(bytes <= kLimit || names.size() == 1) << file << " holds " << bytes << " bytes";
+    total += bytes;
+  }
+  EXPECT_EQ(index.at("metadata").at("total_size").get<uint64_t>(), total);
+  const Checkpoint back = load_checkpoint(dir.string());
+  const TensorSet written = ck.model->params().snapshot(Role::Weights),
+                  read = back.model->params().snapshot(Role::Weights);
+  ASSERT_EQ(read.size(), written.size());
+  for (size_t i = 0; i < written.size(); ++i) EXPECT_EQ(read[i].data, written[i].data) << written[i].name;
+  ASSERT_NE(back.passthrough.find("model.vision_tower.big"), nullptr);
+  EXPECT_EQ(back.model->buffers()[0].data, ck.model->buffers()[0].data);
+
+  save_checkpoint(ck, dir.string());  // one file again: the index must go, or it would shadow it
+  EXPECT_FALSE(fs::exists(dir / "model.safetensors.index.json"));
+  EXPECT_EQ(load_checkpoint(dir.string()).model->params().snapshot(Role::Weights)[0].data, written[0].data);
+  fs::remove_all(dir);
+}
+
+// The greedy order of the split: each file closes only when the next tensor would not fit it, so no two consecutive
+// files of small tensors could have been one (checked on a model whose tensors are all far below the limit).
+TEST(ModelCheckpoint, SplitClosesAFileOnlyWhenTheNextTensorDoesNotFit) {
+  Checkpoint ck;
+  ck.model = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kConfig));
+  const fs::path dir = scratch("split_greedy");
+  SaveOptions options;
+  // Above every tensor of kConfig: the largest, the full-attention layer's q_proj and o_proj ([2 heads x Gemma 4's
+  // default global_head_dim 512, 8] float32), are 32768 bytes; the model's ~110 KB make a few files.
+  constexpr uint64_t kLimit = 40000;
+  options.max_shard_bytes = kLimit;
+  save_checkpoint(ck, dir.string(), options);
+  std::ifstream in(dir / "model.safetensors.index.json");
+  const nlohmann::json index = nlohmann::json::parse(in);
+  // Each file's bytes, and each tensor's file and bytes in the model's order (parameters as registered, then buffers).
+  std::vector<std::string> order;
+  for (const ParamInfo& p : ck.model->params().infos()) order.push_back(p.name);
+  for (const Tensor& t : ck.model->buffers()) order.push_back(t.name);
+  std::map<std::string, uint64_t> bytes_of_file;
+  std::vector<std::pair<std::string, uint64_t>> sequence;  // (file, bytes) in the model's order
+  for (const std::string& name : order) {
+    const std::string file = index.at("weight_map").at(name).get<std::string>();
+    const io::SafetensorsFile f = io::SafetensorsFile::open((dir / file).string());
+    const uint64_t b = f.find(name)->bytes.size();
+    bytes_of_file[file] += b;
+    sequence.emplace_back(file, b);
+  }
+  for (size_t i = 1; i < sequence.size(); ++i) {
+    if (sequence[i].first == sequence[i - 1].first) continue;
+    EXPECT_GT(bytes_of_file[sequence[i - 1].first] + sequence[i].second, kLimit)
+        << order[i] << " would have fitted in " << sequence[i - 1].first;
+    EXPECT_GT(sequence[i].first, sequence[i - 1].first) << "the files follow the model's order at " << order[i];
+  }
+  fs::remove_all(dir);
 }
 
 // A foreign tensor named like one of the model's would be written twice: the save refuses rather than pick one.

@@ -147,6 +147,32 @@ wrap=()
 check_failed_cleanly size_limit '^ringflex: error: rank 0: .*/\.step-00000002\.tmp/optimizer\.safetensors: write failed: File too large$'
 [ "$(wc -l <"$work/size_limit/m.jsonl")" -eq 2 ] || fail "the metrics file does not hold steps 1 and 2"
 
+# The multi-file layout: the weights in model-0000k-of-0000n.safetensors and an index (checkpoint.max_shard_size) and
+# the moments one file a rank (shard optimizer), against a fault-free run of that config. A full disk at the second
+# weight file (rank 0 writes the weights), at the index, and at rank 1's moment file (the line names rank 1): the
+# step-2 checkpoint stays intact, nothing temporary is left, and resuming ends on the reference.
+plain_config=("${config[@]}")
+config+=(--set checkpoint.max_shard_size=200KB --set parallelism.shard=optimizer)
+current=reference_multi
+run ref_multi 4
+[ "$code" -eq 0 ] || fail "the fault-free multi-file run failed (exit $code)"
+ls "$work/ref_multi/ck/step-00000004/model-00002-of-"* >/dev/null 2>&1 || fail "the weights are not in several files"
+ref=ref_multi
+multi_full() {  # NAME HOOK RANK REGEX
+  current=$1
+  RINGFLEX_FAIL_WRITE=$2 run "$1" 4
+  check_failed_cleanly "$1" "^ringflex: error: rank $3: .*$4: write failed: No space left on device$"
+  [ -d "$work/$1/ck/step-00000002" ] || fail "the step-2 checkpoint is missing"
+}
+multi_full multi_weights 3:step-00000004.tmp/model-00002-of- 0 \
+  '/\.step-00000004\.tmp/model-00002-of-[0-9]{5}\.safetensors'
+multi_full multi_index 1:step-00000004.tmp/model.safetensors.index.json 0 \
+  '/\.step-00000004\.tmp/model\.safetensors\.index\.json'
+multi_full multi_moments 1:step-00000004.tmp/optimizer-00002-of- 1 \
+  "/\\.step-00000004\\.tmp/optimizer-00002-of-0000$ranks\\.safetensors"
+for name in multi_weights multi_index multi_moments; do check_resumes "$name" 4; done
+config=("${plain_config[@]}")
+
 ref=ref12
 # Rank 1 of this job, once the step-2 checkpoint exists (the job is in step 3 or later): its pid, found by a mark
 # in the job's environment (other jobs run ringflex ranks too).

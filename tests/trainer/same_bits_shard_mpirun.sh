@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # parallelism.shard = optimizer under a real mpirun gives the bits of shard none at the same grid: every step's loss
-# and gradient norm in the metrics, and the final checkpoint's weights and AdamW moments byte for byte (the moments
-# gathered from every rank's shard to the writer). parallelism.shard = gradients and full give them too when a
+# and gradient norm in the metrics, the final checkpoint's weights byte for byte and its AdamW moments value for value
+# (each rank writes its shard's; read back here from optimizer.json's files). parallelism.shard = gradients and full give them too when a
 # replica runs one micro-batch a step (GRADIENTS = bits); with gradient accumulation (GRADIENTS = rounding) they
 # reduce each micro-batch where shard none reduces their sum, so they are held to rounding against none (and full
 # to gradients' bits: the same sums added in the same order): every weight of the final checkpoint
@@ -39,12 +39,40 @@ for a, b in zip(none, shard):
         assert a.get(key) == b.get(key), f"step {a['step']}: {key} {a.get(key)!r} vs {b.get(key)!r}"
 print("same losses and norms:", [r["loss"] for r in shard])
 PY
-for file in model.safetensors optimizer.safetensors; do
-  cmp "$work/none/step-00000003/$file" "$work/optimizer/step-00000003/$file"
-done
-echo "shard optimizer: same checkpoint bytes"
-for file in model.safetensors optimizer.safetensors; do
-  cmp "$work/gradients/step-00000003/$file" "$work/full/step-00000003/$file"
+# The moments of two checkpoints, equal value for value: shard none's optimizer.safetensors (per parameter) against
+# a sharded run's optimizer.json and one file a rank (flat ranges of the trainable layout).
+same_moments() {
+  python3 - "$1" "$2" <<'PY'
+import array, json, os, struct, sys
+def tensors(path):  # name -> float32 values of a safetensors file
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    return {name: array.array("f", raw[8 + n + t["data_offsets"][0]:8 + n + t["data_offsets"][1]])
+            for name, t in header.items() if name != "__metadata__"}
+whole = tensors(os.path.join(sys.argv[1], "optimizer.safetensors"))
+layout = json.load(open(os.path.join(sys.argv[2], "optimizer.json")))
+flat = {"exp_avg": array.array("f"), "exp_avg_sq": array.array("f")}
+for f in layout["files"]:
+    part = tensors(os.path.join(sys.argv[2], f["file"]))
+    for k in flat:
+        assert len(part[k]) == f["end"] - f["begin"], (f, k)
+        flat[k].extend(part[k])
+assert len(layout["files"]) == layout["ranks"], layout["files"]
+for p in layout["parameters"]:
+    n = 1
+    for d in p["shape"]:
+        n *= d
+    for k in flat:
+        assert flat[k][p["offset"]:p["offset"] + n] == whole[k + "." + p["name"]], f"{k} of {p['name']} differs"
+assert 2 * len(layout["parameters"]) == len(whole), "the sharded files miss parameters"
+PY
+}
+cmp "$work/none/step-00000003/model.safetensors" "$work/optimizer/step-00000003/model.safetensors"
+same_moments "$work/none/step-00000003" "$work/optimizer/step-00000003"
+echo "shard optimizer: same weights' bytes, same moments (one file a rank)"
+for file in "$work/gradients/step-00000003"/model.safetensors "$work/gradients/step-00000003"/optimizer-*; do
+  cmp "$file" "$work/full/step-00000003/$(basename "$file")"
 done
 python3 - "$work/gradients.jsonl" "$work/full.jsonl" <<'PY'
 import json, sys
@@ -64,9 +92,8 @@ assert all("shard_comm_wait_s" not in json.loads(l) for l in open(sys.argv[1]))
 PY
 echo "shard full: shard gradients' losses, norms and checkpoint bytes"
 if [ "$gradients" = bits ]; then
-  for file in model.safetensors optimizer.safetensors; do
-    cmp "$work/none/step-00000003/$file" "$work/gradients/step-00000003/$file"
-  done
+  cmp "$work/none/step-00000003/model.safetensors" "$work/gradients/step-00000003/model.safetensors"
+  same_moments "$work/none/step-00000003" "$work/gradients/step-00000003"
   python3 - "$work/none.jsonl" "$work/gradients.jsonl" <<'PY'
 import json, sys
 none = [json.loads(l) for l in open(sys.argv[1])]

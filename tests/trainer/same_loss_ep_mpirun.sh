@@ -38,7 +38,9 @@ for e in 1 "$ep" "$other"; do
     >/dev/null
 done
 cmp "$work/ep$ep/step-00000003/model.safetensors" "$work/resumed$ep/step-00000003/model.safetensors"
-cmp "$work/ep$ep/step-00000003/optimizer.safetensors" "$work/resumed$ep/step-00000003/optimizer.safetensors"
+for f in "$work/ep$ep/step-00000003"/optimizer*; do  # optimizer.safetensors, or the sharded files and their layout
+  cmp "$f" "$work/resumed$ep/step-00000003/$(basename "$f")"
+done
 python3 - "$work/ep$ep/step-00000003/model.safetensors" "$work/resumed$other/step-00000003/model.safetensors" <<'PY'
 import array, json, struct, sys
 def tensors(path):  # name -> float32 values of a safetensors file

@@ -139,6 +139,27 @@ TEST(TrainConfig, NonScalarKeysNameTheFileAndLine) {
             "config: field `model.freeze` must be a list of strings");
 }
 
+// checkpoint.max_shard_size reads as transformers reads max_shard_size: plain bytes, or a number with a decimal unit
+// (huggingface_hub: KB = 1000 bytes) or a binary one (KiB = 1024), in any case; nothing else, and never below a byte.
+TEST(TrainConfig, MaxShardSizeIsTransformersSize) {
+  const auto bytes = [](const std::string& v) {
+    return max_shard_bytes(parse_config("", "t", {"checkpoint.max_shard_size=" + v}).checkpoint);
+  };
+  EXPECT_EQ(max_shard_bytes(TrainConfig{}.checkpoint), int64_t{50'000'000'000});  // transformers' "50GB"
+  EXPECT_EQ(bytes("4096"), 4096);
+  EXPECT_EQ(bytes("200KB"), 200'000);
+  EXPECT_EQ(bytes("5gb"), 5'000'000'000);
+  EXPECT_EQ(bytes("1.5MB"), 1'500'000);
+  EXPECT_EQ(bytes("2MiB"), 2 * 1024 * 1024);
+  EXPECT_EQ(bytes("1 TiB"), int64_t{1} << 40);
+  for (const char* bad : {"", "GB", "0", "0.5", "5XB", "-5MB", "5MB5", "1e30TB"})
+    EXPECT_NE(error_of([&] { bytes(bad); }).find("checkpoint.max_shard_size"), std::string::npos) << bad;
+  EXPECT_NE(error_of([] {
+              validate(parse_config("", "t", {"checkpoint.max_shard_size=big"}), 1);
+            }).find("is not a positive size"),
+            std::string::npos);
+}
+
 TEST(TrainConfig, CrossFieldRules) {
   const auto check = [](const std::vector<std::string>& sets, int ranks) {
     return error_of([&] { validate(parse_config("", "x", sets), ranks); });

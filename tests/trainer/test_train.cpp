@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -13,6 +14,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "comm/loopback_comm.h"
@@ -218,11 +220,42 @@ std::string file_bytes(const fs::path& p) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
+// AdamW's moments of checkpoint `ck` as two arrays in the trainable layout, read straight from its files in either
+// layout (trainer/checkpoint.h): optimizer.safetensors's per-parameter tensors in the trainable order of `store`, or
+// the sharded files' ranges in the order optimizer.json lists them.
+std::pair<std::vector<float>, std::vector<float>> moments_of(const fs::path& ck, const model::ParamStore& store) {
+  std::vector<float> m, v;
+  const auto append = [](std::vector<float>& out, const io::TensorView& t) {
+    EXPECT_EQ(t.dtype, io::StDType::F32) << t.name;
+    const size_t at = out.size();
+    out.resize(at + t.bytes.size() / sizeof(float));
+    std::memcpy(out.data() + at, t.bytes.data(), t.bytes.size());
+  };
+  if (fs::exists(ck / "optimizer.json")) {
+    std::ifstream in(ck / "optimizer.json");
+    const nlohmann::json layout = nlohmann::json::parse(in);
+    for (const auto& f : layout.at("files")) {
+      const io::SafetensorsFile file = io::SafetensorsFile::open((ck / f.at("file").get<std::string>()).string());
+      append(m, file.at("exp_avg"));
+      append(v, file.at("exp_avg_sq"));
+    }
+  } else {
+    const io::SafetensorsFile file = io::SafetensorsFile::open((ck / "optimizer.safetensors").string());
+    for (const model::ParamInfo& p : store.infos()) {
+      if (!p.trainable) continue;
+      append(m, file.at("exp_avg." + p.name));
+      append(v, file.at("exp_avg_sq." + p.name));
+    }
+  }
+  EXPECT_EQ(static_cast<int64_t>(m.size()), store.trainable_elements()) << ck;
+  return {m, v};
+}
+
 // parallelism.shard = optimizer (ZeRO-1): each rank keeps AdamW's moments for its shard of the trainable
 // parameters (any count: shards are padded), updates those elements alone, and takes the others' from their owners.
 // An element's update depends on that element alone, so every loss, gradient norm and weight, and the checkpoint
-// files (the moments gathered to the writer), are the bits of shard none at the same grid: N = 1 to 4, dense and
-// MoE, CP and DP, frozen parameters and gradient accumulation.
+// files (the model's bytes; the moments, which each rank writes for its shard, as values), are the bits of shard none
+// at the same grid: N = 1 to 4, dense and MoE, CP and DP, frozen parameters and gradient accumulation.
 TEST(ShardOptimizer, SameBitsAsShardNoneAtEveryGrid) {
   const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
       {"tiny_dense", {}},
@@ -249,17 +282,20 @@ TEST(ShardOptimizer, SameBitsAsShardNoneAtEveryGrid) {
       EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
     }
     EXPECT_EQ(flat_params(*sharded.model), flat_params(*none.model)) << what;
-    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
-      EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / file), file_bytes(fs::path(none.last_checkpoint) / file))
-          << what << ": " << file;
+    EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / "model.safetensors"),
+              file_bytes(fs::path(none.last_checkpoint) / "model.safetensors"))
+        << what;
+    EXPECT_EQ(moments_of(sharded.last_checkpoint, sharded.model->params()),
+              moments_of(none.last_checkpoint, none.model->params()))
+        << what;
     ++i;
   }
   fs::remove_all(dir);
 }
 
-// A checkpoint holds whole tensors whatever the shard mode and rank count that wrote it, so a run resumes at any
-// other: at the same grid in the other mode, bit for bit; at other rank counts, the same training (the reduction
-// order changes with the grid, as GridInvariance allows for).
+// A checkpoint's moments are read by range from whichever files hold them, whatever the shard mode and rank count
+// that wrote it, so a run resumes at any other: at the same grid in the other mode, bit for bit; at other rank counts,
+// the same training (the reduction order changes with the grid, as GridInvariance allows for).
 TEST(ShardOptimizer, ResumesAcrossModesAndRankCounts) {
   const fs::path dir = scratch("shard_resume");
   const auto config = [&](std::vector<std::string> sets) {
@@ -279,6 +315,109 @@ TEST(ShardOptimizer, ResumesAcrossModesAndRankCounts) {
   expect_same_losses(tail, run(config({"parallelism.dp=2", "parallelism.shard=optimizer"}), resume), "N = 2");
   expect_same_losses(tail, run(config({"parallelism.dp=4", "parallelism.shard=optimizer"}), resume), "N = 4, dp");
   expect_same_losses(tail, run(config({"parallelism.shard=none"}), resume), "N = 1");
+  fs::remove_all(dir);
+}
+
+// Checkpoint `from` copied to `to` with its moments rewritten by the test in the other layout: a sharded checkpoint's
+// as one optimizer.safetensors of per-parameter tensors; a whole one's as optimizer.json and files of the uneven
+// ranges `cuts` (boundaries inside the trainable layout, not any rank count's shards).
+void rewrite_moments(const fs::path& from, const fs::path& to, const model::ParamStore& store,
+                     const std::vector<int64_t>& cuts) {
+  fs::remove_all(to);
+  fs::create_directories(to);
+  for (const auto& e : fs::directory_iterator(from)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("optimizer", 0) != 0) fs::copy_file(e.path(), to / name);
+  }
+  const auto [m, v] = moments_of(from, store);
+  io::SafetensorsWriter w;
+  const auto range = [](const std::vector<float>& a, int64_t begin, int64_t n) {
+    return std::span<const float>(a.data() + begin, static_cast<size_t>(n));
+  };
+  if (fs::exists(from / "optimizer.json")) {
+    for (const model::ParamInfo& p : store.infos()) {
+      if (!p.trainable) continue;
+      w.add("exp_avg." + p.name, io::StDType::F32, p.shape, range(m, p.train_offset, p.numel));
+      w.add("exp_avg_sq." + p.name, io::StDType::F32, p.shape, range(v, p.train_offset, p.numel));
+    }
+    w.write((to / "optimizer.safetensors").string());
+    return;
+  }
+  nlohmann::json params = nlohmann::json::array(), files = nlohmann::json::array();
+  for (const model::ParamInfo& p : store.infos())
+    if (p.trainable) params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.train_offset}});
+  std::vector<int64_t> bounds = {0};
+  bounds.insert(bounds.end(), cuts.begin(), cuts.end());
+  bounds.push_back(store.trainable_elements());
+  for (size_t k = 0; k + 1 < bounds.size(); ++k) {
+    const std::string file = "part" + std::to_string(k) + ".safetensors";
+    io::SafetensorsWriter part;
+    const int64_t n = bounds[k + 1] - bounds[k];
+    part.add("exp_avg", io::StDType::F32, {n}, range(m, bounds[k], n));
+    part.add("exp_avg_sq", io::StDType::F32, {n}, range(v, bounds[k], n));
+    part.write((to / file).string());
+    files.push_back({{"file", file}, {"begin", bounds[k]}, {"end", bounds[k + 1]}});
+  }
+  const nlohmann::json layout = {{"format", "ringflex-moments-1"}, {"shard", "optimizer"},
+                                 {"ranks", files.size()},          {"trainable_elements", store.trainable_elements()},
+                                 {"parameters", params},           {"files", files}};
+  std::ofstream((to / "optimizer.json").string()) << layout.dump();
+}
+
+// The moments re-shard exactly: a run resumed from a checkpoint whose moments are sharded over 4 ranks (each rank's
+// file) gives the bits of the same run resumed from those moments rewritten by the test as one whole file, at N = 2
+// (shard optimizer: each rank reads the parts of two files), N = 3 (ranges that straddle files) and N = 1 (shard
+// none); and the other way, a whole checkpoint (N = 1, shard none) and the test's three uneven files give the same
+// bits at N = 4 shard optimizer, N = 2 shard gradients and N = 3 shard full; and a checkpoint saved under shard full
+// at N = 4 against its moments rewritten whole, at N = 2 shard optimizer. Either way both runs compute the same
+// arithmetic from the same values, so any element read from the wrong place shows as a difference.
+TEST(ShardOptimizer, ReshardsTheMomentsExactlyAtAnyRankCount) {
+  const fs::path dir = scratch("reshard");
+  const auto config = [&](const fs::path& out, std::vector<std::string> sets) {
+    sets.insert(sets.end(),
+                {"train.steps=3", "checkpoint.every=2", "train.global_batch=12", "checkpoint.dir=" + out.string()});
+    return small("tiny_dense", sets);
+  };
+  const Trained four =
+      run(config(dir / "four", {"parallelism.cp=2", "parallelism.dp=2", "parallelism.shard=optimizer"}));
+  const fs::path sharded = dir / "four" / "step-00000002", whole = dir / "rewritten" / "step-00000002";
+  ASSERT_TRUE(fs::exists(sharded / "optimizer-00004-of-00004.safetensors"));
+  rewrite_moments(sharded, whole, four.model->params(), {});
+  const auto same_bits = [&](const fs::path& a, const fs::path& b, const std::vector<std::string>& grid,
+                             const std::string& what) {
+    TrainOptions from_a, from_b;
+    from_a.resume = a.string();
+    from_b.resume = b.string();
+    const Trained x = run(config(dir / "x", grid), from_a), y = run(config(dir / "y", grid), from_b);
+    ASSERT_EQ(x.steps.size(), 1u) << what;
+    ASSERT_EQ(y.steps.size(), 1u) << what;
+    EXPECT_EQ(x.steps[0].loss, y.steps[0].loss) << what;
+    EXPECT_EQ(x.steps[0].grad_norm, y.steps[0].grad_norm) << what;
+    EXPECT_EQ(flat_params(*x.model), flat_params(*y.model)) << what;
+    EXPECT_EQ(moments_of(x.last_checkpoint, x.model->params()), moments_of(y.last_checkpoint, y.model->params()))
+        << what;
+  };
+  same_bits(sharded, whole, {"parallelism.dp=2", "parallelism.shard=optimizer"}, "4 files at N = 2");
+  same_bits(sharded, whole, {"parallelism.dp=3", "parallelism.shard=optimizer"}, "4 files at N = 3");
+  same_bits(sharded, whole, {"parallelism.shard=none"}, "4 files at N = 1");
+
+  const Trained one = run(config(dir / "one", {"parallelism.shard=none"}));
+  const fs::path one_whole = dir / "one" / "step-00000002", uneven = dir / "uneven" / "step-00000002";
+  ASSERT_TRUE(fs::exists(one_whole / "optimizer.safetensors"));
+  const int64_t n = one.model->params().trainable_elements();
+  rewrite_moments(one_whole, uneven, one.model->params(), {n / 7, n / 7 + 1, n / 2 + 3});
+  same_bits(one_whole, uneven, {"parallelism.cp=2", "parallelism.dp=2", "parallelism.shard=optimizer"},
+            "a whole file at N = 4");
+  same_bits(one_whole, uneven, {"parallelism.dp=2", "parallelism.shard=gradients"}, "a whole file at N = 2");
+  same_bits(one_whole, uneven, {"parallelism.dp=3", "parallelism.shard=full"}, "a whole file at N = 3 full");
+
+  // Saved under shard full (each rank's moments its own file, the weights gathered tensor by tensor), resumed at
+  // N = 2 shard optimizer.
+  const Trained full = run(config(dir / "full", {"parallelism.cp=2", "parallelism.dp=2", "parallelism.shard=full"}));
+  const fs::path full_sharded = dir / "full" / "step-00000002", full_whole = dir / "full_whole" / "step-00000002";
+  ASSERT_TRUE(fs::exists(full_sharded / "optimizer-00004-of-00004.safetensors"));
+  rewrite_moments(full_sharded, full_whole, full.model->params(), {});
+  same_bits(full_sharded, full_whole, {"parallelism.dp=2", "parallelism.shard=optimizer"}, "4 full files at N = 2");
   fs::remove_all(dir);
 }
 
@@ -345,10 +484,12 @@ TEST(ShardGradients, ShardNoneBitsWithoutAccumulationAndItsTrainingWith) {
           EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
         }
         EXPECT_EQ(b, a) << what;
-        for (const char* file : {"model.safetensors", "optimizer.safetensors"})
-          EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / file),
-                    file_bytes(fs::path(none.last_checkpoint) / file))
-              << what << ": " << file;
+        EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / "model.safetensors"),
+                  file_bytes(fs::path(none.last_checkpoint) / "model.safetensors"))
+            << what;
+        EXPECT_EQ(moments_of(sharded.last_checkpoint, sharded.model->params()),
+                  moments_of(none.last_checkpoint, none.model->params()))
+            << what;
       } else {
         expect_same_losses(none, sharded, what);
         double worst = 0.0, total = 0.0;
@@ -428,9 +569,10 @@ TEST(ShardFull, PerLayerEmbeddingsAndKvSharingGiveShardNoneBits) {
   fs::remove_all(dir);
 }
 
-// A checkpoint written under shard full holds whole tensors (every rank gathers them for the save): at the same grid
-// shard none's bytes, and it resumes at other rank counts and modes (save at N = 4 full, resume at N = 2 optimizer
-// and N = 1 none: the same training, the reduction order changing with the grid as GridInvariance allows for).
+// A checkpoint written under shard full holds whole tensors, each gathered to the writer while it is written, and each
+// rank's moments in a file of its own: at the same grid shard none's weights' bytes and moments, and it resumes at
+// other rank counts and modes (save at N = 4 full, resume at N = 2 optimizer and N = 1 none: the same training, the
+// reduction order changing with the grid as GridInvariance allows for).
 TEST(ShardFull, CheckpointsHoldWholeTensorsAndResumeAcrossModesAndRankCounts) {
   const fs::path dir = scratch("shard_full_resume");
   const auto config = [&](std::vector<std::string> sets, const std::string& root) {
@@ -445,9 +587,16 @@ TEST(ShardFull, CheckpointsHoldWholeTensorsAndResumeAcrossModesAndRankCounts) {
                  (dir / "full").string()));
   ASSERT_EQ(full.steps.size(), 4u);
   EXPECT_EQ(flat_params(*full.model), flat_params(*none.model));  // one micro-batch a replica: the bits
-  for (const char* step : {"step-00000002", "step-00000004"})
-    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
-      EXPECT_EQ(file_bytes(dir / "full" / step / file), file_bytes(dir / "none" / step / file)) << step << file;
+  for (const char* step : {"step-00000002", "step-00000004"}) {
+    EXPECT_EQ(file_bytes(dir / "full" / step / "model.safetensors"),
+              file_bytes(dir / "none" / step / "model.safetensors"))
+        << step;
+    EXPECT_EQ(moments_of(dir / "full" / step, full.model->params()),
+              moments_of(dir / "none" / step, none.model->params()))
+        << step;
+  }
+  EXPECT_TRUE(fs::exists(dir / "full" / "step-00000002" / "optimizer-00004-of-00004.safetensors"))
+      << "each rank writes its moments";
   TrainOptions resume;
   resume.resume = (dir / "full" / "step-00000002").string();
   Trained tail;
@@ -511,6 +660,39 @@ TEST(ShardGradients, ResumesAcrossModesAndRankCounts) {
   expect_same_losses(tail, run(config({"parallelism.dp=2", "parallelism.shard=optimizer"}), resume), "N = 2");
   expect_same_losses(tail, run(config({"parallelism.dp=4", "parallelism.shard=gradients"}), resume), "N = 4");
   expect_same_losses(tail, run(config({"parallelism.shard=none"}), resume), "N = 1");
+  fs::remove_all(dir);
+}
+
+// --stats: the memory check's per-rank terms for the run's shard mode (the same figures the up-front check used),
+// by kind, and every rank's measured peak RSS: under full the weight shard, the gathered weights, the gradients, the
+// moments, the communication buffers and the activations; under none the whole weights instead of a shard.
+TEST(TrainStats, MemoryByKindAndEveryRanksPeak) {
+  const fs::path dir = scratch("stats");
+  fs::create_directories(dir);
+  for (const std::string mode : {"none", "full"}) {
+    TrainOptions o;
+    o.stats_path = (dir / (mode + ".json")).string();
+    const TrainConfig c = small("tiny_dense", {"train.steps=1", "parallelism.cp=2", "parallelism.shard=" + mode});
+    const Trained t = run(c, o);
+    std::ifstream in(o.stats_path);
+    const nlohmann::json j = nlohmann::json::parse(in);
+    EXPECT_EQ(j.at("shard"), mode);
+    EXPECT_EQ(j.at("ranks"), 2);
+    ASSERT_EQ(j.at("peak_rss_bytes").size(), 2u);
+    for (const auto& p : j.at("peak_rss_bytes")) EXPECT_GT(p.get<int64_t>(), 0) << mode;
+    const MemoryBreakdown need = train_memory_at_least(c, *t.model, 2);
+    EXPECT_EQ(j.at("memory_per_rank").at("total_bytes").get<int64_t>(), need.total()) << mode;
+    std::set<std::string> kinds;
+    for (const auto& term : j.at("memory_per_rank").at("terms")) {
+      kinds.insert(term.at("kind").get<std::string>());
+      EXPECT_EQ(term.at("bytes").get<int64_t>(), need.of(term.at("kind").get<std::string>())) << mode;
+    }
+    const std::vector<std::string> expected =
+        mode == "full" ? std::vector<std::string>{"weight shard",  "gathered weights",      "gradients",
+                                                  "AdamW moments", "communication buffers", "activations"}
+                       : std::vector<std::string>{"weights", "gradients", "AdamW moments", "activations"};
+    for (const std::string& kind : expected) EXPECT_TRUE(kinds.contains(kind)) << mode << ": no `" << kind << "`";
+  }
   fs::remove_all(dir);
 }
 

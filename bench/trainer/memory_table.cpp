@@ -1,0 +1,123 @@
+// memory_table: the memory model's per-rank bytes for training the real Gemma 4 text models (issue 22's Benchmark
+// table), computed, not measured: trainer::train_memory_at_least (what `ringflex train` checks before it allocates)
+// over each model's parameter registry, built from its config.json as shapes only (nothing is allocated).
+//
+//   memory_table CONFIG.json... [--ranks 8,16,32,64] [--tokens 32768,65536,131072]
+//
+// Each config is a Gemma 4 text config.json (bench/trainer/configs: the shapes of E2B, E4B, 26B-A4B and 31B from
+// transformers' convert_gemma4_weights.py variants). A row of S tokens is split over N = cp ranks (dp 1, one row a
+// step, train.recompute on, float32 compute, every parameter trainable); each cell is the total per rank in GiB for
+// parallelism.shard none | optimizer | gradients | full. After the tables, the breakdown by kind of one cell per model
+// (N = 32, S = 65536). Prints Markdown.
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/memory.h"
+#include "model/gemma4.h"
+#include "trainer/config.h"
+#include "trainer/trainer.h"
+
+namespace {
+
+using rf::trainer::ShardMode;
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr int kBreakdownRanks = 32;
+constexpr int kBreakdownTokens = 65536;
+constexpr double kShownGiB = 0.05;  // the breakdown's smallest term shown: below a rounding of the table's 0.1
+
+std::vector<int> parse_list(const std::string& text) {
+  std::vector<int> out;
+  std::stringstream s(text);
+  std::string item;
+  while (std::getline(s, item, ',')) out.push_back(std::stoi(item));
+  return out;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  RF_CHECK(in.good(), path, ": cannot open");
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+rf::MemoryBreakdown need(const rf::model::Gemma4Model& m, int ranks, int tokens, ShardMode mode) {
+  rf::trainer::TrainConfig c;
+  c.parallelism.cp = ranks;
+  c.parallelism.dp = 1;
+  c.parallelism.shard = mode;
+  c.train.seq_len = tokens;
+  c.train.global_batch = 1;
+  c.train.micro_batch = 1;
+  c.data.val_rows = 0;
+  return rf::trainer::train_memory_at_least(c, m, ranks);
+}
+
+std::string gib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", static_cast<double>(bytes) / kGiB);
+  return bytes < 0 ? "overflow" : buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    std::vector<std::string> configs;
+    std::vector<int> ranks = {8, 16, 32, 64}, tokens = {32768, 65536, 131072};
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--ranks" && i + 1 < argc)
+        ranks = parse_list(argv[++i]);
+      else if (a == "--tokens" && i + 1 < argc)
+        tokens = parse_list(argv[++i]);
+      else
+        configs.push_back(a);
+    }
+    RF_CHECK(!configs.empty(), "usage: memory_table CONFIG.json... [--ranks 8,16,32,64] [--tokens 32768,65536,131072]");
+    const ShardMode modes[] = {ShardMode::None, ShardMode::Optimizer, ShardMode::Gradients, ShardMode::Full};
+    std::vector<std::pair<std::string, rf::MemoryBreakdown>> breakdowns;
+    for (const std::string& path : configs) {
+      const rf::model::Gemma4Config cfg = rf::model::Gemma4Config::from_json(read_file(path), path);
+      const rf::model::Gemma4Model m(cfg, 0, rf::model::TensorSet::Storage::Deferred);
+      std::string name = path.substr(path.find_last_of('/') + 1);
+      name = name.substr(0, name.rfind(".json"));
+      std::printf("\n%s: %.2f B parameters (GiB per rank)\n\n| S | shard |", name.c_str(),
+                  static_cast<double>(m.params().total_elements()) / 1e9);
+      for (int n : ranks) std::printf(" N = %d |", n);
+      std::printf("\n|---|---|");
+      for (size_t k = 0; k < ranks.size(); ++k) std::printf("---|");
+      std::printf("\n");
+      for (int s : tokens) {
+        for (ShardMode mode : modes) {
+          std::printf("| %dK | %s |", s / 1024, std::string(rf::trainer::name_of(mode)).c_str());
+          for (int n : ranks) std::printf(" %s |", gib(need(m, n, s, mode).total()).c_str());
+          std::printf("\n");
+        }
+      }
+      for (ShardMode mode : modes)
+        breakdowns.emplace_back(name + ", shard " + std::string(rf::trainer::name_of(mode)),
+                                need(m, kBreakdownRanks, kBreakdownTokens, mode));
+    }
+    std::printf(
+        "\nBy kind at N = %d, S = %dK (GiB per rank; terms under %.2f GiB left out):\n\n| model, mode | terms |\n"
+        "|---|---|\n",
+        kBreakdownRanks, kBreakdownTokens / 1024, kShownGiB);
+    for (const auto& [what, b] : breakdowns) {
+      std::printf("| %s |", what.c_str());
+      for (const rf::MemoryBreakdown::Term& t : b.terms())
+        if (static_cast<double>(t.bytes) >= kShownGiB * kGiB)
+          std::printf(" %s %s;", t.name.c_str(), gib(t.bytes).c_str());
+      std::printf(" |\n");
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "memory_table: error: %s\n", e.what());
+    return 1;
+  }
+}
