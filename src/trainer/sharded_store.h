@@ -50,7 +50,8 @@ class ShardedStore : public model::ReplicatedStore {
   // This rank's piece of a parameter while sharded (empty when it owns none), and its first element in the tensor.
   std::span<const float> own_piece(size_t slot, int64_t* first) const;
   // full: every rank gathers every weight into one whole arena (collective), so weight(slot) and flat(Weights) read
-  // any parameter, as in the replicated store, until reshard() drops it (saves, and the end of the run).
+  // any parameter, as in the replicated store, until reshard() drops it (the end of an in-process run that asks for
+  // whole weights, TrainOptions::whole_model; a save streams tensors through read_weight instead).
   void unshard();
   void reshard();
   bool sharded() const { return mode_ == Mode::Full && adopted_ && !ReplicatedStore::weights_allocated(); }
