@@ -6,26 +6,15 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/mix.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 
 namespace rf::model {
 
-namespace {
-
-// splitmix64's finaliser: one well-mixed 64-bit value per input.
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-}  // namespace
-
 bool lora_dropout_keeps(uint64_t key, uint64_t salt, int64_t row, int64_t pos, int64_t k, float dropout) {
-  const uint64_t h = mix(mix(mix(mix(key ^ mix(salt)) ^ static_cast<uint64_t>(row)) ^ static_cast<uint64_t>(pos)) ^
-                         static_cast<uint64_t>(k));
+  uint64_t h = splitmix64(key ^ splitmix64(salt));
+  for (const int64_t v : {row, pos, k}) h = splitmix64(h ^ static_cast<uint64_t>(v));
   // The top 24 bits as a float in [0, 1): exact in float32.
   const float u = static_cast<float>(h >> 40) * 0x1.0p-24f;
   return u >= dropout;

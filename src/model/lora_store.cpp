@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/mix.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
@@ -21,15 +22,6 @@
 namespace rf::model {
 
 namespace {
-
-// splitmix64: one well-mixed 64-bit value per input, so an element's initial value depends on nothing but its
-// (seed, name, index), whatever the grid or the order adapters are made in.
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 // FNV-1a of a name.
 uint64_t name_hash(const std::string& s) {
@@ -238,11 +230,11 @@ void LoraStore::init_adapters() {
     // = 1 / sqrt(in).
     const double bound = 1.0 / std::sqrt(static_cast<double>(a.in));
     const std::string& name = info(a.a).name;
-    const uint64_t key = mix(cfg_.seed ^ mix(name_hash(name)));
+    const uint64_t key = splitmix64(cfg_.seed ^ splitmix64(name_hash(name)));
     float* A = mutable_weight(a.a);
     for (int64_t e = 0; e < info(a.a).numel; ++e) {
       // The top 53 bits as a double in [0, 1).
-      const double u = static_cast<double>(mix(key + static_cast<uint64_t>(e)) >> 11) * 0x1.0p-53;
+      const double u = static_cast<double>(splitmix64(key + static_cast<uint64_t>(e)) >> 11) * 0x1.0p-53;
       A[e] = static_cast<float>(bound * (2.0 * u - 1.0));
     }
     std::fill_n(mutable_weight(a.b), info(a.b).numel, 0.f);
