@@ -73,31 +73,37 @@ def train(ringflex, launcher, work, name, sets):
     return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def main():
-    if len(sys.argv) < 3:
-        print("usage: images_train.py PATH/TO/ringflex MPIEXEC [ARGS...]")
-        return 2
-    ringflex, mpiexec = sys.argv[1], sys.argv[2:]
+def tiny_checkpoint_and_images(work, gen):
+    """The tiny random model saved in work/model and the PNG images of odd sizes under work/img, both drawn from
+    `gen` (one thread, transformers quiet): (the model, its checkpoint directory, the images' names relative to work)."""
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
-    gen = torch.Generator().manual_seed(11)
     torch.manual_seed(11)
     cfg = Gemma4Config(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE, boi_token_id=BOI,
                        eoi_token_id=EOI)
     model = Gemma4ForConditionalGeneration(cfg)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _, p in model.named_parameters():
             p.copy_((1.0 if p.dim() == 1 else 0.0) + 0.2 * torch.randn(p.shape, generator=gen))
+    ckpt = os.path.join(work, "model")
+    model.save_pretrained(ckpt)
+    names = []
+    for i, (w, h, c) in enumerate([(13, 9, 3), (40, 7, 3), (21, 30, 2), (8, 8, 3), (25, 16, 2)]):
+        px = torch.randint(0, 256, (w * h * c,), generator=gen).tolist()
+        names.append(f"img/{i}.png")
+        write(os.path.join(work, names[-1]), png(w, h, c, px))
+    return model, ckpt, names
+
+
+def main():
+    if len(sys.argv) < 3:
+        print("usage: images_train.py PATH/TO/ringflex MPIEXEC [ARGS...]")
+        return 2
+    ringflex, mpiexec = sys.argv[1], sys.argv[2:]
+    gen = torch.Generator().manual_seed(11)
     failures = []
     with tempfile.TemporaryDirectory() as work:
-        ckpt = os.path.join(work, "model")
-        model.save_pretrained(ckpt)
-        sizes = [(13, 9, 3), (40, 7, 3), (21, 30, 2), (8, 8, 3), (25, 16, 2)]
-        names = []
-        for i, (w, h, c) in enumerate(sizes):
-            px = torch.randint(0, 256, (w * h * c,), generator=gen).tolist()
-            names.append(f"img/{i}.png")
-            write(os.path.join(work, names[-1]), png(w, h, c, px))
+        _, ckpt, names = tiny_checkpoint_and_images(work, gen)
         lines = []
         for s in range(10):
             ids = torch.randint(8, 64, (int(torch.randint(6, 20, (1,), generator=gen)),), generator=gen).tolist()

@@ -32,14 +32,13 @@ from oracle_env import missing_oracle  # noqa: E402
 
 try:
     import torch
-    import transformers
     from PIL import Image
     from safetensors.torch import load_file
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    from transformers import Gemma4ForConditionalGeneration
     from transformers.image_transforms import convert_to_rgb
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    from images_train import BOI, EOI, IMAGE, TEXT, VISION, png, write
+    from images_train import BOI, EOI, IMAGE, VISION, tiny_checkpoint_and_images
     from parity import reference_masks
 except ImportError as e:  # pragma: no cover - depends on the environment
     missing_oracle(e)
@@ -185,25 +184,10 @@ def main():
         print("usage: train_vision.py PATH/TO/ringflex MPIEXEC [ARGS...]")
         return 2
     ringflex, mpiexec = sys.argv[1], sys.argv[2:]
-    torch.set_num_threads(1)
-    transformers.utils.logging.disable_progress_bar()
     gen = torch.Generator().manual_seed(11)
-    torch.manual_seed(11)
-    cfg = Gemma4Config(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE, boi_token_id=BOI,
-                       eoi_token_id=EOI)
-    model = Gemma4ForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if p.dim() == 1 else 0.0) + 0.2 * torch.randn(p.shape, generator=gen))
     failures = []
     with tempfile.TemporaryDirectory() as work:
-        ckpt = os.path.join(work, "model")
-        model.save_pretrained(ckpt)
-        names = []
-        for i, (w, h, c) in enumerate([(13, 9, 3), (40, 7, 3), (21, 30, 2), (8, 8, 3), (25, 16, 2)]):
-            px = torch.randint(0, 256, (w * h * c,), generator=gen).tolist()
-            names.append(f"img/{i}.png")
-            write(os.path.join(work, names[-1]), png(w, h, c, px))
+        model, ckpt, names = tiny_checkpoint_and_images(work, gen)
         model = model.double()
         model.config._attn_implementation = "eager"
         for sub in (model.config.text_config, model.config.vision_config):
