@@ -248,9 +248,8 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
     if (c.model.compute_dtype == model::ComputeDtype::Bfloat16)
       need.add("bf16 weight copies",
                full ? b.gathered / static_cast<int64_t>(sizeof(float) / sizeof(bf16)) : m.bf16_weight_bytes());
-  }
-  constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
-  if (need.terms().empty()) {  // shard none or optimizer: replicated weights and gradients
+  } else {                       // shard none or optimizer: replicated weights and gradients
+    constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
     // Expert parallelism holding each rank's experts only (shard none, no LoRA; trainer/expert_state.h): the experts'
     // weights, gradients, moments and bf16 copies are E / ep experts' worth. (A resume still loads the files whole
     // before keeping its rows, and a save gathers them whole on rank 0: one whole copy for that while.)
