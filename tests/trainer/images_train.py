@@ -95,6 +95,22 @@ def tiny_checkpoint_and_images(work, gen):
     return model, ckpt, names
 
 
+def write_samples(work, names, gen):
+    """Ten jsonl_tokens samples of random text drawn from `gen`, one or two of `names` each (the placeholder at
+    positions 2 and 7), in work/data.jsonl; returns its path."""
+    lines = []
+    for s in range(10):
+        ids = torch.randint(8, 64, (int(torch.randint(6, 20, (1,), generator=gen)),), generator=gen).tolist()
+        images = [names[(s + j) % len(names)] for j in range(1 + s % 2)]
+        for j in range(len(images)):
+            ids.insert(min(len(ids), 2 + 5 * j), IMAGE)
+        lines.append(json.dumps({"input_ids": ids, "images": images}))
+    data = os.path.join(work, "data.jsonl")
+    with open(data, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return data
+
+
 def main():
     if len(sys.argv) < 3:
         print("usage: images_train.py PATH/TO/ringflex MPIEXEC [ARGS...]")
@@ -104,16 +120,9 @@ def main():
     failures = []
     with tempfile.TemporaryDirectory() as work:
         _, ckpt, names = tiny_checkpoint_and_images(work, gen)
-        lines = []
-        for s in range(10):
-            ids = torch.randint(8, 64, (int(torch.randint(6, 20, (1,), generator=gen)),), generator=gen).tolist()
-            images = [names[(s + j) % len(names)] for j in range(1 + s % 2)]
-            for j in range(len(images)):
-                ids.insert(min(len(ids), 2 + 5 * j), IMAGE)
-            lines.append(json.dumps({"input_ids": ids, "images": images}))
-        data = os.path.join(work, "data.jsonl")
-        with open(data, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        data = write_samples(work, names, gen)
+        with open(data) as f:
+            lines = f.read().splitlines()
         sets = [f"model.path={ckpt}", f"data.path={data}"]
 
         one = train(ringflex, [], work, "one", sets)

@@ -38,7 +38,7 @@ try:
     from transformers.image_transforms import convert_to_rgb
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    from images_train import BOI, EOI, IMAGE, VISION, tiny_checkpoint_and_images
+    from images_train import BOI, EOI, IMAGE, VISION, tiny_checkpoint_and_images, write_samples
     from parity import reference_masks
 except ImportError as e:  # pragma: no cover - depends on the environment
     missing_oracle(e)
@@ -133,17 +133,7 @@ def check_one_step(ringflex, mpiexec, work, ckpt, names, model, failures):
 
 
 def check_cp_and_resume(ringflex, mpiexec, work, ckpt, names, failures):
-    gen = torch.Generator().manual_seed(5)
-    lines = []
-    for s in range(10):
-        ids = torch.randint(8, 64, (int(torch.randint(6, 20, (1,), generator=gen)),), generator=gen).tolist()
-        images = [names[(s + j) % len(names)] for j in range(1 + s % 2)]
-        for j in range(len(images)):
-            ids.insert(min(len(ids), 2 + 5 * j), IMAGE)
-        lines.append(json.dumps({"input_ids": ids, "images": images}))
-    data = os.path.join(work, "data.jsonl")
-    with open(data, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    data = write_samples(work, names, torch.Generator().manual_seed(5))
     sets = [f"model.path={ckpt}", f"data.path={data}", "data.val_rows=1", "train.global_batch=2"]
     try:
         one = run(ringflex, [], work, "one", sets, 3)
