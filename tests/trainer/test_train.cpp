@@ -251,6 +251,23 @@ std::pair<std::vector<float>, std::vector<float>> moments_of(const fs::path& ck,
   return {m, v};
 }
 
+// Every step's loss, gradient norm and validation loss, the final weights, the written model file and the moments of
+// `sharded` are the bits of `none` (the runs' step counts already compared by the caller).
+void expect_same_bits(const Trained& none, const Trained& sharded, const std::string& what) {
+  for (size_t s = 0; s < none.steps.size(); ++s) {
+    EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
+    EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
+    EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
+  }
+  EXPECT_EQ(flat_params(*sharded.model), flat_params(*none.model)) << what;
+  EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / "model.safetensors"),
+            file_bytes(fs::path(none.last_checkpoint) / "model.safetensors"))
+      << what;
+  EXPECT_EQ(moments_of(sharded.last_checkpoint, sharded.model->params()),
+            moments_of(none.last_checkpoint, none.model->params()))
+      << what;
+}
+
 // parallelism.shard = optimizer (ZeRO-1): each rank keeps AdamW's moments for its shard of the trainable
 // parameters (any count: shards are padded), updates those elements alone, and takes the others' from their owners.
 // An element's update depends on that element alone, so every loss, gradient norm and weight, and the checkpoint
@@ -276,18 +293,7 @@ TEST(ShardOptimizer, SameBitsAsShardNoneAtEveryGrid) {
     };
     const Trained none = run(config("none")), sharded = run(config("optimizer"));
     ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
-    for (size_t s = 0; s < none.steps.size(); ++s) {
-      EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
-      EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
-      EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
-    }
-    EXPECT_EQ(flat_params(*sharded.model), flat_params(*none.model)) << what;
-    EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / "model.safetensors"),
-              file_bytes(fs::path(none.last_checkpoint) / "model.safetensors"))
-        << what;
-    EXPECT_EQ(moments_of(sharded.last_checkpoint, sharded.model->params()),
-              moments_of(none.last_checkpoint, none.model->params()))
-        << what;
+    expect_same_bits(none, sharded, what);
     ++i;
   }
   fs::remove_all(dir);
@@ -478,18 +484,7 @@ TEST(ShardGradients, ShardNoneBitsWithoutAccumulationAndItsTrainingWith) {
         EXPECT_GE(*sharded.steps[s].shard_comm_wait_s, 0.0) << what;
       }
       if (c.same_bits) {
-        for (size_t s = 0; s < none.steps.size(); ++s) {
-          EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
-          EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
-          EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
-        }
-        EXPECT_EQ(b, a) << what;
-        EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / "model.safetensors"),
-                  file_bytes(fs::path(none.last_checkpoint) / "model.safetensors"))
-            << what;
-        EXPECT_EQ(moments_of(sharded.last_checkpoint, sharded.model->params()),
-                  moments_of(none.last_checkpoint, none.model->params()))
-            << what;
+        expect_same_bits(none, sharded, what);
       } else {
         expect_same_losses(none, sharded, what);
         double worst = 0.0, total = 0.0;
