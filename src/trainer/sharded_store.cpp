@@ -712,6 +712,27 @@ void ShardedStore::release_head(size_t slot) {
   head_ = SIZE_MAX;
 }
 
+ShardedStore::Bytes ShardedStore::held() const {
+  constexpr int64_t kF = sizeof(float), kB = sizeof(bf16);
+  const auto bytes = [](const std::vector<float>& v) { return static_cast<int64_t>(v.size()) * kF; };
+  Bytes b;
+  b.weight_shard = bytes(own_trainable_) + bytes(own_frozen_) +
+                   static_cast<int64_t>(ReplicatedStore::flat(Role::Weights).size()) * kF;
+  for (const std::unique_ptr<Gathered>& g : live_) {
+    if (!g) continue;
+    b.gathered += bytes(g->w) + static_cast<int64_t>(g->b16.size()) * kB;
+    b.comm_buffers += bytes(g->staging);
+  }
+  b.gradients = bytes(grads_) + bytes(global_grads_) + bytes(layer_grads_) + bytes(head_grads_);
+  for (const std::unique_ptr<Table>& t : tables_) {
+    b.gathered += bytes(t->w);
+    b.gradients += bytes(t->g);
+  }
+  b.moments = static_cast<int64_t>(flat(Role::ExpAvg).size() + flat(Role::ExpAvgSq).size()) * kF;
+  if (pending_) b.comm_buffers += bytes(pending_->send) + bytes(pending_->recv);
+  return b;
+}
+
 ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable,
                                             Mode mode, int ranks, int64_t step_tokens) {
   constexpr int64_t kF = sizeof(float);

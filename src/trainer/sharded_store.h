@@ -87,6 +87,8 @@ class ShardedStore : public model::ReplicatedStore {
   };
   static Bytes bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable, Mode mode, int ranks,
                          int64_t step_tokens);
+  // The bytes this rank holds now, by the same kinds (the buffers' sizes, bf16 copies counted with what they copy).
+  Bytes held() const;
 
   // --- ParamStore ---
   void allocate_weights() override;
