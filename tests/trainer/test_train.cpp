@@ -55,7 +55,7 @@ TrainConfig small(const std::string& builtin, std::vector<std::string> sets) {
 
 struct Trained {
   std::vector<StepMetrics> steps;
-  std::unique_ptr<model::Gemma4Model> model;
+  std::unique_ptr<model::Gemma4Multimodal> model;
   std::string last_checkpoint;
 };
 
@@ -135,8 +135,8 @@ INSTANTIATE_TEST_SUITE_P(Builtins, GridInvariance, ::testing::Values("tiny_dense
 TEST(LabelTokens, CountedOnceOverTheGlobalBatch) {
   const TrainConfig c = small("tiny_moe_vlm", {"parallelism.cp=2", "parallelism.dp=2", "train.steps=1"});
   const Trained trained = run(c);
-  model::Gemma4Model m(model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm")),
-                       model::kBuiltinFeatureDim);
+  model::Gemma4Multimodal m(model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm")),
+                            model::MultimodalParts{model::kBuiltinFeatureDim});
   m.init_random(c.train.seed, static_cast<float>(c.model.init_std));
   // The trainer's mock images: drawings encoded by the built-in tower, initialised from train.seed as set_up does.
   const std::string json = model::builtin_config_json("tiny_moe_vlm");
@@ -172,7 +172,7 @@ TEST(ContextParallel, RowShorterThanTheGroupIsRefused) {
             "config: train.seq_len = 3 is shorter than parallelism.cp = 4 (every CP rank needs a token)");
 }
 
-std::vector<float> flat_params(const model::Gemma4Model& m) {
+std::vector<float> flat_params(const model::Gemma4Multimodal& m) {
   const std::span<const float> all = m.params().flat(model::Role::Weights);
   return {all.begin(), all.end()};
 }
@@ -520,17 +520,15 @@ TEST(ShardFull, PerLayerEmbeddingsAndKvSharingGiveShardNoneBits) {
   const std::string model_dir = (dir / "model").string();
   {
     model::Checkpoint ck;
-    ck.model = std::make_unique<model::Gemma4Model>(
-        model::Gemma4Config::from_json(
-            R"({"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "vocab_size": 512,
+    ck.model = std::make_unique<model::Gemma4Multimodal>(model::Gemma4Config::from_json(
+        R"({"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "vocab_size": 512,
                 "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 16,
                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
                 "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 4,
                 "vocab_size_per_layer_input": 512, "num_kv_shared_layers": 2, "pad_token_id": 0,
                 "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true})",
-            "test"),
-        0, model::TensorSet::Storage::Allocated);
+        "test"));
     ck.model->init_random(11, 0.1f);
     model::save_checkpoint(ck, model_dir);
   }
@@ -614,7 +612,8 @@ TEST(ShardFull, CheckpointsHoldWholeTensorsAndResumeAcrossModesAndRankCounts) {
 // no whole copy; at N = 1 to 4.
 TEST(ShardFull, ReadWeightGathersWholeTensorsFromTheirPieces) {
   const model::Gemma4Config cfg = model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm"), "builtin");
-  model::Gemma4Model whole(cfg, model::kBuiltinFeatureDim, model::TensorSet::Storage::Allocated);
+  model::Gemma4Multimodal whole(cfg, model::MultimodalParts{model::kBuiltinFeatureDim},
+                                model::TensorSet::Storage::Allocated);
   whole.init_random(5, 0.1f);
   whole.params().freeze({"embed_tokens", "layers.2."});
   for (int P = 1; P <= 4; ++P) {
@@ -622,7 +621,8 @@ TEST(ShardFull, ReadWeightGathersWholeTensorsFromTheirPieces) {
       auto store = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
                                                   comm::default_timeout());
       ShardedStore& sharded = *store;
-      const model::Gemma4Model m(cfg, model::kBuiltinFeatureDim, model::TensorSet::Storage::Deferred, std::move(store));
+      const model::Gemma4Multimodal m(cfg, model::MultimodalParts{model::kBuiltinFeatureDim},
+                                      model::TensorSet::Storage::Deferred, std::move(store));
       sharded.adopt(whole.params());
       EXPECT_TRUE(sharded.sharded() && sharded.flat(model::Role::Weights).empty());
       for (size_t slot = 0; slot < sharded.size(); ++slot) {
@@ -933,8 +933,8 @@ TEST(Validation, ZeroValRowsTrainsWithoutValidation) {
 TEST(Freeze, FrozenParametersKeepTheirBits) {
   const TrainConfig c = small("tiny_dense", {"model.freeze=[embed_tokens, layers.0.]", "train.steps=2"});
   const Trained r = run(c);
-  model::Gemma4Model init(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
-                          model::kBuiltinFeatureDim);
+  model::Gemma4Multimodal init(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
+                               model::MultimodalParts{model::kBuiltinFeatureDim});
   init.init_random(c.train.seed, static_cast<float>(c.model.init_std));
   int frozen = 0, moved = 0;
   const model::TensorSet before = init.params().snapshot(model::Role::Weights);
