@@ -154,8 +154,8 @@ void check_outputs(const TrainConfig& c, const TrainOptions& o) {
 }  // namespace
 
 // Terms, each counting buffers train() surely holds through a step (float32 unless said):
-//   weights          the parameters (and buffers), Gemma4Model::params()/buffers();
-//   bf16 copies      with model.compute_dtype = bfloat16, the matrices' bf16 copies (Gemma4Model::bf16_weight_bytes);
+//   weights          the parameters (and buffers), Gemma4Multimodal::params()/buffers();
+//   bf16 copies      with model.compute_dtype = bfloat16, the matrices' bf16 copies (the model's bf16_weight_bytes);
 //   gradients        the parameter store's gradient arena: the trainable parameters only;
 //   AdamW moments    exp_avg and exp_avg_sq, two more such arenas;
 //   the step's rows  this replica's global_batch / dp rows of seq_len tokens, five int32 arrays each (their image
@@ -205,7 +205,7 @@ int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& shapes)
 
 }  // namespace
 
-MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Model& m, int world_size) {
+MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) {
   int64_t params = m.params().weight_bytes();
   int64_t trainable_bytes = 0;
   MemoryBreakdown lora_base;
@@ -297,7 +297,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   run.training = true;
   run.recompute_layers = c.train.recompute;
   run.keep_mlp_projections = c.train.keep_mlp;
-  need.add(model::run_memory_at_least(m, run));
+  need.add(model::run_memory_at_least(m.decoder(), run));
   return need;
 }
 
@@ -374,11 +374,11 @@ std::unique_ptr<ShardedStore> sharded_store(Run& r) {
 // weights, its buffers copied. The loaded whole copy is dropped when this returns (a resume still loads one whole
 // copy per rank; a fresh run loads straight into the pieces).
 void shard_model(Run& r) {
-  const model::Gemma4Model& whole = *r.ck.model;
+  const model::Gemma4Multimodal& whole = *r.ck.model;
   std::unique_ptr<ShardedStore> store = sharded_store(r);
   ShardedStore& sharded = *store;
-  auto model = std::make_unique<model::Gemma4Model>(whole.config(), whole.vision_feature_dim(),
-                                                    model::TensorSet::Storage::Deferred, std::move(store));
+  auto model = std::make_unique<model::Gemma4Multimodal>(whole.config(), whole.parts(),
+                                                         model::TensorSet::Storage::Deferred, std::move(store));
   RF_CHECK(model->buffers().size() == whole.buffers().size(), "shard: the model's buffers differ from the loaded");
   for (size_t i = 0; i < whole.buffers().size(); ++i) model->buffers()[i].data = whole.buffers()[i].data;
   sharded.adopt(whole.params());
@@ -438,7 +438,7 @@ void set_up(Run& r) {
     if (!cfg.checkpoint.dir.empty() && fs::is_directory(cfg.checkpoint.dir, ec)) remove_leftovers(cfg.checkpoint.dir);
   }
   // What the run needs, checked on every rank before the weights, gradients and moments are allocated.
-  const auto check_fits = [&](const model::Gemma4Model& shapes) {
+  const auto check_fits = [&](const model::Gemma4Multimodal& shapes) {
     check_memory(train_memory_at_least(cfg, shapes, r.world.size()), "train",
                  rf::concat(" at seq_len ", cfg.train.seq_len, " over cp ", cfg.parallelism.cp));
   };
@@ -461,10 +461,9 @@ void set_up(Run& r) {
     const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
     // With model.train_vision the tower's parameters are registered after the decoder's, before the store allocates.
     const auto shapes = [&](std::unique_ptr<model::ParamStore> store) {
-      auto m = std::make_unique<model::Gemma4Model>(builtin, model::kBuiltinFeatureDim,
-                                                    model::TensorSet::Storage::Deferred, std::move(store));
-      if (cfg.model.train_vision) model::register_vision_tower(m->params(), tower);
-      return m;
+      model::MultimodalParts parts(model::kBuiltinFeatureDim, tower, cfg.model.train_vision);
+      return std::make_unique<model::Gemma4Multimodal>(builtin, std::move(parts), model::TensorSet::Storage::Deferred,
+                                                       std::move(store));
     };
     check_fits(*shapes(nullptr));
     r.ck.model = shapes(lora_store());
@@ -503,7 +502,7 @@ void set_up(Run& r) {
     check_loaded_weights(r.ck, cfg.model.path);
   else if (!r.resume_dir.empty() && !lora)
     check_loaded_weights(r.ck, r.resume_dir);
-  const model::Gemma4Model& m = *r.ck.model;
+  const model::Gemma4Multimodal& m = *r.ck.model;
   check_expert_parallelism(cfg, m.config());
   const int width = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
   // Unfilled row positions are doc 0 with ignored labels (masked everywhere), so a config without a pad id
@@ -909,7 +908,7 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
 // its held experts' store, which it gets back on every path.
 class HeldExpertsWhole {
  public:
-  HeldExpertsWhole(model::Gemma4Model& m, std::unique_ptr<model::ParamStore> whole) : m_(m) {
+  HeldExpertsWhole(model::Gemma4Multimodal& m, std::unique_ptr<model::ParamStore> whole) : m_(m) {
     if (whole) held_ = m_.replace_params(std::move(whole));
   }
   ~HeldExpertsWhole() {
@@ -919,7 +918,7 @@ class HeldExpertsWhole {
   HeldExpertsWhole& operator=(const HeldExpertsWhole&) = delete;
 
  private:
-  model::Gemma4Model& m_;
+  model::Gemma4Multimodal& m_;
   std::unique_ptr<model::ParamStore> held_;
 };
 

@@ -55,7 +55,7 @@ TrainConfig small(const std::string& builtin, std::vector<std::string> sets) {
 
 struct Trained {
   std::vector<StepMetrics> steps;
-  std::unique_ptr<model::Gemma4Model> model;
+  std::unique_ptr<model::Gemma4Multimodal> model;
   std::string last_checkpoint;
 };
 
@@ -135,8 +135,8 @@ INSTANTIATE_TEST_SUITE_P(Builtins, GridInvariance, ::testing::Values("tiny_dense
 TEST(LabelTokens, CountedOnceOverTheGlobalBatch) {
   const TrainConfig c = small("tiny_moe_vlm", {"parallelism.cp=2", "parallelism.dp=2", "train.steps=1"});
   const Trained trained = run(c);
-  model::Gemma4Model m(model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm")),
-                       model::kBuiltinFeatureDim);
+  model::Gemma4Multimodal m(model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm")),
+                            model::MultimodalParts{model::kBuiltinFeatureDim});
   m.init_random(c.train.seed, static_cast<float>(c.model.init_std));
   // The trainer's mock images: drawings encoded by the built-in tower, initialised from train.seed as set_up does.
   const std::string json = model::builtin_config_json("tiny_moe_vlm");
@@ -172,7 +172,7 @@ TEST(ContextParallel, RowShorterThanTheGroupIsRefused) {
             "config: train.seq_len = 3 is shorter than parallelism.cp = 4 (every CP rank needs a token)");
 }
 
-std::vector<float> flat_params(const model::Gemma4Model& m) {
+std::vector<float> flat_params(const model::Gemma4Multimodal& m) {
   const std::span<const float> all = m.params().flat(model::Role::Weights);
   return {all.begin(), all.end()};
 }
@@ -527,8 +527,7 @@ std::string ple_kv_config(bool tied) {
 // The model of ple_kv_config, written as a checkpoint.
 void write_ple_kv_model(bool tied, const std::string& dir) {
   model::Checkpoint ck;
-  ck.model = std::make_unique<model::Gemma4Model>(model::Gemma4Config::from_json(ple_kv_config(tied), "test"), 0,
-                                                  model::TensorSet::Storage::Allocated);
+  ck.model = std::make_unique<model::Gemma4Multimodal>(model::Gemma4Config::from_json(ple_kv_config(tied), "test"));
   ck.model->init_random(11, 0.1f);
   model::save_checkpoint(ck, dir);
 }
@@ -585,7 +584,7 @@ TEST(ShardFull, PerLayerEmbeddingsAndKvSharingGiveShardNoneBits) {
 TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
   for (bool tied : {true, false}) {
     const model::Gemma4Config cfg = model::Gemma4Config::from_json(ple_kv_config(tied), "test");
-    model::Gemma4Model whole(cfg, 0, model::TensorSet::Storage::Allocated);
+    model::Gemma4Model whole(cfg, model::TensorSet::Storage::Allocated);
     whole.init_random(5, 0.1f);
     const model::ParamStore& w = whole.params();
     int64_t small_global = 0, weights = 0;  // elements: the global group's unstreamed parameters; all of them
@@ -602,7 +601,7 @@ TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
         auto store = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
                                                     comm::default_timeout());
         ShardedStore& sharded = *store;
-        const model::Gemma4Model m(cfg, 0, model::TensorSet::Storage::Deferred, std::move(store));
+        const model::Gemma4Model m(cfg, model::TensorSet::Storage::Deferred, std::move(store));
         sharded.adopt(w);
         constexpr int64_t kF = sizeof(float);
         // The pieces: this rank's slice of the weights, at most ceil(total / N) elements of each layout.
@@ -695,7 +694,8 @@ TEST(ShardFull, CheckpointsHoldWholeTensorsAndResumeAcrossModesAndRankCounts) {
 // no whole copy; at N = 1 to 4.
 TEST(ShardFull, ReadWeightGathersWholeTensorsFromTheirPieces) {
   const model::Gemma4Config cfg = model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm"), "builtin");
-  model::Gemma4Model whole(cfg, model::kBuiltinFeatureDim, model::TensorSet::Storage::Allocated);
+  model::Gemma4Multimodal whole(cfg, model::MultimodalParts{model::kBuiltinFeatureDim},
+                                model::TensorSet::Storage::Allocated);
   whole.init_random(5, 0.1f);
   whole.params().freeze({"embed_tokens", "layers.2."});
   for (int P = 1; P <= 4; ++P) {
@@ -703,7 +703,8 @@ TEST(ShardFull, ReadWeightGathersWholeTensorsFromTheirPieces) {
       auto store = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
                                                   comm::default_timeout());
       ShardedStore& sharded = *store;
-      const model::Gemma4Model m(cfg, model::kBuiltinFeatureDim, model::TensorSet::Storage::Deferred, std::move(store));
+      const model::Gemma4Multimodal m(cfg, model::MultimodalParts{model::kBuiltinFeatureDim},
+                                      model::TensorSet::Storage::Deferred, std::move(store));
       sharded.adopt(whole.params());
       EXPECT_TRUE(sharded.sharded() && sharded.flat(model::Role::Weights).empty());
       for (size_t slot = 0; slot < sharded.size(); ++slot) {
@@ -1014,8 +1015,8 @@ TEST(Validation, ZeroValRowsTrainsWithoutValidation) {
 TEST(Freeze, FrozenParametersKeepTheirBits) {
   const TrainConfig c = small("tiny_dense", {"model.freeze=[embed_tokens, layers.0.]", "train.steps=2"});
   const Trained r = run(c);
-  model::Gemma4Model init(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
-                          model::kBuiltinFeatureDim);
+  model::Gemma4Multimodal init(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
+                               model::MultimodalParts{model::kBuiltinFeatureDim});
   init.init_random(c.train.seed, static_cast<float>(c.model.init_std));
   int frozen = 0, moved = 0;
   const model::TensorSet before = init.params().snapshot(model::Role::Weights);
