@@ -11,16 +11,21 @@
 #   scripts/test.sh              both passes
 #   scripts/test.sh --sanitize   the sanitizer pass only (needs no Python: .ci/run installs the oracles beside it)
 #   scripts/test.sh --suite      the build and CTest only
+#   --no-bench                   (with either) leaves bench/ out of the build: .ci/run, where nothing runs the
+#                                benchmarks and every developer's default build compiles them (12% of the build)
 #
 # What runs where, and what each pass costs on CI's 2 cores: DEVELOPERS.md, "Test suite: what runs where".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
-pass=${1:-all}
-case $pass in
-  all | --sanitize | --suite) ;;
-  *) echo "usage: scripts/test.sh [--sanitize | --suite]" >&2; exit 2 ;;
-esac
+pass=all bench=ON
+for arg in "$@"; do
+  case $arg in
+    --sanitize | --suite) pass=$arg ;;
+    --no-bench) bench=OFF ;;
+    *) echo "usage: scripts/test.sh [--sanitize | --suite] [--no-bench]" >&2; exit 2 ;;
+  esac
+done
 
 # In-process test targets run under the sanitizers, as <tests subfolder>/<target>. One per line: add new
 # in-process targets here (multi-rank tests under mpirun are not sanitized: Open MPI's own allocations would
@@ -82,7 +87,7 @@ if [ "$pass" != --suite ]; then
 fi
 [ "$pass" != --sanitize ] || exit 0
 
-cmake -B build -DRINGFLEX_WERROR=ON -DRINGFLEX_BUILD_TESTS=ON
+cmake -B build -DRINGFLEX_WERROR=ON -DRINGFLEX_BUILD_TESTS=ON -DRINGFLEX_BUILD_BENCH="$bench"
 cmake --build build -j "$jobs"
 results=build/ctest-results.xml
 rm -f "$results"
