@@ -8,7 +8,8 @@ experts left out of the targets) and both scalings (alpha / r, and use_rslora's 
      every adapter gradient is nonzero), and saves the adapter with save_pretrained (PEFT's own files); the base
      is saved in float32, and once more in bfloat16 (values rounded to bf16 on both sides), which ringflex holds as
      the files have it;
-  2. `ringflex forward --model BASE --lora ADAPTER --grad` (through LAUNCHER when given, e.g. mpirun -n 2) must give
+  2. `ringflex forward --model BASE --lora ADAPTER --grad` (through LAUNCHER when given, e.g. mpirun -n 2; with
+     `--ranks 1 2 -- MPIEXEC...` at each P against the one peft reference, tests/common/launchers.py) must give
      peft's float64 loss and every adapter gradient, and no gradient of the base;
   3. `ringflex train` with model.lora writes a checkpoint whose adapter directory peft loads with no missing or
      unexpected keys and which then gives the loss ringflex computes with it; the base's files are bit-identical
@@ -32,6 +33,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from launchers import launchers, ranks_of  # noqa: E402
 from oracle_env import missing_oracle  # noqa: E402
 
 try:
@@ -76,7 +78,8 @@ def ringflex_forward(ringflex, launcher, base, adapter, batch_path, out_path):
     return load_file(out_path)
 
 
-def grad_case(ringflex, launcher, name, rslora, workdir, bf16_base=False, experts=False):
+def grad_case(ringflex, runs, name, rslora, workdir, bf16_base=False, experts=False):
+    """Builds the case and peft's reference once; checks `ringflex forward` through every launcher in `runs`."""
     gen = torch.Generator().manual_seed(99)
     cfg = parity.CONFIGS[name](False)
     cfg._attn_implementation = "eager"
@@ -113,33 +116,38 @@ def grad_case(ringflex, launcher, name, rslora, workdir, bf16_base=False, expert
     loss.backward()
     batch_path = os.path.join(workdir, f"batch_{name}.safetensors")
     write_batch(batch_path, batch)
-    out = ringflex_forward(ringflex, launcher, base_dir, adapter_dir, batch_path,
-                           os.path.join(workdir, f"out_{name}_{int(rslora)}_{int(experts)}.safetensors"))
-    failures = []
-    worst = rel_err(out["loss"].reshape(()), loss)
-    if worst > REL_TOL:
-        failures.append(f"loss: relative error {worst:.3e}")
     lora = {n.replace("base_model.model.", "", 1).replace(".default", ""): p.grad
             for n, p in model.named_parameters() if "lora_" in n}
-    for n, g in lora.items():
-        key = "grad." + n
-        if key not in out:
-            failures.append(f"{key} missing from ringflex's output")
-            continue
-        err = rel_err(out[key], g)
-        worst = max(worst, err)
-        if err > REL_TOL:
-            failures.append(f"{key}: relative error {err:.3e}")
-    extra = sorted(k for k in out if k.startswith("grad.") and k[len("grad."):] not in lora)
-    if extra:
-        failures.append(f"gradients of the frozen base written: {extra[:3]}")
     label = (f"{name:5s} {'rslora' if rslora else 'alpha/r':7s}{' bf16 base' if bf16_base else ''}"
              f"{' expert adapters' if experts else ''}")
-    if failures:
-        print(f"FAIL {label}: " + "; ".join(failures[:6]))
-        return False
-    print(f"ok   {label}: loss and {len(lora)} adapter gradients, worst relative error {worst:.2e}")
-    return True
+    ok = True
+    for launcher in runs:
+        tag = f"{name}_{int(rslora)}_{int(experts)}_P{ranks_of(launcher)}"
+        out = ringflex_forward(ringflex, launcher, base_dir, adapter_dir, batch_path,
+                               os.path.join(workdir, f"out_{tag}.safetensors"))
+        failures = []
+        worst = rel_err(out["loss"].reshape(()), loss)
+        if worst > REL_TOL:
+            failures.append(f"loss: relative error {worst:.3e}")
+        for n, g in lora.items():
+            key = "grad." + n
+            if key not in out:
+                failures.append(f"{key} missing from ringflex's output")
+                continue
+            err = rel_err(out[key], g)
+            worst = max(worst, err)
+            if err > REL_TOL:
+                failures.append(f"{key}: relative error {err:.3e}")
+        extra = sorted(k for k in out if k.startswith("grad.") and k[len("grad."):] not in lora)
+        if extra:
+            failures.append(f"gradients of the frozen base written: {extra[:3]}")
+        where = f"{label} P={ranks_of(launcher)}"
+        if failures:
+            print(f"FAIL {where}: " + "; ".join(failures[:6]))
+            ok = False
+            continue
+        print(f"ok   {where}: loss and {len(lora)} adapter gradients, worst relative error {worst:.2e}")
+    return ok
 
 
 def digest(directory):
@@ -279,19 +287,23 @@ checkpoint: {{dir: {os.path.join(workdir, "ckpt")}, every: 2, keep: 2}}
 
 def main():
     if len(sys.argv) < 2:
-        print("usage: lora_parity.py PATH/TO/ringflex [LAUNCHER...]")
+        print("usage: lora_parity.py PATH/TO/ringflex [LAUNCHER... | --ranks P... [-- MPIEXEC...]]")
         return 2
-    ringflex, launcher = sys.argv[1], sys.argv[2:]
+    ringflex, runs = sys.argv[1], launchers(sys.argv[2:])
     torch.set_num_threads(1)
-    print(f"peft {peft.__version__}, torch {torch.__version__}" + (f", through {' '.join(launcher)}" if launcher else ""))
+    print(f"peft {peft.__version__}, torch {torch.__version__}, at P = "
+          + ", ".join(f"{ranks_of(launcher)}" + (f" through {' '.join(launcher)}" if launcher else "")
+                      for launcher in runs))
     ok = True
     with tempfile.TemporaryDirectory() as workdir:
         for name, rslora, bf16_base, experts in (("dense", False, False, False), ("dense", True, False, False),
                                                  ("moe", False, False, False), ("small", False, False, False),
                                                  ("dense", False, True, False), ("moe", False, True, False),
                                                  ("moe", False, False, True), ("moe", True, True, True)):
-            ok = grad_case(ringflex, launcher, name, rslora, workdir, bf16_base, experts) and ok
-        ok = train_case(ringflex, launcher, workdir) and ok
+            ok = grad_case(ringflex, runs, name, rslora, workdir, bf16_base, experts) and ok
+        for launcher in runs:
+            with tempfile.TemporaryDirectory(dir=workdir) as train_dir:
+                ok = train_case(ringflex, launcher, train_dir) and ok
     return 0 if ok else 1
 
 
