@@ -10,7 +10,8 @@
 // OUT             soft_tokens [N, hidden_size] F32 of the last repeat (the driver checks them against transformers
 //                 before it reports any time)
 // REPS            forward passes over all n images, each timed alone
-// Prints one line per repeat, "forward_s <seconds>". Threads: OMP_NUM_THREADS, as for ringflex. Loading the
+// Prints one line per repeat, "forward_s <seconds>". Threads: OMP_NUM_THREADS, as for ringflex; the OpenBLAS core as
+// ringflex chooses it (a fallback core is replaced by a restart, src/cpu/blas_core.h). Loading the
 // checkpoint and writing OUT are not timed. Exits 1 with the error's one line on any failure.
 #include <chrono>
 #include <cstdio>
@@ -19,10 +20,12 @@
 #include <vector>
 
 #include "common/vision_tower.h"
+#include "cpu/blas_core.h"
 #include "io/safetensors.h"
 #include "model/vision_encoder.h"
 
 int main(int argc, char** argv) {
+  rf::cpu::restart_on_best_openblas_core(argv);  // the OpenBLAS kernels the tower's sgemm runs on (blas_core.h)
   if (argc != 5) {
     std::fprintf(stderr, "usage: bench_vision CHECKPOINT_DIR IMAGES.safetensors OUT.safetensors REPS\n");
     return 2;
