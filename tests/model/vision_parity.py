@@ -21,6 +21,14 @@ most. A wrong term (a swapped rotary axis, a missed clip, padding in a pool, a w
 Gradients: 1e-4 relative per tensor, as tests/model/parity.py allows its backward (the backward's longer chains and
 sums over tokens amplify the same rounding; measured ~1e-6 here), still far below the 1e-2 of a wrong term (a clamp
 gradient passed outside its bounds, a rotation not transposed).
+The bf16 mode (set_compute_dtype, vision_case's COMPUTE_DTYPE) on the same cases: soft tokens within 2e-2 of the
+float64 reference and farther than 1e-4 (float32 lands at ~2e-7: above 1e-4 shows the operands really were
+rounded). Each bf16 operand carries a relative rounding of at most 2^-9 ~ 2e-3; a layer or two of linears and
+attention compound a few of them: measured ~4e-3, 2e-2 leaves room for the random draws while a wrong term still
+moves it by 1e-1 or more. Gradients within 5e-2 (measured ~1.5e-2: the backward's chains are about twice the
+forward's) on the cases without clipped linears; with them only the soft tokens are checked, since an element whose
+value lies within bf16 rounding of a clip bound flips its clamp's 0/1 gradient mask, which on these tiny towers moves
+whole gradients by up to ~2e-1 without anything being wrong.
 Exit 77 (CTest's skip) when torch, transformers or safetensors is missing.
 """
 import os
@@ -41,6 +49,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 REL_TOL = 1e-5
 GRAD_TOL = 1e-4
+BF16_FLOOR, BF16_TOL, BF16_GRAD_TOL = 1e-4, 2e-2, 5e-2
 TEXT = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=8, global_head_dim=8, sliding_window=4,
             layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
@@ -186,8 +195,27 @@ def run(name, vision_case, work):
             print(f"FAIL {name}: the clip bounds change the reference by only {moved:.1e}")
             return False
         clipped = f", clipping moves the tokens by {moved:.1e}"
+    # The bf16 mode (VisionEncoder::set_compute_dtype): the same tower, images and loss with bf16 matmul operands.
+    out16 = os.path.join(work, f"{name}_bf16.safetensors")
+    proc = subprocess.run([vision_case, ckpt, inputs, out16, "bfloat16"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"FAIL {name}: vision_case bfloat16: {proc.stderr.strip()}")
+        return False
+    got16 = load_file(out16)
+    err16 = float((got16["soft_tokens"].double() - ref).norm() / ref.norm())
+    grad16 = 0.0
+    for pname, p in tower.named_parameters() if not vcfg["use_clipped_linears"] else []:
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        d = got16["grad.model.vision_tower." + pname].double().reshape(g.shape) - g
+        grad16 = max(grad16, float(d.norm() / max(float(g.norm()), 1e-300)))
+    if not (BF16_FLOOR < err16 <= BF16_TOL and grad16 <= BF16_GRAD_TOL):
+        print(f"FAIL {name}: bfloat16 soft tokens relative error {err16:.2e} outside ({BF16_FLOOR:.0e}, "
+              f"{BF16_TOL:.0e}], or gradients {grad16:.2e} > {BF16_GRAD_TOL:.0e}")
+        return False
     print(f"ok   {name:12s}: {len(grids)} images, {counts} soft tokens, relative error {err:.2e}, "
-          f"{len(dict(tower.named_parameters()))} gradients within {worst_grad:.2e}{clipped}")
+          f"{len(dict(tower.named_parameters()))} gradients within {worst_grad:.2e}{clipped}; "
+          f"bfloat16 {err16:.2e}, " + ("gradients unchecked (clipped linears)" if vcfg["use_clipped_linears"]
+                                        else f"gradients within {grad16:.2e}"))
     return True
 
 
