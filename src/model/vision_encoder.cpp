@@ -10,6 +10,7 @@
 #include "cpu/attention.h"
 #include "io/tensor_access.h"
 #include "model/elementwise.h"
+#include "model/matmul_bf16.h"
 #include "model/ops.h"
 
 namespace rf::model {
@@ -118,15 +119,44 @@ void clamp_into(const float* x, float* y, int64_t n, float lo, float hi) {
 
 }  // namespace
 
+bool VisionEncoder::widen_on_sgemm() const { return dtype_ == ComputeDtype::Bfloat16 && !bf16_matmul_on_onednn(); }
+
+const float* VisionEncoder::rounded(const float* x, int64_t n, Widened& wide) const {
+  if (!widen_on_sgemm()) return x;
+  wide.x.resize(static_cast<size_t>(n));
+  float* r = wide.x.data();
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+  for (int64_t i = 0; i < n; ++i) r[i] = bf16_to_float(float_to_bf16(x[i]));
+  return r;
+}
+
+void VisionEncoder::project(const Matmul& mm, const float* x, const std::vector<float>& W, float* y, int64_t T,
+                            int64_t in, int64_t out, Widened& wide) const {
+  if (!widen_on_sgemm()) {
+    linear_forward(mm, x, W.data(), y, T, in, out);
+    return;
+  }
+  const int64_t n = static_cast<int64_t>(W.size());
+  const bf16* copy = weights_bf16_.find(W.data(), n);
+  RF_CHECK(copy != nullptr, "vision tower: a weight without its bf16 copy (set_compute_dtype on another encoder?)");
+  wide.w.resize(W.size());
+  float* w = wide.w.data();
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+  for (int64_t i = 0; i < n; ++i) w[i] = bf16_to_float(copy[i]);
+  // The products of bf16 values are exact in float32: sgemm on them is the bf16 mode's arithmetic (ops.h).
+  linear_forward(Matmul{}, x, w, y, T, in, out);
+}
+
 void VisionEncoder::clipped_linear(const Matmul& mm, const Linear& l, const float* x, float* y, int64_t T, int64_t in,
-                                   int64_t out, VisionTape::LinearTape& tape, bool keep) const {
+                                   int64_t out, VisionTape::LinearTape& tape, bool keep, Widened& wide,
+                                   const float* x_rounded) const {
   if (!cfg_.use_clipped_linears) {
-    linear_forward(mm, x, l.w.data(), y, T, in, out);
+    project(mm, x_rounded ? x_rounded : rounded(x, T * in, wide), l.w, y, T, in, out, wide);
     return;
   }
   tape.x.resize(static_cast<size_t>(T * in));
   clamp_into(x, tape.x.data(), T * in, l.in_min, l.in_max);
-  linear_forward(mm, tape.x.data(), l.w.data(), y, T, in, out);
+  project(mm, rounded(tape.x.data(), T * in, wide), l.w, y, T, in, out, wide);
   if (keep) tape.y.assign(y, y + T * out);
   clamp_into(y, y, T * out, l.out_min, l.out_max);
 }
@@ -292,7 +322,8 @@ VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& sou
   tape.scaled.resize(static_cast<size_t>(T * patch_values));
 #pragma omp parallel for schedule(static) if (T * patch_values >= kParallelMinElements)
   for (int64_t i = 0; i < T * patch_values; ++i) tape.scaled[i] = 2.f * (b.pixels[i] - 0.5f);
-  linear_forward(mm, tape.scaled.data(), input_proj_.data(), h.data(), T, patch_values, H);
+  Widened wide;
+  project(mm, rounded(tape.scaled.data(), T * patch_values, wide), input_proj_, h.data(), T, patch_values, H, wide);
   const int64_t table = int64_t{cfg_.position_embedding_size} * H;  // one axis of the position table
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
@@ -343,11 +374,15 @@ VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& sou
     {
       // Without clipping q, k and v multiply the same input: rounded to bf16 once for the three (bf16 mode).
       SharedOperands shared(mm);
-      if (!cfg_.use_clipped_linears) shared.add(S.a.data(), T * H);
+      const float* a = nullptr;
+      if (!cfg_.use_clipped_linears) {
+        if (!widen_on_sgemm()) shared.add(S.a.data(), T * H);  // for oneDNN's bf16 matmul
+        a = rounded(S.a.data(), T * H, wide);
+      }
       const Matmul m = shared.matmul();
-      clipped_linear(m, L.q, S.a.data(), S.q_raw.data(), T, H, Hq * D, S.q, keep);
-      clipped_linear(m, L.k, S.a.data(), S.k_raw.data(), T, H, Hkv * D, S.k, keep);
-      clipped_linear(m, L.v, S.a.data(), S.v_raw.data(), T, H, Hkv * D, S.v, keep);
+      clipped_linear(m, L.q, S.a.data(), S.q_raw.data(), T, H, Hq * D, S.q, keep, wide, a);
+      clipped_linear(m, L.k, S.a.data(), S.k_raw.data(), T, H, Hkv * D, S.k, keep, wide, a);
+      clipped_linear(m, L.v, S.a.data(), S.v_raw.data(), T, H, Hkv * D, S.v, keep, wide, a);
     }
     fit(S.qh, T * Hq * D), fit(S.kh, T * Hkv * D), fit(S.vh, T * Hkv * D);
     fit(S.inv_q, T * Hq), fit(S.inv_k, T * Hkv), fit(S.inv_v, T * Hkv);
@@ -365,7 +400,7 @@ VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& sou
     fit(S.o_tok, T * Hq * D);
     to_tokens_into(S.out.data(), S.o_tok.data(), n, P, Hq, D);
     fit(S.attn, T * H), fit(S.inv_attn, T);
-    clipped_linear(mm, L.o, S.o_tok.data(), S.attn.data(), T, Hq * D, H, S.o, keep);
+    clipped_linear(mm, L.o, S.o_tok.data(), S.attn.data(), T, Hq * D, H, S.o, keep, wide);
     norm_add(S.attn.data(), L.post_attention_norm.data(), eps, S.inv_attn.data(), h.data(), T, H);
     // 2b. MLP.
     if (keep) S.h_mid = h;
@@ -374,14 +409,18 @@ VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& sou
     fit(S.g, T * I), fit(S.u, T * I), fit(S.gu, T * I);
     {
       SharedOperands shared(mm);  // gate and up multiply the same input, as q, k and v above
-      if (!cfg_.use_clipped_linears) shared.add(S.m.data(), T * H);
+      const float* m_in = nullptr;
+      if (!cfg_.use_clipped_linears) {
+        if (!widen_on_sgemm()) shared.add(S.m.data(), T * H);  // for oneDNN's bf16 matmul
+        m_in = rounded(S.m.data(), T * H, wide);
+      }
       const Matmul m = shared.matmul();
-      clipped_linear(m, L.gate, S.m.data(), S.g.data(), T, H, I, S.gate, keep);
-      clipped_linear(m, L.up, S.m.data(), S.u.data(), T, H, I, S.up, keep);
+      clipped_linear(m, L.gate, S.m.data(), S.g.data(), T, H, I, S.gate, keep, wide, m_in);
+      clipped_linear(m, L.up, S.m.data(), S.u.data(), T, H, I, S.up, keep, wide, m_in);
     }
     geglu_forward(S.g.data(), S.u.data(), S.gu.data(), T * I);
     fit(S.ff, T * H), fit(S.inv_ff, T);
-    clipped_linear(mm, L.down, S.gu.data(), S.ff.data(), T, I, H, S.down, keep);
+    clipped_linear(mm, L.down, S.gu.data(), S.ff.data(), T, I, H, S.down, keep, wide);
     norm_add(S.ff.data(), L.post_feedforward_norm.data(), eps, S.inv_ff.data(), h.data(), T, H);
   }
 

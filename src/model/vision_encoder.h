@@ -140,10 +140,24 @@ class VisionEncoder {
   };
   std::vector<float> take(const Lookup& find, const std::string& name, const std::vector<int64_t>& shape) const;
   Linear take_linear(const Lookup& find, const std::string& name, int64_t in, int64_t out) const;
+  // The forward's reusable buffers for the bf16 mode on sgemm (widen_on_sgemm): an activation and a weight rounded to
+  // bf16 values, held in float32. Sized by the first layer, reused by the others (model::gemm would allocate both
+  // afresh in every call, a page fault per 4 KiB of them).
+  struct Widened {
+    std::vector<float> x, w;
+  };
+  // Whether the bf16 mode multiplies bf16-rounded float32 operands on sgemm (model::gemm's choice where oneDNN's bf16
+  // matmul does not pay, ops.h), which forward then rounds itself into Widened buffers.
+  bool widen_on_sgemm() const;
+  // x[0, n) as the matmul takes it: rounded to bf16 values into wide.x with widen_on_sgemm, else x itself.
+  const float* rounded(const float* x, int64_t n, Widened& wide) const;
+  // y[T, out] = x[T, in] W^T in this encoder's dtype; x from rounded().
+  void project(const Matmul& mm, const float* x, const std::vector<float>& W, float* y, int64_t T, int64_t in,
+               int64_t out, Widened& wide) const;
   // y = clamp(clamp(x) W^T) (no clamps without clipped linears); tape.x gets the clamped input, and with `keep`
-  // tape.y the output before its clamp.
+  // tape.y the output before its clamp. x_rounded: rounded(x) when the caller made it once for several linears.
   void clipped_linear(const Matmul& mm, const Linear& l, const float* x, float* y, int64_t T, int64_t in, int64_t out,
-                      VisionTape::LinearTape& tape, bool keep) const;
+                      VisionTape::LinearTape& tape, bool keep, Widened& wide, const float* x_rounded = nullptr) const;
   // dx += (d/dx of the clamped linear) dy, dW += ...; x the caller's input (the clamp's gradient is 1 inside the
   // bounds, 0 outside, as torch.clamp's).
   void clipped_linear_backward(const Linear& l, const float* x, const VisionTape::LinearTape& tape, const float* dy,
