@@ -123,7 +123,7 @@ def bench(a, config, gen):
           f"{a.threads} threads, {a.reps} repeats (medians)")
     for d in DTYPES:
         r, t = statistics.median(ours[d]), statistics.median(theirs[d])
-        print(f"  {d:8s} ringflex {r:8.3f} s {n / r:8.2f} images/s   PyTorch {t:8.3f} s {n / t:8.2f} images/s   "
+        print(f"  {d:8s} ringflex {r:8.3f} s {n / r:8.3f} images/s   PyTorch {t:8.3f} s {n / t:8.3f} images/s   "
               f"ringflex / PyTorch = {t / r:.2f}x", flush=True)
 
 

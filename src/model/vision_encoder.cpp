@@ -183,17 +183,14 @@ void VisionEncoder::clipped_linear_backward(const Linear& l, const float* x, con
 
 namespace {
 
-// [n, P, heads, D] token-major <-> [n, heads, P, D] head-major (the attention kernels' layout).
-std::vector<float> to_heads(const std::vector<float>& x, int n, int64_t P, int heads, int64_t D) {
-  std::vector<float> y(x.size());
+// [n, P, heads, D] token-major <-> [n, heads, P, D] head-major (the attention kernels' layout), y written.
+void to_heads_into(const float* x, float* y, int n, int64_t P, int heads, int64_t D) {
   const int64_t T = int64_t{n} * P;
 #pragma omp parallel for schedule(static) if (T * heads * D >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
     const int64_t img = t / P, p = t % P;
-    for (int hd = 0; hd < heads; ++hd)
-      std::copy_n(x.data() + (t * heads + hd) * D, D, y.data() + ((img * heads + hd) * P + p) * D);
+    for (int hd = 0; hd < heads; ++hd) std::copy_n(x + (t * heads + hd) * D, D, y + ((img * heads + hd) * P + p) * D);
   }
-  return y;
 }
 void to_tokens_into(const float* x, float* y, int n, int64_t P, int heads, int64_t D) {
   const int64_t T = int64_t{n} * P;
@@ -202,11 +199,6 @@ void to_tokens_into(const float* x, float* y, int n, int64_t P, int heads, int64
     const int64_t img = t / P, p = t % P;
     for (int hd = 0; hd < heads; ++hd) std::copy_n(x + ((img * heads + hd) * P + p) * D, D, y + (t * heads + hd) * D);
   }
-}
-std::vector<float> to_tokens(const std::vector<float>& x, int n, int64_t P, int heads, int64_t D) {
-  std::vector<float> y(x.size());
-  to_tokens_into(x.data(), y.data(), n, P, heads, D);
-  return y;
 }
 
 // One head's row v[D]: each half a rotated by axis a's angle (cos, sin: [2, D/4] of its token), pairs (i, i + D/4)
@@ -534,19 +526,28 @@ void VisionEncoder::backward(const VisionBatch& b, const VisionTape& tape, const
   chunk.q_meta = chunk.k_meta = tape.meta.data();
   chunk.mask = LayerMask{false, 0, false};
   chunk.scale = 1.f;
-  const auto zeros = [](int64_t count) { return std::vector<float>(static_cast<size_t>(count), 0.f); };
+  // Every layer's gradients in one buffer set, zeroed (in parallel) where a backward accumulates into them: no
+  // allocation, and so no page faults, after the last layer.
+  const auto zero = [](std::vector<float>& v, int64_t count) {
+    v.resize(static_cast<size_t>(count));
+    float* d = v.data();
+#pragma omp parallel for schedule(static) if (count >= kParallelMinElements)
+    for (int64_t i = 0; i < count; ++i) d[i] = 0.f;
+  };
+  std::vector<float> d_ff, d_gu, d_g, d_u, d_m, d_attn, d_otok, d_out, delta, dqh, dkh, dvh, dq, dk, dv, dq_raw, dk_raw,
+      dv_raw, d_a;
   for (int l = static_cast<int>(layers_.size()) - 1; l >= 0; --l) {
     const Layer& L = layers_[l];
     const VisionTape::Layer& S = tape.layers[l];
     const std::string p = "encoder.layers." + std::to_string(l) + ".";
     // 2b. MLP: h_out = h_mid + post_feedforward_norm(down(gelu(gate(m)) * up(m))), m = pre_feedforward_norm(h_mid).
-    std::vector<float> d_ff = zeros(T * H), d_gu = zeros(T * I), d_g = zeros(T * I), d_u = zeros(T * I);
-    std::vector<float> d_m = zeros(T * H);
+    zero(d_ff, T * H), zero(d_gu, T * I), zero(d_m, T * H);
+    d_g.resize(static_cast<size_t>(T * I)), d_u.resize(static_cast<size_t>(T * I));  // written by geglu_backward
     rmsnorm_backward(S.ff.data(), L.post_feedforward_norm.data(), S.inv_ff.data(), dh.data(), d_ff.data(),
                      grad(p + "post_feedforward_layernorm.weight", H), T, H);
     clipped_linear_backward(L.down, S.gu.data(), S.down, d_ff.data(), d_gu.data(),
                             grad(p + "mlp.down_proj.linear.weight", H * I), T, I, H);
-    geglu_backward(S.g.data(), S.u.data(), d_gu.data(), d_g.data(), d_u.data(), T * I, true);
+    geglu_backward(S.g.data(), S.u.data(), d_gu.data(), d_g.data(), d_u.data(), T * I, false);
     clipped_linear_backward(L.gate, S.m.data(), S.gate, d_g.data(), d_m.data(),
                             grad(p + "mlp.gate_proj.linear.weight", I * H), T, H, I);
     clipped_linear_backward(L.up, S.m.data(), S.up, d_u.data(), d_m.data(),
@@ -554,30 +555,32 @@ void VisionEncoder::backward(const VisionBatch& b, const VisionTape& tape, const
     rmsnorm_backward(S.h_mid.data(), L.pre_feedforward_norm.data(), S.inv_mid.data(), d_m.data(), dh.data(),
                      grad(p + "pre_feedforward_layernorm.weight", H), T, H);
     // 2a. Attention: h_mid = h_in + post_attention_norm(o_proj(attention(...))).
-    std::vector<float> d_attn = zeros(T * H), d_otok = zeros(T * Hq * D);
+    zero(d_attn, T * H), zero(d_otok, T * Hq * D);
     rmsnorm_backward(S.attn.data(), L.post_attention_norm.data(), S.inv_attn.data(), dh.data(), d_attn.data(),
                      grad(p + "post_attention_layernorm.weight", H), T, H);
     clipped_linear_backward(L.o, S.o_tok.data(), S.o, d_attn.data(), d_otok.data(),
                             grad(p + "self_attn.o_proj.linear.weight", H * Hq * D), T, Hq * D, H);
-    const std::vector<float> d_out = to_heads(d_otok, n, P, Hq, D);
-    std::vector<float> delta = zeros(T * Hq), dqh = zeros(T * Hq * D), dkh = zeros(T * Hkv * D),
-                       dvh = zeros(T * Hkv * D);
+    d_out.resize(static_cast<size_t>(T * Hq * D)), delta.resize(static_cast<size_t>(T * Hq));  // written
+    to_heads_into(d_otok.data(), d_out.data(), n, P, Hq, D);
+    zero(dqh, T * Hq * D), zero(dkh, T * Hkv * D), zero(dvh, T * Hkv * D);
     chunk.q = S.qh.data();
     chunk.k = S.kh.data();
     chunk.v = S.vh.data();
     cpu::attention_delta(chunk.shape, DType::F32, d_out.data(), S.out.data(), delta.data());
     cpu::attention_backward(chunk, d_out.data(), S.lse.data(), delta.data(), dqh.data(), dkh.data(), dvh.data());
-    std::vector<float> dq = to_tokens(dqh, n, P, Hq, D), dk = to_tokens(dkh, n, P, Hkv, D),
-                       dv = to_tokens(dvh, n, P, Hkv, D);
+    dq.resize(dqh.size()), dk.resize(dkh.size()), dv.resize(dvh.size());  // written
+    to_tokens_into(dqh.data(), dq.data(), n, P, Hq, D);
+    to_tokens_into(dkh.data(), dk.data(), n, P, Hkv, D);
+    to_tokens_into(dvh.data(), dv.data(), n, P, Hkv, D);
     rope_2d(dq, tape.cos, tape.sin, T, Hq, D, true);
     rope_2d(dk, tape.cos, tape.sin, T, Hkv, D, true);
-    std::vector<float> dq_raw = zeros(T * Hq * D), dk_raw = zeros(T * Hkv * D), dv_raw = zeros(T * Hkv * D);
+    zero(dq_raw, T * Hq * D), zero(dk_raw, T * Hkv * D), zero(dv_raw, T * Hkv * D);
     rmsnorm_backward(S.q_raw.data(), L.q_norm.data(), S.inv_q.data(), dq.data(), dq_raw.data(),
                      grad(p + "self_attn.q_norm.weight", D), T * Hq, D);
     rmsnorm_backward(S.k_raw.data(), L.k_norm.data(), S.inv_k.data(), dk.data(), dk_raw.data(),
                      grad(p + "self_attn.k_norm.weight", D), T * Hkv, D);
     rmsnorm_backward(S.v_raw.data(), nullptr, S.inv_v.data(), dv.data(), dv_raw.data(), nullptr, T * Hkv, D);
-    std::vector<float> d_a = zeros(T * H);
+    zero(d_a, T * H);
     clipped_linear_backward(L.q, S.a.data(), S.q, dq_raw.data(), d_a.data(),
                             grad(p + "self_attn.q_proj.linear.weight", Hq * D * H), T, H, Hq * D);
     clipped_linear_backward(L.k, S.a.data(), S.k, dk_raw.data(), d_a.data(),
@@ -589,7 +592,7 @@ void VisionEncoder::backward(const VisionBatch& b, const VisionTape& tape, const
   }
 
   // 1. Patch embedding.
-  linear_backward(Matmul{}, tape.scaled.data(), input_proj_.data(), dh.data(), nullptr,
+  linear_backward(matmul(), tape.scaled.data(), input_proj_.data(), dh.data(), nullptr,
                   grad("patch_embedder.input_proj.weight", H * patch_values), T, patch_values, H);
   float* d_table = grad("patch_embedder.position_embedding_table", kAxes * cfg_.position_embedding_size * H);
   const int64_t table = int64_t{cfg_.position_embedding_size} * H;
