@@ -13,7 +13,8 @@ bounds that really clip, GQA, one and two layers) this script
      and backward) and compares the soft-token counts per image exactly, the soft tokens and every gradient (and
      that it gives none for a buffer: clip bounds and std_bias/std_scale do not train).
 
-Tolerance: 1e-5 relative (norm of the difference over the norm of the reference). The C++ encoder runs in float32
+Each case runs twice in float32, on one thread and on two, with the same bits required (the "threaded" case is big
+enough for every threaded pass to split). Tolerance: 1e-5 relative (norm of the difference over the norm of the reference). The C++ encoder runs in float32
 (rounding ~6e-8 per op); the reference runs in float64 except where transformers itself computes in float32 (the
 rotary angles, and the pooling and sqrt(hidden) scale, which Gemma4VisionPooler does in float32 on purpose), so
 both sides carry float32 rounding of ~1e-7 amplified by a layer or two of attention and MLP: measured ~1e-6 at
@@ -72,7 +73,16 @@ CASES = {
                     pooling_kernel_size=1, standardize=True, use_clipped_linears=False,
                     rope_parameters={"rope_type": "axial", "rope_theta": 50.0}),
                [(3, 2), (5, 1), (2, 2)]),
+    # Big enough that every threaded pass of the encoder runs on several threads (its loops go parallel from 2^15
+    # elements, its sgemms from 2^21 multiply-adds, ops.h): 1152 patches of hidden 64, clipped linears.
+    "threaded": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=32, patch_size=2, position_embedding_size=32,
+                      pooling_kernel_size=2, standardize=False, use_clipped_linears=True),
+                 [(24, 24), (20, 18)]),
 }
+# Threads of the second float32 run of every case, whose every output must have the same bits as the first's (run with
+# CTest's OMP_NUM_THREADS = 1): the encoder splits no sum by thread (vision_encoder.h, ops.h).
+THREADS = "2"
 
 
 def randomize(tower, gen):
@@ -156,6 +166,17 @@ def run(name, vision_case, work):
         print(f"FAIL {name}: vision_case: {proc.stderr.strip()}")
         return False
     got = load_file(out)
+    out2 = os.path.join(work, f"{name}_threads.safetensors")
+    proc = subprocess.run([vision_case, ckpt, inputs, out2], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS=THREADS))
+    if proc.returncode != 0:
+        print(f"FAIL {name}: vision_case on {THREADS} threads: {proc.stderr.strip()}")
+        return False
+    got2 = load_file(out2)
+    differ = sorted(k for k in got if k not in got2 or not torch.equal(got[k], got2[k]))
+    if differ or len(got2) != len(got):
+        print(f"FAIL {name}: {THREADS} threads change the bits of {differ[:4] or 'the set of outputs'}")
+        return False
     counts = got["counts"].tolist()
     if counts != ref_counts or ref.shape[0] != sum(ref_counts):
         print(f"FAIL {name}: soft tokens per image {counts}, transformers {ref_counts} ({ref.shape[0]} in all)")
