@@ -236,7 +236,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   MemoryBreakdown need;
   const bool full = c.parallelism.shard == ShardMode::Full;
   if (full || c.parallelism.shard == ShardMode::Gradients) {
-    // The sharded store's state by kind (ShardedStore::bytes_for says what each holds; LoRA is shard none only).
+    // The sharded store's state by kind (ShardedStore::bytes_for says what each holds; LoRA is none or optimizer).
     const ShardedStore::Bytes b =
         ShardedStore::bytes_for(m.params(), m.params().trainable_after(c.model.freeze),
                                 full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients, world_size);
