@@ -28,8 +28,10 @@ namespace {
 // Thrown by the loader's before-allocating hook once it has the shapes: the loader stops there, allocating nothing.
 struct ShapesTaken {};
 
-// The config's need per rank at `seq_len` tokens a row.
-rf::MemoryBreakdown need_at(rf::trainer::TrainConfig c, const rf::model::Gemma4Model& shapes, int seq_len) {
+// The config's need per rank at `seq_len` tokens a row, for the shapes the loader shows (the model's type is the
+// loader's BeforeAllocating argument, whatever it is).
+template <typename Shapes>
+rf::MemoryBreakdown need_at(rf::trainer::TrainConfig c, const Shapes& shapes, int seq_len) {
   c.train.seq_len = seq_len;
   return rf::trainer::train_memory_at_least(c, shapes, c.parallelism.cp * c.parallelism.dp);
 }
@@ -59,7 +61,7 @@ int main(int argc, char** argv) {
     int64_t at_longest = 0;
     bool measured = false;
     try {
-      rf::model::load_checkpoint(c.model.path, [&](const rf::model::Gemma4Model& shapes) {
+      rf::model::load_checkpoint(c.model.path, [&](const auto& shapes) {
         at_config = need_at(c, shapes, c.train.seq_len);
         // Doubling until a length does not fit, then bisecting in granules: the need grows with the row.
         constexpr int kLongestSearched = 1 << 22;  // 4M tokens, far past any row this machine holds
