@@ -18,7 +18,8 @@ experts left out of the targets) and both scalings (alpha / r, and use_rslora's 
      base with the adapted weights merged, which plain transformers loads and which gives peft's loss.
   4. `ringflex train` on the MoE config with the experts adapted too (target_parameters, PEFT's nested ParamWrapper
      names) writes an adapter directory that peft loads with no missing or unexpected keys, every tensor of the file
-     landing in peft's adapter with its shape and values, and which gives ringflex's loss in float64.
+     landing in peft's adapter with its shape and values, and which gives ringflex's loss in float64; its --stats
+     count the base as mapped from the files.
 
 Tolerance: 1e-4 relative per tensor, parity.py's (float32 against float64 on these badly conditioned tiny models;
 a wrong term shows up at 1e-2 or more).
@@ -308,12 +309,19 @@ parallelism: {{cp: {ranks}}}
 train: {{steps: 2, seq_len: 24, global_batch: 2, micro_batch: 1, threads: 1, log_every: 1}}
 checkpoint: {{dir: {ckpt}, every: 2, keep: 1}}
 """)
-    proc = subprocess.run([*launcher, ringflex, "train", "--config", config], capture_output=True, text=True)
+    stats = os.path.join(workdir, "stats_moe.json")
+    proc = subprocess.run([*launcher, ringflex, "train", "--config", config, "--stats", stats], capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         print(f"FAIL train experts: ringflex train failed: {proc.stderr.strip()[-2000:]}")
         return False
     adapter = os.path.join(ckpt, "step-00000002")
     failures = []
+    # --stats counts the base as the run holds it, mapped from the files (not as float32 weights of each rank).
+    with open(stats) as f:
+        kinds = [t["kind"] for t in json.load(f)["memory_per_rank"]["terms"]]
+    if not any(k.startswith("LoRA base, mapped") for k in kinds):
+        failures.append(f"--stats: no mapped LoRA base among {kinds}")
     with open(os.path.join(adapter, "adapter_config.json")) as f:
         ac = json.load(f)
     if sorted(ac.get("target_parameters") or []) != sorted(
