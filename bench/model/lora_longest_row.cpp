@@ -3,10 +3,11 @@
 // benchmark's driver (bench/model/bench_lora_e2b.py). Computed, not measured: the checkpoint's shapes are read the
 // way `ringflex train` reads them (model::load_checkpoint, stopped before it allocates), nothing is loaded.
 //
-//   lora_longest_row --config FILE.yaml [--set section.key=value ...] [--granule 512]
+//   lora_longest_row --config FILE.yaml [--set section.key=value ...] [--granule 512] [--budget-gib G]
 //
 // The budget is what the check compares against, rf::available_memory_bytes(): MemAvailable (or a cgroup's headroom)
-// shared by the config's cp x dp ranks on this machine, capped by RINGFLEX_MEMORY_LIMIT. Prints one JSON object:
+// shared by the config's cp x dp ranks on this machine, capped by RINGFLEX_MEMORY_LIMIT; or --budget-gib per rank
+// (planning for another machine, or this one idle). Prints one JSON object:
 //   budget_bytes, ranks, seq_len (the config's) and need_bytes / terms at it, longest_seq_len (the longest multiple
 //   of --granule whose need fits the budget; 0: none does) and need_at_longest_bytes.
 #include <CLI/CLI.hpp>
@@ -43,9 +44,13 @@ int main(int argc, char** argv) {
   std::string config;
   std::vector<std::string> sets;
   int granule = 512;  // the search's step: rows are cut in multiples of it (cp and the attention blocks divide it)
+  double budget_gib = 0.0;
   app.add_option("--config", config, "The ringflex train config (YAML)")->required();
   app.add_option("--set", sets, "Override one field, section.key=value (repeatable), as ringflex train --set");
   app.add_option("--granule", granule, "The row lengths searched are multiples of this")->check(CLI::PositiveNumber);
+  app.add_option("--budget-gib", budget_gib,
+                 "Bytes per rank to fit, in GiB (default: what ringflex train's check uses)")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   try {
     const rf::trainer::TrainConfig c = rf::trainer::load_config(config, sets);
@@ -55,7 +60,8 @@ int main(int argc, char** argv) {
     // The ranks of the job share this machine, as under mpirun (the mapped base's share and the budget's split).
     if (std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE") == nullptr)
       setenv("OMPI_COMM_WORLD_LOCAL_SIZE", std::to_string(ranks).c_str(), 1);
-    const int64_t budget = rf::available_memory_bytes();
+    constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+    const int64_t budget = budget_gib > 0 ? static_cast<int64_t>(budget_gib * kGiB) : rf::available_memory_bytes();
     rf::MemoryBreakdown at_config;
     int fits = 0;
     int64_t at_longest = 0;
