@@ -17,8 +17,9 @@
      activations).
   3. PyTorch + peft on the same model and rows: Gemma4ForCausalLM.from_pretrained in bf16 with SDPA attention, the
      same LoRA (peft), one AdamW step under bf16 autocast, in a child process with --torch-timeout seconds. A child
-     that passes --torch-mem-gib of RSS (default: what this machine had available when it started, less 1 GiB) is
-     stopped, as is one the kernel kills: then the row is halved and tried again, down to --torch-min-len; the
+     whose private memory (RssAnon: the file pages a load maps are the page cache's, reclaimable) passes
+     --torch-mem-gib (default: what this machine had available when it started, less 1 GiB) is stopped, as is one
+     the kernel kills: then the row is halved and tried again, down to --torch-min-len; the
      report names the longest row that ran and the shortest that ran out of memory.
   4. The longest row a ringflex step fits in on this machine by the memory model (bench/model/lora_longest_row: the
      figure `ringflex train` checks before it allocates), and with --verify-longest one step at that length, with
@@ -136,6 +137,11 @@ def base_bytes(model_dir):
     return sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir) if f.endswith(".safetensors"))
 
 
+def rows_path(workdir, vocab, seq_len, rows):
+    """Rows of random token ids, the same first rows at any count (one seed): PyTorch's row is ringflex's first."""
+    return os.path.join(workdir, f"rows_{vocab}_{seq_len}_{rows}.jsonl")
+
+
 def write_rows(path, vocab, seq_len, rows):
     if os.path.exists(path):
         return
@@ -198,7 +204,7 @@ class Sampler(threading.Thread):
         self.stop = threading.Event()
         self.peak_hwm, self.peak_pss, self.peak_anon = {}, {}, {}
         self.peak_pss_sum = 0
-        self.last = {}
+        self.last, self.last_anon = {}, {}
 
     def sample(self):
         pss_sum = 0
@@ -213,6 +219,7 @@ class Sampler(threading.Thread):
             self.peak_anon[pid] = max(self.peak_anon.get(pid, 0), s.get("RssAnon", 0))
             self.peak_pss[pid] = max(self.peak_pss.get(pid, 0), r["Pss"])
             self.last[pid] = s.get("VmRSS", 0)
+            self.last_anon[pid] = s.get("RssAnon", 0)
             pss_sum += r["Pss"]
         self.peak_pss_sum = max(self.peak_pss_sum, pss_sum)
         return pss_sum
@@ -328,7 +335,8 @@ def run_torch_once(a, model_dir, rows, seq_len, limit):
         os.remove(out)
     cmd = [sys.executable, os.path.abspath(__file__), "--torch-child", model_dir, rows, str(seq_len), str(a.threads),
            out]
-    log(f"torch + peft, rows of {seq_len}: {' '.join(cmd)} (timeout {a.torch_timeout} s, RSS cap {limit / GiB:.1f} GiB)")
+    log(f"torch + peft, rows of {seq_len}: {' '.join(cmd)} (timeout {a.torch_timeout} s, private memory cap "
+        f"{limit / GiB:.1f} GiB)")
     proc = subprocess.Popen(cmd, start_new_session=True)
     # The child is this interpreter again (the same process name), the only one under its own pid.
     sampler = Sampler(proc.pid, proc_name(os.getpid()), a.sample_s, a.report_every, f"torch {seq_len}")
@@ -336,8 +344,8 @@ def run_torch_once(a, model_dir, rows, seq_len, limit):
     start, verdict = time.time(), None
     while proc.poll() is None:
         time.sleep(a.sample_s)
-        if max(sampler.last.values(), default=0) > limit:
-            verdict = "out of memory (RSS cap)"
+        if sum(sampler.last_anon.values()) > limit:
+            verdict = "out of memory (private memory cap)"
         elif time.time() - start > a.torch_timeout:
             verdict = "timeout"
         if verdict:
@@ -366,7 +374,7 @@ def run_torch(a, model_dir, fields, seq_len):
         kib_fields("/proc/meminfo", ("MemAvailable",))["MemAvailable"] - GiB
     length, ran_out = seq_len, None
     while length >= a.torch_min_len:
-        rows = os.path.join(a.workdir, f"rows_{fields['vocab_size']}_{length}.jsonl")
+        rows = rows_path(a.workdir, fields["vocab_size"], length, 1)
         write_rows(rows, fields["vocab_size"], length, rows=1)
         verdict, res = run_torch_once(a, model_dir, rows, length, limit)
         if verdict == "ok":
@@ -420,7 +428,7 @@ def main():
                          "machine's available memory shared by the ranks, as ringflex's own check")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--torch-timeout", type=float, default=3600.0, help="seconds for one PyTorch step (load included)")
-    ap.add_argument("--torch-mem-gib", type=float, default=None, help="RSS cap of the PyTorch child")
+    ap.add_argument("--torch-mem-gib", type=float, default=None, help="private memory (RssAnon) cap of the PyTorch child")
     ap.add_argument("--torch-min-len", type=int, default=512, help="the shortest row PyTorch is tried at")
     ap.add_argument("--sample-s", type=float, default=1.0, help="memory sampling period")
     ap.add_argument("--report-every", type=float, default=30.0, help="seconds between memory progress lines")
@@ -438,7 +446,7 @@ def main():
         write_model(model_dir, fields)
     base = base_bytes(model_dir)
     log(f"model {model_dir}: {base / GiB:.2f} GiB of safetensors")
-    rows = os.path.join(a.workdir, f"rows_{fields['vocab_size']}_{seq_len}.jsonl")
+    rows = rows_path(a.workdir, fields["vocab_size"], seq_len, a.steps)
     write_rows(rows, fields["vocab_size"], seq_len, rows=a.steps)
     ok = True
     r = run_ringflex(a, model_dir, rows, seq_len, a.steps, f"{seq_len}")
@@ -450,7 +458,7 @@ def main():
     longest = longest_row(a, model_dir, rows, seq_len)
     ok = ok and longest is not None
     if a.verify_longest and longest:
-        long_rows = os.path.join(a.workdir, f"rows_{fields['vocab_size']}_{longest}.jsonl")
+        long_rows = rows_path(a.workdir, fields["vocab_size"], longest, 1)
         write_rows(long_rows, fields["vocab_size"], longest, rows=1)
         r = run_ringflex(a, model_dir, long_rows, longest, 1, f"longest_{longest}")
         if r:
