@@ -2,7 +2,9 @@
 # LoRA under parallelism.shard = optimizer, under a real mpirun: the adapters' AdamW moments sharded over the ranks
 # (one moment file a rank), the frozen base whole on every rank. Every step's loss, gradient norm and validation loss,
 # the final adapter file byte for byte and the moments value for value are those of shard none at the same grid (an
-# element's update depends on that element alone; the reduce-scatter sums in the all-reduce's rank order).
+# element's update depends on that element alone; the reduce-scatter sums in the all-reduce's rank order). And a
+# resume of the sharded run's step-2 checkpoint (its moments one file a rank) under shard none writes the same step-3
+# adapters.
 #   lora_shard_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS GRID_SETS...
 set -euo pipefail
 work=$1 ringflex=$2
@@ -16,12 +18,15 @@ rm -rf "$work"
 mkdir -p "$work"
 common=(--set model.lora.rank=2 --set model.lora.alpha=4 --set train.seq_len=64 --set train.steps=3
         --set train.global_batch=6 --set data.val_rows=2 --set train.threads=1 --set train.val_every=2
-        --set optimizer.lr=0.003 --set optimizer.grad_clip=0.5)
+        --set optimizer.lr=0.003 --set optimizer.grad_clip=0.5 --set checkpoint.every=2)
 for mode in none optimizer; do
   "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.shard=$mode \
     --set checkpoint.dir="$work/$mode" --metrics "$work/$mode.jsonl" >/dev/null
 done
 cmp "$work/none/step-00000003/adapter_model.safetensors" "$work/optimizer/step-00000003/adapter_model.safetensors"
+"${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.shard=none \
+  --set checkpoint.dir="$work/resumed" --resume "$work/optimizer/step-00000002" >/dev/null
+cmp "$work/none/step-00000003/adapter_model.safetensors" "$work/resumed/step-00000003/adapter_model.safetensors"
 python3 - "$work" "$ranks" <<'PY'
 import array, json, os, struct, sys
 work, ranks = sys.argv[1], int(sys.argv[2])
@@ -57,5 +62,5 @@ for p in layout["parameters"]:
         assert flat[k][p["offset"]:p["offset"] + n] == whole[k + "." + p["name"]], f"{k} of {p['name']} differs"
 assert 2 * len(names) == len(whole), "the sharded files miss adapters"
 print(f"LoRA shard optimizer over {ranks} ranks: shard none's losses, norms, adapter bytes and moments "
-      f"({len(names)} adapter tensors)")
+      f"({len(names)} adapter tensors); resumed under shard none, the same adapters")
 PY
