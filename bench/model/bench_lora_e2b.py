@@ -4,10 +4,10 @@
   1. Model. If WORKDIR/e2b has no config.json, writes Gemma 4 E2B as transformers configures it (35 layers, hidden
      1536, per-layer embeddings 256 wide, KV sharing over the last 20 layers, double-wide MLPs there, vocabulary
      262144; 4.63 B parameters of the text model, 8.6 GiB) with random bf16 weights: Gemma4ForCausalLM is built on
-     the meta device, then each module in turn is made real in bf16 on the CPU, initialised by transformers' own _init_weights, written into
-     safetensors shards (model-0000k-of-0000n.safetensors + the index, as save_pretrained lays them out) and dropped
-     again. Never a float32 copy, and never more than one module's tensors at a time (the largest, the per-layer
-     embedding table, is 4.7 GB). Rows of random token ids beside it.
+     the meta device, then each module in turn is made real in bf16 on the CPU, initialised by transformers' own
+     _init_weights, written into safetensors shards (model-0000k-of-0000n.safetensors + the index, as
+     save_pretrained lays them out) and dropped again. Never a float32 copy, and never more than one module's
+     tensors at a time (the largest, the per-layer embedding table, is 4.7 GB). Rows of random token ids beside it.
   2. ringflex. `mpirun -n 2 ringflex train` on examples/gemma4_e2b_lora.yaml (rank 16 on q/k/v/o and gate/up/down,
      CP = 2) over rows of --seq-len tokens (8192) for --steps steps (3), one row a step. Its progress lines pass
      through; every --report-every seconds a line with the ranks' memory. Then each step's loss and tokens/s, each
@@ -31,7 +31,8 @@ Run it alone on the machine (it needs most of its 24 GiB; timings beside other w
         --longest-row build/bench/model/lora_longest_row --workdir /work/tmp/e2b_lora --verify-longest
 
 --tiny builds the same structure at a toy size (4 layers, hidden 256, vocabulary 4096, rows of 512 tokens) to check
-the driver end to end in a minute. Not in CTest: at the real shape it writes 8.6 GiB and runs for about 1.5 h (BENCHMARKS.md).
+the driver end to end in a minute. Not in CTest: at the real shape it writes 8.6 GiB and runs for about 1.5 h
+(BENCHMARKS.md).
 """
 import argparse
 import json
@@ -428,7 +429,8 @@ def main():
                          "machine's available memory shared by the ranks, as ringflex's own check")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--torch-timeout", type=float, default=3600.0, help="seconds for one PyTorch step (load included)")
-    ap.add_argument("--torch-mem-gib", type=float, default=None, help="private memory (RssAnon) cap of the PyTorch child")
+    ap.add_argument("--torch-mem-gib", type=float, default=None,
+                    help="private memory (RssAnon) cap of the PyTorch child")
     ap.add_argument("--torch-min-len", type=int, default=512, help="the shortest row PyTorch is tried at")
     ap.add_argument("--sample-s", type=float, default=1.0, help="memory sampling period")
     ap.add_argument("--report-every", type=float, default=30.0, help="seconds between memory progress lines")
