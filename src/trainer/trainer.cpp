@@ -244,11 +244,14 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   const bool full = c.parallelism.shard == ShardMode::Full;
   if (full || c.parallelism.shard == ShardMode::Gradients) {
     // The sharded store's state by kind (ShardedStore::bytes_for says what each holds; LoRA is none or optimizer).
+    // The tables' rows: every rank's micro-batch's tokens (the CP group's ranks share rows).
+    const int64_t step_tokens = int64_t{c.train.micro_batch} * c.train.seq_len * c.parallelism.dp;
     const ShardedStore::Bytes b =
         ShardedStore::bytes_for(m.params(), m.params().trainable_after(c.model.freeze),
-                                full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients, world_size);
+                                full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients, world_size,
+                                step_tokens);
     need.add(full ? "weight shard" : "weights", b.weight_shard + m.buffers().total_bytes());
-    if (full) need.add("gathered weights", b.gathered);
+    need.add(full ? "gathered weights" : "the tables' rows", b.gathered);
     need.add("gradients", b.gradients);
     need.add("AdamW moments", b.moments);
     need.add("communication buffers", b.comm_buffers);
