@@ -186,15 +186,22 @@ model::LoraConfig lora_config(const TrainConfig& cfg) {
 }
 
 // Bytes of the model's parameters in the dtypes of model.path's files (what a LoRA store maps), or -1 without
-// model.path (a built-in base) or where a file's dtype is none a store can hold (the loader widens those).
+// model.path (a built-in base) or where a file's dtype is none a store can hold (the loader widens those). `shapes`
+// is the registry before the adapters exist (the check before loading) or a LoraStore with them (--stats at the
+// end): its adapters are in no file and are skipped.
 int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& shapes) {
   if (c.model.path.empty() || !fs::is_directory(c.model.path)) return -1;
   const io::Checkpoint files = io::Checkpoint::open(c.model.path);
   const std::string prefix = files.find(std::string(model::kMultimodalTextPrefix) + "embed_tokens.weight")
                                  ? model::kMultimodalTextPrefix
                                  : "model.";
+  std::vector<bool> adapter(shapes.size(), false);
+  if (const auto* lora = dynamic_cast<const model::LoraStore*>(&shapes))
+    for (const model::LoraStore::Adapter& a : lora->adapters()) adapter[a.a] = adapter[a.b] = true;
   int64_t bytes = 0;
-  for (const model::ParamInfo& p : shapes.infos()) {
+  for (size_t slot = 0; slot < shapes.size(); ++slot) {
+    if (adapter[slot]) continue;
+    const model::ParamInfo& p = shapes.info(slot);
     const io::TensorView* v = files.find(model::file_name_of(p.name, prefix));
     if (v == nullptr) return -1;
     if (v->dtype != io::StDType::F32 && v->dtype != io::StDType::BF16 && v->dtype != io::StDType::F16) return -1;
@@ -236,7 +243,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   MemoryBreakdown need;
   const bool full = c.parallelism.shard == ShardMode::Full;
   if (full || c.parallelism.shard == ShardMode::Gradients) {
-    // The sharded store's state by kind (ShardedStore::bytes_for says what each holds; LoRA is shard none only).
+    // The sharded store's state by kind (ShardedStore::bytes_for says what each holds; LoRA is none or optimizer).
     // The tables' rows: every rank's micro-batch's tokens (the CP group's ranks share rows).
     const int64_t step_tokens = int64_t{c.train.micro_batch} * c.train.seq_len * c.parallelism.dp;
     const ShardedStore::Bytes b =

@@ -169,6 +169,14 @@ TEST(TrainMemory, LoraCountsTheAdaptersNotTheBase) {
   EXPECT_EQ(lora.of("weights"), params + adapters + m.buffers().total_bytes());
   EXPECT_EQ(allocated.params().weight_bytes(), params + adapters);
   EXPECT_LT(lora.total(), train_memory_at_least(config({}), m, 1).total());
+  // shard optimizer over 3 ranks: each holds the moments of a third of the adapters (padded), the rest unchanged.
+  const TrainConfig sharded =
+      config({"model.lora.rank=4", "model.lora.target=[q_proj, down_proj]", "parallelism.shard=optimizer"});
+  const MemoryBreakdown third = train_memory_at_least(sharded, m, 3);
+  const int64_t f32 = sizeof(float);
+  EXPECT_EQ(third.of("AdamW moments"), 2 * f32 * model::shard_of(adapters / f32, 0, 3).padded);
+  EXPECT_EQ(third.of("gradients"), adapters);
+  EXPECT_EQ(third.of("weights"), lora.of("weights"));
 }
 
 using ScopedLimit = rf::testing::ScopedMemoryLimit;
