@@ -118,13 +118,13 @@ struct BatchData {
   }
 };
 
-// The soft tokens of the batch's images (pixel_values, image_position_ids) through the checkpoint's vision tower.
-std::vector<float> encode_images(const std::string& path, const io::SafetensorsFile& in, const model::Checkpoint& ck,
+// The soft tokens of the batch's images (pixel_values, image_position_ids) through the model's vision tower, whose
+// float32 copy is freed again when they are made.
+std::vector<float> encode_images(const std::string& path, const io::SafetensorsFile& in, model::Gemma4Multimodal& m,
                                  io::DimSizes& dims, int64_t& n_tokens) {
-  const std::optional<model::VisionConfig> cfg =
-      model::VisionConfig::from_config_json(ck.model->config().source_json, "config.json");
+  const std::optional<model::VisionConfig>& cfg = m.parts().vision;
   RF_CHECK(cfg.has_value(), path, ": has pixel_values, but the checkpoint's config.json has no vision_config");
-  const model::VisionEncoder encoder(*cfg, ck.passthrough);
+  const model::VisionEncoder& encoder = *m.vision_tower();
   const int64_t values = 3 * int64_t{cfg->patch_size} * cfg->patch_size;  // RGB patches
   const io::TensorView& px =
       io::require(in, {"pixel_values", {io::StDType::F32, io::StDType::BF16}, {"n", "P", "V"}, ""}, dims);
@@ -141,12 +141,12 @@ std::vector<float> encode_images(const std::string& path, const io::SafetensorsF
   b.pixels = pixels.data();
   b.positions = positions.data();
   model::VisionOutput out = encoder.forward(b, path);
+  m.drop_vision_tower();
   n_tokens = static_cast<int64_t>(out.soft_tokens.size()) / cfg->hidden_size;
   return std::move(out.soft_tokens);
 }
 
-BatchData read_batch(const std::string& path, const model::Checkpoint& ck, bool finite) {
-  const model::Gemma4Multimodal& m = *ck.model;
+BatchData read_batch(const std::string& path, model::Gemma4Multimodal& m, bool finite) {
   BatchData d;
   const io::SafetensorsFile in = io::SafetensorsFile::open(path);
   io::DimSizes dims;
@@ -170,7 +170,7 @@ BatchData read_batch(const std::string& path, const model::Checkpoint& ck, bool 
     RF_CHECK(!d.has_features, path, ": give image_features or pixel_values, not both");
     RF_CHECK(m.vision_feature_dim() > 0, path, ": has pixel_values, but the checkpoint has no vision projection ",
              "(model.embed_vision.embedding_projection.weight) to take the tower's soft tokens");
-    d.features = encode_images(path, in, ck, dims, d.n_features);
+    d.features = encode_images(path, in, m, dims, d.n_features);
     RF_CHECK(static_cast<int64_t>(d.features.size()) == d.n_features * d.F, path,
              ": the vision tower's soft tokens are ", d.features.size() / std::max<int64_t>(d.n_features, 1),
              " wide, the vision projection takes ", d.F);
@@ -349,7 +349,7 @@ int run_forward(const ForwardOptions& opt) {
                      p.shape);
       }
     }
-    data = read_batch(opt.in, ck, opt.check_finite);
+    data = read_batch(opt.in, *ck.model, opt.check_finite);
     ck.model->check_batch(data.view(), P, opt.in);
     RF_CHECK(!opt.grad || !data.labels.empty(), opt.in, ": --grad needs a `labels` tensor");
     // A fixed scheme that cannot split this row fails here, where every rank can still say so.

@@ -92,7 +92,7 @@ void describe_stale_multimodal(Checkpoint& ck, int vision_dim) {
   const io::Passthrough fresh = init_vision_tower(*tower, 0);
   for (const io::Passthrough::Entry& e : fresh.entries()) {  // no tower tensor in the files (load_checkpoint)
     const auto* begin = e.bytes.data();
-    ck.passthrough.own(e.name, e.dtype, e.shape, std::vector<std::byte>(begin, begin + e.bytes.size()));
+    ck.model->kept().own(e.name, e.dtype, e.shape, std::vector<std::byte>(begin, begin + e.bytes.size()));
   }
   ck.text_prefix = kMultimodalTextPrefix;
 }
@@ -185,11 +185,11 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
     held.insert(name);
   }
   for (const std::string& name : files.names())
-    if (!held.contains(name)) ck.passthrough.borrow(opened, name);
-  ck.passthrough.release_pages();  // the model's tensors were read and widened: their pages are not needed again
+    if (!held.contains(name)) ck.model->kept().borrow(opened, name);
+  ck.model->kept().release_pages();  // the model's tensors were read and widened: their pages are not needed again
   // Stale: the projection without a vision_config, and no tower tensors whose config a placeholder would misstate.
   const bool tower_in_files =
-      std::any_of(ck.passthrough.entries().begin(), ck.passthrough.entries().end(),
+      std::any_of(ck.model->kept().entries().begin(), ck.model->kept().entries().end(),
                   [](const io::Passthrough::Entry& e) { return e.name.rfind(kVisionTowerPrefix, 0) == 0; });
   if (vision_dim > 0 && !tower_in_files && !ck.model->parts().vision) describe_stale_multimodal(ck, vision_dim);
   return ck;
@@ -226,7 +226,7 @@ std::vector<std::vector<Outgoing>> split_into_files(const Checkpoint& ck, int64_
   for (const Tensor& t : ck.model->buffers())
     all.push_back({file_name_of(t.name, ck.text_prefix), io::StDType::F32, t.shape, t.data.size() * kF32, std::nullopt,
                    std::as_bytes(std::span<const float>(t.data))});
-  for (const io::Passthrough::Entry& e : ck.passthrough.entries())
+  for (const io::Passthrough::Entry& e : ck.model->kept().entries())
     all.push_back({e.name, e.dtype, e.shape, e.bytes.size(), std::nullopt, e.bytes});
   std::set<std::string, std::less<>> names;  // one name in two files would load as whichever the index names
   for (const Outgoing& t : all)
@@ -327,7 +327,7 @@ void save_checkpoint(const Checkpoint& ck, const std::string& dir, const SaveOpt
     io::write_file_atomically(index.string(), j.dump(2) + "\n");
     fs::remove(single, ec);  // the loader takes the index; a single file left from an earlier save is stale
   }
-  ck.passthrough.release_pages();
+  ck.model->kept().release_pages();
 }
 
 }  // namespace rf::model

@@ -8,7 +8,7 @@
 // config unties the embeddings.
 //
 // Nothing of a checkpoint is lost: every tensor the model does not hold (the vision and audio towers, the audio
-// embedder, any name ringflex does not know) is kept in `passthrough` as it is in the files (io/passthrough.h) and
+// embedder, any name ringflex does not know) is kept in the model's kept() as it is in the files (io/passthrough.h) and
 // written again with the same name, dtype and bits. Saving writes config.json unchanged and one model.safetensors:
 // the model's tensors in float32 under the prefix the checkpoint was read with, and the passthrough tensors, so the
 // written files hold exactly what the config describes when the files read did.
@@ -27,12 +27,11 @@ namespace rf::model {
 inline constexpr const char* kMultimodalTextPrefix = "model.language_model.";
 
 struct Checkpoint {
-  // The whole model: the decoder, the vision embedder when the files hold its projection, the tower's config (and
-  // with model.train_vision its parameters), all in one store.
+  // The whole model: the decoder, the vision embedder when the files hold its projection, the tower (its config;
+  // with model.train_vision its parameters in the store), and every tensor of the files it does not hold (kept()).
   std::unique_ptr<Gemma4Multimodal> model;
   std::string text_prefix = "model.";  // where the decoder's tensors live in the files ("model.language_model.")
   std::string source;                  // the directory it was loaded from (empty: built in memory)
-  io::Passthrough passthrough;         // the files' tensors that `model` does not hold, carried through unchanged
   // The config.json a save writes; empty: the model's own (Gemma4Config::source_json). Set by the loader for a stale
   // checkpoint (see load_checkpoint) to the config that describes the files a save writes.
   std::string config_json;

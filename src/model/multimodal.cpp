@@ -1,9 +1,11 @@
 // ringflex model: the multimodal Gemma 4 model: its parts registered in one store (see multimodal.h).
 #include "model/multimodal.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "core/error.h"
+#include "io/tensor_access.h"
 
 namespace rf::model {
 
@@ -43,6 +45,43 @@ Gemma4Multimodal::Gemma4Multimodal(Gemma4Config text, MultimodalParts parts, Ten
   if (storage == TensorSet::Storage::Deferred) return;
   decoder_->params().allocate_weights();
   decoder_->init_scales();
+}
+
+const VisionEncoder* Gemma4Multimodal::vision_tower() {
+  if (!tower_ && parts_.vision) refresh_vision_tower();
+  return tower_.get();
+}
+
+void Gemma4Multimodal::refresh_vision_tower() {
+  tower_.reset();
+  if (!parts_.vision) return;
+  const ParamStore& store = params();
+  const auto find = [&](const std::string& name) -> std::optional<VisionEncoder::Found> {
+    if (store.contains(name)) {
+      const ParamInfo& p = store.info(store.slot(name));
+      const float* w = store.weight(store.slot(name));
+      return VisionEncoder::Found{p.shape, std::vector<float>(w, w + p.numel)};
+    }
+    const io::Passthrough::Entry* e = kept_.find(name);
+    if (e == nullptr) return std::nullopt;
+    return VisionEncoder::Found{e->shape, io::to_float32(io::TensorView{name, e->dtype, e->shape, e->bytes})};
+  };
+  tower_ = std::make_unique<VisionEncoder>(*parts_.vision, find);
+}
+
+void Gemma4Multimodal::adopt_tower_parameters() {
+  ParamStore& store = params();
+  for (size_t slot = 0; slot < store.size(); ++slot) {
+    const ParamInfo& p = store.info(slot);
+    if (p.name.rfind(kVisionTowerPrefix, 0) != 0) continue;
+    const io::Passthrough::Entry* e = kept_.find(p.name);
+    RF_CHECK(e != nullptr && e->shape == p.shape, "model.train_vision: the tower has no tensor `", p.name,
+             "` of shape ", io::shape_string(p.shape));
+    const std::vector<float> values = io::to_float32(io::TensorView{p.name, e->dtype, e->shape, e->bytes});
+    std::copy(values.begin(), values.end(), store.mutable_weight(slot));
+    kept_.drop(p.name);
+  }
+  tower_.reset();
 }
 
 }  // namespace rf::model

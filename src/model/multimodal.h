@@ -19,9 +19,11 @@
 #include <string>
 #include <utility>
 
+#include "io/passthrough.h"
 #include "model/gemma4.h"
 #include "model/param_store.h"
 #include "model/vision.h"
+#include "model/vision_encoder.h"
 
 namespace rf::model {
 
@@ -60,7 +62,7 @@ struct MultimodalParts {
   // F, the width of the image features the embedder projects (the tower's hidden size); 0: no vision embedder, the
   // features arrive in the decoder's hidden size and are placed as they are.
   int vision_feature_dim = 0;
-  // The vision tower's config, when the model has one (its tensors: vision.h; io::Passthrough until it trains).
+  // The vision tower's config, when the model has one (its tensors: vision.h; in kept() until they train).
   std::optional<VisionConfig> vision;
   // model.train_vision: the tower's parameters (register_vision_tower) join the store after the projection. Needs
   // `vision`.
@@ -103,6 +105,26 @@ class Gemma4Multimodal {
   TensorSet& buffers() { return decoder_->buffers(); }
   const TensorSet& buffers() const { return decoder_->buffers(); }
 
+  // The files' tensors the model neither computes with nor trains, carried into every checkpoint it writes with the
+  // same name, dtype and bits (io/passthrough.h): the audio tower and its embedder model.embed_audio.* (ringflex has
+  // no audio code), the vision tower's buffers and, while it is frozen, its parameters, any name ringflex does not
+  // know.
+  io::Passthrough& kept() { return kept_; }
+  const io::Passthrough& kept() const { return kept_; }
+
+  // The vision tower of the current weights, its parameters from the store where they train (train_vision), the
+  // rest from kept(): built (a float32 copy of the tower) by the first call after construction, an update
+  // (refresh_vision_tower) or drop_vision_tower. Null when the model has no vision tower. Throws rf::Error naming a
+  // tower tensor that is missing or of the wrong shape.
+  const VisionEncoder* vision_tower();
+  // Builds the tower again from the current weights (after an update of a training tower).
+  void refresh_vision_tower();
+  // Frees the tower's float32 copy (a frozen tower, once the data's images are encoded).
+  void drop_vision_tower() { tower_.reset(); }
+  // train_vision on a fresh model: the tower's parameters, initialised in kept() (vision.h init_vision_tower), move
+  // into the store. Throws rf::Error naming a parameter kept() lacks.
+  void adopt_tower_parameters();
+
   // Every slot of the store in registration order, as Gemma4Model::init_random (the tower's last, so the decoder
   // draws the same values with and without train_vision).
   void init_random(uint64_t seed, float stddev) { decoder_->init_random(seed, stddev); }
@@ -121,6 +143,8 @@ class Gemma4Multimodal {
   MultimodalParts parts_;
   std::unique_ptr<Gemma4Model> decoder_;
   std::unique_ptr<VisionEmbedder> embed_vision_;
+  io::Passthrough kept_;
+  std::unique_ptr<VisionEncoder> tower_;  // vision_tower(), when built
 };
 
 }  // namespace rf::model

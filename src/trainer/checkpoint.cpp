@@ -162,7 +162,7 @@ int64_t checkpoint_bytes(const model::Checkpoint& weights) {
   const model::Gemma4Multimodal& m = *weights.model;
   int64_t bytes = checked_sum({checked_bytes({m.params().total_elements(), kF32}), m.buffers().total_bytes(),
                                checked_bytes({kMoments, m.params().trainable_elements(), kF32})});
-  for (const io::Passthrough::Entry& e : weights.passthrough.entries())
+  for (const io::Passthrough::Entry& e : weights.model->kept().entries())
     bytes = checked_sum({bytes, static_cast<int64_t>(e.bytes.size())});
   return bytes;
 }

@@ -379,11 +379,14 @@ void validate(const TrainConfig& c, int world_size) {
     RF_CHECK(!c.model.train_vision, "config: model.lora with model.train_vision is not implemented (LoRA adapts the ",
              "decoder; the tower would train in full beside it)");
   }
-  // The sharded store is rebuilt from the decoder's registry (trainer.cpp shard_model), which has no tower.
+  // The tower's backward runs after the decoder's (trainer.cpp run_with_tower), once its input gradient is summed over
+  // the CP group, while a sharded store reduces the global group's gradients into their owners' slices at the end of
+  // the decoder's run: the tower would need hooks of its own in the store (sharded_store.h).
   RF_CHECK(!c.model.train_vision || c.parallelism.shard == ShardMode::None ||
                c.parallelism.shard == ShardMode::Optimizer,
            "config: model.train_vision with parallelism.shard = ", name_of(c.parallelism.shard),
-           " is not implemented (none or optimizer)");
+           " is not implemented (none or optimizer: the tower trains after the decoder's run, when a sharded store ",
+           "has reduced that run's gradients already)");
   if (c.data.source != SourceKind::Mock) {
     RF_CHECK(!c.data.path.empty(), "config: data.path is required with data.source = ", name_of(c.data.source));
     RF_CHECK(is_file(c.data.path), "config: data.path = '", c.data.path, "' is not a file");

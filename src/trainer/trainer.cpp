@@ -343,10 +343,9 @@ struct Run {
   std::unique_ptr<AdamW> adam;  // its state (the moments) and the gradients live in the model's parameter store
   model::RunOptions training;   // how a micro-batch runs (its string options parsed once)
   int feature_dim = 0;          // F of the batches' image features (0: the data has none)
-  // model.train_vision: the tower of the current weights (float32 copies of the store's tower parameters and the
-  // passthrough buffers), made again after every update, on every rank at the same point (apply_update); null
-  // otherwise.
-  std::unique_ptr<model::VisionEncoder> tower;
+  // model.train_vision: the model's tower of the current weights (Gemma4Multimodal::vision_tower), made again after
+  // every update, on every rank at the same point (apply_update); null otherwise.
+  const model::VisionEncoder* tower = nullptr;
   double tower_seconds = 0.0;  // this rank's time in the tower (forward, backward, the group's sums) this step
   // shard gradients / full: the sharded store's own communicator over the world (until set_up hands it over), and
   // the store, owned by the model.
@@ -388,6 +387,7 @@ void shard_model(Run& r) {
                                                          model::TensorSet::Storage::Deferred, std::move(store));
   RF_CHECK(model->buffers().size() == whole.buffers().size(), "shard: the model's buffers differ from the loaded");
   for (size_t i = 0; i < whole.buffers().size(); ++i) model->buffers()[i].data = whole.buffers()[i].data;
+  model->kept() = whole.kept();
   sharded.adopt(whole.params());
   r.ck.model = std::move(model);
   r.sharded = &sharded;
@@ -400,39 +400,6 @@ void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config&
   RF_CHECK(mc.enable_moe, "config: parallelism.ep = ", ep, " needs a model with MoE layers (enable_moe_block)");
   RF_CHECK(mc.num_experts % ep == 0, "config: parallelism.ep = ", ep, " does not divide the model's ", mc.num_experts,
            " experts");
-}
-
-// The vision tower of `ck`'s current weights: its parameters from the parameter store where they train
-// (model.train_vision), the rest from the passthrough tensors.
-std::unique_ptr<model::VisionEncoder> make_tower(const model::Checkpoint& ck, const model::VisionConfig& vc) {
-  const model::ParamStore& store = ck.model->params();
-  const auto find = [&](const std::string& name) -> std::optional<model::VisionEncoder::Found> {
-    if (store.contains(name)) {
-      const model::ParamInfo& p = store.info(store.slot(name));
-      const float* w = store.weight(store.slot(name));
-      return model::VisionEncoder::Found{p.shape, std::vector<float>(w, w + p.numel)};
-    }
-    const io::Passthrough::Entry* e = ck.passthrough.find(name);
-    if (e == nullptr) return std::nullopt;
-    return model::VisionEncoder::Found{e->shape, io::to_float32(io::TensorView{name, e->dtype, e->shape, e->bytes})};
-  };
-  return std::make_unique<model::VisionEncoder>(vc, find);
-}
-
-// model.train_vision on a built-in model: its fresh tower's parameters (init_vision_tower's values, registered in the
-// store by register_vision_tower) move from the passthrough tensors into the store.
-void adopt_tower_parameters(model::Checkpoint& ck) {
-  model::ParamStore& store = ck.model->params();
-  for (size_t slot = 0; slot < store.size(); ++slot) {
-    const model::ParamInfo& p = store.info(slot);
-    if (p.name.rfind(model::kVisionTowerPrefix, 0) != 0) continue;
-    const io::Passthrough::Entry* e = ck.passthrough.find(p.name);
-    RF_CHECK(e != nullptr && e->shape == p.shape, "model.train_vision: the built-in tower has no tensor `", p.name,
-             "` of shape ", io::shape_string(p.shape));
-    const std::vector<float> values = io::to_float32(io::TensorView{p.name, e->dtype, e->shape, e->bytes});
-    std::copy(values.begin(), values.end(), store.mutable_weight(slot));
-    ck.passthrough.drop(p.name);
-  }
 }
 
 // Setup: the model (fresh, from model.path or resumed), the data, the optimizer state and where the run stands.
@@ -483,8 +450,8 @@ void set_up(Run& r) {
     // transformers sizes the projection's input by the tower's width: the two must agree.
     RF_CHECK(tower.hidden_size == model::kBuiltinFeatureDim, source,
              ": vision_config.hidden_size = ", tower.hidden_size, ", the projection takes ", model::kBuiltinFeatureDim);
-    r.ck.passthrough = model::init_vision_tower(tower, cfg.train.seed);
-    if (cfg.model.train_vision) adopt_tower_parameters(r.ck);
+    r.ck.model->kept() = model::init_vision_tower(tower, cfg.train.seed);
+    if (cfg.model.train_vision) r.ck.model->adopt_tower_parameters();
   };
   if (!r.options.resume.empty()) {
     r.resume_dir = resolve_checkpoint(r.options.resume);
@@ -523,20 +490,12 @@ void set_up(Run& r) {
   images.train_vision = cfg.model.train_vision;
   // A frozen tower encodes the data's images once, here; its float32 copy of the weights goes with it. A trained one
   // (model.train_vision) is kept and encodes every micro-batch's images.
-  images.vision = [&]() -> const model::VisionEncoder* {
-    if (!r.tower) {
-      const std::optional<model::VisionConfig> vc =
-          model::VisionConfig::from_config_json(config_json, "the model's config.json");
-      if (!vc) return nullptr;
-      r.tower = make_tower(r.ck, *vc);
-    }
-    return r.tower.get();
-  };
+  images.vision = [&]() -> const model::VisionEncoder* { return r.ck.model->vision_tower(); };
   r.data = make_data_source(cfg, contract, images);
   if (cfg.model.train_vision)
     RF_CHECK(images.vision() != nullptr, "config: model.train_vision, but the model has no vision tower");
   else
-    r.tower.reset();
+    r.ck.model->drop_vision_tower();
   r.feature_dim = r.data->feature_dim() > 0 ? width : 0;
   r.ck.model->params().freeze(cfg.model.freeze);
   if (r.store_shards) {
@@ -555,6 +514,7 @@ void set_up(Run& r) {
     r.ck.model->replace_params(model::hold_expert_rows(store, r.world.rank() % cfg.parallelism.ep, cfg.parallelism.ep));
   model::ParamStore& held = r.ck.model->params();
   held.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
+  if (cfg.model.train_vision) r.tower = r.ck.model->vision_tower();  // the final model's: shard_model replaces it
   r.state.seed = cfg.train.seed;
   r.state.config_yaml = to_yaml(cfg);
   r.training.want_grad = true;
@@ -798,7 +758,10 @@ double apply_update(Run& r, int64_t step) {
     r.sharded->after_update();
   else if (r.shard_optimizer)
     gather_updated_weights(r.world, r.ck.model->params(), r.timeout);
-  if (r.tower) r.tower = make_tower(r.ck, r.tower->config());  // model.train_vision: the updated tower
+  if (r.tower) {  // model.train_vision: the updated tower
+    r.ck.model->refresh_vision_tower();
+    r.tower = r.ck.model->vision_tower();
+  }
   return lr;
 }
 

@@ -17,14 +17,14 @@ namespace rf::testing {
 
 // The vision tower of the multimodal checkpoint in `dir` (config.json with a vision_config, the tower under
 // model.vision_tower.), loaded as ringflex loads any checkpoint: the tower is what load_checkpoint carries through
-// unchanged (model::Checkpoint::passthrough). Throws rf::Error naming config.json when it has no vision_config.
+// unchanged (model::Gemma4Multimodal::kept). Throws rf::Error naming config.json when it has no vision_config.
 inline model::VisionEncoder load_checkpoint_tower(const std::string& dir) {
   const model::Checkpoint ck = model::load_checkpoint(dir);
   const std::string source = dir + "/config.json";
   const std::optional<model::VisionConfig> cfg =
       model::VisionConfig::from_config_json(ck.model->config().source_json, source);
   RF_CHECK(cfg.has_value(), source, ": no vision_config");
-  return model::VisionEncoder(*cfg, ck.passthrough);
+  return model::VisionEncoder(*cfg, ck.model->kept());
 }
 
 // Images as the image processor lays them out: pixel_values [n, P, 3 * patch^2] F32 and pixel_position_ids

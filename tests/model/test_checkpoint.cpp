@@ -106,21 +106,21 @@ TEST(ModelCheckpoint, ForeignTensorsComeBackBitForBit) {
   std::memcpy(bf16_bytes.data(), bf16.data(), bf16_bytes.size());
   std::memcpy(i8_bytes.data(), i8.data(), i8_bytes.size());
   std::memcpy(scalar_bytes.data(), &scalar, sizeof scalar);
-  ck.passthrough.own("model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight", io::StDType::BF16, {2, 3},
-                     bf16_bytes);
-  ck.passthrough.own("model.audio_tower.some_new_name", io::StDType::I8, {4}, i8_bytes);
-  ck.passthrough.own("model.vision_tower.encoder.layers.0.mlp.up_proj.input_min", io::StDType::F32, {}, scalar_bytes);
-  ck.passthrough.own("model.embed_audio.empty", io::StDType::F16, {0, 5}, {});
+  ck.model->kept().own("model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight", io::StDType::BF16, {2, 3},
+                       bf16_bytes);
+  ck.model->kept().own("model.audio_tower.some_new_name", io::StDType::I8, {4}, i8_bytes);
+  ck.model->kept().own("model.vision_tower.encoder.layers.0.mlp.up_proj.input_min", io::StDType::F32, {}, scalar_bytes);
+  ck.model->kept().own("model.embed_audio.empty", io::StDType::F16, {0, 5}, {});
   const fs::path first = scratch("foreign_a"), second = scratch("foreign_b");
   save_checkpoint(ck, first.string());
 
   std::unique_ptr<Checkpoint> back = std::make_unique<Checkpoint>(load_checkpoint(first.string()));
-  ASSERT_EQ(back->passthrough.size(), 4u);
+  ASSERT_EQ(back->model->kept().size(), 4u);
   fs::remove_all(first);
   save_checkpoint(*back, second.string());
   back.reset();
   const io::SafetensorsFile f = io::SafetensorsFile::open((second / "model.safetensors").string());
-  for (const io::Passthrough::Entry& e : ck.passthrough.entries()) {
+  for (const io::Passthrough::Entry& e : ck.model->kept().entries()) {
     const io::TensorView* v = f.find(e.name);
     ASSERT_NE(v, nullptr) << e.name;
     EXPECT_EQ(v->dtype, e.dtype) << e.name;
@@ -143,7 +143,7 @@ TEST(ModelCheckpoint, SplitsIntoIndexedFilesAboveTheLimit) {
   Checkpoint ck;
   ck.model = std::make_unique<Gemma4Multimodal>(Gemma4Config::from_json(kConfig), MultimodalParts{3});
   ck.model->init_random(8, 0.2f);
-  ck.passthrough.own("model.vision_tower.big", io::StDType::BF16, {300}, std::vector<std::byte>(600, std::byte{7}));
+  ck.model->kept().own("model.vision_tower.big", io::StDType::BF16, {300}, std::vector<std::byte>(600, std::byte{7}));
   const fs::path dir = scratch("split");
   save_checkpoint(ck, dir.string());  // one file first: the sharded save must drop it
   ASSERT_TRUE(fs::exists(dir / "model.safetensors"));
@@ -183,7 +183,7 @@ TEST(ModelCheckpoint, SplitsIntoIndexedFilesAboveTheLimit) {
                   read = back.model->params().snapshot(Role::Weights);
   ASSERT_EQ(read.size(), written.size());
   for (size_t i = 0; i < written.size(); ++i) EXPECT_EQ(read[i].data, written[i].data) << written[i].name;
-  ASSERT_NE(back.passthrough.find("model.vision_tower.big"), nullptr);
+  ASSERT_NE(back.model->kept().find("model.vision_tower.big"), nullptr);
   EXPECT_EQ(back.model->buffers()[0].data, ck.model->buffers()[0].data);
 
   save_checkpoint(ck, dir.string());  // one file again: the index must go, or it would shadow it
@@ -232,7 +232,7 @@ TEST(ModelCheckpoint, SplitClosesAFileOnlyWhenTheNextTensorDoesNotFit) {
 TEST(ModelCheckpoint, AForeignNameTheModelHoldsIsRefused) {
   Checkpoint ck;
   ck.model = std::make_unique<Gemma4Multimodal>(Gemma4Config::from_json(kConfig));
-  ck.passthrough.own("model.norm.weight", io::StDType::F32, {8}, std::vector<std::byte>(8 * sizeof(float)));
+  ck.model->kept().own("model.norm.weight", io::StDType::F32, {8}, std::vector<std::byte>(8 * sizeof(float)));
   const fs::path dir = scratch("foreign_clash");
   try {
     save_checkpoint(ck, dir.string());
@@ -274,6 +274,48 @@ TEST(ModelCheckpoint, VisionTowerTensorsAreTransformers) {
   } catch (const rf::Error& e) {
     EXPECT_EQ(std::string(e.what()), "cfg.json: field 'vision_config.patch_size' must be a positive integer, found 0");
   }
+}
+
+// The multimodal model is transformers' parts in one store, in its save order: the decoder's parameters (the vision
+// projection no longer among them), the embedder's projection, then with train_vision the tower's parameters. The
+// tower's buffers stay kept (outside the store), and the tower the model builds reads its parameters from the store.
+TEST(ModelMultimodal, PartsInOneStoreInTransformersOrder) {
+  const std::string json = R"({"model_type": "gemma4", "vision_config": {"hidden_size": 16, "intermediate_size": 32,
+    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "patch_size": 4,
+    "position_embedding_size": 32, "use_clipped_linears": true}})";
+  const VisionConfig vc = VisionConfig::from_config_json(json, "test").value();
+  const Gemma4Config text = Gemma4Config::from_json(kConfig);
+  const Gemma4Model decoder(text);
+  Gemma4Multimodal m(text, MultimodalParts(vc.hidden_size, vc, true));
+  const ParamStore& all = m.params();
+  const size_t D = decoder.params().size();
+  EXPECT_FALSE(decoder.params().contains(VisionEmbedder::kProjection));
+  for (size_t i = 0; i < D; ++i) EXPECT_EQ(all.info(i).name, decoder.params().info(i).name);
+  ASSERT_NE(m.embed_vision(), nullptr);
+  EXPECT_EQ(m.embed_vision()->slot(), D);
+  EXPECT_EQ(all.info(D).name, VisionEmbedder::kProjection);
+  EXPECT_EQ(all.info(D).shape, (std::vector<int64_t>{text.hidden_size, vc.hidden_size}));
+  std::vector<std::string> tower;
+  for (const TowerTensor& t : vision_tower_tensors(vc))
+    if (t.parameter) tower.push_back(kVisionTowerPrefix + t.name);
+  ASSERT_EQ(all.size(), D + 1 + tower.size());
+  for (size_t i = 0; i < tower.size(); ++i) EXPECT_EQ(all.info(D + 1 + i).name, tower[i]);
+  // A fresh tower in kept(), its parameters adopted into the store: kept() keeps its buffers (the clip bounds).
+  m.kept() = init_vision_tower(vc, 3);
+  const size_t kept_before = m.kept().size();
+  m.adopt_tower_parameters();
+  EXPECT_EQ(m.kept().size(), kept_before - tower.size());
+  EXPECT_GT(m.kept().size(), 0u);
+  for (const std::string& name : tower) EXPECT_EQ(m.kept().find(name), nullptr);
+  const VisionEncoder* built = m.vision_tower();
+  ASSERT_NE(built, nullptr);
+  EXPECT_EQ(built->config().hidden_size, vc.hidden_size);
+  // Without a vision config there is no tower, and without a feature width no embedder.
+  Gemma4Multimodal text_only(text);
+  EXPECT_EQ(text_only.vision_tower(), nullptr);
+  EXPECT_EQ(text_only.embed_vision(), nullptr);
+  EXPECT_EQ(text_only.params().size(), D);
+  EXPECT_EQ(text_only.image_feature_width(), text.hidden_size);
 }
 
 }  // namespace
