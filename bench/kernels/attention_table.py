@@ -14,6 +14,7 @@ import sys
 
 BF16_FWD_TARGET = 0.65  # issue 12: bf16 time over float32 time, same run
 BF16_BWD_TARGET = 0.8
+BWD_OVER_FWD_TARGET = 0.75  # issue 27: the float32 backward's GFLOP/s over the forward's, same run
 
 
 def fmt(x, digits=2):
@@ -57,6 +58,14 @@ def main():
             print(f"| sliding W=1024 (S={r['S']}) time per allowed pair / full's | {r['D']} | {r['dtype']} | "
                   f"{r['threads']} | {full['fwd_gflops'] / r['fwd_gflops']:.2f} fwd, "
                   f"{full['bwd_gflops'] / r['bwd_gflops']:.2f} bwd |")
+    for r in kern["rows"]:
+        if r["dtype"] != "F32":
+            continue
+        # Issue 27's target: the float32 backward at >= 0.75 of the forward's GFLOP/s (backward FLOPs = 2.5x).
+        ratio = r["bwd_gflops"] / r["fwd_gflops"]
+        met = "met" if ratio >= BWD_OVER_FWD_TARGET else "not met"
+        print(f"| bwd / fwd GFLOP/s ({r['mask']}, S={r['S']}; target >= {BWD_OVER_FWD_TARGET}) | {r['D']} | F32 | "
+              f"{r['threads']} | {ratio:.2f} ({met}) |")
     for r in kern["rows"]:
         if r["dtype"] != "BF16":
             continue

@@ -7,8 +7,10 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -195,6 +197,16 @@ inline void pack_rows_dot(const void* src, int rows, int D, int Dp, int ld, C* d
   static_assert(!kPairs<C> || kT == DType::BF16, "bf16 pairs need bf16 inputs");
   if constexpr (kPairs<C>) {
     const int pairs = Dp / 2;
+    static_assert(std::endian::native == std::endian::little, "bf16 pairs are packed for little-endian words");
+    if (D % 2 == 0) {
+      // The word of the pair (d, d + 1), low half first, is those two bf16 as they lie in memory (little-endian
+      // x86): a row is a copy of D / 2 words, then zeros.
+      for (int r = 0; r < rows; ++r) {
+        std::memcpy(dst + int64_t{r} * ld, static_cast<const bf16*>(src) + int64_t{r} * D, D * sizeof(bf16));
+        std::fill(dst + int64_t{r} * ld + D / 2, dst + int64_t{r} * ld + pairs, 0u);
+      }
+      return;
+    }
     for (int r = 0; r < rows; ++r)
       for (int p = 0; p < pairs; ++p) {
         const int d = 2 * p;

@@ -16,6 +16,7 @@
 #include <xmmintrin.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -253,7 +254,8 @@ void expect_same_bits(const KernelResult& a, const KernelResult& b, const char* 
   EXPECT_TRUE(same_bits(a.dv, b.dv)) << "dv " << what;
 }
 
-// The same inputs give the same bits, run to run and for 1 or 2 OpenMP threads.
+// The same inputs give the same bits, run to run and for 1, 2 or 3 OpenMP threads (3 is more threads than this
+// machine's cores: the backward's ordered dQ adds must not depend on which threads run at all).
 TEST_F(CpuAttention, DeterministicAcrossRunsAndThreads) {
   for (DType t : {DType::F32, DType::BF16}) {
     Case cs = square_case(2, 2, 2, 5 * kTile + 3, 64, t, {true, 100, true}, MetaKind::PackedImages, 990);
@@ -264,9 +266,12 @@ TEST_F(CpuAttention, DeterministicAcrossRunsAndThreads) {
     const KernelResult b = run_kernels(tn.chunk, tn.dout.data());
     omp_set_num_threads(1);
     const KernelResult c = run_kernels(tn.chunk, tn.dout.data());
+    omp_set_num_threads(3);
+    const KernelResult d = run_kernels(tn.chunk, tn.dout.data());
     omp_set_num_threads(saved);
     expect_same_bits(a, b, "differs between two runs");
     expect_same_bits(a, c, "differs between 1 and 2 threads");
+    expect_same_bits(a, d, "differs between 2 and 3 threads");
   }
 }
 
@@ -302,18 +307,34 @@ TEST_F(CpuAttention, DenormalWeightsAreFlushed) {
   for (float x : r.lse) EXPECT_EQ(x, 0.f);                         // ln(1 + 2^-130) = 0 in float32 either way
 }
 
-// Backward adds into the caller's gradients: a second call into the same buffers doubles them exactly (the
-// kernel's own sum has the same bits both times, and x + x is exact in float32).
+// Backward adds into the caller's gradients. dK and dV: each key tile's sum is formed apart and added once, so a
+// second call into the same buffers doubles them exactly (x + x is exact in float32). dQ: each key tile's dS K is
+// added on its own, in increasing key-tile order (src/cpu/attention_backward.cpp), so after the second call dq is,
+// bit for bit, the first call's dq plus each one-tile chunk's dq (that tile's dS K, added to zero) in tile order.
 TEST_F(CpuAttention, BackwardAccumulates) {
   Case cs = square_case(1, 1, 2, 2 * kTile + 1, 64, DType::F32, {true, 0, false}, MetaKind::Packed, 995);
   Tensors tn = make_tensors(cs);
+  const AttnShape& s = tn.chunk.shape;
   KernelResult r = run_kernels(tn.chunk, tn.dout.data());
-  const std::vector<float> dq = r.dq, dk = r.dk, dv = r.dv;
+  const std::vector<float> dk = r.dk, dv = r.dv;
+  std::vector<float> want_dq = r.dq;
   cpu::attention_backward(tn.chunk, tn.dout.data(), r.lse.data(), r.delta.data(), r.dq.data(), r.dk.data(),
                           r.dv.data());
-  for (size_t i = 0; i < dq.size(); ++i) ASSERT_EQ(r.dq[i], 2 * dq[i]);
   for (size_t i = 0; i < dk.size(); ++i) ASSERT_EQ(r.dk[i], 2 * dk[i]);
   for (size_t i = 0; i < dv.size(); ++i) ASSERT_EQ(r.dv[i], 2 * dv[i]);
+  for (int k0 = 0; k0 < s.Lk; k0 += kTile) {
+    const int n = std::min(kTile, s.Lk - k0);
+    const std::vector<uint8_t> k = key_slice(tn.k, s, cs.dtype, k0, n), v = key_slice(tn.v, s, cs.dtype, k0, n);
+    const std::vector<TokenMeta> meta(cs.k_meta.begin() + k0, cs.k_meta.begin() + k0 + n);  // B = 1
+    AttnChunk tile = tn.chunk;
+    tile.shape.Lk = n, tile.k = k.data(), tile.v = v.data(), tile.k_meta = meta.data();
+    std::vector<float> dq_tile(want_dq.size(), 0.f), dk_tile(static_cast<size_t>(tile.shape.kv_elems()), 0.f);
+    std::vector<float> dv_tile(dk_tile.size(), 0.f);
+    cpu::attention_backward(tile, tn.dout.data(), r.lse.data(), r.delta.data(), dq_tile.data(), dk_tile.data(),
+                            dv_tile.data());
+    for (size_t i = 0; i < want_dq.size(); ++i) want_dq[i] += dq_tile[i];
+  }
+  for (size_t i = 0; i < want_dq.size(); ++i) ASSERT_EQ(r.dq[i], want_dq[i]) << i;
 }
 
 TEST_F(CpuAttention, RejectsBadChunks) {
