@@ -495,6 +495,14 @@ void ShardedStore::after_backward(int layer) {
   if (sharded() && layer != model::kGlobalGroup) live_[static_cast<size_t>(layer + 1)].reset();
 }
 
+bool ShardedStore::progress() {
+  bool done = true;
+  for (const std::unique_ptr<Gathered>& g : live_)
+    if (g && g->posted) done = g->posted->progress() && done;
+  if (pending_ && pending_->posted) done = pending_->posted->progress() && done;
+  return done;
+}
+
 ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable,
                                             Mode mode, int ranks) {
   constexpr int64_t kF = sizeof(float);

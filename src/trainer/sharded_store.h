@@ -60,6 +60,8 @@ class ShardedStore : public model::ReplicatedStore {
   void after_update();
   // Seconds this rank waited on the store's collectives since the last call: the exposed communication.
   double take_exposed_seconds();
+  // The bytes the store's own communicator moved so far (tests: what its posted collectives delivered).
+  comm::Communicator::Traffic traffic() const { return comm_->traffic(); }
 
   // The bytes one rank holds for a store of this registry over `ranks` ranks, by kind (the memory check's terms).
   struct Bytes {
@@ -95,6 +97,9 @@ class ShardedStore : public model::ReplicatedStore {
   void after_forward(int layer) override;
   void before_backward(int layer) override;
   void after_backward(int layer) override;
+  // Advances the gathers posted ahead and the last layer's reduction (one test of their transfers each, which also
+  // posts their next rounds); true when none is in flight.
+  bool progress() override;
 
  protected:
   void release_training_state() override;
