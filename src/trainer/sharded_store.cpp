@@ -462,7 +462,15 @@ void ShardedStore::before_forward(int layer) {
 }
 
 void ShardedStore::after_forward(int layer) {
-  if (sharded() && layer != model::kGlobalGroup) live_[static_cast<size_t>(layer + 1)].reset();
+  if (!sharded()) return;
+  // The last layer stays gathered for its backward, which comes next (after the loss): one gather fewer a step, and
+  // none waiting behind the loss, where no layer computes. A forward-only run ends with kGlobalGroup: no backward
+  // will read it then.
+  if (layer == model::kGlobalGroup) {
+    if (layers_ > 0) live_[static_cast<size_t>(layers_)].reset();
+    return;
+  }
+  if (layer + 1 < layers_) live_[static_cast<size_t>(layer + 1)].reset();
 }
 
 void ShardedStore::before_backward(int layer) {

@@ -8,8 +8,9 @@
 //
 // full: a rank holds float32 masters of its pieces only [own slices], gradients of its trainable slice, AdamW's
 // moments of it. A decoder layer's weights are all-gathered (the pieces of every rank) into a layer buffer just
-// before its forward and again before its recompute + backward, and freed after each; the next layer's gather is
-// posted while this one computes. The global group (embeddings, final norm, head, projections: read at a run's
+// before its forward and again before its recompute + backward, and freed after each (the last layer, whose backward
+// follows its forward, stays gathered between them); the next layer's gather is posted while this one computes, and
+// progresses between its ops (progress()). The global group (embeddings, final norm, head, projections: read at a run's
 // start and end, the head's gradient written before any layer's) stays gathered for the run, with a whole-size
 // gradient buffer, and is gathered again after each update.
 // gradients: the weights stay whole on every rank (the optimizer updates this rank's trainable pieces of them, and
