@@ -151,6 +151,9 @@ class ParamStore : public Bf16Lookup {
   // so a loader can check what a config claims against its files and the machine's memory before allocating any.
   virtual void allocate_weights() = 0;
   virtual bool weights_allocated() const = 0;
+  // Bytes of float32 weights this rank holds once allocate_weights() ran, what a loader checks against the machine
+  // before allocating: every parameter's here; a sharded store's pieces (trainer/sharded_store.h).
+  virtual int64_t resident_weight_bytes() const { return weight_bytes(); }
   virtual const float* weight(size_t slot) const = 0;
   // For writing the weights: moves version(). Write through it right away (a pointer kept across a bf16 run and
   // written later leaves that run's compute copies stale).

@@ -116,6 +116,13 @@ void ShardedStore::allocate_weights() {
   weights_changed();
 }
 
+// Under full a rank's pieces are its slices of the trainable and of the frozen layout, ceil(n / N) elements each at
+// most: together at most one element over its slice of all the parameters, whichever flags freeze() sets later.
+int64_t ShardedStore::resident_weight_bytes() const {
+  if (mode_ == Mode::Gradients) return weight_bytes();
+  return (model::shard_of(total_elements(), me_, P_).padded + 1) * static_cast<int64_t>(sizeof(float));
+}
+
 void ShardedStore::write_weight(size_t slot, std::span<const float> in) {
   if (!sharded()) {
     ReplicatedStore::write_weight(slot, in);

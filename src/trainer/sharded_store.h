@@ -77,6 +77,8 @@ class ShardedStore : public model::ReplicatedStore {
   // --- ParamStore ---
   void allocate_weights() override;
   bool weights_allocated() const override { return sharded() || ReplicatedStore::weights_allocated(); }
+  // full: this rank's pieces; gradients: every weight.
+  int64_t resident_weight_bytes() const override;
   void write_weight(size_t slot, std::span<const float> in) override;
   const float* weight(size_t slot) const override;
   float* mutable_weight(size_t slot) override;

@@ -13,9 +13,11 @@
 #include "comm/loopback_comm.h"
 #include "common/memory_limit.h"
 #include "model/builtin_configs.h"
+#include "model/checkpoint.h"
 #include "model/lora_store.h"
 #include "model/memory.h"
 #include "trainer/error_of.h"
+#include "trainer/sharded_store.h"
 #include "trainer/trainer.h"
 
 namespace rf::trainer {
@@ -220,6 +222,36 @@ TEST(TrainMemory, ResumingBeyondTheLimitStopsBeforeLoadingTheWeights) {
   }();
   // The whole run's figure, not the loader's own check of the weights alone.
   EXPECT_EQ(error.rfind("train needs at least ", 0), 0u) << error;
+  std::filesystem::remove_all(dir);
+}
+
+// Under shard full a rank holds its pieces of the weights only, so the loader checks those against the machine, not
+// the whole float32 model no rank holds (which would refuse every real Gemma 4 at any N): weights beyond one rank
+// load over 4 ranks, each holding about a quarter, while a replicated store refuses them with the figure before
+// allocating.
+TEST(TrainMemory, ShardFullLoadsWeightsNoRankCouldHoldWhole) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("rf_train_memory_shard_full_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const char* text_only = R"({"vocab_size": 512, "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 16,
+    "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": 30.0,
+    "hidden_size_per_layer_input": 0})";
+  model::Checkpoint ck;
+  ck.model = std::make_unique<model::Gemma4Model>(model::Gemma4Config::from_json(text_only), 0);
+  ck.model->init_random(3, 0.1f);
+  model::save_checkpoint(ck, dir.string());
+  constexpr int kRanks = 4;
+  // Half the whole weights a rank: a quarter of them (and a rank's padding) fits, all of them do not.
+  const ScopedLimit limit(std::to_string(ck.model->params().weight_bytes() / 2).c_str());
+  const std::string whole = error_of([&] { model::load_checkpoint(dir.string()); });
+  EXPECT_NE(whole.find("the model's float32 parameters held by this rank"), std::string::npos) << whole;
+  comm::run_ranks(kRanks, [&](comm::Communicator& world) {
+    auto store =
+        std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full, comm::default_timeout());
+    const model::Checkpoint sharded = model::load_checkpoint(dir.string(), {}, std::move(store));
+    EXPECT_TRUE(sharded.model->params().weights_allocated());
+  });
   std::filesystem::remove_all(dir);
 }
 
