@@ -681,6 +681,26 @@ TEST(ShardFull, CheckpointsHoldWholeTensorsAndResumeAcrossModesAndRankCounts) {
   expect_same_losses(tail, run(config({"parallelism.dp=2", "parallelism.shard=optimizer"}, out), resume), "N = 2");
   expect_same_losses(tail, run(config({"parallelism.shard=none"}, out), resume), "N = 1");
   expect_same_losses(tail, run(config({"parallelism.dp=4", "parallelism.shard=full"}, out), resume), "N = 4, dp");
+  // The resume's load (load_train_checkpoint into a sharded store): each rank keeps its pieces as the tensors are
+  // read, no rank holding the weights whole, and they are the checkpoint's tensors.
+  const LoadedCheckpoint loaded = load_train_checkpoint(resume.resume);
+  for (int P = 2; P <= 3; ++P) {
+    comm::run_ranks(P, [&](comm::Communicator& world) {
+      LoadedCheckpoint pieces =
+          load_train_checkpoint(resume.resume, {}, false,
+                                std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
+                                                               comm::default_timeout()));
+      auto& sharded = dynamic_cast<ShardedStore&>(pieces.weights.model->params());
+      EXPECT_TRUE(sharded.sharded() && sharded.flat(model::Role::Weights).empty()) << "N = " << P;
+      for (size_t slot = 0; slot < sharded.size(); ++slot) {
+        const model::ParamInfo& p = sharded.info(slot);
+        std::vector<float> got(static_cast<size_t>(p.numel));
+        sharded.read_weight(slot, got);
+        const float* want = loaded.weights.model->params().weight(slot);
+        EXPECT_EQ(got, std::vector<float>(want, want + p.numel)) << p.name << " at N = " << P;
+      }
+    });
+  }
   // Without whole_model (the CLI) no rank gathers the weights at the end: the result keeps this rank's pieces.
   TrainOptions pieces;
   pieces.whole_model = false;
