@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <utility>
 
 #include "core/error.h"
@@ -488,6 +489,9 @@ void ShardedStore::before_forward(int layer) {
   acquire(layer);
   if (layer + 1 < layers_ && !live_[static_cast<size_t>(layer + 2)])
     live_[static_cast<size_t>(layer + 2)] = post_gather(group_of(layer + 1), false);
+  // The last layer computes while the head (the previous run's) travels.
+  if (layer + 1 == layers_ && last_head_ != SIZE_MAX && !live_[group_of_slot_[last_head_]])
+    live_[group_of_slot_[last_head_]] = post_gather(groups_[group_of_slot_[last_head_]], false);
 }
 
 void ShardedStore::after_forward(int layer) {
@@ -563,33 +567,40 @@ std::vector<ShardedStore::Span> ShardedStore::spans_outside(size_t slot, const s
 }
 
 template <class SpansOf>
-void ShardedStore::reduce_spans(size_t slot, const float* src, SpansOf spans_of) {
-  std::vector<float> send;
+void ShardedStore::reduce_spans(size_t slot, float* src, SpansOf spans_of) {
+  // Every owner's spans packed to the front of `src`, in rank order: the send buffer, with no copy. The spans of
+  // rank q follow those of q - 1 in `src` (pieces ascend with the rank, the rows of a table with their ids), so an
+  // element moves down, never over one not yet read.
   std::vector<size_t> send_bytes(static_cast<size_t>(P_), 0);
+  size_t packed = 0;
   for (int q = 0; q < P_; ++q) {
-    const size_t before = send.size();
-    for (const Span& sp : spans_of(q)) send.insert(send.end(), src + sp.at, src + sp.at + sp.n);
-    send_bytes[static_cast<size_t>(q)] = (send.size() - before) * sizeof(float);
+    const size_t before = packed;
+    for (const Span& sp : spans_of(q)) {
+      if (packed != static_cast<size_t>(sp.at))
+        std::memmove(src + packed, src + sp.at, static_cast<size_t>(sp.n) * sizeof(float));
+      packed += static_cast<size_t>(sp.n);
+    }
+    send_bytes[static_cast<size_t>(q)] = (packed - before) * sizeof(float);
   }
   const std::vector<Span> mine = spans_of(me_);
   size_t n = 0;
   for (const Span& sp : mine) n += static_cast<size_t>(sp.n);
   std::vector<float> recv;  // [P, n]: every rank's contributions to this rank's spans
-  if (P_ == 1) {
-    recv = std::move(send);
-  } else {
+  const float* in = src;    // P = 1: its own, packed
+  if (P_ > 1) {
     recv.resize(n * static_cast<size_t>(P_));
     const std::vector<size_t> recv_bytes(static_cast<size_t>(P_), n * sizeof(float));
-    comm::PostedPtr c = comm_->post_alltoallv(send.data(), send_bytes, recv.data(), recv_bytes);
+    comm::PostedPtr c = comm_->post_alltoallv(src, send_bytes, recv.data(), recv_bytes);
     wait(*c);
+    in = recv.data();
   }
   const Piece pc = piece(slot, me_);
   float* dst = grads_.data() + pc.local - pc.first;  // element e of the parameter at dst[e]
   size_t i = 0;
   for (const Span& sp : mine) {
     for (int64_t e = sp.elem; e < sp.elem + sp.n; ++e, ++i) {
-      double sum = recv[i];
-      for (int q = 1; q < P_; ++q) sum += recv[static_cast<size_t>(q) * n + i];
+      double sum = in[i];
+      for (int q = 1; q < P_; ++q) sum += in[static_cast<size_t>(q) * n + i];
       dst[e] += static_cast<float>(sum);
     }
   }
@@ -683,10 +694,11 @@ void ShardedStore::acquire_head(size_t slot) {
   RF_CHECK(info(slot).streamed && head_ == SIZE_MAX, "sharded store: acquire_head(", info(slot).name,
            ") of a parameter that is not streamed, or while another head is acquired");
   head_ = slot;
+  last_head_ = slot;
   if (!sharded()) return;
   std::unique_ptr<Gathered>& g = live_[group_of_slot_[slot]];
-  g = post_gather(groups_[group_of_slot_[slot]], false);
-  finish_gather(*g);
+  if (!g) g = post_gather(groups_[group_of_slot_[slot]], false);  // not posted during the last layer
+  if (g->posted || !g->staging.empty()) finish_gather(*g);
 }
 
 // The head's gradient to its owners. Tied to a token table whose rows this run reads with gradients, the rows of
@@ -785,11 +797,11 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
   b.gradients = (slice + global_train + std::max(largest_train, head_train) + rows_train) * kF;
   b.moments = kMoments * slice * kF;
   // One reduction in flight and the one being posted: a send copy of a layer's gradients and P slices received; or
-  // the head's: its send copy and the N contributions to this rank's piece of it.
+  // the head's: the N contributions to this rank's piece of it (its send buffer is the gradient, packed in place).
   constexpr int kReductions = 2;
   const int64_t layer_reductions =
       kReductions * (largest_train + ranks * model::shard_of(largest_train, 0, ranks).padded);
-  const int64_t head_reduction = head_train + ranks * model::shard_of(head_train, 0, ranks).padded;
+  const int64_t head_reduction = ranks * model::shard_of(head_train, 0, ranks).padded;
   b.comm_buffers += std::max(layer_reductions, head_reduction) * kF;
   return b;
 }

@@ -143,8 +143,9 @@ class ShardedStore : public model::ReplicatedStore {
   float* own(size_t slot, const Piece& pc);
   // Sends each owner q the spans spans_of(q) of `src` and adds the N contributions this rank receives for its own
   // spans (spans_of(me_)), summed in rank order in double and rounded once, into its gradient slice (collective).
+  // `src` is packed in place for the send: its values are gone after.
   template <class SpansOf>
-  void reduce_spans(size_t slot, const float* src, SpansOf spans_of);
+  void reduce_spans(size_t slot, float* src, SpansOf spans_of);
   std::vector<int32_t> all_ranks_ids(std::span<const int32_t> ids);  // the sorted union of every rank's ids
   void lay_out();  // the groups, the frozen layout and this rank's slices, from the registry and its flags
   Group& group_of(int layer);
@@ -182,7 +183,8 @@ class ShardedStore : public model::ReplicatedStore {
   std::unique_ptr<Reduction> pending_;          // the last layer's reduction, in flight
   std::vector<std::unique_ptr<Table>> tables_;  // the run's token tables' rows (rows()), until its global group ends
   size_t head_ = SIZE_MAX;                      // the slot between acquire_head and release_head
-  std::vector<float> head_grads_;               // [its numel] the head's gradient there, made by grad(head_)
+  size_t last_head_ = SIZE_MAX;    // the last run's head: its gather is posted during the last layer's forward
+  std::vector<float> head_grads_;  // [its numel] the head's gradient there, made by grad(head_)
   double exposed_seconds_ = 0.0;
 };
 
