@@ -102,12 +102,14 @@ void Gemma4Model::Run::embed() {
   // transformers casts sqrt(H) to the weight dtype before multiplying.
   const float scale = static_cast<float>(std::sqrt(static_cast<double>(H)));
   h0 = zeros(T * H);
-  // The tables' rows are read in the dtype the store holds them in (a LoRA base: the checkpoint's; held_weight.h).
-  const HeldWeight E = store.held_weight(m.embed_);
+  // The tables' rows are read in the dtype the store holds them in (a LoRA base: the checkpoint's; held_weight.h),
+  // where the store keeps them (ParamStore::rows: a sharded store fetches the rows of the batch's ids alone).
+  embed_rows = store.rows(m.embed_, ids, opt.want_grad);
+  const HeldWeight E = embed_rows.values;
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
     float* e = h0.data() + t * H;
-    widen(E, int64_t{ids[t]} * H, H, e);
+    widen(E, embed_rows.row[t] * H, H, e);
     for (int64_t i = 0; i < H; ++i) e[i] *= scale;
   }
   if (!used_features.empty()) {
@@ -141,11 +143,12 @@ void Gemma4Model::Run::embed() {
   ple_rms = zeros(T * cfg.num_layers);
   rmsnorm_forward(ple_raw.data(), W(m.ple_norm_), eps, ple.data(), ple_rms.data(), T * cfg.num_layers, P);
   const float tok_scale = static_cast<float>(std::sqrt(static_cast<double>(P)));
-  const HeldWeight Ep = store.held_weight(m.ple_embed_);
+  ple_rows = store.rows(m.ple_embed_, ple_ids, opt.want_grad);
+  const HeldWeight Ep = ple_rows.values;
 #pragma omp parallel for schedule(static) if (T * LP >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
     std::vector<float> e(static_cast<size_t>(LP));  // the row widened
-    widen(Ep, int64_t{ple_ids[t]} * LP, LP, e.data());
+    widen(Ep, ple_rows.row[t] * LP, LP, e.data());
     for (int64_t i = 0; i < LP; ++i) ple[t * LP + i] = (ple[t * LP + i] + e[i] * tok_scale) * kPleCombineScale;
   }
 }
@@ -164,10 +167,10 @@ void Gemma4Model::Run::embed_backward(const float* dh0_in) {
     linear_backward(mm, h0.data(), W(m.ple_proj_), draw.data(), dh0.data(), G(m.ple_proj_), T, H, LP);
     // Token half: nn.Embedding(padding_idx = pad) gives the pad row no gradient.
     const float tok_scale = static_cast<float>(std::sqrt(static_cast<double>(P)));
-    if (float* gE = G(m.ple_embed_)) {  // nullptr: the table is frozen
+    if (float* gE = ple_rows.grads) {  // nullptr: the table is frozen
       for (int64_t t = 0; t < T; ++t) {
         if (is_pad[t] || ple_ids[t] == cfg.pad_token_id) continue;
-        float* g = gE + int64_t{ple_ids[t]} * LP;
+        float* g = gE + ple_rows.row[t] * LP;
         for (int64_t i = 0; i < LP; ++i) g[i] += dnormed[t * LP + i] * tok_scale;  // dnormed = dple * 2^-1/2
       }
     }
@@ -190,7 +193,7 @@ void Gemma4Model::Run::embed_backward(const float* dh0_in) {
       std::copy_n(dfeat.data() + i * F, F, d_image_features.data() + used_features[i] * F);
   }
   const float scale = static_cast<float>(std::sqrt(static_cast<double>(H)));
-  float* gE = G(m.embed_);
+  float* gE = embed_rows.grads;
   if (gE == nullptr) return;  // the table is frozen
   // Blocks of columns in parallel, tokens in order within each: each gradient element sums its tokens in one fixed
   // order, and a block of a row is one cache line (a single-column sweep would load a line per token for 4 bytes).
@@ -200,7 +203,7 @@ void Gemma4Model::Run::embed_backward(const float* dh0_in) {
     const int64_t i0 = blk * kEmbedColumnsPerBlock, i1 = std::min(H, i0 + kEmbedColumnsPerBlock);
     for (int64_t t = 0; t < T; ++t) {
       if (feature_of[t] >= 0 || is_pad[t] || ids[t] == cfg.pad_token_id) continue;
-      float* g = gE + int64_t{ids[t]} * H;
+      float* g = gE + embed_rows.row[t] * H;
       for (int64_t i = i0; i < i1; ++i) g[i] += dh0[t * H + i] * scale;
     }
   }

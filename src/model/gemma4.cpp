@@ -98,6 +98,10 @@ Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim, TensorSet:
   ones.push_back(final_norm_);
   lm_head_ = cfg_.tie_word_embeddings ? embed_ : add("lm_head.weight", {V, H});
   if (vision_dim_ > 0) vision_proj_ = add("model.embed_vision.embedding_projection.weight", {H, vision_dim_});
+  // The token tables are read by row and the head only around the loss (ParamInfo::streamed).
+  ps.mark_streamed(embed_);
+  if (P > 0) ps.mark_streamed(ple_embed_);
+  ps.mark_streamed(lm_head_);
   if (storage == TensorSet::Storage::Deferred) return;
   ps.allocate_weights();
   for (size_t s : ones) ps.write_weight(s, std::vector<float>(static_cast<size_t>(ps.info(s).numel), 1.f));
@@ -248,8 +252,9 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
   if (opt.compute_dtype == ComputeDtype::Bfloat16) r.mm.weights = &store.bf16_weights();
   r.attn_dtype = attention_dtype(opt.compute_dtype);
   r.attn_round = opt.compute_dtype == ComputeDtype::Bfloat16 && r.attn_dtype == DType::F32;
-  // The global group (embeddings, final norm, head) is read at the run's start and at its end: acquired for all of
-  // it, released after the embedding's backward (or the loss, without one).
+  // The global group (the final norm, the projections) is read at the run's start and at its end: acquired for all
+  // of it, released after the embedding's backward (or the loss, without one). Its streamed parameters are not: the
+  // tables' rows come through rows() (embed), the head is acquired around the loss.
   store.before_forward(kGlobalGroup);
   r.prepare();
   r.embed();
@@ -316,7 +321,6 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
   Vec dxf = opt.want_grad ? zeros(T * H) : Vec{};
   LmHeadLossArgs la;
   la.x = xf.data();
-  la.W = r.W(lm_head_);
   la.matmul = r.mm;
   la.labels = batch.labels ? r.labels.data() : nullptr;
   la.T = T;
@@ -330,10 +334,14 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
   lo.logits = opt.want_logits ? res.logits.data() : nullptr;
   if (opt.want_grad) {
     lo.dx = dxf.data();
-    lo.dW = r.G(lm_head_);
   }
   // This rank's tokens' share of the loss, then the sum over the ranks (in rank order: the same bits everywhere).
+  // The head is acquired for the loss alone (la.W and lo.dW are read after acquire_head).
+  store.acquire_head(lm_head_);
+  la.W = r.W(lm_head_);
+  if (opt.want_grad) lo.dW = r.G(lm_head_);
   res.loss = lm_head_loss(la, lo);
+  store.release_head(lm_head_);
   attn.sum_over_ranks(&res.loss, 1);
   res.shard = r.shard;
   if (!opt.want_grad) {

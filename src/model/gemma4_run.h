@@ -204,6 +204,8 @@ struct Gemma4Model::Run {
   std::vector<int32_t> ple_ids;        // [T] token ids for the per-layer embedding (pad on vision slots)
   Vec feat_raw, feat_in, feat_rms;     // this rank's features: [n, F] as given, normed input, [n]
   Vec h0;                              // [T, H] embedded row
+  ParamStore::TableRows embed_rows;    // the token embedding's rows of ids (and their gradients), from the store
+  ParamStore::TableRows ple_rows;      // the per-layer embedding's rows of ple_ids
   Vec ple, ple_raw, ple_rms;           // [T, L*P] per-layer inputs; the projection half before its norm, [T*L]
   Vec dple;                            // [T, L*P]
   Vec d_image_features;                // [N, F]

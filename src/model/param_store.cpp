@@ -170,6 +170,21 @@ void ParamStore::write_weight(size_t slot, std::span<const float> in) {
 
 float* ParamStore::mutable_master(size_t slot, int64_t first) { return mutable_weight(slot) + first; }
 
+void ParamStore::mark_streamed(size_t slot) {
+  ParamInfo& p = infos_.at(slot);
+  RF_CHECK(p.layer == kGlobalGroup, "mark_streamed: ", p.name, " belongs to decoder layer ", p.layer,
+           ", only global parameters are streamed");
+  p.streamed = true;
+}
+
+ParamStore::TableRows ParamStore::rows(size_t slot, std::span<const int32_t> ids, bool want_grads) {
+  TableRows t;
+  t.values = held_weight(slot);
+  t.grads = want_grads ? grad(slot) : nullptr;
+  t.row.assign(ids.begin(), ids.end());
+  return t;
+}
+
 std::span<float> ParamStore::shard(Role role, int rank, int ranks) {
   const std::span<float> all = mutable_flat(role);
   const Shard s = shard_of(static_cast<int64_t>(all.size()), rank, ranks);

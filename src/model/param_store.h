@@ -18,8 +18,10 @@
 // when version() moved: only writers of the weights (the loader, init, the optimizer, through mutable_weight /
 // mutable_flat) move it.
 //
-// Layer hooks. The run calls, for each decoder layer l (and kGlobalGroup for the embeddings, the final norm and the
-// head, which stay acquired for the whole run: they are read at its start and its end):
+// Layer hooks. The run calls, for each decoder layer l (and kGlobalGroup for the global group, whose small
+// parameters, such as the final norm and the projections, stay acquired for the whole run: they are read at its start
+// and its end; its streamed ones, ParamInfo::streamed, never are: the token tables are read through rows() and the
+// head between acquire_head and release_head):
 //   before_forward(l)   the layer's weights are about to be read       (FSDP: all-gather the layer)
 //   after_forward(l)    the forward of the layer is done               (FSDP: free the gathered copy)
 //   before_backward(l)  its recompute and backward are about to run    (FSDP: all-gather it again)
@@ -80,6 +82,9 @@ struct ParamInfo {
   int layer = kGlobalGroup;   // decoder layer, or kGlobalGroup
   bool matmul = false;        // read by a matmul (has a bf16 compute copy); lookup tables and scales are not
   bool trainable = true;      // false: model.freeze matched it (no gradient, no moments)
+  // A global parameter the run reads only in part or for a while (mark_streamed): a token table by row (rows()), the
+  // LM head between acquire_head and release_head. A sharded store never keeps it gathered.
+  bool streamed = false;
   // AdamW's decoupled weight decay applies: matrices only (norm and router scales are gains around 1).
   bool decays() const { return shape.size() >= 2; }
   // Expert parallelism: the parameter is rows [rows_begin, rows_begin + shape[0]) of the leading dimension (the
@@ -142,6 +147,8 @@ class ParamStore : public Bf16Lookup {
   // Marks a registered slot as rows [begin, begin + shape[0]) of a tensor of `total` leading rows (ParamInfo's
   // rows_begin; model/expert_store.cpp). Throws rf::Error when the rows do not lie inside the total.
   void hold_rows(size_t slot, int64_t begin, int64_t total);
+  // Marks a global parameter as streamed (ParamInfo::streamed). Throws rf::Error for a decoder layer's parameter.
+  void mark_streamed(size_t slot);
 
   // Bumped by every writer of the weights; the compute copies are current when they were made at this version.
   uint64_t version() const { return version_; }
@@ -231,6 +238,25 @@ class ParamStore : public Bf16Lookup {
   virtual bool maps_frozen_weights() const { return false; }
   // The adapter the layer adds to the linear weight of `slot` (between the layer's hooks); nullopt: none.
   virtual std::optional<LinearAdapter> adapter(size_t /*slot*/) { return std::nullopt; }
+
+  // --- Streamed global parameters (ParamInfo::streamed) ---
+  // The rows `ids` [n] of a lookup table `slot` [rows, W] for this run (a collective under a sharded store: every rank
+  // calls it for the same tables in the same order, with its own ids). values holds the rows as the store holds them,
+  // grads (with `want_grads` and a trainable table) their gradients, which the backward accumulates into; ids[i] is
+  // row row[i] of both. Here the whole table and its whole gradient, row[i] = ids[i]; a sharded store fetches the
+  // rows from their owners and sends the gradient rows back at after_backward(kGlobalGroup). Valid until then (or
+  // after_forward(kGlobalGroup) without a backward).
+  struct TableRows {
+    HeldWeight values;
+    float* grads = nullptr;    // null: no gradient wanted, or the table is frozen
+    std::vector<int64_t> row;  // [n]
+  };
+  virtual TableRows rows(size_t slot, std::span<const int32_t> ids, bool want_grads);
+  // The LM head around the loss: weight(slot) and grad(slot) are valid between acquire_head and release_head (a
+  // sharded store gathers it whole there, and at release sends its gradient to the owners and frees both).
+  // Collectives under a sharded store; no-ops here.
+  virtual void acquire_head(size_t /*slot*/) {}
+  virtual void release_head(size_t /*slot*/) {}
 
   // --- Layer hooks (see the top of this file): no-ops unless an implementation moves weights around ---
   virtual void before_forward(int /*layer*/) {}

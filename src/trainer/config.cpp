@@ -373,7 +373,8 @@ void validate(const TrainConfig& c, int world_size) {
     RF_CHECK(!c.model.train_vision, "config: model.lora with model.train_vision is not implemented (LoRA adapts the ",
              "decoder; the tower would train in full beside it)");
   }
-  // The sharded store is rebuilt from the decoder's registry (trainer.cpp shard_model), which has no tower.
+  // The trained tower reads its parameters whole from the store and adds their gradients after the run, when a
+  // sharded store has reduced the global group's already (trainer.cpp run_with_tower).
   RF_CHECK(!c.model.train_vision || c.parallelism.shard == ShardMode::None ||
                c.parallelism.shard == ShardMode::Optimizer,
            "config: model.train_vision with parallelism.shard = ", name_of(c.parallelism.shard),

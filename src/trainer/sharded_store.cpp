@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <utility>
 
 #include "core/error.h"
@@ -41,6 +42,16 @@ struct ShardedStore::Reduction {
   std::vector<float> send, recv;
   std::vector<size_t> send_bytes, recv_bytes;  // [P]
   comm::PostedPtr posted;
+};
+
+// A token table's rows for one run (rows()): `ids` the sorted union of every rank's ids (the distinct tokens of
+// every rank's micro-batch), `w` [ids, W] their values, `g` [ids, W] this rank's gradient of them.
+struct ShardedStore::Table {
+  size_t slot = 0;
+  int64_t width = 0;
+  std::vector<int32_t> ids;
+  std::vector<float> w, g;
+  bool grads = false;
 };
 
 ShardedStore::ShardedStore(std::unique_ptr<comm::Communicator> comm, Mode mode, comm::Timeout timeout,
@@ -157,8 +168,17 @@ void ShardedStore::lay_out() {
     layers_ = std::max(layers_, info(i).layer + 1);
   }
   groups_.assign(static_cast<size_t>(layers_ + 1), Group{});
+  group_of_slot_.assign(size(), 0);
+  at_in_group_.assign(size(), 0);
   for (size_t i = 0; i < size(); ++i) {
-    Group& g = groups_[static_cast<size_t>(info(i).layer + 1)];
+    size_t gi = static_cast<size_t>(info(i).layer + 1);
+    if (info(i).streamed) {
+      gi = groups_.size();
+      groups_.emplace_back();
+    }
+    group_of_slot_[i] = gi;
+    Group& g = groups_[gi];
+    at_in_group_[i] = g.slots.size();
     g.layer = info(i).layer;
     g.slots.push_back(i);
     g.at.push_back(g.elements);
@@ -283,12 +303,11 @@ void ShardedStore::after_update() {
 const float* ShardedStore::weight(size_t slot) const {
   if (!sharded()) return ReplicatedStore::weight(slot);
   const ParamInfo& p = info(slot);
-  const Gathered* g = live_[static_cast<size_t>(p.layer + 1)].get();
+  const Gathered* g = live_[group_of_slot_[slot]].get();
   RF_CHECK(g != nullptr && !g->posted && g->staging.empty(), "sharded store: ", p.name,
-           " is read outside its layer's hooks (its weights are not gathered)");
-  const Group& grp = group_of(p.layer);
-  const auto k = std::find(grp.slots.begin(), grp.slots.end(), slot) - grp.slots.begin();
-  return g->w.data() + grp.at[static_cast<size_t>(k)];
+           p.streamed ? " is read outside acquire_head (a streamed table's rows come from rows())"
+                      : " is read outside its layer's hooks (its weights are not gathered)");
+  return g->w.data() + groups_[group_of_slot_[slot]].at[at_in_group_[slot]];
 }
 
 float* ShardedStore::mutable_weight(size_t slot) {
@@ -378,20 +397,31 @@ void ShardedStore::release_training_state() {
   grads_ = {};
   global_grads_ = {};
   layer_grads_ = {};
+  head_grads_ = {};
+  tables_.clear();
   grads_allocated_ = false;
 }
 
 const float* ShardedStore::grad(size_t slot) const {
   const ParamInfo& p = info(slot);
   if (!grads_allocated_ || !p.trainable) return nullptr;
+  if (p.streamed) {
+    RF_CHECK(slot == head_, "sharded store: the gradient of ", p.name,
+             " is asked for outside acquire_head (a streamed table's gradient rows come from rows())");
+    return head_grads_.empty() ? nullptr : head_grads_.data();
+  }
   RF_CHECK(p.layer == model::kGlobalGroup || p.layer == grad_layer_, "sharded store: the gradient of ", p.name,
            " is asked for outside its layer's backward");
-  const Group& g = group_of(p.layer);
-  const auto k = static_cast<size_t>(std::find(g.slots.begin(), g.slots.end(), slot) - g.slots.begin());
-  return (p.layer == model::kGlobalGroup ? global_grads_.data() : layer_grads_.data()) + g.grad_at[k];
+  const Group& g = groups_[group_of_slot_[slot]];
+  return (p.layer == model::kGlobalGroup ? global_grads_.data() : layer_grads_.data()) + g.grad_at[at_in_group_[slot]];
 }
 
-float* ShardedStore::grad(size_t slot) { return const_cast<float*>(std::as_const(*this).grad(slot)); }
+// The head's gradient buffer is made when the loss asks for it (a run without a backward never does).
+float* ShardedStore::grad(size_t slot) {
+  if (grads_allocated_ && slot == head_ && info(slot).trainable && head_grads_.empty())
+    head_grads_.assign(static_cast<size_t>(info(slot).numel), 0.f);
+  return const_cast<float*>(std::as_const(*this).grad(slot));
+}
 
 std::span<const float> ShardedStore::flat(Role role) const {
   if (role == Role::Grads) return grads_;
@@ -466,9 +496,13 @@ void ShardedStore::before_forward(int layer) {
   acquire(layer);
   if (layer + 1 < layers_ && !live_[static_cast<size_t>(layer + 2)])
     live_[static_cast<size_t>(layer + 2)] = post_gather(group_of(layer + 1), false);
+  // The last layer computes while the head (the previous run's) travels.
+  if (layer + 1 == layers_ && last_head_ != SIZE_MAX && !live_[group_of_slot_[last_head_]])
+    live_[group_of_slot_[last_head_]] = post_gather(groups_[group_of_slot_[last_head_]], false);
 }
 
 void ShardedStore::after_forward(int layer) {
+  if (layer == model::kGlobalGroup) tables_.clear();
   if (!sharded()) return;
   // The last layer stays gathered for its backward, which comes next (after the loss): one gather fewer a step, and
   // none waiting behind the loss, where no layer computes. A forward-only run ends with kGlobalGroup: no backward
@@ -501,12 +535,18 @@ void ShardedStore::after_backward(int layer) {
       std::unique_ptr<Reduction> t = post_reduce(group_of(layer), global_grads_.data());
       finish_reduce(*t);
       std::fill(global_grads_.begin(), global_grads_.end(), 0.f);
+      for (const std::unique_ptr<Table>& table : tables_) {
+        if (!table->grads) continue;
+        reduce_spans(table->slot, table->g.data(),
+                     [&](int q) { return row_spans(table->slot, table->ids, piece(table->slot, q)); });
+      }
     } else {
       pending_ = post_reduce(group_of(layer), layer_grads_.data());
       layer_grads_ = {};
       grad_layer_ = model::kGlobalGroup - 1;
     }
   }
+  if (layer == model::kGlobalGroup) tables_.clear();
   if (sharded() && layer != model::kGlobalGroup) live_[static_cast<size_t>(layer + 1)].reset();
 }
 
@@ -518,14 +558,236 @@ bool ShardedStore::progress() {
   return done;
 }
 
+float* ShardedStore::own(size_t slot, const Piece& pc) {
+  return (info(slot).trainable ? own_trainable_.data() : own_frozen_.data()) + pc.local;
+}
+
+std::vector<ShardedStore::Span> ShardedStore::row_spans(size_t slot, const std::vector<int32_t>& ids,
+                                                        const Piece& pc) const {
+  std::vector<Span> out;
+  if (pc.n == 0) return out;
+  const int64_t W = info(slot).shape[1], end = pc.first + pc.n;
+  // The first row that reaches into the piece, then every row until one starts past it.
+  for (auto it = std::lower_bound(ids.begin(), ids.end(), pc.first / W); it != ids.end(); ++it) {
+    const int64_t row = int64_t{*it} * W;
+    if (row >= end) break;
+    const int64_t lo = std::max(row, pc.first), hi = std::min(row + W, end);
+    if (lo < hi) out.push_back(Span{(it - ids.begin()) * W + (lo - row), lo, hi - lo});
+  }
+  return out;
+}
+
+std::vector<ShardedStore::Span> ShardedStore::spans_outside(size_t slot, const std::vector<int32_t>& ids,
+                                                            const Piece& pc) const {
+  std::vector<Span> out;
+  int64_t at = pc.first;  // the first element of the piece not yet covered
+  for (const Span& r : row_spans(slot, ids, pc)) {
+    if (r.elem > at) out.push_back(Span{at, at, r.elem - at});
+    at = r.elem + r.n;
+  }
+  if (pc.first + pc.n > at) out.push_back(Span{at, at, pc.first + pc.n - at});
+  return out;
+}
+
+template <class SpansOf>
+void ShardedStore::reduce_spans(size_t slot, float* src, SpansOf spans_of) {
+  // Every owner's spans packed to the front of `src`, in rank order: the send buffer, with no copy. The spans of
+  // rank q follow those of q - 1 in `src` (pieces ascend with the rank, the rows of a table with their ids), so an
+  // element moves down, never over one not yet read.
+  std::vector<size_t> send_bytes(static_cast<size_t>(P_), 0);
+  size_t packed = 0;
+  for (int q = 0; q < P_; ++q) {
+    const size_t before = packed;
+    for (const Span& sp : spans_of(q)) {
+      if (packed != static_cast<size_t>(sp.at))
+        std::memmove(src + packed, src + sp.at, static_cast<size_t>(sp.n) * sizeof(float));
+      packed += static_cast<size_t>(sp.n);
+    }
+    send_bytes[static_cast<size_t>(q)] = (packed - before) * sizeof(float);
+  }
+  const std::vector<Span> mine = spans_of(me_);
+  size_t n = 0;
+  for (const Span& sp : mine) n += static_cast<size_t>(sp.n);
+  std::vector<float> recv;  // [P, n]: every rank's contributions to this rank's spans
+  const float* in = src;    // P = 1: its own, packed
+  if (P_ > 1) {
+    recv.resize(n * static_cast<size_t>(P_));
+    const std::vector<size_t> recv_bytes(static_cast<size_t>(P_), n * sizeof(float));
+    comm::PostedPtr c = comm_->post_alltoallv(src, send_bytes, recv.data(), recv_bytes);
+    wait(*c);
+    in = recv.data();
+  }
+  const Piece pc = piece(slot, me_);
+  float* dst = grads_.data() + pc.local - pc.first;  // element e of the parameter at dst[e]
+  size_t i = 0;
+  for (const Span& sp : mine) {
+    for (int64_t e = sp.elem; e < sp.elem + sp.n; ++e, ++i) {
+      double sum = in[i];
+      for (int q = 1; q < P_; ++q) sum += in[static_cast<size_t>(q) * n + i];
+      dst[e] += static_cast<float>(sum);
+    }
+  }
+}
+
+std::vector<int32_t> ShardedStore::all_ranks_ids(std::span<const int32_t> ids) {
+  std::vector<int32_t> mine(ids.begin(), ids.end());
+  std::sort(mine.begin(), mine.end());
+  mine.erase(std::unique(mine.begin(), mine.end()), mine.end());
+  if (P_ == 1) return mine;
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<int64_t> counts(static_cast<size_t>(P_));
+  const int64_t count = static_cast<int64_t>(mine.size());
+  comm_->allgather(&count, counts.data(), sizeof(count), timeout_);
+  std::vector<size_t> part_bytes(static_cast<size_t>(P_));
+  size_t total = 0, at_mine = 0;
+  for (int q = 0; q < P_; ++q) {
+    if (q == me_) at_mine = total;
+    total += static_cast<size_t>(counts[static_cast<size_t>(q)]);
+    part_bytes[static_cast<size_t>(q)] = static_cast<size_t>(counts[static_cast<size_t>(q)]) * sizeof(int32_t);
+  }
+  std::vector<int32_t> all(total);
+  std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(at_mine));
+  comm_->allgatherv(all.data(), part_bytes, timeout_);
+  exposed_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+  return all;
+}
+
+// The table's rows of every rank's ids: each owner's parts of them, all-gathered (full), or copied from the whole
+// weights (gradients). Every rank's ids, not only this rank's: with a tied head every rank's gradient of those rows
+// has the head's part (release_head), and the rows' reduction then sends each owner the same spans from every rank.
+model::ParamStore::TableRows ShardedStore::rows(size_t slot, std::span<const int32_t> ids, bool want_grads) {
+  const ParamInfo& p = info(slot);
+  const bool grads = want_grads && grads_allocated_ && p.trainable;
+  if (!adopted_ || (!sharded() && !grads)) return ReplicatedStore::rows(slot, ids, want_grads);
+  RF_CHECK(p.streamed && p.shape.size() == 2, "sharded store: rows of ", p.name, ", which is no streamed table");
+  auto t = std::make_unique<Table>();
+  t->slot = slot;
+  t->width = p.shape[1];
+  t->ids = all_ranks_ids(ids);
+  const int64_t W = t->width, n = static_cast<int64_t>(t->ids.size());
+  t->w.resize(static_cast<size_t>(n * W));
+  if (sharded()) {
+    std::vector<size_t> part_bytes(static_cast<size_t>(P_));
+    std::vector<std::vector<Span>> spans(static_cast<size_t>(P_));
+    size_t total = 0, at_mine = 0;
+    for (int q = 0; q < P_; ++q) {
+      spans[static_cast<size_t>(q)] = row_spans(slot, t->ids, piece(slot, q));
+      if (q == me_) at_mine = total;
+      size_t elems = 0;
+      for (const Span& sp : spans[static_cast<size_t>(q)]) elems += static_cast<size_t>(sp.n);
+      total += elems;
+      part_bytes[static_cast<size_t>(q)] = elems * sizeof(float);
+    }
+    std::vector<float> staging(total);
+    const Piece mine = piece(slot, me_);
+    float* out = staging.data() + at_mine;
+    for (const Span& sp : spans[static_cast<size_t>(me_)])
+      out = std::copy_n(own(slot, mine) + (sp.elem - mine.first), sp.n, out);
+    if (P_ > 1) {
+      comm::PostedPtr c = comm_->post_allgatherv(staging.data(), part_bytes);
+      wait(*c);
+    }
+    const float* in = staging.data();
+    for (int q = 0; q < P_; ++q) {
+      for (const Span& sp : spans[static_cast<size_t>(q)]) {
+        std::copy_n(in, sp.n, t->w.data() + sp.at);
+        in += sp.n;
+      }
+    }
+  } else {
+    for (int64_t u = 0; u < n; ++u)
+      std::copy_n(ReplicatedStore::weight(slot) + int64_t{t->ids[static_cast<size_t>(u)]} * W, W, t->w.data() + u * W);
+  }
+  t->grads = grads;
+  if (grads) t->g.assign(t->w.size(), 0.f);
+  TableRows out;
+  out.values = model::HeldWeight{model::HeldDType::F32, t->w.data()};
+  out.grads = grads ? t->g.data() : nullptr;
+  out.row.resize(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i)
+    out.row[i] = std::lower_bound(t->ids.begin(), t->ids.end(), ids[i]) - t->ids.begin();
+  tables_.push_back(std::move(t));
+  return out;
+}
+
+void ShardedStore::acquire_head(size_t slot) {
+  if (!adopted_) return;
+  RF_CHECK(info(slot).streamed && head_ == SIZE_MAX, "sharded store: acquire_head(", info(slot).name,
+           ") of a parameter that is not streamed, or while another head is acquired");
+  head_ = slot;
+  last_head_ = slot;
+  if (!sharded()) return;
+  std::unique_ptr<Gathered>& g = live_[group_of_slot_[slot]];
+  if (!g) g = post_gather(groups_[group_of_slot_[slot]], false);  // not posted during the last layer
+  if (g->posted || !g->staging.empty()) finish_gather(*g);
+}
+
+// The head's gradient to its owners. Tied to a token table whose rows this run reads with gradients, the rows of
+// that table's ids stay here: they seed the table's gradient rows, which its backward adds to (shard none adds the
+// embedding's rows onto the head's gradient in one buffer, so the same float32 sums), and travel with them.
+void ShardedStore::release_head(size_t slot) {
+  if (!adopted_) return;
+  RF_CHECK(slot == head_, "sharded store: release_head(", info(slot).name, ") without its acquire_head");
+  if (sharded()) live_[group_of_slot_[slot]].reset();  // the weights first: the reduction needs room
+  if (!head_grads_.empty()) {
+    static const std::vector<int32_t> kNoRows;
+    const std::vector<int32_t>* kept = &kNoRows;
+    for (const std::unique_ptr<Table>& t : tables_) {
+      if (t->slot != slot || !t->grads) continue;
+      kept = &t->ids;
+      for (size_t u = 0; u < t->ids.size(); ++u)
+        std::copy_n(head_grads_.data() + int64_t{t->ids[u]} * t->width, t->width,
+                    t->g.data() + static_cast<int64_t>(u) * t->width);
+    }
+    reduce_spans(slot, head_grads_.data(), [&](int q) { return spans_outside(slot, *kept, piece(slot, q)); });
+    head_grads_ = {};
+  }
+  head_ = SIZE_MAX;
+}
+
+ShardedStore::Bytes ShardedStore::held() const {
+  constexpr int64_t kF = sizeof(float), kB = sizeof(bf16);
+  const auto bytes = [](const std::vector<float>& v) { return static_cast<int64_t>(v.size()) * kF; };
+  Bytes b;
+  b.weight_shard = bytes(own_trainable_) + bytes(own_frozen_) +
+                   static_cast<int64_t>(ReplicatedStore::flat(Role::Weights).size()) * kF;
+  for (const std::unique_ptr<Gathered>& g : live_) {
+    if (!g) continue;
+    b.gathered += bytes(g->w) + static_cast<int64_t>(g->b16.size()) * kB;
+    b.comm_buffers += bytes(g->staging);
+  }
+  b.gradients = bytes(grads_) + bytes(global_grads_) + bytes(layer_grads_) + bytes(head_grads_);
+  for (const std::unique_ptr<Table>& t : tables_) {
+    b.gathered += bytes(t->w);
+    b.gradients += bytes(t->g);
+  }
+  b.moments = static_cast<int64_t>(flat(Role::ExpAvg).size() + flat(Role::ExpAvgSq).size()) * kF;
+  if (pending_) b.comm_buffers += bytes(pending_->send) + bytes(pending_->recv);
+  return b;
+}
+
 ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable,
-                                            Mode mode, int ranks) {
+                                            Mode mode, int ranks, int64_t step_tokens) {
   constexpr int64_t kF = sizeof(float);
-  int64_t train = 0, frozen = 0, global = 0, global_train = 0, largest = 0, largest_train = 0;
+  int64_t train = 0, frozen = 0, global = 0, global_train = 0;
+  int64_t head = 0, head_train = 0, rows = 0, rows_train = 0;  // the streamed parameters'
   std::vector<int64_t> layer(1, 0), layer_train(1, 0);
   for (size_t i = 0; i < registry.size(); ++i) {
     const ParamInfo& p = registry.info(i);
     (trainable[i] ? train : frozen) += p.numel;
+    if (p.streamed) {
+      // The head: the largest streamed parameter read whole (a tied table is both). Every streamed parameter is
+      // counted as a table too, the rows of every rank's micro-batch tokens at most (an untied head is not read by
+      // row: a slight over-count).
+      head = std::max(head, p.numel);
+      if (trainable[i]) head_train = std::max(head_train, p.numel);
+      const int64_t n = std::min(step_tokens, p.shape[0]) * (p.numel / p.shape[0]);
+      rows += n;
+      if (trainable[i]) rows_train += n;
+      continue;
+    }
     if (p.layer == model::kGlobalGroup) {
       global += p.numel;
       if (trainable[i]) global_train += p.numel;
@@ -538,25 +800,33 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
     layer[static_cast<size_t>(p.layer)] += p.numel;
     if (trainable[i]) layer_train[static_cast<size_t>(p.layer)] += p.numel;
   }
-  largest = *std::max_element(layer.begin(), layer.end());
-  largest_train = *std::max_element(layer_train.begin(), layer_train.end());
+  const int64_t largest = *std::max_element(layer.begin(), layer.end());
+  const int64_t largest_train = *std::max_element(layer_train.begin(), layer_train.end());
   const int64_t slice = model::shard_of(train, 0, ranks).padded;
   Bytes b;
   constexpr int kLayersGathered = 2;  // the layer computing and the next one, posted
   constexpr int kMoments = 2;         // exp_avg, exp_avg_sq
   if (mode == Mode::Full) {
     b.weight_shard = (slice + model::shard_of(frozen, 0, ranks).padded) * kF;
-    b.gathered = (global + kLayersGathered * largest) * kF;
-    // Staging of the gathers in flight; each layer's staging is freed once it is put in place.
-    b.comm_buffers = kLayersGathered * largest * kF;
+    // The head is gathered around the loss beside the last layer alone (which stays gathered from its forward to
+    // its backward); the tables' rows for the whole run.
+    b.gathered = (global + std::max(kLayersGathered * largest, head + largest) + rows) * kF;
+    // Staging of the gathers in flight; each staging is freed once it is put in place.
+    b.comm_buffers = std::max(kLayersGathered * largest, head) * kF;
   } else {
     b.weight_shard = (train + frozen) * kF;
+    b.gathered = rows * kF;  // the tables' rows, copied from the whole weights
   }
-  b.gradients = (slice + global_train + largest_train) * kF;
+  // The head's whole gradient lives from the loss to its reduction, before any layer's backward.
+  b.gradients = (slice + global_train + std::max(largest_train, head_train) + rows_train) * kF;
   b.moments = kMoments * slice * kF;
-  // One reduction in flight and the one being posted: a send copy of a layer's gradients and P slices received.
+  // One reduction in flight and the one being posted: a send copy of a layer's gradients and P slices received; or
+  // the head's: the N contributions to this rank's piece of it (its send buffer is the gradient, packed in place).
   constexpr int kReductions = 2;
-  b.comm_buffers += kReductions * (largest_train + ranks * model::shard_of(largest_train, 0, ranks).padded) * kF;
+  const int64_t layer_reductions =
+      kReductions * (largest_train + ranks * model::shard_of(largest_train, 0, ranks).padded);
+  const int64_t head_reduction = ranks * model::shard_of(head_train, 0, ranks).padded;
+  b.comm_buffers += std::max(layer_reductions, head_reduction) * kF;
   return b;
 }
 

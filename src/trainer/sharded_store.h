@@ -10,9 +10,21 @@
 // moments of it. A decoder layer's weights are all-gathered (the pieces of every rank) into a layer buffer just
 // before its forward and again before its recompute + backward, and freed after each (the last layer, whose backward
 // follows its forward, stays gathered between them); the next layer's gather is posted while this one computes, and
-// progresses between its ops (progress()). The global group (embeddings, final norm, head, projections: read at a run's
-// start and end, the head's gradient written before any layer's) stays gathered for the run, with a whole-size
-// gradient buffer, and is gathered again after each update.
+// progresses between its ops (progress()). The global group's small parameters (final norm, projections, the per-layer
+// projection norm: read at a run's start and end) stay gathered for the run, with a gradient buffer of their size,
+// and are gathered again after each update. Its streamed parameters (ParamInfo::streamed: the token tables and the
+// head) never are, in either mode:
+//   - a token table (embed_tokens, embed_tokens_per_layer): rows() exchanges every rank's distinct ids and each
+//     rank fetches the union's rows from their owners (a rank's piece is an element range, so a row may span two),
+//     [union, W]; the backward accumulates into gradient rows of the same layout, which after_backward(kGlobalGroup)
+//     sends to their owners, each summing the N contributions in rank order (as below);
+//   - the head: gathered whole by acquire_head just before the loss and freed by release_head right after it, its
+//     gradient (a whole-size buffer for that while) then sent to the owners and freed. Tied to embed_tokens, the
+//     rows of the table's union stay behind and seed the table's gradient rows, so that each row's float32 sum is
+//     shard none's (the head's part, then the embedding's tokens in order) and is reduced once, with the table's.
+// The tables' rows cover every rank's tokens (O(tokens x W) a rank, against the table's O(vocabulary x W)); the
+// head's transient whole copy and gradient are the largest buffers left (the vocabulary-blocked head would
+// remove them).
 // gradients: the weights stay whole on every rank (the optimizer updates this rank's trainable pieces of them, and
 // after_update all-gathers the others'); the gradients are as in full.
 // Both: a layer's gradients are written into a layer-sized buffer during its backward; after_backward sends every
@@ -64,15 +76,23 @@ class ShardedStore : public model::ReplicatedStore {
   // The bytes the store's own communicator moved so far (tests: what its posted collectives delivered).
   comm::Communicator::Traffic traffic() const { return comm_->traffic(); }
 
-  // The bytes one rank holds for a store of this registry over `ranks` ranks, by kind (the memory check's terms).
+  // The bytes one rank holds for a store of this registry over `ranks` ranks, by kind (the memory check's terms), at
+  // most `step_tokens` distinct tokens in all ranks' micro-batches together (the tables' rows).
   struct Bytes {
     int64_t weight_shard = 0;  // full: the float32 masters of the rank's pieces; gradients: every weight
-    int64_t gathered = 0;      // full: the global group, plus two layers (the current one and the next, posted)
-    int64_t gradients = 0;     // the rank's slice, the global group's buffer, one layer's buffer
+    int64_t gathered = 0;      // full: the global group's small parameters, plus two layers (the current one and the
+                               // next, posted) or the head and the last layer (around the loss); the tables' rows
+                               // (both modes)
+    int64_t gradients = 0;     // the rank's slice, the global group's small buffer, one layer's buffer or the head's,
+                               // the tables' gradient rows
     int64_t moments = 0;       // AdamW's two moments of the slice
-    int64_t comm_buffers = 0;  // a layer gather's staging (x2 in flight) and one reduction's send + receive (x2)
+    int64_t comm_buffers = 0;  // a layer gather's staging (x2 in flight) or the head's; the reductions' send +
+                               // receive (two layers', or the head's)
   };
-  static Bytes bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable, Mode mode, int ranks);
+  static Bytes bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable, Mode mode, int ranks,
+                         int64_t step_tokens);
+  // The bytes this rank holds now, by the same kinds (the buffers' sizes, bf16 copies counted with what they copy).
+  Bytes held() const;
 
   // --- ParamStore ---
   void allocate_weights() override;
@@ -96,6 +116,10 @@ class ShardedStore : public model::ReplicatedStore {
   std::span<const float> flat(model::Role role) const override;
   std::span<float> mutable_flat(model::Role role) override;
 
+  TableRows rows(size_t slot, std::span<const int32_t> ids, bool want_grads) override;
+  void acquire_head(size_t slot) override;
+  void release_head(size_t slot) override;
+
   void before_forward(int layer) override;
   void after_forward(int layer) override;
   void before_backward(int layer) override;
@@ -111,11 +135,27 @@ class ShardedStore : public model::ReplicatedStore {
   struct Group;
   struct Gathered;
   struct Reduction;
+  struct Table;
   // A parameter's piece on rank q: elements [first, first + n) of it, at `local` in q's own slice.
   struct Piece {
     int64_t first = 0, n = 0, local = 0;
   };
   Piece piece(size_t slot, int q) const;
+  // Elements [elem, elem + n) of a parameter, at `at` in a local buffer (a table's rows, the head's gradient).
+  struct Span {
+    int64_t at = 0, elem = 0, n = 0;
+  };
+  // The parts of rows `ids` (sorted, distinct) of table `slot` inside `pc`, `at` indexing the rows [ids, W].
+  std::vector<Span> row_spans(size_t slot, const std::vector<int32_t>& ids, const Piece& pc) const;
+  // The elements of `pc` outside rows `ids` (sorted, distinct) of `slot`, `at` indexing the whole tensor.
+  std::vector<Span> spans_outside(size_t slot, const std::vector<int32_t>& ids, const Piece& pc) const;
+  float* own(size_t slot, const Piece& pc);
+  // Sends each owner q the spans spans_of(q) of `src` and adds the N contributions this rank receives for its own
+  // spans (spans_of(me_)), summed in rank order in double and rounded once, into its gradient slice (collective).
+  // `src` is packed in place for the send: its values are gone after.
+  template <class SpansOf>
+  void reduce_spans(size_t slot, float* src, SpansOf spans_of);
+  std::vector<int32_t> all_ranks_ids(std::span<const int32_t> ids);  // the sorted union of every rank's ids
   void lay_out();  // the groups, the frozen layout and this rank's slices, from the registry and its flags
   Group& group_of(int layer);
   const Group& group_of(int layer) const;
@@ -132,8 +172,11 @@ class ShardedStore : public model::ReplicatedStore {
   std::vector<std::string> freeze_;
   int P_ = 1, me_ = 0;
   int layers_ = 0;
-  std::vector<Group> groups_;           // [layers_ + 1]: the global group, then the decoder layers
-  std::vector<int64_t> frozen_offset_;  // [slots]: first element in the frozen layout; -1 when trainable
+  // [layers_ + 1 + streamed]: the global group (its parameters that are not streamed), the decoder layers, then one
+  // group of its own for each streamed parameter (gathered whole only around the loss (the head), or by unshard)
+  std::vector<Group> groups_;
+  std::vector<size_t> group_of_slot_, at_in_group_;  // [slots]: the slot's group in groups_, its index there
+  std::vector<int64_t> frozen_offset_;               // [slots]: first element in the frozen layout; -1 when trainable
   int64_t frozen_total_ = 0;
   comm::Slice mine_trainable_, mine_frozen_;       // this rank's slices of the two layouts
   std::vector<float> own_trainable_, own_frozen_;  // full: the masters of this rank's pieces
@@ -146,7 +189,11 @@ class ShardedStore : public model::ReplicatedStore {
   bool grads_allocated_ = false;
   std::vector<float> grads_, global_grads_, layer_grads_;
   int grad_layer_ = model::kGlobalGroup - 1;
-  std::unique_ptr<Reduction> pending_;  // the last layer's reduction, in flight
+  std::unique_ptr<Reduction> pending_;          // the last layer's reduction, in flight
+  std::vector<std::unique_ptr<Table>> tables_;  // the run's token tables' rows (rows()), until its global group ends
+  size_t head_ = SIZE_MAX;                      // the slot between acquire_head and release_head
+  size_t last_head_ = SIZE_MAX;    // the last run's head: its gather is posted during the last layer's forward
+  std::vector<float> head_grads_;  // [its numel] the head's gradient there, made by grad(head_)
   double exposed_seconds_ = 0.0;
 };
 

@@ -512,40 +512,53 @@ TEST(ShardGradients, ShardNoneBitsWithoutAccumulationAndItsTrainingWith) {
   fs::remove_all(dir);
 }
 
-// A text-only model with per-layer embeddings (a global lookup table and projection, per-layer gates) and KV sharing
-// (the last two layers read the K/V of earlier ones, so they have no k_proj/v_proj and their backward sends dK/dV
-// to another layer's): under shard gradients and full every layer is still gathered and reduced on its own, and
-// one micro-batch a replica gives shard none's bits at N = 2, 3 and 4, frozen per-layer table or not.
-TEST(ShardFull, PerLayerEmbeddingsAndKvSharingGiveShardNoneBits) {
-  const fs::path dir = scratch("shard_ple_kv");
-  const std::string model_dir = (dir / "model").string();
-  {
-    model::Checkpoint ck;
-    ck.model = std::make_unique<model::Gemma4Model>(
-        model::Gemma4Config::from_json(
-            R"({"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "vocab_size": 512,
+// The config of a text-only model with per-layer embeddings (a global lookup table and projection, per-layer gates)
+// and KV sharing (the last two layers read the K/V of earlier ones), its head tied to embed_tokens or not.
+std::string ple_kv_config(bool tied) {
+  return std::string(R"({"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "vocab_size": 512,
                 "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 16,
                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
                 "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 4,
                 "vocab_size_per_layer_input": 512, "num_kv_shared_layers": 2, "pad_token_id": 0,
-                "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": true})",
-            "test"),
-        0, model::TensorSet::Storage::Allocated);
-    ck.model->init_random(11, 0.1f);
-    model::save_checkpoint(ck, model_dir);
-  }
-  const std::vector<std::vector<std::string>> cases = {
-      {"parallelism.cp=2", "train.global_batch=1"},
-      {"parallelism.dp=3", "train.global_batch=3"},
-      {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=2", "model.freeze=[embed_tokens_per_layer]"},
+                "bos_token_id": 1, "eos_token_id": 1, "tie_word_embeddings": )") +
+         (tied ? "true}" : "false}");
+}
+
+// The model of ple_kv_config, written as a checkpoint.
+void write_ple_kv_model(bool tied, const std::string& dir) {
+  model::Checkpoint ck;
+  ck.model = std::make_unique<model::Gemma4Model>(model::Gemma4Config::from_json(ple_kv_config(tied), "test"), 0,
+                                                  model::TensorSet::Storage::Allocated);
+  ck.model->init_random(11, 0.1f);
+  model::save_checkpoint(ck, dir);
+}
+
+// Per-layer embeddings and KV sharing (the last two layers' backward sends dK/dV to another layer's): under shard
+// gradients and full every layer is still gathered and reduced on its own, the token tables' rows fetched and their
+// gradient rows reduced at their owners, the head gathered around the loss; one micro-batch a replica gives shard
+// none's bits at N = 2, 3 and 4, with the head tied to embed_tokens (its gradient and the embedding's share rows) or
+// its own, the per-layer table or the token table frozen or not.
+TEST(ShardFull, PerLayerEmbeddingsAndKvSharingGiveShardNoneBits) {
+  const fs::path dir = scratch("shard_ple_kv");
+  struct Case {
+    bool tied;
+    std::vector<std::string> sets;
   };
+  const std::vector<Case> cases = {
+      {true, {"parallelism.cp=2", "train.global_batch=1"}},
+      {true, {"parallelism.dp=3", "train.global_batch=3"}},
+      {true, {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=2", "model.freeze=[embed_tokens_per_layer]"}},
+      {false, {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=2"}},
+      {false, {"parallelism.cp=3", "train.global_batch=1", "model.freeze=[model.embed_tokens.]"}},
+  };
+  for (bool tied : {true, false}) write_ple_kv_model(tied, (dir / (tied ? "tied" : "untied")).string());
   int i = 0;
-  for (const std::vector<std::string>& sets : cases) {
+  for (const Case& c : cases) {
     const auto config = [&](const std::string& mode) {
-      std::vector<std::string> all = sets;
-      all.insert(all.end(),
-                 {"model.path=" + model_dir, "parallelism.shard=" + mode, "train.steps=3", "train.val_every=2"});
+      std::vector<std::string> all = c.sets;
+      all.insert(all.end(), {"model.path=" + (dir / (c.tied ? "tied" : "untied")).string(), "parallelism.shard=" + mode,
+                             "train.steps=3", "train.val_every=2"});
       return small("tiny_dense", all);
     };
     const Trained none = run(config("none"));
@@ -563,6 +576,77 @@ TEST(ShardFull, PerLayerEmbeddingsAndKvSharingGiveShardNoneBits) {
     ++i;
   }
   fs::remove_all(dir);
+}
+
+// Under shard full no rank holds the global group whole: after the run's global hook a rank holds its pieces and the
+// global group's small parameters (the final norm, the per-layer projection and its norm) gathered, never a token
+// table; rows() gives each rank the rows of its ids (every rank's, since the union is fetched) with the whole
+// table's values, the head is whole between acquire_head and release_head only (beside the last layer, which stays
+// gathered from its forward to its backward, until a forward-only run ends), and read outside them it is refused.
+// At N = 1 to 4, the head tied to the token table and not.
+TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
+  for (bool tied : {true, false}) {
+    const model::Gemma4Config cfg = model::Gemma4Config::from_json(ple_kv_config(tied), "test");
+    model::Gemma4Model whole(cfg, 0, model::TensorSet::Storage::Allocated);
+    whole.init_random(5, 0.1f);
+    const model::ParamStore& w = whole.params();
+    // Elements: the global group's unstreamed parameters; all of them; the last layer's.
+    int64_t small_global = 0, weights = 0, last_layer = 0;
+    for (const model::ParamInfo& p : w.infos()) {
+      weights += p.numel;
+      if (p.layer == model::kGlobalGroup && !p.streamed) small_global += p.numel;
+      if (p.layer == cfg.num_layers - 1) last_layer += p.numel;
+    }
+    const size_t embed = w.slot("model.embed_tokens.weight"), ple = w.slot("model.embed_tokens_per_layer.weight");
+    const size_t head = tied ? embed : w.slot("lm_head.weight");
+    EXPECT_TRUE(w.info(embed).streamed && w.info(ple).streamed && w.info(head).streamed);
+    for (int P = 1; P <= 4; ++P) {
+      comm::run_ranks(P, [&](comm::Communicator& world) {
+        const std::string at = "N = " + std::to_string(P) + (tied ? ", tied" : ", untied");
+        auto store = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
+                                                    comm::default_timeout());
+        ShardedStore& sharded = *store;
+        const model::Gemma4Model m(cfg, 0, model::TensorSet::Storage::Deferred, std::move(store));
+        sharded.adopt(w);
+        constexpr int64_t kF = sizeof(float);
+        // The pieces: this rank's slice of the weights, at most ceil(total / N) elements of each layout.
+        EXPECT_LE(sharded.held().weight_shard, (weights + 2 * P) / P * kF) << at;
+        sharded.before_forward(model::kGlobalGroup);
+        EXPECT_EQ(sharded.held().gathered, small_global * kF) << at;
+        // Rank r looks up tokens r, 300 + r and 7 (twice): the rows fetched are the union of every rank's.
+        const int r = world.rank();
+        const std::vector<int32_t> ids = {r, 300 + r, 7, 7};
+        for (size_t slot : {embed, ple}) {
+          const model::ParamStore::TableRows rows = sharded.rows(slot, ids, false);
+          const int64_t W = w.info(slot).shape[1];
+          for (size_t i = 0; i < ids.size(); ++i) {
+            std::vector<float> got(static_cast<size_t>(W));
+            model::widen(rows.values, rows.row[i] * W, W, got.data());
+            const float* want = w.weight(slot) + int64_t{ids[i]} * W;
+            EXPECT_EQ(got, std::vector<float>(want, want + W)) << at << ", " << w.info(slot).name << " row " << ids[i];
+          }
+          EXPECT_EQ(rows.grads, nullptr);
+        }
+        const int64_t union_rows = 2 * P + 1;
+        const int64_t table_rows = union_rows * (w.info(embed).shape[1] + w.info(ple).shape[1]);
+        EXPECT_EQ(sharded.held().gathered, (small_global + table_rows) * kF) << at;
+        EXPECT_NE(testing::error_of([&] { sharded.weight(head); }).find("outside acquire_head"), std::string::npos);
+        for (int l = 0; l < cfg.num_layers; ++l) {
+          sharded.before_forward(l);
+          sharded.after_forward(l);
+        }
+        sharded.acquire_head(head);
+        const float* hw = sharded.weight(head);
+        EXPECT_EQ(std::vector<float>(hw, hw + w.info(head).numel),
+                  std::vector<float>(w.weight(head), w.weight(head) + w.info(head).numel))
+            << at;
+        EXPECT_EQ(sharded.held().gathered, (small_global + table_rows + last_layer + w.info(head).numel) * kF) << at;
+        sharded.release_head(head);
+        sharded.after_forward(model::kGlobalGroup);
+        EXPECT_EQ(sharded.held().gathered, small_global * kF) << at;
+      });
+    }
+  }
 }
 
 // A checkpoint written under shard full holds whole tensors, each gathered to the writer while it is written, and each
@@ -601,6 +685,26 @@ TEST(ShardFull, CheckpointsHoldWholeTensorsAndResumeAcrossModesAndRankCounts) {
   expect_same_losses(tail, run(config({"parallelism.dp=2", "parallelism.shard=optimizer"}, out), resume), "N = 2");
   expect_same_losses(tail, run(config({"parallelism.shard=none"}, out), resume), "N = 1");
   expect_same_losses(tail, run(config({"parallelism.dp=4", "parallelism.shard=full"}, out), resume), "N = 4, dp");
+  // The resume's load (load_train_checkpoint into a sharded store): each rank keeps its pieces as the tensors are
+  // read, no rank holding the weights whole, and they are the checkpoint's tensors.
+  const LoadedCheckpoint loaded = load_train_checkpoint(resume.resume);
+  for (int P = 2; P <= 3; ++P) {
+    comm::run_ranks(P, [&](comm::Communicator& world) {
+      LoadedCheckpoint pieces =
+          load_train_checkpoint(resume.resume, {}, false,
+                                std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
+                                                               comm::default_timeout()));
+      auto& sharded = dynamic_cast<ShardedStore&>(pieces.weights.model->params());
+      EXPECT_TRUE(sharded.sharded() && sharded.flat(model::Role::Weights).empty()) << "N = " << P;
+      for (size_t slot = 0; slot < sharded.size(); ++slot) {
+        const model::ParamInfo& p = sharded.info(slot);
+        std::vector<float> got(static_cast<size_t>(p.numel));
+        sharded.read_weight(slot, got);
+        const float* want = loaded.weights.model->params().weight(slot);
+        EXPECT_EQ(got, std::vector<float>(want, want + p.numel)) << p.name << " at N = " << P;
+      }
+    });
+  }
   // Without whole_model (the CLI) no rank gathers the weights at the end: the result keeps this rank's pieces.
   TrainOptions pieces;
   pieces.whole_model = false;
