@@ -774,15 +774,19 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
   int64_t train = 0, frozen = 0, global = 0, global_train = 0;
   int64_t head = 0, head_train = 0, rows = 0, rows_train = 0;  // the streamed parameters'
   std::vector<int64_t> layer(1, 0), layer_train(1, 0);
+  // The head, the one streamed parameter a run reads whole (around the loss): lm_head.weight, or the token table it is
+  // tied to. The other tables are read by row only (E2B's and E4B's per-layer table is 6x their head).
+  const std::string head_name = registry.contains("lm_head.weight") ? "lm_head.weight" : "model.embed_tokens.weight";
   for (size_t i = 0; i < registry.size(); ++i) {
     const ParamInfo& p = registry.info(i);
     (trainable[i] ? train : frozen) += p.numel;
     if (p.streamed) {
-      // The head: the largest streamed parameter read whole (a tied table is both). Every streamed parameter is
-      // counted as a table too, the rows of every rank's micro-batch tokens at most (an untied head is not read by
-      // row: a slight over-count).
-      head = std::max(head, p.numel);
-      if (trainable[i]) head_train = std::max(head_train, p.numel);
+      // Every streamed parameter is counted as a table too, the rows of every rank's micro-batch tokens at most (an
+      // untied head is not read by row: a slight over-count).
+      if (p.name == head_name) {
+        head = p.numel;
+        if (trainable[i]) head_train = p.numel;
+      }
       const int64_t n = std::min(step_tokens, p.shape[0]) * (p.numel / p.shape[0]);
       rows += n;
       if (trainable[i]) rows_train += n;

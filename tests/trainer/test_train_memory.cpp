@@ -255,5 +255,29 @@ TEST(TrainMemory, ShardFullLoadsWeightsNoRankCouldHoldWhole) {
   std::filesystem::remove_all(dir);
 }
 
+// Under shard full the head is the one streamed parameter held whole (around the loss, with its gradient and its
+// reduction's buffers); a per-layer token table is read by row only, however large: E2B's is 6x its head. Here the
+// per-layer table (4096 x 2 layers x 128) is four times the head (4096 x 64) and larger than every other term, and no
+// term holds it whole.
+TEST(TrainMemory, ShardFullHoldsTheHeadWholeNotThePerLayerTable) {
+  const char* with_ple = R"({"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "global_head_dim": 16, "sliding_window": 16,
+    "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": 30.0,
+    "hidden_size_per_layer_input": 128, "vocab_size_per_layer_input": 4096})";
+  const model::Gemma4Model m(model::Gemma4Config::from_json(with_ple), 0, model::TensorSet::Storage::Deferred);
+  const model::ParamStore& ps = m.params();
+  const int64_t ple_table = ps.info(ps.slot("model.embed_tokens_per_layer.weight")).numel * int64_t{sizeof(float)};
+  const int64_t head = ps.info(ps.slot("model.embed_tokens.weight")).numel * int64_t{sizeof(float)};
+  ASSERT_GT(ple_table, head);
+  constexpr int kRanks = 4;
+  constexpr int64_t kStepTokens = 16;
+  const ShardedStore::Bytes b =
+      ShardedStore::bytes_for(ps, std::vector<bool>(ps.size(), true), ShardedStore::Mode::Full, kRanks, kStepTokens);
+  EXPECT_GE(b.gathered, head);
+  EXPECT_LT(b.gathered, ple_table);
+  EXPECT_LT(b.gradients, ple_table);
+  EXPECT_LT(b.comm_buffers, ple_table);
+}
+
 }  // namespace
 }  // namespace rf::trainer
