@@ -2,13 +2,13 @@
 // table), computed, not measured: trainer::train_memory_at_least (what `ringflex train` checks before it allocates)
 // over each model's parameter registry, built from its config.json as shapes only (nothing is allocated).
 //
-//   memory_table CONFIG.json... [--ranks 8,16,32,64] [--tokens 32768,65536,131072]
+//   memory_table CONFIG.json... [--ranks 8,16,32,64] [--tokens 32768,65536,131072] [--breakdown N,S]
 //
 // Each config is a Gemma 4 text config.json (bench/trainer/configs: the shapes of E2B, E4B, 26B-A4B and 31B from
 // transformers' convert_gemma4_weights.py variants). A row of S tokens is split over N = cp ranks (dp 1, one row a
 // step, train.recompute on, float32 compute, every parameter trainable); each cell is the total per rank in GiB for
 // parallelism.shard none | optimizer | gradients | full. After the tables, the breakdown by kind of one cell per model
-// (N = 32, S = 65536). Prints Markdown.
+// (N = 32, S = 65536, or --breakdown's N ranks and S tokens, e.g. a benchmark's own cell). Prints Markdown.
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -26,8 +26,8 @@ namespace {
 using rf::trainer::ShardMode;
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-constexpr int kBreakdownRanks = 32;
-constexpr int kBreakdownTokens = 65536;
+constexpr int kDefaultBreakdownRanks = 32;
+constexpr int kDefaultBreakdownTokens = 65536;
 constexpr double kShownGiB = 0.05;  // the breakdown's smallest term shown: below a rounding of the table's 0.1
 
 std::vector<int> parse_list(const std::string& text) {
@@ -70,16 +70,24 @@ int main(int argc, char** argv) {
   try {
     std::vector<std::string> configs;
     std::vector<int> ranks = {8, 16, 32, 64}, tokens = {32768, 65536, 131072};
+    int breakdown_ranks = kDefaultBreakdownRanks, breakdown_tokens = kDefaultBreakdownTokens;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--ranks" && i + 1 < argc)
+      if (a == "--ranks" && i + 1 < argc) {
         ranks = parse_list(argv[++i]);
-      else if (a == "--tokens" && i + 1 < argc)
+      } else if (a == "--breakdown" && i + 1 < argc) {
+        const std::vector<int> cell = parse_list(argv[++i]);
+        RF_CHECK(cell.size() == 2, "--breakdown takes N,S (ranks and tokens), got ", argv[i]);
+        breakdown_ranks = cell[0];
+        breakdown_tokens = cell[1];
+      } else if (a == "--tokens" && i + 1 < argc) {
         tokens = parse_list(argv[++i]);
-      else
+      } else {
         configs.push_back(a);
+      }
     }
-    RF_CHECK(!configs.empty(), "usage: memory_table CONFIG.json... [--ranks 8,16,32,64] [--tokens 32768,65536,131072]");
+    RF_CHECK(!configs.empty(),
+             "usage: memory_table CONFIG.json... [--ranks 8,16,32,64] [--tokens 32768,65536,131072] [--breakdown N,S]");
     const ShardMode modes[] = {ShardMode::None, ShardMode::Optimizer, ShardMode::Gradients, ShardMode::Full};
     std::vector<std::pair<std::string, rf::MemoryBreakdown>> breakdowns;
     for (const std::string& path : configs) {
@@ -102,12 +110,12 @@ int main(int argc, char** argv) {
       }
       for (ShardMode mode : modes)
         breakdowns.emplace_back(name + ", shard " + std::string(rf::trainer::name_of(mode)),
-                                need(m, kBreakdownRanks, kBreakdownTokens, mode));
+                                need(m, breakdown_ranks, breakdown_tokens, mode));
     }
     std::printf(
         "\nBy kind at N = %d, S = %dK (GiB per rank; terms under %.2f GiB left out):\n\n| model, mode | terms |\n"
         "|---|---|\n",
-        kBreakdownRanks, kBreakdownTokens / 1024, kShownGiB);
+        breakdown_ranks, breakdown_tokens / 1024, kShownGiB);
     for (const auto& [what, b] : breakdowns) {
       std::printf("| %s |", what.c_str());
       for (const rf::MemoryBreakdown::Term& t : b.terms())

@@ -164,7 +164,8 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   }
   if (before_allocating) before_allocating(*ck.model);
   // A store that holds frozen parameters where the files are mapped (a LoRA base) makes no float32 copy of them.
-  if (!params.maps_frozen_weights()) check_memory(params.weight_bytes(), dir + ": the model's float32 parameters");
+  if (!params.maps_frozen_weights())
+    check_memory(params.resident_weight_bytes(), dir + ": the model's float32 parameters held by this rank");
   params.allocate_weights();
   for (size_t slot = 0; slot < from_files; ++slot) {
     const ParamInfo& p = params.info(slot);

@@ -228,8 +228,14 @@ struct Gemma4Model::Run {
         H(model.cfg_.hidden_size),
         eps(static_cast<float>(model.cfg_.rms_norm_eps)) {}
 
-  // A parameter's weights, from the store (between the layer's before_* and after_* hooks).
-  const float* W(size_t s) const { return s == kNoSlot ? nullptr : store.weight(s); }
+  // A parameter's weights, from the store (between the layer's before_* and after_* hooks). Every op of a block fetches
+  // its weights here just before it runs, so this is also where the store's posted transfers advance
+  // (ParamStore::progress: the next layer's gather and the last layer's reduction travel while this layer computes),
+  // without the blocks knowing about communication.
+  const float* W(size_t s) const {
+    store.progress();
+    return s == kNoSlot ? nullptr : store.weight(s);
+  }
   // A parameter's gradient, or nullptr where none is wanted: a run without the backward, or a frozen parameter (the
   // store has no gradient for it), so that backward skips the weight-gradient product and keeps only the input's.
   float* G(size_t s) const { return !opt.want_grad || s == kNoSlot ? nullptr : store.grad(s); }

@@ -27,6 +27,10 @@
 //   before_backward(l)  its recompute and backward are about to run    (FSDP: all-gather it again)
 //   after_backward(l)   its gradients for this micro-batch are final   (FSDP: reduce-scatter them into the owners'
 //                                                                       slices, free the full-size buffer)
+// and, between the ops of a layer (each op fetches its weights through Run::W just before it runs):
+//   progress()          lets what the hooks posted advance without blocking (a posted MPI transfer moves only while
+//                       some call is inside the library, so without it the next layer's gather and the previous
+//                       layer's reduction would wait for the next hook instead of travelling while this layer computes)
 // The replicated store below does nothing in them. Further implementations plug in here, not in gemma4.cpp:
 //   - Sharded (parallelism.shard). ZeRO-1 (optimizer) needs no hook: the moments cover this rank's shard of the
 //     trainable layout only (set_moment_range), the trainer reduce-scatters flat(Grads), AdamW updates that range
@@ -154,6 +158,9 @@ class ParamStore : public Bf16Lookup {
   // so a loader can check what a config claims against its files and the machine's memory before allocating any.
   virtual void allocate_weights() = 0;
   virtual bool weights_allocated() const = 0;
+  // Bytes of float32 weights this rank holds once allocate_weights() ran, what a loader checks against the machine
+  // before allocating: every parameter's here; a sharded store's pieces (trainer/sharded_store.h).
+  virtual int64_t resident_weight_bytes() const { return weight_bytes(); }
   virtual const float* weight(size_t slot) const = 0;
   // For writing the weights: moves version(). Write through it right away (a pointer kept across a bf16 run and
   // written later leaves that run's compute copies stale).
@@ -256,6 +263,9 @@ class ParamStore : public Bf16Lookup {
   virtual void after_forward(int /*layer*/) {}
   virtual void before_backward(int /*layer*/) {}
   virtual void after_backward(int /*layer*/) {}
+  // Between a layer's ops: advances the implementation's posted transfers without blocking. True when none is still
+  // in flight (always here).
+  virtual bool progress() { return true; }
 
  protected:
   void weights_changed() { ++version_; }

@@ -310,9 +310,9 @@ std::string resolve_checkpoint(const std::string& dir_or_root) {
 }
 
 LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating,
-                                       bool train_vision) {
+                                       bool train_vision, std::unique_ptr<model::ParamStore> store) {
   LoadedCheckpoint out;
-  out.weights = model::load_checkpoint(dir, before_allocating, nullptr, train_vision);
+  out.weights = model::load_checkpoint(dir, before_allocating, std::move(store), train_vision);
   out.state = load_train_state(dir);
   return out;
 }

@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -121,9 +122,10 @@ struct LoadedCheckpoint {
 // Loads weights and state; load_optimizer_state puts AdamW's moments into `store` (same parameter names and shapes;
 // allocated there for its trainable parameters, so freeze before): the part inside the store's moment_range(), read
 // from whichever optimizer files hold it.
-// `before_allocating`, `train_vision`: as model::load_checkpoint's.
+// `before_allocating`, `train_vision`, `store`: as model::load_checkpoint's (a sharded store keeps each rank's
+// pieces as the tensors are read: a resume under parallelism.shard full holds no whole copy on any rank).
 LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating = {},
-                                       bool train_vision = false);
+                                       bool train_vision = false, std::unique_ptr<model::ParamStore> store = nullptr);
 void load_optimizer_state(const std::string& dir, model::ParamStore& store);
 // trainer_state.json alone (a LoRA checkpoint's weights are its adapters: model/lora_store.h load_peft_adapter).
 TrainState load_train_state(const std::string& dir);

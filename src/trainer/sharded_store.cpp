@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <utility>
 
 #include "core/error.h"
@@ -124,6 +125,13 @@ void ShardedStore::allocate_weights() {
   own_trainable_.assign(mine_trainable_.size(), 0.f);
   own_frozen_.assign(mine_frozen_.size(), 0.f);
   weights_changed();
+}
+
+// Under full a rank's pieces are its slices of the trainable and of the frozen layout, ceil(n / N) elements each at
+// most: together at most one element over its slice of all the parameters, whichever flags freeze() sets later.
+int64_t ShardedStore::resident_weight_bytes() const {
+  if (mode_ == Mode::Gradients) return weight_bytes();
+  return (model::shard_of(total_elements(), me_, P_).padded + 1) * static_cast<int64_t>(sizeof(float));
 }
 
 void ShardedStore::write_weight(size_t slot, std::span<const float> in) {
@@ -488,11 +496,22 @@ void ShardedStore::before_forward(int layer) {
   acquire(layer);
   if (layer + 1 < layers_ && !live_[static_cast<size_t>(layer + 2)])
     live_[static_cast<size_t>(layer + 2)] = post_gather(group_of(layer + 1), false);
+  // The last layer computes while the head (the previous run's) travels.
+  if (layer + 1 == layers_ && last_head_ != SIZE_MAX && !live_[group_of_slot_[last_head_]])
+    live_[group_of_slot_[last_head_]] = post_gather(groups_[group_of_slot_[last_head_]], false);
 }
 
 void ShardedStore::after_forward(int layer) {
   if (layer == model::kGlobalGroup) tables_.clear();
-  if (sharded() && layer != model::kGlobalGroup) live_[static_cast<size_t>(layer + 1)].reset();
+  if (!sharded()) return;
+  // The last layer stays gathered for its backward, which comes next (after the loss): one gather fewer a step, and
+  // none waiting behind the loss, where no layer computes. A forward-only run ends with kGlobalGroup: no backward
+  // will read it then.
+  if (layer == model::kGlobalGroup) {
+    if (layers_ > 0) live_[static_cast<size_t>(layers_)].reset();
+    return;
+  }
+  if (layer + 1 < layers_) live_[static_cast<size_t>(layer + 1)].reset();
 }
 
 void ShardedStore::before_backward(int layer) {
@@ -531,6 +550,14 @@ void ShardedStore::after_backward(int layer) {
   if (sharded() && layer != model::kGlobalGroup) live_[static_cast<size_t>(layer + 1)].reset();
 }
 
+bool ShardedStore::progress() {
+  bool done = true;
+  for (const std::unique_ptr<Gathered>& g : live_)
+    if (g && g->posted) done = g->posted->progress() && done;
+  if (pending_ && pending_->posted) done = pending_->posted->progress() && done;
+  return done;
+}
+
 float* ShardedStore::own(size_t slot, const Piece& pc) {
   return (info(slot).trainable ? own_trainable_.data() : own_frozen_.data()) + pc.local;
 }
@@ -563,33 +590,40 @@ std::vector<ShardedStore::Span> ShardedStore::spans_outside(size_t slot, const s
 }
 
 template <class SpansOf>
-void ShardedStore::reduce_spans(size_t slot, const float* src, SpansOf spans_of) {
-  std::vector<float> send;
+void ShardedStore::reduce_spans(size_t slot, float* src, SpansOf spans_of) {
+  // Every owner's spans packed to the front of `src`, in rank order: the send buffer, with no copy. The spans of
+  // rank q follow those of q - 1 in `src` (pieces ascend with the rank, the rows of a table with their ids), so an
+  // element moves down, never over one not yet read.
   std::vector<size_t> send_bytes(static_cast<size_t>(P_), 0);
+  size_t packed = 0;
   for (int q = 0; q < P_; ++q) {
-    const size_t before = send.size();
-    for (const Span& sp : spans_of(q)) send.insert(send.end(), src + sp.at, src + sp.at + sp.n);
-    send_bytes[static_cast<size_t>(q)] = (send.size() - before) * sizeof(float);
+    const size_t before = packed;
+    for (const Span& sp : spans_of(q)) {
+      if (packed != static_cast<size_t>(sp.at))
+        std::memmove(src + packed, src + sp.at, static_cast<size_t>(sp.n) * sizeof(float));
+      packed += static_cast<size_t>(sp.n);
+    }
+    send_bytes[static_cast<size_t>(q)] = (packed - before) * sizeof(float);
   }
   const std::vector<Span> mine = spans_of(me_);
   size_t n = 0;
   for (const Span& sp : mine) n += static_cast<size_t>(sp.n);
   std::vector<float> recv;  // [P, n]: every rank's contributions to this rank's spans
-  if (P_ == 1) {
-    recv = std::move(send);
-  } else {
+  const float* in = src;    // P = 1: its own, packed
+  if (P_ > 1) {
     recv.resize(n * static_cast<size_t>(P_));
     const std::vector<size_t> recv_bytes(static_cast<size_t>(P_), n * sizeof(float));
-    comm::PostedPtr c = comm_->post_alltoallv(send.data(), send_bytes, recv.data(), recv_bytes);
+    comm::PostedPtr c = comm_->post_alltoallv(src, send_bytes, recv.data(), recv_bytes);
     wait(*c);
+    in = recv.data();
   }
   const Piece pc = piece(slot, me_);
   float* dst = grads_.data() + pc.local - pc.first;  // element e of the parameter at dst[e]
   size_t i = 0;
   for (const Span& sp : mine) {
     for (int64_t e = sp.elem; e < sp.elem + sp.n; ++e, ++i) {
-      double sum = recv[i];
-      for (int q = 1; q < P_; ++q) sum += recv[static_cast<size_t>(q) * n + i];
+      double sum = in[i];
+      for (int q = 1; q < P_; ++q) sum += in[static_cast<size_t>(q) * n + i];
       dst[e] += static_cast<float>(sum);
     }
   }
@@ -683,10 +717,11 @@ void ShardedStore::acquire_head(size_t slot) {
   RF_CHECK(info(slot).streamed && head_ == SIZE_MAX, "sharded store: acquire_head(", info(slot).name,
            ") of a parameter that is not streamed, or while another head is acquired");
   head_ = slot;
+  last_head_ = slot;
   if (!sharded()) return;
   std::unique_ptr<Gathered>& g = live_[group_of_slot_[slot]];
-  g = post_gather(groups_[group_of_slot_[slot]], false);
-  finish_gather(*g);
+  if (!g) g = post_gather(groups_[group_of_slot_[slot]], false);  // not posted during the last layer
+  if (g->posted || !g->staging.empty()) finish_gather(*g);
 }
 
 // The head's gradient to its owners. Tied to a token table whose rows this run reads with gradients, the rows of
@@ -739,15 +774,19 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
   int64_t train = 0, frozen = 0, global = 0, global_train = 0;
   int64_t head = 0, head_train = 0, rows = 0, rows_train = 0;  // the streamed parameters'
   std::vector<int64_t> layer(1, 0), layer_train(1, 0);
+  // The head, the one streamed parameter a run reads whole (around the loss): lm_head.weight, or the token table it is
+  // tied to. The other tables are read by row only (E2B's and E4B's per-layer table is 6x their head).
+  const std::string head_name = registry.contains("lm_head.weight") ? "lm_head.weight" : "model.embed_tokens.weight";
   for (size_t i = 0; i < registry.size(); ++i) {
     const ParamInfo& p = registry.info(i);
     (trainable[i] ? train : frozen) += p.numel;
     if (p.streamed) {
-      // The head: the largest streamed parameter read whole (a tied table is both). Every streamed parameter is
-      // counted as a table too, the rows of every rank's micro-batch tokens at most (an untied head is not read by
-      // row: a slight over-count).
-      head = std::max(head, p.numel);
-      if (trainable[i]) head_train = std::max(head_train, p.numel);
+      // Every streamed parameter is counted as a table too, the rows of every rank's micro-batch tokens at most (an
+      // untied head is not read by row: a slight over-count).
+      if (p.name == head_name) {
+        head = p.numel;
+        if (trainable[i]) head_train = p.numel;
+      }
       const int64_t n = std::min(step_tokens, p.shape[0]) * (p.numel / p.shape[0]);
       rows += n;
       if (trainable[i]) rows_train += n;
@@ -773,8 +812,9 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
   constexpr int kMoments = 2;         // exp_avg, exp_avg_sq
   if (mode == Mode::Full) {
     b.weight_shard = (slice + model::shard_of(frozen, 0, ranks).padded) * kF;
-    // The head is gathered around the loss alone, when no layer is; the tables' rows for the whole run.
-    b.gathered = (global + std::max(kLayersGathered * largest, head) + rows) * kF;
+    // The head is gathered around the loss beside the last layer alone (which stays gathered from its forward to
+    // its backward); the tables' rows for the whole run.
+    b.gathered = (global + std::max(kLayersGathered * largest, head + largest) + rows) * kF;
     // Staging of the gathers in flight; each staging is freed once it is put in place.
     b.comm_buffers = std::max(kLayersGathered * largest, head) * kF;
   } else {
@@ -785,11 +825,11 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
   b.gradients = (slice + global_train + std::max(largest_train, head_train) + rows_train) * kF;
   b.moments = kMoments * slice * kF;
   // One reduction in flight and the one being posted: a send copy of a layer's gradients and P slices received; or
-  // the head's: its send copy and the N contributions to this rank's piece of it.
+  // the head's: the N contributions to this rank's piece of it (its send buffer is the gradient, packed in place).
   constexpr int kReductions = 2;
   const int64_t layer_reductions =
       kReductions * (largest_train + ranks * model::shard_of(largest_train, 0, ranks).padded);
-  const int64_t head_reduction = head_train + ranks * model::shard_of(head_train, 0, ranks).padded;
+  const int64_t head_reduction = ranks * model::shard_of(head_train, 0, ranks).padded;
   b.comm_buffers += std::max(layer_reductions, head_reduction) * kF;
   return b;
 }

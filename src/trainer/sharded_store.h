@@ -8,8 +8,9 @@
 //
 // full: a rank holds float32 masters of its pieces only [own slices], gradients of its trainable slice, AdamW's
 // moments of it. A decoder layer's weights are all-gathered (the pieces of every rank) into a layer buffer just
-// before its forward and again before its recompute + backward, and freed after each; the next layer's gather is
-// posted while this one computes. The global group's small parameters (final norm, projections, the per-layer
+// before its forward and again before its recompute + backward, and freed after each (the last layer, whose backward
+// follows its forward, stays gathered between them); the next layer's gather is posted while this one computes, and
+// progresses between its ops (progress()). The global group's small parameters (final norm, projections, the per-layer
 // projection norm: read at a run's start and end) stay gathered for the run, with a gradient buffer of their size,
 // and are gathered again after each update. Its streamed parameters (ParamInfo::streamed: the token tables and the
 // head) never are, in either mode:
@@ -72,13 +73,16 @@ class ShardedStore : public model::ReplicatedStore {
   void after_update();
   // Seconds this rank waited on the store's collectives since the last call: the exposed communication.
   double take_exposed_seconds();
+  // The bytes the store's own communicator moved so far (tests: what its posted collectives delivered).
+  comm::Communicator::Traffic traffic() const { return comm_->traffic(); }
 
   // The bytes one rank holds for a store of this registry over `ranks` ranks, by kind (the memory check's terms), at
   // most `step_tokens` distinct tokens in all ranks' micro-batches together (the tables' rows).
   struct Bytes {
     int64_t weight_shard = 0;  // full: the float32 masters of the rank's pieces; gradients: every weight
     int64_t gathered = 0;      // full: the global group's small parameters, plus two layers (the current one and the
-                               // next, posted) or the head (around the loss); the tables' rows (both modes)
+                               // next, posted) or the head and the last layer (around the loss); the tables' rows
+                               // (both modes)
     int64_t gradients = 0;     // the rank's slice, the global group's small buffer, one layer's buffer or the head's,
                                // the tables' gradient rows
     int64_t moments = 0;       // AdamW's two moments of the slice
@@ -93,6 +97,8 @@ class ShardedStore : public model::ReplicatedStore {
   // --- ParamStore ---
   void allocate_weights() override;
   bool weights_allocated() const override { return sharded() || ReplicatedStore::weights_allocated(); }
+  // full: this rank's pieces; gradients: every weight.
+  int64_t resident_weight_bytes() const override;
   void write_weight(size_t slot, std::span<const float> in) override;
   const float* weight(size_t slot) const override;
   float* mutable_weight(size_t slot) override;
@@ -118,6 +124,9 @@ class ShardedStore : public model::ReplicatedStore {
   void after_forward(int layer) override;
   void before_backward(int layer) override;
   void after_backward(int layer) override;
+  // Advances the gathers posted ahead and the last layer's reduction (one test of their transfers each, which also
+  // posts their next rounds); true when none is in flight.
+  bool progress() override;
 
  protected:
   void release_training_state() override;
@@ -143,8 +152,9 @@ class ShardedStore : public model::ReplicatedStore {
   float* own(size_t slot, const Piece& pc);
   // Sends each owner q the spans spans_of(q) of `src` and adds the N contributions this rank receives for its own
   // spans (spans_of(me_)), summed in rank order in double and rounded once, into its gradient slice (collective).
+  // `src` is packed in place for the send: its values are gone after.
   template <class SpansOf>
-  void reduce_spans(size_t slot, const float* src, SpansOf spans_of);
+  void reduce_spans(size_t slot, float* src, SpansOf spans_of);
   std::vector<int32_t> all_ranks_ids(std::span<const int32_t> ids);  // the sorted union of every rank's ids
   void lay_out();  // the groups, the frozen layout and this rank's slices, from the registry and its flags
   Group& group_of(int layer);
@@ -182,7 +192,8 @@ class ShardedStore : public model::ReplicatedStore {
   std::unique_ptr<Reduction> pending_;          // the last layer's reduction, in flight
   std::vector<std::unique_ptr<Table>> tables_;  // the run's token tables' rows (rows()), until its global group ends
   size_t head_ = SIZE_MAX;                      // the slot between acquire_head and release_head
-  std::vector<float> head_grads_;               // [its numel] the head's gradient there, made by grad(head_)
+  size_t last_head_ = SIZE_MAX;    // the last run's head: its gather is posted during the last layer's forward
+  std::vector<float> head_grads_;  // [its numel] the head's gradient there, made by grad(head_)
   double exposed_seconds_ = 0.0;
 };
 

@@ -376,23 +376,6 @@ std::unique_ptr<ShardedStore> sharded_store(Run& r) {
                                         r.timeout, r.cfg.model.freeze);
 }
 
-// shard gradients / full, resuming: the model again over a ShardedStore that takes the loaded (frozen already)
-// weights, its buffers copied. The loaded whole copy is dropped when this returns (a resume still loads one whole
-// copy per rank; a fresh run loads straight into the pieces).
-void shard_model(Run& r) {
-  const model::Gemma4Multimodal& whole = *r.ck.model;
-  std::unique_ptr<ShardedStore> store = sharded_store(r);
-  ShardedStore& sharded = *store;
-  auto model = std::make_unique<model::Gemma4Multimodal>(whole.config(), whole.parts(),
-                                                         model::TensorSet::Storage::Deferred, std::move(store));
-  RF_CHECK(model->buffers().size() == whole.buffers().size(), "shard: the model's buffers differ from the loaded");
-  for (size_t i = 0; i < whole.buffers().size(); ++i) model->buffers()[i].data = whole.buffers()[i].data;
-  model->kept() = whole.kept();
-  sharded.adopt(whole.params());
-  r.ck.model = std::move(model);
-  r.sharded = &sharded;
-}
-
 // parallelism.ep against the model: its MoE layers' experts must divide over the EP ranks.
 void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config& mc) {
   const int ep = cfg.parallelism.ep;
@@ -462,7 +445,9 @@ void set_up(Run& r) {
       load_base();
       model::load_peft_adapter(dynamic_cast<model::LoraStore&>(r.ck.model->params()), r.resume_dir);
     } else {
-      LoadedCheckpoint loaded = load_train_checkpoint(r.resume_dir, check_fits, cfg.model.train_vision);
+      // shard gradients / full: straight into a sharded store, each rank keeping its pieces as the tensors are read.
+      LoadedCheckpoint loaded = load_train_checkpoint(r.resume_dir, check_fits, cfg.model.train_vision,
+                                                      r.store_shards ? sharded_store(r) : nullptr);
       check_resume_compatible(cfg, loaded.state.config_yaml, r.resume_dir);
       r.ck = std::move(loaded.weights);
       r.state = std::move(loaded.state);
@@ -500,7 +485,7 @@ void set_up(Run& r) {
   r.ck.model->params().freeze(cfg.model.freeze);
   if (r.store_shards) {
     r.sharded = dynamic_cast<ShardedStore*>(&r.ck.model->params());
-    if (r.sharded == nullptr) shard_model(r);  // resumed into a replicated store
+    RF_CHECK(r.sharded != nullptr, "shard: the model was loaded into a replicated store");
   }
   model::ParamStore& store = r.ck.model->params();
   if (r.shard_optimizer) {

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -628,7 +629,8 @@ TEST(ShardFull, PerLayerEmbeddingsAndKvSharingGiveShardNoneBits) {
 // Under shard full no rank holds the global group whole: after the run's global hook a rank holds its pieces and the
 // global group's small parameters (the final norm, the per-layer projection and its norm) gathered, never a token
 // table; rows() gives each rank the rows of its ids (every rank's, since the union is fetched) with the whole
-// table's values, the head is whole between acquire_head and release_head only, and read outside them it is refused.
+// table's values, the head is whole between acquire_head and release_head only (beside the last layer, which stays
+// gathered from its forward to its backward, until a forward-only run ends), and read outside them it is refused.
 // At N = 1 to 4, the head tied to the token table and not.
 TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
   for (bool tied : {true, false}) {
@@ -636,10 +638,12 @@ TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
     model::Gemma4Model whole(cfg, model::TensorSet::Storage::Allocated);
     whole.init_random(5, 0.1f);
     const model::ParamStore& w = whole.params();
-    int64_t small_global = 0, weights = 0;  // elements: the global group's unstreamed parameters; all of them
+    // Elements: the global group's unstreamed parameters; all of them; the last layer's.
+    int64_t small_global = 0, weights = 0, last_layer = 0;
     for (const model::ParamInfo& p : w.infos()) {
       weights += p.numel;
       if (p.layer == model::kGlobalGroup && !p.streamed) small_global += p.numel;
+      if (p.layer == cfg.num_layers - 1) last_layer += p.numel;
     }
     const size_t embed = w.slot("model.embed_tokens.weight"), ple = w.slot("model.embed_tokens_per_layer.weight");
     const size_t head = tied ? embed : w.slot("lm_head.weight");
@@ -684,7 +688,7 @@ TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
         EXPECT_EQ(std::vector<float>(hw, hw + w.info(head).numel),
                   std::vector<float>(w.weight(head), w.weight(head) + w.info(head).numel))
             << at;
-        EXPECT_EQ(sharded.held().gathered, (small_global + table_rows + w.info(head).numel) * kF) << at;
+        EXPECT_EQ(sharded.held().gathered, (small_global + table_rows + last_layer + w.info(head).numel) * kF) << at;
         sharded.release_head(head);
         sharded.after_forward(model::kGlobalGroup);
         EXPECT_EQ(sharded.held().gathered, small_global * kF) << at;
@@ -729,6 +733,26 @@ TEST(ShardFull, CheckpointsHoldWholeTensorsAndResumeAcrossModesAndRankCounts) {
   expect_same_losses(tail, run(config({"parallelism.dp=2", "parallelism.shard=optimizer"}, out), resume), "N = 2");
   expect_same_losses(tail, run(config({"parallelism.shard=none"}, out), resume), "N = 1");
   expect_same_losses(tail, run(config({"parallelism.dp=4", "parallelism.shard=full"}, out), resume), "N = 4, dp");
+  // The resume's load (load_train_checkpoint into a sharded store): each rank keeps its pieces as the tensors are
+  // read, no rank holding the weights whole, and they are the checkpoint's tensors.
+  const LoadedCheckpoint loaded = load_train_checkpoint(resume.resume);
+  for (int P = 2; P <= 3; ++P) {
+    comm::run_ranks(P, [&](comm::Communicator& world) {
+      LoadedCheckpoint pieces =
+          load_train_checkpoint(resume.resume, {}, false,
+                                std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
+                                                               comm::default_timeout()));
+      auto& sharded = dynamic_cast<ShardedStore&>(pieces.weights.model->params());
+      EXPECT_TRUE(sharded.sharded() && sharded.flat(model::Role::Weights).empty()) << "N = " << P;
+      for (size_t slot = 0; slot < sharded.size(); ++slot) {
+        const model::ParamInfo& p = sharded.info(slot);
+        std::vector<float> got(static_cast<size_t>(p.numel));
+        sharded.read_weight(slot, got);
+        const float* want = loaded.weights.model->params().weight(slot);
+        EXPECT_EQ(got, std::vector<float>(want, want + p.numel)) << p.name << " at N = " << P;
+      }
+    });
+  }
   // Without whole_model (the CLI) no rank gathers the weights at the end: the result keeps this rank's pieces.
   TrainOptions pieces;
   pieces.whole_model = false;
@@ -762,6 +786,107 @@ TEST(ShardFull, ReadWeightGathersWholeTensorsFromTheirPieces) {
         sharded.read_weight(slot, out);
         const float* want = whole.params().weight(slot);
         EXPECT_EQ(out, std::vector<float>(want, want + p.numel)) << p.name << " at N = " << P;
+      }
+    });
+  }
+}
+
+// Overlap: the store's posted collectives complete through ParamStore::progress alone (what a run calls between a
+// layer's ops), with no wait: the next layer's all-gather that before_forward posts, and a layer's gradient
+// reduction that after_backward posts, have delivered every byte they receive (the loopback backend counts a
+// message when it is taken into its buffer, which only a test or a wait of its request does) by the time progress()
+// says so. What they deliver is the blocking path's: the layer's whole weights bit for bit, and in each owner's
+// slice every element's contributions summed in rank order in double, rounded once. At N = 2 and 3. The layers are
+// widened so that a gather takes several rounds of chunks, each posted by a progress call.
+TEST(ShardFull, PostedCollectivesCompleteThroughProgressAlone) {
+  nlohmann::json j = nlohmann::json::parse(model::builtin_config_json("tiny_dense"));
+  // A layer of ~3.1M floats: a rank's part of its gather is 3 to 4 rounds of the collective's chunks at N = 2 and 3.
+  constexpr int kWideIntermediate = 16384;
+  j["text_config"]["intermediate_size"] = kWideIntermediate;
+  const model::Gemma4Config cfg = model::Gemma4Config::from_json(j.dump(), "widened tiny_dense");
+  model::Gemma4Model whole(cfg, model::TensorSet::Storage::Allocated);
+  whole.init_random(11, 0.1f);
+  const int last = cfg.num_layers - 1;
+  // Rank q's gradient of element e of slot k: distinct per rank and element, so a wrong order or owner shows.
+  const auto contribution = [](int q, size_t k, int64_t e) {
+    return 0.25f * static_cast<float>(q + 1) + 1e-3f * static_cast<float>(k) + 1e-7f * static_cast<float>(e);
+  };
+  for (int P = 2; P <= 3; ++P) {
+    comm::run_ranks(P, [&](comm::Communicator& world) {
+      auto store = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
+                                                  comm::default_timeout());
+      ShardedStore& s = *store;
+      const model::Gemma4Model m(cfg, model::TensorSet::Storage::Deferred, std::move(store));
+      s.adopt(whole.params());
+      s.allocate_grads();
+      // Spins progress() as a computing layer would call it; the deadline only keeps a broken overlap from hanging.
+      const auto progress_until_done = [&](const std::string& what) {
+        const auto deadline = std::chrono::steady_clock::now() + comm::default_timeout();
+        while (!s.progress()) {
+          std::this_thread::yield();
+          ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "progress() never completed " << what;
+        }
+      };
+
+      // The bytes a posted collective receives: the other ranks' pieces of a group (gather), or their contributions
+      // to this rank's pieces of it (reduction).
+      const auto others_pieces = [&](int layer) {
+        uint64_t bytes = 0;
+        for (size_t slot : s.group(layer)) {
+          int64_t first = 0;
+          const int64_t mine = static_cast<int64_t>(s.own_piece(slot, &first).size());
+          bytes += static_cast<uint64_t>(s.info(slot).numel - mine) * sizeof(float);
+        }
+        return bytes;
+      };
+      const auto own_trainable_pieces = [&](int layer) {
+        uint64_t bytes = 0;
+        for (size_t slot : s.group(layer)) {
+          int64_t first = 0;
+          if (s.info(slot).trainable) bytes += s.own_piece(slot, &first).size() * sizeof(float);
+        }
+        return bytes;
+      };
+
+      s.before_forward(model::kGlobalGroup);  // posts layer 0's gather
+      const uint64_t before_gather = s.traffic().bytes_received;
+      progress_until_done("layer 0's gather");
+      EXPECT_EQ(s.traffic().bytes_received - before_gather, others_pieces(0)) << "N = " << P;
+      s.before_forward(0);
+      for (size_t slot : s.group(0)) {
+        const int64_t n = s.info(slot).numel;
+        const float* want = whole.params().weight(slot);
+        ASSERT_EQ(std::vector<float>(s.weight(slot), s.weight(slot) + n), std::vector<float>(want, want + n))
+            << s.info(slot).name << " at N = " << P;
+      }
+      s.after_forward(0);
+      progress_until_done("layer 1's gather");  // posted by before_forward(0); not read here
+
+      s.before_backward(last);
+      for (size_t slot : s.group(last)) {
+        float* g = s.grad(slot);
+        for (int64_t e = 0; e < s.info(slot).numel; ++e) g[e] = contribution(world.rank(), slot, e);
+      }
+      s.after_backward(last);  // posts the last layer's reduction (and layer last - 1's gather was posted before it)
+      const uint64_t before_reduce = s.traffic().bytes_received;
+      progress_until_done("the last layer's reduction");
+      EXPECT_EQ(s.traffic().bytes_received - before_reduce,
+                static_cast<uint64_t>(P - 1) * own_trainable_pieces(last) + others_pieces(last - 1))
+          << "N = " << P;
+      s.before_backward(last - 1);
+      s.after_backward(last - 1);  // finishes the last layer's reduction into the slice (and posts its own: zeros)
+      s.after_backward(model::kGlobalGroup);
+      const std::span<const float> slice = s.flat(model::Role::Grads);
+      const int64_t begin = s.grads_begin();
+      for (const model::ParamStore::Segment& seg :
+           s.trainable_segments(begin, begin + static_cast<int64_t>(slice.size()))) {
+        for (int64_t e = seg.first; e < seg.first + seg.n; ++e) {
+          double sum = 0.0;
+          if (s.info(seg.slot).layer == last)
+            for (int q = 0; q < P; ++q) sum += contribution(q, seg.slot, e);
+          ASSERT_EQ(slice[static_cast<size_t>(seg.train_index + e - seg.first - begin)], static_cast<float>(sum))
+              << s.info(seg.slot).name << " element " << e << " at N = " << P;
+        }
       }
     });
   }

@@ -13,9 +13,11 @@
 #include "comm/loopback_comm.h"
 #include "common/memory_limit.h"
 #include "model/builtin_configs.h"
+#include "model/checkpoint.h"
 #include "model/lora_store.h"
 #include "model/memory.h"
 #include "trainer/error_of.h"
+#include "trainer/sharded_store.h"
 #include "trainer/trainer.h"
 
 namespace rf::trainer {
@@ -231,6 +233,60 @@ TEST(TrainMemory, ResumingBeyondTheLimitStopsBeforeLoadingTheWeights) {
   // The whole run's figure, not the loader's own check of the weights alone.
   EXPECT_EQ(error.rfind("train needs at least ", 0), 0u) << error;
   std::filesystem::remove_all(dir);
+}
+
+// Under shard full a rank holds its pieces of the weights only, so the loader checks those against the machine, not
+// the whole float32 model no rank holds (which would refuse every real Gemma 4 at any N): weights beyond one rank
+// load over 4 ranks, each holding about a quarter, while a replicated store refuses them with the figure before
+// allocating.
+TEST(TrainMemory, ShardFullLoadsWeightsNoRankCouldHoldWhole) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("rf_train_memory_shard_full_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const char* text_only = R"({"vocab_size": 512, "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 16,
+    "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": 30.0,
+    "hidden_size_per_layer_input": 0})";
+  model::Checkpoint ck;
+  ck.model = std::make_unique<model::Gemma4Multimodal>(model::Gemma4Config::from_json(text_only));
+  ck.model->init_random(3, 0.1f);
+  model::save_checkpoint(ck, dir.string());
+  constexpr int kRanks = 4;
+  // Half the whole weights a rank: a quarter of them (and a rank's padding) fits, all of them do not.
+  const ScopedLimit limit(std::to_string(ck.model->params().weight_bytes() / 2).c_str());
+  const std::string whole = error_of([&] { model::load_checkpoint(dir.string()); });
+  EXPECT_NE(whole.find("the model's float32 parameters held by this rank"), std::string::npos) << whole;
+  comm::run_ranks(kRanks, [&](comm::Communicator& world) {
+    auto store =
+        std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full, comm::default_timeout());
+    const model::Checkpoint sharded = model::load_checkpoint(dir.string(), {}, std::move(store));
+    EXPECT_TRUE(sharded.model->params().weights_allocated());
+  });
+  std::filesystem::remove_all(dir);
+}
+
+// Under shard full the head is the one streamed parameter held whole (around the loss, with its gradient and its
+// reduction's buffers); a per-layer token table is read by row only, however large: E2B's is 6x its head. Here the
+// per-layer table (4096 x 2 layers x 128) is four times the head (4096 x 64) and larger than every other term, and no
+// term holds it whole.
+TEST(TrainMemory, ShardFullHoldsTheHeadWholeNotThePerLayerTable) {
+  const char* with_ple = R"({"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "global_head_dim": 16, "sliding_window": 16,
+    "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": 30.0,
+    "hidden_size_per_layer_input": 128, "vocab_size_per_layer_input": 4096})";
+  const model::Gemma4Model m(model::Gemma4Config::from_json(with_ple), model::TensorSet::Storage::Deferred);
+  const model::ParamStore& ps = m.params();
+  const int64_t ple_table = ps.info(ps.slot("model.embed_tokens_per_layer.weight")).numel * int64_t{sizeof(float)};
+  const int64_t head = ps.info(ps.slot("model.embed_tokens.weight")).numel * int64_t{sizeof(float)};
+  ASSERT_GT(ple_table, head);
+  constexpr int kRanks = 4;
+  constexpr int64_t kStepTokens = 16;
+  const ShardedStore::Bytes b =
+      ShardedStore::bytes_for(ps, std::vector<bool>(ps.size(), true), ShardedStore::Mode::Full, kRanks, kStepTokens);
+  EXPECT_GE(b.gathered, head);
+  EXPECT_LT(b.gathered, ple_table);
+  EXPECT_LT(b.gradients, ple_table);
+  EXPECT_LT(b.comm_buffers, ple_table);
 }
 
 }  // namespace
