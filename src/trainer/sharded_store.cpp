@@ -755,11 +755,13 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
     const ParamInfo& p = registry.info(i);
     (trainable[i] ? train : frozen) += p.numel;
     if (p.streamed) {
-      // The head: the largest streamed parameter read whole (a tied table is both). Every streamed parameter is
-      // counted as a table too, the rows of every rank's micro-batch tokens at most (an untied head is not read by
-      // row: a slight over-count).
-      head = std::max(head, p.numel);
-      if (trainable[i]) head_train = std::max(head_train, p.numel);
+      // The head: the streamed matmul operand (a tied token table is one; the tables read only by row are not).
+      // Every streamed parameter is counted as a table too, the rows of every rank's micro-batch tokens at most (an
+      // untied head is not read by row: a slight over-count).
+      if (p.matmul) {
+        head = std::max(head, p.numel);
+        if (trainable[i]) head_train = std::max(head_train, p.numel);
+      }
       const int64_t n = std::min(step_tokens, p.shape[0]) * (p.numel / p.shape[0]);
       rows += n;
       if (trainable[i]) rows_train += n;
