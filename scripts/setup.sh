@@ -2,21 +2,26 @@
 # Installs what ringflex needs on a fresh Debian 12 machine. `--test` also installs the Python tools that only
 # the test suite uses (PyTorch and transformers as oracles; the library and CLI never need Python) into a
 # virtual environment inside the repo, `.venv/` (ignored by git), where CMake finds it (RINGFLEX_PYTHON).
+# `--oracles-only` installs only those, where a plain `scripts/setup.sh` has installed the system packages
+# (python3-venv among them): `.ci/run` runs it beside the sanitizer pass, which needs no Python, since the
+# install is mostly a wait on the network.
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO=sudo
-$SUDO apt-get update -qq
-# ocl-icd-opencl-dev: Debian builds oneDNN with its OpenCL GPU runtime, and its CMake package config
-# (dnnl-config.cmake) requires OpenCL's headers and libOpenCL.so, which libdnnl-dev only recommends; with
-# --no-install-recommends, find_package(dnnl) fails without it. Nothing here runs OpenCL.
-$SUDO apt-get install -y -qq --no-install-recommends \
-  g++ cmake make git python3 python3-pip python3-venv \
-  openmpi-bin libopenmpi-dev libopenblas-dev libdnnl-dev ocl-icd-opencl-dev \
-  libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libsentencepiece-dev \
-  libpng-dev libjpeg-dev \
-  clang-format >/dev/null
-if [ "${1:-}" = "--test" ]; then
+if [ "${1:-}" != "--oracles-only" ]; then
+  $SUDO apt-get update -qq
+  # ocl-icd-opencl-dev: Debian builds oneDNN with its OpenCL GPU runtime, and its CMake package config
+  # (dnnl-config.cmake) requires OpenCL's headers and libOpenCL.so, which libdnnl-dev only recommends; with
+  # --no-install-recommends, find_package(dnnl) fails without it. Nothing here runs OpenCL.
+  $SUDO apt-get install -y -qq --no-install-recommends \
+    g++ cmake make git python3 python3-pip python3-venv \
+    openmpi-bin libopenmpi-dev libopenblas-dev libdnnl-dev ocl-icd-opencl-dev \
+    libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libsentencepiece-dev \
+    libpng-dev libjpeg-dev \
+    clang-format >/dev/null
+fi
+if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--oracles-only" ]; then
   # Test-only Python oracles, in a venv rather than the system interpreter: Debian 12's python3 refuses
   # `pip install` outside one (PEP 668), and the pins below must not fight the system's packages. Any failure
   # stops the script with pip's own error (no `|| true`): a missing oracle must never turn a test into a skip.

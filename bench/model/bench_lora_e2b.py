@@ -1,102 +1,473 @@
 #!/usr/bin/env python3
-"""LoRA fine-tuning of Gemma 4 E2B at its real shape (issue 23's target): a few steps at CP = 2 with rows of 8192 tokens.
+"""LoRA fine-tuning of Gemma 4 E2B at its real shape (issue 23's target), beside PyTorch + peft: one command.
 
-  1. Writes Gemma 4 E2B as transformers configures it (35 layers, hidden 1536, per-layer embeddings 256 wide, KV
-     sharing over the last 20 layers, double-wide MLPs there, vocabulary 262144) with random bf16 weights
-     (Gemma4ForCausalLM built in bf16 and saved by save_pretrained: ~9.3 GB of safetensors) into WORKDIR/e2b, and rows
-     of random token ids into WORKDIR/rows.jsonl. Both are kept between runs (delete WORKDIR to rebuild them).
-  2. Runs `mpirun -n 2 ringflex train` on examples/gemma4_e2b_lora.yaml over them for --steps steps and prints each
-     step's loss, tokens/s and the peak RSS of the ranks (the metrics file's peak_rss_bytes: the larger rank's; the
-     mapped base's pages count in each rank's RSS, though the page cache holds them once).
+  1. Model. If WORKDIR/e2b has no config.json, writes Gemma 4 E2B as transformers configures it (35 layers, hidden
+     1536, per-layer embeddings 256 wide, KV sharing over the last 20 layers, double-wide MLPs there, vocabulary
+     262144; 4.63 B parameters of the text model, 8.6 GiB) with random bf16 weights: Gemma4ForCausalLM is built on
+     the meta device, then each module in turn is made real in bf16 on the CPU, initialised by transformers' own
+     _init_weights, written into safetensors shards (model-0000k-of-0000n.safetensors + the index, as
+     save_pretrained lays them out) and dropped again. Never a float32 copy, and never more than one module's
+     tensors at a time (the largest, the per-layer embedding table, is 4.7 GB). Rows of random token ids beside it.
+  2. ringflex. `mpirun -n 2 ringflex train` on examples/gemma4_e2b_lora.yaml (rank 16 on q/k/v/o and gate/up/down,
+     CP = 2) over rows of --seq-len tokens (8192) for --steps steps (3), one row a step. Its progress lines pass
+     through; every --report-every seconds a line with the ranks' memory. Then each step's loss and tokens/s, each
+     rank's peak RSS (VmHWM: the mapped base's pages count in each rank's), and the machine's peak with the base
+     counted once: the largest sum over the ranks of their PSS (proportional set size: a page mapped by both ranks
+     counts half in each), sampled every --sample-s seconds, beside the issue's target (base bytes + 30% +
+     activations).
+  3. PyTorch + peft on the same model and rows: Gemma4ForCausalLM.from_pretrained in bf16 with SDPA attention, the
+     same LoRA (peft), one AdamW step under bf16 autocast, in a child process with --torch-timeout seconds. A child
+     whose private memory (RssAnon: the file pages a load maps are the page cache's, reclaimable) passes
+     --torch-mem-gib (default: what this machine had available when it started, less 1 GiB) is stopped, as is one
+     the kernel kills: then the row is halved and tried again, down to --torch-min-len; the
+     report names the longest row that ran and the shortest that ran out of memory.
+  4. The longest row a ringflex step fits in on this machine by the memory model (bench/model/lora_longest_row: the
+     figure `ringflex train` checks before it allocates), and with --verify-longest one step at that length, with
+     the same measurements as 2.
 
-Run it alone on the machine (it needs most of its 24 GiB, and its timings mean nothing beside other work):
+Run it alone on the machine (it needs most of its 24 GiB; timings beside other work mean nothing):
 
-    python3 bench/model/bench_lora_e2b.py --ringflex build/src/cli/ringflex --workdir /work/tmp/e2b_lora
+    python3 bench/model/bench_lora_e2b.py --ringflex build/src/cli/ringflex \\
+        --longest-row build/bench/model/lora_longest_row --workdir /work/tmp/e2b_lora --verify-longest
 
---tiny makes the same structure at a toy size (4 layers, hidden 64, vocabulary 512, rows of 64 tokens) to check the
-script itself in seconds. Not in CTest: it writes ~10 GB and runs for many minutes.
+--tiny builds the same structure at a toy size (4 layers, hidden 256, vocabulary 4096, rows of 512 tokens) to check
+the driver end to end in a minute. Not in CTest: at the real shape it writes 8.6 GiB and runs for about 1.5 h
+(BENCHMARKS.md).
 """
 import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 REAL = dict(vocab_size=262144, hidden_size=1536, num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1,
             intermediate_size=6144, use_double_wide_mlp=True, hidden_size_per_layer_input=256,
             num_kv_shared_layers=20, layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
             final_logit_softcapping=30.0)
-TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
-            head_dim=16, global_head_dim=32, intermediate_size=128, use_double_wide_mlp=True,
-            hidden_size_per_layer_input=16, vocab_size_per_layer_input=512, num_kv_shared_layers=2,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-            sliding_window=16, final_logit_softcapping=30.0)
+# Four layers: KV sharing needs each shared layer's type among the layers before the shared ones.
+TINY = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=64, global_head_dim=128, intermediate_size=512, use_double_wide_mlp=True,
+            hidden_size_per_layer_input=64, vocab_size_per_layer_input=4096, num_kv_shared_layers=2,
+            layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=128, final_logit_softcapping=30.0)
+TINY_SEQ_LEN = 512
+# examples/gemma4_e2b_lora.yaml's adapters, which the PyTorch side copies.
+LORA_RANK, LORA_ALPHA = 16, 32
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MAX_SHARD_BYTES = 2 * 2**30  # transformers' shards are a few GB; a tensor larger than this has a file of its own
+GiB = 2**30
+ST_DTYPES = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32", "torch.int64": "I64",
+             "torch.int32": "I32", "torch.bool": "BOOL"}
 
 
-def make_model(path, fields):
+def log(msg):
+    print(f"[bench_lora_e2b {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --- 1. The model and the rows ---
+
+def write_model(path, fields):
+    """Random bf16 weights at `fields`' shape, module by module (see the top of this file)."""
     import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-    if os.path.exists(os.path.join(path, "config.json")):
-        return
     cfg = Gemma4TextConfig(**fields)
+    cfg.architectures = ["Gemma4ForCausalLM"]
+    cfg.dtype = "bfloat16"
     torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16: never a float32 copy of the 5 B parameters
-    model = Gemma4ForCausalLM(cfg)
-    n = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(path, safe_serialization=True)
-    print(f"wrote {path}: {n / 1e9:.2f} B parameters in bf16", flush=True)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = Gemma4ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    # What save_pretrained writes: the state dict less the head tied to the embedding.
+    names = [n for n in model.state_dict() if not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    modules = dict(model.named_modules())
+    groups = {}  # module name -> its tensors' names, in state-dict order
+    for n in names:
+        groups.setdefault(n.rpartition(".")[0], []).append(n)
+    meta = model.state_dict()
+    nbytes = {n: meta[n].numel() * meta[n].element_size() for n in names}
+    shards, size = [[]], 0
+    for mod, tensors in groups.items():
+        b = sum(nbytes[n] for n in tensors)
+        if shards[-1] and size + b > MAX_SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(mod)
+        size += b
+    os.makedirs(path, exist_ok=True)
+    weight_map, total = {}, 0
+    for k, shard in enumerate(shards):
+        file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for mod in shard:
+            for n in groups[mod]:
+                t = meta[n]
+                header[n] = {"dtype": ST_DTYPES[str(t.dtype)], "shape": list(t.shape),
+                             "data_offsets": [offset, offset + nbytes[n]]}
+                offset += nbytes[n]
+                weight_map[n] = file
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-aligned, as safetensors writes it
+        with open(os.path.join(path, file + ".tmp"), "wb") as f:
+            f.write(len(text).to_bytes(8, "little") + text)
+            for mod in shard:
+                module = modules[mod]
+                module.to_empty(device="cpu", recurse=False)  # this module's tensors alone, in their bf16
+                model._init_weights(module)
+                state = module.state_dict(prefix=mod + "." if mod else "")
+                for n in groups[mod]:
+                    state[n].detach().contiguous().view(torch.uint8).numpy().tofile(f)
+                module.to_empty(device="meta", recurse=False)
+        os.replace(os.path.join(path, file + ".tmp"), os.path.join(path, file))
+        total += offset
+        log(f"wrote {file} ({offset / GiB:.2f} GiB)")
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    cfg.save_pretrained(path)  # config.json last: its presence marks a complete model
+    log(f"wrote {path}: {sum(meta[n].numel() for n in names) / 1e9:.2f} B parameters, {total / GiB:.2f} GiB of bf16")
 
 
-def make_rows(path, vocab, seq_len, rows):
+def base_bytes(model_dir):
+    return sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+
+
+def rows_path(workdir, vocab, seq_len, rows):
+    """Rows of random token ids, the same first rows at any count (one seed): PyTorch's row is ringflex's first."""
+    return os.path.join(workdir, f"rows_{vocab}_{seq_len}_{rows}.jsonl")
+
+
+def write_rows(path, vocab, seq_len, rows):
     if os.path.exists(path):
         return
     rng = random.Random(0)
-    with open(path, "w") as f:
+    with open(path + ".tmp", "w") as f:
         for _ in range(rows):
             f.write(json.dumps({"input_ids": [rng.randrange(1, vocab) for _ in range(seq_len)]}) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+# --- Memory of a process tree, sampled ---
+
+def descendants(root):
+    children = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(pid))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def proc_name(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def kib_fields(path, keys):
+    out = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in keys:
+                    out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+class Sampler(threading.Thread):
+    """Every `period` seconds: the RSS, PSS and peak RSS of the processes named `name` under `root`; keeps each one's
+    peaks and the peak of their PSS sum (shared pages counted once over them)."""
+
+    def __init__(self, root, name, period, report_every, label):
+        super().__init__(daemon=True)
+        self.root, self.name, self.period, self.report_every, self.label = root, name, period, report_every, label
+        self.stop = threading.Event()
+        self.peak_hwm, self.peak_pss, self.peak_anon = {}, {}, {}
+        self.peak_pss_sum = 0
+        self.last, self.last_anon = {}, {}
+
+    def sample(self):
+        pss_sum = 0
+        for pid in descendants(self.root):
+            if proc_name(pid) != self.name:
+                continue
+            s = kib_fields(f"/proc/{pid}/status", ("VmHWM", "VmRSS", "RssAnon"))
+            r = kib_fields(f"/proc/{pid}/smaps_rollup", ("Pss",))
+            if not s or not r:
+                continue
+            self.peak_hwm[pid] = max(self.peak_hwm.get(pid, 0), s.get("VmHWM", 0))
+            self.peak_anon[pid] = max(self.peak_anon.get(pid, 0), s.get("RssAnon", 0))
+            self.peak_pss[pid] = max(self.peak_pss.get(pid, 0), r["Pss"])
+            self.last[pid] = s.get("VmRSS", 0)
+            self.last_anon[pid] = s.get("RssAnon", 0)
+            pss_sum += r["Pss"]
+        self.peak_pss_sum = max(self.peak_pss_sum, pss_sum)
+        return pss_sum
+
+    def run(self):
+        next_report = time.time() + self.report_every
+        while not self.stop.wait(self.period):
+            pss_sum = self.sample()
+            if time.time() >= next_report:
+                next_report += self.report_every
+                rss = " + ".join(f"{v / GiB:.2f}" for v in self.last.values())
+                log(f"{self.label}: RSS {rss or '-'} GiB, PSS sum {pss_sum / GiB:.2f} GiB "
+                    f"(peak {self.peak_pss_sum / GiB:.2f})")
+
+
+# --- 2. ringflex ---
+
+def memory_env(a):
+    """The environment of ringflex and lora_longest_row: --memory-gib as RINGFLEX_MEMORY_LIMIT (both check the same
+    budget then)."""
+    env = dict(os.environ)
+    if a.memory_gib:
+        env["RINGFLEX_MEMORY_LIMIT"] = str(int(a.memory_gib * GiB))
+    return env
+
+
+def run_ringflex(a, model_dir, rows, seq_len, steps, tag):
+    config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "gemma4_e2b_lora.yaml")
+    metrics = os.path.join(a.workdir, f"metrics_{tag}.jsonl")
+    stats = os.path.join(a.workdir, f"stats_{tag}.json")
+    for f in (metrics, stats):
+        if os.path.exists(f):
+            os.remove(f)
+    sets = {"model.path": model_dir, "data.path": rows, "data.val_rows": 0, "train.steps": steps,
+            "train.seq_len": seq_len, "train.global_batch": 1, "train.threads": a.threads,
+            "parallelism.cp": a.cp, "checkpoint.dir": os.path.join(a.workdir, f"ckpt_{tag}"), "checkpoint.every": steps}
+    cmd = ["mpirun", "--oversubscribe", "-n", str(a.cp), a.ringflex, "train", "--config", config, "--metrics", metrics,
+           "--stats", stats]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    env = dict(memory_env(a), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    log("ringflex: " + " ".join(cmd))
+    start = time.time()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    sampler = Sampler(proc.pid, "ringflex", a.sample_s, a.report_every, f"ringflex {tag}")
+    sampler.start()
+    for line in proc.stdout:
+        print(f"  | {line.rstrip()}", flush=True)
+    rc = proc.wait()
+    sampler.stop.set()
+    sampler.join()
+    wall = time.time() - start
+    if rc != 0:
+        log(f"ringflex {tag}: exit code {rc} after {wall:.0f} s")
+        return None
+    with open(metrics) as f:
+        steps_out = [json.loads(line) for line in f]
+    with open(stats) as f:
+        st = json.load(f)
+    return {"wall_s": wall, "steps": steps_out, "stats": st, "peak_pss_sum": sampler.peak_pss_sum,
+            "peak_hwm": sorted(sampler.peak_hwm.values()), "peak_anon": sorted(sampler.peak_anon.values())}
+
+
+def report_ringflex(r, seq_len, base, cp):
+    log(f"ringflex, rows of {seq_len} tokens at CP = {cp}: {len(r['steps'])} steps in {r['wall_s']:.0f} s "
+        f"(loading included)")
+    for m in r["steps"]:
+        log(f"  step {m['step']}: loss {m['loss']:.4f}, {m['tokens_per_s']:.1f} tokens/s")
+    hwm = ", ".join(f"{v / GiB:.2f}" for v in r["stats"]["peak_rss_bytes"])
+    anon = ", ".join(f"{v / GiB:.2f}" for v in r["peak_anon"])
+    log(f"  peak RSS per rank (VmHWM, the mapped base in each): {hwm} GiB; private (RssAnon) peaks: {anon} GiB")
+    terms = {t["kind"]: t["bytes"] for t in r["stats"]["memory_per_rank"]["terms"]}
+    activations = cp * sum(v for k, v in terms.items() if k.startswith("activations") or k == "one layer")
+    target = base * 1.3 + activations
+    log(f"  machine peak, the base counted once (sum of the ranks' PSS): {r['peak_pss_sum'] / GiB:.2f} GiB; target "
+        f"base {base / GiB:.2f} GiB + 30% + activations {activations / GiB:.2f} GiB = {target / GiB:.2f} GiB: "
+        f"{'met' if r['peak_pss_sum'] <= target else 'NOT met'}")
+    log(f"  memory model per rank: {r['stats']['memory_per_rank']['total_bytes'] / GiB:.2f} GiB")
+
+
+# --- 3. PyTorch + peft ---
+
+def torch_child(model_dir, rows, seq_len, threads, out):
+    """One LoRA step of PyTorch + peft (bf16 weights, bf16 autocast, SDPA); writes its figures to `out`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Gemma4ForCausalLM
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    t0 = time.time()
+    model = Gemma4ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.config.use_cache = False
+    model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                                             target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4, weight_decay=0.0)
+    with open(rows) as f:
+        ids = torch.tensor(json.loads(f.readline())["input_ids"][:seq_len])[None]
+    load_s = time.time() - t0
+    print(f"torch: loaded in {load_s:.0f} s, one step on {seq_len} tokens", flush=True)
+    t0 = time.time()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    opt.step()
+    step_s = time.time() - t0
+    with open(out, "w") as f:
+        json.dump({"loss": loss.item(), "step_s": step_s, "load_s": load_s, "tokens_per_s": seq_len / step_s}, f)
+
+
+def run_torch_once(a, model_dir, rows, seq_len, limit):
+    out = os.path.join(a.workdir, f"torch_{seq_len}.json")
+    if os.path.exists(out):
+        os.remove(out)
+    cmd = [sys.executable, os.path.abspath(__file__), "--torch-child", model_dir, rows, str(seq_len), str(a.threads),
+           out]
+    log(f"torch + peft, rows of {seq_len}: {' '.join(cmd)} (timeout {a.torch_timeout} s, private memory cap "
+        f"{limit / GiB:.1f} GiB)")
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    # The child is this interpreter again (the same process name), the only one under its own pid.
+    sampler = Sampler(proc.pid, proc_name(os.getpid()), a.sample_s, a.report_every, f"torch {seq_len}")
+    sampler.start()
+    start, verdict = time.time(), None
+    while proc.poll() is None:
+        time.sleep(a.sample_s)
+        if sum(sampler.last_anon.values()) > limit:
+            verdict = "out of memory (private memory cap)"
+        elif time.time() - start > a.torch_timeout:
+            verdict = "timeout"
+        if verdict:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            break
+    sampler.stop.set()
+    sampler.join()
+    rc = proc.returncode
+    if verdict is None and rc != 0:
+        verdict = "out of memory (killed)" if rc in (-signal.SIGKILL, 137) else f"failed (exit code {rc})"
+    peak = max(sampler.peak_hwm.values(), default=0)
+    if verdict is None:
+        with open(out) as f:
+            res = json.load(f)
+        res["peak_rss"] = peak
+        log(f"torch + peft, rows of {seq_len}: loss {res['loss']:.4f}, step {res['step_s']:.0f} s, "
+            f"{res['tokens_per_s']:.1f} tokens/s, peak RSS {peak / GiB:.2f} GiB (load {res['load_s']:.0f} s)")
+        return "ok", res
+    log(f"torch + peft, rows of {seq_len}: {verdict} after {time.time() - start:.0f} s, peak RSS {peak / GiB:.2f} GiB")
+    return verdict, None
+
+
+def run_torch(a, model_dir, fields, seq_len):
+    limit = int(a.torch_mem_gib * GiB) if a.torch_mem_gib else \
+        kib_fields("/proc/meminfo", ("MemAvailable",))["MemAvailable"] - GiB
+    length, ran_out = seq_len, None
+    while length >= a.torch_min_len:
+        rows = rows_path(a.workdir, fields["vocab_size"], length, 1)
+        write_rows(rows, fields["vocab_size"], length, rows=1)
+        verdict, res = run_torch_once(a, model_dir, rows, length, limit)
+        if verdict == "ok":
+            tail = f"; ran out of memory at {ran_out} tokens" if ran_out else ""
+            log(f"torch + peft: longest row that ran: {length} tokens{tail}")
+            return
+        if not verdict.startswith("out of memory"):
+            log(f"torch + peft: stopped ({verdict} at {length} tokens)")
+            return
+        ran_out = length
+        length //= 2
+    log(f"torch + peft: ran out of memory at every row length down to {ran_out} tokens")
+
+
+# --- 4. The longest row by the memory model ---
+
+def longest_row(a, model_dir, rows, seq_len):
+    config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "gemma4_e2b_lora.yaml")
+    cmd = [a.longest_row, "--config", config, "--granule", str(a.granule)]
+    for k, v in {"model.path": model_dir, "data.path": rows, "data.val_rows": 0, "train.seq_len": seq_len,
+                 "train.global_batch": 1, "parallelism.cp": a.cp, "train.threads": a.threads}.items():
+        cmd += ["--set", f"{k}={v}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=memory_env(a))
+    if proc.returncode != 0:
+        log(f"lora_longest_row failed: {proc.stderr.strip()}")
+        return None
+    r = json.loads(proc.stdout)
+    log(f"memory model: {r['need_bytes'] / GiB:.2f} GiB per rank at {seq_len} tokens; the longest row that fits "
+        f"{r['budget_bytes'] / GiB:.2f} GiB per rank: {r['longest_seq_len']} tokens "
+        f"({r['need_at_longest_bytes'] / GiB:.2f} GiB per rank)")
+    return r["longest_seq_len"]
 
 
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--torch-child":
+        model_dir, rows, seq_len, threads, out = sys.argv[2:7]
+        torch_child(model_dir, rows, int(seq_len), int(threads), out)
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ringflex", required=True)
+    ap.add_argument("--longest-row", help="bench/model/lora_longest_row (default: beside ringflex's build)")
     ap.add_argument("--workdir", required=True, help="where the model and rows are written (not in the repository)")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--seq-len", type=int, default=8192)
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens a row (8192; --tiny: 512)")
+    ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="train.threads per rank (2 ranks on 2 cores: 1)")
-    ap.add_argument("--tiny", action="store_true", help="the same structure at a toy size (checks the script)")
+    ap.add_argument("--granule", type=int, default=512, help="the longest row is searched in multiples of this")
+    ap.add_argument("--verify-longest", action="store_true", help="one ringflex step at the memory model's longest row")
+    ap.add_argument("--memory-gib", type=float, default=None,
+                    help="per-rank budget (RINGFLEX_MEMORY_LIMIT) for the longest row and its step; default: the "
+                         "machine's available memory shared by the ranks, as ringflex's own check")
+    ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--torch-timeout", type=float, default=3600.0, help="seconds for one PyTorch step (load included)")
+    ap.add_argument("--torch-mem-gib", type=float, default=None,
+                    help="private memory (RssAnon) cap of the PyTorch child")
+    ap.add_argument("--torch-min-len", type=int, default=512, help="the shortest row PyTorch is tried at")
+    ap.add_argument("--sample-s", type=float, default=1.0, help="memory sampling period")
+    ap.add_argument("--report-every", type=float, default=30.0, help="seconds between memory progress lines")
+    ap.add_argument("--tiny", action="store_true", help="4 layers, hidden 256: checks the driver end to end")
     a = ap.parse_args()
+    if a.longest_row is None:
+        build = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(a.ringflex))))
+        a.longest_row = os.path.join(build, "bench", "model", "lora_longest_row")
     fields = TINY if a.tiny else REAL
-    seq_len = 64 if a.tiny else a.seq_len
+    seq_len = a.seq_len or (TINY_SEQ_LEN if a.tiny else 8192)
     os.makedirs(a.workdir, exist_ok=True)
     model_dir = os.path.join(a.workdir, "e2b_tiny" if a.tiny else "e2b")
-    rows = os.path.join(a.workdir, f"rows_{fields['vocab_size']}_{seq_len}.jsonl")
-    make_model(model_dir, fields)
-    make_rows(rows, fields["vocab_size"], seq_len, rows=4 * a.steps)
-    config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "gemma4_e2b_lora.yaml")
-    metrics = os.path.join(a.workdir, "metrics.jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)
-    sets = {"model.path": model_dir, "data.path": rows, "data.val_rows": 0, "train.steps": a.steps,
-            "train.seq_len": seq_len, "train.global_batch": 1, "train.threads": a.threads,
-            "checkpoint.dir": os.path.join(a.workdir, "ckpt"), "checkpoint.every": a.steps}
-    cmd = ["mpirun", "--oversubscribe", "-n", "2", a.ringflex, "train", "--config", config, "--metrics", metrics]
-    for k, v in sets.items():
-        cmd += ["--set", f"{k}={v}"]
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    print(" ".join(cmd), flush=True)
     start = time.time()
-    proc = subprocess.run(cmd, env=env)
-    if proc.returncode != 0:
-        return proc.returncode
-    print(f"ran {a.steps} steps in {time.time() - start:.0f} s (loading included)")
-    with open(metrics) as f:
-        for line in f:
-            m = json.loads(line)
-            print(f"step {m['step']}: loss {m['loss']:.4f}, {m['tokens_per_s']:.1f} tokens/s, "
-                  f"peak RSS {m['peak_rss_bytes'] / 2**30:.2f} GiB (the larger rank)")
-    return 0
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        write_model(model_dir, fields)
+    base = base_bytes(model_dir)
+    log(f"model {model_dir}: {base / GiB:.2f} GiB of safetensors")
+    rows = rows_path(a.workdir, fields["vocab_size"], seq_len, a.steps)
+    write_rows(rows, fields["vocab_size"], seq_len, rows=a.steps)
+    ok = True
+    r = run_ringflex(a, model_dir, rows, seq_len, a.steps, f"{seq_len}")
+    if r:
+        report_ringflex(r, seq_len, base, a.cp)
+    ok = ok and r is not None
+    if not a.skip_torch:
+        run_torch(a, model_dir, fields, seq_len)
+    longest = longest_row(a, model_dir, rows, seq_len)
+    ok = ok and longest is not None
+    if a.verify_longest and longest:
+        long_rows = rows_path(a.workdir, fields["vocab_size"], longest, 1)
+        write_rows(long_rows, fields["vocab_size"], longest, rows=1)
+        r = run_ringflex(a, model_dir, long_rows, longest, 1, f"longest_{longest}")
+        if r:
+            report_ringflex(r, longest, base, a.cp)
+        ok = ok and r is not None
+    log(f"done in {time.time() - start:.0f} s")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

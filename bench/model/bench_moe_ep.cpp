@@ -187,7 +187,7 @@ int main(int argc, char** argv) {
       if (exchange) {
         compare_exchanges(*world, s, eps, repeats);
       } else {
-        model::Gemma4Model m(model::Gemma4Config::from_json(config_json(s)), 0);
+        model::Gemma4Model m(model::Gemma4Config::from_json(config_json(s)));
         constexpr float kInitStd = 0.02f;  // the checkpoint's scale: routing spread over the experts
         m.init_random(1, kInitStd);
         Rows rows;
@@ -209,7 +209,7 @@ int main(int argc, char** argv) {
           auto group = world->split(rank / ep, rank % ep);
           cp::JobContext ctx = cp::make_parallel_context(*self, {}, group.get());
           // ep > 1: this rank's experts only, cut from the whole model.
-          model::Gemma4Model held(m.config(), 0, model::TensorSet::Storage::Deferred);
+          model::Gemma4Model held(m.config(), model::TensorSet::Storage::Deferred);
           if (ep > 1) {
             held.replace_params(model::hold_expert_rows(m.params(), rank % ep, ep));
             held.params().allocate_grads();

@@ -1,29 +1,34 @@
 #!/usr/bin/env python3
 """Gemma 4 vision tower benchmark: images per second through the tower's forward, ringflex vs PyTorch.
 
-Both sides run the same transformers-built tower (Gemma4ForConditionalGeneration with a tiny text decoder beside
-it, random weights at transformers' init, saved in float32) on the same images, on the same CPU, in the same
-invocation, with the same thread count, alternating repeats (after one untimed PyTorch call):
+For each tower size, both sides run the same transformers-built tower (Gemma4ForConditionalGeneration with a tiny
+text decoder beside it, random weights at transformers' init, saved in float32) on the same images, on the same
+CPU, in the same invocation, with the same thread count, alternating repeats (after one untimed PyTorch call per
+dtype), in float32 and in bfloat16:
   - ringflex: bench/model/bench_vision (load_checkpoint, then model::VisionEncoder::forward on all the images at
-    once, each repeat timed alone; loading is not timed); its soft tokens are checked against PyTorch's float32
-    ones before any time is reported (relative error below 1e-3: both float32, rounding ~1e-7 per op amplified by
-    the depth and the sums of 27 layers, far below the 1e-1 of a wrong term);
+    once, each repeat timed alone; loading and the weights' bf16 copies are not timed); bfloat16 is the tower's bf16
+    mode (VisionEncoder::set_compute_dtype: bf16 matmul operands, float32 accumulation, as the decoder's). Its soft
+    tokens are checked against PyTorch's float32 ones before any time is reported: float32 within 1e-3 relative
+    (both float32, rounding ~1e-7 per op amplified by the depth and the sums of 27 layers, far below the 1e-1 of a
+    wrong term), bfloat16 within 5e-2 (bf16 operands round by up to 2^-9 each, compounded over 16-27 layers; PyTorch's
+    own bfloat16 tower is reported beside it);
   - PyTorch: model.model.vision_tower(pixel_values, pixel_position_ids) under torch.inference_mode, SDPA attention,
-    torch.set_num_threads = the same count; in float32, and with --bf16 also the tower cast to bfloat16 (ringflex's
-    tower computes in float32 only: its bf16 column is absent).
+    torch.set_num_threads = the same count; float32, and a bfloat16 copy of the tower (weights and inputs cast to
+    bfloat16, PyTorch's usual bf16 inference).
 Images: each a full grid of patches for --soft-tokens soft tokens (rows x columns of pooling cells, the most square
 factorisation; 280 = 14 x 20 cells, 42 x 60 patches of 16 x 16 pixels at pooling 3), random pixels, no padding, as
-the image processor lays out an image of that aspect. Reported: medians over the repeats, images/s, and the ratio.
+the image processor lays out an image of that aspect. Reported: medians over the repeats, images/s, and the ratios.
 
-    python3 bench/model/bench_vision.py build/bench/model/bench_vision --config e2b --images 4 --reps 3 --threads 2
-    python3 bench/model/bench_vision.py build/bench/model/bench_vision --config 26b --images 4 --reps 3 --bf16
-    python3 bench/model/bench_vision.py build/bench/model/bench_vision --config tiny   # a check that it runs
+    python3 bench/model/bench_vision.py build/bench/model/bench_vision --threads 2              # e2b and 26b
+    python3 bench/model/bench_vision.py build/bench/model/bench_vision --configs e2b --images 4 --reps 5
+    python3 bench/model/bench_vision.py build/bench/model/bench_vision --configs tiny   # a check that it runs
 
 Configs: e2b = the E2B/E4B tower (hidden 768, 16 layers, 12 heads of 64, MLP 3072, patch 16, pooling 3);
 26b = the 26B/31B tower (hidden 1152, 27 layers, 16 heads of 72, MLP 4304, patch 16, pooling 3; the SigLIP-so400m
 shape, assumed from the published sizes); tiny = hidden 32, 1 layer, patch 4, pooling 2, for a quick check.
 """
 import argparse
+import copy
 import os
 import statistics
 import subprocess
@@ -48,6 +53,8 @@ CONFIGS = {
                  num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2, position_embedding_size=64),
 }
 REL_TOL = 1e-3
+BF16_TOL = 5e-2
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def grid(soft_tokens):
@@ -74,61 +81,65 @@ def time_torch(tower, pixels, pos, dtype):
         return time.perf_counter() - t0, out.float()
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("bench_vision", help="path to the bench_vision binary (build/bench/model/bench_vision)")
-    ap.add_argument("--config", choices=sorted(CONFIGS), default="e2b")
-    ap.add_argument("--images", type=int, default=4)
-    ap.add_argument("--soft-tokens", type=int, default=280)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--bf16", action="store_true", help="also time PyTorch's tower in bfloat16")
-    a = ap.parse_args()
-    transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(a.threads)
-    gen = torch.Generator().manual_seed(0)
-    vcfg = CONFIGS[a.config]
+def bench(a, config, gen):
+    vcfg = CONFIGS[config]
     cfg = Gemma4Config(text_config=TEXT, vision_config=vcfg)
     cfg.vision_config._attn_implementation = "sdpa"
     model = Gemma4ForConditionalGeneration(cfg).float().eval()
-    tower = model.model.vision_tower
+    towers = {"float32": model.model.vision_tower}
+    towers["bfloat16"] = copy.deepcopy(towers["float32"]).to(torch.bfloat16)
     pixels, pos = make_images(vcfg, a.images, a.soft_tokens, gen)
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), OPENBLAS_NUM_THREADS="1")
-    ours, theirs, theirs_bf16 = [], [], []
+    ours = {d: [] for d in DTYPES}
+    theirs = {d: [] for d in DTYPES}
     with tempfile.TemporaryDirectory() as work:
         ckpt = os.path.join(work, "ckpt")
         model.save_pretrained(ckpt)
         inputs, out = os.path.join(work, "in.safetensors"), os.path.join(work, "out.safetensors")
         save_file({"pixel_values": pixels.contiguous(), "pixel_position_ids": pos.to(torch.int32).contiguous()},
                   inputs)
-        time_torch(tower, pixels, pos, torch.float32)  # warm-up: PyTorch's first call builds its kernels' state
+        # Warm-up: PyTorch's first call builds its kernels' state; the float32 one is the reference.
+        ref = time_torch(towers["float32"], pixels, pos, torch.float32)[1]
+        time_torch(towers["bfloat16"], pixels, pos, torch.bfloat16)
         for rep in range(a.reps):
-            proc = subprocess.run([a.bench_vision, ckpt, inputs, out, "1"], capture_output=True, text=True, env=env)
-            if proc.returncode != 0:
-                sys.exit(f"bench_vision failed: {proc.stderr.strip()}")
-            ours.append(float(proc.stdout.split()[1]))
-            t, ref = time_torch(tower, pixels, pos, torch.float32)
-            theirs.append(t)
-            if rep == 0:
-                got = load_file(out)["soft_tokens"]
-                err = float((got - ref).norm() / ref.norm())
-                if not (got.shape == ref.shape and err <= REL_TOL):
-                    sys.exit(f"ringflex's soft tokens {tuple(got.shape)} differ from PyTorch's {tuple(ref.shape)}: "
-                             f"relative error {err:.2e} > {REL_TOL:.0e}")
-                print(f"soft tokens agree: {tuple(got.shape)}, relative error {err:.2e}")
-            if a.bf16:
-                tower_bf16 = tower.to(torch.bfloat16)
-                theirs_bf16.append(time_torch(tower_bf16, pixels, pos, torch.bfloat16)[0])
-                tower.float()
+            for d, dt in DTYPES.items():
+                proc = subprocess.run([a.bench_vision, ckpt, inputs, out, "1", d], capture_output=True, text=True,
+                                      env=env)
+                if proc.returncode != 0:
+                    sys.exit(f"bench_vision failed: {proc.stderr.strip()}")
+                ours[d].append(float(proc.stdout.split()[1]))
+                theirs[d].append(time_torch(towers[d], pixels, pos, dt)[0])
+                if rep == 0:
+                    got = load_file(out)["soft_tokens"]
+                    err = float((got - ref).norm() / ref.norm())
+                    tol = REL_TOL if d == "float32" else BF16_TOL
+                    if not (got.shape == ref.shape and err <= tol):
+                        sys.exit(f"ringflex's {d} soft tokens {tuple(got.shape)} differ from PyTorch's float32 "
+                                 f"{tuple(ref.shape)}: relative error {err:.2e} > {tol:.0e}")
+                    print(f"{config} {d}: soft tokens agree with PyTorch float32: {tuple(got.shape)}, relative "
+                          f"error {err:.2e}", flush=True)
     n = a.images
-    r, t = statistics.median(ours), statistics.median(theirs)
-    print(f"config {a.config}: {n} images of {a.soft_tokens} soft tokens ({pixels.shape[1]} patches), "
+    print(f"config {config}: {n} images of {a.soft_tokens} soft tokens ({pixels.shape[1]} patches), "
           f"{a.threads} threads, {a.reps} repeats (medians)")
-    print(f"  ringflex float32 : {r:8.3f} s  {n / r:8.2f} images/s")
-    print(f"  PyTorch  float32 : {t:8.3f} s  {n / t:8.2f} images/s   ringflex / PyTorch = {t / r:.2f}x")
-    if theirs_bf16:
-        b = statistics.median(theirs_bf16)
-        print(f"  PyTorch  bfloat16: {b:8.3f} s  {n / b:8.2f} images/s   (ringflex's tower has no bf16 path)")
+    for d in DTYPES:
+        r, t = statistics.median(ours[d]), statistics.median(theirs[d])
+        print(f"  {d:8s} ringflex {r:8.3f} s {n / r:8.3f} images/s   PyTorch {t:8.3f} s {n / t:8.3f} images/s   "
+              f"ringflex / PyTorch = {t / r:.2f}x", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bench_vision", help="path to the bench_vision binary (build/bench/model/bench_vision)")
+    ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["e2b", "26b"])
+    ap.add_argument("--images", type=int, default=1)
+    ap.add_argument("--soft-tokens", type=int, default=280)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    a = ap.parse_args()
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(a.threads)
+    for config in a.configs:
+        bench(a, config, torch.Generator().manual_seed(0))
 
 
 if __name__ == "__main__":

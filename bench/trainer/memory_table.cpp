@@ -46,7 +46,7 @@ std::string read_file(const std::string& path) {
   return s.str();
 }
 
-rf::MemoryBreakdown need(const rf::model::Gemma4Model& m, int ranks, int tokens, ShardMode mode) {
+rf::MemoryBreakdown need(const rf::model::Gemma4Multimodal& m, int ranks, int tokens, ShardMode mode) {
   rf::trainer::TrainConfig c;
   c.parallelism.cp = ranks;
   c.parallelism.dp = 1;
@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
     std::vector<std::pair<std::string, rf::MemoryBreakdown>> breakdowns;
     for (const std::string& path : configs) {
       const rf::model::Gemma4Config cfg = rf::model::Gemma4Config::from_json(read_file(path), path);
-      const rf::model::Gemma4Model m(cfg, 0, rf::model::TensorSet::Storage::Deferred);
+      const rf::model::Gemma4Multimodal m(cfg, {}, rf::model::TensorSet::Storage::Deferred);
       std::string name = path.substr(path.find_last_of('/') + 1);
       name = name.substr(0, name.rfind(".json"));
       std::printf("\n%s: %.2f B parameters (GiB per rank)\n\n| S | shard |", name.c_str(),

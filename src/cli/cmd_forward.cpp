@@ -146,7 +146,7 @@ std::vector<float> encode_images(const std::string& path, const io::SafetensorsF
 }
 
 BatchData read_batch(const std::string& path, const model::Checkpoint& ck, bool finite) {
-  const model::Gemma4Model& m = *ck.model;
+  const model::Gemma4Multimodal& m = *ck.model;
   BatchData d;
   const io::SafetensorsFile in = io::SafetensorsFile::open(path);
   io::DimSizes dims;
@@ -157,7 +157,7 @@ BatchData read_batch(const std::string& path, const model::Checkpoint& ck, bool 
        {std::pair{"labels", &d.labels}, {"position_ids", &d.pos}, {"doc", &d.doc}, {"mm_token_type_ids", &d.mm}}) {
     if (const io::TensorView* v = io::optional(in, {name, ints, {"B", "S"}, ""}, dims)) *dst = read_ids(*v);
   }
-  d.F = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
+  d.F = m.image_feature_width();
   if (const io::TensorView* v = io::optional(in, {"image_features", floats, {"N", "F"}, ""}, dims)) {
     RF_CHECK(dims["F"] == d.F, path, ": image_features has ", dims["F"], " columns, the model expects ", d.F,
              m.vision_feature_dim() > 0 ? " (its vision projection's input width)" : " (its hidden size)");
@@ -297,7 +297,8 @@ BatchShape check_batch_shape(const std::string& path) {
 // logits) and, on rank 0 under CP, the gather after it: the rank's [B, L, V] logits and the gathered [B, S, V]. A
 // job too large for the machine stops here with the figure, before the load, instead of std::bad_alloc or the OOM
 // killer part-way.
-void check_job_memory(const model::Gemma4Model& m, const BatchShape& b, const ForwardOptions& opt, int P, int rank) {
+void check_job_memory(const model::Gemma4Multimodal& m, const BatchShape& b, const ForwardOptions& opt, int P,
+                      int rank) {
   const int64_t V = m.config().vocab_size, f32 = sizeof(float), i32 = sizeof(int32_t);
   const int64_t L = (b.S + P - 1) / P;  // tokens per rank, before the plan's padding
   model::RunMemoryArgs run;
@@ -307,7 +308,7 @@ void check_job_memory(const model::Gemma4Model& m, const BatchShape& b, const Fo
   run.keep_mlp_projections = opt.keep_mlp;
   run.logits = !opt.no_logits;
   run.loss_chunk_tokens = opt.loss_chunk;
-  const MemoryBreakdown running = model::run_memory_at_least(m, run);
+  const MemoryBreakdown running = model::run_memory_at_least(m.decoder(), run);
   MemoryBreakdown gathering;
   if (rank == 0 && P > 1 && !opt.no_logits) {
     gathering.add("logits", checked_bytes({b.B, L, V, f32}));
@@ -336,7 +337,8 @@ int run_forward(const ForwardOptions& opt) {
     if (world->rank() == 0) check_outputs(opt);  // before loading anything: an unwritable output is found at once
     const BatchShape shape = check_batch_shape(opt.in);
     ck = model::load_checkpoint(
-        opt.model, [&](const model::Gemma4Model& shapes) { check_job_memory(shapes, shape, opt, P, world->rank()); },
+        opt.model,
+        [&](const model::Gemma4Multimodal& shapes) { check_job_memory(shapes, shape, opt, P, world->rank()); },
         opt.lora.empty() ? nullptr : std::make_unique<model::LoraStore>(model::read_peft_config(opt.lora)));
     if (!opt.lora.empty()) model::load_peft_adapter(dynamic_cast<model::LoraStore&>(ck.model->params()), opt.lora);
     if (opt.check_finite) {
@@ -356,7 +358,7 @@ int run_forward(const ForwardOptions& opt) {
   });
   const int64_t print[] = {data.B, data.S, data.n_features, data.F, fingerprint(data)};
   agree_equal(*world, print, "the batch (ranks read different --in files?)");
-  const model::Gemma4Model& m = *ck.model;
+  const model::Gemma4Multimodal& m = *ck.model;
   const model::Batch b = data.view();
   if (world->rank() == 0)
     for (const std::string& warning : m.config().warnings)

@@ -31,7 +31,7 @@ using json = nlohmann::json;
 namespace {
 
 constexpr const char* kCausalLmPrefix = "model.";
-constexpr const char* kVisionProjection = "model.embed_vision.embedding_projection.weight";
+constexpr const char* kVisionProjection = VisionEmbedder::kProjection;
 
 // The largest config.json read: real ones are a few KiB; anything larger is not a config.
 constexpr std::uintmax_t kMaxConfigBytes = 16u << 20;
@@ -146,14 +146,15 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   // What the config claims is checked against the files before any of it is allocated: the parameters are
   // registered as shapes only, each must be in the files with that shape, and their float32 total must fit the
   // machine. (A 4 KiB checkpoint whose config claims a 262144-token vocabulary fails here, not after 1 GiB.)
-  ck.model = std::make_unique<Gemma4Model>(std::move(cfg), vision_dim, TensorSet::Storage::Deferred, std::move(store));
+  MultimodalParts parts;
+  parts.vision_feature_dim = vision_dim;
+  parts.vision = VisionConfig::from_config_json(cfg.source_json, config_path.string());
+  parts.train_vision = train_vision;
+  RF_CHECK(!train_vision || parts.vision.has_value(), dir,
+           ": model.train_vision, but the config has no vision_config (no vision tower)");
+  ck.model = std::make_unique<Gemma4Multimodal>(std::move(cfg), std::move(parts), TensorSet::Storage::Deferred,
+                                                std::move(store));
   ParamStore& params = ck.model->params();
-  if (train_vision) {
-    const std::optional<VisionConfig> tower =
-        VisionConfig::from_config_json(ck.model->config().source_json, config_path.string());
-    RF_CHECK(tower.has_value(), dir, ": model.train_vision, but the config has no vision_config (no vision tower)");
-    register_vision_tower(params, *tower);
-  }
   const size_t from_files = params.size();
   for (const ParamInfo& p : params.infos()) {
     const std::string name = file_name_of(p.name, ck.text_prefix);
@@ -190,9 +191,7 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   const bool tower_in_files =
       std::any_of(ck.passthrough.entries().begin(), ck.passthrough.entries().end(),
                   [](const io::Passthrough::Entry& e) { return e.name.rfind(kVisionTowerPrefix, 0) == 0; });
-  if (vision_dim > 0 && !tower_in_files &&
-      !VisionConfig::from_config_json(ck.model->config().source_json, config_path.string()))
-    describe_stale_multimodal(ck, vision_dim);
+  if (vision_dim > 0 && !tower_in_files && !ck.model->parts().vision) describe_stale_multimodal(ck, vision_dim);
   return ck;
 }
 

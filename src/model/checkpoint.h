@@ -19,7 +19,7 @@
 #include <string>
 
 #include "io/passthrough.h"
-#include "model/gemma4.h"
+#include "model/multimodal.h"
 
 namespace rf::model {
 
@@ -27,7 +27,9 @@ namespace rf::model {
 inline constexpr const char* kMultimodalTextPrefix = "model.language_model.";
 
 struct Checkpoint {
-  std::unique_ptr<Gemma4Model> model;
+  // The whole model: the decoder, the vision embedder when the files hold its projection, the tower's config (and
+  // with model.train_vision its parameters), all in one store.
+  std::unique_ptr<Gemma4Multimodal> model;
   std::string text_prefix = "model.";  // where the decoder's tensors live in the files ("model.language_model.")
   std::string source;                  // the directory it was loaded from (empty: built in memory)
   io::Passthrough passthrough;         // the files' tensors that `model` does not hold, carried through unchanged
@@ -38,7 +40,7 @@ struct Checkpoint {
 
 // Runs with the model's parameters registered as shapes only (TensorSet::Storage::Deferred), after they were
 // checked against the files and before any is allocated: where a caller checks what its whole job needs.
-using BeforeAllocating = std::function<void(const Gemma4Model& shapes)>;
+using BeforeAllocating = std::function<void(const Gemma4Multimodal& shapes)>;
 
 // Throws rf::Error naming the file or tensor: a missing config.json or tensor, a shape against the config, an
 // unsupported config field, parameters beyond the machine's memory (or whatever `before_allocating` throws).

@@ -12,6 +12,7 @@
 #include "model/elementwise.h"
 #include "model/gemma4_run.h"
 #include "model/loss.h"
+#include "model/multimodal.h"
 
 namespace rf::model {
 
@@ -115,18 +116,17 @@ void Gemma4Model::Run::embed() {
   if (!used_features.empty()) {
     // Only the features of this rank's tokens are projected: the same per-row math as projecting all N, O(L).
     const int64_t n = static_cast<int64_t>(used_features.size());
-    const int64_t F = m.vision_dim_ > 0 ? m.vision_dim_ : H;
+    const VisionEmbedder* e = m.embed_vision_;
+    const int64_t F = e ? e->feature_dim() : H;
     feat_raw = zeros(n * F);
     for (int64_t i = 0; i < n; ++i) std::copy_n(b.image_features + used_features[i] * F, F, feat_raw.data() + i * F);
     Vec projected;
     const float* feats = feat_raw.data();
-    if (m.vision_dim_ > 0) {
+    if (e) {
       feat_in = zeros(n * F);
       feat_rms = zeros(n);
-      rmsnorm_forward(feat_raw.data(), nullptr, static_cast<float>(cfg.vision_rms_norm_eps), feat_in.data(),
-                      feat_rms.data(), n, F);
       projected = zeros(n * H);
-      linear_forward(mm, feat_in.data(), W(m.vision_proj_), projected.data(), n, F, H);
+      e->forward(mm, W(e->slot()), feat_raw.data(), n, feat_in.data(), feat_rms.data(), projected.data());
       feats = projected.data();
     }
     for (int64_t t = 0; t < T; ++t)
@@ -178,15 +178,16 @@ void Gemma4Model::Run::embed_backward(const float* dh0_in) {
   if (b.image_features) {
     // This rank's rows of d image_features; the other ranks hold the rest (Result::d_image_features).
     const int64_t N = b.n_image_features, n = static_cast<int64_t>(used_features.size());
-    const int64_t F = m.vision_dim_ > 0 ? m.vision_dim_ : H;
+    const VisionEmbedder* e = m.embed_vision_;
+    const int64_t F = e ? e->feature_dim() : H;
     Vec dfeat = zeros(n * H);  // [n, H]
     for (int64_t t = 0; t < T; ++t)
       if (local_feature[t] >= 0) std::copy_n(dh0.data() + t * H, H, dfeat.data() + local_feature[t] * H);
-    if (m.vision_dim_ > 0 && n > 0) {
-      Vec dnorm = zeros(n * F);
-      linear_backward(mm, feat_in.data(), W(m.vision_proj_), dfeat.data(), dnorm.data(), G(m.vision_proj_), n, F, H);
-      dfeat = zeros(n * F);
-      rmsnorm_backward(feat_raw.data(), nullptr, feat_rms.data(), dnorm.data(), dfeat.data(), nullptr, n, F);
+    if (e && n > 0) {
+      Vec draw = zeros(n * F);
+      e->backward(mm, W(e->slot()), feat_raw.data(), feat_in.data(), feat_rms.data(), dfeat.data(), n, draw.data(),
+                  G(e->slot()));
+      dfeat = std::move(draw);
     }
     d_image_features = zeros(N * F);
     for (int64_t i = 0; i < n; ++i)

@@ -20,16 +20,11 @@ namespace rf::model {
 // Parameter registration (Hugging Face names and shapes).
 // ---------------------------------------------------------------------------------------------------------------
 
-Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim, TensorSet::Storage storage,
-                         std::unique_ptr<ParamStore> store)
-    : cfg_(std::move(config)),
-      vision_dim_(vision_feature_dim),
-      store_(store ? std::move(store) : std::make_unique<ReplicatedStore>()) {
+Gemma4Model::Gemma4Model(Gemma4Config config, TensorSet::Storage storage, std::unique_ptr<ParamStore> store)
+    : cfg_(std::move(config)), store_(store ? std::move(store) : std::make_unique<ReplicatedStore>()) {
   cfg_.validate();
-  RF_CHECK(vision_dim_ >= 0, "vision feature dim must be non-negative");
   RF_CHECK(store_->size() == 0, "the model's parameter store must start empty");
   const int64_t H = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_layers, P = cfg_.ple_dim;
-  std::vector<size_t> ones;  // slots initialised to 1 (norm scales, router scales)
   ParamStore& ps = *store_;
   // Every matrix is a matmul operand except the lookup tables, which are read by row: the per-layer embedding (the
   // largest tensor of a Gemma 4 checkpoint) and the token embedding unless it is also the LM head.
@@ -43,7 +38,7 @@ Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim, TensorSet:
     ple_embed_ = ps.add("model.embed_tokens_per_layer.weight", {cfg_.ple_vocab_size, L * P}, kGlobalGroup, false);
     ple_proj_ = add("model.per_layer_model_projection.weight", {L * P, H});
     ple_norm_ = add("model.per_layer_projection_norm.weight", {P});
-    ones.push_back(ple_norm_);
+    scales_.push_back(ple_norm_);
   }
   for (int i = 0; i < L; ++i) {
     group = i;
@@ -54,12 +49,12 @@ Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim, TensorSet:
     LayerSlots l;
     l.q_proj = add(p + "self_attn.q_proj.weight", {qd, H});
     l.q_norm = add(p + "self_attn.q_norm.weight", {D});
-    ones.push_back(l.q_norm);
+    scales_.push_back(l.q_norm);
     if (s.kv_source < 0) {
       l.k_proj = add(p + "self_attn.k_proj.weight", {kd, H});
       if (s.has_v_proj) l.v_proj = add(p + "self_attn.v_proj.weight", {kd, H});
       l.k_norm = add(p + "self_attn.k_norm.weight", {D});
-      ones.push_back(l.k_norm);
+      scales_.push_back(l.k_norm);
     }
     l.o_proj = add(p + "self_attn.o_proj.weight", {H, qd});
     l.gate_proj = add(p + "mlp.gate_proj.weight", {I, H});
@@ -69,7 +64,7 @@ Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim, TensorSet:
     l.post_attn_norm = add(p + "post_attention_layernorm.weight", {H});
     l.pre_ff_norm = add(p + "pre_feedforward_layernorm.weight", {H});
     l.post_ff_norm = add(p + "post_feedforward_layernorm.weight", {H});
-    ones.insert(ones.end(), {l.input_norm, l.post_attn_norm, l.pre_ff_norm, l.post_ff_norm});
+    scales_.insert(scales_.end(), {l.input_norm, l.post_attn_norm, l.pre_ff_norm, l.post_ff_norm});
     if (cfg_.enable_moe) {
       const int64_t E = cfg_.num_experts, Im = cfg_.moe_intermediate_size;
       l.router_proj = add(p + "router.proj.weight", {E, H});
@@ -80,14 +75,14 @@ Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim, TensorSet:
       l.post_ff_norm_1 = add(p + "post_feedforward_layernorm_1.weight", {H});
       l.post_ff_norm_2 = add(p + "post_feedforward_layernorm_2.weight", {H});
       l.pre_ff_norm_2 = add(p + "pre_feedforward_layernorm_2.weight", {H});
-      ones.insert(ones.end(),
-                  {l.router_scale, l.per_expert_scale, l.post_ff_norm_1, l.post_ff_norm_2, l.pre_ff_norm_2});
+      scales_.insert(scales_.end(),
+                     {l.router_scale, l.per_expert_scale, l.post_ff_norm_1, l.post_ff_norm_2, l.pre_ff_norm_2});
     }
     if (P > 0) {
       l.ple_gate = add(p + "per_layer_input_gate.weight", {P, H});
       l.ple_proj = add(p + "per_layer_projection.weight", {H, P});
       l.ple_post_norm = add(p + "post_per_layer_input_norm.weight", {H});
-      ones.push_back(l.ple_post_norm);
+      scales_.push_back(l.ple_post_norm);
     }
     l.layer_scalar = buffers_.add(p + "layer_scalar", {1});
     buffers_[l.layer_scalar].data[0] = 1.f;
@@ -95,16 +90,19 @@ Gemma4Model::Gemma4Model(Gemma4Config config, int vision_feature_dim, TensorSet:
   }
   group = kGlobalGroup;
   final_norm_ = add("model.norm.weight", {H});
-  ones.push_back(final_norm_);
+  scales_.push_back(final_norm_);
   lm_head_ = cfg_.tie_word_embeddings ? embed_ : add("lm_head.weight", {V, H});
-  if (vision_dim_ > 0) vision_proj_ = add("model.embed_vision.embedding_projection.weight", {H, vision_dim_});
   // The token tables are read by row and the head only around the loss (ParamInfo::streamed).
   ps.mark_streamed(embed_);
   if (P > 0) ps.mark_streamed(ple_embed_);
   ps.mark_streamed(lm_head_);
   if (storage == TensorSet::Storage::Deferred) return;
   ps.allocate_weights();
-  for (size_t s : ones) ps.write_weight(s, std::vector<float>(static_cast<size_t>(ps.info(s).numel), 1.f));
+  init_scales();
+}
+
+void Gemma4Model::init_scales() {
+  for (size_t s : scales_) store_->write_weight(s, std::vector<float>(static_cast<size_t>(store_->info(s).numel), 1.f));
 }
 
 void Gemma4Model::init_random(uint64_t seed, float stddev) {

@@ -31,6 +31,8 @@
 
 namespace rf::model {
 
+class VisionEmbedder;  // multimodal.h
+
 // One batch, row-major over [B, S]. Optional arrays may be null.
 struct Batch {
   int B = 0, S = 0;
@@ -122,19 +124,21 @@ class Gemma4Model {
  public:
   // Registers every parameter in the Hugging Face layout of Gemma4ForCausalLM ("model.layers.0..."): weights 0,
   // norm and router scales 1 (transformers' initial values), to be overwritten by a checkpoint or init_random.
-  // vision_feature_dim > 0 adds the trainable projection of image features, Gemma4MultimodalEmbedder's
-  // "model.embed_vision.embedding_projection.weight" [H, F] after a scale-free RMSNorm; 0: features arrive in
-  // the hidden size and are placed as they are. Storage::Deferred registers the parameters' names and shapes
-  // without memory (what load_checkpoint checks against the files and the machine before allocating them:
-  // params().allocate_weights()).
+  // Storage::Deferred registers the parameters' names and shapes without memory (what load_checkpoint checks against
+  // the files and the machine before allocating them: params().allocate_weights(), then init_scales()).
   // `store`: where the parameters are registered and live, an empty one (null: a ReplicatedStore, every parameter in
-  // float32 here); another implementation (sharded, LoRA) changes where the weights are, not the model.
-  explicit Gemma4Model(Gemma4Config config, int vision_feature_dim = 0,
-                       TensorSet::Storage storage = TensorSet::Storage::Allocated,
+  // float32 here); another implementation (sharded, LoRA) changes where the weights are, not the model. A multimodal
+  // model (multimodal.h) registers its other parts' parameters in the same store after the decoder's.
+  explicit Gemma4Model(Gemma4Config config, TensorSet::Storage storage = TensorSet::Storage::Allocated,
                        std::unique_ptr<ParamStore> store = nullptr);
 
   const Gemma4Config& config() const { return cfg_; }
-  int vision_feature_dim() const { return vision_dim_; }
+  // The multimodal embedder (multimodal.h, owned by the multimodal model, registered in this store) that projects
+  // the batch's image features [N, F] into the hidden size when the decoder embeds a row, on the slots this rank's
+  // tokens hold; null (the default): the features arrive in the hidden size and are placed as they are.
+  void set_vision_embedder(const VisionEmbedder* embedder) { embed_vision_ = embedder; }
+  // Writes the initial 1 of every norm and router scale (the constructor does it when it allocates).
+  void init_scales();
   // Where the parameters live (model/param_store.h): their registry (Hugging Face names, registration order), the
   // weights, and, once training asks for them, the gradients and AdamW's moments.
   ParamStore& params() { return *store_; }
@@ -181,14 +185,14 @@ class Gemma4Model {
   struct Run;  // one run's activations and the steps over them (gemma4.cpp)
 
   Gemma4Config cfg_;
-  int vision_dim_ = 0;
   std::vector<LayerSpec> specs_;
   std::vector<LayerSlots> slots_;
   std::unique_ptr<ParamStore> store_;
   TensorSet buffers_;
   size_t embed_ = kNoSlot, final_norm_ = kNoSlot, lm_head_ = kNoSlot;
   size_t ple_embed_ = kNoSlot, ple_proj_ = kNoSlot, ple_norm_ = kNoSlot;
-  size_t vision_proj_ = kNoSlot;
+  std::vector<size_t> scales_;                    // slots whose initial value is 1 (norm and router scales)
+  const VisionEmbedder* embed_vision_ = nullptr;  // not owned (multimodal.h)
 };
 
 }  // namespace rf::model

@@ -21,6 +21,11 @@
 // widened values round back to exactly those bits), so no bf16 copy is made either. Outside the hooks weight(slot)
 // of such a slot widens it into one scratch buffer, valid until the next such call (tools: export, checks).
 //
+// Under parallelism.shard = optimizer the trainer shards the adapters' moments over the ranks (set_moment_range over
+// the trainable layout, which is the adapters'), as for any store; the base is never sharded: its mapped pages are
+// the page cache's, one copy for all the ranks of a machine, so a rank's piece would cost more than its share
+// (trainer/config.cpp refuses shard gradients and full with LoRA).
+//
 // Targets follow PEFT's target_modules, matched against the module names of the text model as Gemma4ForCausalLM
 // names them ("model.layers.3.self_attn.q_proj"): a list of names matches a module whose name is one of them or ends
 // with "." + one of them; a single regular expression must match the whole module name (std::regex_match, PEFT's

@@ -9,6 +9,8 @@
 #include "core/error.h"
 #include "cpu/attention.h"
 #include "io/tensor_access.h"
+#include "model/elementwise.h"
+#include "model/matmul_bf16.h"
 #include "model/ops.h"
 
 namespace rf::model {
@@ -18,6 +20,8 @@ namespace {
 constexpr int64_t kChannels = 3;  // RGB: a patch is 3 * patch_size^2 values
 constexpr int kAxes = 2;          // (x, y): the position table's and the rotary embedding's two axes
 constexpr int32_t kPaddingPosition = -1;
+// Channels one thread pools over every patch of an image: 64 floats, one cache line's worth four times over.
+constexpr int64_t kPoolChannels = 64;
 
 }  // namespace
 
@@ -91,79 +95,179 @@ VisionEncoder::VisionEncoder(VisionConfig c, const Lookup& tensors) : cfg_(std::
         1.f / std::pow(static_cast<float>(cfg_.rope_theta), static_cast<float>(i) / static_cast<float>(spatial)));
 }
 
-void VisionEncoder::clipped_linear(const Linear& l, const float* x, float* y, int64_t T, int64_t in, int64_t out,
-                                   VisionTape::LinearTape& tape) const {
-  const Matmul mm;
-  if (!cfg_.use_clipped_linears) {
-    linear_forward(mm, x, l.w.data(), y, T, in, out);
+void VisionEncoder::set_compute_dtype(ComputeDtype t) {
+  dtype_ = t;
+  weights_bf16_.clear();
+  if (t != ComputeDtype::Bfloat16) return;
+  weights_bf16_.add(input_proj_.data(), static_cast<int64_t>(input_proj_.size()));
+  for (const Layer& L : layers_)
+    for (const Linear* l : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down})
+      weights_bf16_.add(l->w.data(), static_cast<int64_t>(l->w.size()));
+}
+
+Matmul VisionEncoder::matmul() const {
+  return Matmul{dtype_, dtype_ == ComputeDtype::Bfloat16 ? &weights_bf16_ : nullptr};
+}
+
+namespace {
+
+// y[0, n) = clamp(x[0, n), lo, hi) (y may be x).
+void clamp_into(const float* x, float* y, int64_t n, float lo, float hi) {
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+  for (int64_t i = 0; i < n; ++i) y[i] = std::clamp(x[i], lo, hi);
+}
+
+}  // namespace
+
+bool VisionEncoder::widen_on_sgemm() const { return dtype_ == ComputeDtype::Bfloat16 && !bf16_matmul_on_onednn(); }
+
+const float* VisionEncoder::rounded(const float* x, int64_t n, Widened& wide) const {
+  if (!widen_on_sgemm()) return x;
+  wide.x.resize(static_cast<size_t>(n));
+  float* r = wide.x.data();
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+  for (int64_t i = 0; i < n; ++i) r[i] = bf16_to_float(float_to_bf16(x[i]));
+  return r;
+}
+
+void VisionEncoder::project(const Matmul& mm, const float* x, const std::vector<float>& W, float* y, int64_t T,
+                            int64_t in, int64_t out, Widened& wide) const {
+  if (!widen_on_sgemm()) {
+    linear_forward(mm, x, W.data(), y, T, in, out);
     return;
   }
-  tape.x.assign(x, x + T * in);
-  for (float& v : tape.x) v = std::clamp(v, l.in_min, l.in_max);
-  linear_forward(mm, tape.x.data(), l.w.data(), y, T, in, out);
-  tape.y.assign(y, y + T * out);
-  for (int64_t i = 0; i < T * out; ++i) y[i] = std::clamp(y[i], l.out_min, l.out_max);
+  const int64_t n = static_cast<int64_t>(W.size());
+  const bf16* copy = weights_bf16_.find(W.data(), n);
+  RF_CHECK(copy != nullptr, "vision tower: a weight without its bf16 copy (set_compute_dtype on another encoder?)");
+  wide.w.resize(W.size());
+  float* w = wide.w.data();
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+  for (int64_t i = 0; i < n; ++i) w[i] = bf16_to_float(copy[i]);
+  // The products of bf16 values are exact in float32: sgemm on them is the bf16 mode's arithmetic (ops.h).
+  linear_forward(Matmul{}, x, w, y, T, in, out);
+}
+
+void VisionEncoder::clipped_linear(const Matmul& mm, const Linear& l, const float* x, float* y, int64_t T, int64_t in,
+                                   int64_t out, VisionTape::LinearTape& tape, bool keep, Widened& wide,
+                                   const float* x_rounded) const {
+  if (!cfg_.use_clipped_linears) {
+    project(mm, x_rounded ? x_rounded : rounded(x, T * in, wide), l.w, y, T, in, out, wide);
+    return;
+  }
+  tape.x.resize(static_cast<size_t>(T * in));
+  clamp_into(x, tape.x.data(), T * in, l.in_min, l.in_max);
+  project(mm, rounded(tape.x.data(), T * in, wide), l.w, y, T, in, out, wide);
+  if (keep) tape.y.assign(y, y + T * out);
+  clamp_into(y, y, T * out, l.out_min, l.out_max);
 }
 
 void VisionEncoder::clipped_linear_backward(const Linear& l, const float* x, const VisionTape::LinearTape& tape,
                                             const float* dy, float* dx, float* dW, int64_t T, int64_t in,
                                             int64_t out) const {
-  const Matmul mm;
+  const Matmul mm = matmul();
   if (!cfg_.use_clipped_linears) {
     linear_backward(mm, x, l.w.data(), dy, dx, dW, T, in, out);
     return;
   }
   // torch.clamp passes the gradient where min <= value <= max, and none outside.
   std::vector<float> dy_in(dy, dy + T * out);
+#pragma omp parallel for schedule(static) if (T * out >= kParallelMinElements)
   for (int64_t i = 0; i < T * out; ++i)
     if (!(tape.y[i] >= l.out_min && tape.y[i] <= l.out_max)) dy_in[i] = 0.f;
   std::vector<float> dx_in(static_cast<size_t>(T * in), 0.f);
   linear_backward(mm, tape.x.data(), l.w.data(), dy_in.data(), dx_in.data(), dW, T, in, out);
+#pragma omp parallel for schedule(static) if (T * in >= kParallelMinElements)
   for (int64_t i = 0; i < T * in; ++i)
     if (x[i] >= l.in_min && x[i] <= l.in_max) dx[i] += dx_in[i];
 }
 
 namespace {
 
-// [n, P, heads, D] token-major <-> [n, heads, P, D] head-major (the attention kernels' layout).
-std::vector<float> to_heads(const std::vector<float>& x, int n, int64_t P, int heads, int64_t D) {
-  std::vector<float> y(x.size());
-  for (int img = 0; img < n; ++img)
-    for (int64_t p = 0; p < P; ++p)
-      for (int hd = 0; hd < heads; ++hd)
-        std::copy_n(x.data() + ((img * P + p) * heads + hd) * D, D, y.data() + ((img * heads + hd) * P + p) * D);
-  return y;
+// [n, P, heads, D] token-major <-> [n, heads, P, D] head-major (the attention kernels' layout), y written.
+void to_heads_into(const float* x, float* y, int n, int64_t P, int heads, int64_t D) {
+  const int64_t T = int64_t{n} * P;
+#pragma omp parallel for schedule(static) if (T * heads * D >= kParallelMinElements)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t img = t / P, p = t % P;
+    for (int hd = 0; hd < heads; ++hd) std::copy_n(x + (t * heads + hd) * D, D, y + ((img * heads + hd) * P + p) * D);
+  }
 }
-std::vector<float> to_tokens(const std::vector<float>& x, int n, int64_t P, int heads, int64_t D) {
-  std::vector<float> y(x.size());
-  for (int img = 0; img < n; ++img)
-    for (int hd = 0; hd < heads; ++hd)
-      for (int64_t p = 0; p < P; ++p)
-        std::copy_n(x.data() + ((img * heads + hd) * P + p) * D, D, y.data() + ((img * P + p) * heads + hd) * D);
-  return y;
+void to_tokens_into(const float* x, float* y, int n, int64_t P, int heads, int64_t D) {
+  const int64_t T = int64_t{n} * P;
+#pragma omp parallel for schedule(static) if (T * heads * D >= kParallelMinElements)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t img = t / P, p = t % P;
+    for (int hd = 0; hd < heads; ++hd) std::copy_n(x + ((img * heads + hd) * P + p) * D, D, y + (t * heads + hd) * D);
+  }
 }
 
-// In place on x[T, heads, D]: each half a of a head rotated by axis a's angle, pairs (i, i + D/4) within the half;
-// `inverse` rotates back (the backward of a rotation is its transpose).
+// One head's row v[D]: each half a rotated by axis a's angle (cos, sin: [2, D/4] of its token), pairs (i, i + D/4)
+// within the half; `inverse` rotates back (the backward of a rotation is its transpose).
+void rotate_row(float* v, const float* cos, const float* sin, int64_t D, bool inverse) {
+  const int64_t quarter = D / (2 * kAxes);
+  for (int a = 0; a < kAxes; ++a) {
+    float* part = v + a * 2 * quarter;
+    for (int64_t i = 0; i < quarter; ++i) {
+      const float c = cos[a * quarter + i];
+      const float s = inverse ? -sin[a * quarter + i] : sin[a * quarter + i];
+      const float x1 = part[i], x2 = part[i + quarter];
+      part[i] = x1 * c - x2 * s;
+      part[i + quarter] = x2 * c + x1 * s;
+    }
+  }
+}
+
+// In place on x[T, heads, D]: rotate_row on every head of every token (the tables: [T, 2, D/4]).
 void rope_2d(std::vector<float>& x, const std::vector<float>& cosv, const std::vector<float>& sinv, int64_t T,
              int heads, int64_t D, bool inverse) {
-  const int64_t quarter = D / (2 * kAxes);
+  const int64_t table = kAxes * (D / (2 * kAxes));  // one token's entries of a table
+#pragma omp parallel for schedule(static) if (T * heads * D >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t)
     for (int hd = 0; hd < heads; ++hd)
-      for (int a = 0; a < kAxes; ++a) {
-        float* part = x.data() + (t * heads + hd) * D + a * 2 * quarter;
-        for (int64_t i = 0; i < quarter; ++i) {
-          const float c = cosv[(t * kAxes + a) * quarter + i];
-          const float s = inverse ? -sinv[(t * kAxes + a) * quarter + i] : sinv[(t * kAxes + a) * quarter + i];
-          const float x1 = part[i], x2 = part[i + quarter];
-          part[i] = x1 * c - x2 * s;
-          part[i + quarter] = x2 * c + x1 * s;
-        }
-      }
+      rotate_row(x.data() + (t * heads + hd) * D, cosv.data() + t * table, sinv.data() + t * table, D, inverse);
 }
 
-void add_into(std::vector<float>& y, const std::vector<float>& x) {
-  for (size_t i = 0; i < y.size(); ++i) y[i] += x[i];
+// The per-head RMSNorm of q, k or v and (with tables) the 2-D rotation, in one pass that also moves each row to the
+// attention kernels' layout: x[n * P, heads, D] token-major in, y[n, heads, P, D] head-major out, inv_rms[n * P *
+// heads] (token-major, as rmsnorm_forward over the T * heads rows leaves it). w null: no scale; cos/sin null: no
+// rotation; `round`: store bf16-rounded values (the bf16 mode's attention operands). The same bits as rmsnorm_forward,
+// rope_2d and to_heads one after the other.
+void norm_rope_to_heads(const float* x, const float* w, float eps, const float* cos, const float* sin, int n, int64_t P,
+                        int heads, int64_t D, float* inv_rms, float* y, bool round) {
+  RF_CHECK(D <= kMaxHeadDim, "vision tower: head_dim = ", D, " is above the attention kernels' ", kMaxHeadDim);
+  const ElementwiseKernels& k = elementwise();
+  const int64_t T = int64_t{n} * P, table = kAxes * (D / (2 * kAxes));
+#pragma omp parallel for schedule(static) if (T * heads * D >= kParallelMinElements)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t img = t / P, p = t % P;
+    for (int hd = 0; hd < heads; ++hd) {
+      const int64_t r = t * heads + hd;
+      float* out = y + ((img * heads + hd) * P + p) * D;
+      const float inv = 1.f / std::sqrt(k.sum_squares(x + r * D, D) / static_cast<float>(D) + eps);
+      inv_rms[r] = inv;
+      k.scale_row(x + r * D, w, inv, out, D);
+      if (cos) rotate_row(out, cos + t * table, sin + t * table, D, false);
+      if (round)
+        for (int64_t i = 0; i < D; ++i) out[i] = bf16_to_float(float_to_bf16(out[i]));
+    }
+  }
+}
+
+// h[R, n] += rmsnorm(x[R, n]) * w, inv_rms[R]: a post-norm and its residual add in one pass over the rows (the same
+// bits as rmsnorm_forward into a buffer, then the add).
+void norm_add(const float* x, const float* w, float eps, float* inv_rms, float* h, int64_t R, int64_t n) {
+  const ElementwiseKernels& k = elementwise();
+#pragma omp parallel if (R * n >= kParallelMinElements)
+  {
+    std::vector<float> row(static_cast<size_t>(n));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < R; ++r) {
+      const float inv = 1.f / std::sqrt(k.sum_squares(x + r * n, n) / static_cast<float>(n) + eps);
+      inv_rms[r] = inv;
+      k.scale_row(x + r * n, w, inv, row.data(), n);
+      for (int64_t i = 0; i < n; ++i) h[r * n + i] += row[i];
+    }
+  }
 }
 
 }  // namespace
@@ -195,6 +299,8 @@ VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& sou
   check(b, source);
   const int64_t T = int64_t{n} * P;
   const int64_t length = P / (k * k);  // soft tokens an image of P patches pools to (Gemma4VisionModel's output_length)
+  const Matmul mm = matmul();
+  const bool bf16 = dtype_ == ComputeDtype::Bfloat16;
   VisionTape local;
   VisionTape& tape = keep ? *keep : local;
   tape = VisionTape{};
@@ -206,9 +312,12 @@ VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& sou
   // 1. Patch embedding.
   std::vector<float> h(static_cast<size_t>(T * H));
   tape.scaled.resize(static_cast<size_t>(T * patch_values));
+#pragma omp parallel for schedule(static) if (T * patch_values >= kParallelMinElements)
   for (int64_t i = 0; i < T * patch_values; ++i) tape.scaled[i] = 2.f * (b.pixels[i] - 0.5f);
-  linear_forward(Matmul{}, tape.scaled.data(), input_proj_.data(), h.data(), T, patch_values, H);
+  Widened wide;
+  project(mm, rounded(tape.scaled.data(), T * patch_values, wide), input_proj_, h.data(), T, patch_values, H, wide);
   const int64_t table = int64_t{cfg_.position_embedding_size} * H;  // one axis of the position table
+#pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
     if (pad[t]) continue;
     const float* ex = pos_table_.data() + int64_t{b.positions[2 * t]} * H;
@@ -220,6 +329,7 @@ VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& sou
   const int64_t quarter = D / (2 * kAxes);
   tape.cos.resize(static_cast<size_t>(T * kAxes * quarter));
   tape.sin.resize(tape.cos.size());
+#pragma omp parallel for schedule(static) if (T * kAxes * quarter >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t)
     for (int a = 0; a < kAxes; ++a)
       for (int64_t i = 0; i < quarter; ++i) {
@@ -241,50 +351,69 @@ VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& sou
   chunk.scale = 1.f;  // Gemma4VisionAttention.scaling: q and k are RMS-normalised per head instead
 
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
-  const auto sized = [](int64_t count) { return std::vector<float>(static_cast<size_t>(count)); };
+  // Each buffer is sized once: without a tape one layer's buffers serve every layer (no allocation, no page faults
+  // after the first layer); with one, each layer's are its own and stay on the tape.
+  const auto fit = [](std::vector<float>& v, int64_t count) { v.resize(static_cast<size_t>(count)); };
+  VisionTape::Layer scratch;
+  if (keep) tape.layers.reserve(layers_.size());
   for (const Layer& L : layers_) {
-    VisionTape::Layer S;
-    S.h_in = h;
+    VisionTape::Layer& S = keep ? tape.layers.emplace_back() : scratch;
+    if (keep) S.h_in = h;
     // 2a. Attention.
-    S.a = sized(T * H), S.inv_in = sized(T);
+    fit(S.a, T * H), fit(S.inv_in, T);
     rmsnorm_forward(h.data(), L.input_norm.data(), eps, S.a.data(), S.inv_in.data(), T, H);
-    S.q_raw = sized(T * Hq * D), S.k_raw = sized(T * Hkv * D), S.v_raw = sized(T * Hkv * D);
-    clipped_linear(L.q, S.a.data(), S.q_raw.data(), T, H, Hq * D, S.q);
-    clipped_linear(L.k, S.a.data(), S.k_raw.data(), T, H, Hkv * D, S.k);
-    clipped_linear(L.v, S.a.data(), S.v_raw.data(), T, H, Hkv * D, S.v);
-    std::vector<float> qn = sized(T * Hq * D), kn = sized(T * Hkv * D), vn = sized(T * Hkv * D);
-    S.inv_q = sized(T * Hq), S.inv_k = sized(T * Hkv), S.inv_v = sized(T * Hkv);
-    rmsnorm_forward(S.q_raw.data(), L.q_norm.data(), eps, qn.data(), S.inv_q.data(), T * Hq, D);
-    rmsnorm_forward(S.k_raw.data(), L.k_norm.data(), eps, kn.data(), S.inv_k.data(), T * Hkv, D);
-    rmsnorm_forward(S.v_raw.data(), nullptr, eps, vn.data(), S.inv_v.data(), T * Hkv, D);
-    rope_2d(qn, tape.cos, tape.sin, T, Hq, D, false);
-    rope_2d(kn, tape.cos, tape.sin, T, Hkv, D, false);
-    S.qh = to_heads(qn, n, P, Hq, D), S.kh = to_heads(kn, n, P, Hkv, D), S.vh = to_heads(vn, n, P, Hkv, D);
+    fit(S.q_raw, T * Hq * D), fit(S.k_raw, T * Hkv * D), fit(S.v_raw, T * Hkv * D);
+    {
+      // Without clipping q, k and v multiply the same input: rounded to bf16 once for the three (bf16 mode).
+      SharedOperands shared(mm);
+      const float* a = nullptr;
+      if (!cfg_.use_clipped_linears) {
+        if (!widen_on_sgemm()) shared.add(S.a.data(), T * H);  // for oneDNN's bf16 matmul
+        a = rounded(S.a.data(), T * H, wide);
+      }
+      const Matmul m = shared.matmul();
+      clipped_linear(m, L.q, S.a.data(), S.q_raw.data(), T, H, Hq * D, S.q, keep, wide, a);
+      clipped_linear(m, L.k, S.a.data(), S.k_raw.data(), T, H, Hkv * D, S.k, keep, wide, a);
+      clipped_linear(m, L.v, S.a.data(), S.v_raw.data(), T, H, Hkv * D, S.v, keep, wide, a);
+    }
+    fit(S.qh, T * Hq * D), fit(S.kh, T * Hkv * D), fit(S.vh, T * Hkv * D);
+    fit(S.inv_q, T * Hq), fit(S.inv_k, T * Hkv), fit(S.inv_v, T * Hkv);
+    norm_rope_to_heads(S.q_raw.data(), L.q_norm.data(), eps, tape.cos.data(), tape.sin.data(), n, P, Hq, D,
+                       S.inv_q.data(), S.qh.data(), bf16);
+    norm_rope_to_heads(S.k_raw.data(), L.k_norm.data(), eps, tape.cos.data(), tape.sin.data(), n, P, Hkv, D,
+                       S.inv_k.data(), S.kh.data(), bf16);
+    norm_rope_to_heads(S.v_raw.data(), nullptr, eps, nullptr, nullptr, n, P, Hkv, D, S.inv_v.data(), S.vh.data(), bf16);
     chunk.q = S.qh.data();
     chunk.k = S.kh.data();
     chunk.v = S.vh.data();
     validate(chunk);
-    S.out = sized(T * Hq * D), S.lse = sized(T * Hq);
+    fit(S.out, T * Hq * D), fit(S.lse, T * Hq);
     cpu::attention_forward(chunk, S.out.data(), S.lse.data());
-    S.o_tok = to_tokens(S.out, n, P, Hq, D);
-    S.attn = sized(T * H), S.inv_attn = sized(T);
-    clipped_linear(L.o, S.o_tok.data(), S.attn.data(), T, Hq * D, H, S.o);
-    std::vector<float> normed = sized(T * H);
-    rmsnorm_forward(S.attn.data(), L.post_attention_norm.data(), eps, normed.data(), S.inv_attn.data(), T, H);
-    add_into(h, normed);
+    fit(S.o_tok, T * Hq * D);
+    to_tokens_into(S.out.data(), S.o_tok.data(), n, P, Hq, D);
+    fit(S.attn, T * H), fit(S.inv_attn, T);
+    clipped_linear(mm, L.o, S.o_tok.data(), S.attn.data(), T, Hq * D, H, S.o, keep, wide);
+    norm_add(S.attn.data(), L.post_attention_norm.data(), eps, S.inv_attn.data(), h.data(), T, H);
     // 2b. MLP.
-    S.h_mid = h;
-    S.m = sized(T * H), S.inv_mid = sized(T);
+    if (keep) S.h_mid = h;
+    fit(S.m, T * H), fit(S.inv_mid, T);
     rmsnorm_forward(h.data(), L.pre_feedforward_norm.data(), eps, S.m.data(), S.inv_mid.data(), T, H);
-    S.g = sized(T * I), S.u = sized(T * I), S.gu = sized(T * I);
-    clipped_linear(L.gate, S.m.data(), S.g.data(), T, H, I, S.gate);
-    clipped_linear(L.up, S.m.data(), S.u.data(), T, H, I, S.up);
+    fit(S.g, T * I), fit(S.u, T * I), fit(S.gu, T * I);
+    {
+      SharedOperands shared(mm);  // gate and up multiply the same input, as q, k and v above
+      const float* m_in = nullptr;
+      if (!cfg_.use_clipped_linears) {
+        if (!widen_on_sgemm()) shared.add(S.m.data(), T * H);  // for oneDNN's bf16 matmul
+        m_in = rounded(S.m.data(), T * H, wide);
+      }
+      const Matmul m = shared.matmul();
+      clipped_linear(m, L.gate, S.m.data(), S.g.data(), T, H, I, S.gate, keep, wide, m_in);
+      clipped_linear(m, L.up, S.m.data(), S.u.data(), T, H, I, S.up, keep, wide, m_in);
+    }
     geglu_forward(S.g.data(), S.u.data(), S.gu.data(), T * I);
-    S.ff = sized(T * H), S.inv_ff = sized(T);
-    clipped_linear(L.down, S.gu.data(), S.ff.data(), T, I, H, S.down);
-    rmsnorm_forward(S.ff.data(), L.post_feedforward_norm.data(), eps, normed.data(), S.inv_ff.data(), T, H);
-    add_into(h, normed);
-    if (keep) tape.layers.push_back(std::move(S));
+    fit(S.ff, T * H), fit(S.inv_ff, T);
+    clipped_linear(mm, L.down, S.gu.data(), S.ff.data(), T, I, H, S.down, keep, wide);
+    norm_add(S.ff.data(), L.post_feedforward_norm.data(), eps, S.inv_ff.data(), h.data(), T, H);
   }
 
   // 3. Pooling per image, the scale and standardize.
@@ -306,12 +435,21 @@ VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& sou
       const float weight = 1.f / static_cast<float>(k * k);
       const std::vector<int64_t> cells = pool_cells(b, img);
       for (int64_t p = 0; p < P; ++p) {
-        const int64_t cell = cells[p];
-        RF_CHECK(cell < length, source, ": image ", img, " patch ", p, " pools into cell ", cell, " of ", length,
-                 ": the image's grid holds more patches than its ", P, " slots");
-        used[cell] = true;
-        if (pad[base + p]) continue;
-        for (int64_t c = 0; c < H; ++c) pooled[cell * H + c] += weight * h[(base + p) * H + c];
+        RF_CHECK(cells[p] < length, source, ": image ", img, " patch ", p, " pools into cell ", cells[p], " of ",
+                 length, ": the image's grid holds more patches than its ", P, " slots");
+        used[cells[p]] = true;
+      }
+      // Each thread sums its own channels over every patch in patch order: the same bits for any thread count.
+      const int64_t blocks = (H + kPoolChannels - 1) / kPoolChannels;
+#pragma omp parallel for schedule(static) if (P * H >= kParallelMinElements)
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t c0 = blk * kPoolChannels, c1 = std::min(H, c0 + kPoolChannels);
+        for (int64_t p = 0; p < P; ++p) {
+          if (pad[base + p]) continue;
+          float* cell = pooled.data() + cells[p] * H;
+          const float* x = h.data() + (base + p) * H;
+          for (int64_t c = c0; c < c1; ++c) cell[c] += weight * x[c];
+        }
       }
     }
     int64_t count = 0;
@@ -388,19 +526,28 @@ void VisionEncoder::backward(const VisionBatch& b, const VisionTape& tape, const
   chunk.q_meta = chunk.k_meta = tape.meta.data();
   chunk.mask = LayerMask{false, 0, false};
   chunk.scale = 1.f;
-  const auto zeros = [](int64_t count) { return std::vector<float>(static_cast<size_t>(count), 0.f); };
+  // Every layer's gradients in one buffer set, zeroed (in parallel) where a backward accumulates into them: no
+  // allocation, and so no page faults, after the last layer.
+  const auto zero = [](std::vector<float>& v, int64_t count) {
+    v.resize(static_cast<size_t>(count));
+    float* d = v.data();
+#pragma omp parallel for schedule(static) if (count >= kParallelMinElements)
+    for (int64_t i = 0; i < count; ++i) d[i] = 0.f;
+  };
+  std::vector<float> d_ff, d_gu, d_g, d_u, d_m, d_attn, d_otok, d_out, delta, dqh, dkh, dvh, dq, dk, dv, dq_raw, dk_raw,
+      dv_raw, d_a;
   for (int l = static_cast<int>(layers_.size()) - 1; l >= 0; --l) {
     const Layer& L = layers_[l];
     const VisionTape::Layer& S = tape.layers[l];
     const std::string p = "encoder.layers." + std::to_string(l) + ".";
     // 2b. MLP: h_out = h_mid + post_feedforward_norm(down(gelu(gate(m)) * up(m))), m = pre_feedforward_norm(h_mid).
-    std::vector<float> d_ff = zeros(T * H), d_gu = zeros(T * I), d_g = zeros(T * I), d_u = zeros(T * I);
-    std::vector<float> d_m = zeros(T * H);
+    zero(d_ff, T * H), zero(d_gu, T * I), zero(d_m, T * H);
+    d_g.resize(static_cast<size_t>(T * I)), d_u.resize(static_cast<size_t>(T * I));  // written by geglu_backward
     rmsnorm_backward(S.ff.data(), L.post_feedforward_norm.data(), S.inv_ff.data(), dh.data(), d_ff.data(),
                      grad(p + "post_feedforward_layernorm.weight", H), T, H);
     clipped_linear_backward(L.down, S.gu.data(), S.down, d_ff.data(), d_gu.data(),
                             grad(p + "mlp.down_proj.linear.weight", H * I), T, I, H);
-    geglu_backward(S.g.data(), S.u.data(), d_gu.data(), d_g.data(), d_u.data(), T * I, true);
+    geglu_backward(S.g.data(), S.u.data(), d_gu.data(), d_g.data(), d_u.data(), T * I, false);
     clipped_linear_backward(L.gate, S.m.data(), S.gate, d_g.data(), d_m.data(),
                             grad(p + "mlp.gate_proj.linear.weight", I * H), T, H, I);
     clipped_linear_backward(L.up, S.m.data(), S.up, d_u.data(), d_m.data(),
@@ -408,30 +555,32 @@ void VisionEncoder::backward(const VisionBatch& b, const VisionTape& tape, const
     rmsnorm_backward(S.h_mid.data(), L.pre_feedforward_norm.data(), S.inv_mid.data(), d_m.data(), dh.data(),
                      grad(p + "pre_feedforward_layernorm.weight", H), T, H);
     // 2a. Attention: h_mid = h_in + post_attention_norm(o_proj(attention(...))).
-    std::vector<float> d_attn = zeros(T * H), d_otok = zeros(T * Hq * D);
+    zero(d_attn, T * H), zero(d_otok, T * Hq * D);
     rmsnorm_backward(S.attn.data(), L.post_attention_norm.data(), S.inv_attn.data(), dh.data(), d_attn.data(),
                      grad(p + "post_attention_layernorm.weight", H), T, H);
     clipped_linear_backward(L.o, S.o_tok.data(), S.o, d_attn.data(), d_otok.data(),
                             grad(p + "self_attn.o_proj.linear.weight", H * Hq * D), T, Hq * D, H);
-    const std::vector<float> d_out = to_heads(d_otok, n, P, Hq, D);
-    std::vector<float> delta = zeros(T * Hq), dqh = zeros(T * Hq * D), dkh = zeros(T * Hkv * D),
-                       dvh = zeros(T * Hkv * D);
+    d_out.resize(static_cast<size_t>(T * Hq * D)), delta.resize(static_cast<size_t>(T * Hq));  // written
+    to_heads_into(d_otok.data(), d_out.data(), n, P, Hq, D);
+    zero(dqh, T * Hq * D), zero(dkh, T * Hkv * D), zero(dvh, T * Hkv * D);
     chunk.q = S.qh.data();
     chunk.k = S.kh.data();
     chunk.v = S.vh.data();
     cpu::attention_delta(chunk.shape, DType::F32, d_out.data(), S.out.data(), delta.data());
     cpu::attention_backward(chunk, d_out.data(), S.lse.data(), delta.data(), dqh.data(), dkh.data(), dvh.data());
-    std::vector<float> dq = to_tokens(dqh, n, P, Hq, D), dk = to_tokens(dkh, n, P, Hkv, D),
-                       dv = to_tokens(dvh, n, P, Hkv, D);
+    dq.resize(dqh.size()), dk.resize(dkh.size()), dv.resize(dvh.size());  // written
+    to_tokens_into(dqh.data(), dq.data(), n, P, Hq, D);
+    to_tokens_into(dkh.data(), dk.data(), n, P, Hkv, D);
+    to_tokens_into(dvh.data(), dv.data(), n, P, Hkv, D);
     rope_2d(dq, tape.cos, tape.sin, T, Hq, D, true);
     rope_2d(dk, tape.cos, tape.sin, T, Hkv, D, true);
-    std::vector<float> dq_raw = zeros(T * Hq * D), dk_raw = zeros(T * Hkv * D), dv_raw = zeros(T * Hkv * D);
+    zero(dq_raw, T * Hq * D), zero(dk_raw, T * Hkv * D), zero(dv_raw, T * Hkv * D);
     rmsnorm_backward(S.q_raw.data(), L.q_norm.data(), S.inv_q.data(), dq.data(), dq_raw.data(),
                      grad(p + "self_attn.q_norm.weight", D), T * Hq, D);
     rmsnorm_backward(S.k_raw.data(), L.k_norm.data(), S.inv_k.data(), dk.data(), dk_raw.data(),
                      grad(p + "self_attn.k_norm.weight", D), T * Hkv, D);
     rmsnorm_backward(S.v_raw.data(), nullptr, S.inv_v.data(), dv.data(), dv_raw.data(), nullptr, T * Hkv, D);
-    std::vector<float> d_a = zeros(T * H);
+    zero(d_a, T * H);
     clipped_linear_backward(L.q, S.a.data(), S.q, dq_raw.data(), d_a.data(),
                             grad(p + "self_attn.q_proj.linear.weight", Hq * D * H), T, H, Hq * D);
     clipped_linear_backward(L.k, S.a.data(), S.k, dk_raw.data(), d_a.data(),
@@ -443,7 +592,7 @@ void VisionEncoder::backward(const VisionBatch& b, const VisionTape& tape, const
   }
 
   // 1. Patch embedding.
-  linear_backward(Matmul{}, tape.scaled.data(), input_proj_.data(), dh.data(), nullptr,
+  linear_backward(matmul(), tape.scaled.data(), input_proj_.data(), dh.data(), nullptr,
                   grad("patch_embedder.input_proj.weight", H * patch_values), T, patch_values, H);
   float* d_table = grad("patch_embedder.position_embedding_table", kAxes * cfg_.position_embedding_size * H);
   const int64_t table = int64_t{cfg_.position_embedding_size} * H;

@@ -20,7 +20,10 @@
 // The result is the images' soft tokens, one row per kept cell, image after image: what Gemma4MultimodalEmbedder
 // (ringflex's vision projection, gemma4.h) takes as image features.
 //
-// Float32 throughout (the model's ops, ops.h); the weights are read from the checkpoint in any float dtype.
+// Float32 by default, bf16 matmuls on request (set_compute_dtype), on the decoder's building blocks: the linears are
+// model::gemm (ops.h: blocked sgemm or oneDNN bf16 over the OpenMP threads), attention the project's cpu kernels, and
+// the elementwise passes run over the threads, fused where they meet (each q/k/v head's norm, rotation and move to the
+// kernels' layout; each post-norm and its residual add). The weights are read from the checkpoint in any float dtype.
 // Backward: given d loss / d soft tokens, the gradient of every trainable tower tensor (nn.Parameter in
 // transformers: linear weights, norm scales, the patch projection and the position table; the clip bounds and the
 // std buffers are buffers, without gradients), from what forward kept on a VisionTape. By default the trainer never
@@ -38,6 +41,7 @@
 
 #include "core/mask.h"
 #include "io/passthrough.h"
+#include "model/ops.h"
 #include "model/vision.h"
 
 namespace rf::model {
@@ -102,6 +106,15 @@ class VisionEncoder {
 
   const VisionConfig& config() const { return cfg_; }
 
+  // What the tower's matmuls multiply in (ops.h ComputeDtype; Float32 until this is called). Bfloat16, as the
+  // decoder's bf16 mode: every linear's operands are rounded to bf16 (the weights once, here: a bf16 copy of each,
+  // half the tower's float32 bytes; an activation that several linears read, once for them all) with float32
+  // accumulation, and attention reads q, k and v rounded to bf16 (float32 storage on the float32 kernels); the norms,
+  // rotary embedding, softmax, residual stream and pooling stay float32. backward multiplies its linears the same way.
+  // The copies belong to this object's weights: call it again on a copy of the encoder.
+  void set_compute_dtype(ComputeDtype t);
+  ComputeDtype compute_dtype() const { return dtype_; }
+
   // Throws rf::Error (naming `source`) for a batch the tower cannot pool: P not a multiple of pooling_kernel_size^2,
   // a position outside the position table, a padding patch with only one coordinate -1.
   // The checks forward makes before any work, alone: a job that splits its images over ranks runs them on every
@@ -127,8 +140,24 @@ class VisionEncoder {
   };
   std::vector<float> take(const Lookup& find, const std::string& name, const std::vector<int64_t>& shape) const;
   Linear take_linear(const Lookup& find, const std::string& name, int64_t in, int64_t out) const;
-  void clipped_linear(const Linear& l, const float* x, float* y, int64_t T, int64_t in, int64_t out,
-                      VisionTape::LinearTape& tape) const;
+  // The forward's reusable buffers for the bf16 mode on sgemm (widen_on_sgemm): an activation and a weight rounded to
+  // bf16 values, held in float32. Sized by the first layer, reused by the others (model::gemm would allocate both
+  // afresh in every call, a page fault per 4 KiB of them).
+  struct Widened {
+    std::vector<float> x, w;
+  };
+  // Whether the bf16 mode multiplies bf16-rounded float32 operands on sgemm (model::gemm's choice where oneDNN's bf16
+  // matmul does not pay, ops.h), which forward then rounds itself into Widened buffers.
+  bool widen_on_sgemm() const;
+  // x[0, n) as the matmul takes it: rounded to bf16 values into wide.x with widen_on_sgemm, else x itself.
+  const float* rounded(const float* x, int64_t n, Widened& wide) const;
+  // y[T, out] = x[T, in] W^T in this encoder's dtype; x from rounded().
+  void project(const Matmul& mm, const float* x, const std::vector<float>& W, float* y, int64_t T, int64_t in,
+               int64_t out, Widened& wide) const;
+  // y = clamp(clamp(x) W^T) (no clamps without clipped linears); tape.x gets the clamped input, and with `keep`
+  // tape.y the output before its clamp. x_rounded: rounded(x) when the caller made it once for several linears.
+  void clipped_linear(const Matmul& mm, const Linear& l, const float* x, float* y, int64_t T, int64_t in, int64_t out,
+                      VisionTape::LinearTape& tape, bool keep, Widened& wide, const float* x_rounded = nullptr) const;
   // dx += (d/dx of the clamped linear) dy, dW += ...; x the caller's input (the clamp's gradient is 1 inside the
   // bounds, 0 outside, as torch.clamp's).
   void clipped_linear_backward(const Linear& l, const float* x, const VisionTape::LinearTape& tape, const float* dy,
@@ -143,6 +172,9 @@ class VisionEncoder {
   std::vector<float> pos_table_;   // [2, position_embedding_size, H]
   std::vector<float> std_bias_, std_scale_;
   std::vector<float> inv_freq_;  // [head_dim / 4]: the rotary frequencies of one axis
+  ComputeDtype dtype_ = ComputeDtype::Float32;
+  Bf16Copies weights_bf16_;  // the linear weights rounded to bf16 (Bfloat16 only)
+  Matmul matmul() const;     // how this encoder's linears multiply
 };
 
 }  // namespace rf::model

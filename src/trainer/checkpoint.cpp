@@ -159,7 +159,7 @@ void remove_leftovers(const std::string& root) {
 int64_t checkpoint_bytes(const model::Checkpoint& weights) {
   constexpr int64_t kMoments = 2;  // exp_avg, exp_avg_sq
   constexpr auto kF32 = static_cast<int64_t>(sizeof(float));
-  const model::Gemma4Model& m = *weights.model;
+  const model::Gemma4Multimodal& m = *weights.model;
   int64_t bytes = checked_sum({checked_bytes({m.params().total_elements(), kF32}), m.buffers().total_bytes(),
                                checked_bytes({kMoments, m.params().trainable_elements(), kF32})});
   for (const io::Passthrough::Entry& e : weights.passthrough.entries())

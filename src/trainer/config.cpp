@@ -367,9 +367,15 @@ void validate(const TrainConfig& c, int world_size) {
              "config: model.lora.dropout = ", c.model.lora_dropout, " must be in [0, 1)");
     RF_CHECK(!c.model.lora_target.empty() || !c.model.lora_target_parameters.empty(),
              "config: model.lora.target and model.lora.target_parameters are both empty");
-    RF_CHECK(c.parallelism.shard == ShardMode::None,
+    // shard optimizer shards the adapters' moments (model/param_store.h: ZeRO-1 is the trainer's, over any store).
+    // gradients and full would shard state the LoRA store does not have: its frozen base is mapped read-only from
+    // the checkpoint's files, whose page-cache pages every rank of a machine shares (one copy a machine, never a
+    // float32 one), so a rank's piece of it would be a private copy costing more than the shared pages; and the
+    // adapters' gradients are the size of the adapters, a few MB beside one layer's widened base.
+    RF_CHECK(c.parallelism.shard == ShardMode::None || c.parallelism.shard == ShardMode::Optimizer,
              "config: model.lora with parallelism.shard = ", name_of(c.parallelism.shard),
-             " is not implemented (the adapters are small: shard none)");
+             " is not implemented (none or optimizer: the frozen base is mapped and shared by the ranks of a "
+             "machine, the adapters' gradients are small)");
     RF_CHECK(!c.model.train_vision, "config: model.lora with model.train_vision is not implemented (LoRA adapts the ",
              "decoder; the tower would train in full beside it)");
   }

@@ -154,8 +154,8 @@ void check_outputs(const TrainConfig& c, const TrainOptions& o) {
 }  // namespace
 
 // Terms, each counting buffers train() surely holds through a step (float32 unless said):
-//   weights          the parameters (and buffers), Gemma4Model::params()/buffers();
-//   bf16 copies      with model.compute_dtype = bfloat16, the matrices' bf16 copies (Gemma4Model::bf16_weight_bytes);
+//   weights          the parameters (and buffers), Gemma4Multimodal::params()/buffers();
+//   bf16 copies      with model.compute_dtype = bfloat16, the matrices' bf16 copies (the model's bf16_weight_bytes);
 //   gradients        the parameter store's gradient arena: the trainable parameters only;
 //   AdamW moments    exp_avg and exp_avg_sq, two more such arenas;
 //   the step's rows  this replica's global_batch / dp rows of seq_len tokens, five int32 arrays each (their image
@@ -186,15 +186,22 @@ model::LoraConfig lora_config(const TrainConfig& cfg) {
 }
 
 // Bytes of the model's parameters in the dtypes of model.path's files (what a LoRA store maps), or -1 without
-// model.path (a built-in base) or where a file's dtype is none a store can hold (the loader widens those).
+// model.path (a built-in base) or where a file's dtype is none a store can hold (the loader widens those). `shapes`
+// is the registry before the adapters exist (the check before loading) or a LoraStore with them (--stats at the
+// end): its adapters are in no file and are skipped.
 int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& shapes) {
   if (c.model.path.empty() || !fs::is_directory(c.model.path)) return -1;
   const io::Checkpoint files = io::Checkpoint::open(c.model.path);
   const std::string prefix = files.find(std::string(model::kMultimodalTextPrefix) + "embed_tokens.weight")
                                  ? model::kMultimodalTextPrefix
                                  : "model.";
+  std::vector<bool> adapter(shapes.size(), false);
+  if (const auto* lora = dynamic_cast<const model::LoraStore*>(&shapes))
+    for (const model::LoraStore::Adapter& a : lora->adapters()) adapter[a.a] = adapter[a.b] = true;
   int64_t bytes = 0;
-  for (const model::ParamInfo& p : shapes.infos()) {
+  for (size_t slot = 0; slot < shapes.size(); ++slot) {
+    if (adapter[slot]) continue;
+    const model::ParamInfo& p = shapes.info(slot);
     const io::TensorView* v = files.find(model::file_name_of(p.name, prefix));
     if (v == nullptr) return -1;
     if (v->dtype != io::StDType::F32 && v->dtype != io::StDType::BF16 && v->dtype != io::StDType::F16) return -1;
@@ -205,7 +212,7 @@ int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& shapes)
 
 }  // namespace
 
-MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Model& m, int world_size) {
+MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) {
   int64_t params = m.params().weight_bytes();
   int64_t trainable_bytes = 0;
   MemoryBreakdown lora_base;
@@ -236,7 +243,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   MemoryBreakdown need;
   const bool full = c.parallelism.shard == ShardMode::Full;
   if (full || c.parallelism.shard == ShardMode::Gradients) {
-    // The sharded store's state by kind (ShardedStore::bytes_for says what each holds; LoRA is shard none only).
+    // The sharded store's state by kind (ShardedStore::bytes_for says what each holds; LoRA is none or optimizer).
     // The tables' rows: every rank's micro-batch's tokens (the CP group's ranks share rows).
     const int64_t step_tokens = int64_t{c.train.micro_batch} * c.train.seq_len * c.parallelism.dp;
     const ShardedStore::Bytes b =
@@ -297,7 +304,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   run.training = true;
   run.recompute_layers = c.train.recompute;
   run.keep_mlp_projections = c.train.keep_mlp;
-  need.add(model::run_memory_at_least(m, run));
+  need.add(model::run_memory_at_least(m.decoder(), run));
   return need;
 }
 
@@ -422,7 +429,7 @@ void set_up(Run& r) {
     if (!cfg.checkpoint.dir.empty() && fs::is_directory(cfg.checkpoint.dir, ec)) remove_leftovers(cfg.checkpoint.dir);
   }
   // What the run needs, checked on every rank before the weights, gradients and moments are allocated.
-  const auto check_fits = [&](const model::Gemma4Model& shapes) {
+  const auto check_fits = [&](const model::Gemma4Multimodal& shapes) {
     check_memory(train_memory_at_least(cfg, shapes, r.world.size()), "train",
                  rf::concat(" at seq_len ", cfg.train.seq_len, " over cp ", cfg.parallelism.cp));
   };
@@ -445,10 +452,9 @@ void set_up(Run& r) {
     const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
     // With model.train_vision the tower's parameters are registered after the decoder's, before the store allocates.
     const auto shapes = [&](std::unique_ptr<model::ParamStore> store) {
-      auto m = std::make_unique<model::Gemma4Model>(builtin, model::kBuiltinFeatureDim,
-                                                    model::TensorSet::Storage::Deferred, std::move(store));
-      if (cfg.model.train_vision) model::register_vision_tower(m->params(), tower);
-      return m;
+      model::MultimodalParts parts(model::kBuiltinFeatureDim, tower, cfg.model.train_vision);
+      return std::make_unique<model::Gemma4Multimodal>(builtin, std::move(parts), model::TensorSet::Storage::Deferred,
+                                                       std::move(store));
     };
     check_fits(*shapes(nullptr));
     r.ck.model = shapes(lora_store());
@@ -489,7 +495,7 @@ void set_up(Run& r) {
     check_loaded_weights(r.ck, cfg.model.path);
   else if (!r.resume_dir.empty() && !lora)
     check_loaded_weights(r.ck, r.resume_dir);
-  const model::Gemma4Model& m = *r.ck.model;
+  const model::Gemma4Multimodal& m = *r.ck.model;
   check_expert_parallelism(cfg, m.config());
   const int width = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
   // Unfilled row positions are doc 0 with ignored labels (masked everywhere), so a config without a pad id
@@ -895,7 +901,7 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
 // its held experts' store, which it gets back on every path.
 class HeldExpertsWhole {
  public:
-  HeldExpertsWhole(model::Gemma4Model& m, std::unique_ptr<model::ParamStore> whole) : m_(m) {
+  HeldExpertsWhole(model::Gemma4Multimodal& m, std::unique_ptr<model::ParamStore> whole) : m_(m) {
     if (whole) held_ = m_.replace_params(std::move(whole));
   }
   ~HeldExpertsWhole() {
@@ -905,7 +911,7 @@ class HeldExpertsWhole {
   HeldExpertsWhole& operator=(const HeldExpertsWhole&) = delete;
 
  private:
-  model::Gemma4Model& m_;
+  model::Gemma4Multimodal& m_;
   std::unique_ptr<model::ParamStore> held_;
 };
 

@@ -66,7 +66,7 @@ comm::Timeout save_wait(comm::Timeout timeout, int64_t bytes, double bytes_per_s
 
 struct TrainResult {
   std::vector<StepMetrics> steps;  // the steps this call ran
-  std::unique_ptr<model::Gemma4Model> model;
+  std::unique_ptr<model::Gemma4Multimodal> model;
   std::string last_checkpoint;  // empty when none was written (the same on every rank)
   std::string svg_path;
 };
@@ -74,7 +74,7 @@ struct TrainResult {
 // What training needs per rank at least, known before any of it is allocated (`m`'s parameters may be shapes only):
 // named terms (core/memory.h) from trainer.cpp, where each is derived. train() checks it against the machine on
 // every rank before it allocates the weights, and the error names the biggest terms.
-MemoryBreakdown train_memory_at_least(const TrainConfig& config, const model::Gemma4Model& m, int world_size);
+MemoryBreakdown train_memory_at_least(const TrainConfig& config, const model::Gemma4Multimodal& m, int world_size);
 
 // Runs the configured training on `world` (every rank calls it). The config must have passed validate().
 TrainResult train(const TrainConfig& config, comm::Communicator& world, const TrainOptions& options);

@@ -28,7 +28,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using rf::model::Gemma4Config;
-using rf::model::Gemma4Model;
+using rf::model::Gemma4Multimodal;
 
 // A tiny dense model: every field the loader reads is given, so the edits below change one thing each.
 std::string tiny_config(const std::string& model_type, const std::string& vocab, const std::string& hidden,
@@ -63,7 +63,8 @@ void make_bad_models(const fs::path& dir) {
   fs::create_directories(dir);
   const fs::path good = dir / "good";
   rf::model::Checkpoint ck;
-  ck.model = std::make_unique<Gemma4Model>(Gemma4Config::from_json(tiny_config(R"("gemma4_text")", "24", "8", "2")));
+  ck.model =
+      std::make_unique<Gemma4Multimodal>(Gemma4Config::from_json(tiny_config(R"("gemma4_text")", "24", "8", "2")));
   constexpr uint64_t kSeed = 3;
   constexpr float kStd = 0.2f;
   ck.model->init_random(kSeed, kStd);

@@ -9,9 +9,10 @@ reference cannot hide here.
 
 Rows are random and Gemma 4-like: packed documents of random lengths, image groups (bidirectional blocks) that
 straddle the ranks' shard boundaries, trailing padding, a row that is all padding when B > 1, sliding windows,
-GQA up to 16:1, head dims 64, 128, 256, 512 and 72, S not a multiple of 64. Each CTest entry is one (P, dtype)
-pair; it runs every case of its list under the default CP path (balanced shards, planned ring), --shard zigzag
-and --algo allgather (at P = 1, once: the options change nothing there).
+GQA up to 16:1, head dims 64, 128, 256, 512 and 72, S not a multiple of 64. Each CTest entry is one (dtype, case
+list) pair with its rank counts (-P 1 3: P = 1 and mpirun -n 3); it builds each case's inputs and computes the
+oracle once, then runs ringflex at every P given: under the default CP path (balanced shards, planned ring),
+--shard zigzag and --algo allgather (at P = 1, once: the options change nothing there).
 
 Tolerances, per output tensor T (the flash-attention tests' rule, plus the terms of ringflex's exp):
     |ringflex - float64| <= MULT * |torch_same_precision - float64|
@@ -39,7 +40,7 @@ catch gross errors (wrong key, head, rank's data, lost gradient); the float32 ca
 Exact checks besides: LSE = -inf and O = dQ = 0 exactly on rows with no allowed key, dK = dV = 0 exactly on keys
 no query reads, and no NaN anywhere.
 
-    attn_torch_oracle.py --ringflex PATH -P N --dtype f32|bf16 --cases NAME --work DIR [--mpiexec MPIEXEC...]
+    attn_torch_oracle.py --ringflex PATH -P N [N...] --dtype f32|bf16 --cases NAME --work DIR [--mpiexec MPIEXEC...]
 """
 import argparse
 import math
@@ -171,9 +172,11 @@ def oracle(inputs, case, dtype, softmax_dtype):
     return {n: t.detach().double() for n, t in out.items()}, mask, max_score
 
 
-def make_inputs(rng, case, dtype, P):
+def make_inputs(rng, case, dtype, ranks):
+    """The case's tensors, with image groups placed on the contiguous shard boundaries of the P > 1 in `ranks`."""
     B, Hq, Hkv, S, D = case["B"], case["Hq"], case["Hkv"], case["S"], case["D"]
-    doc, group = gemma4_like_meta(rng, B, S, contiguous_boundaries(S, max(P, 2)))
+    boundaries = sorted({x for P in ranks if P > 1 for x in contiguous_boundaries(S, P)}) or contiguous_boundaries(S, 2)
+    doc, group = gemma4_like_meta(rng, B, S, boundaries)
     t = {}
     for name, heads in (("q", Hq), ("k", Hkv), ("v", Hkv), ("dout", Hq)):
         t[name] = torch.from_numpy(rng.standard_normal((B, heads, S, D))).to(TORCH_DTYPE[dtype])
@@ -231,7 +234,7 @@ def main():
     ap.add_argument("--ringflex", required=True)
     ap.add_argument("--mpiexec", nargs=argparse.REMAINDER, default=[],
                     help="last: the launcher's words before `-n P`, e.g. mpirun --oversubscribe")
-    ap.add_argument("-P", type=int, default=1)
+    ap.add_argument("-P", type=int, nargs="+", default=[1], help="rank counts, each checked against the same oracle")
     ap.add_argument("--dtype", choices=("f32", "bf16"), required=True)
     ap.add_argument("--cases", choices=sorted(CASES), required=True)
     ap.add_argument("--work", required=True)
@@ -239,16 +242,16 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(1)  # CTest runs these entries side by side on few cores
     os.makedirs(a.work, exist_ok=True)
-    launcher = a.mpiexec + ["-n", str(a.P)] if a.P > 1 else []  # P = 1: plainly, as a user runs it
-    if a.P > 1 and not a.mpiexec:
+    if max(a.P) > 1 and not a.mpiexec:
         sys.exit("attn_torch_oracle.py: -P > 1 needs --mpiexec")
-    rng = np.random.default_rng([a.seed, a.P, 0 if a.dtype == "f32" else 1, sorted(CASES).index(a.cases)])
+    rng = np.random.default_rng([a.seed, *a.P, 0 if a.dtype == "f32" else 1, sorted(CASES).index(a.cases)])
     failures = []
     for n, case in enumerate(CASES[a.cases]):
         inputs = make_inputs(rng, case, a.dtype, a.P)
-        if a.P > 1 and case["groups"] and not straddles(inputs["group"].numpy(), a.P):
-            failures.append(f"case {n}: no image group straddles a shard boundary at P = {a.P}; the generator "
-                            "must place one")
+        for P in a.P:
+            if P > 1 and case["groups"] and not straddles(inputs["group"].numpy(), P):
+                failures.append(f"case {n}: no image group straddles a shard boundary at P = {P}; the generator "
+                                "must place one")
         ref, mask, max_score = oracle(inputs, case, torch.float64, torch.float64)
         cmp, _, _ = oracle(inputs, case, TORCH_DTYPE[a.dtype], torch.float32)
         # Which query rows have an allowed key, and which keys some query reads: there the result must be 0.
@@ -256,28 +259,30 @@ def main():
         k_read = mask.any(1)[:, None].expand(-1, case["Hkv"], -1)  # [B, Hkv, S]
         path_in = os.path.join(a.work, f"case{n}_in.safetensors")
         save_file({name: t.contiguous() for name, t in inputs.items()}, path_in)
-        # At P = 1 the CLI runs the row as one chunk: the scheme and algorithm options change nothing.
-        for variant, opts in (VARIANTS if a.P > 1 else {"default": []}).items():
-            label = (f"P={a.P} {a.dtype} {variant} B{case['B']} Hq{case['Hq']}:{case['Hkv']} S{case['S']} "
-                     f"D{case['D']}")
-            path_out = os.path.join(a.work, f"case{n}_{variant}_out.safetensors")
-            if os.path.exists(path_out):
-                os.remove(path_out)
-            cmd = launcher + [a.ringflex, "attn", "--in", path_in, "--out", path_out] + mask_options(case) + opts
-            run = subprocess.run(cmd, capture_output=True, text=True)
-            if run.returncode != 0:
-                failures.append(f"{label}: `{' '.join(cmd)}` exited {run.returncode}:\n{run.stdout}{run.stderr}")
-                continue
-            got = {name: t.double() for name, t in load_file(path_out).items()}
-            for name in ("out", "lse", "dq", "dk", "dv"):
-                reads = {"out": q_reads[..., None], "dq": q_reads[..., None], "dk": k_read[..., None],
-                         "dv": k_read[..., None]}.get(name)
-                if reads is not None:
-                    reads = reads.expand_as(got[name])
-                mult = MULT * math.sqrt(case["Hq"] // case["Hkv"]) if name in ("dk", "dv") else MULT
-                msg = compare(name, got[name], ref[name], cmp[name], a.dtype, label, reads, mult, max_score)
-                if msg:
-                    failures.append(msg)
+        for P in a.P:
+            launcher = a.mpiexec + ["-n", str(P)] if P > 1 else []  # P = 1: plainly, as a user runs it
+            # At P = 1 the CLI runs the row as one chunk: the scheme and algorithm options change nothing.
+            for variant, opts in (VARIANTS if P > 1 else {"default": []}).items():
+                label = (f"P={P} {a.dtype} {variant} B{case['B']} Hq{case['Hq']}:{case['Hkv']} S{case['S']} "
+                         f"D{case['D']}")
+                path_out = os.path.join(a.work, f"case{n}_P{P}_{variant}_out.safetensors")
+                if os.path.exists(path_out):
+                    os.remove(path_out)
+                cmd = launcher + [a.ringflex, "attn", "--in", path_in, "--out", path_out] + mask_options(case) + opts
+                run = subprocess.run(cmd, capture_output=True, text=True)
+                if run.returncode != 0:
+                    failures.append(f"{label}: `{' '.join(cmd)}` exited {run.returncode}:\n{run.stdout}{run.stderr}")
+                    continue
+                got = {name: t.double() for name, t in load_file(path_out).items()}
+                for name in ("out", "lse", "dq", "dk", "dv"):
+                    reads = {"out": q_reads[..., None], "dq": q_reads[..., None], "dk": k_read[..., None],
+                             "dv": k_read[..., None]}.get(name)
+                    if reads is not None:
+                        reads = reads.expand_as(got[name])
+                    mult = MULT * math.sqrt(case["Hq"] // case["Hkv"]) if name in ("dk", "dv") else MULT
+                    msg = compare(name, got[name], ref[name], cmp[name], a.dtype, label, reads, mult, max_score)
+                    if msg:
+                        failures.append(msg)
     for f in failures:
         print("FAILED: " + f, file=sys.stderr)
     sys.exit(1 if failures else 0)

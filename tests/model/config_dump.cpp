@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
       for (size_t k = 0; k < t.cos.size(); ++k) inv_freq.push_back(std::atan2(t.sin[k], t.cos[k]));
       out["inv_freq"][type] = inv_freq;
     }
-    const rf::model::Gemma4Model shapes(c, 0, rf::model::TensorSet::Storage::Deferred);
+    const rf::model::Gemma4Model shapes(c, rf::model::TensorSet::Storage::Deferred);
     for (const rf::model::ParamInfo& t : shapes.params().infos()) out["parameters"][t.name] = t.shape;
     for (const rf::model::Tensor& t : shapes.buffers()) out["buffers"][t.name] = t.shape;
     std::printf("%s\n", out.dump(2).c_str());

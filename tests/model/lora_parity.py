@@ -8,7 +8,8 @@ experts left out of the targets) and both scalings (alpha / r, and use_rslora's 
      every adapter gradient is nonzero), and saves the adapter with save_pretrained (PEFT's own files); the base
      is saved in float32, and once more in bfloat16 (values rounded to bf16 on both sides), which ringflex holds as
      the files have it;
-  2. `ringflex forward --model BASE --lora ADAPTER --grad` (through LAUNCHER when given, e.g. mpirun -n 2) must give
+  2. `ringflex forward --model BASE --lora ADAPTER --grad` (through LAUNCHER when given, e.g. mpirun -n 2; with
+     `--ranks 1 2 -- MPIEXEC...` at each P against the one peft reference, tests/common/launchers.py) must give
      peft's float64 loss and every adapter gradient, and no gradient of the base;
   3. `ringflex train` with model.lora writes a checkpoint whose adapter directory peft loads with no missing or
      unexpected keys and which then gives the loss ringflex computes with it; the base's files are bit-identical
@@ -16,6 +17,10 @@ experts left out of the targets) and both scalings (alpha / r, and use_rslora's 
      launcher of N ranks (cp N) the losses equal those at cp 1 and at dp N, and so do they with model.lora.dropout
      (masks keyed by the token's global position); `ringflex export --merge` writes the
      base with the adapted weights merged, which plain transformers loads and which gives peft's loss.
+  4. `ringflex train` on the MoE config with the experts adapted too (target_parameters, PEFT's nested ParamWrapper
+     names) writes an adapter directory that peft loads with no missing or unexpected keys, every tensor of the file
+     landing in peft's adapter with its shape and values, and which gives ringflex's loss in float64; its --stats
+     count the base as mapped from the files.
 
 Tolerance: 1e-4 relative per tensor, parity.py's (float32 against float64 on these badly conditioned tiny models;
 a wrong term shows up at 1e-2 or more).
@@ -32,6 +37,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from launchers import launchers, ranks_of  # noqa: E402
 from oracle_env import missing_oracle  # noqa: E402
 
 try:
@@ -76,7 +82,8 @@ def ringflex_forward(ringflex, launcher, base, adapter, batch_path, out_path):
     return load_file(out_path)
 
 
-def grad_case(ringflex, launcher, name, rslora, workdir, bf16_base=False, experts=False):
+def grad_case(ringflex, runs, name, rslora, workdir, bf16_base=False, experts=False):
+    """Builds the case and peft's reference once; checks `ringflex forward` through every launcher in `runs`."""
     gen = torch.Generator().manual_seed(99)
     cfg = parity.CONFIGS[name](False)
     cfg._attn_implementation = "eager"
@@ -113,33 +120,38 @@ def grad_case(ringflex, launcher, name, rslora, workdir, bf16_base=False, expert
     loss.backward()
     batch_path = os.path.join(workdir, f"batch_{name}.safetensors")
     write_batch(batch_path, batch)
-    out = ringflex_forward(ringflex, launcher, base_dir, adapter_dir, batch_path,
-                           os.path.join(workdir, f"out_{name}_{int(rslora)}_{int(experts)}.safetensors"))
-    failures = []
-    worst = rel_err(out["loss"].reshape(()), loss)
-    if worst > REL_TOL:
-        failures.append(f"loss: relative error {worst:.3e}")
     lora = {n.replace("base_model.model.", "", 1).replace(".default", ""): p.grad
             for n, p in model.named_parameters() if "lora_" in n}
-    for n, g in lora.items():
-        key = "grad." + n
-        if key not in out:
-            failures.append(f"{key} missing from ringflex's output")
-            continue
-        err = rel_err(out[key], g)
-        worst = max(worst, err)
-        if err > REL_TOL:
-            failures.append(f"{key}: relative error {err:.3e}")
-    extra = sorted(k for k in out if k.startswith("grad.") and k[len("grad."):] not in lora)
-    if extra:
-        failures.append(f"gradients of the frozen base written: {extra[:3]}")
     label = (f"{name:5s} {'rslora' if rslora else 'alpha/r':7s}{' bf16 base' if bf16_base else ''}"
              f"{' expert adapters' if experts else ''}")
-    if failures:
-        print(f"FAIL {label}: " + "; ".join(failures[:6]))
-        return False
-    print(f"ok   {label}: loss and {len(lora)} adapter gradients, worst relative error {worst:.2e}")
-    return True
+    ok = True
+    for launcher in runs:
+        tag = f"{name}_{int(rslora)}_{int(experts)}_P{ranks_of(launcher)}"
+        out = ringflex_forward(ringflex, launcher, base_dir, adapter_dir, batch_path,
+                               os.path.join(workdir, f"out_{tag}.safetensors"))
+        failures = []
+        worst = rel_err(out["loss"].reshape(()), loss)
+        if worst > REL_TOL:
+            failures.append(f"loss: relative error {worst:.3e}")
+        for n, g in lora.items():
+            key = "grad." + n
+            if key not in out:
+                failures.append(f"{key} missing from ringflex's output")
+                continue
+            err = rel_err(out[key], g)
+            worst = max(worst, err)
+            if err > REL_TOL:
+                failures.append(f"{key}: relative error {err:.3e}")
+        extra = sorted(k for k in out if k.startswith("grad.") and k[len("grad."):] not in lora)
+        if extra:
+            failures.append(f"gradients of the frozen base written: {extra[:3]}")
+        where = f"{label} P={ranks_of(launcher)}"
+        if failures:
+            print(f"FAIL {where}: " + "; ".join(failures[:6]))
+            ok = False
+            continue
+        print(f"ok   {where}: loss and {len(lora)} adapter gradients, worst relative error {worst:.2e}")
+    return ok
 
 
 def digest(directory):
@@ -277,21 +289,111 @@ checkpoint: {{dir: {os.path.join(workdir, "ckpt")}, every: 2, keep: 2}}
     return True
 
 
+def train_experts_case(ringflex, launcher, workdir):
+    """`ringflex train` on the tiny MoE config with the experts' 3-D weights adapted (target_parameters) beside the
+    attention: the adapter directory it writes must load in peft with no missing or unexpected keys (the experts'
+    nested ParamWrapper names included) and give, in float64, the loss ringflex computes with it."""
+    gen = torch.Generator().manual_seed(11)
+    cfg = parity.CONFIGS["moe"](False)
+    base = Gemma4ForCausalLM(cfg).float()
+    parity.randomize(base, gen)
+    base_dir = os.path.join(workdir, "train_moe_base")
+    base.save_pretrained(base_dir, safe_serialization=True)
+    ranks = int(launcher[launcher.index("-n") + 1]) if "-n" in launcher else 1
+    data = os.path.join(workdir, "tokens_moe.jsonl")
+    with open(data, "w") as f:
+        for _ in range(8):
+            n = int(torch.randint(8, 20, (1,), generator=gen))
+            f.write(json.dumps({"input_ids": torch.randint(1, parity.V, (n,), generator=gen).tolist()}) + "\n")
+    ckpt = os.path.join(workdir, "ckpt_moe")
+    config = os.path.join(workdir, "lora_moe.yaml")
+    with open(config, "w") as f:
+        f.write(f"""model:
+  path: {base_dir}
+  lora: {{rank: {RANK}, alpha: {ALPHA}, target: [q_proj, o_proj], target_parameters: {EXPERT_TARGETS}}}
+data: {{source: jsonl_tokens, path: {data}, val_rows: 0}}
+optimizer: {{lr: 0.01}}
+parallelism: {{cp: {ranks}}}
+train: {{steps: 2, seq_len: 24, global_batch: 2, micro_batch: 1, threads: 1, log_every: 1}}
+checkpoint: {{dir: {ckpt}, every: 2, keep: 1}}
+""")
+    stats = os.path.join(workdir, "stats_moe.json")
+    proc = subprocess.run([*launcher, ringflex, "train", "--config", config, "--stats", stats], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        print(f"FAIL train experts: ringflex train failed: {proc.stderr.strip()[-2000:]}")
+        return False
+    adapter = os.path.join(ckpt, "step-00000002")
+    failures = []
+    # --stats counts the base as the run holds it, mapped from the files (not as float32 weights of each rank).
+    with open(stats) as f:
+        kinds = [t["kind"] for t in json.load(f)["memory_per_rank"]["terms"]]
+    if not any(k.startswith("LoRA base, mapped") for k in kinds):
+        failures.append(f"--stats: no mapped LoRA base among {kinds}")
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        ac = json.load(f)
+    if sorted(ac.get("target_parameters") or []) != sorted(
+            f"model.layers.{i}.{t}" for i in range(cfg.num_hidden_layers) for t in EXPERT_TARGETS):
+        failures.append(f"adapter_config.json target_parameters: {ac.get('target_parameters')}")
+    fresh = Gemma4ForCausalLM.from_pretrained(base_dir, attn_implementation="eager").double()
+    fresh.config._experts_implementation = "eager"
+    model = PeftModel.from_pretrained(fresh, adapter)
+    result = peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(adapter))
+    lora_missing = [k for k in result.missing_keys if "lora_" in k]
+    if result.unexpected_keys or lora_missing:
+        failures.append(f"peft: unexpected {result.unexpected_keys[:3]}, missing {lora_missing[:3]}")
+    trained = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    experts_b = [n for n in trained if ".experts." in n and "lora_B" in n]
+    if not experts_b or all(float(trained[n].abs().max()) == 0 for n in experts_b):
+        failures.append(f"the experts' B did not train ({len(experts_b)} tensors)")
+    # Every adapter tensor of the file is one of peft's, with its values (no silent drop or reshape on load).
+    state = {n.replace("base_model.model.", "", 1).replace(".default", ""): p
+             for n, p in model.named_parameters() if "lora_" in n}
+    for n, t in trained.items():
+        p = state.get(n.replace("base_model.model.", "", 1))
+        if p is None or tuple(p.shape) != tuple(t.shape) or not torch.equal(p.detach().float(), t.float()):
+            what = "absent" if p is None else (f"shape {tuple(p.shape)} against {tuple(t.shape)}" if tuple(
+                p.shape) != tuple(t.shape) else f"max difference {float((p.detach().float() - t).abs().max()):.3e}")
+            failures.append(f"peft's `{n}` is not the file's: {what}")
+            break
+    model = model.double()
+    batch = parity.make_batch(gen, False)
+    with torch.no_grad():
+        loss = peft_loss(model, cfg, batch)
+    batch_path = os.path.join(workdir, "batch_train_moe.safetensors")
+    write_batch(batch_path, batch)
+    out = ringflex_forward(ringflex, launcher, base_dir, adapter, batch_path, os.path.join(workdir, "out_moe.st"))
+    err = rel_err(out["loss"].reshape(()), loss)
+    if err > REL_TOL:
+        failures.append(f"loss with the trained adapter: relative error {err:.3e}")
+    if failures:
+        print("FAIL train experts: " + "; ".join(failures))
+        return False
+    print(f"ok   train experts: peft loads the adapter ({len(trained)} tensors, {len(experts_b)} experts' B, no "
+          f"missing or unexpected keys), loss relative error {err:.2e}")
+    return True
+
+
 def main():
     if len(sys.argv) < 2:
-        print("usage: lora_parity.py PATH/TO/ringflex [LAUNCHER...]")
+        print("usage: lora_parity.py PATH/TO/ringflex [LAUNCHER... | --ranks P... [-- MPIEXEC...]]")
         return 2
-    ringflex, launcher = sys.argv[1], sys.argv[2:]
+    ringflex, runs = sys.argv[1], launchers(sys.argv[2:])
     torch.set_num_threads(1)
-    print(f"peft {peft.__version__}, torch {torch.__version__}" + (f", through {' '.join(launcher)}" if launcher else ""))
+    print(f"peft {peft.__version__}, torch {torch.__version__}, at P = "
+          + ", ".join(f"{ranks_of(launcher)}" + (f" through {' '.join(launcher)}" if launcher else "")
+                      for launcher in runs))
     ok = True
     with tempfile.TemporaryDirectory() as workdir:
         for name, rslora, bf16_base, experts in (("dense", False, False, False), ("dense", True, False, False),
                                                  ("moe", False, False, False), ("small", False, False, False),
                                                  ("dense", False, True, False), ("moe", False, True, False),
                                                  ("moe", False, False, True), ("moe", True, True, True)):
-            ok = grad_case(ringflex, launcher, name, rslora, workdir, bf16_base, experts) and ok
-        ok = train_case(ringflex, launcher, workdir) and ok
+            ok = grad_case(ringflex, runs, name, rslora, workdir, bf16_base, experts) and ok
+        for launcher in runs:
+            with tempfile.TemporaryDirectory(dir=workdir) as train_dir:
+                ok = train_case(ringflex, launcher, train_dir) and ok
+                ok = train_experts_case(ringflex, launcher, train_dir) and ok
     return 0 if ok else 1
 
 

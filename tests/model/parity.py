@@ -38,9 +38,11 @@ float32 run stays within ~2e-5 of float64 (float32 rounding, ~1e-7 per op, ampli
 backward), so 1e-4 keeps a margin and still catches any wrong term, which shows up at 1e-2 or more.
 
 Context parallelism: `parity.py RINGFLEX [LAUNCHER...]` runs ringflex through LAUNCHER (e.g. `mpirun
---oversubscribe -n 4`), so the same comparison checks the model split over P ranks (S = 24 tokens a row: at P = 4
-the balanced shards of 64-token blocks leave whole ranks of padding, and image groups and documents cross shard
-boundaries). The tolerance is the same: splitting only reorders float32 sums.
+--oversubscribe -n 4`), and `parity.py RINGFLEX --ranks 1 2 4 -- MPIEXEC...` at each of those rank counts against
+the one reference each case computes (tests/common/launchers.py), so the same comparison checks the model split
+over P ranks (S = 24 tokens a row: at P = 4 the balanced shards of 64-token blocks leave whole ranks of padding,
+and image groups and documents cross shard boundaries). The tolerance is the same: splitting only reorders
+float32 sums.
 
 Exit code 77 (CTest's skip) when torch, transformers or safetensors is missing.
 """
@@ -51,6 +53,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from launchers import launchers, ranks_of  # noqa: E402
 from oracle_env import missing_oracle  # noqa: E402
 
 try:
@@ -198,7 +201,8 @@ def check_transformers_mask_agrees(cfg):
         assert torch.equal(mine, hf), f"transformers' {t} mask differs from docs/spec.md §3 on a plain row"
 
 
-def run_case(ringflex, name, vision, workdir, launcher=()):
+def run_case(ringflex, name, vision, workdir, launchers=((),)):
+    """Builds the case's model, checkpoint, batch and reference once; checks ringflex through every launcher."""
     gen = torch.Generator().manual_seed(1234)
     cfg = CONFIGS[name](vision)
     cfg._attn_implementation = "eager"
@@ -262,9 +266,22 @@ def run_case(ringflex, name, vision, workdir, launcher=()):
         batch["mm_token_type_ids"] = mm
         batch["image_features"] = feats
     batch_path = os.path.join(workdir, f"batch_{name}_{int(vision)}.safetensors")
-    out_path = os.path.join(workdir, f"out_{name}_{int(vision)}.safetensors")
     save_file({k: v.contiguous() for k, v in batch.items()}, batch_path)
-    stats_path = os.path.join(workdir, f"stats_{name}_{int(vision)}.json")
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    if embedder is not None:
+        grads["model.embed_vision.embedding_projection.weight"] = embedder.embedding_projection.weight.grad
+    ok = True
+    for launcher in launchers:
+        ok = check_forward(ringflex, launcher, f"{name}_{int(vision)}", ckpt, batch_path, workdir, doc, loss, logits,
+                           grads, f"{name:11s} {'vision+packed' if vision else 'plain':13s}") and ok
+    return ok
+
+
+def check_forward(ringflex, launcher, tag, ckpt, batch_path, workdir, doc, loss, logits, grads, label):
+    """`ringflex forward --grad` of the batch through `launcher` against the reference loss, logits and grads."""
+    suffix = f"{tag}_P{ranks_of(launcher)}" if launcher else tag
+    out_path = os.path.join(workdir, f"out_{suffix}.safetensors")
+    stats_path = os.path.join(workdir, f"stats_{suffix}.json")
     extra = ["--stats", stats_path] if launcher else []
     proc = subprocess.run([*launcher, ringflex, "forward", "--model", ckpt, "--in", batch_path, "--out", out_path,
                            "--grad", *extra], capture_output=True, text=True)
@@ -295,16 +312,13 @@ def run_case(ringflex, name, vision, workdir, launcher=()):
     worst = compare("loss", out["loss"].reshape(()), loss)
     valid = doc > 0
     worst = max(worst, compare("logits", out["logits"][valid], logits[valid]))
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    if embedder is not None:
-        grads["model.embed_vision.embedding_projection.weight"] = embedder.embedding_projection.weight.grad
     for n, g in grads.items():
         key = "grad." + n
         if key not in out:
             failures.append(f"{key} missing from ringflex's output")
             continue
         worst = max(worst, compare(key, out[key], g if g is not None else torch.zeros_like(out[key])))
-    label = f"{name:11s} {'vision+packed' if vision else 'plain':13s}"
+    label += f" P={ranks_of(launcher)}"
     if failures:
         print(f"FAIL {label}: " + "; ".join(failures[:8]))
         return False
@@ -399,22 +413,23 @@ def check_errors(ringflex, workdir):
 
 def main():
     if len(sys.argv) < 2:
-        print("usage: parity.py PATH/TO/ringflex [LAUNCHER...]")
+        print("usage: parity.py PATH/TO/ringflex [LAUNCHER... | --ranks P... [-- MPIEXEC...]]")
         return 2
-    launcher = sys.argv[2:]
+    ringflex, runs = sys.argv[1], launchers(sys.argv[2:])
     torch.set_num_threads(1)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}"
-          + (f", through {' '.join(launcher)}" if launcher else ""))
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, at P = "
+          + ", ".join(f"{ranks_of(launcher)}" + (f" through {' '.join(launcher)}" if launcher else "")
+                      for launcher in runs))
     check_transformers_mask_agrees(CONFIGS["dense"](True))
     ok = True
     with tempfile.TemporaryDirectory() as workdir:
-        if launcher:
-            ranks = int(launcher[launcher.index("-n") + 1]) if "-n" in launcher else 1
-            ok = check_errors_under_launcher(sys.argv[1], workdir, launcher, ranks) if ranks > 1 else True
-        else:
-            ok = check_errors(sys.argv[1], workdir)
+        for launcher in runs:
+            if not launcher:
+                ok = check_errors(ringflex, workdir) and ok
+            elif ranks_of(launcher) > 1:
+                ok = check_errors_under_launcher(ringflex, workdir, launcher, ranks_of(launcher)) and ok
         for name, vision in CASES:
-            ok = run_case(sys.argv[1], name, vision, workdir, launcher) and ok
+            ok = run_case(ringflex, name, vision, workdir, runs) and ok
     return 0 if ok else 1
 
 

@@ -9,8 +9,9 @@ namespace rf::model {
 
 // Zeroes the store's gradients, runs with opt (want_grad set) and copies the gradients into `grads` (frozen
 // parameters' tensors left without memory).
-inline Result run_with_grads(Gemma4Model& m, const Batch& b, const RunOptions& opt, TensorSet& grads,
-                             AttentionBackend& attn) {
+// `Model`: a decoder (gemma4.h) or a multimodal model (multimodal.h).
+template <class Model>
+Result run_with_grads(Model& m, const Batch& b, const RunOptions& opt, TensorSet& grads, AttentionBackend& attn) {
   m.params().allocate_grads();
   m.params().zero_grads();
   Result r = m.run(b, opt, attn);
@@ -18,7 +19,8 @@ inline Result run_with_grads(Gemma4Model& m, const Batch& b, const RunOptions& o
   return r;
 }
 
-inline Result run_with_grads(Gemma4Model& m, const Batch& b, const RunOptions& opt, TensorSet& grads) {
+template <class Model>
+Result run_with_grads(Model& m, const Batch& b, const RunOptions& opt, TensorSet& grads) {
   m.params().allocate_grads();
   m.params().zero_grads();
   Result r = m.run(b, opt);

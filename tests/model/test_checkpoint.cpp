@@ -36,7 +36,7 @@ fs::path scratch(const std::string& name) {
 
 TEST(ModelCheckpoint, SaveThenLoadRoundTrips) {
   Checkpoint ck;
-  ck.model = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kConfig), 3);
+  ck.model = std::make_unique<Gemma4Multimodal>(Gemma4Config::from_json(kConfig), MultimodalParts{3});
   ck.model->init_random(5, 0.2f);
   ck.model->buffers()[0].data[0] = 0.75f;  // layer 0's layer_scalar
   const fs::path dir = scratch("roundtrip");
@@ -57,7 +57,7 @@ TEST(ModelCheckpoint, SaveThenLoadRoundTrips) {
 
 TEST(ModelCheckpoint, ReadsTheMultimodalPrefix) {
   Checkpoint ck;
-  ck.model = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kConfig));
+  ck.model = std::make_unique<Gemma4Multimodal>(Gemma4Config::from_json(kConfig));
   ck.model->init_random(6, 0.2f);
   ck.text_prefix = "model.language_model.";
   const fs::path dir = scratch("prefix");
@@ -72,7 +72,7 @@ TEST(ModelCheckpoint, ReadsTheMultimodalPrefix) {
 
 TEST(ModelCheckpoint, ShapeAgainstConfigNamesTheTensor) {
   Checkpoint ck;
-  ck.model = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kConfig));
+  ck.model = std::make_unique<Gemma4Multimodal>(Gemma4Config::from_json(kConfig));
   const fs::path dir = scratch("shape");
   save_checkpoint(ck, dir.string());
   // The same tensors under a config with a wider MLP: the MLP weights no longer fit.
@@ -97,7 +97,7 @@ TEST(ModelCheckpoint, ShapeAgainstConfigNamesTheTensor) {
 // mapped, and a mapping outlives its file (keep-last-K may delete the checkpoint a run resumed from).
 TEST(ModelCheckpoint, ForeignTensorsComeBackBitForBit) {
   Checkpoint ck;
-  ck.model = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kConfig), 3);
+  ck.model = std::make_unique<Gemma4Multimodal>(Gemma4Config::from_json(kConfig), MultimodalParts{3});
   ck.model->init_random(7, 0.2f);
   const std::vector<uint16_t> bf16 = {0x7fc1, 0x8000, 0x3f80, 0xff81, 0x0001, 0x7f80};  // NaN payloads, -0, 1, ...
   const std::vector<int8_t> i8 = {-128, 0, 127, 5};
@@ -141,7 +141,7 @@ TEST(ModelCheckpoint, ForeignTensorsComeBackBitForBit) {
 // would shadow the new file), and the sharded save drops a stale single file.
 TEST(ModelCheckpoint, SplitsIntoIndexedFilesAboveTheLimit) {
   Checkpoint ck;
-  ck.model = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kConfig), 3);
+  ck.model = std::make_unique<Gemma4Multimodal>(Gemma4Config::from_json(kConfig), MultimodalParts{3});
   ck.model->init_random(8, 0.2f);
   ck.passthrough.own("model.vision_tower.big", io::StDType::BF16, {300}, std::vector<std::byte>(600, std::byte{7}));
   const fs::path dir = scratch("split");
@@ -196,7 +196,7 @@ TEST(ModelCheckpoint, SplitsIntoIndexedFilesAboveTheLimit) {
 // files of small tensors could have been one (checked on a model whose tensors are all far below the limit).
 TEST(ModelCheckpoint, SplitClosesAFileOnlyWhenTheNextTensorDoesNotFit) {
   Checkpoint ck;
-  ck.model = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kConfig));
+  ck.model = std::make_unique<Gemma4Multimodal>(Gemma4Config::from_json(kConfig));
   const fs::path dir = scratch("split_greedy");
   SaveOptions options;
   // Above every tensor of kConfig: the largest, the full-attention layer's q_proj and o_proj ([2 heads x Gemma 4's
@@ -231,7 +231,7 @@ TEST(ModelCheckpoint, SplitClosesAFileOnlyWhenTheNextTensorDoesNotFit) {
 // A foreign tensor named like one of the model's would be written twice: the save refuses rather than pick one.
 TEST(ModelCheckpoint, AForeignNameTheModelHoldsIsRefused) {
   Checkpoint ck;
-  ck.model = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kConfig));
+  ck.model = std::make_unique<Gemma4Multimodal>(Gemma4Config::from_json(kConfig));
   ck.passthrough.own("model.norm.weight", io::StDType::F32, {8}, std::vector<std::byte>(8 * sizeof(float)));
   const fs::path dir = scratch("foreign_clash");
   try {

@@ -19,7 +19,7 @@ Gemma4Model moe_model() {
     "layer_types": ["sliding_attention", "full_attention"], "hidden_size_per_layer_input": 0, "rms_norm_eps": 1e-6,
     "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 6,
     "tie_word_embeddings": true})";
-  Gemma4Model m(Gemma4Config::from_json(json), 0);
+  Gemma4Model m(Gemma4Config::from_json(json));
   m.init_random(7, 0.5f);
   return m;
 }

@@ -57,7 +57,7 @@ Rows rows() {
 }
 
 std::unique_ptr<Gemma4Model> lora_model(uint64_t seed) {
-  auto m = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kTwoLayers), 0, TensorSet::Storage::Allocated,
+  auto m = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kTwoLayers), TensorSet::Storage::Allocated,
                                          std::make_unique<LoraStore>(lora_config(seed)));
   m->init_random(3, 0.3f);
   dynamic_cast<LoraStore&>(m->params()).init_adapters();
@@ -100,12 +100,12 @@ TEST(LoraStore, TargetsFollowPeft) {
   LoraConfig c = lora_config(1);
   c.target = {"model\\.layers\\.1\\.self_attn\\.(q|v)_proj"};
   c.target_regex = true;
-  Gemma4Model m(Gemma4Config::from_json(kTwoLayers), 0, TensorSet::Storage::Allocated, std::make_unique<LoraStore>(c));
+  Gemma4Model m(Gemma4Config::from_json(kTwoLayers), TensorSet::Storage::Allocated, std::make_unique<LoraStore>(c));
   EXPECT_EQ(dynamic_cast<const LoraStore&>(m.params()).target_modules(),
             (std::vector<std::string>{"model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"}));
   c.target = {"o_proj", "nothing_proj"};
   c.target_regex = false;
-  EXPECT_THROW(Gemma4Model(Gemma4Config::from_json(kTwoLayers), 0, TensorSet::Storage::Allocated,
+  EXPECT_THROW(Gemma4Model(Gemma4Config::from_json(kTwoLayers), TensorSet::Storage::Allocated,
                            std::make_unique<LoraStore>(c)),
                rf::Error);
   c.dropout = 1.0;
@@ -155,7 +155,7 @@ void loss_and_gradients_match_the_merged_model(bool bf16_base) {
   for (const LoraStore::Adapter& a : store.adapters()) base_before.push_back(held_bytes(store, a.base));
 
   // The oracle: the plain model on W' = W + scale * B A (in double, rounded once).
-  Gemma4Model plain(Gemma4Config::from_json(kTwoLayers), 0);
+  Gemma4Model plain(Gemma4Config::from_json(kTwoLayers));
   ParamStore& ps = plain.params();
   for (size_t slot = 0; slot < ps.size(); ++slot)
     std::copy_n(store.weight(slot), ps.info(slot).numel, ps.mutable_weight(slot));
@@ -281,7 +281,7 @@ TEST(LoraStore, DropoutKeepsItsFractionAndItsGradientsFollowTheLoss) {
 
   LoraConfig c = lora_config(5);
   c.dropout = 0.3;
-  auto m = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kTwoLayers), 0, TensorSet::Storage::Allocated,
+  auto m = std::make_unique<Gemma4Model>(Gemma4Config::from_json(kTwoLayers), TensorSet::Storage::Allocated,
                                          std::make_unique<LoraStore>(c));
   m->init_random(3, 0.3f);
   auto& store = dynamic_cast<LoraStore&>(m->params());

@@ -26,7 +26,7 @@
 #include "cp/cp_backend.h"
 #include "cpu/isa.h"
 #include "cpu/local_attention.h"
-#include "model/gemma4.h"
+#include "model/multimodal.h"
 #include "model/run_grads.h"
 
 namespace rf::model {
@@ -53,8 +53,8 @@ const std::string kMoe = R"(, "attention_k_eq_v": true, "enable_moe_block": true
 const std::string kSmall = R"(, "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 40,
     "num_kv_shared_layers": 2, "use_double_wide_mlp": true)";
 
-Gemma4Model make_model(const std::string& extra, int vision_dim) {
-  Gemma4Model m(Gemma4Config::from_json(tiny_config(extra)), vision_dim);
+Gemma4Multimodal make_model(const std::string& extra, int vision_dim) {
+  Gemma4Multimodal m(Gemma4Config::from_json(tiny_config(extra)), MultimodalParts{vision_dim});
   constexpr float kInitStd = 0.3f;  // every path (norm scales, router, softcap) carries an O(1) signal
   m.init_random(42, kInitStd);
   // Scale-1 attention on RMS-normed q/k: norm scales of D^-1/4 keep the logits O(1) (test_model_grad.cpp).
@@ -133,7 +133,8 @@ struct Outcome {
   TensorSet grads;
 };
 
-Outcome run_cp(Gemma4Model& m, const Batch& b, const std::string& scheme, ComputeDtype dtype = ComputeDtype::Float32) {
+Outcome run_cp(Gemma4Multimodal& m, const Batch& b, const std::string& scheme,
+               ComputeDtype dtype = ComputeDtype::Float32) {
   cp::CpAttentionOptions o;
   o.scheme = scheme;
   cp::CpAttention attn(world(), o);
@@ -153,7 +154,7 @@ Outcome run_cp(Gemma4Model& m, const Batch& b, const std::string& scheme, Comput
   return out;
 }
 
-void check_against_one_rank(Gemma4Model& m, const Batch& b, const std::string& scheme, const std::string& what) {
+void check_against_one_rank(Gemma4Multimodal& m, const Batch& b, const std::string& scheme, const std::string& what) {
   SCOPED_TRACE(what + ", scheme " + scheme + ", P = " + std::to_string(world().size()));
   RunOptions opt;
   opt.want_grad = true;
@@ -217,7 +218,7 @@ constexpr int kShortRow = 37;
 constexpr int kLongRow = 301;
 
 TEST(ModelCp, DenseWithImageGroupsMatchesOneRank) {
-  Gemma4Model m = make_model(kDense, 0);
+  Gemma4Multimodal m = make_model(kDense, 0);
   for (int S : {kTinyRow, kShortRow, kLongRow}) {
     const RowArrays b = make_batch(S, m.config().hidden_size, 3);
     check_against_one_rank(m, b.view(true), "balanced", "dense, S = " + std::to_string(S));
@@ -225,7 +226,7 @@ TEST(ModelCp, DenseWithImageGroupsMatchesOneRank) {
 }
 
 TEST(ModelCp, FixedSchemesMatchOneRank) {
-  Gemma4Model m = make_model(kDense, 0);
+  Gemma4Multimodal m = make_model(kDense, 0);
   for (int S : {kTinyRow, kLongRow}) {
     // Contiguous shards of the 9-token row leave the last ranks nothing but sharding padding at P = 8.
     const RowArrays b = make_batch(S, m.config().hidden_size, 4);
@@ -235,14 +236,14 @@ TEST(ModelCp, FixedSchemesMatchOneRank) {
 }
 
 TEST(ModelCp, MixtureOfExpertsMatchesOneRank) {
-  Gemma4Model m = make_model(kMoe, 0);
+  Gemma4Multimodal m = make_model(kMoe, 0);
   const RowArrays b = make_batch(kShortRow, 0, 5);
   check_against_one_rank(m, b.view(false), "balanced", "moe");
 }
 
 TEST(ModelCp, PerLayerEmbeddingsKvSharingAndImageProjectionMatchOneRank) {
   constexpr int kFeatureDim = 6;
-  Gemma4Model m = make_model(kSmall, kFeatureDim);
+  Gemma4Multimodal m = make_model(kSmall, kFeatureDim);
   const RowArrays b = make_batch(kShortRow, kFeatureDim, 6);
   check_against_one_rank(m, b.view(true), "balanced", "small");
 }
@@ -256,7 +257,7 @@ TEST(ModelCp, Gqa16AndHeadDims72And512MatchOneRank) {
     "per_layer_config": {"1": {"head_dim": 512, "num_key_value_heads": 1}},
     "final_logit_softcapping": 4.0, "hidden_size_per_layer_input": 0, "rms_norm_eps": 1e-6,
     "use_bidirectional_attention": "vision"})";
-  Gemma4Model m(Gemma4Config::from_json(wide), 0);
+  Gemma4Multimodal m(Gemma4Config::from_json(wide));
   constexpr float kInitStd = 0.3f;
   m.init_random(43, kInitStd);
   for (size_t slot = 0; slot < m.params().size(); ++slot) {
@@ -272,7 +273,7 @@ TEST(ModelCp, Gqa16AndHeadDims72And512MatchOneRank) {
 // Issue 8 item 13: the loss is divided by the label tokens of the whole batch counted once. Counting per rank and
 // summing would give P times the count (every rank holds the full labels), and the loss 1/P of the right one.
 TEST(ModelCp, LabelTokensCountedOnce) {
-  Gemma4Model m = make_model(kDense, 0);
+  Gemma4Multimodal m = make_model(kDense, 0);
   const RowArrays rb = make_batch(kShortRow, 0, 7);
   const Batch b = rb.view(false);
   int64_t expected = 0;
@@ -296,7 +297,7 @@ TEST(ModelCp, LabelTokensCountedOnce) {
 
 // Issue 8 item 14: two runs at the same P give the same bits (loss, logits, every reduced gradient).
 TEST(ModelCp, GradientsAreDeterministic) {
-  Gemma4Model m = make_model(kMoe, 0);
+  Gemma4Multimodal m = make_model(kMoe, 0);
   const RowArrays rb = make_batch(kShortRow, 0, 8);
   const Outcome a = run_cp(m, rb.view(false), "balanced"), b = run_cp(m, rb.view(false), "balanced");
   EXPECT_EQ(a.result.loss, b.result.loss);
@@ -321,7 +322,7 @@ TEST(ModelCp, Bf16StepNearFloat32OneRank) {
   } catch (const Error& e) {
     GTEST_SKIP() << e.what();  // RINGFLEX_ISA names a path this CPU lacks (CTest's forced runs)
   }
-  Gemma4Model m = make_model(kDense, 0);
+  Gemma4Multimodal m = make_model(kDense, 0);
   const RowArrays rb = make_batch(kLongRow, m.config().hidden_size, 11);
   const Batch b = rb.view(true);
   RunOptions opt;
@@ -356,7 +357,7 @@ TEST(ModelCp, Bf16StepNearFloat32OneRank) {
 TEST(ModelCp, MoreRanksThanTokensFailsOnEveryRank) {
   const int P = world().size();
   if (P < 2) GTEST_SKIP() << "needs two ranks";
-  Gemma4Model m = make_model(kDense, 0);
+  Gemma4Multimodal m = make_model(kDense, 0);
   const RowArrays rb = make_batch(P - 1, 0, 9);
   cp::CpAttention attn(world());
   try {

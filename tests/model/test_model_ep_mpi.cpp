@@ -49,7 +49,7 @@ Gemma4Model make_model(int top_k = 2) {
     "hidden_size_per_layer_input": 0, "rms_norm_eps": 1e-6, "attention_k_eq_v": true, "enable_moe_block": true,
     "num_experts": 8, "top_k_experts": )" +
                            std::to_string(top_k) + R"(, "moe_intermediate_size": 8, "tie_word_embeddings": false})";
-  Gemma4Model m(Gemma4Config::from_json(json), 0);
+  Gemma4Model m(Gemma4Config::from_json(json));
   constexpr float kInitStd = 0.3f;  // every path (norms, router, experts) carries an O(1) signal
   m.init_random(42, kInitStd);
   return m;
@@ -86,7 +86,7 @@ Outcome run(Gemma4Model& whole, int cp, int ep, ComputeDtype dtype, bool hold = 
   auto cp_group = world().split(rank / cp, rank % cp);
   auto ep_group = world().split(rank / ep, rank % ep);
   auto edp_group = world().split(rank % ep, rank / ep);
-  Gemma4Model held(whole.config(), 0, TensorSet::Storage::Deferred);
+  Gemma4Model held(whole.config(), TensorSet::Storage::Deferred);
   if (hold) held.replace_params(hold_expert_rows(whole.params(), rank % ep, ep));
   Gemma4Model& m = hold ? held : whole;
   cp::JobContext ctx = cp::make_parallel_context(*cp_group, {}, ep_group.get());

@@ -13,7 +13,7 @@
 
 #include "common/row_arrays.h"
 #include "core/error.h"
-#include "model/gemma4.h"
+#include "model/multimodal.h"
 #include "model/run_grads.h"
 
 namespace rf::model {
@@ -68,7 +68,7 @@ TinyBatch make_batch(int V, int feature_dim) {
 constexpr float kStep = 1e-3f;
 constexpr double kAbsTol = 1.5e-3, kRelTol = 2e-2;
 
-void check_gradients(Gemma4Model& model, const Batch& batch) {
+void check_gradients(Gemma4Multimodal& model, const Batch& batch) {
   // A few hundred runs of a 20-token model: one thread, since OpenMP's barriers would cost more than the work
   // (especially on a loaded CI machine). The result does not depend on it
   // (ModelRun.SameBitsOnRepeatAndAcrossThreadCounts).
@@ -109,8 +109,8 @@ void check_gradients(Gemma4Model& model, const Batch& batch) {
   omp_set_num_threads(threads);
 }
 
-Gemma4Model make_model(const std::string& extra, int vision_dim = 0) {
-  Gemma4Model m(Gemma4Config::from_json(tiny_config(extra)), vision_dim);
+Gemma4Multimodal make_model(const std::string& extra, int vision_dim = 0) {
+  Gemma4Multimodal m(Gemma4Config::from_json(tiny_config(extra)), MultimodalParts{vision_dim});
   // std 0.3: large enough that every path (norm scales, router, softcap) carries an O(1) signal.
   constexpr float kInitStd = 0.3f;
   m.init_random(42, kInitStd);
@@ -129,19 +129,19 @@ Gemma4Model make_model(const std::string& extra, int vision_dim = 0) {
 }
 
 TEST(ModelGrad, DenseSlidingFullKEqV) {
-  Gemma4Model m = make_model(R"(, "attention_k_eq_v": true)");
+  Gemma4Multimodal m = make_model(R"(, "attention_k_eq_v": true)");
   const TinyBatch b = make_batch(40, 0);
   check_gradients(m, b.view(false));
 }
 
 TEST(ModelGrad, DenseVisionGroupsWithFeaturesInHiddenSize) {
-  Gemma4Model m = make_model(R"(, "attention_k_eq_v": true, "use_bidirectional_attention": "vision")");
+  Gemma4Multimodal m = make_model(R"(, "attention_k_eq_v": true, "use_bidirectional_attention": "vision")");
   const TinyBatch b = make_batch(40, 16);
   check_gradients(m, b.view(true));
 }
 
 TEST(ModelGrad, MixtureOfExpertsWithUntiedHead) {
-  Gemma4Model m = make_model(
+  Gemma4Multimodal m = make_model(
       R"(, "attention_k_eq_v": true, "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2,
          "moe_intermediate_size": 8, "tie_word_embeddings": false)");
   ASSERT_TRUE(m.params().contains("lm_head.weight"));
@@ -150,7 +150,7 @@ TEST(ModelGrad, MixtureOfExpertsWithUntiedHead) {
 }
 
 TEST(ModelGrad, PerLayerEmbeddingsKvSharingDoubleWideAndImageProjection) {
-  Gemma4Model m = make_model(
+  Gemma4Multimodal m = make_model(
       R"(, "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 40, "num_kv_shared_layers": 2,
          "use_double_wide_mlp": true)",
       6);
@@ -192,7 +192,7 @@ TEST(ModelConfig, RejectsUnsupportedFieldsByName) {
 }
 
 TEST(ModelRun, RejectsMismatchedImageFeatures) {
-  Gemma4Model m = make_model("");
+  Gemma4Multimodal m = make_model("");
   TinyBatch b = make_batch(40, 16);
   Batch v = b.view(true);
   v.n_image_features -= 1;
@@ -201,7 +201,7 @@ TEST(ModelRun, RejectsMismatchedImageFeatures) {
 
 // A bad value is named with its source, its tensor and its [row, position] (the batch is [2, 10]).
 TEST(ModelRun, BatchErrorsNameSourceTensorAndPosition) {
-  const Gemma4Model m = make_model("");
+  const Gemma4Multimodal m = make_model("");
   const auto message = [&](auto edit) {
     TinyBatch b = make_batch(40, 0);
     edit(b);
@@ -225,7 +225,7 @@ TEST(ModelRun, BatchErrorsNameSourceTensorAndPosition) {
 // Padding (doc 0) is not trained on (docs/model-fidelity.md): labels a batch puts on its padding tokens change
 // neither the loss, nor the label count, nor a gradient bit.
 TEST(ModelRun, LabelsOnPaddingAreIgnored) {
-  Gemma4Model m = make_model("");
+  Gemma4Multimodal m = make_model("");
   const TinyBatch clean = make_batch(40, 0);
   TinyBatch labelled = clean;
   for (size_t i = 0; i < labelled.doc.size(); ++i)
@@ -244,7 +244,7 @@ TEST(ModelRun, LabelsOnPaddingAreIgnored) {
 // gradient (0 · NaN in a weight gradient would otherwise spread it to every parameter).
 TEST(ModelRun, FeatureOfAPaddingImageSlotIsNotRead) {
   constexpr int kFeatureDim = 6;
-  Gemma4Model m = make_model("", kFeatureDim);
+  Gemma4Multimodal m = make_model("", kFeatureDim);
   TinyBatch zero = make_batch(40, kFeatureDim);
   ASSERT_EQ(zero.doc.back(), 0);
   zero.mm.back() = 1;  // the last slot in row-major order
@@ -263,7 +263,7 @@ TEST(ModelRun, FeatureOfAPaddingImageSlotIsNotRead) {
 }
 
 TEST(ModelRun, SameBitsOnRepeatAndAcrossThreadCounts) {
-  Gemma4Model m = make_model(R"(, "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2,
+  Gemma4Multimodal m = make_model(R"(, "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2,
                                    "moe_intermediate_size": 8)");
   const TinyBatch b = make_batch(40, 0);
   RunOptions opt;
@@ -285,7 +285,7 @@ TEST(ModelRun, SameBitsOnRepeatAndAcrossThreadCounts) {
 // Keeping every layer's activations instead of recomputing them in the backward changes memory, not numbers: the
 // recompute runs the forward's own code on the same inputs, so the gradients are the same bits.
 TEST(ModelRun, KeepingLayerActivationsGivesTheRecomputedBits) {
-  Gemma4Model m = make_model(
+  Gemma4Multimodal m = make_model(
       R"(, "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 40, "num_kv_shared_layers": 2,
          "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8)",
       6);
@@ -316,7 +316,7 @@ TEST(ModelRun, KeepingLayerActivationsGivesTheRecomputedBits) {
 // Frozen parameters (a trainer's model.freeze) get no gradient, and the others keep the bits of a fully trainable
 // run: skipping a weight-gradient product changes no other sum.
 TEST(ModelRun, UnallocatedGradientsAreSkippedAndTheOthersKeepTheirBits) {
-  Gemma4Model m = make_model(
+  Gemma4Multimodal m = make_model(
       R"(, "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 40, "num_kv_shared_layers": 2,
          "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8)",
       6);
@@ -375,7 +375,7 @@ TinyBatch long_text_batch(int V, int B, int S) {
 // small-matrix threshold, whose kernel sums K in another order (a separate issue of ops.cpp's gemm split).
 TEST(ModelRun, MoeSameBitsAcrossThreadCountsAtParallelSizes) {
   constexpr int kVocab = 4096;
-  Gemma4Model m = make_model(R"(, "vocab_size": 4096, "enable_moe_block": true, "num_experts": 8,
+  Gemma4Multimodal m = make_model(R"(, "vocab_size": 4096, "enable_moe_block": true, "num_experts": 8,
                                    "top_k_experts": 2, "moe_intermediate_size": 32)");
   const TinyBatch b = long_text_batch(kVocab, 2, 2048);
   RunOptions opt;

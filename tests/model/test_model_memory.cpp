@@ -165,7 +165,7 @@ TEST(ModelMemory, ForwardWithLogitsIsALowerBoundOfTheRun) {
 }
 
 TEST(ModelMemory, OverflowIsReportedNotWrapped) {
-  const Gemma4Model m(Gemma4Config::from_json(kConfig), 0, TensorSet::Storage::Deferred);
+  const Gemma4Model m(Gemma4Config::from_json(kConfig), TensorSet::Storage::Deferred);
   RunMemoryArgs a;
   a.tokens = int64_t{1} << 60;
   a.training = true;

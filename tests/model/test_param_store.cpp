@@ -248,7 +248,7 @@ const char* const kTwoLayers = R"({"vocab_size": 40, "hidden_size": 16, "interme
 TEST(ParamStore, ModelCallsTheLayerHooksAndEachLayersGradientsAreFinalAtItsEnd) {
   auto owned = std::make_unique<RecordingStore>();
   RecordingStore& store = *owned;
-  Gemma4Model m(Gemma4Config::from_json(kTwoLayers), 0, TensorSet::Storage::Allocated, std::move(owned));
+  Gemma4Model m(Gemma4Config::from_json(kTwoLayers), TensorSet::Storage::Allocated, std::move(owned));
   m.init_random(3, 0.3f);
   // Registered by layer: each decoder layer's slots in its group, the rest global.
   for (size_t slot : store.group(1)) EXPECT_EQ(store.info(slot).name.rfind("model.layers.1.", 0), 0u);

@@ -1,6 +1,6 @@
 // Test-only tool behind tests/model/vision_parity.py: runs the C++ vision encoder on a checkpoint's tower.
 //
-//     vision_case CHECKPOINT_DIR IMAGES.safetensors OUT.safetensors
+//     vision_case CHECKPOINT_DIR IMAGES.safetensors OUT.safetensors [COMPUTE_DTYPE]
 //
 // CHECKPOINT_DIR  a multimodal Gemma 4 checkpoint (config.json with a vision_config, the tower under
 //                 model.vision_tower.), loaded as ringflex loads any checkpoint: the tower is what load_checkpoint
@@ -10,6 +10,7 @@
 //                 and, optionally, d_soft_tokens [N, hidden_size] F32: then the backward runs too
 // OUT             soft_tokens [N, hidden_size] F32 and counts [n] I64; with d_soft_tokens, grad.<name> of every
 //                 trainable tower tensor (its checkpoint name) F32
+// COMPUTE_DTYPE   float32 (the default) or bfloat16: what the encoder's matmuls multiply in (set_compute_dtype)
 // Exits 1 with the error's one line on any failure.
 #include <cstdio>
 #include <exception>
@@ -22,12 +23,13 @@
 #include "model/vision_encoder.h"
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: vision_case CHECKPOINT_DIR IMAGES.safetensors OUT.safetensors\n");
+  if (argc != 4 && argc != 5) {
+    std::fprintf(stderr, "usage: vision_case CHECKPOINT_DIR IMAGES.safetensors OUT.safetensors [COMPUTE_DTYPE]\n");
     return 2;
   }
   try {
-    const rf::model::VisionEncoder encoder = rf::testing::load_checkpoint_tower(argv[1]);
+    rf::model::VisionEncoder encoder = rf::testing::load_checkpoint_tower(argv[1]);
+    if (argc == 5) encoder.set_compute_dtype(rf::model::parse_compute_dtype(argv[4]));
     const rf::io::SafetensorsFile in = rf::io::SafetensorsFile::open(argv[2]);
     const rf::testing::ImageArrays images = rf::testing::read_images(in);
     const rf::model::VisionBatch b = images.view();

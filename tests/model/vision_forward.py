@@ -9,7 +9,8 @@ longest, image_position_ids with (-1, -1) padding), each image's soft tokens as 
 transformers runs the whole model in float64 (pixel_values, image_position_ids, the image token at the slots, the
 docs/spec.md §3 masks of tests/model/parity.py handed in as its {layer_type: mask} dict); ringflex runs
 `ringflex forward` with pixel_values and image_position_ids in place of image_features, at P = 1 and, with a
-launcher, over P ranks (the tower runs on every rank on the whole batch, before the rows are split).
+launcher, over P ranks (the tower runs on every rank on the whole batch, before the rows are split); with
+`--ranks P... -- MPIEXEC...` at each of those P against the one reference (tests/common/launchers.py).
 Compared: the loss and the logits of every valid token, 1e-4 relative (parity.py's tolerance and reason: float32
 against float64, rounding ~1e-7 per op amplified by depth; a wrong soft token moves the image slots' logits by 1e-2).
 Exit 77 (CTest's skip) when torch, transformers or safetensors is missing.
@@ -22,6 +23,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "common"))
 sys.path.insert(0, HERE)
+from launchers import launchers, ranks_of  # noqa: E402
 from oracle_env import missing_oracle  # noqa: E402
 
 try:
@@ -49,9 +51,9 @@ B, S = 2, 24
 
 def main():
     if len(sys.argv) < 2:
-        print("usage: vision_forward.py PATH/TO/ringflex [LAUNCHER...]")
+        print("usage: vision_forward.py PATH/TO/ringflex [LAUNCHER... | --ranks P... [-- MPIEXEC...]]")
         return 2
-    ringflex, launcher = sys.argv[1], sys.argv[2:]
+    ringflex, runs = sys.argv[1], launchers(sys.argv[2:])
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
     gen = torch.Generator().manual_seed(2024)
@@ -116,13 +118,8 @@ def main():
                  "mm_token_type_ids": mm.to(torch.int32), "pixel_values": pixels.contiguous(),
                  "image_position_ids": pos.to(torch.int32).contiguous()}
         batch_path, out_path = os.path.join(work, "batch.safetensors"), os.path.join(work, "out.safetensors")
+        bad_path = os.path.join(work, "bad.safetensors")
         save_file(batch, batch_path)
-        proc = subprocess.run([*launcher, ringflex, "forward", "--model", ckpt, "--in", batch_path, "--out", out_path],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(f"FAIL ringflex forward: {proc.stderr.strip()}")
-            return 1
-        out = load_file(out_path)
         # Bad pixel inputs: one line naming the batch file and the problem, on every rank.
         bad_cases = {
             "both": (dict(batch, image_features=torch.zeros((sum(soft), VISION["hidden_size"]))),
@@ -131,26 +128,32 @@ def main():
             "position": (dict(batch, image_position_ids=torch.where(pos == 3, 99, pos).to(torch.int32)),
                          "outside [0, 16) (position_embedding_size)"),
         }
-        for what, (bad, expected) in bad_cases.items():
-            save_file(bad, batch_path)
+        for launcher in runs:
+            where = f" over {' '.join(launcher)}" if launcher else ""
             proc = subprocess.run([*launcher, ringflex, "forward", "--model", ckpt, "--in", batch_path, "--out",
                                    out_path], capture_output=True, text=True)
-            # One line per rank (mpirun adds its own report after them).
-            ranks = int(launcher[launcher.index("-n") + 1]) if "-n" in launcher else 1
-            lines = [line for line in proc.stderr.splitlines() if line.startswith("ringflex: error:")]
-            if proc.returncode == 0 or len(lines) != ranks or any(expected not in line or batch_path not in line
-                                                                  for line in lines):
-                print(f"FAIL bad pixels ({what}): rc {proc.returncode}, stderr {proc.stderr.strip()!r}")
+            if proc.returncode != 0:
+                print(f"FAIL ringflex forward{where}: {proc.stderr.strip()}")
                 return 1
-    valid = doc > 0
-    errs = {"loss": float(abs(out["loss"].double() - loss) / abs(loss)),
-            "logits": float((out["logits"][valid].double() - logits[valid]).norm() / logits[valid].norm())}
-    where = f" over {' '.join(launcher)}" if launcher else ""
-    if any(not e <= REL_TOL for e in errs.values()):
-        print(f"FAIL forward from pixels{where}: relative errors {errs}")
-        return 1
-    print(f"ok   forward from pixels{where}: {len(GRIDS)} images ({soft} soft tokens), loss {float(loss):.6f}, "
-          f"relative errors loss {errs['loss']:.1e}, logits {errs['logits']:.1e}")
+            out = load_file(out_path)
+            for what, (bad, expected) in bad_cases.items():
+                save_file(bad, bad_path)
+                proc = subprocess.run([*launcher, ringflex, "forward", "--model", ckpt, "--in", bad_path, "--out",
+                                       out_path], capture_output=True, text=True)
+                # One line per rank (mpirun adds its own report after them).
+                lines = [line for line in proc.stderr.splitlines() if line.startswith("ringflex: error:")]
+                if proc.returncode == 0 or len(lines) != ranks_of(launcher) or any(
+                        expected not in line or bad_path not in line for line in lines):
+                    print(f"FAIL bad pixels ({what}){where}: rc {proc.returncode}, stderr {proc.stderr.strip()!r}")
+                    return 1
+            valid = doc > 0
+            errs = {"loss": float(abs(out["loss"].double() - loss) / abs(loss)),
+                    "logits": float((out["logits"][valid].double() - logits[valid]).norm() / logits[valid].norm())}
+            if any(not e <= REL_TOL for e in errs.values()):
+                print(f"FAIL forward from pixels{where}: relative errors {errs}")
+                return 1
+            print(f"ok   forward from pixels{where}: {len(GRIDS)} images ({soft} soft tokens), "
+                  f"loss {float(loss):.6f}, relative errors loss {errs['loss']:.1e}, logits {errs['logits']:.1e}")
     return 0
 
 

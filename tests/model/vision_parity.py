@@ -13,7 +13,8 @@ bounds that really clip, GQA, one and two layers) this script
      and backward) and compares the soft-token counts per image exactly, the soft tokens and every gradient (and
      that it gives none for a buffer: clip bounds and std_bias/std_scale do not train).
 
-Tolerance: 1e-5 relative (norm of the difference over the norm of the reference). The C++ encoder runs in float32
+Each case runs twice in float32, on one thread and on two, with the same bits required (the "threaded" case is big
+enough for every threaded pass to split). Tolerance: 1e-5 relative (norm of the difference over the norm of the reference). The C++ encoder runs in float32
 (rounding ~6e-8 per op); the reference runs in float64 except where transformers itself computes in float32 (the
 rotary angles, and the pooling and sqrt(hidden) scale, which Gemma4VisionPooler does in float32 on purpose), so
 both sides carry float32 rounding of ~1e-7 amplified by a layer or two of attention and MLP: measured ~1e-6 at
@@ -21,6 +22,14 @@ most. A wrong term (a swapped rotary axis, a missed clip, padding in a pool, a w
 Gradients: 1e-4 relative per tensor, as tests/model/parity.py allows its backward (the backward's longer chains and
 sums over tokens amplify the same rounding; measured ~1e-6 here), still far below the 1e-2 of a wrong term (a clamp
 gradient passed outside its bounds, a rotation not transposed).
+The bf16 mode (set_compute_dtype, vision_case's COMPUTE_DTYPE) on the same cases: soft tokens within 2e-2 of the
+float64 reference and farther than 1e-4 (float32 lands at ~2e-7: above 1e-4 shows the operands really were
+rounded). Each bf16 operand carries a relative rounding of at most 2^-9 ~ 2e-3; a layer or two of linears and
+attention compound a few of them: measured ~4e-3, 2e-2 leaves room for the random draws while a wrong term still
+moves it by 1e-1 or more. Gradients within 5e-2 (measured ~1.5e-2: the backward's chains are about twice the
+forward's) on the cases without clipped linears; with them only the soft tokens are checked, since an element whose
+value lies within bf16 rounding of a clip bound flips its clamp's 0/1 gradient mask, which on these tiny towers moves
+whole gradients by up to ~2e-1 without anything being wrong.
 Exit 77 (CTest's skip) when torch, transformers or safetensors is missing.
 """
 import os
@@ -41,6 +50,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 REL_TOL = 1e-5
 GRAD_TOL = 1e-4
+BF16_FLOOR, BF16_TOL, BF16_GRAD_TOL = 1e-4, 2e-2, 5e-2
 TEXT = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=8, global_head_dim=8, sliding_window=4,
             layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
@@ -63,7 +73,16 @@ CASES = {
                     pooling_kernel_size=1, standardize=True, use_clipped_linears=False,
                     rope_parameters={"rope_type": "axial", "rope_theta": 50.0}),
                [(3, 2), (5, 1), (2, 2)]),
+    # Big enough that every threaded pass of the encoder runs on several threads (its loops go parallel from 2^15
+    # elements, its sgemms from 2^21 multiply-adds, ops.h): 1152 patches of hidden 64, clipped linears.
+    "threaded": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=32, patch_size=2, position_embedding_size=32,
+                      pooling_kernel_size=2, standardize=False, use_clipped_linears=True),
+                 [(24, 24), (20, 18)]),
 }
+# Threads of the second float32 run of every case, whose every output must have the same bits as the first's (run with
+# CTest's OMP_NUM_THREADS = 1): the encoder splits no sum by thread (vision_encoder.h, ops.h).
+THREADS = "2"
 
 
 def randomize(tower, gen):
@@ -147,6 +166,17 @@ def run(name, vision_case, work):
         print(f"FAIL {name}: vision_case: {proc.stderr.strip()}")
         return False
     got = load_file(out)
+    out2 = os.path.join(work, f"{name}_threads.safetensors")
+    proc = subprocess.run([vision_case, ckpt, inputs, out2], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS=THREADS))
+    if proc.returncode != 0:
+        print(f"FAIL {name}: vision_case on {THREADS} threads: {proc.stderr.strip()}")
+        return False
+    got2 = load_file(out2)
+    differ = sorted(k for k in got if k not in got2 or not torch.equal(got[k], got2[k]))
+    if differ or len(got2) != len(got):
+        print(f"FAIL {name}: {THREADS} threads change the bits of {differ[:4] or 'the set of outputs'}")
+        return False
     counts = got["counts"].tolist()
     if counts != ref_counts or ref.shape[0] != sum(ref_counts):
         print(f"FAIL {name}: soft tokens per image {counts}, transformers {ref_counts} ({ref.shape[0]} in all)")
@@ -186,8 +216,27 @@ def run(name, vision_case, work):
             print(f"FAIL {name}: the clip bounds change the reference by only {moved:.1e}")
             return False
         clipped = f", clipping moves the tokens by {moved:.1e}"
+    # The bf16 mode (VisionEncoder::set_compute_dtype): the same tower, images and loss with bf16 matmul operands.
+    out16 = os.path.join(work, f"{name}_bf16.safetensors")
+    proc = subprocess.run([vision_case, ckpt, inputs, out16, "bfloat16"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"FAIL {name}: vision_case bfloat16: {proc.stderr.strip()}")
+        return False
+    got16 = load_file(out16)
+    err16 = float((got16["soft_tokens"].double() - ref).norm() / ref.norm())
+    grad16 = 0.0
+    for pname, p in tower.named_parameters() if not vcfg["use_clipped_linears"] else []:
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        d = got16["grad.model.vision_tower." + pname].double().reshape(g.shape) - g
+        grad16 = max(grad16, float(d.norm() / max(float(g.norm()), 1e-300)))
+    if not (BF16_FLOOR < err16 <= BF16_TOL and grad16 <= BF16_GRAD_TOL):
+        print(f"FAIL {name}: bfloat16 soft tokens relative error {err16:.2e} outside ({BF16_FLOOR:.0e}, "
+              f"{BF16_TOL:.0e}], or gradients {grad16:.2e} > {BF16_GRAD_TOL:.0e}")
+        return False
     print(f"ok   {name:12s}: {len(grids)} images, {counts} soft tokens, relative error {err:.2e}, "
-          f"{len(dict(tower.named_parameters()))} gradients within {worst_grad:.2e}{clipped}")
+          f"{len(dict(tower.named_parameters()))} gradients within {worst_grad:.2e}{clipped}; "
+          f"bfloat16 {err16:.2e}, " + ("gradients unchecked (clipped linears)" if vcfg["use_clipped_linears"]
+                                        else f"gradients within {grad16:.2e}"))
     return True
 
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -22,6 +23,7 @@
 #include "io/safetensors.h"
 #include "model/builtin_configs.h"
 #include "model/checkpoint.h"
+#include "model/lora_store.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/error_of.h"
@@ -55,7 +57,7 @@ TrainConfig small(const std::string& builtin, std::vector<std::string> sets) {
 
 struct Trained {
   std::vector<StepMetrics> steps;
-  std::unique_ptr<model::Gemma4Model> model;
+  std::unique_ptr<model::Gemma4Multimodal> model;
   std::string last_checkpoint;
 };
 
@@ -135,8 +137,8 @@ INSTANTIATE_TEST_SUITE_P(Builtins, GridInvariance, ::testing::Values("tiny_dense
 TEST(LabelTokens, CountedOnceOverTheGlobalBatch) {
   const TrainConfig c = small("tiny_moe_vlm", {"parallelism.cp=2", "parallelism.dp=2", "train.steps=1"});
   const Trained trained = run(c);
-  model::Gemma4Model m(model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm")),
-                       model::kBuiltinFeatureDim);
+  model::Gemma4Multimodal m(model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm")),
+                            model::MultimodalParts{model::kBuiltinFeatureDim});
   m.init_random(c.train.seed, static_cast<float>(c.model.init_std));
   // The trainer's mock images: drawings encoded by the built-in tower, initialised from train.seed as set_up does.
   const std::string json = model::builtin_config_json("tiny_moe_vlm");
@@ -172,7 +174,7 @@ TEST(ContextParallel, RowShorterThanTheGroupIsRefused) {
             "config: train.seq_len = 3 is shorter than parallelism.cp = 4 (every CP rank needs a token)");
 }
 
-std::vector<float> flat_params(const model::Gemma4Model& m) {
+std::vector<float> flat_params(const model::Gemma4Multimodal& m) {
   const std::span<const float> all = m.params().flat(model::Role::Weights);
   return {all.begin(), all.end()};
 }
@@ -294,6 +296,53 @@ TEST(ShardOptimizer, SameBitsAsShardNoneAtEveryGrid) {
     const Trained none = run(config("none")), sharded = run(config("optimizer"));
     ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
     expect_same_bits(none, sharded, what);
+    ++i;
+  }
+  fs::remove_all(dir);
+}
+
+// parallelism.shard = optimizer under LoRA: the adapters' moments are sharded over the ranks (each rank updates its
+// slice of the adapters and gathers the others'), the frozen base stays whole and unsharded (mapped from the files
+// and shared by a machine's ranks; config.cpp says why gradients and full are refused). Every loss, gradient norm
+// and validation loss, the final adapters, the written adapter file and the moments are shard none's bits at
+// N = 2 and 3, over CP, DP and a mix, dense and MoE with the experts' 3-D weights adapted (target_parameters).
+TEST(ShardOptimizer, LoraSameBitsAsShardNone) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"tiny_dense", {"parallelism.cp=2"}},
+      {"tiny_dense", {"parallelism.dp=3", "train.global_batch=6"}},
+      {"tiny_moe_vlm", {"parallelism.cp=3", "model.lora.target_parameters=[experts.gate_up_proj, experts.down_proj]"}},
+      {"tiny_moe_vlm", {"parallelism.cp=1", "parallelism.dp=2", "model.lora.target=[q_proj, o_proj]"}},
+  };
+  const fs::path dir = scratch("shard_optimizer_lora");
+  int i = 0;
+  for (const auto& [builtin, sets] : cases) {
+    const std::string what = builtin + " LoRA case " + std::to_string(i);
+    const auto config = [&](const std::string& mode) {
+      std::vector<std::string> all = {"model.lora.rank=2", "model.lora.alpha=4"};
+      all.insert(all.end(), sets.begin(), sets.end());
+      all.insert(all.end(), {"parallelism.shard=" + mode, "train.steps=3", "train.val_every=2",
+                             "checkpoint.dir=" + (dir / (std::to_string(i) + mode)).string()});
+      return grid_case(builtin, all);
+    };
+    const Trained none = run(config("none")), sharded = run(config("optimizer"));
+    ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
+    for (size_t s = 0; s < none.steps.size(); ++s) {
+      EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
+      EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
+      EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
+    }
+    // The adapters' weights (a LoRA store's Weights arena holds the adapters only) moved, and to the same bits.
+    const std::vector<float> adapters = flat_params(*none.model);
+    EXPECT_EQ(flat_params(*sharded.model), adapters) << what;
+    EXPECT_TRUE(std::any_of(adapters.begin(), adapters.end(), [](float x) { return x != 0.0f; })) << what;
+    EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / model::kPeftWeightsFile),
+              file_bytes(fs::path(none.last_checkpoint) / model::kPeftWeightsFile))
+        << what;
+    EXPECT_FALSE(fs::exists(fs::path(sharded.last_checkpoint) / "model.safetensors")) << what;
+    EXPECT_TRUE(fs::exists(fs::path(sharded.last_checkpoint) / "optimizer.json")) << what;  // one file a rank
+    EXPECT_EQ(moments_of(sharded.last_checkpoint, sharded.model->params()),
+              moments_of(none.last_checkpoint, none.model->params()))
+        << what;
     ++i;
   }
   fs::remove_all(dir);
@@ -527,8 +576,7 @@ std::string ple_kv_config(bool tied) {
 // The model of ple_kv_config, written as a checkpoint.
 void write_ple_kv_model(bool tied, const std::string& dir) {
   model::Checkpoint ck;
-  ck.model = std::make_unique<model::Gemma4Model>(model::Gemma4Config::from_json(ple_kv_config(tied), "test"), 0,
-                                                  model::TensorSet::Storage::Allocated);
+  ck.model = std::make_unique<model::Gemma4Multimodal>(model::Gemma4Config::from_json(ple_kv_config(tied), "test"));
   ck.model->init_random(11, 0.1f);
   model::save_checkpoint(ck, dir);
 }
@@ -585,7 +633,7 @@ TEST(ShardFull, PerLayerEmbeddingsAndKvSharingGiveShardNoneBits) {
 TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
   for (bool tied : {true, false}) {
     const model::Gemma4Config cfg = model::Gemma4Config::from_json(ple_kv_config(tied), "test");
-    model::Gemma4Model whole(cfg, 0, model::TensorSet::Storage::Allocated);
+    model::Gemma4Model whole(cfg, model::TensorSet::Storage::Allocated);
     whole.init_random(5, 0.1f);
     const model::ParamStore& w = whole.params();
     int64_t small_global = 0, weights = 0;  // elements: the global group's unstreamed parameters; all of them
@@ -602,7 +650,7 @@ TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
         auto store = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
                                                     comm::default_timeout());
         ShardedStore& sharded = *store;
-        const model::Gemma4Model m(cfg, 0, model::TensorSet::Storage::Deferred, std::move(store));
+        const model::Gemma4Model m(cfg, model::TensorSet::Storage::Deferred, std::move(store));
         sharded.adopt(w);
         constexpr int64_t kF = sizeof(float);
         // The pieces: this rank's slice of the weights, at most ceil(total / N) elements of each layout.
@@ -720,7 +768,8 @@ TEST(ShardFull, CheckpointsHoldWholeTensorsAndResumeAcrossModesAndRankCounts) {
 // no whole copy; at N = 1 to 4.
 TEST(ShardFull, ReadWeightGathersWholeTensorsFromTheirPieces) {
   const model::Gemma4Config cfg = model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm"), "builtin");
-  model::Gemma4Model whole(cfg, model::kBuiltinFeatureDim, model::TensorSet::Storage::Allocated);
+  model::Gemma4Multimodal whole(cfg, model::MultimodalParts{model::kBuiltinFeatureDim},
+                                model::TensorSet::Storage::Allocated);
   whole.init_random(5, 0.1f);
   whole.params().freeze({"embed_tokens", "layers.2."});
   for (int P = 1; P <= 4; ++P) {
@@ -728,7 +777,8 @@ TEST(ShardFull, ReadWeightGathersWholeTensorsFromTheirPieces) {
       auto store = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
                                                   comm::default_timeout());
       ShardedStore& sharded = *store;
-      const model::Gemma4Model m(cfg, model::kBuiltinFeatureDim, model::TensorSet::Storage::Deferred, std::move(store));
+      const model::Gemma4Multimodal m(cfg, model::MultimodalParts{model::kBuiltinFeatureDim},
+                                      model::TensorSet::Storage::Deferred, std::move(store));
       sharded.adopt(whole.params());
       EXPECT_TRUE(sharded.sharded() && sharded.flat(model::Role::Weights).empty());
       for (size_t slot = 0; slot < sharded.size(); ++slot) {
@@ -1039,8 +1089,8 @@ TEST(Validation, ZeroValRowsTrainsWithoutValidation) {
 TEST(Freeze, FrozenParametersKeepTheirBits) {
   const TrainConfig c = small("tiny_dense", {"model.freeze=[embed_tokens, layers.0.]", "train.steps=2"});
   const Trained r = run(c);
-  model::Gemma4Model init(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
-                          model::kBuiltinFeatureDim);
+  model::Gemma4Multimodal init(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
+                               model::MultimodalParts{model::kBuiltinFeatureDim});
   init.init_random(c.train.seed, static_cast<float>(c.model.init_std));
   int frozen = 0, moved = 0;
   const model::TensorSet before = init.params().snapshot(model::Role::Weights);

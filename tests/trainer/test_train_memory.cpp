@@ -32,16 +32,18 @@ TrainConfig config(std::vector<std::string> sets) {
   return parse_config("", "test", base);
 }
 
-model::Gemma4Model shapes() {
-  return model::Gemma4Model(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
-                            model::kBuiltinFeatureDim, model::TensorSet::Storage::Deferred);
+model::Gemma4Multimodal shapes() {
+  return model::Gemma4Multimodal(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
+                                 model::MultimodalParts{model::kBuiltinFeatureDim},
+                                 model::TensorSet::Storage::Deferred);
 }
 
 // Expert parallelism with shard none: a rank holds its EP rank's experts only, so the experts' weights, gradients
 // and moments count E / ep experts; under sharding every rank keeps every expert (the same terms as ep 1's).
 TEST(TrainMemory, HeldExpertsCountTheRanksOwn) {
-  const model::Gemma4Model m(model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm")),
-                             model::kBuiltinFeatureDim, model::TensorSet::Storage::Deferred);
+  const model::Gemma4Multimodal m(model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm")),
+                                  model::MultimodalParts{model::kBuiltinFeatureDim},
+                                  model::TensorSet::Storage::Deferred);
   const std::vector<std::string> moe = {"model.builtin=tiny_moe_vlm", "train.seq_len=8", "parallelism.dp=2"};
   const auto with = [&](std::vector<std::string> more) {
     std::vector<std::string> sets = moe;
@@ -63,7 +65,7 @@ TEST(TrainMemory, HeldExpertsCountTheRanksOwn) {
 }
 
 TEST(TrainMemory, TermsFollowTheConfig) {
-  const model::Gemma4Model m = shapes();
+  const model::Gemma4Multimodal m = shapes();
   const int64_t params = m.params().weight_bytes();
   const MemoryBreakdown one = train_memory_at_least(config({}), m, 1);
   EXPECT_EQ(one.of("gradients"), params);
@@ -83,7 +85,7 @@ TEST(TrainMemory, TermsFollowTheConfig) {
   model::RunMemoryArgs run;
   run.tokens = 512;
   run.training = true;
-  EXPECT_EQ(one.of("activations"), model::run_memory_at_least(m, run).of("activations"));
+  EXPECT_EQ(one.of("activations"), model::run_memory_at_least(m.decoder(), run).of("activations"));
 
   // Over 2 ranks the gradients are reduced in place in the store's flat arena: no copy to count.
   const MemoryBreakdown dp = train_memory_at_least(config({"train.seq_len=8", "parallelism.dp=2"}), m, 2);
@@ -149,7 +151,7 @@ TEST(TrainMemory, TermsFollowTheConfig) {
 }
 
 TEST(TrainMemory, LoraCountsTheAdaptersNotTheBase) {
-  const model::Gemma4Model m = shapes();
+  const model::Gemma4Multimodal m = shapes();
   const int64_t params = m.params().weight_bytes();
   const TrainConfig c = config({"model.lora.rank=4", "model.lora.target=[q_proj, down_proj]"});
   const MemoryBreakdown lora = train_memory_at_least(c, m, 1);
@@ -157,9 +159,9 @@ TEST(TrainMemory, LoraCountsTheAdaptersNotTheBase) {
   model::LoraConfig lc;
   lc.rank = 4;
   lc.target = {"q_proj", "down_proj"};
-  const model::Gemma4Model allocated(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
-                                     model::kBuiltinFeatureDim, model::TensorSet::Storage::Allocated,
-                                     std::make_unique<model::LoraStore>(lc));
+  const model::Gemma4Multimodal allocated(model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense")),
+                                          model::MultimodalParts{model::kBuiltinFeatureDim},
+                                          model::TensorSet::Storage::Allocated, std::make_unique<model::LoraStore>(lc));
   const int64_t adapters = allocated.params().trainable_bytes();
   ASSERT_GT(adapters, 0);
   EXPECT_EQ(lora.of("gradients"), adapters);
@@ -167,6 +169,14 @@ TEST(TrainMemory, LoraCountsTheAdaptersNotTheBase) {
   EXPECT_EQ(lora.of("weights"), params + adapters + m.buffers().total_bytes());
   EXPECT_EQ(allocated.params().weight_bytes(), params + adapters);
   EXPECT_LT(lora.total(), train_memory_at_least(config({}), m, 1).total());
+  // shard optimizer over 3 ranks: each holds the moments of a third of the adapters (padded), the rest unchanged.
+  const TrainConfig sharded =
+      config({"model.lora.rank=4", "model.lora.target=[q_proj, down_proj]", "parallelism.shard=optimizer"});
+  const MemoryBreakdown third = train_memory_at_least(sharded, m, 3);
+  const int64_t f32 = sizeof(float);
+  EXPECT_EQ(third.of("AdamW moments"), 2 * f32 * model::shard_of(adapters / f32, 0, 3).padded);
+  EXPECT_EQ(third.of("gradients"), adapters);
+  EXPECT_EQ(third.of("weights"), lora.of("weights"));
 }
 
 using ScopedLimit = rf::testing::ScopedMemoryLimit;
