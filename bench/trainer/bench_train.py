@@ -13,7 +13,8 @@ peak_rss_bytes (the largest peak resident set over the ranks).
            costs time, not memory). Target: the activation part falls ~1/P (weights, gradients and AdamW state are
            replicated and do not).
   shard-memory  peak RSS per rank for each parallelism.shard mode (none, optimizer, gradients, full) at N = CP = 1,
-           2, 4, 8 (1 thread each). Target (issue 22): the state part falls as 1/N under full.
+           2, 4, 8 (1 thread each), beside the memory model's per-rank total (the up-front check's, --stats).
+           Target (issue 22): the state part falls as 1/N under full.
   shard-speed   parallelism.shard full against none at CP = 2 (1 thread each), --reps alternating repeats, with the
            exposed communication (the metrics' shard_comm_wait_s, median per step). Target: full >= 0.9 x none.
   torch    PyTorch training steps (transformers Gemma4ForCausalLM, SDPA, AdamW, float32, 2 threads) on the same
@@ -55,13 +56,18 @@ def make_model(name, workdir):
     return ["--set", f"model.path={path}"], path
 
 
-def train(ringflex, model_args, P_cp, threads, a, workdir, tag, shard="none", waits=None):
+def train(ringflex, model_args, P_cp, threads, a, workdir, tag, shard="none", waits=None, model_bytes=None):
+    """Median tokens/s and the largest peak RSS of any rank; with model_bytes, appends the memory model's per-rank
+    total (ringflex train --stats: the figure the up-front memory check used)."""
     metrics = os.path.join(workdir, f"{tag}.jsonl")
+    stats = os.path.join(workdir, f"{tag}.stats.json")
     cmd = [ringflex, "train", *model_args, "--set", f"parallelism.cp={P_cp}", "--set", "parallelism.dp=1",
            "--set", f"parallelism.shard={shard}",
            "--set", f"train.threads={threads}", "--set", f"train.seq_len={a.seq}", "--set", f"train.steps={a.steps}",
            "--set", f"train.global_batch={a.batch}", "--set", "train.micro_batch=1", "--set", "train.val_every=0",
            "--set", "data.val_rows=1", "--metrics", metrics]
+    if model_bytes is not None:
+        cmd += ["--stats", stats]
     if P_cp > 1:
         cmd = ["mpirun", "--oversubscribe", "-n", str(P_cp), *cmd]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -70,6 +76,9 @@ def train(ringflex, model_args, P_cp, threads, a, workdir, tag, shard="none", wa
     timed = rows[a.skip:] or rows
     if waits is not None:  # the exposed communication of the sharded modes, median seconds per step
         waits.append(statistics.median(r.get("shard_comm_wait_s", 0.0) for r in timed))
+    if model_bytes is not None:
+        with open(stats) as f:
+            model_bytes.append(json.load(f)["memory_per_rank"]["total_bytes"])
     return statistics.median(r["tokens_per_s"] for r in timed), max(r["peak_rss_bytes"] for r in rows)
 
 
@@ -126,11 +135,14 @@ def main():
                 print(f"| {P} | {rss / MIB:.0f} | {tps:.0f} |")
         elif a.what == "shard-memory":
             modes = ("none", "optimizer", "gradients", "full")
-            print("| N | " + " | ".join(f"{m}: peak RSS per rank (MiB)" for m in modes) + " |\n|---|" +
-                  "---|" * len(modes))
+            print("| N | " + " | ".join(f"{m}: peak RSS per rank (MiB) / memory model" for m in modes) +
+                  " |\n|---|" + "---|" * len(modes))
             for P in (1, 2, 4, 8):
-                rss = [train(a.ringflex, model_args, P, 1, a, work, f"shard_{m}_{P}", shard=m)[1] for m in modes]
-                print(f"| {P} | " + " | ".join(f"{r / MIB:.0f}" for r in rss) + " |")
+                predicted = []
+                rss = [train(a.ringflex, model_args, P, 1, a, work, f"shard_{m}_{P}", shard=m, model_bytes=predicted)[1]
+                       for m in modes]
+                print(f"| {P} | " + " | ".join(f"{r / MIB:.0f} / {m / MIB:.0f}" for r, m in zip(rss, predicted)) +
+                      " |")
         elif a.what == "shard-speed":
             print("| rep | none tok/s | full tok/s | ratio | full: exposed communication (s per step) |\n"
                   "|---|---|---|---|---|")

@@ -18,13 +18,14 @@
 //     rank fetches the union's rows from their owners (a rank's piece is an element range, so a row may span two),
 //     [union, W]; the backward accumulates into gradient rows of the same layout, which after_backward(kGlobalGroup)
 //     sends to their owners, each summing the N contributions in rank order (as below);
-//   - the head: gathered whole by acquire_head just before the loss and freed by release_head right after it, its
-//     gradient (a whole-size buffer for that while) then sent to the owners and freed. Tied to embed_tokens, the
+//   - the head: its gather posted during the last layer's forward, finished by acquire_head just before the loss
+//     and freed by release_head right after it, its gradient (a whole-size buffer for that while) then packed in
+//     place, sent to the owners and freed. Tied to embed_tokens, the
 //     rows of the table's union stay behind and seed the table's gradient rows, so that each row's float32 sum is
 //     shard none's (the head's part, then the embedding's tokens in order) and is reduced once, with the table's.
 // The tables' rows cover every rank's tokens (O(tokens x W) a rank, against the table's O(vocabulary x W)); the
-// head's transient whole copy and gradient are the largest buffers left (the vocabulary-blocked head would
-// remove them).
+// head's transient whole copy and gradient are the largest buffers left (a loss that streams the head in blocks of
+// the vocabulary would remove them).
 // gradients: the weights stay whole on every rank (the optimizer updates this rank's trainable pieces of them, and
 // after_update all-gathers the others'); the gradients are as in full.
 // Both: a layer's gradients are written into a layer-sized buffer during its backward; after_backward sends every
@@ -86,8 +87,8 @@ class ShardedStore : public model::ReplicatedStore {
     int64_t gradients = 0;     // the rank's slice, the global group's small buffer, one layer's buffer or the head's,
                                // the tables' gradient rows
     int64_t moments = 0;       // AdamW's two moments of the slice
-    int64_t comm_buffers = 0;  // a layer gather's staging (x2 in flight) or the head's; the reductions' send +
-                               // receive (two layers', or the head's)
+    int64_t comm_buffers = 0;  // a layer gather's staging (x2 in flight) or the head's; two layers' reductions'
+                               // send + receive, or the head's receive (its gradient is packed in place to send)
   };
   static Bytes bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable, Mode mode, int ranks,
                          int64_t step_tokens);

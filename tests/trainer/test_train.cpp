@@ -689,6 +689,11 @@ TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
                   std::vector<float>(w.weight(head), w.weight(head) + w.info(head).numel))
             << at;
         EXPECT_EQ(sharded.held().gathered, (small_global + table_rows + last_layer + w.info(head).numel) * kF) << at;
+        // The memory check's figures (4 tokens a rank) bound what the rank holds at its fullest.
+        std::vector<bool> trainable(w.size(), true);
+        const ShardedStore::Bytes most = ShardedStore::bytes_for(w, trainable, ShardedStore::Mode::Full, P, 4 * P);
+        EXPECT_LE(sharded.held().weight_shard, most.weight_shard) << at;
+        EXPECT_LE(sharded.held().gathered, most.gathered) << at;
         sharded.release_head(head);
         sharded.after_forward(model::kGlobalGroup);
         EXPECT_EQ(sharded.held().gathered, small_global * kF) << at;
