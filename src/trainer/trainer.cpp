@@ -1073,7 +1073,14 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
 // --stats: the memory check's terms for this run (per rank: every rank's figure is the same, shards being padded)
 // beside every rank's measured peak RSS (a collective), written by rank 0 in one agreement.
 void write_stats(Run& r, const std::string& path) {
-  const MemoryBreakdown need = train_memory_at_least(r.cfg, *r.ck.model, r.world.size());
+  // Held experts: the check counts from the whole registry (the held store registers a rank's experts only).
+  std::unique_ptr<model::ParamStore> shapes;
+  if (r.hold_experts || r.held) shapes = model::whole_registry(r.ck.model->params());
+  MemoryBreakdown need;
+  {
+    const HeldExpertsWhole while_counting(*r.ck.model, std::move(shapes));
+    need = train_memory_at_least(r.cfg, *r.ck.model, r.world.size());
+  }
   const int64_t mine = peak_rss_bytes();
   std::vector<int64_t> peaks(static_cast<size_t>(r.world.size()));
   r.world.allgather(&mine, peaks.data(), sizeof mine, r.timeout);
@@ -1083,6 +1090,7 @@ void write_stats(Run& r, const std::string& path) {
     for (const MemoryBreakdown::Term& t : need.terms()) terms.push_back({{"kind", t.name}, {"bytes", t.bytes}});
     const nlohmann::json j = {{"shard", name_of(r.cfg.parallelism.shard)},
                               {"ranks", r.world.size()},
+                              {"ep", r.cfg.parallelism.ep},
                               {"memory_per_rank", {{"terms", terms}, {"total_bytes", need.total()}}},
                               {"peak_rss_bytes", peaks}};
     io::write_file_atomically(path, j.dump(2) + "\n");

@@ -30,7 +30,7 @@ common=(--set train.seq_len=64 --set train.steps=3 --set train.global_batch=4 --
         --set model.builtin=tiny_moe_vlm --set model.init_std=0.4 --set checkpoint.every=2)
 for e in 1 "$ep"; do
   "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$e" \
-    --set checkpoint.dir="$work/ep$e" --metrics "$work/ep$e.jsonl" >/dev/null
+    --set checkpoint.dir="$work/ep$e" --metrics "$work/ep$e.jsonl" --stats "$work/stats$e.json" >/dev/null
 done
 # Another EP to resume at: twice ep where the ranks allow it, else half of it; and another shard mode there.
 if [ $((ranks % (2 * ep))) -eq 0 ]; then other=$((2 * ep)); else other=$((ep / 2)); fi
@@ -64,6 +64,24 @@ assert a.keys() == b.keys() and any(".experts." in k for k in a), sorted(set(a) 
 worst = max(abs(x - y) for name in a for x, y in zip(a[name], b[name]))
 assert worst <= 3e-6, f"step-3 weights resumed at another EP differ by up to {worst}"
 print("resumed at another EP: step-3 weights within", worst)
+PY
+# --stats: the memory check's terms count a rank's experts, E / ep of the expert tensors' float32 bytes (the files'
+# sizes), where ep 1 counts them all.
+python3 - "$work/stats1.json" "$work/stats$ep.json" "$work/ep$ep/step-00000003/model.safetensors" "$ep" <<'PY'
+import json, struct, sys
+one, ep = (json.load(open(p)) for p in sys.argv[1:3])
+raw = open(sys.argv[3], "rb").read()
+header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+experts = sum(t["data_offsets"][1] - t["data_offsets"][0] for n, t in header.items() if ".experts." in n)
+ep_size = int(sys.argv[4])
+terms = {t["kind"]: t["bytes"] for t in ep["memory_per_rank"]["terms"]}
+if ep["shard"] == "none":
+    drop = one["memory_per_rank"]["terms"][0]["bytes"] - terms["weights"]
+    assert drop == experts - experts // ep_size, (drop, experts)
+else:
+    assert terms["experts held (E / ep)"] == experts // ep_size, (terms, experts)
+assert ep["ep"] == ep_size and len(ep["peak_rss_bytes"]) > 0, ep
+print("--stats: experts counted", experts // ep_size, "of", experts, "bytes a rank")
 PY
 python3 - "$work/ep1.jsonl" "$work/ep$ep.jsonl" "$work/resumed1.jsonl" "$work/resumed$ep.jsonl" \
   "$work/resumed$other.jsonl" "$ep" <<'PY'
