@@ -14,6 +14,8 @@
 # optimizer, gradients <-> full: modes that sum the same terms in the same order, same_bits_shard_mpirun.sh; the
 # micro-batches' sums reassociate between the two pairs): the files are the same whole layout whatever wrote them. The metrics say how many
 # experts a rank holds: E / ep in every shard mode (each rank its own; trainer/held_expert_store.h under sharding).
+# Last, ep 1's step-2 checkpoint (under sharding its moments in one file a rank) resumed at ep gives ep 1's step-3
+# loss bit for bit.
 #   same_loss_ep_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS EP GRID_SETS...
 set -euo pipefail
 work=$1 ringflex=$2
@@ -47,6 +49,9 @@ for e in 1 "$ep" "$other"; do
     --set checkpoint.dir="$work/resumed$e" --metrics "$work/resumed$e.jsonl" --resume "$work/ep$ep/step-00000002" \
     >/dev/null
 done
+# And ep 1's step-2 checkpoint (its moments in one file a rank under sharding) resumed at ep: step 3's loss is ep 1's.
+"${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$ep" \
+  --set checkpoint.dir="$work/from1" --metrics "$work/from1.jsonl" --resume "$work/ep1/step-00000002" >/dev/null
 cmp "$work/ep$ep/step-00000003/model.safetensors" "$work/resumed$ep/step-00000003/model.safetensors"
 for f in "$work/ep$ep/step-00000003"/optimizer*; do  # optimizer.safetensors, or the sharded files and their layout
   cmp "$f" "$work/resumed$ep/step-00000003/$(basename "$f")"
@@ -84,9 +89,11 @@ assert ep["ep"] == ep_size and len(ep["peak_rss_bytes"]) > 0, ep
 print("--stats: experts counted", experts // ep_size, "of", experts, "bytes a rank")
 PY
 python3 - "$work/ep1.jsonl" "$work/ep$ep.jsonl" "$work/resumed1.jsonl" "$work/resumed$ep.jsonl" \
-  "$work/resumed$other.jsonl" "$ep" <<'PY'
+  "$work/resumed$other.jsonl" "$ep" "$work/from1.jsonl" <<'PY'
 import json, sys
 one, ep, resumed, again, other = ([json.loads(l) for l in open(p)] for p in sys.argv[1:6])
+from1 = [json.loads(l) for l in open(sys.argv[7])]
+assert from1[-1]["step"] == 3 and from1[-1]["loss"] == one[2]["loss"], (from1, one[2])
 experts, ep_size = 4, int(sys.argv[6])  # model.builtin tiny_moe_vlm has 4 experts a MoE layer
 held = ep[0]["ep_experts_held"]
 assert held == experts // ep_size, held
