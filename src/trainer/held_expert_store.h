@@ -20,8 +20,10 @@
 //
 // Checkpoints stay in the whole layout (each expert written once, moments whole in optimizer.safetensors): the
 // writer gathers a whole-layout copy (whole_for_writer), and a run loads the files whole and keeps its parts
-// (make_held_expert_store), so a checkpoint of any EP and shard mode resumes at any other. Both hold one whole copy
-// on a rank for that while (the writer's, and every rank's during a resume or a fresh start).
+// (make_held_expert_store), so a checkpoint of any EP and shard mode resumes at any other. Both hold a whole copy
+// for that while: the writer its whole-layout store (and every rank one role of the non-expert moments while they
+// are gathered), every rank the loaded model during a fresh start or a resume (a streaming load into the parts, as
+// the ShardedStore's own loader does, is not done for held experts).
 #pragma once
 
 #include <memory>
