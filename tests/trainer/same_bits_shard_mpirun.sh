@@ -76,7 +76,7 @@ PY
 cmp "$work/none/step-00000003/model.safetensors" "$work/optimizer/step-00000003/model.safetensors"
 same_moments "$work/none/step-00000003" "$work/optimizer/step-00000003"
 echo "shard optimizer: same weights' bytes, same moments (one file a rank)"
-for file in "$work/gradients/step-00000003"/model.safetensors "$work/gradients/step-00000003"/optimizer*; do
+for file in "$work/gradients/step-00000003"/model.safetensors "$work/gradients/step-00000003"/optimizer*.safetensors; do
   cmp "$file" "$work/full/step-00000003/$(basename "$file")"
 done
 python3 - "$work/gradients.jsonl" "$work/full.jsonl" <<'PY'
