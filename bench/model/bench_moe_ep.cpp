@@ -5,10 +5,13 @@
 // consecutive ranks. For each ep, one forward + backward first checks the loss is the bits of ep 1 (the dispatch's
 // promise), then `--repeats` steps are timed. Rank 0 prints per ep: the experts each rank runs and their float32
 // bytes, the routed rows each rank sent to other ranks' experts per step, the bytes it sent per token against the
-// uniform-routing formula, and the median step time of the slowest rank. At ep > 1 a rank's store holds its own
-// experts only (model/expert_store.h: weights and gradients, E / ep experts' worth), as training under shard none
-// does; the whole model (for ep 1 and to cut the others from) stays too, so memory is ~2 x 3.0 GB per layer per rank
-// at the full shape plus the held copy: shrink --experts on a small machine.
+// uniform-routing formula, the median step time of the slowest rank and the exposed communication (the seconds in
+// dispatch and combine a step, the most of any rank: they block, so all of it is exposed). A rank's store holds
+// its own experts only (model/expert_store.h: weights and gradients, E / ep experts' worth), as training does, made
+// for one ep at a time: each weight element is drawn from a counter-based hash of (tensor, element), so every ep's
+// rows hold ep 1's values without a whole copy. Memory per rank is about layers x 6.1 GB / ep at the full shape
+// (float32 weights and gradients of 128 x 3 x 704 x 2816 expert elements a layer), so four ranks at ep 1 need
+// 24 GB a layer: on a small machine run the larger eps, or shrink --experts.
 //
 // --exchange compares the two ways to move one MoE layer's forward rows, the exchanges alone (no model, random top-k
 // routing of distinct experts, uniform over E), at each ep:
@@ -26,6 +29,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <numeric>
@@ -36,6 +40,7 @@
 #include "comm/communicator.h"
 #include "comm/mpi_comm.h"
 #include "core/error.h"
+#include "core/mix.h"
 #include "cp/ep_experts.h"
 #include "cp/parallel_context.h"
 #include "model/expert_store.h"
@@ -73,6 +78,25 @@ struct Rows {
     return b;
   }
 };
+
+// The weights of `store` (allocated; its expert tensors possibly held in part), each element a function of its
+// tensor's slot and its index in the whole tensor alone: 1-D scales 1 + noise, the rest noise of `stddev` (uniform,
+// so that no rank's draw depends on another's). Any EP's held rows get the values of the whole tensor's.
+void fill_by_hash(model::ParamStore& store, uint64_t seed, float stddev) {
+  const float half_width = stddev * std::sqrt(3.f);  // a uniform on [-w, w) has standard deviation w / sqrt(3)
+  constexpr double kTwoTo53 = 9007199254740992.0;    // 53 bits of the hash: a double in [0, 1)
+  for (size_t slot = 0; slot < store.size(); ++slot) {
+    const model::ParamInfo& p = store.info(slot);
+    const bool scale = p.shape.size() == 1;
+    const uint64_t key = splitmix64(seed ^ splitmix64(slot));
+    const int64_t first = p.rows_begin * model::row_elements(p);
+    float* w = store.mutable_weight(slot);
+    for (int64_t j = 0; j < p.numel; ++j) {
+      const double u = static_cast<double>(splitmix64(key ^ static_cast<uint64_t>(first + j)) >> 11) / kTwoTo53;
+      w[j] = (scale ? 1.f : 0.f) + half_width * static_cast<float>(2.0 * u - 1.0);
+    }
+  }
+}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -187,9 +211,9 @@ int main(int argc, char** argv) {
       if (exchange) {
         compare_exchanges(*world, s, eps, repeats);
       } else {
-        model::Gemma4Model m(model::Gemma4Config::from_json(config_json(s)));
+        const model::Gemma4Config config = model::Gemma4Config::from_json(config_json(s));
         constexpr float kInitStd = 0.02f;  // the checkpoint's scale: routing spread over the experts
-        m.init_random(1, kInitStd);
+        constexpr uint64_t kSeed = 1;
         Rows rows;
         std::mt19937 rng(static_cast<uint32_t>(100 + rank));  // each rank its own tokens
         for (int t = 0; t < s.tokens; ++t) {
@@ -199,7 +223,6 @@ int main(int argc, char** argv) {
         const model::Batch batch = rows.view(s.tokens);
         model::RunOptions opt;
         opt.want_grad = true;
-        m.params().allocate_grads();
         auto self = world->split(rank, 0);  // attention on this rank's rows alone
         double reference_loss = 0;
         if (rank == 0)
@@ -208,14 +231,12 @@ int main(int argc, char** argv) {
         for (int ep : eps) {
           auto group = world->split(rank / ep, rank % ep);
           cp::JobContext ctx = cp::make_parallel_context(*self, {}, group.get());
-          // ep > 1: this rank's experts only, cut from the whole model.
-          model::Gemma4Model held(m.config(), model::TensorSet::Storage::Deferred);
-          if (ep > 1) {
-            held.replace_params(model::hold_expert_rows(m.params(), rank % ep, ep));
-            held.params().allocate_grads();
-          }
-          model::Gemma4Model& run = ep > 1 ? held : m;
-          run.params().zero_grads();
+          // This rank's experts only (all of them at ep 1), their values ep 1's.
+          model::Gemma4Model run(config, model::TensorSet::Storage::Deferred);
+          if (ep > 1) run.replace_params(model::hold_expert_rows(run.params(), rank % ep, ep));
+          run.params().allocate_weights();
+          fill_by_hash(run.params(), kSeed, kInitStd);
+          run.params().allocate_grads();
           const double loss = run.run(batch, opt, *ctx.model).loss;
           if (ep == eps.front()) reference_loss = loss;
           int64_t same = loss == reference_loss;
@@ -237,6 +258,8 @@ int main(int argc, char** argv) {
           int64_t moved[2] = {(after.rows_sent - before.rows_sent) / std::max(repeats, 1),
                               (after.bytes_sent - before.bytes_sent) / std::max(repeats, 1)};
           world->allreduce(moved, 2, comm::ReduceOp::Max);
+          double exposed = (after.seconds - before.seconds) / std::max(repeats, 1);  // a step's, the most of any rank
+          world->allreduce(&exposed, 1, comm::ReduceOp::Max);
           double expert_bytes = 0;  // float32 weights of the experts this rank's store holds
           for (const model::ParamInfo& p : run.params().infos())
             if (model::is_expert_tensor(p)) expert_bytes += static_cast<double>(p.numel) * sizeof(float);
@@ -247,9 +270,11 @@ int main(int argc, char** argv) {
           if (rank == 0)
             std::printf(
                 "ep %d: %d experts a layer here (%.2f GB float32), %lld rows sent a step (most of any rank), "
-                "%.1f KiB sent per token (uniform routing: %.1f), step %.3f s (median of %d)\n",
+                "%.1f KiB sent per token (uniform routing: %.1f), step %.3f s (median of %d), exposed "
+                "communication %.3f s a step\n",
                 ep, s.experts / ep, expert_bytes / 1e9, static_cast<long long>(moved[0]),
-                static_cast<double>(moved[1]) / s.tokens / 1024.0, formula / 1024.0, times[times.size() / 2], repeats);
+                static_cast<double>(moved[1]) / s.tokens / 1024.0, formula / 1024.0, times[times.size() / 2], repeats,
+                exposed);
         }
       }
     } catch (const CLI::ParseError& e) {

@@ -8,7 +8,10 @@
 // transformers' convert_gemma4_weights.py variants). A row of S tokens is split over N = cp ranks (dp 1, one row a
 // step, train.recompute on, float32 compute, every parameter trainable); each cell is the total per rank in GiB for
 // parallelism.shard none | optimizer | gradients | full. After the tables, the breakdown by kind of one cell per model
-// (N = 32, S = 65536, or --breakdown's N ranks and S tokens, e.g. a benchmark's own cell). Prints Markdown.
+// (N = 32, S = 65536, or --breakdown's N ranks and S tokens, e.g. a benchmark's own cell). Then, for each MoE config
+// (26B-A4B), expert parallelism as the system it targets runs it: N = 8 ranks as cp 2 x dp 4 with the experts over EP 8
+// (issue 25's EP 8 x CP 2, folded), each shard mode and LoRA (rank 16 on the attention and MLP projections and the
+// experts' tensors, shard none), at EP 1 and EP 8. Prints Markdown.
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -29,6 +32,8 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 constexpr int kDefaultBreakdownRanks = 32;
 constexpr int kDefaultBreakdownTokens = 65536;
 constexpr double kShownGiB = 0.05;  // the breakdown's smallest term shown: below a rounding of the table's 0.1
+// Expert parallelism's table: EP 8 x CP 2 folded onto 8 ranks (dp 4), LoRA at rank 16 (alpha 32).
+constexpr int kEpRanks = 8, kEpCp = 2, kEp = 8, kLoraRank = 16, kLoraAlpha = 32;
 
 std::vector<int> parse_list(const std::string& text) {
   std::vector<int> out;
@@ -56,6 +61,26 @@ rf::MemoryBreakdown need(const rf::model::Gemma4Multimodal& m, int ranks, int to
   c.train.micro_batch = 1;
   c.data.val_rows = 0;
   return rf::trainer::train_memory_at_least(c, m, ranks);
+}
+
+// One row of S tokens a step per replica over cp ranks, `ranks` ranks in all, the experts over `ep`; lora: the
+// adapters of kLoraRank on the default targets and the experts' tensors, the base frozen (shard none).
+rf::MemoryBreakdown need_ep(const rf::model::Gemma4Multimodal& m, int tokens, ShardMode mode, int ep, bool lora) {
+  rf::trainer::TrainConfig c;
+  c.parallelism.cp = kEpCp;
+  c.parallelism.dp = kEpRanks / kEpCp;
+  c.parallelism.ep = ep;
+  c.parallelism.shard = mode;
+  c.train.seq_len = tokens;
+  c.train.global_batch = c.parallelism.dp;
+  c.train.micro_batch = 1;
+  c.data.val_rows = 0;
+  if (lora) {
+    c.model.lora_rank = kLoraRank;
+    c.model.lora_alpha = kLoraAlpha;
+    c.model.lora_target_parameters = {"experts.gate_up_proj", "experts.down_proj"};
+  }
+  return rf::trainer::train_memory_at_least(c, m, kEpRanks);
 }
 
 std::string gib(int64_t bytes) {
@@ -112,6 +137,34 @@ int main(int argc, char** argv) {
         breakdowns.emplace_back(name + ", shard " + std::string(rf::trainer::name_of(mode)),
                                 need(m, breakdown_ranks, breakdown_tokens, mode));
     }
+    // Expert parallelism on the MoE configs.
+    std::vector<std::pair<std::string, rf::MemoryBreakdown>> ep_breakdowns;
+    for (const std::string& path : configs) {
+      const rf::model::Gemma4Config cfg = rf::model::Gemma4Config::from_json(read_file(path), path);
+      if (!cfg.enable_moe || cfg.num_experts % kEp != 0) continue;
+      const rf::model::Gemma4Multimodal m(cfg, {}, rf::model::TensorSet::Storage::Deferred);
+      std::string name = path.substr(path.find_last_of('/') + 1);
+      name = name.substr(0, name.rfind(".json"));
+      std::printf(
+          "\n%s, N = %d ranks (cp %d x dp %d), experts over EP 1 or %d (GiB per rank)\n\n| S | shard | EP 1 | EP %d |\n"
+          "|---|---|---|---|\n",
+          name.c_str(), kEpRanks, kEpCp, kEpRanks / kEpCp, kEp, kEp);
+      for (int s : tokens) {
+        for (ShardMode mode : modes)
+          std::printf("| %dK | %s | %s | %s |\n", s / 1024, std::string(rf::trainer::name_of(mode)).c_str(),
+                      gib(need_ep(m, s, mode, 1, false).total()).c_str(),
+                      gib(need_ep(m, s, mode, kEp, false).total()).c_str());
+        std::printf("| %dK | LoRA r %d | %s | %s |\n", s / 1024, kLoraRank,
+                    gib(need_ep(m, s, ShardMode::None, 1, true).total()).c_str(),
+                    gib(need_ep(m, s, ShardMode::None, kEp, true).total()).c_str());
+      }
+      for (ShardMode mode : modes)
+        ep_breakdowns.emplace_back(name + ", EP " + std::to_string(kEp) + ", shard " +
+                                       std::string(rf::trainer::name_of(mode)),
+                                   need_ep(m, kDefaultBreakdownTokens, mode, kEp, false));
+      ep_breakdowns.emplace_back(name + ", EP " + std::to_string(kEp) + ", LoRA",
+                                 need_ep(m, kDefaultBreakdownTokens, ShardMode::None, kEp, true));
+    }
     std::printf(
         "\nBy kind at N = %d, S = %dK (GiB per rank; terms under %.2f GiB left out):\n\n| model, mode | terms |\n"
         "|---|---|\n",
@@ -122,6 +175,19 @@ int main(int argc, char** argv) {
         if (static_cast<double>(t.bytes) >= kShownGiB * kGiB)
           std::printf(" %s %s;", t.name.c_str(), gib(t.bytes).c_str());
       std::printf(" |\n");
+    }
+    if (!ep_breakdowns.empty()) {
+      std::printf(
+          "\nExpert parallelism by kind at N = %d (cp %d x dp %d), S = %dK (GiB per rank):\n\n"
+          "| model, EP, mode | terms |\n|---|---|\n",
+          kEpRanks, kEpCp, kEpRanks / kEpCp, kDefaultBreakdownTokens / 1024);
+      for (const auto& [what, b] : ep_breakdowns) {
+        std::printf("| %s |", what.c_str());
+        for (const rf::MemoryBreakdown::Term& t : b.terms())
+          if (static_cast<double>(t.bytes) >= kShownGiB * kGiB)
+            std::printf(" %s %s;", t.name.c_str(), gib(t.bytes).c_str());
+        std::printf(" |\n");
+      }
     }
     return 0;
   } catch (const std::exception& e) {

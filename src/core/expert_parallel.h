@@ -49,8 +49,8 @@ struct ExpertTraffic {
   int64_t rows_sent = 0;      // routed rows this rank's tokens sent to other ranks' experts
   int64_t rows_received = 0;  // routed rows other ranks' tokens sent to this rank's experts
   int64_t bytes_sent = 0;     // every dispatch and combine, forward and backward
-  // Seconds this rank spent in dispatch and combine (and route's count exchange): all of it exposed, the calls block
-  // and nothing computes beside them.
+  // Seconds this rank spent waiting in dispatch and combine (and route's count exchange): the exposed time. A started
+  // dispatch counts its finish's wait only.
   double seconds = 0.0;
 };
 
@@ -66,6 +66,17 @@ class ExpertParallel {
   virtual void dispatch(const ExpertRouting& routing, const float* sent, float* received, int64_t width) = 0;
   // received: [received_rows, width] -> sent: [sent_rows, width], each row back where dispatch took it (collective).
   virtual void combine(const ExpertRouting& routing, const float* received, float* sent, int64_t width) = 0;
+
+  // dispatch in two halves, so that a rank runs the rows it routed to its own experts (read from `sent`, where
+  // they lie as the received layout's block of this rank) while the other ranks' rows travel: start_dispatch
+  // begins it, finish_dispatch ends it (then `received` holds every row, this rank's too). Between the two the
+  // caller only reads `sent` and does not touch `received`; progress_dispatch (the calling thread of the start
+  // only) lets the transfers advance. One started dispatch at a time. Here: the whole dispatch at the start.
+  virtual void start_dispatch(const ExpertRouting& routing, const float* sent, float* received, int64_t width) {
+    dispatch(routing, sent, received, width);
+  }
+  virtual void progress_dispatch() {}
+  virtual void finish_dispatch() {}
 
   virtual ExpertTraffic traffic() const { return {}; }
 };

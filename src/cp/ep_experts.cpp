@@ -69,6 +69,32 @@ void EpExperts::dispatch(const ExpertRouting& routing, const float* sent, float*
     if (p != routing.rank) traffic_.bytes_sent += static_cast<int64_t>(send_bytes[static_cast<size_t>(p)]);
 }
 
+void EpExperts::start_dispatch(const ExpertRouting& routing, const float* sent, float* received, int64_t width) {
+  RF_CHECK(posted_ == nullptr, "expert parallelism: a dispatch started before the last one finished");
+  const int P = group_.size();
+  std::vector<int64_t> to(static_cast<size_t>(P)), from(static_cast<size_t>(P));
+  for (int p = 0; p < P; ++p) {
+    to[static_cast<size_t>(p)] = routing.sent_to(p);
+    from[static_cast<size_t>(p)] = routing.received_from(p);
+  }
+  send_bytes_ = row_bytes(to, width);
+  recv_bytes_ = row_bytes(from, width);
+  posted_ = group_.post_alltoallv(sent, send_bytes_, received, recv_bytes_);
+  for (int p = 0; p < P; ++p)
+    if (p != routing.rank) traffic_.bytes_sent += static_cast<int64_t>(send_bytes_[static_cast<size_t>(p)]);
+}
+
+void EpExperts::progress_dispatch() {
+  if (posted_) posted_->progress();
+}
+
+void EpExperts::finish_dispatch() {
+  if (!posted_) return;
+  const Timed timed(traffic_.seconds);
+  posted_->wait(timeout_);
+  posted_.reset();
+}
+
 void EpExperts::combine(const ExpertRouting& routing, const float* received, float* sent, int64_t width) {
   const Timed timed(traffic_.seconds);
   const int P = group_.size();

@@ -5,6 +5,8 @@
 // same at any EP and any timing.
 #pragma once
 
+#include <vector>
+
 #include "comm/communicator.h"
 #include "core/expert_parallel.h"
 
@@ -20,12 +22,19 @@ class EpExperts final : public ExpertParallel {
   void route(ExpertRouting& routing) override;
   void dispatch(const ExpertRouting& routing, const float* sent, float* received, int64_t width) override;
   void combine(const ExpertRouting& routing, const float* received, float* sent, int64_t width) override;
+  // A posted alltoallv (Communicator::post_alltoallv): only its wait counts as exposed time.
+  void start_dispatch(const ExpertRouting& routing, const float* sent, float* received, int64_t width) override;
+  void progress_dispatch() override;
+  void finish_dispatch() override;
   ExpertTraffic traffic() const override { return traffic_; }
 
  private:
   comm::Communicator& group_;
   comm::Timeout timeout_;
   ExpertTraffic traffic_;
+  // The started dispatch: its byte counts (the posted collective reads them) and the collective.
+  std::vector<size_t> send_bytes_, recv_bytes_;
+  comm::PostedPtr posted_;
 };
 
 }  // namespace rf::cp

@@ -66,6 +66,16 @@ std::unique_ptr<ParamStore> hold_expert_rows(const ParamStore& whole, int rank, 
   return part;
 }
 
+std::unique_ptr<ParamStore> whole_registry(const ParamStore& part) {
+  auto whole = std::make_unique<ReplicatedStore>();
+  for (size_t i = 0; i < part.size(); ++i) {
+    const ParamInfo& p = part.info(i);
+    whole->add(p.name, p.whole_shape(), p.layer, p.matmul);
+  }
+  whole->set_trainable(trainable_flags(part));
+  return whole;
+}
+
 std::unique_ptr<ParamStore> whole_layout(const ParamStore& part) {
   auto whole = std::make_unique<ReplicatedStore>();
   for (size_t i = 0; i < part.size(); ++i) {

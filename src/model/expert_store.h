@@ -33,6 +33,10 @@ std::unique_ptr<ParamStore> hold_expert_rows(const ParamStore& whole, int rank, 
 // fills the other rows). What a checkpoint writer reads.
 std::unique_ptr<ParamStore> whole_layout(const ParamStore& part);
 
+// A ReplicatedStore registering `part`'s parameters whole, with its trainable flags, nothing allocated: the shapes
+// a memory check counts from (a held store's registry counts its experts only).
+std::unique_ptr<ParamStore> whole_registry(const ParamStore& part);
+
 // Copies, for every slot, the leading rows `from` and `to` both hold, of the weights and (where both have them) the
 // moments. Both stores must register the same names in the same order.
 void copy_held_rows(const ParamStore& from, ParamStore& to);

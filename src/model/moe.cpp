@@ -1,9 +1,11 @@
 // ringflex model: the MoE block beside a Gemma 4 layer's MLP (enable_moe_block), forward and backward
 // (gemma4_run.h). The router sees this rank's tokens only; the experts run where the parallel context's dispatch
 // puts them (core/expert_parallel.h): here at EP = 1, else on the EP rank holding each, the rows sent there and
-// the outputs (and in the backward the input gradients) sent back before each token's combine. The store's expert
-// tensors hold every expert, or under expert parallelism this EP rank's only (model/expert_store.h): a rank reads
-// and accumulates into the rows of the experts the dispatch brings it either way.
+// the outputs (and in the backward the input gradients) sent back before each token's combine. While a dispatch
+// travels (forward: the rows; backward: their dY) a rank runs the rows it routed to its own experts, read from the
+// sent layout; the other ranks' rows run once it arrived (the same tasks, so the same bits either way). The store's
+// expert tensors hold every expert, or under expert parallelism this EP rank's only (model/expert_store.h): a rank
+// reads and accumulates into the rows of the experts the dispatch brings it either way.
 //
 // Threads: the router runs per token in parallel. The experts' row-local work (gather, gate/up and down sgemms,
 // GeGLU, and in the backward the input gradients) is cut into tasks of at most kExpertRowsPerTask routed rows of
@@ -111,6 +113,18 @@ std::vector<ExpertTask> expert_tasks(const std::vector<int64_t>& blocks, int64_t
   return tasks;
 }
 
+// The tasks on the rows this rank routed to its own experts (block of source rank routing.rank), which can run
+// before the dispatch ends, and the others; each in task order.
+struct OwnSplit {
+  std::vector<size_t> own, others;
+};
+OwnSplit split_own(const std::vector<ExpertTask>& tasks, const ExpertRouting& routing) {
+  OwnSplit s;
+  const int64_t here = routing.experts_here();
+  for (size_t k = 0; k < tasks.size(); ++k) (tasks[k].block / here == routing.rank ? s.own : s.others).push_back(k);
+  return s;
+}
+
 std::vector<int64_t> starts_of(const std::vector<int64_t>& counts) {
   std::vector<int64_t> at(counts.size() + 1, 0);
   std::partial_sum(counts.begin(), counts.end(), at.begin() + 1);
@@ -213,14 +227,12 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   a.sent_at = starts_of(a.routing.sent);
   a.recv_at = starts_of(a.routing.received);
   const int64_t sent = a.routing.sent_rows(), R = a.routing.received_rows();
-  {
-    Vec x_sent = uninit(sent * H);  // [sent, H] the rows' expert inputs in the sent layout
+  Vec x_sent = uninit(sent * H);  // [sent, H] the rows' expert inputs in the sent layout
 #pragma omp parallel for schedule(static) if (sent * H >= kParallelMinElements)
-    for (int64_t tj = 0; tj < T * K; ++tj)
-      std::copy_n(a.e_in.data() + (tj / K) * H, H, x_sent.data() + (a.sent_at[a.top_idx[tj]] + a.row_of[tj]) * H);
-    a.e_x = uninit(R * H);
-    ep.dispatch(a.routing, x_sent.data(), a.e_x.data(), H);
-  }
+  for (int64_t tj = 0; tj < T * K; ++tj)
+    std::copy_n(a.e_in.data() + (tj / K) * H, H, x_sent.data() + (a.sent_at[a.top_idx[tj]] + a.row_of[tj]) * H);
+  a.e_x = uninit(R * H);
+  ep.start_dispatch(a.routing, x_sent.data(), a.e_x.data(), H);  // finished below, after this rank's own rows
   // The received rows through this rank's experts; written completely by the tasks below.
   a.e_gu = uninit(R * 2 * Im);
   a.e_hm = uninit(R * Im);
@@ -233,12 +245,9 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   const ExpertLora lgu = expert_lora(store, sl.experts_gate_up), ldn = expert_lora(store, sl.experts_down);
   const ElementwiseKernels& ew = elementwise();
   const std::vector<ExpertTask> tasks = expert_tasks(a.routing.received, Im * H);
-#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds))
-  for (size_t k = 0; k < tasks.size(); ++k) {
-    const ExpertTask& tk = tasks[k];
+  const auto run_task = [&](const ExpertTask& tk, const float* x) {
     const int64_t e = first + tk.block % here, r0 = a.recv_at[tk.block] + tk.row0, n = tk.rows;
-    // x: [n, H] this task's received rows; gu: [n, 2*Im]; hm: [n, Im]; eo: [n, H].
-    const float* x = a.e_x.data() + r0 * H;
+    // x: [n, H] this task's rows; gu: [n, 2*Im]; hm: [n, Im]; eo: [n, H].
     float* gu = a.e_gu.data() + r0 * 2 * Im;
     float* hm = a.e_hm.data() + r0 * Im;
     float* eo = a.e_eo.data() + r0 * H;
@@ -247,6 +256,21 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
     for (int64_t r = 0; r < n; ++r) ew.geglu_forward(gu + r * 2 * Im, gu + r * 2 * Im + Im, hm + r * Im, Im);
     linear_forward(mm, hm, DN + e * H * Im, eo, n, Im, H);
     expert_lora_forward(ldn, e, hm, eo, n);
+  };
+  // This rank's own rows first, read where the sent layout has them, while the other ranks' travel; then theirs.
+  const OwnSplit split = split_own(tasks, a.routing);
+#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds))
+  for (size_t k = 0; k < split.own.size(); ++k) {
+    if (omp_get_thread_num() == 0) ep.progress_dispatch();
+    const ExpertTask& tk = tasks[split.own[k]];
+    run_task(tk, x_sent.data() + (a.sent_at[a.routing.first_expert() + tk.block % here] + tk.row0) * H);
+  }
+  ep.finish_dispatch();
+  x_sent = Vec{};
+#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds))
+  for (size_t k = 0; k < split.others.size(); ++k) {
+    const ExpertTask& tk = tasks[split.others[k]];
+    run_task(tk, a.e_x.data() + (a.recv_at[tk.block] + tk.row0) * H);
   }
   // Combine: the outputs back to the ranks whose tokens they are.
   a.eo_sent = uninit(sent * H);
@@ -293,9 +317,9 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   const int64_t first = held_index_of(m.params(), sl, a.routing.first_expert(), here);
 
   // On this rank's tokens: d loss / d top_w, and d loss / d expert output (dout2 times the row's weight), per row.
-  Vec dw = zeros(T * K);  // d loss / d top_w
+  Vec dw = zeros(T * K);           // d loss / d top_w
+  Vec dy_sent = uninit(sent * H);  // [sent, H] in the sent layout
   {
-    Vec dy_sent = uninit(sent * H);  // [sent, H] in the sent layout
 #pragma omp parallel for schedule(static) if (sent * H >= kParallelMinElements)
     for (int64_t tj = 0; tj < T * K; ++tj) {
       const int64_t row = a.sent_at[a.top_idx[tj]] + a.row_of[tj];
@@ -309,7 +333,8 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
       }
       dw[tj] = dot;
     }
-    ep.dispatch(a.routing, dy_sent.data(), a.e_eo.data(), H);  // the received rows' dY, over their outputs
+    // The received rows' dY, over their outputs; finished below, after this rank's own rows.
+    ep.start_dispatch(a.routing, dy_sent.data(), a.e_eo.data(), H);
   }
   const int64_t routed_madds = R * 3 * Im * H;
   Vec e_dx = zeros(R * H);  // d loss / d the received rows' inputs
@@ -317,26 +342,36 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   // Row-local: d hm, d gate-up (into e_gu), d expert input; tasks in parallel.
   const ElementwiseKernels& ew = elementwise();
   const std::vector<ExpertTask> tasks = expert_tasks(a.routing.received, Im * H);
+  // This rank's own rows first, their dY read where the sent layout has them, while the others' travel.
+  const OwnSplit split = split_own(tasks, a.routing);
+  for (const bool own : {true, false}) {
+    if (!own) ep.finish_dispatch();
+    const std::vector<size_t>& part = own ? split.own : split.others;
 #pragma omp parallel if (worth_threads(routed_madds))
-  {
-    Vec dhm;  // [rows, Im] of this thread's current task
+    {
+      Vec dhm;  // [rows, Im] of this thread's current task
 #pragma omp for schedule(dynamic, 1)
-    for (size_t k = 0; k < tasks.size(); ++k) {
-      const ExpertTask& tk = tasks[k];
-      const int64_t e = first + tk.block % here, r0 = a.recv_at[tk.block] + tk.row0, n = tk.rows;
-      const float* dy = a.e_eo.data() + r0 * H;  // [n, H] d expert output
-      float* gu = a.e_gu.data() + r0 * 2 * Im;   // [n, 2*Im] gate-up, then its gradient
-      dhm.assign(static_cast<size_t>(n * Im), 0.f);
-      linear_backward(mm, a.e_hm.data() + r0 * Im, DN + e * H * Im, dy, dhm.data(), nullptr, n, Im, H);
-      expert_lora_input_grad(ldn, e, dy, dhm.data(), n);
-      for (int64_t r = 0; r < n; ++r) {
-        float* gate_up = gu + r * 2 * Im;  // [2*Im]: gate then up, overwritten by their gradients
-        ew.geglu_backward(gate_up, gate_up + Im, dhm.data() + r * Im, gate_up, gate_up + Im, Im, false);
+      for (size_t k = 0; k < part.size(); ++k) {
+        if (own && omp_get_thread_num() == 0) ep.progress_dispatch();
+        const ExpertTask& tk = tasks[part[k]];
+        const int64_t e = first + tk.block % here, r0 = a.recv_at[tk.block] + tk.row0, n = tk.rows;
+        const float* dy = own ? dy_sent.data() + (a.sent_at[a.routing.first_expert() + tk.block % here] + tk.row0) * H
+                              : a.e_eo.data() + r0 * H;  // [n, H] d expert output
+        float* gu = a.e_gu.data() + r0 * 2 * Im;         // [n, 2*Im] gate-up, then its gradient
+        dhm.assign(static_cast<size_t>(n * Im), 0.f);
+        linear_backward(mm, a.e_hm.data() + r0 * Im, DN + e * H * Im, dy, dhm.data(), nullptr, n, Im, H);
+        expert_lora_input_grad(ldn, e, dy, dhm.data(), n);
+        for (int64_t r = 0; r < n; ++r) {
+          float* gate_up = gu + r * 2 * Im;  // [2*Im]: gate then up, overwritten by their gradients
+          ew.geglu_backward(gate_up, gate_up + Im, dhm.data() + r * Im, gate_up, gate_up + Im, Im, false);
+        }
+        linear_backward(mm, a.e_x.data() + r0 * H, GU + e * 2 * Im * H, gu, e_dx.data() + r0 * H, nullptr, n, H,
+                        2 * Im);
+        expert_lora_input_grad(lgu, e, gu, e_dx.data() + r0 * H, n);
       }
-      linear_backward(mm, a.e_x.data() + r0 * H, GU + e * 2 * Im * H, gu, e_dx.data() + r0 * H, nullptr, n, H, 2 * Im);
-      expert_lora_input_grad(lgu, e, gu, e_dx.data() + r0 * H, n);
     }
   }
+  dy_sent = Vec{};
   // Weight gradients of this rank's experts: one sgemm over each block's rows (all of an expert's rows at EP = 1),
   // an expert's blocks in source order; experts in parallel when there are enough of them to share out, otherwise
   // experts in turn, each sgemm split over the threads (the same bits either way).

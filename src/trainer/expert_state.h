@@ -1,7 +1,7 @@
 // ringflex trainer: the training state of experts held apart (parallelism.ep > 1, shard none, no LoRA; see
-// model/expert_store.h). EP rank r of an EP group (ep consecutive world ranks) holds and trains experts
-// [r * E / ep, (r + 1) * E / ep) of every MoE layer; the world ranks holding the same experts (world rank % ep the
-// same, N / ep of them) form its expert-data-parallel (EDP) group.
+// model/expert_store.h; the other shard modes: trainer/held_expert_store.h). EP rank r of an EP group (ep
+// consecutive world ranks) holds and trains experts [r * E / ep, (r + 1) * E / ep) of every MoE layer; the world ranks
+// holding the same experts (world rank % ep the same, N / ep of them) form its expert-data-parallel (EDP) group.
 //   gradients  the experts' over the EDP group, every other parameter's over the world, each element summed in rank
 //              order (Communicator::allreduce), so every rank's non-expert gradients are ep 1's bits
 //   clipping   the global norm counts each expert once: the non-expert sum of squares (the same on every rank),

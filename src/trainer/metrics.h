@@ -29,8 +29,8 @@ struct StepMetrics {
   std::optional<double> shard_comm_wait_s;
   // Also: experts of each MoE layer a rank holds (E / ep when it holds only its own, E when sharding or LoRA keep
   // every expert on every rank); bytes the step's dispatches and combines (forward, recompute and backward) sent to
-  // other ranks, per MoE layer, the most of any rank; seconds the step spent in them, all exposed (blocking), the
-  // most of any rank.
+  // other ranks, per MoE layer, the most of any rank; seconds the step waited in them (a dispatch is posted while
+  // a rank runs its own rows, so its wait is what is exposed; a combine blocks), the most of any rank.
   std::optional<int64_t> ep_experts_held, ep_bytes_per_layer;
   std::optional<double> ep_exposed_s;
   // With model.train_vision: the tower's share of the step, the most of any rank of its seconds in the tower (its

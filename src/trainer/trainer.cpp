@@ -33,6 +33,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/expert_state.h"
+#include "trainer/held_expert_store.h"
 #include "trainer/optimizer.h"
 #include "trainer/sharded_store.h"
 
@@ -242,7 +243,22 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   }
   MemoryBreakdown need;
   const bool full = c.parallelism.shard == ShardMode::Full;
-  if (full || c.parallelism.shard == ShardMode::Gradients) {
+  if (c.parallelism.ep > 1 && c.parallelism.shard != ShardMode::None && c.model.lora_rank == 0) {
+    // Held experts under sharding (held_expert_store.h): the shard mode's terms over the other parameters, this
+    // rank's experts whole and their state over the EDP group.
+    const HeldBytes b = held_expert_bytes(m.params(), m.params().trainable_after(c.model.freeze), full,
+                                          c.parallelism.shard == ShardMode::Gradients, world_size, c.parallelism.ep);
+    need.add(full ? "weight shard" : "weights", b.rest_weights + m.buffers().total_bytes());
+    if (full) need.add("gathered weights", b.rest_gathered);
+    need.add("gradients", b.rest_gradients);
+    need.add("AdamW moments", b.rest_moments);
+    need.add("communication buffers", b.rest_comm_buffers);
+    need.add("experts held (E / ep)", b.expert_weights);
+    need.add("experts' gradients", b.expert_gradients);
+    need.add("experts' AdamW moments (EDP slice)", b.expert_moments);
+    if (c.model.compute_dtype == model::ComputeDtype::Bfloat16)
+      need.add("bf16 weight copies", b.rest_bf16 + b.expert_bf16);
+  } else if (full || c.parallelism.shard == ShardMode::Gradients) {
     // The sharded store's state by kind (ShardedStore::bytes_for says what each holds; LoRA is none or optimizer).
     // The tables' rows: every rank's micro-batch's tokens (the CP group's ranks share rows).
     const int64_t step_tokens = int64_t{c.train.micro_batch} * c.train.seq_len * c.parallelism.dp;
@@ -329,12 +345,20 @@ struct Run {
   // ZeRO-1 and up over the world's ranks: the moments, clipping and the update cover this rank's slice.
   const bool shard_optimizer = cfg.parallelism.shard == ShardMode::Optimizer || store_shards;
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
-  // Expert parallelism with shard none and no LoRA: each rank holds and trains only its EP rank's experts
-  // (trainer/expert_state.h); under sharding or LoRA every rank keeps every expert and only the tokens travel.
+  // Expert parallelism without LoRA: each rank holds and trains only its EP rank's experts, under shard none in a
+  // replicated store of its rows (trainer/expert_state.h), under the other shard modes in a HeldExpertStore whose
+  // experts' state is sharded over their EDP group (trainer/held_expert_store.h); with LoRA every rank keeps every
+  // expert and only the tokens travel.
   const bool hold_experts =
       cfg.parallelism.ep > 1 && cfg.parallelism.shard == ShardMode::None&& cfg.model.lora_rank == 0;
+  const bool hold_experts_sharded =
+      cfg.parallelism.ep > 1 && cfg.parallelism.shard != ShardMode::None&& cfg.model.lora_rank == 0;
   std::unique_ptr<comm::Communicator> cp_group, dp_group, ep_group;
   std::unique_ptr<comm::Communicator> edp_group;  // the ranks holding this rank's experts (world rank % ep alike)
+  // hold_experts_sharded: the experts' own communicator over the EDP group (until set_up hands it to the store),
+  // and the store, owned by the model.
+  std::unique_ptr<comm::Communicator> held_edp_comm;
+  HeldExpertStore* held = nullptr;
   cp::JobContext context;  // the model's parallel context: the local kernels, or the ring over this rank's CP group
   model::Checkpoint ck;
   TrainState state;
@@ -365,6 +389,7 @@ void join_groups(Run& r) {
   co.timeout = r.timeout;
   r.context = cp::make_parallel_context(*r.cp_group, co, r.ep_group.get());
   if (r.store_shards) r.store_comm = r.world.split(0, r.world.rank(), r.timeout);
+  if (r.hold_experts_sharded) r.held_edp_comm = r.world.split(r.world.rank() % ep, r.world.rank() / ep, r.timeout);
 }
 
 // shard gradients / full: a fresh sharded store (it takes the run's communicator over the world) that freezes
@@ -374,6 +399,28 @@ std::unique_ptr<ShardedStore> sharded_store(Run& r) {
   return std::make_unique<ShardedStore>(std::move(r.store_comm),
                                         r.shard_full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients,
                                         r.timeout, r.cfg.model.freeze);
+}
+
+// Held experts under sharding: the loaded whole store (frozen already; moments whole when resumed) split into the
+// shard mode's store of the non-expert parameters and this rank's experts (held_expert_store.h). The whole copy is
+// dropped when this returns.
+void hold_experts_sharded(Run& r) {
+  const int ep = r.cfg.parallelism.ep;
+  std::unique_ptr<model::ParamStore> inner;
+  if (r.store_shards) {
+    std::unique_ptr<ShardedStore> s = sharded_store(r);
+    r.sharded = s.get();
+    inner = std::move(s);
+  } else {
+    inner = std::make_unique<model::ReplicatedStore>();
+  }
+  RF_CHECK(r.held_edp_comm != nullptr, "held experts: the experts' communicator was taken already");
+  auto experts = std::make_unique<ExpertSlices>(std::move(r.held_edp_comm), r.store_shards, r.timeout);
+  const HeldPlacement at{r.world.rank() % ep, ep, r.world.rank(), r.world.size()};
+  std::unique_ptr<HeldExpertStore> held =
+      make_held_expert_store(r.ck.model->params(), std::move(inner), std::move(experts), at);
+  r.held = held.get();
+  r.ck.model->replace_params(std::move(held));
 }
 
 // parallelism.ep against the model: its MoE layers' experts must divide over the EP ranks.
@@ -403,7 +450,7 @@ void set_up(Run& r) {
   // LoRA: the parameters live in a LoraStore, which adds the adapters and freezes the base when it allocates.
   // shard gradients / full: in a ShardedStore, each rank keeping its pieces of every tensor as it is loaded.
   const auto lora_store = [&]() -> std::unique_ptr<model::ParamStore> {
-    if (r.store_shards) return sharded_store(r);
+    if (r.store_shards && !r.hold_experts_sharded) return sharded_store(r);
     return lora ? std::make_unique<model::LoraStore>(lora_config(cfg)) : nullptr;
   };
   // The base: from model.path, or the built-in model from train.seed (a LoRA resume builds it again: it never trains).
@@ -447,7 +494,7 @@ void set_up(Run& r) {
     } else {
       // shard gradients / full: straight into a sharded store, each rank keeping its pieces as the tensors are read.
       LoadedCheckpoint loaded = load_train_checkpoint(r.resume_dir, check_fits, cfg.model.train_vision,
-                                                      r.store_shards ? sharded_store(r) : nullptr);
+                                                      r.store_shards && !r.hold_experts_sharded ? sharded_store(r) : nullptr);
       check_resume_compatible(cfg, loaded.state.config_yaml, r.resume_dir);
       r.ck = std::move(loaded.weights);
       r.state = std::move(loaded.state);
@@ -483,17 +530,21 @@ void set_up(Run& r) {
     r.ck.model->drop_vision_tower();
   r.feature_dim = r.data->feature_dim() > 0 ? width : 0;
   r.ck.model->params().freeze(cfg.model.freeze);
-  if (r.store_shards) {
+  if (r.hold_experts_sharded) {
+    // The moments whole (a checkpoint of any EP and shard mode), then each part keeps its own.
+    if (!r.resume_dir.empty()) load_optimizer_state(r.resume_dir, r.ck.model->params());
+    hold_experts_sharded(r);
+  } else if (r.store_shards) {
     r.sharded = dynamic_cast<ShardedStore*>(&r.ck.model->params());
     RF_CHECK(r.sharded != nullptr, "shard: the model was loaded into a replicated store");
   }
   model::ParamStore& store = r.ck.model->params();
-  if (r.shard_optimizer) {
+  if (r.shard_optimizer && !r.held) {
     const model::Shard mine = model::shard_of(store.trainable_elements(), r.world.rank(), r.world.size());
     store.set_moment_range(mine.begin, mine.end);
   }
   r.adam = std::make_unique<AdamW>(store, cfg.optimizer);
-  if (!r.resume_dir.empty()) load_optimizer_state(r.resume_dir, store);
+  if (!r.resume_dir.empty() && !r.held) load_optimizer_state(r.resume_dir, store);
   // Held experts: the weights and moments were loaded whole (a checkpoint of any EP), this rank keeps its rows.
   if (r.hold_experts)
     r.ck.model->replace_params(model::hold_expert_rows(store, r.world.rank() % cfg.parallelism.ep, cfg.parallelism.ep));
@@ -676,6 +727,8 @@ ExpertGroups expert_groups(Run& r) { return {r.world, *r.ep_group, *r.edp_group,
 // gradients its update reads. Shard gradients and full: reduced already, layer by layer, by the sharded store's
 // hooks, into this rank's slice (sharded_store.h says what accumulation changes).
 void reduce_gradients(Run& r) {
+  // Held experts under shard optimizer: the experts' over their EDP group (gradients, full: reduced by the hooks).
+  if (r.held && !r.store_shards) r.held->experts().reduce();
   if (r.world.size() == 1 || r.store_shards) return;
   if (r.hold_experts) {  // the experts' over their EDP group, the rest over the world (expert_state.h)
     reduce_held_expert_gradients(r.ck.model->params(), expert_groups(r));
@@ -704,6 +757,9 @@ double clip_global_norm(Run& r, double max_norm) {
   std::vector<double> partial(static_cast<size_t>(P));
   if (r.hold_experts) {  // the same partials from the experts' holders (expert_state.h)
     partial = held_expert_norm_partials(store, expert_groups(r));
+  } else if (r.held) {
+    // Held experts under sharding: the same partials from the holders of the reduced slices (held_expert_store.h).
+    partial = held_norm_partials(*r.held, slice(me), {r.world, *r.ep_group, *r.edp_group, r.timeout});
   } else if (r.shard_optimizer) {
     const double mine = sum_of_squares(slice(me));
     r.world.allgather(&mine, partial.data(), sizeof(double), r.timeout);
@@ -716,6 +772,7 @@ double clip_global_norm(Run& r, double max_norm) {
   if (std::isfinite(norm)) {
     const double factor = clip_factor(norm, max_norm);
     if (factor != 1.0) scale(r.shard_optimizer ? slice(me) : flat, factor);
+    if (factor != 1.0 && r.held) scale(r.held->experts().own_grads(), factor);
   }
   return norm;
 }
@@ -739,6 +796,10 @@ void gather_updated_weights(comm::Communicator& c, model::ParamStore& store, com
 double apply_update(Run& r, int64_t step) {
   const double lr = learning_rate(r.cfg.optimizer, r.cfg.schedule, static_cast<int>(step), r.cfg.train.steps);
   r.adam->step(r.ck.model->params(), lr, step);
+  if (r.held) {  // the experts' slices, then every EDP rank's updated slice into every one's experts
+    r.adam->step(r.held->experts(), lr, step);
+    r.held->experts().gather_updated();
+  }
   if (r.sharded)
     r.sharded->after_update();
   else if (r.shard_optimizer)
@@ -841,7 +902,7 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
     sm.ep_rows_received = moved[1];
     sm.ep_bytes_per_layer = moved[2];
     sm.ep_exposed_s = exposed;
-    sm.ep_experts_held = r.hold_experts ? mc.num_experts / r.cfg.parallelism.ep : mc.num_experts;
+    sm.ep_experts_held = r.hold_experts || r.held ? mc.num_experts / r.cfg.parallelism.ep : mc.num_experts;
   }
   if (r.sharded) {
     double most = comm_wait;
@@ -892,6 +953,8 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait,
   std::unique_ptr<model::ParamStore> whole;
   if (r.hold_experts && r.world.rank() < r.cfg.parallelism.ep)
     whole = gather_held_experts(r.ck.model->params(), expert_groups(r));
+  if (r.held)  // under sharding too, every rank taking part (held_expert_store.h)
+    whole = whole_for_writer(*r.held, {r.world, *r.ep_group, *r.edp_group, r.timeout});
   const HeldExpertsWhole while_saving(*r.ck.model, r.lead ? std::move(whole) : nullptr);
   const model::ParamStore& store = r.ck.model->params();
   std::exception_ptr failed;
@@ -899,7 +962,8 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait,
     if (const auto* lora = dynamic_cast<const model::LoraStore*>(&store)) {
       // A LoRA run's weights are its adapters, in PEFT's files; the frozen base stays where model.path has it.
       if (r.lead) model::save_peft_adapter(*lora, r.ck.text_prefix, r.ck.source, tmp);
-    } else if (r.lead || r.shard_full) {  // the other ranks take part in the reads only where they are collective
+    } else if (r.lead || (r.shard_full && !r.held)) {
+      // The other ranks take part in the reads only where they are collective (held experts: the writer's copy).
       model::save_checkpoint(r.ck, tmp, {max_shard_bytes(cfg), r.lead});
     }
   } catch (...) {
@@ -914,14 +978,14 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait,
   comm::agree(
       r.world,
       [&] {
-        if (r.shard_optimizer)
+        if (r.shard_optimizer && !r.held)
           write_moments_shard(tmp, store, r.world.rank(), r.world.size());
         else if (r.lead)
           write_moments_whole(tmp, store);
       },
       wait);
   PendingCheckpoint::MomentLayout moments;
-  if (r.shard_optimizer) {  // every rank's range, as its store holds it
+  if (r.shard_optimizer && !r.held) {  // every rank's range, as its store holds it
     moments.shard_mode = name_of(r.cfg.parallelism.shard);
     const model::Shard mine = store.moment_range();
     const int64_t range[2] = {mine.begin, mine.end};
@@ -966,7 +1030,14 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
 // --stats: the memory check's terms for this run (per rank: every rank's figure is the same, shards being padded)
 // beside every rank's measured peak RSS (a collective), written by rank 0 in one agreement.
 void write_stats(Run& r, const std::string& path) {
-  const MemoryBreakdown need = train_memory_at_least(r.cfg, *r.ck.model, r.world.size());
+  // Held experts: the check counts from the whole registry (the held store registers a rank's experts only).
+  std::unique_ptr<model::ParamStore> shapes;
+  if (r.hold_experts || r.held) shapes = model::whole_registry(r.ck.model->params());
+  MemoryBreakdown need;
+  {
+    const HeldExpertsWhole while_counting(*r.ck.model, std::move(shapes));
+    need = train_memory_at_least(r.cfg, *r.ck.model, r.world.size());
+  }
   const int64_t mine = peak_rss_bytes();
   std::vector<int64_t> peaks(static_cast<size_t>(r.world.size()));
   r.world.allgather(&mine, peaks.data(), sizeof mine, r.timeout);
@@ -976,6 +1047,7 @@ void write_stats(Run& r, const std::string& path) {
     for (const MemoryBreakdown::Term& t : need.terms()) terms.push_back({{"kind", t.name}, {"bytes", t.bytes}});
     const nlohmann::json j = {{"shard", name_of(r.cfg.parallelism.shard)},
                               {"ranks", r.world.size()},
+                              {"ep", r.cfg.parallelism.ep},
                               {"memory_per_rank", {{"terms", terms}, {"total_bytes", need.total()}}},
                               {"peak_rss_bytes", peaks}};
     io::write_file_atomically(path, j.dump(2) + "\n");

@@ -40,8 +40,13 @@ for a, b in zip(none, shard):
 print("same losses and norms:", [r["loss"] for r in shard])
 PY
 # The moments of two checkpoints, equal value for value: shard none's optimizer.safetensors (per parameter) against
-# a sharded run's optimizer.json and one file a rank (flat ranges of the trainable layout).
+# a sharded run's optimizer.json and one file a rank (flat ranges of the trainable layout), or byte for byte against
+# a sharded run's optimizer.safetensors (experts held apart, parallelism.ep > 1: the writer gathers the moments whole).
 same_moments() {
+  if [ ! -e "$2/optimizer.json" ]; then
+    cmp "$1/optimizer.safetensors" "$2/optimizer.safetensors"
+    return
+  fi
   python3 - "$1" "$2" <<'PY'
 import array, json, os, struct, sys
 def tensors(path):  # name -> float32 values of a safetensors file
@@ -71,7 +76,7 @@ PY
 cmp "$work/none/step-00000003/model.safetensors" "$work/optimizer/step-00000003/model.safetensors"
 same_moments "$work/none/step-00000003" "$work/optimizer/step-00000003"
 echo "shard optimizer: same weights' bytes, same moments (one file a rank)"
-for file in "$work/gradients/step-00000003"/model.safetensors "$work/gradients/step-00000003"/optimizer-*; do
+for file in "$work/gradients/step-00000003"/model.safetensors "$work/gradients/step-00000003"/optimizer*.safetensors; do
   cmp "$file" "$work/full/step-00000003/$(basename "$file")"
 done
 python3 - "$work/gradients.jsonl" "$work/full.jsonl" <<'PY'

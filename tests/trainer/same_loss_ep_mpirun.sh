@@ -10,8 +10,12 @@
 # checkpoint (weights and AdamW moments, each rank's experts' moments taken back from the files) is the ep run's
 # byte for byte; at another EP its weights are within 3e-6 of it (0.1% of the step's lr 0.003, measured 6e-8:
 # AdamW normalises an element's update to about lr, and the experts' gradients reassociate as above; a lost expert
-# moment moves an element by about the whole lr). The metrics say how many experts a rank holds: E / ep with shard
-# none (each rank its own), E under sharding (every rank every expert).
+# moment moves an element by about the whole lr). The resume at another EP also runs another shard mode (none <->
+# optimizer, gradients <-> full: modes that sum the same terms in the same order, same_bits_shard_mpirun.sh; the
+# micro-batches' sums reassociate between the two pairs): the files are the same whole layout whatever wrote them. The metrics say how many
+# experts a rank holds: E / ep in every shard mode (each rank its own; trainer/held_expert_store.h under sharding).
+# Last, ep 1's step-2 checkpoint (under sharding its moments in one file a rank) resumed at ep gives ep 1's step-3
+# loss bit for bit.
 #   same_loss_ep_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS EP GRID_SETS...
 set -euo pipefail
 work=$1 ringflex=$2
@@ -28,15 +32,26 @@ common=(--set train.seq_len=64 --set train.steps=3 --set train.global_batch=4 --
         --set model.builtin=tiny_moe_vlm --set model.init_std=0.4 --set checkpoint.every=2)
 for e in 1 "$ep"; do
   "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$e" \
-    --set checkpoint.dir="$work/ep$e" --metrics "$work/ep$e.jsonl" >/dev/null
+    --set checkpoint.dir="$work/ep$e" --metrics "$work/ep$e.jsonl" --stats "$work/stats$e.json" >/dev/null
 done
-# Another EP to resume at: twice ep where the ranks allow it, else half of it.
+# Another EP to resume at: twice ep where the ranks allow it, else half of it; and another shard mode there.
 if [ $((ranks % (2 * ep))) -eq 0 ]; then other=$((2 * ep)); else other=$((ep / 2)); fi
+case " $* " in
+  *parallelism.shard=full*) other_shard=gradients ;;
+  *parallelism.shard=optimizer*) other_shard=none ;;
+  *parallelism.shard=gradients*) other_shard=full ;;
+  *) other_shard=optimizer ;;
+esac
 for e in 1 "$ep" "$other"; do
-  "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$e" \
+  shard=()
+  if [ "$e" = "$other" ]; then shard=(--set parallelism.shard="$other_shard"); fi
+  "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" "${shard[@]}" --set parallelism.ep="$e" \
     --set checkpoint.dir="$work/resumed$e" --metrics "$work/resumed$e.jsonl" --resume "$work/ep$ep/step-00000002" \
     >/dev/null
 done
+# And ep 1's step-2 checkpoint (its moments in one file a rank under sharding) resumed at ep: step 3's loss is ep 1's.
+"${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$ep" \
+  --set checkpoint.dir="$work/from1" --metrics "$work/from1.jsonl" --resume "$work/ep1/step-00000002" >/dev/null
 cmp "$work/ep$ep/step-00000003/model.safetensors" "$work/resumed$ep/step-00000003/model.safetensors"
 for f in "$work/ep$ep/step-00000003"/optimizer*; do  # optimizer.safetensors, or the sharded files and their layout
   cmp "$f" "$work/resumed$ep/step-00000003/$(basename "$f")"
@@ -55,14 +70,33 @@ worst = max(abs(x - y) for name in a for x, y in zip(a[name], b[name]))
 assert worst <= 3e-6, f"step-3 weights resumed at another EP differ by up to {worst}"
 print("resumed at another EP: step-3 weights within", worst)
 PY
+# --stats: the memory check's terms count a rank's experts, E / ep of the expert tensors' float32 bytes (the files'
+# sizes), where ep 1 counts them all.
+python3 - "$work/stats1.json" "$work/stats$ep.json" "$work/ep$ep/step-00000003/model.safetensors" "$ep" <<'PY'
+import json, struct, sys
+one, ep = (json.load(open(p)) for p in sys.argv[1:3])
+raw = open(sys.argv[3], "rb").read()
+header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+experts = sum(t["data_offsets"][1] - t["data_offsets"][0] for n, t in header.items() if ".experts." in n)
+ep_size = int(sys.argv[4])
+terms = {t["kind"]: t["bytes"] for t in ep["memory_per_rank"]["terms"]}
+if ep["shard"] == "none":
+    drop = one["memory_per_rank"]["terms"][0]["bytes"] - terms["weights"]
+    assert drop == experts - experts // ep_size, (drop, experts)
+else:
+    assert terms["experts held (E / ep)"] == experts // ep_size, (terms, experts)
+assert ep["ep"] == ep_size and len(ep["peak_rss_bytes"]) > 0, ep
+print("--stats: experts counted", experts // ep_size, "of", experts, "bytes a rank")
+PY
 python3 - "$work/ep1.jsonl" "$work/ep$ep.jsonl" "$work/resumed1.jsonl" "$work/resumed$ep.jsonl" \
-  "$work/resumed$other.jsonl" "$ep" "$*" <<'PY'
+  "$work/resumed$other.jsonl" "$ep" "$work/from1.jsonl" <<'PY'
 import json, sys
 one, ep, resumed, again, other = ([json.loads(l) for l in open(p)] for p in sys.argv[1:6])
+from1 = [json.loads(l) for l in open(sys.argv[7])]
+assert from1[-1]["step"] == 3 and from1[-1]["loss"] == one[2]["loss"], (from1, one[2])
 experts, ep_size = 4, int(sys.argv[6])  # model.builtin tiny_moe_vlm has 4 experts a MoE layer
 held = ep[0]["ep_experts_held"]
-sharded = "parallelism.shard=" in sys.argv[7] and "parallelism.shard=none" not in sys.argv[7]
-assert held == (experts if sharded else experts // ep_size), held
+assert held == experts // ep_size, held
 assert all(r["ep_bytes_per_layer"] > 0 and r["ep_exposed_s"] >= 0 for r in ep), ep
 assert len(one) == len(ep) == 3, (len(one), len(ep))
 assert all("ep_rows_sent" not in r for r in one), "ep 1 moves no rows"

@@ -40,8 +40,9 @@ model::Gemma4Multimodal shapes() {
                                  model::TensorSet::Storage::Deferred);
 }
 
-// Expert parallelism with shard none: a rank holds its EP rank's experts only, so the experts' weights, gradients
-// and moments count E / ep experts; under sharding every rank keeps every expert (the same terms as ep 1's).
+// Expert parallelism: a rank holds its EP rank's experts only, so the experts' weights, gradients and moments count
+// E / ep experts; under sharding (trainer/held_expert_store.h) the other parameters are placed by the mode, the
+// experts' moments (and under gradients / full their gradients) are a padded slice over the Q = N / ep EDP ranks.
 TEST(TrainMemory, HeldExpertsCountTheRanksOwn) {
   const model::Gemma4Multimodal m(model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm")),
                                   model::MultimodalParts{model::kBuiltinFeatureDim},
@@ -61,9 +62,26 @@ TEST(TrainMemory, HeldExpertsCountTheRanksOwn) {
   EXPECT_EQ(one.of("weights") - two.of("weights"), experts / 2);
   EXPECT_EQ(one.of("gradients") - two.of("gradients"), experts / 2);
   EXPECT_EQ(one.of("AdamW moments") - two.of("AdamW moments"), 2 * (experts / 2));
-  const MemoryBreakdown sharded = with({"parallelism.ep=2", "parallelism.shard=optimizer"});
-  EXPECT_EQ(sharded.of("weights"), one.of("weights"));
-  EXPECT_EQ(sharded.of("gradients"), one.of("gradients"));
+  const MemoryBreakdown sharded = with({"parallelism.ep=2", "parallelism.shard=optimizer"});  // Q = 1
+  EXPECT_EQ(sharded.of("experts held (E / ep)"), experts / 2);
+  EXPECT_EQ(sharded.of("weights") + sharded.of("experts held (E / ep)"), two.of("weights"));
+  EXPECT_EQ(sharded.of("gradients") + sharded.of("experts' gradients"), two.of("gradients"));
+  EXPECT_EQ(sharded.of("experts' AdamW moments (EDP slice)"), 2 * (experts / 2));
+  // 4 ranks, ep 2: two EDP ranks share each expert's state. One layer's held experts (every layer has the same).
+  const int64_t held = experts / 2 / int64_t{sizeof(float)}, slice = (held + 1) / 2;
+  const int64_t layer = held / m.config().num_layers, f32 = sizeof(float);
+  const auto over4 = [&](const std::string& mode) {
+    std::vector<std::string> sets = {"model.builtin=tiny_moe_vlm", "train.seq_len=8", "parallelism.dp=4",
+                                     "parallelism.ep=2", "parallelism.shard=" + mode};
+    return train_memory_at_least(config(sets), m, 4);
+  };
+  for (const std::string mode : {"optimizer", "gradients", "full"}) {
+    const MemoryBreakdown b = over4(mode);
+    EXPECT_EQ(b.of("experts held (E / ep)"), experts / 2) << mode;
+    EXPECT_EQ(b.of("experts' AdamW moments (EDP slice)"), 2 * slice * f32) << mode;
+    // optimizer: every held expert's gradient; gradients, full: the slice, one layer's buffer and its Q runs.
+    EXPECT_EQ(b.of("experts' gradients"), mode == "optimizer" ? experts / 2 : (slice + 2 * layer) * f32) << mode;
+  }
 }
 
 TEST(TrainMemory, TermsFollowTheConfig) {
