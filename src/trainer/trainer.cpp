@@ -493,8 +493,9 @@ void set_up(Run& r) {
       model::load_peft_adapter(dynamic_cast<model::LoraStore&>(r.ck.model->params()), r.resume_dir);
     } else {
       // shard gradients / full: straight into a sharded store, each rank keeping its pieces as the tensors are read.
-      LoadedCheckpoint loaded = load_train_checkpoint(r.resume_dir, check_fits, cfg.model.train_vision,
-                                                      r.store_shards && !r.hold_experts_sharded ? sharded_store(r) : nullptr);
+      LoadedCheckpoint loaded =
+          load_train_checkpoint(r.resume_dir, check_fits, cfg.model.train_vision,
+                                r.store_shards && !r.hold_experts_sharded ? sharded_store(r) : nullptr);
       check_resume_compatible(cfg, loaded.state.config_yaml, r.resume_dir);
       r.ck = std::move(loaded.weights);
       r.state = std::move(loaded.state);
