@@ -7,15 +7,9 @@
 # the lr 0.003: AdamW normalises an element's update to about lr).
 #   lora_ep_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS EP GRID_SETS...
 set -euo pipefail
-work=$1 ringflex=$2
-shift 2
-launcher=()
-while [ "$1" != "--" ]; do launcher+=("$1"); shift; done
-shift
+source "$(dirname "$0")/mpirun_script_args.sh"
 ranks=$1 ep=$2
 shift 2
-rm -rf "$work"
-mkdir -p "$work"
 common=(--set train.seq_len=64 --set train.steps=3 --set train.global_batch=4 --set data.val_rows=2
         --set train.threads=1 --set optimizer.lr=0.003 --set schedule.warmup_steps=1 --set model.builtin=tiny_moe_vlm
         --set model.init_std=0.4 --set model.lora.rank=2

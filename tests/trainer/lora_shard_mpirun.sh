@@ -7,15 +7,9 @@
 # adapters.
 #   lora_shard_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS GRID_SETS...
 set -euo pipefail
-work=$1 ringflex=$2
-shift 2
-launcher=()
-while [ "$1" != "--" ]; do launcher+=("$1"); shift; done
-shift
+source "$(dirname "$0")/mpirun_script_args.sh"
 ranks=$1
 shift
-rm -rf "$work"
-mkdir -p "$work"
 common=(--set model.lora.rank=2 --set model.lora.alpha=4 --set train.seq_len=64 --set train.steps=3
         --set train.global_batch=6 --set data.val_rows=2 --set train.threads=1 --set train.val_every=2
         --set optimizer.lr=0.003 --set optimizer.grad_clip=0.5 --set checkpoint.every=2)

@@ -12,16 +12,10 @@
 # gather moves them by whole percents).
 #   same_bits_shard_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS GRADIENTS GRID_SETS...
 set -euo pipefail
-work=$1 ringflex=$2
-shift 2
-launcher=()
-while [ "$1" != "--" ]; do launcher+=("$1"); shift; done
-shift
+source "$(dirname "$0")/mpirun_script_args.sh"
 ranks=$1 gradients=$2
 shift 2
 case "$gradients" in bits | rounding) ;; *) echo "GRADIENTS must be bits or rounding, not '$gradients'" >&2; exit 2 ;; esac
-rm -rf "$work"
-mkdir -p "$work"
 common=(--set train.seq_len=64 --set train.steps=3 --set train.global_batch=12 --set data.val_rows=2
         --set train.threads=1 --set train.val_every=2 --set optimizer.lr=0.003 --set schedule.warmup_steps=1
         --set optimizer.grad_clip=0.5)

@@ -7,15 +7,9 @@
 # 1.5e-5 with the portable build). A lost row or a wrong denominator moves it by >= 1e-2, 100x above the bound.
 #   same_loss_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS GRID_SETS...
 set -euo pipefail
-work=$1 ringflex=$2
-shift 2
-launcher=()
-while [ "$1" != "--" ]; do launcher+=("$1"); shift; done
-shift
+source "$(dirname "$0")/mpirun_script_args.sh"
 ranks=$1
 shift
-rm -rf "$work"
-mkdir -p "$work"
 common=(--set train.seq_len=96 --set train.steps=5 --set train.global_batch=4 --set data.val_rows=2
         --set train.threads=1 --set train.val_every=0 --set optimizer.lr=0.003 --set schedule.warmup_steps=2)
 "$ringflex" train "${common[@]}" "$@" --set parallelism.cp=1 --set parallelism.dp=1 --metrics "$work/one.jsonl" >/dev/null
