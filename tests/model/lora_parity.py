@@ -162,21 +162,28 @@ def digest(directory):
     return h.hexdigest()
 
 
-def train_case(ringflex, launcher, workdir):
-    gen = torch.Generator().manual_seed(7)
-    cfg = parity.CONFIGS["dense"](False)
+def write_base_and_tokens(gen, name, workdir, suffix):
+    """The train cases' inputs: a random base of parity's `name` config saved in float32 (train{suffix}_base) and eight
+    token rows of 8 to 19 ids for its tiny vocabulary (tokens{suffix}.jsonl; the mock source needs more than 64
+    tokens), drawn from `gen` in that order. Returns (config, base dir, data path)."""
+    cfg = parity.CONFIGS[name](False)
     base = Gemma4ForCausalLM(cfg).float()
     parity.randomize(base, gen)
-    base_dir = os.path.join(workdir, "train_base")
+    base_dir = os.path.join(workdir, f"train{suffix}_base")
     base.save_pretrained(base_dir, safe_serialization=True)
-    before = digest(base_dir)
-    ranks = int(launcher[launcher.index("-n") + 1]) if "-n" in launcher else 1
-    # Token rows for the tiny vocabulary (the mock source needs more than 64 tokens).
-    data = os.path.join(workdir, "tokens.jsonl")
+    data = os.path.join(workdir, f"tokens{suffix}.jsonl")
     with open(data, "w") as f:
         for _ in range(8):
             n = int(torch.randint(8, 20, (1,), generator=gen))
             f.write(json.dumps({"input_ids": torch.randint(1, parity.V, (n,), generator=gen).tolist()}) + "\n")
+    return cfg, base_dir, data
+
+
+def train_case(ringflex, launcher, workdir):
+    gen = torch.Generator().manual_seed(7)
+    cfg, base_dir, data = write_base_and_tokens(gen, "dense", workdir, "")
+    before = digest(base_dir)
+    ranks = ranks_of(launcher)
     config = os.path.join(workdir, "lora.yaml")
     with open(config, "w") as f:
         f.write(f"""model:
@@ -294,17 +301,8 @@ def train_experts_case(ringflex, launcher, workdir):
     attention: the adapter directory it writes must load in peft with no missing or unexpected keys (the experts'
     nested ParamWrapper names included) and give, in float64, the loss ringflex computes with it."""
     gen = torch.Generator().manual_seed(11)
-    cfg = parity.CONFIGS["moe"](False)
-    base = Gemma4ForCausalLM(cfg).float()
-    parity.randomize(base, gen)
-    base_dir = os.path.join(workdir, "train_moe_base")
-    base.save_pretrained(base_dir, safe_serialization=True)
-    ranks = int(launcher[launcher.index("-n") + 1]) if "-n" in launcher else 1
-    data = os.path.join(workdir, "tokens_moe.jsonl")
-    with open(data, "w") as f:
-        for _ in range(8):
-            n = int(torch.randint(8, 20, (1,), generator=gen))
-            f.write(json.dumps({"input_ids": torch.randint(1, parity.V, (n,), generator=gen).tolist()}) + "\n")
+    cfg, base_dir, data = write_base_and_tokens(gen, "moe", workdir, "_moe")
+    ranks = ranks_of(launcher)
     ckpt = os.path.join(workdir, "ckpt_moe")
     config = os.path.join(workdir, "lora_moe.yaml")
     with open(config, "w") as f:
