@@ -288,7 +288,14 @@ void ReplicatedStore::set_moment_range(int64_t begin, int64_t end) {
   }
 }
 
-void ReplicatedStore::zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.f); }
+void ReplicatedStore::zero_grads() {
+  // Every optimizer step starts here, over the whole gradient arena (4 bytes a trainable parameter): filled by all
+  // threads, as the model's accumulated buffers are (gemma4_run.h zeros), not by one while the others wait.
+  float* const g = grads_.data();
+  const int64_t n = static_cast<int64_t>(grads_.size());
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) g[i] = 0.f;
+}
 
 void ReplicatedStore::release_training_state() {
   grads_ = {};

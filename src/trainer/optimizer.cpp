@@ -92,7 +92,7 @@ double clip_gradients(model::ParamStore& store, double norm, double max_norm) {
 
 AdamW::AdamW(model::ParamStore& store, OptimizerSection opt) : opt_(opt) { store.allocate_moments(); }
 
-void AdamW::step(model::ParamStore& store, double lr, int64_t step) {
+void AdamW::step(model::ParamStore& store, double lr, int64_t step, double grad_scale) {
   RF_ASSERT(step >= 1 && store.has_grads() && store.has_moments());
   const double b1 = opt_.beta1, b2 = opt_.beta2;
   const double correction1 = 1.0 - std::pow(b1, static_cast<double>(step));
@@ -105,8 +105,14 @@ void AdamW::step(model::ParamStore& store, double lr, int64_t step) {
   const float* const g_all = store.flat(model::Role::Grads).data();  // from trainable element grads_begin()
   const OptimizerKernels& k = optimizer_kernels();
   for (const model::ParamStore::Segment& seg : store.trainable_segments(range.begin, range.end)) {
-    const AdamWConstants c{
-        b1, b2, correction1, correction2, opt_.eps, lr, store.info(seg.slot).decays() ? lr * opt_.weight_decay : 0.0};
+    const AdamWConstants c{b1,
+                           b2,
+                           correction1,
+                           correction2,
+                           opt_.eps,
+                           lr,
+                           store.info(seg.slot).decays() ? lr * opt_.weight_decay : 0.0,
+                           grad_scale};
     float* p = store.mutable_master(seg.slot, seg.first);
     float* m = m_all + (seg.train_index - range.begin);
     float* v = v_all + (seg.train_index - range.begin);

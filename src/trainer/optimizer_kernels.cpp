@@ -14,10 +14,10 @@ namespace {
 
 void adamw(float* p, float* m, float* v, const float* g, int64_t n, const AdamWConstants& c) {
   const double b1 = c.b1, b2 = c.b2, c1 = c.correction1, c2 = c.correction2, eps = c.eps, lr = c.lr;
-  const double decay = c.decay;
+  const double decay = c.decay, grad_scale = c.grad_scale;
 #pragma omp simd
   for (int64_t e = 0; e < n; ++e) {
-    const double gd = g[e];
+    const double gd = static_cast<float>(g[e] * grad_scale);
     const double mn = b1 * m[e] + (1.0 - b1) * gd;
     const double vn = b2 * v[e] + (1.0 - b2) * gd * gd;
     m[e] = static_cast<float>(mn);

@@ -17,14 +17,16 @@
 namespace rf::trainer {
 
 // One AdamW step's constants (optimizer.h): the moments' decays, the bias corrections 1 - b^t, eps, the learning
-// rate and the decoupled decay lr * weight_decay (0 for a tensor that does not decay).
+// rate, the decoupled decay lr * weight_decay (0 for a tensor that does not decay) and the clipping factor the
+// gradients are taken times (1: as they are).
 struct AdamWConstants {
-  double b1, b2, correction1, correction2, eps, lr, decay;
+  double b1, b2, correction1, correction2, eps, lr, decay, grad_scale;
 };
 
 struct OptimizerKernels {
   cpu::Isa isa;
   // AdamW over n elements, in float64 per element, each result rounded to float32 once:
+  //   g = float(g[e] grad_scale)  (scale's bits: clipping fused into the update, g[] left as it is);
   //   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g g;
   //   p = (p - decay p) - lr ((m / correction1) / (sqrt(v / correction2) + eps)).
   void (*adamw)(float* p, float* m, float* v, const float* g, int64_t n, const AdamWConstants& c);

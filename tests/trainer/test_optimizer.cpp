@@ -103,9 +103,11 @@ TEST(OptimizerKernels, EveryIsaGivesTheScalarLoopsBits) {
   g[0] = 0.f;
   g[1] = -0.f;
   m0[2] = v0[2] = 0.f;
-  const AdamWConstants c{0.9, 0.95, 1.0 - std::pow(0.9, 7.0), 1.0 - std::pow(0.95, 7.0), 1e-8, 3e-3, 3e-4};
-  std::vector<float> p_want = p0, m_want = m0, v_want = v0, g_want = g;
   constexpr double kFactor = 0.123456789;
+  const AdamWConstants c{0.9, 0.95, 1.0 - std::pow(0.9, 7.0), 1.0 - std::pow(0.95, 7.0), 1e-8, 3e-3, 3e-4, 1.0};
+  AdamWConstants clipped = c;
+  clipped.grad_scale = kFactor;
+  std::vector<float> p_want = p0, m_want = m0, v_want = v0, g_want = g;
   for (int64_t e = 0; e < n; ++e) {
     const double gd = g[e];
     const double mn = c.b1 * m_want[e] + (1.0 - c.b1) * gd;
@@ -131,6 +133,15 @@ TEST(OptimizerKernels, EveryIsaGivesTheScalarLoopsBits) {
     EXPECT_EQ(bits(v), bits(v_want)) << isa;
     k->scale(gs.data(), n, kFactor);
     EXPECT_EQ(bits(gs), bits(g_want)) << isa;
+    // Clipping fused into the update: the bits of scale() then adamw(), the gradients left unscaled.
+    std::vector<float> p_scaled = p0, m_scaled = m0, v_scaled = v0, p_fused = p0, m_fused = m0, v_fused = v0;
+    const std::vector<float> g_before = g;
+    k->adamw(p_scaled.data(), m_scaled.data(), v_scaled.data(), gs.data(), n, c);
+    k->adamw(p_fused.data(), m_fused.data(), v_fused.data(), g.data(), n, clipped);
+    EXPECT_EQ(bits(p_fused), bits(p_scaled)) << isa;
+    EXPECT_EQ(bits(m_fused), bits(m_scaled)) << isa;
+    EXPECT_EQ(bits(v_fused), bits(v_scaled)) << isa;
+    EXPECT_EQ(bits(g), bits(g_before)) << isa;
   }
 }
 
