@@ -177,72 +177,70 @@ void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config&
            " experts");
 }
 
-}  // namespace
+// What the run needs, checked on every rank before the weights, gradients and moments are allocated.
+void check_fits(const Run& r, const model::Gemma4Multimodal& shapes) {
+  check_memory(train_memory_at_least(r.cfg, shapes, r.world.size()), "train",
+               rf::concat(" at seq_len ", r.cfg.train.seq_len, " over cp ", r.cfg.parallelism.cp));
+}
 
-// Setup: the model (fresh, from model.path or resumed), the data, the optimizer state and where the run stands.
-// Everything here can fail on bad input and runs no collective, so train() runs it inside comm::agree.
-void set_up(Run& r) {
+// LoRA: the parameters live in a LoraStore, which adds the adapters and freezes the base when it allocates.
+// shard gradients / full: in a ShardedStore, each rank keeping its pieces of every tensor as it is loaded.
+std::unique_ptr<model::ParamStore> lora_store(Run& r) {
+  if (r.store_shards && !r.hold_experts_sharded) return sharded_store(r);
+  return r.cfg.model.lora_rank > 0 ? std::make_unique<model::LoraStore>(lora_config(r.cfg)) : nullptr;
+}
+
+// The base: from model.path, or the built-in model from train.seed (a LoRA resume builds it again: it never trains).
+void load_base(Run& r) {
   const TrainConfig& cfg = r.cfg;
-  if (r.lead) {
-    check_outputs(cfg, r.options);
-    std::error_code ec;
-    if (!cfg.checkpoint.dir.empty() && fs::is_directory(cfg.checkpoint.dir, ec)) remove_leftovers(cfg.checkpoint.dir);
+  if (!cfg.model.path.empty()) {
+    r.ck = model::load_checkpoint(
+        cfg.model.path, [&](const model::Gemma4Multimodal& shapes) { check_fits(r, shapes); }, lora_store(r),
+        cfg.model.train_vision);
+    return;
   }
-  // What the run needs, checked on every rank before the weights, gradients and moments are allocated.
-  const auto check_fits = [&](const model::Gemma4Multimodal& shapes) {
-    check_memory(train_memory_at_least(cfg, shapes, r.world.size()), "train",
-                 rf::concat(" at seq_len ", cfg.train.seq_len, " over cp ", cfg.parallelism.cp));
+  const std::string text = model::builtin_config_json(cfg.model.builtin);
+  const std::string source = "model.builtin " + cfg.model.builtin;
+  const model::Gemma4Config builtin = model::Gemma4Config::from_json(text, source);
+  const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
+  // With model.train_vision the tower's parameters are registered after the decoder's, before the store allocates.
+  const auto shapes = [&](std::unique_ptr<model::ParamStore> store) {
+    model::MultimodalParts parts(model::kBuiltinFeatureDim, tower, cfg.model.train_vision);
+    return std::make_unique<model::Gemma4Multimodal>(builtin, std::move(parts), model::TensorSet::Storage::Deferred,
+                                                     std::move(store));
   };
+  check_fits(r, *shapes(nullptr));
+  r.ck.model = shapes(lora_store(r));
+  r.ck.model->params().allocate_weights();
+  // Every slot, the tower's last (so the decoder draws the same values with and without model.train_vision).
+  r.ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
+  // init_random filled every slot, the adapters too: PEFT's initial adapters again (B = 0: the base's function).
+  if (auto* ls = dynamic_cast<model::LoraStore*>(&r.ck.model->params())) ls->init_adapters();
+  r.ck.text_prefix = model::kMultimodalTextPrefix;
+  // transformers sizes the projection's input by the tower's width: the two must agree.
+  RF_CHECK(tower.hidden_size == model::kBuiltinFeatureDim, source, ": vision_config.hidden_size = ", tower.hidden_size,
+           ", the projection takes ", model::kBuiltinFeatureDim);
+  r.ck.model->kept() = model::init_vision_tower(tower, cfg.train.seed);
+  if (cfg.model.train_vision) r.ck.model->adopt_tower_parameters();
+}
+
+// The model, fresh (load_base) or resumed with where the run stands (r.state), its loaded weights checked finite.
+void load_model(Run& r) {
+  const TrainConfig& cfg = r.cfg;
   const bool lora = cfg.model.lora_rank > 0;
-  // LoRA: the parameters live in a LoraStore, which adds the adapters and freezes the base when it allocates.
-  // shard gradients / full: in a ShardedStore, each rank keeping its pieces of every tensor as it is loaded.
-  const auto lora_store = [&]() -> std::unique_ptr<model::ParamStore> {
-    if (r.store_shards && !r.hold_experts_sharded) return sharded_store(r);
-    return lora ? std::make_unique<model::LoraStore>(lora_config(cfg)) : nullptr;
-  };
-  // The base: from model.path, or the built-in model from train.seed (a LoRA resume builds it again: it never trains).
-  const auto load_base = [&] {
-    if (!cfg.model.path.empty()) {
-      r.ck = model::load_checkpoint(cfg.model.path, check_fits, lora_store(), cfg.model.train_vision);
-      return;
-    }
-    const std::string text = model::builtin_config_json(cfg.model.builtin);
-    const std::string source = "model.builtin " + cfg.model.builtin;
-    const model::Gemma4Config builtin = model::Gemma4Config::from_json(text, source);
-    const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
-    // With model.train_vision the tower's parameters are registered after the decoder's, before the store allocates.
-    const auto shapes = [&](std::unique_ptr<model::ParamStore> store) {
-      model::MultimodalParts parts(model::kBuiltinFeatureDim, tower, cfg.model.train_vision);
-      return std::make_unique<model::Gemma4Multimodal>(builtin, std::move(parts), model::TensorSet::Storage::Deferred,
-                                                       std::move(store));
-    };
-    check_fits(*shapes(nullptr));
-    r.ck.model = shapes(lora_store());
-    r.ck.model->params().allocate_weights();
-    // Every slot, the tower's last (so the decoder draws the same values with and without model.train_vision).
-    r.ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
-    // init_random filled every slot, the adapters too: PEFT's initial adapters again (B = 0: the base's function).
-    if (auto* ls = dynamic_cast<model::LoraStore*>(&r.ck.model->params())) ls->init_adapters();
-    r.ck.text_prefix = model::kMultimodalTextPrefix;
-    // transformers sizes the projection's input by the tower's width: the two must agree.
-    RF_CHECK(tower.hidden_size == model::kBuiltinFeatureDim, source,
-             ": vision_config.hidden_size = ", tower.hidden_size, ", the projection takes ", model::kBuiltinFeatureDim);
-    r.ck.model->kept() = model::init_vision_tower(tower, cfg.train.seed);
-    if (cfg.model.train_vision) r.ck.model->adopt_tower_parameters();
-  };
   if (!r.options.resume.empty()) {
     r.resume_dir = resolve_checkpoint(r.options.resume);
     if (lora) {
       // A LoRA checkpoint holds the adapters (PEFT's files) and the state; the base is the config's.
       r.state = load_train_state(r.resume_dir);
       check_resume_compatible(cfg, r.state.config_yaml, r.resume_dir);
-      load_base();
+      load_base(r);
       model::load_peft_adapter(dynamic_cast<model::LoraStore&>(r.ck.model->params()), r.resume_dir);
     } else {
       // shard gradients / full: straight into a sharded store, each rank keeping its pieces as the tensors are read.
-      LoadedCheckpoint loaded =
-          load_train_checkpoint(r.resume_dir, check_fits, cfg.model.train_vision,
-                                r.store_shards && !r.hold_experts_sharded ? sharded_store(r) : nullptr);
+      LoadedCheckpoint loaded = load_train_checkpoint(
+          r.resume_dir, [&](const model::Gemma4Multimodal& shapes) { check_fits(r, shapes); }, cfg.model.train_vision,
+          r.store_shards && !r.hold_experts_sharded ? sharded_store(r) : nullptr);
       check_resume_compatible(cfg, loaded.state.config_yaml, r.resume_dir);
       r.ck = std::move(loaded.weights);
       r.state = std::move(loaded.state);
@@ -250,12 +248,17 @@ void set_up(Run& r) {
     RF_CHECK(r.state.step < cfg.train.steps, "--resume ", r.resume_dir, ": the checkpoint is at step ", r.state.step,
              " and train.steps = ", cfg.train.steps, " leaves nothing to do");
   } else {
-    load_base();
+    load_base(r);
   }
   if (!cfg.model.path.empty() && (lora || r.resume_dir.empty()))
     check_loaded_weights(r.ck, cfg.model.path);
   else if (!r.resume_dir.empty() && !lora)
     check_loaded_weights(r.ck, r.resume_dir);
+}
+
+// The data, its rows checked against the model; a frozen vision tower encodes its images here and is dropped.
+void set_up_data(Run& r) {
+  const TrainConfig& cfg = r.cfg;
   const model::Gemma4Multimodal& m = *r.ck.model;
   check_expert_parallelism(cfg, m.config());
   const int width = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
@@ -277,6 +280,12 @@ void set_up(Run& r) {
   else
     r.ck.model->drop_vision_tower();
   r.feature_dim = r.data->feature_dim() > 0 ? width : 0;
+}
+
+// The parameters' final layout (frozen, the experts held, the moments' range of a sharded optimizer), the optimizer
+// and its state, and the gradients.
+void set_up_optimizer(Run& r) {
+  const TrainConfig& cfg = r.cfg;
   r.ck.model->params().freeze(cfg.model.freeze);
   if (r.hold_experts_sharded) {
     // The moments whole (a checkpoint of any EP and shard mode), then each part keeps its own.
@@ -298,6 +307,22 @@ void set_up(Run& r) {
     r.ck.model->replace_params(model::hold_expert_rows(store, r.world.rank() % cfg.parallelism.ep, cfg.parallelism.ep));
   model::ParamStore& held = r.ck.model->params();
   held.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
+}
+
+}  // namespace
+
+// Setup: the model (fresh, from model.path or resumed), the data, the optimizer state and where the run stands.
+// Everything here can fail on bad input and runs no collective, so train() runs it inside comm::agree.
+void set_up(Run& r) {
+  const TrainConfig& cfg = r.cfg;
+  if (r.lead) {
+    check_outputs(cfg, r.options);
+    std::error_code ec;
+    if (!cfg.checkpoint.dir.empty() && fs::is_directory(cfg.checkpoint.dir, ec)) remove_leftovers(cfg.checkpoint.dir);
+  }
+  load_model(r);
+  set_up_data(r);
+  set_up_optimizer(r);
   if (cfg.model.train_vision) r.tower = r.ck.model->vision_tower();  // the final model's: shard_model replaces it
   r.state.seed = cfg.train.seed;
   r.state.config_yaml = to_yaml(cfg);
