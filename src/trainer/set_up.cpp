@@ -323,7 +323,7 @@ void set_up(Run& r) {
   load_model(r);
   set_up_data(r);
   set_up_optimizer(r);
-  if (cfg.model.train_vision) r.tower = r.ck.model->vision_tower();  // the final model's: shard_model replaces it
+  if (cfg.model.train_vision) r.tower = r.ck.model->vision_tower();  // the final model's tower, once the store is built
   r.state.seed = cfg.train.seed;
   r.state.config_yaml = to_yaml(cfg);
   r.training.want_grad = true;
