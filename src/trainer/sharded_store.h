@@ -32,6 +32,11 @@
 // owner its pieces (an all-to-all-v posted, in flight during the next layer's backward), and each owner sums the N
 // contributions in rank order in double, rounded once (comm::Communicator::reduce_scatter's combination, so one
 // micro-batch a step gives shard none's bits at every N), adding the result into its slice.
+// model.param_dtype bfloat16 (model/param_store.h): under full every gather the run's reads post (a layer, the global
+// group's small parameters, the head, the tables' rows) packs this rank's masters rounded to bf16, so the all-gathers
+// carry half the bytes, and the gathered copy is those bf16 values (a Gathered's b16, which a bf16 compute run
+// multiplies as they are) widened into its float32 buffer; read_weight, unshard and after_update move float32
+// masters. Under gradients the replicated store's working copy serves the run. Gradients are float32 either way.
 // With gradient accumulation the micro-batches' reduced sums are added in the slice where shard none adds raw
 // micro-batch gradients and reduces once: the same terms, associated differently (float32 rounding, not bits).
 #pragma once
@@ -160,7 +165,9 @@ class ShardedStore : public model::ReplicatedStore {
   void lay_out();  // the groups, the frozen layout and this rank's slices, from the registry and its flags
   Group& group_of(int layer);
   const Group& group_of(int layer) const;
-  std::unique_ptr<Gathered> post_gather(const Group& g, bool trainable_only);
+  std::unique_ptr<Gathered> post_gather(const Group& g, bool trainable_only, bool working);
+  template <class T, class Pack>
+  void gather_rows(size_t slot, const Table& t, T* rows, Pack pack);
   void finish_gather(Gathered& t);
   void acquire(int layer);
   std::unique_ptr<Reduction> post_reduce(const Group& g, const float* grads);

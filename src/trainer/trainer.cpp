@@ -551,6 +551,7 @@ void set_up(Run& r) {
     r.ck.model->replace_params(model::hold_expert_rows(store, r.world.rank() % cfg.parallelism.ep, cfg.parallelism.ep));
   model::ParamStore& held = r.ck.model->params();
   held.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
+  held.set_param_dtype(cfg.model.param_dtype);
   if (cfg.model.train_vision) r.tower = r.ck.model->vision_tower();  // the final model's: shard_model replaces it
   r.state.seed = cfg.train.seed;
   r.state.config_yaml = to_yaml(cfg);
