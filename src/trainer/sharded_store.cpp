@@ -839,6 +839,25 @@ ShardedStore::Bytes ShardedStore::held() const {
   return b;
 }
 
+int64_t ShardedStore::working_bytes_for(const model::ParamStore& registry, int64_t full_gathered) {
+  constexpr int64_t kF = sizeof(float), kB = sizeof(bf16);
+  if (full_gathered >= 0) return full_gathered / kF * kB;
+  std::vector<int64_t> layer(1, 0);
+  int64_t global = 0, streamed = 0;
+  for (const ParamInfo& p : registry.infos()) {
+    if (p.streamed) {
+      streamed = std::max(streamed, p.numel);
+    } else if (p.layer == model::kGlobalGroup) {
+      global += p.numel;
+    } else {
+      if (static_cast<size_t>(p.layer) >= layer.size()) layer.resize(static_cast<size_t>(p.layer) + 1, 0);
+      layer[static_cast<size_t>(p.layer)] += p.numel;
+    }
+  }
+  const int64_t widened = *std::max_element(layer.begin(), layer.end()) + global + streamed;
+  return registry.total_elements() * kB + widened * kF;
+}
+
 ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable,
                                             Mode mode, int ranks, int64_t step_tokens) {
   constexpr int64_t kF = sizeof(float);

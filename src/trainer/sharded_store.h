@@ -97,6 +97,13 @@ class ShardedStore : public model::ReplicatedStore {
   };
   static Bytes bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable, Mode mode, int ranks,
                          int64_t step_tokens);
+  // model.param_dtype bfloat16: the bytes the bf16 working weights add on one rank, beside bytes_for's (or the
+  // replicated layout's) float32 terms. full: the bf16 copy of what is gathered (`full_gathered`, bytes_for's gathered
+  // term; the float32 staging it counts for a gather in flight is twice a bf16 one's: an over-count of a layer's
+  // bf16 bytes). Otherwise (full_gathered < 0): the replicated bf16 copy of every weight, and the float32 widening of
+  // the largest decoder layer, the global group's parameters that are not streamed and the largest streamed one (the
+  // head, around the loss). These replace model.compute_dtype's bf16 copies, which are then not made.
+  static int64_t working_bytes_for(const model::ParamStore& registry, int64_t full_gathered);
   // The bytes this rank holds now, by the same kinds (the buffers' sizes, bf16 copies counted with what they copy).
   Bytes held() const;
 
