@@ -333,8 +333,20 @@ TEST(ParamStore, Bf16WorkingWeightsAreTheRoundedMastersAndGradientsStayFloat32) 
   }
   const std::span<const float> after = working.params().flat(Role::Weights);
   EXPECT_EQ(std::vector<float>(after.begin(), after.end()), before);
-  const size_t q = working.params().slot("model.layers.0.self_attn.q_proj.weight");
-  EXPECT_EQ(working.params().weight(q), after.data() + working.params().info(q).offset) << "outside the hooks";
+  ParamStore& store = working.params();
+  const size_t q = store.slot("model.layers.0.self_attn.q_proj.weight");
+  const int64_t at = store.info(q).offset, n = store.info(q).numel;
+  EXPECT_EQ(store.weight(q), after.data() + at) << "outside the hooks";
+  // Between layer 0's hooks: the rounded values, and a bf16 run's lookup gives the working copy's bits.
+  store.before_forward(0);
+  const bf16* bits = store.bf16_weights().find(store.weight(q), n);
+  ASSERT_NE(bits, nullptr);
+  for (int64_t e = 0; e < n; ++e) {
+    ASSERT_EQ(store.weight(q)[e], r[static_cast<size_t>(at + e)]) << e;
+    ASSERT_EQ(bits[e].bits, float_to_bf16(before[static_cast<size_t>(at + e)]).bits) << e;
+  }
+  store.after_forward(0);
+  EXPECT_EQ(store.weight(q), after.data() + at) << "after the hooks";
 }
 
 }  // namespace
