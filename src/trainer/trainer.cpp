@@ -35,6 +35,7 @@
 #include "trainer/expert_state.h"
 #include "trainer/held_expert_store.h"
 #include "trainer/optimizer.h"
+#include "trainer/runtime_memory.h"
 #include "trainer/sharded_store.h"
 
 namespace rf::trainer {
@@ -265,7 +266,9 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
     const ShardedStore::Bytes b =
         ShardedStore::bytes_for(m.params(), m.params().trainable_after(c.model.freeze),
                                 full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients, world_size,
-                                step_tokens);
+                                step_tokens,
+                                int64_t{c.train.micro_batch} *
+                                    ((c.train.seq_len + c.parallelism.cp - 1) / c.parallelism.cp));
     need.add(full ? "weight shard" : "weights", b.weight_shard + m.buffers().total_bytes());
     need.add(full ? "gathered weights" : "the tables' rows", b.gathered);
     need.add("gradients", b.gradients);
@@ -321,6 +324,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   run.recompute_layers = c.train.recompute;
   run.keep_mlp_projections = c.train.keep_mlp;
   need.add(model::run_memory_at_least(m.decoder(), run));
+  need.add(kRuntimeBaseline, runtime_baseline_bytes());
   return need;
 }
 
