@@ -29,6 +29,7 @@
 #include "trainer/data.h"
 #include "trainer/error_of.h"
 #include "trainer/optimizer.h"
+#include "trainer/runtime_memory.h"
 #include "trainer/sharded_store.h"
 #include "trainer/trainer.h"
 
@@ -628,10 +629,10 @@ TEST(ShardFull, PerLayerEmbeddingsAndKvSharingGiveShardNoneBits) {
 
 // Under shard full no rank holds the global group whole: after the run's global hook a rank holds its pieces and the
 // global group's small parameters (the final norm, the per-layer projection and its norm) gathered, never a token
-// table; rows() gives each rank the rows of its ids (every rank's, since the union is fetched) with the whole
-// table's values, the head is whole between acquire_head and release_head only (beside the last layer, which stays
-// gathered from its forward to its backward, until a forward-only run ends), and read outside them it is refused.
-// At N = 1 to 4, the head tied to the token table and not.
+// table; rows() gives each rank the rows of its own ids (forward-only here: no head gradient to seed every rank's)
+// with the whole table's values, the head is whole between acquire_head and release_head only (beside the last layer,
+// which stays gathered from its forward to its backward, until a forward-only run ends), and read outside them it is
+// refused. At N = 1 to 4, the head tied to the token table and not.
 TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
   for (bool tied : {true, false}) {
     const model::Gemma4Config cfg = model::Gemma4Config::from_json(ple_kv_config(tied), "test");
@@ -661,7 +662,7 @@ TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
         EXPECT_LE(sharded.held().weight_shard, (weights + 2 * P) / P * kF) << at;
         sharded.before_forward(model::kGlobalGroup);
         EXPECT_EQ(sharded.held().gathered, small_global * kF) << at;
-        // Rank r looks up tokens r, 300 + r and 7 (twice): the rows fetched are the union of every rank's.
+        // Rank r looks up tokens r, 300 + r and 7 (twice): the rows fetched are its own three.
         const int r = world.rank();
         const std::vector<int32_t> ids = {r, 300 + r, 7, 7};
         for (size_t slot : {embed, ple}) {
@@ -675,8 +676,8 @@ TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
           }
           EXPECT_EQ(rows.grads, nullptr);
         }
-        const int64_t union_rows = 2 * P + 1;
-        const int64_t table_rows = union_rows * (w.info(embed).shape[1] + w.info(ple).shape[1]);
+        const int64_t own_rows = 3;
+        const int64_t table_rows = own_rows * (w.info(embed).shape[1] + w.info(ple).shape[1]);
         EXPECT_EQ(sharded.held().gathered, (small_global + table_rows) * kF) << at;
         EXPECT_NE(testing::error_of([&] { sharded.weight(head); }).find("outside acquire_head"), std::string::npos);
         for (int l = 0; l < cfg.num_layers; ++l) {
@@ -691,7 +692,7 @@ TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
         EXPECT_EQ(sharded.held().gathered, (small_global + table_rows + last_layer + w.info(head).numel) * kF) << at;
         // The memory check's figures (4 tokens a rank) bound what the rank holds at its fullest.
         std::vector<bool> trainable(w.size(), true);
-        const ShardedStore::Bytes most = ShardedStore::bytes_for(w, trainable, ShardedStore::Mode::Full, P, 4 * P);
+        const ShardedStore::Bytes most = ShardedStore::bytes_for(w, trainable, ShardedStore::Mode::Full, P, 4 * P, 4);
         EXPECT_LE(sharded.held().weight_shard, most.weight_shard) << at;
         EXPECT_LE(sharded.held().gathered, most.gathered) << at;
         sharded.release_head(head);
@@ -921,7 +922,8 @@ TEST(ShardGradients, ResumesAcrossModesAndRankCounts) {
 
 // --stats: the memory check's per-rank terms for the run's shard mode (the same figures the up-front check used),
 // by kind, and every rank's measured peak RSS: under full the weight shard, the gathered weights, the gradients, the
-// moments, the communication buffers and the activations; under none the whole weights instead of a shard.
+// moments, the communication buffers and the activations; under none the whole weights instead of a shard; in both
+// the runtime baseline (the rank's resident set before the run allocated its state).
 TEST(TrainStats, MemoryByKindAndEveryRanksPeak) {
   const fs::path dir = scratch("stats");
   fs::create_directories(dir);
@@ -944,9 +946,10 @@ TEST(TrainStats, MemoryByKindAndEveryRanksPeak) {
       EXPECT_EQ(term.at("bytes").get<int64_t>(), need.of(term.at("kind").get<std::string>())) << mode;
     }
     const std::vector<std::string> expected =
-        mode == "full" ? std::vector<std::string>{"weight shard",  "gathered weights",      "gradients",
-                                                  "AdamW moments", "communication buffers", "activations"}
-                       : std::vector<std::string>{"weights", "gradients", "AdamW moments", "activations"};
+        mode == "full"
+            ? std::vector<std::string>{"weight shard",          "gathered weights", "gradients",     "AdamW moments",
+                                       "communication buffers", "activations",      kRuntimeBaseline}
+            : std::vector<std::string>{"weights", "gradients", "AdamW moments", "activations", kRuntimeBaseline};
     for (const std::string& kind : expected) EXPECT_TRUE(kinds.contains(kind)) << mode << ": no `" << kind << "`";
   }
   fs::remove_all(dir);
