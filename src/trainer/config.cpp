@@ -202,6 +202,7 @@ const std::vector<Field>& fields() {
       choice("parallelism.shard", &C::parallelism, &ParallelismSection::shard,
              {ShardMode::None, ShardMode::Optimizer, ShardMode::Gradients, ShardMode::Full}, kShardName),
       field("parallelism.ep", kInt, &C::parallelism, &ParallelismSection::ep),
+      field("parallelism.split_vision", "true or false", &C::parallelism, &ParallelismSection::split_vision),
       field("train.steps", kInt, &C::train, &TrainSection::steps),
       field("train.seq_len", kInt, &C::train, &TrainSection::seq_len),
       field("train.global_batch", kInt, &C::train, &TrainSection::global_batch),

@@ -518,8 +518,8 @@ void set_up(Run& r) {
   const std::string& config_json = m.config().source_json;
   ImageContract images;
   images.tokens = model::MultimodalTokens::from_config_json(config_json, "the model's config.json");
-  images.rank = r.world.rank();
-  images.ranks = r.world.size();
+  images.rank = cfg.parallelism.split_vision ? r.world.rank() : 0;  // without the split each rank encodes them all
+  images.ranks = cfg.parallelism.split_vision ? r.world.size() : 1;
   images.train_vision = cfg.model.train_vision;
   // A frozen tower encodes the data's images once, here; its float32 copy of the weights goes with it. A trained one
   // (model.train_vision) is kept and encodes every micro-batch's images.
@@ -618,7 +618,9 @@ TokenCounts count_tokens(const Run& r, const std::vector<PackedBatch>& batches) 
 // positions hold are read. In the backward each rank's d image_features holds its own tokens' rows
 // (Result::d_image_features); one sum over the group routes each image's whole gradient to its owner, which
 // back-propagates it through the tower once; the gradient reduction over the world then sums the owners' tower
-// gradients as it sums the decoder's.
+// gradients as it sums the decoder's. Without the split (parallelism.split_vision false) every rank encodes every
+// image and back-propagates its own d image_features (its positions' rows, the others zero), and that reduction sums
+// the ranks' shares: the same soft tokens, the tower's gradients summed in another order (float32 rounding).
 double seconds_since(Clock::time_point start);  // below, with the step's other timing
 
 double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro) {
@@ -634,7 +636,10 @@ double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro)
   }
   RF_CHECK(first[n] == p.n_image_features, "the micro-batch's ", n, " images make ", first[n], " soft tokens for ",
            p.n_image_features, " image slots");
-  const std::vector<int> owner = split_images_by_patches(valid, group.size());
+  // parallelism.split_vision false: every image is every rank's (no sums; each back-propagates its own tokens' share).
+  const bool split = r.cfg.parallelism.split_vision && group.size() > 1;
+  const std::vector<int> owner =
+      split ? split_images_by_patches(valid, group.size()) : std::vector<int>(static_cast<size_t>(n), group.rank());
   ImagePatches mine;  // this rank's share, in batch order
   std::vector<int> mine_index;
   const size_t patch_values = p.images.pixels.size() / static_cast<size_t>(std::max(n, 1));  // one image's values
@@ -663,7 +668,7 @@ double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro)
       at += out.counts[j];
     }
   }
-  if (group.size() > 1) group.allreduce(soft.data(), soft.size(), comm::ReduceOp::Sum, r.timeout);
+  if (split) group.allreduce(soft.data(), soft.size(), comm::ReduceOp::Sum, r.timeout);
   r.tower_seconds += seconds_since(start);
   model::Batch b = as_batch(p);
   b.image_features = soft.data();
@@ -671,7 +676,7 @@ double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro)
   if (ro.want_grad) {
     const auto back = Clock::now();
     std::vector<float>& d = res.d_image_features;  // [N, F]
-    if (group.size() > 1) group.allreduce(d.data(), d.size(), comm::ReduceOp::Sum, r.timeout);
+    if (split) group.allreduce(d.data(), d.size(), comm::ReduceOp::Sum, r.timeout);
     if (mine.n > 0) {
       std::vector<float> d_mine;  // [this rank's soft tokens, F]
       for (int i : mine_index) d_mine.insert(d_mine.end(), d.begin() + first[i] * F, d.begin() + first[i + 1] * F);
