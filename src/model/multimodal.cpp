@@ -67,6 +67,12 @@ void Gemma4Multimodal::refresh_vision_tower() {
     return VisionEncoder::Found{e->shape, io::to_float32(io::TensorView{name, e->dtype, e->shape, e->bytes})};
   };
   tower_ = std::make_unique<VisionEncoder>(*parts_.vision, find);
+  tower_->set_compute_dtype(vision_dtype_);
+}
+
+void Gemma4Multimodal::set_vision_compute_dtype(ComputeDtype t) {
+  vision_dtype_ = t;
+  if (tower_) tower_->set_compute_dtype(t);
 }
 
 void Gemma4Multimodal::adopt_tower_parameters() {

@@ -524,6 +524,7 @@ void set_up(Run& r) {
   // A frozen tower encodes the data's images once, here; its float32 copy of the weights goes with it. A trained one
   // (model.train_vision) is kept and encodes every micro-batch's images.
   images.vision = [&]() -> const model::VisionEncoder* { return r.ck.model->vision_tower(); };
+  r.ck.model->set_vision_compute_dtype(cfg.model.compute_dtype);  // the tower multiplies as the decoder does
   r.data = make_data_source(cfg, contract, images);
   if (cfg.model.train_vision)
     RF_CHECK(images.vision() != nullptr, "config: model.train_vision, but the model has no vision tower");
