@@ -115,7 +115,8 @@ class Gemma4Multimodal {
   // The vision tower of the current weights, its parameters from the store where they train (train_vision), the
   // rest from kept(): built (a float32 copy of the tower) by the first call after construction, an update
   // (refresh_vision_tower) or drop_vision_tower. Null when the model has no vision tower. Throws rf::Error naming a
-  // tower tensor that is missing or of the wrong shape.
+  // tower tensor that is missing or of the wrong shape. Building it reads the store's tower parameters through
+  // ParamStore::read_weight, a collective under a sharded store (shard full): every rank builds it at the same point.
   const VisionEncoder* vision_tower();
   // Builds the tower again from the current weights (after an update of a training tower).
   void refresh_vision_tower();

@@ -380,14 +380,13 @@ void validate(const TrainConfig& c, int world_size) {
     RF_CHECK(!c.model.train_vision, "config: model.lora with model.train_vision is not implemented (LoRA adapts the ",
              "decoder; the tower would train in full beside it)");
   }
-  // The tower's backward runs after the decoder's (trainer.cpp run_with_tower), once its input gradient is summed over
-  // the CP group, while a sharded store reduces the global group's gradients into their owners' slices at the end of
-  // the decoder's run: the tower would need hooks of its own in the store (sharded_store.h).
-  RF_CHECK(!c.model.train_vision || c.parallelism.shard == ShardMode::None ||
+  // Under shard gradients / full the tower's gradients reach their owners through the sharded store
+  // (ShardedStore::reduce_gradient, trainer.cpp add_tower_gradients); with held experts (ep > 1) the store is a
+  // HeldExpertStore, which has no such path.
+  RF_CHECK(!c.model.train_vision || c.parallelism.ep == 1 || c.parallelism.shard == ShardMode::None ||
                c.parallelism.shard == ShardMode::Optimizer,
-           "config: model.train_vision with parallelism.shard = ", name_of(c.parallelism.shard),
-           " is not implemented (none or optimizer: the tower trains after the decoder's run, when a sharded store ",
-           "has reduced that run's gradients already)");
+           "config: model.train_vision with parallelism.ep > 1 and parallelism.shard = ", name_of(c.parallelism.shard),
+           " is not implemented (none or optimizer: the held experts' store does not reduce the tower's gradients)");
   if (c.data.source != SourceKind::Mock) {
     RF_CHECK(!c.data.path.empty(), "config: data.path is required with data.source = ", name_of(c.data.source));
     RF_CHECK(is_file(c.data.path), "config: data.path = '", c.data.path, "' is not a file");

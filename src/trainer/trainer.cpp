@@ -624,9 +624,33 @@ TokenCounts count_tokens(const Run& r, const std::vector<PackedBatch>& batches) 
 // the ranks' shares: the same soft tokens, the tower's gradients summed in another order (float32 rounding).
 double seconds_since(Clock::time_point start);  // below, with the step's other timing
 
+// A micro-batch's tower gradients (model.train_vision; frozen parameters, model.freeze, have none) into the store's:
+// added to a replicated store's, which the gradient reduction then sums over the world with the decoder's; a sharded
+// store's (shard gradients / full) holds only its slice, so each trainable tower parameter's whole gradient is reduced
+// into its owners' slices here (ShardedStore::reduce_gradient, the sums of shard none's reduction): a collective over
+// the world, in registration order, which a rank whose micro-batch has no image of its own joins with zeros.
+void add_tower_gradients(Run& r, model::VisionGrads& grads) {
+  model::ParamStore& store = r.ck.model->params();
+  if (r.sharded == nullptr) {
+    for (const auto& [name, g] : grads) {
+      float* dst = store.grad(store.slot(name));
+      if (dst == nullptr) continue;
+      for (size_t e = 0; e < g.size(); ++e) dst[e] += g[e];
+    }
+    return;
+  }
+  for (size_t slot = 0; slot < store.size(); ++slot) {
+    const model::ParamInfo& p = store.info(slot);
+    if (!p.trainable || p.name.rfind(model::kVisionTowerPrefix, 0) != 0) continue;
+    const auto it = grads.find(p.name);
+    std::vector<float> whole =
+        it != grads.end() ? std::move(it->second) : std::vector<float>(static_cast<size_t>(p.numel), 0.f);
+    r.sharded->reduce_gradient(slot, whole);
+  }
+}
+
 double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro) {
   const auto start = Clock::now();
-  model::ParamStore& store = r.ck.model->params();
   comm::Communicator& group = *r.cp_group;
   const int64_t F = r.feature_dim, P = p.images.P, k = r.tower->config().pooling_kernel_size;
   const int n = p.images.n;
@@ -677,18 +701,14 @@ double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro)
   if (ro.want_grad) {
     const auto back = Clock::now();
     std::vector<float>& d = res.d_image_features;  // [N, F]
+    model::VisionGrads grads;                      // this rank's images' (none: empty)
     if (split) group.allreduce(d.data(), d.size(), comm::ReduceOp::Sum, r.timeout);
     if (mine.n > 0) {
       std::vector<float> d_mine;  // [this rank's soft tokens, F]
       for (int i : mine_index) d_mine.insert(d_mine.end(), d.begin() + first[i] * F, d.begin() + first[i + 1] * F);
-      model::VisionGrads grads;
       r.tower->backward(mine.batch(), tape, d_mine.data(), grads);
-      for (const auto& [name, g] : grads) {
-        float* dst = store.grad(store.slot(name));
-        if (dst == nullptr) continue;
-        for (size_t e = 0; e < g.size(); ++e) dst[e] += g[e];
-      }
     }
+    add_tower_gradients(r, grads);
     r.tower_seconds += seconds_since(back);
   }
   return res.loss;
@@ -700,8 +720,13 @@ double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool 
   model::RunOptions ro = r.training;
   ro.want_grad = grad;
   ro.loss_normalizer = std::max(1.0, static_cast<double>(label_tokens));  // no label tokens: loss 0, not 0 / 0
-  if (!r.tower || p.images.n == 0) return r.ck.model->run(as_batch(p), ro, *r.context.model).loss;
-  return run_with_tower(r, p, ro);
+  if (r.tower && p.images.n > 0) return run_with_tower(r, p, ro);
+  const double loss = r.ck.model->run(as_batch(p), ro, *r.context.model).loss;
+  if (r.tower && grad && r.sharded) {  // the other replicas' tower reductions, joined with zeros
+    model::VisionGrads none;
+    add_tower_gradients(r, none);
+  }
+  return loss;
 }
 
 // The key of one micro-batch's LoRA dropout masks.
