@@ -87,7 +87,7 @@ io::Passthrough init_vision_tower(const VisionConfig& c, uint64_t seed);
 // matmul operand of the decoder (the tower multiplies from its own float32 copy, vision_encoder.h). They are marked
 // streamed (ParamStore::mark_streamed): the decoder's run never reads them, so a sharded store keeps them out of the
 // global group it gathers for every run; the tower's copy reads them through read_weight and its gradients reach
-// their owners through ShardedStore::reduce_gradient (trainer.cpp). The buffers stay passthrough tensors.
+// their owners through ShardedStore::reduce_gradient (trainer/step.cpp). The buffers stay passthrough tensors.
 void register_vision_tower(ParamStore& store, const VisionConfig& c);
 
 }  // namespace rf::model

@@ -381,7 +381,7 @@ void validate(const TrainConfig& c, int world_size) {
              "decoder; the tower would train in full beside it)");
   }
   // Under shard gradients / full the tower's gradients reach their owners through the sharded store
-  // (ShardedStore::reduce_gradient, trainer.cpp add_tower_gradients); with held experts (ep > 1) the store is a
+  // (ShardedStore::reduce_gradient, step.cpp add_tower_gradients); with held experts (ep > 1) the store is a
   // HeldExpertStore, which has no such path.
   RF_CHECK(!c.model.train_vision || c.parallelism.ep == 1 || c.parallelism.shard == ShardMode::None ||
                c.parallelism.shard == ShardMode::Optimizer,
