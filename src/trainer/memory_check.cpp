@@ -68,6 +68,8 @@ int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& shapes)
 // Terms, each counting buffers train() surely holds through a step (float32 unless said):
 //   weights          the parameters (and buffers), Gemma4Multimodal::params()/buffers();
 //   bf16 copies      with model.compute_dtype = bfloat16, the matrices' bf16 copies (the model's bf16_weight_bytes);
+//                    with model.param_dtype = bfloat16 the bf16 working weights instead
+//                    (ShardedStore::working_bytes_for);
 //   gradients        the parameter store's gradient arena: the trainable parameters only;
 //   AdamW moments    exp_avg and exp_avg_sq, two more such arenas;
 //   the step's rows  this replica's global_batch / dp rows of seq_len tokens, five int32 arrays each (their image
@@ -139,7 +141,9 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
     need.add("gradients", b.gradients);
     need.add("AdamW moments", b.moments);
     need.add("communication buffers", b.comm_buffers);
-    if (c.model.compute_dtype == model::ComputeDtype::Bfloat16)
+    if (c.model.param_dtype == model::ParamDtype::Bfloat16)
+      need.add("bf16 working weights", ShardedStore::working_bytes_for(m.params(), full ? b.gathered : -1));
+    else if (c.model.compute_dtype == model::ComputeDtype::Bfloat16)
       need.add("bf16 weight copies",
                full ? b.gathered / static_cast<int64_t>(sizeof(float) / sizeof(bf16)) : m.bf16_weight_bytes());
   } else {                       // shard none or optimizer: replicated weights and gradients
@@ -171,7 +175,9 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
                                         : trainable_elements;
     need.add("AdamW moments", checked_bytes({kMoments, moment_elements, static_cast<int64_t>(sizeof(float))}));
     // (A LoRA base has none: the matmuls read a bf16 base as it is mapped, and round another per call.)
-    if (c.model.compute_dtype == model::ComputeDtype::Bfloat16 && c.model.lora_rank == 0)
+    if (c.model.param_dtype == model::ParamDtype::Bfloat16)
+      need.add("bf16 working weights", ShardedStore::working_bytes_for(m.params(), -1));
+    else if (c.model.compute_dtype == model::ComputeDtype::Bfloat16 && c.model.lora_rank == 0)
       need.add("bf16 weight copies", m.bf16_weight_bytes() - bf16_elsewhere * static_cast<int64_t>(sizeof(bf16)));
   }
   // A step builds all of this replica's rows before its micro-batches run: five int32 arrays a token (ids, labels,

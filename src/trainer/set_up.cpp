@@ -308,6 +308,7 @@ void set_up_optimizer(Run& r) {
     r.ck.model->replace_params(model::hold_expert_rows(store, r.world.rank() % cfg.parallelism.ep, cfg.parallelism.ep));
   model::ParamStore& held = r.ck.model->params();
   held.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
+  held.set_param_dtype(cfg.model.param_dtype);
 }
 
 }  // namespace

@@ -229,11 +229,14 @@ void reduce_gradients(Run& r) {
     r.world.allreduce(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
 }
 
-// 4b. The global gradient norm, then clipping to optimizer.grad_clip; returns the norm before clipping. The sum of
-// squares is taken as one partial sum per rank's slice (comm::slice_of over the world), added in rank order: the same
-// bits whether a rank holds every reduced gradient (shard none: it computes all the partials) or its slice alone
-// (shard optimizer: each computes its own, and they are gathered). One rank: the sum in order over the whole arena.
-double clip_global_norm(Run& r, double max_norm) {
+// 4b. The global gradient norm, and in `factor` the one clipping to optimizer.grad_clip scales the gradients by (1
+// within the limit or for a non-finite norm); returns the norm before clipping. The gradients are not scaled here:
+// apply_update hands the factor to AdamW, which rounds each scaled gradient as a scaling pass would, within its own
+// pass over the arena (one pass over the gradients fewer a step, the same bits). The sum of squares is taken as one
+// partial sum per rank's slice (comm::slice_of over the world), added in rank order: the same bits whether a rank
+// holds every reduced gradient (shard none: it computes all the partials) or its slice alone (shard optimizer: each
+// computes its own, and they are gathered). One rank: the sum in order over the whole arena.
+double clip_global_norm(Run& r, double max_norm, double& factor) {
   model::ParamStore& store = r.ck.model->params();
   const std::span<float> flat = store.mutable_flat(model::Role::Grads);
   const int P = r.world.size(), me = r.world.rank();
@@ -257,11 +260,7 @@ double clip_global_norm(Run& r, double max_norm) {
   double sum = 0.0;
   for (double x : partial) sum += x;
   const double norm = std::sqrt(sum);
-  if (std::isfinite(norm)) {
-    const double factor = clip_factor(norm, max_norm);
-    if (factor != 1.0) scale(r.shard_optimizer ? slice(me) : flat, factor);
-    if (factor != 1.0 && r.held) scale(r.held->experts().own_grads(), factor);
-  }
+  factor = std::isfinite(norm) ? clip_factor(norm, max_norm) : 1.0;
   return norm;
 }
 
@@ -284,12 +283,13 @@ void gather_updated_weights(comm::Communicator& c, model::ParamStore& store, com
 
 }  // namespace
 
-// 4c. The AdamW update at `step`, the same on every replica; returns the learning rate it used.
-double apply_update(Run& r, int64_t step) {
+// 4c. The AdamW update at `step` from the gradients times `clip` (clip_global_norm's factor), the same on every
+// replica; returns the learning rate it used.
+double apply_update(Run& r, int64_t step, double clip) {
   const double lr = learning_rate(r.cfg.optimizer, r.cfg.schedule, static_cast<int>(step), r.cfg.train.steps);
-  r.adam->step(r.ck.model->params(), lr, step);
+  r.adam->step(r.ck.model->params(), lr, step, clip);
   if (r.held) {  // the experts' slices, then every EDP rank's updated slice into every one's experts
-    r.adam->step(r.held->experts(), lr, step);
+    r.adam->step(r.held->experts(), lr, step, clip);
     r.held->experts().gather_updated();
   }
   if (r.sharded)
