@@ -90,6 +90,13 @@ struct ParallelismSection {
   // rank's experts (weights, gradients and moments; trainer/expert_state.h); under sharding or LoRA every rank
   // keeps every expert and only the tokens travel.
   int ep = 1;
+  // The vision tower's work over the ranks (issue 24 item 4): true divides it, each image encoded once (a frozen
+  // tower's data images over all ranks when the data is read, then one sum; with model.train_vision each
+  // micro-batch's images over its CP group, balanced by patch count, the soft tokens and their gradients summed over
+  // the group); false: every rank encodes every image its rows hold, as a reference system runs the tower on the
+  // full row before sharding, and with model.train_vision back-propagates its own positions' share of the soft
+  // tokens' gradient (the gradient reduction sums the shares). The same losses either way (README, Config).
+  bool split_vision = true;
 };
 
 struct TrainSection {

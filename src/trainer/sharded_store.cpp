@@ -915,6 +915,18 @@ void ShardedStore::release_head(size_t slot) {
   head_ = SIZE_MAX;
 }
 
+void ShardedStore::reduce_gradient(size_t slot, std::span<float> whole) {
+  const ParamInfo& p = info(slot);
+  RF_CHECK(grads_allocated_ && p.trainable && p.streamed, "sharded store: reduce_gradient(", p.name,
+           ") of a parameter that is frozen or not streamed, or before allocate_grads");
+  RF_CHECK(static_cast<int64_t>(whole.size()) == p.numel, "sharded store: reduce_gradient: ", whole.size(),
+           " elements for ", p.name, " of ", p.numel);
+  reduce_spans(slot, whole.data(), [&](int q) {
+    const Piece pc = piece(slot, q);
+    return pc.n > 0 ? std::vector<Span>{Span{pc.first, pc.first, pc.n}} : std::vector<Span>{};
+  });
+}
+
 ShardedStore::Bytes ShardedStore::held() const {
   constexpr int64_t kF = sizeof(float), kB = sizeof(bf16);
   const auto bytes = [](const std::vector<float>& v) { return static_cast<int64_t>(v.size()) * kF; };

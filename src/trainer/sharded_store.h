@@ -131,6 +131,13 @@ class ShardedStore : public model::ReplicatedStore {
   std::span<const float> flat(model::Role role) const override;
   std::span<float> mutable_flat(model::Role role) override;
 
+  // A whole-tensor gradient of a streamed parameter that no run hook reduces (model.train_vision: the vision tower's,
+  // made after the decoder's run, step.cpp run_with_tower) added into its owners' slices: each owner sums the N
+  // ranks' contributions in rank order in double, rounded once, as after_backward does, so one micro-batch a step
+  // gives shard none's bits. A collective: every rank, the same slots in the same order (a rank with no contribution
+  // passes zeros). `whole` [numel] is packed in place for the send: its values are gone after.
+  void reduce_gradient(size_t slot, std::span<float> whole);
+
   TableRows rows(size_t slot, std::span<const int32_t> ids, bool want_grads) override;
   void acquire_head(size_t slot) override;
   void release_head(size_t slot) override;

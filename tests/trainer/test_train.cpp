@@ -1273,6 +1273,63 @@ TEST(ComputeDtype, Bf16LossTrajectoryFollowsFloat32) {
   }
 }
 
+// model.compute_dtype reaches the vision tower: a bfloat16 run's tower multiplies in bf16 as its decoder does
+// (Gemma4Multimodal::set_vision_compute_dtype, set by the trainer before the data's images are encoded). Oracle: step
+// 1's loss rebuilt outside the trainer (as LabelTokens does) from the same initial model and mock rows, the decoder in
+// bf16 and the frozen tower's soft tokens made in bf16 or in float32. The trainer's loss is the bf16 tower's to the
+// 1e-6 of LabelTokens (the same products; only the token losses' sum is grouped by micro-batch), and the float32
+// tower's loss lies farther than that: the switch is taken. The two towers' soft tokens differ, by at most the
+// 2e-2 relative that tests/model/vision_parity.py bounds the bf16 tower with (bf16 operands carry 2^-9 relative
+// rounding, a few layers of linears accumulate it, and the soft tokens are their sums' differences).
+TEST(ComputeDtype, TheVisionTowerRunsInTheTrainersDtype) {
+  const TrainConfig c = small("tiny_moe_vlm", {"model.compute_dtype=bfloat16", "train.steps=1"});
+  const Trained trained = run(c);
+  ASSERT_EQ(trained.steps.size(), 1u);
+  EXPECT_EQ(trained.model->vision_compute_dtype(), model::ComputeDtype::Bfloat16);
+  EXPECT_EQ(run(small("tiny_moe_vlm", {"train.steps=1"})).model->vision_compute_dtype(), model::ComputeDtype::Float32);
+
+  const std::string json = model::builtin_config_json("tiny_moe_vlm");
+  const model::VisionConfig vc = model::VisionConfig::from_config_json(json, "tiny_moe_vlm").value();
+  const io::Passthrough tower_weights = model::init_vision_tower(vc, c.train.seed);
+  std::vector<float> soft[2];  // the first rows' image features: float32 tower, bf16 tower
+  double loss[2] = {0.0, 0.0};
+  for (int t = 0; t < 2; ++t) {
+    model::Gemma4Multimodal m(model::Gemma4Config::from_json(json), model::MultimodalParts{model::kBuiltinFeatureDim});
+    m.init_random(c.train.seed, static_cast<float>(c.model.init_std));
+    model::VisionEncoder tower(vc, tower_weights);
+    tower.set_compute_dtype(t == 0 ? model::ComputeDtype::Float32 : model::ComputeDtype::Bfloat16);
+    ImageContract images;
+    images.vision = [&]() -> const model::VisionEncoder* { return &tower; };
+    const auto data = make_data_source(c, {m.config().vocab_size, 0, model::kBuiltinFeatureDim, ""}, images);
+    const PackedBatch p = stack_rows({data->train_row(0), data->train_row(1), data->train_row(2), data->train_row(3)},
+                                     model::kBuiltinFeatureDim);
+    ASSERT_GT(p.n_image_features, 0) << "the rows hold no image";
+    soft[t] = p.image_features;
+    model::Batch b{p.B,
+                   p.S,
+                   p.input_ids.data(),
+                   p.labels.data(),
+                   p.position_ids.data(),
+                   p.doc.data(),
+                   p.mm_token_type.data(),
+                   p.image_features.data(),
+                   p.n_image_features};
+    model::RunOptions ro;
+    ro.compute_dtype = model::ComputeDtype::Bfloat16;
+    loss[t] = m.run(b, ro).loss;
+  }
+  const double same = 1e-6 * loss[1];
+  EXPECT_NEAR(trained.steps[0].loss, loss[1], same);
+  EXPECT_GT(std::abs(trained.steps[0].loss - loss[0]), same) << "the trainer's tower ran in float32";
+  double diff = 0.0, norm = 0.0;  // squared L2 norms, as vision_parity.py's relative error
+  for (size_t i = 0; i < soft[0].size(); ++i) {
+    diff += std::pow(static_cast<double>(soft[1][i]) - soft[0][i], 2);
+    norm += std::pow(static_cast<double>(soft[0][i]), 2);
+  }
+  EXPECT_GT(diff, 0.0) << "the bf16 tower computed in float32";
+  EXPECT_LE(std::sqrt(diff / norm), 2e-2) << "bf16 soft tokens against float32";
+}
+
 // model.param_dtype = bfloat16 under every shard mode: the working weights are the masters rounded to bf16 however
 // they got there (the replicated copy under none/optimizer/gradients, the gathered bf16 pieces under full), the
 // gradients float32 and reduced as in float32, so every loss, gradient norm, validation loss, the final masters, the
