@@ -12,6 +12,8 @@ namespace rf::model {
 namespace {
 
 constexpr int64_t kFloat = sizeof(float);
+constexpr const char* kLayerWeights = "one layer's weights widened";
+constexpr const char* kHeadWeights = "the head widened";
 
 // Floats per token of layer l's LayerActs as layer_forward fills them (the whole struct is alive until the layer
 // ends): input norm a [H]; q_raw and Q [Hq*D] each; with its own K/V k_raw, K, V [Hkv*D] each (and v_raw with a
@@ -87,8 +89,10 @@ MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& a
     MemoryBreakdown at_layer, at_loss;
     at_layer.add("activations", bytes(run_floats + stored));
     at_layer.add("one layer", bytes(layer_phase - stored));
+    if (args.layer_weight_bytes != 0) at_layer.add(kLayerWeights, args.layer_weight_bytes);
     at_loss.add("activations", bytes(run_floats + loss_phase));
     at_loss.add("loss chunk", chunk_bytes);
+    if (args.head_weight_bytes != 0) at_loss.add(kHeadWeights, args.head_weight_bytes);
     out = larger(at_layer, at_loss);
     out.add("logits", logit_bytes);
     return out;
@@ -107,8 +111,10 @@ MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& a
   MemoryBreakdown at_loss, at_backward;
   at_loss.add("activations", bytes(run_floats + kept + 2 * H));  // + xf, dxf
   at_loss.add("loss chunk", chunk_bytes);
+  if (args.head_weight_bytes != 0) at_loss.add(kHeadWeights, args.head_weight_bytes);
   at_backward.add("activations", bytes(run_floats + kept + 4 * H));  // + xf, dxf, dx, dprev
   at_backward.add("one layer", bytes(recomputed));
+  if (args.layer_weight_bytes != 0) at_backward.add(kLayerWeights, args.layer_weight_bytes);
   out = larger(at_loss, at_backward);
   out.add("logits", logit_bytes);
   return out;
