@@ -323,6 +323,8 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   run.training = true;
   run.recompute_layers = c.train.recompute;
   run.keep_mlp_projections = c.train.keep_mlp;
+  run.keep_o_proj_output = c.train.keep_o_proj;
+  run.keep_down_proj_output = c.train.keep_down_proj;
   run.layer_weight_bytes = lora_layer_bytes;
   run.head_weight_bytes = lora_head_bytes;
   need.add(model::run_memory_at_least(m.decoder(), run));
@@ -562,6 +564,8 @@ void set_up(Run& r) {
   r.training.want_grad = true;
   r.training.recompute_layers = cfg.train.recompute;
   r.training.keep_mlp_projections = cfg.train.keep_mlp;
+  r.training.keep_o_proj_output = cfg.train.keep_o_proj;
+  r.training.keep_down_proj_output = cfg.train.keep_down_proj;
   r.training.compute_dtype = cfg.model.compute_dtype;
 }
 

@@ -5,6 +5,7 @@
 // dB = scale dW A^T), and a central finite difference of the loss in one element of A and of B.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -274,11 +275,19 @@ TEST(LoraStore, ABf16BaseIsWidenedOneLayerAtATimeAndTheHeadForTheLossAlone) {
   RunOptions opt;
   opt.want_grad = true;
   store.allocate_grads();
+  store.zero_grads();
   const Result got = m->run(r.batch(), opt);
   EXPECT_EQ(store.widened_bytes(), 0);
+  const std::vector<float> grads(store.flat(Role::Grads).begin(), store.flat(Role::Grads).end());
+  // The recompute redoing the adapted o_proj and down_proj products instead of being handed them: the same bits.
+  RunOptions recompute_outputs = opt;
+  recompute_outputs.keep_o_proj_output = recompute_outputs.keep_down_proj_output = false;
+  store.zero_grads();
+  EXPECT_EQ(m->run(r.batch(), recompute_outputs).loss, got.loss);
+  EXPECT_TRUE(std::equal(grads.begin(), grads.end(), store.flat(Role::Grads).begin()));
   for (size_t slot = 0; slot < store.size(); ++slot)
     if (!store.info(slot).trainable) store.mutable_weight(slot);  // the same values, now float32
-  EXPECT_EQ(m->run(r.batch(), opt).loss, got.loss);
+  EXPECT_EQ(m->run(r.batch(), RunOptions{}).loss, got.loss);
 }
 
 TEST(LoraStore, TheBf16ModeMultipliesABf16BaseAsItIsHeld) {
