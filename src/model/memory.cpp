@@ -123,6 +123,13 @@ MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& a
   if (args.head_weight_bytes != 0) at_loss.add(kHeadWeights, args.head_weight_bytes);
   at_backward.add("activations", bytes(run_floats + kept + 4 * H));  // + xf, dxf, dx, dprev
   at_backward.add("one layer", bytes(recomputed));
+  // Gradients the backward holds beside them (gemma4.cpp, embedding.cpp, mlp.cpp): the per-layer inputs' dple
+  // [T, layers * P] and the shared K/V's kv_dK, kv_dV for the whole backward; in its first layer's MLP backward,
+  // layer_backward's dx3, dx2, dff (dmo), dx1 [T, H] and mlp_backward's dh [T, I] and dm [T, H].
+  int64_t shared_kv_grads = 0;
+  for (int l = 0; l < layers; ++l) shared_kv_grads += shared_kv_floats(m, l);
+  const int64_t last_mlp = layers > 0 ? int64_t{m.spec(layers - 1).intermediate} : 0;
+  at_backward.add("backward buffers", bytes(layers * int64_t{c.ple_dim} + shared_kv_grads + 5 * H + last_mlp));
   if (args.layer_weight_bytes != 0) at_backward.add(kLayerWeights, args.layer_weight_bytes);
   out = larger(at_loss, at_backward);
   out.add("logits", logit_bytes);

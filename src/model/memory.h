@@ -36,6 +36,8 @@ struct RunMemoryArgs {
 //                   that later layers read, and the [T, H] hidden-state buffers alive at that moment;
 //   "one layer"     one layer's activations while it is computed or recomputed (its input norm, q/k/v, attention
 //                   output, o_proj, MLP), past what "activations" holds already;
+//   "backward buffers"  the gradients the backward holds at its first layer's MLP: the per-layer inputs' and the
+//                   shared K/V's, for the whole backward, and that layer's residual-stream gradients and dh [T, I];
 //   "loss chunk"    the [min(T, chunk), V] logits of the fused head and cross-entropy (loss.h);
 //   "logits"        the [T, V] logits the caller asked for;
 //   "one layer's weights widened", "the head widened"   RunMemoryArgs::layer_weight_bytes in a layer's phase and

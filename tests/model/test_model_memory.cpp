@@ -173,6 +173,11 @@ TEST(ModelMemory, TrainingRecomputingTheOutputProjectionsIsALowerBoundOfTheRun) 
   const int64_t per_layer = int64_t{kRows} * kSeq * 64 * static_cast<int64_t>(sizeof(float));
   EXPECT_EQ(run_memory_at_least(m, keep).of("activations") - estimate.of("activations"), 6 * 2 * per_layer);
   EXPECT_EQ(estimate.of("one layer") - run_memory_at_least(m, keep).of("one layer"), 2 * per_layer);
+  // The backward's gradient buffers by hand, floats a token: dple 6 layers x 8; kv_dK, kv_dV of the two layers the
+  // shared ones read (layer 2, full: 2 heads x 32; layer 3, sliding: 2 x 16) 2 x (64 + 32); dx3, dx2, dmo, dx1, dm
+  // 5 x 64; dh of the last layer's MLP 128.
+  EXPECT_EQ(estimate.of("backward buffers"),
+            int64_t{kRows} * kSeq * (6 * 8 + 2 * (64 + 32) + 5 * 64 + 128) * static_cast<int64_t>(sizeof(float)));
 }
 
 TEST(ModelMemory, ForwardWithLogitsIsALowerBoundOfTheRun) {
