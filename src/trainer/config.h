@@ -30,6 +30,9 @@ struct ModelSection {
   std::vector<std::string> freeze;       // parameters whose name contains one of these do not train
   // float32 | bfloat16: what the linear layers multiply in (model::RunOptions::compute_dtype)
   model::ComputeDtype compute_dtype = model::ComputeDtype::Float32;
+  // float32 | bfloat16: the working copy of the weights the run reads (model::ParamDtype, model/param_store.h); the
+  // masters the optimizer updates and the checkpoint writes stay float32
+  model::ParamDtype param_dtype = model::ParamDtype::Float32;
   // LoRA over the frozen base (model/lora_store.h), PEFT's LoraConfig names: off while lora_rank is 0.
   int lora_rank = 0;
   double lora_alpha = 8.0;

@@ -24,11 +24,16 @@ struct ShardedStore::Group {
 };
 
 // A group's weights gathered (or on their way): every rank's pieces land in `staging` in rank order, then are put
-// in place in `w` [elements] (and their bf16 copies in `b16`).
+// in place in `w` [elements] (and their bf16 copies in `b16`). With param_dtype bfloat16 the working weights travel
+// instead: the pieces rounded to bf16 land in `staging16`, are put in place in `b16` (the working copy itself) and
+// widened into `w`.
 struct ShardedStore::Gathered {
   const Group* group = nullptr;
   bool trainable_only = false;
+  bool working16 = false;  // the pieces travel as bf16 working weights
   std::vector<float> staging;
+  std::vector<bf16> staging16;
+  bool staged() const { return !staging.empty() || !staging16.empty(); }
   std::vector<size_t> part_bytes;  // [P]
   comm::PostedPtr posted;          // null once finished
   std::vector<float> w;
@@ -45,12 +50,14 @@ struct ShardedStore::Reduction {
 };
 
 // A token table's rows for one run (rows()): `ids` the sorted union of every rank's ids (the distinct tokens of
-// every rank's micro-batch), `w` [ids, W] their values, `g` [ids, W] this rank's gradient of them.
+// every rank's micro-batch), `w` [ids, W] their values (`w16` instead with param_dtype bfloat16: the working rows), `g`
+// [ids, W] this rank's gradient of them.
 struct ShardedStore::Table {
   size_t slot = 0;
   int64_t width = 0;
   std::vector<int32_t> ids;
   std::vector<float> w, g;
+  std::vector<bf16> w16;
   bool grads = false;
 };
 
@@ -204,10 +211,14 @@ double ShardedStore::take_exposed_seconds() { return std::exchange(exposed_secon
 
 // Every rank packs its pieces of the group's slots (its own masters in full; its part of the whole weights in
 // gradients, where only trainable pieces travel) and posts one all-gather of the parts.
-std::unique_ptr<ShardedStore::Gathered> ShardedStore::post_gather(const Group& g, bool trainable_only) {
+// working: the run's working weights (param_dtype bfloat16: rounded to bf16 before they travel, half the bytes);
+// false: the float32 masters (unshard, after_update).
+std::unique_ptr<ShardedStore::Gathered> ShardedStore::post_gather(const Group& g, bool trainable_only, bool working) {
   auto t = std::make_unique<Gathered>();
   t->group = &g;
   t->trainable_only = trainable_only;
+  t->working16 = working && param_dtype() == model::ParamDtype::Bfloat16;
+  const size_t element_bytes = t->working16 ? sizeof(bf16) : sizeof(float);
   t->part_bytes.assign(static_cast<size_t>(P_), 0);
   size_t total = 0, at_mine = 0;
   for (int q = 0; q < P_; ++q) {
@@ -215,19 +226,27 @@ std::unique_ptr<ShardedStore::Gathered> ShardedStore::post_gather(const Group& g
     for (size_t slot : g.slots)
       if (!trainable_only || info(slot).trainable) t->part_bytes[static_cast<size_t>(q)] += piece(slot, q).n;
     total += t->part_bytes[static_cast<size_t>(q)];
-    t->part_bytes[static_cast<size_t>(q)] *= sizeof(float);
+    t->part_bytes[static_cast<size_t>(q)] *= element_bytes;
   }
-  t->staging.resize(total);
-  float* out = t->staging.data() + at_mine;
+  if (t->working16)
+    t->staging16.resize(total);
+  else
+    t->staging.resize(total);
+  size_t out = at_mine;
   for (size_t slot : g.slots) {
     if (trainable_only && !info(slot).trainable) continue;
     const Piece pc = piece(slot, me_);
     const float* src = mode_ == Mode::Full
                            ? (info(slot).trainable ? own_trainable_.data() : own_frozen_.data()) + pc.local
-                           : ReplicatedStore::weight(slot) + pc.first;
-    out = std::copy_n(src, pc.n, out);
+                           : ReplicatedStore::flat(Role::Weights).data() + info(slot).offset + pc.first;
+    if (t->working16)
+      model::round_to_bf16(src, t->staging16.data() + out, pc.n);
+    else
+      std::copy_n(src, pc.n, t->staging.data() + out);
+    out += static_cast<size_t>(pc.n);
   }
-  if (P_ > 1) t->posted = comm_->post_allgatherv(t->staging.data(), t->part_bytes);
+  void* buffer = t->working16 ? static_cast<void*>(t->staging16.data()) : static_cast<void*>(t->staging.data());
+  if (P_ > 1) t->posted = comm_->post_allgatherv(buffer, t->part_bytes);
   return t;
 }
 
@@ -239,6 +258,23 @@ void ShardedStore::finish_gather(Gathered& t) {
   }
   const Group& g = *t.group;
   const bool into_whole = ReplicatedStore::weights_allocated();
+  if (t.working16) {
+    // The working copy in place, then widened (exact) for the float32 readers.
+    RF_CHECK(!into_whole, "sharded store: bf16 working weights gathered into the float32 masters");
+    t.b16.resize(static_cast<size_t>(g.elements));
+    const bf16* in = t.staging16.data();
+    for (int q = 0; q < P_; ++q) {
+      for (size_t k = 0; k < g.slots.size(); ++k) {
+        const Piece pc = piece(g.slots[k], q);
+        std::copy_n(in, pc.n, t.b16.data() + g.at[k] + pc.first);
+        in += pc.n;
+      }
+    }
+    t.staging16 = {};
+    t.w.resize(t.b16.size());
+    model::widen(model::HeldWeight{model::HeldDType::BF16, t.b16.data()}, 0, g.elements, t.w.data());
+    return;
+  }
   if (!into_whole) t.w.resize(static_cast<size_t>(g.elements));
   const float* in = t.staging.data();
   for (int q = 0; q < P_; ++q) {
@@ -267,8 +303,8 @@ void ShardedStore::finish_gather(Gathered& t) {
 void ShardedStore::acquire(int layer) {
   if (!sharded()) return;
   std::unique_ptr<Gathered>& slot = live_[static_cast<size_t>(layer + 1)];
-  if (!slot) slot = post_gather(group_of(layer), false);
-  if (slot->posted || !slot->staging.empty()) finish_gather(*slot);
+  if (!slot) slot = post_gather(group_of(layer), false, true);
+  if (slot->posted || slot->staged()) finish_gather(*slot);
 }
 
 void ShardedStore::unshard() {
@@ -276,7 +312,7 @@ void ShardedStore::unshard() {
   if (mode_ != Mode::Full || !sharded()) return;
   ReplicatedStore::allocate_weights();
   for (const Group& g : groups_) {
-    std::unique_ptr<Gathered> t = post_gather(g, false);
+    std::unique_ptr<Gathered> t = post_gather(g, false, false);
     finish_gather(*t);
   }
   live_.clear();
@@ -295,7 +331,7 @@ void ShardedStore::after_update() {
     return;
   }
   for (const Group& g : groups_) {
-    std::unique_ptr<Gathered> t = post_gather(g, true);
+    std::unique_ptr<Gathered> t = post_gather(g, true, false);
     finish_gather(*t);
   }
 }
@@ -304,7 +340,7 @@ const float* ShardedStore::weight(size_t slot) const {
   if (!sharded()) return ReplicatedStore::weight(slot);
   const ParamInfo& p = info(slot);
   const Gathered* g = live_[group_of_slot_[slot]].get();
-  RF_CHECK(g != nullptr && !g->posted && g->staging.empty(), "sharded store: ", p.name,
+  RF_CHECK(g != nullptr && !g->posted && !g->staged(), "sharded store: ", p.name,
            p.streamed ? " is read outside acquire_head (a streamed table's rows come from rows())"
                       : " is read outside its layer's hooks (its weights are not gathered)");
   return g->w.data() + groups_[group_of_slot_[slot]].at[at_in_group_[slot]];
@@ -484,26 +520,32 @@ void ShardedStore::finish_reduce(Reduction& t) {
 
 void ShardedStore::before_forward(int layer) {
   if (pending_ && pending_->posted) pending_->posted->progress();
-  if (!sharded()) return;
+  if (!sharded()) {
+    ReplicatedStore::before_forward(layer);
+    return;
+  }
   if (layer == model::kGlobalGroup) {
     std::unique_ptr<Gathered>& global = live_[0];
     if (global_stale_) global.reset();
     acquire(model::kGlobalGroup);
     global_stale_ = false;
-    if (layers_ > 0 && !live_[1]) live_[1] = post_gather(group_of(0), false);
+    if (layers_ > 0 && !live_[1]) live_[1] = post_gather(group_of(0), false, true);
     return;
   }
   acquire(layer);
   if (layer + 1 < layers_ && !live_[static_cast<size_t>(layer + 2)])
-    live_[static_cast<size_t>(layer + 2)] = post_gather(group_of(layer + 1), false);
+    live_[static_cast<size_t>(layer + 2)] = post_gather(group_of(layer + 1), false, true);
   // The last layer computes while the head (the previous run's) travels.
   if (layer + 1 == layers_ && last_head_ != SIZE_MAX && !live_[group_of_slot_[last_head_]])
-    live_[group_of_slot_[last_head_]] = post_gather(groups_[group_of_slot_[last_head_]], false);
+    live_[group_of_slot_[last_head_]] = post_gather(groups_[group_of_slot_[last_head_]], false, true);
 }
 
 void ShardedStore::after_forward(int layer) {
   if (layer == model::kGlobalGroup) tables_.clear();
-  if (!sharded()) return;
+  if (!sharded()) {
+    ReplicatedStore::after_forward(layer);
+    return;
+  }
   // The last layer stays gathered for its backward, which comes next (after the loss): one gather fewer a step, and
   // none waiting behind the loss, where no layer computes. A forward-only run ends with kGlobalGroup: no backward
   // will read it then.
@@ -520,7 +562,9 @@ void ShardedStore::before_backward(int layer) {
   if (sharded()) {
     acquire(layer);
     if (layer > 0 && !live_[static_cast<size_t>(layer)])
-      live_[static_cast<size_t>(layer)] = post_gather(group_of(layer - 1), false);
+      live_[static_cast<size_t>(layer)] = post_gather(group_of(layer - 1), false, true);
+  } else {
+    ReplicatedStore::before_backward(layer);
   }
   if (!grads_allocated_) return;
   grad_layer_ = layer;
@@ -548,6 +592,7 @@ void ShardedStore::after_backward(int layer) {
   }
   if (layer == model::kGlobalGroup) tables_.clear();
   if (sharded() && layer != model::kGlobalGroup) live_[static_cast<size_t>(layer + 1)].reset();
+  if (!sharded()) ReplicatedStore::after_backward(layer);
 }
 
 bool ShardedStore::progress() {
@@ -667,43 +712,30 @@ model::ParamStore::TableRows ShardedStore::rows(size_t slot, std::span<const int
   t->width = p.shape[1];
   t->ids = all_ranks_ids(ids);
   const int64_t W = t->width, n = static_cast<int64_t>(t->ids.size());
-  t->w.resize(static_cast<size_t>(n * W));
-  if (sharded()) {
-    std::vector<size_t> part_bytes(static_cast<size_t>(P_));
-    std::vector<std::vector<Span>> spans(static_cast<size_t>(P_));
-    size_t total = 0, at_mine = 0;
-    for (int q = 0; q < P_; ++q) {
-      spans[static_cast<size_t>(q)] = row_spans(slot, t->ids, piece(slot, q));
-      if (q == me_) at_mine = total;
-      size_t elems = 0;
-      for (const Span& sp : spans[static_cast<size_t>(q)]) elems += static_cast<size_t>(sp.n);
-      total += elems;
-      part_bytes[static_cast<size_t>(q)] = elems * sizeof(float);
-    }
-    std::vector<float> staging(total);
-    const Piece mine = piece(slot, me_);
-    float* out = staging.data() + at_mine;
-    for (const Span& sp : spans[static_cast<size_t>(me_)])
-      out = std::copy_n(own(slot, mine) + (sp.elem - mine.first), sp.n, out);
-    if (P_ > 1) {
-      comm::PostedPtr c = comm_->post_allgatherv(staging.data(), part_bytes);
-      wait(*c);
-    }
-    const float* in = staging.data();
-    for (int q = 0; q < P_; ++q) {
-      for (const Span& sp : spans[static_cast<size_t>(q)]) {
-        std::copy_n(in, sp.n, t->w.data() + sp.at);
-        in += sp.n;
-      }
-    }
+  // param_dtype bfloat16: the rows travel and stay as the bf16 working weights.
+  const bool working16 = param_dtype() == model::ParamDtype::Bfloat16;
+  if (working16)
+    t->w16.resize(static_cast<size_t>(n * W));
+  else
+    t->w.resize(static_cast<size_t>(n * W));
+  if (sharded() && working16) {
+    gather_rows(slot, *t, t->w16.data(),
+                [](const float* src, bf16* dst, int64_t k) { model::round_to_bf16(src, dst, k); });
+  } else if (sharded()) {
+    gather_rows(slot, *t, t->w.data(), [](const float* src, float* dst, int64_t k) { std::copy_n(src, k, dst); });
+  } else if (working16) {
+    const bf16* values = working(slot);
+    for (int64_t u = 0; u < n; ++u)
+      std::copy_n(values + int64_t{t->ids[static_cast<size_t>(u)]} * W, W, t->w16.data() + u * W);
   } else {
     for (int64_t u = 0; u < n; ++u)
       std::copy_n(ReplicatedStore::weight(slot) + int64_t{t->ids[static_cast<size_t>(u)]} * W, W, t->w.data() + u * W);
   }
   t->grads = grads;
-  if (grads) t->g.assign(t->w.size(), 0.f);
+  if (grads) t->g.assign(static_cast<size_t>(n * W), 0.f);
   TableRows out;
-  out.values = model::HeldWeight{model::HeldDType::F32, t->w.data()};
+  out.values = working16 ? model::HeldWeight{model::HeldDType::BF16, t->w16.data()}
+                         : model::HeldWeight{model::HeldDType::F32, t->w.data()};
   out.grads = grads ? t->g.data() : nullptr;
   out.row.resize(ids.size());
   for (size_t i = 0; i < ids.size(); ++i)
@@ -712,16 +744,54 @@ model::ParamStore::TableRows ShardedStore::rows(size_t slot, std::span<const int
   return out;
 }
 
+// Every owner's parts of the table's rows t.ids, packed by `pack` (float32 masters -> T), all-gathered and put in
+// place in rows [ids, W] (collective).
+template <class T, class Pack>
+void ShardedStore::gather_rows(size_t slot, const Table& t, T* rows, Pack pack) {
+  std::vector<size_t> part_bytes(static_cast<size_t>(P_));
+  std::vector<std::vector<Span>> spans(static_cast<size_t>(P_));
+  size_t total = 0, at_mine = 0;
+  for (int q = 0; q < P_; ++q) {
+    spans[static_cast<size_t>(q)] = row_spans(slot, t.ids, piece(slot, q));
+    if (q == me_) at_mine = total;
+    size_t elems = 0;
+    for (const Span& sp : spans[static_cast<size_t>(q)]) elems += static_cast<size_t>(sp.n);
+    total += elems;
+    part_bytes[static_cast<size_t>(q)] = elems * sizeof(T);
+  }
+  std::vector<T> staging(total);
+  const Piece mine = piece(slot, me_);
+  T* out = staging.data() + at_mine;
+  for (const Span& sp : spans[static_cast<size_t>(me_)]) {
+    pack(own(slot, mine) + (sp.elem - mine.first), out, sp.n);
+    out += sp.n;
+  }
+  if (P_ > 1) {
+    comm::PostedPtr c = comm_->post_allgatherv(staging.data(), part_bytes);
+    wait(*c);
+  }
+  const T* in = staging.data();
+  for (int q = 0; q < P_; ++q) {
+    for (const Span& sp : spans[static_cast<size_t>(q)]) {
+      std::copy_n(in, sp.n, rows + sp.at);
+      in += sp.n;
+    }
+  }
+}
+
 void ShardedStore::acquire_head(size_t slot) {
   if (!adopted_) return;
   RF_CHECK(info(slot).streamed && head_ == SIZE_MAX, "sharded store: acquire_head(", info(slot).name,
            ") of a parameter that is not streamed, or while another head is acquired");
   head_ = slot;
   last_head_ = slot;
-  if (!sharded()) return;
+  if (!sharded()) {
+    ReplicatedStore::acquire_head(slot);
+    return;
+  }
   std::unique_ptr<Gathered>& g = live_[group_of_slot_[slot]];
-  if (!g) g = post_gather(groups_[group_of_slot_[slot]], false);  // not posted during the last layer
-  if (g->posted || !g->staging.empty()) finish_gather(*g);
+  if (!g) g = post_gather(groups_[group_of_slot_[slot]], false, true);  // not posted during the last layer
+  if (g->posted || g->staged()) finish_gather(*g);
 }
 
 // The head's gradient to its owners. Tied to a token table whose rows this run reads with gradients, the rows of
@@ -731,6 +801,7 @@ void ShardedStore::release_head(size_t slot) {
   if (!adopted_) return;
   RF_CHECK(slot == head_, "sharded store: release_head(", info(slot).name, ") without its acquire_head");
   if (sharded()) live_[group_of_slot_[slot]].reset();  // the weights first: the reduction needs room
+  ReplicatedStore::release_head(slot);
   if (!head_grads_.empty()) {
     static const std::vector<int32_t> kNoRows;
     const std::vector<int32_t>* kept = &kNoRows;
@@ -756,16 +827,35 @@ ShardedStore::Bytes ShardedStore::held() const {
   for (const std::unique_ptr<Gathered>& g : live_) {
     if (!g) continue;
     b.gathered += bytes(g->w) + static_cast<int64_t>(g->b16.size()) * kB;
-    b.comm_buffers += bytes(g->staging);
+    b.comm_buffers += bytes(g->staging) + static_cast<int64_t>(g->staging16.size()) * kB;
   }
   b.gradients = bytes(grads_) + bytes(global_grads_) + bytes(layer_grads_) + bytes(head_grads_);
   for (const std::unique_ptr<Table>& t : tables_) {
-    b.gathered += bytes(t->w);
+    b.gathered += bytes(t->w) + static_cast<int64_t>(t->w16.size()) * kB;
     b.gradients += bytes(t->g);
   }
   b.moments = static_cast<int64_t>(flat(Role::ExpAvg).size() + flat(Role::ExpAvgSq).size()) * kF;
   if (pending_) b.comm_buffers += bytes(pending_->send) + bytes(pending_->recv);
   return b;
+}
+
+int64_t ShardedStore::working_bytes_for(const model::ParamStore& registry, int64_t full_gathered) {
+  constexpr int64_t kF = sizeof(float), kB = sizeof(bf16);
+  if (full_gathered >= 0) return full_gathered / kF * kB;
+  std::vector<int64_t> layer(1, 0);
+  int64_t global = 0, streamed = 0;
+  for (const ParamInfo& p : registry.infos()) {
+    if (p.streamed) {
+      streamed = std::max(streamed, p.numel);
+    } else if (p.layer == model::kGlobalGroup) {
+      global += p.numel;
+    } else {
+      if (static_cast<size_t>(p.layer) >= layer.size()) layer.resize(static_cast<size_t>(p.layer) + 1, 0);
+      layer[static_cast<size_t>(p.layer)] += p.numel;
+    }
+  }
+  const int64_t widened = *std::max_element(layer.begin(), layer.end()) + global + streamed;
+  return registry.total_elements() * kB + widened * kF;
 }
 
 ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable,

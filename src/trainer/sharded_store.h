@@ -32,6 +32,11 @@
 // owner its pieces (an all-to-all-v posted, in flight during the next layer's backward), and each owner sums the N
 // contributions in rank order in double, rounded once (comm::Communicator::reduce_scatter's combination, so one
 // micro-batch a step gives shard none's bits at every N), adding the result into its slice.
+// model.param_dtype bfloat16 (model/param_store.h): under full every gather the run's reads post (a layer, the global
+// group's small parameters, the head, the tables' rows) packs this rank's masters rounded to bf16, so the all-gathers
+// carry half the bytes, and the gathered copy is those bf16 values (a Gathered's b16, which a bf16 compute run
+// multiplies as they are) widened into its float32 buffer; read_weight, unshard and after_update move float32
+// masters. Under gradients the replicated store's working copy serves the run. Gradients are float32 either way.
 // With gradient accumulation the micro-batches' reduced sums are added in the slice where shard none adds raw
 // micro-batch gradients and reduces once: the same terms, associated differently (float32 rounding, not bits).
 #pragma once
@@ -92,6 +97,13 @@ class ShardedStore : public model::ReplicatedStore {
   };
   static Bytes bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable, Mode mode, int ranks,
                          int64_t step_tokens);
+  // model.param_dtype bfloat16: the bytes the bf16 working weights add on one rank, beside bytes_for's (or the
+  // replicated layout's) float32 terms. full: the bf16 copy of what is gathered (`full_gathered`, bytes_for's gathered
+  // term; the float32 staging it counts for a gather in flight is twice a bf16 one's: an over-count of a layer's
+  // bf16 bytes). Otherwise (full_gathered < 0): the replicated bf16 copy of every weight, and the float32 widening of
+  // the largest decoder layer, the global group's parameters that are not streamed and the largest streamed one (the
+  // head, around the loss). These replace model.compute_dtype's bf16 copies, which are then not made.
+  static int64_t working_bytes_for(const model::ParamStore& registry, int64_t full_gathered);
   // The bytes this rank holds now, by the same kinds (the buffers' sizes, bf16 copies counted with what they copy).
   Bytes held() const;
 
@@ -160,7 +172,9 @@ class ShardedStore : public model::ReplicatedStore {
   void lay_out();  // the groups, the frozen layout and this rank's slices, from the registry and its flags
   Group& group_of(int layer);
   const Group& group_of(int layer) const;
-  std::unique_ptr<Gathered> post_gather(const Group& g, bool trainable_only);
+  std::unique_ptr<Gathered> post_gather(const Group& g, bool trainable_only, bool working);
+  template <class T, class Pack>
+  void gather_rows(size_t slot, const Table& t, T* rows, Pack pack);
   void finish_gather(Gathered& t);
   void acquire(int layer);
   std::unique_ptr<Reduction> post_reduce(const Group& g, const float* grads);

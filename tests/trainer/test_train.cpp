@@ -1270,5 +1270,134 @@ TEST(ComputeDtype, Bf16LossTrajectoryFollowsFloat32) {
   }
 }
 
+// model.param_dtype = bfloat16 under every shard mode: the working weights are the masters rounded to bf16 however
+// they got there (the replicated copy under none/optimizer/gradients, the gathered bf16 pieces under full), the
+// gradients float32 and reduced as in float32, so every loss, gradient norm, validation loss, the final masters, the
+// written model file and the moments are shard none's bits at the same grid: N = 1, 2 (dp, one micro-batch a
+// replica) and 3 (cp), dense. (tests/trainer/CMakeLists.txt runs the same under mpirun at N = 2 and 3.)
+TEST(ParamDtype, Bf16WorkingWeightsGiveShardNoneBitsInEveryMode) {
+  const fs::path dir = scratch("param_bf16_modes");
+  const std::vector<std::vector<std::string>> grids = {{"train.micro_batch=4"},
+                                                       {"parallelism.dp=2", "train.micro_batch=2"},
+                                                       {"parallelism.cp=3", "train.micro_batch=4"}};
+  for (const std::vector<std::string>& grid : grids) {
+    const std::string what = grid[0];
+    const auto config = [&](const std::string& mode) {
+      std::vector<std::string> sets = grid;
+      sets.insert(sets.end(), {"train.steps=3", "train.val_every=2", "model.param_dtype=bfloat16",
+                               "parallelism.shard=" + mode, "checkpoint.dir=" + (dir / what / mode).string()});
+      return small("tiny_dense", sets);
+    };
+    const Trained none = run(config("none"));
+    ASSERT_EQ(none.steps.size(), 3u) << what;
+    for (const char* mode : {"optimizer", "gradients", "full"}) {
+      const Trained sharded = run(config(mode));
+      ASSERT_EQ(sharded.steps.size(), 3u) << what << ", " << mode;
+      expect_same_bits(none, sharded, what + ", shard " + mode);
+    }
+  }
+  fs::remove_all(dir);
+}
+
+// bf16 working weights train along the float32 run's loss curve (each weight rounded at 2^-9 relative at most, as
+// compute_dtype bfloat16 rounds each weight operand, and that mode's kBf16TrajectoryRel reasoning, which also rounds
+// the activations, bounds this one) and differ from it (the option is not ignored). The checkpoint holds the float32
+// masters, written as F32 as with float32 working weights (most of them are not bf16 values after AdamW's steps), and
+// a resume from it continues bit for bit (under shard full over dp 2).
+TEST(ParamDtype, Bf16WorkingWeightsFollowFloat32AndCheckpointTheMasters) {
+  const fs::path dir = scratch("param_bf16_resume");
+  const Trained f32 = run(small("tiny_dense", {}));
+  const Trained bf = run(small("tiny_dense", {"model.param_dtype=bfloat16"}));
+  ASSERT_EQ(bf.steps.size(), f32.steps.size());
+  bool differs = false;
+  for (size_t i = 0; i < f32.steps.size(); ++i) {
+    EXPECT_NEAR(bf.steps[i].loss, f32.steps[i].loss, kBf16TrajectoryRel * f32.steps[i].loss) << "step " << i + 1;
+    differs = differs || bf.steps[i].loss != f32.steps[i].loss;
+  }
+  EXPECT_TRUE(differs) << "param_dtype bfloat16 read float32 weights";
+
+  const TrainConfig c =
+      small("tiny_dense", {"parallelism.dp=2", "train.micro_batch=2", "parallelism.shard=full", "train.steps=4",
+                           "checkpoint.every=2", "model.param_dtype=bfloat16", "checkpoint.dir=" + dir.string()});
+  const Trained whole = run(c);
+  ASSERT_EQ(whole.steps.size(), 4u);
+  const io::SafetensorsFile file = io::SafetensorsFile::open(whole.last_checkpoint + "/model.safetensors");
+  const model::ParamStore& store = whole.model->params();
+  int64_t not_bf16 = 0;
+  for (size_t slot = 0; slot < store.size(); ++slot) {
+    const model::ParamInfo& p = store.info(slot);
+    const io::TensorView t = file.at(model::file_name_of(p.name, model::kMultimodalTextPrefix));
+    ASSERT_EQ(t.dtype, io::StDType::F32) << p.name;
+    std::vector<float> got(static_cast<size_t>(p.numel));
+    ASSERT_EQ(t.bytes.size(), got.size() * sizeof(float)) << p.name;
+    std::memcpy(got.data(), t.bytes.data(), t.bytes.size());
+    const float* master = store.flat(model::Role::Weights).data() + p.offset;
+    EXPECT_EQ(got, std::vector<float>(master, master + p.numel)) << p.name;
+    for (float v : got) not_bf16 += bf16_to_float(float_to_bf16(v)) != v;
+  }
+  EXPECT_GT(not_bf16, store.total_elements() / 2) << "the checkpoint holds masters, not the working copy";
+  TrainOptions resume;
+  resume.resume = (dir / "step-00000002").string();
+  const Trained second = run(c, resume);
+  ASSERT_EQ(second.steps.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(second.steps[i].loss, whole.steps[i + 2].loss) << "step " << i + 3;
+    EXPECT_EQ(second.steps[i].grad_norm, whole.steps[i + 2].grad_norm) << "step " << i + 3;
+  }
+  EXPECT_EQ(flat_params(*second.model), flat_params(*whole.model));
+  fs::remove_all(dir);
+}
+
+// Under shard full the working weights travel as bf16: the global group's and a layer's all-gathers deliver to each
+// rank exactly half the bytes of the float32 ones (the other ranks' pieces at 2 bytes an element instead of 4, counted
+// by the store's communicator), and the gathered layer is the masters rounded to bf16 (float_to_bf16, the oracle),
+// whose bits a bf16 compute run multiplies (find). At N = 2 and 3.
+TEST(ShardFull, Bf16WorkingWeightsHalveTheGatherBytes) {
+  const model::Gemma4Config cfg = model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense"), "builtin");
+  model::Gemma4Model whole(cfg, model::TensorSet::Storage::Allocated);
+  whole.init_random(11, 0.1f);
+  for (int P = 2; P <= 3; ++P) {
+    comm::run_ranks(P, [&](comm::Communicator& world) {
+      uint64_t received[2] = {0, 0};  // float32, bfloat16
+      for (const model::ParamDtype dtype : {model::ParamDtype::Float32, model::ParamDtype::Bfloat16}) {
+        auto store = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
+                                                    comm::default_timeout());
+        ShardedStore& s = *store;
+        const model::Gemma4Model m(cfg, model::TensorSet::Storage::Deferred, std::move(store));
+        s.adopt(whole.params());
+        s.set_param_dtype(dtype);
+        const model::Bf16Lookup& copies = s.bf16_weights();
+        // The global group's small parameters (gathered here) and layer 0 (posted here): a small layer's message may
+        // be taken in as it is posted.
+        const uint64_t before = s.traffic().bytes_received;
+        s.before_forward(model::kGlobalGroup);
+        const auto deadline = std::chrono::steady_clock::now() + comm::default_timeout();
+        while (!s.progress()) {  // layer 0's gather alone is in flight
+          std::this_thread::yield();
+          ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "progress() never completed layer 0's gather";
+        }
+        received[dtype == model::ParamDtype::Bfloat16] = s.traffic().bytes_received - before;
+        s.before_forward(0);
+        if (dtype == model::ParamDtype::Float32) continue;
+        for (size_t slot : s.group(0)) {
+          const model::ParamInfo& p = s.info(slot);
+          const float* master = whole.params().weight(slot);
+          const bf16* b16 = p.matmul ? copies.find(s.weight(slot), p.numel) : nullptr;
+          ASSERT_EQ(b16 == nullptr, !p.matmul) << p.name;
+          for (int64_t e = 0; e < p.numel; ++e) {
+            const bf16 want = float_to_bf16(master[e]);
+            ASSERT_EQ(s.weight(slot)[e], bf16_to_float(want)) << p.name << " element " << e << " at N = " << P;
+            if (b16) {
+              ASSERT_EQ(b16[e].bits, want.bits) << p.name << " element " << e << " at N = " << P;
+            }
+          }
+        }
+      }
+      EXPECT_GT(received[0], 0u);
+      EXPECT_EQ(2 * received[1], received[0]) << "N = " << P;
+    });
+  }
+}
+
 }  // namespace
 }  // namespace rf::trainer

@@ -170,6 +170,36 @@ TEST(TrainMemory, TermsFollowTheConfig) {
   EXPECT_GT(train_memory_at_least(config({"train.micro_batch=2"}), m, 1).total(), one.total());
 }
 
+// model.param_dtype = bfloat16: the bf16 working weights are counted, and replace compute_dtype's bf16 copies (not
+// made then). Replicated (none; optimizer and gradients alike): 2 bytes for every weight, and in float32 the largest
+// decoder layer, the global group's parameters that are not streamed and the largest streamed one (the head) widened
+// at once. Shard full: a bf16 copy of what is gathered (half the gathered float32 bytes).
+TEST(TrainMemory, Bf16WorkingWeightsAreCounted) {
+  const model::Gemma4Multimodal m = shapes();
+  int64_t global = 0, streamed = 0, largest = 0;  // elements
+  for (const model::ParamInfo& t : m.params().infos()) {
+    if (t.streamed)
+      streamed = std::max(streamed, t.numel);
+    else if (t.layer == model::kGlobalGroup)
+      global += t.numel;
+  }
+  for (int l = 0; l < m.config().num_layers; ++l) {
+    int64_t n = 0;
+    for (size_t slot : m.params().group(l)) n += m.params().info(slot).numel;
+    largest = std::max(largest, n);
+  }
+  const MemoryBreakdown none =
+      train_memory_at_least(config({"model.param_dtype=bfloat16", "model.compute_dtype=bfloat16"}), m, 1);
+  EXPECT_EQ(none.of("bf16 working weights"), 2 * m.params().total_elements() + 4 * (largest + global + streamed));
+  EXPECT_EQ(none.of("bf16 weight copies"), 0);
+  EXPECT_EQ(train_memory_at_least(config({}), m, 1).of("bf16 working weights"), 0);
+  const MemoryBreakdown full = train_memory_at_least(config({"parallelism.dp=3", "train.global_batch=3",
+                                                             "parallelism.shard=full", "model.param_dtype=bfloat16"}),
+                                                     m, 3);
+  EXPECT_GT(full.of("gathered weights"), 0);
+  EXPECT_EQ(full.of("bf16 working weights"), full.of("gathered weights") / 2);
+}
+
 TEST(TrainMemory, LoraCountsTheAdaptersNotTheBase) {
   const model::Gemma4Multimodal m = shapes();
   const int64_t params = m.params().weight_bytes();
