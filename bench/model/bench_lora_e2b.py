@@ -9,21 +9,25 @@
      save_pretrained lays them out) and dropped again. Never a float32 copy, and never more than one module's
      tensors at a time (the largest, the per-layer embedding table, is 4.7 GB). Rows of random token ids beside it.
   2. ringflex. `mpirun -n 2 ringflex train` on examples/gemma4_e2b_lora.yaml (rank 16 on q/k/v/o and gate/up/down,
-     CP = 2) over rows of --seq-len tokens (8192) for --steps steps (3), one row a step. Its progress lines pass
+     CP = 2, the o_proj and down_proj outputs recomputed in the backward; --set overrides a field) over rows of
+     --seq-len tokens (8192) for --steps steps (3), one row a step. Its progress lines pass
      through; every --report-every seconds a line with the ranks' memory. Then each step's loss and tokens/s, each
      rank's peak RSS (VmHWM: the mapped base's pages count in each rank's), and the machine's peak with the base
      counted once: the largest sum over the ranks of their PSS (proportional set size: a page mapped by both ranks
      counts half in each), sampled every --sample-s seconds, beside the issue's target (base bytes + 30% +
      activations).
   3. PyTorch + peft on the same model and rows: Gemma4ForCausalLM.from_pretrained in bf16 with SDPA attention, the
-     same LoRA (peft), one AdamW step under bf16 autocast, in a child process with --torch-timeout seconds. A child
-     whose private memory (RssAnon: the file pages a load maps are the page cache's, reclaimable) passes
-     --torch-mem-gib (default: what this machine had available when it started, less 1 GiB) is stopped, as is one
-     the kernel kills: then the row is halved and tried again, down to --torch-min-len; the
-     report names the longest row that ran and the shortest that ran out of memory.
-  4. The longest row a ringflex step fits in on this machine by the memory model (bench/model/lora_longest_row: the
-     figure `ringflex train` checks before it allocates), and with --verify-longest one step at that length, with
-     the same measurements as 2.
+     same LoRA (peft), one AdamW step under bf16 autocast at each row length from --torch-min-len (512), doubled up
+     to --seq-len, in one child process (the model loaded once) with --torch-timeout seconds in all. Before each
+     length the child predicts its peak private memory (RssAnon) from the growth the shorter rows measured and does
+     not run a length predicted past --torch-mem-gib (default: what this machine had available when it started, less
+     1 GiB): at 8192 tokens PyTorch keeps every layer's activations and runs out of memory part-way, minutes in. A
+     child whose private memory passes the cap anyway is stopped, as is one the kernel kills. The report names the
+     longest row that ran (loss, tokens/s, peak memory) and the length that runs out of memory (measured, or
+     predicted and not run).
+  The memory model comes first (it reads shapes only): the longest row a ringflex step fits in on this machine
+  (bench/model/lora_longest_row: the figure `ringflex train` checks before it allocates), and at the end, with
+  --verify-longest, one step at that length, with the same measurements as 2.
 
 Run it alone on the machine (it needs most of its 24 GiB; timings beside other work mean nothing):
 
@@ -261,6 +265,8 @@ def run_ringflex(a, model_dir, rows, seq_len, steps, tag):
            "--stats", stats]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
+    for kv in a.set:
+        cmd += ["--set", kv]
     env = dict(memory_env(a), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     log("ringflex: " + " ".join(cmd))
     start = time.time()
@@ -293,7 +299,8 @@ def report_ringflex(r, seq_len, base, cp):
     anon = ", ".join(f"{v / GiB:.2f}" for v in r["peak_anon"])
     log(f"  peak RSS per rank (VmHWM, the mapped base in each): {hwm} GiB; private (RssAnon) peaks: {anon} GiB")
     terms = {t["kind"]: t["bytes"] for t in r["stats"]["memory_per_rank"]["terms"]}
-    activations = cp * sum(v for k, v in terms.items() if k.startswith("activations") or k == "one layer")
+    activations = cp * sum(v for k, v in terms.items()
+                           if k.startswith("activations") or k in ("one layer", "backward buffers"))
     target = base * 1.3 + activations
     log(f"  machine peak, the base counted once (sum of the ranks' PSS): {r['peak_pss_sum'] / GiB:.2f} GiB; target "
         f"base {base / GiB:.2f} GiB + 30% + activations {activations / GiB:.2f} GiB = {target / GiB:.2f} GiB: "
@@ -303,8 +310,17 @@ def report_ringflex(r, seq_len, base, cp):
 
 # --- 3. PyTorch + peft ---
 
-def torch_child(model_dir, rows, seq_len, threads, out):
-    """One LoRA step of PyTorch + peft (bf16 weights, bf16 autocast, SDPA); writes its figures to `out`."""
+def anon_bytes(pid="self"):
+    return kib_fields(f"/proc/{pid}/status", ("RssAnon",)).get("RssAnon", 0)
+
+
+def torch_child(model_dir, rows, lengths, threads, out, cap):
+    """PyTorch + peft (bf16 weights, bf16 autocast, SDPA), loaded once, one LoRA step (AdamW) at each row length in
+    `lengths` (ascending) on the first row's first tokens. Before each length its peak private memory (RssAnon) is
+    predicted from the growth the shorter rows measured (a * L + b * L^2 through the last two: attention's masked
+    SDPA is quadratic in L, the rest linear); a length predicted past `cap` is not run (the try would only run out of
+    memory part-way, after minutes). Appends one JSON line a length to `out`: {"length", "state": "running" | "ok" |
+    "predicted out of memory", ...}."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Gemma4ForCausalLM
@@ -317,30 +333,77 @@ def torch_child(model_dir, rows, seq_len, threads, out):
                                              target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4, weight_decay=0.0)
     with open(rows) as f:
-        ids = torch.tensor(json.loads(f.readline())["input_ids"][:seq_len])[None]
+        row = json.loads(f.readline())["input_ids"]
     load_s = time.time() - t0
-    print(f"torch: loaded in {load_s:.0f} s, one step on {seq_len} tokens", flush=True)
-    t0 = time.time()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    opt.step()
-    step_s = time.time() - t0
-    with open(out, "w") as f:
-        json.dump({"loss": loss.item(), "step_s": step_s, "load_s": load_s, "tokens_per_s": seq_len / step_s}, f)
+    print(f"torch: loaded in {load_s:.0f} s; rows of {lengths} tokens", flush=True)
+    peak = [0]
+    done = threading.Event()
+
+    def watch():  # the step's peak private memory, sampled
+        while not done.wait(0.2):
+            peak[0] = max(peak[0], anon_bytes())
+
+    def emit(rec):
+        with open(out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    measured = []  # (length, growth bytes)
+    for length in lengths:
+        before = anon_bytes()
+        if len(measured) >= 2:
+            (l1, g1), (l2, g2) = measured[-2:]
+            b = max(0.0, (g2 / l2 - g1 / l1) / (l2 - l1))
+            a = g2 / l2 - b * l2
+            predicted = before + a * length + b * length * length
+            if predicted > cap:
+                emit({"length": length, "state": "predicted out of memory", "predicted_bytes": predicted,
+                      "cap_bytes": cap})
+                return
+        emit({"length": length, "state": "running"})
+        ids = torch.tensor(row[:length])[None]
+        peak[0] = before
+        done.clear()
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        t0 = time.time()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_s = time.time() - t0
+        done.set()
+        watcher.join()
+        growth = peak[0] - before
+        measured.append((length, max(growth, 1)))
+        emit({"length": length, "state": "ok", "loss": loss.item(), "step_s": step_s, "load_s": load_s,
+              "tokens_per_s": length / step_s, "peak_anon_bytes": peak[0], "growth_bytes": growth})
+        del loss
 
 
-def run_torch_once(a, model_dir, rows, seq_len, limit):
-    out = os.path.join(a.workdir, f"torch_{seq_len}.json")
+def run_torch(a, model_dir, fields, seq_len):
+    """The PyTorch child over rows of --torch-min-len, doubled up to seq_len, in one process (one load); stopped
+    (out of memory) when its private memory passes the cap, or at --torch-timeout seconds in all."""
+    limit = int(a.torch_mem_gib * GiB) if a.torch_mem_gib else \
+        kib_fields("/proc/meminfo", ("MemAvailable",))["MemAvailable"] - GiB
+    lengths = []
+    length = min(a.torch_min_len, seq_len)
+    while length < seq_len:
+        lengths.append(length)
+        length *= 2
+    lengths.append(seq_len)
+    rows = rows_path(a.workdir, fields["vocab_size"], seq_len, 1)
+    write_rows(rows, fields["vocab_size"], seq_len, rows=1)
+    out = os.path.join(a.workdir, "torch_steps.jsonl")
     if os.path.exists(out):
         os.remove(out)
-    cmd = [sys.executable, os.path.abspath(__file__), "--torch-child", model_dir, rows, str(seq_len), str(a.threads),
-           out]
-    log(f"torch + peft, rows of {seq_len}: {' '.join(cmd)} (timeout {a.torch_timeout} s, private memory cap "
+    cmd = [sys.executable, os.path.abspath(__file__), "--torch-child", model_dir, rows,
+           ",".join(str(n) for n in lengths), str(a.threads), out, str(limit)]
+    log(f"torch + peft, rows of {lengths} tokens: {' '.join(cmd)} (timeout {a.torch_timeout} s, private memory cap "
         f"{limit / GiB:.1f} GiB)")
     proc = subprocess.Popen(cmd, start_new_session=True)
     # The child is this interpreter again (the same process name), the only one under its own pid.
-    sampler = Sampler(proc.pid, proc_name(os.getpid()), a.sample_s, a.report_every, f"torch {seq_len}")
+    sampler = Sampler(proc.pid, proc_name(os.getpid()), a.sample_s, a.report_every, "torch")
     sampler.start()
     start, verdict = time.time(), None
     while proc.poll() is None:
@@ -358,36 +421,29 @@ def run_torch_once(a, model_dir, rows, seq_len, limit):
     rc = proc.returncode
     if verdict is None and rc != 0:
         verdict = "out of memory (killed)" if rc in (-signal.SIGKILL, 137) else f"failed (exit code {rc})"
-    peak = max(sampler.peak_hwm.values(), default=0)
-    if verdict is None:
+    recs = []
+    if os.path.exists(out):
         with open(out) as f:
-            res = json.load(f)
-        res["peak_rss"] = peak
-        log(f"torch + peft, rows of {seq_len}: loss {res['loss']:.4f}, step {res['step_s']:.0f} s, "
-            f"{res['tokens_per_s']:.1f} tokens/s, peak RSS {peak / GiB:.2f} GiB (load {res['load_s']:.0f} s)")
-        return "ok", res
-    log(f"torch + peft, rows of {seq_len}: {verdict} after {time.time() - start:.0f} s, peak RSS {peak / GiB:.2f} GiB")
-    return verdict, None
-
-
-def run_torch(a, model_dir, fields, seq_len):
-    limit = int(a.torch_mem_gib * GiB) if a.torch_mem_gib else \
-        kib_fields("/proc/meminfo", ("MemAvailable",))["MemAvailable"] - GiB
-    length, ran_out = seq_len, None
-    while length >= a.torch_min_len:
-        rows = rows_path(a.workdir, fields["vocab_size"], length, 1)
-        write_rows(rows, fields["vocab_size"], length, rows=1)
-        verdict, res = run_torch_once(a, model_dir, rows, length, limit)
-        if verdict == "ok":
-            tail = f"; ran out of memory at {ran_out} tokens" if ran_out else ""
-            log(f"torch + peft: longest row that ran: {length} tokens{tail}")
-            return
-        if not verdict.startswith("out of memory"):
-            log(f"torch + peft: stopped ({verdict} at {length} tokens)")
-            return
-        ran_out = length
-        length //= 2
-    log(f"torch + peft: ran out of memory at every row length down to {ran_out} tokens")
+            recs = [json.loads(line) for line in f]
+    longest, ran_out = None, None
+    for r in recs:
+        if r["state"] == "ok":
+            longest = r
+            log(f"torch + peft, rows of {r['length']}: loss {r['loss']:.4f}, step {r['step_s']:.0f} s, "
+                f"{r['tokens_per_s']:.1f} tokens/s, peak private memory {r['peak_anon_bytes'] / GiB:.2f} GiB "
+                f"(load {r['load_s']:.0f} s)")
+        elif r["state"] == "predicted out of memory":
+            ran_out = (f"{r['length']} tokens, predicted (from the shorter rows' growth): "
+                       f"{r['predicted_bytes'] / GiB:.1f} GiB of private memory > the cap {r['cap_bytes'] / GiB:.1f} "
+                       f"GiB; not run")
+    if recs and recs[-1]["state"] == "running" and verdict:
+        ran_out = f"{recs[-1]['length']} tokens, measured: {verdict} after {time.time() - start:.0f} s"
+    elif verdict and not ran_out:
+        log(f"torch + peft: stopped ({verdict}) before its first row")
+    peak = max(sampler.peak_hwm.values(), default=0)
+    log(f"torch + peft: longest row that ran: {longest['length'] if longest else 'none'}"
+        + (f" ({longest['tokens_per_s']:.1f} tokens/s)" if longest else "")
+        + (f"; runs out of memory at {ran_out}" if ran_out else "") + f"; peak RSS {peak / GiB:.2f} GiB")
 
 
 # --- 4. The longest row by the memory model ---
@@ -398,6 +454,8 @@ def longest_row(a, model_dir, rows, seq_len):
     for k, v in {"model.path": model_dir, "data.path": rows, "data.val_rows": 0, "train.seq_len": seq_len,
                  "train.global_batch": 1, "parallelism.cp": a.cp, "train.threads": a.threads}.items():
         cmd += ["--set", f"{k}={v}"]
+    for kv in a.set:
+        cmd += ["--set", kv]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=memory_env(a))
     if proc.returncode != 0:
         log(f"lora_longest_row failed: {proc.stderr.strip()}")
@@ -411,8 +469,8 @@ def longest_row(a, model_dir, rows, seq_len):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--torch-child":
-        model_dir, rows, seq_len, threads, out = sys.argv[2:7]
-        torch_child(model_dir, rows, int(seq_len), int(threads), out)
+        model_dir, rows, lengths, threads, out, cap = sys.argv[2:8]
+        torch_child(model_dir, rows, [int(n) for n in lengths.split(",")], int(threads), out, int(cap))
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ringflex", required=True)
@@ -427,11 +485,16 @@ def main():
     ap.add_argument("--memory-gib", type=float, default=None,
                     help="per-rank budget (RINGFLEX_MEMORY_LIMIT) for the longest row and its step; default: the "
                          "machine's available memory shared by the ranks, as ringflex's own check")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="one more field for ringflex train and lora_longest_row (repeatable), e.g. "
+                         "train.keep_down_proj=true")
     ap.add_argument("--skip-torch", action="store_true")
-    ap.add_argument("--torch-timeout", type=float, default=3600.0, help="seconds for one PyTorch step (load included)")
+    ap.add_argument("--torch-timeout", type=float, default=3600.0,
+                    help="seconds for the PyTorch child in all (load and every row length)")
     ap.add_argument("--torch-mem-gib", type=float, default=None,
                     help="private memory (RssAnon) cap of the PyTorch child")
-    ap.add_argument("--torch-min-len", type=int, default=512, help="the shortest row PyTorch is tried at")
+    ap.add_argument("--torch-min-len", type=int, default=512,
+                    help="the shortest row PyTorch runs; then doubled up to --seq-len while it is predicted to fit")
     ap.add_argument("--sample-s", type=float, default=1.0, help="memory sampling period")
     ap.add_argument("--report-every", type=float, default=30.0, help="seconds between memory progress lines")
     ap.add_argument("--tiny", action="store_true", help="4 layers, hidden 256: checks the driver end to end")
@@ -450,15 +513,15 @@ def main():
     log(f"model {model_dir}: {base / GiB:.2f} GiB of safetensors")
     rows = rows_path(a.workdir, fields["vocab_size"], seq_len, a.steps)
     write_rows(rows, fields["vocab_size"], seq_len, rows=a.steps)
-    ok = True
+    # The memory model first: it reads shapes only (a second), and says before the long runs whether they fit.
+    longest = longest_row(a, model_dir, rows, seq_len)
+    ok = longest is not None
     r = run_ringflex(a, model_dir, rows, seq_len, a.steps, f"{seq_len}")
     if r:
         report_ringflex(r, seq_len, base, a.cp)
     ok = ok and r is not None
     if not a.skip_torch:
         run_torch(a, model_dir, fields, seq_len)
-    longest = longest_row(a, model_dir, rows, seq_len)
-    ok = ok and longest is not None
     if a.verify_longest and longest:
         long_rows = rows_path(a.workdir, fields["vocab_size"], longest, 1)
         write_rows(long_rows, fields["vocab_size"], longest, rows=1)

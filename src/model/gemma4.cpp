@@ -289,8 +289,8 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
     } else if (opt.want_grad) {
       r.saved_O[l] = std::move(a.attn.O);
       r.saved_lse[l] = std::move(a.attn.lse);
-      r.saved_ao[l] = std::move(a.attn.ao);
-      r.saved_mo[l] = std::move(a.mlp.mo);
+      if (opt.keep_o_proj_output) r.saved_ao[l] = std::move(a.attn.ao);
+      if (opt.keep_down_proj_output) r.saved_mo[l] = std::move(a.mlp.mo);
       if (keep_mlp) {
         r.saved_g[l] = std::move(a.mlp.g);
         r.saved_u[l] = std::move(a.mlp.u);

@@ -8,8 +8,8 @@
 // checks every P against P = 1).
 //
 // Activation memory (training), T = B*S: per layer the layer's input [T, H], its attention output
-// [B, Hq, S, D] and LSE [B, Hq, S], and the o_proj and down_proj outputs [T, H] are kept, i.e.
-// 4 * T * (3H + Hq*D + Hq) bytes a layer (plus the K/V [B, Hkv, S, D] of layers that KV-shared layers read, and
+// [B, Hq, S, D] and LSE [B, Hq, S], and the o_proj and down_proj outputs [T, H] are kept (RunOptions::keep_*_output),
+// i.e. 4 * T * (3H + Hq*D + Hq) bytes a layer (plus the K/V [B, Hkv, S, D] of layers that KV-shared layers read, and
 // the per-layer inputs [T, L*P]). Everything else of a layer (q/k/v and gate/up projections, norms, GeGLU, MoE,
 // PLE) is recomputed from its input during the backward, one layer at a time, so only one layer's intermediates
 // (~4 * T * (4H + 3I + 3*Hq*D) bytes for a dense layer) are alive at once. Attention, the costly part at long S,
@@ -61,6 +61,12 @@ struct RunOptions {
   // recompute runs only the MLP's norm and GeGLU instead of its remaining two sgemms (1/2 of a dense layer's
   // FLOPs). Same bits as either mode above.
   bool keep_mlp_projections = false;
+  // With recompute_layers: keep each layer's o_proj output (keep_o_proj_output) and down_proj output
+  // (keep_down_proj_output), [T, H] floats each a layer, so the recompute does not redo those two products (o_proj a
+  // sixth or less of a dense layer's sgemm FLOPs, down_proj a third). false: the recompute redoes them from the kept
+  // attention output and the recomputed GeGLU, for 2 * 4 * T * H bytes a layer less. Same bits either way.
+  bool keep_o_proj_output = true;
+  bool keep_down_proj_output = true;
   // What the linear layers and attention multiply in (ops.h ComputeDtype). Bfloat16: every matmul of the decoder and
   // the LM head rounds its operands to bf16 and accumulates in float32 (oneDNN, model/matmul_bf16.h), and attention
   // reads q, k, v (and dout) rounded to bf16 by the ops that write them (attention_dtype says in what storage);

@@ -176,9 +176,12 @@ int64_t lora_adapter_bytes(const std::vector<LoraTarget>& targets, int rank) {
 }
 
 int64_t lora_layer_buffer_bytes(const ParamStore& shapes) {
+  // The base's slots: a LoRA store's adapters (registered after them) are float32 already.
+  const auto* lora = dynamic_cast<const LoraStore*>(&shapes);
+  const size_t base = lora != nullptr && lora->weights_allocated() ? lora->base_slots() : shapes.size();
   std::unordered_map<int, int64_t> per_layer;
-  for (const ParamInfo& p : shapes.infos())
-    if (p.layer != kGlobalGroup) per_layer[p.layer] += p.numel;
+  for (size_t slot = 0; slot < base; ++slot)
+    if (const ParamInfo& p = shapes.info(slot); p.layer != kGlobalGroup) per_layer[p.layer] += p.numel;
   int64_t most = 0;
   for (const auto& [layer, n] : per_layer) most = std::max(most, n);
   return most * static_cast<int64_t>(sizeof(float));
@@ -187,7 +190,14 @@ int64_t lora_layer_buffer_bytes(const ParamStore& shapes) {
 int64_t lora_global_buffer_bytes(const ParamStore& shapes) {
   int64_t n = 0;
   for (const ParamInfo& p : shapes.infos())
-    if (p.layer == kGlobalGroup && !lookup_table(p)) n += p.numel;
+    if (p.layer == kGlobalGroup && !lookup_table(p) && !p.streamed) n += p.numel;
+  return n * static_cast<int64_t>(sizeof(float));
+}
+
+int64_t lora_head_buffer_bytes(const ParamStore& shapes) {
+  int64_t n = 0;
+  for (const ParamInfo& p : shapes.infos())
+    if (p.layer == kGlobalGroup && !lookup_table(p) && p.streamed) n += p.numel;
   return n * static_cast<int64_t>(sizeof(float));
 }
 
@@ -268,6 +278,12 @@ int64_t LoraStore::mapped_base_bytes() const {
     if (base_[slot].held.data != nullptr && base_[slot].owned.empty())
       n += info(slot).numel * held_dtype_size(base_[slot].held.dtype);
   return n;
+}
+
+int64_t LoraStore::widened_bytes() const {
+  int64_t n = 0;
+  for (const auto& [slot, values] : widened_) n += static_cast<int64_t>(values.size());
+  return n * static_cast<int64_t>(sizeof(float));
 }
 
 bool LoraStore::needs_widening(size_t slot) const {
@@ -373,20 +389,29 @@ std::optional<LinearAdapter> LoraStore::adapter(size_t slot) {
   return la;
 }
 
+void LoraStore::widen_slot(size_t slot) {
+  const ParamInfo& p = info(slot);
+  if (widened_.count(slot) || lookup_table(p) || !needs_widening(slot)) return;
+  std::vector<float> values(static_cast<size_t>(p.numel));
+  widen(held_weight(slot), 0, p.numel, values.data());
+  widened_.emplace(slot, std::move(values));
+}
+
 void LoraStore::acquire(int layer) {
-  for (size_t slot = 0; slot < base_slots_; ++slot) {
-    const ParamInfo& p = info(slot);
-    if (p.layer != layer || widened_.count(slot) || lookup_table(p) || !needs_widening(slot)) continue;
-    std::vector<float> values(static_cast<size_t>(p.numel));
-    widen(held_weight(slot), 0, p.numel, values.data());
-    widened_.emplace(slot, std::move(values));
-  }
+  for (size_t slot = 0; slot < base_slots_; ++slot)
+    if (info(slot).layer == layer && !info(slot).streamed) widen_slot(slot);
 }
 
 void LoraStore::release(int layer) {
   for (auto it = widened_.begin(); it != widened_.end();)
-    it = info(it->first).layer == layer ? widened_.erase(it) : std::next(it);
+    it = info(it->first).layer == layer && !info(it->first).streamed ? widened_.erase(it) : std::next(it);
 }
+
+void LoraStore::acquire_head(size_t slot) {
+  if (is_base(slot)) widen_slot(slot);
+}
+
+void LoraStore::release_head(size_t slot) { widened_.erase(slot); }
 
 void save_peft_adapter(const LoraStore& store, const std::string& text_prefix, const std::string& base_model,
                        const std::string& dir) {

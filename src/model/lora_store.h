@@ -15,11 +15,12 @@
 // bit-identical to the files. A base written through mutable_weight (a model built in memory, init_random) is held in
 // float32. The float32 view weight(slot) of a base held in bf16/f16 exists only for the layer being computed:
 // before_forward / before_backward of layer l widen its base slots into float32 buffers, after_forward /
-// after_backward free them (one layer's float32 weights alive at a time; the global group's matmul operands, the tied
-// LM head among them, for the whole run; its lookup tables never: the embedding gathers their rows in the held
-// dtype). In the bf16 compute mode the matmuls find a bf16 base's own mapped values through the Bf16Lookup (the
-// widened values round back to exactly those bits), so no bf16 copy is made either. Outside the hooks weight(slot)
-// of such a slot widens it into one scratch buffer, valid until the next such call (tools: export, checks).
+// after_backward free them (one layer's float32 weights alive at a time; the global group's other matmul operands
+// for the whole run; the LM head, ParamInfo::streamed, between acquire_head and release_head, i.e. for the loss
+// alone; the lookup tables never: the embedding gathers their rows in the held dtype). In the bf16 compute mode the
+// matmuls find a bf16 base's own mapped values through the Bf16Lookup (the widened values round back to exactly those
+// bits), so no bf16 copy is made either. Outside the hooks weight(slot) of such a slot widens it into one scratch
+// buffer, valid until the next such call (tools: export, checks).
 //
 // Under parallelism.shard = optimizer the trainer shards the adapters' moments over the ranks (set_moment_range over
 // the trainable layout, which is the adapters'), as for any store; the base is never sharded: its mapped pages are
@@ -84,8 +85,10 @@ std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig&
 // layer's float32 widening of its base that the hooks hold (one layer at a time) when the base is not float32.
 int64_t lora_adapter_bytes(const std::vector<LoraTarget>& targets, int rank);
 int64_t lora_layer_buffer_bytes(const ParamStore& shapes);
-// Float32 bytes of the global group's widened matmul operands (the LM head), alive for the whole run.
+// Float32 bytes of the global group's widened matmul operands but the head (the per-layer-input projection), alive
+// for the whole run, and of the widened head (ParamInfo::streamed matmul operands), alive for the loss.
 int64_t lora_global_buffer_bytes(const ParamStore& shapes);
+int64_t lora_head_buffer_bytes(const ParamStore& shapes);
 
 class LoraStore : public ParamStore {
  public:
@@ -107,6 +110,8 @@ class LoraStore : public ParamStore {
     int64_t experts = 1;
   };
   const std::vector<Adapter>& adapters() const { return adapters_; }
+  // The slots the model registered (the base); the adapters' follow them.
+  size_t base_slots() const { return base_slots_; }
   // The modules that carry adapters, in registration order (PEFT's target_modules as resolved names), and the 3-D
   // parameters that do (PEFT's target_parameters, resolved).
   std::vector<std::string> target_modules() const;
@@ -114,6 +119,8 @@ class LoraStore : public ParamStore {
   // Bytes of the base as it is held (its dtype; mapped or not), and of the part that is mapped from the files.
   int64_t held_base_bytes() const;
   int64_t mapped_base_bytes() const;
+  // Float32 bytes of the base's widenings the hooks hold now (what lora_*_buffer_bytes count per phase).
+  int64_t widened_bytes() const;
 
   const float* weight(size_t slot) const override;
   float* mutable_weight(size_t slot) override;
@@ -142,6 +149,10 @@ class LoraStore : public ParamStore {
   bool maps_frozen_weights() const override { return true; }
   std::optional<LinearAdapter> adapter(size_t slot) override;
 
+  // The head (the tied token table of Gemma 4, 1.5 GiB of float32 for E2B) is widened for the loss alone, not with
+  // the rest of the global group for the whole run.
+  void acquire_head(size_t slot) override;
+  void release_head(size_t slot) override;
   void before_forward(int layer) override { acquire(layer); }
   void after_forward(int layer) override { release(layer); }
   void before_backward(int layer) override { acquire(layer); }
@@ -163,6 +174,8 @@ class LoraStore : public ParamStore {
   size_t inner(size_t slot) const { return slot - base_slots_; }
   // Whether the float32 view of a base slot needs a widened copy (not float32, or not aligned for float).
   bool needs_widening(size_t slot) const;
+  // Widens a base slot into widened_ unless it is there, a lookup table, or needs no widening.
+  void widen_slot(size_t slot);
   void acquire(int layer);
   void release(int layer);
   // The adapter index of a base slot, or -1.

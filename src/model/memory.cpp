@@ -12,6 +12,8 @@ namespace rf::model {
 namespace {
 
 constexpr int64_t kFloat = sizeof(float);
+constexpr const char* kLayerWeights = "one layer's weights widened";
+constexpr const char* kHeadWeights = "the head widened";
 
 // Floats per token of layer l's LayerActs as layer_forward fills them (the whole struct is alive until the layer
 // ends): input norm a [H]; q_raw and Q [Hq*D] each; with its own K/V k_raw, K, V [Hkv*D] each (and v_raw with a
@@ -28,20 +30,28 @@ int64_t layer_floats(const Gemma4Model& m, int l, bool with_attention_output) {
   return n;
 }
 
+// What the forward keeps for a recompute besides each layer's input, attention output and LSE (RunOptions).
+struct Handed {
+  bool mlp = false;       // keep_mlp_projections
+  bool o_proj = true;     // keep_o_proj_output
+  bool down_proj = true;  // keep_down_proj_output
+};
+
 // Floats per token of layer l's products that a recompute is handed instead of redoing them: the o_proj and
-// down_proj outputs ao, mo [H] always, and the MLP's g, u [I] with RunOptions::keep_mlp_projections.
-int64_t handed_floats(const Gemma4Model& m, int l, bool keep_mlp) {
-  return 2 * m.config().hidden_size + (keep_mlp ? 2 * int64_t{m.spec(l).intermediate} : 0);
+// down_proj outputs ao, mo [H] (RunOptions::keep_*_output), and the MLP's g, u [I] with keep_mlp_projections.
+int64_t handed_floats(const Gemma4Model& m, int l, Handed h) {
+  const int64_t H = m.config().hidden_size;
+  return (h.o_proj ? H : 0) + (h.down_proj ? H : 0) + (h.mlp ? 2 * int64_t{m.spec(l).intermediate} : 0);
 }
 
 // Floats per token that Run keeps for the backward from layer l (gemma4.cpp): its input x_in [H], and either the
 // attention output O [Hq*D] and LSE [Hq] with the products handed to the recompute (recompute on) or its whole
 // LayerActs (recompute off).
-int64_t kept_floats(const Gemma4Model& m, int l, bool recompute, bool keep_mlp) {
+int64_t kept_floats(const Gemma4Model& m, int l, bool recompute, Handed handed) {
   const LayerSpec& s = m.spec(l);
   const int64_t H = m.config().hidden_size, Hq = m.config().num_heads;
   if (!recompute) return H + layer_floats(m, l, true);
-  return H + Hq * s.head_dim + Hq + handed_floats(m, l, keep_mlp);
+  return H + Hq * s.head_dim + Hq + handed_floats(m, l, handed);
 }
 
 // Floats per token of the K/V [Hkv*D] x 2 that layer l stores for the KV-shared layers (kv_K, kv_V).
@@ -87,8 +97,10 @@ MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& a
     MemoryBreakdown at_layer, at_loss;
     at_layer.add("activations", bytes(run_floats + stored));
     at_layer.add("one layer", bytes(layer_phase - stored));
+    if (args.layer_weight_bytes != 0) at_layer.add(kLayerWeights, args.layer_weight_bytes);
     at_loss.add("activations", bytes(run_floats + loss_phase));
     at_loss.add("loss chunk", chunk_bytes);
+    if (args.head_weight_bytes != 0) at_loss.add(kHeadWeights, args.head_weight_bytes);
     out = larger(at_layer, at_loss);
     out.add("logits", logit_bytes);
     return out;
@@ -97,18 +109,28 @@ MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& a
   // through the backward, xf and its gradient dxf [T, H] are alive too; the backward adds dx and dprev [T, H] and,
   // at its first layer (the last one, whose kept activations are all still there), that layer's recomputed
   // activations past what it is handed (recompute on; off, they are among the kept ones).
-  const bool keep_mlp = args.recompute_layers && args.keep_mlp_projections;
+  const Handed handed{args.recompute_layers && args.keep_mlp_projections, args.keep_o_proj_output,
+                      args.keep_down_proj_output};
   int64_t kept = 0;
-  for (int l = 0; l < layers; ++l) kept += kept_floats(m, l, args.recompute_layers, keep_mlp) + shared_kv_floats(m, l);
+  for (int l = 0; l < layers; ++l) kept += kept_floats(m, l, args.recompute_layers, handed) + shared_kv_floats(m, l);
   // The products the recomputed layer is handed come from the kept ones, not allocated again.
   const int64_t recomputed = args.recompute_layers && layers > 0
-                                 ? layer_floats(m, layers - 1, false) - handed_floats(m, layers - 1, keep_mlp)
+                                 ? layer_floats(m, layers - 1, false) - handed_floats(m, layers - 1, handed)
                                  : 0;
   MemoryBreakdown at_loss, at_backward;
   at_loss.add("activations", bytes(run_floats + kept + 2 * H));  // + xf, dxf
   at_loss.add("loss chunk", chunk_bytes);
+  if (args.head_weight_bytes != 0) at_loss.add(kHeadWeights, args.head_weight_bytes);
   at_backward.add("activations", bytes(run_floats + kept + 4 * H));  // + xf, dxf, dx, dprev
   at_backward.add("one layer", bytes(recomputed));
+  // Gradients the backward holds beside them (gemma4.cpp, embedding.cpp, mlp.cpp): the per-layer inputs' dple
+  // [T, layers * P] and the shared K/V's kv_dK, kv_dV for the whole backward; in its first layer's MLP backward,
+  // layer_backward's dx3, dx2, dff (dmo), dx1 [T, H] and mlp_backward's dh [T, I] and dm [T, H].
+  int64_t shared_kv_grads = 0;
+  for (int l = 0; l < layers; ++l) shared_kv_grads += shared_kv_floats(m, l);
+  const int64_t last_mlp = layers > 0 ? int64_t{m.spec(layers - 1).intermediate} : 0;
+  at_backward.add("backward buffers", bytes(layers * int64_t{c.ple_dim} + shared_kv_grads + 5 * H + last_mlp));
+  if (args.layer_weight_bytes != 0) at_backward.add(kLayerWeights, args.layer_weight_bytes);
   out = larger(at_loss, at_backward);
   out.add("logits", logit_bytes);
   return out;

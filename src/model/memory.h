@@ -18,20 +18,30 @@ struct RunMemoryArgs {
   bool training = false;              // RunOptions::want_grad
   bool recompute_layers = true;       // RunOptions::recompute_layers (only matters when training)
   bool keep_mlp_projections = false;  // RunOptions::keep_mlp_projections (only with recompute_layers)
+  bool keep_o_proj_output = true;     // RunOptions::keep_o_proj_output (only with recompute_layers)
+  bool keep_down_proj_output = true;  // RunOptions::keep_down_proj_output (only with recompute_layers)
   bool logits = false;                // RunOptions::want_logits: Result::logits [T, V]
   int64_t loss_chunk_tokens = 0;      // RunOptions::loss_chunk_tokens (0: loss_chunk_tokens(V, kLossChunkBytes))
+  // Weights a store widens to float32 for a phase only (a LoRA base held in bf16, model/lora_store.h): the largest
+  // layer's, alive while a layer is computed or recomputed and differentiated, and the LM head's, alive for the loss.
+  int64_t layer_weight_bytes = 0;
+  int64_t head_weight_bytes = 0;
 };
 
 // Named terms (bytes, float32), the largest phase of the run (the layers of the forward, the loss, or the
 // backward's first layer), any of which may be absent:
-//   "activations"   what the backward keeps from the forward (layer inputs, attention outputs and LSE, the MLP
-//                   projections with keep_mlp_projections, and with recompute off every layer's whole
-//                   activations), the embedded row and the per-layer inputs,
-//                   K/V that later layers read, and the [T, H] hidden-state buffers alive at that moment;
+//   "activations"   what the backward keeps from the forward (layer inputs, attention outputs and LSE, the o_proj
+//                   and down_proj outputs unless told otherwise, the MLP projections with keep_mlp_projections, and
+//                   with recompute off every layer's whole activations), the embedded row and the per-layer inputs, K/V
+//                   that later layers read, and the [T, H] hidden-state buffers alive at that moment;
 //   "one layer"     one layer's activations while it is computed or recomputed (its input norm, q/k/v, attention
 //                   output, o_proj, MLP), past what "activations" holds already;
+//   "backward buffers"  the gradients the backward holds at its first layer's MLP: the per-layer inputs' and the
+//                   shared K/V's, for the whole backward, and that layer's residual-stream gradients and dh [T, I];
 //   "loss chunk"    the [min(T, chunk), V] logits of the fused head and cross-entropy (loss.h);
-//   "logits"        the [T, V] logits the caller asked for.
+//   "logits"        the [T, V] logits the caller asked for;
+//   "one layer's weights widened", "the head widened"   RunMemoryArgs::layer_weight_bytes in a layer's phase and
+//                   head_weight_bytes in the loss's.
 // Entries are -1 (MemoryBreakdown's overflow) when a product does not fit int64.
 MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& args);
 

@@ -215,6 +215,8 @@ const std::vector<Field>& fields() {
       field("train.log_every", kInt, &C::train, &TrainSection::log_every),
       field("train.recompute", "true or false", &C::train, &TrainSection::recompute),
       field("train.keep_mlp", "true or false", &C::train, &TrainSection::keep_mlp),
+      field("train.keep_o_proj", "true or false", &C::train, &TrainSection::keep_o_proj),
+      field("train.keep_down_proj", "true or false", &C::train, &TrainSection::keep_down_proj),
       field("checkpoint.dir", kStr, &C::checkpoint, &CheckpointSection::dir),
       field("checkpoint.every", kInt, &C::checkpoint, &CheckpointSection::every),
       field("checkpoint.keep", kInt, &C::checkpoint, &CheckpointSection::keep),

@@ -110,6 +110,9 @@ struct TrainSection {
   int log_every = 10;     // progress lines in a log file (a terminal updates every step)
   bool recompute = true;  // per-layer activation recompute in the backward (model::RunOptions::recompute_layers)
   bool keep_mlp = false;  // with recompute: keep the MLP projections (model::RunOptions::keep_mlp_projections)
+  // with recompute: keep the o_proj / down_proj outputs (model::RunOptions::keep_o_proj_output, keep_down_proj_output)
+  bool keep_o_proj = true;
+  bool keep_down_proj = true;
 };
 
 struct CheckpointSection {

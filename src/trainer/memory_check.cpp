@@ -90,6 +90,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   int64_t params = m.params().weight_bytes();
   int64_t trainable_bytes = 0;
   MemoryBreakdown lora_base;
+  int64_t lora_layer_bytes = 0, lora_head_bytes = 0;  // widened for a phase of the run (RunMemoryArgs)
   if (c.model.lora_rank > 0) {
     // LoRA: the adapters train (their weights, gradients and moments), the base is frozen.
     const std::vector<model::LoraTarget> targets = model::lora_targets(m.params(), lora_config(c));
@@ -98,13 +99,15 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
     if (mapped >= 0) {
       // The base stays in the files' dtype, mapped: the page cache holds one copy for every rank of this machine
       // (each maps the same files), counted here as this rank's share of the machine, as available_memory_bytes()
-      // counts the machine. What the hooks widen to float32: one layer's base, and the head for the whole run.
+      // counts the machine. What the hooks widen to float32: the global group's other matmul operands for the whole
+      // run; one layer's base while a layer runs and the head for the loss (the run's phases, below).
       params = trainable_bytes;
       const int ranks_here = local_ranks();
       lora_base.add(rf::concat("LoRA base, mapped (shared by the ", ranks_here, " ranks of this machine)"),
                     (mapped + ranks_here - 1) / ranks_here);
-      lora_base.add("LoRA: one layer's base widened", model::lora_layer_buffer_bytes(m.params()));
-      lora_base.add("LoRA: the head widened", model::lora_global_buffer_bytes(m.params()));
+      lora_base.add("LoRA: the global base widened", model::lora_global_buffer_bytes(m.params()));
+      lora_layer_bytes = model::lora_layer_buffer_bytes(m.params());
+      lora_head_bytes = model::lora_head_buffer_bytes(m.params());
     } else {
       // A base built in memory (model.builtin) is float32 in each rank's memory.
       params += trainable_bytes;
@@ -200,6 +203,10 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   run.training = true;
   run.recompute_layers = c.train.recompute;
   run.keep_mlp_projections = c.train.keep_mlp;
+  run.keep_o_proj_output = c.train.keep_o_proj;
+  run.keep_down_proj_output = c.train.keep_down_proj;
+  run.layer_weight_bytes = lora_layer_bytes;
+  run.head_weight_bytes = lora_head_bytes;
   need.add(model::run_memory_at_least(m.decoder(), run));
   need.add(kRuntimeBaseline, runtime_baseline_bytes());
   return need;

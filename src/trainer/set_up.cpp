@@ -331,6 +331,8 @@ void set_up(Run& r) {
   r.training.want_grad = true;
   r.training.recompute_layers = cfg.train.recompute;
   r.training.keep_mlp_projections = cfg.train.keep_mlp;
+  r.training.keep_o_proj_output = cfg.train.keep_o_proj;
+  r.training.keep_down_proj_output = cfg.train.keep_down_proj;
   r.training.compute_dtype = cfg.model.compute_dtype;
 }
 

@@ -5,6 +5,7 @@
 // dB = scale dW A^T), and a central finite difference of the loss in one element of A and of B.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -236,6 +237,57 @@ TEST(LoraStore, LossAndAdapterGradientsMatchTheMergedModel) { loss_and_gradients
 TEST(LoraStore, ABf16BaseIsHeldAsItIsAndComputesTheSame) {
   // The oracle's base is the same bf16 values widened (exact), so float32 runs agree as tightly as above.
   loss_and_gradients_match_the_merged_model(true);
+}
+
+TEST(LoraStore, ABf16BaseIsWidenedOneLayerAtATimeAndTheHeadForTheLossAlone) {
+  // The hooks' float32 widenings, in the phases the memory check counts them (lora_*_buffer_bytes): the global
+  // group's projections for the whole run, one layer's base while it runs, the tied head (the token table, [V, H])
+  // between acquire_head and release_head only. Byte counts by hand for kTwoLayers (V 40, H 16, I 24, Hq 4, Hkv 2,
+  // no per-layer inputs): the global group but the head is the final norm [H]; a layer is q_proj [Hq*D, 16], k_proj
+  // and v_proj [Hkv*D, 16], o_proj [16, Hq*D], gate/up/down [24, 16] x 3, q_norm and k_norm [D], and four [H] norms,
+  // D = 8 in the sliding layer 0 and 512 (global_head_dim's default) in the full layer 1, the largest.
+  auto m = lora_model(5);
+  auto& store = dynamic_cast<LoraStore&>(m->params());
+  const auto images = hold_base_in_bf16(store);
+  constexpr int64_t kF = sizeof(float);
+  constexpr int64_t kGlobal = 16 * kF, kHead = 40 * 16 * kF;
+  const auto layer = [](int64_t D) { return (4 * D * 16 * 2 + 2 * 2 * D * 16 + 3 * 24 * 16 + 2 * D + 4 * 16) * kF; };
+  EXPECT_EQ(lora_global_buffer_bytes(store), kGlobal);
+  EXPECT_EQ(lora_head_buffer_bytes(store), kHead);
+  EXPECT_EQ(lora_layer_buffer_bytes(store), layer(512));
+  const int64_t kLayer = layer(8);
+  const size_t head = store.slot("model.embed_tokens.weight");
+  EXPECT_EQ(store.widened_bytes(), 0);
+  store.before_forward(kGlobalGroup);
+  EXPECT_EQ(store.widened_bytes(), kGlobal);
+  store.before_forward(0);
+  EXPECT_EQ(store.widened_bytes(), kGlobal + kLayer);
+  store.after_forward(0);
+  store.acquire_head(head);
+  EXPECT_EQ(store.widened_bytes(), kGlobal + kHead);
+  store.release_head(head);
+  EXPECT_EQ(store.widened_bytes(), kGlobal);
+  store.after_backward(kGlobalGroup);
+  EXPECT_EQ(store.widened_bytes(), 0);
+  // A run releases all of it, and its loss is that of the same weights in float32 (the head's bits are the same
+  // wherever they are widened: ABf16BaseIsHeldAsItIsAndComputesTheSame checks the gradients).
+  Rows r = rows();
+  RunOptions opt;
+  opt.want_grad = true;
+  store.allocate_grads();
+  store.zero_grads();
+  const Result got = m->run(r.batch(), opt);
+  EXPECT_EQ(store.widened_bytes(), 0);
+  const std::vector<float> grads(store.flat(Role::Grads).begin(), store.flat(Role::Grads).end());
+  // The recompute redoing the adapted o_proj and down_proj products instead of being handed them: the same bits.
+  RunOptions recompute_outputs = opt;
+  recompute_outputs.keep_o_proj_output = recompute_outputs.keep_down_proj_output = false;
+  store.zero_grads();
+  EXPECT_EQ(m->run(r.batch(), recompute_outputs).loss, got.loss);
+  EXPECT_TRUE(std::equal(grads.begin(), grads.end(), store.flat(Role::Grads).begin()));
+  for (size_t slot = 0; slot < store.size(); ++slot)
+    if (!store.info(slot).trainable) store.mutable_weight(slot);  // the same values, now float32
+  EXPECT_EQ(m->run(r.batch(), RunOptions{}).loss, got.loss);
 }
 
 TEST(LoraStore, TheBf16ModeMultipliesABf16BaseAsItIsHeld) {

@@ -9,6 +9,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/row_arrays.h"
@@ -311,6 +312,20 @@ TEST(ModelRun, KeepingLayerActivationsGivesTheRecomputedBits) {
   EXPECT_GT(r3.kept_activation_bytes, r1.kept_activation_bytes);
   EXPECT_LT(r3.kept_activation_bytes, r2.kept_activation_bytes);
   EXPECT_LT(r3.layer_recompute_bytes, r1.layer_recompute_bytes);
+  // Recomputing the o_proj and down_proj outputs instead of keeping them (one, then both): the same bits, less kept.
+  RunOptions no_o = recompute, no_out = recompute;
+  no_o.keep_o_proj_output = false;
+  no_out.keep_o_proj_output = false;
+  no_out.keep_down_proj_output = false;
+  TensorSet g4, g5;
+  const Result r4 = run_with_grads(m, b.view(true), no_o, g4), r5 = run_with_grads(m, b.view(true), no_out, g5);
+  for (const auto& [r, g, what] : {std::tuple{&r4, &g4, "recomputing o_proj"}, {&r5, &g5, "recomputing both"}}) {
+    EXPECT_EQ(r1.loss, r->loss) << what;
+    EXPECT_EQ(r1.d_image_features, r->d_image_features) << what;
+    for (size_t s = 0; s < g1.size(); ++s) EXPECT_EQ(g1[s].data, (*g)[s].data) << (*g)[s].name << " " << what;
+  }
+  EXPECT_LT(r4.kept_activation_bytes, r1.kept_activation_bytes);
+  EXPECT_LT(r5.kept_activation_bytes, r4.kept_activation_bytes);
 }
 
 // Frozen parameters (a trainer's model.freeze) get no gradient, and the others keep the bits of a fully trainable

@@ -97,6 +97,8 @@ RunMemoryArgs args_for(const RunOptions& opt) {
   a.training = opt.want_grad;
   a.recompute_layers = opt.recompute_layers;
   a.keep_mlp_projections = opt.keep_mlp_projections;
+  a.keep_o_proj_output = opt.keep_o_proj_output;
+  a.keep_down_proj_output = opt.keep_down_proj_output;
   a.logits = opt.want_logits;
   return a;
 }
@@ -152,6 +154,30 @@ TEST(ModelMemory, TrainingKeepingTheMlpProjectionsIsALowerBoundOfTheRun) {
   keep_all.recompute_layers = false;
   EXPECT_GT(estimate.of("activations"), run_memory_at_least(m, recompute).of("activations"));
   EXPECT_LT(estimate.of("activations"), run_memory_at_least(m, keep_all).of("activations"));
+}
+
+TEST(ModelMemory, TrainingRecomputingTheOutputProjectionsIsALowerBoundOfTheRun) {
+  Gemma4Model m = make_model();
+  RunOptions opt;
+  opt.want_grad = true;
+  opt.keep_o_proj_output = false;
+  opt.keep_down_proj_output = false;
+  const Measured run = run_and_measure(m, opt);
+  const MemoryBreakdown estimate = run_memory_at_least(m, args_for(opt));
+  expect_bound(estimate, run);
+  EXPECT_LE(estimate.of("one layer"), run.result.layer_recompute_bytes);
+  expect_kept_activations_inside(m, estimate, run);
+  // By hand: each of the 6 layers keeps two [T, H] floats fewer (ao, mo), and the recomputed layer holds them.
+  RunMemoryArgs keep = args_for(opt);
+  keep.keep_o_proj_output = keep.keep_down_proj_output = true;
+  const int64_t per_layer = int64_t{kRows} * kSeq * 64 * static_cast<int64_t>(sizeof(float));
+  EXPECT_EQ(run_memory_at_least(m, keep).of("activations") - estimate.of("activations"), 6 * 2 * per_layer);
+  EXPECT_EQ(estimate.of("one layer") - run_memory_at_least(m, keep).of("one layer"), 2 * per_layer);
+  // The backward's gradient buffers by hand, floats a token: dple 6 layers x 8; kv_dK, kv_dV of the two layers the
+  // shared ones read (layer 2, full: 2 heads x 32; layer 3, sliding: 2 x 16) 2 x (64 + 32); dx3, dx2, dmo, dx1, dm
+  // 5 x 64; dh of the last layer's MLP 128.
+  EXPECT_EQ(estimate.of("backward buffers"),
+            int64_t{kRows} * kSeq * (6 * 8 + 2 * (64 + 32) + 5 * 64 + 128) * static_cast<int64_t>(sizeof(float)));
 }
 
 TEST(ModelMemory, ForwardWithLogitsIsALowerBoundOfTheRun) {
