@@ -220,7 +220,9 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   if (c.model.lora_rank > 0) {
     // LoRA: the adapters train (their weights, gradients and moments), the base is frozen.
     const std::vector<model::LoraTarget> targets = model::lora_targets(m.params(), lora_config(c));
-    trainable_bytes = model::lora_adapter_bytes(targets, c.model.lora_rank);
+    // Expert parallelism under shard none: each rank's experts' adapters only (LoraStore::place_experts).
+    const int adapters_ep = c.parallelism.shard == ShardMode::None ? c.parallelism.ep : 1;
+    trainable_bytes = model::lora_adapter_bytes(targets, c.model.lora_rank, adapters_ep);
     const int64_t mapped = mapped_base_bytes(c, m.params());
     if (mapped >= 0) {
       // The base stays in the files' dtype, mapped: the page cache holds one copy for every rank of this machine
@@ -348,9 +350,12 @@ struct Run {
   // Expert parallelism without LoRA: each rank holds and trains only its EP rank's experts, under shard none in a
   // replicated store of its rows (trainer/expert_state.h), under the other shard modes in a HeldExpertStore whose
   // experts' state is sharded over their EDP group (trainer/held_expert_store.h); with LoRA every rank keeps every
-  // expert and only the tokens travel.
+  // expert's base (frozen, mapped) and, under shard none, only its experts' adapters (LoraStore::place_experts;
+  // their state as held experts', expert_state.h); under shard optimizer every expert's adapters.
   const bool hold_experts =
       cfg.parallelism.ep > 1 && cfg.parallelism.shard == ShardMode::None&& cfg.model.lora_rank == 0;
+  const bool hold_expert_adapters =
+      cfg.parallelism.ep > 1 && cfg.parallelism.shard == ShardMode::None&& cfg.model.lora_rank > 0;
   const bool hold_experts_sharded =
       cfg.parallelism.ep > 1 && cfg.parallelism.shard != ShardMode::None&& cfg.model.lora_rank == 0;
   std::unique_ptr<comm::Communicator> cp_group, dp_group, ep_group;
@@ -451,7 +456,10 @@ void set_up(Run& r) {
   // shard gradients / full: in a ShardedStore, each rank keeping its pieces of every tensor as it is loaded.
   const auto lora_store = [&]() -> std::unique_ptr<model::ParamStore> {
     if (r.store_shards && !r.hold_experts_sharded) return sharded_store(r);
-    return lora ? std::make_unique<model::LoraStore>(lora_config(cfg)) : nullptr;
+    if (!lora) return nullptr;
+    auto ls = std::make_unique<model::LoraStore>(lora_config(cfg));
+    if (r.hold_expert_adapters) ls->place_experts(r.world.rank() % cfg.parallelism.ep, cfg.parallelism.ep);
+    return ls;
   };
   // The base: from model.path, or the built-in model from train.seed (a LoRA resume builds it again: it never trains).
   const auto load_base = [&] {
@@ -731,7 +739,7 @@ void reduce_gradients(Run& r) {
   // Held experts under shard optimizer: the experts' over their EDP group (gradients, full: reduced by the hooks).
   if (r.held && !r.store_shards) r.held->experts().reduce();
   if (r.world.size() == 1 || r.store_shards) return;
-  if (r.hold_experts) {  // the experts' over their EDP group, the rest over the world (expert_state.h)
+  if (r.hold_experts || r.hold_expert_adapters) {  // the experts' over their EDP group, the rest over the world
     reduce_held_expert_gradients(r.ck.model->params(), expert_groups(r));
     return;
   }
@@ -756,7 +764,7 @@ double clip_global_norm(Run& r, double max_norm) {
     return flat.subspan(s.begin, s.size());
   };
   std::vector<double> partial(static_cast<size_t>(P));
-  if (r.hold_experts) {  // the same partials from the experts' holders (expert_state.h)
+  if (r.hold_experts || r.hold_expert_adapters) {  // the same partials from the experts' holders (expert_state.h)
     partial = held_expert_norm_partials(store, expert_groups(r));
   } else if (r.held) {
     // Held experts under sharding: the same partials from the holders of the reduced slices (held_expert_store.h).
@@ -954,6 +962,8 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait,
   std::unique_ptr<model::ParamStore> whole;
   if (r.hold_experts && r.world.rank() < r.cfg.parallelism.ep)
     whole = gather_held_experts(r.ck.model->params(), expert_groups(r));
+  if (r.hold_expert_adapters && r.world.rank() < r.cfg.parallelism.ep)  // LoRA: the adapters whole, the base unread
+    whole = gather_held_adapters(dynamic_cast<const model::LoraStore&>(r.ck.model->params()), expert_groups(r));
   if (r.held)  // under sharding too, every rank taking part (held_expert_store.h)
     whole = whole_for_writer(*r.held, {r.world, *r.ep_group, *r.edp_group, r.timeout});
   const HeldExpertsWhole while_saving(*r.ck.model, r.lead ? std::move(whole) : nullptr);
