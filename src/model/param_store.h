@@ -34,7 +34,7 @@
 // The replicated store below does nothing in them. Further implementations plug in here, not in gemma4.cpp:
 //   - Sharded (parallelism.shard). ZeRO-1 (optimizer) needs no hook: the moments cover this rank's shard of the
 //     trainable layout only (set_moment_range), the trainer reduce-scatters flat(Grads), AdamW updates that range
-//     and the trainer all-gathers the weights (trainer.cpp). ZeRO-2/3 (gradients, full) are trainer/sharded_store.h,
+//     and the trainer all-gathers the weights (its step.cpp). ZeRO-2/3 (gradients, full) are trainer/sharded_store.h,
 //     which owns a communicator over all cp x dp ranks: flat(Grads) is this rank's slice of the trainable layout
 //     (grads_begin() says where it starts), under full the weights are this rank's pieces (mutable_master for the
 //     optimizer, read_weight / write_weight for whole tensors); weight(slot) of a layer between before_* and

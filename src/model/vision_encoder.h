@@ -29,7 +29,7 @@
 // std buffers are buffers, without gradients), from what forward kept on a VisionTape. By default the trainer never
 // calls it: the tower is frozen, as in every Gemma 4 recipe, and encodes each image of the data once, when the data is
 // read (trainer/data.h). With model.train_vision the tower's parameters live in the parameter store and the trainer
-// runs forward and backward on every micro-batch's images (trainer.cpp).
+// runs forward and backward on every micro-batch's images (trainer/step.cpp).
 #pragma once
 
 #include <cstdint>

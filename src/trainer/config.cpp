@@ -379,7 +379,7 @@ void validate(const TrainConfig& c, int world_size) {
     RF_CHECK(!c.model.train_vision, "config: model.lora with model.train_vision is not implemented (LoRA adapts the ",
              "decoder; the tower would train in full beside it)");
   }
-  // The tower's backward runs after the decoder's (trainer.cpp run_with_tower), once its input gradient is summed over
+  // The tower's backward runs after the decoder's (step.cpp run_with_tower), once its input gradient is summed over
   // the CP group, while a sharded store reduces the global group's gradients into their owners' slices at the end of
   // the decoder's run: the tower would need hooks of its own in the store (sharded_store.h).
   RF_CHECK(!c.model.train_vision || c.parallelism.shard == ShardMode::None ||

@@ -14,11 +14,13 @@
 //      AdamW updates every replica identically.
 // Every G rows the data position advances by G, so a run at any cp x dp sees the same rows at the same step.
 //
-// trainer.cpp reads as this plan: set_up (model, data, optimizer state; checked on every rank before any step),
-// then per step replica_micro_batches (1), count_tokens (2), forward_backward (3), reduce_gradients,
-// clip_global_norm and apply_update (4), record_step (the metrics, validation_loss) and publish_step (the metrics
-// line, progress, save). Every step that can fail on some ranks only (reading and checking rows, rank 0's writes)
-// runs inside comm::agree, so it fails every rank together with one line naming the rank.
+// train() (trainer.cpp) reads as this plan: set_up (set_up.cpp: model, data, optimizer state; checked on every rank
+// before any step, against train_memory_at_least, memory_check.cpp), then per step (step.cpp) replica_micro_batches
+// (1), count_tokens (2), forward_backward (3), reduce_gradients, clip_global_norm and apply_update (4), then
+// record_step (the metrics, validation_loss) and publish_step (the metrics line, progress, save) in trainer.cpp. The
+// state these share, one rank's Run, is in trainer/run.h. Every step that can fail on some ranks only (reading and
+// checking rows, rank 0's writes) runs inside comm::agree, so it fails every rank together with one line naming the
+// rank.
 #pragma once
 
 #include <cstdio>
@@ -72,7 +74,7 @@ struct TrainResult {
 };
 
 // What training needs per rank at least, known before any of it is allocated (`m`'s parameters may be shapes only):
-// named terms (core/memory.h) from trainer.cpp, where each is derived. train() checks it against the machine on
+// named terms (core/memory.h) from memory_check.cpp, where each is derived. train() checks it against the machine on
 // every rank before it allocates the weights, and the error names the biggest terms.
 MemoryBreakdown train_memory_at_least(const TrainConfig& config, const model::Gemma4Multimodal& m, int world_size);
 

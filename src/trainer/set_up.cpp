@@ -1,0 +1,339 @@
+// ringflex trainer: setting up a run (its groups, the model in its parameter store, the data, the optimizer state).
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "core/error.h"
+#include "core/memory.h"
+#include "io/atomic_file.h"
+#include "io/safetensors.h"
+#include "io/tensor_access.h"
+#include "model/builtin_configs.h"
+#include "model/expert_store.h"
+#include "model/lora_store.h"
+#include "model/vision.h"
+#include "model/vision_encoder.h"
+#include "trainer/checkpoint.h"
+#include "trainer/data.h"
+#include "trainer/expert_state.h"
+#include "trainer/held_expert_store.h"
+#include "trainer/optimizer.h"
+#include "trainer/run.h"
+#include "trainer/sharded_store.h"
+
+namespace rf::trainer::detail {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A resumed run must continue the same stream of rows with the same batches.
+void check_resume_compatible(const TrainConfig& now, const std::string& saved_yaml, const std::string& dir) {
+  const TrainConfig then = parse_config(saved_yaml, dir + "/trainer_state.json config");
+  const auto same = [&](bool equal, const char* field) {
+    RF_CHECK(equal, "--resume ", dir, ": ", field, " differs from the run that wrote the checkpoint");
+  };
+  // The weights come from the checkpoint, so another model in the config would train the checkpoint's model while
+  // the new checkpoints recorded the config's.
+  same(now.model.path == then.model.path && (!now.model.path.empty() || now.model.builtin == then.model.builtin),
+       now.model.path.empty() && then.model.path.empty() ? "model.builtin" : "model.path");
+  same(now.train.seq_len == then.train.seq_len, "train.seq_len");
+  same(now.train.global_batch == then.train.global_batch, "train.global_batch");
+  same(now.train.seed == then.train.seed, "train.seed");
+  same(now.data.source == then.data.source, "data.source");
+  same(now.data.path == then.data.path, "data.path");
+  same(now.data.image_soft_tokens == then.data.image_soft_tokens, "data.image_soft_tokens");
+  same(now.model.freeze == then.model.freeze, "model.freeze");
+  // The tower's parameters are in the optimizer state (and written in float32) only when it trains.
+  same(now.model.train_vision == then.model.train_vision, "model.train_vision");
+  same(now.model.lora_rank == then.model.lora_rank && now.model.lora_alpha == then.model.lora_alpha &&
+           now.model.lora_target == then.model.lora_target &&
+           now.model.lora_target_regex == then.model.lora_target_regex &&
+           now.model.lora_target_parameters == then.model.lora_target_parameters &&
+           now.model.lora_use_rslora == then.model.lora_use_rslora,
+       "model.lora");
+}
+
+// Loaded weights must be finite before step 1: a NaN would only show as a non-finite loss after the first step's
+// work. Names the single-file checkpoint, or the directory of a sharded one.
+void check_loaded_weights(const model::Checkpoint& ck, const std::string& dir) {
+  const fs::path single = fs::path(dir) / "model.safetensors";
+  std::error_code ec;
+  const std::string where = fs::exists(single, ec) ? single.string() : dir;
+  const model::ParamStore& store = ck.model->params();
+  const auto* sharded = dynamic_cast<const ShardedStore*>(&store);
+  for (size_t i = 0; i < store.size(); ++i) {  // named as in the files, where the user can look it up
+    const model::ParamInfo& p = store.info(i);
+    if (sharded != nullptr && sharded->sharded()) {  // shard full: each rank checks the piece it keeps
+      int64_t first = 0;
+      const std::span<const float> piece = sharded->own_piece(i, &first);
+      for (size_t k = 0; k < piece.size(); ++k)
+        if (!std::isfinite(piece[k]))
+          rf::fail(where, ": tensor `", model::file_name_of(p.name, ck.text_prefix), "` has ", piece[k], " at ",
+                   io::index_string(first + static_cast<int64_t>(k), p.shape));
+      continue;
+    }
+    const std::string name = model::file_name_of(p.name, ck.text_prefix);
+    const model::HeldWeight held = store.held_weight(i);
+    if (held.dtype == model::HeldDType::F32) {
+      check_loaded_tensor(where, name, std::span<const float>(store.weight(i), static_cast<size_t>(p.numel)), p.shape);
+      continue;
+    }
+    // A base held in the files' dtype (a LoRA store): widened a block of rows at a time, not the whole tensor.
+    constexpr int64_t kBlockElements = int64_t{1} << 22;
+    const int64_t row = p.shape.size() >= 2 ? p.numel / p.shape[0] : p.numel;
+    const int64_t rows_per_block = std::max<int64_t>(1, kBlockElements / std::max<int64_t>(row, 1));
+    std::vector<float> block;
+    for (int64_t r0 = 0; r0 * row < p.numel; r0 += rows_per_block) {
+      const int64_t n = std::min(p.numel - r0 * row, rows_per_block * row);
+      block.resize(static_cast<size_t>(n));
+      model::widen(held, r0 * row, n, block.data());
+      check_loaded_tensor(where, rf::concat(name, " (rows from ", r0, ")"), block,
+                          {n / std::max<int64_t>(row, 1), row});
+    }
+  }
+}
+
+// checkpoint.dir need not exist (the first save creates it and its parents), but its nearest existing ancestor
+// must be a directory this process can write.
+void check_creatable_directory(const std::string& dir, const char* field) {
+  std::error_code ec;
+  fs::path at = fs::absolute(dir, ec);
+  while (!fs::exists(at, ec) && at.has_parent_path() && at != at.parent_path()) at = at.parent_path();
+  RF_CHECK(fs::is_directory(at, ec), field, " = '", dir, "': ", at.string(), " is not a directory");
+  RF_CHECK(::access(at.c_str(), W_OK | X_OK) == 0, field, " = '", dir, "': cannot write in ", at.string(), ": ",
+           std::strerror(errno));
+}
+
+// The run's outputs, checked before any step: a metrics file, loss picture or checkpoint directory that cannot be
+// written would otherwise fail only at its first write, after the steps before it. The default loss picture lives
+// in checkpoint.dir, which the checkpoint check covers.
+void check_outputs(const TrainConfig& c, const TrainOptions& o) {
+  if (!o.metrics_path.empty()) io::check_writable(o.metrics_path);
+  if (!o.svg_path.empty()) io::check_writable(o.svg_path);
+  if (!o.stats_path.empty()) io::check_writable(o.stats_path);
+  if (!c.checkpoint.dir.empty()) check_creatable_directory(c.checkpoint.dir, "checkpoint.dir");
+}
+
+}  // namespace
+
+// The run's groups and the model's parallel context (collectives: every rank, in the same order).
+void join_groups(Run& r) {
+  r.cp_group = r.world.split(r.dp_index, r.cp_index, r.timeout);
+  r.dp_group = r.world.split(r.cp_index, r.dp_index, r.timeout);
+  const int ep = r.cfg.parallelism.ep;  // EP groups: ep consecutive world ranks
+  r.ep_group = r.world.split(r.world.rank() / ep, r.world.rank() % ep, r.timeout);
+  r.edp_group = r.world.split(r.world.rank() % ep, r.world.rank() / ep, r.timeout);
+  cp::CpAttentionOptions co;
+  co.scheme = cp::scheme_name(r.cfg.parallelism.sharding);  // cp's options also take `auto`, a spelling
+  co.timeout = r.timeout;
+  r.context = cp::make_parallel_context(*r.cp_group, co, r.ep_group.get());
+  if (r.store_shards) r.store_comm = r.world.split(0, r.world.rank(), r.timeout);
+  if (r.hold_experts_sharded) r.held_edp_comm = r.world.split(r.world.rank() % ep, r.world.rank() / ep, r.timeout);
+}
+
+namespace {
+
+// shard gradients / full: a fresh sharded store (it takes the run's communicator over the world) that freezes
+// model.freeze when its weights are allocated.
+std::unique_ptr<ShardedStore> sharded_store(Run& r) {
+  RF_CHECK(r.store_comm != nullptr, "shard: the sharded store's communicator was taken already");
+  return std::make_unique<ShardedStore>(std::move(r.store_comm),
+                                        r.shard_full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients,
+                                        r.timeout, r.cfg.model.freeze);
+}
+
+// Held experts under sharding: the loaded whole store (frozen already; moments whole when resumed) split into the
+// shard mode's store of the non-expert parameters and this rank's experts (held_expert_store.h). The whole copy is
+// dropped when this returns.
+void hold_experts_sharded(Run& r) {
+  const int ep = r.cfg.parallelism.ep;
+  std::unique_ptr<model::ParamStore> inner;
+  if (r.store_shards) {
+    std::unique_ptr<ShardedStore> s = sharded_store(r);
+    r.sharded = s.get();
+    inner = std::move(s);
+  } else {
+    inner = std::make_unique<model::ReplicatedStore>();
+  }
+  RF_CHECK(r.held_edp_comm != nullptr, "held experts: the experts' communicator was taken already");
+  auto experts = std::make_unique<ExpertSlices>(std::move(r.held_edp_comm), r.store_shards, r.timeout);
+  const HeldPlacement at{r.world.rank() % ep, ep, r.world.rank(), r.world.size()};
+  std::unique_ptr<HeldExpertStore> held =
+      make_held_expert_store(r.ck.model->params(), std::move(inner), std::move(experts), at);
+  r.held = held.get();
+  r.ck.model->replace_params(std::move(held));
+}
+
+// parallelism.ep against the model: its MoE layers' experts must divide over the EP ranks.
+void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config& mc) {
+  const int ep = cfg.parallelism.ep;
+  if (ep == 1) return;
+  RF_CHECK(mc.enable_moe, "config: parallelism.ep = ", ep, " needs a model with MoE layers (enable_moe_block)");
+  RF_CHECK(mc.num_experts % ep == 0, "config: parallelism.ep = ", ep, " does not divide the model's ", mc.num_experts,
+           " experts");
+}
+
+// What the run needs, checked on every rank before the weights, gradients and moments are allocated.
+void check_fits(const Run& r, const model::Gemma4Multimodal& shapes) {
+  check_memory(train_memory_at_least(r.cfg, shapes, r.world.size()), "train",
+               rf::concat(" at seq_len ", r.cfg.train.seq_len, " over cp ", r.cfg.parallelism.cp));
+}
+
+// LoRA: the parameters live in a LoraStore, which adds the adapters and freezes the base when it allocates.
+// shard gradients / full: in a ShardedStore, each rank keeping its pieces of every tensor as it is loaded.
+std::unique_ptr<model::ParamStore> lora_store(Run& r) {
+  if (r.store_shards && !r.hold_experts_sharded) return sharded_store(r);
+  if (r.cfg.model.lora_rank == 0) return nullptr;
+  auto ls = std::make_unique<model::LoraStore>(lora_config(r.cfg));
+  // Expert parallelism under shard none: this rank's experts' adapters only.
+  if (r.hold_expert_adapters) ls->place_experts(r.world.rank() % r.cfg.parallelism.ep, r.cfg.parallelism.ep);
+  return ls;
+}
+
+// The base: from model.path, or the built-in model from train.seed (a LoRA resume builds it again: it never trains).
+void load_base(Run& r) {
+  const TrainConfig& cfg = r.cfg;
+  if (!cfg.model.path.empty()) {
+    r.ck = model::load_checkpoint(
+        cfg.model.path, [&](const model::Gemma4Multimodal& shapes) { check_fits(r, shapes); }, lora_store(r),
+        cfg.model.train_vision);
+    return;
+  }
+  const std::string text = model::builtin_config_json(cfg.model.builtin);
+  const std::string source = "model.builtin " + cfg.model.builtin;
+  const model::Gemma4Config builtin = model::Gemma4Config::from_json(text, source);
+  const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
+  // With model.train_vision the tower's parameters are registered after the decoder's, before the store allocates.
+  const auto shapes = [&](std::unique_ptr<model::ParamStore> store) {
+    model::MultimodalParts parts(model::kBuiltinFeatureDim, tower, cfg.model.train_vision);
+    return std::make_unique<model::Gemma4Multimodal>(builtin, std::move(parts), model::TensorSet::Storage::Deferred,
+                                                     std::move(store));
+  };
+  check_fits(r, *shapes(nullptr));
+  r.ck.model = shapes(lora_store(r));
+  r.ck.model->params().allocate_weights();
+  // Every slot, the tower's last (so the decoder draws the same values with and without model.train_vision).
+  r.ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
+  // init_random filled every slot, the adapters too: PEFT's initial adapters again (B = 0: the base's function).
+  if (auto* ls = dynamic_cast<model::LoraStore*>(&r.ck.model->params())) ls->init_adapters();
+  r.ck.text_prefix = model::kMultimodalTextPrefix;
+  // transformers sizes the projection's input by the tower's width: the two must agree.
+  RF_CHECK(tower.hidden_size == model::kBuiltinFeatureDim, source, ": vision_config.hidden_size = ", tower.hidden_size,
+           ", the projection takes ", model::kBuiltinFeatureDim);
+  r.ck.model->kept() = model::init_vision_tower(tower, cfg.train.seed);
+  if (cfg.model.train_vision) r.ck.model->adopt_tower_parameters();
+}
+
+// The model, fresh (load_base) or resumed with where the run stands (r.state), its loaded weights checked finite.
+void load_model(Run& r) {
+  const TrainConfig& cfg = r.cfg;
+  const bool lora = cfg.model.lora_rank > 0;
+  if (!r.options.resume.empty()) {
+    r.resume_dir = resolve_checkpoint(r.options.resume);
+    if (lora) {
+      // A LoRA checkpoint holds the adapters (PEFT's files) and the state; the base is the config's.
+      r.state = load_train_state(r.resume_dir);
+      check_resume_compatible(cfg, r.state.config_yaml, r.resume_dir);
+      load_base(r);
+      model::load_peft_adapter(dynamic_cast<model::LoraStore&>(r.ck.model->params()), r.resume_dir);
+    } else {
+      // shard gradients / full: straight into a sharded store, each rank keeping its pieces as the tensors are read.
+      LoadedCheckpoint loaded = load_train_checkpoint(
+          r.resume_dir, [&](const model::Gemma4Multimodal& shapes) { check_fits(r, shapes); }, cfg.model.train_vision,
+          r.store_shards && !r.hold_experts_sharded ? sharded_store(r) : nullptr);
+      check_resume_compatible(cfg, loaded.state.config_yaml, r.resume_dir);
+      r.ck = std::move(loaded.weights);
+      r.state = std::move(loaded.state);
+    }
+    RF_CHECK(r.state.step < cfg.train.steps, "--resume ", r.resume_dir, ": the checkpoint is at step ", r.state.step,
+             " and train.steps = ", cfg.train.steps, " leaves nothing to do");
+  } else {
+    load_base(r);
+  }
+  if (!cfg.model.path.empty() && (lora || r.resume_dir.empty()))
+    check_loaded_weights(r.ck, cfg.model.path);
+  else if (!r.resume_dir.empty() && !lora)
+    check_loaded_weights(r.ck, r.resume_dir);
+}
+
+// The data, its rows checked against the model; a frozen vision tower encodes its images here and is dropped.
+void set_up_data(Run& r) {
+  const TrainConfig& cfg = r.cfg;
+  const model::Gemma4Multimodal& m = *r.ck.model;
+  check_expert_parallelism(cfg, m.config());
+  const int width = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
+  // Unfilled row positions are doc 0 with ignored labels (masked everywhere), so a config without a pad id
+  // (pad_token_id null) fills them with token 0: any in-vocabulary id would do.
+  const DataContract contract{m.config().vocab_size, m.config().pad_token_id.value_or(0), width, cfg.model.path};
+  const std::string& config_json = m.config().source_json;
+  ImageContract images;
+  images.tokens = model::MultimodalTokens::from_config_json(config_json, "the model's config.json");
+  images.rank = r.world.rank();
+  images.ranks = r.world.size();
+  images.train_vision = cfg.model.train_vision;
+  // A frozen tower encodes the data's images once, here; its float32 copy of the weights goes with it. A trained one
+  // (model.train_vision) is kept and encodes every micro-batch's images.
+  images.vision = [&]() -> const model::VisionEncoder* { return r.ck.model->vision_tower(); };
+  r.data = make_data_source(cfg, contract, images);
+  if (cfg.model.train_vision)
+    RF_CHECK(images.vision() != nullptr, "config: model.train_vision, but the model has no vision tower");
+  else
+    r.ck.model->drop_vision_tower();
+  r.feature_dim = r.data->feature_dim() > 0 ? width : 0;
+}
+
+// The parameters' final layout (frozen, the experts held, the moments' range of a sharded optimizer), the optimizer
+// and its state, and the gradients.
+void set_up_optimizer(Run& r) {
+  const TrainConfig& cfg = r.cfg;
+  r.ck.model->params().freeze(cfg.model.freeze);
+  if (r.hold_experts_sharded) {
+    // The moments whole (a checkpoint of any EP and shard mode), then each part keeps its own.
+    if (!r.resume_dir.empty()) load_optimizer_state(r.resume_dir, r.ck.model->params());
+    hold_experts_sharded(r);
+  } else if (r.store_shards) {
+    r.sharded = dynamic_cast<ShardedStore*>(&r.ck.model->params());
+    RF_CHECK(r.sharded != nullptr, "shard: the model was loaded into a replicated store");
+  }
+  model::ParamStore& store = r.ck.model->params();
+  if (r.shard_optimizer && !r.held) {
+    const model::Shard mine = model::shard_of(store.trainable_elements(), r.world.rank(), r.world.size());
+    store.set_moment_range(mine.begin, mine.end);
+  }
+  r.adam = std::make_unique<AdamW>(store, cfg.optimizer);
+  if (!r.resume_dir.empty() && !r.held) load_optimizer_state(r.resume_dir, store);
+  // Held experts: the weights and moments were loaded whole (a checkpoint of any EP), this rank keeps its rows.
+  if (r.hold_experts)
+    r.ck.model->replace_params(model::hold_expert_rows(store, r.world.rank() % cfg.parallelism.ep, cfg.parallelism.ep));
+  model::ParamStore& held = r.ck.model->params();
+  held.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
+}
+
+}  // namespace
+
+// Setup: the model (fresh, from model.path or resumed), the data, the optimizer state and where the run stands.
+// Everything here can fail on bad input and runs no collective, so train() runs it inside comm::agree.
+void set_up(Run& r) {
+  const TrainConfig& cfg = r.cfg;
+  if (r.lead) {
+    check_outputs(cfg, r.options);
+    std::error_code ec;
+    if (!cfg.checkpoint.dir.empty() && fs::is_directory(cfg.checkpoint.dir, ec)) remove_leftovers(cfg.checkpoint.dir);
+  }
+  load_model(r);
+  set_up_data(r);
+  set_up_optimizer(r);
+  if (cfg.model.train_vision) r.tower = r.ck.model->vision_tower();  // the final model's tower, once the store is built
+  r.state.seed = cfg.train.seed;
+  r.state.config_yaml = to_yaml(cfg);
+  r.training.want_grad = true;
+  r.training.recompute_layers = cfg.train.recompute;
+  r.training.keep_mlp_projections = cfg.train.keep_mlp;
+  r.training.compute_dtype = cfg.model.compute_dtype;
+}
+
+}  // namespace rf::trainer::detail

@@ -1,0 +1,328 @@
+// ringflex trainer: one optimizer step of the plan in trainer.h (rows, token counts, forward + backward, the gradient
+// reduction, clipping and the update) and validation.
+#include <algorithm>
+#include <cmath>
+
+#include "comm/agree.h"
+#include "core/error.h"
+#include "model/expert_store.h"
+#include "model/vision.h"
+#include "model/vision_encoder.h"
+#include "trainer/data.h"
+#include "trainer/expert_state.h"
+#include "trainer/held_expert_store.h"
+#include "trainer/optimizer.h"
+#include "trainer/run.h"
+#include "trainer/sharded_store.h"
+
+namespace rf::trainer::detail {
+namespace {
+
+model::Batch as_batch(const PackedBatch& p) {
+  model::Batch b;
+  b.B = p.B;
+  b.S = p.S;
+  b.input_ids = p.input_ids.data();
+  b.labels = p.labels.data();
+  b.position_ids = p.position_ids.data();
+  b.doc = p.doc.data();
+  b.mm_token_type = p.mm_token_type.data();
+  b.image_features = p.image_features.empty() ? nullptr : p.image_features.data();
+  b.n_image_features = p.n_image_features;
+  return b;
+}
+
+}  // namespace
+
+// 1. This replica's rows of the step, rows [pos + d * G/dp, pos + (d + 1) * G/dp), as packed micro-batches of
+// train.micro_batch rows. Reads data only (no collective): train() runs it inside comm::agree, so a row that fails
+// to load on one rank fails every rank.
+std::vector<PackedBatch> replica_micro_batches(const Run& r) {
+  const int micro = r.cfg.train.micro_batch;
+  const int64_t first = r.state.data_position + int64_t{r.dp_index} * r.cfg.global_batch_per_replica();
+  std::vector<PackedBatch> batches;
+  for (int a = 0; a < r.cfg.accumulation_steps(); ++a) {
+    std::vector<Row> rows;
+    for (int j = 0; j < micro; ++j) rows.push_back(r.data->train_row(first + int64_t{a} * micro + j));
+    batches.push_back(stack_rows(rows, r.feature_dim));
+    // A row the model would refuse is found here, where the ranks agree, not inside the model's collectives where
+    // one DP replica's error would leave the others waiting.
+    r.ck.model->check_batch(as_batch(batches.back()), r.cfg.parallelism.cp,
+                            rf::concat("training rows ", first + int64_t{a} * micro, " to ",
+                                       first + int64_t{a + 1} * micro - 1));
+  }
+  return batches;
+}
+
+// 2. The global batch's tokens, counted once: each replica counts its rows, one all-reduce over DP sums them (never
+// over CP: CP ranks hold the same rows).
+TokenCounts count_tokens(const Run& r, const std::vector<PackedBatch>& batches) {
+  int64_t counts[2] = {0, 0};
+  for (const PackedBatch& b : batches) {
+    counts[0] += b.label_tokens();
+    counts[1] += b.real_tokens();
+  }
+  r.dp_group->allreduce(counts, 2, comm::ReduceOp::Sum, r.timeout);
+  return {counts[0], counts[1]};
+}
+
+namespace {
+
+// model.train_vision: the micro-batch's images through the tower of the current weights, its soft tokens the slots'
+// features, and with gradients the tower's backward from the decoder's d image_features, accumulated into the
+// store's gradients of the tower's parameters (frozen ones, model.freeze, have none).
+// Under CP the tower's work is split over the group (split_images_by_patches, balanced by patch count): each rank
+// encodes its images only, places their soft tokens at their slots' rows of [N, F] and leaves the others zero; one sum
+// over the group gives every rank all of them (x + 0 = x: the bits of encoding them everywhere), where the rows its
+// positions hold are read. In the backward each rank's d image_features holds its own tokens' rows
+// (Result::d_image_features); one sum over the group routes each image's whole gradient to its owner, which
+// back-propagates it through the tower once; the gradient reduction over the world then sums the owners' tower
+// gradients as it sums the decoder's.
+double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro) {
+  const auto start = Clock::now();
+  model::ParamStore& store = r.ck.model->params();
+  comm::Communicator& group = *r.cp_group;
+  const int64_t F = r.feature_dim, P = p.images.P, k = r.tower->config().pooling_kernel_size;
+  const int n = p.images.n;
+  std::vector<int64_t> valid(static_cast<size_t>(n), 0), first(static_cast<size_t>(n) + 1, 0);  // first: slot rows
+  for (int i = 0; i < n; ++i) {
+    for (int64_t q = 0; q < P; ++q) valid[i] += p.images.positions[static_cast<size_t>((i * P + q) * 2)] >= 0;
+    first[i + 1] = first[i] + valid[i] / (k * k);  // whole pooling cells: the processor's and the drawings' grids
+  }
+  RF_CHECK(first[n] == p.n_image_features, "the micro-batch's ", n, " images make ", first[n], " soft tokens for ",
+           p.n_image_features, " image slots");
+  const std::vector<int> owner = split_images_by_patches(valid, group.size());
+  ImagePatches mine;  // this rank's share, in batch order
+  std::vector<int> mine_index;
+  const size_t patch_values = p.images.pixels.size() / static_cast<size_t>(std::max(n, 1));  // one image's values
+  for (int i = 0; i < n; ++i) {
+    if (owner[i] != group.rank()) continue;
+    ImagePatches one;
+    one.n = 1;
+    one.P = P;
+    one.pixels.assign(p.images.pixels.begin() + static_cast<std::ptrdiff_t>(i * patch_values),
+                      p.images.pixels.begin() + static_cast<std::ptrdiff_t>((i + 1) * patch_values));
+    one.positions.assign(p.images.positions.begin() + i * P * 2, p.images.positions.begin() + (i + 1) * P * 2);
+    mine.append(one);
+    mine_index.push_back(i);
+  }
+  model::VisionTape tape;
+  std::vector<float> soft(static_cast<size_t>(p.n_image_features * F), 0.f);  // [N, F]
+  if (mine.n > 0) {
+    const model::VisionOutput out =
+        r.tower->forward(mine.batch(), "the micro-batch's images", ro.want_grad ? &tape : nullptr);
+    int64_t at = 0;
+    for (size_t j = 0; j < mine_index.size(); ++j) {
+      const int i = mine_index[j];
+      RF_CHECK(out.counts[j] == first[i + 1] - first[i], "the micro-batch's image ", i, ": the tower made ",
+               out.counts[j], " soft tokens for ", first[i + 1] - first[i], " slots");
+      std::copy_n(out.soft_tokens.begin() + at * F, out.counts[j] * F, soft.begin() + first[i] * F);
+      at += out.counts[j];
+    }
+  }
+  if (group.size() > 1) group.allreduce(soft.data(), soft.size(), comm::ReduceOp::Sum, r.timeout);
+  r.tower_seconds += seconds_since(start);
+  model::Batch b = as_batch(p);
+  b.image_features = soft.data();
+  model::Result res = r.ck.model->run(b, ro, *r.context.model);
+  if (ro.want_grad) {
+    const auto back = Clock::now();
+    std::vector<float>& d = res.d_image_features;  // [N, F]
+    if (group.size() > 1) group.allreduce(d.data(), d.size(), comm::ReduceOp::Sum, r.timeout);
+    if (mine.n > 0) {
+      std::vector<float> d_mine;  // [this rank's soft tokens, F]
+      for (int i : mine_index) d_mine.insert(d_mine.end(), d.begin() + first[i] * F, d.begin() + first[i + 1] * F);
+      model::VisionGrads grads;
+      r.tower->backward(mine.batch(), tape, d_mine.data(), grads);
+      for (const auto& [name, g] : grads) {
+        float* dst = store.grad(store.slot(name));
+        if (dst == nullptr) continue;
+        for (size_t e = 0; e < g.size(); ++e) dst[e] += g[e];
+      }
+    }
+    r.tower_seconds += seconds_since(back);
+  }
+  return res.loss;
+}
+
+// One micro-batch's share of the global loss (its token losses over `label_tokens`); with `grad`, its gradients
+// accumulate into the parameter store's.
+double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool grad) {
+  model::RunOptions ro = r.training;
+  ro.want_grad = grad;
+  ro.loss_normalizer = std::max(1.0, static_cast<double>(label_tokens));  // no label tokens: loss 0, not 0 / 0
+  if (!r.tower || p.images.n == 0) return r.ck.model->run(as_batch(p), ro, *r.context.model).loss;
+  return run_with_tower(r, p, ro);
+}
+
+// The key of one micro-batch's LoRA dropout masks.
+uint64_t dropout_key(uint64_t seed, int64_t step, int replica, size_t micro_batch) {
+  // Distinct for distinct (step, replica, micro-batch) at any realistic count: 32 bits of step, 16 of each other.
+  constexpr int kStepShift = 32, kReplicaShift = 16;
+  return seed * 0x9e3779b97f4a7c15ULL ^ (static_cast<uint64_t>(step) << kStepShift) ^
+         (static_cast<uint64_t>(replica) << kReplicaShift) ^ static_cast<uint64_t>(micro_batch);
+}
+
+}  // namespace
+
+// 3. Forward + backward of every micro-batch, the gradients accumulating; returns the global batch's loss.
+double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t label_tokens) {
+  r.ck.model->params().zero_grads();
+  double loss = 0.0;
+  for (size_t a = 0; a < batches.size(); ++a) {
+    // LoRA dropout's masks: drawn anew for each step, replica and micro-batch, the same on the CP ranks of a row
+    // (model/held_weight.h lora_dropout_keeps), and again the same when the step is run again after a resume.
+    r.training.dropout_key = dropout_key(r.cfg.train.seed, r.state.step + 1, r.dp_index, a);
+    loss += run_micro_batch(r, batches[a], label_tokens, true);
+  }
+  r.dp_group->allreduce(&loss, 1, comm::ReduceOp::Sum, r.timeout);
+  return loss;
+}
+
+// 4a. Sums the gradients over every rank, in rank order (the same bits on every rank and backend), in place in the
+// store's flat gradient arena: one collective for the whole model. Shard none: every rank gets the whole sum
+// (all-reduce). Shard optimizer: each rank gets the sums of its slice (reduce-scatter, half the traffic), the only
+// gradients its update reads. Shard gradients and full: reduced already, layer by layer, by the sharded store's
+// hooks, into this rank's slice (sharded_store.h says what accumulation changes).
+void reduce_gradients(Run& r) {
+  // Held experts under shard optimizer: the experts' over their EDP group (gradients, full: reduced by the hooks).
+  if (r.held && !r.store_shards) r.held->experts().reduce();
+  if (r.world.size() == 1 || r.store_shards) return;
+  if (r.hold_experts || r.hold_expert_adapters) {  // the experts' over their EDP group, the rest over the world
+    reduce_held_expert_gradients(r.ck.model->params(), expert_groups(r));
+    return;
+  }
+  const std::span<float> flat = r.ck.model->params().mutable_flat(model::Role::Grads);
+  if (r.shard_optimizer)
+    r.world.reduce_scatter(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
+  else
+    r.world.allreduce(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
+}
+
+// 4b. The global gradient norm, then clipping to optimizer.grad_clip; returns the norm before clipping. The sum of
+// squares is taken as one partial sum per rank's slice (comm::slice_of over the world), added in rank order: the same
+// bits whether a rank holds every reduced gradient (shard none: it computes all the partials) or its slice alone
+// (shard optimizer: each computes its own, and they are gathered). One rank: the sum in order over the whole arena.
+double clip_global_norm(Run& r, double max_norm) {
+  model::ParamStore& store = r.ck.model->params();
+  const std::span<float> flat = store.mutable_flat(model::Role::Grads);
+  const int P = r.world.size(), me = r.world.rank();
+  const auto slice = [&](int rank) {
+    if (r.store_shards) return flat;  // the sharded store's gradients are this rank's slice alone
+    const comm::Slice s = comm::slice_of(flat.size(), P, rank);
+    return flat.subspan(s.begin, s.size());
+  };
+  std::vector<double> partial(static_cast<size_t>(P));
+  if (r.hold_experts || r.hold_expert_adapters) {  // the same partials from the experts' holders (expert_state.h)
+    partial = held_expert_norm_partials(store, expert_groups(r));
+  } else if (r.held) {
+    // Held experts under sharding: the same partials from the holders of the reduced slices (held_expert_store.h).
+    partial = held_norm_partials(*r.held, slice(me), {r.world, *r.ep_group, *r.edp_group, r.timeout});
+  } else if (r.shard_optimizer) {
+    const double mine = sum_of_squares(slice(me));
+    r.world.allgather(&mine, partial.data(), sizeof(double), r.timeout);
+  } else {
+    for (int rank = 0; rank < P; ++rank) partial[static_cast<size_t>(rank)] = sum_of_squares(slice(rank));
+  }
+  double sum = 0.0;
+  for (double x : partial) sum += x;
+  const double norm = std::sqrt(sum);
+  if (std::isfinite(norm)) {
+    const double factor = clip_factor(norm, max_norm);
+    if (factor != 1.0) scale(r.shard_optimizer ? slice(me) : flat, factor);
+    if (factor != 1.0 && r.held) scale(r.held->experts().own_grads(), factor);
+  }
+  return norm;
+}
+
+namespace {
+
+// parallelism.shard = optimizer, after the update: each rank updated its slice of the trainable parameters; every
+// rank takes the others' (the same bits the whole update gives, so every replica holds the same weights again). The
+// gradient arena, whose values are spent, carries them in the trainable layout: this rank's slice is copied in, one
+// all-gather of slices fills the rest, and every trainable parameter is copied back.
+void gather_updated_weights(comm::Communicator& c, model::ParamStore& store, comm::Timeout timeout) {
+  const std::span<float> staging = store.mutable_flat(model::Role::Grads);
+  const comm::Slice mine = comm::slice_of(staging.size(), c.size(), c.rank());
+  const int64_t begin = static_cast<int64_t>(mine.begin), end = static_cast<int64_t>(mine.end);
+  for (const model::ParamStore::Segment& seg : store.trainable_segments(begin, end))
+    std::copy_n(store.weight(seg.slot) + seg.first, seg.n, staging.data() + seg.train_index);
+  c.allgather_slices(staging.data(), staging.size(), sizeof(float), timeout);
+  for (const model::ParamStore::Segment& seg : store.trainable_segments(0, store.trainable_elements()))
+    std::copy_n(staging.data() + seg.train_index, seg.n, store.mutable_weight(seg.slot) + seg.first);
+}
+
+}  // namespace
+
+// 4c. The AdamW update at `step`, the same on every replica; returns the learning rate it used.
+double apply_update(Run& r, int64_t step) {
+  const double lr = learning_rate(r.cfg.optimizer, r.cfg.schedule, static_cast<int>(step), r.cfg.train.steps);
+  r.adam->step(r.ck.model->params(), lr, step);
+  if (r.held) {  // the experts' slices, then every EDP rank's updated slice into every one's experts
+    r.adam->step(r.held->experts(), lr, step);
+    r.held->experts().gather_updated();
+  }
+  if (r.sharded)
+    r.sharded->after_update();
+  else if (r.shard_optimizer)
+    gather_updated_weights(r.world, r.ck.model->params(), r.timeout);
+  if (r.tower) {  // model.train_vision: the updated tower
+    r.ck.model->refresh_vision_tower();
+    r.tower = r.ck.model->vision_tower();
+  }
+  return lr;
+}
+
+// A non-finite loss or gradient (a diverging run, or NaN weights resumed from a damaged checkpoint) stops the run
+// before the update, so neither the weights nor a checkpoint take it. Both figures are already the same bits on
+// every rank (the loss summed over the CP group in the model and over DP, the norm taken from the reduced
+// gradients), so every rank stops at the same step with the same line without another collective.
+void check_finite_step(int64_t step, double loss, double norm, const std::string& last_checkpoint) {
+  if (std::isfinite(loss) && std::isfinite(norm)) return;
+  throw comm::AgreedError(rf::concat(
+      "step ", step, ": the loss or the gradient is not finite (gradient norm ", norm,
+      "): the run diverged (try a lower optimizer.lr) or its weights are not finite; stopped before the update",
+      last_checkpoint.empty() ? "" : ", last checkpoint " + last_checkpoint));
+}
+
+// Validation: every row of the split, each DP replica running every dp-th row in micro-batches, the loss
+// normalised by the label tokens of the whole split. The rows are read inside comm::agree (like a step's rows).
+double validation_loss(Run& r) {
+  const int dp = r.cfg.parallelism.dp;
+  std::vector<PackedBatch> mine;
+  std::vector<PackedBatch> filler;  // under expert parallelism or shard full: the split's first row (see below)
+  const bool balanced = r.cfg.parallelism.ep > 1 || r.shard_full;
+  int64_t labels = 0;
+  comm::agree(r.world, [&] {
+    std::vector<Row> rows;
+    for (int j = 0; j < r.data->val_rows(); ++j) {
+      Row row = r.data->val_row(j);
+      labels += count_label_tokens(row.labels);
+      if (j == 0 && balanced) filler.push_back(stack_rows({row}, r.feature_dim));
+      if (j % dp == r.dp_index) rows.push_back(std::move(row));
+    }
+    const size_t micro = static_cast<size_t>(r.cfg.train.micro_batch);
+    for (size_t at = 0; at < rows.size(); at += micro) {
+      mine.push_back(
+          stack_rows(std::vector<Row>(rows.begin() + static_cast<std::ptrdiff_t>(at),
+                                      rows.begin() + static_cast<std::ptrdiff_t>(std::min(rows.size(), at + micro))),
+                     r.feature_dim));
+      r.ck.model->check_batch(as_batch(mine.back()), r.cfg.parallelism.cp, "validation rows");
+    }
+  });
+  double loss = 0.0;
+  for (const PackedBatch& b : mine) loss += run_micro_batch(r, b, labels, false);
+  // Under expert parallelism every micro-batch is collective over the EP group, which spans DP replicas, and under
+  // shard full every layer's gather spans all ranks: a replica with fewer rows (replica 0 has the most) runs its
+  // first batch again, or the split's first row, its loss unused.
+  if (balanced && r.data->val_rows() > 0) {
+    const int64_t most_rows = (r.data->val_rows() + dp - 1) / dp;
+    const int64_t most = (most_rows + r.cfg.train.micro_batch - 1) / r.cfg.train.micro_batch;
+    const PackedBatch& again = mine.empty() ? filler.front() : mine.front();
+    for (int64_t i = static_cast<int64_t>(mine.size()); i < most; ++i) run_micro_batch(r, again, labels, false);
+  }
+  r.dp_group->allreduce(&loss, 1, comm::ReduceOp::Sum, r.timeout);
+  return loss;
+}
+
+}  // namespace rf::trainer::detail
