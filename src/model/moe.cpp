@@ -3,7 +3,11 @@
 // puts them (core/expert_parallel.h): here at EP = 1, else on the EP rank holding each, the rows sent there and
 // the outputs (and in the backward the input gradients) sent back before each token's combine. While a dispatch
 // travels (forward: the rows; backward: their dY) a rank runs the rows it routed to its own experts, read from the
-// sent layout; the other ranks' rows run once it arrived (the same tasks, so the same bits either way). The store's
+// sent layout; the other ranks' rows run once it arrived (the same tasks, so the same bits either way). The
+// backward's combine (the input gradients going back) travels while the experts' weight gradients (and their
+// adapters') run, which need none of it; the forward's has nothing independent of it to overlap (every token's sum
+// waits for its experts' outputs, and the rest of the block for that sum). Either way each token sums in the same
+// fixed order once every row is back, so the bits are those of the blocking combine. The store's
 // expert tensors hold every expert, or under expert parallelism this EP rank's only (model/expert_store.h): a rank
 // reads and accumulates into the rows of the experts the dispatch brings it either way.
 //
@@ -378,6 +382,10 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
     }
   }
   dy_sent = Vec{};
+  // The input gradients back to their tokens' ranks, travelling while the weight gradients below run (they read the
+  // rows' activations and dY, not e_dx or dx_sent); finished before the tokens sum them.
+  Vec dx_sent = uninit(sent * H);
+  ep.start_combine(a.routing, e_dx.data(), dx_sent.data(), H);
   // Weight gradients of this rank's experts: one sgemm over each block's rows (all of an expert's rows at EP = 1),
   // an expert's blocks in source order; experts in parallel when there are enough of them to share out, otherwise
   // experts in turn, each sgemm split over the threads (the same bits either way).
@@ -392,6 +400,7 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   if (gGU || gDN) {
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && active >= omp_get_max_threads())
     for (int64_t le = 0; le < here; ++le) {
+      if (omp_get_thread_num() == 0) ep.progress_combine();
       const int64_t e = first + le;
       for (int64_t s = 0; s < P; ++s) {
         const int64_t blk = s * here + le, r0 = a.recv_at[blk], n = a.routing.received[blk];
@@ -409,6 +418,7 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   if (opt.want_grad && (lgu.trains() || ldn.trains())) {
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && active >= omp_get_max_threads())
     for (int64_t le = 0; le < here; ++le) {
+      if (omp_get_thread_num() == 0) ep.progress_combine();
       const int64_t g = first_expert + le;
       std::vector<float> dB_gu(lgu.trains() ? static_cast<size_t>(2 * Im * lgu.ad->rank) : 0, 0.f);
       std::vector<float> dB_dn(ldn.trains() ? static_cast<size_t>(H * ldn.ad->rank) : 0, 0.f);
@@ -424,9 +434,9 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
       if (lgu.trains()) expert_lora_add_dB(lgu, g, dB_gu.data());
     }
   }
-  // The input gradients back to their tokens' ranks; each token sums its experts' in ascending expert index.
-  Vec dx_sent = uninit(sent * H);
-  ep.combine(a.routing, e_dx.data(), dx_sent.data(), H);
+  // Each token sums its experts' input gradients in ascending expert index.
+  ep.finish_combine();
+  e_dx = Vec{};
   Vec de_in = zeros(T * H);
 #pragma omp parallel for schedule(static) if (T * K * H >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
