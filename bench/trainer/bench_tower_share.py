@@ -5,11 +5,13 @@ A Gemma4ForConditionalGeneration with a small text decoder (hidden 256, 4 layers
 size (bench/model/bench_vision.py's configs: e2b, 26b, tiny), random weights at transformers' init, saved in float32;
 image-heavy rows: each JSONL sample holds --images-per-row random PNG images (sized so the image processor makes
 --soft-tokens soft tokens of each) and a little text around them, one sample a row. Then `ringflex train` with
-model.train_vision=true at cp = 1 and under `--mpiexec -n 2` at cp = 2 (the tower's work split over the two ranks by
-patch count, each image encoded once, its soft tokens summed to both, its gradient routed back to its encoder),
---steps steps of one row each. Reported per CP: the median over the steps after the first of the metrics' tower_share
-(the most of any rank of its seconds in the tower, i.e. its images' forward and backward and the group's two sums,
-over the step's wall time) and of the step's tokens_per_s.
+model.train_vision=true at cp = 1 and under `--mpiexec -n 2` at cp = 2, with the split (parallelism.split_vision=true:
+the tower's work split over the two ranks by patch count, each image encoded once, its soft tokens summed to both, its
+gradient routed back to its encoder) and without it (false: each rank encodes every image of the row and
+back-propagates its own positions' share, as a reference system does), --steps steps of one row each. --split picks
+which cp = 2 runs (both by default; cp = 1 has nothing to split). Reported per run: the median over the steps after the
+first of the metrics' tower_share (the most of any rank of its seconds in the tower, i.e. its images' forward and
+backward and, with the split, the group's two sums, over the step's wall time) and of the step's tokens_per_s.
 
     python3 bench/trainer/bench_tower_share.py build/src/cli/ringflex --config e2b --steps 4 --threads 2
     python3 bench/trainer/bench_tower_share.py build/src/cli/ringflex --config tiny --soft-tokens 70 --steps 3
@@ -50,6 +52,8 @@ def main():
     ap.add_argument("--images-per-row", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="train.threads per rank")
+    ap.add_argument("--split", choices=["both", "on", "off"], default="both",
+                    help="cp = 2 with the tower's work split over the ranks (on), without (off), or both")
     args = ap.parse_args()
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(0)
@@ -81,21 +85,24 @@ def main():
                 f"data.image_soft_tokens={args.soft_tokens}", f"train.seq_len={seq}", f"train.steps={args.steps}",
                 "train.global_batch=1", "train.micro_batch=1", f"train.threads={args.threads}", "train.val_every=0",
                 "data.val_rows=1"]
-        for cp, launcher in ((1, []), (2, [*shlex.split(args.mpiexec), "-n", "2"])):
-            metrics = os.path.join(work, f"cp{cp}.jsonl")
+        runs = [(1, True)] + [(2, split) for split in (True, False) if args.split in ("both", "on" if split else "off")]
+        for cp, split in runs:
+            launcher = [*shlex.split(args.mpiexec), "-n", str(cp)] if cp > 1 else []
+            name = f"cp {cp}" + ("" if cp == 1 else ", split" if split else ", no split")
+            metrics = os.path.join(work, f"cp{cp}_{split}.jsonl")
             cmd = [*launcher, args.ringflex, "train", "--metrics", metrics]
-            for s in sets + [f"parallelism.cp={cp}"]:
+            for s in sets + [f"parallelism.cp={cp}", f"parallelism.split_vision={str(split).lower()}"]:
                 cmd += ["--set", s]
             proc = subprocess.run(cmd, capture_output=True, text=True,
                                   env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
             if proc.returncode != 0:
-                print(f"ringflex train at cp {cp} failed: {proc.stderr.strip()}")
+                print(f"ringflex train at {name} failed: {proc.stderr.strip()}")
                 return 1
             steps = [json.loads(x) for x in open(metrics)][1:] or [json.loads(x) for x in open(metrics)]
             share = statistics.median(x["tower_share"] for x in steps)
             tps = statistics.median(x["tokens_per_s"] for x in steps)
             print(f"{args.config} tower, {args.images_per_row} images x {args.soft_tokens} soft tokens a row "
-                  f"(S = {seq}), cp {cp}: tower share of the step {share:.1%}, {tps:.1f} tokens/s")
+                  f"(S = {seq}), {name}: tower share of the step {share:.1%}, {tps:.1f} tokens/s")
     return 0
 
 

@@ -2,7 +2,7 @@
 // table), computed, not measured: trainer::train_memory_at_least (what `ringflex train` checks before it allocates)
 // over each model's parameter registry, built from its config.json as shapes only (nothing is allocated).
 //
-//   memory_table CONFIG.json... [--ranks 8,16,32,64] [--tokens 32768,65536,131072] [--breakdown N,S]
+//   memory_table CONFIG.json... [--ranks 8,16,32,64] [--tokens 32768,65536,131072] [--breakdown N,S] [--mib]
 //
 // Each config is a Gemma 4 text config.json (bench/trainer/configs: the shapes of E2B, E4B, 26B-A4B and 31B from
 // transformers' convert_gemma4_weights.py variants). A row of S tokens is split over N = cp ranks (dp 1, one row a
@@ -28,10 +28,11 @@ namespace {
 
 using rf::trainer::ShardMode;
 
-constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr double kMiB = 1024.0 * 1024.0;
+constexpr double kGiB = 1024.0 * kMiB;
 constexpr int kDefaultBreakdownRanks = 32;
 constexpr int kDefaultBreakdownTokens = 65536;
-constexpr double kShownGiB = 0.05;  // the breakdown's smallest term shown: below a rounding of the table's 0.1
+constexpr double kShownGiB = 0.05;  // the breakdown's smallest term shown, in the unit: below a rounding of 0.1
 // Expert parallelism's table: EP 8 x CP 2 folded onto 8 ranks (dp 4), LoRA at rank 16 (alpha 32).
 constexpr int kEpRanks = 8, kEpCp = 2, kEp = 8, kLoraRank = 16, kLoraAlpha = 32;
 
@@ -83,9 +84,18 @@ rf::MemoryBreakdown need_ep(const rf::model::Gemma4Multimodal& m, int tokens, Sh
   return rf::trainer::train_memory_at_least(c, m, kEpRanks);
 }
 
+// The figures' unit: GiB to one decimal (the real models), or whole MiB with --mib (a small config beside a
+// measured peak RSS, as BENCHMARKS.md's shard-memory table).
+struct Unit {
+  double bytes = kGiB;
+  const char* name = "GiB";
+  const char* format = "%.1f";
+};
+Unit unit;
+
 std::string gib(int64_t bytes) {
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f", static_cast<double>(bytes) / kGiB);
+  std::snprintf(buf, sizeof buf, unit.format, static_cast<double>(bytes) / unit.bytes);
   return bytes < 0 ? "overflow" : buf;
 }
 
@@ -107,12 +117,15 @@ int main(int argc, char** argv) {
         breakdown_tokens = cell[1];
       } else if (a == "--tokens" && i + 1 < argc) {
         tokens = parse_list(argv[++i]);
+      } else if (a == "--mib") {
+        unit = Unit{kMiB, "MiB", "%.0f"};
       } else {
         configs.push_back(a);
       }
     }
     RF_CHECK(!configs.empty(),
-             "usage: memory_table CONFIG.json... [--ranks 8,16,32,64] [--tokens 32768,65536,131072] [--breakdown N,S]");
+             "usage: memory_table CONFIG.json... [--ranks 8,16,32,64] [--tokens 32768,65536,131072] [--breakdown N,S] "
+             "[--mib]");
     const ShardMode modes[] = {ShardMode::None, ShardMode::Optimizer, ShardMode::Gradients, ShardMode::Full};
     std::vector<std::pair<std::string, rf::MemoryBreakdown>> breakdowns;
     for (const std::string& path : configs) {
@@ -120,8 +133,8 @@ int main(int argc, char** argv) {
       const rf::model::Gemma4Multimodal m(cfg, {}, rf::model::TensorSet::Storage::Deferred);
       std::string name = path.substr(path.find_last_of('/') + 1);
       name = name.substr(0, name.rfind(".json"));
-      std::printf("\n%s: %.2f B parameters (GiB per rank)\n\n| S | shard |", name.c_str(),
-                  static_cast<double>(m.params().total_elements()) / 1e9);
+      std::printf("\n%s: %.2f B parameters (%s per rank)\n\n| S | shard |", name.c_str(),
+                  static_cast<double>(m.params().total_elements()) / 1e9, unit.name);
       for (int n : ranks) std::printf(" N = %d |", n);
       std::printf("\n|---|---|");
       for (size_t k = 0; k < ranks.size(); ++k) std::printf("---|");
@@ -146,9 +159,9 @@ int main(int argc, char** argv) {
       std::string name = path.substr(path.find_last_of('/') + 1);
       name = name.substr(0, name.rfind(".json"));
       std::printf(
-          "\n%s, N = %d ranks (cp %d x dp %d), experts over EP 1 or %d (GiB per rank)\n\n| S | shard | EP 1 | EP %d |\n"
+          "\n%s, N = %d ranks (cp %d x dp %d), experts over EP 1 or %d (%s per rank)\n\n| S | shard | EP 1 | EP %d |\n"
           "|---|---|---|---|\n",
-          name.c_str(), kEpRanks, kEpCp, kEpRanks / kEpCp, kEp, kEp);
+          name.c_str(), kEpRanks, kEpCp, kEpRanks / kEpCp, kEp, unit.name, kEp);
       for (int s : tokens) {
         for (ShardMode mode : modes)
           std::printf("| %dK | %s | %s | %s |\n", s / 1024, std::string(rf::trainer::name_of(mode)).c_str(),
@@ -166,25 +179,25 @@ int main(int argc, char** argv) {
                                  need_ep(m, kDefaultBreakdownTokens, ShardMode::None, kEp, true));
     }
     std::printf(
-        "\nBy kind at N = %d, S = %dK (GiB per rank; terms under %.2f GiB left out):\n\n| model, mode | terms |\n"
+        "\nBy kind at N = %d, S = %dK (%s per rank; terms under %.2f %s left out):\n\n| model, mode | terms |\n"
         "|---|---|\n",
-        breakdown_ranks, breakdown_tokens / 1024, kShownGiB);
+        breakdown_ranks, breakdown_tokens / 1024, unit.name, kShownGiB, unit.name);
     for (const auto& [what, b] : breakdowns) {
       std::printf("| %s |", what.c_str());
       for (const rf::MemoryBreakdown::Term& t : b.terms())
-        if (static_cast<double>(t.bytes) >= kShownGiB * kGiB)
+        if (static_cast<double>(t.bytes) >= kShownGiB * unit.bytes)
           std::printf(" %s %s;", t.name.c_str(), gib(t.bytes).c_str());
       std::printf(" |\n");
     }
     if (!ep_breakdowns.empty()) {
       std::printf(
-          "\nExpert parallelism by kind at N = %d (cp %d x dp %d), S = %dK (GiB per rank):\n\n"
+          "\nExpert parallelism by kind at N = %d (cp %d x dp %d), S = %dK (%s per rank):\n\n"
           "| model, EP, mode | terms |\n|---|---|\n",
-          kEpRanks, kEpCp, kEpRanks / kEpCp, kDefaultBreakdownTokens / 1024);
+          kEpRanks, kEpCp, kEpRanks / kEpCp, kDefaultBreakdownTokens / 1024, unit.name);
       for (const auto& [what, b] : ep_breakdowns) {
         std::printf("| %s |", what.c_str());
         for (const rf::MemoryBreakdown::Term& t : b.terms())
-          if (static_cast<double>(t.bytes) >= kShownGiB * kGiB)
+          if (static_cast<double>(t.bytes) >= kShownGiB * unit.bytes)
             std::printf(" %s %s;", t.name.c_str(), gib(t.bytes).c_str());
         std::printf(" |\n");
       }

@@ -55,18 +55,25 @@ const VisionEncoder* Gemma4Multimodal::vision_tower() {
 void Gemma4Multimodal::refresh_vision_tower() {
   tower_.reset();
   if (!parts_.vision) return;
-  const ParamStore& store = params();
+  ParamStore& store = params();
   const auto find = [&](const std::string& name) -> std::optional<VisionEncoder::Found> {
-    if (store.contains(name)) {
-      const ParamInfo& p = store.info(store.slot(name));
-      const float* w = store.weight(store.slot(name));
-      return VisionEncoder::Found{p.shape, std::vector<float>(w, w + p.numel)};
+    if (store.contains(name)) {  // through read_weight: a sharded store's pieces gathered (a collective)
+      const size_t slot = store.slot(name);
+      VisionEncoder::Found f{store.info(slot).shape, std::vector<float>(static_cast<size_t>(store.info(slot).numel))};
+      store.read_weight(slot, f.values);
+      return f;
     }
     const io::Passthrough::Entry* e = kept_.find(name);
     if (e == nullptr) return std::nullopt;
     return VisionEncoder::Found{e->shape, io::to_float32(io::TensorView{name, e->dtype, e->shape, e->bytes})};
   };
   tower_ = std::make_unique<VisionEncoder>(*parts_.vision, find);
+  tower_->set_compute_dtype(vision_dtype_);
+}
+
+void Gemma4Multimodal::set_vision_compute_dtype(ComputeDtype t) {
+  vision_dtype_ = t;
+  if (tower_) tower_->set_compute_dtype(t);
 }
 
 void Gemma4Multimodal::adopt_tower_parameters() {
@@ -77,8 +84,7 @@ void Gemma4Multimodal::adopt_tower_parameters() {
     const io::Passthrough::Entry* e = kept_.find(p.name);
     RF_CHECK(e != nullptr && e->shape == p.shape, "model.train_vision: the tower has no tensor `", p.name,
              "` of shape ", io::shape_string(p.shape));
-    const std::vector<float> values = io::to_float32(io::TensorView{p.name, e->dtype, e->shape, e->bytes});
-    std::copy(values.begin(), values.end(), store.mutable_weight(slot));
+    store.write_weight(slot, io::to_float32(io::TensorView{p.name, e->dtype, e->shape, e->bytes}));
     kept_.drop(p.name);
   }
   tower_.reset();

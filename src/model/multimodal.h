@@ -115,10 +115,16 @@ class Gemma4Multimodal {
   // The vision tower of the current weights, its parameters from the store where they train (train_vision), the
   // rest from kept(): built (a float32 copy of the tower) by the first call after construction, an update
   // (refresh_vision_tower) or drop_vision_tower. Null when the model has no vision tower. Throws rf::Error naming a
-  // tower tensor that is missing or of the wrong shape.
+  // tower tensor that is missing or of the wrong shape. Building it reads the store's tower parameters through
+  // ParamStore::read_weight, a collective under a sharded store (shard full): every rank builds it at the same point.
   const VisionEncoder* vision_tower();
   // Builds the tower again from the current weights (after an update of a training tower).
   void refresh_vision_tower();
+  // What the tower multiplies in (VisionEncoder::set_compute_dtype), from now on: applied to the tower built now and
+  // to every one vision_tower() or refresh_vision_tower() builds later (the trainer hands it model.compute_dtype, so a
+  // bf16 run's tower runs in bf16 as its decoder does). Float32 until called.
+  void set_vision_compute_dtype(ComputeDtype t);
+  ComputeDtype vision_compute_dtype() const { return vision_dtype_; }
   // Frees the tower's float32 copy (a frozen tower, once the data's images are encoded).
   void drop_vision_tower() { tower_.reset(); }
   // train_vision on a fresh model: the tower's parameters, initialised in kept() (vision.h init_vision_tower), move
@@ -145,6 +151,7 @@ class Gemma4Multimodal {
   std::unique_ptr<VisionEmbedder> embed_vision_;
   io::Passthrough kept_;
   std::unique_ptr<VisionEncoder> tower_;  // vision_tower(), when built
+  ComputeDtype vision_dtype_ = ComputeDtype::Float32;
 };
 
 }  // namespace rf::model

@@ -46,6 +46,8 @@ void single_threaded_blas() {
 
 std::string_view compute_dtype_name(ComputeDtype t) { return t == ComputeDtype::Float32 ? "float32" : "bfloat16"; }
 
+std::string_view param_dtype_name(ParamDtype t) { return t == ParamDtype::Float32 ? "float32" : "bfloat16"; }
+
 ComputeDtype parse_compute_dtype(std::string_view s) {
   if (s == "float32" || s == "f32") return ComputeDtype::Float32;
   if (s == "bfloat16" || s == "bf16") return ComputeDtype::Bfloat16;

@@ -23,6 +23,12 @@ std::string_view compute_dtype_name(ComputeDtype t);  // "float32" / "bfloat16"
 // Parses "float32" or "bfloat16" (also "f32", "bf16"); throws rf::Error naming the value and the choices.
 ComputeDtype parse_compute_dtype(std::string_view s);
 
+// What the run reads the weights as (model.param_dtype). Float32: the float32 masters themselves. Bfloat16: a working
+// copy of every weight rounded to bf16 (nearest even) from the float32 masters, which the optimizer keeps updating in
+// float32; the gradients are taken against the working values and stay float32 (model/param_store.h).
+enum class ParamDtype { Float32, Bfloat16 };
+std::string_view param_dtype_name(ParamDtype t);  // "float32" / "bfloat16"
+
 // Where a matmul finds the bf16 copy of a float32 operand that is a weight, so the bf16 mode rounds a weight once per
 // change instead of once per call: the parameter store's compute copies (model/param_store.h), or Bf16Copies.
 class Bf16Lookup {

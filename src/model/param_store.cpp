@@ -170,6 +170,12 @@ void ParamStore::write_weight(size_t slot, std::span<const float> in) {
 
 float* ParamStore::mutable_master(size_t slot, int64_t first) { return mutable_weight(slot) + first; }
 
+void ParamStore::set_param_dtype(ParamDtype t) {
+  RF_CHECK(t == ParamDtype::Float32, "model.param_dtype: ", param_dtype_name(t),
+           " is not implemented by this parameter store (LoRA's and held experts' read float32 working weights)");
+  param_dtype_ = t;
+}
+
 void ParamStore::mark_streamed(size_t slot) {
   ParamInfo& p = infos_.at(slot);
   RF_CHECK(p.layer == kGlobalGroup, "mark_streamed: ", p.name, " belongs to decoder layer ", p.layer,
@@ -210,6 +216,13 @@ TensorSet ParamStore::snapshot(Role role) const {
 // Replicated float32 storage.
 // ---------------------------------------------------------------------------------------------------------------
 
+void ReplicatedStore::set_param_dtype(ParamDtype t) {
+  param_dtype_ = t;
+  widened_.clear();
+  working_ = {};
+  working_version_ = ~uint64_t{0};
+}
+
 void ReplicatedStore::allocate_weights() {
   if (weights_allocated_) return;
   weights_.assign(static_cast<size_t>(total_elements()), 0.f);
@@ -222,11 +235,77 @@ void ReplicatedStore::release_weights() {
   bf16_ = {};
   weights_allocated_ = false;
   bf16_version_ = ~uint64_t{0};
+  working_ = {};
+  working_version_ = ~uint64_t{0};
+  widened_.clear();
 }
 
 const float* ReplicatedStore::weight(size_t slot) const {
+  if (!widened_.empty()) {
+    const auto it = widened_.find(slot);
+    if (it != widened_.end()) return it->second.data();
+  }
   RF_CHECK(weights_allocated_, "parameter ", info(slot).name, " is not allocated");
   return weights_.data() + info(slot).offset;
+}
+
+const bf16* ReplicatedStore::working(size_t slot) {
+  RF_CHECK(param_dtype_ == ParamDtype::Bfloat16, "param store: a bf16 working copy of ", info(slot).name,
+           " under param_dtype float32");
+  const std::lock_guard<std::mutex> lock(bf16_mutex_);
+  if (working_version_ != version()) {
+    RF_CHECK(weights_allocated_, "run: the parameters are not allocated");
+    working_.resize(weights_.size());
+    round_to_bf16(weights_.data(), working_.data(), total_elements());
+    working_version_ = version();
+  }
+  return working_.data() + info(slot).offset;
+}
+
+void ReplicatedStore::widen_slot(size_t slot) {
+  if (widened_.count(slot)) return;
+  const int64_t n = info(slot).numel;
+  std::vector<float> values(static_cast<size_t>(n));
+  widen(HeldWeight{HeldDType::BF16, working(slot)}, 0, n, values.data());
+  widened_.emplace(slot, std::move(values));
+}
+
+void ReplicatedStore::widen_group(int layer) {
+  for (size_t slot : group(layer))
+    if (!info(slot).streamed) widen_slot(slot);
+}
+
+void ReplicatedStore::drop_group(int layer) {
+  for (size_t slot : group(layer))
+    if (!info(slot).streamed) widened_.erase(slot);
+}
+
+void ReplicatedStore::before_forward(int layer) {
+  if (param_dtype_ == ParamDtype::Bfloat16) widen_group(layer);
+}
+
+void ReplicatedStore::after_forward(int layer) {
+  if (param_dtype_ == ParamDtype::Bfloat16) drop_group(layer);
+}
+
+void ReplicatedStore::before_backward(int layer) {
+  if (param_dtype_ == ParamDtype::Bfloat16) widen_group(layer);
+}
+
+void ReplicatedStore::after_backward(int layer) {
+  if (param_dtype_ == ParamDtype::Bfloat16) drop_group(layer);
+}
+
+void ReplicatedStore::acquire_head(size_t slot) {
+  if (param_dtype_ == ParamDtype::Bfloat16) widen_slot(slot);
+}
+
+void ReplicatedStore::release_head(size_t slot) { widened_.erase(slot); }
+
+ParamStore::TableRows ReplicatedStore::rows(size_t slot, std::span<const int32_t> ids, bool want_grads) {
+  TableRows t = ParamStore::rows(slot, ids, want_grads);
+  if (param_dtype_ == ParamDtype::Bfloat16) t.values = HeldWeight{HeldDType::BF16, working(slot)};
+  return t;
 }
 
 float* ReplicatedStore::mutable_weight(size_t slot) {
@@ -236,6 +315,7 @@ float* ReplicatedStore::mutable_weight(size_t slot) {
 }
 
 const Bf16Lookup& ReplicatedStore::bf16_weights() {
+  if (param_dtype_ == ParamDtype::Bfloat16) return *this;  // the working copy is what the matmuls multiply
   const std::lock_guard<std::mutex> lock(bf16_mutex_);
   if (bf16_version_ != version()) {
     RF_CHECK(weights_allocated_, "run: the parameters are not allocated");
@@ -249,8 +329,20 @@ const Bf16Lookup& ReplicatedStore::bf16_weights() {
 
 const bf16* ReplicatedStore::find(const float* src, int64_t extent) const {
   // In addresses, not pointer arithmetic: src may lie in another array altogether.
-  const uintptr_t base = reinterpret_cast<uintptr_t>(weights_.data());
   const uintptr_t at = reinterpret_cast<uintptr_t>(src);
+  if (param_dtype_ == ParamDtype::Bfloat16) {
+    for (const auto& [slot, values] : widened_) {
+      const uintptr_t base = reinterpret_cast<uintptr_t>(values.data());
+      if (at < base || (at - base) % sizeof(float) != 0) continue;
+      const int64_t offset = static_cast<int64_t>((at - base) / sizeof(float));
+      if (offset >= static_cast<int64_t>(values.size())) continue;
+      const ParamInfo& p = info(slot);
+      if (!p.matmul || offset + extent > p.numel) return nullptr;
+      return working_.data() + p.offset + offset;
+    }
+    return nullptr;
+  }
+  const uintptr_t base = reinterpret_cast<uintptr_t>(weights_.data());
   if (weights_.empty() || at < base || (at - base) % sizeof(float) != 0) return nullptr;
   const int64_t offset = static_cast<int64_t>((at - base) / sizeof(float));
   if (offset >= static_cast<int64_t>(weights_.size())) return nullptr;
@@ -288,7 +380,14 @@ void ReplicatedStore::set_moment_range(int64_t begin, int64_t end) {
   }
 }
 
-void ReplicatedStore::zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.f); }
+void ReplicatedStore::zero_grads() {
+  // Every optimizer step starts here, over the whole gradient arena (4 bytes a trainable parameter): filled by all
+  // threads, as the model's accumulated buffers are (gemma4_run.h zeros), not by one while the others wait.
+  float* const g = grads_.data();
+  const int64_t n = static_cast<int64_t>(grads_.size());
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) g[i] = 0.f;
+}
 
 void ReplicatedStore::release_training_state() {
   grads_ = {};

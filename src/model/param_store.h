@@ -18,6 +18,15 @@
 // when version() moved: only writers of the weights (the loader, init, the optimizer, through mutable_weight /
 // mutable_flat) move it.
 //
+// Working weights (model.param_dtype, ops.h ParamDtype). Float32: the run reads the float32 weights themselves.
+// Bfloat16: the weights stay float32 masters (the optimizer, the checkpoint writer and read_weight see them), and the
+// run reads a working copy of every weight rounded to bf16 once per change of the masters (version()): between a
+// group's before_* and after_* hooks (the global group's small parameters for the whole run, the head between
+// acquire_head and release_head) weight(slot) points at that group's working values widened to float32 (exact; one
+// group at a time, never the whole model), the tables' rows() are the bf16 values themselves, and a bf16 compute run
+// multiplies the working copy's own bits (find() gives them, no second rounding). Gradients are taken against the
+// working values, in float32. Every implementation that takes bfloat16 gives the same bits as the replicated one.
+//
 // Layer hooks. The run calls, for each decoder layer l (and kGlobalGroup for the global group, whose small
 // parameters, such as the final norm and the projections, stay acquired for the whole run: they are read at its start
 // and its end; its streamed ones, ParamInfo::streamed, never are: the token tables are read through rows() and the
@@ -153,6 +162,11 @@ class ParamStore : public Bf16Lookup {
   // Bumped by every writer of the weights; the compute copies are current when they were made at this version.
   uint64_t version() const { return version_; }
 
+  // What the run reads the weights as (see the top of this file). Throws rf::Error for a dtype the store does not
+  // implement (here: every store takes float32; the replicated and sharded stores take bfloat16 too).
+  virtual void set_param_dtype(ParamDtype t);
+  ParamDtype param_dtype() const { return param_dtype_; }
+
   // --- Storage (the implementation's) ---
   // The weights exist only once allocated (zero-filled; no-op when they are): until then a store is names and shapes,
   // so a loader can check what a config claims against its files and the machine's memory before allocating any.
@@ -282,12 +296,17 @@ class ParamStore : public Bf16Lookup {
   int64_t total_ = 0, trainable_total_ = 0, bf16_total_ = 0;
   int64_t moment_begin_ = 0, moment_end_ = -1;  // end -1: the whole trainable layout
   uint64_t version_ = 0;
+
+ protected:
+  ParamDtype param_dtype_ = ParamDtype::Float32;
 };
 
 // Every parameter in float32 on every rank (today's layout): one arena per role, the compute copies rounded from the
-// weights arena, the hooks no-ops.
+// weights arena, the hooks no-ops. With param_dtype bfloat16 also a bf16 working copy of every weight [total elements]
+// (2 bytes a parameter beside the masters' 4), rounded when version() moved, which the hooks widen group by group.
 class ReplicatedStore : public ParamStore {
  public:
+  void set_param_dtype(ParamDtype t) override;
   void allocate_weights() override;
   bool weights_allocated() const override { return weights_allocated_; }
   const float* weight(size_t slot) const override;
@@ -308,10 +327,25 @@ class ReplicatedStore : public ParamStore {
   std::span<const float> flat(Role role) const override;
   std::span<float> mutable_flat(Role role) override;
 
-  // Bf16Lookup: the copy of src[0, extent) when it lies inside one matmul operand of the weights arena.
+  // Bf16Lookup: the copy of src[0, extent) when it lies inside one matmul operand of the weights arena (param_dtype
+  // bfloat16: inside one widened matmul operand, whose working copy it gives).
   const bf16* find(const float* src, int64_t extent) const override;
 
+  TableRows rows(size_t slot, std::span<const int32_t> ids, bool want_grads) override;
+  void acquire_head(size_t slot) override;
+  void release_head(size_t slot) override;
+  void before_forward(int layer) override;
+  void after_forward(int layer) override;
+  void before_backward(int layer) override;
+  void after_backward(int layer) override;
+
  protected:
+  // param_dtype bfloat16: the working copy of `slot` [numel], rounded from the masters if they changed since.
+  const bf16* working(size_t slot);
+  // Widens the working copy of the group's slots (kGlobalGroup: those not streamed) / of one slot, or drops it.
+  void widen_group(int layer);
+  void drop_group(int layer);
+  void widen_slot(size_t slot);
   void release_training_state() override;
   // Drops the weights and their compute copies (a sharded store that keeps only its pieces between saves).
   void release_weights();
@@ -325,6 +359,11 @@ class ReplicatedStore : public ParamStore {
   std::mutex bf16_mutex_;  // ranks of a loopback group may share a model
   std::vector<bf16> bf16_;
   uint64_t bf16_version_ = ~uint64_t{0};  // the version bf16_ was rounded at (none yet)
+  // param_dtype bfloat16: the working copy [total elements] (the weights arena's layout), the version it was rounded
+  // at, and the float32 views of the slots between their hooks (slot -> [numel]).
+  std::vector<bf16> working_;
+  uint64_t working_version_ = ~uint64_t{0};
+  std::unordered_map<size_t, std::vector<float>> widened_;
 };
 
 }  // namespace rf::model

@@ -182,7 +182,7 @@ io::Passthrough init_vision_tower(const VisionConfig& c, uint64_t seed) {
 
 void register_vision_tower(ParamStore& store, const VisionConfig& c) {
   for (const TowerTensor& t : vision_tower_tensors(c))
-    if (t.parameter) store.add(kVisionTowerPrefix + t.name, t.shape);
+    if (t.parameter) store.mark_streamed(store.add(kVisionTowerPrefix + t.name, t.shape));
 }
 
 }  // namespace rf::model

@@ -84,8 +84,10 @@ io::Passthrough init_vision_tower(const VisionConfig& c, uint64_t seed);
 // model.train_vision: registers the tower's parameters (TowerTensor::parameter, under kVisionTowerPrefix, in
 // vision_tower_tensors' order) in `store`, after the decoder's and before the store allocates, so that they get
 // gradients and AdamW moments like the decoder's; their group is kGlobalGroup (no decoder layer) and they are no
-// matmul operand of the decoder (the tower multiplies in float32 from its own copy, vision_encoder.h). The buffers
-// stay passthrough tensors.
+// matmul operand of the decoder (the tower multiplies from its own float32 copy, vision_encoder.h). They are marked
+// streamed (ParamStore::mark_streamed): the decoder's run never reads them, so a sharded store keeps them out of the
+// global group it gathers for every run; the tower's copy reads them through read_weight and its gradients reach
+// their owners through ShardedStore::reduce_gradient (trainer/step.cpp). The buffers stay passthrough tensors.
 void register_vision_tower(ParamStore& store, const VisionConfig& c);
 
 }  // namespace rf::model

@@ -172,6 +172,8 @@ const std::vector<Field>& fields() {
       string_list("model.freeze", &ModelSection::freeze),
       choice("model.compute_dtype", &C::model, &ModelSection::compute_dtype,
              {model::ComputeDtype::Float32, model::ComputeDtype::Bfloat16}, model::compute_dtype_name),
+      choice("model.param_dtype", &C::model, &ModelSection::param_dtype,
+             {model::ParamDtype::Float32, model::ParamDtype::Bfloat16}, model::param_dtype_name),
       field("model.lora.rank", kInt, &C::model, &ModelSection::lora_rank),
       field("model.lora.alpha", kNum, &C::model, &ModelSection::lora_alpha),
       field("model.lora.dropout", kNum, &C::model, &ModelSection::lora_dropout),
@@ -202,6 +204,7 @@ const std::vector<Field>& fields() {
       choice("parallelism.shard", &C::parallelism, &ParallelismSection::shard,
              {ShardMode::None, ShardMode::Optimizer, ShardMode::Gradients, ShardMode::Full}, kShardName),
       field("parallelism.ep", kInt, &C::parallelism, &ParallelismSection::ep),
+      field("parallelism.split_vision", "true or false", &C::parallelism, &ParallelismSection::split_vision),
       field("train.steps", kInt, &C::train, &TrainSection::steps),
       field("train.seq_len", kInt, &C::train, &TrainSection::seq_len),
       field("train.global_batch", kInt, &C::train, &TrainSection::global_batch),
@@ -379,14 +382,24 @@ void validate(const TrainConfig& c, int world_size) {
     RF_CHECK(!c.model.train_vision, "config: model.lora with model.train_vision is not implemented (LoRA adapts the ",
              "decoder; the tower would train in full beside it)");
   }
-  // The tower's backward runs after the decoder's (step.cpp run_with_tower), once its input gradient is summed over
-  // the CP group, while a sharded store reduces the global group's gradients into their owners' slices at the end of
-  // the decoder's run: the tower would need hooks of its own in the store (sharded_store.h).
-  RF_CHECK(!c.model.train_vision || c.parallelism.shard == ShardMode::None ||
+  // Under shard gradients / full the tower's gradients reach their owners through the sharded store
+  // (ShardedStore::reduce_gradient, step.cpp add_tower_gradients); with held experts (ep > 1) the store is a
+  // HeldExpertStore, which has no such path.
+  RF_CHECK(!c.model.train_vision || c.parallelism.ep == 1 || c.parallelism.shard == ShardMode::None ||
                c.parallelism.shard == ShardMode::Optimizer,
-           "config: model.train_vision with parallelism.shard = ", name_of(c.parallelism.shard),
-           " is not implemented (none or optimizer: the tower trains after the decoder's run, when a sharded store ",
-           "has reduced that run's gradients already)");
+           "config: model.train_vision with parallelism.ep > 1 and parallelism.shard = ", name_of(c.parallelism.shard),
+           " is not implemented (none or optimizer: the held experts' store does not reduce the tower's gradients)");
+  // bf16 working weights are the replicated and the sharded stores' (model/param_store.h). A LoRA base is held in its
+  // checkpoint's dtype already and its adapters are small; held experts and the vision tower read float32 copies of
+  // their own, which would leave them on float32 working weights beside a bf16 decoder.
+  if (c.model.param_dtype == model::ParamDtype::Bfloat16) {
+    const char* other = c.model.lora_rank != 0 ? "model.lora"
+                        : c.parallelism.ep > 1 ? "parallelism.ep > 1"
+                        : c.model.train_vision ? "model.train_vision"
+                                               : nullptr;
+    RF_CHECK(other == nullptr, "config: model.param_dtype = bfloat16 with ", other,
+             " is not implemented (its weights keep float32 working copies of their own)");
+  }
   if (c.data.source != SourceKind::Mock) {
     RF_CHECK(!c.data.path.empty(), "config: data.path is required with data.source = ", name_of(c.data.source));
     RF_CHECK(is_file(c.data.path), "config: data.path = '", c.data.path, "' is not a file");

@@ -30,6 +30,9 @@ struct ModelSection {
   std::vector<std::string> freeze;       // parameters whose name contains one of these do not train
   // float32 | bfloat16: what the linear layers multiply in (model::RunOptions::compute_dtype)
   model::ComputeDtype compute_dtype = model::ComputeDtype::Float32;
+  // float32 | bfloat16: the working copy of the weights the run reads (model::ParamDtype, model/param_store.h); the
+  // masters the optimizer updates and the checkpoint writes stay float32
+  model::ParamDtype param_dtype = model::ParamDtype::Float32;
   // LoRA over the frozen base (model/lora_store.h), PEFT's LoraConfig names: off while lora_rank is 0.
   int lora_rank = 0;
   double lora_alpha = 8.0;
@@ -88,6 +91,13 @@ struct ParallelismSection {
   // every rank keeps the whole frozen base and, under shard none, only its experts' adapters
   // (model::LoraStore::place_experts); under shard optimizer every expert's.
   int ep = 1;
+  // The vision tower's work over the ranks (issue 24 item 4): true divides it, each image encoded once (a frozen
+  // tower's data images over all ranks when the data is read, then one sum; with model.train_vision each
+  // micro-batch's images over its CP group, balanced by patch count, the soft tokens and their gradients summed over
+  // the group); false: every rank encodes every image its rows hold, as a reference system runs the tower on the
+  // full row before sharding, and with model.train_vision back-propagates its own positions' share of the soft
+  // tokens' gradient (the gradient reduction sums the shares). The same losses either way (README, Config).
+  bool split_vision = true;
 };
 
 struct TrainSection {

@@ -9,6 +9,7 @@
 #include "model/memory.h"
 #include "trainer/held_expert_store.h"
 #include "trainer/run.h"
+#include "trainer/runtime_memory.h"
 #include "trainer/sharded_store.h"
 #include "trainer/trainer.h"
 
@@ -68,6 +69,8 @@ int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& shapes)
 // Terms, each counting buffers train() surely holds through a step (float32 unless said):
 //   weights          the parameters (and buffers), Gemma4Multimodal::params()/buffers();
 //   bf16 copies      with model.compute_dtype = bfloat16, the matrices' bf16 copies (the model's bf16_weight_bytes);
+//                    with model.param_dtype = bfloat16 the bf16 working weights instead
+//                    (ShardedStore::working_bytes_for);
 //   gradients        the parameter store's gradient arena: the trainable parameters only;
 //   AdamW moments    exp_avg and exp_avg_sq, two more such arenas;
 //   the step's rows  this replica's global_batch / dp rows of seq_len tokens, five int32 arrays each (their image
@@ -77,7 +80,9 @@ int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& shapes)
 //   then the larger of what one micro-batch's run holds (model::run_memory_at_least: train.micro_batch rows of
 //   ceil(seq_len / cp) tokens, a shard is never shorter, with train.recompute: "activations", "one layer" or
 //   "loss chunk"). The gradient reduction runs in place over the gradient arena (the communicator's own slices of at
-//   most comm::Communicator::kReduceSliceBytes not counted).
+//   most comm::Communicator::kReduceSliceBytes not counted);
+//   runtime baseline the rank's resident set when the first check ran, before the run allocated its state (its
+//                    libraries, MPI's segments, the start-up heap: trainer/runtime_memory.h).
 // Left out, so the figure stays a lower bound: the ring's receive buffers (what a rank receives depends on each
 // batch's documents; packed short documents need almost none), the data set's packed rows, the plan, the
 // checkpoint writer's copies, and validation's forward (smaller than the training step's).
@@ -135,16 +140,21 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
     // The sharded store's state by kind (ShardedStore::bytes_for says what each holds; LoRA is none or optimizer).
     // The tables' rows: every rank's micro-batch's tokens (the CP group's ranks share rows).
     const int64_t step_tokens = int64_t{c.train.micro_batch} * c.train.seq_len * c.parallelism.dp;
+    // A rank reads the rows of its own tokens (a cp-th of each of its micro-batch's rows) from the other tables.
+    const int64_t rank_tokens =
+        int64_t{c.train.micro_batch} * ((c.train.seq_len + c.parallelism.cp - 1) / c.parallelism.cp);
     const ShardedStore::Bytes b =
         ShardedStore::bytes_for(m.params(), m.params().trainable_after(c.model.freeze),
                                 full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients, world_size,
-                                step_tokens);
+                                step_tokens, rank_tokens);
     need.add(full ? "weight shard" : "weights", b.weight_shard + m.buffers().total_bytes());
     need.add(full ? "gathered weights" : "the tables' rows", b.gathered);
     need.add("gradients", b.gradients);
     need.add("AdamW moments", b.moments);
     need.add("communication buffers", b.comm_buffers);
-    if (c.model.compute_dtype == model::ComputeDtype::Bfloat16)
+    if (c.model.param_dtype == model::ParamDtype::Bfloat16)
+      need.add("bf16 working weights", ShardedStore::working_bytes_for(m.params(), full ? b.gathered : -1));
+    else if (c.model.compute_dtype == model::ComputeDtype::Bfloat16)
       need.add("bf16 weight copies",
                full ? b.gathered / static_cast<int64_t>(sizeof(float) / sizeof(bf16)) : m.bf16_weight_bytes());
   } else {                       // shard none or optimizer: replicated weights and gradients
@@ -176,7 +186,9 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
                                         : trainable_elements;
     need.add("AdamW moments", checked_bytes({kMoments, moment_elements, static_cast<int64_t>(sizeof(float))}));
     // (A LoRA base has none: the matmuls read a bf16 base as it is mapped, and round another per call.)
-    if (c.model.compute_dtype == model::ComputeDtype::Bfloat16 && c.model.lora_rank == 0)
+    if (c.model.param_dtype == model::ParamDtype::Bfloat16)
+      need.add("bf16 working weights", ShardedStore::working_bytes_for(m.params(), -1));
+    else if (c.model.compute_dtype == model::ComputeDtype::Bfloat16 && c.model.lora_rank == 0)
       need.add("bf16 weight copies", m.bf16_weight_bytes() - bf16_elsewhere * static_cast<int64_t>(sizeof(bf16)));
   }
   // A step builds all of this replica's rows before its micro-batches run: five int32 arrays a token (ids, labels,
@@ -194,6 +206,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   run.recompute_layers = c.train.recompute;
   run.keep_mlp_projections = c.train.keep_mlp;
   need.add(model::run_memory_at_least(m.decoder(), run));
+  need.add(kRuntimeBaseline, runtime_baseline_bytes());
   return need;
 }
 

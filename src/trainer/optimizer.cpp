@@ -1,12 +1,57 @@
 // ringflex trainer: AdamW, schedule and clipping (see optimizer.h).
 #include "trainer/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
 #include "core/error.h"
+#include "trainer/optimizer_kernels.h"
 
 namespace rf::trainer {
+
+namespace {
+
+// Elements one thread's call of a kernel takes: 64 KiB of each float32 stream, large enough that the call costs
+// nothing beside it and small enough that the threads share a 640-element norm scale or a 42M-element table evenly.
+constexpr int64_t kBlockElements = int64_t{1} << 14;
+
+// Calls fn(first, count) over [0, n) in blocks, spread over the threads. Each element's result depends on itself
+// alone, so the bits do not depend on the thread count or the blocks.
+template <typename Fn>
+void for_blocks(int64_t n, Fn&& fn) {
+  const int64_t blocks = (n + kBlockElements - 1) / kBlockElements;
+#pragma omp parallel for schedule(static) if (blocks > 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t first = b * kBlockElements;
+    fn(first, std::min(kBlockElements, n - first));
+  }
+}
+
+}  // namespace
+
+const OptimizerKernels& optimizer_kernels_for(cpu::Isa isa) {
+  switch (isa) {
+#if defined(__x86_64__)
+    case cpu::Isa::Avx512:
+      return avx512_optimizer_kernels();
+    case cpu::Isa::Avx2:
+      return avx2_optimizer_kernels();
+#else
+    case cpu::Isa::Avx512:
+    case cpu::Isa::Avx2:
+      fail("the ", cpu::isa_name(isa), " optimizer kernels exist only in x86-64 builds");
+#endif
+    case cpu::Isa::Scalar:
+      return scalar_optimizer_kernels();
+  }
+  fail("internal error: unknown ISA");
+}
+
+const OptimizerKernels& optimizer_kernels() {
+  static const OptimizerKernels& chosen = optimizer_kernels_for(cpu::kernel_path().isa);
+  return chosen;
+}
 
 double learning_rate(const OptimizerSection& opt, const ScheduleSection& sched, int step, int total_steps) {
   if (step <= sched.warmup_steps) return opt.lr * step / sched.warmup_steps;
@@ -31,7 +76,8 @@ double clip_factor(double norm, double max_norm) {
 }
 
 void scale(std::span<float> g, double factor) {
-  for (float& x : g) x = static_cast<float>(x * factor);
+  const OptimizerKernels& k = optimizer_kernels();
+  for_blocks(static_cast<int64_t>(g.size()), [&](int64_t first, int64_t n) { k.scale(g.data() + first, n, factor); });
 }
 
 double global_grad_norm(const model::ParamStore& store) {
@@ -46,7 +92,7 @@ double clip_gradients(model::ParamStore& store, double norm, double max_norm) {
 
 AdamW::AdamW(model::ParamStore& store, OptimizerSection opt) : opt_(opt) { store.allocate_moments(); }
 
-void AdamW::step(model::ParamStore& store, double lr, int64_t step) {
+void AdamW::step(model::ParamStore& store, double lr, int64_t step, double grad_scale) {
   RF_ASSERT(step >= 1 && store.has_grads() && store.has_moments());
   const double b1 = opt_.beta1, b2 = opt_.beta2;
   const double correction1 = 1.0 - std::pow(b1, static_cast<double>(step));
@@ -57,23 +103,21 @@ void AdamW::step(model::ParamStore& store, double lr, int64_t step) {
   float* const m_all = store.mutable_flat(model::Role::ExpAvg).data();
   float* const v_all = store.mutable_flat(model::Role::ExpAvgSq).data();
   const float* const g_all = store.flat(model::Role::Grads).data();  // from trainable element grads_begin()
+  const OptimizerKernels& k = optimizer_kernels();
   for (const model::ParamStore::Segment& seg : store.trainable_segments(range.begin, range.end)) {
-    const double decay = store.info(seg.slot).decays() ? lr * opt_.weight_decay : 0.0;
+    const AdamWConstants c{b1,
+                           b2,
+                           correction1,
+                           correction2,
+                           opt_.eps,
+                           lr,
+                           store.info(seg.slot).decays() ? lr * opt_.weight_decay : 0.0,
+                           grad_scale};
     float* p = store.mutable_master(seg.slot, seg.first);
     float* m = m_all + (seg.train_index - range.begin);
     float* v = v_all + (seg.train_index - range.begin);
     const float* g = g_all + (seg.train_index - store.grads_begin());
-    const int64_t n = seg.n;
-#pragma omp parallel for schedule(static)
-    for (int64_t e = 0; e < n; ++e) {
-      const double gd = g[e];
-      const double mn = b1 * m[e] + (1.0 - b1) * gd;
-      const double vn = b2 * v[e] + (1.0 - b2) * gd * gd;
-      m[e] = static_cast<float>(mn);
-      v[e] = static_cast<float>(vn);
-      const double update = (mn / correction1) / (std::sqrt(vn / correction2) + opt_.eps);
-      p[e] = static_cast<float>(p[e] - decay * p[e] - lr * update);
-    }
+    for_blocks(seg.n, [&](int64_t first, int64_t n) { k.adamw(p + first, m + first, v + first, g + first, n, c); });
   }
 }
 

@@ -48,7 +48,9 @@ class AdamW {
   // One update with learning rate `lr` from the store's gradients; `step` counts updates from 1 (bias correction).
   // Updates the trainable elements whose moments the store holds (ParamStore::moment_range: all, or this rank's
   // shard under parallelism.shard = optimizer, whose other elements the trainer then gathers from their owners).
-  void step(model::ParamStore& store, double lr, int64_t step);
+  // The gradients are taken times `grad_scale` (clip_factor's), each product rounded to float32 as scale() writes
+  // it: the bits of scale() then step() in one pass over the arena instead of two, the store's gradients unchanged.
+  void step(model::ParamStore& store, double lr, int64_t step, double grad_scale = 1.0);
 
  private:
   OptimizerSection opt_;

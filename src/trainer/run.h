@@ -107,8 +107,8 @@ std::vector<PackedBatch> replica_micro_batches(const Run& r);
 TokenCounts count_tokens(const Run& r, const std::vector<PackedBatch>& batches);
 double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t label_tokens);
 void reduce_gradients(Run& r);
-double clip_global_norm(Run& r, double max_norm);
-double apply_update(Run& r, int64_t step);
+double clip_global_norm(Run& r, double max_norm, double& factor);
+double apply_update(Run& r, int64_t step, double clip);
 void check_finite_step(int64_t step, double loss, double norm, const std::string& last_checkpoint);
 double validation_loss(Run& r);
 

@@ -272,12 +272,13 @@ void set_up_data(Run& r) {
   const std::string& config_json = m.config().source_json;
   ImageContract images;
   images.tokens = model::MultimodalTokens::from_config_json(config_json, "the model's config.json");
-  images.rank = r.world.rank();
-  images.ranks = r.world.size();
+  images.rank = cfg.parallelism.split_vision ? r.world.rank() : 0;  // without the split each rank encodes them all
+  images.ranks = cfg.parallelism.split_vision ? r.world.size() : 1;
   images.train_vision = cfg.model.train_vision;
   // A frozen tower encodes the data's images once, here; its float32 copy of the weights goes with it. A trained one
   // (model.train_vision) is kept and encodes every micro-batch's images.
   images.vision = [&]() -> const model::VisionEncoder* { return r.ck.model->vision_tower(); };
+  r.ck.model->set_vision_compute_dtype(cfg.model.compute_dtype);  // the tower multiplies as the decoder does
   r.data = make_data_source(cfg, contract, images);
   if (cfg.model.train_vision)
     RF_CHECK(images.vision() != nullptr, "config: model.train_vision, but the model has no vision tower");
@@ -311,6 +312,7 @@ void set_up_optimizer(Run& r) {
     r.ck.model->replace_params(model::hold_expert_rows(store, r.world.rank() % cfg.parallelism.ep, cfg.parallelism.ep));
   model::ParamStore& held = r.ck.model->params();
   held.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
+  held.set_param_dtype(cfg.model.param_dtype);
 }
 
 }  // namespace

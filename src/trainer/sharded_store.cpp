@@ -14,6 +14,19 @@ namespace rf::trainer {
 using model::ParamInfo;
 using model::Role;
 
+namespace {
+
+// The head, the one streamed parameter a run reads whole (around the loss): lm_head.weight, or the token table it is
+// tied to (SIZE_MAX: neither). The other tables are read by row only (E2B's and E4B's per-layer table is 6x their
+// head).
+size_t head_slot(const model::ParamStore& registry) {
+  for (const char* name : {"lm_head.weight", "model.embed_tokens.weight"})
+    if (registry.contains(name)) return registry.slot(name);
+  return SIZE_MAX;
+}
+
+}  // namespace
+
 // One hook group (a decoder layer, or the global group): its slots and where each lies in the group's buffers.
 struct ShardedStore::Group {
   int layer = model::kGlobalGroup;
@@ -24,11 +37,16 @@ struct ShardedStore::Group {
 };
 
 // A group's weights gathered (or on their way): every rank's pieces land in `staging` in rank order, then are put
-// in place in `w` [elements] (and their bf16 copies in `b16`).
+// in place in `w` [elements] (and their bf16 copies in `b16`). With param_dtype bfloat16 the working weights travel
+// instead: the pieces rounded to bf16 land in `staging16`, are put in place in `b16` (the working copy itself) and
+// widened into `w`.
 struct ShardedStore::Gathered {
   const Group* group = nullptr;
   bool trainable_only = false;
+  bool working16 = false;  // the pieces travel as bf16 working weights
   std::vector<float> staging;
+  std::vector<bf16> staging16;
+  bool staged() const { return !staging.empty() || !staging16.empty(); }
   std::vector<size_t> part_bytes;  // [P]
   comm::PostedPtr posted;          // null once finished
   std::vector<float> w;
@@ -44,13 +62,17 @@ struct ShardedStore::Reduction {
   comm::PostedPtr posted;
 };
 
-// A token table's rows for one run (rows()): `ids` the sorted union of every rank's ids (the distinct tokens of
-// every rank's micro-batch), `w` [ids, W] their values, `g` [ids, W] this rank's gradient of them.
+// A token table's rows for one run (rows()): `ids` the rows this rank holds, sorted and distinct (the distinct tokens
+// of its own micro-batch; every rank's together for the table tied to a trained head), `w` [ids, W] their values
+// (`w16` instead with param_dtype bfloat16: the working rows), `g` [ids, W] this rank's gradient of them; of_rank [P]
+// every rank's `ids` (whose gradient rows reach each owner).
 struct ShardedStore::Table {
   size_t slot = 0;
   int64_t width = 0;
   std::vector<int32_t> ids;
+  std::vector<std::vector<int32_t>> of_rank;
   std::vector<float> w, g;
+  std::vector<bf16> w16;
   bool grads = false;
 };
 
@@ -204,10 +226,14 @@ double ShardedStore::take_exposed_seconds() { return std::exchange(exposed_secon
 
 // Every rank packs its pieces of the group's slots (its own masters in full; its part of the whole weights in
 // gradients, where only trainable pieces travel) and posts one all-gather of the parts.
-std::unique_ptr<ShardedStore::Gathered> ShardedStore::post_gather(const Group& g, bool trainable_only) {
+// working: the run's working weights (param_dtype bfloat16: rounded to bf16 before they travel, half the bytes);
+// false: the float32 masters (unshard, after_update).
+std::unique_ptr<ShardedStore::Gathered> ShardedStore::post_gather(const Group& g, bool trainable_only, bool working) {
   auto t = std::make_unique<Gathered>();
   t->group = &g;
   t->trainable_only = trainable_only;
+  t->working16 = working && param_dtype() == model::ParamDtype::Bfloat16;
+  const size_t element_bytes = t->working16 ? sizeof(bf16) : sizeof(float);
   t->part_bytes.assign(static_cast<size_t>(P_), 0);
   size_t total = 0, at_mine = 0;
   for (int q = 0; q < P_; ++q) {
@@ -215,19 +241,27 @@ std::unique_ptr<ShardedStore::Gathered> ShardedStore::post_gather(const Group& g
     for (size_t slot : g.slots)
       if (!trainable_only || info(slot).trainable) t->part_bytes[static_cast<size_t>(q)] += piece(slot, q).n;
     total += t->part_bytes[static_cast<size_t>(q)];
-    t->part_bytes[static_cast<size_t>(q)] *= sizeof(float);
+    t->part_bytes[static_cast<size_t>(q)] *= element_bytes;
   }
-  t->staging.resize(total);
-  float* out = t->staging.data() + at_mine;
+  if (t->working16)
+    t->staging16.resize(total);
+  else
+    t->staging.resize(total);
+  size_t out = at_mine;
   for (size_t slot : g.slots) {
     if (trainable_only && !info(slot).trainable) continue;
     const Piece pc = piece(slot, me_);
     const float* src = mode_ == Mode::Full
                            ? (info(slot).trainable ? own_trainable_.data() : own_frozen_.data()) + pc.local
-                           : ReplicatedStore::weight(slot) + pc.first;
-    out = std::copy_n(src, pc.n, out);
+                           : ReplicatedStore::flat(Role::Weights).data() + info(slot).offset + pc.first;
+    if (t->working16)
+      model::round_to_bf16(src, t->staging16.data() + out, pc.n);
+    else
+      std::copy_n(src, pc.n, t->staging.data() + out);
+    out += static_cast<size_t>(pc.n);
   }
-  if (P_ > 1) t->posted = comm_->post_allgatherv(t->staging.data(), t->part_bytes);
+  void* buffer = t->working16 ? static_cast<void*>(t->staging16.data()) : static_cast<void*>(t->staging.data());
+  if (P_ > 1) t->posted = comm_->post_allgatherv(buffer, t->part_bytes);
   return t;
 }
 
@@ -239,6 +273,23 @@ void ShardedStore::finish_gather(Gathered& t) {
   }
   const Group& g = *t.group;
   const bool into_whole = ReplicatedStore::weights_allocated();
+  if (t.working16) {
+    // The working copy in place, then widened (exact) for the float32 readers.
+    RF_CHECK(!into_whole, "sharded store: bf16 working weights gathered into the float32 masters");
+    t.b16.resize(static_cast<size_t>(g.elements));
+    const bf16* in = t.staging16.data();
+    for (int q = 0; q < P_; ++q) {
+      for (size_t k = 0; k < g.slots.size(); ++k) {
+        const Piece pc = piece(g.slots[k], q);
+        std::copy_n(in, pc.n, t.b16.data() + g.at[k] + pc.first);
+        in += pc.n;
+      }
+    }
+    t.staging16 = {};
+    t.w.resize(t.b16.size());
+    model::widen(model::HeldWeight{model::HeldDType::BF16, t.b16.data()}, 0, g.elements, t.w.data());
+    return;
+  }
   if (!into_whole) t.w.resize(static_cast<size_t>(g.elements));
   const float* in = t.staging.data();
   for (int q = 0; q < P_; ++q) {
@@ -267,8 +318,8 @@ void ShardedStore::finish_gather(Gathered& t) {
 void ShardedStore::acquire(int layer) {
   if (!sharded()) return;
   std::unique_ptr<Gathered>& slot = live_[static_cast<size_t>(layer + 1)];
-  if (!slot) slot = post_gather(group_of(layer), false);
-  if (slot->posted || !slot->staging.empty()) finish_gather(*slot);
+  if (!slot) slot = post_gather(group_of(layer), false, true);
+  if (slot->posted || slot->staged()) finish_gather(*slot);
 }
 
 void ShardedStore::unshard() {
@@ -276,7 +327,7 @@ void ShardedStore::unshard() {
   if (mode_ != Mode::Full || !sharded()) return;
   ReplicatedStore::allocate_weights();
   for (const Group& g : groups_) {
-    std::unique_ptr<Gathered> t = post_gather(g, false);
+    std::unique_ptr<Gathered> t = post_gather(g, false, false);
     finish_gather(*t);
   }
   live_.clear();
@@ -295,7 +346,7 @@ void ShardedStore::after_update() {
     return;
   }
   for (const Group& g : groups_) {
-    std::unique_ptr<Gathered> t = post_gather(g, true);
+    std::unique_ptr<Gathered> t = post_gather(g, true, false);
     finish_gather(*t);
   }
 }
@@ -304,7 +355,7 @@ const float* ShardedStore::weight(size_t slot) const {
   if (!sharded()) return ReplicatedStore::weight(slot);
   const ParamInfo& p = info(slot);
   const Gathered* g = live_[group_of_slot_[slot]].get();
-  RF_CHECK(g != nullptr && !g->posted && g->staging.empty(), "sharded store: ", p.name,
+  RF_CHECK(g != nullptr && !g->posted && !g->staged(), "sharded store: ", p.name,
            p.streamed ? " is read outside acquire_head (a streamed table's rows come from rows())"
                       : " is read outside its layer's hooks (its weights are not gathered)");
   return g->w.data() + groups_[group_of_slot_[slot]].at[at_in_group_[slot]];
@@ -484,26 +535,32 @@ void ShardedStore::finish_reduce(Reduction& t) {
 
 void ShardedStore::before_forward(int layer) {
   if (pending_ && pending_->posted) pending_->posted->progress();
-  if (!sharded()) return;
+  if (!sharded()) {
+    ReplicatedStore::before_forward(layer);
+    return;
+  }
   if (layer == model::kGlobalGroup) {
     std::unique_ptr<Gathered>& global = live_[0];
     if (global_stale_) global.reset();
     acquire(model::kGlobalGroup);
     global_stale_ = false;
-    if (layers_ > 0 && !live_[1]) live_[1] = post_gather(group_of(0), false);
+    if (layers_ > 0 && !live_[1]) live_[1] = post_gather(group_of(0), false, true);
     return;
   }
   acquire(layer);
   if (layer + 1 < layers_ && !live_[static_cast<size_t>(layer + 2)])
-    live_[static_cast<size_t>(layer + 2)] = post_gather(group_of(layer + 1), false);
+    live_[static_cast<size_t>(layer + 2)] = post_gather(group_of(layer + 1), false, true);
   // The last layer computes while the head (the previous run's) travels.
   if (layer + 1 == layers_ && last_head_ != SIZE_MAX && !live_[group_of_slot_[last_head_]])
-    live_[group_of_slot_[last_head_]] = post_gather(groups_[group_of_slot_[last_head_]], false);
+    live_[group_of_slot_[last_head_]] = post_gather(groups_[group_of_slot_[last_head_]], false, true);
 }
 
 void ShardedStore::after_forward(int layer) {
   if (layer == model::kGlobalGroup) tables_.clear();
-  if (!sharded()) return;
+  if (!sharded()) {
+    ReplicatedStore::after_forward(layer);
+    return;
+  }
   // The last layer stays gathered for its backward, which comes next (after the loss): one gather fewer a step, and
   // none waiting behind the loss, where no layer computes. A forward-only run ends with kGlobalGroup: no backward
   // will read it then.
@@ -520,7 +577,9 @@ void ShardedStore::before_backward(int layer) {
   if (sharded()) {
     acquire(layer);
     if (layer > 0 && !live_[static_cast<size_t>(layer)])
-      live_[static_cast<size_t>(layer)] = post_gather(group_of(layer - 1), false);
+      live_[static_cast<size_t>(layer)] = post_gather(group_of(layer - 1), false, true);
+  } else {
+    ReplicatedStore::before_backward(layer);
   }
   if (!grads_allocated_) return;
   grad_layer_ = layer;
@@ -537,8 +596,7 @@ void ShardedStore::after_backward(int layer) {
       std::fill(global_grads_.begin(), global_grads_.end(), 0.f);
       for (const std::unique_ptr<Table>& table : tables_) {
         if (!table->grads) continue;
-        reduce_spans(table->slot, table->g.data(),
-                     [&](int q) { return row_spans(table->slot, table->ids, piece(table->slot, q)); });
+        reduce_rows(*table);
       }
     } else {
       pending_ = post_reduce(group_of(layer), layer_grads_.data());
@@ -548,6 +606,7 @@ void ShardedStore::after_backward(int layer) {
   }
   if (layer == model::kGlobalGroup) tables_.clear();
   if (sharded() && layer != model::kGlobalGroup) live_[static_cast<size_t>(layer + 1)].reset();
+  if (!sharded()) ReplicatedStore::after_backward(layer);
 }
 
 bool ShardedStore::progress() {
@@ -629,11 +688,11 @@ void ShardedStore::reduce_spans(size_t slot, float* src, SpansOf spans_of) {
   }
 }
 
-std::vector<int32_t> ShardedStore::all_ranks_ids(std::span<const int32_t> ids) {
+std::vector<std::vector<int32_t>> ShardedStore::every_ranks_ids(std::span<const int32_t> ids) {
   std::vector<int32_t> mine(ids.begin(), ids.end());
   std::sort(mine.begin(), mine.end());
   mine.erase(std::unique(mine.begin(), mine.end()), mine.end());
-  if (P_ == 1) return mine;
+  if (P_ == 1) return {std::move(mine)};
   const auto start = std::chrono::steady_clock::now();
   std::vector<int64_t> counts(static_cast<size_t>(P_));
   const int64_t count = static_cast<int64_t>(mine.size());
@@ -645,18 +704,28 @@ std::vector<int32_t> ShardedStore::all_ranks_ids(std::span<const int32_t> ids) {
     total += static_cast<size_t>(counts[static_cast<size_t>(q)]);
     part_bytes[static_cast<size_t>(q)] = static_cast<size_t>(counts[static_cast<size_t>(q)]) * sizeof(int32_t);
   }
-  std::vector<int32_t> all(total);
+  std::vector<int32_t> all(total);  // every rank's sorted ids, in rank order
   std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(at_mine));
   comm_->allgatherv(all.data(), part_bytes, timeout_);
   exposed_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::sort(all.begin(), all.end());
-  all.erase(std::unique(all.begin(), all.end()), all.end());
-  return all;
+  std::vector<std::vector<int32_t>> out(static_cast<size_t>(P_));
+  auto from = all.begin();
+  for (int q = 0; q < P_; ++q) {
+    const auto to = from + static_cast<std::ptrdiff_t>(counts[static_cast<size_t>(q)]);
+    out[static_cast<size_t>(q)].assign(from, to);
+    from = to;
+  }
+  return out;
 }
 
-// The table's rows of every rank's ids: each owner's parts of them, all-gathered (full), or copied from the whole
-// weights (gradients). Every rank's ids, not only this rank's: with a tied head every rank's gradient of those rows
-// has the head's part (release_head), and the rows' reduction then sends each owner the same spans from every rank.
+bool ShardedStore::is_trained_head_table(size_t slot) const {
+  return grads_allocated_ && info(slot).trainable && slot == head_slot(*this);
+}
+
+// The table's rows of this rank's ids: each owner sends every rank the parts of that rank's rows inside its piece
+// (full), or this rank copies them from the whole weights (gradients). The table tied to a trained head holds every
+// rank's ids instead: release_head seeds the gradient rows of those ids with the head's (so that a row's float32
+// sum is shard none's, the head's part first), and each rank has the head's part of every row.
 model::ParamStore::TableRows ShardedStore::rows(size_t slot, std::span<const int32_t> ids, bool want_grads) {
   const ParamInfo& p = info(slot);
   const bool grads = want_grads && grads_allocated_ && p.trainable;
@@ -665,45 +734,40 @@ model::ParamStore::TableRows ShardedStore::rows(size_t slot, std::span<const int
   auto t = std::make_unique<Table>();
   t->slot = slot;
   t->width = p.shape[1];
-  t->ids = all_ranks_ids(ids);
+  t->of_rank = every_ranks_ids(ids);
+  if (grads && is_trained_head_table(slot)) {
+    std::vector<int32_t> all;
+    for (const std::vector<int32_t>& r : t->of_rank) all.insert(all.end(), r.begin(), r.end());
+    std::sort(all.begin(), all.end());
+    all.erase(std::unique(all.begin(), all.end()), all.end());
+    t->of_rank.assign(static_cast<size_t>(P_), all);
+  }
+  t->ids = t->of_rank[static_cast<size_t>(me_)];
   const int64_t W = t->width, n = static_cast<int64_t>(t->ids.size());
-  t->w.resize(static_cast<size_t>(n * W));
-  if (sharded()) {
-    std::vector<size_t> part_bytes(static_cast<size_t>(P_));
-    std::vector<std::vector<Span>> spans(static_cast<size_t>(P_));
-    size_t total = 0, at_mine = 0;
-    for (int q = 0; q < P_; ++q) {
-      spans[static_cast<size_t>(q)] = row_spans(slot, t->ids, piece(slot, q));
-      if (q == me_) at_mine = total;
-      size_t elems = 0;
-      for (const Span& sp : spans[static_cast<size_t>(q)]) elems += static_cast<size_t>(sp.n);
-      total += elems;
-      part_bytes[static_cast<size_t>(q)] = elems * sizeof(float);
-    }
-    std::vector<float> staging(total);
-    const Piece mine = piece(slot, me_);
-    float* out = staging.data() + at_mine;
-    for (const Span& sp : spans[static_cast<size_t>(me_)])
-      out = std::copy_n(own(slot, mine) + (sp.elem - mine.first), sp.n, out);
-    if (P_ > 1) {
-      comm::PostedPtr c = comm_->post_allgatherv(staging.data(), part_bytes);
-      wait(*c);
-    }
-    const float* in = staging.data();
-    for (int q = 0; q < P_; ++q) {
-      for (const Span& sp : spans[static_cast<size_t>(q)]) {
-        std::copy_n(in, sp.n, t->w.data() + sp.at);
-        in += sp.n;
-      }
-    }
+  // param_dtype bfloat16: the rows travel and stay as the bf16 working weights.
+  const bool working16 = param_dtype() == model::ParamDtype::Bfloat16;
+  if (working16)
+    t->w16.resize(static_cast<size_t>(n * W));
+  else
+    t->w.resize(static_cast<size_t>(n * W));
+  if (sharded() && working16) {
+    fetch_rows(slot, *t, t->w16.data(),
+               [](const float* src, bf16* dst, int64_t k) { model::round_to_bf16(src, dst, k); });
+  } else if (sharded()) {
+    fetch_rows(slot, *t, t->w.data(), [](const float* src, float* dst, int64_t k) { std::copy_n(src, k, dst); });
+  } else if (working16) {
+    const bf16* values = working(slot);
+    for (int64_t u = 0; u < n; ++u)
+      std::copy_n(values + int64_t{t->ids[static_cast<size_t>(u)]} * W, W, t->w16.data() + u * W);
   } else {
     for (int64_t u = 0; u < n; ++u)
       std::copy_n(ReplicatedStore::weight(slot) + int64_t{t->ids[static_cast<size_t>(u)]} * W, W, t->w.data() + u * W);
   }
   t->grads = grads;
-  if (grads) t->g.assign(t->w.size(), 0.f);
+  if (grads) t->g.assign(static_cast<size_t>(n * W), 0.f);
   TableRows out;
-  out.values = model::HeldWeight{model::HeldDType::F32, t->w.data()};
+  out.values = working16 ? model::HeldWeight{model::HeldDType::BF16, t->w16.data()}
+                         : model::HeldWeight{model::HeldDType::F32, t->w.data()};
   out.grads = grads ? t->g.data() : nullptr;
   out.row.resize(ids.size());
   for (size_t i = 0; i < ids.size(); ++i)
@@ -712,16 +776,117 @@ model::ParamStore::TableRows ShardedStore::rows(size_t slot, std::span<const int
   return out;
 }
 
+// The parts of this rank's rows t.ids inside every owner's piece, packed by `pack` (float32 masters -> T): each owner
+// sends every rank q the parts of q's rows inside its own piece. Rank q's rows [its ids, W] are the parts inside
+// piece 0, then piece 1, ...: received in rank order, they are the rows in place (collective).
+template <class T, class Pack>
+void ShardedStore::fetch_rows(size_t slot, const Table& t, T* rows, Pack pack) {
+  const Piece mine = piece(slot, me_);
+  std::vector<size_t> send_bytes(static_cast<size_t>(P_)), recv_bytes(static_cast<size_t>(P_));
+  size_t send_elems = 0;
+  std::vector<std::vector<Span>> to(static_cast<size_t>(P_));  // [P]: rank q's rows inside this rank's piece
+  for (int q = 0; q < P_; ++q) {
+    to[static_cast<size_t>(q)] = row_spans(slot, t.of_rank[static_cast<size_t>(q)], mine);
+    size_t out = 0;
+    for (const Span& sp : to[static_cast<size_t>(q)]) out += static_cast<size_t>(sp.n);
+    send_bytes[static_cast<size_t>(q)] = out * sizeof(T);
+    send_elems += out;
+    size_t in = 0;
+    for (const Span& sp : row_spans(slot, t.ids, piece(slot, q))) in += static_cast<size_t>(sp.n);
+    recv_bytes[static_cast<size_t>(q)] = in * sizeof(T);
+  }
+  std::vector<T> send(send_elems);
+  T* out = send.data();
+  for (const std::vector<Span>& spans : to) {
+    for (const Span& sp : spans) {
+      pack(own(slot, mine) + (sp.elem - mine.first), out, sp.n);
+      out += sp.n;
+    }
+  }
+  if (P_ > 1) {
+    comm::PostedPtr c = comm_->post_alltoallv(send.data(), send_bytes, rows, recv_bytes);
+    wait(*c);
+  } else {
+    std::copy(send.begin(), send.end(), rows);
+  }
+}
+
+// Every rank's gradient rows to their owners. Rank r sends owner q the parts of r's rows inside q's piece; the owner
+// sums, for each element of its piece that some rank's rows reach, every rank's contribution in rank order in double
+// (+0 from a rank whose rows miss it: the untouched rows of shard none's gradient), rounded once, into its slice:
+// the terms and order of Communicator::reduce_scatter over shard none's whole gradients.
+void ShardedStore::reduce_rows(Table& t) {
+  const size_t slot = t.slot;
+  // The send buffer is `g` packed in place: rank q's spans follow those of q - 1 (pieces ascend with the rank, rows
+  // with their ids), so an element moves down, never over one not yet read.
+  std::vector<size_t> send_bytes(static_cast<size_t>(P_)), recv_bytes(static_cast<size_t>(P_));
+  size_t packed = 0;
+  for (int q = 0; q < P_; ++q) {
+    const size_t before = packed;
+    for (const Span& sp : row_spans(slot, t.ids, piece(slot, q))) {
+      if (packed != static_cast<size_t>(sp.at))
+        std::memmove(t.g.data() + packed, t.g.data() + sp.at, static_cast<size_t>(sp.n) * sizeof(float));
+      packed += static_cast<size_t>(sp.n);
+    }
+    send_bytes[static_cast<size_t>(q)] = (packed - before) * sizeof(float);
+  }
+  const Piece pc = piece(slot, me_);
+  std::vector<std::vector<Span>> from(static_cast<size_t>(P_));  // [P]: rank r's spans inside this rank's piece
+  std::vector<size_t> at(static_cast<size_t>(P_) + 1, 0);        // [P + 1]: where rank r's contributions start
+  for (int r = 0; r < P_; ++r) {
+    from[static_cast<size_t>(r)] = row_spans(slot, t.of_rank[static_cast<size_t>(r)], pc);
+    size_t n = 0;
+    for (const Span& sp : from[static_cast<size_t>(r)]) n += static_cast<size_t>(sp.n);
+    recv_bytes[static_cast<size_t>(r)] = n * sizeof(float);
+    at[static_cast<size_t>(r) + 1] = at[static_cast<size_t>(r)] + n;
+  }
+  std::vector<float> recv;       // [every rank's contributions], rank order
+  const float* in = t.g.data();  // P = 1: its own, packed
+  if (P_ > 1) {
+    recv.resize(at.back());
+    comm::PostedPtr c = comm_->post_alltoallv(t.g.data(), send_bytes, recv.data(), recv_bytes);
+    wait(*c);
+    in = recv.data();
+  }
+  // The rows of every rank's ids inside the piece, in element order; each rank's spans are a subsequence of them
+  // (the same part of the same row), walked with one cursor a rank.
+  std::vector<int32_t> all;
+  for (const std::vector<int32_t>& r : t.of_rank) all.insert(all.end(), r.begin(), r.end());
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+  std::vector<size_t> cursor(static_cast<size_t>(P_), 0), offset(at.begin(), at.end() - 1);
+  std::vector<const float*> src(static_cast<size_t>(P_));  // [P]: rank r's values of the span, or null
+  float* dst = grads_.data() + pc.local - pc.first;        // element e of the parameter at dst[e]
+  for (const Span& u : row_spans(slot, all, pc)) {
+    for (size_t r = 0; r < src.size(); ++r) {
+      src[r] = nullptr;
+      if (cursor[r] < from[r].size() && from[r][cursor[r]].elem == u.elem) {
+        src[r] = in + offset[r];
+        offset[r] += static_cast<size_t>(u.n);
+        ++cursor[r];
+      }
+    }
+    for (int64_t k = 0; k < u.n; ++k) {
+      double sum = src[0] ? src[0][k] : 0.0;
+      for (size_t r = 1; r < src.size(); ++r) sum += src[r] ? src[r][k] : 0.0;
+      dst[u.elem + k] += static_cast<float>(sum);
+    }
+  }
+}
+
 void ShardedStore::acquire_head(size_t slot) {
   if (!adopted_) return;
   RF_CHECK(info(slot).streamed && head_ == SIZE_MAX, "sharded store: acquire_head(", info(slot).name,
            ") of a parameter that is not streamed, or while another head is acquired");
   head_ = slot;
   last_head_ = slot;
-  if (!sharded()) return;
+  if (!sharded()) {
+    ReplicatedStore::acquire_head(slot);
+    return;
+  }
   std::unique_ptr<Gathered>& g = live_[group_of_slot_[slot]];
-  if (!g) g = post_gather(groups_[group_of_slot_[slot]], false);  // not posted during the last layer
-  if (g->posted || !g->staging.empty()) finish_gather(*g);
+  if (!g) g = post_gather(groups_[group_of_slot_[slot]], false, true);  // not posted during the last layer
+  if (g->posted || g->staged()) finish_gather(*g);
 }
 
 // The head's gradient to its owners. Tied to a token table whose rows this run reads with gradients, the rows of
@@ -731,11 +896,14 @@ void ShardedStore::release_head(size_t slot) {
   if (!adopted_) return;
   RF_CHECK(slot == head_, "sharded store: release_head(", info(slot).name, ") without its acquire_head");
   if (sharded()) live_[group_of_slot_[slot]].reset();  // the weights first: the reduction needs room
+  ReplicatedStore::release_head(slot);
   if (!head_grads_.empty()) {
     static const std::vector<int32_t> kNoRows;
     const std::vector<int32_t>* kept = &kNoRows;
     for (const std::unique_ptr<Table>& t : tables_) {
       if (t->slot != slot || !t->grads) continue;
+      RF_CHECK(is_trained_head_table(slot), "sharded store: ", info(slot).name,
+               " is the head, but its rows were fetched as a table's that is not (head_slot names another)");
       kept = &t->ids;
       for (size_t u = 0; u < t->ids.size(); ++u)
         std::copy_n(head_grads_.data() + int64_t{t->ids[u]} * t->width, t->width,
@@ -747,6 +915,18 @@ void ShardedStore::release_head(size_t slot) {
   head_ = SIZE_MAX;
 }
 
+void ShardedStore::reduce_gradient(size_t slot, std::span<float> whole) {
+  const ParamInfo& p = info(slot);
+  RF_CHECK(grads_allocated_ && p.trainable && p.streamed, "sharded store: reduce_gradient(", p.name,
+           ") of a parameter that is frozen or not streamed, or before allocate_grads");
+  RF_CHECK(static_cast<int64_t>(whole.size()) == p.numel, "sharded store: reduce_gradient: ", whole.size(),
+           " elements for ", p.name, " of ", p.numel);
+  reduce_spans(slot, whole.data(), [&](int q) {
+    const Piece pc = piece(slot, q);
+    return pc.n > 0 ? std::vector<Span>{Span{pc.first, pc.first, pc.n}} : std::vector<Span>{};
+  });
+}
+
 ShardedStore::Bytes ShardedStore::held() const {
   constexpr int64_t kF = sizeof(float), kB = sizeof(bf16);
   const auto bytes = [](const std::vector<float>& v) { return static_cast<int64_t>(v.size()) * kF; };
@@ -756,11 +936,11 @@ ShardedStore::Bytes ShardedStore::held() const {
   for (const std::unique_ptr<Gathered>& g : live_) {
     if (!g) continue;
     b.gathered += bytes(g->w) + static_cast<int64_t>(g->b16.size()) * kB;
-    b.comm_buffers += bytes(g->staging);
+    b.comm_buffers += bytes(g->staging) + static_cast<int64_t>(g->staging16.size()) * kB;
   }
   b.gradients = bytes(grads_) + bytes(global_grads_) + bytes(layer_grads_) + bytes(head_grads_);
   for (const std::unique_ptr<Table>& t : tables_) {
-    b.gathered += bytes(t->w);
+    b.gathered += bytes(t->w) + static_cast<int64_t>(t->w16.size()) * kB;
     b.gradients += bytes(t->g);
   }
   b.moments = static_cast<int64_t>(flat(Role::ExpAvg).size() + flat(Role::ExpAvgSq).size()) * kF;
@@ -768,69 +948,128 @@ ShardedStore::Bytes ShardedStore::held() const {
   return b;
 }
 
+int64_t ShardedStore::working_bytes_for(const model::ParamStore& registry, int64_t full_gathered) {
+  constexpr int64_t kF = sizeof(float), kB = sizeof(bf16);
+  if (full_gathered >= 0) return full_gathered / kF * kB;
+  std::vector<int64_t> layer(1, 0);
+  int64_t global = 0, streamed = 0;
+  for (const ParamInfo& p : registry.infos()) {
+    if (p.streamed) {
+      streamed = std::max(streamed, p.numel);
+    } else if (p.layer == model::kGlobalGroup) {
+      global += p.numel;
+    } else {
+      if (static_cast<size_t>(p.layer) >= layer.size()) layer.resize(static_cast<size_t>(p.layer) + 1, 0);
+      layer[static_cast<size_t>(p.layer)] += p.numel;
+    }
+  }
+  const int64_t widened = *std::max_element(layer.begin(), layer.end()) + global + streamed;
+  return registry.total_elements() * kB + widened * kF;
+}
+
 ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable,
-                                            Mode mode, int ranks, int64_t step_tokens) {
+                                            Mode mode, int ranks, int64_t step_tokens, int64_t rank_tokens) {
   constexpr int64_t kF = sizeof(float);
-  int64_t train = 0, frozen = 0, global = 0, global_train = 0;
-  int64_t head = 0, head_train = 0, rows = 0, rows_train = 0;  // the streamed parameters'
-  std::vector<int64_t> layer(1, 0), layer_train(1, 0);
-  // The head, the one streamed parameter a run reads whole (around the loss): lm_head.weight, or the token table it is
-  // tied to. The other tables are read by row only (E2B's and E4B's per-layer table is 6x their head).
-  const std::string head_name = registry.contains("lm_head.weight") ? "lm_head.weight" : "model.embed_tokens.weight";
+  constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
+  if (rank_tokens < 0) rank_tokens = step_tokens;
+  const size_t P = static_cast<size_t>(ranks);
+  const size_t head = head_slot(registry);
+  int64_t train = 0, frozen = 0;
+  for (size_t i = 0; i < registry.size(); ++i) (trainable[i] ? train : frozen) += registry.info(i).numel;
+  // The groups as lay_out() makes them: [0] the global group's unstreamed parameters, [1 + l] decoder layer l, then
+  // one a streamed parameter. Each: its elements, its trainable ones, and per rank its elements inside that rank's
+  // slices of the trainable and frozen layouts (registration order), trainable ones and all.
+  struct Group {
+    int64_t all = 0, train = 0;
+    std::vector<int64_t> mine_train, mine_all;  // [P]
+    size_t slot = SIZE_MAX;                     // a streamed parameter's
+  };
+  std::vector<Group> groups(1);
+  std::vector<Group> streamed;
+  int64_t train_at = 0, frozen_at = 0;
   for (size_t i = 0; i < registry.size(); ++i) {
     const ParamInfo& p = registry.info(i);
-    (trainable[i] ? train : frozen) += p.numel;
+    Group* g = nullptr;
     if (p.streamed) {
-      // Every streamed parameter is counted as a table too, the rows of every rank's micro-batch tokens at most (an
-      // untied head is not read by row: a slight over-count).
-      if (p.name == head_name) {
-        head = p.numel;
-        if (trainable[i]) head_train = p.numel;
-      }
-      const int64_t n = std::min(step_tokens, p.shape[0]) * (p.numel / p.shape[0]);
-      rows += n;
-      if (trainable[i]) rows_train += n;
-      continue;
+      streamed.emplace_back();
+      g = &streamed.back();
+      g->slot = i;
+    } else {
+      const size_t gi = static_cast<size_t>(p.layer + 1);
+      if (gi >= groups.size()) groups.resize(gi + 1);
+      g = &groups[gi];
     }
-    if (p.layer == model::kGlobalGroup) {
-      global += p.numel;
-      if (trainable[i]) global_train += p.numel;
-      continue;
+    g->mine_train.resize(P, 0);
+    g->mine_all.resize(P, 0);
+    g->all += p.numel;
+    int64_t& at = trainable[i] ? train_at : frozen_at;
+    const int64_t layout = trainable[i] ? train : frozen;
+    for (int q = 0; q < ranks; ++q) {
+      const comm::Slice sl = comm::slice_of(static_cast<size_t>(layout), ranks, q);
+      const int64_t lo = std::max(at, static_cast<int64_t>(sl.begin));
+      const int64_t hi = std::min(at + p.numel, static_cast<int64_t>(sl.end));
+      if (lo >= hi) continue;
+      g->mine_all[static_cast<size_t>(q)] += hi - lo;
+      if (trainable[i]) g->mine_train[static_cast<size_t>(q)] += hi - lo;
     }
-    if (static_cast<size_t>(p.layer) >= layer.size()) {
-      layer.resize(static_cast<size_t>(p.layer) + 1, 0);
-      layer_train.resize(static_cast<size_t>(p.layer) + 1, 0);
-    }
-    layer[static_cast<size_t>(p.layer)] += p.numel;
-    if (trainable[i]) layer_train[static_cast<size_t>(p.layer)] += p.numel;
+    if (trainable[i]) g->train += p.numel;
+    at += p.numel;
   }
-  const int64_t largest = *std::max_element(layer.begin(), layer.end());
-  const int64_t largest_train = *std::max_element(layer_train.begin(), layer_train.end());
+  const auto most = [](const std::vector<int64_t>& v) { return v.empty() ? 0 : *std::max_element(v.begin(), v.end()); };
+  // A reduction's buffers on its largest receiver: the contributions of every rank to its elements (a send copy too
+  // where it is not the gradient packed in place); at N = 1 the send buffer is all there is.
+  const auto reduction = [&](const Group& g, bool send_copy) {
+    if (ranks == 1) return send_copy ? g.train : 0;
+    return (send_copy ? g.train : 0) + ranks * most(g.mine_train);
+  };
+  int64_t largest = 0, largest_train = 0, reductions = reduction(groups[0], true);
+  for (size_t gi = 1; gi < groups.size(); ++gi) {
+    largest = std::max(largest, groups[gi].all);
+    largest_train = std::max(largest_train, groups[gi].train);
+    reductions = std::max(reductions, reduction(groups[gi], true));
+  }
+  const int64_t last_layer = groups.size() > 1 ? groups.back().all : 0;
+  // The streamed parameters: the head gathered whole around the loss (its gradient beside it, then reduced); the
+  // token tables read by row, a rank's own tokens' rows (the table tied to a trained head: every rank's).
+  int64_t head_all = 0, head_train = 0, rows = 0, rows_train = 0, row_fetch = 0;
+  for (const Group& g : streamed) {
+    const ParamInfo& p = registry.info(g.slot);
+    const bool trained = g.train > 0;
+    if (g.slot == head) {
+      head_all = g.all;
+      head_train = g.train;
+      reductions = std::max(reductions, reduction(g, false));
+      if (registry.info(head).name == "lm_head.weight") continue;  // an untied head is not read by row
+    }
+    const int64_t width = p.numel / p.shape[0];
+    const int64_t tokens = g.slot == head && trained ? step_tokens : rank_tokens;
+    const int64_t held = std::min(tokens, p.shape[0]) * width;
+    rows += held;
+    if (trained) rows_train += held;
+    // Each owner receives every rank's gradient rows inside its piece, and (full) sends every rank its rows there.
+    if (trained && ranks > 1) reductions = std::max(reductions, ranks * std::min(held, most(g.mine_train)));
+    row_fetch = std::max(row_fetch, ranks * std::min(held, most(g.mine_all)));
+  }
   const int64_t slice = model::shard_of(train, 0, ranks).padded;
   Bytes b;
-  constexpr int kLayersGathered = 2;  // the layer computing and the next one, posted
-  constexpr int kMoments = 2;         // exp_avg, exp_avg_sq
   if (mode == Mode::Full) {
     b.weight_shard = (slice + model::shard_of(frozen, 0, ranks).padded) * kF;
-    // The head is gathered around the loss beside the last layer alone (which stays gathered from its forward to
-    // its backward); the tables' rows for the whole run.
-    b.gathered = (global + std::max(kLayersGathered * largest, head + largest) + rows) * kF;
-    // Staging of the gathers in flight; each staging is freed once it is put in place.
-    b.comm_buffers = std::max(kLayersGathered * largest, head) * kF;
+    // One layer gathered (the next one's gather in flight is a staging buffer), or the head beside the last layer
+    // (which stays gathered from its forward to its backward); the tables' rows for the whole run.
+    b.gathered = (groups[0].all + std::max(largest, head_all + last_layer) + rows) * kF;
+    // One gather in flight: the next layer's or the head's staging; at the run's start the first layer's beside the
+    // rows this rank sends the other ranks.
+    b.comm_buffers = std::max(head_all, largest + row_fetch) * kF;
   } else {
     b.weight_shard = (train + frozen) * kF;
     b.gathered = rows * kF;  // the tables' rows, copied from the whole weights
   }
   // The head's whole gradient lives from the loss to its reduction, before any layer's backward.
-  b.gradients = (slice + global_train + std::max(largest_train, head_train) + rows_train) * kF;
+  b.gradients = (slice + groups[0].train + std::max(largest_train, head_train) + rows_train) * kF;
   b.moments = kMoments * slice * kF;
-  // One reduction in flight and the one being posted: a send copy of a layer's gradients and P slices received; or
-  // the head's: the N contributions to this rank's piece of it (its send buffer is the gradient, packed in place).
-  constexpr int kReductions = 2;
-  const int64_t layer_reductions =
-      kReductions * (largest_train + ranks * model::shard_of(largest_train, 0, ranks).padded);
-  const int64_t head_reduction = ranks * model::shard_of(head_train, 0, ranks).padded;
-  b.comm_buffers += std::max(layer_reductions, head_reduction) * kF;
+  // One reduction at a time: a layer's (the last one's finished before the next is posted), the global group's,
+  // the head's or a table's.
+  b.comm_buffers += reductions * kF;
   return b;
 }
 

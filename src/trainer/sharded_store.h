@@ -15,23 +15,30 @@
 // and are gathered again after each update. Its streamed parameters (ParamInfo::streamed: the token tables and the
 // head) never are, in either mode:
 //   - a token table (embed_tokens, embed_tokens_per_layer): rows() exchanges every rank's distinct ids and each
-//     rank fetches the union's rows from their owners (a rank's piece is an element range, so a row may span two),
-//     [union, W]; the backward accumulates into gradient rows of the same layout, which after_backward(kGlobalGroup)
-//     sends to their owners, each summing the N contributions in rank order (as below);
+//     rank receives the rows of its own ids from their owners (a rank's piece is an element range, so a row may
+//     span two), [ids, W]; the backward accumulates into gradient rows of the same layout, which
+//     after_backward(kGlobalGroup) sends to their owners, each summing the N contributions in rank order (+0 from a
+//     rank without the row, as in shard none's whole gradient);
 //   - the head: its gather posted during the last layer's forward, finished by acquire_head just before the loss
 //     and freed by release_head right after it, its gradient (a whole-size buffer for that while) then packed in
 //     place, sent to the owners and freed. Tied to embed_tokens, the
 //     rows of the table's union stay behind and seed the table's gradient rows, so that each row's float32 sum is
 //     shard none's (the head's part, then the embedding's tokens in order) and is reduced once, with the table's.
-// The tables' rows cover every rank's tokens (O(tokens x W) a rank, against the table's O(vocabulary x W)); the
-// head's transient whole copy and gradient are the largest buffers left (a loss that streams the head in blocks of
-// the vocabulary would remove them).
+// The tables' rows cover the rank's own tokens (O(tokens / cp x W) a rank, against the table's O(vocabulary x W)),
+// every rank's for the table tied to a trained head (each rank seeds every row with the head's part); the head's
+// transient whole copy and gradient are the largest buffers left (a loss that streams the head in blocks of the
+// vocabulary would remove them).
 // gradients: the weights stay whole on every rank (the optimizer updates this rank's trainable pieces of them, and
 // after_update all-gathers the others'); the gradients are as in full.
 // Both: a layer's gradients are written into a layer-sized buffer during its backward; after_backward sends every
 // owner its pieces (an all-to-all-v posted, in flight during the next layer's backward), and each owner sums the N
 // contributions in rank order in double, rounded once (comm::Communicator::reduce_scatter's combination, so one
 // micro-batch a step gives shard none's bits at every N), adding the result into its slice.
+// model.param_dtype bfloat16 (model/param_store.h): under full every gather the run's reads post (a layer, the global
+// group's small parameters, the head, the tables' rows) packs this rank's masters rounded to bf16, so the all-gathers
+// carry half the bytes, and the gathered copy is those bf16 values (a Gathered's b16, which a bf16 compute run
+// multiplies as they are) widened into its float32 buffer; read_weight, unshard and after_update move float32
+// masters. Under gradients the replicated store's working copy serves the run. Gradients are float32 either way.
 // With gradient accumulation the micro-batches' reduced sums are added in the slice where shard none adds raw
 // micro-batch gradients and reduces once: the same terms, associated differently (float32 rounding, not bits).
 #pragma once
@@ -77,21 +84,28 @@ class ShardedStore : public model::ReplicatedStore {
   // The bytes the store's own communicator moved so far (tests: what its posted collectives delivered).
   comm::Communicator::Traffic traffic() const { return comm_->traffic(); }
 
-  // The bytes one rank holds for a store of this registry over `ranks` ranks, by kind (the memory check's terms), at
-  // most `step_tokens` distinct tokens in all ranks' micro-batches together (the tables' rows).
+  // The bytes one rank holds for a store of this registry over `ranks` ranks, by kind (the memory check's terms; the
+  // largest over the ranks of each), with `step_tokens` tokens in all ranks' micro-batches together and `rank_tokens`
+  // in one rank's (the tables' rows; -1: step_tokens).
   struct Bytes {
     int64_t weight_shard = 0;  // full: the float32 masters of the rank's pieces; gradients: every weight
-    int64_t gathered = 0;      // full: the global group's small parameters, plus two layers (the current one and the
-                               // next, posted) or the head and the last layer (around the loss); the tables' rows
-                               // (both modes)
+    int64_t gathered = 0;      // full: the global group's small parameters, plus one layer or the head and the last
+                               // layer (around the loss); the tables' rows (both modes)
     int64_t gradients = 0;     // the rank's slice, the global group's small buffer, one layer's buffer or the head's,
                                // the tables' gradient rows
     int64_t moments = 0;       // AdamW's two moments of the slice
-    int64_t comm_buffers = 0;  // a layer gather's staging (x2 in flight) or the head's; two layers' reductions'
-                               // send + receive, or the head's receive (its gradient is packed in place to send)
+    int64_t comm_buffers = 0;  // full: one gather's staging (the next layer's, or the head's); one reduction's send
+                               // copy and the N contributions to the rank's part of it (up to its whole slice)
   };
   static Bytes bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable, Mode mode, int ranks,
-                         int64_t step_tokens);
+                         int64_t step_tokens, int64_t rank_tokens = -1);
+  // model.param_dtype bfloat16: the bytes the bf16 working weights add on one rank, beside bytes_for's (or the
+  // replicated layout's) float32 terms. full: the bf16 copy of what is gathered (`full_gathered`, bytes_for's gathered
+  // term; the float32 staging it counts for a gather in flight is twice a bf16 one's: an over-count of a layer's
+  // bf16 bytes). Otherwise (full_gathered < 0): the replicated bf16 copy of every weight, and the float32 widening of
+  // the largest decoder layer, the global group's parameters that are not streamed and the largest streamed one (the
+  // head, around the loss). These replace model.compute_dtype's bf16 copies, which are then not made.
+  static int64_t working_bytes_for(const model::ParamStore& registry, int64_t full_gathered);
   // The bytes this rank holds now, by the same kinds (the buffers' sizes, bf16 copies counted with what they copy).
   Bytes held() const;
 
@@ -116,6 +130,13 @@ class ShardedStore : public model::ReplicatedStore {
   const float* grad(size_t slot) const override;
   std::span<const float> flat(model::Role role) const override;
   std::span<float> mutable_flat(model::Role role) override;
+
+  // A whole-tensor gradient of a streamed parameter that no run hook reduces (model.train_vision: the vision tower's,
+  // made after the decoder's run, step.cpp run_with_tower) added into its owners' slices: each owner sums the N
+  // ranks' contributions in rank order in double, rounded once, as after_backward does, so one micro-batch a step
+  // gives shard none's bits. A collective: every rank, the same slots in the same order (a rank with no contribution
+  // passes zeros). `whole` [numel] is packed in place for the send: its values are gone after.
+  void reduce_gradient(size_t slot, std::span<float> whole);
 
   TableRows rows(size_t slot, std::span<const int32_t> ids, bool want_grads) override;
   void acquire_head(size_t slot) override;
@@ -156,11 +177,17 @@ class ShardedStore : public model::ReplicatedStore {
   // `src` is packed in place for the send: its values are gone after.
   template <class SpansOf>
   void reduce_spans(size_t slot, float* src, SpansOf spans_of);
-  std::vector<int32_t> all_ranks_ids(std::span<const int32_t> ids);  // the sorted union of every rank's ids
-  void lay_out();  // the groups, the frozen layout and this rank's slices, from the registry and its flags
+  // [P]: every rank's ids, sorted and distinct (collective).
+  std::vector<std::vector<int32_t>> every_ranks_ids(std::span<const int32_t> ids);
+  // A table tied to the head, which a run with gradients reads whole (acquire_head) and by row.
+  bool is_trained_head_table(size_t slot) const;
+  void reduce_rows(Table& t);  // the table's gradient rows to their owners (collective)
+  void lay_out();              // the groups, the frozen layout and this rank's slices, from the registry and its flags
   Group& group_of(int layer);
   const Group& group_of(int layer) const;
-  std::unique_ptr<Gathered> post_gather(const Group& g, bool trainable_only);
+  std::unique_ptr<Gathered> post_gather(const Group& g, bool trainable_only, bool working);
+  template <class T, class Pack>
+  void fetch_rows(size_t slot, const Table& t, T* rows, Pack pack);
   void finish_gather(Gathered& t);
   void acquire(int layer);
   std::unique_ptr<Reduction> post_reduce(const Group& g, const float* grads);

@@ -68,6 +68,31 @@ TokenCounts count_tokens(const Run& r, const std::vector<PackedBatch>& batches) 
 
 namespace {
 
+// A micro-batch's tower gradients (model.train_vision; frozen parameters, model.freeze, have none) into the store's:
+// added to a replicated store's, which the gradient reduction then sums over the world with the decoder's; a sharded
+// store's (shard gradients / full) holds only its slice, so each trainable tower parameter's whole gradient is reduced
+// into its owners' slices here (ShardedStore::reduce_gradient, the sums of shard none's reduction): a collective over
+// the world, in registration order, which a rank whose micro-batch has no image of its own joins with zeros.
+void add_tower_gradients(Run& r, model::VisionGrads& grads) {
+  model::ParamStore& store = r.ck.model->params();
+  if (r.sharded == nullptr) {
+    for (const auto& [name, g] : grads) {
+      float* dst = store.grad(store.slot(name));
+      if (dst == nullptr) continue;
+      for (size_t e = 0; e < g.size(); ++e) dst[e] += g[e];
+    }
+    return;
+  }
+  for (size_t slot = 0; slot < store.size(); ++slot) {
+    const model::ParamInfo& p = store.info(slot);
+    if (!p.trainable || p.name.rfind(model::kVisionTowerPrefix, 0) != 0) continue;
+    const auto it = grads.find(p.name);
+    std::vector<float> whole =
+        it != grads.end() ? std::move(it->second) : std::vector<float>(static_cast<size_t>(p.numel), 0.f);
+    r.sharded->reduce_gradient(slot, whole);
+  }
+}
+
 // model.train_vision: the micro-batch's images through the tower of the current weights, its soft tokens the slots'
 // features, and with gradients the tower's backward from the decoder's d image_features, accumulated into the
 // store's gradients of the tower's parameters (frozen ones, model.freeze, have none).
@@ -77,10 +102,11 @@ namespace {
 // positions hold are read. In the backward each rank's d image_features holds its own tokens' rows
 // (Result::d_image_features); one sum over the group routes each image's whole gradient to its owner, which
 // back-propagates it through the tower once; the gradient reduction over the world then sums the owners' tower
-// gradients as it sums the decoder's.
+// gradients as it sums the decoder's. Without the split (parallelism.split_vision false) every rank encodes every
+// image and back-propagates its own d image_features (its positions' rows, the others zero), and that reduction sums
+// the ranks' shares: the same soft tokens, the tower's gradients summed in another order (float32 rounding).
 double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro) {
   const auto start = Clock::now();
-  model::ParamStore& store = r.ck.model->params();
   comm::Communicator& group = *r.cp_group;
   const int64_t F = r.feature_dim, P = p.images.P, k = r.tower->config().pooling_kernel_size;
   const int n = p.images.n;
@@ -91,7 +117,10 @@ double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro)
   }
   RF_CHECK(first[n] == p.n_image_features, "the micro-batch's ", n, " images make ", first[n], " soft tokens for ",
            p.n_image_features, " image slots");
-  const std::vector<int> owner = split_images_by_patches(valid, group.size());
+  // parallelism.split_vision false: every image is every rank's (no sums; each back-propagates its own tokens' share).
+  const bool split = r.cfg.parallelism.split_vision && group.size() > 1;
+  const std::vector<int> owner =
+      split ? split_images_by_patches(valid, group.size()) : std::vector<int>(static_cast<size_t>(n), group.rank());
   ImagePatches mine;  // this rank's share, in batch order
   std::vector<int> mine_index;
   const size_t patch_values = p.images.pixels.size() / static_cast<size_t>(std::max(n, 1));  // one image's values
@@ -120,7 +149,7 @@ double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro)
       at += out.counts[j];
     }
   }
-  if (group.size() > 1) group.allreduce(soft.data(), soft.size(), comm::ReduceOp::Sum, r.timeout);
+  if (split) group.allreduce(soft.data(), soft.size(), comm::ReduceOp::Sum, r.timeout);
   r.tower_seconds += seconds_since(start);
   model::Batch b = as_batch(p);
   b.image_features = soft.data();
@@ -128,18 +157,14 @@ double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro)
   if (ro.want_grad) {
     const auto back = Clock::now();
     std::vector<float>& d = res.d_image_features;  // [N, F]
-    if (group.size() > 1) group.allreduce(d.data(), d.size(), comm::ReduceOp::Sum, r.timeout);
+    if (split) group.allreduce(d.data(), d.size(), comm::ReduceOp::Sum, r.timeout);
+    model::VisionGrads grads;  // this rank's images' (none: empty)
     if (mine.n > 0) {
       std::vector<float> d_mine;  // [this rank's soft tokens, F]
       for (int i : mine_index) d_mine.insert(d_mine.end(), d.begin() + first[i] * F, d.begin() + first[i + 1] * F);
-      model::VisionGrads grads;
       r.tower->backward(mine.batch(), tape, d_mine.data(), grads);
-      for (const auto& [name, g] : grads) {
-        float* dst = store.grad(store.slot(name));
-        if (dst == nullptr) continue;
-        for (size_t e = 0; e < g.size(); ++e) dst[e] += g[e];
-      }
     }
+    add_tower_gradients(r, grads);
     r.tower_seconds += seconds_since(back);
   }
   return res.loss;
@@ -151,8 +176,13 @@ double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool 
   model::RunOptions ro = r.training;
   ro.want_grad = grad;
   ro.loss_normalizer = std::max(1.0, static_cast<double>(label_tokens));  // no label tokens: loss 0, not 0 / 0
-  if (!r.tower || p.images.n == 0) return r.ck.model->run(as_batch(p), ro, *r.context.model).loss;
-  return run_with_tower(r, p, ro);
+  if (r.tower && p.images.n > 0) return run_with_tower(r, p, ro);
+  const double loss = r.ck.model->run(as_batch(p), ro, *r.context.model).loss;
+  if (r.tower && grad && r.sharded) {  // the other replicas' tower reductions, joined with zeros
+    model::VisionGrads none;
+    add_tower_gradients(r, none);
+  }
+  return loss;
 }
 
 // The key of one micro-batch's LoRA dropout masks.
@@ -199,11 +229,14 @@ void reduce_gradients(Run& r) {
     r.world.allreduce(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
 }
 
-// 4b. The global gradient norm, then clipping to optimizer.grad_clip; returns the norm before clipping. The sum of
-// squares is taken as one partial sum per rank's slice (comm::slice_of over the world), added in rank order: the same
-// bits whether a rank holds every reduced gradient (shard none: it computes all the partials) or its slice alone
-// (shard optimizer: each computes its own, and they are gathered). One rank: the sum in order over the whole arena.
-double clip_global_norm(Run& r, double max_norm) {
+// 4b. The global gradient norm, and in `factor` the one clipping to optimizer.grad_clip scales the gradients by (1
+// within the limit or for a non-finite norm); returns the norm before clipping. The gradients are not scaled here:
+// apply_update hands the factor to AdamW, which rounds each scaled gradient as a scaling pass would, within its own
+// pass over the arena (one pass over the gradients fewer a step, the same bits). The sum of squares is taken as one
+// partial sum per rank's slice (comm::slice_of over the world), added in rank order: the same bits whether a rank
+// holds every reduced gradient (shard none: it computes all the partials) or its slice alone (shard optimizer: each
+// computes its own, and they are gathered). One rank: the sum in order over the whole arena.
+double clip_global_norm(Run& r, double max_norm, double& factor) {
   model::ParamStore& store = r.ck.model->params();
   const std::span<float> flat = store.mutable_flat(model::Role::Grads);
   const int P = r.world.size(), me = r.world.rank();
@@ -227,11 +260,7 @@ double clip_global_norm(Run& r, double max_norm) {
   double sum = 0.0;
   for (double x : partial) sum += x;
   const double norm = std::sqrt(sum);
-  if (std::isfinite(norm)) {
-    const double factor = clip_factor(norm, max_norm);
-    if (factor != 1.0) scale(r.shard_optimizer ? slice(me) : flat, factor);
-    if (factor != 1.0 && r.held) scale(r.held->experts().own_grads(), factor);
-  }
+  factor = std::isfinite(norm) ? clip_factor(norm, max_norm) : 1.0;
   return norm;
 }
 
@@ -254,12 +283,13 @@ void gather_updated_weights(comm::Communicator& c, model::ParamStore& store, com
 
 }  // namespace
 
-// 4c. The AdamW update at `step`, the same on every replica; returns the learning rate it used.
-double apply_update(Run& r, int64_t step) {
+// 4c. The AdamW update at `step` from the gradients times `clip` (clip_global_norm's factor), the same on every
+// replica; returns the learning rate it used.
+double apply_update(Run& r, int64_t step, double clip) {
   const double lr = learning_rate(r.cfg.optimizer, r.cfg.schedule, static_cast<int>(step), r.cfg.train.steps);
-  r.adam->step(r.ck.model->params(), lr, step);
+  r.adam->step(r.ck.model->params(), lr, step, clip);
   if (r.held) {  // the experts' slices, then every EDP rank's updated slice into every one's experts
-    r.adam->step(r.held->experts(), lr, step);
+    r.adam->step(r.held->experts(), lr, step, clip);
     r.held->experts().gather_updated();
   }
   if (r.sharded)

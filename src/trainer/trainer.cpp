@@ -288,9 +288,10 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     const double loss = forward_backward(r, batches, tokens.labels);
     const ExpertTraffic ep_after = r.context.model->experts().traffic();
     reduce_gradients(r);
-    const double norm = clip_global_norm(r, cfg.optimizer.grad_clip);
+    double clip = 1.0;
+    const double norm = clip_global_norm(r, cfg.optimizer.grad_clip, clip);
     check_finite_step(step, loss, norm, result.last_checkpoint);
-    const double lr = apply_update(r, step);
+    const double lr = apply_update(r, step, clip);
     r.state.step = step;
     r.state.data_position += cfg.train.global_batch;
 

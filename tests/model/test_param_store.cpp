@@ -287,5 +287,67 @@ TEST(ParamStore, ModelCallsTheLayerHooksAndEachLayersGradientsAreFinalAtItsEnd) 
   EXPECT_EQ(layer0_when_layer1_ended, 0.0);
 }
 
+// model.param_dtype = bfloat16 (param_store.h): the run reads every weight rounded to bf16 from the float32 masters, so
+// its loss and its float32 gradients are those of a float32 model whose weights are those rounded values (the
+// oracle: a second model holding them, read as they are), in either compute dtype (in bf16 the working copy's bits are
+// the operands themselves, which the float32 model's copies round to again); the masters are left as they were and
+// read outside the hooks.
+TEST(ParamStore, Bf16WorkingWeightsAreTheRoundedMastersAndGradientsStayFloat32) {
+  const Gemma4Config cfg = Gemma4Config::from_json(kTwoLayers);
+  Gemma4Model working(cfg, TensorSet::Storage::Allocated);
+  working.init_random(3, 0.3f);
+  working.params().set_param_dtype(ParamDtype::Bfloat16);
+  const std::span<const float> masters = working.params().flat(Role::Weights);
+  const std::vector<float> before(masters.begin(), masters.end());
+  Gemma4Model rounded(cfg, TensorSet::Storage::Allocated);
+  const std::span<float> r = rounded.params().mutable_flat(Role::Weights);
+  int64_t moved = 0;  // masters that bf16 does not represent: the rounding is exercised
+  for (size_t i = 0; i < r.size(); ++i) {
+    r[i] = bf16_to_float(float_to_bf16(before[i]));
+    moved += r[i] != before[i];
+  }
+  EXPECT_GT(moved, static_cast<int64_t>(r.size()) / 2);
+
+  std::vector<int32_t> ids(12), labels(12);
+  for (int i = 0; i < 12; ++i) {
+    ids[static_cast<size_t>(i)] = (i * 7 + 1) % 40;
+    labels[static_cast<size_t>(i)] = (i * 5 + 2) % 40;
+  }
+  Batch b;
+  b.B = 1;
+  b.S = 12;
+  b.input_ids = ids.data();
+  b.labels = labels.data();
+  for (ComputeDtype compute : {ComputeDtype::Float32, ComputeDtype::Bfloat16}) {
+    RunOptions opt;
+    opt.want_grad = true;
+    opt.compute_dtype = compute;
+    working.params().zero_grads();
+    rounded.params().zero_grads();
+    const Result got = working.run(b, opt);
+    const Result want = rounded.run(b, opt);
+    EXPECT_EQ(got.loss, want.loss) << compute_dtype_name(compute);
+    const std::span<const float> g = working.params().flat(Role::Grads), w = rounded.params().flat(Role::Grads);
+    EXPECT_EQ(std::vector<float>(g.begin(), g.end()), std::vector<float>(w.begin(), w.end()))
+        << compute_dtype_name(compute);
+  }
+  const std::span<const float> after = working.params().flat(Role::Weights);
+  EXPECT_EQ(std::vector<float>(after.begin(), after.end()), before);
+  ParamStore& store = working.params();
+  const size_t q = store.slot("model.layers.0.self_attn.q_proj.weight");
+  const int64_t at = store.info(q).offset, n = store.info(q).numel;
+  EXPECT_EQ(store.weight(q), after.data() + at) << "outside the hooks";
+  // Between layer 0's hooks: the rounded values, and a bf16 run's lookup gives the working copy's bits.
+  store.before_forward(0);
+  const bf16* bits = store.bf16_weights().find(store.weight(q), n);
+  ASSERT_NE(bits, nullptr);
+  for (int64_t e = 0; e < n; ++e) {
+    ASSERT_EQ(store.weight(q)[e], r[static_cast<size_t>(at + e)]) << e;
+    ASSERT_EQ(bits[e].bits, float_to_bf16(before[static_cast<size_t>(at + e)]).bits) << e;
+  }
+  store.after_forward(0);
+  EXPECT_EQ(store.weight(q), after.data() + at) << "after the hooks";
+}
+
 }  // namespace
 }  // namespace rf::model

@@ -15,6 +15,7 @@ TEST(TrainConfig, EmptyFileIsTheDefaults) {
   EXPECT_EQ(c.model.builtin, "tiny_moe_vlm");
   EXPECT_EQ(c.data.source, SourceKind::Mock);
   EXPECT_EQ(c.model.compute_dtype, model::ComputeDtype::Float32);
+  EXPECT_EQ(c.model.param_dtype, model::ParamDtype::Float32);
   EXPECT_EQ(c.parallelism.sharding, cp::Scheme::Balanced);
   EXPECT_EQ(c.parallelism.shard, ShardMode::None);
   EXPECT_EQ(c.parallelism.cp, 1);
@@ -90,6 +91,31 @@ TEST(TrainConfig, ChoicesFailWhenReadNamingTheFieldAndTheChoices) {
   EXPECT_EQ(error_of([] { parse_config("parallelism: {shard: [none]}", "a.yaml"); }),
             "config: field `parallelism.shard` must be one of none, optimizer, gradients, full");
   EXPECT_EQ(parse_config("", "a.yaml", {"parallelism.shard=full"}).parallelism.shard, ShardMode::Full);
+}
+
+// model.param_dtype: float32 (default) or bfloat16, printed back as read; bfloat16 beside the features whose weights
+// keep float32 working copies of their own is refused in one line naming that feature.
+TEST(TrainConfig, ParamDtypeIsReadPrintedAndRefusedBesideLoraEpAndTheTower) {
+  const TrainConfig c = parse_config("model: {param_dtype: bfloat16}", "a.yaml");
+  EXPECT_EQ(c.model.param_dtype, model::ParamDtype::Bfloat16);
+  EXPECT_NE(to_yaml(c).find("param_dtype: bfloat16\n"), std::string::npos) << to_yaml(c);
+  validate(c, 1);
+  EXPECT_EQ(error_of([] { parse_config("", "a.yaml", {"model.param_dtype=bf16"}); }),
+            "config: model.param_dtype = 'bf16' is not one of float32, bfloat16");
+  const std::string tail = " is not implemented (its weights keep float32 working copies of their own)";
+  EXPECT_EQ(error_of([] {
+              validate(parse_config("", "a.yaml", {"model.param_dtype=bfloat16", "model.lora.rank=4"}), 1);
+            }),
+            "config: model.param_dtype = bfloat16 with model.lora" + tail);
+  EXPECT_EQ(
+      error_of([] {
+        validate(parse_config("", "a.yaml", {"model.param_dtype=bfloat16", "parallelism.ep=2", "parallelism.dp=2"}), 2);
+      }),
+      "config: model.param_dtype = bfloat16 with parallelism.ep > 1" + tail);
+  EXPECT_EQ(error_of([] {
+              validate(parse_config("", "a.yaml", {"model.param_dtype=bfloat16", "model.train_vision=true"}), 1);
+            }),
+            "config: model.param_dtype = bfloat16 with model.train_vision" + tail);
 }
 
 // A number that is not whole is "not an integer", not "out of range"; a whole one beyond the field still is.

@@ -1,12 +1,17 @@
 // AdamW, the schedule and clipping against their textbook formulas written out here in float64.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <numbers>
+#include <vector>
 
+#include "cpu/isa.h"
 #include "trainer/error_of.h"
 #include "trainer/optimizer.h"
+#include "trainer/optimizer_kernels.h"
 
 namespace rf::trainer {
 namespace {
@@ -70,6 +75,73 @@ TEST(AdamW, MatchesTheFormulaInFloat64) {
     EXPECT_TRUE(p.moment(role, 0) != nullptr && p.moment(role, 1) != nullptr);
     EXPECT_EQ(p.moment(role, 2), nullptr);
     EXPECT_EQ(p.flat(role).size(), 6u + 3u);
+  }
+}
+
+std::vector<const OptimizerKernels*> optimizer_kernels_this_cpu_runs() {
+  const cpu::CpuFeatures f = cpu::detect_cpu();
+  std::vector<const OptimizerKernels*> sets = {&optimizer_kernels_for(cpu::Isa::Scalar)};
+  if (f.avx2) sets.push_back(&optimizer_kernels_for(cpu::Isa::Avx2));
+  if (f.avx512) sets.push_back(&optimizer_kernels_for(cpu::Isa::Avx512));
+  return sets;
+}
+
+// Every ISA's kernels give the bits of the element-by-element float64 loop written out here (the update
+// optimizer.h describes, each operation separately rounded: this file is compiled with -ffp-contract=off), on a
+// length that leaves a remainder after every vector width, with gradients from 1e-30 to 1e3, zeros of both signs,
+// and the moments of an earlier step.
+TEST(OptimizerKernels, EveryIsaGivesTheScalarLoopsBits) {
+  constexpr int64_t n = 1000 + 13;
+  std::vector<float> p0(n), m0(n), v0(n), g(n);
+  for (int64_t e = 0; e < n; ++e) {
+    const double t = static_cast<double>(e);
+    p0[e] = static_cast<float>(std::sin(0.37 * t) * 2.0);
+    g[e] = static_cast<float>(std::cos(1.3 * t) * std::pow(10.0, -30.0 + 33.0 * (e % 97) / 96.0));
+    m0[e] = static_cast<float>(0.1 * std::sin(2.1 * t));
+    v0[e] = static_cast<float>(0.01 * std::fabs(std::cos(0.9 * t)));
+  }
+  g[0] = 0.f;
+  g[1] = -0.f;
+  m0[2] = v0[2] = 0.f;
+  constexpr double kFactor = 0.123456789;
+  const AdamWConstants c{0.9, 0.95, 1.0 - std::pow(0.9, 7.0), 1.0 - std::pow(0.95, 7.0), 1e-8, 3e-3, 3e-4, 1.0};
+  AdamWConstants clipped = c;
+  clipped.grad_scale = kFactor;
+  std::vector<float> p_want = p0, m_want = m0, v_want = v0, g_want = g;
+  for (int64_t e = 0; e < n; ++e) {
+    const double gd = g[e];
+    const double mn = c.b1 * m_want[e] + (1.0 - c.b1) * gd;
+    const double vn = c.b2 * v_want[e] + (1.0 - c.b2) * gd * gd;
+    m_want[e] = static_cast<float>(mn);
+    v_want[e] = static_cast<float>(vn);
+    const double update = (mn / c.correction1) / (std::sqrt(vn / c.correction2) + c.eps);
+    const double pd = p_want[e];
+    p_want[e] = static_cast<float>(pd - c.decay * pd - c.lr * update);
+    g_want[e] = static_cast<float>(g[e] * kFactor);
+  }
+  const auto bits = [](const std::vector<float>& x) {
+    std::vector<uint32_t> b(x.size());
+    for (size_t i = 0; i < x.size(); ++i) b[i] = std::bit_cast<uint32_t>(x[i]);
+    return b;
+  };
+  for (const OptimizerKernels* k : optimizer_kernels_this_cpu_runs()) {
+    const std::string isa = cpu::isa_name(k->isa);
+    std::vector<float> p = p0, m = m0, v = v0, gs = g;
+    k->adamw(p.data(), m.data(), v.data(), g.data(), n, c);
+    EXPECT_EQ(bits(p), bits(p_want)) << isa;
+    EXPECT_EQ(bits(m), bits(m_want)) << isa;
+    EXPECT_EQ(bits(v), bits(v_want)) << isa;
+    k->scale(gs.data(), n, kFactor);
+    EXPECT_EQ(bits(gs), bits(g_want)) << isa;
+    // Clipping fused into the update: the bits of scale() then adamw(), the gradients left unscaled.
+    std::vector<float> p_scaled = p0, m_scaled = m0, v_scaled = v0, p_fused = p0, m_fused = m0, v_fused = v0;
+    const std::vector<float> g_before = g;
+    k->adamw(p_scaled.data(), m_scaled.data(), v_scaled.data(), gs.data(), n, c);
+    k->adamw(p_fused.data(), m_fused.data(), v_fused.data(), g.data(), n, clipped);
+    EXPECT_EQ(bits(p_fused), bits(p_scaled)) << isa;
+    EXPECT_EQ(bits(m_fused), bits(m_scaled)) << isa;
+    EXPECT_EQ(bits(v_fused), bits(v_scaled)) << isa;
+    EXPECT_EQ(bits(g), bits(g_before)) << isa;
   }
 }
 

@@ -31,6 +31,7 @@
 #include "trainer/error_of.h"
 #include "trainer/held_expert_store.h"
 #include "trainer/optimizer.h"
+#include "trainer/runtime_memory.h"
 #include "trainer/sharded_store.h"
 #include "trainer/trainer.h"
 
@@ -630,10 +631,10 @@ TEST(ShardFull, PerLayerEmbeddingsAndKvSharingGiveShardNoneBits) {
 
 // Under shard full no rank holds the global group whole: after the run's global hook a rank holds its pieces and the
 // global group's small parameters (the final norm, the per-layer projection and its norm) gathered, never a token
-// table; rows() gives each rank the rows of its ids (every rank's, since the union is fetched) with the whole
-// table's values, the head is whole between acquire_head and release_head only (beside the last layer, which stays
-// gathered from its forward to its backward, until a forward-only run ends), and read outside them it is refused.
-// At N = 1 to 4, the head tied to the token table and not.
+// table; rows() gives each rank the rows of its own ids (forward-only here: no head gradient to seed every rank's)
+// with the whole table's values, the head is whole between acquire_head and release_head only (beside the last layer,
+// which stays gathered from its forward to its backward, until a forward-only run ends), and read outside them it is
+// refused. At N = 1 to 4, the head tied to the token table and not.
 TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
   for (bool tied : {true, false}) {
     const model::Gemma4Config cfg = model::Gemma4Config::from_json(ple_kv_config(tied), "test");
@@ -663,7 +664,7 @@ TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
         EXPECT_LE(sharded.held().weight_shard, (weights + 2 * P) / P * kF) << at;
         sharded.before_forward(model::kGlobalGroup);
         EXPECT_EQ(sharded.held().gathered, small_global * kF) << at;
-        // Rank r looks up tokens r, 300 + r and 7 (twice): the rows fetched are the union of every rank's.
+        // Rank r looks up tokens r, 300 + r and 7 (twice): the rows fetched are its own three.
         const int r = world.rank();
         const std::vector<int32_t> ids = {r, 300 + r, 7, 7};
         for (size_t slot : {embed, ple}) {
@@ -677,8 +678,8 @@ TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
           }
           EXPECT_EQ(rows.grads, nullptr);
         }
-        const int64_t union_rows = 2 * P + 1;
-        const int64_t table_rows = union_rows * (w.info(embed).shape[1] + w.info(ple).shape[1]);
+        const int64_t own_rows = 3;
+        const int64_t table_rows = own_rows * (w.info(embed).shape[1] + w.info(ple).shape[1]);
         EXPECT_EQ(sharded.held().gathered, (small_global + table_rows) * kF) << at;
         EXPECT_NE(testing::error_of([&] { sharded.weight(head); }).find("outside acquire_head"), std::string::npos);
         for (int l = 0; l < cfg.num_layers; ++l) {
@@ -693,7 +694,7 @@ TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
         EXPECT_EQ(sharded.held().gathered, (small_global + table_rows + last_layer + w.info(head).numel) * kF) << at;
         // The memory check's figures (4 tokens a rank) bound what the rank holds at its fullest.
         std::vector<bool> trainable(w.size(), true);
-        const ShardedStore::Bytes most = ShardedStore::bytes_for(w, trainable, ShardedStore::Mode::Full, P, 4 * P);
+        const ShardedStore::Bytes most = ShardedStore::bytes_for(w, trainable, ShardedStore::Mode::Full, P, 4 * P, 4);
         EXPECT_LE(sharded.held().weight_shard, most.weight_shard) << at;
         EXPECT_LE(sharded.held().gathered, most.gathered) << at;
         sharded.release_head(head);
@@ -992,7 +993,8 @@ TEST(ShardGradients, ResumesAcrossModesAndRankCounts) {
 
 // --stats: the memory check's per-rank terms for the run's shard mode (the same figures the up-front check used),
 // by kind, and every rank's measured peak RSS: under full the weight shard, the gathered weights, the gradients, the
-// moments, the communication buffers and the activations; under none the whole weights instead of a shard.
+// moments, the communication buffers and the activations; under none the whole weights instead of a shard; in both
+// the runtime baseline (the rank's resident set before the run allocated its state).
 TEST(TrainStats, MemoryByKindAndEveryRanksPeak) {
   const fs::path dir = scratch("stats");
   fs::create_directories(dir);
@@ -1015,9 +1017,10 @@ TEST(TrainStats, MemoryByKindAndEveryRanksPeak) {
       EXPECT_EQ(term.at("bytes").get<int64_t>(), need.of(term.at("kind").get<std::string>())) << mode;
     }
     const std::vector<std::string> expected =
-        mode == "full" ? std::vector<std::string>{"weight shard",  "gathered weights",      "gradients",
-                                                  "AdamW moments", "communication buffers", "activations"}
-                       : std::vector<std::string>{"weights", "gradients", "AdamW moments", "activations"};
+        mode == "full"
+            ? std::vector<std::string>{"weight shard",          "gathered weights", "gradients",     "AdamW moments",
+                                       "communication buffers", "activations",      kRuntimeBaseline}
+            : std::vector<std::string>{"weights", "gradients", "AdamW moments", "activations", kRuntimeBaseline};
     for (const std::string& kind : expected) EXPECT_TRUE(kinds.contains(kind)) << mode << ": no `" << kind << "`";
   }
   fs::remove_all(dir);
@@ -1338,6 +1341,192 @@ TEST(ComputeDtype, Bf16LossTrajectoryFollowsFloat32) {
       differs = differs || bf.steps[i].loss != f32.steps[i].loss;
     }
     EXPECT_TRUE(differs) << builtin << ": the bf16 mode computed in float32";
+  }
+}
+
+// model.compute_dtype reaches the vision tower: a bfloat16 run's tower multiplies in bf16 as its decoder does
+// (Gemma4Multimodal::set_vision_compute_dtype, set by the trainer before the data's images are encoded). Oracle: step
+// 1's loss rebuilt outside the trainer (as LabelTokens does) from the same initial model and mock rows, the decoder in
+// bf16 and the frozen tower's soft tokens made in bf16 or in float32. The trainer's loss is the bf16 tower's to the
+// 1e-6 of LabelTokens (the same products; only the token losses' sum is grouped by micro-batch), and the float32
+// tower's loss lies farther than that: the switch is taken. The two towers' soft tokens differ, by at most the
+// 2e-2 relative that tests/model/vision_parity.py bounds the bf16 tower with (bf16 operands carry 2^-9 relative
+// rounding, a few layers of linears accumulate it, and the soft tokens are their sums' differences).
+TEST(ComputeDtype, TheVisionTowerRunsInTheTrainersDtype) {
+  const TrainConfig c = small("tiny_moe_vlm", {"model.compute_dtype=bfloat16", "train.steps=1"});
+  const Trained trained = run(c);
+  ASSERT_EQ(trained.steps.size(), 1u);
+  EXPECT_EQ(trained.model->vision_compute_dtype(), model::ComputeDtype::Bfloat16);
+  EXPECT_EQ(run(small("tiny_moe_vlm", {"train.steps=1"})).model->vision_compute_dtype(), model::ComputeDtype::Float32);
+
+  const std::string json = model::builtin_config_json("tiny_moe_vlm");
+  const model::VisionConfig vc = model::VisionConfig::from_config_json(json, "tiny_moe_vlm").value();
+  const io::Passthrough tower_weights = model::init_vision_tower(vc, c.train.seed);
+  std::vector<float> soft[2];  // the first rows' image features: float32 tower, bf16 tower
+  double loss[2] = {0.0, 0.0};
+  for (int t = 0; t < 2; ++t) {
+    model::Gemma4Multimodal m(model::Gemma4Config::from_json(json), model::MultimodalParts{model::kBuiltinFeatureDim});
+    m.init_random(c.train.seed, static_cast<float>(c.model.init_std));
+    model::VisionEncoder tower(vc, tower_weights);
+    tower.set_compute_dtype(t == 0 ? model::ComputeDtype::Float32 : model::ComputeDtype::Bfloat16);
+    ImageContract images;
+    images.vision = [&]() -> const model::VisionEncoder* { return &tower; };
+    const auto data = make_data_source(c, {m.config().vocab_size, 0, model::kBuiltinFeatureDim, ""}, images);
+    const PackedBatch p = stack_rows({data->train_row(0), data->train_row(1), data->train_row(2), data->train_row(3)},
+                                     model::kBuiltinFeatureDim);
+    ASSERT_GT(p.n_image_features, 0) << "the rows hold no image";
+    soft[t] = p.image_features;
+    model::Batch b{p.B,
+                   p.S,
+                   p.input_ids.data(),
+                   p.labels.data(),
+                   p.position_ids.data(),
+                   p.doc.data(),
+                   p.mm_token_type.data(),
+                   p.image_features.data(),
+                   p.n_image_features};
+    model::RunOptions ro;
+    ro.compute_dtype = model::ComputeDtype::Bfloat16;
+    loss[t] = m.run(b, ro).loss;
+  }
+  const double same = 1e-6 * loss[1];
+  EXPECT_NEAR(trained.steps[0].loss, loss[1], same);
+  EXPECT_GT(std::abs(trained.steps[0].loss - loss[0]), same) << "the trainer's tower ran in float32";
+  double diff = 0.0, norm = 0.0;  // squared L2 norms, as vision_parity.py's relative error
+  for (size_t i = 0; i < soft[0].size(); ++i) {
+    diff += std::pow(static_cast<double>(soft[1][i]) - soft[0][i], 2);
+    norm += std::pow(static_cast<double>(soft[0][i]), 2);
+  }
+  EXPECT_GT(diff, 0.0) << "the bf16 tower computed in float32";
+  EXPECT_LE(std::sqrt(diff / norm), 2e-2) << "bf16 soft tokens against float32";
+}
+
+// model.param_dtype = bfloat16 under every shard mode: the working weights are the masters rounded to bf16 however
+// they got there (the replicated copy under none/optimizer/gradients, the gathered bf16 pieces under full), the
+// gradients float32 and reduced as in float32, so every loss, gradient norm, validation loss, the final masters, the
+// written model file and the moments are shard none's bits at the same grid: N = 1, 2 (dp, one micro-batch a
+// replica) and 3 (cp), dense. (tests/trainer/CMakeLists.txt runs the same under mpirun at N = 2 and 3.)
+TEST(ParamDtype, Bf16WorkingWeightsGiveShardNoneBitsInEveryMode) {
+  const fs::path dir = scratch("param_bf16_modes");
+  const std::vector<std::vector<std::string>> grids = {{"train.micro_batch=4"},
+                                                       {"parallelism.dp=2", "train.micro_batch=2"},
+                                                       {"parallelism.cp=3", "train.micro_batch=4"}};
+  for (const std::vector<std::string>& grid : grids) {
+    const std::string what = grid[0];
+    const auto config = [&](const std::string& mode) {
+      std::vector<std::string> sets = grid;
+      sets.insert(sets.end(), {"train.steps=3", "train.val_every=2", "model.param_dtype=bfloat16",
+                               "parallelism.shard=" + mode, "checkpoint.dir=" + (dir / what / mode).string()});
+      return small("tiny_dense", sets);
+    };
+    const Trained none = run(config("none"));
+    ASSERT_EQ(none.steps.size(), 3u) << what;
+    for (const char* mode : {"optimizer", "gradients", "full"}) {
+      const Trained sharded = run(config(mode));
+      ASSERT_EQ(sharded.steps.size(), 3u) << what << ", " << mode;
+      expect_same_bits(none, sharded, what + ", shard " + mode);
+    }
+  }
+  fs::remove_all(dir);
+}
+
+// bf16 working weights train along the float32 run's loss curve (each weight rounded at 2^-9 relative at most, as
+// compute_dtype bfloat16 rounds each weight operand, and that mode's kBf16TrajectoryRel reasoning, which also rounds
+// the activations, bounds this one) and differ from it (the option is not ignored). The checkpoint holds the float32
+// masters, written as F32 as with float32 working weights (most of them are not bf16 values after AdamW's steps), and
+// a resume from it continues bit for bit (under shard full over dp 2).
+TEST(ParamDtype, Bf16WorkingWeightsFollowFloat32AndCheckpointTheMasters) {
+  const fs::path dir = scratch("param_bf16_resume");
+  const Trained f32 = run(small("tiny_dense", {}));
+  const Trained bf = run(small("tiny_dense", {"model.param_dtype=bfloat16"}));
+  ASSERT_EQ(bf.steps.size(), f32.steps.size());
+  bool differs = false;
+  for (size_t i = 0; i < f32.steps.size(); ++i) {
+    EXPECT_NEAR(bf.steps[i].loss, f32.steps[i].loss, kBf16TrajectoryRel * f32.steps[i].loss) << "step " << i + 1;
+    differs = differs || bf.steps[i].loss != f32.steps[i].loss;
+  }
+  EXPECT_TRUE(differs) << "param_dtype bfloat16 read float32 weights";
+
+  const TrainConfig c =
+      small("tiny_dense", {"parallelism.dp=2", "train.micro_batch=2", "parallelism.shard=full", "train.steps=4",
+                           "checkpoint.every=2", "model.param_dtype=bfloat16", "checkpoint.dir=" + dir.string()});
+  const Trained whole = run(c);
+  ASSERT_EQ(whole.steps.size(), 4u);
+  const io::SafetensorsFile file = io::SafetensorsFile::open(whole.last_checkpoint + "/model.safetensors");
+  const model::ParamStore& store = whole.model->params();
+  int64_t not_bf16 = 0;
+  for (size_t slot = 0; slot < store.size(); ++slot) {
+    const model::ParamInfo& p = store.info(slot);
+    const io::TensorView t = file.at(model::file_name_of(p.name, model::kMultimodalTextPrefix));
+    ASSERT_EQ(t.dtype, io::StDType::F32) << p.name;
+    std::vector<float> got(static_cast<size_t>(p.numel));
+    ASSERT_EQ(t.bytes.size(), got.size() * sizeof(float)) << p.name;
+    std::memcpy(got.data(), t.bytes.data(), t.bytes.size());
+    const float* master = store.flat(model::Role::Weights).data() + p.offset;
+    EXPECT_EQ(got, std::vector<float>(master, master + p.numel)) << p.name;
+    for (float v : got) not_bf16 += bf16_to_float(float_to_bf16(v)) != v;
+  }
+  EXPECT_GT(not_bf16, store.total_elements() / 2) << "the checkpoint holds masters, not the working copy";
+  TrainOptions resume;
+  resume.resume = (dir / "step-00000002").string();
+  const Trained second = run(c, resume);
+  ASSERT_EQ(second.steps.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(second.steps[i].loss, whole.steps[i + 2].loss) << "step " << i + 3;
+    EXPECT_EQ(second.steps[i].grad_norm, whole.steps[i + 2].grad_norm) << "step " << i + 3;
+  }
+  EXPECT_EQ(flat_params(*second.model), flat_params(*whole.model));
+  fs::remove_all(dir);
+}
+
+// Under shard full the working weights travel as bf16: the global group's and a layer's all-gathers deliver to each
+// rank exactly half the bytes of the float32 ones (the other ranks' pieces at 2 bytes an element instead of 4, counted
+// by the store's communicator), and the gathered layer is the masters rounded to bf16 (float_to_bf16, the oracle),
+// whose bits a bf16 compute run multiplies (find). At N = 2 and 3.
+TEST(ShardFull, Bf16WorkingWeightsHalveTheGatherBytes) {
+  const model::Gemma4Config cfg = model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense"), "builtin");
+  model::Gemma4Model whole(cfg, model::TensorSet::Storage::Allocated);
+  whole.init_random(11, 0.1f);
+  for (int P = 2; P <= 3; ++P) {
+    comm::run_ranks(P, [&](comm::Communicator& world) {
+      uint64_t received[2] = {0, 0};  // float32, bfloat16
+      for (const model::ParamDtype dtype : {model::ParamDtype::Float32, model::ParamDtype::Bfloat16}) {
+        auto store = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
+                                                    comm::default_timeout());
+        ShardedStore& s = *store;
+        const model::Gemma4Model m(cfg, model::TensorSet::Storage::Deferred, std::move(store));
+        s.adopt(whole.params());
+        s.set_param_dtype(dtype);
+        const model::Bf16Lookup& copies = s.bf16_weights();
+        // The global group's small parameters (gathered here) and layer 0 (posted here): a small layer's message may
+        // be taken in as it is posted.
+        const uint64_t before = s.traffic().bytes_received;
+        s.before_forward(model::kGlobalGroup);
+        const auto deadline = std::chrono::steady_clock::now() + comm::default_timeout();
+        while (!s.progress()) {  // layer 0's gather alone is in flight
+          std::this_thread::yield();
+          ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "progress() never completed layer 0's gather";
+        }
+        received[dtype == model::ParamDtype::Bfloat16] = s.traffic().bytes_received - before;
+        s.before_forward(0);
+        if (dtype == model::ParamDtype::Float32) continue;
+        for (size_t slot : s.group(0)) {
+          const model::ParamInfo& p = s.info(slot);
+          const float* master = whole.params().weight(slot);
+          const bf16* b16 = p.matmul ? copies.find(s.weight(slot), p.numel) : nullptr;
+          ASSERT_EQ(b16 == nullptr, !p.matmul) << p.name;
+          for (int64_t e = 0; e < p.numel; ++e) {
+            const bf16 want = float_to_bf16(master[e]);
+            ASSERT_EQ(s.weight(slot)[e], bf16_to_float(want)) << p.name << " element " << e << " at N = " << P;
+            if (b16) {
+              ASSERT_EQ(b16[e].bits, want.bits) << p.name << " element " << e << " at N = " << P;
+            }
+          }
+        }
+      }
+      EXPECT_GT(received[0], 0u);
+      EXPECT_EQ(2 * received[1], received[0]) << "N = " << P;
+    });
   }
 }
 

@@ -17,6 +17,7 @@
 #include "model/lora_store.h"
 #include "model/memory.h"
 #include "trainer/error_of.h"
+#include "trainer/runtime_memory.h"
 #include "trainer/sharded_store.h"
 #include "trainer/trainer.h"
 
@@ -125,13 +126,16 @@ TEST(TrainMemory, TermsFollowTheConfig) {
             2 * ((elements + 2) / 3) * int64_t{sizeof(float)});
   // parallelism.shard = gradients: the same moments; the gradients are this rank's padded slice, the global group's
   // buffer (embeddings, final norm, head: written through the whole backward) and one decoder layer's buffer.
-  // shard = full: besides, a weight shard of the same padded slice, the global group and two layers gathered (the
-  // one computing and the next, posted), each gather's staging in flight.
-  int64_t global = 0, layer0 = 0;  // elements
+  // shard = full: besides, a weight shard of the same padded slice and the global group gathered: its small
+  // parameters, the rows of its tied table (every rank's tokens: 3 x 512, all 512 rows) and, around the loss, the
+  // head (that table) beside the last layer, the largest moment of the gathered kind (more than any one layer).
+  int64_t global = 0, layer0 = 0, last = 0;  // elements
   for (const model::ParamInfo& t : m.params().infos()) {
     if (t.layer == model::kGlobalGroup) global += t.numel;
     if (t.layer == 0) layer0 += t.numel;  // tiny_moe_vlm's layers are alike but for the full one
+    if (t.layer == m.config().num_layers - 1) last += t.numel;
   }
+  const int64_t table = m.params().info(m.params().slot("model.embed_tokens.weight")).numel;
   int64_t largest = 0;
   for (int l = 0; l < m.config().num_layers; ++l) {
     int64_t n = 0;
@@ -148,7 +152,8 @@ TEST(TrainMemory, TermsFollowTheConfig) {
   const MemoryBreakdown zero3 =
       train_memory_at_least(config({"parallelism.dp=3", "train.global_batch=9", "parallelism.shard=full"}), m, 3);
   EXPECT_EQ(zero3.of("weight shard"), slice * f32 + m.buffers().total_bytes());
-  EXPECT_EQ(zero3.of("gathered weights"), (global + 2 * largest) * f32);
+  ASSERT_GT(table + last, largest);
+  EXPECT_EQ(zero3.of("gathered weights"), (global + table + last) * f32);
   EXPECT_EQ(zero3.of("gradients"), (slice + global + largest) * f32);
   EXPECT_EQ(zero3.of("AdamW moments"), 2 * slice * f32);
   EXPECT_EQ(zero3.of("weights"), 0);
@@ -168,6 +173,36 @@ TEST(TrainMemory, TermsFollowTheConfig) {
   EXPECT_LT(train_memory_at_least(config({"parallelism.cp=2"}), m, 2).of("activations"), one.of("activations"));
   EXPECT_GT(train_memory_at_least(config({"train.recompute=false"}), m, 1).total(), one.total());
   EXPECT_GT(train_memory_at_least(config({"train.micro_batch=2"}), m, 1).total(), one.total());
+}
+
+// model.param_dtype = bfloat16: the bf16 working weights are counted, and replace compute_dtype's bf16 copies (not
+// made then). Replicated (none; optimizer and gradients alike): 2 bytes for every weight, and in float32 the largest
+// decoder layer, the global group's parameters that are not streamed and the largest streamed one (the head) widened
+// at once. Shard full: a bf16 copy of what is gathered (half the gathered float32 bytes).
+TEST(TrainMemory, Bf16WorkingWeightsAreCounted) {
+  const model::Gemma4Multimodal m = shapes();
+  int64_t global = 0, streamed = 0, largest = 0;  // elements
+  for (const model::ParamInfo& t : m.params().infos()) {
+    if (t.streamed)
+      streamed = std::max(streamed, t.numel);
+    else if (t.layer == model::kGlobalGroup)
+      global += t.numel;
+  }
+  for (int l = 0; l < m.config().num_layers; ++l) {
+    int64_t n = 0;
+    for (size_t slot : m.params().group(l)) n += m.params().info(slot).numel;
+    largest = std::max(largest, n);
+  }
+  const MemoryBreakdown none =
+      train_memory_at_least(config({"model.param_dtype=bfloat16", "model.compute_dtype=bfloat16"}), m, 1);
+  EXPECT_EQ(none.of("bf16 working weights"), 2 * m.params().total_elements() + 4 * (largest + global + streamed));
+  EXPECT_EQ(none.of("bf16 weight copies"), 0);
+  EXPECT_EQ(train_memory_at_least(config({}), m, 1).of("bf16 working weights"), 0);
+  const MemoryBreakdown full = train_memory_at_least(config({"parallelism.dp=3", "train.global_batch=3",
+                                                             "parallelism.shard=full", "model.param_dtype=bfloat16"}),
+                                                     m, 3);
+  EXPECT_GT(full.of("gathered weights"), 0);
+  EXPECT_EQ(full.of("bf16 working weights"), full.of("gathered weights") / 2);
 }
 
 TEST(TrainMemory, LoraCountsTheAdaptersNotTheBase) {
@@ -304,7 +339,94 @@ TEST(TrainMemory, ShardFullHoldsTheHeadWholeNotThePerLayerTable) {
   EXPECT_GE(b.gathered, head);
   EXPECT_LT(b.gathered, ple_table);
   EXPECT_LT(b.gradients, ple_table);
-  EXPECT_LT(b.comm_buffers, ple_table);
+  // The head's staging and its reduction (4 ranks' contributions to rank 0's part of it, the whole head here).
+  EXPECT_LE(b.comm_buffers, (kRanks + 1) * head);
+}
+
+// The runtime baseline is this process's resident set as the first check measured it (libraries, MPI, the start-up
+// heap), the same figure in every later check and --stats, however much the process allocates in between.
+TEST(TrainMemory, RuntimeBaselineIsTheResidentSetOfTheFirstCheck) {
+  const model::Gemma4Multimodal m = shapes();
+  const int64_t first = train_memory_at_least(config({}), m, 1).of(kRuntimeBaseline);
+  // At least this test binary's own code is resident; far less than the machine.
+  EXPECT_GT(first, 0);
+  EXPECT_EQ(first, runtime_baseline_bytes());
+  constexpr size_t kTouched = size_t{64} << 20;  // more than the baseline could drift by itself
+  std::vector<char> touched(kTouched, 1);
+  EXPECT_EQ(train_memory_at_least(config({"parallelism.shard=full", "parallelism.dp=2"}), m, 2).of(kRuntimeBaseline),
+            first);
+  EXPECT_EQ(touched.back(), 1);
+}
+
+// ShardedStore::bytes_for counts what the store's code holds, by hand on two small registries at N = 1 and 2 (elements;
+// float32 bytes are 4 x): a tied table of 16 x 4 (the head, streamed) first, a final norm of 4, layer 0 of 32 and layer
+// 1 of 32 + 4, so that the trainable layout is table [0, 64), norm [64, 68), layer 0 [68, 100), layer 1 [100, 136) and
+// at N = 2 rank 0's slice [0, 68) holds the whole head and rank 1's [68, 136) both layers. 6 tokens a step, 3 a rank.
+// One gather's staging is in flight at a time, one reduction at a time; a reduction's receiver gets N x its part of
+// the group (up to the whole head here), a table's rows are the rank's own tokens' but for the table tied to a
+// trained head (every rank's).
+TEST(TrainMemory, ShardedBytesCountWhatTheStoreHolds) {
+  const auto registry = [](bool tied) {
+    auto ps = std::make_unique<model::ReplicatedStore>();
+    const size_t table = ps->add("model.embed_tokens.weight", {16, 4});
+    ps->add("model.norm.weight", {4});
+    ps->add("model.layers.0.w", {8, 4}, 0, true);
+    ps->add("model.layers.1.w", {8, 4}, 1, true);
+    ps->add("model.layers.1.n", {4}, 1);
+    ps->mark_streamed(table);
+    if (!tied) ps->mark_streamed(ps->add("lm_head.weight", {16, 4}));
+    return ps;
+  };
+  constexpr int64_t kStepTokens = 6, kRankTokens = 3, f32 = sizeof(float);
+  using Mode = ShardedStore::Mode;
+  const auto bytes = [&](const model::ParamStore& ps, Mode mode, int ranks) {
+    return ShardedStore::bytes_for(ps, std::vector<bool>(ps.size(), true), mode, ranks, kStepTokens, kRankTokens);
+  };
+  const auto tied = registry(true), untied = registry(false);
+
+  // Tied, N = 2, full. Rows: the head's table with gradients holds every rank's 6 tokens' rows, 24 elements.
+  ShardedStore::Bytes b = bytes(*tied, Mode::Full, 2);
+  EXPECT_EQ(b.weight_shard, 68 * f32);                // the slice (nothing frozen)
+  EXPECT_EQ(b.gathered, (4 + (64 + 36) + 24) * f32);  // norm; the head beside the last layer; the rows
+  EXPECT_EQ(b.gradients, (68 + 4 + 64 + 24) * f32);   // slice, norm's buffer, the head's, the rows'
+  EXPECT_EQ(b.moments, 2 * 68 * f32);                 // exp_avg, exp_avg_sq of the slice
+  // Staging: a layer's (the largest, 36) beside the rows rank 0 sends at the run's start (2 ranks x 24), over the
+  // head's 64. Reductions: the head's on rank 0, 2 x 64 (over layer 1's 36 + 2 x 36, the norm's 4 + 2 x 4, the rows'
+  // 2 x 24).
+  EXPECT_EQ(b.comm_buffers, (36 + 2 * 24 + 2 * 64) * f32);
+  b = bytes(*tied, Mode::Gradients, 2);
+  EXPECT_EQ(b.weight_shard, 136 * f32);
+  EXPECT_EQ(b.gathered, 24 * f32);
+  EXPECT_EQ(b.gradients, (68 + 4 + 64 + 24) * f32);
+  EXPECT_EQ(b.comm_buffers, 2 * 64 * f32);
+  // N = 1: no receive buffers; a layer's reduction is its send copy (36), the head's none.
+  b = bytes(*tied, Mode::Full, 1);
+  EXPECT_EQ(b.weight_shard, 136 * f32);
+  EXPECT_EQ(b.gathered, (4 + (64 + 36) + 24) * f32);
+  EXPECT_EQ(b.gradients, (136 + 4 + 64 + 24) * f32);
+  EXPECT_EQ(b.comm_buffers, (64 + 36) * f32);
+
+  // Untied, N = 2: the layout gains lm_head [136, 200), slices [0, 100) and [100, 200). The table's rows are the
+  // rank's own 3 tokens' (12 elements); lm_head is never read by row. Staging: the head's 64 over layer 1's 36 + 2 x
+  // 12; reductions: the head's on rank 1, 2 x 64.
+  b = bytes(*untied, Mode::Full, 2);
+  EXPECT_EQ(b.weight_shard, 100 * f32);
+  EXPECT_EQ(b.gathered, (4 + (64 + 36) + 12) * f32);
+  EXPECT_EQ(b.gradients, (100 + 4 + 64 + 12) * f32);
+  EXPECT_EQ(b.moments, 2 * 100 * f32);
+  EXPECT_EQ(b.comm_buffers, (64 + 2 * 64) * f32);
+  // Frozen, the table's rows are the rank's own (no head gradient to seed them) and have no gradient.
+  std::vector<bool> trainable(tied->size(), true);
+  trainable[0] = false;
+  b = ShardedStore::bytes_for(*tied, trainable, Mode::Full, 2, kStepTokens, kRankTokens);
+  // Trainable layout: norm [0, 4), layer 0 [4, 36), layer 1 [36, 72): slices [0, 36) and [36, 72); frozen: the table,
+  // [0, 32) and [32, 64).
+  EXPECT_EQ(b.weight_shard, (36 + 32) * f32);
+  EXPECT_EQ(b.gathered, (4 + (64 + 36) + 12) * f32);
+  EXPECT_EQ(b.gradients, (36 + 4 + 36) * f32);
+  // Staging: the head's 64 (over 36 + 2 x 12); reductions: layer 1's on rank 1, 36 + 2 x 36 (layer 0's on rank 0,
+  // 32 + 2 x 32; the norm's 4 + 2 x 4).
+  EXPECT_EQ(b.comm_buffers, (64 + 36 + 2 * 36) * f32);
 }
 
 }  // namespace
