@@ -708,10 +708,10 @@ TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
 // Held experts under shard full (held_expert_store.h): the streamed global parameters stay the inner ShardedStore's,
 // so no rank holds a token table whole either. After the global hook a rank holds its pieces and the global group's
 // small parameters gathered (the inner store's held()); rows() through the held store gives the whole table's rows,
-// fetched as ShardedStore::rows does; resident_weight_bytes counts the pieces and this rank's experts. At N = 2 and 4
-// over ep 2. And a run of ep 2 x dp 2 under shard full trains as shard none does, bit for bit (one micro-batch a
-// rank: shard full's reduce-scatter and none's all-reduce both sum the ranks in order, and the EDP group is one rank
-// at N = 2).
+// this rank's own fetched as ShardedStore::rows does; resident_weight_bytes counts the pieces and this rank's experts.
+// At N = 2 and 4 over ep 2. And a run of ep 2 x dp 2 under shard full trains as shard none does, bit for bit (one
+// micro-batch a rank: shard full's reduce-scatter and none's all-reduce both sum the ranks in order, and the EDP group
+// is one rank at N = 2).
 TEST(HeldExperts, ShardFullStreamsTheGlobalGroupAndTrainsAsShardNone) {
   const model::Gemma4Config cfg =
       model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm"), "tiny_moe_vlm");
@@ -752,8 +752,8 @@ TEST(HeldExperts, ShardFullStreamsTheGlobalGroupAndTrainsAsShardNone) {
         const float* want = w.weight(embed) + int64_t{ids[i]} * W;
         EXPECT_EQ(got, std::vector<float>(want, want + W)) << at << ", row " << ids[i];
       }
-      const int64_t union_rows = P + 1;  // every rank's own token and token 7
-      EXPECT_EQ(sharded.held().gathered, (small_global + union_rows * W) * kF) << at;
+      const int64_t own_rows = 2;  // this rank's distinct ids: the store fetches a rank's own rows (sharded_store.h)
+      EXPECT_EQ(sharded.held().gathered, (small_global + own_rows * W) * kF) << at;
       held->after_forward(model::kGlobalGroup);
       EXPECT_EQ(sharded.held().gathered, small_global * kF) << at;  // the rows dropped, the small ones kept
     });
