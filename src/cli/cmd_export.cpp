@@ -45,16 +45,12 @@ int run_export(const ExportOptions& opt) {
     const float* W = store.weight(a.base);
     std::vector<float> m(W, W + a.experts * a.out * a.in);
     // W_e [out, in] += scale * B_e [out, r] A_e [r, in] for each expert e (one of them for a 2-D weight), with
-    // A_e = rows e*r.. of A and B_e[o, k] = B[o, k * experts + e] (PEFT's layout, model/held_weight.h).
+    // A_e = rows e*r.. of A and B_e = rows e*out.. of B (the store's expert-major layout, model/held_weight.h).
     const float* A = store.weight(a.a);
     const float* B = store.weight(a.b);
-    std::vector<float> Be(static_cast<size_t>(a.out * r));
-    for (int64_t e = 0; e < a.experts; ++e) {
-      for (int64_t o = 0; o < a.out; ++o)
-        for (int64_t k = 0; k < r; ++k) Be[o * r + k] = B[o * r * a.experts + k * a.experts + e];
-      model::gemm(false, false, a.out, a.in, r, scale, Be.data(), r, A + e * r * a.in, a.in, 1.f,
+    for (int64_t e = 0; e < a.experts; ++e)
+      model::gemm(false, false, a.out, a.in, r, scale, B + e * a.out * r, r, A + e * r * a.in, a.in, 1.f,
                   m.data() + e * a.out * a.in, a.in);
-    }
     merged.emplace(model::file_name_of(store.info(a.base).name, ck.text_prefix), std::move(m));
   }
   const io::Checkpoint files = io::Checkpoint::open(opt.model);

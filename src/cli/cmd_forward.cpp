@@ -431,11 +431,20 @@ int run_forward(const ForwardOptions& opt) {
     if (ro.want_logits) w.add("logits", io::StDType::F32, {B, S, V}, std::span<const float>(logits));
     if (opt.grad) {
       const model::ParamStore& params = ck.model->params();
+      const auto* lora = dynamic_cast<const model::LoraStore*>(&params);
       for (size_t i = 0; i < params.size(); ++i) {
         const model::ParamInfo& p = params.info(i);
         if (params.grad(i) == nullptr) continue;  // frozen (a LoRA base): no gradient
-        w.add("grad." + model::file_name_of(p.name, ck.text_prefix), io::StDType::F32, p.shape,
-              std::span<const float>(params.grad(i), static_cast<size_t>(p.numel)));
+        const std::span<const float> g(params.grad(i), static_cast<size_t>(p.numel));
+        if (!lora) {
+          w.add("grad." + model::file_name_of(p.name, ck.text_prefix), io::StDType::F32, p.shape, g);
+          continue;
+        }
+        // An adapter's gradient in PEFT's layout, as its weight is in the adapter's files.
+        w.add_fill("grad." + model::file_name_of(p.name, ck.text_prefix), io::StDType::F32, lora->file_shape(i),
+                   [lora, i, g](std::span<std::byte> out) {
+                     lora->to_file_layout(i, g, std::span<float>(reinterpret_cast<float*>(out.data()), g.size()));
+                   });
       }
       if (data.has_features)
         w.add("grad.image_features", io::StDType::F32, {data.n_features, data.F},

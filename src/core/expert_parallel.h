@@ -77,6 +77,15 @@ class ExpertParallel {
   }
   virtual void progress_dispatch() {}
   virtual void finish_dispatch() {}
+  // combine in two halves likewise, so that work that does not read `sent` (the backward's weight gradients) runs
+  // while the rows travel back: between start_combine and finish_combine the caller does not touch `sent` or write
+  // `received`; progress_combine (the calling thread of the start only) lets the transfers advance. One started
+  // dispatch or combine at a time. Here: the whole combine at the start.
+  virtual void start_combine(const ExpertRouting& routing, const float* received, float* sent, int64_t width) {
+    combine(routing, received, sent, width);
+  }
+  virtual void progress_combine() {}
+  virtual void finish_combine() {}
 
   virtual ExpertTraffic traffic() const { return {}; }
 };

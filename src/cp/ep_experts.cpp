@@ -95,6 +95,21 @@ void EpExperts::finish_dispatch() {
   posted_.reset();
 }
 
+void EpExperts::start_combine(const ExpertRouting& routing, const float* received, float* sent, int64_t width) {
+  RF_CHECK(posted_ == nullptr, "expert parallelism: a combine started before the last transfer finished");
+  const int P = group_.size();
+  std::vector<int64_t> to(static_cast<size_t>(P)), from(static_cast<size_t>(P));
+  for (int p = 0; p < P; ++p) {
+    to[static_cast<size_t>(p)] = routing.received_from(p);
+    from[static_cast<size_t>(p)] = routing.sent_to(p);
+  }
+  send_bytes_ = row_bytes(to, width);
+  recv_bytes_ = row_bytes(from, width);
+  posted_ = group_.post_alltoallv(received, send_bytes_, sent, recv_bytes_);
+  for (int p = 0; p < P; ++p)
+    if (p != routing.rank) traffic_.bytes_sent += static_cast<int64_t>(send_bytes_[static_cast<size_t>(p)]);
+}
+
 void EpExperts::combine(const ExpertRouting& routing, const float* received, float* sent, int64_t width) {
   const Timed timed(traffic_.seconds);
   const int P = group_.size();

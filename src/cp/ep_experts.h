@@ -26,13 +26,16 @@ class EpExperts final : public ExpertParallel {
   void start_dispatch(const ExpertRouting& routing, const float* sent, float* received, int64_t width) override;
   void progress_dispatch() override;
   void finish_dispatch() override;
+  void start_combine(const ExpertRouting& routing, const float* received, float* sent, int64_t width) override;
+  void progress_combine() override { progress_dispatch(); }
+  void finish_combine() override { finish_dispatch(); }
   ExpertTraffic traffic() const override { return traffic_; }
 
  private:
   comm::Communicator& group_;
   comm::Timeout timeout_;
   ExpertTraffic traffic_;
-  // The started dispatch: its byte counts (the posted collective reads them) and the collective.
+  // The started dispatch or combine: its byte counts (the posted collective reads them) and the collective.
   std::vector<size_t> send_bytes_, recv_bytes_;
   comm::PostedPtr posted_;
 };

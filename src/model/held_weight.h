@@ -33,10 +33,14 @@ struct LinearAdapter {
   float* dB = nullptr;       // [out, rank]
   int64_t rank = 0, in = 0, out = 0;
   float scale = 0.f;
-  // experts > 1: PEFT's ParamWrapper on a 3-D weight W [experts, out, in], one adapter per expert e in PEFT's layout:
-  // A [experts * rank, in] holds A_e = rows e*rank .. (e+1)*rank - 1, B [out, rank * experts] holds
-  // B_e[o, k] = B[o, k * experts + e]; the layer adds scale * (x A_e^T) B_e^T to the rows expert e computes.
+  // experts > 1: PEFT's ParamWrapper on a 3-D weight W [E, out, in], one adapter per expert, expert-major (the
+  // store's layout, model/lora_store.h; PEFT's file interleaves B's columns): A [experts * rank, in] and
+  // B [experts * out, rank] hold the adapters of experts [experts_begin, experts_begin + experts) of the E (all of
+  // them, or an EP rank's under expert parallelism), expert e's A_e the rank rows from (e - experts_begin) * rank,
+  // its B_e the out rows from (e - experts_begin) * out (dA, dB alike); the layer adds scale * (x A_e^T) B_e^T to the
+  // rows expert e computes.
   int64_t experts = 1;
+  int64_t experts_begin = 0;
   // PEFT's lora_dropout on the adapter's input in training runs (2-D adapters only, as PEFT's ParamWrapper refuses
   // it): x's elements are kept with probability 1 - dropout and scaled by 1 / (1 - dropout) where kept, by the mask
   // lora_dropout_keeps(run key, salt, ...) draws. salt: the adapter's own (its base slot).

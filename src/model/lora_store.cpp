@@ -18,6 +18,7 @@
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 #include "model/checkpoint.h"
+#include "model/expert_store.h"
 
 namespace rf::model {
 
@@ -169,9 +170,9 @@ std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig&
   return out;
 }
 
-int64_t lora_adapter_bytes(const std::vector<LoraTarget>& targets, int rank) {
+int64_t lora_adapter_bytes(const std::vector<LoraTarget>& targets, int rank, int ep) {
   int64_t n = 0;
-  for (const LoraTarget& t : targets) n += int64_t{rank} * t.experts * (t.in + t.out);
+  for (const LoraTarget& t : targets) n += int64_t{rank} * (t.experts > 1 ? t.experts / ep : 1) * (t.in + t.out);
   return n * static_cast<int64_t>(sizeof(float));
 }
 
@@ -214,8 +215,19 @@ void LoraStore::allocate_weights() {
     a.in = t.in;
     a.experts = t.experts;
     const std::string module = t.experts > 1 ? expert_adapter_module(t, targets, *this) : module_of(p.name);
-    a.a = add(module + ".lora_A.weight", {cfg_.rank * a.experts, a.in}, p.layer, false);
-    a.b = add(module + ".lora_B.weight", {a.out, cfg_.rank * a.experts}, p.layer, false);
+    if (t.experts > 1) {
+      RF_CHECK(t.experts % ep_ == 0, "config: parallelism.ep = ", ep_, " does not divide the ", t.experts,
+               " experts of ", p.name);
+      a.experts_held = t.experts / ep_;
+      a.experts_begin = ep_rank_ * a.experts_held;
+    }
+    // Expert-major (the header): an expert's A_e and B_e are leading rows, EP rank q's experts a run of them.
+    a.a = add(module + ".lora_A.weight", {cfg_.rank * a.experts_held, a.in}, p.layer, false);
+    a.b = add(module + ".lora_B.weight", {a.experts_held * a.out, cfg_.rank}, p.layer, false);
+    if (a.experts_held < a.experts) {
+      hold_rows(a.a, a.experts_begin * cfg_.rank, a.experts * cfg_.rank);
+      hold_rows(a.b, a.experts_begin * a.out, a.experts * a.out);
+    }
     adapter_of_[t.base] = static_cast<int>(adapters_.size());
     adapters_.push_back(a);
   }
@@ -242,13 +254,90 @@ void LoraStore::init_adapters() {
     const std::string& name = info(a.a).name;
     const uint64_t key = splitmix64(cfg_.seed ^ splitmix64(name_hash(name)));
     float* A = mutable_weight(a.a);
-    for (int64_t e = 0; e < info(a.a).numel; ++e) {
+    // Element i of the held rows is element first + i of the whole tensor (expert parallelism holds a run of rows).
+    const int64_t first = info(a.a).rows_begin * a.in;
+    for (int64_t i = 0; i < info(a.a).numel; ++i) {
+      const auto e = static_cast<uint64_t>(first + i);
       // The top 53 bits as a double in [0, 1).
-      const double u = static_cast<double>(splitmix64(key + static_cast<uint64_t>(e)) >> 11) * 0x1.0p-53;
-      A[e] = static_cast<float>(bound * (2.0 * u - 1.0));
+      const double u = static_cast<double>(splitmix64(key + e) >> 11) * 0x1.0p-53;
+      A[i] = static_cast<float>(bound * (2.0 * u - 1.0));
     }
     std::fill_n(mutable_weight(a.b), info(a.b).numel, 0.f);
   }
+}
+
+void LoraStore::place_experts(int ep_rank, int ep) {
+  RF_CHECK(!allocated_, "LoRA store: place_experts after the adapters were allocated");
+  RF_CHECK(ep >= 1 && ep_rank >= 0 && ep_rank < ep, "LoRA store: EP rank ", ep_rank, " of ", ep);
+  ep_rank_ = ep_rank;
+  ep_ = ep;
+}
+
+const LoraStore::Adapter* LoraStore::adapter_owning(size_t slot) const {
+  for (const Adapter& a : adapters_)
+    if (a.a == slot || a.b == slot) return &a;
+  return nullptr;
+}
+
+std::unique_ptr<LoraStore> LoraStore::whole_adapters() const {
+  RF_CHECK(allocated_, "LoRA store: whole_adapters before the adapters were allocated");
+  auto whole = std::make_unique<LoraStore>(cfg_);
+  for (size_t slot = 0; slot < base_slots_; ++slot) {
+    const ParamInfo& p = info(slot);
+    whole->add(p.name, p.shape, p.layer, p.matmul);
+  }
+  whole->allocate_weights();
+  if (has_moments()) whole->allocate_moments();
+  for (size_t slot = base_slots_; slot < size(); ++slot) {
+    const ParamInfo& p = info(slot);
+    const ParamInfo& w = whole->info(slot);
+    RF_CHECK(p.name == w.name && p.whole_shape() == w.shape, "whole_adapters: adapter ", p.name, " registered as ",
+             w.name, " in the whole store");
+    const int64_t at = p.rows_begin * row_elements(p);
+    std::copy_n(weight(slot), p.numel, whole->mutable_weight(slot) + at);
+    for (Role role : {Role::ExpAvg, Role::ExpAvgSq})
+      if (const float* m = moment(role, slot)) std::copy_n(m, p.numel, whole->moment(role, slot) + at);
+  }
+  return whole;
+}
+
+std::vector<int64_t> LoraStore::file_shape(size_t slot) const {
+  const Adapter* a = adapter_owning(slot);
+  if (a == nullptr || a->experts == 1 || slot != a->b) return info(slot).whole_shape();
+  return {a->out, cfg_.rank * a->experts};
+}
+
+void LoraStore::to_file_layout(size_t slot, std::span<const float> held, std::span<float> file) const {
+  const Adapter* a = adapter_owning(slot);
+  const ParamInfo& p = info(slot);
+  const int64_t n = p.whole_shape().at(0) * row_elements(p);
+  RF_CHECK(static_cast<int64_t>(held.size()) == n && file.size() == held.size(), "to_file_layout: ", p.name, " takes ",
+           n, " elements whole");
+  if (a == nullptr || a->experts == 1 || slot != a->b) {
+    std::copy(held.begin(), held.end(), file.begin());
+    return;
+  }
+  // [E * out, r] -> [out, r * E]: B_e[o, k] to column k * E + e of row o.
+  const int64_t E = a->experts, out = a->out, r = cfg_.rank;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t k = 0; k < r; ++k) file[o * r * E + k * E + e] = held[(e * out + o) * r + k];
+}
+
+void LoraStore::from_file_layout(size_t slot, std::span<const float> file, std::span<float> held) const {
+  const Adapter* a = adapter_owning(slot);
+  const ParamInfo& p = info(slot);
+  const int64_t n = p.whole_shape().at(0) * row_elements(p);
+  RF_CHECK(static_cast<int64_t>(held.size()) == n && file.size() == held.size(), "from_file_layout: ", p.name,
+           " takes ", n, " elements whole");
+  if (a == nullptr || a->experts == 1 || slot != a->b) {
+    std::copy(file.begin(), file.end(), held.begin());
+    return;
+  }
+  const int64_t E = a->experts, out = a->out, r = cfg_.rank;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t k = 0; k < r; ++k) held[(e * out + o) * r + k] = file[o * r * E + k * E + e];
 }
 
 std::vector<std::string> LoraStore::target_modules() const {
@@ -383,7 +472,8 @@ std::optional<LinearAdapter> LoraStore::adapter(size_t slot) {
   la.in = a.in;
   la.out = a.out;
   la.scale = static_cast<float>(cfg_.scale());
-  la.experts = a.experts;
+  la.experts = a.experts_held;
+  la.experts_begin = a.experts_begin;
   la.dropout = static_cast<float>(cfg_.dropout);
   la.salt = slot;
   return la;
@@ -427,8 +517,13 @@ void save_peft_adapter(const LoraStore& store, const std::string& text_prefix, c
       modules.push_back(file_name_of(module_of(store.info(a.base).name), text_prefix));
     for (size_t slot : {a.a, a.b}) {
       const ParamInfo& p = store.info(slot);
-      w.add(peft_name(p.name, text_prefix), io::StDType::F32, p.shape,
-            std::span<const float>(store.weight(slot), static_cast<size_t>(p.numel)));
+      RF_CHECK(!p.holds_part(), "save: ", p.name, " holds experts' rows only; save whole_adapters()");
+      // In PEFT's layout, reordered while the file is written.
+      w.add_fill(peft_name(p.name, text_prefix), io::StDType::F32, store.file_shape(slot),
+                 [&store, slot, n = p.numel](std::span<std::byte> out) {
+                   store.to_file_layout(slot, std::span<const float>(store.weight(slot), static_cast<size_t>(n)),
+                                        std::span<float>(reinterpret_cast<float*>(out.data()), static_cast<size_t>(n)));
+                 });
     }
   }
   // PEFT's LoraConfig fields; those left out take PEFT's defaults, which are what ringflex computes (no bias, no
@@ -510,10 +605,14 @@ void load_peft_adapter(LoraStore& store, const std::string& dir) {
     RF_CHECK(!name.empty() && store.contains(name) && store.info(store.slot(name)).trainable, path, ": tensor `",
              v.name, "` is no adapter of this model");
     const size_t slot = store.slot(name);
-    RF_CHECK(v.shape == store.info(slot).shape, path, ": tensor `", v.name, "` has shape ", io::shape_string(v.shape),
-             ", expected ", io::shape_string(store.info(slot).shape));
+    const ParamInfo& p = store.info(slot);
+    RF_CHECK(v.shape == store.file_shape(slot), path, ": tensor `", v.name, "` has shape ", io::shape_string(v.shape),
+             ", expected ", io::shape_string(store.file_shape(slot)));
     const std::vector<float> values = io::to_float32(v);
-    std::copy(values.begin(), values.end(), store.mutable_weight(slot));
+    std::vector<float> held(values.size());
+    store.from_file_layout(slot, values, held);
+    // The rows the store holds (every one, or an EP rank's experts').
+    std::copy_n(held.data() + p.rows_begin * row_elements(p), p.numel, store.mutable_weight(slot));
     ++read;
   }
   RF_CHECK(read == 2 * store.adapters().size(), path, ": ", read, " adapter tensors, expected ",

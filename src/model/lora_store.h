@@ -33,11 +33,21 @@
 // re.fullmatch). Only the attention's q/k/v/o and the dense MLP's gate/up/down projections take adapters as modules; a
 // target matching nothing is an error, and so is one matching another weight (the router, the per-layer-input
 // projections) or dropout != 0. The MoE experts' 3-D weights take adapters through target_parameters, as PEFT's
-// ParamWrapper: for W [E, out, in], A [E * r, in] and B [out, r * E] (held_weight.h: expert e's A_e are rows
-// e*r.., its B_e the columns k*E + e), named after PEFT's nested wrappers: with both experts weights targeted,
+// ParamWrapper: for W [E, out, in], A [E * r, in] and B [E * out, r], expert-major (held_weight.h: expert e's A_e
+// are rows e*r.., its B_e rows e*out..), named after PEFT's nested wrappers: with both experts weights targeted,
 // gate_up_proj's are "<layer>.experts.base_layer.lora_A.weight" and down_proj's "<layer>.experts.lora_A.weight"
 // (PEFT wraps the experts module once per parameter in registration order, the last outermost); with one, that one's
-// are "<layer>.experts.lora_A.weight".
+// are "<layer>.experts.lora_A.weight". PEFT's files hold B as [out, r * E], B_e the columns k*E + e: the store keeps
+// B expert-major so that an expert's adapter is a run of leading rows (what expert parallelism divides, and what the
+// experts' loop reads), and save/load (file_layout) reorder it; the moments in optimizer.safetensors keep the
+// store's layout.
+//
+// Expert parallelism (place_experts, parallelism.ep > 1): EP rank q of ep holds the experts' adapters of its own
+// experts only, rows [q * E / ep * r, ...) of A and [q * E / ep * out, ...) of B (ParamInfo::rows_begin, as
+// model/expert_store.h holds the experts), so their weights, gradients and AdamW moments are E / ep experts' worth;
+// the trainer reduces their gradients over the expert-data-parallel group (trainer/expert_state.h). The frozen base
+// stays whole (mapped: a rank touches its experts' pages only). A's initial values are those of the whole tensor's
+// rows, so the adapters are the same at any EP.
 #pragma once
 
 #include <cstdint>
@@ -83,7 +93,8 @@ struct LoraTarget {
 std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig& config);
 // Float32 bytes of the adapters of `targets` (one of weights, gradients, exp_avg, exp_avg_sq), and of the largest
 // layer's float32 widening of its base that the hooks hold (one layer at a time) when the base is not float32.
-int64_t lora_adapter_bytes(const std::vector<LoraTarget>& targets, int rank);
+// With `ep` > 1 an EP rank's: the experts' adapters are E / ep experts' worth (LoraStore::place_experts).
+int64_t lora_adapter_bytes(const std::vector<LoraTarget>& targets, int rank, int ep = 1);
 int64_t lora_layer_buffer_bytes(const ParamStore& shapes);
 // Float32 bytes of the global group's widened matmul operands but the head (the per-layer-input projection), alive
 // for the whole run, and of the widened head (ParamInfo::streamed matmul operands), alive for the loss.
@@ -96,6 +107,22 @@ class LoraStore : public ParamStore {
 
   const LoraConfig& config() const { return cfg_; }
 
+  // Expert parallelism: before allocate_weights, this store becomes EP rank `ep_rank` of `ep` (the header says what
+  // it holds). Throws rf::Error once allocated, or when an experts weight's E does not divide over ep (at
+  // allocate_weights).
+  void place_experts(int ep_rank, int ep);
+  // A LoraStore with this one's registry, its adapters whole (every expert's), their weights and (when this one has
+  // them) moments allocated, the rows this store holds copied; the base has no values. What a checkpoint writer
+  // fills with the other EP ranks' rows (trainer/expert_state.h) and saves.
+  std::unique_ptr<LoraStore> whole_adapters() const;
+
+  // A whole adapter tensor (`slot` holds every row) in PEFT's file layout: its shape, and its values from the
+  // store's (an experts' B reordered from [E * out, r] to [out, r * E]; every other tensor as it is). from_file is
+  // the inverse.
+  std::vector<int64_t> file_shape(size_t slot) const;
+  void to_file_layout(size_t slot, std::span<const float> held, std::span<float> file) const;
+  void from_file_layout(size_t slot, std::span<const float> file, std::span<float> held) const;
+
   // Registers the adapters of every targeted slot (throws rf::Error as the header says), freezes the base,
   // allocates the adapters and their state and initialises them. The base gets no storage here: the loader maps it
   // (hold_mapped), or mutable_weight makes a float32 one.
@@ -107,7 +134,9 @@ class LoraStore : public ParamStore {
   struct Adapter {
     size_t base = 0, a = 0, b = 0;  // slots: W [out, in], A [r, in], B [out, r] (experts: held_weight.h's layout)
     int64_t out = 0, in = 0;
-    int64_t experts = 1;
+    int64_t experts = 1;       // E of an experts weight (1: a linear)
+    int64_t experts_held = 1;  // how many of them this store holds (E / ep), from expert experts_begin on
+    int64_t experts_begin = 0;
   };
   const std::vector<Adapter>& adapters() const { return adapters_; }
   // The slots the model registered (the base); the adapters' follow them.
@@ -181,7 +210,11 @@ class LoraStore : public ParamStore {
   // The adapter index of a base slot, or -1.
   int adapter_of(size_t slot) const { return slot < adapter_of_.size() ? adapter_of_[slot] : -1; }
 
+  // The Adapter of an adapter slot (its A or B), or null.
+  const Adapter* adapter_owning(size_t slot) const;
+
   LoraConfig cfg_;
+  int ep_rank_ = 0, ep_ = 1;  // place_experts
   bool allocated_ = false;
   size_t base_slots_ = 0;  // slots registered by the model; the adapters' follow
   std::vector<Adapter> adapters_;

@@ -3,7 +3,11 @@
 // puts them (core/expert_parallel.h): here at EP = 1, else on the EP rank holding each, the rows sent there and
 // the outputs (and in the backward the input gradients) sent back before each token's combine. While a dispatch
 // travels (forward: the rows; backward: their dY) a rank runs the rows it routed to its own experts, read from the
-// sent layout; the other ranks' rows run once it arrived (the same tasks, so the same bits either way). The store's
+// sent layout; the other ranks' rows run once it arrived (the same tasks, so the same bits either way). The
+// backward's combine (the input gradients going back) travels while the experts' weight gradients (and their
+// adapters') run, which need none of it; the forward's has nothing independent of it to overlap (every token's sum
+// waits for its experts' outputs, and the rest of the block for that sum). Either way each token sums in the same
+// fixed order once every row is back, so the bits are those of the blocking combine. The store's
 // expert tensors hold every expert, or under expert parallelism this EP rank's only (model/expert_store.h): a rank
 // reads and accumulates into the rows of the experts the dispatch brings it either way.
 //
@@ -38,63 +42,63 @@ constexpr int64_t kExpertRowsPerTask = 128;
 // Columns per block of the router scale's gradient: one 64-byte cache line of float32.
 constexpr int64_t kScaleColumnsPerBlock = 16;
 
-// The LoRA adapter of an experts weight (held_weight.h, experts > 1; none: ad empty), with each expert's B_e
-// gathered into a contiguous [out, r] block (PEFT interleaves the experts in B's columns). The adapter's products
-// run in float32 per task on its rows, like the base's, so they keep its bits at any thread count.
+// The LoRA adapter of an experts weight (held_weight.h, experts > 1; none: ad empty), expert-major: expert g's A_g
+// and B_g are contiguous blocks (g a global expert index, one of the experts the adapter holds). The adapter's
+// products run in float32 per task on its rows, like the base's, so they keep its bits at any thread count.
 struct ExpertLora {
   std::optional<LinearAdapter> ad;
-  std::vector<float> Bc;  // [E, out, r]
-  const float* A(int64_t e) const { return ad->A + e * ad->rank * ad->in; }
-  const float* B(int64_t e) const { return Bc.data() + e * ad->out * ad->rank; }
+  int64_t at(int64_t g) const { return g - ad->experts_begin; }
+  const float* A(int64_t g) const { return ad->A + at(g) * ad->rank * ad->in; }
+  const float* B(int64_t g) const { return ad->B + at(g) * ad->out * ad->rank; }
   bool trains() const { return ad && ad->dA != nullptr; }
 };
 
-ExpertLora expert_lora(ParamStore& store, size_t slot) {
+// The adapter of `slot`, which must hold the experts [first, first + here) the dispatch brings to this rank.
+ExpertLora expert_lora(ParamStore& store, size_t slot, int64_t first, int64_t here) {
   ExpertLora l;
   l.ad = store.adapter(slot);
-  if (!l.ad) return l;
-  const int64_t E = l.ad->experts, r = l.ad->rank, out = l.ad->out;
-  l.Bc.resize(static_cast<size_t>(E * out * r));
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t o = 0; o < out; ++o)
-      for (int64_t k = 0; k < r; ++k) l.Bc[(e * out + o) * r + k] = l.ad->B[o * r * E + k * E + e];
+  if (l.ad)
+    RF_CHECK(l.ad->experts_begin <= first && first + here <= l.ad->experts_begin + l.ad->experts,
+             "expert parallelism: the LoRA adapter of ", store.info(slot).name, " holds experts [", l.ad->experts_begin,
+             ", ", l.ad->experts_begin + l.ad->experts, "), the dispatch brings [", first, ", ", first + here,
+             ") here");
   return l;
 }
 
-// y[n, out] += scale (x[n, in] A_e^T) B_e^T.
-void expert_lora_forward(const ExpertLora& l, int64_t e, const float* x, float* y, int64_t n) {
+// y[n, out] += scale (x[n, in] A_g^T) B_g^T.
+void expert_lora_forward(const ExpertLora& l, int64_t g, const float* x, float* y, int64_t n) {
   if (!l.ad) return;
   const int64_t r = l.ad->rank, in = l.ad->in, out = l.ad->out;
   std::vector<float> u(static_cast<size_t>(n * r));
-  gemm(false, true, n, r, in, 1.f, x, in, l.A(e), in, 0.f, u.data(), r);
-  gemm(false, true, n, out, r, l.ad->scale, u.data(), r, l.B(e), r, 1.f, y, out);
+  gemm(false, true, n, r, in, 1.f, x, in, l.A(g), in, 0.f, u.data(), r);
+  gemm(false, true, n, out, r, l.ad->scale, u.data(), r, l.B(g), r, 1.f, y, out);
 }
 
-// dx[n, in] += scale (dy[n, out] B_e) A_e.
-void expert_lora_input_grad(const ExpertLora& l, int64_t e, const float* dy, float* dx, int64_t n) {
+// dx[n, in] += scale (dy[n, out] B_g) A_g.
+void expert_lora_input_grad(const ExpertLora& l, int64_t g, const float* dy, float* dx, int64_t n) {
   if (!l.ad) return;
   const int64_t r = l.ad->rank, in = l.ad->in, out = l.ad->out;
   std::vector<float> v(static_cast<size_t>(n * r));
-  gemm(false, false, n, r, out, 1.f, dy, out, l.B(e), r, 0.f, v.data(), r);
-  gemm(false, false, n, in, r, l.ad->scale, v.data(), r, l.A(e), in, 1.f, dx, in);
+  gemm(false, false, n, r, out, 1.f, dy, out, l.B(g), r, 0.f, v.data(), r);
+  gemm(false, false, n, in, r, l.ad->scale, v.data(), r, l.A(g), in, 1.f, dx, in);
 }
 
-// dA_e += scale (dy B_e)^T x; dB_e[out, r] += scale dy^T (x A_e^T), into dBe (expert e's block, scattered into PEFT's
-// interleaved dB by the caller).
-void expert_lora_weight_grad(const ExpertLora& l, int64_t e, const float* x, const float* dy, int64_t n, float* dBe) {
+// dA_g += scale (dy B_g)^T x; dBg[out, r] += scale dy^T (x A_g^T) (expert g's block, summed over its row blocks
+// first and added to dB by the caller, so dB gets one add per step of the loop over micro-batches).
+void expert_lora_weight_grad(const ExpertLora& l, int64_t g, const float* x, const float* dy, int64_t n, float* dBg) {
   const int64_t r = l.ad->rank, in = l.ad->in, out = l.ad->out;
   std::vector<float> u(static_cast<size_t>(n * r)), v(static_cast<size_t>(n * r));
-  gemm(false, true, n, r, in, 1.f, x, in, l.A(e), in, 0.f, u.data(), r);
-  gemm(false, false, n, r, out, 1.f, dy, out, l.B(e), r, 0.f, v.data(), r);
-  gemm(true, false, r, in, n, l.ad->scale, v.data(), r, x, in, 1.f, l.ad->dA + e * r * in, in);
-  gemm(true, false, out, r, n, l.ad->scale, dy, out, u.data(), r, 1.f, dBe, r);
+  gemm(false, true, n, r, in, 1.f, x, in, l.A(g), in, 0.f, u.data(), r);
+  gemm(false, false, n, r, out, 1.f, dy, out, l.B(g), r, 0.f, v.data(), r);
+  gemm(true, false, r, in, n, l.ad->scale, v.data(), r, x, in, 1.f, l.ad->dA + l.at(g) * r * in, in);
+  gemm(true, false, out, r, n, l.ad->scale, dy, out, u.data(), r, 1.f, dBg, r);
 }
 
-// dB[o, k * E + e] += dBe[o, k].
-void expert_lora_scatter_dB(const ExpertLora& l, int64_t e, const float* dBe) {
-  const int64_t E = l.ad->experts, r = l.ad->rank, out = l.ad->out;
-  for (int64_t o = 0; o < out; ++o)
-    for (int64_t k = 0; k < r; ++k) l.ad->dB[o * r * E + k * E + e] += dBe[o * r + k];
+// dB_g += dBg.
+void expert_lora_add_dB(const ExpertLora& l, int64_t g, const float* dBg) {
+  const int64_t n = l.ad->out * l.ad->rank;
+  float* dB = l.ad->dB + l.at(g) * n;
+  for (int64_t i = 0; i < n; ++i) dB[i] += dBg[i];
 }
 
 // A task: rows [row0, row0 + rows) of one block of the received layout (one expert's rows from one source rank).
@@ -242,20 +246,24 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   const int64_t routed_madds = R * 3 * Im * H;  // gate/up and down sgemms over every received row
   const float* GU = W(sl.experts_gate_up);
   const float* DN = W(sl.experts_down);
-  const ExpertLora lgu = expert_lora(store, sl.experts_gate_up), ldn = expert_lora(store, sl.experts_down);
+  const int64_t first_expert = a.routing.first_expert();
+  const ExpertLora lgu = expert_lora(store, sl.experts_gate_up, first_expert, here);
+  const ExpertLora ldn = expert_lora(store, sl.experts_down, first_expert, here);
   const ElementwiseKernels& ew = elementwise();
   const std::vector<ExpertTask> tasks = expert_tasks(a.routing.received, Im * H);
   const auto run_task = [&](const ExpertTask& tk, const float* x) {
-    const int64_t e = first + tk.block % here, r0 = a.recv_at[tk.block] + tk.row0, n = tk.rows;
+    // e: the expert's index in the store's expert tensors; g: the expert (its adapter's index).
+    const int64_t e = first + tk.block % here, g = first_expert + tk.block % here;
+    const int64_t r0 = a.recv_at[tk.block] + tk.row0, n = tk.rows;
     // x: [n, H] this task's rows; gu: [n, 2*Im]; hm: [n, Im]; eo: [n, H].
     float* gu = a.e_gu.data() + r0 * 2 * Im;
     float* hm = a.e_hm.data() + r0 * Im;
     float* eo = a.e_eo.data() + r0 * H;
     linear_forward(mm, x, GU + e * 2 * Im * H, gu, n, H, 2 * Im);
-    expert_lora_forward(lgu, e, x, gu, n);
+    expert_lora_forward(lgu, g, x, gu, n);
     for (int64_t r = 0; r < n; ++r) ew.geglu_forward(gu + r * 2 * Im, gu + r * 2 * Im + Im, hm + r * Im, Im);
     linear_forward(mm, hm, DN + e * H * Im, eo, n, Im, H);
-    expert_lora_forward(ldn, e, hm, eo, n);
+    expert_lora_forward(ldn, g, hm, eo, n);
   };
   // This rank's own rows first, read where the sent layout has them, while the other ranks' travel; then theirs.
   const OwnSplit split = split_own(tasks, a.routing);
@@ -263,7 +271,7 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   for (size_t k = 0; k < split.own.size(); ++k) {
     if (omp_get_thread_num() == 0) ep.progress_dispatch();
     const ExpertTask& tk = tasks[split.own[k]];
-    run_task(tk, x_sent.data() + (a.sent_at[a.routing.first_expert() + tk.block % here] + tk.row0) * H);
+    run_task(tk, x_sent.data() + (a.sent_at[first_expert + tk.block % here] + tk.row0) * H);
   }
   ep.finish_dispatch();
   x_sent = Vec{};
@@ -310,11 +318,12 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   const float* DN = W(sl.experts_down);
   float* gGU = G(sl.experts_gate_up);
   float* gDN = G(sl.experts_down);
-  const ExpertLora lgu = expert_lora(store, sl.experts_gate_up), ldn = expert_lora(store, sl.experts_down);
   ExpertParallel& ep = attn.experts();
   const int64_t sent = a.routing.sent_rows(), R = a.routing.received_rows();
-  const int64_t here = a.routing.experts_here();
-  const int64_t first = held_index_of(m.params(), sl, a.routing.first_expert(), here);
+  const int64_t here = a.routing.experts_here(), first_expert = a.routing.first_expert();
+  const int64_t first = held_index_of(m.params(), sl, first_expert, here);
+  const ExpertLora lgu = expert_lora(store, sl.experts_gate_up, first_expert, here);
+  const ExpertLora ldn = expert_lora(store, sl.experts_down, first_expert, here);
 
   // On this rank's tokens: d loss / d top_w, and d loss / d expert output (dout2 times the row's weight), per row.
   Vec dw = zeros(T * K);           // d loss / d top_w
@@ -354,24 +363,29 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
       for (size_t k = 0; k < part.size(); ++k) {
         if (own && omp_get_thread_num() == 0) ep.progress_dispatch();
         const ExpertTask& tk = tasks[part[k]];
-        const int64_t e = first + tk.block % here, r0 = a.recv_at[tk.block] + tk.row0, n = tk.rows;
-        const float* dy = own ? dy_sent.data() + (a.sent_at[a.routing.first_expert() + tk.block % here] + tk.row0) * H
-                              : a.e_eo.data() + r0 * H;  // [n, H] d expert output
-        float* gu = a.e_gu.data() + r0 * 2 * Im;         // [n, 2*Im] gate-up, then its gradient
+        const int64_t e = first + tk.block % here, g = first_expert + tk.block % here;
+        const int64_t r0 = a.recv_at[tk.block] + tk.row0, n = tk.rows;
+        const float* dy =
+            own ? dy_sent.data() + (a.sent_at[g] + tk.row0) * H : a.e_eo.data() + r0 * H;  // [n, H] d expert output
+        float* gu = a.e_gu.data() + r0 * 2 * Im;  // [n, 2*Im] gate-up, then its gradient
         dhm.assign(static_cast<size_t>(n * Im), 0.f);
         linear_backward(mm, a.e_hm.data() + r0 * Im, DN + e * H * Im, dy, dhm.data(), nullptr, n, Im, H);
-        expert_lora_input_grad(ldn, e, dy, dhm.data(), n);
+        expert_lora_input_grad(ldn, g, dy, dhm.data(), n);
         for (int64_t r = 0; r < n; ++r) {
           float* gate_up = gu + r * 2 * Im;  // [2*Im]: gate then up, overwritten by their gradients
           ew.geglu_backward(gate_up, gate_up + Im, dhm.data() + r * Im, gate_up, gate_up + Im, Im, false);
         }
         linear_backward(mm, a.e_x.data() + r0 * H, GU + e * 2 * Im * H, gu, e_dx.data() + r0 * H, nullptr, n, H,
                         2 * Im);
-        expert_lora_input_grad(lgu, e, gu, e_dx.data() + r0 * H, n);
+        expert_lora_input_grad(lgu, g, gu, e_dx.data() + r0 * H, n);
       }
     }
   }
   dy_sent = Vec{};
+  // The input gradients back to their tokens' ranks, travelling while the weight gradients below run (they read the
+  // rows' activations and dY, not e_dx or dx_sent); finished before the tokens sum them.
+  Vec dx_sent = uninit(sent * H);
+  ep.start_combine(a.routing, e_dx.data(), dx_sent.data(), H);
   // Weight gradients of this rank's experts: one sgemm over each block's rows (all of an expert's rows at EP = 1),
   // an expert's blocks in source order; experts in parallel when there are enough of them to share out, otherwise
   // experts in turn, each sgemm split over the threads (the same bits either way).
@@ -386,6 +400,7 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   if (gGU || gDN) {
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && active >= omp_get_max_threads())
     for (int64_t le = 0; le < here; ++le) {
+      if (omp_get_thread_num() == 0) ep.progress_combine();
       const int64_t e = first + le;
       for (int64_t s = 0; s < P; ++s) {
         const int64_t blk = s * here + le, r0 = a.recv_at[blk], n = a.routing.received[blk];
@@ -403,24 +418,25 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   if (opt.want_grad && (lgu.trains() || ldn.trains())) {
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && active >= omp_get_max_threads())
     for (int64_t le = 0; le < here; ++le) {
-      const int64_t e = first + le;
+      if (omp_get_thread_num() == 0) ep.progress_combine();
+      const int64_t g = first_expert + le;
       std::vector<float> dB_gu(lgu.trains() ? static_cast<size_t>(2 * Im * lgu.ad->rank) : 0, 0.f);
       std::vector<float> dB_dn(ldn.trains() ? static_cast<size_t>(H * ldn.ad->rank) : 0, 0.f);
       for (int64_t s = 0; s < P; ++s) {
         const int64_t blk = s * here + le, r0 = a.recv_at[blk], n = a.routing.received[blk];
         if (n == 0) continue;
         if (ldn.trains())
-          expert_lora_weight_grad(ldn, e, a.e_hm.data() + r0 * Im, a.e_eo.data() + r0 * H, n, dB_dn.data());
+          expert_lora_weight_grad(ldn, g, a.e_hm.data() + r0 * Im, a.e_eo.data() + r0 * H, n, dB_dn.data());
         if (lgu.trains())
-          expert_lora_weight_grad(lgu, e, a.e_x.data() + r0 * H, a.e_gu.data() + r0 * 2 * Im, n, dB_gu.data());
+          expert_lora_weight_grad(lgu, g, a.e_x.data() + r0 * H, a.e_gu.data() + r0 * 2 * Im, n, dB_gu.data());
       }
-      if (ldn.trains()) expert_lora_scatter_dB(ldn, e, dB_dn.data());
-      if (lgu.trains()) expert_lora_scatter_dB(lgu, e, dB_gu.data());
+      if (ldn.trains()) expert_lora_add_dB(ldn, g, dB_dn.data());
+      if (lgu.trains()) expert_lora_add_dB(lgu, g, dB_gu.data());
     }
   }
-  // The input gradients back to their tokens' ranks; each token sums its experts' in ascending expert index.
-  Vec dx_sent = uninit(sent * H);
-  ep.combine(a.routing, e_dx.data(), dx_sent.data(), H);
+  // Each token sums its experts' input gradients in ascending expert index.
+  ep.finish_combine();
+  e_dx = Vec{};
   Vec de_in = zeros(T * H);
 #pragma omp parallel for schedule(static) if (T * K * H >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {

@@ -23,6 +23,7 @@
 #include "io/json_text.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
+#include "model/expert_store.h"
 
 namespace rf::trainer {
 namespace {
@@ -440,6 +441,11 @@ void read_moment_range(const MomentFile& file, int64_t lo, int64_t hi, model::Pa
 void load_optimizer_state(const std::string& dir, model::ParamStore& store) {
   std::error_code ec;
   if (fs::exists(fs::path(dir) / kMomentLayoutFile, ec)) {
+    for (const model::ParamInfo& p : store.infos())
+      RF_CHECK(!p.holds_part() || !p.trainable, "--resume ", dir, ": its moments are sharded (", kMomentLayoutFile,
+               "), and this run holds ", p.name,
+               "'s expert rows apart; resume it under the shard mode it was written "
+               "with");
     const std::vector<MomentFile> files = read_moment_layout(dir, store);
     store.allocate_moments();
     const model::Shard range = store.moment_range();
@@ -460,14 +466,18 @@ void load_optimizer_state(const std::string& dir, model::ParamStore& store) {
       const int64_t lo = std::max(range.begin, p.train_offset), hi = std::min(range.end, p.train_offset + p.numel);
       if (lo >= hi) continue;  // none of it in this rank's range: not even read
       const io::TensorView& v = f.at(prefix + p.name);
-      RF_CHECK(v.dtype == io::StDType::F32 && v.shape == p.shape, path, ": `", prefix, p.name,
-               "` is not float32 of the parameter's shape ", io::shape_string(p.shape));
+      // The file holds the whole tensor; a store holding expert rows apart (model/expert_store.h) keeps its rows.
+      const std::vector<int64_t> whole = p.whole_shape();
+      RF_CHECK(v.dtype == io::StDType::F32 && v.shape == whole, path, ": `", prefix, p.name,
+               "` is not float32 of the parameter's shape ", io::shape_string(whole));
       const std::vector<float> values = io::copy_as<float>(v);
       // AdamW divides by sqrt(exp_avg_sq) + eps: a negative one is NaN in the first update.
-      check_loaded_tensor(path, prefix + p.name, values, p.shape, role == model::Role::ExpAvgSq);
+      check_loaded_tensor(path, prefix + p.name, values, whole, role == model::Role::ExpAvgSq);
       // The part of the tensor inside the store's moment range (all of it, or this rank's shard: a checkpoint
       // written at any rank count and shard mode resumes at any other).
-      std::copy_n(values.data() + (lo - p.train_offset), hi - lo, store.mutable_flat(role).data() + (lo - range.begin));
+      const int64_t held_at = p.rows_begin * model::row_elements(p);
+      std::copy_n(values.data() + held_at + (lo - p.train_offset), hi - lo,
+                  store.mutable_flat(role).data() + (lo - range.begin));
     }
   }
 }

@@ -86,9 +86,10 @@ struct ParallelismSection {
   ShardMode shard = ShardMode::None;
   // Expert parallelism: the experts of every MoE layer divided over groups of ep consecutive ranks of the cp x dp
   // ranks (folded: each rank sends its own tokens' rows to the experts' ranks). ep divides cp x dp and the model's
-  // experts; 1: every expert on every rank. With shard none and no LoRA each rank holds and trains only its EP
-  // rank's experts (weights, gradients and moments; trainer/expert_state.h); under sharding or LoRA every rank
-  // keeps every expert and only the tokens travel.
+  // experts; 1: every expert on every rank. Without LoRA each rank holds and trains only its EP rank's experts
+  // (weights, gradients and moments; trainer/expert_state.h, under sharding trainer/held_expert_store.h). With LoRA
+  // every rank keeps the whole frozen base and, under shard none, only its experts' adapters
+  // (model::LoraStore::place_experts); under shard optimizer every expert's.
   int ep = 1;
   // The vision tower's work over the ranks (issue 24 item 4): true divides it, each image encoded once (a frozen
   // tower's data images over all ranks when the data is read, then one sum; with model.train_vision each

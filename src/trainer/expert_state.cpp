@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "model/expert_store.h"
+#include "model/lora_store.h"
 #include "trainer/optimizer.h"
 
 namespace rf::trainer {
@@ -90,9 +91,12 @@ std::vector<double> held_expert_norm_partials(const model::ParamStore& store, co
   return partial;
 }
 
-std::unique_ptr<model::ParamStore> gather_held_experts(const model::ParamStore& part, const ExpertGroups& g) {
-  const bool writer = g.world.rank() == 0;
-  std::unique_ptr<model::ParamStore> whole = writer ? model::whole_layout(part) : nullptr;
+namespace {
+
+// Fills `whole` (the writer's whole-layout store, holding this rank's rows already; null on the other ranks) with
+// every EP rank's rows of each held-apart tensor, gathered over g.ep tensor by tensor.
+std::unique_ptr<model::ParamStore> gather_rows_into(const model::ParamStore& part,
+                                                    std::unique_ptr<model::ParamStore> whole, const ExpertGroups& g) {
   const int P = g.ep.size();
   std::vector<float> all;  // [P, the slot's held elements]: one tensor's rows of every EP rank, in EP rank order
   for (size_t i = 0; i < part.size(); ++i) {
@@ -112,6 +116,16 @@ std::unique_ptr<model::ParamStore> gather_held_experts(const model::ParamStore& 
     }
   }
   return whole;
+}
+
+}  // namespace
+
+std::unique_ptr<model::ParamStore> gather_held_experts(const model::ParamStore& part, const ExpertGroups& g) {
+  return gather_rows_into(part, g.world.rank() == 0 ? model::whole_layout(part) : nullptr, g);
+}
+
+std::unique_ptr<model::ParamStore> gather_held_adapters(const model::LoraStore& part, const ExpertGroups& g) {
+  return gather_rows_into(part, g.world.rank() == 0 ? part.whole_adapters() : nullptr, g);
 }
 
 }  // namespace rf::trainer

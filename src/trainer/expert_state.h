@@ -10,6 +10,10 @@
 //              moments gathered over its EP group (world ranks 0 .. ep - 1), so every expert is written once in the
 //              Hugging Face layout. It holds one whole copy of the weights and moments while it writes.
 //   resuming   the run loads the files whole and keeps its rows (model::hold_expert_rows): any EP resumes any EP.
+// LoRA (shard none) holds its experts' adapters apart the same way (model::LoraStore::place_experts: A's and B's
+// expert rows, ParamInfo::rows_begin) over a whole frozen base: the gradients and the norm as above; the writer takes
+// a LoraStore of whole adapters (gather_held_adapters) and writes PEFT's files from it; a resume reads each adapter
+// tensor and moment whole and keeps its rows (load_peft_adapter, load_optimizer_state).
 #pragma once
 
 #include <memory>
@@ -17,6 +21,10 @@
 
 #include "comm/communicator.h"
 #include "model/param_store.h"
+
+namespace rf::model {
+class LoraStore;
+}
 
 namespace rf::trainer {
 
@@ -41,5 +49,9 @@ std::vector<double> held_expert_norm_partials(const model::ParamStore& store, co
 // A whole-layout copy of the store's weights and moments on world rank 0 (null elsewhere), the expert rows gathered
 // over world rank 0's EP group (its ranks call this; the other ranks need not).
 std::unique_ptr<model::ParamStore> gather_held_experts(const model::ParamStore& part, const ExpertGroups& g);
+
+// LoRA with the experts' adapters placed (model::LoraStore::place_experts): the same for the adapters alone, a
+// LoraStore with every adapter whole (weights and moments; the base unread, holding no values) on world rank 0.
+std::unique_ptr<model::ParamStore> gather_held_adapters(const model::LoraStore& part, const ExpertGroups& g);
 
 }  // namespace rf::trainer

@@ -148,6 +148,25 @@ HeldExpertStore::HeldExpertStore(std::unique_ptr<model::ParamStore> inner, std::
                                  std::vector<int64_t> expert_slot)
     : inner_(std::move(inner)), experts_(std::move(experts)), expert_slot_(std::move(expert_slot)) {}
 
+int64_t HeldExpertStore::resident_weight_bytes() const {
+  return inner_->resident_weight_bytes() + experts_->resident_weight_bytes();
+}
+
+model::ParamStore::TableRows HeldExpertStore::rows(size_t slot, std::span<const int32_t> ids, bool want_grads) {
+  RF_CHECK(expert_slot(slot) < 0, "held experts: ", info(slot).name, " is no token table");
+  return inner_->rows(slot, ids, want_grads);
+}
+
+void HeldExpertStore::acquire_head(size_t slot) {
+  RF_CHECK(expert_slot(slot) < 0, "held experts: ", info(slot).name, " is no head");
+  inner_->acquire_head(slot);
+}
+
+void HeldExpertStore::release_head(size_t slot) {
+  RF_CHECK(expert_slot(slot) < 0, "held experts: ", info(slot).name, " is no head");
+  inner_->release_head(slot);
+}
+
 void HeldExpertStore::allocate_weights() {
   inner_->allocate_weights();
   experts_->allocate_weights();
@@ -308,7 +327,9 @@ std::unique_ptr<HeldExpertStore> make_held_expert_store(const model::ParamStore&
       none[0] = 0;
       inner->add(p.name, std::move(none), p.layer, p.matmul);
     } else {
-      inner->add(p.name, p.shape, p.layer, p.matmul);
+      const size_t slot = inner->add(p.name, p.shape, p.layer, p.matmul);
+      // The token tables and the head stay streamed: under shard full never gathered whole (sharded_store.h).
+      if (p.streamed) inner->mark_streamed(slot);
     }
     inner_trainable[i] = !expert && p.trainable;
   }
@@ -338,7 +359,10 @@ std::unique_ptr<HeldExpertStore> make_held_expert_store(const model::ParamStore&
   // The rest: the inner store takes the whole weights of the non-expert parameters, its moments over this world
   // rank's slice of their trainable layout. A sharded store adopts them from a replicated store of its registry.
   model::ReplicatedStore staged;
-  for (const ParamInfo& p : inner->infos()) staged.add(p.name, p.shape, p.layer, p.matmul);
+  for (const ParamInfo& p : inner->infos()) {
+    const size_t slot = staged.add(p.name, p.shape, p.layer, p.matmul);
+    if (p.streamed) staged.mark_streamed(slot);
+  }
   staged.set_trainable(inner_trainable);
   staged.allocate_weights();
   for (size_t i = 0; i < n; ++i)
@@ -368,6 +392,7 @@ std::unique_ptr<HeldExpertStore> make_held_expert_store(const model::ParamStore&
     if (held->expert_slot(i) >= 0) shape[0] = p.shape[0] / at.ep;
     held->add(p.name, std::move(shape), p.layer, p.matmul);
     if (held->expert_slot(i) >= 0) held->hold_rows(i, rows[i].first, rows[i].second);
+    if (p.streamed) held->mark_streamed(i);
     held_trainable[i] = inner_trainable[i];
   }
   held->set_trainable(held_trainable);
@@ -377,12 +402,9 @@ std::unique_ptr<HeldExpertStore> make_held_expert_store(const model::ParamStore&
 }
 
 HeldBytes held_expert_bytes(const model::ParamStore& registry, const std::vector<bool>& trainable, bool shard_full,
-                            bool shard_gradients, int ranks, int ep) {
+                            bool shard_gradients, int ranks, int ep, int64_t step_tokens) {
   constexpr int64_t kF = sizeof(float), kB = sizeof(bf16);
   constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
-  // The inner store's registry marks no parameter streamed (make_held_expert_store registers them plainly), so its
-  // global group stays gathered for the run, token tables included, and no table rows are fetched.
-  constexpr int64_t kNoStreamedTables = 0;
   const int Q = ranks / ep;
   // The rest's registry: the expert tensors with no rows, as the inner store registers them.
   model::ReplicatedStore rest;
@@ -410,7 +432,8 @@ HeldBytes held_expert_bytes(const model::ParamStore& registry, const std::vector
       if (p.matmul) rest_matmul += p.numel;
       rest_trainable[i] = trainable[i];
     }
-    rest.add(p.name, std::move(shape), p.layer, p.matmul);
+    const size_t slot = rest.add(p.name, std::move(shape), p.layer, p.matmul);
+    if (p.streamed) rest.mark_streamed(slot);  // as the inner store registers it
   }
   for (int64_t n : layer_trainable) largest_layer = std::max(largest_layer, n);
   HeldBytes b;
@@ -418,7 +441,7 @@ HeldBytes held_expert_bytes(const model::ParamStore& registry, const std::vector
     const ShardedStore::Bytes s =
         ShardedStore::bytes_for(rest, rest_trainable,
                                 shard_full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients, ranks,
-                                kNoStreamedTables);
+                                step_tokens);
     b.rest_weights = s.weight_shard;
     b.rest_gathered = s.gathered;
     b.rest_gradients = s.gradients;

@@ -120,6 +120,15 @@ class HeldExpertStore final : public model::ParamStore {
   std::span<float> mutable_flat(model::Role role) override { return inner_->mutable_flat(role); }
   model::HeldWeight held_weight(size_t slot) const override;
 
+  // The streamed global parameters and the posted transfers are the inner store's (the token tables and the head
+  // are no experts): under shard full the ShardedStore's rows(), head gather and progress, so no rank holds the
+  // global group whole.
+  int64_t resident_weight_bytes() const override;
+  TableRows rows(size_t slot, std::span<const int32_t> ids, bool want_grads) override;
+  void acquire_head(size_t slot) override;
+  void release_head(size_t slot) override;
+  bool progress() override { return inner_->progress(); }
+
   void before_forward(int layer) override { inner_->before_forward(layer); }
   void after_forward(int layer) override { inner_->after_forward(layer); }
   void before_backward(int layer) override;
@@ -173,14 +182,15 @@ std::vector<double> held_norm_partials(HeldExpertStore& held, std::span<const fl
 // (ShardedStore::bytes_for's for gradients and full). The experts: E / ep experts' float32 weights, the moments of
 // a padded EDP slice, and their gradients (optimizer: every held one's; gradients, full: the slice, one layer's
 // buffer, and that layer's Q contributions received). Left out, as the other transients: the whole copy a start
-// or resume loads before keeping its parts, and the writer's whole copy during a save.
+// or resume loads before keeping its parts, and the writer's whole copy during a save. step_tokens: the token
+// tables' rows a step fetches (ShardedStore::bytes_for's).
 struct HeldBytes {
   int64_t rest_weights = 0, rest_gathered = 0, rest_gradients = 0, rest_moments = 0, rest_comm_buffers = 0;
   int64_t rest_bf16 = 0;  // the bf16 copies of the non-expert matmul operands (full: of the gathered ones)
   int64_t expert_weights = 0, expert_gradients = 0, expert_moments = 0, expert_bf16 = 0;
 };
 HeldBytes held_expert_bytes(const model::ParamStore& registry, const std::vector<bool>& trainable, bool shard_full,
-                            bool shard_gradients, int ranks, int ep);
+                            bool shard_gradients, int ranks, int ep, int64_t step_tokens);
 
 // A whole-layout store (weights and, with moments, moments of every trainable parameter; the files' layout) on world
 // rank 0, null elsewhere. Collective over every rank of the world: the non-expert weights read through the inner

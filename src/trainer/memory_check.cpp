@@ -94,7 +94,9 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   if (c.model.lora_rank > 0) {
     // LoRA: the adapters train (their weights, gradients and moments), the base is frozen.
     const std::vector<model::LoraTarget> targets = model::lora_targets(m.params(), lora_config(c));
-    trainable_bytes = model::lora_adapter_bytes(targets, c.model.lora_rank);
+    // Expert parallelism under shard none: each rank's experts' adapters only (LoraStore::place_experts).
+    const int adapters_ep = c.parallelism.shard == ShardMode::None ? c.parallelism.ep : 1;
+    trainable_bytes = model::lora_adapter_bytes(targets, c.model.lora_rank, adapters_ep);
     const int64_t mapped = mapped_base_bytes(c, m.params());
     if (mapped >= 0) {
       // The base stays in the files' dtype, mapped: the page cache holds one copy for every rank of this machine
@@ -122,10 +124,13 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   if (c.parallelism.ep > 1 && c.parallelism.shard != ShardMode::None && c.model.lora_rank == 0) {
     // Held experts under sharding (held_expert_store.h): the shard mode's terms over the other parameters, this
     // rank's experts whole and their state over the EDP group.
-    const HeldBytes b = held_expert_bytes(m.params(), m.params().trainable_after(c.model.freeze), full,
-                                          c.parallelism.shard == ShardMode::Gradients, world_size, c.parallelism.ep);
+    // The tables' rows: every rank's micro-batch's tokens (the CP group's ranks share rows), as below.
+    const int64_t step_tokens = int64_t{c.train.micro_batch} * c.train.seq_len * c.parallelism.dp;
+    const HeldBytes b =
+        held_expert_bytes(m.params(), m.params().trainable_after(c.model.freeze), full,
+                          c.parallelism.shard == ShardMode::Gradients, world_size, c.parallelism.ep, step_tokens);
     need.add(full ? "weight shard" : "weights", b.rest_weights + m.buffers().total_bytes());
-    if (full) need.add("gathered weights", b.rest_gathered);
+    need.add(full ? "gathered weights" : "the tables' rows", b.rest_gathered);
     need.add("gradients", b.rest_gradients);
     need.add("AdamW moments", b.rest_moments);
     need.add("communication buffers", b.rest_comm_buffers);

@@ -52,9 +52,12 @@ struct Run {
   // Expert parallelism without LoRA: each rank holds and trains only its EP rank's experts, under shard none in a
   // replicated store of its rows (trainer/expert_state.h), under the other shard modes in a HeldExpertStore whose
   // experts' state is sharded over their EDP group (trainer/held_expert_store.h); with LoRA every rank keeps every
-  // expert and only the tokens travel.
+  // expert's base (frozen, mapped) and, under shard none, only its experts' adapters (LoraStore::place_experts;
+  // their state as held experts', expert_state.h); under shard optimizer every expert's adapters.
   const bool hold_experts =
       cfg.parallelism.ep > 1 && cfg.parallelism.shard == ShardMode::None&& cfg.model.lora_rank == 0;
+  const bool hold_expert_adapters =
+      cfg.parallelism.ep > 1 && cfg.parallelism.shard == ShardMode::None&& cfg.model.lora_rank > 0;
   const bool hold_experts_sharded =
       cfg.parallelism.ep > 1 && cfg.parallelism.shard != ShardMode::None&& cfg.model.lora_rank == 0;
   std::unique_ptr<comm::Communicator> cp_group, dp_group, ep_group;

@@ -187,7 +187,11 @@ void check_fits(const Run& r, const model::Gemma4Multimodal& shapes) {
 // shard gradients / full: in a ShardedStore, each rank keeping its pieces of every tensor as it is loaded.
 std::unique_ptr<model::ParamStore> lora_store(Run& r) {
   if (r.store_shards && !r.hold_experts_sharded) return sharded_store(r);
-  return r.cfg.model.lora_rank > 0 ? std::make_unique<model::LoraStore>(lora_config(r.cfg)) : nullptr;
+  if (r.cfg.model.lora_rank == 0) return nullptr;
+  auto ls = std::make_unique<model::LoraStore>(lora_config(r.cfg));
+  // Expert parallelism under shard none: this rank's experts' adapters only.
+  if (r.hold_expert_adapters) ls->place_experts(r.world.rank() % r.cfg.parallelism.ep, r.cfg.parallelism.ep);
+  return ls;
 }
 
 // The base: from model.path, or the built-in model from train.seed (a LoRA resume builds it again: it never trains).

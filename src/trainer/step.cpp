@@ -218,7 +218,7 @@ void reduce_gradients(Run& r) {
   // Held experts under shard optimizer: the experts' over their EDP group (gradients, full: reduced by the hooks).
   if (r.held && !r.store_shards) r.held->experts().reduce();
   if (r.world.size() == 1 || r.store_shards) return;
-  if (r.hold_experts) {  // the experts' over their EDP group, the rest over the world (expert_state.h)
+  if (r.hold_experts || r.hold_expert_adapters) {  // the experts' over their EDP group, the rest over the world
     reduce_held_expert_gradients(r.ck.model->params(), expert_groups(r));
     return;
   }
@@ -246,7 +246,7 @@ double clip_global_norm(Run& r, double max_norm, double& factor) {
     return flat.subspan(s.begin, s.size());
   };
   std::vector<double> partial(static_cast<size_t>(P));
-  if (r.hold_experts) {  // the same partials from the experts' holders (expert_state.h)
+  if (r.hold_experts || r.hold_expert_adapters) {  // the same partials from the experts' holders (expert_state.h)
     partial = held_expert_norm_partials(store, expert_groups(r));
   } else if (r.held) {
     // Held experts under sharding: the same partials from the holders of the reduced slices (held_expert_store.h).

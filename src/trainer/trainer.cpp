@@ -137,6 +137,8 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait,
   std::unique_ptr<model::ParamStore> whole;
   if (r.hold_experts && r.world.rank() < r.cfg.parallelism.ep)
     whole = gather_held_experts(r.ck.model->params(), expert_groups(r));
+  if (r.hold_expert_adapters && r.world.rank() < r.cfg.parallelism.ep)  // LoRA: the adapters whole, the base unread
+    whole = gather_held_adapters(dynamic_cast<const model::LoraStore&>(r.ck.model->params()), expert_groups(r));
   if (r.held)  // under sharding too, every rank taking part (held_expert_store.h)
     whole = whole_for_writer(*r.held, {r.world, *r.ep_group, *r.edp_group, r.timeout});
   const HeldExpertsWhole while_saving(*r.ck.model, r.lead ? std::move(whole) : nullptr);

@@ -54,6 +54,16 @@ void check_round_trip(int P, Counts counts) {
     std::vector<float> back(sent.size());
     ep.combine(routing, received.data(), back.data(), kWidth);
     for (size_t i = 0; i < sent.size(); ++i) ASSERT_EQ(back[i], -sent[i]) << "rank " << r << ", element " << i;
+    // The posted halves place the same bytes: a dispatch and a combine started, progressed and finished.
+    std::vector<float> posted(received.size()), posted_back(sent.size());
+    ep.start_dispatch(routing, sent.data(), posted.data(), kWidth);
+    ep.progress_dispatch();
+    ep.finish_dispatch();
+    EXPECT_EQ(posted, expected) << "rank " << r;
+    ep.start_combine(routing, received.data(), posted_back.data(), kWidth);
+    ep.progress_combine();
+    ep.finish_combine();
+    EXPECT_EQ(posted_back, back) << "rank " << r;
     int64_t leaving = 0;
     for (int64_t e = 0; e < kExperts; ++e)
       if (e / here != r) leaving += counts(r, e);

@@ -296,10 +296,11 @@ checkpoint: {{dir: {os.path.join(workdir, "ckpt")}, every: 2, keep: 2}}
     return True
 
 
-def train_experts_case(ringflex, launcher, workdir):
+def train_experts_case(ringflex, launcher, workdir, ep=1):
     """`ringflex train` on the tiny MoE config with the experts' 3-D weights adapted (target_parameters) beside the
     attention: the adapter directory it writes must load in peft with no missing or unexpected keys (the experts'
-    nested ParamWrapper names included) and give, in float64, the loss ringflex computes with it."""
+    nested ParamWrapper names included) and give, in float64, the loss ringflex computes with it. With ep > 1 each
+    rank holds and trains its experts' adapters only, and the writer gathers every expert's into PEFT's layout."""
     gen = torch.Generator().manual_seed(11)
     cfg, base_dir, data = write_base_and_tokens(gen, "moe", workdir, "_moe")
     ranks = ranks_of(launcher)
@@ -311,7 +312,7 @@ def train_experts_case(ringflex, launcher, workdir):
   lora: {{rank: {RANK}, alpha: {ALPHA}, target: [q_proj, o_proj], target_parameters: {EXPERT_TARGETS}}}
 data: {{source: jsonl_tokens, path: {data}, val_rows: 0}}
 optimizer: {{lr: 0.01}}
-parallelism: {{cp: {ranks}}}
+parallelism: {{cp: {ranks}, ep: {ep}}}
 train: {{steps: 2, seq_len: 24, global_batch: 2, micro_batch: 1, threads: 1, log_every: 1}}
 checkpoint: {{dir: {ckpt}, every: 2, keep: 1}}
 """)
@@ -319,7 +320,7 @@ checkpoint: {{dir: {ckpt}, every: 2, keep: 1}}
     proc = subprocess.run([*launcher, ringflex, "train", "--config", config, "--stats", stats], capture_output=True,
                           text=True)
     if proc.returncode != 0:
-        print(f"FAIL train experts: ringflex train failed: {proc.stderr.strip()[-2000:]}")
+        print(f"FAIL train experts (ep {ep}): ringflex train failed: {proc.stderr.strip()[-2000:]}")
         return False
     adapter = os.path.join(ckpt, "step-00000002")
     failures = []
@@ -365,10 +366,10 @@ checkpoint: {{dir: {ckpt}, every: 2, keep: 1}}
     if err > REL_TOL:
         failures.append(f"loss with the trained adapter: relative error {err:.3e}")
     if failures:
-        print("FAIL train experts: " + "; ".join(failures))
+        print(f"FAIL train experts (ep {ep}): " + "; ".join(failures))
         return False
-    print(f"ok   train experts: peft loads the adapter ({len(trained)} tensors, {len(experts_b)} experts' B, no "
-          f"missing or unexpected keys), loss relative error {err:.2e}")
+    print(f"ok   train experts (ep {ep}): peft loads the adapter ({len(trained)} tensors, {len(experts_b)} experts' "
+          f"B, no missing or unexpected keys), loss relative error {err:.2e}")
     return True
 
 
@@ -392,6 +393,9 @@ def main():
             with tempfile.TemporaryDirectory(dir=workdir) as train_dir:
                 ok = train_case(ringflex, launcher, train_dir) and ok
                 ok = train_experts_case(ringflex, launcher, train_dir) and ok
+            if ranks_of(launcher) > 1:  # the experts' adapters placed over the ranks (parallelism.ep)
+                with tempfile.TemporaryDirectory(dir=workdir) as train_dir:
+                    ok = train_experts_case(ringflex, launcher, train_dir, ep=ranks_of(launcher)) and ok
     return 0 if ok else 1
 
 

@@ -97,6 +97,79 @@ TEST(LoraStore, OnlyTheAdaptersTrainAndStartAsPeftDoes) {
   EXPECT_NE(other->params().weight(a0)[0], store.weight(a0)[0]);
 }
 
+// Expert parallelism (LoraStore::place_experts): EP rank q of ep holds its experts' rows of A and B, expert-major,
+// with the whole tensor's initial values; PEFT's file layout of B interleaves the experts and round-trips.
+TEST(LoraStore, PlacedExpertAdaptersHoldTheirExpertsRowsOfTheWholeTensors) {
+  const char* const moe = R"({"vocab_size": 32, "hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "sliding_window": 3,
+    "layer_types": ["sliding_attention", "full_attention"], "hidden_size_per_layer_input": 0, "rms_norm_eps": 1e-6,
+    "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 6})";
+  constexpr int64_t kExperts = 4, kEp = 2;
+  LoraConfig c = lora_config(5);
+  c.target = {"q_proj"};
+  c.target_parameters = {"experts.gate_up_proj", "experts.down_proj"};
+  const auto make = [&](int ep_rank, int ep) {
+    auto store = std::make_unique<LoraStore>(c);
+    if (ep > 1) store->place_experts(ep_rank, ep);
+    auto m =
+        std::make_unique<Gemma4Model>(Gemma4Config::from_json(moe), TensorSet::Storage::Allocated, std::move(store));
+    dynamic_cast<LoraStore&>(m->params()).init_adapters();
+    return m;
+  };
+  const auto whole_model = make(0, 1);
+  const auto& whole = dynamic_cast<const LoraStore&>(whole_model->params());
+  for (int q = 0; q < kEp; ++q) {
+    const auto part_model = make(q, kEp);
+    const auto& part = dynamic_cast<const LoraStore&>(part_model->params());
+    ASSERT_EQ(part.size(), whole.size());
+    int64_t held = 0;
+    for (const LoraStore::Adapter& a : part.adapters()) {
+      if (a.experts == 1) {
+        EXPECT_FALSE(part.info(a.a).holds_part());
+        continue;
+      }
+      EXPECT_EQ(a.experts, kExperts);
+      EXPECT_EQ(a.experts_held, kExperts / kEp);
+      EXPECT_EQ(a.experts_begin, q * kExperts / kEp);
+      for (const size_t slot : {a.a, a.b}) {
+        const ParamInfo& p = part.info(slot);
+        const ParamInfo& w = whole.info(slot);
+        ASSERT_TRUE(p.holds_part()) << p.name;
+        EXPECT_EQ(p.whole_shape(), w.shape) << p.name;
+        EXPECT_EQ(p.numel * kEp, w.numel) << p.name;
+        const int64_t at = p.rows_begin * (w.numel / w.shape[0]);
+        EXPECT_EQ(at, q * p.numel) << p.name;
+        // A's values (B's zeros) are the whole tensor's rows.
+        for (int64_t i = 0; i < p.numel; ++i) ASSERT_EQ(part.weight(slot)[i], whole.weight(slot)[at + i]) << p.name;
+        held += p.numel;
+      }
+    }
+    EXPECT_GT(held, 0);
+    // The trainable layout is the placed adapters': gradients and moments E / ep experts' worth of them.
+    EXPECT_EQ(part.trainable_elements() + held, whole.trainable_elements());
+  }
+  // B in PEFT's layout: [out, r * E], expert e's B_e[o, k] at column k * E + e; and back.
+  const LoraStore::Adapter& gu = whole.adapters().at(1);
+  ASSERT_EQ(gu.experts, kExperts);
+  const ParamInfo& b = whole.info(gu.b);
+  EXPECT_EQ(whole.file_shape(gu.b), (std::vector<int64_t>{gu.out, kRank * kExperts}));
+  EXPECT_EQ(whole.file_shape(gu.a), whole.info(gu.a).shape);
+  std::vector<float> held(static_cast<size_t>(b.numel)), file(held.size()), back(held.size());
+  for (size_t i = 0; i < held.size(); ++i) held[i] = static_cast<float>(i);
+  whole.to_file_layout(gu.b, held, file);
+  for (int64_t e = 0; e < kExperts; ++e)
+    for (int64_t o = 0; o < gu.out; ++o)
+      for (int64_t k = 0; k < kRank; ++k)
+        ASSERT_EQ(file[static_cast<size_t>(o * kRank * kExperts + k * kExperts + e)],
+                  held[static_cast<size_t>((e * gu.out + o) * kRank + k)]);
+  whole.from_file_layout(gu.b, file, back);
+  EXPECT_EQ(back, held);
+  // A placement after the adapters exist, or one that does not divide the experts, is refused.
+  auto late = make(0, 1);
+  EXPECT_THROW(dynamic_cast<LoraStore&>(late->params()).place_experts(0, 2), rf::Error);
+  EXPECT_THROW(make(0, 3), rf::Error);
+}
+
 TEST(LoraStore, TargetsFollowPeft) {
   LoraConfig c = lora_config(1);
   c.target = {"model\\.layers\\.1\\.self_attn\\.(q|v)_proj"};

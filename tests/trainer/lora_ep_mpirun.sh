@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # LoRA with the experts' adapters (model.lora.target_parameters) under parallelism.ep against ep 1, under a real
-# mpirun: every rank keeps every expert's base and adapters (ep_experts_held = E; only the tokens travel), so the first
-# step's loss is ep 1's bit for bit (the forward is the same bits at any EP), and every step's loss and gradient norm
-# are within 1e-5 relative (the adapters' gradients of the experts reassociate the rows' sums, as the experts' own do
-# in same_loss_ep_mpirun.sh), and the step-3 adapters (PEFT's files, the same names and shapes) within 3e-6 (0.1% of
-# the lr 0.003: AdamW normalises an element's update to about lr).
+# mpirun. Every rank keeps the whole frozen base (ep_experts_held = E: the base's experts are all there), and under
+# shard none only its EP rank's experts' adapters (model::LoraStore::place_experts; --stats counts E / ep experts'
+# adapters), so only the tokens travel for the base and the adapters' state is divided. Asserted:
+#   - the first step's loss is ep 1's bit for bit (the forward is the same bits at any EP, the adapters' initial
+#     values the whole tensor's rows);
+#   - every step's loss and gradient norm within 1e-5 relative (an expert's adapter gradients sum the rows of each
+#     source rank in one sgemm, and across ranks over the EDP group, where ep 1 sums each rank's rows and then the
+#     ranks: the same terms reassociated, as the experts' own in same_loss_ep_mpirun.sh);
+#   - the step-3 adapters (PEFT's files: the same names and whole shapes, every expert once) within 3e-6 (0.1% of the
+#     lr 0.003: AdamW normalises an element's update to about lr);
+#   - resume across EP: the ep run's step-2 checkpoint resumed at ep 1, and ep 1's at ep, give the step-3 loss of the
+#     run they came from bit for bit (the same adapters and moments, read whole and kept by rows, and the forward is
+#     EP-invariant), and the resumed ep run's step-3 adapters are the uninterrupted ep run's bit for bit.
 #   lora_ep_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS EP GRID_SETS...
 set -euo pipefail
 source "$(dirname "$0")/mpirun_script_args.sh"
@@ -12,32 +20,56 @@ ranks=$1 ep=$2
 shift 2
 common=(--set train.seq_len=64 --set train.steps=3 --set train.global_batch=4 --set data.val_rows=2
         --set train.threads=1 --set optimizer.lr=0.003 --set schedule.warmup_steps=1 --set model.builtin=tiny_moe_vlm
-        --set model.init_std=0.4 --set model.lora.rank=2
+        --set model.init_std=0.4 --set model.lora.rank=2 --set checkpoint.every=2
         --set "model.lora.target_parameters=[experts.gate_up_proj, experts.down_proj]")
 for e in 1 "$ep"; do
   "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$e" \
-    --set checkpoint.dir="$work/ep$e" --metrics "$work/ep$e.jsonl" >/dev/null
+    --set checkpoint.dir="$work/ep$e" --metrics "$work/ep$e.jsonl" --stats "$work/stats$e.json" >/dev/null
 done
-python3 - "$work/ep1.jsonl" "$work/ep$ep.jsonl" "$work/ep1/step-00000003/adapter_model.safetensors" \
-  "$work/ep$ep/step-00000003/adapter_model.safetensors" <<'PY'
+# Each run's step-2 checkpoint resumed at the other EP, and the ep run's at ep itself.
+"${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep=1 \
+  --set checkpoint.dir="$work/from_ep" --metrics "$work/from_ep.jsonl" --resume "$work/ep$ep/step-00000002" >/dev/null
+"${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$ep" \
+  --set checkpoint.dir="$work/from1" --metrics "$work/from1.jsonl" --resume "$work/ep1/step-00000002" >/dev/null
+"${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$ep" \
+  --set checkpoint.dir="$work/again" --metrics "$work/again.jsonl" --resume "$work/ep$ep/step-00000002" >/dev/null
+cmp "$work/ep$ep/step-00000003/adapter_model.safetensors" "$work/again/step-00000003/adapter_model.safetensors"
+for f in "$work/ep$ep/step-00000003/"optimizer*; do  # optimizer.safetensors, or one file a rank and optimizer.json
+  cmp "$f" "$work/again/step-00000003/$(basename "$f")"
+done
+python3 - "$work" "$ep" "$*" <<'PY'
 import array, json, struct, sys
-one, ep = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
-assert len(one) == len(ep) == 3, (len(one), len(ep))
-assert all(r["ep_experts_held"] == 4 for r in ep), ep  # tiny_moe_vlm: 4 experts, every one on every rank
-assert one[0]["loss"] == ep[0]["loss"], (one[0], ep[0])
-for a, b in zip(one, ep):
+work, ep, sets = sys.argv[1], sys.argv[2], sys.argv[3]
+def metrics(name):
+    return [json.loads(l) for l in open(f"{work}/{name}.jsonl")]
+one, many = metrics("ep1"), metrics(f"ep{ep}")
+assert len(one) == len(many) == 3, (len(one), len(many))
+assert all(r["ep_experts_held"] == 4 for r in many), many  # tiny_moe_vlm: 4 experts, the base's all on every rank
+assert one[0]["loss"] == many[0]["loss"], (one[0], many[0])
+for a, b in zip(one, many):
     for key in ("loss", "grad_norm"):
         assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), f"step {a['step']}: {key} {a[key]!r} vs {b[key]!r}"
+for resumed, source in (("from_ep", many), ("from1", one), ("again", many)):
+    last = metrics(resumed)[-1]
+    assert last["step"] == 3 and last["loss"] == source[2]["loss"], (resumed, last, source[2])
 def tensors(path):  # name -> (shape, float32 values) of a safetensors file
     raw = open(path, "rb").read()
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + n])
     return {k: (t["shape"], array.array("f", raw[8 + n + t["data_offsets"][0]:8 + n + t["data_offsets"][1]]))
             for k, t in header.items() if k != "__metadata__"}
-a, b = tensors(sys.argv[3]), tensors(sys.argv[4])
+step3 = "step-00000003/adapter_model.safetensors"
+a, b = tensors(f"{work}/ep1/{step3}"), tensors(f"{work}/ep{ep}/{step3}")
 assert a.keys() == b.keys() and any(".experts." in k for k in a), sorted(set(a) ^ set(b))
 assert all(a[k][0] == b[k][0] for k in a), "adapter shapes differ"
 worst = max(abs(x - y) for k in a for x, y in zip(a[k][1], b[k][1]))
 assert worst <= 3e-6, f"step-3 adapters differ by up to {worst}"
-print("LoRA at ep as ep 1: losses", [r["loss"] for r in ep], "adapters within", worst)
+# The memory check counts each rank's experts' adapters only under shard none (E / ep of them), every expert's
+# otherwise.
+def gradients(name):
+    terms = json.load(open(f"{work}/{name}.json"))["memory_per_rank"]["terms"]
+    return sum(t["bytes"] for t in terms if t["kind"] == "gradients")
+placed = "parallelism.shard=optimizer" not in sets
+assert (gradients(f"stats{ep}") < gradients("stats1")) == placed, (gradients(f"stats{ep}"), gradients("stats1"))
+print("LoRA at ep as ep 1: losses", [r["loss"] for r in many], "adapters within", worst, "; resumed across EP")
 PY

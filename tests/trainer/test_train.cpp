@@ -24,10 +24,12 @@
 #include "io/safetensors.h"
 #include "model/builtin_configs.h"
 #include "model/checkpoint.h"
+#include "model/expert_store.h"
 #include "model/lora_store.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/error_of.h"
+#include "trainer/held_expert_store.h"
 #include "trainer/optimizer.h"
 #include "trainer/runtime_memory.h"
 #include "trainer/sharded_store.h"
@@ -700,6 +702,75 @@ TEST(ShardFull, NoRankHoldsTheWholeGlobalGroup) {
         EXPECT_EQ(sharded.held().gathered, small_global * kF) << at;
       });
     }
+  }
+}
+
+// Held experts under shard full (held_expert_store.h): the streamed global parameters stay the inner ShardedStore's,
+// so no rank holds a token table whole either. After the global hook a rank holds its pieces and the global group's
+// small parameters gathered (the inner store's held()); rows() through the held store gives the whole table's rows,
+// this rank's own fetched as ShardedStore::rows does; resident_weight_bytes counts the pieces and this rank's experts.
+// At N = 2 and 4 over ep 2. And a run of ep 2 x dp 2 under shard full trains as shard none does, bit for bit (one
+// micro-batch a rank: shard full's reduce-scatter and none's all-reduce both sum the ranks in order, and the EDP group
+// is one rank at N = 2).
+TEST(HeldExperts, ShardFullStreamsTheGlobalGroupAndTrainsAsShardNone) {
+  const model::Gemma4Config cfg =
+      model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm"), "tiny_moe_vlm");
+  model::Gemma4Model whole(cfg, model::TensorSet::Storage::Allocated);
+  whole.init_random(5, 0.1f);
+  const model::ParamStore& w = whole.params();
+  constexpr int kEp = 2;
+  constexpr int64_t kF = sizeof(float);
+  int64_t small_global = 0, experts = 0;
+  for (const model::ParamInfo& p : w.infos()) {
+    if (p.layer == model::kGlobalGroup && !p.streamed) small_global += p.numel;
+    if (model::is_expert_tensor(p)) experts += p.numel;
+  }
+  const size_t embed = w.slot("model.embed_tokens.weight");
+  ASSERT_TRUE(w.info(embed).streamed);
+  for (int P : {2, 4}) {
+    comm::run_ranks(P, [&](comm::Communicator& world) {
+      const std::string at = "N = " + std::to_string(P);
+      auto inner = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
+                                                  comm::default_timeout());
+      const ShardedStore& sharded = *inner;
+      auto slices = std::make_unique<ExpertSlices>(world.split(world.rank() % kEp, world.rank() / kEp), true,
+                                                   comm::default_timeout());
+      const std::unique_ptr<HeldExpertStore> held =
+          make_held_expert_store(w, std::move(inner), std::move(slices),
+                                 HeldPlacement{world.rank() % kEp, kEp, world.rank(), P});
+      EXPECT_TRUE(held->info(embed).streamed) << at;
+      EXPECT_EQ(held->resident_weight_bytes(), sharded.resident_weight_bytes() + experts / kEp * kF) << at;
+      held->before_forward(model::kGlobalGroup);
+      EXPECT_EQ(sharded.held().gathered, small_global * kF) << at;
+      const int r = world.rank();
+      const std::vector<int32_t> ids = {r, 7};
+      const model::ParamStore::TableRows rows = held->rows(embed, ids, false);
+      const int64_t W = w.info(embed).shape[1];
+      for (size_t i = 0; i < ids.size(); ++i) {
+        std::vector<float> got(static_cast<size_t>(W));
+        model::widen(rows.values, rows.row[i] * W, W, got.data());
+        const float* want = w.weight(embed) + int64_t{ids[i]} * W;
+        EXPECT_EQ(got, std::vector<float>(want, want + W)) << at << ", row " << ids[i];
+      }
+      const int64_t own_rows = 2;  // this rank's distinct ids: the store fetches a rank's own rows (sharded_store.h)
+      EXPECT_EQ(sharded.held().gathered, (small_global + own_rows * W) * kF) << at;
+      held->after_forward(model::kGlobalGroup);
+      EXPECT_EQ(sharded.held().gathered, small_global * kF) << at;  // the rows dropped, the small ones kept
+    });
+  }
+  const auto config = [](const std::string& mode) {
+    // One micro-batch a rank: shard full reduces each micro-batch's gradients as its backward ends, where none sums
+    // a rank's micro-batches first (sharded_store.h), so accumulation would reassociate the sums.
+    return small("tiny_moe_vlm", {"model.init_std=0.4", "parallelism.dp=2", "parallelism.ep=2", "train.global_batch=2",
+                                  "parallelism.shard=" + mode, "train.steps=3", "train.val_every=2"});
+  };
+  const Trained none = run(config("none"));
+  const Trained full = run(config("full"));
+  ASSERT_EQ(full.steps.size(), none.steps.size());
+  for (size_t s = 0; s < none.steps.size(); ++s) {
+    EXPECT_EQ(full.steps[s].loss, none.steps[s].loss) << "step " << s + 1;
+    EXPECT_EQ(full.steps[s].grad_norm, none.steps[s].grad_norm) << "step " << s + 1;
+    EXPECT_EQ(full.steps[s].val_loss, none.steps[s].val_loss) << "step " << s + 1;
   }
 }
 
