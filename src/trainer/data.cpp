@@ -724,6 +724,20 @@ model::VisionBatch ImagePatches::batch() const {
   return b;
 }
 
+model::Batch PackedBatch::batch() const {
+  model::Batch b;
+  b.B = B;
+  b.S = S;
+  b.input_ids = input_ids.data();
+  b.labels = labels.data();
+  b.position_ids = position_ids.data();
+  b.doc = doc.data();
+  b.mm_token_type = mm_token_type.data();
+  b.image_features = image_features.empty() ? nullptr : image_features.data();
+  b.n_image_features = n_image_features;
+  return b;
+}
+
 PackedBatch stack_rows(const std::vector<Row>& rows, int feature_dim) {
   PackedBatch b;
   b.B = static_cast<int>(rows.size());

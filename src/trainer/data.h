@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "model/gemma4.h"
 #include "model/vision.h"
 #include "model/vision_encoder.h"
 #include "trainer/config.h"
@@ -67,6 +68,7 @@ struct PackedBatch {
   ImagePatches images;  // the rows' images in slot order (ImageContract::train_vision; else none)
   int64_t label_tokens() const { return count_label_tokens(labels); }
   int64_t real_tokens() const { return count_real_tokens(doc); }  // non-padding tokens
+  model::Batch batch() const;  // the model's view of these arrays (no copy; valid while this batch lives)
 };
 PackedBatch stack_rows(const std::vector<Row>& rows, int feature_dim);
 

@@ -16,23 +16,6 @@
 #include "trainer/sharded_store.h"
 
 namespace rf::trainer::detail {
-namespace {
-
-model::Batch as_batch(const PackedBatch& p) {
-  model::Batch b;
-  b.B = p.B;
-  b.S = p.S;
-  b.input_ids = p.input_ids.data();
-  b.labels = p.labels.data();
-  b.position_ids = p.position_ids.data();
-  b.doc = p.doc.data();
-  b.mm_token_type = p.mm_token_type.data();
-  b.image_features = p.image_features.empty() ? nullptr : p.image_features.data();
-  b.n_image_features = p.n_image_features;
-  return b;
-}
-
-}  // namespace
 
 // 1. This replica's rows of the step, rows [pos + d * G/dp, pos + (d + 1) * G/dp), as packed micro-batches of
 // train.micro_batch rows. Reads data only (no collective): train() runs it inside comm::agree, so a row that fails
@@ -47,7 +30,7 @@ std::vector<PackedBatch> replica_micro_batches(const Run& r) {
     batches.push_back(stack_rows(rows, r.feature_dim));
     // A row the model would refuse is found here, where the ranks agree, not inside the model's collectives where
     // one DP replica's error would leave the others waiting.
-    r.ck.model->check_batch(as_batch(batches.back()), r.cfg.parallelism.cp,
+    r.ck.model->check_batch(batches.back().batch(), r.cfg.parallelism.cp,
                             rf::concat("training rows ", first + int64_t{a} * micro, " to ",
                                        first + int64_t{a + 1} * micro - 1));
   }
@@ -151,7 +134,7 @@ double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro)
   }
   if (split) group.allreduce(soft.data(), soft.size(), comm::ReduceOp::Sum, r.timeout);
   r.tower_seconds += seconds_since(start);
-  model::Batch b = as_batch(p);
+  model::Batch b = p.batch();
   b.image_features = soft.data();
   model::Result res = r.ck.model->run(b, ro, *r.context.model);
   if (ro.want_grad) {
@@ -177,7 +160,7 @@ double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool 
   ro.want_grad = grad;
   ro.loss_normalizer = std::max(1.0, static_cast<double>(label_tokens));  // no label tokens: loss 0, not 0 / 0
   if (r.tower && p.images.n > 0) return run_with_tower(r, p, ro);
-  const double loss = r.ck.model->run(as_batch(p), ro, *r.context.model).loss;
+  const double loss = r.ck.model->run(p.batch(), ro, *r.context.model).loss;
   if (r.tower && grad && r.sharded) {  // the other replicas' tower reductions, joined with zeros
     model::VisionGrads none;
     add_tower_gradients(r, none);
@@ -337,7 +320,7 @@ double validation_loss(Run& r) {
           stack_rows(std::vector<Row>(rows.begin() + static_cast<std::ptrdiff_t>(at),
                                       rows.begin() + static_cast<std::ptrdiff_t>(std::min(rows.size(), at + micro))),
                      r.feature_dim));
-      r.ck.model->check_batch(as_batch(mine.back()), r.cfg.parallelism.cp, "validation rows");
+      r.ck.model->check_batch(mine.back().batch(), r.cfg.parallelism.cp, "validation rows");
     }
   });
   double loss = 0.0;

@@ -154,15 +154,7 @@ TEST(LabelTokens, CountedOnceOverTheGlobalBatch) {
   const auto data = make_data_source(c, {m.config().vocab_size, 0, model::kBuiltinFeatureDim, ""}, images);
   const PackedBatch p = stack_rows({data->train_row(0), data->train_row(1), data->train_row(2), data->train_row(3)},
                                    model::kBuiltinFeatureDim);
-  model::Batch b{p.B,
-                 p.S,
-                 p.input_ids.data(),
-                 p.labels.data(),
-                 p.position_ids.data(),
-                 p.doc.data(),
-                 p.mm_token_type.data(),
-                 p.image_features.data(),
-                 p.n_image_features};
+  const model::Batch b = p.batch();
   const model::Result r = m.run(b, {});
   EXPECT_EQ(trained.steps[0].tokens, r.label_tokens);
   // Same model, same rows; only the summation order differs (sharded rows over 4 ranks vs one batch): float32
@@ -1376,15 +1368,7 @@ TEST(ComputeDtype, TheVisionTowerRunsInTheTrainersDtype) {
                                      model::kBuiltinFeatureDim);
     ASSERT_GT(p.n_image_features, 0) << "the rows hold no image";
     soft[t] = p.image_features;
-    model::Batch b{p.B,
-                   p.S,
-                   p.input_ids.data(),
-                   p.labels.data(),
-                   p.position_ids.data(),
-                   p.doc.data(),
-                   p.mm_token_type.data(),
-                   p.image_features.data(),
-                   p.n_image_features};
+    const model::Batch b = p.batch();
     model::RunOptions ro;
     ro.compute_dtype = model::ComputeDtype::Bfloat16;
     loss[t] = m.run(b, ro).loss;
