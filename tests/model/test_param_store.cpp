@@ -245,6 +245,25 @@ const char* const kTwoLayers = R"({"vocab_size": 40, "hidden_size": 16, "interme
   "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": 4.0,
   "hidden_size_per_layer_input": 0, "rms_norm_eps": 1e-6})";
 
+// One row of 12 tokens of kTwoLayers' vocabulary (40): ids and labels drawn by two strides.
+struct TwelveTokenRow {
+  std::vector<int32_t> ids, labels;
+  TwelveTokenRow() : ids(12), labels(12) {
+    for (int i = 0; i < 12; ++i) {
+      ids[static_cast<size_t>(i)] = (i * 7 + 1) % 40;
+      labels[static_cast<size_t>(i)] = (i * 5 + 2) % 40;
+    }
+  }
+  Batch batch() const {
+    Batch b;
+    b.B = 1;
+    b.S = 12;
+    b.input_ids = ids.data();
+    b.labels = labels.data();
+    return b;
+  }
+};
+
 TEST(ParamStore, ModelCallsTheLayerHooksAndEachLayersGradientsAreFinalAtItsEnd) {
   auto owned = std::make_unique<RecordingStore>();
   RecordingStore& store = *owned;
@@ -255,16 +274,8 @@ TEST(ParamStore, ModelCallsTheLayerHooksAndEachLayersGradientsAreFinalAtItsEnd) 
   EXPECT_EQ(store.info(store.slot("model.embed_tokens.weight")).layer, kGlobalGroup);
   EXPECT_TRUE(store.info(store.slot("model.embed_tokens.weight")).matmul);  // tied: also the head
 
-  std::vector<int32_t> ids(12), labels(12);
-  for (int i = 0; i < 12; ++i) {
-    ids[static_cast<size_t>(i)] = (i * 7 + 1) % 40;
-    labels[static_cast<size_t>(i)] = (i * 5 + 2) % 40;
-  }
-  Batch b;
-  b.B = 1;
-  b.S = 12;
-  b.input_ids = ids.data();
-  b.labels = labels.data();
+  const TwelveTokenRow row;
+  const Batch b = row.batch();
   (void)m.run(b, RunOptions{});
   EXPECT_EQ(store.calls, (std::vector<std::string>{"F-1", "F0", "f0", "F1", "f1", "f-1"}));
 
@@ -308,16 +319,8 @@ TEST(ParamStore, Bf16WorkingWeightsAreTheRoundedMastersAndGradientsStayFloat32) 
   }
   EXPECT_GT(moved, static_cast<int64_t>(r.size()) / 2);
 
-  std::vector<int32_t> ids(12), labels(12);
-  for (int i = 0; i < 12; ++i) {
-    ids[static_cast<size_t>(i)] = (i * 7 + 1) % 40;
-    labels[static_cast<size_t>(i)] = (i * 5 + 2) % 40;
-  }
-  Batch b;
-  b.B = 1;
-  b.S = 12;
-  b.input_ids = ids.data();
-  b.labels = labels.data();
+  const TwelveTokenRow row;
+  const Batch b = row.batch();
   for (ComputeDtype compute : {ComputeDtype::Float32, ComputeDtype::Bfloat16}) {
     RunOptions opt;
     opt.want_grad = true;
