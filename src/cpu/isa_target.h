@@ -21,6 +21,7 @@
 
 #if defined(RF_KERNEL_AVX512)
 #define RF_ISA_NS avx512
+#define RF_ISA_KIND Avx512  // the cpu::Isa enumerator (cpu/isa.h) of this unit's target
 #define RF_ISA_AVX512 1
 #define RF_ISA_AVX2 0
 // F/DQ/BW/VL: the AVX-512 subset of every AVX-512 server CPU since Skylake-SP (isa.cpp checks exactly these).
@@ -33,11 +34,13 @@
 #define RF_BF16_TARGET __attribute__((target(RF_ISA_TARGET_AVX512 ",avx512bf16")))
 #elif defined(RF_KERNEL_AVX2)
 #define RF_ISA_NS avx2
+#define RF_ISA_KIND Avx2  // the cpu::Isa enumerator (cpu/isa.h) of this unit's target
 #define RF_ISA_AVX512 0
 #define RF_ISA_AVX2 1
 #define RF_ISA_TARGET "avx2,fma"
 #else
 #define RF_ISA_NS scalar
+#define RF_ISA_KIND Scalar  // the cpu::Isa enumerator (cpu/isa.h) of this unit's target
 #define RF_ISA_AVX512 0
 #define RF_ISA_AVX2 0
 #endif

@@ -200,13 +200,7 @@ namespace rf::model {
 #define RF_ELEMENTWISE_FN(ns) RF_ELEMENTWISE_FN_(ns)
 
 const ElementwiseKernels& RF_ELEMENTWISE_FN(RF_ISA_NS)() {
-#if RF_ISA_AVX512
-  constexpr cpu::Isa kIsa = cpu::Isa::Avx512;
-#elif RF_ISA_AVX2
-  constexpr cpu::Isa kIsa = cpu::Isa::Avx2;
-#else
-  constexpr cpu::Isa kIsa = cpu::Isa::Scalar;
-#endif
+  constexpr cpu::Isa kIsa = cpu::Isa::RF_ISA_KIND;
   namespace k = RF_ISA_NS;
   static const ElementwiseKernels set{kIsa,           k::geglu_forward,      k::geglu_backward,
                                       k::softcap_max, k::cross_entropy_grad, k::sum_squares,

@@ -44,13 +44,7 @@ namespace rf::trainer {
 #define RF_OPTIMIZER_FN(ns) RF_OPTIMIZER_FN_(ns)
 
 const OptimizerKernels& RF_OPTIMIZER_FN(RF_ISA_NS)() {
-#if RF_ISA_AVX512
-  constexpr cpu::Isa kIsa = cpu::Isa::Avx512;
-#elif RF_ISA_AVX2
-  constexpr cpu::Isa kIsa = cpu::Isa::Avx2;
-#else
-  constexpr cpu::Isa kIsa = cpu::Isa::Scalar;
-#endif
+  constexpr cpu::Isa kIsa = cpu::Isa::RF_ISA_KIND;
   namespace k = RF_ISA_NS;
   static const OptimizerKernels set{kIsa, k::adamw, k::scale};
   return set;
