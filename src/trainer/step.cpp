@@ -201,7 +201,10 @@ void reduce_gradients(Run& r) {
   // Held experts under shard optimizer: the experts' over their EDP group (gradients, full: reduced by the hooks).
   if (r.held && !r.store_shards) r.held->experts().reduce();
   if (r.world.size() == 1 || r.store_shards) return;
-  if (r.hold_experts || r.hold_expert_adapters) {  // the experts' over their EDP group, the rest over the world
+  // The experts' over their EDP group, the rest over the world. LoRA's placed adapters under shard optimizer too: a
+  // rank updates its EDP slice of its held layout, non-expert adapters included, so it takes the whole sums (all-
+  // reduces where ZeRO-1 reduce-scatters: the adapters' gradients are small, and these are shard none's bits).
+  if (r.hold_experts || r.hold_expert_adapters) {
     reduce_held_expert_gradients(r.ck.model->params(), expert_groups(r));
     return;
   }
@@ -277,8 +280,8 @@ double apply_update(Run& r, int64_t step, double clip) {
   }
   if (r.sharded)
     r.sharded->after_update();
-  else if (r.shard_optimizer)
-    gather_updated_weights(r.world, r.ck.model->params(), r.timeout);
+  else if (r.shard_optimizer)  // LoRA's placed adapters: their EDP slices (each EDP group holds its own experts')
+    gather_updated_weights(r.adapter_moments_edp ? *r.edp_group : r.world, r.ck.model->params(), r.timeout);
   if (r.tower) {  // model.train_vision: the updated tower
     r.ck.model->refresh_vision_tower();
     r.tower = r.ck.model->vision_tower();
