@@ -55,7 +55,9 @@ namespace {
 // added to a replicated store's, which the gradient reduction then sums over the world with the decoder's; a sharded
 // store's (shard gradients / full) holds only its slice, so each trainable tower parameter's whole gradient is reduced
 // into its owners' slices here (ShardedStore::reduce_gradient, the sums of shard none's reduction): a collective over
-// the world, in registration order, which a rank whose micro-batch has no image of its own joins with zeros.
+// the world, in registration order, which a rank whose micro-batch has no image of its own joins with zeros. With held
+// experts (parallelism.ep > 1) r.sharded is the HeldExpertStore's inner store, which registers every slot of the
+// model's store in the same order (the tower's among its non-expert parameters).
 void add_tower_gradients(Run& r, model::VisionGrads& grads) {
   model::ParamStore& store = r.ck.model->params();
   if (r.sharded == nullptr) {
