@@ -23,7 +23,8 @@
 // buffer, valid until the next such call (tools: export, checks).
 //
 // Under parallelism.shard = optimizer the trainer shards the adapters' moments over the ranks (set_moment_range over
-// the trainable layout, which is the adapters'), as for any store; the base is never sharded: its mapped pages are
+// the trainable layout, which is the adapters'), as for any store (with the experts' adapters placed, over the ranks
+// holding the same experts: trainer/expert_state.h); the base is never sharded: its mapped pages are
 // the page cache's, one copy for all the ranks of a machine, so a rank's piece would cost more than its share
 // (trainer/config.cpp refuses shard gradients and full with LoRA).
 //

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "core/error.h"
@@ -355,17 +356,26 @@ TrainState load_train_state(const std::string& dir) {
 namespace {
 
 // The sharded moments' layout (optimizer.json), checked against the store: the same trainable parameters in the same
-// order and shapes (the same model.freeze), and files whose ranges tile [0, trainable_elements) in order.
+// order and whole shapes (the same model.freeze), and files whose ranges tile [0, trainable_elements) in order. The
+// files' layout is the whole tensors' (every expert's rows); a store holding a tensor's expert rows apart
+// (ParamInfo::rows_begin: LoRA's placed adapters, model/lora_store.h) reads its rows of it.
 struct MomentFile {
   std::string path;
   int64_t begin = 0, end = 0;
 };
-std::vector<MomentFile> read_moment_layout(const fs::path& dir, const model::ParamStore& store) {
+struct MomentFiles {
+  std::vector<MomentFile> files;
+  // [slots]: the files' index of the first element the store holds of a trainable slot (its train_offset when it
+  // holds the whole tensor); -1 for a frozen one.
+  std::vector<int64_t> whole_first;
+};
+MomentFiles read_moment_layout(const fs::path& dir, const model::ParamStore& store) {
   const fs::path path = dir / kMomentLayoutFile;
   const std::string where = path.string();
   const std::string text = read_text(path);
   io::check_json_text(text, where + ": ");
-  std::vector<MomentFile> out;
+  MomentFiles out;
+  out.whole_first.assign(store.size(), -1);
   try {
     const json j = json::parse(text);
     RF_CHECK(j.at("format") == kMomentFormat, where, ": `format` is ", j.at("format").dump(), ", not \"", kMomentFormat,
@@ -375,17 +385,22 @@ std::vector<MomentFile> read_moment_layout(const fs::path& dir, const model::Par
     const json& params = j.at("parameters");
     RF_CHECK(params.is_array(), where, ": `parameters` must be an array");
     size_t k = 0;
-    for (const model::ParamInfo& p : store.infos()) {
+    int64_t whole_at = 0;  // the files' index of the parameter's first element
+    for (size_t slot = 0; slot < store.size(); ++slot) {
+      const model::ParamInfo& p = store.info(slot);
       if (!p.trainable) continue;
+      const std::vector<int64_t> whole = p.whole_shape();
       RF_CHECK(k < params.size() && params[k].at("name") == p.name &&
-                   params[k].at("shape").get<std::vector<int64_t>>() == p.shape &&
-                   params[k].at("offset").get<int64_t>() == p.train_offset,
+                   params[k].at("shape").get<std::vector<int64_t>>() == whole &&
+                   params[k].at("offset").get<int64_t>() == whole_at,
                where, ": the trainable parameters differ from this run's at `", p.name,
                "` (another model or model.freeze)");
+      out.whole_first[slot] = whole_at + p.rows_begin * model::row_elements(p);
+      whole_at += p.holds_part() ? p.rows_total * model::row_elements(p) : p.numel;
       ++k;
     }
-    RF_CHECK(k == params.size() && total == store.trainable_elements(), where, ": ", params.size(),
-             " trainable parameters of ", total, " elements, this run trains ", k, " of ", store.trainable_elements());
+    RF_CHECK(k == params.size() && total == whole_at, where, ": ", params.size(), " trainable parameters of ", total,
+             " elements, this run trains ", k, " of ", whole_at);
     const json& files = j.at("files");
     RF_CHECK(files.is_array() && !files.empty(), where, ": `files` must be a non-empty array");
     int64_t at = 0;
@@ -397,7 +412,7 @@ std::vector<MomentFile> read_moment_layout(const fs::path& dir, const model::Par
       const int64_t begin = integer_in(f.at("begin"), where, "files.begin", 0, total);
       const int64_t end = integer_in(f.at("end"), where, "files.end", begin, total);
       RF_CHECK(begin == at, where, ": `", name, "` begins at ", begin, ", the files before it end at ", at);
-      out.push_back({(dir / name).string(), begin, end});
+      out.files.push_back({(dir / name).string(), begin, end});
       at = end;
     }
     RF_CHECK(at == total, where, ": the files end at ", at, " of ", total, " elements");
@@ -407,31 +422,36 @@ std::vector<MomentFile> read_moment_layout(const fs::path& dir, const model::Par
   return out;
 }
 
-// The elements [lo, hi) of the trainable layout, read from one sharded moment file into the store, checked finite
-// (and the second moments non-negative) with the parameter and index named.
-void read_moment_range(const MomentFile& file, int64_t lo, int64_t hi, model::ParamStore& store) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(file.path);
+// The part of the store's moment range that one sharded moment file holds, read into the store (the file opened only
+// when it holds some), checked finite (and the second moments non-negative) with the parameter and index named.
+void read_moment_file(const MomentFile& file, const MomentFiles& layout, model::ParamStore& store) {
   const model::Shard range = store.moment_range();
-  for (auto [name, role] : {std::pair{kExpAvg, model::Role::ExpAvg}, {kExpAvgSq, model::Role::ExpAvgSq}}) {
-    const io::TensorView& v = f.at(name);
-    RF_CHECK(v.dtype == io::StDType::F32 && v.shape == std::vector<int64_t>{file.end - file.begin}, file.path, ": `",
-             name, "` is not float32 [", file.end - file.begin, "] (elements ", file.begin, " to ", file.end,
-             " of the trainable layout, optimizer.json)");
-    // Unaligned bytes in general (tensor_access.h): copied out one segment at a time.
-    for (const model::ParamStore::Segment& seg : store.trainable_segments(lo, hi)) {
-      std::vector<float> values(static_cast<size_t>(seg.n));
-      std::memcpy(values.data(), v.bytes.data() + (seg.train_index - file.begin) * int64_t{sizeof(float)},
+  std::optional<io::SafetensorsFile> f;
+  for (const model::ParamStore::Segment& seg : store.trainable_segments(range.begin, range.end)) {
+    const int64_t at = layout.whole_first[seg.slot] + seg.first;  // the files' index of the segment's first element
+    const int64_t lo = std::max(at, file.begin), hi = std::min(at + seg.n, file.end);
+    if (lo >= hi) continue;
+    if (!f) f.emplace(io::SafetensorsFile::open(file.path));
+    const model::ParamInfo& p = store.info(seg.slot);
+    for (auto [name, role] : {std::pair{kExpAvg, model::Role::ExpAvg}, {kExpAvgSq, model::Role::ExpAvgSq}}) {
+      const io::TensorView& v = f->at(name);
+      RF_CHECK(v.dtype == io::StDType::F32 && v.shape == std::vector<int64_t>{file.end - file.begin}, file.path, ": `",
+               name, "` is not float32 [", file.end - file.begin, "] (elements ", file.begin, " to ", file.end,
+               " of the trainable layout, optimizer.json)");
+      // Unaligned bytes in general (tensor_access.h): copied out one segment at a time.
+      std::vector<float> values(static_cast<size_t>(hi - lo));
+      std::memcpy(values.data(), v.bytes.data() + (lo - file.begin) * int64_t{sizeof(float)},
                   values.size() * sizeof(float));
-      const model::ParamInfo& p = store.info(seg.slot);
       for (size_t i = 0; i < values.size(); ++i) {
         const float x = values[i];
         // AdamW divides by sqrt(exp_avg_sq) + eps: a negative one is NaN in the first update.
         if (std::isfinite(x) && (role == model::Role::ExpAvg || x >= 0)) continue;
         rf::fail(file.path, ": `", name, "` of `", p.name, "` has ", x, " at ",
-                 io::index_string(seg.first + static_cast<int64_t>(i), p.shape),
+                 io::index_string(seg.first + (lo - at) + static_cast<int64_t>(i), p.shape),
                  std::isfinite(x) ? " (a second moment is never negative)" : "");
       }
-      std::copy(values.begin(), values.end(), store.mutable_flat(role).data() + (seg.train_index - range.begin));
+      std::copy(values.begin(), values.end(),
+                store.mutable_flat(role).data() + (seg.train_index + (lo - at) - range.begin));
     }
   }
 }
@@ -441,18 +461,9 @@ void read_moment_range(const MomentFile& file, int64_t lo, int64_t hi, model::Pa
 void load_optimizer_state(const std::string& dir, model::ParamStore& store) {
   std::error_code ec;
   if (fs::exists(fs::path(dir) / kMomentLayoutFile, ec)) {
-    for (const model::ParamInfo& p : store.infos())
-      RF_CHECK(!p.holds_part() || !p.trainable, "--resume ", dir, ": its moments are sharded (", kMomentLayoutFile,
-               "), and this run holds ", p.name,
-               "'s expert rows apart; resume it under the shard mode it was written "
-               "with");
-    const std::vector<MomentFile> files = read_moment_layout(dir, store);
+    const MomentFiles layout = read_moment_layout(dir, store);
     store.allocate_moments();
-    const model::Shard range = store.moment_range();
-    for (const MomentFile& file : files) {  // only the files that hold a part of this rank's range are opened
-      const int64_t lo = std::max(range.begin, file.begin), hi = std::min(range.end, file.end);
-      if (lo < hi) read_moment_range(file, lo, hi, store);
-    }
+    for (const MomentFile& file : layout.files) read_moment_file(file, layout, store);
     return;
   }
   const std::string path = (fs::path(dir) / kOptimizerFile).string();

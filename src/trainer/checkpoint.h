@@ -121,7 +121,8 @@ struct LoadedCheckpoint {
 };
 // Loads weights and state; load_optimizer_state puts AdamW's moments into `store` (same parameter names and shapes;
 // allocated there for its trainable parameters, so freeze before): the part inside the store's moment_range(), read
-// from whichever optimizer files hold it.
+// from whichever optimizer files hold it (whole per tensor, or one file a rank); a store holding a tensor's expert
+// rows apart (ParamInfo::rows_begin) reads its rows of the whole tensor.
 // `before_allocating`, `train_vision`, `store`: as model::load_checkpoint's (a sharded store keeps each rank's
 // pieces as the tensors are read: a resume under parallelism.shard full holds no whole copy on any rank).
 LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating = {},

@@ -384,13 +384,6 @@ void validate(const TrainConfig& c, int world_size) {
     RF_CHECK(!c.model.train_vision, "config: model.lora with model.train_vision is not implemented (LoRA adapts the ",
              "decoder; the tower would train in full beside it)");
   }
-  // Under shard gradients / full the tower's gradients reach their owners through the sharded store
-  // (ShardedStore::reduce_gradient, step.cpp add_tower_gradients); with held experts (ep > 1) the store is a
-  // HeldExpertStore, which has no such path.
-  RF_CHECK(!c.model.train_vision || c.parallelism.ep == 1 || c.parallelism.shard == ShardMode::None ||
-               c.parallelism.shard == ShardMode::Optimizer,
-           "config: model.train_vision with parallelism.ep > 1 and parallelism.shard = ", name_of(c.parallelism.shard),
-           " is not implemented (none or optimizer: the held experts' store does not reduce the tower's gradients)");
   // bf16 working weights are the replicated and the sharded stores' (model/param_store.h). A LoRA base is held in its
   // checkpoint's dtype already and its adapters are small; held experts and the vision tower read float32 copies of
   // their own, which would leave them on float32 working weights beside a bf16 decoder.

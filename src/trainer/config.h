@@ -88,8 +88,8 @@ struct ParallelismSection {
   // ranks (folded: each rank sends its own tokens' rows to the experts' ranks). ep divides cp x dp and the model's
   // experts; 1: every expert on every rank. Without LoRA each rank holds and trains only its EP rank's experts
   // (weights, gradients and moments; trainer/expert_state.h, under sharding trainer/held_expert_store.h). With LoRA
-  // every rank keeps the whole frozen base and, under shard none, only its experts' adapters
-  // (model::LoraStore::place_experts); under shard optimizer every expert's.
+  // every rank keeps the whole frozen base and only its experts' adapters (model::LoraStore::place_experts), under
+  // shard optimizer their moments sharded over the ranks holding the same experts (trainer/expert_state.h).
   int ep = 1;
   // The vision tower's work over the ranks (issue 24 item 4): true divides it, each image encoded once (a frozen
   // tower's data images over all ranks when the data is read, then one sum; with model.train_vision each

@@ -128,4 +128,24 @@ std::unique_ptr<model::ParamStore> gather_held_adapters(const model::LoraStore& 
   return gather_rows_into(part, g.world.rank() == 0 ? part.whole_adapters() : nullptr, g);
 }
 
+WholeAdapterMoments::WholeAdapterMoments(model::ParamStore& store, comm::Communicator* edp, comm::Timeout timeout) {
+  if (edp == nullptr) return;
+  const int64_t n = store.trainable_elements();
+  const model::Shard mine = store.moment_range();
+  const model::Shard slice = model::shard_of(n, edp->rank(), edp->size());
+  RF_CHECK(mine.begin == slice.begin && mine.end == slice.end, "save: the adapters' moments hold [", mine.begin, ", ",
+           mine.end, "), not EDP rank ", edp->rank(), " of ", edp->size(), "'s slice of ", n);
+  store.set_moment_range(0, n);  // keeps this rank's slice in place, the others zero until gathered
+  store_ = &store;
+  mine_ = mine;
+  for (model::Role role : {model::Role::ExpAvg, model::Role::ExpAvgSq}) {
+    const std::span<float> all = store.mutable_flat(role);
+    if (edp->size() > 1) edp->allgather_slices(all.data(), all.size(), sizeof(float), timeout);
+  }
+}
+
+WholeAdapterMoments::~WholeAdapterMoments() {
+  if (store_ != nullptr) store_->set_moment_range(mine_.begin, mine_.end);
+}
+
 }  // namespace rf::trainer

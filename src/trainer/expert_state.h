@@ -10,10 +10,20 @@
 //              moments gathered over its EP group (world ranks 0 .. ep - 1), so every expert is written once in the
 //              Hugging Face layout. It holds one whole copy of the weights and moments while it writes.
 //   resuming   the run loads the files whole and keeps its rows (model::hold_expert_rows): any EP resumes any EP.
-// LoRA (shard none) holds its experts' adapters apart the same way (model::LoraStore::place_experts: A's and B's
-// expert rows, ParamInfo::rows_begin) over a whole frozen base: the gradients and the norm as above; the writer takes
-// a LoraStore of whole adapters (gather_held_adapters) and writes PEFT's files from it; a resume reads each adapter
-// tensor and moment whole and keeps its rows (load_peft_adapter, load_optimizer_state).
+// LoRA (shard none or optimizer) holds its experts' adapters apart the same way (model::LoraStore::place_experts: A's
+// and B's expert rows, ParamInfo::rows_begin) over a whole frozen base: the gradients and the norm as above; the writer
+// takes a LoraStore of whole adapters (gather_held_adapters) and writes PEFT's files from it; a resume reads each
+// adapter tensor and moment whole and keeps its rows (load_peft_adapter, load_optimizer_state, which also reads a
+// sharded checkpoint's moment files by rows).
+// Under shard optimizer a rank's AdamW moments are its EDP slice (slice_of over the EDP group) of its held trainable
+// layout: the experts' adapters of its EP rank, sharded over the ranks holding them, and every non-expert adapter,
+// sharded over the EDP group as well (so each non-expert element's moments are kept by ep ranks, one an EDP group,
+// which update it to the same bits). One contiguous range of a layout every rank of an EDP group shares, so the
+// update is ZeRO-1's: the gradients summed as above (whole on every rank), AdamW over the range, the updated slices
+// all-gathered over the EDP group; shard none's bits. The non-expert adapters' moments cost ep times their world
+// share: LoRA's adapters are a few MB (a few per mille of the base), against one collective and one layout. The
+// writer's EP group gathers the moments whole first (WholeAdapterMoments), and writes optimizer.safetensors whole,
+// as under shard none.
 #pragma once
 
 #include <memory>
@@ -53,5 +63,20 @@ std::unique_ptr<model::ParamStore> gather_held_experts(const model::ParamStore& 
 // LoRA with the experts' adapters placed (model::LoraStore::place_experts): the same for the adapters alone, a
 // LoraStore with every adapter whole (weights and moments; the base unread, holding no values) on world rank 0.
 std::unique_ptr<model::ParamStore> gather_held_adapters(const model::LoraStore& part, const ExpertGroups& g);
+
+// LoRA's placed adapters under shard optimizer, for a save: while it lives the store's moments cover its whole held
+// layout, every EDP rank's slice gathered (a collective over `edp`: every rank builds one), so that
+// gather_held_adapters finds them; then this rank's slice again. `edp` null: nothing changes.
+class WholeAdapterMoments {
+ public:
+  WholeAdapterMoments(model::ParamStore& store, comm::Communicator* edp, comm::Timeout timeout);
+  ~WholeAdapterMoments();
+  WholeAdapterMoments(const WholeAdapterMoments&) = delete;
+  WholeAdapterMoments& operator=(const WholeAdapterMoments&) = delete;
+
+ private:
+  model::ParamStore* store_ = nullptr;  // null: nothing to give back
+  model::Shard mine_;                   // this rank's EDP slice of the held layout
+};
 
 }  // namespace rf::trainer

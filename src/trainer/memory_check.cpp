@@ -94,9 +94,8 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   if (c.model.lora_rank > 0) {
     // LoRA: the adapters train (their weights, gradients and moments), the base is frozen.
     const std::vector<model::LoraTarget> targets = model::lora_targets(m.params(), lora_config(c));
-    // Expert parallelism under shard none: each rank's experts' adapters only (LoraStore::place_experts).
-    const int adapters_ep = c.parallelism.shard == ShardMode::None ? c.parallelism.ep : 1;
-    trainable_bytes = model::lora_adapter_bytes(targets, c.model.lora_rank, adapters_ep);
+    // Expert parallelism (shard none or optimizer): each rank's experts' adapters only (LoraStore::place_experts).
+    trainable_bytes = model::lora_adapter_bytes(targets, c.model.lora_rank, c.parallelism.ep);
     const int64_t mapped = mapped_base_bytes(c, m.params());
     if (mapped >= 0) {
       // The base stays in the files' dtype, mapped: the page cache holds one copy for every rank of this machine
@@ -182,10 +181,13 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
     need.add("weights", params + m.buffers().total_bytes());
     need.add("gradients", trainable_bytes);
     need.add(lora_base);
-    // parallelism.shard = optimizer: a rank holds the moments of its shard, ceil(trainable / N) elements.
+    // parallelism.shard = optimizer: a rank holds the moments of its shard, ceil(trainable / N) elements; LoRA with
+    // its experts' adapters placed, of its EDP slice (N / ep ranks) of its held adapters (trainer/expert_state.h).
     const int64_t trainable_elements = trainable_bytes / static_cast<int64_t>(sizeof(float));
+    const bool adapters_placed = c.model.lora_rank > 0 && !c.model.lora_target_parameters.empty();
+    const int moment_ranks = adapters_placed ? world_size / c.parallelism.ep : world_size;
     const int64_t moment_elements = c.parallelism.shard == ShardMode::Optimizer
-                                        ? model::shard_of(trainable_elements, 0, world_size).padded
+                                        ? model::shard_of(trainable_elements, 0, moment_ranks).padded
                                         : trainable_elements;
     need.add("AdamW moments", checked_bytes({kMoments, moment_elements, static_cast<int64_t>(sizeof(float))}));
     // (A LoRA base has none: the matmuls read a bf16 base as it is mapped, and round another per call.)

@@ -51,13 +51,19 @@ struct Run {
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
   // Expert parallelism without LoRA: each rank holds and trains only its EP rank's experts, under shard none in a
   // replicated store of its rows (trainer/expert_state.h), under the other shard modes in a HeldExpertStore whose
-  // experts' state is sharded over their EDP group (trainer/held_expert_store.h); with LoRA every rank keeps every
-  // expert's base (frozen, mapped) and, under shard none, only its experts' adapters (LoraStore::place_experts;
-  // their state as held experts', expert_state.h); under shard optimizer every expert's adapters.
+  // experts' state is sharded over their EDP group (trainer/held_expert_store.h); with LoRA (shard none or optimizer)
+  // every rank keeps every expert's base (frozen, mapped) and, when the experts' weights take adapters
+  // (model.lora.target_parameters), only its experts' adapters (LoraStore::place_experts; their gradients and norm as
+  // held experts', expert_state.h; under shard optimizer the moments of the held layout sharded over the EDP group,
+  // adapter_moments_edp).
   const bool hold_experts =
       cfg.parallelism.ep > 1 && cfg.parallelism.shard == ShardMode::None&& cfg.model.lora_rank == 0;
   const bool hold_expert_adapters =
-      cfg.parallelism.ep > 1 && cfg.parallelism.shard == ShardMode::None&& cfg.model.lora_rank > 0;
+      cfg.parallelism.ep > 1 && cfg.model.lora_rank > 0 && !cfg.model.lora_target_parameters.empty();
+  // LoRA's placed adapters under shard optimizer: AdamW's moments cover this rank's EDP slice of its held trainable
+  // layout (the experts' adapters of its EP rank, and every non-expert adapter), the update is all-gathered over the
+  // EDP group (expert_state.h says why).
+  const bool adapter_moments_edp = hold_expert_adapters && cfg.parallelism.shard == ShardMode::Optimizer;
   const bool hold_experts_sharded =
       cfg.parallelism.ep > 1 && cfg.parallelism.shard != ShardMode::None&& cfg.model.lora_rank == 0;
   std::unique_ptr<comm::Communicator> cp_group, dp_group, ep_group;

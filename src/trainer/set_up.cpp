@@ -189,7 +189,7 @@ std::unique_ptr<model::ParamStore> lora_store(Run& r) {
   if (r.store_shards && !r.hold_experts_sharded) return sharded_store(r);
   if (r.cfg.model.lora_rank == 0) return nullptr;
   auto ls = std::make_unique<model::LoraStore>(lora_config(r.cfg));
-  // Expert parallelism under shard none: this rank's experts' adapters only.
+  // Expert parallelism (shard none or optimizer): this rank's experts' adapters only.
   if (r.hold_expert_adapters) ls->place_experts(r.world.rank() % r.cfg.parallelism.ep, r.cfg.parallelism.ep);
   return ls;
 }
@@ -301,7 +301,10 @@ void set_up_optimizer(Run& r) {
     RF_CHECK(r.sharded != nullptr, "shard: the model was loaded into a replicated store");
   }
   model::ParamStore& store = r.ck.model->params();
-  if (r.shard_optimizer && !r.held) {
+  if (r.adapter_moments_edp) {  // LoRA's placed adapters: this rank's EDP slice of its held layout (expert_state.h)
+    const model::Shard mine = model::shard_of(store.trainable_elements(), r.edp_group->rank(), r.edp_group->size());
+    store.set_moment_range(mine.begin, mine.end);
+  } else if (r.shard_optimizer && !r.held) {
     const model::Shard mine = model::shard_of(store.trainable_elements(), r.world.rank(), r.world.size());
     store.set_moment_range(mine.begin, mine.end);
   }

@@ -55,7 +55,9 @@ namespace {
 // added to a replicated store's, which the gradient reduction then sums over the world with the decoder's; a sharded
 // store's (shard gradients / full) holds only its slice, so each trainable tower parameter's whole gradient is reduced
 // into its owners' slices here (ShardedStore::reduce_gradient, the sums of shard none's reduction): a collective over
-// the world, in registration order, which a rank whose micro-batch has no image of its own joins with zeros.
+// the world, in registration order, which a rank whose micro-batch has no image of its own joins with zeros. With held
+// experts (parallelism.ep > 1) r.sharded is the HeldExpertStore's inner store, which registers every slot of the
+// model's store in the same order (the tower's among its non-expert parameters).
 void add_tower_gradients(Run& r, model::VisionGrads& grads) {
   model::ParamStore& store = r.ck.model->params();
   if (r.sharded == nullptr) {
@@ -201,7 +203,10 @@ void reduce_gradients(Run& r) {
   // Held experts under shard optimizer: the experts' over their EDP group (gradients, full: reduced by the hooks).
   if (r.held && !r.store_shards) r.held->experts().reduce();
   if (r.world.size() == 1 || r.store_shards) return;
-  if (r.hold_experts || r.hold_expert_adapters) {  // the experts' over their EDP group, the rest over the world
+  // The experts' over their EDP group, the rest over the world. LoRA's placed adapters under shard optimizer too: a
+  // rank updates its EDP slice of its held layout, non-expert adapters included, so it takes the whole sums (all-
+  // reduces where ZeRO-1 reduce-scatters: the adapters' gradients are small, and these are shard none's bits).
+  if (r.hold_experts || r.hold_expert_adapters) {
     reduce_held_expert_gradients(r.ck.model->params(), expert_groups(r));
     return;
   }
@@ -277,8 +282,8 @@ double apply_update(Run& r, int64_t step, double clip) {
   }
   if (r.sharded)
     r.sharded->after_update();
-  else if (r.shard_optimizer)
-    gather_updated_weights(r.world, r.ck.model->params(), r.timeout);
+  else if (r.shard_optimizer)  // LoRA's placed adapters: their EDP slices (each EDP group holds its own experts')
+    gather_updated_weights(r.adapter_moments_edp ? *r.edp_group : r.world, r.ck.model->params(), r.timeout);
   if (r.tower) {  // model.train_vision: the updated tower
     r.ck.model->refresh_vision_tower();
     r.tower = r.ck.model->vision_tower();

@@ -137,12 +137,19 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait,
   std::unique_ptr<model::ParamStore> whole;
   if (r.hold_experts && r.world.rank() < r.cfg.parallelism.ep)
     whole = gather_held_experts(r.ck.model->params(), expert_groups(r));
-  if (r.hold_expert_adapters && r.world.rank() < r.cfg.parallelism.ep)  // LoRA: the adapters whole, the base unread
-    whole = gather_held_adapters(dynamic_cast<const model::LoraStore&>(r.ck.model->params()), expert_groups(r));
+  if (r.hold_expert_adapters) {  // LoRA: the adapters whole, the base unread
+    // Under shard optimizer their moments' EDP slices gathered first, on every rank (expert_state.h).
+    const WholeAdapterMoments moments(r.ck.model->params(), r.adapter_moments_edp ? r.edp_group.get() : nullptr,
+                                      r.timeout);
+    if (r.world.rank() < r.cfg.parallelism.ep)
+      whole = gather_held_adapters(dynamic_cast<const model::LoraStore&>(r.ck.model->params()), expert_groups(r));
+  }
   if (r.held)  // under sharding too, every rank taking part (held_expert_store.h)
     whole = whole_for_writer(*r.held, {r.world, *r.ep_group, *r.edp_group, r.timeout});
   const HeldExpertsWhole while_saving(*r.ck.model, r.lead ? std::move(whole) : nullptr);
   const model::ParamStore& store = r.ck.model->params();
+  // ZeRO-1's moments, one file a rank; held experts and LoRA's placed adapters write theirs whole (gathered above).
+  const bool moments_per_rank = r.shard_optimizer && !r.held && !r.hold_expert_adapters;
   std::exception_ptr failed;
   try {
     if (const auto* lora = dynamic_cast<const model::LoraStore*>(&store)) {
@@ -164,14 +171,14 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait,
   comm::agree(
       r.world,
       [&] {
-        if (r.shard_optimizer && !r.held)
+        if (moments_per_rank)
           write_moments_shard(tmp, store, r.world.rank(), r.world.size());
         else if (r.lead)
           write_moments_whole(tmp, store);
       },
       wait);
   PendingCheckpoint::MomentLayout moments;
-  if (r.shard_optimizer && !r.held) {  // every rank's range, as its store holds it
+  if (moments_per_rank) {  // every rank's range, as its store holds it
     moments.shard_mode = name_of(r.cfg.parallelism.shard);
     const model::Shard mine = store.moment_range();
     const int64_t range[2] = {mine.begin, mine.end};

@@ -344,6 +344,65 @@ TEST(ShardOptimizer, LoraSameBitsAsShardNone) {
   fs::remove_all(dir);
 }
 
+// LoRA's experts' adapters under shard optimizer follow the EP placement (trainer/expert_state.h): each rank holds its
+// EP rank's experts' adapters only, and AdamW's moments of its EDP slice of its held adapters (ep 2 over dp 4: two
+// ranks a group of the same experts). The gradients are summed as under shard none and AdamW updates each element
+// alone, so every loss, gradient norm and validation loss, the written adapter file and the moments (written whole)
+// are shard none's bits at the same EP, and the moment range is the slice again after a save. Resumes: the ep 2 run's
+// step-2 checkpoint continues it bit for bit; ep 1's under shard optimizer (one moment file a rank, whole tensors'
+// layout) is read by rows at ep 2 and gives ep 1's step 3 loss bit for bit (the forward is the same at any EP).
+TEST(ShardOptimizer, LoraExpertAdaptersFollowTheEpPlacement) {
+  const fs::path dir = scratch("shard_optimizer_lora_ep");
+  const auto config = [&](const std::string& mode, int ep, const std::string& root) {
+    return grid_case("tiny_moe_vlm",
+                     {"model.lora.rank=2", "model.lora.alpha=4",
+                      "model.lora.target_parameters=[experts.gate_up_proj, experts.down_proj]", "parallelism.dp=4",
+                      "parallelism.ep=" + std::to_string(ep), "parallelism.shard=" + mode, "train.steps=3",
+                      "train.val_every=2", "checkpoint.every=2", "checkpoint.dir=" + (dir / root).string()});
+  };
+  const Trained none = run(config("none", 2, "none")), sharded = run(config("optimizer", 2, "optimizer"));
+  ASSERT_EQ(sharded.steps.size(), 3u);
+  ASSERT_EQ(none.steps.size(), 3u);
+  for (size_t s = 0; s < none.steps.size(); ++s) {
+    EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << "step " << s + 1;
+    EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << "step " << s + 1;
+    EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << "step " << s + 1;
+  }
+  for (const char* file : {model::kPeftWeightsFile, "optimizer.safetensors"})
+    EXPECT_EQ(file_bytes(fs::path(sharded.last_checkpoint) / file), file_bytes(fs::path(none.last_checkpoint) / file))
+        << file;
+  EXPECT_FALSE(fs::exists(fs::path(sharded.last_checkpoint) / "optimizer.json"));  // written whole, as under none
+  // World rank 0 (EP rank 0, EDP rank 0 of 2): its experts' rows of every expert adapter, the moments of its slice.
+  const model::ParamStore& held = sharded.model->params();
+  int placed = 0;
+  for (const model::ParamInfo& p : held.infos()) {
+    if (p.name.find(".experts.") == std::string::npos || p.name.find("lora_") == std::string::npos) continue;
+    EXPECT_TRUE(p.holds_part() && p.rows_begin == 0 && p.rows_total == 2 * p.shape.at(0)) << p.name;
+    ++placed;
+  }
+  EXPECT_GT(placed, 0);
+  const model::Shard slice = model::shard_of(held.trainable_elements(), 0, 2);
+  EXPECT_EQ(held.moment_range().begin, slice.begin);
+  EXPECT_EQ(held.moment_range().end, slice.end);
+
+  TrainOptions resume;
+  resume.resume = (dir / "optimizer" / "step-00000002").string();
+  const Trained again = run(config("optimizer", 2, "again"), resume);
+  ASSERT_EQ(again.steps.size(), 1u);
+  EXPECT_EQ(again.steps[0].loss, sharded.steps[2].loss);
+  EXPECT_EQ(again.steps[0].grad_norm, sharded.steps[2].grad_norm);
+  EXPECT_EQ(file_bytes(fs::path(again.last_checkpoint) / model::kPeftWeightsFile),
+            file_bytes(fs::path(sharded.last_checkpoint) / model::kPeftWeightsFile));
+  const Trained one = run(config("optimizer", 1, "ep1"));
+  ASSERT_EQ(one.steps.size(), 3u);
+  ASSERT_TRUE(fs::exists(dir / "ep1" / "step-00000002" / "optimizer.json"));  // one moment file a rank
+  resume.resume = (dir / "ep1" / "step-00000002").string();
+  const Trained from_one = run(config("optimizer", 2, "from_ep1"), resume);
+  ASSERT_EQ(from_one.steps.size(), 1u);
+  EXPECT_EQ(from_one.steps[0].loss, one.steps[2].loss);
+  fs::remove_all(dir);
+}
+
 // A checkpoint's moments are read by range from whichever files hold them, whatever the shard mode and rank count
 // that wrote it, so a run resumes at any other: at the same grid in the other mode, bit for bit; at other rank counts,
 // the same training (the reduction order changes with the grid, as GridInvariance allows for).

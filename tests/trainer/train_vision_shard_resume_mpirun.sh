@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# model.train_vision under parallelism.shard = full resumes bit for bit under a real mpirun at cp 2: a run of 3 steps
-# saves at step 2 and 3; resumed from step 2 (each rank loading its pieces of the tower's parameters and of the
-# moments straight into the sharded store, the tower's float32 copy gathered from them), its step 3 has the
-# uninterrupted run's loss and gradient norm and writes the same weights byte for byte. Every value is made by the
-# same operations in the same order either way, so only a piece or moment loaded into the wrong place (or a tower
-# built from stale weights) could change a bit.
-#   train_vision_shard_resume_mpirun.sh WORKDIR RINGFLEX MPIEXEC... --
+# model.train_vision under parallelism.shard = full resumes bit for bit under a real mpirun (RANKS ranks, the model
+# and grid in GRID_SETS): a run of 3 steps saves at step 2 and 3; resumed from step 2 (each rank loading its pieces of
+# the tower's parameters and of the moments straight into the sharded store, or with parallelism.ep > 1 the files
+# whole and keeping its parts, the held experts' and the sharded store's; the tower's float32 copy gathered from
+# them), its step 3 has the uninterrupted run's loss and gradient norm and writes the same weights byte for byte.
+# Every value is made by the same operations in the same order either way, so only a piece or moment loaded into the
+# wrong place (or a tower built from stale weights) could change a bit.
+#   train_vision_shard_resume_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS GRID_SETS...
 set -euo pipefail
 source "$(dirname "$0")/mpirun_script_args.sh"
-common=(--set model.builtin=tiny_dense --set model.train_vision=true --set parallelism.cp=2
-        --set parallelism.shard=full --set train.seq_len=64 --set train.steps=3 --set train.global_batch=1
+ranks=$1
+shift
+common=(--set model.train_vision=true --set parallelism.shard=full --set train.seq_len=64 --set train.steps=3
         --set data.val_rows=2 --set train.threads=1 --set train.val_every=0 --set optimizer.lr=0.003
         --set schedule.warmup_steps=1 --set checkpoint.every=2)
-"${launcher[@]}" -n 2 "$ringflex" train "${common[@]}" --set checkpoint.dir="$work/whole" \
+"${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set checkpoint.dir="$work/whole" \
   --metrics "$work/whole.jsonl" >/dev/null
-"${launcher[@]}" -n 2 "$ringflex" train "${common[@]}" --set checkpoint.dir="$work/resumed" \
+"${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set checkpoint.dir="$work/resumed" \
   --resume "$work/whole/step-00000002" --metrics "$work/resumed.jsonl" >/dev/null
 cmp "$work/whole/step-00000003/model.safetensors" "$work/resumed/step-00000003/model.safetensors"
 python3 - "$work/whole.jsonl" "$work/resumed.jsonl" <<'PY'
