@@ -334,9 +334,16 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
     lo.dx = dxf.data();
   }
   // This rank's tokens' share of the loss, then the sum over the ranks (in rank order: the same bits everywhere).
-  // The head is acquired for the loss alone (la.W and lo.dW are read after acquire_head).
+  // The head is acquired for the loss alone (la.W and lo.dW are read after acquire_head). A head held in another
+  // dtype than float32 (a LoRA base's, frozen) goes to the loss as it is held, read there by panels (loss.h).
   store.acquire_head(lm_head_);
-  la.W = r.W(lm_head_);
+  const HeldWeight held_head = store.held_weight(lm_head_);
+  if (held_head.dtype == HeldDType::F32) {
+    la.W = r.W(lm_head_);
+  } else {
+    store.progress();  // what r.W does besides reading the weight: the store's posted transfers advance
+    la.head = held_head;
+  }
   if (opt.want_grad) lo.dW = r.G(lm_head_);
   res.loss = lm_head_loss(la, lo);
   store.release_head(lm_head_);

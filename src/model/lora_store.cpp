@@ -19,6 +19,7 @@
 #include "io/tensor_access.h"
 #include "model/checkpoint.h"
 #include "model/expert_store.h"
+#include "model/loss.h"
 
 namespace rf::model {
 
@@ -196,10 +197,12 @@ int64_t lora_global_buffer_bytes(const ParamStore& shapes) {
 }
 
 int64_t lora_head_buffer_bytes(const ParamStore& shapes) {
+  // The loss reads the held head by panels (loss.h): its float32 scratch, not the head widened.
   int64_t n = 0;
   for (const ParamInfo& p : shapes.infos())
-    if (p.layer == kGlobalGroup && !lookup_table(p) && p.streamed) n += p.numel;
-  return n * static_cast<int64_t>(sizeof(float));
+    if (p.layer == kGlobalGroup && !lookup_table(p) && p.streamed && p.shape.size() == 2)
+      n += head_panel_bytes(p.shape[0], p.shape[1]);
+  return n;
 }
 
 void LoraStore::allocate_weights() {
@@ -498,7 +501,9 @@ void LoraStore::release(int layer) {
 }
 
 void LoraStore::acquire_head(size_t slot) {
-  if (is_base(slot)) widen_slot(slot);
+  // A head held in bf16 or f16 goes to the loss as it is held (gemma4.cpp, loss.h: widened by panels there); only a
+  // float32 one not aligned for float needs its copy.
+  if (is_base(slot) && held_weight(slot).dtype == HeldDType::F32) widen_slot(slot);
 }
 
 void LoraStore::release_head(size_t slot) { widened_.erase(slot); }

@@ -16,8 +16,9 @@
 // float32. The float32 view weight(slot) of a base held in bf16/f16 exists only for the layer being computed:
 // before_forward / before_backward of layer l widen its base slots into float32 buffers, after_forward /
 // after_backward free them (one layer's float32 weights alive at a time; the global group's other matmul operands
-// for the whole run; the LM head, ParamInfo::streamed, between acquire_head and release_head, i.e. for the loss
-// alone; the lookup tables never: the embedding gathers their rows in the held dtype). In the bf16 compute mode the
+// for the whole run; the LM head, ParamInfo::streamed, never: the loss reads it as held, widening panels of its rows
+// into a small scratch of its own (model/loss.h); the lookup tables never: the embedding gathers their rows in the
+// held dtype). In the bf16 compute mode the
 // matmuls find a bf16 base's own mapped values through the Bf16Lookup (the widened values round back to exactly those
 // bits), so no bf16 copy is made either. Outside the hooks weight(slot) of such a slot widens it into one scratch
 // buffer, valid until the next such call (tools: export, checks).
@@ -98,7 +99,8 @@ std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig&
 int64_t lora_adapter_bytes(const std::vector<LoraTarget>& targets, int rank, int ep = 1);
 int64_t lora_layer_buffer_bytes(const ParamStore& shapes);
 // Float32 bytes of the global group's widened matmul operands but the head (the per-layer-input projection), alive
-// for the whole run, and of the widened head (ParamInfo::streamed matmul operands), alive for the loss.
+// for the whole run, and of the loss's float32 panel of the head (ParamInfo::streamed matmul operands; loss.h
+// head_panel_bytes), alive for the loss.
 int64_t lora_global_buffer_bytes(const ParamStore& shapes);
 int64_t lora_head_buffer_bytes(const ParamStore& shapes);
 
@@ -179,8 +181,8 @@ class LoraStore : public ParamStore {
   bool maps_frozen_weights() const override { return true; }
   std::optional<LinearAdapter> adapter(size_t slot) override;
 
-  // The head (the tied token table of Gemma 4, 1.5 GiB of float32 for E2B) is widened for the loss alone, not with
-  // the rest of the global group for the whole run.
+  // The head (the tied token table of Gemma 4, 1.5 GiB as float32 for E2B) is never widened whole: the loss reads it
+  // as held (held_weight), by panels (loss.h). Only a float32 head not aligned for float is copied, for the loss alone.
   void acquire_head(size_t slot) override;
   void release_head(size_t slot) override;
   void before_forward(int layer) override { acquire(layer); }

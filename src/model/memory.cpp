@@ -13,7 +13,7 @@ namespace {
 
 constexpr int64_t kFloat = sizeof(float);
 constexpr const char* kLayerWeights = "one layer's weights widened";
-constexpr const char* kHeadWeights = "the head widened";
+constexpr const char* kHeadWeights = "the head's panel widened";
 
 // Floats per token of layer l's LayerActs as layer_forward fills them (the whole struct is alive until the layer
 // ends): input norm a [H]; q_raw and Q [Hq*D] each; with its own K/V k_raw, K, V [Hkv*D] each (and v_raw with a

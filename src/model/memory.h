@@ -23,7 +23,8 @@ struct RunMemoryArgs {
   bool logits = false;                // RunOptions::want_logits: Result::logits [T, V]
   int64_t loss_chunk_tokens = 0;      // RunOptions::loss_chunk_tokens (0: loss_chunk_tokens(V, kLossChunkBytes))
   // Weights a store widens to float32 for a phase only (a LoRA base held in bf16, model/lora_store.h): the largest
-  // layer's, alive while a layer is computed or recomputed and differentiated, and the LM head's, alive for the loss.
+  // layer's, alive while a layer is computed or recomputed and differentiated, and the LM head's float32 panel
+  // scratch (loss.h head_panel_bytes: the loss reads a held head by panels, never widened whole), alive for the loss.
   int64_t layer_weight_bytes = 0;
   int64_t head_weight_bytes = 0;
 };
@@ -40,8 +41,8 @@ struct RunMemoryArgs {
 //                   shared K/V's, for the whole backward, and that layer's residual-stream gradients and dh [T, I];
 //   "loss chunk"    the [min(T, chunk), V] logits of the fused head and cross-entropy (loss.h);
 //   "logits"        the [T, V] logits the caller asked for;
-//   "one layer's weights widened", "the head widened"   RunMemoryArgs::layer_weight_bytes in a layer's phase and
-//                   head_weight_bytes in the loss's.
+//   "one layer's weights widened", "the head's panel widened"   RunMemoryArgs::layer_weight_bytes in a layer's
+//                   phase and head_weight_bytes in the loss's.
 // Entries are -1 (MemoryBreakdown's overflow) when a product does not fit int64.
 MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& args);
 

@@ -101,7 +101,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
       // The base stays in the files' dtype, mapped: the page cache holds one copy for every rank of this machine
       // (each maps the same files), counted here as this rank's share of the machine, as available_memory_bytes()
       // counts the machine. What the hooks widen to float32: the global group's other matmul operands for the whole
-      // run; one layer's base while a layer runs and the head for the loss (the run's phases, below).
+      // run; one layer's base while a layer runs; and the loss's panel of the head (the run's phases, below).
       params = trainable_bytes;
       const int ranks_here = local_ranks();
       lora_base.add(rf::concat("LoRA base, mapped (shared by the ", ranks_here, " ranks of this machine)"),

@@ -192,7 +192,8 @@ TEST(ModelLoss, ChunkedMatchesUnchunkedForEveryChunkSize) {
   const PlainLoss ref = plain_loss(x, W, labels, T, H, V, cap);
   for (int64_t chunk : {1, 4, 5, 13, 64}) {
     Vec token(T), dx(T * H, 0.f), dW(V * H, 0.f), logits(T * V);
-    LmHeadLossArgs a{x.data(), W.data(), labels.data(), T, H, V, static_cast<float>(cap), 0.f, chunk, Matmul{}};
+    LmHeadLossArgs a{x.data(), W.data(), labels.data(), T, H, V, static_cast<float>(cap), 0.f,
+                     chunk,    Matmul{}, HeldWeight{},  0};
     int64_t n = 0;
     for (int32_t l : labels) n += l != kIgnoreLabel;
     a.loss_scale = 1.f / static_cast<float>(n);
@@ -227,7 +228,7 @@ TEST(ModelLoss, Float32LogSumExpOverLargeVocabularyMatchesDouble) {
       const int32_t label = static_cast<int32_t>(V / 3);
       const float one = 1.f;
       Vec logits(static_cast<size_t>(V)), dW(static_cast<size_t>(V), 0.f);
-      LmHeadLossArgs a{&one, w.data(), &label, 1, 1, V, cap, 1.f, 1, Matmul{}};
+      LmHeadLossArgs a{&one, w.data(), &label, 1, 1, V, cap, 1.f, 1, Matmul{}, HeldWeight{}, 0};
       const double loss = lm_head_loss(a, LmHeadLossOut{nullptr, logits.data(), nullptr, dW.data()});
       double mx = -1e300, sum = 0.0;
       for (float z : logits) mx = std::max(mx, double{z});
@@ -247,11 +248,70 @@ TEST(ModelLoss, Float32LogSumExpOverLargeVocabularyMatchesDouble) {
   }
 }
 
+// A frozen head held in bf16 (or float32 read the same way), read by panels of vocabulary rows, against the same
+// values widened whole, in both compute modes; panel sizes from one row to more than V. The logits are the same K = H
+// dot products (each element's sum over H runs in the same order); dx's sum over V is cut at the panels' edges, a
+// float32 partial per panel added into dx in vocabulary order: 50 terms, each below 0.2 (g <= 1/n times |W| <= 2),
+// reassociated, differ by at most ~50 * 0.2 * 2^-24 = 6e-7 (float32 mode) and, in the bf16 mode, by the same
+// reassociation of products of bf16 operands accumulated in float32. The loss is the same logits' loss: only a
+// tolerance for a BLAS whose edge kernels (a panel's width is a new N) round their FMAs differently, a few ulps of
+// O(1).
+TEST(ModelLoss, AHeldHeadReadByPanelsMatchesTheHeadWidenedWhole) {
+  const int64_t T = 13, H = 6, V = 50;
+  const float cap = 3.f;
+  const Vec x = random_vec(T * H, 21, -2.f, 2.f), W32 = random_vec(V * H, 22, -2.f, 2.f);
+  std::vector<bf16> Wb(W32.size());
+  for (size_t i = 0; i < W32.size(); ++i) Wb[i] = float_to_bf16(W32[i]);
+  Vec Ww(W32.size());  // the bf16 values widened (exact)
+  for (size_t i = 0; i < Wb.size(); ++i) Ww[i] = bf16_to_float(Wb[i]);
+  std::vector<int32_t> labels(T);
+  for (int64_t t = 0; t < T; ++t) labels[t] = t % 4 == 1 ? kIgnoreLabel : static_cast<int32_t>((t * 11) % V);
+  constexpr double kLogitTol = 1e-5, kDxTol = 1e-6;
+  for (const ComputeDtype mode : {ComputeDtype::Float32, ComputeDtype::Bfloat16}) {
+    for (const HeldDType held : {HeldDType::BF16, HeldDType::F32}) {
+      LmHeadLossArgs a{x.data(),     Ww.data(), labels.data(), T, H, V, cap, 1.f / 10, 4, Matmul{mode, nullptr},
+                       HeldWeight{}, 0};
+      Vec token(T), dx(T * H, 0.f), logits(T * V);
+      const double loss = lm_head_loss(a, LmHeadLossOut{token.data(), logits.data(), dx.data(), nullptr});
+      for (const int64_t panel : {1, 7, 16, 50, 64}) {
+        SCOPED_TRACE(testing::Message() << "mode " << static_cast<int>(mode) << " held " << static_cast<int>(held)
+                                        << " panel " << panel);
+        LmHeadLossArgs b = a;
+        b.W = nullptr;
+        b.head = {held, held == HeldDType::BF16 ? static_cast<const void*>(Wb.data()) : Ww.data()};
+        b.panel_rows = panel;
+        Vec token_p(T), dx_p(T * H, 0.f), logits_p(T * V);
+        const double loss_p = lm_head_loss(b, LmHeadLossOut{token_p.data(), logits_p.data(), dx_p.data(), nullptr});
+        EXPECT_NEAR(loss_p, loss, kLogitTol);
+        for (size_t i = 0; i < logits.size(); ++i) ASSERT_NEAR(logits_p[i], logits[i], kLogitTol) << "logit " << i;
+        for (int64_t t = 0; t < T; ++t) EXPECT_NEAR(token_p[t], token[t], kLogitTol) << "token " << t;
+        for (size_t i = 0; i < dx.size(); ++i) ASSERT_NEAR(dx_p[i], dx[i], kDxTol) << "dx " << i;
+      }
+    }
+  }
+}
+
+// A held head is frozen: no dW through it; and the panel's scratch is what the memory model counts (loss.h).
+TEST(ModelLoss, AHeldHeadTakesNoGradientAndItsPanelIsSmall) {
+  const int64_t T = 2, H = 2, V = 3;
+  Vec x(T * H, 0.1f), W(V * H, 0.1f), dx(T * H), dW(V * H);
+  const std::vector<int32_t> labels = {1, 2};
+  LmHeadLossArgs a{x.data(), nullptr, labels.data(), T, H, V, 0.f, 1.f, 1, Matmul{}, HeldWeight{}, 0};
+  a.head = {HeldDType::F32, W.data()};
+  EXPECT_THROW(lm_head_loss(a, LmHeadLossOut{nullptr, nullptr, dx.data(), dW.data()}), rf::Error);
+  a.head = {};
+  EXPECT_THROW(lm_head_loss(a, LmHeadLossOut{nullptr, nullptr, dx.data(), nullptr}), rf::Error);
+  // Gemma 4 E2B's tied head, 262144 x 1536: 682 rows of float32 (kHeadPanelBytes = 4 MiB) against 1.5 GiB widened.
+  EXPECT_EQ(head_panel_rows(1536), 682);
+  EXPECT_EQ(head_panel_bytes(262144, 1536), int64_t{682} * 1536 * 4);
+  EXPECT_EQ(head_panel_bytes(40, 16), 40 * 16 * 4);  // a head smaller than a panel: one panel of V rows
+}
+
 TEST(ModelLoss, RejectsLabelsOutsideTheVocabulary) {
   const int64_t T = 2, H = 2, V = 3;
   Vec x(T * H, 0.1f), W(V * H, 0.1f), token(T);
   const std::vector<int32_t> labels = {1, 3};
-  LmHeadLossArgs a{x.data(), W.data(), labels.data(), T, H, V, 0.f, 1.f, 1, Matmul{}};
+  LmHeadLossArgs a{x.data(), W.data(), labels.data(), T, H, V, 0.f, 1.f, 1, Matmul{}, HeldWeight{}, 0};
   EXPECT_THROW(lm_head_loss(a, LmHeadLossOut{token.data(), nullptr, nullptr, nullptr}), rf::Error);
 }
 
