@@ -262,6 +262,11 @@ const bf16* ReplicatedStore::working(size_t slot) {
   return working_.data() + info(slot).offset;
 }
 
+const float* ReplicatedStore::widened(size_t slot) const {
+  const auto it = widened_.find(slot);
+  return it == widened_.end() ? nullptr : it->second.data();
+}
+
 void ReplicatedStore::widen_slot(size_t slot) {
   if (widened_.count(slot)) return;
   const int64_t n = info(slot).numel;
@@ -303,8 +308,12 @@ void ReplicatedStore::acquire_head(size_t slot) {
 void ReplicatedStore::release_head(size_t slot) { widened_.erase(slot); }
 
 ParamStore::TableRows ReplicatedStore::rows(size_t slot, std::span<const int32_t> ids, bool want_grads) {
-  TableRows t = ParamStore::rows(slot, ids, want_grads);
-  if (param_dtype_ == ParamDtype::Bfloat16) t.values = HeldWeight{HeldDType::BF16, working(slot)};
+  if (param_dtype_ != ParamDtype::Bfloat16) return ParamStore::rows(slot, ids, want_grads);
+  // The working copy alone: the float32 masters may not be here (trainer/sharded_store.h).
+  TableRows t;
+  t.values = HeldWeight{HeldDType::BF16, working(slot)};
+  t.grads = want_grads ? grad(slot) : nullptr;
+  t.row.assign(ids.begin(), ids.end());
   return t;
 }
 

@@ -43,7 +43,9 @@
 // The replicated store below does nothing in them. Further implementations plug in here, not in gemma4.cpp:
 //   - Sharded (parallelism.shard). ZeRO-1 (optimizer) needs no hook: the moments cover this rank's shard of the
 //     trainable layout only (set_moment_range), the trainer reduce-scatters flat(Grads), AdamW updates that range
-//     and the trainer all-gathers the weights (its step.cpp). ZeRO-2/3 (gradients, full) are trainer/sharded_store.h,
+//     and the trainer all-gathers the weights (its step.cpp); with param_dtype bfloat16 trainer/sharded_store.h
+//     serves it, keeping the float32 masters of that range only beside the whole bf16 working copy, which its
+//     after_update all-gathers in bf16. ZeRO-2/3 (gradients, full) are trainer/sharded_store.h,
 //     which owns a communicator over all cp x dp ranks: flat(Grads) is this rank's slice of the trainable layout
 //     (grads_begin() says where it starts), under full the weights are this rank's pieces (mutable_master for the
 //     optimizer, read_weight / write_weight for whole tensors); weight(slot) of a layer between before_* and
@@ -340,8 +342,11 @@ class ReplicatedStore : public ParamStore {
   void after_backward(int layer) override;
 
  protected:
-  // param_dtype bfloat16: the working copy of `slot` [numel], rounded from the masters if they changed since.
-  const bf16* working(size_t slot);
+  // param_dtype bfloat16: the working copy of `slot` [numel], rounded from the masters if they changed since. A store
+  // that keeps its masters elsewhere fills working_ itself and overrides this (trainer/sharded_store.h).
+  virtual const bf16* working(size_t slot);
+  // param_dtype bfloat16: the float32 view of `slot` between its hooks, or null outside them.
+  const float* widened(size_t slot) const;
   // Widens the working copy of the group's slots (kGlobalGroup: those not streamed) / of one slot, or drops it.
   void widen_group(int layer);
   void drop_group(int layer);
@@ -359,11 +364,14 @@ class ReplicatedStore : public ParamStore {
   std::mutex bf16_mutex_;  // ranks of a loopback group may share a model
   std::vector<bf16> bf16_;
   uint64_t bf16_version_ = ~uint64_t{0};  // the version bf16_ was rounded at (none yet)
-  // param_dtype bfloat16: the working copy [total elements] (the weights arena's layout), the version it was rounded
-  // at, and the float32 views of the slots between their hooks (slot -> [numel]).
+  // param_dtype bfloat16: the float32 views of the slots between their hooks (slot -> [numel]).
+  std::unordered_map<size_t, std::vector<float>> widened_;
+
+ protected:
+  // param_dtype bfloat16: the working copy [total elements] (the weights arena's layout) and the version it was
+  // rounded at (or, in a store that fills it itself, made current at).
   std::vector<bf16> working_;
   uint64_t working_version_ = ~uint64_t{0};
-  std::unordered_map<size_t, std::vector<float>> widened_;
 };
 
 }  // namespace rf::model

@@ -67,7 +67,9 @@ int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& shapes)
 }  // namespace
 
 // Terms, each counting buffers train() surely holds through a step (float32 unless said):
-//   weights          the parameters (and buffers), Gemma4Multimodal::params()/buffers();
+//   weights          the parameters (and buffers), Gemma4Multimodal::params()/buffers(); with model.param_dtype =
+//                    bfloat16 under shard optimizer or gradients the float32 masters of this rank's slice instead
+//                    (ShardedStore::master_bytes_for), beside the bf16 working weights below;
 //   bf16 copies      with model.compute_dtype = bfloat16, the matrices' bf16 copies (the model's bf16_weight_bytes);
 //                    with model.param_dtype = bfloat16 the bf16 working weights instead
 //                    (ShardedStore::working_bytes_for);
@@ -85,7 +87,9 @@ int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& shapes)
 //                    libraries, MPI's segments, the start-up heap: trainer/runtime_memory.h).
 // Left out, so the figure stays a lower bound: the ring's receive buffers (what a rank receives depends on each
 // batch's documents; packed short documents need almost none), the data set's packed rows, the plan, the
-// checkpoint writer's copies, and validation's forward (smaller than the training step's).
+// checkpoint writer's copies, validation's forward (smaller than the training step's), and the staging of the bf16
+// working weights' gather after an update (one group's trainable elements at 2 bytes, held after the step's
+// activations are freed).
 MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) {
   int64_t params = m.params().weight_bytes();
   int64_t trainable_bytes = 0;
@@ -149,7 +153,16 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
         ShardedStore::bytes_for(m.params(), m.params().trainable_after(c.model.freeze),
                                 full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients, world_size,
                                 step_tokens, rank_tokens);
-    need.add(full ? "weight shard" : "weights", b.weight_shard + m.buffers().total_bytes());
+    // Under gradients with bf16 working weights the float32 masters are sharded as under full.
+    const bool bf16_masters = !full && c.model.param_dtype == model::ParamDtype::Bfloat16;
+    const int64_t masters =
+        bf16_masters
+            ? ShardedStore::master_bytes_for(m.params(), m.params().trainable_after(c.model.freeze), world_size)
+            : b.weight_shard;
+    need.add(full           ? "weight shard"
+             : bf16_masters ? "float32 masters (this rank's slice)"
+                            : "weights",
+             masters + m.buffers().total_bytes());
     need.add(full ? "gathered weights" : "the tables' rows", b.gathered);
     need.add("gradients", b.gradients);
     need.add("AdamW moments", b.moments);
@@ -178,7 +191,13 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
     }
     params -= experts_elsewhere * static_cast<int64_t>(sizeof(float));
     trainable_bytes -= trainable_elsewhere * static_cast<int64_t>(sizeof(float));
-    need.add("weights", params + m.buffers().total_bytes());
+    // Shard optimizer with bf16 working weights: a ShardedStore keeps this rank's slice of the float32 masters.
+    if (c.parallelism.shard == ShardMode::Optimizer && c.model.param_dtype == model::ParamDtype::Bfloat16)
+      need.add("float32 masters (this rank's slice)",
+               ShardedStore::master_bytes_for(m.params(), m.params().trainable_after(c.model.freeze), world_size) +
+                   m.buffers().total_bytes());
+    else
+      need.add("weights", params + m.buffers().total_bytes());
     need.add("gradients", trainable_bytes);
     need.add(lora_base);
     // parallelism.shard = optimizer: a rank holds the moments of its shard, ceil(trainable / N) elements; LoRA with

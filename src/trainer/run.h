@@ -48,6 +48,14 @@ struct Run {
   const bool store_shards = shard_gradients || shard_full;
   // ZeRO-1 and up over the world's ranks: the moments, clipping and the update cover this rank's slice.
   const bool shard_optimizer = cfg.parallelism.shard == ShardMode::Optimizer || store_shards;
+  // model.param_dtype bfloat16 under shard optimizer: a ShardedStore too (its Mode::Optimizer), which keeps this
+  // rank's float32 masters beside the whole bf16 working weights; its gradients stay whole, reduced by step.cpp.
+  const bool bf16_optimizer =
+      cfg.parallelism.shard == ShardMode::Optimizer && cfg.model.param_dtype == model::ParamDtype::Bfloat16;
+  const bool uses_sharded_store = store_shards || bf16_optimizer;
+  // The float32 masters are this rank's pieces (shard full; optimizer and gradients with bf16 working weights): the
+  // checkpoint writer's reads are collectives, every rank taking part.
+  const bool masters_sharded = shard_full || (shard_optimizer && cfg.model.param_dtype == model::ParamDtype::Bfloat16);
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
   // Expert parallelism without LoRA: each rank holds and trains only its EP rank's experts, under shard none in a
   // replicated store of its rows (trainer/expert_state.h), under the other shard modes in a HeldExpertStore whose
@@ -84,8 +92,8 @@ struct Run {
   // every update, on every rank at the same point (apply_update); null otherwise.
   const model::VisionEncoder* tower = nullptr;
   double tower_seconds = 0.0;  // this rank's time in the tower (forward, backward, the group's sums) this step
-  // shard gradients / full: the sharded store's own communicator over the world (until set_up hands it over), and
-  // the store, owned by the model.
+  // uses_sharded_store: the sharded store's own communicator over the world (until set_up hands it over), and the
+  // store, owned by the model.
   std::unique_ptr<comm::Communicator> store_comm;
   ShardedStore* sharded = nullptr;
 };

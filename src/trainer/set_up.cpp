@@ -67,7 +67,7 @@ void check_loaded_weights(const model::Checkpoint& ck, const std::string& dir) {
   const auto* sharded = dynamic_cast<const ShardedStore*>(&store);
   for (size_t i = 0; i < store.size(); ++i) {  // named as in the files, where the user can look it up
     const model::ParamInfo& p = store.info(i);
-    if (sharded != nullptr && sharded->sharded()) {  // shard full: each rank checks the piece it keeps
+    if (sharded != nullptr && sharded->masters_sharded()) {  // each rank checks the piece it keeps
       int64_t first = 0;
       const std::span<const float> piece = sharded->own_piece(i, &first);
       for (size_t k = 0; k < piece.size(); ++k)
@@ -131,19 +131,21 @@ void join_groups(Run& r) {
   co.scheme = cp::scheme_name(r.cfg.parallelism.sharding);  // cp's options also take `auto`, a spelling
   co.timeout = r.timeout;
   r.context = cp::make_parallel_context(*r.cp_group, co, r.ep_group.get());
-  if (r.store_shards) r.store_comm = r.world.split(0, r.world.rank(), r.timeout);
+  if (r.uses_sharded_store) r.store_comm = r.world.split(0, r.world.rank(), r.timeout);
   if (r.hold_experts_sharded) r.held_edp_comm = r.world.split(r.world.rank() % ep, r.world.rank() / ep, r.timeout);
 }
 
 namespace {
 
-// shard gradients / full: a fresh sharded store (it takes the run's communicator over the world) that freezes
-// model.freeze when its weights are allocated.
+// shard gradients / full, and optimizer with bf16 working weights: a fresh sharded store (it takes the run's
+// communicator over the world) that freezes model.freeze when its weights are allocated.
 std::unique_ptr<ShardedStore> sharded_store(Run& r) {
   RF_CHECK(r.store_comm != nullptr, "shard: the sharded store's communicator was taken already");
-  return std::make_unique<ShardedStore>(std::move(r.store_comm),
-                                        r.shard_full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients,
-                                        r.timeout, r.cfg.model.freeze);
+  const ShardedStore::Mode mode = r.shard_full        ? ShardedStore::Mode::Full
+                                  : r.shard_gradients ? ShardedStore::Mode::Gradients
+                                                      : ShardedStore::Mode::Optimizer;
+  return std::make_unique<ShardedStore>(std::move(r.store_comm), mode, r.timeout, r.cfg.model.freeze,
+                                        r.cfg.model.param_dtype);
 }
 
 // Held experts under sharding: the loaded whole store (frozen already; moments whole when resumed) split into the
@@ -184,9 +186,10 @@ void check_fits(const Run& r, const model::Gemma4Multimodal& shapes) {
 }
 
 // LoRA: the parameters live in a LoraStore, which adds the adapters and freezes the base when it allocates.
-// shard gradients / full: in a ShardedStore, each rank keeping its pieces of every tensor as it is loaded.
+// shard gradients / full (and optimizer with bf16 working weights): in a ShardedStore, each rank keeping its pieces
+// of every tensor as it is loaded.
 std::unique_ptr<model::ParamStore> lora_store(Run& r) {
-  if (r.store_shards && !r.hold_experts_sharded) return sharded_store(r);
+  if (r.uses_sharded_store && !r.hold_experts_sharded) return sharded_store(r);
   if (r.cfg.model.lora_rank == 0) return nullptr;
   auto ls = std::make_unique<model::LoraStore>(lora_config(r.cfg));
   // Expert parallelism (shard none or optimizer): this rank's experts' adapters only.
@@ -241,10 +244,10 @@ void load_model(Run& r) {
       load_base(r);
       model::load_peft_adapter(dynamic_cast<model::LoraStore&>(r.ck.model->params()), r.resume_dir);
     } else {
-      // shard gradients / full: straight into a sharded store, each rank keeping its pieces as the tensors are read.
+      // A sharded store's run: straight into it, each rank keeping its pieces as the tensors are read.
       LoadedCheckpoint loaded = load_train_checkpoint(
           r.resume_dir, [&](const model::Gemma4Multimodal& shapes) { check_fits(r, shapes); }, cfg.model.train_vision,
-          r.store_shards && !r.hold_experts_sharded ? sharded_store(r) : nullptr);
+          r.uses_sharded_store && !r.hold_experts_sharded ? sharded_store(r) : nullptr);
       check_resume_compatible(cfg, loaded.state.config_yaml, r.resume_dir);
       r.ck = std::move(loaded.weights);
       r.state = std::move(loaded.state);
@@ -296,7 +299,7 @@ void set_up_optimizer(Run& r) {
     // The moments whole (a checkpoint of any EP and shard mode), then each part keeps its own.
     if (!r.resume_dir.empty()) load_optimizer_state(r.resume_dir, r.ck.model->params());
     hold_experts_sharded(r);
-  } else if (r.store_shards) {
+  } else if (r.uses_sharded_store) {
     r.sharded = dynamic_cast<ShardedStore*>(&r.ck.model->params());
     RF_CHECK(r.sharded != nullptr, "shard: the model was loaded into a replicated store");
   }

@@ -77,13 +77,15 @@ struct ShardedStore::Table {
 };
 
 ShardedStore::ShardedStore(std::unique_ptr<comm::Communicator> comm, Mode mode, comm::Timeout timeout,
-                           std::vector<std::string> freeze)
+                           std::vector<std::string> freeze, model::ParamDtype param_dtype)
     : comm_(std::move(comm)),
       mode_(mode),
       timeout_(timeout),
       freeze_(std::move(freeze)),
       P_(comm_->size()),
-      me_(comm_->rank()) {}
+      me_(comm_->rank()) {
+  ReplicatedStore::set_param_dtype(param_dtype);
+}
 
 ShardedStore::~ShardedStore() = default;
 
@@ -118,7 +120,7 @@ void ShardedStore::adopt(const model::ParamStore& whole) {
   }
   set_trainable(trainable);
   lay_out();
-  if (mode_ == Mode::Gradients) {
+  if (!own_masters()) {
     ReplicatedStore::allocate_weights();
     const std::span<const float> all = whole.flat(Role::Weights);
     RF_CHECK(static_cast<int64_t>(all.size()) == total_elements(), "sharded store: the source's weights are not flat");
@@ -128,36 +130,46 @@ void ShardedStore::adopt(const model::ParamStore& whole) {
   release_weights();
   own_trainable_.assign(mine_trainable_.size(), 0.f);
   own_frozen_.assign(mine_frozen_.size(), 0.f);
+  if (whole_working()) working_.resize(static_cast<size_t>(total_elements()));
   for (size_t i = 0; i < size(); ++i) {
     const Piece pc = piece(i, me_);
     float* own = (info(i).trainable ? own_trainable_.data() : own_frozen_.data()) + pc.local;
     std::copy_n(whole.weight(i) + pc.first, pc.n, own);
+    if (whole_working()) model::round_to_bf16(whole.weight(i), working_.data() + info(i).offset, info(i).numel);
   }
   weights_changed();
+  if (whole_working()) working_version_ = version();
 }
 
 void ShardedStore::allocate_weights() {
   if (weights_allocated()) return;
   freeze(freeze_);
   lay_out();
-  if (mode_ == Mode::Gradients) {
+  if (!own_masters()) {
     ReplicatedStore::allocate_weights();
     return;
   }
   own_trainable_.assign(mine_trainable_.size(), 0.f);
   own_frozen_.assign(mine_frozen_.size(), 0.f);
+  if (whole_working()) working_.assign(static_cast<size_t>(total_elements()), bf16{});  // the zero masters' bits
   weights_changed();
+  if (whole_working()) working_version_ = version();
 }
 
-// Under full a rank's pieces are its slices of the trainable and of the frozen layout, ceil(n / N) elements each at
-// most: together at most one element over its slice of all the parameters, whichever flags freeze() sets later.
+bool ShardedStore::masters_sharded() const {
+  return adopted_ && own_masters() && !ReplicatedStore::weights_allocated();
+}
+
+// A rank's pieces are its slices of the trainable and of the frozen layout, ceil(n / N) elements each at most:
+// together at most one element over its slice of all the parameters, whichever flags freeze() sets later.
 int64_t ShardedStore::resident_weight_bytes() const {
-  if (mode_ == Mode::Gradients) return weight_bytes();
-  return (model::shard_of(total_elements(), me_, P_).padded + 1) * static_cast<int64_t>(sizeof(float));
+  if (!own_masters()) return weight_bytes();
+  const int64_t masters = (model::shard_of(total_elements(), me_, P_).padded + 1) * static_cast<int64_t>(sizeof(float));
+  return masters + (whole_working() ? total_elements() * static_cast<int64_t>(sizeof(bf16)) : 0);
 }
 
 void ShardedStore::write_weight(size_t slot, std::span<const float> in) {
-  if (!sharded()) {
+  if (!masters_sharded()) {
     ReplicatedStore::write_weight(slot, in);
     return;
   }
@@ -166,12 +178,16 @@ void ShardedStore::write_weight(size_t slot, std::span<const float> in) {
            p.numel);
   const Piece pc = piece(slot, me_);
   std::copy_n(in.data() + pc.first, pc.n, (p.trainable ? own_trainable_.data() : own_frozen_.data()) + pc.local);
+  // Every rank passes the whole tensor: its working copy is rounded here, with no communication.
+  const bool current = working_version_ == version();
+  if (whole_working()) model::round_to_bf16(in.data(), working_.data() + p.offset, p.numel);
   weights_changed();
+  if (whole_working() && current) working_version_ = version();
   global_stale_ = true;
 }
 
 std::span<const float> ShardedStore::own_piece(size_t slot, int64_t* first) const {
-  RF_CHECK(sharded(), "sharded store: own_piece while the weights are whole");
+  RF_CHECK(masters_sharded(), "sharded store: own_piece while the weights are whole");
   const Piece pc = piece(slot, me_);
   *first = pc.first;
   const float* own = (info(slot).trainable ? own_trainable_.data() : own_frozen_.data()) + pc.local;
@@ -179,6 +195,8 @@ std::span<const float> ShardedStore::own_piece(size_t slot, int64_t* first) cons
 }
 
 void ShardedStore::lay_out() {
+  RF_CHECK(mode_ != Mode::Optimizer || whole_working(), "sharded store: shard optimizer keeps the masters in the ",
+           "shards only with model.param_dtype bfloat16 (with float32 the replicated store serves it)");
   frozen_offset_.assign(size(), -1);
   frozen_total_ = 0;
   layers_ = 0;
@@ -251,9 +269,8 @@ std::unique_ptr<ShardedStore::Gathered> ShardedStore::post_gather(const Group& g
   for (size_t slot : g.slots) {
     if (trainable_only && !info(slot).trainable) continue;
     const Piece pc = piece(slot, me_);
-    const float* src = mode_ == Mode::Full
-                           ? (info(slot).trainable ? own_trainable_.data() : own_frozen_.data()) + pc.local
-                           : ReplicatedStore::flat(Role::Weights).data() + info(slot).offset + pc.first;
+    const float* src = own_masters() ? (info(slot).trainable ? own_trainable_.data() : own_frozen_.data()) + pc.local
+                                     : ReplicatedStore::flat(Role::Weights).data() + info(slot).offset + pc.first;
     if (t->working16)
       model::round_to_bf16(src, t->staging16.data() + out, pc.n);
     else
@@ -265,7 +282,8 @@ std::unique_ptr<ShardedStore::Gathered> ShardedStore::post_gather(const Group& g
   return t;
 }
 
-// Puts every rank's pieces in place: in the group's buffer (full, sharded), or in the whole weights.
+// Puts every rank's pieces in place: in the group's buffer (full, sharded), in the whole working copy (optimizer and
+// gradients with param_dtype bfloat16), or in the whole weights.
 void ShardedStore::finish_gather(Gathered& t) {
   if (t.posted) {
     wait(*t.posted);
@@ -273,6 +291,19 @@ void ShardedStore::finish_gather(Gathered& t) {
   }
   const Group& g = *t.group;
   const bool into_whole = ReplicatedStore::weights_allocated();
+  if (t.working16 && whole_working()) {
+    const bf16* in = t.staging16.data();
+    for (int q = 0; q < P_; ++q) {
+      for (size_t slot : g.slots) {
+        if (t.trainable_only && !info(slot).trainable) continue;
+        const Piece pc = piece(slot, q);
+        std::copy_n(in, pc.n, working_.data() + info(slot).offset + pc.first);
+        in += pc.n;
+      }
+    }
+    t.staging16 = {};
+    return;
+  }
   if (t.working16) {
     // The working copy in place, then widened (exact) for the float32 readers.
     RF_CHECK(!into_whole, "sharded store: bf16 working weights gathered into the float32 masters");
@@ -297,7 +328,7 @@ void ShardedStore::finish_gather(Gathered& t) {
       const size_t slot = g.slots[k];
       if (t.trainable_only && !info(slot).trainable) continue;
       const Piece pc = piece(slot, q);
-      if (into_whole && mode_ == Mode::Gradients && q == me_) {  // this rank's pieces are in place already
+      if (into_whole && !own_masters() && q == me_) {  // this rank's pieces are in place already
         in += pc.n;
         continue;
       }
@@ -324,7 +355,7 @@ void ShardedStore::acquire(int layer) {
 
 void ShardedStore::unshard() {
   RF_CHECK(adopted_, "sharded store: unshard before adopt");
-  if (mode_ != Mode::Full || !sharded()) return;
+  if (!masters_sharded()) return;
   ReplicatedStore::allocate_weights();
   for (const Group& g : groups_) {
     std::unique_ptr<Gathered> t = post_gather(g, false, false);
@@ -335,8 +366,18 @@ void ShardedStore::unshard() {
 }
 
 void ShardedStore::reshard() {
-  if (mode_ != Mode::Full || sharded()) return;
+  if (!own_masters() || masters_sharded()) return;
+  // The working copy of the whole weights outlives them (release_weights drops both).
+  std::vector<bf16> working;
+  if (whole_working()) {
+    working.resize(static_cast<size_t>(total_elements()));
+    model::round_to_bf16(ReplicatedStore::flat(Role::Weights).data(), working.data(), total_elements());
+  }
   release_weights();
+  if (whole_working()) {
+    working_ = std::move(working);
+    working_version_ = version();
+  }
   global_stale_ = true;
 }
 
@@ -345,13 +386,31 @@ void ShardedStore::after_update() {
     global_stale_ = true;
     return;
   }
+  // With the whole bf16 working copy: every rank's updated trainable pieces rounded to bf16, half the bytes; the
+  // frozen ones never change.
+  const bool working16 = whole_working() && masters_sharded();
   for (const Group& g : groups_) {
-    std::unique_ptr<Gathered> t = post_gather(g, true, false);
+    std::unique_ptr<Gathered> t = post_gather(g, true, working16);
     finish_gather(*t);
   }
+  if (working16) working_version_ = version();
+}
+
+const bf16* ShardedStore::working(size_t slot) {
+  if (!whole_working() || !masters_sharded()) return ReplicatedStore::working(slot);
+  RF_CHECK(working_version_ == version(), "sharded store: the bf16 working copy of ", info(slot).name,
+           " is read after the optimizer updated the masters and before after_update gathered them");
+  return working_.data() + info(slot).offset;
 }
 
 const float* ShardedStore::weight(size_t slot) const {
+  if (!sharded() && masters_sharded()) {  // the working copy: a group's widened values between its hooks
+    const float* w = widened(slot);
+    RF_CHECK(w != nullptr, "sharded store: ", info(slot).name,
+             " is read outside its hooks (with model.param_dtype bfloat16 the float32 masters are sharded and the "
+             "run reads the bf16 working copy, widened a group at a time)");
+    return w;
+  }
   if (!sharded()) return ReplicatedStore::weight(slot);
   const ParamInfo& p = info(slot);
   const Gathered* g = live_[group_of_slot_[slot]].get();
@@ -362,13 +421,13 @@ const float* ShardedStore::weight(size_t slot) const {
 }
 
 float* ShardedStore::mutable_weight(size_t slot) {
-  RF_CHECK(!sharded(), "sharded store: ", info(slot).name,
-           " written while sharded (the optimizer writes masters; a loader writes before adopt)");
+  RF_CHECK(!masters_sharded(), "sharded store: ", info(slot).name,
+           " written while sharded (the optimizer writes masters; a loader writes whole tensors through write_weight)");
   return ReplicatedStore::mutable_weight(slot);
 }
 
 void ShardedStore::read_weight(size_t slot, std::span<float> out) {
-  if (!sharded()) {
+  if (!masters_sharded()) {
     ReplicatedStore::read_weight(slot, out);
     return;
   }
@@ -393,8 +452,9 @@ void ShardedStore::read_weight(size_t slot, std::span<float> out) {
 }
 
 float* ShardedStore::mutable_master(size_t slot, int64_t first) {
-  if (mode_ == Mode::Gradients) return ReplicatedStore::mutable_weight(slot) + first;
-  RF_CHECK(sharded(), "sharded store: the optimizer stepped while the weights were gathered whole (reshard first)");
+  if (!own_masters()) return ReplicatedStore::mutable_weight(slot) + first;
+  RF_CHECK(masters_sharded(),
+           "sharded store: the optimizer stepped while the weights were gathered whole (reshard first)");
   const ParamInfo& p = info(slot);
   RF_CHECK(p.trainable, "sharded store: ", p.name, " is frozen and has no master to update");
   const int64_t at = p.train_offset + first - static_cast<int64_t>(mine_trainable_.begin);
@@ -430,7 +490,27 @@ const bf16* ShardedStore::find(const float* src, int64_t extent) const {
   return nullptr;
 }
 
+void ShardedStore::set_param_dtype(model::ParamDtype t) {
+  if (t == param_dtype()) return;
+  RF_CHECK(mode_ == Mode::Full || !adopted_, "sharded store: model.param_dtype ", model::param_dtype_name(t),
+           " after the weights were laid out for ", model::param_dtype_name(param_dtype()),
+           " (under shard optimizer and gradients it decides where the float32 masters live)");
+  ReplicatedStore::set_param_dtype(t);
+}
+
+bool ShardedStore::has_grads() const {
+  return mode_ == Mode::Optimizer ? ReplicatedStore::has_grads() : grads_allocated_;
+}
+
+int64_t ShardedStore::grads_begin() const {
+  return mode_ == Mode::Optimizer ? 0 : static_cast<int64_t>(mine_trainable_.begin);
+}
+
 void ShardedStore::allocate_grads() {
+  if (mode_ == Mode::Optimizer) {  // whole, reduce-scattered by the trainer (step.cpp)
+    ReplicatedStore::allocate_grads();
+    return;
+  }
   if (grads_allocated_) return;
   RF_CHECK(adopted_, "sharded store: gradients before adopt");
   grads_.assign(mine_trainable_.size(), 0.f);
@@ -439,6 +519,10 @@ void ShardedStore::allocate_grads() {
 }
 
 void ShardedStore::zero_grads() {
+  if (mode_ == Mode::Optimizer) {
+    ReplicatedStore::zero_grads();
+    return;
+  }
   std::fill(grads_.begin(), grads_.end(), 0.f);
   std::fill(global_grads_.begin(), global_grads_.end(), 0.f);
 }
@@ -454,6 +538,7 @@ void ShardedStore::release_training_state() {
 }
 
 const float* ShardedStore::grad(size_t slot) const {
+  if (mode_ == Mode::Optimizer) return ReplicatedStore::grad(slot);
   const ParamInfo& p = info(slot);
   if (!grads_allocated_ || !p.trainable) return nullptr;
   if (p.streamed) {
@@ -469,18 +554,19 @@ const float* ShardedStore::grad(size_t slot) const {
 
 // The head's gradient buffer is made when the loss asks for it (a run without a backward never does).
 float* ShardedStore::grad(size_t slot) {
+  if (mode_ == Mode::Optimizer) return ReplicatedStore::grad(slot);
   if (grads_allocated_ && slot == head_ && info(slot).trainable && head_grads_.empty())
     head_grads_.assign(static_cast<size_t>(info(slot).numel), 0.f);
   return const_cast<float*>(std::as_const(*this).grad(slot));
 }
 
 std::span<const float> ShardedStore::flat(Role role) const {
-  if (role == Role::Grads) return grads_;
+  if (role == Role::Grads && mode_ != Mode::Optimizer) return grads_;
   return ReplicatedStore::flat(role);
 }
 
 std::span<float> ShardedStore::mutable_flat(Role role) {
-  if (role == Role::Grads) return grads_;
+  if (role == Role::Grads && mode_ != Mode::Optimizer) return grads_;
   return ReplicatedStore::mutable_flat(role);
 }
 
@@ -939,6 +1025,8 @@ ShardedStore::Bytes ShardedStore::held() const {
     b.comm_buffers += bytes(g->staging) + static_cast<int64_t>(g->staging16.size()) * kB;
   }
   b.gradients = bytes(grads_) + bytes(global_grads_) + bytes(layer_grads_) + bytes(head_grads_);
+  if (mode_ == Mode::Optimizer) b.gradients += static_cast<int64_t>(ReplicatedStore::flat(Role::Grads).size()) * kF;
+  b.working = static_cast<int64_t>(working_.size()) * kB;
   for (const std::unique_ptr<Table>& t : tables_) {
     b.gathered += bytes(t->w) + static_cast<int64_t>(t->w16.size()) * kB;
     b.gradients += bytes(t->g);
@@ -965,6 +1053,14 @@ int64_t ShardedStore::working_bytes_for(const model::ParamStore& registry, int64
   }
   const int64_t widened = *std::max_element(layer.begin(), layer.end()) + global + streamed;
   return registry.total_elements() * kB + widened * kF;
+}
+
+int64_t ShardedStore::master_bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable,
+                                       int ranks) {
+  int64_t train = 0, frozen = 0;
+  for (size_t i = 0; i < registry.size(); ++i) (trainable[i] ? train : frozen) += registry.info(i).numel;
+  return (model::shard_of(train, 0, ranks).padded + model::shard_of(frozen, 0, ranks).padded) *
+         static_cast<int64_t>(sizeof(float));
 }
 
 ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable,

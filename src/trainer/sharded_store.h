@@ -1,5 +1,6 @@
 // ringflex trainer: the sharded parameter store, parallelism.shard = full (ZeRO-3 / FSDP) and gradients (ZeRO-2)
-// over all cp x dp ranks (model/param_store.h has the design; docs/spec.md the modes).
+// over all cp x dp ranks, and optimizer (ZeRO-1) with model.param_dtype bfloat16 (model/param_store.h has the design;
+// docs/spec.md the modes).
 //
 // Ownership. Rank r of N owns slice_of(trainable elements, N, r) of the trainable layout (the same slice as ZeRO-1's
 // moments, so clipping's partial sums and the optimizer's elements are shard none's) and slice_of(frozen elements,
@@ -38,7 +39,16 @@
 // group's small parameters, the head, the tables' rows) packs this rank's masters rounded to bf16, so the all-gathers
 // carry half the bytes, and the gathered copy is those bf16 values (a Gathered's b16, which a bf16 compute run
 // multiplies as they are) widened into its float32 buffer; read_weight, unshard and after_update move float32
-// masters. Under gradients the replicated store's working copy serves the run. Gradients are float32 either way.
+// masters. Gradients are float32 either way.
+// Under optimizer and gradients with model.param_dtype bfloat16 the float32 masters are sharded as under full (a
+// rank's pieces, own_trainable_ / own_frozen_), and every rank holds the whole bf16 working weights (the replicated
+// store's working_, 2 bytes a parameter, which its hooks widen a group at a time): write_weight keeps this rank's
+// piece and rounds the whole tensor into the working copy; the optimizer updates this rank's masters (mutable_master);
+// after_update rounds every rank's updated trainable pieces to bf16 and all-gathers them (half the bytes of float32)
+// into every rank's working copy; read_weight gathers a tensor's float32 pieces from their owners (a collective, as
+// under full). The working copy is the masters rounded to bf16 as the replicated store rounds them, so the same bits.
+// optimizer keeps the replicated store's whole gradients (step.cpp reduce-scatters them); gradients reduces each
+// layer's as below.
 // With gradient accumulation the micro-batches' reduced sums are added in the slice where shard none adds raw
 // micro-batch gradients and reduces once: the same terms, associated differently (float32 rounding, not bits).
 #pragma once
@@ -55,29 +65,39 @@ namespace rf::trainer {
 
 class ShardedStore : public model::ReplicatedStore {
  public:
-  enum class Mode { Gradients, Full };
+  // Optimizer: only with param_dtype bfloat16 (with float32 the replicated store serves ZeRO-1, step.cpp).
+  enum class Mode { Optimizer, Gradients, Full };
   // `comm`: the store's own communicator over all cp x dp ranks, so its posted collectives never interleave with
   // the trainer's or the ring's. `timeout` bounds each of its waits. `freeze`: model.freeze, applied when the
   // weights are allocated (the pieces follow the trainable flags, so they are final before any piece exists).
+  // `param_dtype`: model.param_dtype, known before the weights are laid out (under optimizer and gradients it
+  // decides where the masters live).
   ShardedStore(std::unique_ptr<comm::Communicator> comm, Mode mode, comm::Timeout timeout,
-               std::vector<std::string> freeze = {});
+               std::vector<std::string> freeze = {}, model::ParamDtype param_dtype = model::ParamDtype::Float32);
   ~ShardedStore() override;
 
   // Two ways in. allocate_weights (a loader's or the model's own) freezes, lays the pieces out and allocates this
-  // rank's (full; all weights under gradients), which write_weight then fills tensor by tensor: no rank holds a
-  // whole copy. Or adopt takes the weights of `whole`, a store with the same registry and trainable flags (a
-  // resumed model's), keeping this rank's pieces (full) or all of them (gradients). No communication either way.
+  // rank's (full, and with param_dtype bfloat16 beside the whole bf16 working copy; all weights under gradients),
+  // which write_weight then fills tensor by tensor: no rank holds a whole float32 copy. Or adopt takes the weights of
+  // `whole`, a store with the same registry and trainable flags (a resumed model's), keeping this rank's pieces
+  // (as allocate_weights lays them out) or all of them (gradients). No communication either way.
   void adopt(const model::ParamStore& whole);
-  // This rank's piece of a parameter while sharded (empty when it owns none), and its first element in the tensor.
+  // This rank's piece of a parameter while the masters are sharded (empty when it owns none), and its first element
+  // in the tensor.
   std::span<const float> own_piece(size_t slot, int64_t* first) const;
-  // full: every rank gathers every weight into one whole arena (collective), so weight(slot) and flat(Weights) read
-  // any parameter, as in the replicated store, until reshard() drops it (the end of an in-process run that asks for
-  // whole weights, TrainOptions::whole_model; a save streams tensors through read_weight instead).
+  // Whether the float32 masters are this rank's pieces now: under full while sharded(); under optimizer and gradients
+  // with param_dtype bfloat16 until unshard(). Then read_weight is a collective.
+  bool masters_sharded() const;
+  // While the masters are sharded: every rank gathers every float32 master into one whole arena (collective), so
+  // weight(slot) and flat(Weights) read any parameter, as in the replicated store, until reshard() drops it (the end
+  // of an in-process run that asks for whole weights, TrainOptions::whole_model; a save streams tensors through
+  // read_weight instead).
   void unshard();
   void reshard();
   bool sharded() const { return mode_ == Mode::Full && adopted_ && !ReplicatedStore::weights_allocated(); }
   // After the optimizer updated this rank's masters. gradients: all-gathers every rank's updated trainable pieces
-  // into every rank's weights (collective). full: the global group is gathered again at the next run.
+  // into every rank's weights (collective); optimizer and gradients with param_dtype bfloat16: rounded to bf16, into
+  // every rank's working copy. full: the global group is gathered again at the next run.
   void after_update();
   // Seconds this rank waited on the store's collectives since the last call: the exposed communication.
   double take_exposed_seconds();
@@ -96,6 +116,8 @@ class ShardedStore : public model::ReplicatedStore {
     int64_t moments = 0;       // AdamW's two moments of the slice
     int64_t comm_buffers = 0;  // full: one gather's staging (the next layer's, or the head's); one reduction's send
                                // copy and the N contributions to the rank's part of it (up to its whole slice)
+    int64_t working = 0;       // held() only: the whole bf16 working weights (param_dtype bfloat16 under optimizer
+                               // and gradients; working_bytes_for counts them for the memory check)
   };
   static Bytes bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable, Mode mode, int ranks,
                          int64_t step_tokens, int64_t rank_tokens = -1);
@@ -106,25 +128,33 @@ class ShardedStore : public model::ReplicatedStore {
   // the largest decoder layer, the global group's parameters that are not streamed and the largest streamed one (the
   // head, around the loss). These replace model.compute_dtype's bf16 copies, which are then not made.
   static int64_t working_bytes_for(const model::ParamStore& registry, int64_t full_gathered);
+  // The float32 masters one rank holds when they are sharded (full; optimizer and gradients with param_dtype
+  // bfloat16): its slices of the trainable and of the frozen layout, the largest over the ranks.
+  static int64_t master_bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable, int ranks);
   // The bytes this rank holds now, by the same kinds (the buffers' sizes, bf16 copies counted with what they copy).
   Bytes held() const;
 
   // --- ParamStore ---
+  // Under optimizer and gradients the dtype is the constructor's once the weights are laid out (throws rf::Error
+  // for another).
+  void set_param_dtype(model::ParamDtype t) override;
   void allocate_weights() override;
-  bool weights_allocated() const override { return sharded() || ReplicatedStore::weights_allocated(); }
-  // full: this rank's pieces; gradients: every weight.
+  bool weights_allocated() const override { return masters_sharded() || ReplicatedStore::weights_allocated(); }
+  // full: this rank's pieces; optimizer and gradients with param_dtype bfloat16: those and the whole bf16 working
+  // copy; gradients: every weight.
   int64_t resident_weight_bytes() const override;
   void write_weight(size_t slot, std::span<const float> in) override;
   const float* weight(size_t slot) const override;
   float* mutable_weight(size_t slot) override;
   void read_weight(size_t slot, std::span<float> out) override;
   float* mutable_master(size_t slot, int64_t first) override;
-  int64_t grads_begin() const override { return static_cast<int64_t>(mine_trainable_.begin); }
+  int64_t grads_begin() const override;
   const model::Bf16Lookup& bf16_weights() override;
   const bf16* find(const float* src, int64_t extent) const override;
 
+  // Gradients: optimizer keeps the replicated store's whole arena; gradients and full this rank's slice.
   void allocate_grads() override;
-  bool has_grads() const override { return grads_allocated_; }
+  bool has_grads() const override;
   void zero_grads() override;
   float* grad(size_t slot) override;
   const float* grad(size_t slot) const override;
@@ -152,8 +182,16 @@ class ShardedStore : public model::ReplicatedStore {
 
  protected:
   void release_training_state() override;
+  // The whole working copy (optimizer and gradients with param_dtype bfloat16), current since the last write or
+  // after_update; else the replicated store's.
+  const bf16* working(size_t slot) override;
 
  private:
+  // Where the masters live, fixed once laid out: this rank's pieces (full, and optimizer / gradients with
+  // param_dtype bfloat16), or the replicated store's whole weights.
+  bool own_masters() const { return mode_ == Mode::Full || whole_working(); }
+  // Optimizer and gradients with param_dtype bfloat16: every rank holds the whole bf16 working copy.
+  bool whole_working() const { return mode_ != Mode::Full && param_dtype() == model::ParamDtype::Bfloat16; }
   struct Group;
   struct Gathered;
   struct Reduction;
@@ -207,7 +245,7 @@ class ShardedStore : public model::ReplicatedStore {
   std::vector<int64_t> frozen_offset_;               // [slots]: first element in the frozen layout; -1 when trainable
   int64_t frozen_total_ = 0;
   comm::Slice mine_trainable_, mine_frozen_;       // this rank's slices of the two layouts
-  std::vector<float> own_trainable_, own_frozen_;  // full: the masters of this rank's pieces
+  std::vector<float> own_trainable_, own_frozen_;  // own_masters(): the masters of this rank's pieces
   bool adopted_ = false;
   bool global_stale_ = true;  // full: the global group's gathered copy predates the last update
   bool bf16_wanted_ = false;  // a run asked for bf16 compute copies: round every gathered layer's matmul operands

@@ -155,7 +155,7 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait,
     if (const auto* lora = dynamic_cast<const model::LoraStore*>(&store)) {
       // A LoRA run's weights are its adapters, in PEFT's files; the frozen base stays where model.path has it.
       if (r.lead) model::save_peft_adapter(*lora, r.ck.text_prefix, r.ck.source, tmp);
-    } else if (r.lead || (r.shard_full && !r.held)) {
+    } else if (r.lead || (r.masters_sharded && !r.held)) {
       // The other ranks take part in the reads only where they are collective (held experts: the writer's copy).
       model::save_checkpoint(r.ck, tmp, {max_shard_bytes(cfg), r.lead});
     }

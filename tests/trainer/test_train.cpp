@@ -15,6 +15,7 @@
 #include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <thread>
@@ -1571,6 +1572,159 @@ TEST(ShardFull, Bf16WorkingWeightsHalveTheGatherBytes) {
       EXPECT_EQ(2 * received[1], received[0]) << "N = " << P;
     });
   }
+}
+
+// model.param_dtype = bfloat16 under shard optimizer and gradients: a rank holds the float32 masters of its slice alone
+// (ceil(total / N) elements at most: held()'s weight_shard, what the memory check counts) beside the whole bf16
+// working copy (2 bytes a parameter). The run reads the masters rounded to bf16 (float_to_bf16, the oracle) on every
+// rank: widened between a group's hooks, their own bits for a bf16 compute run (find), and a table's rows as they are;
+// read_weight gathers a tensor's masters whole, and a weight read outside its hooks is refused. After the optimizer
+// wrote this rank's masters (the working copy is refused until the update is gathered), after_update delivers every
+// other rank's updated trainable pieces at 2 bytes an element (the store's communicator's count: half of float32's)
+// and every rank's working copy is the new masters rounded. N = 1, 2, 3.
+TEST(ShardMasters, Bf16WorkingWeightsKeepASliceOfTheMasters) {
+  const model::Gemma4Config cfg = model::Gemma4Config::from_json(model::builtin_config_json("tiny_dense"), "builtin");
+  model::Gemma4Model whole(cfg, model::TensorSet::Storage::Allocated);
+  whole.init_random(13, 0.1f);
+  const model::ParamStore& w = whole.params();
+  const int64_t total = w.total_elements();
+  constexpr int64_t kF = sizeof(float), kB = sizeof(bf16);
+  // The update the test plays the optimizer with: its results are mostly not bf16 values.
+  const auto updated = [](float x) { return x * 1.5f + 1e-3f; };
+  const auto same = [](float x) { return x; };
+  for (const ShardedStore::Mode mode : {ShardedStore::Mode::Optimizer, ShardedStore::Mode::Gradients}) {
+    for (int P = 1; P <= 3; ++P) {
+      comm::run_ranks(P, [&](comm::Communicator& world) {
+        const std::string at = std::string(mode == ShardedStore::Mode::Optimizer ? "optimizer" : "gradients") +
+                               ", N = " + std::to_string(P) + ", rank " + std::to_string(world.rank());
+        auto store = std::make_unique<ShardedStore>(world.split(0, world.rank()), mode, comm::default_timeout(),
+                                                    std::vector<std::string>{}, model::ParamDtype::Bfloat16);
+        ShardedStore& s = *store;
+        const model::Gemma4Model m(cfg, model::TensorSet::Storage::Deferred, std::move(store));
+        s.allocate_weights();
+        for (size_t slot = 0; slot < s.size(); ++slot)  // the loader's way: whole tensors, each rank keeps its piece
+          s.write_weight(slot, std::span<const float>(w.weight(slot), static_cast<size_t>(w.info(slot).numel)));
+        ASSERT_TRUE(s.masters_sharded()) << at;
+        const model::Shard mine = model::shard_of(total, world.rank(), P);  // every parameter trains here
+        EXPECT_EQ(s.held().weight_shard, mine.size() * kF) << at;
+        EXPECT_EQ(s.held().working, total * kB) << at;
+        const std::vector<bool> all(s.size(), true);
+        EXPECT_EQ(ShardedStore::master_bytes_for(w, all, P), mine.padded * kF) << at;
+        EXPECT_LE(s.held().weight_shard, ShardedStore::master_bytes_for(w, all, P)) << at;
+        EXPECT_EQ(s.resident_weight_bytes(), (mine.padded + 1) * kF + total * kB) << at;
+
+        const auto expect_working = [&](const std::function<float(float)>& f, const std::string& when) {
+          const model::Bf16Lookup& copies = s.bf16_weights();
+          for (int layer = model::kGlobalGroup; layer < cfg.num_layers; ++layer) {
+            s.before_forward(layer);
+            for (size_t slot : s.group(layer)) {
+              const model::ParamInfo& p = s.info(slot);
+              std::vector<float> got(static_cast<size_t>(p.numel));
+              const bf16* b16 = nullptr;
+              if (p.streamed) {  // a table's rows (every row here) come as the working copy's bf16 values
+                std::vector<int32_t> ids(static_cast<size_t>(p.shape[0]));
+                std::iota(ids.begin(), ids.end(), 0);
+                const model::ParamStore::TableRows rows = s.rows(slot, ids, false);
+                ASSERT_EQ(rows.values.dtype, model::HeldDType::BF16) << p.name;
+                b16 = static_cast<const bf16*>(rows.values.data);
+                model::widen(rows.values, 0, p.numel, got.data());
+              } else {
+                std::copy_n(s.weight(slot), p.numel, got.data());
+                b16 = p.matmul ? copies.find(s.weight(slot), p.numel) : nullptr;
+                ASSERT_EQ(b16 == nullptr, !p.matmul) << p.name;
+              }
+              for (int64_t e = 0; e < p.numel; ++e) {
+                const bf16 want = float_to_bf16(f(w.weight(slot)[e]));
+                ASSERT_EQ(got[static_cast<size_t>(e)], bf16_to_float(want))
+                    << p.name << " element " << e << ", " << at << ", " << when;
+                if (b16) {
+                  ASSERT_EQ(b16[e].bits, want.bits) << p.name << " element " << e << ", " << at << ", " << when;
+                }
+              }
+            }
+            if (layer != model::kGlobalGroup) s.after_forward(layer);
+          }
+          s.after_forward(model::kGlobalGroup);
+          for (size_t slot = 0; slot < s.size(); ++slot) {  // the masters, gathered whole (collective)
+            const model::ParamInfo& p = s.info(slot);
+            std::vector<float> got(static_cast<size_t>(p.numel)), want(got.size());
+            s.read_weight(slot, got);
+            std::transform(w.weight(slot), w.weight(slot) + p.numel, want.begin(), f);
+            ASSERT_EQ(got, want) << p.name << ", " << at << ", " << when;
+          }
+        };
+        expect_working(same, "loaded");
+        const size_t first_layer_slot = s.group(0).front();
+        EXPECT_NE(testing::error_of([&] { s.weight(first_layer_slot); }).find("is read outside its hooks"),
+                  std::string::npos)
+            << at;
+
+        // The optimizer's part: this rank's masters updated in place.
+        for (size_t slot = 0; slot < s.size(); ++slot) {
+          int64_t first = 0;
+          const std::span<const float> piece = s.own_piece(slot, &first);
+          if (piece.empty()) continue;
+          float* master = s.mutable_master(slot, first);
+          for (size_t k = 0; k < piece.size(); ++k) master[k] = updated(master[k]);
+        }
+        const size_t table = s.slot("model.embed_tokens.weight");
+        const std::vector<int32_t> one = {0};
+        EXPECT_NE(testing::error_of([&] { s.rows(table, one, false); }).find("before after_update"), std::string::npos)
+            << at;
+        const uint64_t before = s.traffic().bytes_received;
+        s.after_update();
+        EXPECT_EQ(s.traffic().bytes_received - before, static_cast<uint64_t>((total - mine.size()) * kB)) << at;
+        expect_working(updated, "updated");
+
+        // The gradients: the replicated store's whole arena under optimizer (step.cpp reduce-scatters it), the
+        // rank's slice under gradients.
+        s.allocate_grads();
+        EXPECT_EQ(s.flat(model::Role::Grads).size(),
+                  static_cast<size_t>(mode == ShardedStore::Mode::Optimizer ? total : mine.size()))
+            << at;
+        EXPECT_EQ(s.grads_begin(), mode == ShardedStore::Mode::Optimizer ? 0 : mine.begin) << at;
+      });
+    }
+  }
+}
+
+// model.param_dtype = bfloat16 with the masters in the shards (optimizer, gradients): the checkpoint holds the float32
+// masters, each tensor gathered from its owners while it is written, and resumes anywhere. Saved at N = 2 (dp 2) under
+// gradients at step 2, it resumes there with the uninterrupted run's bits; at N = 3 (cp 3) under optimizer and at
+// N = 1 under gradients, with the bits of shard none resumed from the same checkpoint at that grid (losses, norms,
+// validation losses, the final masters, the written model file and the moments).
+TEST(ParamDtype, Bf16ShardedMastersResumeAcrossModesAndRankCounts) {
+  const fs::path dir = scratch("param_bf16_reshard");
+  const auto config = [&](std::vector<std::string> sets, const std::string& name) {
+    sets.insert(sets.end(), {"train.steps=4", "checkpoint.every=2", "train.val_every=2", "model.param_dtype=bfloat16",
+                             "checkpoint.dir=" + (dir / name).string()});
+    return small("tiny_dense", sets);
+  };
+  const std::vector<std::string> dp2 = {"parallelism.dp=2", "train.micro_batch=2", "parallelism.shard=gradients"};
+  const Trained whole = run(config(dp2, "dp2"));
+  ASSERT_EQ(whole.steps.size(), 4u);
+  TrainOptions resume;
+  resume.resume = (dir / "dp2" / "step-00000002").string();
+  const Trained again = run(config(dp2, "dp2_again"), resume);
+  ASSERT_EQ(again.steps.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(again.steps[i].loss, whole.steps[i + 2].loss) << "step " << i + 3;
+    EXPECT_EQ(again.steps[i].grad_norm, whole.steps[i + 2].grad_norm) << "step " << i + 3;
+    EXPECT_EQ(again.steps[i].val_loss, whole.steps[i + 2].val_loss) << "step " << i + 3;
+  }
+  EXPECT_EQ(flat_params(*again.model), flat_params(*whole.model));
+  const std::vector<std::pair<std::string, std::string>> elsewhere = {{"parallelism.cp=3", "optimizer"},
+                                                                      {"parallelism.cp=1", "gradients"}};
+  for (const auto& [grid, mode] : elsewhere) {
+    const std::string what = grid + ", shard " + mode;
+    const Trained none = run(config({grid, "train.micro_batch=4", "parallelism.shard=none"}, grid + "none"), resume);
+    const Trained sharded =
+        run(config({grid, "train.micro_batch=4", "parallelism.shard=" + mode}, grid + mode), resume);
+    ASSERT_EQ(none.steps.size(), 2u) << what;
+    ASSERT_EQ(sharded.steps.size(), 2u) << what;
+    expect_same_bits(none, sharded, what);
+  }
+  fs::remove_all(dir);
 }
 
 }  // namespace

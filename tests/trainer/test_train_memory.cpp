@@ -178,7 +178,9 @@ TEST(TrainMemory, TermsFollowTheConfig) {
 // model.param_dtype = bfloat16: the bf16 working weights are counted, and replace compute_dtype's bf16 copies (not
 // made then). Replicated (none; optimizer and gradients alike): 2 bytes for every weight, and in float32 the largest
 // decoder layer, the global group's parameters that are not streamed and the largest streamed one (the head) widened
-// at once. Shard full: a bf16 copy of what is gathered (half the gathered float32 bytes).
+// at once. Shard full: a bf16 copy of what is gathered (half the gathered float32 bytes). Under shard optimizer and
+// gradients the working weights are whole as under none, and the float32 masters are this rank's slice:
+// ceil(total / N) elements (nothing frozen here), where float32 working weights keep every weight.
 TEST(TrainMemory, Bf16WorkingWeightsAreCounted) {
   const model::Gemma4Multimodal m = shapes();
   int64_t global = 0, streamed = 0, largest = 0;  // elements
@@ -203,6 +205,18 @@ TEST(TrainMemory, Bf16WorkingWeightsAreCounted) {
                                                      m, 3);
   EXPECT_GT(full.of("gathered weights"), 0);
   EXPECT_EQ(full.of("bf16 working weights"), full.of("gathered weights") / 2);
+  constexpr int kRanks = 3;
+  const int64_t buffers = m.buffers().total_bytes(), total = m.params().total_elements();
+  for (const std::string mode : {"optimizer", "gradients"}) {
+    const std::vector<std::string> sets = {"parallelism.dp=3", "train.global_batch=3", "parallelism.shard=" + mode};
+    std::vector<std::string> bf16 = sets;
+    bf16.push_back("model.param_dtype=bfloat16");
+    const MemoryBreakdown b = train_memory_at_least(config(bf16), m, kRanks);
+    EXPECT_EQ(b.of("float32 masters (this rank's slice)"), (total + kRanks - 1) / kRanks * 4 + buffers) << mode;
+    EXPECT_EQ(b.of("weights"), 0) << mode;
+    EXPECT_EQ(b.of("bf16 working weights"), none.of("bf16 working weights")) << mode;
+    EXPECT_EQ(train_memory_at_least(config(sets), m, kRanks).of("weights"), total * 4 + buffers) << mode;
+  }
 }
 
 TEST(TrainMemory, LoraCountsTheAdaptersNotTheBase) {
