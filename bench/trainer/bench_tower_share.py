@@ -11,7 +11,9 @@ gradient routed back to its encoder) and without it (false: each rank encodes ev
 back-propagates its own positions' share, as a reference system does), --steps steps of one row each. --split picks
 which cp = 2 runs (both by default; cp = 1 has nothing to split). Reported per run: the median over the steps after the
 first of the metrics' tower_share (the most of any rank of its seconds in the tower, i.e. its images' forward and
-backward and, with the split, the group's two sums, over the step's wall time) and of the step's tokens_per_s.
+backward and, with the split, the group's two sums, over the step's wall time) and of the step's tokens_per_s, and the
+largest peak RSS of any rank beside the memory check's tower term (--stats). --recompute off sets train.recompute=false:
+the tower (and the decoder) keep every layer's activations instead of recomputing each layer in the backward.
 
     python3 bench/trainer/bench_tower_share.py build/src/cli/ringflex --config e2b --steps 4 --threads 2
     python3 bench/trainer/bench_tower_share.py build/src/cli/ringflex --config tiny --soft-tokens 70 --steps 3
@@ -54,6 +56,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="train.threads per rank")
     ap.add_argument("--split", choices=["both", "on", "off"], default="both",
                     help="cp = 2 with the tower's work split over the ranks (on), without (off), or both")
+    ap.add_argument("--recompute", choices=["on", "off"], default="on",
+                    help="train.recompute: the tower recomputes its layers in the backward (on) or keeps them (off)")
     args = ap.parse_args()
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(0)
@@ -84,13 +88,14 @@ def main():
         sets = ["data.source=jsonl_tokens", f"data.path={data}", f"model.path={ckpt}", "model.train_vision=true",
                 f"data.image_soft_tokens={args.soft_tokens}", f"train.seq_len={seq}", f"train.steps={args.steps}",
                 "train.global_batch=1", "train.micro_batch=1", f"train.threads={args.threads}", "train.val_every=0",
-                "data.val_rows=1"]
+                "data.val_rows=1", f"train.recompute={str(args.recompute == 'on').lower()}"]
         runs = [(1, True)] + [(2, split) for split in (True, False) if args.split in ("both", "on" if split else "off")]
         for cp, split in runs:
             launcher = [*shlex.split(args.mpiexec), "-n", str(cp)] if cp > 1 else []
             name = f"cp {cp}" + ("" if cp == 1 else ", split" if split else ", no split")
             metrics = os.path.join(work, f"cp{cp}_{split}.jsonl")
-            cmd = [*launcher, args.ringflex, "train", "--metrics", metrics]
+            stats = os.path.join(work, f"cp{cp}_{split}.json")
+            cmd = [*launcher, args.ringflex, "train", "--metrics", metrics, "--stats", stats]
             for s in sets + [f"parallelism.cp={cp}", f"parallelism.split_vision={str(split).lower()}"]:
                 cmd += ["--set", s]
             proc = subprocess.run(cmd, capture_output=True, text=True,
@@ -101,8 +106,12 @@ def main():
             steps = [json.loads(x) for x in open(metrics)][1:] or [json.loads(x) for x in open(metrics)]
             share = statistics.median(x["tower_share"] for x in steps)
             tps = statistics.median(x["tokens_per_s"] for x in steps)
+            figures = json.load(open(stats))
+            peak = max(figures["peak_rss_bytes"]) / 2**30
+            tape = sum(t["bytes"] for t in figures["memory_per_rank"]["terms"] if t["kind"].startswith("vision tower"))
             print(f"{args.config} tower, {args.images_per_row} images x {args.soft_tokens} soft tokens a row "
-                  f"(S = {seq}), {name}: tower share of the step {share:.1%}, {tps:.1f} tokens/s")
+                  f"(S = {seq}), {name}, recompute {args.recompute}: tower share of the step {share:.1%}, "
+                  f"{tps:.1f} tokens/s, peak RSS {peak:.2f} GiB (the check's tower tape {tape / 2**30:.2f} GiB)")
     return 0
 
 

@@ -118,8 +118,8 @@ struct BatchData {
   }
 };
 
-// The soft tokens of the batch's images (pixel_values, image_position_ids) through the model's vision tower, whose
-// float32 copy is freed again when they are made.
+// The soft tokens of the batch's images (pixel_values, image_position_ids) through the model's vision tower (in the
+// model's vision compute dtype, --compute-dtype), whose float32 copy is freed again when they are made.
 std::vector<float> encode_images(const std::string& path, const io::SafetensorsFile& in, model::Gemma4Multimodal& m,
                                  io::DimSizes& dims, int64_t& n_tokens) {
   const std::optional<model::VisionConfig>& cfg = m.parts().vision;
@@ -349,6 +349,8 @@ int run_forward(const ForwardOptions& opt) {
                      p.shape);
       }
     }
+    // Pixel inputs: the tower multiplies as the decoder does (as the trainer hands it model.compute_dtype).
+    ck.model->set_vision_compute_dtype(model::parse_compute_dtype(opt.compute_dtype));
     data = read_batch(opt.in, *ck.model, opt.check_finite);
     ck.model->check_batch(data.view(), P, opt.in);
     RF_CHECK(!opt.grad || !data.labels.empty(), opt.in, ": --grad needs a `labels` tensor");
@@ -513,7 +515,8 @@ void add_forward_command(CLI::App& app, Runner& run) {
                 "sgemms (1/2 of a dense layer's FLOPs) for [S, 2I] floats a layer; the same bits");
   cmd->add_option("--compute-dtype", opt->compute_dtype,
                   "What the linear layers multiply in: float32 (default) or bfloat16 (bf16): operands rounded to bf16, "
-                  "products accumulated in float32, weights and everything else float32")
+                  "products accumulated in float32, weights and everything else float32; the vision tower's too, "
+                  "for pixel inputs")
       ->check(CLI::IsMember({"float32", "bfloat16", "f32", "bf16"}));
   cmd->callback([&run, opt] { run = [opt] { return run_forward(*opt); }; });
 }

@@ -7,6 +7,7 @@
 
 #include "core/attention_args.h"
 #include "core/error.h"
+#include "core/memory.h"
 #include "cpu/attention.h"
 #include "io/tensor_access.h"
 #include "model/elementwise.h"
@@ -292,18 +293,104 @@ void VisionEncoder::check(const VisionBatch& b, const std::string& source) const
                P / (k * k), ": its grid holds more patches than its ", P, " slots");
 }
 
-VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& source, VisionTape* keep) const {
-  const int64_t H = cfg_.hidden_size, D = cfg_.head_dim, I = cfg_.intermediate_size, P = b.P;
-  const int Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, n = b.n;
+namespace {
+
+// The tower's attention over a batch of n images of P patches: within each image, over its valid patches (meta: the
+// tape's, doc 1 for a valid patch, 0 for padding).
+AttnChunk tower_chunk(const VisionConfig& c, const TokenMeta* meta, int n, int64_t P) {
+  AttnChunk chunk;
+  chunk.shape = AttnShape{n, c.num_heads, c.num_kv_heads, static_cast<int>(P), static_cast<int>(P), c.head_dim};
+  chunk.dtype = DType::F32;
+  chunk.q_meta = chunk.k_meta = meta;
+  chunk.mask = LayerMask{false, 0, false};
+  chunk.scale = 1.f;  // Gemma4VisionAttention.scaling: q and k are RMS-normalised per head instead
+  return chunk;
+}
+
+}  // namespace
+
+void VisionEncoder::layer_forward(const Layer& L, const VisionTape& tape, int n, int64_t P, std::vector<float>& h,
+                                  VisionTape::Layer& S, bool keep, Widened& wide) const {
+  const int64_t H = cfg_.hidden_size, D = cfg_.head_dim, I = cfg_.intermediate_size, T = int64_t{n} * P;
+  const int Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads;
+  const Matmul mm = matmul();
+  const bool bf16 = dtype_ == ComputeDtype::Bfloat16;
+  const float eps = static_cast<float>(cfg_.rms_norm_eps);
+  AttnChunk chunk = tower_chunk(cfg_, tape.meta.data(), n, P);
+  // Each buffer is sized once: a reused S (no tape) keeps its size from layer to layer, so no allocation and no page
+  // faults after the first layer.
+  const auto fit = [](std::vector<float>& v, int64_t count) { v.resize(static_cast<size_t>(count)); };
+  if (keep) S.h_in = h;
+  // 2a. Attention.
+  fit(S.a, T * H), fit(S.inv_in, T);
+  rmsnorm_forward(h.data(), L.input_norm.data(), eps, S.a.data(), S.inv_in.data(), T, H);
+  fit(S.q_raw, T * Hq * D), fit(S.k_raw, T * Hkv * D), fit(S.v_raw, T * Hkv * D);
+  {
+    // Without clipping q, k and v multiply the same input: rounded to bf16 once for the three (bf16 mode).
+    SharedOperands shared(mm);
+    const float* a = nullptr;
+    if (!cfg_.use_clipped_linears) {
+      if (!widen_on_sgemm()) shared.add(S.a.data(), T * H);  // for oneDNN's bf16 matmul
+      a = rounded(S.a.data(), T * H, wide);
+    }
+    const Matmul m = shared.matmul();
+    clipped_linear(m, L.q, S.a.data(), S.q_raw.data(), T, H, Hq * D, S.q, keep, wide, a);
+    clipped_linear(m, L.k, S.a.data(), S.k_raw.data(), T, H, Hkv * D, S.k, keep, wide, a);
+    clipped_linear(m, L.v, S.a.data(), S.v_raw.data(), T, H, Hkv * D, S.v, keep, wide, a);
+  }
+  fit(S.qh, T * Hq * D), fit(S.kh, T * Hkv * D), fit(S.vh, T * Hkv * D);
+  fit(S.inv_q, T * Hq), fit(S.inv_k, T * Hkv), fit(S.inv_v, T * Hkv);
+  norm_rope_to_heads(S.q_raw.data(), L.q_norm.data(), eps, tape.cos.data(), tape.sin.data(), n, P, Hq, D,
+                     S.inv_q.data(), S.qh.data(), bf16);
+  norm_rope_to_heads(S.k_raw.data(), L.k_norm.data(), eps, tape.cos.data(), tape.sin.data(), n, P, Hkv, D,
+                     S.inv_k.data(), S.kh.data(), bf16);
+  norm_rope_to_heads(S.v_raw.data(), nullptr, eps, nullptr, nullptr, n, P, Hkv, D, S.inv_v.data(), S.vh.data(), bf16);
+  chunk.q = S.qh.data();
+  chunk.k = S.kh.data();
+  chunk.v = S.vh.data();
+  validate(chunk);
+  fit(S.out, T * Hq * D), fit(S.lse, T * Hq);
+  cpu::attention_forward(chunk, S.out.data(), S.lse.data());
+  fit(S.o_tok, T * Hq * D);
+  to_tokens_into(S.out.data(), S.o_tok.data(), n, P, Hq, D);
+  fit(S.attn, T * H), fit(S.inv_attn, T);
+  clipped_linear(mm, L.o, S.o_tok.data(), S.attn.data(), T, Hq * D, H, S.o, keep, wide);
+  norm_add(S.attn.data(), L.post_attention_norm.data(), eps, S.inv_attn.data(), h.data(), T, H);
+  // 2b. MLP.
+  if (keep) S.h_mid = h;
+  fit(S.m, T * H), fit(S.inv_mid, T);
+  rmsnorm_forward(h.data(), L.pre_feedforward_norm.data(), eps, S.m.data(), S.inv_mid.data(), T, H);
+  fit(S.g, T * I), fit(S.u, T * I), fit(S.gu, T * I);
+  {
+    SharedOperands shared(mm);  // gate and up multiply the same input, as q, k and v above
+    const float* m_in = nullptr;
+    if (!cfg_.use_clipped_linears) {
+      if (!widen_on_sgemm()) shared.add(S.m.data(), T * H);  // for oneDNN's bf16 matmul
+      m_in = rounded(S.m.data(), T * H, wide);
+    }
+    const Matmul m = shared.matmul();
+    clipped_linear(m, L.gate, S.m.data(), S.g.data(), T, H, I, S.gate, keep, wide, m_in);
+    clipped_linear(m, L.up, S.m.data(), S.u.data(), T, H, I, S.up, keep, wide, m_in);
+  }
+  geglu_forward(S.g.data(), S.u.data(), S.gu.data(), T * I);
+  fit(S.ff, T * H), fit(S.inv_ff, T);
+  clipped_linear(mm, L.down, S.gu.data(), S.ff.data(), T, I, H, S.down, keep, wide);
+  norm_add(S.ff.data(), L.post_feedforward_norm.data(), eps, S.inv_ff.data(), h.data(), T, H);
+}
+
+VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& source, VisionTape* keep,
+                                    bool recompute_layers) const {
+  const int64_t H = cfg_.hidden_size, D = cfg_.head_dim, P = b.P;
+  const int n = b.n;
   const int64_t k = cfg_.pooling_kernel_size, patch_values = kChannels * cfg_.patch_size * cfg_.patch_size;
   check(b, source);
   const int64_t T = int64_t{n} * P;
   const int64_t length = P / (k * k);  // soft tokens an image of P patches pools to (Gemma4VisionModel's output_length)
   const Matmul mm = matmul();
-  const bool bf16 = dtype_ == ComputeDtype::Bfloat16;
   VisionTape local;
   VisionTape& tape = keep ? *keep : local;
   tape = VisionTape{};
+  tape.recompute_layers = keep != nullptr && recompute_layers;
   tape.pad.assign(static_cast<size_t>(T), false);
   for (int64_t t = 0; t < T; ++t)
     tape.pad[t] = b.positions[2 * t] == kPaddingPosition && b.positions[2 * t + 1] == kPaddingPosition;
@@ -343,77 +430,15 @@ VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& sou
   tape.meta.resize(static_cast<size_t>(T));
   for (int64_t t = 0; t < T; ++t)
     tape.meta[t] = TokenMeta{static_cast<int32_t>(t % P), pad[t] ? kPaddingDoc : 1, kNoGroup};
-  AttnChunk chunk;
-  chunk.shape = AttnShape{n, Hq, Hkv, static_cast<int>(P), static_cast<int>(P), static_cast<int>(D)};
-  chunk.dtype = DType::F32;
-  chunk.q_meta = chunk.k_meta = tape.meta.data();
-  chunk.mask = LayerMask{false, 0, false};
-  chunk.scale = 1.f;  // Gemma4VisionAttention.scaling: q and k are RMS-normalised per head instead
 
-  const float eps = static_cast<float>(cfg_.rms_norm_eps);
-  // Each buffer is sized once: without a tape one layer's buffers serve every layer (no allocation, no page faults
-  // after the first layer); with one, each layer's are its own and stay on the tape.
-  const auto fit = [](std::vector<float>& v, int64_t count) { v.resize(static_cast<size_t>(count)); };
+  // 2. The layers. Without a tape, or keeping layer inputs only, one scratch set of buffers serves every layer; a
+  // tape that keeps everything gets each layer's own.
+  const bool keep_all = keep != nullptr && !recompute_layers;
   VisionTape::Layer scratch;
   if (keep) tape.layers.reserve(layers_.size());
   for (const Layer& L : layers_) {
-    VisionTape::Layer& S = keep ? tape.layers.emplace_back() : scratch;
-    if (keep) S.h_in = h;
-    // 2a. Attention.
-    fit(S.a, T * H), fit(S.inv_in, T);
-    rmsnorm_forward(h.data(), L.input_norm.data(), eps, S.a.data(), S.inv_in.data(), T, H);
-    fit(S.q_raw, T * Hq * D), fit(S.k_raw, T * Hkv * D), fit(S.v_raw, T * Hkv * D);
-    {
-      // Without clipping q, k and v multiply the same input: rounded to bf16 once for the three (bf16 mode).
-      SharedOperands shared(mm);
-      const float* a = nullptr;
-      if (!cfg_.use_clipped_linears) {
-        if (!widen_on_sgemm()) shared.add(S.a.data(), T * H);  // for oneDNN's bf16 matmul
-        a = rounded(S.a.data(), T * H, wide);
-      }
-      const Matmul m = shared.matmul();
-      clipped_linear(m, L.q, S.a.data(), S.q_raw.data(), T, H, Hq * D, S.q, keep, wide, a);
-      clipped_linear(m, L.k, S.a.data(), S.k_raw.data(), T, H, Hkv * D, S.k, keep, wide, a);
-      clipped_linear(m, L.v, S.a.data(), S.v_raw.data(), T, H, Hkv * D, S.v, keep, wide, a);
-    }
-    fit(S.qh, T * Hq * D), fit(S.kh, T * Hkv * D), fit(S.vh, T * Hkv * D);
-    fit(S.inv_q, T * Hq), fit(S.inv_k, T * Hkv), fit(S.inv_v, T * Hkv);
-    norm_rope_to_heads(S.q_raw.data(), L.q_norm.data(), eps, tape.cos.data(), tape.sin.data(), n, P, Hq, D,
-                       S.inv_q.data(), S.qh.data(), bf16);
-    norm_rope_to_heads(S.k_raw.data(), L.k_norm.data(), eps, tape.cos.data(), tape.sin.data(), n, P, Hkv, D,
-                       S.inv_k.data(), S.kh.data(), bf16);
-    norm_rope_to_heads(S.v_raw.data(), nullptr, eps, nullptr, nullptr, n, P, Hkv, D, S.inv_v.data(), S.vh.data(), bf16);
-    chunk.q = S.qh.data();
-    chunk.k = S.kh.data();
-    chunk.v = S.vh.data();
-    validate(chunk);
-    fit(S.out, T * Hq * D), fit(S.lse, T * Hq);
-    cpu::attention_forward(chunk, S.out.data(), S.lse.data());
-    fit(S.o_tok, T * Hq * D);
-    to_tokens_into(S.out.data(), S.o_tok.data(), n, P, Hq, D);
-    fit(S.attn, T * H), fit(S.inv_attn, T);
-    clipped_linear(mm, L.o, S.o_tok.data(), S.attn.data(), T, Hq * D, H, S.o, keep, wide);
-    norm_add(S.attn.data(), L.post_attention_norm.data(), eps, S.inv_attn.data(), h.data(), T, H);
-    // 2b. MLP.
-    if (keep) S.h_mid = h;
-    fit(S.m, T * H), fit(S.inv_mid, T);
-    rmsnorm_forward(h.data(), L.pre_feedforward_norm.data(), eps, S.m.data(), S.inv_mid.data(), T, H);
-    fit(S.g, T * I), fit(S.u, T * I), fit(S.gu, T * I);
-    {
-      SharedOperands shared(mm);  // gate and up multiply the same input, as q, k and v above
-      const float* m_in = nullptr;
-      if (!cfg_.use_clipped_linears) {
-        if (!widen_on_sgemm()) shared.add(S.m.data(), T * H);  // for oneDNN's bf16 matmul
-        m_in = rounded(S.m.data(), T * H, wide);
-      }
-      const Matmul m = shared.matmul();
-      clipped_linear(m, L.gate, S.m.data(), S.g.data(), T, H, I, S.gate, keep, wide, m_in);
-      clipped_linear(m, L.up, S.m.data(), S.u.data(), T, H, I, S.up, keep, wide, m_in);
-    }
-    geglu_forward(S.g.data(), S.u.data(), S.gu.data(), T * I);
-    fit(S.ff, T * H), fit(S.inv_ff, T);
-    clipped_linear(mm, L.down, S.gu.data(), S.ff.data(), T, I, H, S.down, keep, wide);
-    norm_add(S.ff.data(), L.post_feedforward_norm.data(), eps, S.inv_ff.data(), h.data(), T, H);
+    if (tape.recompute_layers) tape.layers.emplace_back().h_in = h;
+    layer_forward(L, tape, n, P, h, keep_all ? tape.layers.emplace_back() : scratch, keep_all, wide);
   }
 
   // 3. Pooling per image, the scale and standardize.
@@ -469,6 +494,56 @@ VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& sou
   return r;
 }
 
+namespace {
+
+// The float buffers of one tape layer (Layer's members, in its order).
+std::vector<const std::vector<float>*> layer_buffers(const VisionTape::Layer& S) {
+  std::vector<const std::vector<float>*> all = {&S.h_in, &S.a, &S.inv_in};
+  for (const VisionTape::LinearTape* l : {&S.q, &S.k, &S.v, &S.o, &S.gate, &S.up, &S.down}) {
+    all.push_back(&l->x);
+    all.push_back(&l->y);
+  }
+  for (const std::vector<float>* v :
+       {&S.q_raw, &S.k_raw, &S.v_raw,    &S.inv_q, &S.inv_k, &S.inv_v,   &S.qh, &S.kh, &S.vh, &S.out, &S.lse,
+        &S.o_tok, &S.attn,  &S.inv_attn, &S.h_mid, &S.m,     &S.inv_mid, &S.g,  &S.u,  &S.gu, &S.ff,  &S.inv_ff})
+    all.push_back(v);
+  return all;
+}
+
+constexpr int64_t kF32 = sizeof(float);
+constexpr int64_t kBitsPerByte = 8;  // std::vector<bool> packs its flags
+
+}  // namespace
+
+int64_t VisionTape::bytes() const {
+  int64_t floats = static_cast<int64_t>(scaled.size() + cos.size() + sin.size());
+  for (const Layer& S : layers)
+    for (const std::vector<float>* v : layer_buffers(S)) floats += static_cast<int64_t>(v->size());
+  return floats * kF32 + (static_cast<int64_t>(pad.size()) + kBitsPerByte - 1) / kBitsPerByte +
+         static_cast<int64_t>(meta.size() * sizeof(TokenMeta)) +
+         static_cast<int64_t>((cells.size() + counts.size()) * sizeof(int64_t));
+}
+
+int64_t VisionEncoder::tape_bytes(const VisionConfig& c, int64_t images, int64_t P, bool recompute_layers) {
+  const int64_t T = checked_bytes({images, P});
+  const int64_t H = c.hidden_size, I = c.intermediate_size, Q = int64_t{c.num_heads} * c.head_dim,
+                KV = int64_t{c.num_kv_heads} * c.head_dim, heads = c.num_heads, kv_heads = c.num_kv_heads;
+  // A layer's floats a token, as forward keeps them (Layer's members): h_in, a, inv_in; q/k/v_raw and their 1/rms;
+  // qh, kh, vh, out, lse; o_tok, attn, inv_attn; h_mid, m, inv_mid; g, u, gu; ff, inv_ff.
+  int64_t layer = (H + H + 1) + (Q + 2 * KV) + (heads + 2 * kv_heads) + (Q + 2 * KV + Q + heads) + (Q + H + 1) +
+                  (H + H + 1) + 3 * I + (H + 1);
+  // With clipped linears each linear also keeps its clamped input (x) and its output before the clamp (y): q, k, v,
+  // o, gate, up, down.
+  if (c.use_clipped_linears) layer += (H + Q) + (H + KV) + (H + KV) + (Q + H) + (H + I) + (H + I) + (I + H);
+  const int64_t kept_a_layer = recompute_layers ? H : layer;  // recompute_layers: h_in only
+  const int64_t patch_values = kChannels * c.patch_size * c.patch_size;
+  const int64_t rotary = 2 * kAxes * (c.head_dim / (2 * kAxes));  // cos and sin, [2 axes, head_dim / 4] each
+  const int64_t floats_a_token = checked_sum({patch_values, rotary, checked_bytes({c.num_layers, kept_a_layer})});
+  if (T < 0) return -1;
+  return checked_sum({checked_bytes({T, floats_a_token, kF32}), (T + kBitsPerByte - 1) / kBitsPerByte,
+                      checked_bytes({T, static_cast<int64_t>(sizeof(TokenMeta))})});
+}
+
 std::vector<int64_t> VisionEncoder::pool_cells(const VisionBatch& b, int img) const {
   // transformers clamps padding to (0, 0) before taking the widest x, and pools padding (zeroed) into cell 0.
   const int64_t k = cfg_.pooling_kernel_size, base = int64_t{img} * b.P;
@@ -520,12 +595,7 @@ void VisionEncoder::backward(const VisionBatch& b, const VisionTape& tape, const
     }
   }
 
-  AttnChunk chunk;
-  chunk.shape = AttnShape{n, Hq, Hkv, static_cast<int>(P), static_cast<int>(P), static_cast<int>(D)};
-  chunk.dtype = DType::F32;
-  chunk.q_meta = chunk.k_meta = tape.meta.data();
-  chunk.mask = LayerMask{false, 0, false};
-  chunk.scale = 1.f;
+  AttnChunk chunk = tower_chunk(cfg_, tape.meta.data(), n, P);
   // Every layer's gradients in one buffer set, zeroed (in parallel) where a backward accumulates into them: no
   // allocation, and so no page faults, after the last layer.
   const auto zero = [](std::vector<float>& v, int64_t count) {
@@ -536,9 +606,18 @@ void VisionEncoder::backward(const VisionBatch& b, const VisionTape& tape, const
   };
   std::vector<float> d_ff, d_gu, d_g, d_u, d_m, d_attn, d_otok, d_out, delta, dqh, dkh, dvh, dq, dk, dv, dq_raw, dk_raw,
       dv_raw, d_a;
+  // recompute_layers: the layer being differentiated, its forward run again from its kept input (h_out its output,
+  // unused); one set of buffers for every layer, freed when the backward returns.
+  VisionTape::Layer rerun;
+  std::vector<float> h_out;
+  Widened wide;
   for (int l = static_cast<int>(layers_.size()) - 1; l >= 0; --l) {
     const Layer& L = layers_[l];
-    const VisionTape::Layer& S = tape.layers[l];
+    if (tape.recompute_layers) {
+      h_out = tape.layers[l].h_in;
+      layer_forward(L, tape, n, P, h_out, rerun, true, wide);
+    }
+    const VisionTape::Layer& S = tape.recompute_layers ? rerun : tape.layers[l];
     const std::string p = "encoder.layers." + std::to_string(l) + ".";
     // 2b. MLP: h_out = h_mid + post_feedforward_norm(down(gelu(gate(m)) * up(m))), m = pre_feedforward_norm(h_mid).
     zero(d_ff, T * H), zero(d_gu, T * I), zero(d_m, T * H);

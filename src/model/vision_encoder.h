@@ -26,7 +26,10 @@
 // kernels' layout; each post-norm and its residual add). The weights are read from the checkpoint in any float dtype.
 // Backward: given d loss / d soft tokens, the gradient of every trainable tower tensor (nn.Parameter in
 // transformers: linear weights, norm scales, the patch projection and the position table; the clip bounds and the
-// std buffers are buffers, without gradients), from what forward kept on a VisionTape. By default the trainer never
+// std buffers are buffers, without gradients), from what forward kept on a VisionTape: every layer's activations, or
+// with recompute_layers (the trainer's train.recompute, as the decoder's layers) only each layer's input, the layer's
+// forward then run again just before its backward (the same code on the same input: the same bits). By default the
+// trainer never
 // calls it: the tower is frozen, as in every Gemma 4 recipe, and encodes each image of the data once, when the data is
 // read (trainer/data.h). With model.train_vision the tower's parameters live in the parameter store and the trainer
 // runs forward and backward on every micro-batch's images (trainer/step.cpp).
@@ -60,7 +63,8 @@ struct VisionOutput {
 };
 
 // What forward keeps for backward: every layer's activations (float32, a few times the hidden states' size per
-// layer).
+// layer), or with recompute_layers each layer's input h_in only (the rest of a Layer stays empty; backward recomputes
+// it), beside the patches, the rotary tables and the attention metadata of the whole batch.
 struct VisionTape {
   struct LinearTape {
     std::vector<float> x;  // the input the weight saw (clamped; empty without clipping: the caller's input)
@@ -83,6 +87,10 @@ struct VisionTape {
   std::vector<int64_t> cells;   // [N] the pooling cell of each soft token
   std::vector<int64_t> counts;  // [n] soft tokens of each image
   std::vector<Layer> layers;
+  bool recompute_layers = false;  // layers hold their inputs only
+
+  // The bytes of the tape's buffers (their sizes: what forward filled, not the vectors' capacities).
+  int64_t bytes() const;
 };
 
 // Gradients by full tensor name (model.vision_tower.*), float32, in the tensor's shape, accumulated (+=).
@@ -121,11 +129,22 @@ class VisionEncoder {
   // rank, so that a bad image fails everywhere and not only where it is encoded.
   void check(const VisionBatch& b, const std::string& source = "images") const;
 
-  // With `tape`, keeps what backward needs.
-  VisionOutput forward(const VisionBatch& b, const std::string& source = "images", VisionTape* tape = nullptr) const;
+  // With `tape`, keeps what backward needs: every layer's activations, or with recompute_layers each layer's input
+  // only (backward runs each layer's forward again: one [n * P, hidden] buffer a layer kept instead of some 26, or 49
+  // with clipped linears, at Gemma 4's tower shapes, for one more forward of the tower).
+  VisionOutput forward(const VisionBatch& b, const std::string& source = "images", VisionTape* tape = nullptr,
+                       bool recompute_layers = false) const;
+
+  // The bytes forward leaves on a tape for `images` images of P patches each (padding patches included: the tower
+  // computes on them too), all but the [N] pooling cells and [n] counts (N depends on each image's grid). With
+  // recompute_layers backward holds one layer's activations beside these while it differentiates that layer. -1 when
+  // the size overflows int64 (MemoryBreakdown's overflow).
+  static int64_t tape_bytes(const VisionConfig& c, int64_t images, int64_t P, bool recompute_layers);
 
   // Accumulates into `grads` the gradient of every trainable tower tensor, given d loss / d soft tokens
-  // ([N, hidden_size], N as forward returned) for the batch `tape` was recorded on.
+  // ([N, hidden_size], N as forward returned) for the batch `tape` was recorded on. A recompute_layers tape: each
+  // layer's forward runs again from its kept input just before that layer's backward, into one set of buffers that
+  // serves every layer and is freed on return.
   void backward(const VisionBatch& b, const VisionTape& tape, const float* d_soft_tokens, VisionGrads& grads) const;
 
  private:
@@ -158,6 +177,12 @@ class VisionEncoder {
   // tape.y the output before its clamp. x_rounded: rounded(x) when the caller made it once for several linears.
   void clipped_linear(const Matmul& mm, const Linear& l, const float* x, float* y, int64_t T, int64_t in, int64_t out,
                       VisionTape::LinearTape& tape, bool keep, Widened& wide, const float* x_rounded = nullptr) const;
+  // One encoder layer on h [n * P, H], in place (its input in, its output out), its activations into S: with `keep`
+  // everything backward reads (the layer's input and MLP input, the clipped linears' outputs before their clamps),
+  // else only the buffers the computation itself needs (S then serves every layer). The rotary tables and attention
+  // metadata are the tape's.
+  void layer_forward(const Layer& L, const VisionTape& tape, int n, int64_t P, std::vector<float>& h,
+                     VisionTape::Layer& S, bool keep, Widened& wide) const;
   // dx += (d/dx of the clamped linear) dy, dW += ...; x the caller's input (the clamp's gradient is 1 inside the
   // bounds, 0 outside, as torch.clamp's).
   void clipped_linear_backward(const Linear& l, const float* x, const VisionTape::LinearTape& tape, const float* dy,

@@ -110,6 +110,7 @@ struct TrainSection {
   int val_every = 50;     // validation every N steps (and at the end); 0 = only at the end
   int log_every = 10;     // progress lines in a log file (a terminal updates every step)
   bool recompute = true;  // per-layer activation recompute in the backward (model::RunOptions::recompute_layers)
+  // (recompute: with model.train_vision the vision tower's layers too, model::VisionEncoder::forward; the same bits)
   bool keep_mlp = false;  // with recompute: keep the MLP projections (model::RunOptions::keep_mlp_projections)
   // with recompute: keep the o_proj / down_proj outputs (model::RunOptions::keep_o_proj_output, keep_down_proj_output)
   bool keep_o_proj = true;

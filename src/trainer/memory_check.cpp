@@ -7,6 +7,7 @@
 #include "model/expert_store.h"
 #include "model/lora_store.h"
 #include "model/memory.h"
+#include "model/vision_encoder.h"
 #include "trainer/held_expert_store.h"
 #include "trainer/run.h"
 #include "trainer/runtime_memory.h"
@@ -83,6 +84,11 @@ int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& shapes)
 //   ceil(seq_len / cp) tokens, a shard is never shorter, with train.recompute: "activations", "one layer" or
 //   "loss chunk"). The gradient reduction runs in place over the gradient arena (the communicator's own slices of at
 //   most comm::Communicator::kReduceSliceBytes not counted);
+//   vision tower activations  with model.train_vision, the tower's tape (VisionEncoder::tape_bytes), alive from its
+//                    forward through the decoder's run to its own backward: every layer's activations, or with
+//                    train.recompute each layer's input only; for one image of the data's P = soft tokens x k^2
+//                    patches (the mock's drawings of data.mock_image_tokens, a file's image padded to
+//                    data.image_soft_tokens'), the fewest a step that trains the tower on images hands some rank;
 //   runtime baseline the rank's resident set when the first check ran, before the run allocated its state (its
 //                    libraries, MPI's segments, the start-up heap: trainer/runtime_memory.h).
 // Left out, so the figure stays a lower bound: the ring's receive buffers (what a rank receives depends on each
@@ -234,6 +240,12 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   run.layer_weight_bytes = lora_layer_bytes;
   run.head_weight_bytes = lora_head_bytes;
   need.add(model::run_memory_at_least(m.decoder(), run));
+  if (c.model.train_vision && m.parts().vision) {
+    const model::VisionConfig& vc = *m.parts().vision;
+    const int64_t soft_tokens = c.data.source == SourceKind::Mock ? c.data.mock_image_tokens : c.data.image_soft_tokens;
+    const int64_t patches = checked_bytes({soft_tokens, vc.pooling_kernel_size, vc.pooling_kernel_size});
+    need.add(kVisionActivations, model::VisionEncoder::tape_bytes(vc, 1, patches, c.train.recompute));
+  }
   need.add(kRuntimeBaseline, runtime_baseline_bytes());
   return need;
 }

@@ -123,8 +123,10 @@ double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro)
   model::VisionTape tape;
   std::vector<float> soft(static_cast<size_t>(p.n_image_features * F), 0.f);  // [N, F]
   if (mine.n > 0) {
+    // train.recompute: the tower keeps its layers' inputs only and recomputes each layer in its backward, as the
+    // decoder does (the same bits).
     const model::VisionOutput out =
-        r.tower->forward(mine.batch(), "the micro-batch's images", ro.want_grad ? &tape : nullptr);
+        r.tower->forward(mine.batch(), "the micro-batch's images", ro.want_grad ? &tape : nullptr, ro.recompute_layers);
     int64_t at = 0;
     for (size_t j = 0; j < mine_index.size(); ++j) {
       const int i = mine_index[j];

@@ -77,6 +77,8 @@ struct TrainResult {
 // named terms (core/memory.h) from memory_check.cpp, where each is derived. train() checks it against the machine on
 // every rank before it allocates the weights, and the error names the biggest terms.
 MemoryBreakdown train_memory_at_least(const TrainConfig& config, const model::Gemma4Multimodal& m, int world_size);
+// The term of train_memory_at_least that counts a trained vision tower's tape (model.train_vision).
+inline constexpr const char* kVisionActivations = "vision tower activations (one image)";
 
 // Runs the configured training on `world` (every rank calls it). The config must have passed validate().
 TrainResult train(const TrainConfig& config, comm::Communicator& world, const TrainOptions& options);

@@ -13,6 +13,10 @@ launcher, over P ranks (the tower runs on every rank on the whole batch, before 
 `--ranks P... -- MPIEXEC...` at each of those P against the one reference (tests/common/launchers.py).
 Compared: the loss and the logits of every valid token, 1e-4 relative (parity.py's tolerance and reason: float32
 against float64, rounding ~1e-7 per op amplified by depth; a wrong soft token moves the image slots' logits by 1e-2).
+With `--vision-case PATH` (tests/model/vision_case: the encoder alone, VisionEncoder::set_compute_dtype as the
+trainer sets it), `ringflex forward --compute-dtype bf16` from pixels runs its tower in bf16 too: its loss and logits
+are the bits of the same command given the bf16 encoder's soft tokens as image_features (one thread each), and not
+those of the float32 encoder's (which a float32 tower in the bf16 forward would give).
 Exit 77 (CTest's skip) when torch, transformers or safetensors is missing.
 """
 import os
@@ -51,9 +55,13 @@ B, S = 2, 24
 
 def main():
     if len(sys.argv) < 2:
-        print("usage: vision_forward.py PATH/TO/ringflex [LAUNCHER... | --ranks P... [-- MPIEXEC...]]")
+        print("usage: vision_forward.py PATH/TO/ringflex [--vision-case PATH] [LAUNCHER... | --ranks P... "
+              "[-- MPIEXEC...]]")
         return 2
-    ringflex, runs = sys.argv[1], launchers(sys.argv[2:])
+    ringflex, rest, vision_case = sys.argv[1], sys.argv[2:], None
+    if rest[:1] == ["--vision-case"]:
+        vision_case, rest = rest[1], rest[2:]
+    runs = launchers(rest)
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
     gen = torch.Generator().manual_seed(2024)
@@ -154,6 +162,47 @@ def main():
                 return 1
             print(f"ok   forward from pixels{where}: {len(GRIDS)} images ({soft} soft tokens), "
                   f"loss {float(loss):.6f}, relative errors loss {errs['loss']:.1e}, logits {errs['logits']:.1e}")
+        if vision_case is not None:
+            return bf16_tower(ringflex, vision_case, ckpt, batch, pixels, pos, work)
+    return 0
+
+
+def bf16_tower(ringflex, vision_case, ckpt, batch, pixels, pos, work):
+    """forward --compute-dtype bf16 from pixels against the same command on the encoder's soft tokens (one rank)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    images_path = os.path.join(work, "images.safetensors")
+    save_file({"pixel_values": pixels.contiguous(), "pixel_position_ids": pos.to(torch.int32).contiguous()},
+              images_path)
+    text = {k: v for k, v in batch.items() if k not in ("pixel_values", "image_position_ids")}
+    outs = {}
+    for name, tower in (("pixels", None), ("bf16 tower", "bfloat16"), ("float32 tower", "float32")):
+        in_path = os.path.join(work, f"bf16_{name.replace(' ', '_')}.safetensors")
+        if tower is None:
+            save_file(batch, in_path)
+        else:
+            soft_path = os.path.join(work, f"soft_{tower}.safetensors")
+            proc = subprocess.run([vision_case, ckpt, images_path, soft_path, tower], capture_output=True, text=True,
+                                  env=env)
+            if proc.returncode != 0:
+                print(f"FAIL vision_case {tower}: {proc.stderr.strip()}")
+                return 1
+            save_file(dict(text, image_features=load_file(soft_path)["soft_tokens"]), in_path)
+        out_path = os.path.join(work, "bf16_out.safetensors")
+        proc = subprocess.run([ringflex, "forward", "--model", ckpt, "--in", in_path, "--out", out_path,
+                               "--compute-dtype", "bf16"], capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            print(f"FAIL ringflex forward --compute-dtype bf16 ({name}): {proc.stderr.strip()}")
+            return 1
+        outs[name] = load_file(out_path)
+    same = all(torch.equal(outs["pixels"][k], outs["bf16 tower"][k]) for k in ("loss", "logits"))
+    if not same:
+        print("FAIL forward --compute-dtype bf16 from pixels: not the bits of the bf16 encoder's soft tokens")
+        return 1
+    if torch.equal(outs["pixels"]["logits"], outs["float32 tower"]["logits"]):
+        print("FAIL forward --compute-dtype bf16 from pixels: the bits of the float32 encoder's soft tokens")
+        return 1
+    print(f"ok   forward --compute-dtype bf16 from pixels: the bf16 encoder's soft tokens' loss and logits, bit for "
+          f"bit (loss {float(outs['pixels']['loss']):.6f})")
     return 0
 
 

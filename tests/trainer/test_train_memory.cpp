@@ -16,6 +16,8 @@
 #include "model/checkpoint.h"
 #include "model/lora_store.h"
 #include "model/memory.h"
+#include "model/vision.h"
+#include "model/vision_encoder.h"
 #include "trainer/error_of.h"
 #include "trainer/runtime_memory.h"
 #include "trainer/sharded_store.h"
@@ -217,6 +219,37 @@ TEST(TrainMemory, Bf16WorkingWeightsAreCounted) {
     EXPECT_EQ(b.of("bf16 working weights"), none.of("bf16 working weights")) << mode;
     EXPECT_EQ(train_memory_at_least(config(sets), m, kRanks).of("weights"), total * 4 + buffers) << mode;
   }
+}
+
+// model.train_vision: the tower's tape for one image of the data's size, whole or (train.recompute) each layer's input
+// only, as VisionEncoder::tape_bytes counts it (tests/model/test_vision_encoder.cpp holds that against a real tape).
+TEST(TrainMemory, TrainedVisionTowerCountsItsTapeSmallerWhenRecomputing) {
+  const std::string text = model::builtin_config_json("tiny_dense");
+  const model::VisionConfig tower = model::VisionConfig::from_config_json(text, "tiny_dense").value();
+  const model::Gemma4Multimodal m(model::Gemma4Config::from_json(text),
+                                  model::MultimodalParts(model::kBuiltinFeatureDim, tower, true),
+                                  model::TensorSet::Storage::Deferred);
+  const MemoryBreakdown recompute = train_memory_at_least(config({"model.train_vision=true"}), m, 1);
+  const MemoryBreakdown keep =
+      train_memory_at_least(config({"model.train_vision=true", "train.recompute=false"}), m, 1);
+  // The mock's drawings: data.mock_image_tokens (16 by default) pooling cells of k x k = 2 x 2 patches.
+  const int64_t P = 16 * 2 * 2;
+  EXPECT_EQ(recompute.of(kVisionActivations), model::VisionEncoder::tape_bytes(tower, 1, P, true));
+  EXPECT_EQ(keep.of(kVisionActivations), model::VisionEncoder::tape_bytes(tower, 1, P, false));
+  // By hand, the tiny tower (hidden H = 32, intermediate I = 64, 2 heads and 2 KV heads of 16: Q = KV = 32, one
+  // layer): a layer keeps 6 [P, H] buffers (input, input norm, o_proj output, MLP input, its norm, down_proj output),
+  // 4 [P, Q] (q before and after its norm, attention output, o_proj input), 4 [P, KV] (k, v before and after), 3
+  // [P, I] (gate, up, their product) and P x 12 scalars (4 norms' 1/rms, q's, k's and v's per head, the LSE per head):
+  // 652 floats a patch, of which recompute keeps the layer's input, H = 32.
+  EXPECT_EQ(keep.of(kVisionActivations) - recompute.of(kVisionActivations), P * (652 - 32) * 4);
+  EXPECT_GT(keep.total(), recompute.total());
+  // Files' images are padded to data.image_soft_tokens' patches.
+  const MemoryBreakdown files = train_memory_at_least(config({"model.train_vision=true", "data.source=jsonl_tokens",
+                                                              "data.image_soft_tokens=70"}),
+                                                      m, 1);
+  EXPECT_EQ(files.of(kVisionActivations), model::VisionEncoder::tape_bytes(tower, 1, 70 * 2 * 2, true));
+  // A frozen tower encodes the data's images once, before training: no tape.
+  EXPECT_EQ(train_memory_at_least(config({}), shapes(), 1).of(kVisionActivations), 0);
 }
 
 TEST(TrainMemory, LoraCountsTheAdaptersNotTheBase) {
