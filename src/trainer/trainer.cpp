@@ -221,7 +221,12 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
   if (!save_now) return;
   // A save is waited for as long as its bytes take at the slowest write rate, beyond --timeout: only a rank that is
   // gone or silent ends the job the hard way.
-  save(r, pending, save_wait(r.timeout, checkpoint_bytes(r.ck), r.options.slowest_checkpoint_write), progress, result);
+  int64_t bytes = checkpoint_bytes(r.ck);
+  if (r.hold_experts || r.held) {  // the files hold every expert, where the store registers this rank's
+    const HeldExpertsWhole counting(*r.ck.model, files_layout(r.ck.model->params()));
+    bytes = checkpoint_bytes(r.ck);
+  }
+  save(r, pending, save_wait(r.timeout, bytes, r.options.slowest_checkpoint_write), progress, result);
 }
 
 // --stats: the memory check's terms for this run (per rank: every rank's figure is the same, shards being padded)
