@@ -111,6 +111,22 @@ std::optional<HeldDType> held_dtype_of(io::StDType t) {
   }
 }
 
+// The rows a parameter holds of its tensor in the files (PlaceParams), one leading row at a time (an expert's
+// weights) widened into dst [p.numel]: only those rows' bytes of the mapped file are read.
+void read_held_rows(const io::TensorView& v, const ParamInfo& p, float* dst) {
+  const int64_t rows = p.shape.at(0);
+  if (rows == 0) return;
+  const int64_t row = p.numel / rows;
+  const auto row_bytes = static_cast<size_t>(row) * io::element_size(v.dtype);
+  std::vector<int64_t> row_shape(p.shape.begin() + 1, p.shape.end());
+  for (int64_t r = 0; r < rows; ++r) {
+    const io::TensorView one{v.name, v.dtype, row_shape,
+                             v.bytes.subspan(static_cast<size_t>(p.rows_begin + r) * row_bytes, row_bytes)};
+    const std::vector<float> values = io::to_float32(one);
+    std::copy(values.begin(), values.end(), dst + r * row);
+  }
+}
+
 }  // namespace
 
 std::string file_name_of(const std::string& param_name, const std::string& text_prefix) {
@@ -121,7 +137,7 @@ std::string file_name_of(const std::string& param_name, const std::string& text_
 }
 
 Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating,
-                           std::unique_ptr<ParamStore> store, bool train_vision) {
+                           std::unique_ptr<ParamStore> store, bool train_vision, const PlaceParams& place) {
   const fs::path root(dir);
   RF_CHECK(fs::is_directory(root), dir, ": not a directory");
   const fs::path config_path = root / "config.json";
@@ -154,15 +170,17 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
            ": model.train_vision, but the config has no vision_config (no vision tower)");
   ck.model = std::make_unique<Gemma4Multimodal>(std::move(cfg), std::move(parts), TensorSet::Storage::Deferred,
                                                 std::move(store));
-  ParamStore& params = ck.model->params();
-  const size_t from_files = params.size();
-  for (const ParamInfo& p : params.infos()) {
+  const size_t from_files = ck.model->params().size();
+  for (const ParamInfo& p : ck.model->params().infos()) {
     const std::string name = file_name_of(p.name, ck.text_prefix);
     const io::TensorView* v = files.find(name);
     RF_CHECK(v != nullptr, dir, ": no tensor `", name, "` in the checkpoint");
     check_shape(p.shape, *v, files.shard_of(name).path());
   }
   if (before_allocating) before_allocating(*ck.model);
+  if (std::unique_ptr<ParamStore> placed = place ? place(*ck.model) : nullptr)
+    ck.model->replace_params(std::move(placed));
+  ParamStore& params = ck.model->params();
   // A store that holds frozen parameters where the files are mapped (a LoRA base) makes no float32 copy of them.
   if (!params.maps_frozen_weights())
     check_memory(params.resident_weight_bytes(), dir + ": the model's float32 parameters held by this rank");
@@ -170,6 +188,10 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   for (size_t slot = 0; slot < from_files; ++slot) {
     const ParamInfo& p = params.info(slot);
     const io::TensorView& v = *files.find(file_name_of(p.name, ck.text_prefix));
+    if (p.holds_part()) {
+      read_held_rows(v, p, params.mutable_weight(slot));
+      continue;
+    }
     if (const std::optional<HeldDType> dtype = held_dtype_of(v.dtype);
         dtype && params.hold_mapped(slot, HeldWeight{*dtype, v.bytes.data()}, opened))
       continue;

@@ -41,6 +41,13 @@ struct Checkpoint {
 // checked against the files and before any is allocated: where a caller checks what its whole job needs.
 using BeforeAllocating = std::function<void(const Gemma4Multimodal& shapes)>;
 
+// Runs after BeforeAllocating, still before any parameter is allocated: returns the store the parameters are loaded
+// into instead of the registered one (the same names and whole shapes, ParamInfo::whole_shape), or null to keep it.
+// A slot it holds in part (ParamInfo::holds_part: expert parallelism's rows) is read from the files by those rows
+// alone, one leading row at a time widened straight into its mutable_weight: the rows it does not hold are never
+// read, and no float32 copy of the whole tensor is made.
+using PlaceParams = std::function<std::unique_ptr<ParamStore>(const Gemma4Multimodal& shapes)>;
+
 // Throws rf::Error naming the file or tensor: a missing config.json or tensor, a shape against the config, an
 // unsupported config field, parameters beyond the machine's memory (or whatever `before_allocating` throws).
 // `store`: where the parameters live (null: a ReplicatedStore); the parameters the store itself adds when it allocates
@@ -57,9 +64,10 @@ using BeforeAllocating = std::function<void(const Gemma4Multimodal& shapes)>;
 // `train_vision` (model.train_vision): the vision tower's parameters are registered in the store too
 // (register_vision_tower, vision.h) and read from the files like the decoder's, so they train and are written back
 // in float32 under their own names; its buffers stay passthrough. Throws rf::Error when the config has no
-// vision_config.
+// vision_config. `place`: see PlaceParams.
 Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating = {},
-                           std::unique_ptr<ParamStore> store = nullptr, bool train_vision = false);
+                           std::unique_ptr<ParamStore> store = nullptr, bool train_vision = false,
+                           const PlaceParams& place = {});
 
 // How save_checkpoint writes the weights.
 struct SaveOptions {

@@ -5,9 +5,9 @@
 // E / P experts' worth, and moe.cpp indexes them by the expert's row in what the store holds. The router (with its
 // per_expert_scale [E], which every token reads) and every other parameter stay whole on every rank.
 //
-// The files always hold whole tensors (each expert written once in the Hugging Face layout): a run loads them whole
-// and keeps its rows (hold_expert_rows), so a checkpoint resumes at any EP; the writer takes a whole-layout store
-// (whole_layout) whose expert rows the trainer gathers over the EP group.
+// The files always hold whole tensors (each expert written once in the Hugging Face layout), so a checkpoint resumes
+// at any EP: a loader places a store of the rows (hold_expert_rows of its registry, model::PlaceParams) and reads those
+// rows of the files alone; the trainer's writer gathers each tensor's rows as it writes it (trainer/held_checkpoint.h).
 #pragma once
 
 #include <memory>

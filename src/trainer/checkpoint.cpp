@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
+#include <tuple>
 
 #include "core/error.h"
 #include "core/memory.h"
@@ -189,17 +190,30 @@ PendingCheckpoint::~PendingCheckpoint() {
 }
 
 void write_moments_whole(const std::string& dir, const model::ParamStore& store) {
-  io::SafetensorsWriter w;
   RF_CHECK(store.moment_range().size() == store.trainable_elements(),
            "save: the optimizer's moments are sharded; each rank writes its own (write_moments_shard)");
-  for (size_t i = 0; i < store.size(); ++i) {
-    const model::ParamInfo& p = store.info(i);
+  const auto copy = [&store](model::Role role, size_t slot, std::span<float> out) {
+    std::copy_n(store.moment(role, slot), out.size(), out.data());
+  };
+  write_moments_streamed(dir, store, copy, true);
+}
+
+void write_moments_streamed(const std::string& dir, const model::ParamStore& layout, const MomentReader& read,
+                            bool write) {
+  io::SafetensorsWriter w;
+  for (size_t i = 0; i < layout.size(); ++i) {
+    const model::ParamInfo& p = layout.info(i);
     if (!p.trainable) continue;  // a frozen tensor has no moments (a resume must freeze the same)
-    const auto n = static_cast<size_t>(p.numel);
-    w.add("exp_avg." + p.name, io::StDType::F32, p.shape,
-          std::span<const float>(store.moment(model::Role::ExpAvg, i), n));
-    w.add("exp_avg_sq." + p.name, io::StDType::F32, p.shape,
-          std::span<const float>(store.moment(model::Role::ExpAvgSq, i), n));
+    for (const auto& entry : {std::pair{"exp_avg.", model::Role::ExpAvg}, {"exp_avg_sq.", model::Role::ExpAvgSq}}) {
+      const model::Role role = entry.second;
+      w.add_fill(entry.first + p.name, io::StDType::F32, p.whole_shape(), [&read, role, i](std::span<std::byte> out) {
+        read(role, i, std::span<float>(reinterpret_cast<float*>(out.data()), out.size() / sizeof(float)));
+      });
+    }
+  }
+  if (!write) {
+    w.run_fills();
+    return;
   }
   w.write((fs::path(dir) / kOptimizerFile).string());
 }
@@ -312,9 +326,10 @@ std::string resolve_checkpoint(const std::string& dir_or_root) {
 }
 
 LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating,
-                                       bool train_vision, std::unique_ptr<model::ParamStore> store) {
+                                       bool train_vision, std::unique_ptr<model::ParamStore> store,
+                                       const model::PlaceParams& place) {
   LoadedCheckpoint out;
-  out.weights = model::load_checkpoint(dir, before_allocating, std::move(store), train_vision);
+  out.weights = model::load_checkpoint(dir, before_allocating, std::move(store), train_vision, place);
   out.state = load_train_state(dir);
   return out;
 }
@@ -458,8 +473,87 @@ void read_moment_file(const MomentFile& file, const MomentFiles& layout, model::
 
 }  // namespace
 
+void load_moments_into(const std::string& dir, const model::ParamStore& layout, std::span<const MomentTarget> targets) {
+  std::error_code ec;
+  // `what` names the values as the files do; `first`: their first element in the parameter's whole tensor.
+  const auto check = [](const std::string& file, const std::string& what, const model::ParamInfo& p, int64_t first,
+                        std::span<const float> values, bool second) {
+    for (size_t i = 0; i < values.size(); ++i) {
+      const float x = values[i];
+      // AdamW divides by sqrt(exp_avg_sq) + eps: a negative one is NaN in the first update.
+      if (std::isfinite(x) && (!second || x >= 0)) continue;
+      rf::fail(file, ": ", what, " has ", x, " at ", io::index_string(first + static_cast<int64_t>(i), p.whole_shape()),
+               std::isfinite(x) ? " (a second moment is never negative)" : "");
+    }
+  };
+  if (fs::exists(fs::path(dir) / kMomentLayoutFile, ec)) {
+    const std::vector<MomentFile> files = read_moment_layout(dir, layout).files;
+    std::vector<std::optional<io::SafetensorsFile>> opened(files.size());  // each opened when first needed
+    for (const MomentTarget& t : targets) {
+      const model::ParamInfo& p = layout.info(t.slot);
+      RF_CHECK(p.trainable && t.first >= 0 && t.first + t.n <= p.numel, "load_moments_into: elements [", t.first, ", ",
+               t.first + t.n, ") of ", p.name, " (", p.numel, " elements, trainable: ", p.trainable, ")");
+      const int64_t begin = p.train_offset + t.first, end = begin + t.n;  // in the files' trainable layout
+      for (size_t k = 0; k < files.size(); ++k) {
+        const MomentFile& file = files[k];
+        const int64_t lo = std::max(begin, file.begin), hi = std::min(end, file.end);
+        if (lo >= hi) continue;
+        if (!opened[k]) opened[k].emplace(io::SafetensorsFile::open(file.path));
+        for (const auto& [name, dst, second] :
+             {std::tuple{kExpAvg, t.exp_avg, false}, {kExpAvgSq, t.exp_avg_sq, true}}) {
+          const io::TensorView& v = opened[k]->at(name);
+          RF_CHECK(v.dtype == io::StDType::F32 && v.shape == std::vector<int64_t>{file.end - file.begin}, file.path,
+                   ": `", name, "` is not float32 [", file.end - file.begin, "] (elements ", file.begin, " to ",
+                   file.end, " of the trainable layout, optimizer.json)");
+          float* out = dst + (lo - begin);
+          std::memcpy(out, v.bytes.data() + (lo - file.begin) * int64_t{sizeof(float)},
+                      static_cast<size_t>(hi - lo) * sizeof(float));
+          check(file.path, rf::concat("`", name, "` of `", p.name, "`"), p, lo - p.train_offset,
+                {out, static_cast<size_t>(hi - lo)}, second);
+        }
+      }
+    }
+    return;
+  }
+  const std::string path = (fs::path(dir) / kOptimizerFile).string();
+  const io::SafetensorsFile f = io::SafetensorsFile::open(path);
+  for (const MomentTarget& t : targets) {
+    const model::ParamInfo& p = layout.info(t.slot);
+    RF_CHECK(p.trainable && t.first >= 0 && t.first + t.n <= p.numel, "load_moments_into: elements [", t.first, ", ",
+             t.first + t.n, ") of ", p.name, " (", p.numel, " elements, trainable: ", p.trainable, ")");
+    for (const auto& [prefix, dst, second] :
+         {std::tuple{"exp_avg.", t.exp_avg, false}, {"exp_avg_sq.", t.exp_avg_sq, true}}) {
+      const std::string name = prefix + p.name;
+      const io::TensorView& v = f.at(name);
+      RF_CHECK(v.dtype == io::StDType::F32 && v.shape == p.whole_shape(), path, ": `", name,
+               "` is not float32 of the parameter's shape ", io::shape_string(p.whole_shape()));
+      std::memcpy(dst, v.bytes.data() + t.first * int64_t{sizeof(float)}, static_cast<size_t>(t.n) * sizeof(float));
+      check(path, rf::concat("tensor `", name, "`"), p, t.first, {dst, static_cast<size_t>(t.n)}, second);
+    }
+  }
+}
+
 void load_optimizer_state(const std::string& dir, model::ParamStore& store) {
   std::error_code ec;
+  const bool holds_rows =
+      std::any_of(store.infos().begin(), store.infos().end(), [](const model::ParamInfo& p) { return p.holds_part(); });
+  if (holds_rows) {
+    // Expert rows held apart: the files hold whole tensors in the whole trainable layout; each of this store's
+    // moment elements is read from where its rows lie there.
+    const std::unique_ptr<model::ParamStore> layout = model::whole_registry(store);
+    store.allocate_moments();
+    const model::Shard range = store.moment_range();
+    float* const m = store.mutable_flat(model::Role::ExpAvg).data();
+    float* const v = store.mutable_flat(model::Role::ExpAvgSq).data();
+    std::vector<MomentTarget> targets;
+    for (const model::ParamStore::Segment& seg : store.trainable_segments(range.begin, range.end)) {
+      const model::ParamInfo& p = store.info(seg.slot);
+      const int64_t at = seg.train_index - range.begin;
+      targets.push_back({seg.slot, p.rows_begin * model::row_elements(p) + seg.first, seg.n, m + at, v + at});
+    }
+    load_moments_into(dir, *layout, targets);
+    return;
+  }
   if (fs::exists(fs::path(dir) / kMomentLayoutFile, ec)) {
     const MomentFiles layout = read_moment_layout(dir, store);
     store.allocate_moments();

@@ -122,12 +122,38 @@ struct LoadedCheckpoint {
 // Loads weights and state; load_optimizer_state puts AdamW's moments into `store` (same parameter names and shapes;
 // allocated there for its trainable parameters, so freeze before): the part inside the store's moment_range(), read
 // from whichever optimizer files hold it (whole per tensor, or one file a rank); a store holding a tensor's expert
-// rows apart (ParamInfo::rows_begin) reads its rows of the whole tensor.
-// `before_allocating`, `train_vision`, `store`: as model::load_checkpoint's (a sharded store keeps each rank's
-// pieces as the tensors are read: a resume under parallelism.shard full holds no whole copy on any rank).
+// rows apart (ParamInfo::rows_begin) reads its rows of the whole tensor (load_moments_into).
+// `before_allocating`, `train_vision`, `store`, `place`: as model::load_checkpoint's (a sharded store keeps each rank's
+// pieces as the tensors are read: a resume under parallelism.shard full holds no whole copy on any rank; a store
+// placed with expert rows reads those rows alone).
 LoadedCheckpoint load_train_checkpoint(const std::string& dir, const model::BeforeAllocating& before_allocating = {},
-                                       bool train_vision = false, std::unique_ptr<model::ParamStore> store = nullptr);
+                                       bool train_vision = false, std::unique_ptr<model::ParamStore> store = nullptr,
+                                       const model::PlaceParams& place = {});
+// A store holding expert rows (ParamInfo::holds_part) reads its rows' moments alone, from either kind of files
+// (load_moments_into).
 void load_optimizer_state(const std::string& dir, model::ParamStore& store);
+
+// Where some of a run's moments go: elements [first, first + n) of parameter `slot` of the files' layout (its whole
+// tensor's row-major elements), into exp_avg[0, n) and exp_avg_sq[0, n).
+struct MomentTarget {
+  size_t slot = 0;
+  int64_t first = 0, n = 0;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+};
+// Reads the targets' moments from the checkpoint `dir`, whichever files hold them (optimizer.safetensors, or the
+// sharded files of optimizer.json, checked against `layout`), copying only their bytes out of the mapped files (a
+// sharded file is opened only when a target lies in it), checked finite and the second moments non-negative.
+// `layout`: the files' registry, every parameter whole with the trainable flags of this run (model.freeze).
+void load_moments_into(const std::string& dir, const model::ParamStore& layout, std::span<const MomentTarget> targets);
+
+// As write_moments_whole, each moment tensor of `layout`'s trainable parameters produced by `read` (role, slot, the
+// whole tensor [numel]) while the file is written, one at a time: the same file, without the moments in one store.
+// `write` false: the reads run in the same order and nothing is written (the ranks whose reads are collectives with
+// the writing rank's).
+using MomentReader = std::function<void(model::Role role, size_t slot, std::span<float> out)>;
+void write_moments_streamed(const std::string& dir, const model::ParamStore& layout, const MomentReader& read,
+                            bool write);
 // trainer_state.json alone (a LoRA checkpoint's weights are its adapters: model/lora_store.h load_peft_adapter).
 TrainState load_train_state(const std::string& dir);
 

@@ -6,10 +6,11 @@
 //              order (Communicator::allreduce), so every rank's non-expert gradients are ep 1's bits
 //   clipping   the global norm counts each expert once: the non-expert sum of squares (the same on every rank),
 //              plus each EP rank's experts' sum, gathered over the EP group and added in EP rank order
-//   saving     the writer (world rank 0) takes a whole-layout store (model::whole_layout), its expert rows and
-//              moments gathered over its EP group (world ranks 0 .. ep - 1), so every expert is written once in the
-//              Hugging Face layout. It holds one whole copy of the weights and moments while it writes.
-//   resuming   the run loads the files whole and keeps its rows (model::hold_expert_rows): any EP resumes any EP.
+//   saving     every expert written once in the Hugging Face layout, each tensor gathered onto the writer (world
+//              rank 0) from world ranks 0 .. ep - 1 as its turn comes (trainer/held_checkpoint.h): no whole copy.
+//   loading    the store is placed before the weights are read (model::hold_expert_rows of the loader's registry):
+//              each rank reads its experts' rows of the files alone, and their moments (load_optimizer_state), so
+//              any EP resumes any EP.
 // LoRA (shard none or optimizer) holds its experts' adapters apart the same way (model::LoraStore::place_experts: A's
 // and B's expert rows, ParamInfo::rows_begin) over a whole frozen base: the gradients and the norm as above; the writer
 // takes a LoraStore of whole adapters (gather_held_adapters) and writes PEFT's files from it; a resume reads each

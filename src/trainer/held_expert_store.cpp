@@ -296,21 +296,18 @@ void copy_moments(const model::ParamStore& from, model::ParamStore& to, SlotMap 
 
 }  // namespace
 
-std::unique_ptr<HeldExpertStore> make_held_expert_store(const model::ParamStore& whole,
-                                                        std::unique_ptr<model::ParamStore> inner,
-                                                        std::unique_ptr<ExpertSlices> experts,
-                                                        const HeldPlacement& at) {
-  RF_CHECK(whole.weights_allocated(), "held experts: the whole store has no weights to split");
-  const bool moments = whole.has_moments();
-  RF_CHECK(!moments || whole.moment_range().size() == whole.trainable_elements(),
-           "held experts: the whole store's moments must cover its whole trainable layout");
-  const size_t n = whole.size();
+std::unique_ptr<HeldExpertStore> place_held_experts(const model::ParamStore& registry,
+                                                    const std::vector<bool>& trainable,
+                                                    std::unique_ptr<model::ParamStore> inner,
+                                                    std::unique_ptr<ExpertSlices> experts, const HeldPlacement& at) {
+  const size_t n = registry.size();
+  RF_CHECK(trainable.size() == n, "held experts: ", trainable.size(), " trainable flags for ", n, " parameters");
   std::vector<int64_t> expert_slot(n, -1);
   std::vector<size_t> whole_slot_of_expert;
   std::vector<bool> inner_trainable(n), expert_trainable;
   std::vector<std::pair<int64_t, int64_t>> rows(n);  // [slot]: held rows (begin, total) of an expert tensor
   for (size_t i = 0; i < n; ++i) {
-    const ParamInfo& p = whole.info(i);
+    const ParamInfo& p = registry.info(i);
     RF_CHECK(!p.holds_part(), "held experts: ", p.name, " is held in part already");
     std::vector<int64_t> shape = p.shape;
     const bool expert = model::is_expert_tensor(p);
@@ -322,7 +319,7 @@ std::unique_ptr<HeldExpertStore> make_held_expert_store(const model::ParamStore&
       shape[0] = E / at.ep;
       expert_slot[i] = static_cast<int64_t>(experts->add(p.name, shape, p.layer, p.matmul));
       whole_slot_of_expert.push_back(i);
-      expert_trainable.push_back(p.trainable);
+      expert_trainable.push_back(trainable[i]);
       std::vector<int64_t> none = p.shape;
       none[0] = 0;
       inner->add(p.name, std::move(none), p.layer, p.matmul);
@@ -331,7 +328,7 @@ std::unique_ptr<HeldExpertStore> make_held_expert_store(const model::ParamStore&
       // The token tables and the head stay streamed: under shard full never gathered whole (sharded_store.h).
       if (p.streamed) inner->mark_streamed(slot);
     }
-    inner_trainable[i] = !expert && p.trainable;
+    inner_trainable[i] = !expert && trainable[i];
   }
   inner->set_trainable(inner_trainable);
   experts->set_trainable(expert_trainable);
@@ -340,64 +337,89 @@ std::unique_ptr<HeldExpertStore> make_held_expert_store(const model::ParamStore&
     experts->hold_rows(e, r.first, r.second);
   }
 
-  // The experts: this EP rank's rows, their moments over this rank's EDP slice.
-  experts->allocate_weights();
-  for (size_t e = 0; e < whole_slot_of_expert.size(); ++e) {
-    const ParamInfo& p = experts->info(e);
-    std::copy_n(whole.weight(whole_slot_of_expert[e]) + p.rows_begin * model::row_elements(p), p.numel,
-                experts->mutable_weight(e));
-  }
-  const comm::Slice own = experts->own();
-  experts->set_moment_range(static_cast<int64_t>(own.begin), static_cast<int64_t>(own.end));
-  if (moments) {
-    experts->allocate_moments();
-    copy_moments(
-        whole, *experts, [&](size_t e) { return whole_slot_of_expert[e]; },
-        [&](size_t e) { return experts->info(e).rows_begin * model::row_elements(experts->info(e)); });
-  }
-
-  // The rest: the inner store takes the whole weights of the non-expert parameters, its moments over this world
-  // rank's slice of their trainable layout. A sharded store adopts them from a replicated store of its registry.
-  model::ReplicatedStore staged;
-  for (const ParamInfo& p : inner->infos()) {
-    const size_t slot = staged.add(p.name, p.shape, p.layer, p.matmul);
-    if (p.streamed) staged.mark_streamed(slot);
-  }
-  staged.set_trainable(inner_trainable);
-  staged.allocate_weights();
-  for (size_t i = 0; i < n; ++i)
-    if (expert_slot[i] < 0) std::copy_n(whole.weight(i), whole.info(i).numel, staged.mutable_weight(i));
-  if (auto* sharded = dynamic_cast<ShardedStore*>(inner.get())) {
-    sharded->adopt(staged);
-  } else {
-    inner->allocate_weights();
-    for (size_t i = 0; i < n; ++i)
-      if (expert_slot[i] < 0) std::copy_n(staged.weight(i), staged.info(i).numel, inner->mutable_weight(i));
-  }
-  const model::Shard mine = model::shard_of(inner->trainable_elements(), at.world_rank, at.world_size);
-  inner->set_moment_range(mine.begin, mine.end);
-  if (moments) {
-    inner->allocate_moments();
-    copy_moments(
-        whole, *inner, [](size_t i) { return i; }, [](size_t) { return int64_t{0}; });
-  }
-
   // The model's registry: every parameter, the experts with their held rows and marked frozen (their training state
   // is ExpertSlices').
   auto held = std::make_unique<HeldExpertStore>(std::move(inner), std::move(experts), std::move(expert_slot));
-  std::vector<bool> held_trainable(n);
   for (size_t i = 0; i < n; ++i) {
-    const ParamInfo& p = whole.info(i);
+    const ParamInfo& p = registry.info(i);
     std::vector<int64_t> shape = p.shape;
     if (held->expert_slot(i) >= 0) shape[0] = p.shape[0] / at.ep;
     held->add(p.name, std::move(shape), p.layer, p.matmul);
     if (held->expert_slot(i) >= 0) held->hold_rows(i, rows[i].first, rows[i].second);
     if (p.streamed) held->mark_streamed(i);
-    held_trainable[i] = inner_trainable[i];
   }
-  held->set_trainable(held_trainable);
-  held->set_moment_range(mine.begin, mine.end);
+  held->set_trainable(inner_trainable);
   held->seal();
+  return held;
+}
+
+void set_held_moment_ranges(HeldExpertStore& held, const HeldPlacement& at) {
+  const comm::Slice own = held.experts().own();
+  held.experts().set_moment_range(static_cast<int64_t>(own.begin), static_cast<int64_t>(own.end));
+  const model::Shard mine = model::shard_of(held.inner().trainable_elements(), at.world_rank, at.world_size);
+  held.set_moment_range(mine.begin, mine.end);
+}
+
+std::unique_ptr<HeldExpertStore> make_held_expert_store(const model::ParamStore& whole,
+                                                        std::unique_ptr<model::ParamStore> inner,
+                                                        std::unique_ptr<ExpertSlices> experts,
+                                                        const HeldPlacement& at) {
+  RF_CHECK(whole.weights_allocated(), "held experts: the whole store has no weights to split");
+  const bool moments = whole.has_moments();
+  RF_CHECK(!moments || whole.moment_range().size() == whole.trainable_elements(),
+           "held experts: the whole store's moments must cover its whole trainable layout");
+  const size_t n = whole.size();
+  std::vector<bool> trainable(n);
+  for (size_t i = 0; i < n; ++i) trainable[i] = whole.info(i).trainable;
+  std::unique_ptr<HeldExpertStore> held =
+      place_held_experts(whole, trainable, std::move(inner), std::move(experts), at);
+  ExpertSlices& ex = held->experts();
+  model::ParamStore& in = held->inner();
+  std::vector<size_t> whole_slot_of_expert(ex.size());
+  for (size_t i = 0; i < n; ++i)
+    if (held->expert_slot(i) >= 0) whole_slot_of_expert[static_cast<size_t>(held->expert_slot(i))] = i;
+
+  // The experts: this EP rank's rows.
+  ex.allocate_weights();
+  for (size_t e = 0; e < ex.size(); ++e) {
+    const ParamInfo& p = ex.info(e);
+    std::copy_n(whole.weight(whole_slot_of_expert[e]) + p.rows_begin * model::row_elements(p), p.numel,
+                ex.mutable_weight(e));
+  }
+
+  // The rest: the inner store takes the whole weights of the non-expert parameters. A sharded store adopts them
+  // from a replicated store of its registry.
+  model::ReplicatedStore staged;
+  std::vector<bool> inner_trainable(n);
+  for (size_t i = 0; i < n; ++i) {
+    const ParamInfo& p = in.info(i);
+    const size_t slot = staged.add(p.name, p.shape, p.layer, p.matmul);
+    if (p.streamed) staged.mark_streamed(slot);
+    inner_trainable[i] = p.trainable;
+  }
+  staged.set_trainable(inner_trainable);
+  staged.allocate_weights();
+  for (size_t i = 0; i < n; ++i)
+    if (held->expert_slot(i) < 0) std::copy_n(whole.weight(i), whole.info(i).numel, staged.mutable_weight(i));
+  if (auto* sharded = dynamic_cast<ShardedStore*>(&in)) {
+    sharded->adopt(staged);
+  } else {
+    in.allocate_weights();
+    for (size_t i = 0; i < n; ++i)
+      if (held->expert_slot(i) < 0) std::copy_n(staged.weight(i), staged.info(i).numel, in.mutable_weight(i));
+  }
+
+  // The moments: the experts' over this rank's EDP slice, the rest's over this world rank's slice of their layout.
+  set_held_moment_ranges(*held, at);
+  if (moments) {
+    ex.allocate_moments();
+    copy_moments(
+        whole, ex, [&](size_t e) { return whole_slot_of_expert[e]; },
+        [&](size_t e) { return ex.info(e).rows_begin * model::row_elements(ex.info(e)); });
+    in.allocate_moments();
+    copy_moments(
+        whole, in, [](size_t i) { return i; }, [](size_t) { return int64_t{0}; });
+  }
   return held;
 }
 
@@ -540,84 +562,6 @@ std::vector<double> held_norm_partials(HeldExpertStore& held, std::span<const fl
   // Each slice's sum is on the rank that closed it (zeros elsewhere): a sum of one value and zeros keeps its bits.
   g.world.allreduce(partial.data(), partial.size(), comm::ReduceOp::Sum, g.timeout);
   return partial;
-}
-
-std::unique_ptr<model::ParamStore> whole_for_writer(HeldExpertStore& held, const HeldGroups& g) {
-  const bool writer = g.world.rank() == 0;
-  model::ParamStore& inner = held.inner();
-  ExpertSlices& experts = held.experts();
-  std::unique_ptr<model::ReplicatedStore> whole;
-  if (writer) {
-    whole = std::make_unique<model::ReplicatedStore>();
-    std::vector<bool> trainable(held.size());
-    for (size_t i = 0; i < held.size(); ++i) {
-      const ParamInfo& p = held.info(i);
-      whole->add(p.name, p.whole_shape(), p.layer, p.matmul);
-      const int64_t e = held.expert_slot(i);
-      trainable[i] = e < 0 ? p.trainable : experts.info(static_cast<size_t>(e)).trainable;
-    }
-    whole->set_trainable(trainable);
-    whole->allocate_weights();
-    if (held.has_moments()) whole->allocate_moments();
-  }
-  // The non-expert weights, tensor by tensor (every rank takes part: a collective read under shard full).
-  std::vector<float> buffer;
-  for (size_t i = 0; i < held.size(); ++i) {
-    if (held.expert_slot(i) >= 0) continue;
-    buffer.resize(static_cast<size_t>(held.info(i).numel));
-    inner.read_weight(i, buffer);
-    if (writer) std::copy(buffer.begin(), buffer.end(), whole->mutable_weight(i));
-  }
-  if (held.has_moments()) {
-    // The non-expert moments: every world rank's slice of their trainable layout, gathered.
-    const int P = g.world.size();
-    std::vector<size_t> part_bytes(static_cast<size_t>(P));
-    for (int q = 0; q < P; ++q)
-      part_bytes[static_cast<size_t>(q)] =
-          static_cast<size_t>(model::shard_of(inner.trainable_elements(), q, P).size()) * sizeof(float);
-    const model::Shard mine = inner.moment_range();
-    for (Role role : {Role::ExpAvg, Role::ExpAvgSq}) {
-      buffer.assign(static_cast<size_t>(inner.trainable_elements()), 0.f);
-      const std::span<const float> own = inner.flat(role);
-      std::copy(own.begin(), own.end(), buffer.begin() + mine.begin);
-      g.world.allgatherv(buffer.data(), part_bytes, g.timeout);
-      if (!writer) continue;
-      for (const model::ParamStore::Segment& seg : inner.trainable_segments(0, inner.trainable_elements()))
-        std::copy_n(buffer.data() + seg.train_index, seg.n, whole->moment(role, seg.slot) + seg.first);
-    }
-  }
-  // The experts: their moments' slices gathered over each EDP group, then the writer's EP group gathers the rows.
-  std::vector<float> exp_avg, exp_avg_sq;
-  if (held.has_moments()) {
-    const comm::Slice own = experts.own();
-    for (auto [role, all] : {std::pair{Role::ExpAvg, &exp_avg}, {Role::ExpAvgSq, &exp_avg_sq}}) {
-      all->assign(static_cast<size_t>(experts.trainable_elements()), 0.f);
-      const std::span<const float> mine = experts.flat(role);
-      std::copy(mine.begin(), mine.end(), all->begin() + static_cast<std::ptrdiff_t>(own.begin));
-      if (g.edp.size() > 1) g.edp.allgather_slices(all->data(), all->size(), sizeof(float), g.timeout);
-    }
-  }
-  if (g.world.rank() >= g.ep.size()) return nullptr;  // not in the writer's EP group (world ranks 0 .. ep - 1)
-  const int E = g.ep.size();
-  std::vector<float> rows_all;
-  for (size_t i = 0; i < held.size(); ++i) {
-    const int64_t e = held.expert_slot(i);
-    if (e < 0) continue;
-    const ParamInfo& p = experts.info(static_cast<size_t>(e));
-    const bool trains = p.trainable && held.has_moments();
-    for (Role role : {Role::Weights, Role::ExpAvg, Role::ExpAvgSq}) {
-      if (role != Role::Weights && !trains) continue;
-      const float* mine = role == Role::Weights  ? experts.weight(static_cast<size_t>(e))
-                          : role == Role::ExpAvg ? exp_avg.data() + p.train_offset
-                                                 : exp_avg_sq.data() + p.train_offset;
-      rows_all.resize(static_cast<size_t>(p.numel * E));
-      g.ep.allgather(mine, rows_all.data(), static_cast<size_t>(p.numel) * sizeof(float), g.timeout);
-      if (!writer) continue;
-      float* dst = role == Role::Weights ? whole->mutable_weight(i) : whole->moment(role, i);
-      std::copy(rows_all.begin(), rows_all.end(), dst);
-    }
-  }
-  return whole;
 }
 
 }  // namespace rf::trainer

@@ -18,12 +18,12 @@
 // update live in ExpertSlices, which the trainer steps beside the inner store), so everything that walks the flat
 // arenas (the gradient reduction, clipping, AdamW, ZeRO-1's gather) serves the non-expert parameters unchanged.
 //
-// Checkpoints stay in the whole layout (each expert written once, moments whole in optimizer.safetensors): the
-// writer gathers a whole-layout copy (whole_for_writer), and a run loads the files whole and keeps its parts
-// (make_held_expert_store), so a checkpoint of any EP and shard mode resumes at any other. Both hold a whole copy
-// for that while: the writer its whole-layout store (and every rank one role of the non-expert moments while they
-// are gathered), every rank the loaded model during a fresh start or a resume (a streaming load into the parts, as
-// the ShardedStore's own loader does, is not done for held experts).
+// Checkpoints stay in the whole layout (each expert written once, moments whole in optimizer.safetensors), so a
+// checkpoint of any EP and shard mode resumes at any other, and neither way holds a whole copy
+// (trainer/held_checkpoint.h): a run loading files places its store first (place_held_experts) and reads, tensor by
+// tensor, its experts' rows alone and the rest as the inner store keeps it (the ShardedStore its pieces), the
+// moments by slice; the writer receives one tensor at a time from the ranks holding its parts. Only a model built in
+// memory (model.builtin) is drawn whole and split (make_held_expert_store).
 #pragma once
 
 #include <memory>
@@ -85,6 +85,7 @@ class HeldExpertStore final : public model::ParamStore {
                   std::vector<int64_t> expert_slot);
 
   model::ParamStore& inner() { return *inner_; }
+  const model::ParamStore& inner() const { return *inner_; }
   ExpertSlices& experts() { return *experts_; }
   const ExpertSlices& experts() const { return *experts_; }
   // The slot of `slot` in experts(), or -1: a parameter of the inner store.
@@ -152,11 +153,25 @@ struct HeldPlacement {
   int world_rank = 0, world_size = 1;
 };
 
+// The parameters of `registry` (every parameter whole; shapes only) placed in a HeldExpertStore with the trainable
+// flags `trainable` (model.freeze applied), nothing allocated: `inner` (an empty store of the shard mode: a
+// ReplicatedStore for optimizer, a ShardedStore for gradients and full) registers the non-expert parameters (the
+// expert tensors with no rows), `experts` this EP rank's rows of the expert tensors. Its allocate_weights allocates
+// the parts' weights (a ShardedStore's pieces), which a loader fills tensor by tensor (model::PlaceParams).
+std::unique_ptr<HeldExpertStore> place_held_experts(const model::ParamStore& registry,
+                                                    const std::vector<bool>& trainable,
+                                                    std::unique_ptr<model::ParamStore> inner,
+                                                    std::unique_ptr<ExpertSlices> experts, const HeldPlacement& at);
+// The parts' moment ranges: the experts' over this rank's EDP slice (ExpertSlices::own), the rest's over this world
+// rank's slice of their trainable layout. Before the moments are allocated.
+void set_held_moment_ranges(HeldExpertStore& held, const HeldPlacement& at);
+
 // `whole` (every parameter whole, model.freeze applied, weights allocated; moments absent or over the whole
-// trainable layout, as a resume loads them) split into a HeldExpertStore: `inner` (an empty store of the shard mode:
-// a ReplicatedStore for optimizer, a ShardedStore for gradients and full) takes the non-expert parameters (the expert
-// tensors registered in it with no rows), its moments over this world rank's slice of their trainable layout;
-// `experts` takes this EP rank's rows of the expert tensors. The weights and moments are copied, each part's only.
+// trainable layout) split into a HeldExpertStore (a model drawn in memory, model.builtin): `inner` (an empty store of
+// the shard mode: a ReplicatedStore for optimizer, a ShardedStore for gradients and full) takes the non-expert
+// parameters (the expert tensors registered in it with no rows), its moments over this world rank's slice of their
+// trainable layout; `experts` takes this EP rank's rows of the expert tensors. The weights and moments are copied, each
+// part's only.
 std::unique_ptr<HeldExpertStore> make_held_expert_store(const model::ParamStore& whole,
                                                         std::unique_ptr<model::ParamStore> inner,
                                                         std::unique_ptr<ExpertSlices> experts, const HeldPlacement& at);
@@ -181,9 +196,9 @@ std::vector<double> held_norm_partials(HeldExpertStore& held, std::span<const fl
 // and `ep` EP ranks (Q = ranks / ep EDP ranks). The rest: the shard mode's terms over the non-expert parameters
 // (ShardedStore::bytes_for's for gradients and full). The experts: E / ep experts' float32 weights, the moments of
 // a padded EDP slice, and their gradients (optimizer: every held one's; gradients, full: the slice, one layer's
-// buffer, and that layer's Q contributions received). Left out, as the other transients: the whole copy a start
-// or resume loads before keeping its parts, and the writer's whole copy during a save. step_tokens: the token
-// tables' rows a step fetches (ShardedStore::bytes_for's).
+// buffer, and that layer's Q contributions received). Left out, as the other transients: one tensor a load widens
+// (the rest's; of the experts one expert's rows) or a save gathers on the writer (no whole copy on any rank,
+// trainer/held_checkpoint.h). step_tokens: the token tables' rows a step fetches (ShardedStore::bytes_for's).
 struct HeldBytes {
   int64_t rest_weights = 0, rest_gathered = 0, rest_gradients = 0, rest_moments = 0, rest_comm_buffers = 0;
   int64_t rest_bf16 = 0;  // the bf16 copies of the non-expert matmul operands (full: of the gathered ones)
@@ -191,11 +206,5 @@ struct HeldBytes {
 };
 HeldBytes held_expert_bytes(const model::ParamStore& registry, const std::vector<bool>& trainable, bool shard_full,
                             bool shard_gradients, int ranks, int ep, int64_t step_tokens);
-
-// A whole-layout store (weights and, with moments, moments of every trainable parameter; the files' layout) on world
-// rank 0, null elsewhere. Collective over every rank of the world: the non-expert weights read through the inner
-// store (a collective under shard full), its moment slices gathered over the world, the experts' moment slices over
-// each EDP group, then rank 0's EP group gathers the expert rows.
-std::unique_ptr<model::ParamStore> whole_for_writer(HeldExpertStore& held, const HeldGroups& g);
 
 }  // namespace rf::trainer

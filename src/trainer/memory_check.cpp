@@ -181,8 +181,9 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   } else {                       // shard none or optimizer: replicated weights and gradients
     constexpr int kMoments = 2;  // exp_avg, exp_avg_sq
     // Expert parallelism holding each rank's experts only (shard none, no LoRA; trainer/expert_state.h): the experts'
-    // weights, gradients, moments and bf16 copies are E / ep experts' worth. (A resume still loads the files whole
-    // before keeping its rows, and a save gathers them whole on rank 0: one whole copy for that while.)
+    // weights, gradients, moments and bf16 copies are E / ep experts' worth. (A load reads a rank's rows alone and a
+    // save gathers one tensor at a time on rank 0, trainer/held_checkpoint.h: no whole copy, as for the other
+    // transients one tensor is not counted.)
     int64_t experts_elsewhere = 0, trainable_elsewhere = 0, bf16_elsewhere = 0;  // the other EP ranks' experts
     if (c.parallelism.ep > 1 && c.parallelism.shard == ShardMode::None && c.model.lora_rank == 0) {
       const std::vector<bool> trainable = m.params().trainable_after(c.model.freeze);

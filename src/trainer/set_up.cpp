@@ -20,6 +20,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/expert_state.h"
+#include "trainer/held_checkpoint.h"
 #include "trainer/held_expert_store.h"
 #include "trainer/optimizer.h"
 #include "trainer/run.h"
@@ -64,9 +65,20 @@ void check_loaded_weights(const model::Checkpoint& ck, const std::string& dir) {
   std::error_code ec;
   const std::string where = fs::exists(single, ec) ? single.string() : dir;
   const model::ParamStore& store = ck.model->params();
-  const auto* sharded = dynamic_cast<const ShardedStore*>(&store);
+  // Held experts: the rest in the inner store (its pieces under shard full), this rank's experts' rows.
+  const auto* experts_apart = dynamic_cast<const HeldExpertStore*>(&store);
+  const auto* sharded = dynamic_cast<const ShardedStore*>(experts_apart != nullptr ? &experts_apart->inner() : &store);
   for (size_t i = 0; i < store.size(); ++i) {  // named as in the files, where the user can look it up
     const model::ParamInfo& p = store.info(i);
+    if (p.holds_part()) {  // expert rows: indexed in the whole tensor, as in the files
+      const int64_t first = p.rows_begin * model::row_elements(p);
+      const float* values = store.weight(i);
+      for (int64_t k = 0; k < p.numel; ++k)
+        if (!std::isfinite(values[k]))
+          rf::fail(where, ": tensor `", model::file_name_of(p.name, ck.text_prefix), "` has ", values[k], " at ",
+                   io::index_string(first + k, p.whole_shape()));
+      continue;
+    }
     if (sharded != nullptr && sharded->masters_sharded()) {  // each rank checks the piece it keeps
       int64_t first = 0;
       const std::span<const float> piece = sharded->own_piece(i, &first);
@@ -148,11 +160,23 @@ std::unique_ptr<ShardedStore> sharded_store(Run& r) {
                                         r.cfg.model.param_dtype);
 }
 
-// Held experts under sharding: the loaded whole store (frozen already; moments whole when resumed) split into the
-// shard mode's store of the non-expert parameters and this rank's experts (held_expert_store.h). The whole copy is
-// dropped when this returns.
-void hold_experts_sharded(Run& r) {
+// parallelism.ep against the model: its MoE layers' experts must divide over the EP ranks.
+void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config& mc) {
+  const int ep = cfg.parallelism.ep;
+  if (ep == 1) return;
+  RF_CHECK(mc.enable_moe, "config: parallelism.ep = ", ep, " needs a model with MoE layers (enable_moe_block)");
+  RF_CHECK(mc.num_experts % ep == 0, "config: parallelism.ep = ", ep, " does not divide the model's ", mc.num_experts,
+           " experts");
+}
+
+HeldPlacement held_placement(const Run& r) {
   const int ep = r.cfg.parallelism.ep;
+  return {r.world.rank() % ep, ep, r.world.rank(), r.world.size()};
+}
+
+// Held experts under sharding: the parts of a HeldExpertStore (held_expert_store.h), the shard mode's store of the
+// non-expert parameters (taking the run's sharded-store communicator) and this rank's experts' (taking the EDP one).
+std::pair<std::unique_ptr<model::ParamStore>, std::unique_ptr<ExpertSlices>> held_parts(Run& r) {
   std::unique_ptr<model::ParamStore> inner;
   if (r.store_shards) {
     std::unique_ptr<ShardedStore> s = sharded_store(r);
@@ -163,20 +187,35 @@ void hold_experts_sharded(Run& r) {
   }
   RF_CHECK(r.held_edp_comm != nullptr, "held experts: the experts' communicator was taken already");
   auto experts = std::make_unique<ExpertSlices>(std::move(r.held_edp_comm), r.store_shards, r.timeout);
-  const HeldPlacement at{r.world.rank() % ep, ep, r.world.rank(), r.world.size()};
+  return {std::move(inner), std::move(experts)};
+}
+
+// A model built in memory (model.builtin) with held experts under sharding: the whole store (frozen already) split
+// into the parts (held_expert_store.h). The whole copy is dropped when this returns.
+void hold_experts_sharded(Run& r) {
+  auto [inner, experts] = held_parts(r);
   std::unique_ptr<HeldExpertStore> held =
-      make_held_expert_store(r.ck.model->params(), std::move(inner), std::move(experts), at);
+      make_held_expert_store(r.ck.model->params(), std::move(inner), std::move(experts), held_placement(r));
   r.held = held.get();
   r.ck.model->replace_params(std::move(held));
 }
 
-// parallelism.ep against the model: its MoE layers' experts must divide over the EP ranks.
-void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config& mc) {
-  const int ep = cfg.parallelism.ep;
-  if (ep == 1) return;
-  RF_CHECK(mc.enable_moe, "config: parallelism.ep = ", ep, " needs a model with MoE layers (enable_moe_block)");
-  RF_CHECK(mc.num_experts % ep == 0, "config: parallelism.ep = ", ep, " does not divide the model's ", mc.num_experts,
-           " experts");
+// Held experts loaded from files (a fresh start from model.path, or a resume): the store placed before any weight is
+// allocated, so the loader reads this rank's experts' rows alone and the rest as the store keeps it
+// (held_checkpoint.h); no rank holds a whole copy. Null without held experts (and with LoRA, whose base is mapped).
+model::PlaceParams place_experts(Run& r) {
+  if (!r.hold_experts && !r.hold_experts_sharded) return {};
+  return [&r](const model::Gemma4Multimodal& shapes) -> std::unique_ptr<model::ParamStore> {
+    check_expert_parallelism(r.cfg, shapes.config());
+    const HeldPlacement at = held_placement(r);
+    if (r.hold_experts) return model::hold_expert_rows(shapes.params(), at.ep_rank, at.ep);
+    auto [inner, experts] = held_parts(r);
+    std::unique_ptr<HeldExpertStore> held =
+        place_held_experts(shapes.params(), shapes.params().trainable_after(r.cfg.model.freeze), std::move(inner),
+                           std::move(experts), at);
+    r.held = held.get();
+    return held;
+  };
 }
 
 // What the run needs, checked on every rank before the weights, gradients and moments are allocated.
@@ -203,7 +242,7 @@ void load_base(Run& r) {
   if (!cfg.model.path.empty()) {
     r.ck = model::load_checkpoint(
         cfg.model.path, [&](const model::Gemma4Multimodal& shapes) { check_fits(r, shapes); }, lora_store(r),
-        cfg.model.train_vision);
+        cfg.model.train_vision, place_experts(r));
     return;
   }
   const std::string text = model::builtin_config_json(cfg.model.builtin);
@@ -247,7 +286,7 @@ void load_model(Run& r) {
       // A sharded store's run: straight into it, each rank keeping its pieces as the tensors are read.
       LoadedCheckpoint loaded = load_train_checkpoint(
           r.resume_dir, [&](const model::Gemma4Multimodal& shapes) { check_fits(r, shapes); }, cfg.model.train_vision,
-          r.uses_sharded_store && !r.hold_experts_sharded ? sharded_store(r) : nullptr);
+          r.uses_sharded_store && !r.hold_experts_sharded ? sharded_store(r) : nullptr, place_experts(r));
       check_resume_compatible(cfg, loaded.state.config_yaml, r.resume_dir);
       r.ck = std::move(loaded.weights);
       r.state = std::move(loaded.state);
@@ -294,11 +333,13 @@ void set_up_data(Run& r) {
 // and its state, and the gradients.
 void set_up_optimizer(Run& r) {
   const TrainConfig& cfg = r.cfg;
+  // A store placed by the loader has the flags of model.freeze already (then this changes nothing).
   r.ck.model->params().freeze(cfg.model.freeze);
   if (r.hold_experts_sharded) {
-    // The moments whole (a checkpoint of any EP and shard mode), then each part keeps its own.
-    if (!r.resume_dir.empty()) load_optimizer_state(r.resume_dir, r.ck.model->params());
-    hold_experts_sharded(r);
+    if (r.held == nullptr) hold_experts_sharded(r);  // model.builtin: drawn whole, then split
+    set_held_moment_ranges(*r.held, held_placement(r));
+    // Each part's moments from the files (a checkpoint of any EP and shard mode), by slice.
+    if (!r.resume_dir.empty()) load_held_moments(r.resume_dir, *r.held);
   } else if (r.uses_sharded_store) {
     r.sharded = dynamic_cast<ShardedStore*>(&r.ck.model->params());
     RF_CHECK(r.sharded != nullptr, "shard: the model was loaded into a replicated store");
@@ -312,9 +353,12 @@ void set_up_optimizer(Run& r) {
     store.set_moment_range(mine.begin, mine.end);
   }
   r.adam = std::make_unique<AdamW>(store, cfg.optimizer);
+  // Held experts under shard none: a store placed by the loader reads its rows' moments alone (load_optimizer_state);
+  // a model drawn whole (model.builtin) keeps its rows now.
   if (!r.resume_dir.empty() && !r.held) load_optimizer_state(r.resume_dir, store);
-  // Held experts: the weights and moments were loaded whole (a checkpoint of any EP), this rank keeps its rows.
-  if (r.hold_experts)
+  const bool rows_held =
+      std::any_of(store.infos().begin(), store.infos().end(), [](const model::ParamInfo& p) { return p.holds_part(); });
+  if (r.hold_experts && !rows_held)
     r.ck.model->replace_params(model::hold_expert_rows(store, r.world.rank() % cfg.parallelism.ep, cfg.parallelism.ep));
   model::ParamStore& held = r.ck.model->params();
   held.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches

@@ -20,6 +20,7 @@
 #include "model/matmul_bf16.h"
 #include "trainer/checkpoint.h"
 #include "trainer/expert_state.h"
+#include "trainer/held_checkpoint.h"
 #include "trainer/held_expert_store.h"
 #include "trainer/metrics.h"
 #include "trainer/run.h"
@@ -132,11 +133,16 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait,
           TrainResult& result) {
   const CheckpointSection& cfg = r.cfg.checkpoint;
   const std::string tmp = checkpoint_temp_path(cfg.dir, r.state.step);
-  // Held experts (shard none): the writer's EP group gathers every expert's rows into the writer's whole-layout
-  // store, which stands in the model while it saves (expert_state.h).
+  // Held experts (any shard mode): a HeldWriter stands in the model on every rank while it saves, each tensor
+  // gathered onto the writer from the ranks holding its parts as its turn comes (held_checkpoint.h).
+  HeldWriter* held_writer = nullptr;
   std::unique_ptr<model::ParamStore> whole;
-  if (r.hold_experts && r.world.rank() < r.cfg.parallelism.ep)
-    whole = gather_held_experts(r.ck.model->params(), expert_groups(r));
+  if (r.hold_experts || r.held) {
+    auto writer =
+        std::make_unique<HeldWriter>(r.ck.model->params(), HeldGroups{r.world, *r.ep_group, *r.edp_group, r.timeout});
+    held_writer = writer.get();
+    whole = std::move(writer);
+  }
   if (r.hold_expert_adapters) {  // LoRA: the adapters whole, the base unread
     // Under shard optimizer their moments' EDP slices gathered first, on every rank (expert_state.h).
     const WholeAdapterMoments moments(r.ck.model->params(), r.adapter_moments_edp ? r.edp_group.get() : nullptr,
@@ -144,9 +150,7 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait,
     if (r.world.rank() < r.cfg.parallelism.ep)
       whole = gather_held_adapters(dynamic_cast<const model::LoraStore&>(r.ck.model->params()), expert_groups(r));
   }
-  if (r.held)  // under sharding too, every rank taking part (held_expert_store.h)
-    whole = whole_for_writer(*r.held, {r.world, *r.ep_group, *r.edp_group, r.timeout});
-  const HeldExpertsWhole while_saving(*r.ck.model, r.lead ? std::move(whole) : nullptr);
+  const HeldExpertsWhole while_saving(*r.ck.model, r.lead || held_writer ? std::move(whole) : nullptr);
   const model::ParamStore& store = r.ck.model->params();
   // ZeRO-1's moments, one file a rank; held experts and LoRA's placed adapters write theirs whole (gathered above).
   const bool moments_per_rank = r.shard_optimizer && !r.held && !r.hold_expert_adapters;
@@ -155,8 +159,8 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait,
     if (const auto* lora = dynamic_cast<const model::LoraStore*>(&store)) {
       // A LoRA run's weights are its adapters, in PEFT's files; the frozen base stays where model.path has it.
       if (r.lead) model::save_peft_adapter(*lora, r.ck.text_prefix, r.ck.source, tmp);
-    } else if (r.lead || (r.masters_sharded && !r.held)) {
-      // The other ranks take part in the reads only where they are collective (held experts: the writer's copy).
+    } else if (r.lead || (r.masters_sharded && !r.held) || held_writer) {
+      // The other ranks take part in the reads where they are collective (sharded masters', the held experts' gathers).
       model::save_checkpoint(r.ck, tmp, {max_shard_bytes(cfg), r.lead});
     }
   } catch (...) {
@@ -171,7 +175,14 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait,
   comm::agree(
       r.world,
       [&] {
-        if (moments_per_rank)
+        if (held_writer != nullptr)  // every rank: each moment tensor gathered onto the writer
+          write_moments_streamed(
+              tmp, store,
+              [held_writer](model::Role role, size_t slot, std::span<float> out) {
+                held_writer->read_moment(role, slot, out);
+              },
+              r.lead);
+        else if (moments_per_rank)
           write_moments_shard(tmp, store, r.world.rank(), r.world.size());
         else if (r.lead)
           write_moments_whole(tmp, store);
@@ -217,15 +228,21 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
   if (!save_now) return;
   // A save is waited for as long as its bytes take at the slowest write rate, beyond --timeout: only a rank that is
   // gone or silent ends the job the hard way.
-  save(r, pending, save_wait(r.timeout, checkpoint_bytes(r.ck), r.options.slowest_checkpoint_write), progress, result);
+  int64_t bytes = checkpoint_bytes(r.ck);
+  if (r.hold_experts || r.held) {  // the files hold every expert, where the store registers this rank's
+    const HeldExpertsWhole counting(*r.ck.model, files_layout(r.ck.model->params()));
+    bytes = checkpoint_bytes(r.ck);
+  }
+  save(r, pending, save_wait(r.timeout, bytes, r.options.slowest_checkpoint_write), progress, result);
 }
 
 // --stats: the memory check's terms for this run (per rank: every rank's figure is the same, shards being padded)
 // beside every rank's measured peak RSS (a collective), written by rank 0 in one agreement.
 void write_stats(Run& r, const std::string& path) {
-  // Held experts: the check counts from the whole registry (the held store registers a rank's experts only).
+  // Held experts: the check counts from the files' registry (the held store registers a rank's experts only, and a
+  // HeldExpertStore marks them frozen: their training state is its ExpertSlices').
   std::unique_ptr<model::ParamStore> shapes;
-  if (r.hold_experts || r.held) shapes = model::whole_registry(r.ck.model->params());
+  if (r.hold_experts || r.held) shapes = files_layout(r.ck.model->params());
   MemoryBreakdown need;
   {
     const HeldExpertsWhole while_counting(*r.ck.model, std::move(shapes));

@@ -15,7 +15,8 @@
 # micro-batches' sums reassociate between the two pairs): the files are the same whole layout whatever wrote them. The metrics say how many
 # experts a rank holds: E / ep in every shard mode (each rank its own; trainer/held_expert_store.h under sharding).
 # Last, ep 1's step-2 checkpoint (under sharding its moments in one file a rank) resumed at ep gives ep 1's step-3
-# loss bit for bit.
+# loss bit for bit, and a fresh start from its files (model.path) at ep gives ep 1's first loss from them. A load at
+# ep > 1 reads each rank's experts' rows alone and a save gathers one tensor at a time (trainer/held_checkpoint.h).
 #   same_loss_ep_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS EP GRID_SETS...
 set -euo pipefail
 source "$(dirname "$0")/mpirun_script_args.sh"
@@ -46,6 +47,19 @@ done
 # And ep 1's step-2 checkpoint (its moments in one file a rank under sharding) resumed at ep: step 3's loss is ep 1's.
 "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$ep" \
   --set checkpoint.dir="$work/from1" --metrics "$work/from1.jsonl" --resume "$work/ep1/step-00000002" >/dev/null
+# A fresh start from ep 1's step-2 files (model.path: the Hugging Face layout) at ep 1 and at ep, each rank of the ep
+# run reading its experts' rows of the files alone (trainer/held_checkpoint.h): step 1's loss is the same bits.
+for e in 1 "$ep"; do
+  "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$e" --set train.steps=1 \
+    --set model.path="$work/ep1/step-00000002" --set checkpoint.dir="$work/path$e" --metrics "$work/path$e.jsonl" \
+    >/dev/null
+done
+python3 - "$work/path1.jsonl" "$work/path$ep.jsonl" <<'PY'
+import json, sys
+one, ep = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
+assert one[0]["loss"] == ep[0]["loss"], f"from model.path: step 1 loss {one[0]['loss']!r} vs {ep[0]['loss']!r}"
+print("from model.path at ep 1 and ep: step 1 loss", one[0]["loss"])
+PY
 cmp "$work/ep$ep/step-00000003/model.safetensors" "$work/resumed$ep/step-00000003/model.safetensors"
 for f in "$work/ep$ep/step-00000003"/optimizer*; do  # optimizer.safetensors, or the sharded files and their layout
   cmp "$f" "$work/resumed$ep/step-00000003/$(basename "$f")"

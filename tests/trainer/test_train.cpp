@@ -30,6 +30,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/error_of.h"
+#include "trainer/held_checkpoint.h"
 #include "trainer/held_expert_store.h"
 #include "trainer/optimizer.h"
 #include "trainer/runtime_memory.h"
@@ -824,6 +825,103 @@ TEST(HeldExperts, ShardFullStreamsTheGlobalGroupAndTrainsAsShardNone) {
     EXPECT_EQ(full.steps[s].grad_norm, none.steps[s].grad_norm) << "step " << s + 1;
     EXPECT_EQ(full.steps[s].val_loss, none.steps[s].val_loss) << "step " << s + 1;
   }
+}
+
+// Held experts read and written with no whole copy (held_checkpoint.h). The files of a store holding every expert
+// (weights, and moments of distinct values so that a misplaced element shows), loaded at ep 2 over N = 2 and 4 under
+// shard none, optimizer and full, each rank placing its store before the loader allocates: its expert tensors are its
+// EP rank's rows of the files and every other tensor the files' (bit for bit), its resident weights the experts'
+// E / ep and the rest (its pieces under full), below the whole model's. Its moments are read by slice; then every
+// rank writes through a HeldWriter, the writer receiving one tensor at a time from the ranks holding its parts:
+// model.safetensors and optimizer.safetensors are the whole store's files byte for byte (so the moments came back
+// where they were).
+TEST(HeldExperts, LoadAndSaveWithoutAWholeCopy) {
+  const fs::path dir = scratch("held_checkpoint");
+  const model::Gemma4Config cfg =
+      model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm"), "tiny_moe_vlm");
+  model::Checkpoint whole;
+  whole.model = std::make_unique<model::Gemma4Multimodal>(cfg);
+  whole.model->init_random(5, 0.1f);
+  model::ParamStore& w = whole.model->params();
+  w.allocate_moments();
+  for (model::Role role : {model::Role::ExpAvg, model::Role::ExpAvgSq}) {
+    const std::span<float> m = w.mutable_flat(role);
+    const float sign = role == model::Role::ExpAvg ? -1.f : 1.f;  // a second moment is never negative
+    for (size_t i = 0; i < m.size(); ++i) m[i] = sign * static_cast<float>(i + 1);
+  }
+  const fs::path files = dir / "whole";
+  model::save_checkpoint(whole, files.string());
+  write_moments_whole(files.string(), w);
+  constexpr int kEp = 2;
+  constexpr int64_t kF = sizeof(float);
+  int64_t experts = 0;
+  for (const model::ParamInfo& p : w.infos())
+    if (model::is_expert_tensor(p)) experts += p.numel;
+  const auto bytes_of = [](const fs::path& f) {
+    std::ifstream in(f, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  for (const std::string mode : {"none", "optimizer", "full"}) {
+    for (int P : {2, 4}) {
+      const std::string at = "shard " + mode + ", N = " + std::to_string(P);
+      const fs::path out = dir / (mode + std::to_string(P));
+      comm::run_ranks(P, [&](comm::Communicator& world) {
+        const std::unique_ptr<comm::Communicator> ep = world.split(world.rank() / kEp, world.rank() % kEp);
+        const std::unique_ptr<comm::Communicator> edp = world.split(world.rank() % kEp, world.rank() / kEp);
+        const HeldPlacement place_at{world.rank() % kEp, kEp, world.rank(), P};
+        HeldExpertStore* held = nullptr;
+        const model::PlaceParams place =
+            [&](const model::Gemma4Multimodal& shapes) -> std::unique_ptr<model::ParamStore> {
+          if (mode == "none") return model::hold_expert_rows(shapes.params(), place_at.ep_rank, kEp);
+          std::unique_ptr<model::ParamStore> inner = std::make_unique<model::ReplicatedStore>();
+          if (mode == "full")
+            inner = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
+                                                   comm::default_timeout());
+          auto slices = std::make_unique<ExpertSlices>(world.split(world.rank() % kEp, world.rank() / kEp),
+                                                       mode == "full", comm::default_timeout());
+          std::unique_ptr<HeldExpertStore> h = place_held_experts(shapes.params(), shapes.params().trainable_after({}),
+                                                                  std::move(inner), std::move(slices), place_at);
+          held = h.get();
+          return h;
+        };
+        model::Checkpoint ck = model::load_checkpoint(files.string(), {}, nullptr, false, place);
+        model::ParamStore& s = ck.model->params();
+        const int64_t rest = w.total_elements() - experts;
+        const int64_t rest_bytes = mode == "full" ? (model::shard_of(rest, world.rank(), P).padded + 1) * kF
+                                                  : rest * kF;  // ShardedStore::resident_weight_bytes: its pieces
+        EXPECT_EQ(s.resident_weight_bytes(), rest_bytes + experts / kEp * kF) << at;
+        EXPECT_LT(s.resident_weight_bytes(), w.weight_bytes()) << at;
+        for (size_t i = 0; i < s.size(); ++i) {
+          const model::ParamInfo& p = s.info(i);
+          const float* want = w.weight(i) + p.rows_begin * model::row_elements(p);
+          std::vector<float> got(static_cast<size_t>(p.numel));
+          if (p.holds_part())
+            std::copy_n(s.weight(i), p.numel, got.data());
+          else
+            s.read_weight(i, got);  // every rank, in the same order: a collective under shard full
+          EXPECT_EQ(got, std::vector<float>(want, want + p.numel)) << at << ", " << p.name;
+        }
+        if (held != nullptr) {
+          set_held_moment_ranges(*held, place_at);
+          load_held_moments(files.string(), *held);
+        } else {
+          load_optimizer_state(files.string(), s);
+        }
+        auto writer = std::make_unique<HeldWriter>(s, HeldGroups{world, *ep, *edp, comm::default_timeout()});
+        HeldWriter& view = *writer;
+        const std::unique_ptr<model::ParamStore> kept = ck.model->replace_params(std::move(writer));
+        const bool writes = world.rank() == 0;
+        model::save_checkpoint(ck, out.string(), {model::SaveOptions::kDefaultMaxShardBytes, writes});
+        write_moments_streamed(
+            out.string(), view,
+            [&view](model::Role role, size_t slot, std::span<float> values) { view.read_moment(role, slot, values); },
+            writes);
+      });
+      for (const char* f : {"model.safetensors", "optimizer.safetensors"})
+        EXPECT_TRUE(bytes_of(out / f) == bytes_of(files / f)) << at << ": " << f << " differs from the whole store's";
+    }
+  }
+  fs::remove_all(dir);
 }
 
 // A checkpoint written under shard full holds whole tensors, each gathered to the writer while it is written, and each

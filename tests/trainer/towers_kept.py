@@ -15,7 +15,9 @@ Inputs, tiny random models made here with transformers' save_pretrained:
            that a tower widened to float32 or rounded anywhere would show; trained on rows with image features;
   audio    Gemma4ForConditionalGeneration with an audio tower (and its embedder, which ringflex does not use);
   builtin  ringflex's built-in tiny_moe_vlm (a Gemma4ForConditionalGeneration whose one-layer vision tower ringflex
-           makes itself), trained on the mock data: only 1 and 2's name set (its tower has no input to match).
+           makes itself), trained on the mock data with its experts held apart (parallelism.ep = 2 under shard full:
+           the writer receives each tensor from the ranks holding its parts, trainer/held_checkpoint.h): only 1 and
+           2's name set (its tower has no input to match).
 Tolerance of 3: 1e-4 relative, as in tests/model/parity.py (float32 ringflex against float64 transformers on a tiny
 model: rounding ~1e-7 per op amplified by depth stays ~1e-5; a wrong or missing weight shows at 1e-2).
 Exit 77 (CTest's skip) when torch, transformers or safetensors is missing.
@@ -229,7 +231,8 @@ def run(kind, ringflex, launcher, root):
     os.makedirs(work)
     failures = []
     if kind == "builtin":
-        ckpt = train(ringflex, launcher, work, ["model.builtin=tiny_moe_vlm", "data.source=mock"])
+        ckpt = train(ringflex, launcher, work, ["model.builtin=tiny_moe_vlm", "data.source=mock", "parallelism.ep=2",
+                                                "parallelism.shard=full"])
         _, weights = check_loads(ckpt, failures)
         tower = [n for n in weights if n.startswith("model.vision_tower.")]
         if not tower or "model.embed_vision.embedding_projection.weight" not in weights:
