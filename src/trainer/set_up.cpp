@@ -141,9 +141,11 @@ namespace {
 // model.freeze when its weights are allocated.
 std::unique_ptr<ShardedStore> sharded_store(Run& r) {
   RF_CHECK(r.store_comm != nullptr, "shard: the sharded store's communicator was taken already");
-  return std::make_unique<ShardedStore>(std::move(r.store_comm),
-                                        r.shard_full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients,
-                                        r.timeout, r.cfg.model.freeze);
+  auto s = std::make_unique<ShardedStore>(std::move(r.store_comm),
+                                          r.shard_full ? ShardedStore::Mode::Full : ShardedStore::Mode::Gradients,
+                                          r.timeout, r.cfg.model.freeze);
+  s->set_reduce_budget(r.options.shard_reduce_budget);
+  return s;
 }
 
 // Held experts under sharding: the loaded whole store (frozen already; moments whole when resumed) split into the
