@@ -443,7 +443,178 @@ class Alltoallv final : public RoundCollective {
   std::vector<size_t> send_at_, recv_at_;  // [P + 1] byte offsets of each rank's part
 };
 
+// A part's runs (sorted, disjoint), with the count of values packed before each.
+class Runs {
+ public:
+  explicit Runs(std::vector<Slice> runs) : runs_(std::move(runs)) {
+    prefix_.push_back(0);
+    for (const Slice& r : runs_) prefix_.push_back(prefix_.back() + r.size());
+  }
+  size_t values() const { return prefix_.back(); }
+  // Values packed before element `at` of the part.
+  size_t packed_before(size_t at) const {
+    const size_t k = first_ending_after(at);
+    return prefix_[k] + (k < runs_.size() && runs_[k].begin < at ? at - runs_[k].begin : 0);
+  }
+  // The values of elements [a, b) packed at row[0..), spread in place so element x lands at row[x - a], the elements
+  // outside every run zero. Backwards: each run's values move up (its packed start is never past its place), and
+  // what still waits to move lies below it.
+  void spread(float* row, size_t a, size_t b) const {
+    const size_t base = packed_before(a), first = first_ending_after(a);
+    size_t filled = b - a;  // row[filled..b - a) is in place
+    for (size_t k = first_starting_at(b); k-- > first;) {
+      const size_t lo = std::max(a, runs_[k].begin), hi = std::min(b, runs_[k].end);
+      const size_t from = prefix_[k] + (lo - runs_[k].begin) - base;
+      std::fill(row + (hi - a), row + filled, 0.0f);
+      std::memmove(row + (lo - a), row + from, (hi - lo) * sizeof(float));
+      filled = lo - a;
+    }
+    std::fill(row, row + filled, 0.0f);
+  }
+
+ private:
+  size_t first_ending_after(size_t at) const {
+    return static_cast<size_t>(
+        std::partition_point(runs_.begin(), runs_.end(), [at](const Slice& r) { return r.end <= at; }) -
+        runs_.begin());
+  }
+  size_t first_starting_at(size_t at) const {
+    return static_cast<size_t>(
+        std::partition_point(runs_.begin(), runs_.end(), [at](const Slice& r) { return r.begin < at; }) -
+        runs_.begin());
+  }
+  std::vector<Slice> runs_;
+  std::vector<size_t> prefix_;  // [runs + 1]
+};
+
+// post_reduce_parts: round k carries chunk k of every owner's part (elements [k C, (k + 1) C)): each rank sends each
+// owner its packed values inside that chunk, the owner receives every rank's into a row of [P, C], copies its own
+// into its row, spreads each row over the chunk (+0 where a rank has no run) and sums each element's P values in
+// rank order in double, rounded once: the order and terms of reduce_scatter. Two rounds in flight (k + 1 arrives
+// while k is summed): [2, P, C] floats within the budget. Every rank derives the round count from part_elems alone,
+// so all post the same messages.
+class ReduceParts final : public RoundCollective {
+ public:
+  ReduceParts(Communicator& c, const float* send, std::span<const size_t> part_elems, std::vector<std::vector<Slice>> to,
+              std::vector<std::vector<Slice>> from, Communicator::PartSums done, size_t budget_bytes)
+      : RoundCollective(rounds_for(part_elems, Communicator::reduce_parts_chunk(c.size(), budget_bytes))),
+        ch_(c, "reduce of parts"),
+        send_(send),
+        parts_(part_elems.begin(), part_elems.end()),
+        done_(std::move(done)),
+        P_(c.size()),
+        r_(c.rank()),
+        chunk_(Communicator::reduce_parts_chunk(P_, budget_bytes)) {
+    const size_t P = static_cast<size_t>(P_), me = static_cast<size_t>(r_);
+    RF_CHECK(parts_.size() == P && to.size() == P && from.size() == P, "rank ", r_, ": reduce of parts: ",
+             parts_.size(), " parts, ", to.size(), " and ", from.size(), " run lists for ", P_, " ranks");
+    send_at_.push_back(0);
+    for (size_t q = 0; q < P; ++q) {
+      to_.emplace_back(std::move(to[q]));
+      from_.emplace_back(std::move(from[q]));
+      send_at_.push_back(send_at_.back() + to_.back().values());
+    }
+    RF_CHECK(to_[me].values() == from_[me].values(), "rank ", r_, ": reduce of parts: contributes ",
+             to_[me].values(), " values to its own part but expects ", from_[me].values());
+    // One rank covering its whole part: each element's one value is its sum, handed over from `send` as it is.
+    const bool alone = P_ == 1 && from_[me].values() == parts_[me];
+    if (!alone) {
+      stride_ = std::min(chunk_, parts_[me]);
+      const size_t own_rounds = stride_ == 0 ? 0 : (parts_[me] + chunk_ - 1) / chunk_;
+      rows_.resize(std::min(kRoundsInFlight, own_rounds) * P * stride_);
+    }
+    start();
+  }
+
+ private:
+  static size_t rounds_for(std::span<const size_t> part_elems, size_t chunk) {
+    const size_t longest = part_elems.empty() ? 0 : *std::max_element(part_elems.begin(), part_elems.end());
+    return (longest + chunk - 1) / chunk;
+  }
+  // Chunk `round` of rank q's part (empty past its end).
+  Slice chunk_of(int q, size_t round) const {
+    const size_t end = parts_[static_cast<size_t>(q)], begin = std::min(end, round * chunk_);
+    return {begin, std::min(end, begin + chunk_)};
+  }
+  // [P, stride]: the rows of a round this rank's part has a chunk in (rows_ holds two such rounds, or the one).
+  float* rows(size_t round) {
+    return rows_.data() + (round % kRoundsInFlight) * static_cast<size_t>(P_) * stride_;
+  }
+
+  void post(size_t round, std::vector<RequestPtr>& requests) override {
+    const Slice own = chunk_of(r_, round);
+    for (int s = 1; s < P_ && !own.empty(); ++s) {
+      const int from = (r_ - s + P_) % P_;
+      const Runs& runs = from_[static_cast<size_t>(from)];
+      const size_t n = runs.packed_before(own.end) - runs.packed_before(own.begin);
+      if (n == 0) continue;
+      const RecvBuffer b{rows(round) + static_cast<size_t>(from) * stride_, n * sizeof(float)};
+      requests.push_back(
+          ch_.recv(from, 0, {&b, 1}, concat("rank ", from, "'s part of rank ", r_, "'s sums, chunk ", round)));
+    }
+    for (int s = 1; s < P_; ++s) {
+      const int to = (r_ + s) % P_;
+      const Slice theirs = chunk_of(to, round);
+      const Runs& runs = to_[static_cast<size_t>(to)];
+      const size_t at = runs.packed_before(theirs.begin), n = runs.packed_before(theirs.end) - at;
+      if (n == 0) continue;
+      const SendBuffer b{send_ + send_at_[static_cast<size_t>(to)] + at, n * sizeof(float)};
+      requests.push_back(
+          ch_.send(to, 0, {&b, 1}, concat("rank ", r_, "'s part of rank ", to, "'s sums, chunk ", round)));
+    }
+  }
+
+  void finish(size_t round, std::vector<RequestPtr>&) override {
+    const Slice own = chunk_of(r_, round);
+    if (own.empty()) return;
+    const size_t me = static_cast<size_t>(r_), len = own.size();
+    const float* mine = send_ + send_at_[me] + from_[me].packed_before(own.begin);
+    if (rows_.empty()) {
+      done_(own.begin, {mine, len});
+      return;
+    }
+    float* x = rows(round);  // [P, stride]
+    std::copy(mine, send_ + send_at_[me] + from_[me].packed_before(own.end), x + me * stride_);
+    for (size_t p = 0; p < static_cast<size_t>(P_); ++p) from_[p].spread(x + p * stride_, own.begin, own.end);
+    for (size_t i = 0; i < len; ++i) {  // row 0 becomes the sums: element i's other values are read first
+      double sum = x[i];
+      for (size_t p = 1; p < static_cast<size_t>(P_); ++p) sum += x[p * stride_ + i];
+      x[i] = static_cast<float>(sum);
+    }
+    done_(own.begin, {x, len});
+  }
+
+  Channel ch_;
+  const float* send_;
+  std::vector<size_t> parts_;    // [P] elements of each owner's part
+  std::vector<Runs> to_, from_;  // [P]
+  std::vector<size_t> send_at_;  // [P + 1]: where this rank's values for owner q start in send_
+  Communicator::PartSums done_;
+  int P_, r_;
+  size_t chunk_, stride_ = 0;  // stride: a row's elements, the chunk clipped at this rank's part
+  std::vector<float> rows_;    // [min(2, this rank's rounds), P, stride]; empty for a rank alone with its part
+};
+
 }  // namespace
+
+size_t Communicator::reduce_parts_chunk(int P, size_t budget_bytes) {
+  const size_t per_element = kRoundsInFlight * static_cast<size_t>(std::max(P, 1)) * sizeof(float);
+  return std::max<size_t>(1, budget_bytes / per_element);
+}
+
+size_t Communicator::reduce_parts_bytes(int P, size_t part, size_t budget_bytes) {
+  if (P <= 1 || part == 0) return 0;
+  const size_t chunk = reduce_parts_chunk(P, budget_bytes), stride = std::min(chunk, part);
+  const size_t rounds = std::min(kRoundsInFlight, (part + chunk - 1) / chunk);
+  return rounds * static_cast<size_t>(P) * stride * sizeof(float);
+}
+
+PostedPtr Communicator::post_reduce_parts(const float* send, std::span<const size_t> part_elems,
+                                          std::vector<std::vector<Slice>> to, std::vector<std::vector<Slice>> from,
+                                          PartSums done, size_t budget_bytes) {
+  return std::make_unique<ReduceParts>(*this, send, part_elems, std::move(to), std::move(from), std::move(done),
+                                       budget_bytes);
+}
 
 PostedPtr Communicator::post_reduce_scatter(float* data, size_t n, ReduceOp op) {
   const std::span<float> whole(data, n);

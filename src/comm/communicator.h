@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -184,8 +185,31 @@ class Communicator {
   PostedPtr post_alltoallv(const void* send, std::span<const size_t> send_bytes, void* recv,
                            std::span<const size_t> recv_bytes);
 
+  // A reduction onto owners' parts of any sizes, some contributions sparse (the sharded store's gradients: a layer's
+  // pieces, the head's, a token table's gradient rows). Rank q owns part_elems[q] elements (every rank passes the
+  // same part_elems). This rank contributes to owner q's part the runs to[q] (sorted, disjoint, in the coordinates of
+  // q's part), their values packed in `send` owner after owner, run after run; from[p] are the runs rank p
+  // contributes to this rank's part (what p passes as its to[rank()]; from[rank()] == to[rank()]). A rank's missing
+  // element counts as +0. Each element of this rank's part gets its P values combined in rank order 0..P-1 in double
+  // and rounded once (reduce_scatter's combination), handed to `done(begin, sums)` chunk by chunk in element order
+  // (from progress() or wait()). Traffic: each rank sends its runs' values and receives the others' contributions
+  // to its part, nothing more. Memory: the owner receives its part in rounds of reduce_parts_chunk elements, two in
+  // flight, so its buffers (reduce_parts_bytes) stay within `budget_bytes` whatever the parts' sizes (a part may
+  // be a whole tensor: a head inside one rank's slice).
+  using PartSums = std::function<void(size_t begin, std::span<const float> sums)>;
+  PostedPtr post_reduce_parts(const float* send, std::span<const size_t> part_elems, std::vector<std::vector<Slice>> to,
+                              std::vector<std::vector<Slice>> from, PartSums done,
+                              size_t budget_bytes = kReduceSliceBytes);
+  // Elements of one round's chunk of a part at P ranks within `budget_bytes` (at least one), and the bytes of the
+  // buffers post_reduce_parts holds on a rank whose own part has `part` elements: [rounds in flight (2, or 1 for a
+  // part of one chunk), P, chunk clipped at the part] floats, the P contributions (this rank's own copied into its
+  // row); none at P = 1, where a rank covers its part whole (the store's case) and hands its values over as they are.
+  static size_t reduce_parts_chunk(int P, size_t budget_bytes);
+  static size_t reduce_parts_bytes(int P, size_t part, size_t budget_bytes);
+
   // The extra memory of a reduction whatever its n: two chunks in flight of the P - 1 contributions to this rank's
-  // slice, plus a double accumulator (collectives.cpp).
+  // slice, plus a double accumulator (collectives.cpp). post_reduce_parts' default budget too: at N = 32 a chunk of
+  // 32K elements (128 KiB from each rank), messages long enough that their latency stays small beside their bytes.
   static constexpr size_t kReduceSliceBytes = size_t{8} << 20;
   // Elements of one chunk of a rank's slice in reduce_scatter and allreduce at P ranks: what fits the budget above.
   static size_t reduce_chunk(int P);

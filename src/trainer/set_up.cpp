@@ -156,8 +156,10 @@ std::unique_ptr<ShardedStore> sharded_store(Run& r) {
   const ShardedStore::Mode mode = r.shard_full        ? ShardedStore::Mode::Full
                                   : r.shard_gradients ? ShardedStore::Mode::Gradients
                                                       : ShardedStore::Mode::Optimizer;
-  return std::make_unique<ShardedStore>(std::move(r.store_comm), mode, r.timeout, r.cfg.model.freeze,
-                                        r.cfg.model.param_dtype);
+  auto s = std::make_unique<ShardedStore>(std::move(r.store_comm), mode, r.timeout, r.cfg.model.freeze,
+                                          r.cfg.model.param_dtype);
+  s->set_reduce_budget(r.options.shard_reduce_budget);
+  return s;
 }
 
 // parallelism.ep against the model: its MoE layers' experts must divide over the EP ranks.

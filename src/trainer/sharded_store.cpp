@@ -53,13 +53,15 @@ struct ShardedStore::Gathered {
   std::vector<bf16> b16;
 };
 
-// A group's gradients on their way to their owners: `send` holds every owner's pieces in rank order, `recv` [P, n]
-// the N contributions to this rank's n elements.
+// Gradients on their way to their owners (Communicator::post_reduce_parts, in rounds of bounded chunks): `send`
+// post_reduce's copy of every owner's pieces in rank order (empty where the caller's buffer was packed in place),
+// `into` where this rank's part lands in its gradient slice (`at` in the part, `elem` the index in grads_), `part`
+// its elements. The sums arrive chunk by chunk, from progress() or the wait, and are added there.
 struct ShardedStore::Reduction {
-  const Group* group = nullptr;
-  std::vector<float> send, recv;
-  std::vector<size_t> send_bytes, recv_bytes;  // [P]
-  comm::PostedPtr posted;
+  std::vector<float> send;
+  std::vector<Span> into;
+  size_t part = 0;
+  comm::PostedPtr posted;  // last: destroyed (abandoned) before the buffers it reads and writes
 };
 
 // A token table's rows for one run (rows()): `ids` the rows this rank holds, sorted and distinct (the distinct tokens
@@ -570,52 +572,73 @@ std::span<float> ShardedStore::mutable_flat(Role role) {
   return ReplicatedStore::mutable_flat(role);
 }
 
-// Sends each owner its pieces of the group's gradients (this rank's own piece is copied).
+namespace {
+
+// Every rank contributes to every element of every owner's part: to[q] = q's part whole, from[p] = this rank's.
+std::vector<std::vector<comm::Slice>> whole_parts(const std::vector<size_t>& parts) {
+  std::vector<std::vector<comm::Slice>> runs(parts.size());
+  for (size_t q = 0; q < parts.size(); ++q)
+    if (parts[q] > 0) runs[q].push_back(comm::Slice{0, parts[q]});
+  return runs;
+}
+
+}  // namespace
+
+void ShardedStore::post_parts(Reduction& t, const float* send, const std::vector<size_t>& parts) {
+  std::vector<std::vector<comm::Slice>> to = whole_parts(parts);
+  std::vector<std::vector<comm::Slice>> from(static_cast<size_t>(P_), to[static_cast<size_t>(me_)]);
+  post_parts(t, send, parts, std::move(to), std::move(from));
+}
+
+void ShardedStore::post_parts(Reduction& t, const float* send, const std::vector<size_t>& parts,
+                              std::vector<std::vector<comm::Slice>> to, std::vector<std::vector<comm::Slice>> from) {
+  t.part = parts[static_cast<size_t>(me_)];
+  largest_reduce_buffer_ = std::max(
+      largest_reduce_buffer_, static_cast<int64_t>(comm::Communicator::reduce_parts_bytes(P_, t.part, reduce_budget_)));
+  Reduction* r = &t;
+  t.posted = comm_->post_reduce_parts(
+      send, parts, std::move(to), std::move(from),
+      [this, r](size_t begin, std::span<const float> sums) {
+        const int64_t b = static_cast<int64_t>(begin), e = b + static_cast<int64_t>(sums.size());
+        auto it = std::partition_point(r->into.begin(), r->into.end(),
+                                       [b](const Span& sp) { return sp.at + sp.n <= b; });
+        for (; it != r->into.end() && it->at < e; ++it) {
+          const int64_t lo = std::max(b, it->at), hi = std::min(e, it->at + it->n);
+          float* dst = grads_.data() + it->elem + (lo - it->at);
+          const float* src = sums.data() + (lo - b);
+          for (int64_t i = 0; i < hi - lo; ++i) dst[i] += src[i];
+        }
+      },
+      reduce_budget_);
+}
+
+// Sends each owner its pieces of the group's gradients (this rank's own piece is copied); this rank's part is its
+// pieces of the group's trainable slots, in order.
 std::unique_ptr<ShardedStore::Reduction> ShardedStore::post_reduce(const Group& g, const float* grads) {
   auto t = std::make_unique<Reduction>();
-  t->group = &g;
   t->send.resize(static_cast<size_t>(g.grad_elements));
-  t->send_bytes.assign(static_cast<size_t>(P_), 0);
+  std::vector<size_t> parts(static_cast<size_t>(P_), 0);
   float* out = t->send.data();
-  int64_t mine = 0;
   for (int q = 0; q < P_; ++q) {
     for (size_t k = 0; k < g.slots.size(); ++k) {
       if (g.grad_at[k] < 0) continue;
       const Piece pc = piece(g.slots[k], q);
       out = std::copy_n(grads + g.grad_at[k] + pc.first, pc.n, out);
-      t->send_bytes[static_cast<size_t>(q)] += static_cast<size_t>(pc.n) * sizeof(float);
-      if (q == me_) mine += pc.n;
+      if (q == me_ && pc.n > 0)
+        t->into.push_back(Span{static_cast<int64_t>(parts[static_cast<size_t>(q)]), pc.local, pc.n});
+      parts[static_cast<size_t>(q)] += static_cast<size_t>(pc.n);
     }
   }
-  t->recv_bytes.assign(static_cast<size_t>(P_), static_cast<size_t>(mine) * sizeof(float));
-  if (P_ == 1) {
-    t->recv = std::move(t->send);
-    return t;
-  }
-  t->recv.resize(static_cast<size_t>(mine) * static_cast<size_t>(P_));
-  t->posted = comm_->post_alltoallv(t->send.data(), t->send_bytes, t->recv.data(), t->recv_bytes);
+  post_parts(*t, t->send.data(), parts);
   return t;
 }
 
-// Each element of this rank's pieces: the P contributions summed in rank order in double, rounded once (the
-// combination of Communicator::reduce_scatter), then added into the slice.
+// Each element of this rank's pieces got the P contributions summed in rank order in double, rounded once (the
+// combination of Communicator::reduce_scatter), added into the slice as its chunk arrived.
 void ShardedStore::finish_reduce(Reduction& t) {
   if (t.posted) {
     wait(*t.posted);
     t.posted.reset();
-  }
-  const Group& g = *t.group;
-  const size_t n = t.recv.size() / static_cast<size_t>(P_);
-  size_t i = 0;
-  for (size_t k = 0; k < g.slots.size(); ++k) {
-    if (g.grad_at[k] < 0) continue;
-    const Piece pc = piece(g.slots[k], me_);
-    float* dst = grads_.data() + pc.local;
-    for (int64_t e = 0; e < pc.n; ++e, ++i) {
-      double sum = t.recv[i];
-      for (int q = 1; q < P_; ++q) sum += t.recv[static_cast<size_t>(q) * n + i];
-      dst[e] += static_cast<float>(sum);
-    }
   }
 }
 
@@ -738,8 +761,8 @@ template <class SpansOf>
 void ShardedStore::reduce_spans(size_t slot, float* src, SpansOf spans_of) {
   // Every owner's spans packed to the front of `src`, in rank order: the send buffer, with no copy. The spans of
   // rank q follow those of q - 1 in `src` (pieces ascend with the rank, the rows of a table with their ids), so an
-  // element moves down, never over one not yet read.
-  std::vector<size_t> send_bytes(static_cast<size_t>(P_), 0);
+  // element moves down, never over one not yet read. Owner q's part: its spans, in order.
+  std::vector<size_t> parts(static_cast<size_t>(P_), 0);
   size_t packed = 0;
   for (int q = 0; q < P_; ++q) {
     const size_t before = packed;
@@ -748,30 +771,17 @@ void ShardedStore::reduce_spans(size_t slot, float* src, SpansOf spans_of) {
         std::memmove(src + packed, src + sp.at, static_cast<size_t>(sp.n) * sizeof(float));
       packed += static_cast<size_t>(sp.n);
     }
-    send_bytes[static_cast<size_t>(q)] = (packed - before) * sizeof(float);
-  }
-  const std::vector<Span> mine = spans_of(me_);
-  size_t n = 0;
-  for (const Span& sp : mine) n += static_cast<size_t>(sp.n);
-  std::vector<float> recv;  // [P, n]: every rank's contributions to this rank's spans
-  const float* in = src;    // P = 1: its own, packed
-  if (P_ > 1) {
-    recv.resize(n * static_cast<size_t>(P_));
-    const std::vector<size_t> recv_bytes(static_cast<size_t>(P_), n * sizeof(float));
-    comm::PostedPtr c = comm_->post_alltoallv(src, send_bytes, recv.data(), recv_bytes);
-    wait(*c);
-    in = recv.data();
+    parts[static_cast<size_t>(q)] = packed - before;
   }
   const Piece pc = piece(slot, me_);
-  float* dst = grads_.data() + pc.local - pc.first;  // element e of the parameter at dst[e]
-  size_t i = 0;
-  for (const Span& sp : mine) {
-    for (int64_t e = sp.elem; e < sp.elem + sp.n; ++e, ++i) {
-      double sum = in[i];
-      for (int q = 1; q < P_; ++q) sum += in[static_cast<size_t>(q) * n + i];
-      dst[e] += static_cast<float>(sum);
-    }
+  Reduction t;
+  int64_t at = 0;
+  for (const Span& sp : spans_of(me_)) {  // element e of the parameter at grads_[pc.local - pc.first + e]
+    t.into.push_back(Span{at, pc.local - pc.first + sp.elem, sp.n});
+    at += sp.n;
   }
+  post_parts(t, src, parts);
+  finish_reduce(t);
 }
 
 std::vector<std::vector<int32_t>> ShardedStore::every_ranks_ids(std::span<const int32_t> ids) {
@@ -903,61 +913,54 @@ void ShardedStore::fetch_rows(size_t slot, const Table& t, T* rows, Pack pack) {
 // the terms and order of Communicator::reduce_scatter over shard none's whole gradients.
 void ShardedStore::reduce_rows(Table& t) {
   const size_t slot = t.slot;
-  // The send buffer is `g` packed in place: rank q's spans follow those of q - 1 (pieces ascend with the rank, rows
-  // with their ids), so an element moves down, never over one not yet read.
-  std::vector<size_t> send_bytes(static_cast<size_t>(P_)), recv_bytes(static_cast<size_t>(P_));
-  size_t packed = 0;
-  for (int q = 0; q < P_; ++q) {
-    const size_t before = packed;
-    for (const Span& sp : row_spans(slot, t.ids, piece(slot, q))) {
-      if (packed != static_cast<size_t>(sp.at))
-        std::memmove(t.g.data() + packed, t.g.data() + sp.at, static_cast<size_t>(sp.n) * sizeof(float));
-      packed += static_cast<size_t>(sp.n);
-    }
-    send_bytes[static_cast<size_t>(q)] = (packed - before) * sizeof(float);
-  }
-  const Piece pc = piece(slot, me_);
-  std::vector<std::vector<Span>> from(static_cast<size_t>(P_));  // [P]: rank r's spans inside this rank's piece
-  std::vector<size_t> at(static_cast<size_t>(P_) + 1, 0);        // [P + 1]: where rank r's contributions start
-  for (int r = 0; r < P_; ++r) {
-    from[static_cast<size_t>(r)] = row_spans(slot, t.of_rank[static_cast<size_t>(r)], pc);
-    size_t n = 0;
-    for (const Span& sp : from[static_cast<size_t>(r)]) n += static_cast<size_t>(sp.n);
-    recv_bytes[static_cast<size_t>(r)] = n * sizeof(float);
-    at[static_cast<size_t>(r) + 1] = at[static_cast<size_t>(r)] + n;
-  }
-  std::vector<float> recv;       // [every rank's contributions], rank order
-  const float* in = t.g.data();  // P = 1: its own, packed
-  if (P_ > 1) {
-    recv.resize(at.back());
-    comm::PostedPtr c = comm_->post_alltoallv(t.g.data(), send_bytes, recv.data(), recv_bytes);
-    wait(*c);
-    in = recv.data();
-  }
-  // The rows of every rank's ids inside the piece, in element order; each rank's spans are a subsequence of them
-  // (the same part of the same row), walked with one cursor a rank.
+  // Owner q's part: the rows of every rank's ids inside its piece, in element order. Each rank's spans there are
+  // some of those (the same part of the same row): its runs of the part, found with one cursor.
   std::vector<int32_t> all;
   for (const std::vector<int32_t>& r : t.of_rank) all.insert(all.end(), r.begin(), r.end());
   std::sort(all.begin(), all.end());
   all.erase(std::unique(all.begin(), all.end()), all.end());
-  std::vector<size_t> cursor(static_cast<size_t>(P_), 0), offset(at.begin(), at.end() - 1);
-  std::vector<const float*> src(static_cast<size_t>(P_));  // [P]: rank r's values of the span, or null
-  float* dst = grads_.data() + pc.local - pc.first;        // element e of the parameter at dst[e]
-  for (const Span& u : row_spans(slot, all, pc)) {
-    for (size_t r = 0; r < src.size(); ++r) {
-      src[r] = nullptr;
-      if (cursor[r] < from[r].size() && from[r][cursor[r]].elem == u.elem) {
-        src[r] = in + offset[r];
-        offset[r] += static_cast<size_t>(u.n);
-        ++cursor[r];
-      }
+  const auto runs_in = [](const std::vector<Span>& some, const std::vector<Span>& part) {
+    std::vector<comm::Slice> runs;
+    size_t u = 0, at = 0;
+    for (const Span& sp : some) {
+      for (; part[u].elem != sp.elem; ++u) at += static_cast<size_t>(part[u].n);
+      if (!runs.empty() && runs.back().end == at)
+        runs.back().end += static_cast<size_t>(sp.n);
+      else
+        runs.push_back(comm::Slice{at, at + static_cast<size_t>(sp.n)});
+      at += static_cast<size_t>(part[u++].n);
     }
-    for (int64_t k = 0; k < u.n; ++k) {
-      double sum = src[0] ? src[0][k] : 0.0;
-      for (size_t r = 1; r < src.size(); ++r) sum += src[r] ? src[r][k] : 0.0;
-      dst[u.elem + k] += static_cast<float>(sum);
+    return runs;
+  };
+  // The send buffer is `g` packed in place: rank q's spans follow those of q - 1 (pieces ascend with the rank, rows
+  // with their ids), so an element moves down, never over one not yet read.
+  std::vector<size_t> parts(static_cast<size_t>(P_));
+  std::vector<std::vector<comm::Slice>> to(static_cast<size_t>(P_)), from(static_cast<size_t>(P_));
+  std::vector<Span> own_part;
+  size_t packed = 0;
+  for (int q = 0; q < P_; ++q) {
+    const std::vector<Span> part = row_spans(slot, all, piece(slot, q));
+    for (const Span& sp : part) parts[static_cast<size_t>(q)] += static_cast<size_t>(sp.n);
+    const std::vector<Span> mine = row_spans(slot, t.ids, piece(slot, q));
+    for (const Span& sp : mine) {
+      if (packed != static_cast<size_t>(sp.at))
+        std::memmove(t.g.data() + packed, t.g.data() + sp.at, static_cast<size_t>(sp.n) * sizeof(float));
+      packed += static_cast<size_t>(sp.n);
     }
+    to[static_cast<size_t>(q)] = runs_in(mine, part);
+    if (q == me_) own_part = part;
   }
+  const Piece pc = piece(slot, me_);
+  for (int r = 0; r < P_; ++r)
+    from[static_cast<size_t>(r)] = runs_in(row_spans(slot, t.of_rank[static_cast<size_t>(r)], pc), own_part);
+  Reduction red;
+  int64_t at = 0;
+  for (const Span& u : own_part) {
+    red.into.push_back(Span{at, pc.local - pc.first + u.elem, u.n});
+    at += u.n;
+  }
+  post_parts(red, t.g.data(), parts, std::move(to), std::move(from));
+  finish_reduce(red);
 }
 
 void ShardedStore::acquire_head(size_t slot) {
@@ -1032,7 +1035,10 @@ ShardedStore::Bytes ShardedStore::held() const {
     b.gradients += bytes(t->g);
   }
   b.moments = static_cast<int64_t>(flat(Role::ExpAvg).size() + flat(Role::ExpAvgSq).size()) * kF;
-  if (pending_) b.comm_buffers += bytes(pending_->send) + bytes(pending_->recv);
+  if (pending_) {
+    b.comm_buffers += bytes(pending_->send) +
+                      static_cast<int64_t>(comm::Communicator::reduce_parts_bytes(P_, pending_->part, reduce_budget_));
+  }
   return b;
 }
 
@@ -1112,11 +1118,16 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
     at += p.numel;
   }
   const auto most = [](const std::vector<int64_t>& v) { return v.empty() ? 0 : *std::max_element(v.begin(), v.end()); };
-  // A reduction's buffers on its largest receiver: the contributions of every rank to its elements (a send copy too
-  // where it is not the gradient packed in place); at N = 1 the send buffer is all there is.
+  // A reduction's receive buffers on the rank with the largest part of `part` elements: the N contributions to two
+  // chunks of it in flight (Communicator::post_reduce_parts), bounded whatever the part; none at N = 1.
+  const auto receive = [&](int64_t part) {
+    const size_t bytes =
+        comm::Communicator::reduce_parts_bytes(ranks, static_cast<size_t>(part), comm::Communicator::kReduceSliceBytes);
+    return static_cast<int64_t>(bytes) / kF;
+  };
+  // A reduction's buffers: the receive buffers, and a send copy where it is not the gradient packed in place.
   const auto reduction = [&](const Group& g, bool send_copy) {
-    if (ranks == 1) return send_copy ? g.train : 0;
-    return (send_copy ? g.train : 0) + ranks * most(g.mine_train);
+    return (send_copy ? g.train : 0) + receive(most(g.mine_train));
   };
   int64_t largest = 0, largest_train = 0, reductions = reduction(groups[0], true);
   for (size_t gi = 1; gi < groups.size(); ++gi) {
@@ -1142,8 +1153,10 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
     const int64_t held = std::min(tokens, p.shape[0]) * width;
     rows += held;
     if (trained) rows_train += held;
-    // Each owner receives every rank's gradient rows inside its piece, and (full) sends every rank its rows there.
-    if (trained && ranks > 1) reductions = std::max(reductions, ranks * std::min(held, most(g.mine_train)));
+    // Each owner receives every rank's gradient rows inside its piece (its part: their union, the rows of the step's
+    // tokens at most), and (full) sends every rank its rows there.
+    const int64_t step_rows = std::min(step_tokens, p.shape[0]) * width;
+    if (trained) reductions = std::max(reductions, receive(std::min(step_rows, most(g.mine_train))));
     row_fetch = std::max(row_fetch, ranks * std::min(held, most(g.mine_all)));
   }
   const int64_t slice = model::shard_of(train, 0, ranks).padded;

@@ -32,9 +32,14 @@
 // gradients: the weights stay whole on every rank (the optimizer updates this rank's trainable pieces of them, and
 // after_update all-gathers the others'); the gradients are as in full.
 // Both: a layer's gradients are written into a layer-sized buffer during its backward; after_backward sends every
-// owner its pieces (an all-to-all-v posted, in flight during the next layer's backward), and each owner sums the N
-// contributions in rank order in double, rounded once (comm::Communicator::reduce_scatter's combination, so one
-// micro-batch a step gives shard none's bits at every N), adding the result into its slice.
+// owner its pieces (posted, in flight during the next layer's backward, advanced by progress()), and each owner sums
+// the N contributions in rank order in double, rounded once (comm::Communicator::reduce_scatter's combination, so one
+// micro-batch a step gives shard none's bits at every N), adding the result into its slice. Every reduction (a
+// layer's, the global group's, the head's, a table's rows, reduce_gradient's) is received in rounds of bounded chunks
+// of the owner's part (Communicator::post_reduce_parts, two rounds in flight within kReduceSliceBytes): where a group
+// lies in one or two ranks' slices (a head; a large model's layer at large N) an owner's part is the whole group, and
+// receiving its N contributions at once would take N x the group (about the whole model's float32 bytes for a head at
+// N = 32-64); the rounds keep that buffer at ~N x one chunk, whatever the model.
 // model.param_dtype bfloat16 (model/param_store.h): under full every gather the run's reads post (a layer, the global
 // group's small parameters, the head, the tables' rows) packs this rank's masters rounded to bf16, so the all-gathers
 // carry half the bytes, and the gathered copy is those bf16 values (a Gathered's b16, which a bf16 compute run
@@ -103,6 +108,11 @@ class ShardedStore : public model::ReplicatedStore {
   double take_exposed_seconds();
   // The bytes the store's own communicator moved so far (tests: what its posted collectives delivered).
   comm::Communicator::Traffic traffic() const { return comm_->traffic(); }
+  // The bytes each reduction's receive buffers may take (Communicator::post_reduce_parts' budget; bytes_for assumes
+  // the default). Tests set a small one, so that a tiny model's reductions take many rounds.
+  void set_reduce_budget(size_t bytes) { reduce_budget_ = bytes; }
+  // The largest receive buffer one of this store's reductions held so far (tests: it stays within the budget).
+  int64_t largest_reduce_buffer() const { return largest_reduce_buffer_; }
 
   // The bytes one rank holds for a store of this registry over `ranks` ranks, by kind (the memory check's terms; the
   // largest over the ranks of each), with `step_tokens` tokens in all ranks' micro-batches together and `rank_tokens`
@@ -115,7 +125,8 @@ class ShardedStore : public model::ReplicatedStore {
                                // the tables' gradient rows
     int64_t moments = 0;       // AdamW's two moments of the slice
     int64_t comm_buffers = 0;  // full: one gather's staging (the next layer's, or the head's); one reduction's send
-                               // copy and the N contributions to the rank's part of it (up to its whole slice)
+                               // copy and its receive buffers: the N contributions to two bounded chunks of the
+                               // rank's part (Communicator::reduce_parts_bytes), whatever the group's size
     int64_t working = 0;       // held() only: the whole bf16 working weights (param_dtype bfloat16 under optimizer
                                // and gradients; working_bytes_for counts them for the memory check)
   };
@@ -211,8 +222,8 @@ class ShardedStore : public model::ReplicatedStore {
   std::vector<Span> spans_outside(size_t slot, const std::vector<int32_t>& ids, const Piece& pc) const;
   float* own(size_t slot, const Piece& pc);
   // Sends each owner q the spans spans_of(q) of `src` and adds the N contributions this rank receives for its own
-  // spans (spans_of(me_)), summed in rank order in double and rounded once, into its gradient slice (collective).
-  // `src` is packed in place for the send: its values are gone after.
+  // spans (spans_of(me_)), summed in rank order in double and rounded once, into its gradient slice (collective;
+  // received in rounds of bounded chunks). `src` is packed in place for the send: its values are gone after.
   template <class SpansOf>
   void reduce_spans(size_t slot, float* src, SpansOf spans_of);
   // [P]: every rank's ids, sorted and distinct (collective).
@@ -229,6 +240,12 @@ class ShardedStore : public model::ReplicatedStore {
   void finish_gather(Gathered& t);
   void acquire(int layer);
   std::unique_ptr<Reduction> post_reduce(const Group& g, const float* grads);
+  // Posts t's reduction of `send` (each owner's values packed in rank order) and adds the sums of this rank's part
+  // into grads_ through t.into as they arrive. The runs of each rank's contributions: `to` (this rank's, to each
+  // owner) and `from` (each rank's, to this one), every part covered whole by every rank when not given.
+  void post_parts(Reduction& t, const float* send, const std::vector<size_t>& parts);
+  void post_parts(Reduction& t, const float* send, const std::vector<size_t>& parts,
+                  std::vector<std::vector<comm::Slice>> to, std::vector<std::vector<comm::Slice>> from);
   void finish_reduce(Reduction& t);
   void wait(comm::PostedCollective& c);
 
@@ -256,6 +273,8 @@ class ShardedStore : public model::ReplicatedStore {
   std::vector<float> grads_, global_grads_, layer_grads_;
   int grad_layer_ = model::kGlobalGroup - 1;
   std::unique_ptr<Reduction> pending_;          // the last layer's reduction, in flight
+  size_t reduce_budget_ = comm::Communicator::kReduceSliceBytes;
+  int64_t largest_reduce_buffer_ = 0;
   std::vector<std::unique_ptr<Table>> tables_;  // the run's token tables' rows (rows()), until its global group ends
   size_t head_ = SIZE_MAX;                      // the slot between acquire_head and release_head
   size_t last_head_ = SIZE_MAX;    // the last run's head: its gather is posted during the last layer's forward

@@ -60,6 +60,9 @@ struct TrainOptions {
   // TrainResult::model holds whole weights. Under parallelism.shard = full every rank gathers them at the end (a
   // collective, one whole copy per rank); false leaves each rank its pieces (the CLI, which does not read them).
   bool whole_model = true;
+  // The bytes each of the sharded store's reductions may receive into at once (ShardedStore::set_reduce_budget; tests
+  // make it small so that a tiny model's reductions take many rounds).
+  size_t shard_reduce_budget = comm::Communicator::kReduceSliceBytes;
 };
 
 // How long the other ranks wait for a checkpoint save of `bytes` written at `bytes_per_s` at the slowest:

@@ -389,6 +389,86 @@ inline void alltoallv_places_by_rank(Communicator& c) {
   EXPECT_EQ(moved.bytes_received, from_others);
 }
 
+// post_reduce_parts: owners' parts of different sizes (rank 0's spans many chunks, the last rank's is empty at P > 1)
+// and contributions with gaps (rank p skips the elements i of owner q's part with (i + p + q) % 5 == 2, but for rank
+// 0; `dense`: none skipped). Each owner gets, element by element and once, the rank-order double sum of the values
+// there (+0 for a gap) rounded once; the bytes sent and received are exactly the values to and from the other ranks;
+// the receive buffers (reduce_parts_bytes) stay within the budget while rank 0's part is many times it.
+inline void reduce_parts(Communicator& c) {
+  const int P = c.size(), r = c.rank();
+  constexpr size_t kChunk = 7;  // elements a round: a part of 10 chunks and more takes several rounds in flight
+  const size_t budget = 2 * static_cast<size_t>(P) * kChunk * sizeof(float);  // two rounds of [P, kChunk] floats
+  ASSERT_EQ(Communicator::reduce_parts_chunk(P, budget), kChunk);
+  for (const bool dense : {true, false}) {
+    const std::string what = dense ? "dense" : "with gaps";
+    std::vector<size_t> parts(static_cast<size_t>(P));
+    for (int q = 0; q < P; ++q)
+      parts[static_cast<size_t>(q)] = q == 0 ? 10 * kChunk + 3 : (q == P - 1 ? 0 : 2 * static_cast<size_t>(q) + 1);
+    const auto has = [&](int p, int q, size_t i) { return dense || p == 0 || (i + static_cast<size_t>(p + q)) % 5 != 2; };
+    const auto value = [&](int p, int q, size_t i) { return sliced_value(p, 1000 * static_cast<size_t>(q) + i); };
+    const auto runs_of = [&](int p, int q) {
+      std::vector<Slice> runs;
+      for (size_t i = 0; i < parts[static_cast<size_t>(q)]; ++i) {
+        if (!has(p, q, i)) continue;
+        if (!runs.empty() && runs.back().end == i)
+          ++runs.back().end;
+        else
+          runs.push_back({i, i + 1});
+      }
+      return runs;
+    };
+    std::vector<float> send;
+    std::vector<std::vector<Slice>> to(static_cast<size_t>(P)), from(static_cast<size_t>(P));
+    uint64_t to_others = 0, from_others = 0;
+    for (int q = 0; q < P; ++q) {
+      to[static_cast<size_t>(q)] = runs_of(r, q);
+      from[static_cast<size_t>(q)] = runs_of(q, r);
+      for (size_t i = 0; i < parts[static_cast<size_t>(q)]; ++i) {
+        if (has(r, q, i)) send.push_back(value(r, q, i));
+        if (q != r && has(r, q, i)) to_others += sizeof(float);
+      }
+      for (size_t i = 0; i < parts[static_cast<size_t>(r)]; ++i)
+        if (q != r && has(q, r, i)) from_others += sizeof(float);
+    }
+    const size_t mine = parts[static_cast<size_t>(r)];
+    std::vector<float> got(mine, -1.0f);
+    std::vector<int> times(mine, 0);
+    size_t next = 0;  // chunks arrive in element order
+    const Communicator::Traffic before = c.traffic();
+    PostedPtr posted = c.post_reduce_parts(
+        send.data(), parts, to, from,
+        [&](size_t begin, std::span<const float> sums) {
+          EXPECT_EQ(begin, next) << what;
+          next = begin + sums.size();
+          EXPECT_LE(sums.size(), kChunk) << what;
+          for (size_t i = 0; i < sums.size(); ++i) {
+            got[begin + i] = sums[i];
+            ++times[begin + i];
+          }
+        },
+        budget);
+    posted->wait(kTestTimeout);
+    const Communicator::Traffic moved = traffic_since(c, before);
+    for (size_t i = 0; i < mine; ++i) {
+      double want = has(0, r, i) ? value(0, r, i) : 0.0;
+      for (int p = 1; p < P; ++p) want += has(p, r, i) ? value(p, r, i) : 0.0;
+      ASSERT_EQ(got[i], static_cast<float>(want)) << what << ", element " << i;
+      ASSERT_EQ(times[i], 1) << what << ", element " << i;
+    }
+    EXPECT_EQ(moved.bytes_sent, to_others) << what;
+    EXPECT_EQ(moved.bytes_received, from_others) << what;
+    const size_t held = Communicator::reduce_parts_bytes(P, mine, budget);
+    EXPECT_LE(held, budget) << what;
+    // Rank 0 receives 10 x the budget's worth of contributions (at P > 1) through buffers of the budget.
+    if (r == 0 && P > 1) {
+      EXPECT_EQ(held, 2 * static_cast<size_t>(P) * kChunk * sizeof(float)) << what;
+    }
+    if (P == 1) {
+      EXPECT_EQ(held, 0u) << what;  // alone with its part: its values are its sums
+    }
+  }
+}
+
 // A rank that never joins an all-reduce (stopped, hung) is named by every rank waiting for it, within the deadline.
 // Run on a split copy of the world, last: the stopped rank's mailbox keeps the others' unmatched contributions, which
 // must not meet a later collective.

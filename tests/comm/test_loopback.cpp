@@ -57,6 +57,10 @@ TEST(Loopback, AlltoallvPlacesByRank) {
   for (int P : kEveryRankCount) run_ranks(P, cases::alltoallv_places_by_rank);
 }
 
+TEST(Loopback, ReduceOfPartsInBoundedRounds) {
+  for (int P : kEveryRankCount) run_ranks(P, cases::reduce_parts);
+}
+
 TEST(Loopback, StoppedPeerIsNamed) {
   for (int P : kRankCounts) run_ranks(P, cases::stopped_peer_is_named);
 }

@@ -22,6 +22,7 @@ TEST(Mpi, SlicedAllgather) { cases::sliced_allgather(world()); }
 TEST(Mpi, AllreduceOfSeveralBuffers) { cases::allreduce_of_several_buffers(world()); }
 TEST(Mpi, PostedCollectivesOverlap) { cases::posted_collectives_overlap(world()); }
 TEST(Mpi, AlltoallvPlacesByRank) { cases::alltoallv_places_by_rank(world()); }
+TEST(Mpi, ReduceOfPartsInBoundedRounds) { cases::reduce_parts(world()); }
 // Last: it leaves unmatched messages behind on the stopped rank (see the case).
 TEST(Mpi, StoppedPeerIsNamed) { cases::stopped_peer_is_named(world()); }
 

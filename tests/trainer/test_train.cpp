@@ -682,6 +682,138 @@ TEST(ShardFull, PerLayerEmbeddingsAndKvSharingGiveShardNoneBits) {
   fs::remove_all(dir);
 }
 
+// Every reduction of shard gradients and full received in rounds of a few hundred elements (a 4 KiB budget, where
+// the tied head alone is 64 KiB: its owner's part takes dozens of rounds, a layer's several, the tables' gradient
+// rows some): shard none's bits at N = 2 and 4, over cp and dp, with the per-layer table, KV sharing and the head tied
+// to the token table (its gradient and the embedding's share rows), as the default budget gives them.
+TEST(ShardFull, ReductionsInBoundedRoundsGiveShardNoneBits) {
+  const fs::path dir = scratch("shard_rounds");
+  write_ple_kv_model(true, dir.string());
+  TrainOptions rounds;
+  rounds.shard_reduce_budget = 4096;
+  int i = 0;
+  for (const std::vector<std::string>& sets : std::vector<std::vector<std::string>>{
+           {"parallelism.cp=2", "train.global_batch=1"},
+           {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=2"}}) {
+    const auto config = [&](const std::string& mode) {
+      std::vector<std::string> all = sets;
+      all.insert(all.end(), {"model.path=" + dir.string(), "parallelism.shard=" + mode, "train.steps=3",
+                             "train.val_every=2"});
+      return small("tiny_dense", all);
+    };
+    const Trained none = run(config("none"));
+    for (const std::string mode : {"gradients", "full"}) {
+      const std::string what = "case " + std::to_string(i) + ", shard " + mode;
+      const Trained sharded = run(config(mode), rounds);
+      ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
+      for (size_t s = 0; s < none.steps.size(); ++s) {
+        EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
+        EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
+        EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
+      }
+      EXPECT_EQ(flat_params(*sharded.model), flat_params(*none.model)) << what;
+    }
+    ++i;
+  }
+  fs::remove_all(dir);
+}
+
+// What a reduction receives into is bounded by the store's budget, not by the group: with the head tied to the token
+// table (16K floats, most of it inside rank 0's slice at N = 2 and 4, so rank 0 would receive N x 64 KiB at once), one
+// backward through the store's hooks (the head's gradient, every layer's, the global group's and the tables' gradient
+// rows) reduces through buffers of at most the 4 KiB budget, measured while a layer's reduction is in flight and as
+// the largest any reduction held; the gradient slices are those of the default budget (one round each), bit for bit.
+TEST(ShardFull, ReductionsReceiveWithinTheBudget) {
+  const model::Gemma4Config cfg = model::Gemma4Config::from_json(ple_kv_config(true), "test");
+  model::Gemma4Model whole(cfg, model::TensorSet::Storage::Allocated);
+  whole.init_random(5, 0.1f);
+  const model::ParamStore& w = whole.params();
+  const size_t embed = w.slot("model.embed_tokens.weight"), ple = w.slot("model.embed_tokens_per_layer.weight");
+  constexpr size_t kBudget = 4096;
+  constexpr int64_t kF = sizeof(float);
+  // Rank r's gradient value of element e of slot i: distinct per rank, slot and element.
+  const auto value = [](int r, size_t slot, int64_t e) {
+    return 0.001f * static_cast<float>((r + 1) * (e % 97 + 1)) + 0.01f * static_cast<float>(slot % 7);
+  };
+  for (int P : {2, 4}) {
+    comm::run_ranks(P, [&](comm::Communicator& world) {
+      const int r = world.rank();
+      const std::string at = "N = " + std::to_string(P) + ", rank " + std::to_string(r);
+      struct Seen {
+        std::vector<float> grads;
+        int64_t in_flight = 0, largest = 0;
+      };
+      const auto backward = [&](size_t budget) {
+        auto store = std::make_unique<ShardedStore>(world.split(0, r), ShardedStore::Mode::Full,
+                                                    comm::default_timeout());
+        ShardedStore& sharded = *store;
+        sharded.set_reduce_budget(budget);
+        const model::Gemma4Model m(cfg, model::TensorSet::Storage::Deferred, std::move(store));
+        sharded.adopt(w);
+        sharded.allocate_grads();
+        Seen seen;
+        sharded.before_forward(model::kGlobalGroup);
+        const std::vector<int32_t> ids = {r, 300 + r, 7};
+        const model::ParamStore::TableRows rows[] = {sharded.rows(embed, ids, true), sharded.rows(ple, ids, true)};
+        for (int l = 0; l < cfg.num_layers; ++l) {
+          sharded.before_forward(l);
+          sharded.after_forward(l);
+        }
+        sharded.acquire_head(embed);
+        float* head = sharded.grad(embed);
+        for (int64_t e = 0; e < w.info(embed).numel; ++e) head[e] = value(r, embed, e);
+        sharded.release_head(embed);
+        for (int l = cfg.num_layers - 1; l >= 0; --l) {
+          sharded.before_backward(l);
+          for (size_t i = 0; i < w.size(); ++i) {
+            if (w.info(i).layer != l) continue;
+            float* g = sharded.grad(i);
+            for (int64_t e = 0; e < w.info(i).numel; ++e) g[e] = value(r, i, e);
+          }
+          sharded.after_backward(l);
+          seen.in_flight = std::max(seen.in_flight, sharded.held().comm_buffers);
+        }
+        // The embedding's backward: into the tables' gradient rows (the tied one seeded with the head's by now).
+        for (size_t t = 0; t < 2; ++t) {
+          const size_t slot = t == 0 ? embed : ple;
+          const int64_t W = w.info(slot).shape[1];
+          for (size_t k = 0; k < ids.size(); ++k)
+            for (int64_t j = 0; j < W; ++j) rows[t].grads[rows[t].row[k] * W + j] += value(r, slot, ids[k] * W + j);
+        }
+        for (size_t i = 0; i < w.size(); ++i) {
+          if (w.info(i).layer != model::kGlobalGroup || w.info(i).streamed) continue;
+          float* g = sharded.grad(i);
+          for (int64_t e = 0; e < w.info(i).numel; ++e) g[e] = value(r, i, e);
+        }
+        sharded.after_backward(model::kGlobalGroup);
+        const std::span<const float> slice = sharded.flat(model::Role::Grads);
+        seen.grads.assign(slice.begin(), slice.end());
+        seen.largest = sharded.largest_reduce_buffer();
+        return seen;
+      };
+      const Seen bounded = backward(kBudget);
+      const Seen whole_part = backward(comm::Communicator::kReduceSliceBytes);
+      EXPECT_EQ(bounded.grads, whole_part.grads) << at;
+      EXPECT_LE(bounded.largest, static_cast<int64_t>(kBudget)) << at;
+      // While a layer's reduction is in flight: its send copy and receive buffers, beside the staging of the next
+      // layer's gather.
+      int64_t largest_layer = 0;
+      for (int l = 0; l < cfg.num_layers; ++l) {
+        int64_t n = 0;
+        for (const model::ParamInfo& p : w.infos())
+          if (p.layer == l) n += p.numel;
+        largest_layer = std::max(largest_layer, n);
+      }
+      EXPECT_LE(bounded.in_flight, 2 * largest_layer * kF + static_cast<int64_t>(kBudget)) << at;
+      // Rank 0 holds most of the head: one receive of every rank's contributions to its part (the default budget's
+      // single round here) takes N x most of 64 KiB.
+      if (r == 0) {
+        EXPECT_GT(whole_part.largest, 10 * static_cast<int64_t>(kBudget)) << at;
+      }
+    });
+  }
+}
+
 // Under shard full no rank holds the global group whole: after the run's global hook a rank holds its pieces and the
 // global group's small parameters (the final norm, the per-layer projection and its norm) gathered, never a token
 // table; rows() gives each rank the rows of its own ids (forward-only here: no head gradient to seed every rank's)

@@ -390,6 +390,27 @@ TEST(TrainMemory, ShardFullHoldsTheHeadWholeNotThePerLayerTable) {
   EXPECT_LE(b.comm_buffers, (kRanks + 1) * head);
 }
 
+// A reduction's receive buffers are bounded whatever the group (Communicator::post_reduce_parts' rounds): a tied head
+// of 65536 x 640 (the 100m config's table, 168 MB) lies in rank 0's slice at N = 2 and in ranks 0-1's at N = 4 and
+// 8, whose owners would receive N x their part of it at once (N x 84 MB and more); they receive it in rounds of
+// kReduceSliceBytes' worth. Under gradients the communication buffers are the reductions alone: the head's budget, or
+// a layer's send copy beside its own budget's worth.
+TEST(TrainMemory, ShardedReductionsAreBoundedWhateverTheGroup) {
+  auto ps = std::make_unique<model::ReplicatedStore>();
+  const size_t table = ps->add("model.embed_tokens.weight", {65536, 640});
+  ps->add("model.norm.weight", {640});
+  ps->add("model.layers.0.w", {640, 640}, 0, true);
+  ps->mark_streamed(table);
+  constexpr int64_t kLayerBytes = int64_t{640} * 640 * sizeof(float);
+  constexpr auto kBudget = static_cast<int64_t>(comm::Communicator::kReduceSliceBytes);
+  for (int N : {2, 4, 8}) {
+    const ShardedStore::Bytes b = ShardedStore::bytes_for(*ps, std::vector<bool>(ps->size(), true),
+                                                          ShardedStore::Mode::Gradients, N, 16, 16 / N);
+    EXPECT_GE(b.comm_buffers, kBudget) << "N = " << N;  // the head's part spans many chunks: two rounds in flight
+    EXPECT_LE(b.comm_buffers, kLayerBytes + kBudget) << "N = " << N;
+  }
+}
+
 // The runtime baseline is this process's resident set as the first check measured it (libraries, MPI, the start-up
 // heap), the same figure in every later check and --stats, however much the process allocates in between.
 TEST(TrainMemory, RuntimeBaselineIsTheResidentSetOfTheFirstCheck) {
@@ -410,8 +431,8 @@ TEST(TrainMemory, RuntimeBaselineIsTheResidentSetOfTheFirstCheck) {
 // 1 of 32 + 4, so that the trainable layout is table [0, 64), norm [64, 68), layer 0 [68, 100), layer 1 [100, 136) and
 // at N = 2 rank 0's slice [0, 68) holds the whole head and rank 1's [68, 136) both layers. 6 tokens a step, 3 a rank.
 // One gather's staging is in flight at a time, one reduction at a time; a reduction's receiver gets N x its part of
-// the group (up to the whole head here), a table's rows are the rank's own tokens' but for the table tied to a
-// trained head (every rank's).
+// the group (up to the whole head here: every part is below one round's chunk), a table's rows are the rank's own
+// tokens' but for the table tied to a trained head (every rank's).
 TEST(TrainMemory, ShardedBytesCountWhatTheStoreHolds) {
   const auto registry = [](bool tied) {
     auto ps = std::make_unique<model::ReplicatedStore>();
