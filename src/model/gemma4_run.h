@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/attention_backend.h"
+#include "core/default_init.h"
 #include "model/gemma4.h"
 #include "model/ops.h"
 
@@ -26,24 +27,6 @@ namespace rf::model {
 // allocate ~100 activations of [T, H] to [T, I] floats, most of which the next call overwrites completely, and the
 // serial zero fill (with the first-touch page faults it takes) left the other threads waiting. Buffers a call
 // fully writes come from uninit(); buffers that are accumulated into come from zeros(), filled by all threads.
-template <typename T>
-struct DefaultInitAllocator : std::allocator<T> {
-  template <typename U>
-  struct rebind {
-    using other = DefaultInitAllocator<U>;
-  };
-  DefaultInitAllocator() = default;
-  template <typename U>
-  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
-  template <typename U>
-  void construct(U* p) noexcept {
-    ::new (static_cast<void*>(p)) U;
-  }
-  template <typename U, typename... Args>
-  void construct(U* p, Args&&... args) {
-    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
-  }
-};
 using Vec = std::vector<float, DefaultInitAllocator<float>>;
 
 // n floats the caller writes completely before reading any.

@@ -1,15 +1,16 @@
 // ringflex model: the MoE block beside a Gemma 4 layer's MLP (enable_moe_block), forward and backward
 // (gemma4_run.h). The router sees this rank's tokens only; the experts run where the parallel context's dispatch
-// puts them (core/expert_parallel.h): here at EP = 1, else on the EP rank holding each, the rows sent there and
-// the outputs (and in the backward the input gradients) sent back before each token's combine. While a dispatch
-// travels (forward: the rows; backward: their dY) a rank runs the rows it routed to its own experts, read from the
-// sent layout; the other ranks' rows run once it arrived (the same tasks, so the same bits either way). The
-// backward's combine (the input gradients going back) travels while the experts' weight gradients (and their
-// adapters') run, which need none of it; the forward's has nothing independent of it to overlap (every token's sum
-// waits for its experts' outputs, and the rest of the block for that sum). Either way each token sums in the same
-// fixed order once every row is back, so the bits are those of the blocking combine. The store's
-// expert tensors hold every expert, or under expert parallelism this EP rank's only (model/expert_store.h): a rank
-// reads and accumulates into the rows of the experts the dispatch brings it either way.
+// puts them (core/expert_parallel.h): here at EP = 1 (no copies: the received layout is the sent one), else on the
+// EP rank holding each, the rows sent there and the outputs (and in the backward the input gradients) sent back
+// before each token's combine. While a dispatch travels (forward: the rows; backward: their dY) a rank runs the
+// rows it routed to its own experts, read from the sent layout; the other ranks' rows run once it arrived (the
+// same tasks, so the same bits either way). The backward's combine (the input gradients going back) travels while
+// the experts' weight gradients (and their adapters') run, which need none of it; the forward's has nothing
+// independent of it to overlap (every token's sum waits for its experts' outputs, and the rest of the block for
+// that sum). Either way each token sums in the same fixed order once every row is back, so the bits are those of
+// the blocking combine. The store's expert tensors hold every expert, or under expert parallelism this EP rank's
+// only (model/expert_store.h): a rank reads and accumulates into the rows of the experts the dispatch brings it
+// either way.
 //
 // Threads: the router runs per token in parallel. The experts' row-local work (gather, gate/up and down sgemms,
 // GeGLU, and in the backward the input gradients) is cut into tasks of at most kExpertRowsPerTask routed rows of
@@ -231,12 +232,20 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   a.sent_at = starts_of(a.routing.sent);
   a.recv_at = starts_of(a.routing.received);
   const int64_t sent = a.routing.sent_rows(), R = a.routing.received_rows();
+  // With every expert here (EP = 1) the received layout is the sent one: the rows stay where they were gathered, and
+  // no dispatch or combine copies them (here or in the backward).
+  const bool local = a.routing.ranks == 1;
   Vec x_sent = uninit(sent * H);  // [sent, H] the rows' expert inputs in the sent layout
 #pragma omp parallel for schedule(static) if (sent * H >= kParallelMinElements)
   for (int64_t tj = 0; tj < T * K; ++tj)
     std::copy_n(a.e_in.data() + (tj / K) * H, H, x_sent.data() + (a.sent_at[a.top_idx[tj]] + a.row_of[tj]) * H);
-  a.e_x = uninit(R * H);
-  ep.start_dispatch(a.routing, x_sent.data(), a.e_x.data(), H);  // finished below, after this rank's own rows
+  if (local) {
+    a.e_x = std::move(x_sent);
+  } else {
+    a.e_x = uninit(R * H);
+    ep.start_dispatch(a.routing, x_sent.data(), a.e_x.data(), H);  // finished below, after this rank's own rows
+  }
+  const float* own_rows = local ? a.e_x.data() : x_sent.data();  // this rank's own rows, in the sent layout
   // The received rows through this rank's experts; written completely by the tasks below.
   a.e_gu = uninit(R * 2 * Im);
   a.e_hm = uninit(R * Im);
@@ -271,9 +280,9 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   for (size_t k = 0; k < split.own.size(); ++k) {
     if (omp_get_thread_num() == 0) ep.progress_dispatch();
     const ExpertTask& tk = tasks[split.own[k]];
-    run_task(tk, x_sent.data() + (a.sent_at[first_expert + tk.block % here] + tk.row0) * H);
+    run_task(tk, own_rows + (a.sent_at[first_expert + tk.block % here] + tk.row0) * H);
   }
-  ep.finish_dispatch();
+  if (!local) ep.finish_dispatch();
   x_sent = Vec{};
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds))
   for (size_t k = 0; k < split.others.size(); ++k) {
@@ -281,8 +290,12 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
     run_task(tk, a.e_x.data() + (a.recv_at[tk.block] + tk.row0) * H);
   }
   // Combine: the outputs back to the ranks whose tokens they are.
-  a.eo_sent = uninit(sent * H);
-  ep.combine(a.routing, a.e_eo.data(), a.eo_sent.data(), H);
+  if (local) {
+    a.eo_sent = std::move(a.e_eo);  // the backward's dispatch fills e_eo again (with dY)
+  } else {
+    a.eo_sent = uninit(sent * H);
+    ep.combine(a.routing, a.e_eo.data(), a.eo_sent.data(), H);
+  }
   // Each token sums its experts' weighted outputs in ascending expert index, tokens in parallel.
   a.out2 = zeros(T * H);
 #pragma omp parallel for schedule(static) if (T * K * H >= kParallelMinElements)
@@ -324,6 +337,7 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   const int64_t first = held_index_of(m.params(), sl, first_expert, here);
   const ExpertLora lgu = expert_lora(store, sl.experts_gate_up, first_expert, here);
   const ExpertLora ldn = expert_lora(store, sl.experts_down, first_expert, here);
+  const bool local = a.routing.ranks == 1;  // the received layout is the sent one: no copies (as in the forward)
 
   // On this rank's tokens: d loss / d top_w, and d loss / d expert output (dout2 times the row's weight), per row.
   Vec dw = zeros(T * K);           // d loss / d top_w
@@ -343,10 +357,16 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
       dw[tj] = dot;
     }
     // The received rows' dY, over their outputs; finished below, after this rank's own rows.
-    ep.start_dispatch(a.routing, dy_sent.data(), a.e_eo.data(), H);
+    if (local)
+      a.e_eo = std::move(dy_sent);
+    else
+      ep.start_dispatch(a.routing, dy_sent.data(), a.e_eo.data(), H);
   }
+  a.eo_sent = Vec{};  // the outputs were read by dw above only
+  // This rank's own rows' dY, in the sent layout.
+  const float* own_dy = local ? a.e_eo.data() : dy_sent.data();
   const int64_t routed_madds = R * 3 * Im * H;
-  Vec e_dx = zeros(R * H);  // d loss / d the received rows' inputs
+  Vec e_dx = uninit(R * H);  // d loss / d the received rows' inputs: every row written by its task below
 
   // Row-local: d hm, d gate-up (into e_gu), d expert input; tasks in parallel.
   const ElementwiseKernels& ew = elementwise();
@@ -354,7 +374,7 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   // This rank's own rows first, their dY read where the sent layout has them, while the others' travel.
   const OwnSplit split = split_own(tasks, a.routing);
   for (const bool own : {true, false}) {
-    if (!own) ep.finish_dispatch();
+    if (!own && !local) ep.finish_dispatch();
     const std::vector<size_t>& part = own ? split.own : split.others;
 #pragma omp parallel if (worth_threads(routed_madds))
     {
@@ -366,17 +386,18 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
         const int64_t e = first + tk.block % here, g = first_expert + tk.block % here;
         const int64_t r0 = a.recv_at[tk.block] + tk.row0, n = tk.rows;
         const float* dy =
-            own ? dy_sent.data() + (a.sent_at[g] + tk.row0) * H : a.e_eo.data() + r0 * H;  // [n, H] d expert output
+            own ? own_dy + (a.sent_at[g] + tk.row0) * H : a.e_eo.data() + r0 * H;  // [n, H] d expert output
         float* gu = a.e_gu.data() + r0 * 2 * Im;  // [n, 2*Im] gate-up, then its gradient
-        dhm.assign(static_cast<size_t>(n * Im), 0.f);
-        linear_backward(mm, a.e_hm.data() + r0 * Im, DN + e * H * Im, dy, dhm.data(), nullptr, n, Im, H);
+        // The input gradients are written (beta = 0), not accumulated into zeros: the same values without a
+        // zero fill of the buffers first.
+        dhm.resize(static_cast<size_t>(n * Im));
+        gemm(mm, false, false, n, Im, H, 1.f, dy, H, DN + e * H * Im, Im, 0.f, dhm.data(), Im);
         expert_lora_input_grad(ldn, g, dy, dhm.data(), n);
         for (int64_t r = 0; r < n; ++r) {
           float* gate_up = gu + r * 2 * Im;  // [2*Im]: gate then up, overwritten by their gradients
           ew.geglu_backward(gate_up, gate_up + Im, dhm.data() + r * Im, gate_up, gate_up + Im, Im, false);
         }
-        linear_backward(mm, a.e_x.data() + r0 * H, GU + e * 2 * Im * H, gu, e_dx.data() + r0 * H, nullptr, n, H,
-                        2 * Im);
+        gemm(mm, false, false, n, H, 2 * Im, 1.f, gu, 2 * Im, GU + e * 2 * Im * H, H, 0.f, e_dx.data() + r0 * H, H);
         expert_lora_input_grad(lgu, g, gu, e_dx.data() + r0 * H, n);
       }
     }
@@ -384,8 +405,13 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   dy_sent = Vec{};
   // The input gradients back to their tokens' ranks, travelling while the weight gradients below run (they read the
   // rows' activations and dY, not e_dx or dx_sent); finished before the tokens sum them.
-  Vec dx_sent = uninit(sent * H);
-  ep.start_combine(a.routing, e_dx.data(), dx_sent.data(), H);
+  Vec dx_sent;
+  if (local) {
+    dx_sent = std::move(e_dx);
+  } else {
+    dx_sent = uninit(sent * H);
+    ep.start_combine(a.routing, e_dx.data(), dx_sent.data(), H);
+  }
   // Weight gradients of this rank's experts: one sgemm over each block's rows (all of an expert's rows at EP = 1),
   // an expert's blocks in source order; experts in parallel when there are enough of them to share out, otherwise
   // experts in turn, each sgemm split over the threads (the same bits either way).
@@ -435,7 +461,7 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
     }
   }
   // Each token sums its experts' input gradients in ascending expert index.
-  ep.finish_combine();
+  if (!local) ep.finish_combine();
   e_dx = Vec{};
   Vec de_in = zeros(T * H);
 #pragma omp parallel for schedule(static) if (T * K * H >= kParallelMinElements)

@@ -365,8 +365,11 @@ const bf16* ReplicatedStore::find(const float* src, int64_t extent) const {
 
 void ReplicatedStore::allocate_grads() {
   if (grads_allocated_) return;
-  grads_.assign(static_cast<size_t>(trainable_elements()), 0.f);
+  // Uninitialised, then zeroed by all threads (zero_grads): the arena's first-touch page faults are shared out
+  // instead of taken by one thread while the others wait.
+  grads_ = decltype(grads_)(static_cast<size_t>(trainable_elements()));
   grads_allocated_ = true;
+  ReplicatedStore::zero_grads();
 }
 
 void ReplicatedStore::allocate_moments() {
@@ -434,7 +437,7 @@ std::span<float> ReplicatedStore::mutable_flat(Role role) {
   return arena(role);
 }
 
-const std::vector<float>& ReplicatedStore::arena(Role role) const {
+std::span<const float> ReplicatedStore::arena(Role role) const {
   switch (role) {
     case Role::Weights:
       return weights_;
@@ -448,8 +451,9 @@ const std::vector<float>& ReplicatedStore::arena(Role role) const {
   return weights_;
 }
 
-std::vector<float>& ReplicatedStore::arena(Role role) {
-  return const_cast<std::vector<float>&>(std::as_const(*this).arena(role));
+std::span<float> ReplicatedStore::arena(Role role) {
+  const std::span<const float> a = std::as_const(*this).arena(role);
+  return {const_cast<float*>(a.data()), a.size()};
 }
 
 }  // namespace rf::model

@@ -70,6 +70,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/default_init.h"
 #include "core/dtype.h"
 #include "model/held_weight.h"
 #include "model/ops.h"
@@ -356,11 +357,14 @@ class ReplicatedStore : public ParamStore {
   void release_weights();
 
  private:
-  const std::vector<float>& arena(Role role) const;
-  std::vector<float>& arena(Role role);
+  std::span<const float> arena(Role role) const;
+  std::span<float> arena(Role role);
 
   bool weights_allocated_ = false, grads_allocated_ = false, moments_allocated_ = false;
-  std::vector<float> weights_, grads_, exp_avg_, exp_avg_sq_;
+  std::vector<float> weights_, exp_avg_, exp_avg_sq_;
+  // Allocated without a serial zero fill: allocate_grads zeroes it on every thread (4 bytes a trainable parameter,
+  // first touched in the first step).
+  std::vector<float, DefaultInitAllocator<float>> grads_;
   std::mutex bf16_mutex_;  // ranks of a loopback group may share a model
   std::vector<bf16> bf16_;
   uint64_t bf16_version_ = ~uint64_t{0};  // the version bf16_ was rounded at (none yet)
