@@ -152,7 +152,8 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait,
   }
   const HeldExpertsWhole while_saving(*r.ck.model, r.lead || held_writer ? std::move(whole) : nullptr);
   const model::ParamStore& store = r.ck.model->params();
-  // ZeRO-1's moments, one file a rank; held experts and LoRA's placed adapters write theirs whole (gathered above).
+  // ZeRO-1's moments, one file a rank; held experts' moments stream onto the writer (HeldWriter), LoRA's placed
+  // adapters' are written whole (gathered above).
   const bool moments_per_rank = r.shard_optimizer && !r.held && !r.hold_expert_adapters;
   std::exception_ptr failed;
   try {
