@@ -475,8 +475,7 @@ class Runs {
  private:
   size_t first_ending_after(size_t at) const {
     return static_cast<size_t>(
-        std::partition_point(runs_.begin(), runs_.end(), [at](const Slice& r) { return r.end <= at; }) -
-        runs_.begin());
+        std::partition_point(runs_.begin(), runs_.end(), [at](const Slice& r) { return r.end <= at; }) - runs_.begin());
   }
   size_t first_starting_at(size_t at) const {
     return static_cast<size_t>(
@@ -495,8 +494,9 @@ class Runs {
 // so all post the same messages.
 class ReduceParts final : public RoundCollective {
  public:
-  ReduceParts(Communicator& c, const float* send, std::span<const size_t> part_elems, std::vector<std::vector<Slice>> to,
-              std::vector<std::vector<Slice>> from, Communicator::PartSums done, size_t budget_bytes)
+  ReduceParts(Communicator& c, const float* send, std::span<const size_t> part_elems,
+              std::vector<std::vector<Slice>> to, std::vector<std::vector<Slice>> from, Communicator::PartSums done,
+              size_t budget_bytes)
       : RoundCollective(rounds_for(part_elems, Communicator::reduce_parts_chunk(c.size(), budget_bytes))),
         ch_(c, "reduce of parts"),
         send_(send),
@@ -506,16 +506,17 @@ class ReduceParts final : public RoundCollective {
         r_(c.rank()),
         chunk_(Communicator::reduce_parts_chunk(P_, budget_bytes)) {
     const size_t P = static_cast<size_t>(P_), me = static_cast<size_t>(r_);
-    RF_CHECK(parts_.size() == P && to.size() == P && from.size() == P, "rank ", r_, ": reduce of parts: ",
-             parts_.size(), " parts, ", to.size(), " and ", from.size(), " run lists for ", P_, " ranks");
+    RF_CHECK(parts_.size() == P && to.size() == P && from.size() == P, "rank ", r_,
+             ": reduce of parts: ", parts_.size(), " parts, ", to.size(), " and ", from.size(), " run lists for ", P_,
+             " ranks");
     send_at_.push_back(0);
     for (size_t q = 0; q < P; ++q) {
       to_.emplace_back(std::move(to[q]));
       from_.emplace_back(std::move(from[q]));
       send_at_.push_back(send_at_.back() + to_.back().values());
     }
-    RF_CHECK(to_[me].values() == from_[me].values(), "rank ", r_, ": reduce of parts: contributes ",
-             to_[me].values(), " values to its own part but expects ", from_[me].values());
+    RF_CHECK(to_[me].values() == from_[me].values(), "rank ", r_, ": reduce of parts: contributes ", to_[me].values(),
+             " values to its own part but expects ", from_[me].values());
     // One rank covering its whole part: each element's one value is its sum, handed over from `send` as it is.
     const bool alone = P_ == 1 && from_[me].values() == parts_[me];
     if (!alone) {
@@ -537,9 +538,7 @@ class ReduceParts final : public RoundCollective {
     return {begin, std::min(end, begin + chunk_)};
   }
   // [P, stride]: the rows of a round this rank's part has a chunk in (rows_ holds two such rounds, or the one).
-  float* rows(size_t round) {
-    return rows_.data() + (round % kRoundsInFlight) * static_cast<size_t>(P_) * stride_;
-  }
+  float* rows(size_t round) { return rows_.data() + (round % kRoundsInFlight) * static_cast<size_t>(P_) * stride_; }
 
   void post(size_t round, std::vector<RequestPtr>& requests) override {
     const Slice own = chunk_of(r_, round);

@@ -593,15 +593,16 @@ void ShardedStore::post_parts(Reduction& t, const float* send, const std::vector
 void ShardedStore::post_parts(Reduction& t, const float* send, const std::vector<size_t>& parts,
                               std::vector<std::vector<comm::Slice>> to, std::vector<std::vector<comm::Slice>> from) {
   t.part = parts[static_cast<size_t>(me_)];
-  largest_reduce_buffer_ = std::max(
-      largest_reduce_buffer_, static_cast<int64_t>(comm::Communicator::reduce_parts_bytes(P_, t.part, reduce_budget_)));
+  largest_reduce_buffer_ =
+      std::max(largest_reduce_buffer_,
+               static_cast<int64_t>(comm::Communicator::reduce_parts_bytes(P_, t.part, reduce_budget_)));
   Reduction* r = &t;
   t.posted = comm_->post_reduce_parts(
       send, parts, std::move(to), std::move(from),
       [this, r](size_t begin, std::span<const float> sums) {
         const int64_t b = static_cast<int64_t>(begin), e = b + static_cast<int64_t>(sums.size());
-        auto it = std::partition_point(r->into.begin(), r->into.end(),
-                                       [b](const Span& sp) { return sp.at + sp.n <= b; });
+        auto it =
+            std::partition_point(r->into.begin(), r->into.end(), [b](const Span& sp) { return sp.at + sp.n <= b; });
         for (; it != r->into.end() && it->at < e; ++it) {
           const int64_t lo = std::max(b, it->at), hi = std::min(e, it->at + it->n);
           float* dst = grads_.data() + it->elem + (lo - it->at);

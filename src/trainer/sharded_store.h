@@ -272,7 +272,7 @@ class ShardedStore : public model::ReplicatedStore {
   bool grads_allocated_ = false;
   std::vector<float> grads_, global_grads_, layer_grads_;
   int grad_layer_ = model::kGlobalGroup - 1;
-  std::unique_ptr<Reduction> pending_;          // the last layer's reduction, in flight
+  std::unique_ptr<Reduction> pending_;  // the last layer's reduction, in flight
   size_t reduce_budget_ = comm::Communicator::kReduceSliceBytes;
   int64_t largest_reduce_buffer_ = 0;
   std::vector<std::unique_ptr<Table>> tables_;  // the run's token tables' rows (rows()), until its global group ends

@@ -404,7 +404,9 @@ inline void reduce_parts(Communicator& c) {
     std::vector<size_t> parts(static_cast<size_t>(P));
     for (int q = 0; q < P; ++q)
       parts[static_cast<size_t>(q)] = q == 0 ? 10 * kChunk + 3 : (q == P - 1 ? 0 : 2 * static_cast<size_t>(q) + 1);
-    const auto has = [&](int p, int q, size_t i) { return dense || p == 0 || (i + static_cast<size_t>(p + q)) % 5 != 2; };
+    const auto has = [&](int p, int q, size_t i) {
+      return dense || p == 0 || (i + static_cast<size_t>(p + q)) % 5 != 2;
+    };
     const auto value = [&](int p, int q, size_t i) { return sliced_value(p, 1000 * static_cast<size_t>(q) + i); };
     const auto runs_of = [&](int p, int q) {
       std::vector<Slice> runs;

@@ -692,13 +692,13 @@ TEST(ShardFull, ReductionsInBoundedRoundsGiveShardNoneBits) {
   TrainOptions rounds;
   rounds.shard_reduce_budget = 4096;
   int i = 0;
-  for (const std::vector<std::string>& sets : std::vector<std::vector<std::string>>{
-           {"parallelism.cp=2", "train.global_batch=1"},
-           {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=2"}}) {
+  for (const std::vector<std::string>& sets :
+       std::vector<std::vector<std::string>>{{"parallelism.cp=2", "train.global_batch=1"},
+                                             {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=2"}}) {
     const auto config = [&](const std::string& mode) {
       std::vector<std::string> all = sets;
-      all.insert(all.end(), {"model.path=" + dir.string(), "parallelism.shard=" + mode, "train.steps=3",
-                             "train.val_every=2"});
+      all.insert(all.end(),
+                 {"model.path=" + dir.string(), "parallelism.shard=" + mode, "train.steps=3", "train.val_every=2"});
       return small("tiny_dense", all);
     };
     const Trained none = run(config("none"));
@@ -744,8 +744,8 @@ TEST(ShardFull, ReductionsReceiveWithinTheBudget) {
         int64_t in_flight = 0, largest = 0;
       };
       const auto backward = [&](size_t budget) {
-        auto store = std::make_unique<ShardedStore>(world.split(0, r), ShardedStore::Mode::Full,
-                                                    comm::default_timeout());
+        auto store =
+            std::make_unique<ShardedStore>(world.split(0, r), ShardedStore::Mode::Full, comm::default_timeout());
         ShardedStore& sharded = *store;
         sharded.set_reduce_budget(budget);
         const model::Gemma4Model m(cfg, model::TensorSet::Storage::Deferred, std::move(store));

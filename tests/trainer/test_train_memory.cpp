@@ -404,8 +404,8 @@ TEST(TrainMemory, ShardedReductionsAreBoundedWhateverTheGroup) {
   constexpr int64_t kLayerBytes = int64_t{640} * 640 * sizeof(float);
   constexpr auto kBudget = static_cast<int64_t>(comm::Communicator::kReduceSliceBytes);
   for (int N : {2, 4, 8}) {
-    const ShardedStore::Bytes b = ShardedStore::bytes_for(*ps, std::vector<bool>(ps->size(), true),
-                                                          ShardedStore::Mode::Gradients, N, 16, 16 / N);
+    const ShardedStore::Bytes b =
+        ShardedStore::bytes_for(*ps, std::vector<bool>(ps->size(), true), ShardedStore::Mode::Gradients, N, 16, 16 / N);
     EXPECT_GE(b.comm_buffers, kBudget) << "N = " << N;  // the head's part spans many chunks: two rounds in flight
     EXPECT_LE(b.comm_buffers, kLayerBytes + kBudget) << "N = " << N;
   }
