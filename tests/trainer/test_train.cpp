@@ -638,6 +638,30 @@ void write_ple_kv_model(bool tied, const std::string& dir) {
   model::save_checkpoint(ck, dir);
 }
 
+// shard gradients and full against none on `model_dir` under `sets` (one micro-batch a replica): the same losses,
+// gradient norms, validation losses and final weights, bit for bit; `sharded_options` for the sharded runs.
+void expect_shard_modes_give_none_bits(const std::string& model_dir, const std::vector<std::string>& sets,
+                                       const std::string& what_case, const TrainOptions& sharded_options = {}) {
+  const auto config = [&](const std::string& mode) {
+    std::vector<std::string> all = sets;
+    all.insert(all.end(),
+               {"model.path=" + model_dir, "parallelism.shard=" + mode, "train.steps=3", "train.val_every=2"});
+    return small("tiny_dense", all);
+  };
+  const Trained none = run(config("none"));
+  for (const std::string mode : {"gradients", "full"}) {
+    const std::string what = what_case + ", shard " + mode;
+    const Trained sharded = run(config(mode), sharded_options);
+    ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
+    for (size_t s = 0; s < none.steps.size(); ++s) {
+      EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
+      EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
+      EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
+    }
+    EXPECT_EQ(flat_params(*sharded.model), flat_params(*none.model)) << what;
+  }
+}
+
 // Per-layer embeddings and KV sharing (the last two layers' backward sends dK/dV to another layer's): under shard
 // gradients and full every layer is still gathered and reduced on its own, the token tables' rows fetched and their
 // gradient rows reduced at their owners, the head gathered around the loss; one micro-batch a replica gives shard
@@ -658,27 +682,9 @@ TEST(ShardFull, PerLayerEmbeddingsAndKvSharingGiveShardNoneBits) {
   };
   for (bool tied : {true, false}) write_ple_kv_model(tied, (dir / (tied ? "tied" : "untied")).string());
   int i = 0;
-  for (const Case& c : cases) {
-    const auto config = [&](const std::string& mode) {
-      std::vector<std::string> all = c.sets;
-      all.insert(all.end(), {"model.path=" + (dir / (c.tied ? "tied" : "untied")).string(), "parallelism.shard=" + mode,
-                             "train.steps=3", "train.val_every=2"});
-      return small("tiny_dense", all);
-    };
-    const Trained none = run(config("none"));
-    for (const std::string mode : {"gradients", "full"}) {
-      const std::string what = "case " + std::to_string(i) + ", shard " + mode;
-      const Trained sharded = run(config(mode));
-      ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
-      for (size_t s = 0; s < none.steps.size(); ++s) {
-        EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
-        EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
-        EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
-      }
-      EXPECT_EQ(flat_params(*sharded.model), flat_params(*none.model)) << what;
-    }
-    ++i;
-  }
+  for (const Case& c : cases)
+    expect_shard_modes_give_none_bits((dir / (c.tied ? "tied" : "untied")).string(), c.sets,
+                                      "case " + std::to_string(i++));
   fs::remove_all(dir);
 }
 
@@ -694,27 +700,8 @@ TEST(ShardFull, ReductionsInBoundedRoundsGiveShardNoneBits) {
   int i = 0;
   for (const std::vector<std::string>& sets :
        std::vector<std::vector<std::string>>{{"parallelism.cp=2", "train.global_batch=1"},
-                                             {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=2"}}) {
-    const auto config = [&](const std::string& mode) {
-      std::vector<std::string> all = sets;
-      all.insert(all.end(),
-                 {"model.path=" + dir.string(), "parallelism.shard=" + mode, "train.steps=3", "train.val_every=2"});
-      return small("tiny_dense", all);
-    };
-    const Trained none = run(config("none"));
-    for (const std::string mode : {"gradients", "full"}) {
-      const std::string what = "case " + std::to_string(i) + ", shard " + mode;
-      const Trained sharded = run(config(mode), rounds);
-      ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
-      for (size_t s = 0; s < none.steps.size(); ++s) {
-        EXPECT_EQ(sharded.steps[s].loss, none.steps[s].loss) << what << ", step " << s + 1;
-        EXPECT_EQ(sharded.steps[s].grad_norm, none.steps[s].grad_norm) << what << ", step " << s + 1;
-        EXPECT_EQ(sharded.steps[s].val_loss, none.steps[s].val_loss) << what << ", step " << s + 1;
-      }
-      EXPECT_EQ(flat_params(*sharded.model), flat_params(*none.model)) << what;
-    }
-    ++i;
-  }
+                                             {"parallelism.cp=2", "parallelism.dp=2", "train.global_batch=2"}})
+    expect_shard_modes_give_none_bits(dir.string(), sets, "case " + std::to_string(i++), rounds);
   fs::remove_all(dir);
 }
 
