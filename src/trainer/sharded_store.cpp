@@ -378,7 +378,8 @@ void ShardedStore::after_update() {
 }
 
 // The group's trainable pieces all-gathered in place, in the whole copy every rank holds (the bf16 working weights,
-// or the float32 weights): no staging buffer (a group's whole size, the head's: ~1 GiB in bf16 for E2B's tied table).
+// or the float32 weights): no staging buffer of the group's size (a streamed table is a group: E2B's per-layer table
+// is 4.4 GiB in bf16).
 // A run of the group's slots that are trainable and registered one after another lies in one range of the trainable
 // layout and of the whole one, so rank q's pieces of it are one range of the whole copy, right after rank q - 1's:
 // one all-gather of parts a run (a decoder layer with nothing frozen is one run). This rank's pieces are put in place
