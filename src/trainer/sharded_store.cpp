@@ -16,6 +16,10 @@ using model::Role;
 
 namespace {
 
+// fetch_rows' rounds in flight for a table whose rows differ by rank: round s + 1's transfers travel while round s's
+// complete, each with its send buffer.
+constexpr int64_t kRowRoundsInFlight = 2;
+
 // The head, the one streamed parameter a run reads whole (around the loss): lm_head.weight, or the token table it is
 // tied to (SIZE_MAX: neither). The other tables are read by row only (E2B's and E4B's per-layer table is 6x their
 // head).
@@ -42,7 +46,6 @@ struct ShardedStore::Group {
 // widened into `w`.
 struct ShardedStore::Gathered {
   const Group* group = nullptr;
-  bool trainable_only = false;
   bool working16 = false;  // the pieces travel as bf16 working weights
   std::vector<float> staging;
   std::vector<bf16> staging16;
@@ -54,7 +57,8 @@ struct ShardedStore::Gathered {
 };
 
 // Gradients on their way to their owners (Communicator::post_reduce_parts, in rounds of bounded chunks): `send`
-// post_reduce's copy of every owner's pieces in rank order (empty where the caller's buffer was packed in place),
+// the group's gradient buffer that post_reduce packed in place, every owner's pieces in rank order (empty where the
+// caller keeps the packed buffer: reduce_spans, reduce_rows),
 // `into` where this rank's part lands in its gradient slice (`at` in the part, `elem` the index in grads_), `part`
 // its elements. The sums arrive chunk by chunk, from progress() or the wait, and are added there.
 struct ShardedStore::Reduction {
@@ -67,7 +71,8 @@ struct ShardedStore::Reduction {
 // A token table's rows for one run (rows()): `ids` the rows this rank holds, sorted and distinct (the distinct tokens
 // of its own micro-batch; every rank's together for the table tied to a trained head), `w` [ids, W] their values
 // (`w16` instead with param_dtype bfloat16: the working rows), `g` [ids, W] this rank's gradient of them; of_rank [P]
-// every rank's `ids` (whose gradient rows reach each owner).
+// every rank's `ids` (whose gradient rows reach each owner); `shared`: every rank holds the same rows (the table tied
+// to a trained head), which fetch_rows all-gathers.
 struct ShardedStore::Table {
   size_t slot = 0;
   int64_t width = 0;
@@ -76,6 +81,7 @@ struct ShardedStore::Table {
   std::vector<float> w, g;
   std::vector<bf16> w16;
   bool grads = false;
+  bool shared = false;
 };
 
 ShardedStore::ShardedStore(std::unique_ptr<comm::Communicator> comm, Mode mode, comm::Timeout timeout,
@@ -244,22 +250,19 @@ void ShardedStore::wait(comm::PostedCollective& c) {
 
 double ShardedStore::take_exposed_seconds() { return std::exchange(exposed_seconds_, 0.0); }
 
-// Every rank packs its pieces of the group's slots (its own masters in full; its part of the whole weights in
-// gradients, where only trainable pieces travel) and posts one all-gather of the parts.
+// Every rank packs its pieces of the group's slots (its own masters) and posts one all-gather of the parts.
 // working: the run's working weights (param_dtype bfloat16: rounded to bf16 before they travel, half the bytes);
-// false: the float32 masters (unshard, after_update).
-std::unique_ptr<ShardedStore::Gathered> ShardedStore::post_gather(const Group& g, bool trainable_only, bool working) {
+// false: the float32 masters (unshard). (after_update gathers in place: gather_updated.)
+std::unique_ptr<ShardedStore::Gathered> ShardedStore::post_gather(const Group& g, bool working) {
   auto t = std::make_unique<Gathered>();
   t->group = &g;
-  t->trainable_only = trainable_only;
   t->working16 = working && param_dtype() == model::ParamDtype::Bfloat16;
   const size_t element_bytes = t->working16 ? sizeof(bf16) : sizeof(float);
   t->part_bytes.assign(static_cast<size_t>(P_), 0);
   size_t total = 0, at_mine = 0;
   for (int q = 0; q < P_; ++q) {
     if (q == me_) at_mine = total;
-    for (size_t slot : g.slots)
-      if (!trainable_only || info(slot).trainable) t->part_bytes[static_cast<size_t>(q)] += piece(slot, q).n;
+    for (size_t slot : g.slots) t->part_bytes[static_cast<size_t>(q)] += piece(slot, q).n;
     total += t->part_bytes[static_cast<size_t>(q)];
     t->part_bytes[static_cast<size_t>(q)] *= element_bytes;
   }
@@ -269,10 +272,8 @@ std::unique_ptr<ShardedStore::Gathered> ShardedStore::post_gather(const Group& g
     t->staging.resize(total);
   size_t out = at_mine;
   for (size_t slot : g.slots) {
-    if (trainable_only && !info(slot).trainable) continue;
     const Piece pc = piece(slot, me_);
-    const float* src = own_masters() ? (info(slot).trainable ? own_trainable_.data() : own_frozen_.data()) + pc.local
-                                     : ReplicatedStore::flat(Role::Weights).data() + info(slot).offset + pc.first;
+    const float* src = own(slot, pc);
     if (t->working16)
       model::round_to_bf16(src, t->staging16.data() + out, pc.n);
     else
@@ -284,8 +285,7 @@ std::unique_ptr<ShardedStore::Gathered> ShardedStore::post_gather(const Group& g
   return t;
 }
 
-// Puts every rank's pieces in place: in the group's buffer (full, sharded), in the whole working copy (optimizer and
-// gradients with param_dtype bfloat16), or in the whole weights.
+// Puts every rank's pieces in place: in the group's buffer (full, sharded), or in the whole weights (unshard).
 void ShardedStore::finish_gather(Gathered& t) {
   if (t.posted) {
     wait(*t.posted);
@@ -293,19 +293,6 @@ void ShardedStore::finish_gather(Gathered& t) {
   }
   const Group& g = *t.group;
   const bool into_whole = ReplicatedStore::weights_allocated();
-  if (t.working16 && whole_working()) {
-    const bf16* in = t.staging16.data();
-    for (int q = 0; q < P_; ++q) {
-      for (size_t slot : g.slots) {
-        if (t.trainable_only && !info(slot).trainable) continue;
-        const Piece pc = piece(slot, q);
-        std::copy_n(in, pc.n, working_.data() + info(slot).offset + pc.first);
-        in += pc.n;
-      }
-    }
-    t.staging16 = {};
-    return;
-  }
   if (t.working16) {
     // The working copy in place, then widened (exact) for the float32 readers.
     RF_CHECK(!into_whole, "sharded store: bf16 working weights gathered into the float32 masters");
@@ -328,12 +315,7 @@ void ShardedStore::finish_gather(Gathered& t) {
   for (int q = 0; q < P_; ++q) {
     for (size_t k = 0; k < g.slots.size(); ++k) {
       const size_t slot = g.slots[k];
-      if (t.trainable_only && !info(slot).trainable) continue;
       const Piece pc = piece(slot, q);
-      if (into_whole && !own_masters() && q == me_) {  // this rank's pieces are in place already
-        in += pc.n;
-        continue;
-      }
       float* dst = into_whole ? ReplicatedStore::mutable_weight(slot) : t.w.data() + g.at[k];
       std::copy_n(in, pc.n, dst + pc.first);
       in += pc.n;
@@ -351,7 +333,7 @@ void ShardedStore::finish_gather(Gathered& t) {
 void ShardedStore::acquire(int layer) {
   if (!sharded()) return;
   std::unique_ptr<Gathered>& slot = live_[static_cast<size_t>(layer + 1)];
-  if (!slot) slot = post_gather(group_of(layer), false, true);
+  if (!slot) slot = post_gather(group_of(layer), true);
   if (slot->posted || slot->staged()) finish_gather(*slot);
 }
 
@@ -360,7 +342,7 @@ void ShardedStore::unshard() {
   if (!masters_sharded()) return;
   ReplicatedStore::allocate_weights();
   for (const Group& g : groups_) {
-    std::unique_ptr<Gathered> t = post_gather(g, false, false);
+    std::unique_ptr<Gathered> t = post_gather(g, false);
     finish_gather(*t);
   }
   live_.clear();
@@ -391,11 +373,58 @@ void ShardedStore::after_update() {
   // With the whole bf16 working copy: every rank's updated trainable pieces rounded to bf16, half the bytes; the
   // frozen ones never change.
   const bool working16 = whole_working() && masters_sharded();
-  for (const Group& g : groups_) {
-    std::unique_ptr<Gathered> t = post_gather(g, true, working16);
-    finish_gather(*t);
-  }
+  for (const Group& g : groups_) gather_updated(g, working16);
   if (working16) working_version_ = version();
+}
+
+// The group's trainable pieces all-gathered in place, in the whole copy every rank holds (the bf16 working weights,
+// or the float32 weights): no staging buffer of the group's size (a streamed table is a group: E2B's per-layer table
+// is 4.4 GiB in bf16).
+// A run of the group's slots that are trainable and registered one after another lies in one range of the trainable
+// layout and of the whole one, so rank q's pieces of it are one range of the whole copy, right after rank q - 1's:
+// one all-gather of parts a run (a decoder layer with nothing frozen is one run). This rank's pieces are put in place
+// first (rounded to bf16, or copied from its masters; where the whole float32 weights are the masters the optimizer
+// updated them there).
+void ShardedStore::gather_updated(const Group& g, bool working16) {
+  const size_t element_bytes = working16 ? sizeof(bf16) : sizeof(float);
+  bf16* whole16 = working16 ? working_.data() : nullptr;
+  float* whole32 = working16 ? nullptr : ReplicatedStore::mutable_flat(Role::Weights).data();
+  for (size_t slot : g.slots) {
+    if (!info(slot).trainable || !own_masters()) continue;
+    const Piece pc = piece(slot, me_);
+    const float* src = own_trainable_.data() + pc.local;
+    const int64_t at = info(slot).offset + pc.first;
+    if (working16)
+      model::round_to_bf16(src, whole16 + at, pc.n);
+    else
+      std::copy_n(src, pc.n, whole32 + at);
+  }
+  if (P_ == 1) return;
+  uint8_t* whole = working16 ? reinterpret_cast<uint8_t*>(whole16) : reinterpret_cast<uint8_t*>(whole32);
+  std::vector<comm::PostedPtr> posted;
+  for (size_t k = 0; k < g.slots.size();) {
+    if (posted.size() == static_cast<size_t>(comm::PostedCollective::kMaxPosted)) {  // no more may be in flight
+      for (comm::PostedPtr& c : posted) wait(*c);
+      posted.clear();
+    }
+    if (!info(g.slots[k]).trainable) {
+      ++k;
+      continue;
+    }
+    const ParamInfo& first = info(g.slots[k]);
+    std::vector<size_t> part_bytes(static_cast<size_t>(P_), 0);
+    for (const ParamInfo* prev = nullptr; k < g.slots.size(); ++k) {
+      const ParamInfo& p = info(g.slots[k]);
+      if (!p.trainable ||
+          (prev && (p.offset != prev->offset + prev->numel || p.train_offset != prev->train_offset + prev->numel)))
+        break;
+      for (int q = 0; q < P_; ++q)
+        part_bytes[static_cast<size_t>(q)] += static_cast<size_t>(piece(g.slots[k], q).n) * element_bytes;
+      prev = &p;
+    }
+    posted.push_back(comm_->post_allgatherv(whole + static_cast<size_t>(first.offset) * element_bytes, part_bytes));
+  }
+  for (comm::PostedPtr& c : posted) wait(*c);
 }
 
 const bf16* ShardedStore::working(size_t slot) {
@@ -613,18 +642,27 @@ void ShardedStore::post_parts(Reduction& t, const float* send, const std::vector
       reduce_budget_);
 }
 
-// Sends each owner its pieces of the group's gradients (this rank's own piece is copied); this rank's part is its
-// pieces of the group's trainable slots, in order.
-std::unique_ptr<ShardedStore::Reduction> ShardedStore::post_reduce(const Group& g, const float* grads) {
+// Sends each owner its pieces of the group's gradients `grads` [g.grad_elements] (this rank's own piece is copied);
+// this rank's part is its pieces of the group's trainable slots, in order. The send buffer is `grads` itself, packed in
+// place owner after owner, slot after slot, and kept by the reduction until it finished: an element never moves up,
+// so never over one not yet read (a rank's pieces precede the next rank's in the trainable layout, whose order the
+// group's slots keep, so no earlier rank owns a part of a later slot). With every slot of the group trainable and
+// registered together (a decoder layer), the owners' pieces already lie in that order and nothing moves.
+std::unique_ptr<ShardedStore::Reduction> ShardedStore::post_reduce(const Group& g, std::vector<float> grads) {
   auto t = std::make_unique<Reduction>();
-  t->send.resize(static_cast<size_t>(g.grad_elements));
+  RF_CHECK(static_cast<int64_t>(grads.size()) == g.grad_elements, "sharded store: ", grads.size(),
+           " gradient elements for a group of ", g.grad_elements);
+  t->send = std::move(grads);
+  float* src = t->send.data();
   std::vector<size_t> parts(static_cast<size_t>(P_), 0);
-  float* out = t->send.data();
+  size_t packed = 0;
   for (int q = 0; q < P_; ++q) {
     for (size_t k = 0; k < g.slots.size(); ++k) {
       if (g.grad_at[k] < 0) continue;
       const Piece pc = piece(g.slots[k], q);
-      out = std::copy_n(grads + g.grad_at[k] + pc.first, pc.n, out);
+      const size_t at = static_cast<size_t>(g.grad_at[k] + pc.first);
+      if (packed != at) std::memmove(src + packed, src + at, static_cast<size_t>(pc.n) * sizeof(float));
+      packed += static_cast<size_t>(pc.n);
       if (q == me_ && pc.n > 0)
         t->into.push_back(Span{static_cast<int64_t>(parts[static_cast<size_t>(q)]), pc.local, pc.n});
       parts[static_cast<size_t>(q)] += static_cast<size_t>(pc.n);
@@ -654,15 +692,15 @@ void ShardedStore::before_forward(int layer) {
     if (global_stale_) global.reset();
     acquire(model::kGlobalGroup);
     global_stale_ = false;
-    if (layers_ > 0 && !live_[1]) live_[1] = post_gather(group_of(0), false, true);
+    if (layers_ > 0 && !live_[1]) live_[1] = post_gather(group_of(0), true);
     return;
   }
   acquire(layer);
   if (layer + 1 < layers_ && !live_[static_cast<size_t>(layer + 2)])
-    live_[static_cast<size_t>(layer + 2)] = post_gather(group_of(layer + 1), false, true);
+    live_[static_cast<size_t>(layer + 2)] = post_gather(group_of(layer + 1), true);
   // The last layer computes while the head (the previous run's) travels.
   if (layer + 1 == layers_ && last_head_ != SIZE_MAX && !live_[group_of_slot_[last_head_]])
-    live_[group_of_slot_[last_head_]] = post_gather(groups_[group_of_slot_[last_head_]], false, true);
+    live_[group_of_slot_[last_head_]] = post_gather(groups_[group_of_slot_[last_head_]], true);
 }
 
 void ShardedStore::after_forward(int layer) {
@@ -687,7 +725,7 @@ void ShardedStore::before_backward(int layer) {
   if (sharded()) {
     acquire(layer);
     if (layer > 0 && !live_[static_cast<size_t>(layer)])
-      live_[static_cast<size_t>(layer)] = post_gather(group_of(layer - 1), false, true);
+      live_[static_cast<size_t>(layer)] = post_gather(group_of(layer - 1), true);
   } else {
     ReplicatedStore::before_backward(layer);
   }
@@ -701,15 +739,16 @@ void ShardedStore::after_backward(int layer) {
     if (pending_) finish_reduce(*pending_);
     pending_.reset();
     if (layer == model::kGlobalGroup) {
-      std::unique_ptr<Reduction> t = post_reduce(group_of(layer), global_grads_.data());
+      std::unique_ptr<Reduction> t = post_reduce(group_of(layer), std::move(global_grads_));
       finish_reduce(*t);
+      global_grads_ = std::move(t->send);  // packed for the send: zeroed for the next run
       std::fill(global_grads_.begin(), global_grads_.end(), 0.f);
       for (const std::unique_ptr<Table>& table : tables_) {
         if (!table->grads) continue;
         reduce_rows(*table);
       }
     } else {
-      pending_ = post_reduce(group_of(layer), layer_grads_.data());
+      pending_ = post_reduce(group_of(layer), std::move(layer_grads_));
       layer_grads_ = {};
       grad_layer_ = model::kGlobalGroup - 1;
     }
@@ -838,6 +877,7 @@ model::ParamStore::TableRows ShardedStore::rows(size_t slot, std::span<const int
     std::sort(all.begin(), all.end());
     all.erase(std::unique(all.begin(), all.end()), all.end());
     t->of_rank.assign(static_cast<size_t>(P_), all);
+    t->shared = true;
   }
   t->ids = t->of_rank[static_cast<size_t>(me_)];
   const int64_t W = t->width, n = static_cast<int64_t>(t->ids.size());
@@ -873,39 +913,66 @@ model::ParamStore::TableRows ShardedStore::rows(size_t slot, std::span<const int
   return out;
 }
 
-// The parts of this rank's rows t.ids inside every owner's piece, packed by `pack` (float32 masters -> T): each owner
-// sends every rank q the parts of q's rows inside its own piece. Rank q's rows [its ids, W] are the parts inside
-// piece 0, then piece 1, ...: received in rank order, they are the rows in place (collective).
+// The parts of this rank's rows t.ids inside every owner's piece, packed by `pack` (float32 masters -> T). Rank q's
+// rows [its ids, W] are the parts inside piece 0, then piece 1, ... (pieces ascend with the rank, rows with their
+// ids): each owner's part is one range of them, at the `at` of its first span, and lands there in place
+// (collective).
+// Every rank holding the same rows (t.shared: the table tied to a trained head, every rank's ids) is an all-gather:
+// each owner packs its part straight into its place in `rows` and it travels from there to every rank, with no send
+// buffer (packed once for each of the N ranks it would take N x min(the step's rows, its piece): about the whole table
+// at N = 64, where a piece is 1/64 of the model and the step's rows most of the table). Otherwise each owner sends each
+// rank q the parts of q's rows inside its piece, in rounds: in round s it sends to rank me + s and receives from rank
+// me - s, two rounds in flight, so its send buffers are two ranks' parts, min(a rank's rows, its piece) each, not N of
+// them at once (their sum is only bounded by N x that, the whole table at large N, when the ranks' tokens meet in one
+// owner's piece).
 template <class T, class Pack>
 void ShardedStore::fetch_rows(size_t slot, const Table& t, T* rows, Pack pack) {
   const Piece mine = piece(slot, me_);
-  std::vector<size_t> send_bytes(static_cast<size_t>(P_)), recv_bytes(static_cast<size_t>(P_));
-  size_t send_elems = 0;
-  std::vector<std::vector<Span>> to(static_cast<size_t>(P_));  // [P]: rank q's rows inside this rank's piece
+  // This rank's own part: packed where it belongs.
+  for (const Span& sp : row_spans(slot, t.ids, mine))
+    pack(own(slot, mine) + (sp.elem - mine.first), rows + sp.at, sp.n);
+  if (P_ == 1) return;
+  // [P]: where each owner's part of this rank's rows starts in `rows`, and its bytes.
+  std::vector<size_t> part_at(static_cast<size_t>(P_), 0), part_bytes(static_cast<size_t>(P_), 0);
   for (int q = 0; q < P_; ++q) {
-    to[static_cast<size_t>(q)] = row_spans(slot, t.of_rank[static_cast<size_t>(q)], mine);
-    size_t out = 0;
-    for (const Span& sp : to[static_cast<size_t>(q)]) out += static_cast<size_t>(sp.n);
-    send_bytes[static_cast<size_t>(q)] = out * sizeof(T);
-    send_elems += out;
-    size_t in = 0;
-    for (const Span& sp : row_spans(slot, t.ids, piece(slot, q))) in += static_cast<size_t>(sp.n);
-    recv_bytes[static_cast<size_t>(q)] = in * sizeof(T);
+    const std::vector<Span> spans = row_spans(slot, t.ids, piece(slot, q));
+    if (spans.empty()) continue;
+    part_at[static_cast<size_t>(q)] = static_cast<size_t>(spans.front().at);
+    for (const Span& sp : spans) part_bytes[static_cast<size_t>(q)] += static_cast<size_t>(sp.n) * sizeof(T);
   }
-  std::vector<T> send(send_elems);
-  T* out = send.data();
-  for (const std::vector<Span>& spans : to) {
+  if (t.shared) {
+    comm::PostedPtr c = comm_->post_allgatherv(rows, part_bytes);
+    wait(*c);
+    return;
+  }
+  struct Round {
+    std::vector<T> send;
+    comm::PostedPtr posted;  // last: abandoned before its buffer goes
+  };
+  std::vector<Round> rounds(static_cast<size_t>(kRowRoundsInFlight));
+  std::vector<size_t> send_bytes(static_cast<size_t>(P_)), recv_bytes(static_cast<size_t>(P_));
+  for (int s = 1; s < P_; ++s) {
+    Round& r = rounds[static_cast<size_t>(s % kRowRoundsInFlight)];
+    if (r.posted) wait(*r.posted);
+    r.posted.reset();
+    const int to = (me_ + s) % P_, from = (me_ - s + P_) % P_;
+    const std::vector<Span> spans = row_spans(slot, t.of_rank[static_cast<size_t>(to)], mine);
+    size_t n = 0;
+    for (const Span& sp : spans) n += static_cast<size_t>(sp.n);
+    r.send.resize(n);
+    T* out = r.send.data();
     for (const Span& sp : spans) {
       pack(own(slot, mine) + (sp.elem - mine.first), out, sp.n);
       out += sp.n;
     }
+    std::fill(send_bytes.begin(), send_bytes.end(), 0);
+    std::fill(recv_bytes.begin(), recv_bytes.end(), 0);
+    send_bytes[static_cast<size_t>(to)] = r.send.size() * sizeof(T);
+    recv_bytes[static_cast<size_t>(from)] = part_bytes[static_cast<size_t>(from)];
+    r.posted = comm_->post_alltoallv(r.send.data(), send_bytes, rows + part_at[static_cast<size_t>(from)], recv_bytes);
   }
-  if (P_ > 1) {
-    comm::PostedPtr c = comm_->post_alltoallv(send.data(), send_bytes, rows, recv_bytes);
-    wait(*c);
-  } else {
-    std::copy(send.begin(), send.end(), rows);
-  }
+  for (Round& r : rounds)
+    if (r.posted) wait(*r.posted);
 }
 
 // Every rank's gradient rows to their owners. Rank r sends owner q the parts of r's rows inside q's piece; the owner
@@ -975,7 +1042,7 @@ void ShardedStore::acquire_head(size_t slot) {
     return;
   }
   std::unique_ptr<Gathered>& g = live_[group_of_slot_[slot]];
-  if (!g) g = post_gather(groups_[group_of_slot_[slot]], false, true);  // not posted during the last layer
+  if (!g) g = post_gather(groups_[group_of_slot_[slot]], true);  // not posted during the last layer
   if (g->posted || g->staged()) finish_gather(*g);
 }
 
@@ -1126,11 +1193,14 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
         comm::Communicator::reduce_parts_bytes(ranks, static_cast<size_t>(part), comm::Communicator::kReduceSliceBytes);
     return static_cast<int64_t>(bytes) / kF;
   };
-  // A reduction's buffers: the receive buffers, and a send copy where it is not the gradient packed in place.
-  const auto reduction = [&](const Group& g, bool send_copy) {
-    return (send_copy ? g.train : 0) + receive(most(g.mine_train));
+  // A reduction's buffers: the receive buffers, and a layer's gradient buffer, which its reduction sends from (packed
+  // in place) and keeps until it finished, during the next layer's backward, which fills a buffer of its own. The
+  // global group's, the head's and the tables' rows' are packed in place too, and finish before their buffers are
+  // reused: counted with the gradients.
+  const auto reduction = [&](const Group& g, bool in_flight_buffer) {
+    return (in_flight_buffer ? g.train : 0) + receive(most(g.mine_train));
   };
-  int64_t largest = 0, largest_train = 0, reductions = reduction(groups[0], true);
+  int64_t largest = 0, largest_train = 0, reductions = reduction(groups[0], false);
   for (size_t gi = 1; gi < groups.size(); ++gi) {
     largest = std::max(largest, groups[gi].all);
     largest_train = std::max(largest_train, groups[gi].train);
@@ -1155,10 +1225,14 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
     rows += held;
     if (trained) rows_train += held;
     // Each owner receives every rank's gradient rows inside its piece (its part: their union, the rows of the step's
-    // tokens at most), and (full) sends every rank its rows there.
+    // tokens at most). Under full the rows are fetched (fetch_rows): the table tied to a trained head, whose rows are
+    // the same on every rank, is all-gathered in place (no send buffer); another's owner sends each rank its rows
+    // inside its piece in rounds, two ranks' parts in flight (one at N = 2, none at N = 1).
     const int64_t step_rows = std::min(step_tokens, p.shape[0]) * width;
     if (trained) reductions = std::max(reductions, receive(std::min(step_rows, most(g.mine_train))));
-    row_fetch = std::max(row_fetch, ranks * std::min(held, most(g.mine_all)));
+    const bool shared = g.slot == head && trained;
+    const int64_t sends_in_flight = shared ? 0 : std::min<int64_t>(kRowRoundsInFlight, ranks - 1);
+    row_fetch = std::max(row_fetch, sends_in_flight * std::min(held, most(g.mine_all)));
   }
   const int64_t slice = model::shard_of(train, 0, ranks).padded;
   Bytes b;
@@ -1168,7 +1242,7 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
     // (which stays gathered from its forward to its backward); the tables' rows for the whole run.
     b.gathered = (groups[0].all + std::max(largest, head_all + last_layer) + rows) * kF;
     // One gather in flight: the next layer's or the head's staging; at the run's start the first layer's beside the
-    // rows this rank sends the other ranks.
+    // rows this rank is sending the other ranks.
     b.comm_buffers = std::max(head_all, largest + row_fetch) * kF;
   } else {
     b.weight_shard = (train + frozen) * kF;

@@ -17,9 +17,11 @@
 // head) never are, in either mode:
 //   - a token table (embed_tokens, embed_tokens_per_layer): rows() exchanges every rank's distinct ids and each
 //     rank receives the rows of its own ids from their owners (a rank's piece is an element range, so a row may
-//     span two), [ids, W]; the backward accumulates into gradient rows of the same layout, which
-//     after_backward(kGlobalGroup) sends to their owners, each summing the N contributions in rank order (+0 from a
-//     rank without the row, as in shard none's whole gradient);
+//     span two), [ids, W], in rounds (an owner sends one rank's part of them at a time, two in flight: its send
+//     buffers stay two ranks' rows at most, whatever N); the table tied to a trained head, whose rows are every
+//     rank's, all-gathers them in place instead (each owner's part sent once, from where it lands); the backward
+//     accumulates into gradient rows of the same layout, which after_backward(kGlobalGroup) sends to their owners, each
+//     summing the N contributions in rank order (+0 from a rank without the row, as in shard none's whole gradient);
 //   - the head: its gather posted during the last layer's forward, finished by acquire_head just before the loss
 //     and freed by release_head right after it, its gradient (a whole-size buffer for that while) then packed in
 //     place, sent to the owners and freed. Tied to embed_tokens, the
@@ -30,7 +32,7 @@
 // transient whole copy and gradient are the largest buffers left (a loss that streams the head in blocks of the
 // vocabulary would remove them).
 // gradients: the weights stay whole on every rank (the optimizer updates this rank's trainable pieces of them, and
-// after_update all-gathers the others'); the gradients are as in full.
+// after_update all-gathers the others' in place); the gradients are as in full.
 // Both: a layer's gradients are written into a layer-sized buffer during its backward; after_backward sends every
 // owner its pieces (posted, in flight during the next layer's backward, advanced by progress()), and each owner sums
 // the N contributions in rank order in double, rounded once (comm::Communicator::reduce_scatter's combination, so one
@@ -40,6 +42,8 @@
 // lies in one or two ranks' slices (a head; a large model's layer at large N) an owner's part is the whole group, and
 // receiving its N contributions at once would take N x the group (about the whole model's float32 bytes for a head at
 // N = 32-64); the rounds keep that buffer at ~N x one chunk, whatever the model.
+// A layer's gradient buffer is the send buffer of its reduction, packed in place (each owner's pieces in rank order)
+// and kept until the reduction finished, during the next layer's backward; the global group's too.
 // model.param_dtype bfloat16 (model/param_store.h): under full every gather the run's reads post (a layer, the global
 // group's small parameters, the head, the tables' rows) packs this rank's masters rounded to bf16, so the all-gathers
 // carry half the bytes, and the gathered copy is those bf16 values (a Gathered's b16, which a bf16 compute run
@@ -50,12 +54,12 @@
 // store's working_, 2 bytes a parameter, which its hooks widen a group at a time): write_weight keeps this rank's
 // piece and rounds the whole tensor into the working copy; the optimizer updates this rank's masters (mutable_master);
 // after_update rounds every rank's updated trainable pieces to bf16 and all-gathers them (half the bytes of float32)
-// into every rank's working copy; read_weight gathers a tensor's float32 pieces from their owners (a collective, as
-// under full). The working copy is the masters rounded to bf16 as the replicated store rounds them, so the same bits.
-// optimizer keeps the replicated store's whole gradients (step.cpp reduce-scatters them); gradients reduces each
-// layer's as below.
-// With gradient accumulation the micro-batches' reduced sums are added in the slice where shard none adds raw
-// micro-batch gradients and reduces once: the same terms, associated differently (float32 rounding, not bits).
+// in place in every rank's working copy (no staging: gather_updated); read_weight gathers a tensor's float32 pieces
+// from their owners (a collective, as under full). The working copy is the masters rounded to bf16 as the replicated
+// store rounds them, so the same bits. optimizer keeps the replicated store's whole gradients (step.cpp reduce-scatters
+// them); gradients reduces each layer's as below. With gradient accumulation the micro-batches' reduced sums are added
+// in the slice where shard none adds raw micro-batch gradients and reduces once: the same terms, associated differently
+// (float32 rounding, not bits).
 #pragma once
 
 #include <memory>
@@ -124,9 +128,11 @@ class ShardedStore : public model::ReplicatedStore {
     int64_t gradients = 0;     // the rank's slice, the global group's small buffer, one layer's buffer or the head's,
                                // the tables' gradient rows
     int64_t moments = 0;       // AdamW's two moments of the slice
-    int64_t comm_buffers = 0;  // full: one gather's staging (the next layer's, or the head's); one reduction's send
-                               // copy and its receive buffers: the N contributions to two bounded chunks of the
-                               // rank's part (Communicator::reduce_parts_bytes), whatever the group's size
+    int64_t comm_buffers = 0;  // full: one gather's staging (the next layer's, or the head's; at a run's start the
+                               // first layer's beside the tables' row fetch's send buffers); one reduction's
+                               // in-flight layer gradients and its receive buffers: the N contributions to two
+                               // bounded chunks of the rank's part (Communicator::reduce_parts_bytes), whatever the
+                               // group's size
     int64_t working = 0;       // held() only: the whole bf16 working weights (param_dtype bfloat16 under optimizer
                                // and gradients; working_bytes_for counts them for the memory check)
   };
@@ -234,12 +240,13 @@ class ShardedStore : public model::ReplicatedStore {
   void lay_out();              // the groups, the frozen layout and this rank's slices, from the registry and its flags
   Group& group_of(int layer);
   const Group& group_of(int layer) const;
-  std::unique_ptr<Gathered> post_gather(const Group& g, bool trainable_only, bool working);
+  std::unique_ptr<Gathered> post_gather(const Group& g, bool working);
   template <class T, class Pack>
   void fetch_rows(size_t slot, const Table& t, T* rows, Pack pack);
   void finish_gather(Gathered& t);
+  void gather_updated(const Group& g, bool working16);  // after_update's all-gather of the group's trainable pieces
   void acquire(int layer);
-  std::unique_ptr<Reduction> post_reduce(const Group& g, const float* grads);
+  std::unique_ptr<Reduction> post_reduce(const Group& g, std::vector<float> grads);
   // Posts t's reduction of `send` (each owner's values packed in rank order) and adds the sums of this rank's part
   // into grads_ through t.into as they arrive. The runs of each rank's contributions: `to` (this rank's, to each
   // owner) and `from` (each rank's, to this one), every part covered whole by every rank when not given.

@@ -801,6 +801,136 @@ TEST(ShardFull, ReductionsReceiveWithinTheBudget) {
   }
 }
 
+// A token table's rows fetched under shard full (fetch_rows) are the whole table's values, bit for bit (as float32
+// masters, and as bf16 working weights: float_to_bf16 of them), at N = 1 to 4: the table tied to a trained head (every
+// rank holds the rows of every rank's ids, all-gathered in place) and the per-layer table (a rank's own ids' rows, sent
+// by their owners in rounds), read without a run's hooks so that the store's communicator carries the rows alone.
+// The ids are awkward: the rows that span two owners' pieces (each table has some at some N here), ids
+// repeated within a rank and across ranks, and the last rank (N > 1) with no tokens at all, which still holds every
+// rank's rows of the tied table. The traffic on the store's communicator, against the pieces computed here from
+// slice_of alone: besides the ids' exchange (every rank's count, 8 bytes, and distinct ids, 4 bytes each), a rank
+// receives exactly the rows it holds less its own part of them, and sends its part of the tied table's rows once to
+// each other rank, of the per-layer table's to each rank whose ids reach into its piece: no more than an all-gather and
+// an all-to-all move.
+TEST(ShardFull, TableRowsKeepTheirBitsAndMoveOnlyTheirBytes) {
+  // ple_kv_config's model with a vocabulary of 8192, so that the two tables are about half the parameters and the
+  // pieces' boundaries fall inside them at N = 2 to 4.
+  std::string json = ple_kv_config(true);
+  for (size_t at = json.find(": 512,"); at != std::string::npos; at = json.find(": 512,"))
+    json.replace(at, 6, ": 8192,");
+  const model::Gemma4Config cfg = model::Gemma4Config::from_json(json, "test");
+  model::Gemma4Model whole(cfg, model::TensorSet::Storage::Allocated);
+  whole.init_random(7, 0.1f);
+  const model::ParamStore& w = whole.params();
+  const size_t embed = w.slot("model.embed_tokens.weight"), ple = w.slot("model.embed_tokens_per_layer.weight");
+  ASSERT_TRUE(w.info(embed).trainable && w.info(ple).trainable);
+  const int32_t vocab = static_cast<int32_t>(w.info(embed).shape[0]);
+  ASSERT_EQ(w.info(ple).shape[0], vocab);
+  // Elements of rows `ids` of `slot` inside rank q's piece: the rows' elements of the trainable layout (every
+  // parameter trainable) inside q's slice of it.
+  const auto part = [&](size_t slot, const std::vector<int32_t>& ids, int P, int q) {
+    const comm::Slice s = comm::slice_of(static_cast<size_t>(w.trainable_elements()), P, q);
+    const int64_t W = w.info(slot).shape[1];
+    int64_t n = 0;
+    for (int32_t id : ids) {
+      const int64_t lo = w.info(slot).train_offset + int64_t{id} * W;
+      n += std::max<int64_t>(0, std::min(lo + W, static_cast<int64_t>(s.end)) -
+                                    std::max(lo, static_cast<int64_t>(s.begin)));
+    }
+    return n;
+  };
+  const auto distinct = [](std::vector<int32_t> ids) {
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    return ids;
+  };
+  std::set<size_t> spanned;  // the tables some N splits a requested row of
+  for (const model::ParamDtype dtype : {model::ParamDtype::Float32, model::ParamDtype::Bfloat16}) {
+    const uint64_t element_bytes = dtype == model::ParamDtype::Bfloat16 ? sizeof(bf16) : sizeof(float);
+    for (int P = 1; P <= 4; ++P) {
+      // The rows of the tables that two ranks' pieces split (none at N = 1).
+      std::vector<int32_t> spanning;
+      for (int q = 1; q < P; ++q) {
+        const auto boundary =
+            static_cast<int64_t>(comm::slice_of(static_cast<size_t>(w.trainable_elements()), P, q).begin);
+        for (size_t slot : {embed, ple}) {
+          const int64_t in_table = boundary - w.info(slot).train_offset, W = w.info(slot).shape[1];
+          if (in_table <= 0 || in_table >= w.info(slot).numel || in_table % W == 0) continue;
+          spanning.push_back(static_cast<int32_t>(in_table / W));
+          spanned.insert(slot);
+        }
+      }
+      std::vector<std::vector<int32_t>> ids_of(static_cast<size_t>(P));
+      for (int q = 0; q < P; ++q) {
+        if (P > 1 && q == P - 1) continue;  // no tokens
+        std::vector<int32_t>& ids = ids_of[static_cast<size_t>(q)];
+        ids = {7, q, vocab - 1 - q, 7};
+        for (int32_t row : spanning) ids.insert(ids.end(), {row, row});
+      }
+      std::vector<int32_t> every;
+      for (const std::vector<int32_t>& ids : ids_of) every.insert(every.end(), ids.begin(), ids.end());
+      every = distinct(every);
+      comm::run_ranks(P, [&](comm::Communicator& world) {
+        const int r = world.rank();
+        const std::string at = "N = " + std::to_string(P) + ", rank " + std::to_string(r) +
+                               (dtype == model::ParamDtype::Bfloat16 ? ", bf16" : ", float32");
+        auto store = std::make_unique<ShardedStore>(world.split(0, r), ShardedStore::Mode::Full,
+                                                    comm::default_timeout(), std::vector<std::string>{}, dtype);
+        ShardedStore& s = *store;
+        const model::Gemma4Model m(cfg, model::TensorSet::Storage::Deferred, std::move(store));
+        s.adopt(w);
+        s.set_param_dtype(dtype);
+        s.allocate_grads();
+        const std::vector<int32_t>& ids = ids_of[static_cast<size_t>(r)];
+        // The ids' exchange: P - 1 counts, and the other ranks' distinct ids.
+        uint64_t ids_received = 0, ids_sent = 0;
+        if (P > 1) {
+          ids_sent = static_cast<uint64_t>(P - 1) * (sizeof(int64_t) + distinct(ids).size() * sizeof(int32_t));
+          for (int q = 0; q < P; ++q)
+            if (q != r)
+              ids_received += sizeof(int64_t) + distinct(ids_of[static_cast<size_t>(q)]).size() * sizeof(int32_t);
+        }
+        for (size_t slot : {embed, ple}) {
+          const bool tied = slot == embed;
+          const std::string what = at + ", " + w.info(slot).name;
+          const std::vector<int32_t> held = tied ? every : distinct(ids);
+          const comm::Communicator::Traffic before = s.traffic();
+          const model::ParamStore::TableRows rows = s.rows(slot, ids, true);
+          const comm::Communicator::Traffic after = s.traffic();
+          // Rows [held, W], in id order: each the table's row, rounded to bf16 as the working weights are.
+          const int64_t W = w.info(slot).shape[1];
+          std::vector<float> got(static_cast<size_t>(W)), want(static_cast<size_t>(W));
+          for (size_t u = 0; u < held.size(); ++u) {
+            model::widen(rows.values, static_cast<int64_t>(u) * W, W, got.data());
+            const float* row = w.weight(slot) + int64_t{held[u]} * W;
+            for (int64_t j = 0; j < W; ++j)
+              want[static_cast<size_t>(j)] =
+                  dtype == model::ParamDtype::Bfloat16 ? bf16_to_float(float_to_bf16(row[j])) : row[j];
+            ASSERT_EQ(got, want) << what << ", row " << held[u];
+          }
+          for (size_t i = 0; i < ids.size(); ++i) EXPECT_EQ(held[static_cast<size_t>(rows.row[i])], ids[i]) << what;
+          if (!held.empty()) {
+            ASSERT_NE(rows.grads, nullptr) << what;
+          }
+          const int64_t own = part(slot, held, P, r);
+          EXPECT_EQ(after.bytes_received - before.bytes_received,
+                    ids_received + static_cast<uint64_t>(static_cast<int64_t>(held.size()) * W - own) * element_bytes)
+              << what;
+          uint64_t sent = 0;
+          for (int q = 0; q < P; ++q)
+            if (q != r)
+              sent += static_cast<uint64_t>(part(slot, tied ? every : distinct(ids_of[static_cast<size_t>(q)]), P, r));
+          EXPECT_EQ(after.bytes_sent - before.bytes_sent, ids_sent + sent * element_bytes) << what;
+          if (tied) {
+            EXPECT_EQ(sent, static_cast<uint64_t>((P - 1) * own)) << what;
+          }
+        }
+      });
+    }
+  }
+  EXPECT_EQ(spanned, (std::set<size_t>{embed, ple})) << "no N splits a row of each table (pick another vocabulary)";
+}
+
 // Under shard full no rank holds the global group whole: after the run's global hook a rank holds its pieces and the
 // global group's small parameters (the final norm, the per-layer projection and its norm) gathered, never a token
 // table; rows() gives each rank the rows of its own ids (forward-only here: no head gradient to seed every rank's)

@@ -411,6 +411,30 @@ TEST(TrainMemory, ShardedReductionsAreBoundedWhateverTheGroup) {
   }
 }
 
+// The rows of the token table tied to a trained head are every rank's tokens' on every rank, all-gathered in place
+// (fetch_rows), and a per-layer table's owner sends one rank's rows at a time (two in flight): however many tokens a
+// step reads, shard full's communication buffers gain at most the rows' reductions' bounded receive buffers (the
+// per-layer rows' sends, 2 x 1024 rows of 10 KiB, stay under the head's staging). Before, each owner packed its part
+// of the rows for every rank at once: N x min(the rows, its piece), at N = 64 about the whole model.
+TEST(TrainMemory, ShardFullRowFetchesDoNotGrowWithTheRanks) {
+  auto ps = std::make_unique<model::ReplicatedStore>();
+  const size_t table = ps->add("model.embed_tokens.weight", {65536, 640});
+  const size_t per_layer = ps->add("model.embed_tokens_per_layer.weight", {65536, 2560});
+  ps->add("model.norm.weight", {640});
+  ps->add("model.layers.0.w", {640, 640}, 0, true);
+  ps->mark_streamed(table);
+  ps->mark_streamed(per_layer);
+  constexpr int64_t kRankTokens = 1024;
+  constexpr auto kBudget = static_cast<int64_t>(comm::Communicator::kReduceSliceBytes);
+  const auto comm_buffers = [&](int N, int64_t step_tokens, int64_t rank_tokens) {
+    return ShardedStore::bytes_for(*ps, std::vector<bool>(ps->size(), true), ShardedStore::Mode::Full, N, step_tokens,
+                                   rank_tokens)
+        .comm_buffers;
+  };
+  for (int N : {2, 8, 32, 64})
+    EXPECT_LE(comm_buffers(N, kRankTokens * N, kRankTokens), comm_buffers(N, 1, 1) + kBudget) << "N = " << N;
+}
+
 // The runtime baseline is this process's resident set as the first check measured it (libraries, MPI, the start-up
 // heap), the same figure in every later check and --stats, however much the process allocates in between.
 TEST(TrainMemory, RuntimeBaselineIsTheResidentSetOfTheFirstCheck) {
@@ -432,7 +456,10 @@ TEST(TrainMemory, RuntimeBaselineIsTheResidentSetOfTheFirstCheck) {
 // at N = 2 rank 0's slice [0, 68) holds the whole head and rank 1's [68, 136) both layers. 6 tokens a step, 3 a rank.
 // One gather's staging is in flight at a time, one reduction at a time; a reduction's receiver gets N x its part of
 // the group (up to the whole head here: every part is below one round's chunk), a table's rows are the rank's own
-// tokens' but for the table tied to a trained head (every rank's).
+// tokens' but for the table tied to a trained head (every rank's). A reduction sends from the gradients packed in
+// place: only a layer's, kept while the next layer's backward fills its own, is counted beside them. The tied table's
+// rows are all-gathered in place (no send buffer); another table's owner sends one rank's rows at a time, two in
+// flight.
 TEST(TrainMemory, ShardedBytesCountWhatTheStoreHolds) {
   const auto registry = [](bool tied) {
     auto ps = std::make_unique<model::ReplicatedStore>();
@@ -458,16 +485,15 @@ TEST(TrainMemory, ShardedBytesCountWhatTheStoreHolds) {
   EXPECT_EQ(b.gathered, (4 + (64 + 36) + 24) * f32);  // norm; the head beside the last layer; the rows
   EXPECT_EQ(b.gradients, (68 + 4 + 64 + 24) * f32);   // slice, norm's buffer, the head's, the rows'
   EXPECT_EQ(b.moments, 2 * 68 * f32);                 // exp_avg, exp_avg_sq of the slice
-  // Staging: a layer's (the largest, 36) beside the rows rank 0 sends at the run's start (2 ranks x 24), over the
-  // head's 64. Reductions: the head's on rank 0, 2 x 64 (over layer 1's 36 + 2 x 36, the norm's 4 + 2 x 4, the rows'
-  // 2 x 24).
-  EXPECT_EQ(b.comm_buffers, (36 + 2 * 24 + 2 * 64) * f32);
+  // Staging: the head's 64, over a layer's (the largest, 36; the tied rows need no send buffer). Reductions: the
+  // head's on rank 0, 2 x 64 (over layer 1's 36 + 2 x 36, the norm's 2 x 4, the rows' 2 x 24).
+  EXPECT_EQ(b.comm_buffers, (64 + 2 * 64) * f32);
   b = bytes(*tied, Mode::Gradients, 2);
   EXPECT_EQ(b.weight_shard, 136 * f32);
   EXPECT_EQ(b.gathered, 24 * f32);
   EXPECT_EQ(b.gradients, (68 + 4 + 64 + 24) * f32);
   EXPECT_EQ(b.comm_buffers, 2 * 64 * f32);
-  // N = 1: no receive buffers; a layer's reduction is its send copy (36), the head's none.
+  // N = 1: no receive buffers; a layer's reduction is its gradient buffer in flight (36), the head's none.
   b = bytes(*tied, Mode::Full, 1);
   EXPECT_EQ(b.weight_shard, 136 * f32);
   EXPECT_EQ(b.gathered, (4 + (64 + 36) + 24) * f32);
@@ -475,8 +501,8 @@ TEST(TrainMemory, ShardedBytesCountWhatTheStoreHolds) {
   EXPECT_EQ(b.comm_buffers, (64 + 36) * f32);
 
   // Untied, N = 2: the layout gains lm_head [136, 200), slices [0, 100) and [100, 200). The table's rows are the
-  // rank's own 3 tokens' (12 elements); lm_head is never read by row. Staging: the head's 64 over layer 1's 36 + 2 x
-  // 12; reductions: the head's on rank 1, 2 x 64.
+  // rank's own 3 tokens' (12 elements); lm_head is never read by row. Staging: the head's 64 over layer 1's 36 + 12
+  // (the rows sent to the one other rank); reductions: the head's on rank 1, 2 x 64.
   b = bytes(*untied, Mode::Full, 2);
   EXPECT_EQ(b.weight_shard, 100 * f32);
   EXPECT_EQ(b.gathered, (4 + (64 + 36) + 12) * f32);
@@ -492,8 +518,8 @@ TEST(TrainMemory, ShardedBytesCountWhatTheStoreHolds) {
   EXPECT_EQ(b.weight_shard, (36 + 32) * f32);
   EXPECT_EQ(b.gathered, (4 + (64 + 36) + 12) * f32);
   EXPECT_EQ(b.gradients, (36 + 4 + 36) * f32);
-  // Staging: the head's 64 (over 36 + 2 x 12); reductions: layer 1's on rank 1, 36 + 2 x 36 (layer 0's on rank 0,
-  // 32 + 2 x 32; the norm's 4 + 2 x 4).
+  // Staging: the head's 64 (over 36 + 12); reductions: layer 1's on rank 1, 36 + 2 x 36 (layer 0's on rank 0,
+  // 32 + 2 x 32; the norm's 2 x 4).
   EXPECT_EQ(b.comm_buffers, (64 + 36 + 2 * 36) * f32);
 }
 
