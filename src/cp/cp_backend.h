@@ -23,7 +23,7 @@ struct CpAttentionOptions {
   comm::Timeout timeout = comm::default_timeout();  // the executable's --timeout, read when the options are made
 };
 
-// Every call's CpStats added up since construction (or reset_totals).
+// Every call's CpStats added up since construction.
 struct CpTotals {
   int calls = 0;
   int64_t peak_attention_bytes = 0;  // the largest of any one call
@@ -48,7 +48,6 @@ class CpAttention final : public AttentionBackend {
 
   const ShardMap& shard_map() const { return map_; }  // of the last begin_batch
   const CpTotals& totals() const { return totals_; }
-  void reset_totals() { totals_ = CpTotals{}; }
 
  private:
   CpParams params_for(const ShardAttention& x, CpStats* stats) const;

@@ -61,22 +61,10 @@ int64_t MaskCommPlan::recv_tokens(int r) const {
   return n;
 }
 
-int64_t MaskCommPlan::send_tokens(int s) const {
-  int64_t n = 0;
-  for (int r = 0; r < geometry.P; ++r) n += recv_tokens(r, s);
-  return n;
-}
-
 int MaskCommPlan::skipped_steps(int r) const {
   int skipped = 0;
   for (int t = 1; t < geometry.P; ++t) skipped += receives_at(r, t) ? 0 : 1;
   return skipped;
-}
-
-int64_t MaskCommPlan::computed_pairs(int r) const {
-  const int64_t per_rank = int64_t{geometry.P} * geometry.B * geometry.blocks() * geometry.blocks();
-  const auto first = classes.begin() + r * per_rank;
-  return std::count_if(first, first + per_rank, [](BlockClass c) { return c != BlockClass::Empty; });
 }
 
 const MaskCommPlan& CommPlan::for_mask(const LayerMask& m) const {

@@ -79,13 +79,10 @@ struct MaskCommPlan {
   const std::vector<TokenRange>& recv_ranges(int r, int s) const;
   int64_t recv_tokens(int r, int s) const;
   int64_t recv_tokens(int r) const;  // from all other ranks
-  int64_t send_tokens(int s) const;  // to all other ranks
   bool receives_at(int r, int t) const { return recv_tokens(r, ring_source(r, t, geometry.P)) > 0; }
   bool sends_at(int r, int t) const { return recv_tokens(ring_dest(r, t, geometry.P), r) > 0; }
   // Steps t in [1, P) at which r receives nothing, so computes nothing remote for this mask.
   int skipped_steps(int r) const;
-  // Block pairs of r's queries (all rows, local chunk included) that are computed, i.e. not Empty.
-  int64_t computed_pairs(int r) const;
 };
 
 struct CommPlan {
@@ -104,14 +101,6 @@ CommPlan plan_from_summaries(const PlanGeometry& g, const BlockSummary* summarie
 // size).
 CommPlan make_comm_plan(comm::Communicator& comm, const TokenMeta* meta, const PlanGeometry& g, const LayerMix& mix,
                         comm::Timeout timeout);
-
-// Earlier names of the above, kept so callers written against them keep compiling while they move over. In src/cp
-// "plan" names only the communication plan: CommPlan for a batch, MaskCommPlan for one of its masks.
-using Plan = CommPlan;
-using MaskPlan = MaskCommPlan;
-inline CommPlan make_plan(const PlanGeometry& g, const BlockSummary* summaries, const LayerMix& mix) {
-  return plan_from_summaries(g, summaries, mix);
-}
 
 // Shapes of what travels: K and V of Hkv heads of D elements of elem_bytes each, per token per row.
 struct KvFormat {

@@ -18,6 +18,7 @@
 
 #include "core/attention_args.h"
 #include "core/error.h"
+#include "core/math_constants.h"
 #include "cpu/amx.h"
 #include "cpu/attention.h"
 #include "cpu/isa.h"
@@ -35,8 +36,6 @@ using cpu::detail::kAmxPairs;
 
 static_assert(kTileK == kTileCols, "the micro-kernels are written for 64-key tiles");
 
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2 = 0.693147180559945309f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // Whether a path packs bf16 inputs as bf16 pairs (uint32 words, two bf16 along the product's sum) for every

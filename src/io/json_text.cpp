@@ -1,6 +1,8 @@
 // ringflex io: the pre-parse check of JSON text (json_text.h).
 #include "io/json_text.h"
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
 
 namespace rf::io {
@@ -37,6 +39,15 @@ std::string json_error_text(const char* what) {
   const std::string_view text(what);
   const size_t cut = text.starts_with("[json.exception.") ? text.find("] ") : std::string_view::npos;
   return std::string(cut == std::string_view::npos ? text : text.substr(cut + 2));
+}
+
+nlohmann::json parse_json(std::string_view text, const std::string& where) {
+  check_json_text(text, where + ": ");
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    fail(where, ": not valid JSON: ", json_error_text(e.what()));
+  }
 }
 
 }  // namespace rf::io

@@ -2,6 +2,7 @@
 // state, JSONL data) must be before nlohmann parses it.
 #pragma once
 
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <string_view>
 
@@ -22,5 +23,9 @@ void check_json_text(std::string_view text, const std::string& where);
 // nlohmann's exception text without its "[json.exception.parse_error.101] " prefix, for one-line messages:
 // "parse error at line 2, column 5: syntax error ...".
 std::string json_error_text(const char* what);
+
+// check_json_text(text, where + ": "), then nlohmann's parse; invalid JSON throws rf::Error
+// "WHERE: not valid JSON: parse error at line 2, column 5: ...".
+nlohmann::json parse_json(std::string_view text, const std::string& where);
 
 }  // namespace rf::io

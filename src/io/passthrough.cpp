@@ -42,10 +42,6 @@ const Passthrough::Entry* Passthrough::find(std::string_view name) const {
   return it == index_.end() ? nullptr : &entries_[it->second];
 }
 
-void Passthrough::add_to(SafetensorsWriter& w) const {
-  for (const Entry& e : entries_) w.add(e.name, e.dtype, e.shape, e.bytes);
-}
-
 void Passthrough::release_pages() const {
   for (const auto& files : sources_) files->release_pages();
 }

@@ -51,9 +51,6 @@ class Passthrough {
   bool empty() const { return entries_.empty(); }
   size_t size() const { return entries_.size(); }
 
-  // Adds every entry to `w` with its own name, dtype, shape and bytes. The writer borrows the bytes, which stay
-  // valid as long as this Passthrough (or a copy of it) lives.
-  void add_to(SafetensorsWriter& w) const;
   // Drops the resident pages of the borrowed files (SafetensorsFile::release_pages): after the load that read the
   // rest of them, and after each write that read the kept tensors, so that carrying a tower costs no resident memory
   // between saves.

@@ -208,13 +208,7 @@ int layer_index(const std::string& key, int num_layers, const Fields& where) {
 }  // namespace
 
 Gemma4Config Gemma4Config::from_json(const std::string& json_text, const std::string& source) {
-  io::check_json_text(json_text, source + ": ");
-  json root_json;
-  try {
-    root_json = json::parse(json_text);
-  } catch (const json::parse_error& e) {
-    fail(source, ": not valid JSON: ", io::json_error_text(e.what()));
-  }
+  const json root_json = io::parse_json(json_text, source);
   RF_CHECK(root_json.is_object(), source, ": must hold a JSON object, found ", describe(root_json));
   const Fields root(root_json, source, "");
 

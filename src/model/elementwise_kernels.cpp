@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "core/math_constants.h"
 #include "cpu/isa_target.h"
 #include "model/elementwise.h"
 
@@ -15,8 +16,7 @@ namespace rf::model::RF_ISA_NS {
 
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
-// sqrt(2/pi) and the cubic coefficient of the tanh GELU approximation (as ops.cpp, PyTorch's approximate="tanh").
+// sqrt(2/pi) and the cubic coefficient of the tanh GELU approximation (PyTorch's gelu(approximate="tanh")).
 constexpr float kGeluC = 0.7978845608028654f;
 constexpr float kGeluA = 0.044715f;
 

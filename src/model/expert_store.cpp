@@ -76,19 +76,6 @@ std::unique_ptr<ParamStore> whole_registry(const ParamStore& part) {
   return whole;
 }
 
-std::unique_ptr<ParamStore> whole_layout(const ParamStore& part) {
-  auto whole = std::make_unique<ReplicatedStore>();
-  for (size_t i = 0; i < part.size(); ++i) {
-    const ParamInfo& p = part.info(i);
-    whole->add(p.name, p.whole_shape(), p.layer, p.matmul);
-  }
-  whole->set_trainable(trainable_flags(part));
-  whole->allocate_weights();
-  if (part.has_moments()) whole->allocate_moments();
-  copy_held_rows(part, *whole);
-  return whole;
-}
-
 void copy_held_rows(const ParamStore& from, ParamStore& to) {
   RF_CHECK(from.size() == to.size(), "copy_held_rows: ", from.size(), " parameters into ", to.size());
   for (size_t i = 0; i < from.size(); ++i) {

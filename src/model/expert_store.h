@@ -28,11 +28,6 @@ int64_t row_elements(const ParamInfo& p);
 // gradients are not (allocate them again). Throws rf::Error when E does not divide over the ranks.
 std::unique_ptr<ParamStore> hold_expert_rows(const ParamStore& whole, int rank, int ranks);
 
-// A ReplicatedStore with `part`'s parameters whole (the layout of the files), its weights and, when `part` has
-// them, moments allocated; every tensor `part` holds whole is copied, the rows of a part-held one only (the caller
-// fills the other rows). What a checkpoint writer reads.
-std::unique_ptr<ParamStore> whole_layout(const ParamStore& part);
-
 // A ReplicatedStore registering `part`'s parameters whole, with its trainable flags, nothing allocated: the shapes
 // a memory check counts from (a held store's registry counts its experts only).
 std::unique_ptr<ParamStore> whole_registry(const ParamStore& part);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/math_constants.h"
 #include "cpu/dispatch.h"
 #include "cpu/isa.h"
 #include "cpu/kernels.h"
@@ -23,7 +24,6 @@ namespace {
 // the summation order, and the bits, are the same on every CPU.
 constexpr int kLanes = 16;
 
-constexpr float kLog2e = 1.4426950408889634f;
 // Exps summed per float32 lane before the lane totals are folded into the double row total: each lane adds
 // kFoldTerms terms, so a partial carries at most (kFoldTerms - 1) + log2(kLanes) = 19 roundings of 2^-24 relative
 // (1.1e-6) however long the row is (V = 262144 would otherwise pile up V roundings in one float).

@@ -32,10 +32,6 @@ constexpr int64_t kReduceBlock = 64;
 // operands stay in L2 and the per-call overhead is amortised.
 constexpr int64_t kElementwiseBlock = int64_t{1} << 14;
 
-// sqrt(2/pi) and the cubic coefficient of the tanh GELU approximation (as in PyTorch's gelu(approximate="tanh")).
-constexpr float kGeluC = 0.7978845608028654f;
-constexpr float kGeluA = 0.044715f;
-
 void single_threaded_blas() {
   // Our own OpenMP splits the work; OpenBLAS threads inside those calls would only oversubscribe the cores.
   static std::once_flag once;
@@ -355,13 +351,6 @@ void rmsnorm_backward(const float* x, const float* w, const float* inv_rms, cons
     for (int64_t b = 0; b < blocks; ++b)
       for (int64_t i = 0; i < n; ++i) dw[i] += partial[b * n + i];
   }
-}
-
-float gelu_tanh(float x) { return 0.5f * x * (1.f + std::tanh(kGeluC * (x + kGeluA * x * x * x))); }
-
-float gelu_tanh_grad(float x) {
-  const float t = std::tanh(kGeluC * (x + kGeluA * x * x * x));
-  return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * kGeluC * (1.f + 3.f * kGeluA * x * x);
 }
 
 void geglu_forward(const float* g, const float* u, float* h, int64_t n) {

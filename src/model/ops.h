@@ -138,11 +138,7 @@ void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float*
 void rmsnorm_backward(const float* x, const float* w, const float* inv_rms, const float* dy, float* dx, float* dw,
                       int64_t R, int64_t n);
 
-// tanh-approximated GELU (gelu_pytorch_tanh) and its derivative.
-float gelu_tanh(float x);
-float gelu_tanh_grad(float x);
-
-// GeGLU: h[T, I] = gelu(g) * u.
+// GeGLU: h[T, I] = gelu(g) * u, with the tanh-approximated GELU (gelu_pytorch_tanh).
 void geglu_forward(const float* g, const float* u, float* h, int64_t n);
 // dg += dh * u * gelu'(g); du += dh * gelu(g) when `accumulate`; written otherwise, when dg may be g and du may be
 // u (each element is read before it is written).

@@ -23,13 +23,7 @@ constexpr int64_t kAxes = 2;
 }  // namespace
 
 std::optional<VisionConfig> VisionConfig::from_config_json(const std::string& json_text, const std::string& source) {
-  io::check_json_text(json_text, source + ": ");
-  json root;
-  try {
-    root = json::parse(json_text);
-  } catch (const json::parse_error& e) {
-    fail(source, ": not valid JSON: ", io::json_error_text(e.what()));
-  }
+  const json root = io::parse_json(json_text, source);
   if (!root.is_object() || !root.contains("vision_config") || root["vision_config"].is_null()) return std::nullopt;
   const json& v = root["vision_config"];
   RF_CHECK(v.is_object(), source, ": field 'vision_config' must be an object");
@@ -91,13 +85,7 @@ std::optional<VisionConfig> VisionConfig::from_config_json(const std::string& js
 }
 
 MultimodalTokens MultimodalTokens::from_config_json(const std::string& json_text, const std::string& source) {
-  io::check_json_text(json_text, source + ": ");
-  json root;
-  try {
-    root = json::parse(json_text);
-  } catch (const json::parse_error& e) {
-    fail(source, ": not valid JSON: ", io::json_error_text(e.what()));
-  }
+  const json root = io::parse_json(json_text, source);
   MultimodalTokens t;
   if (!root.is_object()) return t;
   for (auto [key, dst] : {std::pair{"image_token_id", &t.image}, {"boi_token_id", &t.boi}, {"eoi_token_id", &t.eoi}}) {

@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "core/error.h"
-#include "model/expert_store.h"
 #include "model/lora_store.h"
 #include "trainer/optimizer.h"
 
@@ -119,10 +118,6 @@ std::unique_ptr<model::ParamStore> gather_rows_into(const model::ParamStore& par
 }
 
 }  // namespace
-
-std::unique_ptr<model::ParamStore> gather_held_experts(const model::ParamStore& part, const ExpertGroups& g) {
-  return gather_rows_into(part, g.world.rank() == 0 ? model::whole_layout(part) : nullptr, g);
-}
 
 std::unique_ptr<model::ParamStore> gather_held_adapters(const model::LoraStore& part, const ExpertGroups& g) {
   return gather_rows_into(part, g.world.rank() == 0 ? part.whole_adapters() : nullptr, g);

@@ -57,12 +57,9 @@ void reduce_held_expert_gradients(model::ParamStore& store, const ExpertGroups& 
 // piece: about 2 x ep per MoE layer, 8 bytes each). The same bits on every rank.
 std::vector<double> held_expert_norm_partials(const model::ParamStore& store, const ExpertGroups& g);
 
-// A whole-layout copy of the store's weights and moments on world rank 0 (null elsewhere), the expert rows gathered
-// over world rank 0's EP group (its ranks call this; the other ranks need not).
-std::unique_ptr<model::ParamStore> gather_held_experts(const model::ParamStore& part, const ExpertGroups& g);
-
-// LoRA with the experts' adapters placed (model::LoraStore::place_experts): the same for the adapters alone, a
-// LoraStore with every adapter whole (weights and moments; the base unread, holding no values) on world rank 0.
+// LoRA with the experts' adapters placed (model::LoraStore::place_experts): a LoraStore with every adapter whole
+// (weights and moments, the expert rows gathered over world rank 0's EP group; the base unread, holding no values) on
+// world rank 0, null elsewhere (world rank 0's EP group calls this; the other ranks need not).
 std::unique_ptr<model::ParamStore> gather_held_adapters(const model::LoraStore& part, const ExpertGroups& g);
 
 // LoRA's placed adapters under shard optimizer, for a save: while it lives the store's moments cover its whole held

@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # Issue 10 item 6: a stalled peer (SIGSTOP) ends the job within --timeout on every rank, with a message naming the
 # peer and the step; bounded in time by this script itself (the test fails, never hangs).
-#   stalled_rank.sh ATTN_CASE RINGFLEX WORKDIR MPIEXEC...
+#   stalled_rank.sh WORKDIR RINGFLEX MPIEXEC... -- ATTN_CASE
 # Rank 1 is stopped once it has used some CPU time (past MPI start-up, inside the attention job, which is sized
 # to run for much longer than that), so the other ranks are left waiting for it in the ring or a collective.
 set -uo pipefail
-attn_case=$1 ringflex=$2 work=$3
-shift 3
+source "$(dirname "$0")/../common/mpirun_lib.sh"
+attn_case=$1
 readonly ranks=3 timeout_s=5 bound_s=60 stop_after_ticks=30  # ticks: 1/100 s of CPU time (USER_HZ)
-rm -rf "$work" && mkdir -p "$work" || exit 1
 "$attn_case" make "$work/in.st" --B 1 --Hq 8 --Hkv 1 --S 6144 --D 128 --dout --no-causal || exit 1
 fail() {
   echo "stalled_rank: $1" >&2
@@ -17,40 +16,26 @@ fail() {
   exit 1
 }
 
-# A mark in the job's environment, so only this job's rank is stopped (other tests, or other users' jobs on the
-# machine, run ringflex ranks too).
-export RF_STALLED_RANK_TEST="$$.$RANDOM"
-"$@" -n "$ranks" "$ringflex" attn --in "$work/in.st" --out "$work/out.st" --no-causal --timeout "$timeout_s" \
-  >/dev/null 2>"$work/stderr" &
-launcher=$!
+"${launcher[@]}" -n "$ranks" "$ringflex" attn --in "$work/in.st" --out "$work/out.st" --no-causal \
+  --timeout "$timeout_s" >/dev/null 2>"$work/stderr" &
+job=$!
 start=$(date +%s)
-# Find this job's rank 1: its environment holds the mark and OMPI_COMM_WORLD_RANK=1.
+# This job's rank 1, once it has used stop_after_ticks of CPU time.
 stalled=""
-while [ -z "$stalled" ] && kill -0 "$launcher" 2>/dev/null; do
-  for pid in $(pgrep -x ringflex); do
-    environment=$({ tr '\0' '\n' <"/proc/$pid/environ"; } 2>/dev/null)
-    if grep -qx "RF_STALLED_RANK_TEST=$RF_STALLED_RANK_TEST" <<<"$environment" &&
-      grep -qx "OMPI_COMM_WORLD_RANK=1" <<<"$environment"; then
-      ticks=$({ awk '{print $14 + $15}' "/proc/$pid/stat"; } 2>/dev/null || echo 0)
-      [ "${ticks:-0}" -ge "$stop_after_ticks" ] && stalled=$pid
-    fi
-  done
-  [ $(($(date +%s) - start)) -lt "$bound_s" ] || { kill -9 "$launcher"; fail "rank 1 never started"; }
+while [ -z "$stalled" ] && kill -0 "$job" 2>/dev/null; do
+  pid=$(rank_pid 1)
+  if [ -n "$pid" ]; then
+    ticks=$({ awk '{print $14 + $15}' "/proc/$pid/stat"; } 2>/dev/null || echo 0)
+    [ "${ticks:-0}" -ge "$stop_after_ticks" ] && stalled=$pid
+  fi
+  [ $(($(date +%s) - start)) -lt "$bound_s" ] || { kill -9 "$job"; fail "rank 1 never started"; }
   sleep 0.05
 done
 [ -n "$stalled" ] || fail "the job ended before rank 1 could be stopped"
 kill -STOP "$stalled"
 stopped_at=$(date +%s)
-while kill -0 "$launcher" 2>/dev/null; do
-  if [ $(($(date +%s) - stopped_at)) -ge "$bound_s" ]; then
-    kill -CONT "$stalled" 2>/dev/null
-    kill -9 "$launcher" 2>/dev/null
-    fail "the job was still running ${bound_s} s after rank 1 stopped (--timeout ${timeout_s})"
-  fi
-  sleep 0.2
-done
-wait "$launcher"
-code=$?
+wait_launcher "$job" "$bound_s" "$stalled" ||
+  fail "the job was still running ${bound_s} s after rank 1 stopped (--timeout ${timeout_s})"
 kill -9 "$stalled" 2>/dev/null  # normally mpirun has already ended it
 [ "$code" -ne 0 ] || fail "the job succeeded with a stopped rank"
 # The first rank to give up names the peer it waited for and what for (a ring step, or a collective). That is

@@ -25,3 +25,9 @@ def launchers(args):
 def ranks_of(launcher):
     """The rank count a launcher starts: the number after -n, else 1."""
     return int(launcher[launcher.index("-n") + 1]) if "-n" in launcher else 1
+
+
+def describe(runs):
+    """The rank counts of `runs` (launchers) for a log line: "1, 2 through mpirun --oversubscribe -n 2"."""
+    return ", ".join(f"{ranks_of(launcher)}" + (f" through {' '.join(launcher)}" if launcher else "")
+                     for launcher in runs)

@@ -37,7 +37,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
-from launchers import launchers, ranks_of  # noqa: E402
+from launchers import describe, launchers, ranks_of  # noqa: E402
 from oracle_env import missing_oracle  # noqa: E402
 
 try:
@@ -46,7 +46,8 @@ try:
     from peft import LoraConfig, PeftModel, get_peft_model
     from safetensors.torch import load_file, save_file
     from transformers import Gemma4ForCausalLM
-    import parity  # noqa: E402  (tests/model/parity.py: configs, random weights, batches, masks)
+    import parity  # noqa: E402  (tests/model/parity.py: configs, random weights, batches)
+    from spec_mask import spec_masks
 except ImportError as e:
     missing_oracle(e)
 
@@ -63,7 +64,7 @@ def rel_err(mine, ref):
 
 def peft_loss(model, cfg, batch):
     ids, labels, pos, doc, mm = batch
-    masks = parity.reference_masks(cfg, doc, mm)
+    masks = spec_masks(cfg, doc, mm)
     logits = model(input_ids=ids, attention_mask=masks, position_ids=pos, use_cache=False).logits
     return torch.nn.functional.cross_entropy(logits.reshape(-1, parity.V), labels.reshape(-1), ignore_index=-100)
 
@@ -379,9 +380,7 @@ def main():
         return 2
     ringflex, runs = sys.argv[1], launchers(sys.argv[2:])
     torch.set_num_threads(1)
-    print(f"peft {peft.__version__}, torch {torch.__version__}, at P = "
-          + ", ".join(f"{ranks_of(launcher)}" + (f" through {' '.join(launcher)}" if launcher else "")
-                      for launcher in runs))
+    print(f"peft {peft.__version__}, torch {torch.__version__}, at P = {describe(runs)}")
     ok = True
     with tempfile.TemporaryDirectory() as workdir:
         for name, rslora, bf16_base, experts in (("dense", False, False, False), ("dense", True, False, False),

@@ -12,8 +12,9 @@ documents, this script
 
 Masks. transformers 5.24 has no notion of packed documents in Gemma 4's mask builders, and its vision mask
 (create_masks_for_vision_model) is AND(window, OR(causal, group)), which differs from docs/spec.md §3 when an image run
-is longer than the window. So the reference mask is built here from docs/spec.md §3 (doc, group, idx), as a 4D additive
-float mask per layer type, and handed to the model as the {layer_type: mask} dict it accepts in place of its own.
+is longer than the window. So the reference mask is built from docs/spec.md §3 (doc, group, idx) by
+tests/common/spec_mask.py, as a 4D additive float mask per layer type, and handed to the model as the
+{layer_type: mask} dict it accepts in place of its own.
 Where docs/spec.md §3 and transformers' own builder agree (one document, image runs shorter than the window) the script
 also checks that the two masks are equal, which pins the groups-on-full-layers switch to what 5.24 does (off).
 
@@ -53,7 +54,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
-from launchers import launchers, ranks_of  # noqa: E402
+from launchers import describe, launchers, ranks_of  # noqa: E402
 from oracle_env import missing_oracle  # noqa: E402
 
 try:
@@ -63,6 +64,7 @@ try:
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig, Gemma4VisionConfig
     from transformers.models.gemma4.modeling_gemma4 import (Gemma4MultimodalEmbedder, create_masks_for_vision_model,
                                                             get_block_sequence_ids_for_mask)
+    from spec_mask import document_positions, spec_masks
 except ImportError as e:
     missing_oracle(e)
 
@@ -71,9 +73,6 @@ V, H = 48, 16
 B, S = 2, 24
 WINDOW = 5
 FEATURE_DIM = 6  # input width of the vision projection in the projected-features case
-# Additive mask value of a disallowed pair: far below any score, yet finite so that a padding row (all pairs
-# disallowed) stays finite (finfo.min + a negative score overflows to -inf, and softmax of all -inf is NaN).
-MASKED = -1e30
 
 
 def base_config(**extra):
@@ -149,39 +148,7 @@ def make_batch(gen, vision):
         mm[1, 4:8] = 2       # a 4-token video run
         mm[1, 9:12] = 1
     labels[doc == 0] = -100
-    pos = torch.zeros((B, S), dtype=torch.int64)
-    for r in range(B):
-        p = 0
-        for s in range(S):
-            if s > 0 and doc[r, s] != doc[r, s - 1]:
-                p = 0
-            pos[r, s] = p
-            p += 1
-    return ids, labels, pos, doc, mm
-
-
-def spec_allowed(doc, group, window, groups):
-    """docs/spec.md §3 for one row: [S, S] bool, query on dim 0."""
-    idx = torch.arange(doc.shape[0])
-    q, k = idx[:, None], idx[None, :]
-    valid = (doc[:, None] > 0) & (doc[None, :] > 0) & (doc[:, None] == doc[None, :])
-    ordered = k <= q
-    in_window = (q - k < window) if window else torch.ones_like(ordered)
-    grouped = (group[:, None] >= 0) & (group[:, None] == group[None, :]) if groups else torch.zeros_like(ordered)
-    return valid & ((ordered & in_window) | grouped)
-
-
-def reference_masks(cfg, doc, mm):
-    vision = cfg.use_bidirectional_attention == "vision"
-    group = get_block_sequence_ids_for_mask(mm, device="cpu")
-    out = {}
-    for layer_type, window, groups in (("sliding_attention", cfg.sliding_window, vision),
-                                       ("full_attention", 0, False)):  # 5.24: no groups on full layers
-        allowed = torch.stack([spec_allowed(doc[r], group[r], window, groups) for r in range(doc.shape[0])])
-        mask = torch.zeros(allowed.shape, dtype=torch.float64)
-        mask[~allowed] = MASKED
-        out[layer_type] = mask[:, None]
-    return out
+    return ids, labels, document_positions(doc), doc, mm
 
 
 def check_transformers_mask_agrees(cfg):
@@ -189,7 +156,7 @@ def check_transformers_mask_agrees(cfg):
     mm = torch.zeros((1, S), dtype=torch.int64)
     mm[0, 2:2 + WINDOW - 1] = 1
     doc = torch.ones((1, S), dtype=torch.int64)
-    ours = reference_masks(cfg, doc, mm)
+    ours = spec_masks(cfg, doc, mm)
     cfg._attn_implementation = "eager"
     theirs = create_masks_for_vision_model(config=cfg, inputs_embeds=torch.zeros((1, S, H), dtype=torch.float64), attention_mask=None,
                                            cache=None, position_ids=torch.arange(S)[None],
@@ -244,7 +211,7 @@ def run_case(ringflex, name, vision, workdir, launchers=((),)):
 
     # Reference forward/backward.
     model = model.double()
-    masks = reference_masks(cfg, doc, mm)
+    masks = spec_masks(cfg, doc, mm)
     kwargs = dict(attention_mask=masks, position_ids=pos, use_cache=False)
     if vision:
         slots = mm > 0
@@ -417,9 +384,7 @@ def main():
         return 2
     ringflex, runs = sys.argv[1], launchers(sys.argv[2:])
     torch.set_num_threads(1)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}, at P = "
-          + ", ".join(f"{ranks_of(launcher)}" + (f" through {' '.join(launcher)}" if launcher else "")
-                      for launcher in runs))
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, at P = {describe(runs)}")
     check_transformers_mask_agrees(CONFIGS["dense"](True))
     ok = True
     with tempfile.TemporaryDirectory() as workdir:

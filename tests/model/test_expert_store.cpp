@@ -66,9 +66,11 @@ TEST(ExpertStore, RanksHoldTheirRowsAndTheWholeComesBack) {
     }
     EXPECT_EQ(experts, 4);  // gate_up and down of 2 layers
   }
-  // The writer's side: rank 0's whole layout, rank 1's rows copied in: the whole store's bits.
-  const std::unique_ptr<ParamStore> again = whole_layout(*parts[0]);
-  copy_held_rows(*parts[1], *again);
+  // Every rank's rows copied into a store of the whole layout: the whole store's bits.
+  const std::unique_ptr<ParamStore> again = whole_registry(*parts[0]);
+  again->allocate_weights();
+  again->allocate_moments();
+  for (const std::unique_ptr<ParamStore>& part : parts) copy_held_rows(*part, *again);
   for (Role role : {Role::Weights, Role::ExpAvg, Role::ExpAvgSq}) {
     const std::span<const float> a = again->flat(role), b = whole.flat(role);
     EXPECT_EQ(std::vector<float>(a.begin(), a.end()), std::vector<float>(b.begin(), b.end())) << role_name(role);

@@ -236,8 +236,8 @@ TEST(ModelEp, HeldStoreKeepsTheRanksExpertRows) {
   }
   EXPECT_GT(expert_elements, 0);
   EXPECT_EQ(held->total_elements(), whole.total_elements() - expert_elements + expert_elements / P);
-  // Back to the whole layout: this rank's rows copied in, the others' zero until gathered.
-  const std::unique_ptr<ParamStore> again = whole_layout(*held);
+  // Back to the whole layout: the registry of every expert's rows.
+  const std::unique_ptr<ParamStore> again = whole_registry(*held);
   EXPECT_EQ(again->total_elements(), whole.total_elements());
 }
 

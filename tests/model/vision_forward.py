@@ -7,7 +7,7 @@ decoder with vision-bidirectional image groups; every weight moved off its init 
 saved with save_pretrained. One batch: two rows, three images of different sizes (pixel_values padded to the
 longest, image_position_ids with (-1, -1) padding), each image's soft tokens as a run of image slots in a packed row.
 transformers runs the whole model in float64 (pixel_values, image_position_ids, the image token at the slots, the
-docs/spec.md §3 masks of tests/model/parity.py handed in as its {layer_type: mask} dict); ringflex runs
+docs/spec.md §3 masks of tests/common/spec_mask.py handed in as its {layer_type: mask} dict); ringflex runs
 `ringflex forward` with pixel_values and image_position_ids in place of image_features, at P = 1 and, with a
 launcher, over P ranks (the tower runs on every rank on the whole batch, before the rows are split); with
 `--ranks P... -- MPIEXEC...` at each of those P against the one reference (tests/common/launchers.py).
@@ -36,7 +36,8 @@ try:
     from safetensors.torch import load_file, save_file
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    from parity import randomize, reference_masks
+    from parity import randomize
+    from spec_mask import document_positions, spec_masks
 except ImportError as e:  # pragma: no cover - depends on the environment
     missing_oracle(e)
 
@@ -97,14 +98,7 @@ def main():
     mm[0, 14:14 + soft[1]] = 1       # image 1 in document 2
     mm[1, 5:5 + soft[2]] = 1         # image 2
     labels[(doc == 0) | (mm > 0)] = -100
-    position_ids = torch.zeros((B, S), dtype=torch.int64)
-    for r in range(B):
-        p = 0
-        for s in range(S):
-            if s > 0 and doc[r, s] != doc[r, s - 1]:
-                p = 0
-            position_ids[r, s] = p
-            p += 1
+    position_ids = document_positions(doc)
 
     with tempfile.TemporaryDirectory() as work:
         ckpt = os.path.join(work, "ckpt")
@@ -117,7 +111,7 @@ def main():
         with torch.no_grad():
             logits = model(input_ids=tf_ids, pixel_values=pixels.double(), image_position_ids=pos,
                            mm_token_type_ids=mm, position_ids=position_ids, use_cache=False,
-                           attention_mask=reference_masks(model.config.text_config, doc, mm)).logits
+                           attention_mask=spec_masks(model.config.text_config, doc, mm)).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, TEXT["vocab_size"]), labels.reshape(-1),
                                                  ignore_index=-100)
 

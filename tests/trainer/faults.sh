@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 26: a training job under mpirun that meets a fault fails cleanly, and its last checkpoint resumes bit-exact.
-#   faults.sh WORKDIR RINGFLEX RANKS GRID_OPTION... -- MPIEXEC...
+#   faults.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS GRID_OPTION...
 # The faults: a full disk (io::write_all's hook, RINGFLEX_FAIL_WRITE=N:TEXT, DEVELOPERS.md) at each file of the
 # step-4 checkpoint, at a metrics line and at the loss picture; a file-size limit (ulimit -f, on the ranks only:
 # mpirun's own files need more); rank 1 SIGKILLed, and rank 1 SIGSTOPped, mid-run. For each: the exit code, one
@@ -9,20 +9,14 @@
 # the checkpoint directory finishing with the fault-free run's final checkpoint byte for byte.
 # The oracle is that fault-free run of the same config (deterministic: the same bits at every run).
 set -uo pipefail
-work=$1 ringflex=$2 ranks=$3
-shift 3
-grid=()
-while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do
-  grid+=("$1")
-  shift
-done
+source "$(dirname "$0")/../common/mpirun_lib.sh"
+ranks=$1
 shift
-mpiexec=("$@")
+grid=("$@")
 # --timeout: generous for the runs that must not time out (the other ranks wait in an agreement while rank 0 saves,
 # and a loaded machine's fsync can take seconds), short for the run whose rank 1 is stopped.
 readonly timeout_s=60 stopped_timeout_s=5 bound_s=90
 readonly size_limit_kib=1500  # above model.safetensors, below optimizer.safetensors
-rm -rf "$work" && mkdir -p "$work" || exit 1
 
 config=(--set model.builtin=tiny_dense --set train.seq_len=64 --set data.val_rows=2 --set train.threads=1
         --set train.val_every=2 --set checkpoint.every=2 --set checkpoint.keep=100 "${grid[@]}")
@@ -40,7 +34,7 @@ run() {
   local dir=$work/$1 steps=$2
   shift 2
   mkdir -p "$dir"
-  "${mpiexec[@]}" -n "$ranks" "${wrap[@]}" "$ringflex" train "${config[@]}" --set train.steps="$steps" \
+  "${launcher[@]}" -n "$ranks" "${wrap[@]}" "$ringflex" train "${config[@]}" --set train.steps="$steps" \
     --set checkpoint.dir="$dir/ck" --metrics "$dir/m.jsonl" --timeout "${job_timeout:-$timeout_s}" "$@" \
     >/dev/null 2>>"$dir/stderr"
   code=$?
@@ -176,39 +170,17 @@ for name in multi_weights multi_index multi_moments; do check_resumes "$name" 4;
 config=("${plain_config[@]}")
 
 ref=ref12
-# Rank 1 of this job, once the step-2 checkpoint exists (the job is in step 3 or later): its pid, found by a mark
-# in the job's environment (other jobs run ringflex ranks too).
-export RF_FAULTS_TEST="$$.$RANDOM"
-rank1_after_step2() {  # NAME; sets $pid (empty if the job ended first)
+# Rank 1 of the job in $work/NAME once the step-2 checkpoint exists (the job is in step 3 or later); sets $pid (empty
+# if the job ended first).
+rank1_after_step2() {  # NAME
   local start
   start=$(date +%s)
   pid=""
-  while [ -z "$pid" ] && kill -0 "$launcher" 2>/dev/null; do
-    if [ -d "$work/$1/ck/step-00000002" ]; then
-      for p in $(pgrep -x ringflex); do
-        environment=$({ tr '\0' '\n' <"/proc/$p/environ"; } 2>/dev/null)
-        grep -qx "RF_FAULTS_TEST=$RF_FAULTS_TEST" <<<"$environment" &&
-          grep -qx "OMPI_COMM_WORLD_RANK=1" <<<"$environment" && pid=$p
-      done
-    fi
-    [ $(($(date +%s) - start)) -lt "$bound_s" ] || { kill -9 "$launcher"; fail "no step-2 checkpoint"; }
+  while [ -z "$pid" ] && kill -0 "$launcher_pid" 2>/dev/null; do
+    [ -d "$work/$1/ck/step-00000002" ] && pid=$(rank_pid 1)
+    [ $(($(date +%s) - start)) -lt "$bound_s" ] || { kill -9 "$launcher_pid"; fail "no step-2 checkpoint"; }
     sleep 0.02
   done
-}
-# waits for the launcher ($launcher), at most bound_s; sets $code
-wait_launcher() {
-  local start
-  start=$(date +%s)
-  while kill -0 "$launcher" 2>/dev/null; do
-    if [ $(($(date +%s) - start)) -ge "$bound_s" ]; then
-      kill -CONT "$pid" 2>/dev/null
-      kill -9 "$launcher" 2>/dev/null
-      fail "the job was still running ${bound_s} s after rank 1 was $1 (--timeout ${stopped_timeout_s})"
-    fi
-    sleep 0.1
-  done
-  wait "$launcher"
-  code=$?
 }
 # The newest checkpoint the killed job left is whole (equal to the reference's); the resume removes what the kill
 # left of a save and ends on the reference.
@@ -216,12 +188,13 @@ for signal in KILL STOP; do
   current=$signal
   job_timeout=$([ "$signal" = STOP ] && echo "$stopped_timeout_s" || echo "$timeout_s")
   run "$signal" 12 &
-  launcher=$!
+  launcher_pid=$!
   job_timeout=""
   rank1_after_step2 "$signal"
   [ -n "$pid" ] || fail "the job ended before rank 1 could be signalled"
   kill -"$signal" "$pid"
-  wait_launcher "$signal"
+  wait_launcher "$launcher_pid" "$bound_s" "$pid" ||
+    fail "the job was still running ${bound_s} s after rank 1 was $signal (--timeout ${stopped_timeout_s})"
   kill -CONT "$pid" 2>/dev/null
   [ "$code" -ne 0 ] || fail "the job succeeded"
   if [ "$signal" = STOP ]; then

@@ -111,6 +111,25 @@ def write_samples(work, names, gen):
     return data
 
 
+def expect_same_losses(one, two, failures):
+    """The cp = 1 and cp = 2 runs' metrics: three steps each, the same label tokens and losses within REL_TOL."""
+    for x, y in zip(one, two):
+        rel = abs(x["loss"] - y["loss"]) / abs(x["loss"])
+        if x["tokens"] != y["tokens"] or not rel < REL_TOL:
+            failures.append(f"step {x['step']}: cp 1 loss {x['loss']} ({x['tokens']} tokens), cp 2 "
+                            f"{y['loss']} ({y['tokens']}), relative {rel:.1e}")
+    if len(one) != 3 or len(two) != 3:
+        failures.append(f"{len(one)} and {len(two)} metrics lines, expected 3")
+
+
+def expect_loads_in_transformers(ckpt, failures):
+    """The checkpoint folder loads in transformers with no missing or unexpected weights (the tower included)."""
+    _, info = Gemma4ForConditionalGeneration.from_pretrained(ckpt, output_loading_info=True)
+    for what in ("missing_keys", "unexpected_keys"):
+        if info.get(what):
+            failures.append(f"the checkpoint loads with {what} {sorted(info[what])[:4]}")
+
+
 def main():
     if len(sys.argv) < 3:
         print("usage: images_train.py PATH/TO/ringflex MPIEXEC [ARGS...]")
@@ -133,18 +152,8 @@ def main():
         if not failures:
             a = [json.loads(x) for x in open(os.path.join(work, "one.jsonl"))]
             b = [json.loads(x) for x in open(os.path.join(work, "two.jsonl"))]
-            for x, y in zip(a, b):
-                rel = abs(x["loss"] - y["loss"]) / abs(x["loss"])
-                if x["tokens"] != y["tokens"] or not rel < REL_TOL:
-                    failures.append(f"step {x['step']}: cp 1 loss {x['loss']} ({x['tokens']} tokens), cp 2 "
-                                    f"{y['loss']} ({y['tokens']}), relative {rel:.1e}")
-            if len(a) != 3 or len(b) != 3:
-                failures.append(f"{len(a)} and {len(b)} metrics lines, expected 3")
-            _, info = Gemma4ForConditionalGeneration.from_pretrained(os.path.join(work, "two", "step-00000003"),
-                                                                     output_loading_info=True)
-            for what in ("missing_keys", "unexpected_keys"):
-                if info.get(what):
-                    failures.append(f"the checkpoint loads with {what} {sorted(info[what])[:4]}")
+            expect_same_losses(a, b, failures)
+            expect_loads_in_transformers(os.path.join(work, "two", "step-00000003"), failures)
             if not failures:
                 print(f"ok   cp 1 and cp 2 agree: losses {[round(x['loss'], 6) for x in b]}, "
                       f"{[x['tokens'] for x in b]} label tokens")

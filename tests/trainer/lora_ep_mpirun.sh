@@ -20,7 +20,7 @@
 #     updates each element alone, whichever rank holds its moments).
 #   lora_ep_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS EP GRID_SETS...
 set -euo pipefail
-source "$(dirname "$0")/mpirun_script_args.sh"
+source "$(dirname "$0")/../common/mpirun_lib.sh"
 ranks=$1 ep=$2
 shift 2
 common=(--set train.seq_len=64 --set train.steps=3 --set train.global_batch=4 --set data.val_rows=2
@@ -28,44 +28,37 @@ common=(--set train.seq_len=64 --set train.steps=3 --set train.global_batch=4 --
         --set model.init_std=0.4 --set model.lora.rank=2 --set checkpoint.every=2
         --set "model.lora.target_parameters=[experts.gate_up_proj, experts.down_proj]")
 for e in 1 "$ep"; do
-  "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$e" \
-    --set checkpoint.dir="$work/ep$e" --metrics "$work/ep$e.jsonl" --stats "$work/stats$e.json" >/dev/null
+  train_job "ep$e" "$ranks" "$@" --set parallelism.ep="$e" --stats "$work/stats$e.json"
 done
 # Each run's step-2 checkpoint resumed at the other EP, and the ep run's at ep itself.
-"${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep=1 \
-  --set checkpoint.dir="$work/from_ep" --metrics "$work/from_ep.jsonl" --resume "$work/ep$ep/step-00000002" >/dev/null
-"${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$ep" \
-  --set checkpoint.dir="$work/from1" --metrics "$work/from1.jsonl" --resume "$work/ep1/step-00000002" >/dev/null
-"${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$ep" \
-  --set checkpoint.dir="$work/again" --metrics "$work/again.jsonl" --resume "$work/ep$ep/step-00000002" >/dev/null
+train_job from_ep "$ranks" "$@" --set parallelism.ep=1 --resume "$work/ep$ep/step-00000002"
+train_job from1 "$ranks" "$@" --set parallelism.ep="$ep" --resume "$work/ep1/step-00000002"
+train_job again "$ranks" "$@" --set parallelism.ep="$ep" --resume "$work/ep$ep/step-00000002"
 cmp "$work/ep$ep/step-00000003/adapter_model.safetensors" "$work/again/step-00000003/adapter_model.safetensors"
 for f in "$work/ep$ep/step-00000003/"optimizer*; do  # optimizer.safetensors, or one file a rank and optimizer.json
   cmp "$f" "$work/again/step-00000003/$(basename "$f")"
 done
 case " $* " in
   *" parallelism.shard=optimizer "*)
-    "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$ep" \
-      --set parallelism.shard=none --set checkpoint.dir="$work/none" --metrics "$work/none.jsonl" >/dev/null
+    train_job none "$ranks" "$@" --set parallelism.ep="$ep" --set parallelism.shard=none
     for f in adapter_model.safetensors optimizer.safetensors; do
       cmp "$work/none/step-00000003/$f" "$work/ep$ep/step-00000003/$f"
     done
     python3 - "$work/none.jsonl" "$work/ep$ep.jsonl" <<'PY'
-import json, sys
-none, shard = ([json.loads(l) for l in open(p)] for p in sys.argv[1:])
-assert len(none) == len(shard) == 3, (len(none), len(shard))
-for a, b in zip(none, shard):
-    for key in ("loss", "grad_norm", "val_loss"):
-        assert a.get(key) == b.get(key), f"step {a['step']}: {key} {a.get(key)!r} vs {b.get(key)!r}"
+import sys
+from train_outputs import expect_same_steps, metrics
+expect_same_steps(metrics(sys.argv[1]), metrics(sys.argv[2]), 3)
 print("LoRA at ep under shard optimizer: shard none's losses, norms, adapters and moments bit for bit")
 PY
     ;;
 esac
 python3 - "$work" "$ep" <<'PY'
-import array, json, struct, sys
+import json, sys
+from train_outputs import max_abs_difference, metrics, safetensors_header
 work, ep = sys.argv[1], sys.argv[2]
-def metrics(name):
-    return [json.loads(l) for l in open(f"{work}/{name}.jsonl")]
-one, many = metrics("ep1"), metrics(f"ep{ep}")
+def lines(name):
+    return metrics(f"{work}/{name}.jsonl")
+one, many = lines("ep1"), lines(f"ep{ep}")
 assert len(one) == len(many) == 3, (len(one), len(many))
 assert all(r["ep_experts_held"] == 4 for r in many), many  # tiny_moe_vlm: 4 experts, the base's all on every rank
 assert one[0]["loss"] == many[0]["loss"], (one[0], many[0])
@@ -73,19 +66,13 @@ for a, b in zip(one, many):
     for key in ("loss", "grad_norm"):
         assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), f"step {a['step']}: {key} {a[key]!r} vs {b[key]!r}"
 for resumed, source in (("from_ep", many), ("from1", one), ("again", many)):
-    last = metrics(resumed)[-1]
+    last = lines(resumed)[-1]
     assert last["step"] == 3 and last["loss"] == source[2]["loss"], (resumed, last, source[2])
-def tensors(path):  # name -> (shape, float32 values) of a safetensors file
-    raw = open(path, "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
-    return {k: (t["shape"], array.array("f", raw[8 + n + t["data_offsets"][0]:8 + n + t["data_offsets"][1]]))
-            for k, t in header.items() if k != "__metadata__"}
 step3 = "step-00000003/adapter_model.safetensors"
-a, b = tensors(f"{work}/ep1/{step3}"), tensors(f"{work}/ep{ep}/{step3}")
+a, b = (safetensors_header(f"{work}/{run}/{step3}")[0] for run in ("ep1", f"ep{ep}"))
 assert a.keys() == b.keys() and any(".experts." in k for k in a), sorted(set(a) ^ set(b))
-assert all(a[k][0] == b[k][0] for k in a), "adapter shapes differ"
-worst = max(abs(x - y) for k in a for x, y in zip(a[k][1], b[k][1]))
+assert all(a[k]["shape"] == b[k]["shape"] and a[k]["dtype"] == "F32" for k in a), "adapter shapes or dtypes differ"
+worst = max_abs_difference(f"{work}/ep1/{step3}", f"{work}/ep{ep}/{step3}")
 assert worst <= 3e-6, f"step-3 adapters differ by up to {worst}"
 # The memory check counts each rank's experts' adapters only (E / ep of them), in every mode.
 def gradients(name):

@@ -31,21 +31,13 @@ try:
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import Gemma4ForConditionalGeneration
+
+    from spec_mask import MASKED, spec_allowed
 except ImportError as e:  # pragma: no cover - depends on the environment
     missing_oracle(e)  # a skip locally, a failure under CI and scripts/test.sh
 
 REL_TOL = 1e-4
 S = 48
-MASKED = -1e30  # finite, so a row that sees nothing stays finite (see tests/model/parity.py)
-
-
-def spec_allowed(doc, window):
-    idx = torch.arange(doc.shape[0])
-    q, k = idx[:, None], idx[None, :]
-    valid = (doc[:, None] > 0) & (doc[None, :] > 0) & (doc[:, None] == doc[None, :])
-    ordered = k <= q
-    in_window = (q - k < window) if window else torch.ones_like(ordered)
-    return valid & ordered & in_window
 
 
 def checkpoint_weights(ckpt):

@@ -7,24 +7,20 @@
 # some step reports a tower share above 0.
 #   recompute_vision_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS SETS...
 set -euo pipefail
-source "$(dirname "$0")/mpirun_script_args.sh"
+source "$(dirname "$0")/../common/mpirun_lib.sh"
 ranks=$1
 shift
 common=(--set model.builtin=tiny_dense --set model.init_std=0.1 --set model.train_vision=true
         --set train.seq_len=128 --set train.steps=3 --set train.global_batch=2 --set data.val_rows=2
         --set train.threads=1 --set train.val_every=2 --set optimizer.lr=0.003 --set schedule.warmup_steps=1)
 for recompute in true false; do
-  "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set train.recompute=$recompute \
-    --set checkpoint.dir="$work/$recompute" --metrics "$work/$recompute.jsonl" >/dev/null
+  train_job "$recompute" "$ranks" "$@" --set train.recompute=$recompute
 done
 python3 - "$work/true.jsonl" "$work/false.jsonl" <<'PY'
-import json, sys
-recompute = [json.loads(l) for l in open(sys.argv[1])]
-keep = [json.loads(l) for l in open(sys.argv[2])]
-assert len(recompute) == len(keep) == 3, (len(recompute), len(keep))
-for a, b in zip(recompute, keep):
-    for key in ("loss", "grad_norm", "val_loss"):
-        assert a.get(key) == b.get(key), f"step {a['step']}: {key} {a.get(key)!r} vs {b.get(key)!r}"
+import sys
+from train_outputs import expect_same_steps, metrics
+recompute, keep = metrics(sys.argv[1]), metrics(sys.argv[2])
+expect_same_steps(recompute, keep, 3)
 assert max(line.get("tower_share", 0) for line in recompute) > 0, "the tower never ran"
 print("same losses and norms:", [line["loss"] for line in recompute])
 PY

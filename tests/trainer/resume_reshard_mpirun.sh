@@ -11,36 +11,26 @@
 #    run's own step-2 checkpoint (one optimizer.safetensors) resumed at N = 4 shard optimizer stays within the same
 #    bound of the N = 1 run. (test_train.cpp's ShardOptimizer.ReshardsTheMomentsExactlyAtAnyRankCount checks the
 #    re-sharding bit for bit against moments rewritten by the test.)
-#   resume_reshard_mpirun.sh WORKDIR RINGFLEX MPIEXEC...
+#   resume_reshard_mpirun.sh WORKDIR RINGFLEX MPIEXEC... --
 set -euo pipefail
-work=$1 ringflex=$2
-shift 2
-launcher=("$@")
-rm -rf "$work"
-mkdir -p "$work"
+source "$(dirname "$0")/../common/mpirun_lib.sh"
 common=(--set model.builtin=tiny_dense --set train.seq_len=64 --set train.steps=4 --set train.global_batch=4
         --set data.val_rows=2 --set train.threads=1 --set train.val_every=0 --set optimizer.lr=0.003
         --set schedule.warmup_steps=1 --set checkpoint.every=2 --set checkpoint.keep=10
         --set checkpoint.max_shard_size=200KB)
-train() {  # NAME RANKS [--set ...] [--resume DIR]
-  local name=$1 ranks=$2
-  shift 2
-  "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" --set checkpoint.dir="$work/$name" \
-    --metrics "$work/$name.jsonl" "$@" >/dev/null
-}
-train four 4 --set parallelism.cp=2 --set parallelism.dp=2 --set parallelism.shard=optimizer
+train_job four 4 --set parallelism.cp=2 --set parallelism.dp=2 --set parallelism.shard=optimizer
 ck=$work/four/step-00000002
 [ -f "$ck/model.safetensors.index.json" ] && [ -f "$ck/optimizer-00004-of-00004.safetensors" ] &&
   [ -f "$ck/optimizer.json" ] || { echo "step 2 is not in the multi-file layout: $(ls "$ck")" >&2; exit 1; }
-train four_none 4 --set parallelism.cp=2 --set parallelism.dp=2 --set parallelism.shard=none --resume "$ck"
+train_job four_none 4 --set parallelism.cp=2 --set parallelism.dp=2 --set parallelism.shard=none --resume "$ck"
 for f in "$work/four/step-00000004"/model*; do
   cmp "$f" "$work/four_none/step-00000004/$(basename "$f")"
 done
 echo "N = 4 optimizer -> N = 4 none: the same weights' bytes"
-train two 2 --set parallelism.dp=2 --set parallelism.shard=optimizer --resume "$ck"
-train one 1 --set parallelism.shard=none --resume "$ck"
-train single 1 --set parallelism.shard=none
-train single_four 4 --set parallelism.cp=2 --set parallelism.dp=2 --set parallelism.shard=optimizer \
+train_job two 2 --set parallelism.dp=2 --set parallelism.shard=optimizer --resume "$ck"
+train_job one 1 --set parallelism.shard=none --resume "$ck"
+train_job single 1 --set parallelism.shard=none
+train_job single_four 4 --set parallelism.cp=2 --set parallelism.dp=2 --set parallelism.shard=optimizer \
   --resume "$work/single/step-00000002"
 python3 - "$work" <<'PY'
 import json, os, sys

@@ -12,7 +12,7 @@
 # gather moves them by whole percents).
 #   same_bits_shard_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS GRADIENTS GRID_SETS...
 set -euo pipefail
-source "$(dirname "$0")/mpirun_script_args.sh"
+source "$(dirname "$0")/../common/mpirun_lib.sh"
 ranks=$1 gradients=$2
 shift 2
 case "$gradients" in bits | rounding) ;; *) echo "GRADIENTS must be bits or rounding, not '$gradients'" >&2; exit 2 ;; esac
@@ -20,19 +20,19 @@ common=(--set train.seq_len=64 --set train.steps=3 --set train.global_batch=12 -
         --set train.threads=1 --set train.val_every=2 --set optimizer.lr=0.003 --set schedule.warmup_steps=1
         --set optimizer.grad_clip=0.5)
 for mode in none optimizer gradients full; do
-  "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.shard=$mode \
-    --set checkpoint.dir="$work/$mode" --metrics "$work/$mode.jsonl" >/dev/null
+  train_job "$mode" "$ranks" "$@" --set parallelism.shard=$mode
 done
-python3 - "$work/none.jsonl" "$work/optimizer.jsonl" <<'PY'
-import json, sys
-none = [json.loads(l) for l in open(sys.argv[1])]
-shard = [json.loads(l) for l in open(sys.argv[2])]
-assert len(none) == len(shard) == 3, (len(none), len(shard))
-for a, b in zip(none, shard):
-    for key in ("loss", "grad_norm", "val_loss"):
-        assert a.get(key) == b.get(key), f"step {a['step']}: {key} {a.get(key)!r} vs {b.get(key)!r}"
-print("same losses and norms:", [r["loss"] for r in shard])
+# The metrics of runs A and B: the same losses, norms and validation losses, bit for bit.
+same_steps() {
+  python3 - "$work/$1.jsonl" "$work/$2.jsonl" <<'PY'
+import sys
+from train_outputs import expect_same_steps, metrics
+a, b = metrics(sys.argv[1]), metrics(sys.argv[2])
+expect_same_steps(a, b, 3)
+print("same losses and norms:", [r["loss"] for r in b])
 PY
+}
+same_steps none optimizer
 # The moments of two checkpoints, equal value for value: shard none's optimizer.safetensors (per parameter) against
 # a sharded run's optimizer.json and one file a rank (flat ranges of the trainable layout), or byte for byte against
 # a sharded run's optimizer.safetensors (experts held apart, parallelism.ep > 1: the writer gathers the moments whole).
@@ -41,31 +41,8 @@ same_moments() {
     cmp "$1/optimizer.safetensors" "$2/optimizer.safetensors"
     return
   fi
-  python3 - "$1" "$2" <<'PY'
-import array, json, os, struct, sys
-def tensors(path):  # name -> float32 values of a safetensors file
-    raw = open(path, "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
-    return {name: array.array("f", raw[8 + n + t["data_offsets"][0]:8 + n + t["data_offsets"][1]])
-            for name, t in header.items() if name != "__metadata__"}
-whole = tensors(os.path.join(sys.argv[1], "optimizer.safetensors"))
-layout = json.load(open(os.path.join(sys.argv[2], "optimizer.json")))
-flat = {"exp_avg": array.array("f"), "exp_avg_sq": array.array("f")}
-for f in layout["files"]:
-    part = tensors(os.path.join(sys.argv[2], f["file"]))
-    for k in flat:
-        assert len(part[k]) == f["end"] - f["begin"], (f, k)
-        flat[k].extend(part[k])
-assert len(layout["files"]) == layout["ranks"], layout["files"]
-for p in layout["parameters"]:
-    n = 1
-    for d in p["shape"]:
-        n *= d
-    for k in flat:
-        assert flat[k][p["offset"]:p["offset"] + n] == whole[k + "." + p["name"]], f"{k} of {p['name']} differs"
-assert 2 * len(layout["parameters"]) == len(whole), "the sharded files miss parameters"
-PY
+  python3 -c 'import sys; from train_outputs import expect_sharded_moments; expect_sharded_moments(*sys.argv[1:])' \
+    "$1" "$2"
 }
 cmp "$work/none/step-00000003/model.safetensors" "$work/optimizer/step-00000003/model.safetensors"
 same_moments "$work/none/step-00000003" "$work/optimizer/step-00000003"
@@ -73,63 +50,36 @@ echo "shard optimizer: same weights' bytes, same moments (one file a rank)"
 for file in "$work/gradients/step-00000003"/model.safetensors "$work/gradients/step-00000003"/optimizer*.safetensors; do
   cmp "$file" "$work/full/step-00000003/$(basename "$file")"
 done
-python3 - "$work/gradients.jsonl" "$work/full.jsonl" <<'PY'
-import json, sys
-grad = [json.loads(l) for l in open(sys.argv[1])]
-full = [json.loads(l) for l in open(sys.argv[2])]
-assert len(grad) == len(full) == 3, (len(grad), len(full))
-for a, b in zip(grad, full):
-    for key in ("loss", "grad_norm", "val_loss"):
-        assert a.get(key) == b.get(key), f"step {a['step']}: {key} {a.get(key)!r} vs {b.get(key)!r}"
-    # The exposed communication: a wait time, reported by the sharded modes only.
-    for line in (a, b):
-        assert line["shard_comm_wait_s"] >= 0, line
-PY
-python3 - "$work/none.jsonl" <<'PY'
-import json, sys
-assert all("shard_comm_wait_s" not in json.loads(l) for l in open(sys.argv[1]))
+same_steps gradients full
+# The exposed communication: a wait time, reported by the sharded modes only.
+python3 - "$work" <<'PY'
+import os, sys
+from train_outputs import metrics
+def lines(name):
+    return metrics(os.path.join(sys.argv[1], name + ".jsonl"))
+assert all(line["shard_comm_wait_s"] >= 0 for line in lines("gradients") + lines("full")), lines("gradients")
+assert all("shard_comm_wait_s" not in line for line in lines("none"))
 PY
 echo "shard full: shard gradients' losses, norms and checkpoint bytes"
 if [ "$gradients" = bits ]; then
   cmp "$work/none/step-00000003/model.safetensors" "$work/gradients/step-00000003/model.safetensors"
   same_moments "$work/none/step-00000003" "$work/gradients/step-00000003"
-  python3 - "$work/none.jsonl" "$work/gradients.jsonl" <<'PY'
-import json, sys
-none = [json.loads(l) for l in open(sys.argv[1])]
-shard = [json.loads(l) for l in open(sys.argv[2])]
-assert len(none) == len(shard) == 3, (len(none), len(shard))
-for a, b in zip(none, shard):
-    for key in ("loss", "grad_norm", "val_loss"):
-        assert a.get(key) == b.get(key), f"step {a['step']}: {key} {a.get(key)!r} vs {b.get(key)!r}"
-PY
+  same_steps none gradients
   echo "shard gradients: same losses, norms and checkpoint bytes"
 else
   python3 - "$work/none.jsonl" "$work/gradients.jsonl" "$work/none/step-00000003/model.safetensors" \
     "$work/gradients/step-00000003/model.safetensors" <<'PY'
-import array, json, struct, sys
-none = [json.loads(l) for l in open(sys.argv[1])]
-shard = [json.loads(l) for l in open(sys.argv[2])]
+import sys
+from train_outputs import EXACT_KEYS, max_abs_difference, metrics
+none, shard = metrics(sys.argv[1]), metrics(sys.argv[2])
 assert len(none) == len(shard) == 3, (len(none), len(shard))
 for a, b in zip(none, shard):
-    for key in ("loss", "grad_norm", "val_loss"):
+    for key in EXACT_KEYS:
         x, y = a.get(key), b.get(key)
         assert (x is None) == (y is None), f"step {a['step']}: {key} {x!r} vs {y!r}"
         if x is not None:
             assert abs(x - y) <= 1e-4 * abs(x), f"step {a['step']}: {key} {x!r} vs {y!r}"
-def tensors(path):  # name -> float32 values of a safetensors file
-    raw = open(path, "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__" or t["dtype"] != "F32":
-            continue
-        begin, end = t["data_offsets"]
-        out[name] = array.array("f", raw[8 + n + begin:8 + n + end])
-    return out
-a, b = tensors(sys.argv[3]), tensors(sys.argv[4])
-assert a.keys() == b.keys() and a, sorted(set(a) ^ set(b))
-worst = max(abs(x - y) for name in a for x, y in zip(a[name], b[name]))
+worst = max_abs_difference(sys.argv[3], sys.argv[4])
 assert worst <= 9e-5, f"weights differ by up to {worst}"
 print("shard gradients: losses and norms within 1e-4 relative, weights within", worst)
 PY

@@ -19,15 +19,14 @@
 # ep > 1 reads each rank's experts' rows alone and a save gathers one tensor at a time (trainer/held_checkpoint.h).
 #   same_loss_ep_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS EP GRID_SETS...
 set -euo pipefail
-source "$(dirname "$0")/mpirun_script_args.sh"
+source "$(dirname "$0")/../common/mpirun_lib.sh"
 ranks=$1 ep=$2
 shift 2
 common=(--set train.seq_len=64 --set train.steps=3 --set train.global_batch=4 --set data.val_rows=3
         --set train.threads=1 --set train.val_every=2 --set optimizer.lr=0.003 --set schedule.warmup_steps=1
         --set model.builtin=tiny_moe_vlm --set model.init_std=0.4 --set checkpoint.every=2)
 for e in 1 "$ep"; do
-  "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$e" \
-    --set checkpoint.dir="$work/ep$e" --metrics "$work/ep$e.jsonl" --stats "$work/stats$e.json" >/dev/null
+  train_job "ep$e" "$ranks" "$@" --set parallelism.ep="$e" --stats "$work/stats$e.json"
 done
 # Another EP to resume at: twice ep where the ranks allow it, else half of it; and another shard mode there.
 if [ $((ranks % (2 * ep))) -eq 0 ]; then other=$((2 * ep)); else other=$((ep / 2)); fi
@@ -40,23 +39,20 @@ esac
 for e in 1 "$ep" "$other"; do
   shard=()
   if [ "$e" = "$other" ]; then shard=(--set parallelism.shard="$other_shard"); fi
-  "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" "${shard[@]}" --set parallelism.ep="$e" \
-    --set checkpoint.dir="$work/resumed$e" --metrics "$work/resumed$e.jsonl" --resume "$work/ep$ep/step-00000002" \
-    >/dev/null
+  train_job "resumed$e" "$ranks" "$@" "${shard[@]}" --set parallelism.ep="$e" --resume "$work/ep$ep/step-00000002"
 done
 # And ep 1's step-2 checkpoint (its moments in one file a rank under sharding) resumed at ep: step 3's loss is ep 1's.
-"${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$ep" \
-  --set checkpoint.dir="$work/from1" --metrics "$work/from1.jsonl" --resume "$work/ep1/step-00000002" >/dev/null
+train_job from1 "$ranks" "$@" --set parallelism.ep="$ep" --resume "$work/ep1/step-00000002"
 # A fresh start from ep 1's step-2 files (model.path: the Hugging Face layout) at ep 1 and at ep, each rank of the ep
 # run reading its experts' rows of the files alone (trainer/held_checkpoint.h): step 1's loss is the same bits.
 for e in 1 "$ep"; do
-  "${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set parallelism.ep="$e" --set train.steps=1 \
-    --set model.path="$work/ep1/step-00000002" --set checkpoint.dir="$work/path$e" --metrics "$work/path$e.jsonl" \
-    >/dev/null
+  train_job "path$e" "$ranks" "$@" --set parallelism.ep="$e" --set train.steps=1 \
+    --set model.path="$work/ep1/step-00000002"
 done
 python3 - "$work/path1.jsonl" "$work/path$ep.jsonl" <<'PY'
-import json, sys
-one, ep = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
+import sys
+from train_outputs import metrics
+one, ep = metrics(sys.argv[1]), metrics(sys.argv[2])
 assert one[0]["loss"] == ep[0]["loss"], f"from model.path: step 1 loss {one[0]['loss']!r} vs {ep[0]['loss']!r}"
 print("from model.path at ep 1 and ep: step 1 loss", one[0]["loss"])
 PY
@@ -65,26 +61,20 @@ for f in "$work/ep$ep/step-00000003"/optimizer*; do  # optimizer.safetensors, or
   cmp "$f" "$work/resumed$ep/step-00000003/$(basename "$f")"
 done
 python3 - "$work/ep$ep/step-00000003/model.safetensors" "$work/resumed$other/step-00000003/model.safetensors" <<'PY'
-import array, json, struct, sys
-def tensors(path):  # name -> float32 values of a safetensors file
-    raw = open(path, "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
-    return {name: array.array("f", raw[8 + n + t["data_offsets"][0]:8 + n + t["data_offsets"][1]])
-            for name, t in header.items() if name != "__metadata__" and t["dtype"] == "F32"}
-a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
-assert a.keys() == b.keys() and any(".experts." in k for k in a), sorted(set(a) ^ set(b))
-worst = max(abs(x - y) for name in a for x, y in zip(a[name], b[name]))
+import sys
+from train_outputs import max_abs_difference, safetensors_header
+assert any(".experts." in k for k in safetensors_header(sys.argv[1])[0]), "no expert tensors"
+worst = max_abs_difference(sys.argv[1], sys.argv[2])
 assert worst <= 3e-6, f"step-3 weights resumed at another EP differ by up to {worst}"
 print("resumed at another EP: step-3 weights within", worst)
 PY
 # --stats: the memory check's terms count a rank's experts, E / ep of the expert tensors' float32 bytes (the files'
 # sizes), where ep 1 counts them all.
 python3 - "$work/stats1.json" "$work/stats$ep.json" "$work/ep$ep/step-00000003/model.safetensors" "$ep" <<'PY'
-import json, struct, sys
+import json, sys
+from train_outputs import safetensors_header
 one, ep = (json.load(open(p)) for p in sys.argv[1:3])
-raw = open(sys.argv[3], "rb").read()
-header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+header = safetensors_header(sys.argv[3])[0]
 experts = sum(t["data_offsets"][1] - t["data_offsets"][0] for n, t in header.items() if ".experts." in n)
 ep_size = int(sys.argv[4])
 terms = {t["kind"]: t["bytes"] for t in ep["memory_per_rank"]["terms"]}
@@ -98,9 +88,10 @@ print("--stats: experts counted", experts // ep_size, "of", experts, "bytes a ra
 PY
 python3 - "$work/ep1.jsonl" "$work/ep$ep.jsonl" "$work/resumed1.jsonl" "$work/resumed$ep.jsonl" \
   "$work/resumed$other.jsonl" "$ep" "$work/from1.jsonl" <<'PY'
-import json, sys
-one, ep, resumed, again, other = ([json.loads(l) for l in open(p)] for p in sys.argv[1:6])
-from1 = [json.loads(l) for l in open(sys.argv[7])]
+import sys
+from train_outputs import metrics
+one, ep, resumed, again, other = (metrics(p) for p in sys.argv[1:6])
+from1 = metrics(sys.argv[7])
 assert from1[-1]["step"] == 3 and from1[-1]["loss"] == one[2]["loss"], (from1, one[2])
 experts, ep_size = 4, int(sys.argv[6])  # model.builtin tiny_moe_vlm has 4 experts a MoE layer
 held = ep[0]["ep_experts_held"]

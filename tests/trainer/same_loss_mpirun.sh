@@ -7,7 +7,7 @@
 # 1.5e-5 with the portable build). A lost row or a wrong denominator moves it by >= 1e-2, 100x above the bound.
 #   same_loss_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS GRID_SETS...
 set -euo pipefail
-source "$(dirname "$0")/mpirun_script_args.sh"
+source "$(dirname "$0")/../common/mpirun_lib.sh"
 ranks=$1
 shift
 common=(--set train.seq_len=96 --set train.steps=5 --set train.global_batch=4 --set data.val_rows=2

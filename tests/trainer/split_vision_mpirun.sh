@@ -16,29 +16,27 @@
 # on (measured), which the same code path could not give.
 #   split_vision_mpirun.sh WORKDIR RINGFLEX MPIEXEC... --
 set -euo pipefail
-source "$(dirname "$0")/mpirun_script_args.sh"
+source "$(dirname "$0")/../common/mpirun_lib.sh"
 common=(--set train.seq_len=96 --set train.steps=4 --set train.global_batch=2 --set data.val_rows=2
         --set train.threads=1 --set train.val_every=2 --set optimizer.lr=0.003 --set schedule.warmup_steps=2
         --set parallelism.cp=2)
 for split in true false; do
-  "${launcher[@]}" -n 2 "$ringflex" train "${common[@]}" --set parallelism.split_vision=$split \
-    --set checkpoint.dir="$work/frozen_$split" --metrics "$work/frozen_$split.jsonl" >/dev/null
+  train_job "frozen_$split" 2 --set parallelism.split_vision=$split
   "${launcher[@]}" -n 2 "$ringflex" train "${common[@]}" --set parallelism.split_vision=$split \
     --set model.builtin=tiny_dense --set model.init_std=0.1 --set model.train_vision=true --set optimizer.eps=1e-4 \
     --metrics "$work/trained_$split.jsonl" >/dev/null
 done
 cmp "$work/frozen_true/step-00000004/model.safetensors" "$work/frozen_false/step-00000004/model.safetensors"
 python3 - "$work" <<'PY'
-import json, os, sys
+import os, sys
+from train_outputs import EXACT_KEYS, expect_same_steps, metrics
 def lines(name):
-    out = [json.loads(l) for l in open(os.path.join(sys.argv[1], name))]
-    assert len(out) == 4, (name, len(out))
-    return out
-for a, b in zip(lines("frozen_true.jsonl"), lines("frozen_false.jsonl")):
-    for key in ("loss", "grad_norm", "val_loss", "tokens"):
-        assert a.get(key) == b.get(key), f"frozen tower, step {a['step']}: {key} {a.get(key)!r} vs {b.get(key)!r}"
+    return metrics(os.path.join(sys.argv[1], name))
+expect_same_steps(lines("frozen_true.jsonl"), lines("frozen_false.jsonl"), 4, keys=(*EXACT_KEYS, "tokens"),
+                  what="frozen tower, ")
 print("frozen tower: the same losses, norms and weights' bits with and without the split")
 split, whole = lines("trained_true.jsonl"), lines("trained_false.jsonl")
+assert len(split) == len(whole) == 4, (len(split), len(whole))
 assert split[0]["loss"] == whole[0]["loss"], (split[0], whole[0])
 for a, b in zip(split, whole):
     assert a["tokens"] == b["tokens"], (a, b)

@@ -39,13 +39,12 @@ try:
     from safetensors.torch import load_file, save_file
     import transformers
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
-    from transformers.models.gemma4.modeling_gemma4 import get_block_sequence_ids_for_mask
+    from spec_mask import spec_masks
 except ImportError as e:  # pragma: no cover - depends on the environment
     missing_oracle(e)
 
 REL_TOL = 1e-4
 S = 32            # tokens a row (cp = 2 splits it)
-MASKED = -1e30    # finite, so a row that sees nothing stays finite (see tests/model/parity.py)
 TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=16, global_head_dim=16, sliding_window=8,
             layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0,
@@ -150,26 +149,6 @@ def check_carried(source, weights, failures):
             failures.append(f"{n}: {a.dtype} {list(a.shape)} in, "
                             f"{'absent' if b is None else f'{b.dtype} {list(b.shape)}'} out, or other bits")
     return len(carried)
-
-
-def spec_masks(text_cfg, doc, mm):
-    """docs/spec.md §3's mask per layer type, as tests/model/parity.py's reference_masks."""
-    group = get_block_sequence_ids_for_mask(mm, device="cpu")[0]
-    idx = torch.arange(S)
-    q, k = idx[:, None], idx[None, :]
-    d = doc[0]
-    valid = (d[:, None] > 0) & (d[None, :] > 0) & (d[:, None] == d[None, :])
-    groups = (group[:, None] >= 0) & (group[:, None] == group[None, :])
-    bidir = text_cfg.use_bidirectional_attention == "vision"
-    out = {}
-    for layer_type, window, grouped in (("sliding_attention", text_cfg.sliding_window, bidir),
-                                        ("full_attention", 0, False)):  # 5.24: no groups on full layers
-        ordered = (k <= q) & ((q - k < window) if window else torch.ones_like(k <= q))
-        allowed = valid & (ordered | (groups if grouped else torch.zeros_like(groups)))
-        m = torch.zeros((1, 1, S, S), dtype=torch.float64)
-        m[0, 0][~allowed] = MASKED
-        out[layer_type] = m
-    return out
 
 
 def check_loss(ringflex, ckpt, model, work, gen, failures):

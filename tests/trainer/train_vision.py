@@ -7,8 +7,8 @@ pooling 2, images of odd sizes, RGB and grey with alpha). Then
      after step 1 is (1 - beta1) times the unclipped gradient, read from the checkpoint's optimizer.safetensors):
      the loss and the gradient of every tower parameter and of the vision projection against transformers' loss on
      the same sample in float64 (the processor's pixel_values and image_position_ids, the placeholder expanded to
-     boi, soft tokens, eoi, labels ignored on the image slots, the docs/spec.md masks of tests/model/parity.py), at
-     cp = 1 and at cp = 2 (each rank back-propagates its own tokens' share of d image_features through the tower;
+     boi, soft tokens, eoi, labels ignored on the image slots, the docs/spec.md masks of tests/common/spec_mask.py),
+     at cp = 1 and at cp = 2 (each rank back-propagates its own tokens' share of d image_features through the tower;
      the reduction sums them). Bounds: the loss 1e-4 relative (parity.py's: float32 against float64, rounding ~1e-7
      per op amplified by depth), each gradient 1e-4 in relative norm (tests/model/vision_parity.py's bound; here the
      decoder's backward comes first, still ~1e-5 measured; a gradient that missed a rank's share or an image is
@@ -26,7 +26,6 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "common"))
-sys.path.insert(0, os.path.join(HERE, "..", "model"))
 sys.path.insert(0, HERE)
 from oracle_env import missing_oracle  # noqa: E402
 
@@ -34,16 +33,16 @@ try:
     import torch
     from PIL import Image
     from safetensors.torch import load_file
-    from transformers import Gemma4ForConditionalGeneration
     from transformers.image_transforms import convert_to_rgb
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    from images_train import BOI, EOI, IMAGE, VISION, tiny_checkpoint_and_images, write_samples
-    from parity import reference_masks
+    from images_train import (BOI, EOI, IMAGE, VISION, expect_loads_in_transformers, expect_same_losses,
+                              tiny_checkpoint_and_images, write_samples)
+    from spec_mask import spec_masks
 except ImportError as e:  # pragma: no cover - depends on the environment
     missing_oracle(e)
 
-LOSS_TOL, GRAD_TOL, REL_TOL = 1e-4, 1e-4, 1e-4
+LOSS_TOL, GRAD_TOL = 1e-4, 1e-4
 SOFT = 70
 BETA1 = 0.9
 SEQ = 192
@@ -84,7 +83,7 @@ def reference(model, ids, images, processor):
     logits = model(input_ids=x, pixel_values=feats["pixel_values"].double(),
                    image_position_ids=feats["image_position_ids"], mm_token_type_ids=mm,
                    position_ids=torch.arange(x.shape[1])[None], use_cache=False,
-                   attention_mask=reference_masks(model.config.text_config, doc, mm)).logits
+                   attention_mask=spec_masks(model.config.text_config, doc, mm)).logits
     loss = torch.nn.functional.cross_entropy(logits[0, :-1], torch.tensor(labels[1:]), ignore_index=-100)
     loss.backward()
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -143,12 +142,7 @@ def check_cp_and_resume(ringflex, mpiexec, work, ckpt, names, failures):
     except RuntimeError as e:
         failures.append(str(e))
         return
-    for x, y in zip(one, two):
-        rel = abs(x["loss"] - y["loss"]) / abs(x["loss"])
-        if x["tokens"] != y["tokens"] or not rel < REL_TOL:
-            failures.append(f"step {x['step']}: cp 1 loss {x['loss']}, cp 2 {y['loss']}, relative {rel:.1e}")
-    if len(one) != 3 or len(two) != 3:
-        failures.append(f"{len(one)} and {len(two)} metrics lines, expected 3")
+    expect_same_losses(one, two, failures)
     if [x["loss"] for x in resumed] != [x["loss"] for x in one[2:]]:
         failures.append(f"resumed step 3 losses {[x['loss'] for x in resumed]} against {one[2]['loss']}")
     final = load_file(os.path.join(work, "one", "step-00000003", "model.safetensors"))
@@ -160,11 +154,7 @@ def check_cp_and_resume(ringflex, mpiexec, work, ckpt, names, failures):
     still = [k for k in tower if torch.equal(start[k].float(), final[k].float())]
     if not tower or still:
         failures.append(f"tower weights did not train: {still[:4]}")
-    _, info = Gemma4ForConditionalGeneration.from_pretrained(os.path.join(work, "two", "step-00000003"),
-                                                             output_loading_info=True)
-    for what in ("missing_keys", "unexpected_keys"):
-        if info.get(what):
-            failures.append(f"the checkpoint loads with {what} {sorted(info[what])[:4]}")
+    expect_loads_in_transformers(os.path.join(work, "two", "step-00000003"), failures)
     print(f"ok   cp 1 and cp 2 agree with the tower training: losses {[round(x['loss'], 6) for x in two]}; "
           f"resumed from step 2 ends on the same bits; {len(tower)} tower weights moved")
 

@@ -8,16 +8,14 @@
 # wrong place (or a tower built from stale weights) could change a bit.
 #   train_vision_shard_resume_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS GRID_SETS...
 set -euo pipefail
-source "$(dirname "$0")/mpirun_script_args.sh"
+source "$(dirname "$0")/../common/mpirun_lib.sh"
 ranks=$1
 shift
 common=(--set model.train_vision=true --set parallelism.shard=full --set train.seq_len=64 --set train.steps=3
         --set data.val_rows=2 --set train.threads=1 --set train.val_every=0 --set optimizer.lr=0.003
         --set schedule.warmup_steps=1 --set checkpoint.every=2)
-"${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set checkpoint.dir="$work/whole" \
-  --metrics "$work/whole.jsonl" >/dev/null
-"${launcher[@]}" -n "$ranks" "$ringflex" train "${common[@]}" "$@" --set checkpoint.dir="$work/resumed" \
-  --resume "$work/whole/step-00000002" --metrics "$work/resumed.jsonl" >/dev/null
+train_job whole "$ranks" "$@"
+train_job resumed "$ranks" "$@" --resume "$work/whole/step-00000002"
 cmp "$work/whole/step-00000003/model.safetensors" "$work/resumed/step-00000003/model.safetensors"
 python3 - "$work/whole.jsonl" "$work/resumed.jsonl" <<'PY'
 import json, sys
