@@ -13,13 +13,14 @@
 // either way.
 //
 // Threads: the router runs per token in parallel. The experts' row-local work (gather, gate/up and down sgemms,
-// GeGLU, and in the backward the input gradients) is cut into tasks of at most kExpertRowsPerTask routed rows of
-// one expert, run in parallel; a row's results do not depend on which rows share its sgemm (no call cuts the
-// reduction dimension; ops.h), so any task order gives the same bits. The reductions keep one fixed order:
-// each token sums its experts' outputs (and input gradients) in ascending expert index, as transformers'
-// index_add_ loop over experts does, with the tokens in parallel; each expert's weight gradient is one sgemm over
-// all its rows, experts in parallel; per-expert scale and router scale gradients sum tokens in token order. No
-// atomics: the bits are the same at any thread count, and every sum runs in the serial loop's order.
+// GeGLU, and in the backward the input gradients) is cut into tasks of one expert's rows each (up to
+// kExpertStepsPerTask steps of kExpertRowsPerStep rows, a remainder alone), run in parallel, largest first; a row's
+// results do not depend on which rows share its sgemm (no call cuts the reduction dimension; ops.h), so any task order
+// gives the same bits. The reductions keep one fixed order: each token sums its experts' outputs (and input gradients)
+// in ascending expert index, as transformers' index_add_ loop over experts does, with the tokens in parallel; each
+// expert's weight gradient is one sgemm over all its rows, experts in parallel; per-expert scale and router scale
+// gradients sum tokens in token order. No atomics: the bits are the same at any thread count, and every sum runs in the
+// serial loop's order.
 #include <omp.h>
 
 #include <algorithm>
@@ -32,13 +33,19 @@ namespace rf::model {
 
 namespace {
 
-// Routed rows per task, at least: enough rows that each sgemm's packing of the expert's weights (2 * Im * H
-// floats) is amortised over many rows, few enough that the rows of an expert (T * top_k / E on average) make
-// several tasks to share out. Each task's smaller sgemm (rows x Im x H) is also kept above
-// kParallelMinMultiplyAdds, which is above OpenBLAS's small-matrix cut-off (10^6 multiply-adds in its x86-64
-// builds): below it OpenBLAS switches to a kernel that sums K in another order, so cutting a small expert into
-// tasks would change its bits against one sgemm over all its rows.
-constexpr int64_t kExpertRowsPerTask = 128;
+// Routed rows per step of the cut: a block of an expert's rows is cut into whole steps and a remainder of fewer
+// rows. The step keeps each call's smaller sgemm (rows x Im x H) above kParallelMinMultiplyAdds, above OpenBLAS's
+// small-matrix cut-off (10^6 multiply-adds in its x86-64 builds): below it OpenBLAS switches to a kernel that sums K
+// in another order, so cutting a small expert into tasks would change its bits against one sgemm over all its rows.
+constexpr int64_t kExpertRowsPerStep = 128;
+// Whole steps per task, at most: every task's sgemms pack the expert's weights (3 * Im * H floats, a copy that is a
+// large share of a call's time when its rows are few, as Im is small against H), so a task takes as many of an
+// expert's whole steps as it can while an expert's rows (T * top_k / E on average) still make enough tasks to share
+// out. A row's result is the same in any call of the regular sgemm path that holds it (no call cuts K), so whole
+// steps give the same bits in one task or several; the remainder stays a task of its own, as it was when every task
+// was one step: a call of few rows can take OpenBLAS's other paths (the small-matrix kernel; sgemm_direct, for
+// untransposed beta = 0 calls below 28 * 512^2 multiply-adds), which sum K in another order.
+constexpr int64_t kExpertStepsPerTask = 4;
 
 // Columns per block of the router scale's gradient: one 64-byte cache line of float32.
 constexpr int64_t kScaleColumnsPerBlock = 16;
@@ -108,13 +115,21 @@ struct ExpertTask {
 };
 
 // blocks: rows per block. Every block is cut alone, as the rank that routed its rows would cut that expert's rows
-// with every expert local, so each row meets the same sgemm shapes at any EP.
+// with every expert local, so each row meets the same sgemm shapes at any EP; the cut depends on the block's rows
+// alone, never on the thread count. The tasks come largest first, so a dynamic schedule ends on the smallest ones
+// (the threads finish close together); the order changes no bits, as each task writes its own rows.
 std::vector<ExpertTask> expert_tasks(const std::vector<int64_t>& blocks, int64_t madds_per_row) {
-  const int64_t step = std::max(kExpertRowsPerTask,
+  const int64_t step = std::max(kExpertRowsPerStep,
                                 (kParallelMinMultiplyAdds + madds_per_row - 1) / std::max<int64_t>(madds_per_row, 1));
+  const int64_t most = kExpertStepsPerTask * step;
   std::vector<ExpertTask> tasks;
-  for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b)
-    for (int64_t r = 0; r < blocks[b]; r += step) tasks.push_back({b, r, std::min(step, blocks[b] - r)});
+  for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b) {
+    const int64_t whole = blocks[b] / step * step;  // rows in whole steps
+    for (int64_t r = 0; r < whole; r += most) tasks.push_back({b, r, std::min(most, whole - r)});
+    if (whole < blocks[b]) tasks.push_back({b, whole, blocks[b] - whole});
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const ExpertTask& x, const ExpertTask& y) { return x.rows > y.rows; });
   return tasks;
 }
 
