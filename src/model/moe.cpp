@@ -291,7 +291,7 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   };
   // This rank's own rows first, read where the sent layout has them, while the other ranks' travel; then theirs.
   const OwnSplit split = split_own(tasks, a.routing);
-#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds))
+#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && !split.own.empty())
   for (size_t k = 0; k < split.own.size(); ++k) {
     if (omp_get_thread_num() == 0) ep.progress_dispatch();
     const ExpertTask& tk = tasks[split.own[k]];
@@ -299,7 +299,7 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   }
   if (!local) ep.finish_dispatch();
   x_sent = Vec{};
-#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds))
+#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && !split.others.empty())
   for (size_t k = 0; k < split.others.size(); ++k) {
     const ExpertTask& tk = tasks[split.others[k]];
     run_task(tk, a.e_x.data() + (a.recv_at[tk.block] + tk.row0) * H);
@@ -391,7 +391,7 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   for (const bool own : {true, false}) {
     if (!own && !local) ep.finish_dispatch();
     const std::vector<size_t>& part = own ? split.own : split.others;
-#pragma omp parallel if (worth_threads(routed_madds))
+#pragma omp parallel if (worth_threads(routed_madds) && !part.empty())
     {
       Vec dhm;  // [rows, Im] of this thread's current task
 #pragma omp for schedule(dynamic, 1)
@@ -431,17 +431,19 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   // an expert's blocks in source order; experts in parallel when there are enough of them to share out, otherwise
   // experts in turn, each sgemm split over the threads (the same bits either way).
   const int64_t P = a.routing.ranks;
-  int64_t active = 0;
+  // This rank's experts by their received rows, most first, so a dynamic schedule ends on the smallest (the threads
+  // finish close together); each expert's gradient is its own sgemms, so the order changes no bits.
+  std::vector<int64_t> rows_of(static_cast<size_t>(here), 0), by_rows(static_cast<size_t>(here));
   for (int64_t le = 0; le < here; ++le)
-    for (int64_t s = 0; s < P; ++s)
-      if (a.routing.received[s * here + le] > 0) {
-        ++active;
-        break;
-      }
+    for (int64_t s = 0; s < P; ++s) rows_of[le] += a.routing.received[s * here + le];
+  std::iota(by_rows.begin(), by_rows.end(), 0);
+  std::stable_sort(by_rows.begin(), by_rows.end(), [&](int64_t x, int64_t y) { return rows_of[x] > rows_of[y]; });
+  const int64_t active = std::count_if(rows_of.begin(), rows_of.end(), [](int64_t n) { return n > 0; });
   if (gGU || gDN) {
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && active >= omp_get_max_threads())
-    for (int64_t le = 0; le < here; ++le) {
+    for (int64_t k = 0; k < here; ++k) {
       if (omp_get_thread_num() == 0) ep.progress_combine();
+      const int64_t le = by_rows[k];
       const int64_t e = first + le;
       for (int64_t s = 0; s < P; ++s) {
         const int64_t blk = s * here + le, r0 = a.recv_at[blk], n = a.routing.received[blk];
@@ -458,8 +460,9 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   // The experts' adapters' gradients (LoRA, frozen experts): per expert its blocks in source order, as above.
   if (opt.want_grad && (lgu.trains() || ldn.trains())) {
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && active >= omp_get_max_threads())
-    for (int64_t le = 0; le < here; ++le) {
+    for (int64_t k = 0; k < here; ++k) {
       if (omp_get_thread_num() == 0) ep.progress_combine();
+      const int64_t le = by_rows[k];
       const int64_t g = first_expert + le;
       std::vector<float> dB_gu(lgu.trains() ? static_cast<size_t>(2 * Im * lgu.ad->rank) : 0, 0.f);
       std::vector<float> dB_dn(ldn.trains() ? static_cast<size_t>(H * ldn.ad->rank) : 0, 0.f);
