@@ -177,16 +177,29 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   rmsnorm_forward(mo, W(sl.post_ff_norm_1), eps, a.h1.data(), a.r_pf1.data(), T, H);
 
   // Router on the residual x1: scale-free RMSNorm, * scale * H^-1/2, projection, softmax, top-k renormalised,
-  // times the chosen experts' per_expert_scale.
+  // times the chosen experts' per_expert_scale. The experts take their own pre-norm of the same x1, whose 1/rms is
+  // the router's: one pass over x1 writes both norms and the router's scaled input while each row is in cache (the
+  // same operations per element as rmsnorm_forward, so the same bits).
   a.rn = uninit(T * H);
   a.r_rn = uninit(T);
-  rmsnorm_forward(x1, nullptr, eps, a.rn.data(), a.r_rn.data(), T, H);
+  a.rs = uninit(T * H);
+  a.e_in = uninit(T * H);
+  a.r_pre2 = uninit(T);
   const float root = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
   const float* scale = W(sl.router_scale);
-  a.rs = uninit(T * H);
+  const float* pre_norm = W(sl.pre_ff_norm_2);
+  const ElementwiseKernels& ew = elementwise();
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < H; ++i) a.rs[t * H + i] = a.rn[t * H + i] * scale[i] * root;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* x = x1 + t * H;
+    const float inv = 1.f / std::sqrt(ew.sum_squares(x, H) / static_cast<float>(H) + eps);
+    a.r_rn[t] = inv;
+    a.r_pre2[t] = inv;
+    float* rn = a.rn.data() + t * H;
+    ew.scale_row(x, nullptr, inv, rn, H);
+    for (int64_t i = 0; i < H; ++i) a.rs[t * H + i] = rn[i] * scale[i] * root;
+    ew.scale_row(x, pre_norm, inv, a.e_in.data() + t * H, H);
+  }
   a.probs = uninit(T * E);
   linear_forward(mm, a.rs.data(), W(sl.router_proj), a.probs.data(), T, H, E);
   a.top_idx.assign(static_cast<size_t>(T * K), 0);
@@ -225,10 +238,6 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
     }
   }
 
-  // Experts on their own pre-norm of x1.
-  a.e_in = uninit(T * H);
-  a.r_pre2 = uninit(T);
-  rmsnorm_forward(x1, W(sl.pre_ff_norm_2), eps, a.e_in.data(), a.r_pre2.data(), T, H);
   a.routed.assign(static_cast<size_t>(E), {});
   a.row_of.assign(static_cast<size_t>(T * K), 0);
   for (int64_t t = 0; t < T; ++t) {
@@ -273,7 +282,6 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   const int64_t first_expert = a.routing.first_expert();
   const ExpertLora lgu = expert_lora(store, sl.experts_gate_up, first_expert, here);
   const ExpertLora ldn = expert_lora(store, sl.experts_down, first_expert, here);
-  const ElementwiseKernels& ew = elementwise();
   const std::vector<ExpertTask> tasks = expert_tasks(a.routing.received, Im * H);
   const auto run_task = [&](const ExpertTask& tk, const float* x) {
     // e: the expert's index in the store's expert tensors; g: the expert (its adapter's index).
@@ -478,20 +486,8 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
       if (lgu.trains()) expert_lora_add_dB(lgu, g, dB_gu.data());
     }
   }
-  // Each token sums its experts' input gradients in ascending expert index.
-  if (!local) ep.finish_combine();
-  e_dx = Vec{};
-  Vec de_in = zeros(T * H);
-#pragma omp parallel for schedule(static) if (T * K * H >= kParallelMinElements)
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t c = 0; c < K; ++c) {
-      const int64_t tj = t * K + a.expert_order[t * K + c];
-      add_into(de_in.data() + t * H, dx_sent.data() + (a.sent_at[a.top_idx[tj]] + a.row_of[tj]) * H, H);
-    }
-  }
-  rmsnorm_backward(x1, W(sl.pre_ff_norm_2), a.r_pre2.data(), de_in.data(), dx1, G(sl.pre_ff_norm_2), T, H);
-
   // Router: top_w = wn * pes[e], wn = p / sum_topk(p); gradients reach the probabilities of chosen experts only.
+  // It needs none of the input gradients, so under expert parallelism it runs while they travel back.
   const float* pes = W(sl.per_expert_scale);
   float* gpes = G(sl.per_expert_scale);
   if (gpes) {
@@ -527,10 +523,6 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   const float root = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
   const float* scale = W(sl.router_scale);
   float* gscale = G(sl.router_scale);
-  Vec drn = zeros(T * H);
-#pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < H; ++i) drn[t * H + i] = drs[t * H + i] * scale[i] * root;
   if (gscale) {
     // Blocks of columns in parallel, tokens in order within each: every element sums its tokens in one fixed
     // order, and a block's rows are one cache line each (a whole-column sweep would load a line per token).
@@ -542,7 +534,39 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
         for (int64_t i = i0; i < i1; ++i) gscale[i] += drs[t * H + i] * a.rn[t * H + i] * root;
     }
   }
-  rmsnorm_backward(x1, nullptr, a.r_rn.data(), drn.data(), dx1, nullptr, T, H);
+  // Each token sums its experts' input gradients in ascending expert index.
+  if (!local) ep.finish_combine();
+  e_dx = Vec{};
+  Vec de_in = zeros(T * H);
+#pragma omp parallel for schedule(static) if (T * K * H >= kParallelMinElements)
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t c = 0; c < K; ++c) {
+      const int64_t tj = t * K + a.expert_order[t * K + c];
+      add_into(de_in.data() + t * H, dx_sent.data() + (a.sent_at[a.top_idx[tj]] + a.row_of[tj]) * H, H);
+    }
+  }
+  // The experts' pre-norm's weight gradient; then both norms of x1 back into dx1 in one pass, each row while it is in
+  // cache: the experts' pre-norm first, then the router's (d rn = d rs * scale * H^-1/2, made per row), with the
+  // operations per element of rmsnorm_backward's two calls in that order, so the same bits.
+  const float* pre_norm = W(sl.pre_ff_norm_2);
+  rmsnorm_backward(x1, pre_norm, a.r_pre2.data(), de_in.data(), nullptr, G(sl.pre_ff_norm_2), T, H);
+#pragma omp parallel if (T * H >= kParallelMinElements)
+  {
+    std::vector<float> drn(static_cast<size_t>(H));  // [H] d loss / d rn of this thread's current token
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* x = x1 + t * H;
+      const float* dy = de_in.data() + t * H;
+      float* dx = dx1 + t * H;
+      const float inv_pre = a.r_pre2[t];
+      const float c_pre = inv_pre * inv_pre * inv_pre * ew.dot_scaled(dy, x, pre_norm, H) / static_cast<float>(H);
+      ew.rmsnorm_grad_row(x, pre_norm, dy, inv_pre, c_pre, dx, H);
+      for (int64_t i = 0; i < H; ++i) drn[i] = drs[t * H + i] * scale[i] * root;
+      const float inv_rn = a.r_rn[t];
+      const float c_rn = inv_rn * inv_rn * inv_rn * ew.dot_scaled(drn.data(), x, nullptr, H) / static_cast<float>(H);
+      ew.rmsnorm_grad_row(x, nullptr, drn.data(), inv_rn, c_rn, dx, H);
+    }
+  }
 }
 
 }  // namespace rf::model
