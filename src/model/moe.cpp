@@ -13,13 +13,14 @@
 // either way.
 //
 // Threads: the router runs per token in parallel. The experts' row-local work (gather, gate/up and down sgemms,
-// GeGLU, and in the backward the input gradients) is cut into tasks of at most kExpertRowsPerTask routed rows of
-// one expert, run in parallel; a row's results do not depend on which rows share its sgemm (no call cuts the
-// reduction dimension; ops.h), so any task order gives the same bits. The reductions keep one fixed order:
-// each token sums its experts' outputs (and input gradients) in ascending expert index, as transformers'
-// index_add_ loop over experts does, with the tokens in parallel; each expert's weight gradient is one sgemm over
-// all its rows, experts in parallel; per-expert scale and router scale gradients sum tokens in token order. No
-// atomics: the bits are the same at any thread count, and every sum runs in the serial loop's order.
+// GeGLU, and in the backward the input gradients) is cut into tasks of one expert's rows each (up to
+// kExpertStepsPerTask steps of kExpertRowsPerStep rows, a remainder alone), run in parallel, largest first; a row's
+// results do not depend on which rows share its sgemm (no call cuts the reduction dimension; ops.h), so any task order
+// gives the same bits. The reductions keep one fixed order: each token sums its experts' outputs (and input gradients)
+// in ascending expert index, as transformers' index_add_ loop over experts does, with the tokens in parallel; each
+// expert's weight gradient is one sgemm over all its rows, experts in parallel; per-expert scale and router scale
+// gradients sum tokens in token order. No atomics: the bits are the same at any thread count, and every sum runs in the
+// serial loop's order.
 #include <omp.h>
 
 #include <algorithm>
@@ -32,13 +33,19 @@ namespace rf::model {
 
 namespace {
 
-// Routed rows per task, at least: enough rows that each sgemm's packing of the expert's weights (2 * Im * H
-// floats) is amortised over many rows, few enough that the rows of an expert (T * top_k / E on average) make
-// several tasks to share out. Each task's smaller sgemm (rows x Im x H) is also kept above
-// kParallelMinMultiplyAdds, which is above OpenBLAS's small-matrix cut-off (10^6 multiply-adds in its x86-64
-// builds): below it OpenBLAS switches to a kernel that sums K in another order, so cutting a small expert into
-// tasks would change its bits against one sgemm over all its rows.
-constexpr int64_t kExpertRowsPerTask = 128;
+// Routed rows per step of the cut: a block of an expert's rows is cut into whole steps and a remainder of fewer
+// rows. The step keeps each call's smaller sgemm (rows x Im x H) above kParallelMinMultiplyAdds, above OpenBLAS's
+// small-matrix cut-off (10^6 multiply-adds in its x86-64 builds): below it OpenBLAS switches to a kernel that sums K
+// in another order, so cutting a small expert into tasks would change its bits against one sgemm over all its rows.
+constexpr int64_t kExpertRowsPerStep = 128;
+// Whole steps per task, at most: every task's sgemms pack the expert's weights (3 * Im * H floats, a copy that is a
+// large share of a call's time when its rows are few, as Im is small against H), so a task takes as many of an
+// expert's whole steps as it can while an expert's rows (T * top_k / E on average) still make enough tasks to share
+// out. A row's result is the same in any call of the regular sgemm path that holds it (no call cuts K), so whole
+// steps give the same bits in one task or several; the remainder stays a task of its own, as it was when every task
+// was one step: a call of few rows can take OpenBLAS's other paths (the small-matrix kernel; sgemm_direct, for
+// untransposed beta = 0 calls below 28 * 512^2 multiply-adds), which sum K in another order.
+constexpr int64_t kExpertStepsPerTask = 4;
 
 // Columns per block of the router scale's gradient: one 64-byte cache line of float32.
 constexpr int64_t kScaleColumnsPerBlock = 16;
@@ -108,13 +115,21 @@ struct ExpertTask {
 };
 
 // blocks: rows per block. Every block is cut alone, as the rank that routed its rows would cut that expert's rows
-// with every expert local, so each row meets the same sgemm shapes at any EP.
+// with every expert local, so each row meets the same sgemm shapes at any EP; the cut depends on the block's rows
+// alone, never on the thread count. The tasks come largest first, so a dynamic schedule ends on the smallest ones
+// (the threads finish close together); the order changes no bits, as each task writes its own rows.
 std::vector<ExpertTask> expert_tasks(const std::vector<int64_t>& blocks, int64_t madds_per_row) {
-  const int64_t step = std::max(kExpertRowsPerTask,
+  const int64_t step = std::max(kExpertRowsPerStep,
                                 (kParallelMinMultiplyAdds + madds_per_row - 1) / std::max<int64_t>(madds_per_row, 1));
+  const int64_t most = kExpertStepsPerTask * step;
   std::vector<ExpertTask> tasks;
-  for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b)
-    for (int64_t r = 0; r < blocks[b]; r += step) tasks.push_back({b, r, std::min(step, blocks[b] - r)});
+  for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b) {
+    const int64_t whole = blocks[b] / step * step;  // rows in whole steps
+    for (int64_t r = 0; r < whole; r += most) tasks.push_back({b, r, std::min(most, whole - r)});
+    if (whole < blocks[b]) tasks.push_back({b, whole, blocks[b] - whole});
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const ExpertTask& x, const ExpertTask& y) { return x.rows > y.rows; });
   return tasks;
 }
 
@@ -162,16 +177,29 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   rmsnorm_forward(mo, W(sl.post_ff_norm_1), eps, a.h1.data(), a.r_pf1.data(), T, H);
 
   // Router on the residual x1: scale-free RMSNorm, * scale * H^-1/2, projection, softmax, top-k renormalised,
-  // times the chosen experts' per_expert_scale.
+  // times the chosen experts' per_expert_scale. The experts take their own pre-norm of the same x1, whose 1/rms is
+  // the router's: one pass over x1 writes both norms and the router's scaled input while each row is in cache (the
+  // same operations per element as rmsnorm_forward, so the same bits).
   a.rn = uninit(T * H);
   a.r_rn = uninit(T);
-  rmsnorm_forward(x1, nullptr, eps, a.rn.data(), a.r_rn.data(), T, H);
+  a.rs = uninit(T * H);
+  a.e_in = uninit(T * H);
+  a.r_pre2 = uninit(T);
   const float root = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
   const float* scale = W(sl.router_scale);
-  a.rs = uninit(T * H);
+  const float* pre_norm = W(sl.pre_ff_norm_2);
+  const ElementwiseKernels& ew = elementwise();
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < H; ++i) a.rs[t * H + i] = a.rn[t * H + i] * scale[i] * root;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* x = x1 + t * H;
+    const float inv = 1.f / std::sqrt(ew.sum_squares(x, H) / static_cast<float>(H) + eps);
+    a.r_rn[t] = inv;
+    a.r_pre2[t] = inv;
+    float* rn = a.rn.data() + t * H;
+    ew.scale_row(x, nullptr, inv, rn, H);
+    for (int64_t i = 0; i < H; ++i) a.rs[t * H + i] = rn[i] * scale[i] * root;
+    ew.scale_row(x, pre_norm, inv, a.e_in.data() + t * H, H);
+  }
   a.probs = uninit(T * E);
   linear_forward(mm, a.rs.data(), W(sl.router_proj), a.probs.data(), T, H, E);
   a.top_idx.assign(static_cast<size_t>(T * K), 0);
@@ -210,10 +238,6 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
     }
   }
 
-  // Experts on their own pre-norm of x1.
-  a.e_in = uninit(T * H);
-  a.r_pre2 = uninit(T);
-  rmsnorm_forward(x1, W(sl.pre_ff_norm_2), eps, a.e_in.data(), a.r_pre2.data(), T, H);
   a.routed.assign(static_cast<size_t>(E), {});
   a.row_of.assign(static_cast<size_t>(T * K), 0);
   for (int64_t t = 0; t < T; ++t) {
@@ -258,7 +282,6 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   const int64_t first_expert = a.routing.first_expert();
   const ExpertLora lgu = expert_lora(store, sl.experts_gate_up, first_expert, here);
   const ExpertLora ldn = expert_lora(store, sl.experts_down, first_expert, here);
-  const ElementwiseKernels& ew = elementwise();
   const std::vector<ExpertTask> tasks = expert_tasks(a.routing.received, Im * H);
   const auto run_task = [&](const ExpertTask& tk, const float* x) {
     // e: the expert's index in the store's expert tensors; g: the expert (its adapter's index).
@@ -276,7 +299,7 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   };
   // This rank's own rows first, read where the sent layout has them, while the other ranks' travel; then theirs.
   const OwnSplit split = split_own(tasks, a.routing);
-#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds))
+#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && !split.own.empty())
   for (size_t k = 0; k < split.own.size(); ++k) {
     if (omp_get_thread_num() == 0) ep.progress_dispatch();
     const ExpertTask& tk = tasks[split.own[k]];
@@ -284,7 +307,7 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
   }
   if (!local) ep.finish_dispatch();
   x_sent = Vec{};
-#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds))
+#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && !split.others.empty())
   for (size_t k = 0; k < split.others.size(); ++k) {
     const ExpertTask& tk = tasks[split.others[k]];
     run_task(tk, a.e_x.data() + (a.recv_at[tk.block] + tk.row0) * H);
@@ -376,7 +399,7 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   for (const bool own : {true, false}) {
     if (!own && !local) ep.finish_dispatch();
     const std::vector<size_t>& part = own ? split.own : split.others;
-#pragma omp parallel if (worth_threads(routed_madds))
+#pragma omp parallel if (worth_threads(routed_madds) && !part.empty())
     {
       Vec dhm;  // [rows, Im] of this thread's current task
 #pragma omp for schedule(dynamic, 1)
@@ -416,17 +439,19 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   // an expert's blocks in source order; experts in parallel when there are enough of them to share out, otherwise
   // experts in turn, each sgemm split over the threads (the same bits either way).
   const int64_t P = a.routing.ranks;
-  int64_t active = 0;
+  // This rank's experts by their received rows, most first, so a dynamic schedule ends on the smallest (the threads
+  // finish close together); each expert's gradient is its own sgemms, so the order changes no bits.
+  std::vector<int64_t> rows_of(static_cast<size_t>(here), 0), by_rows(static_cast<size_t>(here));
   for (int64_t le = 0; le < here; ++le)
-    for (int64_t s = 0; s < P; ++s)
-      if (a.routing.received[s * here + le] > 0) {
-        ++active;
-        break;
-      }
+    for (int64_t s = 0; s < P; ++s) rows_of[le] += a.routing.received[s * here + le];
+  std::iota(by_rows.begin(), by_rows.end(), 0);
+  std::stable_sort(by_rows.begin(), by_rows.end(), [&](int64_t x, int64_t y) { return rows_of[x] > rows_of[y]; });
+  const int64_t active = std::count_if(rows_of.begin(), rows_of.end(), [](int64_t n) { return n > 0; });
   if (gGU || gDN) {
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && active >= omp_get_max_threads())
-    for (int64_t le = 0; le < here; ++le) {
+    for (int64_t k = 0; k < here; ++k) {
       if (omp_get_thread_num() == 0) ep.progress_combine();
+      const int64_t le = by_rows[k];
       const int64_t e = first + le;
       for (int64_t s = 0; s < P; ++s) {
         const int64_t blk = s * here + le, r0 = a.recv_at[blk], n = a.routing.received[blk];
@@ -443,8 +468,9 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   // The experts' adapters' gradients (LoRA, frozen experts): per expert its blocks in source order, as above.
   if (opt.want_grad && (lgu.trains() || ldn.trains())) {
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && active >= omp_get_max_threads())
-    for (int64_t le = 0; le < here; ++le) {
+    for (int64_t k = 0; k < here; ++k) {
       if (omp_get_thread_num() == 0) ep.progress_combine();
+      const int64_t le = by_rows[k];
       const int64_t g = first_expert + le;
       std::vector<float> dB_gu(lgu.trains() ? static_cast<size_t>(2 * Im * lgu.ad->rank) : 0, 0.f);
       std::vector<float> dB_dn(ldn.trains() ? static_cast<size_t>(H * ldn.ad->rank) : 0, 0.f);
@@ -460,20 +486,8 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
       if (lgu.trains()) expert_lora_add_dB(lgu, g, dB_gu.data());
     }
   }
-  // Each token sums its experts' input gradients in ascending expert index.
-  if (!local) ep.finish_combine();
-  e_dx = Vec{};
-  Vec de_in = zeros(T * H);
-#pragma omp parallel for schedule(static) if (T * K * H >= kParallelMinElements)
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t c = 0; c < K; ++c) {
-      const int64_t tj = t * K + a.expert_order[t * K + c];
-      add_into(de_in.data() + t * H, dx_sent.data() + (a.sent_at[a.top_idx[tj]] + a.row_of[tj]) * H, H);
-    }
-  }
-  rmsnorm_backward(x1, W(sl.pre_ff_norm_2), a.r_pre2.data(), de_in.data(), dx1, G(sl.pre_ff_norm_2), T, H);
-
   // Router: top_w = wn * pes[e], wn = p / sum_topk(p); gradients reach the probabilities of chosen experts only.
+  // It needs none of the input gradients, so under expert parallelism it runs while they travel back.
   const float* pes = W(sl.per_expert_scale);
   float* gpes = G(sl.per_expert_scale);
   if (gpes) {
@@ -509,10 +523,6 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   const float root = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
   const float* scale = W(sl.router_scale);
   float* gscale = G(sl.router_scale);
-  Vec drn = zeros(T * H);
-#pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < H; ++i) drn[t * H + i] = drs[t * H + i] * scale[i] * root;
   if (gscale) {
     // Blocks of columns in parallel, tokens in order within each: every element sums its tokens in one fixed
     // order, and a block's rows are one cache line each (a whole-column sweep would load a line per token).
@@ -524,7 +534,39 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
         for (int64_t i = i0; i < i1; ++i) gscale[i] += drs[t * H + i] * a.rn[t * H + i] * root;
     }
   }
-  rmsnorm_backward(x1, nullptr, a.r_rn.data(), drn.data(), dx1, nullptr, T, H);
+  // Each token sums its experts' input gradients in ascending expert index.
+  if (!local) ep.finish_combine();
+  e_dx = Vec{};
+  Vec de_in = zeros(T * H);
+#pragma omp parallel for schedule(static) if (T * K * H >= kParallelMinElements)
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t c = 0; c < K; ++c) {
+      const int64_t tj = t * K + a.expert_order[t * K + c];
+      add_into(de_in.data() + t * H, dx_sent.data() + (a.sent_at[a.top_idx[tj]] + a.row_of[tj]) * H, H);
+    }
+  }
+  // The experts' pre-norm's weight gradient; then both norms of x1 back into dx1 in one pass, each row while it is in
+  // cache: the experts' pre-norm first, then the router's (d rn = d rs * scale * H^-1/2, made per row), with the
+  // operations per element of rmsnorm_backward's two calls in that order, so the same bits.
+  const float* pre_norm = W(sl.pre_ff_norm_2);
+  rmsnorm_backward(x1, pre_norm, a.r_pre2.data(), de_in.data(), nullptr, G(sl.pre_ff_norm_2), T, H);
+#pragma omp parallel if (T * H >= kParallelMinElements)
+  {
+    std::vector<float> drn(static_cast<size_t>(H));  // [H] d loss / d rn of this thread's current token
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* x = x1 + t * H;
+      const float* dy = de_in.data() + t * H;
+      float* dx = dx1 + t * H;
+      const float inv_pre = a.r_pre2[t];
+      const float c_pre = inv_pre * inv_pre * inv_pre * ew.dot_scaled(dy, x, pre_norm, H) / static_cast<float>(H);
+      ew.rmsnorm_grad_row(x, pre_norm, dy, inv_pre, c_pre, dx, H);
+      for (int64_t i = 0; i < H; ++i) drn[i] = drs[t * H + i] * scale[i] * root;
+      const float inv_rn = a.r_rn[t];
+      const float c_rn = inv_rn * inv_rn * inv_rn * ew.dot_scaled(drn.data(), x, nullptr, H) / static_cast<float>(H);
+      ew.rmsnorm_grad_row(x, nullptr, drn.data(), inv_rn, c_rn, dx, H);
+    }
+  }
 }
 
 }  // namespace rf::model

@@ -388,10 +388,10 @@ TinyBatch long_text_batch(int V, int B, int S) {
 // (3: more threads than cores, and an uneven share of tasks) give the same bits. Vocabulary 4096: with the tiny
 // configs' 40 the tied head's gradient sgemm (40 x 16 x 4096) is cut by thread count into blocks below OpenBLAS's
 // small-matrix threshold, whose kernel sums K in another order (a separate issue of ops.cpp's gemm split).
-TEST(ModelRun, MoeSameBitsAcrossThreadCountsAtParallelSizes) {
+// moe_extra: the MoE settings of the config.
+void expect_moe_same_bits_across_thread_counts(const std::string& moe_extra) {
   constexpr int kVocab = 4096;
-  Gemma4Multimodal m = make_model(R"(, "vocab_size": 4096, "enable_moe_block": true, "num_experts": 8,
-                                   "top_k_experts": 2, "moe_intermediate_size": 32)");
+  Gemma4Multimodal m = make_model(R"(, "vocab_size": 4096, "enable_moe_block": true)" + moe_extra);
   const TinyBatch b = long_text_batch(kVocab, 2, 2048);
   RunOptions opt;
   opt.want_grad = true;
@@ -408,6 +408,17 @@ TEST(ModelRun, MoeSameBitsAcrossThreadCountsAtParallelSizes) {
     for (size_t s = 0; s < g1.size(); ++s) EXPECT_EQ(g1[s].data, gn[s].data) << g1[s].name << ", " << n << " threads";
   }
   omp_set_num_threads(threads);
+}
+
+// Im * H = 32 * 16 puts a step of the cut at 2^21 / 512 = 4096 rows: each expert's ~1024 rows are one task.
+TEST(ModelRun, MoeSameBitsAcrossThreadCountsAtParallelSizes) {
+  expect_moe_same_bits_across_thread_counts(R"(, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 32)");
+}
+
+// Im * H = 1024 * 16 puts a step of the cut at 128 rows: each expert's ~1024 rows make several tasks of up to four
+// steps and a remainder task, so the tasks differ in size and the dynamic schedule gives them out unevenly.
+TEST(ModelRun, MoeSameBitsAcrossThreadCountsWithSeveralTasksAnExpert) {
+  expect_moe_same_bits_across_thread_counts(R"(, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 1024)");
 }
 
 }  // namespace
