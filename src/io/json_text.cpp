@@ -1,7 +1,10 @@
 // ringflex io: the pre-parse check of JSON text (json_text.h).
 #include "io/json_text.h"
 
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "core/error.h"
 
@@ -48,6 +51,20 @@ nlohmann::json parse_json(std::string_view text, const std::string& where) {
   } catch (const nlohmann::json::parse_error& e) {
     fail(where, ": not valid JSON: ", json_error_text(e.what()));
   }
+}
+
+std::string read_config_file(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  RF_CHECK(fs::is_regular_file(path, ec), path, ": not a regular file");
+  const std::uintmax_t size = fs::file_size(path, ec);
+  RF_CHECK(!ec && size <= kMaxConfigFileBytes, path, ": ", ec ? ec.message() : std::to_string(size) + " bytes",
+           ", not a JSON config (at most ", kMaxConfigFileBytes, " bytes are read)");
+  std::ifstream in(path);
+  RF_CHECK(in.good(), path, ": cannot be read");
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
 }
 
 }  // namespace rf::io

@@ -2,6 +2,7 @@
 // state, JSONL data) must be before nlohmann parses it.
 #pragma once
 
+#include <cstdint>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <string_view>
@@ -27,5 +28,13 @@ std::string json_error_text(const char* what);
 // check_json_text(text, where + ": "), then nlohmann's parse; invalid JSON throws rf::Error
 // "WHERE: not valid JSON: parse error at line 2, column 5: ...".
 nlohmann::json parse_json(std::string_view text, const std::string& where);
+
+// The largest small JSON file read whole (a checkpoint's config.json, a PEFT adapter_config.json): real ones are a few
+// KiB; anything larger is not one of them.
+constexpr std::uintmax_t kMaxConfigFileBytes = 16u << 20;
+
+// The text of a small JSON file (config.json, adapter_config.json), read only if it is a regular file of at most
+// kMaxConfigFileBytes: a FIFO or device would block the read or never end. Throws rf::Error naming `path` otherwise.
+std::string read_config_file(const std::string& path);
 
 }  // namespace rf::io

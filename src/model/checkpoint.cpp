@@ -5,12 +5,10 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
-#include <sstream>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -19,6 +17,7 @@
 #include "core/memory.h"
 #include "io/atomic_file.h"
 #include "io/checkpoint.h"
+#include "io/json_text.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 #include "model/vision.h"
@@ -32,23 +31,6 @@ namespace {
 
 constexpr const char* kCausalLmPrefix = "model.";
 constexpr const char* kVisionProjection = VisionEmbedder::kProjection;
-
-// The largest config.json read: real ones are a few KiB; anything larger is not a config.
-constexpr std::uintmax_t kMaxConfigBytes = 16u << 20;
-
-std::string read_text(const fs::path& p) {
-  std::error_code ec;
-  // A FIFO or device would block the read or never end; only a regular file of a sane size is read.
-  RF_CHECK(fs::is_regular_file(p, ec), p.string(), ": not a regular file");
-  const std::uintmax_t size = fs::file_size(p, ec);
-  RF_CHECK(!ec && size <= kMaxConfigBytes, p.string(), ": ", ec ? ec.message() : std::to_string(size) + " bytes",
-           ", not a config.json (at most ", kMaxConfigBytes, " bytes are read)");
-  std::ifstream in(p);
-  RF_CHECK(in.good(), p.string(), ": cannot be read");
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 void check_shape(const std::vector<int64_t>& shape, const io::TensorView& v, const std::string& file) {
   RF_CHECK(v.shape == shape, file, ": tensor `", v.name, "` has shape ", io::shape_string(v.shape),
@@ -142,7 +124,7 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   RF_CHECK(fs::is_directory(root), dir, ": not a directory");
   const fs::path config_path = root / "config.json";
   RF_CHECK(fs::exists(config_path), dir, ": no config.json");
-  Gemma4Config cfg = Gemma4Config::from_json(read_text(config_path), config_path.string());
+  Gemma4Config cfg = Gemma4Config::from_json(io::read_config_file(config_path.string()), config_path.string());
 
   // Shared, because the passthrough tensors borrow their bytes from the mapped files for as long as they live.
   const auto opened = std::make_shared<const io::Checkpoint>(io::Checkpoint::open(dir));

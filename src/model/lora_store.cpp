@@ -9,12 +9,11 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "core/error.h"
 #include "core/mix.h"
 #include "io/atomic_file.h"
+#include "io/json_text.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 #include "model/checkpoint.h"
@@ -39,14 +38,6 @@ constexpr const char* kLoraASuffix = ".lora_A.weight";
 // Where the decoder's modules live in a multimodal checkpoint and in a text-only one (model/checkpoint.h).
 constexpr const char* kMultimodalText = "model.language_model.";
 constexpr const char* kText = "model.";
-
-std::string read_text_file(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  RF_CHECK(in.good(), path.string(), ": cannot open");
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 // A PEFT tensor name of an adapter slot ("model.layers.0.self_attn.q_proj.lora_A.weight").
 std::string peft_name(const std::string& slot_name, const std::string& text_prefix) {
@@ -556,12 +547,7 @@ LoraConfig read_peft_config(const std::string& dir) {
   namespace fs = std::filesystem;
   const fs::path config_path = fs::path(dir) / kPeftConfigFile;
   RF_CHECK(fs::exists(config_path), dir, ": no ", kPeftConfigFile);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_text_file(config_path));
-  } catch (const nlohmann::json::exception& e) {
-    rf::fail(config_path.string(), ": not valid JSON: ", e.what());
-  }
+  const nlohmann::json j = io::parse_json(io::read_config_file(config_path.string()), config_path.string());
   LoraConfig c;
   try {
     RF_CHECK(j.value("peft_type", std::string()) == "LORA", config_path.string(), ": peft_type is not LORA");

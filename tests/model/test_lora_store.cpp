@@ -4,15 +4,21 @@
 // W + scale * B A, its full weight gradients dW contracted in double by the chain rule (dA = scale B^T dW,
 // dB = scale dW A^T), and a central finite difference of the loss in one element of A and of B.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "common/error_of.h"
 #include "core/error.h"
+#include "io/json_text.h"
 #include "model/gemma4.h"
 #include "model/lora_store.h"
 
@@ -457,6 +463,38 @@ TEST(LoraStore, DropoutKeepsItsFractionAndItsGradientsFollowTheLoss) {
   }
   c.target_parameters = {"experts.down_proj"};
   EXPECT_THROW(LoraStore{c}, rf::Error);  // PEFT's 3-D adapters take no dropout
+}
+
+// An adapter directory whose adapter_config.json is missing, not a regular file (a FIFO would block the read forever),
+// too large to be one, not JSON, or not a LoRA config is refused in one line naming the file and the problem, before
+// any weight file is opened.
+TEST(LoraStore, AnAdapterConfigThatIsNotOneIsRefusedByName) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("rf_peft_config_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const fs::path config = dir / kPeftConfigFile;
+  const auto write = [&](const std::string& text) {
+    fs::remove(config);
+    std::ofstream(config) << text;
+  };
+  const auto refusal = [&] { return testing::error_of([&] { read_peft_config(dir.string()); }); };
+  const auto names = [&](const std::string& message, const std::string& problem) {
+    return message.find(config.string()) != std::string::npos && message.find(problem) != std::string::npos;
+  };
+
+  EXPECT_NE(refusal().find(std::string("no ") + kPeftConfigFile), std::string::npos) << refusal();
+  ASSERT_EQ(::mkfifo(config.c_str(), 0600), 0);
+  EXPECT_TRUE(names(refusal(), "not a regular file")) << refusal();
+  write(std::string(io::kMaxConfigFileBytes + 1, ' '));
+  EXPECT_TRUE(names(refusal(), "not a JSON config")) << refusal();
+  write("{\"peft_type\": \"LORA\", \"r\": 4,");
+  EXPECT_TRUE(names(refusal(), "not valid JSON")) << refusal();
+  write("{\"peft_type\": \"IA3\", \"r\": 4, \"lora_alpha\": 8}");
+  EXPECT_TRUE(names(refusal(), "peft_type is not LORA")) << refusal();
+  write("{\"peft_type\": \"LORA\", \"r\": 4, \"lora_alpha\": 8, \"use_dora\": true}");
+  EXPECT_TRUE(names(refusal(), "use_dora is not implemented")) << refusal();
+  fs::remove_all(dir);
 }
 
 }  // namespace
