@@ -14,12 +14,14 @@
 #include <string>
 #include <vector>
 
-#include "error_of.h"
+#include "common/error_of.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
 
 namespace rf::io {
 namespace {
+
+using rf::testing::error_of;
 
 namespace fs = std::filesystem;
 

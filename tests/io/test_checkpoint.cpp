@@ -6,12 +6,14 @@
 #include <filesystem>
 #include <fstream>
 
+#include "common/error_of.h"
 #include "core/error.h"
-#include "error_of.h"
 #include "io/checkpoint.h"
 
 namespace rf::io {
 namespace {
+
+using rf::testing::error_of;
 
 namespace fs = std::filesystem;
 

@@ -10,14 +10,16 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
+#include "common/error_of.h"
 #include "core/error.h"
-#include "error_of.h"
 #include "io/json_text.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 
 namespace rf::io {
 namespace {
+
+using rf::testing::error_of;
 
 constexpr StDType kAllDTypes[] = {StDType::BOOL, StDType::U8,  StDType::I8,  StDType::F8_E5M2, StDType::F8_E4M3,
                                   StDType::I16,  StDType::U16, StDType::F16, StDType::BF16,    StDType::I32,

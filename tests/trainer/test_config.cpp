@@ -2,8 +2,8 @@
 // field (the oracle is the message text the user reads).
 #include <gtest/gtest.h>
 
+#include "common/error_of.h"
 #include "trainer/config.h"
-#include "trainer/error_of.h"
 
 namespace rf::trainer {
 namespace {

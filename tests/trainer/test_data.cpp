@@ -13,13 +13,13 @@
 #include <limits>
 #include <map>
 
+#include "common/error_of.h"
 #include "io/image.h"
 #include "io/safetensors.h"
 #include "model/image_processor.h"
 #include "model/vision.h"
 #include "model/vision_encoder.h"
 #include "trainer/data.h"
-#include "trainer/error_of.h"
 
 namespace rf::trainer {
 namespace {

@@ -8,8 +8,8 @@
 #include <numbers>
 #include <vector>
 
+#include "common/error_of.h"
 #include "cpu/isa.h"
-#include "trainer/error_of.h"
 #include "trainer/optimizer.h"
 #include "trainer/optimizer_kernels.h"
 

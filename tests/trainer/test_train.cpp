@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "comm/loopback_comm.h"
+#include "common/error_of.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
 #include "model/builtin_configs.h"
@@ -29,7 +30,6 @@
 #include "model/lora_store.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
-#include "trainer/error_of.h"
 #include "trainer/held_checkpoint.h"
 #include "trainer/held_expert_store.h"
 #include "trainer/optimizer.h"

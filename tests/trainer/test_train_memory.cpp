@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "comm/loopback_comm.h"
+#include "common/error_of.h"
 #include "common/memory_limit.h"
 #include "model/builtin_configs.h"
 #include "model/checkpoint.h"
@@ -18,7 +19,6 @@
 #include "model/memory.h"
 #include "model/vision.h"
 #include "model/vision_encoder.h"
-#include "trainer/error_of.h"
 #include "trainer/runtime_memory.h"
 #include "trainer/sharded_store.h"
 #include "trainer/trainer.h"
