@@ -22,6 +22,7 @@
 #include "core/error.h"
 #include "cpu/blas_core.h"
 #include "cpu/isa.h"
+#include "model/gemma4.h"
 
 namespace {
 
@@ -35,14 +36,22 @@ void print_error(const char* what) { std::fprintf(stderr, "ringflex: error: %s\n
 
 // The model allocates its large buffers (activations, gradients, the loss chunk, packed K/V) per layer and frees
 // them within the step; glibc maps allocations above its mmap threshold afresh each time, and the kernel zeroes and
-// faults in every page on first touch, again every layer and every step. Kept in the heap instead (no mmap, no
-// trimming), freed memory is reused without faults: on a 2-vCPU Skylake-SP the 100m S = 4096 forward+backward went
-// from 1.09 M page faults and 6.3 s of system time to 0.37 M and 2.6-3.2 s (the rest is loading and writing files),
-// the built-in training demo from 148 K faults to 16 K, with the same peak RSS. A process-wide allocator policy,
-// so the program sets it, not the library. No effect off glibc.
+// faults in every page on first touch, again every layer and every step. Kept in the heap instead (no trimming, and
+// an mmap threshold above those buffers), freed memory is reused without faults: on a 2-vCPU Skylake-SP the 100m
+// S = 4096 forward+backward went from 1.09 M page faults and 6.3 s of system time to 0.37 M and 2.6-3.2 s (the rest
+// is loading and writing files), the built-in training demo from 148 K faults to 16 K, with the same peak RSS.
+// Buffers of kMapAtLeastBytes and more are still mapped, and unmapped when freed: under parallelism.shard full the
+// head's whole weights and gradient (160 MiB at the 100m config, GiBs at Gemma 4's vocabulary) are allocated and freed
+// around each loss, and in the heap their freed space stayed resident as holes later buffers did not fill (at N = 8,
+// 990 MiB a rank against the memory check's 860; BENCHMARKS.md). The threshold sits above the loss chunk's budget
+// (model::kLossChunkBytes), so the per-chunk buffers stay in the heap. A process-wide allocator policy, so the program
+// sets it, not the library. No effect off glibc.
+constexpr int kMapAtLeastBytes = 128 << 20;
+static_assert(kMapAtLeastBytes > rf::model::kLossChunkBytes, "the loss chunk's buffers must stay in the heap");
+
 void keep_freed_memory_in_the_heap() {
-#ifdef M_MMAP_MAX
-  mallopt(M_MMAP_MAX, 0);
+#ifdef M_MMAP_THRESHOLD
+  mallopt(M_MMAP_THRESHOLD, kMapAtLeastBytes);
   mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
 #endif
 }
