@@ -23,9 +23,14 @@ namespace rf::model {
 namespace {
 
 // C is split into one block of rows (or columns) per thread, a multiple of this many. The split never cuts the
-// K dimension: every element's reduction over K runs inside one sgemm call in the same order whichever rows or
-// columns share the call, so the bits do not depend on the thread count (tests/model checks 1 against 2).
-constexpr int64_t kGemmQuantum = 16;
+// K dimension, and it keeps every row at the same offset, modulo the sgemm kernels' row blocks, from the start of
+// its call: OpenBLAS's AVX2 (Haswell, Zen) kernels take rows 12 at a time and sum a row in the call's tail (its
+// last rows mod 12) in another order, its AVX-512 ones 16 at a time; 48 is a multiple of both, so a row's bits do
+// not depend on the thread count (tests/model checks 1 against 2; at 16 the Haswell kernels changed them).
+constexpr int64_t kGemmQuantum = 48;
+// Columns per block when C is cut by columns (fewer than 2 * kGemmQuantum rows): the same panels at any thread count.
+// Each panel's call packs all of op(A), M < 96 rows of K, against M * 256 * K multiply-adds: under 0.4% more copying.
+constexpr int64_t kGemmColumnPanel = 256;
 // Tokens per partial sum in reductions over tokens (RMSNorm weight gradients), summed in block order.
 constexpr int64_t kReduceBlock = 64;
 // Elements per call of an elementwise kernel in a parallel loop: 64 KiB of float32 per operand, so a call's
@@ -94,7 +99,7 @@ const bf16* SharedOperands::find(const float* src, int64_t extent) const {
 
 namespace {
 
-// How C is cut over threads: blocks of `share` rows (split_rows) or columns, a multiple of kGemmQuantum.
+// How C is cut over threads: blocks of `share` rows (split_rows; a multiple of kGemmQuantum) or columns (panels).
 struct GemmSplit {
   bool split_rows;
   int64_t extent, share, blocks;
@@ -102,14 +107,23 @@ struct GemmSplit {
 
 GemmSplit split_for(int64_t M, int64_t N, int64_t K) {
   GemmSplit s;
-  // Split the larger side of C: each call packs its share of that side's operand and the whole of the other, so
-  // the big operand (a weight matrix, or the vocabulary-sized head) is packed once in total, not once a thread.
-  s.split_rows = M >= N;
+  // Split rows whenever there are enough for a block a thread: a row's bits then depend only on its offset from its
+  // call's start modulo the kernel's row block and on the call's tail, which kGemmQuantum keeps. A column's bits can
+  // depend on the call's width (OpenBLAS's Haswell kernels block columns by it: measured), so columns, split only when
+  // rows are too few (the loss's vocabulary-wide head on a short chunk), are cut into panels of a fixed width that no
+  // thread count changes. Rows split whatever the larger side: each thread then packs the whole of the other operand,
+  // N * K floats against its M * N * K / threads multiply-adds.
+  s.split_rows = M >= 2 * kGemmQuantum || M >= N;
   s.extent = s.split_rows ? M : N;
-  // Inside a parallel region (callers that run independent sgemms on each thread) each call stays on its thread.
-  const int64_t threads = !omp_in_parallel() && M * N * K >= kParallelMinMultiplyAdds ? omp_get_max_threads() : 1;
-  s.share =
-      std::max(kGemmQuantum, ((s.extent + threads - 1) / threads + kGemmQuantum - 1) / kGemmQuantum * kGemmQuantum);
+  const bool worth_splitting = M * N * K >= kParallelMinMultiplyAdds;
+  if (s.split_rows) {
+    // Inside a parallel region (callers that run independent sgemms on each thread) each call stays on its thread.
+    const int64_t threads = !omp_in_parallel() && worth_splitting ? omp_get_max_threads() : 1;
+    s.share =
+        std::max(kGemmQuantum, ((s.extent + threads - 1) / threads + kGemmQuantum - 1) / kGemmQuantum * kGemmQuantum);
+  } else {
+    s.share = worth_splitting ? kGemmColumnPanel : s.extent;
+  }
   s.blocks = (s.extent + s.share - 1) / s.share;
   return s;
 }

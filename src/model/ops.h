@@ -90,8 +90,8 @@ constexpr int64_t kParallelMinElements = int64_t{1} << 15;
 constexpr int64_t kParallelMinMultiplyAdds = int64_t{1} << 21;
 
 // Row-major C[M, N] = alpha * op(A) op(B) + beta * C with op = transpose when the flag is set; A is [M, K] (or
-// [K, M] transposed), B is [K, N] (or [N, K]). OpenMP splits the larger of M and N into one block per thread,
-// each a single-threaded sgemm (OpenBLAS's own threading does not scale on the dev VM; docs/machine.md);
+// [K, M] transposed), B is [K, N] (or [N, K]). OpenMP splits M into one block per thread (or N, when M is small, into
+// fixed panels), each a single-threaded sgemm (OpenBLAS's own threading does not scale on the dev VM; docs/machine.md);
 // called inside a parallel region it runs as one sgemm on the calling thread.
 //
 // With mm.dtype = Bfloat16 the same split runs oneDNN's bf16 matmul per block (model/matmul_bf16.h) on operands

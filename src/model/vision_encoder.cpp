@@ -132,9 +132,15 @@ const float* VisionEncoder::rounded(const float* x, int64_t n, Widened& wide) co
 }
 
 void VisionEncoder::project(const Matmul& mm, const float* x, const std::vector<float>& W, float* y, int64_t T,
-                            int64_t in, int64_t out, Widened& wide) const {
+                            int64_t P, int64_t in, int64_t out, Widened& wide) const {
+  // One matmul per image: an image's rows then meet the same calls whatever shares its batch (a rank's share of a
+  // split batch, or the whole), and sgemm kernels that sum a row by its place in the call (model/ops.h) give its
+  // soft tokens the same bits either way.
+  const auto per_image = [&](const Matmul& m, const float* w) {
+    for (int64_t t0 = 0; t0 < T; t0 += P) linear_forward(m, x + t0 * in, w, y + t0 * out, std::min(P, T - t0), in, out);
+  };
   if (!widen_on_sgemm()) {
-    linear_forward(mm, x, W.data(), y, T, in, out);
+    per_image(mm, W.data());
     return;
   }
   const int64_t n = static_cast<int64_t>(W.size());
@@ -145,19 +151,19 @@ void VisionEncoder::project(const Matmul& mm, const float* x, const std::vector<
 #pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
   for (int64_t i = 0; i < n; ++i) w[i] = bf16_to_float(copy[i]);
   // The products of bf16 values are exact in float32: sgemm on them is the bf16 mode's arithmetic (ops.h).
-  linear_forward(Matmul{}, x, w, y, T, in, out);
+  per_image(Matmul{}, w);
 }
 
-void VisionEncoder::clipped_linear(const Matmul& mm, const Linear& l, const float* x, float* y, int64_t T, int64_t in,
-                                   int64_t out, VisionTape::LinearTape& tape, bool keep, Widened& wide,
+void VisionEncoder::clipped_linear(const Matmul& mm, const Linear& l, const float* x, float* y, int64_t T, int64_t P,
+                                   int64_t in, int64_t out, VisionTape::LinearTape& tape, bool keep, Widened& wide,
                                    const float* x_rounded) const {
   if (!cfg_.use_clipped_linears) {
-    project(mm, x_rounded ? x_rounded : rounded(x, T * in, wide), l.w, y, T, in, out, wide);
+    project(mm, x_rounded ? x_rounded : rounded(x, T * in, wide), l.w, y, T, P, in, out, wide);
     return;
   }
   tape.x.resize(static_cast<size_t>(T * in));
   clamp_into(x, tape.x.data(), T * in, l.in_min, l.in_max);
-  project(mm, rounded(tape.x.data(), T * in, wide), l.w, y, T, in, out, wide);
+  project(mm, rounded(tape.x.data(), T * in, wide), l.w, y, T, P, in, out, wide);
   if (keep) tape.y.assign(y, y + T * out);
   clamp_into(y, y, T * out, l.out_min, l.out_max);
 }
@@ -334,9 +340,9 @@ void VisionEncoder::layer_forward(const Layer& L, const VisionTape& tape, int n,
       a = rounded(S.a.data(), T * H, wide);
     }
     const Matmul m = shared.matmul();
-    clipped_linear(m, L.q, S.a.data(), S.q_raw.data(), T, H, Hq * D, S.q, keep, wide, a);
-    clipped_linear(m, L.k, S.a.data(), S.k_raw.data(), T, H, Hkv * D, S.k, keep, wide, a);
-    clipped_linear(m, L.v, S.a.data(), S.v_raw.data(), T, H, Hkv * D, S.v, keep, wide, a);
+    clipped_linear(m, L.q, S.a.data(), S.q_raw.data(), T, P, H, Hq * D, S.q, keep, wide, a);
+    clipped_linear(m, L.k, S.a.data(), S.k_raw.data(), T, P, H, Hkv * D, S.k, keep, wide, a);
+    clipped_linear(m, L.v, S.a.data(), S.v_raw.data(), T, P, H, Hkv * D, S.v, keep, wide, a);
   }
   fit(S.qh, T * Hq * D), fit(S.kh, T * Hkv * D), fit(S.vh, T * Hkv * D);
   fit(S.inv_q, T * Hq), fit(S.inv_k, T * Hkv), fit(S.inv_v, T * Hkv);
@@ -354,7 +360,7 @@ void VisionEncoder::layer_forward(const Layer& L, const VisionTape& tape, int n,
   fit(S.o_tok, T * Hq * D);
   to_tokens_into(S.out.data(), S.o_tok.data(), n, P, Hq, D);
   fit(S.attn, T * H), fit(S.inv_attn, T);
-  clipped_linear(mm, L.o, S.o_tok.data(), S.attn.data(), T, Hq * D, H, S.o, keep, wide);
+  clipped_linear(mm, L.o, S.o_tok.data(), S.attn.data(), T, P, Hq * D, H, S.o, keep, wide);
   norm_add(S.attn.data(), L.post_attention_norm.data(), eps, S.inv_attn.data(), h.data(), T, H);
   // 2b. MLP.
   if (keep) S.h_mid = h;
@@ -369,12 +375,12 @@ void VisionEncoder::layer_forward(const Layer& L, const VisionTape& tape, int n,
       m_in = rounded(S.m.data(), T * H, wide);
     }
     const Matmul m = shared.matmul();
-    clipped_linear(m, L.gate, S.m.data(), S.g.data(), T, H, I, S.gate, keep, wide, m_in);
-    clipped_linear(m, L.up, S.m.data(), S.u.data(), T, H, I, S.up, keep, wide, m_in);
+    clipped_linear(m, L.gate, S.m.data(), S.g.data(), T, P, H, I, S.gate, keep, wide, m_in);
+    clipped_linear(m, L.up, S.m.data(), S.u.data(), T, P, H, I, S.up, keep, wide, m_in);
   }
   geglu_forward(S.g.data(), S.u.data(), S.gu.data(), T * I);
   fit(S.ff, T * H), fit(S.inv_ff, T);
-  clipped_linear(mm, L.down, S.gu.data(), S.ff.data(), T, I, H, S.down, keep, wide);
+  clipped_linear(mm, L.down, S.gu.data(), S.ff.data(), T, P, I, H, S.down, keep, wide);
   norm_add(S.ff.data(), L.post_feedforward_norm.data(), eps, S.inv_ff.data(), h.data(), T, H);
 }
 
@@ -402,7 +408,7 @@ VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& sou
 #pragma omp parallel for schedule(static) if (T * patch_values >= kParallelMinElements)
   for (int64_t i = 0; i < T * patch_values; ++i) tape.scaled[i] = 2.f * (b.pixels[i] - 0.5f);
   Widened wide;
-  project(mm, rounded(tape.scaled.data(), T * patch_values, wide), input_proj_, h.data(), T, patch_values, H, wide);
+  project(mm, rounded(tape.scaled.data(), T * patch_values, wide), input_proj_, h.data(), T, P, patch_values, H, wide);
   const int64_t table = int64_t{cfg_.position_embedding_size} * H;  // one axis of the position table
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {

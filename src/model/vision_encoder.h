@@ -170,13 +170,14 @@ class VisionEncoder {
   bool widen_on_sgemm() const;
   // x[0, n) as the matmul takes it: rounded to bf16 values into wide.x with widen_on_sgemm, else x itself.
   const float* rounded(const float* x, int64_t n, Widened& wide) const;
-  // y[T, out] = x[T, in] W^T in this encoder's dtype; x from rounded().
-  void project(const Matmul& mm, const float* x, const std::vector<float>& W, float* y, int64_t T, int64_t in,
-               int64_t out, Widened& wide) const;
+  // y[T, out] = x[T, in] W^T in this encoder's dtype, T = images x P rows, one matmul per image; x from rounded().
+  void project(const Matmul& mm, const float* x, const std::vector<float>& W, float* y, int64_t T, int64_t P,
+               int64_t in, int64_t out, Widened& wide) const;
   // y = clamp(clamp(x) W^T) (no clamps without clipped linears); tape.x gets the clamped input, and with `keep`
   // tape.y the output before its clamp. x_rounded: rounded(x) when the caller made it once for several linears.
-  void clipped_linear(const Matmul& mm, const Linear& l, const float* x, float* y, int64_t T, int64_t in, int64_t out,
-                      VisionTape::LinearTape& tape, bool keep, Widened& wide, const float* x_rounded = nullptr) const;
+  void clipped_linear(const Matmul& mm, const Linear& l, const float* x, float* y, int64_t T, int64_t P, int64_t in,
+                      int64_t out, VisionTape::LinearTape& tape, bool keep, Widened& wide,
+                      const float* x_rounded = nullptr) const;
   // One encoder layer on h [n * P, H], in place (its input in, its output out), its activations into S: with `keep`
   // everything backward reads (the layer's input and MLP input, the clipped linears' outputs before their clamps),
   // else only the buffers the computation itself needs (S then serves every layer). The rotary tables and attention
