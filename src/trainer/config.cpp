@@ -8,14 +8,13 @@
 #include <charconv>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <limits>
 #include <set>
-#include <sstream>
 #include <type_traits>
 
 #include "core/error.h"
+#include "io/json_text.h"
 
 namespace rf::trainer {
 namespace {
@@ -345,11 +344,8 @@ TrainConfig parse_config(const std::string& yaml_text, const std::string& source
 TrainConfig load_config(const std::string& path, const std::vector<std::string>& sets) {
   // A directory opens as a stream that reads nothing, which would run on every default.
   RF_CHECK(!is_directory(path), path, ": is a directory, not a config file");
-  std::ifstream in(path);
-  RF_CHECK(in.good(), path, ": cannot open the config file");
-  std::stringstream text;
-  text << in.rdbuf();
-  return parse_config(text.str(), path, sets);
+  // A FIFO would block the read forever on every rank, /dev/zero would read until memory ran out.
+  return parse_config(io::read_config_file(path, "a YAML config"), path, sets);
 }
 
 void validate(const TrainConfig& c, int world_size) {

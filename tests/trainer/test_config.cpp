@@ -74,7 +74,9 @@ TEST(TrainConfig, UnknownFieldsAndWrongTypesNameTheField) {
             "a.yaml: the config must be a map of sections (model, data, optimizer, ...)");
   EXPECT_NE(error_of([] { parse_config("train: {steps: [1", "a.yaml"); }).find("a.yaml: not valid YAML"),
             std::string::npos);
-  EXPECT_EQ(error_of([] { load_config("/absent/x.yaml"); }), "/absent/x.yaml: cannot open the config file");
+  EXPECT_EQ(error_of([] { load_config("/absent/x.yaml"); }), "/absent/x.yaml: no such file");
+  // A device or a FIFO would be read forever (or block the read): a config is a small regular file.
+  EXPECT_EQ(error_of([] { load_config("/dev/zero"); }), "/dev/zero: not a regular file");
   EXPECT_EQ(error_of([] { validate(parse_config("model: {compute_dtype: float16}", "a.yaml"), 1); }),
             "config: model.compute_dtype = 'float16' is not one of float32, bfloat16");
 }
