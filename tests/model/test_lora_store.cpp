@@ -494,7 +494,27 @@ TEST(LoraStore, AnAdapterConfigThatIsNotOneIsRefusedByName) {
   EXPECT_TRUE(names(refusal(), "peft_type is not LORA")) << refusal();
   write("{\"peft_type\": \"LORA\", \"r\": 4, \"lora_alpha\": 8, \"use_dora\": true}");
   EXPECT_TRUE(names(refusal(), "use_dora is not implemented")) << refusal();
+  // get<int> would read 2.5 as 2 and 2^32 + 1 as 1.
+  for (const char* r : {"2.5", "4294967297", "\"4\""}) {
+    write(std::string("{\"peft_type\": \"LORA\", \"r\": ") + r + ", \"lora_alpha\": 8}");
+    EXPECT_TRUE(names(refusal(), std::string("r = ") + r + " is not an integer rank")) << refusal();
+  }
+  write("{\"peft_type\": \"LORA\", \"r\": 4}");
+  EXPECT_TRUE(names(refusal(), "key 'lora_alpha' not found")) << refusal();
   fs::remove_all(dir);
+}
+
+// The layers multiply by alpha / r in float32: a scale beyond its range would be inf, and inf times the zero B NaN.
+TEST(LoraStore, AnAlphaWhoseScaleOverflowsFloat32IsRefused) {
+  LoraConfig c;
+  c.rank = 2;
+  c.alpha = 1e39;
+  EXPECT_NE(testing::error_of([&] { c.validate(); })
+                .find("model.lora.alpha = 1e+39 over rank 2 gives a scale of 5e+38, beyond float32's range"),
+            std::string::npos)
+      << testing::error_of([&] { c.validate(); });
+  c.alpha = 1e38;  // a scale of 5e37 is a float32
+  EXPECT_NO_THROW(c.validate());
 }
 
 }  // namespace
