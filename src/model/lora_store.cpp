@@ -559,8 +559,8 @@ LoraConfig read_peft_config(const std::string& dir) {
     RF_CHECK(j.value("peft_type", std::string()) == "LORA", config_path.string(), ": peft_type is not LORA");
     // get<int> would truncate 2.5 to 2 and wrap 2^32 + 1 to 1.
     const nlohmann::json& r = j.at("r");
-    RF_CHECK(r.is_number_integer() && (r.is_number_unsigned() ? r.get<uint64_t>() <= uint64_t{INT32_MAX}
-                                                              : r.get<int64_t>() >= INT32_MIN),
+    RF_CHECK(r.is_number_integer() &&
+                 (r.is_number_unsigned() ? r.get<uint64_t>() <= uint64_t{INT32_MAX} : r.get<int64_t>() >= INT32_MIN),
              config_path.string(), ": r = ", r.dump(), " is not an integer rank");
     c.rank = r.get<int>();
     c.alpha = j.at("lora_alpha").get<double>();

@@ -509,8 +509,9 @@ TEST(LoraStore, AnAlphaWhoseScaleOverflowsFloat32IsRefused) {
   LoraConfig c;
   c.rank = 2;
   c.alpha = 1e39;
-  EXPECT_NE(testing::error_of([&] { c.validate(); })
-                .find("model.lora.alpha = 1e+39 over rank 2 gives a scale of 5e+38, beyond float32's range"),
+  EXPECT_NE(testing::error_of([&] {
+              c.validate();
+            }).find("model.lora.alpha = 1e+39 over rank 2 gives a scale of 5e+38, beyond float32's range"),
             std::string::npos)
       << testing::error_of([&] { c.validate(); });
   c.alpha = 1e38;  // a scale of 5e37 is a float32
