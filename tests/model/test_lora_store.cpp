@@ -19,6 +19,8 @@
 #include "common/error_of.h"
 #include "core/error.h"
 #include "io/json_text.h"
+#include "io/safetensors.h"
+#include "model/checkpoint.h"
 #include "model/gemma4.h"
 #include "model/lora_store.h"
 
@@ -501,6 +503,44 @@ TEST(LoraStore, AnAdapterConfigThatIsNotOneIsRefusedByName) {
   }
   write("{\"peft_type\": \"LORA\", \"r\": 4}");
   EXPECT_TRUE(names(refusal(), "key 'lora_alpha' not found")) << refusal();
+  fs::remove_all(dir);
+}
+
+// PEFT writes a text model's modules as `model.language_model.X` or `model.X`: both name one adapter. A file holding
+// both spellings of one lora_A and no lora_B of that module has as many tensors as adapters need, so only a check of
+// which adapter each tensor fills tells that B is missing (it would have kept its zeros).
+TEST(LoraStore, AFileNamingOneAdapterTwiceIsRefused) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("rf_peft_twice_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  auto saved = lora_model(11);
+  save_peft_adapter(dynamic_cast<const LoraStore&>(saved->params()), kMultimodalTextPrefix, "base", dir.string());
+  auto loaded = lora_model(12);
+  auto& store = dynamic_cast<LoraStore&>(loaded->params());
+  load_peft_adapter(store, dir.string());  // the file as written loads
+  const size_t a0 = store.adapters()[0].a;
+  EXPECT_EQ(store.weight(a0)[0], saved->params().weight(a0)[0]);
+
+  const fs::path weights = dir / kPeftWeightsFile;
+  std::vector<std::byte> image;
+  {
+    const io::SafetensorsFile file = io::SafetensorsFile::open(weights.string());
+    const std::string module = "base_model.model.model.language_model.layers.0.self_attn.q_proj";
+    io::SafetensorsWriter w;
+    for (const io::TensorView& v : file.tensors()) {
+      if (v.name == module + ".lora_B.weight") continue;
+      w.add(v.name, v.dtype, v.shape, v.bytes);
+      if (v.name == module + ".lora_A.weight")
+        w.add("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", v.dtype, v.shape, v.bytes);
+    }
+    image = w.serialize();
+  }
+  std::ofstream(weights, std::ios::binary)
+      .write(reinterpret_cast<const char*>(image.data()), static_cast<std::streamsize>(image.size()));
+  const std::string message = testing::error_of([&] { load_peft_adapter(store, dir.string()); });
+  EXPECT_NE(message.find("are the same adapter, model.layers.0.self_attn.q_proj.lora_A.weight"), std::string::npos)
+      << message;
   fs::remove_all(dir);
 }
 
