@@ -467,6 +467,8 @@ void rewrite_moments(const fs::path& from, const fs::path& to, const model::Para
     const int64_t n = bounds[k + 1] - bounds[k];
     part.add("exp_avg", io::StDType::F32, {n}, range(m, bounds[k], n));
     part.add("exp_avg_sq", io::StDType::F32, {n}, range(v, bounds[k], n));
+    part.set_metadata("begin", std::to_string(bounds[k]));  // as write_moments_shard records each file's range
+    part.set_metadata("end", std::to_string(bounds[k + 1]));
     part.write((to / file).string());
     files.push_back({{"file", file}, {"begin", bounds[k]}, {"end", bounds[k + 1]}});
   }
@@ -512,6 +514,18 @@ TEST(ShardOptimizer, ReshardsTheMomentsExactlyAtAnyRankCount) {
   same_bits(sharded, whole, {"parallelism.dp=2", "parallelism.shard=optimizer"}, "4 files at N = 2");
   same_bits(sharded, whole, {"parallelism.dp=3", "parallelism.shard=optimizer"}, "4 files at N = 3");
   same_bits(sharded, whole, {"parallelism.shard=none"}, "4 files at N = 1");
+  // Two rank files swapped (or one copied over another): each file's own range must be the layout's, else equal-length
+  // files would load each other's moments.
+  const fs::path swapped = dir / "swapped";
+  fs::copy(sharded, swapped);
+  fs::rename(swapped / "optimizer-00001-of-00004.safetensors", swapped / "tmp.safetensors");
+  fs::rename(swapped / "optimizer-00002-of-00004.safetensors", swapped / "optimizer-00001-of-00004.safetensors");
+  fs::rename(swapped / "tmp.safetensors", swapped / "optimizer-00002-of-00004.safetensors");
+  TrainOptions from_swapped;
+  from_swapped.resume = swapped.string();
+  const std::string refused = error_of([&] { run(config(dir / "x", {"parallelism.shard=none"}), from_swapped); });
+  EXPECT_NE(refused.find("optimizer-00001-of-00004.safetensors: holds elements "), std::string::npos) << refused;
+  EXPECT_NE(refused.find(" of the trainable layout, optimizer.json gives it 0 to "), std::string::npos) << refused;
 
   const Trained one = run(config(dir / "one", {"parallelism.shard=none"}));
   const fs::path one_whole = dir / "one" / "step-00000002", uneven = dir / "uneven" / "step-00000002";
@@ -1518,6 +1532,9 @@ TEST(Checkpoints, AHandEditedTrainerStateIsCheckedFieldByField) {
   EXPECT_EQ(load_with("/history/steps", {1, 2147483647}),
             file + "`history.steps[1]` = 2147483647 must be an integer in [1, 2]");
   EXPECT_EQ(load_with("/history/val_steps", {0, 1}), file + "`history.val_steps[0]` = 0 must be an integer in [1, 2]");
+  // A field given twice: nlohmann would keep the last silently, whichever a reader meant.
+  io::write_file_atomically(state.string(), "{\"step\": 1, " + good.dump().substr(1));
+  EXPECT_EQ(error_of([&] { load_train_checkpoint(ck.string()); }), file + "the key `step` appears twice");
   // The file as written loads, and a resume through train() stops on the same line as the loader.
   EXPECT_EQ(load_with("/step", 2), "");
   load_with("/data_position", -5);
