@@ -415,6 +415,13 @@ void validate(const TrainConfig& c, int world_size) {
            " must be in [0, 1)");
   RF_CHECK(c.optimizer.eps > 0, "config: optimizer.eps = ", c.optimizer.eps, " must be > 0");
   non_negative(c.optimizer.weight_decay, "optimizer.weight_decay");
+  // AdamW's decoupled decay scales every weight by 1 - lr * weight_decay each step (lr at most optimizer.lr): at 1 or
+  // more it zeroes or flips them all, and far above it the float32 weights become inf in the first update, after the
+  // step's finiteness check, so the run would write a checkpoint of infinities and exit 0.
+  RF_CHECK(c.optimizer.lr * c.optimizer.weight_decay < 1,
+           "config: optimizer.lr * optimizer.weight_decay = ", c.optimizer.lr, " * ", c.optimizer.weight_decay, " = ",
+           c.optimizer.lr * c.optimizer.weight_decay,
+           " must be below 1 (AdamW scales each weight by 1 - lr * weight_decay a step)");
   non_negative(c.optimizer.grad_clip, "optimizer.grad_clip");
   non_negative(c.schedule.warmup_steps, "schedule.warmup_steps");
   RF_CHECK(c.schedule.min_lr_ratio >= 0 && c.schedule.min_lr_ratio <= 1,

@@ -208,6 +208,13 @@ TEST(TrainConfig, CrossFieldRules) {
   EXPECT_EQ(check({"data.source=jsonl_tokens", "data.path=/absent.jsonl"}, 1),
             "config: data.path = '/absent.jsonl' is not a file");
   EXPECT_EQ(check({"optimizer.beta2=1"}, 1), "config: optimizer.beta2 = 1 must be in [0, 1)");
+  EXPECT_EQ(check({"optimizer.weight_decay=1e308"}, 1),
+            "config: optimizer.lr * optimizer.weight_decay = 0.003 * 1e+308 = 3e+305 must be below 1 (AdamW scales "
+            "each weight by 1 - lr * weight_decay a step)");
+  EXPECT_EQ(check({"optimizer.lr=2", "optimizer.weight_decay=0.5"}, 1),
+            "config: optimizer.lr * optimizer.weight_decay = 2 * 0.5 = 1 must be below 1 (AdamW scales each weight by "
+            "1 - lr * weight_decay a step)");
+  EXPECT_EQ(check({"optimizer.lr=1e30", "optimizer.weight_decay=0"}, 1), "");
   EXPECT_EQ(check({"train.steps=0"}, 1), "config: train.steps = 0 must be >= 1");
   EXPECT_EQ(check({"parallelism.sharding=diagonal"}, 1),
             "config: parallelism.sharding = 'diagonal' is not one of contiguous, zigzag, balanced");
