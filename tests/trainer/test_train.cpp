@@ -268,6 +268,55 @@ void expect_same_bits(const Trained& none, const Trained& sharded, const std::st
       << what;
 }
 
+// Each rank resolves --resume and reads data.path on its own file system. Ranks that find different files (a relative
+// path from other working directories, machines with other copies) are named on every rank before any step: they
+// would otherwise run different steps (a failed collective) or train on different rows without a word.
+TEST(Resume, RanksThatFindDifferentFilesAreNamed) {
+  const fs::path dir = scratch("different_files");
+  const TrainConfig c = small("tiny_dense", {"parallelism.dp=2", "train.steps=4", "checkpoint.every=2",
+                                             "checkpoint.dir=" + (dir / "ck").string()});
+  run(c);
+  const auto per_rank = [&](const std::function<TrainConfig(int)>& config_of,
+                            const std::function<TrainOptions(int)>& options_of) {
+    return error_of([&] {
+      comm::run_ranks(2, [&](comm::Communicator& world) {
+        TrainOptions o = options_of(world.rank());
+        o.progress = nullptr;
+        train(config_of(world.rank()), world, o);
+      });
+    });
+  };
+  const TrainConfig resumed = small("tiny_dense", {"parallelism.dp=2", "train.steps=6", "checkpoint.dir="});
+  const std::string steps = per_rank([&](int) { return resumed; },
+                                     [&](int rank) {
+                                       TrainOptions o;
+                                       o.resume =
+                                           (dir / "ck" / (rank == 0 ? "step-00000004" : "step-00000002")).string();
+                                       return o;
+                                     });
+  EXPECT_NE(steps.find("ranks resumed from different checkpoints: rank 1 at step 2 (data position 8), rank 0 at "
+                       "step 4 (data position 16)"),
+            std::string::npos)
+      << steps;
+  for (int r = 0; r < 2; ++r) {
+    std::ofstream out(dir / ("d" + std::to_string(r) + ".jsonl"));
+    // 40 samples of 20 tokens: a dozen 64-token rows, more than data.val_rows; rank 1's differ in every sample.
+    for (int line = 0; line < 40; ++line) {
+      out << "{\"input_ids\": [" << line + 1;
+      for (int t = 1; t < 20; ++t) out << ", " << (t * 5 + 7 * r) % 500 + 1;
+      out << "]}\n";
+    }
+  }
+  const std::string data = per_rank(
+      [&](int rank) {
+        return small("tiny_dense", {"parallelism.dp=2", "train.steps=2", "checkpoint.dir=", "data.source=jsonl_tokens",
+                                    "data.path=" + (dir / ("d" + std::to_string(rank) + ".jsonl")).string()});
+      },
+      [](int) { return TrainOptions{}; });
+  EXPECT_NE(data.find("rank 1 read other data than rank 0"), std::string::npos) << data;
+  fs::remove_all(dir);
+}
+
 // parallelism.shard = optimizer (ZeRO-1): each rank keeps AdamW's moments for its shard of the trainable
 // parameters (any count: shards are padded), updates those elements alone, and takes the others' from their owners.
 // An element's update depends on that element alone, so every loss, gradient norm and weight, and the checkpoint
