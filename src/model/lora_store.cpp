@@ -563,7 +563,9 @@ LoraConfig read_peft_config(const std::string& dir) {
                  (r.is_number_unsigned() ? r.get<uint64_t>() <= uint64_t{INT32_MAX} : r.get<int64_t>() >= INT32_MIN),
              config_path.string(), ": r = ", r.dump(), " is not an integer rank");
     c.rank = r.get<int>();
-    c.alpha = j.at("lora_alpha").get<double>();
+    const nlohmann::json& alpha = j.at("lora_alpha");
+    RF_CHECK(alpha.is_number(), config_path.string(), ": lora_alpha = ", alpha.dump(), " is not a number");
+    c.alpha = alpha.get<double>();
     c.dropout = j.value("lora_dropout", 0.0);
     c.use_rslora = j.value("use_rslora", false);
     RF_CHECK(!j.value("use_dora", false), config_path.string(), ": use_dora is not implemented");
@@ -579,6 +581,10 @@ LoraConfig read_peft_config(const std::string& dir) {
     // The experts' adapters come from target_parameters (their module is the experts module, or a ParamWrapper's
     // base_layer inside it).
     if (!slot.ends_with(kLoraASuffix) || slot.find(".experts.") != std::string::npos) continue;
+    // A linear layer's A is [r, in]: an r the tensors do not have would size every adapter by it before the shapes
+    // are checked (r = 2e9 ended in std::bad_alloc).
+    RF_CHECK(v.rank() == 2 && v.shape[0] == c.rank, dir, "/", kPeftWeightsFile, ": tensor `", v.name, "` has shape ",
+             io::shape_string(v.shape), ", but ", kPeftConfigFile, " gives r = ", c.rank);
     c.target.push_back(slot.substr(0, slot.size() - std::string(kLoraASuffix).size()));
   }
   try {

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "common/error_of.h"
 #include "core/error.h"
 #include "io/json_text.h"
@@ -521,6 +523,24 @@ TEST(LoraStore, AFileNamingOneAdapterTwiceIsRefused) {
   load_peft_adapter(store, dir.string());  // the file as written loads
   const size_t a0 = store.adapters()[0].a;
   EXPECT_EQ(store.weight(a0)[0], saved->params().weight(a0)[0]);
+  // An r the tensors do not have is refused before any adapter is sized by it (r = 2e9 ended in std::bad_alloc).
+  {
+    const fs::path config = dir / kPeftConfigFile;
+    std::ifstream in(config);
+    nlohmann::json j = nlohmann::json::parse(in);
+    in.close();
+    j["r"] = 2000000000;
+    std::ofstream(config) << j.dump();
+    const std::string message = testing::error_of([&] { read_peft_config(dir.string()); });
+    EXPECT_NE(message.find(".lora_A.weight` has shape [2, 24], but adapter_config.json gives r = 2000000000"),
+              std::string::npos)
+        << message;
+    j["r"] = kRank;
+    j["lora_alpha"] = "8";
+    std::ofstream(config) << j.dump();
+    EXPECT_NE(testing::error_of([&] { read_peft_config(dir.string()); }).find("lora_alpha = \"8\" is not a number"),
+              std::string::npos);
+  }
 
   const fs::path weights = dir / kPeftWeightsFile;
   std::vector<std::byte> image;
