@@ -82,6 +82,38 @@ std::string expert_adapter_module(const LoraTarget& t, const std::vector<LoraTar
 // A lookup table: read by row in the held dtype (the embedding's gathers), never widened as a whole.
 bool lookup_table(const ParamInfo& p) { return !p.matmul && p.shape.size() == 2; }
 
+// Whether `pattern` repeats a group that itself holds an unbounded repetition, as in `(a+)*` or `((.*)*)*x`:
+// std::regex backtracks through every way of splitting a name between the two, exponentially in its length, so a
+// run would hang on every rank while matching. Escaped characters and bracket expressions are skipped.
+bool nests_repetitions(const std::string& pattern) {
+  std::vector<bool> repeats_inside;  // per open group: whether it holds a `*`, `+` or `{` so far
+  bool closed_repeating = false;     // the group just closed held a repetition
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    const char c = pattern[i];
+    const bool quantifier = c == '*' || c == '+' || c == '{';
+    if (quantifier && closed_repeating) return true;
+    closed_repeating = false;
+    if (c == '\\') {
+      ++i;
+    } else if (c == '[') {  // a bracket expression: up to its `]` (one right after `[` or `[^` is a member)
+      size_t j = i + 1;
+      if (j < pattern.size() && pattern[j] == '^') ++j;
+      if (j < pattern.size() && pattern[j] == ']') ++j;
+      while (j < pattern.size() && pattern[j] != ']') j += pattern[j] == '\\' ? 2 : 1;
+      i = j;
+    } else if (c == '(') {
+      repeats_inside.push_back(false);
+    } else if (c == ')' && !repeats_inside.empty()) {
+      closed_repeating = repeats_inside.back();
+      repeats_inside.pop_back();
+      if (closed_repeating && !repeats_inside.empty()) repeats_inside.back() = true;
+    } else if (quantifier && !repeats_inside.empty()) {
+      repeats_inside.back() = true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 double LoraConfig::scale() const {
@@ -100,6 +132,16 @@ void LoraConfig::validate() const {
            " with target_parameters: PEFT's adapters on 3-D weights take no dropout (set it to 0)");
   RF_CHECK(!target.empty() || !target_parameters.empty(),
            "config: model.lora.target and model.lora.target_parameters are both empty");
+  if (target_regex && !target.empty()) {
+    try {
+      const std::regex re(target.at(0));
+    } catch (const std::regex_error& e) {
+      rf::fail("config: model.lora.target '", target.at(0), "' is not a regular expression: ", e.what());
+    }
+    RF_CHECK(!nests_repetitions(target.at(0)), "config: model.lora.target '", target.at(0),
+             "' repeats a group that holds a repetition (as in `(a+)*`), which std::regex matches in exponential time; "
+             "write it without the nesting");
+  }
 }
 
 std::string module_of(const std::string& param_name) {

@@ -578,5 +578,23 @@ TEST(LoraStore, AnAlphaWhoseScaleOverflowsFloat32IsRefused) {
   EXPECT_NO_THROW(c.validate());
 }
 
+// A target regex is compiled when the config is checked, and one std::regex would match in exponential time (a group
+// holding a repetition, repeated: every rank would hang matching it against the module names) is refused.
+TEST(LoraStore, ATargetRegexThatCannotBeMatchedIsRefused) {
+  LoraConfig c = lora_config(1);
+  c.target_regex = true;
+  const auto refusal = [&](const std::string& pattern) {
+    c.target = {pattern};
+    return testing::error_of([&] { c.validate(); });
+  };
+  EXPECT_NE(refusal("(").find("config: model.lora.target '(' is not a regular expression: "), std::string::npos);
+  for (const char* nested : {"((((.*)*)*)*)*x", "(a+)*", "(.*\\.(q|v)_proj)+", "(x(ab*)c)*", "(a{2,})+"})
+    EXPECT_NE(refusal(nested).find("repeats a group that holds a repetition"), std::string::npos) << nested;
+  // Repetitions side by side, inside brackets or escaped are not nested.
+  for (const char* fine :
+       {".*\\.(q|v)_proj", "model\\.layers\\.[0-9]+\\.(self_attn|mlp)\\..*", "([*+])*", "(\\*)+", "(ab)*.*"})
+    EXPECT_EQ(refusal(fine), "") << fine;
+}
+
 }  // namespace
 }  // namespace rf::model
