@@ -295,7 +295,7 @@ checkpoint: {{dir: {os.path.join(workdir, "ckpt")}, every: 2, keep: 2}}
                                capture_output=True, text=True)
         if again.returncode != 0 or os.path.exists(os.path.join(merged_dir, "model.safetensors.index.json")):
             failures.append(f"export --merge over a stale index: rc {again.returncode}, {again.stderr.strip()}")
-    # A full disk at the weights (io::write_all's hook) leaves no config.json behind either: both are committed together.
+    # A full disk at the weights (io::write_all's hook) leaves no config.json behind: both are committed together.
     full_out = os.path.join(workdir, "merged_full")
     proc = subprocess.run([ringflex, "export", "--model", base_dir, "--merge", adapter, "--out", full_out],
                           capture_output=True, text=True,

@@ -10,7 +10,8 @@ token where its images go (`"images": ["img/a.png", ...]`, relative to the JSONL
      the same features on every rank, so a rank that encoded or placed them differently shows at 1e-2);
   2. the cp = 2 run's checkpoint loads in transformers with no missing or unexpected weights (the tower included);
   3. every bad image (missing, empty, not an image, truncated, zero-sized, a FIFO, a directory) and a placeholder count
-     that does not match the images stop the run on every rank, before step 1, with one line naming the JSONL line and the file.
+     that does not match the images stop the run on every rank, before step 1, with one line naming the JSONL line
+     and the file.
 The soft tokens themselves are checked against transformers in tests/model/vision_parity.py and
 vision_forward.py, the decoding and preprocessing in tests/model/image_parity.py.
 Exit 77 (CTest's skip) when torch, transformers or safetensors is missing.
