@@ -7,6 +7,7 @@
 // (model/lora_store.h) and rounded to the tensor's dtype (float32 or bfloat16; a float16 base is refused).
 // config.json is copied as it is. The result loads with transformers' from_pretrained and computes what BASE with
 // the adapter computes, to the base dtype's rounding.
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -51,7 +52,14 @@ int run_export(const ExportOptions& opt) {
     for (int64_t e = 0; e < a.experts; ++e)
       model::gemm(false, false, a.out, a.in, r, scale, B + e * a.out * r, r, A + e * r * a.in, a.in, 1.f,
                   m.data() + e * a.out * a.in, a.in);
-    merged.emplace(model::file_name_of(store.info(a.base).name, ck.text_prefix), std::move(m));
+    // A NaN or inf in the base or the adapter, or a product beyond float32, would be written without a word.
+    const std::string name = model::file_name_of(store.info(a.base).name, ck.text_prefix);
+    const std::vector<int64_t>& shape = store.info(a.base).shape;  // [out, in], or [experts, out, in]
+    for (size_t i = 0; i < m.size(); ++i)
+      RF_CHECK(std::isfinite(m[i]), opt.merge, ": the merged `", name, "` has ", m[i], " at ",
+               io::index_string(static_cast<int64_t>(i), shape),
+               " (a value of the base or the adapter is not finite, or W + scale * B A overflows float32)");
+    merged.emplace(name, std::move(m));
   }
   const io::Checkpoint files = io::Checkpoint::open(opt.model);
   std::error_code ec;
@@ -82,8 +90,17 @@ int run_export(const ExportOptions& opt) {
     }
   }
   RF_ASSERT(used == merged.size());
-  io::write_file_atomically((fs::path(opt.out) / "config.json").string(), ck.model->config().source_json);
-  w.write((fs::path(opt.out) / std::string(io::Checkpoint::kSingleFile)).string());
+  // All or nothing: the weights and config.json written and synced, then both renamed (a full disk leaves --out as
+  // it was, never a config beside the old weights or none).
+  io::AtomicFile weights((fs::path(opt.out) / std::string(io::Checkpoint::kSingleFile)).string());
+  w.write(weights);
+  io::AtomicFile config((fs::path(opt.out) / "config.json").string());
+  config.write(ck.model->config().source_json);
+  std::vector<io::AtomicFile*> outputs = {&weights, &config};
+  io::commit_all(outputs);
+  // An index left in --out by an earlier sharded checkpoint would shadow the file just written.
+  fs::remove(fs::path(opt.out) / std::string(io::Checkpoint::kIndexFile), ec);
+  RF_CHECK(!ec, opt.out, ": cannot remove the stale ", io::Checkpoint::kIndexFile, " (", ec.message(), ")");
   return 0;
 }
 

@@ -81,14 +81,16 @@ struct ForwardOptions {
   std::string compute_dtype = "float32";
 };
 
-// An integer [B, S] tensor as int32 (I64 values must fit).
-std::vector<int32_t> read_ids(const io::TensorView& v) {
+// An integer tensor of the batch file `path` as int32 (I64 values must fit), its index named as the tensor's shape
+// has it.
+std::vector<int32_t> read_ids(const std::string& path, const io::TensorView& v) {
   if (v.dtype == io::StDType::I32) return io::copy_as<int32_t>(v);
   const std::vector<int64_t> wide = io::copy_as<int64_t>(v);
   std::vector<int32_t> out(wide.size());
   for (size_t i = 0; i < wide.size(); ++i) {
-    RF_CHECK(wide[i] >= std::numeric_limits<int32_t>::min() && wide[i] <= std::numeric_limits<int32_t>::max(),
-             "tensor `", v.name, "` value ", wide[i], " at element ", i, " does not fit in int32");
+    RF_CHECK(wide[i] >= std::numeric_limits<int32_t>::min() && wide[i] <= std::numeric_limits<int32_t>::max(), path,
+             ": tensor `", v.name, "` has ", wide[i], " at ", io::index_string(static_cast<int64_t>(i), v.shape),
+             ", which does not fit in int32");
     out[i] = static_cast<int32_t>(wide[i]);
   }
   return out;
@@ -134,7 +136,7 @@ std::vector<float> encode_images(const std::string& path, const io::SafetensorsF
       io::require(in, {"image_position_ids", {io::StDType::I32, io::StDType::I64}, {"n", "P", "XY"}, ""}, dims);
   RF_CHECK(dims["XY"] == 2, path, ": image_position_ids must be [n, P, 2], found ", io::shape_string(pos.shape));
   const std::vector<float> pixels = io::to_float32(px);
-  const std::vector<int32_t> positions = read_ids(pos);
+  const std::vector<int32_t> positions = read_ids(path, pos);
   model::VisionBatch b;
   b.n = static_cast<int>(dims["n"]);
   b.P = dims["P"];
@@ -152,10 +154,10 @@ BatchData read_batch(const std::string& path, model::Gemma4Multimodal& m, bool f
   io::DimSizes dims;
   const std::vector<io::StDType> ints = {io::StDType::I32, io::StDType::I64};
   const std::vector<io::StDType> floats = {io::StDType::F32, io::StDType::BF16};
-  d.ids = read_ids(io::require(in, {"input_ids", ints, {"B", "S"}, ""}, dims));
+  d.ids = read_ids(path, io::require(in, {"input_ids", ints, {"B", "S"}, ""}, dims));
   for (auto [name, dst] :
        {std::pair{"labels", &d.labels}, {"position_ids", &d.pos}, {"doc", &d.doc}, {"mm_token_type_ids", &d.mm}}) {
-    if (const io::TensorView* v = io::optional(in, {name, ints, {"B", "S"}, ""}, dims)) *dst = read_ids(*v);
+    if (const io::TensorView* v = io::optional(in, {name, ints, {"B", "S"}, ""}, dims)) *dst = read_ids(path, *v);
   }
   d.F = m.image_feature_width();
   if (const io::TensorView* v = io::optional(in, {"image_features", floats, {"N", "F"}, ""}, dims)) {

@@ -2,9 +2,7 @@
 #include "io/checkpoint.h"
 
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "core/error.h"
 #include "io/json_text.h"
@@ -17,21 +15,17 @@ using nlohmann::json;
 
 // The index's weight_map: tensor name -> shard file name, validated.
 std::map<std::string, std::string> read_weight_map(const std::string& path) {
-  // A FIFO or device would block the read forever; an index is a regular file.
-  std::error_code ec;
-  RF_CHECK(std::filesystem::is_regular_file(path, ec), path, ": not a regular file");
-  std::ifstream in(path);
-  RF_CHECK(in, path, ": cannot open");
-  std::stringstream text;
-  text << in.rdbuf();
-  const std::string body = text.str();
+  // A FIFO or device would block the read forever, a huge file would be read whole: an index is a small regular file.
+  const std::string body = read_config_file(path, "a checkpoint index");
   check_json_text(body, path + ": ");
+  std::string duplicate;  // a tensor mapped twice, to two shards maybe, is refused
   json index;
   try {
-    index = json::parse(body);
+    index = parse_tracking_duplicates(body, &duplicate);
   } catch (const json::parse_error& e) {
     fail(path, ": not valid JSON (at byte ", e.byte, ")");
   }
+  RF_CHECK(duplicate.empty(), path, ": the key `", duplicate, "` appears twice");
   RF_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(), path,
            ": no `weight_map` object");
   std::map<std::string, std::string> map;
@@ -56,7 +50,10 @@ Checkpoint Checkpoint::open(const std::string& dir) {
   c.dir_ = dir;
   const fs::path index_path = fs::path(dir) / kIndexFile;
   std::error_code ec;
-  if (!fs::exists(index_path, ec)) {
+  const bool indexed = fs::exists(index_path, ec);
+  // A symlink loop or an unreadable folder must not pass for "no index" and send the load to a single file.
+  RF_CHECK(!ec, index_path.string(), ": ", ec.message());
+  if (!indexed) {
     c.shards_.push_back(SafetensorsFile::open((fs::path(dir) / kSingleFile).string()));
   } else {
     const std::map<std::string, std::string> weight_map = read_weight_map(index_path.string());

@@ -16,6 +16,7 @@
 #include <csetjmp>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 
 #include "core/error.h"
@@ -176,6 +177,11 @@ RgbImage decode_jpeg(std::FILE* f, const std::string& path) {
 }  // namespace
 
 RgbImage read_image(const std::string& path) {
+  // fopen of a FIFO waits for a writer forever (on every rank: each one reads every image), and a directory opens
+  // and reads nothing: an image is a regular file.
+  std::error_code ec;
+  RF_CHECK(!std::filesystem::exists(path, ec) || std::filesystem::is_regular_file(path, ec), path,
+           ": not a regular file (a FIFO, device or directory is no image)");
   std::unique_ptr<std::FILE, FileCloser> f(std::fopen(path.c_str(), "rb"));
   RF_CHECK(f != nullptr, path, ": cannot open the image: ", std::strerror(errno));
   std::array<unsigned char, kPngSignature.size()> head{};

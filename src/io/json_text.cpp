@@ -4,7 +4,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
+#include <vector>
 
 #include "core/error.h"
 
@@ -44,6 +46,21 @@ std::string json_error_text(const char* what) {
   return std::string(cut == std::string_view::npos ? text : text.substr(cut + 2));
 }
 
+nlohmann::json parse_tracking_duplicates(std::string_view text, std::string* duplicate) {
+  duplicate->clear();
+  std::vector<std::set<std::string>> open_objects;  // the keys seen in each object still open
+  const nlohmann::json::parser_callback_t track_keys = [&](int, nlohmann::json::parse_event_t event,
+                                                           nlohmann::json& parsed) {
+    if (event == nlohmann::json::parse_event_t::object_start) open_objects.emplace_back();
+    if (event == nlohmann::json::parse_event_t::object_end) open_objects.pop_back();
+    if (event == nlohmann::json::parse_event_t::key && !open_objects.back().insert(parsed.get<std::string>()).second &&
+        duplicate->empty())
+      *duplicate = parsed.get<std::string>();
+    return true;
+  };
+  return nlohmann::json::parse(text.begin(), text.end(), track_keys);
+}
+
 nlohmann::json parse_json(std::string_view text, const std::string& where) {
   check_json_text(text, where + ": ");
   try {
@@ -53,13 +70,16 @@ nlohmann::json parse_json(std::string_view text, const std::string& where) {
   }
 }
 
-std::string read_config_file(const std::string& path) {
+std::string read_config_file(const std::string& path, std::string_view kind) {
   namespace fs = std::filesystem;
   std::error_code ec;
+  const bool exists = fs::exists(path, ec);  // ec only for a failed look-up (a symlink loop), not for "absent"
+  RF_CHECK(!ec, path, ": ", ec.message());
+  RF_CHECK(exists, path, ": no such file");
   RF_CHECK(fs::is_regular_file(path, ec), path, ": not a regular file");
   const std::uintmax_t size = fs::file_size(path, ec);
   RF_CHECK(!ec && size <= kMaxConfigFileBytes, path, ": ", ec ? ec.message() : std::to_string(size) + " bytes",
-           ", not a JSON config (at most ", kMaxConfigFileBytes, " bytes are read)");
+           ", not ", kind, " (at most ", kMaxConfigFileBytes, " bytes are read)");
   std::ifstream in(path);
   RF_CHECK(in.good(), path, ": cannot be read");
   std::ostringstream s;

@@ -25,6 +25,11 @@ void check_json_text(std::string_view text, const std::string& where);
 // "parse error at line 2, column 5: syntax error ...".
 std::string json_error_text(const char* what);
 
+// nlohmann's parse of `text` (throwing its parse_error as parse does), recording in *duplicate the first key that
+// appears twice in one object, "" when none: nlohmann itself keeps the last of them silently, so two readers of a
+// file naming one tensor twice would disagree on which entry it is.
+nlohmann::json parse_tracking_duplicates(std::string_view text, std::string* duplicate);
+
 // check_json_text(text, where + ": "), then nlohmann's parse; invalid JSON throws rf::Error
 // "WHERE: not valid JSON: parse error at line 2, column 5: ...".
 nlohmann::json parse_json(std::string_view text, const std::string& where);
@@ -33,8 +38,10 @@ nlohmann::json parse_json(std::string_view text, const std::string& where);
 // KiB; anything larger is not one of them.
 constexpr std::uintmax_t kMaxConfigFileBytes = 16u << 20;
 
-// The text of a small JSON file (config.json, adapter_config.json), read only if it is a regular file of at most
-// kMaxConfigFileBytes: a FIFO or device would block the read or never end. Throws rf::Error naming `path` otherwise.
-std::string read_config_file(const std::string& path);
+// The text of a small config file (config.json, adapter_config.json, a training YAML, a checkpoint index), read only
+// if it is a regular file of at most kMaxConfigFileBytes: a FIFO would block the read forever and a device such as
+// /dev/zero would never end. Throws rf::Error naming `path` otherwise ("..., not <kind> (at most ... bytes are
+// read)").
+std::string read_config_file(const std::string& path, std::string_view kind = "a JSON config");
 
 }  // namespace rf::io

@@ -16,7 +16,6 @@
 #include <exception>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <set>
 #include <vector>
 
 #include "core/error.h"
@@ -208,22 +207,11 @@ void SafetensorsFile::parse() {
   const std::byte* buffer = data + kLengthBytes + header_bytes;
   const uint64_t buffer_bytes = size - kLengthBytes - header_bytes;
 
-  // nlohmann keeps the last of duplicate keys silently; a parser callback sees every key first, so a file
-  // naming one tensor twice (two readers would disagree on which bytes it is) is caught here.
-  std::vector<std::set<std::string>> open_objects;
-  std::string duplicate;
-  const json::parser_callback_t track_keys = [&](int, json::parse_event_t event, json& parsed) {
-    if (event == json::parse_event_t::object_start) open_objects.emplace_back();
-    if (event == json::parse_event_t::object_end) open_objects.pop_back();
-    if (event == json::parse_event_t::key && !open_objects.back().insert(parsed.get<std::string>()).second &&
-        duplicate.empty())
-      duplicate = parsed.get<std::string>();
-    return true;
-  };
   check_json_text(std::string_view(header, header_bytes), where + "the header: ");
+  std::string duplicate;  // a file naming one tensor twice: two readers would disagree on which bytes it is
   json root;
   try {
-    root = json::parse(header, header + header_bytes, track_keys);
+    root = parse_tracking_duplicates(std::string_view(header, header_bytes), &duplicate);
   } catch (const json::parse_error& e) {
     fail(where, "the header is not valid JSON (at byte ", e.byte, " of ", header_bytes, ")");
   }

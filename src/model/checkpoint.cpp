@@ -32,9 +32,15 @@ namespace {
 constexpr const char* kCausalLmPrefix = "model.";
 constexpr const char* kVisionProjection = VisionEmbedder::kProjection;
 
+// A tensor of the files against what the config implies: its shape, and a floating-point dtype io::to_float32 reads
+// (checked here, before allocating, so the line names the file).
 void check_shape(const std::vector<int64_t>& shape, const io::TensorView& v, const std::string& file) {
   RF_CHECK(v.shape == shape, file, ": tensor `", v.name, "` has shape ", io::shape_string(v.shape),
            ", the config implies ", io::shape_string(shape));
+  const io::StDType t = v.dtype;
+  RF_CHECK(t == io::StDType::F32 || t == io::StDType::BF16 || t == io::StDType::F16 || t == io::StDType::F64, file,
+           ": tensor `", v.name, "` has dtype ", io::dtype_name(t),
+           ", not a floating-point dtype (F32, BF16, F16 or F64)");
 }
 
 // Moves the widened values in: one float32 copy of the tensor is alive, not two.

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <map>
 #include <regex>
 #include <unordered_map>
 
@@ -80,6 +82,38 @@ std::string expert_adapter_module(const LoraTarget& t, const std::vector<LoraTar
 // A lookup table: read by row in the held dtype (the embedding's gathers), never widened as a whole.
 bool lookup_table(const ParamInfo& p) { return !p.matmul && p.shape.size() == 2; }
 
+// Whether `pattern` repeats a group that itself holds an unbounded repetition, as in `(a+)*` or `((.*)*)*x`:
+// std::regex backtracks through every way of splitting a name between the two, exponentially in its length, so a
+// run would hang on every rank while matching. Escaped characters and bracket expressions are skipped.
+bool nests_repetitions(const std::string& pattern) {
+  std::vector<bool> repeats_inside;  // per open group: whether it holds a `*`, `+` or `{` so far
+  bool closed_repeating = false;     // the group just closed held a repetition
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    const char c = pattern[i];
+    const bool quantifier = c == '*' || c == '+' || c == '{';
+    if (quantifier && closed_repeating) return true;
+    closed_repeating = false;
+    if (c == '\\') {
+      ++i;
+    } else if (c == '[') {  // a bracket expression: up to its `]` (one right after `[` or `[^` is a member)
+      size_t j = i + 1;
+      if (j < pattern.size() && pattern[j] == '^') ++j;
+      if (j < pattern.size() && pattern[j] == ']') ++j;
+      while (j < pattern.size() && pattern[j] != ']') j += pattern[j] == '\\' ? 2 : 1;
+      i = j;
+    } else if (c == '(') {
+      repeats_inside.push_back(false);
+    } else if (c == ')' && !repeats_inside.empty()) {
+      closed_repeating = repeats_inside.back();
+      repeats_inside.pop_back();
+      if (closed_repeating && !repeats_inside.empty()) repeats_inside.back() = true;
+    } else if (quantifier && !repeats_inside.empty()) {
+      repeats_inside.back() = true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 double LoraConfig::scale() const {
@@ -89,11 +123,25 @@ double LoraConfig::scale() const {
 void LoraConfig::validate() const {
   RF_CHECK(rank >= 1, "config: model.lora.rank must be >= 1, got ", rank);
   RF_CHECK(alpha > 0, "config: model.lora.alpha must be > 0, got ", alpha);
+  // The layers multiply by the scale in float32: one beyond its range is inf, and inf times the zero-initialised B
+  // is NaN in every output.
+  RF_CHECK(scale() <= std::numeric_limits<float>::max(), "config: model.lora.alpha = ", alpha, " over rank ", rank,
+           " gives a scale of ", scale(), ", beyond float32's range");
   RF_CHECK(dropout >= 0.0 && dropout < 1.0, "config: model.lora.dropout = ", dropout, " must be in [0, 1)");
   RF_CHECK(dropout == 0.0 || target_parameters.empty(), "config: model.lora.dropout = ", dropout,
            " with target_parameters: PEFT's adapters on 3-D weights take no dropout (set it to 0)");
   RF_CHECK(!target.empty() || !target_parameters.empty(),
            "config: model.lora.target and model.lora.target_parameters are both empty");
+  if (target_regex && !target.empty()) {
+    try {
+      const std::regex re(target.at(0));
+    } catch (const std::regex_error& e) {
+      rf::fail("config: model.lora.target '", target.at(0), "' is not a regular expression: ", e.what());
+    }
+    RF_CHECK(!nests_repetitions(target.at(0)), "config: model.lora.target '", target.at(0),
+             "' repeats a group that holds a repetition (as in `(a+)*`), which std::regex matches in exponential time; "
+             "write it without the nesting");
+  }
 }
 
 std::string module_of(const std::string& param_name) {
@@ -551,13 +599,20 @@ LoraConfig read_peft_config(const std::string& dir) {
   LoraConfig c;
   try {
     RF_CHECK(j.value("peft_type", std::string()) == "LORA", config_path.string(), ": peft_type is not LORA");
-    c.rank = j.at("r").get<int>();
-    c.alpha = j.at("lora_alpha").get<double>();
+    // get<int> would truncate 2.5 to 2 and wrap 2^32 + 1 to 1.
+    const nlohmann::json& r = j.at("r");
+    RF_CHECK(r.is_number_integer() &&
+                 (r.is_number_unsigned() ? r.get<uint64_t>() <= uint64_t{INT32_MAX} : r.get<int64_t>() >= INT32_MIN),
+             config_path.string(), ": r = ", r.dump(), " is not an integer rank");
+    c.rank = r.get<int>();
+    const nlohmann::json& alpha = j.at("lora_alpha");
+    RF_CHECK(alpha.is_number(), config_path.string(), ": lora_alpha = ", alpha.dump(), " is not a number");
+    c.alpha = alpha.get<double>();
     c.dropout = j.value("lora_dropout", 0.0);
     c.use_rslora = j.value("use_rslora", false);
     RF_CHECK(!j.value("use_dora", false), config_path.string(), ": use_dora is not implemented");
   } catch (const nlohmann::json::exception& e) {
-    rf::fail(config_path.string(), ": ", e.what());
+    rf::fail(config_path.string(), ": ", io::json_error_text(e.what()));
   }
   // Inference on an adapter: dropout is off whatever it trained with.
   c.dropout = 0.0;
@@ -568,6 +623,10 @@ LoraConfig read_peft_config(const std::string& dir) {
     // The experts' adapters come from target_parameters (their module is the experts module, or a ParamWrapper's
     // base_layer inside it).
     if (!slot.ends_with(kLoraASuffix) || slot.find(".experts.") != std::string::npos) continue;
+    // A linear layer's A is [r, in]: an r the tensors do not have would size every adapter by it before the shapes
+    // are checked (r = 2e9 ended in std::bad_alloc).
+    RF_CHECK(v.rank() == 2 && v.shape[0] == c.rank, dir, "/", kPeftWeightsFile, ": tensor `", v.name, "` has shape ",
+             io::shape_string(v.shape), ", but ", kPeftConfigFile, " gives r = ", c.rank);
     c.target.push_back(slot.substr(0, slot.size() - std::string(kLoraASuffix).size()));
   }
   try {
@@ -578,7 +637,7 @@ LoraConfig read_peft_config(const std::string& dir) {
             n.starts_with(kMultimodalText) ? kText + n.substr(std::string(kMultimodalText).size()) : n);
       }
   } catch (const nlohmann::json::exception& e) {
-    rf::fail(config_path.string(), ": target_parameters: ", e.what());
+    rf::fail(config_path.string(), ": target_parameters: ", io::json_error_text(e.what()));
   }
   RF_CHECK(!c.target.empty() || !c.target_parameters.empty(), dir, "/", kPeftWeightsFile,
            ": no lora_A tensor of the text model");
@@ -591,11 +650,16 @@ void load_peft_adapter(LoraStore& store, const std::string& dir) {
   const std::string path = (fs::path(dir) / kPeftWeightsFile).string();
   const io::SafetensorsFile file = io::SafetensorsFile::open(path);
   size_t read = 0;
+  // PEFT's two spellings of a text model's module (with and without `language_model.`) name one adapter: a file
+  // holding both would be counted twice, and the count below would miss the adapter it lacks.
+  std::map<size_t, std::string> read_from;  // slot -> the file's name for it
   for (const io::TensorView& v : file.tensors()) {
     const std::string name = slot_name_of(v.name);
     RF_CHECK(!name.empty() && store.contains(name) && store.info(store.slot(name)).trainable, path, ": tensor `",
              v.name, "` is no adapter of this model");
     const size_t slot = store.slot(name);
+    const auto [first, inserted] = read_from.emplace(slot, v.name);
+    RF_CHECK(inserted, path, ": tensors `", first->second, "` and `", v.name, "` are the same adapter, ", name);
     const ParamInfo& p = store.info(slot);
     RF_CHECK(v.shape == store.file_shape(slot), path, ": tensor `", v.name, "` has shape ", io::shape_string(v.shape),
              ", expected ", io::shape_string(store.file_shape(slot)));

@@ -342,7 +342,9 @@ TrainState load_train_state(const std::string& dir) {
   io::check_json_text(text, where + ": ");
   json j;
   try {
-    j = json::parse(text);
+    std::string duplicate;  // nlohmann would keep the last of two `step`s silently
+    j = io::parse_tracking_duplicates(text, &duplicate);
+    RF_CHECK(duplicate.empty(), where, ": the key `", duplicate, "` appears twice");
     TrainState& st = out;
     st.step = integer_in(j.at("step"), where, "step", 0, kMaxStateStep);
     st.data_position = integer_in(j.at("data_position"), where, "data_position", 0, kMaxDataPosition);
@@ -392,7 +394,9 @@ MomentFiles read_moment_layout(const fs::path& dir, const model::ParamStore& sto
   MomentFiles out;
   out.whole_first.assign(store.size(), -1);
   try {
-    const json j = json::parse(text);
+    std::string duplicate;
+    const json j = io::parse_tracking_duplicates(text, &duplicate);
+    RF_CHECK(duplicate.empty(), where, ": the key `", duplicate, "` appears twice");
     RF_CHECK(j.at("format") == kMomentFormat, where, ": `format` is ", j.at("format").dump(), ", not \"", kMomentFormat,
              "\"");
     const int64_t total =
@@ -437,6 +441,22 @@ MomentFiles read_moment_layout(const fs::path& dir, const model::ParamStore& sto
   return out;
 }
 
+// One sharded moment file, opened and checked to hold the range the layout gives it: the file's own `begin` and `end`
+// (write_moments_shard) must be the layout's, or two files of equal length swapped or copied over each other would
+// load each other's moments without a word.
+io::SafetensorsFile open_moment_file(const MomentFile& file) {
+  io::SafetensorsFile f = io::SafetensorsFile::open(file.path);
+  const auto& meta = f.metadata();
+  const auto at = [&](const char* key) {
+    const auto it = meta.find(key);
+    return it == meta.end() ? std::string("none") : it->second;
+  };
+  RF_CHECK(at("begin") == std::to_string(file.begin) && at("end") == std::to_string(file.end), file.path,
+           ": holds elements ", at("begin"), " to ", at("end"), " of the trainable layout, optimizer.json gives it ",
+           file.begin, " to ", file.end);
+  return f;
+}
+
 // The part of the store's moment range that one sharded moment file holds, read into the store (the file opened only
 // when it holds some), checked finite (and the second moments non-negative) with the parameter and index named.
 void read_moment_file(const MomentFile& file, const MomentFiles& layout, model::ParamStore& store) {
@@ -446,7 +466,7 @@ void read_moment_file(const MomentFile& file, const MomentFiles& layout, model::
     const int64_t at = layout.whole_first[seg.slot] + seg.first;  // the files' index of the segment's first element
     const int64_t lo = std::max(at, file.begin), hi = std::min(at + seg.n, file.end);
     if (lo >= hi) continue;
-    if (!f) f.emplace(io::SafetensorsFile::open(file.path));
+    if (!f) f.emplace(open_moment_file(file));
     const model::ParamInfo& p = store.info(seg.slot);
     for (auto [name, role] : {std::pair{kExpAvg, model::Role::ExpAvg}, {kExpAvgSq, model::Role::ExpAvgSq}}) {
       const io::TensorView& v = f->at(name);
@@ -498,7 +518,7 @@ void load_moments_into(const std::string& dir, const model::ParamStore& layout, 
         const MomentFile& file = files[k];
         const int64_t lo = std::max(begin, file.begin), hi = std::min(end, file.end);
         if (lo >= hi) continue;
-        if (!opened[k]) opened[k].emplace(io::SafetensorsFile::open(file.path));
+        if (!opened[k]) opened[k].emplace(open_moment_file(file));
         for (const auto& [name, dst, second] :
              {std::tuple{kExpAvg, t.exp_avg, false}, {kExpAvgSq, t.exp_avg_sq, true}}) {
           const io::TensorView& v = opened[k]->at(name);

@@ -8,14 +8,13 @@
 #include <charconv>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <limits>
 #include <set>
-#include <sstream>
 #include <type_traits>
 
 #include "core/error.h"
+#include "io/json_text.h"
 
 namespace rf::trainer {
 namespace {
@@ -345,11 +344,8 @@ TrainConfig parse_config(const std::string& yaml_text, const std::string& source
 TrainConfig load_config(const std::string& path, const std::vector<std::string>& sets) {
   // A directory opens as a stream that reads nothing, which would run on every default.
   RF_CHECK(!is_directory(path), path, ": is a directory, not a config file");
-  std::ifstream in(path);
-  RF_CHECK(in.good(), path, ": cannot open the config file");
-  std::stringstream text;
-  text << in.rdbuf();
-  return parse_config(text.str(), path, sets);
+  // A FIFO would block the read forever on every rank, /dev/zero would read until memory ran out.
+  return parse_config(io::read_config_file(path, "a YAML config"), path, sets);
 }
 
 void validate(const TrainConfig& c, int world_size) {
@@ -419,6 +415,13 @@ void validate(const TrainConfig& c, int world_size) {
            " must be in [0, 1)");
   RF_CHECK(c.optimizer.eps > 0, "config: optimizer.eps = ", c.optimizer.eps, " must be > 0");
   non_negative(c.optimizer.weight_decay, "optimizer.weight_decay");
+  // AdamW's decoupled decay scales every weight by 1 - lr * weight_decay each step (lr at most optimizer.lr): at 1 or
+  // more it zeroes or flips them all, and far above it the float32 weights become inf in the first update, after the
+  // step's finiteness check, so the run would write a checkpoint of infinities and exit 0.
+  RF_CHECK(c.optimizer.lr * c.optimizer.weight_decay < 1,
+           "config: optimizer.lr * optimizer.weight_decay = ", c.optimizer.lr, " * ", c.optimizer.weight_decay, " = ",
+           c.optimizer.lr * c.optimizer.weight_decay,
+           " must be below 1 (AdamW scales each weight by 1 - lr * weight_decay a step)");
   non_negative(c.optimizer.grad_clip, "optimizer.grad_clip");
   non_negative(c.schedule.warmup_steps, "schedule.warmup_steps");
   RF_CHECK(c.schedule.min_lr_ratio >= 0 && c.schedule.min_lr_ratio <= 1,

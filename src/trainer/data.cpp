@@ -643,6 +643,10 @@ std::vector<Document> read_text_file(const TrainConfig& c, const DataContract& k
   const std::string model_file =
       c.data.tokenizer.empty() ? (std::filesystem::path(k.model_path) / "tokenizer.model").string() : c.data.tokenizer;
   sentencepiece::SentencePieceProcessor sp;
+  // model.path's tokenizer.model is not checked with the config's files: a FIFO there would block Load forever.
+  std::error_code ec;
+  RF_CHECK(std::filesystem::is_regular_file(model_file, ec), model_file,
+           ": not a regular file (the SentencePiece model data.source = jsonl_text reads)");
   const auto status = sp.Load(model_file);
   RF_CHECK(status.ok(), model_file, ": cannot load the SentencePiece model: ", status.ToString());
   RF_CHECK(sp.GetPieceSize() <= k.vocab_size, model_file, ": the tokenizer has ", sp.GetPieceSize(),

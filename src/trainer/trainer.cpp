@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <exception>
 #include <filesystem>
@@ -265,6 +266,35 @@ void write_stats(Run& r, const std::string& path) {
   });
 }
 
+// Every rank resolved --resume and read the data on its own file system: ranks that found different files (a relative
+// path from different working directories, machines holding different copies) would run different steps, or train
+// on different rows, which shows as a failed collective or not at all. Their step, data position and first rows are
+// compared here (a collective), and a rank that differs from rank 0 is named on every rank.
+void agree_on_inputs(comm::Communicator& world, const Run& r) {
+  constexpr uint64_t kFnvOffset = 1469598103934665603ull, kFnvPrime = 1099511628211ull;
+  const Row row = r.data->train_row(r.state.data_position);  // the first row the run trains on
+  uint64_t h = kFnvOffset;
+  for (const std::vector<int32_t>* v : {&row.input_ids, &row.labels, &row.doc}) {
+    h = (h ^ v->size()) * kFnvPrime;
+    for (int32_t x : *v) h = (h ^ static_cast<uint32_t>(x)) * kFnvPrime;
+  }
+  constexpr size_t kFields = 4;
+  const std::array<int64_t, kFields> mine = {r.state.step, r.state.data_position, static_cast<int64_t>(h),
+                                             r.data->val_rows()};
+  std::vector<int64_t> all(kFields * static_cast<size_t>(world.size()));
+  world.allgather(mine.data(), all.data(), sizeof mine, r.timeout);
+  for (int q = 1; q < world.size(); ++q) {
+    const int64_t* other = all.data() + kFields * static_cast<size_t>(q);
+    if (other[0] != all[0] || other[1] != all[1])
+      throw comm::AgreedError(concat("ranks resumed from different checkpoints: rank ", q, " at step ", other[0],
+                                     " (data position ", other[1], "), rank 0 at step ", all[0], " (data position ",
+                                     all[1], "); every rank must find the same checkpoint under --resume"));
+    if (other[2] != all[2] || other[3] != all[3])
+      throw comm::AgreedError(concat("rank ", q, " read other data than rank 0 (its first training row or its ",
+                                     "validation rows differ): every rank must find the same data.path"));
+  }
+}
+
 }  // namespace
 }  // namespace detail
 
@@ -290,6 +320,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
   if (world.size() > 1)
     r.data->sum_image_features(
         [&](std::vector<float>& v) { world.allreduce(v.data(), v.size(), comm::ReduceOp::Sum, r.timeout); });
+  if (world.size() > 1) agree_on_inputs(world, r);
 
   TrainResult result;
   result.svg_path = default_svg_path(cfg, options);

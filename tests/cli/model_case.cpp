@@ -81,6 +81,13 @@ void make_bad_models(const fs::path& dir) {
     w.add("doc", rf::io::StDType::I32, {0, kWideS}, std::span<const int32_t>());
     w.write((dir / "wide_doc.safetensors").string());
   }
+  {
+    // int64 ids, one beyond int32 (it would wrap to token 5).
+    const std::vector<int64_t> ids = {1, 2, 3, (int64_t{1} << 32) + 5};
+    rf::io::SafetensorsWriter w;
+    w.add("input_ids", rf::io::StDType::I64, {1, 4}, std::span<const int64_t>(ids));
+    w.write((dir / "wide_ids.safetensors").string());
+  }
   const fs::path fifo = dir / "fifo.safetensors";
   fs::remove(fifo);
   if (mkfifo(fifo.c_str(), 0600) != 0) throw std::runtime_error(fifo.string() + ": mkfifo failed");

@@ -1,6 +1,7 @@
 // Tests of src/io/checkpoint: a Hugging Face checkpoint folder, single-file and sharded, and each way its index
 // and shards can disagree. The oracle is the tensors the test wrote into each shard.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cstring>
 #include <filesystem>
@@ -97,6 +98,8 @@ TEST(Checkpoint, RejectsInconsistentFolders) {
       {R"({"a": "/etc/passwd"})", "outside the checkpoint folder"},
       {R"({"a": 3})", "`weight_map` entry `a` is not a file name"},
       {R"([])", "no `weight_map` object"},
+      // nlohmann would keep the second silently and never open s2.safetensors.
+      {R"({"a": "s2.safetensors", "a": "s1.safetensors"})", "the key `a` appears twice"},
   };
   for (const Case& c : cases) {
     write_index(index, c.weight_map);
@@ -106,6 +109,24 @@ TEST(Checkpoint, RejectsInconsistentFolders) {
   std::ofstream(index) << "{not json";
   EXPECT_NE(error_of([&] { Checkpoint::open(dir.str()); }).find("model.safetensors.index.json: not valid JSON"),
             std::string::npos);
+}
+
+// An index the loader cannot read is an error naming the index, never "no index" (which would send the load to a
+// model.safetensors that is not there) and never a wait: a FIFO blocks a plain read forever.
+TEST(Checkpoint, RejectsAnIndexThatIsNoFile) {
+  TempDir dir("index_not_a_file");
+  write_shard(dir.file("s1.safetensors"), {"a"});
+  const std::string index = dir.file("model.safetensors.index.json");
+  fs::create_symlink("loop", index);
+  fs::create_symlink("model.safetensors.index.json", dir.file("loop"));
+  EXPECT_NE(error_of([&] { Checkpoint::open(dir.str()); }).find(index + ": Too many levels of symbolic links"),
+            std::string::npos);
+  fs::remove(index);
+  ASSERT_EQ(mkfifo(index.c_str(), 0600), 0);
+  EXPECT_NE(error_of([&] { Checkpoint::open(dir.str()); }).find(index + ": not a regular file"), std::string::npos);
+  fs::remove(index);
+  fs::create_directory(index);
+  EXPECT_NE(error_of([&] { Checkpoint::open(dir.str()); }).find(index + ": not a regular file"), std::string::npos);
 }
 
 }  // namespace

@@ -31,6 +31,7 @@ import copy
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -286,6 +287,37 @@ checkpoint: {{dir: {os.path.join(workdir, "ckpt")}, every: 2, keep: 2}}
             if same == (n in adapted):
                 failures.append(f"export --merge: `{n}` {'unchanged' if same else 'changed'}")
                 break
+        # Again into the same folder with a sharded checkpoint's index left there: the index (which would shadow the
+        # new file) is removed, and the folder loads the merged weights.
+        with open(os.path.join(merged_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": {n: "gone.safetensors" for n in merged_tensors}}, f)
+        again = subprocess.run([ringflex, "export", "--model", base_dir, "--merge", adapter, "--out", merged_dir],
+                               capture_output=True, text=True)
+        if again.returncode != 0 or os.path.exists(os.path.join(merged_dir, "model.safetensors.index.json")):
+            failures.append(f"export --merge over a stale index: rc {again.returncode}, {again.stderr.strip()}")
+    # A full disk at the weights (io::write_all's hook) leaves no config.json behind: both are committed together.
+    full_out = os.path.join(workdir, "merged_full")
+    proc = subprocess.run([ringflex, "export", "--model", base_dir, "--merge", adapter, "--out", full_out],
+                          capture_output=True, text=True,
+                          env={**os.environ, "RINGFLEX_FAIL_WRITE": "1:merged_full/model.safetensors"})
+    if proc.returncode == 0 or "No space left on device" not in proc.stderr or os.listdir(full_out):
+        failures.append(f"export --merge on a full disk: rc {proc.returncode}, left {os.listdir(full_out)}, "
+                        f"{proc.stderr.strip()}")
+    # A NaN in the adapter is refused by name, and nothing is written (it would be merged into every row of W).
+    nan_adapter = os.path.join(workdir, "nan_adapter")
+    shutil.copytree(adapter, nan_adapter)
+    nan_tensors = load_file(os.path.join(nan_adapter, "adapter_model.safetensors"))
+    nan_name = sorted(n for n in nan_tensors if "lora_A" in n)[0]
+    nan_tensors[nan_name][0, 1] = float("nan")
+    save_file(nan_tensors, os.path.join(nan_adapter, "adapter_model.safetensors"))
+    nan_out = os.path.join(workdir, "merged_nan")
+    proc = subprocess.run([ringflex, "export", "--model", base_dir, "--merge", nan_adapter, "--out", nan_out],
+                          capture_output=True, text=True)
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("ringflex: error:")]
+    module = nan_name[len("base_model.model."):-len(".lora_A.weight")]
+    if (proc.returncode == 0 or len(errors) != 1 or f"the merged `{module}.weight` has " not in errors[0]
+            or "nan at [" not in errors[0] or os.path.exists(os.path.join(nan_out, "model.safetensors"))):
+        failures.append(f"export --merge of a NaN adapter: rc {proc.returncode}, {proc.stderr.strip()}")
     trained = load_file(os.path.join(adapter, "adapter_model.safetensors"))
     if all(float(t.abs().max()) == 0 for n, t in trained.items() if "lora_B" in n):
         failures.append("the adapters' B did not train")

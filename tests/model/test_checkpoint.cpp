@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/error_of.h"
 #include "core/error.h"
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
@@ -88,6 +89,32 @@ TEST(ModelCheckpoint, ShapeAgainstConfigNamesTheTensor) {
   } catch (const rf::Error& e) {
     EXPECT_NE(std::string(e.what()).find("mlp.gate_proj.weight"), std::string::npos) << e.what();
   }
+  fs::remove_all(dir);
+}
+
+// A parameter stored as integers (its bytes the right count for its shape) is refused before allocating, naming the
+// file; io::to_float32 would otherwise fail later without it.
+TEST(ModelCheckpoint, AnIntegerParameterIsRefusedNamingTheFile) {
+  Checkpoint ck;
+  ck.model = std::make_unique<Gemma4Multimodal>(Gemma4Config::from_json(kConfig));
+  const fs::path dir = scratch("int_param");
+  save_checkpoint(ck, dir.string());
+  const std::string file = (dir / "model.safetensors").string();
+  io::SafetensorsWriter w;
+  std::vector<std::vector<std::byte>> keep;
+  {
+    const io::SafetensorsFile f = io::SafetensorsFile::open(file);
+    for (const io::TensorView& v : f.tensors()) {
+      keep.emplace_back(v.bytes.begin(), v.bytes.end());
+      const bool as_int = v.name == "model.layers.0.input_layernorm.weight";
+      w.add(v.name, as_int ? io::StDType::I32 : v.dtype, v.shape, keep.back());
+    }
+  }
+  w.write(file);
+  const std::string message = testing::error_of([&] { load_checkpoint(dir.string()); });
+  EXPECT_EQ(message, file +
+                         ": tensor `model.layers.0.input_layernorm.weight` has dtype I32, not a floating-point "
+                         "dtype (F32, BF16, F16 or F64)");
   fs::remove_all(dir);
 }
 

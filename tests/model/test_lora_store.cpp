@@ -16,9 +16,13 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "common/error_of.h"
 #include "core/error.h"
 #include "io/json_text.h"
+#include "io/safetensors.h"
+#include "model/checkpoint.h"
 #include "model/gemma4.h"
 #include "model/lora_store.h"
 
@@ -494,7 +498,102 @@ TEST(LoraStore, AnAdapterConfigThatIsNotOneIsRefusedByName) {
   EXPECT_TRUE(names(refusal(), "peft_type is not LORA")) << refusal();
   write("{\"peft_type\": \"LORA\", \"r\": 4, \"lora_alpha\": 8, \"use_dora\": true}");
   EXPECT_TRUE(names(refusal(), "use_dora is not implemented")) << refusal();
+  // get<int> would read 2.5 as 2 and 2^32 + 1 as 1.
+  for (const char* r : {"2.5", "4294967297", "\"4\""}) {
+    write(std::string("{\"peft_type\": \"LORA\", \"r\": ") + r + ", \"lora_alpha\": 8}");
+    EXPECT_TRUE(names(refusal(), std::string("r = ") + r + " is not an integer rank")) << refusal();
+  }
+  write("{\"peft_type\": \"LORA\", \"r\": 4}");
+  EXPECT_TRUE(names(refusal(), "key 'lora_alpha' not found")) << refusal();
   fs::remove_all(dir);
+}
+
+// PEFT writes a text model's modules as `model.language_model.X` or `model.X`: both name one adapter. A file holding
+// both spellings of one lora_A and no lora_B of that module has as many tensors as adapters need, so only a check of
+// which adapter each tensor fills tells that B is missing (it would have kept its zeros).
+TEST(LoraStore, AFileNamingOneAdapterTwiceIsRefused) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("rf_peft_twice_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  auto saved = lora_model(11);
+  save_peft_adapter(dynamic_cast<const LoraStore&>(saved->params()), kMultimodalTextPrefix, "base", dir.string());
+  auto loaded = lora_model(12);
+  auto& store = dynamic_cast<LoraStore&>(loaded->params());
+  load_peft_adapter(store, dir.string());  // the file as written loads
+  const size_t a0 = store.adapters()[0].a;
+  EXPECT_EQ(store.weight(a0)[0], saved->params().weight(a0)[0]);
+  // An r the tensors do not have is refused before any adapter is sized by it (r = 2e9 ended in std::bad_alloc).
+  {
+    const fs::path config = dir / kPeftConfigFile;
+    std::ifstream in(config);
+    nlohmann::json j = nlohmann::json::parse(in);
+    in.close();
+    j["r"] = 2000000000;
+    std::ofstream(config) << j.dump();
+    const std::string message = testing::error_of([&] { read_peft_config(dir.string()); });
+    EXPECT_NE(message.find(".lora_A.weight` has shape [2, 24], but adapter_config.json gives r = 2000000000"),
+              std::string::npos)
+        << message;
+    j["r"] = kRank;
+    j["lora_alpha"] = "8";
+    std::ofstream(config) << j.dump();
+    EXPECT_NE(testing::error_of([&] { read_peft_config(dir.string()); }).find("lora_alpha = \"8\" is not a number"),
+              std::string::npos);
+  }
+
+  const fs::path weights = dir / kPeftWeightsFile;
+  std::vector<std::byte> image;
+  {
+    const io::SafetensorsFile file = io::SafetensorsFile::open(weights.string());
+    const std::string module = "base_model.model.model.language_model.layers.0.self_attn.q_proj";
+    io::SafetensorsWriter w;
+    for (const io::TensorView& v : file.tensors()) {
+      if (v.name == module + ".lora_B.weight") continue;
+      w.add(v.name, v.dtype, v.shape, v.bytes);
+      if (v.name == module + ".lora_A.weight")
+        w.add("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", v.dtype, v.shape, v.bytes);
+    }
+    image = w.serialize();
+  }
+  std::ofstream(weights, std::ios::binary)
+      .write(reinterpret_cast<const char*>(image.data()), static_cast<std::streamsize>(image.size()));
+  const std::string message = testing::error_of([&] { load_peft_adapter(store, dir.string()); });
+  EXPECT_NE(message.find("are the same adapter, model.layers.0.self_attn.q_proj.lora_A.weight"), std::string::npos)
+      << message;
+  fs::remove_all(dir);
+}
+
+// The layers multiply by alpha / r in float32: a scale beyond its range would be inf, and inf times the zero B NaN.
+TEST(LoraStore, AnAlphaWhoseScaleOverflowsFloat32IsRefused) {
+  LoraConfig c;
+  c.rank = 2;
+  c.alpha = 1e39;
+  EXPECT_NE(testing::error_of([&] {
+              c.validate();
+            }).find("model.lora.alpha = 1e+39 over rank 2 gives a scale of 5e+38, beyond float32's range"),
+            std::string::npos)
+      << testing::error_of([&] { c.validate(); });
+  c.alpha = 1e38;  // a scale of 5e37 is a float32
+  EXPECT_NO_THROW(c.validate());
+}
+
+// A target regex is compiled when the config is checked, and one std::regex would match in exponential time (a group
+// holding a repetition, repeated: every rank would hang matching it against the module names) is refused.
+TEST(LoraStore, ATargetRegexThatCannotBeMatchedIsRefused) {
+  LoraConfig c = lora_config(1);
+  c.target_regex = true;
+  const auto refusal = [&](const std::string& pattern) {
+    c.target = {pattern};
+    return testing::error_of([&] { c.validate(); });
+  };
+  EXPECT_NE(refusal("(").find("config: model.lora.target '(' is not a regular expression: "), std::string::npos);
+  for (const char* nested : {"((((.*)*)*)*)*x", "(a+)*", "(.*\\.(q|v)_proj)+", "(x(ab*)c)*", "(a{2,})+"})
+    EXPECT_NE(refusal(nested).find("repeats a group that holds a repetition"), std::string::npos) << nested;
+  // Repetitions side by side, inside brackets or escaped are not nested.
+  for (const char* fine :
+       {".*\\.(q|v)_proj", "model\\.layers\\.[0-9]+\\.(self_attn|mlp)\\..*", "([*+])*", "(\\*)+", "(ab)*.*"})
+    EXPECT_EQ(refusal(fine), "") << fine;
 }
 
 }  // namespace

@@ -9,8 +9,9 @@ token where its images go (`"images": ["img/a.png", ...]`, relative to the JSONL
      count at every step (1e-4 relative: tests/trainer/same_loss_mpirun.sh's bound and reason; the images become
      the same features on every rank, so a rank that encoded or placed them differently shows at 1e-2);
   2. the cp = 2 run's checkpoint loads in transformers with no missing or unexpected weights (the tower included);
-  3. every bad image (missing, empty, not an image, truncated, zero-sized) and a placeholder count that does not
-     match the images stop the run on every rank, before step 1, with one line naming the JSONL line and the file.
+  3. every bad image (missing, empty, not an image, truncated, zero-sized, a FIFO, a directory) and a placeholder count
+     that does not match the images stop the run on every rank, before step 1, with one line naming the JSONL line
+     and the file.
 The soft tokens themselves are checked against transformers in tests/model/vision_parity.py and
 vision_forward.py, the decoding and preprocessing in tests/model/image_parity.py.
 Exit 77 (CTest's skip) when torch, transformers or safetensors is missing.
@@ -164,10 +165,15 @@ def main():
         ihdr_zero[16:20] = struct.pack(">I", 0)
         ihdr_zero[29:33] = struct.pack(">I", zlib.crc32(bytes(ihdr_zero[12:29])))
         bad_files = {"missing": None, "empty": b"", "text": b"not an image\n", "truncated": good[: len(good) // 2],
-                     "zero": bytes(ihdr_zero)}
+                     "zero": bytes(ihdr_zero), "fifo": "mkfifo", "directory": "mkdir"}
         for what, content in bad_files.items():
             path = os.path.join(work, "bad", what + ".png")
-            if content is not None:
+            if content == "mkfifo":  # opening it for reading would wait for a writer forever
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                os.mkfifo(path)
+            elif content == "mkdir":
+                os.makedirs(path)
+            elif content is not None:
                 write(path, content)
             bad_lines = list(lines)
             sample = json.loads(bad_lines[2])

@@ -74,7 +74,9 @@ TEST(TrainConfig, UnknownFieldsAndWrongTypesNameTheField) {
             "a.yaml: the config must be a map of sections (model, data, optimizer, ...)");
   EXPECT_NE(error_of([] { parse_config("train: {steps: [1", "a.yaml"); }).find("a.yaml: not valid YAML"),
             std::string::npos);
-  EXPECT_EQ(error_of([] { load_config("/absent/x.yaml"); }), "/absent/x.yaml: cannot open the config file");
+  EXPECT_EQ(error_of([] { load_config("/absent/x.yaml"); }), "/absent/x.yaml: no such file");
+  // A device or a FIFO would be read forever (or block the read): a config is a small regular file.
+  EXPECT_EQ(error_of([] { load_config("/dev/zero"); }), "/dev/zero: not a regular file");
   EXPECT_EQ(error_of([] { validate(parse_config("model: {compute_dtype: float16}", "a.yaml"), 1); }),
             "config: model.compute_dtype = 'float16' is not one of float32, bfloat16");
 }
@@ -206,6 +208,13 @@ TEST(TrainConfig, CrossFieldRules) {
   EXPECT_EQ(check({"data.source=jsonl_tokens", "data.path=/absent.jsonl"}, 1),
             "config: data.path = '/absent.jsonl' is not a file");
   EXPECT_EQ(check({"optimizer.beta2=1"}, 1), "config: optimizer.beta2 = 1 must be in [0, 1)");
+  EXPECT_EQ(check({"optimizer.weight_decay=1e308"}, 1),
+            "config: optimizer.lr * optimizer.weight_decay = 0.003 * 1e+308 = 3e+305 must be below 1 (AdamW scales "
+            "each weight by 1 - lr * weight_decay a step)");
+  EXPECT_EQ(check({"optimizer.lr=2", "optimizer.weight_decay=0.5"}, 1),
+            "config: optimizer.lr * optimizer.weight_decay = 2 * 0.5 = 1 must be below 1 (AdamW scales each weight by "
+            "1 - lr * weight_decay a step)");
+  EXPECT_EQ(check({"optimizer.lr=1e30", "optimizer.weight_decay=0"}, 1), "");
   EXPECT_EQ(check({"train.steps=0"}, 1), "config: train.steps = 0 must be >= 1");
   EXPECT_EQ(check({"parallelism.sharding=diagonal"}, 1),
             "config: parallelism.sharding = 'diagonal' is not one of contiguous, zigzag, balanced");

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <sentencepiece_processor.h>
 #include <sentencepiece_trainer.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -307,6 +308,17 @@ TEST(JsonlText, SentencePieceTokenizerTrainedHere) {
               make_data_source(c, {10, 0, 0, ""});
             }).find("pieces, more than the model's vocabulary of 10"),
             std::string::npos);
+  // Without data.tokenizer, model.path's tokenizer.model: a FIFO there is refused, not waited on.
+  const fs::path fifo_model = dir / "fifo_model";
+  fs::create_directories(fifo_model);
+  ASSERT_EQ(::mkfifo((fifo_model / "tokenizer.model").c_str(), 0600), 0);
+  const TrainConfig by_model = config_with(
+      {"data.source=jsonl_text", "data.path=" + (dir / "d.jsonl").string(), "train.seq_len=64", "data.val_rows=1"});
+  EXPECT_EQ(error_of([&] {
+              make_data_source(by_model, {kVocab, 0, 0, fifo_model.string()});
+            }),
+            (fifo_model / "tokenizer.model").string() +
+                ": not a regular file (the SentencePiece model data.source = jsonl_text reads)");
 }
 
 // A PNG file's bytes, 8-bit RGB, its IDAT a zlib stream of stored (uncompressed) deflate blocks, so the test needs no

@@ -268,6 +268,55 @@ void expect_same_bits(const Trained& none, const Trained& sharded, const std::st
       << what;
 }
 
+// Each rank resolves --resume and reads data.path on its own file system. Ranks that find different files (a relative
+// path from other working directories, machines with other copies) are named on every rank before any step: they
+// would otherwise run different steps (a failed collective) or train on different rows without a word.
+TEST(Resume, RanksThatFindDifferentFilesAreNamed) {
+  const fs::path dir = scratch("different_files");
+  const TrainConfig c = small("tiny_dense", {"parallelism.dp=2", "train.steps=4", "checkpoint.every=2",
+                                             "checkpoint.dir=" + (dir / "ck").string()});
+  run(c);
+  const auto per_rank = [&](const std::function<TrainConfig(int)>& config_of,
+                            const std::function<TrainOptions(int)>& options_of) {
+    return error_of([&] {
+      comm::run_ranks(2, [&](comm::Communicator& world) {
+        TrainOptions o = options_of(world.rank());
+        o.progress = nullptr;
+        train(config_of(world.rank()), world, o);
+      });
+    });
+  };
+  const TrainConfig resumed = small("tiny_dense", {"parallelism.dp=2", "train.steps=6", "checkpoint.dir="});
+  const std::string steps = per_rank([&](int) { return resumed; },
+                                     [&](int rank) {
+                                       TrainOptions o;
+                                       o.resume =
+                                           (dir / "ck" / (rank == 0 ? "step-00000004" : "step-00000002")).string();
+                                       return o;
+                                     });
+  EXPECT_NE(steps.find("ranks resumed from different checkpoints: rank 1 at step 2 (data position 8), rank 0 at "
+                       "step 4 (data position 16)"),
+            std::string::npos)
+      << steps;
+  for (int r = 0; r < 2; ++r) {
+    std::ofstream out(dir / ("d" + std::to_string(r) + ".jsonl"));
+    // 40 samples of 20 tokens: a dozen 64-token rows, more than data.val_rows; rank 1's differ in every sample.
+    for (int line = 0; line < 40; ++line) {
+      out << "{\"input_ids\": [" << line + 1;
+      for (int t = 1; t < 20; ++t) out << ", " << (t * 5 + 7 * r) % 500 + 1;
+      out << "]}\n";
+    }
+  }
+  const std::string data = per_rank(
+      [&](int rank) {
+        return small("tiny_dense", {"parallelism.dp=2", "train.steps=2", "checkpoint.dir=", "data.source=jsonl_tokens",
+                                    "data.path=" + (dir / ("d" + std::to_string(rank) + ".jsonl")).string()});
+      },
+      [](int) { return TrainOptions{}; });
+  EXPECT_NE(data.find("rank 1 read other data than rank 0"), std::string::npos) << data;
+  fs::remove_all(dir);
+}
+
 // parallelism.shard = optimizer (ZeRO-1): each rank keeps AdamW's moments for its shard of the trainable
 // parameters (any count: shards are padded), updates those elements alone, and takes the others' from their owners.
 // An element's update depends on that element alone, so every loss, gradient norm and weight, and the checkpoint
@@ -467,6 +516,8 @@ void rewrite_moments(const fs::path& from, const fs::path& to, const model::Para
     const int64_t n = bounds[k + 1] - bounds[k];
     part.add("exp_avg", io::StDType::F32, {n}, range(m, bounds[k], n));
     part.add("exp_avg_sq", io::StDType::F32, {n}, range(v, bounds[k], n));
+    part.set_metadata("begin", std::to_string(bounds[k]));  // as write_moments_shard records each file's range
+    part.set_metadata("end", std::to_string(bounds[k + 1]));
     part.write((to / file).string());
     files.push_back({{"file", file}, {"begin", bounds[k]}, {"end", bounds[k + 1]}});
   }
@@ -512,6 +563,18 @@ TEST(ShardOptimizer, ReshardsTheMomentsExactlyAtAnyRankCount) {
   same_bits(sharded, whole, {"parallelism.dp=2", "parallelism.shard=optimizer"}, "4 files at N = 2");
   same_bits(sharded, whole, {"parallelism.dp=3", "parallelism.shard=optimizer"}, "4 files at N = 3");
   same_bits(sharded, whole, {"parallelism.shard=none"}, "4 files at N = 1");
+  // Two rank files swapped (or one copied over another): each file's own range must be the layout's, else equal-length
+  // files would load each other's moments.
+  const fs::path swapped = dir / "swapped";
+  fs::copy(sharded, swapped);
+  fs::rename(swapped / "optimizer-00001-of-00004.safetensors", swapped / "tmp.safetensors");
+  fs::rename(swapped / "optimizer-00002-of-00004.safetensors", swapped / "optimizer-00001-of-00004.safetensors");
+  fs::rename(swapped / "tmp.safetensors", swapped / "optimizer-00002-of-00004.safetensors");
+  TrainOptions from_swapped;
+  from_swapped.resume = swapped.string();
+  const std::string refused = error_of([&] { run(config(dir / "x", {"parallelism.shard=none"}), from_swapped); });
+  EXPECT_NE(refused.find("optimizer-00001-of-00004.safetensors: holds elements "), std::string::npos) << refused;
+  EXPECT_NE(refused.find(" of the trainable layout, optimizer.json gives it 0 to "), std::string::npos) << refused;
 
   const Trained one = run(config(dir / "one", {"parallelism.shard=none"}));
   const fs::path one_whole = dir / "one" / "step-00000002", uneven = dir / "uneven" / "step-00000002";
@@ -1518,6 +1581,9 @@ TEST(Checkpoints, AHandEditedTrainerStateIsCheckedFieldByField) {
   EXPECT_EQ(load_with("/history/steps", {1, 2147483647}),
             file + "`history.steps[1]` = 2147483647 must be an integer in [1, 2]");
   EXPECT_EQ(load_with("/history/val_steps", {0, 1}), file + "`history.val_steps[0]` = 0 must be an integer in [1, 2]");
+  // A field given twice: nlohmann would keep the last silently, whichever a reader meant.
+  io::write_file_atomically(state.string(), "{\"step\": 1, " + good.dump().substr(1));
+  EXPECT_EQ(error_of([&] { load_train_checkpoint(ck.string()); }), file + "the key `step` appears twice");
   // The file as written loads, and a resume through train() stops on the same line as the loader.
   EXPECT_EQ(load_with("/step", 2), "");
   load_with("/data_position", -5);
