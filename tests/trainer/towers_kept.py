@@ -94,8 +94,9 @@ def add_side_files(path):
 
 
 def check_side_files(source, ckpt, failures):
-    """config.json and every side file of `source` (SIDE_FILES, generation_config.json) are in `ckpt` unchanged."""
-    for name in ["config.json", "generation_config.json", *SIDE_FILES]:
+    """config.json and every side file of `source` (SIDE_FILES, generation_config.json, preprocessor_config.json) are
+    in `ckpt` unchanged."""
+    for name in ["config.json", "generation_config.json", "preprocessor_config.json", *SIDE_FILES]:
         if not os.path.exists(os.path.join(source, name)):
             continue
         if not os.path.exists(os.path.join(ckpt, name)):
