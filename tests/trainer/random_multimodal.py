@@ -30,7 +30,10 @@ checkpoint relies on:
           from_pretrained on the output holds them unchanged.
 Tolerances are the owning tests': losses 1e-4 relative (tests/model/parity.py: float32 against float64, rounding
 ~1e-7 a step amplified by depth; measured ~1e-7), gradients 1e-4 in relative norm (tests/model/vision_parity.py;
-measured ~1e-5 at most).
+measured ~1e-5 at most). With clipped linears, a rare draw puts a value within float32 rounding of a clip bound, where
+float32 and float64 take the clamp's 0/1 gradient differently (tests/model/vision_parity.py says the same of bf16): the
+tower's gradients then miss by ~1e-4 to 1e-3 with the loss still at ~1e-8 (seed 219: one value of 2.6 million within
+1e-6 of its bound, gradients within 6e-4). Such a seed is that, not a bug, when the count of such values is not zero.
 
 By hand, many seeds (~5 s each):  random_multimodal.py RINGFLEX IMAGE_CASE MPIEXEC... --seeds 0-99
 CTest runs three fixed seeds (tests/trainer/CMakeLists.txt). A failing seed prints what failed and keeps its work
