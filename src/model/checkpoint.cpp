@@ -5,10 +5,12 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
+#include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -124,6 +126,36 @@ std::string file_name_of(const std::string& param_name, const std::string& text_
   return param_name;
 }
 
+namespace {
+
+// The largest side file carried: Gemma 4's tokenizer.json is ~32 MiB; a file far larger is not a tokenizer or processor
+// file (and would be held in memory by every rank from load to the last save).
+constexpr std::uintmax_t kMaxSideFileBytes = 256u << 20;
+
+std::string read_side_file(const std::string& path) {
+  std::error_code ec;
+  const std::uintmax_t size = fs::file_size(path, ec);
+  RF_CHECK(!ec && size <= kMaxSideFileBytes, path, ": ", ec ? ec.message() : std::to_string(size) + " bytes",
+           ", more than the ", kMaxSideFileBytes, " a checkpoint's tokenizer or processor file is read with");
+  std::ifstream in(path, std::ios::binary);
+  RF_CHECK(in.is_open(), path, ": cannot be read");
+  std::string bytes(static_cast<size_t>(size), '\0');
+  in.read(bytes.data(), static_cast<std::streamsize>(size));
+  RF_CHECK(in.gcount() == static_cast<std::streamsize>(size), path, ": cannot be read (", in.gcount(), " of ", size,
+           " bytes)");
+  return bytes;
+}
+
+}  // namespace
+
+bool is_side_file(const std::string& name) {
+  static const std::set<std::string, std::less<>> kSideFiles = {
+      "generation_config.json",  "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+      "special_tokens_map.json", "added_tokens.json",     "chat_template.jinja",      "chat_template.json",
+      "tokenizer.json",          "tokenizer_config.json", "tokenizer.model"};
+  return kSideFiles.count(name) > 0;
+}
+
 Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating,
                            std::unique_ptr<ParamStore> store, bool train_vision, const PlaceParams& place) {
   const fs::path root(dir);
@@ -138,6 +170,13 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
 
   Checkpoint ck;
   ck.source = dir;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(root, ec)) {
+    const std::string name = e.path().filename().string();
+    std::error_code type_ec;  // a dangling link is no side file, not a failure to list the folder
+    if (is_side_file(name) && e.is_regular_file(type_ec)) ck.side_files[name] = read_side_file(e.path().string());
+  }
+  RF_CHECK(!ec, dir, ": cannot list the directory (", ec.message(), ")");
   const std::string embed = "embed_tokens.weight";
   if (files.find(kMultimodalTextPrefix + embed)) ck.text_prefix = kMultimodalTextPrefix;
   int vision_dim = 0;
@@ -310,6 +349,7 @@ void save_checkpoint(const Checkpoint& ck, const std::string& dir, const SaveOpt
     // its caller (written under a temporary name and renamed).
     io::write_file_atomically((root / "config.json").string(),
                               ck.config_json.empty() ? ck.model->config().source_json : ck.config_json);
+    for (const auto& [name, bytes] : ck.side_files) io::write_file_atomically((root / name).string(), bytes);
   } catch (...) {
     run_all_fills_then(0, std::current_exception());
   }

@@ -11,10 +11,12 @@
 // embedder, any name ringflex does not know) is kept in the model's kept() as it is in the files (io/passthrough.h) and
 // written again with the same name, dtype and bits. Saving writes config.json unchanged and one model.safetensors:
 // the model's tensors in float32 under the prefix the checkpoint was read with, and the passthrough tensors, so the
-// written files hold exactly what the config describes when the files read did.
+// written files hold exactly what the config describes when the files read did. The tokenizer, processor, chat
+// template and generation files beside them are carried over too (Checkpoint::side_files).
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -35,7 +37,17 @@ struct Checkpoint {
   // The config.json a save writes; empty: the model's own (Gemma4Config::source_json). Set by the loader for a stale
   // checkpoint (see load_checkpoint) to the config that describes the files a save writes.
   std::string config_json;
+  // The files beside the config and the weights that say how to feed and run the model (is_side_file: tokenizer,
+  // processor, chat template, generation settings), name -> bytes. Read when the checkpoint is loaded (the folder may
+  // be gone by a later save: keep-last-K removes the checkpoint a run resumed from) and written unchanged by every
+  // save, so that a checkpoint ringflex writes is used as the one it read was (AutoProcessor, AutoTokenizer, generate).
+  std::map<std::string, std::string> side_files;
 };
+
+// Whether a file of a checkpoint folder is one of the side files a save carries over (Checkpoint::side_files):
+// generation_config.json, processor_config.json, preprocessor_config.json, video_preprocessor_config.json,
+// special_tokens_map.json, added_tokens.json, chat_template.jinja / .json, and tokenizer.* / tokenizer_config.json.
+bool is_side_file(const std::string& name);
 
 // Runs with the model's parameters registered as shapes only (TensorSet::Storage::Deferred), after they were
 // checked against the files and before any is allocated: where a caller checks what its whole job needs.
@@ -83,10 +95,10 @@ struct SaveOptions {
   static constexpr int64_t kDefaultMaxShardBytes = 50'000'000'000;  // transformers' default, "50GB"
 };
 
-// Writes config.json unchanged and the weights, each tensor read from the store (ParamStore::read_weight) only while
-// it is written: the writer holds one tensor at a time beside the store, never a copy of the model. Every file is
-// replaced all or nothing; a failed write still takes part in the remaining reads (so ranks sharing them stay
-// matched), then throws rf::Error naming the file.
+// Writes config.json unchanged, the side files (Checkpoint::side_files) and the weights, each tensor read from the
+// store (ParamStore::read_weight) only while it is written: the writer holds one tensor at a time beside the store,
+// never a copy of the model. Every file is replaced all or nothing; a failed write still takes part in the remaining
+// reads (so ranks sharing them stay matched), then throws rf::Error naming the file.
 void save_checkpoint(const Checkpoint& ck, const std::string& dir, const SaveOptions& options = {});
 
 // The file name of a parameter: "model.X" becomes text_prefix + "X"; other names are kept, and so are those of the

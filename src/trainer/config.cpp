@@ -4,14 +4,17 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <charconv>
 #include <cmath>
 #include <filesystem>
 #include <functional>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <type_traits>
+#include <utility>
 
 #include "core/error.h"
 #include "io/json_text.h"
@@ -315,6 +318,38 @@ std::string_view name_of(ShardMode s) {
   return "?";
 }
 
+namespace {
+
+// data.image_soft_tokens' default (config.h): the max_soft_tokens of the image processor saved beside the checkpoint,
+// so that images are resized for the budget the model's own processor uses.
+int processor_soft_tokens(const std::string& model_path) {
+  const std::filesystem::path dir(model_path);
+  std::error_code ec;
+  // transformers 5 saves a processor's image processor inside processor_config.json; an image processor saved alone,
+  // and older processors, write preprocessor_config.json with the field at the top.
+  for (const auto& [file, nested] : {std::pair{"processor_config.json", true}, {"preprocessor_config.json", false}}) {
+    const std::string path = (dir / file).string();
+    if (model_path.empty() || !std::filesystem::is_regular_file(path, ec)) continue;
+    const nlohmann::json root = io::parse_json(io::read_config_file(path), path);
+    const nlohmann::json* at = &root;
+    if (nested) {
+      if (!root.is_object() || !root.contains("image_processor") || !root["image_processor"].is_object()) continue;
+      at = &root["image_processor"];
+    }
+    if (!at->is_object() || !at->contains("max_soft_tokens")) continue;
+    const nlohmann::json& v = (*at)["max_soft_tokens"];
+    const std::string field = nested ? "image_processor.max_soft_tokens" : "max_soft_tokens";
+    const std::array<int64_t, 5> supported = {70, 140, 280, 560, 1120};  // Gemma4ImageProcessor's
+    RF_CHECK(v.is_number_integer() && std::count(supported.begin(), supported.end(), v.get<int64_t>()) == 1, path, ": ",
+             field, " = ", v.dump(), " is not 70, 140, 280, 560 or 1120 (data.image_soft_tokens takes its ",
+             "default from it; set it to override)");
+    return v.get<int>();
+  }
+  return DataSection::kDefaultImageSoftTokens;
+}
+
+}  // namespace
+
 TrainConfig parse_config(const std::string& yaml_text, const std::string& source,
                          const std::vector<std::string>& sets) {
   TrainConfig c;
@@ -338,6 +373,7 @@ TrainConfig parse_config(const std::string& yaml_text, const std::string& source
     if (node.IsNull()) node = YAML::Node(value);  // `--set checkpoint.dir=` means the empty string
     yaml_guard("--set " + set, [&] { find_field(name, "--set").read(c, node); });
   }
+  if (c.data.image_soft_tokens == 0) c.data.image_soft_tokens = processor_soft_tokens(c.model.path);
   return c;
 }
 

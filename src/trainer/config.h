@@ -57,8 +57,11 @@ struct DataSection {
   int val_rows = 8;                      // rows held out for validation
   int mock_image_tokens = 16;            // mock: placeholder tokens per image block
   // jsonl_tokens samples with `images`: the soft tokens an image is resized for (Gemma4ImageProcessor's
-  // max_soft_tokens: 70, 140, 280, 560 or 1120)
-  int image_soft_tokens = 280;
+  // max_soft_tokens: 70, 140, 280, 560 or 1120). 0 (the default): the checkpoint's own image processor's, read by
+  // parse_config from model.path (processor_config.json's image_processor.max_soft_tokens, else
+  // preprocessor_config.json's max_soft_tokens), else kDefaultImageSoftTokens.
+  int image_soft_tokens = 0;
+  static constexpr int kDefaultImageSoftTokens = 280;  // Gemma4ImageProcessor's own default
 };
 
 struct OptimizerSection {

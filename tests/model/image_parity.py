@@ -2,10 +2,13 @@
 """Image files become the patches transformers' Gemma 4 image processor makes of them (src/model/image_processor.h).
 
 Generated here with Pillow: PNGs (RGB, RGBA with transparent pixels, grey with alpha, grey, 1-bit grey, palette,
-palette with a transparent index, 16-bit RGB, interlaced) and JPEGs (colour, 4:2:0 and 4:4:4, grey) of odd sizes, shrunk and enlarged by the resize, one already
-at its target size, one thin enough for the processor's one-square fallback. For each, tests/model/image_case
-(ringflex's decoder and preprocessing) against Pillow's decode + transformers 5.24's Gemma4ImageProcessorPil
-(the processor transformers picks without torchvision, and what Gemma4ImageProcessor's PIL path computes):
+palette with a transparent index, 16-bit RGB, 16-bit grey with and without a tRNS key, interlaced, one with an EXIF
+orientation in its eXIf chunk) and JPEGs (colour, 4:2:0 and 4:4:4, grey, four stored sideways with an EXIF
+orientation) of odd sizes, shrunk and enlarged by the resize, one already at its target size, one thin enough for the
+processor's one-square fallback. For each,
+tests/model/image_case (ringflex's decoder and preprocessing) against Pillow's decode, turned upright as transformers'
+load_image turns a file (ImageOps.exif_transpose), and transformers 5.24's Gemma4ImageProcessorPil (the processor
+transformers picks without torchvision, and what Gemma4ImageProcessor's PIL path computes):
   - the decoded RGB pixels: equal to transformers' convert_to_rgb of Pillow's image (both decode with libpng /
     libjpeg-turbo; transparency is composited onto white with Pillow's integer arithmetic in both; a
     JPEG may differ by a few units where the two libjpeg-turbo builds' IDCT or upsampling differ, so JPEG pixels
@@ -28,7 +31,7 @@ from oracle_env import missing_oracle  # noqa: E402
 
 try:
     import numpy as np
-    from PIL import Image
+    from PIL import Image, ImageOps
     from safetensors.numpy import load_file
     from transformers.image_transforms import convert_to_rgb
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
@@ -69,13 +72,33 @@ def make_images(d):
     save("palette_23x91.png", Image.fromarray(smooth(23, 91, 6)).quantize(17))
     wide = smooth(48, 40, 7).astype(np.uint16) * 257 + 77  # 16-bit RGB, low bytes not zero
     save("rgb16_48x40.png", Image.frombytes("RGB", (48, 40), wide.astype(">u2").tobytes(), "raw", "RGB;16B"))
+    # 16-bit grey: Pillow's mode I;16, whose RGB clamps each value to 255 (not its high byte, as the other 16-bit
+    # layouts); values below, at and far above 255, and a tRNS grey key, composited onto white.
+    grey16 = (smooth(29, 17, 17)[..., 0].astype(np.uint16) * 3).astype(np.uint16)
+    grey16[0, :8] = [0, 3, 254, 255, 256, 1000, 32768, 65535]
+    save("grey16_29x17.png", Image.fromarray(grey16))
+    save("grey16_trns_29x17.png", Image.fromarray(grey16), transparency=int(grey16[3, 3]))
     save("interlaced_41x29.png", Image.fromarray(smooth(41, 29, 8)), interlace=1)
     save("at_target_48x72.png", Image.fromarray(smooth(48, 72, 9)))  # 48 = 2 x 24, 72 = 3 x 24: no resize
     save("thin_500x3.png", Image.fromarray(smooth(500, 3, 10)))      # the processor's one-square fallback
     save("photo_120x80.jpg", Image.fromarray(smooth(120, 80, 11)), quality=90)
     save("photo444_33x47.jpg", Image.fromarray(smooth(33, 47, 12)), quality=95, subsampling=0)
     save("grey_70x31.jpg", Image.fromarray(smooth(70, 31, 13)[..., 0]), quality=85)
+    # Stored sideways with an EXIF orientation: transformers' load_image turns every file upright (exif_transpose).
+    for orientation, (w, h) in ((6, (45, 28)), (8, (21, 50)), (3, (30, 30)), (5, (52, 17))):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        save(f"exif{orientation}_{w}x{h}.jpg", Image.fromarray(smooth(w, h, 20 + orientation)), quality=92,
+             exif=exif.tobytes())
+    exif = Image.Exif()
+    exif[0x0112] = 7
+    save("exif7_33x19.png", Image.fromarray(smooth(33, 19, 30)), exif=exif.tobytes())  # a PNG's eXIf chunk
     return files
+
+
+def upright(path):
+    """The image transformers reads from a file: Pillow's, turned upright by its EXIF orientation (load_image)."""
+    return ImageOps.exif_transpose(Image.open(path))
 
 
 def rgb_as_transformers(img):
@@ -128,7 +151,7 @@ def main():
             print(f"FAIL image_case: {proc.stderr.strip()}")
             return 1
         # Pillow's decode, written back as lossless RGB PNGs: ringflex's preprocessing on exactly Pillow's pixels.
-        pil_rgb = {n: rgb_as_transformers(Image.open(files[n])) for n in names}
+        pil_rgb = {n: rgb_as_transformers(upright(files[n])) for n in names}
         same_in = []
         for n in names:
             path = os.path.join(d, "pil_" + n + ".png")
@@ -140,7 +163,7 @@ def main():
             return 1
         worst_jpeg = (0, 0.0)
         for i, n in enumerate(names):
-            ref = processor(images=[Image.open(files[n])], return_tensors="np")
+            ref = processor(images=[upright(files[n])], return_tensors="np")
             ref_px, ref_pos = ref["pixel_values"][0], ref["image_position_ids"][0]
             ref_soft = int(ref["num_soft_tokens_per_image"][0])
             at = f"image.{i}."

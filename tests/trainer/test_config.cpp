@@ -2,6 +2,11 @@
 // field (the oracle is the message text the user reads).
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
 #include "common/error_of.h"
 #include "trainer/config.h"
 
@@ -186,6 +191,34 @@ TEST(TrainConfig, MaxShardSizeIsTransformersSize) {
               validate(parse_config("", "t", {"checkpoint.max_shard_size=big"}), 1);
             }).find("is not a positive size"),
             std::string::npos);
+}
+
+// data.image_soft_tokens, unset, is the max_soft_tokens of the image processor beside model.path (transformers 5's
+// processor_config.json nests it under image_processor; an image processor saved alone writes it at the top of
+// preprocessor_config.json), else Gemma4ImageProcessor's default 280; given, it wins.
+TEST(TrainConfig, ImageSoftTokensDefaultToTheCheckpointsProcessor) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "rf_soft_tokens";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const auto write = [&](const char* name, const std::string& text) { std::ofstream(dir / name) << text; };
+  const auto soft = [&](std::vector<std::string> sets) {
+    sets.push_back("model.path=" + dir.string());
+    return parse_config("", "x", sets).data.image_soft_tokens;
+  };
+  EXPECT_EQ(parse_config("", "x").data.image_soft_tokens, 280);
+  EXPECT_EQ(soft({}), 280);
+  write("preprocessor_config.json", R"({"image_processor_type": "Gemma4ImageProcessor", "max_soft_tokens": 140})");
+  EXPECT_EQ(soft({}), 140);
+  write("processor_config.json", R"({"image_processor": {"max_soft_tokens": 70}, "image_seq_length": 70})");
+  EXPECT_EQ(soft({}), 70);  // processor_config.json first, as AutoProcessor reads it
+  EXPECT_EQ(soft({"data.image_soft_tokens=560"}), 560);
+  write("processor_config.json", R"({"image_processor": {"max_soft_tokens": 100}})");
+  EXPECT_EQ(error_of([&] { soft({}); }),
+            (dir / "processor_config.json").string() +
+                ": image_processor.max_soft_tokens = 100 is not 70, 140, 280, 560 or 1120 (data.image_soft_tokens "
+                "takes its default from it; set it to override)");
+  EXPECT_EQ(soft({"data.image_soft_tokens=1120"}), 1120);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(TrainConfig, CrossFieldRules) {

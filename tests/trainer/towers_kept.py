@@ -6,7 +6,9 @@ For each input, `mpirun -n 2 ringflex train` (cp = 2) fine-tunes it for 2 steps 
      unexpected and no mismatched weights, and its loaded parameters equal the checkpoint's (none re-initialised);
   2. every tensor of the input that ringflex does not train (vision tower, audio tower, audio embedder) is in the
      checkpoint with the same name, dtype, shape and bytes; the checkpoint holds exactly the input's names;
-  3. `ringflex forward --model CKPT` and transformers (float64, eager attention, the docs/spec.md §3 masks built as
+  3. config.json, generation_config.json and the processor, tokenizer and chat template files beside the input's
+     weights are in the checkpoint unchanged;
+  4. `ringflex forward --model CKPT` and transformers (float64, eager attention, the docs/spec.md §3 masks built as
      tests/model/parity.py builds them) give the same loss on one batch (with image features through the trained
      projection where the model has one).
 Inputs, tiny random models made here with transformers' save_pretrained:
@@ -18,7 +20,7 @@ Inputs, tiny random models made here with transformers' save_pretrained:
            makes itself), trained on the mock data with its experts held apart (parallelism.ep = 2 under shard full:
            the writer receives each tensor from the ranks holding its parts, trainer/held_checkpoint.h): only 1 and
            2's name set (its tower has no input to match).
-Tolerance of 3: 1e-4 relative, as in tests/model/parity.py (float32 ringflex against float64 transformers on a tiny
+Tolerance of 4: 1e-4 relative, as in tests/model/parity.py (float32 ringflex against float64 transformers on a tiny
 model: rounding ~1e-7 per op amplified by depth stays ~1e-5; a wrong or missing weight shows at 1e-2).
 Exit 77 (CTest's skip) when torch, transformers or safetensors is missing.
 """
@@ -56,6 +58,15 @@ AUDIO = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, subsamp
              output_proj_dims=24)
 # What ringflex trains or reads: the decoder, the vision projection. Everything else must come back bit for bit.
 CARRIED = ("model.vision_tower.", "model.audio_tower.", "model.embed_audio.")
+# Files of a Hugging Face checkpoint beside its config and weights (its processor, tokenizer and chat template, added
+# here; generation_config.json, which save_pretrained writes), carried unchanged into every checkpoint ringflex writes.
+SIDE_FILES = {
+    "processor_config.json": json.dumps({"processor_class": "Gemma4Processor", "image_seq_length": 280}, indent=2),
+    "tokenizer_config.json": json.dumps({"tokenizer_class": "GemmaTokenizer", "padding_side": "left"}),
+    "tokenizer.json": json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}}),
+    "chat_template.jinja": "{% for m in messages %}{{ m['content'] }}{% endfor %}\n",
+    "special_tokens_map.json": json.dumps({"pad_token": "<pad>"}),
+}
 
 
 def make_input(kind, path, gen):
@@ -73,6 +84,25 @@ def make_input(kind, path, gen):
     if kind == "vision":
         model = model.to(torch.bfloat16)
     model.save_pretrained(path)
+    add_side_files(path)
+
+
+def add_side_files(path):
+    for name, text in SIDE_FILES.items():
+        with open(os.path.join(path, name), "w") as f:
+            f.write(text)
+
+
+def check_side_files(source, ckpt, failures):
+    """config.json and every side file of `source` (SIDE_FILES, generation_config.json, preprocessor_config.json) are
+    in `ckpt` unchanged."""
+    for name in ["config.json", "generation_config.json", "preprocessor_config.json", *SIDE_FILES]:
+        if not os.path.exists(os.path.join(source, name)):
+            continue
+        if not os.path.exists(os.path.join(ckpt, name)):
+            failures.append(f"{name} is not carried over")
+        elif open(os.path.join(source, name), "rb").read() != open(os.path.join(ckpt, name), "rb").read():
+            failures.append(f"{name} is not carried over unchanged")
 
 
 def feature_dim(ckpt):
@@ -223,6 +253,7 @@ def run(kind, ringflex, launcher, root):
         ckpt = train(ringflex, launcher, work, [f"model.path={source}"] + write_data(work, gen, feature_dim(source)))
         model, weights = check_loads(ckpt, failures)
         carried = check_carried(source, weights, failures)
+        check_side_files(source, ckpt, failures)
         rel = check_loss(ringflex, ckpt, model, work, gen, failures)
         summary = f"{len(weights)} tensors, {carried} carried bit for bit, loss relative difference {rel:.2e}"
     if failures:

@@ -31,7 +31,7 @@ from oracle_env import missing_oracle  # noqa: E402
 
 try:
     import torch
-    from PIL import Image
+    from PIL import Image, ImageOps
     from safetensors.torch import load_file
     from transformers.image_transforms import convert_to_rgb
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
@@ -63,9 +63,15 @@ def run(ringflex, launcher, work, name, sets, steps, extra=()):
     return [json.loads(x) for x in open(os.path.join(work, name + ".jsonl"))]
 
 
+def load_rgb(path):
+    """An image file's RGB pixels as transformers' processor starts from them: upright (the EXIF orientation applied,
+    as its load_image does with a file), transparency composited onto white (convert_to_rgb)."""
+    return convert_to_rgb(ImageOps.exif_transpose(Image.open(path)))
+
+
 def reference(model, ids, images, processor):
     """transformers' float64 loss and gradients of one sample: the placeholders expanded as Gemma4Processor does."""
-    feats = processor([convert_to_rgb(Image.open(p)) for p in images], return_tensors="pt")
+    feats = processor([load_rgb(p) for p in images], return_tensors="pt")
     counts = [int(n) for n in feats["num_soft_tokens_per_image"]]
     expanded, labels, k = [], [], 0
     for t in ids:
