@@ -3,23 +3,26 @@
 machinery and tolerance, on a configuration, rows and masks drawn from a seed).
 
 Each seed draws a Gemma4TextConfig within what transformers 5.24 accepts and ringflex claims to support
-(docs/model-fidelity.md, src/model/config.h): hidden size 2..40, head_dim and global_head_dim (even: 2..96 with 72
-and other sizes not multiples of 16, and the kernels' 64..512), query heads 1..16 with any divisor as kv heads
-(MQA, GQA up to 16:1) and num_global_key_value_heads, any layer_types pattern (the last layer sliding too:
-transformers forces it to full, with the warning ringflex repeats), sliding_window from 1 to past S,
-attention_k_eq_v, num_kv_shared_layers, per-layer embeddings (hidden_size_per_layer_input,
-vocab_size_per_layer_input below, at or above vocab_size), MoE (1..6 experts, top_k, moe_intermediate_size),
-use_double_wide_mlp, final_logit_softcapping (None too), tie_word_embeddings both ways, rope_parameters (default
-or proportional per layer type, theta, partial rotary factor, factor), rms_norm_eps, pad_token_id null or any row,
-use_bidirectional_attention "vision"; config.json as save_pretrained writes it (per_layer_config), by hand from the
-keyword arguments (global_head_dim, ...) or inside a multimodal Gemma4Config. And a batch: 1..3 rows of 1..40
-tokens (sometimes up to 140; any count, so not divisible by the rank counts), packed documents with one-token
-ones, padding at the end and between documents, labels with -100, image and video runs whose features enter raw
-or through the vision projection (parity.py's Images paragraph; their gradient grad.image_features is compared
-too), position_ids and doc sometimes left out. A draw transformers rejects (KV sharing without a producer of a
-layer type) must be refused by ringflex too. About a third of the seeds also draw a LoRA adapter through peft
-on the same base and rows (r, lora_alpha, use_rslora, a subset of q/k/v/o/gate/up/down_proj and of the experts'
-3-D weights): `ringflex forward --lora` against peft's float64 loss, logits and adapter gradients.
+(docs/model-fidelity.md, src/model/config.h): vocabulary 4..64 and hidden size 2..40 (now and then up to ~770 and
+160), head_dim and global_head_dim (even: 2..96 with 72 and other sizes not multiples of 16, and the kernels'
+64..512), query heads 1..16 with any divisor as kv heads (MQA, GQA up to 16:1) and num_global_key_value_heads, any
+layer_types pattern (the last layer sliding too: transformers forces it to full, with the warning ringflex repeats),
+sliding_window from 1 to past S, attention_k_eq_v, num_kv_shared_layers, per-layer embeddings
+(hidden_size_per_layer_input, vocab_size_per_layer_input below, at or above vocab_size), MoE (1..6 experts, top_k,
+moe_intermediate_size), use_double_wide_mlp, final_logit_softcapping (None too), tie_word_embeddings both ways,
+rope_parameters (default or proportional per layer type, theta, partial rotary factor, factor), rms_norm_eps,
+pad_token_id null or any row, use_bidirectional_attention "vision"; config.json as save_pretrained writes it
+(per_layer_config), by hand from the keyword arguments (global_head_dim, ...) or inside a multimodal Gemma4Config,
+sometimes with per_layer_config overrides per layer type (sliding layers' too). And a batch: 1..3 rows of 1..40
+tokens (sometimes up to 140; any count, so not divisible by the rank counts), packed documents with one-token ones,
+padding at the end and between documents, labels with -100, image and video runs whose features enter raw or through
+the vision projection (parity.py's Images paragraph; their gradient grad.image_features is compared too),
+position_ids and doc sometimes left out. A draw transformers rejects (KV sharing without a producer of a layer type)
+must be refused by ringflex too, and so must a field ringflex does not support (attention_bias, another activation,
+fully bidirectional attention, linear RoPE) written into a few seeds' config.json. About a third of the seeds also
+draw a LoRA adapter through peft on the same base and rows (r, lora_alpha, use_rslora, a subset of
+q/k/v/o/gate/up/down_proj and of the experts' 3-D weights): `ringflex forward --lora` against peft's float64 loss,
+logits and adapter gradients.
 
 Tolerance: parity.py's REL_TOL (1e-4 relative per tensor, and why), widened for a badly conditioned draw to
 COND_FACTOR times transformers' own float32 error, and a floor for gradients that are zero in exact arithmetic
@@ -106,6 +109,13 @@ LORA_EXPERT_TARGETS = ["experts.gate_up_proj", "experts.down_proj"]  # peft's ta
 HEAD_DIMS = [2, 4, 6, 8, 10, 12, 14, 18, 24, 26, 40, 72, 96]
 TUNED_HEAD_DIMS = [64, 128, 256, 512]  # the kernels' fast paths (docs/spec.md §1), drawn less often
 MAX_S, LONG_S = 40, 140
+WIDE_SALT = 1000003  # seeds the second generator (draw's wider models)
+# Fields transformers accepts and ringflex refuses, each naming the field: (key, value, what the line names).
+UNSUPPORTED = [("attention_bias", True, "attention_bias"), ("hidden_activation", "gelu", "hidden_activation"),
+               ("use_bidirectional_attention", "all", "use_bidirectional_attention"),
+               ("rope_parameters", {"sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1e6}}, "rope_type")]
+UNSUPPORTED_SHARE = 0.05
 
 
 def divisors(n):
@@ -221,12 +231,39 @@ def draw(seed):
         experts = [t for t in LORA_EXPERT_TARGETS if cfg.get("enable_moe_block") and rng.random() < 0.5]
         lora = dict(r=rng.randint(1, 8), alpha=round(rng.uniform(0.5, 16.0), 2), rslora=rng.random() < 0.5,
                     targets=targets or [rng.choice(LORA_TARGETS)], expert_targets=experts)
+    # Now and then a wider model: a vocabulary past the head's and the loss's small-V paths, a hidden size past the
+    # elementwise kernels' vector widths. From a second generator, so that the rest of each seed's draw stays as it
+    # was when the seeds above were chosen.
+    wide = random.Random(seed * WIDE_SALT + 1)
+    if wide.random() < 0.2:
+        cfg["vocab_size"] = V * wide.randint(5, 12)  # ids and labels drawn below V stay valid
+    if wide.random() < 0.15:
+        cfg["hidden_size"] = wide.randint(41, 160)
+        if features is not None and not features["projected"]:
+            features["dim"] = cfg["hidden_size"]
+    # Now and then a config.json field ringflex refuses by name (docs/model-fidelity.md), written into the file only.
+    odd = random.Random(seed * WIDE_SALT + 2)
+    if odd.random() < UNSUPPORTED_SHARE:
+        cfg["_unsupported"] = odd.choice(UNSUPPORTED)
+    # Sometimes per_layer_config itself, as transformers 5.24 writes it: one override per layer type (it requires
+    # every layer of a type alike), head_dim and/or num_key_value_heads, sliding layers' too; global_head_dim and
+    # num_global_key_value_heads are then unused.
+    if odd.random() < 0.15:
+        override = {}
+        for t in ("sliding_attention", "full_attention"):
+            o = {}
+            if odd.random() < 0.6:
+                o["head_dim"] = odd.choice(HEAD_DIMS)
+            if odd.random() < 0.6:
+                o["num_key_value_heads"] = odd.choice(divisors(cfg["num_attention_heads"]))
+            override[t] = o
+        cfg["per_layer_config"] = {i: override[t] for i, t in enumerate(cfg["layer_types"]) if override[t]}
     return cfg, dict(ids=ids, labels=labels, pos=pos, doc=doc, mm=mm, features=features, omit=omit, lora=lora)
 
 
 def expected_refusals(cfg, batch, ranks):
     """Substrings of the one error line ringflex is expected to give for this draw at `ranks` (empty: it must run)."""
-    out = []
+    out = [cfg["_unsupported"][2]] if "_unsupported" in cfg else []
     if batch["features"] is not None and cfg.get("pad_token_id") is None and cfg["hidden_size_per_layer_input"]:
         out.append("pad")
     if batch["ids"].shape[1] < ranks:
@@ -267,6 +304,16 @@ def write_config(ckpt, cfg, projected):
         text = {"model_type": "gemma4", "text_config": text, "tie_word_embeddings": cfg["tie_word_embeddings"]}
     with open(os.path.join(ckpt, "config.json"), "w") as f:
         json.dump(text, f)
+
+
+def edit_config(ckpt, key, value):
+    """Sets `key` of the checkpoint's text config (config.json, or its text_config) to `value`."""
+    path = os.path.join(ckpt, "config.json")
+    with open(path) as f:
+        root = json.load(f)
+    (root["text_config"] if "text_config" in root else root)[key] = value
+    with open(path, "w") as f:
+        json.dump(root, f)
 
 
 def check_rejected(ringflex, cfg, config, batch, workdir, why):
@@ -322,8 +369,11 @@ def run_seed(ringflex, seed, runs, workdir):
                        None if "position_ids" in batch["omit"] else batch["pos"],
                        None if "doc" in batch["omit"] else batch["doc"], batch["mm"], feats)
 
+    if "_unsupported" in cfg:
+        edit_config(ckpt, *cfg["_unsupported"][:2])
     # Image slots with per-layer embeddings need a pad id (their per-layer input reads its row): none, no reference.
     has_reference = not (f is not None and cfg.get("pad_token_id") is None and cfg["hidden_size_per_layer_input"])
+    has_reference = has_reference and "_unsupported" not in cfg
     base = copy.deepcopy(model) if batch["lora"] and has_reference else None
     inputs = (config, batch["ids"], batch["labels"], batch["pos"], batch["doc"], batch["mm"], feats)
     reference = references(model, embedder, inputs) if has_reference else None
