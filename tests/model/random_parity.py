@@ -13,7 +13,8 @@ moe_intermediate_size), use_double_wide_mlp, final_logit_softcapping (None too),
 rope_parameters (default or proportional per layer type, theta, partial rotary factor, factor), rms_norm_eps,
 pad_token_id null or any row, use_bidirectional_attention "vision"; config.json as save_pretrained writes it
 (per_layer_config), by hand from the keyword arguments (global_head_dim, ...) or inside a multimodal Gemma4Config,
-sometimes with per_layer_config overrides per layer type (sliding layers' too). And a batch: 1..3 rows of 1..40
+sometimes with per_layer_config overrides per layer type (sliding layers' too), or a text-only
+Gemma4ForConditionalGeneration checkpoint (model.language_model.* names). And a batch: 1..3 rows of 1..40
 tokens (sometimes up to 140; any count, so not divisible by the rank counts), packed documents with one-token ones,
 padding at the end and between documents, labels with -100, image and video runs whose features enter raw or through
 the vision projection (parity.py's Images paragraph; their gradient grad.image_features is compared too),
@@ -67,7 +68,8 @@ try:
     import torch
     import transformers
     from safetensors.torch import load_file
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig, Gemma4VisionConfig
+    from transformers import (Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig,
+                              Gemma4VisionConfig)
     from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
     from peft import LoraConfig, get_peft_model
     import parity  # noqa: E402  (tests/model/parity.py: random weights, reference, comparison)
@@ -248,6 +250,8 @@ def draw(seed):
     # Sometimes per_layer_config itself, as transformers 5.24 writes it: one override per layer type (it requires
     # every layer of a type alike), head_dim and/or num_key_value_heads, sliding layers' too; global_head_dim and
     # num_global_key_value_heads are then unused.
+    # Sometimes the checkpoint of a text-only Gemma4ForConditionalGeneration (model.language_model.* names).
+    cfg["_conditional"] = odd.random() < 0.15
     if odd.random() < 0.15:
         override = {}
         for t in ("sliding_attention", "full_attention"):
@@ -292,6 +296,19 @@ def classify(proc, out_path, ranks):
     if os.path.exists(out_path):
         return "crash", f"refused with {lines[0]!r} but wrote {out_path}"
     return "refused", lines[0]
+
+
+def save_conditional(model, config, cfg, ckpt):
+    """Saves the causal LM's weights as a text-only Gemma4ForConditionalGeneration checkpoint (model.language_model.*
+    names, a multimodal config.json without towers), as transformers writes one."""
+    full = Gemma4ForConditionalGeneration(Gemma4Config(text_config=config.to_dict(), vision_config=None,
+                                                       audio_config=None,
+                                                       tie_word_embeddings=cfg["tie_word_embeddings"]))
+    state = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+             for k, v in model.state_dict().items()}
+    result = full.load_state_dict(state, strict=False)
+    assert not result.missing_keys and not result.unexpected_keys, result
+    full.save_pretrained(ckpt, safe_serialization=True)
 
 
 def write_config(ckpt, cfg, projected):
@@ -350,8 +367,12 @@ def run_seed(ringflex, seed, runs, workdir):
     model.config._experts_implementation = "eager"  # the reference loop (grouped_mm has no float64)
     parity.randomize(model, gen)
     ckpt = os.path.join(workdir, f"seed{seed}")
-    model.save_pretrained(ckpt, safe_serialization=True)
-    write_config(ckpt, cfg, batch["features"] is not None and batch["features"]["projected"])
+    projected = batch["features"] is not None and batch["features"]["projected"]
+    if cfg.get("_conditional") and not projected:
+        save_conditional(model, config, cfg, ckpt)
+    else:
+        model.save_pretrained(ckpt, safe_serialization=True)
+        write_config(ckpt, cfg, projected)
 
     feats, embedder = None, None
     f = batch["features"]
@@ -421,7 +442,10 @@ def check_runs(ringflex, runs, ckpt, batch_path, out_prefix, cfg, batch, referen
             else:
                 loss, logits, grads, tol, conditioning = reference
                 failures = []
-                worst = parity.compare_outputs(load_file(out_path), batch["doc"], loss, logits, grads, failures,
+                # A Gemma4ForConditionalGeneration checkpoint's gradients carry its names.
+                out = {k.replace("grad.model.language_model.", "grad.model.", 1): v
+                       for k, v in load_file(out_path).items()}
+                worst = parity.compare_outputs(out, batch["doc"], loss, logits, grads, failures,
                                                ZERO_FLOOR, tol)
                 if failures:
                     outcome, detail = "wrong", "; ".join(failures[:6])
