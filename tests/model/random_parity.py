@@ -46,7 +46,10 @@ By hand, many seeds at P = 1, 2 and 3 (about 3 s a seed on 2 cores):
         --ranks 1 2 3 -- mpirun --oversubscribe -x OMP_NUM_THREADS=1
 CTest (model_random_parity_P1_P2_P3, ~35 s on 2 cores) runs a few fixed seeds, among them those that found a bug
 (REGRESSION).
-`--seeds` takes a list and ranges (`3,7,10-19`); `--keep DIR` leaves each seed's checkpoint and batch there.
+`--seeds` takes a list and ranges (`3,7,10-19`); `--keep DIR` leaves each seed's checkpoint and batch there;
+`--train` adds one `ringflex train` step from each text-only seed's checkpoint, whose written checkpoint must load
+in transformers with no missing, unexpected or mismatched weight and give ringflex's loss and logits there (CTest
+passes it).
 
 Exit code 77 (CTest's skip) when torch, transformers, peft or safetensors is missing.
 """
@@ -55,6 +58,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import warnings
@@ -104,6 +108,10 @@ ZERO_FLOOR = 1e-2
 COND_FACTOR = 10.0
 MAX_TOL = 1e-2
 
+# --train: one `ringflex train` step from each text-only seed's checkpoint (train_case), on TRAIN_ROWS rows of up to
+# TRAIN_SEQ tokens.
+TRAIN = False
+TRAIN_ROWS, TRAIN_SEQ = 4, 16
 LORA_SHARE = 0.3  # of the seeds
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_EXPERT_TARGETS = ["experts.gate_up_proj", "experts.down_proj"]  # peft's target_parameters
@@ -401,7 +409,64 @@ def run_seed(ringflex, seed, runs, workdir):
     results = check_runs(ringflex, runs, ckpt, batch_path, os.path.join(workdir, f"out{seed}"), cfg, batch, reference)
     if base is not None:
         results += lora_case(ringflex, runs, seed, base, inputs, batch, workdir)
+    if TRAIN and has_reference and f is None:
+        results += train_case(ringflex, seed, cfg, config, ckpt, batch, workdir)
     return results
+
+
+def train_case(ringflex, seed, cfg, config, ckpt, batch, workdir):
+    """One `ringflex train` step from the seed's checkpoint: the checkpoint it writes must load in transformers with
+    no missing, unexpected or mismatched weight, and give there (float64) the loss and logits `ringflex forward`
+    computes from it on the seed's batch."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    table = min(cfg["vocab_size"], cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]) \
+        if cfg["hidden_size_per_layer_input"] else cfg["vocab_size"]
+    data = os.path.join(workdir, f"tokens{seed}.jsonl")
+    with open(data, "w") as f:
+        for _ in range(TRAIN_ROWS):
+            n = int(torch.randint(TRAIN_SEQ // 2, TRAIN_SEQ, (1,), generator=gen))
+            f.write(json.dumps({"input_ids": torch.randint(0, table, (n,), generator=gen).tolist()}) + "\n")
+    out_dir = os.path.join(workdir, f"train{seed}")
+    yaml = os.path.join(workdir, f"train{seed}.yaml")
+    with open(yaml, "w") as f:
+        f.write(f"""model: {{path: {ckpt}}}
+data: {{source: jsonl_tokens, path: {data}, val_rows: 0}}
+optimizer: {{lr: 0.01}}
+train: {{steps: 1, seq_len: {TRAIN_SEQ}, global_batch: 2, micro_batch: 1, threads: 1, log_every: 1}}
+checkpoint: {{dir: {out_dir}, every: 1, keep: 1}}
+""")
+    proc = subprocess.run([ringflex, "train", "--config", yaml], capture_output=True, text=True)
+    outcome, detail = classify(proc, os.path.join(out_dir, "step-00000001", "no-such-file"), 1)
+    if outcome != "ok":
+        return [(1, "unexpected-refusal" if outcome == "refused" else outcome, "train: " + detail)]
+    step = os.path.join(out_dir, "step-00000001")
+    with open(os.path.join(step, "config.json")) as f:
+        conditional = "ForConditionalGeneration" in json.dumps(json.load(f).get("architectures"))
+    cls = Gemma4ForConditionalGeneration if conditional else Gemma4ForCausalLM
+    loaded, info = cls.from_pretrained(step, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if bad:
+        return [(1, "wrong", f"train: transformers loads the checkpoint with {bad}")]
+    state = {(k.replace("model.language_model.", "model.", 1)): v for k, v in loaded.state_dict().items()}
+    model = Gemma4ForCausalLM(config).float()
+    model.config._attn_implementation = "eager"
+    model.config._experts_implementation = "eager"
+    model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()}, strict=True)
+    inputs = (config, batch["ids"], batch["labels"], batch["pos"], batch["doc"], torch.zeros_like(batch["mm"]), None)
+    loss, logits, _, tol, _ = references(model, None, inputs)
+    batch_path = os.path.join(workdir, f"train_batch{seed}.safetensors")
+    parity.write_batch(batch_path, batch["ids"], batch["labels"], batch["pos"], batch["doc"])
+    out_path = os.path.join(workdir, f"train_out{seed}.safetensors")
+    proc = subprocess.run([ringflex, "forward", "--model", step, "--in", batch_path, "--out", out_path],
+                          capture_output=True, text=True)
+    outcome, detail = classify(proc, out_path, 1)
+    if outcome != "ok":
+        return [(1, "unexpected-refusal" if outcome == "refused" else outcome, "train: forward: " + detail)]
+    failures = []
+    worst = parity.compare_outputs(load_file(out_path), batch["doc"], loss, logits, {}, failures, ZERO_FLOOR, tol)
+    if failures:
+        return [(1, "wrong", "train: " + "; ".join(failures))]
+    return [(1, "ok", f"train: checkpoint loads in transformers, loss and logits within {worst:.2e}")]
 
 
 def references(model, embedder, inputs, to_compare=lambda grads: grads):
@@ -505,7 +570,12 @@ def main():
         return 2
     ringflex, args = args[0], args[1:]
     seeds, keep = REGRESSION + CTEST_SEEDS, None
-    while args and args[0] in ("--seeds", "--keep"):
+    global TRAIN
+    while args and args[0] in ("--seeds", "--keep", "--train"):
+        if args[0] == "--train":
+            TRAIN = True
+            args = args[1:]
+            continue
         if args[0] == "--seeds":
             seeds = parse_seeds(args[1])
         else:
