@@ -8,7 +8,10 @@ documents, this script
      parameter matters) and saves it with save_pretrained (safetensors);
   2. computes the reference loss, logits and every parameter gradient with transformers (eager attention), in
      float64 from the same float32 weights and inputs;
-  3. runs `ringflex forward --model DIR --in BATCH --out OUT --grad` and compares.
+  3. runs `ringflex forward --model DIR --in BATCH --out OUT --grad` and compares (the image features' gradient,
+     grad.image_features, too).
+tests/model/random_parity.py runs the same reference and comparison (reference, write_batch, run_forward,
+compare_outputs) on random configs.
 
 Masks. transformers 5.24 has no notion of packed documents in Gemma 4's mask builders, and its vision mask
 (create_masks_for_vision_model) is AND(window, OR(causal, group)), which differs from docs/spec.md §3 when an image run
