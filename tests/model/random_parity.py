@@ -30,7 +30,7 @@ COND_FACTOR times transformers' own float32 error, and a floor for gradients tha
 (ZERO_FLOOR; both say why below).
 
 Every run is classified:
-  ok              rc 0 and loss, logits and every gradient within the tolerance
+  ok              rc 0 and loss, logits, token_loss and every gradient within the tolerance
   refused         a non-zero exit with one `ringflex: ...` line, the same on every rank, and nothing written; a pass
                   only when the draw expected that refusal (a row shorter than the rank count, image slots with
                   per-layer embeddings and no pad id, a config transformers rejects: documented limits)
@@ -512,6 +512,7 @@ def check_runs(ringflex, runs, ckpt, batch_path, out_prefix, cfg, batch, referen
                        for k, v in load_file(out_path).items()}
                 worst = parity.compare_outputs(out, batch["doc"], loss, logits, grads, failures,
                                                ZERO_FLOOR, tol)
+                worst = max(worst, compare_token_loss(out, logits, batch["labels"], failures, tol))
                 if failures:
                     outcome, detail = "wrong", "; ".join(failures[:6])
                     if tol > MAX_TOL:
@@ -521,6 +522,17 @@ def check_runs(ringflex, runs, ckpt, batch_path, out_prefix, cfg, batch, referen
                     detail = f"worst relative error {worst:.2e} (transformers' float32: {conditioning:.2e})"
         results.append((P, outcome, what + detail if detail else detail))
     return results
+
+
+def compare_token_loss(out, logits, labels, failures, tol):
+    """ringflex's token_loss [B, S] against each token's cross-entropy of the reference logits (0 where the label is
+    -100, padding's included); returns the relative error, appending to `failures` past `tol`."""
+    ref = torch.nn.functional.cross_entropy(logits.detach().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                            ignore_index=-100, reduction="none").reshape(labels.shape)
+    err = float((out["token_loss"].double() - ref).norm() / max(float(ref.norm()), 1e-300))
+    if not err <= tol:
+        failures.append(f"token_loss: relative error {err:.3e}")
+    return err
 
 
 def lora_case(ringflex, runs, seed, base, inputs, batch, workdir):
