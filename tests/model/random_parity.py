@@ -123,8 +123,10 @@ WIDE_SALT = 1000003  # seeds the second generator (draw's wider models)
 # Fields transformers accepts and ringflex refuses, each naming the field: (key, value, what the line names).
 UNSUPPORTED = [("attention_bias", True, "attention_bias"), ("hidden_activation", "gelu", "hidden_activation"),
                ("use_bidirectional_attention", "all", "use_bidirectional_attention"),
-               ("rope_parameters", {"sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
-                                    "full_attention": {"rope_type": "default", "rope_theta": 1e6}}, "rope_type")]
+               # on full layers, which every model has (the last layer is one): an unused entry may be anything
+               ("rope_parameters", {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                    "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}},
+                "rope_type")]
 UNSUPPORTED_SHARE = 0.05
 
 
