@@ -74,7 +74,7 @@ std::string expert_adapter_module(const LoraTarget& t, const std::vector<LoraTar
   std::string out = module;
   for (const LoraTarget& u : targets) {
     const std::string& other = s.info(u.base).name;
-    if (u.experts > 1 && u.base > t.base && other.substr(0, other.rfind('.')) == module) out += ".base_layer";
+    if (u.experts_weight && u.base > t.base && other.substr(0, other.rfind('.')) == module) out += ".base_layer";
   }
   return out;
 }
@@ -201,7 +201,7 @@ std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig&
         p.shape.size() == 3 && (p.name.ends_with(".experts.gate_up_proj") || p.name.ends_with(".experts.down_proj")),
         "model.lora.target_parameters matches `", p.name,
         "`: only the MoE experts' 3-D weights (experts.gate_up_proj, experts.down_proj) are targeted as parameters");
-    out.push_back(LoraTarget{slot, p.shape[1], p.shape[2], p.shape[0]});
+    out.push_back(LoraTarget{slot, p.shape[1], p.shape[2], p.shape[0], true});
   }
   for (size_t t = 0; t < used_params.size(); ++t)
     RF_CHECK(used_params[t], "config: model.lora.target_parameters `", config.target_parameters[t],
@@ -256,8 +256,9 @@ void LoraStore::allocate_weights() {
     a.out = t.out;
     a.in = t.in;
     a.experts = t.experts;
-    const std::string module = t.experts > 1 ? expert_adapter_module(t, targets, *this) : module_of(p.name);
-    if (t.experts > 1) {
+    a.experts_weight = t.experts_weight;
+    const std::string module = t.experts_weight ? expert_adapter_module(t, targets, *this) : module_of(p.name);
+    if (t.experts_weight) {
       RF_CHECK(t.experts % ep_ == 0, "config: parallelism.ep = ", ep_, " does not divide the ", t.experts,
                " experts of ", p.name);
       a.experts_held = t.experts / ep_;
@@ -385,14 +386,14 @@ void LoraStore::from_file_layout(size_t slot, std::span<const float> file, std::
 std::vector<std::string> LoraStore::target_modules() const {
   std::vector<std::string> out;
   for (const Adapter& a : adapters_)
-    if (a.experts == 1) out.push_back(module_of(info(a.base).name));
+    if (!a.experts_weight) out.push_back(module_of(info(a.base).name));
   return out;
 }
 
 std::vector<std::string> LoraStore::target_parameters() const {
   std::vector<std::string> out;
   for (const Adapter& a : adapters_)
-    if (a.experts > 1) out.push_back(info(a.base).name);
+    if (a.experts_weight) out.push_back(info(a.base).name);
   return out;
 }
 
@@ -555,7 +556,7 @@ void save_peft_adapter(const LoraStore& store, const std::string& text_prefix, c
   io::SafetensorsWriter w;
   w.set_metadata("format", "pt");
   for (const LoraStore::Adapter& a : store.adapters()) {
-    if (a.experts > 1)
+    if (a.experts_weight)
       parameters.push_back(file_name_of(store.info(a.base).name, text_prefix));
     else
       modules.push_back(file_name_of(module_of(store.info(a.base).name), text_prefix));

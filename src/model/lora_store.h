@@ -90,7 +90,10 @@ std::string module_of(const std::string& param_name);
 struct LoraTarget {
   size_t base = 0;
   int64_t out = 0, in = 0;
-  int64_t experts = 1;  // > 1: a 3-D experts weight [experts, out, in] (target_parameters)
+  int64_t experts = 1;  // E of a 3-D experts weight [experts, out, in] (1: a linear, or an MoE of one expert)
+  // A 3-D experts weight (target_parameters), whatever E: its adapter is named as PEFT's ParamWrapper names it even
+  // when E = 1, where the layout is a linear's.
+  bool experts_weight = false;
 };
 std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig& config);
 // Float32 bytes of the adapters of `targets` (one of weights, gradients, exp_avg, exp_avg_sq), and of the largest
@@ -137,8 +140,9 @@ class LoraStore : public ParamStore {
   struct Adapter {
     size_t base = 0, a = 0, b = 0;  // slots: W [out, in], A [r, in], B [out, r] (experts: held_weight.h's layout)
     int64_t out = 0, in = 0;
-    int64_t experts = 1;       // E of an experts weight (1: a linear)
-    int64_t experts_held = 1;  // how many of them this store holds (E / ep), from expert experts_begin on
+    int64_t experts = 1;          // E of an experts weight (1: a linear, or an MoE of one expert)
+    bool experts_weight = false;  // a 3-D experts weight (LoraTarget::experts_weight)
+    int64_t experts_held = 1;     // how many of them this store holds (E / ep), from expert experts_begin on
     int64_t experts_begin = 0;
   };
   const std::vector<Adapter>& adapters() const { return adapters_; }

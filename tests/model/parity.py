@@ -8,7 +8,10 @@ documents, this script
      parameter matters) and saves it with save_pretrained (safetensors);
   2. computes the reference loss, logits and every parameter gradient with transformers (eager attention), in
      float64 from the same float32 weights and inputs;
-  3. runs `ringflex forward --model DIR --in BATCH --out OUT --grad` and compares.
+  3. runs `ringflex forward --model DIR --in BATCH --out OUT --grad` and compares (the image features' gradient,
+     grad.image_features, too).
+tests/model/random_parity.py runs the same reference and comparison (reference, write_batch, run_forward,
+compare_outputs) on random configs.
 
 Masks. transformers 5.24 has no notion of packed documents in Gemma 4's mask builders, and its vision mask
 (create_masks_for_vision_model) is AND(window, OR(causal, group)), which differs from docs/spec.md §3 when an image run
@@ -168,6 +171,78 @@ def check_transformers_mask_agrees(cfg):
         assert torch.equal(mine, hf), f"transformers' {t} mask differs from docs/spec.md §3 on a plain row"
 
 
+def write_projection(ckpt, embedder, feature_dim, vision_eps):
+    """Adds the vision projection to a saved Gemma4ForCausalLM checkpoint: its weight into the checkpoint's own file,
+    where a multimodal Gemma 4 checkpoint keeps its embed_vision, and the config rewritten as a multimodal
+    Gemma4Config whose vision_config holds the projection's norm eps."""
+    weights_path = os.path.join(ckpt, "model.safetensors")
+    weights = load_file(weights_path)
+    weights["model.embed_vision.embedding_projection.weight"] = \
+        embedder.embedding_projection.weight.detach().contiguous()
+    save_file(weights, weights_path, metadata={"format": "pt"})
+    config_path = os.path.join(ckpt, "config.json")
+    with open(config_path) as f:
+        text_config = json.load(f)
+    with open(config_path, "w") as f:
+        json.dump({"model_type": "gemma4", "text_config": text_config,
+                   "vision_config": {"model_type": "gemma4_vision", "hidden_size": feature_dim,
+                                     "rms_norm_eps": vision_eps},
+                   "tie_word_embeddings": text_config.get("tie_word_embeddings", True)}, f)
+
+
+def reference(model, cfg, ids, labels, pos, doc, mm, feats=None, embedder=None, dtype=torch.float64):
+    """transformers' loss, logits [B, S, V] and every parameter gradient ({HF name: tensor or None}) in `dtype`
+    (float64: the reference), from the float32 `model` (converted in place) and `embedder` (the vision projection,
+    or None: features are placed as they are), with docs/spec.md §3's masks. Image slots (mm > 0) take `feats`
+    [slots, F] in row-major order."""
+    model = model.to(dtype)
+    if feats is not None:
+        # A leaf of its own: ringflex writes the features' gradient too (grad.image_features).
+        feats = feats.detach().to(dtype).requires_grad_()
+    masks = {t: m.to(dtype) for t, m in spec_masks(cfg, doc, mm).items()}
+    # output_hidden_states keeps 5.24's _maybe_slice_kv_shared_inputs from slicing, which fails on KV sharing
+    # without per-layer embeddings (it slices per_layer_inputs, None there).
+    kwargs = dict(attention_mask=masks, position_ids=pos, use_cache=False, output_hidden_states=True)
+    if feats is not None:
+        slots = mm > 0
+        # Slots embed the pad id (Gemma4Model); without one (no per-layer embeddings) any row does: the features
+        # replace the slots' embeddings.
+        slot_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        llm_ids = torch.where(slots, torch.full_like(ids, slot_id), ids)
+        embeds = model.model.embed_tokens(llm_ids)
+        placed = embedder.to(dtype)(feats) if embedder is not None else feats
+        embeds = embeds.masked_scatter(slots[..., None].expand_as(embeds), placed)
+        kwargs["inputs_embeds"] = embeds
+        if cfg.hidden_size_per_layer_input:
+            kwargs["per_layer_inputs"] = model.model.get_per_layer_inputs(llm_ids)
+    else:
+        kwargs["input_ids"] = ids
+    logits = model(**kwargs).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), labels.reshape(-1),
+                                             ignore_index=-100)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    if embedder is not None:
+        grads["model.embed_vision.embedding_projection.weight"] = embedder.embedding_projection.weight.grad
+    if feats is not None:
+        grads["image_features"] = feats.grad
+    return loss, logits, grads
+
+
+def write_batch(path, ids, labels, pos, doc, mm=None, feats=None):
+    """The batch file `ringflex forward --in` reads; pos or doc None leaves that tensor out (its default: 0..S-1 in
+    each row, one document)."""
+    batch = {"input_ids": ids, "labels": labels}
+    if pos is not None:
+        batch["position_ids"] = pos
+    if doc is not None:
+        batch["doc"] = doc.to(torch.int32)
+    if feats is not None:
+        batch["mm_token_type_ids"] = mm
+        batch["image_features"] = feats
+    save_file({k: v.contiguous() for k, v in batch.items()}, path)
+
+
 def run_case(ringflex, name, vision, workdir, launchers=((),)):
     """Builds the case's model, checkpoint, batch and reference once; checks ringflex through every launcher."""
     gen = torch.Generator().manual_seed(1234)
@@ -193,50 +268,11 @@ def run_case(ringflex, name, vision, workdir, launchers=((),)):
                                                 cfg).float()
             with torch.no_grad():
                 embedder.embedding_projection.weight.copy_(0.3 * torch.randn((H, fdim), generator=gen))
-            # Into the checkpoint's own file, where a multimodal Gemma 4 checkpoint keeps its embed_vision.
-            weights_path = os.path.join(ckpt, "model.safetensors")
-            weights = load_file(weights_path)
-            weights["model.embed_vision.embedding_projection.weight"] = \
-                embedder.embedding_projection.weight.detach().contiguous()
-            save_file(weights, weights_path, metadata={"format": "pt"})
-            # And its config as a multimodal Gemma4Config, whose vision_config holds the projection's norm eps.
-            config_path = os.path.join(ckpt, "config.json")
-            with open(config_path) as f:
-                text_config = json.load(f)
-            with open(config_path, "w") as f:
-                json.dump({"model_type": "gemma4", "text_config": text_config,
-                           "vision_config": {"model_type": "gemma4_vision", "hidden_size": fdim,
-                                             "rms_norm_eps": VISION_EPS},
-                           "tie_word_embeddings": text_config.get("tie_word_embeddings", True)}, f)
+            write_projection(ckpt, embedder, fdim, VISION_EPS)
 
-    # Reference forward/backward.
-    model = model.double()
-    masks = spec_masks(cfg, doc, mm)
-    kwargs = dict(attention_mask=masks, position_ids=pos, use_cache=False)
-    if vision:
-        slots = mm > 0
-        llm_ids = torch.where(slots, torch.full_like(ids, cfg.pad_token_id), ids)
-        embeds = model.model.embed_tokens(llm_ids)
-        placed = embedder.double()(feats.double()) if embedder is not None else feats.double()
-        embeds = embeds.masked_scatter(slots[..., None].expand_as(embeds), placed)
-        kwargs["inputs_embeds"] = embeds
-        if cfg.hidden_size_per_layer_input:
-            kwargs["per_layer_inputs"] = model.model.get_per_layer_inputs(llm_ids)
-    else:
-        kwargs["input_ids"] = ids
-    logits = model(**kwargs).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100)
-    loss.backward()
-
-    batch = {"input_ids": ids, "labels": labels, "position_ids": pos, "doc": doc.to(torch.int32)}
-    if vision:
-        batch["mm_token_type_ids"] = mm
-        batch["image_features"] = feats
+    loss, logits, grads = reference(model, cfg, ids, labels, pos, doc, mm, feats, embedder)
     batch_path = os.path.join(workdir, f"batch_{name}_{int(vision)}.safetensors")
-    save_file({k: v.contiguous() for k, v in batch.items()}, batch_path)
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    if embedder is not None:
-        grads["model.embed_vision.embedding_projection.weight"] = embedder.embedding_projection.weight.grad
+    write_batch(batch_path, ids, labels, pos, doc, mm, feats)
     ok = True
     for launcher in launchers:
         ok = check_forward(ringflex, launcher, f"{name}_{int(vision)}", ckpt, batch_path, workdir, doc, loss, logits,
@@ -244,14 +280,50 @@ def run_case(ringflex, name, vision, workdir, launchers=((),)):
     return ok
 
 
+def run_forward(ringflex, launcher, ckpt, batch_path, out_path, stats_path=None, extra=()):
+    """`ringflex forward --grad` of the batch through `launcher` (the finished process, output captured); `extra`:
+    more options (--lora DIR)."""
+    extra = [*(["--stats", stats_path] if stats_path else []), *extra]
+    return subprocess.run([*launcher, ringflex, "forward", "--model", ckpt, "--in", batch_path, "--out", out_path,
+                           "--grad", *extra], capture_output=True, text=True)
+
+
+def compare_outputs(out, doc, loss, logits, grads, failures, zero_floor=0.0, tol=REL_TOL):
+    """ringflex's output file (loaded) against the reference loss, logits (of valid tokens: doc > 0) and gradients;
+    appends what differs to `failures`, a gradient ringflex lacks or has beyond the reference's included. Returns
+    the worst relative error. A gradient is measured against the larger of its own norm and `zero_floor` times the
+    largest gradient's (tests/model/random_parity.py says when that is needed)."""
+    largest = max((float(g.norm()) for g in grads.values() if g is not None), default=0.0)
+
+    def compare(what, mine, ref, floor=0.0):
+        ref = ref.detach().double()
+        err = float((mine.double() - ref).norm() / max(float(ref.norm()), floor, 1e-300))
+        if not err <= tol:
+            failures.append(f"{what}: relative error {err:.3e}")
+        return err
+
+    worst = compare("loss", out["loss"].reshape(()), loss)
+    valid = doc > 0
+    worst = max(worst, compare("logits", out["logits"][valid], logits[valid]))
+    for n, g in grads.items():
+        key = "grad." + n
+        if key not in out:
+            failures.append(f"{key} missing from ringflex's output")
+            continue
+        worst = max(worst, compare(key, out[key], g if g is not None else torch.zeros_like(out[key]),
+                                   zero_floor * largest))
+    extra = sorted(k for k in out if k.startswith("grad.") and k[len("grad."):] not in grads)
+    if extra:
+        failures.append(f"gradients of no reference parameter: {extra[:4]}")
+    return worst
+
+
 def check_forward(ringflex, launcher, tag, ckpt, batch_path, workdir, doc, loss, logits, grads, label):
     """`ringflex forward --grad` of the batch through `launcher` against the reference loss, logits and grads."""
     suffix = f"{tag}_P{ranks_of(launcher)}" if launcher else tag
     out_path = os.path.join(workdir, f"out_{suffix}.safetensors")
-    stats_path = os.path.join(workdir, f"stats_{suffix}.json")
-    extra = ["--stats", stats_path] if launcher else []
-    proc = subprocess.run([*launcher, ringflex, "forward", "--model", ckpt, "--in", batch_path, "--out", out_path,
-                           "--grad", *extra], capture_output=True, text=True)
+    stats_path = os.path.join(workdir, f"stats_{suffix}.json") if launcher else None
+    proc = run_forward(ringflex, launcher, ckpt, batch_path, out_path, stats_path)
     if proc.returncode != 0:
         raise AssertionError(f"ringflex forward failed: {proc.stderr.strip()}")
     out = load_file(out_path)
@@ -269,22 +341,7 @@ def check_forward(ringflex, launcher, tag, ckpt, batch_path, workdir, doc, loss,
             failures.append(f"--stats tokens sum to {sum(r['tokens'] for r in ranks)}, the batch has "
                             f"{int((doc > 0).sum())} valid tokens")
 
-    def compare(what, mine, ref):
-        ref = ref.detach().double()
-        err = float((mine.double() - ref).norm() / max(float(ref.norm()), 1e-300))
-        if not err <= REL_TOL:
-            failures.append(f"{what}: relative error {err:.3e}")
-        return err
-
-    worst = compare("loss", out["loss"].reshape(()), loss)
-    valid = doc > 0
-    worst = max(worst, compare("logits", out["logits"][valid], logits[valid]))
-    for n, g in grads.items():
-        key = "grad." + n
-        if key not in out:
-            failures.append(f"{key} missing from ringflex's output")
-            continue
-        worst = max(worst, compare(key, out[key], g if g is not None else torch.zeros_like(out[key])))
+    worst = compare_outputs(out, doc, loss, logits, grads, failures)
     label += f" P={ranks_of(launcher)}"
     if failures:
         print(f"FAIL {label}: " + "; ".join(failures[:8]))

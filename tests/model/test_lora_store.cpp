@@ -196,6 +196,37 @@ TEST(LoraStore, TargetsFollowPeft) {
   EXPECT_THROW(LoraStore{c}, rf::Error);
 }
 
+// An MoE of one expert: its experts weights are still 3-D parameters (target_parameters), and their adapters are
+// named as PEFT's ParamWrapper names them, as for any E (tests/model/random_parity.py's seed 12 found them named as
+// linears', so `ringflex forward --lora` refused PEFT's file as "no adapter of this model").
+TEST(LoraStore, OneExpertsAdaptersAreNamedAsPeftsParamWrapper) {
+  const char* const kOneExpert = R"({"vocab_size": 40, "hidden_size": 16, "intermediate_size": 24,
+    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "sliding_window": 3,
+    "hidden_size_per_layer_input": 0, "enable_moe_block": true, "num_experts": 1, "top_k_experts": 1,
+    "moe_intermediate_size": 4})";
+  for (const auto& [parameters, names] :
+       {std::pair{std::vector<std::string>{"experts.gate_up_proj"},
+                  std::vector<std::string>{"model.layers.0.experts.lora_A.weight"}},
+        std::pair{std::vector<std::string>{"experts.gate_up_proj", "experts.down_proj"},
+                  std::vector<std::string>{"model.layers.0.experts.base_layer.lora_A.weight",
+                                           "model.layers.0.experts.lora_A.weight"}}}) {
+    LoraConfig c = lora_config(1);
+    c.target = {};
+    c.target_parameters = parameters;
+    Gemma4Model m(Gemma4Config::from_json(kOneExpert), TensorSet::Storage::Allocated, std::make_unique<LoraStore>(c));
+    const auto& store = dynamic_cast<const LoraStore&>(m.params());
+    EXPECT_TRUE(store.target_modules().empty());
+    ASSERT_EQ(store.target_parameters().size(), parameters.size());
+    std::vector<std::string> a_names;
+    for (const LoraStore::Adapter& a : store.adapters()) {
+      EXPECT_TRUE(a.experts_weight);
+      EXPECT_EQ(a.experts, 1);
+      a_names.push_back(store.info(a.a).name);
+    }
+    EXPECT_EQ(a_names, names);
+  }
+}
+
 // The base's held bytes (its dtype, as the store holds them).
 std::vector<uint8_t> held_bytes(const ParamStore& store, size_t slot) {
   const HeldWeight h = store.held_weight(slot);
