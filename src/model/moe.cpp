@@ -41,10 +41,10 @@ constexpr int64_t kExpertRowsPerStep = 128;
 // Whole steps per task, at most: every task's sgemms pack the expert's weights (3 * Im * H floats, a copy that is a
 // large share of a call's time when its rows are few, as Im is small against H), so a task takes as many of an
 // expert's whole steps as it can while an expert's rows (T * top_k / E on average) still make enough tasks to share
-// out. A row's result is the same in any call of the regular sgemm path that holds it (no call cuts K), so whole
-// steps give the same bits in one task or several; the remainder stays a task of its own, as it was when every task
-// was one step: a call of few rows can take OpenBLAS's other paths (the small-matrix kernel; sgemm_direct, for
-// untransposed beta = 0 calls below 28 * 512^2 multiply-adds), which sum K in another order.
+// out. The cut into tasks depends on the block's rows alone, so each row meets the same call at any thread count
+// (a row's bits can depend on its place in its call: OpenBLAS's AVX2 kernels sum a call's last rows mod 12 in
+// another order, and a call of few rows can take its small-matrix kernel or sgemm_direct); the remainder stays a
+// task of its own.
 constexpr int64_t kExpertStepsPerTask = 4;
 
 // Columns per block of the router scale's gradient: one 64-byte cache line of float32.
