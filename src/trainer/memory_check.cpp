@@ -1,4 +1,6 @@
 // ringflex trainer: the memory check before anything is allocated, train_memory_at_least (trainer.h).
+#include <omp.h>
+
 #include <filesystem>
 
 #include "core/error.h"
@@ -90,7 +92,8 @@ int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& shapes)
 //                    patches (the mock's drawings of data.mock_image_tokens, a file's image padded to
 //                    data.image_soft_tokens'), the fewest a step that trains the tower on images hands some rank;
 //   runtime baseline the rank's resident set when the first check ran, before the run allocated its state (its
-//                    libraries, MPI's segments, the start-up heap: trainer/runtime_memory.h).
+//                    libraries, MPI's segments, the start-up heap: trainer/runtime_memory.h);
+//   OpenBLAS packing buffers  128 MiB for each of the rank's threads (trainer/runtime_memory.h).
 // Left out, so the figure stays a lower bound: the ring's receive buffers (what a rank receives depends on each
 // batch's documents; packed short documents need almost none), the data set's packed rows, the plan, the
 // checkpoint writer's copies, validation's forward (smaller than the training step's), and the staging of the bf16
@@ -248,6 +251,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
     need.add(kVisionActivations, model::VisionEncoder::tape_bytes(vc, 1, patches, c.train.recompute));
   }
   need.add(kRuntimeBaseline, runtime_baseline_bytes());
+  need.add(kBlasBuffers, blas_buffer_bytes(c.train.threads > 0 ? c.train.threads : omp_get_max_threads()));
   return need;
 }
 

@@ -1,8 +1,11 @@
 // ringflex trainer: what a rank holds before training allocates its state (see runtime_memory.h).
 #include "trainer/runtime_memory.h"
 
+#include <algorithm>
 #include <fstream>
 #include <string>
+
+#include "cpu/blas_core.h"
 
 namespace rf::trainer {
 
@@ -29,6 +32,10 @@ int64_t resident_bytes_now() {
 int64_t runtime_baseline_bytes() {
   static const int64_t first = resident_bytes_now();
   return first;
+}
+
+int64_t blas_buffer_bytes(int threads) {
+  return cpu::openblas_core().empty() ? 0 : kOpenBlasBufferBytes * std::max(threads, 1);
 }
 
 }  // namespace rf::trainer

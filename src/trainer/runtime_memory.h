@@ -4,8 +4,8 @@
 // OpenMPI, PMIx: ~25 MiB resident), OpenMPI's shared-memory transport (vader's segment and PMIx's store, under 1 MiB
 // resident at N = 4 on one machine), the runtime's heap at start-up (MPI's, the data source's). The memory check
 // counts them as they are when it runs, measured, not modelled: they depend on the libraries installed, not on the
-// model. Not in it: OpenBLAS's own buffers, mapped when its first large GEMM runs (~64 MiB a rank on the 100m
-// config), and the heap's fragmentation (BENCHMARKS.md, shard memory).
+// model. Not in it: OpenBLAS's packing buffers, mapped when the first large GEMM runs (blas_buffer_bytes, a term
+// of its own), and the heap's fragmentation (BENCHMARKS.md, shard memory).
 #pragma once
 
 #include <cstdint>
@@ -18,5 +18,14 @@ namespace rf::trainer {
 int64_t runtime_baseline_bytes();
 // Its name among the memory check's terms.
 inline constexpr const char* kRuntimeBaseline = "runtime baseline (libraries, MPI, start-up heap)";
+
+// OpenBLAS gives every thread that calls it a packing buffer of its BUFFER_SIZE, 128 MiB on x86-64, and touches it as
+// far as a call's packed panels reach: all of it for a vocabulary-sized head's weight gradient, about half of it for
+// the 100m config's (65536 x 640 x 256: 64 MiB under the Haswell kernels, 1 MiB under Cooperlake's; measured with
+// Debian's 0.3.21). The check counts the whole buffer for each of a rank's `threads` OpenMP threads (each runs its
+// own sgemm: model/ops.h), or nothing when the BLAS linked is not OpenBLAS.
+inline constexpr int64_t kOpenBlasBufferBytes = int64_t{128} << 20;
+int64_t blas_buffer_bytes(int threads);
+inline constexpr const char* kBlasBuffers = "OpenBLAS packing buffers (one a thread)";
 
 }  // namespace rf::trainer
