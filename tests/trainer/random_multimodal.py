@@ -70,13 +70,11 @@ try:
     from parity import randomize
     from spec_mask import spec_masks
     from towers_kept import AUDIO, add_side_files, check_carried, check_loads, check_side_files, tensors
-    from train_vision import load_rgb, reference
+    from train_vision import BETA1, LOSS_TOL, compare_grads, load_rgb, reference
     from vision_parity import randomize as randomize_tower
 except ImportError as e:  # pragma: no cover - depends on the environment
     missing_oracle(e)
 
-LOSS_TOL, GRAD_TOL = 1e-4, 1e-4
-BETA1 = 0.9
 VOCAB = 64
 def draw_images(rng, work):
     """2 to 4 image files of random kinds under work/img: [(path, kind)]."""
@@ -261,24 +259,6 @@ def sample(d, usable):
     for _ in chosen:
         ids.insert(rng.randint(0, len(ids)), IMAGE)
     return ids, chosen
-
-
-def compare_grads(what, ckpt_dir, ref_grads, prefixes, failures):
-    moments = load_file(os.path.join(ckpt_dir, "optimizer.safetensors"))
-    worst, checked = 0.0, 0
-    for pname, g in ref_grads.items():
-        if not pname.startswith(prefixes):
-            continue
-        key = "exp_avg." + pname
-        if key not in moments:
-            failures.append(f"{what}: no moment {key}")
-            continue
-        got = moments[key].double().reshape(g.shape) / (1 - BETA1)
-        err = float((got - g).norm() / max(float(g.norm()), 1e-300))
-        worst, checked = max(worst, err), checked + 1
-        if not err <= GRAD_TOL:
-            failures.append(f"{what}: gradient of {pname}: relative error {err:.2e}")
-    return worst, checked
 
 
 def check_output(d, source, out, failures, what, trained=()):

@@ -95,6 +95,27 @@ def reference(model, ids, images, processor):
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def compare_grads(what, ckpt_dir, ref_grads, prefixes, failures, missing_why=""):
+    """Each reference gradient of a parameter named with one of `prefixes` against the one step's gradient read from
+    the checkpoint's first AdamW moment (exp_avg = (1 - beta1) g after one step); returns the worst relative error and
+    how many were compared, appending each failure."""
+    moments = load_file(os.path.join(ckpt_dir, "optimizer.safetensors"))
+    worst, checked = 0.0, 0
+    for pname, g in ref_grads.items():
+        if not pname.startswith(prefixes):
+            continue
+        key = "exp_avg." + pname
+        if key not in moments:
+            failures.append(f"{what}: no moment {key}{missing_why}")
+            continue
+        got = moments[key].double().reshape(g.shape) / (1 - BETA1)
+        err = float((got - g).norm() / max(float(g.norm()), 1e-300))
+        worst, checked = max(worst, err), checked + 1
+        if not err <= GRAD_TOL:
+            failures.append(f"{what}: gradient of {pname}: relative error {err:.2e}")
+    return worst, checked
+
+
 def check_one_step(ringflex, mpiexec, work, ckpt, names, model, failures):
     ids = [9, 10, IMAGE, 11, 12, 13, 14, IMAGE, 15, 16, 17]
     sample = [names[0], names[2]]  # RGB 13 x 9 and grey + alpha 21 x 30: two patch counts
@@ -113,22 +134,10 @@ def check_one_step(ringflex, mpiexec, work, ckpt, names, model, failures):
         except RuntimeError as e:
             failures.append(str(e))
             continue
-        moments = load_file(os.path.join(work, name, "step-00000001", "optimizer.safetensors"))
         loss_err = abs(metrics[0]["loss"] - ref_loss) / abs(ref_loss)
-        worst, checked = 0.0, 0
-        for pname, g in ref_grads.items():
-            if not (pname.startswith("model.vision_tower.") or pname.startswith("model.embed_vision.")):
-                continue
-            key = "exp_avg." + pname
-            if key not in moments:
-                failures.append(f"{what}: no moment {key} (the tower's parameter does not train)")
-                continue
-            got = moments[key].double().reshape(g.shape) / (1 - BETA1)
-            err = float((got - g).norm() / max(float(g.norm()), 1e-300))
-            worst = max(worst, err)
-            checked += 1
-            if not err <= GRAD_TOL:
-                failures.append(f"{what}: gradient of {pname}: relative error {err:.2e}")
+        worst, checked = compare_grads(what, os.path.join(work, name, "step-00000001"), ref_grads,
+                                       ("model.vision_tower.", "model.embed_vision."), failures,
+                                       " (the tower's parameter does not train)")
         if not loss_err <= LOSS_TOL:
             failures.append(f"{what}: loss {metrics[0]['loss']} against transformers' {ref_loss}")
         if checked < 10:
