@@ -45,6 +45,7 @@
 #include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "core/memory.h"
+#include "core/mix.h"
 #include "cp/parallel_context.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
@@ -186,14 +187,10 @@ BatchData read_batch(const std::string& path, model::Gemma4Multimodal& m, bool f
 // FNV-1a over the batch's arrays (image features by their bits): ranks that read different batches must not start the
 // ring.
 int64_t fingerprint(const BatchData& d) {
-  constexpr uint64_t kOffset = 1469598103934665603ull, kPrime = 1099511628211ull;
-  uint64_t h = kOffset;
-  for (const std::vector<int32_t>* v : {&d.ids, &d.labels, &d.pos, &d.doc, &d.mm}) {
-    h = (h ^ v->size()) * kPrime;
-    for (int32_t x : *v) h = (h ^ static_cast<uint32_t>(x)) * kPrime;
-  }
-  for (float x : d.features) h = (h ^ std::bit_cast<uint32_t>(x)) * kPrime;
-  return static_cast<int64_t>(h);
+  Fnv1a h;
+  for (const std::vector<int32_t>* v : {&d.ids, &d.labels, &d.pos, &d.doc, &d.mm}) h.add(*v);
+  for (float x : d.features) h.add(std::bit_cast<uint32_t>(x));
+  return static_cast<int64_t>(h.h);
 }
 
 // Every rank's [B, L, width] shard of a per-token output, sent to rank 0 and placed at its row positions there:

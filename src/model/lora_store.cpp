@@ -28,10 +28,9 @@ namespace {
 
 // FNV-1a of a name.
 uint64_t name_hash(const std::string& s) {
-  constexpr uint64_t kOffset = 0xcbf29ce484222325ULL, kPrime = 0x100000001b3ULL;
-  uint64_t h = kOffset;
-  for (unsigned char c : s) h = (h ^ c) * kPrime;
-  return h;
+  Fnv1a h;
+  for (unsigned char c : s) h.add(c);
+  return h.h;
 }
 
 constexpr const char* kWeightSuffix = ".weight";

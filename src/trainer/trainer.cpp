@@ -15,6 +15,7 @@
 #include "comm/agree.h"
 #include "core/error.h"
 #include "core/memory.h"
+#include "core/mix.h"
 #include "io/atomic_file.h"
 #include "model/expert_store.h"
 #include "model/lora_store.h"
@@ -271,15 +272,11 @@ void write_stats(Run& r, const std::string& path) {
 // on different rows, which shows as a failed collective or not at all. Their step, data position and first rows are
 // compared here (a collective), and a rank that differs from rank 0 is named on every rank.
 void agree_on_inputs(comm::Communicator& world, const Run& r) {
-  constexpr uint64_t kFnvOffset = 1469598103934665603ull, kFnvPrime = 1099511628211ull;
   const Row row = r.data->train_row(r.state.data_position);  // the first row the run trains on
-  uint64_t h = kFnvOffset;
-  for (const std::vector<int32_t>* v : {&row.input_ids, &row.labels, &row.doc}) {
-    h = (h ^ v->size()) * kFnvPrime;
-    for (int32_t x : *v) h = (h ^ static_cast<uint32_t>(x)) * kFnvPrime;
-  }
+  Fnv1a h;
+  for (const std::vector<int32_t>* v : {&row.input_ids, &row.labels, &row.doc}) h.add(*v);
   constexpr size_t kFields = 4;
-  const std::array<int64_t, kFields> mine = {r.state.step, r.state.data_position, static_cast<int64_t>(h),
+  const std::array<int64_t, kFields> mine = {r.state.step, r.state.data_position, static_cast<int64_t>(h.h),
                                              r.data->val_rows()};
   std::vector<int64_t> all(kFields * static_cast<size_t>(world.size()));
   world.allgather(mine.data(), all.data(), sizeof mine, r.timeout);
