@@ -133,10 +133,13 @@ io::RgbImage resize_bicubic(const io::RgbImage& in, int width, int height) {
   return cur;
 }
 
+bool supported_soft_tokens(int64_t soft_tokens) {
+  return std::find(kSupportedSoftTokens.begin(), kSupportedSoftTokens.end(), soft_tokens) != kSupportedSoftTokens.end();
+}
+
 ProcessedImage preprocess_image(const io::RgbImage& image, const ImageProcessorConfig& c, const std::string& source) {
-  RF_CHECK(std::find(kSupportedSoftTokens.begin(), kSupportedSoftTokens.end(), c.max_soft_tokens) !=
-               kSupportedSoftTokens.end(),
-           source, ": max_soft_tokens = ", c.max_soft_tokens, " is not one of 70, 140, 280, 560, 1120");
+  RF_CHECK(supported_soft_tokens(c.max_soft_tokens), source, ": max_soft_tokens = ", c.max_soft_tokens,
+           " is not one of 70, 140, 280, 560, 1120");
   RF_CHECK(c.patch_size > 0 && c.pooling_kernel_size > 0, source,
            ": patch_size and pooling_kernel_size must be positive");
   const auto [th, tw] = aspect_preserving_size(image.height, image.width, c, source);

@@ -22,6 +22,9 @@
 
 namespace rf::model {
 
+// Whether Gemma4ImageProcessor supports `soft_tokens` as its max_soft_tokens: 70, 140, 280, 560 or 1120.
+bool supported_soft_tokens(int64_t soft_tokens);
+
 struct ImageProcessorConfig {
   int patch_size = 16;
   int pooling_kernel_size = 3;

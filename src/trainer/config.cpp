@@ -4,7 +4,6 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
-#include <array>
 #include <cctype>
 #include <charconv>
 #include <cmath>
@@ -18,6 +17,7 @@
 
 #include "core/error.h"
 #include "io/json_text.h"
+#include "model/image_processor.h"
 
 namespace rf::trainer {
 namespace {
@@ -339,9 +339,8 @@ int processor_soft_tokens(const std::string& model_path) {
     if (!at->is_object() || !at->contains("max_soft_tokens")) continue;
     const nlohmann::json& v = (*at)["max_soft_tokens"];
     const std::string field = nested ? "image_processor.max_soft_tokens" : "max_soft_tokens";
-    const std::array<int64_t, 5> supported = {70, 140, 280, 560, 1120};  // Gemma4ImageProcessor's
-    RF_CHECK(v.is_number_integer() && std::count(supported.begin(), supported.end(), v.get<int64_t>()) == 1, path, ": ",
-             field, " = ", v.dump(), " is not 70, 140, 280, 560 or 1120 (data.image_soft_tokens takes its ",
+    RF_CHECK(v.is_number_integer() && model::supported_soft_tokens(v.get<int64_t>()), path, ": ", field, " = ",
+             v.dump(), " is not 70, 140, 280, 560 or 1120 (data.image_soft_tokens takes its ",
              "default from it; set it to override)");
     return v.get<int>();
   }
@@ -440,8 +439,7 @@ void validate(const TrainConfig& c, int world_size) {
       RF_CHECK(is_file(c.data.tokenizer), "config: data.tokenizer = '", c.data.tokenizer, "' is not a file");
   }
   RF_CHECK(c.data.val_rows >= 0, "config: data.val_rows = ", c.data.val_rows, " must be >= 0 (0: no validation)");
-  RF_CHECK(c.data.image_soft_tokens == 70 || c.data.image_soft_tokens == 140 || c.data.image_soft_tokens == 280 ||
-               c.data.image_soft_tokens == 560 || c.data.image_soft_tokens == 1120,
+  RF_CHECK(model::supported_soft_tokens(c.data.image_soft_tokens),
            "config: data.image_soft_tokens = ", c.data.image_soft_tokens, " must be 70, 140, 280, 560 or 1120");
   positive(c.data.mock_image_tokens, "data.mock_image_tokens");
   RF_CHECK(c.optimizer.lr > 0, "config: optimizer.lr = ", c.optimizer.lr, " must be > 0");
