@@ -252,6 +252,8 @@ void TokenizerJson::read_model(const json& model) {
   bpe_ = std::make_unique<Bpe>(options);
   const json& vocab = f.need("vocab");
   f.refuse_unless(vocab.is_object(), "vocab", "is not a JSON object");
+  const json* merges = f.get("merges");
+  bpe_->reserve(vocab.size(), merges && merges->is_array() ? merges->size() : 0);
   for (const auto& [token, id] : vocab.items()) {
     if (!id.is_number_integer()) fail(origin_, ": model.vocab: '", token, "' has an id that is not an integer");
     try {
@@ -262,7 +264,6 @@ void TokenizerJson::read_model(const json& model) {
       fail(origin_, ": model.vocab: ", e.what());
     }
   }
-  const json* merges = f.get("merges");
   if (merges && !merges->is_null()) {
     f.refuse_unless(merges->is_array(), "merges", "is not a list");
     for (size_t i = 0; i < merges->size(); ++i) {
