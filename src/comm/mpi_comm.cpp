@@ -5,10 +5,12 @@
 
 #include <climits>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "comm/blocked_time.h"
 #include "core/error.h"
 
 namespace rf::comm {
@@ -34,13 +36,16 @@ int to_count(size_t bytes, const std::string& label) {
 }
 
 // Polls until every request completed or the deadline passed; returns false on timeout.
+// The time after a first test that found them pending counts as blocked (blocked_seconds).
 bool poll_until(std::vector<MPI_Request>& reqs, Timeout timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::optional<detail::BlockedTime> blocked;
   for (;;) {
     int done = 0;
     check_mpi(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
     if (done) return true;
     if (std::chrono::steady_clock::now() >= deadline) return false;
+    if (!blocked) blocked.emplace();
     std::this_thread::sleep_for(kPollSleep);
   }
 }

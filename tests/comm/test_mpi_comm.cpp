@@ -14,6 +14,7 @@ TEST(Mpi, RingOfBuffers) { cases::ring_of_buffers(world()); }
 TEST(Mpi, Collectives) { cases::collectives(world()); }
 TEST(Mpi, FloatAllreduceInRankOrderAcrossSlices) { cases::float_allreduce(world()); }
 TEST(Mpi, ReceiveDeadlineNamesThePeer) { cases::receive_deadline_names_the_peer(world()); }
+TEST(Mpi, BlockedTimeCountsTheWaits) { cases::blocked_time_counts_the_waits(world()); }
 TEST(Mpi, SplitFormsAGrid) { cases::split_forms_a_grid(world()); }
 TEST(Mpi, BadPeerAndTagAreRejected) { cases::bad_peer_and_tag_are_rejected(world()); }
 TEST(Mpi, SlicedAllreduceKeepsRankOrderBitsAndBytes) { cases::sliced_allreduce(world()); }
