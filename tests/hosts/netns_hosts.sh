@@ -101,11 +101,13 @@ link_down() { ip -n "${host_ns[$1]}" link set eth0 down; }
 
 slow_links() {
   local i qdisc=(netem delay "$1" rate "$2")
+  # shellcheck disable=SC2034  # read by the sourcing script
   hosts_slowed="netem: $1 delay, $2"
   if ! tc -n "${host_ns[1]}" qdisc add dev eth0 root "${qdisc[@]}" 2>/dev/null; then
     # A kernel without sch_netem (a micro-VM's, as on the development machine): the rate alone, by a token bucket
     # (its burst: what the rate sends in 4 ms, enough for the kernel's timer to keep up; its queue: 50 ms).
     qdisc=(tbf rate "$2" burst 512kb latency 50ms)
+    # shellcheck disable=SC2034
     hosts_slowed="tbf: $2, no added delay (this kernel has no sch_netem)"
     tc -n "${host_ns[1]}" qdisc add dev eth0 root "${qdisc[@]}" || return 1
   fi
