@@ -69,11 +69,11 @@ nothing_left() {
 }
 tx_bytes() { ip netns exec "${host_ns[$1]}" cat /sys/class/net/eth0/statistics/tx_bytes; }
 
+hosts_up 4  # first: where namespaces cannot be made, nothing else runs
 # The one-host oracle.
 "${launcher[@]}" -n 4 "$ringflex" train "${common[@]}" "${grid[@]}" --set checkpoint.dir="$work/one" \
   --metrics "$work/one.jsonl" >/dev/null 2>"$work/one.err" || { cat "$work/one.err" >&2; fail "the one-host run failed"; }
 
-hosts_up 4
 if [ "$mode" = slow ]; then
   slow_links 1ms 1gbit || fail "tc: cannot slow the links"
   echo "hosts_train (slow): every link slowed by $hosts_slowed"
