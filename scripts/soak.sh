@@ -37,6 +37,11 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_odls_b
 export RF_SOAK_MARK="$$.$RANDOM"
 rm -rf "$work"
 mkdir -p "$work"
+# A soak that stops (a failed check, ^C) takes its running job with it: a job left behind would go on writing into
+# the work directory of the next soak.
+job=""
+trap '[ -z "$job" ] || kill -TERM "$job" 2>/dev/null' EXIT
+trap 'exit 130' INT TERM
 config=(--config "$repo/examples/gemma4_tiny_moe_vlm.yaml" --set parallelism.cp=2 --set parallelism.dp=2
         --set train.steps="$steps" --set train.seq_len="$seq_len" --set checkpoint.every="$every"
         --set checkpoint.keep=2 --set train.val_every=100 --set train.log_every=100 --timeout 30)
@@ -51,8 +56,9 @@ run() {
 }
 last_step() { tail -n 1 "$1" 2>/dev/null | sed -n 's/^{"step":\([0-9]*\),.*/\1/p'; }
 rank_pid() {  # RANK: this soak's rank RANK, or nothing
-  local pid env
-  for pid in $(pgrep -x ringflex); do
+  local pid env name
+  name=$(basename "$ringflex")
+  for pid in $(pgrep -x "${name:0:15}"); do  # a process's name: the executable's, cut at 15 characters
     env=$({ tr '\0' '\n' <"/proc/$pid/environ"; } 2>/dev/null)
     grep -qx "RF_SOAK_MARK=$RF_SOAK_MARK" <<<"$env" && grep -qx "OMPI_COMM_WORLD_RANK=$1" <<<"$env" && { echo "$pid"; return; }
   done
