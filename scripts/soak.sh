@@ -2,7 +2,7 @@
 # The long soak with faults (issue 38): the tiny MoE VLM example at cp 2 x dp 2 trained for STEPS steps twice, once
 # uninterrupted and once with a random rank SIGKILLed at random steps KILLS times, each time resumed from the newest
 # checkpoint; the two runs must end on the same checkpoint, byte for byte, and
-# the same metrics (step, loss, lr, grad_norm, tokens). Too long for CI (1000 steps: about an hour on a loaded
+# the same metrics (step, loss, lr, grad_norm, tokens). Too long for CI (1000 steps: 11 minutes on a loaded
 # 2-core machine); its result is in BENCHMARKS.md ("Soak with faults").
 #
 #   scripts/soak.sh [--steps N] [--kills K] [--seed S] [--seq-len L] [--every E] [--work DIR] [--ringflex PATH]
