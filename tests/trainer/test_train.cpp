@@ -1820,11 +1820,17 @@ TEST(ComputeDtype, Bf16LossTrajectoryFollowsFloat32) {
 // model.compute_dtype reaches the vision tower: a bfloat16 run's tower multiplies in bf16 as its decoder does
 // (Gemma4Multimodal::set_vision_compute_dtype, set by the trainer before the data's images are encoded). Oracle: step
 // 1's loss rebuilt outside the trainer (as LabelTokens does) from the same initial model and mock rows, the decoder in
-// bf16 and the frozen tower's soft tokens made in bf16 or in float32. The trainer's loss is the bf16 tower's to the
-// 1e-6 of LabelTokens (the same products; only the token losses' sum is grouped by micro-batch), and the float32
-// tower's loss lies farther than that: the switch is taken. The two towers' soft tokens differ, by at most the
-// 2e-2 relative that tests/model/vision_parity.py bounds the bf16 tower with (bf16 operands carry 2^-9 relative
-// rounding, a few layers of linears accumulate it, and the soft tokens are their sums' differences).
+// bf16 and the frozen tower's soft tokens made in bf16 or in float32, each row run as the trainer runs it: its own
+// micro-batch, its token losses over the global batch's label count, the rows' shares summed in order. Those are the
+// trainer's own calls, so its loss is the bf16 tower's bits on every path. (One 4-row batch is not: where bf16 is
+// emulated, operands rounded onto float32 sgemm as on AVX2-only CPUs, a token's sums depend on its row's offset in
+// the sgemm call, OpenBLAS's Haswell/Zen kernels summing a call's last M mod 12 rows in another order, and a ~1e-7
+// float32 difference that crosses a bf16 rounding boundary moves the next product's operand by 2^-8: the loss moved
+// 3.7e-6 relative under RINGFLEX_ISA=avx2 OPENBLAS_CORETYPE=Haswell and on a Zen 3.) The float32 tower's loss lies
+// farther than 1e-6 relative, more than any float32 reordering moves a mean of ~900 token losses: the switch is
+// taken. The two towers' soft tokens differ, by at most the 2e-2 relative that tests/model/vision_parity.py bounds
+// the bf16 tower with (bf16 operands carry 2^-9 relative rounding, a few layers of linears accumulate it, and the soft
+// tokens are their sums' differences).
 TEST(ComputeDtype, TheVisionTowerRunsInTheTrainersDtype) {
   const TrainConfig c = small("tiny_moe_vlm", {"model.compute_dtype=bfloat16", "train.steps=1"});
   const Trained trained = run(c);
@@ -1845,18 +1851,18 @@ TEST(ComputeDtype, TheVisionTowerRunsInTheTrainersDtype) {
     ImageContract images;
     images.vision = [&]() -> const model::VisionEncoder* { return &tower; };
     const auto data = make_data_source(c, {m.config().vocab_size, 0, model::kBuiltinFeatureDim, ""}, images);
-    const PackedBatch p = stack_rows({data->train_row(0), data->train_row(1), data->train_row(2), data->train_row(3)},
-                                     model::kBuiltinFeatureDim);
-    ASSERT_GT(p.n_image_features, 0) << "the rows hold no image";
-    soft[t] = p.image_features;
-    const model::Batch b = p.batch();
+    std::vector<Row> rows;
+    for (int64_t i = 0; i < c.train.global_batch; ++i) rows.push_back(data->train_row(i));
+    const PackedBatch all = stack_rows(rows, model::kBuiltinFeatureDim);
+    ASSERT_GT(all.n_image_features, 0) << "the rows hold no image";
+    soft[t] = all.image_features;
     model::RunOptions ro;
     ro.compute_dtype = model::ComputeDtype::Bfloat16;
-    loss[t] = m.run(b, ro).loss;
+    ro.loss_normalizer = static_cast<double>(all.label_tokens());
+    for (const Row& row : rows) loss[t] += m.run(stack_rows({row}, model::kBuiltinFeatureDim).batch(), ro).loss;
   }
-  const double same = 1e-6 * loss[1];
-  EXPECT_NEAR(trained.steps[0].loss, loss[1], same);
-  EXPECT_GT(std::abs(trained.steps[0].loss - loss[0]), same) << "the trainer's tower ran in float32";
+  EXPECT_EQ(trained.steps[0].loss, loss[1]);
+  EXPECT_GT(std::abs(trained.steps[0].loss - loss[0]), 1e-6 * loss[1]) << "the trainer's tower ran in float32";
   double diff = 0.0, norm = 0.0;  // squared L2 norms, as vision_parity.py's relative error
   for (size_t i = 0; i < soft[0].size(); ++i) {
     diff += std::pow(static_cast<double>(soft[1][i]) - soft[0][i], 2);
