@@ -32,8 +32,15 @@ def cpu_flags(cpuinfo):
     return set()
 
 
+# gtest's mark of a failed test. A CTest entry that runs several gtest tests (a filter, or ranks under mpirun) is a skip
+# when any of them skipped (SKIP_REGULAR_EXPRESSION), even if another failed: that is a failure, never a skip.
+GTEST_FAILED = "[  FAILED  ]"
+
+
 def hardware_reason(output, flags):
     """The feature that explains this skip on this machine, or None."""
+    if GTEST_FAILED in output:
+        return None
     for feature, pattern, needed in HARDWARE_SKIPS:
         if re.search(pattern, output, re.IGNORECASE) and not needed <= flags:
             return f"this CPU lacks {feature} ({', '.join(sorted(needed - flags))} not in its cpuinfo flags)"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds with warnings as errors and runs the whole test suite (unit, multi-rank under mpirun, parity, the
-# PyTorch attention oracle), after a sanitizer pass (AddressSanitizer + UndefinedBehaviorSanitizer) over the
+# PyTorch attention oracle, and the numeric suites once more on the AVX2-only path: CTest's `.avx2-path` entries,
+# label avx2-path, with RINGFLEX_ISA=avx2 OPENBLAS_CORETYPE=Haswell set on them), after a sanitizer pass (AddressSanitizer + UndefinedBehaviorSanitizer) over the
 # in-process tests of every layer below the model: the kernels, the ring on loopback ranks, the planner and the
 # file reader.
 #
