@@ -31,6 +31,11 @@ constexpr int64_t kGemmQuantum = 48;
 // Columns per block when C is cut by columns (fewer than 2 * kGemmQuantum rows): the same panels at any thread count.
 // Each panel's call packs all of op(A), M < 96 rows of K, against M * 256 * K multiply-adds: under 0.4% more copying.
 constexpr int64_t kGemmColumnPanel = 256;
+// OpenBLAS (0.3.21's AVX-512 cores, built with SMALL_MATRIX_OPT as Debian's is) hands a call of at most 100^3
+// multiply-adds to its small-matrix kernels, which sum in another order than its blocked kernels: a block of a row
+// split must stay above that bound, or its rows' bits would depend on the thread count that made the block small.
+constexpr int64_t kBlasSmallMatrixMultiplyAdds = 1'000'000;
+static_assert(kParallelMinMultiplyAdds > kBlasSmallMatrixMultiplyAdds, "a call worth splitting is above the bound");
 // Tokens per partial sum in reductions over tokens (RMSNorm weight gradients), summed in block order.
 constexpr int64_t kReduceBlock = 64;
 // Elements per call of an elementwise kernel in a parallel loop: 64 KiB of float32 per operand, so a call's
@@ -103,6 +108,9 @@ namespace {
 struct GemmSplit {
   bool split_rows;
   int64_t extent, share, blocks;
+  // Rows or columns of block `blk`: `share`, the last block taking what is left (up to twice a share, as a short tail
+  // is folded into it).
+  int64_t size(int64_t blk) const { return blk + 1 == blocks ? extent - blk * share : share; }
 };
 
 GemmSplit split_for(int64_t M, int64_t N, int64_t K) {
@@ -119,12 +127,17 @@ GemmSplit split_for(int64_t M, int64_t N, int64_t K) {
   if (s.split_rows) {
     // Inside a parallel region (callers that run independent sgemms on each thread) each call stays on its thread.
     const int64_t threads = !omp_in_parallel() && worth_splitting ? omp_get_max_threads() : 1;
-    s.share =
-        std::max(kGemmQuantum, ((s.extent + threads - 1) / threads + kGemmQuantum - 1) / kGemmQuantum * kGemmQuantum);
+    const auto whole_quanta = [](int64_t rows) { return (rows + kGemmQuantum - 1) / kGemmQuantum * kGemmQuantum; };
+    // The fewest rows a block needs to stay above the small-matrix bound (the whole call is, when it is split:
+    // kParallelMinMultiplyAdds is above the bound).
+    const int64_t above_small = whole_quanta(kBlasSmallMatrixMultiplyAdds / (N * std::max<int64_t>(K, 1)) + 1);
+    s.share = std::max({kGemmQuantum, whole_quanta((s.extent + threads - 1) / threads), above_small});
+    s.blocks = (s.extent + s.share - 1) / s.share;
+    if (s.blocks > 1 && (s.extent - (s.blocks - 1) * s.share) * N * K <= kBlasSmallMatrixMultiplyAdds) --s.blocks;
   } else {
     s.share = worth_splitting ? kGemmColumnPanel : s.extent;
+    s.blocks = (s.extent + s.share - 1) / s.share;
   }
-  s.blocks = (s.extent + s.share - 1) / s.share;
   return s;
 }
 
@@ -202,7 +215,7 @@ void gemm_on_onednn(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int
   for (int64_t blk = 0; blk < s.blocks; ++blk) {
     try {
       const int64_t o = blk * s.share;
-      const int64_t n_part = std::min(s.share, s.extent - o);
+      const int64_t n_part = s.size(blk);
       const int64_t m = s.split_rows ? n_part : M;
       const int64_t n = s.split_rows ? N : n_part;
       const bf16* ap = s.split_rows ? (trans_a ? a.data + o : a.data + o * a.ld) : a.data;
@@ -302,7 +315,7 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
 #pragma omp parallel for schedule(static) if (s.blocks > 1)
   for (int64_t blk = 0; blk < s.blocks; ++blk) {
     const int64_t o = blk * s.share;
-    const int64_t n_part = std::min(s.share, s.extent - o);
+    const int64_t n_part = s.size(blk);
     const int64_t m = s.split_rows ? n_part : M;
     const int64_t n = s.split_rows ? N : n_part;
     // Row o of op(A) is row o of A, or column o when transposed; column o of op(B) is column o of B, or row o.
