@@ -33,6 +33,7 @@ constexpr int kDefaultNumHeads = 8;
 constexpr int kDefaultNumKvHeads = 4;
 constexpr int kDefaultHeadDim = 256;
 constexpr int kDefaultSlidingWindow = 512;
+constexpr int kDefaultMaxPositionEmbeddings = 131072;  // Gemma4TextConfig's default
 constexpr int kDefaultGlobalHeadDim = 512;
 constexpr double kDefaultRmsNormEps = 1e-6;
 constexpr int kDefaultPadTokenId = 0;
@@ -237,6 +238,7 @@ Gemma4Config Gemma4Config::from_json(const std::string& json_text, const std::st
   c.num_kv_heads = j.integer("num_key_value_heads", kDefaultNumKvHeads);
   c.head_dim = j.integer("head_dim", kDefaultHeadDim);
   c.sliding_window = j.integer("sliding_window", kDefaultSlidingWindow);
+  c.max_position_embeddings = j.integer("max_position_embeddings", kDefaultMaxPositionEmbeddings);
   c.rms_norm_eps = j.number("rms_norm_eps", kDefaultRmsNormEps);
   c.final_logit_softcapping = j.nullable_number("final_logit_softcapping", std::nullopt).value_or(0.0);
   RF_CHECK(!j.has("final_logit_softcapping") || c.final_logit_softcapping > 0.0, source, ": field '",

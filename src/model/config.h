@@ -53,6 +53,7 @@ struct Gemma4Config {
   std::vector<int> head_dim_override;  // [num_layers] per_layer_config head_dim (0 = none: head_dim)
   std::vector<int> kv_heads_override;  // [num_layers] per_layer_config num_key_value_heads (0 = none)
   int sliding_window = 0;
+  int64_t max_position_embeddings = 0;  // the positions generation may reach (prompt and new tokens); 0 = no limit
   RopeParams rope_sliding, rope_full;
   double rms_norm_eps = 1e-6;
   // vision_config.rms_norm_eps: the epsilon of the vision projection's scale-free pre-norm

@@ -257,6 +257,8 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
   r.prepare();
   r.embed();
   const int L = cfg_.num_layers;
+  RF_CHECK(opt.run_layers >= 0 && opt.run_layers <= L && (opt.run_layers == 0 || !opt.want_grad),
+           "run: run_layers = ", opt.run_layers, " must be in [0, ", L, "] and without gradients");
   const int64_t T = r.T, H = r.H;
   r.kv_K.assign(L, {});
   r.kv_V.assign(L, {});
@@ -278,7 +280,7 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
 
   Vec x = copy_of(r.h0);
   Vec next = uninit(T * H);  // layer_forward writes all of it
-  for (int l = 0; l < L; ++l) {
+  for (int l = 0; l < (opt.run_layers > 0 ? opt.run_layers : L); ++l) {
     LayerActs a;
     store.before_forward(l);
     r.layer_forward(l, x.data(), next.data(), a, false);
@@ -298,6 +300,12 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
     }
     x = std::move(next);
     next = uninit(T * H);
+  }
+  if (opt.run_layers > 0) {
+    Result res;
+    res.shard = r.shard;
+    store.after_forward(kGlobalGroup);
+    return res;
   }
 
   // Final norm, then the fused chunked head + softcap + cross-entropy (its backward runs in the same pass).

@@ -78,6 +78,10 @@ struct RunOptions {
   // LoRA dropout (model.lora.dropout, training runs only): the key its masks are drawn from (held_weight.h
   // lora_dropout_keeps); the trainer sets one per step and micro-batch.
   uint64_t dropout_key = 0;
+  // > 0: run only the first run_layers layers, then stop without the final norm, the LM head or the loss (the
+  // Result's loss and per-token outputs stay empty). Generation's prefill (model/generate.h): what it needs from the
+  // run is the K/V its layers hand the attention seam, and the KV-shared layers at the end produce none.
+  int run_layers = 0;
 };
 
 // What attention's q, k, v and dout are stored in for a run computing in `t`: float32 for Float32; for Bfloat16, BF16

@@ -1,0 +1,277 @@
+// ringflex generate: text from a Gemma 4 checkpoint (with a LoRA adapter over it) with a KV cache, context-parallel
+// over the ranks of mpirun.
+//
+//     [mpirun -n P] ringflex generate --model DIR [--lora ADAPTER] --in PROMPTS.safetensors [--max-new-tokens N]
+//                   [--greedy | --temperature T --top-k K --top-p P --min-p M --seed S] [--out FILE.jsonl]
+//                   [--logits-out FILE.safetensors] [--compute-dtype float32|bfloat16] [--threads N]
+//
+// Prompts: the batch file of `ringflex forward` (cli/batch_file.h); each row of input_ids [B, S] is one prompt, run
+// one after the other in this one job (the weights are loaded once), images as image_features or pixel_values with
+// mm_token_type_ids. Sampling and stopping default to the checkpoint's generation_config.json (do_sample,
+// temperature, top_k, top_p, min_p, eos_token_id; transformers' defaults where it has none); --greedy or any
+// sampling option overrides it. Each prompt's prefill is split over the ranks and its KV cache stays sharded
+// (cp/kv_cache.h, docs/generate.md): the tokens do not depend on P. Rank 0 streams each prompt's new token ids to
+// stdout as they come, writes --out (one JSON object a prompt: token_ids, stop_reason, prompt_tokens, prefill and
+// decode tokens/s) and --logits-out (the first prompt's logits, one [V] row a step: logits [N, V]). Every input and
+// the memory the job needs (weights, the cache from the longest prompt and --max-new-tokens) is checked on every
+// rank before any work: a bad one is one line on every rank and a non-zero exit.
+#include <omp.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/batch_file.h"
+#include "cli/command.h"
+#include "comm/agree.h"
+#include "comm/mpi_comm.h"
+#include "core/error.h"
+#include "core/memory.h"
+#include "cp/kv_cache.h"
+#include "io/atomic_file.h"
+#include "io/json_text.h"
+#include "io/safetensors.h"
+#include "model/checkpoint.h"
+#include "model/generate.h"
+#include "model/lora_store.h"
+
+namespace rf::cli {
+
+namespace {
+
+constexpr int kMaxThreads = 1024;
+constexpr int kDefaultMaxNewTokens = 256;
+constexpr int kTransformersTopK = 50;  // GenerationConfig's default top_k, used when sampling without one
+
+struct GenerateCliOptions {
+  std::string model, lora, in, out, logits_out;
+  std::optional<int> max_new_tokens;
+  bool greedy = false;
+  std::optional<float> temperature, top_p, min_p;
+  std::optional<int> top_k;
+  std::optional<uint64_t> seed;
+  int threads = 0;
+  std::string compute_dtype = "float32";
+};
+
+// Sampling and stop ids from the checkpoint's generation_config.json (transformers' defaults without it), then the
+// command line's.
+struct Decoding {
+  model::SamplingOptions sampling;
+  std::vector<int32_t> stop_ids;
+  int max_new_tokens = kDefaultMaxNewTokens;
+};
+
+std::vector<int32_t> id_list(const nlohmann::json& v, const std::string& where) {
+  std::vector<int32_t> ids;
+  if (v.is_number_integer())
+    ids.push_back(v.get<int32_t>());
+  else if (v.is_array())
+    for (const auto& x : v) {
+      RF_CHECK(x.is_number_integer(), where, ": eos_token_id must be an integer or a list of integers");
+      ids.push_back(x.get<int32_t>());
+    }
+  else
+    RF_CHECK(v.is_null(), where, ": eos_token_id must be an integer or a list of integers");
+  return ids;
+}
+
+Decoding decoding_of(const GenerateCliOptions& opt) {
+  Decoding d;
+  d.sampling.top_k = kTransformersTopK;
+  const std::filesystem::path file = std::filesystem::path(opt.model) / "generation_config.json";
+  if (std::filesystem::exists(file)) {
+    std::ifstream in(file);
+    std::stringstream text;
+    text << in.rdbuf();
+    const nlohmann::json j = io::parse_json(text.str(), file.string());
+    const std::string where = file.string();
+    try {
+      d.sampling.greedy = !j.value("do_sample", false);
+      d.sampling.temperature = j.value("temperature", 1.f);
+      d.sampling.top_k = j.contains("top_k") && !j["top_k"].is_null() ? j["top_k"].get<int>() : kTransformersTopK;
+      d.sampling.top_p = j.contains("top_p") && !j["top_p"].is_null() ? j["top_p"].get<float>() : 1.f;
+      if (j.contains("min_p") && !j["min_p"].is_null()) d.sampling.min_p = j["min_p"].get<float>();
+      if (j.contains("max_new_tokens") && !j["max_new_tokens"].is_null())
+        d.max_new_tokens = j["max_new_tokens"].get<int>();
+      if (j.contains("eos_token_id")) d.stop_ids = id_list(j["eos_token_id"], where);
+    } catch (const nlohmann::json::exception& e) {
+      RF_CHECK(false, where, ": ", e.what());
+    }
+  }
+  const bool sampling_given = opt.temperature || opt.top_k || opt.top_p || opt.min_p || opt.seed;
+  RF_CHECK(!(opt.greedy && sampling_given),
+           "--greedy and sampling options (--temperature, --top-k, --top-p, "
+           "--min-p, --seed) exclude each other");
+  if (opt.greedy) d.sampling.greedy = true;
+  if (sampling_given) d.sampling.greedy = false;
+  if (opt.temperature) d.sampling.temperature = *opt.temperature;
+  if (opt.top_k) d.sampling.top_k = *opt.top_k;
+  if (opt.top_p) d.sampling.top_p = *opt.top_p;
+  if (opt.min_p) d.sampling.min_p = *opt.min_p;
+  if (opt.seed) d.sampling.seed = *opt.seed;
+  if (opt.max_new_tokens) d.max_new_tokens = *opt.max_new_tokens;
+  model::check_sampling(d.sampling);
+  return d;
+}
+
+// The prompts of the batch file: one a row (images with B = 1, where the slots are unambiguous).
+std::vector<model::Prompt> prompts_of(const BatchData& d, const std::string& path) {
+  RF_CHECK(!d.has_features || d.B == 1, path, ": a prompt batch with images must have one row (B = 1), not ", d.B);
+  std::vector<model::Prompt> prompts(static_cast<size_t>(d.B));
+  for (int b = 0; b < d.B; ++b) {
+    model::Prompt& p = prompts[static_cast<size_t>(b)];
+    const auto row = [&](const std::vector<int32_t>& v) {
+      return std::vector<int32_t>(v.begin() + int64_t{b} * d.S, v.begin() + int64_t{b + 1} * d.S);
+    };
+    p.ids = row(d.ids);
+    if (!d.mm.empty()) p.mm_token_type = row(d.mm);
+    if (d.has_features) {
+      p.image_features = d.features;
+      p.n_image_features = d.n_features;
+    }
+  }
+  return prompts;
+}
+
+// input_ids' [B, S] from the file's header, before the checkpoint is loaded.
+std::pair<int64_t, int64_t> prompt_shape(const std::string& path) {
+  const io::SafetensorsFile in = io::SafetensorsFile::open(path);
+  io::DimSizes dims;
+  (void)io::require(in, {"input_ids", {io::StDType::I32, io::StDType::I64}, {"B", "S"}, ""}, dims);
+  RF_CHECK(dims["B"] >= 1, path, ": no prompts (input_ids has no rows)");
+  RF_CHECK(dims["S"] >= 1, path, ": the prompt is empty (input_ids has rows of 0 tokens)");
+  return {dims["B"], dims["S"]};
+}
+
+int run_generate(const GenerateCliOptions& opt) {
+  if (opt.threads > 0) omp_set_num_threads(opt.threads);
+  const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
+  const int P = world->size(), rank = world->rank();
+  const model::ComputeDtype dtype = model::parse_compute_dtype(opt.compute_dtype);
+  model::Checkpoint ck;
+  std::vector<model::Prompt> prompts;
+  Decoding dec;
+  agree(*world, [&] {
+    if (rank == 0) {
+      if (!opt.out.empty()) io::check_writable(opt.out);
+      if (!opt.logits_out.empty()) io::check_writable(opt.logits_out);
+    }
+    const auto [B, S] = prompt_shape(opt.in);
+    ck = model::load_checkpoint(
+        opt.model,
+        [&](const model::Gemma4Multimodal& shapes) {
+          const Decoding d = decoding_of(opt);
+          MemoryBreakdown need;
+          need.add("weights", checked_sum({shapes.params().weight_bytes(), shapes.buffers().total_bytes()}));
+          need.add("bf16 weight copies", dtype == model::ComputeDtype::Bfloat16 ? shapes.bf16_weight_bytes() : 0);
+          need.add(model::generate_memory_at_least(shapes.decoder(), S, d.max_new_tokens, P, rank, dtype));
+          check_memory(need, opt.in + ": generate",
+                       concat(" for ", S, " prompt tokens and ", d.max_new_tokens, " new over ", P, " rank(s)"));
+        },
+        opt.lora.empty() ? nullptr : std::make_unique<model::LoraStore>(model::read_peft_config(opt.lora)));
+    if (!opt.lora.empty()) model::load_peft_adapter(dynamic_cast<model::LoraStore&>(ck.model->params()), opt.lora);
+    ck.model->set_vision_compute_dtype(dtype);
+    dec = decoding_of(opt);
+    const BatchData data = read_batch(opt.in, *ck.model, true);
+    prompts = prompts_of(data, opt.in);
+    for (size_t i = 0; i < prompts.size(); ++i)
+      model::check_prompt(ck.model->decoder(), prompts[i], dec.max_new_tokens, P, concat(opt.in, ": prompt ", i));
+  });
+  const model::Gemma4Model& m = ck.model->decoder();
+  const std::unique_ptr<DecodeContext> ctx =
+      cp::make_decode_context(*world, model::cache_layers(m), model::attention_dtype(dtype));
+  model::GenerateOptions go;
+  go.max_new_tokens = dec.max_new_tokens;
+  go.stop_ids = dec.stop_ids;
+  go.sampling = dec.sampling;
+  go.compute_dtype = dtype;
+
+  std::string records;
+  std::vector<float> first_logits;
+  int64_t steps = 0;
+  const int64_t V = m.config().vocab_size;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    if (rank == 0) std::printf("[%zu]", i);
+    const model::Generated g = model::generate(m, *ctx, prompts[i], go, [&](int32_t token, std::span<const float> z) {
+      if (rank != 0) return;
+      std::printf(" %d", token);
+      std::fflush(stdout);
+      if (i == 0 && !opt.logits_out.empty()) {
+        first_logits.insert(first_logits.end(), z.begin(), z.end());
+        ++steps;
+      }
+    });
+    if (rank == 0) std::printf("\n");
+    const double prompt_tokens = static_cast<double>(prompts[i].ids.size());
+    const double decoded = static_cast<double>(g.tokens.size()) - 1;
+    nlohmann::ordered_json r;
+    r["token_ids"] = g.tokens;
+    r["stop_reason"] = g.stop_reason;
+    r["prompt_tokens"] = prompts[i].ids.size();
+    r["prefill_tokens_per_s"] = g.prefill_seconds > 0 ? prompt_tokens / g.prefill_seconds : 0.0;
+    r["decode_tokens_per_s"] = g.decode_seconds > 0 && decoded > 0 ? decoded / g.decode_seconds : 0.0;
+    r["ranks"] = P;
+    r["cache_bytes"] = ctx->allocated_bytes();
+    r["max_sliding_positions"] = ctx->max_held_positions(true);
+    records += r.dump() + "\n";
+  }
+  agree(*world, [&] {
+    if (rank != 0) return;
+    std::optional<io::AtomicFile> out_file, logits_file;
+    std::vector<io::AtomicFile*> all;
+    if (!opt.out.empty()) {
+      out_file.emplace(opt.out);
+      out_file->write(records);
+      all.push_back(&*out_file);
+    }
+    if (!opt.logits_out.empty()) {
+      io::SafetensorsWriter w;
+      w.add("logits", io::StDType::F32, {steps, V}, std::span<const float>(first_logits));
+      logits_file.emplace(opt.logits_out);
+      w.write(*logits_file);
+      all.push_back(&*logits_file);
+    }
+    io::commit_all(all);
+  });
+  return 0;
+}
+
+}  // namespace
+
+void add_generate_command(CLI::App& app, Runner& run) {
+  auto opt = std::make_shared<GenerateCliOptions>();
+  CLI::App* cmd = app.add_subcommand("generate", "Generate tokens from a Gemma 4 checkpoint with a KV cache");
+  cmd->add_option("--model", opt->model, "Checkpoint directory: config.json, *.safetensors, generation_config.json")
+      ->required();
+  cmd->add_option("--lora", opt->lora, "A PEFT LoRA adapter directory over --model");
+  cmd->add_option("--in", opt->in, "Prompts: input_ids [B, S], one prompt a row (the batch file of `forward`)")
+      ->required();
+  cmd->add_option("--max-new-tokens", opt->max_new_tokens,
+                  "New tokens at most (default: generation_config.json's, "
+                  "else 256)")
+      ->check(CLI::Range(1, std::numeric_limits<int>::max()));
+  cmd->add_flag("--greedy", opt->greedy, "Greedy decoding (argmax), whatever generation_config.json says");
+  cmd->add_option("--temperature", opt->temperature, "Sampling temperature");
+  cmd->add_option("--top-k", opt->top_k, "Keep the k most likely tokens (0: off)");
+  cmd->add_option("--top-p", opt->top_p, "Keep the smallest set of tokens whose probability reaches p");
+  cmd->add_option("--min-p", opt->min_p, "Drop tokens less likely than min-p times the most likely");
+  cmd->add_option("--seed", opt->seed, "The sampler's seed (the same tokens at every rank count)");
+  cmd->add_option("--out", opt->out, "One JSON object a prompt: token_ids, stop_reason, tokens/s");
+  cmd->add_option("--logits-out", opt->logits_out, "The first prompt's logits of every step, logits [N, V]");
+  cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")
+      ->check(CLI::Range(1, kMaxThreads));
+  cmd->add_option("--compute-dtype", opt->compute_dtype, "float32 (default) or bfloat16, as `forward`")
+      ->check(CLI::IsMember({"float32", "bfloat16", "f32", "bf16"}));
+  cmd->callback([&run, opt] { run = [opt] { return run_generate(*opt); }; });
+}
+
+}  // namespace rf::cli

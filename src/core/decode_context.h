@@ -1,0 +1,65 @@
+// ringflex core: the parallel context of generation, a model's attention seam (core/attention_backend.h) that keeps
+// a KV cache between runs.
+//
+// Generation runs the model twice over: a prefill of the prompt (one run over its tokens, CP-sharded as any forward)
+// and then one run per new token. The model itself is unchanged: it calls forward once per layer, in layer order,
+// and never sees the cache. The context tells a layer from the order of its calls (the first call of a run is
+// layer 0), which is why it is handed every layer's attention description up front (CacheLayer).
+//   prefill: begin_batch/forward are the job's ordinary context's (the local kernels or the CP ring), and each
+//            layer's K/V shard (this rank's tokens) is copied into the cache where prefill computed it.
+//   decode:  begin_batch gives every rank the one new token (the run is replicated: its projections are computed
+//            on every rank alike); forward appends the token's K/V on the one rank the placement rule names, then
+//            every rank attends the query over its own cached keys and the partials are merged by log-sum-exp
+//            (rf::merge_partial) in rank order 0..P-1, so every rank holds the same output.
+// docs/generate.md has the layout, the placement rule and what is exact.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <algorithm>
+
+#include "core/attention_backend.h"
+#include "core/dtype.h"
+#include "core/mask.h"
+
+namespace rf {
+
+// One decoder layer as the cache sees it.
+struct CacheLayer {
+  LayerMask mask;      // its mask; mask.window > 0 (a sliding layer) keeps only the last `window` positions
+  int kv_source = -1;  // >= 0: the layer reads layer kv_source's cache and stores none of its own
+  int kv_heads = 0;    // Hkv
+  int head_dim = 0;    // D
+};
+
+// Positions one rank's cache of `layer` holds at most: a full layer every prompt token it prefilled and every decoded
+// token placed on it; a sliding layer no more than its window, since a position W or more behind the newest query is
+// never read again (prompt_in_window: its prefilled tokens within the last W - 1 prompt positions, the only ones
+// the first decoded query can see).
+inline int cache_capacity(const CacheLayer& layer, int prompt_held, int prompt_in_window, int decoded_held) {
+  if (layer.mask.window == 0) return prompt_held + decoded_held;
+  return std::min(layer.mask.window, prompt_in_window + decoded_held);
+}
+
+// Bytes of `capacity` positions of a layer's cache: K and V [Hkv, capacity, D] in `dtype`, and a TokenMeta a key.
+inline int64_t layer_cache_bytes(const CacheLayer& layer, int capacity, DType dtype) {
+  const int64_t per_position = 2 * int64_t{layer.kv_heads} * layer.head_dim * static_cast<int64_t>(dtype_size(dtype)) +
+                               static_cast<int64_t>(sizeof(TokenMeta));
+  return layer.kv_source >= 0 ? 0 : per_position * capacity;
+}
+
+class DecodeContext : public ParallelContext {
+ public:
+  // The next model run is the prefill of a prompt of `prompt_tokens` tokens, after which at most `decode_tokens` are
+  // decoded; the cache (sized from both, as cache_bytes says) is emptied and allocated. Collective.
+  virtual void start_prefill(int prompt_tokens, int decode_tokens) = 0;
+  // The next model run is one token at `position` (B = 1, S = 1; positions follow the prompt one by one).
+  virtual void start_decode(int32_t position) = 0;
+  // Bytes this rank's cache holds now (allocated: K/V in their dtype, the keys' TokenMeta).
+  virtual int64_t allocated_bytes() const = 0;
+  // The most positions any of this rank's cached layers holds now (a sliding layer never more than its window).
+  virtual int max_held_positions(bool sliding) const = 0;
+};
+
+}  // namespace rf

@@ -1,0 +1,28 @@
+// ringflex cp: generation's parallel context (core/decode_context.h) over a CP group: the prompt prefilled through the
+// job's ordinary context (the local kernels at P = 1, the planned ring otherwise), the KV cache kept on the rank that
+// computed each position, and one-token decode steps whose attention is merged over the ranks.
+//
+// Placement of a decoded position p (the prompt prefilled positions 0..prompt_tokens-1): rank
+// (p - prompt_tokens) mod P, round robin, so the decoded positions spread evenly and every rank knows the owner
+// without a message (every rank computes the token's K/V; only the owner keeps them). docs/generate.md.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "core/decode_context.h"
+#include "core/dtype.h"
+#include "cp/cp_backend.h"
+
+namespace rf::cp {
+
+// The rank that keeps decoded position `position` (>= prompt_tokens) among P ranks.
+inline int decode_owner(int32_t position, int prompt_tokens, int P) { return (position - prompt_tokens) % P; }
+
+// layers: the model's layers in order; dtype: the storage the model writes q/k/v in (model::attention_dtype), which
+// the cache keeps. `group` must outlive the context.
+std::unique_ptr<DecodeContext> make_decode_context(comm::Communicator& group, std::vector<CacheLayer> layers,
+                                                   DType dtype, const CpAttentionOptions& options = {});
+
+}  // namespace rf::cp

@@ -1,0 +1,68 @@
+// ringflex model: generation with a KV cache: a prompt's prefill, then one decode step per new token, through a
+// DecodeContext (core/decode_context.h; cp::make_decode_context builds the one a job uses, at any CP size).
+//
+// The prefill runs the prompt's first S - 1 tokens through the model's ordinary forward (CP-sharded under mpirun,
+// images and all) with no head and no KV-shared tail (RunOptions::run_layers), so the cache holds their K/V; the last
+// prompt token is then the first decode step, whose logits choose the first new token. Every decode step is a
+// Gemma4Model::run of one token (B = 1, S = 1, its RoPE position given), so the layers, PLE, MoE, bf16 compute and
+// LoRA are the training forward's own code. docs/generate.md.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/decode_context.h"
+#include "core/memory.h"
+#include "model/gemma4.h"
+#include "model/sampling.h"
+
+namespace rf::model {
+
+// One prompt: token ids [S], and for a multimodal one its token types [S] (0 text, 1 image, 2 video) and the
+// features of its image slots [N, F] in order (gemma4.h Batch). The last token must be text.
+struct Prompt {
+  std::vector<int32_t> ids;
+  std::vector<int32_t> mm_token_type;  // empty: all text
+  std::vector<float> image_features;   // [N, F]
+  int64_t n_image_features = 0;
+};
+
+struct GenerateOptions {
+  int max_new_tokens = 0;
+  std::vector<int32_t> stop_ids;  // generation ends after producing one of these (it is kept in the tokens)
+  SamplingOptions sampling;
+  ComputeDtype compute_dtype = ComputeDtype::Float32;
+};
+
+struct Generated {
+  std::vector<int32_t> tokens;  // the new tokens, the stop token included
+  std::string stop_reason;      // "eos": a stop id; "length": max_new_tokens reached
+  double prefill_seconds = 0;   // the prompt up to the first new token's logits (the prefill and one decode step)
+  double decode_seconds = 0;    // every later step
+};
+
+// The model's layers as the cache sees them.
+std::vector<CacheLayer> cache_layers(const Gemma4Model& m);
+
+// Throws rf::Error (naming `source`) for a prompt generation cannot run: empty, its last token an image slot, more
+// than max_position_embeddings with the new tokens, or what Gemma4Model::check_batch rejects for `ranks` ranks.
+void check_prompt(const Gemma4Model& m, const Prompt& p, int max_new_tokens, int ranks, const std::string& source);
+
+// What one rank needs beside the weights, at least, for a prompt of `prompt_tokens` and `max_new_tokens` over P ranks:
+// the KV cache (this rank's share: ceil of the prompt over P, its decoded positions round robin; exact at P = 1, what
+// DecodeContext::allocated_bytes then reports), the prefill run's buffers and a decode step's.
+MemoryBreakdown generate_memory_at_least(const Gemma4Model& m, int64_t prompt_tokens, int max_new_tokens, int P,
+                                         int rank, ComputeDtype compute_dtype);
+
+// Called with each new token and its step's logits [V] as soon as it is chosen; every rank calls it.
+using OnToken = std::function<void(int32_t token, std::span<const float> logits)>;
+
+// Generates from `p` (check_prompt's conditions hold). Collective over the context's ranks: every rank passes the
+// same prompt and options and gets the same tokens.
+Generated generate(const Gemma4Model& m, DecodeContext& ctx, const Prompt& p, const GenerateOptions& o,
+                   const OnToken& on_token = {});
+
+}  // namespace rf::model

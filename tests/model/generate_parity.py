@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""`ringflex generate` (KV cache, prefill, one-token decode steps) against transformers 5.24 in float32.
+
+Cases: parity.py's tiny configs (sliding window 5 with prompts of 20 tokens, so every prompt crosses the window and
+the decoded positions leave it again and again): dense with attention_k_eq_v, MoE with an untied head, E2B-like
+(per-layer embeddings, the last two layers reading earlier layers' K/V, double-wide MLP), and dense with images
+(vision-bidirectional attention on the image run inside the prompt; features through the checkpoint's projection
+in the small case). 64 new tokens each, greedy.
+Oracle: transformers' generate(use_cache=True, do_sample=False, float32) for the text cases; for the image cases
+(which generate cannot take as features) transformers' forward without a cache over the prompt and the tokens so
+far, once per step (the same model, docs/spec.md §3 masks), which checks the cache against no cache at all.
+Checked: the same new tokens; each step's logits within parity.py's REL_TOL (1e-4 relative per step: both sides are
+float32, ringflex's decode only reorders float32 sums, ~1e-6; a wrong term shows at 1e-2); where the oracle's two
+largest logits of a step are closer than that tolerance the tokens may part (a tie under rounding): the comparison
+stops there, said in the log. Through every launcher (`--ranks 1 2 3 4 -- MPIEXEC...`): the same tokens at every P,
+and a seeded sampled run (temperature, top-k, top-p, min-p) giving the same tokens at every P. The cache: its bytes
+at P = 1 equal the formula docs/generate.md gives (what the memory check uses), and no rank's sliding layer ever
+holds more than W positions.
+
+Exit code 77 (CTest's skip) when torch, transformers or safetensors is missing.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from launchers import describe, launchers, ranks_of  # noqa: E402
+from oracle_env import missing_oracle  # noqa: E402
+
+try:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma4ForCausalLM, Gemma4VisionConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
+    import parity  # noqa: E402  (tests/model/parity.py: configs, random weights, tolerance)
+    from spec_mask import spec_masks
+except ImportError as e:
+    missing_oracle(e)
+
+NEW_TOKENS = 64
+PROMPT = 20
+REL_TOL = parity.REL_TOL
+SAMPLING = ["--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.02", "--seed", "7"]
+CASES = [("dense", False), ("moe", False), ("small", False), ("dense", True), ("small", True)]
+
+
+def build(name, vision, workdir, gen):
+    cfg = parity.CONFIGS[name](vision)
+    cfg._attn_implementation = "eager"
+    model = Gemma4ForCausalLM(cfg).float().eval()
+    model.config._experts_implementation = "eager"
+    parity.randomize(model, gen)
+    model.generation_config.eos_token_id = None  # 64 tokens whatever comes
+    model.generation_config.pad_token_id = 0
+    ckpt = os.path.join(workdir, f"{name}_{int(vision)}")
+    model.save_pretrained(ckpt, safe_serialization=True)
+    with open(os.path.join(ckpt, "generation_config.json"), "w") as f:
+        json.dump({"do_sample": False}, f)  # no end tokens: both sides run all 64 steps
+    ids = torch.randint(1, cfg.vocab_size, (1, PROMPT), generator=gen)
+    mm, feats, embedder = None, None, None
+    if vision:
+        mm = torch.zeros((1, PROMPT), dtype=torch.int64)
+        mm[0, 3:10] = 1  # an image run of 7 > W tokens inside the prompt
+        projected = name.startswith("small")
+        fdim = parity.FEATURE_DIM if projected else cfg.hidden_size
+        feats = torch.randn((int(mm.sum()), fdim), generator=gen)
+        if projected:
+            embedder = Gemma4MultimodalEmbedder(Gemma4VisionConfig(hidden_size=fdim, rms_norm_eps=parity.VISION_EPS),
+                                                cfg).float()
+            with torch.no_grad():
+                embedder.embedding_projection.weight.copy_(0.3 * torch.randn((cfg.hidden_size, fdim), generator=gen))
+            parity.write_projection(ckpt, embedder, fdim, parity.VISION_EPS)
+    batch = {"input_ids": ids.to(torch.int32)}
+    if vision:
+        batch["mm_token_type_ids"] = mm.to(torch.int32)
+        batch["image_features"] = feats
+    batch_path = os.path.join(workdir, f"prompt_{name}_{int(vision)}.safetensors")
+    save_file({k: v.contiguous() for k, v in batch.items()}, batch_path)
+    return cfg, model, ids, mm, feats, embedder, ckpt, batch_path
+
+
+@torch.no_grad()
+def reference_generate(model, ids):
+    out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, use_cache=True,
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, ids.shape[1]:].tolist(), torch.stack([z[0] for z in out.logits])
+
+
+@torch.no_grad()
+def reference_no_cache(model, cfg, ids, mm, feats, embedder, tokens):
+    """Step n's logits: transformers' forward without a cache over the prompt and tokens[:n] (teacher-forced on
+    ringflex's tokens, so a tie under rounding does not derail the later steps); the greedy tokens of those logits."""
+    logits = []
+    for n in range(len(tokens)):
+        seq = torch.cat([ids, torch.tensor([tokens[:n]], dtype=ids.dtype)], dim=1)
+        S = seq.shape[1]
+        m = torch.cat([mm, torch.zeros((1, S - mm.shape[1]), dtype=mm.dtype)], dim=1)
+        doc = torch.ones((1, S), dtype=torch.int64)
+        masks = {t: x.float() for t, x in spec_masks(cfg, doc, m).items()}
+        slots = m > 0
+        llm_ids = torch.where(slots, torch.full_like(seq, cfg.pad_token_id), seq)
+        embeds = model.model.embed_tokens(llm_ids)
+        placed = embedder(feats) if embedder is not None else feats
+        embeds = embeds.masked_scatter(slots[..., None].expand_as(embeds), placed)
+        kwargs = dict(attention_mask=masks, position_ids=torch.arange(S)[None], use_cache=False,
+                      output_hidden_states=True, inputs_embeds=embeds)
+        if cfg.hidden_size_per_layer_input:
+            kwargs["per_layer_inputs"] = model.model.get_per_layer_inputs(llm_ids)
+        logits.append(model(**kwargs).logits[0, -1])
+    z = torch.stack(logits)
+    return z.argmax(-1).tolist(), z
+
+
+def run_generate(ringflex, launcher, ckpt, batch_path, workdir, tag, extra=()):
+    out = os.path.join(workdir, f"{tag}.jsonl")
+    logits = os.path.join(workdir, f"{tag}.safetensors")
+    proc = subprocess.run([*launcher, ringflex, "generate", "--model", ckpt, "--in", batch_path, "--max-new-tokens",
+                           str(NEW_TOKENS), "--out", out, "--logits-out", logits, *extra],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None, None, f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}"
+    with open(out) as f:
+        record = json.loads(f.readline())
+    return record, load_file(logits)["logits"], None
+
+
+def expected_cache_bytes(model, cfg, S, N):
+    """docs/generate.md's cache at P = 1: each layer with its own K/V holds (S - 1) + N positions (full) or
+    min(W, min(W - 1, S - 1) + N) (sliding), each K and V (k_proj's Hkv * D rows) in float32 and a 12-byte
+    TokenMeta."""
+    total = 0
+    first_shared = cfg.num_hidden_layers - (cfg.num_kv_shared_layers or 0)
+    for layer, kind in enumerate(cfg.layer_types[:first_shared]):
+        W = cfg.sliding_window
+        cap = S - 1 + N if kind == "full_attention" else min(W, min(W - 1, S - 1) + N)
+        kd = model.model.layers[layer].self_attn.k_proj.weight.shape[0]
+        total += cap * (2 * kd * 4 + 12)
+    return total
+
+
+def compare(tag, tokens, logits, ref_tokens, ref_logits, failures):
+    """Appends what differs to `failures`; returns the worst step's relative logits error."""
+    worst = 0.0
+    if len(tokens) != NEW_TOKENS:
+        failures.append(f"{tag}: {len(tokens)} tokens, not {NEW_TOKENS}")
+    for i in range(min(len(tokens), len(ref_tokens))):
+        err = float((logits[i].double() - ref_logits[i].double()).norm() / ref_logits[i].double().norm())
+        worst = max(worst, err)
+        if err > REL_TOL:
+            failures.append(f"{tag}: step {i}: logits {err:.2e} from transformers' (tolerance {REL_TOL})")
+            break
+        if tokens[i] != ref_tokens[i]:
+            top = torch.topk(ref_logits[i].double(), 2).values
+            if float(top[0] - top[1]) <= REL_TOL * float(ref_logits[i].abs().max()):
+                print(f"  {tag}: step {i}: a tie under rounding ({float(top[0] - top[1]):.1e}); compared up to it")
+                break
+            failures.append(f"{tag}: step {i}: token {tokens[i]}, transformers {ref_tokens[i]}")
+            break
+    return worst
+
+
+def main():
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: generate_parity.py RINGFLEX [LAUNCHER... | --ranks P... -- MPIEXEC...]")
+    ringflex, runs = sys.argv[1], launchers(sys.argv[2:])
+    failures = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for name, vision in CASES:
+            gen = torch.Generator().manual_seed(4321)
+            cfg, model, ids, mm, feats, embedder, ckpt, batch_path = build(name, vision, workdir, gen)
+            case = f"{name}{'+images' if vision else ''}"
+            ref_tokens, ref_logits = (None, None) if vision else reference_generate(model, ids)
+            greedy_p1, sampled_p1, worst = None, None, 0.0
+            for launcher in runs:
+                P = ranks_of(launcher)
+                tag = f"{case} P={P}"
+                record, logits, error = run_generate(ringflex, launcher, ckpt, batch_path, workdir, f"g_{case}_{P}")
+                if error:
+                    failures.append(f"{tag}: {error}")
+                    continue
+                tokens = record["token_ids"]
+                if vision and ref_tokens is None:
+                    ref_tokens, ref_logits = reference_no_cache(model, cfg, ids, mm, feats, embedder, tokens)
+                worst = max(worst, compare(tag, tokens, logits, ref_tokens, ref_logits, failures))
+                if greedy_p1 is None:
+                    greedy_p1 = tokens
+                elif tokens != greedy_p1:
+                    failures.append(f"{tag}: greedy tokens differ from the first run's")
+                if record["max_sliding_positions"] > cfg.sliding_window:
+                    failures.append(f"{tag}: a sliding layer holds {record['max_sliding_positions']} positions")
+                if P == 1 and record["cache_bytes"] != expected_cache_bytes(model, cfg, PROMPT, NEW_TOKENS):
+                    failures.append(f"{tag}: cache {record['cache_bytes']} bytes, expected "
+                                    f"{expected_cache_bytes(model, cfg, PROMPT, NEW_TOKENS)}")
+                record, _, error = run_generate(ringflex, launcher, ckpt, batch_path, workdir, f"s_{case}_{P}",
+                                                SAMPLING)
+                if error:
+                    failures.append(f"{tag} sampled: {error}")
+                    continue
+                if sampled_p1 is None:
+                    sampled_p1 = record["token_ids"]
+                elif record["token_ids"] != sampled_p1:
+                    failures.append(f"{tag}: sampled tokens differ from the first run's")
+            print(f"{case:14s} greedy {NEW_TOKENS} tokens (logits within {worst:.1e}) and seeded sampling at P = "
+                  f"{describe(runs)}")
+    for f in failures:
+        print("FAIL", f)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
