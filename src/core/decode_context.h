@@ -51,6 +51,8 @@ inline int64_t layer_cache_bytes(const CacheLayer& layer, int capacity, DType dt
 
 class DecodeContext : public ParallelContext {
  public:
+  // The ranks the cache is spread over (ranks() says 1 during a decode step, which the model sees as one rank's).
+  virtual int cache_ranks() const = 0;
   // The next model run is the prefill of a prompt of `prompt_tokens` tokens, after which at most `decode_tokens` are
   // decoded; the cache (sized from both, as cache_bytes says) is emptied and allocated. Collective.
   virtual void start_prefill(int prompt_tokens, int decode_tokens) = 0;

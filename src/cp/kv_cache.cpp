@@ -74,6 +74,8 @@ class KvCacheContext final : public DecodeContext {
   int rank() const override { return decoding_ ? 0 : group_.rank(); }
   int ranks() const override { return decoding_ ? 1 : group_.size(); }
 
+  int cache_ranks() const override { return group_.size(); }
+
   void start_prefill(int prompt_tokens, int decode_tokens) override {
     RF_CHECK(prompt_tokens >= 0 && decode_tokens >= 0, "generation: negative token counts");
     prompt_tokens_ = prompt_tokens;

@@ -1,6 +1,7 @@
 // ringflex model: prefill and decode steps over a DecodeContext (see generate.h, docs/generate.md).
 #include "model/generate.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "core/error.h"
@@ -17,6 +18,10 @@ int prefill_layers(const Gemma4Model& m) {
   for (int l = 0; l < m.config().num_layers; ++l)
     if (m.spec(l).kv_source < 0) n = l + 1;
   return n;
+}
+
+bool has_images(const Prompt& p) {
+  return std::any_of(p.mm_token_type.begin(), p.mm_token_type.end(), [](int32_t t) { return t != 0; });
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t) {
@@ -54,8 +59,9 @@ void check_prompt(const Gemma4Model& m, const Prompt& p, int max_new_tokens, int
   b.image_features = p.image_features.empty() ? nullptr : p.image_features.data();
   b.n_image_features = p.n_image_features;
   m.check_batch(b, 1, source);
-  RF_CHECK(S - 1 == 0 || S - 1 >= ranks, source, ": the prompt's ", S - 1, " prefilled tokens cannot be split over ",
-           ranks, " ranks (one token a rank at least); run with fewer ranks");
+  RF_CHECK(!has_images(p) || S - 1 >= ranks, source, ": the prompt's ", S - 1,
+           " tokens before its last, images among them, cannot be split over ", ranks,
+           " ranks (one token a rank at least); run with fewer ranks");
 }
 
 MemoryBreakdown generate_memory_at_least(const Gemma4Model& m, int64_t prompt_tokens, int max_new_tokens, int P,
@@ -90,11 +96,14 @@ Generated generate(const Gemma4Model& m, DecodeContext& ctx, const Prompt& p, co
   Generated out;
   Sampler sampler(o.sampling);
   const auto start = std::chrono::steady_clock::now();
-  ctx.start_prefill(S - 1, o.max_new_tokens);
-  if (S > 1) {
+  // A text prompt shorter than the ranks (S - 1 < P: the CP split needs a token a rank) is fed through decode steps
+  // instead, one token each, whose logits are not used: the same cache, the same tokens.
+  const int prefilled = S - 1 >= ctx.cache_ranks() || has_images(p) ? S - 1 : 0;
+  ctx.start_prefill(prefilled, S - 1 - prefilled + o.max_new_tokens);
+  if (prefilled > 0) {
     Batch b;
     b.B = 1;
-    b.S = S - 1;
+    b.S = prefilled;
     b.input_ids = p.ids.data();
     b.mm_token_type = p.mm_token_type.empty() ? nullptr : p.mm_token_type.data();
     b.image_features = p.image_features.empty() ? nullptr : p.image_features.data();
@@ -107,17 +116,20 @@ Generated generate(const Gemma4Model& m, DecodeContext& ctx, const Prompt& p, co
   RunOptions step;
   step.want_logits = true;
   step.compute_dtype = o.compute_dtype;
-  int32_t token = p.ids.back();
-  auto decode_start = start;
-  for (int n = 0; n < o.max_new_tokens; ++n) {
-    const int32_t position = S - 1 + n;
+  const auto decode_step = [&](int32_t token, int32_t position) {
     ctx.start_decode(position);
     Batch b;
     b.B = 1;
     b.S = 1;
     b.input_ids = &token;
     b.position_ids = &position;
-    const Result r = m.run(b, step, ctx);
+    return m.run(b, step, ctx);
+  };
+  for (int32_t position = prefilled; position < S - 1; ++position) (void)decode_step(p.ids[position], position);
+  int32_t token = p.ids.back();
+  auto decode_start = start;
+  for (int n = 0; n < o.max_new_tokens; ++n) {
+    const Result r = decode_step(token, S - 1 + n);
     token = sampler.next(r.logits);
     out.tokens.push_back(token);
     if (n == 0) {

@@ -48,7 +48,9 @@ struct Generated {
 std::vector<CacheLayer> cache_layers(const Gemma4Model& m);
 
 // Throws rf::Error (naming `source`) for a prompt generation cannot run: empty, its last token an image slot, more
-// than max_position_embeddings with the new tokens, or what Gemma4Model::check_batch rejects for `ranks` ranks.
+// than max_position_embeddings with the new tokens, images in a prompt of fewer than `ranks` + 1 tokens (its
+// prefill must split over the ranks; a text prompt that short is fed through decode steps instead), or what
+// Gemma4Model::check_batch rejects.
 void check_prompt(const Gemma4Model& m, const Prompt& p, int max_new_tokens, int ranks, const std::string& source);
 
 // What one rank needs beside the weights, at least, for a prompt of `prompt_tokens` and `max_new_tokens` over P ranks:
