@@ -5,7 +5,9 @@ Cases: parity.py's tiny configs (sliding window 5 with prompts of 20 tokens, so 
 the decoded positions leave it again and again): dense with attention_k_eq_v, MoE with an untied head, E2B-like
 (per-layer embeddings, the last two layers reading earlier layers' K/V, double-wide MLP), and dense with images
 (vision-bidirectional attention on the image run inside the prompt; features through the checkpoint's projection
-in the small case). 64 new tokens each, greedy.
+in the small case). 64 new tokens each, greedy. And a LoRA adapter (peft) on the dense base: --lora against peft's
+generate, the same tokens from the checkpoint `ringflex export --merge` writes, and an adapter made on another
+base refused with one line on every rank.
 Oracle: transformers' generate(use_cache=True, do_sample=False, float32) for the text cases; for the image cases
 (which generate cannot take as features) transformers' forward without a cache over the prompt and the tokens so
 far, once per step (the same model, docs/spec.md §3 masks), which checks the cache against no cache at all.
@@ -35,6 +37,7 @@ try:
     from safetensors.torch import load_file, save_file
     from transformers import Gemma4ForCausalLM, Gemma4VisionConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
+    from peft import LoraConfig, get_peft_model
     import parity  # noqa: E402  (tests/model/parity.py: configs, random weights, tolerance)
     from spec_mask import spec_masks
 except ImportError as e:
@@ -162,6 +165,70 @@ def compare(tag, tokens, logits, ref_tokens, ref_logits, failures):
     return worst
 
 
+def make_adapter(model, workdir, tag, targets, gen):
+    """A PEFT LoRA adapter on `model` (its B A of a few percent of the weights, as lora_parity.py draws them),
+    saved under workdir/tag; returns the PEFT model and the adapter's directory."""
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets,
+                                                  task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    adapter = os.path.join(workdir, tag)
+    peft_model.save_pretrained(adapter)
+    return peft_model, adapter
+
+
+def error_lines(proc):
+    return [line for line in proc.stderr.splitlines() if line.startswith("ringflex: error: ")]
+
+
+def lora_case(ringflex, runs, workdir, failures):
+    """An adapter on the dense base: --lora gives peft's generate tokens (and logits) at every P, and the checkpoint
+    `ringflex export --merge` writes gives the same tokens. An adapter made on another base (v_proj on every layer,
+    where the dense base's full layers have none: attention_k_eq_v) is one error line on every rank."""
+    gen = torch.Generator().manual_seed(99)
+    cfg, model, ids, _, _, _, ckpt, batch_path = build("dense", False, workdir, gen)
+    peft_model, adapter = make_adapter(model, workdir, "adapter_dense", ["q_proj", "o_proj", "down_proj"], gen)
+    ref_tokens, ref_logits = reference_generate(peft_model, ids)
+    merged = os.path.join(workdir, "merged")
+    proc = subprocess.run([ringflex, "export", "--model", ckpt, "--merge", adapter, "--out", merged],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        failures.append(f"export --merge: exit {proc.returncode}: {proc.stderr.strip()[-400:]}")
+        return
+    worst = 0.0
+    for launcher in runs:
+        P = ranks_of(launcher)
+        record, logits, error = run_generate(ringflex, launcher, ckpt, batch_path, workdir, f"lora_{P}",
+                                             ["--lora", adapter])
+        if error:
+            failures.append(f"lora P={P}: {error}")
+            continue
+        worst = max(worst, compare(f"lora P={P}", record["token_ids"], logits, ref_tokens, ref_logits, failures))
+        merged_record, _, error = run_generate(ringflex, launcher, merged, batch_path, workdir, f"merged_{P}",
+                                               ["--greedy"])
+        if error:
+            failures.append(f"merged P={P}: {error}")
+        elif merged_record["token_ids"] != record["token_ids"]:
+            failures.append(f"merged P={P}: the export --merge checkpoint's tokens differ from --lora's")
+    other = build("small", False, workdir, gen)[1]
+    _, foreign = make_adapter(other, workdir, "adapter_small", ["v_proj"], gen)
+    refusal = ""
+    for launcher in runs:
+        P = ranks_of(launcher)
+        proc = subprocess.run([*launcher, ringflex, "generate", "--model", ckpt, "--lora", foreign, "--in", batch_path,
+                               "--max-new-tokens", "4"], capture_output=True, text=True)
+        lines = error_lines(proc)
+        if proc.returncode == 0 or len(lines) != P or len(set(lines)) != 1:
+            failures.append(f"another base's adapter P={P}: exit {proc.returncode}, error lines {lines}")
+        elif "v_proj" not in lines[0]:
+            failures.append(f"another base's adapter P={P}: the error does not name v_proj: {lines[0]}")
+        refusal = lines[0] if lines else refusal
+    print(f"lora           greedy {NEW_TOKENS} tokens as peft's (logits within {worst:.1e}), the same from "
+          f"export --merge, another base's adapter refused, at P = {describe(runs)}\n  ({refusal})")
+
+
 def main():
     if len(sys.argv) < 2:
         raise SystemExit("usage: generate_parity.py RINGFLEX [LAUNCHER... | --ranks P... -- MPIEXEC...]")
@@ -205,6 +272,7 @@ def main():
                     failures.append(f"{tag}: sampled tokens differ from the first run's")
             print(f"{case:14s} greedy {NEW_TOKENS} tokens (logits within {worst:.1e}) and seeded sampling at P = "
                   f"{describe(runs)}")
+        lora_case(ringflex, runs, workdir, failures)
     for f in failures:
         print("FAIL", f)
     return 1 if failures else 0
