@@ -1,11 +1,15 @@
 // ringflex generate: text from a Gemma 4 checkpoint (with a LoRA adapter over it) with a KV cache, context-parallel
 // over the ranks of mpirun.
 //
-//     [mpirun -n P] ringflex generate --model DIR [--lora ADAPTER] --in PROMPTS.safetensors [--max-new-tokens N]
+//     [mpirun -n P] ringflex generate --model DIR [--lora ADAPTER] (--prompt TEXT | --in PROMPTS.safetensors)
+//                   [--max-new-tokens N]
 //                   [--greedy | --temperature T --top-k K --top-p P --min-p M --seed S] [--out FILE.jsonl]
 //                   [--logits-out FILE.safetensors] [--compute-dtype float32|bfloat16] [--threads N]
 //
-// Prompts: the batch file of `ringflex forward` (cli/batch_file.h); each row of input_ids [B, S] is one prompt, run
+// Prompts: --prompt TEXT, tokenized with the checkpoint's tokenizer (src/text; tokenizer.json, else
+// tokenizer.model) after its BOS token, as transformers' tokenizer(text) gives it; the new tokens stream to stdout as
+// text, an incomplete UTF-8 sequence (a character split over byte-fallback tokens) held back until it completes. Or
+// the batch file of `ringflex forward` (cli/batch_file.h); each row of input_ids [B, S] is one prompt, run
 // one after the other in this one job (the weights are loaded once), images as image_features or pixel_values with
 // mm_token_type_ids. Sampling and stopping default to the checkpoint's generation_config.json (do_sample,
 // temperature, top_k, top_p, min_p, eos_token_id; transformers' defaults where it has none); --greedy or any
@@ -42,6 +46,7 @@
 #include "model/checkpoint.h"
 #include "model/generate.h"
 #include "model/lora_store.h"
+#include "text/tokenizer.h"
 
 namespace rf::cli {
 
@@ -53,6 +58,7 @@ constexpr int kTransformersTopK = 50;  // GenerationConfig's default top_k, used
 
 struct GenerateCliOptions {
   std::string model, lora, in, out, logits_out;
+  std::optional<std::string> prompt;
   std::optional<int> max_new_tokens;
   bool greedy = false;
   std::optional<float> temperature, top_p, min_p;
@@ -142,6 +148,35 @@ std::vector<model::Prompt> prompts_of(const BatchData& d, const std::string& pat
   return prompts;
 }
 
+// New tokens as text, as they come: the decoded text of all of them so far, printed from where the last print
+// ended, except while it ends in U+FFFD (tokenizers' decode of an incomplete UTF-8 sequence: the rest of the
+// character's bytes are still to come as byte-fallback tokens), which is held back.
+class TextStream {
+ public:
+  explicit TextStream(const text::Tokenizer& tok) : tok_(tok) {}
+  // The text of `ids` so far that is new since the last call and complete.
+  std::string next(const std::vector<int32_t>& ids) {
+    const std::string text = tok_.decode(ids, true);
+    static constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD in UTF-8
+    if (text.size() >= kReplacement.size() &&
+        text.compare(text.size() - kReplacement.size(), kReplacement.size(), kReplacement) == 0)
+      return {};
+    if (text.size() <= printed_) return {};
+    std::string fresh = text.substr(printed_);
+    printed_ = text.size();
+    return fresh;
+  }
+  // Whatever is left at the end (a held-back U+FFFD included: the model ended inside a character).
+  std::string finish(const std::vector<int32_t>& ids) {
+    const std::string text = tok_.decode(ids, true);
+    return text.size() > printed_ ? text.substr(printed_) : std::string{};
+  }
+
+ private:
+  const text::Tokenizer& tok_;
+  size_t printed_ = 0;
+};
+
 // input_ids' [B, S] from the file's header, before the checkpoint is loaded.
 std::pair<int64_t, int64_t> prompt_shape(const std::string& path) {
   const io::SafetensorsFile in = io::SafetensorsFile::open(path);
@@ -158,6 +193,7 @@ int run_generate(const GenerateCliOptions& opt) {
   const int P = world->size(), rank = world->rank();
   const model::ComputeDtype dtype = model::parse_compute_dtype(opt.compute_dtype);
   model::Checkpoint ck;
+  std::unique_ptr<text::Tokenizer> tokenizer;  // with --prompt
   std::vector<model::Prompt> prompts;
   Decoding dec;
   agree(*world, [&] {
@@ -165,7 +201,18 @@ int run_generate(const GenerateCliOptions& opt) {
       if (!opt.out.empty()) io::check_writable(opt.out);
       if (!opt.logits_out.empty()) io::check_writable(opt.logits_out);
     }
-    const auto [B, S] = prompt_shape(opt.in);
+    RF_CHECK(opt.prompt.has_value() != !opt.in.empty(), "give --prompt TEXT or --in PROMPTS.safetensors (one)");
+    if (opt.prompt) {
+      tokenizer = text::load_tokenizer(opt.model);
+      RF_CHECK(!opt.prompt->empty(), "--prompt: the prompt is empty (no text to start from)");
+      model::Prompt p;
+      if (const std::optional<int32_t> bos = tokenizer->bos_id()) p.ids.push_back(*bos);
+      const std::vector<int32_t> ids = tokenizer->encode(*opt.prompt);
+      p.ids.insert(p.ids.end(), ids.begin(), ids.end());
+      prompts.push_back(std::move(p));
+    }
+    const auto [B, S] =
+        opt.prompt ? std::pair<int64_t, int64_t>{1, static_cast<int64_t>(prompts[0].ids.size())} : prompt_shape(opt.in);
     ck = model::load_checkpoint(
         opt.model,
         [&](const model::Gemma4Multimodal& shapes) {
@@ -174,17 +221,17 @@ int run_generate(const GenerateCliOptions& opt) {
           need.add("weights", checked_sum({shapes.params().weight_bytes(), shapes.buffers().total_bytes()}));
           need.add("bf16 weight copies", dtype == model::ComputeDtype::Bfloat16 ? shapes.bf16_weight_bytes() : 0);
           need.add(model::generate_memory_at_least(shapes.decoder(), S, d.max_new_tokens, P, rank, dtype));
-          check_memory(need, opt.in + ": generate",
+          check_memory(need, (opt.prompt ? std::string("--prompt") : opt.in) + ": generate",
                        concat(" for ", S, " prompt tokens and ", d.max_new_tokens, " new over ", P, " rank(s)"));
         },
         opt.lora.empty() ? nullptr : std::make_unique<model::LoraStore>(model::read_peft_config(opt.lora)));
     if (!opt.lora.empty()) model::load_peft_adapter(dynamic_cast<model::LoraStore&>(ck.model->params()), opt.lora);
     ck.model->set_vision_compute_dtype(dtype);
     dec = decoding_of(opt);
-    const BatchData data = read_batch(opt.in, *ck.model, true);
-    prompts = prompts_of(data, opt.in);
+    if (!opt.prompt) prompts = prompts_of(read_batch(opt.in, *ck.model, true), opt.in);
+    const std::string source = opt.prompt ? std::string("--prompt") : opt.in;
     for (size_t i = 0; i < prompts.size(); ++i)
-      model::check_prompt(ck.model->decoder(), prompts[i], dec.max_new_tokens, P, concat(opt.in, ": prompt ", i));
+      model::check_prompt(ck.model->decoder(), prompts[i], dec.max_new_tokens, P, concat(source, ": prompt ", i));
   });
   const model::Gemma4Model& m = ck.model->decoder();
   const std::unique_ptr<DecodeContext> ctx =
@@ -200,20 +247,28 @@ int run_generate(const GenerateCliOptions& opt) {
   int64_t steps = 0;
   const int64_t V = m.config().vocab_size;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    if (rank == 0) std::printf("[%zu]", i);
+    if (rank == 0 && !tokenizer) std::printf("[%zu]", i);
+    std::optional<TextStream> stream;
+    if (tokenizer) stream.emplace(*tokenizer);
+    std::vector<int32_t> so_far;
     const model::Generated g = model::generate(m, *ctx, prompts[i], go, [&](int32_t token, std::span<const float> z) {
       if (rank != 0) return;
-      std::printf(" %d", token);
+      so_far.push_back(token);
+      if (stream)
+        std::fputs(stream->next(so_far).c_str(), stdout);
+      else
+        std::printf(" %d", token);
       std::fflush(stdout);
       if (i == 0 && !opt.logits_out.empty()) {
         first_logits.insert(first_logits.end(), z.begin(), z.end());
         ++steps;
       }
     });
-    if (rank == 0) std::printf("\n");
+    if (rank == 0) std::printf("%s\n", stream ? stream->finish(so_far).c_str() : "");
     const double prompt_tokens = static_cast<double>(prompts[i].ids.size());
     const double decoded = static_cast<double>(g.tokens.size()) - 1;
     nlohmann::ordered_json r;
+    if (tokenizer) r["text"] = tokenizer->decode(g.tokens, true);
     r["token_ids"] = g.tokens;
     r["stop_reason"] = g.stop_reason;
     r["prompt_tokens"] = prompts[i].ids.size();
@@ -222,7 +277,7 @@ int run_generate(const GenerateCliOptions& opt) {
     r["ranks"] = P;
     r["cache_bytes"] = ctx->allocated_bytes();
     r["max_sliding_positions"] = ctx->max_held_positions(true);
-    records += r.dump() + "\n";
+    records += r.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
   }
   agree(*world, [&] {
     if (rank != 0) return;
@@ -253,8 +308,8 @@ void add_generate_command(CLI::App& app, Runner& run) {
   cmd->add_option("--model", opt->model, "Checkpoint directory: config.json, *.safetensors, generation_config.json")
       ->required();
   cmd->add_option("--lora", opt->lora, "A PEFT LoRA adapter directory over --model");
-  cmd->add_option("--in", opt->in, "Prompts: input_ids [B, S], one prompt a row (the batch file of `forward`)")
-      ->required();
+  cmd->add_option("--prompt", opt->prompt, "The prompt as text, tokenized with the checkpoint's tokenizer after BOS");
+  cmd->add_option("--in", opt->in, "Prompts: input_ids [B, S], one prompt a row (the batch file of `forward`)");
   cmd->add_option("--max-new-tokens", opt->max_new_tokens,
                   "New tokens at most (default: generation_config.json's, "
                   "else 256)")

@@ -15,7 +15,7 @@ Checked: the same new tokens; each step's logits within parity.py's REL_TOL (1e-
 float32, ringflex's decode only reorders float32 sums, ~1e-6; a wrong term shows at 1e-2); where the oracle's two
 largest logits of a step are closer than that tolerance the tokens may part (a tie under rounding): the comparison
 stops there, said in the log. Through every launcher (`--ranks 1 2 3 4 -- MPIEXEC...`): the same tokens at every P,
-and a seeded sampled run (temperature, top-k, top-p, min-p) giving the same tokens at every P. The cache: its bytes
+and (dense and E2B-like) a seeded sampled run (temperature, top-k, top-p, min-p) giving the same tokens at every P. The cache: its bytes
 at P = 1 equal the formula docs/generate.md gives (what the memory check uses), and no rank's sliding layer ever
 holds more than W positions.
 
@@ -29,6 +29,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "text"))
 from launchers import describe, launchers, ranks_of  # noqa: E402
 from oracle_env import missing_oracle  # noqa: E402
 
@@ -38,7 +39,8 @@ try:
     from transformers import Gemma4ForCausalLM, Gemma4VisionConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
     from peft import LoraConfig, get_peft_model
-    import parity  # noqa: E402  (tests/model/parity.py: configs, random weights, tolerance)
+    import parity  # noqa: E402
+    import tokenizer_oracle  # noqa: E402  (tests/text: Gemma-4-style tokenizer.json files made with tokenizers)  (tests/model/parity.py: configs, random weights, tolerance)
     from spec_mask import spec_masks
 except ImportError as e:
     missing_oracle(e)
@@ -48,6 +50,7 @@ PROMPT = 20
 REL_TOL = parity.REL_TOL
 SAMPLING = ["--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.02", "--seed", "7"]
 CASES = [("dense", False), ("moe", False), ("small", False), ("dense", True), ("small", True)]
+SAMPLED = {("dense", False), ("small", False)}  # the sampler is the model's: two cases show it agrees at every P
 
 
 def build(name, vision, workdir, gen):
@@ -215,7 +218,7 @@ def lora_case(ringflex, runs, workdir, failures):
     other = build("small", False, workdir, gen)[1]
     _, foreign = make_adapter(other, workdir, "adapter_small", ["v_proj"], gen)
     refusal = ""
-    for launcher in runs:
+    for launcher in runs[:2]:  # the refusal is the loader's, before any rank meets another: P = 1 and one more
         P = ranks_of(launcher)
         proc = subprocess.run([*launcher, ringflex, "generate", "--model", ckpt, "--lora", foreign, "--in", batch_path,
                                "--max-new-tokens", "4"], capture_output=True, text=True)
@@ -227,6 +230,52 @@ def lora_case(ringflex, runs, workdir, failures):
         refusal = lines[0] if lines else refusal
     print(f"lora           greedy {NEW_TOKENS} tokens as peft's (logits within {worst:.1e}), the same from "
           f"export --merge, another base's adapter refused, at P = {describe(runs)}\n  ({refusal})")
+
+
+def text_case(ringflex, runs, workdir, failures):
+    """--prompt TEXT on a checkpoint with a Gemma-4-style tokenizer.json (byte fallback, so new tokens often split a
+    character): the prompt's ids are <bos> and tokenizers' encode (the same tokens as --in with those ids), the
+    record's text is tokenizers' decode(token_ids, skip_special_tokens=True), and the streamed stdout is that text:
+    a U+FFFD printed before a character's last byte token came would stay in it."""
+    rng_words = tokenizer_oracle.WORDS
+    tok = tokenizer_oracle.gemma_style([" ".join(rng_words[i:] + rng_words[:i]) for i in range(len(rng_words))],
+                                       400, 120)
+    gen = torch.Generator().manual_seed(7)
+    cfg = parity.base_config(vocab_size=tok.get_vocab_size())
+    cfg._attn_implementation = "eager"
+    model = Gemma4ForCausalLM(cfg).float().eval()
+    parity.randomize(model, gen)
+    ckpt = os.path.join(workdir, "text")
+    model.save_pretrained(ckpt, safe_serialization=True)
+    tok.save(os.path.join(ckpt, "tokenizer.json"))
+    with open(os.path.join(ckpt, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<bos>", "eos_token": "<eos>"}, f)
+    with open(os.path.join(ckpt, "generation_config.json"), "w") as f:
+        json.dump({"do_sample": False}, f)
+    prompt = "the ring passes 注意力 keys 🙂 and values"
+    ids = [tok.token_to_id("<bos>")] + tok.encode(prompt, add_special_tokens=False).ids
+    batch_path = os.path.join(workdir, "text_ids.safetensors")
+    save_file({"input_ids": torch.tensor([ids], dtype=torch.int32)}, batch_path)
+    for launcher in runs:
+        P = ranks_of(launcher)
+        out = os.path.join(workdir, f"text_{P}.jsonl")
+        proc = subprocess.run([*launcher, ringflex, "generate", "--model", ckpt, "--prompt", prompt,
+                               "--max-new-tokens", str(NEW_TOKENS), "--out", out], capture_output=True)
+        if proc.returncode != 0:
+            failures.append(f"--prompt P={P}: exit {proc.returncode}: {proc.stderr.decode(errors='replace')[-400:]}")
+            continue
+        with open(out, encoding="utf-8") as f:
+            record = json.loads(f.readline())
+        by_ids, _, error = run_generate(ringflex, launcher, ckpt, batch_path, workdir, f"text_ids_{P}")
+        if error or by_ids["token_ids"] != record["token_ids"]:
+            failures.append(f"--prompt P={P}: not the tokens of <bos> + tokenizers' ids ({error})")
+        text = tok.decode(record["token_ids"], skip_special_tokens=True)
+        if record["text"] != text:
+            failures.append(f"--prompt P={P}: text {record['text']!r}, tokenizers decode {text!r}")
+        streamed = proc.stdout.decode("utf-8")
+        if streamed != text + "\n":
+            failures.append(f"--prompt P={P}: streamed {streamed!r}, the text is {text!r}")
+    print(f"text           --prompt through the tokenizer, streamed as text, at P = {describe(runs)}")
 
 
 def main():
@@ -261,6 +310,8 @@ def main():
                 if P == 1 and record["cache_bytes"] != expected_cache_bytes(model, cfg, PROMPT, NEW_TOKENS):
                     failures.append(f"{tag}: cache {record['cache_bytes']} bytes, expected "
                                     f"{expected_cache_bytes(model, cfg, PROMPT, NEW_TOKENS)}")
+                if (name, vision) not in SAMPLED:
+                    continue
                 record, _, error = run_generate(ringflex, launcher, ckpt, batch_path, workdir, f"s_{case}_{P}",
                                                 SAMPLING)
                 if error:
@@ -270,9 +321,11 @@ def main():
                     sampled_p1 = record["token_ids"]
                 elif record["token_ids"] != sampled_p1:
                     failures.append(f"{tag}: sampled tokens differ from the first run's")
-            print(f"{case:14s} greedy {NEW_TOKENS} tokens (logits within {worst:.1e}) and seeded sampling at P = "
+            sampled = " and seeded sampling" if (name, vision) in SAMPLED else ""
+            print(f"{case:14s} greedy {NEW_TOKENS} tokens (logits within {worst:.1e}){sampled} at P = "
                   f"{describe(runs)}")
         lora_case(ringflex, runs, workdir, failures)
+        text_case(ringflex, runs, workdir, failures)
     for f in failures:
         print("FAIL", f)
     return 1 if failures else 0
