@@ -82,7 +82,8 @@ int run_data(const DataCliOptions& opt) {
   trainer::ChatReport report;
   agree(*world, [&] {
     cfg = trainer::load_config(opt.config, opt.sets);
-    trainer::validate(cfg, world->size());
+    // Checked for the grid it names, not this job's ranks: the data is the same at any rank count.
+    trainer::validate(cfg, cfg.parallelism.cp * cfg.parallelism.dp);
     RF_CHECK(opt.show >= 0, "--show ", opt.show, " must be >= 0");
     std::string source;
     const std::string text = model_config_text(cfg, source);

@@ -15,6 +15,7 @@ using json = nlohmann::ordered_json;
 // The markup Gemma 4 templates write around turns, tool responses and images (docs/text.md).
 constexpr std::string_view kTurnOpen = "<|turn>", kModelHeader = "<|turn>model\n", kTurnClose = "<turn|>";
 constexpr std::string_view kResponseOpen = "<|tool_response>", kResponseClose = "<tool_response|>";
+constexpr std::string_view kToolCallOpen = "<|tool_call>";
 constexpr std::string_view kImage = "<|image|>", kChannelOpen = "<|channel>", kChannelClose = "<channel|>";
 constexpr std::string_view kThoughtPrefix = "<|channel>thought\n<channel|>";
 // Sentinels are private-use code points around a number: no template filter a Gemma 4 revision applies to content
@@ -163,8 +164,9 @@ Structure read_structure(std::string_view k) {
   s.kind.assign(k.size(), Kind::Masked);
   s.turn.assign(k.size(), -1);
   bool in_model = false;
-  // Just after a model turn's `<turn|>`: revisions that join consecutive assistant messages into one turn may
-  // write the next message's content there without a header (the first revision does); it is still the model's.
+  // Just after a model turn's `<turn|>` (or its closing `<|tool_response>`): revisions that join consecutive
+  // assistant messages into one turn may write the next message there without a header (the first revision does);
+  // it is still the model's.
   bool after_close = false;
   const auto mark = [&](size_t from, size_t n, Kind kind) {
     for (size_t b = from; b < from + n; ++b) {
@@ -198,14 +200,19 @@ Structure read_structure(std::string_view k) {
     } else if (starts_at(k, i, kResponseOpen)) {
       // A tool's response is input, masked whole; an opener with no response after it in this turn ends a turn that
       // closes on its tool calls, and is its stop token (a target, as `<turn|>`).
+      // A block holds neither a turn's markup nor a tool call nor another response: a close found after one of
+      // those belongs to a later block, and this opener stands alone.
       const size_t close = k.find(kResponseClose, i);
-      const size_t next_turn = std::min(k.find(kTurnClose, i), k.find(kTurnOpen, i));
-      if (close != std::string_view::npos && close < next_turn) {
+      const size_t next = i + kResponseOpen.size();
+      const size_t block_end = std::min(
+          {k.find(kTurnClose, i), k.find(kTurnOpen, i), k.find(kToolCallOpen, i), k.find(kResponseOpen, next)});
+      if (close != std::string_view::npos && close < block_end) {
         i = close + kResponseClose.size();
       } else {
         mark(i, kResponseOpen.size(), Kind::Model);
         i += kResponseOpen.size();
         in_model = false;
+        after_close = true;
       }
     } else {
       mark(i, 1, Kind::Model);

@@ -265,8 +265,9 @@ void yaml_guard(const std::string& source, Fn fn) {
   }
 }
 
-// The one nested group of fields: `model: {lora: {rank: 8, ...}}` (also spelled model.lora.rank, as printed).
-constexpr const char* kLoraGroup = "model.lora";
+// The nested groups of fields: `model: {lora: {rank: 8, ...}}` and `data: {chat: {train_on: assistant, ...}}` (also
+// spelled model.lora.rank, data.chat.train_on, as printed).
+bool is_group(const std::string& name) { return name == "model.lora" || name == "data.chat"; }
 
 // The sections of a parsed config into `c` (names and types; validate() does the cross-field rules).
 void read_sections(TrainConfig& c, const YAML::Node& root, const std::string& source) {
@@ -282,10 +283,12 @@ void read_sections(TrainConfig& c, const YAML::Node& root, const std::string& so
     for (const auto& entry : section.second) {
       const std::string name = sname + "." + key_name(entry.first, source);
       RF_CHECK(seen.insert(name).second, source, ": field `", name, "` appears twice");
-      if (name == kLoraGroup) {
-        // model.lora is a map of its own fields (rank, alpha, ...), read as model.lora.<key>.
-        RF_CHECK(entry.second.IsMap(), source, ": `", name,
-                 "` must be a map (rank, alpha, dropout, target, target_parameters, use_rslora)");
+      if (is_group(name)) {
+        // A group is a map of its own fields (model.lora: rank, alpha, ...), read as <group>.<key>.
+        RF_CHECK(entry.second.IsMap(), source, ": `", name, "` must be a map (",
+                 name == "model.lora" ? "rank, alpha, dropout, target, target_parameters, use_rslora"
+                                      : "train_on, thought_prefix, overlength, enable_thinking",
+                 ")");
         for (const auto& sub : entry.second) {
           const std::string sub_name = name + "." + key_name(sub.first, source);
           RF_CHECK(seen.insert(sub_name).second, source, ": field `", sub_name, "` appears twice");

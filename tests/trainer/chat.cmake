@@ -21,7 +21,7 @@ foreach(bad IN ITEMS
     "audio|{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"audio\", \"path\": \"a.wav\"}]}, ${hi}]}\n"
     "no_image|{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image\", \"path\": \"gone.png\"}]}, ${hi}]}\n"
     "bad_image|{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image\", \"path\": \"not_an_image.png\"}]}, ${hi}]}\n"
-    "long|{\"messages\": [{\"role\": \"user\", \"content\": \"${hi}${hi}${hi}${hi}${hi}${hi}${hi}${hi}\"}, ${hi}]}\n")
+    "long|{\"messages\": [{\"role\": \"user\", \"content\": \"one two three four five six seven eight nine ten eleven twelve\"}, ${hi}]}\n")
   string(REPLACE "|" ";" parts "${bad}")
   list(GET parts 0 name)
   list(GET parts 1 line)
