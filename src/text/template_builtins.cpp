@@ -12,19 +12,24 @@ namespace {
 [[noreturn]] void fail(const std::string& why) { throw RenderFailure(why); }
 
 const std::set<std::string>& supported_filters() {
-  static const std::set<std::string> names = {
-      "abs",   "capitalize", "count",      "d",       "default", "dictsort", "first",  "float", "int",
-      "items", "join",       "last",       "length",  "list",    "lower",    "map",    "max",   "min",
-      "reject", "rejectattr", "replace",   "reverse", "safe",    "select",   "selectattr", "sort", "string",
-      "sum",   "title",      "tojson",     "trim",    "unique",  "upper",    "e",      "escape"};
+  static const std::set<std::string> names = {"abs",        "capitalize", "count",   "d",       "default", "dictsort",
+                                              "first",      "float",      "int",     "items",   "join",    "last",
+                                              "length",     "list",       "lower",   "map",     "max",     "min",
+                                              "reject",     "rejectattr", "replace", "reverse", "safe",    "select",
+                                              "selectattr", "sort",       "string",  "sum",     "title",   "tojson",
+                                              "trim",       "unique",     "upper",   "e",       "escape"};
   return names;
 }
 
 const std::set<std::string>& supported_tests() {
-  static const std::set<std::string> names = {
-      "boolean", "callable", "defined", "divisibleby", "eq", "equalto", "==", "!=", "ne", "<", "lt", "lessthan",
-      "<=", "le", ">", "gt", "greaterthan", ">=", "ge", "even", "odd", "false", "true", "float", "integer", "in",
-      "iterable", "lower", "upper", "mapping", "none", "number", "sameas", "sequence", "string", "undefined"};
+  static const std::set<std::string> names = {"boolean",  "callable",    "defined", "divisibleby", "eq",
+                                              "equalto",  "==",          "!=",      "ne",          "<",
+                                              "lt",       "lessthan",    "<=",      "le",          ">",
+                                              "gt",       "greaterthan", ">=",      "ge",          "even",
+                                              "odd",      "false",       "true",    "float",       "integer",
+                                              "in",       "iterable",    "lower",   "upper",       "mapping",
+                                              "none",     "number",      "sameas",  "sequence",    "string",
+                                              "undefined"};
   return names;
 }
 
@@ -33,10 +38,10 @@ const std::set<std::string>& supported_tests() {
 // never left as it is: a silent difference from jinja2 would change what the model is trained on.
 bool in_other_cased_block(char32_t c) {
   static const std::pair<char32_t, char32_t> blocks[] = {
-      {0x180, 0x24f},   {0x250, 0x2af},     {0x345, 0x345},     {0x370, 0x385},     {0x3cf, 0x3ff},
-      {0x531, 0x587},   {0x10a0, 0x10ff},   {0x13a0, 0x13ff},   {0x1c80, 0x1cbf},   {0x1d00, 0x1dbf},
-      {0x1e00, 0x1fff}, {0x2126, 0x2132},   {0x214e, 0x214e},   {0x2160, 0x2184},   {0x24b6, 0x24e9},
-      {0x2c00, 0x2d2f}, {0xa640, 0xa7ff},   {0xab30, 0xabbf},   {0xfb00, 0xfb17},   {0xff21, 0xff5a},
+      {0x180, 0x24f},     {0x250, 0x2af},     {0x345, 0x345},     {0x370, 0x385},     {0x3cf, 0x3ff},
+      {0x531, 0x587},     {0x10a0, 0x10ff},   {0x13a0, 0x13ff},   {0x1c80, 0x1cbf},   {0x1d00, 0x1dbf},
+      {0x1e00, 0x1fff},   {0x2126, 0x2132},   {0x214e, 0x214e},   {0x2160, 0x2184},   {0x24b6, 0x24e9},
+      {0x2c00, 0x2d2f},   {0xa640, 0xa7ff},   {0xab30, 0xabbf},   {0xfb00, 0xfb17},   {0xff21, 0xff5a},
       {0x10400, 0x104ff}, {0x10c80, 0x10cff}, {0x118a0, 0x118ff}, {0x16e40, 0x16e9f}, {0x1e900, 0x1e94f}};
   for (auto [lo, hi] : blocks)
     if (c >= lo && c <= hi) return true;
@@ -47,9 +52,12 @@ void case_map(std::u32string& out, char32_t c, bool upper) {
   auto paired = [&](char32_t lo, char32_t hi, bool upper_even) -> bool {  // alternating pairs in [lo, hi]
     if (c < lo || c > hi) return false;
     const bool is_upper = ((c - lo) % 2 == 0) == upper_even;
-    if (upper && !is_upper) out += c - 1;
-    else if (!upper && is_upper) out += c + 1;
-    else out += c;
+    if (upper && !is_upper)
+      out += c - 1;
+    else if (!upper && is_upper)
+      out += c + 1;
+    else
+      out += c;
     return true;
   };
   if (c < 0x80) {
@@ -79,7 +87,6 @@ void case_map(std::u32string& out, char32_t c, bool upper) {
     if (c >= 0xc0 && c <= 0xde && c != 0xd7) return out.push_back(c + 0x20), void();
     if (c == 0x130) return out.append(U"i\u0307"), void();
     if (c == 0x178) return out.push_back(0xff), void();
-    if (c == 0x3a3) fail("lower() of U+03A3 (Python applies the final-sigma rule) is not supported");
     if (c >= 0x391 && c <= 0x3ab) return out.push_back(c + 0x20), void();
     if (c == 0x386) return out.push_back(0x3ac), void();
     if (c >= 0x388 && c <= 0x38a) return out.push_back(c + 0x25), void();
@@ -107,6 +114,31 @@ void case_map(std::u32string& out, char32_t c, bool upper) {
   out += c;
 }
 
+// Unicode's Case_Ignorable (the part chat text reaches): apostrophes, periods, colons, middle dots, modifier
+// letters and combining marks; and Cased for the scripts case_map covers.
+bool case_ignorable(char32_t c) {
+  return c == 0x27 || c == 0x2e || c == 0x3a || c == 0x5e || c == 0x60 || c == 0xa8 || c == 0xad || c == 0xaf ||
+         c == 0xb4 || c == 0xb7 || c == 0xb8 || (c >= 0x2b0 && c <= 0x36f) || c == 0x2018 || c == 0x2019 ||
+         c == 0x2024 || c == 0x2027;
+}
+
+bool cased(char32_t c) {
+  return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || c == 0xaa || c == 0xb5 || c == 0xba ||
+         (c >= 0xc0 && c <= 0x24f && c != 0xd7 && c != 0xf7) ||
+         (c >= 0x370 && c <= 0x3ff && c != 0x37e && c != 0x384 && c != 0x385 && c != 0x387) ||
+         (c >= 0x400 && c <= 0x52f && !(c >= 0x482 && c <= 0x489)) || in_other_cased_block(c);
+}
+
+// Python's final_sigma(): a cased letter before position k (skipping case-ignorables) and none after it.
+bool final_sigma(const std::vector<char32_t>& cps, size_t k) {
+  size_t j = k;
+  while (j > 0 && case_ignorable(cps[j - 1])) --j;
+  if (j == 0 || !cased(cps[j - 1])) return false;
+  j = k + 1;
+  while (j < cps.size() && case_ignorable(cps[j])) ++j;
+  return j == cps.size() || !cased(cps[j]);
+}
+
 std::string change_case(const std::string& s, bool upper) {
   bool ascii = std::all_of(s.begin(), s.end(), [](char ch) { return static_cast<unsigned char>(ch) < 0x80; });
   if (ascii) {
@@ -115,7 +147,14 @@ std::string change_case(const std::string& s, bool upper) {
     return out;
   }
   std::u32string mapped;
-  for (char32_t c : decode_utf8(s)) case_map(mapped, c, upper);
+  std::vector<char32_t> cps = decode_utf8(s);
+  for (size_t k = 0; k < cps.size(); ++k) {
+    if (!upper && cps[k] == 0x3a3) {  // Python's Final_Sigma: a capital sigma ending a word lowers to U+03C2
+      mapped += final_sigma(cps, k) ? 0x3c2 : 0x3c3;
+      continue;
+    }
+    case_map(mapped, cps[k], upper);
+  }
   return encode_utf8(std::vector<char32_t>(mapped.begin(), mapped.end()));
 }
 
@@ -160,13 +199,18 @@ int64_t need_int(const Value& v, const std::string& what) {
 
 size_t py_len(const Value& v) {
   switch (v.kind) {
-    case Kind::Undefined: return 0;
-    case Kind::String: return decode_utf8(v.str).size();
+    case Kind::Undefined:
+      return 0;
+    case Kind::String:
+      return decode_utf8(v.str).size();
     case Kind::List:
-    case Kind::Tuple: return v.list->size();
+    case Kind::Tuple:
+      return v.list->size();
     case Kind::Dict:
-    case Kind::Loop: return v.dict->items.size();
-    default: fail("object of type '" + type_name(v) + "' has no len()");
+    case Kind::Loop:
+      return v.dict->items.size();
+    default:
+      fail("object of type '" + type_name(v) + "' has no len()");
   }
 }
 
@@ -333,8 +377,10 @@ std::string title_case(const std::string& s) {
 
 Value py_int(const Value& v, const Value& fallback) {
   switch (v.kind) {
-    case Kind::Int: return v;
-    case Kind::Bool: return Value::integer(v.b);
+    case Kind::Int:
+      return v;
+    case Kind::Bool:
+      return Value::integer(v.b);
     case Kind::Float:
       if (!std::isfinite(v.f)) return fallback;
       if (std::fabs(v.f) >= 9.2e18) fail("int() of a float beyond 64 bits is not supported");
@@ -356,16 +402,21 @@ Value py_int(const Value& v, const Value& fallback) {
       }
       return fallback;
     }
-    case Kind::Undefined: fail_undefined(v);
-    default: return fallback;
+    case Kind::Undefined:
+      fail_undefined(v);
+    default:
+      return fallback;
   }
 }
 
 Value py_float(const Value& v, const Value& fallback) {
   switch (v.kind) {
-    case Kind::Int: return Value::real(static_cast<double>(v.i));
-    case Kind::Bool: return Value::real(v.b ? 1.0 : 0.0);
-    case Kind::Float: return v;
+    case Kind::Int:
+      return Value::real(static_cast<double>(v.i));
+    case Kind::Bool:
+      return Value::real(v.b ? 1.0 : 0.0);
+    case Kind::Float:
+      return v;
     case Kind::String: {
       std::string t = py_strip(v.str, true, true);
       size_t used = 0;
@@ -376,8 +427,10 @@ Value py_float(const Value& v, const Value& fallback) {
       }
       return fallback;
     }
-    case Kind::Undefined: fail_undefined(v);
-    default: return fallback;
+    case Kind::Undefined:
+      fail_undefined(v);
+    default:
+      return fallback;
   }
 }
 
@@ -420,8 +473,8 @@ Value tojson_filter(const Value& v, const CallArgs& args) {
 }
 
 std::string unsafe_method(const Value& obj, const std::string& attr) {
-  static const std::set<std::string> list_mutators = {"append", "extend", "insert", "pop", "remove", "reverse",
-                                                      "sort", "clear"};
+  static const std::set<std::string> list_mutators = {"append", "extend",  "insert", "pop",
+                                                      "remove", "reverse", "sort",   "clear"};
   static const std::set<std::string> dict_mutators = {"pop", "popitem", "setdefault", "update", "clear"};
   if ((obj.is_sequence_like() && obj.kind == Kind::List && list_mutators.count(attr)) ||
       (obj.kind == Kind::Dict && dict_mutators.count(attr)))
@@ -478,22 +531,29 @@ bool has_test(const std::string& name) { return supported_tests().count(name) > 
 
 bool is_jinja_filter(const std::string& name) {
   static const std::set<std::string> names = {
-      "abs",   "attr",   "batch",   "capitalize", "center",   "count",     "d",         "default",  "dictsort",
-      "e",     "escape", "filesizeformat", "first", "float",  "forceescape", "format",  "groupby",  "indent",
-      "int",   "items",  "join",    "last",       "length",   "list",      "lower",     "map",      "max",
-      "min",   "pprint", "random",  "reject",     "rejectattr", "replace", "reverse",   "round",    "safe",
-      "select", "selectattr", "slice", "sort",    "string",   "striptags", "sum",       "title",    "tojson",
-      "trim",  "truncate", "unique", "upper",     "urlencode", "urlize",   "wordcount", "wordwrap", "xmlattr"};
+      "abs",    "attr",       "batch",       "capitalize", "center",   "count",
+      "d",      "default",    "dictsort",    "e",          "escape",   "filesizeformat",
+      "first",  "float",      "forceescape", "format",     "groupby",  "indent",
+      "int",    "items",      "join",        "last",       "length",   "list",
+      "lower",  "map",        "max",         "min",        "pprint",   "random",
+      "reject", "rejectattr", "replace",     "reverse",    "round",    "safe",
+      "select", "selectattr", "slice",       "sort",       "string",   "striptags",
+      "sum",    "title",      "tojson",      "trim",       "truncate", "unique",
+      "upper",  "urlencode",  "urlize",      "wordcount",  "wordwrap", "xmlattr"};
   return names.count(name) > 0;
 }
 
-bool is_jinja_test(const std::string& name) { return name == "escaped" || name == "filter" || name == "test" || has_test(name); }
+bool is_jinja_test(const std::string& name) {
+  return name == "escaped" || name == "filter" || name == "test" || has_test(name);
+}
 
 Items iterate(const Value& v) {
   switch (v.kind) {
-    case Kind::Undefined: return {};
+    case Kind::Undefined:
+      return {};
     case Kind::List:
-    case Kind::Tuple: return *v.list;
+    case Kind::Tuple:
+      return *v.list;
     case Kind::String: {
       Items out;
       for (char32_t c : decode_utf8(v.str)) out.push_back(Value::string(encode_utf8({c})));
@@ -504,13 +564,15 @@ Items iterate(const Value& v) {
       for (const auto& kv : v.dict->items) out.push_back(kv.first);
       return out;
     }
-    default: fail("'" + type_name(v) + "' object is not iterable");
+    default:
+      fail("'" + type_name(v) + "' object is not iterable");
   }
 }
 
 Value get_item(const Value& obj, const Value& key) {
   switch (obj.kind) {
-    case Kind::Undefined: fail_undefined(obj);
+    case Kind::Undefined:
+      fail_undefined(obj);
     case Kind::Dict:
     case Kind::Loop:
     case Kind::Namespace: {
@@ -557,13 +619,14 @@ Value get_item(const Value& obj, const Value& key) {
 }
 
 Value get_attribute(const Value& obj, const std::string& attr) {
-  static const std::set<std::string> str_methods = {"split",   "rsplit",     "strip", "lstrip", "rstrip",
-                                                    "startswith", "endswith", "upper", "lower",  "replace",
-                                                    "title",   "capitalize", "find",  "count",  "join"};
+  static const std::set<std::string> str_methods = {"split",      "rsplit",     "strip", "lstrip", "rstrip",
+                                                    "startswith", "endswith",   "upper", "lower",  "replace",
+                                                    "title",      "capitalize", "find",  "count",  "join"};
   static const std::set<std::string> dict_methods = {"get", "items", "keys", "values"};
   auto bound = [&](const std::string& name) { return Value::function(name, std::make_shared<const Value>(obj)); };
   switch (obj.kind) {
-    case Kind::Undefined: fail_undefined(obj);
+    case Kind::Undefined:
+      fail_undefined(obj);
     case Kind::String:
       if (str_methods.count(attr)) return bound("str." + attr);
       break;
@@ -583,7 +646,8 @@ Value get_attribute(const Value& obj, const std::string& attr) {
       if (attr == "cycle") return bound("loop.cycle");
       if (const Value* v = obj.dict->find(Value::string(attr))) return *v;
       break;
-    default: break;
+    default:
+      break;
   }
   return missing_attribute(obj, Value::string(attr));
 }
@@ -611,8 +675,7 @@ Value call_function(const Value& fn, const CallArgs& args) {
     const int64_t count = step > 0 ? (stop > start ? (stop - start + step - 1) / step : 0)
                                    : (start > stop ? (start - stop - step - 1) / -step : 0);
     constexpr int64_t kMaxRange = 100000;  // jinja2's sandbox refuses larger ranges (MAX_RANGE)
-    if (count > kMaxRange)
-      fail("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
+    if (count > kMaxRange) fail("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
     Items out;
     for (int64_t k = 0; k < count; ++k) out.push_back(Value::integer(start + k * step));
     return Value::list_of(std::move(out));
@@ -827,8 +890,9 @@ Value apply_filter(const std::string& name, const Value& v, const CallArgs& args
   if (name == "first" || name == "last") {
     no_args();
     Items items = iterate(v);
-    if (items.empty()) return Value::undefined(name == "first" ? "No first item, sequence was empty."
-                                                               : "No last item, sequence was empty.");
+    if (items.empty())
+      return Value::undefined(name == "first" ? "No first item, sequence was empty."
+                                              : "No last item, sequence was empty.");
     return name == "first" ? items.front() : items.back();
   }
   if (name == "join") {
@@ -983,19 +1047,24 @@ bool apply_test(const std::string& name, const Value& v, const CallArgs& args) {
     if (v.kind != o.kind) return false;
     switch (v.kind) {
       case Kind::None:
-      case Kind::Undefined: return true;
-      case Kind::Bool: return v.b == o.b;
+      case Kind::Undefined:
+        return true;
+      case Kind::Bool:
+        return v.b == o.b;
       case Kind::List:
-      case Kind::Tuple: return v.list == o.list;
+      case Kind::Tuple:
+        return v.list == o.list;
       case Kind::Dict:
-      case Kind::Namespace: return v.dict == o.dict;
-      default: fail("the test 'sameas' on " + type_name(v) + " (Python object identity) is not supported");
+      case Kind::Namespace:
+        return v.dict == o.dict;
+      default:
+        fail("the test 'sameas' on " + type_name(v) + " (Python object identity) is not supported");
     }
   }
   if (name == "in") {
     const Value& container = arg();
-    if (container.kind == Kind::String) return container.str.find(need_string(v, "the left operand of 'in'")) !=
-                                               std::string::npos;
+    if (container.kind == Kind::String)
+      return container.str.find(need_string(v, "the left operand of 'in'")) != std::string::npos;
     for (const Value& item : iterate(container))
       if (equal(item, v)) return true;
     return false;

@@ -128,8 +128,7 @@ Value arithmetic(const std::string& op, const Value& a, const Value& b) {
   const bool nums = a.is_number() && b.is_number();
   const bool floats = nums && (a.kind == Kind::Float || b.kind == Kind::Float);
   if (op == "+") {
-    if (nums) return floats ? Value::real(double_of(a) + double_of(b))
-                            : checked(kAdd, int_of(a), int_of(b));
+    if (nums) return floats ? Value::real(double_of(a) + double_of(b)) : checked(kAdd, int_of(a), int_of(b));
     if (a.kind == Kind::String && b.kind == Kind::String) return Value::string(a.str + b.str);
     if (a.is_sequence_like() && a.kind == b.kind) {
       Items out = *a.list;
@@ -142,12 +141,10 @@ Value arithmetic(const std::string& op, const Value& a, const Value& b) {
   }
   if (op == "-") {
     if (!nums) bad_operands(op, a, b);
-    return floats ? Value::real(double_of(a) - double_of(b))
-                  : checked(kSub, int_of(a), int_of(b));
+    return floats ? Value::real(double_of(a) - double_of(b)) : checked(kSub, int_of(a), int_of(b));
   }
   if (op == "*") {
-    if (nums) return floats ? Value::real(double_of(a) * double_of(b))
-                            : checked(kMul, int_of(a), int_of(b));
+    if (nums) return floats ? Value::real(double_of(a) * double_of(b)) : checked(kMul, int_of(a), int_of(b));
     const bool a_seq = a.kind == Kind::String || a.is_sequence_like();
     const bool b_seq = b.kind == Kind::String || b.is_sequence_like();
     if (a_seq && (b.kind == Kind::Int || b.kind == Kind::Bool)) return repeat(a, int_of(b));
@@ -239,15 +236,23 @@ class Evaluator {
 
   Flow exec_one(const Stmt& s, const ScopePtr& scope, std::string& out) {
     switch (s.kind) {
-      case StmtKind::Text: emit(out, s.text); return Flow::Normal;
-      case StmtKind::Print: emit(out, to_str(eval(*s.expr, scope))); return Flow::Normal;
+      case StmtKind::Text:
+        emit(out, s.text);
+        return Flow::Normal;
+      case StmtKind::Print:
+        emit(out, to_str(eval(*s.expr, scope)));
+        return Flow::Normal;
       case StmtKind::If:
         for (size_t k = 0; k < s.conds.size(); ++k)
           if (truthy(eval(*s.conds[k], scope))) return exec(s.bodies[k], scope, out);
         if (s.bodies.size() > s.conds.size()) return exec(s.bodies.back(), scope, out);
         return Flow::Normal;
-      case StmtKind::For: exec_for(s, scope, out); return Flow::Normal;
-      case StmtKind::Set: assign(s, eval(*s.expr, scope), scope); return Flow::Normal;
+      case StmtKind::For:
+        exec_for(s, scope, out);
+        return Flow::Normal;
+      case StmtKind::Set:
+        assign(s, eval(*s.expr, scope), scope);
+        return Flow::Normal;
       case StmtKind::SetBlock: {
         auto inner = std::make_shared<Scope>();
         inner->parent = scope;
@@ -268,8 +273,10 @@ class Evaluator {
         scope->set(s.text, std::move(m));
         return Flow::Normal;
       }
-      case StmtKind::Break: return Flow::Break;
-      case StmtKind::Continue: return Flow::Continue;
+      case StmtKind::Break:
+        return Flow::Break;
+      case StmtKind::Continue:
+        return Flow::Continue;
       case StmtKind::Generation: {
         // transformers' AssistantTracker renders the body as a caller() in a scope of its own.
         auto inner = std::make_shared<Scope>();
@@ -291,10 +298,9 @@ class Evaluator {
     }
     Items items = iterate(v);
     if (items.size() != targets.size())
-      fail(items.size() > targets.size()
-               ? "too many values to unpack (expected " + std::to_string(targets.size()) + ")"
-               : "not enough values to unpack (expected " + std::to_string(targets.size()) + ", got " +
-                     std::to_string(items.size()) + ")");
+      fail(items.size() > targets.size() ? "too many values to unpack (expected " + std::to_string(targets.size()) + ")"
+                                         : "not enough values to unpack (expected " + std::to_string(targets.size()) +
+                                               ", got " + std::to_string(items.size()) + ")");
     for (size_t k = 0; k < targets.size(); ++k) scope.set(targets[k], items[k]);
   }
 
@@ -376,7 +382,8 @@ class Evaluator {
 
   Value eval_inner(const Expr& e, const ScopePtr& scope) {
     switch (e.kind) {
-      case ExprKind::Const: return e.value;
+      case ExprKind::Const:
+        return e.value;
       case ExprKind::Name: {
         if (const Value* v = scope->find(e.name)) return *v;
         if (is_global_function(e.name)) return Value::function(e.name);
@@ -393,7 +400,8 @@ class Evaluator {
         for (size_t k = 0; k + 1 < e.args.size(); k += 2) d.set(eval(*e.args[k], scope), eval(*e.args[k + 1], scope));
         return Value::dict_of(std::move(d));
       }
-      case ExprKind::Getattr: return get_attribute(eval(*e.args[0], scope), e.name);
+      case ExprKind::Getattr:
+        return get_attribute(eval(*e.args[0], scope), e.name);
       case ExprKind::Getitem: {
         Value obj = eval(*e.args[0], scope);
         const Expr& sub = *e.args[1];
@@ -409,7 +417,8 @@ class Evaluator {
         }
         return get_item(obj, eval(sub, scope));
       }
-      case ExprKind::Slice: fail("a slice outside a subscript");
+      case ExprKind::Slice:
+        fail("a slice outside a subscript");
       case ExprKind::Call: {
         Value callee = eval(*e.args[0], scope);
         CallArgs args = eval_args(e, 1, scope);
@@ -418,7 +427,8 @@ class Evaluator {
         if (callee.is_undefined()) fail_undefined(callee);
         fail("'" + type_name(callee) + "' object is not callable");
       }
-      case ExprKind::Filter: return apply_filter(e.name, eval(*e.args[0], scope), eval_args(e, 1, scope));
+      case ExprKind::Filter:
+        return apply_filter(e.name, eval(*e.args[0], scope), eval_args(e, 1, scope));
       case ExprKind::Test: {
         bool r = apply_test(e.name, eval(*e.args[0], scope), eval_args(e, 1, scope));
         return Value::boolean(r != e.negated);
@@ -452,13 +462,20 @@ class Evaluator {
           Value right = eval(*e.args[k + 1], scope);
           const std::string& op = e.ops[k];
           bool r;
-          if (op == "==") r = equal(left, right);
-          else if (op == "!=") r = !equal(left, right);
-          else if (op == "<") r = less(left, right);
-          else if (op == ">") r = less(right, left);
-          else if (op == "<=") r = !less(right, left);
-          else if (op == ">=") r = !less(left, right);
-          else r = apply_test("in", left, CallArgs{{right}, {}}) == (op == "in");
+          if (op == "==")
+            r = equal(left, right);
+          else if (op == "!=")
+            r = !equal(left, right);
+          else if (op == "<")
+            r = less(left, right);
+          else if (op == ">")
+            r = less(right, left);
+          else if (op == "<=")
+            r = !less(right, left);
+          else if (op == ">=")
+            r = !less(left, right);
+          else
+            r = apply_test("in", left, CallArgs{{right}, {}}) == (op == "in");
           if (!r) return Value::boolean(false);
           left = std::move(right);
         }

@@ -224,7 +224,10 @@ class Lexer {
             if (balance.empty()) fail_at(k, "unexpected '" + std::string(op) + "'");
             if (balance.back() != open)
               fail_at(k, "unexpected '" + std::string(op) + "', expected '" +
-                             (balance.back() == '(' ? ")" : balance.back() == '[' ? "]" : "}") + "'");
+                             (balance.back() == '('   ? ")"
+                              : balance.back() == '[' ? "]"
+                                                      : "}") +
+                             "'");
             balance.pop_back();
           }
           push(Tok::Op, k, std::string(op));
@@ -241,9 +244,9 @@ class Lexer {
     auto digits = [&](size_t p) {
       // (\d+_)*\d+
       size_t e = p;
-      while (e < src_.size() && (std::isdigit(static_cast<unsigned char>(src_[e])) ||
-                                 (src_[e] == '_' && e + 1 < src_.size() && std::isdigit(
-                                                                              static_cast<unsigned char>(src_[e + 1])))))
+      while (e < src_.size() &&
+             (std::isdigit(static_cast<unsigned char>(src_[e])) ||
+              (src_[e] == '_' && e + 1 < src_.size() && std::isdigit(static_cast<unsigned char>(src_[e + 1])))))
         ++e;
       return e;
     };
@@ -317,25 +320,54 @@ class Lexer {
         append_utf8(value, cp);
       };
       switch (e) {
-        case '\n': break;  // a backslash-newline continues the line
-        case '\\': value += '\\'; break;
-        case '\'': value += '\''; break;
-        case '"': value += '"'; break;
-        case 'a': value += '\a'; break;
-        case 'b': value += '\b'; break;
-        case 'f': value += '\f'; break;
-        case 'n': value += '\n'; break;
-        case 'r': value += '\r'; break;
-        case 't': value += '\t'; break;
-        case 'v': value += '\v'; break;
-        case 'x': hex(2); break;
-        case 'u': hex(4); break;
-        case 'U': hex(8); break;
-        case 'N': fail_at(k, "\\N{...} escapes in string literals are not supported");
+        case '\n':
+          break;  // a backslash-newline continues the line
+        case '\\':
+          value += '\\';
+          break;
+        case '\'':
+          value += '\'';
+          break;
+        case '"':
+          value += '"';
+          break;
+        case 'a':
+          value += '\a';
+          break;
+        case 'b':
+          value += '\b';
+          break;
+        case 'f':
+          value += '\f';
+          break;
+        case 'n':
+          value += '\n';
+          break;
+        case 'r':
+          value += '\r';
+          break;
+        case 't':
+          value += '\t';
+          break;
+        case 'v':
+          value += '\v';
+          break;
+        case 'x':
+          hex(2);
+          break;
+        case 'u':
+          hex(4);
+          break;
+        case 'U':
+          hex(8);
+          break;
+        case 'N':
+          fail_at(k, "\\N{...} escapes in string literals are not supported");
         default:
           if (e >= '0' && e <= '7') {
             char32_t cp = e - '0';
-            for (int j = 0; j < 2 && p < src_.size() && src_[p] >= '0' && src_[p] <= '7'; ++j) cp = cp * 8 + (src_[p++] - '0');
+            for (int j = 0; j < 2 && p < src_.size() && src_[p] >= '0' && src_[p] <= '7'; ++j)
+              cp = cp * 8 + (src_[p++] - '0');
             append_utf8(value, cp);
           } else {
             value += '\\';  // Python keeps an unknown escape as it is

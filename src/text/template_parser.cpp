@@ -37,17 +37,28 @@ class Parser {
 
   static std::string describe(const Token& t) {
     switch (t.type) {
-      case Tok::Data: return "template data";
-      case Tok::VarBegin: return "begin of print statement";
-      case Tok::VarEnd: return "end of print statement";
-      case Tok::BlockBegin: return "begin of statement block";
-      case Tok::BlockEnd: return "end of statement block";
-      case Tok::Name: return "'" + t.text + "'";
-      case Tok::String: return "string";
-      case Tok::Int: return "integer";
-      case Tok::Float: return "float";
-      case Tok::Op: return "'" + t.text + "'";
-      case Tok::End: return "end of template";
+      case Tok::Data:
+        return "template data";
+      case Tok::VarBegin:
+        return "begin of print statement";
+      case Tok::VarEnd:
+        return "end of print statement";
+      case Tok::BlockBegin:
+        return "begin of statement block";
+      case Tok::BlockEnd:
+        return "end of statement block";
+      case Tok::Name:
+        return "'" + t.text + "'";
+      case Tok::String:
+        return "string";
+      case Tok::Int:
+        return "integer";
+      case Tok::Float:
+        return "float";
+      case Tok::Op:
+        return "'" + t.text + "'";
+      case Tok::End:
+        return "end of template";
     }
     return "token";
   }
@@ -356,9 +367,8 @@ class Parser {
     ExprPtr cmp;
     while (true) {
       std::string op;
-      if (cur().type == Tok::Op &&
-          (cur().text == "==" || cur().text == "!=" || cur().text == "<" || cur().text == ">" ||
-           cur().text == "<=" || cur().text == ">=")) {
+      if (cur().type == Tok::Op && (cur().text == "==" || cur().text == "!=" || cur().text == "<" ||
+                                    cur().text == ">" || cur().text == "<=" || cur().text == ">=")) {
         op = cur().text;
         next();
       } else if (is_name("in")) {

@@ -49,13 +49,13 @@ struct Expr {
 };
 
 enum class StmtKind {
-  Text,        // text
-  Print,       // {{ expr }}
-  If,          // conds[k] -> bodies[k]; bodies.back() is the else when bodies.size() > conds.size()
-  For,         // targets in expr [if cond]: body, else_body
-  Set,         // targets (or ns.attr: targets[0] . attr) = expr
-  SetBlock,    // targets = rendered body (| filters applied through expr when set, its operand left null)
-  Macro,       // macro name(params = defaults): body
+  Text,      // text
+  Print,     // {{ expr }}
+  If,        // conds[k] -> bodies[k]; bodies.back() is the else when bodies.size() > conds.size()
+  For,       // targets in expr [if cond]: body, else_body
+  Set,       // targets (or ns.attr: targets[0] . attr) = expr
+  SetBlock,  // targets = rendered body (| filters applied through expr when set, its operand left null)
+  Macro,     // macro name(params = defaults): body
   Break,
   Continue,
   Generation,  // {% generation %} body

@@ -24,19 +24,32 @@ void Mapping::set(Value key, Value value) {
 
 std::string type_name(const Value& v) {
   switch (v.kind) {
-    case Kind::Undefined: return "Undefined";
-    case Kind::None: return "NoneType";
-    case Kind::Bool: return "bool";
-    case Kind::Int: return "int";
-    case Kind::Float: return "float";
-    case Kind::String: return "str";
-    case Kind::List: return "list";
-    case Kind::Tuple: return "tuple";
-    case Kind::Dict: return "dict";
-    case Kind::Namespace: return "Namespace";
-    case Kind::Loop: return "LoopContext";
-    case Kind::Macro: return "Macro";
-    case Kind::Function: return "builtin_function_or_method";
+    case Kind::Undefined:
+      return "Undefined";
+    case Kind::None:
+      return "NoneType";
+    case Kind::Bool:
+      return "bool";
+    case Kind::Int:
+      return "int";
+    case Kind::Float:
+      return "float";
+    case Kind::String:
+      return "str";
+    case Kind::List:
+      return "list";
+    case Kind::Tuple:
+      return "tuple";
+    case Kind::Dict:
+      return "dict";
+    case Kind::Namespace:
+      return "Namespace";
+    case Kind::Loop:
+      return "LoopContext";
+    case Kind::Macro:
+      return "Macro";
+    case Kind::Function:
+      return "builtin_function_or_method";
   }
   return "object";
 }
@@ -46,15 +59,23 @@ void fail_undefined(const Value& v) { throw RenderFailure(v.str.empty() ? "undef
 bool truthy(const Value& v) {
   switch (v.kind) {
     case Kind::Undefined:
-    case Kind::None: return false;
-    case Kind::Bool: return v.b;
-    case Kind::Int: return v.i != 0;
-    case Kind::Float: return v.f != 0.0;
-    case Kind::String: return !v.str.empty();
+    case Kind::None:
+      return false;
+    case Kind::Bool:
+      return v.b;
+    case Kind::Int:
+      return v.i != 0;
+    case Kind::Float:
+      return v.f != 0.0;
+    case Kind::String:
+      return !v.str.empty();
     case Kind::List:
-    case Kind::Tuple: return !v.list->empty();
-    case Kind::Dict: return !v.dict->items.empty();
-    default: return true;
+    case Kind::Tuple:
+      return !v.list->empty();
+    case Kind::Dict:
+      return !v.dict->items.empty();
+    default:
+      return true;
   }
 }
 
@@ -74,8 +95,10 @@ bool equal(const Value& a, const Value& b) {
   if (a.kind != b.kind) return false;
   switch (a.kind) {
     case Kind::Undefined:
-    case Kind::None: return true;
-    case Kind::String: return a.str == b.str;
+    case Kind::None:
+      return true;
+    case Kind::String:
+      return a.str == b.str;
     case Kind::List:
     case Kind::Tuple: {
       if (a.list->size() != b.list->size()) return false;
@@ -92,9 +115,12 @@ bool equal(const Value& a, const Value& b) {
       return true;
     }
     case Kind::Namespace:
-    case Kind::Loop: return a.dict == b.dict;
-    case Kind::Macro: return a.macro == b.macro;
-    default: return false;
+    case Kind::Loop:
+      return a.dict == b.dict;
+    case Kind::Macro:
+      return a.macro == b.macro;
+    default:
+      return false;
   }
 }
 
@@ -197,10 +223,27 @@ std::string encode_utf8(const std::vector<char32_t>& cps) {
 bool is_py_space(char32_t cp) {
   // Python's _PyUnicode_IsWhitespace: bidirectional types WS, B, S, or category Zs.
   switch (cp) {
-    case 0x09: case 0x0a: case 0x0b: case 0x0c: case 0x0d: case 0x1c: case 0x1d: case 0x1e: case 0x1f:
-    case 0x20: case 0x85: case 0xa0: case 0x1680: case 0x2028: case 0x2029: case 0x202f: case 0x205f:
-    case 0x3000: return true;
-    default: return cp >= 0x2000 && cp <= 0x200a;
+    case 0x09:
+    case 0x0a:
+    case 0x0b:
+    case 0x0c:
+    case 0x0d:
+    case 0x1c:
+    case 0x1d:
+    case 0x1e:
+    case 0x1f:
+    case 0x20:
+    case 0x85:
+    case 0xa0:
+    case 0x1680:
+    case 0x2028:
+    case 0x2029:
+    case 0x202f:
+    case 0x205f:
+    case 0x3000:
+      return true;
+    default:
+      return cp >= 0x2000 && cp <= 0x200a;
   }
 }
 
@@ -262,8 +305,10 @@ static std::string string_repr(const std::string& s) {
 
 std::string repr(const Value& v) {
   switch (v.kind) {
-    case Kind::Undefined: return "Undefined";
-    case Kind::String: return string_repr(v.str);
+    case Kind::Undefined:
+      return "Undefined";
+    case Kind::String:
+      return string_repr(v.str);
     case Kind::List:
     case Kind::Tuple: {
       const bool tuple = v.kind == Kind::Tuple;
@@ -285,25 +330,37 @@ std::string repr(const Value& v) {
       }
       return out + "}";
     }
-    default: return to_str(v);
+    default:
+      return to_str(v);
   }
 }
 
 std::string to_str(const Value& v) {
   switch (v.kind) {
-    case Kind::Undefined: return "";
-    case Kind::None: return "None";
-    case Kind::Bool: return v.b ? "True" : "False";
-    case Kind::Int: return std::to_string(v.i);
-    case Kind::Float: return float_repr(v.f);
-    case Kind::String: return v.str;
+    case Kind::Undefined:
+      return "";
+    case Kind::None:
+      return "None";
+    case Kind::Bool:
+      return v.b ? "True" : "False";
+    case Kind::Int:
+      return std::to_string(v.i);
+    case Kind::Float:
+      return float_repr(v.f);
+    case Kind::String:
+      return v.str;
     case Kind::List:
     case Kind::Tuple:
-    case Kind::Dict: return repr(v);
-    case Kind::Namespace: return "<Namespace " + repr(Value::dict_of(*v.dict)) + ">";
-    case Kind::Loop: return "<LoopContext>";
-    case Kind::Macro: return "<Macro>";
-    case Kind::Function: return "<built-in method " + v.str + ">";
+    case Kind::Dict:
+      return repr(v);
+    case Kind::Namespace:
+      return "<Namespace " + repr(Value::dict_of(*v.dict)) + ">";
+    case Kind::Loop:
+      return "<LoopContext>";
+    case Kind::Macro:
+      return "<Macro>";
+    case Kind::Function:
+      return "<built-in method " + v.str + ">";
   }
   return "";
 }
@@ -312,13 +369,27 @@ static void json_string(std::string& out, const std::string& s) {
   out += '"';
   for (unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
       default:
         if (c < 0x20) {
           char buf[8];
@@ -334,12 +405,18 @@ static void json_string(std::string& out, const std::string& s) {
 
 static std::string json_key(const Value& k) {
   switch (k.kind) {
-    case Kind::String: return k.str;
-    case Kind::Int: return std::to_string(k.i);
-    case Kind::Float: return float_repr(k.f);
-    case Kind::Bool: return k.b ? "true" : "false";
-    case Kind::None: return "null";
-    default: throw RenderFailure("keys must be str, int, float, bool or None, not " + type_name(k));
+    case Kind::String:
+      return k.str;
+    case Kind::Int:
+      return std::to_string(k.i);
+    case Kind::Float:
+      return float_repr(k.f);
+    case Kind::Bool:
+      return k.b ? "true" : "false";
+    case Kind::None:
+      return "null";
+    default:
+      throw RenderFailure("keys must be str, int, float, bool or None, not " + type_name(k));
   }
 }
 
@@ -349,9 +426,15 @@ static void json_dump(std::string& out, const Value& v, const JsonStyle& st, int
     if (st.indent >= 0) out += "\n" + std::string(static_cast<size_t>(st.indent) * lvl, ' ');
   };
   switch (v.kind) {
-    case Kind::None: out += "null"; return;
-    case Kind::Bool: out += v.b ? "true" : "false"; return;
-    case Kind::Int: out += std::to_string(v.i); return;
+    case Kind::None:
+      out += "null";
+      return;
+    case Kind::Bool:
+      out += v.b ? "true" : "false";
+      return;
+    case Kind::Int:
+      out += std::to_string(v.i);
+      return;
     case Kind::Float:
       if (std::isnan(v.f))
         out += "NaN";
@@ -360,7 +443,9 @@ static void json_dump(std::string& out, const Value& v, const JsonStyle& st, int
       else
         out += float_repr(v.f);
       return;
-    case Kind::String: json_string(out, v.str); return;
+    case Kind::String:
+      json_string(out, v.str);
+      return;
     case Kind::List:
     case Kind::Tuple: {
       if (v.list->empty()) {
@@ -398,7 +483,8 @@ static void json_dump(std::string& out, const Value& v, const JsonStyle& st, int
       out += '}';
       return;
     }
-    default: throw RenderFailure("Object of type " + type_name(v) + " is not JSON serializable");
+    default:
+      throw RenderFailure("Object of type " + type_name(v) + " is not JSON serializable");
   }
 }
 
@@ -410,17 +496,22 @@ std::string to_json(const Value& v, const JsonStyle& style) {
 
 Value from_json(const nlohmann::ordered_json& j) {
   switch (j.type()) {
-    case nlohmann::ordered_json::value_t::null: return Value::none();
-    case nlohmann::ordered_json::value_t::boolean: return Value::boolean(j.get<bool>());
-    case nlohmann::ordered_json::value_t::number_integer: return Value::integer(j.get<int64_t>());
+    case nlohmann::ordered_json::value_t::null:
+      return Value::none();
+    case nlohmann::ordered_json::value_t::boolean:
+      return Value::boolean(j.get<bool>());
+    case nlohmann::ordered_json::value_t::number_integer:
+      return Value::integer(j.get<int64_t>());
     case nlohmann::ordered_json::value_t::number_unsigned: {
       uint64_t u = j.get<uint64_t>();
       if (u > static_cast<uint64_t>(INT64_MAX))
         throw RenderFailure("an integer above 2^63-1 in the template's variables is not supported");
       return Value::integer(static_cast<int64_t>(u));
     }
-    case nlohmann::ordered_json::value_t::number_float: return Value::real(j.get<double>());
-    case nlohmann::ordered_json::value_t::string: return Value::string(j.get<std::string>());
+    case nlohmann::ordered_json::value_t::number_float:
+      return Value::real(j.get<double>());
+    case nlohmann::ordered_json::value_t::string:
+      return Value::string(j.get<std::string>());
     case nlohmann::ordered_json::value_t::array: {
       Items items;
       items.reserve(j.size());
@@ -433,7 +524,8 @@ Value from_json(const nlohmann::ordered_json& j) {
       for (const auto& [k, e] : j.items()) d.items.emplace_back(Value::string(k), from_json(e));
       return Value::dict_of(std::move(d));
     }
-    default: throw RenderFailure("binary JSON values are not template variables");
+    default:
+      throw RenderFailure("binary JSON values are not template variables");
   }
 }
 

@@ -40,8 +40,18 @@ except ImportError as e:
 
 GEMMA4 = ["gemma4", "gemma4_v2", "gemma4_v3", "gemma4_v4", "gemma4_v5"]
 # Other models' templates from the same wheel that must match too (their own conventions for tools and reasoning
-# reach more of the engine: tojson of schemas, string methods, loop.previtem, raise_exception paths).
-EXTRA_TEMPLATES = []
+# reach more of the engine: tojson of schemas, string methods, loop.previtem, raise_exception paths): those on
+# which at most a quarter of these random conversations end in the template's own error. The rest of the wheel
+# (`--all`) also renders identically, but mostly refuses these conversations (no tools, no parts content, ...).
+EXTRA_TEMPLATES = ["diffusion_gemma", "diffusion_gemma_training", "glm4moe", "glm4moe_training", "lfm2_2_5",
+                   "lfm2_2_5_v2", "lfm2_2_5_vl", "lfm2_v2", "lfm2_v2_training", "llama3", "llama3_1", "llama3_2",
+                   "llama3_training", "muse_glimmer", "muse_glimmer_training", "nemotron_3_5_lightning",
+                   "nemotron_3_5_lightning_training", "nemotron_3_nano", "nemotron_3_nano_training",
+                   "nemotron_3_super", "nemotron_3_super_training", "nemotron_3_ultra", "nemotron_3_ultra_training",
+                   "qwen2_5_vl", "qwen2_5_vl_training", "qwen3", "qwen3_5_nothink", "qwen3_5_nothink_training",
+                   "qwen3_5_think", "qwen3_5_think_training", "qwen3_6", "qwen3_6_training", "qwen3_8",
+                   "qwen3_8_training", "qwen3_instruct_2507", "qwen3_instruct_2507_training", "qwen3_training",
+                   "qwen3_vl", "qwen3_vl_training"]
 
 
 def template_paths():
@@ -205,13 +215,19 @@ def check_template(binary, name, path, n_cases, seed):
     finally:
         os.unlink(cases_path)
     if run.returncode != 0:
-        return 0, n_cases, [f"does not parse: {run.stderr.strip()}"]
+        return 0, n_cases, 0, [f"does not parse: {run.stderr.strip()}"]
     got = [json.loads(line) for line in run.stdout.splitlines()]
     assert len(got) == n_cases, f"{name}: {len(got)} results for {n_cases} cases"
     problems = []
+    both_failed = 0
     for k, (want, have) in enumerate(zip(expected, got)):
         if "error" in want or "error" in have:
             if "error" in want and "error" in have:
+                both_failed += 1
+                # raise_exception's message must come through (jinja2 raises it as a bare TemplateError).
+                message = want["error"].split(": ", 1)[1]
+                if want["error"].startswith("TemplateError: ") and message not in have["error"]:
+                    problems.append(f"case {k}: the template's message {message!r} is not in {have['error']!r}")
                 continue
             problems.append(f"case {k}: jinja2 {'failed' if 'error' in want else 'rendered'}, ringflex "
                             f"{'failed: ' + have['error'] if 'error' in have else 'rendered'}"
@@ -220,7 +236,7 @@ def check_template(binary, name, path, n_cases, seed):
         if want["text"] != have["text"]:
             at, w, h = first_difference(want["text"], have["text"])
             problems.append(f"case {k}: differs at character {at}:\n  jinja2:   {w!r}\n  ringflex: {h!r}")
-    return n_cases - len(problems), n_cases, problems
+    return n_cases - len(problems), n_cases, both_failed, problems
 
 
 def main():
@@ -239,11 +255,13 @@ def main():
     required = set(GEMMA4 + EXTRA_TEMPLATES)
     failed = False
     for name in names:
-        ok, total, problems = check_template(args.binary, name, paths[name], args.cases, args.seed)
-        print(f"{name}: {ok}/{total} renders identical to jinja2" + ("" if name in required else " (extra)"))
+        ok, total, both_failed, problems = check_template(args.binary, name, paths[name], args.cases, args.seed)
+        print(f"{name}: {ok}/{total} identical to jinja2 ({both_failed} of them an error in both)"
+              + ("" if name in required else " (extra)"))
         for p in problems[:3]:
             print("  " + p)
-        if problems and name in required:
+        # Most cases must render: a template that fails on nearly every conversation would pass vacuously.
+        if name in required and (problems or both_failed > total // 4):
             failed = True
     if failed:
         print("FAILED: a required template renders differently from jinja2", file=sys.stderr)
