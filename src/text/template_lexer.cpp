@@ -58,6 +58,9 @@ class Lexer {
  private:
   [[noreturn]] void fail_at(size_t at, const std::string& why) {
     Token t;
+    line_pos_ = 0;  // position() only moves forward; an error may point back at its tag's start
+    line_ = 1;
+    col_ = 1;
     position(at, t);
     throw Error(origin_ + ":" + std::to_string(t.line) + ":" + std::to_string(t.col) + ": " + why);
   }

@@ -83,7 +83,8 @@ class Parser {
   struct DepthGuard {
     int& d;
     DepthGuard(int& depth, const Parser& p) : d(depth) {
-      if (++d > kMaxNesting) p.fail("expression nested more than " + std::to_string(kMaxNesting) + " deep");
+      if (++d > kMaxNesting)
+        p.fail("the template nests expressions or blocks more than " + std::to_string(kMaxNesting) + " deep");
     }
     ~DepthGuard() { --d; }
   };
@@ -516,9 +517,10 @@ class Parser {
     fail("unexpected " + describe(t));
   }
 
+  // Postfix, filter and test nodes take their operand's position: an error names where the expression starts.
   ExprPtr parse_postfix(ExprPtr e) {
     while (true) {
-      Pos p = pos();
+      Pos p = e->pos;
       if (is_op(".")) {
         next();
         if (cur().type == Tok::Name) {
@@ -589,7 +591,7 @@ class Parser {
   ExprPtr parse_call(ExprPtr callee, ExprKind kind) {
     ExprPtr e;
     if (kind == ExprKind::Call) {
-      e = node(ExprKind::Call, pos());
+      e = node(ExprKind::Call, callee->pos);
       e->args.push_back(std::move(callee));
     } else {
       e = std::move(callee);
@@ -628,7 +630,7 @@ class Parser {
 
   ExprPtr parse_filters(ExprPtr e) {
     while (true) {
-      Pos p = pos();
+      Pos p = e ? e->pos : pos();  // a `{% set x | f %}` block's chain starts without an operand
       if (is_op("|")) {
         next();
         Pos at = pos();
