@@ -3,6 +3,7 @@
 
 #include "core/error.h"
 #include "text/sentencepiece_tokenizer.h"
+#include "text/tokenizer_json.h"
 
 namespace rf::text {
 
@@ -16,7 +17,7 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::filesystem::path& dir_or_fi
              ": has neither tokenizer.json nor tokenizer.model");
     return load_sentencepiece(model_file);
   }
-  if (dir_or_file.extension() == ".json") fail(dir_or_file.string(), ": tokenizer.json is not read yet");
+  if (dir_or_file.extension() == ".json") return load_tokenizer_json(dir_or_file);
   return load_sentencepiece(dir_or_file);
 }
 
