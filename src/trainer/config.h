@@ -53,7 +53,7 @@ struct DataSection {
   SourceKind source = SourceKind::Mock;  // mock | jsonl_tokens | jsonl_text
   std::string path;                      // the JSONL file (jsonl_tokens, jsonl_text)
   std::string features;                  // jsonl_tokens with image spans: safetensors with `image_features` [N, F]
-  std::string tokenizer;                 // jsonl_text: SentencePiece model (default: <model.path>/tokenizer.model)
+  std::string tokenizer;                 // jsonl_text: tokenizer.json or tokenizer.model (default: model.path's)
   int val_rows = 8;                      // rows held out for validation
   int mock_image_tokens = 16;            // mock: placeholder tokens per image block
   // jsonl_tokens samples with `images`: the soft tokens an image is resized for (Gemma4ImageProcessor's

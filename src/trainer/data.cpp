@@ -1,8 +1,6 @@
 // ringflex trainer: mock VLM rows, JSONL token and text files, packing and per-epoch shuffling (see data.h).
 #include "trainer/data.h"
 
-#include <sentencepiece_processor.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -17,6 +15,7 @@
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 #include "model/image_processor.h"
+#include "text/tokenizer.h"
 
 namespace rf::trainer {
 namespace {
@@ -617,16 +616,14 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
 // tokenizer's piece of the config's image_token_id) and each part encoded on its own, the placeholder becoming that
 // one id wherever it stands, whatever kind of piece (normal, user-defined, control) the tokenizer makes of it, as
 // Hugging Face tokenizers split a text at their special tokens.
-std::vector<int> encode_with_placeholders(const sentencepiece::SentencePieceProcessor& sp, const std::string& text,
-                                          const std::string& placeholder, int image_id, const std::string& where) {
-  std::vector<int> out;
+std::vector<int32_t> encode_with_placeholders(const text::Tokenizer& tok, const std::string& text,
+                                              const std::string& placeholder, int32_t image_id) {
+  std::vector<int32_t> out;
   size_t at = 0;
   while (at <= text.size()) {
     const size_t next = std::min(text.find(placeholder, at), text.size());
     if (next > at) {
-      std::vector<int> pieces;
-      const auto st = sp.Encode(text.substr(at, next - at), &pieces);
-      RF_CHECK(st.ok(), where, ": cannot tokenize: ", st.ToString());
+      const std::vector<int32_t> pieces = tok.encode(std::string_view(text).substr(at, next - at));
       out.insert(out.end(), pieces.begin(), pieces.end());
     }
     if (next == text.size()) break;
@@ -636,42 +633,56 @@ std::vector<int> encode_with_placeholders(const sentencepiece::SentencePieceProc
   return out;
 }
 
+// The tokenizer jsonl_text reads: data.tokenizer (tokenizer.json or a SentencePiece tokenizer.model), else model.path's
+// tokenizer.json, else its tokenizer.model (text/tokenizer.h). model.path's files are not checked with the config's
+// files: a FIFO there would block the read forever, so it is refused here by kind.
+std::filesystem::path text_tokenizer_file(const TrainConfig& c, const DataContract& k) {
+  std::filesystem::path file = c.data.tokenizer;
+  std::error_code ec;
+  if (file.empty()) {
+    const std::filesystem::path dir(k.model_path);
+    file = std::filesystem::exists(dir / "tokenizer.json", ec) ? dir / "tokenizer.json" : dir / "tokenizer.model";
+  }
+  const bool json_file = file.extension() == ".json";
+  RF_CHECK(std::filesystem::is_regular_file(file, ec), file.string(), ": not a regular file (the ",
+           json_file ? "tokenizer.json" : "SentencePiece model", " data.source = jsonl_text reads)");
+  return file;
+}
+
 // A sample's `images`, as jsonl_tokens takes them (expand_images): each marked in `text` by the tokenizer's piece of
 // the config's image_token_id (for Gemma 4's tokenizer the processor's image token).
 std::vector<Document> read_text_file(const TrainConfig& c, const DataContract& k, const ImageContract& im, int& F,
                                      bool& split) {
-  const std::string model_file =
-      c.data.tokenizer.empty() ? (std::filesystem::path(k.model_path) / "tokenizer.model").string() : c.data.tokenizer;
-  sentencepiece::SentencePieceProcessor sp;
-  // model.path's tokenizer.model is not checked with the config's files: a FIFO there would block Load forever.
-  std::error_code ec;
-  RF_CHECK(std::filesystem::is_regular_file(model_file, ec), model_file,
-           ": not a regular file (the SentencePiece model data.source = jsonl_text reads)");
-  const auto status = sp.Load(model_file);
-  RF_CHECK(status.ok(), model_file, ": cannot load the SentencePiece model: ", status.ToString());
-  RF_CHECK(sp.GetPieceSize() <= k.vocab_size, model_file, ": the tokenizer has ", sp.GetPieceSize(),
+  const std::string model_file = text_tokenizer_file(c, k).string();
+  const std::unique_ptr<text::Tokenizer> tok = text::load_tokenizer(model_file);
+  RF_CHECK(tok->vocab_size() <= k.vocab_size, model_file, ": the tokenizer has ", tok->vocab_size(),
            " pieces, more than the model's vocabulary of ", k.vocab_size);
+  const std::optional<int32_t> bos = tok->bos_id(), eos = tok->eos_id();
   std::vector<Document> docs;
   int64_t images_seen = 0;  // the file's images so far, in file order (image i is encoded by rank i % ranks)
   for_each_line(c.data.path, [&](const json& j, const std::string& where) {
     RF_CHECK(j.contains("text") && j["text"].is_string(), where, ": missing `text` (a string)");
     Document d;
-    std::vector<int> pieces;
-    if (j.contains("images")) {
-      const int image = im.tokens.image;
-      RF_CHECK(image >= 0 && image < sp.GetPieceSize(), where, ": has `images`, but the tokenizer ", model_file,
-               " has no piece for the image placeholder (image_token_id ", image, "; it has ", sp.GetPieceSize(),
-               " pieces)");
-      pieces = encode_with_placeholders(sp, j["text"].get<std::string>(), sp.IdToPiece(image), image, where);
-    } else {
-      const auto st = sp.Encode(j["text"].get<std::string>(), &pieces);
-      RF_CHECK(st.ok(), where, ": cannot tokenize: ", st.ToString());
+    std::vector<int32_t> pieces;
+    try {
+      if (j.contains("images")) {
+        const int image = im.tokens.image;
+        const std::optional<std::string> placeholder = tok->id_to_token(image);
+        RF_CHECK(placeholder.has_value(), where, ": has `images`, but the tokenizer ", model_file,
+                 " has no piece for the image placeholder (image_token_id ", image, "; it has ", tok->vocab_size(),
+                 " pieces)");
+        pieces = encode_with_placeholders(*tok, j["text"].get<std::string>(), *placeholder, image);
+      } else {
+        pieces = tok->encode(j["text"].get<std::string>());
+      }
+    } catch (const Error& e) {
+      fail(where, ": ", e.what());
     }
-    if (sp.bos_id() >= 0) d.ids.push_back(sp.bos_id());
+    if (bos) d.ids.push_back(*bos);
     d.ids.insert(d.ids.end(), pieces.begin(), pieces.end());
-    if (sp.eos_id() >= 0) d.ids.push_back(sp.eos_id());
+    if (eos) d.ids.push_back(*eos);
     d.labels = d.ids;
-    if (sp.bos_id() >= 0) d.labels[0] = kIgnore;
+    if (bos) d.labels[0] = kIgnore;
     d.mm.assign(d.ids.size(), 0);
     if (j.contains("images")) {
       expand_images(d, j["images"], where, c, k, im, images_seen);
