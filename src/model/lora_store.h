@@ -1,55 +1,8 @@
 // ringflex model: LoRA over a frozen base, one more implementation of the parameter store (model/param_store.h).
-//
-// Every parameter the model registers is the base, frozen (no gradient, no moments). When the weights are
-// allocated, each targeted linear W [out, in] of a decoder layer gets two further trainable slots, PEFT's
-//   <module>.lora_A.weight  A [r, in]   Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))
-//   <module>.lora_B.weight  B [out, r]  zero
-// so the gradient arena and AdamW's moments cover the adapters only (they live in a float32 ReplicatedStore of their
-// own, whose trainable layout is this store's). The layer computes PEFT's
-//   y = x W^T + scale * (x A^T) B^T,   scale = alpha / r (alpha / sqrt(r) with use_rslora)
-// the adapter's part as two thin matmuls (ParamStore::adapter, model/held_weight.h), never W + scale B A; the base gets
-// no weight-gradient product, only the input gradient through W.
-//
-// The base is held in the checkpoint's own dtype (bf16, f16 or f32) where the loader maps the safetensors files
-// (hold_mapped): read-only pages of the page cache, shared by every rank on the machine that maps the same files, and
-// bit-identical to the files. A base written through mutable_weight (a model built in memory, init_random) is held in
-// float32. The float32 view weight(slot) of a base held in bf16/f16 exists only for the layer being computed:
-// before_forward / before_backward of layer l widen its base slots into float32 buffers, after_forward /
-// after_backward free them (one layer's float32 weights alive at a time; the global group's other matmul operands
-// for the whole run; the LM head, ParamInfo::streamed, never: the loss reads it as held, widening panels of its rows
-// into a small scratch of its own (model/loss.h); the lookup tables never: the embedding gathers their rows in the
-// held dtype). In the bf16 compute mode the
-// matmuls find a bf16 base's own mapped values through the Bf16Lookup (the widened values round back to exactly those
-// bits), so no bf16 copy is made either. Outside the hooks weight(slot) of such a slot widens it into one scratch
-// buffer, valid until the next such call (tools: export, checks).
-//
-// Under parallelism.shard = optimizer the trainer shards the adapters' moments over the ranks (set_moment_range over
-// the trainable layout, which is the adapters'), as for any store (with the experts' adapters placed, over the ranks
-// holding the same experts: trainer/expert_state.h); the base is never sharded: its mapped pages are
-// the page cache's, one copy for all the ranks of a machine, so a rank's piece would cost more than its share
-// (trainer/config.cpp refuses shard gradients and full with LoRA).
-//
-// Targets follow PEFT's target_modules, matched against the module names of the text model as Gemma4ForCausalLM
-// names them ("model.layers.3.self_attn.q_proj"): a list of names matches a module whose name is one of them or ends
-// with "." + one of them; a single regular expression must match the whole module name (std::regex_match, PEFT's
-// re.fullmatch). Only the attention's q/k/v/o and the dense MLP's gate/up/down projections take adapters as modules; a
-// target matching nothing is an error, and so is one matching another weight (the router, the per-layer-input
-// projections) or dropout != 0. The MoE experts' 3-D weights take adapters through target_parameters, as PEFT's
-// ParamWrapper: for W [E, out, in], A [E * r, in] and B [E * out, r], expert-major (held_weight.h: expert e's A_e
-// are rows e*r.., its B_e rows e*out..), named after PEFT's nested wrappers: with both experts weights targeted,
-// gate_up_proj's are "<layer>.experts.base_layer.lora_A.weight" and down_proj's "<layer>.experts.lora_A.weight"
-// (PEFT wraps the experts module once per parameter in registration order, the last outermost); with one, that one's
-// are "<layer>.experts.lora_A.weight". PEFT's files hold B as [out, r * E], B_e the columns k*E + e: the store keeps
-// B expert-major so that an expert's adapter is a run of leading rows (what expert parallelism divides, and what the
-// experts' loop reads), and save/load (file_layout) reorder it; the moments in optimizer.safetensors keep the
-// store's layout.
-//
-// Expert parallelism (place_experts, parallelism.ep > 1): EP rank q of ep holds the experts' adapters of its own
-// experts only, rows [q * E / ep * r, ...) of A and [q * E / ep * out, ...) of B (ParamInfo::rows_begin, as
-// model/expert_store.h holds the experts), so their weights, gradients and AdamW moments are E / ep experts' worth;
-// the trainer reduces their gradients over the expert-data-parallel group (trainer/expert_state.h). The frozen base
-// stays whole (mapped: a rank touches its experts' pages only). A's initial values are those of the whole tensor's
-// rows, so the adapters are the same at any EP.
+// The base is frozen, held in the checkpoint's own dtype (mapped read-only, shared by a machine's ranks) and widened
+// to float32 one layer at a time in the hooks; each targeted linear gets PEFT's trainable adapters A [r, in] and
+// B [out, r] (y = x W^T + scale * (x A^T) B^T), the only slots with gradients and moments. Targets, the experts'
+// 3-D adapters, their file layout and expert parallelism: docs/parameter-store.md, "LoraStore".
 #pragma once
 
 #include <cstdint>

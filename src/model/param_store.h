@@ -1,64 +1,8 @@
 // ringflex model: the parameter store, the one place that knows where the model's weights, their gradients and
-// AdamW's moments live.
-//
-// The model registers its parameters here (Hugging Face names, registration order = the order of every flat view and
-// of the files) and, while it runs, asks the store for the weights it is about to multiply and for the gradient
-// buffers its backward accumulates into; it never holds storage or sees a communicator. Everything else that walks
-// "all parameters" goes through the store too: the optimizer and clipping (flat arenas), the trainer's gradient
-// reduction (one collective over flat(Role::Grads), no copy), the checkpoint writer and reader, the memory check and
-// model.freeze.
-//
-// Roles, each a contiguous float32 arena (llm.c's malloc_and_point_parameters) in registration order:
-//   Weights   every parameter, trainable or frozen          [total_elements()]
-//   Grads     the trainable parameters only                  [trainable_elements()]
-//   ExpAvg    AdamW's first moments, the same layout as Grads, or one range of it (moment_range(): a rank's shard
-//   ExpAvgSq  AdamW's second moments                  of the trainable layout under parallelism.shard: optimizer)
-// A frozen parameter has no gradient and no moments (grad() is null, which is also what tells the backward to skip
-// its weight-gradient product). The bf16 compute copies of the matmul operands are a fifth, bf16 arena, rounded again
-// when version() moved: only writers of the weights (the loader, init, the optimizer, through mutable_weight /
-// mutable_flat) move it.
-//
-// Working weights (model.param_dtype, ops.h ParamDtype). Float32: the run reads the float32 weights themselves.
-// Bfloat16: the weights stay float32 masters (the optimizer, the checkpoint writer and read_weight see them), and the
-// run reads a working copy of every weight rounded to bf16 once per change of the masters (version()): between a
-// group's before_* and after_* hooks (the global group's small parameters for the whole run, the head between
-// acquire_head and release_head) weight(slot) points at that group's working values widened to float32 (exact; one
-// group at a time, never the whole model), the tables' rows() are the bf16 values themselves, and a bf16 compute run
-// multiplies the working copy's own bits (find() gives them, no second rounding). Gradients are taken against the
-// working values, in float32. Every implementation that takes bfloat16 gives the same bits as the replicated one.
-//
-// Layer hooks. The run calls, for each decoder layer l (and kGlobalGroup for the global group, whose small
-// parameters, such as the final norm and the projections, stay acquired for the whole run: they are read at its start
-// and its end; its streamed ones, ParamInfo::streamed, never are: the token tables are read through rows() and the
-// head between acquire_head and release_head):
-//   before_forward(l)   the layer's weights are about to be read       (FSDP: all-gather the layer)
-//   after_forward(l)    the forward of the layer is done               (FSDP: free the gathered copy)
-//   before_backward(l)  its recompute and backward are about to run    (FSDP: all-gather it again)
-//   after_backward(l)   its gradients for this micro-batch are final   (FSDP: reduce-scatter them into the owners'
-//                                                                       slices, free the full-size buffer)
-// and, between the ops of a layer (each op fetches its weights through Run::W just before it runs):
-//   progress()          lets what the hooks posted advance without blocking (a posted MPI transfer moves only while
-//                       some call is inside the library, so without it the next layer's gather and the previous
-//                       layer's reduction would wait for the next hook instead of travelling while this layer computes)
-// The replicated store below does nothing in them. Further implementations plug in here, not in gemma4.cpp:
-//   - Sharded (parallelism.shard). ZeRO-1 (optimizer) needs no hook: the moments cover this rank's shard of the
-//     trainable layout only (set_moment_range), the trainer reduce-scatters flat(Grads), AdamW updates that range
-//     and the trainer all-gathers the weights (its step.cpp); with param_dtype bfloat16 trainer/sharded_store.h
-//     serves it, keeping the float32 masters of that range only beside the whole bf16 working copy, which its
-//     after_update all-gathers in bf16. ZeRO-2/3 (gradients, full) are trainer/sharded_store.h,
-//     which owns a communicator over all cp x dp ranks: flat(Grads) is this rank's slice of the trainable layout
-//     (grads_begin() says where it starts), under full the weights are this rank's pieces (mutable_master for the
-//     optimizer, read_weight / write_weight for whole tensors); weight(slot) of a layer between before_* and
-//     after_* points into a gathered buffer, grad(slot) into a layer-sized buffer that after_backward
-//     reduce-scatters into the owners' slices.
-//   - LoRA (frozen base, trainable adapters): the base in the checkpoint's dtype, every base slot frozen (no grad);
-//     the adapters A [r, in], B [out, r] registered as further trainable slots of the same layer, so Grads and the
-//     moments cover only them. WeightView grows {A, B, scale} (and a base with no float32 copy: b16 only), and the
-//     linear ops take a WeightView where they take a bare float* today (the matmuls now find a weight's bf16 copy
-//     by its float32 address through Bf16Lookup, which a base held only in bf16 would not have).
-//   - Expert parallelism (model/expert_store.h): the experts' [E, ...] tensors registered with their EP rank's
-//     expert rows only (ParamInfo::rows_begin, hold_rows), in a replicated store; the trainer reduces their
-//     gradients over the expert-data-parallel group instead of over all ranks.
+// AdamW's moments live. The model registers its parameters (Hugging Face names) and asks for each weight and gradient
+// buffer just before use, between per-layer hooks (before_/after_forward, before_/after_backward) that a sharded store
+// fills with its gathers and reductions; roles are contiguous float32 arenas in registration order. The design (roles,
+// working bf16 weights, the hooks, the implementations) is docs/parameter-store.md.
 #pragma once
 
 #include <cstdint>

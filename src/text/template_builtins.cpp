@@ -6,6 +6,8 @@
 #include <functional>
 #include <set>
 
+#include "text/utf8.h"
+
 namespace rf::text::detail {
 namespace {
 
@@ -248,7 +250,7 @@ std::string py_replace(const std::string& s, const std::string& old, const std::
         out += repl;
         ++done;
       }
-      if (k < cps.size()) append_utf8(out, cps[k]);
+      if (k < cps.size()) utf8_append(out, cps[k]);
     }
     return out;
   }

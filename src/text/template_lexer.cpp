@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "text/template_value.h"
+#include "text/utf8.h"
 
 namespace rf::text::detail {
 namespace {
@@ -320,7 +321,7 @@ class Lexer {
         }
         p += n;
         if (cp > 0x10ffff) fail_at(k, "illegal Unicode character in a string literal");
-        append_utf8(value, cp);
+        utf8_append(value, cp);
       };
       switch (e) {
         case '\n':
@@ -371,7 +372,7 @@ class Lexer {
             char32_t cp = e - '0';
             for (int j = 0; j < 2 && p < src_.size() && src_[p] >= '0' && src_[p] <= '7'; ++j)
               cp = cp * 8 + (src_[p++] - '0');
-            append_utf8(value, cp);
+            utf8_append(value, cp);
           } else {
             value += '\\';  // Python keeps an unknown escape as it is
             --p;

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 
+#include "text/utf8.h"
+
 namespace rf::text::detail {
 
 const Value* Mapping::find(const Value& key) const {
@@ -181,70 +183,24 @@ std::vector<char32_t> decode_utf8(std::string_view s) {
   std::vector<char32_t> out;
   out.reserve(s.size());
   for (size_t k = 0; k < s.size();) {
-    unsigned char c = static_cast<unsigned char>(s[k]);
-    int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-    if (len == 0 || k + len > s.size()) throw RenderFailure("text is not valid UTF-8");
-    char32_t cp = len == 1 ? c : c & (0x7f >> len);
-    for (int j = 1; j < len; ++j) {
-      unsigned char cc = static_cast<unsigned char>(s[k + j]);
-      if ((cc >> 6) != 2) throw RenderFailure("text is not valid UTF-8");
-      cp = (cp << 6) | (cc & 0x3f);
-    }
-    out.push_back(cp);
+    const size_t len = utf8_length_at(s, k);
+    if (len == 0) throw RenderFailure("text is not valid UTF-8 (byte " + std::to_string(k) + ")");
+    out.push_back(utf8_decode(s, k, len));
     k += len;
   }
   return out;
 }
 
-void append_utf8(std::string& out, char32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xc0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3f));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xe0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-    out += static_cast<char>(0x80 | (cp & 0x3f));
-  } else {
-    out += static_cast<char>(0xf0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3f));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-    out += static_cast<char>(0x80 | (cp & 0x3f));
-  }
-}
-
 std::string encode_utf8(const std::vector<char32_t>& cps) {
   std::string out;
-  for (char32_t cp : cps) append_utf8(out, cp);
+  for (char32_t cp : cps) utf8_append(out, cp);
   return out;
 }
 
 bool is_py_space(char32_t cp) {
-  // Python's _PyUnicode_IsWhitespace: bidirectional types WS, B, S, or category Zs.
-  switch (cp) {
-    case 0x09:
-    case 0x0a:
-    case 0x0b:
-    case 0x0c:
-    case 0x0d:
-    case 0x1c:
-    case 0x1d:
-    case 0x1e:
-    case 0x1f:
-    case 0x20:
-    case 0x85:
-    case 0xa0:
-    case 0x1680:
-    case 0x2028:
-    case 0x2029:
-    case 0x202f:
-    case 0x205f:
-    case 0x3000:
-      return true;
-    default:
-      return cp >= 0x2000 && cp <= 0x200a;
-  }
+  // Python's _PyUnicode_IsWhitespace: bidirectional types WS, B, S or category Zs, which is Unicode's White_Space
+  // and the four separators U+001C..U+001F.
+  return is_unicode_whitespace(cp) || (cp >= 0x1c && cp <= 0x1f);
 }
 
 std::string py_strip(std::string_view s, bool left, bool right) {
@@ -296,7 +252,7 @@ static std::string string_repr(const std::string& s) {
         std::snprintf(buf, sizeof buf, "\\U%08x", static_cast<unsigned>(cp));
       out += buf;
     } else {
-      append_utf8(out, cp);
+      utf8_append(out, cp);
     }
   }
   out += quote;

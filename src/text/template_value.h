@@ -148,10 +148,10 @@ std::string to_json(const Value& v, const JsonStyle& style);
 // The template's variables: JSON as Python's json module gives it to jinja2 (ints stay ints, floats floats).
 Value from_json(const nlohmann::ordered_json& j);
 
-// UTF-8 helpers: Python strings index code points.
+// Python strings index code points: the text's code points (RenderFailure on invalid UTF-8) and back
+// (text/utf8.h does the bytes).
 std::vector<char32_t> decode_utf8(std::string_view s);
 std::string encode_utf8(const std::vector<char32_t>& cps);
-void append_utf8(std::string& out, char32_t cp);
 // Python's str.isspace() for one code point (what str.strip(), str.split() and re's \s treat as whitespace).
 bool is_py_space(char32_t cp);
 // Python's str.strip()/lstrip()/rstrip() without arguments.

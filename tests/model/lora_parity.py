@@ -219,7 +219,7 @@ checkpoint: {{dir: {os.path.join(workdir, "ckpt")}, every: 2, keep: 2}}
             if a.read() != b.read():
                 failures.append(f"--resume: {f} differs from the uninterrupted run's")
     # The same steps at one rank, and at dp 2 (rows split over replicas instead of tokens over CP ranks): float32
-    # sums in other orders only (README "Batches": ~1e-6 relative over a few steps of this size).
+    # sums in other orders only (docs/training.md "Batches": ~1e-6 relative over a few steps of this size).
     if ranks > 1:
         for grid in (["--set", f"parallelism.cp=1"], ["--set", "parallelism.cp=1", "--set", f"parallelism.dp={ranks}"]):
             other = os.path.join(workdir, "metrics_other.jsonl")

@@ -12,8 +12,10 @@ add_generation_prompt on and off) by jinja2 through transformers' own compiled e
 both must fail (raise_exception and the like). The variables are what transformers' render_jinja_template passes
 (its message preprocessing included), checked against render_jinja_template's own output for every case.
 
-Usage: template_oracle.py TEMPLATE_RENDER [--cases N] [--seed S] [--all]  (--all: every template in the wheel,
-reporting which pass, without failing on the non-Gemma ones outside EXTRA_TEMPLATES)
+Usage: template_oracle.py TEMPLATE_RENDER [--cases N] [--seed S] [--all] [--template FILE...]
+  --all: every template in the wheel, reporting which pass, without failing on those outside GEMMA4 and
+  EXTRA_TEMPLATES; --template: these files instead (a checkpoint's chat_template.jinja, another revision), each
+  required to match.
 """
 import argparse
 import json
@@ -245,7 +247,18 @@ def main():
     ap.add_argument("--cases", type=int, default=150)
     ap.add_argument("--seed", type=int, default=36)
     ap.add_argument("--all", action="store_true")
+    ap.add_argument("--template", nargs="+", default=[])
     args = ap.parse_args()
+    if args.template:
+        failed = False
+        for path in args.template:
+            ok, total, both_failed, problems = check_template(args.binary, os.path.basename(path), path, args.cases,
+                                                              args.seed)
+            print(f"{path}: {ok}/{total} identical to jinja2 ({both_failed} of them an error in both)")
+            for p in problems[:3]:
+                print("  " + p)
+            failed = failed or bool(problems)
+        return 1 if failed else 0
     paths = template_paths()
     missing = [n for n in GEMMA4 + EXTRA_TEMPLATES if n not in paths]
     if missing:
