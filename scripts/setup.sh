@@ -11,12 +11,13 @@ SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO=sudo
 if [ "${1:-}" != "--oracles-only" ]; then
   $SUDO apt-get update -qq
-  # ocl-icd-opencl-dev: Debian builds oneDNN with its OpenCL GPU runtime, and its CMake package config
+  # iproute2: `ip netns` and `tc` for the namespaced-hosts tests (tests/hosts/; `tc netem` also needs the kernel's
+  # sch_netem module). ocl-icd-opencl-dev: Debian builds oneDNN with its OpenCL GPU runtime, and its CMake package config
   # (dnnl-config.cmake) requires OpenCL's headers and libOpenCL.so, which libdnnl-dev only recommends; with
   # --no-install-recommends, find_package(dnnl) fails without it. Nothing here runs OpenCL.
   $SUDO apt-get install -y -qq --no-install-recommends \
     g++ cmake make git python3 python3-pip python3-venv \
-    openmpi-bin libopenmpi-dev libopenblas-dev libdnnl-dev ocl-icd-opencl-dev \
+    openmpi-bin libopenmpi-dev iproute2 libopenblas-dev libdnnl-dev ocl-icd-opencl-dev \
     libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libsentencepiece-dev \
     libpng-dev libjpeg-dev \
     clang-format >/dev/null

@@ -1,6 +1,7 @@
 // ringflex comm: the small collectives every backend shares, written on top of allgather so they reduce in rank
 // order (the large ones: collectives.cpp).
 #include "comm/communicator.h"
+#include "comm/blocked_time.h"
 
 #include <algorithm>
 #include <atomic>
@@ -17,7 +18,14 @@ std::atomic<int64_t> g_default_timeout_ms{kDefaultTimeout.count()};
 
 namespace {
 thread_local std::string t_step;
+thread_local double t_blocked_seconds = 0.0;
 }  // namespace
+
+detail::BlockedTime::BlockedTime() : start_(std::chrono::steady_clock::now()) {}
+detail::BlockedTime::~BlockedTime() {
+  t_blocked_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+}
+double blocked_seconds() { return t_blocked_seconds; }
 
 Step::Step(std::string what) : previous_(std::exchange(t_step, std::move(what))) {}
 Step::~Step() { t_step = std::move(previous_); }

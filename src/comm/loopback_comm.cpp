@@ -11,6 +11,7 @@
 #include <thread>
 #include <tuple>
 
+#include "comm/blocked_time.h"
 #include "core/error.h"
 
 namespace rf::comm {
@@ -65,6 +66,7 @@ class LoopbackRequest final : public Request {
     if (!world_) return;
     std::unique_lock lock(world_->mutex);
     const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const detail::BlockedTime blocked;
     const bool ok = world_->arrived.wait_until(lock, deadline, [&] { return world_->failed_rank >= 0 || arrived(); });
     if (!arrived()) {
       RF_CHECK(world_->failed_rank < 0, "rank ", self_, ": gave up receiving ", label_, " from rank ", peer_,

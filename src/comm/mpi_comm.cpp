@@ -5,10 +5,12 @@
 
 #include <climits>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "comm/blocked_time.h"
 #include "core/error.h"
 
 namespace rf::comm {
@@ -34,13 +36,16 @@ int to_count(size_t bytes, const std::string& label) {
 }
 
 // Polls until every request completed or the deadline passed; returns false on timeout.
+// The time after a first test that found them pending counts as blocked (blocked_seconds).
 bool poll_until(std::vector<MPI_Request>& reqs, Timeout timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::optional<detail::BlockedTime> blocked;
   for (;;) {
     int done = 0;
     check_mpi(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
     if (done) return true;
     if (std::chrono::steady_clock::now() >= deadline) return false;
+    if (!blocked) blocked.emplace();
     std::this_thread::sleep_for(kPollSleep);
   }
 }
@@ -97,6 +102,7 @@ class MpiComm final : public Communicator {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
+    map_to_world();
   }
   // A communicator made by split(): `comm` is the new group; its private collective twin is duplicated here (a
   // collective over the new group, polled with a deadline like the world's).
@@ -104,9 +110,10 @@ class MpiComm final : public Communicator {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
+    map_to_world();
     std::vector<MPI_Request> req(1, MPI_REQUEST_NULL);
     check_mpi(MPI_Comm_idup(comm_, &coll_, req.data()), "MPI_Comm_idup");
-    RF_CHECK(poll_until(req, timeout), "rank ", rank_, ": timed out after ", timeout.count(),
+    RF_CHECK(poll_until(req, timeout), "rank ", world_rank(rank_), ": timed out after ", timeout.count(),
              " ms creating a split communicator (some rank never joined)");
     MPI_Comm_set_errhandler(coll_, MPI_ERRORS_RETURN);
   }
@@ -181,7 +188,7 @@ class MpiComm final : public Communicator {
   }
 
   std::unique_ptr<Communicator> split(int color, int key, Timeout timeout) override {
-    RF_CHECK(color >= 0, "rank ", rank_, ": split color ", color, " must be >= 0");
+    RF_CHECK(color >= 0, "rank ", world_rank(rank_), ": split color ", color, " must be >= 0");
     // MPI_Comm_split has no non-blocking form; a barrier with a deadline first makes sure every rank arrived, so
     // the blocking split cannot wait forever on a rank that never calls it.
     barrier(timeout);
@@ -213,7 +220,8 @@ class MpiComm final : public Communicator {
                 "MPI_Isend");
       if (peer != rank_) traffic_.bytes_sent += buffers[i].bytes;
     }
-    return std::make_unique<MpiRequest>(std::move(reqs), rank_, peer, shown_tag, true, std::move(label));
+    return std::make_unique<MpiRequest>(std::move(reqs), world_rank(rank_), world_rank(peer), shown_tag, true,
+                                        std::move(label));
   }
   RequestPtr post_recv(MPI_Comm comm, int peer, int tag, int shown_tag, std::span<const RecvBuffer> buffers,
                        std::string label) {
@@ -223,7 +231,8 @@ class MpiComm final : public Communicator {
                 "MPI_Irecv");
       if (peer != rank_) traffic_.bytes_received += buffers[i].bytes;
     }
-    return std::make_unique<MpiRequest>(std::move(reqs), rank_, peer, shown_tag, false, std::move(label));
+    return std::make_unique<MpiRequest>(std::move(reqs), world_rank(rank_), world_rank(peer), shown_tag, false,
+                                        std::move(label));
   }
 
   // Waits for a collective's requests; on timeout names every peer whose request is still pending, then
@@ -236,25 +245,45 @@ class MpiComm final : public Communicator {
       int done = 0;
       if (reqs[i] != MPI_REQUEST_NULL) MPI_Test(&reqs[i], &done, MPI_STATUS_IGNORE);
       if (reqs[i] == MPI_REQUEST_NULL || done) continue;
-      const std::string peer = std::to_string(peers[i]);
+      const std::string peer = std::to_string(world_rank(peers[i]));
       if (missing.find(" " + peer + ",") == std::string::npos) missing += " " + peer + ",";
       MPI_Cancel(&reqs[i]);
       MPI_Request_free(&reqs[i]);
     }
     if (!missing.empty()) missing.pop_back();
     const std::string step = Step::current();
-    rf::fail("rank ", rank_, ": timed out after ", timeout.count(), " ms in ", what, ": no answer from rank", missing,
-             step.empty() ? "" : " (while " + step + ")");
+    rf::fail("rank ", world_rank(rank_), ": timed out after ", timeout.count(), " ms in ", what,
+             ": no answer from rank", missing, step.empty() ? "" : " (while " + step + ")");
   }
 
   void check_user(int peer, int tag, const std::string& label) const {
-    RF_CHECK(peer >= 0 && peer < size_, "rank ", rank_, ": ", label, ": peer ", peer, " is not a rank of ", size_);
-    RF_CHECK(tag >= 0 && tag < kMaxTag, "rank ", rank_, ": ", label, ": tag ", tag, " outside [0, ", kMaxTag, ")");
+    RF_CHECK(peer >= 0 && peer < size_, "rank ", world_rank(rank_), ": ", label, ": peer ", peer, " is not a rank of ",
+             size_);
+    RF_CHECK(tag >= 0 && tag < kMaxTag, "rank ", world_rank(rank_), ": ", label, ": tag ", tag, " outside [0, ",
+             kMaxTag, ")");
   }
+
+  // Errors name ranks by their number in the job (MPI_COMM_WORLD), whatever communicator timed out: a split one (the
+  // trainer's CP and DP groups) numbers its ranks anew, and "rank 1" of a group would send a user to the wrong
+  // process. world_[r]: the job's rank of this communicator's rank r.
+  void map_to_world() {
+    MPI_Group group = MPI_GROUP_NULL, world_group = MPI_GROUP_NULL;
+    MPI_Comm_group(comm_, &group);
+    MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+    std::vector<int> ranks(static_cast<size_t>(size_));
+    for (int r = 0; r < size_; ++r) ranks[static_cast<size_t>(r)] = r;
+    world_.assign(ranks.size(), MPI_UNDEFINED);
+    check_mpi(MPI_Group_translate_ranks(group, size_, ranks.data(), world_group, world_.data()),
+              "MPI_Group_translate_ranks");
+    MPI_Group_free(&group);
+    MPI_Group_free(&world_group);
+  }
+  int world_rank(int r) const { return r >= 0 && r < size_ ? world_[static_cast<size_t>(r)] : r; }
 
   MPI_Comm comm_ = MPI_COMM_NULL;  // the users' point-to-point traffic
   MPI_Comm coll_ = MPI_COMM_NULL;  // the collectives' (allgather, broadcast, the channel of collectives.cpp)
   int rank_ = 0, size_ = 1;
+  std::vector<int> world_;
   Traffic traffic_;
 };
 

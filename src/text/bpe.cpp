@@ -43,6 +43,14 @@ const uint64_t* PairMap::find(uint32_t a, uint32_t b) const {
   return s.key == kEmpty ? nullptr : &s.value;
 }
 
+void Bpe::reserve(size_t tokens, size_t merges) {
+  vocab_.reserve(tokens);
+  id_to_token_.reserve(tokens);
+  has_id_.reserve(tokens);
+  merges_.reserve(merges);
+  joins_.reserve(std::min<size_t>(merges, 1 << 16));
+}
+
 void Bpe::add_token(std::string token, int64_t id) {
   RF_CHECK(id >= 0 && id < kMaxIds, "'", token, "' has id ", id, ", outside [0, ", kMaxIds, ")");
   const auto at = static_cast<size_t>(id);

@@ -45,6 +45,7 @@ class Bpe {
   // Building, in the file's order. Each throws rf::Error saying what is wrong, for the caller to prefix with the
   // file and field: an id out of [0, kMaxIds), an id given twice, a merge of tokens not in the vocabulary.
   static constexpr int32_t kMaxIds = 1 << 24;  // 64x Gemma 4's 262,144: a larger claim is a broken file
+  void reserve(size_t tokens, size_t merges);  // the tables sized once (rehashing 262,144 strings costs ~0.1 s)
   void add_token(std::string token, int64_t id);
   void add_merge(std::string_view left, std::string_view right);  // rank = the order of the calls
   void finish();  // after the last add_*: checks unk_token, builds the per-character tables

@@ -161,9 +161,145 @@ void replace_all(std::string& s, const std::string& pattern, const std::string& 
   s = std::move(out);
 }
 
+// model.vocab and model.merges as the file lists them, read without a DOM: Gemma 4's 262,144 tokens and 514,906
+// merges as nlohmann::json values cost ~0.4 s of a ~0.9 s load and twice the memory (BENCHMARKS.md, "Tokenizer").
+struct VocabEntry {
+  std::string token;
+  int64_t id;  // kNotInteger when the file's value is not an integer
+};
+constexpr int64_t kNotInteger = INT64_MIN;
+struct MergeEntry {
+  std::string left, right;  // left alone holds the older "left right" form (joined)
+  bool joined = false, bad = false;
+};
+struct ParsedFile {
+  json rest;  // everything else, as a DOM
+  std::optional<std::vector<VocabEntry>> vocab;
+  std::optional<std::vector<MergeEntry>> merges;
+};
+
+// nlohmann's SAX events: a DOM built for everything but the entries of model.vocab and model.merges, which go
+// straight into vectors.
+class Reader : public nlohmann::json_sax<json> {
+ public:
+  Reader(ParsedFile& out, const std::string& origin) : out_(out), origin_(origin) {}
+  bool null() override { return value(json()); }
+  bool boolean(bool b) override { return value(json(b)); }
+  bool number_integer(number_integer_t n) override { return number(n, json(n)); }
+  bool number_unsigned(number_unsigned_t n) override {
+    return number(static_cast<int64_t>(std::min<uint64_t>(n, INT64_MAX)), json(n));
+  }
+  bool number_float(number_float_t x, const string_t&) override { return value(json(x)); }
+  bool string(string_t& s) override {
+    if (mode_ == kMerges && nested_ == 0) {
+      out_.merges->push_back({std::move(s), "", true, false});
+      return true;
+    }
+    if (mode_ == kMerges && nested_ == 1) {
+      MergeEntry& m = out_.merges->back();
+      ++pair_size_;
+      (pair_size_ == 1 ? m.left : m.right) = std::move(s);
+      if (pair_size_ > 2) m.bad = true;
+      return true;
+    }
+    return value(json(std::move(s)));
+  }
+  bool binary(binary_t&) override { return value(json()); }
+  bool start_object(std::size_t) override { return open(json::object()); }
+  bool start_array(std::size_t) override { return open(json::array()); }
+  bool key(string_t& k) override {
+    if (mode_ == kVocab && nested_ == 0)
+      key_ = std::move(k);
+    else if (mode_ == kNone)
+      frames_.back().key = std::move(k);
+    return true;
+  }
+  bool end_object() override { return close(); }
+  bool end_array() override { return close(); }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    fail(origin_, ": not JSON: ", e.what());
+  }
+
+ private:
+  enum Mode { kNone, kVocab, kMerges };
+  struct Frame {
+    json* container;
+    std::string key;  // the key the next value goes under, in an object
+  };
+  bool in_model() const { return frames_.size() == 2 && frames_[0].key == "model"; }
+  json& place(json v) {
+    if (frames_.empty()) return out_.rest = std::move(v);
+    json& top = *frames_.back().container;
+    if (top.is_object()) return top[frames_.back().key] = std::move(v);
+    top.push_back(std::move(v));
+    return top.back();
+  }
+  bool number(int64_t n, json v) {
+    if (mode_ == kVocab && nested_ == 0) {
+      out_.vocab->push_back({std::move(key_), n});
+      return true;
+    }
+    return value(std::move(v));
+  }
+  bool value(json v) {
+    if (mode_ == kVocab) {
+      if (nested_ == 0) out_.vocab->push_back({std::move(key_), kNotInteger});
+      return true;
+    }
+    if (mode_ == kMerges) {
+      if (nested_ == 0) out_.merges->push_back({"", "", false, true});
+      if (nested_ == 1) out_.merges->back().bad = true;
+      return true;
+    }
+    place(std::move(v));
+    return true;
+  }
+  bool open(json v) {
+    if (mode_ != kNone) {
+      if (mode_ == kVocab && nested_ == 0) out_.vocab->push_back({std::move(key_), kNotInteger});
+      if (mode_ == kMerges && nested_ == 0) out_.merges->push_back({"", "", false, false}), pair_size_ = 0;
+      if (mode_ == kMerges && nested_ >= 1) out_.merges->back().bad = true;
+      ++nested_;
+      return true;
+    }
+    if (in_model() && frames_.back().key == "vocab" && v.is_object() && !out_.vocab) {
+      out_.vocab.emplace();
+      mode_ = kVocab;
+      return true;
+    }
+    if (in_model() && frames_.back().key == "merges" && v.is_array() && !out_.merges) {
+      out_.merges.emplace();
+      mode_ = kMerges;
+      return true;
+    }
+    frames_.push_back({&place(std::move(v)), ""});
+    return true;
+  }
+  bool close() {
+    if (mode_ != kNone) {
+      if (nested_ == 0) {
+        mode_ = kNone;
+      } else {
+        if (mode_ == kMerges && nested_ == 1 && pair_size_ != 2) out_.merges->back().bad = true;
+        --nested_;
+      }
+      return true;
+    }
+    frames_.pop_back();
+    return true;
+  }
+  ParsedFile& out_;
+  const std::string& origin_;
+  std::vector<Frame> frames_;
+  Mode mode_ = kNone;
+  int nested_ = 0;  // containers open inside model.vocab or model.merges
+  int pair_size_ = 0;
+  std::string key_;
+};
+
 class TokenizerJson final : public Tokenizer {
  public:
-  TokenizerJson(const json& j, const std::string& origin);
+  TokenizerJson(ParsedFile& file, const std::string& origin);
   std::vector<int32_t> encode(std::string_view text) const override;
   std::string decode(std::span<const int32_t> ids, bool skip_special) const override;
   std::optional<int32_t> token_to_id(std::string_view token) const override {
@@ -184,7 +320,7 @@ class TokenizerJson final : public Tokenizer {
   void read_normalizer(const json& n, const std::string& path);
   void read_pre_tokenizer(const json& p, const std::string& path);
   void read_decoder(const json& d, const std::string& path);
-  void read_model(const json& model);
+  void read_model(const json& model, ParsedFile& file);
   void read_added_tokens(const json& a);
   const std::string* token_of(int32_t id) const {
     const auto it = added_by_id_.find(id);
@@ -209,13 +345,13 @@ class TokenizerJson final : public Tokenizer {
   std::optional<int32_t> bos_, eos_;
 };
 
-TokenizerJson::TokenizerJson(const json& j, const std::string& origin) : origin_(origin) {
-  Fields top(j, "tokenizer", origin_);
+TokenizerJson::TokenizerJson(ParsedFile& file, const std::string& origin) : origin_(origin) {
+  Fields top(file.rest, "tokenizer", origin_);
   if (const json* v = top.get("version")) top.refuse_unless(v->is_string(), "version", "is not a string");
   for (const char* k : {"truncation", "padding"})
     if (const json* v = top.get(k))
       top.refuse_unless(v->is_null(), k, "is set (not supported: encode must not change)");
-  read_model(top.need("model"));
+  read_model(top.need("model"), file);
   if (const json* v = top.get("normalizer"); v && !v->is_null()) read_normalizer(*v, "normalizer");
   if (const json* v = top.get("pre_tokenizer"); v && !v->is_null()) read_pre_tokenizer(*v, "pre_tokenizer");
   if (const json* v = top.get("post_processor"); v && !v->is_null()) {
@@ -232,7 +368,7 @@ TokenizerJson::TokenizerJson(const json& j, const std::string& origin) : origin_
   top.done();
 }
 
-void TokenizerJson::read_model(const json& model) {
+void TokenizerJson::read_model(const json& model, ParsedFile& file) {
   Fields f(model, "model", origin_);
   const std::string type = f.string("type");
   f.refuse_unless(type == "BPE", "type", "= '" + type + "' is not supported (only BPE is)");
@@ -250,46 +386,41 @@ void TokenizerJson::read_model(const json& model) {
   options.fuse_unk = f.boolean("fuse_unk", false);
   options.byte_fallback = f.boolean("byte_fallback", false);
   bpe_ = std::make_unique<Bpe>(options);
-  const json& vocab = f.need("vocab");
-  f.refuse_unless(vocab.is_object(), "vocab", "is not a JSON object");
-  for (const auto& [token, id] : vocab.items()) {
-    if (!id.is_number_integer()) fail(origin_, ": model.vocab: '", token, "' has an id that is not an integer");
+  // vocab and merges were read into `file` (Reader); in the DOM they are only there when not an object / a list.
+  f.get("vocab");
+  f.get("merges");
+  if (!file.vocab) f.refuse_unless(!model.contains("vocab"), "vocab", "is not a JSON object");
+  if (!file.vocab) fail(origin_, ": model has no \"vocab\"");
+  if (!file.merges && model.contains("merges")) f.refuse_unless(model["merges"].is_null(), "merges", "is not a list");
+  bpe_->reserve(file.vocab->size(), file.merges ? file.merges->size() : 0);
+  for (VocabEntry& e : *file.vocab) {
+    if (e.id == kNotInteger) fail(origin_, ": model.vocab: '", e.token, "' has an id that is not an integer");
     try {
-      bpe_->add_token(token, id.is_number_unsigned()
-                                 ? static_cast<int64_t>(std::min<uint64_t>(id.get<uint64_t>(), INT64_MAX))
-                                 : id.get<int64_t>());
+      bpe_->add_token(std::move(e.token), e.id);
+    } catch (const Error& err) {
+      fail(origin_, ": model.vocab: ", err.what());
+    }
+  }
+  file.vocab.reset();
+  for (size_t i = 0; file.merges && i < file.merges->size(); ++i) {
+    const MergeEntry& m = (*file.merges)[i];
+    std::string_view left = m.left, right = m.right;
+    if (m.bad) fail(origin_, ": model.merges[", i, "] is neither [left, right] nor \"left right\"");
+    if (m.joined) {  // the older form "left right"
+      const size_t space = m.left.find(' ');
+      if (space == std::string::npos || m.left.find(' ', space + 1) != std::string::npos)
+        fail(origin_, ": model.merges[", i, "] = '", m.left, "' is not two tokens separated by one space");
+      left = std::string_view(m.left).substr(0, space);
+      right = std::string_view(m.left).substr(space + 1);
+    }
+    if (left.empty() || right.empty()) fail(origin_, ": model.merges[", i, "] has an empty token");
+    try {
+      bpe_->add_merge(left, right);
     } catch (const Error& e) {
-      fail(origin_, ": model.vocab: ", e.what());
+      fail(origin_, ": model.merges[", i, "]: ", e.what());
     }
   }
-  const json* merges = f.get("merges");
-  if (merges && !merges->is_null()) {
-    f.refuse_unless(merges->is_array(), "merges", "is not a list");
-    for (size_t i = 0; i < merges->size(); ++i) {
-      const json& m = (*merges)[i];
-      std::string_view left, right;
-      std::string joined;
-      if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
-        left = m[0].get_ref<const std::string&>();
-        right = m[1].get_ref<const std::string&>();
-      } else if (m.is_string()) {  // the older form "left right"
-        joined = m.get<std::string>();
-        const size_t space = joined.find(' ');
-        if (space == std::string::npos || joined.find(' ', space + 1) != std::string::npos)
-          fail(origin_, ": model.merges[", i, "] = '", joined, "' is not two tokens separated by one space");
-        left = std::string_view(joined).substr(0, space);
-        right = std::string_view(joined).substr(space + 1);
-      } else {
-        fail(origin_, ": model.merges[", i, "] is neither [left, right] nor \"left right\"");
-      }
-      if (left.empty() || right.empty()) fail(origin_, ": model.merges[", i, "] has an empty token");
-      try {
-        bpe_->add_merge(left, right);
-      } catch (const Error& e) {
-        fail(origin_, ": model.merges[", i, "]: ", e.what());
-      }
-    }
-  }
+  file.merges.reset();
   try {
     bpe_->finish();
   } catch (const Error& e) {
@@ -676,14 +807,23 @@ std::optional<int32_t> named_token(const json& config, const char* key, const To
   return id;
 }
 
+ParsedFile read_tokenizer_file(std::string_view text, const std::string& origin) {
+  ParsedFile file;
+  Reader reader(file, origin);
+  json::sax_parse(text, &reader);
+  return file;
+}
+
 }  // namespace
 
 std::unique_ptr<Tokenizer> parse_tokenizer_json(std::string_view json_text, const std::string& origin) {
-  return std::make_unique<TokenizerJson>(parse_json(json_text, origin), origin);
+  ParsedFile file = read_tokenizer_file(json_text, origin);
+  return std::make_unique<TokenizerJson>(file, origin);
 }
 
 std::unique_ptr<Tokenizer> load_tokenizer_json(const std::filesystem::path& file) {
-  auto tok = std::make_unique<TokenizerJson>(parse_json(read_file(file), file.string()), file.string());
+  ParsedFile parsed = read_tokenizer_file(read_file(file), file.string());
+  auto tok = std::make_unique<TokenizerJson>(parsed, file.string());
   const auto config_file = file.parent_path() / "tokenizer_config.json";
   std::error_code ec;
   if (std::filesystem::exists(config_file, ec)) {

@@ -30,6 +30,7 @@ std::string metrics_json_line(const StepMetrics& m) {
                               {"tokens_per_s", m.tokens_per_s},
                               {"peak_rss_bytes", m.peak_rss_bytes}};
   if (m.val_loss) j["val_loss"] = *m.val_loss;
+  if (m.comm_wait_s) j["comm_wait_s"] = *m.comm_wait_s;
   if (m.ep_rows_sent) j["ep_rows_sent"] = *m.ep_rows_sent;
   if (m.ep_rows_received) j["ep_rows_received"] = *m.ep_rows_received;
   if (m.tower_share) j["tower_share"] = *m.tower_share;

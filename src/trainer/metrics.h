@@ -19,6 +19,9 @@ struct StepMetrics {
   double tokens_per_s = 0.0;   // non-padding tokens of the global batch per second of the step
   int64_t peak_rss_bytes = 0;  // the largest peak resident set over the ranks
   std::optional<double> val_loss;
+  // On more than one rank: the seconds the step waited on communication (comm::blocked_seconds: the ring's K/V and
+  // gradients, the gradient reduction, every collective; what computation did not hide), the most of any rank.
+  std::optional<double> comm_wait_s;
   // Under expert parallelism (parallelism.ep > 1): routed rows (a token's row for one of its experts) the step's
   // forward passes sent to, and received from, other ranks' experts (a MoE layer's recompute in the backward counts
   // again), the most of any rank.
@@ -43,7 +46,8 @@ struct StepMetrics {
   double data_share = 0.0;
 };
 
-// One JSON object per line: step, loss, lr, grad_norm, tokens, tokens_per_s, peak_rss_bytes [, val_loss]
+// One JSON object per line: step, loss, lr, grad_norm, tokens, tokens_per_s, peak_rss_bytes [, val_loss] [,
+// comm_wait_s]
 // [, ep_rows_sent, ep_rows_received, ep_experts_held, ep_bytes_per_layer, ep_exposed_s] [, shard_comm_wait_s]
 // [, tower_share], data_share.
 std::string metrics_json_line(const StepMetrics& m);

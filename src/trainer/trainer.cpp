@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "comm/agree.h"
+#include "comm/blocked_time.h"
 #include "core/error.h"
 #include "core/memory.h"
 #include "core/mix.h"
@@ -55,9 +56,11 @@ void announce(const Run& r, Progress& progress) {
 bool is_last(const Run& r, int64_t step) { return step == r.cfg.train.steps; }
 
 // The step's metrics, with validation on its steps, recorded in the loss history and the result. Throughput:
-// the step's non-padding tokens over its wall time, validation excluded.
+// the step's non-padding tokens over its wall time, validation excluded; comm_wait_s: the seconds this rank blocked on
+// communication in the step (comm::blocked_seconds).
 StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double norm, const TokenCounts& tokens,
-                        double step_seconds, double data_seconds, const ExpertTraffic& ep_moved, TrainResult& result) {
+                        double step_seconds, double comm_wait_s, double data_seconds, const ExpertTraffic& ep_moved,
+                        TrainResult& result) {
   // The step's waits on the sharded store's collectives, taken before validation runs (whose are dropped).
   const double comm_wait = r.sharded ? r.sharded->take_exposed_seconds() : 0.0;
   StepMetrics sm;
@@ -67,6 +70,11 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
   sm.grad_norm = norm;
   sm.tokens = tokens.labels;
   sm.tokens_per_s = static_cast<double>(tokens.real) / step_seconds;
+  if (r.world.size() > 1) {  // before the reductions below, whose own waits are not the step's
+    double most = comm_wait_s;
+    r.world.allreduce(&most, 1, comm::ReduceOp::Max, r.timeout);
+    sm.comm_wait_s = most;
+  }
   sm.data_share = data_seconds / step_seconds;
   r.world.allreduce(&sm.data_share, 1, comm::ReduceOp::Max, r.timeout);
   if (r.tower) {  // before validation, whose forward runs the tower too
@@ -336,6 +344,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
   const int64_t first_step = r.state.step + 1;
   for (int64_t step = first_step; step <= cfg.train.steps; ++step) {
     const auto step_start = Clock::now();
+    const double blocked_at_start = comm::blocked_seconds();
     std::vector<PackedBatch> batches;
     double data_seconds = 0.0;
     comm::agree(world, [&] {
@@ -356,7 +365,8 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     r.state.data_position += cfg.train.global_batch;
 
     const StepMetrics sm =
-        record_step(r, step, loss, lr, norm, tokens, seconds_since(step_start), data_seconds,
+        record_step(r, step, loss, lr, norm, tokens, seconds_since(step_start),
+                    comm::blocked_seconds() - blocked_at_start, data_seconds,
                     {ep_after.rows_sent - ep_before.rows_sent, ep_after.rows_received - ep_before.rows_received,
                      ep_after.bytes_sent - ep_before.bytes_sent, ep_after.seconds - ep_before.seconds},
                     result);

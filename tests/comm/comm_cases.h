@@ -13,8 +13,10 @@
 #include <numeric>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "comm/blocked_time.h"
 #include "comm/communicator.h"
 #include "core/error.h"
 
@@ -116,6 +118,37 @@ inline void receive_deadline_names_the_peer(Communicator& c) {
     EXPECT_NE(msg.find("from rank " + std::to_string(prev)), std::string::npos) << msg;
     EXPECT_NE(msg.find("tag 77"), std::string::npos) << msg;
     EXPECT_NE(msg.find("K/V of step 3"), std::string::npos) << msg;
+  }
+  c.barrier(kTestTimeout);
+}
+
+// blocked_seconds (the trainer's comm_wait_s) counts the time a wait blocks: rank 0 sends to rank 1 only after
+// sleeping kDelay, so rank 1's wait, posted at once, blocks for about that long; the bound is a fifth of it, leaving
+// the rest for rank 1 to reach its wait late (8 ranks on 2 loaded cores). A wait for a message already there adds
+// less than the bound (it blocks for nothing: microseconds, measured).
+inline void blocked_time_counts_the_waits(Communicator& c) {
+  constexpr std::chrono::milliseconds kDelay{500};
+  constexpr double kAtLeastS = 0.1;
+  const int r = c.rank();
+  int32_t x = 7;
+  if (c.size() >= 2 && r <= 1) {
+    if (r == 0) {
+      std::this_thread::sleep_for(kDelay);
+      const SendBuffer sb{&x, sizeof x};
+      c.isend(1, 5, {&sb, 1}, "late")->wait(kTestTimeout);
+      c.isend(1, 6, {&sb, 1}, "early")->wait(kTestTimeout);
+    } else {
+      const RecvBuffer rb{&x, sizeof x};
+      const double before = blocked_seconds();
+      c.irecv(0, 5, {&rb, 1}, "late")->wait(kTestTimeout);
+      const double blocked = blocked_seconds() - before;
+      EXPECT_GE(blocked, kAtLeastS) << "a wait of about " << kDelay.count() << " ms";
+      RequestPtr early = c.irecv(0, 6, {&rb, 1}, "early");
+      while (!early->test()) std::this_thread::yield();
+      const double at = blocked_seconds();
+      early->wait(kTestTimeout);
+      EXPECT_LT(blocked_seconds() - at, kAtLeastS) << "a wait for a message already received";
+    }
   }
   c.barrier(kTestTimeout);
 }

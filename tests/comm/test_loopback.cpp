@@ -26,6 +26,10 @@ TEST(Loopback, ReceiveDeadlineNamesThePeer) {
   for (int P : kRankCounts) run_ranks(P, cases::receive_deadline_names_the_peer);
 }
 
+TEST(Loopback, BlockedTimeCountsTheWaits) {
+  for (int P : kRankCounts) run_ranks(P, cases::blocked_time_counts_the_waits);
+}
+
 TEST(Loopback, SplitFormsAGrid) {
   for (int P : kRankCounts) run_ranks(P, cases::split_forms_a_grid);
 }

@@ -139,6 +139,34 @@ TEST(TokenizerJson, HostileFilesNameTheField) {
             }),
             "bad.json: tokenizer.truncation is set (not supported: encode must not change)");
   EXPECT_EQ(error_for([](json& j) { j["model"]["new_option"] = true; }), "bad.json: model.new_option is not supported");
+  // model.vocab and model.merges are read without a DOM: every shape they can take is still checked.
+  EXPECT_EQ(error_for([](json& j) { j["model"]["vocab"] = json::array(); }),
+            "bad.json: model.vocab is not a JSON object");
+  EXPECT_EQ(error_for([](json& j) { j["model"].erase("vocab"); }), "bad.json: model has no \"vocab\"");
+  EXPECT_EQ(error_for([](json& j) { j["model"]["vocab"]["d"] = "7"; }),
+            "bad.json: model.vocab: 'd' has an id that is not an integer");
+  EXPECT_EQ(error_for([](json& j) {
+              j["model"]["vocab"]["d"] = {{"id", 7}};
+            }),
+            "bad.json: model.vocab: 'd' has an id that is not an integer");
+  EXPECT_EQ(error_for([](json& j) {
+              j["model"]["merges"] = {{"a", "b"}, {"b"}};
+            }),
+            "bad.json: model.merges[1] is neither [left, right] nor \"left right\"");
+  EXPECT_EQ(error_for([](json& j) {
+              j["model"]["merges"] = {{"a", "b", "c"}};
+            }),
+            "bad.json: model.merges[0] is neither [left, right] nor \"left right\"");
+  EXPECT_EQ(error_for([](json& j) {
+              j["model"]["merges"] = json::array({json::array({"a", json::array({"b"})})});
+            }),
+            "bad.json: model.merges[0] is neither [left, right] nor \"left right\"");
+  EXPECT_EQ(error_for([](json& j) { j["model"]["merges"] = {7}; }),
+            "bad.json: model.merges[0] is neither [left, right] nor \"left right\"");
+  EXPECT_EQ(error_for([](json& j) { j["model"]["merges"] = {"a b c"}; }),
+            "bad.json: model.merges[0] = 'a b c' is not two tokens separated by one space");
+  EXPECT_EQ(error_for([](json& j) { j["model"]["merges"] = "a b"; }), "bad.json: model.merges is not a list");
+  EXPECT_EQ(error_for([](json& j) { j["model"]["merges"] = {"a b", "b c", "ab c"}; }), "");  // the older form
   EXPECT_EQ(error_for([](json& j) { j["model"]["unk_token"] = "<nope>"; }),
             "bad.json: model: unk_token '<nope>' is not in model.vocab");
 }

@@ -321,6 +321,33 @@ TEST(JsonlText, SentencePieceTokenizerTrainedHere) {
                 ": not a regular file (the SentencePiece model data.source = jsonl_text reads)");
 }
 
+// A checkpoint as the hub ships Gemma 4's: tokenizer.json and tokenizer_config.json, no tokenizer.model. jsonl_text
+// reads model.path's tokenizer.json (or data.tokenizer naming it), each document <bos> + its ids + <eos>. The ids are
+// worked out by hand from the merges (tests/text has the tokenizer's own tests).
+TEST(JsonlText, TokenizerJsonFromTheCheckpoint) {
+  const fs::path dir = scratch("text_json");
+  fs::create_directories(dir / "model");
+  write(dir / "model" / "tokenizer.json", R"({"added_tokens": [
+      {"id": 1, "content": "<eos>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+      {"id": 2, "content": "<bos>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+    "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+    "model": {"type": "BPE", "byte_fallback": true, "fuse_unk": true, "unk_token": "<unk>",
+              "vocab": {"<unk>": 0, "<eos>": 1, "<bos>": 2, "a": 3, "b": 4, "c": 5, "ab": 6, "bc": 7, "abc": 8, "\u2581": 9},
+              "merges": [["a", "b"], ["b", "c"], ["ab", "c"]]}})");
+  write(dir / "model" / "tokenizer_config.json", R"({"bos_token": "<bos>", "eos_token": "<eos>"})");
+  write(dir / "d.jsonl", "{\"text\": \"abc bca\"}\n");
+  const std::vector<int32_t> want = {2, 8, 9, 7, 3, 1};  // <bos> abc ▁ bc a <eos>
+  for (const std::string& tokenizer : {std::string(), (dir / "model" / "tokenizer.json").string()}) {
+    std::vector<std::string> sets = {"data.source=jsonl_text", "data.path=" + (dir / "d.jsonl").string(),
+                                     "train.seq_len=16", "data.val_rows=0"};
+    if (!tokenizer.empty()) sets.push_back("data.tokenizer=" + tokenizer);
+    const auto src = make_data_source(config_with(sets), {kVocab, 0, 0, (dir / "model").string()});
+    const Row r = src->train_row(0);
+    expect_well_formed(r, 16, 0);
+    EXPECT_EQ(std::vector<int32_t>(r.input_ids.begin(), r.input_ids.begin() + 6), want);
+  }
+}
+
 // A PNG file's bytes, 8-bit RGB, its IDAT a zlib stream of stored (uncompressed) deflate blocks, so the test needs no
 // zlib of its own; `height_field` overrides the header's height (0: a zero-sized image).
 std::string png_rgb(int width, int height, uint32_t seed, int height_field) {

@@ -647,10 +647,18 @@ TEST(ShardGradients, ShardNoneBitsWithoutAccumulationAndItsTrainingWith) {
       ASSERT_EQ(sharded.steps.size(), none.steps.size()) << what;
       const std::vector<float> b = flat_params(*sharded.model);
       ASSERT_EQ(a.size(), b.size()) << what;
+      const int ranks = config(mode).parallelism.cp * config(mode).parallelism.dp;
       for (size_t s = 0; s < none.steps.size(); ++s) {  // the exposed communication: the sharded modes' alone
         EXPECT_FALSE(none.steps[s].shard_comm_wait_s.has_value()) << what;
         ASSERT_TRUE(sharded.steps[s].shard_comm_wait_s.has_value()) << what;
         EXPECT_GE(*sharded.steps[s].shard_comm_wait_s, 0.0) << what;
+        // All of the step's waits (comm_wait_s): every mode's, wherever there is more than one rank.
+        for (const std::optional<double>& wait : {none.steps[s].comm_wait_s, sharded.steps[s].comm_wait_s}) {
+          ASSERT_EQ(wait.has_value(), ranks > 1) << what;
+          if (wait) {
+            EXPECT_GE(*wait, 0.0) << what;
+          }
+        }
       }
       if (c.same_bits) {
         expect_same_bits(none, sharded, what);
