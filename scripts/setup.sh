@@ -29,6 +29,7 @@ if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--oracles-only" ]; then
   repo="$(cd "$(dirname "$0")/.." && pwd)"
   venv="$repo/.venv"
   requirements="$repo/tests/requirements.txt"
+  requirements_nodeps="$repo/tests/requirements-nodeps.txt"  # packages read for their data files only
   fail() { echo "scripts/setup.sh --test: $*" >&2; exit 1; }
   # --system-site-packages: a machine that already has the pinned versions system-wide (a CI image) reuses them
   # instead of installing torch's several GB again; anything missing or at another version goes into the venv,
@@ -38,13 +39,16 @@ if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--oracles-only" ]; then
   # Pinned: the model parity tests compare against this exact transformers (docs/spec.md §8).
   "$venv/bin/python3" -m pip install -q --disable-pip-version-check -r "$requirements" \
     || fail "pip could not install $requirements into $venv (see pip's message above)"
+  "$venv/bin/python3" -m pip install -q --disable-pip-version-check --no-deps -r "$requirements_nodeps" \
+    || fail "pip could not install $requirements_nodeps into $venv (see pip's message above)"
   # Read back what is installed: a pin that pip resolved differently is as wrong as a missing package.
-  "$venv/bin/python3" - "$requirements" <<'PY' || fail "the installed test packages do not match $requirements"
+  "$venv/bin/python3" - "$requirements" "$requirements_nodeps" <<'PY' \
+    || fail "the installed test packages do not match $requirements and $requirements_nodeps"
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
 wrong = []
-for line in open(sys.argv[1]):
+for line in (line for path in sys.argv[1:] for line in open(path)):
     line = line.split("#", 1)[0].strip()
     if not line:
         continue

@@ -45,6 +45,7 @@ sanitized=(
   cp/test_plan_ring
   comm/test_agree
   report/test_report
+  text/test_template
 )
 names=("${sanitized[@]##*/}")
 if [ "$pass" != --suite ]; then

@@ -21,5 +21,6 @@ void add_train_command(CLI::App& app, Runner& run);
 void add_info_command(CLI::App& app, Runner& run);
 void add_export_command(CLI::App& app, Runner& run);
 void add_generate_command(CLI::App& app, Runner& run);
+void add_data_command(CLI::App& app, Runner& run);
 
 }  // namespace rf::cli

@@ -75,6 +75,7 @@ int main(int argc, char** argv) {
   rf::cli::add_info_command(app, run);
   rf::cli::add_export_command(app, run);
   rf::cli::add_generate_command(app, run);
+  rf::cli::add_data_command(app, run);
   app.set_version_flag("--version", std::string("ringflex ") + RF_VERSION);
   // Options every subcommand takes, added here so a new subcommand cannot miss them (one that declares its own
   // --timeout keeps it, and must pass it to comm::set_default_timeout itself).

@@ -7,9 +7,12 @@
 namespace rf::model {
 namespace {
 
-// Everything before the text model's MLP fields: the architecture and the attention layout both models share.
+// Everything before the text model's MLP fields: the architecture and the attention layout both models share. The
+// image tokens sit inside the 512-token vocabulary, where the tiny chat example's tokenizer has Gemma 4's <|image>,
+// <|image|> and <image|> (examples/tiny_chat/make.py).
 constexpr const char* kBeforeMlp = R"({
   "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "tie_word_embeddings": true,
+  "boi_token_id": 494, "image_token_id": 495, "eoi_token_id": 496,
   "text_config": {
     "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 6,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,

@@ -167,6 +167,7 @@ const std::vector<Field>& fields() {
   // name_of is overloaded; these pick one overload each.
   constexpr auto kSourceName = [](SourceKind s) { return name_of(s); };
   constexpr auto kShardName = [](ShardMode s) { return name_of(s); };
+  constexpr auto kOverlengthName = [](Overlength o) { return name_of(o); };
   static const std::vector<Field> table = {
       field("model.builtin", kStr, &C::model, &ModelSection::builtin),
       field("model.path", kStr, &C::model, &ModelSection::path),
@@ -184,10 +185,17 @@ const std::vector<Field>& fields() {
       field("model.lora.use_rslora", "true or false", &C::model, &ModelSection::lora_use_rslora),
       field("model.train_vision", "true or false", &C::model, &ModelSection::train_vision),
       choice("data.source", &C::data, &DataSection::source,
-             {SourceKind::Mock, SourceKind::JsonlTokens, SourceKind::JsonlText}, kSourceName),
+             {SourceKind::Mock, SourceKind::JsonlTokens, SourceKind::JsonlText, SourceKind::JsonlChat}, kSourceName),
       field("data.path", kStr, &C::data, &DataSection::path),
       field("data.features", kStr, &C::data, &DataSection::features),
       field("data.tokenizer", kStr, &C::data, &DataSection::tokenizer),
+      field("data.chat_template", kStr, &C::data, &DataSection::chat_template),
+      choice("data.chat.train_on", &C::data, &DataSection::chat_train_on,
+             {text::TrainOn::Assistant, text::TrainOn::LastAssistant, text::TrainOn::All}, text::name_of),
+      field("data.chat.thought_prefix", "true or false", &C::data, &DataSection::chat_thought_prefix),
+      choice("data.chat.overlength", &C::data, &DataSection::chat_overlength,
+             {Overlength::Drop, Overlength::Truncate, Overlength::Error}, kOverlengthName),
+      field("data.chat.enable_thinking", "true or false", &C::data, &DataSection::chat_enable_thinking),
       field("data.val_rows", kInt, &C::data, &DataSection::val_rows),
       field("data.mock_image_tokens", kInt, &C::data, &DataSection::mock_image_tokens),
       field("data.image_soft_tokens", kInt, &C::data, &DataSection::image_soft_tokens),
@@ -257,8 +265,9 @@ void yaml_guard(const std::string& source, Fn fn) {
   }
 }
 
-// The one nested group of fields: `model: {lora: {rank: 8, ...}}` (also spelled model.lora.rank, as printed).
-constexpr const char* kLoraGroup = "model.lora";
+// The nested groups of fields: `model: {lora: {rank: 8, ...}}` and `data: {chat: {train_on: assistant, ...}}` (also
+// spelled model.lora.rank, data.chat.train_on, as printed).
+bool is_group(const std::string& name) { return name == "model.lora" || name == "data.chat"; }
 
 // The sections of a parsed config into `c` (names and types; validate() does the cross-field rules).
 void read_sections(TrainConfig& c, const YAML::Node& root, const std::string& source) {
@@ -274,10 +283,12 @@ void read_sections(TrainConfig& c, const YAML::Node& root, const std::string& so
     for (const auto& entry : section.second) {
       const std::string name = sname + "." + key_name(entry.first, source);
       RF_CHECK(seen.insert(name).second, source, ": field `", name, "` appears twice");
-      if (name == kLoraGroup) {
-        // model.lora is a map of its own fields (rank, alpha, ...), read as model.lora.<key>.
-        RF_CHECK(entry.second.IsMap(), source, ": `", name,
-                 "` must be a map (rank, alpha, dropout, target, target_parameters, use_rslora)");
+      if (is_group(name)) {
+        // A group is a map of its own fields (model.lora: rank, alpha, ...), read as <group>.<key>.
+        RF_CHECK(entry.second.IsMap(), source, ": `", name, "` must be a map (",
+                 name == "model.lora" ? "rank, alpha, dropout, target, target_parameters, use_rslora"
+                                      : "train_on, thought_prefix, overlength, enable_thinking",
+                 ")");
         for (const auto& sub : entry.second) {
           const std::string sub_name = name + "." + key_name(sub.first, source);
           RF_CHECK(seen.insert(sub_name).second, source, ": field `", sub_name, "` appears twice");
@@ -300,6 +311,20 @@ std::string_view name_of(SourceKind s) {
       return "jsonl_tokens";
     case SourceKind::JsonlText:
       return "jsonl_text";
+    case SourceKind::JsonlChat:
+      return "jsonl_chat";
+  }
+  return "?";
+}
+
+std::string_view name_of(Overlength o) {
+  switch (o) {
+    case Overlength::Drop:
+      return "drop";
+    case Overlength::Truncate:
+      return "truncate";
+    case Overlength::Error:
+      return "error";
   }
   return "?";
 }
@@ -432,11 +457,18 @@ void validate(const TrainConfig& c, int world_size) {
   }
   if (!c.data.features.empty())
     RF_CHECK(is_file(c.data.features), "config: data.features = '", c.data.features, "' is not a file");
-  if (c.data.source == SourceKind::JsonlText) {
-    RF_CHECK(!c.data.tokenizer.empty() || !c.model.path.empty(),
-             "config: data.tokenizer is required with data.source = jsonl_text and a built-in model");
+  if (c.data.source == SourceKind::JsonlText || c.data.source == SourceKind::JsonlChat) {
+    RF_CHECK(!c.data.tokenizer.empty() || !c.model.path.empty(), "config: data.tokenizer is required with ",
+             "data.source = ", name_of(c.data.source), " and a built-in model");
     if (!c.data.tokenizer.empty())
       RF_CHECK(is_file(c.data.tokenizer), "config: data.tokenizer = '", c.data.tokenizer, "' is not a file");
+  }
+  if (c.data.source == SourceKind::JsonlChat) {
+    RF_CHECK(!c.data.chat_template.empty() || !c.model.path.empty(),
+             "config: data.chat_template is required with data.source = jsonl_chat and a built-in model");
+    if (!c.data.chat_template.empty())
+      RF_CHECK(is_file(c.data.chat_template), "config: data.chat_template = '", c.data.chat_template,
+               "' is not a file");
   }
   RF_CHECK(c.data.val_rows >= 0, "config: data.val_rows = ", c.data.val_rows, " must be >= 0 (0: no validation)");
   RF_CHECK(model::supported_soft_tokens(c.data.image_soft_tokens),

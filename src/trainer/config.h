@@ -13,14 +13,17 @@
 
 #include "cp/shard.h"
 #include "model/ops.h"
+#include "text/conversation.h"
 
 namespace rf::trainer {
 
 // The options that name one of a fixed set of choices, parsed once when the YAML is read (a bad spelling is an error
 // there, naming the field and the choices); name_of gives back the spelling the YAML uses.
-enum class SourceKind { Mock, JsonlTokens, JsonlText };     // data.source: mock | jsonl_tokens | jsonl_text
+enum class SourceKind { Mock, JsonlTokens, JsonlText, JsonlChat };  // data.source: mock | jsonl_tokens | ...
+enum class Overlength { Drop, Truncate, Error };                    // data.chat.overlength: drop | truncate | error
 enum class ShardMode { None, Optimizer, Gradients, Full };  // parallelism.shard: none | optimizer | gradients | full
 std::string_view name_of(SourceKind s);
+std::string_view name_of(Overlength o);
 std::string_view name_of(ShardMode s);
 
 struct ModelSection {
@@ -50,12 +53,21 @@ struct ModelSection {
 };
 
 struct DataSection {
-  SourceKind source = SourceKind::Mock;  // mock | jsonl_tokens | jsonl_text
-  std::string path;                      // the JSONL file (jsonl_tokens, jsonl_text)
+  SourceKind source = SourceKind::Mock;  // mock | jsonl_tokens | jsonl_text | jsonl_chat
+  std::string path;                      // the JSONL file (jsonl_tokens, jsonl_text, jsonl_chat)
   std::string features;                  // jsonl_tokens with image spans: safetensors with `image_features` [N, F]
-  std::string tokenizer;                 // jsonl_text: tokenizer.json or tokenizer.model (default: model.path's)
-  int val_rows = 8;                      // rows held out for validation
-  int mock_image_tokens = 16;            // mock: placeholder tokens per image block
+  // jsonl_text, jsonl_chat: the tokenizer file (default: model.path's tokenizer.json, else its tokenizer.model)
+  std::string tokenizer;
+  // jsonl_chat (docs/text.md): the chat template file (default: model.path's chat_template.jinja, else its
+  // tokenizer_config.json's `chat_template`), which tokens train, the empty thought block after each trained model
+  // header, what happens to a conversation longer than train.seq_len, and the template's enable_thinking.
+  std::string chat_template;
+  text::TrainOn chat_train_on = text::TrainOn::Assistant;
+  bool chat_thought_prefix = true;
+  Overlength chat_overlength = Overlength::Drop;
+  bool chat_enable_thinking = false;
+  int val_rows = 8;            // rows held out for validation
+  int mock_image_tokens = 16;  // mock: placeholder tokens per image block
   // jsonl_tokens samples with `images`: the soft tokens an image is resized for (Gemma4ImageProcessor's
   // max_soft_tokens: 70, 140, 280, 560 or 1120). 0 (the default): the checkpoint's own image processor's, read by
   // parse_config from model.path (processor_config.json's image_processor.max_soft_tokens, else

@@ -416,8 +416,9 @@ std::vector<int32_t> int_array(const json& j, const char* key, const std::string
   return out;
 }
 
-// Reads the non-empty lines of a JSONL file; calls fn(object, "path:line") for each.
-template <typename Fn>
+// Reads the non-empty lines of a JSONL file; calls fn(object, "path:line") for each. Json = ordered_json keeps each
+// object's key order (chat templates see it, as Python's dicts).
+template <typename Json = json, typename Fn>
 void for_each_line(const std::string& path, Fn fn) {
   std::ifstream in(path);
   RF_CHECK(in.good(), path, ": cannot open");
@@ -428,10 +429,10 @@ void for_each_line(const std::string& path, Fn fn) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     const std::string where = path + ":" + std::to_string(number);
     io::check_json_text(line, where + ": ");
-    json j;
+    Json j;
     try {
-      j = json::parse(line);
-    } catch (const json::exception& e) {
+      j = Json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
       rf::fail(where, ": not valid JSON: ", io::json_error_text(e.what()));
     }
     RF_CHECK(j.is_object(), where, ": each line must be a JSON object");
@@ -462,18 +463,22 @@ void check_document(const Document& d, const std::string& where, const TrainConf
 void expand_images(Document& d, const json& images, const std::string& where, const TrainConfig& c,
                    const DataContract& k, const ImageContract& im, int64_t& images_seen) {
   RF_CHECK(images.is_array(), where, ": `images` must be a list of image file names");
-  const model::VisionEncoder* tower = im.vision ? im.vision() : nullptr;
-  RF_CHECK(tower != nullptr, where, ": has `images`, but the model has no vision tower (a vision_config and its ",
-           "model.vision_tower.* tensors)");
-  RF_CHECK(tower->config().hidden_size == k.feature_dim, where, ": the vision tower's soft tokens are ",
-           tower->config().hidden_size, " wide, the model's vision projection takes ", k.feature_dim);
+  const model::VisionEncoder* tower = im.processor_only ? nullptr : im.vision ? im.vision() : nullptr;
+  model::ImageProcessorConfig proc;
+  if (im.processor_only) {
+    proc = *im.processor_only;
+  } else {
+    RF_CHECK(tower != nullptr, where, ": has `images`, but the model has no vision tower (a vision_config and its ",
+             "model.vision_tower.* tensors)");
+    RF_CHECK(tower->config().hidden_size == k.feature_dim, where, ": the vision tower's soft tokens are ",
+             tower->config().hidden_size, " wide, the model's vision projection takes ", k.feature_dim);
+    proc.patch_size = tower->config().patch_size;
+    proc.pooling_kernel_size = tower->config().pooling_kernel_size;
+  }
   const model::MultimodalTokens& tok = im.tokens;
   const int64_t placeholders = std::count(d.ids.begin(), d.ids.end(), tok.image);
   RF_CHECK(placeholders == static_cast<int64_t>(images.size()), where, ": has ", images.size(), " images and ",
            placeholders, " image placeholder tokens (id ", tok.image, ", the config's image_token_id): one each");
-  model::ImageProcessorConfig proc;
-  proc.patch_size = tower->config().patch_size;
-  proc.pooling_kernel_size = tower->config().pooling_kernel_size;
   proc.max_soft_tokens = c.data.image_soft_tokens;
   const std::filesystem::path folder = std::filesystem::path(c.data.path).parent_path();
   Document out;
@@ -490,19 +495,23 @@ void expand_images(Document& d, const json& images, const std::string& where, co
              "]` must be a file name");
     const std::filesystem::path given(name.get<std::string>());
     const std::string path = (given.is_absolute() ? given : folder / given).string();
-    const int64_t F = k.feature_dim, row = static_cast<int64_t>(out.features.size()) / F;
+    const int64_t F = k.feature_dim, row = F > 0 ? static_cast<int64_t>(out.features.size()) / F : 0;
     int64_t count = 0;
     try {
       const model::ProcessedImage p = model::preprocess_image(io::read_image(path), proc, path);
+      count = p.soft_tokens;  // whole pooling cells: the processor's sides are multiples of k * patch_size
       model::VisionBatch b;
       b.n = 1;
       b.P = static_cast<int64_t>(p.positions.size()) / 2;
       b.pixels = p.pixels.data();
       b.positions = p.positions.data();
-      tower->check(b, path);
-      count = p.soft_tokens;  // whole pooling cells: the processor's sides are multiples of k * patch_size
-      out.features.resize(static_cast<size_t>((row + count) * F), 0.f);
-      if (im.train_vision) {  // encoded by the trainer, every step
+      if (tower != nullptr) {
+        tower->check(b, path);
+        out.features.resize(static_cast<size_t>((row + count) * F), 0.f);
+      }
+      if (tower == nullptr) {
+        // processor_only: the slots, no features
+      } else if (im.train_vision) {  // encoded by the trainer, every step
         ImagePatches one;
         one.n = 1;
         one.P = b.P;
@@ -633,9 +642,9 @@ std::vector<int32_t> encode_with_placeholders(const text::Tokenizer& tok, const 
   return out;
 }
 
-// The tokenizer jsonl_text reads: data.tokenizer (tokenizer.json or a SentencePiece tokenizer.model), else model.path's
-// tokenizer.json, else its tokenizer.model (text/tokenizer.h). model.path's files are not checked with the config's
-// files: a FIFO there would block the read forever, so it is refused here by kind.
+// The tokenizer jsonl_text and jsonl_chat read: data.tokenizer (tokenizer.json or a SentencePiece tokenizer.model),
+// else model.path's tokenizer.json, else its tokenizer.model (text/tokenizer.h). model.path's files are not checked
+// with the config's files: a FIFO there would block the read forever, so it is refused here by kind.
 std::filesystem::path text_tokenizer_file(const TrainConfig& c, const DataContract& k) {
   std::filesystem::path file = c.data.tokenizer;
   std::error_code ec;
@@ -645,7 +654,7 @@ std::filesystem::path text_tokenizer_file(const TrainConfig& c, const DataContra
   }
   const bool json_file = file.extension() == ".json";
   RF_CHECK(std::filesystem::is_regular_file(file, ec), file.string(), ": not a regular file (the ",
-           json_file ? "tokenizer.json" : "SentencePiece model", " data.source = jsonl_text reads)");
+           json_file ? "tokenizer.json" : "SentencePiece model", " data.source = ", name_of(c.data.source), " reads)");
   return file;
 }
 
@@ -692,6 +701,90 @@ std::vector<Document> read_text_file(const TrainConfig& c, const DataContract& k
     docs.push_back(std::move(d));
   });
   split = images_seen > 0 && im.ranks > 1 && !im.train_vision;
+  return docs;
+}
+
+// A rendered conversation as a document: targets where the sample trains, its images expanded to their slots.
+Document chat_document(const text::ChatSample& sample, const std::string& where, const TrainConfig& c,
+                       const DataContract& k, const ImageContract& im, int64_t& images_seen) {
+  Document d;
+  d.ids = sample.ids;
+  d.labels.resize(d.ids.size());
+  for (size_t t = 0; t < d.ids.size(); ++t) d.labels[t] = sample.trained[t] ? d.ids[t] : kIgnore;
+  d.mm.assign(d.ids.size(), 0);
+  if (!sample.images.empty()) expand_images(d, json(sample.images), where, c, k, im, images_seen);
+  return d;
+}
+
+// data.source = jsonl_chat (docs/text.md): each line a conversation, rendered through the chat template and
+// tokenized (text/conversation.h); longer than a row: data.chat.overlength; nothing to train on: skipped. Both
+// counted in `report`.
+std::vector<Document> read_chat_file(const TrainConfig& c, const DataContract& k, const ImageContract& im, int& F,
+                                     bool& split, ChatReport& report, int show) {
+  const std::filesystem::path tokenizer_at = text_tokenizer_file(c, k);
+  const std::unique_ptr<text::Tokenizer> tok = text::load_tokenizer(tokenizer_at);
+  RF_CHECK(tok->vocab_size() <= k.vocab_size, tokenizer_at.string(), ": the tokenizer has ", tok->vocab_size(),
+           " tokens, more than the model's vocabulary of ", k.vocab_size);
+  text::ChatOptions options;
+  options.train_on = c.data.chat_train_on;
+  options.thought_prefix = c.data.chat_thought_prefix;
+  options.enable_thinking = c.data.chat_enable_thinking;
+  // The special tokens the template writes (bos_token, ...) from the tokenizer_config.json beside the tokenizer.
+  const text::ChatRenderer renderer(text::load_chat_template(k.model_path, c.data.chat_template,
+                                                             tokenizer_at.parent_path() / "tokenizer_config.json"),
+                                    *tok, options);
+  const std::filesystem::path folder = std::filesystem::path(c.data.path).parent_path();
+  const int S = c.train.seq_len;
+  std::vector<Document> docs;
+  int64_t images_seen = 0;  // the file's images so far, in file order (image i is encoded by rank i % ranks)
+  for_each_line<nlohmann::ordered_json>(c.data.path, [&](const nlohmann::ordered_json& j, const std::string& where) {
+    ++report.conversations;
+    text::check_conversation(j, where, folder);
+    text::ChatSample sample = renderer.render(j, where);
+    Document d = chat_document(sample, where, c, k, im, images_seen);
+    if (static_cast<int>(d.ids.size()) > S) {
+      RF_CHECK(c.data.chat_overlength != Overlength::Error, where, ": the conversation has ", d.ids.size(),
+               " tokens, longer than a row (train.seq_len = ", S, "; data.chat.overlength = drop or truncate)");
+      bool fits = false;
+      if (c.data.chat_overlength == Overlength::Truncate) {
+        // The longest prefix of whole turns that fits and ends on a model turn's `<turn|>`, so the model still
+        // learns to stop (a cut inside a turn would teach it never to).
+        const std::vector<size_t> ends = text::ChatRenderer::turn_ends(j);
+        for (auto e = ends.rbegin(); e != ends.rend() && !fits; ++e) {
+          if (*e == j["messages"].size()) continue;
+          sample = renderer.render_prefix(j, *e, where);
+          d = chat_document(sample, where, c, k, im, images_seen);
+          fits = static_cast<int>(d.ids.size()) <= S && sample.trained_tokens() > 0;
+        }
+      }
+      if (!fits) {
+        ++report.dropped;
+        return;
+      }
+      ++report.truncated;
+    }
+    if (sample.trained_tokens() == 0) {
+      ++report.skipped;
+      return;
+    }
+    check_document(d, where, c, k);
+    report.tokens += static_cast<int64_t>(d.ids.size());
+    report.trained_tokens += count_label_tokens(d.labels);
+    if (!sample.images.empty() && !im.processor_only) F = k.feature_dim;
+    if (static_cast<int>(report.shown.size()) < show) {
+      ChatReport::Shown s{where, std::move(sample), {}};
+      for (size_t t = 0; t < d.mm.size(); ++t) {  // each run of slots is one image
+        if (d.mm[t] != 1) continue;
+        if (t == 0 || d.mm[t - 1] != 1) s.image_slots.push_back(0);
+        ++s.image_slots.back();
+      }
+      report.shown.push_back(std::move(s));
+    }
+    docs.push_back(std::move(d));
+  });
+  RF_CHECK(!docs.empty(), c.data.path, ": no conversation is left to train on (", report.dropped,
+           " longer than train.seq_len = ", S, ", ", report.skipped, " with nothing to train on)");
+  split = images_seen > 0 && im.ranks > 1 && !im.train_vision && !im.processor_only;
   return docs;
 }
 
@@ -770,14 +863,27 @@ PackedBatch stack_rows(const std::vector<Row>& rows, int feature_dim) {
   return b;
 }
 
-std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& k, const ImageContract& im) {
+std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& k, const ImageContract& im,
+                                             ChatReport* report, int show) {
   if (c.data.source == SourceKind::Mock) return std::make_unique<MockSource>(c, k, im);
   int F = 0;
   bool split = false;
-  const std::vector<Document> docs = c.data.source == SourceKind::JsonlTokens ? read_token_file(c, k, im, F, split)
-                                                                              : read_text_file(c, k, im, F, split);
-  return std::make_unique<PackedSource>(pack(docs, c.train.seq_len, k.pad_token_id), c.data.val_rows, c.train.seed, F,
-                                        c.data.path, split);
+  ChatReport chat;
+  std::vector<Document> docs;
+  if (c.data.source == SourceKind::JsonlTokens)
+    docs = read_token_file(c, k, im, F, split);
+  else if (c.data.source == SourceKind::JsonlText)
+    docs = read_text_file(c, k, im, F, split);
+  else
+    docs = read_chat_file(c, k, im, F, split, chat, show);
+  std::vector<Row> rows = pack(docs, c.train.seq_len, k.pad_token_id);
+  if (report != nullptr) {
+    *report = std::move(chat);
+    report->rows = static_cast<int64_t>(rows.size());
+    report->row_tokens = report->rows * c.train.seq_len;
+    for (const Row& r : rows) report->padding += c.train.seq_len - count_real_tokens(r.doc);
+  }
+  return std::make_unique<PackedSource>(std::move(rows), c.data.val_rows, c.train.seed, F, c.data.path, split);
 }
 
 }  // namespace rf::trainer

@@ -14,13 +14,16 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "model/gemma4.h"
+#include "model/image_processor.h"
 #include "model/vision.h"
 #include "model/vision_encoder.h"
+#include "text/conversation.h"
 #include "trainer/config.h"
 
 namespace rf::trainer {
@@ -108,13 +111,33 @@ struct ImageContract {
   // encodes the micro-batch's images with the tower of that step. Precomputed features (`image_spans`) cannot train a
   // tower and are refused.
   bool train_vision = false;
+  // `ringflex data`: images are read, checked and laid out (their slot counts, from the processor) without a tower
+  // or features: with processor_only set, `vision` is not called and rows carry no image features.
+  std::optional<model::ImageProcessorConfig> processor_only;
+};
+
+// What data.source = jsonl_chat made of its file (`ringflex data` prints it; docs/text.md): conversations read,
+// dropped as longer than a row (data.chat.overlength = drop), shortened by whole turns (truncate), skipped with
+// nothing to train on; the tokens and trained tokens of the documents kept; the packed rows and their padding.
+struct ChatReport {
+  int64_t conversations = 0, dropped = 0, truncated = 0, skipped = 0;
+  int64_t tokens = 0, trained_tokens = 0;         // of the kept documents, image slots included
+  int64_t rows = 0, row_tokens = 0, padding = 0;  // every packed row (validation rows included): rows x S, doc 0
+  struct Shown {
+    std::string where;                 // "FILE:LINE"
+    text::ChatSample sample;           // as rendered, before the images' soft tokens
+    std::vector<int64_t> image_slots;  // soft tokens of each image
+  };
+  std::vector<Shown> shown;  // the first `show` conversations kept
 };
 
 // Builds the configured source; reads and checks the whole file (ids against the vocabulary, sample lengths
 // against train.seq_len, image spans against the features file, image files and their placeholders) and throws
 // rf::Error naming file and line (and the image file).
+// With `report` (jsonl_chat only), fills it and keeps the first `show` rendered conversations.
 std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataContract& contract,
-                                             const ImageContract& images = {});
+                                             const ImageContract& images = {}, ChatReport* report = nullptr,
+                                             int show = 0);
 
 // The mock VLM data's fixed shape, exposed for tests and docs.
 namespace mock {

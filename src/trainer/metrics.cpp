@@ -34,6 +34,7 @@ std::string metrics_json_line(const StepMetrics& m) {
   if (m.ep_rows_sent) j["ep_rows_sent"] = *m.ep_rows_sent;
   if (m.ep_rows_received) j["ep_rows_received"] = *m.ep_rows_received;
   if (m.tower_share) j["tower_share"] = *m.tower_share;
+  j["data_share"] = m.data_share;
   if (m.shard_comm_wait_s) j["shard_comm_wait_s"] = *m.shard_comm_wait_s;
   if (m.ep_experts_held) j["ep_experts_held"] = *m.ep_experts_held;
   if (m.ep_bytes_per_layer) j["ep_bytes_per_layer"] = *m.ep_bytes_per_layer;

@@ -40,12 +40,16 @@ struct StepMetrics {
   // images' forward and backward and the CP group's sums of soft tokens and their gradients) over the step's wall
   // time (validation excluded).
   std::optional<double> tower_share;
+  // The data's share of the step: the most of any rank of its seconds fetching and stacking the step's rows (all a
+  // source does during training: files are read, rendered, tokenized and packed before step 1) over the step's wall
+  // time.
+  double data_share = 0.0;
 };
 
 // One JSON object per line: step, loss, lr, grad_norm, tokens, tokens_per_s, peak_rss_bytes [, val_loss] [,
 // comm_wait_s]
 // [, ep_rows_sent, ep_rows_received, ep_experts_held, ep_bytes_per_layer, ep_exposed_s] [, shard_comm_wait_s]
-// [, tower_share].
+// [, tower_share], data_share.
 std::string metrics_json_line(const StepMetrics& m);
 
 // The --metrics JSONL file (rank 0's): each line is written whole or the write fails. Opening keeps the whole lines

@@ -59,7 +59,8 @@ bool is_last(const Run& r, int64_t step) { return step == r.cfg.train.steps; }
 // the step's non-padding tokens over its wall time, validation excluded; comm_wait_s: the seconds this rank blocked on
 // communication in the step (comm::blocked_seconds).
 StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double norm, const TokenCounts& tokens,
-                        double step_seconds, double comm_wait_s, const ExpertTraffic& ep_moved, TrainResult& result) {
+                        double step_seconds, double comm_wait_s, double data_seconds, const ExpertTraffic& ep_moved,
+                        TrainResult& result) {
   // The step's waits on the sharded store's collectives, taken before validation runs (whose are dropped).
   const double comm_wait = r.sharded ? r.sharded->take_exposed_seconds() : 0.0;
   StepMetrics sm;
@@ -74,6 +75,8 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
     r.world.allreduce(&most, 1, comm::ReduceOp::Max, r.timeout);
     sm.comm_wait_s = most;
   }
+  sm.data_share = data_seconds / step_seconds;
+  r.world.allreduce(&sm.data_share, 1, comm::ReduceOp::Max, r.timeout);
   if (r.tower) {  // before validation, whose forward runs the tower too
     double share = r.tower_seconds / step_seconds;
     r.world.allreduce(&share, 1, comm::ReduceOp::Max, r.timeout);
@@ -343,7 +346,12 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     const auto step_start = Clock::now();
     const double blocked_at_start = comm::blocked_seconds();
     std::vector<PackedBatch> batches;
-    comm::agree(world, [&] { batches = replica_micro_batches(r); });
+    double data_seconds = 0.0;
+    comm::agree(world, [&] {
+      const auto data_start = Clock::now();
+      batches = replica_micro_batches(r);
+      data_seconds = seconds_since(data_start);
+    });
     const TokenCounts tokens = count_tokens(r, batches);
     const ExpertTraffic ep_before = r.context.model->experts().traffic();
     const double loss = forward_backward(r, batches, tokens.labels);
@@ -358,7 +366,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
 
     const StepMetrics sm =
         record_step(r, step, loss, lr, norm, tokens, seconds_since(step_start),
-                    comm::blocked_seconds() - blocked_at_start,
+                    comm::blocked_seconds() - blocked_at_start, data_seconds,
                     {ep_after.rows_sent - ep_before.rows_sent, ep_after.rows_received - ep_before.rows_received,
                      ep_after.bytes_sent - ep_before.bytes_sent, ep_after.seconds - ep_before.seconds},
                     result);

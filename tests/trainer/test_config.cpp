@@ -90,7 +90,16 @@ TEST(TrainConfig, UnknownFieldsAndWrongTypesNameTheField) {
 // choices (parallelism.shard = full is read; validate refuses it until it exists).
 TEST(TrainConfig, ChoicesFailWhenReadNamingTheFieldAndTheChoices) {
   EXPECT_EQ(error_of([] { parse_config("data: {source: csv}", "a.yaml"); }),
-            "config: data.source = 'csv' is not one of mock, jsonl_tokens, jsonl_text");
+            "config: data.source = 'csv' is not one of mock, jsonl_tokens, jsonl_text, jsonl_chat");
+  // data.chat is a nested group, as model.lora: its fields read nested or dotted, its choices checked alike.
+  const TrainConfig chat = parse_config("data: {chat: {train_on: last_assistant, overlength: truncate}}", "a.yaml");
+  EXPECT_EQ(chat.data.chat_train_on, text::TrainOn::LastAssistant);
+  EXPECT_EQ(chat.data.chat_overlength, Overlength::Truncate);
+  EXPECT_TRUE(chat.data.chat_thought_prefix);
+  EXPECT_EQ(error_of([] { parse_config("", "a.yaml", {"data.chat.train_on=user"}); }),
+            "config: data.chat.train_on = 'user' is not one of assistant, last_assistant, all");
+  EXPECT_EQ(error_of([] { parse_config("data: {chat: {trainon: all}}", "a.yaml"); }),
+            "a.yaml: unknown field `data.chat.trainon`");
   EXPECT_EQ(error_of([] { parse_config("", "a.yaml", {"parallelism.sharding=Zigzag"}); }),
             "config: parallelism.sharding = 'Zigzag' is not one of contiguous, zigzag, balanced");
   EXPECT_EQ(error_of([] { parse_config("", "a.yaml", {"model.compute_dtype=bf16"}); }),
