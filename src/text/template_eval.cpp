@@ -269,6 +269,7 @@ class Evaluator {
         for (const auto& node : prog_.macros)
           if (node->stmt == &s) ref->node = node.get();
         ref->scope = scope;
+        if (defining_scopes_.empty() || defining_scopes_.back() != scope) defining_scopes_.push_back(scope);
         m.macro = std::move(ref);
         scope->set(s.text, std::move(m));
         return Flow::Normal;
@@ -497,7 +498,8 @@ class Evaluator {
     if (depth_ >= limits_.max_call_depth)
       fail("macro calls nest deeper than " + std::to_string(limits_.max_call_depth) + " (RenderLimits)");
     auto frame = std::make_shared<Scope>();
-    frame->parent = ref.scope;
+    frame->parent = ref.scope.lock();
+    RF_ASSERT(frame->parent);
     std::vector<bool> given(m.params.size(), false);
     for (size_t k = 0; k < args.pos.size(); ++k) {
       frame->set(m.params[k], args.pos[k]);
@@ -531,6 +533,7 @@ class Evaluator {
 
   const Program& prog_;
   const RenderLimits& limits_;
+  std::vector<ScopePtr> defining_scopes_;  // the scopes macros were defined in (MacroRef holds them weakly)
   std::string* top_ = nullptr;
   std::vector<GenerationSpan>* spans_ = nullptr;
   int depth_ = 0;

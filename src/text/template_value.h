@@ -28,10 +28,11 @@ struct Mapping {
   const Value* find(const Value& key) const;
   void set(Value key, Value value);
 };
-// A macro bound to the scope it was defined in (jinja2's macros are closures over the template's frame).
+// A macro bound to the scope it was defined in (jinja2's macros are closures over the template's frame). Weak: that
+// scope holds the macro, and the evaluator keeps every defining scope alive until the render ends.
 struct MacroRef {
   const MacroNode* node = nullptr;
-  std::shared_ptr<Scope> scope;
+  std::weak_ptr<Scope> scope;
 };
 
 enum class Kind {

@@ -43,8 +43,9 @@ except ImportError as e:
 GEMMA4 = ["gemma4", "gemma4_v2", "gemma4_v3", "gemma4_v4", "gemma4_v5"]
 # Other models' templates from the same wheel that must match too (their own conventions for tools and reasoning
 # reach more of the engine: tojson of schemas, string methods, loop.previtem, raise_exception paths): those on
-# which at most a quarter of these random conversations end in the template's own error. The rest of the wheel
-# (`--all`) also renders identically, but mostly refuses these conversations (no tools, no parts content, ...).
+# which at most a quarter of these random conversations end in the template's own error (the test allows a third).
+# The rest of the wheel (`--all`) also renders identically, but mostly refuses these conversations (no tools, no
+# parts content, ...).
 EXTRA_TEMPLATES = ["diffusion_gemma", "diffusion_gemma_training", "glm4moe", "glm4moe_training", "lfm2_2_5",
                    "lfm2_2_5_v2", "lfm2_2_5_vl", "lfm2_v2", "lfm2_v2_training", "llama3", "llama3_1", "llama3_2",
                    "llama3_training", "muse_glimmer", "muse_glimmer_training", "nemotron_3_5_lightning",
@@ -274,7 +275,7 @@ def main():
         for p in problems[:3]:
             print("  " + p)
         # Most cases must render: a template that fails on nearly every conversation would pass vacuously.
-        if name in required and (problems or both_failed > total // 4):
+        if name in required and (problems or both_failed > total // 3):
             failed = True
     if failed:
         print("FAILED: a required template renders differently from jinja2", file=sys.stderr)
