@@ -96,5 +96,6 @@ rm -f "$results"
 status=0
 RINGFLEX_STRICT_SKIPS=1 ctest --test-dir build --output-on-failure --no-tests=error -j "$jobs" \
   --output-junit "$PWD/$results" || status=$?
+python3 scripts/slowest_tests.py "$results" 20 || status=1
 python3 scripts/check_skips.py "$results" || status=1
 exit "$status"

@@ -13,6 +13,7 @@
 #include <functional>
 #include <iterator>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -2153,6 +2154,158 @@ TEST(ParamDtype, Bf16ShardedMastersResumeAcrossModesAndRankCounts) {
   }
   fs::remove_all(dir);
 }
+
+// The "same bits as shard none" grids, in process on loopback ranks: every shard mode against shard none at the same
+// grid, 3 steps of a global batch of 12 rows (tests/trainer/same_bits_shard_mpirun.sh runs the same checks on one
+// grid under a real mpirun, once per mode). shard optimizer gives none's bits: every loss, gradient norm and
+// validation loss, the checkpoint's weights byte for byte and its AdamW moments value for value. shard full gives
+// shard gradients' bits (the same sums added in the same order). With one micro-batch a replica (kBits) gradients
+// gives none's bits too; with gradient accumulation (kRounding) it reduces each micro-batch where none reduces their
+// sum, so it is held to rounding: every weight of the final checkpoint within 9e-5 (1% of the 3 steps' lr 0.003:
+// AdamW normalises an element's update to about lr, and an element whose micro-batches nearly cancel may move by a
+// fraction of it; ShardGradients.* above says more), and losses, norms and validation losses within 1e-4 relative:
+// from step 2 on they are computed on weights that already differ by up to that 9e-5, and the mock rows' step-3
+// gradient norm was measured 2.3e-5 apart (a broken reduction or gather moves them by whole percents).
+struct ShardGridCase {
+  std::string name;
+  bool bits;  // one micro-batch a replica: shard gradients gives none's bits (else: rounding)
+  std::vector<std::string> sets;
+};
+
+// The case's name, for the test's name and its failure messages (gtest otherwise prints the struct's bytes).
+void PrintTo(const ShardGridCase& c, std::ostream* os) { *os << c.name; }
+
+class ShardGrid : public ::testing::TestWithParam<ShardGridCase> {};
+
+TEST_P(ShardGrid, EveryModeTrainsAsShardNone) {
+  constexpr double kLossRel = 1e-4, kWeightAbs = 9e-5;  // the rounding bounds above
+  const ShardGridCase& c = GetParam();
+  const fs::path dir = scratch("shard_grid_" + c.name);
+  std::map<std::string, Trained> runs;
+  for (const std::string mode : {"none", "optimizer", "gradients", "full"}) {
+    std::vector<std::string> sets = {"train.seq_len=64",   "train.steps=3",           "train.global_batch=12",
+                                     "data.val_rows=2",    "train.threads=1",         "train.val_every=2",
+                                     "optimizer.lr=0.003", "schedule.warmup_steps=1", "optimizer.grad_clip=0.5"};
+    sets.insert(sets.end(), c.sets.begin(), c.sets.end());
+    sets.insert(sets.end(), {"parallelism.shard=" + mode, "checkpoint.dir=" + (dir / mode).string()});
+    runs[mode] = run(parse_config("", "test", sets));
+    ASSERT_EQ(runs[mode].steps.size(), 3u) << mode;
+  }
+  const fs::path none = runs["none"].last_checkpoint, optimizer = runs["optimizer"].last_checkpoint;
+  const fs::path gradients = runs["gradients"].last_checkpoint, full = runs["full"].last_checkpoint;
+  const auto same_steps = [&](const std::string& a, const std::string& b) {
+    for (size_t s = 0; s < 3; ++s) {
+      EXPECT_EQ(runs[b].steps[s].loss, runs[a].steps[s].loss) << b << " against " << a << ", step " << s + 1;
+      EXPECT_EQ(runs[b].steps[s].grad_norm, runs[a].steps[s].grad_norm) << b << " against " << a << ", step " << s + 1;
+      EXPECT_EQ(runs[b].steps[s].val_loss, runs[a].steps[s].val_loss) << b << " against " << a << ", step " << s + 1;
+    }
+  };
+  // The moments of two checkpoints, equal value for value: none's optimizer.safetensors (per parameter) against a
+  // sharded run's optimizer.json and one file a rank, or byte for byte against a sharded run's optimizer.safetensors
+  // (experts held apart, parallelism.ep > 1: the writer gathers the moments whole).
+  const auto same_moments = [&](const std::string& sharded) {
+    const fs::path ck = runs[sharded].last_checkpoint;
+    if (!fs::exists(ck / "optimizer.json")) {
+      EXPECT_EQ(file_bytes(ck / "optimizer.safetensors"), file_bytes(none / "optimizer.safetensors")) << sharded;
+    } else {
+      EXPECT_EQ(moments_of(ck, runs[sharded].model->params()), moments_of(none, runs["none"].model->params()))
+          << sharded;
+    }
+  };
+  same_steps("none", "optimizer");
+  EXPECT_EQ(file_bytes(optimizer / "model.safetensors"), file_bytes(none / "model.safetensors"));
+  same_moments("optimizer");
+  // shard full: shard gradients' losses, norms and checkpoint bytes, every file of them.
+  for (const auto& entry : fs::directory_iterator(gradients)) {
+    const std::string file = entry.path().filename().string();
+    if (file == "model.safetensors" || (file.starts_with("optimizer") && file.ends_with(".safetensors"))) {
+      EXPECT_EQ(file_bytes(full / file), file_bytes(entry.path())) << file;
+    }
+  }
+  same_steps("gradients", "full");
+  // The exposed communication: a wait time, reported by the sharded modes only.
+  for (size_t s = 0; s < 3; ++s) {
+    EXPECT_FALSE(runs["none"].steps[s].shard_comm_wait_s.has_value());
+    for (const std::string mode : {"gradients", "full"}) {
+      ASSERT_TRUE(runs[mode].steps[s].shard_comm_wait_s.has_value()) << mode;
+      EXPECT_GE(*runs[mode].steps[s].shard_comm_wait_s, 0.0) << mode;
+    }
+  }
+  if (c.bits) {
+    EXPECT_EQ(file_bytes(gradients / "model.safetensors"), file_bytes(none / "model.safetensors"));
+    same_moments("gradients");
+    same_steps("none", "gradients");
+  } else {
+    for (size_t s = 0; s < 3; ++s) {
+      const StepMetrics &a = runs["none"].steps[s], &b = runs["gradients"].steps[s];
+      EXPECT_NEAR(b.loss, a.loss, kLossRel * std::abs(a.loss)) << "step " << s + 1;
+      EXPECT_NEAR(b.grad_norm, a.grad_norm, kLossRel * std::abs(a.grad_norm)) << "step " << s + 1;
+      ASSERT_EQ(b.val_loss.has_value(), a.val_loss.has_value()) << "step " << s + 1;
+      if (a.val_loss) {
+        EXPECT_NEAR(*b.val_loss, *a.val_loss, kLossRel * std::abs(*a.val_loss)) << "step " << s + 1;
+      }
+    }
+    const io::SafetensorsFile x = io::SafetensorsFile::open((none / "model.safetensors").string());
+    const io::SafetensorsFile y = io::SafetensorsFile::open((gradients / "model.safetensors").string());
+    ASSERT_EQ(x.tensors().size(), y.tensors().size());
+    double worst = 0.0;
+    for (size_t t = 0; t < x.tensors().size(); ++t) {
+      const io::TensorView &a = x.tensors()[t], &b = y.tensors()[t];
+      ASSERT_EQ(a.name, b.name);
+      if (a.dtype != io::StDType::F32) continue;
+      ASSERT_EQ(a.bytes.size(), b.bytes.size()) << a.name;
+      std::vector<float> u(a.bytes.size() / sizeof(float)), v(u.size());
+      std::memcpy(u.data(), a.bytes.data(), a.bytes.size());
+      std::memcpy(v.data(), b.bytes.data(), b.bytes.size());
+      for (size_t k = 0; k < u.size(); ++k) worst = std::max(worst, std::abs(static_cast<double>(u[k]) - v[k]));
+    }
+    EXPECT_LE(worst, kWeightAbs) << "weights of shard gradients against none";
+  }
+  fs::remove_all(dir);
+}
+
+// Dense over dp 3 (the trainable count does not divide by 3) and the MoE VLM over cp 2 x dp 2 with frozen parameters,
+// accumulating micro-batches; model.train_vision under every shard mode (the tower's parameters are a sharded store's
+// pieces, its gradients reduced into their owners' slices after the decoder's run) at N = 1, 2 (cp 2: the tower's
+// work split) and 3 (dp 3: replicas whose rows hold no image join the reduction with zeros), one micro-batch a
+// replica; with held experts (ep 2: the tower's parameters in the held experts' inner store) over cp 2 (one
+// replica) and dp 2 (one micro-batch a replica); and model.param_dtype = bfloat16 (bf16 working weights, float32
+// masters) with one micro-batch a replica, dense alone and over dp 3. Under mpirun instead: the MoE VLM over
+// cp 2 x dp 2 x ep 2, and in bfloat16 over cp 2.
+INSTANTIATE_TEST_SUITE_P(
+    SameBitsAsShardNone, ShardGrid,
+    ::testing::Values(ShardGridCase{"dense_dp3", false, {"model.builtin=tiny_dense", "parallelism.dp=3"}},
+                      ShardGridCase{"moe_cp2_dp2",
+                                    false,
+                                    {"model.builtin=tiny_moe_vlm", "parallelism.cp=2", "parallelism.dp=2",
+                                     "model.freeze=[embed_tokens, experts]"}},
+                      ShardGridCase{"vision_n1",
+                                    true,
+                                    {"model.builtin=tiny_dense", "model.train_vision=true", "train.global_batch=1"}},
+                      ShardGridCase{"vision_n2",
+                                    true,
+                                    {"model.builtin=tiny_dense", "model.train_vision=true", "parallelism.cp=2",
+                                     "train.global_batch=1"}},
+                      ShardGridCase{"vision_n3",
+                                    true,
+                                    {"model.builtin=tiny_dense", "model.train_vision=true", "parallelism.dp=3",
+                                     "train.global_batch=3"}},
+                      ShardGridCase{"vision_ep2_cp2",
+                                    true,
+                                    {"model.builtin=tiny_moe_vlm", "model.train_vision=true", "parallelism.cp=2",
+                                     "parallelism.ep=2", "train.global_batch=1"}},
+                      ShardGridCase{"vision_ep2_dp2",
+                                    true,
+                                    {"model.builtin=tiny_moe_vlm", "model.train_vision=true", "parallelism.dp=2",
+                                     "parallelism.ep=2", "train.global_batch=2"}},
+                      ShardGridCase{"param_bf16_dense_n1",
+                                    true,
+                                    {"model.builtin=tiny_dense", "train.global_batch=1", "model.param_dtype=bfloat16"}},
+                      ShardGridCase{"param_bf16_dense_dp3",
+                                    true,
+                                    {"model.builtin=tiny_dense", "parallelism.dp=3", "train.global_batch=3",
+                                     "model.param_dtype=bfloat16"}}),
+    [](const ::testing::TestParamInfo<ShardGridCase>& param) { return param.param.name; });
 
 }  // namespace
 }  // namespace rf::trainer
