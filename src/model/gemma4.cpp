@@ -230,6 +230,40 @@ void Gemma4Model::Run::layer_backward(int l, LayerActs& a, const float* x, const
 // The whole model.
 // ---------------------------------------------------------------------------------------------------------------
 
+namespace {
+
+// A layer's input and activations as the backward needs them (KeptLayer): all of them when it is not to recompute
+// them, else what the recompute does not redo.
+KeptLayer keep_for_backward(Vec&& x_in, LayerActs&& a, const RunOptions& opt) {
+  KeptLayer k{std::move(x_in), {}};
+  if (!opt.recompute_layers) {
+    k.acts = std::move(a);
+    return k;
+  }
+  k.acts.attn.O = std::move(a.attn.O);
+  k.acts.attn.lse = std::move(a.attn.lse);
+  if (opt.keep_o_proj_output) k.acts.attn.ao = std::move(a.attn.ao);
+  if (opt.keep_down_proj_output) k.acts.mlp.mo = std::move(a.mlp.mo);
+  if (opt.keep_mlp_projections) {
+    k.acts.mlp.g = std::move(a.mlp.g);
+    k.acts.mlp.u = std::move(a.mlp.u);
+  }
+  return k;
+}
+
+// The batch's label tokens. Every rank holds the whole batch's labels, so the global count is exact here, counted
+// once, with no message. Labels on padding (doc 0) are not counted: the embedding step ignores them.
+int64_t count_label_tokens(const Batch& batch) {
+  int64_t n = 0;
+  if (!batch.labels) return n;
+  const int64_t T_row = int64_t{batch.B} * batch.S;
+  for (int64_t t = 0; t < T_row; ++t)
+    n += batch.labels[t] != kIgnoreLabel && (!batch.doc || batch.doc[t] != kPaddingDoc);
+  return n;
+}
+
+}  // namespace
+
 DType attention_dtype(ComputeDtype t) {
   return t == ComputeDtype::Bfloat16 && cpu::bf16_units_pay(cpu::kernel_path()) ? DType::BF16 : DType::F32;
 }
@@ -264,19 +298,7 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
   r.kv_V.assign(L, {});
   r.kv_dK.assign(L, {});
   r.kv_dV.assign(L, {});
-  const bool keep_layers = opt.want_grad && !opt.recompute_layers;
-  const bool keep_mlp = opt.want_grad && opt.recompute_layers && opt.keep_mlp_projections;
-  if (opt.want_grad) {
-    r.x_in.assign(L, {});
-    r.saved_O.assign(L, {});
-    r.saved_lse.assign(L, {});
-    r.saved_ao.assign(L, {});
-    r.saved_mo.assign(L, {});
-    r.saved_g.assign(L, {});
-    r.saved_u.assign(L, {});
-  }
-  std::vector<LayerActs> kept_layers;  // [L] every layer's activations, when the backward is not to recompute them
-  if (keep_layers) kept_layers.resize(static_cast<size_t>(L));
+  std::vector<KeptLayer> kept(opt.want_grad ? static_cast<size_t>(L) : 0);  // [L], for the backward
 
   Vec x = copy_of(r.h0);
   Vec next = uninit(T * H);  // layer_forward writes all of it
@@ -285,19 +307,7 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
     store.before_forward(l);
     r.layer_forward(l, x.data(), next.data(), a, false);
     store.after_forward(l);
-    if (opt.want_grad) r.x_in[l] = std::move(x);
-    if (keep_layers) {
-      kept_layers[l] = std::move(a);
-    } else if (opt.want_grad) {
-      r.saved_O[l] = std::move(a.attn.O);
-      r.saved_lse[l] = std::move(a.attn.lse);
-      if (opt.keep_o_proj_output) r.saved_ao[l] = std::move(a.attn.ao);
-      if (opt.keep_down_proj_output) r.saved_mo[l] = std::move(a.mlp.mo);
-      if (keep_mlp) {
-        r.saved_g[l] = std::move(a.mlp.g);
-        r.saved_u[l] = std::move(a.mlp.u);
-      }
-    }
+    if (opt.want_grad) kept[l] = keep_for_backward(std::move(x), std::move(a), opt);
     x = std::move(next);
     next = uninit(T * H);
   }
@@ -312,14 +322,7 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
   Vec xf = uninit(T * H), r_final = uninit(T);
   rmsnorm_forward(x.data(), r.W(final_norm_), r.eps, xf.data(), r_final.data(), T, H);
   Result res;
-  // Every rank holds the whole batch's labels, so the global count is exact here, counted once, with no message.
-  // Labels on padding (doc 0) are not counted: the embedding step ignores them.
-  int64_t label_tokens = 0;
-  if (batch.labels) {
-    const int64_t T_row = int64_t{batch.B} * batch.S;
-    for (int64_t t = 0; t < T_row; ++t)
-      label_tokens += batch.labels[t] != kIgnoreLabel && (!batch.doc || batch.doc[t] != kPaddingDoc);
-  }
+  const int64_t label_tokens = count_label_tokens(batch);
   res.label_tokens = label_tokens;
   const double normalizer = opt.loss_normalizer > 0 ? opt.loss_normalizer : static_cast<double>(label_tokens);
   res.token_loss.assign(static_cast<size_t>(T), 0.f);
@@ -361,15 +364,8 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
     store.after_forward(kGlobalGroup);
     return res;
   }
-  int64_t kept = static_cast<int64_t>(r.h0.size() + r.ple.size() + r.ple_raw.size() + r.ple_rms.size());
-  int64_t kv_bytes = 0;
-  for (int l = 0; l < L; ++l) {
-    kept += static_cast<int64_t>(r.x_in[l].size() + r.saved_O[l].size() + r.saved_lse[l].size() + r.saved_ao[l].size() +
-                                 r.saved_mo[l].size() + r.saved_g[l].size() + r.saved_u[l].size());
-    kv_bytes += r.kv_K[l].bytes() + r.kv_V[l].bytes();
-  }
-  res.kept_activation_bytes = kept * static_cast<int64_t>(sizeof(float)) + kv_bytes;
-  for (const LayerActs& a : kept_layers) res.kept_activation_bytes += a.bytes();
+  res.kept_activation_bytes = bytes_of({&r.h0, &r.ple, &r.ple_raw, &r.ple_rms});
+  for (int l = 0; l < L; ++l) res.kept_activation_bytes += kept[l].bytes() + r.kv_K[l].bytes() + r.kv_V[l].bytes();
 
   // Backward, one layer at a time: recompute the layer's activations from its kept input (attention output and
   // LSE are kept, so attention itself is not recomputed, and so are the o_proj and down_proj outputs, so their
@@ -386,26 +382,18 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
   }
   Vec dprev = zeros(T * H);
   for (int l = L - 1; l >= 0; --l) {
-    LayerActs a;
     store.before_backward(l);
-    if (keep_layers) {
-      a = std::move(kept_layers[l]);
-    } else {
-      a.attn.O = std::move(r.saved_O[l]);
-      a.attn.lse = std::move(r.saved_lse[l]);
-      a.attn.ao = std::move(r.saved_ao[l]);
-      a.mlp.mo = std::move(r.saved_mo[l]);
-      a.mlp.g = std::move(r.saved_g[l]);
-      a.mlp.u = std::move(r.saved_u[l]);
+    LayerActs a = std::move(kept[l].acts);
+    if (opt.recompute_layers) {
       // The products handed back are counted among the kept activations already.
       const int64_t handed = bytes_of({&a.attn.ao, &a.mlp.mo, &a.mlp.g, &a.mlp.u});
-      r.layer_forward(l, r.x_in[l].data(), next.data(), a, true);
+      r.layer_forward(l, kept[l].x_in.data(), next.data(), a, true);
       res.layer_recompute_bytes = std::max(res.layer_recompute_bytes, a.bytes() - handed);
     }
-    r.layer_backward(l, a, r.x_in[l].data(), dx.data(), dprev.data());
+    r.layer_backward(l, a, kept[l].x_in.data(), dx.data(), dprev.data());
     store.after_backward(l);
     std::swap(dx, dprev);
-    r.x_in[l] = Vec{};
+    kept[l] = KeptLayer{};
   }
   r.embed_backward(dx.data());
   store.after_backward(kGlobalGroup);

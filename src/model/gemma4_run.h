@@ -117,6 +117,9 @@ struct MlpActs {
   int64_t bytes() const { return bytes_of({&m_in, &r_pf, &g, &u, &hmid, &mo}); }
 };
 
+class ExpertExchange;  // moe.cpp: one block's rows to and from the ranks running their experts
+struct ExpertsHere;    // moe.cpp: the experts one block runs on this rank
+
 struct MoeActs {
   Vec h1, r_pf1;                             // post_ff_norm_1 of the MLP's output: [T, H], [T]
   Vec rn, r_rn, rs, probs;                   // router: [T, H], [T], [T, H], [T, E]
@@ -153,6 +156,16 @@ struct LayerActs {
   Vec r_pff, x2;  // post_ff_norm of the feed-forward output: [T], residual [T, H]
   PleActs ple;
   int64_t bytes() const { return attn.bytes() + mlp.bytes() + moe.bytes() + bytes_of({&r_pff, &x2}) + ple.bytes(); }
+};
+
+// What the forward keeps of one layer for its backward (training): the layer's input, and either every activation
+// (RunOptions::recompute_layers off) or what the recompute does not redo: attention's output O and its LSE,
+// the o_proj and down_proj outputs [T, H] (keep_o_proj_output, keep_down_proj_output) and the MLP's gate and up
+// projections [T, I] (keep_mlp_projections), the rest of `acts` left empty.
+struct KeptLayer {
+  Vec x_in;  // [T, H]
+  LayerActs acts;
+  int64_t bytes() const { return bytes_of({&x_in}) + acts.bytes(); }
 };
 
 struct Gemma4Model::Run {
@@ -192,12 +205,8 @@ struct Gemma4Model::Run {
   Vec ple, ple_raw, ple_rms;           // [T, L*P] per-layer inputs; the projection half before its norm, [T*L]
   Vec dple;                            // [T, L*P]
   Vec d_image_features;                // [N, F]
-  std::vector<Vec> x_in;               // [L][T, H] layer inputs (training)
-  std::vector<Vec> saved_O, saved_lse;
-  std::vector<Vec> saved_ao, saved_mo;  // [L][T, H] o_proj and down_proj outputs (recompute on)
-  std::vector<Vec> saved_g, saved_u;    // [L][T, I] MLP projections (RunOptions::keep_mlp_projections)
-  std::vector<AttnTensor> kv_K, kv_V;   // [L] K/V of layers others read, in the attention's storage
-  std::vector<Vec> kv_dK, kv_dV;        // [L] their gradients, float32
+  std::vector<AttnTensor> kv_K, kv_V;  // [L] K/V of layers others read, in the attention's storage
+  std::vector<Vec> kv_dK, kv_dV;       // [L] their gradients, float32
 
   Run(const Gemma4Model& model, const Batch& batch, const RunOptions& options, ParamStore& s, AttentionBackend& a)
       : m(model),
@@ -287,6 +296,20 @@ struct Gemma4Model::Run {
   void moe_forward(int l, const float* x1, const float* mo, MoeActs& a);
   // dff: d loss / d ff; writes dmo, accumulates dx1.
   void moe_backward(int l, MoeActs& a, const float* x1, const float* mo, const float* dff, float* dmo, float* dx1);
+  // The MoE block's phases (moe.cpp). Forward: the router's choice of each token's experts and where their rows go
+  // (a.routing); the experts on the rows the dispatch brings this rank, their outputs sent back (a.eo_sent); each
+  // token's weighted sum of its experts' outputs (a.ff). Backward: d loss / d each row's weight (dw [T, K]) and
+  // output (returned: [sent rows, H]); the experts' input gradients (returned: [sent rows, H], on their way back
+  // through `exchange` until its finish_combine) and weight gradients; the router's (returned: d loss / d its scaled
+  // input [T, H]); both norms of x1 into dx1.
+  void moe_route(int l, const float* x1, MoeActs& a);
+  void moe_experts_forward(int l, MoeActs& a);
+  void moe_sum_forward(int l, MoeActs& a);
+  Vec moe_output_grads(MoeActs& a, const float* dout2, float* dw);
+  Vec moe_experts_backward(int l, MoeActs& a, Vec dy_sent, ExpertExchange& exchange);
+  void moe_expert_weight_grads(int l, MoeActs& a, const ExpertsHere& ex, ExpertExchange& exchange);
+  Vec moe_router_backward(int l, const MoeActs& a, const float* dw);
+  void moe_input_backward(int l, const MoeActs& a, const float* x1, const float* dx_sent, const float* drs, float* dx1);
   // embedding.cpp: x2 -> x3 = x2 + post_per_layer_input_norm(proj(gelu(gate(x2)) * per-layer input l)).
   void ple_forward(int l, const float* x2, PleActs& a, float* x3);
   // dx3: d loss / d x3; accumulates dx2 (which must already hold dx3's residual part) and dple.

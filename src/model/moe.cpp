@@ -169,13 +169,100 @@ bool worth_threads(int64_t multiply_adds) { return multiply_adds >= kParallelMin
 
 }  // namespace
 
+// The exchange of one MoE block's rows with the ranks running their experts, chosen once (core/expert_parallel.h):
+// with every expert here (EP = 1) the received layout is the sent one, so the rows stay in their buffer (moved, never
+// copied) and nothing travels; otherwise the parallel context's dispatch and combine.
+class ExpertExchange {
+ public:
+  ExpertExchange(ExpertParallel& ep, const ExpertRouting& routing) : ep_(ep), routing_(routing) {}
+  // Starts `sent` [sent rows, width] on its way into `received` [received rows, width]; returns this rank's own rows
+  // (the block of its experts' rows it routed itself), readable until finish_dispatch while the others travel.
+  const float* start_dispatch(Vec&& sent, Vec& received, int64_t width) {
+    if (local()) {
+      received = std::move(sent);
+      return received.data();
+    }
+    if (static_cast<int64_t>(received.size()) != routing_.received_rows() * width)
+      received = uninit(routing_.received_rows() * width);
+    in_flight_ = std::move(sent);
+    ep_.start_dispatch(routing_, in_flight_.data(), received.data(), width);
+    return in_flight_.data();
+  }
+  void progress_dispatch() { ep_.progress_dispatch(); }
+  void finish_dispatch() {
+    if (!local()) ep_.finish_dispatch();
+    in_flight_ = Vec{};
+  }
+  // The rows' results `received` [received rows, width] back to their tokens' ranks, into `sent` [sent rows, width],
+  // before returning; `received` keeps its values (EP > 1) or is moved into `sent` (EP = 1).
+  void combine(Vec& received, Vec& sent, int64_t width) {
+    if (local()) {
+      sent = std::move(received);
+      return;
+    }
+    sent = uninit(routing_.sent_rows() * width);
+    ep_.combine(routing_, received.data(), sent.data(), width);
+  }
+  // The same started, travelling until finish_combine while work that reads neither buffer runs.
+  void start_combine(Vec&& received, Vec& sent, int64_t width) {
+    if (local()) {
+      sent = std::move(received);
+      return;
+    }
+    in_flight_ = std::move(received);
+    sent = uninit(routing_.sent_rows() * width);
+    ep_.start_combine(routing_, in_flight_.data(), sent.data(), width);
+  }
+  void progress_combine() { ep_.progress_combine(); }
+  void finish_combine() {
+    if (!local()) ep_.finish_combine();
+    in_flight_ = Vec{};
+  }
+
+ private:
+  bool local() const { return routing_.ranks == 1; }
+  ExpertParallel& ep_;
+  const ExpertRouting& routing_;
+  Vec in_flight_;  // what a started dispatch or combine reads, until it finishes
+};
+
+// The experts one MoE block runs on this rank: which the dispatch brings here, where the store holds them, their LoRA
+// adapters, and the received rows cut into tasks, the rows this rank routed itself apart.
+struct ExpertsHere {
+  int64_t here = 0;          // experts on this rank
+  int64_t first_expert = 0;  // the first of them (g: an expert's global index, its adapter's)
+  int64_t first = 0;         // its index in the store's expert tensors (e)
+  ExpertLora gate_up, down;
+  std::vector<ExpertTask> tasks;
+  OwnSplit split;
+  int64_t routed_madds = 0;  // gate/up and down sgemms over every received row
+
+  ExpertsHere(ParamStore& store, const LayerSlots& sl, const ExpertRouting& routing, int64_t Im, int64_t H)
+      : here(routing.experts_here()),
+        first_expert(routing.first_expert()),
+        first(held_index_of(store, sl, first_expert, here)),
+        gate_up(expert_lora(store, sl.experts_gate_up, first_expert, here)),
+        down(expert_lora(store, sl.experts_down, first_expert, here)),
+        tasks(expert_tasks(routing.received, Im * H)),
+        split(split_own(tasks, routing)),
+        routed_madds(routing.received_rows() * 3 * Im * H) {}
+  int64_t store_index(const ExpertTask& tk) const { return first + tk.block % here; }
+  int64_t expert(const ExpertTask& tk) const { return first_expert + tk.block % here; }
+};
+
 void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeActs& a) {
   const LayerSlots& sl = m.slots_[l];
-  const int64_t E = cfg.num_experts, K = cfg.top_k_experts, Im = cfg.moe_intermediate_size;
   a.h1 = uninit(T * H);
   a.r_pf1 = uninit(T);
   rmsnorm_forward(mo, W(sl.post_ff_norm_1), eps, a.h1.data(), a.r_pf1.data(), T, H);
+  moe_route(l, x1, a);
+  moe_experts_forward(l, a);
+  moe_sum_forward(l, a);
+}
 
+void Gemma4Model::Run::moe_route(int l, const float* x1, MoeActs& a) {
+  const LayerSlots& sl = m.slots_[l];
+  const int64_t E = cfg.num_experts, K = cfg.top_k_experts;
   // Router on the residual x1: scale-free RMSNorm, * scale * H^-1/2, projection, softmax, top-k renormalised,
   // times the chosen experts' per_expert_scale. The experts take their own pre-norm of the same x1, whose 1/rms is
   // the router's: one pass over x1 writes both norms and the router's scaled input while each row is in cache (the
@@ -247,78 +334,69 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
       rows.push_back(t * K + j);
     }
   }
-  // Dispatch: this rank's routed rows to the ranks holding their experts (every expert local at EP = 1).
-  ExpertParallel& ep = attn.experts();
+  // Where the rows go: this rank's routed rows to the ranks holding their experts (every expert local at EP = 1).
   a.routing = ExpertRouting{};
   a.routing.experts = E;
   for (const auto& rows : a.routed) a.routing.sent.push_back(static_cast<int64_t>(rows.size()));
-  ep.route(a.routing);
+  attn.experts().route(a.routing);
   a.sent_at = starts_of(a.routing.sent);
   a.recv_at = starts_of(a.routing.received);
+}
+
+void Gemma4Model::Run::moe_experts_forward(int l, MoeActs& a) {
+  const LayerSlots& sl = m.slots_[l];
+  const int64_t K = cfg.top_k_experts, Im = cfg.moe_intermediate_size;
+  const ElementwiseKernels& ew = elementwise();
+  ExpertExchange exchange(attn.experts(), a.routing);
   const int64_t sent = a.routing.sent_rows(), R = a.routing.received_rows();
-  // With every expert here (EP = 1) the received layout is the sent one: the rows stay where they were gathered, and
-  // no dispatch or combine copies them (here or in the backward).
-  const bool local = a.routing.ranks == 1;
   Vec x_sent = uninit(sent * H);  // [sent, H] the rows' expert inputs in the sent layout
 #pragma omp parallel for schedule(static) if (sent * H >= kParallelMinElements)
   for (int64_t tj = 0; tj < T * K; ++tj)
     std::copy_n(a.e_in.data() + (tj / K) * H, H, x_sent.data() + (a.sent_at[a.top_idx[tj]] + a.row_of[tj]) * H);
-  if (local) {
-    a.e_x = std::move(x_sent);
-  } else {
-    a.e_x = uninit(R * H);
-    ep.start_dispatch(a.routing, x_sent.data(), a.e_x.data(), H);  // finished below, after this rank's own rows
-  }
-  const float* own_rows = local ? a.e_x.data() : x_sent.data();  // this rank's own rows, in the sent layout
+  // Dispatch, finished below after this rank's own rows, read where the sent layout has them.
+  const float* own_rows = exchange.start_dispatch(std::move(x_sent), a.e_x, H);
   // The received rows through this rank's experts; written completely by the tasks below.
   a.e_gu = uninit(R * 2 * Im);
   a.e_hm = uninit(R * Im);
   a.e_eo = uninit(R * H);
-  const int64_t here = a.routing.experts_here();
-  const int64_t first = held_index_of(m.params(), sl, a.routing.first_expert(), here);
-  const int64_t routed_madds = R * 3 * Im * H;  // gate/up and down sgemms over every received row
   const float* GU = W(sl.experts_gate_up);
   const float* DN = W(sl.experts_down);
-  const int64_t first_expert = a.routing.first_expert();
-  const ExpertLora lgu = expert_lora(store, sl.experts_gate_up, first_expert, here);
-  const ExpertLora ldn = expert_lora(store, sl.experts_down, first_expert, here);
-  const std::vector<ExpertTask> tasks = expert_tasks(a.routing.received, Im * H);
+  const ExpertsHere ex(store, sl, a.routing, Im, H);
   const auto run_task = [&](const ExpertTask& tk, const float* x) {
     // e: the expert's index in the store's expert tensors; g: the expert (its adapter's index).
-    const int64_t e = first + tk.block % here, g = first_expert + tk.block % here;
+    const int64_t e = ex.store_index(tk), g = ex.expert(tk);
     const int64_t r0 = a.recv_at[tk.block] + tk.row0, n = tk.rows;
     // x: [n, H] this task's rows; gu: [n, 2*Im]; hm: [n, Im]; eo: [n, H].
     float* gu = a.e_gu.data() + r0 * 2 * Im;
     float* hm = a.e_hm.data() + r0 * Im;
     float* eo = a.e_eo.data() + r0 * H;
     linear_forward(mm, x, GU + e * 2 * Im * H, gu, n, H, 2 * Im);
-    expert_lora_forward(lgu, g, x, gu, n);
+    expert_lora_forward(ex.gate_up, g, x, gu, n);
     for (int64_t r = 0; r < n; ++r) ew.geglu_forward(gu + r * 2 * Im, gu + r * 2 * Im + Im, hm + r * Im, Im);
     linear_forward(mm, hm, DN + e * H * Im, eo, n, Im, H);
-    expert_lora_forward(ldn, g, hm, eo, n);
+    expert_lora_forward(ex.down, g, hm, eo, n);
   };
-  // This rank's own rows first, read where the sent layout has them, while the other ranks' travel; then theirs.
-  const OwnSplit split = split_own(tasks, a.routing);
-#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && !split.own.empty())
-  for (size_t k = 0; k < split.own.size(); ++k) {
-    if (omp_get_thread_num() == 0) ep.progress_dispatch();
-    const ExpertTask& tk = tasks[split.own[k]];
-    run_task(tk, own_rows + (a.sent_at[first_expert + tk.block % here] + tk.row0) * H);
+  // This rank's own rows first, while the other ranks' travel; then theirs.
+#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(ex.routed_madds) && !ex.split.own.empty())
+  for (size_t k = 0; k < ex.split.own.size(); ++k) {
+    if (omp_get_thread_num() == 0) exchange.progress_dispatch();
+    const ExpertTask& tk = ex.tasks[ex.split.own[k]];
+    run_task(tk, own_rows + (a.sent_at[ex.expert(tk)] + tk.row0) * H);
   }
-  if (!local) ep.finish_dispatch();
-  x_sent = Vec{};
-#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && !split.others.empty())
-  for (size_t k = 0; k < split.others.size(); ++k) {
-    const ExpertTask& tk = tasks[split.others[k]];
+  exchange.finish_dispatch();
+#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(ex.routed_madds) && !ex.split.others.empty())
+  for (size_t k = 0; k < ex.split.others.size(); ++k) {
+    const ExpertTask& tk = ex.tasks[ex.split.others[k]];
     run_task(tk, a.e_x.data() + (a.recv_at[tk.block] + tk.row0) * H);
   }
-  // Combine: the outputs back to the ranks whose tokens they are.
-  if (local) {
-    a.eo_sent = std::move(a.e_eo);  // the backward's dispatch fills e_eo again (with dY)
-  } else {
-    a.eo_sent = uninit(sent * H);
-    ep.combine(a.routing, a.e_eo.data(), a.eo_sent.data(), H);
-  }
+  // Combine: the outputs back to the ranks whose tokens they are (at EP = 1 e_eo itself, which the backward's
+  // dispatch then fills again, with dY).
+  exchange.combine(a.e_eo, a.eo_sent, H);
+}
+
+void Gemma4Model::Run::moe_sum_forward(int l, MoeActs& a) {
+  const LayerSlots& sl = m.slots_[l];
+  const int64_t K = cfg.top_k_experts;
   // Each token sums its experts' weighted outputs in ascending expert index, tokens in parallel.
   a.out2 = zeros(T * H);
 #pragma omp parallel for schedule(static) if (T * K * H >= kParallelMinElements)
@@ -343,70 +421,67 @@ void Gemma4Model::Run::moe_forward(int l, const float* x1, const float* mo, MoeA
 void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const float* mo, const float* dff, float* dmo,
                                     float* dx1) {
   const LayerSlots& sl = m.slots_[l];
-  const int64_t E = cfg.num_experts, K = cfg.top_k_experts, Im = cfg.moe_intermediate_size;
   std::fill_n(dmo, T * H, 0.f);
   rmsnorm_backward(mo, W(sl.post_ff_norm_1), a.r_pf1.data(), dff, dmo, G(sl.post_ff_norm_1), T, H);
-  Vec dout2_buf = zeros(T * H);
-  rmsnorm_backward(a.out2.data(), W(sl.post_ff_norm_2), a.r_pf2.data(), dff, dout2_buf.data(), G(sl.post_ff_norm_2), T,
-                   H);
-  const float* dout2 = dout2_buf.data();
-  const float* GU = W(sl.experts_gate_up);
-  const float* DN = W(sl.experts_down);
-  float* gGU = G(sl.experts_gate_up);
-  float* gDN = G(sl.experts_down);
-  ExpertParallel& ep = attn.experts();
-  const int64_t sent = a.routing.sent_rows(), R = a.routing.received_rows();
-  const int64_t here = a.routing.experts_here(), first_expert = a.routing.first_expert();
-  const int64_t first = held_index_of(m.params(), sl, first_expert, here);
-  const ExpertLora lgu = expert_lora(store, sl.experts_gate_up, first_expert, here);
-  const ExpertLora ldn = expert_lora(store, sl.experts_down, first_expert, here);
-  const bool local = a.routing.ranks == 1;  // the received layout is the sent one: no copies (as in the forward)
+  Vec dout2 = zeros(T * H);
+  rmsnorm_backward(a.out2.data(), W(sl.post_ff_norm_2), a.r_pf2.data(), dff, dout2.data(), G(sl.post_ff_norm_2), T, H);
+  ExpertExchange exchange(attn.experts(), a.routing);
+  Vec dw = zeros(T * cfg.top_k_experts);  // [T, K] d loss / d top_w
+  Vec dy_sent = moe_output_grads(a, dout2.data(), dw.data());
+  // The experts' input gradients go back to their tokens' ranks while their weight gradients and the router's run
+  // (which need none of them); finished before the tokens sum them.
+  Vec dx_sent = moe_experts_backward(l, a, std::move(dy_sent), exchange);
+  const Vec drs = moe_router_backward(l, a, dw.data());
+  exchange.finish_combine();
+  moe_input_backward(l, a, x1, dx_sent.data(), drs.data(), dx1);
+}
 
+Vec Gemma4Model::Run::moe_output_grads(MoeActs& a, const float* dout2, float* dw) {
+  const int64_t K = cfg.top_k_experts;
+  const int64_t sent = a.routing.sent_rows();
   // On this rank's tokens: d loss / d top_w, and d loss / d expert output (dout2 times the row's weight), per row.
-  Vec dw = zeros(T * K);           // d loss / d top_w
   Vec dy_sent = uninit(sent * H);  // [sent, H] in the sent layout
-  {
 #pragma omp parallel for schedule(static) if (sent * H >= kParallelMinElements)
-    for (int64_t tj = 0; tj < T * K; ++tj) {
-      const int64_t row = a.sent_at[a.top_idx[tj]] + a.row_of[tj];
-      const float* g = dout2 + (tj / K) * H;
-      const float* y = a.eo_sent.data() + row * H;
-      float* dy = dy_sent.data() + row * H;
-      float dot = 0.f;
-      for (int64_t i = 0; i < H; ++i) {
-        dot += g[i] * y[i];
-        dy[i] = g[i] * a.top_w[tj];
-      }
-      dw[tj] = dot;
+  for (int64_t tj = 0; tj < T * K; ++tj) {
+    const int64_t row = a.sent_at[a.top_idx[tj]] + a.row_of[tj];
+    const float* g = dout2 + (tj / K) * H;
+    const float* y = a.eo_sent.data() + row * H;
+    float* dy = dy_sent.data() + row * H;
+    float dot = 0.f;
+    for (int64_t i = 0; i < H; ++i) {
+      dot += g[i] * y[i];
+      dy[i] = g[i] * a.top_w[tj];
     }
-    // The received rows' dY, over their outputs; finished below, after this rank's own rows.
-    if (local)
-      a.e_eo = std::move(dy_sent);
-    else
-      ep.start_dispatch(a.routing, dy_sent.data(), a.e_eo.data(), H);
+    dw[tj] = dot;
   }
   a.eo_sent = Vec{};  // the outputs were read by dw above only
-  // This rank's own rows' dY, in the sent layout.
-  const float* own_dy = local ? a.e_eo.data() : dy_sent.data();
-  const int64_t routed_madds = R * 3 * Im * H;
-  Vec e_dx = uninit(R * H);  // d loss / d the received rows' inputs: every row written by its task below
+  return dy_sent;
+}
 
-  // Row-local: d hm, d gate-up (into e_gu), d expert input; tasks in parallel.
+Vec Gemma4Model::Run::moe_experts_backward(int l, MoeActs& a, Vec dy_sent, ExpertExchange& exchange) {
+  const LayerSlots& sl = m.slots_[l];
+  const int64_t Im = cfg.moe_intermediate_size;
+  const float* GU = W(sl.experts_gate_up);
+  const float* DN = W(sl.experts_down);
+  const ExpertsHere ex(store, sl, a.routing, Im, H);
+  // The received rows' dY, over their outputs; finished below, after this rank's own rows, read in the sent layout.
+  const float* own_dy = exchange.start_dispatch(std::move(dy_sent), a.e_eo, H);
+  Vec e_dx = uninit(a.routing.received_rows() * H);  // d loss / d the received rows' inputs: written by the tasks
+
+  // Row-local: d hm, d gate-up (into e_gu), d expert input; tasks in parallel, this rank's own rows first while the
+  // others' travel.
   const ElementwiseKernels& ew = elementwise();
-  const std::vector<ExpertTask> tasks = expert_tasks(a.routing.received, Im * H);
-  // This rank's own rows first, their dY read where the sent layout has them, while the others' travel.
-  const OwnSplit split = split_own(tasks, a.routing);
   for (const bool own : {true, false}) {
-    if (!own && !local) ep.finish_dispatch();
-    const std::vector<size_t>& part = own ? split.own : split.others;
-#pragma omp parallel if (worth_threads(routed_madds) && !part.empty())
+    if (!own) exchange.finish_dispatch();
+    const std::vector<size_t>& part = own ? ex.split.own : ex.split.others;
+#pragma omp parallel if (worth_threads(ex.routed_madds) && !part.empty())
     {
       Vec dhm;  // [rows, Im] of this thread's current task
 #pragma omp for schedule(dynamic, 1)
       for (size_t k = 0; k < part.size(); ++k) {
-        if (own && omp_get_thread_num() == 0) ep.progress_dispatch();
-        const ExpertTask& tk = tasks[part[k]];
-        const int64_t e = first + tk.block % here, g = first_expert + tk.block % here;
+        if (own && omp_get_thread_num() == 0) exchange.progress_dispatch();
+        const ExpertTask& tk = ex.tasks[part[k]];
+        const int64_t e = ex.store_index(tk), g = ex.expert(tk);
         const int64_t r0 = a.recv_at[tk.block] + tk.row0, n = tk.rows;
         const float* dy =
             own ? own_dy + (a.sent_at[g] + tk.row0) * H : a.e_eo.data() + r0 * H;  // [n, H] d expert output
@@ -415,26 +490,31 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
         // zero fill of the buffers first.
         dhm.resize(static_cast<size_t>(n * Im));
         gemm(mm, false, false, n, Im, H, 1.f, dy, H, DN + e * H * Im, Im, 0.f, dhm.data(), Im);
-        expert_lora_input_grad(ldn, g, dy, dhm.data(), n);
+        expert_lora_input_grad(ex.down, g, dy, dhm.data(), n);
         for (int64_t r = 0; r < n; ++r) {
           float* gate_up = gu + r * 2 * Im;  // [2*Im]: gate then up, overwritten by their gradients
           ew.geglu_backward(gate_up, gate_up + Im, dhm.data() + r * Im, gate_up, gate_up + Im, Im, false);
         }
         gemm(mm, false, false, n, H, 2 * Im, 1.f, gu, 2 * Im, GU + e * 2 * Im * H, H, 0.f, e_dx.data() + r0 * H, H);
-        expert_lora_input_grad(lgu, g, gu, e_dx.data() + r0 * H, n);
+        expert_lora_input_grad(ex.gate_up, g, gu, e_dx.data() + r0 * H, n);
       }
     }
   }
-  dy_sent = Vec{};
   // The input gradients back to their tokens' ranks, travelling while the weight gradients below run (they read the
-  // rows' activations and dY, not e_dx or dx_sent); finished before the tokens sum them.
+  // rows' activations and dY, not the input gradients).
   Vec dx_sent;
-  if (local) {
-    dx_sent = std::move(e_dx);
-  } else {
-    dx_sent = uninit(sent * H);
-    ep.start_combine(a.routing, e_dx.data(), dx_sent.data(), H);
-  }
+  exchange.start_combine(std::move(e_dx), dx_sent, H);
+  moe_expert_weight_grads(l, a, ex, exchange);
+  return dx_sent;
+}
+
+void Gemma4Model::Run::moe_expert_weight_grads(int l, MoeActs& a, const ExpertsHere& ex, ExpertExchange& exchange) {
+  const LayerSlots& sl = m.slots_[l];
+  const int64_t Im = cfg.moe_intermediate_size, here = ex.here;
+  const float* GU = W(sl.experts_gate_up);
+  const float* DN = W(sl.experts_down);
+  float* gGU = G(sl.experts_gate_up);
+  float* gDN = G(sl.experts_down);
   // Weight gradients of this rank's experts: one sgemm over each block's rows (all of an expert's rows at EP = 1),
   // an expert's blocks in source order; experts in parallel when there are enough of them to share out, otherwise
   // experts in turn, each sgemm split over the threads (the same bits either way).
@@ -448,11 +528,11 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   std::stable_sort(by_rows.begin(), by_rows.end(), [&](int64_t x, int64_t y) { return rows_of[x] > rows_of[y]; });
   const int64_t active = std::count_if(rows_of.begin(), rows_of.end(), [](int64_t n) { return n > 0; });
   if (gGU || gDN) {
-#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && active >= omp_get_max_threads())
+#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(ex.routed_madds) && active >= omp_get_max_threads())
     for (int64_t k = 0; k < here; ++k) {
-      if (omp_get_thread_num() == 0) ep.progress_combine();
+      if (omp_get_thread_num() == 0) exchange.progress_combine();
       const int64_t le = by_rows[k];
-      const int64_t e = first + le;
+      const int64_t e = ex.first + le;
       for (int64_t s = 0; s < P; ++s) {
         const int64_t blk = s * here + le, r0 = a.recv_at[blk], n = a.routing.received[blk];
         if (n == 0) continue;
@@ -466,12 +546,13 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
     }
   }
   // The experts' adapters' gradients (LoRA, frozen experts): per expert its blocks in source order, as above.
+  const ExpertLora &lgu = ex.gate_up, &ldn = ex.down;
   if (opt.want_grad && (lgu.trains() || ldn.trains())) {
-#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(routed_madds) && active >= omp_get_max_threads())
+#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(ex.routed_madds) && active >= omp_get_max_threads())
     for (int64_t k = 0; k < here; ++k) {
-      if (omp_get_thread_num() == 0) ep.progress_combine();
+      if (omp_get_thread_num() == 0) exchange.progress_combine();
       const int64_t le = by_rows[k];
-      const int64_t g = first_expert + le;
+      const int64_t g = ex.first_expert + le;
       std::vector<float> dB_gu(lgu.trains() ? static_cast<size_t>(2 * Im * lgu.ad->rank) : 0, 0.f);
       std::vector<float> dB_dn(ldn.trains() ? static_cast<size_t>(H * ldn.ad->rank) : 0, 0.f);
       for (int64_t s = 0; s < P; ++s) {
@@ -486,6 +567,11 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
       if (lgu.trains()) expert_lora_add_dB(lgu, g, dB_gu.data());
     }
   }
+}
+
+Vec Gemma4Model::Run::moe_router_backward(int l, const MoeActs& a, const float* dw) {
+  const LayerSlots& sl = m.slots_[l];
+  const int64_t E = cfg.num_experts, K = cfg.top_k_experts;
   // Router: top_w = wn * pes[e], wn = p / sum_topk(p); gradients reach the probabilities of chosen experts only.
   // It needs none of the input gradients, so under expert parallelism it runs while they travel back.
   const float* pes = W(sl.per_expert_scale);
@@ -518,10 +604,9 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
       for (int64_t e = 0; e < E; ++e) dz[e] = p[e] * (dz[e] - dot);
     }
   }
-  Vec drs = zeros(T * H);
+  Vec drs = zeros(T * H);  // [T, H] d loss / d the router's scaled input
   linear_backward(mm, a.rs.data(), W(sl.router_proj), dlogits.data(), drs.data(), G(sl.router_proj), T, H, E);
   const float root = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
-  const float* scale = W(sl.router_scale);
   float* gscale = G(sl.router_scale);
   if (gscale) {
     // Blocks of columns in parallel, tokens in order within each: every element sums its tokens in one fixed
@@ -534,15 +619,20 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
         for (int64_t i = i0; i < i1; ++i) gscale[i] += drs[t * H + i] * a.rn[t * H + i] * root;
     }
   }
+  return drs;
+}
+
+void Gemma4Model::Run::moe_input_backward(int l, const MoeActs& a, const float* x1, const float* dx_sent,
+                                          const float* drs, float* dx1) {
+  const LayerSlots& sl = m.slots_[l];
+  const int64_t K = cfg.top_k_experts;
   // Each token sums its experts' input gradients in ascending expert index.
-  if (!local) ep.finish_combine();
-  e_dx = Vec{};
   Vec de_in = zeros(T * H);
 #pragma omp parallel for schedule(static) if (T * K * H >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t c = 0; c < K; ++c) {
       const int64_t tj = t * K + a.expert_order[t * K + c];
-      add_into(de_in.data() + t * H, dx_sent.data() + (a.sent_at[a.top_idx[tj]] + a.row_of[tj]) * H, H);
+      add_into(de_in.data() + t * H, dx_sent + (a.sent_at[a.top_idx[tj]] + a.row_of[tj]) * H, H);
     }
   }
   // The experts' pre-norm's weight gradient; then both norms of x1 back into dx1 in one pass, each row while it is in
@@ -550,6 +640,9 @@ void Gemma4Model::Run::moe_backward(int l, MoeActs& a, const float* x1, const fl
   // operations per element of rmsnorm_backward's two calls in that order, so the same bits.
   const float* pre_norm = W(sl.pre_ff_norm_2);
   rmsnorm_backward(x1, pre_norm, a.r_pre2.data(), de_in.data(), nullptr, G(sl.pre_ff_norm_2), T, H);
+  const float root = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
+  const float* scale = W(sl.router_scale);
+  const ElementwiseKernels& ew = elementwise();
 #pragma omp parallel if (T * H >= kParallelMinElements)
   {
     std::vector<float> drn(static_cast<size_t>(H));  // [H] d loss / d rn of this thread's current token
