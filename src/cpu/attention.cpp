@@ -2,6 +2,9 @@
 // of the path isa.h chose (dispatch.h: kernels_for).
 #include "cpu/attention.h"
 
+#include <algorithm>
+#include <limits>
+
 #include "core/error.h"
 #include "cpu/dispatch.h"
 #include "cpu/isa.h"
@@ -38,6 +41,12 @@ void attention_forward(const AttnChunk& c, float* o, float* lse) {
   RF_CHECK(c.shape.lse_elems() == 0 || (o && lse), "attention_forward without output buffers");
   const KernelPath& path = kernel_path();
   kernels_for(path.isa).forward(c, path.bf16, o, lse);
+}
+
+void softmax_exp2(const float* x, float* y, int64_t n) {
+  const KernelSet& kernels = kernels_for(kernel_path().isa);
+  for (int64_t i0 = 0; i0 < n; i0 += std::numeric_limits<int>::max())
+    kernels.exp2(x + i0, y + i0, static_cast<int>(std::min<int64_t>(n - i0, std::numeric_limits<int>::max())));
 }
 
 void attention_delta(const AttnShape& s, DType dtype, const void* dout, const float* o, float* delta) {

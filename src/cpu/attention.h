@@ -22,6 +22,10 @@ void attention_forward(const AttnChunk& c, float* o, float* lse);
 // dout: [B, Hq, Lq, D] in `dtype`; o: [B, Hq, Lq, D] float32 (the merged output); delta: [B, Hq, Lq].
 void attention_delta(const AttnShape& s, DType dtype, const void* dout, const float* o, float* delta);
 
+// y[i] = 2^x[i] for x[i] <= 0, i < n, with the softmax's exp2 of the path isa.h chose (vector paths: relative error
+// < 3e-7, scalar: std::exp2); y may be x. For other softmaxes over the same path (the model's loss).
+void softmax_exp2(const float* x, float* y, int64_t n);
+
 // Backward of one chunk, *accumulating* (+=) into float32 gradients:
 // dq: [B, Hq, Lq, D]; dk, dv: [B, Hkv, Lk, D]. lse and delta: [B, Hq, Lq], the final (merged) ones.
 // dout: [B, Hq, Lq, D] in c.dtype. Rows with lse = -inf contribute nothing.

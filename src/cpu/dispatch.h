@@ -3,7 +3,7 @@
 //
 // Two steps, both here:
 //  1. kernels_for(isa): the instruction set isa.h chose (CPUID + RINGFLEX_ISA) picks the KernelSet compiled for
-//     it (kernels.h). Called by attention.cpp, in baseline code.
+//     it (kernels.h), as every per-ISA table is picked (isa_table.h). Called by attention.cpp, in baseline code.
 //  2. dispatch(D, dtype, bf16, f), inside a kernel translation unit: the head dimension, dtype and the bf16
 //     product (isa.h: Bf16Product) become the template parameters of that ISA's kernels.
 // kDp is the padded head dimension fixed at compile time for the fast paths D = 64, 128, 256, 512 (Gemma 4 uses
@@ -17,26 +17,14 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "cpu/isa.h"
+#include "cpu/isa_table.h"
 #include "cpu/kernels.h"
 
 namespace rf::cpu {
 
 inline const KernelSet& kernels_for(Isa isa) {
-  switch (isa) {
-#if defined(__x86_64__)
-    case Isa::Avx512:
-      return avx512_kernels();
-    case Isa::Avx2:
-      return avx2_kernels();
-#else
-    case Isa::Avx512:
-    case Isa::Avx2:
-      fail("the ", isa_name(isa), " kernels exist only in x86-64 builds");
-#endif
-    case Isa::Scalar:
-      return scalar_kernels();
-  }
-  fail("internal error: unknown kernel ISA");
+  static constexpr PerIsa<KernelSet> kSets = RF_PER_ISA(KernelSet, kernels, "kernels");
+  return kSets.for_isa(isa);
 }
 
 }  // namespace rf::cpu

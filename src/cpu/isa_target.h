@@ -45,6 +45,11 @@
 #define RF_ISA_AVX2 0
 #endif
 
+// The exporter of this unit's table `name` (isa_table.h): avx512_<name>, avx2_<name> or scalar_<name>.
+#define RF_ISA_EXPORT_(ns, name) ns##_##name
+#define RF_ISA_EXPORT_NS_(ns, name) RF_ISA_EXPORT_(ns, name)
+#define RF_ISA_EXPORT(name) RF_ISA_EXPORT_NS_(RF_ISA_NS, name)
+
 #define RF_ISA_PRAGMA_(x) _Pragma(#x)
 #define RF_ISA_PRAGMA(x) RF_ISA_PRAGMA_(x)
 

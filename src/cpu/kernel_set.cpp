@@ -46,10 +46,7 @@ RF_ISA_END
 
 namespace rf::cpu {
 
-#define RF_KERNEL_SET_FN_(ns) ns##_kernels
-#define RF_KERNEL_SET_FN(ns) RF_KERNEL_SET_FN_(ns)
-
-const KernelSet& RF_KERNEL_SET_FN(RF_ISA_NS)() {
+const KernelSet& RF_ISA_EXPORT(kernels)() {
 #if RF_ISA_AVX512
   constexpr Isa kIsa = Isa::Avx512;
   constexpr auto kScoreTileBf16 = RF_ISA_NS::score_tile_bf16;

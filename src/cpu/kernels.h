@@ -1,12 +1,13 @@
 // ringflex cpu: the attention kernels of one instruction set, as a table of entry points.
 //
 // Internal to src/cpu (and its tests and benchmarks). Each ISA's kernels are compiled in their own translation
-// units (isa_target.h) and export only the KernelSet below; kernels_for() (dispatch.h) picks the set for the path
-// isa.h chose. The public functions of attention.h go through that one choice.
+// units (isa_target.h) and export only the KernelSet below (isa_table.h); kernels_for() (dispatch.h) picks the set
+// for the path isa.h chose. The public functions of attention.h go through that one choice.
 #pragma once
 
 #include "core/attention_args.h"
 #include "cpu/isa.h"
+#include "cpu/isa_table.h"
 
 namespace rf::cpu {
 
@@ -27,8 +28,6 @@ struct KernelSet {
   void (*score_tile_bf16)(const uint32_t* a, int lda, const uint32_t* bt, int Dp, int rows, float* c);
 };
 
-const KernelSet& avx512_kernels();
-const KernelSet& avx2_kernels();
-const KernelSet& scalar_kernels();
+RF_ISA_TABLE_EXPORTS(KernelSet, kernels);  // avx512_kernels(), avx2_kernels(), scalar_kernels()
 
 }  // namespace rf::cpu

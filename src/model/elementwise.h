@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "cpu/isa.h"
+#include "cpu/isa_table.h"
 
 namespace rf::model {
 
@@ -48,10 +49,8 @@ struct ElementwiseKernels {
   void (*rmsnorm_grad_row)(const float* x, const float* w, const float* dy, float s, float c, float* dx, int64_t n);
 };
 
-// The kernels of each ISA (elementwise_kernels.cpp, compiled once per ISA).
-const ElementwiseKernels& avx512_elementwise();
-const ElementwiseKernels& avx2_elementwise();
-const ElementwiseKernels& scalar_elementwise();
+// The kernels of each ISA (elementwise_kernels.cpp, compiled once per ISA; cpu/isa_table.h).
+RF_ISA_TABLE_EXPORTS(ElementwiseKernels, elementwise);
 
 // The set for the ISA src/cpu/isa.h chose (cpu::kernel_path()), decided on first use.
 const ElementwiseKernels& elementwise();

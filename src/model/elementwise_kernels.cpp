@@ -196,10 +196,7 @@ RF_ISA_END
 
 namespace rf::model {
 
-#define RF_ELEMENTWISE_FN_(ns) ns##_elementwise
-#define RF_ELEMENTWISE_FN(ns) RF_ELEMENTWISE_FN_(ns)
-
-const ElementwiseKernels& RF_ELEMENTWISE_FN(RF_ISA_NS)() {
+const ElementwiseKernels& RF_ISA_EXPORT(elementwise)() {
   constexpr cpu::Isa kIsa = cpu::Isa::RF_ISA_KIND;
   namespace k = RF_ISA_NS;
   static const ElementwiseKernels set{kIsa,           k::geglu_forward,      k::geglu_backward,

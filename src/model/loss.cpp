@@ -9,9 +9,7 @@
 
 #include "core/error.h"
 #include "core/math_constants.h"
-#include "cpu/dispatch.h"
-#include "cpu/isa.h"
-#include "cpu/kernels.h"
+#include "cpu/attention.h"
 #include "model/elementwise.h"
 #include "model/held_weight.h"
 #include "model/ops.h"
@@ -30,14 +28,12 @@ constexpr int kLanes = 16;
 constexpr int64_t kFoldTerms = 16;
 
 // e[v] = exp(z[v] - shift) for v < n, in float32. shift >= max(z), so every argument is <= 0. The attention
-// kernels' exp2 on the path the CPU runs (src/cpu/isa.h; vector paths: relative error < 3e-7, scalar: std::exp2)
-// of (z - shift) * log2(e); the rounding of that product adds |z - shift| * 2^-24 relative, which matters only for
-// terms already below e^-16 of the largest.
+// kernels' exp2 on the path the CPU runs (cpu::softmax_exp2: vector paths: relative error < 3e-7, scalar:
+// std::exp2) of (z - shift) * log2(e); the rounding of that product adds |z - shift| * 2^-24 relative, which matters
+// only for terms already below e^-16 of the largest.
 void exp_shifted(const float* z, float shift, float* e, int64_t n) {
   for (int64_t v = 0; v < n; ++v) e[v] = (z[v] - shift) * kLog2e;
-  const cpu::KernelSet& kernels = cpu::kernels_for(cpu::kernel_path().isa);
-  for (int64_t v0 = 0; v0 < n; v0 += std::numeric_limits<int>::max())
-    kernels.exp2(e + v0, e + v0, static_cast<int>(std::min<int64_t>(n - v0, std::numeric_limits<int>::max())));
+  cpu::softmax_exp2(e, e, n);
 }
 
 // sum(e[0, n)) with kLanes float32 lane accumulators (independent, so the loop vectorises without reassociating

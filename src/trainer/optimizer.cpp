@@ -28,30 +28,14 @@ void for_blocks(int64_t n, Fn&& fn) {
   }
 }
 
+constexpr cpu::PerIsa<OptimizerKernels> kOptimizerKernels =
+    RF_PER_ISA(OptimizerKernels, optimizer_kernels, "optimizer kernels");
+
 }  // namespace
 
-const OptimizerKernels& optimizer_kernels_for(cpu::Isa isa) {
-  switch (isa) {
-#if defined(__x86_64__)
-    case cpu::Isa::Avx512:
-      return avx512_optimizer_kernels();
-    case cpu::Isa::Avx2:
-      return avx2_optimizer_kernels();
-#else
-    case cpu::Isa::Avx512:
-    case cpu::Isa::Avx2:
-      fail("the ", cpu::isa_name(isa), " optimizer kernels exist only in x86-64 builds");
-#endif
-    case cpu::Isa::Scalar:
-      return scalar_optimizer_kernels();
-  }
-  fail("internal error: unknown ISA");
-}
+const OptimizerKernels& optimizer_kernels_for(cpu::Isa isa) { return kOptimizerKernels.for_isa(isa); }
 
-const OptimizerKernels& optimizer_kernels() {
-  static const OptimizerKernels& chosen = optimizer_kernels_for(cpu::kernel_path().isa);
-  return chosen;
-}
+const OptimizerKernels& optimizer_kernels() { return kOptimizerKernels.chosen(); }
 
 double learning_rate(const OptimizerSection& opt, const ScheduleSection& sched, int step, int total_steps) {
   if (step <= sched.warmup_steps) return opt.lr * step / sched.warmup_steps;

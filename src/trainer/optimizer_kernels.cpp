@@ -40,10 +40,7 @@ RF_ISA_END
 
 namespace rf::trainer {
 
-#define RF_OPTIMIZER_FN_(ns) ns##_optimizer_kernels
-#define RF_OPTIMIZER_FN(ns) RF_OPTIMIZER_FN_(ns)
-
-const OptimizerKernels& RF_OPTIMIZER_FN(RF_ISA_NS)() {
+const OptimizerKernels& RF_ISA_EXPORT(optimizer_kernels)() {
   constexpr cpu::Isa kIsa = cpu::Isa::RF_ISA_KIND;
   namespace k = RF_ISA_NS;
   static const OptimizerKernels set{kIsa, k::adamw, k::scale};

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "cpu/isa.h"
+#include "cpu/isa_table.h"
 
 namespace rf::trainer {
 
@@ -34,10 +35,8 @@ struct OptimizerKernels {
   void (*scale)(float* g, int64_t n, double factor);
 };
 
-// The kernels of each ISA (optimizer_kernels.cpp, compiled once per ISA).
-const OptimizerKernels& avx512_optimizer_kernels();
-const OptimizerKernels& avx2_optimizer_kernels();
-const OptimizerKernels& scalar_optimizer_kernels();
+// The kernels of each ISA (optimizer_kernels.cpp, compiled once per ISA; cpu/isa_table.h).
+RF_ISA_TABLE_EXPORTS(OptimizerKernels, optimizer_kernels);
 
 // The set for the ISA src/cpu/isa.h chose (cpu::kernel_path()), decided on first use.
 const OptimizerKernels& optimizer_kernels();
