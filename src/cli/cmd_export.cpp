@@ -23,6 +23,7 @@
 #include "model/checkpoint.h"
 #include "model/lora_store.h"
 #include "model/ops.h"
+#include "model/peft_files.h"
 
 namespace rf::cli {
 namespace {

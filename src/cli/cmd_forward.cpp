@@ -55,6 +55,7 @@
 #include "model/lora_store.h"
 #include "model/matmul_bf16.h"
 #include "model/memory.h"
+#include "model/peft_files.h"
 #include "model/vision_encoder.h"
 
 namespace rf::cli {

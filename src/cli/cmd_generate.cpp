@@ -46,6 +46,7 @@
 #include "model/checkpoint.h"
 #include "model/generate.h"
 #include "model/lora_store.h"
+#include "model/peft_files.h"
 #include "text/tokenizer.h"
 
 namespace rf::cli {

@@ -7,7 +7,8 @@
 //
 // The files always hold whole tensors (each expert written once in the Hugging Face layout), so a checkpoint resumes
 // at any EP: a loader places a store of the rows (hold_expert_rows of its registry, model::PlaceParams) and reads those
-// rows of the files alone; the trainer's writer gathers each tensor's rows as it writes it (trainer/held_checkpoint.h).
+// rows of the files alone; the trainer's writer gathers each tensor's rows as it writes it
+// (trainer/state/held_checkpoint.h).
 #pragma once
 
 #include <memory>

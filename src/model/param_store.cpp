@@ -309,7 +309,7 @@ void ReplicatedStore::release_head(size_t slot) { widened_.erase(slot); }
 
 ParamStore::TableRows ReplicatedStore::rows(size_t slot, std::span<const int32_t> ids, bool want_grads) {
   if (param_dtype_ != ParamDtype::Bfloat16) return ParamStore::rows(slot, ids, want_grads);
-  // The working copy alone: the float32 masters may not be here (trainer/sharded_store.h).
+  // The working copy alone: the float32 masters may not be here (trainer/state/sharded_store.h).
   TableRows t;
   t.values = HeldWeight{HeldDType::BF16, working(slot)};
   t.grads = want_grads ? grad(slot) : nullptr;

@@ -120,15 +120,15 @@ class ParamStore : public Bf16Lookup {
   virtual void allocate_weights() = 0;
   virtual bool weights_allocated() const = 0;
   // Bytes of float32 weights this rank holds once allocate_weights() ran, what a loader checks against the machine
-  // before allocating: every parameter's here; a sharded store's pieces (trainer/sharded_store.h).
+  // before allocating: every parameter's here; a sharded store's pieces (trainer/state/sharded_store.h).
   virtual int64_t resident_weight_bytes() const { return weight_bytes(); }
   virtual const float* weight(size_t slot) const = 0;
   // For writing the weights: moves version(). Write through it right away (a pointer kept across a bf16 run and
   // written later leaves that run's compute copies stale).
   virtual float* mutable_weight(size_t slot) = 0;
   // The whole tensor of `slot` into out [info(slot).numel], on every rank: how the checkpoint writer reads a weight
-  // whatever the store. Here a copy of weight(slot); a sharded store (trainer/sharded_store.h) gathers it from its
-  // owners, a collective: every rank calls it for the same slots in the same order.
+  // whatever the store. Here a copy of weight(slot); a sharded store (trainer/state/sharded_store.h) gathers it from
+  // its owners, a collective: every rank calls it for the same slots in the same order.
   virtual void read_weight(size_t slot, std::span<float> out);
   // Sets the whole tensor of `slot` from in [info(slot).numel] (every rank passes the same values): how a loader or
   // init writes a weight whatever the store. Here a copy into mutable_weight(slot); a sharded store keeps this
@@ -288,7 +288,7 @@ class ReplicatedStore : public ParamStore {
 
  protected:
   // param_dtype bfloat16: the working copy of `slot` [numel], rounded from the masters if they changed since. A store
-  // that keeps its masters elsewhere fills working_ itself and overrides this (trainer/sharded_store.h).
+  // that keeps its masters elsewhere fills working_ itself and overrides this (trainer/state/sharded_store.h).
   virtual const bf16* working(size_t slot);
   // param_dtype bfloat16: the float32 view of `slot` between its hooks, or null outside them.
   const float* widened(size_t slot) const;

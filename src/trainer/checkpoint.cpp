@@ -2,6 +2,7 @@
 #include "trainer/checkpoint.h"
 
 #include "model/lora_store.h"
+#include "model/peft_files.h"
 
 #include <fcntl.h>
 #include <unistd.h>

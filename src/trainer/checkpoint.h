@@ -154,7 +154,7 @@ void load_moments_into(const std::string& dir, const model::ParamStore& layout, 
 using MomentReader = std::function<void(model::Role role, size_t slot, std::span<float> out)>;
 void write_moments_streamed(const std::string& dir, const model::ParamStore& layout, const MomentReader& read,
                             bool write);
-// trainer_state.json alone (a LoRA checkpoint's weights are its adapters: model/lora_store.h load_peft_adapter).
+// trainer_state.json alone (a LoRA checkpoint's weights are its adapters: model/peft_files.h load_peft_adapter).
 TrainState load_train_state(const std::string& dir);
 
 // Throws rf::Error "<where>: tensor `name` has nan at [i, j]" for the first NaN or infinity of `values` (row-major

@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "io/json_text.h"
 #include "model/image_processor.h"
+#include "trainer/state/state.h"
 
 namespace rf::trainer {
 namespace {
@@ -428,29 +429,10 @@ void validate(const TrainConfig& c, int world_size) {
              "config: model.lora.dropout = ", c.model.lora_dropout, " must be in [0, 1)");
     RF_CHECK(!c.model.lora_target.empty() || !c.model.lora_target_parameters.empty(),
              "config: model.lora.target and model.lora.target_parameters are both empty");
-    // shard optimizer shards the adapters' moments (model/param_store.h: ZeRO-1 is the trainer's, over any store).
-    // gradients and full would shard state the LoRA store does not have: its frozen base is mapped read-only from
-    // the checkpoint's files, whose page-cache pages every rank of a machine shares (one copy a machine, never a
-    // float32 one), so a rank's piece of it would be a private copy costing more than the shared pages; and the
-    // adapters' gradients are the size of the adapters, a few MB beside one layer's widened base.
-    RF_CHECK(c.parallelism.shard == ShardMode::None || c.parallelism.shard == ShardMode::Optimizer,
-             "config: model.lora with parallelism.shard = ", name_of(c.parallelism.shard),
-             " is not implemented (none or optimizer: the frozen base is mapped and shared by the ranks of a "
-             "machine, the adapters' gradients are small)");
-    RF_CHECK(!c.model.train_vision, "config: model.lora with model.train_vision is not implemented (LoRA adapts the ",
-             "decoder; the tower would train in full beside it)");
   }
-  // bf16 working weights are the replicated and the sharded stores' (model/param_store.h). A LoRA base is held in its
-  // checkpoint's dtype already and its adapters are small; held experts and the vision tower read float32 copies of
-  // their own, which would leave them on float32 working weights beside a bf16 decoder.
-  if (c.model.param_dtype == model::ParamDtype::Bfloat16) {
-    const char* other = c.model.lora_rank != 0 ? "model.lora"
-                        : c.parallelism.ep > 1 ? "parallelism.ep > 1"
-                        : c.model.train_vision ? "model.train_vision"
-                                               : nullptr;
-    RF_CHECK(other == nullptr, "config: model.param_dtype = bfloat16 with ", other,
-             " is not implemented (its weights keep float32 working copies of their own)");
-  }
+  // What the run's training state (shard mode, LoRA, held experts) supports: trainer/state/, docs/parallel-state.md.
+  const detail::Support support = detail::plan_state(c)->supports(c);
+  RF_CHECK(support, "config: ", support.refusal);
   if (c.data.source != SourceKind::Mock) {
     RF_CHECK(!c.data.path.empty(), "config: data.path is required with data.source = ", name_of(c.data.source));
     RF_CHECK(is_file(c.data.path), "config: data.path = '", c.data.path, "' is not a file");

@@ -97,14 +97,14 @@ struct ParallelismSection {
   // the trainable parameters, then the updated weights are all-gathered) | gradients (ZeRO-2: as optimizer, and each
   // layer's gradients are reduce-scattered as its backward ends, a rank accumulating its slice alone) | full (ZeRO-3:
   // as gradients, and each rank holds its pieces of the weights, every layer gathered around its forward and
-  // backward). trainer/sharded_store.h has the details.
+  // backward). trainer/state/sharded_store.h has the details.
   ShardMode shard = ShardMode::None;
   // Expert parallelism: the experts of every MoE layer divided over groups of ep consecutive ranks of the cp x dp
   // ranks (folded: each rank sends its own tokens' rows to the experts' ranks). ep divides cp x dp and the model's
   // experts; 1: every expert on every rank. Without LoRA each rank holds and trains only its EP rank's experts
-  // (weights, gradients and moments; trainer/expert_state.h, under sharding trainer/held_expert_store.h). With LoRA
-  // every rank keeps the whole frozen base and only its experts' adapters (model::LoraStore::place_experts), under
-  // shard optimizer their moments sharded over the ranks holding the same experts (trainer/expert_state.h).
+  // (weights, gradients and moments; trainer/state/expert_state.h, under sharding trainer/state/held_expert_store.h).
+  // With LoRA every rank keeps the whole frozen base and only its experts' adapters (model::LoraStore::place_experts),
+  // under shard optimizer their moments sharded over the ranks holding the same experts (trainer/state/expert_state.h).
   int ep = 1;
   // The vision tower's work over the ranks (issue 24 item 4): true divides it, each image encoded once (a frozen
   // tower's data images over all ranks when the data is read, then one sum; with model.train_vision each

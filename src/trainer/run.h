@@ -20,10 +20,9 @@
 #include "model/lora_store.h"
 #include "model/vision_encoder.h"
 #include "trainer/data.h"
-#include "trainer/expert_state.h"
-#include "trainer/held_expert_store.h"
 #include "trainer/optimizer.h"
-#include "trainer/sharded_store.h"
+#include "trainer/state/expert_state.h"
+#include "trainer/state/state.h"
 #include "trainer/trainer.h"
 
 namespace rf::trainer::detail {
@@ -40,46 +39,11 @@ struct Run {
   const TrainOptions& options;
   const comm::Timeout timeout = comm::default_timeout();  // `ringflex ... --timeout SECONDS`
   const int cp_index, dp_index;
-  // ZeRO-2 (parallelism.shard = gradients): each layer's gradients are reduce-scattered as soon as its backward
-  // ends, and a rank accumulates its slice alone. ZeRO-3 (full): besides, a rank holds its pieces of the weights and
-  // gathers each layer around its forward and backward. Both live in a ShardedStore (sharded_store.h).
-  const bool shard_gradients = cfg.parallelism.shard == ShardMode::Gradients;
-  const bool shard_full = cfg.parallelism.shard == ShardMode::Full;
-  const bool store_shards = shard_gradients || shard_full;
-  // ZeRO-1 and up over the world's ranks: the moments, clipping and the update cover this rank's slice.
-  const bool shard_optimizer = cfg.parallelism.shard == ShardMode::Optimizer || store_shards;
-  // model.param_dtype bfloat16 under shard optimizer: a ShardedStore too (its Mode::Optimizer), which keeps this
-  // rank's float32 masters beside the whole bf16 working weights; its gradients stay whole, reduced by step.cpp.
-  const bool bf16_optimizer =
-      cfg.parallelism.shard == ShardMode::Optimizer && cfg.model.param_dtype == model::ParamDtype::Bfloat16;
-  const bool uses_sharded_store = store_shards || bf16_optimizer;
-  // The float32 masters are this rank's pieces (shard full; optimizer and gradients with bf16 working weights): the
-  // checkpoint writer's reads are collectives, every rank taking part.
-  const bool masters_sharded = shard_full || (shard_optimizer && cfg.model.param_dtype == model::ParamDtype::Bfloat16);
   const bool lead = world.rank() == 0;  // writes the metrics, the loss picture and the checkpoints
-  // Expert parallelism without LoRA: each rank holds and trains only its EP rank's experts, under shard none in a
-  // replicated store of its rows (trainer/expert_state.h), under the other shard modes in a HeldExpertStore whose
-  // experts' state is sharded over their EDP group (trainer/held_expert_store.h); with LoRA (shard none or optimizer)
-  // every rank keeps every expert's base (frozen, mapped) and, when the experts' weights take adapters
-  // (model.lora.target_parameters), only its experts' adapters (LoraStore::place_experts; their gradients and norm as
-  // held experts', expert_state.h; under shard optimizer the moments of the held layout sharded over the EDP group,
-  // adapter_moments_edp).
-  const bool hold_experts =
-      cfg.parallelism.ep > 1 && cfg.parallelism.shard == ShardMode::None&& cfg.model.lora_rank == 0;
-  const bool hold_expert_adapters =
-      cfg.parallelism.ep > 1 && cfg.model.lora_rank > 0 && !cfg.model.lora_target_parameters.empty();
-  // LoRA's placed adapters under shard optimizer: AdamW's moments cover this rank's EDP slice of its held trainable
-  // layout (the experts' adapters of its EP rank, and every non-expert adapter), the update is all-gathered over the
-  // EDP group (expert_state.h says why).
-  const bool adapter_moments_edp = hold_expert_adapters && cfg.parallelism.shard == ShardMode::Optimizer;
-  const bool hold_experts_sharded =
-      cfg.parallelism.ep > 1 && cfg.parallelism.shard != ShardMode::None&& cfg.model.lora_rank == 0;
+  // What a rank holds of the weights, gradients and moments, and the step's operations on them (state/state.h).
+  std::unique_ptr<TrainingState> mode = plan_state(cfg);
   std::unique_ptr<comm::Communicator> cp_group, dp_group, ep_group;
   std::unique_ptr<comm::Communicator> edp_group;  // the ranks holding this rank's experts (world rank % ep alike)
-  // hold_experts_sharded: the experts' own communicator over the EDP group (until set_up hands it to the store),
-  // and the store, owned by the model.
-  std::unique_ptr<comm::Communicator> held_edp_comm;
-  HeldExpertStore* held = nullptr;
   cp::JobContext context;  // the model's parallel context: the local kernels, or the ring over this rank's CP group
   model::Checkpoint ck;
   TrainState state;
@@ -92,10 +56,6 @@ struct Run {
   // every update, on every rank at the same point (apply_update); null otherwise.
   const model::VisionEncoder* tower = nullptr;
   double tower_seconds = 0.0;  // this rank's time in the tower (forward, backward, the group's sums) this step
-  // uses_sharded_store: the sharded store's own communicator over the world (until set_up hands it over), and the
-  // store, owned by the model.
-  std::unique_ptr<comm::Communicator> store_comm;
-  ShardedStore* sharded = nullptr;
 };
 
 inline double seconds_since(Clock::time_point start) {
@@ -110,6 +70,14 @@ model::LoraConfig lora_config(const TrainConfig& cfg);
 // set_up.cpp
 void join_groups(Run& r);
 void set_up(Run& r);
+// The base: from model.path, or the built-in model from train.seed, into the mode's store.
+void load_base(Run& r);
+// What the run needs against the machine, for the model's shapes (before anything is allocated).
+void check_fits(const Run& r, const model::Gemma4Multimodal& shapes);
+// A resumed run's config against the one that wrote the checkpoint in `dir` (`saved_yaml`).
+void check_resume_compatible(const TrainConfig& now, const std::string& saved_yaml, const std::string& dir);
+// parallelism.ep against the model: its MoE layers' experts must divide over the EP ranks.
+void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config& mc);
 
 // step.cpp
 struct TokenCounts {

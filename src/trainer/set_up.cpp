@@ -15,19 +15,19 @@
 #include "model/builtin_configs.h"
 #include "model/expert_store.h"
 #include "model/lora_store.h"
+#include "model/peft_files.h"
 #include "model/vision.h"
 #include "model/vision_encoder.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
-#include "trainer/expert_state.h"
-#include "trainer/held_checkpoint.h"
-#include "trainer/held_expert_store.h"
 #include "trainer/optimizer.h"
 #include "trainer/run.h"
-#include "trainer/sharded_store.h"
+#include "trainer/state/expert_state.h"
+#include "trainer/state/held_checkpoint.h"
+#include "trainer/state/held_expert_store.h"
+#include "trainer/state/sharded_store.h"
 
 namespace rf::trainer::detail {
-namespace {
 
 namespace fs = std::filesystem;
 
@@ -58,16 +58,15 @@ void check_resume_compatible(const TrainConfig& now, const std::string& saved_ya
        "model.lora");
 }
 
+namespace {
+
 // Loaded weights must be finite before step 1: a NaN would only show as a non-finite loss after the first step's
 // work. Names the single-file checkpoint, or the directory of a sharded one.
-void check_loaded_weights(const model::Checkpoint& ck, const std::string& dir) {
+void check_loaded_weights(const model::Checkpoint& ck, const std::string& dir, const ShardedStore* sharded) {
   const fs::path single = fs::path(dir) / "model.safetensors";
   std::error_code ec;
   const std::string where = fs::exists(single, ec) ? single.string() : dir;
   const model::ParamStore& store = ck.model->params();
-  // Held experts: the rest in the inner store (its pieces under shard full), this rank's experts' rows.
-  const auto* experts_apart = dynamic_cast<const HeldExpertStore*>(&store);
-  const auto* sharded = dynamic_cast<const ShardedStore*>(experts_apart != nullptr ? &experts_apart->inner() : &store);
   for (size_t i = 0; i < store.size(); ++i) {  // named as in the files, where the user can look it up
     const model::ParamInfo& p = store.info(i);
     if (p.holds_part()) {  // expert rows: indexed in the whole tensor, as in the files
@@ -143,23 +142,7 @@ void join_groups(Run& r) {
   co.scheme = cp::scheme_name(r.cfg.parallelism.sharding);  // cp's options also take `auto`, a spelling
   co.timeout = r.timeout;
   r.context = cp::make_parallel_context(*r.cp_group, co, r.ep_group.get());
-  if (r.uses_sharded_store) r.store_comm = r.world.split(0, r.world.rank(), r.timeout);
-  if (r.hold_experts_sharded) r.held_edp_comm = r.world.split(r.world.rank() % ep, r.world.rank() / ep, r.timeout);
-}
-
-namespace {
-
-// shard gradients / full, and optimizer with bf16 working weights: a fresh sharded store (it takes the run's
-// communicator over the world) that freezes model.freeze when its weights are allocated.
-std::unique_ptr<ShardedStore> sharded_store(Run& r) {
-  RF_CHECK(r.store_comm != nullptr, "shard: the sharded store's communicator was taken already");
-  const ShardedStore::Mode mode = r.shard_full        ? ShardedStore::Mode::Full
-                                  : r.shard_gradients ? ShardedStore::Mode::Gradients
-                                                      : ShardedStore::Mode::Optimizer;
-  auto s = std::make_unique<ShardedStore>(std::move(r.store_comm), mode, r.timeout, r.cfg.model.freeze,
-                                          r.cfg.model.param_dtype);
-  s->set_reduce_budget(r.options.shard_reduce_budget);
-  return s;
+  r.mode->join(r);
 }
 
 // parallelism.ep against the model: its MoE layers' experts must divide over the EP ranks.
@@ -171,71 +154,10 @@ void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config&
            " experts");
 }
 
-HeldPlacement held_placement(const Run& r) {
-  const int ep = r.cfg.parallelism.ep;
-  return {r.world.rank() % ep, ep, r.world.rank(), r.world.size()};
-}
-
-// Held experts under sharding: the parts of a HeldExpertStore (held_expert_store.h), the shard mode's store of the
-// non-expert parameters (taking the run's sharded-store communicator) and this rank's experts' (taking the EDP one).
-std::pair<std::unique_ptr<model::ParamStore>, std::unique_ptr<ExpertSlices>> held_parts(Run& r) {
-  std::unique_ptr<model::ParamStore> inner;
-  if (r.store_shards) {
-    std::unique_ptr<ShardedStore> s = sharded_store(r);
-    r.sharded = s.get();
-    inner = std::move(s);
-  } else {
-    inner = std::make_unique<model::ReplicatedStore>();
-  }
-  RF_CHECK(r.held_edp_comm != nullptr, "held experts: the experts' communicator was taken already");
-  auto experts = std::make_unique<ExpertSlices>(std::move(r.held_edp_comm), r.store_shards, r.timeout);
-  return {std::move(inner), std::move(experts)};
-}
-
-// A model built in memory (model.builtin) with held experts under sharding: the whole store (frozen already) split
-// into the parts (held_expert_store.h). The whole copy is dropped when this returns.
-void hold_experts_sharded(Run& r) {
-  auto [inner, experts] = held_parts(r);
-  std::unique_ptr<HeldExpertStore> held =
-      make_held_expert_store(r.ck.model->params(), std::move(inner), std::move(experts), held_placement(r));
-  r.held = held.get();
-  r.ck.model->replace_params(std::move(held));
-}
-
-// Held experts loaded from files (a fresh start from model.path, or a resume): the store placed before any weight is
-// allocated, so the loader reads this rank's experts' rows alone and the rest as the store keeps it
-// (held_checkpoint.h); no rank holds a whole copy. Null without held experts (and with LoRA, whose base is mapped).
-model::PlaceParams place_experts(Run& r) {
-  if (!r.hold_experts && !r.hold_experts_sharded) return {};
-  return [&r](const model::Gemma4Multimodal& shapes) -> std::unique_ptr<model::ParamStore> {
-    check_expert_parallelism(r.cfg, shapes.config());
-    const HeldPlacement at = held_placement(r);
-    if (r.hold_experts) return model::hold_expert_rows(shapes.params(), at.ep_rank, at.ep);
-    auto [inner, experts] = held_parts(r);
-    std::unique_ptr<HeldExpertStore> held =
-        place_held_experts(shapes.params(), shapes.params().trainable_after(r.cfg.model.freeze), std::move(inner),
-                           std::move(experts), at);
-    r.held = held.get();
-    return held;
-  };
-}
-
 // What the run needs, checked on every rank before the weights, gradients and moments are allocated.
 void check_fits(const Run& r, const model::Gemma4Multimodal& shapes) {
   check_memory(train_memory_at_least(r.cfg, shapes, r.world.size()), "train",
                rf::concat(" at seq_len ", r.cfg.train.seq_len, " over cp ", r.cfg.parallelism.cp));
-}
-
-// LoRA: the parameters live in a LoraStore, which adds the adapters and freezes the base when it allocates.
-// shard gradients / full (and optimizer with bf16 working weights): in a ShardedStore, each rank keeping its pieces
-// of every tensor as it is loaded.
-std::unique_ptr<model::ParamStore> lora_store(Run& r) {
-  if (r.uses_sharded_store && !r.hold_experts_sharded) return sharded_store(r);
-  if (r.cfg.model.lora_rank == 0) return nullptr;
-  auto ls = std::make_unique<model::LoraStore>(lora_config(r.cfg));
-  // Expert parallelism (shard none or optimizer): this rank's experts' adapters only.
-  if (r.hold_expert_adapters) ls->place_experts(r.world.rank() % r.cfg.parallelism.ep, r.cfg.parallelism.ep);
-  return ls;
 }
 
 // The base: from model.path, or the built-in model from train.seed (a LoRA resume builds it again: it never trains).
@@ -243,8 +165,8 @@ void load_base(Run& r) {
   const TrainConfig& cfg = r.cfg;
   if (!cfg.model.path.empty()) {
     r.ck = model::load_checkpoint(
-        cfg.model.path, [&](const model::Gemma4Multimodal& shapes) { check_fits(r, shapes); }, lora_store(r),
-        cfg.model.train_vision, place_experts(r));
+        cfg.model.path, [&](const model::Gemma4Multimodal& shapes) { check_fits(r, shapes); }, r.mode->make_store(r),
+        cfg.model.train_vision, r.mode->place(r));
     return;
   }
   const std::string text = model::builtin_config_json(cfg.model.builtin);
@@ -258,12 +180,11 @@ void load_base(Run& r) {
                                                      std::move(store));
   };
   check_fits(r, *shapes(nullptr));
-  r.ck.model = shapes(lora_store(r));
+  r.ck.model = shapes(r.mode->make_store(r));
   r.ck.model->params().allocate_weights();
   // Every slot, the tower's last (so the decoder draws the same values with and without model.train_vision).
   r.ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));
-  // init_random filled every slot, the adapters too: PEFT's initial adapters again (B = 0: the base's function).
-  if (auto* ls = dynamic_cast<model::LoraStore*>(&r.ck.model->params())) ls->init_adapters();
+  r.mode->drawn(r);  // init_random filled every slot: the mode's own start (LoRA's initial adapters)
   r.ck.text_prefix = model::kMultimodalTextPrefix;
   // transformers sizes the projection's input by the tower's width: the two must agree.
   RF_CHECK(tower.hidden_size == model::kBuiltinFeatureDim, source, ": vision_config.hidden_size = ", tower.hidden_size,
@@ -272,36 +193,22 @@ void load_base(Run& r) {
   if (cfg.model.train_vision) r.ck.model->adopt_tower_parameters();
 }
 
+namespace {
+
 // The model, fresh (load_base) or resumed with where the run stands (r.state), its loaded weights checked finite.
 void load_model(Run& r) {
   const TrainConfig& cfg = r.cfg;
-  const bool lora = cfg.model.lora_rank > 0;
   if (!r.options.resume.empty()) {
     r.resume_dir = resolve_checkpoint(r.options.resume);
-    if (lora) {
-      // A LoRA checkpoint holds the adapters (PEFT's files) and the state; the base is the config's.
-      r.state = load_train_state(r.resume_dir);
-      check_resume_compatible(cfg, r.state.config_yaml, r.resume_dir);
-      load_base(r);
-      model::load_peft_adapter(dynamic_cast<model::LoraStore&>(r.ck.model->params()), r.resume_dir);
-    } else {
-      // A sharded store's run: straight into it, each rank keeping its pieces as the tensors are read.
-      LoadedCheckpoint loaded = load_train_checkpoint(
-          r.resume_dir, [&](const model::Gemma4Multimodal& shapes) { check_fits(r, shapes); }, cfg.model.train_vision,
-          r.uses_sharded_store && !r.hold_experts_sharded ? sharded_store(r) : nullptr, place_experts(r));
-      check_resume_compatible(cfg, loaded.state.config_yaml, r.resume_dir);
-      r.ck = std::move(loaded.weights);
-      r.state = std::move(loaded.state);
-    }
+    r.mode->resume(r);
     RF_CHECK(r.state.step < cfg.train.steps, "--resume ", r.resume_dir, ": the checkpoint is at step ", r.state.step,
              " and train.steps = ", cfg.train.steps, " leaves nothing to do");
   } else {
     load_base(r);
   }
-  if (!cfg.model.path.empty() && (lora || r.resume_dir.empty()))
-    check_loaded_weights(r.ck, cfg.model.path);
-  else if (!r.resume_dir.empty() && !lora)
-    check_loaded_weights(r.ck, r.resume_dir);
+  const std::string loaded_from = r.mode->weights_source(r);
+  // Held experts: the rest in the inner store (its pieces under shard full), this rank's experts' rows.
+  if (!loaded_from.empty()) check_loaded_weights(r.ck, loaded_from, r.mode->sharded_masters());
 }
 
 // The data, its rows checked against the model; a frozen vision tower encodes its images here and is dropped.
@@ -337,34 +244,12 @@ void set_up_optimizer(Run& r) {
   const TrainConfig& cfg = r.cfg;
   // A store placed by the loader has the flags of model.freeze already (then this changes nothing).
   r.ck.model->params().freeze(cfg.model.freeze);
-  if (r.hold_experts_sharded) {
-    if (r.held == nullptr) hold_experts_sharded(r);  // model.builtin: drawn whole, then split
-    set_held_moment_ranges(*r.held, held_placement(r));
-    // Each part's moments from the files (a checkpoint of any EP and shard mode), by slice.
-    if (!r.resume_dir.empty()) load_held_moments(r.resume_dir, *r.held);
-  } else if (r.uses_sharded_store) {
-    r.sharded = dynamic_cast<ShardedStore*>(&r.ck.model->params());
-    RF_CHECK(r.sharded != nullptr, "shard: the model was loaded into a replicated store");
-  }
+  r.mode->before_optimizer(r);
+  r.adam = std::make_unique<AdamW>(r.ck.model->params(), cfg.optimizer);
+  r.mode->after_optimizer(r);
   model::ParamStore& store = r.ck.model->params();
-  if (r.adapter_moments_edp) {  // LoRA's placed adapters: this rank's EDP slice of its held layout (expert_state.h)
-    const model::Shard mine = model::shard_of(store.trainable_elements(), r.edp_group->rank(), r.edp_group->size());
-    store.set_moment_range(mine.begin, mine.end);
-  } else if (r.shard_optimizer && !r.held) {
-    const model::Shard mine = model::shard_of(store.trainable_elements(), r.world.rank(), r.world.size());
-    store.set_moment_range(mine.begin, mine.end);
-  }
-  r.adam = std::make_unique<AdamW>(store, cfg.optimizer);
-  // Held experts under shard none: a store placed by the loader reads its rows' moments alone (load_optimizer_state);
-  // a model drawn whole (model.builtin) keeps its rows now.
-  if (!r.resume_dir.empty() && !r.held) load_optimizer_state(r.resume_dir, store);
-  const bool rows_held =
-      std::any_of(store.infos().begin(), store.infos().end(), [](const model::ParamInfo& p) { return p.holds_part(); });
-  if (r.hold_experts && !rows_held)
-    r.ck.model->replace_params(model::hold_expert_rows(store, r.world.rank() % cfg.parallelism.ep, cfg.parallelism.ep));
-  model::ParamStore& held = r.ck.model->params();
-  held.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
-  held.set_param_dtype(cfg.model.param_dtype);
+  store.allocate_grads();  // the trainable parameters' gradients, accumulated over a step's micro-batches
+  store.set_param_dtype(cfg.model.param_dtype);
 }
 
 }  // namespace

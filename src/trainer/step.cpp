@@ -5,15 +5,11 @@
 
 #include "comm/agree.h"
 #include "core/error.h"
-#include "model/expert_store.h"
 #include "model/vision.h"
 #include "model/vision_encoder.h"
 #include "trainer/data.h"
-#include "trainer/expert_state.h"
-#include "trainer/held_expert_store.h"
 #include "trainer/optimizer.h"
 #include "trainer/run.h"
-#include "trainer/sharded_store.h"
 
 namespace rf::trainer::detail {
 
@@ -50,33 +46,6 @@ TokenCounts count_tokens(const Run& r, const std::vector<PackedBatch>& batches) 
 }
 
 namespace {
-
-// A micro-batch's tower gradients (model.train_vision; frozen parameters, model.freeze, have none) into the store's:
-// added to a replicated store's, which the gradient reduction then sums over the world with the decoder's; a sharded
-// store's (shard gradients / full) holds only its slice, so each trainable tower parameter's whole gradient is reduced
-// into its owners' slices here (ShardedStore::reduce_gradient, the sums of shard none's reduction): a collective over
-// the world, in registration order, which a rank whose micro-batch has no image of its own joins with zeros. With held
-// experts (parallelism.ep > 1) r.sharded is the HeldExpertStore's inner store, which registers every slot of the
-// model's store in the same order (the tower's among its non-expert parameters).
-void add_tower_gradients(Run& r, model::VisionGrads& grads) {
-  model::ParamStore& store = r.ck.model->params();
-  if (r.sharded == nullptr) {
-    for (const auto& [name, g] : grads) {
-      float* dst = store.grad(store.slot(name));
-      if (dst == nullptr) continue;
-      for (size_t e = 0; e < g.size(); ++e) dst[e] += g[e];
-    }
-    return;
-  }
-  for (size_t slot = 0; slot < store.size(); ++slot) {
-    const model::ParamInfo& p = store.info(slot);
-    if (!p.trainable || p.name.rfind(model::kVisionTowerPrefix, 0) != 0) continue;
-    const auto it = grads.find(p.name);
-    std::vector<float> whole =
-        it != grads.end() ? std::move(it->second) : std::vector<float>(static_cast<size_t>(p.numel), 0.f);
-    r.sharded->reduce_gradient(slot, whole);
-  }
-}
 
 // model.train_vision: the micro-batch's images through the tower of the current weights, its soft tokens the slots'
 // features, and with gradients the tower's backward from the decoder's d image_features, accumulated into the
@@ -151,7 +120,8 @@ double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro)
       for (int i : mine_index) d_mine.insert(d_mine.end(), d.begin() + first[i] * F, d.begin() + first[i + 1] * F);
       r.tower->backward(mine.batch(), tape, d_mine.data(), grads);
     }
-    add_tower_gradients(r, grads);
+    // frozen parameters (model.freeze) have none; the mode adds them into its store's (state/state.h)
+    r.mode->add_tower_gradients(r, grads);
     r.tower_seconds += seconds_since(back);
   }
   return res.loss;
@@ -165,9 +135,9 @@ double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool 
   ro.loss_normalizer = std::max(1.0, static_cast<double>(label_tokens));  // no label tokens: loss 0, not 0 / 0
   if (r.tower && p.images.n > 0) return run_with_tower(r, p, ro);
   const double loss = r.ck.model->run(p.batch(), ro, *r.context.model).loss;
-  if (r.tower && grad && r.sharded) {  // the other replicas' tower reductions, joined with zeros
-    model::VisionGrads none;
-    add_tower_gradients(r, none);
+  if (r.tower && grad && r.mode->tower_gradients_collective()) {  // the other replicas' tower reductions, joined
+    model::VisionGrads none;                                      // with zeros
+    r.mode->add_tower_gradients(r, none);
   }
   return loss;
 }
@@ -196,96 +166,29 @@ double forward_backward(Run& r, const std::vector<PackedBatch>& batches, int64_t
   return loss;
 }
 
-// 4a. Sums the gradients over every rank, in rank order (the same bits on every rank and backend), in place in the
-// store's flat gradient arena: one collective for the whole model. Shard none: every rank gets the whole sum
-// (all-reduce). Shard optimizer: each rank gets the sums of its slice (reduce-scatter, half the traffic), the only
-// gradients its update reads. Shard gradients and full: reduced already, layer by layer, by the sharded store's
-// hooks, into this rank's slice (sharded_store.h says what accumulation changes).
-void reduce_gradients(Run& r) {
-  // Held experts under shard optimizer: the experts' over their EDP group (gradients, full: reduced by the hooks).
-  if (r.held && !r.store_shards) r.held->experts().reduce();
-  if (r.world.size() == 1 || r.store_shards) return;
-  // The experts' over their EDP group, the rest over the world. LoRA's placed adapters under shard optimizer too: a
-  // rank updates its EDP slice of its held layout, non-expert adapters included, so it takes the whole sums (all-
-  // reduces where ZeRO-1 reduce-scatters: the adapters' gradients are small, and these are shard none's bits).
-  if (r.hold_experts || r.hold_expert_adapters) {
-    reduce_held_expert_gradients(r.ck.model->params(), expert_groups(r));
-    return;
-  }
-  const std::span<float> flat = r.ck.model->params().mutable_flat(model::Role::Grads);
-  if (r.shard_optimizer)
-    r.world.reduce_scatter(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
-  else
-    r.world.allreduce(flat.data(), flat.size(), comm::ReduceOp::Sum, r.timeout);
-}
+// 4a. Sums the gradients over every rank, in rank order (the same bits on every rank and backend), as the run's
+// training state holds them (state/state.h).
+void reduce_gradients(Run& r) { r.mode->reduce_gradients(r); }
 
 // 4b. The global gradient norm, and in `factor` the one clipping to optimizer.grad_clip scales the gradients by (1
 // within the limit or for a non-finite norm); returns the norm before clipping. The gradients are not scaled here:
 // apply_update hands the factor to AdamW, which rounds each scaled gradient as a scaling pass would, within its own
 // pass over the arena (one pass over the gradients fewer a step, the same bits). The sum of squares is taken as one
-// partial sum per rank's slice (comm::slice_of over the world), added in rank order: the same bits whether a rank
-// holds every reduced gradient (shard none: it computes all the partials) or its slice alone (shard optimizer: each
-// computes its own, and they are gathered). One rank: the sum in order over the whole arena.
+// partial sum per rank's slice of the trainable layout (comm::slice_of over the world), added in rank order: the same
+// bits whichever part of the reduced gradients a rank holds.
 double clip_global_norm(Run& r, double max_norm, double& factor) {
-  model::ParamStore& store = r.ck.model->params();
-  const std::span<float> flat = store.mutable_flat(model::Role::Grads);
-  const int P = r.world.size(), me = r.world.rank();
-  const auto slice = [&](int rank) {
-    if (r.store_shards) return flat;  // the sharded store's gradients are this rank's slice alone
-    const comm::Slice s = comm::slice_of(flat.size(), P, rank);
-    return flat.subspan(s.begin, s.size());
-  };
-  std::vector<double> partial(static_cast<size_t>(P));
-  if (r.hold_experts || r.hold_expert_adapters) {  // the same partials from the experts' holders (expert_state.h)
-    partial = held_expert_norm_partials(store, expert_groups(r));
-  } else if (r.held) {
-    // Held experts under sharding: the same partials from the holders of the reduced slices (held_expert_store.h).
-    partial = held_norm_partials(*r.held, slice(me), {r.world, *r.ep_group, *r.edp_group, r.timeout});
-  } else if (r.shard_optimizer) {
-    const double mine = sum_of_squares(slice(me));
-    r.world.allgather(&mine, partial.data(), sizeof(double), r.timeout);
-  } else {
-    for (int rank = 0; rank < P; ++rank) partial[static_cast<size_t>(rank)] = sum_of_squares(slice(rank));
-  }
   double sum = 0.0;
-  for (double x : partial) sum += x;
+  for (double x : r.mode->norm_partials(r)) sum += x;
   const double norm = std::sqrt(sum);
   factor = std::isfinite(norm) ? clip_factor(norm, max_norm) : 1.0;
   return norm;
 }
 
-namespace {
-
-// parallelism.shard = optimizer, after the update: each rank updated its slice of the trainable parameters; every
-// rank takes the others' (the same bits the whole update gives, so every replica holds the same weights again). The
-// gradient arena, whose values are spent, carries them in the trainable layout: this rank's slice is copied in, one
-// all-gather of slices fills the rest, and every trainable parameter is copied back.
-void gather_updated_weights(comm::Communicator& c, model::ParamStore& store, comm::Timeout timeout) {
-  const std::span<float> staging = store.mutable_flat(model::Role::Grads);
-  const comm::Slice mine = comm::slice_of(staging.size(), c.size(), c.rank());
-  const int64_t begin = static_cast<int64_t>(mine.begin), end = static_cast<int64_t>(mine.end);
-  for (const model::ParamStore::Segment& seg : store.trainable_segments(begin, end))
-    std::copy_n(store.weight(seg.slot) + seg.first, seg.n, staging.data() + seg.train_index);
-  c.allgather_slices(staging.data(), staging.size(), sizeof(float), timeout);
-  for (const model::ParamStore::Segment& seg : store.trainable_segments(0, store.trainable_elements()))
-    std::copy_n(staging.data() + seg.train_index, seg.n, store.mutable_weight(seg.slot) + seg.first);
-}
-
-}  // namespace
-
 // 4c. The AdamW update at `step` from the gradients times `clip` (clip_global_norm's factor), the same on every
 // replica; returns the learning rate it used.
 double apply_update(Run& r, int64_t step, double clip) {
   const double lr = learning_rate(r.cfg.optimizer, r.cfg.schedule, static_cast<int>(step), r.cfg.train.steps);
-  r.adam->step(r.ck.model->params(), lr, step, clip);
-  if (r.held) {  // the experts' slices, then every EDP rank's updated slice into every one's experts
-    r.adam->step(r.held->experts(), lr, step, clip);
-    r.held->experts().gather_updated();
-  }
-  if (r.sharded)
-    r.sharded->after_update();
-  else if (r.shard_optimizer)  // LoRA's placed adapters: their EDP slices (each EDP group holds its own experts')
-    gather_updated_weights(r.adapter_moments_edp ? *r.edp_group : r.world, r.ck.model->params(), r.timeout);
+  r.mode->update(r, lr, step, clip);
   if (r.tower) {  // model.train_vision: the updated tower
     r.ck.model->refresh_vision_tower();
     r.tower = r.ck.model->vision_tower();
@@ -311,7 +214,7 @@ double validation_loss(Run& r) {
   const int dp = r.cfg.parallelism.dp;
   std::vector<PackedBatch> mine;
   std::vector<PackedBatch> filler;  // under expert parallelism or shard full: the split's first row (see below)
-  const bool balanced = r.cfg.parallelism.ep > 1 || r.shard_full;
+  const bool balanced = r.cfg.parallelism.ep > 1 || r.mode->forward_collective();
   int64_t labels = 0;
   comm::agree(r.world, [&] {
     std::vector<Row> rows;

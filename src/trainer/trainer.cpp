@@ -18,13 +18,8 @@
 #include "core/memory.h"
 #include "core/mix.h"
 #include "io/atomic_file.h"
-#include "model/expert_store.h"
-#include "model/lora_store.h"
 #include "model/matmul_bf16.h"
 #include "trainer/checkpoint.h"
-#include "trainer/expert_state.h"
-#include "trainer/held_checkpoint.h"
-#include "trainer/held_expert_store.h"
 #include "trainer/metrics.h"
 #include "trainer/run.h"
 
@@ -62,7 +57,7 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
                         double step_seconds, double comm_wait_s, double data_seconds, const ExpertTraffic& ep_moved,
                         TrainResult& result) {
   // The step's waits on the sharded store's collectives, taken before validation runs (whose are dropped).
-  const double comm_wait = r.sharded ? r.sharded->take_exposed_seconds() : 0.0;
+  const std::optional<double> comm_wait = r.mode->take_comm_wait();
   StepMetrics sm;
   sm.step = step;
   sm.loss = loss;
@@ -99,13 +94,13 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
     sm.ep_rows_received = moved[1];
     sm.ep_bytes_per_layer = moved[2];
     sm.ep_exposed_s = exposed;
-    sm.ep_experts_held = r.hold_experts || r.held ? mc.num_experts / r.cfg.parallelism.ep : mc.num_experts;
+    sm.ep_experts_held = r.mode->experts_held(mc.num_experts, r.cfg.parallelism.ep);
   }
-  if (r.sharded) {
-    double most = comm_wait;
+  if (comm_wait) {
+    double most = *comm_wait;
     r.world.allreduce(&most, 1, comm::ReduceOp::Max, r.timeout);
     sm.shard_comm_wait_s = most;
-    r.sharded->take_exposed_seconds();  // validation's
+    r.mode->take_comm_wait();  // validation's
   }
   r.state.history.steps.push_back(static_cast<int>(step));
   r.state.history.loss.push_back(loss);
@@ -117,24 +112,6 @@ StepMetrics record_step(Run& r, int64_t step, double loss, double lr, double nor
   return sm;
 }
 
-// While it lives, the model holds `whole` (a whole-layout store for the writer; null: nothing changes) in place of
-// its held experts' store, which it gets back on every path.
-class HeldExpertsWhole {
- public:
-  HeldExpertsWhole(model::Gemma4Multimodal& m, std::unique_ptr<model::ParamStore> whole) : m_(m) {
-    if (whole) held_ = m_.replace_params(std::move(whole));
-  }
-  ~HeldExpertsWhole() {
-    if (held_) m_.replace_params(std::move(held_));
-  }
-  HeldExpertsWhole(const HeldExpertsWhole&) = delete;
-  HeldExpertsWhole& operator=(const HeldExpertsWhole&) = delete;
-
- private:
-  model::Gemma4Multimodal& m_;
-  std::unique_ptr<model::ParamStore> held_;
-};
-
 // The checkpoint of the current step, every rank writing its part, then the loss picture. Rank 0 made the
 // temporary directory (`pending`, in the agreement before) and writes the weights, each tensor read from the store
 // only while it is written (a collective read when the weights are sharded: the other ranks take part in each);
@@ -145,82 +122,15 @@ void save(Run& r, std::optional<PendingCheckpoint>& pending, comm::Timeout wait,
           TrainResult& result) {
   const CheckpointSection& cfg = r.cfg.checkpoint;
   const std::string tmp = checkpoint_temp_path(cfg.dir, r.state.step);
-  // Held experts (any shard mode): a HeldWriter stands in the model on every rank while it saves, each tensor
-  // gathered onto the writer from the ranks holding its parts as its turn comes (held_checkpoint.h).
-  HeldWriter* held_writer = nullptr;
-  std::unique_ptr<model::ParamStore> whole;
-  if (r.hold_experts || r.held) {
-    auto writer =
-        std::make_unique<HeldWriter>(r.ck.model->params(), HeldGroups{r.world, *r.ep_group, *r.edp_group, r.timeout});
-    held_writer = writer.get();
-    whole = std::move(writer);
-  }
-  if (r.hold_expert_adapters) {  // LoRA: the adapters whole, the base unread
-    // Under shard optimizer their moments' EDP slices gathered first, on every rank (expert_state.h).
-    const WholeAdapterMoments moments(r.ck.model->params(), r.adapter_moments_edp ? r.edp_group.get() : nullptr,
-                                      r.timeout);
-    if (r.world.rank() < r.cfg.parallelism.ep)
-      whole = gather_held_adapters(dynamic_cast<const model::LoraStore&>(r.ck.model->params()), expert_groups(r));
-  }
-  const HeldExpertsWhole while_saving(*r.ck.model, r.lead || held_writer ? std::move(whole) : nullptr);
-  const model::ParamStore& store = r.ck.model->params();
-  // ZeRO-1's moments, one file a rank; held experts' moments stream onto the writer (HeldWriter), LoRA's placed
-  // adapters' are written whole (gathered above).
-  const bool moments_per_rank = r.shard_optimizer && !r.held && !r.hold_expert_adapters;
-  std::exception_ptr failed;
-  try {
-    if (const auto* lora = dynamic_cast<const model::LoraStore*>(&store)) {
-      // A LoRA run's weights are its adapters, in PEFT's files; the frozen base stays where model.path has it.
-      if (r.lead) model::save_peft_adapter(*lora, r.ck.text_prefix, r.ck.source, tmp);
-    } else if (r.lead || (r.masters_sharded && !r.held) || held_writer) {
-      // The other ranks take part in the reads where they are collective (sharded masters', the held experts' gathers).
-      model::save_checkpoint(r.ck, tmp, {max_shard_bytes(cfg), r.lead});
-    }
-  } catch (...) {
-    failed = std::current_exception();  // save_checkpoint took part in every read before it threw
-  }
-  comm::agree(
-      r.world,
-      [&] {
-        if (failed) std::rethrow_exception(failed);
-      },
-      wait);
-  comm::agree(
-      r.world,
-      [&] {
-        if (held_writer != nullptr)  // every rank: each moment tensor gathered onto the writer
-          write_moments_streamed(
-              tmp, store,
-              [held_writer](model::Role role, size_t slot, std::span<float> out) {
-                held_writer->read_moment(role, slot, out);
-              },
-              r.lead);
-        else if (moments_per_rank)
-          write_moments_shard(tmp, store, r.world.rank(), r.world.size());
-        else if (r.lead)
-          write_moments_whole(tmp, store);
-      },
-      wait);
-  PendingCheckpoint::MomentLayout moments;
-  if (moments_per_rank) {  // every rank's range, as its store holds it
-    moments.shard_mode = name_of(r.cfg.parallelism.shard);
-    const model::Shard mine = store.moment_range();
-    const int64_t range[2] = {mine.begin, mine.end};
-    std::vector<int64_t> all(2 * static_cast<size_t>(r.world.size()));
-    r.world.allgather(range, all.data(), sizeof range, r.timeout);
-    for (int k = 0; k < r.world.size(); ++k) moments.ranges.emplace_back(all[2 * k], all[2 * k + 1]);
-  }
-  comm::agree(
-      r.world,
-      [&] {
-        if (!r.lead) return;
-        result.last_checkpoint = pending->finish(store, r.state, moments, cfg.keep, r.options.before_checkpoint_rename);
-        pending.reset();
-        if (!result.svg_path.empty())
-          io::write_file_atomically(result.svg_path, loss_svg(r.state.history, "ringflex train"));
-        progress.note(rf::concat("step ", r.state.step, ": checkpoint ", result.last_checkpoint));
-      },
-      wait);
+  // The training state writes the weights and moments (state/state.h), then rank 0 renames the directory into place.
+  r.mode->save(r, tmp, wait, [&](const model::ParamStore& store, const PendingCheckpoint::MomentLayout& moments) {
+    if (!r.lead) return;
+    result.last_checkpoint = pending->finish(store, r.state, moments, cfg.keep, r.options.before_checkpoint_rename);
+    pending.reset();
+    if (!result.svg_path.empty())
+      io::write_file_atomically(result.svg_path, loss_svg(r.state.history, "ringflex train"));
+    progress.note(rf::concat("step ", r.state.step, ": checkpoint ", result.last_checkpoint));
+  });
   result.last_checkpoint = checkpoint_path(cfg.dir, r.state.step);  // known to every rank
 }
 
@@ -241,9 +151,9 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
   if (!save_now) return;
   // A save is waited for as long as its bytes take at the slowest write rate, beyond --timeout: only a rank that is
   // gone or silent ends the job the hard way.
-  int64_t bytes = checkpoint_bytes(r.ck);
-  if (r.hold_experts || r.held) {  // the files hold every expert, where the store registers this rank's
-    const HeldExpertsWhole counting(*r.ck.model, files_layout(r.ck.model->params()));
+  int64_t bytes = 0;
+  {  // the files' layout (held experts: every expert, where the store registers this rank's)
+    const StoreStandIn counting(*r.ck.model, r.mode->files_registry(r));
     bytes = checkpoint_bytes(r.ck);
   }
   save(r, pending, save_wait(r.timeout, bytes, r.options.slowest_checkpoint_write), progress, result);
@@ -254,11 +164,9 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
 void write_stats(Run& r, const std::string& path) {
   // Held experts: the check counts from the files' registry (the held store registers a rank's experts only, and a
   // HeldExpertStore marks them frozen: their training state is its ExpertSlices').
-  std::unique_ptr<model::ParamStore> shapes;
-  if (r.hold_experts || r.held) shapes = files_layout(r.ck.model->params());
   MemoryBreakdown need;
   {
-    const HeldExpertsWhole while_counting(*r.ck.model, std::move(shapes));
+    const StoreStandIn while_counting(*r.ck.model, r.mode->files_registry(r));
     need = train_memory_at_least(r.cfg, *r.ck.model, r.world.size());
   }
   const int64_t mine = peak_rss_bytes();
@@ -383,7 +291,7 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     if (r.lead && !result.last_checkpoint.empty()) progress.note("checkpoint: " + result.last_checkpoint);
   });
   if (!options.stats_path.empty()) write_stats(r, options.stats_path);
-  if (r.sharded && options.whole_model) r.sharded->unshard();  // whole weights for the caller (every rank)
+  if (options.whole_model) r.mode->unshard();  // whole weights for the caller (every rank)
   result.model = std::move(r.ck.model);
   return result;
 }

@@ -25,6 +25,7 @@
 #include "model/checkpoint.h"
 #include "model/gemma4.h"
 #include "model/lora_store.h"
+#include "model/peft_files.h"
 
 namespace rf::model {
 namespace {

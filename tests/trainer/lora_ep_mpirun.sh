@@ -3,7 +3,7 @@
 # mpirun. Every rank keeps the whole frozen base (ep_experts_held = E: the base's experts are all there), and only
 # its EP rank's experts' adapters (model::LoraStore::place_experts; --stats counts E / ep experts' adapters), so only
 # the tokens travel for the base and the adapters' state is divided (under shard optimizer the moments of a rank's
-# held adapters sharded over the ranks holding the same experts: trainer/expert_state.h). Asserted:
+# held adapters sharded over the ranks holding the same experts: trainer/state/expert_state.h). Asserted:
 #   - the first step's loss is ep 1's bit for bit (the forward is the same bits at any EP, the adapters' initial
 #     values the whole tensor's rows);
 #   - every step's loss and gradient norm within 1e-5 relative (an expert's adapter gradients sum the rows of each

@@ -13,10 +13,10 @@
 # moment moves an element by about the whole lr). The resume at another EP also runs another shard mode (none <->
 # optimizer, gradients <-> full: modes that sum the same terms in the same order, same_bits_shard_mpirun.sh; the
 # micro-batches' sums reassociate between the two pairs): the files are the same whole layout whatever wrote them. The metrics say how many
-# experts a rank holds: E / ep in every shard mode (each rank its own; trainer/held_expert_store.h under sharding).
+# experts a rank holds: E / ep in every shard mode (each rank its own; trainer/state/held_expert_store.h under sharding).
 # Last, ep 1's step-2 checkpoint (under sharding its moments in one file a rank) resumed at ep gives ep 1's step-3
 # loss bit for bit, and a fresh start from its files (model.path) at ep gives ep 1's first loss from them. A load at
-# ep > 1 reads each rank's experts' rows alone and a save gathers one tensor at a time (trainer/held_checkpoint.h).
+# ep > 1 reads each rank's experts' rows alone and a save gathers one tensor at a time (trainer/state/held_checkpoint.h).
 #   same_loss_ep_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS EP GRID_SETS...
 set -euo pipefail
 source "$(dirname "$0")/../common/mpirun_lib.sh"
@@ -44,7 +44,7 @@ done
 # And ep 1's step-2 checkpoint (its moments in one file a rank under sharding) resumed at ep: step 3's loss is ep 1's.
 train_job from1 "$ranks" "$@" --set parallelism.ep="$ep" --resume "$work/ep1/step-00000002"
 # A fresh start from ep 1's step-2 files (model.path: the Hugging Face layout) at ep 1 and at ep, each rank of the ep
-# run reading its experts' rows of the files alone (trainer/held_checkpoint.h): step 1's loss is the same bits.
+# run reading its experts' rows of the files alone (trainer/state/held_checkpoint.h): step 1's loss is the same bits.
 for e in 1 "$ep"; do
   train_job "path$e" "$ranks" "$@" --set parallelism.ep="$e" --set train.steps=1 \
     --set model.path="$work/ep1/step-00000002"

@@ -29,13 +29,14 @@
 #include "model/checkpoint.h"
 #include "model/expert_store.h"
 #include "model/lora_store.h"
+#include "model/peft_files.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
-#include "trainer/held_checkpoint.h"
-#include "trainer/held_expert_store.h"
 #include "trainer/optimizer.h"
 #include "trainer/runtime_memory.h"
-#include "trainer/sharded_store.h"
+#include "trainer/state/held_checkpoint.h"
+#include "trainer/state/held_expert_store.h"
+#include "trainer/state/sharded_store.h"
 #include "trainer/trainer.h"
 
 namespace rf::trainer {
@@ -396,13 +397,14 @@ TEST(ShardOptimizer, LoraSameBitsAsShardNone) {
   fs::remove_all(dir);
 }
 
-// LoRA's experts' adapters under shard optimizer follow the EP placement (trainer/expert_state.h): each rank holds its
-// EP rank's experts' adapters only, and AdamW's moments of its EDP slice of its held adapters (ep 2 over dp 4: two
-// ranks a group of the same experts). The gradients are summed as under shard none and AdamW updates each element
-// alone, so every loss, gradient norm and validation loss, the written adapter file and the moments (written whole)
-// are shard none's bits at the same EP, and the moment range is the slice again after a save. Resumes: the ep 2 run's
-// step-2 checkpoint continues it bit for bit; ep 1's under shard optimizer (one moment file a rank, whole tensors'
-// layout) is read by rows at ep 2 and gives ep 1's step 3 loss bit for bit (the forward is the same at any EP).
+// LoRA's experts' adapters under shard optimizer follow the EP placement (trainer/state/expert_state.h): each rank
+// holds its EP rank's experts' adapters only, and AdamW's moments of its EDP slice of its held adapters (ep 2 over dp
+// 4: two ranks a group of the same experts). The gradients are summed as under shard none and AdamW updates each
+// element alone, so every loss, gradient norm and validation loss, the written adapter file and the moments (written
+// whole) are shard none's bits at the same EP, and the moment range is the slice again after a save. Resumes: the ep 2
+// run's step-2 checkpoint continues it bit for bit; ep 1's under shard optimizer (one moment file a rank, whole
+// tensors' layout) is read by rows at ep 2 and gives ep 1's step 3 loss bit for bit (the forward is the same at any
+// EP).
 TEST(ShardOptimizer, LoraExpertAdaptersFollowTheEpPlacement) {
   const fs::path dir = scratch("shard_optimizer_lora_ep");
   const auto config = [&](const std::string& mode, int ep, const std::string& root) {

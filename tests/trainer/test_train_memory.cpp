@@ -20,7 +20,7 @@
 #include "model/vision.h"
 #include "model/vision_encoder.h"
 #include "trainer/runtime_memory.h"
-#include "trainer/sharded_store.h"
+#include "trainer/state/sharded_store.h"
 #include "trainer/trainer.h"
 
 namespace rf::trainer {
@@ -44,7 +44,7 @@ model::Gemma4Multimodal shapes() {
 }
 
 // Expert parallelism: a rank holds its EP rank's experts only, so the experts' weights, gradients and moments count
-// E / ep experts; under sharding (trainer/held_expert_store.h) the other parameters are placed by the mode, the
+// E / ep experts; under sharding (trainer/state/held_expert_store.h) the other parameters are placed by the mode, the
 // experts' moments (and under gradients / full their gradients) are a padded slice over the Q = N / ep EDP ranks.
 TEST(TrainMemory, HeldExpertsCountTheRanksOwn) {
   const model::Gemma4Multimodal m(model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm")),

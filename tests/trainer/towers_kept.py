@@ -18,7 +18,7 @@ Inputs, tiny random models made here with transformers' save_pretrained:
   audio    Gemma4ForConditionalGeneration with an audio tower (and its embedder, which ringflex does not use);
   builtin  ringflex's built-in tiny_moe_vlm (a Gemma4ForConditionalGeneration whose one-layer vision tower ringflex
            makes itself), trained on the mock data with its experts held apart (parallelism.ep = 2 under shard full:
-           the writer receives each tensor from the ranks holding its parts, trainer/held_checkpoint.h): only 1 and
+           the writer receives each tensor from the ranks holding its parts, trainer/state/held_checkpoint.h): only 1 and
            2's name set (its tower has no input to match).
 Tolerance of 4: 1e-4 relative, as in tests/model/parity.py (float32 ringflex against float64 transformers on a tiny
 model: rounding ~1e-7 per op amplified by depth stays ~1e-5; a wrong or missing weight shows at 1e-2).

@@ -1,5 +1,5 @@
 // ringflex trainer: checkpoints of held experts without a whole copy (see held_checkpoint.h).
-#include "trainer/held_checkpoint.h"
+#include "trainer/state/held_checkpoint.h"
 
 #include <algorithm>
 #include <cstddef>
@@ -7,7 +7,7 @@
 #include "core/error.h"
 #include "model/expert_store.h"
 #include "trainer/checkpoint.h"
-#include "trainer/sharded_store.h"
+#include "trainer/state/sharded_store.h"
 
 namespace rf::trainer {
 

@@ -1,5 +1,5 @@
 // ringflex trainer: the sharded parameter store (see sharded_store.h).
-#include "trainer/sharded_store.h"
+#include "trainer/state/sharded_store.h"
 
 #include <algorithm>
 #include <chrono>

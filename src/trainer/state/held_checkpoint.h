@@ -1,21 +1,8 @@
-// ringflex trainer: the checkpoints of a run holding its experts apart (parallelism.ep > 1 without LoRA: under shard
-// none a replicated store of the rank's expert rows, trainer/expert_state.h; under the other shard modes a
-// HeldExpertStore, trainer/held_expert_store.h), written and read with no whole copy of the model on any rank.
-//   saving   the files are those of a store holding every expert (each expert written once in the Hugging Face
-//            layout, the moments whole in optimizer.safetensors). A HeldWriter stands in the model while it saves,
-//            on every rank: model::save_checkpoint and write_moments_streamed run the same fills in the same order
-//            on every rank, and each fill (one tensor) is a collective over the world. The writer (world rank 0)
-//            receives the tensor's parts from the ranks holding them, point to point, each part sent straight from
-//            its holder's store into the one tensor the writer is writing: an EP rank's expert rows from world rank
-//            a of EP rank a; a moment slice from the rank keeping it (the experts' over their EDP group, the rest's
-//            over the world); a non-expert weight from the writer's own store, or under shard full by the inner
-//            ShardedStore's own collective read.
-//   loading  the store is placed before any weight is allocated (model::PlaceParams): shard none's rows
-//            (model::hold_expert_rows of the registry) or place_held_experts. The loader reads each expert tensor's
-//            held rows alone, one expert at a time, and every other tensor as the store keeps it (a ShardedStore its
-//            pieces); the moments are read by slice (load_held_moments, load_optimizer_state).
-// Memory beside the run's state: one tensor on the writer (and, where the fills run a collective read, on every
-// rank) during a save; one non-expert tensor or one expert's rows during a load.
+// ringflex trainer: the checkpoints of a run holding its experts apart (state/held_experts.cpp), written and read with
+// no whole copy of the model on any rank: a HeldWriter stands in for the store while it saves, each tensor gathered
+// onto the writer (world rank 0) from the ranks holding its parts; a load places the store first and reads each
+// rank's experts' rows alone, the moments by slice.
+// The design: docs/parallel-state.md ("Their checkpoints").
 #pragma once
 
 #include <memory>
@@ -24,7 +11,7 @@
 #include <vector>
 
 #include "model/param_store.h"
-#include "trainer/held_expert_store.h"
+#include "trainer/state/held_expert_store.h"
 
 namespace rf::trainer {
 

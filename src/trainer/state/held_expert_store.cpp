@@ -1,12 +1,12 @@
 // ringflex trainer: held experts under parallelism.shard (see held_expert_store.h).
-#include "trainer/held_expert_store.h"
+#include "trainer/state/held_expert_store.h"
 
 #include <algorithm>
 #include <utility>
 
 #include "core/error.h"
 #include "model/expert_store.h"
-#include "trainer/sharded_store.h"
+#include "trainer/state/sharded_store.h"
 
 namespace rf::trainer {
 

@@ -1,5 +1,5 @@
 // ringflex trainer: the training state of experts held apart (see expert_state.h).
-#include "trainer/expert_state.h"
+#include "trainer/state/expert_state.h"
 
 #include <algorithm>
 #include <span>

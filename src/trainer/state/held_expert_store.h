@@ -1,29 +1,8 @@
-// ringflex trainer: held experts under parallelism.shard = optimizer | gradients | full (expert_state.h has shard
-// none). EP rank r holds and trains experts [r * E / ep, (r + 1) * E / ep) of every MoE layer, as under shard none;
-// the experts are never gathered: they stay whole on their EP rank. Their training state is sharded over the
-// expert-data-parallel (EDP) group, the Q = N / ep ranks holding the same experts:
-//   moments    rank q of Q keeps AdamW's moments of slice_of(its experts' trainable elements, Q, q), in every mode
-//   gradients  optimizer: the experts' whole gradients accumulate through the step and are reduce-scattered over
-//              the EDP group with the other parameters'; gradients, full: each layer's expert gradients are written
-//              into a layer buffer during its backward and, at its end, sent to their owners and summed in rank
-//              order in double, rounded once (Communicator::reduce_scatter's combination), into the owner's slice
-//   update     each rank updates its slice, then the EDP group all-gathers the updated slices
-// Every other parameter is placed by the shard mode as without experts held apart (the inner store: a replicated
-// store with ZeRO-1's moment range, or the ShardedStore over all cp x dp ranks), its trainable layout that of the
-// non-expert parameters alone.
-//
-// The store the model sees (HeldExpertStore) registers every parameter, the expert tensors with their held rows
-// (ParamInfo::rows_begin), and routes each slot to the inner store or to the experts' (ExpertSlices). Its trainable
-// layout is the inner store's: the expert tensors are marked frozen in its registry (their gradients, moments and
-// update live in ExpertSlices, which the trainer steps beside the inner store), so everything that walks the flat
-// arenas (the gradient reduction, clipping, AdamW, ZeRO-1's gather) serves the non-expert parameters unchanged.
-//
-// Checkpoints stay in the whole layout (each expert written once, moments whole in optimizer.safetensors), so a
-// checkpoint of any EP and shard mode resumes at any other, and neither way holds a whole copy
-// (trainer/held_checkpoint.h): a run loading files places its store first (place_held_experts) and reads, tensor by
-// tensor, its experts' rows alone and the rest as the inner store keeps it (the ShardedStore its pieces), the
-// moments by slice; the writer receives one tensor at a time from the ranks holding its parts. Only a model built in
-// memory (model.builtin) is drawn whole and split (make_held_expert_store).
+// ringflex trainer: held experts under parallelism.shard optimizer, gradients or full (state/held_experts.cpp). EP
+// rank r holds experts [r * E / ep, (r + 1) * E / ep) whole, their training state sharded over the EDP group
+// (ExpertSlices); every other parameter lives in the shard mode's inner store. HeldExpertStore routes each slot to one
+// of the two; its trainable layout is the inner store's (the experts' state is stepped beside it).
+// The design: docs/parallel-state.md ("Held experts").
 #pragma once
 
 #include <memory>
@@ -198,7 +177,7 @@ std::vector<double> held_norm_partials(HeldExpertStore& held, std::span<const fl
 // a padded EDP slice, and their gradients (optimizer: every held one's; gradients, full: the slice, one layer's
 // buffer, and that layer's Q contributions received). Left out, as the other transients: one tensor a load widens
 // (the rest's; of the experts one expert's rows) or a save gathers on the writer (no whole copy on any rank,
-// trainer/held_checkpoint.h). step_tokens: the token tables' rows a step fetches (ShardedStore::bytes_for's).
+// trainer/state/held_checkpoint.h). step_tokens: the token tables' rows a step fetches (ShardedStore::bytes_for's).
 struct HeldBytes {
   int64_t rest_weights = 0, rest_gathered = 0, rest_gradients = 0, rest_moments = 0, rest_comm_buffers = 0;
   int64_t rest_bf16 = 0;  // the bf16 copies of the non-expert matmul operands (full: of the gathered ones)

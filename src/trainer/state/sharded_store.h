@@ -1,65 +1,8 @@
-// ringflex trainer: the sharded parameter store, parallelism.shard = full (ZeRO-3 / FSDP) and gradients (ZeRO-2)
-// over all cp x dp ranks, and optimizer (ZeRO-1) with model.param_dtype bfloat16 (model/param_store.h has the design;
-// docs/spec.md the modes).
-//
-// Ownership. Rank r of N owns slice_of(trainable elements, N, r) of the trainable layout (the same slice as ZeRO-1's
-// moments, so clipping's partial sums and the optimizer's elements are shard none's) and slice_of(frozen elements,
-// N, r) of the frozen parameters taken in registration order. A parameter's piece on rank r is where its elements
-// meet r's slice: nothing has to divide by N, a rank may own parts of several tensors or none of one.
-//
-// full: a rank holds float32 masters of its pieces only [own slices], gradients of its trainable slice, AdamW's
-// moments of it. A decoder layer's weights are all-gathered (the pieces of every rank) into a layer buffer just
-// before its forward and again before its recompute + backward, and freed after each (the last layer, whose backward
-// follows its forward, stays gathered between them); the next layer's gather is posted while this one computes, and
-// progresses between its ops (progress()). The global group's small parameters (final norm, projections, the per-layer
-// projection norm: read at a run's start and end) stay gathered for the run, with a gradient buffer of their size,
-// and are gathered again after each update. Its streamed parameters (ParamInfo::streamed: the token tables and the
-// head) never are, in either mode:
-//   - a token table (embed_tokens, embed_tokens_per_layer): rows() exchanges every rank's distinct ids and each
-//     rank receives the rows of its own ids from their owners (a rank's piece is an element range, so a row may
-//     span two), [ids, W], in rounds (an owner sends one rank's part of them at a time, two in flight: its send
-//     buffers stay two ranks' rows at most, whatever N); the table tied to a trained head, whose rows are every
-//     rank's, all-gathers them in place instead (each owner's part sent once, from where it lands); the backward
-//     accumulates into gradient rows of the same layout, which after_backward(kGlobalGroup) sends to their owners, each
-//     summing the N contributions in rank order (+0 from a rank without the row, as in shard none's whole gradient);
-//   - the head: its gather posted during the last layer's forward, finished by acquire_head just before the loss
-//     and freed by release_head right after it, its gradient (a whole-size buffer for that while) then packed in
-//     place, sent to the owners and freed. Tied to embed_tokens, the
-//     rows of the table's union stay behind and seed the table's gradient rows, so that each row's float32 sum is
-//     shard none's (the head's part, then the embedding's tokens in order) and is reduced once, with the table's.
-// The tables' rows cover the rank's own tokens (O(tokens / cp x W) a rank, against the table's O(vocabulary x W)),
-// every rank's for the table tied to a trained head (each rank seeds every row with the head's part); the head's
-// transient whole copy and gradient are the largest buffers left (a loss that streams the head in blocks of the
-// vocabulary would remove them).
-// gradients: the weights stay whole on every rank (the optimizer updates this rank's trainable pieces of them, and
-// after_update all-gathers the others' in place); the gradients are as in full.
-// Both: a layer's gradients are written into a layer-sized buffer during its backward; after_backward sends every
-// owner its pieces (posted, in flight during the next layer's backward, advanced by progress()), and each owner sums
-// the N contributions in rank order in double, rounded once (comm::Communicator::reduce_scatter's combination, so one
-// micro-batch a step gives shard none's bits at every N), adding the result into its slice. Every reduction (a
-// layer's, the global group's, the head's, a table's rows, reduce_gradient's) is received in rounds of bounded chunks
-// of the owner's part (Communicator::post_reduce_parts, two rounds in flight within kReduceSliceBytes): where a group
-// lies in one or two ranks' slices (a head; a large model's layer at large N) an owner's part is the whole group, and
-// receiving its N contributions at once would take N x the group (about the whole model's float32 bytes for a head at
-// N = 32-64); the rounds keep that buffer at ~N x one chunk, whatever the model.
-// A layer's gradient buffer is the send buffer of its reduction, packed in place (each owner's pieces in rank order)
-// and kept until the reduction finished, during the next layer's backward; the global group's too.
-// model.param_dtype bfloat16 (model/param_store.h): under full every gather the run's reads post (a layer, the global
-// group's small parameters, the head, the tables' rows) packs this rank's masters rounded to bf16, so the all-gathers
-// carry half the bytes, and the gathered copy is those bf16 values (a Gathered's b16, which a bf16 compute run
-// multiplies as they are) widened into its float32 buffer; read_weight, unshard and after_update move float32
-// masters. Gradients are float32 either way.
-// Under optimizer and gradients with model.param_dtype bfloat16 the float32 masters are sharded as under full (a
-// rank's pieces, own_trainable_ / own_frozen_), and every rank holds the whole bf16 working weights (the replicated
-// store's working_, 2 bytes a parameter, which its hooks widen a group at a time): write_weight keeps this rank's
-// piece and rounds the whole tensor into the working copy; the optimizer updates this rank's masters (mutable_master);
-// after_update rounds every rank's updated trainable pieces to bf16 and all-gathers them (half the bytes of float32)
-// in place in every rank's working copy (no staging: gather_updated); read_weight gathers a tensor's float32 pieces
-// from their owners (a collective, as under full). The working copy is the masters rounded to bf16 as the replicated
-// store rounds them, so the same bits. optimizer keeps the replicated store's whole gradients (step.cpp reduce-scatters
-// them); gradients reduces each layer's as below. With gradient accumulation the micro-batches' reduced sums are added
-// in the slice where shard none adds raw micro-batch gradients and reduces once: the same terms, associated differently
-// (float32 rounding, not bits).
+// ringflex trainer: the sharded parameter store, parallelism.shard full (ZeRO-3) and gradients (ZeRO-2) over all
+// cp x dp ranks, and optimizer (ZeRO-1) with model.param_dtype bfloat16. Rank r owns slice_of(trainable, N, r) of the
+// trainable layout and slice_of(frozen, N, r) of the frozen one; full gathers a layer around its forward and backward,
+// both modes reduce-scatter a layer's gradients after its backward; the token tables are read by row, the head gathered
+// around the loss. The design (ownership, tables, head, bounded reductions, bf16 masters): docs/parallel-state.md.
 #pragma once
 
 #include <memory>
