@@ -10,6 +10,7 @@
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <ostream>
 
 #include "comm/loopback_comm.h"
 #include "model/builtin_configs.h"
@@ -27,6 +28,9 @@ struct Mode {
   std::vector<std::string> sets;  // the config's fields beyond the base
   std::vector<std::string> ref;   // the reference's fields in place of `sets`; empty: the mode is a reference
 };
+
+// gtest names a parameter by this (the test lists show the mode, not its bytes).
+void PrintTo(const Mode& m, std::ostream* os) { *os << m.name; }
 
 // Every mode of trainer/state/ at two ranks: the replicated state (none, optimizer), the sharded one (gradients,
 // full, optimizer with bf16 working weights), held experts (none, optimizer, full) and LoRA (none, optimizer with
