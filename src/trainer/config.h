@@ -111,7 +111,7 @@ struct ParallelismSection {
   // micro-batch's images over its CP group, balanced by patch count, the soft tokens and their gradients summed over
   // the group); false: every rank encodes every image its rows hold, as a reference system runs the tower on the
   // full row before sharding, and with model.train_vision back-propagates its own positions' share of the soft
-  // tokens' gradient (the gradient reduction sums the shares). The same losses either way (README, Config).
+  // tokens' gradient (the gradient reduction sums the shares). The same losses either way (docs/training.md, Config).
   bool split_vision = true;
 };
 
