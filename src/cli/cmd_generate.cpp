@@ -1,14 +1,17 @@
 // ringflex generate: text from a Gemma 4 checkpoint (with a LoRA adapter over it) with a KV cache, context-parallel
 // over the ranks of mpirun.
 //
-//     [mpirun -n P] ringflex generate --model DIR [--lora ADAPTER] (--prompt TEXT | --in PROMPTS.safetensors)
+//     [mpirun -n P] ringflex generate --model DIR [--lora ADAPTER]
+//                   (--prompt TEXT | --messages FILE.jsonl | --in PROMPTS.safetensors)
 //                   [--max-new-tokens N]
 //                   [--greedy | --temperature T --top-k K --top-p P --min-p M --seed S] [--out FILE.jsonl]
 //                   [--logits-out FILE.safetensors] [--compute-dtype float32|bfloat16] [--threads N]
 //
 // Prompts: --prompt TEXT, tokenized with the checkpoint's tokenizer (src/text; tokenizer.json, else
 // tokenizer.model) after its BOS token, as transformers' tokenizer(text) gives it; the new tokens stream to stdout as
-// text, an incomplete UTF-8 sequence (a character split over byte-fallback tokens) held back until it completes. Or
+// text, an incomplete UTF-8 sequence (a character split over byte-fallback tokens) held back until it completes.
+// --messages: conversations, one a line, rendered through the checkpoint's chat template with the generation prompt
+// (text/conversation.h), images as message parts through the checkpoint's processor and tower, streamed as text. Or
 // the batch file of `ringflex forward` (cli/batch_file.h); each row of input_ids [B, S] is one prompt, run
 // one after the other in this one job (the weights are loaded once), images as image_features or pixel_values with
 // mm_token_type_ids. Sampling and stopping default to the checkpoint's generation_config.json (do_sample,
@@ -21,6 +24,7 @@
 // rank before any work: a bad one is one line on every rank and a non-zero exit.
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -41,13 +45,20 @@
 #include "core/memory.h"
 #include "cp/kv_cache.h"
 #include "io/atomic_file.h"
+#include "io/image.h"
 #include "io/json_text.h"
+#include "io/jsonl.h"
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
 #include "model/generate.h"
+#include "model/image_processor.h"
 #include "model/lora_store.h"
 #include "model/peft_files.h"
+#include "model/vision.h"
+#include "model/vision_encoder.h"
+#include "text/conversation.h"
 #include "text/tokenizer.h"
+#include "trainer/config.h"
 
 namespace rf::cli {
 
@@ -58,7 +69,7 @@ constexpr int kDefaultMaxNewTokens = 256;
 constexpr int kTransformersTopK = 50;  // GenerationConfig's default top_k, used when sampling without one
 
 struct GenerateCliOptions {
-  std::string model, lora, in, out, logits_out;
+  std::string model, lora, in, messages, out, logits_out;
   std::optional<std::string> prompt;
   std::optional<int> max_new_tokens;
   bool greedy = false;
@@ -178,6 +189,121 @@ class TextStream {
   size_t printed_ = 0;
 };
 
+// A conversation of --messages as read before the checkpoint loads: its prompt ids with each image's slots laid out
+// as the jsonl_chat data source lays them (boi, the processor's soft-token count of slots, eoi), and the preprocessed
+// images whose soft tokens the tower makes once the checkpoint is loaded (fill_image_features).
+struct Conversation {
+  model::Prompt prompt;
+  std::vector<model::ProcessedImage> images;
+  std::vector<std::string> image_paths;  // [images], for messages
+};
+
+// The image paths of a checked conversation's messages, in the order the template writes their placeholders.
+std::vector<std::string> image_paths_of(const nlohmann::ordered_json& conversation,
+                                        const std::filesystem::path& folder) {
+  std::vector<std::string> paths;
+  for (const auto& message : conversation["messages"]) {
+    if (!message.contains("content") || !message["content"].is_array()) continue;
+    for (const auto& part : message["content"]) {
+      if (part.value("type", "") != "image") continue;
+      const std::filesystem::path given(part["path"].get<std::string>());
+      paths.push_back((given.is_absolute() ? given : folder / given).string());
+    }
+  }
+  return paths;
+}
+
+// --messages FILE.jsonl: one conversation a line ({"messages": [...], "tools": [...]?}, docs/text.md), rendered
+// through the checkpoint's chat template with the generation prompt and tokenized as transformers'
+// apply_chat_template(..., add_generation_prompt=True) gives it (the template writes <bos>). Image paths are relative
+// to the file's folder; images are resized for the checkpoint's processor budget (processor_config.json's
+// max_soft_tokens, else 280). Throws rf::Error "FILE:LINE: ..." for a line that does not parse or that the renderer
+// refuses, a missing or unreadable image, or images for a checkpoint without a vision tower.
+std::vector<Conversation> read_conversations(const std::string& path, const std::string& model_dir,
+                                             const text::Tokenizer& tok) {
+  const std::filesystem::path dir(model_dir);
+  const text::ChatRenderer renderer(text::load_chat_template(dir, {}, dir / "tokenizer_config.json"), tok,
+                                    text::ChatOptions{});
+  const std::string config_path = (dir / "config.json").string();
+  const std::string config_text = io::read_config_file(config_path);
+  const model::MultimodalTokens image_tokens = model::MultimodalTokens::from_config_json(config_text, config_path);
+  const std::optional<model::VisionConfig> vision = model::VisionConfig::from_config_json(config_text, config_path);
+  model::ImageProcessorConfig proc;
+  if (vision) {
+    proc.patch_size = vision->patch_size;
+    proc.pooling_kernel_size = vision->pooling_kernel_size;
+    proc.max_soft_tokens = trainer::processor_soft_tokens(model_dir);
+  }
+  const std::filesystem::path folder = std::filesystem::path(path).parent_path();
+  std::vector<Conversation> out;
+  io::for_each_line<nlohmann::ordered_json>(path, [&](const nlohmann::ordered_json& j, const std::string& where) {
+    text::check_conversation(j, where, folder);
+    const std::string rendered =
+        renderer.render_prompt(j["messages"], j.contains("tools") ? j["tools"] : nlohmann::ordered_json());
+    const std::vector<int32_t> ids = tok.encode(rendered);
+    Conversation c;
+    c.image_paths = image_paths_of(j, folder);
+    const auto placeholders = std::count(ids.begin(), ids.end(), image_tokens.image);
+    RF_CHECK(placeholders == static_cast<int64_t>(c.image_paths.size()), where, ": has ", c.image_paths.size(),
+             " images and the chat template wrote ", placeholders, " image placeholder tokens (id ", image_tokens.image,
+             ", the config's image_token_id): one each");
+    RF_CHECK(c.image_paths.empty() || vision.has_value(), where, ": has images, but ", config_path,
+             " has no vision_config (the checkpoint has no vision tower)");
+    size_t next = 0;
+    for (const int32_t id : ids) {
+      if (id != image_tokens.image) {
+        c.prompt.ids.push_back(id);
+        c.prompt.mm_token_type.push_back(0);
+        continue;
+      }
+      const std::string& image = c.image_paths[next++];
+      try {
+        c.images.push_back(model::preprocess_image(io::read_image(image), proc, image));
+      } catch (const rf::Error& e) {
+        rf::fail(where, ": ", e.what());
+      }
+      c.prompt.ids.push_back(image_tokens.boi);
+      c.prompt.mm_token_type.push_back(0);
+      c.prompt.ids.insert(c.prompt.ids.end(), static_cast<size_t>(c.images.back().soft_tokens), image_tokens.image);
+      c.prompt.mm_token_type.insert(c.prompt.mm_token_type.end(), static_cast<size_t>(c.images.back().soft_tokens), 1);
+      c.prompt.ids.push_back(image_tokens.eoi);
+      c.prompt.mm_token_type.push_back(0);
+    }
+    if (c.images.empty()) c.prompt.mm_token_type.clear();
+    out.push_back(std::move(c));
+  });
+  return out;
+}
+
+// The soft tokens of each conversation's images through the checkpoint's vision tower (in its vision compute dtype),
+// as the prompts' image features [N, F]; the tower's float32 copy is freed when they are made.
+void fill_image_features(std::vector<Conversation>& conversations, model::Gemma4Multimodal& m) {
+  bool any = false;
+  for (Conversation& c : conversations) {
+    if (c.images.empty()) continue;
+    any = true;
+    RF_CHECK(m.vision_feature_dim() > 0, c.image_paths[0], ": the checkpoint has no vision projection ",
+             "(model.embed_vision.embedding_projection.weight) to take the tower's soft tokens");
+    const model::VisionEncoder& tower = *m.vision_tower();
+    for (size_t i = 0; i < c.images.size(); ++i) {
+      const model::ProcessedImage& p = c.images[i];
+      model::VisionBatch b;
+      b.n = 1;
+      b.P = static_cast<int64_t>(p.positions.size()) / 2;
+      b.pixels = p.pixels.data();
+      b.positions = p.positions.data();
+      tower.check(b, c.image_paths[i]);
+      const model::VisionOutput soft = tower.forward(b, c.image_paths[i]);
+      RF_CHECK(soft.counts[0] == p.soft_tokens, c.image_paths[i], ": the tower made ", soft.counts[0],
+               " soft tokens, the processor ", p.soft_tokens);
+      c.prompt.image_features.insert(c.prompt.image_features.end(), soft.soft_tokens.begin(), soft.soft_tokens.end());
+      c.prompt.n_image_features += p.soft_tokens;
+    }
+    c.images.clear();
+  }
+  if (any) m.drop_vision_tower();
+}
+
 // input_ids' [B, S] from the file's header, before the checkpoint is loaded.
 std::pair<int64_t, int64_t> prompt_shape(const std::string& path) {
   const io::SafetensorsFile in = io::SafetensorsFile::open(path);
@@ -194,15 +320,21 @@ int run_generate(const GenerateCliOptions& opt) {
   const int P = world->size(), rank = world->rank();
   const model::ComputeDtype dtype = model::parse_compute_dtype(opt.compute_dtype);
   model::Checkpoint ck;
-  std::unique_ptr<text::Tokenizer> tokenizer;  // with --prompt
+  std::unique_ptr<text::Tokenizer> tokenizer;  // with --prompt and --messages
   std::vector<model::Prompt> prompts;
+  std::vector<Conversation> conversations;  // with --messages
   Decoding dec;
   agree(*world, [&] {
     if (rank == 0) {
       if (!opt.out.empty()) io::check_writable(opt.out);
       if (!opt.logits_out.empty()) io::check_writable(opt.logits_out);
     }
-    RF_CHECK(opt.prompt.has_value() != !opt.in.empty(), "give --prompt TEXT or --in PROMPTS.safetensors (one)");
+    RF_CHECK(int{opt.prompt.has_value()} + int{!opt.in.empty()} + int{!opt.messages.empty()} == 1,
+             "give one of --prompt TEXT, --messages FILE.jsonl or --in PROMPTS.safetensors");
+    if (!opt.messages.empty()) {
+      tokenizer = text::load_tokenizer(opt.model);
+      conversations = read_conversations(opt.messages, opt.model, *tokenizer);
+    }
     if (opt.prompt) {
       tokenizer = text::load_tokenizer(opt.model);
       RF_CHECK(!opt.prompt->empty(), "--prompt: the prompt is empty (no text to start from)");
@@ -212,8 +344,13 @@ int run_generate(const GenerateCliOptions& opt) {
       p.ids.insert(p.ids.end(), ids.begin(), ids.end());
       prompts.push_back(std::move(p));
     }
-    const auto [B, S] =
-        opt.prompt ? std::pair<int64_t, int64_t>{1, static_cast<int64_t>(prompts[0].ids.size())} : prompt_shape(opt.in);
+    int64_t longest_conversation = 0;
+    for (const Conversation& c : conversations)
+      longest_conversation = std::max(longest_conversation, static_cast<int64_t>(c.prompt.ids.size()));
+    const auto [B, S] = opt.prompt ? std::pair<int64_t, int64_t>{1, static_cast<int64_t>(prompts[0].ids.size())}
+                        : !opt.messages.empty() ? std::pair<int64_t, int64_t>{1, longest_conversation}
+                                                : prompt_shape(opt.in);
+    const std::string source = opt.prompt ? std::string("--prompt") : !opt.messages.empty() ? opt.messages : opt.in;
     ck = model::load_checkpoint(
         opt.model,
         [&](const model::Gemma4Multimodal& shapes) {
@@ -222,17 +359,21 @@ int run_generate(const GenerateCliOptions& opt) {
           need.add("weights", checked_sum({shapes.params().weight_bytes(), shapes.buffers().total_bytes()}));
           need.add("bf16 weight copies", dtype == model::ComputeDtype::Bfloat16 ? shapes.bf16_weight_bytes() : 0);
           need.add(model::generate_memory_at_least(shapes.decoder(), S, d.max_new_tokens, P, rank, dtype));
-          check_memory(need, (opt.prompt ? std::string("--prompt") : opt.in) + ": generate",
+          check_memory(need, source + ": generate",
                        concat(" for ", S, " prompt tokens and ", d.max_new_tokens, " new over ", P, " rank(s)"));
         },
         opt.lora.empty() ? nullptr : std::make_unique<model::LoraStore>(model::read_peft_config(opt.lora)));
     if (!opt.lora.empty()) model::load_peft_adapter(dynamic_cast<model::LoraStore&>(ck.model->params()), opt.lora);
     ck.model->set_vision_compute_dtype(dtype);
     dec = decoding_of(opt);
-    if (!opt.prompt) prompts = prompts_of(read_batch(opt.in, *ck.model, true), opt.in);
-    const std::string source = opt.prompt ? std::string("--prompt") : opt.in;
+    if (!opt.in.empty()) prompts = prompts_of(read_batch(opt.in, *ck.model, true), opt.in);
+    if (!opt.messages.empty()) {
+      fill_image_features(conversations, *ck.model);
+      for (Conversation& c : conversations) prompts.push_back(std::move(c.prompt));
+    }
     for (size_t i = 0; i < prompts.size(); ++i)
-      model::check_prompt(ck.model->decoder(), prompts[i], dec.max_new_tokens, P, concat(source, ": prompt ", i));
+      model::check_prompt(ck.model->decoder(), prompts[i], dec.max_new_tokens, P,
+                          opt.messages.empty() ? concat(source, ": prompt ", i) : concat(source, ": conversation ", i));
   });
   const model::Gemma4Model& m = ck.model->decoder();
   const std::unique_ptr<DecodeContext> ctx =
@@ -310,6 +451,9 @@ void add_generate_command(CLI::App& app, Runner& run) {
       ->required();
   cmd->add_option("--lora", opt->lora, "A PEFT LoRA adapter directory over --model");
   cmd->add_option("--prompt", opt->prompt, "The prompt as text, tokenized with the checkpoint's tokenizer after BOS");
+  cmd->add_option("--messages", opt->messages,
+                  "Conversations, one a line ({\"messages\": [...], \"tools\": [...]?}), rendered through the "
+                  "checkpoint's chat template with the generation prompt");
   cmd->add_option("--in", opt->in, "Prompts: input_ids [B, S], one prompt a row (the batch file of `forward`)");
   cmd->add_option("--max-new-tokens", opt->max_new_tokens,
                   "New tokens at most (default: generation_config.json's, "

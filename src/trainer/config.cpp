@@ -344,10 +344,6 @@ std::string_view name_of(ShardMode s) {
   return "?";
 }
 
-namespace {
-
-// data.image_soft_tokens' default (config.h): the max_soft_tokens of the image processor saved beside the checkpoint,
-// so that images are resized for the budget the model's own processor uses.
 int processor_soft_tokens(const std::string& model_path) {
   const std::filesystem::path dir(model_path);
   std::error_code ec;
@@ -372,8 +368,6 @@ int processor_soft_tokens(const std::string& model_path) {
   }
   return DataSection::kDefaultImageSoftTokens;
 }
-
-}  // namespace
 
 TrainConfig parse_config(const std::string& yaml_text, const std::string& source,
                          const std::vector<std::string>& sets) {

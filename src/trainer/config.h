@@ -159,6 +159,12 @@ struct TrainConfig {
 // names and types, not the cross-field rules (see validate).
 TrainConfig parse_config(const std::string& yaml_text, const std::string& source,
                          const std::vector<std::string>& sets = {});
+// The max_soft_tokens of the image processor saved beside the checkpoint at `model_path` (processor_config.json's
+// image_processor, else preprocessor_config.json), DataSection::kDefaultImageSoftTokens without one: the image budget
+// the model's own processor uses (data.image_soft_tokens' default, generate --messages' images). Throws rf::Error
+// naming the file for an unsupported count.
+int processor_soft_tokens(const std::string& model_path);
+
 TrainConfig load_config(const std::string& path, const std::vector<std::string>& sets = {});
 
 // Cross-field rules and the files the config names; `world_size` is the number of ranks of the job.

@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "io/image.h"
 #include "io/json_text.h"
+#include "io/jsonl.h"
 #include "io/safetensors.h"
 #include "io/tensor_access.h"
 #include "model/image_processor.h"
@@ -416,32 +417,6 @@ std::vector<int32_t> int_array(const json& j, const char* key, const std::string
   return out;
 }
 
-// Reads the non-empty lines of a JSONL file; calls fn(object, "path:line") for each. Json = ordered_json keeps each
-// object's key order (chat templates see it, as Python's dicts).
-template <typename Json = json, typename Fn>
-void for_each_line(const std::string& path, Fn fn) {
-  std::ifstream in(path);
-  RF_CHECK(in.good(), path, ": cannot open");
-  std::string line;
-  int number = 0, samples = 0;
-  while (std::getline(in, line)) {
-    ++number;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = path + ":" + std::to_string(number);
-    io::check_json_text(line, where + ": ");
-    Json j;
-    try {
-      j = Json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      rf::fail(where, ": not valid JSON: ", io::json_error_text(e.what()));
-    }
-    RF_CHECK(j.is_object(), where, ": each line must be a JSON object");
-    fn(j, where);
-    ++samples;
-  }
-  RF_CHECK(samples > 0, path, ": the file has no samples");
-}
-
 void check_document(const Document& d, const std::string& where, const TrainConfig& c, const DataContract& k) {
   const int n = static_cast<int>(d.ids.size());
   RF_CHECK(n > 0, where, ": the sample has no tokens");
@@ -567,7 +542,7 @@ std::vector<Document> read_token_file(const TrainConfig& c, const DataContract& 
   int64_t images_seen = 0;        // the file's images so far, in file order (image i is encoded by rank i % ranks)
   std::vector<size_t> span_docs;  // documents whose features came whole from data.features
   int64_t used = 0;
-  for_each_line(c.data.path, [&](const json& j, const std::string& where) {
+  io::for_each_line(c.data.path, [&](const json& j, const std::string& where) {
     RF_CHECK(j.contains("input_ids"), where, ": missing `input_ids`");
     Document d;
     d.ids = int_array(j, "input_ids", where);
@@ -669,7 +644,7 @@ std::vector<Document> read_text_file(const TrainConfig& c, const DataContract& k
   const std::optional<int32_t> bos = tok->bos_id(), eos = tok->eos_id();
   std::vector<Document> docs;
   int64_t images_seen = 0;  // the file's images so far, in file order (image i is encoded by rank i % ranks)
-  for_each_line(c.data.path, [&](const json& j, const std::string& where) {
+  io::for_each_line(c.data.path, [&](const json& j, const std::string& where) {
     RF_CHECK(j.contains("text") && j["text"].is_string(), where, ": missing `text` (a string)");
     Document d;
     std::vector<int32_t> pieces;
@@ -737,7 +712,8 @@ std::vector<Document> read_chat_file(const TrainConfig& c, const DataContract& k
   const int S = c.train.seq_len;
   std::vector<Document> docs;
   int64_t images_seen = 0;  // the file's images so far, in file order (image i is encoded by rank i % ranks)
-  for_each_line<nlohmann::ordered_json>(c.data.path, [&](const nlohmann::ordered_json& j, const std::string& where) {
+  io::for_each_line<nlohmann::ordered_json>(c.data.path, [&](const nlohmann::ordered_json& j,
+                                                             const std::string& where) {
     ++report.conversations;
     text::check_conversation(j, where, folder);
     text::ChatSample sample = renderer.render(j, where);
