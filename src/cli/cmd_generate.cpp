@@ -9,7 +9,7 @@
 //
 // Prompts: --prompt TEXT, tokenized with the checkpoint's tokenizer (src/text; tokenizer.json, else
 // tokenizer.model) after its BOS token, as transformers' tokenizer(text) gives it; the new tokens stream to stdout as
-// text, an incomplete UTF-8 sequence (a character split over byte-fallback tokens) held back until it completes.
+// text, a trailing run of byte-fallback tokens held back until a text token ends it (its text may still change).
 // --messages: conversations, one a line, rendered through the checkpoint's chat template with the generation prompt
 // (text/conversation.h), images as message parts through the checkpoint's processor and tower, streamed as text. Or
 // the batch file of `ringflex forward` (cli/batch_file.h); each row of input_ids [B, S] is one prompt, run
@@ -160,31 +160,33 @@ std::vector<model::Prompt> prompts_of(const BatchData& d, const std::string& pat
   return prompts;
 }
 
-// New tokens as text, as they come: the decoded text of all of them so far, printed from where the last print
-// ended, except while it ends in U+FFFD (tokenizers' decode of an incomplete UTF-8 sequence: the rest of the
-// character's bytes are still to come as byte-fallback tokens), which is held back.
+// New tokens as text, as they come: the decoded text of the tokens so far up to the last one that is not a
+// byte-fallback token (`<0xNN>`), printed from where the last print ended. tokenizers' decode joins a run of byte
+// tokens before reading it as UTF-8 and turns every byte of an invalid run into U+FFFD (a valid `=` byte included), so
+// the text of a run can change while it grows; a text token ends the run, and the text before it is final.
 class TextStream {
  public:
   explicit TextStream(const text::Tokenizer& tok) : tok_(tok) {}
-  // The text of `ids` so far that is new since the last call and complete.
+  // The text of `ids` so far that is new since the last call and final.
   std::string next(const std::vector<int32_t>& ids) {
-    const std::string text = tok_.decode(ids, true);
-    static constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD in UTF-8
-    if (text.size() >= kReplacement.size() &&
-        text.compare(text.size() - kReplacement.size(), kReplacement.size(), kReplacement) == 0)
-      return {};
-    if (text.size() <= printed_) return {};
-    std::string fresh = text.substr(printed_);
-    printed_ = text.size();
-    return fresh;
+    size_t settled = ids.size();
+    while (settled > 0 && is_byte_token(ids[settled - 1])) --settled;
+    return fresh(tok_.decode(std::span<const int32_t>(ids.data(), settled), true));
   }
-  // Whatever is left at the end (a held-back U+FFFD included: the model ended inside a character).
-  std::string finish(const std::vector<int32_t>& ids) {
-    const std::string text = tok_.decode(ids, true);
-    return text.size() > printed_ ? text.substr(printed_) : std::string{};
-  }
+  // Whatever is left at the end (a trailing run of byte tokens included).
+  std::string finish(const std::vector<int32_t>& ids) { return fresh(tok_.decode(ids, true)); }
 
  private:
+  bool is_byte_token(int32_t id) const {
+    const std::optional<std::string> piece = tok_.id_to_token(id);
+    return piece && piece->size() == 6 && piece->starts_with("<0x") && piece->back() == '>';
+  }
+  std::string fresh(const std::string& text) {
+    if (text.size() <= printed_) return {};
+    std::string out = text.substr(printed_);
+    printed_ = text.size();
+    return out;
+  }
   const text::Tokenizer& tok_;
   size_t printed_ = 0;
 };

@@ -6,7 +6,8 @@ the tiny chat example's tokenizer.json and tokenizer_config.json, and a real Gem
 revision in the pinned TRL wheel). Oracle: transformers' apply_chat_template(messages, tools=...,
 add_generation_prompt=True) ids and generate(do_sample=False, use_cache=True, float32) on them. Checked at every
 launcher (`--ranks 1 2 -- MPIEXEC...`): the same greedy tokens for text conversations (a system turn, several model
-turns, a tool call and its response with tools declared), the record's text equal to tokenizers' decode, and a
+turns, a tool call and its response with tools declared), the record's text equal to tokenizers' decode and the
+streamed stdout equal to the records' text (random weights emit byte-fallback runs, invalid ones too), and a
 conversation with an image (the checkpoint's processor budget, through the tower) giving the same tokens at every P.
 Bad input through tests/cli/expect_error.sh: a missing image and a line that does not parse, one line on every rank.
 Exit 77 (CTest's skip) without torch, transformers or trl.
@@ -55,7 +56,11 @@ def generate(ringflex, launcher, ckpt, messages, out):
     if proc.returncode != 0:
         return None, f"exit {proc.returncode}: {proc.stderr.decode(errors='replace').strip()[-600:]}"
     with open(out) as f:
-        return [json.loads(line) for line in f], None
+        records = [json.loads(line) for line in f]
+    streamed, text = proc.stdout.decode("utf-8", errors="replace"), "".join(r["text"] + "\n" for r in records)
+    if streamed != text:  # a byte run's text printed before the run ended would differ
+        return None, f"streamed {streamed!r}, the records' text {text!r}"
+    return records, None
 
 
 def main():
