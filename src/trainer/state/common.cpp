@@ -12,6 +12,14 @@
 
 namespace rf::trainer::detail {
 
+Support tower_with_bf16_weights(const TrainConfig& c) {
+  if (c.model.param_dtype == model::ParamDtype::Bfloat16 && c.model.train_vision)
+    return {
+        "model.param_dtype = bfloat16 with model.train_vision is not implemented (its weights keep float32 working "
+        "copies of their own)"};
+  return {};
+}
+
 std::unique_ptr<TrainingState> plan_state(const TrainConfig& c) {
   if (c.model.lora_rank != 0) return lora_state(c);
   if (c.parallelism.ep > 1) return held_experts_state(c);

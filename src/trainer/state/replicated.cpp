@@ -12,15 +12,7 @@ class ReplicatedState final : public TrainingState {
  public:
   explicit ReplicatedState(const TrainConfig& c) : zero1_(c.parallelism.shard == ShardMode::Optimizer) {}
 
-  Support supports(const TrainConfig& c) const override {
-    // bf16 working weights are the replicated store's; the vision tower reads float32 copies of its own, which would
-    // leave it on float32 working weights beside a bf16 decoder.
-    if (c.model.param_dtype == model::ParamDtype::Bfloat16 && c.model.train_vision)
-      return {
-          "model.param_dtype = bfloat16 with model.train_vision is not implemented (its weights keep float32 "
-          "working copies of their own)"};
-    return {};
-  }
+  Support supports(const TrainConfig& c) const override { return tower_with_bf16_weights(c); }
 
   StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) const override {
     ReplicatedBytes b;

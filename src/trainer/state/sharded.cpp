@@ -42,13 +42,7 @@ class ShardedState final : public TrainingState {
         // The float32 masters are this rank's pieces: the checkpoint writer's reads are collectives.
         masters_sharded_(full_ || c.model.param_dtype == model::ParamDtype::Bfloat16) {}
 
-  Support supports(const TrainConfig& c) const override {
-    if (c.model.param_dtype == model::ParamDtype::Bfloat16 && c.model.train_vision)
-      return {
-          "model.param_dtype = bfloat16 with model.train_vision is not implemented (its weights keep float32 "
-          "working copies of their own)"};
-    return {};
-  }
+  Support supports(const TrainConfig& c) const override { return tower_with_bf16_weights(c); }
 
   StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) const override {
     if (!slices_only_) {  // optimizer with bf16 working weights: whole gradients, sharded masters and moments

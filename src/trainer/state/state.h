@@ -149,6 +149,9 @@ struct ReplicatedBytes {
 };
 MemoryBreakdown replicated_bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size,
                                  const ReplicatedBytes& b);
+// The vision tower keeps float32 working copies of its own weights, so bf16 working weights (replicated or sharded)
+// are refused with model.train_vision until its parameters are store slots.
+Support tower_with_bf16_weights(const TrainConfig& c);
 // Bytes of `m`'s trainable parameters after model.freeze.
 int64_t trainable_bytes(const TrainConfig& c, const model::ParamStore& registry);
 // One save part on every rank: `write` runs, then the world agrees (a failure anywhere ends every rank).
