@@ -132,6 +132,8 @@ namespace {
 // file (and would be held in memory by every rank from load to the last save).
 constexpr std::uintmax_t kMaxSideFileBytes = 256u << 20;
 
+}  // namespace
+
 std::string read_side_file(const std::string& path) {
   std::error_code ec;
   const std::uintmax_t size = fs::file_size(path, ec);
@@ -145,8 +147,6 @@ std::string read_side_file(const std::string& path) {
            " bytes)");
   return bytes;
 }
-
-}  // namespace
 
 bool is_side_file(const std::string& name) {
   static const std::set<std::string, std::less<>> kSideFiles = {

@@ -48,6 +48,8 @@ struct Checkpoint {
 // generation_config.json, processor_config.json, preprocessor_config.json, video_preprocessor_config.json,
 // special_tokens_map.json, added_tokens.json, chat_template.jinja / .json, and tokenizer.* / tokenizer_config.json.
 bool is_side_file(const std::string& name);
+// A side file's bytes, refused (naming `path`) beyond 256 MiB: no tokenizer or processor file is that large.
+std::string read_side_file(const std::string& path);
 
 // Runs with the model's parameters registered as shapes only (TensorSet::Storage::Deferred), after they were
 // checked against the files and before any is allocated: where a caller checks what its whole job needs.

@@ -211,6 +211,23 @@ void load_model(Run& r) {
   if (!loaded_from.empty()) check_loaded_weights(r.ck, loaded_from, r.mode->sharded_masters());
 }
 
+// The tokenizer (with the tokenizer_config.json beside it) and the chat template the data was read with go into
+// every checkpoint the run writes, as model.path's own do: `ringflex generate` and AutoTokenizer then read the
+// checkpoint as the data saw it. A tokenizer of the other kind from model.path is dropped (tokenizer.json wins).
+void carry_data_text_files(const TrainConfig& cfg, model::Checkpoint& ck) {
+  if (!cfg.data.tokenizer.empty()) {
+    const fs::path tokenizer(cfg.data.tokenizer);
+    const bool json = tokenizer.extension() == ".json";
+    ck.side_files.erase(json ? "tokenizer.model" : "tokenizer.json");
+    ck.side_files[json ? "tokenizer.json" : "tokenizer.model"] = model::read_side_file(tokenizer.string());
+    const fs::path tokenizer_config = tokenizer.parent_path() / "tokenizer_config.json";
+    if (fs::is_regular_file(tokenizer_config))
+      ck.side_files["tokenizer_config.json"] = model::read_side_file(tokenizer_config.string());
+  }
+  if (!cfg.data.chat_template.empty())
+    ck.side_files["chat_template.jinja"] = model::read_side_file(cfg.data.chat_template);
+}
+
 // The data, its rows checked against the model; a frozen vision tower encodes its images here and is dropped.
 void set_up_data(Run& r) {
   const TrainConfig& cfg = r.cfg;
@@ -231,6 +248,7 @@ void set_up_data(Run& r) {
   images.vision = [&]() -> const model::VisionEncoder* { return r.ck.model->vision_tower(); };
   r.ck.model->set_vision_compute_dtype(cfg.model.compute_dtype);  // the tower multiplies as the decoder does
   r.data = make_data_source(cfg, contract, images);
+  carry_data_text_files(cfg, r.ck);
   if (cfg.model.train_vision)
     RF_CHECK(images.vision() != nullptr, "config: model.train_vision, but the model has no vision tower");
   else

@@ -76,6 +76,13 @@ add_test(NAME chat_train_example_cp2
                  --set checkpoint.dir=${RF_CHAT_WORK}/run --set train.val_every=0
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(chat_data_example chat_train_example_cp2 PROPERTIES TIMEOUT 300 ENVIRONMENT "${RF_MPI_ENV}")
+# The checkpoint it wrote carries the tokenizer and chat template the data was read with (the built-in model has
+# none of its own), byte for byte, so `ringflex generate --model` on it reads them.
+add_test(NAME chat_example_checkpoint_carries_text_files
+         COMMAND sh -c "for f in tokenizer.json tokenizer_config.json chat_template.jinja; do \
+                          cmp ${RF_CHAT_DIR}/$f ${RF_CHAT_WORK}/run/step-00000002/$f || exit 1; done")
+set_tests_properties(chat_train_example_cp2 PROPERTIES FIXTURES_SETUP chat_example_run)
+set_tests_properties(chat_example_checkpoint_carries_text_files PROPERTIES FIXTURES_REQUIRED chat_example_run)
 
 # End to end against transformers: a transformers-made multimodal checkpoint with tokenizer.json and a real Gemma 4
 # template, conversations with images, `mpirun -n 2 ringflex train` full and LoRA (chat_train.py says how).
