@@ -64,14 +64,7 @@ rank_pid() {  # RANK: this soak's rank RANK, or nothing
   done
 }
 fixed_metrics() { cut -d, -f1-5 "$1"; }
-same_checkpoint() {  # CK REF_CK: the same files, the same bytes but for the checkpoint directory in the config
-  local ck=$1 ref_ck=$2 f ref
-  [ "$(ls "$ck")" = "$(ls "$ref_ck")" ] || return 1
-  for f in "$ck"/*; do
-    ref=$ref_ck/${f##*/}
-    cmp -s "$f" "$ref" || cmp -s <(sed "s#${ck%/*}#CK#g" "$f") <(sed "s#${ref_ck%/*}#CK#g" "$ref") || return 1
-  done
-}
+source "$repo/tests/common/same_checkpoint.sh"
 
 start=$SECONDS
 echo "soak: $steps steps of the tiny MoE VLM at cp 2 x dp 2 (seq_len $seq_len, a checkpoint every $every), $kills kills, seed $seed"

@@ -5,7 +5,8 @@
 #   WORKDIR RINGFLEX MPIEXEC... -- SCRIPT_ARGS...
 # It leaves `work` (emptied and created), `ringflex`, the launcher and its options in `launcher`, the script's own
 # arguments in "$@", RF_TEST_MARK in the environment of every job the script starts (rank_pid), tests/common on
-# PYTHONPATH (train_outputs.py, for the scripts' python3 checks), and the functions below.
+# PYTHONPATH (train_outputs.py, for the scripts' python3 checks), same_checkpoint (same_checkpoint.sh) and the
+# functions below.
 work=$1 ringflex=$2
 shift 2
 launcher=()
@@ -19,6 +20,7 @@ rm -rf "$work"
 mkdir -p "$work" || exit 1
 tests_common=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export PYTHONPATH="$tests_common${PYTHONPATH:+:$PYTHONPATH}"
+source "$tests_common/same_checkpoint.sh"
 # A mark in the environment of this script's jobs, so that rank_pid finds their ranks only (other tests, and other
 # users' jobs on the machine, run ringflex ranks too).
 export RF_TEST_MARK="$$.$RANDOM"
