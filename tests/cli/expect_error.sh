@@ -21,6 +21,6 @@ fail() {
 errors=$(grep '^ringflex: error: ' "$stderr_file")
 [ "$(printf '%s\n' "$errors" | grep -c .)" -eq "$ranks" ] || fail "expected $ranks error line(s)"
 [ "$(printf '%s\n' "$errors" | sort -u | wc -l)" -eq 1 ] || fail "the ranks printed different lines"
-printf '%s\n' "$errors" | head -n 1 | grep -Eq -- "$regex" || fail "the error line does not match /$regex/"
+grep -Eq -- "$regex" <<<"${errors%%$'\n'*}" || fail "the error line does not match /$regex/"
 if [ "$ranks" -eq 1 ] && [ "$(wc -l <"$stderr_file")" -ne 1 ]; then fail "more than one line on stderr"; fi
 exit 0

@@ -54,7 +54,7 @@ check_failed_cleanly() {
   errors=$(grep '^ringflex: error: ' "$dir/stderr")
   [ "$(printf '%s\n' "$errors" | grep -c .)" -eq "$ranks" ] || fail "expected $ranks error lines"
   [ "$(printf '%s\n' "$errors" | sort -u | wc -l)" -eq 1 ] || fail "the ranks printed different lines"
-  printf '%s\n' "$errors" | head -n 1 | grep -Eq -- "$regex" || fail "the error line does not match /$regex/"
+  grep -Eq -- "$regex" <<<"${errors%%$'\n'*}" || fail "the error line does not match /$regex/"
   ! grep -q 'MPI_ABORT' "$dir/stderr" || fail "the job was aborted (MPI_ABORT) although the ranks could agree"
   check_outputs "$1" no_temporaries
 }
