@@ -109,7 +109,7 @@ Generated generate(const Gemma4Model& m, DecodeContext& ctx, const Prompt& p, co
     b.image_features = p.image_features.empty() ? nullptr : p.image_features.data();
     b.n_image_features = p.n_image_features;
     RunOptions ro;
-    ro.run_layers = prefill_layers(m);
+    ro.run_layers = o.prefill_whole_model ? 0 : prefill_layers(m);
     ro.compute_dtype = o.compute_dtype;
     (void)m.run(b, ro, ctx);
   }

@@ -35,6 +35,10 @@ struct GenerateOptions {
   std::vector<int32_t> stop_ids;  // generation ends after producing one of these (it is kept in the tokens)
   SamplingOptions sampling;
   ComputeDtype compute_dtype = ComputeDtype::Float32;
+  // The prefill runs every layer and the head (its logits unused), as a forward-only training run does, instead of
+  // stopping after the last layer with K/V of its own. A training store's layer hooks (sharded gathers, held experts,
+  // prefetches of the next layer and the head) then see the same sequence as in validation (train.samples).
+  bool prefill_whole_model = false;
 };
 
 struct Generated {

@@ -228,6 +228,9 @@ const std::vector<Field>& fields() {
       field("train.keep_mlp", "true or false", &C::train, &TrainSection::keep_mlp),
       field("train.keep_o_proj", "true or false", &C::train, &TrainSection::keep_o_proj),
       field("train.keep_down_proj", "true or false", &C::train, &TrainSection::keep_down_proj),
+      field("train.samples.prompts", kStr, &C::train, &TrainSection::samples_prompts),
+      field("train.samples.every", kInt, &C::train, &TrainSection::samples_every),
+      field("train.samples.max_new_tokens", kInt, &C::train, &TrainSection::samples_max_new_tokens),
       field("checkpoint.dir", kStr, &C::checkpoint, &CheckpointSection::dir),
       field("checkpoint.every", kInt, &C::checkpoint, &CheckpointSection::every),
       field("checkpoint.keep", kInt, &C::checkpoint, &CheckpointSection::keep),
@@ -268,7 +271,16 @@ void yaml_guard(const std::string& source, Fn fn) {
 
 // The nested groups of fields: `model: {lora: {rank: 8, ...}}` and `data: {chat: {train_on: assistant, ...}}` (also
 // spelled model.lora.rank, data.chat.train_on, as printed).
-bool is_group(const std::string& name) { return name == "model.lora" || name == "data.chat"; }
+bool is_group(const std::string& name) {
+  return name == "model.lora" || name == "data.chat" || name == "train.samples";
+}
+
+// A group's fields, for the error on a group that is not a map.
+const char* group_fields(const std::string& name) {
+  if (name == "model.lora") return "rank, alpha, dropout, target, target_parameters, use_rslora";
+  if (name == "data.chat") return "train_on, thought_prefix, overlength, enable_thinking";
+  return "prompts, every, max_new_tokens";
+}
 
 // The sections of a parsed config into `c` (names and types; validate() does the cross-field rules).
 void read_sections(TrainConfig& c, const YAML::Node& root, const std::string& source) {
@@ -286,10 +298,7 @@ void read_sections(TrainConfig& c, const YAML::Node& root, const std::string& so
       RF_CHECK(seen.insert(name).second, source, ": field `", name, "` appears twice");
       if (is_group(name)) {
         // A group is a map of its own fields (model.lora: rank, alpha, ...), read as <group>.<key>.
-        RF_CHECK(entry.second.IsMap(), source, ": `", name, "` must be a map (",
-                 name == "model.lora" ? "rank, alpha, dropout, target, target_parameters, use_rslora"
-                                      : "train_on, thought_prefix, overlength, enable_thinking",
-                 ")");
+        RF_CHECK(entry.second.IsMap(), source, ": `", name, "` must be a map (", group_fields(name), ")");
         for (const auto& sub : entry.second) {
           const std::string sub_name = name + "." + key_name(sub.first, source);
           RF_CHECK(seen.insert(sub_name).second, source, ": field `", sub_name, "` appears twice");
@@ -491,6 +500,8 @@ void validate(const TrainConfig& c, int world_size) {
   RF_CHECK(c.train.threads <= kMaxThreads, "config: train.threads = ", c.train.threads, " is more than ", kMaxThreads);
   non_negative(c.train.val_every, "train.val_every");
   positive(c.train.log_every, "train.log_every");
+  non_negative(c.train.samples_every, "train.samples.every");
+  positive(c.train.samples_max_new_tokens, "train.samples.max_new_tokens");
   non_negative(c.checkpoint.every, "checkpoint.every");
   positive(c.checkpoint.keep, "checkpoint.keep");
   max_shard_bytes(c.checkpoint);

@@ -130,6 +130,11 @@ struct TrainSection {
   // with recompute: keep the o_proj / down_proj outputs (model::RunOptions::keep_o_proj_output, keep_down_proj_output)
   bool keep_o_proj = true;
   bool keep_down_proj = true;
+  // train.samples (docs/train-samples.md): greedy generations from the prompts of `samples_prompts` (JSONL) every
+  // samples_every steps and at the last, samples_max_new_tokens each. Empty: none.
+  std::string samples_prompts;
+  int samples_every = 0;  // 0: only at the last step
+  int samples_max_new_tokens = 32;
 };
 
 struct CheckpointSection {

@@ -158,6 +158,9 @@ void patchify(const io::RgbImage& im, int patch, std::vector<float>& pixels, std
       positions.push_back(py);
     }
 }
+
+const char* const kColourNames[kColours] = {"red", "green", "blue", "yellow"};
+const char* const kShapeNames[kShapes] = {"square", "disc", "wide bar", "tall bar"};  // draw()'s cases 0..3
 }  // namespace mock_image
 
 class MockSource final : public DataSource {
@@ -617,9 +620,10 @@ std::vector<int32_t> encode_with_placeholders(const text::Tokenizer& tok, const 
   return out;
 }
 
-// The tokenizer jsonl_text and jsonl_chat read: data.tokenizer (tokenizer.json or a SentencePiece tokenizer.model),
-// else model.path's tokenizer.json, else its tokenizer.model (text/tokenizer.h). model.path's files are not checked
-// with the config's files: a FIFO there would block the read forever, so it is refused here by kind.
+}  // namespace
+
+// model.path's files are not checked with the config's files: a FIFO there would block the read forever, so it is
+// refused here by kind.
 std::filesystem::path text_tokenizer_file(const TrainConfig& c, const DataContract& k) {
   std::filesystem::path file = c.data.tokenizer;
   std::error_code ec;
@@ -632,6 +636,8 @@ std::filesystem::path text_tokenizer_file(const TrainConfig& c, const DataContra
            json_file ? "tokenizer.json" : "SentencePiece model", " data.source = ", name_of(c.data.source), " reads)");
   return file;
 }
+
+namespace {
 
 // A sample's `images`, as jsonl_tokens takes them (expand_images): each marked in `text` by the tokenizer's piece of
 // the config's image_token_id (for Gemma 4's tokenizer the processor's image token).
@@ -861,5 +867,28 @@ std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataCon
   }
   return std::make_unique<PackedSource>(std::move(rows), c.data.val_rows, c.train.seed, F, c.data.path, split);
 }
+
+namespace mock {
+std::string token_names(std::span<const int32_t> ids) {
+  std::string out;
+  for (const int32_t id : ids) {
+    if (!out.empty()) out += ' ';
+    if (id == 0)
+      out += "<pad>";
+    else if (id == kBos)
+      out += "<bos>";
+    else if (id == kImageSlot)
+      out += "<image>";
+    else if (id >= kFirstCaptionToken && id < kFirstCaptionToken + kClasses)
+      out += rf::concat("<", mock_image::kColourNames[(id - kFirstCaptionToken) / mock_image::kShapes], " ",
+                        mock_image::kShapeNames[(id - kFirstCaptionToken) % mock_image::kShapes], ">");
+    else if (id >= kFirstTextToken)
+      out += std::to_string(id - kFirstTextToken);
+    else
+      out += rf::concat("<", id, ">");
+  }
+  return out;
+}
+}  // namespace mock
 
 }  // namespace rf::trainer

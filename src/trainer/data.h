@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -139,6 +140,11 @@ std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataCon
                                              const ImageContract& images = {}, ChatReport* report = nullptr,
                                              int show = 0);
 
+// The tokenizer jsonl_text, jsonl_chat and train.samples' conversations read: data.tokenizer (tokenizer.json or a
+// SentencePiece tokenizer.model), else model.path's tokenizer.json, else its tokenizer.model (text/tokenizer.h).
+// Throws rf::Error when it is not a regular file.
+std::filesystem::path text_tokenizer_file(const TrainConfig& c, const DataContract& k);
+
 // The mock VLM data's fixed shape, exposed for tests and docs.
 namespace mock {
 constexpr int kFirstTextToken = 32;  // ids below are special: 0 pad, 1 beginning of document, 2 image slot
@@ -148,6 +154,10 @@ constexpr int kClasses = 16;
 constexpr int kMinDocument = 24, kMaxDocument = 96;
 // A document opens with an image only if its slots leave kMinDocument / 2 tokens of text, so no more slots fit one.
 constexpr int kMaxImageTokens = kMaxDocument - kMinDocument / 2;
+// The mock vocabulary as words, space-separated: <pad>, <bos>, <image> (a picture's slot), a caption token as its
+// picture's class (colour and shape, e.g. `<red square>`), a text token kFirstTextToken + n as the number n of the
+// document's count, any other id as <id>. What the counting looks like to a reader (train.samples, scripts/demo.sh).
+std::string token_names(std::span<const int32_t> ids);
 }  // namespace mock
 
 }  // namespace rf::trainer

@@ -21,6 +21,7 @@
 #include "model/vision_encoder.h"
 #include "trainer/data.h"
 #include "trainer/optimizer.h"
+#include "trainer/samples.h"
 #include "trainer/state/expert_state.h"
 #include "trainer/state/state.h"
 #include "trainer/trainer.h"
@@ -56,6 +57,9 @@ struct Run {
   // every update, on every rank at the same point (apply_update); null otherwise.
   const model::VisionEncoder* tower = nullptr;
   double tower_seconds = 0.0;  // this rank's time in the tower (forward, backward, the group's sums) this step
+  SamplePrompts samples;       // train.samples' prompts (none without it)
+  // train.samples' KV cache over the CP group (experts over the EP group), made at the first sample step.
+  std::unique_ptr<DecodeContext> sampler;
 };
 
 inline double seconds_since(Clock::time_point start) {
@@ -93,5 +97,7 @@ double clip_global_norm(Run& r, double max_norm, double& factor);
 double apply_update(Run& r, int64_t step, double clip);
 void check_finite_step(int64_t step, double loss, double norm, const std::string& last_checkpoint);
 double validation_loss(Run& r);
+// train.samples: every prompt generated greedily with the weights as the step left them (collective: every rank).
+std::vector<model::Generated> generate_samples(Run& r);
 
 }  // namespace rf::trainer::detail

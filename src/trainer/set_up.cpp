@@ -126,6 +126,7 @@ void check_outputs(const TrainConfig& c, const TrainOptions& o) {
   if (!o.metrics_path.empty()) io::check_writable(o.metrics_path);
   if (!o.svg_path.empty()) io::check_writable(o.svg_path);
   if (!o.stats_path.empty()) io::check_writable(o.stats_path);
+  if (!c.train.samples_prompts.empty() && !o.metrics_path.empty()) io::check_writable(samples_path(o.metrics_path));
   if (!c.checkpoint.dir.empty()) check_creatable_directory(c.checkpoint.dir, "checkpoint.dir");
 }
 
@@ -248,6 +249,8 @@ void set_up_data(Run& r) {
   images.vision = [&]() -> const model::VisionEncoder* { return r.ck.model->vision_tower(); };
   r.ck.model->set_vision_compute_dtype(cfg.model.compute_dtype);  // the tower multiplies as the decoder does
   r.data = make_data_source(cfg, contract, images);
+  if (!cfg.train.samples_prompts.empty())
+    r.samples = read_sample_prompts(cfg, contract, m.decoder(), cfg.parallelism.cp);
   carry_data_text_files(cfg, r.ck);
   if (cfg.model.train_vision)
     RF_CHECK(images.vision() != nullptr, "config: model.train_vision, but the model has no vision tower");

@@ -5,6 +5,8 @@
 
 #include "comm/agree.h"
 #include "core/error.h"
+#include "cp/ep_experts.h"
+#include "cp/kv_cache.h"
 #include "model/vision.h"
 #include "model/vision_encoder.h"
 #include "trainer/data.h"
@@ -246,6 +248,31 @@ double validation_loss(Run& r) {
   }
   r.dp_group->allreduce(&loss, 1, comm::ReduceOp::Sum, r.timeout);
   return loss;
+}
+
+// The samples run the model as validation does, on every rank: each CP group prefills the prompt over its ranks
+// and decodes on its sharded cache (model/generate.h), the experts dispatched over the EP group, and the prefill
+// runs the whole model (GenerateOptions::prefill_whole_model), so the store's hooks (shard gradients/full gathers,
+// held experts, LoRA adapters) give the weights exactly as the step left them. Every DP replica generates the same
+// prompts: a sharded store's gathers and the EP group span the replicas, so all of them must run the same model runs.
+std::vector<model::Generated> generate_samples(Run& r) {
+  const model::Gemma4Model& m = r.ck.model->decoder();
+  if (!r.sampler) {
+    cp::CpAttentionOptions co;
+    co.scheme = cp::scheme_name(r.cfg.parallelism.sharding);
+    co.timeout = r.timeout;
+    r.sampler = cp::make_decode_context(*r.cp_group, model::cache_layers(m),
+                                        model::attention_dtype(r.cfg.model.compute_dtype), co);
+    if (r.ep_group->size() > 1) r.sampler->set_experts(std::make_unique<cp::EpExperts>(*r.ep_group, r.timeout));
+  }
+  model::GenerateOptions o;
+  o.max_new_tokens = r.cfg.train.samples_max_new_tokens;
+  o.sampling.greedy = true;
+  o.compute_dtype = r.cfg.model.compute_dtype;
+  o.prefill_whole_model = true;
+  std::vector<model::Generated> out;
+  for (const model::Prompt& p : r.samples.prompts) out.push_back(model::generate(m, *r.sampler, p, o));
+  return out;
 }
 
 }  // namespace rf::trainer::detail

@@ -159,6 +159,23 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
   save(r, pending, save_wait(r.timeout, bytes, r.options.slowest_checkpoint_write), progress, result);
 }
 
+// train.samples at a sample step: every prompt generated on every rank (generate_samples), then rank 0 writes them to
+// the samples file and prints the first prompt's continuation, in one agreement.
+void publish_samples(Run& r, int64_t step, std::optional<MetricsFile>& file, Progress& progress) {
+  const std::vector<model::Generated> made = generate_samples(r);
+  comm::agree(r.world, [&] {
+    if (!r.lead) return;
+    const SamplePrompts& s = r.samples;
+    for (size_t i = 0; i < made.size(); ++i)
+      if (file) file->append(sample_json_line(step, i, s.where[i], s.prompts[i], made[i], s.tok.get()));
+    const std::vector<int32_t>& first = made.front().tokens;
+    const std::string shown = s.tok                                   ? s.tok->decode(first, true)
+                              : r.cfg.data.source == SourceKind::Mock ? mock::token_names(first)
+                                                                      : ids_text(first);
+    progress.note(rf::concat("step ", step, ": sample (", s.where.front(), "): ", shown));
+  });
+}
+
 // --stats: the memory check's terms for this run (per rank: every rank's figure is the same, shards being padded)
 // beside every rank's measured peak RSS (a collective), written by rank 0 in one agreement.
 void write_stats(Run& r, const std::string& path) {
@@ -245,6 +262,13 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
   comm::agree(world, [&] {
     if (r.lead && !options.metrics_path.empty()) metrics.emplace(options.metrics_path, r.state.step);
   });
+  // Rank 0's samples file (train.samples), beside the metrics file, kept as the metrics file is on a resume.
+  std::optional<MetricsFile> samples;
+  const std::string samples_file = samples_path(options.metrics_path);
+  comm::agree(world, [&] {
+    if (r.lead && !cfg.train.samples_prompts.empty() && !samples_file.empty())
+      samples.emplace(samples_file, r.state.step);
+  });
   Progress progress(r.lead ? options.progress : nullptr, cfg.train.steps, cfg.train.log_every);
   if (r.lead) announce(r, progress);
 
@@ -281,9 +305,11 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
     const double eta = seconds_since(run_start) / static_cast<double>(step - first_step + 1) *
                        static_cast<double>(cfg.train.steps - step);
     publish_step(r, sm, eta, metrics, progress, result);
+    if (is_sample_step(cfg, step)) publish_samples(r, step, samples, progress);
   }
   comm::agree(world, [&] {
     if (metrics) metrics->close();
+    if (samples) samples->close();
     if (r.lead && !result.svg_path.empty()) {
       io::write_file_atomically(result.svg_path, loss_svg(r.state.history, "ringflex train"));
       progress.note("loss picture: " + result.svg_path);

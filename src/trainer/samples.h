@@ -1,0 +1,51 @@
+// ringflex trainer: train.samples, greedy generations during training from a prompts file, so a user watches the
+// model learn (docs/train-samples.md).
+//
+// The prompts file is JSONL, one prompt a line, in one of two forms:
+//   {"messages": [...], "tools": [...]?}  a conversation as `ringflex generate --messages` reads it, rendered through
+//                                         the chat template with the generation prompt (text only here);
+//   {"ids": [1, 40, 41]}                  token ids as they are, for a model without a tokenizer (the mock data).
+// Every rank reads and checks the file at setup, so a bad one stops the run before step 1 with one line on each rank.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model/generate.h"
+#include "text/tokenizer.h"
+#include "trainer/config.h"
+#include "trainer/data.h"
+
+namespace rf::trainer {
+
+struct SamplePrompts {
+  std::vector<model::Prompt> prompts;    // in file order
+  std::vector<std::string> where;        // [prompts] "FILE:LINE"
+  std::unique_ptr<text::Tokenizer> tok;  // set when a line is a conversation: the samples' text is decoded with it
+};
+
+// Reads c.train.samples_prompts (c.train.samples_prompts non-empty) and checks every prompt against the model
+// (model::check_prompt with samples_max_new_tokens over `cp_ranks`). Throws rf::Error "FILE:LINE: ..." for a line
+// that does not parse, is neither form, has ids outside the vocabulary, or images; "FILE: no prompts" for none.
+SamplePrompts read_sample_prompts(const TrainConfig& c, const DataContract& k, const model::Gemma4Model& m,
+                                  int cp_ranks);
+
+// Token ids as text, space-separated (a model without a tokenizer).
+std::string ids_text(std::span<const int32_t> ids);
+
+// Whether `step` generates samples: every samples_every steps and the last.
+bool is_sample_step(const TrainConfig& c, int64_t step);
+
+// Where the samples of a run with `--metrics metrics_path` go: <metrics without its extension>.samples.jsonl; empty
+// without a metrics file (the samples are then printed only).
+std::string samples_path(const std::string& metrics_path);
+
+// One line of the samples file: {"step", "prompt" (its index), "where", "prompt_ids", "token_ids", "stop_reason",
+// "text" (with a tokenizer)}, with its newline.
+std::string sample_json_line(int64_t step, size_t index, const std::string& where, const model::Prompt& p,
+                             const model::Generated& g, const text::Tokenizer* tok);
+
+}  // namespace rf::trainer

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# train.samples under a real mpirun (docs/train-samples.md): the greedy samples a run writes at a step are the tokens
+# `ringflex generate --greedy` gives on the checkpoint saved at that step, at the same P, under parallelism.shard
+# none, gradients and full, at parallelism.ep 2 (held experts) and for a LoRA run (generate --lora on its base): the
+# samples run the store's hooks as the training forward does, so they see the weights exactly as the step left them.
+# Both sides are the same computation at the same P (the prefill's layers through the same ring, the same decode
+# steps), so the tokens are compared for equality. Also asserted: the samples file's records (step, prompt, where,
+# prompt_ids, token_ids, stop_reason) at the sample steps (every 2 and the last), and the first sample printed.
+#   samples_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- (no script arguments)
+set -euo pipefail
+source "$(dirname "$0")/../common/mpirun_lib.sh"
+new_tokens=8
+# Two prompts of the mock vocabulary (a document opener and a count by 3), the second past a sliding window of the
+# tiny models at no cost: the same length, so that one --in batch file holds both for generate.
+python3 - "$work" <<'PY'
+import json, struct, sys
+work = sys.argv[1]
+prompts = [[1] + [32 + 3 * k for k in range(19)], [1] + [40 + 7 * k for k in range(19)]]
+with open(f"{work}/prompts.jsonl", "w") as f:
+    for p in prompts:
+        f.write(json.dumps({"ids": p}) + "\n")
+data = b"".join(struct.pack("<i", t) for p in prompts for t in p)
+header = json.dumps({"input_ids": {"dtype": "I32", "shape": [len(prompts), len(prompts[0])],
+                                   "data_offsets": [0, len(data)]}}).encode()
+header += b" " * (-len(header) % 8)
+with open(f"{work}/prompts.safetensors", "wb") as f:
+    f.write(struct.pack("<Q", len(header)) + header + data)
+PY
+common=(--set train.seq_len=64 --set train.steps=3 --set data.val_rows=2 --set train.threads=1
+        --set model.builtin=tiny_moe_vlm --set model.init_std=0.4 --set checkpoint.every=2
+        --set train.samples.prompts="$work/prompts.jsonl" --set train.samples.every=2
+        --set train.samples.max_new_tokens=$new_tokens)
+"${launcher[@]}" -n 2 "$ringflex" train "${common[@]}" --set parallelism.cp=2 --set checkpoint.dir="$work/none" \
+  --metrics "$work/none.jsonl" >"$work/none.out"
+train_job gradients 2 --set parallelism.dp=2 --set parallelism.shard=gradients
+train_job full 2 --set parallelism.cp=2 --set parallelism.shard=full
+train_job ep 2 --set parallelism.dp=2 --set parallelism.ep=2 --set parallelism.shard=gradients
+train_job lora 2 --set parallelism.cp=2 --set model.path="$work/none/step-00000003" --set model.lora.rank=2
+# generate's tokens on each run's checkpoint at each sample step, at P = 2.
+for run in none gradients full ep lora; do
+  for step in 2 3; do
+    ck="$work/$run/step-0000000$step"
+    model=(--model "$ck")
+    [ "$run" != lora ] || model=(--model "$work/none/step-00000003" --lora "$ck")
+    "${launcher[@]}" -n 2 "$ringflex" generate "${model[@]}" --in "$work/prompts.safetensors" --greedy \
+      --max-new-tokens $new_tokens --out "$work/$run.generate$step.jsonl" >/dev/null
+  done
+done
+python3 - "$work" "$new_tokens" <<'PY'
+import json, sys
+work, new_tokens = sys.argv[1], int(sys.argv[2])
+prompts = [json.loads(line)["ids"] for line in open(f"{work}/prompts.jsonl")]
+for run in ("none", "gradients", "full", "ep", "lora"):
+    samples = [json.loads(line) for line in open(f"{work}/{run}.samples.jsonl")]
+    assert [(s["step"], s["prompt"]) for s in samples] == [(2, 0), (2, 1), (3, 0), (3, 1)], (run, samples)
+    for s in samples:
+        assert s["where"] == f"{work}/prompts.jsonl:{s['prompt'] + 1}", s
+        assert s["prompt_ids"] == prompts[s["prompt"]], s
+        assert len(s["token_ids"]) == new_tokens and s["stop_reason"] == "length", s
+        generated = [json.loads(line) for line in open(f"{work}/{run}.generate{s['step']}.jsonl")]
+        assert s["token_ids"] == generated[s["prompt"]]["token_ids"], \
+            f"{run} step {s['step']} prompt {s['prompt']}: sample {s['token_ids']} vs generate " \
+            f"{generated[s['prompt']]['token_ids']}"
+# The first prompt's sample is printed at each sample step, in the mock vocabulary's words.
+printed = [line for line in open(f"{work}/none.out") if ": sample (" in line]
+assert [line.split(":")[0] for line in printed] == ["step 2", "step 3"], printed
+print("train.samples = generate on the step's checkpoint under shard none, gradients, full, ep 2 and LoRA;",
+      "e.g.", printed[-1].strip())
+PY
