@@ -6,6 +6,14 @@
 // model's config (no weights): images are read and laid out by the processor, not encoded. Prints the first N
 // conversations as rendered (trained text marked: green on a terminal, between [[ and ]] otherwise) and the totals
 // of a jsonl_chat source: conversations, dropped, truncated, skipped, tokens, trained tokens, rows, padding.
+//
+//     ringflex data --config FILE.yaml --set model.path=CHECKPOINT --held-out PROMPT.safetensors [--answer OUT.jsonl]
+//
+// --held-out: a held-out document as a question for `ringflex generate --in` (trainer::held_out_prompt: the first
+// validation document with a picture, cut after the text that follows it), its pictures encoded by model.path's
+// tower as training encodes them; prints the prompt and the expected continuation. With --answer (generate's --out
+// for that prompt) it writes nothing and prints the expected continuation beside the model's. The mock data's tokens
+// are shown as words (trainer::mock::token_names).
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,11 +30,15 @@
 #include "comm/agree.h"
 #include "comm/mpi_comm.h"
 #include "core/error.h"
+#include "io/jsonl.h"
+#include "io/safetensors.h"
 #include "model/builtin_configs.h"
+#include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/vision.h"
 #include "trainer/config.h"
 #include "trainer/data.h"
+#include "trainer/samples.h"
 
 namespace rf::cli {
 
@@ -36,6 +48,8 @@ struct DataCliOptions {
   std::string config;
   std::vector<std::string> sets;
   int show = 3;
+  std::string held_out, answer;
+  int expected_tokens = 12;
 };
 
 std::string model_config_text(const trainer::TrainConfig& cfg, std::string& source) {
@@ -76,7 +90,69 @@ void print_sample(const trainer::ChatReport::Shown& s, bool colour) {
   std::printf("\n");
 }
 
+// Token ids as a reader sees them: the mock vocabulary's words, else the ids.
+std::string shown(const trainer::TrainConfig& cfg, std::span<const int32_t> ids) {
+  return cfg.data.source == trainer::SourceKind::Mock ? trainer::mock::token_names(ids) : trainer::ids_text(ids);
+}
+
+// --held-out (and --answer): the data built as `ringflex train` builds it on model.path's checkpoint (its tower
+// encodes the pictures), one held-out document cut into a prompt and its expected continuation.
+int run_held_out(const DataCliOptions& opt) {
+  const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
+  trainer::TrainConfig cfg;
+  trainer::HeldOutPrompt q;
+  std::vector<int32_t> answer;
+  int feature_dim = 0;
+  agree(*world, [&] {
+    cfg = trainer::load_config(opt.config, opt.sets);
+    trainer::validate(cfg, cfg.parallelism.cp * cfg.parallelism.dp);
+    RF_CHECK(!cfg.model.path.empty(), "--held-out needs model.path (the checkpoint whose tower encodes the pictures, ",
+             "e.g. --set model.path=runs/NAME/step-00000300)");
+    if (!opt.answer.empty()) {
+      int lines = 0;
+      io::for_each_line(opt.answer, [&](const nlohmann::json& j, const std::string& where) {
+        RF_CHECK(j.contains("token_ids") && j["token_ids"].is_array(), where, ": no token_ids (not generate's --out)");
+        if (lines++ == 0) answer = j["token_ids"].get<std::vector<int32_t>>();
+      });
+      RF_CHECK(lines > 0, opt.answer, ": no records (generate's --out has one a prompt)");
+    }
+    model::Checkpoint ck = model::load_checkpoint(cfg.model.path);
+    model::Gemma4Multimodal& m = *ck.model;
+    feature_dim = m.vision_feature_dim() > 0 ? m.vision_feature_dim() : m.config().hidden_size;
+    const trainer::DataContract contract{m.config().vocab_size, m.config().pad_token_id.value_or(0), feature_dim,
+                                         cfg.model.path};
+    trainer::ImageContract images;
+    images.tokens = model::MultimodalTokens::from_config_json(m.config().source_json, cfg.model.path);
+    images.vision = [&]() -> const model::VisionEncoder* { return m.vision_tower(); };
+    m.set_vision_compute_dtype(cfg.model.compute_dtype);
+    q = trainer::held_out_prompt(*trainer::make_data_source(cfg, contract, images), opt.expected_tokens);
+    if (world->rank() != 0 || !opt.answer.empty()) return;
+    io::SafetensorsWriter w;
+    const std::vector<int64_t> row{1, static_cast<int64_t>(q.ids.size())};
+    w.add("input_ids", io::StDType::I32, row, std::span<const int32_t>(q.ids));
+    w.add("mm_token_type_ids", io::StDType::I32, row, std::span<const int32_t>(q.mm_token_type));
+    if (q.slots > 0)
+      w.add("image_features", io::StDType::F32, {q.slots, static_cast<int64_t>(feature_dim)},
+            std::span<const float>(q.image_features));
+    w.write(opt.held_out);
+  });
+  if (world->rank() != 0) return 0;
+  if (opt.answer.empty()) {
+    std::printf("held-out document (validation row %d), the prompt: %s\n", q.row, shown(cfg, q.ids).c_str());
+    std::printf("written to %s (ringflex generate --in)\n", opt.held_out.c_str());
+    return 0;
+  }
+  std::printf("asked:    %s\nexpected: %s\nmodel:    %s\n", shown(cfg, q.ids).c_str(), shown(cfg, q.expected).c_str(),
+              shown(cfg, answer).c_str());
+  const size_t n = std::min(q.expected.size(), answer.size());
+  size_t same = 0;
+  while (same < n && q.expected[same] == answer[same]) ++same;
+  std::printf("the model's first %zu of %zu tokens are the expected ones\n", same, q.expected.size());
+  return 0;
+}
+
 int run_data(const DataCliOptions& opt) {
+  if (!opt.held_out.empty()) return run_held_out(opt);
   const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
   trainer::TrainConfig cfg;
   trainer::ChatReport report;
@@ -132,6 +208,12 @@ void add_data_command(CLI::App& app, Runner& run) {
   cmd->add_option("--config", opt->config, "YAML config (as `ringflex train` takes it)")->required();
   cmd->add_option("--set", opt->sets, "Override one field, section.key=value (repeatable)");
   cmd->add_option("--show", opt->show, "How many conversations to print (default 3)");
+  cmd->add_option("--held-out", opt->held_out,
+                  "Write a held-out document's opening as a prompt for `ringflex generate --in` (needs model.path)");
+  cmd->add_option("--answer", opt->answer,
+                  "With --held-out: generate's --out for that prompt; print it beside the expected continuation");
+  cmd->add_option("--expected-tokens", opt->expected_tokens,
+                  "With --held-out: how many tokens of the document's continuation to expect (default 12)");
   cmd->callback([&run, opt] { run = [opt] { return run_data(*opt); }; });
 }
 

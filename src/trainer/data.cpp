@@ -8,8 +8,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <optional>
 
 #include "core/error.h"
+#include "core/mask.h"
 #include "io/image.h"
 #include "io/json_text.h"
 #include "io/jsonl.h"
@@ -871,24 +873,76 @@ std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataCon
 namespace mock {
 std::string token_names(std::span<const int32_t> ids) {
   std::string out;
-  for (const int32_t id : ids) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int32_t id = ids[i];
     if (!out.empty()) out += ' ';
-    if (id == 0)
+    if (id == kImageSlot) {  // a picture's run of slots as one word
+      size_t run = 1;
+      while (i + run < ids.size() && ids[i + run] == kImageSlot) ++run;
+      out += run == 1 ? "<image>" : rf::concat("<image x", run, ">");
+      i += run - 1;
+    } else if (id == 0) {
       out += "<pad>";
-    else if (id == kBos)
+    } else if (id == kBos) {
       out += "<bos>";
-    else if (id == kImageSlot)
-      out += "<image>";
-    else if (id >= kFirstCaptionToken && id < kFirstCaptionToken + kClasses)
+    } else if (id >= kFirstCaptionToken && id < kFirstCaptionToken + kClasses) {
       out += rf::concat("<", mock_image::kColourNames[(id - kFirstCaptionToken) / mock_image::kShapes], " ",
                         mock_image::kShapeNames[(id - kFirstCaptionToken) % mock_image::kShapes], ">");
-    else if (id >= kFirstTextToken)
+    } else if (id >= kFirstTextToken) {
       out += std::to_string(id - kFirstTextToken);
-    else
+    } else {
       out += rf::concat("<", id, ">");
+    }
   }
   return out;
 }
 }  // namespace mock
+
+HeldOutPrompt held_out_prompt(const DataSource& d, int max_expected) {
+  RF_CHECK(d.val_rows() > 0, "no validation rows (data.val_rows = 0): no held-out document to ask about");
+  RF_CHECK(max_expected >= 1, "the held-out continuation must be at least 1 token, not ", max_expected);
+  const int64_t F = d.feature_dim();
+  // [begin, end) of a row's document starting at `begin`, and whether it holds an image slot.
+  const auto document_end = [](const Row& row, size_t begin) {
+    size_t end = begin;
+    while (end < row.doc.size() && row.doc[end] == row.doc[begin]) ++end;
+    return end;
+  };
+  std::optional<std::pair<int, size_t>> chosen;  // (row, the document's first position)
+  for (int j = 0; j < d.val_rows() && !chosen; ++j) {
+    const Row row = d.val_row(j);
+    for (size_t at = 0; at < row.doc.size() && row.doc[at] != kPaddingDoc; at = document_end(row, at))
+      if (std::any_of(row.mm_token_type.begin() + static_cast<std::ptrdiff_t>(at),
+                      row.mm_token_type.begin() + static_cast<std::ptrdiff_t>(document_end(row, at)),
+                      [](int32_t t) { return t != 0; })) {
+        chosen = {j, at};
+        break;
+      }
+  }
+  if (!chosen) chosen = {0, 0};
+  const Row row = d.val_row(chosen->first);
+  const size_t begin = chosen->second, end = document_end(row, begin);
+  RF_CHECK(end - begin >= 2 && row.doc[begin] != kPaddingDoc, "validation row ", chosen->first,
+           " opens with no document of two tokens or more");
+  size_t cut = begin + (end - begin) / 2;  // the prompt's last position
+  for (size_t t = begin; t < end; ++t)
+    if (row.mm_token_type[t] != 0 && t + 1 < end && row.mm_token_type[t + 1] == 0) cut = t + 1;
+  HeldOutPrompt out;
+  out.row = chosen->first;
+  const int64_t slots_before =
+      std::count_if(row.mm_token_type.begin(), row.mm_token_type.begin() + static_cast<std::ptrdiff_t>(begin),
+                    [](int32_t t) { return t != 0; });
+  for (size_t t = begin; t <= cut; ++t) {
+    out.ids.push_back(row.input_ids[t]);
+    out.mm_token_type.push_back(row.mm_token_type[t]);
+    out.slots += row.mm_token_type[t] != 0;
+  }
+  out.image_features.assign(row.image_features.begin() + slots_before * F,
+                            row.image_features.begin() + (slots_before + out.slots) * F);
+  for (size_t t = cut + 1; t < end && static_cast<int>(out.expected.size()) < max_expected; ++t)
+    out.expected.push_back(row.input_ids[t]);
+  RF_CHECK(!out.expected.empty(), "validation row ", out.row, ": the held-out document ends at its prompt");
+  return out;
+}
 
 }  // namespace rf::trainer

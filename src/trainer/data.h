@@ -140,6 +140,19 @@ std::unique_ptr<DataSource> make_data_source(const TrainConfig& c, const DataCon
                                              const ImageContract& images = {}, ChatReport* report = nullptr,
                                              int show = 0);
 
+// A held-out document cut for generation (`ringflex data --held-out`, scripts/demo.sh): the first validation document
+// with an image (else the first document of the first validation row), as a prompt through the first text token after
+// its image (for the mock data, the caption its picture decides; without an image, its first half), and the tokens
+// the document continues with, at most `max_expected` of them.
+struct HeldOutPrompt {
+  std::vector<int32_t> ids, mm_token_type;  // [S] the prompt
+  std::vector<float> image_features;        // [slots, F] of its image slots (F: the source's feature_dim)
+  int64_t slots = 0;
+  std::vector<int32_t> expected;  // [<= max_expected] the document's next tokens
+  int row = 0;                    // the validation row it came from
+};
+HeldOutPrompt held_out_prompt(const DataSource& d, int max_expected);
+
 // The tokenizer jsonl_text, jsonl_chat and train.samples' conversations read: data.tokenizer (tokenizer.json or a
 // SentencePiece tokenizer.model), else model.path's tokenizer.json, else its tokenizer.model (text/tokenizer.h).
 // Throws rf::Error when it is not a regular file.
@@ -154,7 +167,7 @@ constexpr int kClasses = 16;
 constexpr int kMinDocument = 24, kMaxDocument = 96;
 // A document opens with an image only if its slots leave kMinDocument / 2 tokens of text, so no more slots fit one.
 constexpr int kMaxImageTokens = kMaxDocument - kMinDocument / 2;
-// The mock vocabulary as words, space-separated: <pad>, <bos>, <image> (a picture's slot), a caption token as its
+// The mock vocabulary as words, space-separated: <pad>, <bos>, <image xN> (a picture's N slots), a caption token as its
 // picture's class (colour and shape, e.g. `<red square>`), a text token kFirstTextToken + n as the number n of the
 // document's count, any other id as <id>. What the counting looks like to a reader (train.samples, scripts/demo.sh).
 std::string token_names(std::span<const int32_t> ids);

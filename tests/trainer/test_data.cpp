@@ -89,6 +89,51 @@ TEST(MockData, RowsAreWellFormedDeterministicAndVaried) {
   expect_well_formed(tiny->train_row(3), 1, kF);
 }
 
+// The mock vocabulary as words (hand-written): a run of slots is one word, class 6 is colour 6 / 4 = green with shape
+// 6 % 4 = the wide bar, a counting token its number, an id below the text tokens that is none of these <id>.
+TEST(MockData, TokenNames) {
+  const std::vector<int32_t> ids = {mock::kBos, 2, 2, 2, mock::kFirstCaptionToken + 6, 32, 35, 0, 5, 2};
+  EXPECT_EQ(mock::token_names(ids), "<bos> <image x3> <green wide bar> 0 3 <pad> <5> <image>");
+  EXPECT_EQ(mock::token_names(std::vector<int32_t>{mock::kFirstCaptionToken + 15}), "<yellow tall bar>");
+}
+
+// A held-out prompt is a validation document with a picture, from its opener through the caption after the picture,
+// its features the row's for those slots, and the expected tokens the document's next ones.
+TEST(MockData, HeldOutPromptIsAValidationDocumentCutAfterItsCaption) {
+  const TrainConfig c = config_with({"train.seq_len=300", "data.mock_image_tokens=12", "data.val_rows=3"});
+  const auto src = make_data_source(c, {kVocab, 0, kF, ""});
+  const HeldOutPrompt q = held_out_prompt(*src, 5);
+  const Row row = src->val_row(q.row);
+  ASSERT_EQ(q.slots, 12);
+  ASSERT_EQ(q.ids.size(), 14u);  // the opener, 12 slots, the caption
+  EXPECT_EQ(q.ids.front(), mock::kBos);
+  EXPECT_GE(q.ids.back(), mock::kFirstCaptionToken);
+  EXPECT_LT(q.ids.back(), mock::kFirstCaptionToken + mock::kClasses);
+  // Where the prompt lies in its row: at a document's start, every position of the document's.
+  const auto at = std::search(row.input_ids.begin(), row.input_ids.end(), q.ids.begin(), q.ids.end());
+  ASSERT_NE(at, row.input_ids.end());
+  const size_t begin = static_cast<size_t>(at - row.input_ids.begin()), cut = begin + q.ids.size();
+  EXPECT_TRUE(begin == 0 || row.doc[begin - 1] != row.doc[begin]);
+  EXPECT_EQ(std::vector<int32_t>(row.mm_token_type.begin() + begin, row.mm_token_type.begin() + cut), q.mm_token_type);
+  const size_t slots_before = std::count(row.mm_token_type.begin(), row.mm_token_type.begin() + begin, 1);
+  EXPECT_EQ(std::vector<float>(row.image_features.begin() + slots_before * kF,
+                               row.image_features.begin() + (slots_before + 12) * kF),
+            q.image_features);
+  ASSERT_EQ(q.expected.size(), 5u);
+  EXPECT_EQ(std::vector<int32_t>(row.input_ids.begin() + cut, row.input_ids.begin() + cut + 5), q.expected);
+  EXPECT_EQ(row.doc[cut + 4], row.doc[begin]);
+  // No earlier validation document has a picture.
+  for (int j = 0; j < q.row; ++j) {
+    const Row earlier = src->val_row(j);
+    EXPECT_EQ(std::count(earlier.mm_token_type.begin(), earlier.mm_token_type.end(), 1), 0) << "row " << j;
+  }
+  EXPECT_EQ(std::count(row.mm_token_type.begin(), row.mm_token_type.begin() + begin, 1), 0);
+  EXPECT_EQ(error_of([&] {
+              (void)held_out_prompt(*make_data_source(config_with({"data.val_rows=0"}), {kVocab, 0, kF, ""}), 5);
+            }),
+            "no validation rows (data.val_rows = 0): no held-out document to ask about");
+}
+
 // An image of more slots than a mock document holds is refused by name (2^31 - 1 slots overflowed the length test
 // and made a row of 2^31 image slots); the largest that fits still makes images.
 TEST(MockData, ImageTokensBeyondADocumentAreRefused) {
