@@ -99,7 +99,8 @@ std::string sample_json_line(int64_t step, size_t index, const std::string& wher
   j["token_ids"] = g.tokens;
   j["stop_reason"] = g.stop_reason;
   if (tok) j["text"] = tok->decode(g.tokens, true);
-  return j.dump() + "\n";
+  // A decoded text with bytes that are not UTF-8 (a sample cut inside a character) is written with U+FFFD for them.
+  return j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
 }
 
 }  // namespace rf::trainer

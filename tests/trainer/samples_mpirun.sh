@@ -6,9 +6,12 @@
 # Both sides are the same computation at the same P (the prefill's layers through the same ring, the same decode
 # steps), so the tokens are compared for equality. Also asserted: the samples file's records (step, prompt, where,
 # prompt_ids, token_ids, stop_reason) at the sample steps (every 2 and the last), and the first sample printed.
-#   samples_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- (no script arguments)
+# Conversations: the tiny chat example with {"messages": ...} prompts gives `generate --messages`' tokens and text on
+# its checkpoint (which carries the example's tokenizer and template).
+#   samples_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- SOURCE_DIR
 set -euo pipefail
 source "$(dirname "$0")/../common/mpirun_lib.sh"
+source_dir=$1
 new_tokens=8
 # Two prompts of the mock vocabulary (a document opener and a count by 3), the second past a sliding window of the
 # tiny models at no cost: the same length, so that one --in batch file holds both for generate.
@@ -46,9 +49,29 @@ for run in none gradients full ep lora; do
       --max-new-tokens $new_tokens --out "$work/$run.generate$step.jsonl" >/dev/null
   done
 done
+# The chat example with two conversations as prompts, the last step only (every 0).
+cat >"$work/chat_prompts.jsonl" <<'JSONL'
+{"messages": [{"role": "user", "content": "Name a thing that is red."}]}
+{"messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 35 plus 14?"}]}
+JSONL
+chat=(--config "$source_dir/examples/gemma4_tiny_chat.yaml" --set train.steps=2 --set train.seq_len=128
+      --set data.path="$source_dir/examples/tiny_chat/conversations.jsonl"
+      --set data.tokenizer="$source_dir/examples/tiny_chat/tokenizer.json"
+      --set data.chat_template="$source_dir/examples/tiny_chat/chat_template.jinja"
+      --set train.samples.prompts="$work/chat_prompts.jsonl" --set train.samples.max_new_tokens=$new_tokens
+      --set checkpoint.dir="$work/chat" --set checkpoint.every=0)
+"${launcher[@]}" -n 2 "$ringflex" train "${chat[@]}" --metrics "$work/chat.jsonl" >/dev/null
+"${launcher[@]}" -n 2 "$ringflex" generate --model "$work/chat/step-00000002" --messages "$work/chat_prompts.jsonl" \
+  --greedy --max-new-tokens $new_tokens --out "$work/chat.generate2.jsonl" >/dev/null
 python3 - "$work" "$new_tokens" <<'PY'
 import json, sys
 work, new_tokens = sys.argv[1], int(sys.argv[2])
+samples = [json.loads(line) for line in open(f"{work}/chat.samples.jsonl")]
+generated = [json.loads(line) for line in open(f"{work}/chat.generate2.jsonl")]
+assert [(s["step"], s["prompt"]) for s in samples] == [(2, 0), (2, 1)], samples
+for s, g in zip(samples, generated):
+    assert s["token_ids"] == g["token_ids"] and s["text"] == g["text"], (s, g)
+print("conversations: generate --messages' tokens and text:", [s["text"] for s in samples])
 prompts = [json.loads(line)["ids"] for line in open(f"{work}/prompts.jsonl")]
 for run in ("none", "gradients", "full", "ep", "lora"):
     samples = [json.loads(line) for line in open(f"{work}/{run}.samples.jsonl")]
