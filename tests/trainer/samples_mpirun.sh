@@ -5,7 +5,8 @@
 # samples run the store's hooks as the training forward does, so they see the weights exactly as the step left them.
 # Both sides are the same computation at the same P (the prefill's layers through the same ring, the same decode
 # steps), so the tokens are compared for equality. Also asserted: the samples file's records (step, prompt, where,
-# prompt_ids, token_ids, stop_reason) at the sample steps (every 2 and the last), and the first sample printed.
+# prompt_ids, token_ids, stop_reason) at the sample steps (every 2 and the last), the first sample printed, and that
+# a run with samples trains the bits of one without (shard full: every loss, norm and validation loss).
 # Conversations: the tiny chat example with {"messages": ...} prompts gives `generate --messages`' tokens and text on
 # its checkpoint (which carries the example's tokenizer and template).
 #   samples_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- SOURCE_DIR
@@ -37,6 +38,8 @@ common=(--set train.seq_len=64 --set train.steps=3 --set data.val_rows=2 --set t
   --metrics "$work/none.jsonl" >"$work/none.out"
 train_job gradients 2 --set parallelism.dp=2 --set parallelism.shard=gradients
 train_job full 2 --set parallelism.cp=2 --set parallelism.shard=full
+# The same run without samples: sampling leaves the training bits alone (every loss, norm and validation loss).
+train_job full_plain 2 --set parallelism.cp=2 --set parallelism.shard=full --set train.samples.prompts=
 train_job ep 2 --set parallelism.dp=2 --set parallelism.ep=2 --set parallelism.shard=gradients
 train_job lora 2 --set parallelism.cp=2 --set model.path="$work/none/step-00000003" --set model.lora.rank=2
 # generate's tokens on each run's checkpoint at each sample step, at P = 2.
@@ -72,6 +75,8 @@ assert [(s["step"], s["prompt"]) for s in samples] == [(2, 0), (2, 1)], samples
 for s, g in zip(samples, generated):
     assert s["token_ids"] == g["token_ids"] and s["text"] == g["text"], (s, g)
 print("conversations: generate --messages' tokens and text:", [s["text"] for s in samples])
+from train_outputs import expect_same_steps, metrics
+expect_same_steps(metrics(f"{work}/full_plain.jsonl"), metrics(f"{work}/full.jsonl"), 3)
 prompts = [json.loads(line)["ids"] for line in open(f"{work}/prompts.jsonl")]
 for run in ("none", "gradients", "full", "ep", "lora"):
     samples = [json.loads(line) for line in open(f"{work}/{run}.samples.jsonl")]
