@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # train.samples under a real mpirun (docs/train-samples.md): the greedy samples a run writes at a step are the tokens
 # `ringflex generate --greedy` gives on the checkpoint saved at that step, at the same P, under parallelism.shard
-# none, gradients and full, at parallelism.ep 2 (held experts) and for a LoRA run (generate --lora on its base): the
+# none, optimizer, gradients and full, at parallelism.ep 2 (held experts) and for a LoRA run (generate --lora on its base): the
 # samples run the store's hooks as the training forward does, so they see the weights exactly as the step left them.
 # Both sides are the same computation at the same P (the prefill's layers through the same ring, the same decode
 # steps), so the tokens are compared for equality. Also asserted: the samples file's records (step, prompt, where,
@@ -36,6 +36,7 @@ common=(--set train.seq_len=64 --set train.steps=3 --set data.val_rows=2 --set t
         --set train.samples.max_new_tokens=$new_tokens)
 "${launcher[@]}" -n 2 "$ringflex" train "${common[@]}" --set parallelism.cp=2 --set checkpoint.dir="$work/none" \
   --metrics "$work/none.jsonl" >"$work/none.out"
+train_job optimizer 2 --set parallelism.dp=2 --set parallelism.shard=optimizer
 train_job gradients 2 --set parallelism.dp=2 --set parallelism.shard=gradients
 train_job full 2 --set parallelism.cp=2 --set parallelism.shard=full
 # The same run without samples: sampling leaves the training bits alone (every loss, norm and validation loss).
@@ -43,7 +44,7 @@ train_job full_plain 2 --set parallelism.cp=2 --set parallelism.shard=full --set
 train_job ep 2 --set parallelism.dp=2 --set parallelism.ep=2 --set parallelism.shard=gradients
 train_job lora 2 --set parallelism.cp=2 --set model.path="$work/none/step-00000003" --set model.lora.rank=2
 # generate's tokens on each run's checkpoint at each sample step, at P = 2.
-for run in none gradients full ep lora; do
+for run in none optimizer gradients full ep lora; do
   for step in 2 3; do
     ck="$work/$run/step-0000000$step"
     model=(--model "$ck")
@@ -78,7 +79,7 @@ print("conversations: generate --messages' tokens and text:", [s["text"] for s i
 from train_outputs import expect_same_steps, metrics
 expect_same_steps(metrics(f"{work}/full_plain.jsonl"), metrics(f"{work}/full.jsonl"), 3)
 prompts = [json.loads(line)["ids"] for line in open(f"{work}/prompts.jsonl")]
-for run in ("none", "gradients", "full", "ep", "lora"):
+for run in ("none", "optimizer", "gradients", "full", "ep", "lora"):
     samples = [json.loads(line) for line in open(f"{work}/{run}.samples.jsonl")]
     assert [(s["step"], s["prompt"]) for s in samples] == [(2, 0), (2, 1), (3, 0), (3, 1)], (run, samples)
     for s in samples:
@@ -92,6 +93,6 @@ for run in ("none", "gradients", "full", "ep", "lora"):
 # The first prompt's sample is printed at each sample step, in the mock vocabulary's words.
 printed = [line for line in open(f"{work}/none.out") if ": sample (" in line]
 assert [line.split(":")[0] for line in printed] == ["step 2", "step 3"], printed
-print("train.samples = generate on the step's checkpoint under shard none, gradients, full, ep 2 and LoRA;",
+print("train.samples = generate on the step's checkpoint under shard none, optimizer, gradients, full, ep 2, LoRA;",
       "e.g.", printed[-1].strip())
 PY
