@@ -2,7 +2,7 @@
 // context-parallel over the ranks of mpirun.
 //
 //     [mpirun -n P] ringflex forward --model DIR --in BATCH.safetensors --out OUT.safetensors [--grad]
-//                   [--no-logits] [--shard balanced|contiguous|zigzag|auto] [--algo ring|allgather]
+//                   [--no-logits] [--router] [--shard balanced|contiguous|zigzag|auto] [--algo ring|allgather]
 //                   [--threads N] [--stats FILE.json] [--no-check-finite] [--timeout SECONDS]
 //
 // Input tensors: input_ids [B, S] (I32 or I64), and optionally labels [B, S] (-100 = ignored; the target of each
@@ -12,8 +12,10 @@
 // image_features, images as Gemma 4's image processor lays them out: pixel_values [n, P, 3 * patch^2] and
 // image_position_ids [n, P, 2] ((-1, -1) for padding patches); the checkpoint's own vision tower (frozen: no
 // gradient) turns them into the features, on every rank before the row is split (model/vision_encoder.h).
-// Output: loss (scalar, mean over label tokens), token_loss [B, S], logits [B, S, V] unless --no-logits, and
-// with --grad every parameter gradient as grad.<HF name> (plus grad.image_features when features are given).
+// Output: loss (scalar, mean over label tokens), token_loss [B, S], logits [B, S, V] unless --no-logits, with
+// --router each MoE layer's router_logits.<layer> [B, S, E] (the scores before the softmax) and router_experts.<layer>
+// [B, S, K] (I32, the chosen experts, most probable first), and with --grad every parameter gradient as
+// grad.<HF name> (plus grad.image_features when features are given).
 //
 // Every rank reads the checkpoint and the whole batch and validates them; the ranks agree that all succeeded
 // (bad input, or more ranks than tokens in a row: one line on every rank, non-zero exit, no output). With P > 1
@@ -66,12 +68,14 @@ constexpr int kMaxThreads = 1024;  // a sanity bound for --threads, far above an
 // Tags of the per-token outputs each rank sends to rank 0.
 constexpr int kTokenLossTag = 1;
 constexpr int kLogitsTag = 2;
+constexpr int kRouterTag = 3;
 
 struct ForwardOptions {
   std::string model, in, out;
   std::string lora;  // a PEFT LoRA adapter directory over --model (model/lora_store.h)
   bool grad = false;
   bool no_logits = false;
+  bool router = false;  // write each MoE layer's router scores and choices
   std::string shard = "balanced";
   std::string algo = "ring";
   int threads = 0;           // 0: OpenMP's default (every core)
@@ -268,6 +272,7 @@ int run_forward(const ForwardOptions& opt) {
   model::RunOptions ro;
   ro.want_grad = opt.grad;
   ro.want_logits = !opt.no_logits;
+  ro.want_router = opt.router;
   ro.recompute_layers = opt.recompute;
   ro.keep_mlp_projections = opt.keep_mlp;
   ro.loss_chunk_tokens = opt.loss_chunk;
@@ -297,6 +302,16 @@ int run_forward(const ForwardOptions& opt) {
   std::vector<float> logits;
   if (ro.want_logits) logits = gather_to_rank0(*world, r.shard, r.logits, b.B, V, kLogitsTag, timeout);
   r.logits = {};
+  // Per MoE layer, rows in order on rank 0: the scores [B, S, E], and the choices [B, S, K], which travel as float
+  // (expert indices < 2^24 are exact) through the same gather and are written back as I32.
+  const int64_t E = m.config().num_experts, K = m.config().top_k_experts;
+  std::vector<std::vector<float>> router_logits(r.router_logits.size()), router_experts(r.router_experts.size());
+  for (size_t l = 0; l < r.router_logits.size(); ++l) {
+    if (r.router_logits[l].empty()) continue;
+    router_logits[l] = gather_to_rank0(*world, r.shard, r.router_logits[l], b.B, E, kRouterTag, timeout);
+    const std::vector<float> chosen(r.router_experts[l].begin(), r.router_experts[l].end());
+    router_experts[l] = gather_to_rank0(*world, r.shard, chosen, b.B, K, kRouterTag, timeout);
+  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   std::string stats;
@@ -330,6 +345,16 @@ int run_forward(const ForwardOptions& opt) {
     w.add("loss", io::StDType::F32, {}, std::span<const float>(&loss, 1));
     w.add("token_loss", io::StDType::F32, {B, S}, std::span<const float>(token_loss));
     if (ro.want_logits) w.add("logits", io::StDType::F32, {B, S, V}, std::span<const float>(logits));
+    for (size_t l = 0; l < router_logits.size(); ++l) {
+      if (router_logits[l].empty()) continue;
+      const std::string layer = std::to_string(l);
+      w.add("router_logits." + layer, io::StDType::F32, {B, S, E}, std::span<const float>(router_logits[l]));
+      w.add_fill("router_experts." + layer, io::StDType::I32, {B, S, K},
+                 [&chosen = router_experts[l]](std::span<std::byte> out) {
+                   auto* dst = reinterpret_cast<int32_t*>(out.data());
+                   for (size_t i = 0; i < chosen.size(); ++i) dst[i] = static_cast<int32_t>(chosen[i]);
+                 });
+    }
     if (opt.grad) {
       const model::ParamStore& params = ck.model->params();
       const auto* lora = dynamic_cast<const model::LoraStore*>(&params);
@@ -392,6 +417,9 @@ void add_forward_command(CLI::App& app, Runner& run) {
                   "A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) over --model: the "
                   "base frozen, --grad writes the adapters' gradients");
   cmd->add_flag("--no-logits", opt->no_logits, "Do not write the [B, S, V] logits");
+  cmd->add_flag("--router", opt->router,
+                "Also write each MoE layer's router scores router_logits.<layer> [B, S, E] and chosen experts "
+                "router_experts.<layer> [B, S, K]");
   cmd->add_option("--shard", opt->shard, "Which tokens each rank holds (default: balanced for the model's layers)")
       ->check(CLI::IsMember({"contiguous", "zigzag", "balanced", "auto"}));
   cmd->add_option("--algo", opt->algo, "CP algorithm")->check(CLI::IsMember({"ring", "allgather"}));

@@ -298,6 +298,10 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
   r.kv_V.assign(L, {});
   r.kv_dK.assign(L, {});
   r.kv_dV.assign(L, {});
+  if (opt.want_router) {
+    r.router_logits.assign(L, {});
+    r.router_experts.assign(L, {});
+  }
   std::vector<KeptLayer> kept(opt.want_grad ? static_cast<size_t>(L) : 0);  // [L], for the backward
 
   Vec x = copy_of(r.h0);
@@ -322,6 +326,8 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
   Vec xf = uninit(T * H), r_final = uninit(T);
   rmsnorm_forward(x.data(), r.W(final_norm_), r.eps, xf.data(), r_final.data(), T, H);
   Result res;
+  res.router_logits = std::move(r.router_logits);
+  res.router_experts = std::move(r.router_experts);
   const int64_t label_tokens = count_label_tokens(batch);
   res.label_tokens = label_tokens;
   const double normalizer = opt.loss_normalizer > 0 ? opt.loss_normalizer : static_cast<double>(label_tokens);

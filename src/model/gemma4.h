@@ -82,6 +82,9 @@ struct RunOptions {
   // Result's loss and per-token outputs stay empty). Generation's prefill (model/generate.h): what it needs from the
   // run is the K/V its layers hand the attention seam, and the KV-shared layers at the end produce none.
   int run_layers = 0;
+  // Fill Result::router_logits and router_experts: each MoE layer's router scores and the experts each token chose
+  // (diagnostics: whether a token's choice sits on a near-tie of its scores, docs/model-fidelity.md).
+  bool want_router = false;
 };
 
 // What attention's q, k, v and dout are stored in for a run computing in `t`: float32 for Float32; for Bfloat16, BF16
@@ -105,6 +108,10 @@ struct Result {
   RowShard shard;                 // which tokens of the rows this rank held
   std::vector<float> token_loss;  // [B, L], 0 where ignored
   std::vector<float> logits;      // [B, L, V] when asked for
+  // With RunOptions::want_router, per layer (empty for a layer without MoE): the router's scores before its softmax
+  // [B, L, E], and the top_k experts each token chose [B, L, K], highest probability first (ties to the lower index).
+  std::vector<std::vector<float>> router_logits;
+  std::vector<std::vector<int32_t>> router_experts;
   // [N, F] d loss / d image_features (training with image features): this rank's contribution, i.e. the rows of
   // the features its tokens hold (zero elsewhere); summed over the ranks it is the full gradient.
   std::vector<float> d_image_features;

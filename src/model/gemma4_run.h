@@ -207,6 +207,10 @@ struct Gemma4Model::Run {
   Vec d_image_features;                // [N, F]
   std::vector<AttnTensor> kv_K, kv_V;  // [L] K/V of layers others read, in the attention's storage
   std::vector<Vec> kv_dK, kv_dV;       // [L] their gradients, float32
+  // RunOptions::want_router: each MoE layer's router scores [T, E] and choices [T, K], from its forward (a
+  // recompute routes the same way and leaves them as they are).
+  std::vector<std::vector<float>> router_logits;
+  std::vector<std::vector<int32_t>> router_experts;
 
   Run(const Gemma4Model& model, const Batch& batch, const RunOptions& options, ParamStore& s, AttentionBackend& a)
       : m(model),

@@ -289,6 +289,8 @@ void Gemma4Model::Run::moe_route(int l, const float* x1, MoeActs& a) {
   }
   a.probs = uninit(T * E);
   linear_forward(mm, a.rs.data(), W(sl.router_proj), a.probs.data(), T, H, E);
+  const bool keep_router = opt.want_router && router_logits[l].empty();  // the forward's, not a recompute's
+  if (keep_router) router_logits[l].assign(a.probs.begin(), a.probs.end());
   a.top_idx.assign(static_cast<size_t>(T * K), 0);
   a.expert_order.assign(static_cast<size_t>(T * K), 0);
   a.top_wn = zeros(T * K);
@@ -324,6 +326,8 @@ void Gemma4Model::Run::moe_route(int l, const float* x1, MoeActs& a) {
       std::sort(by_expert, by_expert + K, [idx](int32_t x, int32_t y) { return idx[x] < idx[y]; });
     }
   }
+
+  if (keep_router) router_experts[l].assign(a.top_idx.begin(), a.top_idx.end());
 
   a.routed.assign(static_cast<size_t>(E), {});
   a.row_of.assign(static_cast<size_t>(T * K), 0);
