@@ -47,8 +47,8 @@ E, K = 6, 3
 S = 96  # tokens of the one row: with 4 layers, 384 (token, layer) choices
 DELTAS = [1e-4, 1e-5, 1e-6, 1e-7]  # per layer: adjacent experts' score spacing per unit of u.x
 # ringflex's float32 scores against float64's on this model: the row's hidden states after a few float32 layers
-# carry ~1e-6 relative rounding into O(1) scores (measured ~2e-6 here); 1e-5 leaves room for other CPUs' kernels
-# and would still catch a wrong norm, scale or weight (errors of 1e-3 and more).
+# carry ~1e-6 relative rounding into O(1) scores (measured on a Zen 4: 1.9e-6 native, 3.5e-6 on the AVX2 path);
+# 1e-5 leaves room for other CPUs' kernels and would still catch a wrong norm, scale or weight (1e-3 and more).
 SCORE_TOL = 1e-5
 OWN_GAP = 1e-6  # check 1: scores this far apart stay apart through the float32 softmax (probabilities ~1/E)
 
