@@ -70,7 +70,7 @@ constexpr int kTransformersTopK = 50;  // GenerationConfig's default top_k, used
 
 struct GenerateCliOptions {
   std::string model, lora, in, messages, out, logits_out;
-  std::optional<std::string> prompt;
+  std::vector<std::string> prompt;  // --prompt, once or more
   std::optional<int> max_new_tokens;
   bool greedy = false;
   std::optional<float> temperature, top_p, min_p;
@@ -78,6 +78,7 @@ struct GenerateCliOptions {
   std::optional<uint64_t> seed;
   int threads = 0;
   std::string compute_dtype = "float32";
+  std::string cache_dtype;  // empty: the attention storage's (model::attention_dtype)
 };
 
 // Sampling and stop ids from the checkpoint's generation_config.json (transformers' defaults without it), then the
@@ -141,6 +142,17 @@ Decoding decoding_of(const GenerateCliOptions& opt) {
   return d;
 }
 
+// --cache-dtype: empty keeps the attention storage's dtype; bfloat16 is allowed under either, float32 only where
+// attention reads float32 (a float32 cache would only be rounded again when read by bf16 attention).
+DType cache_dtype_of(const std::string& given, DType attention) {
+  if (given.empty()) return attention;
+  const DType d = given == "bfloat16" || given == "bf16" ? DType::BF16 : DType::F32;
+  RF_CHECK(d == DType::BF16 || attention == DType::F32,
+           "--cache-dtype float32: attention reads bf16 here (--compute-dtype bfloat16 on bf16 units); the cache "
+           "keeps bf16 or nothing finer");
+  return d;
+}
+
 // The prompts of the batch file: one a row (images with B = 1, where the slots are unambiguous).
 std::vector<model::Prompt> prompts_of(const BatchData& d, const std::string& path) {
   RF_CHECK(!d.has_features || d.B == 1, path, ": a prompt batch with images must have one row (B = 1), not ", d.B);
@@ -189,6 +201,49 @@ class TextStream {
   }
   const text::Tokenizer& tok_;
   size_t printed_ = 0;
+};
+
+// Rank 0's stdout for prompts decoded together, in prompt order and byte for byte what they would print one after
+// another: the first unfinished prompt's tokens print as they come; a later prompt's are held until every prompt
+// before it has finished. Each prompt's line: its text (TextStream) with a tokenizer, else `[i]` and its ids.
+class BatchStream {
+ public:
+  BatchStream(size_t prompts, const text::Tokenizer* tok) : prompts_(prompts) {
+    for (size_t i = 0; i < prompts; ++i) {
+      if (tok)
+        prompts_[i].text.emplace(*tok);
+      else
+        prompts_[i].pending = concat("[", i, "]");
+    }
+  }
+  void token(int prompt, int32_t id, bool last) {
+    Pending& p = prompts_[static_cast<size_t>(prompt)];
+    p.ids.push_back(id);
+    p.pending += p.text ? p.text->next(p.ids) : concat(" ", id);
+    if (last) {
+      if (p.text) p.pending += p.text->finish(p.ids);
+      p.pending += "\n";
+      p.done = true;
+    }
+    while (first_ < prompts_.size()) {
+      Pending& q = prompts_[first_];
+      std::fputs(q.pending.c_str(), stdout);
+      q.pending.clear();
+      if (!q.done) break;
+      ++first_;
+    }
+    std::fflush(stdout);
+  }
+
+ private:
+  struct Pending {
+    std::optional<TextStream> text;
+    std::vector<int32_t> ids;
+    std::string pending;  // not printed yet
+    bool done = false;
+  };
+  std::vector<Pending> prompts_;
+  size_t first_ = 0;  // the first unfinished prompt
 };
 
 // A conversation of --messages as read before the checkpoint loads: its prompt ids with each image's slots laid out
@@ -321,6 +376,7 @@ int run_generate(const GenerateCliOptions& opt) {
   const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
   const int P = world->size(), rank = world->rank();
   const model::ComputeDtype dtype = model::parse_compute_dtype(opt.compute_dtype);
+  const DType cache_dtype = cache_dtype_of(opt.cache_dtype, model::attention_dtype(dtype));
   model::Checkpoint ck;
   std::unique_ptr<text::Tokenizer> tokenizer;  // with --prompt and --messages
   std::vector<model::Prompt> prompts;
@@ -331,28 +387,32 @@ int run_generate(const GenerateCliOptions& opt) {
       if (!opt.out.empty()) io::check_writable(opt.out);
       if (!opt.logits_out.empty()) io::check_writable(opt.logits_out);
     }
-    RF_CHECK(int{opt.prompt.has_value()} + int{!opt.in.empty()} + int{!opt.messages.empty()} == 1,
+    RF_CHECK(int{!opt.prompt.empty()} + int{!opt.in.empty()} + int{!opt.messages.empty()} == 1,
              "give one of --prompt TEXT, --messages FILE.jsonl or --in PROMPTS.safetensors");
     if (!opt.messages.empty()) {
       tokenizer = text::load_tokenizer(opt.model);
       conversations = read_conversations(opt.messages, opt.model, *tokenizer);
     }
-    if (opt.prompt) {
-      tokenizer = text::load_tokenizer(opt.model);
-      RF_CHECK(!opt.prompt->empty(), "--prompt: the prompt is empty (no text to start from)");
+    if (!opt.prompt.empty()) tokenizer = text::load_tokenizer(opt.model);
+    for (const std::string& text : opt.prompt) {
+      RF_CHECK(!text.empty(), "--prompt: the prompt is empty (no text to start from)");
       model::Prompt p;
       if (const std::optional<int32_t> bos = tokenizer->bos_id()) p.ids.push_back(*bos);
-      const std::vector<int32_t> ids = tokenizer->encode(*opt.prompt);
+      const std::vector<int32_t> ids = tokenizer->encode(text);
       p.ids.insert(p.ids.end(), ids.begin(), ids.end());
       prompts.push_back(std::move(p));
     }
-    int64_t longest_conversation = 0;
-    for (const Conversation& c : conversations)
-      longest_conversation = std::max(longest_conversation, static_cast<int64_t>(c.prompt.ids.size()));
-    const auto [B, S] = opt.prompt ? std::pair<int64_t, int64_t>{1, static_cast<int64_t>(prompts[0].ids.size())}
-                        : !opt.messages.empty() ? std::pair<int64_t, int64_t>{1, longest_conversation}
-                                                : prompt_shape(opt.in);
-    const std::string source = opt.prompt ? std::string("--prompt") : !opt.messages.empty() ? opt.messages : opt.in;
+    std::vector<int64_t> lengths;  // every prompt's tokens: they are decoded together, their caches all held
+    for (const model::Prompt& p : prompts) lengths.push_back(static_cast<int64_t>(p.ids.size()));
+    for (const Conversation& c : conversations) lengths.push_back(static_cast<int64_t>(c.prompt.ids.size()));
+    if (!opt.in.empty()) {
+      const auto [B, S] = prompt_shape(opt.in);
+      lengths.assign(static_cast<size_t>(B), S);
+    }
+    const int64_t S = *std::max_element(lengths.begin(), lengths.end());
+    const std::string source = !opt.prompt.empty()     ? std::string("--prompt")
+                               : !opt.messages.empty() ? opt.messages
+                                                       : opt.in;
     ck = model::load_checkpoint(
         opt.model,
         [&](const model::Gemma4Multimodal& shapes) {
@@ -360,9 +420,10 @@ int run_generate(const GenerateCliOptions& opt) {
           MemoryBreakdown need;
           need.add("weights", checked_sum({shapes.params().weight_bytes(), shapes.buffers().total_bytes()}));
           need.add("bf16 weight copies", dtype == model::ComputeDtype::Bfloat16 ? shapes.bf16_weight_bytes() : 0);
-          need.add(model::generate_memory_at_least(shapes.decoder(), S, d.max_new_tokens, P, rank, dtype));
+          need.add(model::generate_memory_at_least(shapes.decoder(), lengths, d.max_new_tokens, P, rank, cache_dtype));
           check_memory(need, source + ": generate",
-                       concat(" for ", S, " prompt tokens and ", d.max_new_tokens, " new over ", P, " rank(s)"));
+                       concat(" for ", lengths.size() > 1 ? concat(lengths.size(), " prompts of at most ") : "", S,
+                              " prompt tokens and ", d.max_new_tokens, " new over ", P, " rank(s)"));
         },
         opt.lora.empty() ? nullptr : std::make_unique<model::LoraStore>(model::read_peft_config(opt.lora)));
     if (!opt.lora.empty()) model::load_peft_adapter(dynamic_cast<model::LoraStore&>(ck.model->params()), opt.lora);
@@ -379,36 +440,29 @@ int run_generate(const GenerateCliOptions& opt) {
   });
   const model::Gemma4Model& m = ck.model->decoder();
   const std::unique_ptr<DecodeContext> ctx =
-      cp::make_decode_context(*world, model::cache_layers(m), model::attention_dtype(dtype));
+      cp::make_decode_context(*world, model::cache_layers(m), model::attention_dtype(dtype), cache_dtype);
   model::GenerateOptions go;
   go.max_new_tokens = dec.max_new_tokens;
   go.stop_ids = dec.stop_ids;
   go.sampling = dec.sampling;
   go.compute_dtype = dtype;
 
-  std::string records;
   std::vector<float> first_logits;
   int64_t steps = 0;
   const int64_t V = m.config().vocab_size;
+  BatchStream stream(prompts.size(), tokenizer.get());
+  const std::vector<model::Generated> generated =
+      model::generate(m, *ctx, prompts, go, [&](int i, int32_t token, std::span<const float> z, bool last) {
+        if (rank != 0) return;
+        stream.token(i, token, last);
+        if (i == 0 && !opt.logits_out.empty()) {
+          first_logits.insert(first_logits.end(), z.begin(), z.end());
+          ++steps;
+        }
+      });
+  std::string records;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    if (rank == 0 && !tokenizer) std::printf("[%zu]", i);
-    std::optional<TextStream> stream;
-    if (tokenizer) stream.emplace(*tokenizer);
-    std::vector<int32_t> so_far;
-    const model::Generated g = model::generate(m, *ctx, prompts[i], go, [&](int32_t token, std::span<const float> z) {
-      if (rank != 0) return;
-      so_far.push_back(token);
-      if (stream)
-        std::fputs(stream->next(so_far).c_str(), stdout);
-      else
-        std::printf(" %d", token);
-      std::fflush(stdout);
-      if (i == 0 && !opt.logits_out.empty()) {
-        first_logits.insert(first_logits.end(), z.begin(), z.end());
-        ++steps;
-      }
-    });
-    if (rank == 0) std::printf("%s\n", stream ? stream->finish(so_far).c_str() : "");
+    const model::Generated& g = generated[i];
     const double prompt_tokens = static_cast<double>(prompts[i].ids.size());
     const double decoded = static_cast<double>(g.tokens.size()) - 1;
     nlohmann::ordered_json r;
@@ -418,9 +472,10 @@ int run_generate(const GenerateCliOptions& opt) {
     r["prompt_tokens"] = prompts[i].ids.size();
     r["prefill_tokens_per_s"] = g.prefill_seconds > 0 ? prompt_tokens / g.prefill_seconds : 0.0;
     r["decode_tokens_per_s"] = g.decode_seconds > 0 && decoded > 0 ? decoded / g.decode_seconds : 0.0;
+    r["batch"] = prompts.size();
     r["ranks"] = P;
-    r["cache_bytes"] = ctx->allocated_bytes();
-    r["max_sliding_positions"] = ctx->max_held_positions(true);
+    r["cache_bytes"] = g.cache_bytes;
+    r["max_sliding_positions"] = g.max_sliding_positions;
     records += r.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
   }
   agree(*world, [&] {
@@ -452,7 +507,9 @@ void add_generate_command(CLI::App& app, Runner& run) {
   cmd->add_option("--model", opt->model, "Checkpoint directory: config.json, *.safetensors, generation_config.json")
       ->required();
   cmd->add_option("--lora", opt->lora, "A PEFT LoRA adapter directory over --model");
-  cmd->add_option("--prompt", opt->prompt, "The prompt as text, tokenized with the checkpoint's tokenizer after BOS");
+  cmd->add_option("--prompt", opt->prompt,
+                  "A prompt as text, tokenized with the checkpoint's tokenizer after BOS (repeat it: decoded together)")
+      ->expected(1);
   cmd->add_option("--messages", opt->messages,
                   "Conversations, one a line ({\"messages\": [...], \"tools\": [...]?}), rendered through the "
                   "checkpoint's chat template with the generation prompt");
@@ -472,6 +529,10 @@ void add_generate_command(CLI::App& app, Runner& run) {
   cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")
       ->check(CLI::Range(1, kMaxThreads));
   cmd->add_option("--compute-dtype", opt->compute_dtype, "float32 (default) or bfloat16, as `forward`")
+      ->check(CLI::IsMember({"float32", "bfloat16", "f32", "bf16"}));
+  cmd->add_option("--cache-dtype", opt->cache_dtype,
+                  "The KV cache's storage: bfloat16 halves it under float32 compute (widened when read); default: "
+                  "what attention reads")
       ->check(CLI::IsMember({"float32", "bfloat16", "f32", "bf16"}));
   cmd->callback([&run, opt] { run = [opt] { return run_generate(*opt); }; });
 }

@@ -14,10 +14,10 @@
 // docs/generate.md has the layout, the placement rule and what is exact.
 #pragma once
 
-#include <cstdint>
-#include <vector>
-
 #include <algorithm>
+#include <cstdint>
+#include <span>
+#include <vector>
 
 #include "core/attention_backend.h"
 #include "core/dtype.h"
@@ -49,19 +49,32 @@ inline int64_t layer_cache_bytes(const CacheLayer& layer, int capacity, DType dt
   return layer.kv_source >= 0 ? 0 : per_position * capacity;
 }
 
+// One row of a batched decode step: the sequence whose cache it reads and extends, and its token's position.
+struct DecodeRow {
+  int sequence = 0;
+  int32_t position = 0;
+};
+
 class DecodeContext : public ParallelContext {
  public:
   // The ranks the cache is spread over (ranks() says 1 during a decode step, which the model sees as one rank's).
   virtual int cache_ranks() const = 0;
-  // The next model run is the prefill of a prompt of `prompt_tokens` tokens, after which at most `decode_tokens` are
-  // decoded; the cache (sized from both, as cache_bytes says) is emptied and allocated. Collective.
-  virtual void start_prefill(int prompt_tokens, int decode_tokens) = 0;
-  // The next model run is one token at `position` (B = 1, S = 1; positions follow the prompt one by one).
-  virtual void start_decode(int32_t position) = 0;
-  // Bytes this rank's cache holds now (allocated: K/V in their dtype, the keys' TokenMeta).
-  virtual int64_t allocated_bytes() const = 0;
-  // The most positions any of this rank's cached layers holds now (a sliding layer never more than its window).
-  virtual int max_held_positions(bool sliding) const = 0;
+  // The job decodes `sequences` sequences together, each with its own cache: every cache is emptied.
+  virtual void start_sequences(int sequences) = 0;
+  // The next model run is the prefill of sequence `sequence`, a prompt of `prompt_tokens` tokens, after which at most
+  // `decode_tokens` are decoded; its cache (sized from both, as cache_bytes says) is emptied and allocated.
+  // Collective.
+  virtual void start_prefill(int sequence, int prompt_tokens, int decode_tokens) = 0;
+  // The next model run is one token of each row (B = rows.size(), S = 1; row b of the run is rows[b]; a sequence's
+  // positions follow its prompt one by one; a sequence appears at most once).
+  virtual void start_decode(std::span<const DecodeRow> rows) = 0;
+  // Frees a finished sequence's cache.
+  virtual void release(int sequence) = 0;
+  // Bytes a sequence's cache on this rank holds now (allocated: K/V in their dtype, the keys' TokenMeta).
+  virtual int64_t allocated_bytes(int sequence) const = 0;
+  // The most positions any of this rank's cached layers of a sequence holds now (a sliding layer never more than its
+  // window).
+  virtual int max_held_positions(int sequence, bool sliding) const = 0;
 };
 
 }  // namespace rf

@@ -13,7 +13,7 @@ namespace rf::cp {
 
 namespace {
 
-// One layer's cache on this rank: K and V [Hkv, C, D] in the run's attention storage, and each slot's TokenMeta
+// One layer's cache of one sequence on this rank: K and V [Hkv, C, D] in the cache's dtype, and each slot's TokenMeta
 // [C]. A slot not yet written is padding (doc 0), which the mask never lets a query read, so the kernels run on all
 // C slots without a length: a sliding layer's slots are a ring (a new position takes the slot of one that left the
 // window), a full layer's fill from 0.
@@ -35,13 +35,14 @@ struct LayerCache {
   }
   int64_t bytes() const { return static_cast<int64_t>(k.size() + v.size() + meta.size() * sizeof(TokenMeta)); }
 
-  // Copies token j of src_k/src_v ([Hkv, L, D] in `dtype`) into `slot`.
-  void put(int slot, const void* src_k, const void* src_v, int L, int j, const TokenMeta& m, DType dtype) {
-    const size_t es = dtype_size(dtype), row = static_cast<size_t>(D) * es;
+  // Copies token j of src_k/src_v ([Hkv, L, D] in `from`) into `slot` (stored in `to`: the same, or bf16 from
+  // float32, rounded to nearest even).
+  void put(int slot, const void* src_k, const void* src_v, int L, int j, const TokenMeta& m, DType from, DType to) {
+    const size_t in_row = static_cast<size_t>(D) * dtype_size(from), out_row = static_cast<size_t>(D) * dtype_size(to);
     for (int h = 0; h < Hkv; ++h) {
-      const size_t from = (static_cast<size_t>(h) * L + j) * row, to = (static_cast<size_t>(h) * C + slot) * row;
-      std::memcpy(k.data() + to, static_cast<const std::byte*>(src_k) + from, row);
-      std::memcpy(v.data() + to, static_cast<const std::byte*>(src_v) + from, row);
+      const size_t src = (static_cast<size_t>(h) * L + j) * in_row, dst = (static_cast<size_t>(h) * C + slot) * out_row;
+      store(k.data() + dst, static_cast<const std::byte*>(src_k) + src, from, to);
+      store(v.data() + dst, static_cast<const std::byte*>(src_v) + src, from, to);
     }
     meta[static_cast<size_t>(slot)] = m;
   }
@@ -57,65 +58,100 @@ struct LayerCache {
     RF_CHECK(position - meta[oldest].idx >= window, "a sliding layer's cache would drop a position in its window");
     return oldest;
   }
+
+ private:
+  void store(std::byte* dst, const std::byte* src, DType from, DType to) const {
+    if (from == to) {
+      std::memcpy(dst, src, static_cast<size_t>(D) * dtype_size(to));
+      return;
+    }
+    from_float(dst, reinterpret_cast<const float*>(src), static_cast<size_t>(D), to);
+  }
+};
+
+// One sequence of the job: its prompt and decode lengths and its layers' caches ([layers]; empty for KV-shared ones).
+struct SequenceCache {
+  int prompt_tokens = 0, decode_tokens = 0;
+  std::vector<LayerCache> layers;
 };
 
 class KvCacheContext final : public DecodeContext {
  public:
-  KvCacheContext(comm::Communicator& group, std::vector<CacheLayer> layers, DType dtype,
+  KvCacheContext(comm::Communicator& group, std::vector<CacheLayer> layers, DType dtype, DType cache_dtype,
                  const CpAttentionOptions& options)
       : group_(group),
         layers_(std::move(layers)),
         dtype_(dtype),
+        cache_dtype_(cache_dtype),
         timeout_(options.timeout),
-        inner_(make_parallel_context(group, options)),
-        cache_(layers_.size()) {}
+        inner_(make_parallel_context(group, options)) {
+    RF_CHECK(cache_dtype == dtype || (dtype == DType::F32 && cache_dtype == DType::BF16), "generation: a ",
+             dtype_name(cache_dtype), " cache under ", dtype_name(dtype),
+             " attention storage (the cache keeps the storage's dtype, or bf16 under float32)");
+  }
 
-  // A decode step is one replicated token: the model sees it as a one-rank run (its batch checks, its shard).
+  // A decode step is one replicated token a sequence: the model sees it as a one-rank run (its batch checks, its
+  // shard).
   int rank() const override { return decoding_ ? 0 : group_.rank(); }
   int ranks() const override { return decoding_ ? 1 : group_.size(); }
 
   int cache_ranks() const override { return group_.size(); }
 
-  void start_prefill(int prompt_tokens, int decode_tokens) override {
-    RF_CHECK(prompt_tokens >= 0 && decode_tokens >= 0, "generation: negative token counts");
-    prompt_tokens_ = prompt_tokens;
-    decode_tokens_ = decode_tokens;
+  void start_sequences(int sequences) override {
+    RF_CHECK(sequences >= 0, "generation: a negative sequence count");
+    sequences_.assign(static_cast<size_t>(sequences), SequenceCache{});
     decoding_ = false;
-    for (LayerCache& c : cache_) c = LayerCache{};
-    // Without a prefill run (a one-token prompt) the cache holds decoded positions only.
-    if (prompt_tokens == 0) allocate({});
   }
 
-  void start_decode(int32_t position) override {
-    RF_CHECK(position >= prompt_tokens_ && position < prompt_tokens_ + decode_tokens_, "generation: position ",
-             position, " is outside the decode range [", prompt_tokens_, ", ", prompt_tokens_ + decode_tokens_, ")");
-    decoding_ = true;
-    position_ = position;
+  void start_prefill(int sequence, int prompt_tokens, int decode_tokens) override {
+    RF_CHECK(prompt_tokens >= 0 && decode_tokens >= 0, "generation: negative token counts");
+    SequenceCache& s = seq(sequence);
+    s = SequenceCache{prompt_tokens, decode_tokens, std::vector<LayerCache>(layers_.size())};
+    prefilling_ = sequence;
+    decoding_ = false;
+    // Without a prefill run (a one-token prompt) the cache holds decoded positions only.
+    if (prompt_tokens == 0) allocate(s, {});
   }
+
+  void start_decode(std::span<const DecodeRow> rows) override {
+    RF_CHECK(!rows.empty(), "generation: a decode step of no rows");
+    for (const DecodeRow& r : rows) {
+      const SequenceCache& s = seq(r.sequence);
+      RF_CHECK(r.position >= s.prompt_tokens && r.position < s.prompt_tokens + s.decode_tokens, "generation: sequence ",
+               r.sequence, ": position ", r.position, " is outside the decode range [", s.prompt_tokens, ", ",
+               s.prompt_tokens + s.decode_tokens, ")");
+    }
+    rows_.assign(rows.begin(), rows.end());
+    decoding_ = true;
+  }
+
+  void release(int sequence) override { seq(sequence).layers = {}; }
 
   RowShard begin_batch(const TokenMeta* rows, int B, int S, const std::vector<MaskLayers>& mix) override {
     layer_ = 0;
     if (decoding_) {
-      RF_CHECK(B == 1 && S == 1, "generation: a decode step runs one token, not B = ", B, ", S = ", S);
+      RF_CHECK(B == static_cast<int>(rows_.size()) && S == 1, "generation: a decode step runs one token of each of ",
+               rows_.size(), " rows, not B = ", B, ", S = ", S);
       RowShard one;
       one.S = one.L = one.P = 1;
       one.positions = {{0}};
       return one;
     }
-    RF_CHECK(B == 1 && S == prompt_tokens_, "generation: the prefill runs the ", prompt_tokens_,
+    SequenceCache& s = seq(prefilling_);
+    RF_CHECK(B == 1 && S == s.prompt_tokens, "generation: the prefill runs the ", s.prompt_tokens,
              " prompt tokens start_prefill announced as one row, not B = ", B, ", S = ", S);
     RowShard shard = inner_.model->begin_batch(rows, B, S, mix);
     std::vector<int32_t> held;
     for (int32_t p : shard.mine())
       if (!shard.is_pad(p)) held.push_back(p);
-    allocate(held);
+    allocate(s, held);
     return shard;
   }
 
   void forward(const ShardAttention& x, float* o, float* lse) override {
     RF_CHECK(layer_ < static_cast<int>(layers_.size()), "generation: more attention calls than the model's ",
              layers_.size(), " layers");
-    RF_CHECK(x.dtype == dtype_, "generation: the cache keeps ", dtype_name(dtype_), ", the run gave ",
+    RF_CHECK(x.dtype == dtype_, "generation: the cache was made for ", dtype_name(dtype_), " attention, the run gave ",
              dtype_name(x.dtype));
     const int l = layer_++;
     if (decoding_)
@@ -133,113 +169,160 @@ class KvCacheContext final : public DecodeContext {
     if (!decoding_) inner_.model->sum_over_ranks(values, n);
   }
 
-  int64_t allocated_bytes() const override {
+  int64_t allocated_bytes(int sequence) const override {
     int64_t n = 0;
-    for (const LayerCache& c : cache_) n += c.bytes();
+    for (const LayerCache& c : seq(sequence).layers) n += c.bytes();
     return n;
   }
 
-  int max_held_positions(bool sliding) const override {
+  int max_held_positions(int sequence, bool sliding) const override {
+    const SequenceCache& s = seq(sequence);
     int n = 0;
-    for (size_t l = 0; l < layers_.size(); ++l)
-      if (layers_[l].kv_source < 0 && (layers_[l].mask.window > 0) == sliding) n = std::max(n, cache_[l].used);
+    for (size_t l = 0; l < s.layers.size(); ++l)
+      if (layers_[l].kv_source < 0 && (layers_[l].mask.window > 0) == sliding) n = std::max(n, s.layers[l].used);
     return n;
   }
 
  private:
+  SequenceCache& seq(int sequence) {
+    RF_CHECK(sequence >= 0 && sequence < static_cast<int>(sequences_.size()), "generation: sequence ", sequence, " of ",
+             sequences_.size());
+    return sequences_[static_cast<size_t>(sequence)];
+  }
+  const SequenceCache& seq(int sequence) const { return const_cast<KvCacheContext*>(this)->seq(sequence); }
+
   // Every own-KV layer's cache for the prompt positions this rank holds (`held`) and its share of the decoded ones.
-  void allocate(const std::vector<int32_t>& held) {
+  void allocate(SequenceCache& s, const std::vector<int32_t>& held) {
     const int P = group_.size(), r = group_.rank();
-    const int decoded = decode_tokens_ / P + (r < decode_tokens_ % P ? 1 : 0);
+    const int decoded = s.decode_tokens / P + (r < s.decode_tokens % P ? 1 : 0);
     for (size_t l = 0; l < layers_.size(); ++l) {
       const CacheLayer& cl = layers_[l];
       if (cl.kv_source >= 0) continue;
-      const int in_window = static_cast<int>(
-          std::count_if(held.begin(), held.end(), [&](int32_t p) { return in_window_after_prompt(cl, p); }));
-      cache_[l].allocate(cache_capacity(cl, static_cast<int>(held.size()), in_window, decoded), cl.kv_heads,
-                         cl.head_dim, dtype_);
+      const int in_window = static_cast<int>(std::count_if(held.begin(), held.end(), [&](int32_t p) {
+        return in_window_after_prompt(cl, s.prompt_tokens, p);
+      }));
+      s.layers[l].allocate(cache_capacity(cl, static_cast<int>(held.size()), in_window, decoded), cl.kv_heads,
+                           cl.head_dim, cache_dtype_);
     }
   }
 
-  // Whether prompt position p can still be seen by the first decoded query (at prompt_tokens_) on a layer.
-  bool in_window_after_prompt(const CacheLayer& cl, int32_t p) const {
-    return cl.mask.window == 0 || prompt_tokens_ - p < cl.mask.window;
+  // Whether prompt position p can still be seen by the first decoded query (at prompt_tokens) on a layer.
+  static bool in_window_after_prompt(const CacheLayer& cl, int prompt_tokens, int32_t p) {
+    return cl.mask.window == 0 || prompt_tokens - p < cl.mask.window;
   }
 
   void prefill(int l, const ShardAttention& x, float* o, float* lse) {
     inner_.model->forward(x, o, lse);
     const CacheLayer& cl = layers_[l];
     if (cl.kv_source >= 0) return;
-    LayerCache& c = cache_[l];
+    SequenceCache& s = seq(prefilling_);
+    LayerCache& c = s.layers[l];
     const int L = x.shape.Lk;
     for (int j = 0; j < L; ++j) {
       const TokenMeta& m = x.meta[j];
-      if (m.doc == kPaddingDoc || !in_window_after_prompt(cl, m.idx)) continue;
-      c.put(c.slot_for(m.idx, cl.mask.window), x.k, x.v, L, j, m, dtype_);
+      if (m.doc == kPaddingDoc || !in_window_after_prompt(cl, s.prompt_tokens, m.idx)) continue;
+      c.put(c.slot_for(m.idx, cl.mask.window), x.k, x.v, L, j, m, dtype_, cache_dtype_);
     }
   }
 
-  void decode(int l, const ShardAttention& x, float* o, float* lse) {
-    const CacheLayer& cl = layers_[l];
-    const int P = group_.size();
-    const TokenMeta query{position_, 1, kNoGroup};  // one document, no image group: a text token after the prompt
-    if (cl.kv_source < 0 && decode_owner(position_, prompt_tokens_, P) == group_.rank()) {
-      LayerCache& c = cache_[l];
-      c.put(c.slot_for(position_, cl.mask.window), x.k, x.v, 1, 0, query, dtype_);
-    }
-    const LayerCache& c = cache_[cl.kv_source >= 0 ? cl.kv_source : l];
-    const int Hq = x.shape.Hq, D = x.shape.D;
-    // This rank's partial: [Hq, D] output and [Hq] LSE over its cached keys (lse -inf, o 0 where it holds none the
-    // query sees), followed in one buffer by its LSE, so one allgather moves both.
-    std::vector<float> part(static_cast<size_t>(Hq) * (D + 1), 0.f);
-    float* part_lse = part.data() + int64_t{Hq} * D;
-    std::fill_n(part_lse, Hq, kNegInf);
-    if (c.C > 0) {
-      AttnChunk chunk;
-      chunk.shape = AttnShape{1, Hq, x.shape.Hkv, 1, c.C, D};
-      chunk.dtype = dtype_;
-      chunk.q = x.q;
+  // This rank's partial of one query row over a sequence's cached keys: out [Hq, D] and lse [Hq] (-inf, out 0 where
+  // it holds none the query sees). A bf16 cache under float32 attention is widened one KV head at a time into
+  // `widened_` (its query heads h / (Hq / Hkv) == g read head g alone), so the float32 kernel reads it.
+  void attend(const LayerCache& c, const ShardAttention& x, const void* q, const TokenMeta& query, float* out,
+              float* out_lse) {
+    const int Hq = x.shape.Hq, Hkv = x.shape.Hkv, D = x.shape.D;
+    std::fill_n(out, int64_t{Hq} * D, 0.f);
+    std::fill_n(out_lse, Hq, kNegInf);
+    if (c.C == 0) return;
+    AttnChunk chunk;
+    chunk.dtype = dtype_;
+    chunk.q_meta = &query;
+    chunk.k_meta = c.meta.data();
+    chunk.mask = x.mask;
+    chunk.scale = x.scale.value_or(default_scale(D));
+    if (cache_dtype_ == dtype_) {
+      chunk.shape = AttnShape{1, Hq, Hkv, 1, c.C, D};
+      chunk.q = q;
       chunk.k = c.k.data();
       chunk.v = c.v.data();
-      chunk.q_meta = &query;
-      chunk.k_meta = c.meta.data();
-      chunk.mask = x.mask;
-      chunk.scale = x.scale.value_or(default_scale(D));
-      cpu::attention_forward(chunk, part.data(), part_lse);
-    }
-    if (P == 1) {
-      std::copy_n(part.data(), int64_t{Hq} * D, o);
-      std::copy_n(part_lse, Hq, lse);
+      cpu::attention_forward(chunk, out, out_lse);
       return;
     }
-    std::vector<float> all(part.size() * static_cast<size_t>(P));
-    group_.allgather(part.data(), all.data(), part.size() * sizeof(float), timeout_);
+    const int G = Hq / Hkv;
+    const size_t head = static_cast<size_t>(c.C) * D;
+    widened_.resize(2 * head);
+    for (int g = 0; g < Hkv; ++g) {
+      to_float(widened_.data(), c.k.data() + g * head * sizeof(bf16), head, DType::BF16);
+      to_float(widened_.data() + head, c.v.data() + g * head * sizeof(bf16), head, DType::BF16);
+      chunk.shape = AttnShape{1, G, 1, 1, c.C, D};
+      chunk.q = static_cast<const float*>(q) + int64_t{g} * G * D;
+      chunk.k = widened_.data();
+      chunk.v = widened_.data() + head;
+      cpu::attention_forward(chunk, out + int64_t{g} * G * D, out_lse + int64_t{g} * G);
+    }
+  }
+
+  // x holds one token of each row (q [B, Hq, 1, D], k and v [B, Hkv, 1, D]); o [B, Hq, 1, D] and lse [B, Hq, 1].
+  void decode(int l, const ShardAttention& x, float* o, float* lse) {
+    const CacheLayer& cl = layers_[l];
+    const int P = group_.size(), B = static_cast<int>(rows_.size());
+    const int Hq = x.shape.Hq, Hkv = x.shape.Hkv, D = x.shape.D;
+    const size_t es = dtype_size(dtype_);
+    const int64_t row = int64_t{Hq} * (D + 1);
+    // Each row's partial: [Hq, D] output followed by its [Hq] LSE, the rows one after another in one buffer, so one
+    // allgather a layer moves the whole batch's.
+    std::vector<float> part(static_cast<size_t>(B * row));
+    for (int b = 0; b < B; ++b) {
+      const DecodeRow& r = rows_[static_cast<size_t>(b)];
+      SequenceCache& s = seq(r.sequence);
+      const TokenMeta query{r.position, 1, kNoGroup};  // one document, no image group: a text token after the prompt
+      if (cl.kv_source < 0 && decode_owner(r.position, s.prompt_tokens, P) == group_.rank()) {
+        LayerCache& c = s.layers[l];
+        const auto* k = static_cast<const std::byte*>(x.k) + static_cast<size_t>(b) * Hkv * D * es;
+        const auto* v = static_cast<const std::byte*>(x.v) + static_cast<size_t>(b) * Hkv * D * es;
+        c.put(c.slot_for(r.position, cl.mask.window), k, v, 1, 0, query, dtype_, cache_dtype_);
+      }
+      float* p = part.data() + b * row;
+      attend(s.layers[static_cast<size_t>(cl.kv_source >= 0 ? cl.kv_source : l)], x,
+             static_cast<const std::byte*>(x.q) + static_cast<size_t>(b) * Hq * D * es, query, p, p + int64_t{Hq} * D);
+    }
+    std::vector<float> all;
+    if (P > 1) {
+      all.resize(part.size() * static_cast<size_t>(P));
+      group_.allgather(part.data(), all.data(), part.size() * sizeof(float), timeout_);
+    }
     // Rank order 0..P-1 on every rank: every rank merges the same partials in the same order, the same bits.
-    std::copy_n(all.data(), int64_t{Hq} * D, o);
-    std::copy_n(all.data() + int64_t{Hq} * D, Hq, lse);
-    for (int r = 1; r < P; ++r) {
-      const float* p = all.data() + part.size() * static_cast<size_t>(r);
-      merge_partial(o, lse, p, p + int64_t{Hq} * D, Hq, D);
+    for (int b = 0; b < B; ++b) {
+      float* ob = o + int64_t{b} * Hq * D;
+      float* lb = lse + int64_t{b} * Hq;
+      const float* first = (P > 1 ? all.data() : part.data()) + b * row;
+      std::copy_n(first, int64_t{Hq} * D, ob);
+      std::copy_n(first + int64_t{Hq} * D, Hq, lb);
+      for (int rk = 1; rk < P; ++rk) {
+        const float* p = all.data() + part.size() * static_cast<size_t>(rk) + b * row;
+        merge_partial(ob, lb, p, p + int64_t{Hq} * D, Hq, D);
+      }
     }
   }
 
   comm::Communicator& group_;
   std::vector<CacheLayer> layers_;
-  DType dtype_;
+  DType dtype_, cache_dtype_;
   comm::Timeout timeout_;
   JobContext inner_;
-  std::vector<LayerCache> cache_;
-  int prompt_tokens_ = 0, decode_tokens_ = 0;
+  std::vector<SequenceCache> sequences_;
+  std::vector<DecodeRow> rows_;  // the decode step's rows
+  std::vector<float> widened_;   // one KV head's K and V [2, C, D] widened from a bf16 cache
+  int prefilling_ = 0;
   bool decoding_ = false;
-  int32_t position_ = 0;
   int layer_ = 0;  // the next attention call's layer in the current run
 };
 
 }  // namespace
 
 std::unique_ptr<DecodeContext> make_decode_context(comm::Communicator& group, std::vector<CacheLayer> layers,
-                                                   DType dtype, const CpAttentionOptions& options) {
-  return std::make_unique<KvCacheContext>(group, std::move(layers), dtype, options);
+                                                   DType dtype, DType cache_dtype, const CpAttentionOptions& options) {
+  return std::make_unique<KvCacheContext>(group, std::move(layers), dtype, cache_dtype, options);
 }
 
 }  // namespace rf::cp

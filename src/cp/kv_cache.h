@@ -20,9 +20,11 @@ namespace rf::cp {
 // The rank that keeps decoded position `position` (>= prompt_tokens) among P ranks.
 inline int decode_owner(int32_t position, int prompt_tokens, int P) { return (position - prompt_tokens) % P; }
 
-// layers: the model's layers in order; dtype: the storage the model writes q/k/v in (model::attention_dtype), which
-// the cache keeps. `group` must outlive the context.
+// layers: the model's layers in order; dtype: the storage the model writes q/k/v in (model::attention_dtype);
+// cache_dtype: what the cache keeps: dtype, or bf16 under float32 (rounded to nearest even when stored, widened to
+// float32 when read: half the bytes, the keys and values rounded to 2^-9 relative). `group` must outlive the context.
 std::unique_ptr<DecodeContext> make_decode_context(comm::Communicator& group, std::vector<CacheLayer> layers,
-                                                   DType dtype, const CpAttentionOptions& options = {});
+                                                   DType dtype, DType cache_dtype,
+                                                   const CpAttentionOptions& options = {});
 
 }  // namespace rf::cp

@@ -64,86 +64,122 @@ void check_prompt(const Gemma4Model& m, const Prompt& p, int max_new_tokens, int
            " ranks (one token a rank at least); run with fewer ranks");
 }
 
-MemoryBreakdown generate_memory_at_least(const Gemma4Model& m, int64_t prompt_tokens, int max_new_tokens, int P,
-                                         int rank, ComputeDtype compute_dtype) {
-  const int64_t prefilled = prompt_tokens - 1;
-  const int held = static_cast<int>((prefilled + P - 1) / P);
+MemoryBreakdown generate_memory_at_least(const Gemma4Model& m, std::span<const int64_t> prompt_tokens,
+                                         int max_new_tokens, int P, int rank, DType cache_dtype) {
   const int decoded = max_new_tokens / P + (rank < max_new_tokens % P ? 1 : 0);
-  const DType dtype = attention_dtype(compute_dtype);
   int64_t cache = 0;
-  for (const CacheLayer& l : cache_layers(m)) {
-    // Of the prompt's positions a window can still see, this rank's even share.
-    const int in_window =
-        l.mask.window == 0 ? held : static_cast<int>((std::min<int64_t>(prefilled, l.mask.window - 1) + P - 1) / P);
-    cache = checked_sum({cache, layer_cache_bytes(l, cache_capacity(l, held, in_window, decoded), dtype)});
+  int longest_held = 0;
+  for (const int64_t tokens : prompt_tokens) {
+    const int64_t prefilled = tokens - 1;
+    const int held = static_cast<int>((prefilled + P - 1) / P);
+    longest_held = std::max(longest_held, held);
+    for (const CacheLayer& l : cache_layers(m)) {
+      // Of the prompt's positions a window can still see, this rank's even share.
+      const int in_window =
+          l.mask.window == 0 ? held : static_cast<int>((std::min<int64_t>(prefilled, l.mask.window - 1) + P - 1) / P);
+      cache = checked_sum({cache, layer_cache_bytes(l, cache_capacity(l, held, in_window, decoded), cache_dtype)});
+    }
   }
   MemoryBreakdown need;
   need.add("KV cache", cache);
   RunMemoryArgs prefill;
-  prefill.tokens = std::max(held, 1);
+  prefill.tokens = std::max(longest_held, 1);
   RunMemoryArgs step;
-  step.tokens = 1;
+  step.tokens = std::max<int64_t>(static_cast<int64_t>(prompt_tokens.size()), 1);
   step.logits = true;
   const MemoryBreakdown a = run_memory_at_least(m, prefill), b = run_memory_at_least(m, step);
   need.add(a.total() >= b.total() ? a : b);
   return need;
 }
 
-Generated generate(const Gemma4Model& m, DecodeContext& ctx, const Prompt& p, const GenerateOptions& o,
-                   const OnToken& on_token) {
-  const int S = static_cast<int>(p.ids.size());
-  RF_CHECK(S > 0 && o.max_new_tokens > 0, "generate: an empty prompt or no new tokens");
-  Generated out;
-  Sampler sampler(o.sampling);
-  const auto start = std::chrono::steady_clock::now();
-  // A text prompt shorter than the ranks (S - 1 < P: the CP split needs a token a rank) is fed through decode steps
-  // instead, one token each, whose logits are not used: the same cache, the same tokens.
-  const int prefilled = S - 1 >= ctx.cache_ranks() || has_images(p) ? S - 1 : 0;
-  ctx.start_prefill(prefilled, S - 1 - prefilled + o.max_new_tokens);
-  if (prefilled > 0) {
-    Batch b;
-    b.B = 1;
-    b.S = prefilled;
-    b.input_ids = p.ids.data();
-    b.mm_token_type = p.mm_token_type.empty() ? nullptr : p.mm_token_type.data();
-    b.image_features = p.image_features.empty() ? nullptr : p.image_features.data();
-    b.n_image_features = p.n_image_features;
-    RunOptions ro;
-    ro.run_layers = o.prefill_whole_model ? 0 : prefill_layers(m);
-    ro.compute_dtype = o.compute_dtype;
-    (void)m.run(b, ro, ctx);
-  }
+std::vector<Generated> generate(const Gemma4Model& m, DecodeContext& ctx, std::span<const Prompt> prompts,
+                                const GenerateOptions& o, const OnToken& on_token) {
+  RF_CHECK(o.max_new_tokens > 0, "generate: no new tokens");
+  const int n = static_cast<int>(prompts.size());
+  std::vector<Generated> out(static_cast<size_t>(n));
+  std::vector<Sampler> samplers(static_cast<size_t>(n), Sampler(o.sampling));
+  std::vector<DecodeRow> rows;       // the unfinished sequences, in prompt order
+  std::vector<int32_t> next_tokens;  // [rows]: the token each feeds next
+  std::vector<double> prefill_seconds(static_cast<size_t>(n));
+  ctx.start_sequences(n);
   RunOptions step;
   step.want_logits = true;
   step.compute_dtype = o.compute_dtype;
-  const auto decode_step = [&](int32_t token, int32_t position) {
-    ctx.start_decode(position);
+  const auto decode_step = [&](std::span<const DecodeRow> run_rows, const int32_t* tokens) {
+    ctx.start_decode(run_rows);
+    std::vector<int32_t> positions(run_rows.size());
+    for (size_t b = 0; b < run_rows.size(); ++b) positions[b] = run_rows[b].position;
     Batch b;
-    b.B = 1;
+    b.B = static_cast<int>(run_rows.size());
     b.S = 1;
-    b.input_ids = &token;
-    b.position_ids = &position;
+    b.input_ids = tokens;
+    b.position_ids = positions.data();
     return m.run(b, step, ctx);
   };
-  for (int32_t position = prefilled; position < S - 1; ++position) (void)decode_step(p.ids[position], position);
-  int32_t token = p.ids.back();
-  auto decode_start = start;
-  for (int n = 0; n < o.max_new_tokens; ++n) {
-    const Result r = decode_step(token, S - 1 + n);
-    token = sampler.next(r.logits);
-    out.tokens.push_back(token);
-    if (n == 0) {
-      out.prefill_seconds = seconds_since(start);
-      decode_start = std::chrono::steady_clock::now();
+  for (int i = 0; i < n; ++i) {
+    const Prompt& p = prompts[static_cast<size_t>(i)];
+    const int S = static_cast<int>(p.ids.size());
+    RF_CHECK(S > 0, "generate: prompt ", i, " is empty");
+    const auto start = std::chrono::steady_clock::now();
+    // A text prompt shorter than the ranks (S - 1 < P: the CP split needs a token a rank) is fed through decode
+    // steps instead, one token each, whose logits are not used: the same cache, the same tokens.
+    const int prefilled = S - 1 >= ctx.cache_ranks() || has_images(p) ? S - 1 : 0;
+    ctx.start_prefill(i, prefilled, S - 1 - prefilled + o.max_new_tokens);
+    if (prefilled > 0) {
+      Batch b;
+      b.B = 1;
+      b.S = prefilled;
+      b.input_ids = p.ids.data();
+      b.mm_token_type = p.mm_token_type.empty() ? nullptr : p.mm_token_type.data();
+      b.image_features = p.image_features.empty() ? nullptr : p.image_features.data();
+      b.n_image_features = p.n_image_features;
+      RunOptions ro;
+      ro.run_layers = o.prefill_whole_model ? 0 : prefill_layers(m);
+      ro.compute_dtype = o.compute_dtype;
+      (void)m.run(b, ro, ctx);
     }
-    if (on_token) on_token(token, r.logits);
-    if (std::find(o.stop_ids.begin(), o.stop_ids.end(), token) != o.stop_ids.end()) {
-      out.stop_reason = "eos";
-      break;
+    for (int32_t position = prefilled; position < S - 1; ++position) {
+      const DecodeRow one{i, position};
+      (void)decode_step(std::span<const DecodeRow>(&one, 1), &p.ids[static_cast<size_t>(position)]);
     }
+    prefill_seconds[static_cast<size_t>(i)] = seconds_since(start);
+    rows.push_back(DecodeRow{i, S - 1});
+    next_tokens.push_back(p.ids.back());
   }
-  if (out.stop_reason.empty()) out.stop_reason = "length";
-  out.decode_seconds = seconds_since(decode_start);
+  const int64_t V = m.config().vocab_size;
+  while (!rows.empty()) {
+    const auto start = std::chrono::steady_clock::now();
+    const Result r = decode_step(rows, next_tokens.data());
+    const double seconds = seconds_since(start);
+    std::vector<DecodeRow> still;
+    std::vector<int32_t> still_tokens;
+    for (size_t b = 0; b < rows.size(); ++b) {
+      const int i = rows[b].sequence;
+      Generated& g = out[static_cast<size_t>(i)];
+      const std::span<const float> logits(r.logits.data() + static_cast<int64_t>(b) * V, static_cast<size_t>(V));
+      const int32_t token = samplers[static_cast<size_t>(i)].next(logits);
+      if (g.tokens.empty())
+        g.prefill_seconds = prefill_seconds[static_cast<size_t>(i)] + seconds;
+      else
+        g.decode_seconds += seconds;
+      g.tokens.push_back(token);
+      if (std::find(o.stop_ids.begin(), o.stop_ids.end(), token) != o.stop_ids.end())
+        g.stop_reason = "eos";
+      else if (static_cast<int>(g.tokens.size()) == o.max_new_tokens)
+        g.stop_reason = "length";
+      if (on_token) on_token(i, token, logits, !g.stop_reason.empty());
+      if (g.stop_reason.empty()) {
+        still.push_back(DecodeRow{i, rows[b].position + 1});
+        still_tokens.push_back(token);
+        continue;
+      }
+      g.cache_bytes = ctx.allocated_bytes(i);
+      g.max_sliding_positions = ctx.max_held_positions(i, true);
+      ctx.release(i);
+    }
+    rows = std::move(still);
+    next_tokens = std::move(still_tokens);
+  }
   return out;
 }
 

@@ -42,10 +42,12 @@ struct GenerateOptions {
 };
 
 struct Generated {
-  std::vector<int32_t> tokens;  // the new tokens, the stop token included
-  std::string stop_reason;      // "eos": a stop id; "length": max_new_tokens reached
-  double prefill_seconds = 0;   // the prompt up to the first new token's logits (the prefill and one decode step)
-  double decode_seconds = 0;    // every later step
+  std::vector<int32_t> tokens;    // the new tokens, the stop token included
+  std::string stop_reason;        // "eos": a stop id; "length": max_new_tokens reached
+  double prefill_seconds = 0;     // its prompt's prefill and the (batched) decode step that chose its first token
+  double decode_seconds = 0;      // the (batched) steps that chose its later tokens
+  int64_t cache_bytes = 0;        // this rank's cache of the sequence when it finished (DecodeContext::allocated_bytes)
+  int max_sliding_positions = 0;  // the most positions a sliding layer of it held on this rank
 };
 
 // The model's layers as the cache sees them.
@@ -57,18 +59,24 @@ std::vector<CacheLayer> cache_layers(const Gemma4Model& m);
 // Gemma4Model::check_batch rejects.
 void check_prompt(const Gemma4Model& m, const Prompt& p, int max_new_tokens, int ranks, const std::string& source);
 
-// What one rank needs beside the weights, at least, for a prompt of `prompt_tokens` and `max_new_tokens` over P ranks:
-// the KV cache (this rank's share: ceil of the prompt over P, its decoded positions round robin; exact at P = 1, what
-// DecodeContext::allocated_bytes then reports), the prefill run's buffers and a decode step's.
-MemoryBreakdown generate_memory_at_least(const Gemma4Model& m, int64_t prompt_tokens, int max_new_tokens, int P,
-                                         int rank, ComputeDtype compute_dtype);
+// What one rank needs beside the weights, at least, to decode prompts of `prompt_tokens` [n] tokens together with
+// `max_new_tokens` each over P ranks: every sequence's KV cache in `cache_dtype` (this rank's share: ceil of the prompt
+// over P, its decoded positions round robin; exact at P = 1, what DecodeContext::allocated_bytes then reports), and
+// the larger of the longest prefill run's buffers and a decode step's of n tokens.
+MemoryBreakdown generate_memory_at_least(const Gemma4Model& m, std::span<const int64_t> prompt_tokens,
+                                         int max_new_tokens, int P, int rank, DType cache_dtype);
 
-// Called with each new token and its step's logits [V] as soon as it is chosen; every rank calls it.
-using OnToken = std::function<void(int32_t token, std::span<const float> logits)>;
+// Called with each new token of prompt `sequence` and its step's logits [V] as soon as it is chosen (`last`: the
+// sequence stops with it); every rank calls it.
+using OnToken = std::function<void(int sequence, int32_t token, std::span<const float> logits, bool last)>;
 
-// Generates from `p` (check_prompt's conditions hold). Collective over the context's ranks: every rank passes the
-// same prompt and options and gets the same tokens.
-Generated generate(const Gemma4Model& m, DecodeContext& ctx, const Prompt& p, const GenerateOptions& o,
-                   const OnToken& on_token = {});
+// Generates from every prompt (check_prompt's conditions hold), one Generated each. The prompts are prefilled one
+// after the other, then decoded together: each step is one model run of one token of every unfinished sequence
+// (B of them, S = 1, each at its own position, each reading its own cache), so the weights are read once a step for
+// the batch; a sequence leaves the batch when it stops. Each sequence has its own Sampler, seeded alike, so its tokens
+// are those of a run with it alone. Collective over the context's ranks: every rank passes the same prompts and
+// options and gets the same tokens.
+std::vector<Generated> generate(const Gemma4Model& m, DecodeContext& ctx, std::span<const Prompt> prompts,
+                                const GenerateOptions& o, const OnToken& on_token = {});
 
 }  // namespace rf::model

@@ -19,10 +19,13 @@ and (dense and E2B-like) a seeded sampled run (temperature, top-k, top-p, min-p)
 at P = 1 equal the formula docs/generate.md gives (what the memory check uses), and no rank's sliding layer ever
 holds more than W positions.
 
+With GENERATE_PARITY_CASE=batch, only batch_case: several prompts decoded together, each giving its tokens alone.
+
 Exit code 77 (CTest's skip) when torch, transformers or safetensors is missing.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -275,7 +278,81 @@ def text_case(ringflex, runs, workdir, failures):
         streamed = proc.stdout.decode("utf-8")
         if streamed != text + "\n":
             failures.append(f"--prompt P={P}: streamed {streamed!r}, the text is {text!r}")
-    print(f"text           --prompt through the tokenizer, streamed as text, at P = {describe(runs)}")
+        # Two prompts of different lengths decoded together: each its tokens alone, streamed one after the other.
+        short = "keys 🙂"
+        alone = subprocess.run([*launcher, ringflex, "generate", "--model", ckpt, "--prompt", short,
+                                "--max-new-tokens", str(NEW_TOKENS)], capture_output=True)
+        both = subprocess.run([*launcher, ringflex, "generate", "--model", ckpt, "--prompt", prompt, "--prompt", short,
+                               "--max-new-tokens", str(NEW_TOKENS), "--out", out], capture_output=True)
+        if alone.returncode != 0 or both.returncode != 0:
+            failures.append(f"two --prompt P={P}: exit {alone.returncode}, {both.returncode}: "
+                            f"{both.stderr.decode(errors='replace')[-400:]}")
+            continue
+        with open(out, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f]
+        if [r["token_ids"] for r in records][:1] != [record["token_ids"]] or len(records) != 2:
+            failures.append(f"two --prompt P={P}: the first prompt's tokens differ from its run alone")
+        if both.stdout != proc.stdout + alone.stdout:
+            failures.append(f"two --prompt P={P}: streamed {both.stdout!r}, alone {proc.stdout + alone.stdout!r}")
+    print(f"text           --prompt through the tokenizer, streamed as text, two --prompt decoded together as "
+          f"each alone, at P = {describe(runs)}")
+
+
+def batch_case(ringflex, runs, workdir, failures):
+    """Prompts decoded together (--in with several rows; several --prompt of different lengths in text_case): each
+    row's greedy and seeded sampled tokens are those of a run of it alone (its own cache and sampler), at every P,
+    and a sequence that stops leaves the batch while the others go on (an end token taken from one row's own
+    tokens: every row's tokens are then its tokens alone cut after that token's first occurrence). The E2B-like
+    config (KV sharing, per-layer embeddings), whose later layers read another layer's cache of the same row."""
+    gen = torch.Generator().manual_seed(2468)
+    cfg, model, _, _, _, _, ckpt, _ = build("small", False, workdir, gen)
+    rows = torch.randint(1, cfg.vocab_size, (3, PROMPT), generator=gen).to(torch.int32)
+    batch_path = os.path.join(workdir, "batch_rows.safetensors")
+    save_file({"input_ids": rows}, batch_path)
+    alone = {}
+    for mode, extra in (("greedy", ()), ("sampled", SAMPLING)):
+        for r in range(rows.shape[0]):
+            one = os.path.join(workdir, f"batch_row_{r}.safetensors")
+            save_file({"input_ids": rows[r:r + 1].contiguous()}, one)
+            record, _, error = run_generate(ringflex, runs[0], ckpt, one, workdir, f"alone_{mode}_{r}", extra)
+            if error:
+                failures.append(f"batch: row {r} alone ({mode}): {error}")
+                return
+            alone[mode, r] = record["token_ids"]
+    stop = alone["greedy", 1][NEW_TOKENS // 4]
+    stopping = os.path.join(workdir, "small_stopping")
+    shutil.copytree(ckpt, stopping)
+    with open(os.path.join(stopping, "generation_config.json"), "w") as f:
+        json.dump({"do_sample": False, "eos_token_id": stop}, f)
+
+    def cut(tokens):
+        return tokens[:tokens.index(stop) + 1] if stop in tokens else tokens
+
+    for launcher in runs:
+        P = ranks_of(launcher)
+        for mode, model_dir, extra in (("greedy", ckpt, ()), ("sampled", ckpt, SAMPLING),
+                                       ("greedy with a stop", stopping, ())):
+            out = os.path.join(workdir, f"batch_{P}.jsonl")
+            proc = subprocess.run([*launcher, ringflex, "generate", "--model", model_dir, "--in", batch_path,
+                                   "--max-new-tokens", str(NEW_TOKENS), "--out", out, *extra],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                failures.append(f"batch {mode} P={P}: exit {proc.returncode}: {proc.stderr.strip()[-400:]}")
+                continue
+            with open(out) as f:
+                records = [json.loads(line) for line in f]
+            expected = [alone[mode.split()[0], r] for r in range(rows.shape[0])]
+            if mode == "greedy with a stop":
+                expected = [cut(t) for t in expected]
+            got = [rec["token_ids"] for rec in records]
+            if got != expected:
+                failures.append(f"batch {mode} P={P}: rows' tokens {got}, alone {expected}")
+            streamed = "".join(f"[{r}]" + "".join(f" {t}" for t in toks) + "\n" for r, toks in enumerate(expected))
+            if proc.stdout != streamed:
+                failures.append(f"batch {mode} P={P}: streamed {proc.stdout!r}, expected {streamed!r}")
+    lengths = sorted(len(cut(alone["greedy", r])) for r in range(rows.shape[0]))
+    print(f"batch          3 rows decoded together give their tokens alone (greedy, seeded sampling, a stop after "
+          f"{lengths} tokens) at P = {describe(runs)}")
 
 
 def main():
@@ -284,6 +361,11 @@ def main():
     ringflex, runs = sys.argv[1], launchers(sys.argv[2:])
     failures = []
     with tempfile.TemporaryDirectory() as workdir:
+        if os.environ.get("GENERATE_PARITY_CASE") == "batch":  # its own CTest: the others take CTest's timeout
+            batch_case(ringflex, runs, workdir, failures)
+            for f in failures:
+                print("FAIL", f)
+            return 1 if failures else 0
         for name, vision in CASES:
             gen = torch.Generator().manual_seed(4321)
             cfg, model, ids, mm, feats, embedder, ckpt, batch_path = build(name, vision, workdir, gen)
