@@ -509,7 +509,8 @@ void add_generate_command(CLI::App& app, Runner& run) {
   cmd->add_option("--lora", opt->lora, "A PEFT LoRA adapter directory over --model");
   cmd->add_option("--prompt", opt->prompt,
                   "A prompt as text, tokenized with the checkpoint's tokenizer after BOS (repeat it: decoded together)")
-      ->expected(1);
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   cmd->add_option("--messages", opt->messages,
                   "Conversations, one a line ({\"messages\": [...], \"tools\": [...]?}), rendered through the "
                   "checkpoint's chat template with the generation prompt");

@@ -19,7 +19,8 @@ and (dense and E2B-like) a seeded sampled run (temperature, top-k, top-p, min-p)
 at P = 1 equal the formula docs/generate.md gives (what the memory check uses), and no rank's sliding layer ever
 holds more than W positions.
 
-With GENERATE_PARITY_CASE=batch, only batch_case: several prompts decoded together, each giving its tokens alone.
+With GENERATE_PARITY_CASE=batch, only batch_case (several prompts decoded together, each giving its tokens alone)
+and bf16_cache_case (a bf16 cache under float32 compute against the float32 cache).
 
 Exit code 77 (CTest's skip) when torch, transformers or safetensors is missing.
 """
@@ -136,17 +137,17 @@ def run_generate(ringflex, launcher, ckpt, batch_path, workdir, tag, extra=()):
     return record, load_file(logits)["logits"], None
 
 
-def expected_cache_bytes(model, cfg, S, N):
+def expected_cache_bytes(model, cfg, S, N, element_bytes=4):
     """docs/generate.md's cache at P = 1: each layer with its own K/V holds (S - 1) + N positions (full) or
-    min(W, min(W - 1, S - 1) + N) (sliding), each K and V (k_proj's Hkv * D rows) in float32 and a 12-byte
-    TokenMeta."""
+    min(W, min(W - 1, S - 1) + N) (sliding), each K and V (k_proj's Hkv * D rows) in float32 (element_bytes 4) or
+    bf16 (2) and a 12-byte TokenMeta."""
     total = 0
     first_shared = cfg.num_hidden_layers - (cfg.num_kv_shared_layers or 0)
     for layer, kind in enumerate(cfg.layer_types[:first_shared]):
         W = cfg.sliding_window
         cap = S - 1 + N if kind == "full_attention" else min(W, min(W - 1, S - 1) + N)
         kd = model.model.layers[layer].self_attn.k_proj.weight.shape[0]
-        total += cap * (2 * kd * 4 + 12)
+        total += cap * (2 * kd * element_bytes + 12)
     return total
 
 
@@ -355,6 +356,62 @@ def batch_case(ringflex, runs, workdir, failures):
           f"{lengths} tokens) at P = {describe(runs)}")
 
 
+# A bf16 cache's logits against the float32 cache's. Each cached K and V element is rounded to bf16 (relative error
+# at most 2^-9 = 2.0e-3); a score moves by at most that fraction of |q||k| scale and the output by that fraction of the
+# values it averages, so a layer's attention output is within about 2 * 2^-9 relative. The tiny configs have 4
+# layers, each reading a rounded cache (KV-shared ones their source's): 4 * 2 * 2^-9 (~1.6e-2) relative per step's
+# logits if the errors add through the residual stream (measured: ~5e-3 dense, ~1e-2 E2B-like); a wrong cache read is
+# O(1).
+BF16_CACHE_TOL = 8 * 2.0 ** -9
+
+
+def bf16_cache_case(ringflex, runs, workdir, failures):
+    """--cache-dtype bfloat16 under float32 compute (stored rounded, widened when read): each step's logits within
+    BF16_CACHE_TOL of the float32 cache's, the same greedy tokens up to a step whose two largest logits are closer than
+    that (then the runs may part: compared up to it), the same tokens at every P, and at P = 1 the cache's bytes the
+    formula's with 2-byte elements (what the memory check computes): half the K/V bytes of the float32 cache."""
+    for name in ("dense", "small"):
+        gen = torch.Generator().manual_seed(1357)
+        cfg, model, _, _, _, _, ckpt, batch_path = build(name, False, workdir, gen)
+        base, base_logits, error = run_generate(ringflex, runs[0], ckpt, batch_path, workdir, f"f32cache_{name}")
+        if error:
+            failures.append(f"bf16 cache {name}: the float32 run: {error}")
+            continue
+        worst, first = 0.0, None
+        for launcher in runs:
+            P = ranks_of(launcher)
+            tag = f"bf16 cache {name} P={P}"
+            record, logits, error = run_generate(ringflex, launcher, ckpt, batch_path, workdir, f"bf16cache_{name}_{P}",
+                                                 ["--cache-dtype", "bfloat16"])
+            if error:
+                failures.append(f"{tag}: {error}")
+                continue
+            for i in range(min(len(record["token_ids"]), len(base["token_ids"]))):
+                err = float((logits[i].double() - base_logits[i].double()).norm() / base_logits[i].double().norm())
+                worst = max(worst, err)
+                if err > BF16_CACHE_TOL:
+                    failures.append(f"{tag}: step {i}: logits {err:.2e} from the float32 cache's")
+                    break
+                if record["token_ids"][i] != base["token_ids"][i]:
+                    top = torch.topk(base_logits[i].double(), 2).values
+                    if float(top[0] - top[1]) > BF16_CACHE_TOL * float(base_logits[i].abs().max()):
+                        failures.append(f"{tag}: step {i}: token {record['token_ids'][i]}, float32 cache "
+                                        f"{base['token_ids'][i]}")
+                    break
+            if first is None:
+                first = record["token_ids"]
+            elif record["token_ids"] != first:
+                failures.append(f"{tag}: tokens differ from the first run's")
+            if P == 1:
+                want = expected_cache_bytes(model, cfg, PROMPT, NEW_TOKENS, 2)
+                if record["cache_bytes"] != want or base["cache_bytes"] != expected_cache_bytes(model, cfg, PROMPT,
+                                                                                                NEW_TOKENS):
+                    failures.append(f"{tag}: cache {record['cache_bytes']} bytes (float32 {base['cache_bytes']}), "
+                                    f"expected {want}")
+        print(f"bf16 cache     {name}: logits within {worst:.1e} of the float32 cache's (tolerance "
+              f"{BF16_CACHE_TOL:.1e}), the same tokens at P = {describe(runs)}, cache bytes as the formula")
+
+
 def main():
     if len(sys.argv) < 2:
         raise SystemExit("usage: generate_parity.py RINGFLEX [LAUNCHER... | --ranks P... -- MPIEXEC...]")
@@ -363,6 +420,7 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
         if os.environ.get("GENERATE_PARITY_CASE") == "batch":  # its own CTest: the others take CTest's timeout
             batch_case(ringflex, runs, workdir, failures)
+            bf16_cache_case(ringflex, runs, workdir, failures)
             for f in failures:
                 print("FAIL", f)
             return 1 if failures else 0
