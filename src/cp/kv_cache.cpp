@@ -226,10 +226,10 @@ class KvCacheContext final : public DecodeContext {
   }
 
   // This rank's partial of one query row over a sequence's cached keys: out [Hq, D] and lse [Hq] (-inf, out 0 where
-  // it holds none the query sees). A bf16 cache under float32 attention is widened one KV head at a time into
-  // `widened_` (its query heads h / (Hq / Hkv) == g read head g alone), so the float32 kernel reads it.
+  // it holds none the query sees). A bf16 cache under float32 attention is widened one KV head at a time (its query
+  // heads h / (Hq / Hkv) == g read head g alone) so the float32 kernel reads it.
   void attend(const LayerCache& c, const ShardAttention& x, const void* q, const TokenMeta& query, float* out,
-              float* out_lse) {
+              float* out_lse) const {
     const int Hq = x.shape.Hq, Hkv = x.shape.Hkv, D = x.shape.D;
     std::fill_n(out, int64_t{Hq} * D, 0.f);
     std::fill_n(out_lse, Hq, kNegInf);
@@ -250,14 +250,14 @@ class KvCacheContext final : public DecodeContext {
     }
     const int G = Hq / Hkv;
     const size_t head = static_cast<size_t>(c.C) * D;
-    widened_.resize(2 * head);
+    std::vector<float> widened(2 * head);  // [2, C, D]: one KV head's K and V
     for (int g = 0; g < Hkv; ++g) {
-      to_float(widened_.data(), c.k.data() + g * head * sizeof(bf16), head, DType::BF16);
-      to_float(widened_.data() + head, c.v.data() + g * head * sizeof(bf16), head, DType::BF16);
+      to_float(widened.data(), c.k.data() + g * head * sizeof(bf16), head, DType::BF16);
+      to_float(widened.data() + head, c.v.data() + g * head * sizeof(bf16), head, DType::BF16);
       chunk.shape = AttnShape{1, G, 1, 1, c.C, D};
       chunk.q = static_cast<const float*>(q) + int64_t{g} * G * D;
-      chunk.k = widened_.data();
-      chunk.v = widened_.data() + head;
+      chunk.k = widened.data();
+      chunk.v = widened.data() + head;
       cpu::attention_forward(chunk, out + int64_t{g} * G * D, out_lse + int64_t{g} * G);
     }
   }
@@ -269,22 +269,31 @@ class KvCacheContext final : public DecodeContext {
     const int Hq = x.shape.Hq, Hkv = x.shape.Hkv, D = x.shape.D;
     const size_t es = dtype_size(dtype_);
     const int64_t row = int64_t{Hq} * (D + 1);
-    // Each row's partial: [Hq, D] output followed by its [Hq] LSE, the rows one after another in one buffer, so one
-    // allgather a layer moves the whole batch's.
-    std::vector<float> part(static_cast<size_t>(B * row));
+    std::vector<const LayerCache*> read(static_cast<size_t>(B));
+    std::vector<TokenMeta> queries(static_cast<size_t>(B));
     for (int b = 0; b < B; ++b) {
       const DecodeRow& r = rows_[static_cast<size_t>(b)];
       SequenceCache& s = seq(r.sequence);
-      const TokenMeta query{r.position, 1, kNoGroup};  // one document, no image group: a text token after the prompt
+      queries[b] = TokenMeta{r.position, 1, kNoGroup};  // one document, no image group: a text token after the prompt
       if (cl.kv_source < 0 && decode_owner(r.position, s.prompt_tokens, P) == group_.rank()) {
         LayerCache& c = s.layers[l];
         const auto* k = static_cast<const std::byte*>(x.k) + static_cast<size_t>(b) * Hkv * D * es;
         const auto* v = static_cast<const std::byte*>(x.v) + static_cast<size_t>(b) * Hkv * D * es;
-        c.put(c.slot_for(r.position, cl.mask.window), k, v, 1, 0, query, dtype_, cache_dtype_);
+        c.put(c.slot_for(r.position, cl.mask.window), k, v, 1, 0, queries[b], dtype_, cache_dtype_);
       }
+      read[b] = &s.layers[static_cast<size_t>(cl.kv_source >= 0 ? cl.kv_source : l)];
+    }
+    // Each row's partial: [Hq, D] output followed by its [Hq] LSE, the rows one after another in one buffer, so one
+    // allgather a layer moves the whole batch's. With several rows, one parallel region over the rows (the kernel's
+    // own regions then run on one thread each): one query's attention is a small job, and a region's fork and join
+    // per row and layer cost more than it, worst where the cores are shared. The same bits either way: the kernel's
+    // sums do not depend on its thread count.
+    std::vector<float> part(static_cast<size_t>(B * row));
+#pragma omp parallel for schedule(dynamic, 1) if (B > 1)
+    for (int b = 0; b < B; ++b) {
       float* p = part.data() + b * row;
-      attend(s.layers[static_cast<size_t>(cl.kv_source >= 0 ? cl.kv_source : l)], x,
-             static_cast<const std::byte*>(x.q) + static_cast<size_t>(b) * Hq * D * es, query, p, p + int64_t{Hq} * D);
+      attend(*read[b], x, static_cast<const std::byte*>(x.q) + static_cast<size_t>(b) * Hq * D * es, queries[b], p,
+             p + int64_t{Hq} * D);
     }
     std::vector<float> all;
     if (P > 1) {
@@ -312,7 +321,6 @@ class KvCacheContext final : public DecodeContext {
   JobContext inner_;
   std::vector<SequenceCache> sequences_;
   std::vector<DecodeRow> rows_;  // the decode step's rows
-  std::vector<float> widened_;   // one KV head's K and V [2, C, D] widened from a bf16 cache
   int prefilling_ = 0;
   bool decoding_ = false;
   int layer_ = 0;  // the next attention call's layer in the current run
