@@ -8,7 +8,9 @@ multiplies, every matrix once, plus the KV cache it reads) over that bandwidth.
 
 transformers' prefill is timed as its generate with max_new_tokens=1, its decode as the rest of a
 max_new_tokens=NEW generate; ringflex's from its --out record (prefill: the prompt to the first token's logits).
-Each figure the median of --reps runs.
+Each figure the median of --reps runs. With --batch B > 1, ringflex also decodes B prompts of that length together
+(one --in of B rows): its per-sequence decode tok/s, their sum, and the bound of a batched step (the weights read
+once for B tokens, every sequence's cache once).
 """
 import argparse
 import json
@@ -48,6 +50,7 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     cfg = Gemma4TextConfig(**CONFIGS[a.config], **COMMON)
@@ -74,6 +77,16 @@ def main():
             rf_prefill.append(r["prefill_tokens_per_s"])
             rf_decode.append(r["decode_tokens_per_s"])
             rf_cache = r["cache_bytes"]
+        rf_batch = []
+        if a.batch > 1:
+            rows = os.path.join(work, "rows.safetensors")
+            save_file({"input_ids": torch.randint(1, cfg.vocab_size, (a.batch, a.prompt)).to(torch.int32)}, rows)
+            for _ in range(a.reps):
+                out = os.path.join(work, "batch.jsonl")
+                subprocess.run([a.ringflex, "generate", "--model", ckpt, "--in", rows, "--max-new-tokens",
+                                str(a.new), "--out", out, "--threads", str(a.threads)], check=True, capture_output=True)
+                with open(out) as f:
+                    rf_batch.append(statistics.median(json.loads(line)["decode_tokens_per_s"] for line in f))
         hf_prefill, hf_decode = [], []
         with torch.no_grad():
             for _ in range(a.reps):
@@ -100,6 +113,11 @@ def main():
     print(f"memory bandwidth {bw / 1e9:.1f} GB/s (copy), bytes a new token reads {per_token / 2**20:.1f} MiB "
           f"(weights {weights / 2**20:.1f}, cache {rf_cache / 2**20:.1f}): bound {bound:.1f} tok/s, ringflex at "
           f"{med(rf_decode) / bound:.2f} of it")
+    if rf_batch:
+        batch_bound = a.batch * bw / (weights + a.batch * rf_cache)
+        print(f"batch of {a.batch}: {med(rf_batch):.1f} decode tok/s a sequence, {a.batch * med(rf_batch):.1f} in all "
+              f"({a.batch * med(rf_batch) / med(rf_decode):.2f}x one sequence's); a batched step's bound "
+              f"{batch_bound:.1f} tok/s, ringflex at {a.batch * med(rf_batch) / batch_bound:.2f} of it")
 
 
 if __name__ == "__main__":

@@ -2,26 +2,27 @@
 // over the ranks of mpirun.
 //
 //     [mpirun -n P] ringflex generate --model DIR [--lora ADAPTER]
-//                   (--prompt TEXT | --messages FILE.jsonl | --in PROMPTS.safetensors)
+//                   (--prompt TEXT... | --messages FILE.jsonl | --in PROMPTS.safetensors)
 //                   [--max-new-tokens N]
 //                   [--greedy | --temperature T --top-k K --top-p P --min-p M --seed S] [--out FILE.jsonl]
-//                   [--logits-out FILE.safetensors] [--compute-dtype float32|bfloat16] [--threads N]
+//                   [--logits-out FILE.safetensors] [--compute-dtype float32|bfloat16]
+//                   [--cache-dtype float32|bfloat16] [--threads N]
 //
-// Prompts: --prompt TEXT, tokenized with the checkpoint's tokenizer (src/text; tokenizer.json, else
+// Prompts: --prompt TEXT (once or more), tokenized with the checkpoint's tokenizer (src/text; tokenizer.json, else
 // tokenizer.model) after its BOS token, as transformers' tokenizer(text) gives it; the new tokens stream to stdout as
 // text, a trailing run of byte-fallback tokens held back until a text token ends it (its text may still change).
 // --messages: conversations, one a line, rendered through the checkpoint's chat template with the generation prompt
 // (text/conversation.h), images as message parts through the checkpoint's processor and tower, streamed as text. Or
-// the batch file of `ringflex forward` (cli/batch_file.h); each row of input_ids [B, S] is one prompt, run
-// one after the other in this one job (the weights are loaded once), images as image_features or pixel_values with
-// mm_token_type_ids. Sampling and stopping default to the checkpoint's generation_config.json (do_sample,
-// temperature, top_k, top_p, min_p, eos_token_id; transformers' defaults where it has none); --greedy or any
-// sampling option overrides it. Each prompt's prefill is split over the ranks and its KV cache stays sharded
-// (cp/kv_cache.h, docs/generate.md): the tokens do not depend on P. Rank 0 streams each prompt's new token ids to
-// stdout as they come, writes --out (one JSON object a prompt: token_ids, stop_reason, prompt_tokens, prefill and
-// decode tokens/s) and --logits-out (the first prompt's logits, one [V] row a step: logits [N, V]). Every input and
-// the memory the job needs (weights, the cache from the longest prompt and --max-new-tokens) is checked on every
-// rank before any work: a bad one is one line on every rank and a non-zero exit.
+// the batch file of `ringflex forward` (cli/batch_file.h); each row of input_ids [B, S] is one prompt, images as
+// image_features or pixel_values with mm_token_type_ids. Sampling and stopping default to the checkpoint's
+// generation_config.json (do_sample, temperature, top_k, top_p, min_p, eos_token_id; transformers' defaults where it
+// has none); --greedy or any sampling option overrides it. The prompts are decoded together, each giving its tokens
+// alone (model/generate.h). Each prompt's prefill is split over the ranks and its KV cache stays sharded
+// (cp/kv_cache.h, docs/generate.md): the tokens do not depend on P. Rank 0 streams each prompt's new tokens to
+// stdout as they come, in prompt order (BatchStream), writes --out (one JSON object a prompt: token_ids, stop_reason,
+// prompt_tokens, prefill and decode tokens/s) and --logits-out (the first prompt's logits, one [V] row a step: logits
+// [N, V]). Every input and the memory the job needs (weights, every prompt's cache with --max-new-tokens) is checked on
+// every rank before any work: a bad one is one line on every rank and a non-zero exit.
 #include <omp.h>
 
 #include <algorithm>

@@ -7,10 +7,11 @@
 // layer 0), which is why it is handed every layer's attention description up front (CacheLayer).
 //   prefill: begin_batch/forward are the job's ordinary context's (the local kernels or the CP ring), and each
 //            layer's K/V shard (this rank's tokens) is copied into the cache where prefill computed it.
-//   decode:  begin_batch gives every rank the one new token (the run is replicated: its projections are computed
-//            on every rank alike); forward appends the token's K/V on the one rank the placement rule names, then
-//            every rank attends the query over its own cached keys and the partials are merged by log-sum-exp
-//            (rf::merge_partial) in rank order 0..P-1, so every rank holds the same output.
+//   decode:  begin_batch gives every rank one new token of each sequence in the step (the run is replicated: its
+//            projections are computed on every rank alike); forward appends each token's K/V to its sequence's cache
+//            on the one rank the placement rule names, then every rank attends each query over its own cached keys
+//            of that sequence and the partials are merged by log-sum-exp (rf::merge_partial) in rank order 0..P-1,
+//            so every rank holds the same output.
 // docs/generate.md has the layout, the placement rule and what is exact.
 #pragma once
 
