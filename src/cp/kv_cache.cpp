@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 
 #include "core/error.h"
 #include "core/merge.h"
@@ -289,12 +290,20 @@ class KvCacheContext final : public DecodeContext {
     // per row and layer cost more than it, worst where the cores are shared. The same bits either way: the kernel's
     // sums do not depend on its thread count.
     std::vector<float> part(static_cast<size_t>(B * row));
+    // An exception must not leave an OpenMP region (it would end the process): the first is kept and rethrown after.
+    std::exception_ptr failure;
 #pragma omp parallel for schedule(dynamic, 1) if (B > 1)
     for (int b = 0; b < B; ++b) {
-      float* p = part.data() + b * row;
-      attend(*read[b], x, static_cast<const std::byte*>(x.q) + static_cast<size_t>(b) * Hq * D * es, queries[b], p,
-             p + int64_t{Hq} * D);
+      try {
+        float* p = part.data() + b * row;
+        attend(*read[b], x, static_cast<const std::byte*>(x.q) + static_cast<size_t>(b) * Hq * D * es, queries[b], p,
+               p + int64_t{Hq} * D);
+      } catch (...) {
+#pragma omp critical(rf_kv_cache_failure)
+        if (!failure) failure = std::current_exception();
+      }
     }
+    if (failure) std::rethrow_exception(failure);
     std::vector<float> all;
     if (P > 1) {
       all.resize(part.size() * static_cast<size_t>(P));
