@@ -261,8 +261,8 @@ std::vector<model::Generated> generate_samples(Run& r) {
     cp::CpAttentionOptions co;
     co.scheme = cp::scheme_name(r.cfg.parallelism.sharding);
     co.timeout = r.timeout;
-    r.sampler = cp::make_decode_context(*r.cp_group, model::cache_layers(m),
-                                        model::attention_dtype(r.cfg.model.compute_dtype), co);
+    const DType attention = model::attention_dtype(r.cfg.model.compute_dtype);
+    r.sampler = cp::make_decode_context(*r.cp_group, model::cache_layers(m), attention, attention, co);
     if (r.ep_group->size() > 1) r.sampler->set_experts(std::make_unique<cp::EpExperts>(*r.ep_group, r.timeout));
   }
   model::GenerateOptions o;
@@ -270,9 +270,7 @@ std::vector<model::Generated> generate_samples(Run& r) {
   o.sampling.greedy = true;
   o.compute_dtype = r.cfg.model.compute_dtype;
   o.prefill_whole_model = true;
-  std::vector<model::Generated> out;
-  for (const model::Prompt& p : r.samples.prompts) out.push_back(model::generate(m, *r.sampler, p, o));
-  return out;
+  return model::generate(m, *r.sampler, r.samples.prompts, o);  // the prompts decoded together
 }
 
 }  // namespace rf::trainer::detail
