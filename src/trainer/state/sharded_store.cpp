@@ -1,6 +1,4 @@
 // ringflex trainer: the sharded parameter store (see sharded_store.h).
-#include "trainer/state/sharded_store.h"
-
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -8,81 +6,12 @@
 
 #include "core/error.h"
 #include "model/ops.h"
+#include "trainer/state/sharded_store_parts.h"
 
 namespace rf::trainer {
 
 using model::ParamInfo;
 using model::Role;
-
-namespace {
-
-// fetch_rows' rounds in flight for a table whose rows differ by rank: round s + 1's transfers travel while round s's
-// complete, each with its send buffer.
-constexpr int64_t kRowRoundsInFlight = 2;
-
-// The head, the one streamed parameter a run reads whole (around the loss): lm_head.weight, or the token table it is
-// tied to (SIZE_MAX: neither). The other tables are read by row only (E2B's and E4B's per-layer table is 6x their
-// head).
-size_t head_slot(const model::ParamStore& registry) {
-  for (const char* name : {"lm_head.weight", "model.embed_tokens.weight"})
-    if (registry.contains(name)) return registry.slot(name);
-  return SIZE_MAX;
-}
-
-}  // namespace
-
-// One hook group (a decoder layer, or the global group): its slots and where each lies in the group's buffers.
-struct ShardedStore::Group {
-  int layer = model::kGlobalGroup;
-  std::vector<size_t> slots;     // registration order
-  std::vector<int64_t> at;       // [slots]: first element in the gathered weights buffer
-  std::vector<int64_t> grad_at;  // [slots]: first element in the gradient buffer; -1 when frozen
-  int64_t elements = 0, grad_elements = 0;
-};
-
-// A group's weights gathered (or on their way): every rank's pieces land in `staging` in rank order, then are put
-// in place in `w` [elements] (and their bf16 copies in `b16`). With param_dtype bfloat16 the working weights travel
-// instead: the pieces rounded to bf16 land in `staging16`, are put in place in `b16` (the working copy itself) and
-// widened into `w`.
-struct ShardedStore::Gathered {
-  const Group* group = nullptr;
-  bool working16 = false;  // the pieces travel as bf16 working weights
-  std::vector<float> staging;
-  std::vector<bf16> staging16;
-  bool staged() const { return !staging.empty() || !staging16.empty(); }
-  std::vector<size_t> part_bytes;  // [P]
-  comm::PostedPtr posted;          // null once finished
-  std::vector<float> w;
-  std::vector<bf16> b16;
-};
-
-// Gradients on their way to their owners (Communicator::post_reduce_parts, in rounds of bounded chunks): `send`
-// the group's gradient buffer that post_reduce packed in place, every owner's pieces in rank order (empty where the
-// caller keeps the packed buffer: reduce_spans, reduce_rows),
-// `into` where this rank's part lands in its gradient slice (`at` in the part, `elem` the index in grads_), `part`
-// its elements. The sums arrive chunk by chunk, from progress() or the wait, and are added there.
-struct ShardedStore::Reduction {
-  std::vector<float> send;
-  std::vector<Span> into;
-  size_t part = 0;
-  comm::PostedPtr posted;  // last: destroyed (abandoned) before the buffers it reads and writes
-};
-
-// A token table's rows for one run (rows()): `ids` the rows this rank holds, sorted and distinct (the distinct tokens
-// of its own micro-batch; every rank's together for the table tied to a trained head), `w` [ids, W] their values
-// (`w16` instead with param_dtype bfloat16: the working rows), `g` [ids, W] this rank's gradient of them; of_rank [P]
-// every rank's `ids` (whose gradient rows reach each owner); `shared`: every rank holds the same rows (the table tied
-// to a trained head), which fetch_rows all-gathers.
-struct ShardedStore::Table {
-  size_t slot = 0;
-  int64_t width = 0;
-  std::vector<int32_t> ids;
-  std::vector<std::vector<int32_t>> of_rank;
-  std::vector<float> w, g;
-  std::vector<bf16> w16;
-  bool grads = false;
-  bool shared = false;
-};
 
 ShardedStore::ShardedStore(std::unique_ptr<comm::Communicator> comm, Mode mode, comm::Timeout timeout,
                            std::vector<std::string> freeze, model::ParamDtype param_dtype)
@@ -107,15 +36,7 @@ const ShardedStore::Group& ShardedStore::group_of(int layer) const {
   return groups_[static_cast<size_t>(layer + 1)];
 }
 
-ShardedStore::Piece ShardedStore::piece(size_t slot, int q) const {
-  const ParamInfo& p = info(slot);
-  const int64_t base = p.trainable ? p.train_offset : frozen_offset_[slot];
-  const comm::Slice s = comm::slice_of(static_cast<size_t>(p.trainable ? trainable_elements() : frozen_total_), P_, q);
-  const int64_t lo = std::max(base, static_cast<int64_t>(s.begin));
-  const int64_t hi = std::min(base + p.numel, static_cast<int64_t>(s.end));
-  if (lo >= hi) return {};
-  return Piece{lo - base, hi - lo, lo - static_cast<int64_t>(s.begin)};
-}
+ShardedStore::Piece ShardedStore::piece(size_t slot, int q) const { return layout_.piece(slot, q); }
 
 void ShardedStore::adopt(const model::ParamStore& whole) {
   RF_CHECK(whole.size() == size() && whole.weights_allocated(), "sharded store: adopting a store of ", whole.size(),
@@ -136,8 +57,8 @@ void ShardedStore::adopt(const model::ParamStore& whole) {
     return;
   }
   release_weights();
-  own_trainable_.assign(mine_trainable_.size(), 0.f);
-  own_frozen_.assign(mine_frozen_.size(), 0.f);
+  own_trainable_.assign(layout_.trainable_slice(me_).size(), 0.f);
+  own_frozen_.assign(layout_.frozen_slice(me_).size(), 0.f);
   if (whole_working()) working_.resize(static_cast<size_t>(total_elements()));
   for (size_t i = 0; i < size(); ++i) {
     const Piece pc = piece(i, me_);
@@ -157,8 +78,8 @@ void ShardedStore::allocate_weights() {
     ReplicatedStore::allocate_weights();
     return;
   }
-  own_trainable_.assign(mine_trainable_.size(), 0.f);
-  own_frozen_.assign(mine_frozen_.size(), 0.f);
+  own_trainable_.assign(layout_.trainable_slice(me_).size(), 0.f);
+  own_frozen_.assign(layout_.frozen_slice(me_).size(), 0.f);
   if (whole_working()) working_.assign(static_cast<size_t>(total_elements()), bf16{});  // the zero masters' bits
   weights_changed();
   if (whole_working()) working_version_ = version();
@@ -205,16 +126,13 @@ std::span<const float> ShardedStore::own_piece(size_t slot, int64_t* first) cons
 void ShardedStore::lay_out() {
   RF_CHECK(mode_ != Mode::Optimizer || whole_working(), "sharded store: shard optimizer keeps the masters in the ",
            "shards only with model.param_dtype bfloat16 (with float32 the replicated store serves it)");
-  frozen_offset_.assign(size(), -1);
-  frozen_total_ = 0;
+  std::vector<bool> trainable(size());
   layers_ = 0;
   for (size_t i = 0; i < size(); ++i) {
-    if (!info(i).trainable) {
-      frozen_offset_[i] = frozen_total_;
-      frozen_total_ += info(i).numel;
-    }
+    trainable[i] = info(i).trainable;
     layers_ = std::max(layers_, info(i).layer + 1);
   }
+  layout_ = ShardLayout(*this, trainable, P_);
   groups_.assign(static_cast<size_t>(layers_ + 1), Group{});
   group_of_slot_.assign(size(), 0);
   at_in_group_.assign(size(), 0);
@@ -234,8 +152,6 @@ void ShardedStore::lay_out() {
     g.grad_at.push_back(info(i).trainable ? g.grad_elements : -1);
     if (info(i).trainable) g.grad_elements += info(i).numel;
   }
-  mine_trainable_ = comm::slice_of(static_cast<size_t>(trainable_elements()), P_, me_);
-  mine_frozen_ = comm::slice_of(static_cast<size_t>(frozen_total_), P_, me_);
   live_.clear();
   live_.resize(groups_.size());
   adopted_ = true;
@@ -488,7 +404,7 @@ float* ShardedStore::mutable_master(size_t slot, int64_t first) {
            "sharded store: the optimizer stepped while the weights were gathered whole (reshard first)");
   const ParamInfo& p = info(slot);
   RF_CHECK(p.trainable, "sharded store: ", p.name, " is frozen and has no master to update");
-  const int64_t at = p.train_offset + first - static_cast<int64_t>(mine_trainable_.begin);
+  const int64_t at = p.train_offset + first - static_cast<int64_t>(layout_.trainable_slice(me_).begin);
   RF_CHECK(at >= 0 && at < static_cast<int64_t>(own_trainable_.size()), "sharded store: element ", first, " of ",
            p.name, " is not this rank's");
   weights_changed();
@@ -534,7 +450,7 @@ bool ShardedStore::has_grads() const {
 }
 
 int64_t ShardedStore::grads_begin() const {
-  return mode_ == Mode::Optimizer ? 0 : static_cast<int64_t>(mine_trainable_.begin);
+  return mode_ == Mode::Optimizer ? 0 : static_cast<int64_t>(layout_.trainable_slice(me_).begin);
 }
 
 void ShardedStore::allocate_grads() {
@@ -544,7 +460,7 @@ void ShardedStore::allocate_grads() {
   }
   if (grads_allocated_) return;
   RF_CHECK(adopted_, "sharded store: gradients before adopt");
-  grads_.assign(mine_trainable_.size(), 0.f);
+  grads_.assign(layout_.trainable_slice(me_).size(), 0.f);
   global_grads_.assign(static_cast<size_t>(group_of(model::kGlobalGroup).grad_elements), 0.f);
   grads_allocated_ = true;
 }
@@ -770,33 +686,6 @@ float* ShardedStore::own(size_t slot, const Piece& pc) {
   return (info(slot).trainable ? own_trainable_.data() : own_frozen_.data()) + pc.local;
 }
 
-std::vector<ShardedStore::Span> ShardedStore::row_spans(size_t slot, const std::vector<int32_t>& ids,
-                                                        const Piece& pc) const {
-  std::vector<Span> out;
-  if (pc.n == 0) return out;
-  const int64_t W = info(slot).shape[1], end = pc.first + pc.n;
-  // The first row that reaches into the piece, then every row until one starts past it.
-  for (auto it = std::lower_bound(ids.begin(), ids.end(), pc.first / W); it != ids.end(); ++it) {
-    const int64_t row = int64_t{*it} * W;
-    if (row >= end) break;
-    const int64_t lo = std::max(row, pc.first), hi = std::min(row + W, end);
-    if (lo < hi) out.push_back(Span{(it - ids.begin()) * W + (lo - row), lo, hi - lo});
-  }
-  return out;
-}
-
-std::vector<ShardedStore::Span> ShardedStore::spans_outside(size_t slot, const std::vector<int32_t>& ids,
-                                                            const Piece& pc) const {
-  std::vector<Span> out;
-  int64_t at = pc.first;  // the first element of the piece not yet covered
-  for (const Span& r : row_spans(slot, ids, pc)) {
-    if (r.elem > at) out.push_back(Span{at, at, r.elem - at});
-    at = r.elem + r.n;
-  }
-  if (pc.first + pc.n > at) out.push_back(Span{at, at, pc.first + pc.n - at});
-  return out;
-}
-
 template <class SpansOf>
 void ShardedStore::reduce_spans(size_t slot, float* src, SpansOf spans_of) {
   // Every owner's spans packed to the front of `src`, in rank order: the send buffer, with no copy. The spans of
@@ -822,213 +711,6 @@ void ShardedStore::reduce_spans(size_t slot, float* src, SpansOf spans_of) {
   }
   post_parts(t, src, parts);
   finish_reduce(t);
-}
-
-std::vector<std::vector<int32_t>> ShardedStore::every_ranks_ids(std::span<const int32_t> ids) {
-  std::vector<int32_t> mine(ids.begin(), ids.end());
-  std::sort(mine.begin(), mine.end());
-  mine.erase(std::unique(mine.begin(), mine.end()), mine.end());
-  if (P_ == 1) return {std::move(mine)};
-  const auto start = std::chrono::steady_clock::now();
-  std::vector<int64_t> counts(static_cast<size_t>(P_));
-  const int64_t count = static_cast<int64_t>(mine.size());
-  comm_->allgather(&count, counts.data(), sizeof(count), timeout_);
-  std::vector<size_t> part_bytes(static_cast<size_t>(P_));
-  size_t total = 0, at_mine = 0;
-  for (int q = 0; q < P_; ++q) {
-    if (q == me_) at_mine = total;
-    total += static_cast<size_t>(counts[static_cast<size_t>(q)]);
-    part_bytes[static_cast<size_t>(q)] = static_cast<size_t>(counts[static_cast<size_t>(q)]) * sizeof(int32_t);
-  }
-  std::vector<int32_t> all(total);  // every rank's sorted ids, in rank order
-  std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(at_mine));
-  comm_->allgatherv(all.data(), part_bytes, timeout_);
-  exposed_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::vector<std::vector<int32_t>> out(static_cast<size_t>(P_));
-  auto from = all.begin();
-  for (int q = 0; q < P_; ++q) {
-    const auto to = from + static_cast<std::ptrdiff_t>(counts[static_cast<size_t>(q)]);
-    out[static_cast<size_t>(q)].assign(from, to);
-    from = to;
-  }
-  return out;
-}
-
-bool ShardedStore::is_trained_head_table(size_t slot) const {
-  return grads_allocated_ && info(slot).trainable && slot == head_slot(*this);
-}
-
-// The table's rows of this rank's ids: each owner sends every rank the parts of that rank's rows inside its piece
-// (full), or this rank copies them from the whole weights (gradients). The table tied to a trained head holds every
-// rank's ids instead: release_head seeds the gradient rows of those ids with the head's (so that a row's float32
-// sum is shard none's, the head's part first), and each rank has the head's part of every row.
-model::ParamStore::TableRows ShardedStore::rows(size_t slot, std::span<const int32_t> ids, bool want_grads) {
-  const ParamInfo& p = info(slot);
-  const bool grads = want_grads && grads_allocated_ && p.trainable;
-  if (!adopted_ || (!sharded() && !grads)) return ReplicatedStore::rows(slot, ids, want_grads);
-  RF_CHECK(p.streamed && p.shape.size() == 2, "sharded store: rows of ", p.name, ", which is no streamed table");
-  auto t = std::make_unique<Table>();
-  t->slot = slot;
-  t->width = p.shape[1];
-  t->of_rank = every_ranks_ids(ids);
-  if (grads && is_trained_head_table(slot)) {
-    std::vector<int32_t> all;
-    for (const std::vector<int32_t>& r : t->of_rank) all.insert(all.end(), r.begin(), r.end());
-    std::sort(all.begin(), all.end());
-    all.erase(std::unique(all.begin(), all.end()), all.end());
-    t->of_rank.assign(static_cast<size_t>(P_), all);
-    t->shared = true;
-  }
-  t->ids = t->of_rank[static_cast<size_t>(me_)];
-  const int64_t W = t->width, n = static_cast<int64_t>(t->ids.size());
-  // param_dtype bfloat16: the rows travel and stay as the bf16 working weights.
-  const bool working16 = param_dtype() == model::ParamDtype::Bfloat16;
-  if (working16)
-    t->w16.resize(static_cast<size_t>(n * W));
-  else
-    t->w.resize(static_cast<size_t>(n * W));
-  if (sharded() && working16) {
-    fetch_rows(slot, *t, t->w16.data(),
-               [](const float* src, bf16* dst, int64_t k) { model::round_to_bf16(src, dst, k); });
-  } else if (sharded()) {
-    fetch_rows(slot, *t, t->w.data(), [](const float* src, float* dst, int64_t k) { std::copy_n(src, k, dst); });
-  } else if (working16) {
-    const bf16* values = working(slot);
-    for (int64_t u = 0; u < n; ++u)
-      std::copy_n(values + int64_t{t->ids[static_cast<size_t>(u)]} * W, W, t->w16.data() + u * W);
-  } else {
-    for (int64_t u = 0; u < n; ++u)
-      std::copy_n(ReplicatedStore::weight(slot) + int64_t{t->ids[static_cast<size_t>(u)]} * W, W, t->w.data() + u * W);
-  }
-  t->grads = grads;
-  if (grads) t->g.assign(static_cast<size_t>(n * W), 0.f);
-  TableRows out;
-  out.values = working16 ? model::HeldWeight{model::HeldDType::BF16, t->w16.data()}
-                         : model::HeldWeight{model::HeldDType::F32, t->w.data()};
-  out.grads = grads ? t->g.data() : nullptr;
-  out.row.resize(ids.size());
-  for (size_t i = 0; i < ids.size(); ++i)
-    out.row[i] = std::lower_bound(t->ids.begin(), t->ids.end(), ids[i]) - t->ids.begin();
-  tables_.push_back(std::move(t));
-  return out;
-}
-
-// The parts of this rank's rows t.ids inside every owner's piece, packed by `pack` (float32 masters -> T). Rank q's
-// rows [its ids, W] are the parts inside piece 0, then piece 1, ... (pieces ascend with the rank, rows with their
-// ids): each owner's part is one range of them, at the `at` of its first span, and lands there in place
-// (collective).
-// Every rank holding the same rows (t.shared: the table tied to a trained head, every rank's ids) is an all-gather:
-// each owner packs its part straight into its place in `rows` and it travels from there to every rank, with no send
-// buffer (packed once for each of the N ranks it would take N x min(the step's rows, its piece): about the whole table
-// at N = 64, where a piece is 1/64 of the model and the step's rows most of the table). Otherwise each owner sends each
-// rank q the parts of q's rows inside its piece, in rounds: in round s it sends to rank me + s and receives from rank
-// me - s, two rounds in flight, so its send buffers are two ranks' parts, min(a rank's rows, its piece) each, not N of
-// them at once (their sum is only bounded by N x that, the whole table at large N, when the ranks' tokens meet in one
-// owner's piece).
-template <class T, class Pack>
-void ShardedStore::fetch_rows(size_t slot, const Table& t, T* rows, Pack pack) {
-  const Piece mine = piece(slot, me_);
-  // This rank's own part: packed where it belongs.
-  for (const Span& sp : row_spans(slot, t.ids, mine))
-    pack(own(slot, mine) + (sp.elem - mine.first), rows + sp.at, sp.n);
-  if (P_ == 1) return;
-  // [P]: where each owner's part of this rank's rows starts in `rows`, and its bytes.
-  std::vector<size_t> part_at(static_cast<size_t>(P_), 0), part_bytes(static_cast<size_t>(P_), 0);
-  for (int q = 0; q < P_; ++q) {
-    const std::vector<Span> spans = row_spans(slot, t.ids, piece(slot, q));
-    if (spans.empty()) continue;
-    part_at[static_cast<size_t>(q)] = static_cast<size_t>(spans.front().at);
-    for (const Span& sp : spans) part_bytes[static_cast<size_t>(q)] += static_cast<size_t>(sp.n) * sizeof(T);
-  }
-  if (t.shared) {
-    comm::PostedPtr c = comm_->post_allgatherv(rows, part_bytes);
-    wait(*c);
-    return;
-  }
-  struct Round {
-    std::vector<T> send;
-    comm::PostedPtr posted;  // last: abandoned before its buffer goes
-  };
-  std::vector<Round> rounds(static_cast<size_t>(kRowRoundsInFlight));
-  std::vector<size_t> send_bytes(static_cast<size_t>(P_)), recv_bytes(static_cast<size_t>(P_));
-  for (int s = 1; s < P_; ++s) {
-    Round& r = rounds[static_cast<size_t>(s % kRowRoundsInFlight)];
-    if (r.posted) wait(*r.posted);
-    r.posted.reset();
-    const int to = (me_ + s) % P_, from = (me_ - s + P_) % P_;
-    const std::vector<Span> spans = row_spans(slot, t.of_rank[static_cast<size_t>(to)], mine);
-    size_t n = 0;
-    for (const Span& sp : spans) n += static_cast<size_t>(sp.n);
-    r.send.resize(n);
-    T* out = r.send.data();
-    for (const Span& sp : spans) {
-      pack(own(slot, mine) + (sp.elem - mine.first), out, sp.n);
-      out += sp.n;
-    }
-    std::fill(send_bytes.begin(), send_bytes.end(), 0);
-    std::fill(recv_bytes.begin(), recv_bytes.end(), 0);
-    send_bytes[static_cast<size_t>(to)] = r.send.size() * sizeof(T);
-    recv_bytes[static_cast<size_t>(from)] = part_bytes[static_cast<size_t>(from)];
-    r.posted = comm_->post_alltoallv(r.send.data(), send_bytes, rows + part_at[static_cast<size_t>(from)], recv_bytes);
-  }
-  for (Round& r : rounds)
-    if (r.posted) wait(*r.posted);
-}
-
-// Every rank's gradient rows to their owners. Rank r sends owner q the parts of r's rows inside q's piece; the owner
-// sums, for each element of its piece that some rank's rows reach, every rank's contribution in rank order in double
-// (+0 from a rank whose rows miss it: the untouched rows of shard none's gradient), rounded once, into its slice:
-// the terms and order of Communicator::reduce_scatter over shard none's whole gradients.
-void ShardedStore::reduce_rows(Table& t) {
-  const size_t slot = t.slot;
-  // Owner q's part: the rows of every rank's ids inside its piece, in element order. Each rank's spans there are
-  // some of those (the same part of the same row): its runs of the part, found with one cursor.
-  std::vector<int32_t> all;
-  for (const std::vector<int32_t>& r : t.of_rank) all.insert(all.end(), r.begin(), r.end());
-  std::sort(all.begin(), all.end());
-  all.erase(std::unique(all.begin(), all.end()), all.end());
-  const auto runs_in = [](const std::vector<Span>& some, const std::vector<Span>& part) {
-    std::vector<comm::Slice> runs;
-    size_t u = 0, at = 0;
-    for (const Span& sp : some) {
-      for (; part[u].elem != sp.elem; ++u) at += static_cast<size_t>(part[u].n);
-      if (!runs.empty() && runs.back().end == at)
-        runs.back().end += static_cast<size_t>(sp.n);
-      else
-        runs.push_back(comm::Slice{at, at + static_cast<size_t>(sp.n)});
-      at += static_cast<size_t>(part[u++].n);
-    }
-    return runs;
-  };
-  // The send buffer is `g` packed in place: rank q's spans follow those of q - 1 (pieces ascend with the rank, rows
-  // with their ids), so an element moves down, never over one not yet read.
-  std::vector<size_t> parts(static_cast<size_t>(P_));
-  std::vector<std::vector<comm::Slice>> to(static_cast<size_t>(P_)), from(static_cast<size_t>(P_));
-  std::vector<Span> own_part;
-  size_t packed = 0;
-  for (int q = 0; q < P_; ++q) {
-    const std::vector<Span> part = row_spans(slot, all, piece(slot, q));
-    for (const Span& sp : part) parts[static_cast<size_t>(q)] += static_cast<size_t>(sp.n);
-    const std::vector<Span> mine = row_spans(slot, t.ids, piece(slot, q));
-    for (const Span& sp : mine) {
-      if (packed != static_cast<size_t>(sp.at))
-        std::memmove(t.g.data() + packed, t.g.data() + sp.at, static_cast<size_t>(sp.n) * sizeof(float));
-      packed += static_cast<size_t>(sp.n);
-    }
-    to[static_cast<size_t>(q)] = runs_in(mine, part);
-    if (q == me_) own_part = part;
-  }
-  const Piece pc = piece(slot, me_);
-  for (int r = 0; r < P_; ++r)
-    from[static_cast<size_t>(r)] = runs_in(row_spans(slot, t.of_rank[static_cast<size_t>(r)], pc), own_part);
-  Reduction red;
-  int64_t at = 0;
-  for (const Span& u : own_part) {
-    red.into.push_back(Span{at, pc.local - pc.first + u.elem, u.n});
-    at += u.n;
-  }
-  post_parts(red, t.g.data(), parts, std::move(to), std::move(from));
-  finish_reduce(red);
 }
 
 void ShardedStore::acquire_head(size_t slot) {
@@ -1131,10 +813,7 @@ int64_t ShardedStore::working_bytes_for(const model::ParamStore& registry, int64
 
 int64_t ShardedStore::master_bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable,
                                        int ranks) {
-  int64_t train = 0, frozen = 0;
-  for (size_t i = 0; i < registry.size(); ++i) (trainable[i] ? train : frozen) += registry.info(i).numel;
-  return (model::shard_of(train, 0, ranks).padded + model::shard_of(frozen, 0, ranks).padded) *
-         static_cast<int64_t>(sizeof(float));
+  return ShardLayout(registry, trainable, ranks).largest_masters() * static_cast<int64_t>(sizeof(float));
 }
 
 ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, const std::vector<bool>& trainable,
@@ -1144,11 +823,10 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
   if (rank_tokens < 0) rank_tokens = step_tokens;
   const size_t P = static_cast<size_t>(ranks);
   const size_t head = head_slot(registry);
-  int64_t train = 0, frozen = 0;
-  for (size_t i = 0; i < registry.size(); ++i) (trainable[i] ? train : frozen) += registry.info(i).numel;
+  const ShardLayout layout(registry, trainable, ranks);
   // The groups as lay_out() makes them: [0] the global group's unstreamed parameters, [1 + l] decoder layer l, then
-  // one a streamed parameter. Each: its elements, its trainable ones, and per rank its elements inside that rank's
-  // slices of the trainable and frozen layouts (registration order), trainable ones and all.
+  // one a streamed parameter. Each: its elements, its trainable ones, and per rank its elements of the layout's
+  // pieces, trainable ones and all.
   struct Group {
     int64_t all = 0, train = 0;
     std::vector<int64_t> mine_train, mine_all;  // [P]
@@ -1156,7 +834,6 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
   };
   std::vector<Group> groups(1);
   std::vector<Group> streamed;
-  int64_t train_at = 0, frozen_at = 0;
   for (size_t i = 0; i < registry.size(); ++i) {
     const ParamInfo& p = registry.info(i);
     Group* g = nullptr;
@@ -1172,18 +849,12 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
     g->mine_train.resize(P, 0);
     g->mine_all.resize(P, 0);
     g->all += p.numel;
-    int64_t& at = trainable[i] ? train_at : frozen_at;
-    const int64_t layout = trainable[i] ? train : frozen;
     for (int q = 0; q < ranks; ++q) {
-      const comm::Slice sl = comm::slice_of(static_cast<size_t>(layout), ranks, q);
-      const int64_t lo = std::max(at, static_cast<int64_t>(sl.begin));
-      const int64_t hi = std::min(at + p.numel, static_cast<int64_t>(sl.end));
-      if (lo >= hi) continue;
-      g->mine_all[static_cast<size_t>(q)] += hi - lo;
-      if (trainable[i]) g->mine_train[static_cast<size_t>(q)] += hi - lo;
+      const int64_t n = layout.piece(i, q).n;
+      g->mine_all[static_cast<size_t>(q)] += n;
+      if (trainable[i]) g->mine_train[static_cast<size_t>(q)] += n;
     }
     if (trainable[i]) g->train += p.numel;
-    at += p.numel;
   }
   const auto most = [](const std::vector<int64_t>& v) { return v.empty() ? 0 : *std::max_element(v.begin(), v.end()); };
   // A reduction's receive buffers on the rank with the largest part of `part` elements: the N contributions to two
@@ -1234,10 +905,10 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
     const int64_t sends_in_flight = shared ? 0 : std::min<int64_t>(kRowRoundsInFlight, ranks - 1);
     row_fetch = std::max(row_fetch, sends_in_flight * std::min(held, most(g.mine_all)));
   }
-  const int64_t slice = model::shard_of(train, 0, ranks).padded;
+  const int64_t slice = model::shard_of(layout.trainable_elements(), 0, ranks).padded;
   Bytes b;
   if (mode == Mode::Full) {
-    b.weight_shard = (slice + model::shard_of(frozen, 0, ranks).padded) * kF;
+    b.weight_shard = layout.largest_masters() * kF;
     // One layer gathered (the next one's gather in flight is a staging buffer), or the head beside the last layer
     // (which stays gathered from its forward to its backward); the tables' rows for the whole run.
     b.gathered = (groups[0].all + std::max(largest, head_all + last_layer) + rows) * kF;
@@ -1245,7 +916,7 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
     // rows this rank is sending the other ranks.
     b.comm_buffers = std::max(head_all, largest + row_fetch) * kF;
   } else {
-    b.weight_shard = (train + frozen) * kF;
+    b.weight_shard = (layout.trainable_elements() + layout.frozen_elements()) * kF;
     b.gathered = rows * kF;  // the tables' rows, copied from the whole weights
   }
   // The head's whole gradient lives from the loss to its reduction, before any layer's backward.

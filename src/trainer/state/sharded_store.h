@@ -12,6 +12,7 @@
 
 #include "comm/communicator.h"
 #include "model/param_store.h"
+#include "trainer/state/shard_layout.h"
 
 namespace rf::trainer {
 
@@ -156,10 +157,8 @@ class ShardedStore : public model::ReplicatedStore {
   struct Gathered;
   struct Reduction;
   struct Table;
-  // A parameter's piece on rank q: elements [first, first + n) of it, at `local` in q's own slice.
-  struct Piece {
-    int64_t first = 0, n = 0, local = 0;
-  };
+  // A parameter's piece on rank q (layout_.piece).
+  using Piece = ShardLayout::Piece;
   Piece piece(size_t slot, int q) const;
   // Elements [elem, elem + n) of a parameter, at `at` in a local buffer (a table's rows, the head's gradient).
   struct Span {
@@ -209,16 +208,14 @@ class ShardedStore : public model::ReplicatedStore {
   // group of its own for each streamed parameter (gathered whole only around the loss (the head), or by unshard)
   std::vector<Group> groups_;
   std::vector<size_t> group_of_slot_, at_in_group_;  // [slots]: the slot's group in groups_, its index there
-  std::vector<int64_t> frozen_offset_;               // [slots]: first element in the frozen layout; -1 when trainable
-  int64_t frozen_total_ = 0;
-  comm::Slice mine_trainable_, mine_frozen_;       // this rank's slices of the two layouts
+  ShardLayout layout_;  // which rank holds which elements of each slot, from the registry and its flags
   std::vector<float> own_trainable_, own_frozen_;  // own_masters(): the masters of this rank's pieces
   bool adopted_ = false;
   bool global_stale_ = true;  // full: the global group's gathered copy predates the last update
   bool bf16_wanted_ = false;  // a run asked for bf16 compute copies: round every gathered layer's matmul operands
   std::vector<std::unique_ptr<Gathered>> live_;  // [layers_ + 1]: the gathered (or in flight) groups
-  // Gradients: this rank's slice of the trainable layout [mine_trainable_.size()], the global group's buffer, and
-  // the layer in backward's buffer (layer grad_layer_).
+  // Gradients: this rank's slice of the trainable layout [layout_.trainable_slice(me_).size()], the global group's
+  // buffer, and the layer in backward's buffer (layer grad_layer_).
   bool grads_allocated_ = false;
   std::vector<float> grads_, global_grads_, layer_grads_;
   int grad_layer_ = model::kGlobalGroup - 1;
