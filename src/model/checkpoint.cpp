@@ -260,9 +260,8 @@ struct Outgoing {
 // The checkpoint's tensors in transformers' order (parameters, buffers, the rest), split into files of at most
 // `max_bytes` of tensor data each (huggingface_hub's split_state_dict_into_shards: a tensor that would take the
 // current file past the limit starts the next; one larger than the limit has a file of its own).
-std::vector<std::vector<Outgoing>> split_into_files(const Checkpoint& ck, int64_t max_bytes) {
+std::vector<std::vector<Outgoing>> split_into_files(const Checkpoint& ck, const ParamStore& params, int64_t max_bytes) {
   std::vector<Outgoing> all;
-  const ParamStore& params = ck.model->params();
   constexpr uint64_t kF32 = sizeof(float);
   for (size_t slot = 0; slot < params.size(); ++slot) {
     const ParamInfo& p = params.info(slot);
@@ -312,10 +311,14 @@ std::string shard_file_name(size_t k, size_t n) {
 }  // namespace
 
 void save_checkpoint(const Checkpoint& ck, const std::string& dir, const SaveOptions& options) {
+  save_checkpoint(ck, ck.model->params(), dir, options);
+}
+
+// `params` is not const: read_weight is a collective under shard full.
+void save_checkpoint(const Checkpoint& ck, ParamStore& params, const std::string& dir, const SaveOptions& options) {
   RF_CHECK(options.max_shard_bytes > 0, "checkpoint.max_shard_size must be positive, not ", options.max_shard_bytes);
   const fs::path root(dir);
-  ParamStore& params = ck.model->params();  // read_weight: a collective under shard full, so not const
-  const std::vector<std::vector<Outgoing>> files = split_into_files(ck, options.max_shard_bytes);
+  const std::vector<std::vector<Outgoing>> files = split_into_files(ck, params, options.max_shard_bytes);
   // One writer a file. A parameter's float32 values are read into the writer's buffer while its turn comes.
   std::vector<io::SafetensorsWriter> writers(files.size());
   for (size_t k = 0; k < files.size(); ++k) {

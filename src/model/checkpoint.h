@@ -101,6 +101,11 @@ struct SaveOptions {
 // store (ParamStore::read_weight) only while it is written: the writer holds one tensor at a time beside the store,
 // never a copy of the model. Every file is replaced all or nothing; a failed write still takes part in the remaining
 // reads (so ranks sharing them stay matched), then throws rf::Error naming the file.
+// `store`: the parameters as the files hold them (every one whole: the model's own store, or one that reads each
+// tensor from the ranks holding its parts, as a save of held experts does); `ck` gives the rest (the config, the side
+// files, the buffers, the tensors kept from the files).
+void save_checkpoint(const Checkpoint& ck, ParamStore& store, const std::string& dir, const SaveOptions& options = {});
+// The model's own store.
 void save_checkpoint(const Checkpoint& ck, const std::string& dir, const SaveOptions& options = {});
 
 // The file name of a parameter: "model.X" becomes text_prefix + "X"; other names are kept, and so are those of the

@@ -1,9 +1,6 @@
 // ringflex trainer: checkpoint directories (see checkpoint.h).
 #include "trainer/checkpoint.h"
 
-#include "model/lora_store.h"
-#include "model/peft_files.h"
-
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -160,12 +157,12 @@ void remove_leftovers(const std::string& root) {
   }
 }
 
-int64_t checkpoint_bytes(const model::Checkpoint& weights) {
+int64_t checkpoint_bytes(const model::Checkpoint& weights, const model::ParamStore& store) {
   constexpr int64_t kMoments = 2;  // exp_avg, exp_avg_sq
   constexpr auto kF32 = static_cast<int64_t>(sizeof(float));
   const model::Gemma4Multimodal& m = *weights.model;
-  int64_t bytes = checked_sum({checked_bytes({m.params().total_elements(), kF32}), m.buffers().total_bytes(),
-                               checked_bytes({kMoments, m.params().trainable_elements(), kF32})});
+  int64_t bytes = checked_sum({checked_bytes({store.total_elements(), kF32}), m.buffers().total_bytes(),
+                               checked_bytes({kMoments, store.trainable_elements(), kF32})});
   for (const io::Passthrough::Entry& e : weights.model->kept().entries())
     bytes = checked_sum({bytes, static_cast<int64_t>(e.bytes.size())});
   return bytes;
@@ -297,16 +294,14 @@ std::string PendingCheckpoint::finish(const model::ParamStore& store, const Trai
   return final_dir.string();
 }
 
-std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const TrainState& state,
-                                  int keep, const std::function<void(const std::string&)>& before_rename,
+std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, model::ParamStore& store,
+                                  const TrainState& state, int keep,
+                                  const std::function<void(const std::string&)>& before_rename,
                                   const model::SaveOptions& options) {
+  RF_CHECK(!store.maps_frozen_weights(), "save_train_checkpoint: a LoRA store's files are PEFT's adapters, which its ",
+           "training state writes (trainer/state/lora.cpp)");
   PendingCheckpoint pending(root, state.step);
-  // A LoRA run's weights are its adapters, in PEFT's files; the frozen base stays where model.path has it.
-  const model::ParamStore& store = weights.model->params();
-  if (const auto* lora = dynamic_cast<const model::LoraStore*>(&store))
-    model::save_peft_adapter(*lora, weights.text_prefix, weights.source, pending.temp_dir());
-  else
-    model::save_checkpoint(weights, pending.temp_dir(), options);
+  model::save_checkpoint(weights, store, pending.temp_dir(), options);
   write_moments_whole(pending.temp_dir(), store);  // one process: it holds them all
   return pending.finish(store, state, {}, keep, before_rename);
 }

@@ -59,9 +59,11 @@ struct TrainState {
 // the checkpoint's directory. Any failure (a full disk, a quota, a file-size limit, a read-only directory) throws
 // rf::Error with one line naming the file, after removing the save's temporary directory; the checkpoints already
 // there stay as they were. What a hard kill left of an earlier save is removed first (remove_leftovers).
-// AdamW's moments are the store's (weights.model->params()).
-std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, const TrainState& state,
-                                  int keep, const std::function<void(const std::string&)>& before_rename = {},
+// One process holding every weight and moment: the weights and AdamW's moments are `store`'s (every parameter
+// whole), the rest of the files `weights`'. (A LoRA run's files are PEFT's: its training state writes them.)
+std::string save_train_checkpoint(const std::string& root, const model::Checkpoint& weights, model::ParamStore& store,
+                                  const TrainState& state, int keep,
+                                  const std::function<void(const std::string&)>& before_rename = {},
                                   const model::SaveOptions& options = {});
 
 // A save in parts, for a job whose ranks write it together (trainer.cpp): a PendingCheckpoint made on the writing
@@ -100,9 +102,10 @@ void write_moments_whole(const std::string& dir, const model::ParamStore& store)
 // This rank's moments (its moment_range()) as optimizer-0000{rank+1}-of-0000{ranks}.safetensors in `dir`.
 void write_moments_shard(const std::string& dir, const model::ParamStore& store, int rank, int ranks);
 
-// What save_train_checkpoint writes of `weights`, in bytes, at most: every parameter and buffer in float32, both
-// AdamW moments of the trainable ones, the tensors carried through. Known on every rank (the same on each).
-int64_t checkpoint_bytes(const model::Checkpoint& weights);
+// What a save writes of `weights` with the parameters of `store` (the files' registry), in bytes, at most: every
+// parameter and buffer in float32, both AdamW moments of the trainable ones, the tensors carried through. Known on
+// every rank (the same on each).
+int64_t checkpoint_bytes(const model::Checkpoint& weights, const model::ParamStore& store);
 
 // `<root>/step-NNNNNNNN`: where save_train_checkpoint puts step `step`.
 std::string checkpoint_path(const std::string& root, int64_t step);

@@ -151,11 +151,9 @@ void publish_step(Run& r, const StepMetrics& sm, double eta_s, std::optional<Met
   if (!save_now) return;
   // A save is waited for as long as its bytes take at the slowest write rate, beyond --timeout: only a rank that is
   // gone or silent ends the job the hard way.
-  int64_t bytes = 0;
-  {  // the files' layout (held experts: every expert, where the store registers this rank's)
-    const StoreStandIn counting(*r.ck.model, r.mode->files_registry(r));
-    bytes = checkpoint_bytes(r.ck);
-  }
+  // The files' layout (held experts: every expert, where the store registers this rank's).
+  const std::unique_ptr<model::ParamStore> files = r.mode->files_registry(r);
+  const int64_t bytes = checkpoint_bytes(r.ck, files ? *files : r.ck.model->params());
   save(r, pending, save_wait(r.timeout, bytes, r.options.slowest_checkpoint_write), progress, result);
 }
 

@@ -1112,7 +1112,7 @@ TEST(HeldExperts, ShardFullStreamsTheGlobalGroupAndTrainsAsShardNone) {
       auto slices = std::make_unique<ExpertSlices>(world.split(world.rank() % kEp, world.rank() / kEp), true,
                                                    comm::default_timeout());
       const std::unique_ptr<HeldExpertStore> held =
-          make_held_expert_store(w, std::move(inner), std::move(slices),
+          make_held_expert_store(w, HeldInner::of(std::move(inner)), std::move(slices),
                                  HeldPlacement{world.rank() % kEp, kEp, world.rank(), P});
       EXPECT_TRUE(held->info(embed).streamed) << at;
       EXPECT_EQ(held->resident_weight_bytes(), sharded.resident_weight_bytes() + experts / kEp * kF) << at;
@@ -1196,10 +1196,11 @@ TEST(HeldExperts, LoadAndSaveWithoutAWholeCopy) {
         const model::PlaceParams place =
             [&](const model::Gemma4Multimodal& shapes) -> std::unique_ptr<model::ParamStore> {
           if (mode == "none") return model::hold_expert_rows(shapes.params(), place_at.ep_rank, kEp);
-          std::unique_ptr<model::ParamStore> inner = std::make_unique<model::ReplicatedStore>();
-          if (mode == "full")
-            inner = std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
-                                                   comm::default_timeout());
+          HeldInner inner =
+              mode == "full"
+                  ? HeldInner::of(std::make_unique<ShardedStore>(world.split(0, world.rank()), ShardedStore::Mode::Full,
+                                                                 comm::default_timeout()))
+                  : HeldInner::replicated();
           auto slices = std::make_unique<ExpertSlices>(world.split(world.rank() % kEp, world.rank() / kEp),
                                                        mode == "full", comm::default_timeout());
           std::unique_ptr<HeldExpertStore> h = place_held_experts(shapes.params(), shapes.params().trainable_after({}),
@@ -1230,11 +1231,10 @@ TEST(HeldExperts, LoadAndSaveWithoutAWholeCopy) {
         } else {
           load_optimizer_state(files.string(), s);
         }
-        auto writer = std::make_unique<HeldWriter>(s, HeldGroups{world, *ep, *edp, comm::default_timeout()});
-        HeldWriter& view = *writer;
-        const std::unique_ptr<model::ParamStore> kept = ck.model->replace_params(std::move(writer));
+        const HeldGroups g{world, *ep, *edp, comm::default_timeout()};
+        HeldWriter view = held != nullptr ? HeldWriter(*held, g) : HeldWriter(s, g);
         const bool writes = world.rank() == 0;
-        model::save_checkpoint(ck, out.string(), {model::SaveOptions::kDefaultMaxShardBytes, writes});
+        model::save_checkpoint(ck, view, out.string(), {model::SaveOptions::kDefaultMaxShardBytes, writes});
         write_moments_streamed(
             out.string(), view,
             [&view](model::Role role, size_t slot, std::span<float> values) { view.read_moment(role, slot, values); },
@@ -1623,7 +1623,7 @@ TEST(Checkpoints, NonFiniteWeightsAndMomentsStopBeforeStepOne) {
     LoadedCheckpoint ck = load_train_checkpoint(good);
     load_optimizer_state(good, ck.weights.model->params());
     edit(ck.weights.model->params());
-    return save_train_checkpoint((dir / name).string(), ck.weights, ck.state, 1);
+    return save_train_checkpoint((dir / name).string(), ck.weights, ck.weights.model->params(), ck.state, 1);
   };
   const auto resume_error = [&](const std::string& ck) {
     TrainOptions resume;

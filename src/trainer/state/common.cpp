@@ -128,11 +128,11 @@ void gather_updated_weights(comm::Communicator& c, model::ParamStore& store, com
     std::copy_n(staging.data() + seg.train_index, seg.n, store.mutable_weight(seg.slot) + seg.first);
 }
 
-void save_weights(Run& r, const std::string& tmp, comm::Timeout wait, bool all_take_part) {
+void save_weights(Run& r, model::ParamStore& store, const std::string& tmp, comm::Timeout wait, bool all_take_part) {
   std::exception_ptr failed;
   try {
     // The other ranks take part in the reads where they are collective (sharded masters', the held experts' gathers).
-    if (r.lead || all_take_part) model::save_checkpoint(r.ck, tmp, {max_shard_bytes(r.cfg.checkpoint), r.lead});
+    if (r.lead || all_take_part) model::save_checkpoint(r.ck, store, tmp, {max_shard_bytes(r.cfg.checkpoint), r.lead});
   } catch (...) {
     failed = std::current_exception();  // save_checkpoint took part in every read before it threw
   }
@@ -144,8 +144,8 @@ void save_weights(Run& r, const std::string& tmp, comm::Timeout wait, bool all_t
       wait);
 }
 
-PendingCheckpoint::MomentLayout save_moments_per_rank(Run& r, const std::string& tmp, comm::Timeout wait) {
-  const model::ParamStore& store = r.ck.model->params();
+PendingCheckpoint::MomentLayout save_moments_per_rank(Run& r, const model::ParamStore& store, const std::string& tmp,
+                                                      comm::Timeout wait) {
   comm::agree(
       r.world, [&] { write_moments_shard(tmp, store, r.world.rank(), r.world.size()); }, wait);
   PendingCheckpoint::MomentLayout moments;  // every rank's range, as its store holds it
@@ -158,18 +158,19 @@ PendingCheckpoint::MomentLayout save_moments_per_rank(Run& r, const std::string&
   return moments;
 }
 
-void save_moments_whole(Run& r, const std::string& tmp, comm::Timeout wait) {
+void save_moments_whole(Run& r, const model::ParamStore& store, const std::string& tmp, comm::Timeout wait) {
   comm::agree(
       r.world,
       [&] {
-        if (r.lead) write_moments_whole(tmp, r.ck.model->params());
+        if (r.lead) write_moments_whole(tmp, store);
       },
       wait);
 }
 
-void finish_save(Run& r, comm::Timeout wait, const FinishSave& finish, const PendingCheckpoint::MomentLayout& m) {
+void finish_save(Run& r, const model::ParamStore& store, comm::Timeout wait, const FinishSave& finish,
+                 const PendingCheckpoint::MomentLayout& m) {
   comm::agree(
-      r.world, [&] { finish(r.ck.model->params(), m); }, wait);
+      r.world, [&] { finish(store, m); }, wait);
 }
 
 }  // namespace rf::trainer::detail

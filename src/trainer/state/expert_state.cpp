@@ -94,8 +94,7 @@ namespace {
 
 // Fills `whole` (the writer's whole-layout store, holding this rank's rows already; null on the other ranks) with
 // every EP rank's rows of each held-apart tensor, gathered over g.ep tensor by tensor.
-std::unique_ptr<model::ParamStore> gather_rows_into(const model::ParamStore& part,
-                                                    std::unique_ptr<model::ParamStore> whole, const ExpertGroups& g) {
+void gather_rows_into(const model::ParamStore& part, model::ParamStore* whole, const ExpertGroups& g) {
   const int P = g.ep.size();
   std::vector<float> all;  // [P, the slot's held elements]: one tensor's rows of every EP rank, in EP rank order
   for (size_t i = 0; i < part.size(); ++i) {
@@ -109,18 +108,19 @@ std::unique_ptr<model::ParamStore> gather_rows_into(const model::ParamStore& par
       if (mine == nullptr) continue;  // frozen, or no moments: the same on every rank
       all.resize(static_cast<size_t>(p.numel * P));
       g.ep.allgather(mine, all.data(), static_cast<size_t>(p.numel) * sizeof(float), g.timeout);
-      if (!whole) continue;
+      if (whole == nullptr) continue;
       float* dst = role == model::Role::Weights ? whole->mutable_weight(i) : whole->moment(role, i);
       std::copy(all.begin(), all.end(), dst);
     }
   }
-  return whole;
 }
 
 }  // namespace
 
-std::unique_ptr<model::ParamStore> gather_held_adapters(const model::LoraStore& part, const ExpertGroups& g) {
-  return gather_rows_into(part, g.world.rank() == 0 ? part.whole_adapters() : nullptr, g);
+std::unique_ptr<model::LoraStore> gather_held_adapters(const model::LoraStore& part, const ExpertGroups& g) {
+  std::unique_ptr<model::LoraStore> whole = g.world.rank() == 0 ? part.whole_adapters() : nullptr;
+  gather_rows_into(part, whole.get(), g);
+  return whole;
 }
 
 WholeAdapterMoments::WholeAdapterMoments(model::ParamStore& store, comm::Communicator* edp, comm::Timeout timeout) {

@@ -38,7 +38,7 @@ std::vector<double> held_expert_norm_partials(const model::ParamStore& store, co
 // LoRA with the experts' adapters placed (model::LoraStore::place_experts): a LoraStore with every adapter whole
 // (weights and moments, the expert rows gathered over world rank 0's EP group; the base unread, holding no values) on
 // world rank 0, null elsewhere (world rank 0's EP group calls this; the other ranks need not).
-std::unique_ptr<model::ParamStore> gather_held_adapters(const model::LoraStore& part, const ExpertGroups& g);
+std::unique_ptr<model::LoraStore> gather_held_adapters(const model::LoraStore& part, const ExpertGroups& g);
 
 // LoRA's placed adapters under shard optimizer, for a save: while it lives the store's moments cover its whole held
 // layout, every EDP rank's slice gathered (a collective over `edp`: every rank builds one), so that

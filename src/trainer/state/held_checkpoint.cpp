@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <utility>
 
 #include "core/error.h"
 #include "model/expert_store.h"
@@ -30,8 +31,8 @@ std::vector<Buffer> cut(Byte* data, size_t bytes) {
   return out;
 }
 
-void register_files_layout(const model::ParamStore& held, model::ParamStore& into) {
-  const auto* h = dynamic_cast<const HeldExpertStore*>(&held);
+// `h`: `held` when it is a HeldExpertStore, else null.
+void register_files_layout(const model::ParamStore& held, const HeldExpertStore* h, model::ParamStore& into) {
   std::vector<bool> trainable(held.size());
   for (size_t i = 0; i < held.size(); ++i) {
     const ParamInfo& p = held.info(i);
@@ -44,15 +45,25 @@ void register_files_layout(const model::ParamStore& held, model::ParamStore& int
 
 }  // namespace
 
-std::unique_ptr<model::ParamStore> files_layout(const model::ParamStore& held) {
+std::unique_ptr<model::ParamStore> files_layout(const model::ParamStore& rows) {
   auto layout = std::make_unique<model::ReplicatedStore>();
-  register_files_layout(held, *layout);
+  register_files_layout(rows, nullptr, *layout);
   return layout;
 }
 
-HeldWriter::HeldWriter(model::ParamStore& held, const HeldGroups& g)
-    : held_(held), sharded_(dynamic_cast<HeldExpertStore*>(&held)), g_(g) {
-  register_files_layout(held, *this);
+std::unique_ptr<model::ParamStore> files_layout(const HeldExpertStore& held) {
+  auto layout = std::make_unique<model::ReplicatedStore>();
+  register_files_layout(held, &held, *layout);
+  return layout;
+}
+
+HeldWriter::HeldWriter(model::ParamStore& rows, const HeldGroups& g) : HeldWriter(rows, nullptr, g) {}
+
+HeldWriter::HeldWriter(HeldExpertStore& held, const HeldGroups& g) : HeldWriter(held, &held, g) {}
+
+HeldWriter::HeldWriter(model::ParamStore& held, HeldExpertStore* apart, const HeldGroups& g)
+    : held_(held), sharded_(apart), g_(g) {
+  register_files_layout(held, apart, *this);
 }
 
 std::vector<HeldWriter::Part> HeldWriter::parts(size_t slot, Role role) const {
@@ -134,7 +145,7 @@ void HeldWriter::read_weight(size_t slot, std::span<float> out) {
            info(slot).name, " of ", info(slot).numel);
   if (sharded_ != nullptr && sharded_->expert_slot(slot) < 0) {
     model::ParamStore& in = sharded_->inner();
-    const auto* pieces = dynamic_cast<const ShardedStore*>(&in);
+    const ShardedStore* pieces = sharded_->inner_sharded();
     if ((pieces != nullptr && pieces->sharded()) || g_.world.rank() == kWriter) in.read_weight(slot, out);
     return;
   }
@@ -151,7 +162,7 @@ void HeldWriter::read_moment(Role role, size_t slot, std::span<float> out) {
 }
 
 void load_held_moments(const std::string& dir, HeldExpertStore& held) {
-  const std::unique_ptr<model::ParamStore> layout = files_layout(held);
+  const std::unique_ptr<model::ParamStore> layout = files_layout(std::as_const(held));
   held.allocate_moments();
   std::vector<MomentTarget> targets;
   // The rest: the inner store registers every slot (the experts' with no rows), in the files' order.

@@ -144,9 +144,12 @@ void ExpertSlices::release_training_state() {
 
 // --- HeldExpertStore ---
 
-HeldExpertStore::HeldExpertStore(std::unique_ptr<model::ParamStore> inner, std::unique_ptr<ExpertSlices> experts,
+HeldExpertStore::HeldExpertStore(HeldInner inner, std::unique_ptr<ExpertSlices> experts,
                                  std::vector<int64_t> expert_slot)
-    : inner_(std::move(inner)), experts_(std::move(experts)), expert_slot_(std::move(expert_slot)) {}
+    : inner_(std::move(inner.store)),
+      inner_sharded_(inner.sharded),
+      experts_(std::move(experts)),
+      expert_slot_(std::move(expert_slot)) {}
 
 int64_t HeldExpertStore::resident_weight_bytes() const {
   return inner_->resident_weight_bytes() + experts_->resident_weight_bytes();
@@ -297,8 +300,7 @@ void copy_moments(const model::ParamStore& from, model::ParamStore& to, SlotMap 
 }  // namespace
 
 std::unique_ptr<HeldExpertStore> place_held_experts(const model::ParamStore& registry,
-                                                    const std::vector<bool>& trainable,
-                                                    std::unique_ptr<model::ParamStore> inner,
+                                                    const std::vector<bool>& trainable, HeldInner inner,
                                                     std::unique_ptr<ExpertSlices> experts, const HeldPlacement& at) {
   const size_t n = registry.size();
   RF_CHECK(trainable.size() == n, "held experts: ", trainable.size(), " trainable flags for ", n, " parameters");
@@ -322,15 +324,15 @@ std::unique_ptr<HeldExpertStore> place_held_experts(const model::ParamStore& reg
       expert_trainable.push_back(trainable[i]);
       std::vector<int64_t> none = p.shape;
       none[0] = 0;
-      inner->add(p.name, std::move(none), p.layer, p.matmul);
+      inner.store->add(p.name, std::move(none), p.layer, p.matmul);
     } else {
-      const size_t slot = inner->add(p.name, p.shape, p.layer, p.matmul);
+      const size_t slot = inner.store->add(p.name, p.shape, p.layer, p.matmul);
       // The token tables and the head stay streamed: under shard full never gathered whole (sharded_store.h).
-      if (p.streamed) inner->mark_streamed(slot);
+      if (p.streamed) inner.store->mark_streamed(slot);
     }
     inner_trainable[i] = !expert && trainable[i];
   }
-  inner->set_trainable(inner_trainable);
+  inner.store->set_trainable(inner_trainable);
   experts->set_trainable(expert_trainable);
   for (size_t e = 0; e < whole_slot_of_expert.size(); ++e) {
     const std::pair<int64_t, int64_t> r = rows[whole_slot_of_expert[e]];
@@ -360,8 +362,7 @@ void set_held_moment_ranges(HeldExpertStore& held, const HeldPlacement& at) {
   held.set_moment_range(mine.begin, mine.end);
 }
 
-std::unique_ptr<HeldExpertStore> make_held_expert_store(const model::ParamStore& whole,
-                                                        std::unique_ptr<model::ParamStore> inner,
+std::unique_ptr<HeldExpertStore> make_held_expert_store(const model::ParamStore& whole, HeldInner inner,
                                                         std::unique_ptr<ExpertSlices> experts,
                                                         const HeldPlacement& at) {
   RF_CHECK(whole.weights_allocated(), "held experts: the whole store has no weights to split");
@@ -401,7 +402,7 @@ std::unique_ptr<HeldExpertStore> make_held_expert_store(const model::ParamStore&
   staged.allocate_weights();
   for (size_t i = 0; i < n; ++i)
     if (held->expert_slot(i) < 0) std::copy_n(whole.weight(i), whole.info(i).numel, staged.mutable_weight(i));
-  if (auto* sharded = dynamic_cast<ShardedStore*>(&in)) {
+  if (ShardedStore* sharded = held->inner_sharded()) {
     sharded->adopt(staged);
   } else {
     in.allocate_weights();

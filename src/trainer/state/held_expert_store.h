@@ -11,6 +11,7 @@
 
 #include "comm/communicator.h"
 #include "model/param_store.h"
+#include "trainer/state/sharded_store.h"
 
 namespace rf::trainer {
 
@@ -58,13 +59,28 @@ class ExpertSlices final : public model::ReplicatedStore {
   int layer_at_ = model::kGlobalGroup - 1;
 };
 
+// The shard mode's store of the non-expert parameters, typed by whoever makes it: a ReplicatedStore (shard
+// optimizer), or a ShardedStore (gradients, full) that `sharded` names as well, so that the held store and its
+// checkpoints use its pieces without asking the store which it is.
+struct HeldInner {
+  std::unique_ptr<model::ParamStore> store;
+  ShardedStore* sharded = nullptr;
+  static HeldInner replicated() { return {std::make_unique<model::ReplicatedStore>(), nullptr}; }
+  static HeldInner of(std::unique_ptr<ShardedStore> s) {
+    ShardedStore* typed = s.get();
+    return {std::move(s), typed};
+  }
+};
+
 class HeldExpertStore final : public model::ParamStore {
  public:
-  HeldExpertStore(std::unique_ptr<model::ParamStore> inner, std::unique_ptr<ExpertSlices> experts,
-                  std::vector<int64_t> expert_slot);
+  HeldExpertStore(HeldInner inner, std::unique_ptr<ExpertSlices> experts, std::vector<int64_t> expert_slot);
 
   model::ParamStore& inner() { return *inner_; }
   const model::ParamStore& inner() const { return *inner_; }
+  // The inner store when it is a ShardedStore (gradients, full), else null.
+  ShardedStore* inner_sharded() { return inner_sharded_; }
+  const ShardedStore* inner_sharded() const { return inner_sharded_; }
   ExpertSlices& experts() { return *experts_; }
   const ExpertSlices& experts() const { return *experts_; }
   // The slot of `slot` in experts(), or -1: a parameter of the inner store.
@@ -119,6 +135,7 @@ class HeldExpertStore final : public model::ParamStore {
 
  private:
   std::unique_ptr<model::ParamStore> inner_;
+  ShardedStore* inner_sharded_;  // inner_ when it is a ShardedStore
   std::unique_ptr<ExpertSlices> experts_;
   std::vector<int64_t> expert_slot_;  // [slots]
   bool sealed_ = false;
@@ -134,12 +151,11 @@ struct HeldPlacement {
 
 // The parameters of `registry` (every parameter whole; shapes only) placed in a HeldExpertStore with the trainable
 // flags `trainable` (model.freeze applied), nothing allocated: `inner` (an empty store of the shard mode: a
-// ReplicatedStore for optimizer, a ShardedStore for gradients and full) registers the non-expert parameters (the
-// expert tensors with no rows), `experts` this EP rank's rows of the expert tensors. Its allocate_weights allocates
-// the parts' weights (a ShardedStore's pieces), which a loader fills tensor by tensor (model::PlaceParams).
+// ReplicatedStore for optimizer, a ShardedStore for gradients and full; HeldInner) registers the non-expert parameters
+// (the expert tensors with no rows), `experts` this EP rank's rows of the expert tensors. Its allocate_weights
+// allocates the parts' weights (a ShardedStore's pieces), which a loader fills tensor by tensor (model::PlaceParams).
 std::unique_ptr<HeldExpertStore> place_held_experts(const model::ParamStore& registry,
-                                                    const std::vector<bool>& trainable,
-                                                    std::unique_ptr<model::ParamStore> inner,
+                                                    const std::vector<bool>& trainable, HeldInner inner,
                                                     std::unique_ptr<ExpertSlices> experts, const HeldPlacement& at);
 // The parts' moment ranges: the experts' over this rank's EDP slice (ExpertSlices::own), the rest's over this world
 // rank's slice of their trainable layout. Before the moments are allocated.
@@ -151,8 +167,7 @@ void set_held_moment_ranges(HeldExpertStore& held, const HeldPlacement& at);
 // parameters (the expert tensors registered in it with no rows), its moments over this world rank's slice of their
 // trainable layout; `experts` takes this EP rank's rows of the expert tensors. The weights and moments are copied, each
 // part's only.
-std::unique_ptr<HeldExpertStore> make_held_expert_store(const model::ParamStore& whole,
-                                                        std::unique_ptr<model::ParamStore> inner,
+std::unique_ptr<HeldExpertStore> make_held_expert_store(const model::ParamStore& whole, HeldInner inner,
                                                         std::unique_ptr<ExpertSlices> experts, const HeldPlacement& at);
 
 struct HeldGroups {

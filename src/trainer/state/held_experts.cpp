@@ -3,6 +3,8 @@
 // other shard modes: a HeldExpertStore (trainer/state/held_expert_store.h) of the shard mode's store for the rest and
 // the experts' slices over their EDP group. Checkpoints stream through a HeldWriter (trainer/state/held_checkpoint.h).
 // docs/parallel-state.md.
+#include <utility>
+
 #include "comm/agree.h"
 #include "core/error.h"
 #include "model/expert_store.h"
@@ -186,26 +188,25 @@ class HeldExpertsState final : public TrainingState {
   const ShardedStore* sharded_masters() const override { return inner_sharded_; }
 
   // The files hold every expert, where the store registers this rank's.
-  std::unique_ptr<model::ParamStore> files_registry(Run& r) override { return files_layout(r.ck.model->params()); }
+  std::unique_ptr<model::ParamStore> files_registry(Run& r) override {
+    return apart_ ? files_layout(std::as_const(*held_)) : files_layout(r.ck.model->params());
+  }
 
-  // A HeldWriter stands in the model on every rank while it saves, each tensor gathered onto the writer from the
-  // ranks holding its parts as its turn comes (held_checkpoint.h); every rank takes part in every read.
+  // The save writes from a HeldWriter on every rank, each tensor gathered onto the writer from the ranks holding its
+  // parts as its turn comes (held_checkpoint.h); every rank takes part in every read.
   void save(Run& r, const std::string& tmp, comm::Timeout wait, const FinishSave& finish) override {
-    auto writer =
-        std::make_unique<HeldWriter>(r.ck.model->params(), HeldGroups{r.world, *r.ep_group, *r.edp_group, r.timeout});
-    HeldWriter& w = *writer;
-    const StoreStandIn while_saving(*r.ck.model, std::move(writer));
-    save_weights(r, tmp, wait, true);
-    const model::ParamStore& store = r.ck.model->params();
+    const HeldGroups g{r.world, *r.ep_group, *r.edp_group, r.timeout};
+    HeldWriter w = apart_ ? HeldWriter(*held_, g) : HeldWriter(r.ck.model->params(), g);
+    save_weights(r, w, tmp, wait, true);
     comm::agree(
         r.world,
         [&] {
           write_moments_streamed(
-              tmp, store, [&w](model::Role role, size_t slot, std::span<float> out) { w.read_moment(role, slot, out); },
+              tmp, w, [&w](model::Role role, size_t slot, std::span<float> out) { w.read_moment(role, slot, out); },
               r.lead);
         },
         wait);
-    finish_save(r, wait, finish, {});
+    finish_save(r, w, wait, finish, {});
   }
 
   void unshard() override {
@@ -219,15 +220,9 @@ class HeldExpertsState final : public TrainingState {
   }
 
   // The parts of a HeldExpertStore: the shard mode's store of the non-expert parameters and this rank's experts'.
-  std::pair<std::unique_ptr<model::ParamStore>, std::unique_ptr<ExpertSlices>> parts(Run& r) {
-    std::unique_ptr<model::ParamStore> inner;
-    if (slices_only_) {
-      std::unique_ptr<ShardedStore> s = make_sharded_store(r, store_comm_);
-      inner_sharded_ = s.get();
-      inner = std::move(s);
-    } else {
-      inner = std::make_unique<model::ReplicatedStore>();
-    }
+  std::pair<HeldInner, std::unique_ptr<ExpertSlices>> parts(Run& r) {
+    HeldInner inner = slices_only_ ? HeldInner::of(make_sharded_store(r, store_comm_)) : HeldInner::replicated();
+    inner_sharded_ = inner.sharded;
     RF_CHECK(edp_comm_ != nullptr, "held experts: the experts' communicator was taken already");
     auto experts = std::make_unique<ExpertSlices>(std::move(edp_comm_), slices_only_, r.timeout);
     return {std::move(inner), std::move(experts)};

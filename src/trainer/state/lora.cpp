@@ -182,15 +182,13 @@ class LoraState final : public TrainingState {
   // adapters: gathered whole onto rank 0 (their moments' EDP slices first under shard optimizer), which writes them
   // and their moments as shard none does.
   void save(Run& r, const std::string& tmp, comm::Timeout wait, const FinishSave& finish) override {
-    std::unique_ptr<model::ParamStore> whole;
+    std::unique_ptr<model::LoraStore> whole;
     if (adapters_placed_) {
-      const WholeAdapterMoments moments(r.ck.model->params(), zero1_ ? r.edp_group.get() : nullptr, r.timeout);
-      if (r.world.rank() < r.cfg.parallelism.ep)
-        whole = gather_held_adapters(static_cast<const model::LoraStore&>(r.ck.model->params()), expert_groups(r));
+      const WholeAdapterMoments moments(*store_, zero1_ ? r.edp_group.get() : nullptr, r.timeout);
+      if (r.world.rank() < r.cfg.parallelism.ep) whole = gather_held_adapters(*store_, expert_groups(r));
     }
-    const StoreStandIn while_saving(*r.ck.model, r.lead ? std::move(whole) : nullptr);
     // The whole adapters on rank 0 (placed), or this rank's store.
-    const auto& lora = static_cast<const model::LoraStore&>(r.ck.model->params());
+    const model::LoraStore& lora = r.lead && whole ? *whole : *store_;
     std::exception_ptr failed;
     try {
       if (r.lead) model::save_peft_adapter(lora, r.ck.text_prefix, r.ck.source, tmp);
@@ -205,10 +203,10 @@ class LoraState final : public TrainingState {
         wait);
     PendingCheckpoint::MomentLayout moments;  // ZeRO-1 without placed adapters: one file a rank
     if (zero1_ && !adapters_placed_)
-      moments = save_moments_per_rank(r, tmp, wait);
+      moments = save_moments_per_rank(r, lora, tmp, wait);
     else
-      save_moments_whole(r, tmp, wait);
-    finish_save(r, wait, finish, moments);
+      save_moments_whole(r, lora, tmp, wait);
+    finish_save(r, lora, wait, finish, moments);
   }
 
  private:

@@ -51,13 +51,14 @@ class ReplicatedState final : public TrainingState {
   }
 
   void save(Run& r, const std::string& tmp, comm::Timeout wait, const FinishSave& finish) override {
-    save_weights(r, tmp, wait, false);
+    model::ParamStore& store = r.ck.model->params();
+    save_weights(r, store, tmp, wait, false);
     PendingCheckpoint::MomentLayout moments;  // ZeRO-1: one file a rank
     if (zero1_)
-      moments = save_moments_per_rank(r, tmp, wait);
+      moments = save_moments_per_rank(r, store, tmp, wait);
     else
-      save_moments_whole(r, tmp, wait);
-    finish_save(r, wait, finish, moments);
+      save_moments_whole(r, store, tmp, wait);
+    finish_save(r, store, wait, finish, moments);
   }
 
  private:

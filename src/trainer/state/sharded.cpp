@@ -134,8 +134,9 @@ class ShardedState final : public TrainingState {
   const ShardedStore* sharded_masters() const override { return store_; }
 
   void save(Run& r, const std::string& tmp, comm::Timeout wait, const FinishSave& finish) override {
-    save_weights(r, tmp, wait, masters_sharded_);
-    finish_save(r, wait, finish, save_moments_per_rank(r, tmp, wait));
+    model::ParamStore& store = r.ck.model->params();
+    save_weights(r, store, tmp, wait, masters_sharded_);
+    finish_save(r, store, wait, finish, save_moments_per_rank(r, store, tmp, wait));
   }
 
   void unshard() override { store_->unshard(); }

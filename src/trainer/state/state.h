@@ -41,8 +41,8 @@ struct StateBytes {
   int64_t layer_weight_bytes = 0, head_weight_bytes = 0;
 };
 
-// A save's last part, on every rank while the mode's store stands as the files have it: rank 0 renames the
-// directory into place with the store's trainer_state.json and the moment files' layout.
+// A save's last part, on every rank, given the store as the files have it: rank 0 renames the directory into place
+// with the store's trainer_state.json and the moment files' layout.
 using FinishSave = std::function<void(const model::ParamStore& store, const PendingCheckpoint::MomentLayout& moments)>;
 
 class TrainingState {
@@ -110,7 +110,8 @@ class TrainingState {
 };
 
 // While it lives, the model holds `stand_in` (a store laid out as the files have it; null: nothing changes) in place
-// of its own store, which it gets back on every path.
+// of its own store, which it gets back on every path: --stats counts the files' registry (a save takes the store it
+// writes instead).
 class StoreStandIn {
  public:
   StoreStandIn(model::Gemma4Multimodal& m, std::unique_ptr<model::ParamStore> stand_in) : m_(m) {
@@ -156,14 +157,17 @@ Support tower_with_bf16_weights(const TrainConfig& c);
 int64_t trainable_bytes(const TrainConfig& c, const model::ParamStore& registry);
 // One save part on every rank: `write` runs, then the world agrees (a failure anywhere ends every rank).
 void agreed_part(Run& r, comm::Timeout wait, const std::function<void()>& write);
-// The weights into `tmp`: rank 0 writes, the ranks in `all_take_part` take part in collective reads.
-void save_weights(Run& r, const std::string& tmp, comm::Timeout wait, bool all_take_part);
-// ZeRO-1's moments: one file a rank; returns every rank's range.
-PendingCheckpoint::MomentLayout save_moments_per_rank(Run& r, const std::string& tmp, comm::Timeout wait);
-// The moments whole in one file, written by rank 0.
-void save_moments_whole(Run& r, const std::string& tmp, comm::Timeout wait);
-// The last part (finish) in an agreement.
-void finish_save(Run& r, comm::Timeout wait, const FinishSave& finish, const PendingCheckpoint::MomentLayout& m);
+// `store`'s weights into `tmp` (the files' layout: every parameter whole): rank 0 writes, the ranks in
+// `all_take_part` take part in collective reads.
+void save_weights(Run& r, model::ParamStore& store, const std::string& tmp, comm::Timeout wait, bool all_take_part);
+// ZeRO-1's moments of `store`: one file a rank; returns every rank's range.
+PendingCheckpoint::MomentLayout save_moments_per_rank(Run& r, const model::ParamStore& store, const std::string& tmp,
+                                                      comm::Timeout wait);
+// `store`'s moments whole in one file, written by rank 0.
+void save_moments_whole(Run& r, const model::ParamStore& store, const std::string& tmp, comm::Timeout wait);
+// The last part (finish) in an agreement, with `store` as the files have it.
+void finish_save(Run& r, const model::ParamStore& store, comm::Timeout wait, const FinishSave& finish,
+                 const PendingCheckpoint::MomentLayout& m);
 // Sum of squares of the replicated store's reduced gradients: under shard optimizer each rank's own slice,
 // gathered; otherwise every slice here.
 std::vector<double> replicated_norm_partials(Run& r, bool slices_gathered);
