@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "io/spill_file.h"
 #include "model/loss.h"
 
 namespace rf::model {
@@ -111,8 +112,13 @@ MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& a
   // activations past what it is handed (recompute on; off, they are among the kept ones).
   const Handed handed{args.recompute_layers && args.keep_mlp_projections, args.keep_o_proj_output,
                       args.keep_down_proj_output};
-  int64_t kept = 0;
-  for (int l = 0; l < layers; ++l) kept += kept_floats(m, l, args.recompute_layers, handed) + shared_kv_floats(m, l);
+  // With spill only the shared K/V stay; the backward's first layer's kept floats come back from the file before it
+  // is recomputed (alive at the backward's peak, not at the loss).
+  const bool spill = args.spill && args.recompute_layers;
+  int64_t kept = 0, read_back = 0;
+  for (int l = 0; l < layers; ++l)
+    kept += (spill ? 0 : kept_floats(m, l, args.recompute_layers, handed)) + shared_kv_floats(m, l);
+  if (spill && layers > 0) read_back = kept_floats(m, layers - 1, true, handed);
   // The products the recomputed layer is handed come from the kept ones, not allocated again.
   const int64_t recomputed = args.recompute_layers && layers > 0
                                  ? layer_floats(m, layers - 1, false) - handed_floats(m, layers - 1, handed)
@@ -121,7 +127,7 @@ MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& a
   at_loss.add("activations", bytes(run_floats + kept + 2 * H));  // + xf, dxf
   at_loss.add("loss chunk", chunk_bytes);
   if (args.head_weight_bytes != 0) at_loss.add(kHeadWeights, args.head_weight_bytes);
-  at_backward.add("activations", bytes(run_floats + kept + 4 * H));  // + xf, dxf, dx, dprev
+  at_backward.add("activations", bytes(run_floats + kept + read_back + 4 * H));  // + xf, dxf, dx, dprev
   at_backward.add("one layer", bytes(recomputed));
   // Gradients the backward holds beside them (gemma4.cpp, embedding.cpp, mlp.cpp): the per-layer inputs' dple
   // [T, layers * P] and the shared K/V's kv_dK, kv_dV for the whole backward; in its first layer's MLP backward,
@@ -134,6 +140,17 @@ MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& a
   out = larger(at_loss, at_backward);
   out.add("logits", logit_bytes);
   return out;
+}
+
+int64_t run_spill_bytes(const Gemma4Model& m, const RunMemoryArgs& args) {
+  if (!args.training || !args.recompute_layers || !args.spill) return 0;
+  const Handed handed{args.keep_mlp_projections, args.keep_o_proj_output, args.keep_down_proj_output};
+  int64_t sum = 0;
+  for (int l = 0; l < m.config().num_layers; ++l) {
+    const int64_t block = checked_bytes({args.tokens, kept_floats(m, l, true, handed), kFloat});
+    sum = checked_sum({sum, block < 0 ? -1 : io::SpillFile::block_bytes(block)});
+  }
+  return sum;
 }
 
 }  // namespace rf::model

@@ -20,6 +20,7 @@ struct RunMemoryArgs {
   bool keep_mlp_projections = false;  // RunOptions::keep_mlp_projections (only with recompute_layers)
   bool keep_o_proj_output = true;     // RunOptions::keep_o_proj_output (only with recompute_layers)
   bool keep_down_proj_output = true;  // RunOptions::keep_down_proj_output (only with recompute_layers)
+  bool spill = false;                 // RunOptions::spill_dir set (only with recompute_layers): kept layers on disk
   bool logits = false;                // RunOptions::want_logits: Result::logits [T, V]
   int64_t loss_chunk_tokens = 0;      // RunOptions::loss_chunk_tokens (0: loss_chunk_tokens(V, kLossChunkBytes))
   // Weights a store widens to float32 for a phase only (a LoRA base held in bf16, model/lora_store.h): the largest
@@ -34,7 +35,9 @@ struct RunMemoryArgs {
 //   "activations"   what the backward keeps from the forward (layer inputs, attention outputs and LSE, the o_proj
 //                   and down_proj outputs unless told otherwise, the MLP projections with keep_mlp_projections, and
 //                   with recompute off every layer's whole activations), the embedded row and the per-layer inputs, K/V
-//                   that later layers read, and the [T, H] hidden-state buffers alive at that moment;
+//                   that later layers read, and the [T, H] hidden-state buffers alive at that moment; with spill, of
+//                   the layers' kept activations only the backward's first layer's, read back from the file (the
+//                   rest are on disk: run_spill_bytes);
 //   "one layer"     one layer's activations while it is computed or recomputed (its input norm, q/k/v, attention
 //                   output, o_proj, MLP), past what "activations" holds already;
 //   "backward buffers"  the gradients the backward holds at its first layer's MLP: the per-layer inputs' and the
@@ -45,5 +48,10 @@ struct RunMemoryArgs {
 //                   phase and head_weight_bytes in the loss's.
 // Entries are -1 (MemoryBreakdown's overflow) when a product does not fit int64.
 MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& args);
+
+// Disk bytes the run's spill file takes (RunOptions::spill_dir, a training run with recompute_layers and
+// args.spill): every layer's kept activations, each layer's block rounded up to whole pages
+// (io::SpillFile::block_bytes); 0 without spill. What Gemma4Model::run reserves, and Result::spilled_bytes after it.
+int64_t run_spill_bytes(const Gemma4Model& m, const RunMemoryArgs& args);
 
 }  // namespace rf::model

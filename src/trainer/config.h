@@ -135,6 +135,9 @@ struct TrainSection {
   std::string samples_prompts;
   int samples_every = 0;  // 0: only at the last step
   int samples_max_new_tokens = 32;
+  // with recompute: a directory for the spill file holding each layer's kept activations between the forward and
+  // the backward instead of memory (model::RunOptions::spill_dir; docs/training.md, Memory); empty: in memory
+  std::string spill_dir;
 };
 
 struct CheckpointSection {

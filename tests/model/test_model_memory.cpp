@@ -3,13 +3,20 @@
 // the process's peak resident set over the run, for the forward, training with recompute on and off, KV sharing
 // and per-layer inputs. Each TEST runs in its own process (gtest_discover_tests), so the peak is this run's.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include "core/error.h"
+#include "io/spill_file.h"
 #include "model/config.h"
 #include "model/gemma4.h"
 #include "model/memory.h"
@@ -85,6 +92,8 @@ void expect_bound(const MemoryBreakdown& estimate, const Measured& run) {
       << estimate.describe(10) << " against a growth of " << format_bytes(run.growth);
 }
 
+int64_t io_block(int64_t bytes) { return io::SpillFile::block_bytes(bytes); }
+
 Gemma4Model make_model() {
   Gemma4Model m(Gemma4Config::from_json(kConfig));
   m.init_random(3, 0.02f);
@@ -99,6 +108,7 @@ RunMemoryArgs args_for(const RunOptions& opt) {
   a.keep_mlp_projections = opt.keep_mlp_projections;
   a.keep_o_proj_output = opt.keep_o_proj_output;
   a.keep_down_proj_output = opt.keep_down_proj_output;
+  a.spill = !opt.spill_dir.empty();
   a.logits = opt.want_logits;
   return a;
 }
@@ -178,6 +188,113 @@ TEST(ModelMemory, TrainingRecomputingTheOutputProjectionsIsALowerBoundOfTheRun) 
   // 5 x 64; dh of the last layer's MLP 128.
   EXPECT_EQ(estimate.of("backward buffers"),
             int64_t{kRows} * kSeq * (6 * 8 + 2 * (64 + 32) + 5 * 64 + 128) * static_cast<int64_t>(sizeof(float)));
+}
+
+// A fresh empty directory for a spill file, removed with what is left in it.
+struct SpillDir {
+  std::string path;
+  SpillDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "rf_spill_XXXXXX").string();
+    path = mkdtemp(tmpl.data());
+  }
+  ~SpillDir() { std::filesystem::remove_all(path); }
+  bool empty() const { return std::filesystem::is_empty(path); }
+};
+
+// RunOptions::spill_dir: the layers' kept activations go to disk, all but the backward's first layer's out of the
+// estimate's memory; the file holds exactly run_spill_bytes and is gone from the directory after the run.
+TEST(ModelMemory, TrainingWithSpillIsALowerBoundOfTheRun) {
+  Gemma4Model m = make_model();
+  const SpillDir dir;
+  RunOptions opt;
+  opt.want_grad = true;
+  opt.keep_o_proj_output = opt.keep_down_proj_output = false;
+  opt.spill_dir = dir.path;
+  const Measured run = run_and_measure(m, opt);
+  EXPECT_TRUE(dir.empty());
+  const MemoryBreakdown estimate = run_memory_at_least(m, args_for(opt));
+  expect_bound(estimate, run);
+  EXPECT_EQ(run.result.spilled_bytes, run_spill_bytes(m, args_for(opt)));
+  EXPECT_LE(estimate.of("one layer"), run.result.layer_recompute_bytes);
+  // What the run still held after the forward (the embedded row, per-layer inputs, shared K/V) is inside the
+  // estimate's activations, as without spill.
+  expect_kept_activations_inside(m, estimate, run);
+  // By hand, floats a token: each of the 6 layers keeps its input [64] and its attention output and LSE, 4 heads of
+  // 16 (sliding) or 32 (full: layers 2 and 5) and 4; on disk, rounded up to pages per layer.
+  const int64_t T = int64_t{kRows} * kSeq;
+  int64_t disk = 0;
+  for (int l = 0; l < 6; ++l) disk += io_block(T * (64 + 4 * (l % 3 == 2 ? 32 : 16) + 4) * 4);
+  EXPECT_EQ(run_spill_bytes(m, args_for(opt)), disk);
+  // In memory, the spill saves every layer's kept floats but the backward's first layer's (layer 5, full).
+  RunMemoryArgs in_memory = args_for(opt);
+  in_memory.spill = false;
+  EXPECT_EQ(run_memory_at_least(m, in_memory).of("activations") - estimate.of("activations"),
+            T * 4 * (4 * (64 + 4 * 16 + 4) + (64 + 4 * 32 + 4)));
+  EXPECT_EQ(run_spill_bytes(m, in_memory), 0);
+}
+
+// The spill gives the bits of the run that keeps its activations in memory: the loss, every token's loss and every
+// gradient.
+TEST(ModelMemory, TrainingWithSpillGivesTheSameBits) {
+  const SpillDir dir;
+  RunOptions opt;
+  opt.want_grad = true;
+  Gemma4Model in_memory = make_model();
+  const Measured kept = run_and_measure(in_memory, opt);
+  opt.spill_dir = dir.path;
+  Gemma4Model spilled = make_model();
+  const Measured spill = run_and_measure(spilled, opt);
+  EXPECT_GT(spill.result.spilled_bytes, 0);
+  EXPECT_EQ(kept.result.loss, spill.result.loss);
+  EXPECT_EQ(kept.result.token_loss, spill.result.token_loss);
+  for (size_t slot = 0; slot < in_memory.params().size(); ++slot) {
+    const int64_t n = in_memory.params().info(slot).numel;
+    const float* a = in_memory.params().grad(slot);
+    const float* b = spilled.params().grad(slot);
+    ASSERT_EQ(a == nullptr, b == nullptr);
+    if (a != nullptr) {
+      EXPECT_EQ(std::memcmp(a, b, static_cast<size_t>(n) * sizeof(float)), 0) << "slot " << slot;
+    }
+  }
+}
+
+// A spill directory without room: one error naming it, before the run computes anything, and no file left.
+TEST(ModelMemory, SpillWithoutRoomIsAnError) {
+  Gemma4Model m = make_model();
+  RunOptions opt;
+  opt.want_grad = true;
+  opt.spill_dir = "/nonexistent/spill";
+  try {
+    run_and_measure(m, opt);
+    ADD_FAILURE() << "the run did not fail";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/spill: cannot create the spill file"), std::string::npos)
+        << e.what();
+  }
+}
+
+// A disk that cannot hold the file (here a file size limit of 1 MiB, RLIMIT_FSIZE, SIGXFSZ ignored so the
+// reservation fails with EFBIG as a full disk fails with ENOSPC): one error saying how much the spill needs, and the
+// unnamed file is gone with the run (the directory is empty).
+TEST(ModelMemory, SpillPastTheDiskIsAnError) {
+  Gemma4Model m = make_model();
+  const SpillDir dir;
+  RunOptions opt;
+  opt.want_grad = true;
+  opt.spill_dir = dir.path;
+  std::signal(SIGXFSZ, SIG_IGN);
+  const rlimit small{1 << 20, RLIM_INFINITY};
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  try {
+    run_and_measure(m, opt);
+    ADD_FAILURE() << "the run did not fail";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(dir.path + ": no room for the spill file (train.spill_dir): the run's kept "
+                                                    "activations need "),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(dir.empty());
 }
 
 TEST(ModelMemory, ForwardWithLogitsIsALowerBoundOfTheRun) {
