@@ -342,6 +342,9 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
     r.router_logits.assign(L, {});
     r.router_experts.assign(L, {});
   }
+  RF_CHECK(opt.mlp_tile_tokens > 0, "run: mlp_tile_tokens = ", opt.mlp_tile_tokens, " must be positive");
+  RF_CHECK(!opt.tile_mlp || !opt.keep_mlp_projections,
+           "run: the tiled MLP (train.tile_mlp) keeps no gate/up projections (train.keep_mlp)");
   std::vector<KeptLayer> kept(opt.want_grad ? static_cast<size_t>(L) : 0);  // [L], for the backward
   // RunOptions::spill_dir: the file reserved for every layer's kept arrays (run_spill_bytes), and where each lies.
   std::unique_ptr<io::SpillFile> spill;

@@ -68,6 +68,14 @@ struct RunOptions {
   // attention output and the recomputed GeGLU, for 2 * 4 * T * H bytes a layer less. Same bits either way.
   bool keep_o_proj_output = true;
   bool keep_down_proj_output = true;
+  // The dense MLP's backward works through the rank's tokens in tiles of this many (its weight gradients, the
+  // adapters' included, summed tile by tile, in this order whatever tile_mlp is). tile_mlp: its forward and the
+  // backward's recompute hold the [T, I] gate, up and GeGLU products one tile at a time ([tile, I] each, dropped after
+  // the tile's down_proj) and the backward recomputes each tile's before using it (ALST's tiled MLP: the gate and up
+  // products once more per layer in the backward), instead of the layer's whole [T, I] products. Same bits at the same
+  // mlp_tile_tokens (the products are row-independent, the gradients' sums cut the same way).
+  int64_t mlp_tile_tokens = 2048;
+  bool tile_mlp = false;
   // With recompute_layers: a directory where what each layer keeps for the backward waits on disk instead of in
   // memory (io/spill_file.h: an unnamed file, its size model::run_spill_bytes reserved up front, removed however
   // the run ends). The forward writes each layer's kept activations there as it finishes the layer; the backward

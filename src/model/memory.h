@@ -21,6 +21,8 @@ struct RunMemoryArgs {
   bool keep_o_proj_output = true;     // RunOptions::keep_o_proj_output (only with recompute_layers)
   bool keep_down_proj_output = true;  // RunOptions::keep_down_proj_output (only with recompute_layers)
   bool spill = false;                 // RunOptions::spill_dir set (only with recompute_layers): kept layers on disk
+  int64_t mlp_tile_tokens = 2048;     // RunOptions::mlp_tile_tokens
+  bool tile_mlp = false;              // RunOptions::tile_mlp
   bool logits = false;                // RunOptions::want_logits: Result::logits [T, V]
   int64_t loss_chunk_tokens = 0;      // RunOptions::loss_chunk_tokens (0: loss_chunk_tokens(V, kLossChunkBytes))
   // Weights a store widens to float32 for a phase only (a LoRA base held in bf16, model/lora_store.h): the largest
@@ -41,7 +43,10 @@ struct RunMemoryArgs {
 //   "one layer"     one layer's activations while it is computed or recomputed (its input norm, q/k/v, attention
 //                   output, o_proj, MLP), past what "activations" holds already;
 //   "backward buffers"  the gradients the backward holds at its first layer's MLP: the per-layer inputs' and the
-//                   shared K/V's, for the whole backward, and that layer's residual-stream gradients and dh [T, I];
+//                   shared K/V's, for the whole backward, and that layer's residual-stream gradients and one token
+//                   tile's dh [min(T, mlp_tile_tokens), I];
+//   "the MLP's tile"  with tile_mlp, the [tile, I] gate, up and GeGLU products of one tile (the forward's largest
+//                   layer's, or the backward's first layer's), which "one layer" then leaves out;
 //   "loss chunk"    the [min(T, chunk), V] logits of the fused head and cross-entropy (loss.h);
 //   "logits"        the [T, V] logits the caller asked for;
 //   "one layer's weights widened", "the head's panel widened"   RunMemoryArgs::layer_weight_bytes in a layer's

@@ -138,6 +138,10 @@ struct TrainSection {
   // with recompute: a directory for the spill file holding each layer's kept activations between the forward and
   // the backward instead of memory (model::RunOptions::spill_dir; docs/training.md, Memory); empty: in memory
   std::string spill_dir;
+  // the dense MLP's token tile (model::RunOptions::mlp_tile_tokens) and whether its [T, I] products exist one tile at
+  // a time (model::RunOptions::tile_mlp; docs/training.md, Memory)
+  int mlp_tile_tokens = 2048;
+  bool tile_mlp = false;
 };
 
 struct CheckpointSection {

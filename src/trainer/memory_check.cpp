@@ -55,6 +55,8 @@ model::RunMemoryArgs micro_batch_run(const TrainConfig& c) {
   run.keep_o_proj_output = c.train.keep_o_proj;
   run.keep_down_proj_output = c.train.keep_down_proj;
   run.spill = !c.train.spill_dir.empty();
+  run.mlp_tile_tokens = c.train.mlp_tile_tokens;
+  run.tile_mlp = c.train.tile_mlp;
   return run;
 }
 

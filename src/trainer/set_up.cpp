@@ -300,6 +300,8 @@ void set_up(Run& r) {
   r.training.keep_o_proj_output = cfg.train.keep_o_proj;
   r.training.keep_down_proj_output = cfg.train.keep_down_proj;
   r.training.spill_dir = cfg.train.spill_dir;
+  r.training.mlp_tile_tokens = cfg.train.mlp_tile_tokens;
+  r.training.tile_mlp = cfg.train.tile_mlp;
   r.training.compute_dtype = cfg.model.compute_dtype;
 }
 

@@ -109,6 +109,8 @@ RunMemoryArgs args_for(const RunOptions& opt) {
   a.keep_o_proj_output = opt.keep_o_proj_output;
   a.keep_down_proj_output = opt.keep_down_proj_output;
   a.spill = !opt.spill_dir.empty();
+  a.mlp_tile_tokens = opt.mlp_tile_tokens;
+  a.tile_mlp = opt.tile_mlp;
   a.logits = opt.want_logits;
   return a;
 }
@@ -185,9 +187,22 @@ TEST(ModelMemory, TrainingRecomputingTheOutputProjectionsIsALowerBoundOfTheRun) 
   EXPECT_EQ(estimate.of("one layer") - run_memory_at_least(m, keep).of("one layer"), 2 * per_layer);
   // The backward's gradient buffers by hand, floats a token: dple 6 layers x 8; kv_dK, kv_dV of the two layers the
   // shared ones read (layer 2, full: 2 heads x 32; layer 3, sliding: 2 x 16) 2 x (64 + 32); dx3, dx2, dmo, dx1, dm
-  // 5 x 64; dh of the last layer's MLP 128.
-  EXPECT_EQ(estimate.of("backward buffers"),
-            int64_t{kRows} * kSeq * (6 * 8 + 2 * (64 + 32) + 5 * 64 + 128) * static_cast<int64_t>(sizeof(float)));
+  // 5 x 64; and of the last layer's MLP one token tile's dh, 2048 tokens (mlp_tile_tokens) x 128.
+  EXPECT_EQ(estimate.of("backward buffers"), (int64_t{kRows} * kSeq * (6 * 8 + 2 * (64 + 32) + 5 * 64) + 2048 * 128) *
+                                                 static_cast<int64_t>(sizeof(float)));
+}
+
+// Every gradient of `a` and `b`, bit for bit.
+void expect_same_grads(Gemma4Model& a, Gemma4Model& b) {
+  for (size_t slot = 0; slot < a.params().size(); ++slot) {
+    const int64_t n = a.params().info(slot).numel;
+    const float* ga = a.params().grad(slot);
+    const float* gb = b.params().grad(slot);
+    ASSERT_EQ(ga == nullptr, gb == nullptr);
+    if (ga != nullptr) {
+      EXPECT_EQ(std::memcmp(ga, gb, static_cast<size_t>(n) * sizeof(float)), 0) << a.params().info(slot).name;
+    }
+  }
 }
 
 // A fresh empty directory for a spill file, removed with what is left in it.
@@ -247,15 +262,46 @@ TEST(ModelMemory, TrainingWithSpillGivesTheSameBits) {
   EXPECT_GT(spill.result.spilled_bytes, 0);
   EXPECT_EQ(kept.result.loss, spill.result.loss);
   EXPECT_EQ(kept.result.token_loss, spill.result.token_loss);
-  for (size_t slot = 0; slot < in_memory.params().size(); ++slot) {
-    const int64_t n = in_memory.params().info(slot).numel;
-    const float* a = in_memory.params().grad(slot);
-    const float* b = spilled.params().grad(slot);
-    ASSERT_EQ(a == nullptr, b == nullptr);
-    if (a != nullptr) {
-      EXPECT_EQ(std::memcmp(a, b, static_cast<size_t>(n) * sizeof(float)), 0) << "slot " << slot;
-    }
-  }
+  expect_same_grads(in_memory, spilled);
+}
+
+// The tiled MLP (RunOptions::tile_mlp) with the spill, as the long-row LoRA config runs: a lower bound of the run,
+// the recomputed layer without its [T, I] products, which the MLP's tile holds instead, by hand.
+TEST(ModelMemory, TrainingWithSpillAndTiledMlpIsALowerBoundOfTheRun) {
+  Gemma4Model m = make_model();
+  const SpillDir dir;
+  RunOptions opt;
+  opt.want_grad = true;
+  opt.keep_o_proj_output = opt.keep_down_proj_output = false;
+  opt.spill_dir = dir.path;
+  opt.tile_mlp = true;
+  opt.mlp_tile_tokens = 1000;
+  const Measured run = run_and_measure(m, opt);
+  const MemoryBreakdown estimate = run_memory_at_least(m, args_for(opt));
+  expect_bound(estimate, run);
+  EXPECT_LE(estimate.of("one layer"), run.result.layer_recompute_bytes);
+  RunMemoryArgs whole = args_for(opt);
+  whole.tile_mlp = false;
+  const int64_t T = int64_t{kRows} * kSeq;
+  EXPECT_EQ(run_memory_at_least(m, whole).of("one layer") - estimate.of("one layer"), T * 3 * 128 * 4);
+  EXPECT_EQ(estimate.of("the MLP's tile"), 1000 * 3 * 128 * 4);
+}
+
+// The tiled MLP gives the bits of the whole one at the same token tile (a tile that does not divide T: the last is
+// short): the loss, every token's loss, every gradient (the MLP's weights' summed tile by tile either way).
+TEST(ModelMemory, TiledMlpGivesTheSameBits) {
+  RunOptions opt;
+  opt.want_grad = true;
+  opt.keep_down_proj_output = false;
+  opt.mlp_tile_tokens = 1000;
+  Gemma4Model whole = make_model();
+  const Measured a = run_and_measure(whole, opt);
+  opt.tile_mlp = true;
+  Gemma4Model tiled = make_model();
+  const Measured b = run_and_measure(tiled, opt);
+  EXPECT_EQ(a.result.loss, b.result.loss);
+  EXPECT_EQ(a.result.token_loss, b.result.token_loss);
+  expect_same_grads(whole, tiled);
 }
 
 // A spill directory without room: one error naming it, before the run computes anything, and no file left.
