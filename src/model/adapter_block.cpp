@@ -114,6 +114,10 @@ void Gemma4Model::Run::adapter_backward(size_t slot, const float* x, Layout in, 
   Vec dxt = uninit(n * K);
   gemm(false, false, n, K, r, ad->scale, v.data(), r, ad->A, K, 0.f, dxt.data(), K);
   if (dropout) apply_adapter_dropout(*ad, dxt.data(), K, rows);  // through the mask and its 1 / (1 - p)
+  if (in.heads == 0) {
+    add_into(dx, dxt.data(), n * K);
+    return;
+  }
   add_token_major(dx, in.heads, in.D, dxt.data(), B, S, K);
 }
 
