@@ -9,7 +9,8 @@
 // shared by the config's cp x dp ranks on this machine, capped by RINGFLEX_MEMORY_LIMIT; or --budget-gib per rank
 // (planning for another machine, or this one idle). Prints one JSON object:
 //   budget_bytes, ranks, seq_len (the config's) and need_bytes / terms at it, longest_seq_len (the longest multiple
-//   of --granule whose need fits the budget; 0: none does) and need_at_longest_bytes.
+//   of --granule whose need fits the budget; 0: none does) and need_at_longest_bytes; with train.spill_dir, the
+//   spill file's disk bytes per rank at both (spill_bytes, spill_at_longest_bytes: disk, not in the memory figures).
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
@@ -64,7 +65,7 @@ int main(int argc, char** argv) {
     const int64_t budget = budget_gib > 0 ? static_cast<int64_t>(budget_gib * kGiB) : rf::available_memory_bytes();
     rf::MemoryBreakdown at_config;
     int fits = 0;
-    int64_t at_longest = 0;
+    int64_t at_longest = 0, spill_at_config = 0, spill_at_longest = 0;
     bool measured = false;
     try {
       rf::model::load_checkpoint(c.model.path, [&](const auto& shapes) {
@@ -84,6 +85,10 @@ int main(int argc, char** argv) {
             fails = mid;
         }
         at_longest = fits > 0 ? need_at(c, shapes, fits).total() : 0;
+        spill_at_config = rf::trainer::train_spill_bytes(c, shapes);
+        rf::trainer::TrainConfig longest = c;
+        longest.train.seq_len = fits;
+        spill_at_longest = fits > 0 ? rf::trainer::train_spill_bytes(longest, shapes) : 0;
         measured = true;
         throw ShapesTaken{};
       });
@@ -99,7 +104,9 @@ int main(int argc, char** argv) {
                                 {"need_bytes", at_config.total()},
                                 {"terms", terms},
                                 {"longest_seq_len", fits},
-                                {"need_at_longest_bytes", at_longest}};
+                                {"need_at_longest_bytes", at_longest},
+                                {"spill_bytes", spill_at_config},
+                                {"spill_at_longest_bytes", spill_at_longest}};
     std::printf("%s\n", out.dump(2).c_str());
     return 0;
   } catch (const std::exception& e) {

@@ -1,12 +1,14 @@
 // ringflex core: the memory a job may allocate (see memory.h).
 #include "core/memory.h"
 
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -119,10 +121,11 @@ int64_t v1_headroom(const std::string& mount, const std::string& path) {
                         headroom(stat_bytes(stat, "hierarchical_memory_limit"), usage, reclaimable));
 }
 
-// RINGFLEX_MEMORY_LIMIT in bytes, or -1 when unset. "0" is a valid (if useless) limit; anything but digits and
-// one K/M/G suffix is an error, since a misspelt limit silently ignored would defeat its purpose.
-int64_t memory_limit() {
-  const char* text = std::getenv("RINGFLEX_MEMORY_LIMIT");
+// The byte count in environment variable `var` (RINGFLEX_MEMORY_LIMIT, RINGFLEX_DISK_LIMIT), or -1 when unset. "0" is
+// a valid (if useless) limit; anything but digits and one K/M/G suffix is an error, since a misspelt limit silently
+// ignored would defeat its purpose.
+int64_t env_limit(const char* var) {
+  const char* text = std::getenv(var);
   if (text == nullptr || *text == '\0') return -1;
   errno = 0;
   char* end = nullptr;
@@ -134,7 +137,7 @@ int64_t memory_limit() {
   if (*end == 'G' || *end == 'g') shift = 30;
   if (shift > 0) ++end;
   const bool fits = n >= 0 && errno == 0 && has_digits && *end == '\0' && n <= (INT64_MAX >> shift);
-  RF_CHECK(fits, "RINGFLEX_MEMORY_LIMIT=", text, " is not a byte count (digits, optionally followed by K, M or G)");
+  RF_CHECK(fits, var, "=", text, " is not a byte count (digits, optionally followed by K, M or G)");
   return static_cast<int64_t>(n) << shift;
 }
 
@@ -174,7 +177,7 @@ int64_t available_memory_bytes() {
   const int64_t cgroup = cgroup_memory_headroom("/proc/self/cgroup", "/sys/fs/cgroup");
   if (cgroup >= 0) bytes = std::min(bytes, cgroup);
   bytes /= local_ranks();
-  const int64_t limit = memory_limit();
+  const int64_t limit = env_limit("RINGFLEX_MEMORY_LIMIT");
   return limit >= 0 ? std::min(bytes, limit) : bytes;
 }
 
@@ -254,6 +257,22 @@ void check_memory(const MemoryBreakdown& need, const std::string& what, const st
   const int64_t available = available_memory_bytes();
   RF_CHECK(bytes <= available, what, " needs at least ", format_bytes(bytes), " of memory per rank (", need.describe(),
            context, "), but only ", format_bytes(available), " is available to this rank");
+}
+
+int64_t available_disk_bytes(const std::string& dir) {
+  struct statvfs fs {};
+  RF_CHECK(statvfs(dir.c_str(), &fs) == 0, dir,
+           ": cannot read the free space of its filesystem: ", std::strerror(errno));
+  int64_t bytes = static_cast<int64_t>(fs.f_bavail) * static_cast<int64_t>(fs.f_frsize) / local_ranks();
+  const int64_t limit = env_limit("RINGFLEX_DISK_LIMIT");
+  return limit >= 0 ? std::min(bytes, limit) : bytes;
+}
+
+void check_disk(int64_t bytes, const std::string& dir, const std::string& what) {
+  RF_CHECK(bytes >= 0, what, " needs more than 2^63 bytes of disk in ", dir, " (its sizes overflow)");
+  const int64_t available = available_disk_bytes(dir);
+  RF_CHECK(bytes <= available, what, " needs ", format_bytes(bytes), " of disk per rank in ", dir, ", but only ",
+           format_bytes(available), " is free to this rank");
 }
 
 }  // namespace rf

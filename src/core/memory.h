@@ -80,6 +80,15 @@ void check_memory(int64_t bytes, const std::string& what);
 // sizes the figure depends on, e.g. " at seq_len 8192 over cp 2".
 void check_memory(const MemoryBreakdown& need, const std::string& what, const std::string& context = "");
 
+// Bytes free to this user on the filesystem holding `dir` (statvfs's f_bavail), shared evenly by the ranks on this
+// node as available_memory_bytes() is, at most RINGFLEX_DISK_LIMIT (a byte count as RINGFLEX_MEMORY_LIMIT; the
+// tests fake a small disk with it). Throws rf::Error naming `dir` when it cannot be read.
+int64_t available_disk_bytes(const std::string& dir);
+
+// Throws rf::Error "<what> needs X of disk per rank in <dir>, but only Y is free to this rank" when `bytes` exceeds
+// available_disk_bytes(dir) (a run's spill file, io/spill_file.h, before it is created).
+void check_disk(int64_t bytes, const std::string& dir, const std::string& what);
+
 // "1.5 GiB", "12.0 MiB", "812 B": a byte count for messages.
 std::string format_bytes(int64_t bytes);
 

@@ -47,68 +47,77 @@ void add_token_major(float* y, int heads, int64_t D, const float* delta, int B, 
 
 bool Gemma4Model::Run::adapter_dropout(const LinearAdapter& ad) const { return opt.want_grad && ad.dropout > 0.f; }
 
-void Gemma4Model::Run::apply_adapter_dropout(const LinearAdapter& ad, float* x, int64_t K) const {
+void Gemma4Model::Run::apply_adapter_dropout(const LinearAdapter& ad, float* x, int64_t K, TokenRows rows) const {
   const float keep_scale = 1.f / (1.f - ad.dropout);
-  const int64_t rows = T;
-#pragma omp parallel for schedule(static) if (T * K >= kParallelMinElements)
-  for (int64_t t = 0; t < rows; ++t) {
+  const int64_t n = rows.count(T);
+#pragma omp parallel for schedule(static) if (n * K >= kParallelMinElements)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = rows.first + i;
     const int64_t row = t / S, pos = meta[static_cast<size_t>(t)].idx;
-    float* xt = x + t * K;
+    float* xt = x + i * K;
     for (int64_t k = 0; k < K; ++k)
       xt[k] = lora_dropout_keeps(opt.dropout_key, ad.salt, row, pos, k, ad.dropout) ? xt[k] * keep_scale : 0.f;
   }
 }
 
-void Gemma4Model::Run::adapter_forward(size_t slot, const float* x, Layout in, float* y, Layout out) {
+void Gemma4Model::Run::adapter_forward(size_t slot, const float* x, Layout in, float* y, Layout out, TokenRows rows) {
   if (slot == kNoSlot) return;
   const std::optional<LinearAdapter> ad = store.adapter(slot);
   if (!ad) return;
-  const int64_t r = ad->rank, K = ad->in, N = ad->out;
+  const int64_t r = ad->rank, K = ad->in, N = ad->out, n = rows.count(T);
+  RF_ASSERT(rows.all(T) || (in.heads == 0 && out.heads == 0));  // a token range is token-major
   const bool dropout = adapter_dropout(*ad);
   Vec xt;
-  if (in.heads != 0 || dropout) xt = to_token_major(x, in.heads, in.D, B, S, K);
-  if (dropout) apply_adapter_dropout(*ad, xt.data(), K);
+  if (in.heads != 0) xt = to_token_major(x, in.heads, in.D, B, S, K);
+  if (in.heads == 0 && dropout) xt = copy_of(x, n * K);
+  if (dropout) apply_adapter_dropout(*ad, xt.data(), K, rows);
   const float* xs = in.heads != 0 || dropout ? xt.data() : x;
-  Vec u = uninit(T * r);  // x A^T [T, r] (x after PEFT's dropout)
-  gemm(false, true, T, r, K, 1.f, xs, K, ad->A, K, 0.f, u.data(), r);
+  Vec u = uninit(n * r);  // x A^T [T, r] (x after PEFT's dropout)
+  gemm(false, true, n, r, K, 1.f, xs, K, ad->A, K, 0.f, u.data(), r);
   if (out.heads == 0) {
-    gemm(false, true, T, N, r, ad->scale, u.data(), r, ad->B, r, 1.f, y, N);
+    gemm(false, true, n, N, r, ad->scale, u.data(), r, ad->B, r, 1.f, y, N);
     return;
   }
-  Vec delta = uninit(T * N);
-  gemm(false, true, T, N, r, ad->scale, u.data(), r, ad->B, r, 0.f, delta.data(), N);
+  Vec delta = uninit(n * N);
+  gemm(false, true, n, N, r, ad->scale, u.data(), r, ad->B, r, 0.f, delta.data(), N);
   add_token_major(y, out.heads, out.D, delta.data(), B, S, N);
 }
 
-void Gemma4Model::Run::adapter_backward(size_t slot, const float* x, Layout in, const float* dy, Layout out,
-                                        float* dx) {
+void Gemma4Model::Run::adapter_backward(size_t slot, const float* x, Layout in, const float* dy, Layout out, float* dx,
+                                        TokenRows rows) {
   if (slot == kNoSlot) return;
   const std::optional<LinearAdapter> ad = store.adapter(slot);
   if (!ad) return;
-  const int64_t r = ad->rank, K = ad->in, N = ad->out;
+  const int64_t r = ad->rank, K = ad->in, N = ad->out, n = rows.count(T);
+  RF_ASSERT(rows.all(T) || (in.heads == 0 && out.heads == 0));  // a token range is token-major
   const bool dropout = adapter_dropout(*ad);
   Vec xt, dyt;
-  if (in.heads != 0 || dropout) xt = to_token_major(x, in.heads, in.D, B, S, K);
-  if (dropout) apply_adapter_dropout(*ad, xt.data(), K);  // the forward's masks again
+  if (in.heads != 0) xt = to_token_major(x, in.heads, in.D, B, S, K);
+  if (in.heads == 0 && dropout) xt = copy_of(x, n * K);
+  if (dropout) apply_adapter_dropout(*ad, xt.data(), K, rows);  // the forward's masks again
   if (out.heads != 0) dyt = to_token_major(dy, out.heads, out.D, B, S, N);
   const float* xs = in.heads != 0 || dropout ? xt.data() : x;
   const float* dys = out.heads != 0 ? dyt.data() : dy;
-  Vec v = uninit(T * r);  // dy B [T, r]
-  gemm(false, false, T, r, N, 1.f, dys, N, ad->B, r, 0.f, v.data(), r);
+  Vec v = uninit(n * r);  // dy B [T, r]
+  gemm(false, false, n, r, N, 1.f, dys, N, ad->B, r, 0.f, v.data(), r);
   if (ad->dA != nullptr && opt.want_grad) {
-    Vec u = uninit(T * r);  // x A^T [T, r], recomputed (r floats a token)
-    gemm(false, true, T, r, K, 1.f, xs, K, ad->A, K, 0.f, u.data(), r);
-    gemm(true, false, N, r, T, ad->scale, dys, N, u.data(), r, 1.f, ad->dB, r);  // dB [N, r] += s dy^T u
-    gemm(true, false, r, K, T, ad->scale, v.data(), r, xs, K, 1.f, ad->dA, K);   // dA [r, K] += s v^T x
+    Vec u = uninit(n * r);  // x A^T [T, r], recomputed (r floats a token)
+    gemm(false, true, n, r, K, 1.f, xs, K, ad->A, K, 0.f, u.data(), r);
+    gemm(true, false, N, r, n, ad->scale, dys, N, u.data(), r, 1.f, ad->dB, r);  // dB [N, r] += s dy^T u
+    gemm(true, false, r, K, n, ad->scale, v.data(), r, xs, K, 1.f, ad->dA, K);   // dA [r, K] += s v^T x
   }
   if (dx == nullptr) return;
   if (in.heads == 0 && !dropout) {
-    gemm(false, false, T, K, r, ad->scale, v.data(), r, ad->A, K, 1.f, dx, K);  // dx [T, K] += s v A
+    gemm(false, false, n, K, r, ad->scale, v.data(), r, ad->A, K, 1.f, dx, K);  // dx [T, K] += s v A
     return;
   }
-  Vec dxt = uninit(T * K);
-  gemm(false, false, T, K, r, ad->scale, v.data(), r, ad->A, K, 0.f, dxt.data(), K);
-  if (dropout) apply_adapter_dropout(*ad, dxt.data(), K);  // through the mask and its 1 / (1 - p)
+  Vec dxt = uninit(n * K);
+  gemm(false, false, n, K, r, ad->scale, v.data(), r, ad->A, K, 0.f, dxt.data(), K);
+  if (dropout) apply_adapter_dropout(*ad, dxt.data(), K, rows);  // through the mask and its 1 / (1 - p)
+  if (in.heads == 0) {
+    add_into(dx, dxt.data(), n * K);
+    return;
+  }
   add_token_major(dx, in.heads, in.D, dxt.data(), B, S, K);
 }
 

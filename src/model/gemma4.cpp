@@ -4,15 +4,19 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <numeric>
 #include <random>
+#include <span>
 #include <string>
 
 #include "core/error.h"
 #include "cpu/isa.h"
 #include "cpu/local_attention.h"
+#include "io/spill_file.h"
 #include "model/gemma4_run.h"
 #include "model/loss.h"
+#include "model/memory.h"
 
 namespace rf::model {
 
@@ -251,6 +255,42 @@ KeptLayer keep_for_backward(Vec&& x_in, LayerActs&& a, const RunOptions& opt) {
   return k;
 }
 
+// The arrays of a KeptLayer kept with recompute on (keep_for_backward), the ones RunOptions::spill_dir sends to
+// disk; those a run does not keep are empty and take no room.
+std::vector<Vec*> spillable(KeptLayer& k) {
+  return {&k.x_in, &k.acts.attn.O, &k.acts.attn.lse, &k.acts.attn.ao, &k.acts.mlp.mo, &k.acts.mlp.g, &k.acts.mlp.u};
+}
+
+// Where a layer's kept arrays wait in the spill file, and their sizes to read them back into.
+struct SpilledLayer {
+  io::SpillFile::Region region;
+  std::vector<int64_t> sizes;  // floats of each spillable() array
+};
+
+// Writes k's arrays to the file and frees them.
+SpilledLayer spill_layer(io::SpillFile& file, KeptLayer& k) {
+  SpilledLayer s;
+  std::vector<std::span<const float>> parts;
+  for (Vec* v : spillable(k)) {
+    s.sizes.push_back(static_cast<int64_t>(v->size()));
+    parts.emplace_back(v->data(), v->size());
+  }
+  s.region = file.write(parts);
+  for (Vec* v : spillable(k)) Vec().swap(*v);
+  return s;
+}
+
+// Reads a spilled layer's arrays back into k.
+void read_back_layer(const io::SpillFile& file, const SpilledLayer& s, KeptLayer& k) {
+  std::vector<std::span<float>> parts;
+  const std::vector<Vec*> vecs = spillable(k);
+  for (size_t i = 0; i < vecs.size(); ++i) {
+    *vecs[i] = uninit(s.sizes[i]);
+    parts.emplace_back(vecs[i]->data(), vecs[i]->size());
+  }
+  file.read(s.region, parts);
+}
+
 // The batch's label tokens. Every rank holds the whole batch's labels, so the global count is exact here, counted
 // once, with no message. Labels on padding (doc 0) are not counted: the embedding step ignores them.
 int64_t count_label_tokens(const Batch& batch) {
@@ -302,7 +342,26 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
     r.router_logits.assign(L, {});
     r.router_experts.assign(L, {});
   }
+  RF_CHECK(opt.mlp_tile_tokens > 0, "run: mlp_tile_tokens = ", opt.mlp_tile_tokens, " must be positive");
+  RF_CHECK(!opt.tile_mlp || !opt.keep_mlp_projections,
+           "run: the tiled MLP (train.tile_mlp) keeps no gate/up projections (train.keep_mlp)");
   std::vector<KeptLayer> kept(opt.want_grad ? static_cast<size_t>(L) : 0);  // [L], for the backward
+  // RunOptions::spill_dir: the file reserved for every layer's kept arrays (run_spill_bytes), and where each lies.
+  std::unique_ptr<io::SpillFile> spill;
+  std::vector<SpilledLayer> spilled;
+  if (opt.want_grad && !opt.spill_dir.empty()) {
+    RF_CHECK(opt.recompute_layers, "run: spilling the kept activations to ", opt.spill_dir,
+             " needs the layers recomputed (train.spill_dir needs train.recompute: true)");
+    RunMemoryArgs need;
+    need.tokens = T;
+    need.training = true;
+    need.keep_mlp_projections = opt.keep_mlp_projections;
+    need.keep_o_proj_output = opt.keep_o_proj_output;
+    need.keep_down_proj_output = opt.keep_down_proj_output;
+    need.spill = true;
+    spill = std::make_unique<io::SpillFile>(opt.spill_dir, run_spill_bytes(*this, need));
+    spilled.resize(static_cast<size_t>(L));
+  }
 
   Vec x = copy_of(r.h0);
   Vec next = uninit(T * H);  // layer_forward writes all of it
@@ -312,6 +371,7 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
     r.layer_forward(l, x.data(), next.data(), a, false);
     store.after_forward(l);
     if (opt.want_grad) kept[l] = keep_for_backward(std::move(x), std::move(a), opt);
+    if (spill) spilled[l] = spill_layer(*spill, kept[l]);
     x = std::move(next);
     next = uninit(T * H);
   }
@@ -372,6 +432,7 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
   }
   res.kept_activation_bytes = bytes_of({&r.h0, &r.ple, &r.ple_raw, &r.ple_rms});
   for (int l = 0; l < L; ++l) res.kept_activation_bytes += kept[l].bytes() + r.kv_K[l].bytes() + r.kv_V[l].bytes();
+  if (spill) res.spilled_bytes = spill->used();
 
   // Backward, one layer at a time: recompute the layer's activations from its kept input (attention output and
   // LSE are kept, so attention itself is not recomputed, and so are the o_proj and down_proj outputs, so their
@@ -389,6 +450,11 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
   Vec dprev = zeros(T * H);
   for (int l = L - 1; l >= 0; --l) {
     store.before_backward(l);
+    if (spill) {
+      read_back_layer(*spill, spilled[l], kept[l]);
+      if (l > 0)
+        spill->prefetch(spilled[l - 1].region);  // read ahead while this layer is recomputed and differentiated
+    }
     LayerActs a = std::move(kept[l].acts);
     if (opt.recompute_layers) {
       // The products handed back are counted among the kept activations already.

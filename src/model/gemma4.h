@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/attention_backend.h"
@@ -67,6 +68,20 @@ struct RunOptions {
   // attention output and the recomputed GeGLU, for 2 * 4 * T * H bytes a layer less. Same bits either way.
   bool keep_o_proj_output = true;
   bool keep_down_proj_output = true;
+  // The dense MLP's backward works through the rank's tokens in tiles of this many (its weight gradients, the
+  // adapters' included, summed tile by tile, in this order whatever tile_mlp is). tile_mlp: its forward and the
+  // backward's recompute hold the [T, I] gate, up and GeGLU products one tile at a time ([tile, I] each, dropped after
+  // the tile's down_proj) and the backward recomputes each tile's before using it (ALST's tiled MLP: the gate and up
+  // products once more per layer in the backward), instead of the layer's whole [T, I] products. Same bits at the same
+  // mlp_tile_tokens (the products are row-independent, the gradients' sums cut the same way).
+  int64_t mlp_tile_tokens = 2048;
+  bool tile_mlp = false;
+  // With recompute_layers: a directory where what each layer keeps for the backward waits on disk instead of in
+  // memory (io/spill_file.h: an unnamed file, its size model::run_spill_bytes reserved up front, removed however
+  // the run ends). The forward writes each layer's kept activations there as it finishes the layer; the backward
+  // reads layer l back before recomputing it and asks the kernel to read layer l - 1 ahead meanwhile. Empty: kept
+  // in memory. Same bits either way (the floats go to the file and back unchanged).
+  std::string spill_dir;
   // What the linear layers and attention multiply in (ops.h ComputeDtype). Bfloat16: every matmul of the decoder and
   // the LM head rounds its operands to bf16 and accumulates in float32 (oneDNN, model/matmul_bf16.h), and attention
   // reads q, k, v (and dout) rounded to bf16 by the ops that write them (attention_dtype says in what storage);
@@ -120,6 +135,9 @@ struct Result {
   // recomputed activations alive during the backward.
   int64_t kept_activation_bytes = 0;
   int64_t layer_recompute_bytes = 0;
+  // With RunOptions::spill_dir: the bytes the spill file held (its layers' page-aligned regions), kept on disk
+  // rather than in kept_activation_bytes.
+  int64_t spilled_bytes = 0;
 };
 
 // Slots (in Gemma4Model::params()) of one decoder layer's parameters; kNoSlot where the layer has none.

@@ -168,6 +168,14 @@ struct KeptLayer {
   int64_t bytes() const { return bytes_of({&x_in}) + acts.bytes(); }
 };
 
+// A range of a run's T tokens, token-major: rows first .. first + count(T) - 1 (rows < 0: all T of them).
+struct TokenRows {
+  int64_t first = 0;
+  int64_t rows = -1;
+  int64_t count(int64_t T) const { return rows < 0 ? T : rows; }
+  bool all(int64_t T) const { return first == 0 && count(T) == T; }
+};
+
 struct Gemma4Model::Run {
   const Gemma4Model& m;
   const Gemma4Config& cfg;
@@ -272,13 +280,16 @@ struct Gemma4Model::Run {
   // adapter_block.cpp: a LoRA adapter on the linear weight of `slot` (ParamStore::adapter; nothing without one).
   // Forward: y += scale * (x A^T) B^T, after the base's product into y. Backward: dx += scale * (dy B) A (dx may be
   // null) and the adapter's gradients, beside the base's backward, which gets no weight gradient (frozen).
-  void adapter_forward(size_t slot, const float* x, Layout in, float* y, Layout out);
-  void adapter_backward(size_t slot, const float* x, Layout in, const float* dy, Layout out, float* dx);
+  // `rows`: x, y, dy, dx hold only those tokens, token-major (the MLP's token tiles); the adapter's gradients are
+  // accumulated over them.
+  void adapter_forward(size_t slot, const float* x, Layout in, float* y, Layout out, TokenRows rows = {});
+  void adapter_backward(size_t slot, const float* x, Layout in, const float* dy, Layout out, float* dx,
+                        TokenRows rows = {});
   bool has_adapter(size_t slot) const { return slot != kNoSlot && store.adapter(slot).has_value(); }
   // PEFT's dropout of the adapter's input (training runs with LinearAdapter::dropout > 0): x [T, K] token-major, in
-  // place, kept elements scaled by 1 / (1 - dropout).
+  // place, kept elements scaled by 1 / (1 - dropout); x holds the tokens `rows`.
   bool adapter_dropout(const LinearAdapter& ad) const;
-  void apply_adapter_dropout(const LinearAdapter& ad, float* x, int64_t K) const;
+  void apply_adapter_dropout(const LinearAdapter& ad, float* x, int64_t K, TokenRows rows = {}) const;
 
   // Batch preparation and the embedding (embedding.cpp).
   void prepare();
@@ -292,10 +303,16 @@ struct Gemma4Model::Run {
   // dx1: d loss / d x1 (the residual included); writes dx.
   void attention_backward(int l, AttnActs& a, const float* x, const float* dx1, float* dx);
   // mlp.cpp: x1 -> a.mo = down(gelu(gate(n)) * up(n)), n = pre_ff_norm(x1); an a.mo already set (a recompute), and
-  // a.g and a.u (a recompute with RunOptions::keep_mlp_projections), are taken as they are.
+  // a.g and a.u (a recompute with RunOptions::keep_mlp_projections), are taken as they are. With
+  // RunOptions::tile_mlp the [T, I] products exist one tile of mlp_tile_tokens tokens at a time (a.g, a.u, a.hmid
+  // stay empty).
   void mlp_forward(int l, const float* x1, MlpActs& a);
-  // dmo: d loss / d mo; accumulates dx1; overwrites a.g and a.u with their gradients.
+  // dmo: d loss / d mo; accumulates dx1; overwrites a.g and a.u with their gradients. Works through the tokens in
+  // tiles of RunOptions::mlp_tile_tokens either way (the weight gradients summed tile by tile), recomputing each
+  // tile's gate, up and GeGLU with tile_mlp.
   void mlp_backward(int l, MlpActs& a, const float* x1, const float* dmo, float* dx1);
+  // One tile's gate and up projections g, u [rows, I] of the normed input m_in [T, H] (+ their adapters).
+  void mlp_gate_up(int l, const float* m_in, float* g, float* u, TokenRows rows);
   // moe.cpp: (x1, mo) -> a.ff = post_ff_norm_1(mo) + post_ff_norm_2(experts(pre_ff_norm_2(x1)) routed on x1).
   void moe_forward(int l, const float* x1, const float* mo, MoeActs& a);
   // dff: d loss / d ff; writes dmo, accumulates dx1.

@@ -20,6 +20,9 @@ struct RunMemoryArgs {
   bool keep_mlp_projections = false;  // RunOptions::keep_mlp_projections (only with recompute_layers)
   bool keep_o_proj_output = true;     // RunOptions::keep_o_proj_output (only with recompute_layers)
   bool keep_down_proj_output = true;  // RunOptions::keep_down_proj_output (only with recompute_layers)
+  bool spill = false;                 // RunOptions::spill_dir set (only with recompute_layers): kept layers on disk
+  int64_t mlp_tile_tokens = 2048;     // RunOptions::mlp_tile_tokens
+  bool tile_mlp = false;              // RunOptions::tile_mlp
   bool logits = false;                // RunOptions::want_logits: Result::logits [T, V]
   int64_t loss_chunk_tokens = 0;      // RunOptions::loss_chunk_tokens (0: loss_chunk_tokens(V, kLossChunkBytes))
   // Weights a store widens to float32 for a phase only (a LoRA base held in bf16, model/lora_store.h): the largest
@@ -34,16 +37,26 @@ struct RunMemoryArgs {
 //   "activations"   what the backward keeps from the forward (layer inputs, attention outputs and LSE, the o_proj
 //                   and down_proj outputs unless told otherwise, the MLP projections with keep_mlp_projections, and
 //                   with recompute off every layer's whole activations), the embedded row and the per-layer inputs, K/V
-//                   that later layers read, and the [T, H] hidden-state buffers alive at that moment;
+//                   that later layers read, and the [T, H] hidden-state buffers alive at that moment; with spill, of
+//                   the layers' kept activations only the backward's first layer's, read back from the file (the
+//                   rest are on disk: run_spill_bytes);
 //   "one layer"     one layer's activations while it is computed or recomputed (its input norm, q/k/v, attention
 //                   output, o_proj, MLP), past what "activations" holds already;
 //   "backward buffers"  the gradients the backward holds at its first layer's MLP: the per-layer inputs' and the
-//                   shared K/V's, for the whole backward, and that layer's residual-stream gradients and dh [T, I];
+//                   shared K/V's, for the whole backward, and that layer's residual-stream gradients and one token
+//                   tile's dh [min(T, mlp_tile_tokens), I];
+//   "the MLP's tile"  with tile_mlp, the [tile, I] gate, up and GeGLU products of one tile (the forward's largest
+//                   layer's, or the backward's first layer's), which "one layer" then leaves out;
 //   "loss chunk"    the [min(T, chunk), V] logits of the fused head and cross-entropy (loss.h);
 //   "logits"        the [T, V] logits the caller asked for;
 //   "one layer's weights widened", "the head's panel widened"   RunMemoryArgs::layer_weight_bytes in a layer's
 //                   phase and head_weight_bytes in the loss's.
 // Entries are -1 (MemoryBreakdown's overflow) when a product does not fit int64.
 MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& args);
+
+// Disk bytes the run's spill file takes (RunOptions::spill_dir, a training run with recompute_layers and
+// args.spill): every layer's kept activations, each layer's block rounded up to whole pages
+// (io::SpillFile::block_bytes); 0 without spill. What Gemma4Model::run reserves, and Result::spilled_bytes after it.
+int64_t run_spill_bytes(const Gemma4Model& m, const RunMemoryArgs& args);
 
 }  // namespace rf::model

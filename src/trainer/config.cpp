@@ -231,6 +231,9 @@ const std::vector<Field>& fields() {
       field("train.samples.prompts", kStr, &C::train, &TrainSection::samples_prompts),
       field("train.samples.every", kInt, &C::train, &TrainSection::samples_every),
       field("train.samples.max_new_tokens", kInt, &C::train, &TrainSection::samples_max_new_tokens),
+      field("train.spill_dir", kStr, &C::train, &TrainSection::spill_dir),
+      field("train.mlp_tile_tokens", kInt, &C::train, &TrainSection::mlp_tile_tokens),
+      field("train.tile_mlp", "true or false", &C::train, &TrainSection::tile_mlp),
       field("checkpoint.dir", kStr, &C::checkpoint, &CheckpointSection::dir),
       field("checkpoint.every", kInt, &C::checkpoint, &CheckpointSection::every),
       field("checkpoint.keep", kInt, &C::checkpoint, &CheckpointSection::keep),
@@ -497,6 +500,11 @@ void validate(const TrainConfig& c, int world_size) {
            "config: train.global_batch / parallelism.dp = ", c.global_batch_per_replica(),
            " is not a multiple of train.micro_batch = ", c.train.micro_batch);
   non_negative(c.train.threads, "train.threads");
+  RF_CHECK(c.train.spill_dir.empty() || c.train.recompute, "config: train.spill_dir = ", c.train.spill_dir,
+           " needs train.recompute: true (the spill file holds what a recomputed layer keeps)");
+  positive(c.train.mlp_tile_tokens, "train.mlp_tile_tokens");
+  RF_CHECK(!c.train.tile_mlp || !c.train.keep_mlp,
+           "config: train.tile_mlp keeps no gate/up projections: it cannot go with train.keep_mlp: true");
   RF_CHECK(c.train.threads <= kMaxThreads, "config: train.threads = ", c.train.threads, " is more than ", kMaxThreads);
   non_negative(c.train.val_every, "train.val_every");
   positive(c.train.log_every, "train.log_every");

@@ -135,6 +135,13 @@ struct TrainSection {
   std::string samples_prompts;
   int samples_every = 0;  // 0: only at the last step
   int samples_max_new_tokens = 32;
+  // with recompute: a directory for the spill file holding each layer's kept activations between the forward and
+  // the backward instead of memory (model::RunOptions::spill_dir; docs/training.md, Long rows); empty: in memory
+  std::string spill_dir;
+  // the dense MLP's token tile (model::RunOptions::mlp_tile_tokens) and whether its [T, I] products exist one tile at
+  // a time (model::RunOptions::tile_mlp; docs/training.md, Long rows)
+  int mlp_tile_tokens = 2048;
+  bool tile_mlp = false;
 };
 
 struct CheckpointSection {

@@ -41,6 +41,31 @@ namespace rf::trainer {
 // checkpoint writer's copies, validation's forward (smaller than the training step's), and the staging of the bf16
 // working weights' gather after an update (one group's trainable elements at 2 bytes, held after the step's
 // activations are freed).
+namespace {
+
+// One micro-batch's decoder run on a rank: train.micro_batch rows of ceil(seq_len / cp) tokens (a shard is never
+// shorter), in the config's recompute mode.
+model::RunMemoryArgs micro_batch_run(const TrainConfig& c) {
+  const int64_t L = (int64_t{c.train.seq_len} + c.parallelism.cp - 1) / c.parallelism.cp;
+  model::RunMemoryArgs run;
+  run.tokens = int64_t{c.train.micro_batch} * L;
+  run.training = true;
+  run.recompute_layers = c.train.recompute;
+  run.keep_mlp_projections = c.train.keep_mlp;
+  run.keep_o_proj_output = c.train.keep_o_proj;
+  run.keep_down_proj_output = c.train.keep_down_proj;
+  run.spill = !c.train.spill_dir.empty();
+  run.mlp_tile_tokens = c.train.mlp_tile_tokens;
+  run.tile_mlp = c.train.tile_mlp;
+  return run;
+}
+
+}  // namespace
+
+int64_t train_spill_bytes(const TrainConfig& c, const model::Gemma4Multimodal& m) {
+  return model::run_spill_bytes(m.decoder(), micro_batch_run(c));
+}
+
 MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) {
   // The training state's terms (trainer/state/: what each mode holds of the weights, gradients and moments).
   const detail::StateBytes state = detail::plan_state(c)->bytes(c, m, world_size);
@@ -53,14 +78,7 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   const int64_t val_rows_here = (int64_t{c.data.val_rows} + c.parallelism.dp - 1) / c.parallelism.dp;
   need.add("validation rows (data.val_rows)",
            checked_bytes({val_rows_here, c.train.seq_len, kRowArrays * static_cast<int64_t>(sizeof(int32_t))}));
-  const int64_t L = (int64_t{c.train.seq_len} + c.parallelism.cp - 1) / c.parallelism.cp;
-  model::RunMemoryArgs run;
-  run.tokens = int64_t{c.train.micro_batch} * L;
-  run.training = true;
-  run.recompute_layers = c.train.recompute;
-  run.keep_mlp_projections = c.train.keep_mlp;
-  run.keep_o_proj_output = c.train.keep_o_proj;
-  run.keep_down_proj_output = c.train.keep_down_proj;
+  model::RunMemoryArgs run = micro_batch_run(c);
   run.layer_weight_bytes = state.layer_weight_bytes;
   run.head_weight_bytes = state.head_weight_bytes;
   need.add(model::run_memory_at_least(m.decoder(), run));

@@ -159,6 +159,10 @@ void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config&
 void check_fits(const Run& r, const model::Gemma4Multimodal& shapes) {
   check_memory(train_memory_at_least(r.cfg, shapes, r.world.size()), "train",
                rf::concat(" at seq_len ", r.cfg.train.seq_len, " over cp ", r.cfg.parallelism.cp));
+  if (!r.cfg.train.spill_dir.empty())
+    check_disk(train_spill_bytes(r.cfg, shapes), r.cfg.train.spill_dir,
+               rf::concat("train's spill file (train.spill_dir) at seq_len ", r.cfg.train.seq_len, " over cp ",
+                          r.cfg.parallelism.cp));
 }
 
 // The base: from model.path, or the built-in model from train.seed (a LoRA resume builds it again: it never trains).
@@ -295,6 +299,9 @@ void set_up(Run& r) {
   r.training.keep_mlp_projections = cfg.train.keep_mlp;
   r.training.keep_o_proj_output = cfg.train.keep_o_proj;
   r.training.keep_down_proj_output = cfg.train.keep_down_proj;
+  r.training.spill_dir = cfg.train.spill_dir;
+  r.training.mlp_tile_tokens = cfg.train.mlp_tile_tokens;
+  r.training.tile_mlp = cfg.train.tile_mlp;
   r.training.compute_dtype = cfg.model.compute_dtype;
 }
 

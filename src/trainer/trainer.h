@@ -80,6 +80,9 @@ struct TrainResult {
 // named terms (core/memory.h) from memory_check.cpp, where each is derived. train() checks it against the machine on
 // every rank before it allocates the weights, and the error names the biggest terms.
 MemoryBreakdown train_memory_at_least(const TrainConfig& config, const model::Gemma4Multimodal& m, int world_size);
+// The disk one micro-batch's spill file takes per rank with train.spill_dir (model::run_spill_bytes; 0 without):
+// train() checks it against the directory's free space (core/memory.h check_disk) beside the memory.
+int64_t train_spill_bytes(const TrainConfig& config, const model::Gemma4Multimodal& m);
 // The term of train_memory_at_least that counts a trained vision tower's tape (model.train_vision).
 inline constexpr const char* kVisionActivations = "vision tower activations (one image)";
 

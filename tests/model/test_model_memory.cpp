@@ -3,13 +3,20 @@
 // the process's peak resident set over the run, for the forward, training with recompute on and off, KV sharing
 // and per-layer inputs. Each TEST runs in its own process (gtest_discover_tests), so the peak is this run's.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include "core/error.h"
+#include "io/spill_file.h"
 #include "model/config.h"
 #include "model/gemma4.h"
 #include "model/memory.h"
@@ -85,6 +92,8 @@ void expect_bound(const MemoryBreakdown& estimate, const Measured& run) {
       << estimate.describe(10) << " against a growth of " << format_bytes(run.growth);
 }
 
+int64_t io_block(int64_t bytes) { return io::SpillFile::block_bytes(bytes); }
+
 Gemma4Model make_model() {
   Gemma4Model m(Gemma4Config::from_json(kConfig));
   m.init_random(3, 0.02f);
@@ -99,6 +108,9 @@ RunMemoryArgs args_for(const RunOptions& opt) {
   a.keep_mlp_projections = opt.keep_mlp_projections;
   a.keep_o_proj_output = opt.keep_o_proj_output;
   a.keep_down_proj_output = opt.keep_down_proj_output;
+  a.spill = !opt.spill_dir.empty();
+  a.mlp_tile_tokens = opt.mlp_tile_tokens;
+  a.tile_mlp = opt.tile_mlp;
   a.logits = opt.want_logits;
   return a;
 }
@@ -175,9 +187,160 @@ TEST(ModelMemory, TrainingRecomputingTheOutputProjectionsIsALowerBoundOfTheRun) 
   EXPECT_EQ(estimate.of("one layer") - run_memory_at_least(m, keep).of("one layer"), 2 * per_layer);
   // The backward's gradient buffers by hand, floats a token: dple 6 layers x 8; kv_dK, kv_dV of the two layers the
   // shared ones read (layer 2, full: 2 heads x 32; layer 3, sliding: 2 x 16) 2 x (64 + 32); dx3, dx2, dmo, dx1, dm
-  // 5 x 64; dh of the last layer's MLP 128.
-  EXPECT_EQ(estimate.of("backward buffers"),
-            int64_t{kRows} * kSeq * (6 * 8 + 2 * (64 + 32) + 5 * 64 + 128) * static_cast<int64_t>(sizeof(float)));
+  // 5 x 64; and of the last layer's MLP one token tile's dh, 2048 tokens (mlp_tile_tokens) x 128.
+  EXPECT_EQ(estimate.of("backward buffers"), (int64_t{kRows} * kSeq * (6 * 8 + 2 * (64 + 32) + 5 * 64) + 2048 * 128) *
+                                                 static_cast<int64_t>(sizeof(float)));
+}
+
+// Every gradient of `a` and `b`, bit for bit.
+void expect_same_grads(Gemma4Model& a, Gemma4Model& b) {
+  for (size_t slot = 0; slot < a.params().size(); ++slot) {
+    const int64_t n = a.params().info(slot).numel;
+    const float* ga = a.params().grad(slot);
+    const float* gb = b.params().grad(slot);
+    ASSERT_EQ(ga == nullptr, gb == nullptr);
+    if (ga != nullptr) {
+      EXPECT_EQ(std::memcmp(ga, gb, static_cast<size_t>(n) * sizeof(float)), 0) << a.params().info(slot).name;
+    }
+  }
+}
+
+// A fresh empty directory for a spill file, removed with what is left in it.
+struct SpillDir {
+  std::string path;
+  SpillDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "rf_spill_XXXXXX").string();
+    path = mkdtemp(tmpl.data());
+  }
+  ~SpillDir() { std::filesystem::remove_all(path); }
+  bool empty() const { return std::filesystem::is_empty(path); }
+};
+
+// RunOptions::spill_dir: the layers' kept activations go to disk, all but the backward's first layer's out of the
+// estimate's memory; the file holds exactly run_spill_bytes and is gone from the directory after the run.
+TEST(ModelMemory, TrainingWithSpillIsALowerBoundOfTheRun) {
+  Gemma4Model m = make_model();
+  const SpillDir dir;
+  RunOptions opt;
+  opt.want_grad = true;
+  opt.keep_o_proj_output = opt.keep_down_proj_output = false;
+  opt.spill_dir = dir.path;
+  const Measured run = run_and_measure(m, opt);
+  EXPECT_TRUE(dir.empty());
+  const MemoryBreakdown estimate = run_memory_at_least(m, args_for(opt));
+  expect_bound(estimate, run);
+  EXPECT_EQ(run.result.spilled_bytes, run_spill_bytes(m, args_for(opt)));
+  EXPECT_LE(estimate.of("one layer"), run.result.layer_recompute_bytes);
+  // What the run still held after the forward (the embedded row, per-layer inputs, shared K/V) is inside the
+  // estimate's activations, as without spill.
+  expect_kept_activations_inside(m, estimate, run);
+  // By hand, floats a token: each of the 6 layers keeps its input [64] and its attention output and LSE, 4 heads of
+  // 16 (sliding) or 32 (full: layers 2 and 5) and 4; on disk, rounded up to pages per layer.
+  const int64_t T = int64_t{kRows} * kSeq;
+  int64_t disk = 0;
+  for (int l = 0; l < 6; ++l) disk += io_block(T * (64 + 4 * (l % 3 == 2 ? 32 : 16) + 4) * 4);
+  EXPECT_EQ(run_spill_bytes(m, args_for(opt)), disk);
+  // In memory, the spill saves every layer's kept floats but the backward's first layer's (layer 5, full).
+  RunMemoryArgs in_memory = args_for(opt);
+  in_memory.spill = false;
+  EXPECT_EQ(run_memory_at_least(m, in_memory).of("activations") - estimate.of("activations"),
+            T * 4 * (4 * (64 + 4 * 16 + 4) + (64 + 4 * 32 + 4)));
+  EXPECT_EQ(run_spill_bytes(m, in_memory), 0);
+}
+
+// The spill gives the bits of the run that keeps its activations in memory: the loss, every token's loss and every
+// gradient.
+TEST(ModelMemory, TrainingWithSpillGivesTheSameBits) {
+  const SpillDir dir;
+  RunOptions opt;
+  opt.want_grad = true;
+  Gemma4Model in_memory = make_model();
+  const Measured kept = run_and_measure(in_memory, opt);
+  opt.spill_dir = dir.path;
+  Gemma4Model spilled = make_model();
+  const Measured spill = run_and_measure(spilled, opt);
+  EXPECT_GT(spill.result.spilled_bytes, 0);
+  EXPECT_EQ(kept.result.loss, spill.result.loss);
+  EXPECT_EQ(kept.result.token_loss, spill.result.token_loss);
+  expect_same_grads(in_memory, spilled);
+}
+
+// The tiled MLP (RunOptions::tile_mlp) with the spill, as the long-row LoRA config runs: a lower bound of the run,
+// the recomputed layer without its [T, I] products, which the MLP's tile holds instead, by hand.
+TEST(ModelMemory, TrainingWithSpillAndTiledMlpIsALowerBoundOfTheRun) {
+  Gemma4Model m = make_model();
+  const SpillDir dir;
+  RunOptions opt;
+  opt.want_grad = true;
+  opt.keep_o_proj_output = opt.keep_down_proj_output = false;
+  opt.spill_dir = dir.path;
+  opt.tile_mlp = true;
+  opt.mlp_tile_tokens = 1000;
+  const Measured run = run_and_measure(m, opt);
+  const MemoryBreakdown estimate = run_memory_at_least(m, args_for(opt));
+  expect_bound(estimate, run);
+  EXPECT_LE(estimate.of("one layer"), run.result.layer_recompute_bytes);
+  RunMemoryArgs whole = args_for(opt);
+  whole.tile_mlp = false;
+  const int64_t T = int64_t{kRows} * kSeq;
+  EXPECT_EQ(run_memory_at_least(m, whole).of("one layer") - estimate.of("one layer"), T * 3 * 128 * 4);
+  EXPECT_EQ(estimate.of("the MLP's tile"), 1000 * 3 * 128 * 4);
+}
+
+// The tiled MLP gives the bits of the whole one at the same token tile (a tile that does not divide T: the last is
+// short): the loss, every token's loss, every gradient (the MLP's weights' summed tile by tile either way).
+TEST(ModelMemory, TiledMlpGivesTheSameBits) {
+  RunOptions opt;
+  opt.want_grad = true;
+  opt.keep_down_proj_output = false;
+  opt.mlp_tile_tokens = 1000;
+  Gemma4Model whole = make_model();
+  const Measured a = run_and_measure(whole, opt);
+  opt.tile_mlp = true;
+  Gemma4Model tiled = make_model();
+  const Measured b = run_and_measure(tiled, opt);
+  EXPECT_EQ(a.result.loss, b.result.loss);
+  EXPECT_EQ(a.result.token_loss, b.result.token_loss);
+  expect_same_grads(whole, tiled);
+}
+
+// A spill directory without room: one error naming it, before the run computes anything, and no file left.
+TEST(ModelMemory, SpillWithoutRoomIsAnError) {
+  Gemma4Model m = make_model();
+  RunOptions opt;
+  opt.want_grad = true;
+  opt.spill_dir = "/nonexistent/spill";
+  try {
+    run_and_measure(m, opt);
+    ADD_FAILURE() << "the run did not fail";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/spill: cannot create the spill file"), std::string::npos)
+        << e.what();
+  }
+}
+
+// A disk that cannot hold the file (here a file size limit of 1 MiB, RLIMIT_FSIZE, SIGXFSZ ignored so the
+// reservation fails with EFBIG as a full disk fails with ENOSPC): one error saying how much the spill needs, and the
+// unnamed file is gone with the run (the directory is empty).
+TEST(ModelMemory, SpillPastTheDiskIsAnError) {
+  Gemma4Model m = make_model();
+  const SpillDir dir;
+  RunOptions opt;
+  opt.want_grad = true;
+  opt.spill_dir = dir.path;
+  std::signal(SIGXFSZ, SIG_IGN);
+  const rlimit small{1 << 20, RLIM_INFINITY};
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  try {
+    run_and_measure(m, opt);
+    ADD_FAILURE() << "the run did not fail";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(dir.path + ": no room for the spill file (train.spill_dir): the run's kept "
+                                                    "activations need "),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(dir.empty());
 }
 
 TEST(ModelMemory, ForwardWithLogitsIsALowerBoundOfTheRun) {
