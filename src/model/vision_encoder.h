@@ -143,8 +143,9 @@ class VisionEncoder {
   const VisionConfig& config() const { return cfg_; }
 
   // What the tower's matmuls multiply in (ops.h ComputeDtype; Float32 until this is called). Bfloat16, as the
-  // decoder's bf16 mode: every linear's operands are rounded to bf16 (the weights once, here: a bf16 copy of each,
-  // half the tower's float32 bytes; an activation that several linears read, once for them all) with float32
+  // decoder's bf16 mode: every linear's operands are rounded to bf16 (the weights once: an encoder holding its own
+  // makes a bf16 copy of each here, half its float32 bytes; the store's slots have the store's compute copies,
+  // TowerParams::bf16; an activation that several linears read, once for them all) with float32
   // accumulation, and attention reads q, k and v rounded to bf16 (float32 storage on the float32 kernels); the norms,
   // rotary embedding, softmax, residual stream and pooling stay float32. backward multiplies its linears the same way.
   // The copies belong to this object's weights: call it again on a copy of the encoder.
