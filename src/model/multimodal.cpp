@@ -47,28 +47,58 @@ Gemma4Multimodal::Gemma4Multimodal(Gemma4Config text, MultimodalParts parts, Ten
   decoder_->init_scales();
 }
 
-const VisionEncoder* Gemma4Multimodal::vision_tower() {
-  if (!tower_ && parts_.vision) refresh_vision_tower();
-  return tower_.get();
-}
+namespace {
 
-void Gemma4Multimodal::refresh_vision_tower() {
-  tower_.reset();
-  if (!parts_.vision) return;
-  ParamStore& store = params();
-  const auto find = [&](const std::string& name) -> std::optional<VisionEncoder::Found> {
-    if (store.contains(name)) {  // through read_weight: a sharded store's pieces gathered (a collective)
-      const size_t slot = store.slot(name);
-      VisionEncoder::Found f{store.info(slot).shape, std::vector<float>(static_cast<size_t>(store.info(slot).numel))};
-      store.read_weight(slot, f.values);
-      return f;
-    }
+// model.train_vision: the tower's parameters are the store's slots, read and written between the store's hooks of
+// their group (tower_group), as a decoder layer's; the store is the decoder's current one (a save's stand-in too).
+class StoreTowerParams final : public TowerParams {
+ public:
+  explicit StoreTowerParams(Gemma4Model& decoder) : decoder_(decoder) {}
+  void begin(int group, bool backward) override {
+    ParamStore& s = decoder_.params();
+    if (backward)
+      s.before_backward(tower_group(group));
+    else
+      s.before_forward(tower_group(group));
+  }
+  void end(int group, bool backward) override {
+    ParamStore& s = decoder_.params();
+    if (backward)
+      s.after_backward(tower_group(group));
+    else
+      s.after_forward(tower_group(group));
+  }
+  const float* weight(const std::string& name) override {
+    const ParamStore& s = decoder_.params();
+    return s.weight(s.slot(name));
+  }
+  float* grad(const std::string& name) override {
+    ParamStore& s = decoder_.params();
+    return s.grad(s.slot(name));
+  }
+  const Bf16Lookup* bf16() override { return &decoder_.params().bf16_weights(); }
+
+ private:
+  Gemma4Model& decoder_;
+};
+
+}  // namespace
+
+const VisionEncoder* Gemma4Multimodal::vision_tower() {
+  if (tower_ || !parts_.vision) return tower_.get();
+  const auto kept = [&](const std::string& name) -> std::optional<VisionEncoder::Found> {
     const io::Passthrough::Entry* e = kept_.find(name);
     if (e == nullptr) return std::nullopt;
     return VisionEncoder::Found{e->shape, io::to_float32(io::TensorView{name, e->dtype, e->shape, e->bytes})};
   };
-  tower_ = std::make_unique<VisionEncoder>(*parts_.vision, find);
+  if (parts_.train_vision) {
+    if (!tower_params_) tower_params_ = std::make_unique<StoreTowerParams>(*decoder_);
+    tower_ = std::make_unique<VisionEncoder>(*parts_.vision, kept, *tower_params_);
+  } else {
+    tower_ = std::make_unique<VisionEncoder>(*parts_.vision, kept);
+  }
   tower_->set_compute_dtype(vision_dtype_);
+  return tower_.get();
 }
 
 void Gemma4Multimodal::set_vision_compute_dtype(ComputeDtype t) {

@@ -112,16 +112,14 @@ class Gemma4Multimodal {
   io::Passthrough& kept() { return kept_; }
   const io::Passthrough& kept() const { return kept_; }
 
-  // The vision tower of the current weights, its parameters from the store where they train (train_vision), the
-  // rest from kept(): built (a float32 copy of the tower) by the first call after construction, an update
-  // (refresh_vision_tower) or drop_vision_tower. Null when the model has no vision tower. Throws rf::Error naming a
-  // tower tensor that is missing or of the wrong shape. Building it reads the store's tower parameters through
-  // ParamStore::read_weight, a collective under a sharded store (shard full): every rank builds it at the same point.
+  // The vision tower, built by the first call (and the first after drop_vision_tower). With train_vision it holds no
+  // weights of its own: its parameters are the store's slots, read and written between the store's hooks of their
+  // groups as it computes (vision.h register_vision_tower), so an update needs no rebuild. A frozen tower reads its
+  // tensors from kept() into a float32 copy of its own. Null when the model has no vision tower. Throws rf::Error
+  // naming a tower tensor that is missing or of the wrong shape.
   const VisionEncoder* vision_tower();
-  // Builds the tower again from the current weights (after an update of a training tower).
-  void refresh_vision_tower();
   // What the tower multiplies in (VisionEncoder::set_compute_dtype), from now on: applied to the tower built now and
-  // to every one vision_tower() or refresh_vision_tower() builds later (the trainer hands it model.compute_dtype, so a
+  // to every one vision_tower() builds later (the trainer hands it model.compute_dtype, so a
   // bf16 run's tower runs in bf16 as its decoder does). Float32 until called.
   void set_vision_compute_dtype(ComputeDtype t);
   ComputeDtype vision_compute_dtype() const { return vision_dtype_; }
@@ -150,7 +148,8 @@ class Gemma4Multimodal {
   std::unique_ptr<Gemma4Model> decoder_;
   std::unique_ptr<VisionEmbedder> embed_vision_;
   io::Passthrough kept_;
-  std::unique_ptr<VisionEncoder> tower_;  // vision_tower(), when built
+  std::unique_ptr<TowerParams> tower_params_;  // train_vision: the store's slots, as the tower reads them
+  std::unique_ptr<VisionEncoder> tower_;       // vision_tower(), when built
   ComputeDtype vision_dtype_ = ComputeDtype::Float32;
 };
 

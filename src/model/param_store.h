@@ -24,6 +24,12 @@ namespace rf::model {
 
 // The group of the parameters that belong to no decoder layer (embeddings, final norm, LM head, projections).
 constexpr int kGlobalGroup = -1;
+// The vision tower's groups (model.train_vision, model/vision.h): group 0 its patch embedder, 1 + l encoder layer l,
+// numbered below kGlobalGroup so that they never meet a decoder layer. The tower reads and writes them between the
+// same hooks as a decoder layer (a sharded store gathers and reduces one at a time).
+constexpr int tower_group(int i) { return kGlobalGroup - 1 - i; }
+constexpr bool is_tower_group(int group) { return group < kGlobalGroup; }
+constexpr int tower_index(int group) { return kGlobalGroup - 1 - group; }
 
 enum class Role { Weights, Grads, ExpAvg, ExpAvgSq };
 std::string_view role_name(Role r);
@@ -35,7 +41,7 @@ struct ParamInfo {
   int64_t offset = 0;         // first element in the Weights arena
   int64_t train_offset = -1;  // first element in the Grads / ExpAvg / ExpAvgSq arenas; -1 when frozen
   int64_t bf16_offset = -1;   // first element in the bf16 compute copies; -1 when not a matmul operand
-  int layer = kGlobalGroup;   // decoder layer, or kGlobalGroup
+  int layer = kGlobalGroup;   // decoder layer, kGlobalGroup, or a tower_group
   bool matmul = false;        // read by a matmul (has a bf16 compute copy); lookup tables and scales are not
   bool trainable = true;      // false: model.freeze matched it (no gradient, no moments)
   // A global parameter the run reads only in part or for a while (mark_streamed): a token table by row (rows()), the

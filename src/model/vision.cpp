@@ -101,31 +101,33 @@ MultimodalTokens MultimodalTokens::from_config_json(const std::string& json_text
 std::vector<TowerTensor> vision_tower_tensors(const VisionConfig& c) {
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size;
   std::vector<TowerTensor> out;
+  int group = 0;  // the encoder layer's (1 + l) inside the loop, the patch embedder's (0) after it
   const auto linear = [&](const std::string& name, int64_t in, int64_t outs) {
-    out.push_back({name + ".linear.weight", {outs, in}, TowerInit::Normal});
+    out.push_back({name + ".linear.weight", {outs, in}, TowerInit::Normal, true, group, true});
     if (!c.use_clipped_linears) return;
-    out.push_back({name + ".input_max", {}, TowerInit::PlusInf, false});
-    out.push_back({name + ".input_min", {}, TowerInit::MinusInf, false});
-    out.push_back({name + ".output_max", {}, TowerInit::PlusInf, false});
-    out.push_back({name + ".output_min", {}, TowerInit::MinusInf, false});
+    out.push_back({name + ".input_max", {}, TowerInit::PlusInf, false, group});
+    out.push_back({name + ".input_min", {}, TowerInit::MinusInf, false, group});
+    out.push_back({name + ".output_max", {}, TowerInit::PlusInf, false, group});
+    out.push_back({name + ".output_min", {}, TowerInit::MinusInf, false, group});
   };
   for (int l = 0; l < c.num_layers; ++l) {
     const std::string p = "encoder.layers." + std::to_string(l) + ".";
+    group = 1 + l;
     for (const char* norm :
          {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"})
-      out.push_back({p + norm + ".weight", {H}, TowerInit::Ones});
+      out.push_back({p + norm + ".weight", {H}, TowerInit::Ones, true, group});
     linear(p + "self_attn.q_proj", H, c.num_heads * D);
     linear(p + "self_attn.k_proj", H, c.num_kv_heads * D);
     linear(p + "self_attn.v_proj", H, c.num_kv_heads * D);
     linear(p + "self_attn.o_proj", c.num_heads * D, H);
-    out.push_back({p + "self_attn.q_norm.weight", {D}, TowerInit::Ones});
-    out.push_back({p + "self_attn.k_norm.weight", {D}, TowerInit::Ones});
+    out.push_back({p + "self_attn.q_norm.weight", {D}, TowerInit::Ones, true, group});
+    out.push_back({p + "self_attn.k_norm.weight", {D}, TowerInit::Ones, true, group});
     linear(p + "mlp.gate_proj", H, I);
     linear(p + "mlp.up_proj", H, I);
     linear(p + "mlp.down_proj", I, H);
   }
   const int64_t patch = c.patch_size;
-  out.push_back({"patch_embedder.input_proj.weight", {H, kChannels * patch * patch}, TowerInit::Normal});
+  out.push_back({"patch_embedder.input_proj.weight", {H, kChannels * patch * patch}, TowerInit::Normal, true, 0, true});
   out.push_back({"patch_embedder.position_embedding_table", {kAxes, c.position_embedding_size, H}, TowerInit::Ones});
   if (c.standardize) {
     out.push_back({"std_bias", {H}, TowerInit::Zeros, false});
@@ -170,7 +172,7 @@ io::Passthrough init_vision_tower(const VisionConfig& c, uint64_t seed) {
 
 void register_vision_tower(ParamStore& store, const VisionConfig& c) {
   for (const TowerTensor& t : vision_tower_tensors(c))
-    if (t.parameter) store.mark_streamed(store.add(kVisionTowerPrefix + t.name, t.shape));
+    if (t.parameter) store.add(kVisionTowerPrefix + t.name, t.shape, tower_group(t.group), t.matmul);
 }
 
 }  // namespace rf::model

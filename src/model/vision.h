@@ -71,6 +71,11 @@ struct TowerTensor {
   // An nn.Parameter in transformers (linear weights, norm scales, the patch projection, the position table): what
   // model.train_vision trains. false: a buffer (the clip bounds, std_bias, std_scale), never trained.
   bool parameter = true;
+  // Its group (model::tower_group's index): 0 the patch embedder (and the buffers outside the layers), 1 + l encoder
+  // layer l.
+  int group = 0;
+  // Read by a matmul (the linear weights and the patch projection): a store keeps a bf16 compute copy of it.
+  bool matmul = false;
 };
 
 // Every tensor Gemma4VisionModel saves for `c`, in transformers' names and shapes (see the top of this file).
@@ -83,11 +88,10 @@ io::Passthrough init_vision_tower(const VisionConfig& c, uint64_t seed);
 
 // model.train_vision: registers the tower's parameters (TowerTensor::parameter, under kVisionTowerPrefix, in
 // vision_tower_tensors' order) in `store`, after the decoder's and before the store allocates, so that they get
-// gradients and AdamW moments like the decoder's; their group is kGlobalGroup (no decoder layer) and they are no
-// matmul operand of the decoder (the tower multiplies from its own float32 copy, vision_encoder.h). They are marked
-// streamed (ParamStore::mark_streamed): the decoder's run never reads them, so a sharded store keeps them out of the
-// global group it gathers for every run; the tower's copy reads them through read_weight and its gradients reach
-// their owners through ShardedStore::reduce_gradient (trainer/step.cpp). The buffers stay passthrough tensors.
+// gradients and AdamW moments like the decoder's, in groups of their own (tower_group(TowerTensor::group)): the
+// tower reads its weights and writes its gradients in the store's arenas, between the store's hooks of each group,
+// as a decoder layer does (vision_encoder.h TowerParams; the trainer's source is model/multimodal.h). The buffers stay
+// passthrough tensors.
 void register_vision_tower(ParamStore& store, const VisionConfig& c);
 
 }  // namespace rf::model

@@ -26,6 +26,28 @@ constexpr int64_t kPoolChannels = 64;
 
 }  // namespace
 
+// The encoder's own float32 weights (read from a checkpoint's tensors), their bf16 copies (set_compute_dtype), and
+// with a VisionGrads to fill (backward's owned form) the gradients there. No hooks: everything is always here.
+class VisionEncoder::OwnedParams final : public TowerParams {
+ public:
+  void begin(int, bool) override {}
+  void end(int, bool) override {}
+  const float* weight(const std::string& name) override { return values.at(name).data(); }
+  float* grad(const std::string& name) override {
+    if (sink == nullptr) return nullptr;
+    std::vector<float>& g = (*sink)[name];
+    const size_t count = values.at(name).size();
+    if (g.empty()) g.assign(count, 0.f);
+    RF_CHECK(g.size() == count, "vision tower: gradient `", name, "` has ", g.size(), " elements, the tensor ", count);
+    return g.data();
+  }
+  const Bf16Lookup* bf16() override { return &copies; }
+
+  std::map<std::string, std::vector<float>> values;  // full name -> [numel]
+  Bf16Copies copies;                                 // the matmul operands' (set_compute_dtype Bfloat16)
+  VisionGrads* sink = nullptr;                       // backward's, while it runs
+};
+
 std::vector<float> VisionEncoder::take(const Lookup& find, const std::string& name,
                                        const std::vector<int64_t>& shape) const {
   const std::string full = kVisionTowerPrefix + name;
@@ -36,10 +58,11 @@ std::vector<float> VisionEncoder::take(const Lookup& find, const std::string& na
   return std::move(f->values);
 }
 
-VisionEncoder::Linear VisionEncoder::take_linear(const Lookup& tensors, const std::string& name, int64_t in,
+VisionEncoder::Linear VisionEncoder::take_bounds(const Lookup& tensors, const std::string& name, int64_t in,
                                                  int64_t out) const {
   Linear l;
-  l.w = take(tensors, name + ".linear.weight", {out, in});
+  l.n = out * in;
+  l.name = kVisionTowerPrefix + name + ".linear.weight";
   const float inf = std::numeric_limits<float>::infinity();
   l.in_min = -inf, l.in_max = inf, l.out_min = -inf, l.out_max = inf;
   if (cfg_.use_clipped_linears) {
@@ -59,6 +82,23 @@ VisionEncoder::VisionEncoder(VisionConfig c, const io::Passthrough& kept)
       }) {}
 
 VisionEncoder::VisionEncoder(VisionConfig c, const Lookup& tensors) : cfg_(std::move(c)) {
+  owned_ = std::make_unique<OwnedParams>();
+  for (const TowerTensor& t : vision_tower_tensors(cfg_))
+    if (t.parameter) owned_->values[kVisionTowerPrefix + t.name] = take(tensors, t.name, t.shape);
+  params_ = owned_.get();
+  read_buffers(tensors);
+}
+
+VisionEncoder::VisionEncoder(VisionConfig c, const Lookup& buffers, TowerParams& params) : cfg_(std::move(c)) {
+  params_ = &params;
+  read_buffers(buffers);
+}
+
+VisionEncoder::~VisionEncoder() = default;
+VisionEncoder::VisionEncoder(VisionEncoder&&) noexcept = default;
+VisionEncoder& VisionEncoder::operator=(VisionEncoder&&) noexcept = default;
+
+void VisionEncoder::read_buffers(const Lookup& tensors) {
   const int64_t H = cfg_.hidden_size, D = cfg_.head_dim, I = cfg_.intermediate_size;
   // The 2-D rotary embedding rotates each half of a head by one axis, in pairs (i, i + D/4) within the half.
   RF_CHECK(D % (2 * kAxes) == 0, "vision tower: head_dim = ", D, " must be a multiple of 4 (2-D rotary embedding)");
@@ -67,24 +107,16 @@ VisionEncoder::VisionEncoder(VisionConfig c, const Lookup& tensors) : cfg_(std::
   for (int l = 0; l < cfg_.num_layers; ++l) {
     const std::string p = "encoder.layers." + std::to_string(l) + ".";
     Layer layer;
-    layer.input_norm = take(tensors, p + "input_layernorm.weight", {H});
-    layer.post_attention_norm = take(tensors, p + "post_attention_layernorm.weight", {H});
-    layer.pre_feedforward_norm = take(tensors, p + "pre_feedforward_layernorm.weight", {H});
-    layer.post_feedforward_norm = take(tensors, p + "post_feedforward_layernorm.weight", {H});
-    layer.q = take_linear(tensors, p + "self_attn.q_proj", H, cfg_.num_heads * D);
-    layer.k = take_linear(tensors, p + "self_attn.k_proj", H, cfg_.num_kv_heads * D);
-    layer.v = take_linear(tensors, p + "self_attn.v_proj", H, cfg_.num_kv_heads * D);
-    layer.o = take_linear(tensors, p + "self_attn.o_proj", cfg_.num_heads * D, H);
-    layer.q_norm = take(tensors, p + "self_attn.q_norm.weight", {D});
-    layer.k_norm = take(tensors, p + "self_attn.k_norm.weight", {D});
-    layer.gate = take_linear(tensors, p + "mlp.gate_proj", H, I);
-    layer.up = take_linear(tensors, p + "mlp.up_proj", H, I);
-    layer.down = take_linear(tensors, p + "mlp.down_proj", I, H);
+    layer.prefix = kVisionTowerPrefix + p;
+    layer.q = take_bounds(tensors, p + "self_attn.q_proj", H, cfg_.num_heads * D);
+    layer.k = take_bounds(tensors, p + "self_attn.k_proj", H, cfg_.num_kv_heads * D);
+    layer.v = take_bounds(tensors, p + "self_attn.v_proj", H, cfg_.num_kv_heads * D);
+    layer.o = take_bounds(tensors, p + "self_attn.o_proj", cfg_.num_heads * D, H);
+    layer.gate = take_bounds(tensors, p + "mlp.gate_proj", H, I);
+    layer.up = take_bounds(tensors, p + "mlp.up_proj", H, I);
+    layer.down = take_bounds(tensors, p + "mlp.down_proj", I, H);
     layers_.push_back(std::move(layer));
   }
-  const int64_t patch = cfg_.patch_size;
-  input_proj_ = take(tensors, "patch_embedder.input_proj.weight", {H, kChannels * patch * patch});
-  pos_table_ = take(tensors, "patch_embedder.position_embedding_table", {kAxes, cfg_.position_embedding_size, H});
   if (cfg_.standardize) {
     std_bias_ = take(tensors, "std_bias", {H});
     std_scale_ = take(tensors, "std_scale", {H});
@@ -96,18 +128,38 @@ VisionEncoder::VisionEncoder(VisionConfig c, const Lookup& tensors) : cfg_(std::
         1.f / std::pow(static_cast<float>(cfg_.rope_theta), static_cast<float>(i) / static_cast<float>(spatial)));
 }
 
+VisionEncoder::Layer VisionEncoder::layer_view(int l) const {
+  Layer L = layers_[static_cast<size_t>(l)];
+  const auto w = [&](const char* name) { return params_->weight(L.prefix + name); };
+  L.input_norm = w("input_layernorm.weight");
+  L.post_attention_norm = w("post_attention_layernorm.weight");
+  L.pre_feedforward_norm = w("pre_feedforward_layernorm.weight");
+  L.post_feedforward_norm = w("post_feedforward_layernorm.weight");
+  L.q_norm = w("self_attn.q_norm.weight");
+  L.k_norm = w("self_attn.k_norm.weight");
+  for (Linear* lin : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down}) lin->w = params_->weight(lin->name);
+  return L;
+}
+
+namespace {
+const std::string kInputProj = std::string(kVisionTowerPrefix) + "patch_embedder.input_proj.weight";
+const std::string kPositionTable = std::string(kVisionTowerPrefix) + "patch_embedder.position_embedding_table";
+}  // namespace
+
 void VisionEncoder::set_compute_dtype(ComputeDtype t) {
   dtype_ = t;
-  weights_bf16_.clear();
+  if (!owned_) return;  // the TowerParams' copies
+  owned_->copies.clear();
   if (t != ComputeDtype::Bfloat16) return;
-  weights_bf16_.add(input_proj_.data(), static_cast<int64_t>(input_proj_.size()));
-  for (const Layer& L : layers_)
-    for (const Linear* l : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down})
-      weights_bf16_.add(l->w.data(), static_cast<int64_t>(l->w.size()));
+  for (const TowerTensor& tensor : vision_tower_tensors(cfg_)) {
+    if (!tensor.matmul) continue;
+    const std::vector<float>& w = owned_->values.at(kVisionTowerPrefix + tensor.name);
+    owned_->copies.add(w.data(), static_cast<int64_t>(w.size()));
+  }
 }
 
 Matmul VisionEncoder::matmul() const {
-  return Matmul{dtype_, dtype_ == ComputeDtype::Bfloat16 ? &weights_bf16_ : nullptr};
+  return Matmul{dtype_, dtype_ == ComputeDtype::Bfloat16 ? params_->bf16() : nullptr};
 }
 
 namespace {
@@ -131,8 +183,8 @@ const float* VisionEncoder::rounded(const float* x, int64_t n, Widened& wide) co
   return r;
 }
 
-void VisionEncoder::project(const Matmul& mm, const float* x, const std::vector<float>& W, float* y, int64_t T,
-                            int64_t P, int64_t in, int64_t out, Widened& wide) const {
+void VisionEncoder::project(const Matmul& mm, const float* x, const float* W, int64_t n, float* y, int64_t T, int64_t P,
+                            int64_t in, int64_t out, Widened& wide) const {
   // One matmul per image: an image's rows then meet the same calls whatever shares its batch (a rank's share of a
   // split batch, or the whole), and sgemm kernels that sum a row by its place in the call (model/ops.h) give its
   // soft tokens the same bits either way.
@@ -140,13 +192,13 @@ void VisionEncoder::project(const Matmul& mm, const float* x, const std::vector<
     for (int64_t t0 = 0; t0 < T; t0 += P) linear_forward(m, x + t0 * in, w, y + t0 * out, std::min(P, T - t0), in, out);
   };
   if (!widen_on_sgemm()) {
-    per_image(mm, W.data());
+    per_image(mm, W);
     return;
   }
-  const int64_t n = static_cast<int64_t>(W.size());
-  const bf16* copy = weights_bf16_.find(W.data(), n);
+  const Bf16Lookup* copies = matmul().weights;  // the weights' own (mm may be a SharedOperands' lookup)
+  const bf16* copy = copies != nullptr ? copies->find(W, n) : nullptr;
   RF_CHECK(copy != nullptr, "vision tower: a weight without its bf16 copy (set_compute_dtype on another encoder?)");
-  wide.w.resize(W.size());
+  wide.w.resize(static_cast<size_t>(n));
   float* w = wide.w.data();
 #pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
   for (int64_t i = 0; i < n; ++i) w[i] = bf16_to_float(copy[i]);
@@ -158,12 +210,12 @@ void VisionEncoder::clipped_linear(const Matmul& mm, const Linear& l, const floa
                                    int64_t in, int64_t out, VisionTape::LinearTape& tape, bool keep, Widened& wide,
                                    const float* x_rounded) const {
   if (!cfg_.use_clipped_linears) {
-    project(mm, x_rounded ? x_rounded : rounded(x, T * in, wide), l.w, y, T, P, in, out, wide);
+    project(mm, x_rounded ? x_rounded : rounded(x, T * in, wide), l.w, l.n, y, T, P, in, out, wide);
     return;
   }
   tape.x.resize(static_cast<size_t>(T * in));
   clamp_into(x, tape.x.data(), T * in, l.in_min, l.in_max);
-  project(mm, rounded(tape.x.data(), T * in, wide), l.w, y, T, P, in, out, wide);
+  project(mm, rounded(tape.x.data(), T * in, wide), l.w, l.n, y, T, P, in, out, wide);
   if (keep) tape.y.assign(y, y + T * out);
   clamp_into(y, y, T * out, l.out_min, l.out_max);
 }
@@ -173,7 +225,7 @@ void VisionEncoder::clipped_linear_backward(const Linear& l, const float* x, con
                                             int64_t out) const {
   const Matmul mm = matmul();
   if (!cfg_.use_clipped_linears) {
-    linear_backward(mm, x, l.w.data(), dy, dx, dW, T, in, out);
+    linear_backward(mm, x, l.w, dy, dx, dW, T, in, out);
     return;
   }
   // torch.clamp passes the gradient where min <= value <= max, and none outside.
@@ -182,7 +234,7 @@ void VisionEncoder::clipped_linear_backward(const Linear& l, const float* x, con
   for (int64_t i = 0; i < T * out; ++i)
     if (!(tape.y[i] >= l.out_min && tape.y[i] <= l.out_max)) dy_in[i] = 0.f;
   std::vector<float> dx_in(static_cast<size_t>(T * in), 0.f);
-  linear_backward(mm, tape.x.data(), l.w.data(), dy_in.data(), dx_in.data(), dW, T, in, out);
+  linear_backward(mm, tape.x.data(), l.w, dy_in.data(), dx_in.data(), dW, T, in, out);
 #pragma omp parallel for schedule(static) if (T * in >= kParallelMinElements)
   for (int64_t i = 0; i < T * in; ++i)
     if (x[i] >= l.in_min && x[i] <= l.in_max) dx[i] += dx_in[i];
@@ -329,7 +381,7 @@ void VisionEncoder::layer_forward(const Layer& L, const VisionTape& tape, int n,
   if (keep) S.h_in = h;
   // 2a. Attention.
   fit(S.a, T * H), fit(S.inv_in, T);
-  rmsnorm_forward(h.data(), L.input_norm.data(), eps, S.a.data(), S.inv_in.data(), T, H);
+  rmsnorm_forward(h.data(), L.input_norm, eps, S.a.data(), S.inv_in.data(), T, H);
   fit(S.q_raw, T * Hq * D), fit(S.k_raw, T * Hkv * D), fit(S.v_raw, T * Hkv * D);
   {
     // Without clipping q, k and v multiply the same input: rounded to bf16 once for the three (bf16 mode).
@@ -346,10 +398,10 @@ void VisionEncoder::layer_forward(const Layer& L, const VisionTape& tape, int n,
   }
   fit(S.qh, T * Hq * D), fit(S.kh, T * Hkv * D), fit(S.vh, T * Hkv * D);
   fit(S.inv_q, T * Hq), fit(S.inv_k, T * Hkv), fit(S.inv_v, T * Hkv);
-  norm_rope_to_heads(S.q_raw.data(), L.q_norm.data(), eps, tape.cos.data(), tape.sin.data(), n, P, Hq, D,
-                     S.inv_q.data(), S.qh.data(), bf16);
-  norm_rope_to_heads(S.k_raw.data(), L.k_norm.data(), eps, tape.cos.data(), tape.sin.data(), n, P, Hkv, D,
-                     S.inv_k.data(), S.kh.data(), bf16);
+  norm_rope_to_heads(S.q_raw.data(), L.q_norm, eps, tape.cos.data(), tape.sin.data(), n, P, Hq, D, S.inv_q.data(),
+                     S.qh.data(), bf16);
+  norm_rope_to_heads(S.k_raw.data(), L.k_norm, eps, tape.cos.data(), tape.sin.data(), n, P, Hkv, D, S.inv_k.data(),
+                     S.kh.data(), bf16);
   norm_rope_to_heads(S.v_raw.data(), nullptr, eps, nullptr, nullptr, n, P, Hkv, D, S.inv_v.data(), S.vh.data(), bf16);
   chunk.q = S.qh.data();
   chunk.k = S.kh.data();
@@ -361,11 +413,11 @@ void VisionEncoder::layer_forward(const Layer& L, const VisionTape& tape, int n,
   to_tokens_into(S.out.data(), S.o_tok.data(), n, P, Hq, D);
   fit(S.attn, T * H), fit(S.inv_attn, T);
   clipped_linear(mm, L.o, S.o_tok.data(), S.attn.data(), T, P, Hq * D, H, S.o, keep, wide);
-  norm_add(S.attn.data(), L.post_attention_norm.data(), eps, S.inv_attn.data(), h.data(), T, H);
+  norm_add(S.attn.data(), L.post_attention_norm, eps, S.inv_attn.data(), h.data(), T, H);
   // 2b. MLP.
   if (keep) S.h_mid = h;
   fit(S.m, T * H), fit(S.inv_mid, T);
-  rmsnorm_forward(h.data(), L.pre_feedforward_norm.data(), eps, S.m.data(), S.inv_mid.data(), T, H);
+  rmsnorm_forward(h.data(), L.pre_feedforward_norm, eps, S.m.data(), S.inv_mid.data(), T, H);
   fit(S.g, T * I), fit(S.u, T * I), fit(S.gu, T * I);
   {
     SharedOperands shared(mm);  // gate and up multiply the same input, as q, k and v above
@@ -381,7 +433,7 @@ void VisionEncoder::layer_forward(const Layer& L, const VisionTape& tape, int n,
   geglu_forward(S.g.data(), S.u.data(), S.gu.data(), T * I);
   fit(S.ff, T * H), fit(S.inv_ff, T);
   clipped_linear(mm, L.down, S.gu.data(), S.ff.data(), T, P, I, H, S.down, keep, wide);
-  norm_add(S.ff.data(), L.post_feedforward_norm.data(), eps, S.inv_ff.data(), h.data(), T, H);
+  norm_add(S.ff.data(), L.post_feedforward_norm, eps, S.inv_ff.data(), h.data(), T, H);
 }
 
 VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& source, VisionTape* keep,
@@ -408,15 +460,19 @@ VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& sou
 #pragma omp parallel for schedule(static) if (T * patch_values >= kParallelMinElements)
   for (int64_t i = 0; i < T * patch_values; ++i) tape.scaled[i] = 2.f * (b.pixels[i] - 0.5f);
   Widened wide;
-  project(mm, rounded(tape.scaled.data(), T * patch_values, wide), input_proj_, h.data(), T, P, patch_values, H, wide);
+  params_->begin(0, false);
+  const float* pos_table = params_->weight(kPositionTable);
+  project(mm, rounded(tape.scaled.data(), T * patch_values, wide), params_->weight(kInputProj), H * patch_values,
+          h.data(), T, P, patch_values, H, wide);
   const int64_t table = int64_t{cfg_.position_embedding_size} * H;  // one axis of the position table
 #pragma omp parallel for schedule(static) if (T * H >= kParallelMinElements)
   for (int64_t t = 0; t < T; ++t) {
     if (pad[t]) continue;
-    const float* ex = pos_table_.data() + int64_t{b.positions[2 * t]} * H;
-    const float* ey = pos_table_.data() + table + int64_t{b.positions[2 * t + 1]} * H;
+    const float* ex = pos_table + int64_t{b.positions[2 * t]} * H;
+    const float* ey = pos_table + table + int64_t{b.positions[2 * t + 1]} * H;
     for (int64_t c = 0; c < H; ++c) h[t * H + c] += ex[c] + ey[c];
   }
+  params_->end(0, false);
 
   // The rotary angles of each token and axis: [T, 2, D/4] cos and sin, in float32 as transformers computes them.
   const int64_t quarter = D / (2 * kAxes);
@@ -442,9 +498,11 @@ VisionOutput VisionEncoder::forward(const VisionBatch& b, const std::string& sou
   const bool keep_all = keep != nullptr && !recompute_layers;
   VisionTape::Layer scratch;
   if (keep) tape.layers.reserve(layers_.size());
-  for (const Layer& L : layers_) {
+  for (int l = 0; l < static_cast<int>(layers_.size()); ++l) {
+    params_->begin(1 + l, false);
     if (tape.recompute_layers) tape.layers.emplace_back().h_in = h;
-    layer_forward(L, tape, n, P, h, keep_all ? tape.layers.emplace_back() : scratch, keep_all, wide);
+    layer_forward(layer_view(l), tape, n, P, h, keep_all ? tape.layers.emplace_back() : scratch, keep_all, wide);
+    params_->end(1 + l, false);
   }
 
   // 3. Pooling per image, the scale and standardize.
@@ -565,19 +623,35 @@ std::vector<int64_t> VisionEncoder::pool_cells(const VisionBatch& b, int img) co
 
 void VisionEncoder::backward(const VisionBatch& b, const VisionTape& tape, const float* d_soft_tokens,
                              VisionGrads& grads) const {
+  RF_CHECK(owned_ != nullptr, "vision tower: backward into a VisionGrads needs an encoder holding its weights");
+  owned_->sink = &grads;
+  try {
+    backward(b, tape, d_soft_tokens);
+  } catch (...) {
+    owned_->sink = nullptr;
+    throw;
+  }
+  owned_->sink = nullptr;
+}
+
+void VisionEncoder::join_hooks(bool backward) const {
+  if (!backward) params_->begin(0, false), params_->end(0, false);
+  for (int i = 0; i < static_cast<int>(layers_.size()); ++i) {
+    const int group = backward ? static_cast<int>(layers_.size()) - i : 1 + i;
+    params_->begin(group, backward);
+    params_->end(group, backward);
+  }
+  if (backward) params_->begin(0, true), params_->end(0, true);
+}
+
+void VisionEncoder::backward(const VisionBatch& b, const VisionTape& tape, const float* d_soft_tokens) const {
   const int64_t H = cfg_.hidden_size, D = cfg_.head_dim, I = cfg_.intermediate_size, P = b.P;
   const int Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, n = b.n;
   const int64_t k = cfg_.pooling_kernel_size, patch_values = kChannels * cfg_.patch_size * cfg_.patch_size;
   const int64_t T = int64_t{n} * P, length = P / (k * k);
   RF_CHECK(static_cast<int64_t>(tape.pad.size()) == T && tape.layers.size() == layers_.size(),
            "vision tower: backward needs the tape of a forward on the same batch");
-  const auto grad = [&](const std::string& name, int64_t count) -> float* {
-    std::vector<float>& g = grads[kVisionTowerPrefix + name];
-    if (g.empty()) g.assign(static_cast<size_t>(count), 0.f);
-    RF_CHECK(static_cast<int64_t>(g.size()) == count, "vision tower: gradient `", name, "` has ", g.size(),
-             " elements, the tensor ", count);
-    return g.data();
-  };
+  const auto grad = [&](const std::string& name) { return params_->grad(name); };
 
   // 3. Pooling: each soft token's gradient, through standardize and the scale, spread over its cell's patches.
   std::vector<float> dh(static_cast<size_t>(T * H), 0.f);
@@ -618,33 +692,34 @@ void VisionEncoder::backward(const VisionBatch& b, const VisionTape& tape, const
   std::vector<float> h_out;
   Widened wide;
   for (int l = static_cast<int>(layers_.size()) - 1; l >= 0; --l) {
-    const Layer& L = layers_[l];
+    params_->begin(1 + l, true);
+    const Layer L = layer_view(l);
     if (tape.recompute_layers) {
       h_out = tape.layers[l].h_in;
       layer_forward(L, tape, n, P, h_out, rerun, true, wide);
     }
     const VisionTape::Layer& S = tape.recompute_layers ? rerun : tape.layers[l];
-    const std::string p = "encoder.layers." + std::to_string(l) + ".";
+    const std::string& p = L.prefix;
     // 2b. MLP: h_out = h_mid + post_feedforward_norm(down(gelu(gate(m)) * up(m))), m = pre_feedforward_norm(h_mid).
     zero(d_ff, T * H), zero(d_gu, T * I), zero(d_m, T * H);
     d_g.resize(static_cast<size_t>(T * I)), d_u.resize(static_cast<size_t>(T * I));  // written by geglu_backward
-    rmsnorm_backward(S.ff.data(), L.post_feedforward_norm.data(), S.inv_ff.data(), dh.data(), d_ff.data(),
-                     grad(p + "post_feedforward_layernorm.weight", H), T, H);
+    rmsnorm_backward(S.ff.data(), L.post_feedforward_norm, S.inv_ff.data(), dh.data(), d_ff.data(),
+                     grad(p + "post_feedforward_layernorm.weight"), T, H);
     clipped_linear_backward(L.down, S.gu.data(), S.down, d_ff.data(), d_gu.data(),
-                            grad(p + "mlp.down_proj.linear.weight", H * I), T, I, H);
+                            grad(p + "mlp.down_proj.linear.weight"), T, I, H);
     geglu_backward(S.g.data(), S.u.data(), d_gu.data(), d_g.data(), d_u.data(), T * I, false);
-    clipped_linear_backward(L.gate, S.m.data(), S.gate, d_g.data(), d_m.data(),
-                            grad(p + "mlp.gate_proj.linear.weight", I * H), T, H, I);
-    clipped_linear_backward(L.up, S.m.data(), S.up, d_u.data(), d_m.data(),
-                            grad(p + "mlp.up_proj.linear.weight", I * H), T, H, I);
-    rmsnorm_backward(S.h_mid.data(), L.pre_feedforward_norm.data(), S.inv_mid.data(), d_m.data(), dh.data(),
-                     grad(p + "pre_feedforward_layernorm.weight", H), T, H);
+    clipped_linear_backward(L.gate, S.m.data(), S.gate, d_g.data(), d_m.data(), grad(p + "mlp.gate_proj.linear.weight"),
+                            T, H, I);
+    clipped_linear_backward(L.up, S.m.data(), S.up, d_u.data(), d_m.data(), grad(p + "mlp.up_proj.linear.weight"), T, H,
+                            I);
+    rmsnorm_backward(S.h_mid.data(), L.pre_feedforward_norm, S.inv_mid.data(), d_m.data(), dh.data(),
+                     grad(p + "pre_feedforward_layernorm.weight"), T, H);
     // 2a. Attention: h_mid = h_in + post_attention_norm(o_proj(attention(...))).
     zero(d_attn, T * H), zero(d_otok, T * Hq * D);
-    rmsnorm_backward(S.attn.data(), L.post_attention_norm.data(), S.inv_attn.data(), dh.data(), d_attn.data(),
-                     grad(p + "post_attention_layernorm.weight", H), T, H);
+    rmsnorm_backward(S.attn.data(), L.post_attention_norm, S.inv_attn.data(), dh.data(), d_attn.data(),
+                     grad(p + "post_attention_layernorm.weight"), T, H);
     clipped_linear_backward(L.o, S.o_tok.data(), S.o, d_attn.data(), d_otok.data(),
-                            grad(p + "self_attn.o_proj.linear.weight", H * Hq * D), T, Hq * D, H);
+                            grad(p + "self_attn.o_proj.linear.weight"), T, Hq * D, H);
     d_out.resize(static_cast<size_t>(T * Hq * D)), delta.resize(static_cast<size_t>(T * Hq));  // written
     to_heads_into(d_otok.data(), d_out.data(), n, P, Hq, D);
     zero(dqh, T * Hq * D), zero(dkh, T * Hkv * D), zero(dvh, T * Hkv * D);
@@ -660,36 +735,40 @@ void VisionEncoder::backward(const VisionBatch& b, const VisionTape& tape, const
     rope_2d(dq, tape.cos, tape.sin, T, Hq, D, true);
     rope_2d(dk, tape.cos, tape.sin, T, Hkv, D, true);
     zero(dq_raw, T * Hq * D), zero(dk_raw, T * Hkv * D), zero(dv_raw, T * Hkv * D);
-    rmsnorm_backward(S.q_raw.data(), L.q_norm.data(), S.inv_q.data(), dq.data(), dq_raw.data(),
-                     grad(p + "self_attn.q_norm.weight", D), T * Hq, D);
-    rmsnorm_backward(S.k_raw.data(), L.k_norm.data(), S.inv_k.data(), dk.data(), dk_raw.data(),
-                     grad(p + "self_attn.k_norm.weight", D), T * Hkv, D);
+    rmsnorm_backward(S.q_raw.data(), L.q_norm, S.inv_q.data(), dq.data(), dq_raw.data(),
+                     grad(p + "self_attn.q_norm.weight"), T * Hq, D);
+    rmsnorm_backward(S.k_raw.data(), L.k_norm, S.inv_k.data(), dk.data(), dk_raw.data(),
+                     grad(p + "self_attn.k_norm.weight"), T * Hkv, D);
     rmsnorm_backward(S.v_raw.data(), nullptr, S.inv_v.data(), dv.data(), dv_raw.data(), nullptr, T * Hkv, D);
     zero(d_a, T * H);
-    clipped_linear_backward(L.q, S.a.data(), S.q, dq_raw.data(), d_a.data(),
-                            grad(p + "self_attn.q_proj.linear.weight", Hq * D * H), T, H, Hq * D);
-    clipped_linear_backward(L.k, S.a.data(), S.k, dk_raw.data(), d_a.data(),
-                            grad(p + "self_attn.k_proj.linear.weight", Hkv * D * H), T, H, Hkv * D);
-    clipped_linear_backward(L.v, S.a.data(), S.v, dv_raw.data(), d_a.data(),
-                            grad(p + "self_attn.v_proj.linear.weight", Hkv * D * H), T, H, Hkv * D);
-    rmsnorm_backward(S.h_in.data(), L.input_norm.data(), S.inv_in.data(), d_a.data(), dh.data(),
-                     grad(p + "input_layernorm.weight", H), T, H);
+    clipped_linear_backward(L.q, S.a.data(), S.q, dq_raw.data(), d_a.data(), grad(p + "self_attn.q_proj.linear.weight"),
+                            T, H, Hq * D);
+    clipped_linear_backward(L.k, S.a.data(), S.k, dk_raw.data(), d_a.data(), grad(p + "self_attn.k_proj.linear.weight"),
+                            T, H, Hkv * D);
+    clipped_linear_backward(L.v, S.a.data(), S.v, dv_raw.data(), d_a.data(), grad(p + "self_attn.v_proj.linear.weight"),
+                            T, H, Hkv * D);
+    rmsnorm_backward(S.h_in.data(), L.input_norm, S.inv_in.data(), d_a.data(), dh.data(),
+                     grad(p + "input_layernorm.weight"), T, H);
+    params_->end(1 + l, true);
   }
 
   // 1. Patch embedding.
-  linear_backward(matmul(), tape.scaled.data(), input_proj_.data(), dh.data(), nullptr,
-                  grad("patch_embedder.input_proj.weight", H * patch_values), T, patch_values, H);
-  float* d_table = grad("patch_embedder.position_embedding_table", kAxes * cfg_.position_embedding_size * H);
-  const int64_t table = int64_t{cfg_.position_embedding_size} * H;
-  for (int64_t t = 0; t < T; ++t) {
-    if (tape.pad[t]) continue;
-    float* gx = d_table + int64_t{b.positions[2 * t]} * H;
-    float* gy = d_table + table + int64_t{b.positions[2 * t + 1]} * H;
-    for (int64_t c = 0; c < H; ++c) {
-      gx[c] += dh[t * H + c];
-      gy[c] += dh[t * H + c];
+  params_->begin(0, true);
+  linear_backward(matmul(), tape.scaled.data(), params_->weight(kInputProj), dh.data(), nullptr, grad(kInputProj), T,
+                  patch_values, H);
+  if (float* d_table = grad(kPositionTable)) {
+    const int64_t table = int64_t{cfg_.position_embedding_size} * H;
+    for (int64_t t = 0; t < T; ++t) {
+      if (tape.pad[t]) continue;
+      float* gx = d_table + int64_t{b.positions[2 * t]} * H;
+      float* gy = d_table + table + int64_t{b.positions[2 * t + 1]} * H;
+      for (int64_t c = 0; c < H; ++c) {
+        gx[c] += dh[t * H + c];
+        gy[c] += dh[t * H + c];
+      }
     }
   }
+  params_->end(0, true);
 }
 
 }  // namespace rf::model

@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -93,8 +94,29 @@ struct VisionTape {
   int64_t bytes() const;
 };
 
-// Gradients by full tensor name (model.vision_tower.*), float32, in the tensor's shape, accumulated (+=).
+// Gradients by full tensor name (model.vision_tower.*), float32, in the tensor's shape, accumulated (+=): what an
+// encoder that holds its own weights (a checkpoint's frozen tower, tests) hands back.
 using VisionGrads = std::map<std::string, std::vector<float>>;
+
+// Where the tower's parameters are read and their gradients written. The tower works a group at a time (0: the patch
+// embedder, 1 + l: encoder layer l; forward 0, 1, ..., backward ..., 1, 0), between begin(group) and end(group); a
+// parameter's weight and gradient (by full name) are valid there only. model.train_vision's are the parameter
+// store's slots (model/multimodal.h): the groups are the store's tower_group hooks, so a sharded store gathers one
+// group at a time and reduces its gradients after its backward, and bf16 working weights are widened as a decoder
+// layer's are.
+class TowerParams {
+ public:
+  virtual ~TowerParams() = default;
+  virtual void begin(int group, bool backward) = 0;
+  virtual void end(int group, bool backward) = 0;
+  // float32 values [numel], as the run multiplies them.
+  virtual const float* weight(const std::string& name) = 0;
+  // The gradient [numel] the backward accumulates into; null: none (frozen, or no gradients).
+  virtual float* grad(const std::string& name) = 0;
+  // The bf16 compute copies the matmuls find the weights' in (ComputeDtype::Bfloat16), asked once a pass before the
+  // first begin.
+  virtual const Bf16Lookup* bf16() = 0;
+};
 
 class VisionEncoder {
  public:
@@ -111,12 +133,19 @@ class VisionEncoder {
   };
   using Lookup = std::function<std::optional<Found>(const std::string& name)>;
   VisionEncoder(VisionConfig c, const Lookup& find);
+  // The parameters (TowerTensor::parameter) read from `params` as each group computes, none copied (`params` must
+  // outlive the encoder); the buffers (clip bounds, standardize) copied from `buffers`. Throws as above.
+  VisionEncoder(VisionConfig c, const Lookup& buffers, TowerParams& params);
+  ~VisionEncoder();
+  VisionEncoder(VisionEncoder&&) noexcept;
+  VisionEncoder& operator=(VisionEncoder&&) noexcept;
 
   const VisionConfig& config() const { return cfg_; }
 
   // What the tower's matmuls multiply in (ops.h ComputeDtype; Float32 until this is called). Bfloat16, as the
-  // decoder's bf16 mode: every linear's operands are rounded to bf16 (the weights once, here: a bf16 copy of each,
-  // half the tower's float32 bytes; an activation that several linears read, once for them all) with float32
+  // decoder's bf16 mode: every linear's operands are rounded to bf16 (the weights once: an encoder holding its own
+  // makes a bf16 copy of each here, half its float32 bytes; the store's slots have the store's compute copies,
+  // TowerParams::bf16; an activation that several linears read, once for them all) with float32
   // accumulation, and attention reads q, k and v rounded to bf16 (float32 storage on the float32 kernels); the norms,
   // rotary embedding, softmax, residual stream and pooling stay float32. backward multiplies its linears the same way.
   // The copies belong to this object's weights: call it again on a copy of the encoder.
@@ -146,19 +175,36 @@ class VisionEncoder {
   // layer's forward runs again from its kept input just before that layer's backward, into one set of buffers that
   // serves every layer and is freed on return.
   void backward(const VisionBatch& b, const VisionTape& tape, const float* d_soft_tokens, VisionGrads& grads) const;
+  // The same into the TowerParams' gradients (the store's slots, a group at a time between its hooks).
+  void backward(const VisionBatch& b, const VisionTape& tape, const float* d_soft_tokens) const;
+  // The TowerParams' begin and end of every group in a forward's (backward: a backward's) order, with no work: a rank
+  // with no images of its own joins a store's collective hooks so (a sharded store's gathers and reductions, to which
+  // it contributes zero gradients).
+  void join_hooks(bool backward) const;
 
  private:
+  // A group's weights as one pass reads them (pointers into the TowerParams' storage, valid between its begin and
+  // end), beside the clip bounds, which are buffers the encoder keeps.
   struct Linear {
-    std::vector<float> w;  // [out, in]
+    const float* w = nullptr;  // [out, in]
+    int64_t n = 0;             // out * in
+    std::string name;          // the weight's full name
     float in_min, in_max, out_min, out_max;
   };
   struct Layer {
-    std::vector<float> input_norm, post_attention_norm, pre_feedforward_norm, post_feedforward_norm;  // [H]
+    const float *input_norm = nullptr, *post_attention_norm = nullptr, *pre_feedforward_norm = nullptr,
+                *post_feedforward_norm = nullptr;  // [H]
     Linear q, k, v, o, gate, up, down;
-    std::vector<float> q_norm, k_norm;  // [head_dim]
+    const float *q_norm = nullptr, *k_norm = nullptr;  // [head_dim]
+    std::string prefix;                                // "model.vision_tower.encoder.layers.<l>."
   };
+  class OwnedParams;
+  // Checks the parameters `find` has against the config (the owned encoder's) and reads the buffers.
+  void read_buffers(const Lookup& find);
+  // Encoder layer l's weights from params_ (between its group's begin and end).
+  Layer layer_view(int l) const;
   std::vector<float> take(const Lookup& find, const std::string& name, const std::vector<int64_t>& shape) const;
-  Linear take_linear(const Lookup& find, const std::string& name, int64_t in, int64_t out) const;
+  Linear take_bounds(const Lookup& find, const std::string& name, int64_t in, int64_t out) const;
   // The forward's reusable buffers for the bf16 mode on sgemm (widen_on_sgemm): an activation and a weight rounded to
   // bf16 values, held in float32. Sized by the first layer, reused by the others (model::gemm would allocate both
   // afresh in every call, a page fault per 4 KiB of them).
@@ -171,8 +217,8 @@ class VisionEncoder {
   // x[0, n) as the matmul takes it: rounded to bf16 values into wide.x with widen_on_sgemm, else x itself.
   const float* rounded(const float* x, int64_t n, Widened& wide) const;
   // y[T, out] = x[T, in] W^T in this encoder's dtype, T = images x P rows, one matmul per image; x from rounded().
-  void project(const Matmul& mm, const float* x, const std::vector<float>& W, float* y, int64_t T, int64_t P,
-               int64_t in, int64_t out, Widened& wide) const;
+  void project(const Matmul& mm, const float* x, const float* W, int64_t n, float* y, int64_t T, int64_t P, int64_t in,
+               int64_t out, Widened& wide) const;
   // y = clamp(clamp(x) W^T) (no clamps without clipped linears); tape.x gets the clamped input, and with `keep`
   // tape.y the output before its clamp. x_rounded: rounded(x) when the caller made it once for several linears.
   void clipped_linear(const Matmul& mm, const Linear& l, const float* x, float* y, int64_t T, int64_t P, int64_t in,
@@ -193,14 +239,13 @@ class VisionEncoder {
   std::vector<int64_t> pool_cells(const VisionBatch& b, int img) const;
 
   VisionConfig cfg_;
-  std::vector<Layer> layers_;
-  std::vector<float> input_proj_;  // [H, 3 * patch^2]
-  std::vector<float> pos_table_;   // [2, position_embedding_size, H]
+  std::vector<Layer> layers_;  // the clip bounds and names; the weights' pointers filled by layer_view
   std::vector<float> std_bias_, std_scale_;
   std::vector<float> inv_freq_;  // [head_dim / 4]: the rotary frequencies of one axis
   ComputeDtype dtype_ = ComputeDtype::Float32;
-  Bf16Copies weights_bf16_;  // the linear weights rounded to bf16 (Bfloat16 only)
-  Matmul matmul() const;     // how this encoder's linears multiply
+  std::unique_ptr<OwnedParams> owned_;  // the encoder's own float32 weights and bf16 copies, or null
+  TowerParams* params_ = nullptr;       // owned_, or the caller's
+  Matmul matmul() const;                // how this encoder's linears multiply
 };
 
 }  // namespace rf::model

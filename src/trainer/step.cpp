@@ -49,9 +49,11 @@ TokenCounts count_tokens(const Run& r, const std::vector<PackedBatch>& batches) 
 
 namespace {
 
-// model.train_vision: the micro-batch's images through the tower of the current weights, its soft tokens the slots'
-// features, and with gradients the tower's backward from the decoder's d image_features, accumulated into the
-// store's gradients of the tower's parameters (frozen ones, model.freeze, have none).
+// model.train_vision: the micro-batch's images through the tower, its soft tokens the slots' features, and with
+// gradients the tower's backward from the decoder's d image_features. The tower reads its weights from the store and
+// accumulates its gradients into the store's, a group at a time between the store's hooks (vision_encoder.h
+// TowerParams); a rank with no images of its own joins those hooks where they are collective (a sharded store's
+// gathers and reductions), contributing zero gradients.
 // Under CP the tower's work is split over the group (split_images_by_patches, balanced by patch count): each rank
 // encodes its images only, places their soft tokens at their slots' rows of [N, F] and leaves the others zero; one sum
 // over the group gives every rank all of them (x + 0 = x: the bits of encoding them everywhere), where the rows its
@@ -93,6 +95,7 @@ double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro)
   }
   model::VisionTape tape;
   std::vector<float> soft(static_cast<size_t>(p.n_image_features * F), 0.f);  // [N, F]
+  if (mine.n == 0 && r.mode->forward_collective()) r.tower->join_hooks(false);
   if (mine.n > 0) {
     // train.recompute: the tower keeps its layers' inputs only and recomputes each layer in its backward, as the
     // decoder does (the same bits).
@@ -116,14 +119,13 @@ double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro)
     const auto back = Clock::now();
     std::vector<float>& d = res.d_image_features;  // [N, F]
     if (split) group.allreduce(d.data(), d.size(), comm::ReduceOp::Sum, r.timeout);
-    model::VisionGrads grads;  // this rank's images' (none: empty)
     if (mine.n > 0) {
       std::vector<float> d_mine;  // [this rank's soft tokens, F]
       for (int i : mine_index) d_mine.insert(d_mine.end(), d.begin() + first[i] * F, d.begin() + first[i + 1] * F);
-      r.tower->backward(mine.batch(), tape, d_mine.data(), grads);
+      r.tower->backward(mine.batch(), tape, d_mine.data());  // into the store's gradients (frozen ones have none)
+    } else if (r.mode->tower_gradients_collective()) {
+      r.tower->join_hooks(true);
     }
-    // frozen parameters (model.freeze) have none; the mode adds them into its store's (state/state.h)
-    r.mode->add_tower_gradients(r, grads);
     r.tower_seconds += seconds_since(back);
   }
   return res.loss;
@@ -136,11 +138,10 @@ double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool 
   ro.want_grad = grad;
   ro.loss_normalizer = std::max(1.0, static_cast<double>(label_tokens));  // no label tokens: loss 0, not 0 / 0
   if (r.tower && p.images.n > 0) return run_with_tower(r, p, ro);
+  // The other replicas' tower hooks, joined in the same order where they are collective (with zero gradients).
+  if (r.tower && r.mode->forward_collective()) r.tower->join_hooks(false);
   const double loss = r.ck.model->run(p.batch(), ro, *r.context.model).loss;
-  if (r.tower && grad && r.mode->tower_gradients_collective()) {  // the other replicas' tower reductions, joined
-    model::VisionGrads none;                                      // with zeros
-    r.mode->add_tower_gradients(r, none);
-  }
+  if (r.tower && grad && r.mode->tower_gradients_collective()) r.tower->join_hooks(true);
   return loss;
 }
 
@@ -191,10 +192,6 @@ double clip_global_norm(Run& r, double max_norm, double& factor) {
 double apply_update(Run& r, int64_t step, double clip) {
   const double lr = learning_rate(r.cfg.optimizer, r.cfg.schedule, static_cast<int>(step), r.cfg.train.steps);
   r.mode->update(r, lr, step, clip);
-  if (r.tower) {  // model.train_vision: the updated tower
-    r.ck.model->refresh_vision_tower();
-    r.tower = r.ck.model->vision_tower();
-  }
   return lr;
 }
 

@@ -34,13 +34,16 @@ void PrintTo(const Mode& m, std::ostream* os) { *os << m.name; }
 
 // Every mode of trainer/state/ at two ranks: the replicated state (none, optimizer), the sharded one (gradients,
 // full, optimizer with bf16 working weights), held experts (none, optimizer, full) and LoRA (none, optimizer with
-// the experts' adapters placed).
+// the experts' adapters placed); and with model.train_vision, the tower's parameters store slots of their own groups
+// (model::tower_group): float32 under gradients and full against none, bf16 working weights under optimizer,
+// gradients and full against bf16 none.
 std::vector<Mode> modes() {
   const std::vector<std::string> moe = {"model.builtin=tiny_moe_vlm", "model.init_std=0.4", "parallelism.ep=2"};
   const auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
     a.insert(a.end(), b.begin(), b.end());
     return a;
   };
+  const std::vector<std::string> tower_bf16 = {"model.train_vision=true", "model.param_dtype=bfloat16"};
   const std::vector<std::string> lora_moe =
       with(moe, {"model.lora.rank=4", "model.lora.target_parameters=[experts.gate_up_proj]"});
   return {
@@ -54,6 +57,13 @@ std::vector<Mode> modes() {
       {"HeldExpertsNone", with(moe, {"parallelism.shard=none"}), {}},
       {"HeldExpertsOptimizer", with(moe, {"parallelism.shard=optimizer"}), with(moe, {"parallelism.shard=none"})},
       {"HeldExpertsFull", with(moe, {"parallelism.shard=full"}), with(moe, {"parallelism.shard=none"})},
+      {"TowerNone", {"model.train_vision=true", "parallelism.shard=none"}, {}},
+      {"TowerGradients", {"model.train_vision=true", "parallelism.shard=gradients"}, {"model.train_vision=true"}},
+      {"TowerFull", {"model.train_vision=true", "parallelism.shard=full"}, {"model.train_vision=true"}},
+      {"TowerBf16None", with(tower_bf16, {"parallelism.shard=none"}), {}},
+      {"TowerBf16Optimizer", with(tower_bf16, {"parallelism.shard=optimizer"}), tower_bf16},
+      {"TowerBf16Gradients", with(tower_bf16, {"parallelism.shard=gradients"}), tower_bf16},
+      {"TowerBf16Full", with(tower_bf16, {"parallelism.shard=full"}), tower_bf16},
       {"LoraNone", {"model.lora.rank=4", "parallelism.shard=none"}, {}},
       {"LoraPlacedOptimizer", with(lora_moe, {"parallelism.shard=optimizer"}),
        with(lora_moe, {"parallelism.shard=none"})},
@@ -177,7 +187,8 @@ TEST_P(StateConformance, BytesCoverWhatItAllocates) {
   const std::string text = model::builtin_config_json(c.model.builtin);
   const model::Gemma4Config mc = model::Gemma4Config::from_json(text, "builtin");
   const model::VisionConfig tower = model::VisionConfig::from_config_json(text, "builtin").value();
-  const model::Gemma4Multimodal shapes(mc, model::MultimodalParts(model::kBuiltinFeatureDim, tower, false),
+  const model::Gemma4Multimodal shapes(mc,
+                                       model::MultimodalParts(model::kBuiltinFeatureDim, tower, c.model.train_vision),
                                        model::TensorSet::Storage::Deferred, nullptr);
   const detail::StateBytes b = detail::plan_state(c)->bytes(c, shapes, 2);
   constexpr int64_t kF = sizeof(float);

@@ -13,11 +13,15 @@ pooling 2, images of odd sizes, RGB and grey with alpha). Then
      per op amplified by depth), each gradient 1e-4 in relative norm (tests/model/vision_parity.py's bound; here the
      decoder's backward comes first, still ~1e-5 measured; a gradient that missed a rank's share or an image is
      off by O(1));
+     The same with model.param_dtype = bfloat16 (the tower's and the decoder's parameters store slots, run from
+     their bf16 working copy) against transformers on the parameters rounded to bf16 (the masters' rounding is the
+     only difference; the bounds above, for the same float32-against-float64 reasons);
   2. three steps on ten samples at cp = 1 and cp = 2 give the same losses (1e-4 relative, as images_train.py), the
      tower's weights moved, and the checkpoint loads in transformers with no missing or unexpected weights;
   3. a run resumed from step 2 ends on the same loss and the same checkpoint bits as the run that went through.
 Exit 77 (CTest's skip) when torch, transformers or safetensors is missing.
 """
+import copy
 import json
 import os
 import subprocess
@@ -116,7 +120,7 @@ def compare_grads(what, ckpt_dir, ref_grads, prefixes, failures, missing_why="")
     return worst, checked
 
 
-def check_one_step(ringflex, mpiexec, work, ckpt, names, model, failures):
+def check_one_step(ringflex, mpiexec, work, ckpt, names, model, failures, param_dtype="float32"):
     ids = [9, 10, IMAGE, 11, 12, 13, 14, IMAGE, 15, 16, 17]
     sample = [names[0], names[2]]  # RGB 13 x 9 and grey + alpha 21 x 30: two patch counts
     data = os.path.join(work, "one.jsonl")
@@ -126,9 +130,10 @@ def check_one_step(ringflex, mpiexec, work, ckpt, names, model, failures):
                                         pooling_kernel_size=VISION["pooling_kernel_size"], max_soft_tokens=SOFT)
     ref_loss, ref_grads = reference(model, ids, [os.path.join(work, n) for n in sample], processor)
     sets = [f"model.path={ckpt}", f"data.path={data}", "data.val_rows=0", "train.global_batch=1",
-            "optimizer.grad_clip=0"]
-    for launcher, what in (([], "cp = 1"), ([*mpiexec, "-n", "2"], "cp = 2")):
-        name = "grad_" + ("two" if launcher else "one")
+            "optimizer.grad_clip=0", f"model.param_dtype={param_dtype}"]
+    for launcher, where in (([], "cp = 1"), ([*mpiexec, "-n", "2"], "cp = 2")):
+        what = f"{where}, param_dtype {param_dtype}"
+        name = f"grad_{param_dtype}_" + ("two" if launcher else "one")
         try:
             metrics = run(ringflex, launcher, work, name, sets, 1)
         except RuntimeError as e:
@@ -188,6 +193,11 @@ def main():
         for sub in (model.config.text_config, model.config.vision_config):
             sub._attn_implementation = "eager"
         check_one_step(ringflex, mpiexec, work, ckpt, names, model, failures)
+        rounded = copy.deepcopy(model)  # what a bf16 working copy of the float32 masters holds
+        with torch.no_grad():
+            for p in rounded.parameters():
+                p.copy_(p.to(torch.bfloat16).double())
+        check_one_step(ringflex, mpiexec, work, ckpt, names, rounded, failures, "bfloat16")
         check_cp_and_resume(ringflex, mpiexec, work, ckpt, names, failures)
     if failures:
         for f in failures:

@@ -2,10 +2,10 @@
 # model.train_vision under parallelism.shard = full resumes bit for bit under a real mpirun (RANKS ranks, the model
 # and grid in GRID_SETS): a run of 3 steps saves at step 2 and 3; resumed from step 2 (each rank loading its pieces of
 # the tower's parameters and of the moments straight into the sharded store, or with parallelism.ep > 1 the files
-# whole and keeping its parts, the held experts' and the sharded store's; the tower's float32 copy gathered from
-# them), its step 3 has the uninterrupted run's loss and gradient norm and writes the same weights byte for byte.
+# whole and keeping its parts, the held experts' and the sharded store's; the tower's groups gathered from them
+# as it computes), its step 3 has the uninterrupted run's loss and gradient norm and writes the same weights byte for byte.
 # Every value is made by the same operations in the same order either way, so only a piece or moment loaded into the
-# wrong place (or a tower built from stale weights) could change a bit.
+# wrong place (or a tower group gathered from stale weights) could change a bit.
 #   train_vision_shard_resume_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- RANKS GRID_SETS...
 set -euo pipefail
 source "$(dirname "$0")/../common/mpirun_lib.sh"

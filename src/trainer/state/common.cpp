@@ -12,14 +12,6 @@
 
 namespace rf::trainer::detail {
 
-Support tower_with_bf16_weights(const TrainConfig& c) {
-  if (c.model.param_dtype == model::ParamDtype::Bfloat16 && c.model.train_vision)
-    return {
-        "model.param_dtype = bfloat16 with model.train_vision is not implemented (its weights keep float32 working "
-        "copies of their own)"};
-  return {};
-}
-
 std::unique_ptr<TrainingState> plan_state(const TrainConfig& c) {
   if (c.model.lora_rank != 0) return lora_state(c);
   if (c.parallelism.ep > 1) return held_experts_state(c);
@@ -46,16 +38,6 @@ std::string TrainingState::weights_source(const Run& r) const {
 
 void TrainingState::after_optimizer(Run& r) {
   if (!r.resume_dir.empty()) load_optimizer_state(r.resume_dir, r.ck.model->params());
-}
-
-// Added to a replicated store's gradients, which the gradient reduction then sums over the world with the decoder's.
-void TrainingState::add_tower_gradients(Run& r, model::VisionGrads& grads) {
-  model::ParamStore& store = r.ck.model->params();
-  for (const auto& [name, g] : grads) {
-    float* dst = store.grad(store.slot(name));
-    if (dst == nullptr) continue;
-    for (size_t e = 0; e < g.size(); ++e) dst[e] += g[e];
-  }
 }
 
 int64_t trainable_bytes(const TrainConfig& c, const model::ParamStore& registry) {

@@ -18,7 +18,6 @@
 namespace rf::trainer::detail {
 
 std::unique_ptr<ShardedStore> make_sharded_store(Run& r, std::unique_ptr<comm::Communicator>& comm);
-void add_sharded_tower_gradients(Run& r, ShardedStore& sharded, model::VisionGrads& grads);
 
 namespace {
 
@@ -137,10 +136,6 @@ class HeldExpertsState final : public TrainingState {
 
   // With a sharded inner store the rest's are reduced by its hooks (the HeldExpertStore registers every slot of the
   // model's in the same order, the tower's among its non-expert parameters).
-  void add_tower_gradients(Run& r, model::VisionGrads& grads) override {
-    if (inner_sharded_ == nullptr) return TrainingState::add_tower_gradients(r, grads);
-    add_sharded_tower_gradients(r, *inner_sharded_, grads);
-  }
   bool tower_gradients_collective() const override { return slices_only_; }
   bool forward_collective() const override { return shard_ == ShardMode::Full; }
 

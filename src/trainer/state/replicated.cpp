@@ -12,7 +12,7 @@ class ReplicatedState final : public TrainingState {
  public:
   explicit ReplicatedState(const TrainConfig& c) : zero1_(c.parallelism.shard == ShardMode::Optimizer) {}
 
-  Support supports(const TrainConfig& c) const override { return tower_with_bf16_weights(c); }
+  Support supports(const TrainConfig&) const override { return {}; }
 
   StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) const override {
     ReplicatedBytes b;

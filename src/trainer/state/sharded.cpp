@@ -20,18 +20,6 @@ std::unique_ptr<ShardedStore> make_sharded_store(Run& r, std::unique_ptr<comm::C
   return s;
 }
 
-void add_sharded_tower_gradients(Run& r, ShardedStore& sharded, model::VisionGrads& grads) {
-  model::ParamStore& store = r.ck.model->params();
-  for (size_t slot = 0; slot < store.size(); ++slot) {
-    const model::ParamInfo& p = store.info(slot);
-    if (!p.trainable || p.name.rfind(model::kVisionTowerPrefix, 0) != 0) continue;
-    const auto it = grads.find(p.name);
-    std::vector<float> whole =
-        it != grads.end() ? std::move(it->second) : std::vector<float>(static_cast<size_t>(p.numel), 0.f);
-    sharded.reduce_gradient(slot, whole);
-  }
-}
-
 namespace {
 
 class ShardedState final : public TrainingState {
@@ -42,7 +30,7 @@ class ShardedState final : public TrainingState {
         // The float32 masters are this rank's pieces: the checkpoint writer's reads are collectives.
         masters_sharded_(full_ || c.model.param_dtype == model::ParamDtype::Bfloat16) {}
 
-  Support supports(const TrainConfig& c) const override { return tower_with_bf16_weights(c); }
+  Support supports(const TrainConfig&) const override { return {}; }
 
   StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) const override {
     if (!slices_only_) {  // optimizer with bf16 working weights: whole gradients, sharded masters and moments
@@ -102,10 +90,8 @@ class ShardedState final : public TrainingState {
     store.set_moment_range(mine.begin, mine.end);
   }
 
-  void add_tower_gradients(Run& r, model::VisionGrads& grads) override {
-    add_sharded_tower_gradients(r, *store_, grads);
-  }
-  bool tower_gradients_collective() const override { return true; }
+  // Gradients and full: each tower group's gradients are reduced by its backward's hooks.
+  bool tower_gradients_collective() const override { return slices_only_; }
   bool forward_collective() const override { return full_; }
 
   // Gradients and full: reduced already, layer by layer, by the store's hooks, into this rank's slice. Optimizer:

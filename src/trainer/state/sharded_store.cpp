@@ -31,9 +31,14 @@ ShardedStore::Group& ShardedStore::group_of(int layer) {
 }
 
 const ShardedStore::Group& ShardedStore::group_of(int layer) const {
-  RF_CHECK(adopted_ && layer >= model::kGlobalGroup && layer < layers_, "sharded store: layer ", layer, " outside its ",
-           layers_, " layers (or no weights adopted yet)");
-  return groups_[static_cast<size_t>(layer + 1)];
+  RF_CHECK(adopted_ && layer < layers_ && (!model::is_tower_group(layer) || model::tower_index(layer) < towers_),
+           "sharded store: group ", layer, " outside its ", layers_, " layers and ", towers_,
+           " tower groups (or no weights adopted yet)");
+  return groups_[index_of(layer)];
+}
+
+size_t ShardedStore::index_of(int layer) const {
+  return static_cast<size_t>(model::is_tower_group(layer) ? layers_ + 1 + model::tower_index(layer) : layer + 1);
 }
 
 ShardedStore::Piece ShardedStore::piece(size_t slot, int q) const { return layout_.piece(slot, q); }
@@ -128,16 +133,20 @@ void ShardedStore::lay_out() {
            "shards only with model.param_dtype bfloat16 (with float32 the replicated store serves it)");
   std::vector<bool> trainable(size());
   layers_ = 0;
+  towers_ = 0;
   for (size_t i = 0; i < size(); ++i) {
     trainable[i] = info(i).trainable;
-    layers_ = std::max(layers_, info(i).layer + 1);
+    if (model::is_tower_group(info(i).layer))
+      towers_ = std::max(towers_, model::tower_index(info(i).layer) + 1);
+    else
+      layers_ = std::max(layers_, info(i).layer + 1);
   }
   layout_ = ShardLayout(*this, trainable, P_);
-  groups_.assign(static_cast<size_t>(layers_ + 1), Group{});
+  groups_.assign(static_cast<size_t>(layers_ + 1 + towers_), Group{});
   group_of_slot_.assign(size(), 0);
   at_in_group_.assign(size(), 0);
   for (size_t i = 0; i < size(); ++i) {
-    size_t gi = static_cast<size_t>(info(i).layer + 1);
+    size_t gi = index_of(info(i).layer);
     if (info(i).streamed) {
       gi = groups_.size();
       groups_.emplace_back();
@@ -248,7 +257,7 @@ void ShardedStore::finish_gather(Gathered& t) {
 // The layer's weights gathered and in place: waits for the posted gather, or gathers now.
 void ShardedStore::acquire(int layer) {
   if (!sharded()) return;
-  std::unique_ptr<Gathered>& slot = live_[static_cast<size_t>(layer + 1)];
+  std::unique_ptr<Gathered>& slot = live_[index_of(layer)];
   if (!slot) slot = post_gather(group_of(layer), true);
   if (slot->posted || slot->staged()) finish_gather(*slot);
 }
@@ -603,6 +612,10 @@ void ShardedStore::before_forward(int layer) {
     ReplicatedStore::before_forward(layer);
     return;
   }
+  if (model::is_tower_group(layer)) {  // gathered now, alone (the tower runs before the decoder's layers)
+    acquire(layer);
+    return;
+  }
   if (layer == model::kGlobalGroup) {
     std::unique_ptr<Gathered>& global = live_[0];
     if (global_stale_) global.reset();
@@ -628,6 +641,10 @@ void ShardedStore::after_forward(int layer) {
   // The last layer stays gathered for its backward, which comes next (after the loss): one gather fewer a step, and
   // none waiting behind the loss, where no layer computes. A forward-only run ends with kGlobalGroup: no backward
   // will read it then.
+  if (model::is_tower_group(layer)) {
+    live_[index_of(layer)].reset();
+    return;
+  }
   if (layer == model::kGlobalGroup) {
     if (layers_ > 0) live_[static_cast<size_t>(layers_)].reset();
     return;
@@ -667,10 +684,16 @@ void ShardedStore::after_backward(int layer) {
       pending_ = post_reduce(group_of(layer), std::move(layer_grads_));
       layer_grads_ = {};
       grad_layer_ = model::kGlobalGroup - 1;
+      // A tower group's backward follows the decoder's whole backward, and the last of the step may be the tower's:
+      // its reduction ends here, as the global group's does.
+      if (model::is_tower_group(layer)) {
+        finish_reduce(*pending_);
+        pending_.reset();
+      }
     }
   }
   if (layer == model::kGlobalGroup) tables_.clear();
-  if (sharded() && layer != model::kGlobalGroup) live_[static_cast<size_t>(layer + 1)].reset();
+  if (sharded() && layer != model::kGlobalGroup) live_[index_of(layer)].reset();
   if (!sharded()) ReplicatedStore::after_backward(layer);
 }
 
@@ -754,18 +777,6 @@ void ShardedStore::release_head(size_t slot) {
   head_ = SIZE_MAX;
 }
 
-void ShardedStore::reduce_gradient(size_t slot, std::span<float> whole) {
-  const ParamInfo& p = info(slot);
-  RF_CHECK(grads_allocated_ && p.trainable && p.streamed, "sharded store: reduce_gradient(", p.name,
-           ") of a parameter that is frozen or not streamed, or before allocate_grads");
-  RF_CHECK(static_cast<int64_t>(whole.size()) == p.numel, "sharded store: reduce_gradient: ", whole.size(),
-           " elements for ", p.name, " of ", p.numel);
-  reduce_spans(slot, whole.data(), [&](int q) {
-    const Piece pc = piece(slot, q);
-    return pc.n > 0 ? std::vector<Span>{Span{pc.first, pc.first, pc.n}} : std::vector<Span>{};
-  });
-}
-
 ShardedStore::Bytes ShardedStore::held() const {
   constexpr int64_t kF = sizeof(float), kB = sizeof(bf16);
   const auto bytes = [](const std::vector<float>& v) { return static_cast<int64_t>(v.size()) * kF; };
@@ -795,16 +806,21 @@ ShardedStore::Bytes ShardedStore::held() const {
 int64_t ShardedStore::working_bytes_for(const model::ParamStore& registry, int64_t full_gathered) {
   constexpr int64_t kF = sizeof(float), kB = sizeof(bf16);
   if (full_gathered >= 0) return full_gathered / kF * kB;
-  std::vector<int64_t> layer(1, 0);
+  std::vector<int64_t> layer(1, 0);  // the decoder's layers, then the tower's groups (widened one at a time too)
   int64_t global = 0, streamed = 0;
+  int64_t layers = 0;
+  for (const ParamInfo& p : registry.infos())
+    if (!model::is_tower_group(p.layer)) layers = std::max<int64_t>(layers, p.layer + 1);
   for (const ParamInfo& p : registry.infos()) {
     if (p.streamed) {
       streamed = std::max(streamed, p.numel);
     } else if (p.layer == model::kGlobalGroup) {
       global += p.numel;
     } else {
-      if (static_cast<size_t>(p.layer) >= layer.size()) layer.resize(static_cast<size_t>(p.layer) + 1, 0);
-      layer[static_cast<size_t>(p.layer)] += p.numel;
+      const size_t at =
+          static_cast<size_t>(model::is_tower_group(p.layer) ? layers + model::tower_index(p.layer) : p.layer);
+      if (at >= layer.size()) layer.resize(at + 1, 0);
+      layer[at] += p.numel;
     }
   }
   const int64_t widened = *std::max_element(layer.begin(), layer.end()) + global + streamed;
@@ -833,7 +849,7 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
     size_t slot = SIZE_MAX;                     // a streamed parameter's
   };
   std::vector<Group> groups(1);
-  std::vector<Group> streamed;
+  std::vector<Group> streamed, tower;  // tower: the vision tower's groups (model::tower_group), gathered alone
   for (size_t i = 0; i < registry.size(); ++i) {
     const ParamInfo& p = registry.info(i);
     Group* g = nullptr;
@@ -841,6 +857,10 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
       streamed.emplace_back();
       g = &streamed.back();
       g->slot = i;
+    } else if (model::is_tower_group(p.layer)) {
+      const size_t ti = static_cast<size_t>(model::tower_index(p.layer));
+      if (ti >= tower.size()) tower.resize(ti + 1);
+      g = &tower[ti];
     } else {
       const size_t gi = static_cast<size_t>(p.layer + 1);
       if (gi >= groups.size()) groups.resize(gi + 1);
@@ -876,6 +896,11 @@ ShardedStore::Bytes ShardedStore::bytes_for(const model::ParamStore& registry, c
     largest = std::max(largest, groups[gi].all);
     largest_train = std::max(largest_train, groups[gi].train);
     reductions = std::max(reductions, reduction(groups[gi], true));
+  }
+  for (const Group& g : tower) {  // a tower group's reduction finishes at its after_backward
+    largest = std::max(largest, g.all);
+    largest_train = std::max(largest_train, g.train);
+    reductions = std::max(reductions, reduction(g, false));
   }
   const int64_t last_layer = groups.size() > 1 ? groups.back().all : 0;
   // The streamed parameters: the head gathered whole around the loss (its gradient beside it, then reduced); the

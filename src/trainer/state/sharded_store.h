@@ -122,13 +122,6 @@ class ShardedStore : public model::ReplicatedStore {
   std::span<const float> flat(model::Role role) const override;
   std::span<float> mutable_flat(model::Role role) override;
 
-  // A whole-tensor gradient of a streamed parameter that no run hook reduces (model.train_vision: the vision tower's,
-  // made after the decoder's run, step.cpp run_with_tower) added into its owners' slices: each owner sums the N
-  // ranks' contributions in rank order in double, rounded once, as after_backward does, so one micro-batch a step
-  // gives shard none's bits. A collective: every rank, the same slots in the same order (a rank with no contribution
-  // passes zeros). `whole` [numel] is packed in place for the send: its values are gone after.
-  void reduce_gradient(size_t slot, std::span<float> whole);
-
   TableRows rows(size_t slot, std::span<const int32_t> ids, bool want_grads) override;
   void acquire_head(size_t slot) override;
   void release_head(size_t slot) override;
@@ -182,6 +175,7 @@ class ShardedStore : public model::ReplicatedStore {
   void lay_out();              // the groups, the frozen layout and this rank's slices, from the registry and its flags
   Group& group_of(int layer);
   const Group& group_of(int layer) const;
+  size_t index_of(int layer) const;  // the group's index in groups_ and live_
   std::unique_ptr<Gathered> post_gather(const Group& g, bool working);
   template <class T, class Pack>
   void fetch_rows(size_t slot, const Table& t, T* rows, Pack pack);
@@ -204,8 +198,10 @@ class ShardedStore : public model::ReplicatedStore {
   std::vector<std::string> freeze_;
   int P_ = 1, me_ = 0;
   int layers_ = 0;
-  // [layers_ + 1 + streamed]: the global group (its parameters that are not streamed), the decoder layers, then one
-  // group of its own for each streamed parameter (gathered whole only around the loss (the head), or by unshard)
+  int towers_ = 0;  // the vision tower's groups (model::tower_group), with model.train_vision
+  // [layers_ + 1 + towers_ + streamed]: the global group (its parameters that are not streamed), the decoder layers,
+  // the tower's groups, then one group of its own for each streamed parameter (gathered whole only around the loss
+  // (the head), or by unshard)
   std::vector<Group> groups_;
   std::vector<size_t> group_of_slot_, at_in_group_;  // [slots]: the slot's group in groups_, its index there
   ShardLayout layout_;  // which rank holds which elements of each slot, from the registry and its flags

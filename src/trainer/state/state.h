@@ -16,7 +16,6 @@
 #include "model/checkpoint.h"
 #include "model/multimodal.h"
 #include "model/param_store.h"
-#include "model/vision_encoder.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
 
@@ -74,9 +73,8 @@ class TrainingState {
   virtual void before_optimizer(Run& r) = 0;
   virtual void after_optimizer(Run& r);
 
-  // model.train_vision: a micro-batch's tower gradients (by name) into the store's (`grads` may be moved from).
-  virtual void add_tower_gradients(Run& r, model::VisionGrads& grads);
-  // Whether add_tower_gradients is a collective every rank joins, with no images of its own too.
+  // model.train_vision: whether the store's hooks of the tower's backward are collective (a reduction a group),
+  // which every rank joins, with no images of its own too (VisionEncoder::join_hooks).
   virtual bool tower_gradients_collective() const { return false; }
   // Whether every micro-batch's forward is a collective over the world (every rank runs as many).
   virtual bool forward_collective() const { return false; }
@@ -150,9 +148,6 @@ struct ReplicatedBytes {
 };
 MemoryBreakdown replicated_bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size,
                                  const ReplicatedBytes& b);
-// The vision tower keeps float32 working copies of its own weights, so bf16 working weights (replicated or sharded)
-// are refused with model.train_vision until its parameters are store slots.
-Support tower_with_bf16_weights(const TrainConfig& c);
 // Bytes of `m`'s trainable parameters after model.freeze.
 int64_t trainable_bytes(const TrainConfig& c, const model::ParamStore& registry);
 // One save part on every rank: `write` runs, then the world agrees (a failure anywhere ends every rank).
