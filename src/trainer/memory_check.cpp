@@ -41,9 +41,10 @@ namespace rf::trainer {
 // checkpoint writer's copies, validation's forward (smaller than the training step's), and the staging of the bf16
 // working weights' gather after an update (one group's trainable elements at 2 bytes, held after the step's
 // activations are freed).
-MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) {
+MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size,
+                                      int ranks_on_node) {
   // The training state's terms (trainer/state/: what each mode holds of the weights, gradients and moments).
-  const detail::StateBytes state = detail::plan_state(c)->bytes(c, m, world_size);
+  const detail::StateBytes state = detail::plan_state(c)->bytes(c, m, world_size, ranks_on_node);
   MemoryBreakdown need = state.terms;
   // A step builds all of this replica's rows before its micro-batches run: five int32 arrays a token (ids, labels,
   // positions, documents, image slots); image features not counted.

@@ -179,7 +179,7 @@ TEST_P(StateConformance, BytesCoverWhatItAllocates) {
   const model::VisionConfig tower = model::VisionConfig::from_config_json(text, "builtin").value();
   const model::Gemma4Multimodal shapes(mc, model::MultimodalParts(model::kBuiltinFeatureDim, tower, false),
                                        model::TensorSet::Storage::Deferred, nullptr);
-  const detail::StateBytes b = detail::plan_state(c)->bytes(c, shapes, 2);
+  const detail::StateBytes b = detail::plan_state(c)->bytes(c, shapes, 2, 1);
   constexpr int64_t kF = sizeof(float);
   // Gradients: the arena at least (the sharded modes add the layer buffers their reductions send from).
   EXPECT_GE(b.terms.of("gradients"), static_cast<int64_t>(got.grads) * kF) << m.name;

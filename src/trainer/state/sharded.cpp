@@ -44,7 +44,7 @@ class ShardedState final : public TrainingState {
 
   Support supports(const TrainConfig& c) const override { return tower_with_bf16_weights(c); }
 
-  StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) const override {
+  StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size, int) const override {
     if (!slices_only_) {  // optimizer with bf16 working weights: whole gradients, sharded masters and moments
       ReplicatedBytes b;
       b.weight_bytes = m.params().weight_bytes();
