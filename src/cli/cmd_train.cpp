@@ -152,20 +152,26 @@ void add_train_command(CLI::App& app, Runner& run) {
       "--config", opt->config,
       "YAML config (sections model, data, optimizer, schedule, parallelism, train, checkpoint); absent: all defaults");
   cmd->add_option("--set", opt->sets, "Override one field, section.key=value (repeatable), e.g. --set train.steps=5");
-  cmd->add_option("--metrics", opt->metrics, "Write one JSON object per optimizer step to this JSONL file");
-  cmd->add_option("--resume", opt->resume,
-                  "Continue from a checkpoint directory, or the newest one under a checkpoint root");
-  cmd->add_option("--loss-svg", opt->loss_svg, "Where to draw the loss curve (default: <checkpoint.dir>/loss.svg)");
-  cmd->add_option("--stats", opt->stats,
-                  "Write the memory check's per-rank bytes by kind (weight shard, gathered weights, gradients, "
-                  "moments, activations, communication buffers) and each rank's peak RSS as JSON at the end");
-  cmd->add_flag(
+  CLI::Option* metrics =
+      cmd->add_option("--metrics", opt->metrics, "Write one JSON object per optimizer step to this JSONL file");
+  CLI::Option* resume =
+      cmd->add_option("--resume", opt->resume,
+                      "Continue from a checkpoint directory, or the newest one under a checkpoint root");
+  CLI::Option* loss_svg =
+      cmd->add_option("--loss-svg", opt->loss_svg, "Where to draw the loss curve (default: <checkpoint.dir>/loss.svg)");
+  CLI::Option* stats =
+      cmd->add_option("--stats", opt->stats,
+                      "Write the memory check's per-rank bytes by kind (weight shard, gathered weights, gradients, "
+                      "moments, activations, communication buffers) and each rank's peak RSS as JSON at the end");
+  CLI::Option* print_config = cmd->add_flag(
       "--print-config", opt->print_config,
       "Print the resolved config (defaults filled in) and exit, without checking it against this job (ranks, files)");
   CLI::Option* plan = cmd->add_flag(
       "--plan", opt->plan,
       "Train nothing: print which cp x dp x ep layouts, shard modes, param dtypes (and LoRA or full, with a "
       "model.lora block) fit the machines below, each with its per-rank bytes by kind, best first");
+  // A plan trains, resumes and writes nothing of a run's: those options would be silently ignored.
+  for (CLI::Option* run_only : {metrics, resume, loss_svg, stats, print_config}) plan->excludes(run_only);
   cmd->add_option("--ranks", opt->ranks, "--plan: the job's ranks N (default: the config's cp x dp)")
       ->check(CLI::PositiveNumber)
       ->needs(plan);

@@ -189,7 +189,7 @@ void load_base(Run& r) {
   const std::string text = model::builtin_config_json(cfg.model.builtin);
   const std::string source = "model.builtin " + cfg.model.builtin;
   const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
-  check_fits(r, *model_shapes(cfg));
+  check_fits(r, *builtin_shapes(cfg, nullptr));
   r.ck.model = builtin_shapes(cfg, r.mode->make_store(r));
   r.ck.model->params().allocate_weights();
   // Every slot, the tower's last (so the decoder draws the same values with and without model.train_vision).
