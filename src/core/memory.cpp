@@ -171,15 +171,20 @@ int local_ranks() {
   return n >= 1 ? n : 1;
 }
 
-int64_t available_memory_bytes() {
+int64_t node_available_bytes() {
   int64_t bytes = meminfo_available();
   if (bytes < 0) bytes = static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
   const int64_t cgroup = cgroup_memory_headroom("/proc/self/cgroup", "/sys/fs/cgroup");
-  if (cgroup >= 0) bytes = std::min(bytes, cgroup);
-  bytes /= local_ranks();
+  return cgroup >= 0 ? std::min(bytes, cgroup) : bytes;
+}
+
+int64_t rank_share_bytes(int64_t node_bytes, int ranks_on_node) {
+  const int64_t bytes = node_bytes / std::max(ranks_on_node, 1);
   const int64_t limit = env_limit("RINGFLEX_MEMORY_LIMIT");
   return limit >= 0 ? std::min(bytes, limit) : bytes;
 }
+
+int64_t available_memory_bytes() { return rank_share_bytes(node_available_bytes(), local_ranks()); }
 
 void MemoryBreakdown::add(std::string name, int64_t bytes) { terms_.push_back({std::move(name), bytes}); }
 

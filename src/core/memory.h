@@ -26,6 +26,11 @@ namespace rf {
 // ranks on this node (OMPI_COMM_WORLD_LOCAL_SIZE, 1 without mpirun), at most RINGFLEX_MEMORY_LIMIT. Throws
 // rf::Error when RINGFLEX_MEMORY_LIMIT is not a byte count.
 int64_t available_memory_bytes();
+// The parts of it: the machine's figure (MemAvailable at most the cgroups' headroom, for all its ranks together),
+// and one rank's share of `node_bytes` among `ranks_on_node` ranks, at most RINGFLEX_MEMORY_LIMIT (`ringflex train
+// --plan` asks the second for another machine's figure).
+int64_t node_available_bytes();
+int64_t rank_share_bytes(int64_t node_bytes, int ranks_on_node);
 
 // What the memory cgroups of this process still let it allocate, or -1 when none sets a limit (or none can be
 // read). `proc_cgroup` is the process's cgroup list (/proc/self/cgroup), `cgroup_mount` where the hierarchies are

@@ -156,6 +156,56 @@ bool is_side_file(const std::string& name) {
   return kSideFiles.count(name) > 0;
 }
 
+namespace {
+
+// The vision projection's width F in `files` (0 without one), its shape checked against the config.
+int projection_width(const io::Checkpoint& files, const Gemma4Config& cfg) {
+  const io::TensorView* v = files.find(kVisionProjection);
+  if (v == nullptr) return 0;
+  RF_CHECK(v->rank() == 2 && v->shape[0] == cfg.hidden_size, files.shard_of(kVisionProjection).path(), ": tensor `",
+           kVisionProjection, "` has shape ", io::shape_string(v->shape), ", expected [hidden_size = ", cfg.hidden_size,
+           ", F]");
+  return static_cast<int>(v->shape[1]);
+}
+
+// The model of `cfg` (read from `config_path` in `dir`) with a projection of width `vision_dim`, as shapes only.
+std::unique_ptr<Gemma4Multimodal> shapes_of(Gemma4Config cfg, const std::string& config_path, int vision_dim,
+                                            bool train_vision, const std::string& dir,
+                                            std::unique_ptr<ParamStore> store) {
+  MultimodalParts parts;
+  parts.vision_feature_dim = vision_dim;
+  parts.vision = VisionConfig::from_config_json(cfg.source_json, config_path);
+  parts.train_vision = train_vision;
+  RF_CHECK(!train_vision || parts.vision.has_value(), dir,
+           ": model.train_vision, but the config has no vision_config (no vision tower)");
+  return std::make_unique<Gemma4Multimodal>(std::move(cfg), std::move(parts), TensorSet::Storage::Deferred,
+                                            std::move(store));
+}
+
+}  // namespace
+
+bool has_weight_files(const std::string& dir) {
+  std::error_code ec;
+  return fs::exists(fs::path(dir) / io::Checkpoint::kIndexFile, ec) ||
+         fs::exists(fs::path(dir) / io::Checkpoint::kSingleFile, ec);
+}
+
+std::unique_ptr<Gemma4Multimodal> checkpoint_shapes(const std::string& dir, bool train_vision,
+                                                    std::unique_ptr<ParamStore> store) {
+  const fs::path config_path = fs::path(dir) / "config.json";
+  RF_CHECK(fs::is_directory(dir), dir, ": not a directory");
+  RF_CHECK(fs::exists(config_path), dir, ": no config.json");
+  Gemma4Config cfg = Gemma4Config::from_json(io::read_config_file(config_path.string()), config_path.string());
+  int vision_dim = 0;
+  if (has_weight_files(dir)) {
+    vision_dim = projection_width(io::Checkpoint::open(dir), cfg);
+  } else if (const std::optional<VisionConfig> vision =
+                 VisionConfig::from_config_json(cfg.source_json, config_path.string())) {
+    vision_dim = vision->hidden_size;
+  }
+  return shapes_of(std::move(cfg), config_path.string(), vision_dim, train_vision, dir, std::move(store));
+}
+
 Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& before_allocating,
                            std::unique_ptr<ParamStore> store, bool train_vision, const PlaceParams& place) {
   const fs::path root(dir);
@@ -179,24 +229,11 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
   RF_CHECK(!ec, dir, ": cannot list the directory (", ec.message(), ")");
   const std::string embed = "embed_tokens.weight";
   if (files.find(kMultimodalTextPrefix + embed)) ck.text_prefix = kMultimodalTextPrefix;
-  int vision_dim = 0;
-  if (const io::TensorView* v = files.find(kVisionProjection)) {
-    RF_CHECK(v->rank() == 2 && v->shape[0] == cfg.hidden_size, files.shard_of(kVisionProjection).path(), ": tensor `",
-             kVisionProjection, "` has shape ", io::shape_string(v->shape),
-             ", expected [hidden_size = ", cfg.hidden_size, ", F]");
-    vision_dim = static_cast<int>(v->shape[1]);
-  }
   // What the config claims is checked against the files before any of it is allocated: the parameters are
   // registered as shapes only, each must be in the files with that shape, and their float32 total must fit the
   // machine. (A 4 KiB checkpoint whose config claims a 262144-token vocabulary fails here, not after 1 GiB.)
-  MultimodalParts parts;
-  parts.vision_feature_dim = vision_dim;
-  parts.vision = VisionConfig::from_config_json(cfg.source_json, config_path.string());
-  parts.train_vision = train_vision;
-  RF_CHECK(!train_vision || parts.vision.has_value(), dir,
-           ": model.train_vision, but the config has no vision_config (no vision tower)");
-  ck.model = std::make_unique<Gemma4Multimodal>(std::move(cfg), std::move(parts), TensorSet::Storage::Deferred,
-                                                std::move(store));
+  const int vision_dim = projection_width(files, cfg);
+  ck.model = shapes_of(std::move(cfg), config_path.string(), vision_dim, train_vision, dir, std::move(store));
   const size_t from_files = ck.model->params().size();
   for (const ParamInfo& p : ck.model->params().infos()) {
     const std::string name = file_name_of(p.name, ck.text_prefix);

@@ -83,6 +83,16 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
                            std::unique_ptr<ParamStore> store = nullptr, bool train_vision = false,
                            const PlaceParams& place = {});
 
+// Whether `dir` holds weights (model.safetensors or its index), as load_checkpoint reads them.
+bool has_weight_files(const std::string& dir);
+
+// The model `dir`'s config.json describes, its parameters registered as shapes only in `store` (null: a replicated
+// store): what load_checkpoint checks the files against, with nothing allocated and no tensor read. The vision
+// projection's width F is the files' (their headers alone) where `dir` has weights, else the config's
+// vision_config.hidden_size (transformers sizes the projection by it), else none. `train_vision`: as load_checkpoint.
+std::unique_ptr<Gemma4Multimodal> checkpoint_shapes(const std::string& dir, bool train_vision,
+                                                    std::unique_ptr<ParamStore> store = nullptr);
+
 // How save_checkpoint writes the weights.
 struct SaveOptions {
   // checkpoint.max_shard_size, transformers' max_shard_size: tensors are taken in order (the model's parameters in

@@ -415,8 +415,13 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
   return parse_config(io::read_config_file(path, "a YAML config"), path, sets);
 }
 
+namespace {
+
+void positive(int v, const char* name) { RF_CHECK(v >= 1, "config: ", name, " = ", v, " must be >= 1"); }
+
+}  // namespace
+
 void validate(const TrainConfig& c, int world_size) {
-  const auto positive = [](int v, const char* name) { RF_CHECK(v >= 1, "config: ", name, " = ", v, " must be >= 1"); };
   const auto non_negative = [](double v, const char* name) {
     RF_CHECK(v >= 0, "config: ", name, " = ", v, " must be >= 0");
   };
@@ -480,6 +485,24 @@ void validate(const TrainConfig& c, int world_size) {
   non_negative(c.schedule.warmup_steps, "schedule.warmup_steps");
   RF_CHECK(c.schedule.min_lr_ratio >= 0 && c.schedule.min_lr_ratio <= 1,
            "config: schedule.min_lr_ratio = ", c.schedule.min_lr_ratio, " must be in [0, 1]");
+  validate_parallelism(c, world_size);
+  non_negative(c.train.threads, "train.threads");
+  RF_CHECK(c.train.spill_dir.empty() || c.train.recompute, "config: train.spill_dir = ", c.train.spill_dir,
+           " needs train.recompute: true (the spill file holds what a recomputed layer keeps)");
+  positive(c.train.mlp_tile_tokens, "train.mlp_tile_tokens");
+  RF_CHECK(!c.train.tile_mlp || !c.train.keep_mlp,
+           "config: train.tile_mlp keeps no gate/up projections: it cannot go with train.keep_mlp: true");
+  RF_CHECK(c.train.threads <= kMaxThreads, "config: train.threads = ", c.train.threads, " is more than ", kMaxThreads);
+  non_negative(c.train.val_every, "train.val_every");
+  positive(c.train.log_every, "train.log_every");
+  non_negative(c.train.samples_every, "train.samples.every");
+  positive(c.train.samples_max_new_tokens, "train.samples.max_new_tokens");
+  non_negative(c.checkpoint.every, "checkpoint.every");
+  positive(c.checkpoint.keep, "checkpoint.keep");
+  max_shard_bytes(c.checkpoint);
+}
+
+void validate_parallelism(const TrainConfig& c, int world_size) {
   positive(c.parallelism.cp, "parallelism.cp");
   positive(c.parallelism.dp, "parallelism.dp");
   RF_CHECK(int64_t{c.parallelism.cp} * c.parallelism.dp == world_size,
@@ -499,25 +522,14 @@ void validate(const TrainConfig& c, int world_size) {
   RF_CHECK(c.global_batch_per_replica() % c.train.micro_batch == 0,
            "config: train.global_batch / parallelism.dp = ", c.global_batch_per_replica(),
            " is not a multiple of train.micro_batch = ", c.train.micro_batch);
-  non_negative(c.train.threads, "train.threads");
-  RF_CHECK(c.train.spill_dir.empty() || c.train.recompute, "config: train.spill_dir = ", c.train.spill_dir,
-           " needs train.recompute: true (the spill file holds what a recomputed layer keeps)");
-  positive(c.train.mlp_tile_tokens, "train.mlp_tile_tokens");
-  RF_CHECK(!c.train.tile_mlp || !c.train.keep_mlp,
-           "config: train.tile_mlp keeps no gate/up projections: it cannot go with train.keep_mlp: true");
-  RF_CHECK(c.train.threads <= kMaxThreads, "config: train.threads = ", c.train.threads, " is more than ", kMaxThreads);
-  non_negative(c.train.val_every, "train.val_every");
-  positive(c.train.log_every, "train.log_every");
-  non_negative(c.train.samples_every, "train.samples.every");
-  positive(c.train.samples_max_new_tokens, "train.samples.max_new_tokens");
-  non_negative(c.checkpoint.every, "checkpoint.every");
-  positive(c.checkpoint.keep, "checkpoint.keep");
-  max_shard_bytes(c.checkpoint);
 }
 
 int64_t max_shard_bytes(const CheckpointSection& c) {
-  const std::string& text = c.max_shard_size;
-  const std::string problem = rf::concat("config: checkpoint.max_shard_size = '", text,
+  return parse_size(c.max_shard_size, "config: checkpoint.max_shard_size");
+}
+
+int64_t parse_size(const std::string& text, const std::string& what) {
+  const std::string problem = rf::concat(what, " = '", text,
                                          "' is not a positive size (bytes, or a number with KB, MB, GB, TB, KiB, "
                                          "MiB, GiB or TiB)");
   const auto bad = [&] { throw rf::Error(problem); };

@@ -181,9 +181,15 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
 
 // Cross-field rules and the files the config names; `world_size` is the number of ranks of the job.
 void validate(const TrainConfig& c, int world_size);
+// Its rules on the layout of the ranks, which validate checks in turn: cp x dp = `world_size`, ep divides it, a CP
+// rank's token, the batch over the replicas and micro-batches (`ringflex train --plan` asks them of each layout).
+void validate_parallelism(const TrainConfig& c, int world_size);
 
 // checkpoint.max_shard_size in bytes; throws rf::Error naming the field when it is not a positive size.
 int64_t max_shard_bytes(const CheckpointSection& c);
+// `text` in bytes: a number, optionally with KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024); throws
+// rf::Error "<what> = '<text>' is not a positive size (...)" otherwise.
+int64_t parse_size(const std::string& text, const std::string& what);
 
 // The resolved config as YAML, every field with its value (what --print-config shows and a checkpoint keeps).
 std::string to_yaml(const TrainConfig& c);

@@ -66,9 +66,10 @@ int64_t train_spill_bytes(const TrainConfig& c, const model::Gemma4Multimodal& m
   return model::run_spill_bytes(m.decoder(), micro_batch_run(c));
 }
 
-MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) {
+MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size,
+                                      int ranks_on_node) {
   // The training state's terms (trainer/state/: what each mode holds of the weights, gradients and moments).
-  const detail::StateBytes state = detail::plan_state(c)->bytes(c, m, world_size);
+  const detail::StateBytes state = detail::plan_state(c)->bytes(c, m, world_size, ranks_on_node);
   MemoryBreakdown need = state.terms;
   // A step builds all of this replica's rows before its micro-batches run: five int32 arrays a token (ids, labels,
   // positions, documents, image slots); image features not counted.

@@ -76,6 +76,13 @@ void join_groups(Run& r);
 void set_up(Run& r);
 // The base: from model.path, or the built-in model from train.seed, into the mode's store.
 void load_base(Run& r);
+// The built-in model (model.builtin, with the tower's parameters under model.train_vision) as shapes only, in
+// `store` (null: a replicated store).
+std::unique_ptr<model::Gemma4Multimodal> builtin_shapes(const TrainConfig& cfg,
+                                                        std::unique_ptr<model::ParamStore> store);
+// The config's model as shapes only, the registry the memory check counts: the built-in, or model.path's config.json
+// (model::checkpoint_shapes).
+std::unique_ptr<model::Gemma4Multimodal> model_shapes(const TrainConfig& cfg);
 // What the run needs against the machine, for the model's shapes (before anything is allocated).
 void check_fits(const Run& r, const model::Gemma4Multimodal& shapes);
 // A resumed run's config against the one that wrote the checkpoint in `dir` (`saved_yaml`).

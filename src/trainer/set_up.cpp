@@ -165,6 +165,22 @@ void check_fits(const Run& r, const model::Gemma4Multimodal& shapes) {
                           r.cfg.parallelism.cp));
 }
 
+std::unique_ptr<model::Gemma4Multimodal> builtin_shapes(const TrainConfig& cfg,
+                                                        std::unique_ptr<model::ParamStore> store) {
+  const std::string text = model::builtin_config_json(cfg.model.builtin);
+  const std::string source = "model.builtin " + cfg.model.builtin;
+  const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
+  // With model.train_vision the tower's parameters are registered after the decoder's, before the store allocates.
+  model::MultimodalParts parts(model::kBuiltinFeatureDim, tower, cfg.model.train_vision);
+  return std::make_unique<model::Gemma4Multimodal>(model::Gemma4Config::from_json(text, source), std::move(parts),
+                                                   model::TensorSet::Storage::Deferred, std::move(store));
+}
+
+std::unique_ptr<model::Gemma4Multimodal> model_shapes(const TrainConfig& cfg) {
+  return cfg.model.path.empty() ? builtin_shapes(cfg, nullptr)
+                                : model::checkpoint_shapes(cfg.model.path, cfg.model.train_vision);
+}
+
 // The base: from model.path, or the built-in model from train.seed (a LoRA resume builds it again: it never trains).
 void load_base(Run& r) {
   const TrainConfig& cfg = r.cfg;
@@ -176,16 +192,9 @@ void load_base(Run& r) {
   }
   const std::string text = model::builtin_config_json(cfg.model.builtin);
   const std::string source = "model.builtin " + cfg.model.builtin;
-  const model::Gemma4Config builtin = model::Gemma4Config::from_json(text, source);
   const model::VisionConfig tower = model::VisionConfig::from_config_json(text, source).value();
-  // With model.train_vision the tower's parameters are registered after the decoder's, before the store allocates.
-  const auto shapes = [&](std::unique_ptr<model::ParamStore> store) {
-    model::MultimodalParts parts(model::kBuiltinFeatureDim, tower, cfg.model.train_vision);
-    return std::make_unique<model::Gemma4Multimodal>(builtin, std::move(parts), model::TensorSet::Storage::Deferred,
-                                                     std::move(store));
-  };
-  check_fits(r, *shapes(nullptr));
-  r.ck.model = shapes(r.mode->make_store(r));
+  check_fits(r, *builtin_shapes(cfg, nullptr));
+  r.ck.model = builtin_shapes(cfg, r.mode->make_store(r));
   r.ck.model->params().allocate_weights();
   // Every slot, the tower's last (so the decoder draws the same values with and without model.train_vision).
   r.ck.model->init_random(cfg.train.seed, static_cast<float>(cfg.model.init_std));

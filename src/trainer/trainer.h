@@ -79,7 +79,9 @@ struct TrainResult {
 // What training needs per rank at least, known before any of it is allocated (`m`'s parameters may be shapes only):
 // named terms (core/memory.h) from memory_check.cpp, where each is derived. train() checks it against the machine on
 // every rank before it allocates the weights, and the error names the biggest terms.
-MemoryBreakdown train_memory_at_least(const TrainConfig& config, const model::Gemma4Multimodal& m, int world_size);
+// `ranks_on_node`: the job's ranks on each machine (local_ranks(): this job's, as mpirun placed them).
+MemoryBreakdown train_memory_at_least(const TrainConfig& config, const model::Gemma4Multimodal& m, int world_size,
+                                      int ranks_on_node = local_ranks());
 // The disk one micro-batch's spill file takes per rank with train.spill_dir (model::run_spill_bytes; 0 without):
 // train() checks it against the directory's free space (core/memory.h check_disk) beside the memory.
 int64_t train_spill_bytes(const TrainConfig& config, const model::Gemma4Multimodal& m);

@@ -190,7 +190,7 @@ TEST_P(StateConformance, BytesCoverWhatItAllocates) {
   const model::Gemma4Multimodal shapes(mc,
                                        model::MultimodalParts(model::kBuiltinFeatureDim, tower, c.model.train_vision),
                                        model::TensorSet::Storage::Deferred, nullptr);
-  const detail::StateBytes b = detail::plan_state(c)->bytes(c, shapes, 2);
+  const detail::StateBytes b = detail::plan_state(c)->bytes(c, shapes, 2, 1);
   constexpr int64_t kF = sizeof(float);
   // Gradients: the arena at least (the sharded modes add the layer buffers their reductions send from).
   EXPECT_GE(b.terms.of("gradients"), static_cast<int64_t>(got.grads) * kF) << m.name;

@@ -36,7 +36,7 @@ class HeldExpertsState final : public TrainingState {
     return {};
   }
 
-  StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) const override {
+  StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size, int) const override {
     const int ep = c.parallelism.ep;
     const std::vector<bool> trainable = m.params().trainable_after(c.model.freeze);
     if (!apart_) {

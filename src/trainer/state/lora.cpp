@@ -34,11 +34,12 @@ namespace {
 namespace fs = std::filesystem;
 
 // Bytes of the model's parameters in the dtypes of model.path's files (what a LoRA store maps), or -1 without
-// model.path (a built-in base) or where a file's dtype is none a store can hold (the loader widens those). `shapes`
+// model.path (a built-in base), without weight files (`ringflex train --plan` on a config.json alone: the base is
+// then counted as float32), or where a file's dtype is none a store can hold (the loader widens those). `shapes`
 // is the registry before the adapters exist (the check before loading) or a LoraStore with them (--stats at the
 // end): its adapters are in no file and are skipped.
 int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& shapes) {
-  if (c.model.path.empty() || !fs::is_directory(c.model.path)) return -1;
+  if (c.model.path.empty() || !model::has_weight_files(c.model.path)) return -1;
   const io::Checkpoint files = io::Checkpoint::open(c.model.path);
   const std::string prefix = files.find(std::string(model::kMultimodalTextPrefix) + "embed_tokens.weight")
                                  ? model::kMultimodalTextPrefix
@@ -87,7 +88,8 @@ class LoraState final : public TrainingState {
   }
 
   // The adapters train (their weights, gradients and moments), the base is frozen.
-  StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) const override {
+  StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size,
+                   int ranks_on_node) const override {
     StateBytes out;
     ReplicatedBytes b;
     b.weight_bytes = m.params().weight_bytes();
@@ -101,9 +103,8 @@ class LoraState final : public TrainingState {
       // counts the machine. What the hooks widen to float32: the global group's other matmul operands for the whole
       // run; one layer's base while a layer runs; and the loss's panel of the head (the run's phases).
       b.weight_bytes = b.trainable_bytes;
-      const int ranks_here = local_ranks();
-      b.extra.add(rf::concat("LoRA base, mapped (shared by the ", ranks_here, " ranks of this machine)"),
-                  (mapped + ranks_here - 1) / ranks_here);
+      b.extra.add(rf::concat("LoRA base, mapped (shared by the ", ranks_on_node, " ranks of this machine)"),
+                  (mapped + ranks_on_node - 1) / ranks_on_node);
       b.extra.add("LoRA: the global base widened", model::lora_global_buffer_bytes(m.params()));
       out.layer_weight_bytes = model::lora_layer_buffer_bytes(m.params());
       out.head_weight_bytes = model::lora_head_buffer_bytes(m.params());

@@ -14,7 +14,7 @@ class ReplicatedState final : public TrainingState {
 
   Support supports(const TrainConfig&) const override { return {}; }
 
-  StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) const override {
+  StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size, int) const override {
     ReplicatedBytes b;
     b.weight_bytes = m.params().weight_bytes();
     b.trainable_bytes = trainable_bytes(c, m.params());

@@ -32,7 +32,7 @@ class ShardedState final : public TrainingState {
 
   Support supports(const TrainConfig&) const override { return {}; }
 
-  StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) const override {
+  StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size, int) const override {
     if (!slices_only_) {  // optimizer with bf16 working weights: whole gradients, sharded masters and moments
       ReplicatedBytes b;
       b.weight_bytes = m.params().weight_bytes();

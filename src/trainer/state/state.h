@@ -50,8 +50,10 @@ class TrainingState {
 
   // Whether this mode runs `c` (checked by validate before anything is built).
   virtual Support supports(const TrainConfig& c) const = 0;
-  // The mode's per-rank bytes by kind for `m`'s registry (nothing allocated) over `world_size` ranks.
-  virtual StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size) const = 0;
+  // The mode's per-rank bytes by kind for `m`'s registry (nothing allocated) over `world_size` ranks, `ranks_on_node`
+  // of them on each machine (they share what a machine maps once).
+  virtual StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size,
+                           int ranks_on_node) const = 0;
 
   // join_groups: the communicators the mode's store takes (collective: every rank, in the same order).
   virtual void join(Run& r) { (void)r; }
