@@ -322,14 +322,6 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
     const float* a = s.split_rows ? (trans_a ? A + o : A + o * lda) : A;
     const float* b = s.split_rows ? B : (trans_b ? B + o * ldb : B + o);
     float* c = s.split_rows ? C + o * ldc : C + o;
-    if (m == 1) {
-      // One row (a decode step's token): a matrix-vector product, which streams B once. sgemm would first pack B
-      // into its panel layout, a copy of the whole matrix for one use (the profile of a decode step: 15% of it).
-      const int a_inc = trans_a ? static_cast<int>(lda) : 1;
-      cblas_sgemv(CblasRowMajor, trans_b ? CblasNoTrans : CblasTrans, static_cast<int>(trans_b ? n : K),
-                  static_cast<int>(trans_b ? K : n), alpha, b, static_cast<int>(ldb), a, a_inc, beta, c, 1);
-      continue;
-    }
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
                 static_cast<int>(m), static_cast<int>(n), static_cast<int>(K), alpha, a, static_cast<int>(lda), b,
                 static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
