@@ -34,7 +34,7 @@ void Gemma4Model::Run::mlp_forward(int l, const float* x1, MlpActs& a) {
     RF_CHECK(!projections_kept, "run: the tiled MLP keeps no gate/up projections (keep_mlp_projections)");
     if (!a.mo.empty()) return;
     a.mo = uninit(T * H);
-    const int64_t tile = std::min(T, opt.mlp_tile_tokens);
+    const int64_t tile = gemm_tile_rows(opt.mlp_tile_tokens, T);
     Vec g = uninit(tile * I), u = uninit(tile * I), hmid = uninit(tile * I);
     for (int64_t t0 = 0; t0 < T; t0 += tile) {
       const TokenRows rows{t0, std::min(tile, T - t0)};
@@ -62,7 +62,7 @@ void Gemma4Model::Run::mlp_forward(int l, const float* x1, MlpActs& a) {
 void Gemma4Model::Run::mlp_backward(int l, MlpActs& a, const float* x1, const float* dmo, float* dx1) {
   const LayerSlots& sl = m.slots_[l];
   const int64_t I = m.specs_[l].intermediate;
-  const int64_t tile = std::min(T, opt.mlp_tile_tokens);
+  const int64_t tile = gemm_tile_rows(opt.mlp_tile_tokens, T);
   // One tile's dh [tile, I] = dmo W_down, written (beta 0), not accumulated into zeros: no fill of an [tile, I]
   // buffer; with tile_mlp the tile's gate, up and GeGLU products, recomputed.
   Vec dh = uninit(tile * I);

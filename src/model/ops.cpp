@@ -303,6 +303,11 @@ void gemm_into(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t 
   }
 }
 
+int64_t gemm_tile_rows(int64_t rows, int64_t total) {
+  if (rows >= total) return total;
+  return std::min(total, std::max(kGemmQuantum, rows / kGemmQuantum * kGemmQuantum));
+}
+
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
           const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;

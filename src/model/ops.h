@@ -120,6 +120,11 @@ struct AttnOut {
 void gemm_into(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                const float* A, int64_t lda, const float* B, int64_t ldb, const AttnOut& C);
 
+// The rows of a token tile cut from a longer product (the tiled MLP): `rows` at most, a whole number of the row
+// blocks gemm keeps every row's offset in (ops.cpp kGemmQuantum; one block at least), so each row sums in the order
+// it has when the whole product is one call, on the AVX2 kernels too; `total` when the tile covers it.
+int64_t gemm_tile_rows(int64_t rows, int64_t total);
+
 // Float32.
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
           const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
