@@ -52,6 +52,7 @@
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
 #include "model/generate.h"
+#include "model/generate_memory.h"
 #include "model/image_processor.h"
 #include "model/lora_store.h"
 #include "model/peft_files.h"
@@ -418,10 +419,8 @@ int run_generate(const GenerateCliOptions& opt) {
         opt.model,
         [&](const model::Gemma4Multimodal& shapes) {
           const Decoding d = decoding_of(opt);
-          MemoryBreakdown need;
-          need.add("weights", checked_sum({shapes.params().weight_bytes(), shapes.buffers().total_bytes()}));
-          need.add("bf16 weight copies", dtype == model::ComputeDtype::Bfloat16 ? shapes.bf16_weight_bytes() : 0);
-          need.add(model::generate_memory_at_least(shapes.decoder(), lengths, d.max_new_tokens, P, rank, cache_dtype));
+          const MemoryBreakdown need =
+              model::generate_job_memory_at_least(shapes, lengths, d.max_new_tokens, P, rank, dtype, cache_dtype);
           check_memory(need, source + ": generate",
                        concat(" for ", lengths.size() > 1 ? concat(lengths.size(), " prompts of at most ") : "", S,
                               " prompt tokens and ", d.max_new_tokens, " new over ", P, " rank(s)"));

@@ -5,7 +5,9 @@
 #include <chrono>
 
 #include "core/error.h"
+#include "model/generate_memory.h"
 #include "model/memory.h"
+#include "model/stream_rows.h"
 
 namespace rf::model {
 
@@ -92,6 +94,16 @@ MemoryBreakdown generate_memory_at_least(const Gemma4Model& m, std::span<const i
   return need;
 }
 
+MemoryBreakdown generate_job_memory_at_least(const Gemma4Multimodal& shapes, std::span<const int64_t> prompt_tokens,
+                                             int max_new_tokens, int P, int rank, ComputeDtype dtype,
+                                             DType cache_dtype) {
+  MemoryBreakdown need;
+  need.add("weights", checked_sum({shapes.params().weight_bytes(), shapes.buffers().total_bytes()}));
+  need.add("bf16 weight copies", dtype == ComputeDtype::Bfloat16 ? shapes.bf16_weight_bytes() : 0);
+  need.add(generate_memory_at_least(shapes.decoder(), prompt_tokens, max_new_tokens, P, rank, cache_dtype));
+  return need;
+}
+
 std::vector<Generated> generate(const Gemma4Model& m, DecodeContext& ctx, std::span<const Prompt> prompts,
                                 const GenerateOptions& o, const OnToken& on_token) {
   RF_CHECK(o.max_new_tokens > 0, "generate: no new tokens");
@@ -114,6 +126,7 @@ std::vector<Generated> generate(const Gemma4Model& m, DecodeContext& ctx, std::s
     b.S = 1;
     b.input_ids = tokens;
     b.position_ids = positions.data();
+    const StreamRowsScope streamed;  // a decode step's few-row products stream the weights (model/stream_rows.h)
     return m.run(b, step, ctx);
   };
   for (int i = 0; i < n; ++i) {
@@ -150,14 +163,21 @@ std::vector<Generated> generate(const Gemma4Model& m, DecodeContext& ctx, std::s
   while (!rows.empty()) {
     const auto start = std::chrono::steady_clock::now();
     const Result r = decode_step(rows, next_tokens.data());
+    const auto logits_of = [&](size_t b) {
+      return std::span<const float>(r.logits.data() + static_cast<int64_t>(b) * V, static_cast<size_t>(V));
+    };
+    // The step's time is the run and the choice of its tokens (what a caller waits for before the next step).
+    std::vector<int32_t> chosen(rows.size());
+    for (size_t b = 0; b < rows.size(); ++b)
+      chosen[b] = samplers[static_cast<size_t>(rows[b].sequence)].next(logits_of(b));
     const double seconds = seconds_since(start);
     std::vector<DecodeRow> still;
     std::vector<int32_t> still_tokens;
     for (size_t b = 0; b < rows.size(); ++b) {
       const int i = rows[b].sequence;
       Generated& g = out[static_cast<size_t>(i)];
-      const std::span<const float> logits(r.logits.data() + static_cast<int64_t>(b) * V, static_cast<size_t>(V));
-      const int32_t token = samplers[static_cast<size_t>(i)].next(logits);
+      const std::span<const float> logits = logits_of(b);
+      const int32_t token = chosen[b];
       if (g.tokens.empty())
         g.prefill_seconds = prefill_seconds[static_cast<size_t>(i)] + seconds;
       else

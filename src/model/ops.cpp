@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <exception>
@@ -17,6 +18,7 @@
 #include "core/error.h"
 #include "model/elementwise.h"
 #include "model/matmul_bf16.h"
+#include "model/stream_rows.h"
 
 namespace rf::model {
 
@@ -239,8 +241,54 @@ void gemm_on_onednn(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int
 
 }  // namespace
 
+namespace {
+
+// Set by StreamRowsScope on the thread that runs the model, read by every thread (a product may be called inside a
+// parallel region, as the experts of a MoE layer are): one flag for the process.
+std::atomic<bool> stream_rows_open{false};
+
+}  // namespace
+
+StreamRowsScope::StreamRowsScope() {
+  RF_CHECK(!stream_rows_open.exchange(true), "StreamRowsScope: one is already open (one run at a time opens it)");
+}
+
+StreamRowsScope::~StreamRowsScope() { stream_rows_open.store(false); }
+
+bool streaming_rows() { return stream_rows_open.load(std::memory_order_relaxed); }
+
+namespace {
+
+// Columns of C per task of a streamed product: a panel's weight rows (64 K floats) are read from memory once, and
+// the panels, not the thread count, fix which thread computes what (each element is its own dot product anyway).
+constexpr int64_t kStreamPanel = 64;
+
+// C[M, N] = alpha A[M, K] B[N, K]^T + beta C (model/stream_rows.h): each element one dot_scaled over K, the panels
+// of columns split over the threads when the weight is large enough for a fork to pay.
+void gemm_stream_rows(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
+                      int64_t ldb, float beta, float* C, int64_t ldc) {
+  const ElementwiseKernels& k = elementwise();
+  const int64_t panels = (N + kStreamPanel - 1) / kStreamPanel;
+#pragma omp parallel for schedule(static) if (!omp_in_parallel() && N * K >= kParallelMinElements)
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t n = p * kStreamPanel; n < std::min(N, (p + 1) * kStreamPanel); ++n) {
+      for (int64_t m = 0; m < M; ++m) {
+        const float dot = alpha * k.dot_scaled(A + m * lda, B + n * ldb, nullptr, K);
+        float& c = C[m * ldc + n];
+        c = beta == 0.f ? dot : dot + beta * c;  // beta = 0 writes without reading (C may be uninitialised)
+      }
+    }
+  }
+}
+
+}  // namespace
+
 void gemm(const Matmul& mm, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (mm.dtype == ComputeDtype::Float32 && !trans_a && trans_b && M <= kStreamRowsMax && K > 0 && streaming_rows()) {
+    gemm_stream_rows(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
   if (mm.dtype == ComputeDtype::Float32) {
     gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     return;
@@ -499,6 +547,10 @@ void heads_forward(const Matmul& mm, const float* x, const float* W, float* y, i
   SharedOperands shared(mm);
   shared.add(x, int64_t{B} * L * K);  // every head's product reads its row of x
   const Matmul m = shared.matmul();
+  if (L == 1 && streaming_rows()) {
+    gemm(m, false, true, B, heads * D, K, 1.f, x, K, W, K, 0.f, y, heads * D);
+    return;
+  }
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < heads; ++h)
       gemm(m, false, true, L, D, K, 1.f, x + b * L * K, K, W + h * D * K, K, 0.f, y + (int64_t{b} * heads + h) * L * D,
@@ -523,6 +575,10 @@ void heads_backward(const Matmul& mm, const float* x, const float* W, const floa
 void merge_heads_forward(const Matmul& mm, const float* x, const float* W, float* y, int B, int64_t L, int heads,
                          int64_t D, int64_t N) {
   const int64_t ld_w = int64_t{heads} * D;
+  if (L == 1 && streaming_rows()) {
+    gemm(mm, false, true, B, N, ld_w, 1.f, x, ld_w, W, ld_w, 0.f, y, N);
+    return;
+  }
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < heads; ++h)
       gemm(mm, false, true, L, N, D, 1.f, x + (int64_t{b} * heads + h) * L * D, D, W + h * D, ld_w, h == 0 ? 0.f : 1.f,

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 #include "core/error.h"
@@ -57,12 +56,15 @@ int32_t Sampler::next(std::span<const float> logits) {
   };
   if (o_.top_p < 1.f) {
     // Ascending order; drop the low tail whose cumulative probability stays <= 1 - top_p, never the largest token.
-    std::vector<int64_t> order(static_cast<size_t>(V));
-    std::iota(order.begin(), order.end(), 0);
+    // Only the tokens top-k kept are ordered: the removed ones come first in the whole order and add probability 0,
+    // so the same tokens fall, for a sort of the ~top_k kept (Gemma's default 64) instead of the whole vocabulary.
+    std::vector<int64_t> order;
+    for (int64_t i = 0; i < V; ++i)
+      if (s[static_cast<size_t>(i)] != kRemoved) order.push_back(i);
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return s[a] < s[b]; });
     const std::vector<double> p = softmax(s);
     double cumulative = 0;
-    for (int64_t i = 0; i + 1 < V; ++i) {
+    for (size_t i = 0; i + 1 < order.size(); ++i) {
       cumulative += p[static_cast<size_t>(order[i])];
       if (cumulative <= 1.0 - o_.top_p) s[static_cast<size_t>(order[i])] = kRemoved;
     }

@@ -3,17 +3,20 @@
 // derived below), RoPE's backward as the transpose of its forward, and the chunked fused LM-head loss against an
 // unchunked computation in double.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <random>
 #include <vector>
 
 #include "core/error.h"
 #include "model/loss.h"
 #include "model/ops.h"
+#include "model/stream_rows.h"
 
 namespace rf::model {
 namespace {
@@ -84,6 +87,78 @@ TEST(ModelOps, GemmWithBetaZeroNeverReadsC) {
     gemm(false, false, M, N, K, 1.f, a.data(), std::max<int64_t>(K, 1), b.data(), N, 0.f, c.data(), N);
     for (float v : c) EXPECT_EQ(v, 2.f * static_cast<float>(K)) << "K = " << K;
   }
+}
+
+// A decode step's products (model/stream_rows.h): each element one dot product over K, against a float64 oracle;
+// a row's bits the same alone as among the step's other rows and at any thread count (a sequence's tokens do not
+// depend on the batch it is decoded in); beta = 1 accumulates and beta = 0 never reads C; a row past kStreamRowsMax
+// goes to sgemm, and without the scope every product does (training's bits).
+TEST(ModelOps, StreamRowsProductsAreDotProductsWhateverTheRowsAndThreads) {
+  const int64_t K = 1000, N = 700;  // N * K above kParallelMinElements: the panels are split over the threads
+  const Vec W = random_vec(N * K, 11);
+  const Matmul mm;
+  std::optional<StreamRowsScope> scope;
+  scope.emplace();
+  for (int64_t M : {int64_t{1}, int64_t{3}, kStreamRowsMax}) {
+    const Vec x = random_vec(M * K, 12 + M);
+    Vec y(M * N, std::numeric_limits<float>::quiet_NaN());
+    gemm(mm, false, true, M, N, K, 1.f, x.data(), K, W.data(), K, 0.f, y.data(), N);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t n = 0; n < N; ++n) {
+        double want = 0;
+        for (int64_t k = 0; k < K; ++k) want += double{x[m * K + k]} * W[n * K + k];
+        // A float32 sum of K = 1000 products of O(1): error ~ sqrt(K) 2^-24 |terms| ~ 1e-5; 1e-4 leaves room.
+        ASSERT_NEAR(y[m * N + n], want, 1e-4) << "M = " << M << " row " << m << " column " << n;
+      }
+      Vec alone(N);
+      for (int threads : {1, 2}) {
+        const int keep = omp_get_max_threads();
+        omp_set_num_threads(threads);
+        gemm(mm, false, true, 1, N, K, 1.f, x.data() + m * K, K, W.data(), K, 0.f, alone.data(), N);
+        omp_set_num_threads(keep);
+        for (int64_t n = 0; n < N; ++n)
+          ASSERT_EQ(alone[n], y[m * N + n]) << "row " << m << " alone, " << threads << " threads, column " << n;
+      }
+    }
+    Vec twice = y;
+    gemm(mm, false, true, M, N, K, 1.f, x.data(), K, W.data(), K, 1.f, twice.data(), N);
+    for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(twice[i], y[i] + y[i]) << "beta = 1, element " << i;
+  }
+  // Past kStreamRowsMax: sgemm, the bits of the product outside the scope.
+  const int64_t M = kStreamRowsMax + 1;
+  const Vec x = random_vec(M * K, 13);
+  Vec inside(M * N), outside(M * N), sgemm_row(N);
+  gemm(mm, false, true, M, N, K, 1.f, x.data(), K, W.data(), K, 0.f, inside.data(), N);
+  scope.reset();
+  EXPECT_FALSE(streaming_rows());
+  gemm(mm, false, true, M, N, K, 1.f, x.data(), K, W.data(), K, 0.f, outside.data(), N);
+  EXPECT_EQ(inside, outside);
+  // Outside the scope a one-row product is sgemm's, as training's one-token experts are: the oracle is the sgemm
+  // path itself (the plain float32 gemm), bit for bit.
+  Vec plain(N);
+  gemm(mm, false, true, 1, N, K, 1.f, x.data(), K, W.data(), K, 0.f, sgemm_row.data(), N);
+  gemm(false, true, 1, N, K, 1.f, x.data(), K, W.data(), K, 0.f, plain.data(), N);
+  EXPECT_EQ(sgemm_row, plain);
+}
+
+// The attention projections of a decode step (L = 1, in a StreamRowsScope): one product over all heads, the same
+// layout and, within float32 rounding, the same values as training's product a head at a time.
+TEST(ModelOps, StreamRowsHeadProjectionsMatchTheHeadByHeadProducts) {
+  const int B = 3, heads = 4;
+  const int64_t K = 96, D = 32, N = 80;
+  const Vec x = random_vec(B * K, 21), Wq = random_vec(heads * D * K, 22), o = random_vec(B * heads * D, 23),
+            Wo = random_vec(N * heads * D, 24);
+  Vec q_stream(B * heads * D), q_heads(B * heads * D), y_stream(B * N), y_heads(B * N);
+  heads_forward(Matmul{}, x.data(), Wq.data(), q_heads.data(), B, 1, K, heads, D);
+  merge_heads_forward(Matmul{}, o.data(), Wo.data(), y_heads.data(), B, 1, heads, D, N);
+  {
+    const StreamRowsScope scope;
+    heads_forward(Matmul{}, x.data(), Wq.data(), q_stream.data(), B, 1, K, heads, D);
+    merge_heads_forward(Matmul{}, o.data(), Wo.data(), y_stream.data(), B, 1, heads, D, N);
+  }
+  // Sums of at most 128 products of O(1) in two orders: ~1e-5 apart.
+  for (size_t i = 0; i < q_heads.size(); ++i) ASSERT_NEAR(q_stream[i], q_heads[i], 1e-4) << "q element " << i;
+  for (size_t i = 0; i < y_heads.size(); ++i) ASSERT_NEAR(y_stream[i], y_heads[i], 1e-4) << "o_proj element " << i;
 }
 
 TEST(ModelOps, LinearBackwardMatchesFiniteDifferences) {
