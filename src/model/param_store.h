@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -30,6 +31,10 @@ constexpr int kGlobalGroup = -1;
 constexpr int tower_group(int i) { return kGlobalGroup - 1 - i; }
 constexpr bool is_tower_group(int group) { return group < kGlobalGroup; }
 constexpr int tower_index(int group) { return kGlobalGroup - 1 - group; }
+// No group: what a store's hooks hold between a group's backward and the next (no layer's gradients are live). The
+// lowest int, below every tower_group a tower of fewer than 2^31 - 2 groups has, and every decoder layer and
+// kGlobalGroup above it; never kGlobalGroup - 1, which is tower_group(0), the patch embedder's.
+constexpr int kNoParamGroup = std::numeric_limits<int>::min();
 
 enum class Role { Weights, Grads, ExpAvg, ExpAvgSq };
 std::string_view role_name(Role r);

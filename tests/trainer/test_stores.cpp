@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "comm/loopback_comm.h"
+#include "core/error.h"
 #include "model/expert_store.h"
 #include "trainer/checkpoint.h"
 #include "trainer/state/held_checkpoint.h"
@@ -330,6 +331,35 @@ std::unique_ptr<model::ReplicatedStore> whole_with_experts() {
     for (size_t i = 0; i < m.size(); ++i) m[i] = static_cast<float>(i + 1) * (role == Role::ExpAvg ? -1.f : 1.f);
   }
   return held;
+}
+
+// The vision tower's group 0 (its patch embedder, model::tower_group(0) = kGlobalGroup - 1) has a gradient between its
+// backward's hooks only, like any layer: before its backward, and after it, asking for it is an error, not a pointer
+// into another layer's buffer (the store's "no layer in backward" must be no group's number).
+TEST(ShardedStore, TowerGroupZeroGradientOnlyInItsBackward) {
+  for (const ShardedStore::Mode mode : {ShardedStore::Mode::Gradients, ShardedStore::Mode::Full}) {
+    comm::run_ranks(2, [&](comm::Communicator& world) {
+      ShardedStore s(world.split(0, world.rank()), mode, comm::default_timeout(), {});
+      s.add("model.norm.weight", {5}, kGlobalGroup);
+      s.add("model.layers.0.a", {3, 3}, 0, true);
+      const size_t patch =
+          s.add("model.vision_tower.patch_embedder.input_proj.weight", {4, 3}, model::tower_group(0), true);
+      s.allocate_weights();
+      for (size_t slot = 0; slot < s.size(); ++slot) s.write_weight(slot, whole_weight(s, slot));
+      s.allocate_grads();
+      EXPECT_THROW(s.grad(patch), Error) << "before any backward";
+      s.before_backward(0);
+      EXPECT_THROW(s.grad(patch), Error) << "in layer 0's backward";
+      s.after_backward(0);
+      EXPECT_THROW(s.grad(patch), Error) << "after layer 0's backward";
+      s.before_backward(model::tower_group(0));
+      ASSERT_NE(s.grad(patch), nullptr);
+      s.grad(patch)[0] += 1.f;
+      s.after_backward(model::tower_group(0));
+      EXPECT_THROW(s.grad(patch), Error) << "after its backward";
+      s.after_backward(kGlobalGroup);
+    });
+  }
 }
 
 // ep = 2 over N = 2 and 4 world ranks (shard optimizer's replicated inner store, and full's sharded one): world rank w

@@ -93,7 +93,7 @@ void ExpertSlices::end_layer(int layer) {
     dst[i] += static_cast<float>(sum);
   }
   layer_ = {};
-  layer_at_ = model::kGlobalGroup - 1;
+  layer_at_ = model::kNoParamGroup;
 }
 
 void ExpertSlices::allocate_grads() {

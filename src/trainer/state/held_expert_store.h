@@ -56,7 +56,7 @@ class ExpertSlices final : public model::ReplicatedStore {
   bool grads_allocated_ = false;
   std::vector<float> slice_;  // slice_grads: own()'s reduced gradients
   std::vector<float> layer_;  // slice_grads: the gradients of layer layer_at_ during its backward
-  int layer_at_ = model::kGlobalGroup - 1;
+  int layer_at_ = model::kNoParamGroup;
 };
 
 // The shard mode's store of the non-expert parameters, typed by whoever makes it: a ReplicatedStore (shard

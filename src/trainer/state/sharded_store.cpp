@@ -683,7 +683,7 @@ void ShardedStore::after_backward(int layer) {
     } else {
       pending_ = post_reduce(group_of(layer), std::move(layer_grads_));
       layer_grads_ = {};
-      grad_layer_ = model::kGlobalGroup - 1;
+      grad_layer_ = model::kNoParamGroup;
       // A tower group's backward follows the decoder's whole backward, and the last of the step may be the tower's:
       // its reduction ends here, as the global group's does.
       if (model::is_tower_group(layer)) {

@@ -214,7 +214,7 @@ class ShardedStore : public model::ReplicatedStore {
   // buffer, and the layer in backward's buffer (layer grad_layer_).
   bool grads_allocated_ = false;
   std::vector<float> grads_, global_grads_, layer_grads_;
-  int grad_layer_ = model::kGlobalGroup - 1;
+  int grad_layer_ = model::kNoParamGroup;
   std::unique_ptr<Reduction> pending_;  // the last layer's reduction, in flight
   size_t reduce_budget_ = comm::Communicator::kReduceSliceBytes;
   int64_t largest_reduce_buffer_ = 0;
