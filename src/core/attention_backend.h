@@ -1,6 +1,7 @@
 // ringflex core: the model's parallel context, the one seam through which a model meets the other ranks: its
-// attention (local kernels at P = 1, the CP engine at P > 1), the sums over ranks (the loss's counts) and the
-// experts' dispatch of expert parallelism (core/expert_parallel.h). A job gets it from one factory,
+// attention (local kernels at P = 1, the CP engine at P > 1), the sums over ranks (the loss's counts), the
+// experts' dispatch of expert parallelism (core/expert_parallel.h) and the vision tower's images shared over the CP
+// group (core/image_split.h). A job gets it from one factory,
 // cp::make_parallel_context (cp/parallel_context.h).
 //
 // A model never sees a communicator. Once per batch it hands the backend the full rows' token metadata and its
@@ -19,6 +20,7 @@
 
 #include "core/attention_args.h"
 #include "core/expert_parallel.h"
+#include "core/image_split.h"
 #include "core/mask.h"
 
 namespace rf {
@@ -76,10 +78,15 @@ class ParallelContext {
   // The experts' dispatch: every expert on this rank unless the job's factory gave the context an EP group's.
   ExpertParallel& experts() { return experts_ ? *experts_ : local_experts_; }
   void set_experts(std::unique_ptr<ExpertParallel> experts) { experts_ = std::move(experts); }
+  // The vision tower's images: every one this rank's unless the job's factory gave the context its CP group's split.
+  ImageSplit& images() { return images_ ? *images_ : local_images_; }
+  void set_images(std::unique_ptr<ImageSplit> images) { images_ = std::move(images); }
 
  private:
   LocalExperts local_experts_;
   std::unique_ptr<ExpertParallel> experts_;
+  LocalImages local_images_;
+  std::unique_ptr<ImageSplit> images_;
 };
 
 // The seam's first name (it began as attention alone); the model's code still says it.

@@ -2,12 +2,13 @@
 #include "cp/parallel_context.h"
 
 #include "cp/ep_experts.h"
+#include "cp/image_split.h"
 #include "cpu/local_attention.h"
 
 namespace rf::cp {
 
 JobContext make_parallel_context(comm::Communicator& cp_group, const CpAttentionOptions& options,
-                                 comm::Communicator* ep_group) {
+                                 comm::Communicator* ep_group, bool split_images) {
   JobContext made;
   if (cp_group.size() == 1) {
     made.model = std::make_unique<cpu::LocalAttention>();
@@ -18,6 +19,8 @@ JobContext make_parallel_context(comm::Communicator& cp_group, const CpAttention
   }
   if (ep_group && ep_group->size() > 1)
     made.model->set_experts(std::make_unique<EpExperts>(*ep_group, options.timeout));
+  if (split_images && cp_group.size() > 1)
+    made.model->set_images(std::make_unique<SplitImages>(cp_group, options.timeout));
   return made;
 }
 

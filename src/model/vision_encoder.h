@@ -32,7 +32,7 @@
 // trainer never
 // calls it: the tower is frozen, as in every Gemma 4 recipe, and encodes each image of the data once, when the data is
 // read (trainer/data.h). With model.train_vision the tower's parameters live in the parameter store and the trainer
-// runs forward and backward on every micro-batch's images (trainer/step.cpp).
+// runs forward and backward on every micro-batch's images (model/image_run.h).
 #pragma once
 
 #include <cstdint>

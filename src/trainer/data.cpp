@@ -792,21 +792,6 @@ void ImagePatches::append(const ImagePatches& o) {
   positions.insert(positions.end(), o.positions.begin(), o.positions.end());
 }
 
-std::vector<int> split_images_by_patches(const std::vector<int64_t>& patches, int ranks) {
-  RF_CHECK(ranks >= 1, "split_images_by_patches: ", ranks, " ranks");
-  std::vector<size_t> order(patches.size());
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) { return patches[x] > patches[y]; });
-  std::vector<int64_t> load(static_cast<size_t>(ranks), 0);
-  std::vector<int> owner(patches.size(), 0);
-  for (size_t i : order) {
-    const auto least = std::min_element(load.begin(), load.end());
-    owner[i] = static_cast<int>(least - load.begin());
-    *least += patches[i];
-  }
-  return owner;
-}
-
 model::VisionBatch ImagePatches::batch() const {
   model::VisionBatch b;
   b.n = n;

@@ -41,13 +41,6 @@ struct ImagePatches {
   model::VisionBatch batch() const;
 };
 
-// Which of `ranks` ranks encodes each image of a micro-batch under CP (model.train_vision), given each image's valid
-// (non-padding) patch count: the largest first, each to the rank with the fewest patches so far (the lowest on a
-// tie), so every image is encoded once and the ranks' patch counts differ by at most the largest image (the tower's
-// work is about linear in patches: its attention stays within an image). A pure function of the counts, the same on
-// every rank of a group.
-std::vector<int> split_images_by_patches(const std::vector<int64_t>& patches, int ranks);
-
 struct Row {
   std::vector<int32_t> input_ids;      // [S]
   std::vector<int32_t> labels;         // [S] shifted targets, -100 = ignored

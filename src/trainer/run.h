@@ -53,8 +53,8 @@ struct Run {
   std::unique_ptr<AdamW> adam;  // its state (the moments) and the gradients live in the model's parameter store
   model::RunOptions training;   // how a micro-batch runs (its string options parsed once)
   int feature_dim = 0;          // F of the batches' image features (0: the data has none)
-  // model.train_vision: the model's tower of the current weights (Gemma4Multimodal::vision_tower), made again after
-  // every update, on every rank at the same point (apply_update); null otherwise.
+  // model.train_vision: the model's tower (Gemma4Multimodal::vision_tower), which reads its parameters from the
+  // store as it computes; null otherwise.
   const model::VisionEncoder* tower = nullptr;
   double tower_seconds = 0.0;  // this rank's time in the tower (forward, backward, the group's sums) this step
   SamplePrompts samples;       // train.samples' prompts (none without it)

@@ -142,7 +142,7 @@ void join_groups(Run& r) {
   cp::CpAttentionOptions co;
   co.scheme = cp::scheme_name(r.cfg.parallelism.sharding);  // cp's options also take `auto`, a spelling
   co.timeout = r.timeout;
-  r.context = cp::make_parallel_context(*r.cp_group, co, r.ep_group.get());
+  r.context = cp::make_parallel_context(*r.cp_group, co, r.ep_group.get(), r.cfg.parallelism.split_vision);
   r.mode->join(r);
 }
 

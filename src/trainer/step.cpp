@@ -7,8 +7,7 @@
 #include "core/error.h"
 #include "cp/ep_experts.h"
 #include "cp/kv_cache.h"
-#include "model/vision.h"
-#include "model/vision_encoder.h"
+#include "model/image_run.h"
 #include "trainer/data.h"
 #include "trainer/optimizer.h"
 #include "trainer/run.h"
@@ -49,100 +48,20 @@ TokenCounts count_tokens(const Run& r, const std::vector<PackedBatch>& batches) 
 
 namespace {
 
-// model.train_vision: the micro-batch's images through the tower, its soft tokens the slots' features, and with
-// gradients the tower's backward from the decoder's d image_features. The tower reads its weights from the store and
-// accumulates its gradients into the store's, a group at a time between the store's hooks (vision_encoder.h
-// TowerParams); a rank with no images of its own joins those hooks where they are collective (a sharded store's
-// gathers and reductions), contributing zero gradients.
-// Under CP the tower's work is split over the group (split_images_by_patches, balanced by patch count): each rank
-// encodes its images only, places their soft tokens at their slots' rows of [N, F] and leaves the others zero; one sum
-// over the group gives every rank all of them (x + 0 = x: the bits of encoding them everywhere), where the rows its
-// positions hold are read. In the backward each rank's d image_features holds its own tokens' rows
-// (Result::d_image_features); one sum over the group routes each image's whole gradient to its owner, which
-// back-propagates it through the tower once; the gradient reduction over the world then sums the owners' tower
-// gradients as it sums the decoder's. Without the split (parallelism.split_vision false) every rank encodes every
-// image and back-propagates its own d image_features (its positions' rows, the others zero), and that reduction sums
-// the ranks' shares: the same soft tokens, the tower's gradients summed in another order (float32 rounding).
-double run_with_tower(Run& r, const PackedBatch& p, const model::RunOptions& ro) {
-  const auto start = Clock::now();
-  comm::Communicator& group = *r.cp_group;
-  const int64_t F = r.feature_dim, P = p.images.P, k = r.tower->config().pooling_kernel_size;
-  const int n = p.images.n;
-  std::vector<int64_t> valid(static_cast<size_t>(n), 0), first(static_cast<size_t>(n) + 1, 0);  // first: slot rows
-  for (int i = 0; i < n; ++i) {
-    for (int64_t q = 0; q < P; ++q) valid[i] += p.images.positions[static_cast<size_t>((i * P + q) * 2)] >= 0;
-    first[i + 1] = first[i] + valid[i] / (k * k);  // whole pooling cells: the processor's and the drawings' grids
-  }
-  RF_CHECK(first[n] == p.n_image_features, "the micro-batch's ", n, " images make ", first[n], " soft tokens for ",
-           p.n_image_features, " image slots");
-  // parallelism.split_vision false: every image is every rank's (no sums; each back-propagates its own tokens' share).
-  const bool split = r.cfg.parallelism.split_vision && group.size() > 1;
-  const std::vector<int> owner =
-      split ? split_images_by_patches(valid, group.size()) : std::vector<int>(static_cast<size_t>(n), group.rank());
-  ImagePatches mine;  // this rank's share, in batch order
-  std::vector<int> mine_index;
-  const size_t patch_values = p.images.pixels.size() / static_cast<size_t>(std::max(n, 1));  // one image's values
-  for (int i = 0; i < n; ++i) {
-    if (owner[i] != group.rank()) continue;
-    ImagePatches one;
-    one.n = 1;
-    one.P = P;
-    one.pixels.assign(p.images.pixels.begin() + static_cast<std::ptrdiff_t>(i * patch_values),
-                      p.images.pixels.begin() + static_cast<std::ptrdiff_t>((i + 1) * patch_values));
-    one.positions.assign(p.images.positions.begin() + i * P * 2, p.images.positions.begin() + (i + 1) * P * 2);
-    mine.append(one);
-    mine_index.push_back(i);
-  }
-  model::VisionTape tape;
-  std::vector<float> soft(static_cast<size_t>(p.n_image_features * F), 0.f);  // [N, F]
-  if (mine.n == 0 && r.mode->forward_collective()) r.tower->join_hooks(false);
-  if (mine.n > 0) {
-    // train.recompute: the tower keeps its layers' inputs only and recomputes each layer in its backward, as the
-    // decoder does (the same bits).
-    const model::VisionOutput out =
-        r.tower->forward(mine.batch(), "the micro-batch's images", ro.want_grad ? &tape : nullptr, ro.recompute_layers);
-    int64_t at = 0;
-    for (size_t j = 0; j < mine_index.size(); ++j) {
-      const int i = mine_index[j];
-      RF_CHECK(out.counts[j] == first[i + 1] - first[i], "the micro-batch's image ", i, ": the tower made ",
-               out.counts[j], " soft tokens for ", first[i + 1] - first[i], " slots");
-      std::copy_n(out.soft_tokens.begin() + at * F, out.counts[j] * F, soft.begin() + first[i] * F);
-      at += out.counts[j];
-    }
-  }
-  if (split) group.allreduce(soft.data(), soft.size(), comm::ReduceOp::Sum, r.timeout);
-  r.tower_seconds += seconds_since(start);
-  model::Batch b = p.batch();
-  b.image_features = soft.data();
-  model::Result res = r.ck.model->run(b, ro, *r.context.model);
-  if (ro.want_grad) {
-    const auto back = Clock::now();
-    std::vector<float>& d = res.d_image_features;  // [N, F]
-    if (split) group.allreduce(d.data(), d.size(), comm::ReduceOp::Sum, r.timeout);
-    if (mine.n > 0) {
-      std::vector<float> d_mine;  // [this rank's soft tokens, F]
-      for (int i : mine_index) d_mine.insert(d_mine.end(), d.begin() + first[i] * F, d.begin() + first[i + 1] * F);
-      r.tower->backward(mine.batch(), tape, d_mine.data());  // into the store's gradients (frozen ones have none)
-    } else if (r.mode->tower_gradients_collective()) {
-      r.tower->join_hooks(true);
-    }
-    r.tower_seconds += seconds_since(back);
-  }
-  return res.loss;
-}
-
 // One micro-batch's share of the global loss (its token losses over `label_tokens`); with `grad`, its gradients
-// accumulate into the parameter store's.
+// accumulate into the parameter store's. model.train_vision: its images run through the tower in the same call, the
+// tower's work shared over the CP group by the parallel context (model/image_run.h); the training state says where
+// the tower's store hooks are collective, which a rank with no images of its own then joins.
 double run_micro_batch(Run& r, const PackedBatch& p, int64_t label_tokens, bool grad) {
   model::RunOptions ro = r.training;
   ro.want_grad = grad;
   ro.loss_normalizer = std::max(1.0, static_cast<double>(label_tokens));  // no label tokens: loss 0, not 0 / 0
-  if (r.tower && p.images.n > 0) return run_with_tower(r, p, ro);
-  // The other replicas' tower hooks, joined in the same order where they are collective (with zero gradients).
-  if (r.tower && r.mode->forward_collective()) r.tower->join_hooks(false);
-  const double loss = r.ck.model->run(p.batch(), ro, *r.context.model).loss;
-  if (r.tower && grad && r.mode->tower_gradients_collective()) r.tower->join_hooks(true);
-  return loss;
+  if (!r.tower) return r.ck.model->run(p.batch(), ro, *r.context.model).loss;
+  const model::TowerHooks hooks{r.mode->forward_collective(), r.mode->tower_gradients_collective()};
+  const model::ImageRun run =
+      model::run_with_images(*r.ck.model, *r.tower, p.batch(), p.images.batch(), ro, hooks, *r.context.model);
+  r.tower_seconds += run.tower_seconds;
+  return run.result.loss;
 }
 
 // The key of one micro-batch's LoRA dropout masks.

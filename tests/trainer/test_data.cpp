@@ -551,25 +551,6 @@ TEST(JsonlText, ImagesMarkedInTheText) {
             std::string::npos);
 }
 
-// The tower's work under CP: every image to one rank, the largest first to the least loaded (the lowest on a tie).
-TEST(ImageSplit, BalancedByPatchCount) {
-  // Sorted: 40 (image 1), 25 (2), 25 (3), 10 (0), 5 (4); loads 40 | 25, then 40 | 50, 50 | 50, 55 | 50.
-  EXPECT_EQ(split_images_by_patches({10, 40, 25, 25, 5}, 2), (std::vector<int>{0, 0, 1, 1, 0}));
-  EXPECT_EQ(split_images_by_patches({10, 40, 25}, 1), (std::vector<int>{0, 0, 0}));
-  EXPECT_EQ(split_images_by_patches({7}, 3), (std::vector<int>{0}));  // fewer images than ranks: the rest idle
-  const std::vector<int64_t> many = {900, 120, 630, 630, 252, 70, 280, 2520, 35, 630};
-  for (int ranks : {2, 3, 4}) {
-    const std::vector<int> owner = split_images_by_patches(many, ranks);
-    std::vector<int64_t> load(static_cast<size_t>(ranks), 0);
-    for (size_t i = 0; i < many.size(); ++i) {
-      ASSERT_TRUE(owner[i] >= 0 && owner[i] < ranks);
-      load[static_cast<size_t>(owner[i])] += many[i];
-    }
-    EXPECT_LE(*std::max_element(load.begin(), load.end()) - *std::min_element(load.begin(), load.end()), 2520)
-        << ranks << " ranks";
-  }
-}
-
 TEST(PackedBatch, StacksRowsAndCountsLabels) {
   const auto src = make_data_source(config_with({"train.seq_len=64"}), {kVocab, 0, kF, ""});
   const std::vector<Row> rows = {src->train_row(0), src->train_row(1)};
