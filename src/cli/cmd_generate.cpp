@@ -29,10 +29,8 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -47,12 +45,12 @@
 #include "cp/kv_cache.h"
 #include "io/atomic_file.h"
 #include "io/image.h"
-#include "io/json_text.h"
 #include "io/jsonl.h"
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
 #include "model/generate.h"
 #include "model/generate_memory.h"
+#include "model/generation_config.h"
 #include "model/image_processor.h"
 #include "model/lora_store.h"
 #include "model/peft_files.h"
@@ -68,7 +66,6 @@ namespace {
 
 constexpr int kMaxThreads = 1024;
 constexpr int kDefaultMaxNewTokens = 256;
-constexpr int kTransformersTopK = 50;  // GenerationConfig's default top_k, used when sampling without one
 
 struct GenerateCliOptions {
   std::string model, lora, in, messages, out, logits_out;
@@ -83,51 +80,20 @@ struct GenerateCliOptions {
   std::string cache_dtype;  // empty: the attention storage's (model::attention_dtype)
 };
 
-// Sampling and stop ids from the checkpoint's generation_config.json (transformers' defaults without it), then the
-// command line's.
+// Sampling and stop ids from the checkpoint's generation_config.json (model/generation_config.h, the reader
+// train.samples stops with; transformers' defaults without it), then the command line's.
 struct Decoding {
   model::SamplingOptions sampling;
   std::vector<int32_t> stop_ids;
   int max_new_tokens = kDefaultMaxNewTokens;
 };
 
-std::vector<int32_t> id_list(const nlohmann::json& v, const std::string& where) {
-  std::vector<int32_t> ids;
-  if (v.is_number_integer())
-    ids.push_back(v.get<int32_t>());
-  else if (v.is_array())
-    for (const auto& x : v) {
-      RF_CHECK(x.is_number_integer(), where, ": eos_token_id must be an integer or a list of integers");
-      ids.push_back(x.get<int32_t>());
-    }
-  else
-    RF_CHECK(v.is_null(), where, ": eos_token_id must be an integer or a list of integers");
-  return ids;
-}
-
 Decoding decoding_of(const GenerateCliOptions& opt) {
+  const model::GenerationDefaults file = model::read_generation_config(opt.model);
   Decoding d;
-  d.sampling.top_k = kTransformersTopK;
-  const std::filesystem::path file = std::filesystem::path(opt.model) / "generation_config.json";
-  if (std::filesystem::exists(file)) {
-    std::ifstream in(file);
-    std::stringstream text;
-    text << in.rdbuf();
-    const nlohmann::json j = io::parse_json(text.str(), file.string());
-    const std::string where = file.string();
-    try {
-      d.sampling.greedy = !j.value("do_sample", false);
-      d.sampling.temperature = j.value("temperature", 1.f);
-      d.sampling.top_k = j.contains("top_k") && !j["top_k"].is_null() ? j["top_k"].get<int>() : kTransformersTopK;
-      d.sampling.top_p = j.contains("top_p") && !j["top_p"].is_null() ? j["top_p"].get<float>() : 1.f;
-      if (j.contains("min_p") && !j["min_p"].is_null()) d.sampling.min_p = j["min_p"].get<float>();
-      if (j.contains("max_new_tokens") && !j["max_new_tokens"].is_null())
-        d.max_new_tokens = j["max_new_tokens"].get<int>();
-      if (j.contains("eos_token_id")) d.stop_ids = id_list(j["eos_token_id"], where);
-    } catch (const nlohmann::json::exception& e) {
-      RF_CHECK(false, where, ": ", e.what());
-    }
-  }
+  d.sampling = file.sampling;
+  d.stop_ids = file.stop_ids;
+  d.max_new_tokens = file.max_new_tokens.value_or(kDefaultMaxNewTokens);
   const bool sampling_given = opt.temperature || opt.top_k || opt.top_p || opt.min_p || opt.seed;
   RF_CHECK(!(opt.greedy && sampling_given),
            "--greedy and sampling options (--temperature, --top-k, --top-p, "
