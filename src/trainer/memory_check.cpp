@@ -3,6 +3,8 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "model/gemma4.h"
+#include "model/generate.h"
 #include "model/memory.h"
 #include "model/vision_encoder.h"
 #include "trainer/runtime_memory.h"
@@ -33,6 +35,12 @@ namespace rf::trainer {
 //                    train.recompute each layer's input only; for one image of the data's P = soft tokens x k^2
 //                    patches (the mock's drawings of data.mock_image_tokens, a file's image padded to
 //                    data.image_soft_tokens'), the fewest a step that trains the tower on images hands some rank;
+//   train.samples    with samples, what their generation holds after a step (model::generate_memory_at_least,
+//                    the function `ringflex generate` checks with): every prompt's KV cache with
+//                    train.samples.max_new_tokens, the prompts decoded together, in the attention's dtype, as the
+//                    CP ranks share it (the last CP rank's share, the smallest: ranks before it may hold one decoded
+//                    position more), and the larger of the longest prefill's run and a decode step's; they run after
+//                    the step's activations are freed, so the larger of the two counts, not both;
 //   runtime baseline the rank's resident set when the first check ran, before the run allocated its state (its
 //                    libraries, MPI's segments, the start-up heap: trainer/runtime_memory.h);
 //   OpenBLAS packing buffers  128 MiB for each of the rank's threads (trainer/runtime_memory.h).
@@ -66,8 +74,20 @@ int64_t train_spill_bytes(const TrainConfig& c, const model::Gemma4Multimodal& m
   return model::run_spill_bytes(m.decoder(), micro_batch_run(c));
 }
 
+MemoryBreakdown samples_memory_at_least(const TrainConfig& c, const model::Gemma4Multimodal& m,
+                                        std::span<const int64_t> prompt_tokens) {
+  MemoryBreakdown named;
+  if (prompt_tokens.empty()) return named;
+  const int cp = c.parallelism.cp;
+  const MemoryBreakdown need =
+      model::generate_memory_at_least(m.decoder(), prompt_tokens, c.train.samples_max_new_tokens, cp, cp - 1,
+                                      model::attention_dtype(c.model.compute_dtype));
+  for (const MemoryBreakdown::Term& t : need.terms()) named.add(kSamplesTerm + t.name, t.bytes);
+  return named;
+}
+
 MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size,
-                                      int ranks_on_node) {
+                                      int ranks_on_node, std::span<const int64_t> sample_prompt_tokens) {
   // The training state's terms (trainer/state/: what each mode holds of the weights, gradients and moments).
   const detail::StateBytes state = detail::plan_state(c)->bytes(c, m, world_size, ranks_on_node);
   MemoryBreakdown need = state.terms;
@@ -82,7 +102,9 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& c, const model::Gemma4M
   model::RunMemoryArgs run = micro_batch_run(c);
   run.layer_weight_bytes = state.layer_weight_bytes;
   run.head_weight_bytes = state.head_weight_bytes;
-  need.add(model::run_memory_at_least(m.decoder(), run));
+  const MemoryBreakdown step_run = model::run_memory_at_least(m.decoder(), run);
+  const MemoryBreakdown samples = samples_memory_at_least(c, m, sample_prompt_tokens);
+  need.add(samples.total() > step_run.total() || samples.total() < 0 ? samples : step_run);
   if (c.model.train_vision && m.parts().vision) {
     const model::VisionConfig& vc = *m.parts().vision;
     const int64_t soft_tokens = c.data.source == SourceKind::Mock ? c.data.mock_image_tokens : c.data.image_soft_tokens;

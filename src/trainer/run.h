@@ -83,8 +83,9 @@ std::unique_ptr<model::Gemma4Multimodal> builtin_shapes(const TrainConfig& cfg,
 // The config's model as shapes only, the registry the memory check counts: the built-in, or model.path's config.json
 // (model::checkpoint_shapes).
 std::unique_ptr<model::Gemma4Multimodal> model_shapes(const TrainConfig& cfg);
-// What the run needs against the machine, for the model's shapes (before anything is allocated).
-void check_fits(const Run& r, const model::Gemma4Multimodal& shapes);
+// What the run needs against the machine, for the model's shapes (before anything is allocated); reads the
+// train.samples prompts into r.samples first (their generation's KV cache is counted).
+void check_fits(Run& r, const model::Gemma4Multimodal& shapes);
 // A resumed run's config against the one that wrote the checkpoint in `dir` (`saved_yaml`).
 void check_resume_compatible(const TrainConfig& now, const std::string& saved_yaml, const std::string& dir);
 // parallelism.ep against the model: its MoE layers' experts must divide over the EP ranks.

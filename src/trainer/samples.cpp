@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "io/jsonl.h"
+#include "model/generation_config.h"
 #include "text/conversation.h"
 
 namespace rf::trainer {
@@ -36,8 +37,9 @@ bool has_image_part(const nlohmann::ordered_json& conversation) {
 
 }  // namespace
 
-SamplePrompts read_sample_prompts(const TrainConfig& c, const DataContract& k, const model::Gemma4Model& m,
-                                  int cp_ranks) {
+SamplePrompts read_sample_prompts(const TrainConfig& c, const model::Gemma4Model& m, int cp_ranks) {
+  DataContract k;  // where jsonl_chat finds the tokenizer and template: model.path's folder
+  k.model_path = c.model.path;
   const std::string& path = c.train.samples_prompts;
   const std::filesystem::path folder = std::filesystem::path(path).parent_path();
   SamplePrompts out;
@@ -68,6 +70,18 @@ SamplePrompts read_sample_prompts(const TrainConfig& c, const DataContract& k, c
   });
   RF_CHECK(!out.prompts.empty(), path, ": no prompts (train.samples.prompts needs one a line)");
   return out;
+}
+
+std::vector<int64_t> prompt_lengths(const SamplePrompts& s) {
+  std::vector<int64_t> lengths;
+  for (const model::Prompt& p : s.prompts) lengths.push_back(static_cast<int64_t>(p.ids.size()));
+  return lengths;
+}
+
+std::vector<int32_t> sample_stop_ids(const std::map<std::string, std::string>& side_files, const std::string& where) {
+  const auto file = side_files.find("generation_config.json");
+  if (file == side_files.end()) return {};
+  return model::parse_generation_config(file->second, where).stop_ids;
 }
 
 std::string ids_text(std::span<const int32_t> ids) {

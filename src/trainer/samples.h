@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -25,13 +26,24 @@ struct SamplePrompts {
   std::vector<model::Prompt> prompts;    // in file order
   std::vector<std::string> where;        // [prompts] "FILE:LINE"
   std::unique_ptr<text::Tokenizer> tok;  // set when a line is a conversation: the samples' text is decoded with it
+  // A sample ends after one of these (its stop_reason "eos"), as `ringflex generate` on the run's checkpoints stops:
+  // the eos_token_id of the generation_config.json the checkpoints carry (sample_stop_ids).
+  std::vector<int32_t> stop_ids;
 };
+
+// The end tokens of the generation_config.json among a checkpoint's side files (model::Checkpoint::side_files, the
+// bytes every save of the run writes), read by model::parse_generation_config as `ringflex generate` reads the file;
+// none without one. `where` names the file in errors.
+std::vector<int32_t> sample_stop_ids(const std::map<std::string, std::string>& side_files, const std::string& where);
 
 // Reads c.train.samples_prompts (c.train.samples_prompts non-empty) and checks every prompt against the model
 // (model::check_prompt with samples_max_new_tokens over `cp_ranks`). Throws rf::Error "FILE:LINE: ..." for a line
 // that does not parse, is neither form, has ids outside the vocabulary, or images; "FILE: no prompts" for none.
-SamplePrompts read_sample_prompts(const TrainConfig& c, const DataContract& k, const model::Gemma4Model& m,
-                                  int cp_ranks);
+// The tokenizer and chat template are the run's (data.tokenizer and data.chat_template, else model.path's files).
+SamplePrompts read_sample_prompts(const TrainConfig& c, const model::Gemma4Model& m, int cp_ranks);
+
+// Each prompt's token count [prompts], what the memory check sizes the samples' KV cache from.
+std::vector<int64_t> prompt_lengths(const SamplePrompts& s);
 
 // Token ids as text, space-separated (a model without a tokenizer).
 std::string ids_text(std::span<const int32_t> ids);

@@ -155,9 +155,12 @@ void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config&
            " experts");
 }
 
-// What the run needs, checked on every rank before the weights, gradients and moments are allocated.
-void check_fits(const Run& r, const model::Gemma4Multimodal& shapes) {
-  check_memory(train_memory_at_least(r.cfg, shapes, r.world.size()), "train",
+// What the run needs, checked on every rank before the weights, gradients and moments are allocated. The
+// train.samples prompts are read here, from the model's shapes, as their KV cache is part of it.
+void check_fits(Run& r, const model::Gemma4Multimodal& shapes) {
+  if (!r.cfg.train.samples_prompts.empty() && r.samples.prompts.empty())
+    r.samples = read_sample_prompts(r.cfg, shapes.decoder(), r.cfg.parallelism.cp);
+  check_memory(train_memory_at_least(r.cfg, shapes, r.world.size(), local_ranks(), prompt_lengths(r.samples)), "train",
                rf::concat(" at seq_len ", r.cfg.train.seq_len, " over cp ", r.cfg.parallelism.cp));
   if (!r.cfg.train.spill_dir.empty())
     check_disk(train_spill_bytes(r.cfg, shapes), r.cfg.train.spill_dir,
@@ -262,8 +265,9 @@ void set_up_data(Run& r) {
   images.vision = [&]() -> const model::VisionEncoder* { return r.ck.model->vision_tower(); };
   r.ck.model->set_vision_compute_dtype(cfg.model.compute_dtype);  // the tower multiplies as the decoder does
   r.data = make_data_source(cfg, contract, images);
-  if (!cfg.train.samples_prompts.empty())
-    r.samples = read_sample_prompts(cfg, contract, m.decoder(), cfg.parallelism.cp);
+  if (!cfg.train.samples_prompts.empty()) {  // the prompts were read by the memory check (check_fits)
+    r.samples.stop_ids = sample_stop_ids(r.ck.side_files, (fs::path(r.ck.source) / "generation_config.json").string());
+  }
   carry_data_text_files(cfg, r.ck);
   if (cfg.model.train_vision)
     RF_CHECK(images.vision() != nullptr, "config: model.train_vision, but the model has no vision tower");

@@ -183,6 +183,7 @@ std::vector<model::Generated> generate_samples(Run& r) {
   }
   model::GenerateOptions o;
   o.max_new_tokens = r.cfg.train.samples_max_new_tokens;
+  o.stop_ids = r.samples.stop_ids;  // the checkpoint's end tokens, as `ringflex generate` on it stops
   o.sampling.greedy = true;
   o.compute_dtype = r.cfg.model.compute_dtype;
   o.prefill_whole_model = true;

@@ -182,7 +182,7 @@ void write_stats(Run& r, const std::string& path) {
   MemoryBreakdown need;
   {
     const StoreStandIn while_counting(*r.ck.model, r.mode->files_registry(r));
-    need = train_memory_at_least(r.cfg, *r.ck.model, r.world.size());
+    need = train_memory_at_least(r.cfg, *r.ck.model, r.world.size(), local_ranks(), prompt_lengths(r.samples));
   }
   const int64_t mine = peak_rss_bytes();
   std::vector<int64_t> peaks(static_cast<size_t>(r.world.size()));

@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -80,8 +81,17 @@ struct TrainResult {
 // named terms (core/memory.h) from memory_check.cpp, where each is derived. train() checks it against the machine on
 // every rank before it allocates the weights, and the error names the biggest terms.
 // `ranks_on_node`: the job's ranks on each machine (local_ranks(): this job's, as mpirun placed them).
+// `sample_prompt_tokens`: the train.samples prompts' lengths (prompt_lengths in samples.h), whose generation's
+// KV cache and buffers it counts (samples_memory_at_least); empty without samples.
 MemoryBreakdown train_memory_at_least(const TrainConfig& config, const model::Gemma4Multimodal& m, int world_size,
-                                      int ranks_on_node = local_ranks());
+                                      int ranks_on_node = local_ranks(),
+                                      std::span<const int64_t> sample_prompt_tokens = {});
+// What the train.samples generation of prompts of `prompt_tokens` tokens holds on a rank after a step, its terms named
+// "train.samples' ..." (model::generate_memory_at_least's: "train.samples' KV cache", the runs' buffers); empty
+// without prompts.
+MemoryBreakdown samples_memory_at_least(const TrainConfig& config, const model::Gemma4Multimodal& m,
+                                        std::span<const int64_t> prompt_tokens);
+inline constexpr const char* kSamplesTerm = "train.samples' ";
 // The disk one micro-batch's spill file takes per rank with train.spill_dir (model::run_spill_bytes; 0 without):
 // train() checks it against the directory's free space (core/memory.h check_disk) beside the memory.
 int64_t train_spill_bytes(const TrainConfig& config, const model::Gemma4Multimodal& m);

@@ -6,7 +6,8 @@
 # Both sides are the same computation at the same P (the prefill's layers through the same ring, the same decode
 # steps), so the tokens are compared for equality. Also asserted: the samples file's records (step, prompt, where,
 # prompt_ids, token_ids, stop_reason) at the sample steps (every 2 and the last), the first sample printed, and that
-# a run with samples trains the bits of one without (shard full: every loss, norm and validation loss).
+# a run with samples trains the bits of one without (shard full: every loss, norm and validation loss), and that a
+# sample stops on the end tokens of the checkpoint's generation_config.json with generate's tokens and stop reason.
 # Conversations: the tiny chat example with {"messages": ...} prompts gives `generate --messages`' tokens and text on
 # its checkpoint (which carries the example's tokenizer and template).
 #   samples_mpirun.sh WORKDIR RINGFLEX MPIEXEC... -- SOURCE_DIR
@@ -43,6 +44,27 @@ train_job full 2 --set parallelism.cp=2 --set parallelism.shard=full
 train_job full_plain 2 --set parallelism.cp=2 --set parallelism.shard=full --set train.samples.prompts=
 train_job ep 2 --set parallelism.dp=2 --set parallelism.ep=2 --set parallelism.shard=gradients
 train_job lora 2 --set parallelism.cp=2 --set model.path="$work/none/step-00000003" --set model.lora.rank=2
+# Stop tokens: a sample ends on the end tokens of the generation_config.json the run's checkpoints carry, as generate
+# on them does. A probe run from none's last checkpoint (no generation_config.json: every sample runs 8 tokens) shows
+# the tokens its last step's samples take; that folder then gets a generation_config.json whose eos_token_id (a list,
+# as Gemma 4's) holds an id no sample takes and a token of the first sample, and the same run again (the same bits:
+# samples leave training alone) must stop that sample right after it, as generate on its checkpoint does.
+cp -r "$work/none/step-00000003" "$work/stop_base"
+stop=(--set parallelism.cp=2 --set model.path="$work/stop_base" --set train.steps=2 --set train.samples.every=0)
+train_job stop_probe 2 "${stop[@]}"
+python3 - "$work" <<'PY'
+import json, sys
+work = sys.argv[1]
+samples = [json.loads(line)["token_ids"] for line in open(f"{work}/stop_probe.samples.jsonl")]
+first = samples[0]
+# The first token not seen before it, past the first where there is one: the sample then stops early.
+k = next((i for i in range(1, len(first) - 1) if first[i] not in first[:i]), 0)
+unused = next(t for t in range(511, 0, -1) if all(t not in s for s in samples))
+json.dump({"do_sample": False, "eos_token_id": [unused, first[k]]}, open(f"{work}/stop_base/generation_config.json", "w"))
+PY
+train_job stop 2 "${stop[@]}"
+"${launcher[@]}" -n 2 "$ringflex" generate --model "$work/stop/step-00000002" --in "$work/prompts.safetensors" \
+  --greedy --max-new-tokens $new_tokens --out "$work/stop.generate2.jsonl" >/dev/null
 # generate's tokens on each run's checkpoint at each sample step, at P = 2.
 for run in none optimizer gradients full ep lora; do
   for step in 2 3; do
@@ -90,6 +112,18 @@ for run in ("none", "optimizer", "gradients", "full", "ep", "lora"):
         assert s["token_ids"] == generated[s["prompt"]]["token_ids"], \
             f"{run} step {s['step']} prompt {s['prompt']}: sample {s['token_ids']} vs generate " \
             f"{generated[s['prompt']]['token_ids']}"
+expect_same_steps(metrics(f"{work}/stop_probe.jsonl"), metrics(f"{work}/stop.jsonl"), 2)
+probe = [json.loads(line) for line in open(f"{work}/stop_probe.samples.jsonl")]
+stopped = [json.loads(line) for line in open(f"{work}/stop.samples.jsonl")]
+generated = [json.loads(line) for line in open(f"{work}/stop.generate2.jsonl")]
+eos = json.load(open(f"{work}/stop_base/generation_config.json"))["eos_token_id"]
+first = stopped[0]["token_ids"]
+assert stopped[0]["stop_reason"] == "eos" and first[-1] == eos[1] and first == probe[0]["token_ids"][:len(first)], \
+    (stopped[0], probe[0], eos)
+for s, g in zip(stopped, generated):
+    assert s["step"] == 2 and (s["token_ids"], s["stop_reason"]) == (g["token_ids"], g["stop_reason"]), (s, g)
+print(f"stop tokens {eos}: the first sample stops after {len(first)} of {new_tokens} tokens (eos), as generate on the",
+      "step's checkpoint:", [(s["token_ids"], s["stop_reason"]) for s in stopped])
 # The first prompt's sample is printed at each sample step, in the mock vocabulary's words.
 printed = [line for line in open(f"{work}/none.out") if ": sample (" in line]
 assert [line.split(":")[0] for line in printed] == ["step 2", "step 3"], printed

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <iterator>
 #include <set>
 #include <string>
@@ -12,6 +13,7 @@
 
 #include "common/error_of.h"
 #include "core/memory.h"
+#include "model/builtin_configs.h"
 #include "model/checkpoint.h"
 #include "trainer/plan.h"
 #include "trainer/trainer.h"
@@ -178,6 +180,29 @@ TEST(TrainPlan, FitsIsTheFigureAgainstTheBudget) {
   for (const PlanRow& r : tight.rows) EXPECT_EQ(r.fits, r.need.total() <= budget) << layout(r);
   expect_best_first(tight);
   EXPECT_FALSE(tight.rows.back().fits);
+}
+
+// train.samples: the plan reads the prompts file as `ringflex train` does, and every row counts the samples'
+// generation (its KV cache at the row's CP) with the same function as the check.
+TEST(TrainPlan, SamplesCacheIsInEveryRow) {
+  const fs::path prompts = fs::path(::testing::TempDir()) / "plan_prompts.jsonl";
+  std::ofstream(prompts) << "{\"ids\": [1, 40]}\n{\"ids\": [1, 40, 41]}\n";
+  const TrainConfig c = config({"train.samples.prompts=" + prompts.string(), "train.samples.max_new_tokens=100000"});
+  const Plan plan = plan_training(c, PlanMachine{2, 2, int64_t{1} << 50});
+  const model::Gemma4Multimodal m(model::Gemma4Config::from_json(model::builtin_config_json("tiny_moe_vlm")),
+                                  model::MultimodalParts{model::kBuiltinFeatureDim},
+                                  model::TensorSet::Storage::Deferred);
+  const std::string cache = std::string(kSamplesTerm) + "KV cache";
+  ASSERT_FALSE(plan.rows.empty());
+  for (const PlanRow& r : plan.rows) {
+    EXPECT_GT(r.need.of(cache), 0) << layout(r);
+    EXPECT_EQ(r.need.of(cache), samples_memory_at_least(row_config(c, r), m, std::vector<int64_t>{2, 3}).of(cache))
+        << layout(r);
+  }
+  EXPECT_EQ(error_of([&] {
+              plan_training(config({"train.samples.prompts=/absent/prompts.jsonl"}), PlanMachine{1, 1, kGiB});
+            }),
+            "/absent/prompts.jsonl: cannot open");
 }
 
 TEST(TrainPlan, BadInputsAreOneLine) {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
@@ -15,6 +16,7 @@
 #include "common/memory_limit.h"
 #include "model/builtin_configs.h"
 #include "model/checkpoint.h"
+#include "model/generate.h"
 #include "model/lora_store.h"
 #include "model/memory.h"
 #include "model/vision.h"
@@ -291,6 +293,56 @@ std::string train_error(const TrainConfig& c, const TrainOptions& options) {
     error = error_of([&] { train(c, world, o); });
   });
   return error;
+}
+
+// train.samples: the generation after a step holds every prompt's KV cache and its runs' buffers, the figure
+// `ringflex generate` checks (model::generate_memory_at_least) at the last CP rank's share, named for the samples. It
+// runs once the step's activations are freed, so the larger of the two runs counts, never both.
+TEST(TrainMemory, SamplesCountGeneratesFigureInsteadOfASmallerStep) {
+  const model::Gemma4Multimodal m = shapes();
+  const std::vector<int64_t> prompts = {2, 2, 70};  // the last crosses the sliding window (64)
+  for (const int cp : {1, 2, 3}) {
+    const TrainConfig c = config({"parallelism.cp=" + std::to_string(cp), "train.samples.prompts=p.jsonl",
+                                  "train.samples.max_new_tokens=20000"});
+    const MemoryBreakdown gen = model::generate_memory_at_least(m.decoder(), prompts, 20000, cp, cp - 1, DType::F32);
+    const MemoryBreakdown samples = samples_memory_at_least(c, m, prompts);
+    ASSERT_EQ(samples.terms().size(), gen.terms().size());
+    for (size_t t = 0; t < gen.terms().size(); ++t) {
+      EXPECT_EQ(samples.terms()[t].name, kSamplesTerm + gen.terms()[t].name);
+      EXPECT_EQ(samples.terms()[t].bytes, gen.terms()[t].bytes);
+    }
+    // By hand: the full layer's one 32-wide KV head, K and V in float32 and a 12-byte TokenMeta a position, holds
+    // the rank's share of each prompt's S - 1 prefilled positions and of the 20000 decoded ones (the last rank's,
+    // the smallest); the five sliding layers' two 16-wide heads at most their window of 64.
+    int64_t cache = 0;
+    for (const int64_t S : prompts) {
+      const int64_t held = (S - 1 + cp - 1) / cp, decoded = 20000 / cp,
+                    in_window = (std::min<int64_t>(S - 1, 63) + cp - 1) / cp;
+      cache +=
+          (held + decoded) * (2 * 32 * 4 + 12) + 5 * std::min<int64_t>(64, in_window + decoded) * (2 * 2 * 16 * 4 + 12);
+    }
+    EXPECT_EQ(samples.of("train.samples' KV cache"), cache) << "cp " << cp;
+    // The step's run gives way to the samples' terms; every other term is the run's without samples.
+    const MemoryBreakdown without = train_memory_at_least(c, m, cp, 1),
+                          with = train_memory_at_least(c, m, cp, 1, prompts);
+    EXPECT_GT(without.of("activations"), 0);
+    EXPECT_EQ(with.of("activations"), 0) << "cp " << cp;
+    int64_t rest = 0;
+    for (const MemoryBreakdown::Term& t : with.terms()) {
+      if (t.name.starts_with(kSamplesTerm)) {
+        EXPECT_EQ(t.bytes, samples.of(t.name)) << t.name;
+      } else {
+        EXPECT_EQ(t.bytes, without.of(t.name)) << t.name;
+        rest += t.bytes;
+      }
+    }
+    EXPECT_EQ(with.total(), rest + samples.total());
+  }
+  // A small generation leaves the step's run as it was.
+  const TrainConfig small = config({"train.samples.prompts=p.jsonl", "train.samples.max_new_tokens=4"});
+  const MemoryBreakdown kept = train_memory_at_least(small, m, 1, 1, std::vector<int64_t>{2});
+  EXPECT_EQ(kept.of("train.samples' KV cache"), 0);
+  EXPECT_EQ(kept.total(), train_memory_at_least(small, m, 1, 1).total());
 }
 
 TEST(TrainMemory, BeyondTheLimitStopsBeforeAllocatingWithTheFigure) {
