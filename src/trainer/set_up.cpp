@@ -156,9 +156,9 @@ void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config&
 }
 
 // What the run needs, checked on every rank before the weights, gradients and moments are allocated.
-void check_fits(const Run& r, const model::Gemma4Multimodal& shapes) {
-  check_memory(train_memory_at_least(r.cfg, shapes, r.world.size()), "train",
-               rf::concat(" at seq_len ", r.cfg.train.seq_len, " over cp ", r.cfg.parallelism.cp));
+void check_fits(Run& r, const model::Gemma4Multimodal& shapes) {
+  r.checked = train_memory_at_least(r.cfg, shapes, r.world.size());
+  check_memory(r.checked, "train", rf::concat(" at seq_len ", r.cfg.train.seq_len, " over cp ", r.cfg.parallelism.cp));
   if (!r.cfg.train.spill_dir.empty())
     check_disk(train_spill_bytes(r.cfg, shapes), r.cfg.train.spill_dir,
                rf::concat("train's spill file (train.spill_dir) at seq_len ", r.cfg.train.seq_len, " over cp ",
