@@ -35,10 +35,10 @@ struct ExportOptions {
 };
 
 int run_export(const ExportOptions& opt) {
-  model::Checkpoint ck =
-      model::load_checkpoint(opt.model, {}, std::make_unique<model::LoraStore>(model::read_peft_config(opt.merge)));
-  auto& store = dynamic_cast<model::LoraStore&>(ck.model->params());
-  model::load_peft_adapter(store, opt.merge);
+  RF_CHECK(!opt.merge.empty(), "export: --merge is empty; it names the PEFT LoRA adapter directory to merge");
+  model::AdaptedCheckpoint adapted = model::load_adapted_checkpoint(opt.model, opt.merge);
+  const model::Checkpoint& ck = adapted.checkpoint;
+  const model::LoraStore& store = *adapted.adapters;
   const float scale = static_cast<float>(store.config().scale());
   const int64_t r = store.config().rank;
   // The merged weights by their file names, float32.

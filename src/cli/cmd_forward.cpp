@@ -235,15 +235,17 @@ int run_forward(const ForwardOptions& opt) {
   const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
   const int P = world->size();
   model::Checkpoint ck;
+  const model::LoraStore* lora = nullptr;  // --lora's adapters over the base (ck.model's store), else null
   BatchData data;
   agree(*world, [&] {
     if (world->rank() == 0) check_outputs(opt);  // before loading anything: an unwritable output is found at once
     const BatchShape shape = check_batch_shape(opt.in);
-    ck = model::load_checkpoint(
-        opt.model,
-        [&](const model::Gemma4Multimodal& shapes) { check_job_memory(shapes, shape, opt, P, world->rank()); },
-        opt.lora.empty() ? nullptr : std::make_unique<model::LoraStore>(model::read_peft_config(opt.lora)));
-    if (!opt.lora.empty()) model::load_peft_adapter(dynamic_cast<model::LoraStore&>(ck.model->params()), opt.lora);
+    model::AdaptedCheckpoint adapted =
+        model::load_adapted_checkpoint(opt.model, opt.lora, [&](const model::Gemma4Multimodal& shapes) {
+          check_job_memory(shapes, shape, opt, P, world->rank());
+        });
+    ck = std::move(adapted.checkpoint);
+    lora = adapted.adapters;
     if (opt.check_finite) {
       const model::ParamStore& params = ck.model->params();
       for (size_t i = 0; i < params.size(); ++i) {
@@ -357,7 +359,6 @@ int run_forward(const ForwardOptions& opt) {
     }
     if (opt.grad) {
       const model::ParamStore& params = ck.model->params();
-      const auto* lora = dynamic_cast<const model::LoraStore*>(&params);
       for (size_t i = 0; i < params.size(); ++i) {
         const model::ParamInfo& p = params.info(i);
         if (params.grad(i) == nullptr) continue;  // frozen (a LoRA base): no gradient

@@ -381,18 +381,15 @@ int run_generate(const GenerateCliOptions& opt) {
     const std::string source = !opt.prompt.empty()     ? std::string("--prompt")
                                : !opt.messages.empty() ? opt.messages
                                                        : opt.in;
-    ck = model::load_checkpoint(
-        opt.model,
-        [&](const model::Gemma4Multimodal& shapes) {
-          const Decoding d = decoding_of(opt);
-          const MemoryBreakdown need =
-              model::generate_job_memory_at_least(shapes, lengths, d.max_new_tokens, P, rank, dtype, cache_dtype);
-          check_memory(need, source + ": generate",
-                       concat(" for ", lengths.size() > 1 ? concat(lengths.size(), " prompts of at most ") : "", S,
-                              " prompt tokens and ", d.max_new_tokens, " new over ", P, " rank(s)"));
-        },
-        opt.lora.empty() ? nullptr : std::make_unique<model::LoraStore>(model::read_peft_config(opt.lora)));
-    if (!opt.lora.empty()) model::load_peft_adapter(dynamic_cast<model::LoraStore&>(ck.model->params()), opt.lora);
+    const auto check_fits = [&](const model::Gemma4Multimodal& shapes) {
+      const Decoding d = decoding_of(opt);
+      const MemoryBreakdown need =
+          model::generate_job_memory_at_least(shapes, lengths, d.max_new_tokens, P, rank, dtype, cache_dtype);
+      check_memory(need, source + ": generate",
+                   concat(" for ", lengths.size() > 1 ? concat(lengths.size(), " prompts of at most ") : "", S,
+                          " prompt tokens and ", d.max_new_tokens, " new over ", P, " rank(s)"));
+    };
+    ck = model::load_adapted_checkpoint(opt.model, opt.lora, check_fits).checkpoint;
     ck.model->set_vision_compute_dtype(dtype);
     dec = decoding_of(opt);
     if (!opt.in.empty()) prompts = prompts_of(read_batch(opt.in, *ck.model, true), opt.in);

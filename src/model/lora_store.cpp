@@ -193,16 +193,25 @@ int64_t lora_adapter_bytes(const std::vector<LoraTarget>& targets, int rank, int
   return n * static_cast<int64_t>(sizeof(float));
 }
 
-int64_t lora_layer_buffer_bytes(const ParamStore& shapes) {
-  // The base's slots: a LoRA store's adapters (registered after them) are float32 already.
-  const auto* lora = dynamic_cast<const LoraStore*>(&shapes);
-  const size_t base = lora != nullptr && lora->weights_allocated() ? lora->base_slots() : shapes.size();
+namespace {
+
+// Float32 bytes of the largest decoder layer among the first `base_slots` slots of `shapes`.
+int64_t largest_layer_bytes(const ParamStore& shapes, size_t base_slots) {
   std::unordered_map<int, int64_t> per_layer;
-  for (size_t slot = 0; slot < base; ++slot)
+  for (size_t slot = 0; slot < base_slots; ++slot)
     if (const ParamInfo& p = shapes.info(slot); p.layer != kGlobalGroup) per_layer[p.layer] += p.numel;
   int64_t most = 0;
   for (const auto& [layer, n] : per_layer) most = std::max(most, n);
   return most * static_cast<int64_t>(sizeof(float));
+}
+
+}  // namespace
+
+int64_t lora_layer_buffer_bytes(const ParamStore& base) { return largest_layer_bytes(base, base.size()); }
+
+int64_t lora_layer_buffer_bytes(const LoraStore& store) {
+  // The adapters are registered after the base's slots, when the store allocates.
+  return largest_layer_bytes(store, store.weights_allocated() ? store.base_slots() : store.size());
 }
 
 int64_t lora_global_buffer_bytes(const ParamStore& shapes) {

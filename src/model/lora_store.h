@@ -49,11 +49,15 @@ struct LoraTarget {
   bool experts_weight = false;
 };
 std::vector<LoraTarget> lora_targets(const ParamStore& shapes, const LoraConfig& config);
-// Float32 bytes of the adapters of `targets` (one of weights, gradients, exp_avg, exp_avg_sq), and of the largest
-// layer's float32 widening of its base that the hooks hold (one layer at a time) when the base is not float32.
-// With `ep` > 1 an EP rank's: the experts' adapters are E / ep experts' worth (LoraStore::place_experts).
+// Float32 bytes of the adapters of `targets` (one of weights, gradients, exp_avg, exp_avg_sq). With `ep` > 1 an EP
+// rank's: the experts' adapters are E / ep experts' worth (LoraStore::place_experts).
 int64_t lora_adapter_bytes(const std::vector<LoraTarget>& targets, int rank, int ep = 1);
-int64_t lora_layer_buffer_bytes(const ParamStore& shapes);
+// Float32 bytes of the largest layer's widening of its base that the hooks hold (one layer at a time) when the base
+// is not float32: of `base`, a registry of the model's parameters alone (every slot a base slot: the memory check's
+// shapes), or of a LoraStore's base slots (its adapters, float32 already, left out).
+int64_t lora_layer_buffer_bytes(const ParamStore& base);
+class LoraStore;
+int64_t lora_layer_buffer_bytes(const LoraStore& store);
 // Float32 bytes of the global group's widened matmul operands but the head (the per-layer-input projection), alive
 // for the whole run, and of the loss's float32 panel of the head (ParamInfo::streamed matmul operands; loss.h
 // head_panel_bytes), alive for the loss.

@@ -2,6 +2,7 @@
 #include "model/peft_files.h"
 
 #include <filesystem>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -165,6 +166,20 @@ void load_peft_adapter(LoraStore& store, const std::string& dir) {
   }
   RF_CHECK(read == 2 * store.adapters().size(), path, ": ", read, " adapter tensors, expected ",
            2 * store.adapters().size());
+}
+
+AdaptedCheckpoint load_adapted_checkpoint(const std::string& dir, const std::string& adapter_dir,
+                                          const BeforeAllocating& before_allocating) {
+  AdaptedCheckpoint out;
+  if (adapter_dir.empty()) {
+    out.checkpoint = load_checkpoint(dir, before_allocating);
+    return out;
+  }
+  auto store = std::make_unique<LoraStore>(read_peft_config(adapter_dir));
+  out.adapters = store.get();  // the model owns it from here on, and keeps it: nothing places another
+  out.checkpoint = load_checkpoint(dir, before_allocating, std::move(store));
+  load_peft_adapter(*out.adapters, adapter_dir);
+  return out;
 }
 
 }  // namespace rf::model

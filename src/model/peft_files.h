@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "model/checkpoint.h"
 #include "model/lora_store.h"
 
 namespace rf::model {
@@ -28,5 +29,16 @@ LoraConfig read_peft_config(const std::string& dir);
 // Overwrites the store's adapters with the directory's tensors; every adapter must be there with its shape, and
 // nothing else.
 void load_peft_adapter(LoraStore& store, const std::string& dir);
+
+// The checkpoint in `dir` (load_checkpoint, `before_allocating` as there) with, where `adapter_dir` is not empty,
+// the PEFT adapter in it over the base: the base loaded into a LoraStore of the adapter's config (read_peft_config),
+// then the adapter's tensors read (load_peft_adapter). `adapters` is that store, owned by checkpoint.model, or null
+// without an adapter (a replicated store).
+struct AdaptedCheckpoint {
+  Checkpoint checkpoint;
+  LoraStore* adapters = nullptr;
+};
+AdaptedCheckpoint load_adapted_checkpoint(const std::string& dir, const std::string& adapter_dir,
+                                          const BeforeAllocating& before_allocating = {});
 
 }  // namespace rf::model

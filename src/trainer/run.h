@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "core/memory.h"
 #include "cp/parallel_context.h"
 #include "model/checkpoint.h"
 #include "model/lora_store.h"
@@ -47,6 +48,8 @@ struct Run {
   std::unique_ptr<comm::Communicator> edp_group;  // the ranks holding this rank's experts (world rank % ep alike)
   cp::JobContext context;  // the model's parallel context: the local kernels, or the ring over this rank's CP group
   model::Checkpoint ck;
+  // The memory check's figure for this run (check_fits, before anything was allocated), what --stats writes.
+  MemoryBreakdown checked;
   TrainState state;
   std::string resume_dir;  // empty: a fresh run
   std::unique_ptr<DataSource> data;
@@ -68,7 +71,7 @@ inline double seconds_since(Clock::time_point start) {
 
 inline ExpertGroups expert_groups(Run& r) { return {r.world, *r.ep_group, *r.edp_group, r.timeout}; }
 
-// The model.lora fields as the LoRA store takes them (memory_check.cpp).
+// The model.lora fields as the LoRA store takes them (state/lora.cpp).
 model::LoraConfig lora_config(const TrainConfig& cfg);
 
 // set_up.cpp
@@ -83,8 +86,8 @@ std::unique_ptr<model::Gemma4Multimodal> builtin_shapes(const TrainConfig& cfg,
 // The config's model as shapes only, the registry the memory check counts: the built-in, or model.path's config.json
 // (model::checkpoint_shapes).
 std::unique_ptr<model::Gemma4Multimodal> model_shapes(const TrainConfig& cfg);
-// What the run needs against the machine, for the model's shapes (before anything is allocated); reads the
-// train.samples prompts into r.samples first (their generation's KV cache is counted).
+// What the run needs against the machine, for the model's shapes (before anything is allocated), kept in r.checked;
+// reads the train.samples prompts into r.samples first (their generation's KV cache is counted).
 void check_fits(Run& r, const model::Gemma4Multimodal& shapes);
 // A resumed run's config against the one that wrote the checkpoint in `dir` (`saved_yaml`).
 void check_resume_compatible(const TrainConfig& now, const std::string& saved_yaml, const std::string& dir);

@@ -160,8 +160,8 @@ void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config&
 void check_fits(Run& r, const model::Gemma4Multimodal& shapes) {
   if (!r.cfg.train.samples_prompts.empty() && r.samples.prompts.empty())
     r.samples = read_sample_prompts(r.cfg, shapes.decoder(), r.cfg.parallelism.cp);
-  check_memory(train_memory_at_least(r.cfg, shapes, r.world.size(), local_ranks(), prompt_lengths(r.samples)), "train",
-               rf::concat(" at seq_len ", r.cfg.train.seq_len, " over cp ", r.cfg.parallelism.cp));
+  r.checked = train_memory_at_least(r.cfg, shapes, r.world.size(), local_ranks(), prompt_lengths(r.samples));
+  check_memory(r.checked, "train", rf::concat(" at seq_len ", r.cfg.train.seq_len, " over cp ", r.cfg.parallelism.cp));
   if (!r.cfg.train.spill_dir.empty())
     check_disk(train_spill_bytes(r.cfg, shapes), r.cfg.train.spill_dir,
                rf::concat("train's spill file (train.spill_dir) at seq_len ", r.cfg.train.seq_len, " over cp ",

@@ -174,16 +174,11 @@ void publish_samples(Run& r, int64_t step, std::optional<MetricsFile>& file, Pro
   });
 }
 
-// --stats: the memory check's terms for this run (per rank: every rank's figure is the same, shards being padded)
-// beside every rank's measured peak RSS (a collective), written by rank 0 in one agreement.
+// --stats: the memory check's terms for this run (per rank: every rank's figure is the same, shards being padded),
+// as set_up checked them against the machine (the training state's figures over the model's shapes, those of
+// `ringflex train --plan`), beside every rank's measured peak RSS (a collective), written by rank 0 in one agreement.
 void write_stats(Run& r, const std::string& path) {
-  // Held experts: the check counts from the files' registry (the held store registers a rank's experts only, and a
-  // HeldExpertStore marks them frozen: their training state is its ExpertSlices').
-  MemoryBreakdown need;
-  {
-    const StoreStandIn while_counting(*r.ck.model, r.mode->files_registry(r));
-    need = train_memory_at_least(r.cfg, *r.ck.model, r.world.size(), local_ranks(), prompt_lengths(r.samples));
-  }
+  const MemoryBreakdown& need = r.checked;
   const int64_t mine = peak_rss_bytes();
   std::vector<int64_t> peaks(static_cast<size_t>(r.world.size()));
   r.world.allgather(&mine, peaks.data(), sizeof mine, r.timeout);

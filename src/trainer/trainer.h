@@ -77,7 +77,8 @@ struct TrainResult {
   std::string svg_path;
 };
 
-// What training needs per rank at least, known before any of it is allocated (`m`'s parameters may be shapes only):
+// What training needs per rank at least, known before any of it is allocated (`m`'s parameters may be shapes only;
+// its registry is the model's own, no LoRA adapters in it, as set_up and `ringflex train --plan` pass it):
 // named terms (core/memory.h) from memory_check.cpp, where each is derived. train() checks it against the machine on
 // every rank before it allocates the weights, and the error names the biggest terms.
 // `ranks_on_node`: the job's ranks on each machine (local_ranks(): this job's, as mpirun placed them).

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -12,9 +13,13 @@
 #include <mutex>
 #include <ostream>
 
+#include <nlohmann/json.hpp>
+
 #include "comm/loopback_comm.h"
+#include "core/memory.h"
 #include "model/builtin_configs.h"
 #include "model/multimodal.h"
+#include "trainer/plan.h"
 #include "trainer/state/state.h"
 #include "trainer/trainer.h"
 
@@ -199,9 +204,84 @@ TEST_P(StateConformance, BytesCoverWhatItAllocates) {
   fs::remove_all(dir);
 }
 
+// --stats, the memory check and `ringflex train --plan` give one figure, term for term: every mode, and the modes
+// whose live store registers other slots than the model's own registry: held experts under shard gradients (the
+// held store registers a rank's experts only; its token tables' rows were once counted as 0 bytes by --stats, where
+// the check counted them) and LoRA over a base mapped from model.path (a LoRA store registers its adapters beside
+// the base, which no file holds).
+struct StatsCase {
+  Mode mode;
+  std::string mapped_base;  // the built-in model whose checkpoint (written by a first run) is model.path; empty: none
+};
+void PrintTo(const StatsCase& c, std::ostream* os) { *os << c.mode.name; }
+
+std::vector<StatsCase> stats_cases() {
+  std::vector<StatsCase> out;
+  for (const Mode& m : modes()) out.push_back({m, ""});
+  out.push_back(
+      {{"HeldExpertsGradients",
+        {"model.builtin=tiny_moe_vlm", "model.init_std=0.4", "parallelism.ep=2", "parallelism.shard=gradients"},
+        {}},
+       ""});
+  out.push_back({{"LoraMappedBase", {"model.lora.rank=4", "parallelism.shard=none"}, {}}, "tiny_dense"});
+  out.push_back({{"LoraMappedPlacedOptimizer",
+                  {"parallelism.ep=2", "model.lora.rank=4", "model.lora.target_parameters=[experts.gate_up_proj]",
+                   "parallelism.shard=optimizer"},
+                  {}},
+                 "tiny_moe_vlm"});
+  return out;
+}
+
+class StateStats : public ::testing::TestWithParam<StatsCase> {};
+
+TEST_P(StateStats, StatsAreTheChecksAndThePlansFigures) {
+  const StatsCase& sc = GetParam();
+  const std::string& name = sc.mode.name;
+  const fs::path dir = scratch(name + "_stats");
+  fs::create_directories(dir);
+  std::vector<std::string> sets = sc.mode.sets;
+  if (!sc.mapped_base.empty()) {
+    // A one-step run's last checkpoint of the built-in (its weights float32 in model.safetensors).
+    const TrainConfig base =
+        config({"model.builtin=" + sc.mapped_base, "train.steps=1", "checkpoint.every=1"}, dir / "base");
+    sets.insert(sets.end(), {"model.builtin=", "model.path=" + run(base).last_checkpoint});
+  }
+  sets.push_back("train.steps=1");
+  const TrainConfig c = config(sets, dir / "run");
+  validate(c, 2);
+  TrainOptions opt;
+  opt.progress = nullptr;
+  opt.stats_path = (dir / "stats.json").string();
+  comm::run_ranks(2, [&](comm::Communicator& world) { train(c, world, opt); });
+  std::ifstream in(opt.stats_path);
+  const nlohmann::json stats = nlohmann::json::parse(in);
+  // The plan's row for this run's own layout, on this machine (the process's ranks on one node, as the check sees).
+  PlanMachine machine;
+  machine.ranks = 2;
+  machine.ranks_per_node = std::min(local_ranks(), 2);
+  machine.rank_bytes = int64_t{1} << 40;
+  const Plan plan = plan_training(c, machine);
+  const auto row = std::find_if(plan.rows.begin(), plan.rows.end(), [&](const PlanRow& r) {
+    return r.cp == c.parallelism.cp && r.dp == c.parallelism.dp && r.ep == c.parallelism.ep &&
+           r.shard == c.parallelism.shard && r.param_dtype == c.model.param_dtype && r.lora == (c.model.lora_rank != 0);
+  });
+  ASSERT_NE(row, plan.rows.end()) << name << ": no plan row for the run's layout";
+  const nlohmann::json& terms = stats.at("memory_per_rank").at("terms");
+  ASSERT_EQ(terms.size(), row->need.terms().size()) << name;
+  for (size_t t = 0; t < terms.size(); ++t) {
+    const MemoryBreakdown::Term& planned = row->need.terms()[t];
+    EXPECT_EQ(terms[t].at("kind").get<std::string>(), planned.name) << name;
+    EXPECT_EQ(terms[t].at("bytes").get<int64_t>(), planned.bytes) << name << ": " << planned.name;
+  }
+  EXPECT_EQ(stats.at("memory_per_rank").at("total_bytes").get<int64_t>(), row->need.total()) << name;
+  fs::remove_all(dir);
+}
+
 const auto kModeName = [](const ::testing::TestParamInfo<Mode>& i) { return i.param.name; };
 INSTANTIATE_TEST_SUITE_P(EveryMode, StateConformance, ::testing::ValuesIn(modes()), kModeName);
 INSTANTIATE_TEST_SUITE_P(EveryMode, StateBits, ::testing::ValuesIn(referred_modes()), kModeName);
+INSTANTIATE_TEST_SUITE_P(EveryMode, StateStats, ::testing::ValuesIn(stats_cases()),
+                         [](const ::testing::TestParamInfo<StatsCase>& i) { return i.param.mode.name; });
 
 }  // namespace
 }  // namespace rf::trainer

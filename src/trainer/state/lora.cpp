@@ -35,22 +35,17 @@ namespace fs = std::filesystem;
 
 // Bytes of the model's parameters in the dtypes of model.path's files (what a LoRA store maps), or -1 without
 // model.path (a built-in base), without weight files (`ringflex train --plan` on a config.json alone: the base is
-// then counted as float32), or where a file's dtype is none a store can hold (the loader widens those). `shapes`
-// is the registry before the adapters exist (the check before loading) or a LoraStore with them (--stats at the
-// end): its adapters are in no file and are skipped.
-int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& shapes) {
+// then counted as float32), or where a file's dtype is none a store can hold (the loader widens those). `base`: the
+// model's parameters alone, as the memory check's shapes register them (no adapters: they are in no file).
+int64_t mapped_base_bytes(const TrainConfig& c, const model::ParamStore& base) {
   if (c.model.path.empty() || !model::has_weight_files(c.model.path)) return -1;
   const io::Checkpoint files = io::Checkpoint::open(c.model.path);
   const std::string prefix = files.find(std::string(model::kMultimodalTextPrefix) + "embed_tokens.weight")
                                  ? model::kMultimodalTextPrefix
                                  : "model.";
-  std::vector<bool> adapter(shapes.size(), false);
-  if (const auto* lora = dynamic_cast<const model::LoraStore*>(&shapes))
-    for (const model::LoraStore::Adapter& a : lora->adapters()) adapter[a.a] = adapter[a.b] = true;
   int64_t bytes = 0;
-  for (size_t slot = 0; slot < shapes.size(); ++slot) {
-    if (adapter[slot]) continue;
-    const model::ParamInfo& p = shapes.info(slot);
+  for (size_t slot = 0; slot < base.size(); ++slot) {
+    const model::ParamInfo& p = base.info(slot);
     const io::TensorView* v = files.find(model::file_name_of(p.name, prefix));
     if (v == nullptr) return -1;
     if (v->dtype != io::StDType::F32 && v->dtype != io::StDType::BF16 && v->dtype != io::StDType::F16) return -1;

@@ -50,8 +50,9 @@ class TrainingState {
 
   // Whether this mode runs `c` (checked by validate before anything is built).
   virtual Support supports(const TrainConfig& c) const = 0;
-  // The mode's per-rank bytes by kind for `m`'s registry (nothing allocated) over `world_size` ranks, `ranks_on_node`
-  // of them on each machine (they share what a machine maps once).
+  // The mode's per-rank bytes by kind for `m` over `world_size` ranks, `ranks_on_node` of them on each machine (they
+  // share what a machine maps once). `m`: the config's model, its registry the model's own parameters (shapes
+  // suffice; no LoRA adapters: model_shapes, or the loader's shapes before its store allocates).
   virtual StateBytes bytes(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size,
                            int ranks_on_node) const = 0;
 
@@ -97,7 +98,8 @@ class TrainingState {
 
   // The store whose float32 masters are this rank's pieces (read piece by piece: ShardedStore::own_piece), or null.
   virtual const ShardedStore* sharded_masters() const { return nullptr; }
-  // The registry the files and the memory check count (null: the store's own), e.g. every expert whole.
+  // The registry as the files have it, which a save's wait is sized by (null: the store's own), e.g. every expert
+  // whole.
   virtual std::unique_ptr<model::ParamStore> files_registry(Run& r) {
     (void)r;
     return nullptr;
@@ -107,25 +109,6 @@ class TrainingState {
   virtual void save(Run& r, const std::string& tmp, comm::Timeout wait, const FinishSave& finish) = 0;
   // The whole weights on every rank at the end of a run (TrainOptions::whole_model).
   virtual void unshard() {}
-};
-
-// While it lives, the model holds `stand_in` (a store laid out as the files have it; null: nothing changes) in place
-// of its own store, which it gets back on every path: --stats counts the files' registry (a save takes the store it
-// writes instead).
-class StoreStandIn {
- public:
-  StoreStandIn(model::Gemma4Multimodal& m, std::unique_ptr<model::ParamStore> stand_in) : m_(m) {
-    if (stand_in) own_ = m_.replace_params(std::move(stand_in));
-  }
-  ~StoreStandIn() {
-    if (own_) m_.replace_params(std::move(own_));
-  }
-  StoreStandIn(const StoreStandIn&) = delete;
-  StoreStandIn& operator=(const StoreStandIn&) = delete;
-
- private:
-  model::Gemma4Multimodal& m_;
-  std::unique_ptr<model::ParamStore> own_;
 };
 
 // The config's mode (the only mapping from a config to a mode; nothing is built): replicated (shard none and
