@@ -417,7 +417,7 @@ def bf16_cache_case(ringflex, runs, workdir, failures):
 
 def bytes_of(line, term):
     """The bytes of memory-check term `term` in an error line ("... (weights 123 B, KV cache ...")."""
-    m = re.search(rf"[(,] {re.escape(term)} (\d+) B[,)]", line)
+    m = re.search(rf"(?:\(|, ){re.escape(term)} (\d+) B[,)]", line)
     return int(m.group(1)) if m else None
 
 
