@@ -6,7 +6,7 @@
 //                   [--max-new-tokens N]
 //                   [--greedy | --temperature T --top-k K --top-p P --min-p M --seed S] [--out FILE.jsonl]
 //                   [--logits-out FILE.safetensors] [--compute-dtype float32|bfloat16]
-//                   [--cache-dtype float32|bfloat16] [--threads N]
+//                   [--cache-dtype float32|bfloat16] [--ep E] [--threads N]
 //
 // Prompts: --prompt TEXT (once or more), tokenized with the checkpoint's tokenizer (src/text; tokenizer.json, else
 // tokenizer.model) after its BOS token, as transformers' tokenizer(text) gives it; the new tokens stream to stdout as
@@ -18,7 +18,10 @@
 // generation_config.json (do_sample, temperature, top_k, top_p, min_p, eos_token_id; transformers' defaults where it
 // has none); --greedy or any sampling option overrides it. The prompts are decoded together, each giving its tokens
 // alone (model/generate.h). Each prompt's prefill is split over the ranks and its KV cache stays sharded
-// (cp/kv_cache.h, docs/generate.md): the tokens do not depend on P. Rank 0 streams each prompt's new tokens to
+// (cp/kv_cache.h, docs/generate.md): the tokens do not depend on P. With --ep E each group of E consecutive ranks
+// divides every MoE layer's experts as training's parallelism.ep does: a rank loads and holds its experts only
+// (model/expert_store.h), the prefill's rows travel to them and a decode step runs each expert on its holder alone
+// (cp/decode_experts.h); the tokens and logits do not depend on E. Rank 0 streams each prompt's new tokens to
 // stdout as they come, in prompt order (BatchStream), writes --out (one JSON object a prompt: token_ids, stop_reason,
 // prompt_tokens, prefill and decode tokens/s) and --logits-out (the first prompt's logits, one [V] row a step: logits
 // [N, V]). Every input and the memory the job needs (weights, every prompt's cache with --max-new-tokens) is checked on
@@ -48,6 +51,7 @@
 #include "io/jsonl.h"
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
+#include "model/expert_store.h"
 #include "model/generate.h"
 #include "model/generate_memory.h"
 #include "model/generation_config.h"
@@ -76,6 +80,7 @@ struct GenerateCliOptions {
   std::optional<int> top_k;
   std::optional<uint64_t> seed;
   int threads = 0;
+  int ep = 1;  // --ep: ranks dividing the experts (1: every expert on every rank)
   std::string compute_dtype = "float32";
   std::string cache_dtype;  // empty: the attention storage's (model::attention_dtype)
 };
@@ -343,6 +348,10 @@ int run_generate(const GenerateCliOptions& opt) {
   if (opt.threads > 0) omp_set_num_threads(opt.threads);
   const std::unique_ptr<comm::Communicator> world = comm::make_mpi_world();
   const int P = world->size(), rank = world->rank();
+  // EP groups: ep consecutive ranks, as training's (trainer/set_up.cpp), each a slice of the one CP group.
+  const int ep = opt.ep;
+  agree(*world, [&] { RF_CHECK(P % ep == 0, "--ep ", ep, " does not divide the ", P, " rank(s) of this job"); });
+  const std::unique_ptr<comm::Communicator> ep_group = world->split(rank / ep, rank % ep);
   const model::ComputeDtype dtype = model::parse_compute_dtype(opt.compute_dtype);
   const DType cache_dtype = cache_dtype_of(opt.cache_dtype, model::attention_dtype(dtype));
   model::Checkpoint ck;
@@ -381,15 +390,38 @@ int run_generate(const GenerateCliOptions& opt) {
     const std::string source = !opt.prompt.empty()     ? std::string("--prompt")
                                : !opt.messages.empty() ? opt.messages
                                                        : opt.in;
-    const auto check_fits = [&](const model::Gemma4Multimodal& shapes) {
-      const Decoding d = decoding_of(opt);
-      const MemoryBreakdown need =
-          model::generate_job_memory_at_least(shapes, lengths, d.max_new_tokens, P, rank, dtype, cache_dtype);
-      check_memory(need, source + ": generate",
-                   concat(" for ", lengths.size() > 1 ? concat(lengths.size(), " prompts of at most ") : "", S,
-                          " prompt tokens and ", d.max_new_tokens, " new over ", P, " rank(s)"));
-    };
-    ck = model::load_adapted_checkpoint(opt.model, opt.lora, check_fits).checkpoint;
+    // --ep: a rank holds its EP rank's experts only, placed before any weight is allocated so that the loader reads
+    // those rows of the files alone (a checkpoint written at any EP holds whole tensors). Under --lora the frozen base
+    // stays whole (mapped from the files, a rank touching its experts' pages only) and the experts' adapters are
+    // placed as training's (LoraStore::place_experts).
+    std::unique_ptr<model::LoraStore> lora;
+    model::LoraStore* adapters = nullptr;  // owned by ck.model from the load on
+    if (!opt.lora.empty()) {
+      lora = std::make_unique<model::LoraStore>(model::read_peft_config(opt.lora));
+      if (ep > 1) lora->place_experts(rank % ep, ep);
+      adapters = lora.get();
+    }
+    const bool hold_experts = ep > 1 && !lora;
+    model::PlaceParams place;
+    if (hold_experts)
+      place = [&](const model::Gemma4Multimodal& shapes) {
+        return model::hold_expert_rows(shapes.params(), rank % ep, ep);
+      };
+    ck = model::load_checkpoint(
+        opt.model,
+        [&](const model::Gemma4Multimodal& shapes) {
+          model::check_expert_parallelism(shapes.config(), ep, concat("--ep ", ep));
+          const Decoding d = decoding_of(opt);
+          // The other EP ranks' experts (their float32 weights and bf16 copies) are not in this rank's memory.
+          const MemoryBreakdown need = model::generate_job_memory_at_least(shapes, lengths, d.max_new_tokens, P, rank,
+                                                                           dtype, cache_dtype, hold_experts ? ep : 1);
+          check_memory(need, source + ": generate",
+                       concat(" for ", lengths.size() > 1 ? concat(lengths.size(), " prompts of at most ") : "", S,
+                              " prompt tokens and ", d.max_new_tokens, " new over ", P, " rank(s)",
+                              ep > 1 ? concat(", the experts over --ep ", ep) : ""));
+        },
+        std::move(lora), false, place);
+    if (adapters) model::load_peft_adapter(*adapters, opt.lora);
     ck.model->set_vision_compute_dtype(dtype);
     dec = decoding_of(opt);
     if (!opt.in.empty()) prompts = prompts_of(read_batch(opt.in, *ck.model, true), opt.in);
@@ -403,7 +435,8 @@ int run_generate(const GenerateCliOptions& opt) {
   });
   const model::Gemma4Model& m = ck.model->decoder();
   const std::unique_ptr<DecodeContext> ctx =
-      cp::make_decode_context(*world, model::cache_layers(m), model::attention_dtype(dtype), cache_dtype);
+      cp::make_decode_context(*world, model::cache_layers(m), model::attention_dtype(dtype), cache_dtype, {},
+                              ep_group.get());
   model::GenerateOptions go;
   go.max_new_tokens = dec.max_new_tokens;
   go.stop_ids = dec.stop_ids;
@@ -490,6 +523,10 @@ void add_generate_command(CLI::App& app, Runner& run) {
   cmd->add_option("--seed", opt->seed, "The sampler's seed (the same tokens at every rank count)");
   cmd->add_option("--out", opt->out, "One JSON object a prompt: token_ids, stop_reason, tokens/s");
   cmd->add_option("--logits-out", opt->logits_out, "The first prompt's logits of every step, logits [N, V]");
+  cmd->add_option("--ep", opt->ep,
+                  "Expert parallelism: groups of E consecutive ranks divide every MoE layer's experts (E divides the "
+                  "ranks and the experts; default 1: every expert on every rank)")
+      ->check(CLI::Range(1, std::numeric_limits<int>::max()));
   cmd->add_option("--threads", opt->threads, "Threads per rank (default: every core)")
       ->check(CLI::Range(1, kMaxThreads));
   cmd->add_option("--compute-dtype", opt->compute_dtype, "float32 (default) or bfloat16, as `forward`")

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/merge.h"
+#include "cp/decode_experts.h"
 #include "cp/parallel_context.h"
 #include "cpu/attention.h"
 
@@ -79,7 +80,7 @@ struct SequenceCache {
 class KvCacheContext final : public DecodeContext {
  public:
   KvCacheContext(comm::Communicator& group, std::vector<CacheLayer> layers, DType dtype, DType cache_dtype,
-                 const CpAttentionOptions& options)
+                 const CpAttentionOptions& options, comm::Communicator* ep_group)
       : group_(group),
         layers_(std::move(layers)),
         dtype_(dtype),
@@ -89,6 +90,11 @@ class KvCacheContext final : public DecodeContext {
     RF_CHECK(cache_dtype == dtype || (dtype == DType::F32 && cache_dtype == DType::BF16), "generation: a ",
              dtype_name(cache_dtype), " cache under ", dtype_name(dtype),
              " attention storage (the cache keeps the storage's dtype, or bf16 under float32)");
+    if (ep_group && ep_group->size() > 1) {
+      auto experts = std::make_unique<DecodeExperts>(*ep_group, options.timeout);
+      experts_ = experts.get();
+      set_experts(std::move(experts));
+    }
   }
 
   // A decode step is one replicated token a sequence: the model sees it as a one-rank run (its batch checks, its
@@ -101,7 +107,7 @@ class KvCacheContext final : public DecodeContext {
   void start_sequences(int sequences) override {
     RF_CHECK(sequences >= 0, "generation: a negative sequence count");
     sequences_.assign(static_cast<size_t>(sequences), SequenceCache{});
-    decoding_ = false;
+    set_decoding(false);
   }
 
   void start_prefill(int sequence, int prompt_tokens, int decode_tokens) override {
@@ -109,7 +115,7 @@ class KvCacheContext final : public DecodeContext {
     SequenceCache& s = seq(sequence);
     s = SequenceCache{prompt_tokens, decode_tokens, std::vector<LayerCache>(layers_.size())};
     prefilling_ = sequence;
-    decoding_ = false;
+    set_decoding(false);
     // Without a prefill run (a one-token prompt) the cache holds decoded positions only.
     if (prompt_tokens == 0) allocate(s, {});
   }
@@ -123,7 +129,7 @@ class KvCacheContext final : public DecodeContext {
                s.prompt_tokens + s.decode_tokens, ")");
     }
     rows_.assign(rows.begin(), rows.end());
-    decoding_ = true;
+    set_decoding(true);
   }
 
   void release(int sequence) override { seq(sequence).layers = {}; }
@@ -185,6 +191,11 @@ class KvCacheContext final : public DecodeContext {
   }
 
  private:
+  void set_decoding(bool decoding) {
+    decoding_ = decoding;
+    if (experts_) experts_->set_replicated(decoding);
+  }
+
   SequenceCache& seq(int sequence) {
     RF_CHECK(sequence >= 0 && sequence < static_cast<int>(sequences_.size()), "generation: sequence ", sequence, " of ",
              sequences_.size());
@@ -332,14 +343,16 @@ class KvCacheContext final : public DecodeContext {
   std::vector<DecodeRow> rows_;  // the decode step's rows
   int prefilling_ = 0;
   bool decoding_ = false;
-  int layer_ = 0;  // the next attention call's layer in the current run
+  DecodeExperts* experts_ = nullptr;  // the experts' dispatch under expert parallelism (owned by the base), else null
+  int layer_ = 0;                     // the next attention call's layer in the current run
 };
 
 }  // namespace
 
 std::unique_ptr<DecodeContext> make_decode_context(comm::Communicator& group, std::vector<CacheLayer> layers,
-                                                   DType dtype, DType cache_dtype, const CpAttentionOptions& options) {
-  return std::make_unique<KvCacheContext>(group, std::move(layers), dtype, cache_dtype, options);
+                                                   DType dtype, DType cache_dtype, const CpAttentionOptions& options,
+                                                   comm::Communicator* ep_group) {
+  return std::make_unique<KvCacheContext>(group, std::move(layers), dtype, cache_dtype, options, ep_group);
 }
 
 }  // namespace rf::cp

@@ -42,6 +42,21 @@ int64_t row_elements(const ParamInfo& p) {
   return rows == 0 ? 0 : p.numel / rows;
 }
 
+void check_expert_parallelism(const Gemma4Config& config, int ep, const std::string& what) {
+  if (ep == 1) return;
+  RF_CHECK(config.enable_moe, what, " needs a model with MoE layers (enable_moe_block)");
+  RF_CHECK(config.num_experts % ep == 0, what, " does not divide the model's ", config.num_experts, " experts");
+}
+
+int64_t expert_elements_elsewhere(const ParamStore& whole, int ep, bool matmul_only) {
+  int64_t n = 0;
+  for (size_t i = 0; i < whole.size(); ++i) {
+    const ParamInfo& p = whole.info(i);
+    if (is_expert_tensor(p) && (p.matmul || !matmul_only)) n += p.numel / ep * (ep - 1);
+  }
+  return n;
+}
+
 std::unique_ptr<ParamStore> hold_expert_rows(const ParamStore& whole, int rank, int ranks) {
   RF_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, "hold_expert_rows: rank ", rank, " of ", ranks);
   auto part = std::make_unique<ReplicatedStore>();

@@ -12,7 +12,9 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
+#include "model/config.h"
 #include "model/param_store.h"
 
 namespace rf::model {
@@ -32,6 +34,16 @@ std::unique_ptr<ParamStore> hold_expert_rows(const ParamStore& whole, int rank, 
 // A ReplicatedStore registering `part`'s parameters whole, with its trainable flags, nothing allocated: the shapes
 // a memory check counts from (a held store's registry counts its experts only).
 std::unique_ptr<ParamStore> whole_registry(const ParamStore& part);
+
+// Throws rf::Error "<what> needs a model with MoE layers (enable_moe_block)" or "<what> does not divide the model's
+// E experts" where ep > 1 cannot divide `config`'s experts (what: the option and its value, e.g.
+// "config: parallelism.ep = 2", "--ep 2").
+void check_expert_parallelism(const Gemma4Config& config, int ep, const std::string& what);
+
+// Elements of `whole`'s expert tensors (is_expert_tensor) that the other EP ranks hold under `ep` ranks: a rank holds
+// 1 / ep of each, so (ep - 1) / ep of them are not in its memory. matmul_only: of those among the matmul operands
+// only (what a bf16 copy is made of).
+int64_t expert_elements_elsewhere(const ParamStore& whole, int ep, bool matmul_only = false);
 
 // Copies, for every slot, the leading rows `from` and `to` both hold, of the weights and (where both have them) the
 // moments. Both stores must register the same names in the same order.

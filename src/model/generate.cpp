@@ -5,6 +5,7 @@
 #include <chrono>
 
 #include "core/error.h"
+#include "model/expert_store.h"
 #include "model/generate_memory.h"
 #include "model/memory.h"
 #include "model/stream_rows.h"
@@ -95,11 +96,16 @@ MemoryBreakdown generate_memory_at_least(const Gemma4Model& m, std::span<const i
 }
 
 MemoryBreakdown generate_job_memory_at_least(const Gemma4Multimodal& shapes, std::span<const int64_t> prompt_tokens,
-                                             int max_new_tokens, int P, int rank, ComputeDtype dtype,
-                                             DType cache_dtype) {
+                                             int max_new_tokens, int P, int rank, ComputeDtype dtype, DType cache_dtype,
+                                             int ep) {
+  const int64_t elsewhere = expert_elements_elsewhere(shapes.params(), ep);
+  const int64_t elsewhere_bf16 = expert_elements_elsewhere(shapes.params(), ep, true);
   MemoryBreakdown need;
-  need.add("weights", checked_sum({shapes.params().weight_bytes(), shapes.buffers().total_bytes()}));
-  need.add("bf16 weight copies", dtype == ComputeDtype::Bfloat16 ? shapes.bf16_weight_bytes() : 0);
+  need.add("weights", checked_sum({shapes.params().weight_bytes() - elsewhere * static_cast<int64_t>(sizeof(float)),
+                                   shapes.buffers().total_bytes()}));
+  need.add("bf16 weight copies", dtype == ComputeDtype::Bfloat16
+                                     ? shapes.bf16_weight_bytes() - elsewhere_bf16 * static_cast<int64_t>(sizeof(bf16))
+                                     : 0);
   need.add(generate_memory_at_least(shapes.decoder(), prompt_tokens, max_new_tokens, P, rank, cache_dtype));
   return need;
 }

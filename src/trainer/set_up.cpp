@@ -148,11 +148,7 @@ void join_groups(Run& r) {
 
 // parallelism.ep against the model: its MoE layers' experts must divide over the EP ranks.
 void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config& mc) {
-  const int ep = cfg.parallelism.ep;
-  if (ep == 1) return;
-  RF_CHECK(mc.enable_moe, "config: parallelism.ep = ", ep, " needs a model with MoE layers (enable_moe_block)");
-  RF_CHECK(mc.num_experts % ep == 0, "config: parallelism.ep = ", ep, " does not divide the model's ", mc.num_experts,
-           " experts");
+  model::check_expert_parallelism(mc, cfg.parallelism.ep, rf::concat("config: parallelism.ep = ", cfg.parallelism.ep));
 }
 
 // What the run needs, checked on every rank before the weights, gradients and moments are allocated. The

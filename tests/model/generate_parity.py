@@ -20,12 +20,15 @@ at P = 1 equal the formula docs/generate.md gives (what the memory check uses), 
 holds more than W positions.
 
 With GENERATE_PARITY_CASE=batch, only batch_case (several prompts decoded together, each giving its tokens alone)
-and bf16_cache_case (a bf16 cache under float32 compute against the float32 cache).
+and bf16_cache_case (a bf16 cache under float32 compute against the float32 cache). With GENERATE_PARITY_CASE=ep,
+only ep_case (--ep: the experts divided over the ranks, the tokens and logits of every expert local).
 
 Exit code 77 (CTest's skip) when torch, transformers or safetensors is missing.
 """
+import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -412,12 +415,119 @@ def bf16_cache_case(ringflex, runs, workdir, failures):
               f"{BF16_CACHE_TOL:.1e}), the same tokens at P = {describe(runs)}, cache bytes as the formula")
 
 
+def bytes_of(line, term):
+    """The bytes of memory-check term `term` in an error line ("... (weights 123 B, KV cache ...")."""
+    m = re.search(rf"(?:\(|, ){re.escape(term)} (\d+) B[,)]", line)
+    return int(m.group(1)) if m else None
+
+
+def ep_case(ringflex, runs, workdir, failures):
+    """--ep E on the MoE config (4 experts, top-2): each rank holds its EP rank's experts only. At every P > 1 of
+    `runs` and every E dividing P and the experts: the greedy and seeded sampled tokens of P = 1 without EP, every
+    step's logits within REL_TOL of P = 1's (the cross-P rounding of attention) and bit for bit those of the same P
+    at ep 1 (EP moves rows, never changes a sum); a LoRA adapter with the experts adapted too (target_parameters)
+    the same. The memory check counts E / ep experts: its weights term falls by (ep - 1) / ep of the experts' bytes.
+    A bad --ep (not dividing the ranks, not dividing the experts, a dense model) is one error line on every rank."""
+    gen = torch.Generator().manual_seed(1357)
+    cfg, model, ids, _, _, _, ckpt, batch_path = build("moe", False, workdir, gen)
+    experts = cfg.num_experts
+    expert_bytes = 4 * sum(p.numel() for n, p in model.named_parameters()
+                           if n.endswith("experts.gate_up_proj") or n.endswith("experts.down_proj"))
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"], task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    adapter = os.path.join(workdir, "adapter_moe_experts")
+    peft_model.save_pretrained(adapter)
+    modes = {"greedy": (), "sampled": SAMPLING, "lora": ("--lora", adapter)}
+    base = {}  # mode -> (tokens, logits) at P = 1 without --ep
+    for mode, extra in modes.items():
+        record, logits, error = run_generate(ringflex, [], ckpt, batch_path, workdir, f"ep_base_{mode}", extra)
+        if error:
+            failures.append(f"ep: P=1 {mode}: {error}")
+            return
+        base[mode] = (record["token_ids"], logits)
+    worst, shown = 0.0, []
+    for launcher in runs:
+        P = ranks_of(launcher)
+        if P == 1:
+            continue
+        for mode, extra in modes.items():
+            same_p = None  # the logits at this P with every expert local
+            for ep in [e for e in range(1, P + 1) if P % e == 0 and experts % e == 0]:
+                tag = f"ep: P={P} --ep {ep} {mode}"
+                record, logits, error = run_generate(ringflex, launcher, ckpt, batch_path, workdir,
+                                                     f"ep_{P}_{ep}_{mode}", (*extra, "--ep", str(ep)))
+                if error:
+                    failures.append(f"{tag}: {error}")
+                    continue
+                if record["token_ids"] != base[mode][0]:
+                    failures.append(f"{tag}: tokens differ from P = 1's")
+                n = min(len(logits), len(base[mode][1]))
+                err = float((logits[:n].double() - base[mode][1][:n].double()).norm(dim=1).div(
+                    base[mode][1][:n].double().norm(dim=1)).max())
+                worst = max(worst, err)
+                if err > REL_TOL:
+                    failures.append(f"{tag}: logits {err:.2e} from P = 1's (tolerance {REL_TOL})")
+                if ep == 1:
+                    same_p = logits
+                elif same_p is not None and not torch.equal(logits, same_p):
+                    failures.append(f"{tag}: logits not bit for bit those of --ep 1 at P = {P}")
+                if ep > 1 and mode == "greedy":
+                    shown.append(f"{P}x{ep}")
+    # The memory check: its weights term per rank, from the error line a 1-byte limit gives.
+    weights = {}
+    for launcher in runs:
+        P = ranks_of(launcher)
+        for ep in [e for e in (1, P) if P % e == 0 and experts % e == 0]:
+            proc = subprocess.run([*launcher, ringflex, "generate", "--model", ckpt, "--in", batch_path,
+                                   "--max-new-tokens", "4", "--ep", str(ep)], capture_output=True, text=True,
+                                  env={**os.environ, "RINGFLEX_MEMORY_LIMIT": "1"})
+            lines = error_lines(proc)
+            got = bytes_of(lines[0], "weights") if lines else None
+            if proc.returncode == 0 or len(lines) != P or got is None:
+                failures.append(f"ep: memory check P={P} --ep {ep}: exit {proc.returncode}, error lines {lines}")
+                continue
+            weights[P, ep] = got
+    for (P, ep), got in weights.items():
+        want = weights.get((1, 1), 0) - expert_bytes * (ep - 1) // ep
+        if got != want:
+            failures.append(f"ep: memory check P={P} --ep {ep}: weights {got} B a rank, expected {want} "
+                            f"(P = 1's less {ep - 1}/{ep} of the experts' {expert_bytes} B)")
+    # Bad --ep: one line on every rank, before any work.
+    two = next((launcher for launcher in runs if ranks_of(launcher) == 2), None)
+    if two is not None:
+        three = [*two[:two.index("-n") + 1], "3", *two[two.index("-n") + 2:]]
+        dense = build("dense", False, workdir, gen)[6]
+        for launcher, model_dir, ep, want in ((two, ckpt, 3, "--ep 3 does not divide the 2 rank(s) of this job"),
+                                              (three, ckpt, 3, "--ep 3 does not divide the model's 4 experts"),
+                                              (two, dense, 2, "--ep 2 needs a model with MoE layers "
+                                                              "(enable_moe_block)")):
+            P = ranks_of(launcher)
+            proc = subprocess.run([*launcher, ringflex, "generate", "--model", model_dir, "--in", batch_path,
+                                   "--max-new-tokens", "4", "--ep", str(ep)], capture_output=True, text=True)
+            lines = error_lines(proc)
+            if proc.returncode == 0 or len(lines) != P or len(set(lines)) != 1 or not lines[0].endswith(want):
+                failures.append(f"ep: --ep {ep} at P={P}: exit {proc.returncode}, error lines {lines}, want {want!r}")
+    print(f"ep             greedy, seeded sampled and LoRA (experts adapted) tokens of P = 1 at P x ep = "
+          f"{', '.join(shown)} (logits within {worst:.1e}, bit for bit those of ep 1 at the same P); memory "
+          f"check's weights a rank {sorted(weights.items())}; bad --ep refused on every rank")
+
+
 def main():
     if len(sys.argv) < 2:
         raise SystemExit("usage: generate_parity.py RINGFLEX [LAUNCHER... | --ranks P... -- MPIEXEC...]")
     ringflex, runs = sys.argv[1], launchers(sys.argv[2:])
     failures = []
     with tempfile.TemporaryDirectory() as workdir:
+        if os.environ.get("GENERATE_PARITY_CASE") == "ep":  # its own CTest, as batch
+            ep_case(ringflex, runs, workdir, failures)
+            for f in failures:
+                print("FAIL", f)
+            return 1 if failures else 0
         if os.environ.get("GENERATE_PARITY_CASE") == "batch":  # its own CTest: the others take CTest's timeout
             batch_case(ringflex, runs, workdir, failures)
             bf16_cache_case(ringflex, runs, workdir, failures)
