@@ -28,6 +28,15 @@ struct ExpertRouting {
   std::vector<int64_t> sent;      // [E] rows this rank routes to each expert
   std::vector<int64_t> received;  // [P][E / P] rows each source routes to each of this rank's experts
 
+  // Places the routing on an EP group of P ranks, this one `r`: `sent` must hold [E] counts and the experts divide
+  // over the group; `received` becomes [P][E / P] zeros for the exchange to fill.
+  void place_on(int P, int r) {
+    RF_CHECK(static_cast<int64_t>(sent.size()) == experts, "expert routing: sent holds one count per expert");
+    RF_CHECK(experts % P == 0, "expert parallelism: ", experts, " experts do not divide over ", P, " EP ranks");
+    ranks = P;
+    rank = r;
+    received.assign(static_cast<size_t>(experts), 0);  // P * (E / P)
+  }
   int64_t experts_here() const { return experts / ranks; }
   int64_t first_expert() const { return experts_here() * rank; }
   int64_t sent_rows() const { return std::accumulate(sent.begin(), sent.end(), int64_t{0}); }
@@ -96,10 +105,7 @@ class LocalExperts final : public ExpertParallel {
   int rank() const override { return 0; }
   int ranks() const override { return 1; }
   void route(ExpertRouting& routing) override {
-    RF_CHECK(static_cast<int64_t>(routing.sent.size()) == routing.experts,
-             "expert routing: sent holds one count per expert");
-    routing.ranks = 1;
-    routing.rank = 0;
+    routing.place_on(1, 0);
     routing.received = routing.sent;
   }
   void dispatch(const ExpertRouting& routing, const float* sent, float* received, int64_t width) override {

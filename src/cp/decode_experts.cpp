@@ -15,15 +15,8 @@ void DecodeExperts::route(ExpertRouting& routing) {
     sharded_.route(routing);
     return;
   }
-  const int P = group_.size();
-  RF_CHECK(static_cast<int64_t>(routing.sent.size()) == routing.experts,
-           "expert routing: sent holds one count per expert");
-  RF_CHECK(routing.experts % P == 0, "expert parallelism: ", routing.experts, " experts do not divide over ", P,
-           " EP ranks");
-  routing.ranks = P;
-  routing.rank = group_.rank();
+  routing.place_on(group_.size(), group_.rank());
   const int64_t here = routing.experts_here();
-  routing.received.assign(static_cast<size_t>(P * here), 0);
   std::copy_n(routing.sent.begin() + routing.first_expert(), here, routing.received.begin() + routing.rank * here);
 }
 

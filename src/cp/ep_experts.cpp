@@ -37,16 +37,10 @@ EpExperts::EpExperts(comm::Communicator& group, comm::Timeout timeout) : group_(
 void EpExperts::route(ExpertRouting& routing) {
   const Timed timed(traffic_.seconds);
   const int P = group_.size();
-  RF_CHECK(static_cast<int64_t>(routing.sent.size()) == routing.experts,
-           "expert routing: sent holds one count per expert");
-  RF_CHECK(routing.experts % P == 0, "expert parallelism: ", routing.experts, " experts do not divide over ", P,
-           " EP ranks");
-  routing.ranks = P;
-  routing.rank = group_.rank();
+  routing.place_on(P, group_.rank());
   const int64_t here = routing.experts_here();
   // Rank p is sent the counts of its experts: one contiguous run of `sent`; this rank receives [P][here].
   const std::vector<size_t> counts(static_cast<size_t>(P), static_cast<size_t>(here) * sizeof(int64_t));
-  routing.received.assign(static_cast<size_t>(P * here), 0);
   group_.alltoallv(routing.sent.data(), counts, routing.received.data(), counts, timeout_);
   for (int p = 0; p < P; ++p) {
     if (p == routing.rank) continue;
