@@ -300,7 +300,8 @@ def report_ringflex(r, seq_len, base, cp):
     log(f"  peak RSS per rank (VmHWM, the mapped base in each): {hwm} GiB; private (RssAnon) peaks: {anon} GiB")
     terms = {t["kind"]: t["bytes"] for t in r["stats"]["memory_per_rank"]["terms"]}
     activations = cp * sum(v for k, v in terms.items()
-                           if k.startswith("activations") or k in ("one layer", "backward buffers"))
+                           if k.startswith("activations")
+                           or k in ("one layer", "backward buffers", "the attention's gradients"))
     target = base * 1.3 + activations
     log(f"  machine peak, the base counted once (sum of the ranks' PSS): {r['peak_pss_sum'] / GiB:.2f} GiB; target "
         f"base {base / GiB:.2f} GiB + 30% + activations {activations / GiB:.2f} GiB = {target / GiB:.2f} GiB: "

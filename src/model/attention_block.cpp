@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "model/gemma4_run.h"
+#include "model/memory.h"
 
 namespace rf::model {
 
@@ -83,10 +84,11 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
   const LayerSlots& sl = m.slots_[l];
   const int Hq = cfg.num_heads, Hkv = sp.kv_heads, D = sp.head_dim;
   const int64_t qd = int64_t{Hq} * D, kd = int64_t{Hkv} * D;
+  const AttentionGradWidths w = attention_grad_widths(cfg, sp);  // the memory model counts the same buffers
 
-  Vec dao = zeros(T * H);
+  Vec dao = zeros(T * w.dao);
   rmsnorm_backward(a.ao.data(), W(sl.post_attn_norm), a.r_pa.data(), dx1, dao.data(), G(sl.post_attn_norm), T, H);
-  AttnTensor dO = attn_tensor(T * qd);  // [B, Hq, S, D], written by o_proj's backward in the attention's storage
+  AttnTensor dO = attn_tensor(T * w.dO);  // [B, Hq, S, D], written by o_proj's backward in the attention's storage
   if (has_adapter(sl.o_proj)) {
     // LoRA on o_proj: its adapter's input gradient joins the base's in float32 before dO is stored (and rounded).
     Vec dO_f32 = zeros(T * qd);  // [B, Hq, S, D]
@@ -96,8 +98,8 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
   } else {
     merge_heads_backward(mm, a.O.data(), W(sl.o_proj), dao.data(), out(dO), G(sl.o_proj), B, S, Hq, D, H);
   }
-  Vec dQ = zeros(T * qd);
-  Vec dK = zeros(T * kd), dV = zeros(T * kd);  // this layer's own contribution, written by the backend
+  Vec dQ = zeros(T * w.dQ);
+  Vec dK = zeros(T * w.dKV), dV = zeros(T * w.dKV);  // this layer's own contribution, written by the backend
   const bool shared = sp.kv_source >= 0;
   const AttnTensor& K = shared ? kv_K[sp.kv_source] : a.K;
   const AttnTensor& V = shared ? kv_V[sp.kv_source] : a.V;
@@ -114,9 +116,9 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
 
   // Everything stays head-major back to the projections' weights.
   rope_apply_head_major(dQ.data(), rope(sp), B, Hq, S, true);
-  Vec dq_raw = zeros(T * qd);
+  Vec dq_raw = zeros(T * w.dq_raw);
   rmsnorm_backward(a.q_raw.data(), W(sl.q_norm), a.q_rms.data(), dQ.data(), dq_raw.data(), G(sl.q_norm), T * Hq, D);
-  Vec da = zeros(T * H);
+  Vec da = zeros(T * w.da);
   SharedOperands rounded(mm);
   if (G(sl.q_proj) || G(sl.k_proj) || G(sl.v_proj)) rounded.add(a.a.data(), T * H);  // their weight gradients read it
   const Matmul ms = rounded.matmul();
@@ -124,10 +126,10 @@ void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, co
   adapter_backward(sl.q_proj, a.a.data(), {}, dq_raw.data(), {Hq, D}, da.data());
   if (sp.kv_source < 0) {
     rope_apply_head_major(dK.data(), rope(sp), B, Hkv, S, true);
-    Vec dk_raw = zeros(T * kd);
+    Vec dk_raw = zeros(T * w.dk_raw);
     rmsnorm_backward(a.k_raw.data(), W(sl.k_norm), a.k_rms.data(), dK.data(), dk_raw.data(), G(sl.k_norm), T * Hkv, D);
     if (sp.has_v_proj) {
-      Vec dv_raw = zeros(T * kd);
+      Vec dv_raw = zeros(T * w.dv_raw);
       rmsnorm_backward(a.v_raw.data(), nullptr, a.v_rms.data(), dV.data(), dv_raw.data(), nullptr, T * Hkv, D);
       heads_backward(ms, a.a.data(), W(sl.v_proj), dv_raw.data(), da.data(), G(sl.v_proj), B, S, H, Hkv, D);
       adapter_backward(sl.v_proj, a.a.data(), {}, dv_raw.data(), {Hkv, D}, da.data());

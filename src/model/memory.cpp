@@ -77,6 +77,18 @@ const MemoryBreakdown& larger(const MemoryBreakdown& a, const MemoryBreakdown& b
 
 }  // namespace
 
+AttentionGradWidths attention_grad_widths(const Gemma4Config& c, const LayerSpec& s) {
+  const int64_t qd = int64_t{c.num_heads} * s.head_dim, kd = int64_t{s.kv_heads} * s.head_dim;
+  const bool own_kv = s.kv_source < 0;
+  AttentionGradWidths w;
+  w.dao = w.da = c.hidden_size;
+  w.dO = w.dQ = w.dq_raw = qd;
+  w.dKV = kd;
+  w.dk_raw = own_kv ? kd : 0;
+  w.dv_raw = own_kv && s.has_v_proj ? kd : 0;
+  return w;
+}
+
 MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& args) {
   const Gemma4Config& c = m.config();
   const int64_t T = args.tokens, H = c.hidden_size, V = c.vocab_size, layers = c.num_layers;
@@ -136,23 +148,32 @@ MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& a
   const int64_t recomputed = args.recompute_layers && layers > 0
                                  ? layer_floats(m, layers - 1, false, tiled) - handed_floats(m, layers - 1, handed)
                                  : 0;
-  MemoryBreakdown at_loss, at_backward;
+  MemoryBreakdown at_loss, at_mlp_backward, at_attention_backward;
   at_loss.add("activations", bytes(run_floats + kept + 2 * H));  // + xf, dxf
   at_loss.add("loss chunk", chunk_bytes);
   if (args.head_weight_bytes != 0) at_loss.add(kHeadWeights, args.head_weight_bytes);
-  at_backward.add("activations", bytes(run_floats + kept + read_back + 4 * H));  // + xf, dxf, dx, dprev
-  at_backward.add("one layer", bytes(recomputed));
-  // Gradients the backward holds beside them (gemma4.cpp, embedding.cpp, mlp.cpp): the per-layer inputs' dple
-  // [T, layers * P] and the shared K/V's kv_dK, kv_dV for the whole backward; in its first layer's MLP backward,
-  // layer_backward's dx3, dx2, dff (dmo), dx1 [T, H] and mlp_backward's dh [T, I] and dm [T, H].
+  // The backward's first layer: in its MLP's backward, then in its attention's (the MLP's buffers freed by then).
+  // Gradients the backward holds beside the activations (gemma4.cpp, embedding.cpp, mlp.cpp, attention_block.cpp):
+  // the per-layer inputs' dple [T, layers * P] and the shared K/V's kv_dK, kv_dV for the whole backward, and
+  // layer_backward's dx3, dx2, dff (dmo), dx1 [T, H] for the whole layer; in the MLP's backward mlp_backward's dh
+  // [tile, I] and dm [T, H], in the attention's attention_grad_widths' buffers.
   int64_t shared_kv_grads = 0;
   for (int l = 0; l < layers; ++l) shared_kv_grads += shared_kv_floats(m, l);
+  const int64_t layer_grads = layers * int64_t{c.ple_dim} + shared_kv_grads + 4 * H;
   const int64_t last_mlp = layers > 0 ? int64_t{m.spec(layers - 1).intermediate} : 0;
-  at_backward.add("backward buffers", checked_sum({bytes(layers * int64_t{c.ple_dim} + shared_kv_grads + 5 * H),
-                                                   checked_bytes({tile, last_mlp, kFloat})}));
-  if (tiled && layers > 0) at_backward.add(kMlpTile, tile_bytes(layers - 1));
-  if (args.layer_weight_bytes != 0) at_backward.add(kLayerWeights, args.layer_weight_bytes);
-  out = larger(at_loss, at_backward);
+  for (MemoryBreakdown* at : {&at_mlp_backward, &at_attention_backward}) {
+    at->add("activations", bytes(run_floats + kept + read_back + 4 * H));  // + xf, dxf, dx, dprev
+    at->add("one layer", bytes(recomputed));
+  }
+  at_mlp_backward.add("backward buffers",
+                      checked_sum({bytes(layer_grads + H), checked_bytes({tile, last_mlp, kFloat})}));  // + dm, dh
+  if (tiled && layers > 0) at_mlp_backward.add(kMlpTile, tile_bytes(layers - 1));
+  at_attention_backward.add("backward buffers", bytes(layer_grads));
+  if (layers > 0)
+    at_attention_backward.add("the attention's gradients", bytes(attention_grad_widths(c, m.spec(layers - 1)).total()));
+  for (MemoryBreakdown* at : {&at_mlp_backward, &at_attention_backward})
+    if (args.layer_weight_bytes != 0) at->add(kLayerWeights, args.layer_weight_bytes);
+  out = larger(at_loss, larger(at_mlp_backward, at_attention_backward));
   out.add("logits", logit_bytes);
   return out;
 }

@@ -33,7 +33,7 @@ struct RunMemoryArgs {
 };
 
 // Named terms (bytes, float32), the largest phase of the run (the layers of the forward, the loss, or the
-// backward's first layer), any of which may be absent:
+// backward's first layer: its MLP's backward or its attention's), any of which may be absent:
 //   "activations"   what the backward keeps from the forward (layer inputs, attention outputs and LSE, the o_proj
 //                   and down_proj outputs unless told otherwise, the MLP projections with keep_mlp_projections, and
 //                   with recompute off every layer's whole activations), the embedded row and the per-layer inputs, K/V
@@ -42,9 +42,11 @@ struct RunMemoryArgs {
 //                   rest are on disk: run_spill_bytes);
 //   "one layer"     one layer's activations while it is computed or recomputed (its input norm, q/k/v, attention
 //                   output, o_proj, MLP), past what "activations" holds already;
-//   "backward buffers"  the gradients the backward holds at its first layer's MLP: the per-layer inputs' and the
-//                   shared K/V's, for the whole backward, and that layer's residual-stream gradients and one token
-//                   tile's dh [min(T, mlp_tile_tokens), I];
+//   "backward buffers"  the gradients the backward holds in its first layer: the per-layer inputs' and the shared
+//                   K/V's, for the whole backward, and that layer's residual-stream gradients, and in its MLP's
+//                   backward one token tile's dh [min(T, mlp_tile_tokens), I];
+//   "the attention's gradients"  in the backward's first layer's attention backward (a phase of its own: the MLP's
+//                   buffers are freed by then), attention_grad_widths' buffers, T tokens each;
 //   "the MLP's tile"  with tile_mlp, the [tile, I] gate, up and GeGLU products of one tile (the forward's largest
 //                   layer's, or the backward's first layer's), which "one layer" then leaves out;
 //   "loss chunk"    the [min(T, chunk), V] logits of the fused head and cross-entropy (loss.h);
@@ -53,6 +55,22 @@ struct RunMemoryArgs {
 //                   phase and head_weight_bytes in the loss's.
 // Entries are -1 (MemoryBreakdown's overflow) when a product does not fit int64.
 MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& args);
+
+// Floats per token of each gradient buffer a layer's attention backward holds (attention_block.cpp sizes them with
+// this, the memory model sums them): all are alive together while the K/V projections are differentiated, after
+// the attention's own backward. The attention-storage ones (dO) are counted as float32, as Q, K, V are here.
+struct AttentionGradWidths {
+  int64_t dao = 0;     // [H] the o_proj output's gradient
+  int64_t dO = 0;      // [Hq*D] the attention output's, in the attention's storage
+  int64_t dQ = 0;      // [Hq*D]
+  int64_t dKV = 0;     // [Hkv*D] each of dK, dV (this layer's share; KV-shared layers add it to the source's)
+  int64_t dq_raw = 0;  // [Hq*D] before q_norm
+  int64_t da = 0;      // [H] the input norm's output's
+  int64_t dk_raw = 0;  // [Hkv*D] before k_norm, own K/V only
+  int64_t dv_raw = 0;  // [Hkv*D] before v_norm, own K/V with a v_proj only
+  int64_t total() const { return dao + dO + dQ + 2 * dKV + dq_raw + da + dk_raw + dv_raw; }
+};
+AttentionGradWidths attention_grad_widths(const Gemma4Config& c, const LayerSpec& s);
 
 // Disk bytes the run's spill file takes (RunOptions::spill_dir, a training run with recompute_layers and
 // args.spill): every layer's kept activations, each layer's block rounded up to whole pages

@@ -81,14 +81,19 @@ Measured run_and_measure(Gemma4Model& m, const RunOptions& opt) {
 // the allocator's rounding) is a bounded multiple of what it counts at a fixed config: measured 1.2-1.6 here,
 // 2.3 with Gemma 4's default 512-dim full layers (their attention backward temporaries are the part left out).
 constexpr double kMostGrowthOverEstimate = 3.0;
+// With the layers spilled and the MLP tiled (the long-row levers) the estimate is the longest row the memory check
+// lets through, so it must be close: measured x1.27 here. Without the attention backward's gradients it was x1.58
+// here and 17% under a real E2B step at 32K tokens (BENCHMARKS.md); this bound catches that.
+constexpr double kMostGrowthOverEstimateLongRow = 1.4;
 
-void expect_bound(const MemoryBreakdown& estimate, const Measured& run) {
+void expect_bound(const MemoryBreakdown& estimate, const Measured& run,
+                  double most_growth_over_estimate = kMostGrowthOverEstimate) {
   const int64_t total = estimate.total();
   ASSERT_GT(total, 0);
   std::printf("estimate %s (%s), peak growth %s: x%.2f\n", format_bytes(total).c_str(), estimate.describe(10).c_str(),
               format_bytes(run.growth).c_str(), static_cast<double>(run.growth) / static_cast<double>(total));
   EXPECT_LE(total, run.growth) << estimate.describe(10);
-  EXPECT_LE(static_cast<double>(run.growth), kMostGrowthOverEstimate * static_cast<double>(total))
+  EXPECT_LE(static_cast<double>(run.growth), most_growth_over_estimate * static_cast<double>(total))
       << estimate.describe(10) << " against a growth of " << format_bytes(run.growth);
 }
 
@@ -186,10 +191,12 @@ TEST(ModelMemory, TrainingRecomputingTheOutputProjectionsIsALowerBoundOfTheRun) 
   EXPECT_EQ(run_memory_at_least(m, keep).of("activations") - estimate.of("activations"), 6 * 2 * per_layer);
   EXPECT_EQ(estimate.of("one layer") - run_memory_at_least(m, keep).of("one layer"), 2 * per_layer);
   // The backward's gradient buffers by hand, floats a token: dple 6 layers x 8; kv_dK, kv_dV of the two layers the
-  // shared ones read (layer 2, full: 2 heads x 32; layer 3, sliding: 2 x 16) 2 x (64 + 32); dx3, dx2, dmo, dx1, dm
-  // 5 x 64; and of the last layer's MLP one token tile's dh, 2048 tokens (mlp_tile_tokens) x 128.
-  EXPECT_EQ(estimate.of("backward buffers"), (int64_t{kRows} * kSeq * (6 * 8 + 2 * (64 + 32) + 5 * 64) + 2048 * 128) *
-                                                 static_cast<int64_t>(sizeof(float)));
+  // shared ones read (layer 2, full: 2 heads x 32; layer 3, sliding: 2 x 16) 2 x (64 + 32); dx3, dx2, dmo, dx1
+  // 4 x 64. The phase is the last layer's attention backward (its MLP's adds dm [64] and a 2048 x 128 dh, less):
+  // dao, da 2 x 64; dO, dQ, dq_raw 3 x 4 heads x 32; dK, dV 2 x 2 x 32 (a KV-shared layer: no dk_raw, dv_raw).
+  const int64_t T = int64_t{kRows} * kSeq, f32 = sizeof(float);
+  EXPECT_EQ(estimate.of("backward buffers"), T * (6 * 8 + 2 * (64 + 32) + 4 * 64) * f32);
+  EXPECT_EQ(estimate.of("the attention's gradients"), T * (2 * 64 + 3 * 128 + 2 * 64) * f32);
 }
 
 // Every gradient of `a` and `b`, bit for bit.
@@ -278,13 +285,16 @@ TEST(ModelMemory, TrainingWithSpillAndTiledMlpIsALowerBoundOfTheRun) {
   opt.mlp_tile_tokens = 1000;
   const Measured run = run_and_measure(m, opt);
   const MemoryBreakdown estimate = run_memory_at_least(m, args_for(opt));
-  expect_bound(estimate, run);
+  expect_bound(estimate, run, kMostGrowthOverEstimateLongRow);
   EXPECT_LE(estimate.of("one layer"), run.result.layer_recompute_bytes);
   RunMemoryArgs whole = args_for(opt);
   whole.tile_mlp = false;
   const int64_t T = int64_t{kRows} * kSeq;
   EXPECT_EQ(run_memory_at_least(m, whole).of("one layer") - estimate.of("one layer"), T * 3 * 128 * 4);
-  EXPECT_EQ(estimate.of("the MLP's tile"), 1000 * 3 * 128 * 4);
+  // With the [T, I] products tiled, the last layer's attention backward outgrows its MLP's (at long rows, as E2B's
+  // 512-dim full layers at 32K tokens): the MLP's tile is freed by then, the attention's gradients counted instead.
+  EXPECT_EQ(estimate.of("the MLP's tile"), 0);
+  EXPECT_EQ(estimate.of("the attention's gradients"), T * (2 * 64 + 3 * 128 + 2 * 64) * 4);
 }
 
 // The tiled MLP gives the bits of the whole one at the same token tile (a tile that does not divide T: the last is
