@@ -263,13 +263,18 @@ namespace {
 // the panels, not the thread count, fix which thread computes what (each element is its own dot product anyway).
 constexpr int64_t kStreamPanel = 64;
 
+// Weight elements from which a streamed product forks over the threads: measured alone on a 2-vCPU Zen 4 (100m
+// decode, BENCHMARKS.md), forking each product at the elementwise threshold made 2 threads slower than 1 (22.7 against
+// 51.7 tok/s; 34.4 with this threshold, 32.5 never forking), so only the largest products (the LM head's) are split.
+constexpr int64_t kStreamParallelMinElements = int64_t{1} << 24;
+
 // C[M, N] = alpha A[M, K] B[N, K]^T + beta C (model/stream_rows.h): each element one dot_scaled over K, the panels
 // of columns split over the threads when the weight is large enough for a fork to pay.
 void gemm_stream_rows(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
                       int64_t ldb, float beta, float* C, int64_t ldc) {
   const ElementwiseKernels& k = elementwise();
   const int64_t panels = (N + kStreamPanel - 1) / kStreamPanel;
-#pragma omp parallel for schedule(static) if (!omp_in_parallel() && N * K >= kParallelMinElements)
+#pragma omp parallel for schedule(static) if (!omp_in_parallel() && N * K >= kStreamParallelMinElements)
   for (int64_t p = 0; p < panels; ++p) {
     for (int64_t n = p * kStreamPanel; n < std::min(N, (p + 1) * kStreamPanel); ++n) {
       for (int64_t m = 0; m < M; ++m) {
