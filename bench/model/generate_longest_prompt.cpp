@@ -21,6 +21,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "longest_fitting.h"
 #include "model/checkpoint.h"
 #include "model/generate_memory.h"
 
@@ -65,23 +66,11 @@ int main(int argc, char** argv) {
           return rf::model::generate_job_memory_at_least(shapes, std::span<const int64_t>(&tokens, 1), max_new_tokens,
                                                          ranks, 0, dtype, cache_dtype);
         };
-        // Doubling until a length does not fit (or passes the positions the model has), then bisecting in granules:
-        // the need grows with the prompt.
+        // Up to the positions the model has, less the new tokens.
         const int64_t positions = shapes.decoder().config().max_position_embeddings;
         const int64_t longest_searched = positions > 0 ? positions - max_new_tokens : int64_t{1} << 26;
-        int64_t fails = granule;
-        while (fails <= longest_searched && need_at(fails).total() <= budget) {
-          fits = fails;
-          fails *= 2;
-        }
-        fails = std::min(fails, longest_searched + granule);
-        while (fails - fits > granule) {
-          const int64_t mid = (fits + fails) / 2 / granule * granule;
-          if (need_at(mid).total() <= budget)
-            fits = mid;
-          else
-            fails = mid;
-        }
+        fits = rf::bench::longest_fitting([&](int64_t tokens) { return need_at(tokens).total(); }, budget, granule,
+                                          longest_searched);
         at_longest = need_at(fits > 0 ? fits : granule);
         measured = true;
         throw ShapesTaken{};

@@ -20,6 +20,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "longest_fitting.h"
 #include "model/checkpoint.h"
 #include "model/gemma4.h"
 #include "trainer/config.h"
@@ -70,20 +71,10 @@ int main(int argc, char** argv) {
     try {
       rf::model::load_checkpoint(c.model.path, [&](const auto& shapes) {
         at_config = need_at(c, shapes, c.train.seq_len);
-        // Doubling until a length does not fit, then bisecting in granules: the need grows with the row.
-        constexpr int kLongestSearched = 1 << 22;  // 4M tokens, far past any row this machine holds
-        int fails = granule;
-        while (fails <= kLongestSearched && need_at(c, shapes, fails).total() <= budget) {
-          fits = fails;
-          fails *= 2;
-        }
-        while (fails - fits > granule) {
-          const int mid = (fits + fails) / 2 / granule * granule;
-          if (need_at(c, shapes, mid).total() <= budget)
-            fits = mid;
-          else
-            fails = mid;
-        }
+        constexpr int64_t kLongestSearched = int64_t{1} << 22;  // 4M tokens, far past any row this machine holds
+        fits = static_cast<int>(rf::bench::longest_fitting(
+            [&](int64_t tokens) { return need_at(c, shapes, static_cast<int>(tokens)).total(); }, budget, granule,
+            kLongestSearched));
         at_longest = fits > 0 ? need_at(c, shapes, fits).total() : 0;
         spill_at_config = rf::trainer::train_spill_bytes(c, shapes);
         rf::trainer::TrainConfig longest = c;
