@@ -13,6 +13,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cli/command.h"
@@ -22,6 +23,7 @@
 #include "core/error.h"
 #include "cpu/blas_core.h"
 #include "cpu/isa.h"
+#include "cpu/openmp_wait.h"
 #include "model/gemma4.h"
 
 namespace {
@@ -59,7 +61,9 @@ void keep_freed_memory_in_the_heap() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  rf::cpu::restart_on_best_openblas_core(argv);  // first: it may replace this process
+  // First: each may replace this process. `generate` runs short parallel regions far apart (cpu/openmp_wait.h).
+  if (argc > 1 && std::string_view(argv[1]) == "generate") rf::cpu::restart_with_brief_spin(argv);
+  rf::cpu::restart_on_best_openblas_core(argv);
   keep_freed_memory_in_the_heap();
   // A write past a file-size limit (ulimit -f) then fails with EFBIG, which the writer reports in one line and
   // cleans up after, instead of the kernel's SIGXFSZ ending the process with the temporary file left behind.

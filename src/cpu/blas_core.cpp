@@ -2,13 +2,13 @@
 #include "cpu/blas_core.h"
 
 #include <dlfcn.h>
-#include <limits.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <cctype>
 #include <cstdlib>
+
+#include "cpu/restart.h"
 
 namespace rf::cpu {
 
@@ -22,8 +22,6 @@ const char* chosen_core() {
   const char* chosen = std::getenv(kCoreEnv);
   return chosen != nullptr && *chosen != '\0' ? chosen : nullptr;
 }
-// Linux's link to the running executable's file, whatever path or symlink started it.
-constexpr const char* kSelfExe = "/proc/self/exe";
 
 // OpenBLAS's x86-64 cores whose sgemm kernels use AVX2 + FMA or wider (its driver/others/dynamic.c names).
 constexpr std::array<std::string_view, 5> kVectorCores{"Haswell", "Zen", "SkylakeX", "Cooperlake", "SapphireRapids"};
@@ -58,11 +56,7 @@ void restart_on_best_openblas_core(char** argv) {
   if (better == nullptr) return;
   setenv(kCoreEnv, better, 1);
   setenv(kFallbackEnv, core.c_str(), 1);
-  // The executable's own path, not /proc/self/exe itself: the kernel names a process after the file it executes,
-  // and ps, top and pgrep should go on seeing "ringflex", not "exe".
-  std::array<char, PATH_MAX> self{};
-  const ssize_t length = readlink(kSelfExe, self.data(), self.size() - 1);
-  if (length > 0) execv(self.data(), argv);
+  restart_self(argv);
   unsetenv(kCoreEnv);  // exec failed: run on with the core OpenBLAS chose, and say so in `info`
   unsetenv(kFallbackEnv);
 }

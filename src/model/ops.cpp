@@ -16,6 +16,7 @@
 
 #include "core/attention_args.h"
 #include "core/error.h"
+#include "cpu/openmp_wait.h"
 #include "model/elementwise.h"
 #include "model/matmul_bf16.h"
 #include "model/stream_rows.h"
@@ -263,10 +264,15 @@ namespace {
 // the panels, not the thread count, fix which thread computes what (each element is its own dot product anyway).
 constexpr int64_t kStreamPanel = 64;
 
-// Weight elements from which a streamed product forks over the threads: measured alone on a 2-vCPU Zen 4 (100m
-// decode, BENCHMARKS.md), forking each product at the elementwise threshold made 2 threads slower than 1 (22.7 against
-// 51.7 tok/s; 34.4 with this threshold, 32.5 never forking), so only the largest products (the LM head's) are split.
-constexpr int64_t kStreamParallelMinElements = int64_t{1} << 24;
+// Weight elements from which a streamed product forks over the threads. Where idle threads sleep soon after a region
+// (cpu/openmp_wait.h: `ringflex generate` sets it), a fork is worth a wake-up from 2^15 elements (a 128 KiB weight
+// read takes longer than waking the thread); where they spin (libgomp's default, as in training's samples), the
+// spinning thread beside the step's serial work cost more than the split gained (100m decode at 2 threads, every
+// product forked: 19 tok/s spinning, 58 sleeping soon; BENCHMARKS.md), so only the LM head (2^24 and more) forks.
+int64_t stream_parallel_min_elements() {
+  static const int64_t elements = cpu::idle_threads_sleep_soon() ? int64_t{1} << 15 : int64_t{1} << 24;
+  return elements;
+}
 
 // C[M, N] = alpha A[M, K] B[N, K]^T + beta C (model/stream_rows.h): each element one dot_scaled over K, the panels
 // of columns split over the threads when the weight is large enough for a fork to pay.
@@ -274,7 +280,7 @@ void gemm_stream_rows(int64_t M, int64_t N, int64_t K, float alpha, const float*
                       int64_t ldb, float beta, float* C, int64_t ldc) {
   const ElementwiseKernels& k = elementwise();
   const int64_t panels = (N + kStreamPanel - 1) / kStreamPanel;
-#pragma omp parallel for schedule(static) if (!omp_in_parallel() && N * K >= kStreamParallelMinElements)
+#pragma omp parallel for schedule(static) if (!omp_in_parallel() && N * K >= stream_parallel_min_elements())
   for (int64_t p = 0; p < panels; ++p) {
     for (int64_t n = p * kStreamPanel; n < std::min(N, (p + 1) * kStreamPanel); ++n) {
       for (int64_t m = 0; m < M; ++m) {
