@@ -27,6 +27,9 @@ With --batch B > 1, ringflex also decodes B prompts of that length together (one
 decode tok/s, their sum, and the bound of a batched step (the weights read once for B tokens, every sequence's cache
 once).
 
+--rf-env NAME=VALUE (repeatable) sets a variable for ringflex's runs only, e.g. GOMP_SPINCOUNT=300000 to run its
+decode with libgomp's default idle-thread spin instead of the brief one `ringflex generate` sets (docs/generate.md).
+
 --long: the long-prompt mode, ringflex alone at P = 1, 2, 4 (`mpirun --oversubscribe -n P`, --threads / P threads a
 rank, at least 1): the longest prompt each P fits by `ringflex generate`'s memory check (generate_longest_prompt,
 built beside ringflex, at this machine's available memory or --budget-gib per rank), then one prompt of --prompt
@@ -141,10 +144,10 @@ def random_checkpoint(config, work):
 def ringflex_generate(a, ckpt, prompt, out, ranks=1, threads=None):
     cmd = [a.ringflex, "generate", "--model", ckpt, "--in", prompt, "--max-new-tokens", str(a.new), "--greedy",
            "--out", out, "--threads", str(threads or a.threads)]
-    env = None
+    env = dict(os.environ, **dict(kv.split("=", 1) for kv in a.rf_env))
     if ranks > 1:
-        cmd = ["mpirun", "--oversubscribe", "-n", str(ranks)] + cmd
-        env = dict(os.environ, **MPI_ENV)
+        cmd = ["mpirun", "--oversubscribe", "-n", str(ranks)] + [x for kv in a.rf_env for x in ("-x", kv)] + cmd
+        env.update(MPI_ENV)
     subprocess.run(cmd, check=True, capture_output=True, env=env)
     with open(out) as f:
         return [json.loads(line) for line in f]
@@ -192,6 +195,8 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--skip-hf", action="store_true", help="ringflex alone (no transformers run)")
+    ap.add_argument("--rf-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="a variable for ringflex's runs only (repeatable)")
     ap.add_argument("--long", action="store_true", help="the long-prompt mode at P = 1, 2, 4 (ringflex alone)")
     ap.add_argument("--budget-gib", type=float, default=0.0, help="--long: memory a rank (default: this machine's)")
     a = ap.parse_args()
@@ -247,7 +252,8 @@ def main():
     per_token = weights + rf_cache
     bound = max(read_bw, copy_bw) / per_token
     name = a.checkpoint or a.config
-    print(f"{name}, prompt {a.prompt}, {a.new} new tokens, {a.threads} threads, greedy, median of {a.reps}; "
+    print(f"{name}, prompt {a.prompt}, {a.new} new tokens, {a.threads} threads, greedy, median of {a.reps}"
+          f"{'; ringflex with ' + ' '.join(a.rf_env) if a.rf_env else ''}; "
           f"loadavg {load_before} before, {load_after} after")
     print("| | prefill tok/s | decode tok/s |")
     print("|---|---|---|")
