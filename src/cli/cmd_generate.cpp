@@ -47,7 +47,6 @@
 #include "core/memory.h"
 #include "cp/kv_cache.h"
 #include "io/atomic_file.h"
-#include "io/image.h"
 #include "io/jsonl.h"
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
@@ -55,7 +54,6 @@
 #include "model/generate.h"
 #include "model/generate_memory.h"
 #include "model/generation_config.h"
-#include "model/image_processor.h"
 #include "model/lora_store.h"
 #include "model/peft_files.h"
 #include "model/vision.h"
@@ -63,6 +61,7 @@
 #include "text/conversation.h"
 #include "text/tokenizer.h"
 #include "trainer/config.h"
+#include "trainer/conversation_prompt.h"
 
 namespace rf::cli {
 
@@ -219,116 +218,47 @@ class BatchStream {
   size_t first_ = 0;  // the first unfinished prompt
 };
 
-// A conversation of --messages as read before the checkpoint loads: its prompt ids with each image's slots laid out
-// as the jsonl_chat data source lays them (boi, the processor's soft-token count of slots, eoi), and the preprocessed
-// images whose soft tokens the tower makes once the checkpoint is loaded (fill_image_features).
-struct Conversation {
-  model::Prompt prompt;
-  std::vector<model::ProcessedImage> images;
-  std::vector<std::string> image_paths;  // [images], for messages
-};
-
-// The image paths of a checked conversation's messages, in the order the template writes their placeholders.
-std::vector<std::string> image_paths_of(const nlohmann::ordered_json& conversation,
-                                        const std::filesystem::path& folder) {
-  std::vector<std::string> paths;
-  for (const auto& message : conversation["messages"]) {
-    if (!message.contains("content") || !message["content"].is_array()) continue;
-    for (const auto& part : message["content"]) {
-      if (part.value("type", "") != "image") continue;
-      const std::filesystem::path given(part["path"].get<std::string>());
-      paths.push_back((given.is_absolute() ? given : folder / given).string());
-    }
-  }
-  return paths;
-}
-
 // --messages FILE.jsonl: one conversation a line ({"messages": [...], "tools": [...]?}, docs/text.md), rendered
 // through the checkpoint's chat template with the generation prompt and tokenized as transformers'
-// apply_chat_template(..., add_generation_prompt=True) gives it (the template writes <bos>). Image paths are relative
-// to the file's folder; images are resized for the checkpoint's processor budget (processor_config.json's
-// max_soft_tokens, else 280). Throws rf::Error "FILE:LINE: ..." for a line that does not parse or that the renderer
-// refuses, a missing or unreadable image, or images for a checkpoint without a vision tower.
-std::vector<Conversation> read_conversations(const std::string& path, const std::string& model_dir,
-                                             const text::Tokenizer& tok) {
+// apply_chat_template(..., add_generation_prompt=True) gives it (the template writes <bos>), each image laid out as
+// slots (trainer/conversation_prompt.h, the reader train.samples' prompts share). Image paths are relative to the
+// file's folder; images are resized for the checkpoint's processor budget (processor_config.json's max_soft_tokens,
+// else 280). Throws rf::Error "FILE:LINE: ..." for a line that does not parse or that the renderer refuses, a missing
+// or unreadable image, or images for a checkpoint without a vision tower.
+std::vector<trainer::ConversationPrompt> read_conversations(const std::string& path, const std::string& model_dir,
+                                                            const text::Tokenizer& tok) {
   const std::filesystem::path dir(model_dir);
   const text::ChatRenderer renderer(text::load_chat_template(dir, {}, dir / "tokenizer_config.json"), tok,
                                     text::ChatOptions{});
-  const std::string config_path = (dir / "config.json").string();
-  const std::string config_text = io::read_config_file(config_path);
-  const model::MultimodalTokens image_tokens = model::MultimodalTokens::from_config_json(config_text, config_path);
-  const std::optional<model::VisionConfig> vision = model::VisionConfig::from_config_json(config_text, config_path);
-  model::ImageProcessorConfig proc;
-  if (vision) {
-    proc.patch_size = vision->patch_size;
-    proc.pooling_kernel_size = vision->pooling_kernel_size;
-    proc.max_soft_tokens = trainer::processor_soft_tokens(model_dir);
+  trainer::PromptImages images;
+  images.config_path = (dir / "config.json").string();
+  const std::string config_text = io::read_config_file(images.config_path);
+  images.tokens = model::MultimodalTokens::from_config_json(config_text, images.config_path);
+  if (const std::optional<model::VisionConfig> vision =
+          model::VisionConfig::from_config_json(config_text, images.config_path)) {
+    images.processor.emplace();
+    images.processor->patch_size = vision->patch_size;
+    images.processor->pooling_kernel_size = vision->pooling_kernel_size;
+    images.processor->max_soft_tokens = trainer::processor_soft_tokens(model_dir);
   }
   const std::filesystem::path folder = std::filesystem::path(path).parent_path();
-  std::vector<Conversation> out;
+  std::vector<trainer::ConversationPrompt> out;
   io::for_each_line<nlohmann::ordered_json>(path, [&](const nlohmann::ordered_json& j, const std::string& where) {
-    text::check_conversation(j, where, folder);
-    const std::string rendered =
-        renderer.render_prompt(j["messages"], j.contains("tools") ? j["tools"] : nlohmann::ordered_json());
-    const std::vector<int32_t> ids = tok.encode(rendered);
-    Conversation c;
-    c.image_paths = image_paths_of(j, folder);
-    const auto placeholders = std::count(ids.begin(), ids.end(), image_tokens.image);
-    RF_CHECK(placeholders == static_cast<int64_t>(c.image_paths.size()), where, ": has ", c.image_paths.size(),
-             " images and the chat template wrote ", placeholders, " image placeholder tokens (id ", image_tokens.image,
-             ", the config's image_token_id): one each");
-    RF_CHECK(c.image_paths.empty() || vision.has_value(), where, ": has images, but ", config_path,
-             " has no vision_config (the checkpoint has no vision tower)");
-    size_t next = 0;
-    for (const int32_t id : ids) {
-      if (id != image_tokens.image) {
-        c.prompt.ids.push_back(id);
-        c.prompt.mm_token_type.push_back(0);
-        continue;
-      }
-      const std::string& image = c.image_paths[next++];
-      try {
-        c.images.push_back(model::preprocess_image(io::read_image(image), proc, image));
-      } catch (const rf::Error& e) {
-        rf::fail(where, ": ", e.what());
-      }
-      c.prompt.ids.push_back(image_tokens.boi);
-      c.prompt.mm_token_type.push_back(0);
-      c.prompt.ids.insert(c.prompt.ids.end(), static_cast<size_t>(c.images.back().soft_tokens), image_tokens.image);
-      c.prompt.mm_token_type.insert(c.prompt.mm_token_type.end(), static_cast<size_t>(c.images.back().soft_tokens), 1);
-      c.prompt.ids.push_back(image_tokens.eoi);
-      c.prompt.mm_token_type.push_back(0);
-    }
-    if (c.images.empty()) c.prompt.mm_token_type.clear();
-    out.push_back(std::move(c));
+    out.push_back(trainer::conversation_prompt(j, where, folder, renderer, tok, images));
   });
   return out;
 }
 
 // The soft tokens of each conversation's images through the checkpoint's vision tower (in its vision compute dtype),
 // as the prompts' image features [N, F]; the tower's float32 copy is freed when they are made.
-void fill_image_features(std::vector<Conversation>& conversations, model::Gemma4Multimodal& m) {
+void fill_image_features(std::vector<trainer::ConversationPrompt>& conversations, model::Gemma4Multimodal& m) {
   bool any = false;
-  for (Conversation& c : conversations) {
+  for (trainer::ConversationPrompt& c : conversations) {
     if (c.images.empty()) continue;
     any = true;
     RF_CHECK(m.vision_feature_dim() > 0, c.image_paths[0], ": the checkpoint has no vision projection ",
              "(model.embed_vision.embedding_projection.weight) to take the tower's soft tokens");
-    const model::VisionEncoder& tower = *m.vision_tower();
-    for (size_t i = 0; i < c.images.size(); ++i) {
-      const model::ProcessedImage& p = c.images[i];
-      model::VisionBatch b;
-      b.n = 1;
-      b.P = static_cast<int64_t>(p.positions.size()) / 2;
-      b.pixels = p.pixels.data();
-      b.positions = p.positions.data();
-      tower.check(b, c.image_paths[i]);
-      const model::VisionOutput soft = tower.forward(b, c.image_paths[i]);
-      RF_CHECK(soft.counts[0] == p.soft_tokens, c.image_paths[i], ": the tower made ", soft.counts[0],
-               " soft tokens, the processor ", p.soft_tokens);
-      c.prompt.image_features.insert(c.prompt.image_features.end(), soft.soft_tokens.begin(), soft.soft_tokens.end());
-      c.prompt.n_image_features += p.soft_tokens;
-    }
+    trainer::encode_prompt_images(c.prompt, c.images, c.image_paths, *m.vision_tower());
     c.images.clear();
   }
   if (any) m.drop_vision_tower();
@@ -357,7 +287,7 @@ int run_generate(const GenerateCliOptions& opt) {
   model::Checkpoint ck;
   std::unique_ptr<text::Tokenizer> tokenizer;  // with --prompt and --messages
   std::vector<model::Prompt> prompts;
-  std::vector<Conversation> conversations;  // with --messages
+  std::vector<trainer::ConversationPrompt> conversations;  // with --messages
   Decoding dec;
   agree(*world, [&] {
     if (rank == 0) {
@@ -381,7 +311,8 @@ int run_generate(const GenerateCliOptions& opt) {
     }
     std::vector<int64_t> lengths;  // every prompt's tokens: they are decoded together, their caches all held
     for (const model::Prompt& p : prompts) lengths.push_back(static_cast<int64_t>(p.ids.size()));
-    for (const Conversation& c : conversations) lengths.push_back(static_cast<int64_t>(c.prompt.ids.size()));
+    for (const trainer::ConversationPrompt& c : conversations)
+      lengths.push_back(static_cast<int64_t>(c.prompt.ids.size()));
     if (!opt.in.empty()) {
       const auto [B, S] = prompt_shape(opt.in);
       lengths.assign(static_cast<size_t>(B), S);
@@ -427,7 +358,7 @@ int run_generate(const GenerateCliOptions& opt) {
     if (!opt.in.empty()) prompts = prompts_of(read_batch(opt.in, *ck.model, true), opt.in);
     if (!opt.messages.empty()) {
       fill_image_features(conversations, *ck.model);
-      for (Conversation& c : conversations) prompts.push_back(std::move(c.prompt));
+      for (trainer::ConversationPrompt& c : conversations) prompts.push_back(std::move(c.prompt));
     }
     for (size_t i = 0; i < prompts.size(); ++i)
       model::check_prompt(ck.model->decoder(), prompts[i], dec.max_new_tokens, P,
