@@ -20,7 +20,8 @@ namespace rf::cp {
 class DecodeExperts final : public ExpertParallel {
  public:
   // group: the EP group; it must outlive this object. Every rank of it must run the same decode steps on the same
-  // tokens (true when it lies inside the CP group whose decode steps are replicated, as in `ringflex generate`).
+  // tokens (true when it lies inside the CP group whose decode steps are replicated, as in `ringflex generate`, or
+  // spans CP groups that decode the same prompts with the same weights, as train.samples' DP replicas do).
   explicit DecodeExperts(comm::Communicator& group, comm::Timeout timeout = comm::default_timeout());
 
   // The next runs are decode steps (true: the tokens are replicated over the group) or a prefill (false).

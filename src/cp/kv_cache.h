@@ -24,8 +24,9 @@ inline int decode_owner(int32_t position, int prompt_tokens, int P) { return (po
 // cache_dtype: what the cache keeps: dtype, or bf16 under float32 (rounded to nearest even when stored, widened to
 // float32 when read: half the bytes, the keys and values rounded to 2^-9 relative). ep_group (null or one rank: every
 // expert local): the ranks dividing the experts of every MoE layer (cp/decode_experts.h: the prefill's rows dispatched
-// as training's, a decode step's experts each run on their holder alone); it must lie inside `group`, whose ranks run
-// the same decode steps. `group` and `ep_group` must outlive the context.
+// as training's, a decode step's experts each run on their holder alone); its ranks must run the same decode steps:
+// it lies inside `group` (`ringflex generate --ep`), or spans groups that decode the same prompts with the same
+// weights (train.samples on every DP replica). `group` and `ep_group` must outlive the context.
 std::unique_ptr<DecodeContext> make_decode_context(comm::Communicator& group, std::vector<CacheLayer> layers,
                                                    DType dtype, DType cache_dtype,
                                                    const CpAttentionOptions& options = {},

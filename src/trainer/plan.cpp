@@ -64,11 +64,11 @@ Plan plan_training(const TrainConfig& c, const PlanMachine& machine) {
            " per rank leaves nothing to train in (--node-memory / --ranks-per-node)");
   // The registry the check counts, shapes only: model.path's config.json (no weights read) or the built-in.
   const std::unique_ptr<model::Gemma4Multimodal> shapes = detail::model_shapes(c);
-  // train.samples' prompts, read as `ringflex train` reads them: their generation's KV cache is in every row (one
-  // CP rank is enough to read them: a prompt's CP split matters only for images, which samples refuse).
-  const std::vector<int64_t> sample_tokens = c.train.samples_prompts.empty()
-                                                 ? std::vector<int64_t>{}
-                                                 : prompt_lengths(read_sample_prompts(c, shapes->decoder(), 1));
+  // train.samples' prompts, read as `ringflex train` reads them (their images' slots laid out by the processor, no
+  // tower run): their generation's KV cache is in every row. One CP rank reads them: the CP size only decides
+  // whether an image prompt is long enough to split, which `ringflex train` checks at its own.
+  const std::vector<int64_t> sample_tokens =
+      c.train.samples_prompts.empty() ? std::vector<int64_t>{} : prompt_lengths(read_sample_prompts(c, *shapes, 1));
   Plan plan;
   plan.parameters = shapes->params().total_elements();
   const bool config_lora = c.model.lora_rank != 0;

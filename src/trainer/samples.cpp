@@ -1,6 +1,7 @@
 // ringflex trainer: train.samples' prompts file and records (see samples.h, docs/train-samples.md).
 #include "trainer/samples.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -8,6 +9,7 @@
 #include "io/jsonl.h"
 #include "model/generation_config.h"
 #include "text/conversation.h"
+#include "trainer/conversation_prompt.h"
 
 namespace rf::trainer {
 
@@ -26,33 +28,38 @@ std::vector<int32_t> ids_of(const nlohmann::ordered_json& v, int64_t vocab, cons
   return ids;
 }
 
-bool has_image_part(const nlohmann::ordered_json& conversation) {
-  for (const auto& message : conversation["messages"]) {
-    if (!message.contains("content") || !message["content"].is_array()) continue;
-    for (const auto& part : message["content"])
-      if (part.value("type", "") == "image") return true;
+// The model's image tokens and processor as the training data lays images out (data.image_soft_tokens).
+PromptImages prompt_images(const TrainConfig& c, const model::Gemma4Multimodal& m) {
+  PromptImages images;
+  images.config_path = c.model.path.empty() ? "model.builtin " + c.model.builtin
+                                            : (std::filesystem::path(c.model.path) / "config.json").string();
+  images.tokens = model::MultimodalTokens::from_config_json(m.config().source_json, images.config_path);
+  if (const std::optional<model::VisionConfig>& vision = m.parts().vision) {
+    images.processor.emplace();
+    images.processor->patch_size = vision->patch_size;
+    images.processor->pooling_kernel_size = vision->pooling_kernel_size;
+    images.processor->max_soft_tokens = c.data.image_soft_tokens;
   }
-  return false;
+  return images;
 }
 
 }  // namespace
 
-SamplePrompts read_sample_prompts(const TrainConfig& c, const model::Gemma4Model& m, int cp_ranks) {
+SamplePrompts read_sample_prompts(const TrainConfig& c, const model::Gemma4Multimodal& m, int cp_ranks) {
   DataContract k;  // where jsonl_chat finds the tokenizer and template: model.path's folder
   k.model_path = c.model.path;
   const std::string& path = c.train.samples_prompts;
   const std::filesystem::path folder = std::filesystem::path(path).parent_path();
   SamplePrompts out;
   std::unique_ptr<text::ChatRenderer> renderer;  // made on the first conversation
+  const PromptImages images = prompt_images(c, m);
   io::for_each_line<nlohmann::ordered_json>(path, [&](const nlohmann::ordered_json& j, const std::string& where) {
     RF_CHECK(j.is_object() && (j.contains("ids") != j.contains("messages")), where,
              ": a prompt is {\"ids\": [...]} or {\"messages\": [...]} (one of the two)");
-    model::Prompt p;
+    ConversationPrompt p;
     if (j.contains("ids")) {
-      p.ids = ids_of(j["ids"], m.config().vocab_size, where);
+      p.prompt.ids = ids_of(j["ids"], m.config().vocab_size, where);
     } else {
-      text::check_conversation(j, where, folder);
-      RF_CHECK(!has_image_part(j), where, ": images in train.samples prompts are not supported (text only)");
       if (!renderer) {
         const std::filesystem::path tokenizer_at = text_tokenizer_file(c, k);
         out.tok = text::load_tokenizer(tokenizer_at);
@@ -61,15 +68,30 @@ SamplePrompts read_sample_prompts(const TrainConfig& c, const model::Gemma4Model
                                                                                      "tokenizer_config.json"),
                                                         *out.tok, text::ChatOptions{});
       }
-      p.ids = out.tok->encode(
-          renderer->render_prompt(j["messages"], j.contains("tools") ? j["tools"] : nlohmann::ordered_json()));
+      p = conversation_prompt(j, where, folder, *renderer, *out.tok, images);
+      RF_CHECK(p.images.empty() || m.vision_feature_dim() > 0, where, ": has images, but the model has no vision ",
+               "projection (model.embed_vision.embedding_projection.weight) to take the tower's soft tokens");
     }
-    model::check_prompt(m, p, c.train.samples_max_new_tokens, cp_ranks, where);
-    out.prompts.push_back(std::move(p));
+    model::check_prompt(m.decoder(), p.prompt, c.train.samples_max_new_tokens, cp_ranks, where);
+    out.prompts.push_back(std::move(p.prompt));
+    out.images.push_back(std::move(p.images));
+    out.image_paths.push_back(std::move(p.image_paths));
     out.where.push_back(where);
   });
   RF_CHECK(!out.prompts.empty(), path, ": no prompts (train.samples.prompts needs one a line)");
   return out;
+}
+
+bool has_sample_images(const SamplePrompts& s) {
+  return std::any_of(s.images.begin(), s.images.end(), [](const auto& images) { return !images.empty(); });
+}
+
+void encode_sample_images(SamplePrompts& s, const model::VisionEncoder& tower, bool keep_images) {
+  for (size_t i = 0; i < s.prompts.size(); ++i) {
+    if (s.images[i].empty()) continue;
+    encode_prompt_images(s.prompts[i], s.images[i], s.image_paths[i], tower);
+    if (!keep_images) s.images[i] = {};
+  }
 }
 
 std::vector<int64_t> prompt_lengths(const SamplePrompts& s) {

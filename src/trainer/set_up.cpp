@@ -155,7 +155,7 @@ void check_expert_parallelism(const TrainConfig& cfg, const model::Gemma4Config&
 // train.samples prompts are read here, from the model's shapes, as their KV cache is part of it.
 void check_fits(Run& r, const model::Gemma4Multimodal& shapes) {
   if (!r.cfg.train.samples_prompts.empty() && r.samples.prompts.empty())
-    r.samples = read_sample_prompts(r.cfg, shapes.decoder(), r.cfg.parallelism.cp);
+    r.samples = read_sample_prompts(r.cfg, shapes, r.cfg.parallelism.cp);
   r.checked = train_memory_at_least(r.cfg, shapes, r.world.size(), local_ranks(), prompt_lengths(r.samples));
   check_memory(r.checked, "train", rf::concat(" at seq_len ", r.cfg.train.seq_len, " over cp ", r.cfg.parallelism.cp));
   if (!r.cfg.train.spill_dir.empty())
@@ -265,6 +265,12 @@ void set_up_data(Run& r) {
     r.samples.stop_ids = sample_stop_ids(r.ck.side_files, (fs::path(r.ck.source) / "generation_config.json").string());
   }
   carry_data_text_files(cfg, r.ck);
+  // train.samples' images: a frozen tower's soft tokens are the same at every step, made here before it goes; a
+  // trained one encodes them at each sample step (generate_samples).
+  if (has_sample_images(r.samples) && !cfg.model.train_vision) {
+    RF_CHECK(images.vision() != nullptr, cfg.train.samples_prompts, ": has images, but the model has no vision tower");
+    encode_sample_images(r.samples, *images.vision(), false);
+  }
   if (cfg.model.train_vision)
     RF_CHECK(images.vision() != nullptr, "config: model.train_vision, but the model has no vision tower");
   else

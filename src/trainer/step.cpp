@@ -5,7 +5,6 @@
 
 #include "comm/agree.h"
 #include "core/error.h"
-#include "cp/ep_experts.h"
 #include "cp/kv_cache.h"
 #include "model/image_run.h"
 #include "trainer/data.h"
@@ -167,10 +166,16 @@ double validation_loss(Run& r) {
 }
 
 // The samples run the model as validation does, on every rank: each CP group prefills the prompt over its ranks
-// and decodes on its sharded cache (model/generate.h), the experts dispatched over the EP group, and the prefill
-// runs the whole model (GenerateOptions::prefill_whole_model), so the store's hooks (shard gradients/full gathers,
-// held experts, LoRA adapters) give the weights exactly as the step left them. Every DP replica generates the same
-// prompts: a sharded store's gathers and the EP group span the replicas, so all of them must run the same model runs.
+// and decodes on its sharded cache (model/generate.h), and the prefill runs the whole model
+// (GenerateOptions::prefill_whole_model), so the store's hooks (shard gradients/full gathers, held experts, LoRA
+// adapters) give the weights exactly as the step left them. Every DP replica generates the same prompts: a sharded
+// store's gathers and the EP group span the replicas, so all of them must run the same model runs. Under expert
+// parallelism the experts go through generate's decode dispatch (cp/decode_experts.h, as `ringflex generate --ep`):
+// the prefill's rows through the training all-to-all, a decode step's tokens, the same on every rank of the EP group
+// (every replica decodes the same prompts with the same weights, so an EP group spanning replicas sees the same
+// tokens too), each expert run on its holder alone. Images: a trained tower (model.train_vision) encodes the
+// prompts' images again with this step's weights, on every rank (its store hooks may be collective); a frozen one
+// encoded them at setup.
 std::vector<model::Generated> generate_samples(Run& r) {
   const model::Gemma4Model& m = r.ck.model->decoder();
   if (!r.sampler) {
@@ -178,9 +183,10 @@ std::vector<model::Generated> generate_samples(Run& r) {
     co.scheme = cp::scheme_name(r.cfg.parallelism.sharding);
     co.timeout = r.timeout;
     const DType attention = model::attention_dtype(r.cfg.model.compute_dtype);
-    r.sampler = cp::make_decode_context(*r.cp_group, model::cache_layers(m), attention, attention, co);
-    if (r.ep_group->size() > 1) r.sampler->set_experts(std::make_unique<cp::EpExperts>(*r.ep_group, r.timeout));
+    r.sampler =
+        cp::make_decode_context(*r.cp_group, model::cache_layers(m), attention, attention, co, r.ep_group.get());
   }
+  if (r.tower && has_sample_images(r.samples)) encode_sample_images(r.samples, *r.tower, true);
   model::GenerateOptions o;
   o.max_new_tokens = r.cfg.train.samples_max_new_tokens;
   o.stop_ids = r.samples.stop_ids;  // the checkpoint's end tokens, as `ringflex generate` on it stops

@@ -60,6 +60,10 @@ rf_chat_error(audio 1 "${at}/audio.jsonl:2: messages\\[0\\].content\\[0\\]: audi
 rf_chat_error(no_image 2 "${at}/no_image.jsonl:2: messages\\[0\\].content\\[0\\].path: .*gone.png: no such image file$"
               --set data.path=${at}/no_image.jsonl)
 rf_chat_error(bad_image 2 "${at}/bad_image.jsonl:2: .*not_an_image.png" --set data.path=${at}/bad_image.jsonl)
+# train.samples' prompts with images (docs/train-samples.md): the same files as prompts, refused at setup alike.
+rf_chat_error(samples_no_image 2 "${at}/no_image.jsonl:2: messages\\[0\\].content\\[0\\].path: .*gone.png: no such image file$"
+              --set train.samples.prompts=${at}/no_image.jsonl)
+rf_chat_error(samples_bad_image 2 "${at}/bad_image.jsonl:2: .*not_an_image.png" --set train.samples.prompts=${at}/bad_image.jsonl)
 rf_chat_error(bad_template 2 "bad_template.jinja:1:" --set data.chat_template=${at}/bad_template.jinja)
 rf_chat_error(overlength 1 "${at}/long.jsonl:2: the conversation has [0-9]+ tokens, longer than a row \\(train.seq_len = 32"
               --set data.path=${at}/long.jsonl --set train.seq_len=32 --set data.chat.overlength=error)

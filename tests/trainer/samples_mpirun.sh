@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # train.samples under a real mpirun (docs/train-samples.md): the greedy samples a run writes at a step are the tokens
 # `ringflex generate --greedy` gives on the checkpoint saved at that step, at the same P, under parallelism.shard
-# none, optimizer, gradients and full, at parallelism.ep 2 (held experts) and for a LoRA run (generate --lora on its base): the
+# none, optimizer, gradients and full, at parallelism.ep 2 (held experts; across the DP replicas and inside the CP
+# group, where ep 2's samples are also ep 1's) and for a LoRA run (generate --lora on its base): the
 # samples run the store's hooks as the training forward does, so they see the weights exactly as the step left them.
 # Both sides are the same computation at the same P (the prefill's layers through the same ring, the same decode
 # steps), so the tokens are compared for equality. Also asserted: the samples file's records (step, prompt, where,
@@ -43,6 +44,8 @@ train_job full 2 --set parallelism.cp=2 --set parallelism.shard=full
 # The same run without samples: sampling leaves the training bits alone (every loss, norm and validation loss).
 train_job full_plain 2 --set parallelism.cp=2 --set parallelism.shard=full --set train.samples.prompts=
 train_job ep 2 --set parallelism.dp=2 --set parallelism.ep=2 --set parallelism.shard=gradients
+# EP inside the CP group (cp 2 x ep 2): the samples' decode steps run each expert on its holder (cp/decode_experts.h).
+train_job ep_cp 2 --set parallelism.cp=2 --set parallelism.ep=2
 train_job lora 2 --set parallelism.cp=2 --set model.path="$work/none/step-00000003" --set model.lora.rank=2
 # Stop tokens: a sample ends on the end tokens of the generation_config.json the run's checkpoints carry, as generate
 # on them does. A probe run from none's last checkpoint (no generation_config.json: every sample runs 8 tokens) shows
@@ -66,7 +69,7 @@ train_job stop 2 "${stop[@]}"
 "${launcher[@]}" -n 2 "$ringflex" generate --model "$work/stop/step-00000002" --in "$work/prompts.safetensors" \
   --greedy --max-new-tokens $new_tokens --out "$work/stop.generate2.jsonl" >/dev/null
 # generate's tokens on each run's checkpoint at each sample step, at P = 2.
-for run in none optimizer gradients full ep lora; do
+for run in none optimizer gradients full ep ep_cp lora; do
   for step in 2 3; do
     ck="$work/$run/step-0000000$step"
     model=(--model "$ck")
@@ -101,7 +104,7 @@ print("conversations: generate --messages' tokens and text:", [s["text"] for s i
 from train_outputs import expect_same_steps, metrics
 expect_same_steps(metrics(f"{work}/full_plain.jsonl"), metrics(f"{work}/full.jsonl"), 3)
 prompts = [json.loads(line)["ids"] for line in open(f"{work}/prompts.jsonl")]
-for run in ("none", "optimizer", "gradients", "full", "ep", "lora"):
+for run in ("none", "optimizer", "gradients", "full", "ep", "ep_cp", "lora"):
     samples = [json.loads(line) for line in open(f"{work}/{run}.samples.jsonl")]
     assert [(s["step"], s["prompt"]) for s in samples] == [(2, 0), (2, 1), (3, 0), (3, 1)], (run, samples)
     for s in samples:
@@ -112,6 +115,11 @@ for run in ("none", "optimizer", "gradients", "full", "ep", "lora"):
         assert s["token_ids"] == generated[s["prompt"]]["token_ids"], \
             f"{run} step {s['step']} prompt {s['prompt']}: sample {s['token_ids']} vs generate " \
             f"{generated[s['prompt']]['token_ids']}"
+# Expert parallelism changes no bit of training or generation: ep 2's samples are ep 1's, with the EP group inside the
+# CP group (ep_cp against none, cp 2) and across the DP replicas (ep against gradients, dp 2).
+for ep_run, plain in (("ep_cp", "none"), ("ep", "gradients")):
+    tokens = lambda run: [json.loads(line)["token_ids"] for line in open(f"{work}/{run}.samples.jsonl")]
+    assert tokens(ep_run) == tokens(plain), f"{ep_run} {tokens(ep_run)} vs {plain} {tokens(plain)}"
 expect_same_steps(metrics(f"{work}/stop_probe.jsonl"), metrics(f"{work}/stop.jsonl"), 2)
 probe = [json.loads(line) for line in open(f"{work}/stop_probe.samples.jsonl")]
 stopped = [json.loads(line) for line in open(f"{work}/stop.samples.jsonl")]
