@@ -16,6 +16,7 @@
 #include "model/builtin_configs.h"
 #include "model/checkpoint.h"
 #include "trainer/plan.h"
+#include "trainer/samples.h"
 #include "trainer/trainer.h"
 
 namespace rf::trainer {
@@ -203,6 +204,56 @@ TEST(TrainPlan, SamplesCacheIsInEveryRow) {
               plan_training(config({"train.samples.prompts=/absent/prompts.jsonl"}), PlanMachine{1, 1, kGiB});
             }),
             "/absent/prompts.jsonl: cannot open");
+}
+
+// train.samples' image prompts: read as generate reads them (trainer/conversation_prompt.h), each image <boi>, its
+// soft-token slots (token type 1; the processor's count, whole pooling cells of its resized picture) and <eoi>, no
+// features until a tower encodes them; the plan counts the slots in the samples' cache.
+TEST(TrainPlan, SamplesImagePromptCountsItsSlots) {
+  const fs::path chat = fs::path(RINGFLEX_SOURCE_DIR) / "examples/tiny_chat";
+  const fs::path prompts = fs::path(::testing::TempDir()) / "plan_image_prompts.jsonl";
+  std::ofstream(prompts) << R"({"messages": [{"role": "user", "content": [{"type": "image", "path": ")"
+                         << (chat / "images/0_yellow_circle.png").string()
+                         << R"("}, {"type": "text", "text": "What is this?"}]}]})"
+                         << "\n";
+  const TrainConfig c =
+      config({"train.samples.prompts=" + prompts.string(), "train.samples.max_new_tokens=100000",
+              "data.tokenizer=" + (chat / "tokenizer.json").string(),
+              "data.chat_template=" + (chat / "chat_template.jinja").string(), "data.image_soft_tokens=70"});
+  const std::string text = model::builtin_config_json("tiny_moe_vlm");
+  const auto m = std::make_unique<model::Gemma4Multimodal>(
+      model::Gemma4Config::from_json(text),
+      model::MultimodalParts{model::kBuiltinFeatureDim, model::VisionConfig::from_config_json(text, "tiny_moe_vlm")},
+      model::TensorSet::Storage::Deferred);
+  const SamplePrompts s = read_sample_prompts(c, *m, 1);
+  ASSERT_EQ(s.prompts.size(), 1u);
+  ASSERT_EQ(s.images.size(), 1u);
+  ASSERT_EQ(s.images[0].size(), 1u);
+  const model::Prompt& p = s.prompts[0];
+  const model::ProcessedImage& image = s.images[0][0];
+  const int cell = m->parts().vision->patch_size * m->parts().vision->pooling_kernel_size;
+  EXPECT_EQ(image.soft_tokens, int64_t{image.height / cell} * (image.width / cell));
+  EXPECT_GT(image.soft_tokens, 0);
+  EXPECT_LE(image.soft_tokens, 70);
+  const model::MultimodalTokens tokens = model::MultimodalTokens::from_config_json(m->config().source_json, "test");
+  const auto first = std::find(p.ids.begin(), p.ids.end(), tokens.image);
+  ASSERT_NE(first, p.ids.begin());
+  const size_t at = static_cast<size_t>(first - p.ids.begin());
+  ASSERT_LT(at + static_cast<size_t>(image.soft_tokens), p.ids.size());
+  EXPECT_EQ(p.ids[at - 1], tokens.boi);
+  EXPECT_EQ(p.ids[at + static_cast<size_t>(image.soft_tokens)], tokens.eoi);
+  EXPECT_EQ(std::count(p.ids.begin(), p.ids.end(), tokens.image), image.soft_tokens);
+  ASSERT_EQ(p.mm_token_type.size(), p.ids.size());
+  for (size_t t = 0; t < p.ids.size(); ++t) EXPECT_EQ(p.mm_token_type[t], p.ids[t] == tokens.image ? 1 : 0) << t;
+  EXPECT_TRUE(p.image_features.empty());
+  const Plan plan = plan_training(c, PlanMachine{2, 2, int64_t{1} << 50});
+  const std::string cache = std::string(kSamplesTerm) + "KV cache";
+  const std::vector<int64_t> lengths = {static_cast<int64_t>(p.ids.size())};
+  ASSERT_FALSE(plan.rows.empty());
+  for (const PlanRow& r : plan.rows) {
+    EXPECT_GT(r.need.of(cache), 0) << layout(r);
+    EXPECT_EQ(r.need.of(cache), samples_memory_at_least(row_config(c, r), *m, lengths).of(cache)) << layout(r);
+  }
 }
 
 TEST(TrainPlan, BadInputsAreOneLine) {
