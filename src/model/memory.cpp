@@ -1,9 +1,11 @@
 // ringflex model: the memory of one run (see memory.h). Every term below names the buffers of gemma4.cpp,
-// attention_block.cpp, mlp.cpp and embedding.cpp it counts; buffers whose lifetime is unclear, MoE's routed
-// batches, the PLE block's and the backward's temporaries are left out, which keeps the sum a lower bound.
+// attention_block.cpp, mlp.cpp and embedding.cpp it counts; buffers whose lifetime is unclear, MoE's, the CP
+// ring's (what moves depends on the batch's documents) and the short-lived temporaries of phases smaller than the
+// ones counted (the PLE block's backward, o_proj's float32 dO) are left out, which keeps the sum a lower bound.
 #include "model/memory.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "io/spill_file.h"
 #include "model/loss.h"
@@ -18,18 +20,22 @@ constexpr const char* kHeadWeights = "the head's panel widened";
 constexpr const char* kMlpTile = "the MLP's tile";
 
 // Floats per token of layer l's LayerActs as layer_forward fills them (the whole struct is alive until the layer
-// ends): input norm a [H]; q_raw and Q [Hq*D] each; with its own K/V k_raw, K, V [Hkv*D] each (and v_raw with a
-// v_proj); O [Hq*D] and LSE [Hq]; ao and x1 [H] each; the MLP's m_in and mo [H] and g, u, hmid [I] each. The
-// per-token RMS factors ([1] or [heads]) and everything of MoE and PLE are not counted. With the tiled MLP
-// (RunOptions::tile_mlp) g, u, hmid are not per token: mlp_tile_floats.
+// ends, gemma4_run.h): input norm a [H] and its RMS factor [1]; q_raw and Q [Hq*D] each and q's RMS factors [Hq];
+// with its own K/V k_raw, K, V [Hkv*D] each (and v_raw with a v_proj) and k's and v's RMS factors [Hkv] each; O
+// [Hq*D] and LSE [Hq]; ao, x1 [H] each and post_attn_norm's factor; the MLP's m_in and mo [H] with pre_ff_norm's
+// factor, and g, u, hmid [I] each; the feed-forward's residual x2 [H] with post_ff_norm's factor; with per-layer
+// inputs the PLE block's ple_l, gp, gm [P] each, pp [H] and its norm's factor. MoE's are not counted. With the tiled
+// MLP (RunOptions::tile_mlp) g, u, hmid are not per token: mlp_tile_floats.
 int64_t layer_floats(const Gemma4Model& m, int l, bool with_attention_output, bool tiled_mlp) {
   const LayerSpec& s = m.spec(l);
-  const int64_t H = m.config().hidden_size, Hq = m.config().num_heads;
+  const int64_t H = m.config().hidden_size, Hq = m.config().num_heads, P = m.config().ple_dim;
   const int64_t qd = Hq * s.head_dim, kvd = int64_t{s.kv_heads} * s.head_dim;
-  int64_t n = H + 2 * qd + 2 * H;                              // a; q_raw, Q; ao, x1
-  if (s.kv_source < 0) n += (s.has_v_proj ? 4 : 3) * kvd;      // k_raw, K, V (v_raw)
-  if (with_attention_output) n += qd + Hq;                     // O, lse
-  n += 2 * H + (tiled_mlp ? 0 : 3 * int64_t{s.intermediate});  // m_in, mo; g, u, hmid
+  int64_t n = (H + 1) + 2 * qd + Hq + (2 * H + 1);                          // a, r_in; q_raw, Q, q_rms; ao, x1, r_pa
+  if (s.kv_source < 0) n += (s.has_v_proj ? 4 : 3) * kvd + 2 * s.kv_heads;  // k_raw, K, V (v_raw); k_rms, v_rms
+  if (with_attention_output) n += qd + Hq;                                  // O, lse
+  n += (2 * H + 1) + (tiled_mlp ? 0 : 3 * int64_t{s.intermediate});         // m_in, mo, r_pf; g, u, hmid
+  n += H + 1;                                                               // x2, r_pff
+  if (P > 0) n += 3 * P + H + 1;                                            // ple_l, gp, gm; pp, r_ppn
   return n;
 }
 
@@ -131,49 +137,64 @@ MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& a
     out.add("logits", logit_bytes);
     return out;
   }
-  // Training. Kept until the backward reaches them: every layer's kept_floats and stored K/V. At the loss and
-  // through the backward, xf and its gradient dxf [T, H] are alive too; the backward adds dx and dprev [T, H] and,
-  // at its first layer (the last one, whose kept activations are all still there), that layer's recomputed
-  // activations past what it is handed (recompute on; off, they are among the kept ones).
+  // Training. Kept until the backward reaches them: every layer's kept_floats and stored K/V (gemma4.cpp). At the
+  // loss xf and its gradient dxf [T, H] are alive too.
   const Handed handed{args.recompute_layers && args.keep_mlp_projections, args.keep_o_proj_output,
                       args.keep_down_proj_output};
-  // With spill only the shared K/V stay; the backward's first layer's kept floats come back from the file before it
-  // is recomputed (alive at the backward's peak, not at the loss).
+  // With spill only the stored K/V stay in memory; each layer's kept floats come back from the file before it is
+  // recomputed and go after its backward.
   const bool spill = args.spill && args.recompute_layers;
-  int64_t kept = 0, read_back = 0;
-  for (int l = 0; l < layers; ++l)
-    kept += (spill ? 0 : kept_floats(m, l, args.recompute_layers, handed, tiled)) + shared_kv_floats(m, l);
-  if (spill && layers > 0) read_back = kept_floats(m, layers - 1, true, handed, tiled);
-  // The products the recomputed layer is handed come from the kept ones, not allocated again.
-  const int64_t recomputed = args.recompute_layers && layers > 0
-                                 ? layer_floats(m, layers - 1, false, tiled) - handed_floats(m, layers - 1, handed)
-                                 : 0;
-  MemoryBreakdown at_loss, at_mlp_backward, at_attention_backward;
-  at_loss.add("activations", bytes(run_floats + kept + 2 * H));  // + xf, dxf
+  std::vector<int64_t> kept(static_cast<size_t>(layers));  // [layers] each layer's kept floats per token
+  int64_t kept_in_memory = 0, stored_kv = 0;
+  for (int l = 0; l < layers; ++l) {
+    kept[l] = kept_floats(m, l, args.recompute_layers, handed, tiled);
+    kept_in_memory += spill ? 0 : kept[l];
+    stored_kv += shared_kv_floats(m, l);
+  }
+  MemoryBreakdown at_loss;
+  at_loss.add("activations", bytes(run_floats + kept_in_memory + stored_kv + 2 * H));  // + xf, dxf
   at_loss.add("loss chunk", chunk_bytes);
   if (args.head_weight_bytes != 0) at_loss.add(kHeadWeights, args.head_weight_bytes);
-  // The backward's first layer: in its MLP's backward, then in its attention's (the MLP's buffers freed by then).
-  // Gradients the backward holds beside the activations (gemma4.cpp, embedding.cpp, mlp.cpp, attention_block.cpp):
-  // the per-layer inputs' dple [T, layers * P] and the shared K/V's kv_dK, kv_dV for the whole backward, and
-  // layer_backward's dx3, dx2, dff (dmo), dx1 [T, H] for the whole layer; in the MLP's backward mlp_backward's dh
-  // [tile, I] and dm [T, H], in the attention's attention_grad_widths' buffers.
-  int64_t shared_kv_grads = 0;
-  for (int l = 0; l < layers; ++l) shared_kv_grads += shared_kv_floats(m, l);
-  const int64_t layer_grads = layers * int64_t{c.ple_dim} + shared_kv_grads + 4 * H;
-  const int64_t last_mlp = layers > 0 ? int64_t{m.spec(layers - 1).intermediate} : 0;
-  for (MemoryBreakdown* at : {&at_mlp_backward, &at_attention_backward}) {
-    at->add("activations", bytes(run_floats + kept + read_back + 4 * H));  // + xf, dxf, dx, dprev
-    at->add("one layer", bytes(recomputed));
+  out = at_loss;
+  // The backward, one layer l at a time from the last: xf, dxf and the last layer's output are freed after the
+  // final norm's backward, dx and dprev [T, H] come instead; the layers after l are freed, l's kept floats are
+  // here (read back with spill) and, recompute on, its activations past what it is handed. Gradients held beside
+  // them (gemma4.cpp, embedding.cpp, mlp.cpp, attention_block.cpp): the per-layer inputs' dple [T, layers * P] and
+  // the stored K/V's kv_dK, kv_dV for the whole backward; in l's MLP's backward layer_backward's dmo and dx1 [T, H]
+  // (its dx3 and dx2 are freed by then) with mlp_backward's dm [T, H] and dh [tile, I]; in its attention's
+  // backward (a phase of its own, dmo freed) dx1 with attention_grad_widths' buffers, T tokens each. Every layer's
+  // two phases are compared: a layer nearer the input can need more (E2B: a full layer with its own K/V, where
+  // the last ones share theirs).
+  const int64_t backward_run = run_floats - H + 2 * H;  // less the last layer's output x, + dx, dprev
+  const int64_t held_grads = layers * int64_t{c.ple_dim} + stored_kv;
+  int64_t kept_below = 0;  // the kept floats in memory of the layers before l
+  for (int l = 0; l < layers; ++l) {
+    const int64_t here = backward_run + kept_below + kept[l] + stored_kv;
+    const int64_t recomputed =
+        args.recompute_layers ? layer_floats(m, l, false, tiled) - handed_floats(m, l, handed) : 0;
+    const int64_t I = m.spec(l).intermediate;
+    MemoryBreakdown at_mlp_backward, at_attention_backward;
+    for (MemoryBreakdown* at : {&at_mlp_backward, &at_attention_backward}) {
+      at->add("activations", bytes(here));
+      at->add("one layer", bytes(recomputed));
+    }
+    at_mlp_backward.add("backward buffers",
+                        checked_sum({bytes(held_grads + 3 * H), checked_bytes({tile, I, kFloat})}));  // dh
+    if (tiled) at_mlp_backward.add(kMlpTile, tile_bytes(l));
+    at_attention_backward.add("backward buffers", bytes(held_grads + H));
+    at_attention_backward.add("the attention's gradients", bytes(attention_grad_widths(c, m.spec(l)).total()));
+    for (MemoryBreakdown* at : {&at_mlp_backward, &at_attention_backward})
+      if (args.layer_weight_bytes != 0) at->add(kLayerWeights, args.layer_weight_bytes);
+    out = larger(out, larger(at_mlp_backward, at_attention_backward));
+    kept_below += spill ? 0 : kept[l];
   }
-  at_mlp_backward.add("backward buffers",
-                      checked_sum({bytes(layer_grads + H), checked_bytes({tile, last_mlp, kFloat})}));  // + dm, dh
-  if (tiled && layers > 0) at_mlp_backward.add(kMlpTile, tile_bytes(layers - 1));
-  at_attention_backward.add("backward buffers", bytes(layer_grads));
-  if (layers > 0)
-    at_attention_backward.add("the attention's gradients", bytes(attention_grad_widths(c, m.spec(layers - 1)).total()));
-  for (MemoryBreakdown* at : {&at_mlp_backward, &at_attention_backward})
-    if (args.layer_weight_bytes != 0) at->add(kLayerWeights, args.layer_weight_bytes);
-  out = larger(at_loss, larger(at_mlp_backward, at_attention_backward));
+  // Then the embedding's backward (embedding.cpp): the layers' buffers freed, dh0 [T, H] and, with per-layer
+  // inputs, dnormed and draw [T, layers * P] beside dple.
+  MemoryBreakdown at_embedding_backward;
+  at_embedding_backward.add("activations", bytes(backward_run + stored_kv));
+  at_embedding_backward.add("backward buffers",
+                            bytes(held_grads + H + (c.ple_dim > 0 ? 2 * layers * int64_t{c.ple_dim} : 0)));
+  out = larger(out, at_embedding_backward);
   out.add("logits", logit_bytes);
   return out;
 }

@@ -32,27 +32,25 @@ struct RunMemoryArgs {
   int64_t head_weight_bytes = 0;
 };
 
-// Named terms (bytes, float32), the largest phase of the run (the layers of the forward, the loss, or the
-// backward's first layer: its MLP's backward or its attention's), any of which may be absent:
+// Named terms (bytes, float32), the largest phase of the run (a layer of the forward, the loss, each layer's MLP
+// backward and attention backward, the embedding's backward), any of which may be absent:
 //   "activations"   what the backward keeps from the forward (layer inputs, attention outputs and LSE, the o_proj
 //                   and down_proj outputs unless told otherwise, the MLP projections with keep_mlp_projections, and
-//                   with recompute off every layer's whole activations), the embedded row and the per-layer inputs, K/V
-//                   that later layers read, and the [T, H] hidden-state buffers alive at that moment; with spill, of
-//                   the layers' kept activations only the backward's first layer's, read back from the file (the
-//                   rest are on disk: run_spill_bytes);
-//   "one layer"     one layer's activations while it is computed or recomputed (its input norm, q/k/v, attention
-//                   output, o_proj, MLP), past what "activations" holds already;
-//   "backward buffers"  the gradients the backward holds in its first layer: the per-layer inputs' and the shared
-//                   K/V's, for the whole backward, and that layer's residual-stream gradients, and in its MLP's
-//                   backward one token tile's dh [min(T, mlp_tile_tokens), I];
-//   "the attention's gradients"  in the backward's first layer's attention backward (a phase of its own: the MLP's
-//                   buffers are freed by then), attention_grad_widths' buffers, T tokens each;
+//                   with recompute off every layer's whole activations) of the layers not yet differentiated, the
+//                   embedded row and the per-layer inputs, K/V that later layers read, and the [T, H] hidden-state
+//                   buffers alive at that moment; with spill, of the layers' kept activations only the
+//                   differentiated layer's, read back from the file (the rest are on disk: run_spill_bytes);
+//   "one layer"     one layer's activations while it is computed or recomputed (its norms' outputs and RMS factors,
+//                   q/k/v, attention output, o_proj, MLP, residuals, per-layer-input block), past what "activations"
+//                   holds already;
+//   "backward buffers"  the gradients the backward holds: the per-layer inputs' and the stored K/V's for the whole
+//                   backward, and in a layer's MLP backward its residual-stream gradients and one token tile's dh
+//                   [min(T, mlp_tile_tokens), I], in its attention's backward the one residual gradient left; in
+//                   the embedding's backward its own;
+//   "the attention's gradients"  in a layer's attention backward (the MLP's buffers are freed by then),
+//                   attention_grad_widths' buffers, T tokens each;
 //   "the MLP's tile"  with tile_mlp, the [tile, I] gate, up and GeGLU products of one tile (the forward's largest
-//                   layer's, or the backward's first layer's), which "one layer" then leaves out;
-//   "loss chunk"    the [min(T, chunk), V] logits of the fused head and cross-entropy (loss.h);
-//   "logits"        the [T, V] logits the caller asked for;
-//   "one layer's weights widened", "the head's panel widened"   RunMemoryArgs::layer_weight_bytes in a layer's
-//                   phase and head_weight_bytes in the loss's.
+//                   layer's, or a layer's in its backward), which "one layer" then leaves out;
 // Entries are -1 (MemoryBreakdown's overflow) when a product does not fit int64.
 MemoryBreakdown run_memory_at_least(const Gemma4Model& m, const RunMemoryArgs& args);
 
