@@ -26,7 +26,7 @@ void widen(const HeldWeight& w, int64_t first, int64_t n, float* out);
 
 // A float32 copy of a held weight's first n elements. The storage is not zero-filled first (widen writes every
 // element): a LoRA step widens each layer's frozen base twice (forward, backward), and the zero fill was one more
-// pass over those bytes (1.5 GiB a rank a step at E2B's shape, BENCHMARKS.md).
+// pass over those bytes (E2B: 1.86 G base parameters in its layers, ~14 GiB of zeros a rank a step).
 using Widened = std::vector<float, DefaultInitAllocator<float>>;
 Widened widened_copy(const HeldWeight& w, int64_t n);
 
