@@ -43,6 +43,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,25 @@ TINY = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention
             hidden_size_per_layer_input=64, vocab_size_per_layer_input=4096, num_kv_shared_layers=2,
             layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=128, final_logit_softcapping=30.0)
 TINY_SEQ_LEN = 512
+REAL_LAYERS = 35
+
+
+def cut_down(layers):
+    """E2B's real widths (hidden 1536, D 256 sliding / 512 full, MLP 6144 and its double width on KV-shared layers,
+    per-layer inputs 256) with `layers` decoder layers: REAL's first layer types (4 sliding, then a full one, ...),
+    the last one full as transformers requires, KV sharing over the last min(layers - 5, round(layers * 20 / 35)) layers
+    (a shared layer reads the KV of the last unshared layer of its type, so the first 5 stay unshared), and the
+    vocabulary scaled with the layer count (262144 * layers / 35, a multiple of 256) so that the head's share of a
+    step's FLOPs stays near the real model's (the report prints each part's share: 14.8% at 6 layers, 14.3% real)."""
+    if layers < 5:
+        raise SystemExit("--layers: at least 5 (4 sliding layers and a full one, E2B's mix)")
+    vocab = max(256, REAL["vocab_size"] * layers // REAL_LAYERS // 256 * 256)
+    types = list(REAL["layer_types"][:layers - 1]) + ["full_attention"]
+    return dict(REAL, num_hidden_layers=layers, layer_types=types,
+                num_kv_shared_layers=max(0, min(layers - 5, round(layers * 20 / REAL_LAYERS))), vocab_size=vocab,
+                vocab_size_per_layer_input=vocab)
+
+
 # examples/gemma4_e2b_lora.yaml's adapters, which the PyTorch side copies.
 LORA_RANK, LORA_ALPHA = 16, 32
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -155,6 +175,67 @@ def write_rows(path, vocab, seq_len, rows):
         for _ in range(rows):
             f.write(json.dumps({"input_ids": [rng.randrange(1, vocab) for _ in range(seq_len)]}) + "\n")
     os.replace(path + ".tmp", path)
+
+
+# --- The step's FLOPs ---
+
+def step_flops(fields, seq_len):
+    """FLOPs of one LoRA step on one row of seq_len tokens (both ranks together), from the model's Linear shapes (a
+    meta-device Gemma4ForCausalLM, no memory). Model FLOPs (the MFU's numerator, what any implementation must do):
+    the frozen base's products forward and their input gradients (2 x 2 x MACs; no weight gradients for the base),
+    per_layer_model_projection forward only (its input, the embedding, is frozen: nothing flows back through it), the
+    tied head forward and its input gradient (2 x 2 x V x H), the adapters forward, input and weight gradients (3 x 2
+    x r (in + out)), and attention forward (QK^T and PV over the allowed pairs) plus its backward at 2.5x
+    (bench_model.py's BACKWARD_FLOP_FACTOR). With the recompute ringflex also redoes every decoder layer's base
+    products in the backward (keep_o_proj/keep_down_proj: false, examples/gemma4_e2b_lora.yaml), one more 2 x MACs:
+    `with_recompute` counts it too (the ~1.2e14 of a real-shape step in BENCHMARKS.md is that count)."""
+    import torch
+    from bench_model import BACKWARD_FLOP_FACTOR, allowed_pairs
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+    cfg = Gemma4TextConfig(**fields)
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(cfg)
+    layer_macs, lora_macs, top_macs = 0, 0, 0
+    attention = 0.0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear) or name == "lm_head":
+            continue
+        if ".layers." in name:
+            layer_macs += mod.in_features * mod.out_features
+            if name.rpartition(".")[2] in LORA_TARGETS:
+                lora_macs += LORA_RANK * (mod.in_features + mod.out_features)
+        else:
+            top_macs += mod.in_features * mod.out_features  # per_layer_model_projection
+    heads = fields["num_attention_heads"]
+    for i, layer in enumerate(model.model.layers):
+        D = layer.self_attn.q_proj.out_features // heads
+        sliding = cfg.layer_types[i] == "sliding_attention"
+        pairs = allowed_pairs(seq_len, fields.get("sliding_window", 512) if sliding else 0)
+        attention += (1.0 + BACKWARD_FLOP_FACTOR) * 4.0 * heads * D * pairs
+    head_macs = fields["vocab_size"] * fields["hidden_size"]
+    T = seq_len
+    parts = {"base layers": 4.0 * layer_macs * T, "per-layer input projection": 2.0 * top_macs * T,
+             "head": 4.0 * head_macs * T, "adapters": 6.0 * lora_macs * T, "attention": attention}
+    model_total = sum(parts.values())
+    return {"parts": parts, "model": model_total, "with_recompute": model_total + 2.0 * (layer_macs + lora_macs) * T}
+
+
+def measure_child(kind, arg):
+    """bench_model.py imports torch (~0.4 GiB): the parent stays small (at the real shape the machine's memory is the
+    ringflex ranks'), so the FLOP count and each sgemm reading run in a child of this script; returns its JSON."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--measure-child", kind, arg], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def measure(kind, arg):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    if kind == "sgemm":  # bench_model.py's 1-thread cblas_sgemm of the OpenBLAS ringflex (arg) links, N = 1024
+        from bench_model import Sgemm, cpu_name
+        sgemm = Sgemm(arg)
+        return {"gflops": sgemm.gflops(), "core": sgemm.core, "cpu": cpu_name()}
+    fields, seq_len = json.loads(arg)
+    return step_flops(fields, seq_len)
 
 
 # --- Memory of a process tree, sampled ---
@@ -261,14 +342,17 @@ def run_ringflex(a, model_dir, rows, seq_len, steps, tag):
     sets = {"model.path": model_dir, "data.path": rows, "data.val_rows": 0, "train.steps": steps,
             "train.seq_len": seq_len, "train.global_batch": 1, "train.threads": a.threads,
             "parallelism.cp": a.cp, "checkpoint.dir": os.path.join(a.workdir, f"ckpt_{tag}"), "checkpoint.every": steps}
-    cmd = ["mpirun", "--oversubscribe", "-n", str(a.cp), a.ringflex, "train", "--config", config, "--metrics", metrics,
-           "--stats", stats]
+    # --perf: each rank under `perf record -g`, into PREFIX.RANK (perf report -i PREFIX.0 --sort sym).
+    perf = ["sh", "-c", 'exec perf record -q -g -o "$0.$OMPI_COMM_WORLD_RANK" "$@"', a.perf] if a.perf else []
+    cmd = ["mpirun", "--oversubscribe", *a.mpi_arg, "-n", str(a.cp), *perf, a.ringflex, "train", "--config", config,
+           "--metrics", metrics, "--stats", stats, "--timeout", str(a.timeout)]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     for kv in a.set:
         cmd += ["--set", kv]
     env = dict(memory_env(a), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     log("ringflex: " + " ".join(cmd))
+    sgemm = [measure_child("sgemm", a.ringflex)]  # the same minutes' 1-thread sgemm, before and after the run
     start = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     sampler = Sampler(proc.pid, "ringflex", a.sample_s, a.report_every, f"ringflex {tag}")
@@ -279,6 +363,7 @@ def run_ringflex(a, model_dir, rows, seq_len, steps, tag):
     sampler.stop.set()
     sampler.join()
     wall = time.time() - start
+    sgemm.append(measure_child("sgemm", a.ringflex))
     if rc != 0:
         log(f"ringflex {tag}: exit code {rc} after {wall:.0f} s")
         return None
@@ -286,15 +371,30 @@ def run_ringflex(a, model_dir, rows, seq_len, steps, tag):
         steps_out = [json.loads(line) for line in f]
     with open(stats) as f:
         st = json.load(f)
-    return {"wall_s": wall, "steps": steps_out, "stats": st, "peak_pss_sum": sampler.peak_pss_sum,
+    return {"wall_s": wall, "steps": steps_out, "stats": st, "peak_pss_sum": sampler.peak_pss_sum, "sgemm": sgemm,
             "peak_hwm": sorted(sampler.peak_hwm.values()), "peak_anon": sorted(sampler.peak_anon.values())}
 
 
-def report_ringflex(r, seq_len, base, cp):
+def report_ringflex(r, seq_len, base, cp, flops):
     log(f"ringflex, rows of {seq_len} tokens at CP = {cp}: {len(r['steps'])} steps in {r['wall_s']:.0f} s "
         f"(loading included)")
     for m in r["steps"]:
-        log(f"  step {m['step']}: loss {m['loss']:.4f}, {m['tokens_per_s']:.1f} tokens/s")
+        log(f"  step {m['step']}: loss {m['loss']!r}, {m['tokens_per_s']:.1f} tokens/s")
+    # MFU: the step's model FLOPs/s over cp x the 1-thread sgemm read before and after the run (one thread a rank).
+    # The step's time is the median over the steps after the first (its page faults of the mapped base), or the one.
+    timed = r["steps"][1:] or r["steps"]
+    step_s = sorted(seq_len / m["tokens_per_s"] for m in timed)[len(timed) // 2]
+    gflops = [g["gflops"] for g in r["sgemm"]]
+    sgemm = statistics.median(gflops)  # on a shared VM the rate moves from minute to minute (bench_model.py)
+    shares = ", ".join(f"{k} {v / flops['model']:.1%}" for k, v in flops["parts"].items())
+    log(f"  CPU {r['sgemm'][0]['cpu']}; 1-thread sgemm (OpenBLAS {r['sgemm'][0]['core']}, N = 1024) "
+        f"{', '.join(f'{g:.1f}' for g in gflops)} GFLOP/s (before, after the run)")
+    log(f"  model FLOPs a step {flops['model']:.4g} ({shares}); with the backward's recompute "
+        f"{flops['with_recompute']:.4g}")
+    log(f"  step {step_s:.1f} s: model {flops['model'] / step_s / 1e9:.1f} GFLOP/s, MFU "
+        f"{flops['model'] / step_s / (cp * sgemm * 1e9):.3f} of {cp} x {sgemm:.1f}; with the recompute "
+        f"{flops['with_recompute'] / step_s / 1e9:.1f} GFLOP/s, "
+        f"{flops['with_recompute'] / step_s / (cp * sgemm * 1e9):.3f}")
     hwm = ", ".join(f"{v / GiB:.2f}" for v in r["stats"]["peak_rss_bytes"])
     anon = ", ".join(f"{v / GiB:.2f}" for v in r["peak_anon"])
     log(f"  peak RSS per rank (VmHWM, the mapped base in each): {hwm} GiB; private (RssAnon) peaks: {anon} GiB")
@@ -469,6 +569,9 @@ def longest_row(a, model_dir, rows, seq_len):
 
 
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--measure-child":
+        print(json.dumps(measure(sys.argv[2], sys.argv[3])))
+        return 0
     if len(sys.argv) > 1 and sys.argv[1] == "--torch-child":
         model_dir, rows, lengths, threads, out, cap = sys.argv[2:8]
         torch_child(model_dir, rows, [int(n) for n in lengths.split(",")], int(threads), out, int(cap))
@@ -499,14 +602,23 @@ def main():
     ap.add_argument("--sample-s", type=float, default=1.0, help="memory sampling period")
     ap.add_argument("--report-every", type=float, default=30.0, help="seconds between memory progress lines")
     ap.add_argument("--tiny", action="store_true", help="4 layers, hidden 256: checks the driver end to end")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="a cut-down E2B: its real widths with this many layers (>= 5; cut_down says what is kept)")
+    ap.add_argument("--mpi-arg", action="append", default=[], metavar="ARG",
+                    help="one more mpirun argument (repeatable), e.g. --mpi-arg=--mca --mpi-arg=mpi_yield_when_idle "
+                         "--mpi-arg=1")
+    ap.add_argument("--timeout", type=float, default=3600.0,
+                    help="ringflex's --timeout: seconds a rank waits for a peer (on a loaded machine, or under --perf, "
+                         "a rank can fall minutes behind the other)")
+    ap.add_argument("--perf", metavar="PREFIX", help="run each rank under perf record -g into PREFIX.RANK")
     a = ap.parse_args()
     if a.longest_row is None:
         build = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(a.ringflex))))
         a.longest_row = os.path.join(build, "bench", "model", "lora_longest_row")
-    fields = TINY if a.tiny else REAL
+    fields = TINY if a.tiny else cut_down(a.layers) if a.layers else REAL
     seq_len = a.seq_len or (TINY_SEQ_LEN if a.tiny else 8192)
     os.makedirs(a.workdir, exist_ok=True)
-    model_dir = os.path.join(a.workdir, "e2b_tiny" if a.tiny else "e2b")
+    model_dir = os.path.join(a.workdir, "e2b_tiny" if a.tiny else f"e2b_{a.layers}_layers" if a.layers else "e2b")
     start = time.time()
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         write_model(model_dir, fields)
@@ -519,7 +631,7 @@ def main():
     ok = longest is not None
     r = run_ringflex(a, model_dir, rows, seq_len, a.steps, f"{seq_len}")
     if r:
-        report_ringflex(r, seq_len, base, a.cp)
+        report_ringflex(r, seq_len, base, a.cp, measure_child("flops", json.dumps([fields, seq_len])))
     ok = ok and r is not None
     if not a.skip_torch:
         run_torch(a, model_dir, fields, seq_len)
@@ -528,7 +640,7 @@ def main():
         write_rows(long_rows, fields["vocab_size"], longest, rows=1)
         r = run_ringflex(a, model_dir, long_rows, longest, 1, f"longest_{longest}")
         if r:
-            report_ringflex(r, longest, base, a.cp)
+            report_ringflex(r, longest, base, a.cp, measure_child("flops", json.dumps([fields, longest])))
         ok = ok and r is not None
     log(f"done in {time.time() - start:.0f} s")
     return 0 if ok else 1

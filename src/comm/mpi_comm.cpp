@@ -3,6 +3,8 @@
 
 #include <mpi.h>
 
+#include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstring>
 #include <optional>
@@ -16,10 +18,14 @@
 namespace rf::comm {
 namespace {
 
-// How long a waiting rank sleeps between MPI_Test polls. Short enough to add no visible latency to a ring step
-// (which computes for milliseconds or more), long enough that an oversubscribed core goes to the rank that
-// is computing instead of to a spinning one.
+// How long a waiting rank sleeps between MPI_Test polls: kPollSleep first, doubled after each poll that finds the
+// requests pending, up to kPollSleepMax. A short wait (a ring step's transfer) is polled every 20 us, so it ends
+// within about its own length again; a long one (a peer still computing) wakes 1000 times a second, not 50000: on
+// a machine with more runnable threads than cores each wake-up (MPI_Testall, a syscall, two context switches, ~20 us
+// of CPU) came out of the computing rank's share, and in a profile of E2B's cut-down LoRA step at CP 2 beside other
+// work the waiting rank spent 44% of its samples polling (BENCHMARKS.md, "E2B LoRA near the FLOP limit").
 constexpr std::chrono::microseconds kPollSleep{20};
+constexpr std::chrono::microseconds kPollSleepMax{1000};
 
 void check_mpi(int rc, const char* what) {
   if (rc == MPI_SUCCESS) return;
@@ -40,13 +46,15 @@ int to_count(size_t bytes, const std::string& label) {
 bool poll_until(std::vector<MPI_Request>& reqs, Timeout timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::optional<detail::BlockedTime> blocked;
+  std::chrono::microseconds sleep = kPollSleep;
   for (;;) {
     int done = 0;
     check_mpi(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
     if (done) return true;
     if (std::chrono::steady_clock::now() >= deadline) return false;
     if (!blocked) blocked.emplace();
-    std::this_thread::sleep_for(kPollSleep);
+    std::this_thread::sleep_for(sleep);
+    sleep = std::min(2 * sleep, kPollSleepMax);
   }
 }
 

@@ -54,4 +54,10 @@ void widen(const HeldWeight& w, int64_t first, int64_t n, float* out) {
   }
 }
 
+Widened widened_copy(const HeldWeight& w, int64_t n) {
+  Widened values(static_cast<size_t>(n));
+  widen(w, 0, n, values.data());
+  return values;
+}
+
 }  // namespace rf::model

@@ -7,6 +7,9 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
+
+#include "core/default_init.h"
 
 namespace rf::model {
 
@@ -20,6 +23,12 @@ struct HeldWeight {
 
 // Widens elements [first, first + n) of `w` into out[n] (exact: every bf16 and f16 value is a float32 value).
 void widen(const HeldWeight& w, int64_t first, int64_t n, float* out);
+
+// A float32 copy of a held weight's first n elements. The storage is not zero-filled first (widen writes every
+// element): a LoRA step widens each layer's frozen base twice (forward, backward), and the zero fill was one more
+// pass over those bytes (E2B: 1.86 G base parameters in its layers, ~14 GiB of zeros a rank a step).
+using Widened = std::vector<float, DefaultInitAllocator<float>>;
+Widened widened_copy(const HeldWeight& w, int64_t n);
 
 // A low-rank adapter on a frozen weight W [out, in] (PEFT's LoRA): the layer computes
 //   y = x W^T + scale * (x A^T) B^T

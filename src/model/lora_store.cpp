@@ -511,9 +511,7 @@ std::optional<LinearAdapter> LoraStore::adapter(size_t slot) {
 void LoraStore::widen_slot(size_t slot) {
   const ParamInfo& p = info(slot);
   if (widened_.count(slot) || lookup_table(p) || !needs_widening(slot)) return;
-  std::vector<float> values(static_cast<size_t>(p.numel));
-  widen(held_weight(slot), 0, p.numel, values.data());
-  widened_.emplace(slot, std::move(values));
+  widened_.emplace(slot, widened_copy(held_weight(slot), p.numel));
 }
 
 void LoraStore::acquire(int layer) {

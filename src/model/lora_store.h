@@ -184,10 +184,10 @@ class LoraStore : public ParamStore {
   std::vector<Adapter> adapters_;
   std::vector<int> adapter_of_;  // [base slots] adapter index or -1
   AdapterArena adapters_store_;
-  std::vector<Base> base_;                                  // [base slots]
-  std::vector<std::shared_ptr<const void>> keep_;           // the mapped files the base points into
-  std::unordered_map<size_t, std::vector<float>> widened_;  // base slot -> its float32 widening, acquired layers'
-  mutable std::vector<float> scratch_;                      // weight() of an unacquired widened slot (tools)
+  std::vector<Base> base_;                         // [base slots]
+  std::vector<std::shared_ptr<const void>> keep_;  // the mapped files the base points into
+  std::unordered_map<size_t, Widened> widened_;    // base slot -> its float32 widening, acquired layers'
+  mutable std::vector<float> scratch_;             // weight() of an unacquired widened slot (tools)
   mutable size_t scratch_slot_ = ~size_t{0};
   mutable uint64_t scratch_version_ = 0;
 };

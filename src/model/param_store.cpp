@@ -269,10 +269,7 @@ const float* ReplicatedStore::widened(size_t slot) const {
 
 void ReplicatedStore::widen_slot(size_t slot) {
   if (widened_.count(slot)) return;
-  const int64_t n = info(slot).numel;
-  std::vector<float> values(static_cast<size_t>(n));
-  widen(HeldWeight{HeldDType::BF16, working(slot)}, 0, n, values.data());
-  widened_.emplace(slot, std::move(values));
+  widened_.emplace(slot, widened_copy(HeldWeight{HeldDType::BF16, working(slot)}, info(slot).numel));
 }
 
 void ReplicatedStore::widen_group(int layer) {

@@ -324,7 +324,7 @@ class ReplicatedStore : public ParamStore {
   std::vector<bf16> bf16_;
   uint64_t bf16_version_ = ~uint64_t{0};  // the version bf16_ was rounded at (none yet)
   // param_dtype bfloat16: the float32 views of the slots between their hooks (slot -> [numel]).
-  std::unordered_map<size_t, std::vector<float>> widened_;
+  std::unordered_map<size_t, Widened> widened_;
 
  protected:
   // param_dtype bfloat16: the working copy [total elements] (the weights arena's layout) and the version it was
