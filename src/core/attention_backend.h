@@ -67,6 +67,12 @@ class ParallelContext {
   // o: [B, Hq, L, D], lse: [B, Hq, L] float32, written (-inf and o = 0 where a query sees nothing). Collective.
   virtual void forward(const ShardAttention& x, float* o, float* lse) = 0;
 
+  // In place of forward, for a layer whose K/V a run needs and whose attention it does not (the last layer of
+  // generation's prefill, model/gemma4.h RunOptions::run_layers: its output feeds nothing). x.q is not read. A
+  // context that keeps keys (core/decode_context.h) keeps them as its forward would have; the others have nothing to
+  // do. Every rank makes the same calls.
+  virtual void keep_keys(const ShardAttention&) {}
+
   // o, lse: forward's outputs; dout: [B, Hq, L, D] in x.dtype. Writes (not accumulates) float32 dq: [B, Hq, L, D] and
   // dk, dv: [B, Hkv, L, D] for this rank's keys, summed over every rank's queries. Collective.
   virtual void backward(const ShardAttention& x, const float* o, const float* lse, const void* dout, float* dq,

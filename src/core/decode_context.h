@@ -6,7 +6,8 @@
 // and never sees the cache. The context tells a layer from the order of its calls (the first call of a run is
 // layer 0), which is why it is handed every layer's attention description up front (CacheLayer).
 //   prefill: begin_batch/forward are the job's ordinary context's (the local kernels or the CP ring), and each
-//            layer's K/V shard (this rank's tokens) is copied into the cache where prefill computed it.
+//            layer's K/V shard (this rank's tokens) is copied into the cache where prefill computed it; the last
+//            layer the prefill runs hands its K/V to keep_keys instead of forward (no attention: nothing reads it).
 //   decode:  begin_batch gives every rank one new token of each sequence in the step (the run is replicated: its
 //            projections are computed on every rank alike); forward appends each token's K/V to its sequence's cache
 //            on the one rank the placement rule names, then every rank attends each query over its own cached keys

@@ -156,15 +156,19 @@ class KvCacheContext final : public DecodeContext {
   }
 
   void forward(const ShardAttention& x, float* o, float* lse) override {
-    RF_CHECK(layer_ < static_cast<int>(layers_.size()), "generation: more attention calls than the model's ",
-             layers_.size(), " layers");
-    RF_CHECK(x.dtype == dtype_, "generation: the cache was made for ", dtype_name(dtype_), " attention, the run gave ",
-             dtype_name(x.dtype));
-    const int l = layer_++;
-    if (decoding_)
+    const int l = next_layer(x);
+    if (decoding_) {
       decode(l, x, o, lse);
-    else
-      prefill(l, x, o, lse);
+      return;
+    }
+    inner_.model->forward(x, o, lse);
+    keep_prefilled(l, x);
+  }
+
+  // The prefill's last layer: its keys cached, no attention run (on any rank: the ring's forward is skipped alike).
+  void keep_keys(const ShardAttention& x) override {
+    RF_CHECK(!decoding_, "generation: a decode step attends every layer");
+    keep_prefilled(next_layer(x), x);
   }
 
   void backward(const ShardAttention&, const float*, const float*, const void*, float*, float*, float*) override {
@@ -223,8 +227,17 @@ class KvCacheContext final : public DecodeContext {
     return cl.mask.window == 0 || prompt_tokens - p < cl.mask.window;
   }
 
-  void prefill(int l, const ShardAttention& x, float* o, float* lse) {
-    inner_.model->forward(x, o, lse);
+  // The layer of this attention call (calls come in layer order), after checking it.
+  int next_layer(const ShardAttention& x) {
+    RF_CHECK(layer_ < static_cast<int>(layers_.size()), "generation: more attention calls than the model's ",
+             layers_.size(), " layers");
+    RF_CHECK(x.dtype == dtype_, "generation: the cache was made for ", dtype_name(dtype_), " attention, the run gave ",
+             dtype_name(x.dtype));
+    return layer_++;
+  }
+
+  // Copies a prefill layer's K/V shard (this rank's tokens) into the cache, those a decoded query can still see.
+  void keep_prefilled(int l, const ShardAttention& x) {
     const CacheLayer& cl = layers_[l];
     if (cl.kv_source >= 0) return;
     SequenceCache& s = seq(prefilling_);

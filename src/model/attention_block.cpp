@@ -15,13 +15,11 @@ namespace rf::model {
 void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, bool reuse_attention) {
   const LayerSpec& sp = m.specs_[l];
   const LayerSlots& sl = m.slots_[l];
-  const int Hq = cfg.num_heads, Hkv = sp.kv_heads, D = sp.head_dim;
-  const int64_t qd = int64_t{Hq} * D, kd = int64_t{Hkv} * D;
+  const int Hq = cfg.num_heads, D = sp.head_dim;
+  const int64_t qd = int64_t{Hq} * D;
 
   // q/k get a scaled RMSNorm per head then RoPE; v a scale-free RMSNorm and no RoPE.
-  a.a = uninit(T * H);
-  a.r_in = uninit(T);
-  rmsnorm_forward(x, W(sl.input_norm), eps, a.a.data(), a.r_in.data(), T, H);
+  attention_input(l, x, a);
   // Projections land head-major, [B, heads, S, D], the layout attention reads; norms and RoPE act per D-vector,
   // so they run on that layout as they are.
   a.q_raw = uninit(T * qd);
@@ -37,21 +35,7 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
   const AttnTensor* K = nullptr;
   const AttnTensor* V = nullptr;
   if (sp.kv_source < 0) {
-    a.k_raw = uninit(T * kd);
-    heads_forward(ms, a.a.data(), W(sl.k_proj), a.k_raw.data(), B, S, H, Hkv, D);
-    adapter_forward(sl.k_proj, a.a.data(), {}, a.k_raw.data(), {Hkv, D});
-    if (sp.has_v_proj) {
-      a.v_raw = uninit(T * kd);
-      heads_forward(ms, a.a.data(), W(sl.v_proj), a.v_raw.data(), B, S, H, Hkv, D);
-      adapter_forward(sl.v_proj, a.a.data(), {}, a.v_raw.data(), {Hkv, D});
-    }
-    const Vec& v_src = sp.has_v_proj ? a.v_raw : a.k_raw;  // attention_k_eq_v: V is the raw K projection
-    a.k_rms = uninit(T * Hkv);
-    a.v_rms = uninit(T * Hkv);
-    a.K = attn_tensor(T * kd);
-    a.V = attn_tensor(T * kd);
-    rmsnorm_rope_forward(a.k_raw.data(), W(sl.k_norm), eps, &rope(sp), B, Hkv, S, D, a.k_rms.data(), out(a.K));
-    rmsnorm_rope_forward(v_src.data(), nullptr, eps, nullptr, B, Hkv, S, D, a.v_rms.data(), out(a.V));
+    own_kv_forward(l, ms, a);
     if (sp.stores_kv && !reuse_attention) {
       kv_K[l] = a.K.copy();
       kv_V[l] = a.V.copy();
@@ -77,6 +61,44 @@ void Gemma4Model::Run::attention_forward(int l, const float* x, AttnActs& a, boo
   a.r_pa = uninit(T);
   rmsnorm_forward(a.ao.data(), W(sl.post_attn_norm), eps, a.x1.data(), a.r_pa.data(), T, H);
   add_into(a.x1.data(), x, T * H);
+}
+
+void Gemma4Model::Run::attention_keys_forward(int l, const float* x, AttnActs& a) {
+  const LayerSpec& sp = m.specs_[l];
+  if (sp.kv_source >= 0) return;  // a KV-shared layer has no keys of its own
+  attention_input(l, x, a);
+  SharedOperands shared(mm);
+  shared.add(a.a.data(), T * H);  // k and v read it: rounded once in the bf16 mode, as attention_forward does
+  own_kv_forward(l, shared.matmul(), a);
+  attn.keep_keys(attention(sp, a.Q, a.K, a.V));
+}
+
+void Gemma4Model::Run::attention_input(int l, const float* x, AttnActs& a) {
+  a.a = uninit(T * H);
+  a.r_in = uninit(T);
+  rmsnorm_forward(x, W(m.slots_[l].input_norm), eps, a.a.data(), a.r_in.data(), T, H);
+}
+
+void Gemma4Model::Run::own_kv_forward(int l, const Matmul& ms, AttnActs& a) {
+  const LayerSpec& sp = m.specs_[l];
+  const LayerSlots& sl = m.slots_[l];
+  const int Hkv = sp.kv_heads, D = sp.head_dim;
+  const int64_t kd = int64_t{Hkv} * D;
+  a.k_raw = uninit(T * kd);
+  heads_forward(ms, a.a.data(), W(sl.k_proj), a.k_raw.data(), B, S, H, Hkv, D);
+  adapter_forward(sl.k_proj, a.a.data(), {}, a.k_raw.data(), {Hkv, D});
+  if (sp.has_v_proj) {
+    a.v_raw = uninit(T * kd);
+    heads_forward(ms, a.a.data(), W(sl.v_proj), a.v_raw.data(), B, S, H, Hkv, D);
+    adapter_forward(sl.v_proj, a.a.data(), {}, a.v_raw.data(), {Hkv, D});
+  }
+  const Vec& v_src = sp.has_v_proj ? a.v_raw : a.k_raw;  // attention_k_eq_v: V is the raw K projection
+  a.k_rms = uninit(T * Hkv);
+  a.v_rms = uninit(T * Hkv);
+  a.K = attn_tensor(T * kd);
+  a.V = attn_tensor(T * kd);
+  rmsnorm_rope_forward(a.k_raw.data(), W(sl.k_norm), eps, &rope(sp), B, Hkv, S, D, a.k_rms.data(), out(a.K));
+  rmsnorm_rope_forward(v_src.data(), nullptr, eps, nullptr, B, Hkv, S, D, a.v_rms.data(), out(a.V));
 }
 
 void Gemma4Model::Run::attention_backward(int l, AttnActs& a, const float* x, const float* dx1, float* dx) {

@@ -371,6 +371,13 @@ Result Gemma4Model::run(const Batch& batch, const RunOptions& opt, AttentionBack
   for (int l = 0; l < (opt.run_layers > 0 ? opt.run_layers : L); ++l) {
     LayerActs a;
     store.before_forward(l);
+    // A stopped run's last layer feeds nothing after it: of it only the K/V it hands the seam are wanted (the
+    // prefill then skips that layer's query, attention, o_proj and feed-forward).
+    if (l == opt.run_layers - 1) {
+      r.attention_keys_forward(l, x.data(), a.attn);
+      store.after_forward(l);
+      break;
+    }
     r.layer_forward(l, x.data(), next.data(), a, false);
     store.after_forward(l);
     if (opt.want_grad) kept[l] = keep_for_backward(std::move(x), std::move(a), opt);

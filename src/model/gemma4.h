@@ -95,7 +95,8 @@ struct RunOptions {
   uint64_t dropout_key = 0;
   // > 0: run only the first run_layers layers, then stop without the final norm, the LM head or the loss (the
   // Result's loss and per-token outputs stay empty). Generation's prefill (model/generate.h): what it needs from the
-  // run is the K/V its layers hand the attention seam, and the KV-shared layers at the end produce none.
+  // run is the K/V its layers hand the attention seam, and the KV-shared layers at the end produce none. The last of
+  // them runs only its K/V projections and hands them to AttentionBackend::keep_keys (its output would feed nothing).
   int run_layers = 0;
   // Fill Result::router_logits and router_experts: each MoE layer's router scores and the experts each token chose
   // (diagnostics: whether a token's choice sits on a near-tie of its scores, docs/model-fidelity.md).

@@ -300,6 +300,14 @@ struct Gemma4Model::Run {
   // attention_block.cpp: x -> a.x1 = x + post_attn_norm(o_proj(attention(norms and RoPE of q/k/v(input_norm(x))))).
   // reuse_attention: a recompute, handed the forward's O and LSE; an a.ao already set is taken as it is.
   void attention_forward(int l, const float* x, AttnActs& a, bool reuse_attention);
+  // Only the layer's own K and V (a.a, a.K, a.V and what they are made from), handed to the seam's keep_keys: no
+  // query, attention, o_proj or anything after (RunOptions::run_layers' last layer). Nothing for a KV-shared layer.
+  void attention_keys_forward(int l, const float* x, AttnActs& a);
+  // The input norm: x -> a.a, a.r_in.
+  void attention_input(int l, const float* x, AttnActs& a);
+  // A layer's own K/V from a.a through `ms` (the projections' shared operands): a.k_raw, a.v_raw, their norms, and
+  // a.K, a.V normed and rotated in the attention's storage.
+  void own_kv_forward(int l, const Matmul& ms, AttnActs& a);
   // dx1: d loss / d x1 (the residual included); writes dx.
   void attention_backward(int l, AttnActs& a, const float* x, const float* dx1, float* dx);
   // mlp.cpp: x1 -> a.mo = down(gelu(gate(n)) * up(n)), n = pre_ff_norm(x1); an a.mo already set (a recompute), and

@@ -2,10 +2,10 @@
 // DecodeContext (core/decode_context.h; cp::make_decode_context builds the one a job uses, at any CP size).
 //
 // The prefill runs the prompt's first S - 1 tokens through the model's ordinary forward (CP-sharded under mpirun,
-// images and all) with no head and no KV-shared tail (RunOptions::run_layers), so the cache holds their K/V; the last
-// prompt token is then the first decode step, whose logits choose the first new token. Every decode step is a
-// Gemma4Model::run of one token (B = 1, S = 1, its RoPE position given), so the layers, PLE, MoE, bf16 compute and
-// LoRA are the training forward's own code. docs/generate.md.
+// images and all) with no head and no KV-shared tail (RunOptions::run_layers; of the last layer it runs, only its K/V
+// projections), so the cache holds their K/V; the last prompt token is then the first decode step, whose logits
+// choose the first new token. Every decode step is a Gemma4Model::run of one token (B = 1, S = 1, its RoPE position
+// given), so the layers, PLE, MoE, bf16 compute and LoRA are the training forward's own code. docs/generate.md.
 #pragma once
 
 #include <cstdint>
