@@ -1,8 +1,11 @@
 // ringflex io: the checks behind tensor_access.h and the float widening of checkpoint dtypes.
 #include "io/tensor_access.h"
 
+#include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
+#include <cstring>
 
 namespace rf::io {
 
@@ -83,31 +86,42 @@ const TensorView& require(const SafetensorsFile& f, const TensorSpec& spec, DimS
   return *v;
 }
 
-std::vector<float> to_float32(const TensorView& v) {
+void widen_into(const TensorView& v, std::span<float> out) {
   const size_t n = static_cast<size_t>(v.numel());
-  std::vector<float> out(n);
-  if (n == 0) return out;  // an empty tensor's bytes may be a null span, which memcpy must not see
+  RF_CHECK(out.size() == n, "tensor `", v.name, "`: ", n, " elements widened into ", out.size());
+  if (n == 0) return;  // an empty tensor's bytes may be a null span, which memcpy must not see
+  // The file's bytes (a mapping: no alignment promised) pass through a typed chunk on the stack, so the widening
+  // holds no copy of the tensor beside `out` (a Gemma 4 per-layer embedding table is 4.7 GB of bf16).
+  const auto widen = [&]<typename T>(T /*type*/, auto&& convert) {
+    constexpr size_t kChunk = (size_t{64} << 10) / sizeof(T);
+    std::array<T, kChunk> chunk;
+    for (size_t first = 0; first < n; first += kChunk) {
+      const size_t m = std::min(kChunk, n - first);
+      std::memcpy(chunk.data(), v.bytes.data() + first * sizeof(T), m * sizeof(T));
+      for (size_t i = 0; i < m; ++i) out[first + i] = convert(chunk[i]);
+    }
+  };
   switch (v.dtype) {
     case StDType::F32:
       std::memcpy(out.data(), v.bytes.data(), v.bytes.size());
       break;
     case StDType::BF16:
-      to_float(out.data(), copy_as<bf16>(v).data(), n, DType::BF16);
+      widen(bf16{}, [](bf16 x) { return bf16_to_float(x); });
       break;
-    case StDType::F16: {
-      std::vector<uint16_t> h(n);
-      std::memcpy(h.data(), v.bytes.data(), v.bytes.size());
-      for (size_t i = 0; i < n; ++i) out[i] = half_to_float(h[i]);
+    case StDType::F16:
+      widen(uint16_t{}, [](uint16_t h) { return half_to_float(h); });
       break;
-    }
-    case StDType::F64: {
-      const std::vector<double> d = copy_as<double>(v);
-      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(d[i]);
+    case StDType::F64:
+      widen(double{}, [](double d) { return static_cast<float>(d); });
       break;
-    }
     default:
       fail("tensor `", v.name, "` has dtype ", dtype_name(v.dtype), ", expected a floating-point dtype");
   }
+}
+
+std::vector<float> to_float32(const TensorView& v) {
+  std::vector<float> out(static_cast<size_t>(v.numel()));
+  widen_into(v, out);
   return out;
 }
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -91,5 +92,9 @@ std::vector<T> copy_as(const TensorView& v) {
 // The elements of a floating-point tensor (F32, BF16, F16 or F64) widened or rounded to float32, as checkpoints
 // mix them; throws rf::Error for any other dtype.
 std::vector<float> to_float32(const TensorView& v);
+
+// The same into out [v.numel()], with no copy of the tensor on the way: a loader widens a weight straight into its
+// store (the largest tensor's float32 and bf16 copies beside the store were more than a 24 GiB machine has left).
+void widen_into(const TensorView& v, std::span<float> out);
 
 }  // namespace rf::io

@@ -259,9 +259,7 @@ Checkpoint load_checkpoint(const std::string& dir, const BeforeAllocating& befor
     if (const std::optional<HeldDType> dtype = held_dtype_of(v.dtype);
         dtype && params.hold_mapped(slot, HeldWeight{*dtype, v.bytes.data()}, opened))
       continue;
-    // One tensor widened at a time beside the store's arena.
-    const std::vector<float> values = io::to_float32(v);
-    params.write_weight(slot, values);  // a sharded store keeps its piece alone
+    params.load_weight(slot, v);  // into the store's arena; a sharded store keeps its piece alone
   }
   std::set<std::string, std::less<>> held;
   for (const ParamInfo& p : params.infos()) held.insert(file_name_of(p.name, ck.text_prefix));

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "io/tensor_access.h"
 
 namespace rf::model {
 
@@ -166,6 +167,12 @@ void ParamStore::write_weight(size_t slot, std::span<const float> in) {
   RF_CHECK(static_cast<int64_t>(in.size()) == info(slot).numel, "write_weight: ", in.size(), " elements for ",
            info(slot).name, " of ", info(slot).numel);
   std::copy(in.begin(), in.end(), mutable_weight(slot));
+}
+
+void ParamStore::load_weight(size_t slot, const io::TensorView& v) {
+  RF_CHECK(v.numel() == info(slot).numel, "load_weight: ", v.numel(), " elements for ", info(slot).name, " of ",
+           info(slot).numel);
+  io::widen_into(v, std::span<float>(mutable_weight(slot), static_cast<size_t>(info(slot).numel)));
 }
 
 float* ParamStore::mutable_master(size_t slot, int64_t first) { return mutable_weight(slot) + first; }

@@ -17,6 +17,7 @@
 
 #include "core/default_init.h"
 #include "core/dtype.h"
+#include "io/safetensors.h"
 #include "model/held_weight.h"
 #include "model/ops.h"
 #include "model/params.h"
@@ -145,6 +146,10 @@ class ParamStore : public Bf16Lookup {
   // init writes a weight whatever the store. Here a copy into mutable_weight(slot); a sharded store keeps this
   // rank's piece alone, so no rank ever holds the whole weights (no communication).
   virtual void write_weight(size_t slot, std::span<const float> in);
+  // The same from a checkpoint's tensor v (any dtype io::widen_into reads), as a loader writes it: here widened
+  // straight into mutable_weight(slot), so no float32 copy of the tensor sits beside the store (a copy of E2B's
+  // per-layer embedding table was 9.4 GB); a store that keeps a piece widens the whole and keeps its piece.
+  virtual void load_weight(size_t slot, const io::TensorView& v);
   // The float32 masters of a trainable parameter from element `first` on, for the optimizer to update in place
   // (moves version()): the weights themselves here; a sharded store's copy of the elements this rank owns.
   virtual float* mutable_master(size_t slot, int64_t first);

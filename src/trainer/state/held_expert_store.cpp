@@ -201,6 +201,14 @@ void HeldExpertStore::write_weight(size_t slot, std::span<const float> in) {
     experts_->write_weight(static_cast<size_t>(e), in);
 }
 
+void HeldExpertStore::load_weight(size_t slot, const io::TensorView& v) {
+  const int64_t e = expert_slot(slot);
+  if (e < 0)
+    inner_->load_weight(slot, v);
+  else
+    experts_->load_weight(static_cast<size_t>(e), v);
+}
+
 float* HeldExpertStore::mutable_master(size_t slot, int64_t first) {
   RF_CHECK(expert_slot(slot) < 0, "held experts: ", info(slot).name, " is updated by the experts' own step");
   return inner_->mutable_master(slot, first);

@@ -97,6 +97,7 @@ class HeldExpertStore final : public model::ParamStore {
   float* mutable_weight(size_t slot) override;
   void read_weight(size_t slot, std::span<float> out) override;
   void write_weight(size_t slot, std::span<const float> in) override;
+  void load_weight(size_t slot, const io::TensorView& v) override;
   float* mutable_master(size_t slot, int64_t first) override;
   int64_t grads_begin() const override { return inner_->grads_begin(); }
   const model::Bf16Lookup& bf16_weights() override;

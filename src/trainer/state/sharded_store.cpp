@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "io/tensor_access.h"
 #include "model/ops.h"
 #include "trainer/state/sharded_store_parts.h"
 
@@ -118,6 +119,13 @@ void ShardedStore::write_weight(size_t slot, std::span<const float> in) {
   weights_changed();
   if (whole_working() && current) working_version_ = version();
   global_stale_ = true;
+}
+
+void ShardedStore::load_weight(size_t slot, const io::TensorView& v) {
+  if (!masters_sharded())
+    ReplicatedStore::load_weight(slot, v);
+  else
+    write_weight(slot, io::to_float32(v));  // the whole tensor: the working bf16 copy is rounded from all of it
 }
 
 std::span<const float> ShardedStore::own_piece(size_t slot, int64_t* first) const {

@@ -105,6 +105,7 @@ class ShardedStore : public model::ReplicatedStore {
   // copy; gradients: every weight.
   int64_t resident_weight_bytes() const override;
   void write_weight(size_t slot, std::span<const float> in) override;
+  void load_weight(size_t slot, const io::TensorView& v) override;
   const float* weight(size_t slot) const override;
   float* mutable_weight(size_t slot) override;
   void read_weight(size_t slot, std::span<float> out) override;
