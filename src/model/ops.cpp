@@ -264,11 +264,12 @@ namespace {
 // the panels, not the thread count, fix which thread computes what (each element is its own dot product anyway).
 constexpr int64_t kStreamPanel = 64;
 
-// Weight elements from which a streamed product forks over the threads. Where idle threads sleep soon after a region
-// (cpu/openmp_wait.h: `ringflex generate` sets it), a fork is worth a wake-up from 2^15 elements (a 128 KiB weight
-// read takes longer than waking the thread); where they spin (libgomp's default, as in training's samples), the
-// spinning thread beside the step's serial work cost more than the split gained (100m decode at 2 threads, every
-// product forked: 19 tok/s spinning, 58 sleeping soon; BENCHMARKS.md), so only the LM head (2^24 and more) forks.
+// Weight elements from which a streamed product forks over the threads. Where idle threads spin only briefly
+// (cpu/openmp_wait.h: `ringflex generate` sets it), the products of a step follow each other closely enough that the
+// second thread is mostly still spinning at the next fork, and splitting from 2^15 elements (128 KiB of weight) paid;
+// where they spin long (libgomp's default, as in training's samples), the spinning thread beside the step's serial
+// work cost more than the split gained (100m decode at 2 threads, every such product forked: 19 tok/s with the long
+// spin, 56-62 with the brief one; BENCHMARKS.md, "Generation alone"), so only the LM head (2^24 and more) forks.
 int64_t stream_parallel_min_elements() {
   static const int64_t elements = cpu::idle_threads_sleep_soon() ? int64_t{1} << 15 : int64_t{1} << 24;
   return elements;
