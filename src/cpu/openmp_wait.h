@@ -4,8 +4,8 @@
 // they sleep on a futex, so that a region following closely starts within microseconds instead of waiting for a
 // sleeping thread to be woken (60-130 us on a 2-vCPU VM, measured). A training step's regions follow each other
 // closely and keep that default. A decode step is the other shape: one thread reads weights in short products with
-// serial work between them, and there the spinning thread slowed the whole process (100m decode at 2 threads: 31.6
-// tok/s with the default, 43.7 with the threads sleeping at once; BENCHMARKS.md). The runtime reads its variables
+// serial work between them, and there the spinning thread slowed the whole process (100m decode at 2 threads: 28.7
+// tok/s with the default spin, 51.8 with the brief one; BENCHMARKS.md, "Generation alone"). The runtime reads its variables
 // once, while it loads, so a program that wants the brief spin sets it and starts itself again (cpu/restart.h).
 #pragma once
 
