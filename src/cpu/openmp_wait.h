@@ -5,8 +5,9 @@
 // sleeping thread to be woken (60-130 us on a 2-vCPU VM, measured). A training step's regions follow each other
 // closely and keep that default. A decode step is the other shape: one thread reads weights in short products with
 // serial work between them, and there the spinning thread slowed the whole process (100m decode at 2 threads: 28.7
-// tok/s with the default spin, 51.8 with the brief one; BENCHMARKS.md, "Generation alone"). The runtime reads its variables
-// once, while it loads, so a program that wants the brief spin sets it and starts itself again (cpu/restart.h).
+// tok/s with the default spin, 51.8 with the brief one; BENCHMARKS.md, "Generation alone"). The runtime reads its
+// variables once, while it loads, so a program that wants the brief spin sets it and starts itself again
+// (cpu/restart.h).
 #pragma once
 
 namespace rf::cpu {
