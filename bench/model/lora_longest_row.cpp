@@ -10,7 +10,9 @@
 // (planning for another machine, or this one idle). Prints one JSON object:
 //   budget_bytes, ranks, seq_len (the config's) and need_bytes / terms at it, longest_seq_len (the longest multiple
 //   of --granule whose need fits the budget; 0: none does) and need_at_longest_bytes; with train.spill_dir, the
-//   spill file's disk bytes per rank at both (spill_bytes, spill_at_longest_bytes: disk, not in the memory figures).
+//   spill file's disk bytes per rank at both (spill_bytes, spill_at_longest_bytes: disk, not in the memory figures);
+//   what the backward recomputes at both (recompute, recompute_at_longest: trainer::describe_recompute, the
+//   config's auto fields chosen at that length).
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
@@ -31,12 +33,24 @@ namespace {
 // Thrown by the loader's before-allocating hook once it has the shapes: the loader stops there, allocating nothing.
 struct ShapesTaken {};
 
-// The config's need per rank at `seq_len` tokens a row, for the shapes the loader shows (the model's type is the
-// loader's BeforeAllocating argument, whatever it is).
+// `c` at `seq_len` tokens a row, the recompute fields it leaves at auto chosen against `budget` as `ringflex train`
+// chooses them (trainer::choose_recompute), for the shapes the loader shows (the model's type is the loader's
+// BeforeAllocating argument, whatever it is).
 template <typename Shapes>
-rf::MemoryBreakdown need_at(rf::trainer::TrainConfig c, const Shapes& shapes, int seq_len) {
+rf::trainer::TrainConfig chosen_at(rf::trainer::TrainConfig c, const Shapes& shapes, int seq_len, int64_t budget) {
   c.train.seq_len = seq_len;
-  return rf::trainer::train_memory_at_least(c, shapes, c.parallelism.cp * c.parallelism.dp);
+  const int ranks = c.parallelism.cp * c.parallelism.dp;
+  return rf::trainer::choose_recompute(
+      c,
+      [&](const rf::trainer::TrainConfig& k) { return rf::trainer::train_memory_at_least(k, shapes, ranks).total(); },
+      budget);
+}
+
+// The config's need per rank at `seq_len` tokens a row, with that choice.
+template <typename Shapes>
+rf::MemoryBreakdown need_at(const rf::trainer::TrainConfig& c, const Shapes& shapes, int seq_len, int64_t budget) {
+  return rf::trainer::train_memory_at_least(chosen_at(c, shapes, seq_len, budget), shapes,
+                                            c.parallelism.cp * c.parallelism.dp);
 }
 
 }  // namespace
@@ -67,19 +81,24 @@ int main(int argc, char** argv) {
     rf::MemoryBreakdown at_config;
     int fits = 0;
     int64_t at_longest = 0, spill_at_config = 0, spill_at_longest = 0;
+    std::string recompute_at_config, recompute_at_longest;
     bool measured = false;
     try {
       rf::model::load_checkpoint(c.model.path, [&](const auto& shapes) {
-        at_config = need_at(c, shapes, c.train.seq_len);
+        at_config = need_at(c, shapes, c.train.seq_len, budget);
         constexpr int64_t kLongestSearched = int64_t{1} << 22;  // 4M tokens, far past any row this machine holds
         fits = static_cast<int>(rf::bench::longest_fitting(
-            [&](int64_t tokens) { return need_at(c, shapes, static_cast<int>(tokens)).total(); }, budget, granule,
-            kLongestSearched));
-        at_longest = fits > 0 ? need_at(c, shapes, fits).total() : 0;
-        spill_at_config = rf::trainer::train_spill_bytes(c, shapes);
-        rf::trainer::TrainConfig longest = c;
-        longest.train.seq_len = fits;
-        spill_at_longest = fits > 0 ? rf::trainer::train_spill_bytes(longest, shapes) : 0;
+            [&](int64_t tokens) { return need_at(c, shapes, static_cast<int>(tokens), budget).total(); }, budget,
+            granule, kLongestSearched));
+        at_longest = fits > 0 ? need_at(c, shapes, fits, budget).total() : 0;
+        const rf::trainer::TrainConfig at = chosen_at(c, shapes, c.train.seq_len, budget);
+        spill_at_config = rf::trainer::train_spill_bytes(at, shapes);
+        recompute_at_config = rf::trainer::describe_recompute(at);
+        if (fits > 0) {
+          const rf::trainer::TrainConfig longest = chosen_at(c, shapes, fits, budget);
+          spill_at_longest = rf::trainer::train_spill_bytes(longest, shapes);
+          recompute_at_longest = rf::trainer::describe_recompute(longest);
+        }
         measured = true;
         throw ShapesTaken{};
       });
@@ -97,7 +116,9 @@ int main(int argc, char** argv) {
                                 {"longest_seq_len", fits},
                                 {"need_at_longest_bytes", at_longest},
                                 {"spill_bytes", spill_at_config},
-                                {"spill_at_longest_bytes", spill_at_longest}};
+                                {"spill_at_longest_bytes", spill_at_longest},
+                                {"recompute", recompute_at_config},
+                                {"recompute_at_longest", recompute_at_longest}};
     std::printf("%s\n", out.dump(2).c_str());
     return 0;
   } catch (const std::exception& e) {

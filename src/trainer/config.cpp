@@ -136,6 +136,28 @@ Field string_list(const std::string& name, std::vector<std::string> ModelSection
                }};
 }
 
+// A train field that is true, false or auto (TrainSection::automatic): `auto` leaves the value to the trainer
+// (choose_recompute), true or false sets it. Printed as given, so a saved config chooses again where it runs.
+Field true_false_auto(const std::string& name, bool TrainSection::*value, bool TrainSection::Automatic::*automatic) {
+  const std::string type = "true, false or auto";
+  return Field{name, type,
+               [=](TrainConfig& c, const YAML::Node& n) {
+                 if (n.IsScalar() && n.Scalar() == "auto") {
+                   c.train.*value = TrainSection{}.*value;  // what it reads as until chosen
+                   c.train.automatic.*automatic = true;
+                   return;
+                 }
+                 c.train.*value = scalar_as<bool>(n, name, type);
+                 c.train.automatic.*automatic = false;
+               },
+               [=](const TrainConfig& c, YAML::Emitter& out) {
+                 if (c.train.automatic.*automatic)
+                   out << "auto";
+                 else
+                   out << c.train.*value;
+               }};
+}
+
 // model.lora.target: a list of module names, or one string, a regular expression (PEFT's target_modules).
 Field lora_target() {
   const std::string name = "model.lora.target", type = "a list of module names or one regular expression";
@@ -224,10 +246,10 @@ const std::vector<Field>& fields() {
       field("train.threads", kInt, &C::train, &TrainSection::threads),
       field("train.val_every", kInt, &C::train, &TrainSection::val_every),
       field("train.log_every", kInt, &C::train, &TrainSection::log_every),
-      field("train.recompute", "true or false", &C::train, &TrainSection::recompute),
-      field("train.keep_mlp", "true or false", &C::train, &TrainSection::keep_mlp),
-      field("train.keep_o_proj", "true or false", &C::train, &TrainSection::keep_o_proj),
-      field("train.keep_down_proj", "true or false", &C::train, &TrainSection::keep_down_proj),
+      true_false_auto("train.recompute", &TrainSection::recompute, &TrainSection::Automatic::recompute),
+      true_false_auto("train.keep_mlp", &TrainSection::keep_mlp, &TrainSection::Automatic::keep_mlp),
+      true_false_auto("train.keep_o_proj", &TrainSection::keep_o_proj, &TrainSection::Automatic::keep_o_proj),
+      true_false_auto("train.keep_down_proj", &TrainSection::keep_down_proj, &TrainSection::Automatic::keep_down_proj),
       field("train.samples.prompts", kStr, &C::train, &TrainSection::samples_prompts),
       field("train.samples.every", kInt, &C::train, &TrainSection::samples_every),
       field("train.samples.max_new_tokens", kInt, &C::train, &TrainSection::samples_max_new_tokens),

@@ -130,6 +130,13 @@ struct TrainSection {
   // with recompute: keep the o_proj / down_proj outputs (model::RunOptions::keep_o_proj_output, keep_down_proj_output)
   bool keep_o_proj = true;
   bool keep_down_proj = true;
+  // Which of those four the config spells `auto` (the default): the trainer chooses them before it allocates, the
+  // least recompute the memory check fits (choose_recompute, trainer.h); until then they hold the values above.
+  // Every choice gives the same bits; only time and memory differ.
+  struct Automatic {
+    bool recompute = true, keep_mlp = true, keep_o_proj = true, keep_down_proj = true;
+    bool any() const { return recompute || keep_mlp || keep_o_proj || keep_down_proj; }
+  } automatic;
   // train.samples (docs/train-samples.md): greedy generations from the prompts of `samples_prompts` (JSONL) every
   // samples_every steps and at the last, samples_max_new_tokens each. Empty: none.
   std::string samples_prompts;

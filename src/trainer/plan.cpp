@@ -99,13 +99,21 @@ Plan plan_training(const TrainConfig& c, const PlanMachine& machine) {
             row.shard = shard;
             row.param_dtype = dtype;
             row.lora = lora;
-            const TrainConfig rc = row_config(c, row);
+            TrainConfig rc = row_config(c, row);
             // ep > 1 on a dense model, or one its experts do not divide, is no layout at all: left out unsaid.
             if (ep > 1 && (!shapes->config().enable_moe || shapes->config().num_experts % ep != 0)) continue;
             if (const std::string why = refusal(rc, machine.ranks, *shapes); !why.empty()) {
               refuse(why);
               continue;
             }
+            // What `ringflex train` would check for this row: its recompute fields left at auto chosen first.
+            rc = choose_recompute(
+                rc,
+                [&](const TrainConfig& k) {
+                  return train_memory_at_least(k, *shapes, machine.ranks, machine.ranks_per_node, sample_tokens)
+                      .total();
+                },
+                machine.rank_bytes);
             row.need = train_memory_at_least(rc, *shapes, machine.ranks, machine.ranks_per_node, sample_tokens);
             row.fits = row.need.total() >= 0 && row.need.total() <= machine.rank_bytes;
             plan.rows.push_back(std::move(row));

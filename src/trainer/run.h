@@ -5,6 +5,7 @@
 //   step.cpp          one optimizer step: replica_micro_batches (1), count_tokens (2), forward_backward (3),
 //                     reduce_gradients, clip_global_norm and apply_update (4), and validation_loss;
 //   memory_check.cpp  train_memory_at_least (trainer.h), what set_up checks against the machine;
+//   recompute_choice.cpp  choose_recompute (trainer.h): train.recompute and keep_* left at auto, chosen by that check;
 //   trainer.cpp       train() itself, the step's metrics and outputs (record_step, publish_step, the checkpoint save).
 #pragma once
 
@@ -36,7 +37,8 @@ struct Run {
   Run(const TrainConfig& c, comm::Communicator& w, const TrainOptions& o)
       : cfg(c), world(w), options(o), cp_index(w.rank() % c.parallelism.cp), dp_index(w.rank() / c.parallelism.cp) {}
 
-  const TrainConfig& cfg;
+  // The config, its recompute fields left at auto chosen by check_fits (choose_recompute): a copy, the run's own.
+  TrainConfig cfg;
   comm::Communicator& world;
   const TrainOptions& options;
   const comm::Timeout timeout = comm::default_timeout();  // `ringflex ... --timeout SECONDS`

@@ -44,6 +44,7 @@ void announce(const Run& r, Progress& progress) {
                  ", S = ", cfg.train.seq_len, ", global batch ", cfg.train.global_batch, " rows (dp ",
                  cfg.parallelism.dp, " x ", cfg.accumulation_steps(), " micro-batches of ", cfg.train.micro_batch,
                  "), cp ", cfg.parallelism.cp, r.resume_dir.empty() ? "" : ", resumed from " + r.resume_dir));
+  progress.note("ringflex train: " + describe_recompute(cfg));
   if (r.training.compute_dtype == model::ComputeDtype::Bfloat16)
     progress.note(rf::concat("ringflex train: bf16 matmuls: ", model::bf16_matmul_path().description));
 }
@@ -189,6 +190,12 @@ void write_stats(Run& r, const std::string& path) {
     const nlohmann::json j = {{"shard", name_of(r.cfg.parallelism.shard)},
                               {"ranks", r.world.size()},
                               {"ep", r.cfg.parallelism.ep},
+                              {"recompute",
+                               {{"layers", r.cfg.train.recompute},
+                                {"keep_mlp", r.cfg.train.keep_mlp},
+                                {"keep_o_proj", r.cfg.train.keep_o_proj},
+                                {"keep_down_proj", r.cfg.train.keep_down_proj},
+                                {"auto", r.cfg.train.automatic.any()}}},
                               {"memory_per_rank", {{"terms", terms}, {"total_bytes", need.total()}}},
                               {"peak_rss_bytes", peaks}};
     io::write_file_atomically(path, j.dump(2) + "\n");
@@ -240,6 +247,16 @@ TrainResult train(const TrainConfig& cfg, comm::Communicator& world, const Train
   Run r(cfg, world, options);
   join_groups(r);
   comm::agree(world, [&] { set_up(r); });
+  // Every rank chose the auto recompute fields from its own memory (check_fits); ranks that chose differently would
+  // run different collectives under expert parallelism (an MoE layer's recompute), so they must agree.
+  if (world.size() > 1 && r.cfg.train.automatic.any()) {
+    const TrainSection& t = r.cfg.train;
+    const std::vector<int64_t> chosen = {t.recompute, t.keep_mlp, t.keep_o_proj, t.keep_down_proj};
+    comm::agree_equal(
+        world, chosen,
+        "what the backward recomputes: train.recompute / keep_* left at auto, each chosen from its rank's "
+        "memory (set them in the config)");
+  }
   // Each rank encoded its share of the data's images (ImageContract): now that every rank has read the data, all
   // of them get every image's soft tokens. A collective, so outside the setup, where a rank may have failed alone.
   if (world.size() > 1)

@@ -42,7 +42,10 @@ PY
 # A limit halfway between the smallest and the largest figure: the plan says which rows fit under it, and the
 # largest row (beyond it by at least half the spread, far more than two processes' baselines differ) is refused.
 # Rows of 32K tokens, whose activations spread the figures (a refused job trains nothing: it stops at the check).
-common+=(--set train.seq_len=32768)
+# What the backward recomputes is set here: left at auto, the job under the limit would choose to keep less than the
+# plan's 1 TiB machine does, and fit.
+common+=(--set train.seq_len=32768 --set train.recompute=true --set train.keep_mlp=false --set train.keep_o_proj=true
+         --set train.keep_down_proj=true)
 "$ringflex" train --plan "${common[@]}" --ranks 2 --ranks-per-node 2 --node-memory 1TiB \
   --plan-json "$work/plan.json" >/dev/null
 read -r limit cp dp ep shard dtype < <(python3 - "$work/plan.json" <<'PY'

@@ -65,6 +65,34 @@ TEST(TrainConfig, PrintedConfigParsesBackToTheSameConfig) {
   EXPECT_EQ(to_yaml(parse_config(yaml, "printed")), yaml);
 }
 
+// train.recompute and the keep_* fields are true, false or auto (the default): auto prints back as auto and reads as
+// the values a run without a choice takes (recompute, keeping the o_proj and down_proj outputs) until the trainer
+// chooses (choose_recompute); a later setting replaces an earlier one either way.
+TEST(TrainConfig, RecomputeFieldsAreTrueFalseOrAuto) {
+  const TrainConfig d = parse_config("", "x");
+  EXPECT_TRUE(d.train.automatic.recompute && d.train.automatic.keep_mlp && d.train.automatic.keep_o_proj &&
+              d.train.automatic.keep_down_proj);
+  EXPECT_TRUE(d.train.recompute && !d.train.keep_mlp && d.train.keep_o_proj && d.train.keep_down_proj);
+  const std::string yaml = to_yaml(d);
+  for (const char* line : {"recompute: auto\n", "keep_mlp: auto\n", "keep_o_proj: auto\n", "keep_down_proj: auto\n"})
+    EXPECT_NE(yaml.find(line), std::string::npos) << line << " in\n" << yaml;
+
+  const TrainConfig set = parse_config("train: {recompute: false, keep_o_proj: false}", "x");
+  EXPECT_FALSE(set.train.automatic.recompute);
+  EXPECT_FALSE(set.train.recompute);
+  EXPECT_FALSE(set.train.automatic.keep_o_proj);
+  EXPECT_FALSE(set.train.keep_o_proj);
+  EXPECT_TRUE(set.train.automatic.keep_mlp && set.train.automatic.keep_down_proj);
+  EXPECT_NE(to_yaml(set).find("recompute: false\n"), std::string::npos);
+  EXPECT_EQ(to_yaml(parse_config(to_yaml(set), "printed")), to_yaml(set));
+
+  const TrainConfig back = parse_config("train: {recompute: false}", "x", {"train.recompute=auto"});
+  EXPECT_TRUE(back.train.automatic.recompute);
+  EXPECT_TRUE(back.train.recompute);  // the unchosen value again, not the false set before
+  EXPECT_EQ(error_of([] { parse_config("", "a.yaml", {"train.keep_mlp=sometimes"}); }),
+            "config: field `train.keep_mlp` must be true, false or auto, got 'sometimes'");
+}
+
 TEST(TrainConfig, UnknownFieldsAndWrongTypesNameTheField) {
   EXPECT_EQ(error_of([] { parse_config("train: {stepz: 3}", "a.yaml"); }), "a.yaml: unknown field `train.stepz`");
   EXPECT_EQ(error_of([] { parse_config("", "a.yaml", {"optimizer.learning_rate=1"}); }),

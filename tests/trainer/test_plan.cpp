@@ -48,14 +48,21 @@ std::string layout(const PlanRow& r) {
                     model::param_dtype_name(r.param_dtype), r.lora ? " LoRA" : " full");
 }
 
-// Each row is train_memory_at_least of its own config over the plan's model: the number `ringflex train` checks.
+// Each row is train_memory_at_least of its own config over the plan's model, its recompute fields left at auto chosen
+// for the plan's machine: the number `ringflex train` checks.
 void expect_rows_are_the_check(const Plan& plan, const TrainConfig& c, const PlanMachine& machine) {
   const std::unique_ptr<model::Gemma4Multimodal> shapes =
       c.model.path.empty() ? nullptr : model::checkpoint_shapes(c.model.path, c.model.train_vision);
   for (const PlanRow& r : plan.rows) {
-    const TrainConfig rc = row_config(c, r);
+    TrainConfig rc = row_config(c, r);
     EXPECT_NO_THROW(validate_parallelism(rc, machine.ranks)) << layout(r);
     if (shapes == nullptr) continue;
+    rc = choose_recompute(
+        rc,
+        [&](const TrainConfig& k) {
+          return train_memory_at_least(k, *shapes, machine.ranks, machine.ranks_per_node).total();
+        },
+        machine.rank_bytes);
     const MemoryBreakdown need = train_memory_at_least(rc, *shapes, machine.ranks, machine.ranks_per_node);
     ASSERT_EQ(need.terms().size(), r.need.terms().size()) << layout(r);
     for (size_t t = 0; t < need.terms().size(); ++t) {
@@ -170,7 +177,9 @@ TEST(TrainPlan, LoraBlockAddsLoraRows) {
 // A budget between two rows' figures: the rows up to it fit, the others do not, and the smallest that does not
 // leads the rest.
 TEST(TrainPlan, FitsIsTheFigureAgainstTheBudget) {
-  const TrainConfig c = config({"train.seq_len=4096"});
+  // What the backward recomputes is set: left at auto, a row would recompute more under the tight budget and fit.
+  const TrainConfig c = config({"train.seq_len=4096", "train.recompute=true", "train.keep_mlp=false",
+                                "train.keep_o_proj=true", "train.keep_down_proj=true"});
   const Plan roomy = plan_training(c, PlanMachine{4, 4, int64_t{1} << 50});
   std::vector<int64_t> totals;
   for (const PlanRow& r : roomy.rows) totals.push_back(r.need.total());

@@ -1482,7 +1482,15 @@ TEST(TrainStats, MemoryByKindAndEveryRanksPeak) {
     EXPECT_EQ(j.at("ranks"), 2);
     ASSERT_EQ(j.at("peak_rss_bytes").size(), 2u);
     for (const auto& p : j.at("peak_rss_bytes")) EXPECT_GT(p.get<int64_t>(), 0) << mode;
-    const MemoryBreakdown need = train_memory_at_least(c, *t.model, 2);
+    // The run's recompute choice (train.recompute and keep_* at auto), as --stats says it, priced.
+    const nlohmann::json& chosen = j.at("recompute");
+    EXPECT_TRUE(chosen.at("auto").get<bool>());
+    TrainConfig ran = c;
+    ran.train.recompute = chosen.at("layers").get<bool>();
+    ran.train.keep_mlp = chosen.at("keep_mlp").get<bool>();
+    ran.train.keep_o_proj = chosen.at("keep_o_proj").get<bool>();
+    ran.train.keep_down_proj = chosen.at("keep_down_proj").get<bool>();
+    const MemoryBreakdown need = train_memory_at_least(ran, *t.model, 2);
     EXPECT_EQ(j.at("memory_per_rank").at("total_bytes").get<int64_t>(), need.total()) << mode;
     std::set<std::string> kinds;
     for (const auto& term : j.at("memory_per_rank").at("terms")) {

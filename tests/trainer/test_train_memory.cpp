@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
@@ -177,6 +178,66 @@ TEST(TrainMemory, TermsFollowTheConfig) {
   EXPECT_LT(train_memory_at_least(config({"parallelism.cp=2"}), m, 2).of("activations"), one.of("activations"));
   EXPECT_GT(train_memory_at_least(config({"train.recompute=false"}), m, 1).total(), one.total());
   EXPECT_GT(train_memory_at_least(config({"train.micro_batch=2"}), m, 1).total(), one.total());
+}
+
+// train.recompute and keep_* left at auto (choose_recompute): the most kept of the ladder whose need fits 95% of the
+// budget, else the least; the fields a config sets stay set and narrow the ladder; spill and tile keep no MLP
+// projections by choice, spill recomputes.
+TEST(TrainMemory, AutoRecomputeKeepsTheMostThatFits) {
+  const model::Gemma4Multimodal m = shapes();
+  const auto need = [&](const TrainConfig& k) { return train_memory_at_least(k, m, 1).total(); };
+  const auto need_of = [&](std::vector<std::string> sets) { return need(config(std::move(sets))); };
+  // The ladder, each step freeing memory.
+  const std::vector<int64_t> ladder = {
+      need_of({"train.recompute=false"}),
+      need_of({"train.recompute=true", "train.keep_mlp=true", "train.keep_o_proj=true", "train.keep_down_proj=true"}),
+      need_of({"train.recompute=true", "train.keep_mlp=false", "train.keep_o_proj=true", "train.keep_down_proj=true"}),
+      need_of({"train.recompute=true", "train.keep_mlp=false", "train.keep_o_proj=false", "train.keep_down_proj=true"}),
+      need_of(
+          {"train.recompute=true", "train.keep_mlp=false", "train.keep_o_proj=false", "train.keep_down_proj=false"})};
+  for (size_t i = 1; i < ladder.size(); ++i) EXPECT_GT(ladder[i - 1], ladder[i] + 1) << i;
+  const auto keeps = [](const TrainConfig& k) {
+    return std::vector<bool>{k.train.recompute, k.train.keep_mlp, k.train.keep_o_proj, k.train.keep_down_proj};
+  };
+  const std::vector<std::vector<bool>> expected = {{false, false, true, true},
+                                                   {true, true, true, true},
+                                                   {true, false, true, true},
+                                                   {true, false, false, true},
+                                                   {true, false, false, false}};
+  const TrainConfig automatic = config({});
+  for (size_t i = 0; i < ladder.size(); ++i) {
+    // The smallest budget whose 95% holds step i: step i - 1 no longer fits in it.
+    const auto budget = static_cast<int64_t>(std::ceil(static_cast<double>(ladder[i]) / 0.95));
+    const TrainConfig chosen = choose_recompute(automatic, need, budget);
+    EXPECT_EQ(keeps(chosen), expected[i]) << "budget for step " << i;
+    EXPECT_EQ(need(chosen), ladder[i]);
+    EXPECT_TRUE(chosen.train.automatic.any());  // still printed as auto
+  }
+  // Nothing fits: the least, for the check to refuse with its figure.
+  EXPECT_EQ(keeps(choose_recompute(automatic, need, 1)), expected[4]);
+  const int64_t plenty = int64_t{1} << 50;
+  // Set fields stay set.
+  EXPECT_EQ(keeps(choose_recompute(config({"train.recompute=true"}), need, plenty)), expected[1]);
+  EXPECT_EQ(keeps(choose_recompute(config({"train.keep_o_proj=false"}), need, plenty)),
+            (std::vector<bool>{true, true, false, true}));  // a product asked recomputed: no recompute-free run
+  EXPECT_EQ(keeps(choose_recompute(config({"train.keep_down_proj=false"}), need, 1)), expected[4]);
+  const TrainConfig given =
+      config({"train.recompute=true", "train.keep_mlp=false", "train.keep_o_proj=false", "train.keep_down_proj=true"});
+  EXPECT_EQ(keeps(choose_recompute(given, need, plenty)), expected[3]);
+  EXPECT_EQ(keeps(choose_recompute(config({"train.recompute=false"}), need, 1))[0], false);
+  // The spill file recomputes and keeps no MLP projections by choice; the tiled MLP keeps none.
+  EXPECT_EQ(keeps(choose_recompute(config({"train.spill_dir=/tmp"}), need, plenty)), expected[2]);
+  const std::vector<bool> tiled =
+      keeps(choose_recompute(config({"train.tile_mlp=true", "train.recompute=true"}), need, plenty));
+  EXPECT_EQ(tiled, expected[2]);
+  // What the announcement says.
+  EXPECT_EQ(describe_recompute(choose_recompute(automatic, need, plenty)),
+            "recompute: none, every layer's activations kept (auto)");
+  EXPECT_EQ(describe_recompute(given), "recompute: each layer in the backward, keeping its down_proj output");
+  EXPECT_EQ(describe_recompute(config({})),
+            "recompute: each layer in the backward, keeping its o_proj and down_proj outputs (auto)");
+  EXPECT_EQ(describe_recompute(config({"train.keep_o_proj=false", "train.keep_down_proj=false"})),
+            "recompute: each layer in the backward, keeping none of its products (auto)");
 }
 
 // model.param_dtype = bfloat16: the bf16 working weights are counted, and replace compute_dtype's bf16 copies (not
