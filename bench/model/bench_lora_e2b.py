@@ -9,7 +9,7 @@
      save_pretrained lays them out) and dropped again. Never a float32 copy, and never more than one module's
      tensors at a time (the largest, the per-layer embedding table, is 4.7 GB). Rows of random token ids beside it.
   2. ringflex. `mpirun -n 2 ringflex train` on examples/gemma4_e2b_lora.yaml (rank 16 on q/k/v/o and gate/up/down,
-     CP = 2, the o_proj and down_proj outputs recomputed in the backward; --set overrides a field) over rows of
+     CP = 2, what the backward recomputes chosen by the memory check; --set overrides a field) over rows of
      --seq-len tokens (8192) for --steps steps (3), one row a step. Its progress lines pass
      through; every --report-every seconds a line with the ranks' memory. Then each step's loss and tokens/s, each
      rank's peak RSS (VmHWM: the mapped base's pages count in each rank's), and the machine's peak with the base
@@ -186,9 +186,10 @@ def step_flops(fields, seq_len):
     per_layer_model_projection forward only (its input, the embedding, is frozen: nothing flows back through it), the
     tied head forward and its input gradient (2 x 2 x V x H), the adapters forward, input and weight gradients (3 x 2
     x r (in + out)), and attention forward (QK^T and PV over the allowed pairs) plus its backward at 2.5x
-    (bench_model.py's BACKWARD_FLOP_FACTOR). With the recompute ringflex also redoes every decoder layer's base
-    products in the backward (keep_o_proj/keep_down_proj: false, examples/gemma4_e2b_lora.yaml), one more 2 x MACs:
-    `with_recompute` counts it too (the ~1.2e14 of a real-shape step in BENCHMARKS.md is that count)."""
+    (bench_model.py's BACKWARD_FLOP_FACTOR). With train.recompute ringflex also redoes the decoder layers' base
+    products in the backward (2 x MACs more, adapters with them) but the ones the run keeps: `recompute_macs` has
+    each kind's MACs a token (o_proj, down_proj, mlp: gate and up, other), and with_recompute() the count for the
+    run's choice (the ~1.2e14 of a real-shape step in BENCHMARKS.md is the count with nothing kept)."""
     import torch
     from bench_model import BACKWARD_FLOP_FACTOR, allowed_pairs
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
@@ -196,14 +197,18 @@ def step_flops(fields, seq_len):
     with torch.device("meta"):
         model = Gemma4ForCausalLM(cfg)
     layer_macs, lora_macs, top_macs = 0, 0, 0
+    recompute_macs = {"o_proj": 0, "down_proj": 0, "mlp": 0, "other": 0}  # a token, base and adapters together
     attention = 0.0
     for name, mod in model.named_modules():
         if not isinstance(mod, torch.nn.Linear) or name == "lm_head":
             continue
         if ".layers." in name:
             layer_macs += mod.in_features * mod.out_features
-            if name.rpartition(".")[2] in LORA_TARGETS:
-                lora_macs += LORA_RANK * (mod.in_features + mod.out_features)
+            leaf = name.rpartition(".")[2]
+            adapter = LORA_RANK * (mod.in_features + mod.out_features) if leaf in LORA_TARGETS else 0
+            lora_macs += adapter
+            kind = leaf if leaf in ("o_proj", "down_proj") else "mlp" if leaf in ("gate_proj", "up_proj") else "other"
+            recompute_macs[kind] += mod.in_features * mod.out_features + adapter
         else:
             top_macs += mod.in_features * mod.out_features  # per_layer_model_projection
     heads = fields["num_attention_heads"]
@@ -217,7 +222,19 @@ def step_flops(fields, seq_len):
     parts = {"base layers": 4.0 * layer_macs * T, "per-layer input projection": 2.0 * top_macs * T,
              "head": 4.0 * head_macs * T, "adapters": 6.0 * lora_macs * T, "attention": attention}
     model_total = sum(parts.values())
-    return {"parts": parts, "model": model_total, "with_recompute": model_total + 2.0 * (layer_macs + lora_macs) * T}
+    return {"parts": parts, "model": model_total, "recompute_macs": recompute_macs, "tokens": T,
+            "with_recompute": model_total + 2.0 * sum(recompute_macs.values()) * T}  # nothing kept
+
+
+def with_recompute(flops, recompute):
+    """The step's FLOPs with what its backward recomputes: `recompute` as `ringflex train --stats` writes it (layers,
+    keep_mlp, keep_o_proj, keep_down_proj), every kept product's MACs left out."""
+    if not recompute.get("layers", True):
+        return flops["model"]
+    kept = {"o_proj": recompute.get("keep_o_proj"), "down_proj": recompute.get("keep_down_proj"),
+            "mlp": recompute.get("keep_mlp"), "other": False}
+    macs = sum(v for k, v in flops["recompute_macs"].items() if not kept[k])
+    return flops["model"] + 2.0 * macs * flops["tokens"]
 
 
 def measure_child(kind, arg):
@@ -389,12 +406,15 @@ def report_ringflex(r, seq_len, base, cp, flops):
     shares = ", ".join(f"{k} {v / flops['model']:.1%}" for k, v in flops["parts"].items())
     log(f"  CPU {r['sgemm'][0]['cpu']}; 1-thread sgemm (OpenBLAS {r['sgemm'][0]['core']}, N = 1024) "
         f"{', '.join(f'{g:.1f}' for g in gflops)} GFLOP/s (before, after the run)")
-    log(f"  model FLOPs a step {flops['model']:.4g} ({shares}); with the backward's recompute "
-        f"{flops['with_recompute']:.4g}")
+    recompute = r["stats"].get("recompute", {})
+    done = with_recompute(flops, recompute)
+    chosen = ("none" if not recompute.get("layers", True) else
+              "keeping " + (", ".join(k for k in ("keep_mlp", "keep_o_proj", "keep_down_proj") if recompute.get(k))
+                            or "nothing")) + (" (auto)" if recompute.get("auto") else "")
+    log(f"  model FLOPs a step {flops['model']:.4g} ({shares}); with the backward's recompute ({chosen}) {done:.4g}")
     log(f"  step {step_s:.1f} s: model {flops['model'] / step_s / 1e9:.1f} GFLOP/s, MFU "
         f"{flops['model'] / step_s / (cp * sgemm * 1e9):.3f} of {cp} x {sgemm:.1f}; with the recompute "
-        f"{flops['with_recompute'] / step_s / 1e9:.1f} GFLOP/s, "
-        f"{flops['with_recompute'] / step_s / (cp * sgemm * 1e9):.3f}")
+        f"{done / step_s / 1e9:.1f} GFLOP/s, {done / step_s / (cp * sgemm * 1e9):.3f}")
     hwm = ", ".join(f"{v / GiB:.2f}" for v in r["stats"]["peak_rss_bytes"])
     anon = ", ".join(f"{v / GiB:.2f}" for v in r["peak_anon"])
     log(f"  peak RSS per rank (VmHWM, the mapped base in each): {hwm} GiB; private (RssAnon) peaks: {anon} GiB")

@@ -14,8 +14,11 @@ One checkpoint (bench/model's 100m or 100m-moe config, random weights, float32) 
     writing excluded). MFU = bench_model.py's model FLOPs (6 N T + attention, N the active parameters) / step time /
     (threads x sgemm).
   - train: `ringflex train` on those rows, one row a step (global_batch = micro_batch = 1), --steps steps, the same
-    threads, recompute and keep-mlp settings; tokens/s is the metrics' figure (the row's tokens over the whole
-    step's time, optimizer included), the median over the steps after the first --skip (page faults, warm-up).
+    threads; tokens/s is the metrics' figure (the row's tokens over the whole step's time, optimizer included), the
+    median over the steps after the first --skip (page faults, warm-up). It runs first in each repeat: what its
+    backward recomputes is train's own choice (train.recompute and keep_* at auto: the most kept that this machine's
+    memory fits, docs/training.md), read from its --stats, and forward --grad runs with the same (--no-recompute,
+    --keep-mlp); --no-recompute / --keep-mlp / --recompute set it for both instead.
   - ratio: train tokens/s / (S / forward --grad step). Target (issue 27): >= 0.95.
 Medians over --reps alternating repeats. Run alone on an idle machine:
 
@@ -55,20 +58,23 @@ def write_data(workdir, vocab, S, rows):
 
 
 def run_train(ringflex, ckpt, data, a, workdir, rep):
-    """Median tokens/s of the steps after --skip."""
+    """Median tokens/s of the steps after --skip, and what the backward recomputed (--stats' `recompute`)."""
     metrics = os.path.join(workdir, f"train{rep}.jsonl")
+    stats = os.path.join(workdir, f"stats{rep}.json")
+    recompute = [] if a.recompute is None else ["--set", f"train.recompute={'true' if a.recompute else 'false'}",
+                                                "--set", f"train.keep_mlp={'true' if a.keep_mlp else 'false'}"]
     cmd = [ringflex, "train", "--set", f"model.path={ckpt}", "--set", "data.source=jsonl_tokens", "--set",
            f"data.path={data}", "--set", "data.val_rows=1", "--set", f"train.seq_len={a.seq}", "--set",
            f"train.steps={a.steps}", "--set", "train.global_batch=1", "--set", "train.micro_batch=1", "--set",
-           "train.val_every=0", "--set", f"train.threads={a.threads}", "--set",
-           f"train.recompute={'true' if a.recompute else 'false'}", "--set",
-           f"train.keep_mlp={'true' if a.keep_mlp else 'false'}", "--set", f"model.compute_dtype={a.compute_dtype}",
-           "--metrics", metrics]
+           "train.val_every=0", "--set", f"train.threads={a.threads}", *recompute, "--set",
+           f"model.compute_dtype={a.compute_dtype}", "--metrics", metrics, "--stats", stats]
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in open(metrics)]
     timed = rows[a.skip:] or rows
-    return statistics.median(r["tokens_per_s"] for r in timed)
+    with open(stats) as f:
+        chosen = json.load(f)["recompute"]
+    return statistics.median(r["tokens_per_s"] for r in timed), chosen
 
 
 def main():
@@ -80,8 +86,10 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="train steps a repeat")
     ap.add_argument("--skip", type=int, default=1, help="train steps left out of the median")
+    ap.add_argument("--recompute", dest="recompute", action="store_true", default=None,
+                    help="recompute each layer in the backward (default: train's own choice)")
     ap.add_argument("--no-recompute", dest="recompute", action="store_false")
-    ap.add_argument("--keep-mlp", action="store_true")
+    ap.add_argument("--keep-mlp", action="store_true", help="with --recompute: keep the MLP projections")
     ap.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32")
     a = ap.parse_args()
     import torch
@@ -102,16 +110,22 @@ def main():
         peaks, steps, trains = [], [], []
         for rep in range(a.reps):
             peaks.append(sgemm.gflops())
+            train_tps, chosen = run_train(a.ringflex, ckpt, data, a, work, rep)
+            trains.append(train_tps)
+            # forward --grad keeps the o_proj and down_proj outputs whenever it recomputes, as train's default did.
+            assert not chosen["layers"] or (chosen["keep_o_proj"] and chosen["keep_down_proj"]), \
+                f"train chose {chosen}: forward --grad has no switch for recomputing o_proj / down_proj"
+            recompute, keep_mlp = chosen["layers"], chosen["keep_mlp"]
             step, _, _ = run_ringflex(a.ringflex, ckpt, batch, os.path.join(work, "out.safetensors"), a.threads,
-                                      a.recompute, a.keep_mlp, forward_dtype)
+                                      recompute, keep_mlp, forward_dtype)
             steps.append(step)
-            trains.append(run_train(a.ringflex, ckpt, data, a, work, rep))
             peaks.append(sgemm.gflops())
     peak, step, train = statistics.median(peaks), statistics.median(steps), statistics.median(trains)
     forward_tps = a.seq / step
     mfu = flops / step / (a.threads * peak * 1e9)
     print(f"CPU: {cpu_name()}; config {a.config} ({n_active / 1e6:.1f}M active parameters), S = {a.seq}, "
-          f"{a.threads} threads, {a.compute_dtype}, recompute {a.recompute}, keep-mlp {a.keep_mlp}, reps {a.reps}")
+          f"{a.threads} threads, {a.compute_dtype}, recompute {recompute}, keep-mlp {keep_mlp}"
+          f"{' (train chose: auto)' if chosen.get('auto') else ''}, reps {a.reps}")
     print(f"1-thread sgemm (OpenBLAS {sgemm.core}): median {peak:.1f} GFLOP/s (readings: "
           f"{', '.join(f'{p:.1f}' for p in peaks)}); model FLOPs a step {flops / 1e12:.3f} T (6 N T + attention)\n")
     print("| forward --grad step (s) | model GFLOP/s | MFU | forward --grad tokens/s | train tokens/s | "
