@@ -31,8 +31,8 @@ std::vector<Keeps> candidates(const TrainSection& t) {
   const TrainSection::Automatic& a = t.automatic;
   const bool spill = !t.spill_dir.empty();
   // A keep_* set false asks for that product's recompute; a set true is honoured by no recompute too.
-  const bool keep_refused = (!a.keep_mlp && !t.keep_mlp) || (!a.keep_o_proj && !t.keep_o_proj) ||
-                            (!a.keep_down_proj && !t.keep_down_proj);
+  const bool keep_refused =
+      (!a.keep_mlp && !t.keep_mlp) || (!a.keep_o_proj && !t.keep_o_proj) || (!a.keep_down_proj && !t.keep_down_proj);
   std::vector<Keeps> out;
   for (const Keeps& step : kLadder) {
     if (!a.recompute && step.recompute != t.recompute) continue;
@@ -81,8 +81,10 @@ std::string describe_recompute(const TrainConfig& c) {
   if (!t.recompute) return "recompute: none, every layer's activations kept" + how;
   std::string outputs;  // "o_proj and down_proj outputs", "down_proj output"
   if (t.keep_o_proj) outputs = "o_proj";
-  if (t.keep_down_proj) outputs += outputs.empty() ? "down_proj output" : " and down_proj outputs";
-  else if (!outputs.empty()) outputs += " output";
+  if (t.keep_down_proj)
+    outputs += outputs.empty() ? "down_proj output" : " and down_proj outputs";
+  else if (!outputs.empty())
+    outputs += " output";
   std::string list = t.keep_mlp ? "its MLP projections" : "";
   if (!outputs.empty()) list += (list.empty() ? "its " : ", ") + outputs;
   if (list.empty()) list = "none of its products";
