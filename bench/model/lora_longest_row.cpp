@@ -40,10 +40,7 @@ template <typename Shapes>
 rf::trainer::TrainConfig chosen_at(rf::trainer::TrainConfig c, const Shapes& shapes, int seq_len, int64_t budget) {
   c.train.seq_len = seq_len;
   const int ranks = c.parallelism.cp * c.parallelism.dp;
-  return rf::trainer::choose_recompute(
-      c,
-      [&](const rf::trainer::TrainConfig& k) { return rf::trainer::train_memory_at_least(k, shapes, ranks).total(); },
-      budget);
+  return rf::trainer::choose_recompute(c, shapes, ranks, rf::local_ranks(), {}, budget);
 }
 
 // The config's need per rank at `seq_len` tokens a row, with that choice.

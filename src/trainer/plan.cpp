@@ -107,13 +107,8 @@ Plan plan_training(const TrainConfig& c, const PlanMachine& machine) {
               continue;
             }
             // What `ringflex train` would check for this row: its recompute fields left at auto chosen first.
-            rc = choose_recompute(
-                rc,
-                [&](const TrainConfig& k) {
-                  return train_memory_at_least(k, *shapes, machine.ranks, machine.ranks_per_node, sample_tokens)
-                      .total();
-                },
-                machine.rank_bytes);
+            rc =
+                choose_recompute(rc, *shapes, machine.ranks, machine.ranks_per_node, sample_tokens, machine.rank_bytes);
             row.need = train_memory_at_least(rc, *shapes, machine.ranks, machine.ranks_per_node, sample_tokens);
             row.fits = row.need.total() >= 0 && row.need.total() <= machine.rank_bytes;
             plan.rows.push_back(std::move(row));

@@ -2,7 +2,6 @@
 // (choose_recompute, describe_recompute: trainer.h).
 #include <algorithm>
 #include <array>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -60,8 +59,8 @@ TrainConfig with(const TrainConfig& c, const Keeps& k) {
 
 }  // namespace
 
-TrainConfig choose_recompute(const TrainConfig& c, const std::function<int64_t(const TrainConfig&)>& need,
-                             int64_t budget) {
+TrainConfig choose_recompute(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size, int ranks_on_node,
+                             std::span<const int64_t> sample_prompt_tokens, int64_t budget) {
   if (!c.train.automatic.any()) return c;
   const std::vector<Keeps> options = candidates(c.train);
   if (options.empty()) return c;  // nothing the fields allow (validate names the conflict)
@@ -69,7 +68,7 @@ TrainConfig choose_recompute(const TrainConfig& c, const std::function<int64_t(c
   const double headroom = 0.95 * static_cast<double>(budget);
   for (size_t i = 0; i + 1 < options.size(); ++i) {
     const TrainConfig k = with(c, options[i]);
-    const int64_t bytes = need(k);
+    const int64_t bytes = train_memory_at_least(k, m, world_size, ranks_on_node, sample_prompt_tokens).total();
     if (bytes >= 0 && static_cast<double>(bytes) <= headroom) return k;
   }
   return with(c, options.back());

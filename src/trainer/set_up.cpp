@@ -157,10 +157,7 @@ void check_fits(Run& r, const model::Gemma4Multimodal& shapes) {
   if (!r.cfg.train.samples_prompts.empty() && r.samples.prompts.empty())
     r.samples = read_sample_prompts(r.cfg, shapes, r.cfg.parallelism.cp);
   const std::vector<int64_t> prompts = prompt_lengths(r.samples);
-  const auto need = [&](const TrainConfig& c) {
-    return train_memory_at_least(c, shapes, r.world.size(), local_ranks(), prompts).total();
-  };
-  r.cfg = choose_recompute(r.cfg, need, available_memory_bytes());
+  r.cfg = choose_recompute(r.cfg, shapes, r.world.size(), local_ranks(), prompts, available_memory_bytes());
   r.checked = train_memory_at_least(r.cfg, shapes, r.world.size(), local_ranks(), prompts);
   check_memory(r.checked, "train", rf::concat(" at seq_len ", r.cfg.train.seq_len, " over cp ", r.cfg.parallelism.cp));
   if (!r.cfg.train.spill_dir.empty())

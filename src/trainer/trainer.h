@@ -88,8 +88,9 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& config, const model::Ge
                                       int ranks_on_node = local_ranks(),
                                       std::span<const int64_t> sample_prompt_tokens = {});
 // `c` with the recompute fields it leaves at auto (TrainSection::automatic) chosen: of the settings below, most kept
-// first, the first whose `need` (bytes per rank, train_memory_at_least's total for that config; negative: overflow)
-// fits 95% of `budget`, else the last, which the memory check then passes or refuses as for a config that set it.
+// first, the first whose train_memory_at_least (over `m`, `world_size`, `ranks_on_node`, `sample_prompt_tokens`, as
+// there) fits 95% of `budget` bytes a rank, else the last, which the memory check then passes or refuses as for a
+// config that set it.
 //   1. no recompute (every layer's activations kept: the backward redoes no product);
 //   2. recompute, keeping the MLP's gate/up projections, the o_proj and the down_proj outputs;
 //   3. keeping the o_proj and down_proj outputs (what the fields read as until chosen);
@@ -100,8 +101,8 @@ MemoryBreakdown train_memory_at_least(const TrainConfig& config, const model::Ge
 // with it or train.tile_mlp the MLP's projections are never kept by choice (the spill file's disk traffic, the tile's
 // point). The 5% is headroom for what the check leaves out (it is a lower bound, measured within ~1% of real
 // peaks), so that keeping more does not take a run to the edge that recomputing would have cleared.
-TrainConfig choose_recompute(const TrainConfig& c, const std::function<int64_t(const TrainConfig&)>& need,
-                             int64_t budget);
+TrainConfig choose_recompute(const TrainConfig& c, const model::Gemma4Multimodal& m, int world_size, int ranks_on_node,
+                             std::span<const int64_t> sample_prompt_tokens, int64_t budget);
 // One line for the run's announcement: what the backward recomputes, and "(auto)" where the config left it to
 // choose_recompute, e.g. "recompute: each layer in the backward, keeping its o_proj and down_proj outputs (auto)".
 std::string describe_recompute(const TrainConfig& c);

@@ -57,12 +57,7 @@ void expect_rows_are_the_check(const Plan& plan, const TrainConfig& c, const Pla
     TrainConfig rc = row_config(c, r);
     EXPECT_NO_THROW(validate_parallelism(rc, machine.ranks)) << layout(r);
     if (shapes == nullptr) continue;
-    rc = choose_recompute(
-        rc,
-        [&](const TrainConfig& k) {
-          return train_memory_at_least(k, *shapes, machine.ranks, machine.ranks_per_node).total();
-        },
-        machine.rank_bytes);
+    rc = choose_recompute(rc, *shapes, machine.ranks, machine.ranks_per_node, {}, machine.rank_bytes);
     const MemoryBreakdown need = train_memory_at_least(rc, *shapes, machine.ranks, machine.ranks_per_node);
     ASSERT_EQ(need.terms().size(), r.need.terms().size()) << layout(r);
     for (size_t t = 0; t < need.terms().size(); ++t) {

@@ -186,6 +186,9 @@ TEST(TrainMemory, TermsFollowTheConfig) {
 TEST(TrainMemory, AutoRecomputeKeepsTheMostThatFits) {
   const model::Gemma4Multimodal m = shapes();
   const auto need = [&](const TrainConfig& k) { return train_memory_at_least(k, m, 1).total(); };
+  const auto choose = [&](const TrainConfig& k, int64_t budget) {
+    return choose_recompute(k, m, 1, local_ranks(), {}, budget);
+  };
   const auto need_of = [&](std::vector<std::string> sets) { return need(config(std::move(sets))); };
   // The ladder, each step freeing memory.
   const std::vector<int64_t> ladder = {
@@ -208,31 +211,29 @@ TEST(TrainMemory, AutoRecomputeKeepsTheMostThatFits) {
   for (size_t i = 0; i < ladder.size(); ++i) {
     // The smallest budget whose 95% holds step i: step i - 1 no longer fits in it.
     const auto budget = static_cast<int64_t>(std::ceil(static_cast<double>(ladder[i]) / 0.95));
-    const TrainConfig chosen = choose_recompute(automatic, need, budget);
+    const TrainConfig chosen = choose(automatic, budget);
     EXPECT_EQ(keeps(chosen), expected[i]) << "budget for step " << i;
     EXPECT_EQ(need(chosen), ladder[i]);
     EXPECT_TRUE(chosen.train.automatic.any());  // still printed as auto
   }
   // Nothing fits: the least, for the check to refuse with its figure.
-  EXPECT_EQ(keeps(choose_recompute(automatic, need, 1)), expected[4]);
+  EXPECT_EQ(keeps(choose(automatic, 1)), expected[4]);
   const int64_t plenty = int64_t{1} << 50;
   // Set fields stay set.
-  EXPECT_EQ(keeps(choose_recompute(config({"train.recompute=true"}), need, plenty)), expected[1]);
-  EXPECT_EQ(keeps(choose_recompute(config({"train.keep_o_proj=false"}), need, plenty)),
+  EXPECT_EQ(keeps(choose(config({"train.recompute=true"}), plenty)), expected[1]);
+  EXPECT_EQ(keeps(choose(config({"train.keep_o_proj=false"}), plenty)),
             (std::vector<bool>{true, true, false, true}));  // a product asked recomputed: no recompute-free run
-  EXPECT_EQ(keeps(choose_recompute(config({"train.keep_down_proj=false"}), need, 1)), expected[4]);
+  EXPECT_EQ(keeps(choose(config({"train.keep_down_proj=false"}), 1)), expected[4]);
   const TrainConfig given =
       config({"train.recompute=true", "train.keep_mlp=false", "train.keep_o_proj=false", "train.keep_down_proj=true"});
-  EXPECT_EQ(keeps(choose_recompute(given, need, plenty)), expected[3]);
-  EXPECT_EQ(keeps(choose_recompute(config({"train.recompute=false"}), need, 1))[0], false);
+  EXPECT_EQ(keeps(choose(given, plenty)), expected[3]);
+  EXPECT_EQ(keeps(choose(config({"train.recompute=false"}), 1))[0], false);
   // The spill file recomputes and keeps no MLP projections by choice; the tiled MLP keeps none.
-  EXPECT_EQ(keeps(choose_recompute(config({"train.spill_dir=/tmp"}), need, plenty)), expected[2]);
-  const std::vector<bool> tiled =
-      keeps(choose_recompute(config({"train.tile_mlp=true", "train.recompute=true"}), need, plenty));
+  EXPECT_EQ(keeps(choose(config({"train.spill_dir=/tmp"}), plenty)), expected[2]);
+  const std::vector<bool> tiled = keeps(choose(config({"train.tile_mlp=true", "train.recompute=true"}), plenty));
   EXPECT_EQ(tiled, expected[2]);
   // What the announcement says.
-  EXPECT_EQ(describe_recompute(choose_recompute(automatic, need, plenty)),
-            "recompute: none, every layer's activations kept (auto)");
+  EXPECT_EQ(describe_recompute(choose(automatic, plenty)), "recompute: none, every layer's activations kept (auto)");
   EXPECT_EQ(describe_recompute(given), "recompute: each layer in the backward, keeping its down_proj output");
   EXPECT_EQ(describe_recompute(config({})),
             "recompute: each layer in the backward, keeping its o_proj and down_proj outputs (auto)");
